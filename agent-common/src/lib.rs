@@ -1,0 +1,166 @@
+//! Types shared by the BPF sampler (`agent-ebpf`) and the userspace agent.
+//!
+//! This crate owns the byte layout of everything that crosses the kernel/user
+//! boundary: the sample record written to the ring buffer, the per-CPU counter
+//! indices, and the limits both sides must agree on. It owns no logic: the BPF
+//! side fills these types, the agent's `sampler::record` module decodes them.
+//!
+//! Every type is `#[repr(C)]` with its padding written out, and a `const`
+//! assertion pins its size, so a field added on one side cannot silently shift
+//! the layout the other side reads.
+#![no_std]
+
+/// Kinds of records in the sample ring buffer. The first `u32` of every record.
+#[repr(u32)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum RecordKind {
+    /// A [`SampleHeader`] followed by the kernel stack, then the user stack bytes.
+    Sample = 1,
+}
+
+/// Bit flags in [`SampleHeader::flags`].
+pub mod sample_flags {
+    /// The tick interrupted user mode: `user_rip/rsp/rbp` are the exact
+    /// interrupted registers. When clear, they come from the task's saved user
+    /// registers (the thread was in a syscall, fault or interrupt).
+    pub const TICK_IN_USER: u32 = 1 << 0;
+    /// `user_rip`, `user_rsp` and `user_rbp` are valid. Clear for kernel
+    /// threads and for the idle task, which have no user context.
+    pub const USER_REGS: u32 = 1 << 1;
+    /// The stack copy stopped before the configured limit because a read
+    /// faulted: the end of the stack mapping (or an unmapped page) was reached.
+    /// Without it, a copy shorter than the limit cannot happen.
+    pub const USER_STACK_FAULTED: u32 = 1 << 2;
+    /// `bpf_get_stack` failed for a tick in kernel mode.
+    pub const KERNEL_STACK_FAILED: u32 = 1 << 3;
+}
+
+/// Length of `comm` as the kernel keeps it (`TASK_COMM_LEN`).
+pub const COMM_LEN: usize = 16;
+
+/// Most kernel frames recorded per sample: the default of
+/// `kernel.perf_event_max_stack`, the kernel's own cap for `bpf_get_stack`.
+pub const MAX_KERNEL_FRAMES: usize = 127;
+/// Bytes reserved for the kernel stack in a record.
+pub const MAX_KERNEL_STACK_BYTES: usize = MAX_KERNEL_FRAMES * 8;
+
+/// Default number of user stack bytes copied per sample.
+pub const DEFAULT_USER_STACK_BYTES: u32 = 16 * 1024;
+/// Upper bound for the user stack copy. Deep C++/Rust stacks rarely need more
+/// than 32 KiB to reach `main`, and this keeps the per-CPU scratch buffer
+/// (one slot per CPU) within 40 KiB.
+pub const MAX_USER_STACK_BYTES: u32 = 32 * 1024;
+
+/// The copy reads page by page so that it stops at the first page that is not
+/// mapped (the end of the stack mapping) instead of failing as a whole.
+pub const PAGE_SIZE: u32 = 4096;
+
+/// Size of one per-CPU scratch slot in which the BPF program assembles a
+/// record before handing it to the ring buffer in one variable-length write.
+/// One page more than the largest record: the page-sized read that ends the
+/// copy must fit even when the verifier cannot prove it is shorter.
+pub const SCRATCH_BYTES: usize = SAMPLE_HEADER_SIZE
+    + MAX_KERNEL_STACK_BYTES
+    + MAX_USER_STACK_BYTES as usize
+    + PAGE_SIZE as usize;
+
+/// The fixed part of a sample record. The record continues with
+/// `kernel_stack_len` bytes of kernel return addresses (`u64`, innermost
+/// first), then `user_stack_len` bytes copied from `user_rsp` upwards.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct SampleHeader {
+    /// [`RecordKind::Sample`].
+    pub kind: u32,
+    /// Bit set of [`sample_flags`].
+    pub flags: u32,
+    /// Process id (thread group id).
+    pub tgid: u32,
+    /// Thread id.
+    pub tid: u32,
+    /// CPU the tick fired on.
+    pub cpu: u32,
+    /// Bytes of kernel stack that follow the header, a multiple of 8.
+    pub kernel_stack_len: u32,
+    /// Bytes of user stack that follow the kernel stack.
+    pub user_stack_len: u32,
+    /// Written out so the `u64` fields stay 8-aligned; always zero.
+    pub _pad: u32,
+    /// `bpf_ktime_get_ns()`: CLOCK_MONOTONIC nanoseconds.
+    pub ktime_ns: u64,
+    /// cgroup v2 id of the task (`bpf_get_current_cgroup_id`).
+    pub cgroup_id: u64,
+    /// User instruction pointer (see [`sample_flags::USER_REGS`]).
+    pub user_rip: u64,
+    /// User stack pointer: the address of the first copied byte.
+    pub user_rsp: u64,
+    /// User frame pointer, used when a module has no CFI.
+    pub user_rbp: u64,
+    /// Thread name, NUL padded.
+    pub comm: [u8; COMM_LEN],
+}
+
+/// Size of [`SampleHeader`] in bytes.
+pub const SAMPLE_HEADER_SIZE: usize = 88;
+const _: () = assert!(core::mem::size_of::<SampleHeader>() == SAMPLE_HEADER_SIZE);
+const _: () = assert!(SAMPLE_HEADER_SIZE % 8 == 0);
+
+/// Indices into the per-CPU `COUNTERS` array.
+#[repr(u32)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Counter {
+    /// Ticks that produced a record in the ring buffer.
+    Samples = 0,
+    /// Records lost because the ring buffer was full.
+    RingBufferFull = 1,
+    /// Ticks whose user stack copy read no byte at all.
+    CopyFailed = 2,
+    /// Ticks skipped by a filter (the agent itself, the tgid or cgroup allow-lists).
+    Filtered = 3,
+    /// Ticks that found the CPU idle (tgid 0); they produce no record.
+    Idle = 4,
+}
+
+impl Counter {
+    /// Every counter, in index order.
+    pub const ALL: [Counter; 5] = [
+        Counter::Samples,
+        Counter::RingBufferFull,
+        Counter::CopyFailed,
+        Counter::Filtered,
+        Counter::Idle,
+    ];
+}
+
+/// Number of slots in the `COUNTERS` map.
+pub const COUNTER_SLOTS: u32 = Counter::ALL.len() as u32;
+
+/// Names of the maps and globals, shared so a rename breaks the build rather
+/// than the loader.
+pub mod names {
+    pub const PROGRAM: &str = "sample_cpu_clock";
+    pub const SAMPLES_RING: &str = "SAMPLES";
+    pub const SCRATCH: &str = "SCRATCH";
+    pub const COUNTERS: &str = "COUNTERS";
+    pub const TGID_ALLOW: &str = "TGID_ALLOW";
+    pub const CGROUP_ALLOW: &str = "CGROUP_ALLOW";
+    pub const AGENT_TGID: &str = "AGENT_TGID";
+    pub const USER_STACK_BYTES: &str = "USER_STACK_BYTES";
+    pub const FILTER_TGIDS: &str = "FILTER_TGIDS";
+    pub const FILTER_CGROUPS: &str = "FILTER_CGROUPS";
+}
+
+/// Capacity of the tgid and cgroup allow-list maps.
+pub const MAX_ALLOW_ENTRIES: u32 = 4096;
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn header_fields_are_where_the_decoder_expects_them() {
+        assert_eq!(core::mem::offset_of!(SampleHeader, ktime_ns), 32);
+        assert_eq!(core::mem::offset_of!(SampleHeader, user_rip), 48);
+        assert_eq!(core::mem::offset_of!(SampleHeader, comm), 72);
+    }
+}

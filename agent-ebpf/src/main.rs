@@ -1,0 +1,290 @@
+//! The stackscope sampler: a `perf_event` program on `PERF_COUNT_SW_CPU_CLOCK`.
+//!
+//! On each tick it writes one variable-length record to the `SAMPLES` ring
+//! buffer: a [`SampleHeader`] (ids, cgroup, comm, user registers), the kernel
+//! stack when the tick hit kernel mode, and a copy of the user stack from `rsp`
+//! upwards. It does no unwinding: that happens in user space, where any DWARF
+//! rule is cheap to evaluate (see `shared/DESIGN.md`).
+//!
+//! The record is assembled in a per-CPU scratch slot and handed to the ring
+//! buffer with one `bpf_ringbuf_output` of its real length, so a 2 KiB stack
+//! costs 2 KiB of ring space, not the configured maximum.
+#![no_std]
+#![no_main]
+
+use core::ffi::c_void;
+
+use agent_common::{
+    COUNTER_SLOTS, Counter, DEFAULT_USER_STACK_BYTES, MAX_ALLOW_ENTRIES, MAX_KERNEL_STACK_BYTES,
+    MAX_USER_STACK_BYTES, PAGE_SIZE, RecordKind, SAMPLE_HEADER_SIZE, SCRATCH_BYTES, SampleHeader,
+    sample_flags,
+};
+use aya_ebpf::{
+    Global,
+    bindings::pt_regs,
+    helpers::{
+        bpf_get_current_cgroup_id, bpf_get_current_comm, bpf_get_current_pid_tgid,
+        bpf_get_smp_processor_id, bpf_ktime_get_ns, bpf_probe_read_kernel,
+        generated::{
+            bpf_get_current_task_btf, bpf_get_stack, bpf_probe_read_user, bpf_task_pt_regs,
+        },
+    },
+    macros::{map, perf_event},
+    maps::{Array, HashMap, PerCpuArray, RingBuf},
+    programs::PerfEventContext,
+};
+use aya_log_ebpf::debug;
+
+/// Sample records. 8 MiB by default; the agent sizes it to the CPU count at load.
+#[map(name = "SAMPLES")]
+static SAMPLES: RingBuf = RingBuf::with_byte_size(8 << 20, 0);
+
+/// One scratch slot per CPU (the agent sets `max_entries` to the CPU count).
+/// A plain array rather than a per-CPU one: per-CPU values are capped at 32 KiB,
+/// which would leave less than 32 KiB for the stack once the header is in.
+/// The program runs with preemption off and does not nest on a CPU, so the
+/// slot of the current CPU is ours for the duration of the tick.
+#[map(name = "SCRATCH")]
+static SCRATCH: Array<[u8; SCRATCH_BYTES]> = Array::with_max_entries(1, 0);
+
+#[map(name = "COUNTERS")]
+static COUNTERS: PerCpuArray<u64> = PerCpuArray::with_max_entries(COUNTER_SLOTS, 0);
+
+/// Allow-listed tgids, consulted only when `FILTER_TGIDS` is set.
+#[map(name = "TGID_ALLOW")]
+static TGID_ALLOW: HashMap<u32, u8> = HashMap::with_max_entries(MAX_ALLOW_ENTRIES, 0);
+
+/// Allow-listed cgroup v2 ids, consulted only when `FILTER_CGROUPS` is set.
+#[map(name = "CGROUP_ALLOW")]
+static CGROUP_ALLOW: HashMap<u64, u8> = HashMap::with_max_entries(MAX_ALLOW_ENTRIES, 0);
+
+// Load-time constants, patched by the agent. Being read-only globals, the
+// verifier sees their values and prunes the branches they disable.
+#[unsafe(no_mangle)]
+static AGENT_TGID: Global<u32> = Global::new(0);
+#[unsafe(no_mangle)]
+static USER_STACK_BYTES: Global<u32> = Global::new(DEFAULT_USER_STACK_BYTES);
+#[unsafe(no_mangle)]
+static FILTER_TGIDS: Global<u8> = Global::new(0);
+#[unsafe(no_mangle)]
+static FILTER_CGROUPS: Global<u8> = Global::new(0);
+
+/// Page-sized reads needed to cover the largest copy when `rsp` is not page
+/// aligned: a partial first page, then whole pages.
+const MAX_COPY_READS: u32 = MAX_USER_STACK_BYTES / PAGE_SIZE + 1;
+
+/// Privilege level of user mode in the low bits of `cs`.
+const USER_RPL: u64 = 3;
+
+#[perf_event]
+pub fn sample_cpu_clock(ctx: PerfEventContext) -> u32 {
+    match try_sample_cpu_clock(&ctx) {
+        Ok(ret) | Err(ret) => ret,
+    }
+}
+
+fn try_sample_cpu_clock(ctx: &PerfEventContext) -> Result<u32, u32> {
+    let pid_tgid = bpf_get_current_pid_tgid();
+    let tgid = (pid_tgid >> 32) as u32;
+    let tid = pid_tgid as u32;
+
+    if tgid == 0 {
+        // The idle task: the CPU had nothing to run.
+        count(Counter::Idle);
+        return Ok(0);
+    }
+    if tgid == AGENT_TGID.load() {
+        count(Counter::Filtered);
+        return Ok(0);
+    }
+    if FILTER_TGIDS.load() != 0 && unsafe { TGID_ALLOW.get(&tgid) }.is_none() {
+        count(Counter::Filtered);
+        return Ok(0);
+    }
+    let cgroup_id = unsafe { bpf_get_current_cgroup_id() };
+    if FILTER_CGROUPS.load() != 0 && unsafe { CGROUP_ALLOW.get(&cgroup_id) }.is_none() {
+        count(Counter::Filtered);
+        return Ok(0);
+    }
+
+    let cpu = unsafe { bpf_get_smp_processor_id() };
+    let scratch = SCRATCH.get_ptr_mut(cpu).ok_or(0u32)?.cast::<u8>();
+
+    // SAFETY: perf_event programs get a `bpf_perf_event_data` context whose
+    // `regs` are the registers at the tick.
+    let tick_regs: &pt_regs = unsafe { &(*ctx.ctx).regs };
+    let tick_in_user = tick_regs.cs & 3 == USER_RPL;
+
+    let mut flags = 0u32;
+    let user_regs = if tick_in_user {
+        flags |= sample_flags::TICK_IN_USER;
+        Some(UserRegs::from(tick_regs))
+    } else {
+        saved_user_regs()
+    };
+
+    let mut kernel_stack_len = 0u32;
+    if !tick_in_user {
+        // SAFETY: the destination lies inside the scratch slot, right after
+        // the header, and MAX_KERNEL_STACK_BYTES fits there by construction.
+        let ret = unsafe {
+            bpf_get_stack(
+                ctx.ctx.cast(),
+                scratch.add(SAMPLE_HEADER_SIZE).cast(),
+                MAX_KERNEL_STACK_BYTES as u32,
+                0,
+            )
+        };
+        if ret < 0 {
+            flags |= sample_flags::KERNEL_STACK_FAILED;
+        } else {
+            kernel_stack_len = (ret as u32).min(MAX_KERNEL_STACK_BYTES as u32) & !7;
+        }
+    }
+
+    let mut user_stack_len = 0u32;
+    if let Some(regs) = user_regs {
+        flags |= sample_flags::USER_REGS;
+        let copy = copy_user_stack(scratch, kernel_stack_len, regs.rsp);
+        user_stack_len = copy.len;
+        if copy.faulted {
+            flags |= sample_flags::USER_STACK_FAULTED;
+        }
+        if copy.len == 0 {
+            count(Counter::CopyFailed);
+        }
+    }
+
+    let header = SampleHeader {
+        kind: RecordKind::Sample as u32,
+        flags,
+        tgid,
+        tid,
+        cpu,
+        kernel_stack_len,
+        user_stack_len,
+        _pad: 0,
+        ktime_ns: unsafe { bpf_ktime_get_ns() },
+        cgroup_id,
+        user_rip: user_regs.map_or(0, |r| r.rip),
+        user_rsp: user_regs.map_or(0, |r| r.rsp),
+        user_rbp: user_regs.map_or(0, |r| r.rbp),
+        comm: bpf_get_current_comm().unwrap_or([0; 16]),
+    };
+    // SAFETY: scratch slots are 8-aligned map values larger than the header.
+    unsafe { scratch.cast::<SampleHeader>().write(header) };
+
+    let len = SAMPLE_HEADER_SIZE as u64 + u64::from(kernel_stack_len) + u64::from(user_stack_len);
+    if len > SCRATCH_BYTES as u64 {
+        return Err(0);
+    }
+    // SAFETY: the first `len` bytes of the scratch slot were written above.
+    let record = unsafe { core::slice::from_raw_parts(scratch, len as usize) };
+    if SAMPLES.output::<[u8]>(record, 0).is_err() {
+        count(Counter::RingBufferFull);
+        debug!(ctx, "ring buffer full, dropped a {} byte record", len);
+    } else {
+        count(Counter::Samples);
+    }
+    Ok(0)
+}
+
+#[derive(Clone, Copy)]
+struct UserRegs {
+    rip: u64,
+    rsp: u64,
+    rbp: u64,
+}
+
+impl From<&pt_regs> for UserRegs {
+    fn from(regs: &pt_regs) -> Self {
+        Self {
+            rip: regs.rip,
+            rsp: regs.rsp,
+            rbp: regs.rbp,
+        }
+    }
+}
+
+/// The user registers the current task saved on kernel entry, when the tick
+/// hit kernel mode. `None` for kernel threads: their saved frame is not a user
+/// one (its `cs` is not user mode).
+fn saved_user_regs() -> Option<UserRegs> {
+    // SAFETY: both helpers take and return pointers owned by the kernel; the
+    // saved frame is read with a fault-tolerant probe read.
+    let regs = unsafe {
+        let task = bpf_get_current_task_btf();
+        let regs = bpf_task_pt_regs(task) as *const pt_regs;
+        bpf_probe_read_kernel(regs).ok()?
+    };
+    (regs.cs & 3 == USER_RPL).then(|| UserRegs::from(&regs))
+}
+
+struct StackCopy {
+    len: u32,
+    faulted: bool,
+}
+
+/// Copies up to `USER_STACK_BYTES` of user stack from `rsp` into the scratch
+/// slot after the header and `kernel_stack_len` bytes of kernel stack.
+///
+/// A single large `bpf_probe_read_user` fails as a whole whenever fewer bytes
+/// than asked remain above `rsp` in the stack mapping, which is the common case
+/// for a thread near the top of its stack. Reading page by page instead stops
+/// at the first page that is not mapped, i.e. at the end of the stack mapping,
+/// and keeps everything before it.
+#[inline(always)]
+fn copy_user_stack(scratch: *mut u8, kernel_stack_len: u32, rsp: u64) -> StackCopy {
+    let limit = USER_STACK_BYTES.load().min(MAX_USER_STACK_BYTES);
+    // The masks restate bounds the code already guarantees, in a form the
+    // verifier can use to prove every read stays inside the scratch slot.
+    let base = SAMPLE_HEADER_SIZE + (kernel_stack_len as usize).min(MAX_KERNEL_STACK_BYTES);
+    let mut copied = 0u32;
+    let mut addr = rsp;
+    for _ in 0..MAX_COPY_READS {
+        if copied >= limit {
+            break;
+        }
+        let to_page_end = PAGE_SIZE - (addr as u32 & (PAGE_SIZE - 1));
+        let chunk = to_page_end.min(limit - copied);
+        if chunk > PAGE_SIZE {
+            break;
+        }
+        let offset = base + (copied & (MAX_USER_STACK_BYTES - 1)) as usize;
+        // SAFETY: offset + chunk <= header + kernel stack + MAX_USER_STACK_BYTES
+        // + PAGE_SIZE = SCRATCH_BYTES; the source is user memory read with the
+        // fault-tolerant helper.
+        let ret = unsafe {
+            bpf_probe_read_user(
+                scratch.add(offset).cast::<c_void>(),
+                chunk,
+                addr as *const c_void,
+            )
+        };
+        if ret < 0 {
+            return StackCopy {
+                len: copied,
+                faulted: true,
+            };
+        }
+        copied += chunk;
+        addr += u64::from(chunk);
+    }
+    StackCopy {
+        len: copied,
+        faulted: false,
+    }
+}
+
+fn count(counter: Counter) {
+    if let Some(value) = COUNTERS.get_ptr_mut(counter as u32) {
+        // SAFETY: per-CPU slot, and the program does not nest on a CPU.
+        unsafe { *value += 1 };
+    }
+}
+
+#[cfg(not(test))]
+#[panic_handler]
+fn panic(_info: &core::panic::PanicInfo) -> ! {
+    loop {}
+}

@@ -1,0 +1,109 @@
+//! `stackscope-agent`: samples every CPU and reports what it sees.
+//! The command line lives here; the work is in the `stackscope_agent` library.
+
+use std::{io::IsTerminal as _, time::Duration};
+
+use anyhow::Context as _;
+use clap::Parser;
+use stackscope_agent::{
+    run::{AgentConfig, RunSummary, run},
+    sampler::SamplerConfig,
+};
+use tracing_subscriber::EnvFilter;
+
+/// Continuous profiler agent: samples the user and kernel stacks of every CPU
+/// with a BPF program on the cpu-clock event.
+#[derive(Debug, Parser)]
+#[command(name = "stackscope-agent", version)]
+struct Args {
+    /// Samples per second per CPU (1-10000). Odd primes such as 19 or 997
+    /// avoid lock-step with periodic work.
+    #[arg(long, default_value_t = 19)]
+    frequency: u64,
+    /// User stack bytes copied per sample (8-32768).
+    #[arg(long, default_value_t = agent_common::DEFAULT_USER_STACK_BYTES)]
+    stack_bytes: u32,
+    /// Sample only this process; repeat for several. Default: every process.
+    #[arg(long = "pid", value_name = "PID")]
+    pids: Vec<u32>,
+    /// Stop after this long (e.g. `30s`, `5m`). Default: until SIGINT/SIGTERM.
+    #[arg(long, value_parser = humantime::parse_duration)]
+    duration: Option<Duration>,
+    /// How often to log the status line.
+    #[arg(long, default_value = "5s", value_parser = humantime::parse_duration)]
+    status_interval: Duration,
+    /// Log level: error, warn, info, debug or trace. Also applies to BPF-side logs.
+    #[arg(long, default_value = "info")]
+    log_level: tracing::Level,
+    /// How many processes to list in the final report.
+    #[arg(long, default_value_t = 15)]
+    top: usize,
+}
+
+fn main() -> anyhow::Result<()> {
+    let args = Args::parse();
+    tracing_subscriber::fmt()
+        .with_env_filter(EnvFilter::new(args.log_level.as_str()))
+        .with_writer(std::io::stderr)
+        .with_ansi(std::io::stderr().is_terminal())
+        .init();
+    if args.status_interval.is_zero() {
+        anyhow::bail!("--status-interval must be greater than zero");
+    }
+
+    let config = AgentConfig {
+        sampler: SamplerConfig {
+            frequency_hz: args.frequency,
+            user_stack_bytes: args.stack_bytes,
+            pids: args.pids.clone(),
+            bpf_log_level: args.log_level,
+        },
+        duration: args.duration,
+        status_interval: args.status_interval,
+    };
+    let runtime = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .context("starting the async runtime")?;
+    let summary = runtime.block_on(run(&config))?;
+    print_report(&summary, args.top);
+    Ok(())
+}
+
+fn print_report(summary: &RunSummary, top: usize) {
+    let total = summary.tally.total();
+    println!(
+        "{} samples in {:.1}s ({} dropped, {} copy failures, {} decode errors)",
+        total,
+        summary.elapsed.as_secs_f64(),
+        summary.kernel.ring_buffer_full,
+        summary.kernel.copy_failed,
+        summary.reader.decode_errors,
+    );
+    if let Some(per_run) = summary.program.per_run() {
+        println!(
+            "BPF program: {} runs, {} ns per run",
+            summary.program.run_count,
+            per_run.as_nanos()
+        );
+    }
+    if total == 0 {
+        return;
+    }
+    println!("{:>9}  {:>6}  {:>8}  COMM", "SAMPLES", "SHARE", "PID");
+    for process in summary.tally.top(top) {
+        println!(
+            "{:>9}  {:>5.1}%  {:>8}  {}",
+            process.samples,
+            100.0 * process.samples as f64 / total as f64,
+            process.tgid,
+            process.comm
+        );
+    }
+    if summary.tally.other() > 0 {
+        println!(
+            "{:>9}  (processes beyond the tracking limit)",
+            summary.tally.other()
+        );
+    }
+}

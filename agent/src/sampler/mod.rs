@@ -1,0 +1,342 @@
+//! The sampler: loads the BPF program, attaches it to a cpu-clock event on
+//! every online CPU and hands the raw records of the ring buffer to a callback.
+//!
+//! It owns the kernel side of the agent's lifetime: everything it loads or
+//! attaches is released when the [`Sampler`] is dropped (aya closes the program,
+//! link and map file descriptors), so no program of ours outlives the agent.
+//! It does not interpret records beyond the framing: see [`record`].
+
+pub mod record;
+
+use std::{
+    io,
+    os::fd::{AsRawFd, OwnedFd},
+    time::Duration,
+};
+
+use agent_common::{COUNTER_SLOTS, Counter, MAX_USER_STACK_BYTES, names};
+use aya::{
+    Ebpf, EbpfLoader,
+    maps::{HashMap, MapData, PerCpuArray, RingBuf},
+    programs::{
+        PerfEvent,
+        perf_event::{PerfEventConfig, PerfEventScope, SamplePolicy, SoftwareEvent},
+    },
+    util::{nr_cpus, online_cpus},
+};
+use tokio::io::unix::AsyncFd;
+
+/// The BPF object built by `build.rs`.
+static BPF_OBJECT: &[u8] = aya::include_bytes_aligned!(concat!(env!("OUT_DIR"), "/agent-ebpf"));
+
+/// Highest sampling frequency accepted. The kernel throttles perf events above
+/// `kernel.perf_event_max_sample_rate` anyway; a profiler has no use for more.
+pub const MAX_FREQUENCY_HZ: u64 = 10_000;
+
+/// What to sample and how.
+#[derive(Debug, Clone)]
+pub struct SamplerConfig {
+    /// Ticks per second per CPU.
+    pub frequency_hz: u64,
+    /// User stack bytes copied per sample, at most [`MAX_USER_STACK_BYTES`].
+    pub user_stack_bytes: u32,
+    /// Only these processes (tgids); empty means all.
+    pub pids: Vec<u32>,
+    /// Level passed to the BPF-side logger (aya-log).
+    pub bpf_log_level: tracing::Level,
+}
+
+impl Default for SamplerConfig {
+    fn default() -> Self {
+        Self {
+            frequency_hz: 19,
+            user_stack_bytes: agent_common::DEFAULT_USER_STACK_BYTES,
+            pids: Vec::new(),
+            bpf_log_level: tracing::Level::INFO,
+        }
+    }
+}
+
+/// Why the sampler could not start or answer.
+#[derive(Debug, thiserror::Error)]
+pub enum SamplerError {
+    #[error("sampling frequency {0} Hz is outside 1..={MAX_FREQUENCY_HZ}")]
+    BadFrequency(u64),
+    #[error("stack copy size {0} is outside 8..={MAX_USER_STACK_BYTES} bytes")]
+    BadStackBytes(u32),
+    #[error("could not list the CPUs ({what})")]
+    Cpus {
+        what: &'static str,
+        #[source]
+        source: io::Error,
+    },
+    #[error("loading the BPF object failed (the agent needs root or CAP_BPF + CAP_PERFMON)")]
+    Load(#[source] aya::EbpfError),
+    #[error("BPF object has no {0}")]
+    Missing(&'static str),
+    #[error("BPF program {name} could not be loaded or attached")]
+    Program {
+        name: &'static str,
+        #[source]
+        source: aya::programs::ProgramError,
+    },
+    #[error("BPF map {name} could not be used")]
+    Map {
+        name: &'static str,
+        #[source]
+        source: aya::maps::MapError,
+    },
+    #[error("registering the ring buffer with the async runtime failed")]
+    Poll(#[source] io::Error),
+}
+
+/// Counter totals summed over all CPUs since the sampler started.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Counters {
+    pub samples: u64,
+    pub ring_buffer_full: u64,
+    pub copy_failed: u64,
+    pub filtered: u64,
+    pub idle: u64,
+}
+
+/// Kernel-measured cost of the BPF program, available while stats are enabled
+/// (`kernel.bpf_stats_enabled`, or [`Sampler::enable_run_time_stats`]).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct ProgramStats {
+    pub run_time: Duration,
+    pub run_count: u64,
+}
+
+impl ProgramStats {
+    /// Mean cost of one run, if the program ran at all.
+    pub fn per_run(&self) -> Option<Duration> {
+        let count = u32::try_from(self.run_count).ok().filter(|&c| c > 0)?;
+        Some(self.run_time / count)
+    }
+}
+
+/// A loaded and attached sampler. Dropping it detaches and unloads everything.
+pub struct Sampler {
+    ring: AsyncFd<RingBuf<MapData>>,
+    counters: PerCpuArray<MapData, u64>,
+    log_task: Option<tokio::task::JoinHandle<()>>,
+    // Owns the program and its perf links; declared last so it drops last.
+    ebpf: Ebpf,
+}
+
+impl Sampler {
+    /// Loads the program, fills the allow-lists and attaches to every online
+    /// CPU. Must be called inside a tokio runtime.
+    pub fn start(config: &SamplerConfig) -> Result<Self, SamplerError> {
+        if !(1..=MAX_FREQUENCY_HZ).contains(&config.frequency_hz) {
+            return Err(SamplerError::BadFrequency(config.frequency_hz));
+        }
+        if !(8..=MAX_USER_STACK_BYTES).contains(&config.user_stack_bytes) {
+            return Err(SamplerError::BadStackBytes(config.user_stack_bytes));
+        }
+        let cpu_slots = nr_cpus().map_err(|(what, source)| SamplerError::Cpus { what, source })?;
+        let online = online_cpus().map_err(|(what, source)| SamplerError::Cpus { what, source })?;
+
+        let agent_tgid = std::process::id();
+        let filter_tgids = u8::from(!config.pids.is_empty());
+        let filter_cgroups = 0u8;
+        let log_level = bpf_log_level(config.bpf_log_level);
+        let mut ebpf = EbpfLoader::new()
+            .override_global(names::AGENT_TGID, &agent_tgid, true)
+            .override_global(names::USER_STACK_BYTES, &config.user_stack_bytes, true)
+            .override_global(names::FILTER_TGIDS, &filter_tgids, true)
+            .override_global(names::FILTER_CGROUPS, &filter_cgroups, true)
+            .override_global(aya_log::LEVEL, &log_level, false)
+            .map_max_entries(names::SCRATCH, cpu_slots as u32)
+            .map_max_entries(names::SAMPLES_RING, ring_buffer_bytes(cpu_slots))
+            .load(BPF_OBJECT)
+            .map_err(SamplerError::Load)?;
+
+        let log_task = start_bpf_logger(&mut ebpf);
+
+        if !config.pids.is_empty() {
+            let mut allow: HashMap<_, u32, u8> = take_map(&mut ebpf, names::TGID_ALLOW)?;
+            for &pid in &config.pids {
+                allow
+                    .insert(pid, 1, 0)
+                    .map_err(|source| SamplerError::Map {
+                        name: names::TGID_ALLOW,
+                        source,
+                    })?;
+            }
+            // Dropping our handle is fine: the program keeps the map alive.
+        }
+
+        let program: &mut PerfEvent = ebpf
+            .program_mut(names::PROGRAM)
+            .ok_or(SamplerError::Missing(names::PROGRAM))?
+            .try_into()
+            .map_err(|source| program_error(source))?;
+        program.load().map_err(program_error)?;
+        for cpu in online {
+            program
+                .attach(
+                    PerfEventConfig::Software(SoftwareEvent::CpuClock),
+                    PerfEventScope::AllProcessesOneCpu { cpu },
+                    SamplePolicy::Frequency(config.frequency_hz),
+                    false,
+                )
+                .map_err(program_error)?;
+        }
+
+        let ring: RingBuf<MapData> = take_map(&mut ebpf, names::SAMPLES_RING)?;
+        let ring = register_readable(ring).map_err(SamplerError::Poll)?;
+        let counters = take_map(&mut ebpf, names::COUNTERS)?;
+        Ok(Self {
+            ring,
+            counters,
+            log_task,
+            ebpf,
+        })
+    }
+
+    /// Waits until records are available, then passes every queued record to
+    /// `on_record` and returns how many there were.
+    /// Cancel safe: records are only taken once the wait is over.
+    pub async fn read_records(&mut self, on_record: impl FnMut(&[u8])) -> io::Result<usize> {
+        let mut guard = self.ring.readable_mut().await?;
+        let count = drain(guard.get_inner_mut(), on_record);
+        guard.clear_ready();
+        Ok(count)
+    }
+
+    /// Passes the records queued right now to `on_record`, without waiting.
+    pub fn drain_records(&mut self, on_record: impl FnMut(&[u8])) -> usize {
+        drain(self.ring.get_mut(), on_record)
+    }
+
+    /// Counters summed over CPUs.
+    pub fn counters(&self) -> Result<Counters, SamplerError> {
+        let mut totals = [0u64; COUNTER_SLOTS as usize];
+        for counter in Counter::ALL {
+            let per_cpu =
+                self.counters
+                    .get(&(counter as u32), 0)
+                    .map_err(|source| SamplerError::Map {
+                        name: names::COUNTERS,
+                        source,
+                    })?;
+            totals[counter as usize] = per_cpu.iter().sum();
+        }
+        Ok(Counters {
+            samples: totals[Counter::Samples as usize],
+            ring_buffer_full: totals[Counter::RingBufferFull as usize],
+            copy_failed: totals[Counter::CopyFailed as usize],
+            filtered: totals[Counter::Filtered as usize],
+            idle: totals[Counter::Idle as usize],
+        })
+    }
+
+    /// Run time and count of the sampling program as the kernel accounts them.
+    /// Both stay zero unless run-time stats are enabled.
+    pub fn program_stats(&self) -> Result<ProgramStats, SamplerError> {
+        let program: &PerfEvent = self
+            .ebpf
+            .program(names::PROGRAM)
+            .ok_or(SamplerError::Missing(names::PROGRAM))?
+            .try_into()
+            .map_err(program_error)?;
+        let info = program.info().map_err(program_error)?;
+        Ok(ProgramStats {
+            run_time: info.run_time(),
+            run_count: info.run_count(),
+        })
+    }
+
+    /// Turns on the kernel's BPF run-time accounting for as long as the
+    /// returned descriptor is open (`BPF_ENABLE_STATS`), without touching the
+    /// `kernel.bpf_stats_enabled` sysctl.
+    pub fn enable_run_time_stats() -> io::Result<OwnedFd> {
+        aya::sys::enable_stats(aya::sys::Stats::RunTime).map_err(|err| io::Error::other(err))
+    }
+}
+
+impl Drop for Sampler {
+    fn drop(&mut self) {
+        if let Some(task) = self.log_task.take() {
+            task.abort();
+        }
+    }
+}
+
+/// Registers a ring buffer's descriptor with the tokio reactor.
+fn register_readable<T: AsRawFd>(inner: T) -> io::Result<AsyncFd<T>> {
+    // SAFETY: aya's ring buffers own their map descriptor for their whole
+    // lifetime and always return that same descriptor from `as_raw_fd`.
+    unsafe { AsyncFd::register_with_interest(inner, tokio::io::Interest::READABLE) }
+        .map_err(|err| err.into_parts().1)
+}
+
+fn drain(ring: &mut RingBuf<MapData>, mut on_record: impl FnMut(&[u8])) -> usize {
+    let mut count = 0;
+    while let Some(record) = ring.next() {
+        on_record(&record);
+        count += 1;
+    }
+    count
+}
+
+fn program_error(source: aya::programs::ProgramError) -> SamplerError {
+    SamplerError::Program {
+        name: names::PROGRAM,
+        source,
+    }
+}
+
+fn take_map<M>(ebpf: &mut Ebpf, name: &'static str) -> Result<M, SamplerError>
+where
+    M: TryFrom<aya::maps::Map, Error = aya::maps::MapError>,
+{
+    let map = ebpf.take_map(name).ok_or(SamplerError::Missing(name))?;
+    M::try_from(map).map_err(|source| SamplerError::Map { name, source })
+}
+
+/// Ring buffer size: 4 MiB per CPU, at least 8 MiB, a power of two as the
+/// kernel requires. At 997 Hz with 16 KiB stacks a CPU produces ~16 MB/s, so
+/// this leaves the reader a few hundred milliseconds of slack.
+fn ring_buffer_bytes(cpus: usize) -> u32 {
+    let wanted = (cpus.max(2) * (4 << 20)).next_power_of_two();
+    u32::try_from(wanted).unwrap_or(1 << 30).min(1 << 30)
+}
+
+/// aya-log level numbers: error = 1 … trace = 5.
+fn bpf_log_level(level: tracing::Level) -> u8 {
+    match level {
+        tracing::Level::ERROR => 1,
+        tracing::Level::WARN => 2,
+        tracing::Level::INFO => 3,
+        tracing::Level::DEBUG => 4,
+        tracing::Level::TRACE => 5,
+    }
+}
+
+/// Forwards BPF-side log records (aya-log) to the `log` facade, which
+/// tracing-subscriber bridges into the agent's own log.
+fn start_bpf_logger(ebpf: &mut Ebpf) -> Option<tokio::task::JoinHandle<()>> {
+    let logger = match aya_log::EbpfLogger::init(ebpf) {
+        Ok(logger) => logger,
+        Err(err) => {
+            tracing::warn!("BPF-side logging unavailable: {err}");
+            return None;
+        }
+    };
+    let mut logger = match register_readable(logger) {
+        Ok(logger) => logger,
+        Err(err) => {
+            tracing::warn!("BPF-side logging unavailable: {err}");
+            return None;
+        }
+    };
+    Some(tokio::spawn(async move {
+        while let Ok(mut guard) = logger.readable_mut().await {
+            guard.get_inner_mut().flush();
+            guard.clear_ready();
+        }
+    }))
+}

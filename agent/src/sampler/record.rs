@@ -1,0 +1,262 @@
+//! Decoding of the records the BPF sampler writes to the ring buffer.
+//!
+//! The ring buffer is written by our own program, but the decoder still treats
+//! every record as untrusted bytes: a layout mismatch between a stale BPF object
+//! and this agent, or a bug on either side, must cost one counted record, never
+//! a panic or a read past the record. Every length is checked against the bytes
+//! actually present before it is used.
+
+use agent_common::{
+    MAX_KERNEL_STACK_BYTES, MAX_USER_STACK_BYTES, RecordKind, SAMPLE_HEADER_SIZE, SampleHeader,
+};
+
+/// Why a record could not be decoded.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum DecodeError {
+    /// The record is shorter than its fixed header.
+    #[error("record of {len} bytes is shorter than the {SAMPLE_HEADER_SIZE}-byte sample header")]
+    ShortHeader { len: usize },
+    /// The first word names no record kind this agent knows.
+    #[error("unknown record kind {0}")]
+    UnknownKind(u32),
+    /// The kernel stack length is not a whole number of addresses or exceeds the limit.
+    #[error("kernel stack length {0} is not a multiple of 8 of at most {MAX_KERNEL_STACK_BYTES}")]
+    BadKernelStackLen(u32),
+    /// The user stack length exceeds what the sampler can copy.
+    #[error("user stack length {0} exceeds the {MAX_USER_STACK_BYTES}-byte maximum")]
+    BadUserStackLen(u32),
+    /// The header announces more (or fewer) bytes than the record carries.
+    #[error("header announces {announced} bytes of record but {len} arrived")]
+    LengthMismatch { announced: usize, len: usize },
+}
+
+/// One decoded sample, borrowing its stacks from the ring buffer.
+#[derive(Debug, Clone, Copy)]
+pub struct Sample<'a> {
+    pub header: SampleHeader,
+    kernel_stack: &'a [u8],
+    /// Bytes copied from `header.user_rsp` upwards.
+    pub user_stack: &'a [u8],
+}
+
+impl<'a> Sample<'a> {
+    /// Decodes one ring buffer record.
+    pub fn decode(record: &'a [u8]) -> Result<Self, DecodeError> {
+        let header_bytes = record
+            .get(..SAMPLE_HEADER_SIZE)
+            .ok_or(DecodeError::ShortHeader { len: record.len() })?;
+        // SAFETY: `header_bytes` holds SAMPLE_HEADER_SIZE == size_of::<SampleHeader>()
+        // bytes, the header is made only of integers (every bit pattern is valid)
+        // and `read_unaligned` makes no alignment assumption.
+        let header: SampleHeader =
+            unsafe { core::ptr::read_unaligned(header_bytes.as_ptr().cast()) };
+
+        if header.kind != RecordKind::Sample as u32 {
+            return Err(DecodeError::UnknownKind(header.kind));
+        }
+        let kernel_len = header.kernel_stack_len as usize;
+        if kernel_len % 8 != 0 || kernel_len > MAX_KERNEL_STACK_BYTES {
+            return Err(DecodeError::BadKernelStackLen(header.kernel_stack_len));
+        }
+        if header.user_stack_len > MAX_USER_STACK_BYTES {
+            return Err(DecodeError::BadUserStackLen(header.user_stack_len));
+        }
+        let user_len = header.user_stack_len as usize;
+        let announced = SAMPLE_HEADER_SIZE + kernel_len + user_len;
+        if announced != record.len() {
+            return Err(DecodeError::LengthMismatch {
+                announced,
+                len: record.len(),
+            });
+        }
+        let (kernel_stack, user_stack) = record[SAMPLE_HEADER_SIZE..].split_at(kernel_len);
+        Ok(Self {
+            header,
+            kernel_stack,
+            user_stack,
+        })
+    }
+
+    /// Kernel return addresses, innermost first; empty when the tick hit user mode.
+    pub fn kernel_frames(&self) -> impl ExactSizeIterator<Item = u64> + 'a {
+        self.kernel_stack
+            .chunks_exact(8)
+            .map(|word| u64::from_ne_bytes(word.try_into().expect("chunks_exact(8)")))
+    }
+
+    /// The thread name up to its first NUL, lossily decoded.
+    pub fn comm(&self) -> String {
+        let comm = &self.header.comm;
+        let end = comm.iter().position(|&b| b == 0).unwrap_or(comm.len());
+        String::from_utf8_lossy(&comm[..end]).into_owned()
+    }
+
+    /// Size of the record this sample was decoded from.
+    pub fn record_len(&self) -> usize {
+        SAMPLE_HEADER_SIZE + self.kernel_stack.len() + self.user_stack.len()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use agent_common::sample_flags;
+
+    use super::*;
+
+    fn header(kernel_stack_len: u32, user_stack_len: u32) -> SampleHeader {
+        let mut comm = [0u8; 16];
+        comm[..5].copy_from_slice(b"redis");
+        SampleHeader {
+            kind: RecordKind::Sample as u32,
+            flags: sample_flags::USER_REGS,
+            tgid: 42,
+            tid: 43,
+            cpu: 1,
+            kernel_stack_len,
+            user_stack_len,
+            _pad: 0,
+            ktime_ns: 123_456_789,
+            cgroup_id: 7,
+            user_rip: 0x5555_0000_1234,
+            user_rsp: 0x7ffd_0000_0f00,
+            user_rbp: 0,
+            comm,
+        }
+    }
+
+    fn encode(header: &SampleHeader, kernel: &[u64], user: &[u8]) -> Vec<u8> {
+        // SAFETY: SampleHeader is repr(C) without implicit padding: all its
+        // bytes are initialised.
+        let header_bytes: &[u8] = unsafe {
+            core::slice::from_raw_parts(core::ptr::from_ref(header).cast(), SAMPLE_HEADER_SIZE)
+        };
+        let mut out = header_bytes.to_vec();
+        for frame in kernel {
+            out.extend_from_slice(&frame.to_ne_bytes());
+        }
+        out.extend_from_slice(user);
+        out
+    }
+
+    #[test]
+    fn decodes_header_and_both_stacks() {
+        let user: Vec<u8> = (0..=255).collect();
+        let record = encode(
+            &header(16, 256),
+            &[0xffff_ffff_8100_0000, 0xffff_ffff_8200_0000],
+            &user,
+        );
+        let sample = Sample::decode(&record).unwrap();
+        assert_eq!(sample.header, header(16, 256));
+        assert_eq!(
+            sample.kernel_frames().collect::<Vec<_>>(),
+            [0xffff_ffff_8100_0000, 0xffff_ffff_8200_0000]
+        );
+        assert_eq!(sample.user_stack, &user[..]);
+        assert_eq!(sample.comm(), "redis");
+        assert_eq!(sample.record_len(), record.len());
+    }
+
+    #[test]
+    fn decodes_a_record_without_stacks() {
+        let record = encode(&header(0, 0), &[], &[]);
+        let sample = Sample::decode(&record).unwrap();
+        assert_eq!(sample.kernel_frames().len(), 0);
+        assert!(sample.user_stack.is_empty());
+    }
+
+    #[test]
+    fn decodes_a_record_that_is_not_8_aligned() {
+        // Stack copies end wherever the mapping ends, not on a word boundary.
+        let record = encode(&header(0, 3), &[], &[1, 2, 3]);
+        assert_eq!(Sample::decode(&record).unwrap().user_stack, [1, 2, 3]);
+    }
+
+    #[test]
+    fn rejects_every_truncation_of_a_valid_record() {
+        let record = encode(&header(8, 64), &[0xffff_ffff_8100_0000], &[0xab; 64]);
+        for len in 0..record.len() {
+            let err = Sample::decode(&record[..len]).unwrap_err();
+            let expected = if len < SAMPLE_HEADER_SIZE {
+                DecodeError::ShortHeader { len }
+            } else {
+                DecodeError::LengthMismatch {
+                    announced: record.len(),
+                    len,
+                }
+            };
+            assert_eq!(err, expected, "truncated to {len} bytes");
+        }
+    }
+
+    #[test]
+    fn rejects_trailing_bytes() {
+        let mut record = encode(&header(0, 4), &[], &[1, 2, 3, 4]);
+        record.push(0);
+        assert_eq!(
+            Sample::decode(&record).unwrap_err(),
+            DecodeError::LengthMismatch {
+                announced: SAMPLE_HEADER_SIZE + 4,
+                len: SAMPLE_HEADER_SIZE + 5
+            }
+        );
+    }
+
+    #[test]
+    fn rejects_unknown_kind() {
+        let mut h = header(0, 0);
+        h.kind = 99;
+        assert_eq!(
+            Sample::decode(&encode(&h, &[], &[])).unwrap_err(),
+            DecodeError::UnknownKind(99)
+        );
+    }
+
+    #[test]
+    fn rejects_impossible_lengths_before_using_them() {
+        let record = encode(&header(12, 0), &[], &[0; 12]);
+        assert_eq!(
+            Sample::decode(&record).unwrap_err(),
+            DecodeError::BadKernelStackLen(12)
+        );
+
+        let too_many_frames = MAX_KERNEL_STACK_BYTES as u32 + 8;
+        let record = encode(&header(too_many_frames, 0), &[], &[]);
+        assert_eq!(
+            Sample::decode(&record).unwrap_err(),
+            DecodeError::BadKernelStackLen(too_many_frames)
+        );
+
+        // A huge announced length must be rejected, not added up and overflowed.
+        let record = encode(&header(0, u32::MAX), &[], &[]);
+        assert_eq!(
+            Sample::decode(&record).unwrap_err(),
+            DecodeError::BadUserStackLen(u32::MAX)
+        );
+    }
+
+    #[test]
+    fn garbage_never_panics() {
+        // A deterministic xorshift stream of garbage records of every length up
+        // to two headers, with the kind word forced valid half of the time so
+        // the length checks are reached.
+        let mut state = 0x9e37_79b9_7f4a_7c15u64;
+        let mut next = || {
+            state ^= state << 13;
+            state ^= state >> 7;
+            state ^= state << 17;
+            state
+        };
+        for len in 0..2 * SAMPLE_HEADER_SIZE {
+            for round in 0..64 {
+                let mut bytes: Vec<u8> = (0..len).map(|_| next() as u8).collect();
+                if round % 2 == 0 && len >= 4 {
+                    bytes[..4].copy_from_slice(&(RecordKind::Sample as u32).to_ne_bytes());
+                }
+                if let Ok(sample) = Sample::decode(&bytes) {
+                    assert_eq!(sample.record_len(), len);
+                }
+            }
+        }
+    }
+}
