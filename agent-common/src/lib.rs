@@ -103,7 +103,7 @@ pub struct SampleHeader {
 /// Size of [`SampleHeader`] in bytes.
 pub const SAMPLE_HEADER_SIZE: usize = 88;
 const _: () = assert!(core::mem::size_of::<SampleHeader>() == SAMPLE_HEADER_SIZE);
-const _: () = assert!(SAMPLE_HEADER_SIZE % 8 == 0);
+const _: () = assert!(SAMPLE_HEADER_SIZE.is_multiple_of(8));
 
 /// Indices into the per-CPU `COUNTERS` array.
 #[repr(u32)]

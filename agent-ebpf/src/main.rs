@@ -97,12 +97,12 @@ fn try_sample_cpu_clock(ctx: &PerfEventContext) -> Result<u32, u32> {
         count(Counter::Filtered);
         return Ok(0);
     }
-    if FILTER_TGIDS.load() != 0 && unsafe { TGID_ALLOW.get(&tgid) }.is_none() {
+    if FILTER_TGIDS.load() != 0 && unsafe { TGID_ALLOW.get(tgid) }.is_none() {
         count(Counter::Filtered);
         return Ok(0);
     }
     let cgroup_id = unsafe { bpf_get_current_cgroup_id() };
-    if FILTER_CGROUPS.load() != 0 && unsafe { CGROUP_ALLOW.get(&cgroup_id) }.is_none() {
+    if FILTER_CGROUPS.load() != 0 && unsafe { CGROUP_ALLOW.get(cgroup_id) }.is_none() {
         count(Counter::Filtered);
         return Ok(0);
     }

@@ -1,13 +1,16 @@
 //! `stackscope-agent`: samples every CPU and reports what it sees.
 //! The command line lives here; the work is in the `stackscope_agent` library.
 
-use std::{io::IsTerminal as _, time::Duration};
+use std::{
+    io::{IsTerminal as _, Write},
+    time::Duration,
+};
 
 use anyhow::Context as _;
 use clap::Parser;
 use stackscope_agent::{
     run::{AgentConfig, RunSummary, run},
-    sampler::SamplerConfig,
+    sampler::{Sampler, SamplerConfig},
 };
 use tracing_subscriber::EnvFilter;
 
@@ -38,6 +41,13 @@ struct Args {
     /// How many processes to list in the final report.
     #[arg(long, default_value_t = 15)]
     top: usize,
+    /// Turn on the kernel's BPF run-time accounting while running and report
+    /// the program's cost per run (adds a little overhead to every run).
+    #[arg(long)]
+    bpf_stats: bool,
+    /// Print the final report as JSON on stdout.
+    #[arg(long)]
+    json: bool,
 }
 
 fn main() -> anyhow::Result<()> {
@@ -65,45 +75,75 @@ fn main() -> anyhow::Result<()> {
         .enable_all()
         .build()
         .context("starting the async runtime")?;
+    // Accounting stays on for as long as this descriptor is open.
+    let _bpf_stats = args
+        .bpf_stats
+        .then(Sampler::enable_run_time_stats)
+        .transpose()
+        .context("enabling BPF run-time stats")?;
     let summary = runtime.block_on(run(&config))?;
-    print_report(&summary, args.top);
-    Ok(())
+    let mut stdout = std::io::stdout().lock();
+    if args.json {
+        writeln!(stdout, "{}", json_report(&summary, args.top))
+    } else {
+        print_report(&mut stdout, &summary, args.top)
+    }
+    .context("writing the report")
 }
 
-fn print_report(summary: &RunSummary, top: usize) {
+fn json_report(summary: &RunSummary, top: usize) -> serde_json::Value {
+    serde_json::json!({
+        "elapsed_secs": summary.elapsed.as_secs_f64(),
+        "reader": summary.reader,
+        "kernel": summary.kernel,
+        "bpf": {
+            "run_count": summary.program.run_count,
+            "ns_per_run": summary.program.per_run().map(|d| d.as_nanos() as u64),
+        },
+        "top": summary.tally.top(top),
+        "other": summary.tally.other(),
+    })
+}
+
+fn print_report(out: &mut impl Write, summary: &RunSummary, top: usize) -> std::io::Result<()> {
     let total = summary.tally.total();
-    println!(
+    writeln!(
+        out,
         "{} samples in {:.1}s ({} dropped, {} copy failures, {} decode errors)",
         total,
         summary.elapsed.as_secs_f64(),
         summary.kernel.ring_buffer_full,
         summary.kernel.copy_failed,
         summary.reader.decode_errors,
-    );
+    )?;
     if let Some(per_run) = summary.program.per_run() {
-        println!(
+        writeln!(
+            out,
             "BPF program: {} runs, {} ns per run",
             summary.program.run_count,
             per_run.as_nanos()
-        );
+        )?;
     }
     if total == 0 {
-        return;
+        return Ok(());
     }
-    println!("{:>9}  {:>6}  {:>8}  COMM", "SAMPLES", "SHARE", "PID");
+    writeln!(out, "{:>9}  {:>6}  {:>8}  COMM", "SAMPLES", "SHARE", "PID")?;
     for process in summary.tally.top(top) {
-        println!(
+        writeln!(
+            out,
             "{:>9}  {:>5.1}%  {:>8}  {}",
             process.samples,
             100.0 * process.samples as f64 / total as f64,
             process.tgid,
             process.comm
-        );
+        )?;
     }
     if summary.tally.other() > 0 {
-        println!(
+        writeln!(
+            out,
             "{:>9}  (processes beyond the tracking limit)",
             summary.tally.other()
-        );
+        )?;
     }
+    Ok(())
 }

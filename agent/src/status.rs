@@ -6,7 +6,7 @@ use std::{fmt, time::Duration};
 use crate::sampler::Counters;
 
 /// Running totals kept by the reader (user space side of the ring buffer).
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, serde::Serialize)]
 pub struct ReaderTotals {
     pub records: u64,
     pub bytes: u64,

@@ -7,7 +7,7 @@
 use std::collections::HashMap;
 
 /// One process's share of the samples.
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize)]
 pub struct ProcessSamples {
     pub tgid: u32,
     /// Thread name of the first sample seen (the main thread's name is

@@ -91,7 +91,7 @@ pub enum SamplerError {
 }
 
 /// Counter totals summed over all CPUs since the sampler started.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, serde::Serialize)]
 pub struct Counters {
     pub samples: u64,
     pub ring_buffer_full: u64,
@@ -155,6 +155,10 @@ impl Sampler {
 
         let log_task = start_bpf_logger(&mut ebpf);
 
+        // Maps must stay open until the program is loaded: loading resolves
+        // the program's map references to their descriptors. Fill the
+        // allow-list after that and before attaching, so no tick is missed.
+        perf_program(&mut ebpf)?.load().map_err(program_error)?;
         if !config.pids.is_empty() {
             let mut allow: HashMap<_, u32, u8> = take_map(&mut ebpf, names::TGID_ALLOW)?;
             for &pid in &config.pids {
@@ -165,15 +169,8 @@ impl Sampler {
                         source,
                     })?;
             }
-            // Dropping our handle is fine: the program keeps the map alive.
         }
-
-        let program: &mut PerfEvent = ebpf
-            .program_mut(names::PROGRAM)
-            .ok_or(SamplerError::Missing(names::PROGRAM))?
-            .try_into()
-            .map_err(|source| program_error(source))?;
-        program.load().map_err(program_error)?;
+        let program = perf_program(&mut ebpf)?;
         for cpu in online {
             program
                 .attach(
@@ -253,7 +250,7 @@ impl Sampler {
     /// returned descriptor is open (`BPF_ENABLE_STATS`), without touching the
     /// `kernel.bpf_stats_enabled` sysctl.
     pub fn enable_run_time_stats() -> io::Result<OwnedFd> {
-        aya::sys::enable_stats(aya::sys::Stats::RunTime).map_err(|err| io::Error::other(err))
+        aya::sys::enable_stats(aya::sys::Stats::RunTime).map_err(io::Error::other)
     }
 }
 
@@ -280,6 +277,13 @@ fn drain(ring: &mut RingBuf<MapData>, mut on_record: impl FnMut(&[u8])) -> usize
         count += 1;
     }
     count
+}
+
+fn perf_program(ebpf: &mut Ebpf) -> Result<&mut PerfEvent, SamplerError> {
+    ebpf.program_mut(names::PROGRAM)
+        .ok_or(SamplerError::Missing(names::PROGRAM))?
+        .try_into()
+        .map_err(program_error)
 }
 
 fn program_error(source: aya::programs::ProgramError) -> SamplerError {

@@ -55,7 +55,7 @@ impl<'a> Sample<'a> {
             return Err(DecodeError::UnknownKind(header.kind));
         }
         let kernel_len = header.kernel_stack_len as usize;
-        if kernel_len % 8 != 0 || kernel_len > MAX_KERNEL_STACK_BYTES {
+        if !kernel_len.is_multiple_of(8) || kernel_len > MAX_KERNEL_STACK_BYTES {
             return Err(DecodeError::BadKernelStackLen(header.kernel_stack_len));
         }
         if header.user_stack_len > MAX_USER_STACK_BYTES {
@@ -95,6 +95,24 @@ impl<'a> Sample<'a> {
     pub fn record_len(&self) -> usize {
         SAMPLE_HEADER_SIZE + self.kernel_stack.len() + self.user_stack.len()
     }
+
+    /// A copy that outlives the ring buffer slot.
+    pub fn to_owned_sample(&self) -> OwnedSample {
+        OwnedSample {
+            header: self.header,
+            kernel_frames: self.kernel_frames().collect(),
+            user_stack: self.user_stack.to_vec(),
+        }
+    }
+}
+
+/// A sample copied out of the ring buffer, for work that happens after the
+/// record's slot has been released.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct OwnedSample {
+    pub header: SampleHeader,
+    pub kernel_frames: Vec<u64>,
+    pub user_stack: Vec<u8>,
 }
 
 #[cfg(test)]
@@ -155,6 +173,12 @@ mod tests {
         assert_eq!(sample.user_stack, &user[..]);
         assert_eq!(sample.comm(), "redis");
         assert_eq!(sample.record_len(), record.len());
+        let owned = sample.to_owned_sample();
+        assert_eq!(
+            owned.kernel_frames,
+            [0xffff_ffff_8100_0000, 0xffff_ffff_8200_0000]
+        );
+        assert_eq!(owned.user_stack, user);
     }
 
     #[test]

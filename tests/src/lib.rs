@@ -1,0 +1,194 @@
+//! Helpers for stackscope's end-to-end tests: fixture programs compiled from
+//! `fixtures/*.c` at test time, processes killed on drop, `/proc/<pid>/maps`
+//! lookups, and sampling with the real BPF program for a while.
+//!
+//! The tests themselves live in `tests/`; they need root and a kernel with BPF.
+
+use std::{
+    io::{BufRead as _, BufReader, Read as _},
+    path::{Path, PathBuf},
+    process::{Child, ChildStdout, Command, Output, Stdio},
+    sync::{Mutex, MutexGuard},
+    time::Duration,
+};
+
+use stackscope_agent::sampler::{
+    Sampler, SamplerConfig,
+    record::{DecodeError, OwnedSample, Sample},
+};
+
+/// Fails the test with a clear message unless it runs as root.
+pub fn require_root() {
+    // SAFETY: geteuid has no preconditions.
+    let euid = unsafe { libc::geteuid() };
+    assert_eq!(
+        euid, 0,
+        "end-to-end tests load BPF programs and must run as root (cargo xtask test)"
+    );
+}
+
+/// Serialises the tests that sample: concurrent runs would compete for the
+/// two CPUs and make sample counts depend on scheduling.
+pub fn exclusive() -> MutexGuard<'static, ()> {
+    static LOCK: Mutex<()> = Mutex::new(());
+    LOCK.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
+}
+
+/// A fixture program compiled into a temporary directory, removed on drop.
+pub struct Fixture {
+    pub path: PathBuf,
+    _dir: tempfile::TempDir,
+}
+
+impl Fixture {
+    /// Compiles `fixtures/<name>.c` with `-O2 -fomit-frame-pointer`.
+    pub fn compile(name: &str) -> Self {
+        let dir = tempfile::tempdir().expect("creating a temporary directory");
+        let source = Path::new(env!("CARGO_MANIFEST_DIR")).join(format!("fixtures/{name}.c"));
+        let path = dir.path().join(name);
+        let out = Command::new("gcc")
+            .args(["-O2", "-g", "-fomit-frame-pointer", "-o"])
+            .arg(&path)
+            .arg(&source)
+            .output()
+            .expect("running gcc");
+        assert!(
+            out.status.success(),
+            "gcc failed on {}: {}",
+            source.display(),
+            String::from_utf8_lossy(&out.stderr)
+        );
+        Self { path, _dir: dir }
+    }
+
+    /// Starts the fixture with an empty environment and waits for it to print
+    /// `ready`, i.e. to have built its stack.
+    pub fn start(&self, args: &[&str]) -> RunningProcess {
+        let mut child = Command::new(&self.path)
+            .args(args)
+            .env_clear()
+            .stdout(Stdio::piped())
+            .spawn()
+            .expect("starting the fixture");
+        let mut stdout = BufReader::new(child.stdout.take().expect("piped stdout"));
+        let mut line = String::new();
+        stdout.read_line(&mut line).expect("reading the fixture");
+        assert_eq!(line.trim(), "ready", "fixture did not start");
+        RunningProcess {
+            child,
+            _stdout: Some(stdout),
+        }
+    }
+}
+
+/// A child process killed (and reaped) when dropped, so a failing test never
+/// leaves a spinning fixture behind.
+pub struct RunningProcess {
+    pub child: Child,
+    _stdout: Option<BufReader<ChildStdout>>,
+}
+
+impl RunningProcess {
+    /// Takes charge of an already spawned child.
+    pub fn adopt(child: Child) -> Self {
+        Self {
+            child,
+            _stdout: None,
+        }
+    }
+
+    pub fn pid(&self) -> u32 {
+        self.child.id()
+    }
+
+    /// Waits for the process to exit on its own and collects its stdout.
+    pub fn wait_with_output(&mut self) -> Output {
+        let mut stdout = Vec::new();
+        if let Some(mut pipe) = self.child.stdout.take() {
+            pipe.read_to_end(&mut stdout)
+                .expect("reading the child's stdout");
+        }
+        let status = self.child.wait().expect("waiting for the child");
+        Output {
+            status,
+            stdout,
+            stderr: Vec::new(),
+        }
+    }
+}
+
+impl Drop for RunningProcess {
+    fn drop(&mut self) {
+        // Already reaped children make both calls fail harmlessly.
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// One line of `/proc/<pid>/maps`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Mapping {
+    pub start: u64,
+    pub end: u64,
+    pub perms: String,
+    pub path: String,
+}
+
+impl Mapping {
+    pub fn contains(&self, addr: u64) -> bool {
+        (self.start..self.end).contains(&addr)
+    }
+}
+
+pub fn read_maps(pid: u32) -> Vec<Mapping> {
+    let maps = std::fs::read_to_string(format!("/proc/{pid}/maps")).expect("reading maps");
+    maps.lines()
+        .map(|line| {
+            let mut fields = line.split_whitespace();
+            let range = fields.next().expect("address range");
+            let perms = fields.next().expect("permissions").to_string();
+            let path = fields.nth(3).unwrap_or_default().to_string();
+            let (start, end) = range.split_once('-').expect("start-end");
+            Mapping {
+                start: u64::from_str_radix(start, 16).expect("hex start"),
+                end: u64::from_str_radix(end, 16).expect("hex end"),
+                perms,
+                path,
+            }
+        })
+        .collect()
+}
+
+/// Runs the real sampler for `duration` and returns every record it read.
+pub fn sample_for(
+    config: &SamplerConfig,
+    duration: Duration,
+) -> Vec<Result<OwnedSample, DecodeError>> {
+    let runtime = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .expect("tokio runtime");
+    runtime.block_on(async {
+        let mut sampler = Sampler::start(config).expect("starting the sampler");
+        let mut samples = Vec::new();
+        let mut keep = |bytes: &[u8]| samples.push(Sample::decode(bytes).map(|s| s.to_owned_sample()));
+        let deadline = tokio::time::Instant::now() + duration;
+        loop {
+            tokio::select! {
+                read = sampler.read_records(&mut keep) => { read.expect("reading the ring buffer"); }
+                _ = tokio::time::sleep_until(deadline) => break,
+            }
+        }
+        sampler.drain_records(&mut keep);
+        samples
+    })
+}
+
+/// Positions of 8-aligned occurrences of `word` in `bytes`.
+pub fn find_word(bytes: &[u8], word: u64) -> impl Iterator<Item = usize> + '_ {
+    bytes
+        .chunks_exact(8)
+        .enumerate()
+        .filter(move |(_, chunk)| u64::from_ne_bytes((*chunk).try_into().unwrap()) == word)
+        .map(|(i, _)| i * 8)
+}

@@ -1,0 +1,179 @@
+//! Toolchain bootstrap: everything a fresh machine of the project's kind lacks
+//! (see `shared/ENVIRONMENT.md`). Each step checks before it acts, so a second
+//! run does nothing and prints nothing.
+
+use std::{
+    path::{Path, PathBuf},
+    process::{Command, Stdio},
+};
+
+use anyhow::{Context as _, bail};
+
+use crate::run_checked;
+
+/// bpf-linker release known to build against the nightly toolchain's LLVM.
+const BPF_LINKER_VERSION: &str = "0.13.0";
+
+/// Debian packages the tests and benchmarks use: `bpftool` checks that
+/// nothing stays loaded; `gcc` compiles the fixture programs.
+const DEBIAN_PACKAGES: &[&str] = &["bpftool", "gcc"];
+
+pub fn ensure_all() -> anyhow::Result<()> {
+    ensure_nightly_rust_src()?;
+    ensure_bpf_linker()?;
+    ensure_debian_packages(DEBIAN_PACKAGES)?;
+    Ok(())
+}
+
+fn ensure_nightly_rust_src() -> anyhow::Result<()> {
+    let installed = output(Command::new("rustup").args([
+        "component",
+        "list",
+        "--installed",
+        "--toolchain",
+        "nightly",
+    ]))
+    .context("the nightly toolchain is needed to build the BPF programs")?;
+    if installed.lines().any(|line| line.starts_with("rust-src")) {
+        return Ok(());
+    }
+    eprintln!("setup: adding rust-src to the nightly toolchain");
+    run_checked(Command::new("rustup").args([
+        "component",
+        "add",
+        "rust-src",
+        "--toolchain",
+        "nightly",
+    ]))
+}
+
+fn ensure_bpf_linker() -> anyhow::Result<()> {
+    let works = Command::new("bpf-linker")
+        .arg("--version")
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .status()
+        .is_ok_and(|status| status.success());
+    if works {
+        return Ok(());
+    }
+    // Prebuilt bpf-linker downloads are unreachable here, and Debian's LLVM is
+    // older than nightly's: build it against the LLVM the nightly toolchain
+    // ships (a shared library in its sysroot), and bake that path in as rpath.
+    let sysroot = PathBuf::from(
+        output(Command::new("rustc").args(["+nightly", "--print", "sysroot"]))?.trim(),
+    );
+    let version_info = output(Command::new("rustc").args(["+nightly", "-vV"]))?;
+    let llvm_major = llvm_major(&version_info)?;
+    let lib_dir = sysroot.join("lib");
+    let libllvm = find_libllvm(&lib_dir)?;
+
+    let prefix = std::env::temp_dir().join(format!("stackscope-llvm-{llvm_major}"));
+    std::fs::create_dir_all(prefix.join("lib"))?;
+    let link = prefix.join("lib/libLLVM.so");
+    let _ = std::fs::remove_file(&link);
+    std::os::unix::fs::symlink(&libllvm, &link)
+        .with_context(|| format!("linking {} to {}", link.display(), libllvm.display()))?;
+
+    eprintln!(
+        "setup: building bpf-linker {BPF_LINKER_VERSION} against nightly's LLVM {llvm_major} (about a minute)"
+    );
+    let result = run_checked(
+        Command::new("cargo")
+            .args([
+                "install",
+                "bpf-linker",
+                "--version",
+                BPF_LINKER_VERSION,
+                "--no-default-features",
+                "--features",
+                &format!("llvm-{llvm_major}"),
+            ])
+            .env("LLVM_PREFIX", &prefix)
+            .env(
+                "RUSTFLAGS",
+                format!("-C link-arg=-Wl,-rpath,{}", lib_dir.display()),
+            ),
+    );
+    let _ = std::fs::remove_dir_all(&prefix);
+    result
+}
+
+/// The LLVM major version from `rustc -vV` ("LLVM version: 22.1.4" → 22).
+fn llvm_major(version_info: &str) -> anyhow::Result<u32> {
+    version_info
+        .lines()
+        .find_map(|line| line.strip_prefix("LLVM version: "))
+        .and_then(|version| version.split('.').next())
+        .and_then(|major| major.trim().parse().ok())
+        .with_context(|| format!("no LLVM version in `rustc +nightly -vV`:\n{version_info}"))
+}
+
+/// The versioned `libLLVM.so.<ver>-rust-<ver>-nightly` in the sysroot.
+fn find_libllvm(lib_dir: &Path) -> anyhow::Result<PathBuf> {
+    for entry in
+        std::fs::read_dir(lib_dir).with_context(|| format!("reading {}", lib_dir.display()))?
+    {
+        let path = entry?.path();
+        let name = path
+            .file_name()
+            .and_then(|n| n.to_str())
+            .unwrap_or_default();
+        if name.starts_with("libLLVM.so.") {
+            return Ok(path);
+        }
+    }
+    bail!(
+        "no libLLVM.so.* in {}; is the nightly toolchain complete?",
+        lib_dir.display()
+    )
+}
+
+fn ensure_debian_packages(packages: &[&str]) -> anyhow::Result<()> {
+    let missing: Vec<&str> = packages
+        .iter()
+        .copied()
+        .filter(|package| !debian_package_installed(package))
+        .collect();
+    if missing.is_empty() {
+        return Ok(());
+    }
+    eprintln!("setup: installing Debian packages {}", missing.join(" "));
+    run_checked(Command::new("apt-get").args(["update", "-qq"]))?;
+    run_checked(
+        Command::new("apt-get")
+            .args(["install", "-y", "-qq", "--no-install-recommends"])
+            .args(&missing)
+            .env("DEBIAN_FRONTEND", "noninteractive"),
+    )
+}
+
+fn debian_package_installed(package: &str) -> bool {
+    Command::new("dpkg-query")
+        .args(["-W", "-f=${Status}", package])
+        .output()
+        .is_ok_and(|out| String::from_utf8_lossy(&out.stdout).contains("install ok installed"))
+}
+
+fn output(cmd: &mut Command) -> anyhow::Result<String> {
+    let out = cmd.output().with_context(|| format!("starting {cmd:?}"))?;
+    if !out.status.success() {
+        bail!(
+            "{cmd:?} failed: {}",
+            String::from_utf8_lossy(&out.stderr).trim()
+        );
+    }
+    Ok(String::from_utf8(out.stdout)?)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn reads_the_llvm_major_from_rustc_version_info() {
+        let info = "rustc 1.97.0-nightly (e50aa6fba 2026-05-19)\nbinary: rustc\nhost: x86_64-unknown-linux-gnu\nLLVM version: 22.1.4\n";
+        assert_eq!(llvm_major(info).unwrap(), 22);
+        assert!(llvm_major("rustc 1.95.0\n").is_err());
+    }
+}
