@@ -148,6 +148,7 @@ pub mod names {
     pub const USER_STACK_BYTES: &str = "USER_STACK_BYTES";
     pub const FILTER_TGIDS: &str = "FILTER_TGIDS";
     pub const FILTER_CGROUPS: &str = "FILTER_CGROUPS";
+    pub const WAKEUP_BYTES: &str = "WAKEUP_BYTES";
 }
 
 /// Capacity of the tgid and cgroup allow-list maps.

@@ -33,6 +33,12 @@ static BPF_OBJECT: &[u8] = aya::include_bytes_aligned!(concat!(env!("OUT_DIR"), 
 /// `kernel.perf_event_max_sample_rate` anyway; a profiler has no use for more.
 pub const MAX_FREQUENCY_HZ: u64 = 10_000;
 
+/// The BPF program wakes the reader once this fraction of the ring buffer is
+/// unread (it does not wake it per record, see the program).
+const WAKEUP_FRACTION: u32 = 16;
+/// Below that, the reader drains the ring buffer on this period.
+pub const DRAIN_INTERVAL: Duration = Duration::from_millis(100);
+
 /// What to sample and how.
 #[derive(Debug, Clone)]
 pub struct SamplerConfig {
@@ -119,6 +125,7 @@ impl ProgramStats {
 /// A loaded and attached sampler. Dropping it detaches and unloads everything.
 pub struct Sampler {
     ring: AsyncFd<RingBuf<MapData>>,
+    drain_timer: tokio::time::Interval,
     counters: PerCpuArray<MapData, u64>,
     log_task: Option<tokio::task::JoinHandle<()>>,
     // Owns the program and its perf links; declared last so it drops last.
@@ -142,14 +149,17 @@ impl Sampler {
         let filter_tgids = u8::from(!config.pids.is_empty());
         let filter_cgroups = 0u8;
         let log_level = bpf_log_level(config.bpf_log_level);
+        let ring_bytes = ring_buffer_bytes(cpu_slots);
+        let wakeup_bytes = u64::from(ring_bytes / WAKEUP_FRACTION);
         let mut ebpf = EbpfLoader::new()
             .override_global(names::AGENT_TGID, &agent_tgid, true)
             .override_global(names::USER_STACK_BYTES, &config.user_stack_bytes, true)
             .override_global(names::FILTER_TGIDS, &filter_tgids, true)
             .override_global(names::FILTER_CGROUPS, &filter_cgroups, true)
+            .override_global(names::WAKEUP_BYTES, &wakeup_bytes, true)
             .override_global(aya_log::LEVEL, &log_level, false)
             .map_max_entries(names::SCRATCH, cpu_slots as u32)
-            .map_max_entries(names::SAMPLES_RING, ring_buffer_bytes(cpu_slots))
+            .map_max_entries(names::SAMPLES_RING, ring_bytes)
             .load(BPF_OBJECT)
             .map_err(SamplerError::Load)?;
 
@@ -185,22 +195,30 @@ impl Sampler {
         let ring: RingBuf<MapData> = take_map(&mut ebpf, names::SAMPLES_RING)?;
         let ring = register_readable(ring).map_err(SamplerError::Poll)?;
         let counters = take_map(&mut ebpf, names::COUNTERS)?;
+        let mut drain_timer = tokio::time::interval(DRAIN_INTERVAL);
+        drain_timer.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         Ok(Self {
             ring,
+            drain_timer,
             counters,
             log_task,
             ebpf,
         })
     }
 
-    /// Waits until records are available, then passes every queued record to
-    /// `on_record` and returns how many there were.
-    /// Cancel safe: records are only taken once the wait is over.
+    /// Waits until the program signals a batch or the drain period is over,
+    /// then passes every queued record to `on_record` and returns how many
+    /// there were. Cancel safe: records are only taken once the wait is over.
     pub async fn read_records(&mut self, on_record: impl FnMut(&[u8])) -> io::Result<usize> {
-        let mut guard = self.ring.readable_mut().await?;
-        let count = drain(guard.get_inner_mut(), on_record);
-        guard.clear_ready();
-        Ok(count)
+        tokio::select! {
+            guard = self.ring.readable_mut() => {
+                let mut guard = guard?;
+                let count = drain(guard.get_inner_mut(), on_record);
+                guard.clear_ready();
+                Ok(count)
+            }
+            _ = self.drain_timer.tick() => Ok(drain(self.ring.get_mut(), on_record)),
+        }
     }
 
     /// Passes the records queued right now to `on_record`, without waiting.
