@@ -9,6 +9,7 @@ use std::{
 use anyhow::Context as _;
 use clap::Parser;
 use stackscope_agent::{
+    cgroups,
     run::{AgentConfig, RunSummary, run},
     sampler::{Sampler, SamplerConfig},
 };
@@ -29,6 +30,11 @@ struct Args {
     /// Sample only this process; repeat for several. Default: every process.
     #[arg(long = "pid", value_name = "PID")]
     pids: Vec<u32>,
+    /// Sample only tasks in this cgroup v2 or below it (as it exists at start);
+    /// repeat for several. A directory of the cgroup2 hierarchy or a path as
+    /// /proc/<pid>/cgroup shows it. Combined with --pid, both must match.
+    #[arg(long = "cgroup", value_name = "PATH")]
+    cgroups: Vec<String>,
     /// Stop after this long (e.g. `30s`, `5m`). Default: until SIGINT/SIGTERM.
     #[arg(long, value_parser = humantime::parse_duration)]
     duration: Option<Duration>,
@@ -61,11 +67,17 @@ fn main() -> anyhow::Result<()> {
         anyhow::bail!("--status-interval must be greater than zero");
     }
 
+    let mut cgroup_ids = Vec::new();
+    for selection in &args.cgroups {
+        cgroup_ids
+            .extend(cgroups::resolve(selection).with_context(|| format!("--cgroup {selection}"))?);
+    }
     let config = AgentConfig {
         sampler: SamplerConfig {
             frequency_hz: args.frequency,
             user_stack_bytes: args.stack_bytes,
             pids: args.pids.clone(),
+            cgroup_ids,
             bpf_log_level: args.log_level,
         },
         duration: args.duration,

@@ -66,6 +66,7 @@ pub async fn run(config: &AgentConfig) -> Result<RunSummary, RunError> {
         frequency_hz = config.sampler.frequency_hz,
         stack_bytes = config.sampler.user_stack_bytes,
         pids = ?config.sampler.pids,
+        cgroups = config.sampler.cgroup_ids.len(),
         "sampling every online CPU"
     );
 

@@ -125,6 +125,55 @@ impl Drop for RunningProcess {
     }
 }
 
+/// A cgroup v2 made for one test; on drop, whatever still runs in it is
+/// killed and the cgroup removed.
+pub struct TempCgroup {
+    pub path: PathBuf,
+}
+
+impl TempCgroup {
+    pub fn create(name: &str) -> Self {
+        let mount = stackscope_agent::cgroups::cgroup2_mount().expect("a cgroup2 mount");
+        let path = mount.join(format!("stackscope-test-{name}-{}", std::process::id()));
+        std::fs::create_dir(&path)
+            .unwrap_or_else(|err| panic!("creating {}: {err}", path.display()));
+        Self { path }
+    }
+
+    /// Moves a process into this cgroup.
+    pub fn add(&self, pid: u32) {
+        std::fs::write(self.path.join("cgroup.procs"), pid.to_string())
+            .expect("moving a process into the cgroup");
+    }
+
+    /// This cgroup's path below the hierarchy root, as /proc/<pid>/cgroup shows it.
+    pub fn relative_path(&self) -> String {
+        let name = self.path.file_name().expect("cgroup directory name");
+        format!("/{}", name.to_string_lossy())
+    }
+}
+
+impl Drop for TempCgroup {
+    fn drop(&mut self) {
+        let procs = std::fs::read_to_string(self.path.join("cgroup.procs")).unwrap_or_default();
+        for pid in procs
+            .lines()
+            .filter_map(|line| line.trim().parse::<i32>().ok())
+        {
+            // SAFETY: kill(2) on processes this test put in its own cgroup.
+            unsafe { libc::kill(pid, libc::SIGKILL) };
+        }
+        // The cgroup is busy until its last process has been reaped.
+        for _ in 0..100 {
+            if std::fs::remove_dir(&self.path).is_ok() {
+                return;
+            }
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        eprintln!("could not remove test cgroup {}", self.path.display());
+    }
+}
+
 /// One line of `/proc/<pid>/maps`.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Mapping {
@@ -182,6 +231,32 @@ pub fn sample_for(
         sampler.drain_records(&mut keep);
         samples
     })
+}
+
+/// The kernel's symbol table from `/proc/kallsyms`, sorted by address.
+pub fn kernel_symbols() -> Vec<(u64, String)> {
+    let kallsyms = std::fs::read_to_string("/proc/kallsyms").expect("reading /proc/kallsyms");
+    let mut symbols: Vec<(u64, String)> = kallsyms
+        .lines()
+        .filter_map(|line| {
+            let mut fields = line.split_whitespace();
+            let addr = u64::from_str_radix(fields.next()?, 16).ok()?;
+            let name = fields.nth(1)?;
+            (addr != 0).then(|| (addr, name.to_string()))
+        })
+        .collect();
+    assert!(
+        !symbols.is_empty(),
+        "/proc/kallsyms shows no addresses (kptr_restrict?)"
+    );
+    symbols.sort();
+    symbols
+}
+
+/// The symbol whose range holds `addr`, from a sorted [`kernel_symbols`] table.
+pub fn kernel_symbol(symbols: &[(u64, String)], addr: u64) -> Option<&str> {
+    let at = symbols.partition_point(|(start, _)| *start <= addr);
+    at.checked_sub(1).map(|i| symbols[i].1.as_str())
 }
 
 /// Positions of 8-aligned occurrences of `word` in `bytes`.

@@ -3,14 +3,16 @@
 
 use std::{
     collections::BTreeSet,
+    os::unix::fs::MetadataExt as _,
     process::{Command, Stdio},
     time::{Duration, Instant},
 };
 
 use agent_common::sample_flags;
-use stackscope_agent::sampler::SamplerConfig;
+use stackscope_agent::{cgroups, sampler::SamplerConfig};
 use stackscope_tests::{
-    Fixture, Mapping, RunningProcess, exclusive, find_word, read_maps, require_root, sample_for,
+    Fixture, Mapping, RunningProcess, TempCgroup, exclusive, find_word, kernel_symbol,
+    kernel_symbols, read_maps, require_root, sample_for,
 };
 
 const CANARY: u64 = 0x05CA_1AB1_E0DD_BA11;
@@ -150,6 +152,136 @@ fn copies_a_short_stack_up_to_the_end_of_its_mapping() {
             "the one frame's canary"
         );
     }
+}
+
+#[test]
+fn records_the_kernel_stack_and_the_saved_user_registers_of_a_syscall() {
+    require_root();
+    let _serial = exclusive();
+    let fixture = Fixture::compile("syscall_loop");
+    let process = fixture.start(&[]);
+    let maps = read_maps(process.pid());
+    let stack = mapping(&maps, |m| m.path == "[stack]", "stack");
+    let config = SamplerConfig {
+        frequency_hz: FREQUENCY_HZ,
+        pids: vec![process.pid()],
+        ..SamplerConfig::default()
+    };
+    let samples: Vec<_> = sample_for(&config, SAMPLING)
+        .into_iter()
+        .map(|s| s.expect("every record decodes"))
+        .collect();
+    let in_kernel: Vec<_> = samples
+        .iter()
+        .filter(|s| s.header.flags & sample_flags::TICK_IN_USER == 0)
+        .collect();
+    // Clearing 1 MiB in the kernel dominates each loop iteration.
+    assert!(
+        in_kernel.len() * 2 > samples.len(),
+        "only {} of {} ticks hit kernel mode",
+        in_kernel.len(),
+        samples.len()
+    );
+
+    let symbols = kernel_symbols();
+    let mut read_paths = 0;
+    for sample in &in_kernel {
+        let h = &sample.header;
+        assert_eq!(
+            h.flags & sample_flags::KERNEL_STACK_FAILED,
+            0,
+            "bpf_get_stack failed: {h:?}"
+        );
+        assert!(!sample.kernel_frames.is_empty(), "no kernel stack: {h:?}");
+        // The user part comes from the registers saved at syscall entry: the
+        // syscall instruction in libc, on the fixture's stack.
+        assert_ne!(
+            h.flags & sample_flags::USER_REGS,
+            0,
+            "no saved user registers: {h:?}"
+        );
+        let libc_text = maps
+            .iter()
+            .find(|m| m.contains(h.user_rip))
+            .unwrap_or_else(|| panic!("saved rip {:#x} is in no mapping", h.user_rip));
+        assert!(
+            libc_text.path.contains("libc") && libc_text.perms.contains('x'),
+            "saved rip {:#x} is not in libc's text but in {libc_text:?}",
+            h.user_rip
+        );
+        assert!(
+            stack.contains(h.user_rsp),
+            "saved rsp {:#x} outside the stack",
+            h.user_rsp
+        );
+        assert!(
+            !sample.user_stack.is_empty(),
+            "no user stack copied in a syscall"
+        );
+        let names: Vec<&str> = sample
+            .kernel_frames
+            .iter()
+            .filter_map(|&addr| kernel_symbol(&symbols, addr))
+            .collect();
+        if names.iter().any(|name| name.contains("read")) {
+            read_paths += 1;
+        }
+    }
+    // Most ticks land inside read(2); a few hit the syscall entry or exit.
+    assert!(
+        read_paths * 2 > in_kernel.len(),
+        "only {read_paths} of {} kernel stacks go through a read function",
+        in_kernel.len()
+    );
+}
+
+#[test]
+fn samples_only_the_selected_cgroup() {
+    require_root();
+    let _serial = exclusive();
+    let fixture = Fixture::compile("deep_stack");
+    // Declared before the processes, so it is dropped (and removed) after them.
+    let cgroup = TempCgroup::create("filter");
+    let inside = fixture.start(&["8"]);
+    cgroup.add(inside.pid());
+    let outside = fixture.start(&["8"]);
+
+    let ids = cgroups::resolve(cgroup.path.to_str().unwrap()).expect("resolving the cgroup");
+    assert_eq!(ids, [std::fs::metadata(&cgroup.path).unwrap().ino()]);
+    assert_eq!(
+        cgroups::resolve(&cgroup.relative_path()).expect("resolving the /proc form"),
+        ids
+    );
+
+    let config = SamplerConfig {
+        frequency_hz: FREQUENCY_HZ,
+        cgroup_ids: ids.clone(),
+        ..SamplerConfig::default()
+    };
+    let samples: Vec<_> = sample_for(&config, SAMPLING)
+        .into_iter()
+        .map(|s| s.expect("every record decodes"))
+        .collect();
+    // Two spinners share two CPUs: each gets about one CPU's worth of ticks.
+    let expected = FREQUENCY_HZ * SAMPLING.as_secs();
+    assert!(
+        samples.len() as u64 >= expected / 2,
+        "only {} samples, expected about {expected}",
+        samples.len()
+    );
+    for sample in &samples {
+        assert_eq!(
+            sample.header.cgroup_id, ids[0],
+            "a tick outside the cgroup was sampled"
+        );
+        assert_eq!(
+            sample.header.tgid,
+            inside.pid(),
+            "process {} is not the one inside",
+            sample.header.tgid
+        );
+    }
+    assert_ne!(inside.pid(), outside.pid());
 }
 
 /// BPF objects a process holds open, read from `/proc/<pid>/fdinfo`:

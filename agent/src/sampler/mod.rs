@@ -14,7 +14,7 @@ use std::{
     time::Duration,
 };
 
-use agent_common::{COUNTER_SLOTS, Counter, MAX_USER_STACK_BYTES, names};
+use agent_common::{COUNTER_SLOTS, Counter, MAX_ALLOW_ENTRIES, MAX_USER_STACK_BYTES, names};
 use aya::{
     Ebpf, EbpfLoader,
     maps::{HashMap, MapData, PerCpuArray, RingBuf},
@@ -48,6 +48,9 @@ pub struct SamplerConfig {
     pub user_stack_bytes: u32,
     /// Only these processes (tgids); empty means all.
     pub pids: Vec<u32>,
+    /// Only tasks in these cgroups (v2 ids, see [`crate::cgroups`]); empty
+    /// means all. When both lists are set, a task must be in both.
+    pub cgroup_ids: Vec<u64>,
     /// Level passed to the BPF-side logger (aya-log).
     pub bpf_log_level: tracing::Level,
 }
@@ -58,6 +61,7 @@ impl Default for SamplerConfig {
             frequency_hz: 19,
             user_stack_bytes: agent_common::DEFAULT_USER_STACK_BYTES,
             pids: Vec::new(),
+            cgroup_ids: Vec::new(),
             bpf_log_level: tracing::Level::INFO,
         }
     }
@@ -92,6 +96,8 @@ pub enum SamplerError {
         #[source]
         source: aya::maps::MapError,
     },
+    #[error("{count} entries for {name}; at most {MAX_ALLOW_ENTRIES} fit")]
+    TooManyFilters { name: &'static str, count: usize },
     #[error("registering the ring buffer with the async runtime failed")]
     Poll(#[source] io::Error),
 }
@@ -147,7 +153,7 @@ impl Sampler {
 
         let agent_tgid = std::process::id();
         let filter_tgids = u8::from(!config.pids.is_empty());
-        let filter_cgroups = 0u8;
+        let filter_cgroups = u8::from(!config.cgroup_ids.is_empty());
         let log_level = bpf_log_level(config.bpf_log_level);
         let ring_bytes = ring_buffer_bytes(cpu_slots);
         let wakeup_bytes = u64::from(ring_bytes / WAKEUP_FRACTION);
@@ -167,19 +173,10 @@ impl Sampler {
 
         // Maps must stay open until the program is loaded: loading resolves
         // the program's map references to their descriptors. Fill the
-        // allow-list after that and before attaching, so no tick is missed.
+        // allow-lists after that and before attaching, so no tick is missed.
         perf_program(&mut ebpf)?.load().map_err(program_error)?;
-        if !config.pids.is_empty() {
-            let mut allow: HashMap<_, u32, u8> = take_map(&mut ebpf, names::TGID_ALLOW)?;
-            for &pid in &config.pids {
-                allow
-                    .insert(pid, 1, 0)
-                    .map_err(|source| SamplerError::Map {
-                        name: names::TGID_ALLOW,
-                        source,
-                    })?;
-            }
-        }
+        fill_allow_list(&mut ebpf, names::TGID_ALLOW, &config.pids)?;
+        fill_allow_list(&mut ebpf, names::CGROUP_ALLOW, &config.cgroup_ids)?;
         let program = perf_program(&mut ebpf)?;
         for cpu in online {
             program
@@ -286,6 +283,31 @@ fn register_readable<T: AsRawFd>(inner: T) -> io::Result<AsyncFd<T>> {
     // lifetime and always return that same descriptor from `as_raw_fd`.
     unsafe { AsyncFd::register_with_interest(inner, tokio::io::Interest::READABLE) }
         .map_err(|err| err.into_parts().1)
+}
+
+/// Writes `keys` into the allow-list map `name`. Our handle is dropped
+/// afterwards; the loaded program keeps the map alive.
+fn fill_allow_list<K: aya::Pod>(
+    ebpf: &mut Ebpf,
+    name: &'static str,
+    keys: &[K],
+) -> Result<(), SamplerError> {
+    if keys.is_empty() {
+        return Ok(());
+    }
+    if keys.len() > MAX_ALLOW_ENTRIES as usize {
+        return Err(SamplerError::TooManyFilters {
+            name,
+            count: keys.len(),
+        });
+    }
+    let mut allow: HashMap<_, K, u8> = take_map(ebpf, name)?;
+    for key in keys {
+        allow
+            .insert(key, 1, 0)
+            .map_err(|source| SamplerError::Map { name, source })?;
+    }
+    Ok(())
 }
 
 fn drain(ring: &mut RingBuf<MapData>, mut on_record: impl FnMut(&[u8])) -> usize {
