@@ -16,6 +16,12 @@
 pub enum RecordKind {
     /// A [`SampleHeader`] followed by the kernel stack, then the user stack bytes.
     Sample = 1,
+    /// A [`ProcessEvent`]: the process replaced its image (`execve`); what was
+    /// known of its mappings is stale.
+    Exec = 2,
+    /// A [`ProcessEvent`]: the process's main thread exited; its tgid may be
+    /// reused by an unrelated process.
+    Exit = 3,
 }
 
 /// Bit flags in [`SampleHeader::flags`].
@@ -105,13 +111,30 @@ pub const SAMPLE_HEADER_SIZE: usize = 88;
 const _: () = assert!(core::mem::size_of::<SampleHeader>() == SAMPLE_HEADER_SIZE);
 const _: () = assert!(SAMPLE_HEADER_SIZE.is_multiple_of(8));
 
+/// An exec or exit of a process, in the same ring buffer as the samples so
+/// that it is read in order with them: samples taken after an exec are never
+/// unwound with the mappings from before it.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct ProcessEvent {
+    /// [`RecordKind::Exec`] or [`RecordKind::Exit`].
+    pub kind: u32,
+    pub tgid: u32,
+    /// `bpf_ktime_get_ns()` at the event.
+    pub ktime_ns: u64,
+}
+
+/// Size of [`ProcessEvent`] in bytes.
+pub const PROCESS_EVENT_SIZE: usize = 16;
+const _: () = assert!(core::mem::size_of::<ProcessEvent>() == PROCESS_EVENT_SIZE);
+
 /// Indices into the per-CPU `COUNTERS` array.
 #[repr(u32)]
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Counter {
     /// Ticks that produced a record in the ring buffer.
     Samples = 0,
-    /// Records lost because the ring buffer was full.
+    /// Records (samples or process events) lost because the ring buffer was full.
     RingBufferFull = 1,
     /// Ticks whose user stack copy read no byte at all.
     CopyFailed = 2,
@@ -139,6 +162,10 @@ pub const COUNTER_SLOTS: u32 = Counter::ALL.len() as u32;
 /// than the loader.
 pub mod names {
     pub const PROGRAM: &str = "sample_cpu_clock";
+    pub const EXEC_PROGRAM: &str = "on_process_exec";
+    pub const EXIT_PROGRAM: &str = "on_process_exit";
+    pub const EXEC_TRACEPOINT: &str = "sched_process_exec";
+    pub const EXIT_TRACEPOINT: &str = "sched_process_exit";
     pub const SAMPLES_RING: &str = "SAMPLES";
     pub const SCRATCH: &str = "SCRATCH";
     pub const COUNTERS: &str = "COUNTERS";

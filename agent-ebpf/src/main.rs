@@ -1,4 +1,5 @@
-//! The stackscope sampler: a `perf_event` program on `PERF_COUNT_SW_CPU_CLOCK`.
+//! The stackscope sampler: a `perf_event` program on `PERF_COUNT_SW_CPU_CLOCK`,
+//! plus two raw tracepoints reporting process exec and exit.
 //!
 //! On each tick it writes one variable-length record to the `SAMPLES` ring
 //! buffer: a [`SampleHeader`] (ids, cgroup, comm, user registers), the kernel
@@ -15,7 +16,7 @@
 use core::ffi::c_void;
 
 use agent_common::{
-    COUNTER_SLOTS, Counter, DEFAULT_USER_STACK_BYTES, MAX_ALLOW_ENTRIES, MAX_KERNEL_STACK_BYTES,
+    COUNTER_SLOTS, Counter, ProcessEvent, DEFAULT_USER_STACK_BYTES, MAX_ALLOW_ENTRIES, MAX_KERNEL_STACK_BYTES,
     MAX_USER_STACK_BYTES, PAGE_SIZE, RecordKind, SAMPLE_HEADER_SIZE, SCRATCH_BYTES, SampleHeader,
     sample_flags,
 };
@@ -29,9 +30,9 @@ use aya_ebpf::{
             bpf_get_current_task_btf, bpf_get_stack, bpf_probe_read_user, bpf_task_pt_regs,
         },
     },
-    macros::{map, perf_event},
+    macros::{map, perf_event, raw_tracepoint},
     maps::{Array, HashMap, PerCpuArray, RingBuf},
-    programs::PerfEventContext,
+    programs::{PerfEventContext, RawTracePointContext},
 };
 use aya_log_ebpf::debug;
 
@@ -200,6 +201,44 @@ fn try_sample_cpu_clock(ctx: &PerfEventContext) -> Result<u32, u32> {
         count(Counter::Samples);
     }
     Ok(0)
+}
+
+/// `execve` replaced the current process's image.
+#[raw_tracepoint(tracepoint = "sched_process_exec")]
+pub fn on_process_exec(_ctx: RawTracePointContext) -> i32 {
+    emit_process_event(RecordKind::Exec);
+    0
+}
+
+/// A task exited. Only the thread group leader's exit is reported: that is
+/// when the tgid can be reused. (A leader that exits before its threads is
+/// rare; the agent re-reads the mappings of a tgid it still sees sampled.)
+#[raw_tracepoint(tracepoint = "sched_process_exit")]
+pub fn on_process_exit(_ctx: RawTracePointContext) -> i32 {
+    let pid_tgid = bpf_get_current_pid_tgid();
+    if pid_tgid >> 32 == pid_tgid & 0xffff_ffff {
+        emit_process_event(RecordKind::Exit);
+    }
+    0
+}
+
+fn emit_process_event(kind: RecordKind) {
+    let tgid = (bpf_get_current_pid_tgid() >> 32) as u32;
+    if tgid == AGENT_TGID.load() {
+        return;
+    }
+    let Some(mut entry) = SAMPLES.reserve::<ProcessEvent>(0) else {
+        count(Counter::RingBufferFull);
+        return;
+    };
+    entry.write(ProcessEvent {
+        kind: kind as u32,
+        tgid,
+        ktime_ns: unsafe { bpf_ktime_get_ns() },
+    });
+    // Events are rare and never urgent: the reader picks them up with the
+    // next batch of samples or on its drain timer.
+    entry.submit(u64::from(BPF_RB_NO_WAKEUP));
 }
 
 #[derive(Clone, Copy)]

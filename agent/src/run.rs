@@ -9,7 +9,7 @@ use tokio::{
 };
 
 use crate::{
-    sampler::{Counters, ProgramStats, Sampler, SamplerConfig, SamplerError, record::Sample},
+    sampler::{Counters, ProgramStats, Sampler, SamplerConfig, SamplerError, record::Record},
     status::{ReaderTotals, Snapshot, StatusLine},
     tally::ProcessTally,
 };
@@ -134,8 +134,9 @@ impl RecordTally {
     fn add(&mut self, bytes: &[u8]) {
         self.totals.records += 1;
         self.totals.bytes += bytes.len() as u64;
-        match Sample::decode(bytes) {
-            Ok(sample) => self.processes.add(sample.header.tgid, || sample.comm()),
+        match Record::decode(bytes) {
+            Ok(Record::Sample(sample)) => self.processes.add(sample.header.tgid, || sample.comm()),
+            Ok(Record::Exec(_) | Record::Exit(_)) => self.totals.process_events += 1,
             Err(err) => {
                 self.totals.decode_errors += 1;
                 if self.totals.decode_errors == 1 {

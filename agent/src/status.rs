@@ -11,6 +11,8 @@ pub struct ReaderTotals {
     pub records: u64,
     pub bytes: u64,
     pub decode_errors: u64,
+    /// Process exec and exit events among the records.
+    pub process_events: u64,
 }
 
 /// Everything the status line is computed from, at one instant.
@@ -37,7 +39,10 @@ impl StatusLine {
     pub fn between(before: &Snapshot, after: &Snapshot, elapsed: Duration) -> Self {
         let secs = elapsed.as_secs_f64().max(1e-9);
         let delta = |a: u64, b: u64| b.saturating_sub(a);
-        let records = delta(before.reader.records, after.reader.records);
+        let records = delta(before.reader.records, after.reader.records).saturating_sub(delta(
+            before.reader.process_events,
+            after.reader.process_events,
+        ));
         let bytes = delta(before.reader.bytes, after.reader.bytes);
         let idle = delta(before.kernel.idle, after.kernel.idle);
         let filtered = delta(before.kernel.filtered, after.kernel.filtered);
@@ -91,6 +96,7 @@ mod tests {
                 records: 100,
                 bytes: 1 << 20,
                 decode_errors: 1,
+                process_events: 3,
             },
             kernel: Counters {
                 samples: 100,
@@ -105,6 +111,7 @@ mod tests {
                 records: 300,
                 bytes: 3 << 20,
                 decode_errors: 1,
+                process_events: 9,
             },
             kernel: Counters {
                 samples: 300,
@@ -115,7 +122,8 @@ mod tests {
             },
         };
         let line = StatusLine::between(&before, &after, Duration::from_secs(2));
-        assert_eq!(line.samples_per_sec, 100.0);
+        // 200 records, of which 6 were process events, in 2 s.
+        assert_eq!(line.samples_per_sec, 97.0);
         assert_eq!(line.bytes_per_sec, 1048576.0);
         assert_eq!(
             (line.dropped, line.copy_failed, line.decode_errors),
@@ -125,7 +133,7 @@ mod tests {
         assert_eq!(line.idle_percent, 16.0);
         assert_eq!(
             line.to_string(),
-            "100.0 samples/s, 1024.0 KiB/s, 5 dropped (ring buffer full), 1 copy failures, \
+            "97.0 samples/s, 1024.0 KiB/s, 5 dropped (ring buffer full), 1 copy failures, \
              0 decode errors, 5 filtered, 16% idle"
         );
     }

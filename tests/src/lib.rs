@@ -12,9 +12,10 @@ use std::{
     time::Duration,
 };
 
+use agent_common::ProcessEvent;
 use stackscope_agent::sampler::{
     Sampler, SamplerConfig,
-    record::{DecodeError, OwnedSample, Sample},
+    record::{DecodeError, OwnedSample, Record},
 };
 
 /// Fails the test with a clear message unless it runs as root.
@@ -208,20 +209,37 @@ pub fn read_maps(pid: u32) -> Vec<Mapping> {
         .collect()
 }
 
+/// What a sampling run read from the ring buffer.
+#[derive(Debug, Default)]
+pub struct Recorded {
+    pub samples: Vec<OwnedSample>,
+    pub execs: Vec<ProcessEvent>,
+    pub exits: Vec<ProcessEvent>,
+    pub decode_errors: Vec<DecodeError>,
+}
+
 /// Runs the real sampler for `duration` and returns every record it read.
-pub fn sample_for(
-    config: &SamplerConfig,
-    duration: Duration,
-) -> Vec<Result<OwnedSample, DecodeError>> {
+pub fn sample_for(config: &SamplerConfig, duration: Duration) -> Recorded {
+    sample_while(config, duration, || {})
+}
+
+/// Like [`sample_for`], calling `during` once the sampler is attached.
+pub fn sample_while(config: &SamplerConfig, duration: Duration, during: impl FnOnce()) -> Recorded {
     let runtime = tokio::runtime::Builder::new_current_thread()
         .enable_all()
         .build()
         .expect("tokio runtime");
     runtime.block_on(async {
         let mut sampler = Sampler::start(config).expect("starting the sampler");
-        let mut samples = Vec::new();
-        let mut keep = |bytes: &[u8]| samples.push(Sample::decode(bytes).map(|s| s.to_owned_sample()));
+        let mut recorded = Recorded::default();
+        let mut keep = |bytes: &[u8]| match Record::decode(bytes) {
+            Ok(Record::Sample(sample)) => recorded.samples.push(sample.to_owned_sample()),
+            Ok(Record::Exec(event)) => recorded.execs.push(event),
+            Ok(Record::Exit(event)) => recorded.exits.push(event),
+            Err(err) => recorded.decode_errors.push(err),
+        };
         let deadline = tokio::time::Instant::now() + duration;
+        during();
         loop {
             tokio::select! {
                 read = sampler.read_records(&mut keep) => { read.expect("reading the ring buffer"); }
@@ -229,7 +247,8 @@ pub fn sample_for(
             }
         }
         sampler.drain_records(&mut keep);
-        samples
+        assert!(recorded.decode_errors.is_empty(), "malformed records: {:?}", recorded.decode_errors);
+        recorded
     })
 }
 

@@ -12,7 +12,7 @@ use agent_common::sample_flags;
 use stackscope_agent::{cgroups, sampler::SamplerConfig};
 use stackscope_tests::{
     Fixture, Mapping, RunningProcess, TempCgroup, exclusive, find_word, kernel_symbol,
-    kernel_symbols, read_maps, require_root, sample_for,
+    kernel_symbols, read_maps, require_root, sample_for, sample_while,
 };
 
 const CANARY: u64 = 0x05CA_1AB1_E0DD_BA11;
@@ -46,10 +46,7 @@ fn copies_the_stack_of_a_deep_recursion_with_every_frames_canary() {
         pids: vec![process.pid()],
         ..SamplerConfig::default()
     };
-    let samples: Vec<_> = sample_for(&config, SAMPLING)
-        .into_iter()
-        .map(|s| s.expect("every record decodes"))
-        .collect();
+    let samples = sample_for(&config, SAMPLING).samples;
 
     // The fixture spins on one of the two CPUs the whole time: about
     // FREQUENCY_HZ * 2 s ticks land on it. Half of that is plenty of margin.
@@ -123,10 +120,7 @@ fn copies_a_short_stack_up_to_the_end_of_its_mapping() {
         pids: vec![process.pid()],
         ..SamplerConfig::default()
     };
-    let samples: Vec<_> = sample_for(&config, SAMPLING)
-        .into_iter()
-        .map(|s| s.expect("every record decodes"))
-        .collect();
+    let samples = sample_for(&config, SAMPLING).samples;
     assert!(!samples.is_empty(), "no samples of the fixture");
     for sample in &samples {
         let h = &sample.header;
@@ -167,10 +161,7 @@ fn records_the_kernel_stack_and_the_saved_user_registers_of_a_syscall() {
         pids: vec![process.pid()],
         ..SamplerConfig::default()
     };
-    let samples: Vec<_> = sample_for(&config, SAMPLING)
-        .into_iter()
-        .map(|s| s.expect("every record decodes"))
-        .collect();
+    let samples = sample_for(&config, SAMPLING).samples;
     let in_kernel: Vec<_> = samples
         .iter()
         .filter(|s| s.header.flags & sample_flags::TICK_IN_USER == 0)
@@ -258,10 +249,7 @@ fn samples_only_the_selected_cgroup() {
         cgroup_ids: ids.clone(),
         ..SamplerConfig::default()
     };
-    let samples: Vec<_> = sample_for(&config, SAMPLING)
-        .into_iter()
-        .map(|s| s.expect("every record decodes"))
-        .collect();
+    let samples = sample_for(&config, SAMPLING).samples;
     // Two spinners share two CPUs: each gets about one CPU's worth of ticks.
     let expected = FREQUENCY_HZ * SAMPLING.as_secs();
     assert!(
@@ -282,6 +270,52 @@ fn samples_only_the_selected_cgroup() {
         );
     }
     assert_ne!(inside.pid(), outside.pid());
+}
+
+#[test]
+fn reports_exec_and_exit_of_processes_in_order_with_samples() {
+    require_root();
+    let _serial = exclusive();
+    let fixture = Fixture::compile("deep_stack");
+    let config = SamplerConfig {
+        frequency_hz: FREQUENCY_HZ,
+        ..SamplerConfig::default()
+    };
+    let mut child_pid = 0;
+    let recorded = sample_while(&config, Duration::from_secs(1), || {
+        let mut child = fixture.start(&["4"]);
+        child_pid = child.pid();
+        std::thread::sleep(Duration::from_millis(300));
+        child.child.kill().expect("killing the fixture");
+        child.child.wait().expect("reaping the fixture");
+    });
+    let execs: Vec<_> = recorded
+        .execs
+        .iter()
+        .filter(|e| e.tgid == child_pid)
+        .collect();
+    let exits: Vec<_> = recorded
+        .exits
+        .iter()
+        .filter(|e| e.tgid == child_pid)
+        .collect();
+    assert_eq!(execs.len(), 1, "exec events of the fixture: {execs:?}");
+    assert_eq!(exits.len(), 1, "exit events of the fixture: {exits:?}");
+    let samples: Vec<_> = recorded
+        .samples
+        .iter()
+        .filter(|s| s.header.tgid == child_pid)
+        .collect();
+    assert!(
+        !samples.is_empty(),
+        "the fixture spun 300 ms without a sample"
+    );
+    for sample in samples {
+        assert!(
+            (execs[0].ktime_ns..=exits[0].ktime_ns).contains(&sample.header.ktime_ns),
+            "a sample of the fixture lies outside its exec..exit"
+        );
+    }
 }
 
 /// BPF objects a process holds open, read from `/proc/<pid>/fdinfo`:

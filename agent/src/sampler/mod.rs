@@ -19,7 +19,7 @@ use aya::{
     Ebpf, EbpfLoader,
     maps::{HashMap, MapData, PerCpuArray, RingBuf},
     programs::{
-        PerfEvent,
+        PerfEvent, RawTracePoint,
         perf_event::{PerfEventConfig, PerfEventScope, SamplePolicy, SoftwareEvent},
     },
     util::{nr_cpus, online_cpus},
@@ -187,6 +187,22 @@ impl Sampler {
                     false,
                 )
                 .map_err(program_error)?;
+        }
+
+        // Process lifecycle events keep the agent's view of each process's
+        // mappings current; they travel in the sample ring, in order.
+        for (name, tracepoint) in [
+            (names::EXEC_PROGRAM, names::EXEC_TRACEPOINT),
+            (names::EXIT_PROGRAM, names::EXIT_TRACEPOINT),
+        ] {
+            let error = |source| SamplerError::Program { name, source };
+            let program: &mut RawTracePoint = ebpf
+                .program_mut(name)
+                .ok_or(SamplerError::Missing(name))?
+                .try_into()
+                .map_err(error)?;
+            program.load().map_err(error)?;
+            program.attach(tracepoint).map_err(error)?;
         }
 
         let ring: RingBuf<MapData> = take_map(&mut ebpf, names::SAMPLES_RING)?;

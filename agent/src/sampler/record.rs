@@ -1,4 +1,5 @@
-//! Decoding of the records the BPF sampler writes to the ring buffer.
+//! Decoding of the records the BPF programs write to the ring buffer:
+//! samples, and process exec/exit events.
 //!
 //! The ring buffer is written by our own program, but the decoder still treats
 //! every record as untrusted bytes: a layout mismatch between a stale BPF object
@@ -7,15 +8,16 @@
 //! actually present before it is used.
 
 use agent_common::{
-    MAX_KERNEL_STACK_BYTES, MAX_USER_STACK_BYTES, RecordKind, SAMPLE_HEADER_SIZE, SampleHeader,
+    MAX_KERNEL_STACK_BYTES, MAX_USER_STACK_BYTES, PROCESS_EVENT_SIZE, ProcessEvent, RecordKind,
+    SAMPLE_HEADER_SIZE, SampleHeader,
 };
 
 /// Why a record could not be decoded.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum DecodeError {
-    /// The record is shorter than its fixed header.
-    #[error("record of {len} bytes is shorter than the {SAMPLE_HEADER_SIZE}-byte sample header")]
-    ShortHeader { len: usize },
+    /// The record is shorter than the fixed part of its kind.
+    #[error("record of {len} bytes is shorter than the {needed} bytes its kind starts with")]
+    ShortHeader { len: usize, needed: usize },
     /// The first word names no record kind this agent knows.
     #[error("unknown record kind {0}")]
     UnknownKind(u32),
@@ -30,6 +32,46 @@ pub enum DecodeError {
     LengthMismatch { announced: usize, len: usize },
 }
 
+/// Any record of the ring buffer.
+#[derive(Debug, Clone, Copy)]
+pub enum Record<'a> {
+    Sample(Sample<'a>),
+    /// The process replaced its image: its mappings are stale.
+    Exec(ProcessEvent),
+    /// The process exited: its tgid may be reused.
+    Exit(ProcessEvent),
+}
+
+impl<'a> Record<'a> {
+    /// Decodes one ring buffer record of any kind.
+    pub fn decode(record: &'a [u8]) -> Result<Self, DecodeError> {
+        let kind = record
+            .get(..4)
+            .map(|word| u32::from_ne_bytes(word.try_into().expect("4 bytes")))
+            .ok_or(DecodeError::ShortHeader {
+                len: record.len(),
+                needed: 4,
+            })?;
+        match kind {
+            k if k == RecordKind::Sample as u32 => Sample::decode(record).map(Record::Sample),
+            k if k == RecordKind::Exec as u32 => decode_process_event(record).map(Record::Exec),
+            k if k == RecordKind::Exit as u32 => decode_process_event(record).map(Record::Exit),
+            other => Err(DecodeError::UnknownKind(other)),
+        }
+    }
+}
+
+fn decode_process_event(record: &[u8]) -> Result<ProcessEvent, DecodeError> {
+    if record.len() != PROCESS_EVENT_SIZE {
+        return Err(DecodeError::LengthMismatch {
+            announced: PROCESS_EVENT_SIZE,
+            len: record.len(),
+        });
+    }
+    // SAFETY: exactly size_of::<ProcessEvent>() bytes, integers only, unaligned read.
+    Ok(unsafe { core::ptr::read_unaligned(record.as_ptr().cast()) })
+}
+
 /// One decoded sample, borrowing its stacks from the ring buffer.
 #[derive(Debug, Clone, Copy)]
 pub struct Sample<'a> {
@@ -40,11 +82,14 @@ pub struct Sample<'a> {
 }
 
 impl<'a> Sample<'a> {
-    /// Decodes one ring buffer record.
+    /// Decodes one sample record.
     pub fn decode(record: &'a [u8]) -> Result<Self, DecodeError> {
         let header_bytes = record
             .get(..SAMPLE_HEADER_SIZE)
-            .ok_or(DecodeError::ShortHeader { len: record.len() })?;
+            .ok_or(DecodeError::ShortHeader {
+                len: record.len(),
+                needed: SAMPLE_HEADER_SIZE,
+            })?;
         // SAFETY: `header_bytes` holds SAMPLE_HEADER_SIZE == size_of::<SampleHeader>()
         // bytes, the header is made only of integers (every bit pattern is valid)
         // and `read_unaligned` makes no alignment assumption.
@@ -202,7 +247,10 @@ mod tests {
         for len in 0..record.len() {
             let err = Sample::decode(&record[..len]).unwrap_err();
             let expected = if len < SAMPLE_HEADER_SIZE {
-                DecodeError::ShortHeader { len }
+                DecodeError::ShortHeader {
+                    len,
+                    needed: SAMPLE_HEADER_SIZE,
+                }
             } else {
                 DecodeError::LengthMismatch {
                     announced: record.len(),
@@ -259,6 +307,65 @@ mod tests {
         );
     }
 
+    fn encode_event(kind: RecordKind, tgid: u32) -> Vec<u8> {
+        let event = ProcessEvent {
+            kind: kind as u32,
+            tgid,
+            ktime_ns: 99,
+        };
+        // SAFETY: ProcessEvent is repr(C) without padding.
+        unsafe {
+            core::slice::from_raw_parts(
+                core::ptr::from_ref(&event).cast::<u8>(),
+                PROCESS_EVENT_SIZE,
+            )
+        }
+        .to_vec()
+    }
+
+    #[test]
+    fn decodes_every_record_kind() {
+        let sample = encode(&header(0, 2), &[], &[7, 8]);
+        assert!(matches!(Record::decode(&sample), Ok(Record::Sample(s)) if s.user_stack == [7, 8]));
+        let exec = encode_event(RecordKind::Exec, 41);
+        assert!(
+            matches!(Record::decode(&exec), Ok(Record::Exec(e)) if e.tgid == 41 && e.ktime_ns == 99)
+        );
+        let exit = encode_event(RecordKind::Exit, 42);
+        assert!(matches!(Record::decode(&exit), Ok(Record::Exit(e)) if e.tgid == 42));
+    }
+
+    #[test]
+    fn rejects_short_and_long_process_events() {
+        let exec = encode_event(RecordKind::Exec, 41);
+        assert_eq!(
+            Record::decode(&exec[..2]).unwrap_err(),
+            DecodeError::ShortHeader { len: 2, needed: 4 }
+        );
+        assert_eq!(
+            Record::decode(&exec[..12]).unwrap_err(),
+            DecodeError::LengthMismatch {
+                announced: PROCESS_EVENT_SIZE,
+                len: 12
+            }
+        );
+        let mut long = exec.clone();
+        long.push(0);
+        assert_eq!(
+            Record::decode(&long).unwrap_err(),
+            DecodeError::LengthMismatch {
+                announced: PROCESS_EVENT_SIZE,
+                len: 17
+            }
+        );
+        let mut unknown = exec;
+        unknown[..4].copy_from_slice(&7u32.to_ne_bytes());
+        assert_eq!(
+            Record::decode(&unknown).unwrap_err(),
+            DecodeError::UnknownKind(7)
+        );
+    }
+
     #[test]
     fn garbage_never_panics() {
         // A deterministic xorshift stream of garbage records of every length up
@@ -279,6 +386,9 @@ mod tests {
                 }
                 if let Ok(sample) = Sample::decode(&bytes) {
                     assert_eq!(sample.record_len(), len);
+                }
+                if let Ok(Record::Exec(_) | Record::Exit(_)) = Record::decode(&bytes) {
+                    assert_eq!(len, PROCESS_EVENT_SIZE);
                 }
             }
         }
