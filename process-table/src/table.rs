@@ -1,0 +1,917 @@
+//! The process table: for every process seen in samples, its executable
+//! mappings and the object each one is.
+//!
+//! Owns: reading a process's maps on first sight and again when a sample
+//! falls outside every known mapping (at most once per
+//! [`REREAD_INTERVAL`] per process), dropping a process on exit or `exec`,
+//! bounding memory ([`MAX_PROCESSES`], [`MAX_CACHED_OBJECTS`]), caching
+//! identities per file version so a library mapped by a hundred processes is
+//! read once, and turning an address into a file offset and an ELF virtual
+//! address.
+//!
+//! Does not own: unwind tables (compiled elsewhere, keyed by the
+//! [`ObjectId`] handed out here), symbolization, or learning about exits and
+//! execs (the caller forwards the sampler's events to [`ProcessTable::remove`]
+//! and [`ProcessTable::exec`]). The table does not poll `/proc`: until told,
+//! it keeps answering from what it read, so a pid reused without an exit
+//! event in between would be answered from the old process's mappings for
+//! addresses they cover.
+
+use std::{
+    collections::{BTreeMap, HashMap},
+    path::{Path, PathBuf},
+    sync::Arc,
+    time::{Duration, Instant},
+};
+
+use thiserror::Error;
+
+use crate::{
+    elf::LoadSegment,
+    maps::{self, Mapping, MappingPath, MapsError},
+    object_id::{self, FileKey, IdentityError, ObjectId},
+    open::{self, OpenError, OpenedFile},
+};
+
+/// Processes tracked at once; the least recently looked-up one is dropped
+/// to make room (it is read again if it shows up later). A process costs
+/// roughly 150 bytes per executable mapping, typically 20-100 of them, so
+/// the cap keeps the table within a few tens of MB.
+pub const MAX_PROCESSES: usize = 4096;
+
+/// Shortest time between two reads of one process's maps triggered by
+/// addresses outside its known mappings: a process that keeps producing an
+/// unknown address (a garbage frame, code that is mapped and unmapped in a
+/// loop) costs at most 10 reads per second.
+pub const REREAD_INTERVAL: Duration = Duration::from_millis(100);
+
+/// Identities kept once no tracked process maps the file any more is
+/// limited to this many entries; beyond it, unused ones are dropped.
+pub const MAX_CACHED_OBJECTS: usize = 16384;
+
+/// Tunables; [`Default`] gives the documented constants and the real `/proc`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct TableConfig {
+    /// Where procfs is mounted (`/proc`, or the host's procfs seen from a
+    /// container).
+    pub proc_root: PathBuf,
+    /// [`MAX_PROCESSES`] by default; 0 behaves as 1.
+    pub max_processes: usize,
+    /// [`REREAD_INTERVAL`] by default.
+    pub reread_interval: Duration,
+    /// [`MAX_CACHED_OBJECTS`] by default.
+    pub max_cached_objects: usize,
+}
+
+impl Default for TableConfig {
+    fn default() -> Self {
+        Self {
+            proc_root: PathBuf::from("/proc"),
+            max_processes: MAX_PROCESSES,
+            reread_interval: REREAD_INTERVAL,
+            max_cached_objects: MAX_CACHED_OBJECTS,
+        }
+    }
+}
+
+/// Counters since the table was created.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct TableStats {
+    pub lookups: u64,
+    /// Reads of a `/proc/<pid>/maps` (first sight and re-reads), including
+    /// ones that found the process gone.
+    pub maps_reads: u64,
+    /// Misses that did not re-read because the last read was too recent.
+    pub rereads_rate_limited: u64,
+    /// Files opened and identified (object cache misses).
+    pub objects_identified: u64,
+    /// Mappings whose file was found in the object cache.
+    pub object_cache_hits: u64,
+    /// Processes dropped to stay within `max_processes`.
+    pub evictions: u64,
+}
+
+/// Why a lookup failed.
+#[derive(Debug, Error)]
+pub enum ProcessError {
+    /// The process exited (or is a zombie). Its entry has been dropped.
+    #[error("process {tgid} is gone")]
+    ProcessGone { tgid: u32 },
+    /// Its maps could not be read or parsed. Retried at most once per
+    /// `reread_interval`; lookups in between answer `Ok(None)`.
+    #[error("reading the mappings of process {tgid}")]
+    Maps {
+        tgid: u32,
+        #[source]
+        source: MapsError,
+    },
+    /// The address is in a file mapping whose file could not be reached or
+    /// read when the process's maps were read. The error is kept (shared)
+    /// until the next read of the maps.
+    #[error("cannot identify the file mapped at {start:#x}-{end:#x} in process {tgid}")]
+    Unidentified {
+        tgid: u32,
+        start: u64,
+        end: u64,
+        #[source]
+        source: Arc<MappingError>,
+    },
+}
+
+/// Why one mapping's file could not be identified.
+#[derive(Debug, Error)]
+pub enum MappingError {
+    #[error("reaching the mapped file")]
+    Open(#[source] OpenError),
+    #[error("identifying the mapped file")]
+    Identify(#[source] IdentityError),
+}
+
+/// One executable mapping of one process, shared between the table and the
+/// lookups that returned it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct MappedRegion {
+    pub tgid: u32,
+    pub mapping: Mapping,
+    proc_root: Arc<Path>,
+}
+
+impl MappedRegion {
+    /// `/proc/<tgid>/map_files/<start>-<end>`: opens the exact file mapped,
+    /// even if deleted or inside a container (needs root).
+    pub fn map_files_path(&self) -> PathBuf {
+        open::map_files_path(
+            &self.proc_root,
+            self.tgid,
+            self.mapping.start,
+            self.mapping.end,
+        )
+    }
+
+    /// Opens the mapped file (see [`open::open_mapped`]), e.g. for the table
+    /// compiler. Fails once the process has exited.
+    pub fn open(&self) -> Result<OpenedFile, OpenError> {
+        open::open_mapped(&self.proc_root, self.tgid, &self.mapping)
+    }
+}
+
+/// Where an address is.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Location {
+    /// In a mapping of an identified file.
+    Object(MappedObject),
+    /// In executable memory with no file to read: `[vdso]` (the agent
+    /// unwinds it with its own copy of the image; `addr - mapping.start` is
+    /// the offset into it), `[vsyscall]`, or anonymous memory (JIT code).
+    /// `region.mapping.path` says which.
+    Unbacked(Arc<MappedRegion>),
+}
+
+/// An address in a mapping of an identified file.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct MappedObject {
+    /// The file's identity, shared by every mapping of the same version.
+    pub id: Arc<ObjectId>,
+    /// The mapping the address is in.
+    pub region: Arc<MappedRegion>,
+    /// `addr - start + offset`: where the byte at the address is in the file.
+    pub file_offset: u64,
+    /// The address in the ELF's own virtual address space (what symbol
+    /// tables and `.eh_frame` speak): `addr - start + offset - p_offset +
+    /// p_vaddr` for the `PT_LOAD` segment the mapping comes from. `None` for
+    /// files that are not ELF or when no segment covers the mapping's offset.
+    pub elf_vaddr: Option<u64>,
+}
+
+impl MappedObject {
+    /// The name the process's maps show for the file.
+    pub fn path(&self) -> &MappingPath {
+        &self.region.mapping.path
+    }
+
+    /// Opens the file, for the table compiler or symbolizer.
+    pub fn open(&self) -> Result<OpenedFile, OpenError> {
+        self.region.open()
+    }
+}
+
+/// An identity in the cache, shared by every mapping of one file version.
+#[derive(Debug)]
+struct CachedObject {
+    id: Arc<ObjectId>,
+    load_segments: Option<Vec<LoadSegment>>,
+}
+
+#[derive(Debug)]
+enum Backing {
+    /// `vaddr = addr - bias` (wrapping) when `bias` is known.
+    Object {
+        object: Arc<CachedObject>,
+        bias: Option<u64>,
+    },
+    Failed(Arc<MappingError>),
+    Unbacked,
+}
+
+#[derive(Debug)]
+struct Region {
+    region: Arc<MappedRegion>,
+    backing: Backing,
+}
+
+impl Region {
+    fn location(&self, addr: u64) -> Result<Location, ProcessError> {
+        let mapping = &self.region.mapping;
+        match &self.backing {
+            Backing::Object { object, bias } => Ok(Location::Object(MappedObject {
+                id: Arc::clone(&object.id),
+                region: Arc::clone(&self.region),
+                file_offset: addr
+                    .wrapping_sub(mapping.start)
+                    .wrapping_add(mapping.offset),
+                elf_vaddr: bias.map(|bias| addr.wrapping_sub(bias)),
+            })),
+            Backing::Failed(err) => Err(ProcessError::Unidentified {
+                tgid: self.region.tgid,
+                start: mapping.start,
+                end: mapping.end,
+                source: Arc::clone(err),
+            }),
+            Backing::Unbacked => Ok(Location::Unbacked(Arc::clone(&self.region))),
+        }
+    }
+}
+
+#[derive(Debug)]
+struct Process {
+    /// Executable mappings, sorted by start; the kernel never overlaps them.
+    regions: Vec<Region>,
+    read_at: Instant,
+    /// Key of this process in `ProcessTable::lru`.
+    lru_tick: u64,
+}
+
+impl Process {
+    fn find(&self, addr: u64) -> Option<&Region> {
+        let after = self
+            .regions
+            .partition_point(|region| region.region.mapping.start <= addr);
+        let candidate = self.regions.get(after.checked_sub(1)?)?;
+        candidate.region.mapping.contains(addr).then_some(candidate)
+    }
+}
+
+/// See the module documentation.
+#[derive(Debug)]
+pub struct ProcessTable {
+    config: TableConfig,
+    proc_root: Arc<Path>,
+    page_size: u64,
+    processes: HashMap<u32, Process>,
+    /// Last use tick → tgid; the first entry is the least recently used.
+    lru: BTreeMap<u64, u32>,
+    tick: u64,
+    objects: HashMap<FileKey, Arc<CachedObject>>,
+    stats: TableStats,
+}
+
+impl Default for ProcessTable {
+    fn default() -> Self {
+        Self::new(TableConfig::default())
+    }
+}
+
+impl ProcessTable {
+    pub fn new(config: TableConfig) -> Self {
+        // SAFETY: sysconf has no preconditions.
+        let page_size = unsafe { libc::sysconf(libc::_SC_PAGESIZE) };
+        Self {
+            proc_root: Arc::from(config.proc_root.as_path()),
+            config,
+            // sysconf fails only for unknown names; 4 KiB is x86_64's size.
+            page_size: u64::try_from(page_size).unwrap_or(4096).max(1),
+            processes: HashMap::new(),
+            lru: BTreeMap::new(),
+            tick: 0,
+            objects: HashMap::new(),
+            stats: TableStats::default(),
+        }
+    }
+
+    /// Where `addr` is in process `tgid`.
+    ///
+    /// Reads the process's maps on first sight. An address outside every
+    /// known executable mapping, or in one whose file could not be
+    /// identified, re-reads them (the process may have loaded a library
+    /// since), unless they were read less than `reread_interval` ago.
+    /// `Ok(None)` means "not in executable memory as far as we know".
+    pub fn lookup(&mut self, tgid: u32, addr: u64) -> Result<Option<Location>, ProcessError> {
+        self.stats.lookups += 1;
+        let interval = self.config.reread_interval;
+        let process = self.process(tgid)?;
+        if let Some(region) = process.find(addr) {
+            // A file that could not be identified is retried with the next
+            // read, under the same rate limit as unknown addresses: the
+            // failure may have been a race with the process changing its
+            // mappings.
+            if !matches!(region.backing, Backing::Failed(_)) || process.read_at.elapsed() < interval
+            {
+                return region.location(addr).map(Some);
+            }
+        } else if process.read_at.elapsed() < interval {
+            self.stats.rereads_rate_limited += 1;
+            return Ok(None);
+        }
+        self.load(tgid)?;
+        match self.processes.get(&tgid).and_then(|p| p.find(addr)) {
+            Some(region) => region.location(addr).map(Some),
+            None => Ok(None),
+        }
+    }
+
+    /// The `[vdso]` mapping of `tgid`, reading the process on first sight.
+    pub fn vdso(&mut self, tgid: u32) -> Result<Option<Arc<MappedRegion>>, ProcessError> {
+        let process = self.process(tgid)?;
+        Ok(process
+            .regions
+            .iter()
+            .find(|region| region.region.mapping.path == MappingPath::Vdso)
+            .map(|region| Arc::clone(&region.region)))
+    }
+
+    /// Forgets `tgid`: call on process exit, so a later process with the
+    /// same pid starts from a fresh read.
+    pub fn remove(&mut self, tgid: u32) {
+        if let Some(process) = self.processes.remove(&tgid) {
+            self.lru.remove(&process.lru_tick);
+        }
+    }
+
+    /// Forgets the mappings of `tgid` because it called `exec`: the new
+    /// program's mappings are read on its next sample.
+    pub fn exec(&mut self, tgid: u32) {
+        self.remove(tgid);
+    }
+
+    /// Number of processes tracked.
+    pub fn len(&self) -> usize {
+        self.processes.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.processes.is_empty()
+    }
+
+    /// Whether `tgid` is tracked (without reading anything).
+    pub fn contains(&self, tgid: u32) -> bool {
+        self.processes.contains_key(&tgid)
+    }
+
+    /// Number of file versions in the identity cache.
+    pub fn cached_objects(&self) -> usize {
+        self.objects.len()
+    }
+
+    pub fn stats(&self) -> TableStats {
+        self.stats
+    }
+
+    /// The entry for `tgid`, read if new, marked as just used.
+    fn process(&mut self, tgid: u32) -> Result<&Process, ProcessError> {
+        if self.processes.contains_key(&tgid) {
+            self.tick += 1;
+            let tick = self.tick;
+            if let Some(process) = self.processes.get_mut(&tgid) {
+                self.lru.remove(&process.lru_tick);
+                self.lru.insert(tick, tgid);
+                process.lru_tick = tick;
+            }
+        } else {
+            self.load(tgid)?;
+        }
+        self.processes
+            .get(&tgid)
+            .ok_or(ProcessError::ProcessGone { tgid })
+    }
+
+    /// (Re-)reads `tgid`'s maps and replaces its entry. On any error the old
+    /// entry is dropped too: it was either wrong or belongs to a dead process.
+    fn load(&mut self, tgid: u32) -> Result<(), ProcessError> {
+        self.remove(tgid);
+        self.stats.maps_reads += 1;
+        let mappings = match maps::read_maps_at(&self.proc_root, tgid) {
+            Ok(mappings) => mappings,
+            Err(MapsError::ProcessGone { .. }) => return Err(ProcessError::ProcessGone { tgid }),
+            Err(source) => {
+                // An empty entry puts retries under the rate limit: maps we
+                // cannot read or parse must not be read again every sample.
+                self.insert(tgid, Vec::new());
+                return Err(ProcessError::Maps { tgid, source });
+            }
+        };
+        let mut regions = Vec::new();
+        for mapping in mappings.into_iter().filter(|m| m.perms.exec) {
+            let backing = if mapping.is_file_backed() {
+                match self.identify(tgid, &mapping) {
+                    Ok(object) => {
+                        let bias = object
+                            .load_segments
+                            .as_deref()
+                            .and_then(|segments| bias(&mapping, segments, self.page_size));
+                        Backing::Object { object, bias }
+                    }
+                    Err(MappingError::Open(OpenError::ProcessGone { .. })) => {
+                        return Err(ProcessError::ProcessGone { tgid });
+                    }
+                    Err(err) => {
+                        tracing::debug!(
+                            tgid,
+                            start = mapping.start,
+                            path = %mapping.path,
+                            error = %err,
+                            "cannot identify a mapped file"
+                        );
+                        Backing::Failed(Arc::new(err))
+                    }
+                }
+            } else {
+                Backing::Unbacked
+            };
+            regions.push(Region {
+                region: Arc::new(MappedRegion {
+                    tgid,
+                    mapping,
+                    proc_root: Arc::clone(&self.proc_root),
+                }),
+                backing,
+            });
+        }
+        // The kernel prints maps sorted; sorting again costs little and keeps
+        // `find` correct for a hand-written proc root.
+        regions.sort_by_key(|region| region.region.mapping.start);
+        self.insert(tgid, regions);
+        self.trim_objects();
+        Ok(())
+    }
+
+    /// Adds a freshly read process, evicting the least recently used one if
+    /// the table is full.
+    fn insert(&mut self, tgid: u32, regions: Vec<Region>) {
+        if self.processes.len() >= self.config.max_processes {
+            self.evict_one();
+        }
+        self.tick += 1;
+        self.lru.insert(self.tick, tgid);
+        self.processes.insert(
+            tgid,
+            Process {
+                regions,
+                read_at: Instant::now(),
+                lru_tick: self.tick,
+            },
+        );
+    }
+
+    /// The identity of a mapped file, from the cache when this version of
+    /// the file (by `stat`) was seen before.
+    fn identify(
+        &mut self,
+        tgid: u32,
+        mapping: &Mapping,
+    ) -> Result<Arc<CachedObject>, MappingError> {
+        let (metadata, _) =
+            open::stat_mapped(&self.proc_root, tgid, mapping).map_err(MappingError::Open)?;
+        if let Some(object) = self.objects.get(&FileKey::from_metadata(&metadata)) {
+            self.stats.object_cache_hits += 1;
+            return Ok(Arc::clone(object));
+        }
+        let opened =
+            open::open_mapped(&self.proc_root, tgid, mapping).map_err(MappingError::Open)?;
+        // Key by the opened file's own metadata: the file may have been
+        // rewritten between the stat and the open.
+        let identity =
+            object_id::identify(&opened.file, &opened.metadata).map_err(MappingError::Identify)?;
+        self.stats.objects_identified += 1;
+        let object = Arc::new(CachedObject {
+            id: Arc::new(identity.id),
+            load_segments: identity.load_segments,
+        });
+        self.objects.insert(identity.file_key, Arc::clone(&object));
+        Ok(object)
+    }
+
+    fn evict_one(&mut self) {
+        if let Some((_, tgid)) = self.lru.pop_first() {
+            self.processes.remove(&tgid);
+            self.stats.evictions += 1;
+        }
+    }
+
+    /// Keeps the identity cache bounded: past the cap, identities no tracked
+    /// process maps are dropped. Ones still in use stay, so the cache can
+    /// exceed the cap only as far as the processes' own mappings demand.
+    fn trim_objects(&mut self) {
+        if self.objects.len() > self.config.max_cached_objects {
+            self.objects
+                .retain(|_, object| Arc::strong_count(object) > 1);
+        }
+    }
+}
+
+/// The bias of a file mapping: `elf_vaddr = addr - bias` (wrapping), i.e.
+/// `bias = start - offset + p_offset - p_vaddr` for the `PT_LOAD` segment
+/// the mapping was made from.
+///
+/// The loader maps each segment from its page-aligned offset, so the segment
+/// is one whose file range, extended down to a page boundary, holds the
+/// mapping's offset. (A mapping split by `mprotect` starts further into the
+/// segment; the same segment still covers it.) Segments can share a file
+/// page (GNU ld puts `.rodata` and `.data` on one page, and small files
+/// without `-z separate-code` put everything on one); then the segment whose
+/// execute and write permissions match the mapping's wins. For executable
+/// mappings, the only ones the table keeps, that settles it. A read-only
+/// mapping can still be ambiguous: `mprotect` for RELRO makes the start of
+/// the data segment read-only, so it looks like the `.rodata` segment that
+/// shares its page.
+pub fn bias(mapping: &Mapping, segments: &[LoadSegment], page_size: u64) -> Option<u64> {
+    let covers = |segment: &LoadSegment| {
+        let first = segment.offset - segment.offset % page_size;
+        segment
+            .offset
+            .checked_add(segment.file_size)
+            .is_some_and(|last| (first..last).contains(&mapping.offset))
+    };
+    let write = object::elf::PF_W.0;
+    let score = |segment: &LoadSegment| {
+        u8::from(segment.is_executable() == mapping.perms.exec) * 2
+            + u8::from((segment.flags & write != 0) == mapping.perms.write)
+    };
+    // `max_by_key` keeps the last of equals; `rev` makes it the first.
+    let segment = segments
+        .iter()
+        .filter(|segment| covers(segment))
+        .rev()
+        .max_by_key(|segment| score(segment))?;
+    Some(
+        mapping
+            .start
+            .wrapping_sub(mapping.offset)
+            .wrapping_add(segment.offset)
+            .wrapping_sub(segment.vaddr),
+    )
+}
+
+#[cfg(test)]
+mod tests {
+    use std::fmt::Write as _;
+
+    use super::*;
+    use crate::maps::{Dev, Perms};
+
+    const PAGE: u64 = 4096;
+    const R: u32 = object::elf::PF_R.0;
+    const W: u32 = object::elf::PF_W.0;
+    const X: u32 = object::elf::PF_X.0;
+
+    fn segment(offset: u64, vaddr: u64, file_size: u64, flags: u32) -> LoadSegment {
+        LoadSegment {
+            offset,
+            vaddr,
+            file_size,
+            mem_size: file_size,
+            flags,
+        }
+    }
+
+    fn mapping(start: u64, end: u64, offset: u64, exec: bool) -> Mapping {
+        Mapping {
+            start,
+            end,
+            perms: Perms {
+                read: true,
+                write: false,
+                exec,
+                private: true,
+            },
+            offset,
+            dev: Dev { major: 8, minor: 1 },
+            inode: 12,
+            path: MappingPath::File {
+                path: "/lib/x.so".into(),
+                deleted: false,
+            },
+        }
+    }
+
+    /// A PIE laid out the way GNU ld does with -z separate-code.
+    fn pie_segments() -> Vec<LoadSegment> {
+        vec![
+            segment(0, 0, 0x628, R),
+            segment(0x1000, 0x1000, 0x1c5, R | X),
+            segment(0x2000, 0x2000, 0x144, R),
+            segment(0x2df0, 0x3df0, 0x248, R | W),
+        ]
+    }
+
+    #[test]
+    fn bias_of_a_pie_code_mapping() {
+        let code = mapping(0x55d0c8a01000, 0x55d0c8a02000, 0x1000, true);
+        let bias = bias(&code, &pie_segments(), PAGE).expect("covered");
+        assert_eq!(bias, 0x55d0c8a00000);
+        // A function at ELF vaddr 0x1139.
+        assert_eq!(0x55d0c8a01139u64.wrapping_sub(bias), 0x1139);
+    }
+
+    #[test]
+    fn bias_of_a_data_segment_with_vaddr_ahead_of_offset() {
+        // The RW segment is mapped from page 0x2000 at vaddr page 0x3000;
+        // the read-only segment shares that file page at vaddr 0x2000.
+        let mut data = mapping(0x55d0c8a03000, 0x55d0c8a05000, 0x2000, false);
+        data.perms.write = true;
+        let data_bias = bias(&data, &pie_segments(), PAGE).expect("covered");
+        assert_eq!(0x55d0c8a03df0u64.wrapping_sub(data_bias), 0x3df0);
+        let rodata = mapping(0x55d0c8a02000, 0x55d0c8a03000, 0x2000, false);
+        let rodata_bias = bias(&rodata, &pie_segments(), PAGE).expect("covered");
+        assert_eq!(0x55d0c8a02010u64.wrapping_sub(rodata_bias), 0x2010);
+    }
+
+    #[test]
+    fn bias_of_a_non_pie_executable_is_zero() {
+        let segments = [
+            segment(0, 0x400000, 0x4e8, R),
+            segment(0x1000, 0x401000, 0x1a5, R | X),
+        ];
+        let code = mapping(0x401000, 0x402000, 0x1000, true);
+        assert_eq!(bias(&code, &segments, PAGE), Some(0));
+    }
+
+    #[test]
+    fn bias_of_a_mapping_split_by_mprotect() {
+        // One 3-page code segment whose middle page was made writable: the
+        // last part starts two pages into the segment.
+        let segments = [segment(0x1000, 0x11000, 0x3000, R | X)];
+        let tail = mapping(0x7f0000003000, 0x7f0000004000, 0x3000, true);
+        let bias = bias(&tail, &segments, PAGE).expect("covered");
+        assert_eq!(0x7f0000003010u64.wrapping_sub(bias), 0x13010);
+    }
+
+    #[test]
+    fn exec_mapping_prefers_exec_segment_on_a_shared_page() {
+        // Without -z separate-code, small segments share file pages.
+        let segments = [
+            segment(0, 0, 0x5c8, R),
+            segment(0x5c8, 0x15c8, 0x200, R | X),
+        ];
+        let code = mapping(0x7f0000001000, 0x7f0000002000, 0, true);
+        let bias = bias(&code, &segments, PAGE).expect("covered");
+        assert_eq!(0x7f00000015d0u64.wrapping_sub(bias), 0x15d0);
+    }
+
+    #[test]
+    fn no_covering_segment() {
+        let far = mapping(0x1000, 0x2000, 0x10_0000, true);
+        assert_eq!(bias(&far, &pie_segments(), PAGE), None);
+        assert_eq!(bias(&far, &[], PAGE), None);
+    }
+
+    /// A proc root with hand-written maps holding only unbacked mappings,
+    /// so no file needs opening.
+    struct FakeProc {
+        dir: tempfile::TempDir,
+    }
+
+    impl FakeProc {
+        fn new() -> Self {
+            Self {
+                dir: tempfile::tempdir().expect("temporary directory"),
+            }
+        }
+
+        fn set_maps(&self, pid: u32, lines: &[&str]) {
+            let dir = self.dir.path().join(pid.to_string());
+            std::fs::create_dir_all(&dir).expect("pid directory");
+            let mut text = String::new();
+            for line in lines {
+                writeln!(text, "{line}").expect("formatting");
+            }
+            std::fs::write(dir.join("maps"), text).expect("writing maps");
+        }
+
+        fn kill(&self, pid: u32) {
+            std::fs::remove_dir_all(self.dir.path().join(pid.to_string())).expect("removing pid");
+        }
+
+        fn table(&self, max_processes: usize, reread_interval: Duration) -> ProcessTable {
+            ProcessTable::new(TableConfig {
+                proc_root: self.dir.path().to_path_buf(),
+                max_processes,
+                reread_interval,
+                ..TableConfig::default()
+            })
+        }
+    }
+
+    const JIT: &str = "7f0000000000-7f0000010000 rwxp 00000000 00:00 0 ";
+    const VDSO: &str = "7ffd5e3d6000-7ffd5e3d8000 r-xp 00000000 00:00 0          [vdso]";
+    const HEAP: &str = "55d0c9b2e000-55d0c9b4f000 rw-p 00000000 00:00 0          [heap]";
+
+    fn unbacked_path(location: Option<Location>) -> MappingPath {
+        match location {
+            Some(Location::Unbacked(region)) => region.mapping.path.clone(),
+            other => panic!("expected an unbacked location, got {other:?}"),
+        }
+    }
+
+    #[test]
+    fn finds_unbacked_regions_and_skips_non_executable_ones() {
+        let proc = FakeProc::new();
+        proc.set_maps(10, &[JIT, HEAP, VDSO]);
+        let mut table = proc.table(8, Duration::from_secs(3600));
+        let found = table.lookup(10, 0x7f0000000010).expect("lookup");
+        assert_eq!(unbacked_path(found), MappingPath::Anonymous);
+        let vdso = table.vdso(10).expect("vdso").expect("has a vdso");
+        assert_eq!(
+            (vdso.mapping.start, vdso.mapping.end),
+            (0x7ffd5e3d6000, 0x7ffd5e3d8000)
+        );
+        assert_eq!(
+            unbacked_path(table.lookup(10, 0x7ffd5e3d7fff).expect("lookup")),
+            MappingPath::Vdso
+        );
+        // The heap is not executable: not a place a return address can be.
+        assert!(table.lookup(10, 0x55d0c9b2e000).expect("lookup").is_none());
+        assert_eq!(table.stats().maps_reads, 1);
+    }
+
+    #[test]
+    fn unknown_address_rereads_at_most_once_per_interval() {
+        let proc = FakeProc::new();
+        proc.set_maps(10, &[JIT]);
+        let interval = Duration::from_millis(200);
+        let mut table = proc.table(8, interval);
+        assert!(table.lookup(10, 0x10).expect("first sight").is_none());
+        // First sight read the maps just now: no re-read yet.
+        assert_eq!(table.stats().maps_reads, 1);
+        for _ in 0..100 {
+            assert!(table.lookup(10, 0x10).expect("rate limited").is_none());
+        }
+        assert_eq!(table.stats().maps_reads, 1);
+        assert_eq!(table.stats().rereads_rate_limited, 101);
+        std::thread::sleep(interval);
+        // A library appeared meanwhile: the re-read finds it.
+        proc.set_maps(10, &[VDSO, JIT]);
+        let found = table.lookup(10, 0x7ffd5e3d6000).expect("re-read");
+        assert_eq!(unbacked_path(found), MappingPath::Vdso);
+        assert_eq!(table.stats().maps_reads, 2);
+    }
+
+    #[test]
+    fn exec_drops_stale_mappings() {
+        let proc = FakeProc::new();
+        proc.set_maps(10, &[JIT]);
+        let mut table = proc.table(8, Duration::from_secs(3600));
+        assert!(table.lookup(10, 0x7f0000000010).expect("lookup").is_some());
+        // The pid now runs another program, without the JIT area.
+        proc.set_maps(10, &[VDSO]);
+        // Until told, the table answers from what it read (documented).
+        assert!(table.lookup(10, 0x7f0000000010).expect("lookup").is_some());
+        table.exec(10);
+        assert!(!table.contains(10));
+        assert!(table.lookup(10, 0x7f0000000010).expect("lookup").is_none());
+        assert_eq!(table.stats().maps_reads, 2);
+    }
+
+    #[test]
+    fn gone_process_is_reported_and_dropped() {
+        let proc = FakeProc::new();
+        proc.set_maps(10, &[JIT]);
+        let mut table = proc.table(8, Duration::ZERO);
+        assert!(table.lookup(10, 0x7f0000000010).expect("lookup").is_some());
+        proc.kill(10);
+        let err = table.lookup(10, 0x10).expect_err("gone");
+        assert!(
+            matches!(err, ProcessError::ProcessGone { tgid: 10 }),
+            "{err:?}"
+        );
+        assert!(!table.contains(10));
+        // A zombie has empty maps: gone as well.
+        proc.set_maps(11, &[]);
+        let err = table.lookup(11, 0x10).expect_err("zombie");
+        assert!(
+            matches!(err, ProcessError::ProcessGone { tgid: 11 }),
+            "{err:?}"
+        );
+        assert!(table.is_empty());
+    }
+
+    #[test]
+    fn garbage_maps_are_an_error_not_a_panic() {
+        let proc = FakeProc::new();
+        proc.set_maps(10, &[JIT, "this is not a maps line"]);
+        let interval = Duration::from_millis(50);
+        let mut table = proc.table(8, interval);
+        let err = table.lookup(10, 0x10).expect_err("parse error");
+        assert!(
+            matches!(
+                &err,
+                ProcessError::Maps {
+                    tgid: 10,
+                    source: MapsError::Parse { .. }
+                }
+            ),
+            "{err:?}"
+        );
+        // Retrying is rate limited, then reports the error again.
+        assert!(table.lookup(10, 0x10).expect("rate limited").is_none());
+        assert_eq!(table.stats().maps_reads, 1);
+        std::thread::sleep(interval);
+        assert!(table.lookup(10, 0x10).is_err());
+        assert_eq!(table.stats().maps_reads, 2);
+    }
+
+    #[test]
+    fn unidentified_file_is_an_error_and_is_retried() {
+        use std::os::unix::fs::MetadataExt as _;
+
+        let proc = FakeProc::new();
+        // Not in map_files (the fake proc has none), so the table falls
+        // back to the path under the process's root, checking the inode.
+        let root = proc.dir.path().join("10/root");
+        std::fs::create_dir_all(root.join("lib")).expect("fake root");
+        let staged = root.join("staged");
+        std::fs::write(&staged, b"not ELF, e.g. JIT code dumped to a file").expect("writing");
+        let metadata = std::fs::metadata(&staged).expect("stat");
+        let dev = Dev::from_st_dev(metadata.dev());
+        let line = format!(
+            "7f0000100000-7f0000101000 r-xp 00002000 {dev} {} /lib/x.so",
+            metadata.ino()
+        );
+        proc.set_maps(10, &[&line]);
+        let interval = Duration::from_millis(50);
+        let mut table = proc.table(8, interval);
+
+        let err = table
+            .lookup(10, 0x7f0000100010)
+            .expect_err("no such file yet");
+        assert!(
+            matches!(
+                &err,
+                ProcessError::Unidentified {
+                    tgid: 10,
+                    start: 0x7f0000100000,
+                    source,
+                    ..
+                } if matches!(**source, MappingError::Open(OpenError::Path { .. }))
+            ),
+            "{err:?}"
+        );
+        // Retrying is rate limited like unknown addresses.
+        assert!(table.lookup(10, 0x7f0000100010).is_err());
+        assert_eq!(table.stats().maps_reads, 1);
+        std::fs::rename(&staged, root.join("lib/x.so")).expect("moving into place");
+        std::thread::sleep(interval);
+        let found = match table.lookup(10, 0x7f0000100010).expect("retried") {
+            Some(Location::Object(found)) => found,
+            other => panic!("expected an object, got {other:?}"),
+        };
+        assert_eq!(
+            *found.id,
+            ObjectId::FileKey(FileKey::from_metadata(&metadata))
+        );
+        assert_eq!(found.file_offset, 0x2010);
+        assert_eq!(found.elf_vaddr, None, "not ELF");
+        assert_eq!(table.stats().maps_reads, 2);
+        assert_eq!(table.stats().objects_identified, 1);
+    }
+
+    #[test]
+    fn least_recently_used_process_is_evicted() {
+        let proc = FakeProc::new();
+        for pid in [1, 2, 3] {
+            proc.set_maps(pid, &[JIT]);
+        }
+        let mut table = proc.table(2, Duration::from_secs(3600));
+        let addr = 0x7f0000000010;
+        table.lookup(1, addr).expect("1");
+        table.lookup(2, addr).expect("2");
+        // 1 is used again, so 2 is now the least recently used.
+        table.lookup(1, addr).expect("1 again");
+        table.lookup(3, addr).expect("3");
+        assert_eq!(table.len(), 2);
+        assert!(table.contains(1) && table.contains(3) && !table.contains(2));
+        assert_eq!(table.stats().evictions, 1);
+        table.remove(1);
+        table.remove(3);
+        assert!(table.is_empty());
+    }
+
+    #[test]
+    fn lookup_result_is_small() {
+        // Returned once per frame of every sample.
+        assert!(
+            std::mem::size_of::<Location>() <= 40,
+            "{}",
+            std::mem::size_of::<Location>()
+        );
+    }
+}

@@ -1,0 +1,129 @@
+//! Object identity of real files built by gcc: build-ids as the linker wrote
+//! them, and keys that change when a file is replaced or rewritten (the
+//! sysprof TODO: "libraries didn't get correctly reloaded after new versions
+//! were installed").
+
+mod common;
+
+use std::{fs::File, os::unix::fs::MetadataExt as _, path::Path, time::Duration};
+
+use stackscope_process_table::{
+    FileKey, ObjectId, elf,
+    object_id::{self, Identity},
+};
+
+fn identify(path: &Path) -> Identity {
+    let file = File::open(path).expect("opening the library");
+    let metadata = file.metadata().expect("fstat");
+    object_id::identify(&file, &metadata).expect("identifying the library")
+}
+
+#[test]
+fn rebuilt_library_gets_a_new_build_id() {
+    let dir = tempfile::tempdir().expect("temporary directory");
+    let v1 = dir.path().join("libv1.so");
+    let v2 = dir.path().join("libv2.so");
+    common::build_lib(&v1, 1, "sha1");
+    common::build_lib(&v2, 2, "sha1");
+
+    let (id1, id2) = (identify(&v1).id, identify(&v2).id);
+    assert!(matches!(id1, ObjectId::BuildId(_)), "{id1:?}");
+    assert_ne!(
+        id1, id2,
+        "a different constant must give a different build-id"
+    );
+    // The hex form is exactly what binutils reports.
+    assert_eq!(Some(id1.to_string()), common::readelf_build_id(&v1));
+    assert_eq!(Some(id2.to_string()), common::readelf_build_id(&v2));
+    // SHA-1 build-ids are 20 bytes.
+    assert_eq!(id1.to_string().len(), 40);
+}
+
+#[test]
+fn explicit_build_id_is_read_exactly() {
+    let dir = tempfile::tempdir().expect("temporary directory");
+    let lib = dir.path().join("lib.so");
+    let hex = "0123456789abcdeffedcba9876543210aabbccdd";
+    common::build_lib(&lib, 1, &format!("0x{hex}"));
+    let identity = identify(&lib);
+    assert_eq!(identity.id.to_string(), hex);
+    let segments = identity.load_segments.expect("an ELF file has segments");
+    assert!(segments.iter().any(|s| s.is_executable()), "{segments:?}");
+}
+
+#[test]
+fn copies_share_the_build_id_but_not_the_file_key() {
+    let dir = tempfile::tempdir().expect("temporary directory");
+    let lib = dir.path().join("lib.so");
+    let copy = dir.path().join("copy.so");
+    common::build_lib(&lib, 1, "sha1");
+    std::fs::copy(&lib, &copy).expect("copying the library");
+    let (original, copied) = (identify(&lib), identify(&copy));
+    assert_eq!(original.id, copied.id, "same contents, same object");
+    assert_ne!(original.file_key, copied.file_key, "different inodes");
+}
+
+#[test]
+fn file_without_build_id_gets_a_key_that_changes_when_rewritten() {
+    let dir = tempfile::tempdir().expect("temporary directory");
+    let lib = dir.path().join("lib.so");
+    common::build_lib(&lib, 1, "none");
+    assert_eq!(
+        common::readelf_build_id(&lib),
+        None,
+        "built without a build-id"
+    );
+    let summary = elf::read_summary(&File::open(&lib).expect("opening")).expect("ELF");
+    assert_eq!(summary.build_id, None);
+
+    let first = identify(&lib);
+    let metadata = std::fs::metadata(&lib).expect("stat");
+    assert_eq!(
+        first.id,
+        ObjectId::FileKey(FileKey::from_metadata(&metadata))
+    );
+    assert!(first.id.to_string().starts_with("file-"), "{}", first.id);
+    assert!(
+        first.load_segments.is_some(),
+        "still ELF, still has segments"
+    );
+
+    // Rewritten in place (same inode), as `cp new.so lib.so` does. The
+    // kernel stamps mtime with a clock that ticks every few milliseconds:
+    // wait for the next tick so the rewrite is visible (see FileKey).
+    std::thread::sleep(Duration::from_millis(20));
+    let rebuilt = dir.path().join("rebuilt.so");
+    common::build_lib(&rebuilt, 2, "none");
+    std::fs::write(&lib, std::fs::read(&rebuilt).expect("reading")).expect("rewriting");
+    let rewritten = identify(&lib);
+    assert_eq!(
+        rewritten.file_key.ino, first.file_key.ino,
+        "rewritten in place"
+    );
+    assert_ne!(rewritten.id, first.id, "a rewrite must change the key");
+
+    // Replaced by rename (new inode), as package managers and `install` do.
+    let staged = dir.path().join("staged.so");
+    std::fs::copy(&rebuilt, &staged).expect("staging");
+    std::fs::rename(&staged, &lib).expect("replacing");
+    let replaced = identify(&lib);
+    assert_ne!(replaced.file_key.ino, rewritten.file_key.ino);
+    assert_ne!(
+        replaced.id, rewritten.id,
+        "a replacement must change the key"
+    );
+    assert_eq!(
+        replaced.id,
+        ObjectId::FileKey(FileKey::from_metadata(
+            &std::fs::metadata(&lib).expect("stat")
+        ))
+    );
+    assert_eq!(
+        replaced.file_key.mtime_ns,
+        {
+            let m = std::fs::metadata(&lib).expect("stat");
+            m.mtime() * 1_000_000_000 + m.mtime_nsec()
+        },
+        "mtime in nanoseconds"
+    );
+}
