@@ -16,9 +16,9 @@
 use core::ffi::c_void;
 
 use agent_common::{
-    COUNTER_SLOTS, Counter, ProcessEvent, DEFAULT_USER_STACK_BYTES, MAX_ALLOW_ENTRIES, MAX_KERNEL_STACK_BYTES,
-    MAX_USER_STACK_BYTES, PAGE_SIZE, RecordKind, SAMPLE_HEADER_SIZE, SCRATCH_BYTES, SampleHeader,
-    sample_flags,
+    COUNTER_SLOTS, Counter, DEFAULT_USER_STACK_BYTES, MAX_ALLOW_ENTRIES, MAX_KERNEL_STACK_BYTES,
+    MAX_USER_STACK_BYTES, PAGE_SIZE, ProcessEvent, RecordKind, SAMPLE_HEADER_SIZE, SCRATCH_BYTES,
+    SampleHeader, sample_flags,
 };
 use aya_ebpf::{
     Global,

@@ -112,6 +112,15 @@ fn json_report(summary: &RunSummary, top: usize) -> serde_json::Value {
             "run_count": summary.program.run_count,
             "ns_per_run": summary.program.per_run().map(|d| d.as_nanos() as u64),
         },
+        "unwinding": {
+            "walks": summary.unwinding.walks,
+            "outermost": summary.unwinding.outermost,
+            "tables_compiled": summary.unwinding.tables_compiled,
+            "tables_failed": summary.unwinding.tables_failed,
+            "by_binary": summary.unwinding.by_binary.iter()
+                .map(|(name, (walks, outermost))| serde_json::json!({"binary": &**name, "walks": walks, "outermost": outermost}))
+                .collect::<Vec<_>>(),
+        },
         "top": summary.tally.top(top),
         "other": summary.tally.other(),
     })
@@ -136,6 +145,15 @@ fn print_report(out: &mut impl Write, summary: &RunSummary, top: usize) -> std::
             per_run.as_nanos()
         )?;
     }
+    let unwinding = &summary.unwinding;
+    writeln!(
+        out,
+        "{:.1}% of {} user stacks unwound to the outermost frame ({} tables compiled, {} objects without usable CFI)",
+        unwinding.outermost_percent(),
+        unwinding.walks,
+        unwinding.tables_compiled,
+        unwinding.tables_failed,
+    )?;
     if total == 0 {
         return Ok(());
     }

@@ -12,6 +12,7 @@ use crate::{
     sampler::{Counters, ProgramStats, Sampler, SamplerConfig, SamplerError, record::Record},
     status::{ReaderTotals, Snapshot, StatusLine},
     tally::ProcessTally,
+    unwinding::{StackWalker, WalkStats},
 };
 
 /// Processes tracked individually before new ones are counted as "other".
@@ -34,6 +35,7 @@ pub struct RunSummary {
     pub reader: ReaderTotals,
     pub kernel: Counters,
     pub program: ProgramStats,
+    pub unwinding: WalkStats,
     pub elapsed: Duration,
 }
 
@@ -73,6 +75,7 @@ pub async fn run(config: &AgentConfig) -> Result<RunSummary, RunError> {
     let mut records = RecordTally {
         processes: ProcessTally::with_capacity(MAX_TRACKED_PROCESSES),
         totals: ReaderTotals::default(),
+        walker: StackWalker::default(),
     };
 
     let mut status =
@@ -103,7 +106,12 @@ pub async fn run(config: &AgentConfig) -> Result<RunSummary, RunError> {
                     reader: records.totals,
                     kernel: sampler.counters()?,
                 };
-                tracing::info!("{}", StatusLine::between(&last, &snapshot, now - last_at));
+                tracing::info!(
+                    "{}; {:.1}% of {} user stacks unwound to the outermost frame",
+                    StatusLine::between(&last, &snapshot, now - last_at),
+                    records.walker.stats().outermost_percent(),
+                    records.walker.stats().walks,
+                );
                 (last, last_at) = (snapshot, now);
             }
             Event::Stop => break,
@@ -119,6 +127,7 @@ pub async fn run(config: &AgentConfig) -> Result<RunSummary, RunError> {
         elapsed: started.elapsed(),
         reader: records.totals,
         tally: records.processes,
+        unwinding: records.walker.stats().clone(),
     };
     drop(sampler);
     Ok(summary)
@@ -128,6 +137,7 @@ pub async fn run(config: &AgentConfig) -> Result<RunSummary, RunError> {
 struct RecordTally {
     processes: ProcessTally,
     totals: ReaderTotals,
+    walker: StackWalker,
 }
 
 impl RecordTally {
@@ -135,8 +145,18 @@ impl RecordTally {
         self.totals.records += 1;
         self.totals.bytes += bytes.len() as u64;
         match Record::decode(bytes) {
-            Ok(Record::Sample(sample)) => self.processes.add(sample.header.tgid, || sample.comm()),
-            Ok(Record::Exec(_) | Record::Exit(_)) => self.totals.process_events += 1,
+            Ok(Record::Sample(sample)) => {
+                self.processes.add(sample.header.tgid, || sample.comm());
+                self.walker.walk(&sample.header, sample.user_stack);
+            }
+            Ok(Record::Exec(event)) => {
+                self.totals.process_events += 1;
+                self.walker.on_exec(event.tgid);
+            }
+            Ok(Record::Exit(event)) => {
+                self.totals.process_events += 1;
+                self.walker.on_exit(event.tgid);
+            }
             Err(err) => {
                 self.totals.decode_errors += 1;
                 if self.totals.decode_errors == 1 {

@@ -1,0 +1,390 @@
+//! Evaluating DWARF call frame information into table rows.
+//!
+//! This module owns finding the CFI section in an ELF file, running every
+//! FDE's program through gimli's `UnwindTable` evaluator (which handles
+//! `remember_state`/`restore_state`, every `advance_loc` form, `set_loc`,
+//! `GNU_args_size` and the CIE's initial instructions), translating each
+//! evaluated row into an [`UnwindRule`], and laying FDEs out into sorted,
+//! merged rows with explicit gaps. It does not own the row layout or lookup
+//! (`super`) or the cache format (`super::cache`).
+
+use std::collections::HashMap;
+
+use gimli::{
+    BaseAddresses, CfaRule, CieOrFde, CommonInformationEntry, DebugFrame, EhFrame, EndianSlice,
+    LittleEndian, Register, RegisterRule, UnwindContext, UnwindOffset, UnwindSection,
+};
+use object::{
+    Architecture, CompressionFormat, Object as _, ObjectSection as _, read::elf::ElfFile64,
+};
+
+use super::{CfiSection, NO_INFO, Row, TableError, UnsupportedCfi, UnwindRule, UnwindTable};
+
+type Reader<'a> = EndianSlice<'a, LittleEndian>;
+
+/// DWARF register numbers of the x86_64 psABI (figure 3.36).
+const RBP: Register = gimli::X86_64::RBP;
+const RSP: Register = gimli::X86_64::RSP;
+const RA: Register = gimli::X86_64::RA;
+
+pub(super) fn from_elf(data: &[u8]) -> Result<UnwindTable, TableError> {
+    let file = ElfFile64::<object::Endianness>::parse(data).map_err(TableError::Elf)?;
+    if file.architecture() != Architecture::X86_64 || !file.is_little_endian() {
+        let machine = file.elf_header().e_machine.get(file.endian()).0;
+        return Err(TableError::UnsupportedArchitecture { machine });
+    }
+
+    // Bases for DW_EH_PE_textrel/datarel pointers; GCC and LLVM use pcrel on
+    // x86_64, but the bases cost nothing to provide.
+    let mut bases = BaseAddresses::default();
+    if let Some(text) = file.section_by_name(".text") {
+        bases = bases.set_text(text.address());
+    }
+    if let Some(got) = file.section_by_name(".got") {
+        bases = bases.set_got(got.address());
+    }
+    if let Some(hdr) = file.section_by_name(".eh_frame_hdr") {
+        bases = bases.set_eh_frame_hdr(hdr.address());
+    }
+
+    // A separate debug file keeps `.eh_frame` as SHT_NOBITS: its data is
+    // empty and `.debug_frame` (if any) is what it has.
+    if let Some(section) = file.section_by_name(".eh_frame") {
+        let bytes = section.data().map_err(TableError::Elf)?;
+        if !bytes.is_empty() {
+            let bases = bases.set_eh_frame(section.address());
+            return from_eh_frame(bytes, &bases);
+        }
+    }
+    if let Some(section) = file.section_by_name(".debug_frame") {
+        let range = section.compressed_file_range().map_err(TableError::Elf)?;
+        if range.format != CompressionFormat::None {
+            return Err(TableError::CompressedSection);
+        }
+        let bytes = section.data().map_err(TableError::Elf)?;
+        if !bytes.is_empty() {
+            return from_debug_frame(bytes);
+        }
+    }
+    Err(TableError::NoCfi)
+}
+
+pub(super) fn from_eh_frame(data: &[u8], bases: &BaseAddresses) -> Result<UnwindTable, TableError> {
+    let mut section = EhFrame::new(data, LittleEndian);
+    section.set_address_size(8);
+    compile(&section, bases, CfiSection::EhFrame)
+}
+
+pub(super) fn from_debug_frame(data: &[u8]) -> Result<UnwindTable, TableError> {
+    let mut section = DebugFrame::new(data, LittleEndian);
+    section.set_address_size(8);
+    compile(&section, &BaseAddresses::default(), CfiSection::DebugFrame)
+}
+
+/// The rows of one FDE, before FDEs are sorted and laid out.
+struct Span {
+    start: u64,
+    end: u64,
+    /// `raw[first..last]` holds this FDE's rows.
+    first: usize,
+    last: usize,
+}
+
+/// Deduplicates rules so a row names one by a `u32` index.
+#[derive(Default)]
+struct Interner {
+    index: HashMap<UnwindRule, u32>,
+    rules: Vec<UnwindRule>,
+}
+
+impl Interner {
+    fn intern(&mut self, rule: UnwindRule) -> Result<u32, TableError> {
+        if let Some(&index) = self.index.get(&rule) {
+            return Ok(index);
+        }
+        let index = u32::try_from(self.rules.len())
+            .ok()
+            .filter(|&index| index != NO_INFO)
+            .ok_or(TableError::TooManyRules)?;
+        self.rules.push(rule);
+        self.index.insert(rule, index);
+        Ok(index)
+    }
+}
+
+fn compile<'a, S>(
+    section: &S,
+    bases: &BaseAddresses,
+    which: CfiSection,
+) -> Result<UnwindTable, TableError>
+where
+    S: UnwindSection<Reader<'a>>,
+{
+    let cfi_error = |source| TableError::Cfi {
+        section: which,
+        source,
+    };
+    let mut interner = Interner::default();
+    let mut raw: Vec<(u64, u32)> = Vec::new();
+    let mut spans: Vec<Span> = Vec::new();
+    let mut ctx = UnwindContext::new();
+    // Most sections have one or two CIEs shared by every FDE: parse each once.
+    let mut cies: HashMap<usize, CommonInformationEntry<Reader<'a>>> = HashMap::new();
+
+    let mut entries = section.entries(bases);
+    while let Some(entry) = entries.next().map_err(cfi_error)? {
+        let partial = match entry {
+            CieOrFde::Cie(_) => continue,
+            CieOrFde::Fde(partial) => partial,
+        };
+        let fde = partial
+            .parse(|section, bases, offset| {
+                let key = UnwindOffset::into(offset);
+                if let Some(cie) = cies.get(&key) {
+                    return Ok(cie.clone());
+                }
+                let cie = section.cie_from_offset(bases, offset)?;
+                cies.insert(key, cie.clone());
+                Ok(cie)
+            })
+            .map_err(cfi_error)?;
+
+        let start = fde.initial_address();
+        let length = fde.len();
+        let end = start
+            .checked_add(length)
+            .ok_or_else(|| TableError::FdeRange {
+                section: which,
+                offset: fde.offset() as u64,
+                start,
+                length,
+            })?;
+        if length == 0 {
+            continue;
+        }
+
+        let first = raw.len();
+        let evaluated = evaluate_fde(section, bases, &mut ctx, &fde, end, &mut interner, &mut raw);
+        match evaluated {
+            Ok(()) => {}
+            Err(Failure::Table(error)) => return Err(error),
+            // One FDE whose program gimli rejects should not cost the whole
+            // binary its table: its range is marked unsupported instead, so
+            // a walk through it stops rather than guesses.
+            Err(Failure::Program) => {
+                raw.truncate(first);
+                let rule = interner.intern(UnwindRule::Unsupported(UnsupportedCfi::Program))?;
+                raw.push((start, rule));
+            }
+        }
+        spans.push(Span {
+            start,
+            end,
+            first,
+            last: raw.len(),
+        });
+    }
+
+    let (base, rows) = lay_out(&spans, &raw)?;
+    let mut rules = interner.rules;
+    rules.shrink_to_fit();
+    Ok(UnwindTable { base, rows, rules })
+}
+
+enum Failure {
+    /// Stops the whole compilation.
+    Table(TableError),
+    /// Marks the FDE's range unsupported.
+    Program,
+}
+
+impl From<gimli::Error> for Failure {
+    fn from(_: gimli::Error) -> Self {
+        Self::Program
+    }
+}
+
+impl From<TableError> for Failure {
+    fn from(error: TableError) -> Self {
+        Self::Table(error)
+    }
+}
+
+/// Appends one FDE's evaluated rows to `raw`, merging consecutive rows with
+/// the same rule and clipping rows to the FDE's range.
+fn evaluate_fde<'a, S>(
+    section: &S,
+    bases: &BaseAddresses,
+    ctx: &mut UnwindContext<usize>,
+    fde: &gimli::FrameDescriptionEntry<Reader<'a>>,
+    end: u64,
+    interner: &mut Interner,
+    raw: &mut Vec<(u64, u32)>,
+) -> Result<(), Failure>
+where
+    S: UnwindSection<Reader<'a>>,
+{
+    let first = raw.len();
+    let signal = fde.is_signal_trampoline();
+    let ra_register = fde.cie().return_address_register();
+    let mut rows = fde.rows(section, bases, ctx)?;
+    while let Some(row) = rows.next_row()? {
+        let row_start = row.start_address();
+        // advance_loc past the FDE's end makes rows outside it; they describe
+        // no code this FDE covers.
+        if row_start >= row.end_address().min(end) {
+            continue;
+        }
+        let rule = if signal {
+            // The kernel's frame layout, not the CFI, says where registers
+            // are; glibc's CFI for __restore_rt uses expressions for them.
+            UnwindRule::SignalFrame
+        } else {
+            rule_for_row(section, row, ra_register)
+        };
+        let index = interner.intern(rule)?;
+        if raw[first..].last().is_some_and(|&(_, last)| last == index) {
+            continue;
+        }
+        raw.push((row_start, index));
+    }
+    Ok(())
+}
+
+/// Translates one evaluated CFI row into the unwinder's vocabulary.
+fn rule_for_row<'a, S>(
+    section: &S,
+    row: &gimli::UnwindTableRow<usize>,
+    ra_register: Register,
+) -> UnwindRule
+where
+    S: UnwindSection<Reader<'a>>,
+{
+    use UnsupportedCfi as U;
+    let unsupported = UnwindRule::Unsupported;
+
+    if ra_register != RA {
+        return unsupported(U::ReturnAddress);
+    }
+    match row.register(RA) {
+        Some(RegisterRule::Offset(-8)) => {}
+        // DW_CFA_undefined rip: there is no caller. Decided before the CFA,
+        // which in such frames is often meaningless.
+        Some(RegisterRule::Undefined) => return UnwindRule::Outermost,
+        _ => return unsupported(U::ReturnAddress),
+    }
+    match row.register(RSP) {
+        None | Some(RegisterRule::ValOffset(0)) => {}
+        Some(_) => return unsupported(U::Rsp),
+    }
+    let rbp_off = match row.register(RBP) {
+        None | Some(RegisterRule::SameValue) => None,
+        Some(RegisterRule::Offset(off)) => match i32::try_from(off) {
+            Ok(off) => Some(off),
+            Err(_) => return unsupported(U::OffsetRange),
+        },
+        Some(_) => return unsupported(U::Rbp),
+    };
+
+    match row.cfa() {
+        CfaRule::RegisterAndOffset { register, offset } => {
+            let Ok(cfa_off) = i32::try_from(*offset) else {
+                return unsupported(U::OffsetRange);
+            };
+            match (*register, rbp_off) {
+                (RSP, None) => UnwindRule::Rsp { cfa_off },
+                (RSP, Some(rbp_off)) => UnwindRule::RspRbpSaved { cfa_off, rbp_off },
+                (RBP, None) => UnwindRule::Rbp { cfa_off },
+                (RBP, Some(rbp_off)) => UnwindRule::RbpRbpSaved { cfa_off, rbp_off },
+                _ => unsupported(U::CfaRegister),
+            }
+        }
+        CfaRule::Expression(expression) => {
+            let threshold = expression
+                .get(section)
+                .ok()
+                .and_then(|expression| plt_threshold(expression.0.slice()));
+            match (threshold, rbp_off) {
+                (Some(threshold), None) => UnwindRule::Plt { threshold },
+                _ => unsupported(U::CfaExpression),
+            }
+        }
+    }
+}
+
+/// Recognises binutils' `.plt` CFA expression
+/// `DW_OP_breg7 (rsp) 8; DW_OP_breg16 (rip) 0; DW_OP_lit15; DW_OP_and;
+/// DW_OP_lit<N>; DW_OP_ge; DW_OP_lit3; DW_OP_shl; DW_OP_plus`, i.e.
+/// `rsp + 8 + ((rip & 15) >= N) << 3`, and returns N.
+fn plt_threshold(bytes: &[u8]) -> Option<u8> {
+    use gimli::constants as c;
+    let lit = |n: u8| c::DW_OP_lit0.0 + n;
+    match *bytes {
+        [breg7, 8, breg16, 0, lit15, and, lit_n, ge, lit3, shl, plus]
+            if breg7 == c::DW_OP_breg7.0
+                && breg16 == c::DW_OP_breg16.0
+                && lit15 == lit(15)
+                && and == c::DW_OP_and.0
+                && (lit(0)..=lit(15)).contains(&lit_n)
+                && ge == c::DW_OP_ge.0
+                && lit3 == lit(3)
+                && shl == c::DW_OP_shl.0
+                && plus == c::DW_OP_plus.0 =>
+        {
+            Some(lit_n - lit(0))
+        }
+        _ => None,
+    }
+}
+
+/// Sorts FDEs by address and writes the final rows: each FDE's rows, then a
+/// gap row at its end (dropped when the next FDE starts right there), so
+/// addresses between FDEs (split hot/cold fragments, code without CFI) never
+/// inherit the previous function's rule.
+///
+/// Overlapping FDEs (malformed, or duplicated by a linker) are resolved in
+/// favour of the one starting later: the earlier one's rows from that address
+/// on are dropped. A nested FDE therefore leaves the rest of its parent as a
+/// gap: less coverage, never a wrong rule from the wrong FDE.
+fn lay_out(spans: &[Span], raw: &[(u64, u32)]) -> Result<(u64, Vec<Row>), TableError> {
+    let mut order: Vec<usize> = (0..spans.len()).collect();
+    order.sort_unstable_by_key(|&i| (spans[i].start, spans[i].end));
+    let Some(base) = order.first().map(|&i| spans[i].start) else {
+        return Ok((0, Vec::new()));
+    };
+    // Every address is at or above its FDE's start, hence above `base`.
+    let offset = |address: u64| {
+        address
+            .checked_sub(base)
+            .and_then(|offset| u32::try_from(offset).ok())
+            .ok_or(TableError::AddressSpan { base, end: address })
+    };
+
+    let mut rows: Vec<Row> = Vec::with_capacity(raw.len() + spans.len());
+    let push = |rows: &mut Vec<Row>, row: Row| {
+        if rows.last().is_none_or(|last| last.rule != row.rule) {
+            rows.push(row);
+        }
+    };
+    for &i in &order {
+        let span = &spans[i];
+        let start = offset(span.start)?;
+        while rows.last().is_some_and(|last| last.address >= start) {
+            rows.pop();
+        }
+        for &(address, rule) in &raw[span.first..span.last] {
+            let address = offset(address)?;
+            push(&mut rows, Row { address, rule });
+        }
+        let end = offset(span.end)?;
+        push(
+            &mut rows,
+            Row {
+                address: end,
+                rule: NO_INFO,
+            },
+        );
+    }
+    rows.shrink_to_fit();
+    Ok((base, rows))
+}

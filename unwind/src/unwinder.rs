@@ -1,0 +1,613 @@
+//! Walking one sampled user stack with precompiled tables.
+//!
+//! This module owns the x86_64 frame-stepping loop: which address to look up
+//! for each frame, applying an [`UnwindRule`] (or the frame-pointer fallback)
+//! to the registers, bounds-checked reads from the copied stack bytes, and the
+//! reason every walk ends. It does not own finding the module of an address,
+//! load biases or table caching (the caller's [`ModuleLookup`]), nor
+//! symbolization: it returns absolute addresses.
+//!
+//! A walk allocates nothing per frame: frames go into the caller's reused
+//! `Vec`, which is reserved once up to the depth limit.
+
+use crate::table::{
+    SIGFRAME_RBP, SIGFRAME_RIP, SIGFRAME_RSP, UnsupportedCfi, UnwindRule, UnwindTable,
+};
+
+/// Default bound on the number of frames a walk returns.
+pub const DEFAULT_MAX_DEPTH: usize = 256;
+
+/// The registers a walk starts from, as sampled (frame 0).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Registers {
+    /// The instruction pointer.
+    pub rip: u64,
+    /// The stack pointer: the address of the first byte of the stack copy.
+    pub rsp: u64,
+    /// The frame pointer, or whatever the code keeps in rbp.
+    pub rbp: u64,
+}
+
+/// What the caller knows about the code at one address.
+#[derive(Clone, Copy, Debug)]
+pub enum ModuleAt<'a> {
+    /// No file mapping contains the address (anonymous memory, JIT code, a
+    /// corrupt return address).
+    Unmapped,
+    /// A mapped module without CFI: walk it with frame pointers.
+    NoCfi,
+    /// A mapped module and its table; the file virtual address of `pc` is
+    /// `pc - bias`.
+    Table { table: &'a UnwindTable, bias: u64 },
+}
+
+/// Maps a code address of the sampled process to its module.
+pub trait ModuleLookup {
+    /// The table of the module mapped at `pc` and the bias to subtract from
+    /// `pc` to get a file address; [`ModuleAt::Unmapped`] if `pc` is in no
+    /// mapping; [`ModuleAt::NoCfi`] for a module without CFI (then the
+    /// frame-pointer fallback is used).
+    fn module_for(&self, pc: u64) -> ModuleAt<'_>;
+}
+
+/// Why a walk stopped. Every walk ends with exactly one.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum UnwindEnd {
+    /// The last frame is the outermost one: its CFI says the return address
+    /// is undefined (`_start`, a `clone`d thread's entry), the return
+    /// address read is 0 (which some runtimes use to end the chain), or a
+    /// frame-pointer walk reached rbp = 0 (the psABI's mark).
+    Outermost,
+    /// A read went past the end of the copied stack bytes: the copy was too
+    /// short for the whole stack (or a corrupt CFA pointed above it).
+    StackTruncated,
+    /// A read below the start of the copy (a corrupt rbp or CFA), or an
+    /// address computation overflowed.
+    BadStackAddress,
+    /// The frame's address is in no mapping.
+    Unmapped,
+    /// The frame's module has a table but no FDE covers the address.
+    NoUnwindInfo,
+    /// The frame's row holds CFI the unwinder cannot evaluate.
+    Unsupported(UnsupportedCfi),
+    /// The walk reached `max_depth` frames.
+    DepthLimit,
+    /// The caller's stack pointer would not be above the callee's: the
+    /// frames would loop (or the CFI or stack is corrupt).
+    CfaNotIncreasing,
+}
+
+/// The copied stack: `bytes[i]` is the byte at address `start + i`.
+#[derive(Clone, Copy)]
+struct Stack<'a> {
+    start: u64,
+    bytes: &'a [u8],
+}
+
+impl Stack<'_> {
+    #[inline]
+    fn read_u64(&self, address: u64) -> Result<u64, UnwindEnd> {
+        let offset = address
+            .checked_sub(self.start)
+            .ok_or(UnwindEnd::BadStackAddress)?;
+        let word = usize::try_from(offset)
+            .ok()
+            .and_then(|offset| self.bytes.get(offset..)?.first_chunk::<8>())
+            .ok_or(UnwindEnd::StackTruncated)?;
+        Ok(u64::from_le_bytes(*word))
+    }
+}
+
+/// How the registers of one frame are recovered.
+#[derive(Clone, Copy)]
+enum Step {
+    Rule(UnwindRule),
+    /// No CFI: cfa = rbp + 16; ra = *(rbp + 8); rbp = *rbp
+    FramePointer,
+}
+
+/// Walks the stack of one sample, writing each frame's absolute address into
+/// `frames` (cleared first): frame 0 is `regs.rip`, the others are return
+/// addresses (or the interrupted address, above a signal frame).
+///
+/// `stack` holds the bytes at `[regs.rsp, regs.rsp + stack.len())`. At most
+/// `max_depth` frames are returned.
+pub fn unwind(
+    regs: Registers,
+    stack: &[u8],
+    modules: &impl ModuleLookup,
+    max_depth: usize,
+    frames: &mut Vec<u64>,
+) -> UnwindEnd {
+    frames.clear();
+    // Once per walk, and a no-op once the caller's Vec has grown: no
+    // allocation per frame. Capped so a huge `max_depth` does not reserve
+    // memory the stack could never fill.
+    frames.reserve(max_depth.min(4096));
+    let stack = Stack {
+        start: regs.rsp,
+        bytes: stack,
+    };
+    let mut regs = regs;
+    // Frame 0's rip is the interrupted instruction; a return address is the
+    // instruction after a call, possibly already in the next function (calls
+    // to noreturn functions end functions), so its frame is looked up at
+    // rip - 1. Frames above a signal frame hold an interrupted rip again.
+    let mut exact = true;
+    loop {
+        if frames.len() >= max_depth {
+            return UnwindEnd::DepthLimit;
+        }
+        frames.push(regs.rip);
+        let pc = if exact {
+            regs.rip
+        } else {
+            regs.rip.wrapping_sub(1)
+        };
+        let step = match modules.module_for(pc) {
+            ModuleAt::Unmapped => return UnwindEnd::Unmapped,
+            ModuleAt::NoCfi => Step::FramePointer,
+            ModuleAt::Table { table, bias } => {
+                match pc
+                    .checked_sub(bias)
+                    .and_then(|address| table.lookup(address))
+                {
+                    Some(rule) => Step::Rule(rule),
+                    None => return UnwindEnd::NoUnwindInfo,
+                }
+            }
+        };
+        let (caller, signal) = match step_frame(step, &regs, &stack) {
+            Ok(next) => next,
+            Err(end) => return end,
+        };
+        if caller.rsp <= regs.rsp {
+            return UnwindEnd::CfaNotIncreasing;
+        }
+        if caller.rip == 0 {
+            return UnwindEnd::Outermost;
+        }
+        regs = caller;
+        exact = signal;
+    }
+}
+
+/// The caller's registers, and whether they come from a signal frame.
+#[inline]
+fn step_frame(
+    step: Step,
+    regs: &Registers,
+    stack: &Stack<'_>,
+) -> Result<(Registers, bool), UnwindEnd> {
+    let offset = |base: u64, off: i32| {
+        base.checked_add_signed(i64::from(off))
+            .ok_or(UnwindEnd::BadStackAddress)
+    };
+    let (cfa, rbp_slot) = match step {
+        // The psABI has _start clear rbp to mark the outermost frame.
+        Step::FramePointer if regs.rbp == 0 => return Err(UnwindEnd::Outermost),
+        Step::FramePointer => {
+            let cfa = regs.rbp.checked_add(16).ok_or(UnwindEnd::BadStackAddress)?;
+            (cfa, Some(regs.rbp))
+        }
+        Step::Rule(rule) => match rule {
+            UnwindRule::Rsp { cfa_off } => (offset(regs.rsp, cfa_off)?, None),
+            UnwindRule::RspRbpSaved { cfa_off, rbp_off } => {
+                let cfa = offset(regs.rsp, cfa_off)?;
+                (cfa, Some(offset(cfa, rbp_off)?))
+            }
+            UnwindRule::Rbp { cfa_off } => (offset(regs.rbp, cfa_off)?, None),
+            UnwindRule::RbpRbpSaved { cfa_off, rbp_off } => {
+                let cfa = offset(regs.rbp, cfa_off)?;
+                (cfa, Some(offset(cfa, rbp_off)?))
+            }
+            UnwindRule::Plt { threshold } => {
+                let pushed = if regs.rip & 15 >= u64::from(threshold) {
+                    8
+                } else {
+                    0
+                };
+                (offset(regs.rsp, 8 + pushed)?, None)
+            }
+            UnwindRule::Outermost => return Err(UnwindEnd::Outermost),
+            UnwindRule::SignalFrame => {
+                // rsp points at the kernel's ucontext (the handler's `ret`
+                // popped rt_sigframe.pretcode), whose sigcontext holds the
+                // interrupted registers.
+                let at = |off: u64| {
+                    regs.rsp
+                        .checked_add(off)
+                        .ok_or(UnwindEnd::BadStackAddress)
+                        .and_then(|address| stack.read_u64(address))
+                };
+                let caller = Registers {
+                    rip: at(SIGFRAME_RIP)?,
+                    rsp: at(SIGFRAME_RSP)?,
+                    rbp: at(SIGFRAME_RBP)?,
+                };
+                return Ok((caller, true));
+            }
+            UnwindRule::Unsupported(reason) => return Err(UnwindEnd::Unsupported(reason)),
+        },
+    };
+    // Checked here, before reading, so a CFA at or below rsp cannot make the
+    // reads below look at the callee's own frame.
+    if cfa <= regs.rsp {
+        return Err(UnwindEnd::CfaNotIncreasing);
+    }
+    let ra_slot = cfa.checked_sub(8).ok_or(UnwindEnd::BadStackAddress)?;
+    let rip = stack.read_u64(ra_slot)?;
+    let rbp = match rbp_slot {
+        Some(slot) => stack.read_u64(slot)?,
+        None => regs.rbp,
+    };
+    Ok((Registers { rip, rsp: cfa, rbp }, false))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use UnwindRule::{Outermost, Plt, Rbp, Rsp, RspRbpSaved, SignalFrame, Unsupported};
+
+    /// Synthetic stacks start here.
+    const SP: u64 = 0x7fff_0000_1000;
+
+    /// A fake process: `(start, end, module)` mappings.
+    struct Modules<'a>(Vec<(u64, u64, ModuleAt<'a>)>);
+
+    impl ModuleLookup for Modules<'_> {
+        fn module_for(&self, pc: u64) -> ModuleAt<'_> {
+            self.0
+                .iter()
+                .find(|(start, end, _)| (*start..*end).contains(&pc))
+                .map_or(ModuleAt::Unmapped, |&(_, _, module)| module)
+        }
+    }
+
+    /// Stack bytes built word by word at absolute addresses from `SP` up.
+    struct StackImage(Vec<u8>);
+
+    impl StackImage {
+        fn new(len: usize) -> Self {
+            Self(vec![0; len])
+        }
+        fn word(mut self, address: u64, value: u64) -> Self {
+            let at = (address - SP) as usize;
+            self.0[at..at + 8].copy_from_slice(&value.to_le_bytes());
+            self
+        }
+    }
+
+    /// A module at file addresses 0x1000..0x1400, loaded with bias 0x5550_0000_0000:
+    /// f (rsp-based), g (saves rbp), h (outermost), a gap, then odd rows.
+    fn table() -> UnwindTable {
+        UnwindTable::from_rows(&[
+            (0x1000, Some(Rsp { cfa_off: 16 })),
+            (
+                0x1100,
+                Some(RspRbpSaved {
+                    cfa_off: 32,
+                    rbp_off: -16,
+                }),
+            ),
+            (0x1200, Some(Outermost)),
+            (0x1280, None),
+            (0x1300, Some(Unsupported(UnsupportedCfi::CfaRegister))),
+            (0x1310, Some(Rsp { cfa_off: 0 })),
+            (0x1320, Some(Rbp { cfa_off: 16 })),
+            (0x1330, Some(Plt { threshold: 11 })),
+            (0x1340, Some(SignalFrame)),
+            (0x1350, Some(Rsp { cfa_off: 4 })),
+            (0x1360, None),
+        ])
+    }
+
+    const BIAS: u64 = 0x5550_0000_0000;
+    const F: u64 = BIAS + 0x1000;
+    const G: u64 = BIAS + 0x1100;
+    const H: u64 = BIAS + 0x1200;
+    const GAP: u64 = BIAS + 0x1280;
+    const UNSUPPORTED: u64 = BIAS + 0x1300;
+    const CFA_EQUALS_RSP: u64 = BIAS + 0x1310;
+    const RBP_BASED: u64 = BIAS + 0x1320;
+    const PLT: u64 = BIAS + 0x1330;
+    const TRAMPOLINE: u64 = BIAS + 0x1340;
+    const SHORT_CFA: u64 = BIAS + 0x1350;
+    /// A module without CFI.
+    const NO_CFI: u64 = 0x4000_0000;
+
+    fn modules(table: &UnwindTable) -> Modules<'_> {
+        Modules(vec![
+            (
+                BIAS + 0x1000,
+                BIAS + 0x2000,
+                ModuleAt::Table { table, bias: BIAS },
+            ),
+            (NO_CFI, NO_CFI + 0x1000, ModuleAt::NoCfi),
+        ])
+    }
+
+    fn walk(regs: Registers, stack: &StackImage, max_depth: usize) -> (Vec<u64>, UnwindEnd) {
+        let table = table();
+        let mut frames = vec![0xdead; 3]; // a reused Vec: cleared by the walk
+        let end = unwind(regs, &stack.0, &modules(&table), max_depth, &mut frames);
+        (frames, end)
+    }
+
+    fn regs(rip: u64) -> Registers {
+        Registers {
+            rip,
+            rsp: SP,
+            rbp: 0x1111,
+        }
+    }
+
+    #[test]
+    fn rsp_and_saved_rbp_rules_to_the_outermost_frame() {
+        // f: cfa = SP + 16, ra at SP + 8 -> g. g: rsp = SP + 16, cfa = SP + 48,
+        // rbp saved at SP + 32, ra at SP + 40 -> h, which is outermost.
+        let stack = StackImage::new(64)
+            .word(SP + 8, G + 0x50)
+            .word(SP + 32, 0x2222)
+            .word(SP + 40, H + 0x10);
+        let (frames, end) = walk(regs(F + 0x10), &stack, DEFAULT_MAX_DEPTH);
+        assert_eq!(frames, [F + 0x10, G + 0x50, H + 0x10]);
+        assert_eq!(end, UnwindEnd::Outermost);
+    }
+
+    #[test]
+    fn return_addresses_are_looked_up_one_byte_back() {
+        // The return address is G exactly (f ends in a call to a noreturn
+        // function): the caller is f itself, whose rule applies, not g's.
+        let stack = StackImage::new(64).word(SP + 8, G).word(SP + 24, H + 0x10);
+        let (frames, end) = walk(regs(F + 0x10), &stack, DEFAULT_MAX_DEPTH);
+        assert_eq!(frames, [F + 0x10, G, H + 0x10]);
+        assert_eq!(end, UnwindEnd::Outermost);
+
+        // Frame 0 is exact: at G, g's rule applies.
+        let stack = StackImage::new(64)
+            .word(SP + 24, H + 0x10)
+            .word(SP + 16, 0x3333);
+        let (frames, end) = walk(regs(G), &stack, DEFAULT_MAX_DEPTH);
+        assert_eq!(frames, [G, H + 0x10]);
+        assert_eq!(end, UnwindEnd::Outermost);
+    }
+
+    #[test]
+    fn a_null_return_address_ends_the_walk() {
+        let stack = StackImage::new(16);
+        let (frames, end) = walk(regs(F), &stack, DEFAULT_MAX_DEPTH);
+        assert_eq!(frames, [F]);
+        assert_eq!(end, UnwindEnd::Outermost);
+    }
+
+    #[test]
+    fn copy_exhausted() {
+        // g's return address is at SP + 40, past the 32 copied bytes.
+        let stack = StackImage::new(32).word(SP + 8, G + 0x50);
+        let (frames, end) = walk(regs(F + 0x10), &stack, DEFAULT_MAX_DEPTH);
+        assert_eq!(frames, [F + 0x10, G + 0x50]);
+        assert_eq!(end, UnwindEnd::StackTruncated);
+
+        // Nothing copied at all.
+        let (frames, end) = walk(regs(F), &StackImage::new(0), DEFAULT_MAX_DEPTH);
+        assert_eq!(frames, [F]);
+        assert_eq!(end, UnwindEnd::StackTruncated);
+    }
+
+    #[test]
+    fn address_in_no_mapping() {
+        let stack = StackImage::new(16).word(SP + 8, 0x1234);
+        let (frames, end) = walk(regs(F), &stack, DEFAULT_MAX_DEPTH);
+        assert_eq!(frames, [F, 0x1234]);
+        assert_eq!(end, UnwindEnd::Unmapped);
+    }
+
+    #[test]
+    fn address_no_fde_covers() {
+        let stack = StackImage::new(16).word(SP + 8, GAP + 8);
+        let (frames, end) = walk(regs(F), &stack, DEFAULT_MAX_DEPTH);
+        assert_eq!(frames, [F, GAP + 8]);
+        assert_eq!(end, UnwindEnd::NoUnwindInfo);
+
+        // Mapped beyond the table's last FDE.
+        let (frames, end) = walk(regs(BIAS + 0x1f00), &stack, DEFAULT_MAX_DEPTH);
+        assert_eq!(frames, [BIAS + 0x1f00]);
+        assert_eq!(end, UnwindEnd::NoUnwindInfo);
+    }
+
+    #[test]
+    fn unsupported_rule() {
+        let (frames, end) = walk(regs(UNSUPPORTED), &StackImage::new(64), DEFAULT_MAX_DEPTH);
+        assert_eq!(frames, [UNSUPPORTED]);
+        assert_eq!(end, UnwindEnd::Unsupported(UnsupportedCfi::CfaRegister));
+    }
+
+    #[test]
+    fn depth_limit() {
+        // f calling itself: every 16 bytes a return address into f.
+        let stack = (0..8).fold(StackImage::new(128), |stack, i| {
+            stack.word(SP + 8 + 16 * i, F + 0x20)
+        });
+        let (frames, end) = walk(regs(F), &stack, 5);
+        assert_eq!(frames, [F, F + 0x20, F + 0x20, F + 0x20, F + 0x20]);
+        assert_eq!(end, UnwindEnd::DepthLimit);
+
+        let (frames, end) = walk(regs(F), &stack, 0);
+        assert_eq!(frames, []);
+        assert_eq!(end, UnwindEnd::DepthLimit);
+
+        // Without a limit in the way, the copy runs out.
+        let (frames, end) = walk(regs(F), &stack, DEFAULT_MAX_DEPTH);
+        assert_eq!(frames.len(), 9);
+        assert_eq!(end, UnwindEnd::StackTruncated);
+    }
+
+    #[test]
+    fn cfa_must_increase() {
+        // cfa = rsp + 0.
+        let (frames, end) = walk(
+            regs(CFA_EQUALS_RSP),
+            &StackImage::new(64),
+            DEFAULT_MAX_DEPTH,
+        );
+        assert_eq!(frames, [CFA_EQUALS_RSP]);
+        assert_eq!(end, UnwindEnd::CfaNotIncreasing);
+
+        // cfa = rbp + 16 with rbp far below rsp.
+        let regs = Registers {
+            rip: RBP_BASED,
+            rsp: SP,
+            rbp: SP - 0x100,
+        };
+        let (frames, end) = walk(regs, &StackImage::new(64), DEFAULT_MAX_DEPTH);
+        assert_eq!(frames, [RBP_BASED]);
+        assert_eq!(end, UnwindEnd::CfaNotIncreasing);
+    }
+
+    #[test]
+    fn reads_below_the_copy() {
+        // cfa = rsp + 4: the return address would be at SP - 4.
+        let (frames, end) = walk(regs(SHORT_CFA), &StackImage::new(64), DEFAULT_MAX_DEPTH);
+        assert_eq!(frames, [SHORT_CFA]);
+        assert_eq!(end, UnwindEnd::BadStackAddress);
+    }
+
+    #[test]
+    fn rbp_based_cfa() {
+        let regs = Registers {
+            rip: RBP_BASED,
+            rsp: SP,
+            rbp: SP + 32,
+        };
+        // cfa = rbp + 16 = SP + 48; ra at SP + 40.
+        let stack = StackImage::new(64).word(SP + 40, H + 8);
+        let (frames, end) = walk(regs, &stack, DEFAULT_MAX_DEPTH);
+        assert_eq!(frames, [RBP_BASED, H + 8]);
+        assert_eq!(end, UnwindEnd::Outermost);
+    }
+
+    #[test]
+    fn plt_cfa_depends_on_the_position_in_the_entry() {
+        // Bytes 0..11 of an entry: only the return address is on the stack.
+        let stack = StackImage::new(32).word(SP, H + 1).word(SP + 8, H + 2);
+        let (frames, _) = walk(regs(PLT + 3), &stack, DEFAULT_MAX_DEPTH);
+        assert_eq!(frames, [PLT + 3, H + 1]);
+        // From byte 11 on, the relocation index was pushed too.
+        let (frames, _) = walk(regs(PLT + 12), &stack, DEFAULT_MAX_DEPTH);
+        assert_eq!(frames, [PLT + 12, H + 2]);
+    }
+
+    #[test]
+    fn signal_frame_restores_the_interrupted_registers() {
+        // The trampoline's rsp points at the ucontext; the interrupted
+        // frame was at G's very first byte with its own rsp and rbp.
+        let interrupted_sp = SP + 0x200;
+        let stack = StackImage::new(0x300)
+            .word(SP + 120, 0x4444)
+            .word(SP + 160, interrupted_sp)
+            .word(SP + 168, G)
+            // g's rule: cfa = rsp + 32, rbp at cfa - 16, ra at cfa - 8.
+            .word(interrupted_sp + 16, 0x5555)
+            .word(interrupted_sp + 24, H + 4);
+        let (frames, end) = walk(regs(TRAMPOLINE + 1), &stack, DEFAULT_MAX_DEPTH);
+        // G is looked up exactly (g's rule), not as G - 1 (f's rule, which
+        // would read the return address at interrupted_sp + 8 = 0).
+        assert_eq!(frames, [TRAMPOLINE + 1, G, H + 4]);
+        assert_eq!(end, UnwindEnd::Outermost);
+
+        // A sigcontext outside the copy.
+        let (frames, end) = walk(regs(TRAMPOLINE), &StackImage::new(64), DEFAULT_MAX_DEPTH);
+        assert_eq!(frames, [TRAMPOLINE]);
+        assert_eq!(end, UnwindEnd::StackTruncated);
+
+        // A saved rsp below the trampoline's is a loop, not a frame.
+        let stack = StackImage::new(0x300)
+            .word(SP + 160, SP - 0x100)
+            .word(SP + 168, G);
+        let (frames, end) = walk(regs(TRAMPOLINE), &stack, DEFAULT_MAX_DEPTH);
+        assert_eq!(frames, [TRAMPOLINE]);
+        assert_eq!(end, UnwindEnd::CfaNotIncreasing);
+    }
+
+    #[test]
+    fn frame_pointer_fallback_for_modules_without_cfi() {
+        // Two frames of a no-CFI module linked by rbp, then f, then h.
+        let rbp0 = SP + 0x20;
+        let rbp1 = SP + 0x40;
+        let stack = StackImage::new(0x80)
+            .word(rbp0, rbp1)
+            .word(rbp0 + 8, NO_CFI + 0x200)
+            .word(rbp1, 0x7777)
+            .word(rbp1 + 8, F + 0x30)
+            // f: cfa = rsp + 16 where rsp = rbp1 + 16.
+            .word(rbp1 + 16 + 8, H + 8);
+        let regs = Registers {
+            rip: NO_CFI + 0x100,
+            rsp: SP,
+            rbp: rbp0,
+        };
+        let (frames, end) = walk(regs, &stack, DEFAULT_MAX_DEPTH);
+        assert_eq!(frames, [NO_CFI + 0x100, NO_CFI + 0x200, F + 0x30, H + 8]);
+        assert_eq!(end, UnwindEnd::Outermost);
+
+        // A null frame pointer marks the outermost frame.
+        let regs = Registers {
+            rip: NO_CFI + 0x100,
+            rsp: SP,
+            rbp: 0,
+        };
+        let (frames, end) = walk(regs, &stack, DEFAULT_MAX_DEPTH);
+        assert_eq!(frames, [NO_CFI + 0x100]);
+        assert_eq!(end, UnwindEnd::Outermost);
+
+        // A frame pointer below the stack pointer is not a frame.
+        let regs = Registers {
+            rip: NO_CFI + 0x100,
+            rsp: SP,
+            rbp: SP - 0x40,
+        };
+        let (frames, end) = walk(regs, &stack, DEFAULT_MAX_DEPTH);
+        assert_eq!(frames, [NO_CFI + 0x100]);
+        assert_eq!(end, UnwindEnd::CfaNotIncreasing);
+    }
+
+    #[test]
+    fn address_arithmetic_never_overflows() {
+        let regs = Registers {
+            rip: RBP_BASED,
+            rsp: SP,
+            rbp: u64::MAX - 4,
+        };
+        let (_, end) = walk(regs, &StackImage::new(64), DEFAULT_MAX_DEPTH);
+        assert_eq!(end, UnwindEnd::BadStackAddress);
+        let regs = Registers {
+            rip: NO_CFI,
+            rsp: u64::MAX - 8,
+            rbp: u64::MAX - 8,
+        };
+        let (_, end) = walk(regs, &StackImage::new(64), DEFAULT_MAX_DEPTH);
+        assert_eq!(end, UnwindEnd::BadStackAddress);
+    }
+
+    #[test]
+    fn walks_reuse_the_callers_vec() {
+        let table = table();
+        let modules = modules(&table);
+        let stack = StackImage::new(64)
+            .word(SP + 8, G + 0x50)
+            .word(SP + 40, H + 0x10);
+        let mut frames = Vec::new();
+        assert_eq!(
+            unwind(regs(F), &stack.0, &modules, DEFAULT_MAX_DEPTH, &mut frames),
+            UnwindEnd::Outermost
+        );
+        let capacity = frames.capacity();
+        let pointer = frames.as_ptr();
+        for _ in 0..3 {
+            unwind(regs(F), &stack.0, &modules, DEFAULT_MAX_DEPTH, &mut frames);
+            assert_eq!(frames.len(), 3);
+        }
+        assert_eq!((frames.capacity(), frames.as_ptr()), (capacity, pointer));
+    }
+}

@@ -1,0 +1,261 @@
+//! Tables of real binaries: glibc's libc.so.6 as Debian ships it, and the
+//! fixtures compiled at test time. Checks the table's invariants and rules at
+//! places whose CFI is known without reading it (every function entry has
+//! cfa = rsp + 8), and the errors of `from_elf` on files that are not usable.
+
+mod common;
+
+use std::{path::Path, process::Command, time::Instant};
+
+use common::{Fixture, Module};
+use object::{Object as _, ObjectSection as _, ObjectSymbol as _, SymbolKind};
+use stackscope_unwind::{TableError, UnwindRule, UnwindTable};
+
+const LIBC: &str = "/lib/x86_64-linux-gnu/libc.so.6";
+
+/// Rows strictly sorted, a gap terminator, and `lookup` agreeing with every
+/// row at its first and last byte.
+fn assert_invariants(table: &UnwindTable) {
+    let rows: Vec<(u64, Option<UnwindRule>)> = table.rows().collect();
+    assert!(!rows.is_empty());
+    assert!(
+        rows.windows(2).all(|pair| pair[0].0 < pair[1].0),
+        "rows not sorted"
+    );
+    assert!(
+        rows.windows(2).all(|pair| pair[0].1 != pair[1].1),
+        "consecutive rows with the same rule were not merged"
+    );
+    assert_eq!(rows.last().map(|row| row.1), Some(None), "no terminator");
+    for pair in rows.windows(2) {
+        let ((start, rule), (next, _)) = (pair[0], pair[1]);
+        assert_eq!(table.lookup(start), rule, "at {start:#x}");
+        assert_eq!(table.lookup(next - 1), rule, "at {:#x}", next - 1);
+    }
+    assert_eq!(table.lookup(rows[0].0 - 1), None);
+}
+
+/// Exported function symbols of a file: `(name, address)`.
+fn functions(path: &str) -> Vec<(String, u64)> {
+    let data = std::fs::read(path).expect("reading the file");
+    let file = object::File::parse(&*data).expect("parsing ELF");
+    file.dynamic_symbols()
+        .chain(file.symbols())
+        .filter(|symbol| symbol.kind() == SymbolKind::Text && symbol.is_definition())
+        .filter_map(|symbol| Some((symbol.name().ok()?.to_owned(), symbol.address())))
+        .collect()
+}
+
+#[test]
+fn libc() {
+    let data = std::fs::read(LIBC).expect("reading libc");
+    let started = Instant::now();
+    let table = UnwindTable::from_elf(&data).expect("compiling libc's table");
+    let elapsed = started.elapsed();
+    eprintln!(
+        "{LIBC}: {} rows, {} rules, {} bytes, compiled in {elapsed:?}",
+        table.len(),
+        table.rule_count(),
+        table.heap_bytes()
+    );
+    assert!(table.len() > 5000, "{} rows", table.len());
+    assert!(table.heap_bytes() < table.len() * 8 + table.rule_count() * 12 + 64);
+    assert_invariants(&table);
+
+    // Every function starts with cfa = rsp + 8 (only the return address on
+    // the stack), whatever its CFI says later.
+    let functions = functions(LIBC);
+    assert!(functions.len() > 2000);
+    let mut covered = 0;
+    for (name, address) in &functions {
+        match table.lookup(*address) {
+            Some(rule) => {
+                covered += 1;
+                assert_eq!(
+                    rule,
+                    UnwindRule::Rsp { cfa_off: 8 },
+                    "at the entry of {name}"
+                );
+            }
+            None => eprintln!("no CFI for {name} at {address:#x}"),
+        }
+    }
+    assert!(
+        covered * 100 >= functions.len() * 99,
+        "{covered} of {} exported functions have CFI",
+        functions.len()
+    );
+    for name in [
+        "malloc",
+        "free",
+        "printf",
+        "__libc_start_main",
+        "pthread_create",
+        "clone",
+    ] {
+        let (_, address) = functions
+            .iter()
+            .find(|(symbol, _)| symbol == name)
+            .unwrap_or_else(|| panic!("{name} is exported"));
+        assert!(table.lookup(*address).is_some(), "{name} has no rows");
+    }
+
+    // __restore_rt is libc's only signal trampoline; clone and clone3 mark
+    // their child's entry as outermost.
+    let rules: Vec<UnwindRule> = table.rows().filter_map(|(_, rule)| rule).collect();
+    let count = |wanted: fn(&UnwindRule) -> bool| rules.iter().filter(|rule| wanted(rule)).count();
+    assert_eq!(count(|rule| *rule == UnwindRule::SignalFrame), 1);
+    assert!(count(|rule| *rule == UnwindRule::Outermost) >= 2);
+    // Hand-written assembly and stack realignment are rare: less than 1%.
+    let unsupported = count(|rule| matches!(rule, UnwindRule::Unsupported(_)));
+    eprintln!("{unsupported} unsupported rows");
+    assert!(
+        unsupported * 100 < rules.len(),
+        "{unsupported} unsupported rows"
+    );
+
+    // The on-disk form reproduces the table exactly.
+    let bytes = table.to_bytes();
+    assert_eq!(
+        bytes.len(),
+        32 + 12 * table.rule_count() + 8 * table.len() + 8
+    );
+    assert_eq!(UnwindTable::from_bytes(&bytes).as_ref(), Ok(&table));
+}
+
+#[test]
+fn fixture_functions_plt_and_start() {
+    let fixture = Fixture::compile("chain", &[]);
+    let module = Module::load(&fixture.path);
+    let table = module
+        .table
+        .as_ref()
+        .expect("compiling the fixture's table");
+    assert_invariants(table);
+
+    for name in ["main", "a", "b", "c", "spin", "on_alarm", "handler_spin"] {
+        let address = module
+            .symbol_address(name)
+            .unwrap_or_else(|| panic!("{name} in .symtab"));
+        assert_eq!(
+            table.lookup(address),
+            Some(UnwindRule::Rsp { cfa_off: 8 }),
+            "at {name}"
+        );
+        // The first instruction (`sub $n, %rsp`, 4 bytes, or a push) grows
+        // the frame by whole words.
+        let Some(UnwindRule::Rsp { cfa_off }) = table.lookup(address + 4) else {
+            panic!("{name} + 4: {:?}", table.lookup(address + 4));
+        };
+        assert!(cfa_off >= 16 && cfa_off % 8 == 0, "{name} + 4: {cfa_off}");
+        // a, b and c only keep the stack aligned for their call.
+        if ["a", "b", "c"].contains(&name) {
+            assert_eq!(cfa_off, 16, "{name} + 4");
+        }
+    }
+    let start = module.symbol_address("_start").expect("_start");
+    assert_eq!(table.lookup(start), Some(UnwindRule::Outermost));
+
+    // The lazy .plt: PLT0 pushes, then 16-byte entries use the expression.
+    let data = std::fs::read(&fixture.path).expect("reading the fixture");
+    let file = object::File::parse(&*data).expect("parsing the fixture");
+    let plt = file.section_by_name(".plt").expect("a .plt section");
+    assert_eq!(
+        table.lookup(plt.address()),
+        Some(UnwindRule::Rsp { cfa_off: 16 })
+    );
+    assert_eq!(
+        table.lookup(plt.address() + 16),
+        Some(UnwindRule::Plt { threshold: 11 })
+    );
+}
+
+#[test]
+fn from_elf_errors() {
+    let fixture = Fixture::compile("chain", &[]);
+    let data = std::fs::read(&fixture.path).expect("reading the fixture");
+
+    assert!(matches!(
+        UnwindTable::from_elf(b"not an ELF file"),
+        Err(TableError::Elf(_))
+    ));
+    // Section headers live at the end of the file.
+    assert!(matches!(
+        UnwindTable::from_elf(&data[..data.len() / 2]),
+        Err(TableError::Elf(_))
+    ));
+
+    let mut aarch64 = data.clone();
+    aarch64[18..20].copy_from_slice(&183u16.to_le_bytes()); // EM_AARCH64
+    assert!(matches!(
+        UnwindTable::from_elf(&aarch64),
+        Err(TableError::UnsupportedArchitecture { machine: 183 })
+    ));
+
+    // No .eh_frame and, without -g, no .debug_frame either.
+    let stripped = fixture.sibling("stripped");
+    let out = Command::new("objcopy")
+        .args([
+            "--remove-section=.eh_frame",
+            "--remove-section=.eh_frame_hdr",
+        ])
+        .arg(&fixture.path)
+        .arg(&stripped)
+        .output()
+        .expect("running objcopy");
+    assert!(out.status.success());
+    let stripped = std::fs::read(&stripped).expect("reading the stripped copy");
+    assert!(matches!(
+        UnwindTable::from_elf(&stripped),
+        Err(TableError::NoCfi)
+    ));
+
+    // Damage anywhere in the file: an error or a table, never a panic.
+    for step in [7919usize, 104_729] {
+        for at in (0..data.len()).step_by(step) {
+            let mut damaged = data.clone();
+            damaged[at] ^= 0x5a;
+            if let Ok(table) = UnwindTable::from_elf(&damaged) {
+                let _ = table.lookup(0x1000);
+            }
+            let _ = UnwindTable::from_elf(&data[..at]);
+        }
+    }
+}
+
+#[test]
+fn debug_frame_matches_eh_frame() {
+    // The same code described twice: .eh_frame with unwind tables, and
+    // .debug_frame (for a copy without .eh_frame) with -g and no unwind tables.
+    let eh = Fixture::compile("chain", &[]);
+    let debug = Fixture::compile("chain", &["-g", "-fno-asynchronous-unwind-tables"]);
+    let stripped = debug.sibling("stripped");
+    let out = Command::new("objcopy")
+        .args([
+            "--remove-section=.eh_frame",
+            "--remove-section=.eh_frame_hdr",
+        ])
+        .arg(&debug.path)
+        .arg(&stripped)
+        .output()
+        .expect("running objcopy");
+    assert!(out.status.success());
+
+    let eh = Module::load(&eh.path);
+    let debug = Module::load(Path::new(&stripped));
+    let eh_table = eh.table.as_ref().expect("the .eh_frame table");
+    let debug_table = debug.table.as_ref().expect("the .debug_frame table");
+    assert_invariants(debug_table);
+    for name in ["main", "a", "b", "c", "spin", "on_alarm", "handler_spin"] {
+        let eh_start = eh.symbol_address(name).expect("symbol");
+        let debug_start = debug.symbol_address(name).expect("symbol");
+        // -g does not change code generation: same offsets, same rules.
+        for offset in 0..8 {
+            assert_eq!(
+                eh_table.lookup(eh_start + offset),
+                debug_table.lookup(debug_start + offset),
+                "{name} + {offset}"
+            );
+        }
+    }
+}
