@@ -3,6 +3,7 @@
 
 use std::{
     io::{IsTerminal as _, Write},
+    path::PathBuf,
     time::Duration,
 };
 
@@ -12,6 +13,7 @@ use stackscope_agent::{
     cgroups,
     run::{AgentConfig, RunSummary, run},
     sampler::{Sampler, SamplerConfig},
+    unwinding::WalkerConfig,
 };
 use tracing_subscriber::EnvFilter;
 
@@ -47,6 +49,13 @@ struct Args {
     /// How many processes to list in the final report.
     #[arg(long, default_value_t = 15)]
     top: usize,
+    /// Directory of the on-disk unwind table cache (one file per binary,
+    /// by build-id), so a restarted agent does not compile tables again.
+    #[arg(long, default_value = "/var/cache/stackscope/tables")]
+    table_cache_dir: PathBuf,
+    /// Keep unwind tables in memory only.
+    #[arg(long)]
+    no_table_cache: bool,
     /// Turn on the kernel's BPF run-time accounting while running and report
     /// the program's cost per run (adds a little overhead to every run).
     #[arg(long)]
@@ -82,6 +91,10 @@ fn main() -> anyhow::Result<()> {
         },
         duration: args.duration,
         status_interval: args.status_interval,
+        walker: WalkerConfig {
+            disk_cache: (!args.no_table_cache).then(|| args.table_cache_dir.clone()),
+            ..WalkerConfig::default()
+        },
     };
     let runtime = tokio::runtime::Builder::new_current_thread()
         .enable_all()
@@ -116,6 +129,11 @@ fn json_report(summary: &RunSummary, top: usize) -> serde_json::Value {
             "walks": summary.unwinding.walks,
             "outermost": summary.unwinding.outermost,
             "tables_compiled": summary.unwinding.tables_compiled,
+            "tables_from_disk": summary.unwinding.tables_from_disk,
+            "table_cache_hits": summary.unwinding.table_cache_hits,
+            "samples_queued": summary.unwinding.samples_queued,
+            "queue_full": summary.unwinding.queue_full,
+            "table_pending": summary.unwinding.table_pending,
             "tables_failed": summary.unwinding.tables_failed,
             "by_binary": summary.unwinding.by_binary.iter()
                 .map(|(name, (walks, outermost))| serde_json::json!({"binary": &**name, "walks": walks, "outermost": outermost}))
@@ -148,11 +166,15 @@ fn print_report(out: &mut impl Write, summary: &RunSummary, top: usize) -> std::
     let unwinding = &summary.unwinding;
     writeln!(
         out,
-        "{:.1}% of {} user stacks unwound to the outermost frame ({} tables compiled, {} objects without usable CFI)",
+        "{:.1}% of {} user stacks unwound to the outermost frame ({} tables compiled, {} from disk, \
+         {} objects without usable CFI; {} samples waited for a table, {} found the queue full)",
         unwinding.outermost_percent(),
         unwinding.walks,
         unwinding.tables_compiled,
+        unwinding.tables_from_disk,
         unwinding.tables_failed,
+        unwinding.samples_queued,
+        unwinding.queue_full,
     )?;
     if total == 0 {
         return Ok(());

@@ -12,7 +12,7 @@ use crate::{
     sampler::{Counters, ProgramStats, Sampler, SamplerConfig, SamplerError, record::Record},
     status::{ReaderTotals, Snapshot, StatusLine},
     tally::ProcessTally,
-    unwinding::{StackWalker, WalkStats},
+    unwinding::{StackWalker, WalkStats, WalkerConfig},
 };
 
 /// Processes tracked individually before new ones are counted as "other".
@@ -26,6 +26,7 @@ pub struct AgentConfig {
     pub duration: Option<Duration>,
     /// How often the status line is logged.
     pub status_interval: Duration,
+    pub walker: WalkerConfig,
 }
 
 /// What a run saw, for the final report.
@@ -75,7 +76,7 @@ pub async fn run(config: &AgentConfig) -> Result<RunSummary, RunError> {
     let mut records = RecordTally {
         processes: ProcessTally::with_capacity(MAX_TRACKED_PROCESSES),
         totals: ReaderTotals::default(),
-        walker: StackWalker::default(),
+        walker: StackWalker::new(config.walker.clone()),
     };
 
     let mut status =
@@ -99,18 +100,24 @@ pub async fn run(config: &AgentConfig) -> Result<RunSummary, RunError> {
             _ = sleep_until(deadline) => Event::Stop,
         };
         match event {
-            Event::Records => {}
+            Event::Records => records.walker.poll(|_, _| {}),
             Event::StatusDue => {
                 let now = Instant::now();
                 let snapshot = Snapshot {
                     reader: records.totals,
                     kernel: sampler.counters()?,
                 };
+                let walks = records.walker.stats();
                 tracing::info!(
-                    "{}; {:.1}% of {} user stacks unwound to the outermost frame",
+                    "{}; unwinding: {:.1}% of {} stacks to the outermost frame, \
+                     tables {} compiled + {} from disk, {} samples waiting, {} found the queue full",
                     StatusLine::between(&last, &snapshot, now - last_at),
-                    records.walker.stats().outermost_percent(),
-                    records.walker.stats().walks,
+                    walks.outermost_percent(),
+                    walks.walks,
+                    walks.tables_compiled,
+                    walks.tables_from_disk,
+                    records.walker.waiting(),
+                    walks.queue_full,
                 );
                 (last, last_at) = (snapshot, now);
             }
@@ -121,6 +128,7 @@ pub async fn run(config: &AgentConfig) -> Result<RunSummary, RunError> {
     // Take what is still queued, then read the final counters before the
     // program is detached.
     sampler.drain_records(|bytes| records.add(bytes));
+    records.walker.flush(|_, _| {});
     let summary = RunSummary {
         kernel: sampler.counters()?,
         program: sampler.program_stats()?,
@@ -147,7 +155,9 @@ impl RecordTally {
         match Record::decode(bytes) {
             Ok(Record::Sample(sample)) => {
                 self.processes.add(sample.header.tgid, || sample.comm());
-                self.walker.walk(&sample.header, sample.user_stack);
+                // The frames go nowhere yet: aggregation and export come next.
+                self.walker
+                    .push(&sample.header, sample.user_stack, |_, _| {});
             }
             Ok(Record::Exec(event)) => {
                 self.totals.process_events += 1;

@@ -12,20 +12,50 @@
 //! object's table from the cache, compiled on a miss) and the walk runs
 //! again. Once a process's hot modules are known, a sample costs one walk.
 
-use std::{cell::Cell, collections::HashMap, path::Path, sync::Arc};
+mod compiler;
+
+use std::{
+    cell::Cell,
+    collections::{HashMap, VecDeque},
+    path::{Path, PathBuf},
+    sync::Arc,
+};
+
+use compiler::{Compiled, Compiler};
 
 use agent_common::{SampleHeader, sample_flags};
 use stackscope_process_table::{
     Location, MappingPath, ObjectId, ProcessTable, TableConfig, maps::read_maps,
 };
 use stackscope_unwind::{
-    DEFAULT_MAX_DEPTH, ModuleAt, ModuleLookup, Registers, TableError, UnwindEnd, UnwindTable,
-    unwind,
+    DEFAULT_MAX_DEPTH, ModuleAt, ModuleLookup, Registers, UnwindEnd, UnwindTable, unwind,
 };
 
-/// Default bound on the bytes of unwind tables kept for objects no tracked
-/// process maps any more (tables of mapped objects are always kept).
-pub const DEFAULT_TABLE_CACHE_BYTES: usize = 256 << 20;
+/// How the walker caches tables and holds samples that wait for one.
+#[derive(Debug, Clone)]
+pub struct WalkerConfig {
+    /// Bytes of unwind tables kept in memory for objects no tracked process
+    /// maps any more (tables of mapped objects are always kept).
+    pub table_cache_bytes: usize,
+    /// Directory of the on-disk table cache; `None` keeps tables in memory only.
+    pub disk_cache: Option<PathBuf>,
+    /// Threads compiling tables.
+    pub compile_threads: usize,
+    /// Bytes of samples held while their tables compile; beyond, a sample is
+    /// walked as far as it can go at once (counted as dropped from the queue).
+    pub max_waiting_bytes: usize,
+}
+
+impl Default for WalkerConfig {
+    fn default() -> Self {
+        Self {
+            table_cache_bytes: 256 << 20,
+            disk_cache: None,
+            compile_threads: 2,
+            max_waiting_bytes: 64 << 20,
+        }
+    }
+}
 
 /// Modules resolved per walk at most: bounds the re-walks a single sample can
 /// cause (a stack through many not-yet-seen libraries).
@@ -60,12 +90,19 @@ pub struct WalkStats {
     pub outermost: u64,
     /// (walks, outermost) per binary holding frame 0.
     pub by_binary: HashMap<Arc<str>, (u64, u64)>,
-    /// Tables compiled, and objects whose table could not be built (they are
-    /// walked with frame pointers).
+    /// Tables compiled, read back from the disk cache, and objects whose
+    /// table could not be built (they are walked with frame pointers).
     pub tables_compiled: u64,
+    pub tables_from_disk: u64,
     pub tables_failed: u64,
-    /// Walks cut short by a table still being compiled.
+    /// Module resolutions answered by the in-memory table cache.
+    pub table_cache_hits: u64,
+    /// Walks that ended short because a table was still being compiled.
     pub table_pending: u64,
+    /// Samples held for a table being compiled, and those that found the
+    /// queue full.
+    pub samples_queued: u64,
+    pub queue_full: u64,
 }
 
 impl WalkStats {
@@ -235,28 +272,134 @@ pub struct StackWalker {
     /// the host maps the same image (same kernel).
     vdso: ModuleTable,
     compiler: Compiler,
+    /// A table was installed since the waiting samples were last retried.
+    tables_changed: bool,
+    waiting: VecDeque<WaitingSample>,
+    waiting_bytes: usize,
+    max_waiting_bytes: usize,
     frames: Vec<u64>,
     stats: WalkStats,
 }
 
+/// A sample held until the table it needs is compiled.
+struct WaitingSample {
+    header: SampleHeader,
+    user_stack: Vec<u8>,
+}
+
 impl Default for StackWalker {
     fn default() -> Self {
-        Self::new(DEFAULT_TABLE_CACHE_BYTES)
+        Self::new(WalkerConfig::default())
     }
 }
 
 impl StackWalker {
-    pub fn new(table_cache_bytes: usize) -> Self {
+    pub fn new(config: WalkerConfig) -> Self {
         Self {
             processes: ProcessTable::new(TableConfig::default()),
             modules: HashMap::new(),
             tables: TableCache::default(),
-            table_cache_bytes,
+            table_cache_bytes: config.table_cache_bytes,
             vdso: own_vdso_table().map_or(ModuleTable::NoCfi, ModuleTable::Ready),
-            compiler: Compiler::start(),
+            compiler: Compiler::start(config.compile_threads, config.disk_cache),
+            tables_changed: false,
+            waiting: VecDeque::new(),
+            waiting_bytes: 0,
+            max_waiting_bytes: config.max_waiting_bytes,
             frames: Vec::with_capacity(DEFAULT_MAX_DEPTH),
             stats: WalkStats::default(),
         }
+    }
+
+    /// Walks a sample, or holds a copy of it while a table it needs
+    /// compiles. Every finished walk (this sample's, or earlier held ones
+    /// whose tables are now ready) goes to `on_walk`; kernel-only samples
+    /// produce none.
+    pub fn push(
+        &mut self,
+        header: &SampleHeader,
+        user_stack: &[u8],
+        mut on_walk: impl FnMut(&SampleHeader, Walk<'_>),
+    ) {
+        let outcome = self.walk(header, user_stack).map(|walk| walk.outcome);
+        if self.tables_changed {
+            self.retry_waiting(&mut on_walk);
+        }
+        match outcome {
+            None => {}
+            Some(WalkOutcome::TablePending) if self.hold(header, user_stack) => {}
+            Some(outcome) => self.deliver(header, outcome, &mut on_walk),
+        }
+    }
+
+    /// Walks held samples whose tables have become ready; call it now and
+    /// then, so samples do not wait for the next sample to arrive.
+    pub fn poll(&mut self, mut on_walk: impl FnMut(&SampleHeader, Walk<'_>)) {
+        self.take_compiled_tables();
+        if self.tables_changed {
+            self.retry_waiting(&mut on_walk);
+        }
+    }
+
+    /// Walks every held sample as far as it goes now (at shutdown).
+    pub fn flush(&mut self, mut on_walk: impl FnMut(&SampleHeader, Walk<'_>)) {
+        self.poll(&mut on_walk);
+        for held in std::mem::take(&mut self.waiting) {
+            if let Some(outcome) = self.walk(&held.header, &held.user_stack).map(|w| w.outcome) {
+                self.deliver(&held.header, outcome, &mut on_walk);
+            }
+        }
+        self.waiting_bytes = 0;
+    }
+
+    /// Samples held for a table right now.
+    pub fn waiting(&self) -> usize {
+        self.waiting.len()
+    }
+
+    fn hold(&mut self, header: &SampleHeader, user_stack: &[u8]) -> bool {
+        if self.waiting_bytes + user_stack.len() > self.max_waiting_bytes {
+            self.stats.queue_full += 1;
+            return false;
+        }
+        self.stats.samples_queued += 1;
+        self.waiting_bytes += user_stack.len();
+        self.waiting.push_back(WaitingSample {
+            header: *header,
+            user_stack: user_stack.to_vec(),
+        });
+        true
+    }
+
+    fn retry_waiting(&mut self, on_walk: &mut impl FnMut(&SampleHeader, Walk<'_>)) {
+        self.tables_changed = false;
+        for held in std::mem::take(&mut self.waiting) {
+            match self.walk(&held.header, &held.user_stack).map(|w| w.outcome) {
+                Some(WalkOutcome::TablePending) => self.waiting.push_back(held),
+                Some(outcome) => {
+                    self.waiting_bytes -= held.user_stack.len();
+                    self.deliver(&held.header, outcome, on_walk);
+                }
+                None => self.waiting_bytes -= held.user_stack.len(),
+            }
+        }
+    }
+
+    /// Counts the walk just made and hands it to `on_walk`.
+    fn deliver(
+        &mut self,
+        header: &SampleHeader,
+        outcome: WalkOutcome,
+        on_walk: &mut impl FnMut(&SampleHeader, Walk<'_>),
+    ) {
+        self.record(header.tgid, outcome);
+        on_walk(
+            header,
+            Walk {
+                frames: &self.frames,
+                outcome,
+            },
+        );
     }
 
     pub fn stats(&self) -> &WalkStats {
@@ -276,7 +419,9 @@ impl StackWalker {
     }
 
     /// Walks the user stack of a sample (its header and the copied stack
-    /// bytes); `None` when it has no user part (a kernel thread).
+    /// bytes) with what is known now; `None` when it has no user part (a
+    /// kernel thread). Does not hold or count the sample: [`Self::push`]
+    /// does both.
     pub fn walk(&mut self, header: &SampleHeader, user_stack: &[u8]) -> Option<Walk<'_>> {
         if header.flags & sample_flags::USER_REGS == 0 {
             return None;
@@ -318,7 +463,6 @@ impl StackWalker {
         } else {
             WalkOutcome::Ended(end)
         };
-        self.record(tgid, outcome);
         Some(Walk {
             frames: &self.frames,
             outcome,
@@ -329,8 +473,12 @@ impl StackWalker {
     fn take_compiled_tables(&mut self) {
         while let Some((id, result)) = self.compiler.finished() {
             let table = match result {
-                Compiled::Table(table) => {
-                    self.stats.tables_compiled += 1;
+                Compiled::Table { table, from_disk } => {
+                    if from_disk {
+                        self.stats.tables_from_disk += 1;
+                    } else {
+                        self.stats.tables_compiled += 1;
+                    }
                     ModuleTable::Ready(table)
                 }
                 Compiled::NoCfi => {
@@ -346,6 +494,8 @@ impl StackWalker {
                             .modules
                             .retain(|m| !matches!(m.table, ModuleTable::Pending(p) if p == id));
                     }
+                    // Samples held for it are walked again (and resolve anew).
+                    self.tables_changed = true;
                     continue;
                 }
             };
@@ -355,6 +505,7 @@ impl StackWalker {
                 }
             }
             self.tables.insert(id, table, self.table_cache_bytes);
+            self.tables_changed = true;
         }
     }
 
@@ -368,7 +519,10 @@ impl StackWalker {
                 };
                 let id = *object.id;
                 let table = match self.tables.get(&id) {
-                    Some(table) => table,
+                    Some(table) => {
+                        self.stats.table_cache_hits += 1;
+                        table
+                    }
                     None => {
                         if !self.compiler.submit(object.clone()) {
                             // The compiler's queue is full: a later sample retries.
@@ -424,86 +578,6 @@ impl StackWalker {
             let entry = by_binary.entry(name).or_default();
             entry.0 += 1;
             entry.1 += outermost;
-        }
-    }
-}
-
-/// What the background compiler made of one object.
-enum Compiled {
-    Table(Arc<UnwindTable>),
-    /// No usable CFI (none at all, or malformed): frame pointers.
-    NoCfi,
-    /// The file could not be opened or mapped; worth retrying later.
-    Unreadable,
-}
-
-/// Objects queued for compilation at most; beyond, resolution is retried
-/// with a later sample.
-const COMPILE_QUEUE: usize = 256;
-
-/// Compiles tables on a thread of its own, so a 150 MB library never stalls
-/// the ring buffer reader.
-struct Compiler {
-    requests: std::sync::mpsc::SyncSender<stackscope_process_table::MappedObject>,
-    results: std::sync::mpsc::Receiver<(ObjectId, Compiled)>,
-}
-
-impl Compiler {
-    fn start() -> Self {
-        let (requests, queue) = std::sync::mpsc::sync_channel(COMPILE_QUEUE);
-        let (done, results) = std::sync::mpsc::channel();
-        std::thread::Builder::new()
-            .name("table-compiler".into())
-            .spawn(move || {
-                for object in queue {
-                    let compiled = compile(&object);
-                    if done.send((*object.id, compiled)).is_err() {
-                        break;
-                    }
-                }
-            })
-            .expect("spawning the table compiler thread");
-        Self { requests, results }
-    }
-
-    /// Queues `object`; false when the queue is full.
-    fn submit(&self, object: stackscope_process_table::MappedObject) -> bool {
-        self.requests.try_send(object).is_ok()
-    }
-
-    fn finished(&self) -> Option<(ObjectId, Compiled)> {
-        self.results.try_recv().ok()
-    }
-}
-
-fn compile(object: &stackscope_process_table::MappedObject) -> Compiled {
-    let opened = match object.open() {
-        Ok(opened) => opened,
-        Err(err) => {
-            tracing::debug!("cannot open {}: {err}", object.path());
-            return Compiled::Unreadable;
-        }
-    };
-    // SAFETY: the mapping is read-only and private to this function; a file
-    // truncated underneath it could fault (SIGBUS), the accepted risk of
-    // every mmap-based ELF reader: files mapped by running processes are not
-    // truncated in practice.
-    let bytes = match unsafe { memmap2::Mmap::map(&opened.file) } {
-        Ok(bytes) => bytes,
-        Err(err) => {
-            tracing::debug!("cannot map {}: {err}", object.path());
-            return Compiled::Unreadable;
-        }
-    };
-    match UnwindTable::from_elf(&bytes) {
-        Ok(table) => Compiled::Table(Arc::new(table)),
-        Err(TableError::NoCfi) => Compiled::NoCfi,
-        Err(err) => {
-            tracing::warn!(
-                "no unwind table for {}: {err}; using frame pointers",
-                object.path()
-            );
-            Compiled::NoCfi
         }
     }
 }
@@ -590,6 +664,97 @@ mod tests {
             Some(0x9000),
             "the first unknown address"
         );
+    }
+
+    /// A sample of this very process: rip in its own code, and a zeroed
+    /// stack, so the walk reads a zero return address and ends there.
+    fn own_sample() -> (SampleHeader, Vec<u8>) {
+        let header = SampleHeader {
+            kind: agent_common::RecordKind::Sample as u32,
+            flags: sample_flags::USER_REGS,
+            tgid: std::process::id(),
+            tid: std::process::id(),
+            cpu: 0,
+            kernel_stack_len: 0,
+            user_stack_len: 256,
+            _pad: 0,
+            ktime_ns: 0,
+            cgroup_id: 0,
+            // The entry of a function: its CFA rule is rsp + 8.
+            user_rip: own_sample as fn() -> (SampleHeader, Vec<u8>) as usize as u64,
+            user_rsp: 0x7fff_0000_0000,
+            user_rbp: 0,
+            comm: [0; 16],
+        };
+        (header, vec![0; 256])
+    }
+
+    #[test]
+    fn holds_a_sample_until_its_table_is_compiled() {
+        let mut walker = StackWalker::default();
+        let (header, stack) = own_sample();
+        let mut walks = Vec::new();
+        walker.push(&header, &stack, |h, walk| {
+            walks.push((h.tgid, walk.frames.to_vec(), walk.outcome))
+        });
+        assert!(
+            walks.is_empty(),
+            "walked before the table was ready: {walks:?}"
+        );
+        assert_eq!(walker.waiting(), 1);
+
+        let started = std::time::Instant::now();
+        while walks.is_empty() {
+            assert!(
+                started.elapsed() < std::time::Duration::from_secs(60),
+                "the held sample was never walked"
+            );
+            std::thread::sleep(std::time::Duration::from_millis(5));
+            walker.poll(|h, walk| walks.push((h.tgid, walk.frames.to_vec(), walk.outcome)));
+        }
+        assert_eq!(walks.len(), 1);
+        // Re-walks while the table compiled are not counted: one sample, one walk.
+        assert_eq!((walker.stats().walks, walker.stats().outermost), (1, 1));
+        let (tgid, frames, outcome) = &walks[0];
+        assert_eq!(*tgid, header.tgid);
+        assert_eq!(frames.first(), Some(&header.user_rip));
+        assert_eq!(*outcome, WalkOutcome::Ended(UnwindEnd::Outermost));
+        assert_eq!(walker.waiting(), 0);
+        let stats = walker.stats();
+        assert_eq!(
+            (
+                stats.samples_queued,
+                stats.queue_full,
+                stats.tables_compiled
+            ),
+            (1, 0, 1)
+        );
+
+        // The table is known now: the next sample is walked at once.
+        let mut immediate = 0;
+        walker.push(&header, &stack, |_, walk| {
+            assert_eq!(walk.outcome, WalkOutcome::Ended(UnwindEnd::Outermost));
+            immediate += 1;
+        });
+        assert_eq!(immediate, 1);
+    }
+
+    #[test]
+    fn a_full_queue_walks_the_sample_as_far_as_it_goes() {
+        let mut walker = StackWalker::new(WalkerConfig {
+            max_waiting_bytes: 0,
+            ..WalkerConfig::default()
+        });
+        let (header, stack) = own_sample();
+        let mut outcomes = Vec::new();
+        walker.push(&header, &stack, |_, walk| outcomes.push(walk.outcome));
+        assert_eq!(outcomes, [WalkOutcome::TablePending]);
+        let stats = walker.stats();
+        assert_eq!(
+            (stats.queue_full, stats.walks, stats.table_pending),
+            (1, 1, 1)
+        );
+        assert_eq!(walker.waiting(), 0);
     }
 
     #[test]

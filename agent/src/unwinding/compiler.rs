@@ -1,0 +1,248 @@
+//! Compiles unwind tables away from the sample reader: a small pool of
+//! threads, fed through a bounded queue, backed by an on-disk cache so a
+//! restarted agent does not compile again.
+//!
+//! The cache holds one file per object, named by its identity (build-id or
+//! file key) and written atomically (temporary file, then rename). The file
+//! format is `stackscope-unwind`'s: versioned and checksummed, so a corrupt
+//! or outdated file is compiled again and overwritten, never trusted.
+
+use std::{
+    path::{Path, PathBuf},
+    sync::{
+        Arc, Mutex,
+        mpsc::{self, Receiver, SyncSender},
+    },
+};
+
+use stackscope_process_table::{MappedObject, ObjectId};
+use stackscope_unwind::{TableError, UnwindTable};
+
+/// Objects queued for compilation at most; beyond, the request is refused
+/// and retried with a later sample.
+const COMPILE_QUEUE: usize = 256;
+
+/// What the compiler made of one object.
+pub(super) enum Compiled {
+    Table {
+        table: Arc<UnwindTable>,
+        /// Read back from the on-disk cache rather than compiled.
+        from_disk: bool,
+    },
+    /// No usable CFI (none at all, or malformed): frame pointers.
+    NoCfi,
+    /// The file could not be opened or mapped (the process exited first);
+    /// worth retrying with a later sample.
+    Unreadable,
+}
+
+/// A pool of compile threads. Dropping it closes the queue; the threads end
+/// after their current object.
+pub(super) struct Compiler {
+    requests: SyncSender<MappedObject>,
+    results: Receiver<(ObjectId, Compiled)>,
+}
+
+impl Compiler {
+    /// Starts `threads` compile threads (at least one); `cache_dir`, when
+    /// given, is created if needed.
+    pub(super) fn start(threads: usize, cache_dir: Option<PathBuf>) -> Self {
+        let (requests, queue) = mpsc::sync_channel::<MappedObject>(COMPILE_QUEUE);
+        let (done, results) = mpsc::channel();
+        if let Some(dir) = &cache_dir
+            && let Err(err) = std::fs::create_dir_all(dir)
+        {
+            tracing::warn!("table cache {} unusable: {err}", dir.display());
+        }
+        let queue = Arc::new(Mutex::new(queue));
+        let cache_dir: Option<Arc<Path>> = cache_dir.map(Into::into);
+        for n in 0..threads.max(1) {
+            let queue = Arc::clone(&queue);
+            let done = done.clone();
+            let cache_dir = cache_dir.clone();
+            let spawned = std::thread::Builder::new()
+                .name(format!("table-compiler-{n}"))
+                .spawn(move || {
+                    loop {
+                        // Holding the lock only to take the next object.
+                        let next = queue.lock().map(|queue| queue.recv());
+                        let Ok(Ok(object)) = next else { break };
+                        let compiled = compile(&object, cache_dir.as_deref());
+                        if done.send((*object.id, compiled)).is_err() {
+                            break;
+                        }
+                    }
+                });
+            if let Err(err) = spawned {
+                tracing::warn!("could not start a table compiler thread: {err}");
+            }
+        }
+        Self { requests, results }
+    }
+
+    /// Queues `object`; false when the queue is full (or no thread runs).
+    pub(super) fn submit(&self, object: MappedObject) -> bool {
+        self.requests.try_send(object).is_ok()
+    }
+
+    /// A finished object, if any.
+    pub(super) fn finished(&self) -> Option<(ObjectId, Compiled)> {
+        self.results.try_recv().ok()
+    }
+}
+
+/// The cache file of `id` in `dir`.
+fn cache_path(dir: &Path, id: &ObjectId) -> PathBuf {
+    dir.join(format!("{id}.table"))
+}
+
+fn compile(object: &MappedObject, cache_dir: Option<&Path>) -> Compiled {
+    let cached = cache_dir.map(|dir| cache_path(dir, &object.id));
+    if let Some(path) = &cached
+        && let Ok(bytes) = std::fs::read(path)
+    {
+        match UnwindTable::from_bytes(&bytes) {
+            Ok(table) => {
+                return Compiled::Table {
+                    table: Arc::new(table),
+                    from_disk: true,
+                };
+            }
+            Err(err) => tracing::debug!(
+                "recompiling {}: cache file {}: {err}",
+                object.path(),
+                path.display()
+            ),
+        }
+    }
+
+    let opened = match object.open() {
+        Ok(opened) => opened,
+        Err(err) => {
+            tracing::debug!("cannot open {}: {err}", object.path());
+            return Compiled::Unreadable;
+        }
+    };
+    // SAFETY: a read-only private mapping read only here. A file truncated
+    // underneath it could fault (SIGBUS), the accepted risk of every
+    // mmap-based ELF reader: files mapped by running processes are not
+    // truncated in practice.
+    let bytes = match unsafe { memmap2::Mmap::map(&opened.file) } {
+        Ok(bytes) => bytes,
+        Err(err) => {
+            tracing::debug!("cannot map {}: {err}", object.path());
+            return Compiled::Unreadable;
+        }
+    };
+    let table = match UnwindTable::from_elf(&bytes) {
+        Ok(table) => table,
+        Err(TableError::NoCfi) => return Compiled::NoCfi,
+        Err(err) => {
+            tracing::warn!(
+                "no unwind table for {}: {err}; using frame pointers",
+                object.path()
+            );
+            return Compiled::NoCfi;
+        }
+    };
+    if let Some(path) = &cached {
+        write_atomically(path, &table.to_bytes());
+    }
+    Compiled::Table {
+        table: Arc::new(table),
+        from_disk: false,
+    }
+}
+
+/// Writes `bytes` to `path` so that a reader sees the old file or the whole
+/// new one, never a partial write. Failures only cost a later recompile.
+fn write_atomically(path: &Path, bytes: &[u8]) {
+    let temporary = path.with_extension(format!("tmp.{}", std::process::id()));
+    let result = std::fs::write(&temporary, bytes).and_then(|()| std::fs::rename(&temporary, path));
+    if let Err(err) = result {
+        tracing::debug!("not caching {}: {err}", path.display());
+        let _ = std::fs::remove_file(&temporary);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::time::{Duration, Instant};
+
+    use stackscope_process_table::{Location, ProcessTable};
+
+    use super::*;
+
+    /// An object of this very process: the test binary's own text.
+    fn own_object() -> MappedObject {
+        let mut processes = ProcessTable::default();
+        let pc = own_object as fn() -> MappedObject as usize as u64;
+        match processes.lookup(std::process::id(), pc) {
+            Ok(Some(Location::Object(object))) => object,
+            other => panic!("the test's own code is not an object: {other:?}"),
+        }
+    }
+
+    fn wait(compiler: &Compiler) -> (ObjectId, Compiled) {
+        let started = Instant::now();
+        loop {
+            if let Some(done) = compiler.finished() {
+                return done;
+            }
+            assert!(
+                started.elapsed() < Duration::from_secs(60),
+                "no table compiled"
+            );
+            std::thread::sleep(Duration::from_millis(5));
+        }
+    }
+
+    #[test]
+    fn compiles_once_then_reads_the_disk_cache_and_rebuilds_a_corrupt_file() {
+        let dir = tempfile::tempdir().unwrap();
+        let object = own_object();
+        let compiler = Compiler::start(1, Some(dir.path().to_path_buf()));
+
+        assert!(compiler.submit(object.clone()));
+        let (id, first) = wait(&compiler);
+        assert_eq!(id, *object.id);
+        let Compiled::Table {
+            table: compiled,
+            from_disk: false,
+        } = first
+        else {
+            panic!("the first request must compile");
+        };
+        let file = cache_path(dir.path(), &id);
+        assert!(file.exists(), "no cache file written");
+
+        assert!(compiler.submit(object.clone()));
+        let Compiled::Table {
+            table: cached,
+            from_disk: true,
+        } = wait(&compiler).1
+        else {
+            panic!("the second request must come from the disk cache");
+        };
+        assert_eq!(*cached, *compiled);
+
+        // A damaged file is not trusted: compiled again and rewritten.
+        let mut bytes = std::fs::read(&file).unwrap();
+        let middle = bytes.len() / 2;
+        bytes[middle] ^= 0xff;
+        std::fs::write(&file, &bytes).unwrap();
+        assert!(compiler.submit(object));
+        let Compiled::Table {
+            table: rebuilt,
+            from_disk: false,
+        } = wait(&compiler).1
+        else {
+            panic!("a corrupt cache file must be recompiled");
+        };
+        assert_eq!(*rebuilt, *compiled);
+        assert_eq!(
+            UnwindTable::from_bytes(&std::fs::read(&file).unwrap()).unwrap(),
+            *compiled
+        );
+    }
+}
