@@ -176,6 +176,16 @@ fn print_report(out: &mut impl Write, summary: &RunSummary, top: usize) -> std::
         unwinding.samples_queued,
         unwinding.queue_full,
     )?;
+    let mut by_binary: Vec<_> = unwinding.by_binary.iter().collect();
+    by_binary.sort_by(|a, b| b.1.0.cmp(&a.1.0).then(a.0.cmp(b.0)));
+    for (binary, (walks, outermost)) in by_binary.into_iter().take(top) {
+        writeln!(
+            out,
+            "{:>9} stacks {:>5.1}% to the outermost frame  {binary}",
+            walks,
+            100.0 * *outermost as f64 / (*walks).max(1) as f64,
+        )?;
+    }
     if total == 0 {
         return Ok(());
     }

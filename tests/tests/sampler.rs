@@ -381,10 +381,14 @@ fn agent_leaves_nothing_loaded_after_a_signal() {
     // Something to sample, so the agent exits with records in flight.
     let fixture = Fixture::compile("deep_stack");
     let _busy = fixture.start(&["16"]);
+    // The agent's table cache goes to a directory removed with the test.
+    let table_cache = tempfile::tempdir().expect("a temporary table cache");
     for signal in [libc::SIGINT, libc::SIGTERM] {
         let mut agent = RunningProcess::adopt(
             Command::new(agent_binary())
                 .args(["--frequency", "99", "--json", "--log-level", "warn"])
+                .arg("--table-cache-dir")
+                .arg(table_cache.path())
                 .stdout(Stdio::piped())
                 .spawn()
                 .expect("starting the agent"),
