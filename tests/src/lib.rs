@@ -35,30 +35,86 @@ pub fn exclusive() -> MutexGuard<'static, ()> {
     LOCK.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
 }
 
+/// Flags C fixtures are compiled with: optimised code without frame
+/// pointers, so only the CFI can unwind it.
+pub const C_FLAGS: &[&str] = &["-O2", "-g", "-fomit-frame-pointer"];
+
+/// A temporary directory fixtures are compiled into, removed on drop: a
+/// program and the shared libraries it links live side by side.
+pub struct BuildDir(tempfile::TempDir);
+
+impl BuildDir {
+    pub fn new() -> Self {
+        Self(tempfile::tempdir().expect("creating a temporary directory"))
+    }
+
+    pub fn path(&self) -> &Path {
+        self.0.path()
+    }
+
+    /// Runs `compiler <fixtures/sources> <args> -o <dir>/<output>` in this
+    /// directory (so `-L.` finds what was built here before) and returns the
+    /// output's path. `sources` are file names under `fixtures/`.
+    pub fn compile(
+        &self,
+        compiler: &str,
+        sources: &[&str],
+        args: &[&str],
+        output: &str,
+    ) -> PathBuf {
+        let fixtures = Path::new(env!("CARGO_MANIFEST_DIR")).join("fixtures");
+        let path = self.path().join(output);
+        let out = Command::new(compiler)
+            .current_dir(self.path())
+            .args(sources.iter().map(|source| fixtures.join(source)))
+            .args(args)
+            .arg("-o")
+            .arg(&path)
+            .output()
+            .unwrap_or_else(|err| panic!("running {compiler}: {err}"));
+        assert!(
+            out.status.success(),
+            "{compiler} failed on {sources:?}: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        path
+    }
+}
+
+impl Default for BuildDir {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
 /// A fixture program compiled into a temporary directory, removed on drop.
 pub struct Fixture {
     pub path: PathBuf,
-    _dir: tempfile::TempDir,
+    _dir: BuildDir,
 }
 
 impl Fixture {
-    /// Compiles `fixtures/<name>.c` with `-O2 -fomit-frame-pointer`.
+    /// Compiles `fixtures/<name>.c` with gcc and [`C_FLAGS`].
     pub fn compile(name: &str) -> Self {
-        let dir = tempfile::tempdir().expect("creating a temporary directory");
-        let source = Path::new(env!("CARGO_MANIFEST_DIR")).join(format!("fixtures/{name}.c"));
-        let path = dir.path().join(name);
-        let out = Command::new("gcc")
-            .args(["-O2", "-g", "-fomit-frame-pointer", "-o"])
-            .arg(&path)
-            .arg(&source)
-            .output()
-            .expect("running gcc");
-        assert!(
-            out.status.success(),
-            "gcc failed on {}: {}",
-            source.display(),
-            String::from_utf8_lossy(&out.stderr)
-        );
+        Self::compile_with(name, "gcc", &[&format!("{name}.c")], C_FLAGS)
+    }
+
+    /// Compiles the program `name` from `sources` (file names under
+    /// `fixtures/`) with any compiler that takes `-o` (gcc, g++, rustc).
+    pub fn compile_with(name: &str, compiler: &str, sources: &[&str], args: &[&str]) -> Self {
+        Self::compile_in(BuildDir::new(), name, compiler, sources, args)
+    }
+
+    /// Like [`Fixture::compile_with`], into `dir`, next to the libraries
+    /// already built there; they are removed with the fixture.
+    pub fn compile_in(
+        dir: BuildDir,
+        name: &str,
+        compiler: &str,
+        sources: &[&str],
+        args: &[&str],
+    ) -> Self {
+        let path = dir.compile(compiler, sources, args, name);
         Self { path, _dir: dir }
     }
 

@@ -15,8 +15,8 @@ use crate::run_checked;
 const BPF_LINKER_VERSION: &str = "0.13.0";
 
 /// Debian packages the tests and benchmarks use: `bpftool` checks that
-/// nothing stays loaded; `gcc` compiles the fixture programs.
-const DEBIAN_PACKAGES: &[&str] = &["bpftool", "gcc"];
+/// nothing stays loaded; `gcc` and `g++` compile the fixture programs.
+const DEBIAN_PACKAGES: &[&str] = &["bpftool", "gcc", "g++"];
 
 pub fn ensure_all() -> anyhow::Result<()> {
     ensure_nightly_rust_src()?;
