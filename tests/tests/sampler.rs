@@ -9,7 +9,10 @@ use std::{
 };
 
 use agent_common::sample_flags;
-use stackscope_agent::{cgroups, sampler::SamplerConfig};
+use stackscope_agent::{
+    cgroups,
+    sampler::{SamplerConfig, record::OwnedSample},
+};
 use stackscope_tests::{
     Fixture, Mapping, RunningProcess, TempCgroup, exclusive, find_word, kernel_symbol,
     kernel_symbols, read_maps, require_root, sample_for, sample_while,
@@ -18,6 +21,17 @@ use stackscope_tests::{
 const CANARY: u64 = 0x05CA_1AB1_E0DD_BA11;
 const FREQUENCY_HZ: u64 = 99;
 const SAMPLING: Duration = Duration::from_secs(2);
+
+/// Samples of process `pid` only, copying `user_stack_bytes` per sample.
+fn sample_process(pid: u32, user_stack_bytes: u32) -> Vec<OwnedSample> {
+    let config = SamplerConfig {
+        frequency_hz: FREQUENCY_HZ,
+        user_stack_bytes,
+        pids: vec![pid],
+        ..SamplerConfig::default()
+    };
+    sample_for(&config, SAMPLING).samples
+}
 
 fn mapping<'a>(maps: &'a [Mapping], what: impl Fn(&Mapping) -> bool, name: &str) -> &'a Mapping {
     maps.iter()
@@ -41,12 +55,7 @@ fn copies_the_stack_of_a_deep_recursion_with_every_frames_canary() {
     );
     let stack = mapping(&maps, |m| m.path == "[stack]", "stack");
 
-    let config = SamplerConfig {
-        frequency_hz: FREQUENCY_HZ,
-        pids: vec![process.pid()],
-        ..SamplerConfig::default()
-    };
-    let samples = sample_for(&config, SAMPLING).samples;
+    let samples = sample_process(process.pid(), agent_common::DEFAULT_USER_STACK_BYTES);
 
     // The fixture spins on one of the two CPUs the whole time: about
     // FREQUENCY_HZ * 2 s ticks land on it. Half of that is plenty of margin.
@@ -114,13 +123,7 @@ fn copies_a_short_stack_up_to_the_end_of_its_mapping() {
     );
 
     let limit = agent_common::MAX_USER_STACK_BYTES;
-    let config = SamplerConfig {
-        frequency_hz: FREQUENCY_HZ,
-        user_stack_bytes: limit,
-        pids: vec![process.pid()],
-        ..SamplerConfig::default()
-    };
-    let samples = sample_for(&config, SAMPLING).samples;
+    let samples = sample_process(process.pid(), limit);
     assert!(!samples.is_empty(), "no samples of the fixture");
     for sample in &samples {
         let h = &sample.header;
@@ -156,12 +159,7 @@ fn records_the_kernel_stack_and_the_saved_user_registers_of_a_syscall() {
     let process = fixture.start(&[]);
     let maps = read_maps(process.pid());
     let stack = mapping(&maps, |m| m.path == "[stack]", "stack");
-    let config = SamplerConfig {
-        frequency_hz: FREQUENCY_HZ,
-        pids: vec![process.pid()],
-        ..SamplerConfig::default()
-    };
-    let samples = sample_for(&config, SAMPLING).samples;
+    let samples = sample_process(process.pid(), agent_common::DEFAULT_USER_STACK_BYTES);
     let in_kernel: Vec<_> = samples
         .iter()
         .filter(|s| s.header.flags & sample_flags::TICK_IN_USER == 0)
@@ -250,10 +248,12 @@ fn samples_only_the_selected_cgroup() {
         ..SamplerConfig::default()
     };
     let samples = sample_for(&config, SAMPLING).samples;
-    // Two spinners share two CPUs: each gets about one CPU's worth of ticks.
+    // Two spinners share two CPUs: each gets about one CPU's worth of ticks
+    // when nothing else runs. The floor only has to show the filter lets the
+    // selected cgroup through, so it leaves room for a loaded machine.
     let expected = FREQUENCY_HZ * SAMPLING.as_secs();
     assert!(
-        samples.len() as u64 >= expected / 2,
+        samples.len() as u64 >= expected / 4,
         "only {} samples, expected about {expected}",
         samples.len()
     );
