@@ -19,4 +19,7 @@ pub mod table;
 pub mod unwinder;
 
 pub use table::{CacheError, CfiSection, TableError, UnsupportedCfi, UnwindRule, UnwindTable};
-pub use unwinder::{DEFAULT_MAX_DEPTH, ModuleAt, ModuleLookup, Registers, UnwindEnd, unwind};
+pub use unwinder::{
+    DEFAULT_MAX_DEPTH, ModuleAt, ModuleLookup, RULE_CACHE_SLOTS, Registers, RuleCache, UnwindEnd,
+    unwind, unwind_cached,
+};

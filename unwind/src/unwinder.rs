@@ -119,6 +119,133 @@ pub fn unwind(
     max_depth: usize,
     frames: &mut Vec<u64>,
 ) -> UnwindEnd {
+    walk(regs, stack, modules, &mut NoCache, max_depth, frames)
+}
+
+/// [`unwind`], remembering the rule found for each code address in `cache`
+/// so that hot code skips the module and table lookups. `space` names the
+/// address space (the process, and a version of its mappings): entries of
+/// another space never match, so a process whose mappings change takes a
+/// new `space` instead of clearing the cache.
+pub fn unwind_cached(
+    regs: Registers,
+    stack: &[u8],
+    modules: &impl ModuleLookup,
+    cache: &mut RuleCache,
+    space: u64,
+    max_depth: usize,
+    frames: &mut Vec<u64>,
+) -> UnwindEnd {
+    let mut cache = SpaceCache { cache, space };
+    walk(regs, stack, modules, &mut cache, max_depth, frames)
+}
+
+/// Remembers how to step from a code address.
+trait StepCache {
+    fn get(&mut self, pc: u64) -> Option<Step>;
+    fn put(&mut self, pc: u64, step: Step);
+}
+
+struct NoCache;
+
+impl StepCache for NoCache {
+    #[inline]
+    fn get(&mut self, _pc: u64) -> Option<Step> {
+        None
+    }
+    #[inline]
+    fn put(&mut self, _pc: u64, _step: Step) {}
+}
+
+/// Slots in a [`RuleCache`]: 32 bytes each, 128 KiB in all, about the hot
+/// code of a few busy processes.
+pub const RULE_CACHE_SLOTS: usize = 4096;
+
+/// A direct-mapped cache from (address space, code address) to the way to
+/// step that frame, shared by every walk of a walker. Bounded: a new entry
+/// replaces whatever its slot held.
+pub struct RuleCache {
+    slots: Box<[Slot]>,
+    hits: u64,
+    misses: u64,
+}
+
+#[derive(Clone, Copy)]
+struct Slot {
+    space: u64,
+    pc: u64,
+    /// `None`: empty.
+    step: Option<Step>,
+}
+
+impl Default for RuleCache {
+    fn default() -> Self {
+        Self {
+            slots: vec![
+                Slot {
+                    space: 0,
+                    pc: 0,
+                    step: None,
+                };
+                RULE_CACHE_SLOTS
+            ]
+            .into_boxed_slice(),
+            hits: 0,
+            misses: 0,
+        }
+    }
+}
+
+impl RuleCache {
+    /// Lookups answered by the cache, and those that were not.
+    pub fn hits_and_misses(&self) -> (u64, u64) {
+        (self.hits, self.misses)
+    }
+
+    #[inline]
+    fn slot(space: u64, pc: u64) -> usize {
+        // Fibonacci hashing: consecutive addresses spread over the slots.
+        let key = (pc ^ space.rotate_left(29)).wrapping_mul(0x9e37_79b9_7f4a_7c15);
+        (key >> (64 - RULE_CACHE_SLOTS.trailing_zeros())) as usize
+    }
+}
+
+struct SpaceCache<'a> {
+    cache: &'a mut RuleCache,
+    space: u64,
+}
+
+impl StepCache for SpaceCache<'_> {
+    #[inline]
+    fn get(&mut self, pc: u64) -> Option<Step> {
+        let slot = self.cache.slots[RuleCache::slot(self.space, pc)];
+        if slot.pc == pc && slot.space == self.space && slot.step.is_some() {
+            self.cache.hits += 1;
+            slot.step
+        } else {
+            self.cache.misses += 1;
+            None
+        }
+    }
+
+    #[inline]
+    fn put(&mut self, pc: u64, step: Step) {
+        self.cache.slots[RuleCache::slot(self.space, pc)] = Slot {
+            space: self.space,
+            pc,
+            step: Some(step),
+        };
+    }
+}
+
+fn walk(
+    regs: Registers,
+    stack: &[u8],
+    modules: &impl ModuleLookup,
+    cache: &mut impl StepCache,
+    max_depth: usize,
+    frames: &mut Vec<u64>,
+) -> UnwindEnd {
     frames.clear();
     // Once per walk, and a no-op once the caller's Vec has grown: no
     // allocation per frame. Capped so a huge `max_depth` does not reserve
@@ -144,17 +271,24 @@ pub fn unwind(
         } else {
             regs.rip.wrapping_sub(1)
         };
-        let step = match modules.module_for(pc) {
-            ModuleAt::Unmapped => return UnwindEnd::Unmapped,
-            ModuleAt::NoCfi => Step::FramePointer,
-            ModuleAt::Table { table, bias } => {
-                match pc
-                    .checked_sub(bias)
-                    .and_then(|address| table.lookup(address))
-                {
-                    Some(rule) => Step::Rule(rule),
-                    None => return UnwindEnd::NoUnwindInfo,
-                }
+        let step = match cache.get(pc) {
+            Some(step) => step,
+            None => {
+                let step = match modules.module_for(pc) {
+                    ModuleAt::Unmapped => return UnwindEnd::Unmapped,
+                    ModuleAt::NoCfi => Step::FramePointer,
+                    ModuleAt::Table { table, bias } => {
+                        match pc
+                            .checked_sub(bias)
+                            .and_then(|address| table.lookup(address))
+                        {
+                            Some(rule) => Step::Rule(rule),
+                            None => return UnwindEnd::NoUnwindInfo,
+                        }
+                    }
+                };
+                cache.put(pc, step);
+                step
             }
         };
         let (caller, signal) = match step_frame(step, &regs, &stack) {
@@ -238,6 +372,10 @@ fn step_frame(
     let ra_slot = cfa.checked_sub(8).ok_or(UnwindEnd::BadStackAddress)?;
     let rip = stack.read_u64(ra_slot)?;
     let rbp = match rbp_slot {
+        // A slot below the stack pointer is no longer part of the frame: in
+        // an epilogue after `pop rbp`, CFI that does not restore rbp still
+        // names the slot the value was popped from. The value is back in rbp.
+        Some(slot) if slot < regs.rsp => regs.rbp,
         Some(slot) => stack.read_u64(slot)?,
         None => regs.rbp,
     };
@@ -298,7 +436,15 @@ mod tests {
             (0x1330, Some(Plt { threshold: 11 })),
             (0x1340, Some(SignalFrame)),
             (0x1350, Some(Rsp { cfa_off: 4 })),
-            (0x1360, None),
+            // An epilogue after `pop rbp` whose CFI still names rbp's slot.
+            (
+                0x1360,
+                Some(RspRbpSaved {
+                    cfa_off: 8,
+                    rbp_off: -16,
+                }),
+            ),
+            (0x1370, None),
         ])
     }
 
@@ -313,6 +459,7 @@ mod tests {
     const PLT: u64 = BIAS + 0x1330;
     const TRAMPOLINE: u64 = BIAS + 0x1340;
     const SHORT_CFA: u64 = BIAS + 0x1350;
+    const EPILOGUE: u64 = BIAS + 0x1360;
     /// A module without CFI.
     const NO_CFI: u64 = 0x4000_0000;
 
@@ -352,6 +499,64 @@ mod tests {
             .word(SP + 40, H + 0x10);
         let (frames, end) = walk(regs(F + 0x10), &stack, DEFAULT_MAX_DEPTH);
         assert_eq!(frames, [F + 0x10, G + 0x50, H + 0x10]);
+        assert_eq!(end, UnwindEnd::Outermost);
+    }
+
+    #[test]
+    fn a_cached_walk_matches_the_uncached_one_and_keeps_spaces_apart() {
+        let table = table();
+        let stack = StackImage::new(64)
+            .word(SP + 8, G + 0x50)
+            .word(SP + 32, 0x2222)
+            .word(SP + 40, H + 0x10);
+        let mut cache = RuleCache::default();
+        let mut cached = Vec::new();
+        for round in 0..2 {
+            let end = unwind_cached(
+                regs(F + 0x10),
+                &stack.0,
+                &modules(&table),
+                &mut cache,
+                1,
+                DEFAULT_MAX_DEPTH,
+                &mut cached,
+            );
+            assert_eq!(
+                (cached.as_slice(), end),
+                (&[F + 0x10, G + 0x50, H + 0x10][..], UnwindEnd::Outermost),
+                "round {round}"
+            );
+        }
+        // Three lookups missed in round 0 and hit in round 1.
+        assert_eq!(cache.hits_and_misses(), (3, 3));
+
+        // Another space with other code at the same addresses: no stale hit.
+        let other = UnwindTable::from_rows(&[(0x1000, Some(Outermost)), (0x2000, None)]);
+        let end = unwind_cached(
+            regs(F + 0x10),
+            &stack.0,
+            &modules(&other),
+            &mut cache,
+            2,
+            DEFAULT_MAX_DEPTH,
+            &mut cached,
+        );
+        assert_eq!(
+            (cached.as_slice(), end),
+            (&[F + 0x10][..], UnwindEnd::Outermost)
+        );
+    }
+
+    #[test]
+    fn an_rbp_slot_below_rsp_keeps_the_live_rbp() {
+        // At EPILOGUE rbp was popped already: its slot (cfa - 16 = SP - 8) is
+        // below rsp and outside the copy. The walk goes on with rbp as it is.
+        // f then runs with rsp = SP + 8: cfa = SP + 24, ra at SP + 16.
+        let stack = StackImage::new(32)
+            .word(SP, F + 0x10)
+            .word(SP + 16, H + 0x10);
+        let (frames, end) = walk(regs(EPILOGUE), &stack, DEFAULT_MAX_DEPTH);
+        assert_eq!(frames, [EPILOGUE, F + 0x10, H + 0x10]);
         assert_eq!(end, UnwindEnd::Outermost);
     }
 

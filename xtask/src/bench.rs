@@ -1,5 +1,6 @@
 //! Benchmarks: they print figures and compare them with the targets; they never
-//! fail on a figure (timing belongs in reports, not in tests).
+//! fail on a figure (timing belongs in reports, not in tests). `sampler` drives
+//! the agent; `unwind` runs the unwinder's criterion benches.
 
 use std::{
     path::{Path, PathBuf},
@@ -20,12 +21,51 @@ pub enum Bench {
         #[arg(long, default_value = "10s")]
         duration: String,
     },
+    /// Unwind table compile time and heap bytes (libc, and the nightly
+    /// toolchain's librustc_driver and libLLVM), and the cost per stack of
+    /// unwinding recorded samples of a deep-stack program, side by side with
+    /// framehop 0.16 on the same inputs (criterion, `unwind/benches/`).
+    Unwind,
 }
 
 pub fn run(which: Bench) -> anyhow::Result<()> {
     match which {
         Bench::Sampler { duration } => sampler(&duration),
+        Bench::Unwind => unwind(),
     }
+}
+
+/// Runs the criterion benches of `stackscope-unwind` with their output passed
+/// through, then prints the headlines they wrote to `STACKSCOPE_BENCH_REPORT`.
+fn unwind() -> anyhow::Result<()> {
+    // Per process, so two runs at once do not read each other's summary.
+    let summary = std::env::temp_dir().join(format!(
+        "stackscope-unwind-bench-{}.txt",
+        std::process::id()
+    ));
+    let cargo = std::env::var_os("CARGO").unwrap_or_else(|| "cargo".into());
+    let result = run_checked(
+        Command::new(cargo)
+            // Every bench target, not the library: its unit tests would only
+            // print themselves as ignored.
+            .args(["bench", "--package", "stackscope-unwind", "--bench", "*"])
+            .current_dir(workspace_root())
+            .env("STACKSCOPE_BENCH_REPORT", &summary),
+    );
+    let text = std::fs::read_to_string(&summary);
+    let _ = std::fs::remove_file(&summary);
+    result?;
+    let text = text.with_context(|| {
+        format!(
+            "the benchmark wrote no summary to {} (criterion filtered or in --test mode?)",
+            summary.display()
+        )
+    })?;
+    println!("\nunwind benchmark summary:");
+    for line in text.lines() {
+        println!("  {line}");
+    }
+    Ok(())
 }
 
 /// Recursion depth of the fixture: deep enough (about 100 KiB of stack) that

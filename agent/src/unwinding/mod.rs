@@ -28,7 +28,8 @@ use stackscope_process_table::{
     Location, MappingPath, ObjectId, ProcessTable, TableConfig, maps::read_maps,
 };
 use stackscope_unwind::{
-    DEFAULT_MAX_DEPTH, ModuleAt, ModuleLookup, Registers, UnwindEnd, UnwindTable, unwind,
+    DEFAULT_MAX_DEPTH, ModuleAt, ModuleLookup, Registers, RuleCache, UnwindEnd, UnwindTable,
+    unwind_cached,
 };
 
 /// How the walker caches tables and holds samples that wait for one.
@@ -140,6 +141,9 @@ enum ModuleTable {
 #[derive(Debug, Default)]
 struct ProcessModules {
     modules: Vec<Module>,
+    /// Names this version of the list in the walker's rule cache; renewed
+    /// on every change, so cached rules of a stale version never match.
+    space: u64,
 }
 
 impl ProcessModules {
@@ -149,7 +153,8 @@ impl ProcessModules {
         (pc < module.end).then_some(module)
     }
 
-    fn insert(&mut self, module: Module) {
+    fn insert(&mut self, module: Module, space: u64) {
+        self.space = space;
         // A stale module overlapping the new one (the process remapped the
         // range) goes: the new one is what the process maps now.
         self.modules
@@ -278,6 +283,9 @@ pub struct StackWalker {
     waiting_bytes: usize,
     max_waiting_bytes: usize,
     frames: Vec<u64>,
+    rules: RuleCache,
+    /// The last address-space number handed out (see `ProcessModules::space`).
+    spaces: u64,
     stats: WalkStats,
 }
 
@@ -307,8 +315,15 @@ impl StackWalker {
             waiting_bytes: 0,
             max_waiting_bytes: config.max_waiting_bytes,
             frames: Vec::with_capacity(DEFAULT_MAX_DEPTH),
+            rules: RuleCache::default(),
+            spaces: 0,
             stats: WalkStats::default(),
         }
+    }
+
+    fn next_space(&mut self) -> u64 {
+        self.spaces += 1;
+        self.spaces
     }
 
     /// Walks a sample, or holds a copy of it while a table it needs
@@ -441,10 +456,12 @@ impl StackWalker {
                 unknown: Cell::new(None),
                 pending: Cell::new(false),
             };
-            let end = unwind(
+            let end = unwind_cached(
                 regs,
                 user_stack,
                 &known,
+                &mut self.rules,
+                process.space,
                 DEFAULT_MAX_DEPTH,
                 &mut self.frames,
             );
@@ -559,7 +576,8 @@ impl StackWalker {
                 return false;
             }
         };
-        self.modules.entry(tgid).or_default().insert(module);
+        let space = self.next_space();
+        self.modules.entry(tgid).or_default().insert(module, space);
         true
     }
 
@@ -627,8 +645,8 @@ mod tests {
     #[test]
     fn finds_the_module_holding_an_address() {
         let mut process = ProcessModules::default();
-        process.insert(module(0x3000, 0x4000));
-        process.insert(module(0x1000, 0x2000));
+        process.insert(module(0x3000, 0x4000), 1);
+        process.insert(module(0x1000, 0x2000), 1);
         assert_eq!(process.find(0x1000).map(|m| m.start), Some(0x1000));
         assert_eq!(process.find(0x1fff).map(|m| m.start), Some(0x1000));
         assert!(process.find(0x2000).is_none());
@@ -640,9 +658,9 @@ mod tests {
     #[test]
     fn a_remapped_range_replaces_the_stale_module() {
         let mut process = ProcessModules::default();
-        process.insert(module(0x1000, 0x3000));
-        process.insert(module(0x5000, 0x6000));
-        process.insert(module(0x2000, 0x5800));
+        process.insert(module(0x1000, 0x3000), 1);
+        process.insert(module(0x5000, 0x6000), 1);
+        process.insert(module(0x2000, 0x5800), 1);
         let starts: Vec<u64> = process.modules.iter().map(|m| m.start).collect();
         assert_eq!(starts, [0x2000]);
     }
@@ -650,7 +668,7 @@ mod tests {
     #[test]
     fn unknown_addresses_are_remembered_for_resolution() {
         let mut process = ProcessModules::default();
-        process.insert(module(0x1000, 0x2000));
+        process.insert(module(0x1000, 0x2000), 1);
         let known = KnownModules {
             process: &process,
             unknown: Cell::new(None),

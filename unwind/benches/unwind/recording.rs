@@ -1,0 +1,320 @@
+//! Recorded samples of a real program, and both unwinders set up over them.
+//!
+//! This module owns the benchmark's inputs: compiling and running the
+//! `benches/fixtures/busy.c` workload, stopping it N times with ptrace to take
+//! what the BPF sampler would take (rip/rsp/rbp and the stack bytes from rsp,
+//! through the test helper `common::snapshot`), the ELF files it maps with
+//! their load biases, and, over exactly those inputs, our `ModuleLookup` with
+//! prebuilt tables and a framehop `UnwinderX86_64` with modules built from the
+//! same files' sections. It does not time anything (see `main.rs`).
+
+use std::{
+    collections::HashMap,
+    io::{BufRead as _, BufReader},
+    ops::Range,
+    path::{Path, PathBuf},
+    process::{Child, ChildStdout, Command, Stdio},
+    thread::sleep,
+    time::Duration,
+};
+
+use framehop::{
+    ExplicitModuleSectionInfo, Module, Unwinder as _,
+    x86_64::{CacheX86_64, UnwindRegsX86_64, UnwinderX86_64},
+};
+use object::{Object as _, ObjectSection as _, ObjectSegment as _};
+use stackscope_unwind::{ModuleAt, ModuleLookup, Registers, UnwindEnd, UnwindTable, unwind};
+
+use crate::common;
+
+/// One recorded sample: the registers and the stack bytes at `regs.rsp`.
+pub struct Sample {
+    pub regs: Registers,
+    pub stack: Vec<u8>,
+}
+
+/// An ELF file mapped by the recorded process.
+pub struct MappedFile {
+    pub path: PathBuf,
+    pub data: Vec<u8>,
+    /// From the lowest mapping's start to the highest one's end.
+    pub avma: Range<u64>,
+    /// File virtual address = runtime address - bias.
+    pub bias: u64,
+}
+
+/// Everything the unwinding comparison reads.
+pub struct Recording {
+    pub samples: Vec<Sample>,
+    pub files: Vec<MappedFile>,
+    /// Samples whose `/proc/<pid>/maps` differed from the first one's: the
+    /// replay uses the first one's, so this must be 0 for a fair comparison.
+    pub maps_changed: usize,
+}
+
+/// A child process killed and reaped on drop, so a panicking benchmark never
+/// leaves the spinning fixture behind.
+struct Running {
+    child: Child,
+    /// Kept open so the fixture never writes to a closed pipe.
+    _stdout: Option<BufReader<ChildStdout>>,
+}
+
+impl Drop for Running {
+    fn drop(&mut self) {
+        // SIGKILL also ends a ptrace-stopped process; both calls fail
+        // harmlessly if the child is already gone.
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// Compiles the fixture into a temporary directory (removed when this
+/// returns), runs it, takes `count` snapshots of up to `stack_bytes` each at
+/// different moments, and kills it.
+pub fn record(count: usize, stack_bytes: usize) -> Recording {
+    let dir = tempfile::tempdir().expect("creating a temporary directory");
+    let source = Path::new(env!("CARGO_MANIFEST_DIR")).join("benches/fixtures/busy.c");
+    let binary = dir.path().join("busy");
+    let out = Command::new("gcc")
+        .args(common::CFLAGS)
+        .arg("-o")
+        .arg(&binary)
+        .arg(&source)
+        .output()
+        .expect("running gcc");
+    assert!(
+        out.status.success(),
+        "gcc failed on {}: {}",
+        source.display(),
+        String::from_utf8_lossy(&out.stderr)
+    );
+
+    let mut child = Command::new(&binary)
+        .env_clear()
+        .stdout(Stdio::piped())
+        .spawn()
+        .expect("starting the fixture");
+    let mut stdout = BufReader::new(child.stdout.take().expect("piped stdout"));
+    // Adopted before reading, so a fixture that fails to start is still reaped.
+    let mut running = Running {
+        child,
+        _stdout: None,
+    };
+    let mut line = String::new();
+    stdout.read_line(&mut line).expect("reading the fixture");
+    assert_eq!(line.trim(), "ready", "the fixture did not start");
+    running._stdout = Some(stdout);
+    let pid = i32::try_from(running.child.id()).expect("pid fits i32");
+
+    let mut samples = Vec::with_capacity(count);
+    let mut first_maps = None;
+    let mut maps_changed = 0;
+    for i in 0..count {
+        // Uneven pauses (0.2 to 1.2 ms) so the stops fall at unrelated points
+        // of the fixture's loop rather than in step with it.
+        sleep(Duration::from_micros(200 + (i as u64 * 7919) % 1000));
+        let snapshot = common::snapshot(pid, stack_bytes);
+        match &first_maps {
+            None => first_maps = Some(snapshot.maps),
+            Some(first) if *first != snapshot.maps => maps_changed += 1,
+            Some(_) => {}
+        }
+        samples.push(Sample {
+            regs: snapshot.regs,
+            stack: snapshot.stack,
+        });
+    }
+    drop(running);
+    let files = mapped_files(first_maps.as_deref().unwrap_or_default());
+    Recording {
+        samples,
+        files,
+        maps_changed,
+    }
+}
+
+/// The ELF files in `maps`, each read once, with its address range and bias.
+fn mapped_files(maps: &str) -> Vec<MappedFile> {
+    let mut files: Vec<MappedFile> = Vec::new();
+    let mut by_path: HashMap<&str, usize> = HashMap::new();
+    for line in maps.lines() {
+        let fields: Vec<&str> = line.split_whitespace().collect();
+        // The vDSO and anonymous memory have no file to read CFI from.
+        let [range, _perms, offset, _dev, _inode, path] = fields[..] else {
+            continue;
+        };
+        if !path.starts_with('/') {
+            continue;
+        }
+        let (start, end) = range.split_once('-').expect("maps range");
+        let start = u64::from_str_radix(start, 16).expect("maps start");
+        let end = u64::from_str_radix(end, 16).expect("maps end");
+        let offset = u64::from_str_radix(offset, 16).expect("maps offset");
+        let index = *by_path.entry(path).or_insert_with(|| {
+            files.push(MappedFile {
+                path: PathBuf::from(path),
+                data: std::fs::read(path).expect("reading a mapped file"),
+                avma: start..end,
+                bias: 0,
+            });
+            files.len() - 1
+        });
+        let file = &mut files[index];
+        file.avma = file.avma.start.min(start)..file.avma.end.max(end);
+        if let Some(bias) = load_bias(&file.data, start, offset) {
+            file.bias = bias;
+        }
+    }
+    files.sort_by_key(|file| file.avma.start);
+    files
+}
+
+/// The bias of a mapping at `start` of file offset `offset`, from the
+/// PT_LOAD segment it maps (the same computation as the tests' helper,
+/// which keeps it private).
+fn load_bias(data: &[u8], start: u64, offset: u64) -> Option<u64> {
+    let file = object::File::parse(data).ok()?;
+    file.segments().find_map(|segment| {
+        let (file_offset, file_size) = segment.file_range();
+        // Mappings start at the page that holds the segment's first byte.
+        let page_start = file_offset & !0xfff;
+        (page_start..file_offset + file_size.max(1))
+            .contains(&offset)
+            .then(|| {
+                start
+                    .wrapping_add(file_offset)
+                    .wrapping_sub(offset)
+                    .wrapping_sub(segment.address())
+            })
+    })
+}
+
+/// Our side: one prebuilt table per file, found by binary search over the
+/// files' address ranges (what an agent's process table does).
+pub struct OurModules {
+    /// Sorted by range start, non-overlapping.
+    modules: Vec<(Range<u64>, u64, Option<UnwindTable>)>,
+}
+
+impl OurModules {
+    pub fn new(files: &[MappedFile]) -> Self {
+        Self {
+            modules: files
+                .iter()
+                .map(|file| {
+                    (
+                        file.avma.clone(),
+                        file.bias,
+                        UnwindTable::from_elf(&file.data).ok(),
+                    )
+                })
+                .collect(),
+        }
+    }
+}
+
+impl ModuleLookup for OurModules {
+    #[inline]
+    fn module_for(&self, pc: u64) -> ModuleAt<'_> {
+        let next = self
+            .modules
+            .partition_point(|(range, _, _)| range.start <= pc);
+        match next.checked_sub(1).map(|index| &self.modules[index]) {
+            Some((range, bias, table)) if pc < range.end => match table {
+                Some(table) => ModuleAt::Table { table, bias: *bias },
+                None => ModuleAt::NoCfi,
+            },
+            _ => ModuleAt::Unmapped,
+        }
+    }
+}
+
+/// The sections framehop reads on ELF: `.text`, `.eh_frame`, `.got` and,
+/// when `with_hdr`, `.eh_frame_hdr` (its binary-search index; without it
+/// framehop builds its own FDE index when the module is added).
+pub fn section_info(data: &[u8], with_hdr: bool) -> ExplicitModuleSectionInfo<&[u8]> {
+    let file = object::File::parse(data).expect("parsing an ELF file");
+    let section = |name: &str| {
+        let section = file.section_by_name(name)?;
+        let range = section.address()..section.address() + section.size();
+        Some((range, section.data().ok()?))
+    };
+    let text = section(".text");
+    let eh_frame = section(".eh_frame");
+    let eh_frame_hdr = section(".eh_frame_hdr").filter(|_| with_hdr);
+    ExplicitModuleSectionInfo {
+        // ELF files state addresses relative to 0.
+        base_svma: 0,
+        text_svma: text.as_ref().map(|(range, _)| range.clone()),
+        text: text.map(|(_, data)| data),
+        got_svma: section(".got").map(|(range, _)| range),
+        eh_frame_svma: eh_frame.as_ref().map(|(range, _)| range.clone()),
+        eh_frame: eh_frame.map(|(_, data)| data),
+        eh_frame_hdr_svma: eh_frame_hdr.as_ref().map(|(range, _)| range.clone()),
+        eh_frame_hdr: eh_frame_hdr.map(|(_, data)| data),
+        ..Default::default()
+    }
+}
+
+/// framehop's side: the same files at the same addresses, with
+/// `.eh_frame_hdr` (how samply uses it on Linux).
+pub fn framehop_unwinder(files: &[MappedFile]) -> UnwinderX86_64<&[u8]> {
+    let mut unwinder = UnwinderX86_64::new();
+    for file in files {
+        unwinder.add_module(Module::new(
+            file.path.display().to_string(),
+            file.avma.clone(),
+            // ELF: runtime address = file address + bias.
+            file.bias,
+            section_info(&file.data, true),
+        ));
+    }
+    unwinder
+}
+
+/// Walks `sample` with our tables.
+#[inline]
+pub fn walk_ours(
+    sample: &Sample,
+    modules: &OurModules,
+    max_depth: usize,
+    frames: &mut Vec<u64>,
+) -> UnwindEnd {
+    unwind(sample.regs, &sample.stack, modules, max_depth, frames)
+}
+
+/// Walks `sample` with framehop, reading stack words from the same bytes and
+/// stopping at the same depth limit; returns the error framehop ended with,
+/// if it did not find the outermost frame.
+#[inline]
+pub fn walk_framehop(
+    sample: &Sample,
+    unwinder: &UnwinderX86_64<&[u8]>,
+    cache: &mut CacheX86_64,
+    max_depth: usize,
+    frames: &mut Vec<u64>,
+) -> Option<framehop::Error> {
+    frames.clear();
+    let Registers { rip, rsp, rbp } = sample.regs;
+    let stack = &sample.stack[..];
+    let mut read_stack = |address: u64| {
+        let offset = usize::try_from(address.checked_sub(rsp).ok_or(())?).map_err(|_| ())?;
+        let word = stack.get(offset..).and_then(|rest| rest.first_chunk::<8>());
+        word.map(|word| u64::from_le_bytes(*word)).ok_or(())
+    };
+    let mut iter = unwinder.iter_frames(
+        rip,
+        UnwindRegsX86_64::new(rip, rsp, rbp),
+        cache,
+        &mut read_stack,
+    );
+    while frames.len() < max_depth {
+        match iter.next() {
+            Ok(Some(frame)) => frames.push(frame.address()),
+            Ok(None) => return None,
+            Err(error) => return Some(error),
+        }
+    }
+    None
+}
