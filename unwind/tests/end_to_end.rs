@@ -1,15 +1,19 @@
 //! Offline end-to-end tests: real processes built without frame pointers,
 //! stopped with ptrace, their registers and stack bytes captured the way the
 //! BPF sampler captures them, unwound with tables compiled from their own
-//! files (and libc's), and symbolized with the files' symbol tables.
+//! files (and libc's), and symbolized with the files' symbol tables: C call
+//! chains, a signal frame, deep recursion, C++ templates with exceptions,
+//! Rust, shared libraries reached through `dlopen` and through the PLT, a
+//! static-pie, and a second thread's stack.
 //!
-//! Needs ptrace rights over child processes (root, or Yama scope 0/1) and gcc.
+//! Needs ptrace rights over child processes (root, or Yama scope 0/1), gcc,
+//! g++, rustc, and glibc's static libraries (for the static-pie).
 
 mod common;
 
 use std::{thread::sleep, time::Duration};
 
-use common::{Fixture, ProcessModules, Running, snapshot};
+use common::{BuildDir, CFLAGS, Fixture, ProcessModules, snapshot};
 use stackscope_unwind::{DEFAULT_MAX_DEPTH, UnwindEnd, unwind};
 
 /// The stack copy the sampler takes by default.
@@ -20,8 +24,9 @@ struct Walk {
     end: UnwindEnd,
 }
 
-fn walk(running: &Running, stack_copy: usize, max_depth: usize) -> Walk {
-    let snapshot = snapshot(running.pid(), stack_copy);
+/// Snapshots thread `tid` and walks its stack.
+fn walk(tid: i32, stack_copy: usize, max_depth: usize) -> Walk {
+    let snapshot = snapshot(tid, stack_copy);
     let modules = ProcessModules::from_maps(&snapshot.maps);
     let mut frames = Vec::new();
     let end = unwind(
@@ -37,11 +42,11 @@ fn walk(running: &Running, stack_copy: usize, max_depth: usize) -> Walk {
     }
 }
 
-/// Walks until frame 0 is in `innermost`: right after printing "ready" the
-/// fixture may still be on its way back from `write`.
-fn walk_in(running: &Running, innermost: &str, stack_copy: usize, max_depth: usize) -> Walk {
+/// Walks thread `tid` until frame 0 is in `innermost`: right after printing
+/// "ready" the fixture may still be on its way back from `write`.
+fn walk_in(tid: i32, innermost: &str, stack_copy: usize, max_depth: usize) -> Walk {
     for _ in 0..100 {
-        let walk = walk(running, stack_copy, max_depth);
+        let walk = walk(tid, stack_copy, max_depth);
         if walk.names.first().is_some_and(|name| name == innermost) {
             return walk;
         }
@@ -67,7 +72,7 @@ fn chain(names: &[&str]) -> Vec<String> {
 fn call_chain_without_frame_pointers() {
     let fixture = Fixture::compile("chain", &[]);
     let running = fixture.start(&[]);
-    let walk = walk_in(&running, "spin", STACK_COPY, DEFAULT_MAX_DEPTH);
+    let walk = walk_in(running.pid(), "spin", STACK_COPY, DEFAULT_MAX_DEPTH);
     assert_eq!(walk.names, chain(&["spin", "c", "b", "a", "main"]));
     assert_eq!(walk.end, UnwindEnd::Outermost);
 }
@@ -76,7 +81,7 @@ fn call_chain_without_frame_pointers() {
 fn through_a_signal_frame() {
     let fixture = Fixture::compile("chain", &[]);
     let running = fixture.start(&["signal"]);
-    let walk = walk_in(&running, "handler_spin", STACK_COPY, DEFAULT_MAX_DEPTH);
+    let walk = walk_in(running.pid(), "handler_spin", STACK_COPY, DEFAULT_MAX_DEPTH);
     // __restore_rt is static in libc: only its file is known.
     assert_eq!(
         walk.names,
@@ -100,7 +105,7 @@ fn deep_recursion() {
     let fixture = Fixture::compile("deep", &[]);
     let running = fixture.start(&[&DEPTH.to_string()]);
 
-    let walk = walk_in(&running, "spin", STACK_COPY, 1024);
+    let walk = walk_in(running.pid(), "spin", STACK_COPY, 1024);
     let mut expected = vec!["spin"];
     expected.extend(std::iter::repeat_n("recurse", DEPTH + 1));
     expected.push("main");
@@ -108,13 +113,13 @@ fn deep_recursion() {
     assert_eq!(walk.end, UnwindEnd::Outermost);
 
     // The default depth limit cuts it short.
-    let walk = walk_in(&running, "spin", STACK_COPY, DEFAULT_MAX_DEPTH);
+    let walk = walk_in(running.pid(), "spin", STACK_COPY, DEFAULT_MAX_DEPTH);
     assert_eq!(walk.names.len(), DEFAULT_MAX_DEPTH);
     assert!(walk.names[1..].iter().all(|name| name == "recurse"));
     assert_eq!(walk.end, UnwindEnd::DepthLimit);
 
     // So does a short copy: each recurse frame takes 32 bytes, spin's 16.
-    let walk = walk_in(&running, "spin", 4096, 1024);
+    let walk = walk_in(running.pid(), "spin", 4096, 1024);
     assert!(walk.names[1..].iter().all(|name| name == "recurse"));
     assert!(
         (120..=129).contains(&walk.names.len()),
@@ -154,7 +159,7 @@ fn frame_pointer_fallback_for_a_binary_without_cfi() {
     );
     strip_eh_frame(&fixture);
     let running = fixture.start(&[]);
-    let walk = walk_in(&running, "spin", STACK_COPY, DEFAULT_MAX_DEPTH);
+    let walk = walk_in(running.pid(), "spin", STACK_COPY, DEFAULT_MAX_DEPTH);
     assert_eq!(walk.names, chain(&["spin", "c", "b", "a", "main"]));
     // _start clears rbp before calling __libc_start_main, the ABI's mark of
     // the outermost frame.
@@ -168,7 +173,181 @@ fn debug_frame_only_binary() {
     let fixture = Fixture::compile("chain", &["-g", "-fno-asynchronous-unwind-tables"]);
     strip_eh_frame(&fixture);
     let running = fixture.start(&[]);
-    let walk = walk_in(&running, "spin", STACK_COPY, DEFAULT_MAX_DEPTH);
+    let walk = walk_in(running.pid(), "spin", STACK_COPY, DEFAULT_MAX_DEPTH);
     assert_eq!(walk.names, chain(&["spin", "c", "b", "a", "main"]));
     assert_eq!(walk.end, UnwindEnd::NoUnwindInfo);
+}
+
+/// Snapshots taken of every spinning fixture below, each of which must
+/// show the same chain.
+const SNAPSHOTS: usize = 5;
+
+/// Waits for thread `tid` to spin in `expected[0]`, then takes
+/// [`SNAPSHOTS`] snapshots a few milliseconds apart, each walked with the
+/// default limits, and asserts that every walk has exactly `expected`
+/// frames and ends as `end`.
+fn assert_every_walk(tid: i32, expected: &[String], end: UnwindEnd) {
+    let innermost = expected.first().expect("an expected chain");
+    walk_in(tid, innermost, STACK_COPY, DEFAULT_MAX_DEPTH);
+    for i in 0..SNAPSHOTS {
+        let walk = walk(tid, STACK_COPY, DEFAULT_MAX_DEPTH);
+        assert_eq!(walk.names, expected, "frames of snapshot {i}");
+        assert_eq!(walk.end, end, "end of snapshot {i}: {:?}", walk.names);
+        sleep(Duration::from_millis(20));
+    }
+}
+
+#[test]
+fn cpp_templates_inside_a_try_block() {
+    // main has a landing pad and an LSDA (its FDE has an augmentation
+    // pointer); the templates are instantiated out of line.
+    let fixture = Fixture::compile_with("template_chain", "g++", &["template_chain.cpp"], CFLAGS);
+    let running = fixture.start(&[]);
+    assert_every_walk(
+        running.pid(),
+        &chain(&["Worker<int>::run", "dispatch<Worker<int> >", "main"]),
+        UnwindEnd::Outermost,
+    );
+}
+
+/// Builds `tests/fixtures/spin_lib.c` as `libspin.so` into a new directory.
+fn spin_library() -> BuildDir {
+    let dir = BuildDir::new();
+    let args = [&["-shared", "-fPIC"], CFLAGS].concat();
+    dir.compile("gcc", &["spin_lib.c"], &args, "libspin.so");
+    dir
+}
+
+#[test]
+fn from_a_dlopened_library_back_into_the_executable() {
+    let dir = spin_library();
+    let library = dir.path().join("libspin.so");
+    let fixture = Fixture::compile_in(dir, "dlopen_call", "gcc", &["dlopen_call.c"], CFLAGS);
+    // The library is mapped after the process started: the snapshot's maps
+    // have it, and its table is compiled from it like any other.
+    let running = fixture.start(&[library.to_str().expect("a UTF-8 path")]);
+    assert_every_walk(
+        running.pid(),
+        &chain(&["lib_spin", "lib_entry", "call_plugin", "main"]),
+        UnwindEnd::Outermost,
+    );
+}
+
+#[test]
+fn from_a_library_called_through_the_plt() {
+    let dir = spin_library();
+    let rpath = format!("-Wl,-rpath,{}", dir.path().display());
+    let args = [CFLAGS, &["-L.", "-lspin", &rpath]].concat();
+    let fixture = Fixture::compile_in(dir, "plt_call", "gcc", &["plt_call.c"], &args);
+    let running = fixture.start(&[]);
+    // The PLT stubs jump, they do not call: no frame of their own.
+    assert_every_walk(
+        running.pid(),
+        &chain(&["lib_spin", "lib_entry", "call_library", "main"]),
+        UnwindEnd::Outermost,
+    );
+}
+
+#[test]
+fn static_pie() {
+    let args = [CFLAGS, &["-static-pie"]].concat();
+    let fixture = Fixture::compile_with("call_chain", "gcc", &["call_chain.c"], &args);
+    let running = fixture.start(&[]);
+    // libc is linked in, with its symbols: every frame is the fixture's, and
+    // __libc_start_call_main has a name.
+    let expected = [
+        "c",
+        "b",
+        "a",
+        "main",
+        "__libc_start_call_main",
+        "__libc_start_main",
+        "_start",
+    ]
+    .map(String::from);
+    assert_every_walk(running.pid(), &expected, UnwindEnd::Outermost);
+}
+
+#[test]
+fn a_thread_down_to_clone3() {
+    let fixture = Fixture::compile("threads", &[]);
+    let running = fixture.start(&[]);
+    let [thread] = running.other_threads()[..] else {
+        panic!("not one other thread: {:?}", running.other_threads());
+    };
+    // The thread's stack starts in libc's start_thread, called from clone3
+    // (both static, named by file); clone3's CFI marks rip undefined, the
+    // outermost frame.
+    let expected = ["thread_spin", "thread_main", "libc.so.6?", "libc.so.6?"].map(String::from);
+    assert_every_walk(thread, &expected, UnwindEnd::Outermost);
+    // The main thread, stopped on its own, still walks down to _start.
+    assert_every_walk(
+        running.pid(),
+        &chain(&["main_spin", "main"]),
+        UnwindEnd::Outermost,
+    );
+}
+
+#[test]
+fn rust_through_lang_start() {
+    let fixture = Fixture::compile_with(
+        "rust_chain",
+        "rustc",
+        &["rust_chain.rs"],
+        &[
+            "--crate-name",
+            "rust_chain",
+            "-O",
+            "-C",
+            "force-frame-pointers=no",
+            "-C",
+            "debuginfo=0",
+        ],
+    );
+    let running = fixture.start(&[]);
+    walk_in(
+        running.pid(),
+        "rust_chain::c",
+        STACK_COPY,
+        DEFAULT_MAX_DEPTH,
+    );
+    let first = walk(running.pid(), STACK_COPY, DEFAULT_MAX_DEPTH);
+
+    // Between rust_chain::main and C's main, std's lang_start machinery,
+    // whose exact frames depend on how std was built (with 1.95:
+    // __rust_begin_short_backtrace, lang_start::{{closure}},
+    // lang_start_internal): assert what the fixture controls, that every
+    // frame between is std's and lang_start_internal is one of them, what
+    // glibc puts above main, and that every snapshot agrees.
+    let names = &first.names;
+    let prefix = [
+        "rust_chain::c",
+        "rust_chain::b",
+        "rust_chain::a",
+        "rust_chain::main",
+    ];
+    let suffix = chain(&["main"]);
+    assert!(
+        names.len() > prefix.len() + suffix.len(),
+        "no std frames in {names:?}"
+    );
+    assert_eq!(names[..prefix.len()], prefix, "frames of {names:?}");
+    assert_eq!(
+        names[names.len() - suffix.len()..],
+        suffix,
+        "frames of {names:?}"
+    );
+    let runtime = &names[prefix.len()..names.len() - suffix.len()];
+    assert!(
+        runtime.iter().all(|name| name.starts_with("std::")),
+        "not std's: {runtime:?}"
+    );
+    assert!(
+        runtime
+            .iter()
+            .any(|name| name == "std::rt::lang_start_internal"),
+        "no lang_start_internal in {names:?}"
+    );
+    assert_eq!(first.end, UnwindEnd::Outermost, "end of {names:?}");
+    assert_every_walk(running.pid(), names, UnwindEnd::Outermost);
 }
