@@ -13,7 +13,7 @@ use stackscope_agent::{
     cgroups,
     run::{AgentConfig, RunSummary, run},
     sampler::{Sampler, SamplerConfig},
-    unwinding::WalkerConfig,
+    unwinding::{DiskCache, WalkerConfig},
 };
 use tracing_subscriber::EnvFilter;
 
@@ -53,6 +53,10 @@ struct Args {
     /// by build-id), so a restarted agent does not compile tables again.
     #[arg(long, default_value = "/var/cache/stackscope/tables")]
     table_cache_dir: PathBuf,
+    /// Bytes the on-disk table cache may take; the least recently used
+    /// tables are removed beyond it.
+    #[arg(long, default_value_t = 1 << 30)]
+    table_cache_max_bytes: u64,
     /// Keep unwind tables in memory only.
     #[arg(long)]
     no_table_cache: bool,
@@ -92,7 +96,10 @@ fn main() -> anyhow::Result<()> {
         duration: args.duration,
         status_interval: args.status_interval,
         walker: WalkerConfig {
-            disk_cache: (!args.no_table_cache).then(|| args.table_cache_dir.clone()),
+            disk_cache: (!args.no_table_cache).then(|| DiskCache {
+                dir: args.table_cache_dir.clone(),
+                max_bytes: args.table_cache_max_bytes,
+            }),
             ..WalkerConfig::default()
         },
     };

@@ -108,12 +108,24 @@ pub async fn run(config: &AgentConfig) -> Result<RunSummary, RunError> {
                     kernel: sampler.counters()?,
                 };
                 let walks = records.walker.stats();
+                let worst: Vec<String> = walks
+                    .worst_binaries(3)
+                    .into_iter()
+                    .map(|(binary, walks, outermost)| {
+                        format!("{binary} {:.0}%", 100.0 * outermost as f64 / walks as f64)
+                    })
+                    .collect();
                 tracing::info!(
-                    "{}; unwinding: {:.1}% of {} stacks to the outermost frame, \
+                    "{}; unwinding: {:.1}% of {} stacks to the outermost frame (least: {}), \
                      tables {} compiled + {} from disk, {} samples waiting, {} found the queue full",
                     StatusLine::between(&last, &snapshot, now - last_at),
                     walks.outermost_percent(),
                     walks.walks,
+                    if worst.is_empty() {
+                        "none".to_string()
+                    } else {
+                        worst.join(", ")
+                    },
                     walks.tables_compiled,
                     walks.tables_from_disk,
                     records.walker.waiting(),

@@ -5,7 +5,9 @@
 //! The cache holds one file per object, named by its identity (build-id or
 //! file key) and written atomically (temporary file, then rename). The file
 //! format is `stackscope-unwind`'s: versioned and checksummed, so a corrupt
-//! or outdated file is compiled again and overwritten, never trusted.
+//! or outdated file is compiled again and overwritten, never trusted. The
+//! directory is bounded in bytes: reading a file refreshes its mtime, and
+//! after each write the least recently used files go until it fits.
 
 use std::{
     path::{Path, PathBuf},
@@ -36,6 +38,13 @@ pub(super) enum Compiled {
     Unreadable,
 }
 
+/// Where compiled tables are kept on disk, and how much room they may take.
+#[derive(Debug, Clone)]
+pub struct DiskCache {
+    pub dir: PathBuf,
+    pub max_bytes: u64,
+}
+
 /// A pool of compile threads. Dropping it closes the queue; the threads end
 /// after their current object.
 pub(super) struct Compiler {
@@ -44,22 +53,22 @@ pub(super) struct Compiler {
 }
 
 impl Compiler {
-    /// Starts `threads` compile threads (at least one); `cache_dir`, when
-    /// given, is created if needed.
-    pub(super) fn start(threads: usize, cache_dir: Option<PathBuf>) -> Self {
+    /// Starts `threads` compile threads (at least one); the disk cache's
+    /// directory, when given, is created if needed.
+    pub(super) fn start(threads: usize, disk_cache: Option<DiskCache>) -> Self {
         let (requests, queue) = mpsc::sync_channel::<MappedObject>(COMPILE_QUEUE);
         let (done, results) = mpsc::channel();
-        if let Some(dir) = &cache_dir
-            && let Err(err) = std::fs::create_dir_all(dir)
+        if let Some(cache) = &disk_cache
+            && let Err(err) = std::fs::create_dir_all(&cache.dir)
         {
-            tracing::warn!("table cache {} unusable: {err}", dir.display());
+            tracing::warn!("table cache {} unusable: {err}", cache.dir.display());
         }
         let queue = Arc::new(Mutex::new(queue));
-        let cache_dir: Option<Arc<Path>> = cache_dir.map(Into::into);
+        let disk_cache: Option<Arc<DiskCache>> = disk_cache.map(Arc::new);
         for n in 0..threads.max(1) {
             let queue = Arc::clone(&queue);
             let done = done.clone();
-            let cache_dir = cache_dir.clone();
+            let disk_cache = disk_cache.clone();
             let spawned = std::thread::Builder::new()
                 .name(format!("table-compiler-{n}"))
                 .spawn(move || {
@@ -67,7 +76,7 @@ impl Compiler {
                         // Holding the lock only to take the next object.
                         let next = queue.lock().map(|queue| queue.recv());
                         let Ok(Ok(object)) = next else { break };
-                        let compiled = compile(&object, cache_dir.as_deref());
+                        let compiled = compile(&object, disk_cache.as_deref());
                         if done.send((*object.id, compiled)).is_err() {
                             break;
                         }
@@ -96,13 +105,17 @@ fn cache_path(dir: &Path, id: &ObjectId) -> PathBuf {
     dir.join(format!("{id}.table"))
 }
 
-fn compile(object: &MappedObject, cache_dir: Option<&Path>) -> Compiled {
-    let cached = cache_dir.map(|dir| cache_path(dir, &object.id));
+fn compile(object: &MappedObject, disk_cache: Option<&DiskCache>) -> Compiled {
+    let cached = disk_cache.map(|cache| cache_path(&cache.dir, &object.id));
     if let Some(path) = &cached
         && let Ok(bytes) = std::fs::read(path)
     {
         match UnwindTable::from_bytes(&bytes) {
             Ok(table) => {
+                // Recently used: the last file eviction takes.
+                if let Ok(file) = std::fs::File::options().write(true).open(path) {
+                    let _ = file.set_modified(std::time::SystemTime::now());
+                }
                 return Compiled::Table {
                     table: Arc::new(table),
                     from_disk: true,
@@ -145,8 +158,9 @@ fn compile(object: &MappedObject, cache_dir: Option<&Path>) -> Compiled {
             return Compiled::NoCfi;
         }
     };
-    if let Some(path) = &cached {
+    if let (Some(path), Some(cache)) = (&cached, disk_cache) {
         write_atomically(path, &table.to_bytes());
+        evict_least_recently_used(&cache.dir, cache.max_bytes);
     }
     Compiled::Table {
         table: Arc::new(table),
@@ -162,6 +176,35 @@ fn write_atomically(path: &Path, bytes: &[u8]) {
     if let Err(err) = result {
         tracing::debug!("not caching {}: {err}", path.display());
         let _ = std::fs::remove_file(&temporary);
+    }
+}
+
+/// Removes the least recently used cache files of `dir` until the rest take
+/// at most `max_bytes`. Another thread may be evicting too: a file already
+/// gone is simply skipped.
+fn evict_least_recently_used(dir: &Path, max_bytes: u64) {
+    let Ok(entries) = std::fs::read_dir(dir) else {
+        return;
+    };
+    let mut files: Vec<(std::time::SystemTime, u64, PathBuf)> = entries
+        .flatten()
+        .filter(|entry| entry.path().extension().is_some_and(|ext| ext == "table"))
+        .filter_map(|entry| {
+            let metadata = entry.metadata().ok()?;
+            Some((metadata.modified().ok()?, metadata.len(), entry.path()))
+        })
+        .collect();
+    let mut total: u64 = files.iter().map(|(_, len, _)| len).sum();
+    files.sort();
+    for (_, len, path) in files {
+        if total <= max_bytes {
+            break;
+        }
+        match std::fs::remove_file(&path) {
+            Ok(()) => total -= len,
+            Err(err) if err.kind() == std::io::ErrorKind::NotFound => total -= len,
+            Err(err) => tracing::debug!("cannot evict {}: {err}", path.display()),
+        }
     }
 }
 
@@ -201,7 +244,11 @@ mod tests {
     fn compiles_once_then_reads_the_disk_cache_and_rebuilds_a_corrupt_file() {
         let dir = tempfile::tempdir().unwrap();
         let object = own_object();
-        let compiler = Compiler::start(1, Some(dir.path().to_path_buf()));
+        let disk = DiskCache {
+            dir: dir.path().to_path_buf(),
+            max_bytes: u64::MAX,
+        };
+        let compiler = Compiler::start(1, Some(disk));
 
         assert!(compiler.submit(object.clone()));
         let (id, first) = wait(&compiler);
@@ -244,5 +291,34 @@ mod tests {
             UnwindTable::from_bytes(&std::fs::read(&file).unwrap()).unwrap(),
             *compiled
         );
+    }
+
+    #[test]
+    fn evicts_the_least_recently_used_files_beyond_the_bound() {
+        let dir = tempfile::tempdir().unwrap();
+        let now = std::time::SystemTime::now();
+        // a.table is the oldest, c.table the newest; other files are not ours.
+        for (name, age_secs) in [
+            ("a.table", 30),
+            ("b.table", 20),
+            ("c.table", 10),
+            ("notes.txt", 40),
+        ] {
+            let path = dir.path().join(name);
+            std::fs::write(&path, [0u8; 100]).unwrap();
+            let file = std::fs::File::options().write(true).open(&path).unwrap();
+            file.set_modified(now - Duration::from_secs(age_secs))
+                .unwrap();
+        }
+        evict_least_recently_used(dir.path(), 250);
+        let mut left: Vec<String> = std::fs::read_dir(dir.path())
+            .unwrap()
+            .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+            .collect();
+        left.sort();
+        assert_eq!(left, ["b.table", "c.table", "notes.txt"]);
+        evict_least_recently_used(dir.path(), 0);
+        assert!(!dir.path().join("c.table").exists());
+        assert!(dir.path().join("notes.txt").exists());
     }
 }

@@ -17,10 +17,11 @@ mod compiler;
 use std::{
     cell::Cell,
     collections::{HashMap, VecDeque},
-    path::{Path, PathBuf},
+    path::Path,
     sync::Arc,
 };
 
+pub use compiler::DiskCache;
 use compiler::{Compiled, Compiler};
 
 use agent_common::{SampleHeader, sample_flags};
@@ -38,8 +39,8 @@ pub struct WalkerConfig {
     /// Bytes of unwind tables kept in memory for objects no tracked process
     /// maps any more (tables of mapped objects are always kept).
     pub table_cache_bytes: usize,
-    /// Directory of the on-disk table cache; `None` keeps tables in memory only.
-    pub disk_cache: Option<PathBuf>,
+    /// The on-disk table cache; `None` keeps tables in memory only.
+    pub disk_cache: Option<DiskCache>,
     /// Threads compiling tables.
     pub compile_threads: usize,
     /// Bytes of samples held while their tables compile; beyond, a sample is
@@ -114,6 +115,20 @@ impl WalkStats {
         } else {
             100.0 * self.outermost as f64 / self.walks as f64
         }
+    }
+
+    /// The `n` binaries (of frame 0) with the most walks that stopped short
+    /// of the outermost frame, as (binary, walks, outermost), worst first.
+    pub fn worst_binaries(&self, n: usize) -> Vec<(&str, u64, u64)> {
+        let mut binaries: Vec<_> = self
+            .by_binary
+            .iter()
+            .filter(|(_, (walks, outermost))| walks > outermost)
+            .map(|(name, &(walks, outermost))| (&**name, walks, outermost))
+            .collect();
+        binaries.sort_by(|a, b| (b.1 - b.2).cmp(&(a.1 - a.2)).then(a.0.cmp(b.0)));
+        binaries.truncate(n);
+        binaries
     }
 }
 
@@ -640,6 +655,20 @@ mod tests {
             table: ModuleTable::NoCfi,
             name: format!("m{start:x}").into(),
         }
+    }
+
+    #[test]
+    fn ranks_binaries_by_walks_that_stopped_short() {
+        let mut stats = WalkStats::default();
+        for (name, walks, outermost) in [("a", 10, 10), ("b", 10, 4), ("c", 50, 47), ("d", 7, 0)] {
+            stats.by_binary.insert(name.into(), (walks, outermost));
+        }
+        assert_eq!(stats.worst_binaries(2), [("d", 7, 0), ("b", 10, 4)]);
+        assert_eq!(
+            stats.worst_binaries(9).len(),
+            3,
+            "fully unwound binaries are not listed"
+        );
     }
 
     #[test]
