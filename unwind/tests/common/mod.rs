@@ -1,5 +1,5 @@
 //! Helpers for the unwinder's tests on real binaries: fixtures compiled from
-//! `tests/fixtures/*` (C, C++, Rust, shared libraries) at test time,
+//! the workspace's `tests/fixtures/*` (C, C++, Rust, shared libraries) at test time,
 //! processes killed on drop, a ptrace snapshot of a stopped thread
 //! (registers + stack bytes, like the BPF sampler's record), a
 //! `ModuleLookup` over `/proc/<pid>/maps`, and a small ELF-symbol symbolizer
@@ -35,7 +35,7 @@ impl BuildDir {
     }
 
     /// Runs `compiler sources... args... -o <dir>/<output>` with the sources
-    /// taken from `tests/fixtures/` (first, so that `-l` options follow the
+    /// taken from the workspace's `tests/fixtures/` (first, so that `-l` options follow the
     /// objects that need them) and the directory as working directory
     /// (so `-L.` finds libraries built into it). Returns the output's path.
     pub fn compile(
@@ -45,7 +45,9 @@ impl BuildDir {
         args: &[&str],
         output: &str,
     ) -> PathBuf {
-        let fixtures = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures");
+        // One fixture directory for the whole workspace: the same programs
+        // are unwound here offline and end to end through the sampler.
+        let fixtures = Path::new(env!("CARGO_MANIFEST_DIR")).join("../tests/fixtures");
         let path = self.path().join(output);
         let out = Command::new(compiler)
             .current_dir(self.path())
@@ -71,13 +73,13 @@ pub struct Fixture {
 }
 
 impl Fixture {
-    /// Compiles `tests/fixtures/<name>.c` with [`CFLAGS`] plus `extra` flags.
+    /// Compiles the workspace's `tests/fixtures/<name>.c` with [`CFLAGS`] plus `extra` flags.
     pub fn compile(name: &str, extra: &[&str]) -> Self {
         let args = [CFLAGS, extra].concat();
         Self::compile_with(name, "gcc", &[&format!("{name}.c")], &args)
     }
 
-    /// Compiles `sources` (in `tests/fixtures/`) with `compiler` and exactly
+    /// Compiles `sources` (in the workspace's `tests/fixtures/`) with `compiler` and exactly
     /// `args` into an executable `name` in a new directory.
     pub fn compile_with(name: &str, compiler: &str, sources: &[&str], args: &[&str]) -> Self {
         Self::compile_in(BuildDir::new(), name, compiler, sources, args)
