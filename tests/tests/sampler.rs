@@ -44,7 +44,7 @@ fn copies_the_stack_of_a_deep_recursion_with_every_frames_canary() {
     require_root();
     let _serial = exclusive();
     const DEPTH: u64 = 64;
-    let fixture = Fixture::compile("deep_stack");
+    let fixture = Fixture::compile("deep_stack", &[]);
     let process = fixture.start(&[&DEPTH.to_string()]);
     let maps = read_maps(process.pid());
     let exe = fixture.path.to_str().unwrap();
@@ -113,7 +113,7 @@ fn copies_a_short_stack_up_to_the_end_of_its_mapping() {
     let _serial = exclusive();
     // Depth 0: the fixture spins right below main, a few KiB under the top of
     // its stack mapping, so fewer bytes remain above rsp than the 32 KiB asked.
-    let fixture = Fixture::compile("deep_stack");
+    let fixture = Fixture::compile("deep_stack", &[]);
     let process = fixture.start(&["0"]);
     let maps = read_maps(process.pid());
     let stack = mapping(&maps, |m| m.path == "[stack]", "stack");
@@ -155,7 +155,7 @@ fn copies_a_short_stack_up_to_the_end_of_its_mapping() {
 fn records_the_kernel_stack_and_the_saved_user_registers_of_a_syscall() {
     require_root();
     let _serial = exclusive();
-    let fixture = Fixture::compile("syscall_loop");
+    let fixture = Fixture::compile("syscall_loop", &[]);
     let process = fixture.start(&[]);
     let maps = read_maps(process.pid());
     let stack = mapping(&maps, |m| m.path == "[stack]", "stack");
@@ -228,7 +228,7 @@ fn records_the_kernel_stack_and_the_saved_user_registers_of_a_syscall() {
 fn samples_only_the_selected_cgroup() {
     require_root();
     let _serial = exclusive();
-    let fixture = Fixture::compile("deep_stack");
+    let fixture = Fixture::compile("deep_stack", &[]);
     // Declared before the processes, so it is dropped (and removed) after them.
     let cgroup = TempCgroup::create("filter");
     let inside = fixture.start(&["8"]);
@@ -276,7 +276,7 @@ fn samples_only_the_selected_cgroup() {
 fn reports_exec_and_exit_of_processes_in_order_with_samples() {
     require_root();
     let _serial = exclusive();
-    let fixture = Fixture::compile("deep_stack");
+    let fixture = Fixture::compile("deep_stack", &[]);
     let config = SamplerConfig {
         frequency_hz: FREQUENCY_HZ,
         ..SamplerConfig::default()
@@ -301,10 +301,13 @@ fn reports_exec_and_exit_of_processes_in_order_with_samples() {
         .collect();
     assert_eq!(execs.len(), 1, "exec events of the fixture: {execs:?}");
     assert_eq!(exits.len(), 1, "exit events of the fixture: {exits:?}");
+    // The forked child can be sampled before it execs: it already has the
+    // fixture's pid but still runs the test's image. The fixture's own image
+    // (its comm after exec) must lie between the exec and the exit.
     let samples: Vec<_> = recorded
         .samples
         .iter()
-        .filter(|s| s.header.tgid == child_pid)
+        .filter(|s| s.header.tgid == child_pid && s.header.comm.starts_with(b"deep_stack\0"))
         .collect();
     assert!(
         !samples.is_empty(),
@@ -379,7 +382,7 @@ fn agent_leaves_nothing_loaded_after_a_signal() {
     require_root();
     let _serial = exclusive();
     // Something to sample, so the agent exits with records in flight.
-    let fixture = Fixture::compile("deep_stack");
+    let fixture = Fixture::compile("deep_stack", &[]);
     let _busy = fixture.start(&["16"]);
     // The agent's table cache goes to a directory removed with the test.
     let table_cache = tempfile::tempdir().expect("a temporary table cache");
