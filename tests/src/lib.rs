@@ -1,13 +1,12 @@
-//! Helpers for stackscope's end-to-end tests: fixture programs compiled from
-//! `fixtures/*.c` at test time, processes killed on drop, `/proc/<pid>/maps`
-//! lookups, and sampling with the real BPF program for a while.
+//! Helpers for stackscope's end-to-end tests: sampling with the real BPF
+//! program for a while, cgroups made for a test, `/proc/<pid>/maps` and
+//! kallsyms lookups. Fixture programs and child processes come from
+//! `stackscope-test-fixtures`, shared with the unwinder's offline tests.
 //!
 //! The tests themselves live in `tests/`; they need root and a kernel with BPF.
 
 use std::{
-    io::{BufRead as _, BufReader, Read as _},
-    path::{Path, PathBuf},
-    process::{Child, ChildStdout, Command, Output, Stdio},
+    path::PathBuf,
     sync::{Mutex, MutexGuard},
     time::Duration,
 };
@@ -17,6 +16,7 @@ use stackscope_agent::sampler::{
     Sampler, SamplerConfig,
     record::{DecodeError, OwnedSample, Record},
 };
+pub use stackscope_test_fixtures::{BuildDir, C_FLAGS, ElfSymbols, Fixture, RunningProcess};
 
 /// Fails the test with a clear message unless it runs as root.
 pub fn require_root() {
@@ -33,153 +33,6 @@ pub fn require_root() {
 pub fn exclusive() -> MutexGuard<'static, ()> {
     static LOCK: Mutex<()> = Mutex::new(());
     LOCK.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
-}
-
-/// Flags C fixtures are compiled with: optimised code without frame
-/// pointers, so only the CFI can unwind it.
-pub const C_FLAGS: &[&str] = &["-O2", "-g", "-fomit-frame-pointer"];
-
-/// A temporary directory fixtures are compiled into, removed on drop: a
-/// program and the shared libraries it links live side by side.
-pub struct BuildDir(tempfile::TempDir);
-
-impl BuildDir {
-    pub fn new() -> Self {
-        Self(tempfile::tempdir().expect("creating a temporary directory"))
-    }
-
-    pub fn path(&self) -> &Path {
-        self.0.path()
-    }
-
-    /// Runs `compiler <fixtures/sources> <args> -o <dir>/<output>` in this
-    /// directory (so `-L.` finds what was built here before) and returns the
-    /// output's path. `sources` are file names under `fixtures/`.
-    pub fn compile(
-        &self,
-        compiler: &str,
-        sources: &[&str],
-        args: &[&str],
-        output: &str,
-    ) -> PathBuf {
-        let fixtures = Path::new(env!("CARGO_MANIFEST_DIR")).join("fixtures");
-        let path = self.path().join(output);
-        let out = Command::new(compiler)
-            .current_dir(self.path())
-            .args(sources.iter().map(|source| fixtures.join(source)))
-            .args(args)
-            .arg("-o")
-            .arg(&path)
-            .output()
-            .unwrap_or_else(|err| panic!("running {compiler}: {err}"));
-        assert!(
-            out.status.success(),
-            "{compiler} failed on {sources:?}: {}",
-            String::from_utf8_lossy(&out.stderr)
-        );
-        path
-    }
-}
-
-impl Default for BuildDir {
-    fn default() -> Self {
-        Self::new()
-    }
-}
-
-/// A fixture program compiled into a temporary directory, removed on drop.
-pub struct Fixture {
-    pub path: PathBuf,
-    _dir: BuildDir,
-}
-
-impl Fixture {
-    /// Compiles `fixtures/<name>.c` with gcc and [`C_FLAGS`].
-    pub fn compile(name: &str) -> Self {
-        Self::compile_with(name, "gcc", &[&format!("{name}.c")], C_FLAGS)
-    }
-
-    /// Compiles the program `name` from `sources` (file names under
-    /// `fixtures/`) with any compiler that takes `-o` (gcc, g++, rustc).
-    pub fn compile_with(name: &str, compiler: &str, sources: &[&str], args: &[&str]) -> Self {
-        Self::compile_in(BuildDir::new(), name, compiler, sources, args)
-    }
-
-    /// Like [`Fixture::compile_with`], into `dir`, next to the libraries
-    /// already built there; they are removed with the fixture.
-    pub fn compile_in(
-        dir: BuildDir,
-        name: &str,
-        compiler: &str,
-        sources: &[&str],
-        args: &[&str],
-    ) -> Self {
-        let path = dir.compile(compiler, sources, args, name);
-        Self { path, _dir: dir }
-    }
-
-    /// Starts the fixture with an empty environment and waits for it to print
-    /// `ready`, i.e. to have built its stack.
-    pub fn start(&self, args: &[&str]) -> RunningProcess {
-        let mut child = Command::new(&self.path)
-            .args(args)
-            .env_clear()
-            .stdout(Stdio::piped())
-            .spawn()
-            .expect("starting the fixture");
-        let mut stdout = BufReader::new(child.stdout.take().expect("piped stdout"));
-        let mut line = String::new();
-        stdout.read_line(&mut line).expect("reading the fixture");
-        assert_eq!(line.trim(), "ready", "fixture did not start");
-        RunningProcess {
-            child,
-            _stdout: Some(stdout),
-        }
-    }
-}
-
-/// A child process killed (and reaped) when dropped, so a failing test never
-/// leaves a spinning fixture behind.
-pub struct RunningProcess {
-    pub child: Child,
-    _stdout: Option<BufReader<ChildStdout>>,
-}
-
-impl RunningProcess {
-    /// Takes charge of an already spawned child.
-    pub fn adopt(child: Child) -> Self {
-        Self {
-            child,
-            _stdout: None,
-        }
-    }
-
-    pub fn pid(&self) -> u32 {
-        self.child.id()
-    }
-
-    /// Waits for the process to exit on its own and collects its stdout.
-    pub fn wait_with_output(&mut self) -> Output {
-        let mut stdout = Vec::new();
-        if let Some(mut pipe) = self.child.stdout.take() {
-            pipe.read_to_end(&mut stdout)
-                .expect("reading the child's stdout");
-        }
-        let status = self.child.wait().expect("waiting for the child");
-        Output {
-            status,
-            stdout,
-            stderr: Vec::new(),
-        }
-    }
-}
-
-impl Drop for RunningProcess {
-    fn drop(&mut self) {
-        // Already reaped children make both calls fail harmlessly.
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
 }
 
 /// A cgroup v2 made for one test; on drop, whatever still runs in it is

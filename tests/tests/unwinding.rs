@@ -8,17 +8,18 @@
 
 use std::{
     collections::HashMap,
-    path::{Path, PathBuf},
+    path::PathBuf,
     time::{Duration, Instant},
 };
 
-use object::{Object as _, ObjectSymbol as _};
 use stackscope_agent::{
     sampler::SamplerConfig,
     unwinding::{StackWalker, WalkOutcome},
 };
 use stackscope_process_table::{Location, ProcessTable};
-use stackscope_tests::{BuildDir, C_FLAGS, Fixture, exclusive, require_root, sample_for};
+use stackscope_tests::{
+    BuildDir, C_FLAGS, ElfSymbols, Fixture, exclusive, require_root, sample_for,
+};
 use stackscope_unwind::{DEFAULT_MAX_DEPTH, UnwindEnd};
 
 /// Placeholder for frames in libc that no symbol covers: Debian's libc has
@@ -36,64 +37,13 @@ const OUTERMOST: WalkOutcome = WalkOutcome::Ended(UnwindEnd::Outermost);
 /// Samples a spinning fixture long enough to get well over this many.
 const MIN_SAMPLES: usize = 50;
 
-/// A function symbol of an ELF file, in the file's virtual address space.
-struct FunctionSymbol {
-    start: u64,
-    size: u64,
-    name: String,
-}
-
-/// Function symbols of an ELF file: `.symtab` when it has one, else
-/// `.dynsym` (shared libraries shipped stripped still export theirs).
-fn function_symbols(path: &Path) -> Vec<FunctionSymbol> {
-    let data =
-        std::fs::read(path).unwrap_or_else(|err| panic!("reading {}: {err}", path.display()));
-    let file = object::File::parse(&*data).expect("parsing an ELF file");
-    let symbols = if file.symbols().next().is_some() {
-        file.symbols()
-    } else {
-        file.dynamic_symbols()
-    };
-    symbols
-        .filter(|s| s.kind() == object::SymbolKind::Text && s.size() > 0)
-        .filter_map(|s| {
-            Some(FunctionSymbol {
-                start: s.address(),
-                size: s.size(),
-                name: s.name().ok()?.to_string(),
-            })
-        })
-        .collect()
-}
-
-/// A readable name for a symbol: Rust (legacy or v0, without the hash),
-/// else C++ (without parameters or return type), else as it is (C). Tried in
-/// that order because a C++ name never demangles as Rust. Only names with a
-/// mangling prefix are tried: cpp_demangle also reads bare type codes, and
-/// would turn the C function `c` into `char`.
-fn demangle(name: &str) -> String {
-    if !(name.starts_with("_Z") || name.starts_with("_R")) {
-        return name.to_string();
-    }
-    if let Ok(rust) = rustc_demangle::try_demangle(name) {
-        return format!("{rust:#}");
-    }
-    let options = cpp_demangle::DemangleOptions::new()
-        .no_params()
-        .no_return_type();
-    cpp_demangle::Symbol::new(name)
-        .ok()
-        .and_then(|symbol| symbol.demangle_with_options(&options).ok())
-        .unwrap_or_else(|| name.to_string())
-}
-
 /// Names the frames of one process: the symbol covering the address in
 /// whichever file the process table says is mapped there, or that file's
 /// name when no symbol covers it.
 struct Symbolizer {
     pid: u32,
     processes: ProcessTable,
-    files: HashMap<PathBuf, Vec<FunctionSymbol>>,
+    files: HashMap<PathBuf, ElfSymbols>,
     /// Names by looked-up address: samples repeat the same frames.
     names: HashMap<u64, String>,
 }
@@ -137,16 +87,9 @@ impl Symbolizer {
                 let symbols = self
                     .files
                     .entry(path)
-                    .or_insert_with(|| function_symbols(&map_files));
+                    .or_insert_with(|| ElfSymbols::read(&map_files));
                 let vaddr = object.elf_vaddr.expect("an ELF address");
-                // Aliases (static glibc's __libc_start_main and
-                // __libc_start_main_impl) cover the same range: take the
-                // shortest name, usually the public one.
-                symbols
-                    .iter()
-                    .filter(|s| (s.start..s.start + s.size).contains(&vaddr))
-                    .min_by_key(|s| (s.name.len(), &s.name))
-                    .map_or(file_name, |s| demangle(&s.name))
+                symbols.name_at(vaddr).unwrap_or(file_name)
             }
             Ok(Some(Location::Unbacked(region))) => region.mapping.path.to_string(),
             other => format!("{addr:#x}: {other:?}"),
@@ -247,14 +190,14 @@ fn assert_chain(fixture: &Fixture, args: &[&str], expected: &[String]) {
 #[test]
 fn unwinds_a_call_chain_without_frame_pointers_down_to_main() {
     require_root();
-    let fixture = Fixture::compile("call_chain");
+    let fixture = Fixture::compile("call_chain", &[]);
     assert_chain(&fixture, &[], &down_to_main(&["c", "b", "a"]));
 }
 
 #[test]
 fn unwinds_deep_recursion_and_stops_at_the_depth_limit() {
     require_root();
-    let fixture = Fixture::compile("deep_recursion");
+    let fixture = Fixture::compile("deep_recursion", &[]);
     // 64-byte frames: 300 of them (19 KiB) fit the largest copy.
     let stack_bytes = agent_common::MAX_USER_STACK_BYTES;
     // leaf, 240 recurse, main and 3 frames above it: 245, under the limit.
@@ -287,7 +230,7 @@ fn unwinds_deep_recursion_and_stops_at_the_depth_limit() {
 #[test]
 fn unwinds_a_thread_down_to_its_entry() {
     require_root();
-    let fixture = Fixture::compile("threads");
+    let fixture = Fixture::compile("threads", &[]);
     let _serial = exclusive();
     let process = fixture.start(&[]);
     let walks = sample_and_walk(&[process.pid()], agent_common::DEFAULT_USER_STACK_BYTES);
@@ -347,7 +290,7 @@ fn unwinds_from_a_library_called_through_the_plt() {
 #[test]
 fn unwinds_a_signal_handler_through_the_signal_frame() {
     require_root();
-    let fixture = Fixture::compile("signal_handler");
+    let fixture = Fixture::compile("signal_handler", &[]);
     // The handler returns into libc's __restore_rt (static: named by file),
     // whose CFI restores the interrupted registers from the signal frame.
     assert_chain(

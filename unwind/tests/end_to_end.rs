@@ -13,7 +13,8 @@ mod common;
 
 use std::{thread::sleep, time::Duration};
 
-use common::{BuildDir, CFLAGS, Fixture, ProcessModules, snapshot};
+use common::{ProcessModules, snapshot};
+use stackscope_test_fixtures::{BuildDir, C_FLAGS, Fixture};
 use stackscope_unwind::{DEFAULT_MAX_DEPTH, UnwindEnd, unwind};
 
 /// The stack copy the sampler takes by default.
@@ -25,7 +26,7 @@ struct Walk {
 }
 
 /// Snapshots thread `tid` and walks its stack.
-fn walk(tid: i32, stack_copy: usize, max_depth: usize) -> Walk {
+fn walk(tid: u32, stack_copy: usize, max_depth: usize) -> Walk {
     let snapshot = snapshot(tid, stack_copy);
     let modules = ProcessModules::from_maps(&snapshot.maps);
     let mut frames = Vec::new();
@@ -44,7 +45,7 @@ fn walk(tid: i32, stack_copy: usize, max_depth: usize) -> Walk {
 
 /// Walks thread `tid` until frame 0 is in `innermost`: right after printing
 /// "ready" the fixture may still be on its way back from `write`.
-fn walk_in(tid: i32, innermost: &str, stack_copy: usize, max_depth: usize) -> Walk {
+fn walk_in(tid: u32, innermost: &str, stack_copy: usize, max_depth: usize) -> Walk {
     for _ in 0..100 {
         let walk = walk(tid, stack_copy, max_depth);
         if walk.names.first().is_some_and(|name| name == innermost) {
@@ -131,7 +132,7 @@ fn deep_recursion() {
 
 /// Removes `.eh_frame` and `.eh_frame_hdr` from the fixture.
 fn strip_eh_frame(fixture: &Fixture) {
-    let stripped = fixture.sibling("stripped");
+    let stripped = fixture.dir().join("stripped");
     let out = std::process::Command::new("objcopy")
         .args([
             "--remove-section=.eh_frame",
@@ -186,7 +187,7 @@ const SNAPSHOTS: usize = 5;
 /// [`SNAPSHOTS`] snapshots a few milliseconds apart, each walked with the
 /// default limits, and asserts that every walk has exactly `expected`
 /// frames and ends as `end`.
-fn assert_every_walk(tid: i32, expected: &[String], end: UnwindEnd) {
+fn assert_every_walk(tid: u32, expected: &[String], end: UnwindEnd) {
     let innermost = expected.first().expect("an expected chain");
     walk_in(tid, innermost, STACK_COPY, DEFAULT_MAX_DEPTH);
     for i in 0..SNAPSHOTS {
@@ -201,7 +202,7 @@ fn assert_every_walk(tid: i32, expected: &[String], end: UnwindEnd) {
 fn cpp_templates_inside_a_try_block() {
     // main has a landing pad and an LSDA (its FDE has an augmentation
     // pointer); the templates are instantiated out of line.
-    let fixture = Fixture::compile_with("template_chain", "g++", &["template_chain.cpp"], CFLAGS);
+    let fixture = Fixture::compile_with("template_chain", "g++", &["template_chain.cpp"], C_FLAGS);
     let running = fixture.start(&[]);
     assert_every_walk(
         running.pid(),
@@ -213,7 +214,7 @@ fn cpp_templates_inside_a_try_block() {
 /// Builds `tests/fixtures/spin_lib.c` as `libspin.so` into a new directory.
 fn spin_library() -> BuildDir {
     let dir = BuildDir::new();
-    let args = [&["-shared", "-fPIC"], CFLAGS].concat();
+    let args = [&["-shared", "-fPIC"], C_FLAGS].concat();
     dir.compile("gcc", &["spin_lib.c"], &args, "libspin.so");
     dir
 }
@@ -222,7 +223,7 @@ fn spin_library() -> BuildDir {
 fn from_a_dlopened_library_back_into_the_executable() {
     let dir = spin_library();
     let library = dir.path().join("libspin.so");
-    let fixture = Fixture::compile_in(dir, "dlopen_call", "gcc", &["dlopen_call.c"], CFLAGS);
+    let fixture = Fixture::compile_in(dir, "dlopen_call", "gcc", &["dlopen_call.c"], C_FLAGS);
     // The library is mapped after the process started: the snapshot's maps
     // have it, and its table is compiled from it like any other.
     let running = fixture.start(&[library.to_str().expect("a UTF-8 path")]);
@@ -237,7 +238,7 @@ fn from_a_dlopened_library_back_into_the_executable() {
 fn from_a_library_called_through_the_plt() {
     let dir = spin_library();
     let rpath = format!("-Wl,-rpath,{}", dir.path().display());
-    let args = [CFLAGS, &["-L.", "-lspin", &rpath]].concat();
+    let args = [C_FLAGS, &["-L.", "-lspin", &rpath]].concat();
     let fixture = Fixture::compile_in(dir, "plt_call", "gcc", &["plt_call.c"], &args);
     let running = fixture.start(&[]);
     // The PLT stubs jump, they do not call: no frame of their own.
@@ -250,7 +251,7 @@ fn from_a_library_called_through_the_plt() {
 
 #[test]
 fn static_pie() {
-    let args = [CFLAGS, &["-static-pie"]].concat();
+    let args = [C_FLAGS, &["-static-pie"]].concat();
     let fixture = Fixture::compile_with("call_chain", "gcc", &["call_chain.c"], &args);
     let running = fixture.start(&[]);
     // libc is linked in, with its symbols: every frame is the fixture's, and

@@ -7,8 +7,9 @@ mod common;
 
 use std::{path::Path, process::Command, time::Instant};
 
-use common::{Fixture, Module};
+use common::Module;
 use object::{Object as _, ObjectSection as _, ObjectSymbol as _, SymbolKind};
+use stackscope_test_fixtures::Fixture;
 use stackscope_unwind::{TableError, UnwindRule, UnwindTable};
 
 const LIBC: &str = "/lib/x86_64-linux-gnu/libc.so.6";
@@ -135,7 +136,8 @@ fn fixture_functions_plt_and_start() {
 
     for name in ["main", "a", "b", "c", "spin", "on_alarm", "handler_spin"] {
         let address = module
-            .symbol_address(name)
+            .symbols
+            .address_of(name)
             .unwrap_or_else(|| panic!("{name} in .symtab"));
         assert_eq!(
             table.lookup(address),
@@ -153,7 +155,7 @@ fn fixture_functions_plt_and_start() {
             assert_eq!(cfa_off, 16, "{name} + 4");
         }
     }
-    let start = module.symbol_address("_start").expect("_start");
+    let start = module.symbols.address_of("_start").expect("_start");
     assert_eq!(table.lookup(start), Some(UnwindRule::Outermost));
 
     // The lazy .plt: PLT0 pushes, then 16-byte entries use the expression.
@@ -193,7 +195,7 @@ fn from_elf_errors() {
     ));
 
     // No .eh_frame and, without -g, no .debug_frame either.
-    let stripped = fixture.sibling("stripped");
+    let stripped = fixture.dir().join("stripped");
     let out = Command::new("objcopy")
         .args([
             "--remove-section=.eh_frame",
@@ -229,7 +231,7 @@ fn debug_frame_matches_eh_frame() {
     // .debug_frame (for a copy without .eh_frame) with -g and no unwind tables.
     let eh = Fixture::compile("chain", &[]);
     let debug = Fixture::compile("chain", &["-g", "-fno-asynchronous-unwind-tables"]);
-    let stripped = debug.sibling("stripped");
+    let stripped = debug.dir().join("stripped");
     let out = Command::new("objcopy")
         .args([
             "--remove-section=.eh_frame",
@@ -247,8 +249,8 @@ fn debug_frame_matches_eh_frame() {
     let debug_table = debug.table.as_ref().expect("the .debug_frame table");
     assert_invariants(debug_table);
     for name in ["main", "a", "b", "c", "spin", "on_alarm", "handler_spin"] {
-        let eh_start = eh.symbol_address(name).expect("symbol");
-        let debug_start = debug.symbol_address(name).expect("symbol");
+        let eh_start = eh.symbols.address_of(name).expect("symbol");
+        let debug_start = debug.symbols.address_of(name).expect("symbol");
         // -g does not change code generation: same offsets, same rules.
         for offset in 0..8 {
             assert_eq!(

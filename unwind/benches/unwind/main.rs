@@ -550,7 +550,7 @@ fn report_walks(report: &mut Report, estimates: &Estimates, recording: &Recordin
     let mean_depth = check.frames as f64 / samples.max(1) as f64;
     report.line("");
     report.line(format!(
-        "2. Unwinding {samples} samples of benches/fixtures/busy.c (gcc -O2 -fomit-frame-pointer), \
+        "2. Unwinding {samples} samples of tests/fixtures/busy.c (gcc -O2 -fomit-frame-pointer), \
          {} KiB stack copies, same bytes and files for both unwinders",
         STACK_BYTES / 1024
     ));

@@ -1,28 +1,21 @@
 //! Recorded samples of a real program, and both unwinders set up over them.
 //!
 //! This module owns the benchmark's inputs: compiling and running the
-//! `benches/fixtures/busy.c` workload, stopping it N times with ptrace to take
+//! `tests/fixtures/busy.c` workload, stopping it N times with ptrace to take
 //! what the BPF sampler would take (rip/rsp/rbp and the stack bytes from rsp,
 //! through the test helper `common::snapshot`), the ELF files it maps with
 //! their load biases, and, over exactly those inputs, our `ModuleLookup` with
 //! prebuilt tables and a framehop `UnwinderX86_64` with modules built from the
 //! same files' sections. It does not time anything (see `main.rs`).
 
-use std::{
-    collections::HashMap,
-    io::{BufRead as _, BufReader},
-    ops::Range,
-    path::{Path, PathBuf},
-    process::{Child, ChildStdout, Command, Stdio},
-    thread::sleep,
-    time::Duration,
-};
+use std::{collections::HashMap, ops::Range, path::PathBuf, thread::sleep, time::Duration};
 
 use framehop::{
     ExplicitModuleSectionInfo, Module, Unwinder as _,
     x86_64::{CacheX86_64, UnwindRegsX86_64, UnwinderX86_64},
 };
 use object::{Object as _, ObjectSection as _, ObjectSegment as _};
+use stackscope_test_fixtures::Fixture;
 use stackscope_unwind::{ModuleAt, ModuleLookup, Registers, UnwindEnd, UnwindTable, unwind};
 
 use crate::common;
@@ -52,60 +45,13 @@ pub struct Recording {
     pub maps_changed: usize,
 }
 
-/// A child process killed and reaped on drop, so a panicking benchmark never
-/// leaves the spinning fixture behind.
-struct Running {
-    child: Child,
-    /// Kept open so the fixture never writes to a closed pipe.
-    _stdout: Option<BufReader<ChildStdout>>,
-}
-
-impl Drop for Running {
-    fn drop(&mut self) {
-        // SIGKILL also ends a ptrace-stopped process; both calls fail
-        // harmlessly if the child is already gone.
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
-}
-
 /// Compiles the fixture into a temporary directory (removed when this
 /// returns), runs it, takes `count` snapshots of up to `stack_bytes` each at
 /// different moments, and kills it.
 pub fn record(count: usize, stack_bytes: usize) -> Recording {
-    let dir = tempfile::tempdir().expect("creating a temporary directory");
-    let source = Path::new(env!("CARGO_MANIFEST_DIR")).join("benches/fixtures/busy.c");
-    let binary = dir.path().join("busy");
-    let out = Command::new("gcc")
-        .args(common::CFLAGS)
-        .arg("-o")
-        .arg(&binary)
-        .arg(&source)
-        .output()
-        .expect("running gcc");
-    assert!(
-        out.status.success(),
-        "gcc failed on {}: {}",
-        source.display(),
-        String::from_utf8_lossy(&out.stderr)
-    );
-
-    let mut child = Command::new(&binary)
-        .env_clear()
-        .stdout(Stdio::piped())
-        .spawn()
-        .expect("starting the fixture");
-    let mut stdout = BufReader::new(child.stdout.take().expect("piped stdout"));
-    // Adopted before reading, so a fixture that fails to start is still reaped.
-    let mut running = Running {
-        child,
-        _stdout: None,
-    };
-    let mut line = String::new();
-    stdout.read_line(&mut line).expect("reading the fixture");
-    assert_eq!(line.trim(), "ready", "the fixture did not start");
-    running._stdout = Some(stdout);
-    let pid = i32::try_from(running.child.id()).expect("pid fits i32");
+    let fixture = Fixture::compile("busy", &[]);
+    let running = fixture.start(&[]);
+    let pid = running.pid();
 
     let mut samples = Vec::with_capacity(count);
     let mut first_maps = None;

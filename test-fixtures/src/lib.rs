@@ -1,0 +1,288 @@
+//! Test-only helpers shared by the end-to-end tests (`tests/`) and the
+//! unwinder's offline tests and benchmarks (`unwind/`): fixture programs
+//! compiled from the workspace's `tests/fixtures/` at test time (never
+//! checked-in binaries), child processes killed on drop, and naming code
+//! addresses with an ELF file's own function symbols.
+//!
+//! It owns no knowledge of stackscope itself: what a test samples, unwinds
+//! or asserts stays in the test.
+
+use std::{
+    io::{BufRead as _, BufReader, Read as _},
+    path::{Path, PathBuf},
+    process::{Child, ChildStdout, Command, Output, Stdio},
+};
+
+use object::{Object as _, ObjectSymbol as _, SymbolKind};
+
+/// Flags C fixtures are built with: optimised code without frame pointers,
+/// so only the CFI can unwind it.
+pub const C_FLAGS: &[&str] = &["-O2", "-fomit-frame-pointer"];
+
+/// The workspace's fixture sources.
+fn fixtures_dir() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("../tests/fixtures")
+}
+
+/// A temporary directory fixtures are compiled into, removed on drop: a
+/// program and the shared libraries it links live side by side.
+pub struct BuildDir(tempfile::TempDir);
+
+impl Default for BuildDir {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+impl BuildDir {
+    pub fn new() -> Self {
+        Self(tempfile::tempdir().expect("creating a temporary directory"))
+    }
+
+    pub fn path(&self) -> &Path {
+        self.0.path()
+    }
+
+    /// Runs `compiler <sources> <args> -o <dir>/<output>` in this directory
+    /// (so `-L.` finds what was built here before) and returns the output's
+    /// path. `sources` are file names under `tests/fixtures/`, placed first
+    /// so that `-l` options follow the objects that need them.
+    pub fn compile(
+        &self,
+        compiler: &str,
+        sources: &[&str],
+        args: &[&str],
+        output: &str,
+    ) -> PathBuf {
+        let fixtures = fixtures_dir();
+        let path = self.path().join(output);
+        let out = Command::new(compiler)
+            .current_dir(self.path())
+            .args(sources.iter().map(|source| fixtures.join(source)))
+            .args(args)
+            .arg("-o")
+            .arg(&path)
+            .output()
+            .unwrap_or_else(|err| panic!("running {compiler}: {err}"));
+        assert!(
+            out.status.success(),
+            "{compiler} failed on {sources:?}: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        path
+    }
+}
+
+/// A fixture program compiled into a temporary directory, removed on drop.
+pub struct Fixture {
+    pub path: PathBuf,
+    dir: BuildDir,
+}
+
+impl Fixture {
+    /// Compiles `tests/fixtures/<name>.c` with gcc, [`C_FLAGS`] and `extra`.
+    pub fn compile(name: &str, extra: &[&str]) -> Self {
+        let args = [C_FLAGS, extra].concat();
+        Self::compile_with(name, "gcc", &[&format!("{name}.c")], &args)
+    }
+
+    /// Compiles the program `name` from `sources` (under `tests/fixtures/`)
+    /// with any compiler that takes `-o` (gcc, g++, rustc) and exactly `args`.
+    pub fn compile_with(name: &str, compiler: &str, sources: &[&str], args: &[&str]) -> Self {
+        Self::compile_in(BuildDir::new(), name, compiler, sources, args)
+    }
+
+    /// Like [`Fixture::compile_with`], into `dir`, next to the libraries
+    /// already built there; they are removed with the fixture.
+    pub fn compile_in(
+        dir: BuildDir,
+        name: &str,
+        compiler: &str,
+        sources: &[&str],
+        args: &[&str],
+    ) -> Self {
+        let path = dir.compile(compiler, sources, args, name);
+        Self { path, dir }
+    }
+
+    /// The directory the fixture was built in.
+    pub fn dir(&self) -> &Path {
+        self.dir.path()
+    }
+
+    /// Starts the fixture with an empty environment and waits for it to
+    /// print `ready`, i.e. to have reached its final spin loop.
+    pub fn start(&self, args: &[&str]) -> RunningProcess {
+        let mut child = Command::new(&self.path)
+            .args(args)
+            .env_clear()
+            .stdout(Stdio::piped())
+            .spawn()
+            .expect("starting the fixture");
+        let stdout = child.stdout.take().expect("piped stdout");
+        // Adopted before reading, so a fixture that fails to start is still reaped.
+        let mut running = RunningProcess::adopt(child);
+        let mut stdout = BufReader::new(stdout);
+        let mut line = String::new();
+        stdout.read_line(&mut line).expect("reading the fixture");
+        assert_eq!(line.trim(), "ready", "fixture did not start");
+        // Kept open so the fixture never writes to a closed pipe.
+        running.stdout = Some(stdout);
+        running
+    }
+}
+
+/// A child process killed (and reaped) when dropped, so a failing test never
+/// leaves a spinning fixture behind.
+pub struct RunningProcess {
+    pub child: Child,
+    stdout: Option<BufReader<ChildStdout>>,
+}
+
+impl RunningProcess {
+    /// Takes charge of an already spawned child.
+    pub fn adopt(child: Child) -> Self {
+        Self {
+            child,
+            stdout: None,
+        }
+    }
+
+    pub fn pid(&self) -> u32 {
+        self.child.id()
+    }
+
+    /// The ids of the process's threads other than the main one.
+    pub fn other_threads(&self) -> Vec<u32> {
+        let pid = self.pid();
+        let mut tids: Vec<u32> = std::fs::read_dir(format!("/proc/{pid}/task"))
+            .expect("listing the process's threads")
+            .filter_map(|entry| entry.ok()?.file_name().to_str()?.parse().ok())
+            .filter(|&tid| tid != pid)
+            .collect();
+        tids.sort_unstable();
+        tids
+    }
+
+    /// Waits for the process to exit on its own and collects its stdout.
+    pub fn wait_with_output(&mut self) -> Output {
+        let mut stdout = Vec::new();
+        if let Some(mut pipe) = self.child.stdout.take() {
+            pipe.read_to_end(&mut stdout)
+                .expect("reading the child's stdout");
+        }
+        let status = self.child.wait().expect("waiting for the child");
+        Output {
+            status,
+            stdout,
+            stderr: Vec::new(),
+        }
+    }
+}
+
+impl Drop for RunningProcess {
+    fn drop(&mut self) {
+        // SIGKILL works on a ptrace-stopped process too; both calls fail
+        // harmlessly if the child is already gone.
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// The function symbols of one ELF file, by file virtual address.
+pub struct ElfSymbols {
+    /// `(start, end, name)`, sorted by start.
+    symbols: Vec<(u64, u64, String)>,
+}
+
+impl ElfSymbols {
+    /// `.symtab` and the exported `.dynsym` of `data` (stripped libraries,
+    /// like Debian's libc, still export theirs).
+    pub fn parse(data: &[u8]) -> Self {
+        let file = object::File::parse(data).expect("parsing an ELF file");
+        let mut symbols: Vec<(u64, u64, String)> = file
+            .symbols()
+            .chain(file.dynamic_symbols())
+            .filter(|symbol| symbol.kind() == SymbolKind::Text && symbol.size() > 0)
+            .filter_map(|symbol| {
+                let name = symbol.name().ok()?.to_owned();
+                Some((symbol.address(), symbol.address() + symbol.size(), name))
+            })
+            .collect();
+        symbols.sort();
+        Self { symbols }
+    }
+
+    pub fn read(path: &Path) -> Self {
+        let data =
+            std::fs::read(path).unwrap_or_else(|err| panic!("reading {}: {err}", path.display()));
+        Self::parse(&data)
+    }
+
+    /// The function containing `address`, demangled. Aliases (static
+    /// glibc's `__libc_start_main` and `__libc_start_main_impl`) cover the
+    /// same range: the shortest name wins, usually the public one.
+    pub fn name_at(&self, address: u64) -> Option<String> {
+        let candidates = self
+            .symbols
+            .partition_point(|&(start, _, _)| start <= address);
+        self.symbols[..candidates]
+            .iter()
+            .filter(|&&(_, end, _)| address < end)
+            .map(|(_, _, name)| name.as_str())
+            .min_by_key(|name| (name.len(), *name))
+            .map(demangle)
+    }
+
+    /// The address of the function `name` (as spelled in the file).
+    pub fn address_of(&self, name: &str) -> Option<u64> {
+        self.symbols
+            .iter()
+            .find(|(_, _, symbol)| symbol == name)
+            .map(|&(start, _, _)| start)
+    }
+}
+
+/// A readable name for a symbol: Rust (legacy or v0, without the hash),
+/// else C++ (without parameters or return type), else as it is (C). Only
+/// names with a mangling prefix are tried: cpp_demangle also reads bare type
+/// codes, and would turn the C function `c` into `char`.
+pub fn demangle(name: &str) -> String {
+    if !(name.starts_with("_Z") || name.starts_with("_R")) {
+        return name.to_owned();
+    }
+    if let Ok(rust) = rustc_demangle::try_demangle(name) {
+        return format!("{rust:#}");
+    }
+    let options = cpp_demangle::DemangleOptions::new()
+        .no_params()
+        .no_return_type();
+    cpp_demangle::Symbol::new(name)
+        .ok()
+        .and_then(|symbol| symbol.demangle_with_options(&options).ok())
+        .unwrap_or_else(|| name.to_owned())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn demangles_rust_and_cpp_but_leaves_c_names_alone() {
+        assert_eq!(demangle("c"), "c");
+        assert_eq!(
+            demangle("_ZN10rust_chain1a17h0123456789abcdefE"),
+            "rust_chain::a"
+        );
+        assert_eq!(demangle("_ZN6WorkerIiE3runEv"), "Worker<int>::run");
+    }
+
+    #[test]
+    fn names_addresses_of_a_compiled_fixture() {
+        let fixture = Fixture::compile("call_chain", &[]);
+        let symbols = ElfSymbols::read(&fixture.path);
+        let main = symbols.address_of("main").expect("main");
+        assert_eq!(symbols.name_at(main).as_deref(), Some("main"));
+        assert_eq!(symbols.name_at(0), None);
+    }
+}
