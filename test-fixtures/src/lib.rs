@@ -105,6 +105,51 @@ impl Fixture {
         Self { path, dir }
     }
 
+    /// `call_chain.c` as a static-pie: libc's start code in the one binary.
+    pub fn static_pie_call_chain() -> Self {
+        let args = [C_FLAGS, &["-static-pie"]].concat();
+        Self::compile_with("call_chain", "gcc", &["call_chain.c"], &args)
+    }
+
+    /// `template_chain.cpp`: C++ templates spinning inside a `try` block.
+    pub fn cpp_template_chain() -> Self {
+        Self::compile_with("template_chain", "g++", &["template_chain.cpp"], C_FLAGS)
+    }
+
+    /// `rust_chain.rs`: a Rust program built without frame pointers.
+    pub fn rust_chain() -> Self {
+        let args = [
+            "--crate-name",
+            "rust_chain",
+            "-O",
+            "-C",
+            "force-frame-pointers=no",
+            "-C",
+            "debuginfo=0",
+        ];
+        Self::compile_with("rust_chain", "rustc", &["rust_chain.rs"], &args)
+    }
+
+    /// `dlopen_call.c`, which `dlopen`s `libspin.so` built next to it.
+    pub fn dlopen_call() -> Self {
+        Self::compile_in(
+            spin_library(),
+            "dlopen_call",
+            "gcc",
+            &["dlopen_call.c"],
+            C_FLAGS,
+        )
+    }
+
+    /// `plt_call.c`, linked against `libspin.so` built next to it and
+    /// calling into it through the PLT.
+    pub fn plt_call() -> Self {
+        let dir = spin_library();
+        let rpath = format!("-Wl,-rpath,{}", dir.path().display());
+        let args = [C_FLAGS, &["-L.", "-lspin", &rpath]].concat();
+        Self::compile_in(dir, "plt_call", "gcc", &["plt_call.c"], &args)
+    }
+
     /// The directory the fixture was built in.
     pub fn dir(&self) -> &Path {
         self.dir.path()
@@ -130,6 +175,15 @@ impl Fixture {
         running.stdout = Some(stdout);
         running
     }
+}
+
+/// A new build directory holding `libspin.so` (from `spin_lib.c`), which the
+/// dlopen and PLT fixtures call into.
+fn spin_library() -> BuildDir {
+    let dir = BuildDir::new();
+    let args = [&["-shared", "-fPIC"], C_FLAGS].concat();
+    dir.compile("gcc", &["spin_lib.c"], &args, "libspin.so");
+    dir
 }
 
 /// A child process killed (and reaped) when dropped, so a failing test never

@@ -16,7 +16,7 @@ use stackscope_agent::sampler::{
     Sampler, SamplerConfig,
     record::{DecodeError, OwnedSample, Record},
 };
-pub use stackscope_test_fixtures::{BuildDir, C_FLAGS, ElfSymbols, Fixture, RunningProcess};
+pub use stackscope_test_fixtures::{ElfSymbols, Fixture, RunningProcess};
 
 /// Fails the test with a clear message unless it runs as root.
 pub fn require_root() {

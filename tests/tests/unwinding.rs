@@ -17,9 +17,7 @@ use stackscope_agent::{
     unwinding::{StackWalker, WalkOutcome},
 };
 use stackscope_process_table::{Location, ProcessTable};
-use stackscope_tests::{
-    BuildDir, C_FLAGS, ElfSymbols, Fixture, exclusive, require_root, sample_for,
-};
+use stackscope_tests::{ElfSymbols, Fixture, exclusive, require_root, sample_for};
 use stackscope_unwind::{DEFAULT_MAX_DEPTH, UnwindEnd};
 
 /// Placeholder for frames in libc that no symbol covers: Debian's libc has
@@ -253,19 +251,12 @@ fn unwinds_a_thread_down_to_its_entry() {
 }
 
 /// Builds `fixtures/spin_lib.c` as `libspin.so` into a new directory.
-fn spin_library() -> BuildDir {
-    let dir = BuildDir::new();
-    let args = [&["-shared", "-fPIC"], C_FLAGS].concat();
-    dir.compile("gcc", &["spin_lib.c"], &args, "libspin.so");
-    dir
-}
 
 #[test]
 fn unwinds_from_a_dlopened_library_back_into_the_executable() {
     require_root();
-    let dir = spin_library();
-    let library = dir.path().join("libspin.so");
-    let fixture = Fixture::compile_in(dir, "dlopen_call", "gcc", &["dlopen_call.c"], C_FLAGS);
+    let fixture = Fixture::dlopen_call();
+    let library = fixture.dir().join("libspin.so");
     assert_chain(
         &fixture,
         &[library.to_str().expect("a UTF-8 path")],
@@ -276,10 +267,7 @@ fn unwinds_from_a_dlopened_library_back_into_the_executable() {
 #[test]
 fn unwinds_from_a_library_called_through_the_plt() {
     require_root();
-    let dir = spin_library();
-    let rpath = format!("-Wl,-rpath,{}", dir.path().display());
-    let args = [C_FLAGS, &["-L.", "-lspin", &rpath]].concat();
-    let fixture = Fixture::compile_in(dir, "plt_call", "gcc", &["plt_call.c"], &args);
+    let fixture = Fixture::plt_call();
     assert_chain(
         &fixture,
         &[],
@@ -303,8 +291,7 @@ fn unwinds_a_signal_handler_through_the_signal_frame() {
 #[test]
 fn unwinds_a_static_pie() {
     require_root();
-    let args = [C_FLAGS, &["-static-pie"]].concat();
-    let fixture = Fixture::compile_with("call_chain", "gcc", &["call_chain.c"], &args);
+    let fixture = Fixture::static_pie_call_chain();
     // libc is linked in, with its symbols: every frame is the fixture's.
     let expected = [
         "c",
@@ -322,12 +309,7 @@ fn unwinds_a_static_pie() {
 #[test]
 fn unwinds_cpp_templates_inside_a_try_block() {
     require_root();
-    let fixture = Fixture::compile_with(
-        "template_chain",
-        "g++",
-        &["template_chain.cpp"],
-        &["-O2", "-fomit-frame-pointer"],
-    );
+    let fixture = Fixture::cpp_template_chain();
     assert_chain(
         &fixture,
         &[],
@@ -338,20 +320,7 @@ fn unwinds_cpp_templates_inside_a_try_block() {
 #[test]
 fn unwinds_rust_through_lang_start() {
     require_root();
-    let fixture = Fixture::compile_with(
-        "rust_chain",
-        "rustc",
-        &["rust_chain.rs"],
-        &[
-            "--crate-name",
-            "rust_chain",
-            "-O",
-            "-C",
-            "force-frame-pointers=no",
-            "-C",
-            "debuginfo=0",
-        ],
-    );
+    let fixture = Fixture::rust_chain();
     let _serial = exclusive();
     let process = fixture.start(&[]);
     let walks = sample_and_walk(&[process.pid()], agent_common::DEFAULT_USER_STACK_BYTES);

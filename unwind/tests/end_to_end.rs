@@ -14,7 +14,7 @@ mod common;
 use std::{thread::sleep, time::Duration};
 
 use common::{ProcessModules, snapshot};
-use stackscope_test_fixtures::{BuildDir, C_FLAGS, Fixture};
+use stackscope_test_fixtures::Fixture;
 use stackscope_unwind::{DEFAULT_MAX_DEPTH, UnwindEnd, unwind};
 
 /// The stack copy the sampler takes by default.
@@ -202,7 +202,7 @@ fn assert_every_walk(tid: u32, expected: &[String], end: UnwindEnd) {
 fn cpp_templates_inside_a_try_block() {
     // main has a landing pad and an LSDA (its FDE has an augmentation
     // pointer); the templates are instantiated out of line.
-    let fixture = Fixture::compile_with("template_chain", "g++", &["template_chain.cpp"], C_FLAGS);
+    let fixture = Fixture::cpp_template_chain();
     let running = fixture.start(&[]);
     assert_every_walk(
         running.pid(),
@@ -211,19 +211,10 @@ fn cpp_templates_inside_a_try_block() {
     );
 }
 
-/// Builds `tests/fixtures/spin_lib.c` as `libspin.so` into a new directory.
-fn spin_library() -> BuildDir {
-    let dir = BuildDir::new();
-    let args = [&["-shared", "-fPIC"], C_FLAGS].concat();
-    dir.compile("gcc", &["spin_lib.c"], &args, "libspin.so");
-    dir
-}
-
 #[test]
 fn from_a_dlopened_library_back_into_the_executable() {
-    let dir = spin_library();
-    let library = dir.path().join("libspin.so");
-    let fixture = Fixture::compile_in(dir, "dlopen_call", "gcc", &["dlopen_call.c"], C_FLAGS);
+    let fixture = Fixture::dlopen_call();
+    let library = fixture.dir().join("libspin.so");
     // The library is mapped after the process started: the snapshot's maps
     // have it, and its table is compiled from it like any other.
     let running = fixture.start(&[library.to_str().expect("a UTF-8 path")]);
@@ -236,10 +227,7 @@ fn from_a_dlopened_library_back_into_the_executable() {
 
 #[test]
 fn from_a_library_called_through_the_plt() {
-    let dir = spin_library();
-    let rpath = format!("-Wl,-rpath,{}", dir.path().display());
-    let args = [C_FLAGS, &["-L.", "-lspin", &rpath]].concat();
-    let fixture = Fixture::compile_in(dir, "plt_call", "gcc", &["plt_call.c"], &args);
+    let fixture = Fixture::plt_call();
     let running = fixture.start(&[]);
     // The PLT stubs jump, they do not call: no frame of their own.
     assert_every_walk(
@@ -251,8 +239,7 @@ fn from_a_library_called_through_the_plt() {
 
 #[test]
 fn static_pie() {
-    let args = [C_FLAGS, &["-static-pie"]].concat();
-    let fixture = Fixture::compile_with("call_chain", "gcc", &["call_chain.c"], &args);
+    let fixture = Fixture::static_pie_call_chain();
     let running = fixture.start(&[]);
     // libc is linked in, with its symbols: every frame is the fixture's, and
     // __libc_start_call_main has a name.
@@ -291,20 +278,7 @@ fn a_thread_down_to_clone3() {
 
 #[test]
 fn rust_through_lang_start() {
-    let fixture = Fixture::compile_with(
-        "rust_chain",
-        "rustc",
-        &["rust_chain.rs"],
-        &[
-            "--crate-name",
-            "rust_chain",
-            "-O",
-            "-C",
-            "force-frame-pointers=no",
-            "-C",
-            "debuginfo=0",
-        ],
-    );
+    let fixture = Fixture::rust_chain();
     let running = fixture.start(&[]);
     walk_in(
         running.pid(),
