@@ -16,6 +16,7 @@ use stackscope_agent::sampler::{
     Sampler, SamplerConfig,
     record::{DecodeError, OwnedSample, Record},
 };
+pub use stackscope_process_table::maps::{Mapping, MappingPath};
 pub use stackscope_test_fixtures::{ElfSymbols, Fixture, RunningProcess};
 
 /// Fails the test with a clear message unless it runs as root.
@@ -84,38 +85,9 @@ impl Drop for TempCgroup {
     }
 }
 
-/// One line of `/proc/<pid>/maps`.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct Mapping {
-    pub start: u64,
-    pub end: u64,
-    pub perms: String,
-    pub path: String,
-}
-
-impl Mapping {
-    pub fn contains(&self, addr: u64) -> bool {
-        (self.start..self.end).contains(&addr)
-    }
-}
-
+/// The mappings of process `pid`, parsed by the agent's own maps parser.
 pub fn read_maps(pid: u32) -> Vec<Mapping> {
-    let maps = std::fs::read_to_string(format!("/proc/{pid}/maps")).expect("reading maps");
-    maps.lines()
-        .map(|line| {
-            let mut fields = line.split_whitespace();
-            let range = fields.next().expect("address range");
-            let perms = fields.next().expect("permissions").to_string();
-            let path = fields.nth(3).unwrap_or_default().to_string();
-            let (start, end) = range.split_once('-').expect("start-end");
-            Mapping {
-                start: u64::from_str_radix(start, 16).expect("hex start"),
-                end: u64::from_str_radix(end, 16).expect("hex end"),
-                perms,
-                path,
-            }
-        })
-        .collect()
+    stackscope_process_table::maps::read_maps(pid).expect("reading the fixture's maps")
 }
 
 /// What a sampling run read from the ring buffer.

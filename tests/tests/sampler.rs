@@ -14,7 +14,7 @@ use stackscope_agent::{
     sampler::{SamplerConfig, record::OwnedSample},
 };
 use stackscope_tests::{
-    Fixture, Mapping, RunningProcess, TempCgroup, exclusive, find_word, kernel_symbol,
+    Fixture, Mapping, MappingPath, RunningProcess, TempCgroup, exclusive, find_word, kernel_symbol,
     kernel_symbols, read_maps, require_root, sample_for, sample_while,
 };
 
@@ -47,13 +47,12 @@ fn copies_the_stack_of_a_deep_recursion_with_every_frames_canary() {
     let fixture = Fixture::compile("deep_stack", &[]);
     let process = fixture.start(&[&DEPTH.to_string()]);
     let maps = read_maps(process.pid());
-    let exe = fixture.path.to_str().unwrap();
     let text = mapping(
         &maps,
-        |m| m.path == exe && m.perms.contains('x'),
+        |m| m.path.file_path() == Some(&fixture.path) && m.perms.exec,
         "fixture text",
     );
-    let stack = mapping(&maps, |m| m.path == "[stack]", "stack");
+    let stack = mapping(&maps, |m| m.path == MappingPath::Stack, "stack");
 
     let samples = sample_process(process.pid(), agent_common::DEFAULT_USER_STACK_BYTES);
 
@@ -116,7 +115,7 @@ fn copies_a_short_stack_up_to_the_end_of_its_mapping() {
     let fixture = Fixture::compile("deep_stack", &[]);
     let process = fixture.start(&["0"]);
     let maps = read_maps(process.pid());
-    let stack = mapping(&maps, |m| m.path == "[stack]", "stack");
+    let stack = mapping(&maps, |m| m.path == MappingPath::Stack, "stack");
     assert!(
         !maps.iter().any(|m| m.start == stack.end),
         "a mapping starts right at the stack's end; the fault that ends the copy would not happen: {maps:#?}"
@@ -158,7 +157,7 @@ fn records_the_kernel_stack_and_the_saved_user_registers_of_a_syscall() {
     let fixture = Fixture::compile("syscall_loop", &[]);
     let process = fixture.start(&[]);
     let maps = read_maps(process.pid());
-    let stack = mapping(&maps, |m| m.path == "[stack]", "stack");
+    let stack = mapping(&maps, |m| m.path == MappingPath::Stack, "stack");
     let samples = sample_process(process.pid(), agent_common::DEFAULT_USER_STACK_BYTES);
     let in_kernel: Vec<_> = samples
         .iter()
@@ -194,7 +193,7 @@ fn records_the_kernel_stack_and_the_saved_user_registers_of_a_syscall() {
             .find(|m| m.contains(h.user_rip))
             .unwrap_or_else(|| panic!("saved rip {:#x} is in no mapping", h.user_rip));
         assert!(
-            libc_text.path.contains("libc") && libc_text.perms.contains('x'),
+            libc_text.path.to_string().contains("libc") && libc_text.perms.exec,
             "saved rip {:#x} is not in libc's text but in {libc_text:?}",
             h.user_rip
         );

@@ -14,7 +14,8 @@ use framehop::{
     ExplicitModuleSectionInfo, Module, Unwinder as _,
     x86_64::{CacheX86_64, UnwindRegsX86_64, UnwinderX86_64},
 };
-use object::{Object as _, ObjectSection as _, ObjectSegment as _};
+use object::{Object as _, ObjectSection as _};
+use stackscope_process_table::maps::parse_maps;
 use stackscope_test_fixtures::Fixture;
 use stackscope_unwind::{ModuleAt, ModuleLookup, Registers, UnwindEnd, UnwindTable, unwind};
 
@@ -83,23 +84,16 @@ pub fn record(count: usize, stack_bytes: usize) -> Recording {
 /// The ELF files in `maps`, each read once, with its address range and bias.
 fn mapped_files(maps: &str) -> Vec<MappedFile> {
     let mut files: Vec<MappedFile> = Vec::new();
-    let mut by_path: HashMap<&str, usize> = HashMap::new();
-    for line in maps.lines() {
-        let fields: Vec<&str> = line.split_whitespace().collect();
+    let mut by_path: HashMap<PathBuf, usize> = HashMap::new();
+    for mapping in parse_maps(maps.as_bytes()).expect("parsing maps") {
         // The vDSO and anonymous memory have no file to read CFI from.
-        let [range, _perms, offset, _dev, _inode, path] = fields[..] else {
+        let Some(path) = mapping.path.file_path() else {
             continue;
         };
-        if !path.starts_with('/') {
-            continue;
-        }
-        let (start, end) = range.split_once('-').expect("maps range");
-        let start = u64::from_str_radix(start, 16).expect("maps start");
-        let end = u64::from_str_radix(end, 16).expect("maps end");
-        let offset = u64::from_str_radix(offset, 16).expect("maps offset");
-        let index = *by_path.entry(path).or_insert_with(|| {
+        let (start, end) = (mapping.start, mapping.end);
+        let index = *by_path.entry(path.to_owned()).or_insert_with(|| {
             files.push(MappedFile {
-                path: PathBuf::from(path),
+                path: path.to_owned(),
                 data: std::fs::read(path).expect("reading a mapped file"),
                 avma: start..end,
                 bias: 0,
@@ -108,32 +102,12 @@ fn mapped_files(maps: &str) -> Vec<MappedFile> {
         });
         let file = &mut files[index];
         file.avma = file.avma.start.min(start)..file.avma.end.max(end);
-        if let Some(bias) = load_bias(&file.data, start, offset) {
+        if let Some(bias) = common::mapping_bias(&mapping) {
             file.bias = bias;
         }
     }
     files.sort_by_key(|file| file.avma.start);
     files
-}
-
-/// The bias of a mapping at `start` of file offset `offset`, from the
-/// PT_LOAD segment it maps (the same computation as the tests' helper,
-/// which keeps it private).
-fn load_bias(data: &[u8], start: u64, offset: u64) -> Option<u64> {
-    let file = object::File::parse(data).ok()?;
-    file.segments().find_map(|segment| {
-        let (file_offset, file_size) = segment.file_range();
-        // Mappings start at the page that holds the segment's first byte.
-        let page_start = file_offset & !0xfff;
-        (page_start..file_offset + file_size.max(1))
-            .contains(&offset)
-            .then(|| {
-                start
-                    .wrapping_add(file_offset)
-                    .wrapping_sub(offset)
-                    .wrapping_sub(segment.address())
-            })
-    })
 }
 
 /// Our side: one prebuilt table per file, found by binary search over the

@@ -12,7 +12,11 @@ use std::{
     path::{Path, PathBuf},
 };
 
-use object::{Object as _, ObjectSegment as _};
+use stackscope_process_table::{
+    elf::read_summary,
+    maps::{Mapping, parse_maps},
+    table::bias,
+};
 use stackscope_test_fixtures::ElfSymbols;
 use stackscope_unwind::{ModuleAt, ModuleLookup, Registers, TableError, UnwindTable};
 
@@ -144,26 +148,19 @@ pub struct ProcessModules {
 impl ProcessModules {
     pub fn from_maps(maps: &str) -> Self {
         let mut modules: Vec<Module> = Vec::new();
-        let mut by_path: HashMap<String, usize> = HashMap::new();
+        let mut by_path: HashMap<PathBuf, usize> = HashMap::new();
         let mut mappings = Vec::new();
-        for line in maps.lines() {
-            let fields: Vec<&str> = line.split_whitespace().collect();
-            let [range, _perms, offset, _dev, _inode, path] = fields[..] else {
+        for mapping in parse_maps(maps.as_bytes()).expect("parsing maps") {
+            // The vDSO and anonymous memory have no file to read CFI from.
+            let Some(path) = mapping.path.file_path() else {
                 continue;
             };
-            if !path.starts_with('/') {
-                continue;
-            }
-            let (start, end) = range.split_once('-').expect("maps range");
-            let start = u64::from_str_radix(start, 16).expect("maps start");
-            let end = u64::from_str_radix(end, 16).expect("maps end");
-            let offset = u64::from_str_radix(offset, 16).expect("maps offset");
             let index = *by_path.entry(path.to_owned()).or_insert_with(|| {
-                modules.push(Module::load(Path::new(path)));
+                modules.push(Module::load(path));
                 modules.len() - 1
             });
-            if let Some(bias) = load_bias(&modules[index].path, start..end, offset) {
-                mappings.push((start, end, bias, index));
+            if let Some(bias) = mapping_bias(&mapping) {
+                mappings.push((mapping.start, mapping.end, bias, index));
             }
         }
         Self { mappings, modules }
@@ -210,37 +207,11 @@ impl ModuleLookup for ProcessModules {
     }
 }
 
-/// The bias of the mapping `range` of `path` from file offset `offset`:
-/// file virtual address = runtime address - bias.
-fn load_bias(path: &Path, range: std::ops::Range<u64>, offset: u64) -> Option<u64> {
-    const PAGE: u64 = 0x1000;
-    let data = std::fs::read(path).ok()?;
-    let file = object::File::parse(&*data).ok()?;
-    // The PT_LOAD segment this mapping comes from. Its file range (from the
-    // page holding its first byte) must hold `offset`, but that is not
-    // enough: when a segment's file offset and address differ by more than
-    // a page (rustc's executables: text at offset 0x13770, address
-    // 0x14770), the page a segment starts in is also the last page of the
-    // segment before. The one whose runtime pages, at the bias the mapping
-    // implies, hold the whole mapping is the one.
-    file.segments().find_map(|segment| {
-        let (file_offset, file_size) = segment.file_range();
-        if !(file_offset & !(PAGE - 1)..file_offset + file_size.max(1)).contains(&offset) {
-            return None;
-        }
-        // Offset x of the file is at runtime address start + (x - offset)
-        // and at file virtual address vaddr + (x - file_offset).
-        let bias = range
-            .start
-            .wrapping_add(file_offset)
-            .wrapping_sub(offset)
-            .wrapping_sub(segment.address());
-        let first = segment.address().wrapping_add(bias) & !(PAGE - 1);
-        let last = segment
-            .address()
-            .wrapping_add(bias)
-            .wrapping_add(segment.size())
-            .next_multiple_of(PAGE);
-        (first <= range.start && range.end <= last).then_some(bias)
-    })
+/// The bias of a file mapping (file virtual address = runtime address -
+/// bias), from the file's PT_LOAD segments, as the agent's process table
+/// computes it.
+pub fn mapping_bias(mapping: &Mapping) -> Option<u64> {
+    let file = File::open(mapping.path.file_path()?).ok()?;
+    let summary = read_summary(&file).ok()?;
+    bias(mapping, &summary.load_segments, 0x1000)
 }
