@@ -1,0 +1,334 @@
+//! `cargo xtask bench collector`: ingest rate and flamegraph query latency of
+//! the embedded SQLite storage under a synthetic fleet (a report, not a
+//! test: it prints figures, it never fails on them).
+//!
+//! The load: `NODES` nodes (default 100), each sending every 10 s a batch of
+//! 2,000 distinct stacks of depth 30 with 1-8 samples each, for `MINUTES`
+//! (default 60) of simulated time. Nodes run overlapping sets of services,
+//! so stacks repeat across the fleet as they do in real fleets. Ingest is
+//! validate + commit on one thread (one core); queries run the collector's
+//! own path: storage, call tree merge, proto encoding.
+
+use std::{
+    collections::HashMap,
+    sync::Arc,
+    time::{Duration, Instant, SystemTime, UNIX_EPOCH},
+};
+
+use prost::Message as _;
+use stackscope_collector::{
+    ingest::{IngestLimits, validate},
+    storage::{
+        Storage,
+        sqlite::{SqliteOptions, SqliteStorage},
+    },
+};
+use stackscope_profile::{
+    model::{LabelMatcher, MatchOp, Selection, TimeRange},
+    tree::CallTree,
+};
+use stackscope_proto::v1::{
+    Batch, Label, LabelSet, Line, Location, Mapping, MappingKind, Node, Sample, Stack,
+};
+
+const STACKS_PER_NODE: usize = 2_000;
+const DEPTH: usize = 30;
+const INTERVAL: Duration = Duration::from_secs(10);
+/// Distinct stacks in the whole fleet; each node uses a window of them.
+const FLEET_STACKS: usize = 20_000;
+const SERVICES: usize = 20;
+const FUNCTIONS: usize = 10_000;
+const BINARIES: usize = 50;
+
+fn env_or(name: &str, default: usize) -> usize {
+    std::env::var(name)
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(default)
+}
+
+/// splitmix64: a fixed, dependency-free sequence so every run sees the
+/// same data.
+struct Rng(u64);
+
+impl Rng {
+    fn next(&mut self) -> u64 {
+        self.0 = self.0.wrapping_add(0x9e37_79b9_7f4a_7c15);
+        let mut z = self.0;
+        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+        z ^ (z >> 31)
+    }
+
+    fn below(&mut self, n: usize) -> usize {
+        (self.next() % n as u64) as usize
+    }
+}
+
+/// A fleet-wide stack: function ids, root first. The first third is the
+/// service's own call path, so stacks share prefixes like real ones.
+fn fleet_stacks() -> Vec<[u32; DEPTH]> {
+    let mut rng = Rng(7);
+    let prefixes: Vec<[u32; DEPTH / 3]> = (0..SERVICES)
+        .map(|_| std::array::from_fn(|_| rng.below(FUNCTIONS) as u32))
+        .collect();
+    (0..FLEET_STACKS)
+        .map(|k| {
+            let prefix = &prefixes[k % SERVICES];
+            std::array::from_fn(|i| {
+                if i < prefix.len() {
+                    prefix[i]
+                } else {
+                    rng.below(FUNCTIONS) as u32
+                }
+            })
+        })
+        .collect()
+}
+
+/// The batch a node sends every interval, with counts filled in per
+/// interval by [`interval_batch`].
+fn node_template(node: usize, fleet: &[[u32; DEPTH]]) -> Batch {
+    let mut strings = vec![String::new()];
+    let mut string_ids: HashMap<String, u32> = HashMap::new();
+    let mut intern = |s: String, strings: &mut Vec<String>| -> u32 {
+        *string_ids.entry(s.clone()).or_insert_with(|| {
+            strings.push(s);
+            (strings.len() - 1) as u32
+        })
+    };
+    let node_name = intern(format!("node-{node:03}"), &mut strings);
+    let version = intern("bench".into(), &mut strings);
+    let mappings: Vec<Mapping> = (0..BINARIES)
+        .map(|b| Mapping {
+            kind: MappingKind::User as i32,
+            build_id: intern(
+                format!("{:040x}", b as u128 * 0x1234_5678_9abc),
+                &mut strings,
+            ),
+            path: intern(format!("/usr/lib/libservice{b}.so"), &mut strings),
+        })
+        .collect();
+    let file = intern("src/service.rs".into(), &mut strings);
+    let comm_name = intern("comm".into(), &mut strings);
+    let mut locations = Vec::new();
+    let mut location_ids: HashMap<u32, u32> = HashMap::new();
+    let mut stacks = Vec::with_capacity(STACKS_PER_NODE);
+    let mut label_set_of_stack = Vec::with_capacity(STACKS_PER_NODE);
+    let mut label_sets: Vec<LabelSet> = Vec::new();
+    let mut label_set_ids: HashMap<usize, u32> = HashMap::new();
+    let first = node * 997 % FLEET_STACKS;
+    for k in 0..STACKS_PER_NODE {
+        let index = (first + k) % FLEET_STACKS;
+        let functions = &fleet[index];
+        let ids: Vec<u32> = functions
+            .iter()
+            .rev() // leaf first on the wire
+            .map(|&function| {
+                *location_ids.entry(function).or_insert_with(|| {
+                    let name = intern(
+                        format!("service::module{}::function_{function}", function % 97),
+                        &mut strings,
+                    );
+                    locations.push(Location {
+                        mapping: function % BINARIES as u32,
+                        address: 0x1000 + u64::from(function) * 0x40,
+                        lines: vec![Line {
+                            function: name,
+                            file,
+                            line: function % 500,
+                        }],
+                    });
+                    (locations.len() - 1) as u32
+                })
+            })
+            .collect();
+        stacks.push(Stack { locations: ids });
+        let service = index % SERVICES;
+        let set = *label_set_ids.entry(service).or_insert_with(|| {
+            let value = intern(format!("svc-{service}"), &mut strings);
+            label_sets.push(LabelSet {
+                labels: vec![Label {
+                    name: comm_name,
+                    value,
+                }],
+            });
+            (label_sets.len() - 1) as u32
+        });
+        label_set_of_stack.push(set);
+    }
+    Batch {
+        batch_id: Vec::new(),
+        node: Some(Node {
+            name: node_name,
+            agent_version: version,
+        }),
+        start_unix_nanos: 0,
+        end_unix_nanos: 0,
+        sample_period_nanos: 10_101_010,
+        strings,
+        mappings,
+        locations,
+        stacks,
+        label_sets,
+        samples: label_set_of_stack
+            .into_iter()
+            .enumerate()
+            .map(|(stack, label_set)| Sample {
+                stack: stack as u32,
+                label_set,
+                count: 0,
+                sampling_divisor: 0,
+            })
+            .collect(),
+    }
+}
+
+fn interval_batch(template: &Batch, id: u64, start: i64, rng: &mut Rng) -> (Batch, u64) {
+    let mut batch = template.clone();
+    let mut id_bytes = id.to_le_bytes().to_vec();
+    id_bytes.extend_from_slice(&0xbe9c_u64.to_le_bytes());
+    batch.batch_id = id_bytes;
+    batch.start_unix_nanos = start;
+    batch.end_unix_nanos = start + INTERVAL.as_nanos() as i64;
+    let mut samples = 0;
+    for sample in &mut batch.samples {
+        sample.count = 1 + rng.below(8) as u64;
+        samples += sample.count;
+    }
+    (batch, samples)
+}
+
+fn percentile(sorted: &[Duration], p: f64) -> Duration {
+    let at = ((sorted.len() as f64 - 1.0) * p).round() as usize;
+    sorted[at.min(sorted.len() - 1)]
+}
+
+fn main() {
+    // `cargo bench` passes `--bench`; `cargo test --benches` runs us with
+    // no such flag: do one tiny round then, so the bench target still builds
+    // and runs in CI without taking minutes.
+    let full = std::env::args().any(|arg| arg == "--bench");
+    let nodes = env_or("STACKSCOPE_BENCH_NODES", if full { 100 } else { 2 });
+    let minutes = env_or("STACKSCOPE_BENCH_MINUTES", if full { 60 } else { 1 });
+    let query_runs = env_or("STACKSCOPE_BENCH_QUERY_RUNS", if full { 15 } else { 1 });
+
+    let dir = tempfile::tempdir().expect("temp dir");
+    let path = dir.path().join("bench.db");
+    let storage = Arc::new(SqliteStorage::open(&path, SqliteOptions::default()).expect("database"));
+    let fleet = fleet_stacks();
+    let templates: Vec<Batch> = (0..nodes).map(|n| node_template(n, &fleet)).collect();
+    let limits = IngestLimits::default();
+    let intervals = minutes * 60 / INTERVAL.as_secs() as usize;
+    let now = SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .expect("clock after 1970")
+        .as_nanos() as i64;
+    let first_start = now - (intervals as i64) * INTERVAL.as_nanos() as i64;
+    println!(
+        "collector bench: {nodes} nodes x {STACKS_PER_NODE} stacks of depth {DEPTH} per {}s, \
+         {minutes} min of data ({} batches)",
+        INTERVAL.as_secs(),
+        nodes * intervals
+    );
+
+    let mut rng = Rng(42);
+    let (mut ingest_time, mut batches, mut rows, mut samples, mut wire_bytes) =
+        (Duration::ZERO, 0u64, 0u64, 0u64, 0u64);
+    let mut first_interval_rate = None;
+    for interval in 0..intervals {
+        let start = first_start + interval as i64 * INTERVAL.as_nanos() as i64;
+        let interval_began = (ingest_time, samples);
+        for (node, template) in templates.iter().enumerate() {
+            let id = (interval * nodes + node) as u64;
+            let (batch, batch_samples) = interval_batch(template, id, start, &mut rng);
+            wire_bytes += batch.encoded_len() as u64;
+            let began = Instant::now();
+            let valid = validate(batch, &limits).expect("a valid batch");
+            storage.ingest(&valid).expect("ingest");
+            ingest_time += began.elapsed();
+            batches += 1;
+            rows += STACKS_PER_NODE as u64;
+            samples += batch_samples;
+        }
+        if interval == 0 {
+            let spent = (ingest_time - interval_began.0).as_secs_f64();
+            first_interval_rate = Some((samples - interval_began.1) as f64 / spent);
+        }
+        if full && (interval + 1) % 60 == 0 {
+            println!(
+                "  {:>3} min ingested: {:.0} samples/s so far",
+                (interval + 1) / 6,
+                samples as f64 / ingest_time.as_secs_f64()
+            );
+        }
+    }
+    let seconds = ingest_time.as_secs_f64();
+    println!("ingest (validate + durable commit, one thread):");
+    println!(
+        "  {:.0} samples/s, {:.0} sample rows/s, {:.1} batches/s ({} batches, {:.1} s); \
+         first interval (empty database): {:.0} samples/s; target >= 1,000,000 samples/s",
+        samples as f64 / seconds,
+        rows as f64 / seconds,
+        batches as f64 / seconds,
+        batches,
+        seconds,
+        first_interval_rate.unwrap_or(0.0),
+    );
+    let db_bytes: u64 = std::fs::read_dir(dir.path())
+        .expect("listing the database dir")
+        .filter_map(|e| e.ok()?.metadata().ok())
+        .map(|m| m.len())
+        .sum();
+    println!(
+        "  wire size {:.1} MB uncompressed; database {:.1} MB ({:.1} bytes per ingested sample row)",
+        wire_bytes as f64 / 1e6,
+        db_bytes as f64 / 1e6,
+        db_bytes as f64 / rows as f64
+    );
+
+    let range = TimeRange {
+        start_unix_nanos: first_start,
+        end_unix_nanos: now,
+    };
+    let queries = [
+        ("everything", Vec::new()),
+        (
+            "one node",
+            vec![LabelMatcher::new("node", MatchOp::Equal, "node-007").expect("matcher")],
+        ),
+        (
+            "one service (regex)",
+            vec![LabelMatcher::new("comm", MatchOp::Regex, "svc-1[0-4]").expect("matcher")],
+        ),
+    ];
+    println!(
+        "flamegraph query over {minutes} min ({} runs each; storage + merge + encode; target p50 <= 200 ms):",
+        query_runs
+    );
+    for (name, matchers) in queries {
+        let selection = Selection {
+            range,
+            matchers: matchers.clone(),
+        };
+        let mut times = Vec::with_capacity(query_runs);
+        let mut nodes_in_tree = 0;
+        let mut weight = 0;
+        for _ in 0..query_runs {
+            let began = Instant::now();
+            let samples = storage.stacks(&selection).expect("query");
+            let tree = CallTree::from_stacks(&samples);
+            let response = tree.to_proto(samples.sample_period_nanos);
+            times.push(began.elapsed());
+            nodes_in_tree = response.nodes.len();
+            weight = response.total;
+        }
+        times.sort();
+        println!(
+            "  {name:<20} p50 {:>8.1} ms  p95 {:>8.1} ms  ({nodes_in_tree} tree nodes, {weight} samples)",
+            percentile(&times, 0.5).as_secs_f64() * 1e3,
+            percentile(&times, 0.95).as_secs_f64() * 1e3,
+        );
+        assert!(weight > 0, "query {name} found no samples");
+    }
+}

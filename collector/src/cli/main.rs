@@ -1,0 +1,438 @@
+//! `stackscope`: query a collector from the terminal. Asks the collector's
+//! gRPC query service for a merged call tree (or label lists) and renders it
+//! here, with the same renderers the collector's HTTP API uses.
+
+use std::{
+    io::Write as _,
+    path::{Path, PathBuf},
+    time::Duration,
+};
+
+use anyhow::Context as _;
+use clap::{Args, Parser, Subcommand, ValueEnum};
+use stackscope_collector::timespec;
+use stackscope_profile::{
+    model::Selection,
+    render::{self, SvgOptions},
+    selector,
+    tree::CallTree,
+};
+use stackscope_proto::v1::{
+    FlamegraphRequest, LabelNamesRequest, LabelValuesRequest, query_client::QueryClient,
+};
+use tonic::{
+    codec::CompressionEncoding,
+    transport::{Certificate, Channel, ClientTlsConfig, Endpoint},
+};
+
+/// Query flamegraphs and top functions from a stackscope collector.
+#[derive(Debug, Parser)]
+#[command(name = "stackscope", version)]
+struct Cli {
+    /// The collector's gRPC address.
+    #[arg(
+        long,
+        global = true,
+        env = "STACKSCOPE_COLLECTOR",
+        default_value = "http://127.0.0.1:7070"
+    )]
+    collector: String,
+    /// PEM CA certificate to verify an https collector (default: system roots).
+    #[arg(long, global = true)]
+    ca_cert: Option<PathBuf>,
+    /// Give up on a query after this long.
+    #[arg(long, global = true, default_value = "60s", value_parser = humantime::parse_duration)]
+    timeout: Duration,
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Debug, Subcommand)]
+enum Command {
+    /// Write an SVG flamegraph of the selected samples.
+    Flamegraph {
+        #[command(flatten)]
+        selection: SelectionArgs,
+        /// Leave out frames below this share of all samples (0.05 = 5%).
+        #[arg(long, default_value_t = 0.0)]
+        min_share: f64,
+        /// Title drawn on the flamegraph.
+        #[arg(long)]
+        title: Option<String>,
+        /// Output file ("-" for stdout).
+        #[arg(short, long, default_value = "flamegraph.svg")]
+        output: PathBuf,
+    },
+    /// Print the functions with the most samples (self and total).
+    Top {
+        #[command(flatten)]
+        selection: SelectionArgs,
+        /// How many functions to list.
+        #[arg(long, short = 'n', default_value_t = 20)]
+        limit: usize,
+    },
+    /// Print who calls a function and what it calls, with their weights.
+    Callers {
+        /// The function name, as the flamegraph shows it.
+        function: String,
+        #[command(flatten)]
+        selection: SelectionArgs,
+    },
+    /// Write a differential flamegraph: the selection against a baseline.
+    Diff {
+        #[command(flatten)]
+        selection: SelectionArgs,
+        /// Baseline matchers (default: --match).
+        #[arg(long)]
+        base_match: Option<String>,
+        /// Baseline: the last DURATION before --base-end.
+        #[arg(long)]
+        base_since: Option<String>,
+        /// Baseline start.
+        #[arg(long)]
+        base_start: Option<String>,
+        /// Baseline end (default: now).
+        #[arg(long)]
+        base_end: Option<String>,
+        /// Output file ("-" for stdout).
+        #[arg(short, long, default_value = "diff.svg")]
+        output: PathBuf,
+    },
+    /// List label names, or the values of one label.
+    Labels {
+        /// A label name: list its values.
+        name: Option<String>,
+        #[command(flatten)]
+        selection: SelectionArgs,
+    },
+    /// Export the selected samples for other tools.
+    Export {
+        #[command(flatten)]
+        selection: SelectionArgs,
+        #[arg(long, value_enum)]
+        format: ExportFormat,
+        /// Output file ("-" for stdout).
+        #[arg(short, long, default_value = "-")]
+        output: PathBuf,
+    },
+}
+
+#[derive(Debug, Clone, Copy, ValueEnum)]
+enum ExportFormat {
+    /// Gzipped profile.proto, for `go tool pprof`.
+    Pprof,
+    /// One line per stack: `main;a;b 42`.
+    Folded,
+    /// The call tree as nested JSON.
+    Json,
+}
+
+#[derive(Debug, Args)]
+struct SelectionArgs {
+    /// Label matchers, as in PromQL: 'comm="redis-server",exe=~".*/redis.*"'.
+    #[arg(long = "match", short = 'm')]
+    matchers: Option<String>,
+    /// The last DURATION (e.g. 5m, 2h). Default: 1h.
+    #[arg(long, conflicts_with = "start")]
+    since: Option<String>,
+    /// Start: RFC 3339 time, Unix seconds, or a duration ago.
+    #[arg(long)]
+    start: Option<String>,
+    /// End: same forms as --start. Default: now.
+    #[arg(long)]
+    end: Option<String>,
+}
+
+fn selection(
+    matchers: Option<&str>,
+    since: Option<&str>,
+    start: Option<&str>,
+    end: Option<&str>,
+) -> anyhow::Result<Selection> {
+    Ok(timespec::selection(matchers, since, start, end)?)
+}
+
+impl SelectionArgs {
+    fn selection(&self) -> anyhow::Result<Selection> {
+        selection(
+            self.matchers.as_deref(),
+            self.since.as_deref(),
+            self.start.as_deref(),
+            self.end.as_deref(),
+        )
+    }
+}
+
+fn title_of(selection: &Selection) -> String {
+    if selection.matchers.is_empty() {
+        "all samples".to_string()
+    } else {
+        let matchers: Vec<String> = selection.matchers.iter().map(|m| m.to_string()).collect();
+        format!("{{{}}}", matchers.join(", "))
+    }
+}
+
+struct Collector {
+    client: QueryClient<Channel>,
+    address: String,
+}
+
+impl Collector {
+    async fn connect(cli: &Cli) -> anyhow::Result<Self> {
+        let mut endpoint = Endpoint::from_shared(cli.collector.clone()).with_context(|| {
+            format!(
+                "--collector {:?} is not a URI; use http://HOST:PORT or https://HOST:PORT",
+                cli.collector
+            )
+        })?;
+        endpoint = endpoint
+            .timeout(cli.timeout)
+            .connect_timeout(Duration::from_secs(10));
+        if cli.collector.starts_with("https://") || cli.ca_cert.is_some() {
+            let mut tls = ClientTlsConfig::new().with_webpki_roots();
+            if let Some(ca) = &cli.ca_cert {
+                let pem = std::fs::read(ca)
+                    .with_context(|| format!("reading the CA certificate {}", ca.display()))?;
+                tls = tls.ca_certificate(Certificate::from_pem(pem));
+            }
+            endpoint = endpoint.tls_config(tls).context("setting up TLS")?;
+        }
+        let channel = endpoint.connect().await.with_context(|| {
+            format!(
+                "cannot reach the collector at {}: is stackscope-collector running there? \
+                 (set --collector or STACKSCOPE_COLLECTOR)",
+                cli.collector
+            )
+        })?;
+        let client = QueryClient::new(channel)
+            .accept_compressed(CompressionEncoding::Zstd)
+            .accept_compressed(CompressionEncoding::Gzip)
+            .max_decoding_message_size(256 << 20);
+        Ok(Self {
+            client,
+            address: cli.collector.clone(),
+        })
+    }
+
+    fn failed(&self, status: tonic::Status) -> anyhow::Error {
+        anyhow::anyhow!(
+            "the collector at {} answered {:?}: {}",
+            self.address,
+            status.code(),
+            status.message()
+        )
+    }
+
+    async fn tree(
+        &mut self,
+        selection: &Selection,
+        min_share: f64,
+    ) -> anyhow::Result<(CallTree, u64)> {
+        let response = self
+            .client
+            .flamegraph(FlamegraphRequest {
+                selection: Some(selector::selection_to_proto(selection)),
+                min_share,
+            })
+            .await
+            .map_err(|status| self.failed(status))?
+            .into_inner();
+        let tree = CallTree::from_proto(&response)
+            .context("the collector sent an inconsistent call tree")?;
+        Ok((tree, response.sample_period_nanos))
+    }
+}
+
+fn write_output(path: &Path, bytes: &[u8]) -> anyhow::Result<()> {
+    if path == Path::new("-") {
+        let mut stdout = std::io::stdout().lock();
+        stdout.write_all(bytes).context("writing to stdout")?;
+        return stdout.flush().context("writing to stdout");
+    }
+    std::fs::write(path, bytes).with_context(|| format!("writing {}", path.display()))
+}
+
+/// Samples in a tree, for messages.
+fn no_samples(selection: &Selection) -> anyhow::Error {
+    anyhow::anyhow!(
+        "no samples match {} in that time range; check the time range (--since, --start) and \
+         `stackscope labels` for the label values the collector has",
+        title_of(selection)
+    )
+}
+
+#[tokio::main(flavor = "current_thread")]
+async fn main() -> anyhow::Result<()> {
+    let cli = Cli::parse();
+    match &cli.command {
+        Command::Flamegraph {
+            selection: args,
+            min_share,
+            title,
+            output,
+        } => {
+            if !(0.0..=1.0).contains(min_share) {
+                anyhow::bail!("--min-share must be between 0 and 1 (0.05 = 5%)");
+            }
+            let selection = args.selection()?;
+            let (tree, _) = Collector::connect(&cli)
+                .await?
+                .tree(&selection, *min_share)
+                .await?;
+            if tree.total() == 0 {
+                return Err(no_samples(&selection));
+            }
+            let options = SvgOptions {
+                title: title
+                    .clone()
+                    .unwrap_or_else(|| format!("stackscope: {}", title_of(&selection))),
+                ..SvgOptions::default()
+            };
+            write_output(output, &render::svg(&tree, &options)?)?;
+            if output != Path::new("-") {
+                eprintln!("wrote {} ({} samples)", output.display(), tree.total());
+            }
+        }
+        Command::Top {
+            selection: args,
+            limit,
+        } => {
+            let selection = args.selection()?;
+            let (tree, _) = Collector::connect(&cli)
+                .await?
+                .tree(&selection, 0.0)
+                .await?;
+            if tree.total() == 0 {
+                return Err(no_samples(&selection));
+            }
+            let top = render::top_functions(&tree, *limit);
+            print!("{}", render::text_top(&top, tree.total()));
+        }
+        Command::Callers {
+            function,
+            selection: args,
+        } => {
+            let selection = args.selection()?;
+            let (tree, _) = Collector::connect(&cli)
+                .await?
+                .tree(&selection, 0.0)
+                .await?;
+            let report = render::callers_callees(&tree, function);
+            if report.total == 0 {
+                anyhow::bail!(
+                    "no samples pass through {function:?} in {}; `stackscope top` lists the \
+                     functions seen",
+                    title_of(&selection)
+                );
+            }
+            print!("{}", render::text_callers_callees(&report, tree.total()));
+        }
+        Command::Diff {
+            selection: args,
+            base_match,
+            base_since,
+            base_start,
+            base_end,
+            output,
+        } => {
+            let selection = args.selection()?;
+            let explicit = base_since.is_some() || base_start.is_some();
+            let base = self::selection(
+                base_match.as_deref().or(args.matchers.as_deref()),
+                if explicit {
+                    base_since.as_deref()
+                } else {
+                    args.since.as_deref()
+                },
+                if explicit {
+                    base_start.as_deref()
+                } else {
+                    args.start.as_deref()
+                },
+                base_end
+                    .as_deref()
+                    .or(if explicit { None } else { args.end.as_deref() }),
+            )
+            .context("baseline")?;
+            let mut collector = Collector::connect(&cli).await?;
+            let (new, _) = collector.tree(&selection, 0.0).await?;
+            let (old, _) = collector.tree(&base, 0.0).await?;
+            if new.total() == 0 {
+                return Err(no_samples(&selection));
+            }
+            if old.total() == 0 {
+                return Err(no_samples(&base).context("baseline"));
+            }
+            let options = SvgOptions {
+                title: format!(
+                    "stackscope diff: {} against {}",
+                    title_of(&selection),
+                    title_of(&base)
+                ),
+                ..SvgOptions::default()
+            };
+            write_output(output, &render::diff_svg(&old, &new, &options)?)?;
+            if output != Path::new("-") {
+                eprintln!("wrote {}", output.display());
+            }
+        }
+        Command::Labels {
+            name,
+            selection: args,
+        } => {
+            let selection = selector::selection_to_proto(&args.selection()?);
+            let mut collector = Collector::connect(&cli).await?;
+            let lines = match name {
+                None => {
+                    let request = LabelNamesRequest {
+                        selection: Some(selection),
+                    };
+                    match collector.client.label_names(request).await {
+                        Ok(response) => response.into_inner().names,
+                        Err(status) => return Err(collector.failed(status)),
+                    }
+                }
+                Some(name) => {
+                    let request = LabelValuesRequest {
+                        selection: Some(selection),
+                        name: name.clone(),
+                    };
+                    match collector.client.label_values(request).await {
+                        Ok(response) => response.into_inner().values,
+                        Err(status) => return Err(collector.failed(status)),
+                    }
+                }
+            };
+            for line in lines {
+                println!("{line}");
+            }
+        }
+        Command::Export {
+            selection: args,
+            format,
+            output,
+        } => {
+            let selection = args.selection()?;
+            let (tree, period) = Collector::connect(&cli)
+                .await?
+                .tree(&selection, 0.0)
+                .await?;
+            let bytes = match format {
+                ExportFormat::Pprof => render::pprof(
+                    &tree,
+                    period,
+                    selection.range.start_unix_nanos,
+                    selection.range.end_unix_nanos - selection.range.start_unix_nanos,
+                ),
+                ExportFormat::Folded => render::folded(&tree).into_bytes(),
+                ExportFormat::Json => {
+                    let mut json = serde_json::to_vec_pretty(&render::json(&tree))?;
+                    json.push(b'\n');
+                    json
+                }
+            };
+            write_output(output, &bytes)?;
+        }
+    }
+    Ok(())
+}

@@ -1,0 +1,10 @@
+//! The stackscope collector: takes batches from agents over gRPC, validates
+//! them (`ingest`), stores them (`storage`, embedded SQLite by default) and
+//! answers queries over gRPC and HTTP (`server`). Rendering lives in
+//! `stackscope-profile`, shared with the `stackscope` CLI.
+
+pub mod ingest;
+pub mod query;
+pub mod server;
+pub mod storage;
+pub mod timespec;

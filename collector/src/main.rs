@@ -1,0 +1,139 @@
+//! `stackscope-collector`: receives agents' batches over gRPC, stores them in
+//! an embedded SQLite database, and serves queries over gRPC and HTTP.
+//! The command line lives here; the work is in the `stackscope_collector`
+//! library.
+
+use std::{io::IsTerminal as _, net::SocketAddr, path::PathBuf, sync::Arc, time::Duration};
+
+use anyhow::Context as _;
+use clap::Parser;
+use stackscope_collector::{
+    server::{self, ServerConfig, TlsFiles},
+    storage::sqlite::{SqliteOptions, SqliteStorage},
+};
+use tokio::signal::unix::{SignalKind, signal};
+use tracing_subscriber::EnvFilter;
+
+/// The stackscope collector.
+#[derive(Debug, Parser)]
+#[command(name = "stackscope-collector", version)]
+struct Args {
+    /// Directory of the database (created if missing).
+    #[arg(long, default_value = "/var/lib/stackscope")]
+    data_dir: PathBuf,
+    /// Address of the gRPC server (ingest, query, health).
+    #[arg(long, default_value = "127.0.0.1:7070")]
+    grpc_listen: SocketAddr,
+    /// Address of the HTTP API.
+    #[arg(long, default_value = "127.0.0.1:7071")]
+    http_listen: SocketAddr,
+    /// Serve no HTTP API.
+    #[arg(long)]
+    no_http: bool,
+    /// Delete samples older than this.
+    #[arg(long, default_value = "7d", value_parser = humantime::parse_duration)]
+    retention: Duration,
+    /// Largest batch accepted, in bytes (decompressed).
+    #[arg(long, default_value_t = 64 << 20)]
+    max_batch_bytes: usize,
+    /// Samples are summed per bucket of this width: smaller buckets give finer
+    /// time resolution and a larger database.
+    #[arg(long, default_value = "1m", value_parser = humantime::parse_duration)]
+    bucket: Duration,
+    /// PEM certificate chain for gRPC over TLS (with --tls-key).
+    #[arg(long, requires = "tls_key")]
+    tls_cert: Option<PathBuf>,
+    /// PEM private key for gRPC over TLS (with --tls-cert).
+    #[arg(long, requires = "tls_cert")]
+    tls_key: Option<PathBuf>,
+    /// File holding the bearer token agents must send to push batches.
+    #[arg(long)]
+    ingest_token_file: Option<PathBuf>,
+    /// Log level: error, warn, info, debug or trace.
+    #[arg(long, default_value = "info")]
+    log_level: tracing::Level,
+}
+
+fn read(path: &PathBuf, what: &str) -> anyhow::Result<Vec<u8>> {
+    std::fs::read(path).with_context(|| format!("reading the {what} {}", path.display()))
+}
+
+#[tokio::main]
+async fn main() -> anyhow::Result<()> {
+    let args = Args::parse();
+    tracing_subscriber::fmt()
+        .with_env_filter(EnvFilter::new(args.log_level.as_str()))
+        .with_writer(std::io::stderr)
+        .with_ansi(std::io::stderr().is_terminal())
+        .init();
+
+    let bucket_nanos = i64::try_from(args.bucket.as_nanos()).unwrap_or(i64::MAX);
+    if bucket_nanos < 1_000_000_000 {
+        anyhow::bail!("--bucket must be at least 1s");
+    }
+    let tls = match (&args.tls_cert, &args.tls_key) {
+        (Some(cert), Some(key)) => Some(TlsFiles {
+            cert_pem: read(cert, "TLS certificate")?,
+            key_pem: read(key, "TLS key")?,
+        }),
+        _ => None,
+    };
+    let ingest_token = match &args.ingest_token_file {
+        Some(path) => {
+            let token = String::from_utf8(read(path, "ingest token file")?)
+                .with_context(|| format!("{} is not UTF-8", path.display()))?;
+            let token = token.trim().to_string();
+            if token.is_empty() {
+                anyhow::bail!("the ingest token file {} is empty", path.display());
+            }
+            Some(token)
+        }
+        None => None,
+    };
+
+    let database = args.data_dir.join("stackscope.db");
+    let storage = tokio::task::spawn_blocking(move || {
+        SqliteStorage::open(
+            &database,
+            SqliteOptions {
+                bucket_nanos,
+                ..SqliteOptions::default()
+            },
+        )
+        .with_context(|| format!("opening the database in {}", database.display()))
+    })
+    .await??;
+
+    let config = ServerConfig {
+        grpc_listen: args.grpc_listen,
+        http_listen: (!args.no_http).then_some(args.http_listen),
+        max_message_bytes: args.max_batch_bytes,
+        retention: args.retention,
+        tls,
+        ingest_token,
+        ..ServerConfig::default()
+    };
+    let collector = server::start(config, Arc::new(storage))
+        .await
+        .context("starting the collector")?;
+    tracing::info!(
+        grpc = %collector.grpc_addr,
+        http = ?collector.http_addr.map(|a| format!("http://{a}/")),
+        data_dir = %args.data_dir.display(),
+        "collector ready"
+    );
+
+    let stop = collector.stopper();
+    let mut sigint = signal(SignalKind::interrupt()).context("installing a SIGINT handler")?;
+    let mut sigterm = signal(SignalKind::terminate()).context("installing a SIGTERM handler")?;
+    tokio::spawn(async move {
+        tokio::select! {
+            _ = sigint.recv() => {}
+            _ = sigterm.recv() => {}
+        }
+        tracing::info!("stopping");
+        let _ = stop.send(true);
+    });
+    collector.wait().await.context("the collector failed")?;
+    Ok(())
+}

@@ -1,0 +1,213 @@
+//! The gRPC services: `Ingest` (agents push batches) and `Query` (the CLI and
+//! other clients). Maps input errors to precise statuses; a batch is
+//! acknowledged only after storage committed it.
+
+use std::sync::Arc;
+
+use stackscope_profile::{render, selector};
+use stackscope_proto::v1::{
+    FlamegraphRequest, FlamegraphResponse, FunctionCost, LabelNamesRequest, LabelNamesResponse,
+    LabelValuesRequest, LabelValuesResponse, PushRequest, PushResponse, SampleSeriesRequest,
+    SampleSeriesResponse, SeriesPoint, TopFunctionsRequest, TopFunctionsResponse, ingest_server,
+    query_server,
+};
+use tonic::{Request, Response, Status};
+
+use crate::{
+    ingest::{IngestLimits, validate},
+    query::{QueryEngine, QueryError},
+    storage::{IngestOutcome, Storage},
+};
+
+/// Top functions answered when a request does not say how many.
+const DEFAULT_TOP_LIMIT: u32 = 50;
+
+pub struct IngestService {
+    storage: Arc<dyn Storage>,
+    limits: Arc<IngestLimits>,
+}
+
+impl IngestService {
+    pub fn new(storage: Arc<dyn Storage>, limits: IngestLimits) -> Self {
+        Self {
+            storage,
+            limits: Arc::new(limits),
+        }
+    }
+}
+
+#[tonic::async_trait]
+impl ingest_server::Ingest for IngestService {
+    async fn push(&self, request: Request<PushRequest>) -> Result<Response<PushResponse>, Status> {
+        let Some(batch) = request.into_inner().batch else {
+            return Err(Status::invalid_argument("PushRequest.batch is missing"));
+        };
+        let storage = Arc::clone(&self.storage);
+        let limits = Arc::clone(&self.limits);
+        // Validation walks every index of a possibly large batch and the
+        // commit waits for fsync: both stay off the async workers.
+        let outcome = tokio::task::spawn_blocking(move || {
+            let batch = validate(batch, &limits).map_err(|err| {
+                let message = format!("batch rejected, nothing stored: {err}");
+                if err.is_too_large() {
+                    Status::resource_exhausted(message)
+                } else {
+                    Status::invalid_argument(message)
+                }
+            })?;
+            storage.ingest(&batch).map_err(|err| {
+                tracing::error!("storing a batch failed: {:#}", anyhow::Error::from(err));
+                Status::unavailable("the collector could not store the batch; retry later")
+            })
+        })
+        .await
+        .map_err(|_| Status::internal("the ingest task failed"))??;
+        Ok(Response::new(match outcome {
+            IngestOutcome::Stored { samples } => PushResponse {
+                samples_stored: samples,
+                duplicate: false,
+            },
+            IngestOutcome::Duplicate => PushResponse {
+                samples_stored: 0,
+                duplicate: true,
+            },
+        }))
+    }
+}
+
+pub struct QueryService {
+    engine: QueryEngine,
+}
+
+impl QueryService {
+    pub fn new(engine: QueryEngine) -> Self {
+        Self { engine }
+    }
+}
+
+fn query_status(err: QueryError) -> Status {
+    tracing::error!("query failed: {:#}", anyhow::Error::from(err));
+    Status::internal("the query failed in the collector's storage; see the collector's log")
+}
+
+fn selection(
+    selection: Option<stackscope_proto::v1::Selection>,
+) -> Result<stackscope_profile::model::Selection, Status> {
+    let selection = selection.ok_or_else(|| Status::invalid_argument("selection is missing"))?;
+    let selection = selector::selection_from_proto(&selection)
+        .map_err(|err| Status::invalid_argument(format!("selection: {err}")))?;
+    if selection.range.end_unix_nanos <= selection.range.start_unix_nanos {
+        return Err(Status::invalid_argument(
+            "selection: the time range is empty (end must be after start)",
+        ));
+    }
+    Ok(selection)
+}
+
+#[tonic::async_trait]
+impl query_server::Query for QueryService {
+    async fn flamegraph(
+        &self,
+        request: Request<FlamegraphRequest>,
+    ) -> Result<Response<FlamegraphResponse>, Status> {
+        let request = request.into_inner();
+        if !(0.0..=1.0).contains(&request.min_share) {
+            return Err(Status::invalid_argument(format!(
+                "min_share must be between 0 and 1, got {}",
+                request.min_share
+            )));
+        }
+        let selection = selection(request.selection)?;
+        let flamegraph = self
+            .engine
+            .flamegraph(selection, request.min_share)
+            .await
+            .map_err(query_status)?;
+        Ok(Response::new(
+            flamegraph.tree.to_proto(flamegraph.sample_period_nanos),
+        ))
+    }
+
+    async fn top_functions(
+        &self,
+        request: Request<TopFunctionsRequest>,
+    ) -> Result<Response<TopFunctionsResponse>, Status> {
+        let request = request.into_inner();
+        let selection = selection(request.selection)?;
+        let limit = match request.limit {
+            0 => DEFAULT_TOP_LIMIT,
+            limit => limit,
+        };
+        let flamegraph = self
+            .engine
+            .flamegraph(selection, 0.0)
+            .await
+            .map_err(query_status)?;
+        let functions = render::top_functions(&flamegraph.tree, limit as usize)
+            .into_iter()
+            .map(|stat| FunctionCost {
+                function: stat.function,
+                binary: stat.binary,
+                self_: stat.self_weight,
+                total: stat.total_weight,
+            })
+            .collect();
+        Ok(Response::new(TopFunctionsResponse {
+            functions,
+            total: flamegraph.tree.total(),
+        }))
+    }
+
+    async fn label_names(
+        &self,
+        request: Request<LabelNamesRequest>,
+    ) -> Result<Response<LabelNamesResponse>, Status> {
+        let selection = selection(request.into_inner().selection)?;
+        let names = self
+            .engine
+            .label_names(selection)
+            .await
+            .map_err(query_status)?;
+        Ok(Response::new(LabelNamesResponse { names }))
+    }
+
+    async fn label_values(
+        &self,
+        request: Request<LabelValuesRequest>,
+    ) -> Result<Response<LabelValuesResponse>, Status> {
+        let request = request.into_inner();
+        if request.name.is_empty() {
+            return Err(Status::invalid_argument("label name is missing"));
+        }
+        let selection = selection(request.selection)?;
+        let values = self
+            .engine
+            .label_values(selection, request.name)
+            .await
+            .map_err(query_status)?;
+        Ok(Response::new(LabelValuesResponse { values }))
+    }
+
+    async fn sample_series(
+        &self,
+        request: Request<SampleSeriesRequest>,
+    ) -> Result<Response<SampleSeriesResponse>, Status> {
+        let request = request.into_inner();
+        let selection = selection(request.selection)?;
+        let (step, points) = self
+            .engine
+            .series(selection, request.step_nanos)
+            .await
+            .map_err(query_status)?;
+        Ok(Response::new(SampleSeriesResponse {
+            points: points
+                .into_iter()
+                .map(|(start, weight)| SeriesPoint {
+                    start_unix_nanos: start,
+                    weight,
+                })
+                .collect(),
+            step_nanos: step,
+        }))
+    }
+}

@@ -1,0 +1,266 @@
+//! Runs the collector: the gRPC server (ingest, query, health), the HTTP
+//! server, and the retention task, until asked to stop.
+
+mod grpc;
+mod http;
+
+use std::{net::SocketAddr, sync::Arc, time::Duration};
+
+use stackscope_proto::v1::{ingest_server::IngestServer, query_server::QueryServer};
+use tokio::{net::TcpListener, sync::watch, task::JoinSet};
+use tonic::{
+    codec::CompressionEncoding,
+    metadata::MetadataValue,
+    transport::{Identity, ServerTlsConfig},
+};
+
+use crate::{ingest::IngestLimits, query::QueryEngine, storage::Storage};
+
+/// How the collector serves.
+#[derive(Debug, Clone)]
+pub struct ServerConfig {
+    pub grpc_listen: SocketAddr,
+    /// `None`: no HTTP API.
+    pub http_listen: Option<SocketAddr>,
+    /// Largest encoded (decompressed) gRPC message accepted; larger batches
+    /// are refused with RESOURCE_EXHAUSTED before they are decoded.
+    pub max_message_bytes: usize,
+    pub limits: IngestLimits,
+    /// Samples older than this are deleted in the background.
+    pub retention: Duration,
+    /// How often the retention task runs.
+    pub retention_interval: Duration,
+    /// PEM certificate chain and key: serve gRPC over TLS.
+    pub tls: Option<TlsFiles>,
+    /// Agents must send `authorization: Bearer <token>` to push.
+    pub ingest_token: Option<String>,
+}
+
+#[derive(Debug, Clone)]
+pub struct TlsFiles {
+    pub cert_pem: Vec<u8>,
+    pub key_pem: Vec<u8>,
+}
+
+impl Default for ServerConfig {
+    fn default() -> Self {
+        Self {
+            grpc_listen: SocketAddr::from(([127, 0, 0, 1], 7070)),
+            http_listen: Some(SocketAddr::from(([127, 0, 0, 1], 7071))),
+            max_message_bytes: 64 << 20,
+            limits: IngestLimits::default(),
+            retention: Duration::from_secs(7 * 24 * 3600),
+            retention_interval: Duration::from_secs(600),
+            tls: None,
+            ingest_token: None,
+        }
+    }
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum ServerError {
+    #[error("listening on {addr}")]
+    Bind {
+        addr: SocketAddr,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("the TLS certificate or key is not usable")]
+    Tls(#[source] tonic::transport::Error),
+    #[error("the ingest token is not a valid HTTP header value")]
+    Token,
+    #[error("the gRPC server failed")]
+    Grpc(#[source] tonic::transport::Error),
+    #[error("the HTTP server failed")]
+    Http(#[source] std::io::Error),
+    #[error("a server task panicked")]
+    Task(#[source] tokio::task::JoinError),
+}
+
+/// A running collector; [`RunningCollector::shutdown`] stops it.
+pub struct RunningCollector {
+    pub grpc_addr: SocketAddr,
+    pub http_addr: Option<SocketAddr>,
+    stop: watch::Sender<bool>,
+    tasks: JoinSet<Result<(), ServerError>>,
+}
+
+impl RunningCollector {
+    /// Stops accepting, lets requests in flight finish, and waits.
+    pub async fn shutdown(self) -> Result<(), ServerError> {
+        let _ = self.stop.send(true);
+        self.wait().await
+    }
+
+    /// Waits until a server fails or the collector is stopped.
+    pub async fn wait(mut self) -> Result<(), ServerError> {
+        while let Some(done) = self.tasks.join_next().await {
+            let failure = match done {
+                Ok(Ok(())) => continue,
+                Ok(Err(err)) => err,
+                Err(join) => ServerError::Task(join),
+            };
+            // One server failing stops the others: a collector that takes
+            // batches it can no longer be queried for (or the reverse) is
+            // worse than one that exits and gets restarted.
+            let _ = self.stop.send(true);
+            while self.tasks.join_next().await.is_some() {}
+            return Err(failure);
+        }
+        Ok(())
+    }
+
+    /// A sender that stops the collector (for signal handlers).
+    pub fn stopper(&self) -> watch::Sender<bool> {
+        self.stop.clone()
+    }
+}
+
+async fn stopped(mut stop: watch::Receiver<bool>) {
+    let _ = stop.wait_for(|stop| *stop).await;
+}
+
+/// Binds the listeners and starts serving in the background.
+pub async fn start(
+    config: ServerConfig,
+    storage: Arc<dyn Storage>,
+) -> Result<RunningCollector, ServerError> {
+    let (stop, stop_rx) = watch::channel(false);
+    let engine = QueryEngine::new(Arc::clone(&storage));
+    let mut tasks = JoinSet::new();
+
+    let grpc_listener = TcpListener::bind(config.grpc_listen)
+        .await
+        .map_err(|source| ServerError::Bind {
+            addr: config.grpc_listen,
+            source,
+        })?;
+    let grpc_addr = grpc_listener
+        .local_addr()
+        .map_err(|source| ServerError::Bind {
+            addr: config.grpc_listen,
+            source,
+        })?;
+
+    let (health_reporter, health_service) = tonic_health::server::health_reporter();
+    health_reporter
+        .set_serving::<IngestServer<grpc::IngestService>>()
+        .await;
+    health_reporter
+        .set_serving::<QueryServer<grpc::QueryService>>()
+        .await;
+
+    let expected = match &config.ingest_token {
+        Some(token) => Some(
+            MetadataValue::try_from(format!("Bearer {token}")).map_err(|_| ServerError::Token)?,
+        ),
+        None => None,
+    };
+    let check_token = move |request: tonic::Request<()>| match &expected {
+        Some(expected) if request.metadata().get("authorization") != Some(expected) => Err(
+            tonic::Status::unauthenticated("missing or wrong bearer token for ingest"),
+        ),
+        _ => Ok(request),
+    };
+    let ingest = IngestServer::new(grpc::IngestService::new(
+        Arc::clone(&storage),
+        config.limits.clone(),
+    ))
+    .accept_compressed(CompressionEncoding::Gzip)
+    .accept_compressed(CompressionEncoding::Zstd)
+    .max_decoding_message_size(config.max_message_bytes);
+    let query = QueryServer::new(grpc::QueryService::new(engine.clone()))
+        .accept_compressed(CompressionEncoding::Gzip)
+        .accept_compressed(CompressionEncoding::Zstd)
+        .send_compressed(CompressionEncoding::Zstd)
+        .send_compressed(CompressionEncoding::Gzip);
+
+    let mut builder = tonic::transport::Server::builder();
+    if let Some(tls) = &config.tls {
+        builder = builder
+            .tls_config(
+                ServerTlsConfig::new().identity(Identity::from_pem(&tls.cert_pem, &tls.key_pem)),
+            )
+            .map_err(ServerError::Tls)?;
+    }
+    let router = builder
+        .add_service(health_service)
+        .add_service(tonic::service::interceptor::InterceptedService::new(
+            ingest,
+            check_token,
+        ))
+        .add_service(query);
+    let incoming = tokio_stream::wrappers::TcpListenerStream::new(grpc_listener);
+    let grpc_stop = stopped(stop_rx.clone());
+    tasks.spawn(async move {
+        router
+            .serve_with_incoming_shutdown(incoming, grpc_stop)
+            .await
+            .map_err(ServerError::Grpc)
+    });
+
+    let http_addr = match config.http_listen {
+        Some(addr) => {
+            let listener = TcpListener::bind(addr)
+                .await
+                .map_err(|source| ServerError::Bind { addr, source })?;
+            let bound = listener
+                .local_addr()
+                .map_err(|source| ServerError::Bind { addr, source })?;
+            let app = http::router(engine);
+            let http_stop = stopped(stop_rx.clone());
+            tasks.spawn(async move {
+                axum::serve(listener, app)
+                    .with_graceful_shutdown(http_stop)
+                    .await
+                    .map_err(ServerError::Http)
+            });
+            Some(bound)
+        }
+        None => None,
+    };
+
+    tasks.spawn(retention(
+        storage,
+        config.retention,
+        config.retention_interval,
+        stop_rx,
+    ));
+
+    Ok(RunningCollector {
+        grpc_addr,
+        http_addr,
+        stop,
+        tasks,
+    })
+}
+
+/// Deletes samples older than `retention` every `interval` (and once at
+/// start, so a collector restarted after a long pause catches up).
+async fn retention(
+    storage: Arc<dyn Storage>,
+    retention: Duration,
+    interval: Duration,
+    stop: watch::Receiver<bool>,
+) -> Result<(), ServerError> {
+    let mut ticks = tokio::time::interval(interval);
+    ticks.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    loop {
+        tokio::select! {
+            _ = ticks.tick() => {}
+            _ = stopped(stop.clone()) => return Ok(()),
+        }
+        let cutoff = std::time::SystemTime::now() - retention;
+        let cutoff = cutoff
+            .duration_since(std::time::UNIX_EPOCH)
+            .map(|d| i64::try_from(d.as_nanos()).unwrap_or(i64::MAX))
+            .unwrap_or(0);
+        let storage = Arc::clone(&storage);
+        match tokio::task::spawn_blocking(move || storage.delete_before(cutoff)).await {
+            Ok(Ok(0)) => {}
+            Ok(Ok(deleted)) => tracing::info!(deleted, "retention: deleted old sample rows"),
+            Ok(Err(err)) => tracing::warn!("retention: {:#}", anyhow::Error::from(err)),
+            Err(err) => tracing::warn!("retention task failed: {err}"),
+        }
+    }
+}

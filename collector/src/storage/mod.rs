@@ -1,0 +1,84 @@
+//! Where batches go: a trait so fleets can swap the embedded default
+//! (`sqlite`) for a distributed engine without touching ingest or queries.
+//!
+//! Implementations are synchronous; the servers call them from blocking
+//! tasks.
+
+pub mod sqlite;
+
+use stackscope_profile::model::{Selection, StackSamples};
+
+use crate::ingest::ValidBatch;
+
+/// What storing a batch did.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum IngestOutcome {
+    /// Committed durably; this many sample rows were added.
+    Stored { samples: u64 },
+    /// A batch with the same id was stored before; nothing changed.
+    Duplicate,
+}
+
+/// A failure of the storage engine itself (not of the caller's input).
+#[derive(Debug, thiserror::Error)]
+pub enum StorageError {
+    #[error("opening the database at {path}")]
+    Open {
+        path: std::path::PathBuf,
+        #[source]
+        source: rusqlite::Error,
+    },
+    #[error("the database failed")]
+    Database(#[from] rusqlite::Error),
+    #[error("the database holds inconsistent data: {0}")]
+    Corrupt(String),
+    /// The directory the database lives in could not be created.
+    #[error("creating the database directory {path}")]
+    CreateDir {
+        path: std::path::PathBuf,
+        #[source]
+        source: std::io::Error,
+    },
+    /// The database was written by a newer collector, or with settings this
+    /// one cannot honour (such as another bucket width).
+    #[error("the database at {path} cannot be used: {reason}")]
+    Incompatible {
+        path: std::path::PathBuf,
+        reason: String,
+    },
+    /// The engine was configured with values it cannot work with.
+    #[error("invalid storage options: {0}")]
+    InvalidOptions(String),
+    /// A `ValidBatch` built by hand (not by `ingest::validate`) broke one of
+    /// its documented invariants, such as an index out of range.
+    #[error("the batch is inconsistent: {0}")]
+    InvalidBatch(String),
+}
+
+/// Stores validated batches and answers queries over them.
+pub trait Storage: Send + Sync + 'static {
+    /// Stores one batch atomically and durably, or not at all. A batch
+    /// whose id is already stored is not counted again.
+    fn ingest(&self, batch: &ValidBatch) -> Result<IngestOutcome, StorageError>;
+
+    /// The distinct stacks of the selected samples with their summed weights.
+    fn stacks(&self, selection: &Selection) -> Result<StackSamples, StorageError>;
+
+    /// Label names present on the selected samples, sorted.
+    fn label_names(&self, selection: &Selection) -> Result<Vec<String>, StorageError>;
+
+    /// Values of `name` on the selected samples, sorted.
+    fn label_values(&self, selection: &Selection, name: &str) -> Result<Vec<String>, StorageError>;
+
+    /// Weight of the selected samples per `step_nanos` wide bucket, as
+    /// (bucket start, weight), ascending, empty buckets left out.
+    fn series(
+        &self,
+        selection: &Selection,
+        step_nanos: i64,
+    ) -> Result<Vec<(i64, u64)>, StorageError>;
+
+    /// Deletes samples (and what only they referenced) older than the cutoff;
+    /// returns the sample rows deleted.
+    fn delete_before(&self, cutoff_unix_nanos: i64) -> Result<u64, StorageError>;
+}

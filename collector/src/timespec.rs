@@ -1,0 +1,216 @@
+//! Selections as people type them: label matchers (`comm="x"`) and a time
+//! range, as `--since 5m` or `--start`/`--end` given as RFC 3339 timestamps,
+//! Unix seconds, or a duration meaning "that long ago". Shared by the HTTP
+//! API and the `stackscope` CLI.
+
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
+
+use stackscope_profile::{
+    model::{Selection, TimeRange},
+    selector::{self, SelectorError},
+};
+
+/// The range a query covers when it names none.
+pub const DEFAULT_SINCE: Duration = Duration::from_secs(3600);
+
+/// The matchers or the time range of a selection are malformed.
+#[derive(Debug, thiserror::Error)]
+pub enum SelectionError {
+    #[error(transparent)]
+    Time(#[from] TimeSpecError),
+    /// Not a `#[source]`: the message already carries the parser's words.
+    #[error("match: {0}")]
+    Matchers(SelectorError),
+}
+
+/// Parses a selection: matchers (`None`: every sample) and the time options
+/// as [`resolve`] takes them, with [`DEFAULT_SINCE`] as the default range.
+pub fn selection(
+    matchers: Option<&str>,
+    since: Option<&str>,
+    start: Option<&str>,
+    end: Option<&str>,
+) -> Result<Selection, SelectionError> {
+    let range = resolve(since, start, end, SystemTime::now(), DEFAULT_SINCE)?;
+    let matchers = match matchers {
+        Some(text) => selector::parse_matchers(text).map_err(SelectionError::Matchers)?,
+        None => Vec::new(),
+    };
+    Ok(Selection { range, matchers })
+}
+
+#[derive(Debug, thiserror::Error, PartialEq, Eq)]
+pub enum TimeSpecError {
+    #[error("{what} {value:?}: expected a duration like 5m or 2h30m")]
+    Duration { what: &'static str, value: String },
+    #[error(
+        "{what} {value:?}: expected an RFC 3339 time (2026-11-21T17:00:00Z), Unix seconds, \
+         or a duration ago (15m)"
+    )]
+    Time { what: &'static str, value: String },
+    #[error("give either since or start/end, not both")]
+    SinceAndStart,
+    #[error("the time range is empty: start ({start}) is not before end ({end})")]
+    Empty { start: String, end: String },
+}
+
+fn unix_nanos(time: SystemTime) -> i64 {
+    match time.duration_since(UNIX_EPOCH) {
+        Ok(since_epoch) => i64::try_from(since_epoch.as_nanos()).unwrap_or(i64::MAX),
+        Err(before_epoch) => -i64::try_from(before_epoch.duration().as_nanos()).unwrap_or(i64::MAX),
+    }
+}
+
+fn parse_duration(what: &'static str, value: &str) -> Result<Duration, TimeSpecError> {
+    humantime::parse_duration(value.trim()).map_err(|_| TimeSpecError::Duration {
+        what,
+        value: value.to_string(),
+    })
+}
+
+fn parse_time(what: &'static str, value: &str, now: SystemTime) -> Result<i64, TimeSpecError> {
+    let trimmed = value.trim();
+    if trimmed == "now" {
+        return Ok(unix_nanos(now));
+    }
+    if let Ok(seconds) = trimmed.parse::<f64>()
+        && seconds.is_finite()
+        && seconds.abs() < 1e11
+    {
+        return Ok((seconds * 1e9) as i64);
+    }
+    if let Ok(time) = humantime::parse_rfc3339_weak(trimmed) {
+        return Ok(unix_nanos(time));
+    }
+    if let Ok(ago) = humantime::parse_duration(trimmed) {
+        return Ok(
+            unix_nanos(now).saturating_sub(i64::try_from(ago.as_nanos()).unwrap_or(i64::MAX))
+        );
+    }
+    Err(TimeSpecError::Time {
+        what,
+        value: value.to_string(),
+    })
+}
+
+fn show(unix_nanos: i64) -> String {
+    match u64::try_from(unix_nanos) {
+        Ok(nanos) => {
+            humantime::format_rfc3339_seconds(UNIX_EPOCH + Duration::from_nanos(nanos)).to_string()
+        }
+        Err(_) => format!("{unix_nanos} ns"),
+    }
+}
+
+/// Resolves the user's time options against `now`. With none given the range
+/// is the last `default_since`; `end` defaults to now.
+pub fn resolve(
+    since: Option<&str>,
+    start: Option<&str>,
+    end: Option<&str>,
+    now: SystemTime,
+    default_since: Duration,
+) -> Result<TimeRange, TimeSpecError> {
+    let end_nanos = match end {
+        Some(end) => parse_time("end", end, now)?,
+        None => unix_nanos(now),
+    };
+    let start_nanos = match (since, start) {
+        (Some(_), Some(_)) => return Err(TimeSpecError::SinceAndStart),
+        (Some(since), None) => {
+            let since = parse_duration("since", since)?;
+            end_nanos.saturating_sub(i64::try_from(since.as_nanos()).unwrap_or(i64::MAX))
+        }
+        (None, Some(start)) => parse_time("start", start, now)?,
+        (None, None) => {
+            end_nanos.saturating_sub(i64::try_from(default_since.as_nanos()).unwrap_or(i64::MAX))
+        }
+    };
+    if start_nanos >= end_nanos {
+        return Err(TimeSpecError::Empty {
+            start: show(start_nanos),
+            end: show(end_nanos),
+        });
+    }
+    Ok(TimeRange {
+        start_unix_nanos: start_nanos,
+        end_unix_nanos: end_nanos,
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const HOUR: Duration = Duration::from_secs(3600);
+
+    fn now() -> SystemTime {
+        UNIX_EPOCH + Duration::from_secs(1_800_000_000)
+    }
+
+    #[test]
+    fn since_counts_back_from_end() {
+        let range = resolve(Some("5m"), None, None, now(), HOUR).unwrap();
+        assert_eq!(range.end_unix_nanos, 1_800_000_000 * 1_000_000_000);
+        assert_eq!(
+            range.start_unix_nanos,
+            (1_800_000_000 - 300) * 1_000_000_000
+        );
+    }
+
+    #[test]
+    fn default_is_the_last_default_since() {
+        let range = resolve(None, None, None, now(), HOUR).unwrap();
+        assert_eq!(
+            range.start_unix_nanos,
+            (1_800_000_000 - 3600) * 1_000_000_000
+        );
+    }
+
+    #[test]
+    fn absolute_and_relative_times() {
+        // 1_800_000_000 is 2027-01-15T08:00:00Z.
+        let range = resolve(
+            None,
+            Some("2027-01-15T07:00:00Z"),
+            Some("1800000000"),
+            now(),
+            HOUR,
+        )
+        .unwrap();
+        assert_eq!(range.start_unix_nanos, 1_799_996_400 * 1_000_000_000);
+        assert_eq!(range.end_unix_nanos, 1_800_000_000 * 1_000_000_000);
+        let range = resolve(None, Some("2h"), Some("1h"), now(), HOUR).unwrap();
+        assert_eq!(
+            range.start_unix_nanos,
+            (1_800_000_000 - 7200) * 1_000_000_000
+        );
+        assert_eq!(range.end_unix_nanos, (1_800_000_000 - 3600) * 1_000_000_000);
+    }
+
+    #[test]
+    fn errors_say_what_is_wrong() {
+        assert_eq!(
+            resolve(Some("5 parsecs"), None, None, now(), HOUR),
+            Err(TimeSpecError::Duration {
+                what: "since",
+                value: "5 parsecs".into()
+            })
+        );
+        assert_eq!(
+            resolve(Some("5m"), Some("1h"), None, now(), HOUR),
+            Err(TimeSpecError::SinceAndStart)
+        );
+        assert!(matches!(
+            resolve(None, Some("1h"), Some("2h"), now(), HOUR),
+            Err(TimeSpecError::Empty { .. })
+        ));
+        assert_eq!(
+            resolve(None, Some("yesterday-ish"), None, now(), HOUR),
+            Err(TimeSpecError::Time {
+                what: "start",
+                value: "yesterday-ish".into()
+            })
+        );
+    }
+}

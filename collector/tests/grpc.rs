@@ -1,0 +1,439 @@
+//! The collector's servers on 127.0.0.1 with a real SQLite file: ingest over
+//! gRPC (acknowledged, deduplicated, bad batches refused with nothing
+//! stored), queries over gRPC and HTTP, health, and the ingest token.
+
+use std::{
+    io::{Read as _, Write as _},
+    net::SocketAddr,
+    sync::Arc,
+    time::{SystemTime, UNIX_EPOCH},
+};
+
+use stackscope_collector::{
+    server::{self, RunningCollector, ServerConfig},
+    storage::sqlite::{SqliteOptions, SqliteStorage},
+};
+use stackscope_proto::v1::{
+    Batch, FlamegraphRequest, Label, LabelMatcher, LabelNamesRequest, LabelSet, Line, Location,
+    Mapping, MappingKind, Node, PushRequest, Sample, Selection, Stack, TopFunctionsRequest,
+    ingest_client::IngestClient, label_matcher::Op, query_client::QueryClient,
+};
+use tonic::{Code, transport::Channel};
+
+const MAX_MESSAGE_BYTES: usize = 256 << 10;
+
+fn now_nanos() -> i64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .expect("clock after 1970")
+        .as_nanos() as i64
+}
+
+/// A batch from `node`: `comm` ran main -> work (named, with an inlined
+/// helper) `count` times, and an unnamed frame of libfoo.so `unnamed` times.
+fn batch(id: u8, node: &str, comm: &str, count: u64, unnamed: u64) -> Batch {
+    let strings: Vec<String> = [
+        "",
+        node,
+        "0.1.0",
+        "/usr/bin/app",
+        "abcdef01",
+        "main",
+        "app.c",
+        "work",
+        "helper",
+        "/usr/lib/libfoo.so",
+        "comm",
+        comm,
+    ]
+    .iter()
+    .map(|s| s.to_string())
+    .collect();
+    let line = |function, line| Line {
+        function,
+        file: 6,
+        line,
+    };
+    let now = now_nanos();
+    Batch {
+        batch_id: vec![id; 16],
+        node: Some(Node {
+            name: 1,
+            agent_version: 2,
+        }),
+        start_unix_nanos: now - 10_000_000_000,
+        end_unix_nanos: now,
+        sample_period_nanos: 10_101_010,
+        strings,
+        mappings: vec![
+            Mapping {
+                kind: MappingKind::User as i32,
+                build_id: 4,
+                path: 3,
+            },
+            Mapping {
+                kind: MappingKind::User as i32,
+                build_id: 0,
+                path: 9,
+            },
+        ],
+        locations: vec![
+            Location {
+                mapping: 0,
+                address: 0x1100,
+                lines: vec![line(5, 10)],
+            },
+            Location {
+                mapping: 0,
+                address: 0x1200,
+                lines: vec![line(8, 30), line(7, 20)],
+            },
+            Location {
+                mapping: 1,
+                address: 0x1a2b,
+                lines: vec![],
+            },
+        ],
+        stacks: vec![
+            Stack {
+                locations: vec![1, 0],
+            },
+            Stack {
+                locations: vec![2, 0],
+            },
+        ],
+        label_sets: vec![LabelSet {
+            labels: vec![Label {
+                name: 10,
+                value: 11,
+            }],
+        }],
+        samples: [(0, count), (1, unnamed)]
+            .into_iter()
+            .filter(|&(_, n)| n > 0)
+            .map(|(stack, count)| Sample {
+                stack,
+                label_set: 0,
+                count,
+                sampling_divisor: 0,
+            })
+            .collect(),
+    }
+}
+
+struct Fixture {
+    collector: RunningCollector,
+    _dir: tempfile::TempDir,
+}
+
+async fn start(token: Option<&str>) -> Fixture {
+    let dir = tempfile::tempdir().expect("temp dir");
+    let storage = SqliteStorage::open(&dir.path().join("stackscope.db"), SqliteOptions::default())
+        .expect("opening the database");
+    let config = ServerConfig {
+        grpc_listen: SocketAddr::from(([127, 0, 0, 1], 0)),
+        http_listen: Some(SocketAddr::from(([127, 0, 0, 1], 0))),
+        max_message_bytes: MAX_MESSAGE_BYTES,
+        ingest_token: token.map(str::to_string),
+        ..ServerConfig::default()
+    };
+    let collector = server::start(config, Arc::new(storage))
+        .await
+        .expect("starting the collector");
+    Fixture {
+        collector,
+        _dir: dir,
+    }
+}
+
+impl Fixture {
+    async fn channel(&self) -> Channel {
+        Channel::from_shared(format!("http://{}", self.collector.grpc_addr))
+            .expect("uri")
+            .connect()
+            .await
+            .expect("connecting")
+    }
+
+    async fn push(
+        &self,
+        batch: Batch,
+    ) -> Result<stackscope_proto::v1::PushResponse, tonic::Status> {
+        IngestClient::new(self.channel().await)
+            .max_encoding_message_size(usize::MAX)
+            .push(PushRequest { batch: Some(batch) })
+            .await
+            .map(|r| r.into_inner())
+    }
+
+    async fn total(&self, matchers: Vec<LabelMatcher>) -> u64 {
+        let response = QueryClient::new(self.channel().await)
+            .flamegraph(FlamegraphRequest {
+                selection: Some(selection(matchers)),
+                min_share: 0.0,
+            })
+            .await
+            .expect("flamegraph query")
+            .into_inner();
+        response.total
+    }
+
+    /// GET over plain HTTP/1.1; returns (status, body).
+    fn http_get(&self, path: &str) -> (u16, Vec<u8>) {
+        let addr = self.collector.http_addr.expect("HTTP enabled");
+        let mut stream = std::net::TcpStream::connect(addr).expect("connecting over HTTP");
+        write!(
+            stream,
+            "GET {path} HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\n\r\n"
+        )
+        .expect("sending the request");
+        let mut response = Vec::new();
+        stream
+            .read_to_end(&mut response)
+            .expect("reading the response");
+        let split = response
+            .windows(4)
+            .position(|w| w == b"\r\n\r\n")
+            .expect("headers end");
+        let head = String::from_utf8_lossy(&response[..split]).to_string();
+        let status = head
+            .split_whitespace()
+            .nth(1)
+            .and_then(|s| s.parse().ok())
+            .expect("status code");
+        let mut body = response[split + 4..].to_vec();
+        if head
+            .to_ascii_lowercase()
+            .contains("transfer-encoding: chunked")
+        {
+            body = dechunk(&body);
+        }
+        (status, body)
+    }
+}
+
+fn dechunk(mut data: &[u8]) -> Vec<u8> {
+    let mut out = Vec::new();
+    loop {
+        let line_end = data
+            .windows(2)
+            .position(|w| w == b"\r\n")
+            .expect("chunk size");
+        let size = usize::from_str_radix(
+            std::str::from_utf8(&data[..line_end]).expect("hex").trim(),
+            16,
+        )
+        .expect("chunk size");
+        if size == 0 {
+            return out;
+        }
+        out.extend_from_slice(&data[line_end + 2..line_end + 2 + size]);
+        data = &data[line_end + 4 + size..];
+    }
+}
+
+fn selection(matchers: Vec<LabelMatcher>) -> Selection {
+    Selection {
+        start_unix_nanos: now_nanos() - 3_600_000_000_000,
+        end_unix_nanos: now_nanos() + 60_000_000_000,
+        matchers,
+    }
+}
+
+fn matcher(name: &str, op: Op, value: &str) -> LabelMatcher {
+    LabelMatcher {
+        name: name.into(),
+        op: op as i32,
+        value: value.into(),
+    }
+}
+
+// Multi-threaded: the HTTP checks use a blocking socket, and the servers
+// must keep running on other threads meanwhile.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn stored_batches_are_counted_once_and_queried_by_label() {
+    let fixture = start(None).await;
+    let first = fixture
+        .push(batch(1, "node-a", "redis", 30, 5))
+        .await
+        .expect("push");
+    assert_eq!((first.samples_stored, first.duplicate), (2, false));
+    fixture
+        .push(batch(2, "node-b", "nginx", 7, 0))
+        .await
+        .expect("push");
+    // A retry of the first batch (same id) is acknowledged, not counted.
+    let retry = fixture
+        .push(batch(1, "node-a", "redis", 30, 5))
+        .await
+        .expect("retry");
+    assert_eq!((retry.samples_stored, retry.duplicate), (0, true));
+
+    assert_eq!(fixture.total(vec![]).await, 42);
+    assert_eq!(
+        fixture
+            .total(vec![matcher("comm", Op::Equal, "redis")])
+            .await,
+        35
+    );
+    assert_eq!(
+        fixture
+            .total(vec![matcher("comm", Op::NotEqual, "redis")])
+            .await,
+        7
+    );
+    assert_eq!(
+        fixture
+            .total(vec![matcher("node", Op::Regex, "node-.")])
+            .await,
+        42
+    );
+    assert_eq!(
+        fixture
+            .total(vec![matcher("node", Op::NotRegex, ".*b")])
+            .await,
+        35
+    );
+    assert_eq!(fixture.total(vec![matcher("pod", Op::Equal, "x")]).await, 0);
+
+    let top = QueryClient::new(fixture.channel().await)
+        .top_functions(TopFunctionsRequest {
+            selection: Some(selection(vec![])),
+            limit: 3,
+        })
+        .await
+        .expect("top")
+        .into_inner();
+    let leaders: Vec<(&str, u64, u64)> = top
+        .functions
+        .iter()
+        .map(|f| (f.function.as_str(), f.self_, f.total))
+        .collect();
+    assert_eq!(
+        leaders,
+        [
+            ("helper", 37, 37),
+            ("[unknown] libfoo.so+0x1a2b", 5, 5),
+            ("main", 0, 42)
+        ]
+    );
+
+    let names = QueryClient::new(fixture.channel().await)
+        .label_names(LabelNamesRequest {
+            selection: Some(selection(vec![])),
+        })
+        .await
+        .expect("label names")
+        .into_inner()
+        .names;
+    assert_eq!(names, ["comm", "node"]);
+
+    // The HTTP API answers the same queries.
+    let (status, body) =
+        fixture.http_get("/api/v1/flamegraph?format=folded&since=1h&match=comm%3D%22redis%22");
+    assert_eq!(status, 200, "{}", String::from_utf8_lossy(&body));
+    assert_eq!(
+        String::from_utf8(body).expect("UTF-8"),
+        "main;[unknown] libfoo.so+0x1a2b 5\nmain;work;helper 30\n"
+    );
+    let (status, body) = fixture.http_get("/api/v1/flamegraph?since=1h");
+    assert_eq!(status, 200);
+    let svg = String::from_utf8(body).expect("UTF-8");
+    assert!(svg.contains("<svg") && svg.contains("helper"), "{svg}");
+    let (status, body) = fixture.http_get("/api/v1/labels/comm/values?since=1h");
+    assert_eq!((status, body), (200, br#"["nginx","redis"]"#.to_vec()));
+    let (status, body) = fixture.http_get("/api/v1/flamegraph?match=comm%3Dredis");
+    assert_eq!(status, 400);
+    assert!(
+        String::from_utf8_lossy(&body).starts_with("match: "),
+        "{body:?}"
+    );
+    let (status, body) = fixture.http_get("/api/v1/top?since=forever");
+    assert_eq!(status, 400);
+    assert!(String::from_utf8_lossy(&body).contains("since \"forever\""));
+
+    fixture.collector.shutdown().await.expect("clean shutdown");
+}
+
+#[tokio::test]
+async fn bad_batches_are_refused_and_store_nothing() {
+    let fixture = start(None).await;
+    fixture
+        .push(batch(1, "node-a", "redis", 3, 0))
+        .await
+        .expect("push");
+
+    let mut dangling = batch(2, "node-a", "redis", 100, 0);
+    dangling.samples[0].stack = 7;
+    let err = fixture
+        .push(dangling)
+        .await
+        .expect_err("dangling stack index");
+    assert_eq!(err.code(), Code::InvalidArgument);
+    assert!(err.message().contains("stack"), "{}", err.message());
+
+    let mut bad_label = batch(3, "node-a", "redis", 100, 0);
+    bad_label.label_sets[0].labels[0].value = 99;
+    let err = fixture
+        .push(bad_label)
+        .await
+        .expect_err("dangling string index");
+    assert_eq!(err.code(), Code::InvalidArgument);
+
+    let err = IngestClient::new(fixture.channel().await)
+        .push(PushRequest { batch: None })
+        .await
+        .expect_err("missing batch");
+    assert_eq!(err.code(), Code::InvalidArgument);
+
+    // Larger than the collector accepts: refused before it is decoded.
+    let mut oversized = batch(4, "node-a", "redis", 100, 0);
+    oversized.strings.push("x".repeat(MAX_MESSAGE_BYTES));
+    let err = fixture.push(oversized).await.expect_err("oversized batch");
+    assert!(
+        matches!(err.code(), Code::ResourceExhausted | Code::OutOfRange),
+        "{err:?}"
+    );
+
+    assert_eq!(
+        fixture.total(vec![]).await,
+        3,
+        "only the good batch is stored"
+    );
+    fixture.collector.shutdown().await.expect("clean shutdown");
+}
+
+#[tokio::test]
+async fn ingest_needs_the_token_when_one_is_set_and_health_is_served() {
+    let fixture = start(Some("s3cret")).await;
+    let err = fixture
+        .push(batch(1, "node-a", "redis", 3, 0))
+        .await
+        .expect_err("no token");
+    assert_eq!(err.code(), Code::Unauthenticated);
+
+    let mut request = tonic::Request::new(PushRequest {
+        batch: Some(batch(1, "node-a", "redis", 3, 0)),
+    });
+    request
+        .metadata_mut()
+        .insert("authorization", "Bearer s3cret".parse().expect("header"));
+    IngestClient::new(fixture.channel().await)
+        .push(request)
+        .await
+        .expect("push with the token");
+    assert_eq!(fixture.total(vec![]).await, 3);
+
+    let health = tonic_health::pb::health_client::HealthClient::new(fixture.channel().await)
+        .check(tonic_health::pb::HealthCheckRequest {
+            service: "stackscope.v1.Ingest".into(),
+        })
+        .await
+        .expect("health check")
+        .into_inner();
+    assert_eq!(
+        health.status,
+        tonic_health::pb::health_check_response::ServingStatus::Serving as i32
+    );
+    fixture.collector.shutdown().await.expect("clean shutdown");
+}

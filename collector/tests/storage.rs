@@ -1,0 +1,871 @@
+//! The SQLite storage engine against a real database file: what goes in
+//! through `ingest::validate` comes out of every query with exactly the
+//! ingested weights, survives reopening, is not double counted on retry,
+//! and retention removes old data and what only it referenced.
+
+use std::{collections::BTreeMap, collections::HashMap, path::Path, sync::Arc};
+
+use stackscope_collector::{
+    ingest::{self, IngestLimits, LineRecord, LocationRecord, MappingKind, MappingRecord},
+    ingest::{SampleRecord, ValidBatch},
+    storage::{
+        IngestOutcome, Storage, StorageError,
+        sqlite::{SqliteOptions, SqliteStorage},
+    },
+};
+use stackscope_profile::model::{
+    Frame, LabelMatcher, MatchOp, Selection, StackSamples, TimeRange, WeightedStack,
+};
+use stackscope_proto::v1;
+
+const SECOND: i64 = 1_000_000_000;
+const MINUTE: i64 = 60 * SECOND;
+/// A multiple of 120 s, so 60 s buckets and 120 s series steps align on it.
+const T0: i64 = 1_700_000_040 * SECOND;
+const PERIOD_100HZ: u64 = 10_000_000;
+const PERIOD_99HZ: u64 = 10_101_010;
+
+/// Builds a wire batch the way an agent does: a string table and
+/// dictionaries indexed from 0.
+struct Builder {
+    batch: v1::Batch,
+    strings: HashMap<String, u32>,
+}
+
+impl Builder {
+    fn new(id: u8, node: &str, start: i64, period: u64) -> Self {
+        let mut builder = Self {
+            batch: v1::Batch {
+                batch_id: vec![id; 16],
+                start_unix_nanos: start,
+                end_unix_nanos: start + 10 * SECOND,
+                sample_period_nanos: period,
+                strings: vec![String::new()],
+                ..v1::Batch::default()
+            },
+            strings: HashMap::from([(String::new(), 0)]),
+        };
+        let name = builder.s(node);
+        let agent_version = builder.s("0.1.0");
+        builder.batch.node = Some(v1::Node {
+            name,
+            agent_version,
+        });
+        builder
+    }
+
+    fn s(&mut self, s: &str) -> u32 {
+        if let Some(&index) = self.strings.get(s) {
+            return index;
+        }
+        let index = u32::try_from(self.batch.strings.len()).expect("small table");
+        self.batch.strings.push(s.to_owned());
+        self.strings.insert(s.to_owned(), index);
+        index
+    }
+
+    fn index(len: usize) -> u32 {
+        u32::try_from(len).expect("small batch")
+    }
+
+    fn mapping(&mut self, kind: v1::MappingKind, build_id: &str, path: &str) -> u32 {
+        let (build_id, path) = (self.s(build_id), self.s(path));
+        self.batch.mappings.push(v1::Mapping {
+            kind: kind as i32,
+            build_id,
+            path,
+        });
+        Self::index(self.batch.mappings.len() - 1)
+    }
+
+    fn location(&mut self, mapping: u32, address: u64, lines: &[(&str, &str, u32)]) -> u32 {
+        let lines = lines
+            .iter()
+            .map(|&(function, file, line)| v1::Line {
+                function: self.s(function),
+                file: self.s(file),
+                line,
+            })
+            .collect();
+        self.batch.locations.push(v1::Location {
+            mapping,
+            address,
+            lines,
+        });
+        Self::index(self.batch.locations.len() - 1)
+    }
+
+    fn stack(&mut self, locations: &[u32]) -> u32 {
+        self.batch.stacks.push(v1::Stack {
+            locations: locations.to_vec(),
+        });
+        Self::index(self.batch.stacks.len() - 1)
+    }
+
+    fn label_set(&mut self, labels: &[(&str, &str)]) -> u32 {
+        let labels = labels
+            .iter()
+            .map(|&(name, value)| v1::Label {
+                name: self.s(name),
+                value: self.s(value),
+            })
+            .collect();
+        self.batch.label_sets.push(v1::LabelSet { labels });
+        Self::index(self.batch.label_sets.len() - 1)
+    }
+
+    fn sample(&mut self, stack: u32, label_set: u32, count: u64, sampling_divisor: u32) {
+        self.batch.samples.push(v1::Sample {
+            stack,
+            label_set,
+            count,
+            sampling_divisor,
+        });
+    }
+
+    /// Adds the three test stacks (in reverse when `reverse`, so batches
+    /// disagree on indexes but not on content) and returns their indexes
+    /// as `[S0, S1, S2]`:
+    ///
+    /// * S0 = `[unknown] libfoo.so+0x1a2b` <- `inlined_helper` (inlined) <- `work` <- `main`
+    /// * S1 = `inlined_helper` (inlined) <- `work` <- `main`
+    /// * S2 = `do_syscall_64` ([kernel]) <- `main`
+    fn standard_stacks(&mut self, reverse: bool) -> [u32; 3] {
+        if reverse {
+            let s2 = self.standard_stack(2);
+            let s1 = self.standard_stack(1);
+            let s0 = self.standard_stack(0);
+            [s0, s1, s2]
+        } else {
+            [0, 1, 2].map(|which| self.standard_stack(which))
+        }
+    }
+
+    /// Adds S0, S1 or S2 with its own copies of the mappings and locations
+    /// it shares with the others: storage must merge identical items
+    /// within a batch too.
+    fn standard_stack(&mut self, which: usize) -> u32 {
+        let app = self.mapping(v1::MappingKind::User, "", "/usr/bin/app");
+        let main = self.location(app, 0x200, &[("main", "app.c", 20)]);
+        let work_lines = [("inlined_helper", "util.h", 3), ("work", "app.c", 10)];
+        match which {
+            0 => {
+                let libfoo = self.mapping(v1::MappingKind::User, "abcd01", "/usr/lib/libfoo.so");
+                let unknown = self.location(libfoo, 0x1a2b, &[]);
+                let work = self.location(app, 0x100, &work_lines);
+                self.stack(&[unknown, work, main])
+            }
+            1 => {
+                let work = self.location(app, 0x100, &work_lines);
+                self.stack(&[work, main])
+            }
+            _ => {
+                let kernel = self.mapping(v1::MappingKind::Kernel, "", "vmlinux");
+                let syscall =
+                    self.location(kernel, 0xffff_ffff_8100_0000, &[("do_syscall_64", "", 0)]);
+                self.stack(&[syscall, main])
+            }
+        }
+    }
+
+    fn validate(self) -> ValidBatch {
+        ingest::validate(self.batch, &IngestLimits::default()).expect("a valid batch")
+    }
+}
+
+const S0: &str = "[unknown] libfoo.so+0x1a2b;inlined_helper;work;main";
+const S1: &str = "inlined_helper;work;main";
+const S2: &str = "do_syscall_64;main";
+
+/// B1: node-a, bucket T0: (comm=app) S0 ×5, S1 ×3; (comm=worker) S2 ×7.
+fn batch1() -> ValidBatch {
+    let mut b = Builder::new(1, "node-a", T0, PERIOD_100HZ);
+    let [s0, s1, s2] = b.standard_stacks(false);
+    let app = b.label_set(&[("comm", "app"), ("exe", "/usr/bin/app")]);
+    let worker = b.label_set(&[("exe", "/usr/bin/app"), ("comm", "worker")]);
+    b.sample(s0, app, 5, 0);
+    b.sample(s1, app, 3, 1);
+    b.sample(s2, worker, 7, 0);
+    b.validate()
+}
+
+/// B2: node-a, bucket T0 + 60 s: (comm=app) S0 ×2.
+fn batch2() -> ValidBatch {
+    let mut b = Builder::new(2, "node-a", T0 + MINUTE, PERIOD_100HZ);
+    let [s0, _, _] = b.standard_stacks(true);
+    let app = b.label_set(&[("comm", "app"), ("exe", "/usr/bin/app")]);
+    b.sample(s0, app, 2, 0);
+    b.validate()
+}
+
+/// B3: node-b at 99 Hz, bucket T0: (comm=app, exe=/usr/bin/other) S1 ×11,
+/// S2 ×13. Sends its own `node` label, which the collector replaces.
+fn batch3() -> ValidBatch {
+    let mut b = Builder::new(3, "node-b", T0 + 15 * SECOND, PERIOD_99HZ);
+    let [_, s1, s2] = b.standard_stacks(true);
+    let app = b.label_set(&[
+        ("comm", "app"),
+        ("exe", "/usr/bin/other"),
+        ("node", "spoofed"),
+    ]);
+    b.sample(s1, app, 11, 0);
+    b.sample(s2, app, 13, 0);
+    b.validate()
+}
+
+fn open(path: &Path) -> SqliteStorage {
+    SqliteStorage::open(path, SqliteOptions::default()).expect("open the database")
+}
+
+fn ingest_all(storage: &SqliteStorage, batches: &[ValidBatch]) {
+    for batch in batches {
+        let outcome = storage.ingest(batch).expect("ingest");
+        assert_eq!(
+            outcome,
+            IngestOutcome::Stored {
+                samples: batch.samples.len() as u64
+            }
+        );
+    }
+}
+
+/// A label matcher as (name, op, value).
+type Matcher<'a> = (&'a str, MatchOp, &'a str);
+
+fn select(start: i64, end: i64, matchers: &[Matcher<'_>]) -> Selection {
+    Selection {
+        range: TimeRange {
+            start_unix_nanos: start,
+            end_unix_nanos: end,
+        },
+        matchers: matchers
+            .iter()
+            .map(|&(name, op, value)| LabelMatcher::new(name, op, value).expect("matcher"))
+            .collect(),
+    }
+}
+
+/// Everything ingested in these tests.
+fn all(matchers: &[Matcher<'_>]) -> Selection {
+    select(T0 - 3600 * SECOND, T0 + 3600 * SECOND, matchers)
+}
+
+/// A stack as its frames' functions, leaf first.
+fn name(stack: &WeightedStack) -> String {
+    stack
+        .frames
+        .iter()
+        .map(|f| f.function.as_str())
+        .collect::<Vec<_>>()
+        .join(";")
+}
+
+/// Weights per stack by [`name`].
+fn folded(samples: &StackSamples) -> BTreeMap<String, u64> {
+    let mut folded = BTreeMap::new();
+    for stack in &samples.stacks {
+        let name = name(stack);
+        assert!(
+            folded.insert(name.clone(), stack.weight).is_none(),
+            "stack {name} returned twice"
+        );
+    }
+    folded
+}
+
+fn weights(storage: &SqliteStorage, selection: &Selection) -> BTreeMap<String, u64> {
+    folded(&storage.stacks(selection).expect("query stacks"))
+}
+
+fn expect(pairs: &[(&str, u64)]) -> BTreeMap<String, u64> {
+    pairs.iter().map(|&(k, v)| (k.to_owned(), v)).collect()
+}
+
+/// Rows of a table, read with a connection of the test's own.
+fn rows(path: &Path, table: &str) -> i64 {
+    let conn = rusqlite::Connection::open(path).expect("open for counting");
+    conn.query_row(&format!("SELECT count(*) FROM {table}"), [], |row| {
+        row.get(0)
+    })
+    .expect("count rows")
+}
+
+fn frame(
+    function: &str,
+    binary: &str,
+    build_id: &str,
+    file: &str,
+    line: u32,
+    inlined: bool,
+) -> Frame {
+    Frame {
+        function: function.into(),
+        binary: binary.into(),
+        build_id: build_id.into(),
+        file: file.into(),
+        line,
+        inlined,
+    }
+}
+
+#[test]
+fn queries_return_exactly_the_ingested_weights() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let storage = open(&dir.path().join("db/stackscope.db"));
+    ingest_all(&storage, &[batch1(), batch2(), batch3()]);
+
+    use MatchOp::*;
+    let cases: [(&[Matcher], BTreeMap<String, u64>); 9] = [
+        (&[], expect(&[(S0, 7), (S1, 14), (S2, 20)])),
+        (
+            &[("comm", Equal, "app")],
+            expect(&[(S0, 7), (S1, 14), (S2, 13)]),
+        ),
+        (&[("comm", NotEqual, "app")], expect(&[(S2, 7)])),
+        (
+            &[("node", Regex, "node-a|x")],
+            expect(&[(S0, 7), (S1, 3), (S2, 7)]),
+        ),
+        (
+            &[("exe", NotRegex, ".*/app")],
+            expect(&[(S1, 11), (S2, 13)]),
+        ),
+        // Absent labels read as empty, as in PromQL.
+        (
+            &[("pod", Equal, "")],
+            expect(&[(S0, 7), (S1, 14), (S2, 20)]),
+        ),
+        (&[("pod", Regex, ".+")], expect(&[])),
+        // The node label sent by node-b was replaced with its real name.
+        (&[("node", Equal, "spoofed")], expect(&[])),
+        (
+            &[("comm", Equal, "app"), ("node", Equal, "node-b")],
+            expect(&[(S1, 11), (S2, 13)]),
+        ),
+    ];
+    for (matchers, expected) in cases {
+        assert_eq!(
+            weights(&storage, &all(matchers)),
+            expected,
+            "matchers {matchers:?}"
+        );
+    }
+
+    // Time ranges select whole buckets: T0's holds B1 and B3, the next B2.
+    assert_eq!(
+        weights(&storage, &select(T0, T0 + MINUTE, &[])),
+        expect(&[(S0, 5), (S1, 14), (S2, 20)])
+    );
+    assert_eq!(
+        weights(&storage, &select(T0 + MINUTE, T0 + MINUTE + 1, &[])),
+        expect(&[(S0, 2)])
+    );
+    assert_eq!(
+        weights(&storage, &select(T0 + 2 * MINUTE, T0 + 3 * MINUTE, &[])),
+        expect(&[])
+    );
+    assert_eq!(
+        weights(&storage, &select(T0 + MINUTE, T0, &[])),
+        expect(&[])
+    );
+
+    // Frames: one per line, innermost first, only the outermost of a
+    // location not inlined; a location without lines is named after its
+    // binary and address.
+    let samples = storage.stacks(&all(&[])).expect("stacks");
+    let frames_of = |wanted: &str| -> Vec<Frame> {
+        samples
+            .stacks
+            .iter()
+            .find(|s| name(s) == wanted)
+            .expect("stack present")
+            .frames
+            .iter()
+            .map(|f| (**f).clone())
+            .collect()
+    };
+    assert_eq!(
+        frames_of(S0),
+        [
+            frame(
+                "[unknown] libfoo.so+0x1a2b",
+                "libfoo.so",
+                "abcd01",
+                "",
+                0,
+                false
+            ),
+            frame("inlined_helper", "app", "", "util.h", 3, true),
+            frame("work", "app", "", "app.c", 10, false),
+            frame("main", "app", "", "app.c", 20, false),
+        ]
+    );
+    assert_eq!(
+        frames_of(S2),
+        [
+            frame("do_syscall_64", "[kernel]", "", "", 0, false),
+            frame("main", "app", "", "app.c", 20, false),
+        ]
+    );
+    // A location's frames are shared between the stacks that hold it.
+    let main_frames: Vec<&Arc<Frame>> = samples
+        .stacks
+        .iter()
+        .filter_map(|s| s.frames.last())
+        .collect();
+    assert_eq!(main_frames.len(), 3);
+    assert!(main_frames.windows(2).all(|w| Arc::ptr_eq(w[0], w[1])));
+
+    // The sample period is known only where the batches agree on it.
+    let period = |matchers: &[Matcher<'_>]| {
+        storage
+            .stacks(&all(matchers))
+            .expect("stacks")
+            .sample_period_nanos
+    };
+    assert_eq!(period(&[]), 0);
+    assert_eq!(period(&[("node", Equal, "node-a")]), PERIOD_100HZ);
+    assert_eq!(period(&[("node", Equal, "node-b")]), PERIOD_99HZ);
+    assert_eq!(
+        storage.stacks(&all(&[])).expect("stacks").total_weight(),
+        41
+    );
+
+    // One stored copy of each dictionary item, whichever batch sent it.
+    let path = storage.path().to_owned();
+    assert_eq!(rows(&path, "mappings"), 3);
+    assert_eq!(rows(&path, "locations"), 4);
+    assert_eq!(rows(&path, "stacks"), 3);
+    assert_eq!(rows(&path, "label_sets"), 3);
+    assert_eq!(rows(&path, "samples"), 6);
+}
+
+#[test]
+fn label_names_values_and_series() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let storage = open(&dir.path().join("stackscope.db"));
+    ingest_all(&storage, &[batch1(), batch2(), batch3()]);
+    use MatchOp::*;
+
+    assert_eq!(
+        storage.label_names(&all(&[])).expect("names"),
+        ["comm", "exe", "node"]
+    );
+    assert_eq!(
+        storage
+            .label_names(&all(&[("comm", Equal, "nothing")]))
+            .expect("names"),
+        Vec::<String>::new()
+    );
+    assert_eq!(
+        storage.label_values(&all(&[]), "comm").expect("values"),
+        ["app", "worker"]
+    );
+    assert_eq!(
+        storage
+            .label_values(&all(&[("node", Equal, "node-b")]), "comm")
+            .expect("values"),
+        ["app"]
+    );
+    assert_eq!(
+        storage.label_values(&all(&[]), "exe").expect("values"),
+        ["/usr/bin/app", "/usr/bin/other"]
+    );
+    assert_eq!(
+        storage
+            .label_values(&select(T0 + MINUTE, T0 + 2 * MINUTE, &[]), "exe")
+            .expect("values"),
+        ["/usr/bin/app"]
+    );
+    assert_eq!(
+        storage.label_values(&all(&[]), "node").expect("values"),
+        ["node-a", "node-b"]
+    );
+    assert_eq!(
+        storage.label_values(&all(&[]), "pod").expect("values"),
+        Vec::<String>::new()
+    );
+
+    assert_eq!(
+        storage.series(&all(&[]), MINUTE).expect("series"),
+        [(T0, 5 + 3 + 7 + 11 + 13), (T0 + MINUTE, 2)]
+    );
+    assert_eq!(
+        storage.series(&all(&[]), 2 * MINUTE).expect("series"),
+        [(T0, 41)]
+    );
+    assert_eq!(
+        storage
+            .series(
+                &all(&[("comm", Equal, "app"), ("node", Equal, "node-a")]),
+                MINUTE
+            )
+            .expect("series"),
+        [(T0, 8), (T0 + MINUTE, 2)]
+    );
+    // Steps finer than a bucket put the bucket's weight at its start.
+    assert_eq!(
+        storage
+            .series(&select(T0 + MINUTE, T0 + 2 * MINUTE, &[]), SECOND)
+            .expect("series"),
+        [(T0 + MINUTE, 2)]
+    );
+    assert_eq!(
+        storage.series(&all(&[]), 0).expect("series"),
+        storage.series(&all(&[]), MINUTE).expect("series"),
+        "a step of 0 means one point per bucket"
+    );
+}
+
+#[test]
+fn a_retried_batch_is_not_counted_twice() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let storage = open(&dir.path().join("stackscope.db"));
+    ingest_all(&storage, &[batch1()]);
+    let before = weights(&storage, &all(&[]));
+    assert_eq!(
+        storage.ingest(&batch1()).expect("retry"),
+        IngestOutcome::Duplicate
+    );
+    assert_eq!(weights(&storage, &all(&[])), before);
+    assert_eq!(before, expect(&[(S0, 5), (S1, 3), (S2, 7)]));
+    assert_eq!(rows(storage.path(), "batches"), 1);
+}
+
+#[test]
+fn data_survives_reopening() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let path = dir.path().join("stackscope.db");
+    let (before, names) = {
+        let storage = open(&path);
+        ingest_all(&storage, &[batch1(), batch3()]);
+        (
+            weights(&storage, &all(&[])),
+            storage.label_names(&all(&[])).expect("names"),
+        )
+    };
+    let storage = open(&path);
+    assert_eq!(weights(&storage, &all(&[])), before);
+    assert_eq!(storage.label_names(&all(&[])).expect("names"), names);
+    // Dedup and dictionaries survive too: the retry is refused, and a new
+    // batch with known stacks adds no dictionary rows.
+    assert_eq!(
+        storage.ingest(&batch1()).expect("retry"),
+        IngestOutcome::Duplicate
+    );
+    ingest_all(&storage, &[batch2()]);
+    assert_eq!(rows(&path, "stacks"), 3);
+    assert_eq!(rows(&path, "locations"), 4);
+    assert_eq!(
+        weights(&storage, &all(&[])),
+        expect(&[(S0, 7), (S1, 14), (S2, 20)])
+    );
+}
+
+#[test]
+fn sampling_divisor_scales_weight() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let storage = open(&dir.path().join("stackscope.db"));
+    let mut b = Builder::new(9, "node-a", T0, PERIOD_100HZ);
+    let [s0, s1, _] = b.standard_stacks(false);
+    let budgeted = b.label_set(&[("comm", "busy")]);
+    b.sample(s0, budgeted, 6, 4);
+    b.sample(s1, budgeted, 6, 1);
+    let batch = b.validate();
+    ingest_all(&storage, &[batch]);
+    assert_eq!(weights(&storage, &all(&[])), expect(&[(S0, 24), (S1, 6)]));
+    assert_eq!(
+        storage.series(&all(&[]), MINUTE).expect("series"),
+        [(T0, 30)]
+    );
+    // The raw count is kept next to the weight.
+    let conn = rusqlite::Connection::open(storage.path()).expect("open");
+    let (count, weight): (i64, i64) = conn
+        .query_row("SELECT sum(count), sum(weight) FROM samples", [], |row| {
+            Ok((row.get(0)?, row.get(1)?))
+        })
+        .expect("sums");
+    assert_eq!((count, weight), (12, 30));
+}
+
+#[test]
+fn delete_before_removes_old_data_and_orphans() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let storage = open(&dir.path().join("stackscope.db"));
+    // Old: B1 at T0 (S0, S1, S2; comm=app and comm=worker). New, an hour
+    // later: S1 only, comm=app.
+    let new = {
+        let mut b = Builder::new(7, "node-a", T0 + 3600 * SECOND, PERIOD_100HZ);
+        let s1 = b.standard_stack(1);
+        let app = b.label_set(&[("comm", "app"), ("exe", "/usr/bin/app")]);
+        b.sample(s1, app, 4, 0);
+        b.validate()
+    };
+    ingest_all(&storage, &[batch1(), new]);
+    let path = storage.path().to_owned();
+    assert_eq!(
+        (
+            rows(&path, "stacks"),
+            rows(&path, "locations"),
+            rows(&path, "mappings")
+        ),
+        (3, 4, 3)
+    );
+
+    // T0's bucket ends at T0 + 60 s: not before T0 + 30 s.
+    assert_eq!(storage.delete_before(T0 + 30 * SECOND).expect("delete"), 0);
+    assert_eq!(
+        storage.delete_before(T0 + 1800 * SECOND).expect("delete"),
+        3
+    );
+
+    let everything = select(0, i64::MAX, &[]);
+    assert_eq!(weights(&storage, &everything), expect(&[(S1, 4)]));
+    assert_eq!(
+        storage.label_values(&everything, "comm").expect("values"),
+        ["app"]
+    );
+    assert_eq!(
+        storage.series(&everything, MINUTE).expect("series"),
+        [(T0 + 3600 * SECOND, 4)]
+    );
+    // Orphans: S0 and S2 with the libfoo and kernel locations and mappings,
+    // and the comm=worker label set.
+    assert_eq!(rows(&path, "samples"), 1);
+    assert_eq!(rows(&path, "label_set_buckets"), 1);
+    assert_eq!(rows(&path, "stacks"), 1);
+    assert_eq!(rows(&path, "locations"), 2);
+    assert_eq!(rows(&path, "mappings"), 1);
+    assert_eq!(rows(&path, "label_sets"), 1);
+    assert_eq!(rows(&path, "labels"), 3);
+    // Batch ids received recently stay, so a late retry is still refused.
+    assert_eq!(rows(&path, "batches"), 2);
+    assert_eq!(
+        storage.ingest(&batch1()).expect("retry"),
+        IngestOutcome::Duplicate
+    );
+
+    // Deleted items come back under new ids (B2 carries all three stacks):
+    // the caches forgot the old ones.
+    ingest_all(&storage, &[batch2()]);
+    assert_eq!(weights(&storage, &everything), expect(&[(S0, 2), (S1, 4)]));
+    assert_eq!(rows(&path, "stacks"), 3);
+
+    // A cutoff past everything (and past now) empties the database.
+    assert_eq!(storage.delete_before(i64::MAX).expect("delete"), 2);
+    for table in [
+        "samples",
+        "stacks",
+        "locations",
+        "mappings",
+        "label_sets",
+        "labels",
+        "batches",
+    ] {
+        assert_eq!(rows(&path, table), 0, "{table}");
+    }
+    assert_eq!(weights(&storage, &everything), expect(&[]));
+}
+
+#[test]
+fn a_rejected_batch_stores_nothing() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let storage = open(&dir.path().join("stackscope.db"));
+
+    // Rejected by validation: never reaches storage.
+    let mut b = Builder::new(4, "node-a", T0, PERIOD_100HZ);
+    let [s0, _, _] = b.standard_stacks(false);
+    let set = b.label_set(&[("comm", "app")]);
+    b.sample(s0, set, 1, 0);
+    b.sample(900, set, 1, 0);
+    let err = ingest::validate(b.batch, &IngestLimits::default()).expect_err("bad batch");
+    assert_eq!(
+        err.to_string(),
+        "sample 1: stack index 900 out of range (batch has 3 stacks)"
+    );
+
+    // Fails inside the storage transaction, after the dictionaries were
+    // written: everything is rolled back, and the caches do not keep ids of
+    // rows that were never committed.
+    let mut broken = batch1();
+    broken.samples.push(SampleRecord {
+        stack: 900,
+        label_set: 0,
+        count: 1,
+        weight: 1,
+    });
+    match storage.ingest(&broken) {
+        Err(StorageError::InvalidBatch(message)) => {
+            assert_eq!(message, "sample 3: stack 900 out of range (3 items)");
+        }
+        other => panic!("expected InvalidBatch, got {other:?}"),
+    }
+    let path = storage.path().to_owned();
+    for table in [
+        "batches",
+        "mappings",
+        "locations",
+        "stacks",
+        "label_sets",
+        "labels",
+        "samples",
+    ] {
+        assert_eq!(rows(&path, table), 0, "{table}");
+    }
+
+    // The same batch, well formed, is stored (its id was not recorded) and
+    // reads back whole, also after another batch with the same stacks: had
+    // the caches kept the rolled-back ids, both would reference missing rows.
+    ingest_all(&storage, &[batch3(), batch1()]);
+    assert_eq!(
+        weights(&storage, &all(&[])),
+        expect(&[(S0, 5), (S1, 14), (S2, 20)])
+    );
+}
+
+#[test]
+fn hand_built_batches_and_cache_hits() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let storage = open(&dir.path().join("stackscope.db"));
+    let batch = |id: u8, start: i64| ValidBatch {
+        batch_id: [id; 16],
+        node: "n".into(),
+        range: TimeRange {
+            start_unix_nanos: start,
+            end_unix_nanos: start + SECOND,
+        },
+        sample_period_nanos: 1,
+        mappings: vec![MappingRecord {
+            kind: MappingKind::Vdso,
+            build_id: "00ff".into(),
+            path: "[vdso]".into(),
+        }],
+        locations: vec![LocationRecord {
+            mapping: 0,
+            address: 0x9f0,
+            lines: vec![LineRecord {
+                function: String::new(),
+                file: String::new(),
+                line: 0,
+            }],
+        }],
+        stacks: vec![vec![0, 0]],
+        label_sets: vec![vec![("node".into(), "n".into())]],
+        samples: vec![SampleRecord {
+            stack: 0,
+            label_set: 0,
+            count: 2,
+            weight: 2,
+        }],
+    };
+    ingest_all(&storage, &[batch(1, T0)]);
+    let first = storage.cache_stats();
+    // Same bucket: every dictionary item is a cache hit.
+    ingest_all(&storage, &[batch(2, T0 + SECOND)]);
+    let second = storage.cache_stats();
+    assert_eq!(second.hits - first.hits, 4);
+    assert_eq!(second.misses, first.misses);
+    assert_eq!(second.entries, 4);
+    // A later bucket: still hits (only last_bucket moves on).
+    ingest_all(&storage, &[batch(3, T0 + 2 * MINUTE)]);
+    assert_eq!(storage.cache_stats().misses, first.misses);
+
+    let samples = storage.stacks(&all(&[])).expect("stacks");
+    assert_eq!(samples.sample_period_nanos, 1);
+    assert_eq!(samples.stacks.len(), 1);
+    assert_eq!(samples.stacks[0].weight, 6);
+    // A line without a function is named like a location without lines;
+    // a recursive stack keeps both frames.
+    let vdso = frame("[unknown] [vdso]+0x9f0", "[vdso]", "00ff", "", 0, false);
+    assert_eq!(
+        samples.stacks[0]
+            .frames
+            .iter()
+            .map(|f| (**f).clone())
+            .collect::<Vec<_>>(),
+        [vdso.clone(), vdso]
+    );
+}
+
+#[test]
+fn concurrent_ingest_and_queries() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let storage = Arc::new(open(&dir.path().join("stackscope.db")));
+    let threads: Vec<_> = (0..4u8)
+        .map(|t| {
+            let storage = Arc::clone(&storage);
+            std::thread::spawn(move || {
+                for i in 0..10u8 {
+                    let mut b =
+                        Builder::new(t * 10 + i + 1, &format!("node-{t}"), T0, PERIOD_100HZ);
+                    let [s0, s1, s2] = b.standard_stacks(i % 2 == 0);
+                    let set = b.label_set(&[("comm", "app")]);
+                    b.sample(s0, set, 1, 0);
+                    b.sample(s1, set, 2, 0);
+                    b.sample(s2, set, 3, 0);
+                    storage.ingest(&b.validate()).expect("ingest");
+                    storage.stacks(&all(&[])).expect("query while ingesting");
+                }
+            })
+        })
+        .collect();
+    for thread in threads {
+        thread.join().expect("thread");
+    }
+    assert_eq!(
+        weights(&storage, &all(&[])),
+        expect(&[(S0, 40), (S1, 80), (S2, 120)])
+    );
+    assert_eq!(
+        storage.label_values(&all(&[]), "node").expect("values"),
+        ["node-0", "node-1", "node-2", "node-3"]
+    );
+}
+
+#[test]
+fn incompatible_databases_are_refused() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let path = dir.path().join("stackscope.db");
+    drop(open(&path));
+
+    let other_width = SqliteOptions {
+        bucket_nanos: 10 * SECOND,
+        ..SqliteOptions::default()
+    };
+    let err = SqliteStorage::open(&path, other_width).expect_err("other bucket width");
+    assert_eq!(
+        err.to_string(),
+        format!(
+            "the database at {} cannot be used: it sums samples into buckets of 60000000000 ns, \
+             not the 10000000000 ns asked for; a database keeps the bucket width it was created \
+             with",
+            path.display()
+        )
+    );
+
+    rusqlite::Connection::open(&path)
+        .and_then(|conn| conn.pragma_update(None, "user_version", 2))
+        .expect("set a newer version");
+    let err = SqliteStorage::open(&path, SqliteOptions::default()).expect_err("newer schema");
+    assert_eq!(
+        err.to_string(),
+        format!(
+            "the database at {} cannot be used: its schema version 2 is newer than the 1 this \
+             collector knows; run a newer collector",
+            path.display()
+        )
+    );
+
+    let err = SqliteStorage::open(
+        &dir.path().join("other.db"),
+        SqliteOptions {
+            bucket_nanos: 0,
+            ..SqliteOptions::default()
+        },
+    )
+    .expect_err("zero width");
+    assert_eq!(
+        err.to_string(),
+        "invalid storage options: bucket_nanos must be positive, got 0"
+    );
+}

@@ -1,0 +1,18 @@
+//! Profiles as people read them: which samples a query selects, the merged
+//! call tree of their stacks, and what is rendered from it (folded stacks,
+//! SVG flamegraphs, pprof, JSON, top functions, callers and callees,
+//! differential flamegraphs). Pure functions over values: no storage, no
+//! network.
+//!
+//! - [`model`]: selections, frames and weighted stacks (shared with the
+//!   collector's storage);
+//! - [`selector`]: the `{name="value", ...}` matcher syntax and selections on
+//!   the wire;
+//! - [`tree`]: the merged [`CallTree`](tree::CallTree), pruning, and its wire
+//!   form;
+//! - [`render`]: everything drawn or exported from a tree.
+
+pub mod model;
+pub mod render;
+pub mod selector;
+pub mod tree;

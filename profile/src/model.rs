@@ -1,0 +1,189 @@
+//! The values every stage after storage works on: which samples a query
+//! selects (time range and label matchers) and the weighted stacks it gets
+//! back. Owns no I/O.
+
+use std::sync::Arc;
+
+use regex::Regex;
+
+/// A half-open time range `[start, end)` in nanoseconds since the Unix epoch.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct TimeRange {
+    pub start_unix_nanos: i64,
+    pub end_unix_nanos: i64,
+}
+
+impl TimeRange {
+    pub fn contains(&self, unix_nanos: i64) -> bool {
+        self.start_unix_nanos <= unix_nanos && unix_nanos < self.end_unix_nanos
+    }
+}
+
+/// How a matcher compares a label's value, as in PromQL.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum MatchOp {
+    /// `=`
+    Equal,
+    /// `!=`
+    NotEqual,
+    /// `=~`: the whole value matches the regular expression.
+    Regex,
+    /// `!~`
+    NotRegex,
+}
+
+impl MatchOp {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            MatchOp::Equal => "=",
+            MatchOp::NotEqual => "!=",
+            MatchOp::Regex => "=~",
+            MatchOp::NotRegex => "!~",
+        }
+    }
+}
+
+/// A matcher's regular expression did not compile.
+#[derive(Debug, thiserror::Error)]
+#[error("label matcher {name}{op}{value:?}: invalid regular expression")]
+pub struct InvalidMatcher {
+    pub name: String,
+    pub op: &'static str,
+    pub value: String,
+    #[source]
+    pub source: regex::Error,
+}
+
+/// One condition on a label. A sample without the label is treated as
+/// having it with the empty value (so `pod=""` selects samples outside pods,
+/// as in PromQL).
+#[derive(Debug, Clone)]
+pub struct LabelMatcher {
+    pub name: String,
+    pub op: MatchOp,
+    pub value: String,
+    /// Compiled, anchored pattern for the regex ops.
+    regex: Option<Regex>,
+}
+
+impl LabelMatcher {
+    pub fn new(
+        name: impl Into<String>,
+        op: MatchOp,
+        value: impl Into<String>,
+    ) -> Result<Self, InvalidMatcher> {
+        let (name, value) = (name.into(), value.into());
+        let regex = match op {
+            MatchOp::Equal | MatchOp::NotEqual => None,
+            MatchOp::Regex | MatchOp::NotRegex => match Regex::new(&format!("^(?:{value})$")) {
+                Ok(regex) => Some(regex),
+                Err(source) => {
+                    return Err(InvalidMatcher {
+                        name,
+                        op: op.as_str(),
+                        value,
+                        source,
+                    });
+                }
+            },
+        };
+        Ok(Self {
+            name,
+            op,
+            value,
+            regex,
+        })
+    }
+
+    /// Whether a label value (`None`: the label is absent) satisfies this.
+    pub fn matches(&self, value: Option<&str>) -> bool {
+        let value = value.unwrap_or("");
+        match (self.op, &self.regex) {
+            (MatchOp::Equal, _) => value == self.value,
+            (MatchOp::NotEqual, _) => value != self.value,
+            (MatchOp::Regex, Some(regex)) => regex.is_match(value),
+            (MatchOp::NotRegex, Some(regex)) => !regex.is_match(value),
+            (MatchOp::Regex | MatchOp::NotRegex, None) => {
+                unreachable!("LabelMatcher::new compiles the regex for regex ops")
+            }
+        }
+    }
+
+    /// Whether a label set (sorted or not) satisfies this matcher.
+    pub fn matches_set<'a>(&self, labels: impl IntoIterator<Item = (&'a str, &'a str)>) -> bool {
+        let value = labels
+            .into_iter()
+            .find(|(name, _)| *name == self.name)
+            .map(|(_, value)| value);
+        self.matches(value)
+    }
+}
+
+impl std::fmt::Display for LabelMatcher {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{}{}{:?}", self.name, self.op.as_str(), self.value)
+    }
+}
+
+/// Which samples a query covers: every matcher must hold.
+#[derive(Debug, Clone)]
+pub struct Selection {
+    pub range: TimeRange,
+    pub matchers: Vec<LabelMatcher>,
+}
+
+impl Selection {
+    /// Whether a sample with these labels is selected (time aside).
+    pub fn matches_labels<'a>(&self, labels: &[(&'a str, &'a str)]) -> bool {
+        self.matchers
+            .iter()
+            .all(|m| m.matches_set(labels.iter().copied()))
+    }
+}
+
+/// A frame as people read it.
+#[derive(Debug, Clone, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct Frame {
+    /// The function, or `[unknown] <binary>+0x<offset>` when unnamed.
+    pub function: String,
+    /// File name of the mapping (`[kernel]`, `[vdso]` for those).
+    pub binary: String,
+    /// Lower-case hex; empty when the file has none.
+    pub build_id: String,
+    /// Source file and line, empty / 0 when unknown.
+    pub file: String,
+    pub line: u32,
+    /// Inlined into the frame after it (no call of its own).
+    pub inlined: bool,
+}
+
+impl Frame {
+    /// The name of a frame no symbol covers; never dropped, so its weight
+    /// stays visible and the collector can name it later.
+    pub fn unknown_function(binary: &str, address: u64) -> String {
+        format!("[unknown] {binary}+0x{address:x}")
+    }
+}
+
+/// One distinct stack and its weight (samples, scaled by sampling divisors).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct WeightedStack {
+    /// Innermost (leaf) first. Frames are shared between stacks.
+    pub frames: Vec<Arc<Frame>>,
+    pub weight: u64,
+}
+
+/// What storage hands back for a selection.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct StackSamples {
+    pub stacks: Vec<WeightedStack>,
+    /// Nanoseconds of CPU one unit of weight stands for, when every batch
+    /// in the selection agreed on it; 0 otherwise.
+    pub sample_period_nanos: u64,
+}
+
+impl StackSamples {
+    pub fn total_weight(&self) -> u64 {
+        self.stacks.iter().map(|s| s.weight).sum()
+    }
+}

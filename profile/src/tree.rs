@@ -1,0 +1,935 @@
+//! The merged call tree of a set of weighted stacks.
+//!
+//! Owns [`CallTree`]: building it from storage's leaf-first stacks, pruning
+//! it for display, and carrying it over the wire as a
+//! `stackscope.v1.FlamegraphResponse` (and validating one that arrives, since
+//! it comes from the network). Does not own any rendering (see
+//! [`render`](crate::render)).
+//!
+//! Shape and invariants, which every constructor upholds and every renderer
+//! relies on:
+//! - node 0 is the root, a synthetic frame named [`ROOT_FUNCTION`];
+//! - nodes are in depth-first order, parents before children, and each
+//!   node's children are in [`Frame`] order (function name, then binary,
+//!   then the remaining fields), so equal trees are equal values and every
+//!   rendering is deterministic;
+//! - siblings have distinct frames: children are keyed by the whole frame,
+//!   so the same function in two binaries (or at two lines) stays apart;
+//! - `self = total − Σ children totals` at every node;
+//! - no node is deeper than [`MAX_DEPTH`].
+
+use std::collections::BTreeMap;
+use std::sync::Arc;
+
+use stackscope_proto::v1::{FlamegraphResponse, Frame as ProtoFrame, TreeNode};
+
+use crate::model::{Frame, StackSamples};
+
+/// The function name of the synthetic root frame.
+pub const ROOT_FUNCTION: &str = "all";
+
+/// The function name of the synthetic frame that stands for the frames cut
+/// off a stack deeper than [`MAX_DEPTH`].
+pub const TRUNCATED_FUNCTION: &str = "[truncated]";
+
+/// The deepest node a tree holds (the root is at depth 0).
+///
+/// Real stacks stay far below it (the agent copies at most 32 KiB of user
+/// stack plus 127 kernel frames); the limit exists so that a tree received
+/// from the network cannot make the renderers, whose nested outputs (JSON)
+/// are dropped and serialized recursively, exhaust the thread's stack.
+pub const MAX_DEPTH: usize = 4096;
+
+/// The frame of the root node.
+pub fn root_frame() -> Frame {
+    synthetic_frame(ROOT_FUNCTION)
+}
+
+fn synthetic_frame(function: &str) -> Frame {
+    Frame {
+        function: function.to_string(),
+        binary: String::new(),
+        build_id: String::new(),
+        file: String::new(),
+        line: 0,
+        inlined: false,
+    }
+}
+
+/// One node of a [`CallTree`]: a frame reached by one particular path from
+/// the root.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Node {
+    frame: Arc<Frame>,
+    parent: Option<usize>,
+    depth: usize,
+    total: u64,
+    self_weight: u64,
+    children: Vec<usize>,
+}
+
+impl Node {
+    pub fn frame(&self) -> &Frame {
+        &self.frame
+    }
+
+    /// Index of the parent; `None` for the root.
+    pub fn parent(&self) -> Option<usize> {
+        self.parent
+    }
+
+    /// Distance from the root (the root is 0, its children 1).
+    pub fn depth(&self) -> usize {
+        self.depth
+    }
+
+    /// Weight of the stacks that pass through this node.
+    pub fn total(&self) -> u64 {
+        self.total
+    }
+
+    /// Weight of the stacks that end here: `total − Σ children totals`.
+    /// After [`CallTree::prune`] this includes the pruned children.
+    pub fn self_weight(&self) -> u64 {
+        self.self_weight
+    }
+
+    /// Indexes of the children, in frame order.
+    pub fn children(&self) -> &[usize] {
+        &self.children
+    }
+}
+
+/// A `FlamegraphResponse` does not describe a valid call tree. Indexes are
+/// positions in `FlamegraphResponse.nodes`.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum TreeError {
+    #[error("the tree has no nodes (node 0 must be the root)")]
+    NoRoot,
+    #[error("node 0 is the root and must be its own parent, but its parent is {parent}")]
+    RootParent { parent: u32 },
+    #[error("node {index}: its parent {parent} does not come before it")]
+    ParentNotBefore { index: usize, parent: u32 },
+    #[error("node {index}: the frame is missing")]
+    MissingFrame { index: usize },
+    #[error("node {index}: deeper than the limit of {max} frames")]
+    TooDeep { index: usize, max: usize },
+    #[error("node {index}: node {parent} already has a child with the same frame")]
+    DuplicateChild { index: usize, parent: usize },
+    #[error("node {index}: its children total {children}, more than its own total {total}")]
+    ChildrenExceedTotal {
+        index: usize,
+        total: u64,
+        children: u128,
+    },
+    #[error(
+        "node {index}: self is {self_weight}, but total minus the children's totals is {expected}"
+    )]
+    InconsistentSelf {
+        index: usize,
+        self_weight: u64,
+        expected: u64,
+    },
+    #[error("the response's total is {total}, but the root's total is {root}")]
+    TotalMismatch { total: u64, root: u64 },
+}
+
+/// A merged call tree: see the module documentation for its invariants.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct CallTree {
+    nodes: Vec<Node>,
+}
+
+impl Default for CallTree {
+    /// The tree of no samples: just the root, with weight 0.
+    fn default() -> Self {
+        Builder::new(Arc::new(root_frame())).finish()
+    }
+}
+
+impl CallTree {
+    /// Merges stacks (leaf first, as storage returns them) into a tree
+    /// (root first). Stacks of weight 0 are left out; an empty stack adds
+    /// to the root's self weight. A stack deeper than [`MAX_DEPTH`] keeps
+    /// its outermost frames and ends in a [`TRUNCATED_FUNCTION`] frame, so
+    /// its weight stays visible without being charged to a wrong leaf.
+    /// Weights that sum beyond `u64::MAX` saturate.
+    pub fn from_stacks(samples: &StackSamples) -> CallTree {
+        let mut builder = Builder::new(Arc::new(root_frame()));
+        let truncated = Arc::new(synthetic_frame(TRUNCATED_FUNCTION));
+        for stack in &samples.stacks {
+            if stack.weight == 0 {
+                continue;
+            }
+            let weight = stack.weight;
+            let frames = &stack.frames;
+            let (kept, cut) = if frames.len() > MAX_DEPTH {
+                (&frames[frames.len() - (MAX_DEPTH - 1)..], true)
+            } else {
+                (&frames[..], false)
+            };
+            let mut node = 0;
+            builder.add_total(node, weight);
+            for frame in kept.iter().rev().chain(cut.then_some(&truncated)) {
+                node = builder.child(node, frame);
+                builder.add_total(node, weight);
+            }
+            builder.add_self(node, weight);
+        }
+        builder.finish()
+    }
+
+    /// Total weight of the tree (the root's total).
+    pub fn total(&self) -> u64 {
+        self.nodes[0].total
+    }
+
+    /// Whether the tree holds no weight at all.
+    pub fn is_empty(&self) -> bool {
+        self.total() == 0
+    }
+
+    /// All nodes, root first, in depth-first order (parents before
+    /// children). Never empty.
+    pub fn nodes(&self) -> &[Node] {
+        &self.nodes
+    }
+
+    pub fn root(&self) -> &Node {
+        &self.nodes[0]
+    }
+
+    pub fn node(&self, index: usize) -> Option<&Node> {
+        self.nodes.get(index)
+    }
+
+    /// The frames from the root's child down to `index` (root-first; the
+    /// root itself is left out). Empty for the root or an unknown index.
+    pub fn path(&self, index: usize) -> Vec<&Frame> {
+        let mut path = Vec::new();
+        let mut current = self.nodes.get(index);
+        while let Some(node) = current {
+            let Some(parent) = node.parent else { break };
+            path.push(node.frame());
+            current = self.nodes.get(parent);
+        }
+        path.reverse();
+        path
+    }
+
+    /// The first node (in node order) reached from the root through
+    /// children with these function names.
+    pub fn find(&self, functions: &[&str]) -> Option<usize> {
+        let mut index = 0;
+        for function in functions {
+            index = *self.nodes[index]
+                .children
+                .iter()
+                .find(|&&child| self.nodes[child].frame.function == *function)?;
+        }
+        Some(index)
+    }
+
+    /// The tree without the subtrees whose total is below `min_share` of
+    /// the root's total (so 0.05 keeps nodes with at least 5% inclusive
+    /// cost). Totals stay as they were, so the weight of a dropped subtree
+    /// shows as its parent's self weight (the remainder a flamegraph draws
+    /// beside the children). For display: self weights after pruning are not
+    /// what [`render::top_functions`](crate::render::top_functions) should
+    /// be computed from. `min_share` of 0, below 0, or NaN keeps everything.
+    pub fn prune(&self, min_share: f64) -> CallTree {
+        if min_share.is_nan() || min_share <= 0.0 {
+            return self.clone();
+        }
+        let threshold = min_share * self.total() as f64;
+        let mut renumbered: Vec<Option<usize>> = vec![None; self.nodes.len()];
+        let mut nodes: Vec<Node> = Vec::with_capacity(self.nodes.len());
+        // Filtering a depth-first order keeps it depth-first, and children
+        // keep their relative order.
+        for (index, node) in self.nodes.iter().enumerate() {
+            let parent = match node.parent {
+                None => None,
+                Some(parent) => match renumbered[parent] {
+                    Some(parent) if node.total as f64 >= threshold => Some(parent),
+                    _ => continue,
+                },
+            };
+            let new_index = nodes.len();
+            renumbered[index] = Some(new_index);
+            nodes.push(Node {
+                frame: Arc::clone(&node.frame),
+                parent,
+                depth: node.depth,
+                total: node.total,
+                self_weight: node.self_weight,
+                children: Vec::new(),
+            });
+            if let Some(parent) = parent {
+                nodes[parent].children.push(new_index);
+            }
+        }
+        for index in 0..nodes.len() {
+            let children: u64 = nodes[index]
+                .children
+                .iter()
+                .fold(0u64, |sum, &child| sum.saturating_add(nodes[child].total));
+            nodes[index].self_weight = nodes[index].total.saturating_sub(children);
+        }
+        CallTree { nodes }
+    }
+
+    /// The tree as a `FlamegraphResponse`: nodes in this tree's order, the
+    /// root its own parent.
+    pub fn to_proto(&self, sample_period_nanos: u64) -> FlamegraphResponse {
+        FlamegraphResponse {
+            nodes: self
+                .nodes
+                .iter()
+                .map(|node| TreeNode {
+                    // A tree with more than 2^32 nodes cannot be built in
+                    // memory in practice; if it were, u32::MAX makes
+                    // `from_proto` reject the message instead of
+                    // misreading it.
+                    parent: node
+                        .parent
+                        .map_or(0, |parent| u32::try_from(parent).unwrap_or(u32::MAX)),
+                    frame: Some(frame_to_proto(&node.frame)),
+                    total: node.total,
+                    self_: node.self_weight,
+                })
+                .collect(),
+            total: self.total(),
+            sample_period_nanos,
+        }
+    }
+
+    /// Reads a `FlamegraphResponse`, checking everything a peer could get
+    /// wrong: a root at index 0 that is its own parent, every other parent
+    /// before its child, a frame on every non-root node, no two siblings
+    /// with the same frame, depth within [`MAX_DEPTH`], children totals
+    /// within their parent's, `self = total − Σ children totals`, and the
+    /// response total equal to the root's. Sibling order need not be
+    /// canonical: the result is put in canonical order. The root's frame is
+    /// taken as sent ([`root_frame`] when missing).
+    pub fn from_proto(response: &FlamegraphResponse) -> Result<CallTree, TreeError> {
+        let nodes = &response.nodes;
+        let root = nodes.first().ok_or(TreeError::NoRoot)?;
+        if root.parent != 0 {
+            return Err(TreeError::RootParent {
+                parent: root.parent,
+            });
+        }
+        let root_frame = root
+            .frame
+            .as_ref()
+            .map_or_else(root_frame, frame_from_proto);
+        let mut builder = Builder::new(Arc::new(root_frame));
+        builder.set_weights(0, root.total, root.self_);
+
+        // Per message index: the builder's index, the depth, and the sum of
+        // the children's totals (u128: cannot overflow for any message).
+        let mut draft = Vec::with_capacity(nodes.len());
+        let mut depth = Vec::with_capacity(nodes.len());
+        let mut children = vec![0u128; nodes.len()];
+        draft.push(0usize);
+        depth.push(0usize);
+        for (index, node) in nodes.iter().enumerate().skip(1) {
+            let parent = node.parent as usize;
+            if parent >= index {
+                return Err(TreeError::ParentNotBefore {
+                    index,
+                    parent: node.parent,
+                });
+            }
+            let node_depth = depth[parent] + 1;
+            if node_depth > MAX_DEPTH {
+                return Err(TreeError::TooDeep {
+                    index,
+                    max: MAX_DEPTH,
+                });
+            }
+            let frame = node
+                .frame
+                .as_ref()
+                .ok_or(TreeError::MissingFrame { index })?;
+            let new = builder
+                .new_child(draft[parent], Arc::new(frame_from_proto(frame)))
+                .ok_or(TreeError::DuplicateChild { index, parent })?;
+            builder.set_weights(new, node.total, node.self_);
+            draft.push(new);
+            depth.push(node_depth);
+            children[parent] += u128::from(node.total);
+        }
+        for (index, node) in nodes.iter().enumerate() {
+            let expected = u128::from(node.total).checked_sub(children[index]).ok_or(
+                TreeError::ChildrenExceedTotal {
+                    index,
+                    total: node.total,
+                    children: children[index],
+                },
+            )?;
+            // expected <= node.total, so it fits.
+            let expected = expected as u64;
+            if node.self_ != expected {
+                return Err(TreeError::InconsistentSelf {
+                    index,
+                    self_weight: node.self_,
+                    expected,
+                });
+            }
+        }
+        if response.total != root.total {
+            return Err(TreeError::TotalMismatch {
+                total: response.total,
+                root: root.total,
+            });
+        }
+        Ok(builder.finish())
+    }
+}
+
+/// The wire form of a frame.
+pub fn frame_to_proto(frame: &Frame) -> ProtoFrame {
+    ProtoFrame {
+        function: frame.function.clone(),
+        binary: frame.binary.clone(),
+        build_id: frame.build_id.clone(),
+        file: frame.file.clone(),
+        line: frame.line,
+        inlined: frame.inlined,
+    }
+}
+
+/// A frame from its wire form.
+pub fn frame_from_proto(frame: &ProtoFrame) -> Frame {
+    Frame {
+        function: frame.function.clone(),
+        binary: frame.binary.clone(),
+        build_id: frame.build_id.clone(),
+        file: frame.file.clone(),
+        line: frame.line,
+        inlined: frame.inlined,
+    }
+}
+
+/// A node while the tree is being built, in insertion order.
+struct Draft {
+    frame: Arc<Frame>,
+    total: u64,
+    self_weight: u64,
+    /// Keyed by the whole frame; the map's order is the canonical child
+    /// order.
+    children: BTreeMap<Arc<Frame>, usize>,
+}
+
+/// Builds a tree in any order and then lays it out canonically, so that
+/// [`CallTree`] values built from the same content are equal.
+struct Builder {
+    drafts: Vec<Draft>,
+}
+
+impl Builder {
+    fn new(root: Arc<Frame>) -> Self {
+        Builder {
+            drafts: vec![Draft {
+                frame: root,
+                total: 0,
+                self_weight: 0,
+                children: BTreeMap::new(),
+            }],
+        }
+    }
+
+    fn push(&mut self, frame: Arc<Frame>) -> usize {
+        self.drafts.push(Draft {
+            frame,
+            total: 0,
+            self_weight: 0,
+            children: BTreeMap::new(),
+        });
+        self.drafts.len() - 1
+    }
+
+    /// The child of `parent` with this frame, added if missing.
+    fn child(&mut self, parent: usize, frame: &Arc<Frame>) -> usize {
+        if let Some(&child) = self.drafts[parent].children.get(frame) {
+            return child;
+        }
+        let child = self.push(Arc::clone(frame));
+        self.drafts[parent]
+            .children
+            .insert(Arc::clone(frame), child);
+        child
+    }
+
+    /// A new child of `parent`; `None` if it already has one with this frame.
+    fn new_child(&mut self, parent: usize, frame: Arc<Frame>) -> Option<usize> {
+        if self.drafts[parent].children.contains_key(&frame) {
+            return None;
+        }
+        let child = self.push(Arc::clone(&frame));
+        self.drafts[parent].children.insert(frame, child);
+        Some(child)
+    }
+
+    fn add_total(&mut self, node: usize, weight: u64) {
+        let draft = &mut self.drafts[node];
+        draft.total = draft.total.saturating_add(weight);
+    }
+
+    fn add_self(&mut self, node: usize, weight: u64) {
+        let draft = &mut self.drafts[node];
+        draft.self_weight = draft.self_weight.saturating_add(weight);
+    }
+
+    fn set_weights(&mut self, node: usize, total: u64, self_weight: u64) {
+        self.drafts[node].total = total;
+        self.drafts[node].self_weight = self_weight;
+    }
+
+    /// Lays the drafts out depth-first with children in frame order. An
+    /// explicit stack rather than recursion: depth is bounded, but a deep
+    /// tree should not cost a deep call stack either.
+    fn finish(self) -> CallTree {
+        let mut nodes: Vec<Node> = Vec::with_capacity(self.drafts.len());
+        let mut pending = vec![(0usize, None::<usize>, 0usize)];
+        while let Some((draft, parent, depth)) = pending.pop() {
+            let index = nodes.len();
+            let draft = &self.drafts[draft];
+            nodes.push(Node {
+                frame: Arc::clone(&draft.frame),
+                parent,
+                depth,
+                total: draft.total,
+                self_weight: draft.self_weight,
+                children: Vec::with_capacity(draft.children.len()),
+            });
+            if let Some(parent) = parent {
+                nodes[parent].children.push(index);
+            }
+            // Reversed, so the first child is taken (and numbered) first.
+            for &child in draft.children.values().rev() {
+                pending.push((child, Some(index), depth + 1));
+            }
+        }
+        CallTree { nodes }
+    }
+}
+
+#[cfg(test)]
+pub(crate) mod tests {
+    use super::*;
+    use crate::model::WeightedStack;
+
+    pub(crate) fn frame(function: &str, binary: &str) -> Arc<Frame> {
+        Arc::new(Frame {
+            function: function.to_string(),
+            binary: binary.to_string(),
+            build_id: String::new(),
+            file: String::new(),
+            line: 0,
+            inlined: false,
+        })
+    }
+
+    /// A stack written root first (`"main;a;b"`, as people read them), all
+    /// frames in binary `app`.
+    pub(crate) fn stack(path: &str, weight: u64) -> WeightedStack {
+        WeightedStack {
+            frames: path
+                .split(';')
+                .filter(|f| !f.is_empty())
+                .rev()
+                .map(|f| frame(f, "app"))
+                .collect(),
+            weight,
+        }
+    }
+
+    pub(crate) fn tree(stacks: &[(&str, u64)]) -> CallTree {
+        CallTree::from_stacks(&StackSamples {
+            stacks: stacks.iter().map(|(p, w)| stack(p, *w)).collect(),
+            sample_period_nanos: 10_000_000,
+        })
+    }
+
+    /// Every node as (root-first path, total, self), in node order.
+    pub(crate) fn summary(tree: &CallTree) -> Vec<(String, u64, u64)> {
+        tree.nodes()
+            .iter()
+            .enumerate()
+            .map(|(index, node)| {
+                let path: Vec<&str> = tree
+                    .path(index)
+                    .iter()
+                    .map(|f| f.function.as_str())
+                    .collect();
+                (path.join(";"), node.total(), node.self_weight())
+            })
+            .collect()
+    }
+
+    fn expect(rows: &[(&str, u64, u64)]) -> Vec<(String, u64, u64)> {
+        rows.iter()
+            .map(|(p, t, s)| (p.to_string(), *t, *s))
+            .collect()
+    }
+
+    #[test]
+    fn from_stacks_merges_root_first() {
+        let tree = tree(&[
+            ("main;a;b", 3),
+            ("main;a", 2),
+            ("main;c", 5),
+            ("main;a;b", 1),
+            ("main;zero", 0),
+            ("", 1),
+            ("init", 4),
+        ]);
+        assert_eq!(
+            summary(&tree),
+            expect(&[
+                ("", 16, 1),
+                ("init", 4, 4),
+                ("main", 11, 0),
+                ("main;a", 6, 2),
+                ("main;a;b", 4, 4),
+                ("main;c", 5, 5),
+            ])
+        );
+        assert_eq!(tree.total(), 16);
+        assert_eq!(tree.root().frame(), &root_frame());
+        assert_eq!(tree.root().parent(), None);
+        let b = tree.find(&["main", "a", "b"]).unwrap();
+        assert_eq!(b, 4);
+        assert_eq!(tree.nodes()[b].depth(), 3);
+        assert_eq!(tree.nodes()[b].parent(), Some(3));
+        assert_eq!(tree.nodes()[2].children(), &[3, 5]);
+        assert_eq!(tree.find(&["main", "zero"]), None);
+    }
+
+    #[test]
+    fn same_function_in_two_binaries_stays_apart_in_order() {
+        let samples = StackSamples {
+            stacks: vec![
+                WeightedStack {
+                    frames: vec![frame("memcpy", "libc.so.6"), frame("main", "app")],
+                    weight: 2,
+                },
+                WeightedStack {
+                    frames: vec![frame("memcpy", "app"), frame("main", "app")],
+                    weight: 3,
+                },
+                WeightedStack {
+                    frames: vec![frame("alloc", "zlib.so"), frame("main", "app")],
+                    weight: 1,
+                },
+            ],
+            sample_period_nanos: 0,
+        };
+        let tree = CallTree::from_stacks(&samples);
+        let children: Vec<(&str, &str, u64)> = tree.nodes()[1]
+            .children()
+            .iter()
+            .map(|&c| {
+                let node = &tree.nodes()[c];
+                (
+                    node.frame().function.as_str(),
+                    node.frame().binary.as_str(),
+                    node.total(),
+                )
+            })
+            .collect();
+        assert_eq!(
+            children,
+            [
+                ("alloc", "zlib.so", 1),
+                ("memcpy", "app", 3),
+                ("memcpy", "libc.so.6", 2)
+            ]
+        );
+    }
+
+    #[test]
+    fn empty_tree_is_just_the_root() {
+        let tree = CallTree::from_stacks(&StackSamples::default());
+        assert_eq!(tree, CallTree::default());
+        assert_eq!(summary(&tree), expect(&[("", 0, 0)]));
+        assert!(tree.is_empty());
+        assert_eq!(CallTree::from_proto(&tree.to_proto(0)).unwrap(), tree);
+    }
+
+    fn wide_tree() -> CallTree {
+        tree(&[
+            ("main;a;b", 3),
+            ("main;a;c", 57),
+            ("main;d", 4),
+            ("main;e", 36),
+        ])
+    }
+
+    #[test]
+    fn prune_keeps_parent_totals() {
+        let pruned = wide_tree().prune(0.05);
+        assert_eq!(
+            summary(&pruned),
+            expect(&[
+                ("", 100, 0),
+                ("main", 100, 4),
+                ("main;a", 60, 3),
+                ("main;a;c", 57, 57),
+                ("main;e", 36, 36),
+            ])
+        );
+        assert_eq!(pruned.nodes()[1].children(), &[2, 4]);
+        assert_eq!(pruned.nodes()[4].parent(), Some(1));
+        // Still a valid tree on the wire.
+        assert_eq!(CallTree::from_proto(&pruned.to_proto(1)).unwrap(), pruned);
+    }
+
+    #[test]
+    fn prune_boundaries() {
+        let tree = wide_tree();
+        assert_eq!(tree.prune(0.0), tree);
+        assert_eq!(tree.prune(-1.0), tree);
+        assert_eq!(tree.prune(f64::NAN), tree);
+        // Exactly at the threshold stays.
+        assert!(tree.prune(0.04).find(&["main", "d"]).is_some());
+        assert_eq!(summary(&tree.prune(2.0)), expect(&[("", 100, 100)]));
+    }
+
+    #[test]
+    fn to_proto_is_depth_first_with_the_root_its_own_parent() {
+        let tree = tree(&[("main;a", 2), ("main", 1)]);
+        let proto = tree.to_proto(10_000_000);
+        let node = |parent, function: &str, binary: &str, total, self_| TreeNode {
+            parent,
+            frame: Some(ProtoFrame {
+                function: function.into(),
+                binary: binary.into(),
+                ..ProtoFrame::default()
+            }),
+            total,
+            self_,
+        };
+        assert_eq!(
+            proto,
+            FlamegraphResponse {
+                nodes: vec![
+                    node(0, "all", "", 3, 0),
+                    node(0, "main", "app", 3, 1),
+                    node(1, "a", "app", 2, 2),
+                ],
+                total: 3,
+                sample_period_nanos: 10_000_000,
+            }
+        );
+    }
+
+    #[test]
+    fn proto_round_trip_keeps_every_field() {
+        let full = Arc::new(Frame {
+            function: "inner".into(),
+            binary: "/usr/bin/app".into(),
+            build_id: "00ff".into(),
+            file: "src/inner.rs".into(),
+            line: 42,
+            inlined: true,
+        });
+        let samples = StackSamples {
+            stacks: vec![
+                WeightedStack {
+                    frames: vec![full, frame("main", "app")],
+                    weight: 7,
+                },
+                stack("main;b;c", 5),
+                stack("x", 1),
+            ],
+            sample_period_nanos: 1,
+        };
+        let tree = CallTree::from_stacks(&samples);
+        let proto = tree.to_proto(1);
+        assert_eq!(CallTree::from_proto(&proto).unwrap(), tree);
+        assert_eq!(proto.nodes[4].frame.as_ref().unwrap().line, 42);
+        assert!(proto.nodes[4].frame.as_ref().unwrap().inlined);
+    }
+
+    #[test]
+    fn from_proto_puts_siblings_in_canonical_order() {
+        let tree = tree(&[("main;a", 2), ("main;b", 3)]);
+        let mut proto = tree.to_proto(0);
+        // Same tree, siblings swapped: all, main, b, a.
+        proto.nodes.swap(2, 3);
+        assert_eq!(CallTree::from_proto(&proto).unwrap(), tree);
+    }
+
+    fn error(edit: impl FnOnce(&mut FlamegraphResponse)) -> String {
+        let mut proto = tree(&[("main;a", 2), ("main;b", 3)]).to_proto(0);
+        edit(&mut proto);
+        CallTree::from_proto(&proto).unwrap_err().to_string()
+    }
+
+    #[test]
+    fn from_proto_rejects_bad_parents() {
+        assert_eq!(
+            error(|p| p.nodes.clear()),
+            "the tree has no nodes (node 0 must be the root)"
+        );
+        assert_eq!(
+            error(|p| p.nodes[0].parent = 1),
+            "node 0 is the root and must be its own parent, but its parent is 1"
+        );
+        assert_eq!(
+            error(|p| p.nodes[2].parent = 2),
+            "node 2: its parent 2 does not come before it"
+        );
+        assert_eq!(
+            error(|p| p.nodes[1].parent = 3),
+            "node 1: its parent 3 does not come before it"
+        );
+        assert_eq!(
+            error(|p| p.nodes[2].parent = u32::MAX),
+            "node 2: its parent 4294967295 does not come before it"
+        );
+        assert_eq!(
+            error(|p| p.nodes[3].frame = None),
+            "node 3: the frame is missing"
+        );
+        assert_eq!(
+            error(|p| p.nodes[3].frame = p.nodes[2].frame.clone()),
+            "node 3: node 1 already has a child with the same frame"
+        );
+    }
+
+    #[test]
+    fn from_proto_rejects_inconsistent_weights() {
+        assert_eq!(
+            error(|p| p.nodes[2].self_ = 1),
+            "node 2: self is 1, but total minus the children's totals is 2"
+        );
+        assert_eq!(
+            error(|p| p.nodes[1].self_ = 1),
+            "node 1: self is 1, but total minus the children's totals is 0"
+        );
+        assert_eq!(
+            error(|p| {
+                p.total = 4;
+                p.nodes[0].total = 4;
+                p.nodes[1].total = 4;
+            }),
+            "node 1: its children total 5, more than its own total 4"
+        );
+        assert_eq!(
+            error(|p| {
+                p.nodes[2].total = u64::MAX;
+                p.nodes[2].self_ = u64::MAX;
+                p.nodes[3].total = u64::MAX;
+                p.nodes[3].self_ = u64::MAX;
+            }),
+            "node 1: its children total 36893488147419103230, more than its own total 5"
+        );
+        assert_eq!(
+            error(|p| p.total = 6),
+            "the response's total is 6, but the root's total is 5"
+        );
+    }
+
+    fn chain(depth: usize) -> FlamegraphResponse {
+        let mut nodes = vec![TreeNode {
+            parent: 0,
+            frame: None,
+            total: 1,
+            self_: 0,
+        }];
+        for index in 1..=depth {
+            nodes.push(TreeNode {
+                parent: (index - 1) as u32,
+                frame: Some(ProtoFrame {
+                    function: "f".into(),
+                    ..ProtoFrame::default()
+                }),
+                total: 1,
+                self_: u64::from(index == depth),
+            });
+        }
+        FlamegraphResponse {
+            nodes,
+            total: 1,
+            sample_period_nanos: 0,
+        }
+    }
+
+    #[test]
+    fn from_proto_limits_depth() {
+        let deepest = CallTree::from_proto(&chain(MAX_DEPTH)).unwrap();
+        assert_eq!(deepest.nodes().last().unwrap().depth(), MAX_DEPTH);
+        // A missing root frame becomes the standard one.
+        assert_eq!(deepest.root().frame(), &root_frame());
+        assert_eq!(
+            CallTree::from_proto(&chain(MAX_DEPTH + 1))
+                .unwrap_err()
+                .to_string(),
+            "node 4097: deeper than the limit of 4096 frames"
+        );
+    }
+
+    #[test]
+    fn deep_stacks_are_truncated_at_the_limit() {
+        let frames: Vec<String> = (0..MAX_DEPTH + 10).map(|i| format!("f{i}")).collect();
+        let tree = tree(&[(&frames.join(";"), 3)]);
+        let leaf = tree.nodes().len() - 1;
+        assert_eq!(tree.nodes().len(), MAX_DEPTH + 1);
+        assert_eq!(tree.nodes()[leaf].depth(), MAX_DEPTH);
+        assert_eq!(tree.nodes()[leaf].frame().function, TRUNCATED_FUNCTION);
+        assert_eq!(tree.nodes()[leaf].self_weight(), 3);
+        // The outermost frames are the ones kept.
+        assert_eq!(tree.nodes()[1].frame().function, "f0");
+        assert_eq!(
+            tree.nodes()[leaf - 1].frame().function,
+            format!("f{}", MAX_DEPTH - 2)
+        );
+        assert_eq!(CallTree::from_proto(&tree.to_proto(0)).unwrap(), tree);
+    }
+
+    /// Arbitrary parents, totals and frames never panic (a poor man's fuzz
+    /// run, deterministic so failures reproduce).
+    #[test]
+    fn from_proto_never_panics() {
+        let mut state = 0x2545_f491_4f6c_dd1du64;
+        let mut next = move || {
+            state ^= state << 13;
+            state ^= state >> 7;
+            state ^= state << 17;
+            state
+        };
+        let mut accepted = 0;
+        for _ in 0..2_000 {
+            let len = (next() % 6) as usize;
+            let nodes = (0..len)
+                .map(|_| TreeNode {
+                    parent: (next() % 5) as u32,
+                    frame: (next() % 4 != 0).then(|| ProtoFrame {
+                        function: ["a", "b"][(next() % 2) as usize].into(),
+                        ..ProtoFrame::default()
+                    }),
+                    total: next() % 4,
+                    self_: next() % 3,
+                })
+                .collect();
+            let response = FlamegraphResponse {
+                nodes,
+                total: next() % 4,
+                sample_period_nanos: 0,
+            };
+            if let Ok(tree) = CallTree::from_proto(&response) {
+                accepted += 1;
+                assert_eq!(tree.total(), response.total);
+                assert_eq!(CallTree::from_proto(&tree.to_proto(0)).unwrap(), tree);
+            }
+        }
+        assert!(
+            accepted > 0,
+            "the generator should produce some valid trees"
+        );
+    }
+}
