@@ -3,14 +3,20 @@
 //! [`cgroups`] turns the user's selections into cgroup ids. Then data flows
 //! through the modules in this order: [`sampler`] loads the BPF
 //! program and yields raw ring buffer records, [`sampler::record`] decodes them,
-//! [`unwinding`] turns each sample's copied stack into frames, [`tally`] counts
-//! samples per process, and [`run`] drives the loop, prints the periodic
-//! [`status`] line and stops on a signal or after a duration. Aggregation and
-//! export arrive in later stages of the pipeline (see `shared/DESIGN.md`).
+//! [`unwinding`] turns each sample's copied stack into frames, each placed in
+//! its object at its file offset, [`tally`] counts samples per process,
+//! [`aggregate`] sums identical (labels, stack) pairs per interval and builds
+//! one `stackscope.v1.Batch` per interval, naming frames with [`symbolize`],
+//! [`export`] ships the batches, and [`run`] drives the loop, prints the
+//! periodic [`status`] line and stops on a signal or after a duration (see
+//! `shared/DESIGN.md`).
 
+pub mod aggregate;
 pub mod cgroups;
+pub mod export;
 pub mod run;
 pub mod sampler;
 pub mod status;
+pub mod symbolize;
 pub mod tally;
 pub mod unwinding;

@@ -10,9 +10,12 @@ use std::{
 use anyhow::Context as _;
 use clap::Parser;
 use stackscope_agent::{
+    aggregate::{AggregatorConfig, labels::host_name},
     cgroups,
+    export::{Compression, ExportConfig, ExportStats, Exporter, TlsConfig},
     run::{AgentConfig, RunSummary, run},
     sampler::{Sampler, SamplerConfig},
+    symbolize::SymbolizerConfig,
     unwinding::{DiskCache, WalkerConfig},
 };
 use tracing_subscriber::EnvFilter;
@@ -60,6 +63,47 @@ struct Args {
     /// Keep unwind tables in memory only.
     #[arg(long)]
     no_table_cache: bool,
+    /// Length of an aggregation interval: identical stacks are summed over
+    /// it and shipped as one batch (e.g. `10s`, `1m`).
+    #[arg(long, default_value = "10s", value_parser = humantime::parse_duration)]
+    interval: Duration,
+    /// The node's name on every sample (default: the host name). On
+    /// Kubernetes, pass the node name from the downward API.
+    #[arg(long)]
+    node_name: Option<String>,
+    /// Label every sample with its process id (one series per process:
+    /// many more series in the collector).
+    #[arg(long)]
+    label_pid: bool,
+    /// The collector's gRPC address (http://HOST:PORT, or https:// for TLS).
+    /// Without it, profiles are built but not shipped.
+    #[arg(long, value_name = "URL")]
+    collector: Option<String>,
+    /// PEM CA certificate that signed the collector's certificate (default:
+    /// the system's roots).
+    #[arg(long, value_name = "PEM")]
+    collector_ca_cert: Option<PathBuf>,
+    /// Name to verify in the collector's certificate (default: the URL's host).
+    #[arg(long)]
+    collector_domain: Option<String>,
+    /// PEM client certificate and key, for collectors that require mutual TLS.
+    #[arg(long, value_name = "PEM", requires = "client_key")]
+    client_cert: Option<PathBuf>,
+    #[arg(long, value_name = "PEM", requires = "client_cert")]
+    client_key: Option<PathBuf>,
+    /// File holding the bearer token sent to the collector.
+    #[arg(long, value_name = "FILE")]
+    token_file: Option<PathBuf>,
+    /// Compression of batches on the wire.
+    #[arg(long, value_enum, default_value_t = Compression::Zstd)]
+    compression: Compression,
+    /// Bytes of batches held while the collector is unreachable; beyond,
+    /// the oldest are dropped (and counted).
+    #[arg(long, default_value_t = 64 << 20)]
+    max_queue_bytes: usize,
+    /// How long shutdown waits to deliver what is still queued.
+    #[arg(long, default_value = "10s", value_parser = humantime::parse_duration)]
+    shutdown_timeout: Duration,
     /// Turn on the kernel's BPF run-time accounting while running and report
     /// the program's cost per run (adds a little overhead to every run).
     #[arg(long)]
@@ -79,6 +123,13 @@ fn main() -> anyhow::Result<()> {
     if args.status_interval.is_zero() {
         anyhow::bail!("--status-interval must be greater than zero");
     }
+    if args.interval < Duration::from_secs(1) {
+        anyhow::bail!("--interval must be at least 1s");
+    }
+    if args.node_name.as_deref().is_some_and(str::is_empty) {
+        anyhow::bail!("--node-name must not be empty");
+    }
+    raise_open_file_limit();
 
     let mut cgroup_ids = Vec::new();
     for selection in &args.cgroups {
@@ -102,6 +153,13 @@ fn main() -> anyhow::Result<()> {
             }),
             ..WalkerConfig::default()
         },
+        interval: args.interval,
+        aggregation: AggregatorConfig {
+            node_name: args.node_name.clone().unwrap_or_else(host_name),
+            label_pid: args.label_pid,
+            ..AggregatorConfig::default()
+        },
+        symbolizer: SymbolizerConfig::default(),
     };
     let runtime = tokio::runtime::Builder::new_current_thread()
         .enable_all()
@@ -113,17 +171,82 @@ fn main() -> anyhow::Result<()> {
         .then(Sampler::enable_run_time_stats)
         .transpose()
         .context("enabling BPF run-time stats")?;
-    let summary = runtime.block_on(run(&config))?;
+    let export = export_config(&args)?;
+    let (summary, exported) = runtime.block_on(async {
+        let exporter = match export {
+            Some(export) => Some(std::sync::Arc::new(
+                Exporter::start(export).context("setting up the export to --collector")?,
+            )),
+            None => {
+                tracing::warn!("no --collector given: profiles are built but not shipped");
+                None
+            }
+        };
+        let sink = exporter.clone().map(|exporter| {
+            Box::new(move |batch| exporter.enqueue(batch))
+                as Box<dyn stackscope_agent::run::BatchSink>
+        });
+        let summary = run(&config, sink).await?;
+        // The run dropped the sink, so this is the only handle left.
+        let exported = match exporter.map(std::sync::Arc::into_inner) {
+            Some(Some(exporter)) => Some(exporter.shutdown(args.shutdown_timeout).await),
+            _ => None,
+        };
+        anyhow::Ok((summary, exported))
+    })?;
     let mut stdout = std::io::stdout().lock();
     if args.json {
-        writeln!(stdout, "{}", json_report(&summary, args.top))
+        writeln!(
+            stdout,
+            "{}",
+            json_report(&summary, exported.as_ref(), args.top)
+        )
     } else {
-        print_report(&mut stdout, &summary, args.top)
+        print_report(&mut stdout, &summary, exported.as_ref(), args.top)
     }
     .context("writing the report")
 }
 
-fn json_report(summary: &RunSummary, top: usize) -> serde_json::Value {
+/// The export settings from the command line; `None` without `--collector`.
+fn export_config(args: &Args) -> anyhow::Result<Option<ExportConfig>> {
+    let Some(endpoint) = &args.collector else {
+        return Ok(None);
+    };
+    let tls = (args.collector_ca_cert.is_some()
+        || args.collector_domain.is_some()
+        || args.client_cert.is_some())
+    .then(|| TlsConfig {
+        ca_cert: args.collector_ca_cert.clone(),
+        domain: args.collector_domain.clone(),
+        client_cert: args.client_cert.clone(),
+        client_key: args.client_key.clone(),
+    });
+    let bearer_token = match &args.token_file {
+        Some(path) => {
+            let token = std::fs::read_to_string(path)
+                .with_context(|| format!("reading --token-file {}", path.display()))?;
+            let token = token.trim();
+            if token.is_empty() {
+                anyhow::bail!("--token-file {} is empty", path.display());
+            }
+            Some(token.to_string())
+        }
+        None => None,
+    };
+    Ok(Some(ExportConfig {
+        tls,
+        bearer_token,
+        compression: args.compression,
+        max_queue_bytes: args.max_queue_bytes,
+        ..ExportConfig::new(endpoint.clone())
+    }))
+}
+
+fn json_report(
+    summary: &RunSummary,
+    exported: Option<&ExportStats>,
+    top: usize,
+) -> serde_json::Value {
     serde_json::json!({
         "elapsed_secs": summary.elapsed.as_secs_f64(),
         "reader": summary.reader,
@@ -146,12 +269,37 @@ fn json_report(summary: &RunSummary, top: usize) -> serde_json::Value {
                 .map(|(name, (walks, outermost))| serde_json::json!({"binary": &**name, "walks": walks, "outermost": outermost}))
                 .collect::<Vec<_>>(),
         },
+        "aggregation": summary.aggregation,
+        "batches": {
+            "built": summary.batches.batches_built,
+            "handed_to_exporter": summary.batches_sent,
+            "intervals_dropped": summary.batches.intervals_dropped,
+            "intervals_empty": summary.batches.intervals_empty,
+            "samples": summary.batches.samples_in_batches,
+            "build_micros_last": summary.batches.build_micros_last,
+            "build_micros_max": summary.batches.build_micros_max,
+            "build_micros_total": summary.batches.build_micros_total,
+            "last_batch_bytes": summary.batches.last_batch_bytes,
+            "last_batch_locations": summary.batches.last_batch_locations,
+            "last_batch_stacks": summary.batches.last_batch_stacks,
+            "last_batch_samples": summary.batches.last_batch_samples,
+        },
+        "symbolization": {
+            "cache_hit_percent": summary.batches.symbolize.cache_hit_percent(),
+            "counts": summary.batches.symbolize,
+        },
+        "export": exported,
         "top": summary.tally.top(top),
         "other": summary.tally.other(),
     })
 }
 
-fn print_report(out: &mut impl Write, summary: &RunSummary, top: usize) -> std::io::Result<()> {
+fn print_report(
+    out: &mut impl Write,
+    summary: &RunSummary,
+    exported: Option<&ExportStats>,
+    top: usize,
+) -> std::io::Result<()> {
     let total = summary.tally.total();
     writeln!(
         out,
@@ -183,6 +331,38 @@ fn print_report(out: &mut impl Write, summary: &RunSummary, top: usize) -> std::
         unwinding.samples_queued,
         unwinding.queue_full,
     )?;
+    let batches = &summary.batches;
+    writeln!(
+        out,
+        "{} batches built ({} samples, {} intervals dropped; building took {:.1} ms at most), \
+         {} distinct stacks in the busiest interval; names: {:.1}% cache hits, {} frames without \
+         a symbol, {} unreadable files' frames",
+        batches.batches_built,
+        batches.samples_in_batches,
+        batches.intervals_dropped,
+        batches.build_micros_max as f64 / 1000.0,
+        summary.aggregation.max_distinct,
+        batches.symbolize.cache_hit_percent(),
+        batches.symbolize.no_symbol,
+        batches.symbolize.errors,
+    )?;
+    if let Some(export) = exported {
+        writeln!(
+            out,
+            "shipped {} batches ({} samples) to the collector; {} dropped while it was \
+             unreachable, {} rejected, {} left unsent at shutdown{}",
+            export.batches_sent,
+            export.samples_sent,
+            export.batches_dropped_queue_full,
+            export.batches_rejected,
+            export.queued_batches,
+            export
+                .last_error
+                .as_deref()
+                .map(|e| format!(" (last error: {e})"))
+                .unwrap_or_default(),
+        )?;
+    }
     let mut by_binary: Vec<_> = unwinding.by_binary.iter().collect();
     by_binary.sort_by(|a, b| b.1.0.cmp(&a.1.0).then(a.0.cmp(b.0)));
     for (binary, (walks, outermost)) in by_binary.into_iter().take(top) {
@@ -215,4 +395,30 @@ fn print_report(out: &mut impl Write, summary: &RunSummary, top: usize) -> std::
         )?;
     }
     Ok(())
+}
+
+/// Raises the soft limit on open files to the hard one (at most 1M): the
+/// symbolizer keeps mapped files open, two descriptors each, and the
+/// default soft limit of 1024 is too tight for a busy node. Failing only
+/// costs names (files that cannot be opened go unnamed), so it is not fatal.
+fn raise_open_file_limit() {
+    let mut limit = libc::rlimit {
+        rlim_cur: 0,
+        rlim_max: 0,
+    };
+    // SAFETY: getrlimit writes into the struct it is given.
+    if unsafe { libc::getrlimit(libc::RLIMIT_NOFILE, &mut limit) } != 0 {
+        return;
+    }
+    let wanted = limit.rlim_max.min(1 << 20);
+    if wanted > limit.rlim_cur {
+        limit.rlim_cur = wanted;
+        // SAFETY: setrlimit reads the struct it is given.
+        if unsafe { libc::setrlimit(libc::RLIMIT_NOFILE, &limit) } != 0 {
+            tracing::debug!(
+                "raising the open file limit: {}",
+                std::io::Error::last_os_error()
+            );
+        }
+    }
 }

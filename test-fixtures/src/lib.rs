@@ -19,6 +19,26 @@ use object::{Object as _, ObjectSymbol as _, SymbolKind};
 /// so only the CFI can unwind it.
 pub const C_FLAGS: &[&str] = &["-O2", "-fomit-frame-pointer"];
 
+/// A binary of this workspace (`stackscope-agent`, `stackscope-collector`,
+/// `stackscope`) from the same target profile as the running test: the test
+/// binary lives in target/<profile>/deps, the binaries in target/<profile>.
+/// `cargo xtask test` builds them before the tests.
+pub fn workspace_binary(name: &str) -> PathBuf {
+    let exe = std::env::current_exe().expect("test binary path");
+    let binary = exe
+        .parent()
+        .and_then(|deps| deps.parent())
+        .expect("target/<profile>")
+        .join(name);
+    assert!(
+        binary.exists(),
+        "{} is missing: run `cargo xtask test`, or build it first \
+         (`cargo build -p stackscope-agent -p stackscope-collector --bins`)",
+        binary.display()
+    );
+    binary
+}
+
 /// The workspace's fixture sources.
 fn fixtures_dir() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("../tests/fixtures")

@@ -360,20 +360,7 @@ fn ids_loaded(kind: &str) -> BTreeSet<u64> {
 }
 
 fn agent_binary() -> std::path::PathBuf {
-    // `cargo xtask test` builds the agent before the tests; the test binary
-    // lives in target/<profile>/deps, the agent in target/<profile>.
-    let exe = std::env::current_exe().expect("test binary path");
-    let agent = exe
-        .parent()
-        .and_then(|deps| deps.parent())
-        .expect("target/<profile>")
-        .join("stackscope-agent");
-    assert!(
-        agent.exists(),
-        "{} is missing: run `cargo build -p stackscope-agent` (cargo xtask test does)",
-        agent.display()
-    );
-    agent
+    stackscope_test_fixtures::workspace_binary("stackscope-agent")
 }
 
 #[test]

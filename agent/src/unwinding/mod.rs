@@ -11,6 +11,10 @@
 //! address is resolved after the walk (process table lookup, then the
 //! object's table from the cache, compiled on a miss) and the walk runs
 //! again. Once a process's hot modules are known, a sample costs one walk.
+//!
+//! Every delivered walk also says, per frame, which object the address is in
+//! and where in it ([`FrameObject`]): frames leave the node as (object, file
+//! offset), so the modules the walk resolved anyway are what normalizes them.
 
 mod compiler;
 
@@ -26,7 +30,7 @@ use compiler::{Compiled, Compiler};
 
 use agent_common::{SampleHeader, sample_flags};
 use stackscope_process_table::{
-    Location, MappingPath, ObjectId, ProcessTable, TableConfig, maps::read_maps,
+    Location, MappedRegion, MappingPath, ObjectId, ProcessTable, TableConfig, maps::read_maps,
 };
 use stackscope_unwind::{
     DEFAULT_MAX_DEPTH, ModuleAt, ModuleLookup, Registers, RuleCache, UnwindEnd, UnwindTable,
@@ -69,9 +73,67 @@ const MAX_BINARIES_TRACKED: usize = 1024;
 /// The result of walking one sample's user stack.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Walk<'a> {
-    /// Absolute addresses, innermost first; frame 0 is the sampled rip.
+    /// Absolute addresses, innermost first; frame 0 is the sampled rip, the
+    /// others are return addresses (the instruction after the call; above a
+    /// signal frame, the interrupted address).
     pub frames: &'a [u64],
+    /// Where each frame is, index for index with `frames`.
+    pub objects: &'a [FrameObject],
     pub outcome: WalkOutcome,
+}
+
+/// Which object a frame's address is in, and the address in that object's
+/// own terms: what the frame is shipped as.
+///
+/// A return address is placed by the byte before it (the call instruction):
+/// a call can be the last instruction of a function, or of a mapping, and
+/// the address after it is then in the next one. The offsets themselves are
+/// those of the addresses as walked.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum FrameObject {
+    /// In a mapping of an identified file: `file_offset = pc - mapping.start
+    /// + mapping.offset`.
+    File {
+        file: Arc<ModuleFile>,
+        file_offset: u64,
+    },
+    /// In the vDSO: `offset = pc - start of the [vdso] mapping`, an address
+    /// in its image (the same image in every process on this kernel).
+    Vdso { offset: u64 },
+    /// In no module the walker knows (JIT code, anonymous memory, a garbage
+    /// return address): the absolute address, meaningful only as a hint.
+    Anonymous { address: u64 },
+}
+
+/// The file a module maps, shared by the walker's module and every frame
+/// delivered in it.
+#[derive(Debug, PartialEq, Eq)]
+pub struct ModuleFile {
+    /// The file's identity: build-id, or a key for this version of the file.
+    pub id: Arc<ObjectId>,
+    /// The mapping the module was resolved from: the path as the process
+    /// sees it, and the way to open the very file mapped
+    /// ([`MappedRegion::open`], through `/proc/<pid>/map_files`).
+    pub region: Arc<MappedRegion>,
+}
+
+impl ModuleFile {
+    /// The path as the process's maps show it.
+    pub fn path(&self) -> &MappingPath {
+        &self.region.mapping.path
+    }
+}
+
+/// One walk as handed to the callback of [`StackWalker::push`],
+/// [`StackWalker::poll`] and [`StackWalker::flush`]: the sample it belongs
+/// to and the kernel frames pushed with it (kept while the sample waited for
+/// a table).
+#[derive(Debug, Clone, Copy)]
+pub struct Walked<'a> {
+    pub header: &'a SampleHeader,
+    /// Kernel addresses, innermost first, as pushed.
+    pub kernel_frames: &'a [u64],
+    pub walk: Walk<'a>,
 }
 
 /// How a walk ended.
@@ -139,8 +201,32 @@ struct Module {
     end: u64,
     /// `pc - bias` is the address in the file's ELF virtual address space.
     bias: u64,
+    /// `pc - file_base` is the offset in the file (in the vDSO image for the
+    /// vDSO): `start - mapping offset`, wrapping.
+    file_base: u64,
     table: ModuleTable,
     name: Arc<str>,
+    object: ModuleObject,
+}
+
+/// What a module's frames are reported as.
+#[derive(Debug, Clone)]
+enum ModuleObject {
+    File(Arc<ModuleFile>),
+    Vdso,
+}
+
+impl Module {
+    fn frame_object(&self, pc: u64) -> FrameObject {
+        let offset = pc.wrapping_sub(self.file_base);
+        match &self.object {
+            ModuleObject::File(file) => FrameObject::File {
+                file: Arc::clone(file),
+                file_offset: offset,
+            },
+            ModuleObject::Vdso => FrameObject::Vdso { offset },
+        }
+    }
 }
 
 #[derive(Debug, Clone)]
@@ -298,6 +384,8 @@ pub struct StackWalker {
     waiting_bytes: usize,
     max_waiting_bytes: usize,
     frames: Vec<u64>,
+    /// Index for index with `frames`, filled after each walk.
+    objects: Vec<FrameObject>,
     rules: RuleCache,
     /// The last address-space number handed out (see `ProcessModules::space`).
     spaces: u64,
@@ -307,7 +395,15 @@ pub struct StackWalker {
 /// A sample held until the table it needs is compiled.
 struct WaitingSample {
     header: SampleHeader,
+    kernel_frames: Vec<u64>,
     user_stack: Vec<u8>,
+}
+
+impl WaitingSample {
+    /// What holding it costs, for the `max_waiting_bytes` bound.
+    fn bytes(&self) -> usize {
+        self.user_stack.len() + self.kernel_frames.len() * 8
+    }
 }
 
 impl Default for StackWalker {
@@ -330,6 +426,7 @@ impl StackWalker {
             waiting_bytes: 0,
             max_waiting_bytes: config.max_waiting_bytes,
             frames: Vec::with_capacity(DEFAULT_MAX_DEPTH),
+            objects: Vec::with_capacity(DEFAULT_MAX_DEPTH),
             rules: RuleCache::default(),
             spaces: 0,
             stats: WalkStats::default(),
@@ -341,30 +438,33 @@ impl StackWalker {
         self.spaces
     }
 
-    /// Walks a sample, or holds a copy of it while a table it needs
-    /// compiles. Every finished walk (this sample's, or earlier held ones
-    /// whose tables are now ready) goes to `on_walk`; kernel-only samples
-    /// produce none.
+    /// Walks a sample, or holds a copy of it (with its kernel frames) while
+    /// a table it needs compiles. Every finished walk (this sample's, or
+    /// earlier held ones whose tables are now ready) goes to `on_walk`;
+    /// kernel-only samples produce none.
     pub fn push(
         &mut self,
         header: &SampleHeader,
+        kernel_frames: &[u64],
         user_stack: &[u8],
-        mut on_walk: impl FnMut(&SampleHeader, Walk<'_>),
+        mut on_walk: impl FnMut(Walked<'_>),
     ) {
-        let outcome = self.walk(header, user_stack).map(|walk| walk.outcome);
+        // Held samples first: they are older, and walking them reuses the
+        // frame buffers, so this sample's walk must come after.
+        self.take_compiled_tables();
         if self.tables_changed {
             self.retry_waiting(&mut on_walk);
         }
-        match outcome {
+        match self.walk(header, user_stack).map(|walk| walk.outcome) {
             None => {}
-            Some(WalkOutcome::TablePending) if self.hold(header, user_stack) => {}
-            Some(outcome) => self.deliver(header, outcome, &mut on_walk),
+            Some(WalkOutcome::TablePending) if self.hold(header, kernel_frames, user_stack) => {}
+            Some(outcome) => self.deliver(header, kernel_frames, outcome, &mut on_walk),
         }
     }
 
     /// Walks held samples whose tables have become ready; call it now and
     /// then, so samples do not wait for the next sample to arrive.
-    pub fn poll(&mut self, mut on_walk: impl FnMut(&SampleHeader, Walk<'_>)) {
+    pub fn poll(&mut self, mut on_walk: impl FnMut(Walked<'_>)) {
         self.take_compiled_tables();
         if self.tables_changed {
             self.retry_waiting(&mut on_walk);
@@ -372,11 +472,11 @@ impl StackWalker {
     }
 
     /// Walks every held sample as far as it goes now (at shutdown).
-    pub fn flush(&mut self, mut on_walk: impl FnMut(&SampleHeader, Walk<'_>)) {
+    pub fn flush(&mut self, mut on_walk: impl FnMut(Walked<'_>)) {
         self.poll(&mut on_walk);
         for held in std::mem::take(&mut self.waiting) {
             if let Some(outcome) = self.walk(&held.header, &held.user_stack).map(|w| w.outcome) {
-                self.deliver(&held.header, outcome, &mut on_walk);
+                self.deliver(&held.header, &held.kernel_frames, outcome, &mut on_walk);
             }
         }
         self.waiting_bytes = 0;
@@ -387,30 +487,32 @@ impl StackWalker {
         self.waiting.len()
     }
 
-    fn hold(&mut self, header: &SampleHeader, user_stack: &[u8]) -> bool {
-        if self.waiting_bytes + user_stack.len() > self.max_waiting_bytes {
+    fn hold(&mut self, header: &SampleHeader, kernel_frames: &[u64], user_stack: &[u8]) -> bool {
+        let held = WaitingSample {
+            header: *header,
+            kernel_frames: kernel_frames.to_vec(),
+            user_stack: user_stack.to_vec(),
+        };
+        if self.waiting_bytes + held.bytes() > self.max_waiting_bytes {
             self.stats.queue_full += 1;
             return false;
         }
         self.stats.samples_queued += 1;
-        self.waiting_bytes += user_stack.len();
-        self.waiting.push_back(WaitingSample {
-            header: *header,
-            user_stack: user_stack.to_vec(),
-        });
+        self.waiting_bytes += held.bytes();
+        self.waiting.push_back(held);
         true
     }
 
-    fn retry_waiting(&mut self, on_walk: &mut impl FnMut(&SampleHeader, Walk<'_>)) {
+    fn retry_waiting(&mut self, on_walk: &mut impl FnMut(Walked<'_>)) {
         self.tables_changed = false;
         for held in std::mem::take(&mut self.waiting) {
             match self.walk(&held.header, &held.user_stack).map(|w| w.outcome) {
                 Some(WalkOutcome::TablePending) => self.waiting.push_back(held),
                 Some(outcome) => {
-                    self.waiting_bytes -= held.user_stack.len();
-                    self.deliver(&held.header, outcome, on_walk);
+                    self.waiting_bytes -= held.bytes();
+                    self.deliver(&held.header, &held.kernel_frames, outcome, on_walk);
                 }
-                None => self.waiting_bytes -= held.user_stack.len(),
+                None => self.waiting_bytes -= held.bytes(),
             }
         }
     }
@@ -419,17 +521,20 @@ impl StackWalker {
     fn deliver(
         &mut self,
         header: &SampleHeader,
+        kernel_frames: &[u64],
         outcome: WalkOutcome,
-        on_walk: &mut impl FnMut(&SampleHeader, Walk<'_>),
+        on_walk: &mut impl FnMut(Walked<'_>),
     ) {
         self.record(header.tgid, outcome);
-        on_walk(
+        on_walk(Walked {
             header,
-            Walk {
+            kernel_frames,
+            walk: Walk {
                 frames: &self.frames,
+                objects: &self.objects,
                 outcome,
             },
-        );
+        });
     }
 
     pub fn stats(&self) -> &WalkStats {
@@ -495,10 +600,28 @@ impl StackWalker {
         } else {
             WalkOutcome::Ended(end)
         };
+        self.place_frames(tgid);
         Some(Walk {
             frames: &self.frames,
+            objects: &self.objects,
             outcome,
         })
+    }
+
+    /// Fills `objects` for the frames of the walk just made. A return
+    /// address is placed by the byte before it (see [`FrameObject`]).
+    fn place_frames(&mut self, tgid: u32) {
+        self.objects.clear();
+        let process = self.modules.get(&tgid);
+        for (i, &pc) in self.frames.iter().enumerate() {
+            let lookup = if i == 0 { pc } else { pc.wrapping_sub(1) };
+            let object = process
+                .and_then(|p| p.find(lookup))
+                .map_or(FrameObject::Anonymous { address: pc }, |m| {
+                    m.frame_object(pc)
+                });
+            self.objects.push(object);
+        }
     }
 
     /// Installs the tables the background compiler has finished.
@@ -570,9 +693,14 @@ impl StackWalker {
                 Module {
                     start: mapping.start,
                     end: mapping.end,
-                    bias: pc - vaddr,
+                    bias: pc.wrapping_sub(vaddr),
+                    file_base: mapping.start.wrapping_sub(mapping.offset),
                     table,
                     name: binary_name(object.path()),
+                    object: ModuleObject::File(Arc::new(ModuleFile {
+                        id: Arc::clone(&object.id),
+                        region: Arc::clone(&object.region),
+                    })),
                 }
             }
             Ok(Some(Location::Unbacked(region))) if region.mapping.path == MappingPath::Vdso => {
@@ -581,8 +709,10 @@ impl StackWalker {
                     start: region.mapping.start,
                     end: region.mapping.end,
                     bias: region.mapping.start,
+                    file_base: region.mapping.start,
                     table: self.vdso.clone(),
                     name: "[vdso]".into(),
+                    object: ModuleObject::Vdso,
                 }
             }
             Ok(_) => return false,
@@ -615,15 +745,22 @@ impl StackWalker {
     }
 }
 
-/// The table of this process's own vDSO, which is the same image in every
-/// process on this kernel.
-fn own_vdso_table() -> Option<Arc<UnwindTable>> {
+/// This process's own vDSO: where it is mapped and its image, which is the
+/// same in every process on this kernel.
+pub(crate) fn own_vdso_image() -> Option<(u64, &'static [u8])> {
     let maps = read_maps(std::process::id()).ok()?;
     let vdso = maps.iter().find(|m| m.path == MappingPath::Vdso)?;
-    let len = usize::try_from(vdso.end - vdso.start).ok()?;
-    // SAFETY: the kernel maps the vDSO readable in every process for its
-    // whole lifetime; `start..end` is that mapping in ours.
+    let len = usize::try_from(vdso.end.checked_sub(vdso.start)?).ok()?;
+    // SAFETY: the kernel maps the vDSO readable for the process's whole
+    // lifetime unless the process unmaps it, which the agent never does;
+    // `start..end` is that mapping in ours.
     let image = unsafe { std::slice::from_raw_parts(vdso.start as *const u8, len) };
+    Some((vdso.start, image))
+}
+
+/// The table of this process's own vDSO.
+fn own_vdso_table() -> Option<Arc<UnwindTable>> {
+    let (_, image) = own_vdso_image()?;
     match UnwindTable::from_elf(image) {
         Ok(table) => Some(Arc::new(table)),
         Err(err) => {
@@ -652,8 +789,10 @@ mod tests {
             start,
             end,
             bias: 0,
+            file_base: start,
             table: ModuleTable::NoCfi,
             name: format!("m{start:x}").into(),
+            object: ModuleObject::Vdso,
         }
     }
 
@@ -741,9 +880,20 @@ mod tests {
         let mut walker = StackWalker::default();
         let (header, stack) = own_sample();
         let mut walks = Vec::new();
-        walker.push(&header, &stack, |h, walk| {
-            walks.push((h.tgid, walk.frames.to_vec(), walk.outcome))
-        });
+        let kernel = [0xffff_ffff_8100_1234, 0xffff_ffff_8100_5678];
+        type Kept = (u32, Vec<u64>, Vec<u64>, Vec<FrameObject>, WalkOutcome);
+        fn keep(walks: &mut Vec<Kept>) -> impl FnMut(Walked<'_>) + '_ {
+            move |w| {
+                walks.push((
+                    w.header.tgid,
+                    w.kernel_frames.to_vec(),
+                    w.walk.frames.to_vec(),
+                    w.walk.objects.to_vec(),
+                    w.walk.outcome,
+                ))
+            }
+        }
+        walker.push(&header, &kernel, &stack, keep(&mut walks));
         assert!(
             walks.is_empty(),
             "walked before the table was ready: {walks:?}"
@@ -757,15 +907,29 @@ mod tests {
                 "the held sample was never walked"
             );
             std::thread::sleep(std::time::Duration::from_millis(5));
-            walker.poll(|h, walk| walks.push((h.tgid, walk.frames.to_vec(), walk.outcome)));
+            walker.poll(keep(&mut walks));
         }
         assert_eq!(walks.len(), 1);
         // Re-walks while the table compiled are not counted: one sample, one walk.
         assert_eq!((walker.stats().walks, walker.stats().outermost), (1, 1));
-        let (tgid, frames, outcome) = &walks[0];
+        let (tgid, kernel_frames, frames, objects, outcome) = &walks[0];
         assert_eq!(*tgid, header.tgid);
+        assert_eq!(kernel_frames, &kernel, "the kernel frames were held too");
         assert_eq!(frames.first(), Some(&header.user_rip));
         assert_eq!(*outcome, WalkOutcome::Ended(UnwindEnd::Outermost));
+        // The frame is this test binary, at its file offset.
+        match objects.as_slice() {
+            [FrameObject::File { file, file_offset }] => {
+                let mapping = &file.region.mapping;
+                assert_eq!(
+                    *file_offset,
+                    header.user_rip - mapping.start + mapping.offset
+                );
+                let exe = std::fs::read_link("/proc/self/exe").expect("own exe");
+                assert_eq!(file.path().file_path(), Some(exe.as_path()));
+            }
+            other => panic!("expected one file frame, got {other:?}"),
+        }
         assert_eq!(walker.waiting(), 0);
         let stats = walker.stats();
         assert_eq!(
@@ -779,11 +943,45 @@ mod tests {
 
         // The table is known now: the next sample is walked at once.
         let mut immediate = 0;
-        walker.push(&header, &stack, |_, walk| {
-            assert_eq!(walk.outcome, WalkOutcome::Ended(UnwindEnd::Outermost));
+        walker.push(&header, &[], &stack, |w| {
+            assert_eq!(w.walk.outcome, WalkOutcome::Ended(UnwindEnd::Outermost));
+            assert!(w.kernel_frames.is_empty());
             immediate += 1;
         });
         assert_eq!(immediate, 1);
+    }
+
+    #[test]
+    fn a_sample_pushed_after_held_ones_is_delivered_with_its_own_frames() {
+        let mut walker = StackWalker::default();
+        let (held, stack) = own_sample();
+        let mut delivered = Vec::new();
+        walker.push(&held, &[1], &stack, |w| {
+            delivered.push((w.kernel_frames.to_vec(), w.walk.frames.to_vec()))
+        });
+        assert_eq!(walker.waiting(), 1);
+        let started = std::time::Instant::now();
+        while !walker.tables_changed {
+            assert!(started.elapsed() < std::time::Duration::from_secs(60));
+            std::thread::sleep(std::time::Duration::from_millis(5));
+            walker.take_compiled_tables();
+        }
+        // Another function's entry: the held sample is walked first, and
+        // this one's frames must not be the held one's.
+        let next = SampleHeader {
+            user_rip: a_full_queue_walks_the_sample_as_far_as_it_goes as fn() as usize as u64,
+            ..held
+        };
+        walker.push(&next, &[2], &stack, |w| {
+            delivered.push((w.kernel_frames.to_vec(), w.walk.frames.to_vec()))
+        });
+        assert_eq!(
+            delivered,
+            [
+                (vec![1], vec![held.user_rip]),
+                (vec![2], vec![next.user_rip])
+            ]
+        );
     }
 
     #[test]
@@ -794,7 +992,7 @@ mod tests {
         });
         let (header, stack) = own_sample();
         let mut outcomes = Vec::new();
-        walker.push(&header, &stack, |_, walk| outcomes.push(walk.outcome));
+        walker.push(&header, &[], &stack, |w| outcomes.push(w.walk.outcome));
         assert_eq!(outcomes, [WalkOutcome::TablePending]);
         let stats = walker.stats();
         assert_eq!(

@@ -1,0 +1,604 @@
+//! Sums identical (labels, stack) pairs over an interval, and turns each
+//! finished interval into one `stackscope.v1.Batch`.
+//!
+//! Owns: the interval's dictionaries (mappings, locations, stacks, label
+//! sets), interned as samples arrive so a sample costs lookups, not
+//! allocations; the bound on distinct entries per interval; the labels
+//! ([`labels`]); building the batch ([`batch`]); and the thread that names
+//! frames and builds batches off the sampling loop ([`worker`]). Does not
+//! own when intervals end (the run loop decides), naming frames
+//! ([`crate::symbolize`]), or sending batches (the exporter).
+//!
+//! A sample's stack is leaf first overall: its kernel frames (innermost
+//! first), then its user frames (innermost first), since the kernel was
+//! running on top of the user code.
+//!
+//! Addresses: a location carries the frame's address in its mapping's
+//! terms (file offset for a mapped file, offset in the image for the vDSO,
+//! the kernel address, the absolute address for anonymous memory) as it was
+//! walked: for every frame but the innermost of each part that is a return
+//! address, the instruction after the call, as in pprof. Names are looked
+//! up one byte before a return address, in the call instruction (a call
+//! can be a function's last instruction, and the inlined frames at a call
+//! are those of the call). The innermost user frame is looked up at its
+//! address even when the kernel frames sit on top of it: the address a
+//! thread entered the kernel from is the instruction after `syscall`, in
+//! the same function, or the faulting instruction itself.
+//!
+//! Memory: at most `max_entries` distinct (labels, stack) pairs per
+//! interval, and so at most that many stacks, at most [`MAX_LOCATIONS`]
+//! locations and [`MAX_LABEL_SETS`] label sets. Once full, a sample whose
+//! labels are known but whose stack is new is counted under its labels with
+//! a one-frame `[truncated]` stack, so CPU time per process stays right; a
+//! sample with new labels (once the interval or its label sets are full) is
+//! dropped and counted: it has no entry to go into.
+
+pub mod batch;
+pub mod labels;
+pub mod worker;
+
+use std::{
+    collections::HashMap,
+    path::PathBuf,
+    sync::Arc,
+    time::{Duration, SystemTime},
+};
+
+use agent_common::{COMM_LEN, SampleHeader};
+use stackscope_process_table::{MappingPath, ObjectId};
+
+pub use batch::{BatchOptions, build_batch};
+use labels::ExeCache;
+pub use worker::{BatchWorker, WorkerStats};
+
+use crate::{
+    symbolize::ObjectFile,
+    unwinding::{FrameObject, ModuleFile, Walk},
+};
+
+/// Default length of an interval.
+pub const DEFAULT_INTERVAL: Duration = Duration::from_secs(10);
+
+/// Default bound on distinct (labels, stack) pairs per interval. A pair
+/// costs a few hundred bytes with its stack, so this is tens of MB at most.
+pub const DEFAULT_MAX_ENTRIES: usize = 200_000;
+
+/// Label sets per interval at most, and locations: below the collector's
+/// default ingest limits (100k label sets, 1M locations), so that a batch
+/// is never refused for its size.
+pub const MAX_LABEL_SETS: usize = 65_536;
+pub const MAX_LOCATIONS: usize = 900_000;
+
+/// Frames one sample can bring: the kernel's and the walker's limits.
+const MAX_FRAMES_PER_SAMPLE: usize =
+    agent_common::MAX_KERNEL_FRAMES + stackscope_unwind::DEFAULT_MAX_DEPTH;
+
+/// Mapped files opened per interval while their process runs; files past
+/// this are opened when the batch is built (failing if the process has
+/// exited by then). Bounds the descriptors an interval holds; with the
+/// symbolizer's, a few thousand at most, which is why the agent's `main`
+/// raises its soft limit on open files.
+pub const MAX_EAGER_OPENS: usize = 512;
+
+/// Module files whose mapping index is remembered per interval, so that
+/// frames of a module already seen cost no hashing of its path.
+const MAX_MODULE_MEMO: usize = 65_536;
+
+/// How samples are labelled and aggregated.
+#[derive(Debug, Clone)]
+pub struct AggregatorConfig {
+    /// The `node` label and the batch's node name.
+    pub node_name: String,
+    /// Add a `pid` label (one series per process: high cardinality).
+    pub label_pid: bool,
+    /// Distinct (labels, stack) pairs per interval; see the module
+    /// documentation for what happens beyond.
+    pub max_entries: usize,
+    /// Where procfs is mounted, for `/proc/<pid>/exe`.
+    pub proc_root: PathBuf,
+}
+
+impl Default for AggregatorConfig {
+    fn default() -> Self {
+        Self {
+            node_name: labels::host_name(),
+            label_pid: false,
+            max_entries: DEFAULT_MAX_ENTRIES,
+            proc_root: PathBuf::from("/proc"),
+        }
+    }
+}
+
+/// The mapping a location is in, before naming.
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+pub enum MappingKey {
+    /// A mapped file: its identity, and the path the process mapped it
+    /// from (as the process sees it).
+    User {
+        id: ObjectId,
+        path: String,
+    },
+    Vdso,
+    Anonymous,
+    /// The kernel: split into the image and its modules when the batch is
+    /// built (kallsyms says which).
+    Kernel,
+    /// The one pseudo-frame of samples beyond the interval's bound.
+    Truncated,
+}
+
+/// A mapping of an interval.
+#[derive(Debug, Clone)]
+pub struct IntervalMapping {
+    pub key: MappingKey,
+    /// For [`MappingKey::User`]: the file to name frames in.
+    pub file: Option<Arc<ObjectFile>>,
+}
+
+/// A location of an interval: see the module documentation for what the
+/// address is.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct IntervalLocation {
+    /// Index into [`Interval::mappings`].
+    pub mapping: u32,
+    pub address: u64,
+    /// A return address: named by the byte before it.
+    pub return_address: bool,
+}
+
+impl IntervalLocation {
+    /// The address to name the location by.
+    pub fn lookup(&self) -> u64 {
+        if self.return_address {
+            self.address.wrapping_sub(1)
+        } else {
+            self.address
+        }
+    }
+}
+
+/// The labels of a label set, apart from `node` (the same for all).
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+pub struct LabelValues {
+    pub comm: String,
+    /// Empty for kernel threads and processes whose exe was unreadable.
+    pub exe: Arc<str>,
+    /// Only when the `pid` label was asked for.
+    pub pid: Option<u32>,
+}
+
+/// One finished interval: what a batch is built from. Plain data, sent to
+/// the batch worker's thread.
+#[derive(Debug, Clone)]
+pub struct Interval {
+    pub node: Arc<str>,
+    pub start: SystemTime,
+    pub end: SystemTime,
+    pub mappings: Vec<IntervalMapping>,
+    pub locations: Vec<IntervalLocation>,
+    /// Indexes into `locations`, leaf first.
+    pub stacks: Vec<Box<[u32]>>,
+    pub label_sets: Vec<LabelValues>,
+    /// (stack, label set, count), in the order the pairs first appeared.
+    pub samples: Vec<(u32, u32, u64)>,
+}
+
+impl Interval {
+    /// Samples counted in the interval.
+    pub fn sample_count(&self) -> u64 {
+        self.samples.iter().map(|&(_, _, count)| count).sum()
+    }
+}
+
+/// Counters since the aggregator was created.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, serde::Serialize)]
+pub struct AggregateStats {
+    /// Samples counted (including truncated ones).
+    pub samples: u64,
+    /// Of those, samples of kernel threads (no user part).
+    pub kernel_only: u64,
+    /// Samples without a single frame (the kernel stack could not be read
+    /// for a kernel thread): not counted anywhere.
+    pub empty: u64,
+    /// Samples counted under the `[truncated]` stack, and samples dropped,
+    /// because the interval was full.
+    pub truncated: u64,
+    pub dropped: u64,
+    /// Intervals finished.
+    pub intervals: u64,
+    /// Distinct (labels, stack) pairs in the interval being aggregated, and
+    /// the most any interval had.
+    pub distinct: u64,
+    pub max_distinct: u64,
+    /// Mapped files opened while aggregating, and opens that failed.
+    pub files_opened: u64,
+    pub files_failed: u64,
+}
+
+/// See the module documentation.
+#[derive(Debug)]
+pub struct Aggregator {
+    config: AggregatorConfig,
+    node: Arc<str>,
+    current: Builder,
+    exes: ExeCache,
+    stats: AggregateStats,
+    /// Location indexes of the sample being added.
+    stack: Vec<u32>,
+}
+
+/// The labels of a sample as interned: the raw comm avoids decoding it per
+/// sample.
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+struct LabelKey {
+    comm: [u8; COMM_LEN],
+    exe: Arc<str>,
+    pid: Option<u32>,
+}
+
+/// The interval being aggregated.
+#[derive(Debug)]
+struct Builder {
+    start: SystemTime,
+    mappings: Vec<IntervalMapping>,
+    mapping_index: HashMap<MappingKey, u32>,
+    /// Mapping index by module file (pointer, with the `Arc` held so the
+    /// pointer is not reused while remembered).
+    module_memo: HashMap<usize, (Arc<ModuleFile>, u32)>,
+    /// Files of this interval by identity: one open per file.
+    files: HashMap<ObjectId, Arc<ObjectFile>>,
+    eager_opens: usize,
+    locations: Vec<IntervalLocation>,
+    location_index: HashMap<IntervalLocation, u32>,
+    stacks: Vec<Box<[u32]>>,
+    stack_index: HashMap<Box<[u32]>, u32>,
+    label_sets: Vec<LabelValues>,
+    label_index: HashMap<LabelKey, u32>,
+    samples: HashMap<(u32, u32), u64>,
+    sample_order: Vec<(u32, u32)>,
+    truncated_stack: Option<u32>,
+}
+
+impl Builder {
+    fn new(start: SystemTime) -> Self {
+        Self {
+            start,
+            mappings: Vec::new(),
+            mapping_index: HashMap::new(),
+            module_memo: HashMap::new(),
+            files: HashMap::new(),
+            eager_opens: 0,
+            locations: Vec::new(),
+            location_index: HashMap::new(),
+            stacks: Vec::new(),
+            stack_index: HashMap::new(),
+            label_sets: Vec::new(),
+            label_index: HashMap::new(),
+            samples: HashMap::new(),
+            sample_order: Vec::new(),
+            truncated_stack: None,
+        }
+    }
+
+    /// The index of `key`, added when `insert`.
+    fn mapping(&mut self, key: MappingKey, insert: bool) -> Option<u32> {
+        if let Some(&index) = self.mapping_index.get(&key) {
+            return Some(index);
+        }
+        if !insert {
+            return None;
+        }
+        let index = index_of(self.mappings.len());
+        self.mappings.push(IntervalMapping {
+            key: key.clone(),
+            file: None,
+        });
+        self.mapping_index.insert(key, index);
+        Some(index)
+    }
+
+    fn location(&mut self, location: IntervalLocation, insert: bool) -> Option<u32> {
+        if let Some(&index) = self.location_index.get(&location) {
+            return Some(index);
+        }
+        if !insert {
+            return None;
+        }
+        let index = index_of(self.locations.len());
+        self.locations.push(location);
+        self.location_index.insert(location, index);
+        Some(index)
+    }
+
+    fn stack(&mut self, stack: &[u32], insert: bool) -> Option<u32> {
+        if let Some(&index) = self.stack_index.get(stack) {
+            return Some(index);
+        }
+        if !insert {
+            return None;
+        }
+        let index = index_of(self.stacks.len());
+        self.stacks.push(stack.into());
+        self.stack_index.insert(stack.into(), index);
+        Some(index)
+    }
+
+    /// Adds `count` to the pair; a new pair only when `insert`.
+    fn count(&mut self, stack: u32, labels: u32, insert: bool) -> bool {
+        if let Some(count) = self.samples.get_mut(&(stack, labels)) {
+            *count += 1;
+            return true;
+        }
+        if !insert {
+            return false;
+        }
+        self.samples.insert((stack, labels), 1);
+        self.sample_order.push((stack, labels));
+        true
+    }
+
+    /// The `[truncated]` stack, made on first use whatever the bound: there
+    /// is one per interval, and one pair per label set.
+    fn truncated_stack(&mut self) -> u32 {
+        if let Some(stack) = self.truncated_stack {
+            return stack;
+        }
+        let mapping = self.mapping(MappingKey::Truncated, true).unwrap_or(0);
+        let location = IntervalLocation {
+            mapping,
+            address: 0,
+            return_address: false,
+        };
+        let location = self.location(location, true).unwrap_or(0);
+        let stack = self.stack(&[location], true).unwrap_or(0);
+        self.truncated_stack = Some(stack);
+        stack
+    }
+
+    fn finish(self, node: Arc<str>, end: SystemTime) -> Interval {
+        let samples = self
+            .sample_order
+            .iter()
+            .map(|&(stack, labels)| {
+                let count = self.samples.get(&(stack, labels)).copied().unwrap_or(0);
+                (stack, labels, count)
+            })
+            .collect();
+        Interval {
+            node,
+            start: self.start,
+            end,
+            mappings: self.mappings,
+            locations: self.locations,
+            stacks: self.stacks,
+            label_sets: self.label_sets,
+            samples,
+        }
+    }
+}
+
+/// Dictionary sizes are bounded far below `u32::MAX` by `max_entries` and
+/// the stack depth limits; saturating keeps this total anyway.
+fn index_of(len: usize) -> u32 {
+    u32::try_from(len).unwrap_or(u32::MAX)
+}
+
+impl Aggregator {
+    pub fn new(config: AggregatorConfig) -> Self {
+        Self::starting_at(config, SystemTime::now())
+    }
+
+    /// An aggregator whose first interval starts at `start`.
+    pub fn starting_at(config: AggregatorConfig, start: SystemTime) -> Self {
+        Self {
+            node: config.node_name.as_str().into(),
+            exes: ExeCache::new(&config.proc_root, labels::MAX_CACHED_EXES),
+            config,
+            current: Builder::new(start),
+            stats: AggregateStats::default(),
+            stack: Vec::with_capacity(2 * stackscope_unwind::DEFAULT_MAX_DEPTH),
+        }
+    }
+
+    pub fn stats(&self) -> AggregateStats {
+        AggregateStats {
+            distinct: self.current.samples.len() as u64,
+            ..self.stats
+        }
+    }
+
+    /// Distinct (labels, stack) pairs in the interval being aggregated.
+    pub fn distinct(&self) -> usize {
+        self.current.samples.len()
+    }
+
+    /// The process replaced its image: its exe is read again.
+    pub fn on_exec(&mut self, tgid: u32) {
+        self.exes.forget(tgid);
+    }
+
+    /// The process exited.
+    pub fn on_exit(&mut self, tgid: u32) {
+        self.exes.forget(tgid);
+    }
+
+    /// Counts one sample: its kernel frames (innermost first) and, unless
+    /// it is a kernel thread's, its walked user stack.
+    pub fn add(&mut self, header: &SampleHeader, kernel_frames: &[u64], user: Option<&Walk<'_>>) {
+        let user_frames = user.map_or(0, |walk| walk.objects.len());
+        if kernel_frames.is_empty() && user_frames == 0 {
+            self.stats.empty += 1;
+            return;
+        }
+        let insert = self.current.samples.len() < self.config.max_entries
+            && self.current.locations.len() + MAX_FRAMES_PER_SAMPLE <= MAX_LOCATIONS;
+
+        let key = LabelKey {
+            comm: header.comm,
+            exe: match user {
+                Some(_) => self.exes.get(header.tgid),
+                None => "".into(),
+            },
+            pid: self.config.label_pid.then_some(header.tgid),
+        };
+        let labels = match self.current.label_index.get(&key) {
+            Some(&index) => index,
+            None if insert && self.current.label_sets.len() < MAX_LABEL_SETS => {
+                let index = index_of(self.current.label_sets.len());
+                self.current.label_sets.push(LabelValues {
+                    comm: labels::comm_str(&key.comm),
+                    exe: Arc::clone(&key.exe),
+                    pid: key.pid,
+                });
+                self.current.label_index.insert(key, index);
+                index
+            }
+            None => {
+                self.stats.dropped += 1;
+                return;
+            }
+        };
+        self.stats.samples += 1;
+        self.stats.kernel_only += u64::from(user.is_none());
+
+        let complete = self.intern_stack(kernel_frames, user, insert);
+        let counted = complete
+            && match self.current.stack(&self.stack, insert) {
+                Some(stack) => self.current.count(stack, labels, insert),
+                None => false,
+            };
+        if !counted {
+            let stack = self.current.truncated_stack();
+            self.current.count(stack, labels, true);
+            self.stats.truncated += 1;
+        }
+    }
+
+    /// Fills `self.stack` with the sample's location indexes; false when a
+    /// location is new and `insert` is off.
+    fn intern_stack(
+        &mut self,
+        kernel_frames: &[u64],
+        user: Option<&Walk<'_>>,
+        insert: bool,
+    ) -> bool {
+        self.stack.clear();
+        if !kernel_frames.is_empty() {
+            let Some(kernel) = self.current.mapping(MappingKey::Kernel, insert) else {
+                return false;
+            };
+            for (i, &address) in kernel_frames.iter().enumerate() {
+                let location = IntervalLocation {
+                    mapping: kernel,
+                    address,
+                    return_address: i > 0,
+                };
+                match self.current.location(location, insert) {
+                    Some(index) => self.stack.push(index),
+                    None => return false,
+                }
+            }
+        }
+        let Some(walk) = user else {
+            return true;
+        };
+        for (i, object) in walk.objects.iter().enumerate() {
+            let (mapping, address) = match object {
+                FrameObject::File { file, file_offset } => {
+                    (self.file_mapping(file, insert), *file_offset)
+                }
+                FrameObject::Vdso { offset } => {
+                    (self.current.mapping(MappingKey::Vdso, insert), *offset)
+                }
+                FrameObject::Anonymous { address } => (
+                    self.current.mapping(MappingKey::Anonymous, insert),
+                    *address,
+                ),
+            };
+            let Some(mapping) = mapping else {
+                return false;
+            };
+            let location = IntervalLocation {
+                mapping,
+                address,
+                return_address: i > 0,
+            };
+            match self.current.location(location, insert) {
+                Some(index) => self.stack.push(index),
+                None => return false,
+            }
+        }
+        true
+    }
+
+    /// The mapping of a module file; a new one opens the file (see
+    /// [`MAX_EAGER_OPENS`]).
+    fn file_mapping(&mut self, file: &Arc<ModuleFile>, insert: bool) -> Option<u32> {
+        let pointer = Arc::as_ptr(file) as usize;
+        if let Some((_, index)) = self.current.module_memo.get(&pointer) {
+            return Some(*index);
+        }
+        let key = MappingKey::User {
+            id: *file.id,
+            path: mapping_path(file.path()),
+        };
+        let index = match self.current.mapping_index.get(&key) {
+            Some(&index) => index,
+            None if insert => {
+                let index = self.current.mapping(key, true)?;
+                let object = self.object_file(file);
+                if let Some(mapping) = self.current.mappings.get_mut(index as usize) {
+                    mapping.file = Some(object);
+                }
+                index
+            }
+            None => return None,
+        };
+        if self.current.module_memo.len() < MAX_MODULE_MEMO {
+            self.current
+                .module_memo
+                .insert(pointer, (Arc::clone(file), index));
+        }
+        Some(index)
+    }
+
+    /// The interval's handle on the file of `module`, opened now (while
+    /// its process runs) for the first [`MAX_EAGER_OPENS`] files.
+    fn object_file(&mut self, module: &ModuleFile) -> Arc<ObjectFile> {
+        if let Some(object) = self.current.files.get(&*module.id) {
+            return Arc::clone(object);
+        }
+        let object = Arc::new(ObjectFile::new(module));
+        if self.current.eager_opens < MAX_EAGER_OPENS {
+            self.current.eager_opens += 1;
+            match object.open_now() {
+                Ok(_) => self.stats.files_opened += 1,
+                Err(_) => self.stats.files_failed += 1,
+            }
+        }
+        self.current.files.insert(*module.id, Arc::clone(&object));
+        object
+    }
+
+    /// Ends the interval being aggregated at `end`, starts the next one
+    /// there, and returns the finished one.
+    pub fn finish_interval(&mut self, end: SystemTime) -> Interval {
+        let finished = std::mem::replace(&mut self.current, Builder::new(end));
+        self.stats.intervals += 1;
+        self.stats.max_distinct = self.stats.max_distinct.max(finished.samples.len() as u64);
+        finished.finish(Arc::clone(&self.node), end)
+    }
+}
+
+/// The path of a mapping as shipped: the file's path as the process sees
+/// it, without the ` (deleted)` mark (the build-id says which version).
+fn mapping_path(path: &MappingPath) -> String {
+    match path {
+        MappingPath::File { path, .. } => path.to_string_lossy().into_owned(),
+        MappingPath::Memfd { name, .. } => format!("/memfd:{}", String::from_utf8_lossy(name)),
+        other => other.to_string(),
+    }
+}
+
+#[cfg(test)]
+mod tests;

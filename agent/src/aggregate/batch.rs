@@ -1,0 +1,402 @@
+//! Builds one `stackscope.v1.Batch` from a finished [`Interval`].
+//!
+//! Owns the batch's dictionaries: the string table (`""` first), mappings
+//! (kernel frames split into the kernel image and its modules here, where
+//! kallsyms is at hand), locations with their names, stacks, label sets and
+//! samples, each deduplicated, every index into them in range. Names come
+//! from the [`Symbolizer`], once per distinct location of the interval and
+//! grouped by file, so a hot frame costs a cache hit per batch, not per
+//! sample.
+
+use std::{
+    collections::HashMap,
+    sync::Arc,
+    time::{Duration, Instant, SystemTime, UNIX_EPOCH},
+};
+
+use stackscope_process_table::ObjectId;
+use stackscope_proto::v1;
+
+use super::{Interval, MappingKey, labels};
+use crate::symbolize::{FrameLine, Lines, Symbolizer, truncate_str};
+
+/// The longest string sent: the collector's default limit.
+const MAX_STRING_BYTES: usize = 4096;
+
+/// Mapping paths of the kernel image and of pseudo-frames, as perf names
+/// the first.
+const KERNEL_PATH: &str = "[kernel.kallsyms]";
+const ANONYMOUS_PATH: &str = "[anonymous]";
+const VDSO_PATH: &str = "[vdso]";
+/// The function (and mapping path) of the pseudo-frame that stands for the
+/// stacks beyond the interval's bound.
+pub const TRUNCATED: &str = "[truncated]";
+
+/// What a batch says beyond its interval.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct BatchOptions {
+    /// Nanoseconds of CPU time one sample stands for (1e9 / frequency).
+    pub sample_period_nanos: u64,
+    /// Time allowed for naming the locations not in the cache; past it, the
+    /// rest of the batch goes unnamed (and is named for a later batch).
+    pub naming_budget: Duration,
+}
+
+impl BatchOptions {
+    /// Options for sampling at `frequency_hz` (at least 1).
+    pub fn for_frequency(frequency_hz: u64) -> Self {
+        Self {
+            sample_period_nanos: 1_000_000_000 / frequency_hz.max(1),
+            naming_budget: Duration::from_secs(5),
+        }
+    }
+}
+
+/// Builds the batch of `interval`, naming its frames with `symbolizer`.
+pub fn build_batch(
+    interval: &Interval,
+    symbolizer: &mut Symbolizer,
+    options: &BatchOptions,
+) -> v1::Batch {
+    symbolizer.begin_batch(Some(Instant::now() + options.naming_budget));
+    let names = name_locations(interval, symbolizer);
+    let mut batch = BatchBuilder::default();
+
+    // Locations, with their mappings as they are used.
+    let mut location_remap = Vec::with_capacity(interval.locations.len());
+    let mut mapping_remap: HashMap<(u32, Option<Arc<str>>), u32> = HashMap::new();
+    for (location, (lines, module)) in interval.locations.iter().zip(names) {
+        let mapping = match mapping_remap.get(&(location.mapping, module.clone())) {
+            Some(&index) => index,
+            None => {
+                let index = batch.mapping(interval, location.mapping, module.as_ref(), symbolizer);
+                mapping_remap.insert((location.mapping, module), index);
+                index
+            }
+        };
+        location_remap.push(batch.location(mapping, location.address, &lines));
+    }
+
+    let stack_remap: Vec<u32> = interval
+        .stacks
+        .iter()
+        .map(|stack| {
+            let locations = stack
+                .iter()
+                .map(|&location| location_remap.get(location as usize).copied().unwrap_or(0))
+                .collect();
+            batch.stack(locations)
+        })
+        .collect();
+
+    let node = batch.strings.intern(&interval.node);
+    let label_remap: Vec<u32> = interval
+        .label_sets
+        .iter()
+        .map(|values| {
+            let mut labels = vec![
+                (labels::COMM, batch.strings.intern(&values.comm)),
+                (labels::EXE, batch.strings.intern(&values.exe)),
+                (labels::NODE, node),
+            ];
+            let pid = values.pid.map(|pid| pid.to_string());
+            if let Some(pid) = &pid {
+                labels.push((labels::PID, batch.strings.intern(pid)));
+            }
+            batch.label_set(&labels)
+        })
+        .collect();
+
+    for &(stack, label_set, count) in &interval.samples {
+        let (Some(&stack), Some(&label_set)) = (
+            stack_remap.get(stack as usize),
+            label_remap.get(label_set as usize),
+        ) else {
+            continue;
+        };
+        batch.sample(stack, label_set, count);
+    }
+
+    let start = unix_nanos(interval.start);
+    let agent_version = batch.strings.intern(env!("CARGO_PKG_VERSION"));
+    v1::Batch {
+        batch_id: rand::random::<[u8; 16]>().to_vec(),
+        node: Some(v1::Node {
+            name: node,
+            agent_version,
+        }),
+        start_unix_nanos: start,
+        // The collector wants a non-empty window.
+        end_unix_nanos: unix_nanos(interval.end).max(start + 1),
+        sample_period_nanos: options.sample_period_nanos.max(1),
+        strings: batch.strings.strings,
+        mappings: batch.mappings,
+        locations: batch.locations,
+        stacks: batch.stacks,
+        label_sets: batch.label_sets,
+        samples: batch.samples,
+    }
+}
+
+/// Nanoseconds since the epoch, clamped to what the wire format holds.
+fn unix_nanos(time: SystemTime) -> i64 {
+    time.duration_since(UNIX_EPOCH).map_or(0, |since| {
+        i64::try_from(since.as_nanos()).unwrap_or(i64::MAX)
+    })
+}
+
+/// The names of every location of `interval` (and the kernel module of
+/// kernel ones), index for index.
+fn name_locations(
+    interval: &Interval,
+    symbolizer: &mut Symbolizer,
+) -> Vec<(Lines, Option<Arc<str>>)> {
+    let unnamed: Lines = Arc::new([]);
+    let mut names = vec![(unnamed, None); interval.locations.len()];
+    // Locations of each file (and of the vDSO) together: one lookup each.
+    let mut by_mapping: HashMap<u32, Vec<usize>> = HashMap::new();
+    for (index, location) in interval.locations.iter().enumerate() {
+        let Some(mapping) = interval.mappings.get(location.mapping as usize) else {
+            continue;
+        };
+        match &mapping.key {
+            MappingKey::User { .. } | MappingKey::Vdso => {
+                by_mapping.entry(location.mapping).or_default().push(index);
+            }
+            MappingKey::Kernel => {
+                let frame = symbolizer.kernel(location.lookup());
+                names[index] = (frame.lines, frame.module);
+            }
+            MappingKey::Truncated => {
+                names[index].0 = Arc::new([FrameLine {
+                    function: TRUNCATED.into(),
+                    file: "".into(),
+                    line: 0,
+                }]);
+            }
+            MappingKey::Anonymous => {}
+        }
+    }
+    let mut groups: Vec<(u32, Vec<usize>)> = by_mapping.into_iter().collect();
+    // Deterministic order, so the naming budget cuts the same way each time.
+    groups.sort_unstable_by_key(|(mapping, _)| *mapping);
+    for (mapping, indexes) in groups {
+        let offsets: Vec<u64> = indexes
+            .iter()
+            .map(|&index| interval.locations[index].lookup())
+            .collect();
+        let found = match &interval.mappings[mapping as usize] {
+            mapping if mapping.key == MappingKey::Vdso => symbolizer.vdso(&offsets),
+            super::IntervalMapping {
+                file: Some(file), ..
+            } => symbolizer.user(file, &offsets),
+            _ => continue,
+        };
+        for (index, lines) in indexes.into_iter().zip(found) {
+            names[index].0 = lines;
+        }
+    }
+    names
+}
+
+/// Strings by value, `""` at index 0.
+struct StringTable {
+    strings: Vec<String>,
+    index: HashMap<String, u32>,
+}
+
+impl Default for StringTable {
+    fn default() -> Self {
+        Self {
+            strings: vec![String::new()],
+            index: HashMap::from([(String::new(), 0)]),
+        }
+    }
+}
+
+impl StringTable {
+    fn intern(&mut self, text: &str) -> u32 {
+        let text = truncate_str(text, MAX_STRING_BYTES);
+        if let Some(&index) = self.index.get(text) {
+            return index;
+        }
+        let index = index_of(self.strings.len());
+        self.strings.push(text.to_owned());
+        self.index.insert(text.to_owned(), index);
+        index
+    }
+}
+
+/// A location as deduplicated: mapping, address, and (function, file,
+/// line) string indexes per line.
+type LocationKey = (u32, u64, Vec<(u32, u32, u32)>);
+
+/// Each dictionary with the index of every entry by value.
+#[derive(Default)]
+struct BatchBuilder {
+    strings: StringTable,
+    mappings: Vec<v1::Mapping>,
+    mapping_index: HashMap<(i32, u32, u32), u32>,
+    locations: Vec<v1::Location>,
+    location_index: HashMap<LocationKey, u32>,
+    stacks: Vec<v1::Stack>,
+    stack_index: HashMap<Vec<u32>, u32>,
+    label_sets: Vec<v1::LabelSet>,
+    label_set_index: HashMap<Vec<(u32, u32)>, u32>,
+    samples: Vec<v1::Sample>,
+    sample_index: HashMap<(u32, u32), usize>,
+}
+
+impl BatchBuilder {
+    /// The batch mapping of interval mapping `index` (of `module`, for the
+    /// kernel).
+    fn mapping(
+        &mut self,
+        interval: &Interval,
+        index: u32,
+        module: Option<&Arc<str>>,
+        symbolizer: &mut Symbolizer,
+    ) -> u32 {
+        let key = interval.mappings.get(index as usize).map(|m| &m.key);
+        let (kind, build_id, path) = match key {
+            Some(MappingKey::User { id, path }) => {
+                let build_id = match id {
+                    ObjectId::BuildId(build_id) => build_id.to_string(),
+                    ObjectId::FileKey(_) => String::new(),
+                };
+                (v1::MappingKind::User, build_id, path.clone())
+            }
+            Some(MappingKey::Vdso) => (
+                v1::MappingKind::Vdso,
+                symbolizer.vdso_build_id().unwrap_or_default().to_owned(),
+                VDSO_PATH.to_owned(),
+            ),
+            Some(MappingKey::Kernel) => (
+                v1::MappingKind::Kernel,
+                symbolizer
+                    .kernel_build_id(module)
+                    .unwrap_or_default()
+                    .to_owned(),
+                module.map_or_else(|| KERNEL_PATH.to_owned(), |module| format!("[{module}]")),
+            ),
+            Some(MappingKey::Truncated) => (
+                v1::MappingKind::Anonymous,
+                String::new(),
+                TRUNCATED.to_owned(),
+            ),
+            Some(MappingKey::Anonymous) | None => (
+                v1::MappingKind::Anonymous,
+                String::new(),
+                ANONYMOUS_PATH.to_owned(),
+            ),
+        };
+        let mapping = v1::Mapping {
+            kind: kind as i32,
+            build_id: self.strings.intern(&build_id),
+            path: self.strings.intern(&path),
+        };
+        let key = (mapping.kind, mapping.build_id, mapping.path);
+        if let Some(&index) = self.mapping_index.get(&key) {
+            return index;
+        }
+        let index = index_of(self.mappings.len());
+        self.mappings.push(mapping);
+        self.mapping_index.insert(key, index);
+        index
+    }
+
+    fn location(&mut self, mapping: u32, address: u64, lines: &[FrameLine]) -> u32 {
+        let lines: Vec<(u32, u32, u32)> = lines
+            .iter()
+            .map(|line| {
+                (
+                    self.strings.intern(&line.function),
+                    self.strings.intern(&line.file),
+                    line.line,
+                )
+            })
+            .collect();
+        let key = (mapping, address, lines);
+        if let Some(&index) = self.location_index.get(&key) {
+            return index;
+        }
+        let index = index_of(self.locations.len());
+        self.locations.push(v1::Location {
+            mapping,
+            address,
+            lines: key
+                .2
+                .iter()
+                .map(|&(function, file, line)| v1::Line {
+                    function,
+                    file,
+                    line,
+                })
+                .collect(),
+        });
+        self.location_index.insert(key, index);
+        index
+    }
+
+    fn stack(&mut self, locations: Vec<u32>) -> u32 {
+        if let Some(&index) = self.stack_index.get(&locations) {
+            return index;
+        }
+        let index = index_of(self.stacks.len());
+        self.stacks.push(v1::Stack {
+            locations: locations.clone(),
+        });
+        self.stack_index.insert(locations, index);
+        index
+    }
+
+    /// `labels` as (name, value index); names are interned here.
+    fn label_set(&mut self, labels: &[(&str, u32)]) -> u32 {
+        let mut labels: Vec<(u32, u32)> = labels
+            .iter()
+            .map(|&(name, value)| (self.strings.intern(name), value))
+            .collect();
+        labels.sort_unstable();
+        if let Some(&index) = self.label_set_index.get(&labels) {
+            return index;
+        }
+        let index = index_of(self.label_sets.len());
+        self.label_sets.push(v1::LabelSet {
+            labels: labels
+                .iter()
+                .map(|&(name, value)| v1::Label { name, value })
+                .collect(),
+        });
+        self.label_set_index.insert(labels, index);
+        index
+    }
+
+    /// Counts merge when two interval entries became one (locations that
+    /// differed only in how they were named).
+    fn sample(&mut self, stack: u32, label_set: u32, count: u64) {
+        if count == 0 {
+            return;
+        }
+        match self
+            .sample_index
+            .get(&(stack, label_set))
+            .and_then(|&at| self.samples.get_mut(at))
+        {
+            Some(sample) => sample.count += count,
+            None => {
+                self.sample_index
+                    .insert((stack, label_set), self.samples.len());
+                self.samples.push(v1::Sample {
+                    stack,
+                    label_set,
+                    count,
+                    sampling_divisor: 0,
+                });
+            }
+        }
+    }
+}
+
+fn index_of(len: usize) -> u32 {
+    u32::try_from(len).unwrap_or(u32::MAX)
+}

@@ -1,0 +1,152 @@
+//! The labels every sample carries, and where their values come from.
+//!
+//! Owns the per-process `exe` cache (read from `/proc/<pid>/exe` once per
+//! process, forgotten on exec and exit, bounded) and the node's name. The
+//! other labels come straight from the sample header.
+
+use std::{
+    collections::HashMap,
+    os::unix::ffi::OsStrExt as _,
+    path::{Path, PathBuf},
+    sync::Arc,
+};
+
+/// Label names, as shipped.
+pub const COMM: &str = "comm";
+pub const EXE: &str = "exe";
+pub const NODE: &str = "node";
+pub const PID: &str = "pid";
+
+/// Processes whose exe is cached before the cache starts over: about 100
+/// bytes each, so a few MB.
+pub const MAX_CACHED_EXES: usize = 65_536;
+
+/// What the kernel appends to the link of an unlinked file.
+const DELETED_SUFFIX: &[u8] = b" (deleted)";
+
+/// The executable of each process, as the process sees it (a container's
+/// process shows the path inside the container).
+#[derive(Debug)]
+pub struct ExeCache {
+    proc_root: PathBuf,
+    by_tgid: HashMap<u32, Arc<str>>,
+    capacity: usize,
+    empty: Arc<str>,
+    /// `readlink` calls made (cache misses).
+    pub reads: u64,
+}
+
+impl ExeCache {
+    pub fn new(proc_root: &Path, capacity: usize) -> Self {
+        Self {
+            proc_root: proc_root.to_path_buf(),
+            by_tgid: HashMap::new(),
+            capacity: capacity.max(1),
+            empty: "".into(),
+            reads: 0,
+        }
+    }
+
+    /// The exe path of `tgid`; empty when it cannot be read (the process
+    /// exited). Failures are not cached: a sample delivered late, after its
+    /// process exited, must not leave an empty exe for a later process
+    /// that gets the same pid by `fork` alone (no exec event forgets it).
+    pub fn get(&mut self, tgid: u32) -> Arc<str> {
+        if let Some(exe) = self.by_tgid.get(&tgid) {
+            return Arc::clone(exe);
+        }
+        if self.by_tgid.len() >= self.capacity {
+            // Starting over costs one readlink per live process; tracking
+            // recency would cost on every sample.
+            self.by_tgid.clear();
+        }
+        self.reads += 1;
+        let link = self.proc_root.join(tgid.to_string()).join("exe");
+        let Ok(path) = std::fs::read_link(link) else {
+            return Arc::clone(&self.empty);
+        };
+        let bytes = path.as_os_str().as_bytes();
+        let bytes = bytes.strip_suffix(DELETED_SUFFIX).unwrap_or(bytes);
+        let exe: Arc<str> = String::from_utf8_lossy(bytes).into();
+        self.by_tgid.insert(tgid, Arc::clone(&exe));
+        exe
+    }
+
+    /// Forgets `tgid` (it called exec, or exited).
+    pub fn forget(&mut self, tgid: u32) {
+        self.by_tgid.remove(&tgid);
+    }
+
+    pub fn len(&self) -> usize {
+        self.by_tgid.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.by_tgid.is_empty()
+    }
+}
+
+/// This machine's host name (as `uname -n` prints it), or `"unknown"`.
+pub fn host_name() -> String {
+    std::fs::read_to_string("/proc/sys/kernel/hostname")
+        .ok()
+        .map(|name| name.trim().to_string())
+        .filter(|name| !name.is_empty())
+        .unwrap_or_else(|| "unknown".to_string())
+}
+
+/// `comm` up to its first NUL, lossily decoded.
+pub fn comm_str(comm: &[u8]) -> String {
+    let end = comm.iter().position(|&b| b == 0).unwrap_or(comm.len());
+    String::from_utf8_lossy(&comm[..end]).into_owned()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn reads_exe_links_caches_them_and_forgets_on_request() {
+        let proc = tempfile::tempdir().expect("temporary directory");
+        let pid_dir = proc.path().join("42");
+        std::fs::create_dir(&pid_dir).expect("pid directory");
+        std::os::unix::fs::symlink("/usr/bin/redis-server (deleted)", pid_dir.join("exe"))
+            .expect("exe link");
+        let mut cache = ExeCache::new(proc.path(), 8);
+        assert_eq!(&*cache.get(42), "/usr/bin/redis-server");
+        assert_eq!(&*cache.get(43), "", "no such process");
+        // Replaced behind the cache's back: still the cached answer.
+        std::fs::remove_file(pid_dir.join("exe")).expect("removing the link");
+        std::os::unix::fs::symlink("/bin/sh", pid_dir.join("exe")).expect("exe link");
+        assert_eq!(&*cache.get(42), "/usr/bin/redis-server");
+        assert_eq!(cache.reads, 2);
+        // exec: read again.
+        cache.forget(42);
+        assert_eq!(&*cache.get(42), "/bin/sh");
+        assert_eq!(cache.reads, 3);
+        // A missing process is not remembered as empty.
+        std::fs::create_dir(proc.path().join("43")).expect("pid directory");
+        std::os::unix::fs::symlink("/usr/bin/forked", proc.path().join("43/exe"))
+            .expect("exe link");
+        assert_eq!(&*cache.get(43), "/usr/bin/forked");
+    }
+
+    #[test]
+    fn the_cache_stays_within_its_capacity() {
+        let proc = tempfile::tempdir().expect("temporary directory");
+        let mut cache = ExeCache::new(proc.path(), 4);
+        for tgid in 0..100u32 {
+            let dir = proc.path().join(tgid.to_string());
+            std::fs::create_dir(&dir).expect("pid directory");
+            std::os::unix::fs::symlink(format!("/bin/p{tgid}"), dir.join("exe")).expect("exe link");
+            assert_eq!(&*cache.get(tgid), format!("/bin/p{tgid}"));
+            assert!(!cache.is_empty() && cache.len() <= 4);
+        }
+    }
+
+    #[test]
+    fn comm_stops_at_the_first_nul() {
+        assert_eq!(comm_str(b"redis\0\0\0garbage\0"), "redis");
+        assert_eq!(comm_str(b"exactly-16-bytes"), "exactly-16-bytes");
+    }
+}

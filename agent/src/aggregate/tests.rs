@@ -1,0 +1,621 @@
+use std::{collections::HashSet, io::Write as _, time::UNIX_EPOCH};
+
+use agent_common::{RecordKind, sample_flags};
+use stackscope_process_table::{Location, ProcessTable};
+use stackscope_proto::v1;
+use stackscope_unwind::UnwindEnd;
+
+use super::*;
+use crate::{
+    symbolize::{Symbolizer, SymbolizerConfig},
+    unwinding::WalkOutcome,
+};
+
+const KERNEL_LEAF: u64 = 0xffff_ffff_8110_0042;
+const KERNEL_CALLER: u64 = 0xffff_ffff_8120_0010;
+const MODULE_FRAME: u64 = 0xffff_ffff_c000_1010;
+
+/// A kallsyms naming the kernel addresses above.
+fn kallsyms() -> tempfile::NamedTempFile {
+    let mut file = tempfile::NamedTempFile::new().expect("temporary file");
+    file.write_all(
+        b"ffffffff81100000 T do_syscall_64\n\
+          ffffffff81200000 T entry_SYSCALL_64\n\
+          ffffffffc0001000 t nft_do_chain\t[nf_tables]\n",
+    )
+    .expect("writing kallsyms");
+    file
+}
+
+fn symbolizer(kallsyms: &tempfile::NamedTempFile) -> Symbolizer {
+    Symbolizer::new(SymbolizerConfig {
+        kallsyms: kallsyms.path().to_path_buf(),
+        sys_root: PathBuf::from("/nonexistent"),
+        ..SymbolizerConfig::default()
+    })
+}
+
+/// Two real module files of this test process: its own executable and
+/// the C library.
+fn module_files() -> (Arc<ModuleFile>, Arc<ModuleFile>) {
+    let mut table = ProcessTable::default();
+    let pid = std::process::id();
+    let mut module = |address: u64| match table.lookup(pid, address) {
+        Ok(Some(Location::Object(object))) => Arc::new(ModuleFile {
+            id: object.id,
+            region: object.region,
+        }),
+        other => panic!("{address:#x} is not in a file: {other:?}"),
+    };
+    let own = module(module_files as fn() -> _ as usize as u64);
+    let libc = module(libc::getpid as unsafe extern "C" fn() -> libc::pid_t as usize as u64);
+    assert_ne!(own.id, libc.id, "two different objects");
+    (own, libc)
+}
+
+fn header(tgid: u32, comm: &str, user: bool) -> SampleHeader {
+    let mut name = [0u8; COMM_LEN];
+    name[..comm.len()].copy_from_slice(comm.as_bytes());
+    SampleHeader {
+        kind: RecordKind::Sample as u32,
+        flags: if user { sample_flags::USER_REGS } else { 0 },
+        tgid,
+        tid: tgid,
+        cpu: 0,
+        kernel_stack_len: 0,
+        user_stack_len: 0,
+        _pad: 0,
+        ktime_ns: 0,
+        cgroup_id: 0,
+        user_rip: 0,
+        user_rsp: 0,
+        user_rbp: 0,
+        comm: name,
+    }
+}
+
+fn file(module: &Arc<ModuleFile>, file_offset: u64) -> FrameObject {
+    FrameObject::File {
+        file: Arc::clone(module),
+        file_offset,
+    }
+}
+
+/// Adds one sample with user frames `objects` (innermost first).
+fn add(
+    aggregator: &mut Aggregator,
+    header: &SampleHeader,
+    kernel: &[u64],
+    objects: &[FrameObject],
+) {
+    let frames = vec![0; objects.len()];
+    let walk = Walk {
+        frames: &frames,
+        objects,
+        outcome: WalkOutcome::Ended(UnwindEnd::Outermost),
+    };
+    aggregator.add(header, kernel, Some(&walk));
+}
+
+fn config() -> AggregatorConfig {
+    AggregatorConfig {
+        node_name: "node-a".into(),
+        ..AggregatorConfig::default()
+    }
+}
+
+/// Every sample of `interval` as (stack as (mapping key, address), labels, count).
+type Flat = Vec<(Vec<(MappingKey, u64, bool)>, LabelValues, u64)>;
+
+fn flatten(interval: &Interval) -> Flat {
+    interval
+        .samples
+        .iter()
+        .map(|&(stack, labels, count)| {
+            let frames = interval.stacks[stack as usize]
+                .iter()
+                .map(|&location| {
+                    let location = interval.locations[location as usize];
+                    let key = interval.mappings[location.mapping as usize].key.clone();
+                    (key, location.address, location.return_address)
+                })
+                .collect();
+            (frames, interval.label_sets[labels as usize].clone(), count)
+        })
+        .collect()
+}
+
+#[test]
+fn sums_identical_pairs_and_keeps_different_labels_apart() {
+    let (own, libc) = module_files();
+    let mut aggregator = Aggregator::new(config());
+    let stack = [file(&libc, 0x9_1234), file(&own, 0x1_5678)];
+    let pid = std::process::id();
+    for _ in 0..3 {
+        add(&mut aggregator, &header(pid, "worker", true), &[], &stack);
+    }
+    add(&mut aggregator, &header(pid, "other", true), &[], &stack);
+    assert_eq!(aggregator.distinct(), 2);
+
+    let interval = aggregator.finish_interval(SystemTime::now());
+    assert_eq!(interval.stacks.len(), 1, "one stack for both label sets");
+    assert_eq!(interval.label_sets.len(), 2);
+    let counts: Vec<(String, u64)> = flatten(&interval)
+        .into_iter()
+        .map(|(_, labels, count)| (labels.comm, count))
+        .collect();
+    assert_eq!(counts, [("worker".into(), 3), ("other".into(), 1)]);
+    assert_eq!(interval.sample_count(), 4);
+    // This process's exe, read from /proc.
+    let exe = std::fs::read_link("/proc/self/exe").expect("own exe");
+    assert_eq!(&*interval.label_sets[0].exe, exe.to_str().expect("UTF-8"));
+    assert_eq!(
+        interval.label_sets[0].pid, None,
+        "no pid label unless asked"
+    );
+
+    // The next interval starts empty where this one ended.
+    assert_eq!(aggregator.distinct(), 0);
+    let next = aggregator.finish_interval(SystemTime::now());
+    assert_eq!(next.start, interval.end);
+    assert!(next.samples.is_empty());
+    assert_eq!(aggregator.stats().intervals, 2);
+    assert_eq!(aggregator.stats().max_distinct, 2);
+}
+
+#[test]
+fn stacks_are_kernel_then_user_frames_leaf_first() {
+    let (own, libc) = module_files();
+    let mut aggregator = Aggregator::new(config());
+    let user = [
+        file(&libc, 0x9_1234),
+        FrameObject::Vdso { offset: 0x9a0 },
+        file(&own, 0x1_5678),
+        FrameObject::Anonymous {
+            address: 0x7f00_dead_0000,
+        },
+    ];
+    add(
+        &mut aggregator,
+        &header(7, "app", true),
+        &[KERNEL_LEAF, KERNEL_CALLER],
+        &user,
+    );
+    let interval = aggregator.finish_interval(SystemTime::now());
+    let (frames, _, count) = &flatten(&interval)[0];
+    assert_eq!(*count, 1);
+    let user_key = |module: &ModuleFile| MappingKey::User {
+        id: *module.id,
+        path: mapping_path(module.path()),
+    };
+    assert_eq!(
+        frames,
+        &[
+            // Each part's innermost frame is looked up at its address, the
+            // others are return addresses.
+            (MappingKey::Kernel, KERNEL_LEAF, false),
+            (MappingKey::Kernel, KERNEL_CALLER, true),
+            (user_key(&libc), 0x9_1234, false),
+            (MappingKey::Vdso, 0x9a0, true),
+            (user_key(&own), 0x1_5678, true),
+            (MappingKey::Anonymous, 0x7f00_dead_0000, true),
+        ]
+    );
+    assert_eq!(interval.locations[1].lookup(), KERNEL_CALLER - 1);
+    assert_eq!(interval.locations[0].lookup(), KERNEL_LEAF);
+    // The user mappings carry their file, opened while the process runs.
+    let opened = interval
+        .mappings
+        .iter()
+        .filter(|m| m.file.as_ref().is_some_and(|f| f.open_now().is_ok()))
+        .count();
+    assert_eq!(opened, 2);
+}
+
+#[test]
+fn kernel_threads_are_aggregated_without_exe_and_empty_samples_dropped() {
+    let mut aggregator = Aggregator::new(config());
+    aggregator.add(&header(0, "kworker/0:1", false), &[KERNEL_LEAF], None);
+    aggregator.add(&header(0, "kworker/0:1", false), &[], None);
+    let stats = aggregator.stats();
+    assert_eq!((stats.samples, stats.kernel_only, stats.empty), (1, 1, 1));
+    let interval = aggregator.finish_interval(SystemTime::now());
+    let flat = flatten(&interval);
+    assert_eq!(flat.len(), 1);
+    assert_eq!(flat[0].0, [(MappingKey::Kernel, KERNEL_LEAF, false)]);
+    assert_eq!(&*flat[0].1.exe, "");
+    assert_eq!(flat[0].1.comm, "kworker/0:1");
+}
+
+#[test]
+fn pid_label_only_when_asked() {
+    let kallsyms = kallsyms();
+    let mut symbolizer = symbolizer(&kallsyms);
+    for label_pid in [false, true] {
+        let mut aggregator = Aggregator::new(AggregatorConfig {
+            label_pid,
+            ..config()
+        });
+        for pid in [100, 101] {
+            aggregator.add(&header(pid, "app", false), &[KERNEL_LEAF], None);
+        }
+        let interval = aggregator.finish_interval(SystemTime::now());
+        let pids: Vec<Option<u32>> = interval.label_sets.iter().map(|l| l.pid).collect();
+        let batch = build_batch(&interval, &mut symbolizer, &BatchOptions::for_frequency(19));
+        let names: HashSet<&str> = batch
+            .label_sets
+            .iter()
+            .flat_map(|set| &set.labels)
+            .map(|label| batch.strings[label.name as usize].as_str())
+            .collect();
+        if label_pid {
+            assert_eq!(pids, [Some(100), Some(101)]);
+            assert_eq!(names, HashSet::from(["comm", "exe", "node", "pid"]));
+            assert_eq!(batch.samples.len(), 2);
+        } else {
+            assert_eq!(pids, [None], "both processes in one label set");
+            assert_eq!(names, HashSet::from(["comm", "exe", "node"]));
+            assert_eq!(batch.samples.len(), 1);
+            assert_eq!(batch.samples[0].count, 2);
+        }
+    }
+}
+
+#[test]
+fn a_full_interval_truncates_known_labels_and_drops_new_ones() {
+    let mut aggregator = Aggregator::new(AggregatorConfig {
+        max_entries: 2,
+        ..config()
+    });
+    let kernel_only = |aggregator: &mut Aggregator, comm: &str, address: u64| {
+        aggregator.add(&header(0, comm, false), &[address], None);
+    };
+    kernel_only(&mut aggregator, "a", KERNEL_LEAF);
+    kernel_only(&mut aggregator, "a", KERNEL_CALLER);
+    // Full: known pairs still count, new stacks of known labels go to
+    // [truncated], new labels are dropped.
+    kernel_only(&mut aggregator, "a", KERNEL_LEAF);
+    kernel_only(&mut aggregator, "a", MODULE_FRAME);
+    kernel_only(&mut aggregator, "a", MODULE_FRAME + 1);
+    kernel_only(&mut aggregator, "b", KERNEL_LEAF);
+    let stats = aggregator.stats();
+    assert_eq!(
+        (stats.samples, stats.truncated, stats.dropped),
+        (5, 2, 1),
+        "{stats:?}"
+    );
+    let interval = aggregator.finish_interval(SystemTime::now());
+    assert!(
+        !interval
+            .locations
+            .iter()
+            .any(|l| l.address == MODULE_FRAME || l.address == MODULE_FRAME + 1),
+        "locations of truncated samples are not kept"
+    );
+    let flat = flatten(&interval);
+    let counts: Vec<(MappingKey, u64)> = flat
+        .iter()
+        .map(|(frames, _, count)| (frames[0].0.clone(), *count))
+        .collect();
+    assert_eq!(
+        counts,
+        [
+            (MappingKey::Kernel, 2),
+            (MappingKey::Kernel, 1),
+            (MappingKey::Truncated, 2)
+        ]
+    );
+
+    let kallsyms = kallsyms();
+    let batch = build_batch(
+        &interval,
+        &mut symbolizer(&kallsyms),
+        &BatchOptions::for_frequency(19),
+    );
+    check_batch(&batch);
+    // Named, with counts, as in the interval.
+    let named: Vec<(&str, u64)> = batch
+        .samples
+        .iter()
+        .map(|sample| {
+            let stack = &batch.stacks[sample.stack as usize];
+            let leaf = &batch.locations[stack.locations[0] as usize];
+            (
+                batch.strings[leaf.lines[0].function as usize].as_str(),
+                sample.count,
+            )
+        })
+        .collect();
+    assert_eq!(
+        named,
+        [
+            ("do_syscall_64", 2),
+            ("entry_SYSCALL_64", 1),
+            (batch::TRUNCATED, 2)
+        ]
+    );
+}
+
+/// Every rule of the wire format the collector checks, and no duplicate in
+/// any dictionary.
+fn check_batch(batch: &v1::Batch) {
+    assert_eq!(batch.batch_id.len(), 16);
+    assert_eq!(batch.strings.first().map(String::as_str), Some(""));
+    let unique = |what: &str, count: usize, distinct: usize| {
+        assert_eq!(count, distinct, "duplicate {what}");
+    };
+    let strings: HashSet<&String> = batch.strings.iter().collect();
+    unique("strings", batch.strings.len(), strings.len());
+    let string = |index: u32| {
+        assert!((index as usize) < batch.strings.len(), "string {index}");
+    };
+    let node = batch.node.as_ref().expect("node");
+    string(node.name);
+    string(node.agent_version);
+    assert!(!batch.strings[node.name as usize].is_empty());
+    assert!(batch.end_unix_nanos > batch.start_unix_nanos);
+    assert!(batch.sample_period_nanos > 0);
+
+    let mappings: HashSet<(i32, u32, u32)> = batch
+        .mappings
+        .iter()
+        .map(|m| {
+            string(m.build_id);
+            string(m.path);
+            assert_ne!(m.kind, v1::MappingKind::Unspecified as i32);
+            let build_id = &batch.strings[m.build_id as usize];
+            assert!(
+                build_id.len().is_multiple_of(2)
+                    && build_id
+                        .bytes()
+                        .all(|b| b.is_ascii_digit() || (b'a'..=b'f').contains(&b)),
+                "build-id {build_id:?}"
+            );
+            (m.kind, m.build_id, m.path)
+        })
+        .collect();
+    unique("mappings", batch.mappings.len(), mappings.len());
+
+    let locations: HashSet<String> = batch
+        .locations
+        .iter()
+        .map(|l| {
+            assert!((l.mapping as usize) < batch.mappings.len());
+            for line in &l.lines {
+                string(line.function);
+                string(line.file);
+            }
+            format!("{l:?}")
+        })
+        .collect();
+    unique("locations", batch.locations.len(), locations.len());
+
+    let stacks: HashSet<&Vec<u32>> = batch
+        .stacks
+        .iter()
+        .map(|s| {
+            assert!(!s.locations.is_empty());
+            assert!(
+                s.locations
+                    .iter()
+                    .all(|&l| (l as usize) < batch.locations.len())
+            );
+            &s.locations
+        })
+        .collect();
+    unique("stacks", batch.stacks.len(), stacks.len());
+
+    let label_sets: HashSet<Vec<(u32, u32)>> = batch
+        .label_sets
+        .iter()
+        .map(|set| {
+            let mut labels: Vec<(u32, u32)> = set
+                .labels
+                .iter()
+                .map(|label| {
+                    string(label.name);
+                    string(label.value);
+                    (label.name, label.value)
+                })
+                .collect();
+            let names: HashSet<u32> = labels.iter().map(|&(name, _)| name).collect();
+            assert_eq!(names.len(), labels.len(), "label names unique in a set");
+            labels.sort_unstable();
+            labels
+        })
+        .collect();
+    unique("label sets", batch.label_sets.len(), label_sets.len());
+
+    let samples: HashSet<(u32, u32)> = batch
+        .samples
+        .iter()
+        .map(|s| {
+            assert!((s.stack as usize) < batch.stacks.len());
+            assert!((s.label_set as usize) < batch.label_sets.len());
+            assert!(s.count > 0);
+            assert_eq!(s.sampling_divisor, 0);
+            (s.stack, s.label_set)
+        })
+        .collect();
+    unique("samples", batch.samples.len(), samples.len());
+}
+
+#[test]
+fn batches_have_deduplicated_dictionaries_and_indexes_in_range() {
+    let (own, libc) = module_files();
+    let kallsyms = kallsyms();
+    let mut symbolizer = symbolizer(&kallsyms);
+    let start = UNIX_EPOCH + Duration::from_secs(1_700_000_000);
+    let mut aggregator = Aggregator::starting_at(config(), start);
+    let pid = std::process::id();
+    // An offset inside a function of this test binary, so its name is
+    // known (a return address is looked up one byte before).
+    let own_offset = {
+        let address = module_files as fn() -> _ as usize as u64 + 16;
+        let mapping = &own.region.mapping;
+        address - mapping.start + mapping.offset
+    };
+    let stacks: [&[FrameObject]; 3] = [
+        &[file(&libc, 0x9_1234), file(&own, own_offset)],
+        &[file(&own, own_offset)],
+        &[FrameObject::Vdso { offset: 0x9a0 }, file(&own, own_offset)],
+    ];
+    for (i, stack) in stacks.iter().enumerate() {
+        for comm in ["a", "b"] {
+            for _ in 0..=i {
+                add(
+                    &mut aggregator,
+                    &header(pid, comm, true),
+                    &[KERNEL_LEAF, MODULE_FRAME],
+                    stack,
+                );
+            }
+        }
+    }
+    aggregator.add(&header(0, "kworker", false), &[KERNEL_CALLER], None);
+    let interval = aggregator.finish_interval(start + Duration::from_secs(10));
+
+    let started = std::time::Instant::now();
+    let batch = build_batch(&interval, &mut symbolizer, &BatchOptions::for_frequency(19));
+    let took = started.elapsed();
+    check_batch(&batch);
+    assert!(took < Duration::from_secs(5), "{took:?}");
+
+    assert_eq!(batch.start_unix_nanos, 1_700_000_000_000_000_000);
+    assert_eq!(batch.end_unix_nanos, 1_700_000_010_000_000_000);
+    assert_eq!(batch.sample_period_nanos, 1_000_000_000 / 19);
+    let node = batch.node.as_ref().expect("node");
+    assert_eq!(batch.strings[node.name as usize], "node-a");
+    let total: u64 = batch.samples.iter().map(|s| s.count).sum();
+    assert_eq!(total, 2 * (1 + 2 + 3) + 1);
+    assert_eq!(batch.samples.len(), 2 * 3 + 1);
+    assert_eq!(batch.label_sets.len(), 3);
+
+    // Mappings: the two files with their build-ids and paths, the vDSO,
+    // the kernel image and a module.
+    let mapping = |m: &v1::Mapping| {
+        (
+            m.kind,
+            batch.strings[m.build_id as usize].clone(),
+            batch.strings[m.path as usize].clone(),
+        )
+    };
+    let mappings: HashSet<(i32, String, String)> = batch.mappings.iter().map(mapping).collect();
+    let user = |module: &ModuleFile| {
+        let build_id = match *module.id {
+            ObjectId::BuildId(id) => id.to_string(),
+            ObjectId::FileKey(_) => String::new(),
+        };
+        (
+            v1::MappingKind::User as i32,
+            build_id,
+            mapping_path(module.path()),
+        )
+    };
+    assert!(mappings.contains(&user(&own)), "{mappings:?}");
+    assert!(mappings.contains(&user(&libc)), "{mappings:?}");
+    let kinds: Vec<(i32, &str)> = mappings
+        .iter()
+        .filter(|(kind, _, _)| *kind != v1::MappingKind::User as i32)
+        .map(|(kind, _, path)| (*kind, path.as_str()))
+        .collect();
+    for expected in [
+        (v1::MappingKind::Kernel as i32, "[kernel.kallsyms]"),
+        (v1::MappingKind::Kernel as i32, "[nf_tables]"),
+        (v1::MappingKind::Vdso as i32, "[vdso]"),
+    ] {
+        assert!(kinds.contains(&expected), "{kinds:?}");
+    }
+
+    // Names: kernel frames from kallsyms, this binary's function from its
+    // symbols, located at the return address as walked.
+    let names = |location: &v1::Location| -> Vec<&str> {
+        location
+            .lines
+            .iter()
+            .map(|line| batch.strings[line.function as usize].as_str())
+            .collect()
+    };
+    let all: Vec<(Vec<&str>, u64)> = batch
+        .locations
+        .iter()
+        .map(|l| (names(l), l.address))
+        .collect();
+    assert!(
+        all.contains(&(vec!["do_syscall_64"], KERNEL_LEAF)),
+        "{all:?}"
+    );
+    assert!(
+        all.contains(&(vec!["nft_do_chain"], MODULE_FRAME)),
+        "{all:?}"
+    );
+    assert!(
+        all.contains(&(vec!["entry_SYSCALL_64"], KERNEL_CALLER)),
+        "{all:?}"
+    );
+    let own_names: Vec<&Vec<&str>> = all
+        .iter()
+        .filter(|(_, address)| *address == own_offset)
+        .map(|(names, _)| names)
+        .collect();
+    assert!(!own_names.is_empty());
+    for names in own_names {
+        assert!(
+            names
+                .last()
+                .is_some_and(|name| name.ends_with("module_files")),
+            "{names:?}"
+        );
+    }
+}
+
+#[test]
+fn building_a_batch_is_fast_once_names_are_cached() {
+    let (own, libc) = module_files();
+    let kallsyms = kallsyms();
+    let mut symbolizer = symbolizer(&kallsyms);
+    let mut aggregator = Aggregator::new(config());
+    let pid = std::process::id();
+    // 2000 distinct stacks of 20 frames: distinct leaves, callers from 500
+    // offsets per file; each sample added 10 times.
+    let adding = std::time::Instant::now();
+    for n in (0..2000u64).flat_map(|n| std::iter::repeat_n(n, 10)) {
+        let stack: Vec<FrameObject> = (0..20)
+            .map(|depth| {
+                let module = if depth % 2 == 0 { &own } else { &libc };
+                let offset = if depth == 0 {
+                    n
+                } else {
+                    (n * 7 + depth * 13) % 500
+                };
+                file(module, 0x1000 + offset)
+            })
+            .collect();
+        add(
+            &mut aggregator,
+            &header(pid, "app", true),
+            &[KERNEL_LEAF],
+            &stack,
+        );
+    }
+    let added = adding.elapsed();
+    let interval = aggregator.finish_interval(SystemTime::now());
+    assert_eq!(interval.stacks.len(), 2000);
+    assert_eq!(interval.sample_count(), 20_000);
+    let first = std::time::Instant::now();
+    let batch = build_batch(&interval, &mut symbolizer, &BatchOptions::for_frequency(19));
+    let first = first.elapsed();
+    check_batch(&batch);
+    let again = std::time::Instant::now();
+    build_batch(&interval, &mut symbolizer, &BatchOptions::for_frequency(19));
+    let again = again.elapsed();
+    let stats = symbolizer.stats();
+    eprintln!(
+        "20000 samples added in {added:?}; batch of {} stacks, {} locations: {first:?} cold, \
+         {again:?} cached; {:.1}% cache hits",
+        batch.stacks.len(),
+        batch.locations.len(),
+        stats.cache_hit_percent()
+    );
+    assert!(stats.cache_hits >= stats.cache_misses, "{stats:?}");
+}

@@ -1,0 +1,190 @@
+//! The thread that names frames and builds batches, off the sampling loop.
+//!
+//! Owns the [`Symbolizer`] (blazesym's state is not `Send`, and the first
+//! lookup in a large binary reads its symbols and DWARF, which can take a
+//! while: the loop that drains the ring buffer must not wait for that), a
+//! queue of one finished interval, and the build statistics. Built batches
+//! come back to the loop through a channel, so the sink runs on the loop's
+//! thread and runtime.
+//!
+//! Memory: one interval waits at most; an interval finished while the
+//! worker is still busy with the one before and another waiting is dropped
+//! and counted.
+
+use std::{
+    io,
+    sync::{
+        Arc, Mutex, PoisonError,
+        mpsc::{self, SyncSender, TrySendError},
+    },
+    thread::JoinHandle,
+    time::Instant,
+};
+
+use prost::Message as _;
+use stackscope_proto::v1;
+use tokio::sync::mpsc::{UnboundedReceiver, unbounded_channel};
+
+use super::{BatchOptions, Interval, build_batch};
+use crate::symbolize::{SymbolizeStats, Symbolizer, SymbolizerConfig};
+
+/// What the worker has done so far.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, serde::Serialize)]
+pub struct WorkerStats {
+    pub batches_built: u64,
+    /// Intervals dropped because the worker was still busy.
+    pub intervals_dropped: u64,
+    /// Intervals without a sample: no batch is built for them.
+    pub intervals_empty: u64,
+    /// Samples in the batches built (sum of counts).
+    pub samples_in_batches: u64,
+    /// Time to build a batch (naming included): the last, the longest and
+    /// the total, in microseconds.
+    pub build_micros_last: u64,
+    pub build_micros_max: u64,
+    pub build_micros_total: u64,
+    /// The last batch: encoded size and dictionary sizes.
+    pub last_batch_bytes: u64,
+    pub last_batch_locations: u64,
+    pub last_batch_stacks: u64,
+    pub last_batch_samples: u64,
+    pub symbolize: SymbolizeStats,
+}
+
+/// See the module documentation.
+#[derive(Debug)]
+pub struct BatchWorker {
+    intervals: Option<SyncSender<Interval>>,
+    batches: UnboundedReceiver<v1::Batch>,
+    thread: Option<JoinHandle<()>>,
+    shared: Arc<Mutex<WorkerStats>>,
+    dropped: u64,
+}
+
+impl BatchWorker {
+    /// Starts the worker thread; it reads kallsyms before the first batch.
+    pub fn start(symbolizer: SymbolizerConfig, options: BatchOptions) -> io::Result<Self> {
+        let (intervals, waiting) = mpsc::sync_channel::<Interval>(1);
+        let (built, batches) = unbounded_channel();
+        let shared = Arc::new(Mutex::new(WorkerStats::default()));
+        let stats = Arc::clone(&shared);
+        let thread = std::thread::Builder::new()
+            .name("stackscope-batch".into())
+            .spawn(move || {
+                let mut symbolizer = Symbolizer::new(symbolizer);
+                lock(&stats).symbolize = symbolizer.stats();
+                for interval in waiting {
+                    if interval.samples.is_empty() {
+                        lock(&stats).intervals_empty += 1;
+                        continue;
+                    }
+                    let started = Instant::now();
+                    let batch = build_batch(&interval, &mut symbolizer, &options);
+                    let micros = u64::try_from(started.elapsed().as_micros()).unwrap_or(u64::MAX);
+                    // Closes the interval's files now, not with the next one.
+                    drop(interval);
+                    {
+                        let mut stats = lock(&stats);
+                        stats.batches_built += 1;
+                        stats.samples_in_batches +=
+                            batch.samples.iter().map(|s| s.count).sum::<u64>();
+                        stats.build_micros_last = micros;
+                        stats.build_micros_max = stats.build_micros_max.max(micros);
+                        stats.build_micros_total += micros;
+                        stats.last_batch_bytes = batch.encoded_len() as u64;
+                        stats.last_batch_locations = batch.locations.len() as u64;
+                        stats.last_batch_stacks = batch.stacks.len() as u64;
+                        stats.last_batch_samples = batch.samples.len() as u64;
+                        stats.symbolize = symbolizer.stats();
+                    }
+                    if built.send(batch).is_err() {
+                        // Nobody takes batches any more: the run is over.
+                        break;
+                    }
+                }
+            })?;
+        Ok(Self {
+            intervals: Some(intervals),
+            batches,
+            thread: Some(thread),
+            shared,
+            dropped: 0,
+        })
+    }
+
+    /// Hands a finished interval over without waiting; it is dropped (and
+    /// counted) when one is already waiting.
+    pub fn submit(&mut self, interval: Interval) {
+        let Some(intervals) = &self.intervals else {
+            return;
+        };
+        match intervals.try_send(interval) {
+            Ok(()) => {}
+            Err(TrySendError::Full(interval)) => {
+                self.dropped += 1;
+                tracing::warn!(
+                    "still building earlier batches: dropped the interval of {} samples \
+                     ({} intervals dropped so far)",
+                    interval.sample_count(),
+                    self.dropped
+                );
+            }
+            Err(TrySendError::Disconnected(_)) => {
+                self.dropped += 1;
+                if self.dropped == 1 {
+                    tracing::error!("the batch worker has stopped: intervals are dropped");
+                }
+            }
+        }
+    }
+
+    /// The next batch built; pending forever once the worker is gone (so a
+    /// `select!` branch on it simply never fires).
+    pub async fn next_batch(&mut self) -> v1::Batch {
+        match self.batches.recv().await {
+            Some(batch) => batch,
+            None => std::future::pending().await,
+        }
+    }
+
+    pub fn stats(&self) -> WorkerStats {
+        WorkerStats {
+            intervals_dropped: self.dropped,
+            ..*lock(&self.shared)
+        }
+    }
+
+    /// Hands over the last interval (waiting for room), lets the worker
+    /// build everything it was given, and returns the batches not taken
+    /// yet with the final statistics. Blocks until the worker is done.
+    pub fn finish(mut self, last: Interval) -> (Vec<v1::Batch>, WorkerStats) {
+        if let Some(intervals) = self.intervals.take() {
+            // Fails only if the worker is gone; the interval is lost then.
+            if intervals.send(last).is_err() {
+                self.dropped += 1;
+            }
+        }
+        if let Some(thread) = self.thread.take()
+            && thread.join().is_err()
+        {
+            tracing::error!("the batch worker panicked");
+        }
+        let mut batches = Vec::new();
+        while let Ok(batch) = self.batches.try_recv() {
+            batches.push(batch);
+        }
+        (batches, self.stats())
+    }
+}
+
+impl Drop for BatchWorker {
+    fn drop(&mut self) {
+        // Closing the queue ends the thread after its current batch; it is
+        // not joined here, so dropping never blocks.
+        self.intervals.take();
+    }
+}
+
+fn lock(stats: &Mutex<WorkerStats>) -> std::sync::MutexGuard<'_, WorkerStats> {
+    stats.lock().unwrap_or_else(PoisonError::into_inner)
+}

@@ -1,0 +1,954 @@
+//! Ships finished [`Batch`]es to the collector's `Ingest.Push` over gRPC.
+//!
+//! Owns the connection to the collector (plain or TLS, optional mTLS and
+//! bearer token, compression), a queue bounded in bytes, retries with
+//! backoff, and the delivery statistics. Does not build batches (the
+//! aggregator does) and does not decide when to stop (the run loop calls
+//! [`Exporter::shutdown`]).
+//!
+//! Delivery is at least once and in order: one push at a time; a transient
+//! failure retries the same batch, unchanged, so its `batch_id` lets the
+//! collector drop the duplicate when an acknowledgement was lost on the way
+//! back. Answers about the batch itself (invalid, too large, not
+//! authenticated) drop it and move on, since sending it again would get the
+//! same answer. While the collector is away the queue keeps the newest
+//! `max_queue_bytes` of data and drops the oldest.
+//!
+//! The exporter runs as one task on the caller's tokio runtime (a
+//! current-thread runtime is enough) and connects lazily, so a collector
+//! that is down when the agent starts only delays delivery.
+
+mod queue;
+mod retry;
+
+use std::{
+    fmt,
+    path::{Path, PathBuf},
+    str::FromStr,
+    sync::{Arc, Mutex, MutexGuard, PoisonError},
+    time::{Duration, Instant},
+};
+
+use stackscope_proto::v1::{Batch, PushRequest, PushResponse, ingest_client::IngestClient};
+use tokio::{
+    sync::{Notify, watch},
+    task::JoinHandle,
+};
+use tonic::{
+    Request, Status,
+    codec::CompressionEncoding,
+    metadata::{Ascii, MetadataValue},
+    transport::{Certificate, Channel, ClientTlsConfig, Endpoint, Identity, Uri},
+};
+use tracing::{debug, error, info, warn};
+
+use self::{
+    queue::{Evicted, Pending, Queue},
+    retry::{Backoff, LogLimiter, is_retryable},
+};
+
+/// At most one line per this interval for each kind of repeated trouble
+/// (queue full, rejections, retries): a collector that is down or refuses
+/// every batch must not flood the node's log.
+const LOG_EVERY: Duration = Duration::from_secs(30);
+
+/// The longest accepted `request_timeout`: a push that has not been answered
+/// in an hour will not be, and the bound keeps the gRPC timeout header
+/// representable.
+const MAX_REQUEST_TIMEOUT: Duration = Duration::from_secs(3600);
+
+/// How batches are compressed on the wire. Profiles are repetitive (string
+/// tables, similar stacks), so compression typically shrinks them several
+/// times; zstd does so at less CPU than gzip.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Hash, clap::ValueEnum, serde::Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Compression {
+    None,
+    Gzip,
+    #[default]
+    Zstd,
+}
+
+impl Compression {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Compression::None => "none",
+            Compression::Gzip => "gzip",
+            Compression::Zstd => "zstd",
+        }
+    }
+
+    fn encoding(self) -> Option<CompressionEncoding> {
+        match self {
+            Compression::None => None,
+            Compression::Gzip => Some(CompressionEncoding::Gzip),
+            Compression::Zstd => Some(CompressionEncoding::Zstd),
+        }
+    }
+}
+
+impl fmt::Display for Compression {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+/// A compression name other than `none`, `gzip` or `zstd`.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("unknown compression {0:?} (expected none, gzip or zstd)")]
+pub struct ParseCompressionError(pub String);
+
+impl FromStr for Compression {
+    type Err = ParseCompressionError;
+
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        match s {
+            "none" => Ok(Compression::None),
+            "gzip" => Ok(Compression::Gzip),
+            "zstd" => Ok(Compression::Zstd),
+            other => Err(ParseCompressionError(other.to_owned())),
+        }
+    }
+}
+
+/// TLS towards the collector. Only valid with an `https://` endpoint; an
+/// `https://` endpoint without one uses the default roots.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct TlsConfig {
+    /// PEM file with the CA certificate(s) the collector's certificate must
+    /// chain to. `None`: the system's roots, or the bundled webpki roots
+    /// where the system has none.
+    pub ca_cert: Option<PathBuf>,
+    /// The name the collector's certificate must carry, when it differs
+    /// from the endpoint's host (e.g. the endpoint is an IP address).
+    pub domain: Option<String>,
+    /// PEM client certificate chain for mutual TLS; needs `client_key`.
+    pub client_cert: Option<PathBuf>,
+    /// PEM private key of `client_cert`.
+    pub client_key: Option<PathBuf>,
+}
+
+/// Where and how to ship batches.
+#[derive(Clone, PartialEq, Eq)]
+pub struct ExportConfig {
+    /// `http://host:port` or `https://host:port`.
+    pub endpoint: String,
+    pub tls: Option<TlsConfig>,
+    /// Sent as `authorization: Bearer <token>` with every push.
+    pub bearer_token: Option<String>,
+    pub compression: Compression,
+    /// Upper bound on the encoded size of the batches waiting to be sent
+    /// (the one being pushed comes on top).
+    pub max_queue_bytes: usize,
+    /// How long one push may take, connecting included, before it counts
+    /// as a transient failure.
+    pub request_timeout: Duration,
+    /// Longest wait before the first retry; doubles per consecutive failure.
+    pub initial_backoff: Duration,
+    /// Cap on the wait between retries.
+    pub max_backoff: Duration,
+}
+
+impl ExportConfig {
+    /// The defaults: zstd, a 64 MiB queue, 30 s per push, backoff from
+    /// 500 ms up to 60 s, no TLS options, no token.
+    pub fn new(endpoint: impl Into<String>) -> Self {
+        Self {
+            endpoint: endpoint.into(),
+            tls: None,
+            bearer_token: None,
+            compression: Compression::default(),
+            max_queue_bytes: 64 << 20,
+            request_timeout: Duration::from_secs(30),
+            initial_backoff: Duration::from_millis(500),
+            max_backoff: Duration::from_secs(60),
+        }
+    }
+}
+
+// Written by hand so the bearer token never reaches a log line.
+impl fmt::Debug for ExportConfig {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("ExportConfig")
+            .field("endpoint", &self.endpoint)
+            .field("tls", &self.tls)
+            .field(
+                "bearer_token",
+                &self.bearer_token.as_ref().map(|_| "<redacted>"),
+            )
+            .field("compression", &self.compression)
+            .field("max_queue_bytes", &self.max_queue_bytes)
+            .field("request_timeout", &self.request_timeout)
+            .field("initial_backoff", &self.initial_backoff)
+            .field("max_backoff", &self.max_backoff)
+            .finish()
+    }
+}
+
+/// Why the exporter could not start. Nothing after the start is an error of
+/// this kind: delivery problems are retried or counted in [`ExportStats`].
+#[derive(Debug, thiserror::Error)]
+pub enum ExportError {
+    /// The endpoint does not parse as a URI.
+    #[error("collector endpoint {endpoint:?}: invalid URI")]
+    InvalidUri {
+        endpoint: String,
+        #[source]
+        source: tonic::codegen::http::uri::InvalidUri,
+    },
+    /// The endpoint parses but is not `http(s)://host[:port]`.
+    #[error(
+        "collector endpoint {endpoint:?}: {problem} (expected http://host:port or https://host:port)"
+    )]
+    BadEndpoint {
+        endpoint: String,
+        problem: &'static str,
+    },
+    /// TLS options with an `http://` endpoint: tonic would silently talk
+    /// plain text, which is never what the options meant.
+    #[error("collector endpoint {endpoint:?}: TLS options need an https:// endpoint")]
+    TlsWithoutHttps { endpoint: String },
+    /// A certificate or key file could not be read.
+    #[error("reading {what} {}", path.display())]
+    ReadFile {
+        what: &'static str,
+        path: PathBuf,
+        #[source]
+        source: std::io::Error,
+    },
+    /// A certificate or key file holds no PEM block of the expected kind.
+    #[error("{what} {}: no PEM {expected} found", path.display())]
+    NotPem {
+        what: &'static str,
+        path: PathBuf,
+        expected: &'static str,
+    },
+    /// Only one of the client certificate and key was given.
+    #[error("mutual TLS needs both a client certificate and its key; only the {given} was given")]
+    IncompleteClientIdentity { given: &'static str },
+    /// tonic/rustls refused the TLS settings (e.g. an unusable key).
+    #[error("collector endpoint {endpoint:?}: the TLS settings are not usable")]
+    Tls {
+        endpoint: String,
+        #[source]
+        source: tonic::transport::Error,
+    },
+    /// The token cannot be sent as an HTTP header value.
+    #[error("the bearer token must be printable ASCII without line breaks")]
+    InvalidToken,
+    /// A size or duration outside what the exporter can work with.
+    #[error("invalid export setting: {0}")]
+    InvalidSetting(&'static str),
+    /// Called outside a tokio runtime: the exporter needs one for its task.
+    #[error("the exporter must be started from within a tokio runtime")]
+    NoRuntime,
+}
+
+/// Delivery counters since the start, plus what is still waiting.
+#[derive(Debug, Clone, Default, PartialEq, Eq, serde::Serialize)]
+pub struct ExportStats {
+    /// Batches the collector acknowledged (duplicates included).
+    pub batches_sent: u64,
+    /// Ticks (sum of `Sample.count`) in those batches.
+    pub samples_sent: u64,
+    /// Of `batches_sent`, those the collector had already stored: a retry
+    /// after an acknowledgement that was lost.
+    pub batches_duplicate: u64,
+    /// Batches dropped by the queue bound (oldest first), or because one
+    /// batch alone was larger than the bound.
+    pub batches_dropped_queue_full: u64,
+    pub samples_dropped_queue_full: u64,
+    /// Batches the collector refused with a non-retryable answer.
+    pub batches_rejected: u64,
+    pub samples_rejected: u64,
+    /// Push attempts that failed transiently and were kept for another try.
+    pub retries: u64,
+    /// Batches not delivered yet: waiting in the queue plus the one being
+    /// pushed. After [`Exporter::shutdown`]: what was left unsent.
+    pub queued_batches: u64,
+    pub queued_bytes: u64,
+    pub queued_samples: u64,
+    /// The most recent failure (kept after later successes), as
+    /// `Code: message: cause`.
+    pub last_error: Option<String>,
+}
+
+/// Sends batches to the collector from a background task; see the module
+/// documentation.
+pub struct Exporter {
+    shared: Arc<Shared>,
+    /// `true` once [`Exporter::shutdown`] runs: the task drains the queue
+    /// and ends.
+    closing: watch::Sender<bool>,
+    task: Option<JoinHandle<()>>,
+}
+
+impl fmt::Debug for Exporter {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Exporter")
+            .field("endpoint", &self.shared.endpoint)
+            .field("stats", &self.stats())
+            .finish_non_exhaustive()
+    }
+}
+
+impl Exporter {
+    /// Checks the configuration, reads the certificate files and starts the
+    /// sending task on the current tokio runtime. Does not connect: the
+    /// first push does, and a collector that is down then is retried like
+    /// any other transient failure.
+    pub fn start(config: ExportConfig) -> Result<Self, ExportError> {
+        validate(&config)?;
+        let endpoint = endpoint(&config)?;
+        let authorization = match &config.bearer_token {
+            Some(token) => Some(
+                MetadataValue::try_from(format!("Bearer {token}"))
+                    .map_err(|_| ExportError::InvalidToken)?,
+            ),
+            None => None,
+        };
+        // connect_lazy and spawn both need a runtime and would panic
+        // without one.
+        let runtime = tokio::runtime::Handle::try_current().map_err(|_| ExportError::NoRuntime)?;
+        let _entered = runtime.enter();
+
+        let mut client = IngestClient::new(endpoint.connect_lazy());
+        if let Some(encoding) = config.compression.encoding() {
+            client = client.send_compressed(encoding);
+        }
+        let shared = Arc::new(Shared {
+            state: Mutex::new(State {
+                queue: Queue::new(config.max_queue_bytes),
+                in_flight: None,
+                totals: ExportStats::default(),
+                queue_full_log: LogLimiter::new(LOG_EVERY),
+                too_large_log: LogLimiter::new(LOG_EVERY),
+                rejected_log: LogLimiter::new(LOG_EVERY),
+                retry_log: LogLimiter::new(LOG_EVERY),
+            }),
+            wake: Notify::new(),
+            endpoint: config.endpoint.clone(),
+            max_queue_bytes: config.max_queue_bytes,
+        });
+        let settings = Settings {
+            request_timeout: config.request_timeout,
+            authorization,
+            initial_backoff: config.initial_backoff,
+            max_backoff: config.max_backoff,
+        };
+        let (closing, closing_rx) = watch::channel(false);
+        let task = runtime.spawn(deliver(Arc::clone(&shared), client, settings, closing_rx));
+        debug!(endpoint = %config.endpoint, compression = %config.compression, "exporter started");
+        Ok(Self {
+            shared,
+            closing,
+            task: Some(task),
+        })
+    }
+
+    /// Queues a batch for sending and returns at once. When the queue would
+    /// exceed `max_queue_bytes`, the oldest waiting batches are dropped
+    /// (counted in [`ExportStats`] and logged at most every 30 s); a batch
+    /// larger than the whole bound is dropped itself.
+    pub fn enqueue(&self, batch: Batch) {
+        let pending = Pending::new(batch);
+        let now = Instant::now();
+        let mut state = self.shared.lock();
+        match state.queue.push_back(pending) {
+            Ok(evicted) => {
+                if evicted.batches > 0 {
+                    state.count_queue_drop(evicted);
+                    if state.queue_full_log.allow(now).is_some() {
+                        let total = state.totals.batches_dropped_queue_full;
+                        drop(state);
+                        warn!(
+                            "export queue full ({} bytes): dropped the {} oldest batch(es) \
+                             ({} samples) to make room, {total} so far; the collector {} is \
+                             unreachable or not keeping up",
+                            self.shared.max_queue_bytes,
+                            evicted.batches,
+                            evicted.samples,
+                            self.shared.endpoint,
+                        );
+                    }
+                }
+                self.shared.wake.notify_one();
+            }
+            Err(refused) => {
+                state.count_queue_drop(Evicted {
+                    batches: 1,
+                    samples: refused.samples,
+                });
+                if state.too_large_log.allow(now).is_some() {
+                    drop(state);
+                    error!(
+                        "dropped a batch of {} bytes ({} samples): larger than the whole \
+                         export queue ({} bytes); raise the queue size or shorten the \
+                         aggregation interval",
+                        refused.bytes, refused.samples, self.shared.max_queue_bytes,
+                    );
+                }
+            }
+        }
+    }
+
+    /// The counters so far; cheap (one short lock).
+    pub fn stats(&self) -> ExportStats {
+        self.shared.stats()
+    }
+
+    /// Stops the exporter: tries to deliver everything still queued
+    /// (including what was just enqueued) until `deadline` has passed, then
+    /// gives up. Returns the final counters; `queued_*` is what was left
+    /// unsent. Returns within `deadline` (plus scheduling) even when the
+    /// collector is unreachable.
+    pub async fn shutdown(mut self, deadline: Duration) -> ExportStats {
+        self.closing.send_replace(true);
+        if let Some(mut task) = self.task.take() {
+            match tokio::time::timeout(deadline, &mut task).await {
+                Ok(Ok(())) => {}
+                Ok(Err(join)) => error!("the export task failed: {join}"),
+                Err(_elapsed) => {
+                    // The push in progress, if any, is abandoned with the
+                    // task; its batch stays counted in `queued_*`.
+                    task.abort();
+                    let _ = task.await;
+                }
+            }
+        }
+        let stats = self.stats();
+        if stats.queued_batches > 0 {
+            warn!(
+                "exporter stopped with {} batch(es) ({} samples) not delivered to {} within {}{}",
+                stats.queued_batches,
+                stats.queued_samples,
+                self.shared.endpoint,
+                humantime::format_duration(deadline),
+                stats
+                    .last_error
+                    .as_deref()
+                    .map(|e| format!("; last error: {e}"))
+                    .unwrap_or_default(),
+            );
+        } else {
+            debug!(?stats, "exporter stopped with everything delivered");
+        }
+        stats
+    }
+}
+
+impl Drop for Exporter {
+    // Without a shutdown the task would outlive its owner and keep retrying.
+    fn drop(&mut self) {
+        if let Some(task) = self.task.take() {
+            task.abort();
+        }
+    }
+}
+
+/// What the sending task needs from the configuration.
+struct Settings {
+    request_timeout: Duration,
+    authorization: Option<MetadataValue<Ascii>>,
+    initial_backoff: Duration,
+    max_backoff: Duration,
+}
+
+/// State shared by the handle and the sending task.
+struct Shared {
+    state: Mutex<State>,
+    /// Wakes the sending task when a batch is queued.
+    wake: Notify,
+    endpoint: String,
+    max_queue_bytes: usize,
+}
+
+struct State {
+    queue: Queue,
+    /// Bytes and samples of the batch being pushed: it left the queue and
+    /// goes back in front only if the push fails transiently.
+    in_flight: Option<(usize, u64)>,
+    /// Counters; the `queued_*` fields are filled in by [`Shared::stats`].
+    totals: ExportStats,
+    queue_full_log: LogLimiter,
+    too_large_log: LogLimiter,
+    rejected_log: LogLimiter,
+    retry_log: LogLimiter,
+}
+
+impl State {
+    fn count_queue_drop(&mut self, evicted: Evicted) {
+        let totals = &mut self.totals;
+        totals.batches_dropped_queue_full += evicted.batches;
+        totals.samples_dropped_queue_full = totals
+            .samples_dropped_queue_full
+            .saturating_add(evicted.samples);
+    }
+}
+
+impl Shared {
+    // A panic while the lock was held cannot leave the counters or the
+    // queue half-updated in a way that matters more than losing export
+    // altogether, so a poisoned lock is used as is.
+    fn lock(&self) -> MutexGuard<'_, State> {
+        self.state.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    fn stats(&self) -> ExportStats {
+        let state = self.lock();
+        let (flying, flying_bytes, flying_samples) = match state.in_flight {
+            Some((bytes, samples)) => (1, bytes, samples),
+            None => (0, 0, 0),
+        };
+        ExportStats {
+            queued_batches: (state.queue.len() + flying) as u64,
+            queued_bytes: (state.queue.bytes() + flying_bytes) as u64,
+            queued_samples: state.queue.samples().saturating_add(flying_samples),
+            ..state.totals.clone()
+        }
+    }
+
+    fn take_next(&self) -> Option<Pending> {
+        let mut state = self.lock();
+        let pending = state.queue.pop_front()?;
+        state.in_flight = Some((pending.bytes, pending.samples));
+        Some(pending)
+    }
+
+    fn delivered(&self, pending: &Pending, response: PushResponse) {
+        let mut state = self.lock();
+        state.in_flight = None;
+        let totals = &mut state.totals;
+        totals.batches_sent += 1;
+        totals.samples_sent = totals.samples_sent.saturating_add(pending.samples);
+        if response.duplicate {
+            totals.batches_duplicate += 1;
+        }
+    }
+
+    fn rejected(&self, pending: Pending, status: &Status) {
+        let description = describe(status);
+        let mut state = self.lock();
+        state.in_flight = None;
+        let totals = &mut state.totals;
+        totals.batches_rejected += 1;
+        totals.samples_rejected = totals.samples_rejected.saturating_add(pending.samples);
+        totals.last_error = Some(description.clone());
+        let total = totals.batches_rejected;
+        if let Some(held_back) = state.rejected_log.allow(Instant::now()) {
+            drop(state);
+            error!(
+                "the collector {} rejected a batch ({} samples), which is dropped: {description} \
+                 ({total} rejected so far, {held_back} more since the last line like this)",
+                self.endpoint, pending.samples,
+            );
+        }
+    }
+
+    /// Puts a transiently failed batch back in front, unless newer batches
+    /// took its room meanwhile (then the bound drops it, being the oldest).
+    fn failed_transiently(&self, pending: Pending, status: &Status, delay: Duration) {
+        let description = describe(status);
+        let attempts = pending.failed_attempts;
+        let mut state = self.lock();
+        state.in_flight = None;
+        state.totals.last_error = Some(description.clone());
+        match state.queue.push_front(pending) {
+            Ok(()) => state.totals.retries += 1,
+            Err(refused) => state.count_queue_drop(Evicted {
+                batches: 1,
+                samples: refused.samples,
+            }),
+        }
+        if state.retry_log.allow(Instant::now()).is_some() {
+            let queued = state.queue.len();
+            drop(state);
+            warn!(
+                "pushing to the collector {} failed ({description}); retrying in {} \
+                 (attempt {attempts} of this batch, {queued} batch(es) waiting)",
+                self.endpoint,
+                humantime::format_duration(round_to_millis(delay)),
+            );
+        }
+    }
+}
+
+/// The sending task: one push at a time, in queue order, until shutdown
+/// finds the queue empty.
+async fn deliver(
+    shared: Arc<Shared>,
+    mut client: IngestClient<Channel>,
+    settings: Settings,
+    mut closing: watch::Receiver<bool>,
+) {
+    let mut backoff = Backoff::new(settings.initial_backoff, settings.max_backoff);
+    let mut failing = false;
+    while let Some(mut pending) = next_batch(&shared, &mut closing).await {
+        match push(&mut client, &pending.batch, &settings).await {
+            Ok(response) => {
+                backoff.reset();
+                if std::mem::take(&mut failing) {
+                    info!("the collector {} accepts batches again", shared.endpoint);
+                }
+                shared.delivered(&pending, response);
+            }
+            Err(status) if is_retryable(status.code()) => {
+                failing = true;
+                pending.failed_attempts = pending.failed_attempts.saturating_add(1);
+                let delay = backoff.next_delay();
+                shared.failed_transiently(pending, &status, delay);
+                wait_before_retry(delay, &mut closing, &mut backoff).await;
+            }
+            Err(status) => shared.rejected(pending, &status),
+        }
+    }
+}
+
+/// The oldest queued batch, waiting for one if the queue is empty; `None`
+/// once shutdown has begun and nothing is left.
+async fn next_batch(shared: &Shared, closing: &mut watch::Receiver<bool>) -> Option<Pending> {
+    loop {
+        if let Some(pending) = shared.take_next() {
+            return Some(pending);
+        }
+        if *closing.borrow_and_update() {
+            return None;
+        }
+        tokio::select! {
+            () = shared.wake.notified() => {}
+            changed = closing.changed() => {
+                // The handle is gone without a shutdown; its Drop aborts
+                // this task anyway.
+                if changed.is_err() {
+                    return None;
+                }
+            }
+        }
+    }
+}
+
+async fn wait_before_retry(
+    delay: Duration,
+    closing: &mut watch::Receiver<bool>,
+    backoff: &mut Backoff,
+) {
+    if *closing.borrow() {
+        tokio::time::sleep(delay).await;
+        return;
+    }
+    tokio::select! {
+        () = tokio::time::sleep(delay) => {}
+        // Shutdown has a short deadline: rather than sleep through a long
+        // backoff, try again at once and start the backoff over.
+        Ok(_) = closing.wait_for(|&closing| closing) => backoff.reset(),
+    }
+}
+
+async fn push(
+    client: &mut IngestClient<Channel>,
+    batch: &Batch,
+    settings: &Settings,
+) -> Result<PushResponse, Status> {
+    // A clone per attempt: the original stays queued for a retry.
+    let mut request = Request::new(PushRequest {
+        batch: Some(batch.clone()),
+    });
+    // Lets the collector give up on its side too.
+    request.set_timeout(settings.request_timeout);
+    if let Some(authorization) = &settings.authorization {
+        request
+            .metadata_mut()
+            .insert("authorization", authorization.clone());
+    }
+    // Our own timer also covers connecting and a collector that never
+    // answers at all.
+    match tokio::time::timeout(settings.request_timeout, client.push(request)).await {
+        Ok(result) => result.map(tonic::Response::into_inner),
+        Err(_elapsed) => Err(Status::deadline_exceeded(format!(
+            "no answer within {}",
+            humantime::format_duration(settings.request_timeout)
+        ))),
+    }
+}
+
+/// `Code: message: cause: cause…`, skipping causes the text already holds
+/// (tonic repeats a transport error's text in the status message).
+fn describe(status: &Status) -> String {
+    let mut text = format!("{:?}: {}", status.code(), status.message());
+    let mut source = std::error::Error::source(status);
+    while let Some(cause) = source {
+        let cause_text = cause.to_string();
+        if !text.contains(&cause_text) {
+            text.push_str(": ");
+            text.push_str(&cause_text);
+        }
+        source = cause.source();
+    }
+    text
+}
+
+fn round_to_millis(duration: Duration) -> Duration {
+    Duration::from_millis(u64::try_from(duration.as_millis()).unwrap_or(u64::MAX))
+}
+
+fn validate(config: &ExportConfig) -> Result<(), ExportError> {
+    let problem = if config.max_queue_bytes == 0 {
+        "max_queue_bytes must be greater than 0"
+    } else if config.request_timeout.is_zero() || config.request_timeout > MAX_REQUEST_TIMEOUT {
+        "request_timeout must be greater than 0 and at most one hour"
+    } else if config.initial_backoff.is_zero() {
+        // A zero backoff would retry a down collector in a busy loop.
+        "initial_backoff must be greater than 0"
+    } else if config.max_backoff < config.initial_backoff {
+        "max_backoff must be at least initial_backoff"
+    } else {
+        return Ok(());
+    };
+    Err(ExportError::InvalidSetting(problem))
+}
+
+fn parse_endpoint(endpoint: &str) -> Result<Uri, ExportError> {
+    let bad = |problem| ExportError::BadEndpoint {
+        endpoint: endpoint.to_owned(),
+        problem,
+    };
+    let uri: Uri = endpoint.parse().map_err(|source| ExportError::InvalidUri {
+        endpoint: endpoint.to_owned(),
+        source,
+    })?;
+    match uri.scheme_str() {
+        Some("http" | "https") => {}
+        Some(_) => return Err(bad("the scheme must be http or https")),
+        None => return Err(bad("no scheme")),
+    }
+    if uri.host().is_none_or(str::is_empty) {
+        return Err(bad("no host"));
+    }
+    // tonic would ignore a path and send to /stackscope.v1.Ingest/Push
+    // anyway; refusing it avoids a silently misrouted endpoint.
+    if !matches!(uri.path(), "" | "/") || uri.query().is_some() {
+        return Err(bad("a gRPC endpoint has no path or query"));
+    }
+    Ok(uri)
+}
+
+fn endpoint(config: &ExportConfig) -> Result<Endpoint, ExportError> {
+    let uri = parse_endpoint(&config.endpoint)?;
+    let https = uri.scheme_str() == Some("https");
+    let endpoint = Endpoint::from(uri)
+        .connect_timeout(config.request_timeout)
+        // Notices a collector that vanished without closing the connection
+        // (a node that lost power) between pushes.
+        .tcp_keepalive(Some(Duration::from_secs(60)));
+    let tls_error = |source| ExportError::Tls {
+        endpoint: config.endpoint.clone(),
+        source,
+    };
+    match (&config.tls, https) {
+        (None, false) => Ok(endpoint),
+        (Some(_), false) => Err(ExportError::TlsWithoutHttps {
+            endpoint: config.endpoint.clone(),
+        }),
+        (None, true) => with_default_roots(endpoint, ClientTlsConfig::new()).map_err(tls_error),
+        (Some(tls), true) => {
+            let mut client_tls = ClientTlsConfig::new();
+            if let Some(domain) = &tls.domain {
+                client_tls = client_tls.domain_name(domain.clone());
+            }
+            match (&tls.client_cert, &tls.client_key) {
+                (Some(cert), Some(key)) => {
+                    let cert = read_pem(cert, "client certificate", "CERTIFICATE")?;
+                    let key = read_pem(key, "client key", "PRIVATE KEY")?;
+                    client_tls = client_tls.identity(Identity::from_pem(cert, key));
+                }
+                (Some(_), None) => {
+                    return Err(ExportError::IncompleteClientIdentity {
+                        given: "certificate",
+                    });
+                }
+                (None, Some(_)) => {
+                    return Err(ExportError::IncompleteClientIdentity { given: "key" });
+                }
+                (None, None) => {}
+            }
+            match &tls.ca_cert {
+                Some(ca) => {
+                    let pem = read_pem(ca, "CA certificate", "CERTIFICATE")?;
+                    endpoint
+                        .tls_config(client_tls.ca_certificate(Certificate::from_pem(pem)))
+                        .map_err(tls_error)
+                }
+                None => with_default_roots(endpoint, client_tls).map_err(tls_error),
+            }
+        }
+    }
+}
+
+/// The system's roots carry a site's private CAs, so they come first; a
+/// minimal container image may have none, which tonic refuses, and then the
+/// bundled webpki roots still reach a collector with a public certificate.
+fn with_default_roots(
+    endpoint: Endpoint,
+    tls: ClientTlsConfig,
+) -> Result<Endpoint, tonic::transport::Error> {
+    match endpoint
+        .clone()
+        .tls_config(tls.clone().with_enabled_roots())
+    {
+        Ok(endpoint) => Ok(endpoint),
+        Err(err) => {
+            debug!("system TLS roots unusable ({err}); using the bundled webpki roots");
+            endpoint.tls_config(tls.with_webpki_roots())
+        }
+    }
+}
+
+/// Reads a PEM file and checks it holds a block of the expected kind, so a
+/// wrong file is reported at start, naming the file, rather than as a
+/// handshake failure on every push.
+fn read_pem(
+    path: &Path,
+    what: &'static str,
+    expected: &'static str,
+) -> Result<Vec<u8>, ExportError> {
+    let pem = std::fs::read(path).map_err(|source| ExportError::ReadFile {
+        what,
+        path: path.to_owned(),
+        source,
+    })?;
+    let text = String::from_utf8_lossy(&pem);
+    // "PRIVATE KEY" also matches "RSA PRIVATE KEY" and "EC PRIVATE KEY".
+    let found = text.lines().any(|line| {
+        line.strip_prefix("-----BEGIN ")
+            .and_then(|rest| rest.strip_suffix("-----"))
+            .is_some_and(|label| label.ends_with(expected))
+    });
+    if !found {
+        return Err(ExportError::NotPem {
+            what,
+            path: path.to_owned(),
+            expected,
+        });
+    }
+    Ok(pem)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn compression_parses_its_names() {
+        for compression in [Compression::None, Compression::Gzip, Compression::Zstd] {
+            assert_eq!(compression.as_str().parse(), Ok(compression));
+            assert_eq!(compression.to_string(), compression.as_str());
+        }
+        assert_eq!(Compression::default(), Compression::Zstd);
+        let err = "lz4".parse::<Compression>().unwrap_err();
+        assert_eq!(
+            err.to_string(),
+            "unknown compression \"lz4\" (expected none, gzip or zstd)"
+        );
+    }
+
+    #[test]
+    fn compression_is_a_clap_value() {
+        use clap::ValueEnum;
+        let names: Vec<_> = Compression::value_variants()
+            .iter()
+            .filter_map(|v| v.to_possible_value())
+            .map(|v| v.get_name().to_owned())
+            .collect();
+        assert_eq!(names, ["none", "gzip", "zstd"]);
+    }
+
+    #[test]
+    fn endpoints_must_be_http_or_https_with_a_host() {
+        assert!(parse_endpoint("http://127.0.0.1:7070").is_ok());
+        assert!(parse_endpoint("https://collector.example:443/").is_ok());
+        for (endpoint, expected) in [
+            ("foo", "no scheme"),
+            ("ftp://host:21", "the scheme must be http or https"),
+            ("http://host:7070/v1", "no path or query"),
+            ("grpc://host:7070", "the scheme must be http or https"),
+        ] {
+            let err = parse_endpoint(endpoint).unwrap_err().to_string();
+            assert!(err.contains(expected), "{endpoint}: {err}");
+            assert!(
+                err.starts_with(&format!("collector endpoint {endpoint:?}: ")),
+                "{err}"
+            );
+        }
+        let err = parse_endpoint("http://[::1").unwrap_err();
+        assert!(matches!(err, ExportError::InvalidUri { .. }), "{err:?}");
+        assert!(err.to_string().contains("invalid URI"));
+    }
+
+    #[test]
+    fn settings_that_would_misbehave_are_refused() {
+        let ok = ExportConfig::new("http://127.0.0.1:1");
+        assert!(validate(&ok).is_ok());
+        let cases = [
+            ExportConfig {
+                max_queue_bytes: 0,
+                ..ok.clone()
+            },
+            ExportConfig {
+                request_timeout: Duration::ZERO,
+                ..ok.clone()
+            },
+            ExportConfig {
+                initial_backoff: Duration::ZERO,
+                ..ok.clone()
+            },
+            ExportConfig {
+                max_backoff: Duration::from_millis(1),
+                ..ok.clone()
+            },
+        ];
+        for config in cases {
+            assert!(
+                matches!(validate(&config), Err(ExportError::InvalidSetting(_))),
+                "{config:?}"
+            );
+        }
+    }
+
+    #[test]
+    fn debug_output_hides_the_token() {
+        let config = ExportConfig {
+            bearer_token: Some("s3cret".into()),
+            ..ExportConfig::new("http://127.0.0.1:1")
+        };
+        let text = format!("{config:?}");
+        assert!(!text.contains("s3cret"), "{text}");
+        assert!(text.contains("<redacted>"), "{text}");
+    }
+
+    #[test]
+    fn pem_check_names_the_file() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("ca.pem");
+        std::fs::write(&path, "not a certificate\n").unwrap();
+        let err = read_pem(&path, "CA certificate", "CERTIFICATE").unwrap_err();
+        assert_eq!(
+            err.to_string(),
+            format!(
+                "CA certificate {}: no PEM CERTIFICATE found",
+                path.display()
+            )
+        );
+        std::fs::write(
+            &path,
+            "-----BEGIN EC PRIVATE KEY-----\nAA==\n-----END EC PRIVATE KEY-----\n",
+        )
+        .unwrap();
+        assert!(read_pem(&path, "client key", "PRIVATE KEY").is_ok());
+    }
+
+    #[test]
+    fn status_description_has_code_message_and_new_causes() {
+        let status = Status::unavailable("collector restarting");
+        assert_eq!(describe(&status), "Unavailable: collector restarting");
+    }
+}

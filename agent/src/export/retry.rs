@@ -1,0 +1,197 @@
+//! When to retry a failed push, how long to wait first, and how often to
+//! say so in the log.
+
+use std::time::{Duration, Instant};
+
+use tonic::Code;
+
+/// Whether a push that failed with `code` may succeed if sent again as is.
+///
+/// Retryable: the collector or the path to it is (for now) not there —
+/// `Unavailable` (also what tonic reports for a refused or dropped
+/// connection), `DeadlineExceeded`, `Cancelled` (tonic's own timeouts),
+/// `Aborted` — and `Unknown`/`Internal`, which tonic produces for HTTP/2 and
+/// connection failures as well as for server bugs; a batch that keeps
+/// failing that way is eventually displaced by the queue bound, so it cannot
+/// block the agent forever. Everything else is an answer about the batch or
+/// the agent's credentials and would come back the same: `InvalidArgument`,
+/// `Unauthenticated`, `PermissionDenied`, `FailedPrecondition`,
+/// `Unimplemented` (e.g. a compression the collector does not accept), and
+/// `ResourceExhausted`, which the collector sends for a batch larger than
+/// it accepts.
+pub(super) fn is_retryable(code: Code) -> bool {
+    match code {
+        Code::Unavailable
+        | Code::DeadlineExceeded
+        | Code::Cancelled
+        | Code::Aborted
+        | Code::Unknown
+        | Code::Internal => true,
+        Code::Ok
+        | Code::InvalidArgument
+        | Code::NotFound
+        | Code::AlreadyExists
+        | Code::PermissionDenied
+        | Code::ResourceExhausted
+        | Code::FailedPrecondition
+        | Code::OutOfRange
+        | Code::Unimplemented
+        | Code::DataLoss
+        | Code::Unauthenticated => false,
+    }
+}
+
+/// Exponential backoff with full jitter: the n-th consecutive failure waits
+/// a uniformly random time in `[0, min(max, initial * 2^n)]`. Full jitter
+/// spreads a fleet of agents that lost the same collector at the same moment,
+/// so they do not all come back in lockstep.
+#[derive(Debug, Clone)]
+pub(super) struct Backoff {
+    initial: Duration,
+    max: Duration,
+    failures: u32,
+}
+
+impl Backoff {
+    pub fn new(initial: Duration, max: Duration) -> Self {
+        Self {
+            initial,
+            max: max.max(initial),
+            failures: 0,
+        }
+    }
+
+    /// The upper end of the next wait, before jitter.
+    pub fn ceiling(&self) -> Duration {
+        // 2^30 times any sensible initial backoff is far past any max; the
+        // cap keeps the shift and the multiplication from overflowing.
+        self.initial
+            .saturating_mul(1u32 << self.failures.min(30))
+            .min(self.max)
+    }
+
+    /// Counts one more failure and returns how long to wait before retrying.
+    pub fn next_delay(&mut self) -> Duration {
+        let ceiling = self.ceiling();
+        self.failures = self.failures.saturating_add(1);
+        let nanos = u64::try_from(ceiling.as_nanos()).unwrap_or(u64::MAX);
+        Duration::from_nanos(rand::random_range(0..=nanos))
+    }
+
+    /// Starts over from `initial`, after a success.
+    pub fn reset(&mut self) {
+        self.failures = 0;
+    }
+}
+
+/// Lets one log line through per interval and counts the ones it held back,
+/// so a collector that rejects every batch does not flood the node's log.
+#[derive(Debug, Clone)]
+pub(super) struct LogLimiter {
+    every: Duration,
+    last: Option<Instant>,
+    suppressed: u64,
+}
+
+impl LogLimiter {
+    pub fn new(every: Duration) -> Self {
+        Self {
+            every,
+            last: None,
+            suppressed: 0,
+        }
+    }
+
+    /// `Some(n)` when the event at `now` should be logged, `n` being how many
+    /// events were held back since the last one logged; `None` to stay quiet.
+    pub fn allow(&mut self, now: Instant) -> Option<u64> {
+        match self.last {
+            Some(last) if now.saturating_duration_since(last) < self.every => {
+                self.suppressed += 1;
+                None
+            }
+            _ => {
+                self.last = Some(now);
+                Some(std::mem::take(&mut self.suppressed))
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn transient_codes_are_retried_and_answers_about_the_batch_are_not() {
+        for code in [
+            Code::Unavailable,
+            Code::DeadlineExceeded,
+            Code::Cancelled,
+            Code::Aborted,
+            Code::Unknown,
+            Code::Internal,
+        ] {
+            assert!(is_retryable(code), "{code:?}");
+        }
+        for code in [
+            Code::InvalidArgument,
+            Code::Unauthenticated,
+            Code::PermissionDenied,
+            Code::FailedPrecondition,
+            Code::ResourceExhausted,
+            Code::Unimplemented,
+            Code::DataLoss,
+        ] {
+            assert!(!is_retryable(code), "{code:?}");
+        }
+    }
+
+    #[test]
+    fn backoff_doubles_up_to_the_cap_and_resets() {
+        let ms = Duration::from_millis;
+        let mut backoff = Backoff::new(ms(100), ms(1000));
+        let mut ceilings = Vec::new();
+        for _ in 0..6 {
+            let ceiling = backoff.ceiling();
+            let delay = backoff.next_delay();
+            assert!(delay <= ceiling, "{delay:?} > {ceiling:?}");
+            ceilings.push(ceiling);
+        }
+        assert_eq!(
+            ceilings,
+            [ms(100), ms(200), ms(400), ms(800), ms(1000), ms(1000)]
+        );
+        backoff.reset();
+        assert_eq!(backoff.ceiling(), ms(100));
+    }
+
+    #[test]
+    fn backoff_survives_many_failures() {
+        let mut backoff = Backoff::new(Duration::from_secs(1), Duration::from_secs(60));
+        for _ in 0..200 {
+            assert!(backoff.next_delay() <= Duration::from_secs(60));
+        }
+        assert_eq!(backoff.ceiling(), Duration::from_secs(60));
+    }
+
+    #[test]
+    fn backoff_jitters() {
+        let mut backoff = Backoff::new(Duration::from_secs(1), Duration::from_secs(1));
+        let delays: std::collections::HashSet<_> = (0..20).map(|_| backoff.next_delay()).collect();
+        assert!(delays.len() > 1, "{delays:?}");
+    }
+
+    #[test]
+    fn limiter_lets_one_through_per_interval_and_counts_the_rest() {
+        let start = Instant::now();
+        let secs = Duration::from_secs;
+        let mut limiter = LogLimiter::new(secs(10));
+        assert_eq!(limiter.allow(start), Some(0));
+        assert_eq!(limiter.allow(start + secs(1)), None);
+        assert_eq!(limiter.allow(start + secs(9)), None);
+        assert_eq!(limiter.allow(start + secs(10)), Some(2));
+        assert_eq!(limiter.allow(start + secs(11)), None);
+        assert_eq!(limiter.allow(start + secs(25)), Some(1));
+    }
+}

@@ -1,0 +1,1079 @@
+//! Names frames on the node: user frames from the mapped file's own symbols
+//! (`.symtab`/`.dynsym`, DWARF lines and inlined functions when present)
+//! with blazesym, vDSO frames from the agent's own copy of the vDSO, kernel
+//! frames from `/proc/kallsyms`.
+//!
+//! Owns: [`ObjectFile`] (a mapped file, opened while a process that maps it
+//! runs, because a container's paths do not exist on the host and a process
+//! may exit before its frames are named), the bounded name cache keyed by
+//! (object identity, file offset) and shared by every process, the bounded
+//! set of files blazesym holds open, the kernel symbol table, and
+//! demangling. Does not own which addresses are looked up, or at which byte
+//! (the batch builder decides), nor the wire format.
+//!
+//! Naming is best effort and never fails as a whole: a frame whose file
+//! cannot be opened or read, or that no symbol covers, gets no lines (and
+//! the collector shows it as `binary+offset`). Errors are counted in
+//! [`SymbolizeStats`] and logged at debug level once per object.
+//!
+//! blazesym reads files by path and caches what it parsed per path. The
+//! path handed to it is `/proc/self/fd/<n>` of the agent's own descriptor,
+//! which names the very file mapped, and cached answers are never checked
+//! against the path again (`auto_reload` off): so a descriptor stays open
+//! exactly as long as blazesym holds the path, and the path is evicted from
+//! blazesym before the descriptor is closed and its number reused.
+
+mod cache;
+pub mod kernel;
+
+use std::{
+    collections::{HashMap, HashSet},
+    fs::File,
+    os::fd::AsRawFd as _,
+    panic::AssertUnwindSafe,
+    path::{Path, PathBuf},
+    sync::{Arc, OnceLock},
+    time::{Duration, Instant},
+};
+
+use blazesym::{
+    Pid,
+    symbolize::{
+        self as blaze, CodeInfo, Input, Sym, Symbolized,
+        evict::{self, Evict},
+        source::{Elf, Process, Source},
+    },
+};
+use stackscope_process_table::{MappedRegion, ObjectId, open::OpenError};
+
+pub use cache::GenerationalCache;
+use kernel::KernelSymbols;
+
+use crate::unwinding::ModuleFile;
+
+/// Names kept by default: a few hundred bytes each, so tens of MB at most.
+pub const DEFAULT_MAX_CACHED_NAMES: usize = 1 << 18;
+
+/// Files blazesym keeps open and parsed by default. Each costs two file
+/// descriptors (the agent's and blazesym's) and whatever blazesym parsed.
+pub const DEFAULT_MAX_OPEN_OBJECTS: usize = 256;
+
+/// Modules and BPF programs come and go: kallsyms is read again this often.
+pub const DEFAULT_KALLSYMS_RELOAD: Duration = Duration::from_secs(300);
+
+/// The longest symbol or file name kept; longer ones (generated C++ or Rust
+/// names can be kilobytes) are cut, so one frame cannot bloat every batch.
+const MAX_NAME_BYTES: usize = 2048;
+
+/// Lines kept per address: inlining deeper than this keeps the innermost
+/// functions and the one that holds the code (the collector refuses more
+/// than 256).
+const MAX_LINES: usize = 64;
+
+/// Objects whose errors have been logged, before the set is cleared (and
+/// errors are logged once more).
+const MAX_LOGGED_OBJECTS: usize = 4096;
+
+/// How the symbolizer finds kernel symbols and bounds itself.
+#[derive(Debug, Clone)]
+pub struct SymbolizerConfig {
+    /// Names kept, by (object, file offset), for every process at once.
+    pub max_cached_names: usize,
+    /// Files blazesym keeps open and parsed at once; the least recently
+    /// used one is closed beyond.
+    pub max_open_objects: usize,
+    /// The kallsyms file (`/proc/kallsyms`).
+    pub kallsyms: PathBuf,
+    /// How often kallsyms is read again.
+    pub kallsyms_reload: Duration,
+    /// Where sysfs is mounted, for the kernel's and modules' build-ids.
+    pub sys_root: PathBuf,
+}
+
+impl Default for SymbolizerConfig {
+    fn default() -> Self {
+        Self {
+            max_cached_names: DEFAULT_MAX_CACHED_NAMES,
+            max_open_objects: DEFAULT_MAX_OPEN_OBJECTS,
+            kallsyms: PathBuf::from("/proc/kallsyms"),
+            kallsyms_reload: DEFAULT_KALLSYMS_RELOAD,
+            sys_root: PathBuf::from("/sys"),
+        }
+    }
+}
+
+/// One name of a frame: a function, and where in its source the address is.
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+pub struct FrameLine {
+    /// Demangled (see [`demangle`]).
+    pub function: Box<str>,
+    /// The source file, or empty when unknown.
+    pub file: Box<str>,
+    /// 0 when unknown.
+    pub line: u32,
+}
+
+/// The names found for one address, innermost (inlined) function first and
+/// the function that holds the code last; empty when none was found.
+pub type Lines = Arc<[FrameLine]>;
+
+/// Why an object's frames could not be named.
+#[derive(Debug, thiserror::Error)]
+pub enum SymbolizeError {
+    /// The mapped file could not be reached (the process exited before it
+    /// was opened, or the agent lacks the privileges).
+    #[error("opening the mapped file")]
+    Open(#[source] Arc<OpenError>),
+    /// blazesym could not read the file (not ELF, malformed, I/O error).
+    #[error("reading the object file")]
+    Read(#[source] blazesym::Error),
+    /// blazesym panicked on the file: it is not tried again while remembered.
+    #[error("the symbol reader panicked on the object file")]
+    Panicked,
+    /// An earlier attempt failed: not tried again while remembered.
+    #[error("the object file failed before")]
+    FailedBefore,
+}
+
+/// A mapped file to name frames in, opened at most once, ideally while a
+/// process that maps it still runs ([`ObjectFile::open_now`]).
+#[derive(Debug)]
+pub struct ObjectFile {
+    pub id: ObjectId,
+    /// The mapping the file is opened through; `None` for a file handed
+    /// over already open.
+    region: Option<Arc<MappedRegion>>,
+    file: OnceLock<Result<File, Arc<OpenError>>>,
+}
+
+impl ObjectFile {
+    /// The file of `module`, not opened yet.
+    pub fn new(module: &ModuleFile) -> Self {
+        Self {
+            id: *module.id,
+            region: Some(Arc::clone(&module.region)),
+            file: OnceLock::new(),
+        }
+    }
+
+    /// An object file already open (a file on disk, in tests and tools).
+    pub fn from_file(id: ObjectId, file: File) -> Self {
+        Self {
+            id,
+            region: None,
+            file: OnceLock::from(Ok(file)),
+        }
+    }
+
+    /// Opens the file (through `/proc/<pid>/map_files`, then the process's
+    /// root) unless that was tried before; fails once the process is gone.
+    pub fn open_now(&self) -> Result<&File, &Arc<OpenError>> {
+        self.file
+            .get_or_init(|| {
+                let Some(region) = &self.region else {
+                    // Unreachable: `from_file` sets the file.
+                    return Err(Arc::new(OpenError::ProcessGone { pid: 0 }));
+                };
+                region.open().map(|opened| opened.file).map_err(Arc::new)
+            })
+            .as_ref()
+    }
+
+    /// The mapping the file was found through, if any.
+    pub fn region(&self) -> Option<&MappedRegion> {
+        self.region.as_deref()
+    }
+}
+
+/// Counters since the symbolizer was created.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, serde::Serialize)]
+pub struct SymbolizeStats {
+    /// Lookups of user and vDSO frames answered by the name cache, and
+    /// those that were not.
+    pub cache_hits: u64,
+    pub cache_misses: u64,
+    /// Misses that found a name, and those no symbol covers.
+    pub named: u64,
+    pub no_symbol: u64,
+    /// Frames left unnamed because their file could not be opened or read.
+    pub errors: u64,
+    /// Frames left unnamed because the batch's time for naming ran out;
+    /// they are looked up again for the next batch.
+    pub deferred: u64,
+    pub kernel_named: u64,
+    pub kernel_unnamed: u64,
+    /// Files handed to blazesym.
+    pub objects_opened: u64,
+    /// Times blazesym's whole state was dropped (after a panic, or to
+    /// release what path evictions do not reach).
+    pub rebuilds: u64,
+    pub panics: u64,
+    /// Symbols in the kernel table (0 when kallsyms is hidden).
+    pub kernel_symbols: u64,
+}
+
+impl SymbolizeStats {
+    /// Share of user and vDSO lookups answered by the cache, in percent.
+    pub fn cache_hit_percent(&self) -> f64 {
+        let lookups = self.cache_hits + self.cache_misses;
+        if lookups == 0 {
+            0.0
+        } else {
+            100.0 * self.cache_hits as f64 / lookups as f64
+        }
+    }
+}
+
+/// Which object a cached name belongs to.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+enum NameSpace {
+    Object(ObjectId),
+    Vdso,
+}
+
+/// A file registered with blazesym.
+struct Registered {
+    /// Keeps the descriptor `path` names open.
+    _object: Arc<ObjectFile>,
+    path: PathBuf,
+    last_used: u64,
+    /// Reading it failed: its frames stay unnamed until it is forgotten.
+    failed: bool,
+}
+
+/// A kernel frame's module and names.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct KernelFrame {
+    /// `None` for the kernel image.
+    pub module: Option<Arc<str>>,
+    /// One line with the function, or none when the address is not named.
+    pub lines: Lines,
+}
+
+/// See the module documentation.
+pub struct Symbolizer {
+    config: SymbolizerConfig,
+    blaze: blaze::Symbolizer,
+    registered: HashMap<ObjectId, Registered>,
+    tick: u64,
+    /// Evictions since blazesym was last rebuilt.
+    evictions: usize,
+    names: GenerationalCache<(NameSpace, u64), Lines>,
+    logged: HashSet<ObjectId>,
+    kernel: KernelSymbols,
+    kernel_loaded: Instant,
+    kernel_build_id: Option<String>,
+    module_build_ids: HashMap<Arc<str>, Option<String>>,
+    /// Where this process maps the vDSO, and the image's build-id.
+    vdso: Option<(u64, Option<String>)>,
+    deadline: Option<Instant>,
+    stats: SymbolizeStats,
+}
+
+impl std::fmt::Debug for Symbolizer {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Symbolizer")
+            .field("registered", &self.registered.len())
+            .field("names", &self.names.len())
+            .field("kernel_symbols", &self.kernel.len())
+            .field("stats", &self.stats)
+            .finish_non_exhaustive()
+    }
+}
+
+impl Symbolizer {
+    pub fn new(config: SymbolizerConfig) -> Self {
+        let (kernel, kernel_loaded) = load_kallsyms(&config.kallsyms);
+        let vdso = crate::unwinding::own_vdso_image().map(|(start, image)| {
+            use object::Object as _;
+            let build_id = object::File::parse(image)
+                .ok()
+                .and_then(|elf| elf.build_id().ok().flatten())
+                .map(hex);
+            (start, build_id)
+        });
+        Self {
+            blaze: new_blazesym(),
+            registered: HashMap::new(),
+            tick: 0,
+            evictions: 0,
+            names: GenerationalCache::new(config.max_cached_names),
+            logged: HashSet::new(),
+            kernel_build_id: kernel::kernel_build_id(&config.sys_root),
+            kernel,
+            kernel_loaded,
+            module_build_ids: HashMap::new(),
+            vdso,
+            deadline: None,
+            stats: SymbolizeStats::default(),
+            config,
+        }
+    }
+
+    /// Starts naming one batch: names not found by `deadline` are left
+    /// out of it (see [`SymbolizeStats::deferred`]); reads kallsyms again
+    /// when due.
+    pub fn begin_batch(&mut self, deadline: Option<Instant>) {
+        self.deadline = deadline;
+        if self.kernel_loaded.elapsed() >= self.config.kallsyms_reload {
+            (self.kernel, self.kernel_loaded) = load_kallsyms(&self.config.kallsyms);
+            self.module_build_ids.clear();
+        }
+    }
+
+    pub fn stats(&self) -> SymbolizeStats {
+        SymbolizeStats {
+            cache_hits: self.names.hits,
+            cache_misses: self.names.misses,
+            kernel_symbols: self.kernel.len() as u64,
+            ..self.stats
+        }
+    }
+
+    /// Names `offsets` (file offsets, each at the byte to look up) of
+    /// `object`; the result is index for index with `offsets`.
+    pub fn user(&mut self, object: &Arc<ObjectFile>, offsets: &[u64]) -> Vec<Lines> {
+        let space = NameSpace::Object(object.id);
+        self.cached_or(space, offsets, |this, misses| {
+            this.read_object(object, misses)
+        })
+    }
+
+    /// Names `offsets` in the vDSO image.
+    pub fn vdso(&mut self, offsets: &[u64]) -> Vec<Lines> {
+        self.cached_or(NameSpace::Vdso, offsets, Self::read_vdso)
+    }
+
+    /// The vDSO image's build-id (lower-case hex).
+    pub fn vdso_build_id(&self) -> Option<&str> {
+        self.vdso.as_ref()?.1.as_deref()
+    }
+
+    /// Names the kernel address `lookup` (the byte to look up).
+    pub fn kernel(&mut self, lookup: u64) -> KernelFrame {
+        match self.kernel.lookup(lookup) {
+            Some(name) => {
+                self.stats.kernel_named += 1;
+                KernelFrame {
+                    module: name.module.cloned(),
+                    lines: Arc::new([FrameLine {
+                        function: bounded(name.function).into(),
+                        file: "".into(),
+                        line: 0,
+                    }]),
+                }
+            }
+            None => {
+                self.stats.kernel_unnamed += 1;
+                KernelFrame {
+                    module: None,
+                    lines: Arc::new([]),
+                }
+            }
+        }
+    }
+
+    /// The build-id of the kernel image (`module` `None`) or of a module.
+    pub fn kernel_build_id(&mut self, module: Option<&Arc<str>>) -> Option<&str> {
+        match module {
+            None => self.kernel_build_id.as_deref(),
+            Some(module) => {
+                let sys = &self.config.sys_root;
+                self.module_build_ids
+                    .entry(Arc::clone(module))
+                    .or_insert_with(|| kernel::module_build_id(sys, module))
+                    .as_deref()
+            }
+        }
+    }
+
+    /// Answers `offsets` from the cache, and the rest with `read` (once
+    /// per distinct offset), unless the deadline has passed.
+    fn cached_or(
+        &mut self,
+        space: NameSpace,
+        offsets: &[u64],
+        read: impl FnOnce(&mut Self, &[u64]) -> Result<Vec<Lines>, SymbolizeError>,
+    ) -> Vec<Lines> {
+        let unnamed: Lines = Arc::new([]);
+        let mut out: Vec<Option<Lines>> = offsets
+            .iter()
+            .map(|&offset| self.names.get(&(space, offset)))
+            .collect();
+        let mut misses: Vec<u64> = offsets
+            .iter()
+            .zip(&out)
+            .filter(|(_, found)| found.is_none())
+            .map(|(&offset, _)| offset)
+            .collect();
+        misses.sort_unstable();
+        misses.dedup();
+        if misses.is_empty() {
+            return out.into_iter().map(Option::unwrap_or_default).collect();
+        }
+        if self
+            .deadline
+            .is_some_and(|deadline| Instant::now() >= deadline)
+        {
+            self.stats.deferred += misses.len() as u64;
+        } else {
+            match read(self, &misses) {
+                Ok(found) => {
+                    for (&offset, lines) in misses.iter().zip(&found) {
+                        if lines.is_empty() {
+                            self.stats.no_symbol += 1;
+                        } else {
+                            self.stats.named += 1;
+                        }
+                        self.names.insert((space, offset), Arc::clone(lines));
+                    }
+                    for (slot, offset) in out.iter_mut().zip(offsets) {
+                        if slot.is_none()
+                            && let Ok(at) = misses.binary_search(offset)
+                        {
+                            *slot = found.get(at).cloned();
+                        }
+                    }
+                }
+                Err(err) => {
+                    self.stats.errors += misses.len() as u64;
+                    self.log_once(space, &err);
+                }
+            }
+        }
+        out.into_iter()
+            .map(|found| found.unwrap_or_else(|| Arc::clone(&unnamed)))
+            .collect()
+    }
+
+    fn log_once(&mut self, space: NameSpace, err: &SymbolizeError) {
+        let NameSpace::Object(id) = space else {
+            tracing::debug!("naming vDSO frames: {}", error_chain(err));
+            return;
+        };
+        if self.logged.len() >= MAX_LOGGED_OBJECTS {
+            self.logged.clear();
+        }
+        if self.logged.insert(id) {
+            tracing::debug!("naming frames of object {id}: {}", error_chain(err));
+        }
+    }
+
+    fn read_object(
+        &mut self,
+        object: &Arc<ObjectFile>,
+        offsets: &[u64],
+    ) -> Result<Vec<Lines>, SymbolizeError> {
+        let path = self.register(object)?;
+        let source = Source::Elf(Elf::new(path));
+        let result = self.read(&source, Input::FileOffset(offsets));
+        if result.is_err()
+            && let Some(entry) = self.registered.get_mut(&object.id)
+        {
+            entry.failed = true;
+        }
+        result
+    }
+
+    fn read_vdso(&mut self, offsets: &[u64]) -> Result<Vec<Lines>, SymbolizeError> {
+        let Some((start, _)) = self.vdso else {
+            return Ok(offsets.iter().map(|_| Lines::from([])).collect());
+        };
+        // The agent's own vDSO is the same image: blazesym reads it from
+        // this process's memory.
+        let mut process = Process::new(Pid::Slf);
+        process.debug_syms = false;
+        process.perf_map = false;
+        process.map_files = false;
+        let addresses: Vec<u64> = offsets.iter().map(|&o| start.wrapping_add(o)).collect();
+        self.read(&Source::Process(process), Input::AbsAddr(&addresses))
+    }
+
+    /// One blazesym call, with a panic in it turned into an error (and
+    /// blazesym's state dropped, since a panic may have left it half
+    /// updated).
+    fn read(
+        &mut self,
+        source: &Source,
+        input: Input<&[u64]>,
+    ) -> Result<Vec<Lines>, SymbolizeError> {
+        let blaze = &self.blaze;
+        let result = std::panic::catch_unwind(AssertUnwindSafe(|| {
+            blaze
+                .symbolize(source, input)
+                .map(|found| found.iter().map(lines_of).collect::<Vec<Lines>>())
+        }));
+        match result {
+            Ok(Ok(lines)) => Ok(lines),
+            Ok(Err(err)) => Err(SymbolizeError::Read(err)),
+            Err(_) => {
+                self.stats.panics += 1;
+                self.rebuild();
+                Err(SymbolizeError::Panicked)
+            }
+        }
+    }
+
+    /// The path blazesym reads `object` by, registering it on first use.
+    fn register(&mut self, object: &Arc<ObjectFile>) -> Result<PathBuf, SymbolizeError> {
+        self.tick += 1;
+        if let Some(entry) = self.registered.get_mut(&object.id) {
+            entry.last_used = self.tick;
+            return if entry.failed {
+                Err(SymbolizeError::FailedBefore)
+            } else {
+                Ok(entry.path.clone())
+            };
+        }
+        let file = object
+            .open_now()
+            .map_err(|err| SymbolizeError::Open(Arc::clone(err)))?;
+        let path = Path::new("/proc/self/fd").join(file.as_raw_fd().to_string());
+        while self.registered.len() >= self.config.max_open_objects.max(1) {
+            self.evict_least_recent();
+        }
+        self.stats.objects_opened += 1;
+        self.registered.insert(
+            object.id,
+            Registered {
+                _object: Arc::clone(object),
+                path: path.clone(),
+                last_used: self.tick,
+                failed: false,
+            },
+        );
+        Ok(path)
+    }
+
+    fn evict_least_recent(&mut self) {
+        let Some(id) = self
+            .registered
+            .iter()
+            .min_by_key(|(_, entry)| entry.last_used)
+            .map(|(id, _)| *id)
+        else {
+            return;
+        };
+        if let Some(entry) = self.registered.remove(&id) {
+            // Before the descriptor closes (with `entry`): see the module
+            // documentation. Evicting a path blazesym never opened is no
+            // error, and no other error is possible for an ELF path.
+            let _ = self
+                .blaze
+                .evict(&Evict::Elf(evict::Elf::new(entry.path.clone())));
+        }
+        self.evictions += 1;
+        // What blazesym caches by other paths (debug-link targets, dwp
+        // files) is not reached by path evictions: start afresh now and
+        // then so it stays bounded too.
+        if self.evictions >= 4 * self.config.max_open_objects.max(1) {
+            self.rebuild();
+        }
+    }
+
+    /// Drops blazesym's whole state (and with it every registration).
+    fn rebuild(&mut self) {
+        self.blaze = new_blazesym();
+        self.registered.clear();
+        self.evictions = 0;
+        self.stats.rebuilds += 1;
+    }
+}
+
+fn new_blazesym() -> blaze::Symbolizer {
+    blaze::Symbolizer::builder()
+        // Paths are /proc/self/fd links that name one file for as long as
+        // they are registered: no need to stat them on every call.
+        .enable_auto_reload(false)
+        .enable_code_info(true)
+        .enable_inlined_fns(true)
+        // Its demangler reads bare C names as type codes (`c` -> `char`).
+        .enable_demangling(false)
+        .build()
+}
+
+fn load_kallsyms(path: &Path) -> (KernelSymbols, Instant) {
+    let table = KernelSymbols::load(path).unwrap_or_else(|err| {
+        tracing::debug!("reading {}: {err}", path.display());
+        KernelSymbols::default()
+    });
+    if table.is_empty() {
+        tracing::warn!(
+            "no kernel symbols in {} (kptr_restrict, or no permission): kernel frames go unnamed",
+            path.display()
+        );
+    }
+    (table, Instant::now())
+}
+
+/// The lines of one blazesym answer, innermost function first.
+fn lines_of(symbolized: &Symbolized<'_>) -> Lines {
+    let sym: &Sym<'_> = match symbolized {
+        Symbolized::Sym(sym) => sym,
+        // Every reason, `IgnoredError` (a failure for this address in a
+        // file that could be read) included, is an address without a name:
+        // asking again would get the same answer.
+        Symbolized::Unknown(_) => return Arc::new([]),
+    };
+    // blazesym lists inlined calls outermost first, each with the location
+    // inside it; the symbol's own code info is the call site of the first.
+    let mut lines: Vec<FrameLine> = sym
+        .inlined
+        .iter()
+        .rev()
+        .map(|inlined| frame_line(&inlined.name, inlined.code_info.as_ref()))
+        .collect();
+    if lines.len() >= MAX_LINES {
+        lines.truncate(MAX_LINES - 1);
+    }
+    lines.push(frame_line(&sym.name, sym.code_info.as_deref()));
+    lines.into()
+}
+
+fn frame_line(name: &str, code: Option<&CodeInfo<'_>>) -> FrameLine {
+    let (file, line) = code.map_or((String::new(), 0), |code| {
+        (
+            code.to_path().to_string_lossy().into_owned(),
+            code.line.unwrap_or(0),
+        )
+    });
+    FrameLine {
+        function: bounded(&demangle(name)).into(),
+        file: bounded(&file).into(),
+        line,
+    }
+}
+
+/// `text` cut to at most [`MAX_NAME_BYTES`].
+fn bounded(text: &str) -> &str {
+    truncate_str(text, MAX_NAME_BYTES)
+}
+
+/// `text` cut to at most `max` bytes, on a character boundary.
+pub(crate) fn truncate_str(text: &str, max: usize) -> &str {
+    if text.len() <= max {
+        return text;
+    }
+    let mut end = max;
+    while !text.is_char_boundary(end) {
+        end -= 1;
+    }
+    &text[..end]
+}
+
+/// A readable name for a symbol: Rust (legacy or v0, without the hash),
+/// else C++ (without parameters or return type, as flame graphs show it),
+/// else as it is. Only names with a mangling prefix are tried: a C++
+/// demangler also reads bare type codes, and would turn the C function `c`
+/// into `char`.
+pub fn demangle(name: &str) -> String {
+    if !(name.starts_with("_Z") || name.starts_with("_R")) {
+        return name.to_owned();
+    }
+    if let Ok(rust) = rustc_demangle::try_demangle(name) {
+        return format!("{rust:#}");
+    }
+    let options = cpp_demangle::DemangleOptions::new()
+        .no_params()
+        .no_return_type();
+    cpp_demangle::Symbol::new(name)
+        .ok()
+        .and_then(|symbol| symbol.demangle_with_options(&options).ok())
+        .unwrap_or_else(|| name.to_owned())
+}
+
+fn hex(bytes: &[u8]) -> String {
+    bytes.iter().map(|byte| format!("{byte:02x}")).collect()
+}
+
+/// An error and its sources, `: `-separated, for one log line.
+fn error_chain(err: &dyn std::error::Error) -> String {
+    let mut text = err.to_string();
+    let mut source = err.source();
+    while let Some(cause) = source {
+        text.push_str(": ");
+        text.push_str(&cause.to_string());
+        source = cause.source();
+    }
+    text
+}
+
+#[cfg(test)]
+mod tests {
+    use std::{io::Write as _, process::Command};
+
+    use object::{Object as _, ObjectSegment as _, ObjectSymbol as _};
+    use stackscope_process_table::{FileKey, object_id::identify};
+    use stackscope_test_fixtures::{Fixture, RunningProcess};
+
+    use super::*;
+
+    /// A symbolizer that reads no real kallsyms.
+    fn symbolizer() -> Symbolizer {
+        Symbolizer::new(SymbolizerConfig {
+            kallsyms: PathBuf::from("/nonexistent/kallsyms"),
+            ..SymbolizerConfig::default()
+        })
+    }
+
+    fn object_file(path: &Path) -> Arc<ObjectFile> {
+        let file = File::open(path).expect("opening the fixture");
+        let metadata = file.metadata().expect("fstat");
+        let id = identify(&file, &metadata).expect("identifying").id;
+        Arc::new(ObjectFile::from_file(id, file))
+    }
+
+    /// Function `name`'s file offset (plus `delta`) in the ELF file at `path`.
+    fn offset_of(path: &Path, name: &str, delta: u64) -> u64 {
+        let data = std::fs::read(path).expect("reading the fixture");
+        let elf = object::File::parse(&*data).expect("parsing");
+        let vaddr = elf
+            .symbols()
+            .find(|symbol| symbol.name() == Ok(name))
+            .unwrap_or_else(|| panic!("no symbol {name}"))
+            .address()
+            + delta;
+        let segment = elf
+            .segments()
+            .find(|s| (s.address()..s.address() + s.size()).contains(&vaddr))
+            .expect("a segment holding the symbol");
+        vaddr - segment.address() + segment.file_range().0
+    }
+
+    /// `(start, end)` file offsets of function `name`.
+    fn range_of(path: &Path, name: &str) -> (u64, u64) {
+        let data = std::fs::read(path).expect("reading the fixture");
+        let elf = object::File::parse(&*data).expect("parsing");
+        let size = elf
+            .symbols()
+            .find(|symbol| symbol.name() == Ok(name))
+            .expect("the symbol")
+            .size();
+        let start = offset_of(path, name, 0);
+        (start, start + size)
+    }
+
+    fn functions(lines: &[FrameLine]) -> Vec<&str> {
+        lines.iter().map(|line| &*line.function).collect()
+    }
+
+    #[test]
+    fn names_c_functions_from_the_symbol_table_as_they_are() {
+        let fixture = Fixture::compile("call_chain", &[]);
+        let object = object_file(&fixture.path);
+        let mut symbolizer = symbolizer();
+        let names = ["c", "b", "a", "main"];
+        let offsets: Vec<u64> = names
+            .iter()
+            .map(|name| offset_of(&fixture.path, name, 2))
+            .collect();
+        let found = symbolizer.user(&object, &offsets);
+        let found: Vec<Vec<&str>> = found.iter().map(|lines| functions(lines)).collect();
+        // Not `char`, `bool`, `signed char`: C names are not demangled.
+        assert_eq!(found, names.map(|name| vec![name]));
+        let stats = symbolizer.stats();
+        assert_eq!((stats.named, stats.errors, stats.objects_opened), (4, 0, 1));
+    }
+
+    #[test]
+    fn dwarf_lines_and_inlined_functions_come_innermost_first() {
+        let dir = tempfile::tempdir().expect("temporary directory");
+        let source = dir.path().join("inlined.c");
+        std::fs::write(
+            &source,
+            "static volatile int sink;\n\
+             static inline __attribute__((always_inline)) int inner(int x) {\n\
+             \x20   sink += x;\n\
+             \x20   return sink * 3;\n\
+             }\n\
+             __attribute__((noinline)) int outer(int x) {\n\
+             \x20   int r = inner(x);\n\
+             \x20   sink += r;\n\
+             \x20   return r;\n\
+             }\n\
+             int main(void) { return outer(1); }\n",
+        )
+        .expect("writing the source");
+        let binary = dir.path().join("inlined");
+        let out = Command::new("gcc")
+            .args(["-O2", "-g", "-fomit-frame-pointer"])
+            .arg(&source)
+            .arg("-o")
+            .arg(&binary)
+            .output()
+            .expect("running gcc");
+        assert!(
+            out.status.success(),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+
+        let object = object_file(&binary);
+        let mut symbolizer = symbolizer();
+        let (start, end) = range_of(&binary, "outer");
+        let offsets: Vec<u64> = (start..end).collect();
+        let found = symbolizer.user(&object, &offsets);
+        let inlined = found
+            .iter()
+            .find(|lines| lines.len() == 2)
+            .expect("an address in the inlined call");
+        assert_eq!(functions(inlined), ["inner", "outer"]);
+        assert!(inlined[0].file.ends_with("inlined.c"), "{inlined:?}");
+        assert!(
+            (3..=4).contains(&inlined[0].line),
+            "line in inner: {inlined:?}"
+        );
+        assert_eq!(inlined[1].line, 7, "the call site in outer: {inlined:?}");
+        assert!(
+            found
+                .iter()
+                .all(|lines| lines.last().map(|l| &*l.function) == Some("outer")),
+            "every address is in outer"
+        );
+    }
+
+    #[test]
+    fn demangles_cpp_without_parameters_and_rust_without_hash() {
+        assert_eq!(demangle("c"), "c");
+        assert_eq!(demangle("main"), "main");
+        assert_eq!(demangle("_ZN6WorkerIiE3runEv"), "Worker<int>::run");
+        assert_eq!(
+            demangle("_Z8dispatchI6WorkerIiEEvRT_"),
+            "dispatch<Worker<int> >"
+        );
+        assert_eq!(
+            demangle("_ZN10rust_chain1a17h0123456789abcdefE"),
+            "rust_chain::a"
+        );
+        assert_eq!(demangle("_ZNotMangled"), "_ZNotMangled");
+
+        let fixture = Fixture::cpp_template_chain();
+        let object = object_file(&fixture.path);
+        let offset = offset_of(&fixture.path, "_ZN6WorkerIiE3runEv", 1);
+        let found = symbolizer().user(&object, &[offset]);
+        assert_eq!(functions(&found[0]), ["Worker<int>::run"]);
+    }
+
+    #[test]
+    fn malformed_files_leave_frames_unnamed_without_panicking() {
+        let fixture = Fixture::compile("call_chain", &[]);
+        let elf = std::fs::read(&fixture.path).expect("reading the fixture");
+        let dir = tempfile::tempdir().expect("temporary directory");
+        let mut symbolizer = symbolizer();
+        let mut garbage = vec![0x5au8; 4096];
+        garbage[..4].copy_from_slice(b"\x7fELF");
+        let cases: [(&str, &[u8]); 4] = [
+            ("empty", &[]),
+            ("garbage", &garbage),
+            ("header only", &elf[..64]),
+            ("half", &elf[..elf.len() / 2]),
+        ];
+        for (i, (name, bytes)) in cases.into_iter().enumerate() {
+            let path = dir.path().join(name);
+            std::fs::File::create(&path)
+                .and_then(|mut file| file.write_all(bytes))
+                .expect("writing the file");
+            let object = Arc::new(ObjectFile::from_file(
+                ObjectId::FileKey(FileKey {
+                    dev: 0,
+                    ino: i as u64,
+                    size: 0,
+                    mtime_ns: 0,
+                }),
+                File::open(&path).expect("opening"),
+            ));
+            for _ in 0..2 {
+                let found = symbolizer.user(&object, &[0x1000, 0x1010]);
+                assert_eq!(found.len(), 2, "{name}");
+                // A truncated file may still name from what it holds; it
+                // must just not panic, and never name garbage.
+                for lines in &found {
+                    assert!(lines.iter().all(|line| !line.function.is_empty()), "{name}");
+                }
+            }
+        }
+        let stats = symbolizer.stats();
+        assert!(stats.errors > 0, "{stats:?}");
+        assert_eq!(stats.panics, 0);
+        assert_eq!(
+            stats.objects_opened, 4,
+            "failed files are not retried at once"
+        );
+    }
+
+    #[test]
+    fn a_process_that_exited_before_its_file_was_opened_costs_names_only() {
+        // Killed on drop, should the test fail before it kills it itself.
+        let mut process = RunningProcess::adopt(
+            Command::new("sleep")
+                .arg("60")
+                .spawn()
+                .expect("starting sleep"),
+        );
+        let pid = process.pid();
+        // Until exec has mapped the new image, the child is a copy of this
+        // process (or has no mappings at all).
+        let started = Instant::now();
+        let code = loop {
+            let found = stackscope_process_table::maps::read_maps(pid)
+                .unwrap_or_default()
+                .into_iter()
+                .find(|m| {
+                    m.perms.exec
+                        && m.path
+                            .file_path()
+                            .and_then(Path::file_name)
+                            .is_some_and(|name| name == "sleep")
+                });
+            if let Some(code) = found {
+                break code;
+            }
+            assert!(
+                started.elapsed() < Duration::from_secs(10),
+                "sleep never started"
+            );
+            std::thread::sleep(Duration::from_millis(5));
+        };
+        let mut table = stackscope_process_table::ProcessTable::default();
+        let module = match table.lookup(pid, code.start) {
+            Ok(Some(stackscope_process_table::Location::Object(object))) => ModuleFile {
+                id: object.id,
+                region: object.region,
+            },
+            other => panic!("{other:?}"),
+        };
+        process.child.kill().expect("killing sleep");
+        process.child.wait().expect("reaping sleep");
+
+        let object = Arc::new(ObjectFile::new(&module));
+        let mut symbolizer = symbolizer();
+        for _ in 0..2 {
+            let found = symbolizer.user(&object, &[0x1000, 0x2000]);
+            assert!(found.iter().all(|lines| lines.is_empty()));
+        }
+        let stats = symbolizer.stats();
+        assert_eq!(
+            (stats.errors, stats.objects_opened, stats.panics),
+            (4, 0, 0)
+        );
+        assert!(object.open_now().is_err());
+    }
+
+    #[test]
+    fn names_are_cached_by_object_and_offset_across_processes() {
+        let fixture = Fixture::compile("call_chain", &[]);
+        let first = object_file(&fixture.path);
+        let offset = offset_of(&fixture.path, "b", 1);
+        let mut symbolizer = symbolizer();
+        assert_eq!(
+            functions(&symbolizer.user(&first, &[offset, offset])[0]),
+            ["b"]
+        );
+        // Another process's mapping of the same build: its file is not
+        // even read.
+        let empty = tempfile::NamedTempFile::new().expect("temporary file");
+        let second = Arc::new(ObjectFile::from_file(
+            first.id,
+            File::open(empty.path()).expect("opening"),
+        ));
+        assert_eq!(functions(&symbolizer.user(&second, &[offset])[0]), ["b"]);
+        let stats = symbolizer.stats();
+        // One miss for the first call (both offsets are one lookup) and a
+        // hit for the second.
+        assert_eq!((stats.cache_misses, stats.cache_hits), (2, 1));
+        assert_eq!(stats.objects_opened, 1);
+    }
+
+    #[test]
+    fn open_files_are_bounded() {
+        let fixture = Fixture::compile("call_chain", &[]);
+        let offset = offset_of(&fixture.path, "a", 1);
+        let mut symbolizer = Symbolizer::new(SymbolizerConfig {
+            kallsyms: PathBuf::from("/nonexistent/kallsyms"),
+            max_open_objects: 2,
+            ..SymbolizerConfig::default()
+        });
+        for round in 0..3u64 {
+            for copy in 0..5u64 {
+                // Five versions of one file, as five objects.
+                let object = Arc::new(ObjectFile::from_file(
+                    ObjectId::FileKey(FileKey {
+                        dev: 1,
+                        ino: copy,
+                        size: 0,
+                        mtime_ns: 0,
+                    }),
+                    File::open(&fixture.path).expect("opening"),
+                ));
+                // Distinct offsets per round so every call reads the file.
+                let found = symbolizer.user(&object, &[offset + round]);
+                assert_eq!(functions(&found[0]), ["a"]);
+                assert!(symbolizer.registered.len() <= 2);
+            }
+        }
+        assert_eq!(symbolizer.stats().objects_opened, 15);
+    }
+
+    #[test]
+    fn names_past_the_deadline_are_deferred_not_cached() {
+        let fixture = Fixture::compile("call_chain", &[]);
+        let object = object_file(&fixture.path);
+        let offset = offset_of(&fixture.path, "c", 1);
+        let mut symbolizer = symbolizer();
+        symbolizer.begin_batch(Some(Instant::now()));
+        assert!(symbolizer.user(&object, &[offset])[0].is_empty());
+        assert_eq!(symbolizer.stats().deferred, 1);
+        symbolizer.begin_batch(None);
+        assert_eq!(functions(&symbolizer.user(&object, &[offset])[0]), ["c"]);
+    }
+
+    #[test]
+    fn kernel_frames_are_named_from_kallsyms_with_their_module() {
+        let mut kallsyms = tempfile::NamedTempFile::new().expect("temporary file");
+        kallsyms
+            .write_all(
+                b"ffffffff81000000 T _text\n\
+                  ffffffff81100000 T do_syscall_64\n\
+                  ffffffffc0001000 t nft_do_chain\t[nf_tables]\n",
+            )
+            .expect("writing");
+        let mut symbolizer = Symbolizer::new(SymbolizerConfig {
+            kallsyms: kallsyms.path().to_path_buf(),
+            sys_root: PathBuf::from("/nonexistent"),
+            ..SymbolizerConfig::default()
+        });
+        let core = symbolizer.kernel(0xffff_ffff_8110_0042);
+        assert_eq!(core.module, None);
+        assert_eq!(functions(&core.lines), ["do_syscall_64"]);
+        let module = symbolizer.kernel(0xffff_ffff_c000_1010);
+        assert_eq!(module.module.as_deref(), Some("nf_tables"));
+        assert_eq!(functions(&module.lines), ["nft_do_chain"]);
+        assert!(symbolizer.kernel(0x1000).lines.is_empty());
+        let stats = symbolizer.stats();
+        assert_eq!((stats.kernel_named, stats.kernel_unnamed), (2, 1));
+        assert_eq!(symbolizer.kernel_build_id(module.module.as_ref()), None);
+    }
+
+    #[test]
+    fn the_vdso_is_named_from_the_agents_own_copy() {
+        let Some((start, image)) = crate::unwinding::own_vdso_image() else {
+            return;
+        };
+        let elf = object::File::parse(image).expect("the vDSO is ELF");
+        let (name, address) = elf
+            .dynamic_symbols()
+            .find_map(|s| {
+                let name = s.name().ok()?;
+                (s.kind() == object::SymbolKind::Text && name.contains("clock_gettime"))
+                    .then(|| (name.to_string(), s.address()))
+            })
+            .expect("clock_gettime in the vDSO");
+        // The image is linked at 0 (offsets are addresses) on x86_64.
+        let _ = start;
+        let found = symbolizer().vdso(&[address + 1]);
+        assert!(
+            found[0].iter().any(|line| *line.function == name),
+            "{found:?}, expected {name}"
+        );
+    }
+}
