@@ -1,6 +1,7 @@
 //! Benchmarks: they print figures and compare them with the targets; they never
 //! fail on a figure (timing belongs in reports, not in tests). `sampler` drives
-//! the agent; `unwind` runs the unwinder's criterion benches.
+//! the agent; `unwind` runs the unwinder's criterion benches; `collector`
+//! loads the collector's storage with a synthetic fleet.
 
 use std::{
     path::{Path, PathBuf},
@@ -26,12 +27,36 @@ pub enum Bench {
     /// unwinding recorded samples of a deep-stack program, side by side with
     /// framehop 0.16 on the same inputs (criterion, `unwind/benches/`).
     Unwind,
+    /// Collector ingest rate (samples/s and batches/s on one core) and
+    /// flamegraph query latency (p50, p95) over an hour of synthetic fleet
+    /// data: 100 nodes, 2,000 stacks of depth 30 each per 10 s.
+    Collector {
+        /// Simulated nodes.
+        #[arg(long, default_value_t = 100)]
+        nodes: u32,
+        /// Minutes of data to ingest before querying.
+        #[arg(long, default_value_t = 60)]
+        minutes: u32,
+    },
 }
 
 pub fn run(which: Bench) -> anyhow::Result<()> {
     match which {
         Bench::Sampler { duration } => sampler(&duration),
         Bench::Unwind => unwind(),
+        Bench::Collector { nodes, minutes } => run_checked(
+            Command::new(std::env::var_os("CARGO").unwrap_or_else(|| "cargo".into()))
+                .args([
+                    "bench",
+                    "--package",
+                    "stackscope-collector",
+                    "--bench",
+                    "collector",
+                ])
+                .current_dir(workspace_root())
+                .env("STACKSCOPE_BENCH_NODES", nodes.to_string())
+                .env("STACKSCOPE_BENCH_MINUTES", minutes.to_string()),
+        ),
     }
 }
 

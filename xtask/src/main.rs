@@ -24,8 +24,9 @@ struct Cli {
 enum Task {
     /// Install what the build and the tests need (idempotent).
     Setup,
-    /// Build and profile this host until Ctrl-C; extra arguments go to the agent
-    /// (e.g. `cargo xtask run -- --duration 30s --frequency 99`).
+    /// Build, start the collector (data in ./stackscope-data) and the agent,
+    /// and on Ctrl-C write flamegraph.svg and print the top functions; extra
+    /// arguments go to the agent (e.g. `cargo xtask run -- --duration 30s`).
     Run {
         #[arg(trailing_var_arg = true, allow_hyphen_values = true)]
         agent_args: Vec<String>,
@@ -52,25 +53,121 @@ fn main() -> anyhow::Result<()> {
     }
 }
 
+/// Where `cargo xtask run` keeps the collector's database.
+const RUN_DATA_DIR: &str = "stackscope-data";
+const RUN_GRPC: &str = "127.0.0.1:7070";
+const RUN_HTTP: &str = "127.0.0.1:7071";
+
+/// A child process killed (and reaped) when dropped, so an early error does
+/// not leave the collector running.
+struct KillOnDrop(std::process::Child);
+
+impl Drop for KillOnDrop {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+/// The whole product on this machine: the collector on its embedded
+/// database, the agent shipping to it, and on Ctrl-C (or the agent's
+/// `--duration`) a flamegraph and the top functions of the run.
 fn run(agent_args: &[String]) -> anyhow::Result<()> {
+    use std::os::unix::process::CommandExt as _;
+
     setup::ensure_all()?;
     require_root("the agent loads BPF programs")?;
-    cargo(&["build", "--release", "--package", "stackscope-agent"])?;
-    let agent = workspace_root().join("target/release/stackscope-agent");
-    let mut cmd = Command::new(&agent);
-    if agent_args.is_empty() {
-        cmd.args(["--frequency", "99"]);
+    cargo(&[
+        "build",
+        "--release",
+        "--package",
+        "stackscope-agent",
+        "--package",
+        "stackscope-collector",
+    ])?;
+    let root = workspace_root();
+    let bin = |name: &str| root.join("target/release").join(name);
+    let started = std::time::SystemTime::now();
+
+    // The collector gets its own process group: Ctrl-C in the terminal must
+    // stop the agent (which then flushes its last interval) but not the
+    // collector that has to receive it.
+    let mut collector = KillOnDrop(
+        Command::new(bin("stackscope-collector"))
+            .args(["--data-dir", RUN_DATA_DIR, "--grpc-listen", RUN_GRPC])
+            .args(["--http-listen", RUN_HTTP])
+            .current_dir(&root)
+            .process_group(0)
+            .spawn()
+            .context("starting stackscope-collector")?,
+    );
+    wait_for_listener(RUN_GRPC, &mut collector.0)?;
+
+    let mut agent = Command::new(bin("stackscope-agent"));
+    agent.args(["--collector", &format!("http://{RUN_GRPC}")]);
+    if !agent_args.iter().any(|arg| arg.starts_with("--frequency")) {
+        agent.args(["--frequency", "99"]);
     }
-    cmd.args(agent_args);
-    eprintln!("profiling this host; press Ctrl-C to stop and see the top processes");
-    let mut child = cmd
-        .spawn()
-        .with_context(|| format!("starting {}", agent.display()))?;
-    let status = with_sigint_ignored(|| child.wait())?;
+    agent.args(agent_args);
+    let mut agent = agent.spawn().context("starting stackscope-agent")?;
+    eprintln!(
+        "profiling this host into the collector (data in ./{RUN_DATA_DIR}).\n\
+         flamegraph of the last 15 minutes: http://{RUN_HTTP}/\n\
+         press Ctrl-C to stop and write flamegraph.svg"
+    );
+    let status = with_sigint_ignored(|| agent.wait())?;
     if !status.success() {
         bail!("the agent exited with {status}");
     }
+
+    let start = started
+        .duration_since(std::time::UNIX_EPOCH)
+        .context("the clock is before 1970")?
+        .as_secs()
+        .to_string();
+    let collector_url = format!("http://{RUN_GRPC}");
+    let query = |args: &[&str]| {
+        run_checked(
+            Command::new(bin("stackscope"))
+                .args(["--collector", &collector_url])
+                .args(args)
+                .args(["--start", &start])
+                .current_dir(&root),
+        )
+    };
+    query(&["flamegraph", "--output", "flamegraph.svg"])?;
+    eprintln!("top functions of this run:");
+    query(&["top", "--limit", "15"])?;
+    eprintln!(
+        "open {} in a browser; the collector kept the data in ./{RUN_DATA_DIR}",
+        root.join("flamegraph.svg").display()
+    );
+
+    // SAFETY: kill has no memory-safety preconditions; SIGTERM lets the
+    // collector finish requests in flight and close the database.
+    unsafe { libc::kill(collector.0.id() as i32, libc::SIGTERM) };
+    let status = collector.0.wait().context("waiting for the collector")?;
+    if !status.success() {
+        bail!("the collector exited with {status}");
+    }
     Ok(())
+}
+
+/// Waits until the collector accepts connections, or fails if it exits.
+fn wait_for_listener(addr: &str, child: &mut std::process::Child) -> anyhow::Result<()> {
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(30);
+    loop {
+        if std::net::TcpStream::connect(addr).is_ok() {
+            return Ok(());
+        }
+        if let Some(status) = child.try_wait()? {
+            bail!("the collector exited with {status} before listening on {addr}");
+        }
+        if std::time::Instant::now() > deadline {
+            bail!("the collector did not listen on {addr} within 30 s");
+        }
+        std::thread::sleep(std::time::Duration::from_millis(100));
+    }
 }
 
 fn test() -> anyhow::Result<()> {
@@ -92,7 +189,14 @@ fn test() -> anyhow::Result<()> {
     )?;
     // The end-to-end tests run the agent binary; build it first so they test
     // the current sources.
-    cargo(&["build", "--package", "stackscope-agent", "--bins"])?;
+    cargo(&[
+        "build",
+        "--package",
+        "stackscope-agent",
+        "--package",
+        "stackscope-collector",
+        "--bins",
+    ])?;
     cargo(&["test"])?;
     eprintln!("all tests passed");
     Ok(())

@@ -15,8 +15,10 @@ use crate::run_checked;
 const BPF_LINKER_VERSION: &str = "0.13.0";
 
 /// Debian packages the tests and benchmarks use: `bpftool` checks that
-/// nothing stays loaded; `gcc` and `g++` compile the fixture programs.
-const DEBIAN_PACKAGES: &[&str] = &["bpftool", "gcc", "g++"];
+/// nothing stays loaded; `gcc` and `g++` compile the fixture programs;
+/// `golang-go` provides `go tool pprof`, the real pprof reader the export
+/// tests check against.
+const DEBIAN_PACKAGES: &[&str] = &["bpftool", "gcc", "g++", "golang-go"];
 
 pub fn ensure_all() -> anyhow::Result<()> {
     ensure_nightly_rust_src()?;

@@ -1,0 +1,187 @@
+//! The whole product end to end (root): the agent samples a fixture built
+//! without frame pointers, ships to a real collector over gRPC on 127.0.0.1,
+//! and the `stackscope` CLI reads the stacks back from the collector's
+//! SQLite database, as folded stacks and as pprof for `go tool pprof`.
+
+use std::{
+    io::{BufRead as _, BufReader},
+    path::Path,
+    process::{Child, Command, Stdio},
+    time::{Duration, Instant},
+};
+
+use stackscope_test_fixtures::{C_FLAGS, Fixture, RunningProcess, workspace_binary};
+
+/// A collector process on a temporary database, stopped on drop.
+struct Collector {
+    process: RunningProcess,
+    grpc: String,
+}
+
+impl Collector {
+    /// Starts `stackscope-collector` on free ports and waits until it says
+    /// where it listens.
+    fn start(data_dir: &Path) -> Self {
+        let mut child = Command::new(workspace_binary("stackscope-collector"))
+            .args(["--data-dir".as_ref(), data_dir.as_os_str()])
+            .args([
+                "--grpc-listen",
+                "127.0.0.1:0",
+                "--http-listen",
+                "127.0.0.1:0",
+            ])
+            .stderr(Stdio::piped())
+            .spawn()
+            .expect("starting stackscope-collector");
+        let stderr = child.stderr.take().expect("piped stderr");
+        let process = RunningProcess::adopt(child);
+        let mut lines = BufReader::new(stderr).lines();
+        let grpc = loop {
+            let line = lines
+                .next()
+                .expect("the collector exited before it was ready")
+                .expect("reading the collector's log");
+            if let Some(at) = line.find("grpc=") {
+                let addr = line[at + 5..].split_whitespace().next().unwrap_or_default();
+                break format!("http://{addr}");
+            }
+        };
+        // Keep draining the log so the collector never blocks on a full pipe.
+        std::thread::spawn(move || for _ in lines {});
+        Self { process, grpc }
+    }
+
+    /// Stops the collector with SIGTERM, as a service manager would.
+    fn stop(mut self) {
+        // SAFETY: kill has no memory-safety preconditions.
+        unsafe { libc::kill(self.process.pid() as i32, libc::SIGTERM) };
+        let status = self
+            .process
+            .child
+            .wait()
+            .expect("waiting for the collector");
+        assert!(status.success(), "the collector exited with {status}");
+    }
+
+    /// Runs the `stackscope` CLI against this collector.
+    fn cli(&self, args: &[&str]) -> Vec<u8> {
+        let out = Command::new(workspace_binary("stackscope"))
+            .args(["--collector", &self.grpc])
+            .args(args)
+            .output()
+            .expect("running stackscope");
+        assert!(
+            out.status.success(),
+            "stackscope {args:?} failed: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        out.stdout
+    }
+}
+
+/// Parses folded stacks into (stack, count).
+fn folded(text: &[u8]) -> Vec<(String, u64)> {
+    String::from_utf8(text.to_vec())
+        .expect("folded stacks are UTF-8")
+        .lines()
+        .map(|line| {
+            let (stack, count) = line.rsplit_once(' ').expect("`stack count` lines");
+            (stack.to_string(), count.parse().expect("a count"))
+        })
+        .collect()
+}
+
+fn wait_success(mut agent: Child) -> serde_json::Value {
+    let deadline = Instant::now() + Duration::from_secs(60);
+    loop {
+        if let Some(status) = agent.try_wait().expect("waiting for the agent") {
+            assert!(status.success(), "the agent exited with {status}");
+            break;
+        }
+        assert!(Instant::now() < deadline, "the agent did not stop");
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    let out = agent.wait_with_output().expect("agent output");
+    serde_json::from_slice(&out.stdout).expect("the agent's JSON report")
+}
+
+#[test]
+fn agent_to_collector_to_cli_keeps_every_sample_and_the_call_chain() {
+    let fixture = Fixture::compile("call_chain", C_FLAGS);
+    let spinner = fixture.start(&[]);
+    let data = tempfile::tempdir().expect("temp dir");
+    let collector = Collector::start(data.path());
+
+    let agent = Command::new(workspace_binary("stackscope-agent"))
+        .args(["--collector", &collector.grpc])
+        .args(["--pid", &spinner.pid().to_string()])
+        .args(["--frequency", "199", "--duration", "5s", "--interval", "2s"])
+        .args(["--no-table-cache", "--json"])
+        .stdout(Stdio::piped())
+        .spawn()
+        .expect("starting the agent");
+    let report = wait_success(agent);
+    let sampled = report["top"]
+        .as_array()
+        .expect("top processes")
+        .iter()
+        .find(|p| p["tgid"] == spinner.pid())
+        .and_then(|p| p["samples"].as_u64())
+        .expect("the fixture was sampled");
+    assert!(sampled > 300, "only {sampled} samples in 5 s at 199 Hz");
+
+    let selection = ["--since", "10m", "--match", "comm=\"call_chain\""];
+    let stacks =
+        folded(&collector.cli(&[&["export", "--format", "folded"], &selection[..]].concat()));
+    let total: u64 = stacks.iter().map(|(_, n)| n).sum();
+    // Every sample the agent took arrived: the shutdown flushed the last
+    // interval and nothing was dropped on the way.
+    assert_eq!(
+        total, sampled,
+        "samples in the collector vs. taken by the agent"
+    );
+    let chained: u64 = stacks
+        .iter()
+        .filter(|(stack, _)| stack.contains("main;a;b;c"))
+        .map(|(_, n)| n)
+        .sum();
+    assert!(
+        chained * 100 >= total * 80,
+        "only {chained} of {total} samples read main;a;b;c: {stacks:#?}"
+    );
+
+    // pprof as `go tool pprof` reads it: c is where the time goes.
+    let pprof = collector.cli(&[&["export", "--format", "pprof"], &selection[..]].concat());
+    let file = data.path().join("profile.pb.gz");
+    std::fs::write(&file, pprof).expect("writing the profile");
+    let out = Command::new("go")
+        .args(["tool", "pprof", "-top"])
+        .arg(&file)
+        .env("HOME", data.path())
+        .env("GOCACHE", data.path().join("gocache"))
+        .output()
+        .expect("`go` is missing: run `cargo xtask setup` (installs golang-go)");
+    let top = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "go tool pprof failed: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let first = top
+        .lines()
+        .skip_while(|line| !line.trim_start().starts_with("flat"))
+        .nth(1)
+        .unwrap_or_default();
+    assert!(
+        first.trim_end().ends_with(" c"),
+        "pprof's top function is not c:\n{top}"
+    );
+
+    // The data survives a collector restart.
+    collector.stop();
+    let collector = Collector::start(data.path());
+    let again =
+        folded(&collector.cli(&[&["export", "--format", "folded"], &selection[..]].concat()));
+    assert_eq!(again, stacks, "stacks after a collector restart");
+    collector.stop();
+}
