@@ -340,6 +340,15 @@ async fn stored_batches_are_counted_once_and_queried_by_label() {
     assert_eq!(status, 200);
     let svg = String::from_utf8(body).expect("UTF-8");
     assert!(svg.contains("<svg") && svg.contains("helper"), "{svg}");
+    let (status, body) = fixture.http_get("/api/v1/callers?since=1h&function=work");
+    assert_eq!(status, 200);
+    let callers: serde_json::Value = serde_json::from_slice(&body).expect("JSON");
+    assert_eq!(
+        callers,
+        serde_json::json!({"function": "work", "self": 0, "total": 37,
+            "callers": [{"function": "main", "weight": 37}],
+            "callees": [{"function": "helper", "weight": 37}]})
+    );
     let (status, body) = fixture.http_get("/api/v1/labels/comm/values?since=1h");
     assert_eq!((status, body), (200, br#"["nginx","redis"]"#.to_vec()));
     let (status, body) = fixture.http_get("/api/v1/flamegraph?match=comm%3Dredis");

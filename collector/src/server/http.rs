@@ -29,6 +29,7 @@ pub fn router(engine: QueryEngine) -> Router {
         .route("/api/v1/flamegraph", get(flamegraph))
         .route("/api/v1/diff", get(diff))
         .route("/api/v1/top", get(top))
+        .route("/api/v1/callers", get(callers))
         .route("/api/v1/labels", get(label_names))
         .route("/api/v1/labels/{name}/values", get(label_values))
         .route("/api/v1/series", get(series))
@@ -73,6 +74,7 @@ struct Params {
     title: Option<String>,
     limit: Option<String>,
     step: Option<String>,
+    function: Option<String>,
     base_match: Option<String>,
     base_since: Option<String>,
     base_start: Option<String>,
@@ -289,6 +291,33 @@ async fn top(
             "self": f.self_weight,
             "total": f.total_weight,
         })).collect::<Vec<_>>(),
+    }))
+    .into_response())
+}
+
+/// Who calls `function` and what it calls, with their weights.
+async fn callers(
+    State(engine): State<QueryEngine>,
+    Query(params): Query<Params>,
+) -> Result<Response, ApiError> {
+    let Some(function) = params.function.as_deref().filter(|f| !f.is_empty()) else {
+        return Err(bad_request(
+            "function: missing (the function name as the flamegraph shows it)",
+        ));
+    };
+    let flamegraph = engine.flamegraph(params.selection()?, 0.0).await?;
+    let report = render::callers_callees(&flamegraph.tree, function);
+    let weighted = |list: &[(String, u64)]| -> Vec<serde_json::Value> {
+        list.iter()
+            .map(|(name, weight)| serde_json::json!({"function": name, "weight": weight}))
+            .collect()
+    };
+    Ok(Json(serde_json::json!({
+        "function": report.function,
+        "self": report.self_weight,
+        "total": report.total,
+        "callers": weighted(&report.callers),
+        "callees": weighted(&report.callees),
     }))
     .into_response())
 }
