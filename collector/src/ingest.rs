@@ -327,7 +327,23 @@ pub fn validate(batch: v1::Batch, limits: &IngestLimits) -> Result<ValidBatch, B
         }
     }
 
-    let mut text = StringTable::new(&strings, limits)?;
+    // Every reference `resolve` or `get` will follow, so the last one can
+    // take its string.
+    let references = node
+        .iter()
+        .map(|node| node.name)
+        .chain(mappings.iter().flat_map(|m| [m.build_id, m.path]))
+        .chain(
+            locations
+                .iter()
+                .flat_map(|l| l.lines.iter().flat_map(|line| [line.function, line.file])),
+        )
+        .chain(label_sets.iter().flat_map(|set| {
+            set.labels
+                .iter()
+                .flat_map(|label| [label.name, label.value])
+        }));
+    let mut text = StringTable::new(strings, references, limits)?;
 
     let node = node.ok_or(BatchError::MissingNode)?;
     let node_name = text.resolve(node.name, || "node.name".into())?;
@@ -399,14 +415,26 @@ pub fn validate(batch: v1::Batch, limits: &IngestLimits) -> Result<ValidBatch, B
 
 /// The batch's string table, resolving indexes while counting the bytes
 /// handed out against [`IngestLimits::max_text_bytes`].
-struct StringTable<'a> {
-    strings: &'a [String],
+///
+/// Most strings (function names above all) are referenced once: the last
+/// reference takes the string instead of copying it, which saves an
+/// allocation and a free per string on the ingest path.
+struct StringTable {
+    strings: Vec<String>,
+    /// References to each string not resolved yet. Label references are
+    /// counted but never resolved (labels are copied), so a string a label
+    /// uses is never taken.
+    uses: Vec<u32>,
     resolved_bytes: usize,
     max_text_bytes: usize,
 }
 
-impl<'a> StringTable<'a> {
-    fn new(strings: &'a [String], limits: &IngestLimits) -> Result<Self, BatchError> {
+impl StringTable {
+    fn new(
+        strings: Vec<String>,
+        references: impl Iterator<Item = u32>,
+        limits: &IngestLimits,
+    ) -> Result<Self, BatchError> {
         match strings.first() {
             None => return Err(BatchError::NoStrings),
             Some(first) if !first.is_empty() => return Err(BatchError::FirstStringNotEmpty),
@@ -423,20 +451,27 @@ impl<'a> StringTable<'a> {
                 limit: limits.max_string_bytes,
             });
         }
+        let mut uses = vec![0u32; strings.len()];
+        for index in references {
+            // Out-of-range indexes are reported when they are resolved.
+            if let Some(count) = usize::try_from(index).ok().and_then(|i| uses.get_mut(i)) {
+                *count = count.saturating_add(1);
+            }
+        }
         Ok(Self {
             strings,
+            uses,
             resolved_bytes: 0,
             max_text_bytes: limits.max_text_bytes,
         })
     }
 
-    /// The string at `index`; `at` names the field for the error message
-    /// and is only built when the index is bad.
-    fn get(&self, index: u32, at: impl FnOnce() -> String) -> Result<&'a str, BatchError> {
+    /// Where `index` is in the table; `at` names the field for the error
+    /// message and is only built when the index is bad.
+    fn position(&self, index: u32, at: impl FnOnce() -> String) -> Result<usize, BatchError> {
         usize::try_from(index)
             .ok()
-            .and_then(|i| self.strings.get(i))
-            .map(String::as_str)
+            .filter(|&i| i < self.strings.len())
             .ok_or_else(|| BatchError::StringIndex {
                 at: at(),
                 index,
@@ -444,15 +479,31 @@ impl<'a> StringTable<'a> {
             })
     }
 
-    fn check(&self, index: u32, at: impl FnOnce() -> String) -> Result<(), BatchError> {
-        self.get(index, at).map(|_| ())
+    /// The string at `index`, for references counted as never resolved.
+    fn get(&self, index: u32, at: impl FnOnce() -> String) -> Result<&str, BatchError> {
+        let i = self.position(index, at)?;
+        Ok(self.strings.get(i).map_or("", String::as_str))
     }
 
-    /// A copy of the string at `index`, counted against the text budget.
+    fn check(&self, index: u32, at: impl FnOnce() -> String) -> Result<(), BatchError> {
+        self.position(index, at).map(|_| ())
+    }
+
+    /// The string at `index` (taken on its last counted reference, else
+    /// copied), counted against the text budget.
     fn resolve(&mut self, index: u32, at: impl FnOnce() -> String) -> Result<String, BatchError> {
-        let s = self.get(index, at)?;
+        let i = self.position(index, at)?;
+        let (Some(s), Some(uses)) = (self.strings.get_mut(i), self.uses.get_mut(i)) else {
+            return Ok(String::new());
+        };
+        *uses = uses.saturating_sub(1);
+        let s = if *uses == 0 {
+            std::mem::take(s)
+        } else {
+            s.clone()
+        };
         self.charge(s.len())?;
-        Ok(s.to_owned())
+        Ok(s)
     }
 
     /// Counts `bytes` of copied text against the budget.
@@ -470,7 +521,7 @@ impl<'a> StringTable<'a> {
 fn validate_mapping(
     index: usize,
     mapping: &v1::Mapping,
-    text: &mut StringTable<'_>,
+    text: &mut StringTable,
 ) -> Result<MappingRecord, BatchError> {
     let kind = match v1::MappingKind::try_from(mapping.kind) {
         Ok(v1::MappingKind::Unspecified) => {
@@ -510,7 +561,7 @@ fn validate_location(
     location: v1::Location,
     mappings: usize,
     limits: &IngestLimits,
-    text: &mut StringTable<'_>,
+    text: &mut StringTable,
 ) -> Result<LocationRecord, BatchError> {
     if usize::try_from(location.mapping).map_or(true, |m| m >= mappings) {
         return Err(BatchError::MappingIndex {
@@ -596,7 +647,7 @@ fn validate_label_set(
     labels: v1::LabelSet,
     node: &str,
     limits: &IngestLimits,
-    text: &mut StringTable<'_>,
+    text: &mut StringTable,
 ) -> Result<Vec<(String, String)>, BatchError> {
     if labels.labels.len() > limits.max_labels_per_set {
         return Err(BatchError::TooManyLabels {
@@ -633,13 +684,12 @@ fn validate_label_set(
     resolved.retain(|(name, value)| *name != NODE_LABEL && !value.is_empty());
     let at = resolved.partition_point(|(name, _)| *name < NODE_LABEL);
     resolved.insert(at, (NODE_LABEL, node));
-    resolved
+    let labels: Vec<(String, String)> = resolved
         .into_iter()
-        .map(|(name, value)| {
-            text.charge(name.len().saturating_add(value.len()))?;
-            Ok((name.to_owned(), value.to_owned()))
-        })
-        .collect()
+        .map(|(name, value)| (name.to_owned(), value.to_owned()))
+        .collect();
+    text.charge(labels.iter().map(|(n, v)| n.len() + v.len()).sum())?;
+    Ok(labels)
 }
 
 fn validate_sample(
@@ -872,6 +922,45 @@ mod tests {
             labels,
             [("comm", "app"), ("node", "node-a"), ("zone", "app")]
         );
+    }
+
+    /// Strings are moved out of the table on their last reference only:
+    /// every other reference still reads them.
+    #[test]
+    fn shared_strings_resolve_everywhere() {
+        let mut b = batch();
+        // "app" (7) is also a label value; "main" (4) now names two lines
+        // and a mapping path.
+        b.locations[0].lines = vec![
+            v1::Line {
+                function: 7,
+                file: 4,
+                line: 1,
+            },
+            v1::Line {
+                function: 4,
+                file: 5,
+                line: 2,
+            },
+        ];
+        b.mappings.push(v1::Mapping {
+            kind: v1::MappingKind::Anonymous as i32,
+            build_id: 0,
+            path: 4,
+        });
+        let valid = validate(b, &IngestLimits::default()).expect("valid");
+        let lines: Vec<(&str, &str)> = valid.locations[0]
+            .lines
+            .iter()
+            .chain(&valid.locations[1].lines)
+            .map(|l| (l.function.as_str(), l.file.as_str()))
+            .collect();
+        assert_eq!(
+            lines,
+            [("app", "main"), ("main", "main.c"), ("main", "main.c")]
+        );
+        assert_eq!(valid.mappings[1].path, "main");
+        assert_eq!(valid.label_sets[0][0], ("comm".into(), "app".into()));
     }
 
     #[test]

@@ -10,7 +10,7 @@ use stackscope_collector::{
     ingest::{SampleRecord, ValidBatch},
     storage::{
         IngestOutcome, Storage, StorageError,
-        sqlite::{SqliteOptions, SqliteStorage},
+        sqlite::{CacheStats, SqliteOptions, SqliteStorage},
     },
 };
 use stackscope_profile::model::{
@@ -760,15 +760,29 @@ fn hand_built_batches_and_cache_hits() {
     };
     ingest_all(&storage, &[batch(1, T0)]);
     let first = storage.cache_stats();
-    // Same bucket: every dictionary item is a cache hit.
+    assert_eq!((first.hits, first.misses, first.entries), (0, 4, 4));
+    // Same bucket: the stack and the label set are cache hits, and a known
+    // stack's locations and mappings are not even looked up.
     ingest_all(&storage, &[batch(2, T0 + SECOND)]);
-    let second = storage.cache_stats();
-    assert_eq!(second.hits - first.hits, 4);
-    assert_eq!(second.misses, first.misses);
-    assert_eq!(second.entries, 4);
-    // A later bucket: still hits (only last_bucket moves on).
+    assert_eq!(
+        storage.cache_stats(),
+        CacheStats {
+            hits: 2,
+            misses: 4,
+            entries: 4
+        }
+    );
+    // A later bucket: the stack's locations and mappings move on with it,
+    // still from the caches.
     ingest_all(&storage, &[batch(3, T0 + 2 * MINUTE)]);
-    assert_eq!(storage.cache_stats().misses, first.misses);
+    assert_eq!(
+        storage.cache_stats(),
+        CacheStats {
+            hits: 6,
+            misses: 4,
+            entries: 4
+        }
+    );
 
     let samples = storage.stacks(&all(&[])).expect("stacks");
     assert_eq!(samples.sample_period_nanos, 1);

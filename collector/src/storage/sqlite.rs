@@ -54,7 +54,10 @@ use std::{
     time::{Duration, SystemTime, UNIX_EPOCH},
 };
 
-use rusqlite::{Connection, OptionalExtension as _, Statement, Transaction, TransactionBehavior};
+use rusqlite::{
+    CachedStatement, Connection, OptionalExtension as _, Statement, Transaction,
+    TransactionBehavior,
+};
 use stackscope_profile::model::{Frame, Selection, StackSamples, WeightedStack};
 
 use super::{IngestOutcome, Storage, StorageError};
@@ -461,11 +464,9 @@ impl Storage for SqliteStorage {
         self.read(|caches, tx| {
             let selected = caches.label_sets.select(selection);
             let mut period = Agreement::default();
-            let mut weights: HashMap<i64, u64> = HashMap::new();
+            let mut weights = StackWeights::default();
             let mut add = |stack: i64, weight: i64| -> Result<(), StorageError> {
-                let weight = non_negative(weight, "sample weight")?;
-                let sum = weights.entry(stack).or_default();
-                *sum = sum.saturating_add(weight);
+                weights.add(stack, non_negative(weight, "sample weight")?);
                 Ok(())
             };
             match &selected {
@@ -511,8 +512,7 @@ impl Storage for SqliteStorage {
                 }
             }
 
-            let mut ids: Vec<(i64, u64)> = weights.into_iter().collect();
-            ids.sort_unstable();
+            let ids = weights.into_sorted();
             let mut stacks = Vec::with_capacity(ids.len());
             for (stack, weight) in ids {
                 stacks.push(WeightedStack {
@@ -808,10 +808,10 @@ impl Dictionary {
 struct Scratch {
     bytes: Vec<u8>,
     blob: Vec<u8>,
-    /// (content hash, id) per batch mapping.
-    mappings: Vec<(u128, i64)>,
-    /// (content hash, id) per batch location.
-    locations: Vec<(u128, i64)>,
+    mapping_hashes: Vec<u128>,
+    mapping_ids: Vec<i64>,
+    location_hashes: Vec<u128>,
+    location_ids: Vec<i64>,
     /// Location ids of the stack being interned.
     stack: Vec<i64>,
     stack_ids: Vec<i64>,
@@ -837,46 +837,159 @@ struct Writer {
     scratch: Scratch,
 }
 
-/// The stored id of a dictionary item: from the pending entries or the
-/// cache when they know it, else from `upsert`. Moves the stored
-/// `last_bucket` forward to `bucket` when it is older.
-fn intern(
-    dict: &mut Dictionary,
-    pending: &mut ContentHashMap<Entry>,
-    hash: u128,
+/// What the caches know about a dictionary item.
+enum Known {
+    /// Stored, with a `last_bucket` at or after the batch's bucket.
+    Current(i64),
+    /// Stored, but its `last_bucket` has to move forward to the batch's.
+    Stale(i64),
+    /// Not cached: stored before (by a batch before a restart, say) or not.
+    Unknown,
+}
+
+/// Interns one kind of dictionary item in the open transaction.
+struct Table<'a, 'conn> {
+    dict: &'a mut Dictionary,
+    pending: &'a mut ContentHashMap<Entry>,
+    /// `UPDATE .. SET last_bucket = max(last_bucket, ?2) WHERE id = ?1`
+    bump: CachedStatement<'conn>,
+    /// `INSERT .. ON CONFLICT (hash) DO UPDATE .. RETURNING id`
+    upsert: CachedStatement<'conn>,
     bucket: i64,
-    bump: &mut Statement<'_>,
-    upsert: impl FnOnce() -> rusqlite::Result<i64>,
-) -> Result<i64, StorageError> {
-    if let Some(entry) = pending.get(&hash) {
-        return Ok(entry.id);
-    }
-    if let Some(entry) = dict.get(hash) {
-        if entry.last_bucket >= bucket {
-            return Ok(entry.id);
+}
+
+impl Table<'_, '_> {
+    fn lookup(&mut self, hash: u128) -> Known {
+        if let Some(entry) = self.pending.get(&hash) {
+            return Known::Current(entry.id);
         }
-        if bump.execute((entry.id, bucket))? == 1 {
-            pending.insert(
-                hash,
-                Entry {
-                    id: entry.id,
-                    last_bucket: bucket,
-                },
-            );
-            return Ok(entry.id);
+        match self.dict.get(hash) {
+            Some(entry) if entry.last_bucket >= self.bucket => Known::Current(entry.id),
+            Some(entry) => Known::Stale(entry.id),
+            None => Known::Unknown,
         }
-        // The row is gone, which retention clearing the caches rules out;
-        // store the item again rather than reference a missing row.
     }
-    let id = upsert()?;
-    pending.insert(
-        hash,
-        Entry {
-            id,
-            last_bucket: bucket,
-        },
-    );
-    Ok(id)
+
+    /// The id of a looked-up item, after moving its `last_bucket` forward
+    /// or storing it (`store` runs the upsert with the item's columns) as
+    /// needed.
+    fn finish(
+        &mut self,
+        hash: u128,
+        known: Known,
+        store: impl FnOnce(&mut Statement<'_>) -> rusqlite::Result<i64>,
+    ) -> Result<i64, StorageError> {
+        let id = match known {
+            Known::Current(id) => return Ok(id),
+            Known::Stale(id) if self.bump.execute((id, self.bucket))? == 1 => id,
+            // Unknown, or stale and gone (which retention clearing the
+            // caches rules out): store it rather than reference a missing row.
+            Known::Stale(_) | Known::Unknown => store(&mut self.upsert)?,
+        };
+        self.pending.insert(
+            hash,
+            Entry {
+                id,
+                last_bucket: self.bucket,
+            },
+        );
+        Ok(id)
+    }
+
+    fn intern(
+        &mut self,
+        hash: u128,
+        store: impl FnOnce(&mut Statement<'_>) -> rusqlite::Result<i64>,
+    ) -> Result<i64, StorageError> {
+        let known = self.lookup(hash);
+        self.finish(hash, known, store)
+    }
+}
+
+/// The batch's mappings and locations: content hashes of all of them, and
+/// ids of those interned so far (0: not yet; ids start at 1).
+struct BatchItems<'s> {
+    mapping_hashes: &'s [u128],
+    mapping_ids: &'s mut [i64],
+    location_hashes: &'s [u128],
+    location_ids: &'s mut [i64],
+    blob: &'s mut Vec<u8>,
+}
+
+impl BatchItems<'_> {
+    /// The id of the batch's location `index`, interned (with its mapping)
+    /// at the batch's bucket.
+    fn location(
+        &mut self,
+        batch: &ValidBatch,
+        index: u32,
+        locations: &mut Table<'_, '_>,
+        mappings: &mut Table<'_, '_>,
+    ) -> Result<i64, StorageError> {
+        let out_of_range = || invalid(format!("location {index} out of range"));
+        let i = usize::try_from(index).map_err(|_| out_of_range())?;
+        let (Some(location), Some(&hash), Some(&known_id)) = (
+            batch.locations.get(i),
+            self.location_hashes.get(i),
+            self.location_ids.get(i),
+        ) else {
+            return Err(out_of_range());
+        };
+        if known_id != 0 {
+            return Ok(known_id);
+        }
+        // One bucket for the whole batch: both tables carry it.
+        let bucket = locations.bucket;
+        let mapping_out_of_range = || {
+            invalid(format!(
+                "location {index}: mapping {} out of range",
+                location.mapping
+            ))
+        };
+        let m = usize::try_from(location.mapping).map_err(|_| mapping_out_of_range())?;
+        let (Some(mapping), Some(&mapping_hash), Some(mapping_id)) = (
+            batch.mappings.get(m),
+            self.mapping_hashes.get(m),
+            self.mapping_ids.get_mut(m),
+        ) else {
+            return Err(mapping_out_of_range());
+        };
+        if *mapping_id == 0 {
+            *mapping_id = mappings.intern(mapping_hash, |upsert| {
+                upsert.query_row(
+                    (
+                        &mapping_hash.to_le_bytes()[..],
+                        kind_code(mapping.kind),
+                        &mapping.build_id,
+                        &mapping.path,
+                        bucket,
+                    ),
+                    |row| row.get(0),
+                )
+            })?;
+        }
+        let mapping_id = *mapping_id;
+        let blob = &mut *self.blob;
+        let id = locations.intern(hash, |upsert| {
+            blob.clear();
+            encode_lines(blob, &location.lines);
+            upsert.query_row(
+                (
+                    &hash.to_le_bytes()[..],
+                    mapping_id,
+                    // Same bits: addresses use the full u64 range.
+                    location.address as i64,
+                    &blob[..],
+                    bucket,
+                ),
+                |row| row.get(0),
+            )
+        })?;
+        if let Some(slot) = self.location_ids.get_mut(i) {
+            *slot = id;
+        }
+        Ok(id)
+    }
 }
 
 fn invalid(message: String) -> StorageError {
@@ -944,8 +1057,10 @@ impl Writer {
         let Scratch {
             bytes,
             blob,
-            mappings: mapped,
-            locations: located,
+            mapping_hashes,
+            mapping_ids,
+            location_hashes,
+            location_ids,
             stack: stack_locations,
             stack_ids,
             label_set_ids,
@@ -959,123 +1074,125 @@ impl Writer {
             pending_label_sets,
         ] = pending;
 
-        // Mappings.
-        mapped.clear();
-        {
-            let mut bump = tx.prepare_cached(BUMP_MAPPING)?;
-            let mut upsert = tx.prepare_cached(UPSERT_MAPPING)?;
-            for mapping in &batch.mappings {
-                let hash = mapping_hash(bytes, mapping);
-                let id = intern(mappings, pending_mappings, hash, bucket, &mut bump, || {
-                    upsert.query_row(
-                        (
-                            &hash.to_le_bytes()[..],
-                            kind_code(mapping.kind),
-                            &mapping.build_id,
-                            &mapping.path,
-                            bucket,
-                        ),
-                        |row| row.get(0),
-                    )
-                })?;
-                mapped.push((hash, id));
-            }
+        // Content hashes of every mapping and location: stack hashes are
+        // made of them, and they cost no database work.
+        mapping_hashes.clear();
+        for mapping in &batch.mappings {
+            mapping_hashes.push(mapping_hash(bytes, mapping));
         }
-
-        // Locations.
-        located.clear();
-        {
-            let mut bump = tx.prepare_cached(BUMP_LOCATION)?;
-            let mut upsert = tx.prepare_cached(UPSERT_LOCATION)?;
-            for (index, location) in batch.locations.iter().enumerate() {
-                let &(mapping_hash, mapping_id) = item(mapped, location.mapping, || {
-                    format!("location {index}: mapping {}", location.mapping)
-                })?;
-                let hash = location_hash(bytes, mapping_hash, location.address, &location.lines);
-                let id = intern(
-                    locations,
-                    pending_locations,
-                    hash,
-                    bucket,
-                    &mut bump,
-                    || {
-                        blob.clear();
-                        encode_lines(blob, &location.lines);
-                        upsert.query_row(
-                            (
-                                &hash.to_le_bytes()[..],
-                                mapping_id,
-                                // Same bits: addresses use the full u64 range.
-                                location.address as i64,
-                                &blob[..],
-                                bucket,
-                            ),
-                            |row| row.get(0),
-                        )
-                    },
-                )?;
-                located.push((hash, id));
-            }
+        location_hashes.clear();
+        for (index, location) in batch.locations.iter().enumerate() {
+            let mapping_hash = *item(mapping_hashes, location.mapping, || {
+                format!("location {index}: mapping {}", location.mapping)
+            })?;
+            location_hashes.push(location_hash(
+                bytes,
+                mapping_hash,
+                location.address,
+                &location.lines,
+            ));
         }
+        mapping_ids.clear();
+        mapping_ids.resize(batch.mappings.len(), 0);
+        location_ids.clear();
+        location_ids.resize(batch.locations.len(), 0);
 
-        // Stacks.
-        stack_ids.clear();
         {
-            let mut bump = tx.prepare_cached(BUMP_STACK)?;
-            let mut upsert = tx.prepare_cached(UPSERT_STACK)?;
+            let mut mapping_table = Table {
+                dict: mappings,
+                pending: pending_mappings,
+                bump: tx.prepare_cached(BUMP_MAPPING)?,
+                upsert: tx.prepare_cached(UPSERT_MAPPING)?,
+                bucket,
+            };
+            let mut location_table = Table {
+                dict: locations,
+                pending: pending_locations,
+                bump: tx.prepare_cached(BUMP_LOCATION)?,
+                upsert: tx.prepare_cached(UPSERT_LOCATION)?,
+                bucket,
+            };
+            let mut stack_table = Table {
+                dict: stacks,
+                pending: pending_stacks,
+                bump: tx.prepare_cached(BUMP_STACK)?,
+                upsert: tx.prepare_cached(UPSERT_STACK)?,
+                bucket,
+            };
+            let mut items = BatchItems {
+                mapping_hashes,
+                mapping_ids,
+                location_hashes,
+                location_ids,
+                blob,
+            };
+            stack_ids.clear();
             for (index, stack) in batch.stacks.iter().enumerate() {
                 bytes.clear();
                 bytes.push(b's');
-                stack_locations.clear();
                 for &location in stack {
-                    let &(hash, id) = item(located, location, || {
+                    let hash = item(items.location_hashes, location, || {
                         format!("stack {index}: location {location}")
                     })?;
                     bytes.extend_from_slice(&hash.to_le_bytes());
-                    stack_locations.push(id);
                 }
                 let hash = xxhash_rust::xxh3::xxh3_128(bytes);
-                let id = intern(stacks, pending_stacks, hash, bucket, &mut bump, || {
-                    // Encoded only when the stack is new to the caches.
-                    blob.clear();
-                    for &id in stack_locations.iter() {
-                        put_varint(blob, id as u64);
+                let id = match stack_table.lookup(hash) {
+                    // The common case once a fleet's stacks are known: no
+                    // location of the stack needs looking at.
+                    Known::Current(id) => id,
+                    known => {
+                        // A stack stored or moved to this bucket takes its
+                        // locations (and their mappings) along: retention
+                        // relies on those being at least as recent as the
+                        // stacks that use them.
+                        stack_locations.clear();
+                        for &location in stack {
+                            stack_locations.push(items.location(
+                                batch,
+                                location,
+                                &mut location_table,
+                                &mut mapping_table,
+                            )?);
+                        }
+                        let blob = &mut *items.blob;
+                        stack_table.finish(hash, known, |upsert| {
+                            blob.clear();
+                            for &id in stack_locations.iter() {
+                                put_varint(blob, id as u64);
+                            }
+                            upsert.query_row((&hash.to_le_bytes()[..], &blob[..], bucket), |row| {
+                                row.get(0)
+                            })
+                        })?
                     }
-                    upsert.query_row((&hash.to_le_bytes()[..], &blob[..], bucket), |row| {
-                        row.get(0)
-                    })
-                })?;
+                };
                 stack_ids.push(id);
             }
-        }
 
-        // Label sets.
-        label_set_ids.clear();
-        {
-            let mut bump = tx.prepare_cached(BUMP_LABEL_SET)?;
-            let mut upsert = tx.prepare_cached(UPSERT_LABEL_SET)?;
+            let mut label_set_table = Table {
+                dict: label_sets,
+                pending: pending_label_sets,
+                bump: tx.prepare_cached(BUMP_LABEL_SET)?,
+                upsert: tx.prepare_cached(UPSERT_LABEL_SET)?,
+                bucket,
+            };
             let mut insert_label = tx.prepare_cached(
                 "INSERT OR IGNORE INTO labels (label_set_id, name, value) VALUES (?1, ?2, ?3)",
             )?;
+            label_set_ids.clear();
             for labels in &batch.label_sets {
                 let hash = label_set_hash(bytes, labels);
-                let id = intern(
-                    label_sets,
-                    pending_label_sets,
-                    hash,
-                    bucket,
-                    &mut bump,
-                    || {
-                        let id: i64 = upsert
-                            .query_row((&hash.to_le_bytes()[..], bucket), |row| row.get(0))?;
-                        // Also when the set was stored before: the labels are
-                        // then already there and ignored.
-                        for (name, value) in labels {
-                            insert_label.execute((id, name, value))?;
-                        }
-                        Ok(id)
-                    },
-                )?;
+                let id = label_set_table.intern(hash, |upsert| {
+                    let id: i64 =
+                        upsert.query_row((&hash.to_le_bytes()[..], bucket), |row| row.get(0))?;
+                    // Also when the set was stored before: the labels are
+                    // then already there and ignored.
+                    for (name, value) in labels {
+                        insert_label.execute((id, name, value))?;
+                    }
+                    Ok(id)
+                })?;
                 label_set_ids.push(id);
             }
         }
@@ -1090,10 +1207,13 @@ impl Writer {
             let label_set = *item(label_set_ids, sample.label_set, || {
                 format!("sample {index}: label set {}", sample.label_set)
             })?;
-            if i64::try_from(sample.weight).is_err() || sample.count > sample.weight {
+            if sample.count == 0
+                || sample.count > sample.weight
+                || i64::try_from(sample.weight).is_err()
+            {
                 return Err(invalid(format!(
-                    "sample {index}: count {} and weight {} do not satisfy count <= weight <= \
-                     i64::MAX",
+                    "sample {index}: count {} and weight {} do not satisfy 1 <= count <= weight \
+                     <= i64::MAX",
                     sample.count, sample.weight
                 )));
             }
@@ -1570,6 +1690,53 @@ fn resolve_frames(
         .collect()
 }
 
+/// Summed weight per stack id. Ids are small and dense (they count up from
+/// 1), so a vector indexed by id does the summing; ids past
+/// `DENSE_STACK_IDS` (a database with much churn behind it) go to a map.
+#[derive(Default)]
+struct StackWeights {
+    dense: Vec<u64>,
+    sparse: HashMap<i64, u64>,
+}
+
+/// 4M ids: 32 MiB of weights at most.
+const DENSE_STACK_IDS: usize = 1 << 22;
+
+impl StackWeights {
+    fn add(&mut self, stack: i64, weight: u64) {
+        let sum = match usize::try_from(stack) {
+            Ok(i) if i < DENSE_STACK_IDS => {
+                if i >= self.dense.len() {
+                    self.dense.resize(i + 1, 0);
+                }
+                match self.dense.get_mut(i) {
+                    Some(sum) => sum,
+                    None => return,
+                }
+            }
+            _ => self.sparse.entry(stack).or_default(),
+        };
+        *sum = sum.saturating_add(weight);
+    }
+
+    /// (stack id, weight) of the stacks with weight, ascending by id. A
+    /// stored weight is never 0, so 0 means "no samples".
+    fn into_sorted(self) -> Vec<(i64, u64)> {
+        let mut sorted: Vec<(i64, u64)> = self
+            .dense
+            .into_iter()
+            .enumerate()
+            .filter(|&(_, weight)| weight > 0)
+            .map(|(id, weight)| (id as i64, weight))
+            .collect();
+        if !self.sparse.is_empty() {
+            sorted.extend(self.sparse);
+            sorted.sort_unstable();
+        }
+        sorted
+    }
+}
+
 /// Whether every contributing batch had the same sample period.
 #[derive(Default)]
 struct Agreement {
@@ -1673,6 +1840,21 @@ mod tests {
         let a = label_set_hash(&mut bytes, &[("ab".into(), "c".into())]);
         let b = label_set_hash(&mut bytes, &[("a".into(), "bc".into())]);
         assert_ne!(a, b);
+    }
+
+    #[test]
+    fn stack_weights_sum_dense_and_sparse_ids() {
+        let mut weights = StackWeights::default();
+        let far = DENSE_STACK_IDS as i64 + 5;
+        for (id, weight) in [(3, 1), (far, 2), (1, 4), (3, 8), (far, 16), (-1, 32)] {
+            weights.add(id, weight);
+        }
+        weights.add(7, u64::MAX);
+        weights.add(7, 1);
+        assert_eq!(
+            weights.into_sorted(),
+            [(-1, 32), (1, 4), (3, 9), (7, u64::MAX), (far, 18)]
+        );
     }
 
     /// Hot ingest types stay small: the caches hold millions of them.
