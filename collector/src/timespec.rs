@@ -23,6 +23,15 @@ pub enum SelectionError {
     Matchers(SelectorError),
 }
 
+/// A selection's matchers as people read them, for titles and messages.
+pub fn describe(selection: &Selection) -> String {
+    if selection.matchers.is_empty() {
+        "all samples".to_string()
+    } else {
+        selector::format_matchers(&selection.matchers)
+    }
+}
+
 /// Parses a selection: matchers (`None`: every sample) and the time options
 /// as [`resolve`] takes them, with [`DEFAULT_SINCE`] as the default range.
 pub fn selection(

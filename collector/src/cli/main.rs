@@ -163,15 +163,6 @@ impl SelectionArgs {
     }
 }
 
-fn title_of(selection: &Selection) -> String {
-    if selection.matchers.is_empty() {
-        "all samples".to_string()
-    } else {
-        let matchers: Vec<String> = selection.matchers.iter().map(|m| m.to_string()).collect();
-        format!("{{{}}}", matchers.join(", "))
-    }
-}
-
 struct Collector {
     client: QueryClient<Channel>,
     address: String,
@@ -257,7 +248,7 @@ fn no_samples(selection: &Selection) -> anyhow::Error {
     anyhow::anyhow!(
         "no samples match {} in that time range; check the time range (--since, --start) and \
          `stackscope labels` for the label values the collector has",
-        title_of(selection)
+        timespec::describe(selection)
     )
 }
 
@@ -285,7 +276,7 @@ async fn main() -> anyhow::Result<()> {
             let options = SvgOptions {
                 title: title
                     .clone()
-                    .unwrap_or_else(|| format!("stackscope: {}", title_of(&selection))),
+                    .unwrap_or_else(|| format!("stackscope: {}", timespec::describe(&selection))),
                 ..SvgOptions::default()
             };
             write_output(output, &render::svg(&tree, &options)?)?;
@@ -322,7 +313,7 @@ async fn main() -> anyhow::Result<()> {
                 anyhow::bail!(
                     "no samples pass through {function:?} in {}; `stackscope top` lists the \
                      functions seen",
-                    title_of(&selection)
+                    timespec::describe(&selection)
                 );
             }
             print!("{}", render::text_callers_callees(&report, tree.total()));
@@ -366,8 +357,8 @@ async fn main() -> anyhow::Result<()> {
             let options = SvgOptions {
                 title: format!(
                     "stackscope diff: {} against {}",
-                    title_of(&selection),
-                    title_of(&base)
+                    timespec::describe(&selection),
+                    timespec::describe(&base)
                 ),
                 ..SvgOptions::default()
             };

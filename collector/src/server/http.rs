@@ -221,12 +221,7 @@ fn render(
 }
 
 fn title_of(selection: &Selection) -> String {
-    if selection.matchers.is_empty() {
-        "stackscope: all samples".to_string()
-    } else {
-        let matchers: Vec<String> = selection.matchers.iter().map(|m| m.to_string()).collect();
-        format!("stackscope: {{{}}}", matchers.join(", "))
-    }
+    format!("stackscope: {}", timespec::describe(selection))
 }
 
 async fn index(State(engine): State<QueryEngine>) -> Result<Response, ApiError> {
