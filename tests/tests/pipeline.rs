@@ -177,6 +177,34 @@ fn agent_to_collector_to_cli_keeps_every_sample_and_the_call_chain() {
         "pprof's top function is not c:\n{top}"
     );
 
+    // The CLI's other views of the same samples.
+    let comms = String::from_utf8(collector.cli(&["labels", "comm", "--since", "10m"])).unwrap();
+    assert!(
+        comms.lines().any(|c| c == "call_chain"),
+        "comm values: {comms}"
+    );
+    let top =
+        String::from_utf8(collector.cli(&[&["top", "-n", "3"], &selection[..]].concat())).unwrap();
+    let leader = top.lines().nth(1).unwrap_or_default();
+    assert!(leader.contains("  c  "), "c leads `stackscope top`:\n{top}");
+    let callers =
+        String::from_utf8(collector.cli(&[&["callers", "b"], &selection[..]].concat())).unwrap();
+    let sections: Vec<&str> = callers.split("CALLEES").collect();
+    assert!(
+        sections.len() == 2 && sections[0].contains("  a\n") && sections[1].contains("  c\n"),
+        "b is called by a and calls c:\n{callers}"
+    );
+    for (command, file) in [("flamegraph", "flame.svg"), ("diff", "diff.svg")] {
+        let path = data.path().join(file);
+        let path_arg = path.to_str().expect("UTF-8 temp path");
+        collector.cli(&[&[command, "-o", path_arg], &selection[..]].concat());
+        let svg = std::fs::read_to_string(&path).expect("the SVG");
+        assert!(
+            svg.contains("<svg") && svg.contains("<title>c ("),
+            "{command}: no frame for c in {svg:.300}"
+        );
+    }
+
     // The data survives a collector restart.
     collector.stop();
     let collector = Collector::start(data.path());
