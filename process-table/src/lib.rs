@@ -15,9 +15,14 @@
 //! - [`table`] ties them together in a bounded [`ProcessTable`] answering
 //!   [`ProcessTable::lookup`] for each sampled address.
 //!
+//! Beside that, [`container`] maps a process's cgroup path
+//! (`/proc/<pid>/cgroup`) to the container, runtime and Kubernetes pod it
+//! runs in, for the container and pod labels on its samples.
+//!
 //! It does not unwind, compile unwind tables, symbolize, or learn about
 //! process exits and execs by itself: the agent forwards those events.
 
+pub mod container;
 pub mod elf;
 pub mod maps;
 pub mod object_id;
