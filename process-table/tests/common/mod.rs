@@ -139,12 +139,28 @@ impl Target {
         if let Some(lib) = lib {
             command.arg(lib);
         }
-        let mut child = command
+        command
             .env_clear()
             .stdin(Stdio::piped())
-            .stdout(Stdio::piped())
-            .spawn()
-            .unwrap_or_else(|err| panic!("starting {}: {err}", exe.display()));
+            .stdout(Stdio::piped());
+        // A test thread that just wrote an executable can race a fork in
+        // another test thread: the child inherits the write descriptor until
+        // it execs, and exec of the file fails with ETXTBSY meanwhile. The
+        // window is short; retry rather than fail.
+        let mut attempts = 0;
+        let mut child = loop {
+            match command.spawn() {
+                Err(err)
+                    if err.kind() == std::io::ErrorKind::ExecutableFileBusy && attempts < 100 =>
+                {
+                    attempts += 1;
+                    std::thread::sleep(std::time::Duration::from_millis(10));
+                }
+                result => {
+                    break result.unwrap_or_else(|err| panic!("starting {}: {err}", exe.display()));
+                }
+            }
+        };
         let stdin = child.stdin.take();
         let stdout = BufReader::new(child.stdout.take().expect("piped stdout"));
         let mut target = Self {
