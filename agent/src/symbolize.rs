@@ -45,6 +45,7 @@ use blazesym::{
     },
 };
 use stackscope_process_table::{MappedRegion, ObjectId, open::OpenError};
+use stackscope_profile::names::demangle;
 
 pub use cache::GenerationalCache;
 use kernel::KernelSymbols;
@@ -105,7 +106,7 @@ impl Default for SymbolizerConfig {
 /// One name of a frame: a function, and where in its source the address is.
 #[derive(Debug, Clone, PartialEq, Eq, Hash)]
 pub struct FrameLine {
-    /// Demangled (see [`demangle`]).
+    /// Demangled (see [`stackscope_profile::names::demangle`]).
     pub function: Box<str>,
     /// The source file, or empty when unknown.
     pub file: Box<str>,
@@ -661,27 +662,6 @@ pub(crate) fn truncate_str(text: &str, max: usize) -> &str {
     &text[..end]
 }
 
-/// A readable name for a symbol: Rust (legacy or v0, without the hash),
-/// else C++ (without parameters or return type, as flame graphs show it),
-/// else as it is. Only names with a mangling prefix are tried: a C++
-/// demangler also reads bare type codes, and would turn the C function `c`
-/// into `char`.
-pub fn demangle(name: &str) -> String {
-    if !(name.starts_with("_Z") || name.starts_with("_R")) {
-        return name.to_owned();
-    }
-    if let Ok(rust) = rustc_demangle::try_demangle(name) {
-        return format!("{rust:#}");
-    }
-    let options = cpp_demangle::DemangleOptions::new()
-        .no_params()
-        .no_return_type();
-    cpp_demangle::Symbol::new(name)
-        .ok()
-        .and_then(|symbol| symbol.demangle_with_options(&options).ok())
-        .unwrap_or_else(|| name.to_owned())
-}
-
 fn hex(bytes: &[u8]) -> String {
     bytes.iter().map(|byte| format!("{byte:02x}")).collect()
 }
@@ -833,20 +813,7 @@ mod tests {
     }
 
     #[test]
-    fn demangles_cpp_without_parameters_and_rust_without_hash() {
-        assert_eq!(demangle("c"), "c");
-        assert_eq!(demangle("main"), "main");
-        assert_eq!(demangle("_ZN6WorkerIiE3runEv"), "Worker<int>::run");
-        assert_eq!(
-            demangle("_Z8dispatchI6WorkerIiEEvRT_"),
-            "dispatch<Worker<int> >"
-        );
-        assert_eq!(
-            demangle("_ZN10rust_chain1a17h0123456789abcdefE"),
-            "rust_chain::a"
-        );
-        assert_eq!(demangle("_ZNotMangled"), "_ZNotMangled");
-
+    fn cpp_names_are_demangled_without_parameters() {
         let fixture = Fixture::cpp_template_chain();
         let object = object_file(&fixture.path);
         let offset = offset_of(&fixture.path, "_ZN6WorkerIiE3runEv", 1);

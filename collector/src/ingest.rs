@@ -9,7 +9,7 @@
 //! looked up with a bounds check and turned into an error that names the
 //! offending item, never a panic.
 
-use stackscope_profile::model::TimeRange;
+use stackscope_profile::{model::TimeRange, selector::is_valid_label_name};
 use stackscope_proto::v1;
 
 /// A batch that passed [`validate`]: every index refers to an item of the
@@ -630,16 +630,6 @@ fn validate_stack(
         });
     }
     Ok(stack.locations)
-}
-
-/// Whether `name` matches `[a-zA-Z_][a-zA-Z0-9_]*`: the names PromQL-style
-/// selectors can spell without quoting.
-fn is_valid_label_name(name: &str) -> bool {
-    let mut bytes = name.bytes();
-    bytes
-        .next()
-        .is_some_and(|b| b.is_ascii_alphabetic() || b == b'_')
-        && bytes.all(|b| b.is_ascii_alphanumeric() || b == b'_')
 }
 
 fn validate_label_set(

@@ -6,7 +6,7 @@
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use stackscope_profile::{
-    model::{Selection, TimeRange},
+    model::{Selection, TimeRange, unix_nanos},
     selector::{self, SelectorError},
 };
 
@@ -61,13 +61,6 @@ pub enum TimeSpecError {
     SinceAndStart,
     #[error("the time range is empty: start ({start}) is not before end ({end})")]
     Empty { start: String, end: String },
-}
-
-fn unix_nanos(time: SystemTime) -> i64 {
-    match time.duration_since(UNIX_EPOCH) {
-        Ok(since_epoch) => i64::try_from(since_epoch.as_nanos()).unwrap_or(i64::MAX),
-        Err(before_epoch) => -i64::try_from(before_epoch.duration().as_nanos()).unwrap_or(i64::MAX),
-    }
 }
 
 fn parse_duration(what: &'static str, value: &str) -> Result<Duration, TimeSpecError> {

@@ -5,7 +5,8 @@
 //! network.
 //!
 //! - [`model`]: selections, frames and weighted stacks (shared with the
-//!   collector's storage);
+//!   collector's storage), and times as the wire holds them;
+//! - [`names`]: demangling, the same on the node and in the collector;
 //! - [`selector`]: the `{name="value", ...}` matcher syntax and selections on
 //!   the wire;
 //! - [`tree`]: the merged [`CallTree`](tree::CallTree), pruning, and its wire
@@ -13,6 +14,7 @@
 //! - [`render`]: everything drawn or exported from a tree.
 
 pub mod model;
+pub mod names;
 pub mod render;
 pub mod selector;
 pub mod tree;

@@ -2,9 +2,21 @@
 //! selects (time range and label matchers) and the weighted stacks it gets
 //! back. Owns no I/O.
 
-use std::sync::Arc;
+use std::{
+    sync::Arc,
+    time::{SystemTime, UNIX_EPOCH},
+};
 
 use regex::Regex;
+
+/// Nanoseconds since the Unix epoch, as the wire and storage hold times:
+/// negative before 1970, saturated beyond what an `i64` holds.
+pub fn unix_nanos(time: SystemTime) -> i64 {
+    match time.duration_since(UNIX_EPOCH) {
+        Ok(after) => i64::try_from(after.as_nanos()).unwrap_or(i64::MAX),
+        Err(before) => i64::try_from(before.duration().as_nanos()).map_or(i64::MIN, |n| -n),
+    }
+}
 
 /// A half-open time range `[start, end)` in nanoseconds since the Unix epoch.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

@@ -14,6 +14,7 @@ use std::{
 };
 
 use object::{Object as _, ObjectSymbol as _, SymbolKind};
+use stackscope_profile::names::demangle;
 
 /// Flags C fixtures are built with: optimised code without frame pointers,
 /// so only the CFI can unwind it.
@@ -317,39 +318,9 @@ impl ElfSymbols {
     }
 }
 
-/// A readable name for a symbol: Rust (legacy or v0, without the hash),
-/// else C++ (without parameters or return type), else as it is (C). Only
-/// names with a mangling prefix are tried: cpp_demangle also reads bare type
-/// codes, and would turn the C function `c` into `char`.
-pub fn demangle(name: &str) -> String {
-    if !(name.starts_with("_Z") || name.starts_with("_R")) {
-        return name.to_owned();
-    }
-    if let Ok(rust) = rustc_demangle::try_demangle(name) {
-        return format!("{rust:#}");
-    }
-    let options = cpp_demangle::DemangleOptions::new()
-        .no_params()
-        .no_return_type();
-    cpp_demangle::Symbol::new(name)
-        .ok()
-        .and_then(|symbol| symbol.demangle_with_options(&options).ok())
-        .unwrap_or_else(|| name.to_owned())
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn demangles_rust_and_cpp_but_leaves_c_names_alone() {
-        assert_eq!(demangle("c"), "c");
-        assert_eq!(
-            demangle("_ZN10rust_chain1a17h0123456789abcdefE"),
-            "rust_chain::a"
-        );
-        assert_eq!(demangle("_ZN6WorkerIiE3runEv"), "Worker<int>::run");
-    }
 
     #[test]
     fn names_addresses_of_a_compiled_fixture() {

@@ -11,10 +11,11 @@
 use std::{
     collections::HashMap,
     sync::Arc,
-    time::{Duration, Instant, SystemTime, UNIX_EPOCH},
+    time::{Duration, Instant},
 };
 
 use stackscope_process_table::ObjectId;
+use stackscope_profile::model::unix_nanos;
 use stackscope_proto::v1;
 
 use super::{Interval, MappingKey, labels};
@@ -136,13 +137,6 @@ pub fn build_batch(
         label_sets: batch.label_sets,
         samples: batch.samples,
     }
-}
-
-/// Nanoseconds since the epoch, clamped to what the wire format holds.
-fn unix_nanos(time: SystemTime) -> i64 {
-    time.duration_since(UNIX_EPOCH).map_or(0, |since| {
-        i64::try_from(since.as_nanos()).unwrap_or(i64::MAX)
-    })
 }
 
 /// The names of every location of `interval` (and the kernel module of

@@ -6,6 +6,7 @@ mod http;
 
 use std::{net::SocketAddr, sync::Arc, time::Duration};
 
+use stackscope_profile::model::unix_nanos;
 use stackscope_proto::v1::{ingest_server::IngestServer, query_server::QueryServer};
 use tokio::{net::TcpListener, sync::watch, task::JoinSet};
 use tonic::{
@@ -250,11 +251,7 @@ async fn retention(
             _ = ticks.tick() => {}
             _ = stopped(stop.clone()) => return Ok(()),
         }
-        let cutoff = std::time::SystemTime::now() - retention;
-        let cutoff = cutoff
-            .duration_since(std::time::UNIX_EPOCH)
-            .map(|d| i64::try_from(d.as_nanos()).unwrap_or(i64::MAX))
-            .unwrap_or(0);
+        let cutoff = unix_nanos(std::time::SystemTime::now() - retention);
         let storage = Arc::clone(&storage);
         match tokio::task::spawn_blocking(move || storage.delete_before(cutoff)).await {
             Ok(Ok(0)) => {}

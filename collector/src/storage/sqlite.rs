@@ -51,14 +51,14 @@ use std::{
         Arc, Mutex, MutexGuard,
         atomic::{AtomicU64, Ordering},
     },
-    time::{Duration, SystemTime, UNIX_EPOCH},
+    time::{Duration, SystemTime},
 };
 
 use rusqlite::{
     CachedStatement, Connection, OptionalExtension as _, Statement, Transaction,
     TransactionBehavior,
 };
-use stackscope_profile::model::{Frame, Selection, StackSamples, WeightedStack};
+use stackscope_profile::model::{Frame, Selection, StackSamples, WeightedStack, unix_nanos};
 
 use super::{IngestOutcome, Storage, StorageError};
 use crate::ingest::{LineRecord, MappingKind, MappingRecord, ValidBatch};
@@ -718,12 +718,6 @@ fn non_negative(value: i64, what: &str) -> Result<u64, StorageError> {
     u64::try_from(value).map_err(|_| StorageError::Corrupt(format!("negative {what} {value}")))
 }
 
-fn now_unix_nanos() -> i64 {
-    SystemTime::now()
-        .duration_since(UNIX_EPOCH)
-        .map_or(0, |d| i64::try_from(d.as_nanos()).unwrap_or(i64::MAX))
-}
-
 // ---------------------------------------------------------------------------
 // Ingest side
 
@@ -1277,7 +1271,7 @@ impl Writer {
             )?
             .execute((
                 &batch.batch_id[..],
-                now_unix_nanos(),
+                unix_nanos(SystemTime::now()),
                 batch.range.end_unix_nanos,
             ))?;
         }
