@@ -16,6 +16,7 @@ use std::{
 };
 
 use prost::Message as _;
+use rand::{Rng as _, SeedableRng as _, rngs::StdRng};
 use stackscope_collector::{
     ingest::{IngestLimits, validate},
     storage::{
@@ -47,28 +48,23 @@ fn env_or(name: &str, default: usize) -> usize {
         .unwrap_or(default)
 }
 
-/// splitmix64: a fixed, dependency-free sequence so every run sees the
-/// same data.
-struct Rng(u64);
+/// A seeded generator: every run sees the same data.
+struct Rng(StdRng);
 
 impl Rng {
-    fn next(&mut self) -> u64 {
-        self.0 = self.0.wrapping_add(0x9e37_79b9_7f4a_7c15);
-        let mut z = self.0;
-        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
-        z ^ (z >> 31)
+    fn new(seed: u64) -> Self {
+        Self(StdRng::seed_from_u64(seed))
     }
 
     fn below(&mut self, n: usize) -> usize {
-        (self.next() % n as u64) as usize
+        self.0.random_range(0..n)
     }
 }
 
 /// A fleet-wide stack: function ids, root first. The first third is the
 /// service's own call path, so stacks share prefixes like real ones.
 fn fleet_stacks() -> Vec<[u32; DEPTH]> {
-    let mut rng = Rng(7);
+    let mut rng = Rng::new(7);
     let prefixes: Vec<[u32; DEPTH / 3]> = (0..SERVICES)
         .map(|_| std::array::from_fn(|_| rng.below(FUNCTIONS) as u32))
         .collect();
@@ -205,9 +201,9 @@ fn percentile(sorted: &[Duration], p: f64) -> Duration {
 }
 
 fn main() {
-    // `cargo bench` passes `--bench`; `cargo test --benches` runs us with
-    // no such flag: do one tiny round then, so the bench target still builds
-    // and runs in CI without taking minutes.
+    // `cargo bench` passes `--bench`; `cargo test --bench collector` (run by
+    // `cargo xtask test`) does not: do one tiny round then, so the bench's
+    // data and queries are checked on every test run in seconds.
     let full = std::env::args().any(|arg| arg == "--bench");
     let nodes = env_or("STACKSCOPE_BENCH_NODES", if full { 100 } else { 2 });
     let minutes = env_or("STACKSCOPE_BENCH_MINUTES", if full { 60 } else { 1 });
@@ -232,7 +228,7 @@ fn main() {
         nodes * intervals
     );
 
-    let mut rng = Rng(42);
+    let mut rng = Rng::new(42);
     let (mut ingest_time, mut batches, mut rows, mut samples, mut wire_bytes) =
         (Duration::ZERO, 0u64, 0u64, 0u64, 0u64);
     let mut first_interval_rate = None;
@@ -291,11 +287,13 @@ fn main() {
         start_unix_nanos: first_start,
         end_unix_nanos: now,
     };
+    // A node every fleet size has (the 8th of the default 100).
+    let one_node = format!("node-{:03}", 7.min(nodes.saturating_sub(1)));
     let queries = [
         ("everything", Vec::new()),
         (
             "one node",
-            vec![LabelMatcher::new("node", MatchOp::Equal, "node-007").expect("matcher")],
+            vec![LabelMatcher::new("node", MatchOp::Equal, &one_node).expect("matcher")],
         ),
         (
             "one service (regex)",

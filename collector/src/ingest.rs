@@ -1256,13 +1256,9 @@ mod tests {
     /// generator flips fields of the valid batch to random values.
     #[test]
     fn random_indexes_do_not_panic() {
-        let mut state = 0x9e37_79b9_7f4a_7c15_u64;
-        let mut next = move || {
-            state ^= state << 13;
-            state ^= state >> 7;
-            state ^= state << 17;
-            state
-        };
+        use rand::{Rng as _, SeedableRng as _, rngs::StdRng};
+        let mut rng = StdRng::seed_from_u64(0x9e37_79b9_7f4a_7c15);
+        let mut next = move || rng.random::<u64>();
         for _ in 0..20_000 {
             let mut b = batch();
             let small = |x: u64| (x % 12) as u32;

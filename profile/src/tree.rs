@@ -895,13 +895,9 @@ pub(crate) mod tests {
     /// run, deterministic so failures reproduce).
     #[test]
     fn from_proto_never_panics() {
-        let mut state = 0x2545_f491_4f6c_dd1du64;
-        let mut next = move || {
-            state ^= state << 13;
-            state ^= state >> 7;
-            state ^= state << 17;
-            state
-        };
+        use rand::{Rng as _, SeedableRng as _, rngs::StdRng};
+        let mut rng = StdRng::seed_from_u64(0x2545_f491_4f6c_dd1d);
+        let mut next = move || rng.random::<u64>();
         let mut accepted = 0;
         for _ in 0..2_000 {
             let len = (next() % 6) as usize;
