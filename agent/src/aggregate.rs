@@ -73,8 +73,9 @@ pub const MAX_LOCATIONS: usize = 900_000;
 const MAX_FRAMES_PER_SAMPLE: usize =
     agent_common::MAX_KERNEL_FRAMES + stackscope_unwind::DEFAULT_MAX_DEPTH;
 
-/// Mapped files opened per interval while their process runs; files past
-/// this are opened when the batch is built (failing if the process has
+/// Mapped files newly opened per interval while their process runs (a
+/// file the previous interval used is handed on, not opened again); files
+/// past this are opened when the batch is built (failing if the process has
 /// exited by then). Bounds the descriptors an interval holds; with the
 /// symbolizer's, a few thousand at most, which is why the agent's `main`
 /// raises its soft limit on open files.
@@ -221,6 +222,10 @@ pub struct Aggregator {
     config: AggregatorConfig,
     node: Arc<str>,
     current: Builder,
+    /// The files the previous interval used: handed on to the current one
+    /// when seen again, so a file in steady use is opened once, not once per
+    /// interval. Files unused for a whole interval are let go.
+    previous_files: HashMap<ObjectId, Arc<ObjectFile>>,
     exes: ExeCache,
     stats: AggregateStats,
     /// Location indexes of the sample being added.
@@ -254,8 +259,10 @@ struct Builder {
     stack_index: HashMap<Box<[u32]>, u32>,
     label_sets: Vec<LabelValues>,
     label_index: HashMap<LabelKey, u32>,
-    samples: HashMap<(u32, u32), u64>,
-    sample_order: Vec<(u32, u32)>,
+    /// (stack, label set, count), in the order the pairs first appeared,
+    /// as the batch lists them.
+    samples: Vec<(u32, u32, u64)>,
+    sample_index: HashMap<(u32, u32), usize>,
     truncated_stack: Option<u32>,
 }
 
@@ -274,8 +281,8 @@ impl Builder {
             stack_index: HashMap::new(),
             label_sets: Vec::new(),
             label_index: HashMap::new(),
-            samples: HashMap::new(),
-            sample_order: Vec::new(),
+            samples: Vec::new(),
+            sample_index: HashMap::new(),
             truncated_stack: None,
         }
     }
@@ -323,17 +330,18 @@ impl Builder {
         Some(index)
     }
 
-    /// Adds `count` to the pair; a new pair only when `insert`.
+    /// Counts one sample for the pair; a new pair only when `insert`.
     fn count(&mut self, stack: u32, labels: u32, insert: bool) -> bool {
-        if let Some(count) = self.samples.get_mut(&(stack, labels)) {
-            *count += 1;
+        if let Some(&at) = self.sample_index.get(&(stack, labels)) {
+            self.samples[at].2 += 1;
             return true;
         }
         if !insert {
             return false;
         }
-        self.samples.insert((stack, labels), 1);
-        self.sample_order.push((stack, labels));
+        self.sample_index
+            .insert((stack, labels), self.samples.len());
+        self.samples.push((stack, labels, 1));
         true
     }
 
@@ -356,14 +364,6 @@ impl Builder {
     }
 
     fn finish(self, node: Arc<str>, end: SystemTime) -> Interval {
-        let samples = self
-            .sample_order
-            .iter()
-            .map(|&(stack, labels)| {
-                let count = self.samples.get(&(stack, labels)).copied().unwrap_or(0);
-                (stack, labels, count)
-            })
-            .collect();
         Interval {
             node,
             start: self.start,
@@ -372,7 +372,7 @@ impl Builder {
             locations: self.locations,
             stacks: self.stacks,
             label_sets: self.label_sets,
-            samples,
+            samples: self.samples,
         }
     }
 }
@@ -395,6 +395,7 @@ impl Aggregator {
             exes: ExeCache::new(&config.proc_root, labels::MAX_CACHED_EXES),
             config,
             current: Builder::new(start),
+            previous_files: HashMap::new(),
             stats: AggregateStats::default(),
             stack: Vec::with_capacity(2 * stackscope_unwind::DEFAULT_MAX_DEPTH),
         }
@@ -568,6 +569,10 @@ impl Aggregator {
         if let Some(object) = self.current.files.get(&*module.id) {
             return Arc::clone(object);
         }
+        if let Some(object) = self.previous_files.remove(&*module.id) {
+            self.current.files.insert(*module.id, Arc::clone(&object));
+            return object;
+        }
         let object = Arc::new(ObjectFile::new(module));
         if self.current.eager_opens < MAX_EAGER_OPENS {
             self.current.eager_opens += 1;
@@ -583,7 +588,13 @@ impl Aggregator {
     /// Ends the interval being aggregated at `end`, starts the next one
     /// there, and returns the finished one.
     pub fn finish_interval(&mut self, end: SystemTime) -> Interval {
-        let finished = std::mem::replace(&mut self.current, Builder::new(end));
+        let mut finished = std::mem::replace(&mut self.current, Builder::new(end));
+        // Only files held open: one that failed (its process gone) is
+        // looked up afresh, through whichever process maps it next.
+        self.previous_files = std::mem::take(&mut finished.files)
+            .into_iter()
+            .filter(|(_, file)| file.is_open())
+            .collect();
         self.stats.intervals += 1;
         self.stats.max_distinct = self.stats.max_distinct.max(finished.samples.len() as u64);
         finished.finish(Arc::clone(&self.node), end)

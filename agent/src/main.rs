@@ -272,7 +272,6 @@ fn json_report(
         "aggregation": summary.aggregation,
         "batches": {
             "built": summary.batches.batches_built,
-            "handed_to_exporter": summary.batches_sent,
             "intervals_dropped": summary.batches.intervals_dropped,
             "intervals_empty": summary.batches.intervals_empty,
             "samples": summary.batches.samples_in_batches,

@@ -85,8 +85,6 @@ pub struct RunSummary {
     pub unwinding: WalkStats,
     pub aggregation: AggregateStats,
     pub batches: WorkerStats,
-    /// Batches handed to the sink (built ones are dropped without a sink).
-    pub batches_sent: u64,
     pub elapsed: Duration,
 }
 
@@ -148,7 +146,6 @@ pub async fn run(
     let mut intervals = tokio::time::interval_at(next_boundary(interval), interval);
     // A late tick must not shift the boundaries.
     intervals.set_missed_tick_behavior(MissedTickBehavior::Skip);
-    let mut batches_sent = 0u64;
 
     let mut status =
         tokio::time::interval_at(started + config.status_interval, config.status_interval);
@@ -184,7 +181,6 @@ pub async fn run(
                 worker.submit(records.aggregator.finish_interval(end));
             }
             Event::Built(batch) => {
-                batches_sent += u64::from(sink.is_some());
                 if let Some(sink) = sink.as_mut() {
                     sink.send(*batch);
                 }
@@ -250,11 +246,8 @@ pub async fn run(
     let last = records.aggregator.finish_interval(SystemTime::now());
     // Blocks until the last batches are built: nothing else is left to run.
     let (batches, batch_stats) = worker.finish(last);
-    for batch in batches {
-        batches_sent += u64::from(sink.is_some());
-        if let Some(sink) = sink.as_mut() {
-            sink.send(batch);
-        }
+    if let Some(sink) = sink.as_mut() {
+        batches.into_iter().for_each(|batch| sink.send(batch));
     }
     drop(sink);
     Ok(RunSummary {
@@ -266,7 +259,6 @@ pub async fn run(
         unwinding: records.walker.stats().clone(),
         aggregation: records.aggregator.stats(),
         batches: batch_stats,
-        batches_sent,
     })
 }
 

@@ -180,6 +180,11 @@ impl ObjectFile {
             .as_ref()
     }
 
+    /// Whether the file was opened (and is held open).
+    pub fn is_open(&self) -> bool {
+        matches!(self.file.get(), Some(Ok(_)))
+    }
+
     /// The mapping the file was found through, if any.
     pub fn region(&self) -> Option<&MappedRegion> {
         self.region.as_deref()

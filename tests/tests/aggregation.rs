@@ -364,7 +364,7 @@ fn the_run_loop_ships_named_chains_with_labels_and_build_ids() {
 
     // 1 s intervals on second boundaries, plus the last partial one.
     assert!(batches.len() >= 3, "{} batches", batches.len());
-    assert_eq!(summary.batches_sent, batches.len() as u64);
+    assert_eq!(summary.batches.batches_built, batches.len() as u64);
     for pair in batches.windows(2) {
         assert_eq!(
             pair[0].end_unix_nanos, pair[1].start_unix_nanos,

@@ -18,7 +18,7 @@ use stackscope_process_table::ObjectId;
 use stackscope_profile::model::unix_nanos;
 use stackscope_proto::v1;
 
-use super::{Interval, MappingKey, labels};
+use super::{Interval, MappingKey, index_of, labels};
 use crate::symbolize::{FrameLine, Lines, Symbolizer, truncate_str};
 
 /// The longest string sent: the collector's default limit.
@@ -389,8 +389,4 @@ impl BatchBuilder {
             }
         }
     }
-}
-
-fn index_of(len: usize) -> u32 {
-    u32::try_from(len).unwrap_or(u32::MAX)
 }

@@ -570,7 +570,7 @@ fn batches_have_deduplicated_dictionaries_and_indexes_in_range() {
 }
 
 #[test]
-fn building_a_batch_is_fast_once_names_are_cached() {
+fn a_second_batch_of_the_same_stacks_is_named_from_the_cache() {
     let (own, libc) = module_files();
     let kallsyms = kallsyms();
     let mut symbolizer = symbolizer(&kallsyms);
@@ -578,7 +578,6 @@ fn building_a_batch_is_fast_once_names_are_cached() {
     let pid = std::process::id();
     // 2000 distinct stacks of 20 frames: distinct leaves, callers from 500
     // offsets per file; each sample added 10 times.
-    let adding = std::time::Instant::now();
     for n in (0..2000u64).flat_map(|n| std::iter::repeat_n(n, 10)) {
         let stack: Vec<FrameObject> = (0..20)
             .map(|depth| {
@@ -598,24 +597,60 @@ fn building_a_batch_is_fast_once_names_are_cached() {
             &stack,
         );
     }
-    let added = adding.elapsed();
     let interval = aggregator.finish_interval(SystemTime::now());
     assert_eq!(interval.stacks.len(), 2000);
     assert_eq!(interval.sample_count(), 20_000);
-    let first = std::time::Instant::now();
     let batch = build_batch(&interval, &mut symbolizer, &BatchOptions::for_frequency(19));
-    let first = first.elapsed();
     check_batch(&batch);
-    let again = std::time::Instant::now();
-    build_batch(&interval, &mut symbolizer, &BatchOptions::for_frequency(19));
-    let again = again.elapsed();
-    let stats = symbolizer.stats();
-    eprintln!(
-        "20000 samples added in {added:?}; batch of {} stacks, {} locations: {first:?} cold, \
-         {again:?} cached; {:.1}% cache hits",
-        batch.stacks.len(),
-        batch.locations.len(),
-        stats.cache_hit_percent()
+    let first = symbolizer.stats();
+    let again = build_batch(&interval, &mut symbolizer, &BatchOptions::for_frequency(19));
+    assert_eq!(again, batch_with_id(&batch, &again), "the same names");
+    let second = symbolizer.stats();
+    assert_eq!(
+        second.cache_misses, first.cache_misses,
+        "no lookup misses the cache"
     );
-    assert!(stats.cache_hits >= stats.cache_misses, "{stats:?}");
+    assert!(second.cache_hits > first.cache_hits);
+}
+
+/// `batch` with the id (random per batch) of `other`.
+fn batch_with_id(batch: &v1::Batch, other: &v1::Batch) -> v1::Batch {
+    v1::Batch {
+        batch_id: other.batch_id.clone(),
+        ..batch.clone()
+    }
+}
+
+#[test]
+fn a_file_in_steady_use_is_opened_once_not_once_per_interval() {
+    let (own, libc) = module_files();
+    let mut aggregator = Aggregator::new(config());
+    let pid = std::process::id();
+    let sample = [file(&own, 0x1000), file(&libc, 0x2000)];
+    for _ in 0..3 {
+        add(&mut aggregator, &header(pid, "app", true), &[], &sample);
+        let interval = aggregator.finish_interval(SystemTime::now());
+        assert!(
+            interval
+                .mappings
+                .iter()
+                .filter_map(|m| m.file.as_ref())
+                .all(|f| f.is_open()),
+            "each interval's batch gets its files open"
+        );
+    }
+    assert_eq!(
+        aggregator.stats().files_opened,
+        2,
+        "two files, three intervals"
+    );
+    // A file unused for a whole interval is let go, and opened again later.
+    aggregator.finish_interval(SystemTime::now());
+    add(
+        &mut aggregator,
+        &header(pid, "app", true),
+        &[],
+        &sample[..1],
+    );
+    assert_eq!(aggregator.stats().files_opened, 3);
 }
