@@ -32,20 +32,46 @@ pub fn describe(selection: &Selection) -> String {
     }
 }
 
-/// Parses a selection: matchers (`None`: every sample) and the time options
-/// as [`resolve`] takes them, with [`DEFAULT_SINCE`] as the default range.
-pub fn selection(
-    matchers: Option<&str>,
-    since: Option<&str>,
-    start: Option<&str>,
-    end: Option<&str>,
-) -> Result<Selection, SelectionError> {
-    let range = resolve(since, start, end, SystemTime::now(), DEFAULT_SINCE)?;
-    let matchers = match matchers {
-        Some(text) => selector::parse_matchers(text).map_err(SelectionError::Matchers)?,
-        None => Vec::new(),
-    };
-    Ok(Selection { range, matchers })
+/// A selection as typed (CLI options or HTTP parameters), before parsing.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct SelectionText<'a> {
+    /// Label matchers; `None` selects every sample.
+    pub matchers: Option<&'a str>,
+    /// The time options as [`resolve`] takes them.
+    pub since: Option<&'a str>,
+    pub start: Option<&'a str>,
+    pub end: Option<&'a str>,
+}
+
+impl<'a> SelectionText<'a> {
+    /// Parses it, with the last [`DEFAULT_SINCE`] when no range is given.
+    pub fn parse(&self) -> Result<Selection, SelectionError> {
+        let range = resolve(
+            self.since,
+            self.start,
+            self.end,
+            SystemTime::now(),
+            DEFAULT_SINCE,
+        )?;
+        let matchers = match self.matchers {
+            Some(text) => selector::parse_matchers(text).map_err(SelectionError::Matchers)?,
+            None => Vec::new(),
+        };
+        Ok(Selection { range, matchers })
+    }
+
+    /// The baseline of a diff against this selection: `base`'s parts, each
+    /// defaulting to this selection's own. A base range given by its start
+    /// or duration does not inherit this selection's end.
+    pub fn baseline(&self, base: SelectionText<'a>) -> SelectionText<'a> {
+        let own_range = base.since.is_none() && base.start.is_none();
+        SelectionText {
+            matchers: base.matchers.or(self.matchers),
+            since: if own_range { self.since } else { base.since },
+            start: if own_range { self.start } else { base.start },
+            end: base.end.or(if own_range { self.end } else { None }),
+        }
+    }
 }
 
 #[derive(Debug, thiserror::Error, PartialEq, Eq)]
@@ -188,6 +214,30 @@ mod tests {
             (1_800_000_000 - 7200) * 1_000_000_000
         );
         assert_eq!(range.end_unix_nanos, (1_800_000_000 - 3600) * 1_000_000_000);
+    }
+
+    #[test]
+    fn a_baseline_defaults_to_the_selection_but_not_half_of_its_range() {
+        let own = SelectionText {
+            matchers: Some("comm=\"a\""),
+            since: Some("5m"),
+            start: None,
+            end: Some("1h"),
+        };
+        let inherited = own.baseline(SelectionText::default());
+        assert_eq!(
+            (inherited.matchers, inherited.since, inherited.end),
+            (Some("comm=\"a\""), Some("5m"), Some("1h"))
+        );
+        let base = own.baseline(SelectionText {
+            matchers: Some("comm=\"b\""),
+            start: Some("2h"),
+            ..SelectionText::default()
+        });
+        assert_eq!(
+            (base.matchers, base.since, base.start, base.end),
+            (Some("comm=\"b\""), None, Some("2h"), None)
+        );
     }
 
     #[test]

@@ -349,6 +349,16 @@ async fn stored_batches_are_counted_once_and_queried_by_label() {
             "callers": [{"function": "main", "weight": 37}],
             "callees": [{"function": "helper", "weight": 37}]})
     );
+    // redis against nginx: both ran main;work;helper, only redis the
+    // unnamed libfoo frame.
+    let (status, body) = fixture
+        .http_get("/api/v1/diff?since=1h&match=comm%3D%22redis%22&base_match=comm%3D%22nginx%22");
+    assert_eq!(status, 200, "{}", String::from_utf8_lossy(&body));
+    let svg = String::from_utf8(body).expect("UTF-8");
+    assert!(
+        svg.contains("<svg") && svg.contains("libfoo.so+0x1a2b"),
+        "{svg:.300}"
+    );
     let (status, body) = fixture.http_get("/api/v1/labels/comm/values?since=1h");
     assert_eq!((status, body), (200, br#"["nginx","redis"]"#.to_vec()));
     let (status, body) = fixture.http_get("/api/v1/flamegraph?match=comm%3Dredis");

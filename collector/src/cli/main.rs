@@ -10,7 +10,7 @@ use std::{
 
 use anyhow::Context as _;
 use clap::{Args, Parser, Subcommand, ValueEnum};
-use stackscope_collector::timespec;
+use stackscope_collector::timespec::{self, SelectionText};
 use stackscope_profile::{
     model::Selection,
     render::{self, SvgOptions},
@@ -143,23 +143,18 @@ struct SelectionArgs {
     end: Option<String>,
 }
 
-fn selection(
-    matchers: Option<&str>,
-    since: Option<&str>,
-    start: Option<&str>,
-    end: Option<&str>,
-) -> anyhow::Result<Selection> {
-    Ok(timespec::selection(matchers, since, start, end)?)
-}
-
 impl SelectionArgs {
+    fn text(&self) -> SelectionText<'_> {
+        SelectionText {
+            matchers: self.matchers.as_deref(),
+            since: self.since.as_deref(),
+            start: self.start.as_deref(),
+            end: self.end.as_deref(),
+        }
+    }
+
     fn selection(&self) -> anyhow::Result<Selection> {
-        selection(
-            self.matchers.as_deref(),
-            self.since.as_deref(),
-            self.start.as_deref(),
-            self.end.as_deref(),
-        )
+        Ok(self.text().parse()?)
     }
 }
 
@@ -214,6 +209,8 @@ impl Collector {
         )
     }
 
+    /// The merged call tree of `selection` and the sample period; an error
+    /// says so when nothing matches (every command needs samples).
     async fn tree(
         &mut self,
         selection: &Selection,
@@ -230,6 +227,9 @@ impl Collector {
             .into_inner();
         let tree = CallTree::from_proto(&response)
             .context("the collector sent an inconsistent call tree")?;
+        if tree.total() == 0 {
+            return Err(no_samples(selection));
+        }
         Ok((tree, response.sample_period_nanos))
     }
 }
@@ -270,9 +270,6 @@ async fn main() -> anyhow::Result<()> {
                 .await?
                 .tree(&selection, *min_share)
                 .await?;
-            if tree.total() == 0 {
-                return Err(no_samples(&selection));
-            }
             let options = SvgOptions {
                 title: title
                     .clone()
@@ -293,9 +290,6 @@ async fn main() -> anyhow::Result<()> {
                 .await?
                 .tree(&selection, 0.0)
                 .await?;
-            if tree.total() == 0 {
-                return Err(no_samples(&selection));
-            }
             let top = render::top_functions(&tree, *limit);
             print!("{}", render::text_top(&top, tree.total()));
         }
@@ -327,33 +321,19 @@ async fn main() -> anyhow::Result<()> {
             output,
         } => {
             let selection = args.selection()?;
-            let explicit = base_since.is_some() || base_start.is_some();
-            let base = self::selection(
-                base_match.as_deref().or(args.matchers.as_deref()),
-                if explicit {
-                    base_since.as_deref()
-                } else {
-                    args.since.as_deref()
-                },
-                if explicit {
-                    base_start.as_deref()
-                } else {
-                    args.start.as_deref()
-                },
-                base_end
-                    .as_deref()
-                    .or(if explicit { None } else { args.end.as_deref() }),
-            )
-            .context("baseline")?;
+            let base = args
+                .text()
+                .baseline(SelectionText {
+                    matchers: base_match.as_deref(),
+                    since: base_since.as_deref(),
+                    start: base_start.as_deref(),
+                    end: base_end.as_deref(),
+                })
+                .parse()
+                .context("baseline")?;
             let mut collector = Collector::connect(&cli).await?;
             let (new, _) = collector.tree(&selection, 0.0).await?;
-            let (old, _) = collector.tree(&base, 0.0).await?;
-            if new.total() == 0 {
-                return Err(no_samples(&selection));
-            }
-            if old.total() == 0 {
-                return Err(no_samples(&base).context("baseline"));
-            }
+            let (old, _) = collector.tree(&base, 0.0).await.context("baseline")?;
             let options = SvgOptions {
                 title: format!(
                     "stackscope diff: {} against {}",

@@ -19,7 +19,7 @@ use stackscope_profile::{
 
 use crate::{
     query::{Flamegraph, QueryEngine},
-    timespec,
+    timespec::{self, SelectionText},
 };
 
 pub fn router(engine: QueryEngine) -> Router {
@@ -81,46 +81,29 @@ struct Params {
     base_end: Option<String>,
 }
 
-fn selection(
-    matchers: Option<&str>,
-    since: Option<&str>,
-    start: Option<&str>,
-    end: Option<&str>,
-) -> Result<Selection, ApiError> {
-    timespec::selection(matchers, since, start, end).map_err(bad_request)
-}
-
 impl Params {
-    fn selection(&self) -> Result<Selection, ApiError> {
-        selection(
-            self.matchers.as_deref(),
-            self.since.as_deref(),
-            self.start.as_deref(),
-            self.end.as_deref(),
-        )
+    fn text(&self) -> SelectionText<'_> {
+        SelectionText {
+            matchers: self.matchers.as_deref(),
+            since: self.since.as_deref(),
+            start: self.start.as_deref(),
+            end: self.end.as_deref(),
+        }
     }
 
-    /// The baseline of a diff; each part defaults to the selection's own.
+    fn selection(&self) -> Result<Selection, ApiError> {
+        self.text().parse().map_err(bad_request)
+    }
+
+    /// The baseline of a diff (`base_*` parameters).
     fn base_selection(&self) -> Result<Selection, ApiError> {
-        let explicit_range = self.base_since.is_some() || self.base_start.is_some();
-        selection(
-            self.base_match.as_deref().or(self.matchers.as_deref()),
-            if explicit_range {
-                self.base_since.as_deref()
-            } else {
-                self.since.as_deref()
-            },
-            if explicit_range {
-                self.base_start.as_deref()
-            } else {
-                self.start.as_deref()
-            },
-            self.base_end.as_deref().or(if explicit_range {
-                None
-            } else {
-                self.end.as_deref()
-            }),
-        )
+        let base = SelectionText {
+            matchers: self.base_match.as_deref(),
+            since: self.base_since.as_deref(),
+            start: self.base_start.as_deref(),
+            end: self.base_end.as_deref(),
+        };
+        self.text().baseline(base).parse().map_err(bad_request)
     }
 
     fn format(&self) -> Result<Format, ApiError> {
@@ -225,7 +208,12 @@ fn title_of(selection: &Selection) -> String {
 }
 
 async fn index(State(engine): State<QueryEngine>) -> Result<Response, ApiError> {
-    let selection = selection(None, Some("15m"), None, None)?;
+    let selection = SelectionText {
+        since: Some("15m"),
+        ..SelectionText::default()
+    }
+    .parse()
+    .map_err(bad_request)?;
     let flamegraph = engine.flamegraph(selection.clone(), 0.0).await?;
     render(
         &flamegraph,
