@@ -534,6 +534,20 @@ pub(crate) mod tests {
 
     /// A stack written root first (`"main;a;b"`, as people read them), all
     /// frames in binary `app`.
+    /// Stacks given as (function, binary) frames, leaf first, and weights.
+    pub(crate) fn samples(stacks: &[(&[(&str, &str)], u64)]) -> StackSamples {
+        StackSamples {
+            stacks: stacks
+                .iter()
+                .map(|&(frames, weight)| WeightedStack {
+                    frames: frames.iter().map(|&(f, b)| frame(f, b)).collect(),
+                    weight,
+                })
+                .collect(),
+            sample_period_nanos: 0,
+        }
+    }
+
     pub(crate) fn stack(path: &str, weight: u64) -> WeightedStack {
         WeightedStack {
             frames: path
@@ -610,23 +624,11 @@ pub(crate) mod tests {
 
     #[test]
     fn same_function_in_two_binaries_stays_apart_in_order() {
-        let samples = StackSamples {
-            stacks: vec![
-                WeightedStack {
-                    frames: vec![frame("memcpy", "libc.so.6"), frame("main", "app")],
-                    weight: 2,
-                },
-                WeightedStack {
-                    frames: vec![frame("memcpy", "app"), frame("main", "app")],
-                    weight: 3,
-                },
-                WeightedStack {
-                    frames: vec![frame("alloc", "zlib.so"), frame("main", "app")],
-                    weight: 1,
-                },
-            ],
-            sample_period_nanos: 0,
-        };
+        let samples = samples(&[
+            (&[("memcpy", "libc.so.6"), ("main", "app")], 2),
+            (&[("memcpy", "app"), ("main", "app")], 3),
+            (&[("alloc", "zlib.so"), ("main", "app")], 1),
+        ]);
         let tree = CallTree::from_stacks(&samples);
         let children: Vec<(&str, &str, u64)> = tree.nodes()[1]
             .children()

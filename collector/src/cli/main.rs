@@ -234,6 +234,18 @@ impl Collector {
     }
 }
 
+/// Connects and fetches one selection's tree (see [`Collector::tree`]).
+async fn fetch_tree(
+    cli: &Cli,
+    selection: &Selection,
+    min_share: f64,
+) -> anyhow::Result<(CallTree, u64)> {
+    Collector::connect(cli)
+        .await?
+        .tree(selection, min_share)
+        .await
+}
+
 fn write_output(path: &Path, bytes: &[u8]) -> anyhow::Result<()> {
     if path == Path::new("-") {
         let mut stdout = std::io::stdout().lock();
@@ -266,10 +278,7 @@ async fn main() -> anyhow::Result<()> {
                 anyhow::bail!("--min-share must be between 0 and 1 (0.05 = 5%)");
             }
             let selection = args.selection()?;
-            let (tree, _) = Collector::connect(&cli)
-                .await?
-                .tree(&selection, *min_share)
-                .await?;
+            let (tree, _) = fetch_tree(&cli, &selection, *min_share).await?;
             let options = SvgOptions {
                 title: title
                     .clone()
@@ -286,10 +295,7 @@ async fn main() -> anyhow::Result<()> {
             limit,
         } => {
             let selection = args.selection()?;
-            let (tree, _) = Collector::connect(&cli)
-                .await?
-                .tree(&selection, 0.0)
-                .await?;
+            let (tree, _) = fetch_tree(&cli, &selection, 0.0).await?;
             let top = render::top_functions(&tree, *limit);
             print!("{}", render::text_top(&top, tree.total()));
         }
@@ -298,10 +304,7 @@ async fn main() -> anyhow::Result<()> {
             selection: args,
         } => {
             let selection = args.selection()?;
-            let (tree, _) = Collector::connect(&cli)
-                .await?
-                .tree(&selection, 0.0)
-                .await?;
+            let (tree, _) = fetch_tree(&cli, &selection, 0.0).await?;
             let report = render::callers_callees(&tree, function);
             if report.total == 0 {
                 anyhow::bail!(
@@ -384,10 +387,7 @@ async fn main() -> anyhow::Result<()> {
             output,
         } => {
             let selection = args.selection()?;
-            let (tree, period) = Collector::connect(&cli)
-                .await?
-                .tree(&selection, 0.0)
-                .await?;
+            let (tree, period) = fetch_tree(&cli, &selection, 0.0).await?;
             let bytes = match format {
                 ExportFormat::Pprof => render::pprof(
                     &tree,

@@ -131,25 +131,11 @@ mod tests {
 
     #[test]
     fn frames_with_the_same_name_share_a_line() {
-        use crate::model::{StackSamples, WeightedStack};
-        use crate::tree::tests::frame;
-        let samples = StackSamples {
-            stacks: vec![
-                WeightedStack {
-                    frames: vec![frame("memcpy", "libc.so.6"), frame("main", "app")],
-                    weight: 2,
-                },
-                WeightedStack {
-                    frames: vec![frame("memcpy", "app"), frame("main", "app")],
-                    weight: 3,
-                },
-                WeightedStack {
-                    frames: vec![frame("x;y", "app"), frame("main", "app")],
-                    weight: 1,
-                },
-            ],
-            sample_period_nanos: 0,
-        };
+        let samples = crate::tree::tests::samples(&[
+            (&[("memcpy", "libc.so.6"), ("main", "app")], 2),
+            (&[("memcpy", "app"), ("main", "app")], 3),
+            (&[("x;y", "app"), ("main", "app")], 1),
+        ]);
         assert_eq!(
             folded(&CallTree::from_stacks(&samples)),
             "main;memcpy 5\nmain;x,y 1\n"

@@ -188,8 +188,7 @@ fn sorted(weights: HashMap<&str, u64>) -> Vec<(String, u64)> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::model::{StackSamples, WeightedStack};
-    use crate::tree::tests::{frame, tree};
+    use crate::tree::tests::{samples, tree};
 
     fn stat(function: &str, self_weight: u64, total_weight: u64) -> FunctionStat {
         FunctionStat {
@@ -237,19 +236,10 @@ mod tests {
 
     #[test]
     fn top_keeps_binaries_apart() {
-        let tree = CallTree::from_stacks(&StackSamples {
-            stacks: vec![
-                WeightedStack {
-                    frames: vec![frame("memcpy", "libc.so.6"), frame("main", "app")],
-                    weight: 2,
-                },
-                WeightedStack {
-                    frames: vec![frame("memcpy", "app"), frame("main", "app")],
-                    weight: 2,
-                },
-            ],
-            sample_period_nanos: 0,
-        });
+        let tree = CallTree::from_stacks(&samples(&[
+            (&[("memcpy", "libc.so.6"), ("main", "app")], 2),
+            (&[("memcpy", "app"), ("main", "app")], 2),
+        ]));
         let top: Vec<(String, String, u64)> = top_functions(&tree, 10)
             .into_iter()
             .map(|s| (s.function, s.binary, s.self_weight))
