@@ -90,8 +90,10 @@ pub struct SampleHeader {
     pub kernel_stack_len: u32,
     /// Bytes of user stack that follow the kernel stack.
     pub user_stack_len: u32,
-    /// Written out so the `u64` fields stay 8-aligned; always zero.
-    pub _pad: u32,
+    /// How many ticks this sample stands for: the 1-in-N budget of the
+    /// task's cgroup ([`CgroupPolicy::divisor`]), 1 when none applies.
+    /// Also keeps the `u64` fields 8-aligned.
+    pub sampling_divisor: u32,
     /// `bpf_ktime_get_ns()`: CLOCK_MONOTONIC nanoseconds.
     pub ktime_ns: u64,
     /// cgroup v2 id of the task (`bpf_get_current_cgroup_id`).
@@ -142,16 +144,19 @@ pub enum Counter {
     Filtered = 3,
     /// Ticks that found the CPU idle (tgid 0); they produce no record.
     Idle = 4,
+    /// Ticks of a selected task skipped by its cgroup's 1-in-N budget.
+    Budgeted = 5,
 }
 
 impl Counter {
     /// Every counter, in index order.
-    pub const ALL: [Counter; 5] = [
+    pub const ALL: [Counter; 6] = [
         Counter::Samples,
         Counter::RingBufferFull,
         Counter::CopyFailed,
         Counter::Filtered,
         Counter::Idle,
+        Counter::Budgeted,
     ];
 }
 
@@ -170,16 +175,51 @@ pub mod names {
     pub const SCRATCH: &str = "SCRATCH";
     pub const COUNTERS: &str = "COUNTERS";
     pub const TGID_ALLOW: &str = "TGID_ALLOW";
-    pub const CGROUP_ALLOW: &str = "CGROUP_ALLOW";
+    pub const CGROUP_POLICY: &str = "CGROUP_POLICY";
     pub const AGENT_TGID: &str = "AGENT_TGID";
     pub const USER_STACK_BYTES: &str = "USER_STACK_BYTES";
     pub const FILTER_TGIDS: &str = "FILTER_TGIDS";
     pub const FILTER_CGROUPS: &str = "FILTER_CGROUPS";
+    pub const CGROUP_POLICIES: &str = "CGROUP_POLICIES";
     pub const WAKEUP_BYTES: &str = "WAKEUP_BYTES";
 }
 
-/// Capacity of the tgid and cgroup allow-list maps.
+/// Capacity of the tgid allow-list and of the cgroup policy map.
 pub const MAX_ALLOW_ENTRIES: u32 = 4096;
+
+/// What the agent asks of the tasks in one cgroup and its descendants: the
+/// value of the `CGROUP_POLICY` map, keyed by cgroup v2 id.
+///
+/// The program looks up the task's cgroup and each of its ancestors, so an
+/// entry for a container's cgroup also covers cgroups created under it
+/// later. Flags of all matching entries add up; the deepest entry with a
+/// non-zero divisor sets the budget.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct CgroupPolicy {
+    /// Bit set of [`policy_flags`].
+    pub flags: u32,
+    /// Keep one tick in `divisor` (chosen at random, so periodic work does
+    /// not alias with the timer); 0 or 1: keep every tick.
+    pub divisor: u32,
+}
+
+const _: () = assert!(core::mem::size_of::<CgroupPolicy>() == 8);
+
+// SAFETY: `repr(C)`, two `u32`s, no padding: every byte pattern is a value.
+#[cfg(feature = "user")]
+unsafe impl aya::Pod for CgroupPolicy {}
+
+/// Bit flags in [`CgroupPolicy::flags`].
+pub mod policy_flags {
+    /// Tasks in the cgroup (or below it) pass the cgroup filter.
+    pub const SELECTED: u32 = 1 << 0;
+}
+
+/// Cgroup levels the program checks, from the root down (a container is
+/// typically 2 to 5 levels deep). Below this, only the task's own cgroup is
+/// looked up.
+pub const MAX_CGROUP_DEPTH: i32 = 16;
 
 #[cfg(test)]
 mod tests {

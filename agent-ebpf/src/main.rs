@@ -16,9 +16,9 @@
 use core::ffi::c_void;
 
 use agent_common::{
-    COUNTER_SLOTS, Counter, DEFAULT_USER_STACK_BYTES, MAX_ALLOW_ENTRIES, MAX_KERNEL_STACK_BYTES,
-    MAX_USER_STACK_BYTES, PAGE_SIZE, ProcessEvent, RecordKind, SAMPLE_HEADER_SIZE, SCRATCH_BYTES,
-    SampleHeader, sample_flags,
+    COUNTER_SLOTS, CgroupPolicy, Counter, DEFAULT_USER_STACK_BYTES, MAX_ALLOW_ENTRIES,
+    MAX_CGROUP_DEPTH, MAX_KERNEL_STACK_BYTES, MAX_USER_STACK_BYTES, PAGE_SIZE, ProcessEvent,
+    RecordKind, SAMPLE_HEADER_SIZE, SCRATCH_BYTES, SampleHeader, policy_flags, sample_flags,
 };
 use aya_ebpf::{
     Global,
@@ -27,7 +27,8 @@ use aya_ebpf::{
         bpf_get_current_cgroup_id, bpf_get_current_comm, bpf_get_current_pid_tgid,
         bpf_get_smp_processor_id, bpf_ktime_get_ns, bpf_probe_read_kernel,
         generated::{
-            bpf_get_current_task_btf, bpf_get_stack, bpf_probe_read_user, bpf_task_pt_regs,
+            bpf_get_current_ancestor_cgroup_id, bpf_get_current_task_btf, bpf_get_prandom_u32,
+            bpf_get_stack, bpf_probe_read_user, bpf_task_pt_regs,
         },
     },
     macros::{map, perf_event, raw_tracepoint},
@@ -55,9 +56,11 @@ static COUNTERS: PerCpuArray<u64> = PerCpuArray::with_max_entries(COUNTER_SLOTS,
 #[map(name = "TGID_ALLOW")]
 static TGID_ALLOW: HashMap<u32, u8> = HashMap::with_max_entries(MAX_ALLOW_ENTRIES, 0);
 
-/// Allow-listed cgroup v2 ids, consulted only when `FILTER_CGROUPS` is set.
-#[map(name = "CGROUP_ALLOW")]
-static CGROUP_ALLOW: HashMap<u64, u8> = HashMap::with_max_entries(MAX_ALLOW_ENTRIES, 0);
+/// What the agent asks of each selected or budgeted cgroup (by v2 id) and
+/// its descendants; consulted only when `CGROUP_POLICIES` is set. The agent
+/// rewrites it while running as containers come and go.
+#[map(name = "CGROUP_POLICY")]
+static CGROUP_POLICY: HashMap<u64, CgroupPolicy> = HashMap::with_max_entries(MAX_ALLOW_ENTRIES, 0);
 
 // Load-time constants, patched by the agent. Being read-only globals, the
 // verifier sees their values and prunes the branches they disable.
@@ -67,8 +70,13 @@ static AGENT_TGID: Global<u32> = Global::new(0);
 static USER_STACK_BYTES: Global<u32> = Global::new(DEFAULT_USER_STACK_BYTES);
 #[unsafe(no_mangle)]
 static FILTER_TGIDS: Global<u8> = Global::new(0);
+/// Only tasks whose cgroup (or an ancestor) is `SELECTED` in `CGROUP_POLICY`.
 #[unsafe(no_mangle)]
 static FILTER_CGROUPS: Global<u8> = Global::new(0);
+/// `CGROUP_POLICY` is in use (a cgroup filter or budgets): without it, the
+/// ancestor walk is pruned and a tick costs nothing more.
+#[unsafe(no_mangle)]
+static CGROUP_POLICIES: Global<u8> = Global::new(0);
 /// Unread bytes in `SAMPLES` at which a record wakes the reader.
 #[unsafe(no_mangle)]
 static WAKEUP_BYTES: Global<u64> = Global::new(512 * 1024);
@@ -106,9 +114,22 @@ fn try_sample_cpu_clock(ctx: &PerfEventContext) -> Result<u32, u32> {
         return Ok(0);
     }
     let cgroup_id = unsafe { bpf_get_current_cgroup_id() };
-    if FILTER_CGROUPS.load() != 0 && unsafe { CGROUP_ALLOW.get(cgroup_id) }.is_none() {
-        count(Counter::Filtered);
-        return Ok(0);
+    let mut sampling_divisor = 1;
+    if CGROUP_POLICIES.load() != 0 {
+        let policy = cgroup_policy(cgroup_id);
+        if FILTER_CGROUPS.load() != 0 && policy.flags & policy_flags::SELECTED == 0 {
+            count(Counter::Filtered);
+            return Ok(0);
+        }
+        if policy.divisor > 1 {
+            // Random rather than every N-th tick: a counter would alias with
+            // work whose period is a multiple of N ticks.
+            if unsafe { bpf_get_prandom_u32() } % policy.divisor != 0 {
+                count(Counter::Budgeted);
+                return Ok(0);
+            }
+            sampling_divisor = policy.divisor;
+        }
     }
 
     let cpu = unsafe { bpf_get_smp_processor_id() };
@@ -167,7 +188,7 @@ fn try_sample_cpu_clock(ctx: &PerfEventContext) -> Result<u32, u32> {
         cpu,
         kernel_stack_len,
         user_stack_len,
-        _pad: 0,
+        sampling_divisor,
         ktime_ns: unsafe { bpf_ktime_get_ns() },
         cgroup_id,
         user_rip: user_regs.map_or(0, |r| r.rip),
@@ -201,6 +222,42 @@ fn try_sample_cpu_clock(ctx: &PerfEventContext) -> Result<u32, u32> {
         count(Counter::Samples);
     }
     Ok(0)
+}
+
+/// The policy of the current task: the entries of its cgroup and of every
+/// ancestor, from the root down. Selection adds up; the deepest budget wins.
+#[inline(always)]
+fn cgroup_policy(leaf: u64) -> CgroupPolicy {
+    let mut policy = CgroupPolicy {
+        flags: 0,
+        divisor: 0,
+    };
+    let mut merge = |id: u64| {
+        // SAFETY: the value is only read, and entries are plain integers.
+        if let Some(entry) = unsafe { CGROUP_POLICY.get(id) } {
+            policy.flags |= entry.flags;
+            if entry.divisor != 0 {
+                policy.divisor = entry.divisor;
+            }
+        }
+    };
+    let mut reached_leaf = false;
+    for level in 0..MAX_CGROUP_DEPTH {
+        // Level 0 is the root; a level below the task's own cgroup gives 0.
+        let id = unsafe { bpf_get_current_ancestor_cgroup_id(level) };
+        if id == 0 {
+            break;
+        }
+        merge(id);
+        if id == leaf {
+            reached_leaf = true;
+            break;
+        }
+    }
+    if !reached_leaf {
+        merge(leaf);
+    }
+    policy
 }
 
 /// `execve` replaced the current process's image.

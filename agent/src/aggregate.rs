@@ -48,10 +48,11 @@ use agent_common::{COMM_LEN, SampleHeader};
 use stackscope_process_table::{MappingPath, ObjectId};
 
 pub use batch::{BatchOptions, build_batch};
-use labels::ExeCache;
+use labels::{ExeCache, LabelChoice};
 pub use worker::{BatchWorker, WorkerStats};
 
 use crate::{
+    containers::{ContainerIndex, ContainerLabels, kubelet::PodList, runtime_names::RuntimeNames},
     symbolize::ObjectFile,
     unwinding::{FrameObject, ModuleFile, Walk},
 };
@@ -90,8 +91,8 @@ const MAX_MODULE_MEMO: usize = 65_536;
 pub struct AggregatorConfig {
     /// The `node` label and the batch's node name.
     pub node_name: String,
-    /// Add a `pid` label (one series per process: high cardinality).
-    pub label_pid: bool,
+    /// The labels put on samples besides `node`.
+    pub labels: LabelChoice,
     /// Distinct (labels, stack) pairs per interval; see the module
     /// documentation for what happens beyond.
     pub max_entries: usize,
@@ -103,7 +104,7 @@ impl Default for AggregatorConfig {
     fn default() -> Self {
         Self {
             node_name: labels::host_name(),
-            label_pid: false,
+            labels: LabelChoice::default(),
             max_entries: DEFAULT_MAX_ENTRIES,
             proc_root: PathBuf::from("/proc"),
         }
@@ -158,7 +159,8 @@ impl IntervalLocation {
     }
 }
 
-/// The labels of a label set, apart from `node` (the same for all).
+/// The labels of a label set, apart from `node` (the same for all). Values
+/// of labels not chosen are left empty; empty values are not shipped.
 #[derive(Debug, Clone, PartialEq, Eq, Hash)]
 pub struct LabelValues {
     pub comm: String,
@@ -166,6 +168,21 @@ pub struct LabelValues {
     pub exe: Arc<str>,
     /// Only when the `pid` label was asked for.
     pub pid: Option<u32>,
+    /// The container the process runs in; `None` on the host (or when no
+    /// container label was asked for).
+    pub container: Option<Arc<ContainerLabels>>,
+}
+
+/// Samples of one (stack, label set) pair taken under one sampling divisor.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct IntervalSample {
+    /// Index into [`Interval::stacks`].
+    pub stack: u32,
+    /// Index into [`Interval::label_sets`].
+    pub label_set: u32,
+    /// The 1-in-N budget the samples were taken under (1: none).
+    pub divisor: u32,
+    pub count: u64,
 }
 
 /// One finished interval: what a batch is built from. Plain data, sent to
@@ -180,14 +197,16 @@ pub struct Interval {
     /// Indexes into `locations`, leaf first.
     pub stacks: Vec<Box<[u32]>>,
     pub label_sets: Vec<LabelValues>,
-    /// (stack, label set, count), in the order the pairs first appeared.
-    pub samples: Vec<(u32, u32, u64)>,
+    /// In the order the pairs first appeared.
+    pub samples: Vec<IntervalSample>,
+    /// Which labels the batch carries.
+    pub labels: LabelChoice,
 }
 
 impl Interval {
     /// Samples counted in the interval.
     pub fn sample_count(&self) -> u64 {
-        self.samples.iter().map(|&(_, _, count)| count).sum()
+        self.samples.iter().map(|sample| sample.count).sum()
     }
 }
 
@@ -227,6 +246,7 @@ pub struct Aggregator {
     /// interval. Files unused for a whole interval are let go.
     previous_files: HashMap<ObjectId, Arc<ObjectFile>>,
     exes: ExeCache,
+    containers: ContainerIndex,
     stats: AggregateStats,
     /// Location indexes of the sample being added.
     stack: Vec<u32>,
@@ -239,6 +259,7 @@ struct LabelKey {
     comm: [u8; COMM_LEN],
     exe: Arc<str>,
     pid: Option<u32>,
+    container: Option<Arc<ContainerLabels>>,
 }
 
 /// The interval being aggregated.
@@ -259,10 +280,10 @@ struct Builder {
     stack_index: HashMap<Box<[u32]>, u32>,
     label_sets: Vec<LabelValues>,
     label_index: HashMap<LabelKey, u32>,
-    /// (stack, label set, count), in the order the pairs first appeared,
-    /// as the batch lists them.
-    samples: Vec<(u32, u32, u64)>,
-    sample_index: HashMap<(u32, u32), usize>,
+    /// In the order the pairs first appeared, as the batch lists them.
+    samples: Vec<IntervalSample>,
+    /// Index into `samples` by (stack, label set, divisor).
+    sample_index: HashMap<(u32, u32, u32), usize>,
     truncated_stack: Option<u32>,
 }
 
@@ -331,17 +352,22 @@ impl Builder {
     }
 
     /// Counts one sample for the pair; a new pair only when `insert`.
-    fn count(&mut self, stack: u32, labels: u32, insert: bool) -> bool {
-        if let Some(&at) = self.sample_index.get(&(stack, labels)) {
-            self.samples[at].2 += 1;
+    fn count(&mut self, stack: u32, label_set: u32, divisor: u32, insert: bool) -> bool {
+        let key = (stack, label_set, divisor);
+        if let Some(&at) = self.sample_index.get(&key) {
+            self.samples[at].count += 1;
             return true;
         }
         if !insert {
             return false;
         }
-        self.sample_index
-            .insert((stack, labels), self.samples.len());
-        self.samples.push((stack, labels, 1));
+        self.sample_index.insert(key, self.samples.len());
+        self.samples.push(IntervalSample {
+            stack,
+            label_set,
+            divisor,
+            count: 1,
+        });
         true
     }
 
@@ -363,7 +389,7 @@ impl Builder {
         stack
     }
 
-    fn finish(self, node: Arc<str>, end: SystemTime) -> Interval {
+    fn finish(self, node: Arc<str>, labels: LabelChoice, end: SystemTime) -> Interval {
         Interval {
             node,
             start: self.start,
@@ -373,6 +399,7 @@ impl Builder {
             stacks: self.stacks,
             label_sets: self.label_sets,
             samples: self.samples,
+            labels,
         }
     }
 }
@@ -393,6 +420,7 @@ impl Aggregator {
         Self {
             node: config.node_name.as_str().into(),
             exes: ExeCache::new(&config.proc_root, labels::MAX_CACHED_EXES),
+            containers: ContainerIndex::new(&config.proc_root, RuntimeNames::default()),
             config,
             current: Builder::new(start),
             previous_files: HashMap::new(),
@@ -421,6 +449,23 @@ impl Aggregator {
     /// The process exited.
     pub fn on_exit(&mut self, tgid: u32) {
         self.exes.forget(tgid);
+        self.containers.forget(tgid);
+    }
+
+    /// The latest pod list from the kubelet: names the containers of pods.
+    pub fn set_pods(&mut self, pods: Arc<PodList>) {
+        self.containers.set_pods(pods);
+    }
+
+    /// Where container names come from outside Kubernetes.
+    pub fn set_runtime_names(&mut self, names: RuntimeNames) {
+        self.containers.set_runtime_names(names);
+    }
+
+    /// Whether a sample came from a pod the pod list does not know yet
+    /// (cleared by the call): time to fetch the list again.
+    pub fn take_unknown_pod_seen(&mut self) -> bool {
+        self.containers.take_unknown_pod_seen()
     }
 
     /// Counts one sample: its kernel frames (innermost first) and, unless
@@ -434,13 +479,23 @@ impl Aggregator {
         let insert = self.current.samples.len() < self.config.max_entries
             && self.current.locations.len() + MAX_FRAMES_PER_SAMPLE <= MAX_LOCATIONS;
 
+        let choice = self.config.labels;
         let key = LabelKey {
-            comm: header.comm,
-            exe: match user {
-                Some(_) => self.exes.get(header.tgid),
-                None => "".into(),
+            comm: if choice.comm {
+                header.comm
+            } else {
+                [0; COMM_LEN]
             },
-            pid: self.config.label_pid.then_some(header.tgid),
+            exe: match user {
+                Some(_) if choice.exe => self.exes.get(header.tgid),
+                _ => "".into(),
+            },
+            pid: choice.pid.then_some(header.tgid),
+            container: if choice.any_container() {
+                self.containers.labels(header.tgid, header.cgroup_id)
+            } else {
+                None
+            },
         };
         let labels = match self.current.label_index.get(&key) {
             Some(&index) => index,
@@ -450,6 +505,7 @@ impl Aggregator {
                     comm: labels::comm_str(&key.comm),
                     exe: Arc::clone(&key.exe),
                     pid: key.pid,
+                    container: key.container.clone(),
                 });
                 self.current.label_index.insert(key, index);
                 index
@@ -462,15 +518,16 @@ impl Aggregator {
         self.stats.samples += 1;
         self.stats.kernel_only += u64::from(user.is_none());
 
+        let divisor = header.sampling_divisor.max(1);
         let complete = self.intern_stack(kernel_frames, user, insert);
         let counted = complete
             && match self.current.stack(&self.stack, insert) {
-                Some(stack) => self.current.count(stack, labels, insert),
+                Some(stack) => self.current.count(stack, labels, divisor, insert),
                 None => false,
             };
         if !counted {
             let stack = self.current.truncated_stack();
-            self.current.count(stack, labels, true);
+            self.current.count(stack, labels, divisor, true);
             self.stats.truncated += 1;
         }
     }
@@ -597,7 +654,7 @@ impl Aggregator {
             .collect();
         self.stats.intervals += 1;
         self.stats.max_distinct = self.stats.max_distinct.max(finished.samples.len() as u64);
-        finished.finish(Arc::clone(&self.node), end)
+        finished.finish(Arc::clone(&self.node), self.config.labels, end)
     }
 }
 

@@ -1,10 +1,13 @@
-//! Resolves `--cgroup` selections into the cgroup v2 ids the BPF allow-list
-//! holds. A cgroup v2 id is the inode number of its directory in the cgroup2
-//! filesystem, which is what `bpf_get_current_cgroup_id()` returns.
+//! The cgroup2 hierarchy as the BPF program sees it: finds its mount,
+//! resolves a `--cgroup` selection to its cgroup v2 id, and walks the tree
+//! for the container selection ([`crate::containers::selection`]). A cgroup
+//! v2 id is the inode number of its directory in the cgroup2 filesystem,
+//! which is what `bpf_get_current_cgroup_id()` returns.
 //!
 //! Works on unified (v2 at `/sys/fs/cgroup`) and hybrid hosts (v2 at
-//! `/sys/fs/cgroup/unified`): the cgroup2 mount is found in mountinfo. This
-//! module does not follow cgroups created after start-up.
+//! `/sys/fs/cgroup/unified`): the cgroup2 mount is found in mountinfo.
+//! Descendants need no enumeration here: the program checks a task's
+//! cgroup and all its ancestors, so cgroups created later are covered.
 
 use std::{
     io,
@@ -54,10 +57,10 @@ fn cgroup2_mount_in(mountinfo: &str) -> Option<PathBuf> {
     })
 }
 
-/// The ids of the cgroup `selection` and of all its current descendants.
-/// `selection` is a directory under the cgroup2 mount, or a path relative to
-/// the hierarchy's root as `/proc/<pid>/cgroup` prints it.
-pub fn resolve(selection: &str) -> Result<Vec<u64>, CgroupError> {
+/// The id of the cgroup `selection`: a directory under the cgroup2 mount,
+/// or a path relative to the hierarchy's root as `/proc/<pid>/cgroup`
+/// prints it.
+pub fn resolve(selection: &str) -> Result<u64, CgroupError> {
     let mount = cgroup2_mount()?;
     let given = Path::new(selection);
     let dir = if given.starts_with(&mount) {
@@ -68,37 +71,54 @@ pub fn resolve(selection: &str) -> Result<Vec<u64>, CgroupError> {
     if !dir.is_dir() {
         return Err(CgroupError::NotFound(selection.to_string()));
     }
-    let canonical = dir.canonicalize().map_err(|source| CgroupError::Read {
+    let read_error = |source| CgroupError::Read {
         path: dir.clone(),
         source,
-    })?;
+    };
+    let canonical = dir.canonicalize().map_err(read_error)?;
     if !canonical.starts_with(&mount) {
         return Err(CgroupError::NotCgroup2(canonical, mount));
     }
-    let mut ids = Vec::new();
-    collect_ids(&canonical, &mut ids)?;
-    Ok(ids)
+    Ok(std::fs::metadata(&canonical).map_err(read_error)?.ino())
 }
 
-fn collect_ids(dir: &Path, ids: &mut Vec<u64>) -> Result<(), CgroupError> {
-    let read_error = |source| CgroupError::Read {
-        path: dir.to_path_buf(),
+/// Calls `visit` with the path (relative to the hierarchy's root, as
+/// `/proc/<pid>/cgroup` prints it) and id of each cgroup under `mount`,
+/// parents before children, `max` cgroups at most. Cgroups that disappear
+/// during the walk are skipped; an unreadable root is an error.
+pub fn walk(
+    mount: &Path,
+    max: usize,
+    mut visit: impl FnMut(&str, u64),
+) -> Result<usize, CgroupError> {
+    let root = std::fs::metadata(mount).map_err(|source| CgroupError::Read {
+        path: mount.to_path_buf(),
         source,
-    };
-    ids.push(std::fs::metadata(dir).map_err(read_error)?.ino());
-    for entry in std::fs::read_dir(dir).map_err(read_error)? {
-        let entry = entry.map_err(read_error)?;
-        // A cgroup that disappears while we walk is simply not selected.
-        match entry.file_type() {
-            Ok(kind) if kind.is_dir() => match collect_ids(&entry.path(), ids) {
-                Err(CgroupError::Read { source, .. })
-                    if source.kind() == io::ErrorKind::NotFound => {}
-                other => other?,
-            },
-            _ => {}
+    })?;
+    visit("/", root.ino());
+    let mut visited = 1;
+    let mut pending = vec![(mount.to_path_buf(), String::new())];
+    while let Some((dir, relative)) = pending.pop() {
+        let Ok(entries) = std::fs::read_dir(&dir) else {
+            continue;
+        };
+        for entry in entries.flatten() {
+            if visited >= max {
+                return Ok(visited);
+            }
+            let Ok(metadata) = entry.metadata() else {
+                continue;
+            };
+            if !metadata.is_dir() {
+                continue;
+            }
+            let path = format!("{relative}/{}", entry.file_name().to_string_lossy());
+            visit(&path, metadata.ino());
+            visited += 1;
+            pending.push((entry.path(), path));
         }
     }
-    Ok(())
+    Ok(visited)
 }
 
 #[cfg(test)]
@@ -122,6 +142,31 @@ mod tests {
         );
         let v1_only = "27 25 0:24 / /sys/fs/cgroup/cpu rw shared:11 - cgroup cgroup rw,cpu";
         assert_eq!(cgroup2_mount_in(v1_only), None);
+    }
+
+    #[test]
+    fn walks_a_tree_parents_first_with_ids_and_relative_paths() {
+        let root = tempfile::tempdir().expect("temporary directory");
+        std::fs::create_dir_all(root.path().join("a/b/c")).expect("directories");
+        std::fs::create_dir_all(root.path().join("d")).expect("directories");
+        std::fs::write(root.path().join("a/cgroup.procs"), "").expect("a file");
+        let mut seen = Vec::new();
+        let count = walk(root.path(), 100, |path, id| {
+            seen.push((path.to_string(), id))
+        })
+        .expect("walking");
+        assert_eq!(count, 5);
+        let paths: Vec<&str> = seen.iter().map(|(path, _)| path.as_str()).collect();
+        assert_eq!(paths[0], "/");
+        for expected in ["/a", "/a/b", "/a/b/c", "/d"] {
+            assert!(paths.contains(&expected), "{expected} not in {paths:?}");
+        }
+        let position = |p: &str| paths.iter().position(|x| *x == p).unwrap();
+        assert!(position("/a") < position("/a/b") && position("/a/b") < position("/a/b/c"));
+        let ino = std::fs::metadata(root.path().join("a/b")).unwrap().ino();
+        assert!(seen.contains(&("/a/b".to_string(), ino)));
+        // The bound holds.
+        assert_eq!(walk(root.path(), 2, |_, _| {}).expect("walking"), 2);
     }
 
     #[test]

@@ -13,6 +13,7 @@
 
 pub mod aggregate;
 pub mod cgroups;
+pub mod containers;
 pub mod export;
 pub mod run;
 pub mod sampler;

@@ -10,8 +10,15 @@ use std::{
 use anyhow::Context as _;
 use clap::Parser;
 use stackscope_agent::{
-    aggregate::{AggregatorConfig, labels::host_name},
-    cgroups,
+    aggregate::{
+        AggregatorConfig,
+        labels::{LabelChoice, host_name},
+    },
+    containers::{
+        kubelet::KubeletConfig,
+        runtime_names::{DEFAULT_DOCKER_ROOT, DEFAULT_PODMAN_STORAGE},
+        selection::{Budget, SelectionConfig, parse_pod_label},
+    },
     export::{Compression, ExportConfig, ExportStats, Exporter, TlsConfig},
     run::{AgentConfig, RunSummary, run},
     sampler::{Sampler, SamplerConfig},
@@ -33,13 +40,36 @@ struct Args {
     #[arg(long, default_value_t = agent_common::DEFAULT_USER_STACK_BYTES)]
     stack_bytes: u32,
     /// Sample only this process; repeat for several. Default: every process.
+    /// Combined with the container selections below, both must match.
     #[arg(long = "pid", value_name = "PID")]
     pids: Vec<u32>,
-    /// Sample only tasks in this cgroup v2 or below it (as it exists at start);
-    /// repeat for several. A directory of the cgroup2 hierarchy or a path as
-    /// /proc/<pid>/cgroup shows it. Combined with --pid, both must match.
-    #[arg(long = "cgroup", value_name = "PATH")]
+    /// Sample only tasks in this cgroup v2 or below it; repeat for several.
+    /// A directory of the cgroup2 hierarchy or a path as /proc/<pid>/cgroup
+    /// shows it. The selections (--cgroup, --container, and the pods of
+    /// --namespace/--pod-label) add up; the filtering happens in the kernel.
+    #[arg(long = "cgroup", value_name = "PATH", help_heading = "Selection")]
     cgroups: Vec<String>,
+    /// Sample only this container: its id, an id prefix of 12+ hex digits,
+    /// or its name (podman/docker, or the container's name in its pod).
+    /// Containers started later are picked up (see --selection-refresh).
+    #[arg(long = "container", value_name = "ID|NAME", help_heading = "Selection")]
+    containers: Vec<String>,
+    /// Sample only the pods of this Kubernetes namespace; repeat for several.
+    #[arg(long = "namespace", value_name = "NS", help_heading = "Selection")]
+    namespaces: Vec<String>,
+    /// Sample only pods with this label (all given labels must match, and
+    /// the namespace if one is given).
+    #[arg(long = "pod-label", value_name = "KEY=VALUE", value_parser = parse_pod_label, help_heading = "Selection")]
+    pod_labels: Vec<(String, String)>,
+    /// Sample 1 tick in N of the tasks a selector names (chosen at random in
+    /// the kernel); the collector scales their counts back by N. E.g.
+    /// `container=batch-job:10`, `namespace=ci:4`, `pod-label=tier=low:8`,
+    /// `cgroup=/system.slice/foo.service:2`.
+    #[arg(long = "budget", value_name = "SELECTOR:N", help_heading = "Selection")]
+    budgets: Vec<Budget>,
+    /// How often container and pod selections are resolved again.
+    #[arg(long, default_value = "5s", value_parser = humantime::parse_duration, help_heading = "Selection")]
+    selection_refresh: Duration,
     /// Stop after this long (e.g. `30s`, `5m`). Default: until SIGINT/SIGTERM.
     #[arg(long, value_parser = humantime::parse_duration)]
     duration: Option<Duration>,
@@ -71,10 +101,43 @@ struct Args {
     /// Kubernetes, pass the node name from the downward API.
     #[arg(long)]
     node_name: Option<String>,
-    /// Label every sample with its process id (one series per process:
+    /// The labels put on samples (`node` is always there): a comma-separated
+    /// list of node, comm, exe, pid, container_id, container_name, pod,
+    /// namespace. A label without a value (a host process has no pod) is
+    /// left off.
+    #[arg(
+        long,
+        default_value = "comm,exe,container_id,container_name,pod,namespace"
+    )]
+    labels: LabelChoice,
+    /// Label every sample with its process id too (one series per process:
     /// many more series in the collector).
     #[arg(long)]
     label_pid: bool,
+    /// The kubelet's pod list, for pod, namespace and container names and
+    /// for --namespace/--pod-label, e.g. https://127.0.0.1:10250/pods.
+    /// Default in Kubernetes: the node's kubelet; elsewhere none.
+    #[arg(long, value_name = "URL", help_heading = "Kubernetes")]
+    kubelet_url: Option<String>,
+    /// Bearer token for the kubelet (default in Kubernetes: the pod's
+    /// service account token).
+    #[arg(long, value_name = "FILE", help_heading = "Kubernetes")]
+    kubelet_token_file: Option<PathBuf>,
+    /// PEM CA that signed the kubelet's serving certificate.
+    #[arg(long, value_name = "PEM", help_heading = "Kubernetes")]
+    kubelet_ca_cert: Option<PathBuf>,
+    /// Do not verify the kubelet's certificate (often self-signed).
+    #[arg(long, help_heading = "Kubernetes")]
+    kubelet_insecure_tls: bool,
+    /// How often the pod list is fetched.
+    #[arg(long, default_value = "15s", value_parser = humantime::parse_duration, help_heading = "Kubernetes")]
+    kubelet_refresh: Duration,
+    /// containers-storage root, where podman keeps its container names.
+    #[arg(long, default_value = DEFAULT_PODMAN_STORAGE)]
+    podman_storage: PathBuf,
+    /// Docker's data root, where it keeps its container names.
+    #[arg(long, default_value = DEFAULT_DOCKER_ROOT)]
+    docker_root: PathBuf,
     /// The collector's gRPC address (http://HOST:PORT, or https:// for TLS).
     /// Without it, profiles are built but not shipped.
     #[arg(long, value_name = "URL")]
@@ -131,18 +194,13 @@ fn main() -> anyhow::Result<()> {
     }
     raise_open_file_limit();
 
-    let mut cgroup_ids = Vec::new();
-    for selection in &args.cgroups {
-        cgroup_ids
-            .extend(cgroups::resolve(selection).with_context(|| format!("--cgroup {selection}"))?);
-    }
     let config = AgentConfig {
         sampler: SamplerConfig {
             frequency_hz: args.frequency,
             user_stack_bytes: args.stack_bytes,
             pids: args.pids.clone(),
-            cgroup_ids,
             bpf_log_level: args.log_level,
+            ..SamplerConfig::default()
         },
         duration: args.duration,
         status_interval: args.status_interval,
@@ -156,10 +214,25 @@ fn main() -> anyhow::Result<()> {
         interval: args.interval,
         aggregation: AggregatorConfig {
             node_name: args.node_name.clone().unwrap_or_else(host_name),
-            label_pid: args.label_pid,
+            labels: LabelChoice {
+                pid: args.labels.pid || args.label_pid,
+                ..args.labels
+            },
             ..AggregatorConfig::default()
         },
         symbolizer: SymbolizerConfig::default(),
+        selection: SelectionConfig {
+            cgroups: args.cgroups.clone(),
+            containers: args.containers.clone(),
+            namespaces: args.namespaces.clone(),
+            pod_labels: args.pod_labels.clone(),
+            budgets: args.budgets.clone(),
+        },
+        selection_refresh: args.selection_refresh,
+        kubelet: kubelet_config(&args),
+        kubelet_refresh: args.kubelet_refresh,
+        podman_storage: args.podman_storage.clone(),
+        docker_root: args.docker_root.clone(),
     };
     let runtime = tokio::runtime::Builder::new_current_thread()
         .enable_all()
@@ -205,6 +278,30 @@ fn main() -> anyhow::Result<()> {
         print_report(&mut stdout, &summary, exported.as_ref(), args.top)
     }
     .context("writing the report")
+}
+
+/// The kubelet settings: the flags, else the in-cluster default.
+fn kubelet_config(args: &Args) -> Option<KubeletConfig> {
+    let default = KubeletConfig::in_cluster_default();
+    let url = args
+        .kubelet_url
+        .clone()
+        .or_else(|| default.as_ref().map(|d| d.url.clone()))?;
+    let default = default.unwrap_or_else(|| KubeletConfig {
+        url: url.clone(),
+        token_file: None,
+        ca_cert: None,
+        insecure_skip_tls_verify: false,
+        timeout: Duration::from_secs(5),
+    });
+    Some(KubeletConfig {
+        url,
+        token_file: args.kubelet_token_file.clone().or(default.token_file),
+        ca_cert: args.kubelet_ca_cert.clone().or(default.ca_cert),
+        insecure_skip_tls_verify: args.kubelet_insecure_tls
+            || (args.kubelet_ca_cert.is_none() && default.insecure_skip_tls_verify),
+        timeout: default.timeout,
+    })
 }
 
 /// The export settings from the command line; `None` without `--collector`.

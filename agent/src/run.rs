@@ -5,6 +5,8 @@
 
 use std::{
     io,
+    path::PathBuf,
+    sync::Arc,
     time::{Duration, SystemTime, UNIX_EPOCH},
 };
 
@@ -19,6 +21,11 @@ use crate::{
     aggregate::{
         AggregateStats, Aggregator, AggregatorConfig, BatchOptions, BatchWorker, DEFAULT_INTERVAL,
         WorkerStats,
+    },
+    containers::{
+        kubelet::{KubeletClient, KubeletConfig, KubeletError, PodList},
+        runtime_names::{self, RuntimeNames},
+        selection::{Resolver, SelectionConfig, SelectionError},
     },
     sampler::{Counters, ProgramStats, Sampler, SamplerConfig, SamplerError, record::Record},
     status::{ReaderTotals, Snapshot, StatusLine},
@@ -58,6 +65,20 @@ pub struct AgentConfig {
     pub interval: Duration,
     pub aggregation: AggregatorConfig,
     pub symbolizer: SymbolizerConfig,
+    /// Which containers, pods and cgroups to sample, and their budgets.
+    pub selection: SelectionConfig,
+    /// How often the selection is resolved again (new containers).
+    pub selection_refresh: Duration,
+    /// Where pod names, namespaces and labels come from; `None` outside
+    /// Kubernetes.
+    pub kubelet: Option<KubeletConfig>,
+    /// How often the pod list is fetched (and, at most, how often a sample
+    /// of an unknown pod triggers an early fetch).
+    pub kubelet_refresh: Duration,
+    /// containers-storage's root (podman's container names) and Docker's
+    /// data root (Docker's).
+    pub podman_storage: PathBuf,
+    pub docker_root: PathBuf,
 }
 
 impl AgentConfig {
@@ -71,9 +92,24 @@ impl AgentConfig {
             interval: DEFAULT_INTERVAL,
             aggregation: AggregatorConfig::default(),
             symbolizer: SymbolizerConfig::default(),
+            selection: SelectionConfig::default(),
+            selection_refresh: DEFAULT_SELECTION_REFRESH,
+            kubelet: None,
+            kubelet_refresh: DEFAULT_KUBELET_REFRESH,
+            podman_storage: PathBuf::from(runtime_names::DEFAULT_PODMAN_STORAGE),
+            docker_root: PathBuf::from(runtime_names::DEFAULT_DOCKER_ROOT),
         }
     }
+
+    fn runtime_names(&self) -> RuntimeNames {
+        RuntimeNames::new(self.podman_storage.clone(), self.docker_root.clone())
+    }
 }
+
+/// Default period of [`AgentConfig::selection_refresh`].
+pub const DEFAULT_SELECTION_REFRESH: Duration = Duration::from_secs(5);
+/// Default period of [`AgentConfig::kubelet_refresh`].
+pub const DEFAULT_KUBELET_REFRESH: Duration = Duration::from_secs(15);
 
 /// What a run saw, for the final report.
 #[derive(Debug)]
@@ -98,12 +134,18 @@ pub enum RunError {
     Signals(#[source] io::Error),
     #[error("starting the batch worker thread failed")]
     Worker(#[source] io::Error),
+    #[error("resolving the container selection failed")]
+    Selection(#[from] SelectionError),
+    #[error("setting up the kubelet client failed")]
+    Kubelet(#[from] KubeletError),
 }
 
 enum Event {
     Records,
     StatusDue,
     IntervalDue,
+    SelectionDue,
+    Pods(Arc<PodList>),
     Built(Box<Batch>),
     Stop,
 }
@@ -124,14 +166,37 @@ pub async fn run(
         BatchOptions::for_frequency(config.sampler.frequency_hz),
     )
     .map_err(RunError::Worker)?;
-    let mut sampler = Sampler::start(&config.sampler)?;
+
+    // The pod list first: a --namespace selection is resolved from it.
+    let mut pods = match &config.kubelet {
+        Some(kubelet) => Some(PodWatch::start(
+            KubeletClient::new(kubelet.clone())?,
+            config.kubelet_refresh,
+        )),
+        None => None,
+    };
+    let mut latest_pods = match pods.as_mut() {
+        Some(watch) => watch.first().await,
+        None => None,
+    };
+    let resolver = Resolver::new(config.selection.clone(), pods.is_some())?;
+    let mut selection_names = config.runtime_names();
+    let mut sampler_config = config.sampler.clone();
+    sampler_config.filter_cgroups |= config.selection.filters();
+    sampler_config.cgroup_budgets |= !config.selection.budgets.is_empty();
+    if sampler_config.filter_cgroups || sampler_config.cgroup_budgets {
+        sampler_config
+            .cgroup_policies
+            .extend(resolver.policies(latest_pods.as_deref(), &mut selection_names)?);
+    }
+    let mut sampler = Sampler::start(&sampler_config)?;
     let started = Instant::now();
     let deadline = config.duration.map(|d| started + d);
     tracing::info!(
         frequency_hz = config.sampler.frequency_hz,
         stack_bytes = config.sampler.user_stack_bytes,
         pids = ?config.sampler.pids,
-        cgroups = config.sampler.cgroup_ids.len(),
+        cgroup_policies = sampler_config.cgroup_policies.len(),
         "sampling every online CPU"
     );
 
@@ -142,6 +207,14 @@ pub async fn run(
         aggregator: Aggregator::new(config.aggregation.clone()),
         kernel_frames: Vec::with_capacity(agent_common::MAX_KERNEL_FRAMES),
     };
+    records.aggregator.set_runtime_names(config.runtime_names());
+    if let Some(pods) = &latest_pods {
+        records.aggregator.set_pods(Arc::clone(pods));
+    }
+    let refresh_selection = resolver.config().changes();
+    let mut selection_timer =
+        tokio::time::interval(config.selection_refresh.max(Duration::from_millis(100)));
+    selection_timer.set_missed_tick_behavior(MissedTickBehavior::Delay);
     let interval = config.interval.max(Duration::from_millis(1));
     let mut intervals = tokio::time::interval_at(next_boundary(interval), interval);
     // A late tick must not shift the boundaries.
@@ -165,6 +238,8 @@ pub async fn run(
             _ = status.tick() => Event::StatusDue,
             _ = intervals.tick() => Event::IntervalDue,
             batch = worker.next_batch() => Event::Built(Box::new(batch)),
+            _ = selection_timer.tick(), if refresh_selection => Event::SelectionDue,
+            Some(list) = next_pods(&mut pods) => Event::Pods(list),
             _ = sigint.recv() => Event::Stop,
             _ = sigterm.recv() => Event::Stop,
             _ = sleep_until(deadline) => Event::Stop,
@@ -175,6 +250,31 @@ pub async fn run(
                     walker, aggregator, ..
                 } = &mut records;
                 walker.poll(|w| aggregator.add(w.header, w.kernel_frames, Some(&w.walk)));
+                if aggregator.take_unknown_pod_seen()
+                    && let Some(watch) = &pods
+                {
+                    watch.refresh_soon();
+                }
+            }
+            Event::Pods(list) => {
+                records.aggregator.set_pods(Arc::clone(&list));
+                latest_pods = Some(list);
+                if refresh_selection {
+                    update_policies(
+                        &mut sampler,
+                        &resolver,
+                        latest_pods.as_deref(),
+                        &mut selection_names,
+                    );
+                }
+            }
+            Event::SelectionDue => {
+                update_policies(
+                    &mut sampler,
+                    &resolver,
+                    latest_pods.as_deref(),
+                    &mut selection_names,
+                );
             }
             Event::IntervalDue => {
                 let end = nearest_boundary(SystemTime::now(), interval);
@@ -260,6 +360,112 @@ pub async fn run(
         aggregation: records.aggregator.stats(),
         batches: batch_stats,
     })
+}
+
+/// Writes the policies for the cgroups as they are now. A failure keeps
+/// the previous policies: sampling goes on with a selection a little stale.
+fn update_policies(
+    sampler: &mut Sampler,
+    resolver: &Resolver,
+    pods: Option<&PodList>,
+    names: &mut RuntimeNames,
+) {
+    let result = resolver
+        .policies(pods, names)
+        .map_err(|err| err.to_string())
+        .and_then(|wanted| {
+            sampler
+                .set_cgroup_policies(&wanted)
+                .map_err(|err| err.to_string())
+        });
+    match result {
+        Ok(0) => {}
+        Ok(changed) => tracing::info!(changed, "container selection updated"),
+        Err(err) => tracing::warn!("updating the container selection failed: {err}"),
+    }
+}
+
+/// Fetches the kubelet's pod list on a period, or sooner when asked, on a
+/// task of its own, and hands each new list to the run loop.
+struct PodWatch {
+    lists: tokio::sync::mpsc::Receiver<Arc<PodList>>,
+    soon: Arc<tokio::sync::Notify>,
+    task: tokio::task::JoinHandle<()>,
+}
+
+impl PodWatch {
+    fn start(client: KubeletClient, period: Duration) -> Self {
+        let (sender, lists) = tokio::sync::mpsc::channel(1);
+        let soon = Arc::new(tokio::sync::Notify::new());
+        let wake = Arc::clone(&soon);
+        let period = period.max(Duration::from_secs(1));
+        let task = tokio::spawn(async move {
+            let mut failures = 0u32;
+            loop {
+                let fetched = Instant::now();
+                match client.fetch().await {
+                    Ok(list) => {
+                        if failures > 0 {
+                            tracing::info!(
+                                "the kubelet's pod list is back after {failures} failed fetches"
+                            );
+                        }
+                        failures = 0;
+                        if sender.send(Arc::new(list)).await.is_err() {
+                            return;
+                        }
+                    }
+                    Err(err) => {
+                        failures += 1;
+                        // Once, then every 20th: a kubelet down for an hour
+                        // must not flood the log.
+                        if failures == 1 || failures.is_multiple_of(20) {
+                            tracing::warn!(
+                                "fetching the kubelet's pod list failed ({failures} in a row): {err}"
+                            );
+                        }
+                    }
+                }
+                // At most one fetch a second, however often we are asked.
+                tokio::time::sleep_until(fetched + Duration::from_secs(1)).await;
+                tokio::select! {
+                    _ = tokio::time::sleep_until(fetched + period) => {}
+                    _ = wake.notified() => {}
+                }
+            }
+        });
+        Self { lists, soon, task }
+    }
+
+    /// The first list, waiting up to a few seconds for it.
+    async fn first(&mut self) -> Option<Arc<PodList>> {
+        match tokio::time::timeout(Duration::from_secs(5), self.lists.recv()).await {
+            Ok(list) => list,
+            Err(_) => {
+                tracing::warn!(
+                    "no pod list from the kubelet yet: pods are selected and named once it answers"
+                );
+                None
+            }
+        }
+    }
+
+    fn refresh_soon(&self) {
+        self.soon.notify_one();
+    }
+}
+
+impl Drop for PodWatch {
+    fn drop(&mut self) {
+        self.task.abort();
+    }
+}
+
+async fn next_pods(pods: &mut Option<PodWatch>) -> Option<Arc<PodList>> {
+    match pods {
+        Some(watch) => watch.lists.recv().await,
+        None => std::future::pending().await,
+    }
 }
 
 /// The multiple of `interval` in Unix time nearest to `now`: the boundary

@@ -31,6 +31,8 @@ pub struct StatusLine {
     pub copy_failed: u64,
     pub decode_errors: u64,
     pub filtered: u64,
+    /// Ticks skipped by a cgroup's 1-in-N budget.
+    pub budgeted: u64,
     /// Share of ticks that found the CPU idle, in percent.
     pub idle_percent: f64,
 }
@@ -51,7 +53,8 @@ impl StatusLine {
             before.kernel.ring_buffer_full,
             after.kernel.ring_buffer_full,
         );
-        let ticks = idle + filtered + sampled + dropped;
+        let budgeted = delta(before.kernel.budgeted, after.kernel.budgeted);
+        let ticks = idle + filtered + budgeted + sampled + dropped;
         Self {
             samples_per_sec: records as f64 / secs,
             bytes_per_sec: bytes as f64 / secs,
@@ -59,6 +62,7 @@ impl StatusLine {
             copy_failed: delta(before.kernel.copy_failed, after.kernel.copy_failed),
             decode_errors: delta(before.reader.decode_errors, after.reader.decode_errors),
             filtered,
+            budgeted,
             idle_percent: if ticks == 0 {
                 0.0
             } else {
@@ -73,13 +77,14 @@ impl fmt::Display for StatusLine {
         write!(
             f,
             "{:.1} samples/s, {:.1} KiB/s, {} dropped (ring buffer full), {} copy failures, \
-             {} decode errors, {} filtered, {:.0}% idle",
+             {} decode errors, {} filtered, {} skipped by budgets, {:.0}% idle",
             self.samples_per_sec,
             self.bytes_per_sec / 1024.0,
             self.dropped,
             self.copy_failed,
             self.decode_errors,
             self.filtered,
+            self.budgeted,
             self.idle_percent,
         )
     }
@@ -104,6 +109,7 @@ mod tests {
                 copy_failed: 2,
                 filtered: 10,
                 idle: 50,
+                budgeted: 0,
             },
         };
         let after = Snapshot {
@@ -119,6 +125,7 @@ mod tests {
                 copy_failed: 3,
                 filtered: 15,
                 idle: 90,
+                budgeted: 150,
             },
         };
         let line = StatusLine::between(&before, &after, Duration::from_secs(2));
@@ -129,12 +136,12 @@ mod tests {
             (line.dropped, line.copy_failed, line.decode_errors),
             (5, 1, 0)
         );
-        // 40 idle of 40 + 5 + 200 + 5 ticks.
-        assert_eq!(line.idle_percent, 16.0);
+        // 40 idle of 40 + 5 + 150 + 200 + 5 ticks.
+        assert_eq!(line.idle_percent, 10.0);
         assert_eq!(
             line.to_string(),
             "97.0 samples/s, 1024.0 KiB/s, 5 dropped (ring buffer full), 1 copy failures, \
-             0 decode errors, 5 filtered, 16% idle"
+             0 decode errors, 5 filtered, 150 skipped by budgets, 10% idle"
         );
     }
 }

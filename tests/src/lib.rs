@@ -51,6 +51,14 @@ impl TempCgroup {
         Self { path }
     }
 
+    /// A cgroup inside this one, removed on drop (drop it before this one).
+    pub fn child(&self, name: &str) -> Self {
+        let path = self.path.join(name);
+        std::fs::create_dir(&path)
+            .unwrap_or_else(|err| panic!("creating {}: {err}", path.display()));
+        Self { path }
+    }
+
     /// Moves a process into this cgroup.
     pub fn add(&self, pid: u32) {
         std::fs::write(self.path.join("cgroup.procs"), pid.to_string())

@@ -2,13 +2,13 @@
 //! Needs root.
 
 use std::{
-    collections::BTreeSet,
+    collections::{BTreeSet, HashMap},
     os::unix::fs::MetadataExt as _,
     process::{Command, Stdio},
     time::{Duration, Instant},
 };
 
-use agent_common::sample_flags;
+use agent_common::{CgroupPolicy, policy_flags, sample_flags};
 use stackscope_agent::{
     cgroups,
     sampler::{SamplerConfig, record::OwnedSample},
@@ -224,51 +224,109 @@ fn records_the_kernel_stack_and_the_saved_user_registers_of_a_syscall() {
 }
 
 #[test]
-fn samples_only_the_selected_cgroup() {
+fn samples_only_the_selected_cgroup_and_its_descendants() {
     require_root();
     let _serial = exclusive();
     let fixture = Fixture::compile("deep_stack", &[]);
-    // Declared before the processes, so it is dropped (and removed) after them.
+    // Declared before the processes, so they are dropped (and removed)
+    // after them; the child before its parent.
     let cgroup = TempCgroup::create("filter");
-    let inside = fixture.start(&["8"]);
-    cgroup.add(inside.pid());
+    let child = cgroup.child("inner");
+    let direct = fixture.start(&["8"]);
+    cgroup.add(direct.pid());
+    let nested = fixture.start(&["8"]);
+    child.add(nested.pid());
     let outside = fixture.start(&["8"]);
 
-    let ids = cgroups::resolve(cgroup.path.to_str().unwrap()).expect("resolving the cgroup");
-    assert_eq!(ids, [std::fs::metadata(&cgroup.path).unwrap().ino()]);
+    let id = cgroups::resolve(cgroup.path.to_str().unwrap()).expect("resolving the cgroup");
+    assert_eq!(id, std::fs::metadata(&cgroup.path).unwrap().ino());
     assert_eq!(
         cgroups::resolve(&cgroup.relative_path()).expect("resolving the /proc form"),
-        ids
+        id
     );
 
+    // Only the parent is in the map: the program finds it as an ancestor.
     let config = SamplerConfig {
         frequency_hz: FREQUENCY_HZ,
-        cgroup_ids: ids.clone(),
+        filter_cgroups: true,
+        cgroup_policies: HashMap::from([(
+            id,
+            CgroupPolicy {
+                flags: policy_flags::SELECTED,
+                divisor: 0,
+            },
+        )]),
         ..SamplerConfig::default()
     };
     let samples = sample_for(&config, SAMPLING).samples;
-    // Two spinners share two CPUs: each gets about one CPU's worth of ticks
-    // when nothing else runs. The floor only has to show the filter lets the
-    // selected cgroup through, so it leaves room for a loaded machine.
+    // Three spinners share two CPUs. The floor only has to show the filter
+    // lets both selected processes through, so it leaves room for a loaded
+    // machine.
     let expected = FREQUENCY_HZ * SAMPLING.as_secs();
-    assert!(
-        samples.len() as u64 >= expected / 4,
-        "only {} samples, expected about {expected}",
-        samples.len()
-    );
-    for sample in &samples {
-        assert_eq!(
-            sample.header.cgroup_id, ids[0],
-            "a tick outside the cgroup was sampled"
-        );
-        assert_eq!(
-            sample.header.tgid,
-            inside.pid(),
-            "process {} is not the one inside",
-            sample.header.tgid
+    for (name, pid) in [("direct", direct.pid()), ("nested", nested.pid())] {
+        let count = samples.iter().filter(|s| s.header.tgid == pid).count() as u64;
+        assert!(
+            count >= expected / 6,
+            "only {count} samples of the {name} process, expected about {}",
+            expected * 2 / 3
         );
     }
-    assert_ne!(inside.pid(), outside.pid());
+    for sample in &samples {
+        assert!(
+            [direct.pid(), nested.pid()].contains(&sample.header.tgid),
+            "process {} is outside the cgroup (the one outside is {})",
+            sample.header.tgid,
+            outside.pid()
+        );
+        assert_eq!(sample.header.sampling_divisor, 1);
+    }
+}
+
+#[test]
+fn a_cgroup_budget_keeps_about_one_tick_in_n_and_says_so() {
+    require_root();
+    let _serial = exclusive();
+    const DIVISOR: u32 = 4;
+    let fixture = Fixture::compile("deep_stack", &[]);
+    let cgroup = TempCgroup::create("budget");
+    let budgeted = fixture.start(&["8"]);
+    cgroup.add(budgeted.pid());
+    let full = fixture.start(&["8"]);
+
+    let id = cgroups::resolve(cgroup.path.to_str().unwrap()).expect("resolving the cgroup");
+    let config = SamplerConfig {
+        frequency_hz: 499,
+        cgroup_budgets: true,
+        cgroup_policies: HashMap::from([(
+            id,
+            CgroupPolicy {
+                flags: 0,
+                divisor: DIVISOR,
+            },
+        )]),
+        ..SamplerConfig::default()
+    };
+    let recorded = sample_for(&config, SAMPLING);
+    let of = |pid: u32| {
+        recorded
+            .samples
+            .iter()
+            .filter(|s| s.header.tgid == pid)
+            .collect::<Vec<_>>()
+    };
+    let (kept, all) = (of(budgeted.pid()), of(full.pid()));
+    assert!(kept.iter().all(|s| s.header.sampling_divisor == DIVISOR));
+    assert!(all.iter().all(|s| s.header.sampling_divisor == 1));
+    // Both spin on a CPU of their own; the budgeted one keeps 1 in 4 of
+    // its ticks, drawn at random: ~250 of ~1000, so 3x..5.5x is many
+    // standard deviations wide.
+    let ratio = all.len() as f64 / kept.len().max(1) as f64;
+    assert!(
+        (3.0..5.5).contains(&ratio),
+        "{} samples unbudgeted vs {} budgeted: ratio {ratio:.2}, expected about {DIVISOR}",
+        all.len(),
+        kept.len()
+    );
 }
 
 #[test]

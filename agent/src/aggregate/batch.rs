@@ -95,27 +95,49 @@ pub fn build_batch(
         .label_sets
         .iter()
         .map(|values| {
-            let mut labels = vec![
-                (labels::COMM, batch.strings.intern(&values.comm)),
-                (labels::EXE, batch.strings.intern(&values.exe)),
-                (labels::NODE, node),
-            ];
+            let mut labels = vec![(labels::NODE, node)];
             let pid = values.pid.map(|pid| pid.to_string());
-            if let Some(pid) = &pid {
-                labels.push((labels::PID, batch.strings.intern(pid)));
+            let container = values.container.as_deref();
+            let choice = &interval.labels;
+            let candidates = [
+                (labels::COMM, choice.comm, Some(values.comm.as_str())),
+                (labels::EXE, choice.exe, Some(&*values.exe)),
+                (labels::PID, choice.pid, pid.as_deref()),
+                (
+                    labels::CONTAINER_ID,
+                    choice.container_id,
+                    container.map(|c| &*c.id),
+                ),
+                (
+                    labels::CONTAINER_NAME,
+                    choice.container_name,
+                    container.map(|c| &*c.name),
+                ),
+                (labels::POD, choice.pod, container.map(|c| &*c.pod)),
+                (
+                    labels::NAMESPACE,
+                    choice.namespace,
+                    container.map(|c| &*c.namespace),
+                ),
+            ];
+            for (name, chosen, value) in candidates {
+                // An empty value is no label: a host process has no pod.
+                if let Some(value) = value.filter(|v| chosen && !v.is_empty()) {
+                    labels.push((name, batch.strings.intern(value)));
+                }
             }
             batch.label_set(&labels)
         })
         .collect();
 
-    for &(stack, label_set, count) in &interval.samples {
+    for sample in &interval.samples {
         let (Some(&stack), Some(&label_set)) = (
-            stack_remap.get(stack as usize),
-            label_remap.get(label_set as usize),
+            stack_remap.get(sample.stack as usize),
+            label_remap.get(sample.label_set as usize),
         ) else {
             continue;
         };
-        batch.sample(stack, label_set, count);
+        batch.sample(stack, label_set, sample.divisor, sample.count);
     }
 
     let start = unix_nanos(interval.start);
@@ -238,7 +260,7 @@ struct BatchBuilder {
     label_sets: Vec<v1::LabelSet>,
     label_set_index: HashMap<Vec<(u32, u32)>, u32>,
     samples: Vec<v1::Sample>,
-    sample_index: HashMap<(u32, u32), usize>,
+    sample_index: HashMap<(u32, u32, u32), usize>,
 }
 
 impl BatchBuilder {
@@ -367,24 +389,24 @@ impl BatchBuilder {
 
     /// Counts merge when two interval entries became one (locations that
     /// differed only in how they were named).
-    fn sample(&mut self, stack: u32, label_set: u32, count: u64) {
+    fn sample(&mut self, stack: u32, label_set: u32, divisor: u32, count: u64) {
         if count == 0 {
             return;
         }
+        let key = (stack, label_set, divisor);
         match self
             .sample_index
-            .get(&(stack, label_set))
+            .get(&key)
             .and_then(|&at| self.samples.get_mut(at))
         {
             Some(sample) => sample.count += count,
             None => {
-                self.sample_index
-                    .insert((stack, label_set), self.samples.len());
+                self.sample_index.insert(key, self.samples.len());
                 self.samples.push(v1::Sample {
                     stack,
                     label_set,
                     count,
-                    sampling_divisor: 0,
+                    sampling_divisor: divisor,
                 });
             }
         }

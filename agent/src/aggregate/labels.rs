@@ -1,8 +1,10 @@
-//! The labels every sample carries, and where their values come from.
+//! The labels every sample carries, which of them are wanted
+//! ([`LabelChoice`]), and where their values come from.
 //!
 //! Owns the per-process `exe` cache (read from `/proc/<pid>/exe` once per
 //! process, forgotten on exec and exit, bounded) and the node's name. The
-//! other labels come straight from the sample header.
+//! container labels come from [`crate::containers`]; the others straight
+//! from the sample header.
 
 use std::{
     collections::HashMap,
@@ -16,6 +18,99 @@ pub const COMM: &str = "comm";
 pub const EXE: &str = "exe";
 pub const NODE: &str = "node";
 pub const PID: &str = "pid";
+pub const CONTAINER_ID: &str = "container_id";
+pub const CONTAINER_NAME: &str = "container_name";
+pub const POD: &str = "pod";
+pub const NAMESPACE: &str = "namespace";
+
+/// Which labels samples carry besides `node` (always there). A label
+/// without a value for a sample (a host process has no pod) is left off.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct LabelChoice {
+    pub comm: bool,
+    pub exe: bool,
+    /// Off by default: one series per process is many more series.
+    pub pid: bool,
+    pub container_id: bool,
+    pub container_name: bool,
+    pub pod: bool,
+    pub namespace: bool,
+}
+
+impl Default for LabelChoice {
+    fn default() -> Self {
+        Self {
+            comm: true,
+            exe: true,
+            pid: false,
+            container_id: true,
+            container_name: true,
+            pod: true,
+            namespace: true,
+        }
+    }
+}
+
+impl LabelChoice {
+    /// Every label name that can be chosen.
+    pub const NAMES: [&str; 8] = [
+        NODE,
+        COMM,
+        EXE,
+        PID,
+        CONTAINER_ID,
+        CONTAINER_NAME,
+        POD,
+        NAMESPACE,
+    ];
+
+    /// No label but `node`.
+    pub fn none() -> Self {
+        Self {
+            comm: false,
+            exe: false,
+            pid: false,
+            container_id: false,
+            container_name: false,
+            pod: false,
+            namespace: false,
+        }
+    }
+
+    /// Whether any label needs the process's container.
+    pub fn any_container(&self) -> bool {
+        self.container_id || self.container_name || self.pod || self.namespace
+    }
+}
+
+impl std::str::FromStr for LabelChoice {
+    type Err = String;
+
+    /// A comma-separated list of label names, e.g. `comm,exe,container_id`.
+    fn from_str(list: &str) -> Result<Self, String> {
+        let mut choice = Self::none();
+        for name in list.split(',').map(str::trim).filter(|n| !n.is_empty()) {
+            let flag = match name {
+                NODE => continue,
+                COMM => &mut choice.comm,
+                EXE => &mut choice.exe,
+                PID => &mut choice.pid,
+                CONTAINER_ID => &mut choice.container_id,
+                CONTAINER_NAME => &mut choice.container_name,
+                POD => &mut choice.pod,
+                NAMESPACE => &mut choice.namespace,
+                other => {
+                    return Err(format!(
+                        "unknown label {other:?}; choose from {}",
+                        Self::NAMES.join(", ")
+                    ));
+                }
+            };
+            *flag = true;
+        }
+        Ok(choice)
+    }
+}
 
 /// Processes whose exe is cached before the cache starts over: about 100
 /// bytes each, so a few MB.
@@ -142,6 +237,27 @@ mod tests {
             assert_eq!(&*cache.get(tgid), format!("/bin/p{tgid}"));
             assert!(!cache.is_empty() && cache.len() <= 4);
         }
+    }
+
+    #[test]
+    fn label_choices_parse_and_unknown_names_are_refused() {
+        let choice: LabelChoice = "node, comm,container_id,pid".parse().expect("a valid list");
+        assert_eq!(
+            choice,
+            LabelChoice {
+                comm: true,
+                pid: true,
+                container_id: true,
+                ..LabelChoice::none()
+            }
+        );
+        assert!(choice.any_container());
+        assert!(!"comm,exe".parse::<LabelChoice>().unwrap().any_container());
+        let err = "comm,container".parse::<LabelChoice>().unwrap_err();
+        assert!(
+            err.contains("\"container\"") && err.contains("container_name"),
+            "{err}"
+        );
     }
 
     #[test]

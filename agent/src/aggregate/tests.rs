@@ -64,7 +64,7 @@ fn header(tgid: u32, comm: &str, user: bool) -> SampleHeader {
         cpu: 0,
         kernel_stack_len: 0,
         user_stack_len: 0,
-        _pad: 0,
+        sampling_divisor: 1,
         ktime_ns: 0,
         cgroup_id: 0,
         user_rip: 0,
@@ -111,8 +111,8 @@ fn flatten(interval: &Interval) -> Flat {
     interval
         .samples
         .iter()
-        .map(|&(stack, labels, count)| {
-            let frames = interval.stacks[stack as usize]
+        .map(|sample| {
+            let frames = interval.stacks[sample.stack as usize]
                 .iter()
                 .map(|&location| {
                     let location = interval.locations[location as usize];
@@ -120,7 +120,11 @@ fn flatten(interval: &Interval) -> Flat {
                     (key, location.address, location.return_address)
                 })
                 .collect();
-            (frames, interval.label_sets[labels as usize].clone(), count)
+            (
+                frames,
+                interval.label_sets[sample.label_set as usize].clone(),
+                sample.count,
+            )
         })
         .collect()
 }
@@ -233,7 +237,10 @@ fn pid_label_only_when_asked() {
     let mut symbolizer = symbolizer(&kallsyms);
     for label_pid in [false, true] {
         let mut aggregator = Aggregator::new(AggregatorConfig {
-            label_pid,
+            labels: LabelChoice {
+                pid: label_pid,
+                ..LabelChoice::default()
+            },
             ..config()
         });
         for pid in [100, 101] {
@@ -250,15 +257,64 @@ fn pid_label_only_when_asked() {
             .collect();
         if label_pid {
             assert_eq!(pids, [Some(100), Some(101)]);
-            assert_eq!(names, HashSet::from(["comm", "exe", "node", "pid"]));
+            // Kernel threads have no exe: an empty value is no label.
+            assert_eq!(names, HashSet::from(["comm", "node", "pid"]));
             assert_eq!(batch.samples.len(), 2);
         } else {
             assert_eq!(pids, [None], "both processes in one label set");
-            assert_eq!(names, HashSet::from(["comm", "exe", "node"]));
+            assert_eq!(names, HashSet::from(["comm", "node"]));
             assert_eq!(batch.samples.len(), 1);
             assert_eq!(batch.samples[0].count, 2);
         }
     }
+}
+
+#[test]
+fn labels_not_chosen_are_neither_kept_apart_nor_shipped() {
+    let kallsyms = kallsyms();
+    let mut symbolizer = symbolizer(&kallsyms);
+    let mut aggregator = Aggregator::new(AggregatorConfig {
+        labels: LabelChoice::none(),
+        ..config()
+    });
+    aggregator.add(&header(100, "app", false), &[KERNEL_LEAF], None);
+    aggregator.add(&header(101, "other", false), &[KERNEL_LEAF], None);
+    let interval = aggregator.finish_interval(SystemTime::now());
+    assert_eq!(interval.label_sets.len(), 1, "{:?}", interval.label_sets);
+    let batch = build_batch(&interval, &mut symbolizer, &BatchOptions::for_frequency(19));
+    assert_eq!(batch.label_sets.len(), 1);
+    let names: Vec<&str> = batch.label_sets[0]
+        .labels
+        .iter()
+        .map(|label| batch.strings[label.name as usize].as_str())
+        .collect();
+    assert_eq!(names, ["node"]);
+    assert_eq!(batch.samples[0].count, 2);
+}
+
+#[test]
+fn samples_taken_under_a_budget_keep_their_divisor() {
+    let kallsyms = kallsyms();
+    let mut symbolizer = symbolizer(&kallsyms);
+    let mut aggregator = Aggregator::new(config());
+    let budgeted = SampleHeader {
+        sampling_divisor: 4,
+        ..header(100, "app", false)
+    };
+    for _ in 0..3 {
+        aggregator.add(&budgeted, &[KERNEL_LEAF], None);
+    }
+    aggregator.add(&header(100, "app", false), &[KERNEL_LEAF], None);
+    let interval = aggregator.finish_interval(SystemTime::now());
+    let batch = build_batch(&interval, &mut symbolizer, &BatchOptions::for_frequency(19));
+    let mut counts: Vec<(u32, u64)> = batch
+        .samples
+        .iter()
+        .map(|s| (s.sampling_divisor, s.count))
+        .collect();
+    counts.sort_unstable();
+    // Same stack, same labels: two entries, since their weights differ.
+    assert_eq!(counts, [(1, 1), (4, 3)]);
 }
 
 #[test]
@@ -433,7 +489,7 @@ fn check_batch(batch: &v1::Batch) {
             assert!((s.stack as usize) < batch.stacks.len());
             assert!((s.label_set as usize) < batch.label_sets.len());
             assert!(s.count > 0);
-            assert_eq!(s.sampling_divisor, 0);
+            assert_eq!(s.sampling_divisor, 1);
             (s.stack, s.label_set)
         })
         .collect();
@@ -600,10 +656,17 @@ fn a_second_batch_of_the_same_stacks_is_named_from_the_cache() {
     let interval = aggregator.finish_interval(SystemTime::now());
     assert_eq!(interval.stacks.len(), 2000);
     assert_eq!(interval.sample_count(), 20_000);
-    let batch = build_batch(&interval, &mut symbolizer, &BatchOptions::for_frequency(19));
+    // No naming deadline: in a debug build on a loaded machine the first
+    // batch could run out of time, and what it left unnamed would rightly
+    // miss the cache the second time. This test is about the cache.
+    let options = BatchOptions {
+        naming_budget: Duration::from_secs(600),
+        ..BatchOptions::for_frequency(19)
+    };
+    let batch = build_batch(&interval, &mut symbolizer, &options);
     check_batch(&batch);
     let first = symbolizer.stats();
-    let again = build_batch(&interval, &mut symbolizer, &BatchOptions::for_frequency(19));
+    let again = build_batch(&interval, &mut symbolizer, &options);
     assert_eq!(again, batch_with_id(&batch, &again), "the same names");
     let second = symbolizer.stats();
     assert_eq!(

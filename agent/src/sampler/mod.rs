@@ -9,12 +9,15 @@
 pub mod record;
 
 use std::{
+    collections::HashMap as StdHashMap,
     io,
     os::fd::{AsRawFd, OwnedFd},
     time::Duration,
 };
 
-use agent_common::{COUNTER_SLOTS, Counter, MAX_ALLOW_ENTRIES, MAX_USER_STACK_BYTES, names};
+use agent_common::{
+    COUNTER_SLOTS, CgroupPolicy, Counter, MAX_ALLOW_ENTRIES, MAX_USER_STACK_BYTES, names,
+};
 use aya::{
     Ebpf, EbpfLoader,
     maps::{HashMap, MapData, PerCpuArray, RingBuf},
@@ -48,9 +51,15 @@ pub struct SamplerConfig {
     pub user_stack_bytes: u32,
     /// Only these processes (tgids); empty means all.
     pub pids: Vec<u32>,
-    /// Only tasks in these cgroups (v2 ids, see [`crate::cgroups`]); empty
-    /// means all. When both lists are set, a task must be in both.
-    pub cgroup_ids: Vec<u64>,
+    /// Only tasks in a cgroup marked selected in the policies, or below
+    /// one. When `pids` is set too, a task must pass both.
+    pub filter_cgroups: bool,
+    /// Whether the policies may carry budgets: without budgets or a
+    /// cgroup filter, the program skips its cgroup lookups altogether.
+    pub cgroup_budgets: bool,
+    /// The cgroup policies to start with (v2 id → policy); see
+    /// [`Sampler::set_cgroup_policies`] to change them while running.
+    pub cgroup_policies: StdHashMap<u64, CgroupPolicy>,
     /// Level passed to the BPF-side logger (aya-log).
     pub bpf_log_level: tracing::Level,
 }
@@ -61,7 +70,9 @@ impl Default for SamplerConfig {
             frequency_hz: 19,
             user_stack_bytes: agent_common::DEFAULT_USER_STACK_BYTES,
             pids: Vec::new(),
-            cgroup_ids: Vec::new(),
+            filter_cgroups: false,
+            cgroup_budgets: false,
+            cgroup_policies: StdHashMap::new(),
             bpf_log_level: tracing::Level::INFO,
         }
     }
@@ -110,6 +121,7 @@ pub struct Counters {
     pub copy_failed: u64,
     pub filtered: u64,
     pub idle: u64,
+    pub budgeted: u64,
 }
 
 /// Kernel-measured cost of the BPF program, available while stats are enabled
@@ -133,6 +145,9 @@ pub struct Sampler {
     ring: AsyncFd<RingBuf<MapData>>,
     drain_timer: tokio::time::Interval,
     counters: PerCpuArray<MapData, u64>,
+    /// The `CGROUP_POLICY` map and what we last wrote into it.
+    policy_map: HashMap<MapData, u64, CgroupPolicy>,
+    policies: StdHashMap<u64, CgroupPolicy>,
     log_task: Option<tokio::task::JoinHandle<()>>,
     // Owns the program and its perf links; declared last so it drops last.
     ebpf: Ebpf,
@@ -153,7 +168,8 @@ impl Sampler {
 
         let agent_tgid = std::process::id();
         let filter_tgids = u8::from(!config.pids.is_empty());
-        let filter_cgroups = u8::from(!config.cgroup_ids.is_empty());
+        let filter_cgroups = u8::from(config.filter_cgroups);
+        let cgroup_policies = u8::from(config.filter_cgroups || config.cgroup_budgets);
         let log_level = bpf_log_level(config.bpf_log_level);
         let ring_bytes = ring_buffer_bytes(cpu_slots);
         let wakeup_bytes = u64::from(ring_bytes / WAKEUP_FRACTION);
@@ -162,6 +178,7 @@ impl Sampler {
             .override_global(names::USER_STACK_BYTES, &config.user_stack_bytes, true)
             .override_global(names::FILTER_TGIDS, &filter_tgids, true)
             .override_global(names::FILTER_CGROUPS, &filter_cgroups, true)
+            .override_global(names::CGROUP_POLICIES, &cgroup_policies, true)
             .override_global(names::WAKEUP_BYTES, &wakeup_bytes, true)
             .override_global(aya_log::LEVEL, &log_level, false)
             .map_max_entries(names::SCRATCH, cpu_slots as u32)
@@ -176,7 +193,9 @@ impl Sampler {
         // allow-lists after that and before attaching, so no tick is missed.
         perf_program(&mut ebpf)?.load().map_err(program_error)?;
         fill_allow_list(&mut ebpf, names::TGID_ALLOW, &config.pids)?;
-        fill_allow_list(&mut ebpf, names::CGROUP_ALLOW, &config.cgroup_ids)?;
+        let mut policy_map = take_map(&mut ebpf, names::CGROUP_POLICY)?;
+        let mut policies = StdHashMap::new();
+        apply_policies(&mut policy_map, &mut policies, &config.cgroup_policies)?;
         let program = perf_program(&mut ebpf)?;
         for cpu in online {
             program
@@ -214,9 +233,21 @@ impl Sampler {
             ring,
             drain_timer,
             counters,
+            policy_map,
+            policies,
             log_task,
             ebpf,
         })
+    }
+
+    /// Makes the program's cgroup policies `wanted`: entries no longer
+    /// wanted are removed, new or changed ones written. Returns how many
+    /// entries changed. Takes effect on the next tick of every CPU.
+    pub fn set_cgroup_policies(
+        &mut self,
+        wanted: &StdHashMap<u64, CgroupPolicy>,
+    ) -> Result<usize, SamplerError> {
+        apply_policies(&mut self.policy_map, &mut self.policies, wanted)
     }
 
     /// Waits until the program signals a batch or the drain period is over,
@@ -258,6 +289,7 @@ impl Sampler {
             copy_failed: totals[Counter::CopyFailed as usize],
             filtered: totals[Counter::Filtered as usize],
             idle: totals[Counter::Idle as usize],
+            budgeted: totals[Counter::Budgeted as usize],
         })
     }
 
@@ -324,6 +356,46 @@ fn fill_allow_list<K: aya::Pod>(
             .map_err(|source| SamplerError::Map { name, source })?;
     }
     Ok(())
+}
+
+/// Brings `map` (whose content is `written`) to `wanted`; see
+/// [`Sampler::set_cgroup_policies`].
+fn apply_policies(
+    map: &mut HashMap<MapData, u64, CgroupPolicy>,
+    written: &mut StdHashMap<u64, CgroupPolicy>,
+    wanted: &StdHashMap<u64, CgroupPolicy>,
+) -> Result<usize, SamplerError> {
+    if wanted.len() > MAX_ALLOW_ENTRIES as usize {
+        return Err(SamplerError::TooManyFilters {
+            name: names::CGROUP_POLICY,
+            count: wanted.len(),
+        });
+    }
+    let error = |source| SamplerError::Map {
+        name: names::CGROUP_POLICY,
+        source,
+    };
+    let stale: Vec<u64> = written
+        .keys()
+        .filter(|id| !wanted.contains_key(id))
+        .copied()
+        .collect();
+    let mut changed = stale.len();
+    for id in stale {
+        match map.remove(&id) {
+            Ok(()) | Err(aya::maps::MapError::KeyNotFound) => {}
+            Err(source) => return Err(error(source)),
+        }
+        written.remove(&id);
+    }
+    for (&id, &policy) in wanted {
+        if written.get(&id) != Some(&policy) {
+            map.insert(id, policy, 0).map_err(error)?;
+            written.insert(id, policy);
+            changed += 1;
+        }
+    }
+    Ok(changed)
 }
 
 fn drain(ring: &mut RingBuf<MapData>, mut on_record: impl FnMut(&[u8])) -> usize {

@@ -177,7 +177,7 @@ mod tests {
             cpu: 1,
             kernel_stack_len,
             user_stack_len,
-            _pad: 0,
+            sampling_divisor: 1,
             ktime_ns: 123_456_789,
             cgroup_id: 7,
             user_rip: 0x5555_0000_1234,

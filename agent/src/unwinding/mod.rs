@@ -863,7 +863,7 @@ mod tests {
             cpu: 0,
             kernel_stack_len: 0,
             user_stack_len: 256,
-            _pad: 0,
+            sampling_divisor: 1,
             ktime_ns: 0,
             cgroup_id: 0,
             // The entry of a function: its CFA rule is rsp + 8.

@@ -1,0 +1,304 @@
+//! Which container each sampled process runs in, and what it is called.
+//!
+//! Owns the per-process container identity ([`ContainerIndex`]): the cgroup
+//! path of `/proc/<pid>/cgroup`, read once per process (again when a sample
+//! shows the process in another cgroup), says the runtime, the container
+//! id and, under Kubernetes, the pod UID
+//! ([`stackscope_process_table::container`]). Names come from the kubelet's
+//! pod list ([`kubelet`]: pod, namespace, container name) or, outside
+//! Kubernetes, from the runtime's own state on disk ([`runtime_names`]).
+//! [`selection`] turns the user's container, pod and cgroup selections into
+//! the BPF program's cgroup policies.
+//!
+//! Keyed by process rather than by the sample's cgroup id: on a hybrid
+//! host a runtime that manages only the v1 hierarchies leaves containers at
+//! the v2 root, where the v2 id says nothing.
+
+pub mod kubelet;
+pub mod runtime_names;
+pub mod selection;
+
+use std::{
+    collections::HashMap,
+    path::{Path, PathBuf},
+    sync::Arc,
+    time::{Duration, Instant},
+};
+
+use stackscope_process_table::container::{self, ContainerIdentity};
+
+use kubelet::PodList;
+use runtime_names::RuntimeNames;
+
+/// The container labels of a sample. Empty strings for what is unknown
+/// (no pod outside Kubernetes, no name before the runtime has written it).
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+pub struct ContainerLabels {
+    pub id: Arc<str>,
+    pub name: Arc<str>,
+    pub pod: Arc<str>,
+    pub namespace: Arc<str>,
+}
+
+impl ContainerLabels {
+    /// Everything a container's labels can say is known.
+    fn complete(&self, in_pod: bool) -> bool {
+        !self.name.is_empty() && (!in_pod || !self.pod.is_empty())
+    }
+}
+
+/// Processes whose container is remembered before the index starts over.
+pub const MAX_PROCESSES: usize = 65_536;
+
+/// How often labels still missing a name are looked up again for a
+/// process: the runtime writes its state, and the kubelet lists a pod, a
+/// little after the container's first process starts.
+const INCOMPLETE_RETRY: Duration = Duration::from_secs(1);
+
+#[derive(Debug)]
+struct ProcessEntry {
+    cgroup_id: u64,
+    identity: Option<ContainerIdentity>,
+    labels: Option<Arc<ContainerLabels>>,
+    /// The pod list generation the labels were made with.
+    generation: u64,
+    /// When incomplete labels may be looked up again.
+    retry_at: Option<Instant>,
+}
+
+/// See the module documentation.
+#[derive(Debug)]
+pub struct ContainerIndex {
+    proc_root: PathBuf,
+    by_tgid: HashMap<u32, ProcessEntry>,
+    /// Complete labels by container id, shared by the container's processes.
+    by_container: HashMap<String, Arc<ContainerLabels>>,
+    names: RuntimeNames,
+    pods: Option<Arc<PodList>>,
+    generation: u64,
+    unknown_pod_seen: bool,
+    /// `/proc/<pid>/cgroup` reads (cache misses).
+    pub reads: u64,
+}
+
+impl ContainerIndex {
+    pub fn new(proc_root: &Path, names: RuntimeNames) -> Self {
+        Self {
+            proc_root: proc_root.to_path_buf(),
+            by_tgid: HashMap::new(),
+            by_container: HashMap::new(),
+            names,
+            pods: None,
+            generation: 0,
+            unknown_pod_seen: false,
+            reads: 0,
+        }
+    }
+
+    /// The container of process `tgid`, seen in cgroup `cgroup_id`; `None`
+    /// for host processes and processes already gone.
+    pub fn labels(&mut self, tgid: u32, cgroup_id: u64) -> Option<Arc<ContainerLabels>> {
+        let now = Instant::now();
+        if let Some(entry) = self.by_tgid.get(&tgid)
+            && entry.cgroup_id == cgroup_id
+            && entry.generation == self.generation
+            && entry.retry_at.is_none_or(|at| now < at)
+        {
+            return entry.labels.clone();
+        }
+        let identity = match self.by_tgid.remove(&tgid) {
+            Some(entry) if entry.cgroup_id == cgroup_id => entry.identity,
+            _ => {
+                if self.by_tgid.len() >= MAX_PROCESSES {
+                    self.by_tgid.clear();
+                }
+                self.reads += 1;
+                // A process gone before its first sample was read is not
+                // remembered: its pid may come back as another process.
+                let path = container::read_cgroup_path(&self.proc_root, tgid).ok()?;
+                container::identify(&path)
+            }
+        };
+        let labels = identity.as_ref().map(|identity| self.labels_of(identity));
+        let retry_at = match (&identity, &labels) {
+            (Some(identity), Some(labels)) if !labels.complete(identity.pod_uid.is_some()) => {
+                Some(now + INCOMPLETE_RETRY)
+            }
+            _ => None,
+        };
+        self.by_tgid.insert(
+            tgid,
+            ProcessEntry {
+                cgroup_id,
+                identity,
+                labels: labels.clone(),
+                generation: self.generation,
+                retry_at,
+            },
+        );
+        labels
+    }
+
+    fn labels_of(&mut self, identity: &ContainerIdentity) -> Arc<ContainerLabels> {
+        if let Some(labels) = self.by_container.get(&identity.container_id) {
+            return Arc::clone(labels);
+        }
+        let id: Arc<str> = identity.container_id.as_str().into();
+        let in_pod = identity.pod_uid.is_some();
+        let from_pods = self
+            .pods
+            .as_deref()
+            .and_then(|pods| pods.by_container_id(&identity.container_id));
+        let labels = match from_pods {
+            Some((pod, container)) => ContainerLabels {
+                id,
+                name: container.name.as_str().into(),
+                pod: pod.name.as_str().into(),
+                namespace: pod.namespace.as_str().into(),
+            },
+            None => {
+                if in_pod {
+                    self.unknown_pod_seen = true;
+                }
+                ContainerLabels {
+                    name: self
+                        .names
+                        .name(identity.runtime, &identity.container_id)
+                        .unwrap_or_else(|| "".into()),
+                    id,
+                    pod: "".into(),
+                    namespace: "".into(),
+                }
+            }
+        };
+        let labels = Arc::new(labels);
+        if labels.complete(in_pod) {
+            if self.by_container.len() >= MAX_PROCESSES {
+                self.by_container.clear();
+            }
+            self.by_container
+                .insert(identity.container_id.clone(), Arc::clone(&labels));
+        }
+        labels
+    }
+
+    /// Forgets process `tgid` (it exited).
+    pub fn forget(&mut self, tgid: u32) {
+        self.by_tgid.remove(&tgid);
+    }
+
+    /// A newer pod list: labels are made again from it.
+    pub fn set_pods(&mut self, pods: Arc<PodList>) {
+        self.pods = Some(pods);
+        self.generation += 1;
+        self.by_container.clear();
+    }
+
+    pub fn set_runtime_names(&mut self, names: RuntimeNames) {
+        self.names = names;
+        self.generation += 1;
+        self.by_container.clear();
+    }
+
+    /// Whether a process of a pod missing from the pod list was seen since
+    /// the last call.
+    pub fn take_unknown_pod_seen(&mut self) -> bool {
+        std::mem::take(&mut self.unknown_pod_seen)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const ID_A: &str = "f4abe5cb3cffbee1e3403a24413e5f2044e0c07bb1e09d0a61ea6e69e1266c77";
+    const ID_B: &str = "0123456789abcdef0123456789abcdef0123456789abcdef0123456789abcdef";
+    const POD_UID: &str = "0b9d4c5e-1a2b-4c3d-9e8f-001122334455";
+
+    /// A fake procfs with one process per (pid, cgroup line).
+    fn proc_with(processes: &[(u32, String)]) -> tempfile::TempDir {
+        let proc = tempfile::tempdir().expect("temporary directory");
+        for (pid, cgroup) in processes {
+            let dir = proc.path().join(pid.to_string());
+            std::fs::create_dir_all(&dir).expect("pid directory");
+            std::fs::write(dir.join("cgroup"), cgroup).expect("cgroup file");
+        }
+        proc
+    }
+
+    fn podman_storage(names: &[(&str, &str)]) -> tempfile::TempDir {
+        let storage = tempfile::tempdir().expect("temporary directory");
+        let dir = storage.path().join("overlay-containers");
+        std::fs::create_dir_all(&dir).expect("directory");
+        let entries: Vec<String> = names
+            .iter()
+            .map(|(id, name)| format!(r#"{{"id":"{id}","names":["{name}"]}}"#))
+            .collect();
+        std::fs::write(
+            dir.join("containers.json"),
+            format!("[{}]", entries.join(",")),
+        )
+        .expect("containers.json");
+        storage
+    }
+
+    #[test]
+    fn labels_podman_containers_by_process_and_leaves_host_processes_alone() {
+        let proc = proc_with(&[
+            (10, format!("0::/libpod_parent/libpod-{ID_A}\n")),
+            (11, format!("0::/libpod_parent/libpod-{ID_A}\n")),
+            (20, "0::/system.slice/ssh.service\n".to_string()),
+        ]);
+        let storage = podman_storage(&[(ID_A, "api")]);
+        let names = RuntimeNames::new(storage.path().to_path_buf(), PathBuf::from("/nonexistent"));
+        let mut index = ContainerIndex::new(proc.path(), names);
+        let a = index.labels(10, 7).expect("process 10 is in a container");
+        assert_eq!((&*a.id, &*a.name, &*a.pod), (ID_A, "api", ""));
+        let again = index.labels(11, 7).expect("process 11 too");
+        assert!(Arc::ptr_eq(&a, &again), "one labels value per container");
+        assert_eq!(index.labels(20, 1), None, "a host process");
+        assert_eq!(index.labels(99, 1), None, "a process already gone");
+        let reads = index.reads;
+        index.labels(10, 7);
+        assert_eq!(index.reads, reads, "cached per process");
+        // The process moved to another cgroup: read again.
+        std::fs::write(
+            proc.path().join("10/cgroup"),
+            "0::/system.slice/other.service\n",
+        )
+        .expect("cgroup file");
+        assert_eq!(index.labels(10, 8), None);
+        assert_eq!(index.reads, reads + 1);
+    }
+
+    #[test]
+    fn pods_are_named_from_the_pod_list_and_unknown_pods_are_reported() {
+        let pod_path = format!(
+            "0::/kubepods.slice/kubepods-burstable.slice/kubepods-burstable-pod{}.slice/cri-containerd-{ID_B}.scope\n",
+            POD_UID.replace('-', "_")
+        );
+        let proc = proc_with(&[(30, pod_path)]);
+        let names = RuntimeNames::new(PathBuf::from("/nonexistent"), PathBuf::from("/nonexistent"));
+        let mut index = ContainerIndex::new(proc.path(), names);
+        let before = index.labels(30, 5).expect("a pod's container");
+        assert_eq!((&*before.id, &*before.pod), (ID_B, ""));
+        assert!(index.take_unknown_pod_seen());
+        assert!(!index.take_unknown_pod_seen(), "cleared by the call");
+
+        let pods = PodList::parse(
+            format!(
+                r#"{{"kind":"PodList","items":[{{"metadata":{{"name":"web-7d4b9","namespace":"shop","uid":"{POD_UID}"}},
+                "status":{{"containerStatuses":[{{"name":"nginx","containerID":"containerd://{ID_B}"}}]}}}}]}}"#
+            )
+            .as_bytes(),
+        )
+        .expect("a pod list");
+        index.set_pods(Arc::new(pods));
+        let after = index.labels(30, 5).expect("a pod's container");
+        assert_eq!(
+            (&*after.name, &*after.pod, &*after.namespace),
+            ("nginx", "web-7d4b9", "shop")
+        );
+        assert!(!index.take_unknown_pod_seen());
+    }
+}
