@@ -16,6 +16,8 @@ use std::{
 use object::{Object as _, ObjectSymbol as _, SymbolKind};
 use stackscope_profile::names::demangle;
 
+pub mod containers;
+
 /// Flags C fixtures are built with: optimised code without frame pointers,
 /// so only the CFI can unwind it.
 pub const C_FLAGS: &[&str] = &["-O2", "-fomit-frame-pointer"];

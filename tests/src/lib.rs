@@ -1,14 +1,16 @@
 //! Helpers for stackscope's end-to-end tests: sampling with the real BPF
 //! program for a while, cgroups made for a test, `/proc/<pid>/maps` and
-//! kallsyms lookups. Fixture programs and child processes come from
+//! kallsyms lookups, a collector process and the CLI run against it. Fixture programs and child processes come from
 //! `stackscope-test-fixtures`, shared with the unwinder's offline tests.
 //!
 //! The tests themselves live in `tests/`; they need root and a kernel with BPF.
 
 use std::{
-    path::PathBuf,
+    io::{BufRead as _, BufReader},
+    path::{Path, PathBuf},
+    process::{Child, Command, Stdio},
     sync::{Mutex, MutexGuard},
-    time::Duration,
+    time::{Duration, Instant},
 };
 
 use agent_common::ProcessEvent;
@@ -17,7 +19,7 @@ use stackscope_agent::sampler::{
     record::{DecodeError, OwnedSample, Record},
 };
 pub use stackscope_process_table::maps::{Mapping, MappingPath};
-pub use stackscope_test_fixtures::{ElfSymbols, Fixture, RunningProcess};
+pub use stackscope_test_fixtures::{ElfSymbols, Fixture, RunningProcess, workspace_binary};
 
 /// Fails the test with a clear message unless it runs as root.
 pub fn require_root() {
@@ -174,4 +176,99 @@ pub fn find_word(bytes: &[u8], word: u64) -> impl Iterator<Item = usize> + '_ {
         .enumerate()
         .filter(move |(_, chunk)| u64::from_ne_bytes((*chunk).try_into().unwrap()) == word)
         .map(|(i, _)| i * 8)
+}
+
+/// A collector process on a temporary database, stopped on drop.
+pub struct Collector {
+    process: RunningProcess,
+    pub grpc: String,
+}
+
+impl Collector {
+    /// Starts `stackscope-collector` on free ports and waits until it says
+    /// where it listens.
+    pub fn start(data_dir: &Path) -> Self {
+        let mut child = Command::new(workspace_binary("stackscope-collector"))
+            .args(["--data-dir".as_ref(), data_dir.as_os_str()])
+            .args([
+                "--grpc-listen",
+                "127.0.0.1:0",
+                "--http-listen",
+                "127.0.0.1:0",
+            ])
+            .stderr(Stdio::piped())
+            .spawn()
+            .expect("starting stackscope-collector");
+        let stderr = child.stderr.take().expect("piped stderr");
+        let process = RunningProcess::adopt(child);
+        let mut lines = BufReader::new(stderr).lines();
+        let grpc = loop {
+            let line = lines
+                .next()
+                .expect("the collector exited before it was ready")
+                .expect("reading the collector's log");
+            if let Some(at) = line.find("grpc=") {
+                let addr = line[at + 5..].split_whitespace().next().unwrap_or_default();
+                break format!("http://{addr}");
+            }
+        };
+        // Keep draining the log so the collector never blocks on a full pipe.
+        std::thread::spawn(move || for _ in lines {});
+        Self { process, grpc }
+    }
+
+    /// Stops the collector with SIGTERM, as a service manager would.
+    pub fn stop(mut self) {
+        // SAFETY: kill has no memory-safety preconditions.
+        unsafe { libc::kill(self.process.pid() as i32, libc::SIGTERM) };
+        let status = self
+            .process
+            .child
+            .wait()
+            .expect("waiting for the collector");
+        assert!(status.success(), "the collector exited with {status}");
+    }
+
+    /// Runs the `stackscope` CLI against this collector.
+    pub fn cli(&self, args: &[&str]) -> Vec<u8> {
+        let out = Command::new(workspace_binary("stackscope"))
+            .args(["--collector", &self.grpc])
+            .args(args)
+            .output()
+            .expect("running stackscope");
+        assert!(
+            out.status.success(),
+            "stackscope {args:?} failed: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        out.stdout
+    }
+}
+
+/// Parses folded stacks into (stack, count).
+pub fn folded(text: &[u8]) -> Vec<(String, u64)> {
+    String::from_utf8(text.to_vec())
+        .expect("folded stacks are UTF-8")
+        .lines()
+        .map(|line| {
+            let (stack, count) = line.rsplit_once(' ').expect("`stack count` lines");
+            (stack.to_string(), count.parse().expect("a count"))
+        })
+        .collect()
+}
+
+/// Waits (up to a minute) for an agent started with `--json` to exit
+/// successfully and returns its report.
+pub fn wait_success(mut agent: Child) -> serde_json::Value {
+    let deadline = Instant::now() + Duration::from_secs(60);
+    loop {
+        if let Some(status) = agent.try_wait().expect("waiting for the agent") {
+            assert!(status.success(), "the agent exited with {status}");
+            break;
+        }
+        assert!(Instant::now() < deadline, "the agent did not stop");
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    let out = agent.wait_with_output().expect("agent output");
+    serde_json::from_slice(&out.stdout).expect("the agent's JSON report")
 }

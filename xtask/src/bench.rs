@@ -1,11 +1,15 @@
 //! Benchmarks: they print figures and compare them with the targets; they never
 //! fail on a figure (timing belongs in reports, not in tests). `sampler` drives
-//! the agent; `unwind` runs the unwinder's criterion benches; `collector`
-//! loads the collector's storage with a synthetic fleet.
+//! the agent; `filter` measures the agent's in-kernel cgroup filter on busy
+//! processes in cgroups of their own; `unwind` runs the unwinder's criterion
+//! benches; `collector` loads the collector's storage with a synthetic fleet.
 
 use std::{
+    io::Read as _,
     path::{Path, PathBuf},
     process::{Child, Command, Stdio},
+    sync::atomic::{AtomicBool, Ordering},
+    time::{Duration, Instant},
 };
 
 use anyhow::{Context as _, bail};
@@ -21,6 +25,15 @@ pub enum Bench {
         /// How long each measurement runs.
         #[arg(long, default_value = "10s")]
         duration: String,
+    },
+    /// In-kernel cgroup filtering: 20 busy processes, each in its own cgroup2
+    /// child of one parent; the agent at 997 Hz selecting 1 of 20 cgroups,
+    /// all of them, and an empty cgroup (every tick filtered out). Reports
+    /// the BPF program's cost per run and the agent's own CPU time.
+    Filter {
+        /// How long each of the three agent runs samples.
+        #[arg(long, default_value_t = 20)]
+        seconds: u64,
     },
     /// Unwind table compile time and heap bytes (libc, and the nightly
     /// toolchain's librustc_driver and libLLVM), and the cost per stack of
@@ -43,6 +56,7 @@ pub enum Bench {
 pub fn run(which: Bench) -> anyhow::Result<()> {
     match which {
         Bench::Sampler { duration } => sampler(&duration),
+        Bench::Filter { seconds } => filter(seconds),
         Bench::Unwind => unwind(),
         Bench::Collector { nodes, minutes } => run_checked(
             Command::new(std::env::var_os("CARGO").unwrap_or_else(|| "cargo".into()))
@@ -213,12 +227,350 @@ fn run_agent(
     })
 }
 
+/// Busy processes of the filter benchmark, each in a cgroup of its own.
+const FILTER_PROCESSES: usize = 20;
+/// Sampling frequency of the filter benchmark's agent runs.
+const FILTER_HZ: &str = "997";
+
+/// Set by SIGINT/SIGTERM while the filter benchmark runs, so it stops
+/// between steps and its guard still cleans up.
+static INTERRUPTED: AtomicBool = AtomicBool::new(false);
+
+extern "C" fn note_interrupt(_signal: libc::c_int) {
+    INTERRUPTED.store(true, Ordering::SeqCst);
+}
+
+fn check_interrupted() -> anyhow::Result<()> {
+    if INTERRUPTED.load(Ordering::SeqCst) {
+        bail!("interrupted");
+    }
+    Ok(())
+}
+
+/// Catches SIGINT and SIGTERM (setting [`INTERRUPTED`]) while it lives and
+/// restores the previous handlers when dropped. Handlers reset to the default
+/// across exec, so the agent still stops (and reports) on Ctrl-C.
+struct InterruptGuard {
+    previous: Vec<(libc::c_int, libc::sighandler_t)>,
+}
+
+impl InterruptGuard {
+    fn install() -> Self {
+        let handler = note_interrupt as extern "C" fn(libc::c_int) as libc::sighandler_t;
+        let previous = [libc::SIGINT, libc::SIGTERM]
+            .into_iter()
+            // SAFETY: the handler only stores to an atomic, which is
+            // async-signal-safe.
+            .map(|signal| (signal, unsafe { libc::signal(signal, handler) }))
+            .collect();
+        Self { previous }
+    }
+}
+
+impl Drop for InterruptGuard {
+    fn drop(&mut self) {
+        for &(signal, previous) in &self.previous {
+            // SAFETY: restores the disposition that was there before.
+            unsafe { libc::signal(signal, previous) };
+        }
+    }
+}
+
+/// What the filter benchmark creates, torn down on drop (error, Ctrl-C or
+/// success alike): kills and reaps the busy processes, then removes the
+/// cgroups (children before the parent) and the temporary directory.
+struct FilterScene {
+    temp_dir: PathBuf,
+    /// Created cgroup directories, the parent first.
+    cgroups: Vec<PathBuf>,
+    busy: Vec<Child>,
+}
+
+impl FilterScene {
+    fn new() -> anyhow::Result<Self> {
+        let temp_dir =
+            std::env::temp_dir().join(format!("stackscope-filter-bench-{}", std::process::id()));
+        std::fs::create_dir_all(&temp_dir)
+            .with_context(|| format!("creating {}", temp_dir.display()))?;
+        Ok(Self {
+            temp_dir,
+            cgroups: Vec::new(),
+            busy: Vec::new(),
+        })
+    }
+
+    fn create_cgroup(&mut self, dir: PathBuf) -> anyhow::Result<PathBuf> {
+        std::fs::create_dir(&dir).with_context(|| format!("creating cgroup {}", dir.display()))?;
+        self.cgroups.push(dir.clone());
+        Ok(dir)
+    }
+
+    /// Starts `program` and moves it into `cgroup` right away.
+    fn spawn_in(&mut self, program: &Path, cgroup: &Path) -> anyhow::Result<()> {
+        let child = Command::new(program)
+            .stdout(Stdio::null())
+            .spawn()
+            .with_context(|| format!("starting {}", program.display()))?;
+        let pid = child.id();
+        self.busy.push(child);
+        let procs = cgroup.join("cgroup.procs");
+        std::fs::write(&procs, pid.to_string())
+            .with_context(|| format!("moving process {pid} into {}", procs.display()))
+    }
+}
+
+impl Drop for FilterScene {
+    fn drop(&mut self) {
+        for child in &mut self.busy {
+            let _ = child.kill();
+        }
+        for child in &mut self.busy {
+            let _ = child.wait();
+        }
+        for dir in self.cgroups.iter().rev() {
+            // A cgroup whose last task just exited can report EBUSY briefly.
+            for attempt in 0.. {
+                match std::fs::remove_dir(dir) {
+                    Ok(()) => break,
+                    Err(e) if e.raw_os_error() == Some(libc::EBUSY) && attempt < 40 => {
+                        std::thread::sleep(Duration::from_millis(50));
+                    }
+                    Err(e) => {
+                        eprintln!("filter bench: removing cgroup {}: {e}", dir.display());
+                        break;
+                    }
+                }
+            }
+        }
+        let _ = std::fs::remove_dir_all(&self.temp_dir);
+    }
+}
+
+/// The cgroup2 mount point from this process's mount table: field 5 is the
+/// mount point, and the filesystem type follows the ` - ` separator.
+fn cgroup2_mount() -> anyhow::Result<PathBuf> {
+    let mountinfo =
+        std::fs::read_to_string("/proc/self/mountinfo").context("reading /proc/self/mountinfo")?;
+    mountinfo
+        .lines()
+        .find_map(|line| {
+            let (mount, fs) = line.split_once(" - ")?;
+            (fs.split_whitespace().next()? == "cgroup2")
+                .then(|| mount.split_whitespace().nth(4).map(PathBuf::from))
+                .flatten()
+        })
+        .context("no cgroup2 filesystem is mounted (see /proc/self/mountinfo)")
+}
+
+/// One agent run of the filter benchmark.
+#[derive(Debug)]
+struct FilterRun {
+    /// Mean BPF program run time in ns; `None` if it never ran.
+    ns_per_run: Option<f64>,
+    runs: u64,
+    samples: u64,
+    filtered: u64,
+    idle: u64,
+    /// The agent's user + system CPU time.
+    cpu: Duration,
+    /// From spawn to exit.
+    wall: Duration,
+}
+
+impl FilterRun {
+    /// The agent's CPU time as a percentage of one core over its lifetime.
+    fn cpu_percent(&self) -> f64 {
+        100.0 * self.cpu.as_secs_f64() / self.wall.as_secs_f64().max(1e-9)
+    }
+}
+
+fn filter(seconds: u64) -> anyhow::Result<()> {
+    if seconds == 0 {
+        bail!("--seconds must be at least 1");
+    }
+    cargo(&["build", "--release", "--package", "stackscope-agent"])?;
+    let agent = workspace_root().join("target/release/stackscope-agent");
+    let cpus = std::thread::available_parallelism().map_or(2, |n| n.get());
+
+    // Declared before the scene so that it is dropped after it: a Ctrl-C
+    // during the cleanup is caught too.
+    let _interrupts = InterruptGuard::install();
+    let mut scene = FilterScene::new()?;
+    let busy = compile_fixture_in("busy", &scene.temp_dir)?;
+    let parent = scene
+        .create_cgroup(cgroup2_mount()?.join(format!("stackscope-bench-{}", std::process::id())))?;
+    for i in 0..FILTER_PROCESSES {
+        let child = scene.create_cgroup(parent.join(format!("p{i:02}")))?;
+        scene.spawn_in(&busy, &child)?;
+        check_interrupted()?;
+    }
+    let empty = scene.create_cgroup(parent.join("none"))?;
+    let selected = parent.join("p00");
+
+    println!(
+        "filter benchmark: {FILTER_PROCESSES} busy processes, each in its own cgroup under {}; \
+         {cpus} CPUs, {FILTER_HZ} Hz, {seconds} s per run",
+        parent.display()
+    );
+    println!(
+        "{:<3}  {:<26}  {:>10}  {:>9}  {:>9}  {:>9}  {:>7}  {:>9}  {:>7}",
+        "run",
+        "selection",
+        "ns/BPF run",
+        "BPF runs",
+        "samples",
+        "filtered",
+        "idle",
+        "agent CPU",
+        "CPU %"
+    );
+    let runs = [
+        (
+            "A",
+            format!("1 of {FILTER_PROCESSES} (p00)"),
+            Some(&selected),
+        ),
+        ("B", format!("all {FILTER_PROCESSES} (no --cgroup)"), None),
+        ("C", "none (empty cgroup)".to_string(), Some(&empty)),
+    ];
+    let mut results = Vec::new();
+    for (name, selection, cgroup) in runs {
+        let run = run_filter_agent(&agent, cgroup.map(PathBuf::as_path), seconds)?;
+        // A run cut short by Ctrl-C is no figure.
+        check_interrupted()?;
+        println!(
+            "{:<3}  {:<26}  {:>10}  {:>9}  {:>9}  {:>9}  {:>7}  {:>7.2} s  {:>6.1}%",
+            name,
+            selection,
+            run.ns_per_run
+                .map_or("-".to_string(), |ns| format!("{ns:.0}")),
+            run.runs,
+            run.samples,
+            run.filtered,
+            run.idle,
+            run.cpu.as_secs_f64(),
+            run.cpu_percent(),
+        );
+        results.push(run);
+    }
+    let [a, b, c] = &results[..] else {
+        unreachable!("three runs");
+    };
+    let ns = |run: &FilterRun| {
+        run.ns_per_run
+            .map_or("-".to_string(), |ns| format!("{ns:.0}"))
+    };
+    println!(
+        "BPF cost per tick: filtered-out {} ns (run C) vs sampled {} ns (run B); \
+         agent CPU: filter 1-of-{FILTER_PROCESSES} {:.1}% vs no filter {:.1}% (ratio {:.2})",
+        ns(c),
+        ns(b),
+        a.cpu_percent(),
+        b.cpu_percent(),
+        a.cpu_percent() / b.cpu_percent().max(1e-9),
+    );
+    println!(
+        "(CPU % is the agent's user + system time over its whole life, start-up included, \
+         as a share of one core; ns/BPF run is the kernel's run_time / run_count with \
+         bpf_stats on)"
+    );
+    Ok(())
+}
+
+/// Runs the agent for `seconds` (on `cgroup` if given) and returns its
+/// report's figures with the CPU time it used (from `wait4`).
+fn run_filter_agent(
+    agent: &Path,
+    cgroup: Option<&Path>,
+    seconds: u64,
+) -> anyhow::Result<FilterRun> {
+    let mut cmd = Command::new(agent);
+    cmd.args(["--frequency", FILTER_HZ])
+        .args(["--duration", &format!("{seconds}s")])
+        .args(["--status-interval", "1h", "--log-level", "warn"])
+        .args(["--bpf-stats", "--json", "--no-table-cache"]);
+    if let Some(cgroup) = cgroup {
+        cmd.arg("--cgroup").arg(cgroup);
+    }
+    let started = Instant::now();
+    let mut child = cmd
+        .stdout(Stdio::piped())
+        .stderr(Stdio::inherit())
+        .spawn()
+        .with_context(|| format!("starting {cmd:?}"))?;
+    let mut stdout = Vec::new();
+    let read = child
+        .stdout
+        .take()
+        .expect("stdout is piped")
+        .read_to_end(&mut stdout);
+    // Reaps the child here (std's Child does nothing more on drop).
+    let (status, usage) = wait_with_rusage(child.id())?;
+    let wall = started.elapsed();
+    read.context("reading the agent's report")?;
+    if !(libc::WIFEXITED(status) && libc::WEXITSTATUS(status) == 0) {
+        bail!("{cmd:?} failed (wait status {status:#x})");
+    }
+    let report: serde_json::Value = serde_json::from_slice(&stdout).with_context(|| {
+        format!(
+            "the agent's --json report is not JSON: {}",
+            String::from_utf8_lossy(&stdout)
+        )
+    })?;
+    let field = |section: &str, name: &str| -> anyhow::Result<u64> {
+        report[section][name]
+            .as_u64()
+            .with_context(|| format!("no {section}.{name} in the agent's report: {report}"))
+    };
+    let runs = field("bpf", "run_count")?;
+    // The exact mean if the report carries the total run time, else the
+    // agent's own (whole-nanosecond) division.
+    let ns_per_run = match report["bpf"]["run_time_ns"].as_u64() {
+        Some(total) if runs > 0 => Some(total as f64 / runs as f64),
+        _ => report["bpf"]["ns_per_run"].as_u64().map(|ns| ns as f64),
+    };
+    let timeval = |tv: libc::timeval| {
+        Duration::from_secs(tv.tv_sec as u64) + Duration::from_micros(tv.tv_usec as u64)
+    };
+    Ok(FilterRun {
+        ns_per_run,
+        runs,
+        samples: field("kernel", "samples")?,
+        filtered: field("kernel", "filtered")?,
+        idle: field("kernel", "idle")?,
+        cpu: timeval(usage.ru_utime) + timeval(usage.ru_stime),
+        wall,
+    })
+}
+
+/// Waits for child `pid` and returns its wait status and resource usage.
+fn wait_with_rusage(pid: u32) -> anyhow::Result<(libc::c_int, libc::rusage)> {
+    let pid = libc::pid_t::try_from(pid).context("pid out of range")?;
+    let mut status = 0;
+    // SAFETY: rusage is plain old data; all zeroes is a valid value.
+    let mut usage: libc::rusage = unsafe { std::mem::zeroed() };
+    loop {
+        // SAFETY: both pointers are to live locals of the right types.
+        let reaped = unsafe { libc::wait4(pid, &mut status, 0, &mut usage) };
+        if reaped == pid {
+            return Ok((status, usage));
+        }
+        let error = std::io::Error::last_os_error();
+        if error.kind() != std::io::ErrorKind::Interrupted {
+            return Err(error).with_context(|| format!("waiting for process {pid}"));
+        }
+    }
+}
+
 /// Compiles `tests/fixtures/<name>.c` without frame pointers into `target/fixtures/`.
 fn compile_fixture(name: &str) -> anyhow::Result<PathBuf> {
-    let root = workspace_root();
-    let source = root.join(format!("tests/fixtures/{name}.c"));
-    let out_dir = root.join("target/fixtures");
-    std::fs::create_dir_all(&out_dir)?;
+    compile_fixture_in(name, &workspace_root().join("target/fixtures"))
+}
+
+/// Compiles `tests/fixtures/<name>.c` without frame pointers into `out_dir`.
+fn compile_fixture_in(name: &str, out_dir: &Path) -> anyhow::Result<PathBuf> {
+    let source = workspace_root().join(format!("tests/fixtures/{name}.c"));
+    std::fs::create_dir_all(out_dir)?;
     let binary = out_dir.join(name);
     run_checked(
         Command::new("gcc")

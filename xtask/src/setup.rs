@@ -17,8 +17,17 @@ const BPF_LINKER_VERSION: &str = "0.13.0";
 /// Debian packages the tests and benchmarks use: `bpftool` checks that
 /// nothing stays loaded; `gcc` and `g++` compile the fixture programs;
 /// `golang-go` provides `go tool pprof`, the real pprof reader the export
-/// tests check against.
-const DEBIAN_PACKAGES: &[&str] = &["bpftool", "gcc", "g++", "golang-go"];
+/// tests check against; `podman` and `runc` run real containers (crun refuses
+/// hybrid cgroups), from images built around `busybox-static`.
+const DEBIAN_PACKAGES: &[&str] = &[
+    "bpftool",
+    "busybox-static",
+    "gcc",
+    "g++",
+    "golang-go",
+    "podman",
+    "runc",
+];
 
 pub fn ensure_all() -> anyhow::Result<()> {
     ensure_nightly_rust_src()?;
