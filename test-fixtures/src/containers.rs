@@ -181,9 +181,21 @@ impl Container {
     /// Starts `command` in `image` and waits until the command itself runs
     /// (runc's init has exec'd it).
     pub fn run(image: &Image, name_hint: &str, command: &[&str]) -> Container {
+        Self::run_with(image, name_hint, &[], command)
+    }
+
+    /// [`Container::run`] with more `podman run` options (e.g.
+    /// `--cgroup-parent`).
+    pub fn run_with(
+        image: &Image,
+        name_hint: &str,
+        options: &[&str],
+        command: &[&str],
+    ) -> Container {
         let name = unique_name(name_hint);
         let output = checked(
             podman_run()
+                .args(options)
                 .args(["--name", &name, &image.name])
                 .args(command),
         );

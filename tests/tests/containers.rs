@@ -6,8 +6,20 @@
 //! 1-in-4 budget on a container, that container's raw samples drop about 4x
 //! while its weight in the collector stays that of the unbudgeted run. The
 //! collector is queried by container labels through the `stackscope` CLI.
+//!
+//! Then the Kubernetes side: containers placed in the kubelet's cgroupfs
+//! layout (`/kubepods/burstable/pod<uid>/…`), a pod list in the kubelet's
+//! format, and a selection by pod label that picks up a pod started while
+//! the agent runs. No kubelet runs on this machine, so the pod list is
+//! served from the test on 127.0.0.1.
 
-use std::process::{Command, Stdio};
+use std::{
+    io::{Read as _, Write as _},
+    net::TcpListener,
+    process::{Command, Stdio},
+    sync::{Arc, Mutex},
+    time::Duration,
+};
 
 use stackscope_test_fixtures::{
     Fixture,
@@ -120,7 +132,7 @@ fn containers_are_filtered_in_the_kernel_labelled_and_budgeted() {
     );
     assert_eq!(
         label_values(&collector, "container_id", r#"node="filtered""#),
-        [a.id.clone()]
+        std::slice::from_ref(&a.id)
     );
     assert_eq!(
         label_values(&collector, "exe", r#"node="filtered""#),
@@ -210,5 +222,194 @@ fn containers_are_filtered_in_the_kernel_labelled_and_budgeted() {
         100.0 * deviation
     );
 
+    collector.stop();
+}
+
+/// A pod list in the kubelet's `GET /pods` format, served over HTTP on
+/// 127.0.0.1 and replaceable while the agent polls it.
+struct PodListServer {
+    url: String,
+    body: Arc<Mutex<String>>,
+}
+
+impl PodListServer {
+    fn start(body: String) -> Self {
+        let listener = TcpListener::bind("127.0.0.1:0").expect("binding the pod list server");
+        let url = format!(
+            "http://{}/pods",
+            listener.local_addr().expect("local address")
+        );
+        let body = Arc::new(Mutex::new(body));
+        let served = Arc::clone(&body);
+        // Lives until the test process ends: it holds nothing to clean up.
+        std::thread::spawn(move || {
+            for stream in listener.incoming() {
+                let Ok(mut stream) = stream else { continue };
+                let mut request = [0u8; 4096];
+                let _ = stream.read(&mut request);
+                let body = served.lock().expect("pod list").clone();
+                let _ = write!(
+                    stream,
+                    "HTTP/1.1 200 OK\r\nContent-Type: application/json\r\n\
+                     Content-Length: {}\r\nConnection: close\r\n\r\n{body}",
+                    body.len()
+                );
+            }
+        });
+        Self { url, body }
+    }
+
+    fn set(&self, body: String) {
+        *self.body.lock().expect("pod list") = body;
+    }
+}
+
+/// A pod of the pod list: (uid, name, namespace, app label, container
+/// name, container id).
+type Pod<'a> = (&'a str, &'a str, &'a str, &'a str, &'a str, &'a str);
+
+fn pod_list(pods: &[Pod<'_>]) -> String {
+    let items: Vec<String> = pods
+        .iter()
+        .map(|(uid, name, namespace, app, container, id)| {
+            format!(
+                r#"{{"metadata":{{"name":"{name}","namespace":"{namespace}","uid":"{uid}","labels":{{"app":"{app}"}}}},
+                "spec":{{"nodeName":"k8s"}},
+                "status":{{"phase":"Running","qosClass":"Burstable",
+                "containerStatuses":[{{"name":"{container}","ready":true,"containerID":"containerd://{id}"}}]}}}}"#
+            )
+        })
+        .collect();
+    format!(
+        r#"{{"kind":"PodList","apiVersion":"v1","metadata":{{}},"items":[{}]}}"#,
+        items.join(",")
+    )
+}
+
+/// The kubelet's cgroupfs layout for pods, made by podman's
+/// `--cgroup-parent` in every hierarchy; removed (where empty) on drop.
+struct KubepodsCgroups {
+    pods: Vec<String>,
+}
+
+impl Drop for KubepodsCgroups {
+    fn drop(&mut self) {
+        let mountinfo = std::fs::read_to_string("/proc/self/mountinfo").unwrap_or_default();
+        let mounts = mountinfo.lines().filter_map(|line| {
+            let (mount, fs) = line.split_once(" - ")?;
+            let fs = fs.split_whitespace().next()?;
+            (fs == "cgroup" || fs == "cgroup2")
+                .then(|| mount.split_whitespace().nth(4).map(str::to_string))
+                .flatten()
+        });
+        for mount in mounts {
+            let kubepods = std::path::Path::new(&mount).join("kubepods");
+            for pod in &self.pods {
+                // podman leaves a `conmon` cgroup in each v1 pod directory.
+                remove_cgroup_tree(&kubepods.join("burstable").join(pod));
+            }
+            let _ = std::fs::remove_dir(kubepods.join("burstable"));
+            let _ = std::fs::remove_dir(&kubepods);
+        }
+    }
+}
+
+/// Removes a cgroup and the cgroups below it, children first, retrying a
+/// little while a monitor process is still leaving.
+fn remove_cgroup_tree(dir: &std::path::Path) {
+    let children: Vec<_> = std::fs::read_dir(dir)
+        .into_iter()
+        .flatten()
+        .flatten()
+        .filter(|entry| entry.file_type().is_ok_and(|t| t.is_dir()))
+        .map(|entry| entry.path())
+        .collect();
+    children.iter().for_each(|child| remove_cgroup_tree(child));
+    for _ in 0..50 {
+        match std::fs::remove_dir(dir) {
+            Err(err) if err.raw_os_error() == Some(libc::EBUSY) => {
+                std::thread::sleep(Duration::from_millis(100))
+            }
+            _ => return,
+        }
+    }
+}
+
+#[test]
+fn pods_are_selected_by_label_named_from_the_pod_list_and_picked_up_while_running() {
+    require_root();
+    let _serial = exclusive();
+    let uids = [
+        format!("5e1f0c2a-0001-4000-8000-{:012x}", std::process::id()),
+        format!("5e1f0c2a-0002-4000-8000-{:012x}", std::process::id()),
+        format!("5e1f0c2a-0003-4000-8000-{:012x}", std::process::id()),
+    ];
+    // Declared first, so it is dropped after the containers in it.
+    let _cgroups = KubepodsCgroups {
+        pods: uids.iter().map(|uid| format!("pod{uid}")).collect(),
+    };
+    let image = {
+        let a = Fixture::compile("call_chain", &["-static"]);
+        let b = Fixture::compile("other_chain", &["-static"]);
+        Image::build(
+            "pods",
+            &[
+                (a.path.as_path(), "/app/call_chain"),
+                (b.path.as_path(), "/app/other_chain"),
+            ],
+        )
+    };
+    let in_pod = |uid: &str, hint: &str, program: &str| {
+        let parent = format!("/kubepods/burstable/pod{uid}");
+        Container::run_with(&image, hint, &["--cgroup-parent", &parent], &[program])
+    };
+    let web1 = in_pod(&uids[0], "web1", "/app/call_chain");
+    let job1 = in_pod(&uids[1], "job1", "/app/other_chain");
+    assert!(
+        web1.cgroup_path()
+            .starts_with(&format!("/kubepods/burstable/pod{}/", uids[0])),
+        "{}",
+        web1.cgroup_path()
+    );
+    let web1_pod: Pod<'_> = (&uids[0], "web-1", "shop", "web", "api", &web1.id);
+    let job1_pod: Pod<'_> = (&uids[1], "job-1", "batch", "job", "worker", &job1.id);
+    let kubelet = PodListServer::start(pod_list(&[web1_pod, job1_pod]));
+
+    let data = tempfile::tempdir().expect("temp dir");
+    let collector = Collector::start(data.path());
+    let agent = Command::new(workspace_binary("stackscope-agent"))
+        .args(["--collector", &collector.grpc, "--node-name", "k8s"])
+        .args(["--kubelet-url", &kubelet.url, "--pod-label", "app=web"])
+        .args(["--selection-refresh", "1s", "--kubelet-refresh", "1s"])
+        .args(["--frequency", "199", "--duration", "9s", "--interval", "3s"])
+        .args(["--no-table-cache", "--json"])
+        .stdout(Stdio::piped())
+        .spawn()
+        .expect("starting the agent");
+
+    // A new pod of the selection, while the agent runs.
+    std::thread::sleep(Duration::from_secs(3));
+    let web2 = in_pod(&uids[2], "web2", "/app/other_chain");
+    let web2_pod: Pod<'_> = (&uids[2], "web-2", "shop", "web", "api", &web2.id);
+    kubelet.set(pod_list(&[web1_pod, job1_pod, web2_pod]));
+    let report = wait_success(agent);
+    assert_eq!(raw_samples(&report, job1.pid), 0, "job-1 is not app=web");
+
+    let node = r#"node="k8s""#;
+    assert_eq!(label_values(&collector, "pod", node), ["web-1", "web-2"]);
+    assert_eq!(label_values(&collector, "namespace", node), ["shop"]);
+    assert_eq!(label_values(&collector, "container_name", node), ["api"]);
+    let (web1_stacks, web1_weight) = stacks(&collector, r#"node="k8s",pod="web-1""#);
+    assert!(
+        weight_with(&web1_stacks, "main;a;b;c") * 100 >= web1_weight * 80,
+        "web-1: {web1_stacks:#?}"
+    );
+    let (web2_stacks, web2_weight) = stacks(&collector, r#"node="k8s",pod="web-2""#);
+    assert!(
+        web2_weight > 0
+            && weight_with(&web2_stacks, "main;outer;middle;inner") * 100 >= web2_weight * 80,
+        "web-2, started while the agent ran: {web2_stacks:#?}"
+    );
+    eprintln!("web-1: {web1_weight} samples; web-2 (added while running): {web2_weight}");
     collector.stop();
 }
