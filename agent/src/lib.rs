@@ -1,11 +1,14 @@
 //! The stackscope node agent.
 //!
-//! [`cgroups`] turns the user's selections into cgroup ids. Then data flows
+//! [`containers::selection`] turns the user's selections (containers, pods,
+//! cgroups, budgets) into the BPF program's cgroup policies, through
+//! [`cgroups`]' view of the cgroup2 hierarchy, again while running. Then data flows
 //! through the modules in this order: [`sampler`] loads the BPF
 //! program and yields raw ring buffer records, [`sampler::record`] decodes them,
 //! [`unwinding`] turns each sample's copied stack into frames, each placed in
 //! its object at its file offset, [`tally`] counts samples per process,
-//! [`aggregate`] sums identical (labels, stack) pairs per interval and builds
+//! [`aggregate`] labels each sample (its container from [`containers`]),
+//! sums identical (labels, stack) pairs per interval and builds
 //! one `stackscope.v1.Batch` per interval, naming frames with [`symbolize`],
 //! [`export`] ships the batches, and [`run`] drives the loop, prints the
 //! periodic [`status`] line and stops on a signal or after a duration (see

@@ -14,16 +14,13 @@ use std::{
 };
 
 use prost::Message;
-use rcgen::{
-    BasicConstraints, CertificateParams, DnType, ExtendedKeyUsagePurpose, IsCa, Issuer, KeyPair,
-    KeyUsagePurpose,
-};
 use stackscope_agent::export::{Compression, ExportConfig, ExportError, Exporter, TlsConfig};
 use stackscope_proto::v1::{
     Batch, Label, LabelSet, Line, Location, Mapping, MappingKind, Node, PushRequest, PushResponse,
     Sample, Stack,
     ingest_server::{Ingest, IngestServer},
 };
+use stackscope_test_fixtures::tls::TestPki;
 use tokio::{net::TcpListener, sync::oneshot, task::JoinHandle};
 use tonic::{
     Request, Response, Status,
@@ -766,63 +763,29 @@ async fn https_without_tls_options_uses_default_roots() {
     assert_eq!(stats.queued_batches, 0);
 }
 
-/// A CA and the server and client certificates it signed, as PEM files.
-struct Pki {
-    dir: tempfile::TempDir,
-    server_cert: String,
-    server_key: String,
-    ca_cert: String,
+/// The test PKI (a CA, a server certificate for `localhost` and a client
+/// certificate) with the adapters these tests need: tonic's server side and
+/// the exporter's own options.
+struct Pki(TestPki);
+
+impl std::ops::Deref for Pki {
+    type Target = TestPki;
+
+    fn deref(&self) -> &TestPki {
+        &self.0
+    }
 }
 
 impl Pki {
     fn new() -> Self {
-        let ca_key = KeyPair::generate().unwrap();
-        let mut ca_params = CertificateParams::new(Vec::<String>::new()).unwrap();
-        ca_params.is_ca = IsCa::Ca(BasicConstraints::Unconstrained);
-        ca_params
-            .distinguished_name
-            .push(DnType::CommonName, "stackscope test CA");
-        ca_params.key_usages = vec![
-            KeyUsagePurpose::KeyCertSign,
-            KeyUsagePurpose::CrlSign,
-            KeyUsagePurpose::DigitalSignature,
-        ];
-        let ca_cert = ca_params.self_signed(&ca_key).unwrap();
-        let issuer = Issuer::new(ca_params, ca_key);
-
-        let leaf = |name: &str, usage: ExtendedKeyUsagePurpose| {
-            let key = KeyPair::generate().unwrap();
-            let mut params = CertificateParams::new(vec![name.to_owned()]).unwrap();
-            params.distinguished_name.push(DnType::CommonName, name);
-            params.extended_key_usages = vec![usage];
-            let cert = params.signed_by(&key, &issuer).unwrap();
-            (cert.pem(), key.serialize_pem())
-        };
-        let (server_cert, server_key) = leaf("localhost", ExtendedKeyUsagePurpose::ServerAuth);
-        let (client_cert, client_key) = leaf("agent-1", ExtendedKeyUsagePurpose::ClientAuth);
-
-        let dir = tempfile::tempdir().unwrap();
-        for (name, pem) in [
-            ("ca.pem", ca_cert.pem()),
-            ("client.pem", client_cert),
-            ("client.key", client_key),
-        ] {
-            std::fs::write(dir.path().join(name), pem).unwrap();
-        }
-        Self {
-            dir,
-            server_cert,
-            server_key,
-            ca_cert: ca_cert.pem(),
-        }
-    }
-
-    fn path(&self, name: &str) -> PathBuf {
-        self.dir.path().join(name)
+        Self(TestPki::new(&["localhost"]))
     }
 
     fn server_tls(&self) -> ServerTlsConfig {
-        ServerTlsConfig::new().identity(Identity::from_pem(&self.server_cert, &self.server_key))
+        ServerTlsConfig::new().identity(Identity::from_pem(
+            &self.server_cert_pem,
+            &self.server_key_pem,
+        ))
     }
 
     /// Trust this CA; the certificate is for `localhost` while the endpoint
@@ -909,7 +872,7 @@ async fn mutual_tls_needs_the_client_certificate() {
     let server = TestServer::start(ServerOptions {
         tls: Some(
             pki.server_tls()
-                .client_ca_root(Certificate::from_pem(&pki.ca_cert)),
+                .client_ca_root(Certificate::from_pem(&pki.ca_pem)),
         ),
         ..ServerOptions::default()
     })

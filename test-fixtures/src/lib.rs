@@ -17,6 +17,7 @@ use object::{Object as _, ObjectSymbol as _, SymbolKind};
 use stackscope_profile::names::demangle;
 
 pub mod containers;
+pub mod tls;
 
 /// Flags C fixtures are built with: optimised code without frame pointers,
 /// so only the CFI can unwind it.

@@ -487,7 +487,7 @@ fn run_filter_agent(
     let mut cmd = Command::new(agent);
     cmd.args(["--frequency", FILTER_HZ])
         .args(["--duration", &format!("{seconds}s")])
-        .args(["--status-interval", "1h", "--log-level", "warn"])
+        .args(["--status-interval", "1h", "--log-level", "error"])
         .args(["--bpf-stats", "--json", "--no-table-cache"]);
     if let Some(cgroup) = cgroup {
         cmd.arg("--cgroup").arg(cgroup);

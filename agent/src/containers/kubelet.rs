@@ -651,14 +651,11 @@ impl ServerCertVerifier for AnyServerCert {
 mod tests {
     use super::*;
 
-    use rcgen::{
-        BasicConstraints, CertificateParams, DnType, ExtendedKeyUsagePurpose, IsCa, Issuer,
-        KeyPair, KeyUsagePurpose,
-    };
     use rustls::{
         ServerConfig,
         pki_types::{PrivateKeyDer, PrivatePkcs8KeyDer},
     };
+    use stackscope_test_fixtures::tls::TestPki;
     use tokio::{
         io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt},
         net::TcpListener,
@@ -1052,42 +1049,16 @@ mod tests {
         assert!(matches!(err, KubeletError::CaCertInvalid { .. }), "{err:?}");
     }
 
-    /// A CA, a kubelet serving certificate for 127.0.0.1 signed by it, and
-    /// the CA's PEM in a temporary file.
+    /// The test PKI, with a kubelet serving certificate for 127.0.0.1 (and
+    /// `node-1`), and the fake kubelet's rustls side built from it.
     struct Pki {
-        dir: tempfile::TempDir,
+        pki: TestPki,
         server: Arc<ServerConfig>,
     }
 
     impl Pki {
         fn new() -> Self {
-            let ca_key = KeyPair::generate().expect("key");
-            let mut ca_params = CertificateParams::new(Vec::<String>::new()).expect("params");
-            ca_params.is_ca = IsCa::Ca(BasicConstraints::Unconstrained);
-            ca_params
-                .distinguished_name
-                .push(DnType::CommonName, "node-1-ca@1736244000");
-            ca_params.key_usages = vec![
-                KeyUsagePurpose::KeyCertSign,
-                KeyUsagePurpose::DigitalSignature,
-            ];
-            let ca_cert = ca_params.self_signed(&ca_key).expect("CA");
-            let issuer = Issuer::new(ca_params, ca_key);
-
-            let key = KeyPair::generate().expect("key");
-            let mut params =
-                CertificateParams::new(vec!["127.0.0.1".to_owned(), "node-1".to_owned()])
-                    .expect("params");
-            params
-                .distinguished_name
-                .push(DnType::CommonName, "node-1@1736244000");
-            params.extended_key_usages = vec![ExtendedKeyUsagePurpose::ServerAuth];
-            let cert = params
-                .signed_by(&key, &issuer)
-                .expect("serving certificate");
-
-            let dir = tempfile::tempdir().expect("temporary directory");
-            std::fs::write(dir.path().join("ca.pem"), ca_cert.pem()).expect("CA file");
+            let pki = TestPki::new(&["127.0.0.1", "node-1"]);
             let server = ServerConfig::builder_with_provider(Arc::new(
                 rustls::crypto::ring::default_provider(),
             ))
@@ -1095,22 +1066,22 @@ mod tests {
             .expect("versions")
             .with_no_client_auth()
             .with_single_cert(
-                vec![cert.der().clone()],
-                PrivateKeyDer::Pkcs8(PrivatePkcs8KeyDer::from(key.serialize_der())),
+                vec![CertificateDer::from(pki.server_cert_der.clone())],
+                PrivateKeyDer::Pkcs8(PrivatePkcs8KeyDer::from(pki.server_key_der.clone())),
             )
             .expect("server TLS");
             Self {
-                dir,
+                pki,
                 server: Arc::new(server),
             }
         }
 
         fn ca(&self) -> PathBuf {
-            self.dir.path().join("ca.pem")
+            self.pki.path("ca.pem")
         }
 
         fn token(&self, token: &str) -> PathBuf {
-            let path = self.dir.path().join("token");
+            let path = self.pki.path("token");
             // A trailing newline, as `kubectl create token > file` leaves.
             std::fs::write(&path, format!("{token}\n")).expect("token file");
             path
