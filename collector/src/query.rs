@@ -5,7 +5,8 @@
 use std::sync::Arc;
 
 use stackscope_profile::{
-    model::{Selection, StackSamples},
+    model::{Frame, LabelMatcher, MatchOp, Selection, StackSamples},
+    selector::is_valid_label_name,
     tree::CallTree,
 };
 
@@ -18,11 +19,47 @@ pub enum QueryError {
     Storage(#[from] StorageError),
     #[error("the storage task stopped before answering")]
     TaskFailed(#[source] tokio::task::JoinError),
+    /// The client asked to group by something that cannot be a label name.
+    #[error(
+        "group_by {0:?} is not a label name (letters, digits and _, not starting with a digit)"
+    )]
+    InvalidGroupLabel(String),
+    /// Grouping would draw more side-by-side flamegraphs than anyone can read
+    /// (and cost one storage query each).
+    #[error(
+        "label {label:?} has {count} values in the selection, more than the {max} a grouped \
+         flamegraph shows; narrow the selection (label matchers, a shorter time range) or \
+         group by another label"
+    )]
+    TooManyGroups {
+        label: String,
+        count: usize,
+        max: usize,
+    },
+}
+
+impl QueryError {
+    /// Whether the request itself was wrong (the client can fix it), as
+    /// opposed to the collector failing.
+    pub fn is_invalid_request(&self) -> bool {
+        matches!(
+            self,
+            Self::InvalidGroupLabel(_) | Self::TooManyGroups { .. }
+        )
+    }
 }
 
 /// Series longer than this are answered with a wider step: a client asking
 /// for a year at 1 s resolution gets a readable answer, not an out-of-memory.
 const MAX_SERIES_POINTS: i64 = 11_000;
+
+/// Most values a grouped flamegraph splits into: each is one storage query
+/// and one column people have to read; beyond this the selection is too broad
+/// for a side-by-side view.
+pub const MAX_GROUPS: usize = 200;
+
+/// Binary of the synthetic group frames, so they cannot be mistaken for code.
+pub const GROUP_BINARY: &str = "[group]";
 
 /// The query side of the collector.
 #[derive(Clone)]
@@ -60,12 +97,22 @@ impl QueryEngine {
 
     /// The merged call tree of the selection, without subtrees below
     /// `min_share` of the total.
+    ///
+    /// With `group_by`, the root has one child per value of that label, a
+    /// synthetic frame named `<label>=<value>` (binary [`GROUP_BINARY`]),
+    /// holding that value's stacks; samples without the label go under
+    /// `<label> (none)`. Refused when the label name is invalid or has more
+    /// than [`MAX_GROUPS`] values in the selection.
     pub async fn flamegraph(
         &self,
         selection: Selection,
         min_share: f64,
+        group_by: Option<&str>,
     ) -> Result<Flamegraph, QueryError> {
-        let samples = self.stacks(selection).await?;
+        let samples = match group_by {
+            None => self.stacks(selection).await?,
+            Some(label) => self.grouped_stacks(selection, label.to_owned()).await?,
+        };
         let mut tree = CallTree::from_stacks(&samples);
         if min_share > 0.0 {
             tree = tree.prune(min_share);
@@ -74,6 +121,75 @@ impl QueryEngine {
             tree,
             sample_period_nanos: samples.sample_period_nanos,
         })
+    }
+
+    /// The selection's stacks, each with a group frame for its value of
+    /// `label` appended root-most. Done here over plain equality queries (one
+    /// per value, one for samples without the label) so every storage gets
+    /// grouping for free. The queries are not one snapshot: a batch committed
+    /// meanwhile may show in some groups only, as it would in a later query.
+    async fn grouped_stacks(
+        &self,
+        selection: Selection,
+        label: String,
+    ) -> Result<StackSamples, QueryError> {
+        if !is_valid_label_name(&label) {
+            return Err(QueryError::InvalidGroupLabel(label));
+        }
+        let max = MAX_GROUPS;
+        let storage = Arc::clone(&self.storage);
+        tokio::task::spawn_blocking(move || {
+            let values = storage.label_values(&selection, &label)?;
+            // An empty value is the same as no label (PromQL): the `(none)`
+            // group covers it.
+            let values: Vec<String> = values.into_iter().filter(|v| !v.is_empty()).collect();
+            if values.len() > max {
+                return Err(QueryError::TooManyGroups {
+                    count: values.len(),
+                    label,
+                    max,
+                });
+            }
+            let groups = values
+                .into_iter()
+                .map(|value| (format!("{label}={value}"), value))
+                .chain([(format!("{label} (none)"), String::new())]);
+            let mut merged = StackSamples::default();
+            let mut period = None;
+            let mut periods_agree = true;
+            for (name, value) in groups {
+                let mut narrowed = selection.clone();
+                narrowed.matchers.push(
+                    LabelMatcher::new(label.as_str(), MatchOp::Equal, value)
+                        .expect("equality matchers have no pattern to fail"),
+                );
+                let samples = storage.stacks(&narrowed)?;
+                if samples.stacks.is_empty() {
+                    continue;
+                }
+                match period {
+                    None => period = Some(samples.sample_period_nanos),
+                    Some(p) if p != samples.sample_period_nanos => periods_agree = false,
+                    Some(_) => {}
+                }
+                let frame = Arc::new(group_frame(name));
+                merged
+                    .stacks
+                    .extend(samples.stacks.into_iter().map(|mut stack| {
+                        stack.frames.push(Arc::clone(&frame));
+                        stack
+                    }));
+            }
+            // As storage does across batches: the period only when every
+            // group agreed on it.
+            merged.sample_period_nanos = match period {
+                Some(p) if periods_agree => p,
+                _ => 0,
+            };
+            Ok(merged)
+        })
+        .await
+        .map_err(QueryError::TaskFailed)?
     }
 
     pub async fn label_names(&self, selection: Selection) -> Result<Vec<String>, QueryError> {
@@ -107,5 +223,17 @@ impl QueryEngine {
             .blocking(move |storage| storage.series(&selection, step))
             .await?;
         Ok((step, points))
+    }
+}
+
+/// The synthetic root-most frame of one group.
+fn group_frame(function: String) -> Frame {
+    Frame {
+        function,
+        binary: GROUP_BINARY.to_owned(),
+        build_id: String::new(),
+        file: String::new(),
+        line: 0,
+        inlined: false,
     }
 }

@@ -13,6 +13,7 @@ use stackscope_collector::{
     server::{self, RunningCollector, ServerConfig},
     storage::sqlite::{SqliteOptions, SqliteStorage},
 };
+use stackscope_profile::{render, tree::CallTree};
 use stackscope_proto::v1::{
     Batch, FlamegraphRequest, Label, LabelMatcher, LabelNamesRequest, LabelSet, Line, Location,
     Mapping, MappingKind, Node, PushRequest, Sample, Selection, Stack, TopFunctionsRequest,
@@ -171,6 +172,7 @@ impl Fixture {
             .flamegraph(FlamegraphRequest {
                 selection: Some(selection(matchers)),
                 min_share: 0.0,
+                group_by: String::new(),
             })
             .await
             .expect("flamegraph query")
@@ -230,6 +232,34 @@ fn dechunk(mut data: &[u8]) -> Vec<u8> {
         out.extend_from_slice(&data[line_end + 2..line_end + 2 + size]);
         data = &data[line_end + 4 + size..];
     }
+}
+
+/// `batch` with a `container_name` label added to its label set.
+fn in_container(mut batch: Batch, container: &str) -> Batch {
+    let name = batch.strings.len() as u32;
+    batch.strings.push("container_name".into());
+    batch.strings.push(container.into());
+    // "comm" < "container_name": the set stays sorted by name.
+    batch.label_sets[0].labels.push(Label {
+        name,
+        value: name + 1,
+    });
+    batch
+}
+
+async fn grouped(
+    fixture: &Fixture,
+    matchers: Vec<LabelMatcher>,
+    group_by: &str,
+) -> Result<stackscope_proto::v1::FlamegraphResponse, tonic::Status> {
+    QueryClient::new(fixture.channel().await)
+        .flamegraph(FlamegraphRequest {
+            selection: Some(selection(matchers)),
+            min_share: 0.0,
+            group_by: group_by.into(),
+        })
+        .await
+        .map(|r| r.into_inner())
 }
 
 fn selection(matchers: Vec<LabelMatcher>) -> Selection {
@@ -454,5 +484,164 @@ async fn ingest_needs_the_token_when_one_is_set_and_health_is_served() {
         health.status,
         tonic_health::pb::health_check_response::ServingStatus::Serving as i32
     );
+    fixture.collector.shutdown().await.expect("clean shutdown");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn flamegraphs_group_by_a_label_with_a_group_for_samples_without_it() {
+    let fixture = start(None).await;
+    // web ran main;work;helper 10 times, db the unnamed libfoo frame 4
+    // times; cron (outside any container) both, 3 and 2 times.
+    fixture
+        .push(in_container(batch(1, "node-a", "redis", 10, 0), "web"))
+        .await
+        .expect("push");
+    fixture
+        .push(in_container(batch(2, "node-a", "pg", 0, 4), "db"))
+        .await
+        .expect("push");
+    fixture
+        .push(batch(3, "node-b", "cron", 3, 2))
+        .await
+        .expect("push");
+
+    let response = grouped(&fixture, vec![], "container_name")
+        .await
+        .expect("grouped flamegraph");
+    assert_eq!(response.total, 19);
+    assert_eq!(response.sample_period_nanos, 10_101_010);
+    let mut groups: Vec<(&str, &str, u64)> = response
+        .nodes
+        .iter()
+        .skip(1)
+        .filter(|node| node.parent == 0)
+        .map(|node| {
+            let frame = node.frame.as_ref().expect("frame");
+            (frame.function.as_str(), frame.binary.as_str(), node.total)
+        })
+        .collect();
+    groups.sort();
+    assert_eq!(
+        groups,
+        [
+            ("container_name (none)", "[group]", 5),
+            ("container_name=db", "[group]", 4),
+            ("container_name=web", "[group]", 10),
+        ]
+    );
+    // Each group holds its own stacks and nothing else.
+    let tree = CallTree::from_proto(&response).expect("consistent tree");
+    assert_eq!(
+        render::folded(&tree),
+        "container_name (none);main;[unknown] libfoo.so+0x1a2b 2\n\
+         container_name (none);main;work;helper 3\n\
+         container_name=db;main;[unknown] libfoo.so+0x1a2b 4\n\
+         container_name=web;main;work;helper 10\n"
+    );
+
+    // A matcher on the label narrows the groups; the none group is left
+    // out when no selected sample lacks the label.
+    let response = grouped(
+        &fixture,
+        vec![matcher("container_name", Op::Equal, "web")],
+        "container_name",
+    )
+    .await
+    .expect("narrowed grouped flamegraph");
+    let tree = CallTree::from_proto(&response).expect("consistent tree");
+    assert_eq!(
+        render::folded(&tree),
+        "container_name=web;main;work;helper 10\n"
+    );
+
+    let err = grouped(&fixture, vec![], "container-name")
+        .await
+        .expect_err("not a label name");
+    assert_eq!(err.code(), Code::InvalidArgument);
+    assert!(
+        err.message().contains("container-name"),
+        "{}",
+        err.message()
+    );
+
+    // Over HTTP: the folded stacks start with the group frame.
+    let (status, body) =
+        fixture.http_get("/api/v1/flamegraph?format=folded&since=1h&group_by=container_name");
+    assert_eq!(status, 200, "{}", String::from_utf8_lossy(&body));
+    let folded = String::from_utf8(body).expect("UTF-8");
+    assert_eq!(folded.lines().count(), 4, "{folded}");
+    assert!(
+        folded
+            .lines()
+            .all(|line| line.starts_with("container_name")),
+        "{folded}"
+    );
+    let (status, body) = fixture.http_get("/api/v1/flamegraph?since=1h&group_by=1pod");
+    assert_eq!(status, 400);
+    assert!(
+        String::from_utf8_lossy(&body).contains("\"1pod\""),
+        "{body:?}"
+    );
+
+    fixture.collector.shutdown().await.expect("clean shutdown");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn grouping_by_a_label_with_too_many_values_is_refused() {
+    let fixture = start(None).await;
+    // One sample in each of 201 containers: one more than the collector
+    // groups by.
+    let mut many = batch(1, "node-a", "app", 1, 0);
+    let name = many.strings.len() as u32;
+    many.strings.push("container_name".into());
+    let comm = many.label_sets[0].labels[0];
+    many.label_sets.clear();
+    many.samples.clear();
+    for i in 0..201u32 {
+        let value = many.strings.len() as u32;
+        many.strings.push(format!("c{i}"));
+        many.label_sets.push(LabelSet {
+            labels: vec![comm, Label { name, value }],
+        });
+        many.samples.push(Sample {
+            stack: 0,
+            label_set: i,
+            count: 1,
+            sampling_divisor: 0,
+        });
+    }
+    fixture.push(many).await.expect("push");
+
+    let err = grouped(&fixture, vec![], "container_name")
+        .await
+        .expect_err("too many groups");
+    assert_eq!(err.code(), Code::InvalidArgument);
+    assert!(
+        err.message().contains("201 values") && err.message().contains("narrow"),
+        "{}",
+        err.message()
+    );
+    // Narrowing the selection makes it answerable: c1, c10..c19, c100..c199.
+    let response = grouped(
+        &fixture,
+        vec![matcher("container_name", Op::Regex, "c1.*")],
+        "container_name",
+    )
+    .await
+    .expect("narrowed");
+    assert_eq!(response.total, 111);
+    assert_eq!(
+        response
+            .nodes
+            .iter()
+            .skip(1)
+            .filter(|node| node.parent == 0)
+            .count(),
+        111
+    );
+    let (status, body) =
+        fixture.http_get("/api/v1/flamegraph?format=folded&since=1h&group_by=container_name");
+    assert_eq!(status, 400, "{}", String::from_utf8_lossy(&body));
+
     fixture.collector.shutdown().await.expect("clean shutdown");
 }

@@ -177,6 +177,34 @@ fn containers_are_filtered_in_the_kernel_labelled_and_budgeted() {
         names.contains(&a.name) && names.contains(&b.name),
         "container names seen: {names:?}"
     );
+    // Side by side: one group per container, the host's under `(none)`.
+    let grouped = folded(&collector.cli(&[
+        "export",
+        "--format",
+        "folded",
+        "--since",
+        "10m",
+        "--match",
+        r#"node="all""#,
+        "--group-by",
+        "container_name",
+    ]));
+    let group_weight = |group: &str| -> u64 {
+        grouped
+            .iter()
+            .filter(|(stack, _)| stack.split(';').next() == Some(group))
+            .map(|(_, n)| n)
+            .sum()
+    };
+    assert_eq!(
+        group_weight(&format!("container_name={}", a.name)),
+        a_weight
+    );
+    assert_eq!(
+        group_weight(&format!("container_name={}", b.name)),
+        b_weight
+    );
+    assert!(group_weight("container_name (none)") > 0, "no host group");
     // The host's copy has no container.
     let host_match = format!(r#"node="all",exe="{host_exe}""#);
     let (_, host_weight) = stacks(&collector, &host_match);

@@ -49,13 +49,20 @@ struct Cli {
 
 #[derive(Debug, Subcommand)]
 enum Command {
-    /// Write an SVG flamegraph of the selected samples.
+    /// Write an SVG flamegraph of the selected samples (--group-by pod shows
+    /// each pod side by side).
     Flamegraph {
         #[command(flatten)]
         selection: SelectionArgs,
         /// Leave out frames below this share of all samples (0.05 = 5%).
         #[arg(long, default_value_t = 0.0)]
         min_share: f64,
+        /// Split the flamegraph by this label (e.g. pod, container_name):
+        /// under the root, one frame `LABEL=VALUE` per value holds that
+        /// value's stacks; samples without the label go under `LABEL (none)`.
+        /// At most 200 values; narrow the selection for more.
+        #[arg(long, value_name = "LABEL")]
+        group_by: Option<String>,
         /// Title drawn on the flamegraph.
         #[arg(long)]
         title: Option<String>,
@@ -111,6 +118,12 @@ enum Command {
         selection: SelectionArgs,
         #[arg(long, value_enum)]
         format: ExportFormat,
+        /// Split the flamegraph by this label (e.g. pod, container_name):
+        /// under the root, one frame `LABEL=VALUE` per value holds that
+        /// value's stacks; samples without the label go under `LABEL (none)`.
+        /// At most 200 values; narrow the selection for more.
+        #[arg(long, value_name = "LABEL")]
+        group_by: Option<String>,
         /// Output file ("-" for stdout).
         #[arg(short, long, default_value = "-")]
         output: PathBuf,
@@ -209,18 +222,21 @@ impl Collector {
         )
     }
 
-    /// The merged call tree of `selection` and the sample period; an error
-    /// says so when nothing matches (every command needs samples).
+    /// The merged call tree of `selection` (split by the `group_by` label
+    /// when given) and the sample period; an error says so when nothing
+    /// matches (every command needs samples).
     async fn tree(
         &mut self,
         selection: &Selection,
         min_share: f64,
+        group_by: Option<&str>,
     ) -> anyhow::Result<(CallTree, u64)> {
         let response = self
             .client
             .flamegraph(FlamegraphRequest {
                 selection: Some(selector::selection_to_proto(selection)),
                 min_share,
+                group_by: group_by.unwrap_or_default().to_owned(),
             })
             .await
             .map_err(|status| self.failed(status))?
@@ -239,10 +255,19 @@ async fn fetch_tree(
     cli: &Cli,
     selection: &Selection,
     min_share: f64,
+    group_by: Option<&str>,
 ) -> anyhow::Result<(CallTree, u64)> {
+    if let Some(label) = group_by
+        && !selector::is_valid_label_name(label)
+    {
+        anyhow::bail!(
+            "--group-by {label:?} is not a label name (letters, digits and _, not starting \
+             with a digit); `stackscope labels` lists them"
+        );
+    }
     Collector::connect(cli)
         .await?
-        .tree(selection, min_share)
+        .tree(selection, min_share, group_by)
         .await
 }
 
@@ -271,6 +296,7 @@ async fn main() -> anyhow::Result<()> {
         Command::Flamegraph {
             selection: args,
             min_share,
+            group_by,
             title,
             output,
         } => {
@@ -278,7 +304,7 @@ async fn main() -> anyhow::Result<()> {
                 anyhow::bail!("--min-share must be between 0 and 1 (0.05 = 5%)");
             }
             let selection = args.selection()?;
-            let (tree, _) = fetch_tree(&cli, &selection, *min_share).await?;
+            let (tree, _) = fetch_tree(&cli, &selection, *min_share, group_by.as_deref()).await?;
             let options = SvgOptions {
                 title: title
                     .clone()
@@ -295,7 +321,7 @@ async fn main() -> anyhow::Result<()> {
             limit,
         } => {
             let selection = args.selection()?;
-            let (tree, _) = fetch_tree(&cli, &selection, 0.0).await?;
+            let (tree, _) = fetch_tree(&cli, &selection, 0.0, None).await?;
             let top = render::top_functions(&tree, *limit);
             print!("{}", render::text_top(&top, tree.total()));
         }
@@ -304,7 +330,7 @@ async fn main() -> anyhow::Result<()> {
             selection: args,
         } => {
             let selection = args.selection()?;
-            let (tree, _) = fetch_tree(&cli, &selection, 0.0).await?;
+            let (tree, _) = fetch_tree(&cli, &selection, 0.0, None).await?;
             let report = render::callers_callees(&tree, function);
             if report.total == 0 {
                 anyhow::bail!(
@@ -335,8 +361,8 @@ async fn main() -> anyhow::Result<()> {
                 .parse()
                 .context("baseline")?;
             let mut collector = Collector::connect(&cli).await?;
-            let (new, _) = collector.tree(&selection, 0.0).await?;
-            let (old, _) = collector.tree(&base, 0.0).await.context("baseline")?;
+            let (new, _) = collector.tree(&selection, 0.0, None).await?;
+            let (old, _) = collector.tree(&base, 0.0, None).await.context("baseline")?;
             let options = SvgOptions {
                 title: format!(
                     "stackscope diff: {} against {}",
@@ -384,10 +410,11 @@ async fn main() -> anyhow::Result<()> {
         Command::Export {
             selection: args,
             format,
+            group_by,
             output,
         } => {
             let selection = args.selection()?;
-            let (tree, period) = fetch_tree(&cli, &selection, 0.0).await?;
+            let (tree, period) = fetch_tree(&cli, &selection, 0.0, group_by.as_deref()).await?;
             let bytes = match format {
                 ExportFormat::Pprof => render::pprof(
                     &tree,

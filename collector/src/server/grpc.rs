@@ -86,6 +86,9 @@ impl QueryService {
 }
 
 fn query_status(err: QueryError) -> Status {
+    if err.is_invalid_request() {
+        return Status::invalid_argument(err.to_string());
+    }
     tracing::error!("query failed: {:#}", anyhow::Error::from(err));
     Status::internal("the query failed in the collector's storage; see the collector's log")
 }
@@ -118,9 +121,10 @@ impl query_server::Query for QueryService {
             )));
         }
         let selection = selection(request.selection)?;
+        let group_by = Some(request.group_by.as_str()).filter(|label| !label.is_empty());
         let flamegraph = self
             .engine
-            .flamegraph(selection, request.min_share)
+            .flamegraph(selection, request.min_share, group_by)
             .await
             .map_err(query_status)?;
         Ok(Response::new(
@@ -140,7 +144,7 @@ impl query_server::Query for QueryService {
         };
         let flamegraph = self
             .engine
-            .flamegraph(selection, 0.0)
+            .flamegraph(selection, 0.0, None)
             .await
             .map_err(query_status)?;
         let functions = render::top_functions(&flamegraph.tree, limit as usize)

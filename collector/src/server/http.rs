@@ -3,6 +3,8 @@
 //!
 //! Every endpoint takes the selection as query parameters: `match`
 //! (`comm="x",exe=~".*/y"`), and `since` (default 1h) or `start`/`end`.
+//! `/api/v1/flamegraph` also takes `group_by` (a label name) to split the
+//! tree by that label's values (see [`QueryEngine::flamegraph`]).
 
 use axum::{
     Json, Router,
@@ -51,6 +53,9 @@ fn bad_request(err: impl std::fmt::Display) -> ApiError {
 
 impl From<crate::query::QueryError> for ApiError {
     fn from(err: crate::query::QueryError) -> Self {
+        if err.is_invalid_request() {
+            return bad_request(err);
+        }
         tracing::error!("query failed: {:#}", anyhow::Error::from(err));
         ApiError(
             StatusCode::INTERNAL_SERVER_ERROR,
@@ -75,6 +80,7 @@ struct Params {
     limit: Option<String>,
     step: Option<String>,
     function: Option<String>,
+    group_by: Option<String>,
     base_match: Option<String>,
     base_since: Option<String>,
     base_start: Option<String>,
@@ -214,7 +220,7 @@ async fn index(State(engine): State<QueryEngine>) -> Result<Response, ApiError> 
     }
     .parse()
     .map_err(bad_request)?;
-    let flamegraph = engine.flamegraph(selection.clone(), 0.0).await?;
+    let flamegraph = engine.flamegraph(selection.clone(), 0.0, None).await?;
     render(
         &flamegraph,
         Format::Svg,
@@ -229,7 +235,10 @@ async fn flamegraph(
 ) -> Result<Response, ApiError> {
     let selection = params.selection()?;
     let (format, min_share) = (params.format()?, params.min_share()?);
-    let flamegraph = engine.flamegraph(selection.clone(), min_share).await?;
+    let group_by = params.group_by.as_deref().filter(|label| !label.is_empty());
+    let flamegraph = engine
+        .flamegraph(selection.clone(), min_share, group_by)
+        .await?;
     let title = params.title.clone().unwrap_or_else(|| title_of(&selection));
     render(&flamegraph, format, title, &selection)
 }
@@ -242,8 +251,8 @@ async fn diff(
 ) -> Result<Response, ApiError> {
     let (selection, base) = (params.selection()?, params.base_selection()?);
     let (new, old) = tokio::try_join!(
-        engine.flamegraph(selection.clone(), 0.0),
-        engine.flamegraph(base.clone(), 0.0)
+        engine.flamegraph(selection.clone(), 0.0, None),
+        engine.flamegraph(base.clone(), 0.0, None)
     )?;
     let options = SvgOptions {
         title: format!(
@@ -264,7 +273,7 @@ async fn top(
     Query(params): Query<Params>,
 ) -> Result<Response, ApiError> {
     let (selection, limit) = (params.selection()?, params.limit()?);
-    let flamegraph = engine.flamegraph(selection, 0.0).await?;
+    let flamegraph = engine.flamegraph(selection, 0.0, None).await?;
     let functions = render::top_functions(&flamegraph.tree, limit);
     Ok(Json(serde_json::json!({
         "total": flamegraph.tree.total(),
@@ -288,7 +297,7 @@ async fn callers(
             "function: missing (the function name as the flamegraph shows it)",
         ));
     };
-    let flamegraph = engine.flamegraph(params.selection()?, 0.0).await?;
+    let flamegraph = engine.flamegraph(params.selection()?, 0.0, None).await?;
     let report = render::callers_callees(&flamegraph.tree, function);
     let weighted = |list: &[(String, u64)]| -> Vec<serde_json::Value> {
         list.iter()
