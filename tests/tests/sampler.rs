@@ -359,12 +359,19 @@ fn reports_exec_and_exit_of_processes_in_order_with_samples() {
     assert_eq!(execs.len(), 1, "exec events of the fixture: {execs:?}");
     assert_eq!(exits.len(), 1, "exit events of the fixture: {exits:?}");
     // The forked child can be sampled before it execs: it already has the
-    // fixture's pid but still runs the test's image. The fixture's own image
-    // (its comm after exec) must lie between the exec and the exit.
+    // fixture's pid but still runs the test's image. The fixture's own code
+    // (user-mode ticks with its comm) must lie between the exec and the
+    // exit. Kernel-mode ticks may not: exec sets the new comm a little
+    // before its tracepoint fires, and a task still runs kernel code after
+    // its exit tracepoint.
     let samples: Vec<_> = recorded
         .samples
         .iter()
-        .filter(|s| s.header.tgid == child_pid && s.header.comm.starts_with(b"deep_stack\0"))
+        .filter(|s| {
+            s.header.tgid == child_pid
+                && s.header.comm.starts_with(b"deep_stack\0")
+                && s.header.flags & sample_flags::TICK_IN_USER != 0
+        })
         .collect();
     assert!(
         !samples.is_empty(),
