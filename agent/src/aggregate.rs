@@ -259,7 +259,29 @@ struct LabelKey {
     comm: [u8; COMM_LEN],
     exe: Arc<str>,
     pid: Option<u32>,
-    container: Option<Arc<ContainerLabels>>,
+    container: Option<SameContainer>,
+}
+
+/// Container labels compared by address, so that hashing a label key does
+/// not read four strings per sample. The container index hands out one
+/// `Arc` per container once its labels are complete; two `Arc`s with equal
+/// labels (while a name was still missing) only make two label sets of the
+/// interval, which the batch builder merges.
+#[derive(Debug, Clone)]
+struct SameContainer(Arc<ContainerLabels>);
+
+impl PartialEq for SameContainer {
+    fn eq(&self, other: &Self) -> bool {
+        Arc::ptr_eq(&self.0, &other.0)
+    }
+}
+
+impl Eq for SameContainer {}
+
+impl std::hash::Hash for SameContainer {
+    fn hash<H: std::hash::Hasher>(&self, state: &mut H) {
+        Arc::as_ptr(&self.0).hash(state)
+    }
 }
 
 /// The interval being aggregated.
@@ -488,11 +510,13 @@ impl Aggregator {
             },
             exe: match user {
                 Some(_) if choice.exe => self.exes.get(header.tgid),
-                _ => "".into(),
+                _ => self.exes.empty(),
             },
             pid: choice.pid.then_some(header.tgid),
             container: if choice.any_container() {
-                self.containers.labels(header.tgid, header.cgroup_id)
+                self.containers
+                    .labels(header.tgid, header.cgroup_id)
+                    .map(SameContainer)
             } else {
                 None
             },
@@ -505,7 +529,7 @@ impl Aggregator {
                     comm: labels::comm_str(&key.comm),
                     exe: Arc::clone(&key.exe),
                     pid: key.pid,
-                    container: key.container.clone(),
+                    container: key.container.as_ref().map(|c| Arc::clone(&c.0)),
                 });
                 self.current.label_index.insert(key, index);
                 index

@@ -167,6 +167,12 @@ impl ExeCache {
         exe
     }
 
+    /// The empty exe (kernel threads, exe not labelled), shared rather than
+    /// allocated per sample.
+    pub fn empty(&self) -> Arc<str> {
+        Arc::clone(&self.empty)
+    }
+
     /// Forgets `tgid` (it called exec, or exited).
     pub fn forget(&mut self, tgid: u32) {
         self.by_tgid.remove(&tgid);

@@ -98,11 +98,12 @@ impl ContainerIndex {
     /// The container of process `tgid`, seen in cgroup `cgroup_id`; `None`
     /// for host processes and processes already gone.
     pub fn labels(&mut self, tgid: u32, cgroup_id: u64) -> Option<Arc<ContainerLabels>> {
-        let now = Instant::now();
+        // The clock is read only for labels still missing a name: this
+        // runs for every sample.
         if let Some(entry) = self.by_tgid.get(&tgid)
             && entry.cgroup_id == cgroup_id
             && entry.generation == self.generation
-            && entry.retry_at.is_none_or(|at| now < at)
+            && entry.retry_at.is_none_or(|at| Instant::now() < at)
         {
             return entry.labels.clone();
         }
@@ -122,7 +123,7 @@ impl ContainerIndex {
         let labels = identity.as_ref().map(|identity| self.labels_of(identity));
         let retry_at = match (&identity, &labels) {
             (Some(identity), Some(labels)) if !labels.complete(identity.pod_uid.is_some()) => {
-                Some(now + INCOMPLETE_RETRY)
+                Some(Instant::now() + INCOMPLETE_RETRY)
             }
             _ => None,
         };
