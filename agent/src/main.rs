@@ -282,26 +282,19 @@ fn main() -> anyhow::Result<()> {
 
 /// The kubelet settings: the flags, else the in-cluster default.
 fn kubelet_config(args: &Args) -> Option<KubeletConfig> {
-    let default = KubeletConfig::in_cluster_default();
-    let url = args
-        .kubelet_url
-        .clone()
-        .or_else(|| default.as_ref().map(|d| d.url.clone()))?;
-    let default = default.unwrap_or_else(|| KubeletConfig {
-        url: url.clone(),
-        token_file: None,
-        ca_cert: None,
-        insecure_skip_tls_verify: false,
-        timeout: Duration::from_secs(5),
-    });
-    Some(KubeletConfig {
-        url,
-        token_file: args.kubelet_token_file.clone().or(default.token_file),
-        ca_cert: args.kubelet_ca_cert.clone().or(default.ca_cert),
-        insecure_skip_tls_verify: args.kubelet_insecure_tls
-            || (args.kubelet_ca_cert.is_none() && default.insecure_skip_tls_verify),
-        timeout: default.timeout,
-    })
+    let mut config = match (&args.kubelet_url, KubeletConfig::in_cluster_default()) {
+        (Some(url), in_cluster) => KubeletConfig {
+            url: url.clone(),
+            ..in_cluster.unwrap_or_else(|| KubeletConfig::new(url))
+        },
+        (None, in_cluster) => in_cluster?,
+    };
+    // A given CA wins over skipping verification (the client ignores the
+    // latter then).
+    config.token_file = args.kubelet_token_file.clone().or(config.token_file);
+    config.ca_cert = args.kubelet_ca_cert.clone().or(config.ca_cert);
+    config.insecure_skip_tls_verify |= args.kubelet_insecure_tls;
+    Some(config)
 }
 
 /// The export settings from the command line; `None` without `--collector`.

@@ -53,6 +53,9 @@ pub const MAX_POD_LIST_BYTES: usize = 64 << 20;
 /// refused, which is the most useful part of the message.
 const MAX_ERROR_BODY_BYTES: usize = 512;
 
+/// How long one pod list fetch may take.
+pub const DEFAULT_TIMEOUT: Duration = Duration::from_secs(5);
+
 /// How to reach the kubelet.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct KubeletConfig {
@@ -77,6 +80,17 @@ pub struct KubeletConfig {
 }
 
 impl KubeletConfig {
+    /// `url` with no token, the system's roots and the default timeout.
+    pub fn new(url: &str) -> Self {
+        Self {
+            url: url.to_owned(),
+            token_file: None,
+            ca_cert: None,
+            insecure_skip_tls_verify: false,
+            timeout: DEFAULT_TIMEOUT,
+        }
+    }
+
     /// The settings for an agent running in a pod of the cluster, or `None`
     /// outside Kubernetes (no `KUBERNETES_SERVICE_HOST` in the environment).
     ///
@@ -111,7 +125,7 @@ impl KubeletConfig {
             token_file: token_path.exists().then(|| token_path.to_owned()),
             ca_cert: None,
             insecure_skip_tls_verify: true,
-            timeout: Duration::from_secs(5),
+            timeout: DEFAULT_TIMEOUT,
         })
     }
 }

@@ -189,17 +189,9 @@ impl Resolver {
         for path in config.cgroups.iter().chain(budget_paths) {
             cgroups::resolve(path)?;
         }
-        let containers = config
-            .containers
-            .iter()
-            .chain(config.budgets.iter().filter_map(|b| match &b.selector {
-                Selector::Container(c) => Some(c),
-                _ => None,
-            }));
-        for container in containers {
-            if container.is_empty() || container.contains('/') {
-                return Err(SelectionError::BadContainer(container.clone()));
-            }
+        // Budget selectors refuse empty values when parsed.
+        if let Some(empty) = config.containers.iter().find(|c| c.is_empty()) {
+            return Err(SelectionError::BadContainer(empty.clone()));
         }
         Ok(Self {
             mount: cgroups::cgroup2_mount()?,
