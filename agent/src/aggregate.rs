@@ -52,7 +52,11 @@ use labels::{ExeCache, LabelChoice};
 pub use worker::{BatchWorker, WorkerStats};
 
 use crate::{
-    containers::{ContainerIndex, ContainerLabels, kubelet::PodList, runtime_names::RuntimeNames},
+    containers::{
+        ContainerIndex, ContainerLabels,
+        kubelet::PodList,
+        runtime_names::{self, RuntimeNames},
+    },
     symbolize::ObjectFile,
     unwinding::{FrameObject, ModuleFile, Walk},
 };
@@ -98,6 +102,17 @@ pub struct AggregatorConfig {
     pub max_entries: usize,
     /// Where procfs is mounted, for `/proc/<pid>/exe`.
     pub proc_root: PathBuf,
+    /// containers-storage's root (podman's container names) and Docker's
+    /// data root (Docker's).
+    pub podman_storage: PathBuf,
+    pub docker_root: PathBuf,
+}
+
+impl AggregatorConfig {
+    /// Where container names are read outside Kubernetes.
+    pub fn runtime_names(&self) -> RuntimeNames {
+        RuntimeNames::new(self.podman_storage.clone(), self.docker_root.clone())
+    }
 }
 
 impl Default for AggregatorConfig {
@@ -107,6 +122,8 @@ impl Default for AggregatorConfig {
             labels: LabelChoice::default(),
             max_entries: DEFAULT_MAX_ENTRIES,
             proc_root: PathBuf::from("/proc"),
+            podman_storage: PathBuf::from(runtime_names::DEFAULT_PODMAN_STORAGE),
+            docker_root: PathBuf::from(runtime_names::DEFAULT_DOCKER_ROOT),
         }
     }
 }
@@ -442,7 +459,7 @@ impl Aggregator {
         Self {
             node: config.node_name.as_str().into(),
             exes: ExeCache::new(&config.proc_root, labels::MAX_CACHED_EXES),
-            containers: ContainerIndex::new(&config.proc_root, RuntimeNames::default()),
+            containers: ContainerIndex::new(&config.proc_root, config.runtime_names()),
             config,
             current: Builder::new(start),
             previous_files: HashMap::new(),
@@ -477,11 +494,6 @@ impl Aggregator {
     /// The latest pod list from the kubelet: names the containers of pods.
     pub fn set_pods(&mut self, pods: Arc<PodList>) {
         self.containers.set_pods(pods);
-    }
-
-    /// Where container names come from outside Kubernetes.
-    pub fn set_runtime_names(&mut self, names: RuntimeNames) {
-        self.containers.set_runtime_names(names);
     }
 
     /// Whether a sample came from a pod the pod list does not know yet

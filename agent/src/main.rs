@@ -218,6 +218,8 @@ fn main() -> anyhow::Result<()> {
                 pid: args.labels.pid || args.label_pid,
                 ..args.labels
             },
+            podman_storage: args.podman_storage.clone(),
+            docker_root: args.docker_root.clone(),
             ..AggregatorConfig::default()
         },
         symbolizer: SymbolizerConfig::default(),
@@ -231,8 +233,6 @@ fn main() -> anyhow::Result<()> {
         selection_refresh: args.selection_refresh,
         kubelet: kubelet_config(&args),
         kubelet_refresh: args.kubelet_refresh,
-        podman_storage: args.podman_storage.clone(),
-        docker_root: args.docker_root.clone(),
     };
     let runtime = tokio::runtime::Builder::new_current_thread()
         .enable_all()

@@ -5,7 +5,6 @@
 
 use std::{
     io,
-    path::PathBuf,
     sync::Arc,
     time::{Duration, SystemTime, UNIX_EPOCH},
 };
@@ -24,7 +23,7 @@ use crate::{
     },
     containers::{
         kubelet::{KubeletClient, KubeletConfig, KubeletError, PodList},
-        runtime_names::{self, RuntimeNames},
+        runtime_names::RuntimeNames,
         selection::{Resolver, SelectionConfig, SelectionError},
     },
     sampler::{Counters, ProgramStats, Sampler, SamplerConfig, SamplerError, record::Record},
@@ -75,10 +74,6 @@ pub struct AgentConfig {
     /// How often the pod list is fetched (and, at most, how often a sample
     /// of an unknown pod triggers an early fetch).
     pub kubelet_refresh: Duration,
-    /// containers-storage's root (podman's container names) and Docker's
-    /// data root (Docker's).
-    pub podman_storage: PathBuf,
-    pub docker_root: PathBuf,
 }
 
 impl AgentConfig {
@@ -96,13 +91,7 @@ impl AgentConfig {
             selection_refresh: DEFAULT_SELECTION_REFRESH,
             kubelet: None,
             kubelet_refresh: DEFAULT_KUBELET_REFRESH,
-            podman_storage: PathBuf::from(runtime_names::DEFAULT_PODMAN_STORAGE),
-            docker_root: PathBuf::from(runtime_names::DEFAULT_DOCKER_ROOT),
         }
-    }
-
-    fn runtime_names(&self) -> RuntimeNames {
-        RuntimeNames::new(self.podman_storage.clone(), self.docker_root.clone())
     }
 }
 
@@ -180,7 +169,7 @@ pub async fn run(
         None => None,
     };
     let resolver = Resolver::new(config.selection.clone(), pods.is_some())?;
-    let mut selection_names = config.runtime_names();
+    let mut selection_names = config.aggregation.runtime_names();
     let mut sampler_config = config.sampler.clone();
     sampler_config.filter_cgroups |= config.selection.filters();
     sampler_config.cgroup_budgets |= !config.selection.budgets.is_empty();
@@ -207,7 +196,6 @@ pub async fn run(
         aggregator: Aggregator::new(config.aggregation.clone()),
         kernel_frames: Vec::with_capacity(agent_common::MAX_KERNEL_FRAMES),
     };
-    records.aggregator.set_runtime_names(config.runtime_names());
     if let Some(pods) = &latest_pods {
         records.aggregator.set_pods(Arc::clone(pods));
     }

@@ -195,12 +195,6 @@ impl ContainerIndex {
         self.by_container.clear();
     }
 
-    pub fn set_runtime_names(&mut self, names: RuntimeNames) {
-        self.names = names;
-        self.generation += 1;
-        self.by_container.clear();
-    }
-
     /// Whether a process of a pod missing from the pod list was seen since
     /// the last call.
     pub fn take_unknown_pod_seen(&mut self) -> bool {
