@@ -281,9 +281,9 @@ struct LabelKey {
 
 /// Container labels compared by address, so that hashing a label key does
 /// not read four strings per sample. The container index hands out one
-/// `Arc` per container once its labels are complete; two `Arc`s with equal
-/// labels (while a name was still missing) only make two label sets of the
-/// interval, which the batch builder merges.
+/// `Arc` per container and content; a new pod list starts new ones, which
+/// at most splits a container's label set in two for that interval (the
+/// batch builder merges equal label sets).
 #[derive(Debug, Clone)]
 struct SameContainer(Arc<ContainerLabels>);
 

@@ -5,7 +5,7 @@
 use std::sync::Arc;
 
 use stackscope_profile::{
-    model::{Frame, LabelMatcher, MatchOp, Selection, StackSamples},
+    model::{Frame, LabelMatcher, MatchOp, PeriodAgreement, Selection, StackSamples},
     selector::is_valid_label_name,
     tree::CallTree,
 };
@@ -24,6 +24,9 @@ pub enum QueryError {
         "group_by {0:?} is not a label name (letters, digits and _, not starting with a digit)"
     )]
     InvalidGroupLabel(String),
+    /// `min_share` is not a share of the total.
+    #[error("min_share {0} is not a share between 0 and 1 (0.05 = 5%)")]
+    InvalidMinShare(f64),
     /// Grouping would draw more side-by-side flamegraphs than anyone can read
     /// (and cost one storage query each).
     #[error(
@@ -38,16 +41,42 @@ pub enum QueryError {
     },
 }
 
+/// Who a failed query is on, for the servers' status codes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Fault {
+    /// The request itself was wrong; the client can fix it.
+    Request,
+    /// The collector failed.
+    Collector,
+}
+
 impl QueryError {
     /// Whether the request itself was wrong (the client can fix it), as
     /// opposed to the collector failing.
     pub fn is_invalid_request(&self) -> bool {
         matches!(
             self,
-            Self::InvalidGroupLabel(_) | Self::TooManyGroups { .. }
+            Self::InvalidGroupLabel(_) | Self::InvalidMinShare(_) | Self::TooManyGroups { .. }
+        )
+    }
+
+    /// Whose fault it is and what the client is told: the error itself for
+    /// a wrong request; for a collector failure, a generic message (the
+    /// failure, with its causes, is logged here, not sent).
+    pub fn into_public(self) -> (Fault, String) {
+        if self.is_invalid_request() {
+            return (Fault::Request, self.to_string());
+        }
+        tracing::error!("query failed: {:#}", anyhow::Error::from(self));
+        (
+            Fault::Collector,
+            "the query failed in the collector's storage; see the collector's log".to_owned(),
         )
     }
 }
+
+/// Top functions answered when a request does not say how many.
+pub const DEFAULT_TOP_LIMIT: usize = 50;
 
 /// Series longer than this are answered with a wider step: a client asking
 /// for a year at 1 s resolution gets a readable answer, not an out-of-memory.
@@ -78,10 +107,16 @@ impl QueryEngine {
         Self { storage }
     }
 
-    async fn blocking<T: Send + 'static>(
+    /// Runs `work` on a blocking thread (storage calls are synchronous).
+    async fn blocking<T, E>(
         &self,
-        work: impl FnOnce(&dyn Storage) -> Result<T, StorageError> + Send + 'static,
-    ) -> Result<T, QueryError> {
+        work: impl FnOnce(&dyn Storage) -> Result<T, E> + Send + 'static,
+    ) -> Result<T, QueryError>
+    where
+        T: Send + 'static,
+        E: Send + 'static,
+        QueryError: From<E>,
+    {
         let storage = Arc::clone(&self.storage);
         tokio::task::spawn_blocking(move || work(&*storage))
             .await
@@ -96,9 +131,9 @@ impl QueryEngine {
     }
 
     /// The merged call tree of the selection, without subtrees below
-    /// `min_share` of the total.
+    /// `min_share` of the total (refused outside 0..=1).
     ///
-    /// With `group_by`, the root has one child per value of that label, a
+    /// With `group_by` (an empty label name counts as none), the root has one child per value of that label, a
     /// synthetic frame named `<label>=<value>` (binary [`GROUP_BINARY`]),
     /// holding that value's stacks; samples without the label go under
     /// `<label> (none)`. Refused when the label name is invalid or has more
@@ -109,7 +144,10 @@ impl QueryEngine {
         min_share: f64,
         group_by: Option<&str>,
     ) -> Result<Flamegraph, QueryError> {
-        let samples = match group_by {
+        if !(0.0..=1.0).contains(&min_share) {
+            return Err(QueryError::InvalidMinShare(min_share));
+        }
+        let samples = match group_by.filter(|label| !label.is_empty()) {
             None => self.stacks(selection).await?,
             Some(label) => self.grouped_stacks(selection, label.to_owned()).await?,
         };
@@ -137,8 +175,7 @@ impl QueryEngine {
             return Err(QueryError::InvalidGroupLabel(label));
         }
         let max = MAX_GROUPS;
-        let storage = Arc::clone(&self.storage);
-        tokio::task::spawn_blocking(move || {
+        self.blocking(move |storage| {
             let values = storage.label_values(&selection, &label)?;
             // An empty value is the same as no label (PromQL): the `(none)`
             // group covers it.
@@ -155,8 +192,9 @@ impl QueryEngine {
                 .map(|value| (format!("{label}={value}"), value))
                 .chain([(format!("{label} (none)"), String::new())]);
             let mut merged = StackSamples::default();
-            let mut period = None;
-            let mut periods_agree = true;
+            // As storage does across batches: the period only when every
+            // group agreed on it.
+            let mut period = PeriodAgreement::default();
             for (name, value) in groups {
                 let mut narrowed = selection.clone();
                 narrowed.matchers.push(
@@ -167,12 +205,8 @@ impl QueryEngine {
                 if samples.stacks.is_empty() {
                     continue;
                 }
-                match period {
-                    None => period = Some(samples.sample_period_nanos),
-                    Some(p) if p != samples.sample_period_nanos => periods_agree = false,
-                    Some(_) => {}
-                }
-                let frame = Arc::new(group_frame(name));
+                period.add(samples.sample_period_nanos);
+                let frame = Arc::new(Frame::synthetic(name, GROUP_BINARY));
                 merged
                     .stacks
                     .extend(samples.stacks.into_iter().map(|mut stack| {
@@ -180,16 +214,10 @@ impl QueryEngine {
                         stack
                     }));
             }
-            // As storage does across batches: the period only when every
-            // group agreed on it.
-            merged.sample_period_nanos = match period {
-                Some(p) if periods_agree => p,
-                _ => 0,
-            };
+            merged.sample_period_nanos = period.result();
             Ok(merged)
         })
         .await
-        .map_err(QueryError::TaskFailed)?
     }
 
     pub async fn label_names(&self, selection: Selection) -> Result<Vec<String>, QueryError> {
@@ -223,17 +251,5 @@ impl QueryEngine {
             .blocking(move |storage| storage.series(&selection, step))
             .await?;
         Ok((step, points))
-    }
-}
-
-/// The synthetic root-most frame of one group.
-fn group_frame(function: String) -> Frame {
-    Frame {
-        function,
-        binary: GROUP_BINARY.to_owned(),
-        build_id: String::new(),
-        file: String::new(),
-        line: 0,
-        inlined: false,
     }
 }

@@ -170,6 +170,19 @@ pub struct Frame {
 }
 
 impl Frame {
+    /// A frame that stands for no code (a tree's root, a group, an unnamed
+    /// location): only a function and a binary, no build id or source line.
+    pub fn synthetic(function: impl Into<String>, binary: impl Into<String>) -> Self {
+        Self {
+            function: function.into(),
+            binary: binary.into(),
+            build_id: String::new(),
+            file: String::new(),
+            line: 0,
+            inlined: false,
+        }
+    }
+
     /// The name of a frame no symbol covers; never dropped, so its weight
     /// stays visible and the collector can name it later.
     pub fn unknown_function(binary: &str, address: u64) -> String {
@@ -197,5 +210,32 @@ pub struct StackSamples {
 impl StackSamples {
     pub fn total_weight(&self) -> u64 {
         self.stacks.iter().map(|s| s.weight).sum()
+    }
+}
+
+/// Whether every contributor (batch, bucket, group) had the same sample
+/// period: [`StackSamples::sample_period_nanos`] is that period when all
+/// agreed, 0 when they did not or there were none.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct PeriodAgreement {
+    value: Option<u64>,
+    disagree: bool,
+}
+
+impl PeriodAgreement {
+    pub fn add(&mut self, period_nanos: u64) {
+        match self.value {
+            None => self.value = Some(period_nanos),
+            Some(value) if value != period_nanos => self.disagree = true,
+            Some(_) => {}
+        }
+    }
+
+    /// The agreed period, or 0.
+    pub fn result(&self) -> u64 {
+        match self.value {
+            Some(value) if !self.disagree => value,
+            _ => 0,
+        }
     }
 }

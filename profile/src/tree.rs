@@ -42,18 +42,7 @@ pub const MAX_DEPTH: usize = 4096;
 
 /// The frame of the root node.
 pub fn root_frame() -> Frame {
-    synthetic_frame(ROOT_FUNCTION)
-}
-
-fn synthetic_frame(function: &str) -> Frame {
-    Frame {
-        function: function.to_string(),
-        binary: String::new(),
-        build_id: String::new(),
-        file: String::new(),
-        line: 0,
-        inlined: false,
-    }
+    Frame::synthetic(ROOT_FUNCTION, "")
 }
 
 /// One node of a [`CallTree`]: a frame reached by one particular path from
@@ -156,7 +145,7 @@ impl CallTree {
     /// Weights that sum beyond `u64::MAX` saturate.
     pub fn from_stacks(samples: &StackSamples) -> CallTree {
         let mut builder = Builder::new(Arc::new(root_frame()));
-        let truncated = Arc::new(synthetic_frame(TRUNCATED_FUNCTION));
+        let truncated = Arc::new(Frame::synthetic(TRUNCATED_FUNCTION, ""));
         for stack in &samples.stacks {
             if stack.weight == 0 {
                 continue;

@@ -71,7 +71,8 @@ struct ProcessEntry {
 pub struct ContainerIndex {
     proc_root: PathBuf,
     by_tgid: HashMap<u32, ProcessEntry>,
-    /// Complete labels by container id, shared by the container's processes.
+    /// Labels by container id, shared by the container's processes (for
+    /// the current pod list generation).
     by_container: HashMap<String, Arc<ContainerLabels>>,
     names: RuntimeNames,
     pods: Option<Arc<PodList>>,
@@ -140,47 +141,59 @@ impl ContainerIndex {
         labels
     }
 
+    /// The labels of a container: one `Arc` per container and content, so
+    /// that label keys can compare them by address. Complete labels are
+    /// reused as they are; incomplete ones are looked up again (a name may
+    /// have appeared) and keep their `Arc` while nothing changed.
     fn labels_of(&mut self, identity: &ContainerIdentity) -> Arc<ContainerLabels> {
-        if let Some(labels) = self.by_container.get(&identity.container_id) {
+        let in_pod = identity.pod_uid.is_some();
+        if let Some(labels) = self.by_container.get(&identity.container_id)
+            && labels.complete(in_pod)
+        {
             return Arc::clone(labels);
         }
+        let labels = self.look_up(identity);
+        if let Some(known) = self.by_container.get(&identity.container_id)
+            && **known == labels
+        {
+            return Arc::clone(known);
+        }
+        if self.by_container.len() >= MAX_PROCESSES {
+            self.by_container.clear();
+        }
+        let labels = Arc::new(labels);
+        self.by_container
+            .insert(identity.container_id.clone(), Arc::clone(&labels));
+        labels
+    }
+
+    /// Names the container from the pod list, else from its runtime.
+    fn look_up(&mut self, identity: &ContainerIdentity) -> ContainerLabels {
         let id: Arc<str> = identity.container_id.as_str().into();
-        let in_pod = identity.pod_uid.is_some();
         let from_pods = self
             .pods
             .as_deref()
             .and_then(|pods| pods.by_container_id(&identity.container_id));
-        let labels = match from_pods {
-            Some((pod, container)) => ContainerLabels {
+        if let Some((pod, container)) = from_pods {
+            return ContainerLabels {
                 id,
                 name: container.name.as_str().into(),
                 pod: pod.name.as_str().into(),
                 namespace: pod.namespace.as_str().into(),
-            },
-            None => {
-                if in_pod {
-                    self.unknown_pod_seen = true;
-                }
-                ContainerLabels {
-                    name: self
-                        .names
-                        .name(identity.runtime, &identity.container_id)
-                        .unwrap_or_else(|| "".into()),
-                    id,
-                    pod: "".into(),
-                    namespace: "".into(),
-                }
-            }
-        };
-        let labels = Arc::new(labels);
-        if labels.complete(in_pod) {
-            if self.by_container.len() >= MAX_PROCESSES {
-                self.by_container.clear();
-            }
-            self.by_container
-                .insert(identity.container_id.clone(), Arc::clone(&labels));
+            };
         }
-        labels
+        if identity.pod_uid.is_some() {
+            self.unknown_pod_seen = true;
+        }
+        ContainerLabels {
+            name: self
+                .names
+                .name(identity.runtime, &identity.container_id)
+                .unwrap_or_else(|| "".into()),
+            id,
+            pod: "".into(),
+            namespace: "".into(),
+        }
     }
 
     /// Forgets process `tgid` (it exited).
@@ -264,6 +277,24 @@ mod tests {
         .expect("cgroup file");
         assert_eq!(index.labels(10, 8), None);
         assert_eq!(index.reads, reads + 1);
+    }
+
+    #[test]
+    fn processes_of_a_container_without_a_name_share_one_labels_value() {
+        let proc = proc_with(&[
+            (10, format!("0::/libpod_parent/libpod-{ID_A}\n")),
+            (11, format!("0::/libpod_parent/libpod-{ID_A}\n")),
+        ]);
+        // podman has not written the container's name (no state at all).
+        let names = RuntimeNames::new(PathBuf::from("/nonexistent"), PathBuf::from("/nonexistent"));
+        let mut index = ContainerIndex::new(proc.path(), names);
+        let first = index.labels(10, 7).expect("a container");
+        assert_eq!((&*first.id, &*first.name), (ID_A, ""));
+        let second = index.labels(11, 7).expect("a container");
+        assert!(
+            Arc::ptr_eq(&first, &second),
+            "label keys compare container labels by address: one value per container"
+        );
     }
 
     #[test]

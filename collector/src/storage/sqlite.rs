@@ -58,7 +58,9 @@ use rusqlite::{
     CachedStatement, Connection, OptionalExtension as _, Statement, Transaction,
     TransactionBehavior,
 };
-use stackscope_profile::model::{Frame, Selection, StackSamples, WeightedStack, unix_nanos};
+use stackscope_profile::model::{
+    Frame, PeriodAgreement, Selection, StackSamples, WeightedStack, unix_nanos,
+};
 
 use super::{IngestOutcome, Storage, StorageError};
 use crate::ingest::{LineRecord, MappingKind, MappingRecord, ValidBatch};
@@ -463,7 +465,7 @@ impl Storage for SqliteStorage {
     fn stacks(&self, selection: &Selection) -> Result<StackSamples, StorageError> {
         self.read(|caches, tx| {
             let selected = caches.label_sets.select(selection);
-            let mut period = Agreement::default();
+            let mut period = PeriodAgreement::default();
             let mut weights = StackWeights::default();
             let mut add = |stack: i64, weight: i64| -> Result<(), StorageError> {
                 weights.add(stack, non_negative(weight, "sample weight")?);
@@ -472,7 +474,7 @@ impl Storage for SqliteStorage {
             match &selected {
                 Selected::All => {
                     self.for_each_label_set_bucket(tx, selection, &selected, |_, _, p, _| {
-                        period.add(p);
+                        period.add(u64::try_from(p).unwrap_or(0));
                         Ok(())
                     })?;
                     // Every label set counts: one sequential pass over the
@@ -501,7 +503,7 @@ impl Storage for SqliteStorage {
                         selection,
                         &selected,
                         |bucket, label_set, p, _| {
-                            period.add(p);
+                            period.add(u64::try_from(p).unwrap_or(0));
                             let mut rows = samples.query((bucket, label_set))?;
                             while let Some(row) = rows.next()? {
                                 add(row.get(0)?, row.get(1)?)?;
@@ -1655,12 +1657,8 @@ fn resolve_frames(
     let binary = binary_name(kind, path);
     if lines.is_empty() {
         return vec![Arc::new(Frame {
-            function: Frame::unknown_function(&binary, address),
-            binary,
             build_id: build_id.to_owned(),
-            file: String::new(),
-            line: 0,
-            inlined: false,
+            ..Frame::synthetic(Frame::unknown_function(&binary, address), binary)
         })];
     }
     let count = lines.len();
@@ -1728,30 +1726,6 @@ impl StackWeights {
             sorted.sort_unstable();
         }
         sorted
-    }
-}
-
-/// Whether every contributing batch had the same sample period.
-#[derive(Default)]
-struct Agreement {
-    value: Option<i64>,
-    disagree: bool,
-}
-
-impl Agreement {
-    fn add(&mut self, period: i64) {
-        match self.value {
-            None => self.value = Some(period),
-            Some(value) if value != period => self.disagree = true,
-            Some(_) => {}
-        }
-    }
-
-    fn result(&self) -> u64 {
-        match self.value {
-            Some(value) if !self.disagree => u64::try_from(value).unwrap_or(0),
-            _ => 0,
-        }
     }
 }
 
