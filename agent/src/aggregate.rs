@@ -475,11 +475,6 @@ impl Aggregator {
         }
     }
 
-    /// Distinct (labels, stack) pairs in the interval being aggregated.
-    pub fn distinct(&self) -> usize {
-        self.current.samples.len()
-    }
-
     /// The process replaced its image: its exe is read again.
     pub fn on_exec(&mut self, tgid: u32) {
         self.exes.forget(tgid);

@@ -184,11 +184,6 @@ impl ObjectFile {
     pub fn is_open(&self) -> bool {
         matches!(self.file.get(), Some(Ok(_)))
     }
-
-    /// The mapping the file was found through, if any.
-    pub fn region(&self) -> Option<&MappedRegion> {
-        self.region.as_deref()
-    }
 }
 
 /// Counters since the symbolizer was created.
@@ -657,14 +652,7 @@ fn bounded(text: &str) -> &str {
 
 /// `text` cut to at most `max` bytes, on a character boundary.
 pub(crate) fn truncate_str(text: &str, max: usize) -> &str {
-    if text.len() <= max {
-        return text;
-    }
-    let mut end = max;
-    while !text.is_char_boundary(end) {
-        end -= 1;
-    }
-    &text[..end]
+    &text[..text.floor_char_boundary(max)]
 }
 
 fn hex(bytes: &[u8]) -> String {

@@ -42,14 +42,10 @@ const HOST_BUSYBOX: &str = "/bin/busybox";
 /// How long [`Container::run`] waits for the container's command to start.
 const START_TIMEOUT: Duration = Duration::from_secs(20);
 
-/// Fails the test with a clear message unless it runs as root.
+/// Fails the test unless it runs as root: podman runs with the system's
+/// storage here.
 pub fn require_root() {
-    // SAFETY: geteuid has no preconditions.
-    let euid = unsafe { libc::geteuid() };
-    assert_eq!(
-        euid, 0,
-        "container tests run podman with system storage and must run as root (cargo xtask test)"
-    );
+    crate::require_root("container tests run podman with system storage");
 }
 
 /// `podman` with [`PODMAN_GLOBAL_FLAGS`], ready for a subcommand.

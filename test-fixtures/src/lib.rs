@@ -23,6 +23,14 @@ pub mod tls;
 /// so only the CFI can unwind it.
 pub const C_FLAGS: &[&str] = &["-O2", "-fomit-frame-pointer"];
 
+/// Fails the test with a clear message unless it runs as root; `why` says
+/// what needs it.
+pub fn require_root(why: &str) {
+    // SAFETY: geteuid has no preconditions.
+    let euid = unsafe { libc::geteuid() };
+    assert_eq!(euid, 0, "{why}: run as root (cargo xtask test)");
+}
+
 /// A binary of this workspace (`stackscope-agent`, `stackscope-collector`,
 /// `stackscope`) from the same target profile as the running test: the test
 /// binary lives in target/<profile>/deps, the binaries in target/<profile>.

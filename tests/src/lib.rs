@@ -23,12 +23,7 @@ pub use stackscope_test_fixtures::{ElfSymbols, Fixture, RunningProcess, workspac
 
 /// Fails the test with a clear message unless it runs as root.
 pub fn require_root() {
-    // SAFETY: geteuid has no preconditions.
-    let euid = unsafe { libc::geteuid() };
-    assert_eq!(
-        euid, 0,
-        "end-to-end tests load BPF programs and must run as root (cargo xtask test)"
-    );
+    stackscope_test_fixtures::require_root("end-to-end tests load BPF programs");
 }
 
 /// Serialises the tests that sample: concurrent runs would compete for the

@@ -237,21 +237,10 @@ fn aggregate(samples: &[OwnedSample]) -> v1::Batch {
     walker.flush(|w| aggregator.add(w.header, w.kernel_frames, Some(&w.walk)));
     assert_eq!(aggregator.stats().samples, samples.len() as u64);
     let interval = aggregator.finish_interval(SystemTime::now());
+    // The name cache is tested by the aggregator's unit tests; this builds
+    // the batch once, as the agent does.
     let mut symbolizer = Symbolizer::new(SymbolizerConfig::default());
-    let started = Instant::now();
-    let batch = build_batch(&interval, &mut symbolizer, &BatchOptions::for_frequency(99));
-    let cold = started.elapsed();
-    let started = Instant::now();
-    build_batch(&interval, &mut symbolizer, &BatchOptions::for_frequency(99));
-    eprintln!(
-        "{} samples, {} stacks, {} locations: batch built in {cold:?} (names cached: {:?}); {:?}",
-        samples.len(),
-        batch.stacks.len(),
-        batch.locations.len(),
-        started.elapsed(),
-        symbolizer.stats(),
-    );
-    batch
+    build_batch(&interval, &mut symbolizer, &BatchOptions::for_frequency(99))
 }
 
 /// The share of `samples`' count whose user chain (root first) satisfies

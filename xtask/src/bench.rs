@@ -15,7 +15,7 @@ use std::{
 use anyhow::{Context as _, bail};
 use clap::Subcommand;
 
-use crate::{cargo, run_checked, workspace_root};
+use crate::{KillOnDrop, cargo, run_checked, workspace_root};
 
 #[derive(Debug, Subcommand)]
 pub enum Bench {
@@ -523,12 +523,8 @@ fn run_filter_agent(
             .with_context(|| format!("no {section}.{name} in the agent's report: {report}"))
     };
     let runs = field("bpf", "run_count")?;
-    // The exact mean if the report carries the total run time, else the
-    // agent's own (whole-nanosecond) division.
-    let ns_per_run = match report["bpf"]["run_time_ns"].as_u64() {
-        Some(total) if runs > 0 => Some(total as f64 / runs as f64),
-        _ => report["bpf"]["ns_per_run"].as_u64().map(|ns| ns as f64),
-    };
+    // The agent's own run_time / run_count, in whole nanoseconds.
+    let ns_per_run = report["bpf"]["ns_per_run"].as_u64().map(|ns| ns as f64);
     let timeval = |tv: libc::timeval| {
         Duration::from_secs(tv.tv_sec as u64) + Duration::from_micros(tv.tv_usec as u64)
     };
@@ -579,13 +575,4 @@ fn compile_fixture_in(name: &str, out_dir: &Path) -> anyhow::Result<PathBuf> {
             .arg(&source),
     )?;
     Ok(binary)
-}
-
-struct KillOnDrop(Child);
-
-impl Drop for KillOnDrop {
-    fn drop(&mut self) {
-        let _ = self.0.kill();
-        let _ = self.0.wait();
-    }
 }

@@ -60,7 +60,7 @@ const RUN_HTTP: &str = "127.0.0.1:7071";
 
 /// A child process killed (and reaped) when dropped, so an early error does
 /// not leave the collector running.
-struct KillOnDrop(std::process::Child);
+pub(crate) struct KillOnDrop(pub(crate) std::process::Child);
 
 impl Drop for KillOnDrop {
     fn drop(&mut self) {

@@ -139,7 +139,7 @@ fn sums_identical_pairs_and_keeps_different_labels_apart() {
         add(&mut aggregator, &header(pid, "worker", true), &[], &stack);
     }
     add(&mut aggregator, &header(pid, "other", true), &[], &stack);
-    assert_eq!(aggregator.distinct(), 2);
+    assert_eq!(aggregator.stats().distinct, 2);
 
     let interval = aggregator.finish_interval(SystemTime::now());
     assert_eq!(interval.stacks.len(), 1, "one stack for both label sets");
@@ -159,7 +159,7 @@ fn sums_identical_pairs_and_keeps_different_labels_apart() {
     );
 
     // The next interval starts empty where this one ended.
-    assert_eq!(aggregator.distinct(), 0);
+    assert_eq!(aggregator.stats().distinct, 0);
     let next = aggregator.finish_interval(SystemTime::now());
     assert_eq!(next.start, interval.end);
     assert!(next.samples.is_empty());

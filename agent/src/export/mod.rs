@@ -24,7 +24,6 @@ mod retry;
 use std::{
     fmt,
     path::{Path, PathBuf},
-    str::FromStr,
     sync::{Arc, Mutex, MutexGuard, PoisonError},
     time::{Duration, Instant},
 };
@@ -90,24 +89,6 @@ impl Compression {
 impl fmt::Display for Compression {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.write_str(self.as_str())
-    }
-}
-
-/// A compression name other than `none`, `gzip` or `zstd`.
-#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
-#[error("unknown compression {0:?} (expected none, gzip or zstd)")]
-pub struct ParseCompressionError(pub String);
-
-impl FromStr for Compression {
-    type Err = ParseCompressionError;
-
-    fn from_str(s: &str) -> Result<Self, Self::Err> {
-        match s {
-            "none" => Ok(Compression::None),
-            "gzip" => Ok(Compression::Gzip),
-            "zstd" => Ok(Compression::Zstd),
-            other => Err(ParseCompressionError(other.to_owned())),
-        }
     }
 }
 
@@ -836,20 +817,6 @@ fn read_pem(
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn compression_parses_its_names() {
-        for compression in [Compression::None, Compression::Gzip, Compression::Zstd] {
-            assert_eq!(compression.as_str().parse(), Ok(compression));
-            assert_eq!(compression.to_string(), compression.as_str());
-        }
-        assert_eq!(Compression::default(), Compression::Zstd);
-        let err = "lz4".parse::<Compression>().unwrap_err();
-        assert_eq!(
-            err.to_string(),
-            "unknown compression \"lz4\" (expected none, gzip or zstd)"
-        );
-    }
 
     #[test]
     fn compression_is_a_clap_value() {

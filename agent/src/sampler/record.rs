@@ -131,9 +131,7 @@ impl<'a> Sample<'a> {
 
     /// The thread name up to its first NUL, lossily decoded.
     pub fn comm(&self) -> String {
-        let comm = &self.header.comm;
-        let end = comm.iter().position(|&b| b == 0).unwrap_or(comm.len());
-        String::from_utf8_lossy(&comm[..end]).into_owned()
+        crate::aggregate::labels::comm_str(&self.header.comm)
     }
 
     /// Size of the record this sample was decoded from.

@@ -68,11 +68,6 @@ impl<K: Hash + Eq, V: Clone> GenerationalCache<K, V> {
     pub fn is_empty(&self) -> bool {
         self.len() == 0
     }
-
-    pub fn clear(&mut self) {
-        self.young.clear();
-        self.old.clear();
-    }
 }
 
 #[cfg(test)]
