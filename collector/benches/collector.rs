@@ -7,27 +7,26 @@
 //! (default 60) of simulated time. Nodes run overlapping sets of services,
 //! so stacks repeat across the fleet as they do in real fleets. Ingest is
 //! validate + commit on one thread (one core); queries run the collector's
-//! own path: storage, call tree merge, proto encoding.
+//! own path: `QueryEngine::flamegraph` (storage, call tree merge), proto
+//! encoding.
 
 use std::{
     collections::HashMap,
     sync::Arc,
-    time::{Duration, Instant, SystemTime, UNIX_EPOCH},
+    time::{Duration, Instant, SystemTime},
 };
 
 use prost::Message as _;
 use rand::{Rng as _, SeedableRng as _, rngs::StdRng};
 use stackscope_collector::{
     ingest::{IngestLimits, validate},
+    query::QueryEngine,
     storage::{
         Storage,
         sqlite::{SqliteOptions, SqliteStorage},
     },
 };
-use stackscope_profile::{
-    model::{LabelMatcher, MatchOp, Selection, TimeRange},
-    tree::CallTree,
-};
+use stackscope_profile::model::{LabelMatcher, MatchOp, Selection, TimeRange, unix_nanos};
 use stackscope_proto::v1::{
     Batch, Label, LabelSet, Line, Location, Mapping, MappingKind, Node, Sample, Stack,
 };
@@ -216,10 +215,7 @@ fn main() {
     let templates: Vec<Batch> = (0..nodes).map(|n| node_template(n, &fleet)).collect();
     let limits = IngestLimits::default();
     let intervals = minutes * 60 / INTERVAL.as_secs() as usize;
-    let now = SystemTime::now()
-        .duration_since(UNIX_EPOCH)
-        .expect("clock after 1970")
-        .as_nanos() as i64;
+    let now = unix_nanos(SystemTime::now());
     let first_start = now - (intervals as i64) * INTERVAL.as_nanos() as i64;
     println!(
         "collector bench: {nodes} nodes x {STACKS_PER_NODE} stacks of depth {DEPTH} per {}s, \
@@ -304,7 +300,12 @@ fn main() {
         "flamegraph query over {minutes} min ({} runs each; storage + merge + encode; target p50 <= 200 ms):",
         query_runs
     );
+    let runtime = tokio::runtime::Builder::new_current_thread()
+        .build()
+        .expect("tokio runtime");
+    let engine = QueryEngine::new(storage);
     for (name, matchers) in queries {
+        let everything = matchers.is_empty();
         let selection = Selection {
             range,
             matchers: matchers.clone(),
@@ -314,9 +315,10 @@ fn main() {
         let mut weight = 0;
         for _ in 0..query_runs {
             let began = Instant::now();
-            let samples = storage.stacks(&selection).expect("query");
-            let tree = CallTree::from_stacks(&samples);
-            let response = tree.to_proto(samples.sample_period_nanos);
+            let flamegraph = runtime
+                .block_on(engine.flamegraph(selection.clone(), 0.0, None))
+                .expect("query");
+            let response = flamegraph.tree.to_proto(flamegraph.sample_period_nanos);
             times.push(began.elapsed());
             nodes_in_tree = response.nodes.len();
             weight = response.total;
@@ -328,5 +330,10 @@ fn main() {
             percentile(&times, 0.95).as_secs_f64() * 1e3,
         );
         assert!(weight > 0, "query {name} found no samples");
+        if everything {
+            // Every batch falls in the range and weighs its sample count
+            // (no sampling divisor).
+            assert_eq!(weight, samples, "query {name} lost or invented samples");
+        }
     }
 }

@@ -85,9 +85,7 @@ pub struct SampleRecord {
     pub stack: u32,
     /// Index into [`ValidBatch::label_sets`].
     pub label_set: u32,
-    /// Ticks recorded; at least 1.
-    pub count: u64,
-    /// `count` scaled by the sampling divisor; at least `count` and at most
+    /// Ticks recorded (at least 1) scaled by the sampling divisor; at most
     /// `i64::MAX`, so engines with signed 64-bit integers store it as is.
     pub weight: u64,
 }
@@ -276,7 +274,7 @@ impl BatchError {
     /// Whether the batch broke a size limit rather than a rule: the server
     /// answers RESOURCE_EXHAUSTED (split and retry) instead of
     /// INVALID_ARGUMENT (do not retry).
-    pub fn is_too_large(&self) -> bool {
+    pub(crate) fn is_too_large(&self) -> bool {
         matches!(
             self,
             BatchError::TooMany { .. }
@@ -290,7 +288,7 @@ impl BatchError {
 }
 
 /// The label the collector sets on every label set to the batch's node.
-pub const NODE_LABEL: &str = "node";
+pub(crate) const NODE_LABEL: &str = "node";
 
 /// Checks every rule and limit of `batch` and resolves its strings.
 pub fn validate(batch: v1::Batch, limits: &IngestLimits) -> Result<ValidBatch, BatchError> {
@@ -718,7 +716,6 @@ fn validate_sample(
     Ok(SampleRecord {
         stack: sample.stack,
         label_set: sample.label_set,
-        count: sample.count,
         weight,
     })
 }
@@ -867,13 +864,11 @@ mod tests {
                 SampleRecord {
                     stack: 0,
                     label_set: 0,
-                    count: 3,
                     weight: 3,
                 },
                 SampleRecord {
                     stack: 1,
                     label_set: 1,
-                    count: 2,
                     weight: 8,
                 },
             ],

@@ -43,7 +43,7 @@ pub enum QueryError {
 
 /// Who a failed query is on, for the servers' status codes.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Fault {
+pub(crate) enum Fault {
     /// The request itself was wrong; the client can fix it.
     Request,
     /// The collector failed.
@@ -53,7 +53,7 @@ pub enum Fault {
 impl QueryError {
     /// Whether the request itself was wrong (the client can fix it), as
     /// opposed to the collector failing.
-    pub fn is_invalid_request(&self) -> bool {
+    fn is_invalid_request(&self) -> bool {
         matches!(
             self,
             Self::InvalidGroupLabel(_) | Self::InvalidMinShare(_) | Self::TooManyGroups { .. }
@@ -63,7 +63,7 @@ impl QueryError {
     /// Whose fault it is and what the client is told: the error itself for
     /// a wrong request; for a collector failure, a generic message (the
     /// failure, with its causes, is logged here, not sent).
-    pub fn into_public(self) -> (Fault, String) {
+    pub(crate) fn into_public(self) -> (Fault, String) {
         if self.is_invalid_request() {
             return (Fault::Request, self.to_string());
         }
@@ -76,7 +76,7 @@ impl QueryError {
 }
 
 /// Top functions answered when a request does not say how many.
-pub const DEFAULT_TOP_LIMIT: usize = 50;
+pub(crate) const DEFAULT_TOP_LIMIT: usize = 50;
 
 /// Series longer than this are answered with a wider step: a client asking
 /// for a year at 1 s resolution gets a readable answer, not an out-of-memory.

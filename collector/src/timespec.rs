@@ -32,6 +32,20 @@ pub fn describe(selection: &Selection) -> String {
     }
 }
 
+/// The title of a selection's flamegraph.
+pub fn title(selection: &Selection) -> String {
+    format!("stackscope: {}", describe(selection))
+}
+
+/// The title of a differential flamegraph of `selection` against `base`.
+pub fn diff_title(selection: &Selection, base: &Selection) -> String {
+    format!(
+        "stackscope diff: {} against {}",
+        describe(selection),
+        describe(base)
+    )
+}
+
 /// A selection as typed (CLI options or HTTP parameters), before parsing.
 #[derive(Debug, Clone, Copy, Default)]
 pub struct SelectionText<'a> {

@@ -6,14 +6,14 @@ use std::{
     io::{Read as _, Write as _},
     net::SocketAddr,
     sync::Arc,
-    time::{SystemTime, UNIX_EPOCH},
+    time::SystemTime,
 };
 
 use stackscope_collector::{
     server::{self, RunningCollector, ServerConfig},
     storage::sqlite::{SqliteOptions, SqliteStorage},
 };
-use stackscope_profile::{render, tree::CallTree};
+use stackscope_profile::{model::unix_nanos, render, tree::CallTree};
 use stackscope_proto::v1::{
     Batch, FlamegraphRequest, Label, LabelMatcher, LabelNamesRequest, LabelSet, Line, Location,
     Mapping, MappingKind, Node, PushRequest, Sample, Selection, Stack, TopFunctionsRequest,
@@ -22,13 +22,6 @@ use stackscope_proto::v1::{
 use tonic::{Code, transport::Channel};
 
 const MAX_MESSAGE_BYTES: usize = 256 << 10;
-
-fn now_nanos() -> i64 {
-    SystemTime::now()
-        .duration_since(UNIX_EPOCH)
-        .expect("clock after 1970")
-        .as_nanos() as i64
-}
 
 /// A batch from `node`: `comm` ran main -> work (named, with an inlined
 /// helper) `count` times, and an unnamed frame of libfoo.so `unnamed` times.
@@ -55,7 +48,7 @@ fn batch(id: u8, node: &str, comm: &str, count: u64, unnamed: u64) -> Batch {
         file: 6,
         line,
     };
-    let now = now_nanos();
+    let now = unix_nanos(SystemTime::now());
     Batch {
         batch_id: vec![id; 16],
         node: Some(Node {
@@ -264,8 +257,8 @@ async fn grouped(
 
 fn selection(matchers: Vec<LabelMatcher>) -> Selection {
     Selection {
-        start_unix_nanos: now_nanos() - 3_600_000_000_000,
-        end_unix_nanos: now_nanos() + 60_000_000_000,
+        start_unix_nanos: unix_nanos(SystemTime::now()) - 3_600_000_000_000,
+        end_unix_nanos: unix_nanos(SystemTime::now()) + 60_000_000_000,
         matchers,
     }
 }
@@ -387,6 +380,14 @@ async fn stored_batches_are_counted_once_and_queried_by_label() {
     let svg = String::from_utf8(body).expect("UTF-8");
     assert!(
         svg.contains("<svg") && svg.contains("libfoo.so+0x1a2b"),
+        "{svg:.300}"
+    );
+    // The header names both selections once, without the flamegraph
+    // title's own "stackscope: " prefix.
+    assert!(
+        svg.contains(
+            ">stackscope diff: {comm=&quot;redis&quot;} against {comm=&quot;nginx&quot;}</text>"
+        ),
         "{svg:.300}"
     );
     let (status, body) = fixture.http_get("/api/v1/labels/comm/values?since=1h");

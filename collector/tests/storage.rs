@@ -578,14 +578,6 @@ fn sampling_divisor_scales_weight() {
         storage.series(&all(&[]), MINUTE).expect("series"),
         [(T0, 30)]
     );
-    // The raw count is kept next to the weight.
-    let conn = rusqlite::Connection::open(storage.path()).expect("open");
-    let (count, weight): (i64, i64) = conn
-        .query_row("SELECT sum(count), sum(weight) FROM samples", [], |row| {
-            Ok((row.get(0)?, row.get(1)?))
-        })
-        .expect("sums");
-    assert_eq!((count, weight), (12, 30));
 }
 
 #[test]
@@ -691,7 +683,6 @@ fn a_rejected_batch_stores_nothing() {
     broken.samples.push(SampleRecord {
         stack: 900,
         label_set: 0,
-        count: 1,
         weight: 1,
     });
     match storage.ingest(&broken) {
@@ -754,7 +745,6 @@ fn hand_built_batches_and_cache_hits() {
         samples: vec![SampleRecord {
             stack: 0,
             label_set: 0,
-            count: 2,
             weight: 2,
         }],
     };
@@ -837,6 +827,43 @@ fn concurrent_ingest_and_queries() {
 }
 
 #[test]
+fn a_version_1_database_loses_its_count_column_and_keeps_its_samples() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let path = dir.path().join("stackscope.db");
+    let storage = open(&path);
+    storage.ingest(&batch1()).expect("ingest");
+    let before = weights(&storage, &all(&[]));
+    drop(storage);
+    // What version 1 looked like: the same tables plus samples.count.
+    rusqlite::Connection::open(&path)
+        .and_then(|conn| {
+            conn.execute_batch(
+                "ALTER TABLE samples ADD COLUMN count INTEGER NOT NULL DEFAULT 1;
+                 PRAGMA user_version = 1;",
+            )
+        })
+        .expect("making a version 1 database");
+
+    let storage = open(&path);
+    assert_eq!(weights(&storage, &all(&[])), before, "samples kept");
+    storage.ingest(&batch2()).expect("ingest after the upgrade");
+    assert_ne!(weights(&storage, &all(&[])), before, "batch 2 stored");
+    drop(storage);
+    let conn = rusqlite::Connection::open(&path).expect("reopen");
+    let version: i32 = conn
+        .query_row("PRAGMA user_version", [], |row| row.get(0))
+        .expect("version");
+    let has_count: bool = conn
+        .query_row(
+            "SELECT count(*) FROM pragma_table_info('samples') WHERE name = 'count'",
+            [],
+            |row| row.get(0),
+        )
+        .expect("columns");
+    assert_eq!((version, has_count), (2, false));
+}
+
+#[test]
 fn incompatible_databases_are_refused() {
     let dir = tempfile::tempdir().expect("tempdir");
     let path = dir.path().join("stackscope.db");
@@ -858,13 +885,13 @@ fn incompatible_databases_are_refused() {
     );
 
     rusqlite::Connection::open(&path)
-        .and_then(|conn| conn.pragma_update(None, "user_version", 2))
+        .and_then(|conn| conn.pragma_update(None, "user_version", 3))
         .expect("set a newer version");
     let err = SqliteStorage::open(&path, SqliteOptions::default()).expect_err("newer schema");
     assert_eq!(
         err.to_string(),
         format!(
-            "the database at {} cannot be used: its schema version 2 is newer than the 1 this \
+            "the database at {} cannot be used: its schema version 3 is newer than the 2 this \
              collector knows; run a newer collector",
             path.display()
         )

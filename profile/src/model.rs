@@ -25,12 +25,6 @@ pub struct TimeRange {
     pub end_unix_nanos: i64,
 }
 
-impl TimeRange {
-    pub fn contains(&self, unix_nanos: i64) -> bool {
-        self.start_unix_nanos <= unix_nanos && unix_nanos < self.end_unix_nanos
-    }
-}
-
 /// How a matcher compares a label's value, as in PromQL.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum MatchOp {
@@ -131,12 +125,6 @@ impl LabelMatcher {
     }
 }
 
-impl std::fmt::Display for LabelMatcher {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        write!(f, "{}{}{:?}", self.name, self.op.as_str(), self.value)
-    }
-}
-
 /// Which samples a query covers: every matcher must hold.
 #[derive(Debug, Clone)]
 pub struct Selection {
@@ -146,10 +134,11 @@ pub struct Selection {
 
 impl Selection {
     /// Whether a sample with these labels is selected (time aside).
-    pub fn matches_labels<'a>(&self, labels: &[(&'a str, &'a str)]) -> bool {
-        self.matchers
-            .iter()
-            .all(|m| m.matches_set(labels.iter().copied()))
+    pub fn matches_labels<'a, I>(&self, labels: I) -> bool
+    where
+        I: IntoIterator<Item = (&'a str, &'a str)> + Clone,
+    {
+        self.matchers.iter().all(|m| m.matches_set(labels.clone()))
     }
 }
 

@@ -41,7 +41,7 @@ pub const TRUNCATED_FUNCTION: &str = "[truncated]";
 pub const MAX_DEPTH: usize = 4096;
 
 /// The frame of the root node.
-pub fn root_frame() -> Frame {
+pub(crate) fn root_frame() -> Frame {
     Frame::synthetic(ROOT_FUNCTION, "")
 }
 
@@ -378,7 +378,7 @@ impl CallTree {
 }
 
 /// The wire form of a frame.
-pub fn frame_to_proto(frame: &Frame) -> ProtoFrame {
+pub(crate) fn frame_to_proto(frame: &Frame) -> ProtoFrame {
     ProtoFrame {
         function: frame.function.clone(),
         binary: frame.binary.clone(),
@@ -390,7 +390,7 @@ pub fn frame_to_proto(frame: &Frame) -> ProtoFrame {
 }
 
 /// A frame from its wire form.
-pub fn frame_from_proto(frame: &ProtoFrame) -> Frame {
+pub(crate) fn frame_from_proto(frame: &ProtoFrame) -> Frame {
     Frame {
         function: frame.function.clone(),
         binary: frame.binary.clone(),

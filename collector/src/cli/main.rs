@@ -306,9 +306,7 @@ async fn main() -> anyhow::Result<()> {
             let selection = args.selection()?;
             let (tree, _) = fetch_tree(&cli, &selection, *min_share, group_by.as_deref()).await?;
             let options = SvgOptions {
-                title: title
-                    .clone()
-                    .unwrap_or_else(|| format!("stackscope: {}", timespec::describe(&selection))),
+                title: title.clone().unwrap_or_else(|| timespec::title(&selection)),
                 ..SvgOptions::default()
             };
             write_output(output, &render::svg(&tree, &options)?)?;
@@ -364,11 +362,7 @@ async fn main() -> anyhow::Result<()> {
             let (new, _) = collector.tree(&selection, 0.0, None).await?;
             let (old, _) = collector.tree(&base, 0.0, None).await.context("baseline")?;
             let options = SvgOptions {
-                title: format!(
-                    "stackscope diff: {} against {}",
-                    timespec::describe(&selection),
-                    timespec::describe(&base)
-                ),
+                title: timespec::diff_title(&selection, &base),
                 ..SvgOptions::default()
             };
             write_output(output, &render::diff_svg(&old, &new, &options)?)?;

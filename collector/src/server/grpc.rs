@@ -15,12 +15,9 @@ use tonic::{Request, Response, Status};
 
 use crate::{
     ingest::{IngestLimits, validate},
-    query::{QueryEngine, QueryError},
+    query::{DEFAULT_TOP_LIMIT, Fault, QueryEngine, QueryError},
     storage::{IngestOutcome, Storage},
 };
-
-/// Top functions answered when a request does not say how many.
-const DEFAULT_TOP_LIMIT: u32 = 50;
 
 pub struct IngestService {
     storage: Arc<dyn Storage>,
@@ -86,11 +83,10 @@ impl QueryService {
 }
 
 fn query_status(err: QueryError) -> Status {
-    if err.is_invalid_request() {
-        return Status::invalid_argument(err.to_string());
+    match err.into_public() {
+        (Fault::Request, message) => Status::invalid_argument(message),
+        (Fault::Collector, message) => Status::internal(message),
     }
-    tracing::error!("query failed: {:#}", anyhow::Error::from(err));
-    Status::internal("the query failed in the collector's storage; see the collector's log")
 }
 
 fn selection(
@@ -114,17 +110,10 @@ impl query_server::Query for QueryService {
         request: Request<FlamegraphRequest>,
     ) -> Result<Response<FlamegraphResponse>, Status> {
         let request = request.into_inner();
-        if !(0.0..=1.0).contains(&request.min_share) {
-            return Err(Status::invalid_argument(format!(
-                "min_share must be between 0 and 1, got {}",
-                request.min_share
-            )));
-        }
         let selection = selection(request.selection)?;
-        let group_by = Some(request.group_by.as_str()).filter(|label| !label.is_empty());
         let flamegraph = self
             .engine
-            .flamegraph(selection, request.min_share, group_by)
+            .flamegraph(selection, request.min_share, Some(&request.group_by))
             .await
             .map_err(query_status)?;
         Ok(Response::new(
@@ -140,14 +129,14 @@ impl query_server::Query for QueryService {
         let selection = selection(request.selection)?;
         let limit = match request.limit {
             0 => DEFAULT_TOP_LIMIT,
-            limit => limit,
+            limit => limit as usize,
         };
         let flamegraph = self
             .engine
             .flamegraph(selection, 0.0, None)
             .await
             .map_err(query_status)?;
-        let functions = render::top_functions(&flamegraph.tree, limit as usize)
+        let functions = render::top_functions(&flamegraph.tree, limit)
             .into_iter()
             .map(|stat| FunctionCost {
                 function: stat.function,

@@ -20,7 +20,7 @@ use stackscope_profile::{
 };
 
 use crate::{
-    query::{Flamegraph, QueryEngine},
+    query::{DEFAULT_TOP_LIMIT, Fault, Flamegraph, QueryEngine, QueryError},
     timespec::{self, SelectionText},
 };
 
@@ -51,16 +51,12 @@ fn bad_request(err: impl std::fmt::Display) -> ApiError {
     ApiError(StatusCode::BAD_REQUEST, err.to_string())
 }
 
-impl From<crate::query::QueryError> for ApiError {
-    fn from(err: crate::query::QueryError) -> Self {
-        if err.is_invalid_request() {
-            return bad_request(err);
+impl From<QueryError> for ApiError {
+    fn from(err: QueryError) -> Self {
+        match err.into_public() {
+            (Fault::Request, message) => ApiError(StatusCode::BAD_REQUEST, message),
+            (Fault::Collector, message) => ApiError(StatusCode::INTERNAL_SERVER_ERROR, message),
         }
-        tracing::error!("query failed: {:#}", anyhow::Error::from(err));
-        ApiError(
-            StatusCode::INTERNAL_SERVER_ERROR,
-            "the query failed in the collector's storage; see the collector's log".into(),
-        )
     }
 }
 
@@ -124,21 +120,21 @@ impl Params {
         }
     }
 
+    /// The engine checks the range.
     fn min_share(&self) -> Result<f64, ApiError> {
         let Some(text) = &self.min_share else {
             return Ok(0.0);
         };
-        match text.parse::<f64>() {
-            Ok(value) if (0.0..=1.0).contains(&value) => Ok(value),
-            _ => Err(bad_request(format!(
+        text.parse::<f64>().map_err(|_| {
+            bad_request(format!(
                 "min_share {text:?}: expected a share between 0 and 1 (0.05 = 5%)"
-            ))),
-        }
+            ))
+        })
     }
 
     fn limit(&self) -> Result<usize, ApiError> {
         match &self.limit {
-            None => Ok(50),
+            None => Ok(DEFAULT_TOP_LIMIT),
             Some(text) => text
                 .parse()
                 .map_err(|_| bad_request(format!("limit {text:?}: expected a count"))),
@@ -209,10 +205,6 @@ fn render(
     })
 }
 
-fn title_of(selection: &Selection) -> String {
-    format!("stackscope: {}", timespec::describe(selection))
-}
-
 async fn index(State(engine): State<QueryEngine>) -> Result<Response, ApiError> {
     let selection = SelectionText {
         since: Some("15m"),
@@ -235,11 +227,13 @@ async fn flamegraph(
 ) -> Result<Response, ApiError> {
     let selection = params.selection()?;
     let (format, min_share) = (params.format()?, params.min_share()?);
-    let group_by = params.group_by.as_deref().filter(|label| !label.is_empty());
     let flamegraph = engine
-        .flamegraph(selection.clone(), min_share, group_by)
+        .flamegraph(selection.clone(), min_share, params.group_by.as_deref())
         .await?;
-    let title = params.title.clone().unwrap_or_else(|| title_of(&selection));
+    let title = params
+        .title
+        .clone()
+        .unwrap_or_else(|| timespec::title(&selection));
     render(&flamegraph, format, title, &selection)
 }
 
@@ -255,11 +249,7 @@ async fn diff(
         engine.flamegraph(base.clone(), 0.0, None)
     )?;
     let options = SvgOptions {
-        title: format!(
-            "stackscope diff: {} against {}",
-            title_of(&selection),
-            title_of(&base)
-        ),
+        title: timespec::diff_title(&selection, &base),
         ..SvgOptions::default()
     };
     match render::diff_svg(&old.tree, &new.tree, &options) {

@@ -21,7 +21,7 @@
 //!   and needs no string garbage collection. Stacks keep their location ids
 //!   as a varint blob, leaf first. Ids are `AUTOINCREMENT`, so an id is never
 //!   reused after a delete and the query side may cache by id.
-//! * `samples(bucket_start, label_set_id, stack_id, count, weight)`: sums
+//! * `samples(bucket_start, label_set_id, stack_id, weight)`: sums
 //!   per time bucket, `WITHOUT ROWID` with that primary key so a bucket is
 //!   one contiguous range (cheap upserts within a batch, cheap range scans
 //!   and prefix deletes).
@@ -68,7 +68,7 @@ use crate::ingest::{LineRecord, MappingKind, MappingRecord, ValidBatch};
 /// The schema this code reads and writes. Bump it (and migrate) on any
 /// change; an older collector refuses a newer database instead of
 /// misreading it.
-const SCHEMA_VERSION: i32 = 1;
+const SCHEMA_VERSION: i32 = 2;
 
 const SCHEMA: &str = "
 CREATE TABLE meta (
@@ -136,7 +136,6 @@ CREATE TABLE samples (
     bucket_start INTEGER NOT NULL,
     label_set_id INTEGER NOT NULL,
     stack_id INTEGER NOT NULL,
-    count INTEGER NOT NULL,
     weight INTEGER NOT NULL,
     PRIMARY KEY (bucket_start, label_set_id, stack_id)
 ) STRICT, WITHOUT ROWID;
@@ -154,17 +153,15 @@ CREATE TABLE label_set_buckets (
 /// a good part of ingest in statement overhead rather than in the B-tree.
 const SAMPLES_PER_STATEMENT: usize = 64;
 
-/// An upsert of `rows` sample rows, 5 parameters each: bucket, label set,
-/// stack, count, weight.
+/// An upsert of `rows` sample rows, 4 parameters each: bucket, label set,
+/// stack, weight.
 fn upsert_samples_sql(rows: usize) -> String {
-    let values = vec!["(?, ?, ?, ?, ?)"; rows].join(", ");
+    let values = vec!["(?, ?, ?, ?)"; rows].join(", ");
     // Sums saturate at i64::MAX: SQLite would turn an overflowing integer
     // sum into a float, which would then fail to read back as an integer.
     format!(
-        "INSERT INTO samples (bucket_start, label_set_id, stack_id, count, weight) VALUES {values}
+        "INSERT INTO samples (bucket_start, label_set_id, stack_id, weight) VALUES {values}
          ON CONFLICT (bucket_start, label_set_id, stack_id) DO UPDATE SET
-             count = CASE WHEN count > 9223372036854775807 - excluded.count
-                 THEN 9223372036854775807 ELSE count + excluded.count END,
              weight = CASE WHEN weight > 9223372036854775807 - excluded.weight
                  THEN 9223372036854775807 ELSE weight + excluded.weight END"
     )
@@ -322,11 +319,6 @@ impl SqliteStorage {
     /// The database file.
     pub fn path(&self) -> &Path {
         &self.path
-    }
-
-    /// The width of the buckets samples are summed into.
-    pub fn bucket_nanos(&self) -> i64 {
-        self.bucket_nanos
     }
 
     /// How well the ingest dictionary caches are doing.
@@ -680,6 +672,12 @@ fn init_schema(conn: &mut Connection, path: &Path, bucket_nanos: i64) -> Result<
             )?;
             tx.pragma_update(None, "user_version", SCHEMA_VERSION)?;
         }
+        // Version 1 also kept each row's raw sample count, which no query
+        // read; the weight (count × divisor) is what flamegraphs sum.
+        1 => {
+            tx.execute_batch("ALTER TABLE samples DROP COLUMN count")?;
+            tx.pragma_update(None, "user_version", SCHEMA_VERSION)?;
+        }
         SCHEMA_VERSION => {}
         newer if newer > SCHEMA_VERSION => {
             return Err(incompatible(format!(
@@ -714,7 +712,7 @@ fn init_schema(conn: &mut Connection, path: &Path, bucket_nanos: i64) -> Result<
     Ok(())
 }
 
-/// A weight or count read back from the database, which only ever stores
+/// A weight read back from the database, which only ever stores
 /// non-negative ones.
 fn non_negative(value: i64, what: &str) -> Result<u64, StorageError> {
     u64::try_from(value).map_err(|_| StorageError::Corrupt(format!("negative {what} {value}")))
@@ -812,8 +810,8 @@ struct Scratch {
     stack: Vec<i64>,
     stack_ids: Vec<i64>,
     label_set_ids: Vec<i64>,
-    /// (label set id, stack id, count, weight)
-    samples: Vec<(i64, i64, u64, u64)>,
+    /// (label set id, stack id, weight)
+    samples: Vec<(i64, i64, u64)>,
     /// Items first stored or moved to a newer bucket by the open
     /// transaction: published to the caches only after it commits, so a
     /// rollback cannot leave ids in the caches that the database lacks.
@@ -1203,24 +1201,19 @@ impl Writer {
             let label_set = *item(label_set_ids, sample.label_set, || {
                 format!("sample {index}: label set {}", sample.label_set)
             })?;
-            if sample.count == 0
-                || sample.count > sample.weight
-                || i64::try_from(sample.weight).is_err()
-            {
+            if sample.weight == 0 || i64::try_from(sample.weight).is_err() {
                 return Err(invalid(format!(
-                    "sample {index}: count {} and weight {} do not satisfy 1 <= count <= weight \
-                     <= i64::MAX",
-                    sample.count, sample.weight
+                    "sample {index}: weight {} is not in 1..=i64::MAX",
+                    sample.weight
                 )));
             }
-            samples.push((label_set, stack, sample.count, sample.weight));
+            samples.push((label_set, stack, sample.weight));
         }
         samples.sort_unstable();
         samples.dedup_by(|next, kept| {
             let same = (next.0, next.1) == (kept.0, kept.1);
             if same {
                 kept.2 = kept.2.saturating_add(next.2);
-                kept.3 = kept.3.saturating_add(next.3);
             }
             same
         });
@@ -1233,29 +1226,23 @@ impl Writer {
             for chunk in samples.chunks(SAMPLES_PER_STATEMENT) {
                 if chunk.len() == SAMPLES_PER_STATEMENT {
                     let mut param = 0;
-                    for &(label_set, stack, count, weight) in chunk {
-                        for value in [bucket, label_set, stack, saturate(count), saturate(weight)] {
+                    for &(label_set, stack, weight) in chunk {
+                        for value in [bucket, label_set, stack, saturate(weight)] {
                             param += 1;
                             upsert_many.raw_bind_parameter(param, value)?;
                         }
                     }
                     upsert_many.raw_execute()?;
                 } else {
-                    for &(label_set, stack, count, weight) in chunk {
-                        upsert_one.execute((
-                            bucket,
-                            label_set,
-                            stack,
-                            saturate(count),
-                            saturate(weight),
-                        ))?;
+                    for &(label_set, stack, weight) in chunk {
+                        upsert_one.execute((bucket, label_set, stack, saturate(weight)))?;
                     }
                 }
             }
 
             let mut upsert_label_set_bucket = tx.prepare_cached(UPSERT_LABEL_SET_BUCKET)?;
             let mut current: Option<(i64, u64)> = None;
-            for &(label_set, _, _, weight) in samples.iter() {
+            for &(label_set, _, weight) in samples.iter() {
                 current = match current {
                     Some((id, sum)) if id == label_set => Some((id, sum.saturating_add(weight))),
                     Some((id, sum)) => {
@@ -1541,9 +1528,7 @@ impl LabelSets {
             self.sets
                 .iter()
                 .filter(|(_, labels)| {
-                    selection.matchers.iter().all(|matcher| {
-                        matcher.matches_set(labels.iter().map(|(n, v)| (n.as_str(), v.as_str())))
-                    })
+                    selection.matches_labels(labels.iter().map(|(n, v)| (n.as_str(), v.as_str())))
                 })
                 .map(|(id, _)| *id)
                 .collect(),

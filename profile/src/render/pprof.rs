@@ -506,12 +506,6 @@ mod tests {
         assert_eq!(empty.sample_type.len(), 2);
     }
 
-    #[test]
-    fn output_is_deterministic() {
-        let tree = tree(&[("main;a;b", 3), ("main;c;b", 2), ("x;y", 5)]);
-        assert_eq!(pprof(&tree, 7, 1, 2), pprof(&tree, 7, 1, 2));
-    }
-
     /// The real reader: `go tool pprof -top` must list the functions with
     /// their flat (self) weights.
     #[test]
