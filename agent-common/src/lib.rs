@@ -14,7 +14,8 @@
 #[repr(u32)]
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum RecordKind {
-    /// A [`SampleHeader`] followed by the kernel stack, then the user stack bytes.
+    /// A [`SampleHeader`] followed by the kernel stack, the user stack bytes,
+    /// then the stack tail (packed [`tail_span`]s each followed by its bytes).
     Sample = 1,
     /// A [`ProcessEvent`]: the process replaced its image (`execve`); what was
     /// known of its mappings is stale.
@@ -52,10 +53,22 @@ pub const MAX_KERNEL_STACK_BYTES: usize = MAX_KERNEL_FRAMES * 8;
 
 /// Default number of user stack bytes copied per sample.
 pub const DEFAULT_USER_STACK_BYTES: u32 = 16 * 1024;
-/// Upper bound for the user stack copy. Deep C++/Rust stacks rarely need more
-/// than 32 KiB to reach `main`, and this keeps the per-CPU scratch buffer
-/// (one slot per CPU) within 40 KiB.
+/// Upper bound for the contiguous user stack copy (the ceiling of the
+/// adaptive copy). Deeper stacks reach their root through the stack tail.
 pub const MAX_USER_STACK_BYTES: u32 = 32 * 1024;
+
+/// Smallest adaptive copy the agent asks for: a leaf's frame and its
+/// caller's, even when the thread's walks have needed less.
+pub const MIN_USER_STACK_BYTES: u32 = 512;
+
+/// Most spans in a thread's [`StackPlan`]: one per deep frame whose return
+/// address (and saved rbp) the walk needs beyond the contiguous copy.
+pub const MAX_TAIL_SPANS: usize = 512;
+/// Longest span: slots closer than this are read as one span rather than
+/// two (a helper call costs about as much as copying a few hundred bytes).
+pub const MAX_SPAN_BYTES: u32 = 256;
+/// Most bytes of tail (span headers plus data) in one record.
+pub const MAX_TAIL_BYTES: u32 = 16 * 1024;
 
 /// The copy reads page by page so that it stops at the first page that is not
 /// mapped (the end of the stack mapping) instead of failing as a whole.
@@ -65,14 +78,32 @@ pub const PAGE_SIZE: u32 = 4096;
 /// record before handing it to the ring buffer in one variable-length write.
 /// One page more than the largest record: the page-sized read that ends the
 /// copy must fit even when the verifier cannot prove it is shorter.
+///
+/// The stack tail goes after the copy at an offset the program bounds with
+/// [`KERNEL_STACK_MASK`] and [`USER_STACK_MASK`] (the verifier cannot follow
+/// the copy loop's arithmetic), so the slot has room for the masks' reach.
 pub const SCRATCH_BYTES: usize = SAMPLE_HEADER_SIZE
-    + MAX_KERNEL_STACK_BYTES
-    + MAX_USER_STACK_BYTES as usize
-    + PAGE_SIZE as usize;
+    + KERNEL_STACK_MASK as usize
+    + 1
+    + USER_STACK_MASK as usize
+    + 1
+    + MAX_TAIL_BYTES as usize
+    + TAIL_SPAN_HEADER_SIZE
+    + MAX_SPAN_BYTES as usize;
+
+/// A power of two minus one at or above [`MAX_KERNEL_STACK_BYTES`].
+pub const KERNEL_STACK_MASK: u64 = 1023;
+/// A power of two minus one at or above the largest copy (which may end a
+/// page past [`MAX_USER_STACK_BYTES`] in the verifier's view).
+pub const USER_STACK_MASK: u64 = 2 * MAX_USER_STACK_BYTES as u64 - 1;
+const _: () = assert!(MAX_KERNEL_STACK_BYTES as u64 <= KERNEL_STACK_MASK);
+const _: () = assert!((MAX_USER_STACK_BYTES + PAGE_SIZE) as u64 <= USER_STACK_MASK);
 
 /// The fixed part of a sample record. The record continues with
 /// `kernel_stack_len` bytes of kernel return addresses (`u64`, innermost
-/// first), then `user_stack_len` bytes copied from `user_rsp` upwards.
+/// first), then `user_stack_len` bytes copied from `user_rsp` upwards, then
+/// `tail_len` bytes of stack tail: words further up the stack, read at the
+/// same instant, that the thread's [`StackPlan`] asked for.
 #[repr(C)]
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct SampleHeader {
@@ -106,12 +137,104 @@ pub struct SampleHeader {
     pub user_rbp: u64,
     /// Thread name, NUL padded.
     pub comm: [u8; COMM_LEN],
+    /// Bytes of stack tail after the user stack: spans, each a packed
+    /// [`tail_span`] and its bytes.
+    pub tail_len: u32,
+    /// Spans in the tail.
+    pub tail_spans: u32,
 }
 
 /// Size of [`SampleHeader`] in bytes.
-pub const SAMPLE_HEADER_SIZE: usize = 88;
+pub const SAMPLE_HEADER_SIZE: usize = 96;
 const _: () = assert!(core::mem::size_of::<SampleHeader>() == SAMPLE_HEADER_SIZE);
 const _: () = assert!(SAMPLE_HEADER_SIZE.is_multiple_of(8));
+
+/// Stack tail spans, each one `u64`: in a [`StackPlan`] what to read, in a
+/// sample record the header before the bytes read. User addresses on
+/// x86_64 fit in 48 bits; the length (in words) and a fault flag go above.
+pub mod tail_span {
+    use super::MAX_SPAN_BYTES;
+
+    const ADDR_MASK: u64 = (1 << 48) - 1;
+    const WORDS_SHIFT: u32 = 48;
+    const WORDS_MASK: u64 = 0x7fff;
+    /// In a record: the read faulted (the address is no longer mapped);
+    /// the bytes that follow are zeros, not stack.
+    pub const FAULTED: u64 = 1 << 63;
+
+    /// `len` bytes (a multiple of 8, at most [`MAX_SPAN_BYTES`]) at `addr`
+    /// (below 2^48); `None` for anything else.
+    pub const fn pack(addr: u64, len: u32) -> Option<u64> {
+        if addr > ADDR_MASK || len == 0 || len > MAX_SPAN_BYTES || !len.is_multiple_of(8) {
+            return None;
+        }
+        Some(addr | ((len as u64 / 8) << WORDS_SHIFT))
+    }
+
+    pub const fn addr(span: u64) -> u64 {
+        span & ADDR_MASK
+    }
+
+    /// The length in bytes (not checked against the limit).
+    pub const fn len(span: u64) -> u32 {
+        (((span >> WORDS_SHIFT) & WORDS_MASK) * 8) as u32
+    }
+}
+
+/// Size of a span's header in a sample record (one packed [`tail_span`]).
+pub const TAIL_SPAN_HEADER_SIZE: usize = 8;
+
+/// How much of one thread's stack to read per tick: the value of the
+/// `STACK_PLANS` map, keyed by thread id, written by the agent from what the
+/// thread's earlier walks needed.
+///
+/// The copy covers the frames that change from tick to tick; the spans are
+/// the return-address (and saved-rbp) slots of the deep frames below them,
+/// read word for word instead of copied with everything around them. Every
+/// byte in the record is read at the tick, so a walk through the spans is
+/// as right as one through a full copy: a span whose frame has gone only
+/// makes the walk stop short (its slot no longer lies where the walk looks).
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct StackPlan {
+    /// The plan applies only while the thread belongs to this process (a
+    /// reused thread id in another process gets the defaults).
+    pub tgid: u32,
+    /// Bytes of contiguous copy from `rsp`, at most the configured ceiling.
+    pub copy_bytes: u32,
+    /// Spans in use, at most [`MAX_TAIL_SPANS`], in ascending address order.
+    pub span_count: u32,
+    pub _padding: u32,
+    /// Packed spans ([`tail_span::pack`]).
+    pub spans: [u64; MAX_TAIL_SPANS],
+}
+
+const _: () = assert!(core::mem::size_of::<StackPlan>() == 16 + 8 * MAX_TAIL_SPANS);
+
+impl StackPlan {
+    /// A plan with no spans.
+    pub const fn copy_only(tgid: u32, copy_bytes: u32) -> Self {
+        Self {
+            tgid,
+            copy_bytes,
+            span_count: 0,
+            _padding: 0,
+            spans: [0; MAX_TAIL_SPANS],
+        }
+    }
+}
+
+// SAFETY: `repr(C)`, integers only, padding written out: every byte pattern
+// is a value.
+#[cfg(feature = "user")]
+unsafe impl aya::Pod for StackPlan {}
+
+/// Threads with a [`StackPlan`] at most (an LRU map: the least recently
+/// sampled thread's plan goes first).
+pub const MAX_STACK_PLANS: u32 = 1024;
+
+/// Processes with an adaptive copy size (`COPY_BYTES`, LRU).
+pub const MAX_COPY_SIZES: u32 = 16384;
 
 /// An exec or exit of a process, in the same ring buffer as the samples so
 /// that it is read in order with them: samples taken after an exec are never
@@ -146,17 +269,23 @@ pub enum Counter {
     Idle = 4,
     /// Ticks of a selected task skipped by its cgroup's 1-in-N budget.
     Budgeted = 5,
+    /// User stack bytes written to records: contiguous copies plus tails.
+    UserStackBytes = 6,
+    /// Tail spans read (words of deep frames read instead of copied).
+    TailSpans = 7,
 }
 
 impl Counter {
     /// Every counter, in index order.
-    pub const ALL: [Counter; 6] = [
+    pub const ALL: [Counter; 8] = [
         Counter::Samples,
         Counter::RingBufferFull,
         Counter::CopyFailed,
         Counter::Filtered,
         Counter::Idle,
         Counter::Budgeted,
+        Counter::UserStackBytes,
+        Counter::TailSpans,
     ];
 }
 
@@ -182,6 +311,8 @@ pub mod names {
     pub const FILTER_CGROUPS: &str = "FILTER_CGROUPS";
     pub const CGROUP_POLICIES: &str = "CGROUP_POLICIES";
     pub const WAKEUP_BYTES: &str = "WAKEUP_BYTES";
+    pub const STACK_PLANS: &str = "STACK_PLANS";
+    pub const COPY_BYTES: &str = "COPY_BYTES";
 }
 
 /// Capacity of the tgid allow-list and of the cgroup policy map.
@@ -230,5 +361,20 @@ mod tests {
         assert_eq!(core::mem::offset_of!(SampleHeader, ktime_ns), 32);
         assert_eq!(core::mem::offset_of!(SampleHeader, user_rip), 48);
         assert_eq!(core::mem::offset_of!(SampleHeader, comm), 72);
+        assert_eq!(core::mem::offset_of!(SampleHeader, tail_len), 88);
+        assert_eq!(core::mem::offset_of!(StackPlan, spans), 16);
+    }
+
+    #[test]
+    fn spans_pack_and_unpack() {
+        let span = tail_span::pack(0x7ffd_1234_5678, 256).unwrap();
+        assert_eq!(tail_span::addr(span), 0x7ffd_1234_5678);
+        assert_eq!(tail_span::len(span), 256);
+        assert_eq!(tail_span::addr(span | tail_span::FAULTED), 0x7ffd_1234_5678);
+        assert_eq!(tail_span::len(span | tail_span::FAULTED), 256);
+        assert_eq!(tail_span::pack(1 << 48, 8), None);
+        assert_eq!(tail_span::pack(0x1000, 0), None);
+        assert_eq!(tail_span::pack(0x1000, 12), None);
+        assert_eq!(tail_span::pack(0x1000, MAX_SPAN_BYTES + 8), None);
     }
 }

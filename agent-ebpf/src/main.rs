@@ -7,6 +7,12 @@
 //! upwards. It does no unwinding: that happens in user space, where any DWARF
 //! rule is cheap to evaluate (see `shared/DESIGN.md`).
 //!
+//! How much user stack a tick reads follows what the thread's walks need
+//! (maps the agent writes): a contiguous copy from `rsp` of the thread's or
+//! process's adaptive size (at most the configured ceiling), then, for a
+//! thread with deep frames, the few words of each deep frame the walk reads
+//! (its stack tail), so a deep stack reaches its root without being copied.
+//!
 //! The record is assembled in a per-CPU scratch slot and handed to the ring
 //! buffer with one `bpf_ringbuf_output` of its real length, so a 2 KiB stack
 //! costs 2 KiB of ring space, not the configured maximum.
@@ -17,8 +23,10 @@ use core::ffi::c_void;
 
 use agent_common::{
     COUNTER_SLOTS, CgroupPolicy, Counter, DEFAULT_USER_STACK_BYTES, MAX_ALLOW_ENTRIES,
-    MAX_CGROUP_DEPTH, MAX_KERNEL_STACK_BYTES, MAX_USER_STACK_BYTES, PAGE_SIZE, ProcessEvent,
-    RecordKind, SAMPLE_HEADER_SIZE, SCRATCH_BYTES, SampleHeader, policy_flags, sample_flags,
+    MAX_CGROUP_DEPTH, MAX_COPY_SIZES, MAX_KERNEL_STACK_BYTES, MAX_SPAN_BYTES, MAX_STACK_PLANS,
+    MAX_TAIL_BYTES, MAX_TAIL_SPANS, MAX_USER_STACK_BYTES, PAGE_SIZE, ProcessEvent, RecordKind,
+    SAMPLE_HEADER_SIZE, SCRATCH_BYTES, SampleHeader, StackPlan, TAIL_SPAN_HEADER_SIZE,
+    policy_flags, sample_flags, tail_span,
 };
 use aya_ebpf::{
     Global,
@@ -32,7 +40,7 @@ use aya_ebpf::{
         },
     },
     macros::{map, perf_event, raw_tracepoint},
-    maps::{Array, HashMap, PerCpuArray, RingBuf},
+    maps::{Array, HashMap, LruHashMap, PerCpuArray, RingBuf},
     programs::{PerfEventContext, RawTracePointContext},
 };
 use aya_log_ebpf::debug;
@@ -62,6 +70,14 @@ static TGID_ALLOW: HashMap<u32, u8> = HashMap::with_max_entries(MAX_ALLOW_ENTRIE
 #[map(name = "CGROUP_POLICY")]
 static CGROUP_POLICY: HashMap<u64, CgroupPolicy> = HashMap::with_max_entries(MAX_ALLOW_ENTRIES, 0);
 
+/// Per thread (by tid): the adaptive copy size and the stack tail to read.
+#[map(name = "STACK_PLANS")]
+static STACK_PLANS: LruHashMap<u32, StackPlan> = LruHashMap::with_max_entries(MAX_STACK_PLANS, 0);
+
+/// Per process (by tgid): the adaptive copy size of threads without a plan.
+#[map(name = "COPY_BYTES")]
+static COPY_BYTES: LruHashMap<u32, u32> = LruHashMap::with_max_entries(MAX_COPY_SIZES, 0);
+
 // Load-time constants, patched by the agent. Being read-only globals, the
 // verifier sees their values and prunes the branches they disable.
 #[unsafe(no_mangle)]
@@ -84,6 +100,11 @@ static WAKEUP_BYTES: Global<u64> = Global::new(512 * 1024);
 /// Page-sized reads needed to cover the largest copy when `rsp` is not page
 /// aligned: a partial first page, then whole pages.
 const MAX_COPY_READS: u32 = MAX_USER_STACK_BYTES / PAGE_SIZE + 1;
+
+/// Masks bounding lengths read back from the scratch slot for the verifier
+/// (see `SCRATCH_BYTES`); the lengths themselves are always below them.
+const KERNEL_STACK_MASK: u64 = agent_common::KERNEL_STACK_MASK;
+const USER_STACK_MASK: u64 = agent_common::USER_STACK_MASK;
 
 /// Privilege level of user mode in the low bits of `cs`.
 const USER_RPL: u64 = 3;
@@ -168,15 +189,28 @@ fn try_sample_cpu_clock(ctx: &PerfEventContext) -> Result<u32, u32> {
     }
 
     let mut user_stack_len = 0u32;
+    let mut tail_plan = None;
     if let Some(regs) = user_regs {
         flags |= sample_flags::USER_REGS;
-        let copy = copy_user_stack(scratch, kernel_stack_len, regs.rsp);
+        // SAFETY: values are only read; a plan the agent rewrites meanwhile
+        // can only make the tail read other (real) stack words.
+        let plan = unsafe { STACK_PLANS.get(tid) }.filter(|plan| plan.tgid == tgid);
+        let ceiling = USER_STACK_BYTES.load().min(MAX_USER_STACK_BYTES);
+        let wanted = match plan {
+            Some(plan) => plan.copy_bytes,
+            None => unsafe { COPY_BYTES.get(tgid) }.copied().unwrap_or(ceiling),
+        };
+        let copy = copy_user_stack(scratch, kernel_stack_len, regs.rsp, wanted.min(ceiling));
         user_stack_len = copy.len;
         if copy.faulted {
             flags |= sample_flags::USER_STACK_FAULTED;
         }
         if copy.len == 0 {
             count(Counter::CopyFailed);
+        }
+        // A copy that reached the end of the stack mapping has every frame.
+        if !copy.faulted {
+            tail_plan = plan;
         }
     }
 
@@ -195,11 +229,28 @@ fn try_sample_cpu_clock(ctx: &PerfEventContext) -> Result<u32, u32> {
         user_rsp: user_regs.map_or(0, |r| r.rsp),
         user_rbp: user_regs.map_or(0, |r| r.rbp),
         comm: bpf_get_current_comm().unwrap_or([0; 16]),
+        tail_len: 0,
+        tail_spans: 0,
     };
     // SAFETY: scratch slots are 8-aligned map values larger than the header.
     unsafe { scratch.cast::<SampleHeader>().write(header) };
-
-    let len = SAMPLE_HEADER_SIZE as u64 + u64::from(kernel_stack_len) + u64::from(user_stack_len);
+    // From here on, lengths are read back from the header in the slot
+    // (volatile, so the compiler cannot reuse the registers). The verifier
+    // then sees the same unknown lengths whichever way the copy loop ended,
+    // and verifies the tail loop and the output once instead of once per
+    // way: without this, the program exceeds its million-instruction budget.
+    if let Some(plan) = tail_plan {
+        read_tail(scratch, plan);
+    }
+    // SAFETY: the header was written above; the slot is ours for the tick.
+    let written = unsafe { core::ptr::read_volatile(scratch.cast::<SampleHeader>()) };
+    let user_bytes = (u64::from(written.user_stack_len) & USER_STACK_MASK)
+        + (u64::from(written.tail_len) & u64::from(MAX_TAIL_BYTES - 1));
+    add(Counter::UserStackBytes, user_bytes);
+    add(Counter::TailSpans, u64::from(written.tail_spans));
+    let len = SAMPLE_HEADER_SIZE as u64
+        + (u64::from(written.kernel_stack_len) & KERNEL_STACK_MASK)
+        + user_bytes;
     if len > SCRATCH_BYTES as u64 {
         return Err(0);
     }
@@ -334,7 +385,7 @@ struct StackCopy {
     faulted: bool,
 }
 
-/// Copies up to `USER_STACK_BYTES` of user stack from `rsp` into the scratch
+/// Copies up to `limit` bytes of user stack from `rsp` into the scratch
 /// slot after the header and `kernel_stack_len` bytes of kernel stack.
 ///
 /// A single large `bpf_probe_read_user` fails as a whole whenever fewer bytes
@@ -343,8 +394,7 @@ struct StackCopy {
 /// at the first page that is not mapped, i.e. at the end of the stack mapping,
 /// and keeps everything before it.
 #[inline(always)]
-fn copy_user_stack(scratch: *mut u8, kernel_stack_len: u32, rsp: u64) -> StackCopy {
-    let limit = USER_STACK_BYTES.load().min(MAX_USER_STACK_BYTES);
+fn copy_user_stack(scratch: *mut u8, kernel_stack_len: u32, rsp: u64, limit: u32) -> StackCopy {
     // The masks restate bounds the code already guarantees, in a form the
     // verifier can use to prove every read stays inside the scratch slot.
     let base = SAMPLE_HEADER_SIZE + (kernel_stack_len as usize).min(MAX_KERNEL_STACK_BYTES);
@@ -385,10 +435,77 @@ fn copy_user_stack(scratch: *mut u8, kernel_stack_len: u32, rsp: u64) -> StackCo
     }
 }
 
+/// Reads the plan's spans into the scratch slot after the copy, each
+/// behind its packed [`tail_span`] header, until the spans or [`MAX_TAIL_BYTES`] run
+/// out, and records their length and count in the slot's header. A span
+/// whose read faults is still written (zeroed, flagged) and the flag is
+/// computed without a branch, so every iteration advances the same way:
+/// the verifier sees one path through the loop, not two per span.
+#[inline(always)]
+fn read_tail(scratch: *mut u8, plan: &StackPlan) {
+    // SAFETY: the header was written by the caller.
+    let header = unsafe { core::ptr::read_volatile(scratch.cast::<SampleHeader>()) };
+    // The masks do not change the lengths (both are below them); they
+    // bound them for the verifier, with SCRATCH_BYTES sized to match.
+    let base = SAMPLE_HEADER_SIZE as u64
+        + (u64::from(header.kernel_stack_len) & KERNEL_STACK_MASK)
+        + (u64::from(header.user_stack_len) & USER_STACK_MASK);
+    let (mut tail_len, mut spans) = (0u32, 0u32);
+    let count = plan.span_count;
+    for i in 0..MAX_TAIL_SPANS {
+        if i as u32 >= count {
+            break;
+        }
+        let span = plan.spans[i];
+        let len = tail_span::len(span);
+        if len == 0 || len > MAX_SPAN_BYTES {
+            break;
+        }
+        if tail_len + (TAIL_SPAN_HEADER_SIZE as u32) + len > MAX_TAIL_BYTES {
+            break;
+        }
+        // The mask restates `tail_len < MAX_TAIL_BYTES` for the verifier.
+        let offset = (base + (u64::from(tail_len) & u64::from(MAX_TAIL_BYTES - 1))) as usize;
+        // SAFETY: offset + header + len <= base + MAX_TAIL_BYTES +
+        // TAIL_SPAN_HEADER_SIZE + MAX_SPAN_BYTES, inside SCRATCH_BYTES; the
+        // source is user memory read with the fault-tolerant helper (which
+        // zeroes the destination when it faults).
+        let ret = unsafe {
+            bpf_probe_read_user(
+                scratch.add(offset + TAIL_SPAN_HEADER_SIZE).cast::<c_void>(),
+                len,
+                tail_span::addr(span) as *const c_void,
+            )
+        };
+        // The sign bit of the result (set when the read faulted) is the
+        // FAULTED bit of the span.
+        let span_header = span | (ret as u64 & tail_span::FAULTED);
+        // SAFETY: inside the slot (see above).
+        unsafe {
+            scratch
+                .add(offset)
+                .cast::<u64>()
+                .write_unaligned(span_header)
+        };
+        tail_len += TAIL_SPAN_HEADER_SIZE as u32 + len;
+        spans += 1;
+    }
+    // SAFETY: the header is in the slot; only its tail fields change.
+    unsafe {
+        let header = scratch.cast::<SampleHeader>();
+        core::ptr::addr_of_mut!((*header).tail_len).write_volatile(tail_len);
+        core::ptr::addr_of_mut!((*header).tail_spans).write_volatile(spans);
+    }
+}
+
 fn count(counter: Counter) {
+    add(counter, 1);
+}
+
+fn add(counter: Counter, n: u64) {
     if let Some(value) = COUNTERS.get_ptr_mut(counter as u32) {
         // SAFETY: per-CPU slot, and the program does not nest on a CPU.
-        unsafe { *value += 1 };
+        unsafe { *value += n };
     }
 }
 

@@ -36,9 +36,18 @@ struct Args {
     /// avoid lock-step with periodic work.
     #[arg(long, default_value_t = 19)]
     frequency: u64,
-    /// User stack bytes copied per sample (8-32768).
+    /// Most user stack bytes copied per sample (8-32768). Each process and
+    /// deep thread gets what its walks need up to this; deeper frames are
+    /// read word by word (stack tails), so deep stacks still reach the root.
     #[arg(long, default_value_t = agent_common::DEFAULT_USER_STACK_BYTES)]
     stack_bytes: u32,
+    /// Copy --stack-bytes on every tick: no adaptive copies and no stack
+    /// tails (for comparison; deep stacks then stop at the copy).
+    #[arg(long)]
+    fixed_stack_copy: bool,
+    /// Most frames per user stack.
+    #[arg(long, default_value_t = stackscope_unwind::DEFAULT_MAX_DEPTH)]
+    max_depth: usize,
     /// Sample only this process; repeat for several. Default: every process.
     /// Combined with the container selections below, both must match.
     #[arg(long = "pid", value_name = "PID")]
@@ -209,6 +218,8 @@ fn main() -> anyhow::Result<()> {
                 dir: args.table_cache_dir.clone(),
                 max_bytes: args.table_cache_max_bytes,
             }),
+            max_depth: args.max_depth,
+            adaptive: !args.fixed_stack_copy,
             ..WalkerConfig::default()
         },
         interval: args.interval,
@@ -348,6 +359,9 @@ fn json_report(
         "unwinding": {
             "walks": summary.unwinding.walks,
             "outermost": summary.unwinding.outermost,
+            "stitched": summary.unwinding.stitched,
+            "truncated": summary.unwinding.truncated,
+            "plans": summary.unwinding.plans,
             "tables_compiled": summary.unwinding.tables_compiled,
             "tables_from_disk": summary.unwinding.tables_from_disk,
             "table_cache_hits": summary.unwinding.table_cache_hits,
@@ -356,7 +370,13 @@ fn json_report(
             "table_pending": summary.unwinding.table_pending,
             "tables_failed": summary.unwinding.tables_failed,
             "by_binary": summary.unwinding.by_binary.iter()
-                .map(|(name, (walks, outermost))| serde_json::json!({"binary": &**name, "walks": walks, "outermost": outermost}))
+                .map(|(name, ends)| serde_json::json!({
+                    "binary": &**name,
+                    "walks": ends.walks,
+                    "outermost": ends.outermost,
+                    "stitched": ends.stitched,
+                    "truncated": ends.truncated,
+                }))
                 .collect::<Vec<_>>(),
         },
         "aggregation": summary.aggregation,
@@ -408,12 +428,19 @@ fn print_report(
         )?;
     }
     let unwinding = &summary.unwinding;
+    let ends = unwinding.ends();
     writeln!(
         out,
-        "{:.1}% of {} user stacks unwound to the outermost frame ({} tables compiled, {} from disk, \
+        "{:.1}% of {} user stacks unwound to the outermost frame ({:.1}% through a stack tail), \
+         {:.1}% truncated; {} stack tails learned, {:.0} user stack bytes read per sample \
+         ({} tables compiled, {} from disk, \
          {} objects without usable CFI; {} samples waited for a table, {} found the queue full)",
-        unwinding.outermost_percent(),
-        unwinding.walks,
+        ends.outermost_percent(),
+        ends.walks,
+        ends.stitched_percent(),
+        ends.truncated_percent(),
+        unwinding.plans.plans_learned,
+        summary.kernel.user_bytes_per_sample(),
         unwinding.tables_compiled,
         unwinding.tables_from_disk,
         unwinding.tables_failed,
@@ -453,13 +480,22 @@ fn print_report(
         )?;
     }
     let mut by_binary: Vec<_> = unwinding.by_binary.iter().collect();
-    by_binary.sort_by(|a, b| b.1.0.cmp(&a.1.0).then(a.0.cmp(b.0)));
-    for (binary, (walks, outermost)) in by_binary.into_iter().take(top) {
+    by_binary.sort_by(|a, b| b.1.walks.cmp(&a.1.walks).then(a.0.cmp(b.0)));
+    if !by_binary.is_empty() {
         writeln!(
             out,
-            "{:>9} stacks {:>5.1}% to the outermost frame  {binary}",
-            walks,
-            100.0 * *outermost as f64 / (*walks).max(1) as f64,
+            "{:>9}  {:>6}  {:>8}  {:>9}  BINARY (of the sampled instruction)",
+            "STACKS", "ROOT", "STITCHED", "TRUNCATED"
+        )?;
+    }
+    for (binary, ends) in by_binary.into_iter().take(top) {
+        writeln!(
+            out,
+            "{:>9}  {:>5.1}%  {:>7.1}%  {:>8.1}%  {binary}",
+            ends.walks,
+            ends.outermost_percent(),
+            ends.stitched_percent(),
+            ends.truncated_percent(),
         )?;
     }
     if total == 0 {

@@ -30,8 +30,9 @@ use crate::{
     status::{ReaderTotals, Snapshot, StatusLine},
     symbolize::SymbolizerConfig,
     tally::ProcessTally,
-    unwinding::{StackWalker, WalkStats, WalkerConfig},
+    unwinding::{StackWalker, UserStack, WalkStats, WalkerConfig, stitching::PlanUpdate},
 };
+use stackscope_unwind::TailSpan;
 
 /// Where finished batches go: the exporter's queue, or a test's list.
 /// Called on the run loop's thread, once per aggregation interval (and once
@@ -192,9 +193,13 @@ pub async fn run(
     let mut records = RecordTally {
         processes: ProcessTally::with_capacity(MAX_TRACKED_PROCESSES),
         totals: ReaderTotals::default(),
-        walker: StackWalker::new(config.walker.clone()),
+        walker: StackWalker::new(WalkerConfig {
+            stack_bytes: config.sampler.user_stack_bytes,
+            ..config.walker.clone()
+        }),
         aggregator: Aggregator::new(config.aggregation.clone()),
         kernel_frames: Vec::with_capacity(agent_common::MAX_KERNEL_FRAMES),
+        tail_spans: Vec::with_capacity(agent_common::MAX_TAIL_SPANS),
     };
     if let Some(pods) = &latest_pods {
         records.aggregator.set_pods(Arc::clone(pods));
@@ -238,6 +243,7 @@ pub async fn run(
                     walker, aggregator, ..
                 } = &mut records;
                 walker.poll(|w| aggregator.add(w.header, w.kernel_frames, Some(&w.walk)));
+                apply_plan_updates(&mut sampler, walker.take_plan_updates());
                 if aggregator.take_unknown_pod_seen()
                     && let Some(watch) = &pods
                 {
@@ -283,14 +289,13 @@ pub async fn run(
                 let worst: Vec<String> = walks
                     .worst_binaries(3)
                     .into_iter()
-                    .map(|(binary, walks, outermost)| {
-                        format!("{binary} {:.0}%", 100.0 * outermost as f64 / walks as f64)
-                    })
+                    .map(|(binary, ends)| format!("{binary} {:.0}%", ends.outermost_percent()))
                     .collect();
                 let aggregation = records.aggregator.stats();
                 let batches = worker.stats();
                 tracing::info!(
-                    "{}; unwinding: {:.1}% of {} stacks to the outermost frame (least: {}), \
+                    "{}; unwinding: {:.1}% of {} stacks to the outermost frame ({:.1}% stitched, \
+                     {:.1}% truncated; least: {}), {} stack tails learned, \
                      tables {} compiled + {} from disk, {} samples waiting, {} found the queue full; \
                      aggregation: {} distinct stacks this interval, {} batches built \
                      (last: {} stacks, {} KiB, built in {:.1} ms; {} intervals dropped), \
@@ -298,11 +303,14 @@ pub async fn run(
                     StatusLine::between(&last, &snapshot, now - last_at),
                     walks.outermost_percent(),
                     walks.walks,
+                    walks.ends().stitched_percent(),
+                    walks.ends().truncated_percent(),
                     if worst.is_empty() {
                         "none".to_string()
                     } else {
                         worst.join(", ")
                     },
+                    walks.plans.plans_learned,
                     walks.tables_compiled,
                     walks.tables_from_disk,
                     records.walker.waiting(),
@@ -344,7 +352,7 @@ pub async fn run(
         elapsed: started.elapsed(),
         reader: records.totals,
         tally: records.processes,
-        unwinding: records.walker.stats().clone(),
+        unwinding: records.walker.stats(),
         aggregation: records.aggregator.stats(),
         batches: batch_stats,
     })
@@ -489,6 +497,23 @@ struct RecordTally {
     /// The kernel frames of the sample being read, copied out of the ring
     /// buffer record once.
     kernel_frames: Vec<u64>,
+    /// The spans of the sample's stack tail.
+    tail_spans: Vec<TailSpan>,
+}
+
+/// Writes the walker's copy-size and stack-plan decisions into the
+/// sampler's maps. A failed write costs that plan only (the sampler keeps
+/// its defaults for the thread), so it is logged, not fatal.
+fn apply_plan_updates(sampler: &mut Sampler, updates: Vec<PlanUpdate>) {
+    for update in updates {
+        let result = match update {
+            PlanUpdate::ProcessCopy { tgid, bytes } => sampler.set_copy_bytes(tgid, bytes),
+            PlanUpdate::Thread { tid, plan } => sampler.set_stack_plan(tid, plan.as_deref()),
+        };
+        if let Err(err) = result {
+            tracing::debug!("stack plan not written: {err}");
+        }
+    }
 }
 
 impl RecordTally {
@@ -502,6 +527,7 @@ impl RecordTally {
                     walker,
                     aggregator,
                     kernel_frames,
+                    tail_spans,
                     ..
                 } = self;
                 kernel_frames.clear();
@@ -510,7 +536,13 @@ impl RecordTally {
                     // A kernel thread: nothing to walk.
                     aggregator.add(&sample.header, kernel_frames, None);
                 } else {
-                    walker.push(&sample.header, kernel_frames, sample.user_stack, |w| {
+                    sample.tail_spans(tail_spans);
+                    let stack = UserStack {
+                        copy: sample.user_stack,
+                        spans: tail_spans,
+                        tail: sample.tail_data(),
+                    };
+                    walker.push(&sample.header, kernel_frames, stack, |w| {
                         aggregator.add(w.header, w.kernel_frames, Some(&w.walk))
                     });
                 }

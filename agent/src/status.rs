@@ -110,6 +110,7 @@ mod tests {
                 filtered: 10,
                 idle: 50,
                 budgeted: 0,
+                ..Counters::default()
             },
         };
         let after = Snapshot {
@@ -126,6 +127,7 @@ mod tests {
                 filtered: 15,
                 idle: 90,
                 budgeted: 150,
+                ..Counters::default()
             },
         };
         let line = StatusLine::between(&before, &after, Duration::from_secs(2));

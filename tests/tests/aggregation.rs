@@ -218,12 +218,9 @@ fn aggregate(samples: &[OwnedSample]) -> v1::Batch {
             aggregator.add(&sample.header, &sample.kernel_frames, None);
             continue;
         }
-        walker.push(
-            &sample.header,
-            &sample.kernel_frames,
-            &sample.user_stack,
-            |w| aggregator.add(w.header, w.kernel_frames, Some(&w.walk)),
-        );
+        walker.push(&sample.header, &sample.kernel_frames, sample.stack(), |w| {
+            aggregator.add(w.header, w.kernel_frames, Some(&w.walk))
+        });
     }
     let started = Instant::now();
     while walker.waiting() > 0 {

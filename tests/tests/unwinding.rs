@@ -134,7 +134,7 @@ fn sample_and_walk(pids: &[u32], stack_bytes: u32) -> Vec<NamedWalk> {
             // the walk reaches it: walk again until none is pending.
             let walk = loop {
                 let walk = walker
-                    .walk(&sample.header, &sample.user_stack)
+                    .walk(&sample.header, sample.stack())
                     .expect("user registers");
                 if walk.outcome != WalkOutcome::TablePending {
                     break walk;

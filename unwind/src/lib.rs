@@ -20,6 +20,6 @@ pub mod unwinder;
 
 pub use table::{CacheError, CfiSection, TableError, UnsupportedCfi, UnwindRule, UnwindTable};
 pub use unwinder::{
-    DEFAULT_MAX_DEPTH, ModuleAt, ModuleLookup, RULE_CACHE_SLOTS, Registers, RuleCache, UnwindEnd,
-    unwind, unwind_cached,
+    DEFAULT_MAX_DEPTH, ModuleAt, ModuleLookup, RULE_CACHE_SLOTS, Registers, RuleCache,
+    SampledStack, StackMemory, TailSpan, UnwindEnd, unwind, unwind_cached, unwind_memory,
 };

@@ -15,7 +15,7 @@ use crate::table::{
 };
 
 /// Default bound on the number of frames a walk returns.
-pub const DEFAULT_MAX_DEPTH: usize = 256;
+pub const DEFAULT_MAX_DEPTH: usize = 1024;
 
 /// The registers a walk starts from, as sampled (frame 0).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -77,6 +77,17 @@ pub enum UnwindEnd {
     CfaNotIncreasing,
 }
 
+/// The stack memory a walk reads: the sample's copy, and whatever else the
+/// caller read at the same instant. Reads come in rising address order
+/// within a frame step and from frame to frame (the CFA only grows), which
+/// [`SampledStack`] relies on to find tail spans without a search.
+pub trait StackMemory {
+    /// The 8 bytes at `address`, or why there are none:
+    /// [`UnwindEnd::BadStackAddress`] below the start of the stack,
+    /// [`UnwindEnd::StackTruncated`] where nothing was read.
+    fn read_u64(&mut self, address: u64) -> Result<u64, UnwindEnd>;
+}
+
 /// The copied stack: `bytes[i]` is the byte at address `start + i`.
 #[derive(Clone, Copy)]
 struct Stack<'a> {
@@ -95,6 +106,111 @@ impl Stack<'_> {
             .and_then(|offset| self.bytes.get(offset..)?.first_chunk::<8>())
             .ok_or(UnwindEnd::StackTruncated)?;
         Ok(u64::from_le_bytes(*word))
+    }
+}
+
+impl StackMemory for Stack<'_> {
+    #[inline(always)]
+    fn read_u64(&mut self, address: u64) -> Result<u64, UnwindEnd> {
+        Stack::read_u64(self, address)
+    }
+}
+
+/// One span of a sample's stack tail: `len` bytes at `addr`, found at
+/// `offset` in the tail's data.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct TailSpan {
+    pub addr: u64,
+    pub offset: u32,
+    pub len: u32,
+}
+
+/// A sample's stack as read at the tick: the contiguous copy from `rsp` and
+/// the stack tail, spans further up read in the same tick (sorted by
+/// address, not overlapping). A walk through the tail is as right as one
+/// through a full copy: every byte is what the stack held at the tick.
+pub struct SampledStack<'a> {
+    copy: Stack<'a>,
+    spans: &'a [TailSpan],
+    data: &'a [u8],
+    /// The span the last tail read hit: reads go up the stack.
+    cursor: usize,
+    tail_reads: u32,
+    /// One past the highest copy byte read.
+    copy_reach: u64,
+}
+
+impl<'a> SampledStack<'a> {
+    /// `copy` holds the bytes at `rsp..`; `spans` index into `data`. Spans
+    /// that lie outside `data` are never read from.
+    pub fn new(rsp: u64, copy: &'a [u8], spans: &'a [TailSpan], data: &'a [u8]) -> Self {
+        Self {
+            copy: Stack {
+                start: rsp,
+                bytes: copy,
+            },
+            spans,
+            data,
+            cursor: 0,
+            tail_reads: 0,
+            copy_reach: rsp,
+        }
+    }
+
+    /// Forgets what earlier walks read, for a walk made again.
+    pub fn restart(&mut self) {
+        self.cursor = 0;
+        self.tail_reads = 0;
+        self.copy_reach = self.copy.start;
+    }
+
+    /// Words the walk read from the tail: more than 0 means the walk went
+    /// past the copy (it was stitched).
+    pub fn tail_reads(&self) -> u32 {
+        self.tail_reads
+    }
+
+    /// Bytes of the copy, from its start, that the walk read.
+    pub fn copy_bytes_read(&self) -> u64 {
+        self.copy_reach - self.copy.start
+    }
+
+    fn read_tail(&mut self, address: u64) -> Option<u64> {
+        self.cursor = self.cursor.min(self.spans.len().saturating_sub(1));
+        while self.cursor > 0 && self.spans[self.cursor].addr > address {
+            self.cursor -= 1;
+        }
+        while let Some(span) = self.spans.get(self.cursor) {
+            let end = span.addr.saturating_add(u64::from(span.len));
+            if address < span.addr {
+                return None;
+            }
+            if address.checked_add(8).is_some_and(|last| last <= end) {
+                let at = span.offset as usize + (address - span.addr) as usize;
+                let word = self.data.get(at..)?.first_chunk::<8>()?;
+                return Some(u64::from_le_bytes(*word));
+            }
+            self.cursor += 1;
+        }
+        None
+    }
+}
+
+impl StackMemory for SampledStack<'_> {
+    #[inline(always)]
+    fn read_u64(&mut self, address: u64) -> Result<u64, UnwindEnd> {
+        match self.copy.read_u64(address) {
+            Ok(word) => {
+                self.copy_reach = self.copy_reach.max(address + 8);
+                Ok(word)
+            }
+            Err(UnwindEnd::StackTruncated) => {
+                let word = self.read_tail(address).ok_or(UnwindEnd::StackTruncated)?;
+                self.tail_reads += 1;
+                Ok(word)
+            }
+            Err(end) => Err(end),
+        }
     }
 }
 
@@ -119,7 +235,11 @@ pub fn unwind(
     max_depth: usize,
     frames: &mut Vec<u64>,
 ) -> UnwindEnd {
-    walk(regs, stack, modules, &mut NoCache, max_depth, frames)
+    let mut stack = Stack {
+        start: regs.rsp,
+        bytes: stack,
+    };
+    walk(regs, &mut stack, modules, &mut NoCache, max_depth, frames)
 }
 
 /// [`unwind`], remembering the rule found for each code address in `cache`
@@ -130,6 +250,24 @@ pub fn unwind(
 pub fn unwind_cached(
     regs: Registers,
     stack: &[u8],
+    modules: &impl ModuleLookup,
+    cache: &mut RuleCache,
+    space: u64,
+    max_depth: usize,
+    frames: &mut Vec<u64>,
+) -> UnwindEnd {
+    let mut stack = Stack {
+        start: regs.rsp,
+        bytes: stack,
+    };
+    unwind_memory(regs, &mut stack, modules, cache, space, max_depth, frames)
+}
+
+/// [`unwind_cached`] over any [`StackMemory`]: a [`SampledStack`] with its
+/// tail, or memory the caller reads some other way.
+pub fn unwind_memory(
+    regs: Registers,
+    stack: &mut impl StackMemory,
     modules: &impl ModuleLookup,
     cache: &mut RuleCache,
     space: u64,
@@ -253,7 +391,7 @@ impl StepCache for SpaceCache<'_> {
 
 fn walk(
     regs: Registers,
-    stack: &[u8],
+    stack: &mut impl StackMemory,
     modules: &impl ModuleLookup,
     cache: &mut impl StepCache,
     max_depth: usize,
@@ -264,10 +402,6 @@ fn walk(
     // allocation per frame. Capped so a huge `max_depth` does not reserve
     // memory the stack could never fill.
     frames.reserve(max_depth.min(4096));
-    let stack = Stack {
-        start: regs.rsp,
-        bytes: stack,
-    };
     let mut regs = regs;
     // Frame 0's rip is the interrupted instruction; a return address is the
     // instruction after a call, possibly already in the next function (calls
@@ -304,7 +438,7 @@ fn walk(
                 step
             }
         };
-        let (caller, signal) = match step_frame(step, &regs, &stack) {
+        let (caller, signal) = match step_frame(step, &regs, stack) {
             Ok(next) => next,
             Err(end) => return end,
         };
@@ -327,7 +461,7 @@ fn walk(
 fn step_frame(
     step: Step,
     regs: &Registers,
-    stack: &Stack<'_>,
+    stack: &mut impl StackMemory,
 ) -> Result<(Registers, bool), UnwindEnd> {
     let offset = |base: u64, off: i32| {
         base.checked_add_signed(i64::from(off))
@@ -364,7 +498,7 @@ fn step_frame(
                 // rsp points at the kernel's ucontext (the handler's `ret`
                 // popped rt_sigframe.pretcode), whose sigcontext holds the
                 // interrupted registers.
-                let at = |off: u64| {
+                let mut at = |off: u64| {
                     regs.rsp
                         .checked_add(off)
                         .ok_or(UnwindEnd::BadStackAddress)
@@ -386,7 +520,7 @@ fn step_frame(
         return Err(UnwindEnd::CfaNotIncreasing);
     }
     let ra_slot = cfa.checked_sub(8).ok_or(UnwindEnd::BadStackAddress)?;
-    let rip = stack.read_u64(ra_slot)?;
+    // The saved rbp (below the return address) first: reads go up the stack.
     let rbp = match rbp_slot {
         // A slot below the stack pointer is no longer part of the frame: in
         // an epilogue after `pop rbp`, CFI that does not restore rbp still
@@ -395,6 +529,7 @@ fn step_frame(
         Some(slot) => stack.read_u64(slot)?,
         None => regs.rbp,
     };
+    let rip = stack.read_u64(ra_slot)?;
     Ok((Registers { rip, rsp: cfa, rbp }, false))
 }
 
@@ -561,6 +696,94 @@ mod tests {
             (cached.as_slice(), end),
             (&[F + 0x10][..], UnwindEnd::Outermost)
         );
+    }
+
+    /// The stack of `rsp_and_saved_rbp_rules_to_the_outermost_frame` with
+    /// only its first `copy` bytes copied and the rest of the image given
+    /// as the tail spans `spans` (start, len relative to SP).
+    fn sampled_walk(copy: usize, spans: &[(u64, u32)]) -> (Vec<u64>, UnwindEnd, u32, u64) {
+        let stack = StackImage::new(64)
+            .word(SP + 8, G + 0x50)
+            .word(SP + 32, 0x2222)
+            .word(SP + 40, H + 0x10);
+        let mut data = Vec::new();
+        let spans: Vec<TailSpan> = spans
+            .iter()
+            .map(|&(start, len)| {
+                let offset = data.len() as u32;
+                data.extend_from_slice(&stack.0[start as usize..][..len as usize]);
+                TailSpan {
+                    addr: SP + start,
+                    offset,
+                    len,
+                }
+            })
+            .collect();
+        let table = table();
+        let mut memory = SampledStack::new(SP, &stack.0[..copy], &spans, &data);
+        let mut frames = Vec::new();
+        let end = unwind_memory(
+            regs(F + 0x10),
+            &mut memory,
+            &modules(&table),
+            &mut RuleCache::default(),
+            1,
+            DEFAULT_MAX_DEPTH,
+            &mut frames,
+        );
+        (frames, end, memory.tail_reads(), memory.copy_bytes_read())
+    }
+
+    #[test]
+    fn a_walk_continues_through_the_tail_spans_past_the_copy() {
+        // The copy holds f's frame; g's saved rbp and return address come
+        // from one span.
+        let (frames, end, tail_reads, copy_read) = sampled_walk(16, &[(32, 16)]);
+        assert_eq!(frames, [F + 0x10, G + 0x50, H + 0x10]);
+        assert_eq!(end, UnwindEnd::Outermost);
+        assert_eq!((tail_reads, copy_read), (2, 16));
+        // Two spans of one word each do as well.
+        let (frames, end, tail_reads, _) = sampled_walk(16, &[(32, 8), (40, 8)]);
+        assert_eq!(
+            (frames.len(), end, tail_reads),
+            (3, UnwindEnd::Outermost, 2)
+        );
+        // A whole copy reads no tail.
+        let (_, end, tail_reads, copy_read) = sampled_walk(64, &[(32, 16)]);
+        assert_eq!((end, tail_reads, copy_read), (UnwindEnd::Outermost, 0, 48));
+    }
+
+    #[test]
+    fn a_word_neither_copied_nor_in_the_tail_truncates_the_walk() {
+        // The return address slot (SP + 40) is missing: stop after g.
+        let (frames, end, _, _) = sampled_walk(16, &[(32, 8)]);
+        assert_eq!(frames, [F + 0x10, G + 0x50]);
+        assert_eq!(end, UnwindEnd::StackTruncated);
+        // No tail at all.
+        let (frames, end, tail_reads, _) = sampled_walk(16, &[]);
+        assert_eq!(
+            (frames.len(), end, tail_reads),
+            (2, UnwindEnd::StackTruncated, 0)
+        );
+    }
+
+    #[test]
+    fn spans_pointing_outside_their_data_are_not_read() {
+        let data = [0u8; 8];
+        let spans = [TailSpan {
+            addr: SP + 32,
+            offset: 4,
+            len: 16,
+        }];
+        let mut memory = SampledStack::new(SP, &[0; 16], &spans, &data);
+        assert_eq!(memory.read_u64(SP + 32), Err(UnwindEnd::StackTruncated));
+        assert_eq!(memory.read_u64(SP + 40), Err(UnwindEnd::StackTruncated));
+        assert_eq!(memory.read_u64(SP - 8), Err(UnwindEnd::BadStackAddress));
+        assert_eq!(
+            memory.read_u64(u64::MAX - 3),
+            Err(UnwindEnd::StackTruncated)
+        );
+        assert_eq!(memory.tail_reads(), 0);
     }
 
     #[test]

@@ -71,6 +71,8 @@ fn header(tgid: u32, comm: &str, user: bool) -> SampleHeader {
         user_rsp: 0,
         user_rbp: 0,
         comm: name,
+        tail_len: 0,
+        tail_spans: 0,
     }
 }
 
@@ -93,6 +95,7 @@ fn add(
         frames: &frames,
         objects,
         outcome: WalkOutcome::Ended(UnwindEnd::Outermost),
+        stitched: false,
     };
     aggregator.add(header, kernel, Some(&walk));
 }

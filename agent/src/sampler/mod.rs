@@ -16,7 +16,7 @@ use std::{
 };
 
 use agent_common::{
-    COUNTER_SLOTS, CgroupPolicy, Counter, MAX_ALLOW_ENTRIES, MAX_USER_STACK_BYTES, names,
+    COUNTER_SLOTS, CgroupPolicy, Counter, MAX_ALLOW_ENTRIES, MAX_USER_STACK_BYTES, StackPlan, names,
 };
 use aya::{
     Ebpf, EbpfLoader,
@@ -122,6 +122,17 @@ pub struct Counters {
     pub filtered: u64,
     pub idle: u64,
     pub budgeted: u64,
+    /// User stack bytes written to records (copies and tails).
+    pub user_stack_bytes: u64,
+    /// Tail spans read.
+    pub tail_spans: u64,
+}
+
+impl Counters {
+    /// Mean user stack bytes per sample (copy plus tail).
+    pub fn user_bytes_per_sample(&self) -> f64 {
+        self.user_stack_bytes as f64 / self.samples.max(1) as f64
+    }
 }
 
 /// Kernel-measured cost of the BPF program, available while stats are enabled
@@ -148,6 +159,9 @@ pub struct Sampler {
     /// The `CGROUP_POLICY` map and what we last wrote into it.
     policy_map: HashMap<MapData, u64, CgroupPolicy>,
     policies: StdHashMap<u64, CgroupPolicy>,
+    /// Per-thread stack plans and per-process copy sizes (LRU maps).
+    plan_map: HashMap<MapData, u32, StackPlan>,
+    copy_map: HashMap<MapData, u32, u32>,
     log_task: Option<tokio::task::JoinHandle<()>>,
     // Owns the program and its perf links; declared last so it drops last.
     ebpf: Ebpf,
@@ -227,6 +241,8 @@ impl Sampler {
         let ring: RingBuf<MapData> = take_map(&mut ebpf, names::SAMPLES_RING)?;
         let ring = register_readable(ring).map_err(SamplerError::Poll)?;
         let counters = take_map(&mut ebpf, names::COUNTERS)?;
+        let plan_map = take_map(&mut ebpf, names::STACK_PLANS)?;
+        let copy_map = take_map(&mut ebpf, names::COPY_BYTES)?;
         let mut drain_timer = tokio::time::interval(DRAIN_INTERVAL);
         drain_timer.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         Ok(Self {
@@ -235,9 +251,34 @@ impl Sampler {
             counters,
             policy_map,
             policies,
+            plan_map,
+            copy_map,
             log_task,
             ebpf,
         })
+    }
+
+    /// Sets (or removes) how much of thread `tid`'s stack each tick reads.
+    pub fn set_stack_plan(
+        &mut self,
+        tid: u32,
+        plan: Option<&StackPlan>,
+    ) -> Result<(), SamplerError> {
+        let result = match plan {
+            Some(plan) => self.plan_map.insert(tid, plan, 0),
+            None => self.plan_map.remove(&tid),
+        };
+        map_result(names::STACK_PLANS, result)
+    }
+
+    /// Sets (or removes) the copy size of process `tgid`'s threads that
+    /// have no plan.
+    pub fn set_copy_bytes(&mut self, tgid: u32, bytes: Option<u32>) -> Result<(), SamplerError> {
+        let result = match bytes {
+            Some(bytes) => self.copy_map.insert(tgid, bytes, 0),
+            None => self.copy_map.remove(&tgid),
+        };
+        map_result(names::COPY_BYTES, result)
     }
 
     /// Makes the program's cgroup policies `wanted`: entries no longer
@@ -290,6 +331,8 @@ impl Sampler {
             filtered: totals[Counter::Filtered as usize],
             idle: totals[Counter::Idle as usize],
             budgeted: totals[Counter::Budgeted as usize],
+            user_stack_bytes: totals[Counter::UserStackBytes as usize],
+            tail_spans: totals[Counter::TailSpans as usize],
         })
     }
 
@@ -396,6 +439,17 @@ fn apply_policies(
         }
     }
     Ok(changed)
+}
+
+/// A removed entry that was not there (the LRU map evicted it) is fine.
+fn map_result(
+    name: &'static str,
+    result: Result<(), aya::maps::MapError>,
+) -> Result<(), SamplerError> {
+    match result {
+        Ok(()) | Err(aya::maps::MapError::KeyNotFound) => Ok(()),
+        Err(source) => Err(SamplerError::Map { name, source }),
+    }
 }
 
 fn drain(ring: &mut RingBuf<MapData>, mut on_record: impl FnMut(&[u8])) -> usize {

@@ -8,9 +8,11 @@
 //! actually present before it is used.
 
 use agent_common::{
-    MAX_KERNEL_STACK_BYTES, MAX_USER_STACK_BYTES, PROCESS_EVENT_SIZE, ProcessEvent, RecordKind,
-    SAMPLE_HEADER_SIZE, SampleHeader,
+    MAX_KERNEL_STACK_BYTES, MAX_SPAN_BYTES, MAX_TAIL_BYTES, MAX_USER_STACK_BYTES,
+    PROCESS_EVENT_SIZE, ProcessEvent, RecordKind, SAMPLE_HEADER_SIZE, SampleHeader,
+    TAIL_SPAN_HEADER_SIZE, tail_span,
 };
+use stackscope_unwind::TailSpan;
 
 /// Why a record could not be decoded.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -27,6 +29,13 @@ pub enum DecodeError {
     /// The user stack length exceeds what the sampler can copy.
     #[error("user stack length {0} exceeds the {MAX_USER_STACK_BYTES}-byte maximum")]
     BadUserStackLen(u32),
+    /// The stack tail exceeds the limit or its spans do not add up to it.
+    #[error("stack tail of {len} bytes with {spans} spans is malformed: {why}")]
+    BadTail {
+        len: u32,
+        spans: u32,
+        why: &'static str,
+    },
     /// The header announces more (or fewer) bytes than the record carries.
     #[error("header announces {announced} bytes of record but {len} arrived")]
     LengthMismatch { announced: usize, len: usize },
@@ -79,6 +88,8 @@ pub struct Sample<'a> {
     kernel_stack: &'a [u8],
     /// Bytes copied from `header.user_rsp` upwards.
     pub user_stack: &'a [u8],
+    /// The stack tail: span headers, each followed by its bytes (checked).
+    tail: &'a [u8],
 }
 
 impl<'a> Sample<'a> {
@@ -106,20 +117,42 @@ impl<'a> Sample<'a> {
         if header.user_stack_len > MAX_USER_STACK_BYTES {
             return Err(DecodeError::BadUserStackLen(header.user_stack_len));
         }
+        if header.tail_len > MAX_TAIL_BYTES {
+            return Err(DecodeError::BadTail {
+                len: header.tail_len,
+                spans: header.tail_spans,
+                why: "longer than the sampler writes",
+            });
+        }
         let user_len = header.user_stack_len as usize;
-        let announced = SAMPLE_HEADER_SIZE + kernel_len + user_len;
+        let tail_len = header.tail_len as usize;
+        let announced = SAMPLE_HEADER_SIZE + kernel_len + user_len + tail_len;
         if announced != record.len() {
             return Err(DecodeError::LengthMismatch {
                 announced,
                 len: record.len(),
             });
         }
-        let (kernel_stack, user_stack) = record[SAMPLE_HEADER_SIZE..].split_at(kernel_len);
+        let (kernel_stack, rest) = record[SAMPLE_HEADER_SIZE..].split_at(kernel_len);
+        let (user_stack, tail) = rest.split_at(user_len);
+        check_tail(&header, tail)?;
         Ok(Self {
             header,
             kernel_stack,
             user_stack,
+            tail,
         })
+    }
+
+    /// The stack tail's spans that were read (not faulted), indexing into
+    /// [`Self::tail_data`]; `out` is cleared first.
+    pub fn tail_spans(&self, out: &mut Vec<TailSpan>) {
+        tail_spans(self.tail, out);
+    }
+
+    /// The bytes [`Self::tail_spans`] index into.
+    pub fn tail_data(&self) -> &'a [u8] {
+        self.tail
     }
 
     /// Kernel return addresses, innermost first; empty when the tick hit user mode.
@@ -136,7 +169,7 @@ impl<'a> Sample<'a> {
 
     /// Size of the record this sample was decoded from.
     pub fn record_len(&self) -> usize {
-        SAMPLE_HEADER_SIZE + self.kernel_stack.len() + self.user_stack.len()
+        SAMPLE_HEADER_SIZE + self.kernel_stack.len() + self.user_stack.len() + self.tail.len()
     }
 
     /// A copy that outlives the ring buffer slot.
@@ -145,7 +178,63 @@ impl<'a> Sample<'a> {
             header: self.header,
             kernel_frames: self.kernel_frames().collect(),
             user_stack: self.user_stack.to_vec(),
+            tail: self.tail.to_vec(),
+            spans: {
+                let mut spans = Vec::new();
+                self.tail_spans(&mut spans);
+                spans
+            },
         }
+    }
+}
+
+/// Reads a span header at the start of `bytes`.
+fn span_header(bytes: &[u8]) -> Option<u64> {
+    let header = bytes.first_chunk::<TAIL_SPAN_HEADER_SIZE>()?;
+    Some(u64::from_ne_bytes(*header))
+}
+
+/// Checks that the tail is `header.tail_spans` well-formed spans exactly
+/// filling it, so [`tail_spans`] can trust it.
+fn check_tail(header: &SampleHeader, tail: &[u8]) -> Result<(), DecodeError> {
+    let error = |why| DecodeError::BadTail {
+        len: header.tail_len,
+        spans: header.tail_spans,
+        why,
+    };
+    let mut rest = tail;
+    let mut spans = 0u32;
+    while !rest.is_empty() {
+        let span = span_header(rest).ok_or(error("a span header is cut off"))?;
+        let len = tail_span::len(span);
+        if len == 0 || len > MAX_SPAN_BYTES {
+            return Err(error("a span length is zero or over the limit"));
+        }
+        rest = rest
+            .get(TAIL_SPAN_HEADER_SIZE + len as usize..)
+            .ok_or(error("a span's bytes are cut off"))?;
+        spans += 1;
+    }
+    if spans != header.tail_spans {
+        return Err(error("the span count differs from the header's"));
+    }
+    Ok(())
+}
+
+fn tail_spans(tail: &[u8], out: &mut Vec<TailSpan>) {
+    out.clear();
+    let mut at = 0usize;
+    while let Some(span) = tail.get(at..).and_then(span_header) {
+        let data = at + TAIL_SPAN_HEADER_SIZE;
+        let len = tail_span::len(span);
+        if span & tail_span::FAULTED == 0 {
+            out.push(TailSpan {
+                addr: tail_span::addr(span),
+                offset: data as u32,
+                len,
+            });
+        }
+        at = data + len as usize;
     }
 }
 
@@ -156,6 +245,20 @@ pub struct OwnedSample {
     pub header: SampleHeader,
     pub kernel_frames: Vec<u64>,
     pub user_stack: Vec<u8>,
+    /// The stack tail as recorded, and its spans (indexing into it).
+    pub tail: Vec<u8>,
+    pub spans: Vec<TailSpan>,
+}
+
+impl OwnedSample {
+    /// The user stack as the walker takes it.
+    pub fn stack(&self) -> crate::unwinding::UserStack<'_> {
+        crate::unwinding::UserStack {
+            copy: &self.user_stack,
+            spans: &self.spans,
+            tail: &self.tail,
+        }
+    }
 }
 
 #[cfg(test)]
@@ -182,7 +285,96 @@ mod tests {
             user_rsp: 0x7ffd_0000_0f00,
             user_rbp: 0,
             comm,
+            tail_len: 0,
+            tail_spans: 0,
         }
+    }
+
+    /// A tail of `spans` (address, words, flags) as the sampler writes it.
+    fn tail(spans: &[(u64, &[u64], u64)]) -> Vec<u8> {
+        let mut out = Vec::new();
+        for &(addr, words, flags) in spans {
+            let span = tail_span::pack(addr, words.len() as u32 * 8).unwrap() | flags;
+            out.extend_from_slice(&span.to_ne_bytes());
+            for word in words {
+                out.extend_from_slice(&word.to_ne_bytes());
+            }
+        }
+        out
+    }
+
+    fn with_tail(mut header: SampleHeader, tail: &[u8], spans: u32) -> SampleHeader {
+        header.tail_len = tail.len() as u32;
+        header.tail_spans = spans;
+        header
+    }
+
+    #[test]
+    fn decodes_the_stack_tail_and_skips_faulted_spans() {
+        let tail = tail(&[
+            (0x7ffd_0000_8000, &[1, 2], 0),
+            (0x7ffd_0000_9000, &[0], tail_span::FAULTED),
+            (0x7ffd_0000_a000, &[3], 0),
+        ]);
+        let header = with_tail(header(0, 8), &tail, 3);
+        let mut record = encode(&header, &[], &[9; 8]);
+        record.extend_from_slice(&tail);
+        let sample = Sample::decode(&record).unwrap();
+        assert_eq!(sample.record_len(), record.len());
+        let mut spans = Vec::new();
+        sample.tail_spans(&mut spans);
+        assert_eq!(
+            spans,
+            [
+                TailSpan {
+                    addr: 0x7ffd_0000_8000,
+                    offset: 8,
+                    len: 16
+                },
+                TailSpan {
+                    addr: 0x7ffd_0000_a000,
+                    offset: 48,
+                    len: 8
+                },
+            ]
+        );
+        let data = sample.tail_data();
+        assert_eq!(data[8..16], 1u64.to_ne_bytes());
+        assert_eq!(data[48..56], 3u64.to_ne_bytes());
+        assert_eq!(sample.to_owned_sample().spans, spans);
+    }
+
+    #[test]
+    fn rejects_malformed_tails() {
+        let check = |tail: Vec<u8>, spans: u32, why: &str| {
+            let header = with_tail(header(0, 0), &tail, spans);
+            let mut record = encode(&header, &[], &[]);
+            record.extend_from_slice(&tail);
+            match Sample::decode(&record) {
+                Err(DecodeError::BadTail { why: got, .. }) => assert_eq!(got, why),
+                other => panic!("expected a bad tail ({why}), got {other:?}"),
+            }
+        };
+        let good = tail(&[(0x1000, &[1, 2], 0)]);
+        check(good.clone(), 2, "the span count differs from the header's");
+        check(good[..20].to_vec(), 1, "a span's bytes are cut off");
+        let mut cut = good.clone();
+        cut.extend_from_slice(&[0; 4]);
+        check(cut, 1, "a span header is cut off");
+        let mut empty = good.clone();
+        empty[..8].copy_from_slice(&0x1000u64.to_ne_bytes());
+        check(empty, 1, "a span length is zero or over the limit");
+        let mut long = good;
+        let words = u64::from(MAX_SPAN_BYTES / 8 + 1);
+        long[..8].copy_from_slice(&(0x1000 | words << 48).to_ne_bytes());
+        check(long, 1, "a span length is zero or over the limit");
+        let too_long = with_tail(header(0, 0), &[0; 8], 1);
+        let mut header = too_long;
+        header.tail_len = MAX_TAIL_BYTES + 8;
+        assert!(matches!(
+            Sample::decode(&encode(&header, &[], &[])),
+            Err(DecodeError::BadTail { .. })
+        ));
     }
 
     fn encode(header: &SampleHeader, kernel: &[u64], user: &[u8]) -> Vec<u8> {

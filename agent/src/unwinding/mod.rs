@@ -15,8 +15,13 @@
 //! Every delivered walk also says, per frame, which object the address is in
 //! and where in it ([`FrameObject`]): frames leave the node as (object, file
 //! offset), so the modules the walk resolved anyway are what normalizes them.
+//!
+//! A walk reads the sample's copy and its stack tail (words of deep frames
+//! read at the same tick, see [`stitching`]); how each walk went feeds the
+//! planner that decides how much the sampler reads next time.
 
 mod compiler;
+pub mod stitching;
 
 use std::{
     cell::Cell,
@@ -33,9 +38,10 @@ use stackscope_process_table::{
     Location, MappedRegion, MappingPath, ObjectId, ProcessTable, TableConfig, maps::read_maps,
 };
 use stackscope_unwind::{
-    DEFAULT_MAX_DEPTH, ModuleAt, ModuleLookup, Registers, RuleCache, UnwindEnd, UnwindTable,
-    unwind_cached,
+    DEFAULT_MAX_DEPTH, ModuleAt, ModuleLookup, Registers, RuleCache, SampledStack, StackMemory,
+    TailSpan, UnwindEnd, UnwindTable, unwind_memory,
 };
+use stitching::{PlanStats, PlanUpdate, Planner, RemoteStack, WalkReport};
 
 /// How the walker caches tables and holds samples that wait for one.
 #[derive(Debug, Clone)]
@@ -50,6 +56,14 @@ pub struct WalkerConfig {
     /// Bytes of samples held while their tables compile; beyond, a sample is
     /// walked as far as it can go at once (counted as dropped from the queue).
     pub max_waiting_bytes: usize,
+    /// Most frames a walk returns.
+    pub max_depth: usize,
+    /// The sampler's copy ceiling (`--stack-bytes`), which adaptive copies
+    /// never exceed.
+    pub stack_bytes: u32,
+    /// Learn per-process copy sizes and per-thread stack tails (the
+    /// sampler reads what walks need); off, every tick copies the ceiling.
+    pub adaptive: bool,
 }
 
 impl Default for WalkerConfig {
@@ -59,6 +73,28 @@ impl Default for WalkerConfig {
             disk_cache: None,
             compile_threads: 2,
             max_waiting_bytes: 64 << 20,
+            max_depth: DEFAULT_MAX_DEPTH,
+            stack_bytes: agent_common::DEFAULT_USER_STACK_BYTES,
+            adaptive: true,
+        }
+    }
+}
+
+/// A sample's user stack as read at the tick: the copy from `rsp` and the
+/// stack tail (spans indexing into `tail`).
+#[derive(Debug, Clone, Copy, Default)]
+pub struct UserStack<'a> {
+    pub copy: &'a [u8],
+    pub spans: &'a [TailSpan],
+    pub tail: &'a [u8],
+}
+
+impl<'a> UserStack<'a> {
+    /// A stack with no tail.
+    pub fn copy_only(copy: &'a [u8]) -> Self {
+        Self {
+            copy,
+            ..Self::default()
         }
     }
 }
@@ -80,6 +116,8 @@ pub struct Walk<'a> {
     /// Where each frame is, index for index with `frames`.
     pub objects: &'a [FrameObject],
     pub outcome: WalkOutcome,
+    /// The walk went past the copy through the stack tail.
+    pub stitched: bool,
 }
 
 /// Which object a frame's address is in, and the address in that object's
@@ -146,14 +184,66 @@ pub enum WalkOutcome {
     TablePending,
 }
 
+/// How walks ended: all of them, and those of one binary.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, serde::Serialize)]
+pub struct WalkEnds {
+    pub walks: u64,
+    /// Walks that reached the outermost frame (`_start`, a thread's entry),
+    /// stitched ones included.
+    pub outermost: u64,
+    /// Walks that reached it through the stack tail (past the copy).
+    pub stitched: u64,
+    /// Walks that ran out of stack bytes.
+    pub truncated: u64,
+}
+
+impl WalkEnds {
+    fn add(&mut self, outcome: WalkOutcome, stitched: bool) {
+        let outermost = outcome == WalkOutcome::Ended(UnwindEnd::Outermost);
+        self.walks += 1;
+        self.outermost += u64::from(outermost);
+        self.stitched += u64::from(outermost && stitched);
+        self.truncated += u64::from(outcome == WalkOutcome::Ended(UnwindEnd::StackTruncated));
+    }
+
+    fn percent(&self, n: u64) -> f64 {
+        if self.walks == 0 {
+            0.0
+        } else {
+            100.0 * n as f64 / self.walks as f64
+        }
+    }
+
+    /// Share of walks that reached the outermost frame, in percent.
+    pub fn outermost_percent(&self) -> f64 {
+        self.percent(self.outermost)
+    }
+
+    /// Share of walks that reached it through the stack tail, in percent.
+    pub fn stitched_percent(&self) -> f64 {
+        self.percent(self.stitched)
+    }
+
+    /// Share of walks that ran out of stack bytes, in percent.
+    pub fn truncated_percent(&self) -> f64 {
+        self.percent(self.truncated)
+    }
+}
+
 /// How walks ended, overall and per binary of the sampled instruction.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct WalkStats {
     pub walks: u64,
     /// Walks that reached the outermost frame (`_start`, a thread's entry).
     pub outermost: u64,
-    /// (walks, outermost) per binary holding frame 0.
-    pub by_binary: HashMap<Arc<str>, (u64, u64)>,
+    /// Of those, walks that reached it through the stack tail.
+    pub stitched: u64,
+    /// Walks that ran out of stack bytes (copy and tail).
+    pub truncated: u64,
+    /// Per binary holding frame 0.
+    pub by_binary: HashMap<Arc<str>, WalkEnds>,
+    /// Adaptive copies and learned stack tails.
+    pub plans: PlanStats,
     /// Tables compiled, read back from the disk cache, and objects whose
     /// table could not be built (they are walked with frame pointers).
     pub tables_compiled: u64,
@@ -170,25 +260,32 @@ pub struct WalkStats {
 }
 
 impl WalkStats {
-    /// Share of walks that reached the outermost frame, in percent.
-    pub fn outermost_percent(&self) -> f64 {
-        if self.walks == 0 {
-            0.0
-        } else {
-            100.0 * self.outermost as f64 / self.walks as f64
+    /// All walks' ends.
+    pub fn ends(&self) -> WalkEnds {
+        WalkEnds {
+            walks: self.walks,
+            outermost: self.outermost,
+            stitched: self.stitched,
+            truncated: self.truncated,
         }
     }
 
+    /// Share of walks that reached the outermost frame, in percent.
+    pub fn outermost_percent(&self) -> f64 {
+        self.ends().outermost_percent()
+    }
+
     /// The `n` binaries (of frame 0) with the most walks that stopped short
-    /// of the outermost frame, as (binary, walks, outermost), worst first.
-    pub fn worst_binaries(&self, n: usize) -> Vec<(&str, u64, u64)> {
+    /// of the outermost frame, worst first.
+    pub fn worst_binaries(&self, n: usize) -> Vec<(&str, WalkEnds)> {
         let mut binaries: Vec<_> = self
             .by_binary
             .iter()
-            .filter(|(_, (walks, outermost))| walks > outermost)
-            .map(|(name, &(walks, outermost))| (&**name, walks, outermost))
+            .filter(|(_, ends)| ends.walks > ends.outermost)
+            .map(|(name, &ends)| (&**name, ends))
             .collect();
-        binaries.sort_by(|a, b| (b.1 - b.2).cmp(&(a.1 - a.2)).then(a.0.cmp(b.0)));
+        let short = |ends: &WalkEnds| ends.walks - ends.outermost;
+        binaries.sort_by(|a, b| short(&b.1).cmp(&short(&a.1)).then(a.0.cmp(b.0)));
         binaries.truncate(n);
         binaries
     }
@@ -389,6 +486,13 @@ pub struct StackWalker {
     rules: RuleCache,
     /// The last address-space number handed out (see `ProcessModules::space`).
     spaces: u64,
+    max_depth: usize,
+    planner: Planner,
+    /// The last walk: whether it read the tail, how much copy it read.
+    last_tail_reads: u32,
+    last_copy_read: u64,
+    /// Frames of learning walks (kept apart from the delivered walk's).
+    learn_frames: Vec<u64>,
     stats: WalkStats,
 }
 
@@ -396,13 +500,44 @@ pub struct StackWalker {
 struct WaitingSample {
     header: SampleHeader,
     kernel_frames: Vec<u64>,
-    user_stack: Vec<u8>,
+    copy: Vec<u8>,
+    spans: Vec<TailSpan>,
+    tail: Vec<u8>,
 }
 
 impl WaitingSample {
     /// What holding it costs, for the `max_waiting_bytes` bound.
     fn bytes(&self) -> usize {
-        self.user_stack.len() + self.kernel_frames.len() * 8
+        self.copy.len()
+            + self.tail.len()
+            + self.spans.len() * std::mem::size_of::<TailSpan>()
+            + self.kernel_frames.len() * 8
+    }
+
+    fn stack(&self) -> UserStack<'_> {
+        UserStack {
+            copy: &self.copy,
+            spans: &self.spans,
+            tail: &self.tail,
+        }
+    }
+}
+
+/// A learning walk's memory, or a sample's: both can be walked again after
+/// a module was resolved.
+trait WalkMemory: StackMemory {
+    fn restart(&mut self);
+}
+
+impl WalkMemory for SampledStack<'_> {
+    fn restart(&mut self) {
+        SampledStack::restart(self);
+    }
+}
+
+impl WalkMemory for RemoteStack<'_> {
+    fn restart(&mut self) {
+        RemoteStack::restart(self);
     }
 }
 
@@ -425,10 +560,15 @@ impl StackWalker {
             waiting: VecDeque::new(),
             waiting_bytes: 0,
             max_waiting_bytes: config.max_waiting_bytes,
-            frames: Vec::with_capacity(DEFAULT_MAX_DEPTH),
-            objects: Vec::with_capacity(DEFAULT_MAX_DEPTH),
+            frames: Vec::with_capacity(config.max_depth.min(4096)),
+            objects: Vec::with_capacity(config.max_depth.min(4096)),
             rules: RuleCache::default(),
             spaces: 0,
+            max_depth: config.max_depth,
+            planner: Planner::new(config.stack_bytes, config.adaptive),
+            last_tail_reads: 0,
+            last_copy_read: 0,
+            learn_frames: Vec::new(),
             stats: WalkStats::default(),
         }
     }
@@ -446,7 +586,7 @@ impl StackWalker {
         &mut self,
         header: &SampleHeader,
         kernel_frames: &[u64],
-        user_stack: &[u8],
+        stack: UserStack<'_>,
         mut on_walk: impl FnMut(Walked<'_>),
     ) {
         // Held samples first: they are older, and walking them reuses the
@@ -455,11 +595,17 @@ impl StackWalker {
         if self.tables_changed {
             self.retry_waiting(&mut on_walk);
         }
-        match self.walk(header, user_stack).map(|walk| walk.outcome) {
+        match self.walk(header, stack).map(|walk| walk.outcome) {
             None => {}
-            Some(WalkOutcome::TablePending) if self.hold(header, kernel_frames, user_stack) => {}
-            Some(outcome) => self.deliver(header, kernel_frames, outcome, &mut on_walk),
+            Some(WalkOutcome::TablePending) if self.hold(header, kernel_frames, stack) => {}
+            Some(outcome) => self.deliver(header, kernel_frames, stack, outcome, &mut on_walk),
         }
+    }
+
+    /// The changes for the sampler's copy-size and stack-plan maps decided
+    /// since the last call; the run loop writes them.
+    pub fn take_plan_updates(&mut self) -> Vec<PlanUpdate> {
+        self.planner.take_updates()
     }
 
     /// Walks held samples whose tables have become ready; call it now and
@@ -475,8 +621,14 @@ impl StackWalker {
     pub fn flush(&mut self, mut on_walk: impl FnMut(Walked<'_>)) {
         self.poll(&mut on_walk);
         for held in std::mem::take(&mut self.waiting) {
-            if let Some(outcome) = self.walk(&held.header, &held.user_stack).map(|w| w.outcome) {
-                self.deliver(&held.header, &held.kernel_frames, outcome, &mut on_walk);
+            if let Some(outcome) = self.walk(&held.header, held.stack()).map(|w| w.outcome) {
+                self.deliver(
+                    &held.header,
+                    &held.kernel_frames,
+                    held.stack(),
+                    outcome,
+                    &mut on_walk,
+                );
             }
         }
         self.waiting_bytes = 0;
@@ -487,11 +639,13 @@ impl StackWalker {
         self.waiting.len()
     }
 
-    fn hold(&mut self, header: &SampleHeader, kernel_frames: &[u64], user_stack: &[u8]) -> bool {
+    fn hold(&mut self, header: &SampleHeader, kernel_frames: &[u64], stack: UserStack<'_>) -> bool {
         let held = WaitingSample {
             header: *header,
             kernel_frames: kernel_frames.to_vec(),
-            user_stack: user_stack.to_vec(),
+            copy: stack.copy.to_vec(),
+            spans: stack.spans.to_vec(),
+            tail: stack.tail.to_vec(),
         };
         if self.waiting_bytes + held.bytes() > self.max_waiting_bytes {
             self.stats.queue_full += 1;
@@ -506,26 +660,35 @@ impl StackWalker {
     fn retry_waiting(&mut self, on_walk: &mut impl FnMut(Walked<'_>)) {
         self.tables_changed = false;
         for held in std::mem::take(&mut self.waiting) {
-            match self.walk(&held.header, &held.user_stack).map(|w| w.outcome) {
+            match self.walk(&held.header, held.stack()).map(|w| w.outcome) {
                 Some(WalkOutcome::TablePending) => self.waiting.push_back(held),
                 Some(outcome) => {
                     self.waiting_bytes -= held.bytes();
-                    self.deliver(&held.header, &held.kernel_frames, outcome, on_walk);
+                    self.deliver(
+                        &held.header,
+                        &held.kernel_frames,
+                        held.stack(),
+                        outcome,
+                        on_walk,
+                    );
                 }
                 None => self.waiting_bytes -= held.bytes(),
             }
         }
     }
 
-    /// Counts the walk just made and hands it to `on_walk`.
+    /// Counts the walk just made, hands it to `on_walk`, then tells the
+    /// planner how it went (which may learn the thread's deep frames).
     fn deliver(
         &mut self,
         header: &SampleHeader,
         kernel_frames: &[u64],
+        stack: UserStack<'_>,
         outcome: WalkOutcome,
         on_walk: &mut impl FnMut(Walked<'_>),
     ) {
-        self.record(header.tgid, outcome);
+        let stitched = self.last_tail_reads > 0;
+        self.record(header.tgid, outcome, stitched);
         on_walk(Walked {
             header,
             kernel_frames,
@@ -533,68 +696,78 @@ impl StackWalker {
                 frames: &self.frames,
                 objects: &self.objects,
                 outcome,
+                stitched,
             },
         });
+        let WalkOutcome::Ended(end) = outcome else {
+            return;
+        };
+        let report = WalkReport {
+            tgid: header.tgid,
+            tid: header.tid,
+            ktime_ns: header.ktime_ns,
+            copied: stack.copy.len() as u32,
+            copy_bytes_read: self.last_copy_read,
+            tail_reads: self.last_tail_reads,
+            end,
+        };
+        if self.planner.observe(&report) {
+            self.learn(header, stack.copy, &report);
+        }
     }
 
-    pub fn stats(&self) -> &WalkStats {
-        &self.stats
+    /// Reads the rest of the sampled thread's stack from the live process
+    /// and walks it, so the planner learns which deep words to ask for.
+    fn learn(&mut self, header: &SampleHeader, copy: &[u8], report: &WalkReport) {
+        let regs = registers(header);
+        let mut planner = std::mem::replace(&mut self.planner, Planner::new(0, false));
+        planner.learn(report, regs.rsp, copy, |memory| {
+            let mut frames = std::mem::take(&mut self.learn_frames);
+            let (end, _) = self.walk_memory(header.tgid, regs, memory, &mut frames);
+            self.learn_frames = frames;
+            end
+        });
+        self.planner = planner;
     }
 
-    /// The process replaced its image: forget its mappings.
+    pub fn stats(&self) -> WalkStats {
+        WalkStats {
+            plans: self.planner.stats(),
+            ..self.stats.clone()
+        }
+    }
+
+    /// The process replaced its image: forget its mappings and plans.
     pub fn on_exec(&mut self, tgid: u32) {
         self.processes.exec(tgid);
         self.modules.remove(&tgid);
+        self.planner.forget_process(tgid);
     }
 
     /// The process exited: forget it, so a reused pid starts afresh.
     pub fn on_exit(&mut self, tgid: u32) {
         self.processes.remove(tgid);
         self.modules.remove(&tgid);
+        self.planner.forget_process(tgid);
     }
 
-    /// Walks the user stack of a sample (its header and the copied stack
-    /// bytes) with what is known now; `None` when it has no user part (a
-    /// kernel thread). Does not hold or count the sample: [`Self::push`]
-    /// does both.
-    pub fn walk(&mut self, header: &SampleHeader, user_stack: &[u8]) -> Option<Walk<'_>> {
+    /// Walks the user stack of a sample (its header, the copied stack
+    /// bytes and the tail) with what is known now; `None` when it has no
+    /// user part (a kernel thread). Does not hold or count the sample:
+    /// [`Self::push`] does both.
+    pub fn walk(&mut self, header: &SampleHeader, stack: UserStack<'_>) -> Option<Walk<'_>> {
         if header.flags & sample_flags::USER_REGS == 0 {
             return None;
         }
         let tgid = header.tgid;
-        let regs = Registers {
-            rip: header.user_rip,
-            rsp: header.user_rsp,
-            rbp: header.user_rbp,
-        };
+        let regs = registers(header);
         self.take_compiled_tables();
-        let mut resolves = 0;
-        let (end, pending) = loop {
-            let process = self.modules.entry(tgid).or_default();
-            let known = KnownModules {
-                process,
-                unknown: Cell::new(None),
-                pending: Cell::new(false),
-            };
-            let end = unwind_cached(
-                regs,
-                user_stack,
-                &known,
-                &mut self.rules,
-                process.space,
-                DEFAULT_MAX_DEPTH,
-                &mut self.frames,
-            );
-            let (unknown, pending) = (known.unknown.get(), known.pending.get());
-            let retry = end == UnwindEnd::Unmapped
-                && !pending
-                && resolves < MAX_RESOLVES_PER_WALK
-                && unknown.is_some_and(|pc| self.resolve(tgid, pc));
-            if !retry {
-                break (end, pending);
-            }
-            resolves += 1;
-        };
+        let mut memory = SampledStack::new(regs.rsp, stack.copy, stack.spans, stack.tail);
+        let mut frames = std::mem::take(&mut self.frames);
+        let (end, pending) = self.walk_memory(tgid, regs, &mut memory, &mut frames);
+        self.frames = frames;
+        self.last_tail_reads = memory.tail_reads();
+        self.last_copy_read = memory.copy_bytes_read();
         let outcome = if pending {
             WalkOutcome::TablePending
         } else {
@@ -605,7 +778,48 @@ impl StackWalker {
             frames: &self.frames,
             objects: &self.objects,
             outcome,
+            stitched: self.last_tail_reads > 0,
         })
+    }
+
+    /// Walks `memory` from `regs` into `frames`, resolving the modules the
+    /// walk reaches and walking again; returns how it ended and whether a
+    /// table it needs is still being compiled.
+    fn walk_memory(
+        &mut self,
+        tgid: u32,
+        regs: Registers,
+        memory: &mut impl WalkMemory,
+        frames: &mut Vec<u64>,
+    ) -> (UnwindEnd, bool) {
+        let mut resolves = 0;
+        loop {
+            let process = self.modules.entry(tgid).or_default();
+            let known = KnownModules {
+                process,
+                unknown: Cell::new(None),
+                pending: Cell::new(false),
+            };
+            memory.restart();
+            let end = unwind_memory(
+                regs,
+                memory,
+                &known,
+                &mut self.rules,
+                process.space,
+                self.max_depth,
+                frames,
+            );
+            let (unknown, pending) = (known.unknown.get(), known.pending.get());
+            let retry = end == UnwindEnd::Unmapped
+                && !pending
+                && resolves < MAX_RESOLVES_PER_WALK
+                && unknown.is_some_and(|pc| self.resolve(tgid, pc));
+            if !retry {
+                return (end, pending);
+            }
+            resolves += 1;
+        }
     }
 
     /// Fills `objects` for the frames of the walk just made. A return
@@ -726,10 +940,15 @@ impl StackWalker {
         true
     }
 
-    fn record(&mut self, tgid: u32, outcome: WalkOutcome) {
-        let outermost = u64::from(outcome == WalkOutcome::Ended(UnwindEnd::Outermost));
-        self.stats.walks += 1;
-        self.stats.outermost += outermost;
+    fn record(&mut self, tgid: u32, outcome: WalkOutcome, stitched: bool) {
+        let mut all = self.stats.ends();
+        all.add(outcome, stitched);
+        (
+            self.stats.walks,
+            self.stats.outermost,
+            self.stats.stitched,
+            self.stats.truncated,
+        ) = (all.walks, all.outermost, all.stitched, all.truncated);
         self.stats.table_pending += u64::from(outcome == WalkOutcome::TablePending);
         let name = self
             .frames
@@ -738,10 +957,16 @@ impl StackWalker {
             .map_or_else(|| Arc::<str>::from("[unknown]"), |m| Arc::clone(&m.name));
         let by_binary = &mut self.stats.by_binary;
         if by_binary.len() < MAX_BINARIES_TRACKED || by_binary.contains_key(&name) {
-            let entry = by_binary.entry(name).or_default();
-            entry.0 += 1;
-            entry.1 += outermost;
+            by_binary.entry(name).or_default().add(outcome, stitched);
         }
+    }
+}
+
+fn registers(header: &SampleHeader) -> Registers {
+    Registers {
+        rip: header.user_rip,
+        rsp: header.user_rsp,
+        rbp: header.user_rbp,
     }
 }
 
@@ -799,10 +1024,18 @@ mod tests {
     #[test]
     fn ranks_binaries_by_walks_that_stopped_short() {
         let mut stats = WalkStats::default();
+        let ends = |walks, outermost| WalkEnds {
+            walks,
+            outermost,
+            ..WalkEnds::default()
+        };
         for (name, walks, outermost) in [("a", 10, 10), ("b", 10, 4), ("c", 50, 47), ("d", 7, 0)] {
-            stats.by_binary.insert(name.into(), (walks, outermost));
+            stats.by_binary.insert(name.into(), ends(walks, outermost));
         }
-        assert_eq!(stats.worst_binaries(2), [("d", 7, 0), ("b", 10, 4)]);
+        assert_eq!(
+            stats.worst_binaries(2),
+            [("d", ends(7, 0)), ("b", ends(10, 4))]
+        );
         assert_eq!(
             stats.worst_binaries(9).len(),
             3,
@@ -871,6 +1104,8 @@ mod tests {
             user_rsp: 0x7fff_0000_0000,
             user_rbp: 0,
             comm: [0; 16],
+            tail_len: 0,
+            tail_spans: 0,
         };
         (header, vec![0; 256])
     }
@@ -893,7 +1128,12 @@ mod tests {
                 ))
             }
         }
-        walker.push(&header, &kernel, &stack, keep(&mut walks));
+        walker.push(
+            &header,
+            &kernel,
+            UserStack::copy_only(&stack),
+            keep(&mut walks),
+        );
         assert!(
             walks.is_empty(),
             "walked before the table was ready: {walks:?}"
@@ -943,7 +1183,7 @@ mod tests {
 
         // The table is known now: the next sample is walked at once.
         let mut immediate = 0;
-        walker.push(&header, &[], &stack, |w| {
+        walker.push(&header, &[], UserStack::copy_only(&stack), |w| {
             assert_eq!(w.walk.outcome, WalkOutcome::Ended(UnwindEnd::Outermost));
             assert!(w.kernel_frames.is_empty());
             immediate += 1;
@@ -956,7 +1196,7 @@ mod tests {
         let mut walker = StackWalker::default();
         let (held, stack) = own_sample();
         let mut delivered = Vec::new();
-        walker.push(&held, &[1], &stack, |w| {
+        walker.push(&held, &[1], UserStack::copy_only(&stack), |w| {
             delivered.push((w.kernel_frames.to_vec(), w.walk.frames.to_vec()))
         });
         assert_eq!(walker.waiting(), 1);
@@ -972,7 +1212,7 @@ mod tests {
             user_rip: a_full_queue_walks_the_sample_as_far_as_it_goes as fn() as usize as u64,
             ..held
         };
-        walker.push(&next, &[2], &stack, |w| {
+        walker.push(&next, &[2], UserStack::copy_only(&stack), |w| {
             delivered.push((w.kernel_frames.to_vec(), w.walk.frames.to_vec()))
         });
         assert_eq!(
@@ -992,7 +1232,9 @@ mod tests {
         });
         let (header, stack) = own_sample();
         let mut outcomes = Vec::new();
-        walker.push(&header, &[], &stack, |w| outcomes.push(w.walk.outcome));
+        walker.push(&header, &[], UserStack::copy_only(&stack), |w| {
+            outcomes.push(w.walk.outcome)
+        });
         assert_eq!(outcomes, [WalkOutcome::TablePending]);
         let stats = walker.stats();
         assert_eq!(

@@ -1,0 +1,728 @@
+//! How much of each thread's stack the sampler reads, learned from the
+//! thread's own walks: adaptive copies and stack tails.
+//!
+//! Owns the agent's side of the sampler's `COPY_BYTES` (per process) and
+//! `STACK_PLANS` (per thread) maps: the sizes and spans it wants there, the
+//! updates it queues for the run loop to write, and learning where a deep
+//! thread's frames lie by reading the rest of its stack with
+//! `process_vm_readv`. It does not walk stacks (the walker does, and tells
+//! it how each walk went) and does not touch BPF maps itself.
+//!
+//! Why this is never a wrong frame: what is learned here only chooses which
+//! addresses the sampler reads on later ticks. Every byte a walk uses was
+//! read at its own tick, so a plan gone stale (the thread returned and
+//! called elsewhere) can only make a walk stop short, never walk a frame
+//! that was not on the stack.
+
+use std::{collections::HashMap, io};
+
+use agent_common::{
+    MAX_SPAN_BYTES, MAX_STACK_PLANS, MAX_TAIL_BYTES, MAX_TAIL_SPANS, MIN_USER_STACK_BYTES,
+    PAGE_SIZE, StackPlan, TAIL_SPAN_HEADER_SIZE, tail_span,
+};
+use stackscope_unwind::{StackMemory, UnwindEnd};
+
+/// A change for the sampler's maps, queued for the run loop.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum PlanUpdate {
+    /// Set (or with `None`, remove) the copy size of a process's threads
+    /// that have no plan.
+    ProcessCopy { tgid: u32, bytes: Option<u32> },
+    /// Set (or remove) one thread's plan.
+    Thread {
+        tid: u32,
+        plan: Option<Box<StackPlan>>,
+    },
+}
+
+/// Bytes copied above the highest word a learned plan's copy must hold,
+/// so a tick a little deeper than the learning one still reaches the spans.
+const PLAN_SLACK_BYTES: u32 = 1024;
+/// The copy a plan keeps at least: the frames that change from tick to tick.
+const PLAN_MIN_COPY_BYTES: u32 = 1024;
+/// Slots closer than this go into one span.
+const MERGE_GAP_BYTES: u64 = 64;
+/// Most stack a learning read fetches (a default main-thread stack limit).
+const MAX_LEARN_BYTES: usize = 8 << 20;
+/// A learning read fetches this much at a time, as the walk needs it.
+const LEARN_CHUNK_BYTES: usize = 64 << 10;
+/// One thread is learned at most this often (ns of sample time).
+const LEARN_INTERVAL_NS: u64 = 250_000_000;
+/// Learning reads at most this many per second for all threads.
+const LEARNS_PER_SECOND: u32 = 50;
+/// A process's copy size follows the largest need seen over this window
+/// and the one before it (ns of sample time).
+const COPY_WINDOW_NS: u64 = 10_000_000_000;
+
+/// What one delivered walk tells the planner.
+#[derive(Debug, Clone, Copy)]
+pub struct WalkReport {
+    pub tgid: u32,
+    pub tid: u32,
+    pub ktime_ns: u64,
+    /// Bytes of contiguous copy the tick had.
+    pub copied: u32,
+    /// Bytes of the copy the walk read.
+    pub copy_bytes_read: u64,
+    /// Words the walk read from the tail.
+    pub tail_reads: u32,
+    pub end: UnwindEnd,
+}
+
+/// Counters of the planner, for the status line and the report.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, serde::Serialize)]
+pub struct PlanStats {
+    /// Threads whose deep frames were learned into a plan.
+    pub plans_learned: u64,
+    /// Learning reads that could not give a plan (the thread was gone,
+    /// the walk did not reach the root, or the spans would not fit).
+    pub learn_failed: u64,
+    /// Learning reads skipped by the rate limits.
+    pub learn_throttled: u64,
+    /// Copy size changes written for processes.
+    pub copy_updates: u64,
+    /// Plans in use now.
+    pub thread_plans: usize,
+}
+
+struct ProcessCopy {
+    window_start_ns: u64,
+    max_now: u32,
+    max_before: u32,
+    /// What the map holds for the process (the ceiling when unset).
+    written: u32,
+}
+
+struct ThreadPlan {
+    tgid: u32,
+    last_learn_ns: u64,
+    /// Whether the map holds a plan for the thread.
+    planned: bool,
+}
+
+/// Learns and keeps the copy sizes and stack plans; see the module doc.
+pub struct Planner {
+    ceiling: u32,
+    adaptive: bool,
+    processes: HashMap<u32, ProcessCopy>,
+    threads: HashMap<u32, ThreadPlan>,
+    updates: Vec<PlanUpdate>,
+    /// Learning budget: the second (of sample time) it counts, and how
+    /// many were spent in it.
+    budget_second: u64,
+    budget_spent: u32,
+    remote: Vec<u8>,
+    reads: Vec<u64>,
+    stats: PlanStats,
+}
+
+impl Planner {
+    /// `ceiling`: the configured copy size, which plans never exceed.
+    /// Without `adaptive`, every tick copies the ceiling and no tails are
+    /// learned (the behaviour to compare against).
+    pub fn new(ceiling: u32, adaptive: bool) -> Self {
+        Self {
+            ceiling,
+            adaptive,
+            processes: HashMap::new(),
+            threads: HashMap::new(),
+            updates: Vec::new(),
+            budget_second: 0,
+            budget_spent: 0,
+            remote: Vec::new(),
+            reads: Vec::new(),
+            stats: PlanStats::default(),
+        }
+    }
+
+    pub fn stats(&self) -> PlanStats {
+        PlanStats {
+            thread_plans: self.threads.values().filter(|t| t.planned).count(),
+            ..self.stats
+        }
+    }
+
+    /// The map changes queued since the last call.
+    pub fn take_updates(&mut self) -> Vec<PlanUpdate> {
+        std::mem::take(&mut self.updates)
+    }
+
+    /// Adjusts the process's copy size to what its walks need; says
+    /// whether the thread's deep frames should be learned (the walk ran
+    /// out of stack with the whole ceiling copied, or a plan's tail).
+    pub fn observe(&mut self, walk: &WalkReport) -> bool {
+        if !self.adaptive {
+            return false;
+        }
+        let truncated = walk.end == UnwindEnd::StackTruncated;
+        let ceiling = self.ceiling;
+        let needed = if truncated {
+            ceiling
+        } else {
+            u32::try_from(walk.copy_bytes_read).unwrap_or(ceiling)
+        };
+        let planned = self.threads.get(&walk.tid).is_some_and(|t| t.planned);
+        if !planned {
+            self.observe_process(walk.tgid, walk.ktime_ns, needed);
+        }
+        // Deeper than any copy: only a tail can help. A shorter copy that
+        // ran out is fixed by the copy size above.
+        truncated && (planned || walk.copied >= ceiling)
+    }
+
+    fn observe_process(&mut self, tgid: u32, now: u64, needed: u32) {
+        let ceiling = self.ceiling;
+        if !self.processes.contains_key(&tgid) && self.processes.len() >= MAX_PROCESSES {
+            return;
+        }
+        let process = self.processes.entry(tgid).or_insert(ProcessCopy {
+            window_start_ns: now,
+            max_now: 0,
+            max_before: 0,
+            written: ceiling,
+        });
+        if now.saturating_sub(process.window_start_ns) > COPY_WINDOW_NS {
+            process.max_before = process.max_now;
+            process.max_now = 0;
+            process.window_start_ns = now;
+        }
+        process.max_now = process.max_now.max(needed);
+        let wanted = copy_size_for(process.max_now.max(process.max_before), ceiling);
+        // Up at once (a walk ran short); down only by a quarter or more,
+        // so the map is not rewritten for every small wobble.
+        if wanted > process.written || wanted < process.written - process.written / 4 {
+            process.written = wanted;
+            self.stats.copy_updates += 1;
+            self.updates.push(PlanUpdate::ProcessCopy {
+                tgid,
+                bytes: Some(wanted),
+            });
+        }
+    }
+
+    /// Learns a plan for the thread of a walk that `observe` flagged: reads
+    /// the stack above the copy from the live process, walks it with
+    /// `walk_again` (which must walk from the sample's registers over the
+    /// memory it is given), and turns the words that walk read into a plan.
+    pub fn learn(
+        &mut self,
+        walk: &WalkReport,
+        rsp: u64,
+        copy: &[u8],
+        walk_again: impl FnOnce(&mut RemoteStack<'_>) -> UnwindEnd,
+    ) {
+        let thread = self.threads.get(&walk.tid).filter(|t| t.tgid == walk.tgid);
+        if thread.is_some_and(|t| walk.ktime_ns.saturating_sub(t.last_learn_ns) < LEARN_INTERVAL_NS)
+        {
+            return;
+        }
+        let second = walk.ktime_ns / 1_000_000_000;
+        if second != self.budget_second {
+            (self.budget_second, self.budget_spent) = (second, 0);
+        }
+        if self.budget_spent >= LEARNS_PER_SECOND {
+            self.stats.learn_throttled += 1;
+            return;
+        }
+        self.budget_spent += 1;
+        if !self.threads.contains_key(&walk.tid)
+            && self.threads.len() >= 2 * MAX_STACK_PLANS as usize
+        {
+            self.forget_oldest_thread();
+        }
+        let was_planned = self.threads.get(&walk.tid).is_some_and(|t| t.planned);
+        self.threads.insert(
+            walk.tid,
+            ThreadPlan {
+                tgid: walk.tgid,
+                last_learn_ns: walk.ktime_ns,
+                planned: was_planned,
+            },
+        );
+
+        self.reads.clear();
+        let mut remote = RemoteStack::new(walk.tgid, rsp, copy, &mut self.remote, &mut self.reads);
+        let end = walk_again(&mut remote);
+        let plan = (end == UnwindEnd::Outermost)
+            .then(|| plan_for(walk.tgid, rsp, &mut self.reads, self.ceiling))
+            .flatten();
+        // The buffer may have grown to megabytes for one deep thread.
+        self.remote.clear();
+        self.remote.shrink_to(LEARN_CHUNK_BYTES);
+        let Some(plan) = plan else {
+            self.stats.learn_failed += 1;
+            return;
+        };
+        self.stats.plans_learned += 1;
+        if let Some(thread) = self.threads.get_mut(&walk.tid) {
+            thread.planned = true;
+        }
+        self.updates.push(PlanUpdate::Thread {
+            tid: walk.tid,
+            plan: Some(plan),
+        });
+    }
+
+    fn forget_oldest_thread(&mut self) {
+        let oldest = self
+            .threads
+            .iter()
+            .min_by_key(|(_, t)| t.last_learn_ns)
+            .map(|(&tid, t)| (tid, t.planned));
+        if let Some((tid, planned)) = oldest {
+            self.threads.remove(&tid);
+            if planned {
+                self.updates.push(PlanUpdate::Thread { tid, plan: None });
+            }
+        }
+    }
+
+    /// The process exited or replaced its image: its sizes and its
+    /// threads' plans go, in the maps too, so a reused id starts afresh.
+    pub fn forget_process(&mut self, tgid: u32) {
+        if let Some(process) = self.processes.remove(&tgid)
+            && process.written != self.ceiling
+        {
+            self.updates
+                .push(PlanUpdate::ProcessCopy { tgid, bytes: None });
+        }
+        let updates = &mut self.updates;
+        self.threads.retain(|&tid, thread| {
+            if thread.tgid != tgid {
+                return true;
+            }
+            if thread.planned {
+                updates.push(PlanUpdate::Thread { tid, plan: None });
+            }
+            false
+        });
+    }
+}
+
+/// Processes whose copy size is tracked; beyond, new ones keep the ceiling.
+const MAX_PROCESSES: usize = agent_common::MAX_COPY_SIZES as usize;
+
+/// The copy a process gets for walks that needed `needed` bytes: a quarter
+/// more and a little, in 256-byte steps, within the limits.
+fn copy_size_for(needed: u32, ceiling: u32) -> u32 {
+    let padded = needed.saturating_add(needed / 4).saturating_add(256);
+    padded
+        .div_ceil(256)
+        .saturating_mul(256)
+        .clamp(MIN_USER_STACK_BYTES, ceiling.max(MIN_USER_STACK_BYTES))
+        .min(ceiling)
+}
+
+/// A plan whose copy holds the top of the stack and whose spans hold the
+/// words a walk from `rsp` read further up (`reads`: their addresses).
+/// Spans are taken from the root down, so the frames that move least are
+/// the ones read word by word; the copy covers what the spans cannot.
+/// `None` when even the ceiling copy could not close the gap.
+pub fn plan_for(tgid: u32, rsp: u64, reads: &mut Vec<u64>, ceiling: u32) -> Option<Box<StackPlan>> {
+    reads.sort_unstable();
+    reads.dedup();
+    let copy_floor = rsp + u64::from(PLAN_MIN_COPY_BYTES);
+    /// (address, length) of a span being built.
+    struct PlannedSpan {
+        addr: u64,
+        len: u32,
+    }
+    let mut spans: Vec<PlannedSpan> = Vec::new();
+    let mut tail_bytes = 0u32;
+    // Addresses from the highest down; the first that fits no span (or
+    // lies in the copy anyway) ends the tail, and the copy takes the rest.
+    let mut copy_end = rsp;
+    for &address in reads.iter().rev() {
+        if address < copy_floor {
+            copy_end = address + 8;
+            break;
+        }
+        if let Some(span) = spans.last_mut() {
+            let new_len = span.addr + u64::from(span.len) - address;
+            if span.addr.saturating_sub(address + 8) <= MERGE_GAP_BYTES
+                && new_len <= u64::from(MAX_SPAN_BYTES)
+            {
+                let grown = new_len as u32 - span.len;
+                if tail_bytes + grown > MAX_TAIL_BYTES {
+                    copy_end = address + 8;
+                    break;
+                }
+                span.addr = address;
+                span.len = new_len as u32;
+                tail_bytes += grown;
+                continue;
+            }
+        }
+        let cost = TAIL_SPAN_HEADER_SIZE as u32 + 8;
+        if spans.len() == MAX_TAIL_SPANS || tail_bytes + cost > MAX_TAIL_BYTES {
+            copy_end = address + 8;
+            break;
+        }
+        spans.push(PlannedSpan {
+            addr: address,
+            len: 8,
+        });
+        tail_bytes += cost;
+    }
+    let needed = u32::try_from(copy_end - rsp).ok()?;
+    let copy_bytes = needed
+        .max(PLAN_MIN_COPY_BYTES)
+        .saturating_add(PLAN_SLACK_BYTES)
+        .div_ceil(256)
+        .saturating_mul(256);
+    if needed > ceiling {
+        return None;
+    }
+    let mut plan = Box::new(StackPlan::copy_only(tgid, copy_bytes.min(ceiling)));
+    spans.reverse();
+    // Spans the copy holds whole are not read twice.
+    let copy_top = rsp + u64::from(plan.copy_bytes);
+    spans.retain(|span| span.addr + u64::from(span.len) > copy_top);
+    let packed: Vec<u64> = spans
+        .iter()
+        .map(|span| tail_span::pack(span.addr, span.len))
+        .collect::<Option<_>>()?;
+    plan.span_count = packed.len() as u32;
+    plan.spans[..packed.len()].copy_from_slice(&packed);
+    Some(plan)
+}
+
+/// A thread's stack for a learning walk: the sample's copy, then what
+/// `process_vm_readv` finds above it in the live process now, fetched as
+/// the walk goes. Remembers the address of every word the walk reads.
+pub struct RemoteStack<'a> {
+    tgid: u32,
+    rsp: u64,
+    copy: &'a [u8],
+    /// Bytes fetched from the end of the copy upwards.
+    fetched: &'a mut Vec<u8>,
+    exhausted: bool,
+    reads: &'a mut Vec<u64>,
+}
+
+impl<'a> RemoteStack<'a> {
+    fn new(
+        tgid: u32,
+        rsp: u64,
+        copy: &'a [u8],
+        fetched: &'a mut Vec<u8>,
+        reads: &'a mut Vec<u64>,
+    ) -> Self {
+        fetched.clear();
+        Self {
+            tgid,
+            rsp,
+            copy,
+            fetched,
+            exhausted: false,
+            reads,
+        }
+    }
+
+    /// Forgets the reads of a walk that is about to be made again.
+    pub fn restart(&mut self) {
+        self.reads.clear();
+    }
+
+    fn remote_start(&self) -> u64 {
+        self.rsp + self.copy.len() as u64
+    }
+
+    /// Fetches the next chunk; false when nothing more can be read (the
+    /// end of the stack mapping, the cap, or the process is gone).
+    fn fetch_more(&mut self) -> bool {
+        if self.exhausted || self.fetched.len() >= MAX_LEARN_BYTES {
+            return false;
+        }
+        let from = self.remote_start() + self.fetched.len() as u64;
+        let have = self.fetched.len();
+        self.fetched.resize(have + LEARN_CHUNK_BYTES, 0);
+        let got = read_remote(self.tgid, from, &mut self.fetched[have..]).unwrap_or(0);
+        self.fetched.truncate(have + got);
+        if got < LEARN_CHUNK_BYTES {
+            self.exhausted = true;
+        }
+        got > 0
+    }
+}
+
+impl StackMemory for RemoteStack<'_> {
+    fn read_u64(&mut self, address: u64) -> Result<u64, UnwindEnd> {
+        let offset = address
+            .checked_sub(self.rsp)
+            .ok_or(UnwindEnd::BadStackAddress)?;
+        let offset = usize::try_from(offset).map_err(|_| UnwindEnd::StackTruncated)?;
+        self.reads.push(address);
+        if let Some(word) = self.copy.get(offset..).and_then(|b| b.first_chunk::<8>()) {
+            return Ok(u64::from_le_bytes(*word));
+        }
+        let at = offset
+            .checked_sub(self.copy.len())
+            .ok_or(UnwindEnd::StackTruncated)?;
+        if at >= MAX_LEARN_BYTES {
+            return Err(UnwindEnd::StackTruncated);
+        }
+        while self.fetched.len() < at + 8 {
+            if !self.fetch_more() {
+                return Err(UnwindEnd::StackTruncated);
+            }
+        }
+        let word = self.fetched[at..]
+            .first_chunk::<8>()
+            .ok_or(UnwindEnd::StackTruncated)?;
+        Ok(u64::from_le_bytes(*word))
+    }
+}
+
+/// Reads `out.len()` bytes of process `tgid` at `address`, page by page so
+/// that the read stops at the first unmapped page (the end of the stack
+/// mapping) with everything before it; returns the bytes read.
+fn read_remote(tgid: u32, address: u64, out: &mut [u8]) -> io::Result<usize> {
+    const MAX_IOVECS: usize = LEARN_CHUNK_BYTES / PAGE_SIZE as usize + 1;
+    let page = u64::from(PAGE_SIZE);
+    let mut remote = [libc::iovec {
+        iov_base: std::ptr::null_mut(),
+        iov_len: 0,
+    }; MAX_IOVECS];
+    let mut count = 0;
+    let mut at = address;
+    let end = address + out.len() as u64;
+    while at < end && count < MAX_IOVECS {
+        let next = ((at / page) + 1) * page;
+        let len = next.min(end) - at;
+        remote[count] = libc::iovec {
+            iov_base: at as *mut libc::c_void,
+            iov_len: len as usize,
+        };
+        count += 1;
+        at += len;
+    }
+    let local = libc::iovec {
+        iov_base: out.as_mut_ptr().cast(),
+        iov_len: (at - address) as usize,
+    };
+    // SAFETY: `local` is `out` (or a prefix of it); the remote iovecs name
+    // another process's memory, which the kernel reads with its checks.
+    let read = unsafe {
+        libc::process_vm_readv(
+            tgid as libc::pid_t,
+            &local,
+            1,
+            remote.as_ptr(),
+            count as libc::c_ulong,
+            0,
+        )
+    };
+    if read < 0 {
+        Err(io::Error::last_os_error())
+    } else {
+        Ok(read as usize)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const RSP: u64 = 0x7ffd_0000_0000;
+
+    fn spans(plan: &StackPlan) -> Vec<(u64, u32)> {
+        plan.spans[..plan.span_count as usize]
+            .iter()
+            .map(|&s| (tail_span::addr(s), tail_span::len(s)))
+            .map(|(addr, len)| (addr - RSP, len))
+            .collect()
+    }
+
+    #[test]
+    fn deep_frames_become_spans_and_the_top_stays_a_copy() {
+        // A frame every 4 KiB for 1 MiB: saved rbp and return address.
+        let reads: Vec<u64> = (1..=256u64)
+            .flat_map(|frame| [RSP + frame * 4096 - 16, RSP + frame * 4096 - 8])
+            .collect();
+        let plan = plan_for(7, RSP, &mut reads.clone(), 16 * 1024).expect("a plan");
+        assert_eq!(plan.tgid, 7);
+        // The minimal copy and its slack: every frame is a span.
+        assert_eq!(plan.copy_bytes, 2048);
+        let spans = spans(&plan);
+        assert_eq!(spans.len(), 256);
+        assert!(spans.len() < MAX_TAIL_SPANS);
+        assert_eq!(spans[0], (4096 - 16, 16));
+        assert_eq!(spans[255], (256 * 4096 - 16, 16));
+        assert!(spans.windows(2).all(|w| w[0].0 < w[1].0), "ascending");
+        assert_covered(&plan, &reads);
+    }
+
+    #[test]
+    fn dense_slots_share_spans_up_to_the_span_limit() {
+        // A word every 32 bytes from 2 KiB to 6 KiB.
+        let reads: Vec<u64> = (64..192u64).map(|i| RSP + i * 32).collect();
+        let plan = plan_for(1, RSP, &mut reads.clone(), 16 * 1024).expect("a plan");
+        let spans = spans(&plan);
+        assert!(spans.iter().all(|&(_, len)| len <= MAX_SPAN_BYTES));
+        assert!(spans.len() < 128 / 4, "merged: {spans:?}");
+        assert_covered(&plan, &reads);
+    }
+
+    /// Every read is in the copy or in a span.
+    fn assert_covered(plan: &StackPlan, reads: &[u64]) {
+        let copy_bytes = u64::from(plan.copy_bytes);
+        let spans = spans(plan);
+        for &address in reads {
+            let offset = address - RSP;
+            assert!(
+                offset + 8 <= copy_bytes
+                    || spans.iter().any(
+                        |&(start, len)| offset >= start && offset + 8 <= start + u64::from(len)
+                    ),
+                "{address:#x} is neither copied nor in a span"
+            );
+        }
+    }
+
+    #[test]
+    fn too_many_slots_leave_the_top_to_the_copy_or_give_no_plan() {
+        // 2,000 frames 64 bytes apart (128 KiB): the spans take the deepest
+        // ones up to the limits, the copy would have to hold the rest.
+        let mut reads: Vec<u64> = (1..=2000u64).map(|i| RSP + i * 64 - 8).collect();
+        assert!(plan_for(1, RSP, &mut reads, 32 * 1024).is_none());
+        // With a lower reach the same layout fits.
+        let reads: Vec<u64> = (1..=300u64).map(|i| RSP + i * 64 - 8).collect();
+        let plan = plan_for(1, RSP, &mut reads.clone(), 32 * 1024).expect("a plan");
+        assert_covered(&plan, &reads);
+    }
+
+    #[test]
+    fn a_shallow_walk_needs_no_spans() {
+        let mut reads = vec![RSP + 8, RSP + 40, RSP + 200];
+        let plan = plan_for(1, RSP, &mut reads, 16 * 1024).expect("a plan");
+        assert_eq!((plan.copy_bytes, plan.span_count), (2048, 0));
+    }
+
+    #[test]
+    fn copy_sizes_follow_needs_with_headroom_within_limits() {
+        assert_eq!(copy_size_for(0, 16384), MIN_USER_STACK_BYTES);
+        assert_eq!(copy_size_for(1000, 16384), 1536);
+        assert_eq!(copy_size_for(16384, 16384), 16384);
+        assert_eq!(copy_size_for(u32::MAX, 16384), 16384);
+        assert_eq!(copy_size_for(100, 256), 256);
+    }
+
+    fn report(tid: u32, ktime_ns: u64, copied: u32, read: u64, end: UnwindEnd) -> WalkReport {
+        WalkReport {
+            tgid: 10,
+            tid,
+            ktime_ns,
+            copied,
+            copy_bytes_read: read,
+            tail_reads: 0,
+            end,
+        }
+    }
+
+    #[test]
+    fn a_process_copy_shrinks_to_its_need_and_grows_back_at_once() {
+        let mut planner = Planner::new(16384, true);
+        assert!(!planner.observe(&report(10, 0, 16384, 1000, UnwindEnd::Outermost)));
+        assert_eq!(
+            planner.take_updates(),
+            [PlanUpdate::ProcessCopy {
+                tgid: 10,
+                bytes: Some(1536)
+            }]
+        );
+        // The same need again: nothing to write.
+        planner.observe(&report(10, 1, 1536, 900, UnwindEnd::Outermost));
+        assert!(planner.take_updates().is_empty());
+        // A walk ran out of a short copy: back to the ceiling, no learning.
+        assert!(!planner.observe(&report(10, 2, 1536, 1536, UnwindEnd::StackTruncated)));
+        assert_eq!(
+            planner.take_updates(),
+            [PlanUpdate::ProcessCopy {
+                tgid: 10,
+                bytes: Some(16384)
+            }]
+        );
+        // Out of the whole ceiling: learn the thread's tail.
+        assert!(planner.observe(&report(11, 3, 16384, 16384, UnwindEnd::StackTruncated)));
+        // Two windows later the need is small again.
+        planner.observe(&report(10, 21_000_000_000, 1536, 900, UnwindEnd::Outermost));
+        planner.observe(&report(10, 32_000_000_000, 1536, 900, UnwindEnd::Outermost));
+        assert_eq!(
+            planner.take_updates().last(),
+            Some(&PlanUpdate::ProcessCopy {
+                tgid: 10,
+                bytes: Some(1536)
+            })
+        );
+        planner.forget_process(10);
+        assert_eq!(
+            planner.take_updates(),
+            [PlanUpdate::ProcessCopy {
+                tgid: 10,
+                bytes: None
+            }]
+        );
+    }
+
+    #[test]
+    fn without_adaptive_copies_nothing_is_planned() {
+        let mut planner = Planner::new(16384, false);
+        assert!(!planner.observe(&report(10, 0, 16384, 16384, UnwindEnd::StackTruncated)));
+        assert!(planner.take_updates().is_empty());
+    }
+
+    #[test]
+    fn learning_reads_this_process_and_is_rate_limited() {
+        // Learn from this very process: a "stack" that is a buffer of ours.
+        let stack: Vec<u64> = (0..4096u64).collect();
+        let rsp = stack.as_ptr() as u64;
+        let copy: Vec<u8> = stack[..16].iter().flat_map(|w| w.to_le_bytes()).collect();
+        let mut planner = Planner::new(16384, true);
+        let walk = WalkReport {
+            tgid: std::process::id(),
+            tid: 1,
+            ktime_ns: 1_000,
+            copied: 128,
+            copy_bytes_read: 128,
+            tail_reads: 0,
+            end: UnwindEnd::StackTruncated,
+        };
+        let target = rsp + 8 * 3000;
+        let mut seen = None;
+        planner.learn(&walk, rsp, &copy, |memory| {
+            // Words past the copy come from the live buffer.
+            seen = Some(memory.read_u64(rsp + 8 * 20).unwrap());
+            assert_eq!(memory.read_u64(target), Ok(3000));
+            UnwindEnd::Outermost
+        });
+        assert_eq!(seen, Some(20));
+        let updates = planner.take_updates();
+        let [
+            PlanUpdate::Thread {
+                tid: 1,
+                plan: Some(plan),
+            },
+        ] = updates.as_slice()
+        else {
+            panic!("expected a plan, got {updates:?}");
+        };
+        assert_eq!(plan.span_count, 1);
+        assert_eq!(tail_span::addr(plan.spans[0]), target);
+        assert_eq!(planner.stats().plans_learned, 1);
+        // Again within the interval: not learned.
+        planner.learn(&walk, rsp, &copy, |_| panic!("learned twice"));
+        // A walk that does not reach the root gives no plan.
+        let later = WalkReport {
+            ktime_ns: 1_000 + LEARN_INTERVAL_NS,
+            ..walk
+        };
+        planner.learn(&later, rsp, &copy, |_| UnwindEnd::StackTruncated);
+        assert_eq!(planner.stats().learn_failed, 1);
+        planner.forget_process(std::process::id());
+        assert_eq!(
+            planner.take_updates(),
+            [PlanUpdate::Thread { tid: 1, plan: None }]
+        );
+    }
+}
