@@ -486,6 +486,13 @@ impl Aggregator {
         self.containers.forget(tgid);
     }
 
+    /// Exec or exit records were lost: whatever is known per process may
+    /// belong to a process that is gone, so all of it goes.
+    pub fn forget_all_processes(&mut self) {
+        self.exes.forget_all();
+        self.containers.forget_all();
+    }
+
     /// The latest pod list from the kubelet: names the containers of pods.
     pub fn set_pods(&mut self, pods: Arc<PodList>) {
         self.containers.set_pods(pods);

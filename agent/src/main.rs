@@ -362,6 +362,7 @@ fn json_report(
             "stitched": summary.unwinding.stitched,
             "truncated": summary.unwinding.truncated,
             "plans": summary.unwinding.plans,
+            "state_resets": summary.unwinding.state_resets,
             "tables_compiled": summary.unwinding.tables_compiled,
             "tables_from_disk": summary.unwinding.tables_from_disk,
             "table_cache_hits": summary.unwinding.table_cache_hits,

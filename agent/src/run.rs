@@ -30,7 +30,7 @@ use crate::{
     status::{ReaderTotals, Snapshot, StatusLine},
     symbolize::SymbolizerConfig,
     tally::ProcessTally,
-    unwinding::{StackWalker, UserStack, WalkStats, WalkerConfig, stitching::PlanUpdate},
+    unwinding::{StackWalker, UserStack, WalkStats, WalkerConfig},
 };
 use stackscope_unwind::TailSpan;
 
@@ -224,7 +224,7 @@ pub async fn run(
 
     loop {
         let event = tokio::select! {
-            read = sampler.read_records(|bytes| records.add(bytes)) => {
+            read = sampler.wait() => {
                 read.map_err(RunError::Read)?;
                 Event::Records
             }
@@ -239,11 +239,18 @@ pub async fn run(
         };
         match event {
             Event::Records => {
+                // Before the drain: a lost exit or exec record may have left
+                // a process's state stale for the records about to be read.
+                if sampler.take_new_losses()? > 0 {
+                    records.walker.forget_all_processes();
+                    records.aggregator.forget_all_processes();
+                }
+                sampler.drain_records(|bytes| records.add(bytes));
                 let RecordTally {
                     walker, aggregator, ..
                 } = &mut records;
                 walker.poll(|w| aggregator.add(w.header, w.kernel_frames, Some(&w.walk)));
-                apply_plan_updates(&mut sampler, walker.take_plan_updates());
+                sampler.apply_plan_updates(walker.take_plan_updates());
                 if aggregator.take_unknown_pod_seen()
                     && let Some(watch) = &pods
                 {
@@ -499,21 +506,6 @@ struct RecordTally {
     kernel_frames: Vec<u64>,
     /// The spans of the sample's stack tail.
     tail_spans: Vec<TailSpan>,
-}
-
-/// Writes the walker's copy-size and stack-plan decisions into the
-/// sampler's maps. A failed write costs that plan only (the sampler keeps
-/// its defaults for the thread), so it is logged, not fatal.
-fn apply_plan_updates(sampler: &mut Sampler, updates: Vec<PlanUpdate>) {
-    for update in updates {
-        let result = match update {
-            PlanUpdate::ProcessCopy { tgid, bytes } => sampler.set_copy_bytes(tgid, bytes),
-            PlanUpdate::Thread { tid, plan } => sampler.set_stack_plan(tid, plan.as_deref()),
-        };
-        if let Err(err) = result {
-            tracing::debug!("stack plan not written: {err}");
-        }
-    }
 }
 
 impl RecordTally {

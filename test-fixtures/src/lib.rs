@@ -150,16 +150,27 @@ impl Fixture {
 
     /// `rust_chain.rs`: a Rust program built without frame pointers.
     pub fn rust_chain() -> Self {
+        Self::rust("rust_chain")
+    }
+
+    /// `deep_rust.rs`: a Rust thread with a 16 MiB stack recursing through
+    /// 4 KiB frames, built without frame pointers.
+    pub fn deep_rust() -> Self {
+        Self::rust("deep_rust")
+    }
+
+    /// `<name>.rs` built optimised, without frame pointers or debuginfo.
+    fn rust(name: &str) -> Self {
         let args = [
             "--crate-name",
-            "rust_chain",
+            name,
             "-O",
             "-C",
             "force-frame-pointers=no",
             "-C",
             "debuginfo=0",
         ];
-        Self::compile_with("rust_chain", "rustc", &["rust_chain.rs"], &args)
+        Self::compile_with(name, "rustc", &[&format!("{name}.rs")], &args)
     }
 
     /// `dlopen_call.c`, which `dlopen`s `libspin.so` built next to it.

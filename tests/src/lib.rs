@@ -6,6 +6,7 @@
 //! The tests themselves live in `tests/`; they need root and a kernel with BPF.
 
 use std::{
+    collections::HashMap,
     io::{BufRead as _, BufReader},
     path::{Path, PathBuf},
     process::{Child, Command, Stdio},
@@ -18,7 +19,12 @@ use stackscope_agent::sampler::{
     Sampler, SamplerConfig,
     record::{DecodeError, OwnedSample, Record},
 };
+use stackscope_agent::{
+    sampler::Counters,
+    unwinding::{StackWalker, UserStack, WalkOutcome, Walked, WalkerConfig},
+};
 pub use stackscope_process_table::maps::{Mapping, MappingPath};
+use stackscope_process_table::{Location, ProcessTable};
 pub use stackscope_test_fixtures::{ElfSymbols, Fixture, RunningProcess, workspace_binary};
 
 /// Fails the test with a clear message unless it runs as root.
@@ -136,6 +142,153 @@ pub fn sample_while(config: &SamplerConfig, duration: Duration, during: impl FnO
         assert!(recorded.decode_errors.is_empty(), "malformed records: {:?}", recorded.decode_errors);
         recorded
     })
+}
+
+/// Names the frames of one process: the symbol covering the address in
+/// whichever file the process table says is mapped there, or that file's
+/// name when no symbol covers it.
+pub struct FrameNames {
+    pid: u32,
+    processes: ProcessTable,
+    files: HashMap<PathBuf, ElfSymbols>,
+    /// Names by looked-up address: samples repeat the same frames.
+    names: HashMap<u64, String>,
+}
+
+impl FrameNames {
+    pub fn new(pid: u32) -> Self {
+        Self {
+            pid,
+            processes: ProcessTable::default(),
+            files: HashMap::new(),
+            names: HashMap::new(),
+        }
+    }
+
+    /// Frame 0 is looked up at its address, the others (return addresses)
+    /// one byte back: a call may be the last instruction of its function.
+    /// The frame above a signal frame is an interrupted address, not a
+    /// return address; looking it up one byte back too only matters when it
+    /// is a function's first byte, which the fixtures' spinning loops never
+    /// are.
+    pub fn names(&mut self, frames: &[u64]) -> Vec<String> {
+        frames
+            .iter()
+            .enumerate()
+            .map(|(i, &addr)| self.name(if i == 0 { addr } else { addr - 1 }))
+            .collect()
+    }
+
+    pub fn name(&mut self, addr: u64) -> String {
+        if let Some(name) = self.names.get(&addr) {
+            return name.clone();
+        }
+        let name = match self.processes.lookup(self.pid, addr) {
+            Ok(Some(Location::Object(object))) => {
+                let path = object.path().file_path().expect("a file").to_path_buf();
+                let file_name = path
+                    .file_name()
+                    .map_or_else(|| path.display().to_string(), |n| n.display().to_string());
+                // map_files opens the very file mapped, whatever its path says.
+                let map_files = object.region.map_files_path();
+                let symbols = self
+                    .files
+                    .entry(path)
+                    .or_insert_with(|| ElfSymbols::read(&map_files));
+                let vaddr = object.elf_vaddr.expect("an ELF address");
+                symbols.name_at(vaddr).unwrap_or(file_name)
+            }
+            Ok(Some(Location::Unbacked(region))) => region.mapping.path.to_string(),
+            other => format!("{addr:#x}: {other:?}"),
+        };
+        self.names.insert(addr, name.clone());
+        name
+    }
+}
+
+/// One sample walked by [`walk_live`].
+#[derive(Debug, Clone)]
+pub struct LiveWalk {
+    pub tgid: u32,
+    pub tid: u32,
+    pub frames: Vec<u64>,
+    pub outcome: WalkOutcome,
+    pub stitched: bool,
+}
+
+/// Samples with the real sampler for `duration` and walks each sample as
+/// it arrives, writing the walker's copy sizes and stack plans back into
+/// the sampler as the agent does (adaptive copies and stack tails, with
+/// the walker's defaults and `config`'s copy ceiling). Returns every
+/// walk in order, and the kernel's counters.
+pub fn walk_live(config: &SamplerConfig, duration: Duration) -> (Vec<LiveWalk>, Counters) {
+    let runtime = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .expect("tokio runtime");
+    runtime.block_on(async {
+        let mut sampler = Sampler::start(config).expect("starting the sampler");
+        let mut walker = StackWalker::new(WalkerConfig {
+            stack_bytes: config.user_stack_bytes,
+            ..WalkerConfig::default()
+        });
+        let mut walks = Vec::new();
+        let mut spans = Vec::new();
+        let deadline = tokio::time::Instant::now() + duration;
+        loop {
+            tokio::select! {
+                result = sampler.read_records(|bytes| walk_record(&mut walker, &mut spans, &mut walks, bytes)) => {
+                    result.expect("reading the ring buffer");
+                }
+                _ = tokio::time::sleep_until(deadline) => break,
+            }
+            walker.poll(|w| walks.push(LiveWalk::of(&w)));
+            sampler.apply_plan_updates(walker.take_plan_updates());
+        }
+        sampler.drain_records(|bytes| walk_record(&mut walker, &mut spans, &mut walks, bytes));
+        let counters = sampler.counters().expect("counters");
+        drop(sampler);
+        let started = Instant::now();
+        while walker.waiting() > 0 && started.elapsed() < Duration::from_secs(30) {
+            std::thread::sleep(Duration::from_millis(20));
+            walker.poll(|w| walks.push(LiveWalk::of(&w)));
+        }
+        walker.flush(|w| walks.push(LiveWalk::of(&w)));
+        (walks, counters)
+    })
+}
+
+impl LiveWalk {
+    fn of(walked: &Walked<'_>) -> Self {
+        Self {
+            tgid: walked.header.tgid,
+            tid: walked.header.tid,
+            frames: walked.walk.frames.to_vec(),
+            outcome: walked.walk.outcome,
+            stitched: walked.walk.stitched,
+        }
+    }
+}
+
+fn walk_record(
+    walker: &mut StackWalker,
+    spans: &mut Vec<stackscope_unwind::TailSpan>,
+    walks: &mut Vec<LiveWalk>,
+    bytes: &[u8],
+) {
+    match Record::decode(bytes).expect("a well-formed record") {
+        Record::Sample(sample) => {
+            sample.tail_spans(spans);
+            let stack = UserStack {
+                copy: sample.user_stack,
+                spans,
+                tail: sample.tail_data(),
+            };
+            walker.push(&sample.header, &[], stack, |w| walks.push(LiveWalk::of(&w)));
+        }
+        Record::Exec(event) => walker.on_exec(event.tgid),
+        Record::Exit(event) => walker.on_exit(event.tgid),
+    }
 }
 
 /// The kernel's symbol table from `/proc/kallsyms`, sorted by address.

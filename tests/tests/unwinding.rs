@@ -8,17 +8,19 @@
 
 use std::{
     collections::HashMap,
-    path::PathBuf,
     time::{Duration, Instant},
 };
 
 use stackscope_agent::{
     sampler::SamplerConfig,
-    unwinding::{StackWalker, WalkOutcome},
+    unwinding::{StackWalker, WalkOutcome, WalkerConfig},
 };
-use stackscope_process_table::{Location, ProcessTable};
-use stackscope_tests::{ElfSymbols, Fixture, exclusive, require_root, sample_for};
+use stackscope_tests::{Fixture, FrameNames, exclusive, require_root, sample_for};
 use stackscope_unwind::{DEFAULT_MAX_DEPTH, UnwindEnd};
+
+/// The depth limit of the depth-limit test: low enough that a copy holds
+/// a stack deeper than it.
+const SMALL_DEPTH_LIMIT: usize = 256;
 
 /// Placeholder for frames in libc that no symbol covers: Debian's libc has
 /// no `.symtab`, so its static functions (`__libc_start_call_main`,
@@ -35,68 +37,6 @@ const OUTERMOST: WalkOutcome = WalkOutcome::Ended(UnwindEnd::Outermost);
 /// Samples a spinning fixture long enough to get well over this many.
 const MIN_SAMPLES: usize = 50;
 
-/// Names the frames of one process: the symbol covering the address in
-/// whichever file the process table says is mapped there, or that file's
-/// name when no symbol covers it.
-struct Symbolizer {
-    pid: u32,
-    processes: ProcessTable,
-    files: HashMap<PathBuf, ElfSymbols>,
-    /// Names by looked-up address: samples repeat the same frames.
-    names: HashMap<u64, String>,
-}
-
-impl Symbolizer {
-    fn new(pid: u32) -> Self {
-        Self {
-            pid,
-            processes: ProcessTable::default(),
-            files: HashMap::new(),
-            names: HashMap::new(),
-        }
-    }
-
-    /// Frame 0 is looked up at its address, the others (return addresses)
-    /// one byte back: a call may be the last instruction of its function.
-    /// The frame above a signal frame is an interrupted address, not a
-    /// return address; looking it up one byte back too only matters when it
-    /// is a function's first byte, which the fixtures' spinning loops never
-    /// are.
-    fn names(&mut self, frames: &[u64]) -> Vec<String> {
-        frames
-            .iter()
-            .enumerate()
-            .map(|(i, &addr)| self.name(if i == 0 { addr } else { addr - 1 }))
-            .collect()
-    }
-
-    fn name(&mut self, addr: u64) -> String {
-        if let Some(name) = self.names.get(&addr) {
-            return name.clone();
-        }
-        let name = match self.processes.lookup(self.pid, addr) {
-            Ok(Some(Location::Object(object))) => {
-                let path = object.path().file_path().expect("a file").to_path_buf();
-                let file_name = path
-                    .file_name()
-                    .map_or_else(|| path.display().to_string(), |n| n.display().to_string());
-                // map_files opens the very file mapped, whatever its path says.
-                let map_files = object.region.map_files_path();
-                let symbols = self
-                    .files
-                    .entry(path)
-                    .or_insert_with(|| ElfSymbols::read(&map_files));
-                let vaddr = object.elf_vaddr.expect("an ELF address");
-                symbols.name_at(vaddr).unwrap_or(file_name)
-            }
-            Ok(Some(Location::Unbacked(region))) => region.mapping.path.to_string(),
-            other => format!("{addr:#x}: {other:?}"),
-        };
-        self.names.insert(addr, name.clone());
-        name
-    }
-}
-
 /// One sample's walk, its frames named.
 #[derive(Debug)]
 struct NamedWalk {
@@ -109,6 +49,11 @@ struct NamedWalk {
 /// `stack_bytes` of stack per sample, and walks every sample once the tables
 /// it needs are compiled.
 fn sample_and_walk(pids: &[u32], stack_bytes: u32) -> Vec<NamedWalk> {
+    sample_and_walk_to(pids, stack_bytes, DEFAULT_MAX_DEPTH)
+}
+
+/// [`sample_and_walk`] with walks of at most `max_depth` frames.
+fn sample_and_walk_to(pids: &[u32], stack_bytes: u32, max_depth: usize) -> Vec<NamedWalk> {
     let config = SamplerConfig {
         frequency_hz: 99,
         user_stack_bytes: stack_bytes,
@@ -124,8 +69,11 @@ fn sample_and_walk(pids: &[u32], stack_bytes: u32) -> Vec<NamedWalk> {
         );
     }
 
-    let mut walker = StackWalker::default();
-    let mut symbolizers: HashMap<u32, Symbolizer> = HashMap::new();
+    let mut walker = StackWalker::new(WalkerConfig {
+        max_depth,
+        ..WalkerConfig::default()
+    });
+    let mut symbolizers: HashMap<u32, FrameNames> = HashMap::new();
     let started = Instant::now();
     samples
         .iter()
@@ -148,7 +96,7 @@ fn sample_and_walk(pids: &[u32], stack_bytes: u32) -> Vec<NamedWalk> {
             let pid = sample.header.tgid;
             let names = symbolizers
                 .entry(pid)
-                .or_insert_with(|| Symbolizer::new(pid))
+                .or_insert_with(|| FrameNames::new(pid))
                 .names(walk.frames);
             NamedWalk {
                 pid,
@@ -200,13 +148,17 @@ fn unwinds_deep_recursion_and_stops_at_the_depth_limit() {
     let stack_bytes = agent_common::MAX_USER_STACK_BYTES;
     // leaf, 240 recurse, main and 3 frames above it: 245, under the limit.
     const DEEP: usize = 240;
-    // Deeper than the limit: the walk stops after DEFAULT_MAX_DEPTH frames.
+    // Deeper than the limit: the walk stops after SMALL_DEPTH_LIMIT frames.
     const TOO_DEEP: usize = 300;
 
     let _serial = exclusive();
     let deep = fixture.start(&[&DEEP.to_string()]);
     let too_deep = fixture.start(&[&TOO_DEEP.to_string()]);
-    let walks = sample_and_walk(&[deep.pid(), too_deep.pid()], stack_bytes);
+    let walks = sample_and_walk_to(
+        &[deep.pid(), too_deep.pid()],
+        stack_bytes,
+        SMALL_DEPTH_LIMIT,
+    );
 
     let recursion = |n: usize| std::iter::once("leaf").chain(std::iter::repeat_n("recurse", n));
     let expected: Vec<String> = recursion(DEEP)
@@ -217,7 +169,7 @@ fn unwinds_deep_recursion_and_stops_at_the_depth_limit() {
         walks.into_iter().partition(|w| w.pid == deep.pid());
     assert_every_walk(&deep_walks, &expected, OUTERMOST);
 
-    let truncated: Vec<String> = recursion(DEFAULT_MAX_DEPTH - 1).map(String::from).collect();
+    let truncated: Vec<String> = recursion(SMALL_DEPTH_LIMIT - 1).map(String::from).collect();
     assert_every_walk(
         &too_deep_walks,
         &truncated,

@@ -403,6 +403,10 @@ fn walk(
     // memory the stack could never fill.
     frames.reserve(max_depth.min(4096));
     let mut regs = regs;
+    // Where the current rbp was saved, when it has not been read yet: a
+    // saved rbp is read only when a rule uses it, so a walk reads (and a
+    // stack tail needs) no slot whose value nothing uses.
+    let mut rbp_saved_at = None;
     // Frame 0's rip is the interrupted instruction; a return address is the
     // instruction after a call, possibly already in the next function (calls
     // to noreturn functions end functions), so its frame is looked up at
@@ -438,7 +442,7 @@ fn walk(
                 step
             }
         };
-        let (caller, signal) = match step_frame(step, &regs, stack) {
+        let (caller, caller_rbp_at, signal) = match step_frame(step, &regs, rbp_saved_at, stack) {
             Ok(next) => next,
             Err(end) => return end,
         };
@@ -449,11 +453,14 @@ fn walk(
             return UnwindEnd::Outermost;
         }
         regs = caller;
+        rbp_saved_at = caller_rbp_at;
         exact = signal;
     }
 }
 
-/// The caller's registers, and whether they come from a signal frame.
+/// The caller's registers, where its rbp is saved if it has not been read
+/// (then `rbp` is meaningless), and whether they come from a signal frame.
+/// `rbp_saved_at` says the same of `regs`.
 // Inlined into the walk loop: as a call, the `Step` it takes by value went
 // through the stack with partial writes and wide reads (store-forwarding
 // stalls), a third of the walk's time.
@@ -461,18 +468,26 @@ fn walk(
 fn step_frame(
     step: Step,
     regs: &Registers,
+    rbp_saved_at: Option<u64>,
     stack: &mut impl StackMemory,
-) -> Result<(Registers, bool), UnwindEnd> {
+) -> Result<(Registers, Option<u64>, bool), UnwindEnd> {
     let offset = |base: u64, off: i32| {
         base.checked_add_signed(i64::from(off))
             .ok_or(UnwindEnd::BadStackAddress)
     };
+    let live_rbp = |stack: &mut _| match rbp_saved_at {
+        Some(slot) => StackMemory::read_u64(stack, slot),
+        None => Ok(regs.rbp),
+    };
     let (cfa, rbp_slot) = match step {
-        // The psABI has _start clear rbp to mark the outermost frame.
-        Step::FramePointer if regs.rbp == 0 => return Err(UnwindEnd::Outermost),
         Step::FramePointer => {
-            let cfa = regs.rbp.checked_add(16).ok_or(UnwindEnd::BadStackAddress)?;
-            (cfa, Some(regs.rbp))
+            let rbp = live_rbp(stack)?;
+            // The psABI has _start clear rbp to mark the outermost frame.
+            if rbp == 0 {
+                return Err(UnwindEnd::Outermost);
+            }
+            let cfa = rbp.checked_add(16).ok_or(UnwindEnd::BadStackAddress)?;
+            (cfa, Some(rbp))
         }
         Step::Rule(rule) => match rule {
             UnwindRule::Rsp { cfa_off } => (offset(regs.rsp, cfa_off)?, None),
@@ -480,9 +495,9 @@ fn step_frame(
                 let cfa = offset(regs.rsp, cfa_off)?;
                 (cfa, Some(offset(cfa, rbp_off)?))
             }
-            UnwindRule::Rbp { cfa_off } => (offset(regs.rbp, cfa_off)?, None),
+            UnwindRule::Rbp { cfa_off } => (offset(live_rbp(stack)?, cfa_off)?, None),
             UnwindRule::RbpRbpSaved { cfa_off, rbp_off } => {
-                let cfa = offset(regs.rbp, cfa_off)?;
+                let cfa = offset(live_rbp(stack)?, cfa_off)?;
                 (cfa, Some(offset(cfa, rbp_off)?))
             }
             UnwindRule::Plt { threshold } => {
@@ -509,7 +524,7 @@ fn step_frame(
                     rsp: at(SIGFRAME_RSP)?,
                     rbp: at(SIGFRAME_RBP)?,
                 };
-                return Ok((caller, true));
+                return Ok((caller, None, true));
             }
             UnwindRule::Unsupported(reason) => return Err(UnwindEnd::Unsupported(reason)),
         },
@@ -520,17 +535,16 @@ fn step_frame(
         return Err(UnwindEnd::CfaNotIncreasing);
     }
     let ra_slot = cfa.checked_sub(8).ok_or(UnwindEnd::BadStackAddress)?;
-    // The saved rbp (below the return address) first: reads go up the stack.
-    let rbp = match rbp_slot {
+    let rip = stack.read_u64(ra_slot)?;
+    let (rbp, rbp_at) = match rbp_slot {
         // A slot below the stack pointer is no longer part of the frame: in
         // an epilogue after `pop rbp`, CFI that does not restore rbp still
         // names the slot the value was popped from. The value is back in rbp.
-        Some(slot) if slot < regs.rsp => regs.rbp,
-        Some(slot) => stack.read_u64(slot)?,
-        None => regs.rbp,
+        Some(slot) if slot < regs.rsp => (regs.rbp, rbp_saved_at),
+        Some(slot) => (0, Some(slot)),
+        None => (regs.rbp, rbp_saved_at),
     };
-    let rip = stack.read_u64(ra_slot)?;
-    Ok((Registers { rip, rsp: cfa, rbp }, false))
+    Ok((Registers { rip, rsp: cfa, rbp }, rbp_at, false))
 }
 
 #[cfg(test)]
@@ -736,17 +750,17 @@ mod tests {
 
     #[test]
     fn a_walk_continues_through_the_tail_spans_past_the_copy() {
-        // The copy holds f's frame; g's saved rbp and return address come
-        // from one span.
+        // The copy holds f's frame; g's return address comes from a span.
+        // g's saved rbp is never read: no rule uses it.
         let (frames, end, tail_reads, copy_read) = sampled_walk(16, &[(32, 16)]);
         assert_eq!(frames, [F + 0x10, G + 0x50, H + 0x10]);
         assert_eq!(end, UnwindEnd::Outermost);
-        assert_eq!((tail_reads, copy_read), (2, 16));
-        // Two spans of one word each do as well.
-        let (frames, end, tail_reads, _) = sampled_walk(16, &[(32, 8), (40, 8)]);
+        assert_eq!((tail_reads, copy_read), (1, 16));
+        // A span of just the return address does as well.
+        let (frames, end, tail_reads, _) = sampled_walk(16, &[(40, 8)]);
         assert_eq!(
             (frames.len(), end, tail_reads),
-            (3, UnwindEnd::Outermost, 2)
+            (3, UnwindEnd::Outermost, 1)
         );
         // A whole copy reads no tail.
         let (_, end, tail_reads, copy_read) = sampled_walk(64, &[(32, 16)]);
@@ -756,6 +770,8 @@ mod tests {
     #[test]
     fn a_word_neither_copied_nor_in_the_tail_truncates_the_walk() {
         // The return address slot (SP + 40) is missing: stop after g.
+        // (A saved rbp that is missing only matters once a rule uses it:
+        // see `a_saved_rbp_is_read_when_a_rule_uses_it`.)
         let (frames, end, _, _) = sampled_walk(16, &[(32, 8)]);
         assert_eq!(frames, [F + 0x10, G + 0x50]);
         assert_eq!(end, UnwindEnd::StackTruncated);
@@ -765,6 +781,62 @@ mod tests {
             (frames.len(), end, tail_reads),
             (2, UnwindEnd::StackTruncated, 0)
         );
+    }
+
+    #[test]
+    fn a_saved_rbp_is_read_when_a_rule_uses_it() {
+        // g saves rbp at SP + 32; h is walked with frame pointers, so its
+        // CFA needs that rbp. Without the slot the walk stops at h.
+        let table = table();
+        let stack = StackImage::new(64)
+            .word(SP + 8, G + 0x50)
+            .word(SP + 32, SP + 48)
+            .word(SP + 40, NO_CFI + 0x10)
+            .word(SP + 56, H + 0x10);
+        let walk = |copy: usize| {
+            let mut memory = SampledStack::new(SP, &stack.0[..copy], &[], &[]);
+            let mut frames = Vec::new();
+            let end = unwind_memory(
+                regs(F + 0x10),
+                &mut memory,
+                &modules(&table),
+                &mut RuleCache::default(),
+                1,
+                DEFAULT_MAX_DEPTH,
+                &mut frames,
+            );
+            (frames, end)
+        };
+        assert_eq!(
+            walk(64),
+            (
+                vec![F + 0x10, G + 0x50, NO_CFI + 0x10, H + 0x10],
+                UnwindEnd::Outermost
+            )
+        );
+        // The rbp slot (SP + 32) cut off, the return address kept: stop
+        // where rbp is needed, not where it was saved.
+        let mut cut = stack.0.clone();
+        cut[32..40].fill(0);
+        let spans = [TailSpan {
+            addr: SP + 40,
+            offset: 0,
+            len: 8,
+        }];
+        let data = (NO_CFI + 0x10).to_le_bytes();
+        let mut memory = SampledStack::new(SP, &cut[..32], &spans, &data);
+        let mut frames = Vec::new();
+        let end = unwind_memory(
+            regs(F + 0x10),
+            &mut memory,
+            &modules(&table),
+            &mut RuleCache::default(),
+            1,
+            DEFAULT_MAX_DEPTH,
+            &mut frames,
+        );
+        assert_eq!(frames, [F + 0x10, G + 0x50, NO_CFI + 0x10]);
+        assert_eq!(end, UnwindEnd::StackTruncated);
     }
 
     #[test]

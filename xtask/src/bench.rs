@@ -19,8 +19,10 @@ use crate::{KillOnDrop, cargo, run_checked, workspace_root};
 
 #[derive(Debug, Subcommand)]
 pub enum Bench {
-    /// BPF cost per sample at 4, 16 and 32 KiB stack copies (kernel bpf_stats),
-    /// and the drop rate at 997 Hz with every CPU busy.
+    /// BPF cost per sampled tick (kernel bpf_stats) and user stack bytes
+    /// read per sample, adaptive copies and stack tails against the fixed
+    /// 16 KiB copy, on a shallow (busy.c) and a deep (1 MiB) workload; the
+    /// fixed cost of a tick, and the drop rate at 997 Hz with every CPU busy.
     Sampler {
         /// How long each measurement runs.
         #[arg(long, default_value = "10s")]
@@ -107,60 +109,106 @@ fn unwind() -> anyhow::Result<()> {
     Ok(())
 }
 
-/// Recursion depth of the fixture: deep enough (about 100 KiB of stack) that
-/// every copy limit is reached, so the figures compare full copies.
-const DEEP_STACK_DEPTH: &str = "2000";
-
 fn sampler(duration: &str) -> anyhow::Result<()> {
     cargo(&["build", "--release", "--package", "stackscope-agent"])?;
     let agent = workspace_root().join("target/release/stackscope-agent");
-    let fixture = compile_fixture("deep_stack")?;
+    let busy = compile_fixture("busy")?;
+    let deep = compile_fixture("deep_frames")?;
     let cpus = std::thread::available_parallelism().map_or(2, |n| n.get());
 
-    // One spinning deep-stack process per CPU, so (almost) every tick samples one.
-    let spinners: Vec<KillOnDrop> = (0..cpus)
-        .map(|_| {
-            Command::new(&fixture)
-                .arg(DEEP_STACK_DEPTH)
-                .stdout(Stdio::null())
-                .spawn()
-                .map(KillOnDrop)
-                .context("starting the fixture")
-        })
-        .collect::<anyhow::Result<_>>()?;
-    let pids: Vec<String> = spinners.iter().map(|s| s.0.id().to_string()).collect();
-
     println!(
-        "sampler benchmark: {cpus} CPUs, {cpus} spinning processes of stack depth {DEEP_STACK_DEPTH}, {duration} per run"
+        "sampler benchmark: {cpus} CPUs, one spinning process per CPU, 997 Hz, {duration} per run"
     );
     println!(
-        "{:>12}  {:>9}  {:>9}  {:>12}  {:>11}  {:>8}",
-        "stack limit", "frequency", "samples", "bytes/sample", "ns/BPF run", "dropped"
+        "{:<28}  {:<22}  {:>8}  {:>10}  {:>11}  {:>10}  {:>6}  {:>8}  {:>7}",
+        "workload",
+        "copy",
+        "samples",
+        "ns/BPF run",
+        "user B/smpl",
+        "record B",
+        "root",
+        "stitched",
+        "dropped"
     );
-    // 8 bytes: the fixed cost of a sampled tick, with next to nothing copied.
-    for stack_bytes in [8, 4096, 16384, 32768] {
-        let report = run_agent(&agent, &pids, 997, stack_bytes, duration)?;
-        println!(
-            "{:>9} B    {:>6} Hz  {:>9}  {:>12.0}  {:>11}  {:>8}",
-            stack_bytes,
-            997,
-            report.samples,
-            report.bytes as f64 / report.records.max(1) as f64,
-            report.ns_per_run,
-            report.dropped,
-        );
+    let workloads: [(&str, &Path, &[&str]); 2] = [
+        ("busy.c (depth 30-60 + libc)", &busy, &[]),
+        ("deep_frames (1 MiB deep)", &deep, &["1048576"]),
+    ];
+    let mut busy_ns = [0u64; 2];
+    for (name, fixture, args) in workloads {
+        // One spinning process per CPU, so (almost) every tick samples one.
+        let spinners: Vec<KillOnDrop> = (0..cpus)
+            .map(|_| {
+                Command::new(fixture)
+                    .args(args)
+                    .stdout(Stdio::null())
+                    .spawn()
+                    .map(KillOnDrop)
+                    .context("starting the fixture")
+            })
+            .collect::<anyhow::Result<_>>()?;
+        let pids: Vec<String> = spinners.iter().map(|s| s.0.id().to_string()).collect();
+        for (i, (copy, extra)) in [
+            ("adaptive (ceiling 16 KiB)", &[][..]),
+            ("fixed 16 KiB", &["--fixed-stack-copy"][..]),
+        ]
+        .into_iter()
+        .enumerate()
+        {
+            let report = run_agent(&agent, &pids, 997, 16384, duration, extra)?;
+            if name.starts_with("busy") {
+                busy_ns[i] = report.ns_per_run;
+            }
+            println!(
+                "{name:<28}  {copy:<22}  {:>8}  {:>10}  {:>11.0}  {:>10.0}  {:>5.1}%  {:>7.1}%  {:>7}",
+                report.samples,
+                report.ns_per_run,
+                report.user_bytes as f64 / report.samples.max(1) as f64,
+                report.bytes as f64 / report.records.max(1) as f64,
+                100.0 * report.outermost as f64 / report.walks.max(1) as f64,
+                100.0 * report.stitched as f64 / report.walks.max(1) as f64,
+                report.dropped,
+            );
+        }
     }
-    let unfiltered = run_agent(&agent, &[], 997, 16384, duration)?;
+    // 8 bytes: the fixed cost of a sampled tick, with next to nothing copied.
+    let spinner = KillOnDrop(
+        Command::new(&busy)
+            .stdout(Stdio::null())
+            .spawn()
+            .context("starting the fixture")?,
+    );
+    let minimal = run_agent(
+        &agent,
+        &[spinner.0.id().to_string()],
+        997,
+        8,
+        duration,
+        &["--fixed-stack-copy"],
+    )?;
+    drop(spinner);
+    println!(
+        "fixed cost of a sampled tick (8-byte copy): {} ns per BPF run",
+        minimal.ns_per_run
+    );
+    let unfiltered = run_agent(&agent, &[], 997, 16384, duration, &[])?;
     let drop_rate =
         unfiltered.dropped as f64 / (unfiltered.samples + unfiltered.dropped).max(1) as f64;
     println!(
-        "unfiltered, 997 Hz, 16 KiB: {} samples, {} dropped ({:.3}%), {} ns per BPF run",
+        "unfiltered, 997 Hz, adaptive: {} samples, {} dropped ({:.3}%), {} ns per BPF run",
         unfiltered.samples,
         unfiltered.dropped,
         100.0 * drop_rate,
         unfiltered.ns_per_run
     );
-    println!("targets: at most 2000 ns per sample at 16 KiB; no drops at 997 Hz on {cpus} CPUs");
+    println!(
+        "busy.c: adaptive {} ns vs fixed 16 KiB {} ns per sampled tick (ratio {:.2}); \
+         target: at most 2000 ns adaptive; no drops at 997 Hz on {cpus} CPUs",
+        busy_ns[0],
+        busy_ns[1],
+        busy_ns[0] as f64 / busy_ns[1].max(1) as f64
+    );
     Ok(())
 }
 
@@ -171,6 +219,11 @@ struct AgentReport {
     records: u64,
     bytes: u64,
     ns_per_run: u64,
+    /// User stack bytes the program read (copies plus tails).
+    user_bytes: u64,
+    walks: u64,
+    outermost: u64,
+    stitched: u64,
 }
 
 fn run_agent(
@@ -179,8 +232,10 @@ fn run_agent(
     hz: u32,
     stack_bytes: u32,
     duration: &str,
+    extra: &[&str],
 ) -> anyhow::Result<AgentReport> {
     let mut cmd = Command::new(agent);
+    cmd.args(extra);
     cmd.args([
         "--frequency",
         &hz.to_string(),
@@ -224,6 +279,10 @@ fn run_agent(
         records: field("reader", "records")?,
         bytes: field("reader", "bytes")?,
         ns_per_run: field("bpf", "ns_per_run")?,
+        user_bytes: field("kernel", "user_stack_bytes")?,
+        walks: field("unwinding", "walks")?,
+        outermost: field("unwinding", "outermost")?,
+        stitched: field("unwinding", "stitched")?,
     })
 }
 
@@ -570,7 +629,7 @@ fn compile_fixture_in(name: &str, out_dir: &Path) -> anyhow::Result<PathBuf> {
     let binary = out_dir.join(name);
     run_checked(
         Command::new("gcc")
-            .args(["-O2", "-g", "-fomit-frame-pointer", "-o"])
+            .args(["-O2", "-g", "-fomit-frame-pointer", "-pthread", "-o"])
             .arg(&binary)
             .arg(&source),
     )?;

@@ -178,6 +178,11 @@ impl ExeCache {
         self.by_tgid.remove(&tgid);
     }
 
+    /// Forgets every process (exec or exit records were lost).
+    pub fn forget_all(&mut self) {
+        self.by_tgid.clear();
+    }
+
     pub fn len(&self) -> usize {
         self.by_tgid.len()
     }

@@ -201,6 +201,11 @@ impl ContainerIndex {
         self.by_tgid.remove(&tgid);
     }
 
+    /// Forgets every process (exit records were lost).
+    pub fn forget_all(&mut self) {
+        self.by_tgid.clear();
+    }
+
     /// A newer pod list: labels are made again from it.
     pub fn set_pods(&mut self, pods: Arc<PodList>) {
         self.pods = Some(pods);

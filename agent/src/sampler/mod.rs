@@ -29,6 +29,8 @@ use aya::{
 };
 use tokio::io::unix::AsyncFd;
 
+use crate::unwinding::stitching::PlanUpdate;
+
 /// The BPF object built by `build.rs`.
 static BPF_OBJECT: &[u8] = aya::include_bytes_aligned!(concat!(env!("OUT_DIR"), "/agent-ebpf"));
 
@@ -162,6 +164,8 @@ pub struct Sampler {
     /// Per-thread stack plans and per-process copy sizes (LRU maps).
     plan_map: HashMap<MapData, u32, StackPlan>,
     copy_map: HashMap<MapData, u32, u32>,
+    /// Ring buffer losses already reported by `take_new_losses`.
+    losses_seen: u64,
     log_task: Option<tokio::task::JoinHandle<()>>,
     // Owns the program and its perf links; declared last so it drops last.
     ebpf: Ebpf,
@@ -253,9 +257,25 @@ impl Sampler {
             policies,
             plan_map,
             copy_map,
+            losses_seen: 0,
             log_task,
             ebpf,
         })
+    }
+
+    /// Writes the walker's copy-size and stack-plan decisions into the maps.
+    /// A failed write costs that plan only (the program keeps its defaults
+    /// for the thread), so it is logged, not returned.
+    pub fn apply_plan_updates(&mut self, updates: impl IntoIterator<Item = PlanUpdate>) {
+        for update in updates {
+            let result = match update {
+                PlanUpdate::ProcessCopy { tgid, bytes } => self.set_copy_bytes(tgid, bytes),
+                PlanUpdate::Thread { tid, plan } => self.set_stack_plan(tid, plan.as_deref()),
+            };
+            if let Err(err) = result {
+                tracing::debug!("stack plan not written: {err}");
+            }
+        }
     }
 
     /// Sets (or removes) how much of thread `tid`'s stack each tick reads.
@@ -295,15 +315,40 @@ impl Sampler {
     /// then passes every queued record to `on_record` and returns how many
     /// there were. Cancel safe: records are only taken once the wait is over.
     pub async fn read_records(&mut self, on_record: impl FnMut(&[u8])) -> io::Result<usize> {
+        self.wait().await?;
+        Ok(self.drain_records(on_record))
+    }
+
+    /// Waits until the program signals a batch or the drain period is over;
+    /// [`Self::drain_records`] then takes what is queued. Cancel safe.
+    pub async fn wait(&mut self) -> io::Result<()> {
         tokio::select! {
             guard = self.ring.readable_mut() => {
-                let mut guard = guard?;
-                let count = drain(guard.get_inner_mut(), on_record);
-                guard.clear_ready();
-                Ok(count)
+                // Readiness is cleared before the drain that follows: a
+                // record written after this point wakes the next wait.
+                guard?.clear_ready();
             }
-            _ = self.drain_timer.tick() => Ok(drain(self.ring.get_mut(), on_record)),
+            _ = self.drain_timer.tick() => {}
         }
+        Ok(())
+    }
+
+    /// Records lost because the ring buffer was full since the last call
+    /// (the first call counts from the start). A lost exec or exit record
+    /// leaves per-process state stale, so the reader checks this before
+    /// each drain.
+    pub fn take_new_losses(&mut self) -> Result<u64, SamplerError> {
+        let per_cpu = self
+            .counters
+            .get(&(Counter::RingBufferFull as u32), 0)
+            .map_err(|source| SamplerError::Map {
+                name: names::COUNTERS,
+                source,
+            })?;
+        let total: u64 = per_cpu.iter().sum();
+        let new = total.saturating_sub(self.losses_seen);
+        self.losses_seen = total;
+        Ok(new)
     }
 
     /// Passes the records queued right now to `on_record`, without waiting.

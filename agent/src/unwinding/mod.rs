@@ -106,6 +106,14 @@ const MAX_RESOLVES_PER_WALK: usize = 16;
 /// Binaries tracked individually in [`WalkStats::by_binary`].
 const MAX_BINARIES_TRACKED: usize = 1024;
 
+/// Processes whose modules the walker keeps; beyond, the least recently
+/// walked one is forgotten (its modules are resolved again if it returns).
+const MAX_PROCESSES: usize = 4096;
+/// Modules one process keeps; beyond, its list starts over (a process that
+/// maps thousands of files is rare, and one that keeps mapping new ones
+/// must not grow the walker without bound).
+const MAX_MODULES_PER_PROCESS: usize = 2048;
+
 /// The result of walking one sample's user stack.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Walk<'a> {
@@ -244,6 +252,9 @@ pub struct WalkStats {
     pub by_binary: HashMap<Arc<str>, WalkEnds>,
     /// Adaptive copies and learned stack tails.
     pub plans: PlanStats,
+    /// Times every process's state was dropped because exec or exit
+    /// records were lost.
+    pub state_resets: u64,
     /// Tables compiled, read back from the disk cache, and objects whose
     /// table could not be built (they are walked with frame pointers).
     pub tables_compiled: u64,
@@ -342,6 +353,8 @@ struct ProcessModules {
     /// Names this version of the list in the walker's rule cache; renewed
     /// on every change, so cached rules of a stale version never match.
     space: u64,
+    /// The walker's walk count when the process was last walked.
+    last_walked: u64,
 }
 
 impl ProcessModules {
@@ -353,6 +366,9 @@ impl ProcessModules {
 
     fn insert(&mut self, module: Module, space: u64) {
         self.space = space;
+        if self.modules.len() >= MAX_MODULES_PER_PROCESS {
+            self.modules.clear();
+        }
         // A stale module overlapping the new one (the process remapped the
         // range) goes: the new one is what the process maps now.
         self.modules
@@ -751,6 +767,40 @@ impl StackWalker {
         self.planner.forget_process(tgid);
     }
 
+    /// Exec or exit records were lost (the ring buffer was full): any
+    /// process's state may be another's now, so all of it goes and is
+    /// learned again. Tables stay: they belong to files, not processes.
+    pub fn forget_all_processes(&mut self) {
+        self.processes = ProcessTable::new(TableConfig::default());
+        self.modules.clear();
+        self.planner.forget_all();
+        self.stats.state_resets += 1;
+    }
+
+    /// Processes whose modules are kept now (at most [`MAX_PROCESSES`]).
+    pub fn tracked_processes(&self) -> usize {
+        self.modules.len()
+    }
+
+    /// The modules of `tgid`, made when first walked; the least recently
+    /// walked process goes when there are too many.
+    fn process_modules(&mut self, tgid: u32) -> &mut ProcessModules {
+        if !self.modules.contains_key(&tgid) && self.modules.len() >= MAX_PROCESSES {
+            let oldest = self
+                .modules
+                .iter()
+                .min_by_key(|(_, p)| p.last_walked)
+                .map(|(&tgid, _)| tgid);
+            if let Some(oldest) = oldest {
+                self.modules.remove(&oldest);
+            }
+        }
+        let walks = self.stats.walks;
+        let process = self.modules.entry(tgid).or_default();
+        process.last_walked = walks;
+        process
+    }
+
     /// Walks the user stack of a sample (its header, the copied stack
     /// bytes and the tail) with what is known now; `None` when it has no
     /// user part (a kernel thread). Does not hold or count the sample:
@@ -793,6 +843,7 @@ impl StackWalker {
         frames: &mut Vec<u64>,
     ) -> (UnwindEnd, bool) {
         let mut resolves = 0;
+        self.process_modules(tgid);
         loop {
             let process = self.modules.entry(tgid).or_default();
             let known = KnownModules {
@@ -936,7 +987,7 @@ impl StackWalker {
             }
         };
         let space = self.next_space();
-        self.modules.entry(tgid).or_default().insert(module, space);
+        self.process_modules(tgid).insert(module, space);
         true
     }
 
@@ -1041,6 +1092,36 @@ mod tests {
             3,
             "fully unwound binaries are not listed"
         );
+    }
+
+    #[test]
+    fn the_least_recently_walked_process_goes_beyond_the_bound() {
+        let mut walker = StackWalker::default();
+        for tgid in 0..MAX_PROCESSES as u32 {
+            walker.process_modules(tgid);
+            walker.stats.walks += 1;
+        }
+        walker.process_modules(0);
+        walker.stats.walks += 1;
+        walker.process_modules(u32::MAX);
+        assert_eq!(walker.tracked_processes(), MAX_PROCESSES);
+        assert!(walker.modules.contains_key(&0), "walked again: kept");
+        assert!(
+            !walker.modules.contains_key(&1),
+            "least recently walked: gone"
+        );
+        walker.forget_all_processes();
+        assert_eq!(walker.tracked_processes(), 0);
+        assert_eq!(walker.stats().state_resets, 1);
+    }
+
+    #[test]
+    fn a_process_mapping_too_many_modules_starts_over() {
+        let mut process = ProcessModules::default();
+        for i in 0..MAX_MODULES_PER_PROCESS as u64 + 1 {
+            process.insert(module(0x1000 * (i + 1), 0x1000 * (i + 1) + 0x800), i);
+        }
+        assert_eq!(process.modules.len(), 1);
     }
 
     #[test]

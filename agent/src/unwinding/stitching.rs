@@ -277,6 +277,20 @@ impl Planner {
         }
     }
 
+    /// Exec or exit records were lost: every size and plan goes (a reused
+    /// id must not inherit them), from the maps too.
+    pub fn forget_all(&mut self) {
+        let tgids: Vec<u32> = self
+            .processes
+            .keys()
+            .chain(self.threads.values().map(|t| &t.tgid))
+            .copied()
+            .collect();
+        for tgid in tgids {
+            self.forget_process(tgid);
+        }
+    }
+
     /// The process exited or replaced its image: its sizes and its
     /// threads' plans go, in the maps too, so a reused id starts afresh.
     pub fn forget_process(&mut self, tgid: u32) {

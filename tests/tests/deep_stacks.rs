@@ -1,0 +1,248 @@
+//! End to end: deep stacks reach their root through stack tails. The real
+//! sampler and the agent's walker run together as in the agent (walks
+//! decide the copy sizes and stack plans the sampler reads next), on
+//! fixtures far deeper than any stack copy: C recursing through 4 KiB
+//! frames to 64 KiB, 256 KiB and 1 MiB in three threads at once, a Rust
+//! thread with a 16 MiB stack, and threads switching between two deep call
+//! chains that differ only at the top and the bottom. Every frame of every
+//! sample is named and checked against the exact chain. Needs root.
+
+use std::{collections::HashMap, time::Duration};
+
+use stackscope_agent::{sampler::SamplerConfig, unwinding::WalkOutcome};
+use stackscope_tests::{Fixture, FrameNames, LiveWalk, exclusive, require_root, walk_live};
+use stackscope_unwind::UnwindEnd;
+
+/// Static libc functions (no `.symtab` in Debian's libc): named by file.
+const LIBC: &str = "libc.so.6";
+const OUTERMOST: WalkOutcome = WalkOutcome::Ended(UnwindEnd::Outermost);
+
+/// How long each fixture is sampled: the first walks of a deep thread end
+/// truncated until its stack plan is learned (a few hundred milliseconds,
+/// the table compiles included), so the window is long enough for them to
+/// be a small share.
+const WINDOW: Duration = Duration::from_secs(10);
+
+/// The share of a thread's walks that must reach the root.
+const MIN_ROOT_SHARE: f64 = 0.95;
+
+/// Samples `pid` with the default copy ceiling at 99 Hz and names every
+/// walk's frames.
+fn walk_named(pid: u32) -> Vec<(LiveWalk, Vec<String>)> {
+    let config = SamplerConfig {
+        frequency_hz: 99,
+        pids: vec![pid],
+        ..SamplerConfig::default()
+    };
+    let (walks, counters) = walk_live(&config, WINDOW);
+    assert!(
+        counters.tail_spans > 0,
+        "no tail span was read: {counters:?}"
+    );
+    let mut names = FrameNames::new(pid);
+    walks
+        .into_iter()
+        .filter(|w| w.tgid == pid)
+        .map(|w| {
+            let named = names.names(&w.frames);
+            (w, named)
+        })
+        .collect()
+}
+
+/// Every walk of a thread names a prefix of `expected` (never a wrong
+/// frame), and at least `MIN_ROOT_SHARE` of them all of it, reaching the
+/// root; returns (walks, complete, stitched).
+fn assert_chain(
+    thread: &str,
+    walks: &[&(LiveWalk, Vec<String>)],
+    expected: &[String],
+) -> (usize, usize, usize) {
+    assert!(walks.len() >= 100, "only {} walks of {thread}", walks.len());
+    let mut complete = 0;
+    let mut stitched = 0;
+    for (walk, names) in walks {
+        assert!(
+            expected.starts_with(names),
+            "{thread}: a walk is not a prefix of the chain ({:?}): {names:?}",
+            walk.outcome
+        );
+        if walk.outcome == OUTERMOST {
+            assert_eq!(names.as_slice(), expected, "{thread}: a complete walk");
+            complete += 1;
+            stitched += usize::from(walk.stitched);
+        }
+    }
+    let share = complete as f64 / walks.len() as f64;
+    eprintln!(
+        "{thread}: {complete} of {} walks reached the root ({:.1}%), {stitched} through the tail",
+        walks.len(),
+        100.0 * share
+    );
+    assert!(
+        share >= MIN_ROOT_SHARE,
+        "{thread}: {:.1}% reached the root",
+        100.0 * share
+    );
+    (walks.len(), complete, stitched)
+}
+
+/// `innermost`, then `recursion` frames of `recurse`, then `outer`.
+fn chain(innermost: &[&str], recurse: &str, recursion: usize, outer: &[&str]) -> Vec<String> {
+    innermost
+        .iter()
+        .copied()
+        .chain(std::iter::repeat_n(recurse, recursion))
+        .chain(outer.iter().copied())
+        .map(String::from)
+        .collect()
+}
+
+/// The thread ids of a process by their names.
+fn threads_by_name(pid: u32) -> HashMap<String, u32> {
+    std::fs::read_dir(format!("/proc/{pid}/task"))
+        .expect("listing the threads")
+        .filter_map(|entry| {
+            let tid: u32 = entry.ok()?.file_name().to_str()?.parse().ok()?;
+            let comm = std::fs::read_to_string(format!("/proc/{pid}/task/{tid}/comm")).ok()?;
+            Some((comm.trim().to_string(), tid))
+        })
+        .collect()
+}
+
+#[test]
+fn c_threads_at_64k_256k_and_1m_reach_the_root() {
+    require_root();
+    let fixture = Fixture::compile("deep_frames", &["-pthread"]);
+    let _serial = exclusive();
+    let process = fixture.start(&["65536", "262144", "1048576"]);
+    let pid = process.pid();
+    let threads = threads_by_name(pid);
+    let walks = walk_named(pid);
+
+    // recurse(bytes) recurses while more than its 4000-byte frame is left.
+    let recursion = |bytes: usize| bytes.div_ceil(4000);
+    let cases = [
+        (
+            "main, 64 KiB",
+            pid,
+            chain(
+                &["spin"],
+                "recurse",
+                recursion(65536),
+                &["main", LIBC, "__libc_start_main", "_start"],
+            ),
+        ),
+        (
+            "thread, 256 KiB",
+            threads["d262144"],
+            chain(
+                &["spin"],
+                "recurse",
+                recursion(262144),
+                &["thread_main", LIBC, LIBC],
+            ),
+        ),
+        (
+            "thread, 1 MiB",
+            threads["d1048576"],
+            chain(
+                &["spin"],
+                "recurse",
+                recursion(1048576),
+                &["thread_main", LIBC, LIBC],
+            ),
+        ),
+    ];
+    for (thread, tid, expected) in cases {
+        let of_thread: Vec<_> = walks.iter().filter(|(w, _)| w.tid == tid).collect();
+        let (_, complete, stitched) = assert_chain(thread, &of_thread, &expected);
+        assert!(
+            stitched * 2 > complete,
+            "{thread}: most complete walks went through the tail"
+        );
+    }
+}
+
+#[test]
+fn a_rust_thread_with_a_16_mib_stack_reaches_the_root() {
+    require_root();
+    let fixture = Fixture::deep_rust();
+    let _serial = exclusive();
+    const DEPTH: usize = 300;
+    let process = fixture.start(&[&DEPTH.to_string()]);
+    let pid = process.pid();
+    let walks = walk_named(pid);
+    let deep: Vec<_> = walks.iter().filter(|(w, _)| w.tid != pid).collect();
+
+    // Between the closure and clone3, std's thread start machinery, whose
+    // frames depend on how std was built: take them from the longest walk
+    // that reached the root, after checking what the fixture controls.
+    let complete = deep
+        .iter()
+        .filter(|(w, _)| w.outcome == OUTERMOST)
+        .map(|(_, names)| names)
+        .max_by_key(|names| names.len())
+        .expect("a walk of the deep thread reached the root");
+    let prefix = chain(&["deep_rust::spin"], "deep_rust::recurse", DEPTH, &[]);
+    assert_eq!(complete[..prefix.len()], prefix, "the recursion");
+    assert!(
+        complete.ends_with(&[LIBC.to_string(), LIBC.to_string()]),
+        "ends in start_thread and clone3: {complete:?}"
+    );
+    let expected = complete.clone();
+    assert_chain("deep Rust thread", &deep, &expected);
+}
+
+#[test]
+fn a_stitched_walk_never_carries_the_other_chains_tail() {
+    require_root();
+    let fixture = Fixture::compile("alternating", &["-pthread"]);
+    let _serial = exclusive();
+    const DEPTH: usize = 40;
+    let process = fixture.start(&[&DEPTH.to_string(), "2"]);
+    let pid = process.pid();
+    let config = SamplerConfig {
+        frequency_hz: 997,
+        pids: vec![pid],
+        ..SamplerConfig::default()
+    };
+    let (walks, _) = walk_live(&config, WINDOW);
+    let mut names = FrameNames::new(pid);
+    let mut checked = [0usize; 2];
+    let mut stitched = [0usize; 2];
+    for walk in walks.iter().filter(|w| w.tgid == pid && w.tid != pid) {
+        let named = names.names(&walk.frames);
+        // The innermost frame says which chain the thread is in; the
+        // bottom of the stack must say the same.
+        let which = match named.first().map(String::as_str) {
+            Some("spin_a") => 0,
+            Some("spin_b") => 1,
+            _ => continue,
+        };
+        let chain_frame = ["chain_a", "chain_b"][which];
+        let other = ["chain_b", "chain_a"][which];
+        assert!(
+            !named.iter().any(|n| n == other),
+            "{chain_frame}'s walk carries {other}: {named:?}"
+        );
+        if walk.outcome == OUTERMOST {
+            let expected: Vec<String> = [["spin_a", "spin_b"][which], "leaf"]
+                .into_iter()
+                .chain(std::iter::repeat_n("common", DEPTH))
+                .chain([chain_frame, "worker", LIBC, LIBC])
+                .map(String::from)
+                .collect();
+            assert_eq!(named, expected, "a complete walk of {chain_frame}");
+            checked[which] += 1;
+            stitched[which] += usize::from(walk.stitched);
+        }
+    }
+    eprintln!("complete walks of chain_a, chain_b: {checked:?}, through the tail: {stitched:?}");
+    for which in 0..2 {
+        assert!(
+            stitched[which] >= 100,
+            "too few stitched walks to trust the check: {stitched:?}"
+        );
+    }
+}
