@@ -142,10 +142,15 @@ pub struct SampleHeader {
     pub tail_len: u32,
     /// Spans in the tail.
     pub tail_spans: u32,
+    /// When the process (its thread group leader) started, in kernel
+    /// monotonic nanoseconds: with `tgid`, the process's identity, so state
+    /// kept for an exited process is never used for one that reuses its
+    /// pid. 0 when the kernel's layout is unknown.
+    pub process_start_ns: u64,
 }
 
 /// Size of [`SampleHeader`] in bytes.
-pub const SAMPLE_HEADER_SIZE: usize = 96;
+pub const SAMPLE_HEADER_SIZE: usize = 104;
 const _: () = assert!(core::mem::size_of::<SampleHeader>() == SAMPLE_HEADER_SIZE);
 const _: () = assert!(SAMPLE_HEADER_SIZE.is_multiple_of(8));
 
@@ -313,6 +318,8 @@ pub mod names {
     pub const WAKEUP_BYTES: &str = "WAKEUP_BYTES";
     pub const STACK_PLANS: &str = "STACK_PLANS";
     pub const COPY_BYTES: &str = "COPY_BYTES";
+    pub const TASK_GROUP_LEADER_OFFSET: &str = "TASK_GROUP_LEADER_OFFSET";
+    pub const TASK_START_TIME_OFFSET: &str = "TASK_START_TIME_OFFSET";
 }
 
 /// Capacity of the tgid allow-list and of the cgroup policy map.
@@ -362,6 +369,7 @@ mod tests {
         assert_eq!(core::mem::offset_of!(SampleHeader, user_rip), 48);
         assert_eq!(core::mem::offset_of!(SampleHeader, comm), 72);
         assert_eq!(core::mem::offset_of!(SampleHeader, tail_len), 88);
+        assert_eq!(core::mem::offset_of!(SampleHeader, process_start_ns), 96);
         assert_eq!(core::mem::offset_of!(StackPlan, spans), 16);
     }
 

@@ -35,8 +35,8 @@ use aya_ebpf::{
         bpf_get_current_cgroup_id, bpf_get_current_comm, bpf_get_current_pid_tgid,
         bpf_get_smp_processor_id, bpf_ktime_get_ns, bpf_probe_read_kernel,
         generated::{
-            bpf_get_current_ancestor_cgroup_id, bpf_get_current_task_btf, bpf_get_prandom_u32,
-            bpf_get_stack, bpf_probe_read_user, bpf_task_pt_regs,
+            bpf_get_current_ancestor_cgroup_id, bpf_get_current_task, bpf_get_current_task_btf,
+            bpf_get_prandom_u32, bpf_get_stack, bpf_probe_read_user, bpf_task_pt_regs,
         },
     },
     macros::{map, perf_event, raw_tracepoint},
@@ -93,6 +93,13 @@ static FILTER_CGROUPS: Global<u8> = Global::new(0);
 /// ancestor walk is pruned and a tick costs nothing more.
 #[unsafe(no_mangle)]
 static CGROUP_POLICIES: Global<u8> = Global::new(0);
+/// Byte offsets of `group_leader` and `start_time` in the running kernel's
+/// `task_struct`, found by the agent in the kernel's BTF; 0 when unknown
+/// (then samples carry no process start time).
+#[unsafe(no_mangle)]
+static TASK_GROUP_LEADER_OFFSET: Global<u32> = Global::new(0);
+#[unsafe(no_mangle)]
+static TASK_START_TIME_OFFSET: Global<u32> = Global::new(0);
 /// Unread bytes in `SAMPLES` at which a record wakes the reader.
 #[unsafe(no_mangle)]
 static WAKEUP_BYTES: Global<u64> = Global::new(512 * 1024);
@@ -231,6 +238,7 @@ fn try_sample_cpu_clock(ctx: &PerfEventContext) -> Result<u32, u32> {
         comm: bpf_get_current_comm().unwrap_or([0; 16]),
         tail_len: 0,
         tail_spans: 0,
+        process_start_ns: process_start_ns(),
     };
     // SAFETY: scratch slots are 8-aligned map values larger than the header.
     unsafe { scratch.cast::<SampleHeader>().write(header) };
@@ -273,6 +281,30 @@ fn try_sample_cpu_clock(ctx: &PerfEventContext) -> Result<u32, u32> {
         count(Counter::Samples);
     }
     Ok(0)
+}
+
+/// When the current process's thread group leader started (its
+/// `start_time`), read through the offsets the agent found in BTF.
+#[inline(always)]
+fn process_start_ns() -> u64 {
+    let (leader_offset, start_offset) = (
+        TASK_GROUP_LEADER_OFFSET.load(),
+        TASK_START_TIME_OFFSET.load(),
+    );
+    if leader_offset == 0 || start_offset == 0 {
+        return 0;
+    }
+    // SAFETY: both reads go through the fault-tolerant kernel probe; a
+    // wrong offset yields a wrong number, never a crash.
+    unsafe {
+        let task = bpf_get_current_task() as *const u8;
+        let Ok(leader) =
+            bpf_probe_read_kernel(task.add(leader_offset as usize).cast::<*const u8>())
+        else {
+            return 0;
+        };
+        bpf_probe_read_kernel(leader.add(start_offset as usize).cast::<u64>()).unwrap_or(0)
+    }
 }
 
 /// The policy of the current task: the entries of its cgroup and of every

@@ -523,7 +523,7 @@ impl Aggregator {
                 [0; COMM_LEN]
             },
             exe: match user {
-                Some(_) if choice.exe => self.exes.get(header.tgid),
+                Some(_) if choice.exe => self.exes.get(header.tgid, header.process_start_ns),
                 _ => self.exes.empty(),
             },
             pid: choice.pid.then_some(header.tgid),

@@ -363,6 +363,7 @@ fn json_report(
             "truncated": summary.unwinding.truncated,
             "plans": summary.unwinding.plans,
             "state_resets": summary.unwinding.state_resets,
+            "processes_replaced": summary.unwinding.processes_replaced,
             "tables_compiled": summary.unwinding.tables_compiled,
             "tables_from_disk": summary.unwinding.tables_from_disk,
             "table_cache_hits": summary.unwinding.table_cache_hits,

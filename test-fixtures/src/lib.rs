@@ -201,8 +201,28 @@ impl Fixture {
     /// Starts the fixture with an empty environment and waits for it to
     /// print `ready`, i.e. to have reached its final spin loop.
     pub fn start(&self, args: &[&str]) -> RunningProcess {
-        let mut child = Command::new(&self.path)
-            .args(args)
+        self.start_command(Command::new(&self.path).args(args))
+    }
+
+    /// [`Self::start`] with address space randomisation off: every run of
+    /// a fixture, and fixtures of the same size, map at the same addresses.
+    pub fn start_without_aslr(&self, args: &[&str]) -> RunningProcess {
+        use std::os::unix::process::CommandExt as _;
+        let mut command = Command::new(&self.path);
+        command.args(args);
+        // SAFETY: personality(2) only changes this child's exec behaviour
+        // and is async-signal-safe.
+        unsafe {
+            command.pre_exec(|| {
+                libc::personality(libc::ADDR_NO_RANDOMIZE as libc::c_ulong);
+                Ok(())
+            });
+        }
+        self.start_command(&mut command)
+    }
+
+    fn start_command(&self, command: &mut Command) -> RunningProcess {
+        let mut child = command
             .env_clear()
             .stdout(Stdio::piped())
             .spawn()

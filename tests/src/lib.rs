@@ -211,9 +211,20 @@ impl FrameNames {
 pub struct LiveWalk {
     pub tgid: u32,
     pub tid: u32,
+    pub process_start_ns: u64,
     pub frames: Vec<u64>,
+    /// The path of the file each frame was placed in (None: no file).
+    pub files: Vec<Option<PathBuf>>,
     pub outcome: WalkOutcome,
     pub stitched: bool,
+}
+
+/// How [`walk_live_with`] treats the ring buffer's records.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct LiveOptions {
+    /// Drop exec and exit records instead of handing them to the walker,
+    /// as if the ring buffer had been full when they were written.
+    pub withhold_process_events: bool,
 }
 
 /// Samples with the real sampler for `duration` and walks each sample as
@@ -222,6 +233,15 @@ pub struct LiveWalk {
 /// the walker's defaults and `config`'s copy ceiling). Returns every
 /// walk in order, and the kernel's counters.
 pub fn walk_live(config: &SamplerConfig, duration: Duration) -> (Vec<LiveWalk>, Counters) {
+    walk_live_with(config, duration, LiveOptions::default())
+}
+
+/// [`walk_live`] with `options`.
+pub fn walk_live_with(
+    config: &SamplerConfig,
+    duration: Duration,
+    options: LiveOptions,
+) -> (Vec<LiveWalk>, Counters) {
     let runtime = tokio::runtime::Builder::new_current_thread()
         .enable_all()
         .build()
@@ -237,7 +257,7 @@ pub fn walk_live(config: &SamplerConfig, duration: Duration) -> (Vec<LiveWalk>, 
         let deadline = tokio::time::Instant::now() + duration;
         loop {
             tokio::select! {
-                result = sampler.read_records(|bytes| walk_record(&mut walker, &mut spans, &mut walks, bytes)) => {
+                result = sampler.read_records(|bytes| walk_record(&mut walker, &mut spans, &mut walks, options, bytes)) => {
                     result.expect("reading the ring buffer");
                 }
                 _ = tokio::time::sleep_until(deadline) => break,
@@ -245,7 +265,7 @@ pub fn walk_live(config: &SamplerConfig, duration: Duration) -> (Vec<LiveWalk>, 
             walker.poll(|w| walks.push(LiveWalk::of(&w)));
             sampler.apply_plan_updates(walker.take_plan_updates());
         }
-        sampler.drain_records(|bytes| walk_record(&mut walker, &mut spans, &mut walks, bytes));
+        sampler.drain_records(|bytes| walk_record(&mut walker, &mut spans, &mut walks, options, bytes));
         let counters = sampler.counters().expect("counters");
         drop(sampler);
         let started = Instant::now();
@@ -260,10 +280,23 @@ pub fn walk_live(config: &SamplerConfig, duration: Duration) -> (Vec<LiveWalk>, 
 
 impl LiveWalk {
     fn of(walked: &Walked<'_>) -> Self {
+        let files = walked
+            .walk
+            .objects
+            .iter()
+            .map(|object| match object {
+                stackscope_agent::unwinding::FrameObject::File { file, .. } => {
+                    file.path().file_path().map(Path::to_path_buf)
+                }
+                _ => None,
+            })
+            .collect();
         Self {
             tgid: walked.header.tgid,
             tid: walked.header.tid,
+            process_start_ns: walked.header.process_start_ns,
             frames: walked.walk.frames.to_vec(),
+            files,
             outcome: walked.walk.outcome,
             stitched: walked.walk.stitched,
         }
@@ -274,6 +307,7 @@ fn walk_record(
     walker: &mut StackWalker,
     spans: &mut Vec<stackscope_unwind::TailSpan>,
     walks: &mut Vec<LiveWalk>,
+    options: LiveOptions,
     bytes: &[u8],
 ) {
     match Record::decode(bytes).expect("a well-formed record") {
@@ -286,6 +320,7 @@ fn walk_record(
             };
             walker.push(&sample.header, &[], stack, |w| walks.push(LiveWalk::of(&w)));
         }
+        Record::Exec(_) | Record::Exit(_) if options.withhold_process_events => {}
         Record::Exec(event) => walker.on_exec(event.tgid),
         Record::Exit(event) => walker.on_exit(event.tgid),
     }

@@ -124,7 +124,8 @@ const DELETED_SUFFIX: &[u8] = b" (deleted)";
 #[derive(Debug)]
 pub struct ExeCache {
     proc_root: PathBuf,
-    by_tgid: HashMap<u32, Arc<str>>,
+    /// Exe by tgid, with the start time of the process it was read for.
+    by_tgid: HashMap<u32, (u64, Arc<str>)>,
     capacity: usize,
     empty: Arc<str>,
     /// `readlink` calls made (cache misses).
@@ -146,8 +147,12 @@ impl ExeCache {
     /// exited). Failures are not cached: a sample delivered late, after its
     /// process exited, must not leave an empty exe for a later process
     /// that gets the same pid by `fork` alone (no exec event forgets it).
-    pub fn get(&mut self, tgid: u32) -> Arc<str> {
-        if let Some(exe) = self.by_tgid.get(&tgid) {
+    /// `started` is the process's start time (0: unknown); an entry made
+    /// for another process with the same pid is read again.
+    pub fn get(&mut self, tgid: u32, started: u64) -> Arc<str> {
+        if let Some((at, exe)) = self.by_tgid.get(&tgid)
+            && *at == started
+        {
             return Arc::clone(exe);
         }
         if self.by_tgid.len() >= self.capacity {
@@ -163,7 +168,7 @@ impl ExeCache {
         let bytes = path.as_os_str().as_bytes();
         let bytes = bytes.strip_suffix(DELETED_SUFFIX).unwrap_or(bytes);
         let exe: Arc<str> = String::from_utf8_lossy(bytes).into();
-        self.by_tgid.insert(tgid, Arc::clone(&exe));
+        self.by_tgid.insert(tgid, (started, Arc::clone(&exe)));
         exe
     }
 
@@ -219,22 +224,28 @@ mod tests {
         std::os::unix::fs::symlink("/usr/bin/redis-server (deleted)", pid_dir.join("exe"))
             .expect("exe link");
         let mut cache = ExeCache::new(proc.path(), 8);
-        assert_eq!(&*cache.get(42), "/usr/bin/redis-server");
-        assert_eq!(&*cache.get(43), "", "no such process");
+        assert_eq!(&*cache.get(42, 1), "/usr/bin/redis-server");
+        assert_eq!(&*cache.get(43, 1), "", "no such process");
         // Replaced behind the cache's back: still the cached answer.
         std::fs::remove_file(pid_dir.join("exe")).expect("removing the link");
         std::os::unix::fs::symlink("/bin/sh", pid_dir.join("exe")).expect("exe link");
-        assert_eq!(&*cache.get(42), "/usr/bin/redis-server");
+        assert_eq!(&*cache.get(42, 1), "/usr/bin/redis-server");
         assert_eq!(cache.reads, 2);
         // exec: read again.
         cache.forget(42);
-        assert_eq!(&*cache.get(42), "/bin/sh");
+        assert_eq!(&*cache.get(42, 1), "/bin/sh");
         assert_eq!(cache.reads, 3);
+        // Another process with the same pid (its exit record was lost):
+        // read again.
+        std::fs::remove_file(pid_dir.join("exe")).expect("removing the link");
+        std::os::unix::fs::symlink("/bin/other", pid_dir.join("exe")).expect("exe link");
+        assert_eq!(&*cache.get(42, 2), "/bin/other");
+        assert_eq!(cache.reads, 4);
         // A missing process is not remembered as empty.
         std::fs::create_dir(proc.path().join("43")).expect("pid directory");
         std::os::unix::fs::symlink("/usr/bin/forked", proc.path().join("43/exe"))
             .expect("exe link");
-        assert_eq!(&*cache.get(43), "/usr/bin/forked");
+        assert_eq!(&*cache.get(43, 1), "/usr/bin/forked");
     }
 
     #[test]
@@ -245,7 +256,7 @@ mod tests {
             let dir = proc.path().join(tgid.to_string());
             std::fs::create_dir(&dir).expect("pid directory");
             std::os::unix::fs::symlink(format!("/bin/p{tgid}"), dir.join("exe")).expect("exe link");
-            assert_eq!(&*cache.get(tgid), format!("/bin/p{tgid}"));
+            assert_eq!(&*cache.get(tgid, 1), format!("/bin/p{tgid}"));
             assert!(!cache.is_empty() && cache.len() <= 4);
         }
     }

@@ -73,6 +73,7 @@ fn header(tgid: u32, comm: &str, user: bool) -> SampleHeader {
         comm: name,
         tail_len: 0,
         tail_spans: 0,
+        process_start_ns: 0,
     }
 }
 

@@ -7,6 +7,7 @@
 //! It does not interpret records beyond the framing: see [`record`].
 
 pub mod record;
+pub mod task_layout;
 
 use std::{
     collections::HashMap as StdHashMap,
@@ -190,6 +191,15 @@ impl Sampler {
         let cgroup_policies = u8::from(config.filter_cgroups || config.cgroup_budgets);
         let log_level = bpf_log_level(config.bpf_log_level);
         let ring_bytes = ring_buffer_bytes(cpu_slots);
+        // Without the layout samples carry no process start time; process
+        // identity then rests on the exec and exit records alone.
+        let (leader_offset, start_offset) = match task_layout::TaskLayout::of_running_kernel() {
+            Ok(layout) => (layout.group_leader, layout.start_time),
+            Err(err) => {
+                tracing::warn!("samples will carry no process start time: {err}");
+                (0, 0)
+            }
+        };
         let wakeup_bytes = u64::from(ring_bytes / WAKEUP_FRACTION);
         let mut ebpf = EbpfLoader::new()
             .override_global(names::AGENT_TGID, &agent_tgid, true)
@@ -198,6 +208,8 @@ impl Sampler {
             .override_global(names::FILTER_CGROUPS, &filter_cgroups, true)
             .override_global(names::CGROUP_POLICIES, &cgroup_policies, true)
             .override_global(names::WAKEUP_BYTES, &wakeup_bytes, true)
+            .override_global(names::TASK_GROUP_LEADER_OFFSET, &leader_offset, true)
+            .override_global(names::TASK_START_TIME_OFFSET, &start_offset, true)
             .override_global(aya_log::LEVEL, &log_level, false)
             .map_max_entries(names::SCRATCH, cpu_slots as u32)
             .map_max_entries(names::SAMPLES_RING, ring_bytes)

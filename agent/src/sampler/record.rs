@@ -287,6 +287,7 @@ mod tests {
             comm,
             tail_len: 0,
             tail_spans: 0,
+            process_start_ns: 0,
         }
     }
 

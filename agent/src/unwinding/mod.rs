@@ -255,6 +255,9 @@ pub struct WalkStats {
     /// Times every process's state was dropped because exec or exit
     /// records were lost.
     pub state_resets: u64,
+    /// Processes whose state was dropped because a sample showed their pid
+    /// in use by a process that started later (the exit record was lost).
+    pub processes_replaced: u64,
     /// Tables compiled, read back from the disk cache, and objects whose
     /// table could not be built (they are walked with frame pointers).
     pub tables_compiled: u64,
@@ -355,6 +358,8 @@ struct ProcessModules {
     space: u64,
     /// The walker's walk count when the process was last walked.
     last_walked: u64,
+    /// The process's start time (0: unknown): with the pid, its identity.
+    started: u64,
 }
 
 impl ProcessModules {
@@ -611,6 +616,13 @@ impl StackWalker {
         if self.tables_changed {
             self.retry_waiting(&mut on_walk);
         }
+        if self.is_new_process(header) {
+            // The pid now names another process (its exit record was lost):
+            // the old one's held samples go as far as its state takes them,
+            // then that state goes.
+            self.flush_process(header.tgid, &mut on_walk);
+            self.forget_process(header.tgid);
+        }
         match self.walk(header, stack).map(|walk| walk.outcome) {
             None => {}
             Some(WalkOutcome::TablePending) if self.hold(header, kernel_frames, stack) => {}
@@ -631,6 +643,41 @@ impl StackWalker {
         if self.tables_changed {
             self.retry_waiting(&mut on_walk);
         }
+    }
+
+    /// Whether the sample's process started after the one the walker keeps
+    /// state for under the same pid.
+    fn is_new_process(&self, header: &SampleHeader) -> bool {
+        let started = header.process_start_ns;
+        self.modules
+            .get(&header.tgid)
+            .is_some_and(|p| started != 0 && p.started != 0 && p.started != started)
+    }
+
+    fn flush_process(&mut self, tgid: u32, on_walk: &mut impl FnMut(Walked<'_>)) {
+        let (theirs, others) = std::mem::take(&mut self.waiting)
+            .into_iter()
+            .partition(|held| held.header.tgid == tgid);
+        self.waiting = others;
+        for held in theirs {
+            self.waiting_bytes -= held.bytes();
+            if let Some(outcome) = self.walk(&held.header, held.stack()).map(|w| w.outcome) {
+                self.deliver(
+                    &held.header,
+                    &held.kernel_frames,
+                    held.stack(),
+                    outcome,
+                    on_walk,
+                );
+            }
+        }
+    }
+
+    fn forget_process(&mut self, tgid: u32) {
+        self.processes.remove(tgid);
+        self.modules.remove(&tgid);
+        self.planner.forget_process(tgid);
+        self.stats.processes_replaced += 1;
     }
 
     /// Walks every held sample as far as it goes now (at shutdown).
@@ -739,7 +786,13 @@ impl StackWalker {
         let mut planner = std::mem::replace(&mut self.planner, Planner::new(0, false));
         planner.learn(report, regs.rsp, copy, |memory| {
             let mut frames = std::mem::take(&mut self.learn_frames);
-            let (end, _) = self.walk_memory(header.tgid, regs, memory, &mut frames);
+            let (end, _) = self.walk_memory(
+                header.tgid,
+                header.process_start_ns,
+                regs,
+                memory,
+                &mut frames,
+            );
             self.learn_frames = frames;
             end
         });
@@ -784,7 +837,7 @@ impl StackWalker {
 
     /// The modules of `tgid`, made when first walked; the least recently
     /// walked process goes when there are too many.
-    fn process_modules(&mut self, tgid: u32) -> &mut ProcessModules {
+    fn process_modules(&mut self, tgid: u32, started: u64) -> &mut ProcessModules {
         if !self.modules.contains_key(&tgid) && self.modules.len() >= MAX_PROCESSES {
             let oldest = self
                 .modules
@@ -798,6 +851,9 @@ impl StackWalker {
         let walks = self.stats.walks;
         let process = self.modules.entry(tgid).or_default();
         process.last_walked = walks;
+        if process.started == 0 {
+            process.started = started;
+        }
         process
     }
 
@@ -814,7 +870,13 @@ impl StackWalker {
         self.take_compiled_tables();
         let mut memory = SampledStack::new(regs.rsp, stack.copy, stack.spans, stack.tail);
         let mut frames = std::mem::take(&mut self.frames);
-        let (end, pending) = self.walk_memory(tgid, regs, &mut memory, &mut frames);
+        let (end, pending) = self.walk_memory(
+            tgid,
+            header.process_start_ns,
+            regs,
+            &mut memory,
+            &mut frames,
+        );
         self.frames = frames;
         self.last_tail_reads = memory.tail_reads();
         self.last_copy_read = memory.copy_bytes_read();
@@ -838,12 +900,13 @@ impl StackWalker {
     fn walk_memory(
         &mut self,
         tgid: u32,
+        started: u64,
         regs: Registers,
         memory: &mut impl WalkMemory,
         frames: &mut Vec<u64>,
     ) -> (UnwindEnd, bool) {
         let mut resolves = 0;
-        self.process_modules(tgid);
+        self.process_modules(tgid, started);
         loop {
             let process = self.modules.entry(tgid).or_default();
             let known = KnownModules {
@@ -987,7 +1050,7 @@ impl StackWalker {
             }
         };
         let space = self.next_space();
-        self.process_modules(tgid).insert(module, space);
+        self.process_modules(tgid, 0).insert(module, space);
         true
     }
 
@@ -1098,12 +1161,12 @@ mod tests {
     fn the_least_recently_walked_process_goes_beyond_the_bound() {
         let mut walker = StackWalker::default();
         for tgid in 0..MAX_PROCESSES as u32 {
-            walker.process_modules(tgid);
+            walker.process_modules(tgid, 1);
             walker.stats.walks += 1;
         }
-        walker.process_modules(0);
+        walker.process_modules(0, 1);
         walker.stats.walks += 1;
-        walker.process_modules(u32::MAX);
+        walker.process_modules(u32::MAX, 1);
         assert_eq!(walker.tracked_processes(), MAX_PROCESSES);
         assert!(walker.modules.contains_key(&0), "walked again: kept");
         assert!(
@@ -1113,6 +1176,35 @@ mod tests {
         walker.forget_all_processes();
         assert_eq!(walker.tracked_processes(), 0);
         assert_eq!(walker.stats().state_resets, 1);
+    }
+
+    #[test]
+    fn a_pid_reused_by_a_later_process_starts_afresh() {
+        let mut walker = StackWalker::default();
+        let (header, stack) = own_sample();
+        let first = SampleHeader {
+            process_start_ns: 100,
+            ..header
+        };
+        walker.process_modules(first.tgid, 100);
+        assert!(!walker.is_new_process(&first));
+        let unknown = SampleHeader {
+            process_start_ns: 0,
+            ..header
+        };
+        assert!(
+            !walker.is_new_process(&unknown),
+            "no start time: no verdict"
+        );
+        let later = SampleHeader {
+            process_start_ns: 200,
+            ..header
+        };
+        assert!(walker.is_new_process(&later));
+        walker.push(&later, &[], UserStack::copy_only(&stack), |_| {});
+        assert_eq!(walker.stats().processes_replaced, 1);
+        assert_eq!(walker.modules[&later.tgid].started, 200);
+        assert!(!walker.is_new_process(&later));
     }
 
     #[test]
@@ -1187,6 +1279,7 @@ mod tests {
             comm: [0; 16],
             tail_len: 0,
             tail_spans: 0,
+            process_start_ns: 0,
         };
         (header, vec![0; 256])
     }

@@ -243,6 +243,14 @@ impl Planner {
         self.reads.clear();
         let mut remote = RemoteStack::new(walk.tgid, rsp, copy, &mut self.remote, &mut self.reads);
         let end = walk_again(&mut remote);
+        let reach = self.reads.iter().max().map_or(0, |&a| a + 8 - rsp);
+        tracing::debug!(
+            tid = walk.tid,
+            ?end,
+            reach,
+            reads = self.reads.len(),
+            "learning a stack tail"
+        );
         let plan = (end == UnwindEnd::Outermost)
             .then(|| plan_for(walk.tgid, rsp, &mut self.reads, self.ceiling))
             .flatten();

@@ -1,0 +1,112 @@
+//! End to end: a pid reused by another process never inherits the state
+//! kept for the first one, even when the first one's exit record is lost.
+//! Each sample carries its process's start time (read by the BPF program
+//! through the task layout found in the kernel's BTF); the walker drops a
+//! pid's modules, tables' placement and stack plans when a later process
+//! shows up under it. Needs root.
+
+use std::{
+    path::Path,
+    sync::mpsc,
+    time::{Duration, Instant},
+};
+
+use stackscope_agent::{sampler::SamplerConfig, unwinding::WalkOutcome};
+use stackscope_tests::{
+    Fixture, FrameNames, LiveOptions, RunningProcess, exclusive, require_root, walk_live_with,
+};
+use stackscope_unwind::UnwindEnd;
+
+/// Starts `fixture` under `pid`, by setting the kernel's last handed-out
+/// pid just below it; retries while other processes take it first.
+fn start_under_pid(fixture: &Fixture, pid: u32) -> RunningProcess {
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        std::fs::write("/proc/sys/kernel/ns_last_pid", (pid - 1).to_string())
+            .expect("writing ns_last_pid");
+        let process = fixture.start_without_aslr(&[]);
+        if process.pid() == pid {
+            return process;
+        }
+        assert!(Instant::now() < deadline, "pid {pid} could not be reused");
+    }
+}
+
+#[test]
+fn a_reused_pid_gets_none_of_the_old_processs_frames_even_without_exit_records() {
+    require_root();
+    let old = Fixture::compile("call_chain", &[]);
+    let new = Fixture::compile("other_chain", &[]);
+    let _serial = exclusive();
+    let first = old.start_without_aslr(&[]);
+    let pid = first.pid();
+    let config = SamplerConfig {
+        frequency_hz: 199,
+        ..SamplerConfig::default()
+    };
+    // Two seconds of the first process, then the second under its pid.
+    let (started, second) = mpsc::channel();
+    let swap = std::thread::spawn(move || {
+        std::thread::sleep(Duration::from_secs(2));
+        drop(first);
+        started
+            .send(start_under_pid(&new, pid))
+            .expect("sending the process");
+    });
+    let (walks, _) = walk_live_with(
+        &config,
+        Duration::from_secs(5),
+        LiveOptions {
+            withhold_process_events: true,
+        },
+    );
+    swap.join().expect("the swapping thread");
+    let second = second.recv().expect("the second process");
+
+    let of_pid: Vec<_> = walks.iter().filter(|w| w.tgid == pid).collect();
+    let first_start = of_pid.first().expect("samples of the pid").process_start_ns;
+    assert_ne!(first_start, 0, "samples carry their process's start time");
+    let (before, after): (Vec<_>, Vec<_>) = of_pid
+        .into_iter()
+        .partition(|w| w.process_start_ns == first_start);
+    assert!(
+        before.len() >= 100,
+        "{} walks of the first process",
+        before.len()
+    );
+    assert!(
+        after.len() >= 100,
+        "{} walks of the second process",
+        after.len()
+    );
+
+    // No frame of the second process is placed in the first one's binary,
+    // and its walks name its own chain.
+    let old_binary = Path::new("call_chain");
+    let mut names = FrameNames::new(second.pid());
+    let mut complete = 0;
+    for walk in &after {
+        for file in walk.files.iter().flatten() {
+            assert!(
+                !file.ends_with(old_binary),
+                "a frame placed in {}",
+                file.display()
+            );
+        }
+        let named = names.names(&walk.frames);
+        assert!(
+            !named.iter().any(|n| ["a", "b", "c"].contains(&n.as_str())),
+            "a frame of the old process: {named:?}"
+        );
+        if walk.outcome == WalkOutcome::Ended(UnwindEnd::Outermost)
+            && named.starts_with(&["inner", "middle", "outer", "main"].map(String::from))
+        {
+            complete += 1;
+        }
+    }
+    assert!(
+        complete * 10 >= after.len() * 8,
+        "{complete} of {} walks of the second process name its chain",
+        after.len()
+    );
+}
