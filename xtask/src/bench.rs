@@ -28,6 +28,19 @@ pub enum Bench {
         #[arg(long, default_value = "10s")]
         duration: String,
     },
+    /// What profiling costs the profiled: a CPU-bound workload (busy.c, one
+    /// thread per CPU, no frame pointers) alone, under stackscope (agent +
+    /// collector) and under `perf record --call-graph dwarf` + `perf
+    /// report`, at 99 and 997 Hz: throughput loss, CPU per sample, peak
+    /// RSS, share reaching the root, top functions.
+    Overhead {
+        /// How long the workload runs each time.
+        #[arg(long, default_value_t = 20)]
+        seconds: u64,
+        /// Runs per configuration (medians and spread are reported).
+        #[arg(long, default_value_t = 3)]
+        repeats: usize,
+    },
     /// In-kernel cgroup filtering: 20 busy processes, each in its own cgroup2
     /// child of one parent; the agent at 997 Hz selecting 1 of 20 cgroups,
     /// all of them, and an empty cgroup (every tick filtered out). Reports
@@ -60,6 +73,7 @@ pub fn run(which: Bench) -> anyhow::Result<()> {
         Bench::Sampler { duration } => sampler(&duration),
         Bench::Filter { seconds } => filter(seconds),
         Bench::Unwind => unwind(),
+        Bench::Overhead { seconds, repeats } => crate::overhead::run(seconds, repeats),
         Bench::Collector { nodes, minutes } => run_checked(
             Command::new(std::env::var_os("CARGO").unwrap_or_else(|| "cargo".into()))
                 .args([
@@ -618,7 +632,7 @@ fn wait_with_rusage(pid: u32) -> anyhow::Result<(libc::c_int, libc::rusage)> {
 }
 
 /// Compiles `tests/fixtures/<name>.c` without frame pointers into `target/fixtures/`.
-fn compile_fixture(name: &str) -> anyhow::Result<PathBuf> {
+pub(crate) fn compile_fixture(name: &str) -> anyhow::Result<PathBuf> {
     compile_fixture_in(name, &workspace_root().join("target/fixtures"))
 }
 

@@ -3,6 +3,7 @@
 //! It owns no product logic: it builds, installs and runs things.
 
 mod bench;
+mod overhead;
 mod setup;
 
 use std::{
@@ -154,7 +155,7 @@ fn run(agent_args: &[String]) -> anyhow::Result<()> {
 }
 
 /// Waits until the collector accepts connections, or fails if it exits.
-fn wait_for_listener(addr: &str, child: &mut std::process::Child) -> anyhow::Result<()> {
+pub(crate) fn wait_for_listener(addr: &str, child: &mut std::process::Child) -> anyhow::Result<()> {
     let deadline = std::time::Instant::now() + std::time::Duration::from_secs(30);
     loop {
         if std::net::TcpStream::connect(addr).is_ok() {

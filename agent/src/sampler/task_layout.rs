@@ -3,11 +3,13 @@
 //! passes both offsets to the BPF program, which then stamps every sample
 //! with its process's start time: with the pid, the process's identity.
 //!
-//! Owns only finding the two offsets; the BPF program does the reads.
+//! Owns only finding the two offsets; the BPF program does the reads. The
+//! scan is our own rather than a BTF library's: it needs two member offsets
+//! of one struct, and a library that builds the whole type graph of
+//! vmlinux's BTF (5 MB, 100k+ types) cost the agent 55 MB of peak heap and
+//! half a second at start-up. This walks the type section once, in place.
 
 use std::path::Path;
-
-use btfparse::{Offset, Readable, TypeInformation};
 
 /// The kernel's own BTF.
 pub const VMLINUX_BTF: &str = "/sys/kernel/btf/vmlinux";
@@ -30,28 +32,18 @@ pub enum LayoutError {
         #[source]
         source: std::io::Error,
     },
-    #[error("parsing the kernel's BTF: {0:?}")]
-    Parse(btfparse::Error),
+    #[error("not BTF: {0}")]
+    NotBtf(&'static str),
+    #[error("BTF type {id} is cut off or of unknown kind {kind}")]
+    BadType { id: u32, kind: u32 },
     #[error("the kernel's BTF has no struct task_struct")]
     NoTaskStruct,
     #[error("task_struct.{0} is missing or not byte-aligned")]
     Member(&'static str),
 }
 
-struct Bytes(Vec<u8>);
-
-impl Readable for Bytes {
-    fn read(&self, offset: u64, buffer: &mut [u8]) -> btfparse::Result<()> {
-        let source = usize::try_from(offset)
-            .ok()
-            .and_then(|start| self.0.get(start..)?.get(..buffer.len()))
-            .ok_or_else(|| {
-                btfparse::Error::new(btfparse::ErrorKind::IOError, "read past the end of the BTF")
-            })?;
-        buffer.copy_from_slice(source);
-        Ok(())
-    }
-}
+const BTF_MAGIC: u16 = 0xeb9f;
+const KIND_STRUCT: u32 = 4;
 
 impl TaskLayout {
     /// The layout of the running kernel, from [`VMLINUX_BTF`].
@@ -64,18 +56,105 @@ impl TaskLayout {
             path: path.display().to_string(),
             source,
         })?;
-        let types = TypeInformation::new(&Bytes(bytes)).map_err(LayoutError::Parse)?;
-        let task = types
-            .id_of("task_struct")
+        Self::from_btf(&bytes)
+    }
+
+    /// Finds the layout in raw BTF (as `/sys/kernel/btf/vmlinux` holds it).
+    pub fn from_btf(btf: &[u8]) -> Result<Self, LayoutError> {
+        let btf = Btf::parse(btf)?;
+        let members = btf
+            .struct_members("task_struct")?
             .ok_or(LayoutError::NoTaskStruct)?;
-        let offset = |member: &'static str| match types.offset_of(task, member) {
-            Ok((_, Offset::ByteOffset(offset))) => Ok(offset),
-            _ => Err(LayoutError::Member(member)),
+        let offset = |wanted: &'static str| {
+            members
+                .iter()
+                .find(|(name, _)| *name == wanted.as_bytes())
+                .and_then(|&(_, bits)| bits.is_multiple_of(8).then_some(bits / 8))
+                .ok_or(LayoutError::Member(wanted))
         };
         Ok(Self {
             group_leader: offset("group_leader")?,
             start_time: offset("start_time")?,
         })
+    }
+}
+
+struct Btf<'a> {
+    types: &'a [u8],
+    strings: &'a [u8],
+}
+
+fn u32_at(bytes: &[u8], at: usize) -> Option<u32> {
+    Some(u32::from_le_bytes(*bytes.get(at..)?.first_chunk::<4>()?))
+}
+
+impl<'a> Btf<'a> {
+    fn parse(bytes: &'a [u8]) -> Result<Self, LayoutError> {
+        let magic = bytes.get(..2).map(|m| u16::from_le_bytes([m[0], m[1]]));
+        if magic != Some(BTF_MAGIC) {
+            return Err(LayoutError::NotBtf("no BTF magic (or not little-endian)"));
+        }
+        let header = |at| u32_at(bytes, at).ok_or(LayoutError::NotBtf("the header is cut off"));
+        let header_len = header(4)? as usize;
+        let section = |offset: u32, len: u32| {
+            let start = header_len.checked_add(offset as usize)?;
+            bytes.get(start..start.checked_add(len as usize)?)
+        };
+        let types = section(header(8)?, header(12)?)
+            .ok_or(LayoutError::NotBtf("the type section lies outside the file"))?;
+        let strings = section(header(16)?, header(20)?)
+            .ok_or(LayoutError::NotBtf("the string section lies outside the file"))?;
+        Ok(Self { types, strings })
+    }
+
+    fn string(&self, offset: u32) -> &'a [u8] {
+        let rest = self.strings.get(offset as usize..).unwrap_or_default();
+        rest.split(|&b| b == 0).next().unwrap_or_default()
+    }
+
+    /// The members (name, bit offset) of the first struct called `name`
+    /// that has any.
+    fn struct_members(&self, name: &str) -> Result<Option<Vec<(&'a [u8], u32)>>, LayoutError> {
+        let mut at = 0usize;
+        let mut id = 1u32;
+        while at < self.types.len() {
+            let field = |i: usize| u32_at(self.types, at + 4 * i);
+            let (Some(name_off), Some(info)) = (field(0), field(1)) else {
+                return Err(LayoutError::BadType { id, kind: 0 });
+            };
+            let kind = (info >> 24) & 0x1f;
+            let vlen = (info & 0xffff) as usize;
+            let extra = match kind {
+                2 | 7 | 8 | 9 | 10 | 11 | 12 | 16 | 18 => 0,
+                1 | 14 | 17 => 4,
+                3 => 12,
+                4 | 5 | 15 | 19 => 12 * vlen,
+                6 | 13 => 8 * vlen,
+                _ => return Err(LayoutError::BadType { id, kind }),
+            };
+            let body = at + 12;
+            let end = body + extra;
+            if end > self.types.len() {
+                return Err(LayoutError::BadType { id, kind });
+            }
+            if kind == KIND_STRUCT && vlen > 0 && self.string(name_off) == name.as_bytes() {
+                // With kind_flag, the top 8 bits of a member's offset are
+                // its bitfield size.
+                let bitfields = info >> 31 == 1;
+                let members = (0..vlen)
+                    .map(|i| {
+                        let member = body + 12 * i;
+                        let name = self.string(u32_at(self.types, member).unwrap_or(0));
+                        let offset = u32_at(self.types, member + 8).unwrap_or(0);
+                        (name, if bitfields { offset & 0x00ff_ffff } else { offset })
+                    })
+                    .collect();
+                return Ok(Some(members));
+            }
+            at = end;
+            id += 1;
+        }
+        Ok(None)
     }
 }
 
@@ -92,13 +171,65 @@ mod tests {
         assert_ne!(layout.group_leader, layout.start_time);
     }
 
+    /// BTF with an int, a pointer, and `struct task_struct { int pid;
+    /// ptr group_leader; u64 start_time; }` at bit offsets 0, 64, 1024.
+    fn sample_btf(start_time_bits: u32) -> Vec<u8> {
+        let strings = b"\0int\0task_struct\0pid\0group_leader\0start_time\0";
+        let name = |s: &str| {
+            let needle = format!("\0{s}\0");
+            strings
+                .windows(needle.len())
+                .position(|w| w == needle.as_bytes())
+                .expect("in the table") as u32
+                + 1
+        };
+        let mut types = Vec::new();
+        let mut push = |words: &[u32]| {
+            for w in words {
+                types.extend_from_slice(&w.to_le_bytes());
+            }
+        };
+        push(&[name("int"), 1 << 24, 4, 32]); // 1: INT
+        push(&[0, 2 << 24, 1]); // 2: PTR to 1
+        push(&[name("task_struct"), (4 << 24) | 3, 256]); // 3: STRUCT, 3 members
+        push(&[name("pid"), 1, 0]);
+        push(&[name("group_leader"), 2, 64]);
+        push(&[name("start_time"), 1, start_time_bits]);
+        let mut btf = Vec::new();
+        btf.extend_from_slice(&BTF_MAGIC.to_le_bytes());
+        btf.extend_from_slice(&[1, 0]);
+        for word in [24u32, 0, types.len() as u32, types.len() as u32, strings.len() as u32] {
+            btf.extend_from_slice(&word.to_le_bytes());
+        }
+        btf.extend_from_slice(&types);
+        btf.extend_from_slice(strings);
+        btf
+    }
+
     #[test]
-    fn a_file_that_is_not_btf_is_a_clear_error() {
-        let file = tempfile::NamedTempFile::new().expect("a temporary file");
-        std::fs::write(file.path(), b"not BTF at all").expect("writing it");
+    fn reads_member_offsets_from_hand_built_btf() {
+        assert_eq!(
+            TaskLayout::from_btf(&sample_btf(1024)).unwrap(),
+            TaskLayout {
+                group_leader: 8,
+                start_time: 128
+            }
+        );
         assert!(matches!(
-            TaskLayout::from_btf_file(file.path()),
-            Err(LayoutError::Parse(_))
+            TaskLayout::from_btf(&sample_btf(1025)),
+            Err(LayoutError::Member("start_time"))
+        ));
+    }
+
+    #[test]
+    fn every_truncation_is_an_error_not_a_panic() {
+        let btf = sample_btf(1024);
+        for len in 0..btf.len() {
+            assert!(TaskLayout::from_btf(&btf[..len]).is_err(), "cut to {len} bytes");
+        }
+        assert!(matches!(
+            TaskLayout::from_btf(b"not BTF at all"),
+            Err(LayoutError::NotBtf(_))
         ));
         assert!(matches!(
             TaskLayout::from_btf_file(Path::new("/nonexistent/btf")),

@@ -1,0 +1,416 @@
+//! `cargo xtask bench overhead`: what profiling costs the profiled, side by
+//! side with `perf record --call-graph dwarf` (+ `perf report`), measured in
+//! the same invocation on the same workload.
+//!
+//! The workload is `busy.c` with one thread per CPU (CPU-bound, built
+//! without frame pointers, recursing 30-60 frames into libc's qsort and
+//! printf), run for a fixed time; its throughput is the recursions it
+//! completes. Each configuration (alone, under stackscope = agent +
+//! collector, under perf) runs at 99 and 997 Hz, `repeats` times, and the
+//! report gives medians with the spread (min-max). It prints figures and
+//! never fails on them.
+
+use std::{
+    io::BufRead as _,
+    path::{Path, PathBuf},
+    process::{Child, Command, Stdio},
+    time::Duration,
+};
+
+use anyhow::{Context as _, bail};
+
+use crate::{KillOnDrop, bench::compile_fixture, cargo, wait_for_listener, workspace_root};
+
+/// What one profiled (or unprofiled) run measured.
+#[derive(Debug, Default, Clone)]
+struct Run {
+    units: f64,
+    samples: f64,
+    /// Profiler CPU: agent user+sys plus BPF run time; perf record + report.
+    profiler_cpu: Duration,
+    /// The collector's CPU (stackscope only).
+    collector_cpu: Duration,
+    agent_rss_kib: f64,
+    collector_rss_kib: f64,
+    root_share: f64,
+    top: Vec<(String, f64)>,
+}
+
+/// A child's exit and resource use, from `wait4`.
+struct Exit {
+    success: bool,
+    cpu: Duration,
+    max_rss_kib: u64,
+}
+
+fn wait_rusage(child: &mut Child) -> anyhow::Result<Exit> {
+    let mut status = 0;
+    // SAFETY: an all-zero rusage is a valid value to be overwritten.
+    let mut usage: libc::rusage = unsafe { std::mem::zeroed() };
+    // SAFETY: wait4 on our own child with valid out pointers.
+    let pid = unsafe { libc::wait4(child.id() as i32, &mut status, 0, &mut usage) };
+    if pid < 0 {
+        bail!("wait4: {}", std::io::Error::last_os_error());
+    }
+    let time = |t: libc::timeval| Duration::new(t.tv_sec as u64, t.tv_usec as u32 * 1000);
+    Ok(Exit {
+        success: libc::WIFEXITED(status) && libc::WEXITSTATUS(status) == 0,
+        cpu: time(usage.ru_utime) + time(usage.ru_stime),
+        max_rss_kib: usage.ru_maxrss as u64,
+    })
+}
+
+fn signal(child: &Child, signal: libc::c_int) {
+    // SAFETY: kill(2) on our own child.
+    unsafe { libc::kill(child.id() as i32, signal) };
+}
+
+/// Starts the workload: `threads` threads for `seconds`.
+fn start_workload(busy: &Path, threads: usize, seconds: u64) -> anyhow::Result<Child> {
+    let mut child = Command::new(busy)
+        .args([threads.to_string(), seconds.to_string()])
+        .stdout(Stdio::piped())
+        .spawn()
+        .context("starting the workload")?;
+    // "ready" first: the threads run from here.
+    let mut line = String::new();
+    let stdout = child.stdout.as_mut().context("piped stdout")?;
+    std::io::BufReader::new(stdout).read_line(&mut line)?;
+    Ok(child)
+}
+
+/// Waits for the workload and returns the units it completed.
+fn finish_workload(mut child: Child) -> anyhow::Result<f64> {
+    let mut out = String::new();
+    std::io::Read::read_to_string(child.stdout.as_mut().context("stdout")?, &mut out)?;
+    child.wait()?;
+    out.lines()
+        .find_map(|line| line.strip_prefix("units "))
+        .and_then(|n| n.trim().parse().ok())
+        .with_context(|| format!("the workload printed no units: {out:?}"))
+}
+
+pub fn run(seconds: u64, repeats: usize) -> anyhow::Result<()> {
+    cargo(&[
+        "build",
+        "--release",
+        "--package",
+        "stackscope-agent",
+        "--package",
+        "stackscope-collector",
+    ])?;
+    let busy = compile_fixture("busy")?;
+    let threads = std::thread::available_parallelism().map_or(2, |n| n.get());
+    let scratch = tempfile_dir()?;
+    println!(
+        "overhead benchmark: busy.c with {threads} threads (one per CPU) for {seconds} s, \
+         {repeats} repeats per configuration; medians (min-max)"
+    );
+    for hz in [99u32, 997] {
+        let mut alone = Vec::new();
+        let mut ours = Vec::new();
+        let mut perf = Vec::new();
+        for _ in 0..repeats {
+            let child = start_workload(&busy, threads, seconds)?;
+            alone.push(finish_workload(child)?);
+            ours.push(under_stackscope(&busy, threads, seconds, hz, &scratch.0)?);
+            perf.push(under_perf(&busy, threads, seconds, hz, &scratch.0)?);
+        }
+        report(hz, &alone, &ours, &perf);
+    }
+    println!(
+        "targets: stackscope all-in at most 4 us per sample; at least 10x less CPU per sample \
+         than perf record + report; agent peak RSS at most 64 MB"
+    );
+    Ok(())
+}
+
+/// A temporary directory removed on drop.
+struct TempDir(PathBuf);
+
+impl Drop for TempDir {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
+}
+
+fn tempfile_dir() -> anyhow::Result<TempDir> {
+    let dir = std::env::temp_dir().join(format!("stackscope-overhead-{}", std::process::id()));
+    std::fs::create_dir_all(&dir)?;
+    Ok(TempDir(dir))
+}
+
+fn free_port() -> anyhow::Result<u16> {
+    Ok(std::net::TcpListener::bind("127.0.0.1:0")?
+        .local_addr()?
+        .port())
+}
+
+fn under_stackscope(
+    busy: &Path,
+    threads: usize,
+    seconds: u64,
+    hz: u32,
+    scratch: &Path,
+) -> anyhow::Result<Run> {
+    let bin = |name: &str| workspace_root().join("target/release").join(name);
+    let data = scratch.join("collector");
+    let _ = std::fs::remove_dir_all(&data);
+    let grpc = format!("127.0.0.1:{}", free_port()?);
+    let http = format!("127.0.0.1:{}", free_port()?);
+    let mut collector = KillOnDrop(
+        Command::new(bin("stackscope-collector"))
+            .arg("--data-dir")
+            .arg(&data)
+            .args(["--grpc-listen", &grpc, "--http-listen", &http])
+            .stderr(Stdio::null())
+            .spawn()
+            .context("starting the collector")?,
+    );
+    wait_for_listener(&grpc, &mut collector.0)?;
+    let workload = start_workload(busy, threads, seconds)?;
+    let mut agent = KillOnDrop(
+        Command::new(bin("stackscope-agent"))
+            .args(["--pid", &workload.id().to_string()])
+            .args([
+                "--frequency",
+                &hz.to_string(),
+                "--collector",
+                &format!("http://{grpc}"),
+            ])
+            .args([
+                "--interval",
+                "1s",
+                "--bpf-stats",
+                "--json",
+                "--log-level",
+                "error",
+            ])
+            .args(["--status-interval", "1h", "--no-table-cache"])
+            .stdout(Stdio::piped())
+            .spawn()
+            .context("starting the agent")?,
+    );
+    let units = finish_workload(workload)?;
+    signal(&agent.0, libc::SIGINT);
+    let mut json = String::new();
+    std::io::Read::read_to_string(agent.0.stdout.as_mut().context("stdout")?, &mut json)?;
+    let agent_exit = wait_rusage(&mut agent.0)?;
+    if !agent_exit.success {
+        bail!("the agent failed");
+    }
+    let report: serde_json::Value =
+        serde_json::from_str(&json).context("the agent's JSON report")?;
+    let number = |pointer: &str| {
+        report
+            .pointer(pointer)
+            .and_then(|v| v.as_f64())
+            .unwrap_or(0.0)
+    };
+    let bpf = Duration::from_nanos((number("/bpf/ns_per_run") * number("/bpf/run_count")) as u64);
+    let top_text = Command::new(bin("stackscope"))
+        .args([
+            "top",
+            "--collector",
+            &format!("http://{grpc}"),
+            "--since",
+            "10m",
+            "-n",
+            "10",
+        ])
+        .output()
+        .context("running stackscope top")?;
+    let top = parse_top(&String::from_utf8_lossy(&top_text.stdout));
+    signal(&collector.0, libc::SIGTERM);
+    let collector_exit = wait_rusage(&mut collector.0)?;
+    Ok(Run {
+        units,
+        samples: number("/kernel/samples"),
+        profiler_cpu: agent_exit.cpu + bpf,
+        collector_cpu: collector_exit.cpu,
+        agent_rss_kib: agent_exit.max_rss_kib as f64,
+        collector_rss_kib: collector_exit.max_rss_kib as f64,
+        root_share: number("/unwinding/outermost") / number("/unwinding/walks").max(1.0),
+        top,
+    })
+}
+
+/// `stackscope top` rows: `SELF SELF% TOTAL TOTAL% FUNCTION BINARY`.
+fn parse_top(text: &str) -> Vec<(String, f64)> {
+    text.lines()
+        .filter_map(|line| {
+            let fields: Vec<&str> = line.split_whitespace().collect();
+            let share: f64 = fields.get(1)?.strip_suffix('%')?.parse().ok()?;
+            let function = fields.get(4..fields.len().checked_sub(1)?)?.join(" ");
+            Some((function, share))
+        })
+        .take(10)
+        .collect()
+}
+
+fn under_perf(
+    busy: &Path,
+    threads: usize,
+    seconds: u64,
+    hz: u32,
+    scratch: &Path,
+) -> anyhow::Result<Run> {
+    let data = scratch.join("perf.data");
+    let workload = start_workload(busy, threads, seconds)?;
+    let mut record = Command::new("perf")
+        .args([
+            "record",
+            "-F",
+            &hz.to_string(),
+            "--call-graph",
+            "dwarf",
+            "-q",
+            "-o",
+        ])
+        .arg(&data)
+        .args(["-p", &workload.id().to_string()])
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .context("starting perf record")?;
+    let units = finish_workload(workload)?;
+    let record_exit = wait_rusage(&mut record)?;
+    let mut report = Command::new("perf")
+        .args([
+            "report",
+            "--stdio",
+            "--no-children",
+            "--sort",
+            "sym",
+            "-q",
+            "-g",
+            "none",
+            "-i",
+        ])
+        .arg(&data)
+        .stdout(Stdio::piped())
+        .stderr(Stdio::null())
+        .spawn()
+        .context("running perf report")?;
+    let mut text = String::new();
+    std::io::Read::read_to_string(report.stdout.as_mut().context("stdout")?, &mut text)?;
+    let report_exit = wait_rusage(&mut report)?;
+    let top = text
+        .lines()
+        .filter_map(|line| {
+            let mut fields = line.split_whitespace();
+            let share: f64 = fields.next()?.trim_end_matches('%').parse().ok()?;
+            Some((fields.last()?.to_string(), share))
+        })
+        .take(10)
+        .collect();
+    let (samples, root) = perf_roots(&data)?;
+    Ok(Run {
+        units,
+        samples,
+        profiler_cpu: record_exit.cpu + report_exit.cpu,
+        root_share: root / samples.max(1.0),
+        top,
+        ..Run::default()
+    })
+}
+
+/// Samples in a perf.data file and how many of them end at a root
+/// (`_start`, or a thread's `clone3`), from `perf script` (not counted in
+/// perf's cost: it only grades the result).
+fn perf_roots(data: &Path) -> anyhow::Result<(f64, f64)> {
+    let out = Command::new("perf")
+        .args(["script", "-F", "ip,sym", "-i"])
+        .arg(data)
+        .stderr(Stdio::null())
+        .output()
+        .context("running perf script")?;
+    let text = String::from_utf8_lossy(&out.stdout);
+    let (mut samples, mut roots) = (0.0, 0.0);
+    for sample in text.split("\n\n").filter(|s| !s.trim().is_empty()) {
+        samples += 1.0;
+        let last = sample
+            .lines()
+            .rev()
+            .find(|l| !l.trim().is_empty())
+            .unwrap_or("");
+        if ["_start", "clone3", "__clone3"]
+            .iter()
+            .any(|root| last.trim_end().ends_with(root))
+        {
+            roots += 1.0;
+        }
+    }
+    Ok((samples, roots))
+}
+
+/// Median and (min, max).
+fn spread(values: impl IntoIterator<Item = f64>) -> (f64, f64, f64) {
+    let mut values: Vec<f64> = values.into_iter().collect();
+    values.sort_by(|a, b| a.total_cmp(b));
+    if values.is_empty() {
+        return (0.0, 0.0, 0.0);
+    }
+    (
+        values[values.len() / 2],
+        values[0],
+        values[values.len() - 1],
+    )
+}
+
+fn show((median, min, max): (f64, f64, f64), unit: &str) -> String {
+    format!("{median:.2}{unit} ({min:.2}-{max:.2})")
+}
+
+fn report(hz: u32, alone: &[f64], ours: &[Run], perf: &[Run]) {
+    let base = spread(alone.iter().copied()).0.max(1.0);
+    println!("\n== {hz} Hz: the workload alone completes {base:.0} units (median)");
+    for (name, runs) in [("stackscope", ours), ("perf", perf)] {
+        let loss = spread(runs.iter().map(|r| 100.0 * (1.0 - r.units / base)));
+        let per_thousand = spread(
+            runs.iter()
+                .map(|r| r.profiler_cpu.as_secs_f64() * 1e3 * 1000.0 / r.samples.max(1.0)),
+        );
+        let per_sample = spread(
+            runs.iter()
+                .map(|r| r.profiler_cpu.as_secs_f64() * 1e6 / r.samples.max(1.0)),
+        );
+        println!(
+            "{name:<10}  throughput loss {}   CPU per 1,000 samples {}   per sample {}   \
+             samples {}   reached the root {}",
+            show(loss, "%"),
+            show(per_thousand, " ms"),
+            show(per_sample, " us"),
+            show(spread(runs.iter().map(|r| r.samples)), ""),
+            show(spread(runs.iter().map(|r| 100.0 * r.root_share)), "%"),
+        );
+        if name == "stackscope" {
+            println!(
+                "            agent peak RSS {}   collector peak RSS {}   collector CPU {}",
+                show(spread(runs.iter().map(|r| r.agent_rss_kib / 1024.0)), " MB"),
+                show(
+                    spread(runs.iter().map(|r| r.collector_rss_kib / 1024.0)),
+                    " MB"
+                ),
+                show(
+                    spread(runs.iter().map(|r| r.collector_cpu.as_secs_f64())),
+                    " s"
+                ),
+            );
+        }
+        if let Some(last) = runs.last() {
+            let top: Vec<String> = last
+                .top
+                .iter()
+                .map(|(name, share)| format!("{name} {share:.1}%"))
+                .collect();
+            println!("            top self: {}", top.join(", "));
+        }
+    }
+    let ratio = spread(perf.iter().zip(ours).map(|(p, o)| {
+        let perf_per = p.profiler_cpu.as_secs_f64() / p.samples.max(1.0);
+        let ours_per = o.profiler_cpu.as_secs_f64() / o.samples.max(1.0);
+        perf_per / ours_per.max(1e-12)
+    }));
+    println!("perf CPU per sample / stackscope's: {}", show(ratio, "x"));
+}
