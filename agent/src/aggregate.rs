@@ -37,8 +37,8 @@ pub mod batch;
 pub mod labels;
 pub mod worker;
 
+use foldhash::{HashMap, HashMapExt as _};
 use std::{
-    collections::HashMap,
     path::PathBuf,
     sync::Arc,
     time::{Duration, SystemTime},

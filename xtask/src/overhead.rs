@@ -7,7 +7,9 @@
 //! printf), run for a fixed time; its throughput is the recursions it
 //! completes. Each configuration (alone, under stackscope = agent +
 //! collector, under perf) runs at 99 and 997 Hz, `repeats` times, and the
-//! report gives medians with the spread (min-max). It prints figures and
+//! report gives medians with the spread (min-max). The agent keeps its
+//! table cache in the scratch directory, as it would on a node: the first
+//! run compiles the tables, later ones read them. It prints figures and
 //! never fails on them.
 
 use std::{
@@ -186,7 +188,8 @@ fn under_stackscope(
                 "--log-level",
                 "error",
             ])
-            .args(["--status-interval", "1h", "--no-table-cache"])
+            .args(["--status-interval", "1h", "--table-cache-dir"])
+            .arg(scratch.join("tables"))
             .stdout(Stdio::piped())
             .spawn()
             .context("starting the agent")?,

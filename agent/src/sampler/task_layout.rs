@@ -79,6 +79,9 @@ impl TaskLayout {
     }
 }
 
+/// A struct's members: name and bit offset.
+type Members<'a> = Vec<(&'a [u8], u32)>;
+
 struct Btf<'a> {
     types: &'a [u8],
     strings: &'a [u8],
@@ -100,10 +103,12 @@ impl<'a> Btf<'a> {
             let start = header_len.checked_add(offset as usize)?;
             bytes.get(start..start.checked_add(len as usize)?)
         };
-        let types = section(header(8)?, header(12)?)
-            .ok_or(LayoutError::NotBtf("the type section lies outside the file"))?;
-        let strings = section(header(16)?, header(20)?)
-            .ok_or(LayoutError::NotBtf("the string section lies outside the file"))?;
+        let types = section(header(8)?, header(12)?).ok_or(LayoutError::NotBtf(
+            "the type section lies outside the file",
+        ))?;
+        let strings = section(header(16)?, header(20)?).ok_or(LayoutError::NotBtf(
+            "the string section lies outside the file",
+        ))?;
         Ok(Self { types, strings })
     }
 
@@ -114,7 +119,7 @@ impl<'a> Btf<'a> {
 
     /// The members (name, bit offset) of the first struct called `name`
     /// that has any.
-    fn struct_members(&self, name: &str) -> Result<Option<Vec<(&'a [u8], u32)>>, LayoutError> {
+    fn struct_members(&self, name: &str) -> Result<Option<Members<'a>>, LayoutError> {
         let mut at = 0usize;
         let mut id = 1u32;
         while at < self.types.len() {
@@ -146,7 +151,14 @@ impl<'a> Btf<'a> {
                         let member = body + 12 * i;
                         let name = self.string(u32_at(self.types, member).unwrap_or(0));
                         let offset = u32_at(self.types, member + 8).unwrap_or(0);
-                        (name, if bitfields { offset & 0x00ff_ffff } else { offset })
+                        (
+                            name,
+                            if bitfields {
+                                offset & 0x00ff_ffff
+                            } else {
+                                offset
+                            },
+                        )
                     })
                     .collect();
                 return Ok(Some(members));
@@ -198,7 +210,13 @@ mod tests {
         let mut btf = Vec::new();
         btf.extend_from_slice(&BTF_MAGIC.to_le_bytes());
         btf.extend_from_slice(&[1, 0]);
-        for word in [24u32, 0, types.len() as u32, types.len() as u32, strings.len() as u32] {
+        for word in [
+            24u32,
+            0,
+            types.len() as u32,
+            types.len() as u32,
+            strings.len() as u32,
+        ] {
             btf.extend_from_slice(&word.to_le_bytes());
         }
         btf.extend_from_slice(&types);
@@ -225,7 +243,10 @@ mod tests {
     fn every_truncation_is_an_error_not_a_panic() {
         let btf = sample_btf(1024);
         for len in 0..btf.len() {
-            assert!(TaskLayout::from_btf(&btf[..len]).is_err(), "cut to {len} bytes");
+            assert!(
+                TaskLayout::from_btf(&btf[..len]).is_err(),
+                "cut to {len} bytes"
+            );
         }
         assert!(matches!(
             TaskLayout::from_btf(b"not BTF at all"),

@@ -23,12 +23,8 @@
 mod compiler;
 pub mod stitching;
 
-use std::{
-    cell::Cell,
-    collections::{HashMap, VecDeque},
-    path::Path,
-    sync::Arc,
-};
+use foldhash::{HashMap, HashMapExt as _};
+use std::{cell::Cell, collections::VecDeque, path::Path, sync::Arc};
 
 pub use compiler::DiskCache;
 use compiler::{Compiled, Compiler};
@@ -514,6 +510,10 @@ pub struct StackWalker {
     last_copy_read: u64,
     /// Frames of learning walks (kept apart from the delivered walk's).
     learn_frames: Vec<u64>,
+    /// The binary of the last walk's frame 0 (found while placing frames),
+    /// and the name of none, shared rather than allocated per sample.
+    frame0_binary: Arc<str>,
+    unknown_binary: Arc<str>,
     stats: WalkStats,
 }
 
@@ -590,6 +590,8 @@ impl StackWalker {
             last_tail_reads: 0,
             last_copy_read: 0,
             learn_frames: Vec::new(),
+            frame0_binary: Arc::from("[unknown]"),
+            unknown_binary: Arc::from("[unknown]"),
             stats: WalkStats::default(),
         }
     }
@@ -623,7 +625,7 @@ impl StackWalker {
             self.flush_process(header.tgid, &mut on_walk);
             self.forget_process(header.tgid);
         }
-        match self.walk(header, stack).map(|walk| walk.outcome) {
+        match self.walk_sample(header, stack).map(|walk| walk.outcome) {
             None => {}
             Some(WalkOutcome::TablePending) if self.hold(header, kernel_frames, stack) => {}
             Some(outcome) => self.deliver(header, kernel_frames, stack, outcome, &mut on_walk),
@@ -661,7 +663,10 @@ impl StackWalker {
         self.waiting = others;
         for held in theirs {
             self.waiting_bytes -= held.bytes();
-            if let Some(outcome) = self.walk(&held.header, held.stack()).map(|w| w.outcome) {
+            if let Some(outcome) = self
+                .walk_sample(&held.header, held.stack())
+                .map(|w| w.outcome)
+            {
                 self.deliver(
                     &held.header,
                     &held.kernel_frames,
@@ -684,7 +689,10 @@ impl StackWalker {
     pub fn flush(&mut self, mut on_walk: impl FnMut(Walked<'_>)) {
         self.poll(&mut on_walk);
         for held in std::mem::take(&mut self.waiting) {
-            if let Some(outcome) = self.walk(&held.header, held.stack()).map(|w| w.outcome) {
+            if let Some(outcome) = self
+                .walk_sample(&held.header, held.stack())
+                .map(|w| w.outcome)
+            {
                 self.deliver(
                     &held.header,
                     &held.kernel_frames,
@@ -723,7 +731,10 @@ impl StackWalker {
     fn retry_waiting(&mut self, on_walk: &mut impl FnMut(Walked<'_>)) {
         self.tables_changed = false;
         for held in std::mem::take(&mut self.waiting) {
-            match self.walk(&held.header, held.stack()).map(|w| w.outcome) {
+            match self
+                .walk_sample(&held.header, held.stack())
+                .map(|w| w.outcome)
+            {
                 Some(WalkOutcome::TablePending) => self.waiting.push_back(held),
                 Some(outcome) => {
                     self.waiting_bytes -= held.bytes();
@@ -751,7 +762,7 @@ impl StackWalker {
         on_walk: &mut impl FnMut(Walked<'_>),
     ) {
         let stitched = self.last_tail_reads > 0;
-        self.record(header.tgid, outcome, stitched);
+        self.record(outcome, stitched);
         on_walk(Walked {
             header,
             kernel_frames,
@@ -862,12 +873,18 @@ impl StackWalker {
     /// user part (a kernel thread). Does not hold or count the sample:
     /// [`Self::push`] does both.
     pub fn walk(&mut self, header: &SampleHeader, stack: UserStack<'_>) -> Option<Walk<'_>> {
+        self.take_compiled_tables();
+        self.walk_sample(header, stack)
+    }
+
+    /// [`Self::walk`] without installing finished tables first (the
+    /// callers that walk many samples do that once).
+    fn walk_sample(&mut self, header: &SampleHeader, stack: UserStack<'_>) -> Option<Walk<'_>> {
         if header.flags & sample_flags::USER_REGS == 0 {
             return None;
         }
         let tgid = header.tgid;
         let regs = registers(header);
-        self.take_compiled_tables();
         let mut memory = SampledStack::new(regs.rsp, stack.copy, stack.spans, stack.tail);
         let mut frames = std::mem::take(&mut self.frames);
         let (end, pending) = self.walk_memory(
@@ -940,14 +957,19 @@ impl StackWalker {
     /// address is placed by the byte before it (see [`FrameObject`]).
     fn place_frames(&mut self, tgid: u32) {
         self.objects.clear();
+        self.frame0_binary = Arc::clone(&self.unknown_binary);
         let process = self.modules.get(&tgid);
         for (i, &pc) in self.frames.iter().enumerate() {
             let lookup = if i == 0 { pc } else { pc.wrapping_sub(1) };
-            let object = process
-                .and_then(|p| p.find(lookup))
-                .map_or(FrameObject::Anonymous { address: pc }, |m| {
-                    m.frame_object(pc)
-                });
+            let module = process.and_then(|p| p.find(lookup));
+            if i == 0
+                && let Some(module) = module
+            {
+                self.frame0_binary = Arc::clone(&module.name);
+            }
+            let object = module.map_or(FrameObject::Anonymous { address: pc }, |m| {
+                m.frame_object(pc)
+            });
             self.objects.push(object);
         }
     }
@@ -1054,7 +1076,7 @@ impl StackWalker {
         true
     }
 
-    fn record(&mut self, tgid: u32, outcome: WalkOutcome, stitched: bool) {
+    fn record(&mut self, outcome: WalkOutcome, stitched: bool) {
         let mut all = self.stats.ends();
         all.add(outcome, stitched);
         (
@@ -1064,11 +1086,7 @@ impl StackWalker {
             self.stats.truncated,
         ) = (all.walks, all.outermost, all.stitched, all.truncated);
         self.stats.table_pending += u64::from(outcome == WalkOutcome::TablePending);
-        let name = self
-            .frames
-            .first()
-            .and_then(|&rip| self.modules.get(&tgid)?.find(rip))
-            .map_or_else(|| Arc::<str>::from("[unknown]"), |m| Arc::clone(&m.name));
+        let name = Arc::clone(&self.frame0_binary);
         let by_binary = &mut self.stats.by_binary;
         if by_binary.len() < MAX_BINARIES_TRACKED || by_binary.contains_key(&name) {
             by_binary.entry(name).or_default().add(outcome, stitched);

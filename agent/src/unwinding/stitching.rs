@@ -14,7 +14,8 @@
 //! called elsewhere) can only make a walk stop short, never walk a frame
 //! that was not on the stack.
 
-use std::{collections::HashMap, io};
+use foldhash::{HashMap, HashMapExt as _};
+use std::io;
 
 use agent_common::{
     MAX_SPAN_BYTES, MAX_STACK_PLANS, MAX_TAIL_BYTES, MAX_TAIL_SPANS, MIN_USER_STACK_BYTES,
