@@ -186,22 +186,25 @@ fn sampler(duration: &str) -> anyhow::Result<()> {
             );
         }
     }
-    // 8 bytes: the fixed cost of a sampled tick, with next to nothing copied.
-    let spinner = KillOnDrop(
-        Command::new(&busy)
-            .stdout(Stdio::null())
-            .spawn()
-            .context("starting the fixture")?,
-    );
+    // 8 bytes: the fixed cost of a sampled tick, with next to nothing
+    // copied; then every process on the host, with a spinner per CPU.
+    let spinners: Vec<KillOnDrop> = (0..cpus)
+        .map(|_| {
+            Command::new(&busy)
+                .stdout(Stdio::null())
+                .spawn()
+                .map(KillOnDrop)
+                .context("starting the fixture")
+        })
+        .collect::<anyhow::Result<_>>()?;
     let minimal = run_agent(
         &agent,
-        &[spinner.0.id().to_string()],
+        &[spinners[0].0.id().to_string()],
         997,
         8,
         duration,
         &["--fixed-stack-copy"],
     )?;
-    drop(spinner);
     println!(
         "fixed cost of a sampled tick (8-byte copy): {} ns per BPF run",
         minimal.ns_per_run
@@ -216,6 +219,7 @@ fn sampler(duration: &str) -> anyhow::Result<()> {
         100.0 * drop_rate,
         unfiltered.ns_per_run
     );
+    drop(spinners);
     println!(
         "busy.c: adaptive {} ns vs fixed 16 KiB {} ns per sampled tick (ratio {:.2}); \
          target: at most 2000 ns adaptive; no drops at 997 Hz on {cpus} CPUs",

@@ -32,6 +32,11 @@ struct Run {
     profiler_cpu: Duration,
     /// The collector's CPU (stackscope only).
     collector_cpu: Duration,
+    /// Agent user+sys CPU per sample between 5 s into the run and its end,
+    /// plus BPF time per sample: the steady-state cost, without start-up
+    /// (BPF load and verification, kallsyms, first table reads) and
+    /// shutdown (stackscope only).
+    steady_per_sample: Duration,
     agent_rss_kib: f64,
     collector_rss_kib: f64,
     root_share: f64,
@@ -60,6 +65,26 @@ fn wait_rusage(child: &mut Child) -> anyhow::Result<Exit> {
         cpu: time(usage.ru_utime) + time(usage.ru_stime),
         max_rss_kib: usage.ru_maxrss as u64,
     })
+}
+
+/// How long into a run the steady-state window starts.
+const STEADY_FROM: Duration = Duration::from_secs(5);
+
+/// User + system CPU of a live process, from `/proc/<pid>/stat`.
+fn process_cpu(pid: u32) -> Duration {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap_or_default();
+    // The fields after the parenthesised command name: utime and stime are
+    // the 12th and 13th of them.
+    let after_comm = stat.rsplit_once(')').map_or("", |(_, rest)| rest);
+    let ticks: u64 = after_comm
+        .split_whitespace()
+        .skip(11)
+        .take(2)
+        .filter_map(|field| field.parse::<u64>().ok())
+        .sum();
+    // SAFETY: sysconf has no preconditions.
+    let per_second = unsafe { libc::sysconf(libc::_SC_CLK_TCK) }.max(1) as u64;
+    Duration::from_secs_f64(ticks as f64 / per_second as f64)
 }
 
 fn signal(child: &Child, signal: libc::c_int) {
@@ -194,7 +219,10 @@ fn under_stackscope(
             .spawn()
             .context("starting the agent")?,
     );
+    std::thread::sleep(STEADY_FROM);
+    let steady_from = (process_cpu(agent.0.id()), std::time::Instant::now());
     let units = finish_workload(workload)?;
+    let steady_to = (process_cpu(agent.0.id()), std::time::Instant::now());
     signal(&agent.0, libc::SIGINT);
     let mut json = String::new();
     std::io::Read::read_to_string(agent.0.stdout.as_mut().context("stdout")?, &mut json)?;
@@ -211,6 +239,14 @@ fn under_stackscope(
             .unwrap_or(0.0)
     };
     let bpf = Duration::from_nanos((number("/bpf/ns_per_run") * number("/bpf/run_count")) as u64);
+    let samples = number("/kernel/samples");
+    // Samples come at a steady rate while the workload runs.
+    let window = (steady_to.1 - steady_from.1).as_secs_f64();
+    let steady_samples = samples * window / (window + STEADY_FROM.as_secs_f64());
+    let steady_per_sample = Duration::from_secs_f64(
+        (steady_to.0.saturating_sub(steady_from.0)).as_secs_f64() / steady_samples.max(1.0)
+            + number("/bpf/ns_per_run") * 1e-9,
+    );
     let top_text = Command::new(bin("stackscope"))
         .args([
             "top",
@@ -228,9 +264,10 @@ fn under_stackscope(
     let collector_exit = wait_rusage(&mut collector.0)?;
     Ok(Run {
         units,
-        samples: number("/kernel/samples"),
+        samples,
         profiler_cpu: agent_exit.cpu + bpf,
         collector_cpu: collector_exit.cpu,
+        steady_per_sample,
         agent_rss_kib: agent_exit.max_rss_kib as f64,
         collector_rss_kib: collector_exit.max_rss_kib as f64,
         root_share: number("/unwinding/outermost") / number("/unwinding/walks").max(1.0),
@@ -388,6 +425,14 @@ fn report(hz: u32, alone: &[f64], ours: &[Run], perf: &[Run]) {
             show(spread(runs.iter().map(|r| 100.0 * r.root_share)), "%"),
         );
         if name == "stackscope" {
+            println!(
+                "            steady state (from {} s in, agent + BPF) per sample {}",
+                STEADY_FROM.as_secs(),
+                show(
+                    spread(runs.iter().map(|r| r.steady_per_sample.as_secs_f64() * 1e6)),
+                    " us"
+                ),
+            );
             println!(
                 "            agent peak RSS {}   collector peak RSS {}   collector CPU {}",
                 show(spread(runs.iter().map(|r| r.agent_rss_kib / 1024.0)), " MB"),
