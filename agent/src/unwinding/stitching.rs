@@ -475,6 +475,12 @@ impl StackMemory for RemoteStack<'_> {
             .checked_sub(self.rsp)
             .ok_or(UnwindEnd::BadStackAddress)?;
         let offset = usize::try_from(offset).map_err(|_| UnwindEnd::StackTruncated)?;
+        // Beyond what a learning read may fetch: not read, and not
+        // remembered (so planning never sees an address near the top of
+        // the address space, whatever a corrupt stack pointed at).
+        if offset >= self.copy.len() + MAX_LEARN_BYTES {
+            return Err(UnwindEnd::StackTruncated);
+        }
         self.reads.push(address);
         if let Some(word) = self.copy.get(offset..).and_then(|b| b.first_chunk::<8>()) {
             return Ok(u64::from_le_bytes(*word));
@@ -482,9 +488,6 @@ impl StackMemory for RemoteStack<'_> {
         let at = offset
             .checked_sub(self.copy.len())
             .ok_or(UnwindEnd::StackTruncated)?;
-        if at >= MAX_LEARN_BYTES {
-            return Err(UnwindEnd::StackTruncated);
-        }
         while self.fetched.len() < at + 8 {
             if !self.fetch_more() {
                 return Err(UnwindEnd::StackTruncated);
@@ -747,5 +750,14 @@ mod tests {
             planner.take_updates(),
             [PlanUpdate::Thread { tid: 1, plan: None }]
         );
+        // Far past any stack: refused without being remembered.
+        let mut far = None;
+        let later_still = WalkReport { tid: 2, ..walk };
+        planner.learn(&later_still, rsp, &copy, |memory| {
+            far = Some(memory.read_u64(u64::MAX - 7));
+            UnwindEnd::Outermost
+        });
+        assert_eq!(far, Some(Err(UnwindEnd::StackTruncated)));
+        assert!(planner.reads.is_empty(), "{:?}", planner.reads);
     }
 }
