@@ -3,7 +3,9 @@
 //! Each sample carries its process's start time (read by the BPF program
 //! through the task layout found in the kernel's BTF); the walker drops a
 //! pid's modules, tables' placement and stack plans when a later process
-//! shows up under it. Needs root.
+//! shows up under it. And a ring buffer that fills up (losing exec and exit
+//! records) is reported before the next drain, which is when the agent
+//! drops every process's state. Needs root.
 
 use std::{
     path::Path,
@@ -109,4 +111,61 @@ fn a_reused_pid_gets_none_of_the_old_processs_frames_even_without_exit_records()
         "{complete} of {} walks of the second process name its chain",
         after.len()
     );
+}
+
+#[test]
+fn records_lost_to_a_full_ring_buffer_are_reported_before_the_next_drain() {
+    require_root();
+    let spinner = Fixture::compile("call_chain", &[]);
+    let _serial = exclusive();
+    let busy = [spinner.start(&[]), spinner.start(&[])];
+    let config = SamplerConfig {
+        frequency_hz: 997,
+        user_stack_bytes: agent_common::MAX_USER_STACK_BYTES,
+        pids: Vec::new(),
+        ..SamplerConfig::default()
+    };
+    let runtime = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .expect("tokio runtime");
+    runtime.block_on(async {
+        let mut sampler = stackscope_agent::sampler::Sampler::start(&config).expect("the sampler");
+        assert_eq!(sampler.take_new_losses().expect("counters"), 0);
+        // Nobody reads for a while: 2 CPUs x 997 Hz x 32 KiB fill the ring
+        // in well under a second, and the exits of these short processes
+        // are among what is lost.
+        let deadline = Instant::now() + Duration::from_millis(1500);
+        let mut started = 0;
+        while Instant::now() < deadline {
+            std::process::Command::new("true")
+                .status()
+                .expect("running true");
+            started += 1;
+        }
+        let lost = sampler.take_new_losses().expect("counters");
+        assert!(
+            lost > 0,
+            "nothing was lost in 1.5 s without reading ({started} processes)"
+        );
+        // Reported once: the next check counts only new losses.
+        let mut exits = 0;
+        sampler.drain_records(|bytes| {
+            if let Ok(stackscope_agent::sampler::record::Record::Exit(_)) =
+                stackscope_agent::sampler::record::Record::decode(bytes)
+            {
+                exits += 1;
+            }
+        });
+        assert!(
+            exits < started,
+            "{exits} of {started} exits arrived despite the full ring"
+        );
+        let again = sampler.take_new_losses().expect("counters");
+        assert!(
+            again < lost,
+            "losses are reported once ({lost}, then {again})"
+        );
+    });
+    drop(busy);
 }
