@@ -57,7 +57,10 @@ use crate::{
         kubelet::PodList,
         runtime_names::{self, RuntimeNames},
     },
-    symbolize::ObjectFile,
+    symbolize::{
+        ObjectFile,
+        perf_map::{PerfMapStats, PerfMaps},
+    },
     unwinding::{FrameObject, ModuleFile, Walk},
 };
 
@@ -138,6 +141,10 @@ pub enum MappingKey {
         path: String,
     },
     Vdso,
+    /// JIT code, one key per name: its perf map entry, or `[jit] <comm>`.
+    Jit {
+        name: Arc<str>,
+    },
     Anonymous,
     /// The kernel: split into the image and its modules when the batch is
     /// built (kallsyms says which).
@@ -264,6 +271,8 @@ pub struct Aggregator {
     previous_files: HashMap<ObjectId, Arc<ObjectFile>>,
     exes: ExeCache,
     containers: ContainerIndex,
+    /// Names of JIT frames, from the processes' perf maps.
+    jit_names: PerfMaps,
     stats: AggregateStats,
     /// Location indexes of the sample being added.
     stack: Vec<u32>,
@@ -460,6 +469,7 @@ impl Aggregator {
             node: config.node_name.as_str().into(),
             exes: ExeCache::new(&config.proc_root, labels::MAX_CACHED_EXES),
             containers: ContainerIndex::new(&config.proc_root, config.runtime_names()),
+            jit_names: PerfMaps::new(&config.proc_root),
             config,
             current: Builder::new(start),
             previous_files: HashMap::new(),
@@ -484,6 +494,7 @@ impl Aggregator {
     pub fn on_exit(&mut self, tgid: u32) {
         self.exes.forget(tgid);
         self.containers.forget(tgid);
+        self.jit_names.forget(tgid);
     }
 
     /// Exec or exit records were lost: whatever is known per process may
@@ -491,6 +502,12 @@ impl Aggregator {
     pub fn forget_all_processes(&mut self) {
         self.exes.forget_all();
         self.containers.forget_all();
+        self.jit_names.forget_all();
+    }
+
+    /// How JIT frames were named.
+    pub fn jit_stats(&self) -> PerfMapStats {
+        self.jit_names.stats()
     }
 
     /// The latest pod list from the kubelet: names the containers of pods.
@@ -557,7 +574,7 @@ impl Aggregator {
         self.stats.kernel_only += u64::from(user.is_none());
 
         let divisor = header.sampling_divisor.max(1);
-        let complete = self.intern_stack(kernel_frames, user, insert);
+        let complete = self.intern_stack(header, kernel_frames, user, insert);
         let counted = complete
             && match self.current.stack(&self.stack, insert) {
                 Some(stack) => self.current.count(stack, labels, divisor, insert),
@@ -574,6 +591,7 @@ impl Aggregator {
     /// location is new and `insert` is off.
     fn intern_stack(
         &mut self,
+        header: &SampleHeader,
         kernel_frames: &[u64],
         user: Option<&Walk<'_>>,
         insert: bool,
@@ -598,6 +616,7 @@ impl Aggregator {
         let Some(walk) = user else {
             return true;
         };
+        let now = std::time::Instant::now();
         for (i, object) in walk.objects.iter().enumerate() {
             let (mapping, address) = match object {
                 FrameObject::File { file, file_offset } => {
@@ -605,6 +624,26 @@ impl Aggregator {
                 }
                 FrameObject::Vdso { offset } => {
                     (self.current.mapping(MappingKey::Vdso, insert), *offset)
+                }
+                FrameObject::Jit { address } => {
+                    // Named now: the perf map is read while the process
+                    // runs, and forgotten when it exits.
+                    let lookup = if i == 0 {
+                        *address
+                    } else {
+                        address.wrapping_sub(1)
+                    };
+                    let name = self.jit_names.name(
+                        header.tgid,
+                        header.process_start_ns,
+                        &header.comm,
+                        lookup,
+                        now,
+                    );
+                    (
+                        self.current.mapping(MappingKey::Jit { name }, insert),
+                        *address,
+                    )
                 }
                 FrameObject::Anonymous { address } => (
                     self.current.mapping(MappingKey::Anonymous, insert),

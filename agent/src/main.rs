@@ -371,6 +371,8 @@ fn json_report(
             "queue_full": summary.unwinding.queue_full,
             "table_pending": summary.unwinding.table_pending,
             "tables_failed": summary.unwinding.tables_failed,
+            "jit_walks": summary.unwinding.jit_walks,
+            "jit_outermost": summary.unwinding.jit_outermost,
             "by_binary": summary.unwinding.by_binary.iter()
                 .map(|(name, ends)| serde_json::json!({
                     "binary": &**name,
@@ -382,6 +384,7 @@ fn json_report(
                 .collect::<Vec<_>>(),
         },
         "aggregation": summary.aggregation,
+        "jit_names": summary.jit_names,
         "batches": {
             "built": summary.batches.batches_built,
             "intervals_dropped": summary.batches.intervals_dropped,
@@ -449,6 +452,18 @@ fn print_report(
         unwinding.samples_queued,
         unwinding.queue_full,
     )?;
+    if unwinding.jit_walks > 0 {
+        let jit = &summary.jit_names;
+        writeln!(
+            out,
+            "{} stacks went through JIT code, {:.1}% of them to the outermost frame; \
+             {} JIT frames named from perf maps, {} without an entry",
+            unwinding.jit_walks,
+            100.0 * unwinding.jit_outermost as f64 / unwinding.jit_walks as f64,
+            jit.named,
+            jit.unnamed,
+        )?;
+    }
     let batches = &summary.batches;
     writeln!(
         out,

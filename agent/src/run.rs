@@ -28,7 +28,7 @@ use crate::{
     },
     sampler::{Counters, ProgramStats, Sampler, SamplerConfig, SamplerError, record::Record},
     status::{ReaderTotals, Snapshot, StatusLine},
-    symbolize::SymbolizerConfig,
+    symbolize::{SymbolizerConfig, perf_map::PerfMapStats},
     tally::ProcessTally,
     unwinding::{StackWalker, UserStack, WalkStats, WalkerConfig},
 };
@@ -110,6 +110,8 @@ pub struct RunSummary {
     pub program: ProgramStats,
     pub unwinding: WalkStats,
     pub aggregation: AggregateStats,
+    /// How JIT frames were named.
+    pub jit_names: PerfMapStats,
     pub batches: WorkerStats,
     pub elapsed: Duration,
 }
@@ -361,6 +363,7 @@ pub async fn run(
         tally: records.processes,
         unwinding: records.walker.stats(),
         aggregation: records.aggregator.stats(),
+        jit_names: records.aggregator.jit_stats(),
         batches: batch_stats,
     })
 }

@@ -25,6 +25,7 @@
 
 mod cache;
 pub mod kernel;
+pub mod perf_map;
 
 use std::{
     collections::{HashMap, HashSet},

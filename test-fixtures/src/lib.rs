@@ -222,21 +222,7 @@ impl Fixture {
     }
 
     fn start_command(&self, command: &mut Command) -> RunningProcess {
-        let mut child = command
-            .env_clear()
-            .stdout(Stdio::piped())
-            .spawn()
-            .expect("starting the fixture");
-        let stdout = child.stdout.take().expect("piped stdout");
-        // Adopted before reading, so a fixture that fails to start is still reaped.
-        let mut running = RunningProcess::adopt(child);
-        let mut stdout = BufReader::new(stdout);
-        let mut line = String::new();
-        stdout.read_line(&mut line).expect("reading the fixture");
-        assert_eq!(line.trim(), "ready", "fixture did not start");
-        // Kept open so the fixture never writes to a closed pipe.
-        running.stdout = Some(stdout);
-        running
+        RunningProcess::start_ready(command.env_clear())
     }
 }
 
@@ -263,6 +249,25 @@ impl RunningProcess {
             child,
             stdout: None,
         }
+    }
+
+    /// Starts `command` and waits for it to print `ready` (a fixture that
+    /// has reached its final loop).
+    pub fn start_ready(command: &mut Command) -> Self {
+        let mut child = command
+            .stdout(Stdio::piped())
+            .spawn()
+            .expect("starting the fixture");
+        let stdout = child.stdout.take().expect("piped stdout");
+        // Adopted before reading, so a fixture that fails to start is still reaped.
+        let mut running = RunningProcess::adopt(child);
+        let mut stdout = BufReader::new(stdout);
+        let mut line = String::new();
+        stdout.read_line(&mut line).expect("reading the fixture");
+        assert_eq!(line.trim(), "ready", "fixture did not start");
+        // Kept open so the fixture never writes to a closed pipe.
+        running.stdout = Some(stdout);
+        running
     }
 
     pub fn pid(&self) -> u32 {

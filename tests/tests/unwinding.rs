@@ -241,6 +241,43 @@ fn unwinds_a_signal_handler_through_the_signal_frame() {
 }
 
 #[test]
+fn switches_between_frame_pointers_and_cfi_through_libc() {
+    require_root();
+    let fixture = Fixture::compile(
+        "fp_callback",
+        &[
+            "-O2",
+            "-fno-omit-frame-pointer",
+            "-fno-asynchronous-unwind-tables",
+            "-fno-unwind-tables",
+        ],
+    );
+    let _serial = exclusive();
+    let process = fixture.start(&[]);
+    let walks = sample_and_walk(&[process.pid()], agent_common::DEFAULT_USER_STACK_BYTES);
+
+    // compare is called from qsort's merge sort, static functions of libc
+    // (named by file) under qsort_r, as deep as glibc's merge recursion
+    // goes: the program's frames around them are exact.
+    let first = &walks[0].names;
+    assert_eq!(first[..2], ["spin", "compare"], "frames of {first:?}");
+    let in_libc = first[2..]
+        .iter()
+        .take_while(|name| *name == LIBC || name.contains("qsort"))
+        .count();
+    assert!(
+        in_libc >= 1,
+        "no libc frame between compare and its caller: {first:?}"
+    );
+    assert_eq!(
+        first[2 + in_libc..],
+        down_to_main(&["sort_things"]),
+        "frames of {first:?}"
+    );
+    assert_every_walk(&walks, first, OUTERMOST);
+}
+
+#[test]
 fn unwinds_a_static_pie() {
     require_root();
     let fixture = Fixture::static_pie_call_chain();

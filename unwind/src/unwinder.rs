@@ -37,8 +37,16 @@ pub enum ModuleAt<'a> {
     /// A mapped module without CFI: walk it with frame pointers.
     NoCfi,
     /// A mapped module and its table; the file virtual address of `pc` is
-    /// `pc - bias`.
-    Table { table: &'a UnwindTable, bias: u64 },
+    /// `pc - bias`. `frame_pointer_gaps`: the module's code that no row
+    /// covers keeps frame pointers (the table describes only a sliver of
+    /// the module, as in a program built with frame pointers and without
+    /// unwind tables, whose CFI is the C runtime's few functions), so it is
+    /// walked by them; otherwise only where rbp is known to be one.
+    Table {
+        table: &'a UnwindTable,
+        bias: u64,
+        frame_pointer_gaps: bool,
+    },
 }
 
 /// Maps a code address of the sampled process to its module.
@@ -220,6 +228,11 @@ enum Step {
     Rule(UnwindRule),
     /// No CFI: cfa = rbp + 16; ra = *(rbp + 8); rbp = *rbp
     FramePointer,
+    /// The module has a table but no row covers the address (code
+    /// generated at build time without CFI, such as V8's builtins, or
+    /// hand-written assembly): [`Step::FramePointer`] where rbp is known to
+    /// be a frame pointer, else the walk ends.
+    NoRow,
 }
 
 /// Walks the stack of one sample, writing each frame's absolute address into
@@ -412,6 +425,9 @@ fn walk(
     // to noreturn functions end functions), so its frame is looked up at
     // rip - 1. Frames above a signal frame hold an interrupted rip again.
     let mut exact = true;
+    // The current frame's address came from a frame-pointer step: without
+    // CFI to vouch for the slot, it is a frame only if it lands in code.
+    let mut via_frame_pointer = false;
     loop {
         if frames.len() >= max_depth {
             return UnwindEnd::DepthLimit;
@@ -426,21 +442,42 @@ fn walk(
             Some(step) => step,
             None => {
                 let step = match modules.module_for(pc) {
-                    ModuleAt::Unmapped => return UnwindEnd::Unmapped,
+                    ModuleAt::Unmapped => {
+                        if via_frame_pointer {
+                            // rbp was not a frame pointer (or the chain is
+                            // broken): what it led to is not a frame.
+                            frames.pop();
+                        }
+                        return UnwindEnd::Unmapped;
+                    }
                     ModuleAt::NoCfi => Step::FramePointer,
-                    ModuleAt::Table { table, bias } => {
+                    ModuleAt::Table {
+                        table,
+                        bias,
+                        frame_pointer_gaps,
+                    } => {
                         match pc
                             .checked_sub(bias)
                             .and_then(|address| table.lookup(address))
                         {
                             Some(rule) => Step::Rule(rule),
-                            None => return UnwindEnd::NoUnwindInfo,
+                            None if frame_pointer_gaps => Step::FramePointer,
+                            None => Step::NoRow,
                         }
                     }
                 };
                 cache.put(pc, step);
                 step
             }
+        };
+        let step = match step {
+            // rbp is a frame pointer as far as anything can tell when the
+            // frame was reached through one, or is the interrupted frame
+            // (whose rbp the frame-pointer step validates); after a CFI
+            // step it may be any callee-saved value.
+            Step::NoRow if via_frame_pointer || frames.len() == 1 => Step::FramePointer,
+            Step::NoRow => return UnwindEnd::NoUnwindInfo,
+            step => step,
         };
         let (caller, caller_rbp_at, signal) = match step_frame(step, &regs, rbp_saved_at, stack) {
             Ok(next) => next,
@@ -455,6 +492,7 @@ fn walk(
         regs = caller;
         rbp_saved_at = caller_rbp_at;
         exact = signal;
+        via_frame_pointer = matches!(step, Step::FramePointer);
     }
 }
 
@@ -480,11 +518,21 @@ fn step_frame(
         None => Ok(regs.rbp),
     };
     let (cfa, rbp_slot) = match step {
+        Step::NoRow => return Err(UnwindEnd::NoUnwindInfo),
         Step::FramePointer => {
             let rbp = live_rbp(stack)?;
             // The psABI has _start clear rbp to mark the outermost frame.
             if rbp == 0 {
                 return Err(UnwindEnd::Outermost);
+            }
+            // A frame record lies in the frame, at or above the stack
+            // pointer, and is word-aligned; anything else means rbp is not
+            // a frame pointer here.
+            if rbp < regs.rsp {
+                return Err(UnwindEnd::CfaNotIncreasing);
+            }
+            if rbp % 8 != 0 {
+                return Err(UnwindEnd::BadStackAddress);
             }
             let cfa = rbp.checked_add(16).ok_or(UnwindEnd::BadStackAddress)?;
             (cfa, Some(rbp))
@@ -633,7 +681,11 @@ mod tests {
             (
                 BIAS + 0x1000,
                 BIAS + 0x2000,
-                ModuleAt::Table { table, bias: BIAS },
+                ModuleAt::Table {
+                    table,
+                    bias: BIAS,
+                    frame_pointer_gaps: false,
+                },
             ),
             (NO_CFI, NO_CFI + 0x1000, ModuleAt::NoCfi),
         ])
@@ -926,9 +978,57 @@ mod tests {
         assert_eq!(frames, [F, GAP + 8]);
         assert_eq!(end, UnwindEnd::NoUnwindInfo);
 
-        // Mapped beyond the table's last FDE.
+        // Mapped beyond the table's last FDE, interrupted there: walked by
+        // its frame pointer, here not one (below rsp).
         let (frames, end) = walk(regs(BIAS + 0x1f00), &stack, DEFAULT_MAX_DEPTH);
         assert_eq!(frames, [BIAS + 0x1f00]);
+        assert_eq!(end, UnwindEnd::CfaNotIncreasing);
+    }
+
+    #[test]
+    fn code_without_rows_is_walked_by_frame_pointer_only_where_rbp_is_one() {
+        // JIT code calls into a builtin without CFI (reached by a frame
+        // pointer step: rbp is the chain), which was called by f (CFI).
+        let rbp0 = SP + 0x20;
+        let rbp1 = SP + 0x40;
+        let stack = StackImage::new(0x80)
+            .word(rbp0, rbp1)
+            .word(rbp0 + 8, GAP + 0x10)
+            .word(rbp1, 0x7777)
+            .word(rbp1 + 8, F + 0x30)
+            .word(rbp1 + 16 + 8, H + 8);
+        let in_jit = Registers {
+            rip: NO_CFI + 0x100,
+            rsp: SP,
+            rbp: rbp0,
+        };
+        let (frames, end) = walk(in_jit, &stack, DEFAULT_MAX_DEPTH);
+        assert_eq!(frames, [NO_CFI + 0x100, GAP + 0x10, F + 0x30, H + 8]);
+        assert_eq!(end, UnwindEnd::Outermost);
+
+        // Interrupted in the builtin itself: the same.
+        let in_builtin = Registers {
+            rip: GAP + 0x8,
+            rsp: SP,
+            rbp: rbp1,
+        };
+        let (frames, end) = walk(in_builtin, &stack, DEFAULT_MAX_DEPTH);
+        assert_eq!(frames, [GAP + 0x8, F + 0x30, H + 8]);
+        assert_eq!(end, UnwindEnd::Outermost);
+
+        // Reached by a CFI step, rbp is whatever the callee-saved register
+        // holds: the walk stops rather than trust it.
+        let stack = StackImage::new(0x80)
+            .word(SP + 8, GAP + 0x10)
+            .word(SP + 0x20, SP + 0x40)
+            .word(SP + 0x28, F + 0x30);
+        let cfi_then_gap = Registers {
+            rip: F,
+            rsp: SP,
+            rbp: SP + 0x20,
+        };
+        let (frames, end) = walk(cfi_then_gap, &stack, DEFAULT_MAX_DEPTH);
+        assert_eq!(frames, [F, GAP + 0x10]);
         assert_eq!(end, UnwindEnd::NoUnwindInfo);
     }
 
@@ -1086,6 +1186,42 @@ mod tests {
         let (frames, end) = walk(regs, &stack, DEFAULT_MAX_DEPTH);
         assert_eq!(frames, [NO_CFI + 0x100]);
         assert_eq!(end, UnwindEnd::CfaNotIncreasing);
+
+        // Nor is a misaligned one.
+        let regs = Registers {
+            rip: NO_CFI + 0x100,
+            rsp: SP,
+            rbp: rbp0 + 3,
+        };
+        let (frames, end) = walk(regs, &stack, DEFAULT_MAX_DEPTH);
+        assert_eq!(frames, [NO_CFI + 0x100]);
+        assert_eq!(end, UnwindEnd::BadStackAddress);
+    }
+
+    #[test]
+    fn a_frame_pointer_that_leads_out_of_code_adds_no_frame() {
+        // rbp holds data, not a frame pointer: the word above it is no
+        // return address, and must not show up as a frame.
+        let rbp = SP + 0x20;
+        let stack = StackImage::new(0x80)
+            .word(rbp, SP + 0x40)
+            .word(rbp + 8, 0x1234_5678);
+        let in_jit = Registers {
+            rip: NO_CFI + 0x100,
+            rsp: SP,
+            rbp,
+        };
+        let (frames, end) = walk(in_jit, &stack, DEFAULT_MAX_DEPTH);
+        assert_eq!(frames, [NO_CFI + 0x100]);
+        assert_eq!(end, UnwindEnd::Unmapped);
+
+        // A CFI step that reads an unmapped return address keeps it: the
+        // CFI says that slot holds the return address, so it is a frame of
+        // code the caller may not know yet (it resolves and walks again).
+        let stack = StackImage::new(64).word(SP + 8, 0x1234_5678);
+        let (frames, end) = walk(regs(F + 0x10), &stack, DEFAULT_MAX_DEPTH);
+        assert_eq!(frames, [F + 0x10, 0x1234_5678]);
+        assert_eq!(end, UnwindEnd::Unmapped);
     }
 
     #[test]

@@ -18,13 +18,15 @@ const BPF_LINKER_VERSION: &str = "0.13.0";
 /// nothing stays loaded; `gcc` and `g++` compile the fixture programs;
 /// `golang-go` provides `go tool pprof`, the real pprof reader the export
 /// tests check against; `podman` and `runc` run real containers (crun refuses
-/// hybrid cgroups), from images built around `busybox-static`.
+/// hybrid cgroups), from images built around `busybox-static`; `nodejs` is
+/// the JIT the JIT unwinding test samples (`--perf-basic-prof`).
 const DEBIAN_PACKAGES: &[&str] = &[
     "bpftool",
     "busybox-static",
     "gcc",
     "g++",
     "golang-go",
+    "nodejs",
     "podman",
     "runc",
 ];

@@ -28,6 +28,8 @@ const MAX_STRING_BYTES: usize = 4096;
 /// the first.
 const KERNEL_PATH: &str = "[kernel.kallsyms]";
 const ANONYMOUS_PATH: &str = "[anonymous]";
+/// The mapping JIT frames are shipped in (their names come with them).
+const JIT_PATH: &str = crate::unwinding::JIT_BINARY;
 const VDSO_PATH: &str = "[vdso]";
 /// The function (and mapping path) of the pseudo-frame that stands for the
 /// stacks beyond the interval's bound.
@@ -190,6 +192,13 @@ fn name_locations(
                     line: 0,
                 }]);
             }
+            MappingKey::Jit { name } => {
+                names[index].0 = Arc::new([FrameLine {
+                    function: name.as_ref().into(),
+                    file: "".into(),
+                    line: 0,
+                }]);
+            }
             MappingKey::Anonymous => {}
         }
     }
@@ -299,6 +308,11 @@ impl BatchBuilder {
                 v1::MappingKind::Anonymous,
                 String::new(),
                 TRUNCATED.to_owned(),
+            ),
+            Some(MappingKey::Jit { .. }) => (
+                v1::MappingKind::Anonymous,
+                String::new(),
+                JIT_PATH.to_owned(),
             ),
             Some(MappingKey::Anonymous) | None => (
                 v1::MappingKind::Anonymous,

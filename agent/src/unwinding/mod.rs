@@ -95,6 +95,9 @@ impl<'a> UserStack<'a> {
     }
 }
 
+/// The binary JIT frames are counted under in [`WalkStats::by_binary`].
+pub const JIT_BINARY: &str = "[jit]";
+
 /// Modules resolved per walk at most: bounds the re-walks a single sample can
 /// cause (a stack through many not-yet-seen libraries).
 const MAX_RESOLVES_PER_WALK: usize = 16;
@@ -142,8 +145,12 @@ pub enum FrameObject {
     /// In the vDSO: `offset = pc - start of the [vdso] mapping`, an address
     /// in its image (the same image in every process on this kernel).
     Vdso { offset: u64 },
-    /// In no module the walker knows (JIT code, anonymous memory, a garbage
-    /// return address): the absolute address, meaningful only as a hint.
+    /// In executable memory no file backs (JIT code): the absolute
+    /// address, which the process's perf map may name.
+    Jit { address: u64 },
+    /// In no module the walker knows (a garbage return address, code
+    /// mapped after the process's maps were read): the absolute address,
+    /// meaningful only as a hint.
     Anonymous { address: u64 },
 }
 
@@ -244,6 +251,10 @@ pub struct WalkStats {
     pub stitched: u64,
     /// Walks that ran out of stack bytes (copy and tail).
     pub truncated: u64,
+    /// Walks with at least one frame in JIT code, and of those, walks
+    /// that reached the outermost frame.
+    pub jit_walks: u64,
+    pub jit_outermost: u64,
     /// Per binary holding frame 0.
     pub by_binary: HashMap<Arc<str>, WalkEnds>,
     /// Adaptive copies and learned stack tails.
@@ -321,6 +332,7 @@ struct Module {
 enum ModuleObject {
     File(Arc<ModuleFile>),
     Vdso,
+    Jit,
 }
 
 impl Module {
@@ -332,17 +344,33 @@ impl Module {
                 file_offset: offset,
             },
             ModuleObject::Vdso => FrameObject::Vdso { offset },
+            ModuleObject::Jit => FrameObject::Jit { address: pc },
         }
     }
 }
 
 #[derive(Debug, Clone)]
 enum ModuleTable {
-    Ready(Arc<UnwindTable>),
+    /// With the bytes of code its rows cover: a module whose table
+    /// describes less than half of it is walked by frame pointers where
+    /// no row covers the address (see [`ModuleAt::Table`]).
+    Ready {
+        table: Arc<UnwindTable>,
+        covered: u64,
+    },
     /// No usable CFI: walk with frame pointers.
     NoCfi,
     /// Being compiled in the background.
     Pending(ObjectId),
+}
+
+impl ModuleTable {
+    fn ready(table: Arc<UnwindTable>) -> Self {
+        Self::Ready {
+            covered: table.covered_bytes(),
+            table,
+        }
+    }
 }
 
 /// The modules of one process, sorted by start address, non-overlapping.
@@ -397,9 +425,10 @@ impl ModuleLookup for KnownModules<'_> {
             return ModuleAt::Unmapped;
         };
         match &module.table {
-            ModuleTable::Ready(table) => ModuleAt::Table {
+            ModuleTable::Ready { table, covered } => ModuleAt::Table {
                 table,
                 bias: module.bias,
+                frame_pointer_gaps: *covered < (module.end - module.start) / 2,
             },
             ModuleTable::NoCfi => ModuleAt::NoCfi,
             ModuleTable::Pending(_) => {
@@ -427,7 +456,7 @@ impl CachedTable {
     /// The table, if it is ready and only this cache holds it.
     fn unused_table(&self) -> Option<&Arc<UnwindTable>> {
         match &self.table {
-            ModuleTable::Ready(table) if Arc::strong_count(table) == 1 => Some(table),
+            ModuleTable::Ready { table, .. } if Arc::strong_count(table) == 1 => Some(table),
             _ => None,
         }
     }
@@ -514,6 +543,10 @@ pub struct StackWalker {
     /// and the name of none, shared rather than allocated per sample.
     frame0_binary: Arc<str>,
     unknown_binary: Arc<str>,
+    /// The binary name of JIT modules, shared by all of them.
+    jit_binary: Arc<str>,
+    /// The last walk went through JIT code.
+    last_walk_jit: bool,
     stats: WalkStats,
 }
 
@@ -575,7 +608,7 @@ impl StackWalker {
             modules: HashMap::new(),
             tables: TableCache::default(),
             table_cache_bytes: config.table_cache_bytes,
-            vdso: own_vdso_table().map_or(ModuleTable::NoCfi, ModuleTable::Ready),
+            vdso: own_vdso_table().map_or(ModuleTable::NoCfi, ModuleTable::ready),
             compiler: Compiler::start(config.compile_threads, config.disk_cache),
             tables_changed: false,
             waiting: VecDeque::new(),
@@ -592,6 +625,8 @@ impl StackWalker {
             learn_frames: Vec::new(),
             frame0_binary: Arc::from("[unknown]"),
             unknown_binary: Arc::from("[unknown]"),
+            jit_binary: Arc::from(JIT_BINARY),
+            last_walk_jit: false,
             stats: WalkStats::default(),
         }
     }
@@ -958,6 +993,7 @@ impl StackWalker {
     fn place_frames(&mut self, tgid: u32) {
         self.objects.clear();
         self.frame0_binary = Arc::clone(&self.unknown_binary);
+        self.last_walk_jit = false;
         let process = self.modules.get(&tgid);
         for (i, &pc) in self.frames.iter().enumerate() {
             let lookup = if i == 0 { pc } else { pc.wrapping_sub(1) };
@@ -970,6 +1006,7 @@ impl StackWalker {
             let object = module.map_or(FrameObject::Anonymous { address: pc }, |m| {
                 m.frame_object(pc)
             });
+            self.last_walk_jit |= matches!(object, FrameObject::Jit { .. });
             self.objects.push(object);
         }
     }
@@ -984,7 +1021,7 @@ impl StackWalker {
                     } else {
                         self.stats.tables_compiled += 1;
                     }
-                    ModuleTable::Ready(table)
+                    ModuleTable::ready(table)
                 }
                 Compiled::NoCfi => {
                     self.stats.tables_failed += 1;
@@ -1065,6 +1102,21 @@ impl StackWalker {
                     object: ModuleObject::Vdso,
                 }
             }
+            Ok(Some(Location::Unbacked(region))) if is_jit_code(&region.mapping.path) => {
+                // Executable memory no file backs: JIT code, which keeps
+                // frame pointers (V8, HotSpot with -XX:+PreserveFramePointer,
+                // .NET, LuaJIT). Walked by the validated frame-pointer step
+                // until a return address lands in a module with CFI again.
+                Module {
+                    start: region.mapping.start,
+                    end: region.mapping.end,
+                    bias: 0,
+                    file_base: 0,
+                    table: ModuleTable::NoCfi,
+                    name: Arc::clone(&self.jit_binary),
+                    object: ModuleObject::Jit,
+                }
+            }
             Ok(_) => return false,
             Err(err) => {
                 tracing::debug!("process {tgid}: {err}");
@@ -1086,6 +1138,11 @@ impl StackWalker {
             self.stats.truncated,
         ) = (all.walks, all.outermost, all.stitched, all.truncated);
         self.stats.table_pending += u64::from(outcome == WalkOutcome::TablePending);
+        if self.last_walk_jit {
+            self.stats.jit_walks += 1;
+            self.stats.jit_outermost +=
+                u64::from(outcome == WalkOutcome::Ended(UnwindEnd::Outermost));
+        }
         let name = Arc::clone(&self.frame0_binary);
         let by_binary = &mut self.stats.by_binary;
         if by_binary.len() < MAX_BINARIES_TRACKED || by_binary.contains_key(&name) {
@@ -1124,6 +1181,17 @@ fn own_vdso_table() -> Option<Arc<UnwindTable>> {
             tracing::warn!("no unwind table for the vDSO: {err}");
             None
         }
+    }
+}
+
+/// Whether an executable mapping without a file is JIT code: anonymous
+/// memory, or named anonymous memory (`[anon:name]`, from `prctl`). Not
+/// the vDSO (its image is known) nor `[vsyscall]`.
+fn is_jit_code(path: &MappingPath) -> bool {
+    match path {
+        MappingPath::Anonymous => true,
+        MappingPath::Other(name) => name.starts_with(b"[anon:"),
+        _ => false,
     }
 }
 

@@ -142,7 +142,11 @@ impl ModuleLookup for OurModules {
             .partition_point(|(range, _, _)| range.start <= pc);
         match next.checked_sub(1).map(|index| &self.modules[index]) {
             Some((range, bias, table)) if pc < range.end => match table {
-                Some(table) => ModuleAt::Table { table, bias: *bias },
+                Some(table) => ModuleAt::Table {
+                    table,
+                    bias: *bias,
+                    frame_pointer_gaps: false,
+                },
                 None => ModuleAt::NoCfi,
             },
             _ => ModuleAt::Unmapped,

@@ -226,6 +226,16 @@ impl UnwindTable {
         self.rows.is_empty()
     }
 
+    /// Bytes of code the rows cover (gaps and the terminator excluded).
+    /// One pass over the rows: callers that need it often keep it.
+    pub fn covered_bytes(&self) -> u64 {
+        self.rows
+            .windows(2)
+            .filter(|pair| self.rules.get(pair[0].rule as usize).is_some())
+            .map(|pair| u64::from(pair[1].address - pair[0].address))
+            .sum()
+    }
+
     /// Number of distinct rules the rows index.
     pub fn rule_count(&self) -> usize {
         self.rules.len()
@@ -293,6 +303,20 @@ mod tests {
         assert_eq!(size_of::<Row>(), 8);
         assert_eq!(size_of::<UnwindRule>(), 12);
         assert_eq!(size_of::<Option<UnwindRule>>(), 12);
+    }
+
+    #[test]
+    fn counts_the_bytes_rows_cover() {
+        let rule = Some(UnwindRule::Rsp { cfa_off: 8 });
+        let table = UnwindTable::from_rows(&[
+            (0x1000, rule),
+            (0x1100, rule),
+            (0x1200, None),
+            (0x1300, rule),
+            (0x1400, None),
+        ]);
+        assert_eq!(table.covered_bytes(), 0x300);
+        assert_eq!(UnwindTable::default().covered_bytes(), 0);
     }
 
     #[test]

@@ -200,7 +200,11 @@ impl ModuleLookup for ProcessModules {
         match self.mapping(pc) {
             None => ModuleAt::Unmapped,
             Some((bias, module)) => match &module.table {
-                Ok(table) => ModuleAt::Table { table, bias },
+                Ok(table) => ModuleAt::Table {
+                    table,
+                    bias,
+                    frame_pointer_gaps: false,
+                },
                 Err(_) => ModuleAt::NoCfi,
             },
         }

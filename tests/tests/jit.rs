@@ -1,0 +1,105 @@
+//! JIT code end to end (root): Debian's `node` with `--perf-basic-prof`
+//! runs a chain of named JavaScript functions; the agent walks through the
+//! JIT frames by their frame pointers (and through V8's builtins, which
+//! have no CFI, the same way) back into C++ with CFI, names them from the
+//! process's perf map, and ships them to a real collector.
+
+use std::process::{Command, Stdio};
+
+use stackscope_test_fixtures::{RunningProcess, workspace_binary};
+use stackscope_tests::{Collector, exclusive, folded, require_root, wait_success};
+
+/// Removes node's perf map when the test ends, however it ends.
+struct PerfMapFile(String);
+
+impl Drop for PerfMapFile {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_file(&self.0);
+    }
+}
+
+#[test]
+fn walks_through_jit_frames_to_the_root_and_names_them_from_the_perf_map() {
+    require_root();
+    let _serial = exclusive();
+    let script = concat!(env!("CARGO_MANIFEST_DIR"), "/fixtures/jit_chain.js");
+    let node = RunningProcess::start_ready(
+        Command::new("node")
+            .args(["--perf-basic-prof", "--no-turbo-inlining", script])
+            .stderr(Stdio::inherit()),
+    );
+    let _perf_map = PerfMapFile(format!("/tmp/perf-{}.map", node.pid()));
+    let data = tempfile::tempdir().expect("temp dir");
+    let collector = Collector::start(data.path());
+
+    let agent = Command::new(workspace_binary("stackscope-agent"))
+        .args(["--collector", &collector.grpc])
+        .args(["--pid", &node.pid().to_string()])
+        .args(["--frequency", "199", "--duration", "5s", "--interval", "2s"])
+        .args(["--no-table-cache", "--json"])
+        .stdout(Stdio::piped())
+        .spawn()
+        .expect("starting the agent");
+    let report = wait_success(agent);
+    let unwinding = &report["unwinding"];
+    let walks = unwinding["walks"].as_u64().expect("walks");
+    let jit_walks = unwinding["jit_walks"].as_u64().expect("jit_walks");
+    let jit_outermost = unwinding["jit_outermost"].as_u64().expect("jit_outermost");
+    assert!(walks > 300, "only {walks} walks in 5 s at 199 Hz");
+    assert!(
+        jit_walks * 100 >= walks * 80,
+        "only {jit_walks} of {walks} walks went through JIT code"
+    );
+    assert!(
+        jit_outermost * 100 >= jit_walks * 90,
+        "only {jit_outermost} of {jit_walks} walks through JIT code reached the root"
+    );
+    let named = report["jit_names"]["named"].as_u64().expect("named");
+    assert!(
+        named > 0,
+        "no JIT frame was named from the perf map: {report}"
+    );
+
+    let stacks = folded(&collector.cli(&[
+        "export",
+        "--format",
+        "folded",
+        "--since",
+        "10m",
+        "--match",
+        "comm=\"node\"",
+    ]));
+    let total: u64 = stacks.iter().map(|(_, n)| n).sum();
+    // Root first: the main thread's stacks start at _start.
+    let rooted: u64 = stacks
+        .iter()
+        .filter(|(stack, _)| stack.starts_with("_start;"))
+        .map(|(_, n)| n)
+        .sum();
+    assert!(
+        rooted * 100 >= total * 90,
+        "only {rooted} of {total} samples reach _start: {stacks:#?}"
+    );
+    // V8 names optimised code `JS:*name file:line:column`; the chain is
+    // outer, middle, leaf, one frame each, in that order.
+    let is = |frame: &str, function: &str| {
+        frame.starts_with("JS:")
+            && frame.contains(&format!("{function} "))
+            && frame.contains("jit_chain.js")
+    };
+    let chained: u64 = stacks
+        .iter()
+        .filter(|(stack, _)| {
+            let frames: Vec<&str> = stack.split(';').collect();
+            frames
+                .windows(3)
+                .any(|w| is(w[0], "outer") && is(w[1], "middle") && is(w[2], "leaf"))
+        })
+        .map(|(_, n)| n)
+        .sum();
+    assert!(
+        chained * 100 >= total * 90,
+        "only {chained} of {total} samples read outer;middle;leaf: {stacks:#?}"
+    );
+    collector.stop();
+}
