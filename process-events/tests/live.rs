@@ -1,0 +1,391 @@
+//! Live tests against the running kernel: real processes, real records.
+//!
+//! They need root (a system-wide perf event); as another user they print why
+//! and pass. Both tests take a lock so that one's processes do not show up in
+//! the other's measurements.
+
+use std::{
+    collections::HashSet,
+    ffi::OsStr,
+    path::Path,
+    process::{Command, Stdio},
+    sync::Mutex,
+    time::{Duration, Instant},
+};
+
+use stackscope_process_events::{
+    BuildIds, Config, DrainStats, Event, EventKind, FileRef, MappingEvents, Mmap,
+};
+
+static SERIAL: Mutex<()> = Mutex::new(());
+
+fn is_root() -> bool {
+    // SAFETY: geteuid has no preconditions.
+    unsafe { libc::geteuid() == 0 }
+}
+
+fn monotonic_ns() -> u64 {
+    let mut ts = libc::timespec {
+        tv_sec: 0,
+        tv_nsec: 0,
+    };
+    // SAFETY: `ts` is a valid timespec to write to.
+    assert_eq!(
+        unsafe { libc::clock_gettime(libc::CLOCK_MONOTONIC, &mut ts) },
+        0
+    );
+    ts.tv_sec as u64 * 1_000_000_000 + ts.tv_nsec as u64
+}
+
+/// Rings big enough that the builds running beside the tests cannot fill
+/// them between two drains.
+fn open_events() -> MappingEvents {
+    MappingEvents::open(&Config {
+        data_pages: 512,
+        ..Config::default()
+    })
+    .expect("opening the side-band events as root")
+}
+
+/// The GNU build-id in the ELF file at `path`.
+fn elf_build_id(path: &Path) -> Option<Vec<u8>> {
+    use object::Object as _;
+    let data = std::fs::read(path).ok()?;
+    let file = object::File::parse(&*data).ok()?;
+    file.build_id().ok()?.map(<[u8]>::to_vec)
+}
+
+fn file_name(m: &Mmap) -> &[u8] {
+    use std::os::unix::ffi::OsStrExt as _;
+    m.path().file_name().map_or(&[][..], OsStr::as_bytes)
+}
+
+fn describe(e: &Event) -> String {
+    match &e.kind {
+        EventKind::Mmap(m) => format!(
+            "{} cpu{} MMAP {:#x}+{:#x} prot {:?} {:?} {:?}",
+            e.time_ns,
+            e.cpu,
+            m.start,
+            m.len,
+            m.prot,
+            m.path(),
+            m.file
+        ),
+        other => format!("{} cpu{} {other:?}", e.time_ns, e.cpu),
+    }
+}
+
+/// Size of the record an event came from, as the kernel lays it out
+/// (strings NUL-terminated and padded to 8 bytes; a 24-byte sample_id).
+fn record_size(e: &Event) -> u64 {
+    let str_len = |n: usize| (n + 1).next_multiple_of(8) as u64;
+    8 + 24
+        + match &e.kind {
+            EventKind::Mmap(m) if m.prot.is_some() => 64 + str_len(m.path.len()),
+            EventKind::Mmap(m) => 32 + str_len(m.path.len()),
+            EventKind::Comm(c) => 8 + str_len(c.name.as_bytes().len()),
+            EventKind::Fork(_) | EventKind::Exit(_) => 24,
+            EventKind::Lost { .. } => 16,
+            EventKind::Other { .. } => 0,
+        }
+}
+
+#[test]
+fn short_lived_processes_are_seen_from_fork_to_exit() {
+    let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    if !is_root() {
+        eprintln!("skipping: a system-wide perf event needs root");
+        return;
+    }
+    let mut events = open_events();
+    eprintln!("{events:?}");
+    events.drain_sorted(|_| {}); // what happened before the test
+
+    let true_path = std::fs::canonicalize("/bin/true").unwrap();
+    let before = monotonic_ns();
+    let mut children = Vec::new();
+    for _ in 0..3 {
+        let mut child = Command::new("/bin/true").spawn().unwrap();
+        children.push(child.id());
+        assert!(child.wait().unwrap().success());
+    }
+    // A program that maps a library after start-up, with dlopen.
+    let dlopen = Command::new("python3")
+        .args(["-c", "import ctypes; ctypes.CDLL('libz.so.1')"])
+        .stderr(Stdio::null())
+        .spawn()
+        .ok()
+        .and_then(|mut child| {
+            let pid = child.id();
+            child.wait().ok()?.success().then_some(pid)
+        });
+    let after = monotonic_ns();
+
+    let mut all = Vec::new();
+    let stats = events.drain_sorted(|e| all.push(e));
+    eprintln!("{stats:?}");
+    assert_eq!(stats.parse_errors, 0);
+    assert_eq!(stats.resyncs, 0);
+    assert!(all.windows(2).all(|w| w[0].time_ns <= w[1].time_ns));
+
+    let me = std::process::id();
+    let want_build_id = elf_build_id(&true_path);
+    for (i, &pid) in children.iter().enumerate() {
+        let mine: Vec<&Event> = all.iter().filter(|e| e.pid() == Some(pid)).collect();
+        if i == 0 {
+            eprintln!("events of /bin/true (pid {pid}):");
+            for e in &mine {
+                eprintln!("  {}", describe(e));
+            }
+        }
+        assert!(
+            stats.lost == 0 || !mine.is_empty(),
+            "records lost: {stats:?}"
+        );
+        for e in &mine {
+            assert!(
+                e.time_ns >= before && e.time_ns <= after,
+                "{} outside [{before}, {after}]",
+                describe(e)
+            );
+        }
+        let position = |pred: &dyn Fn(&Event) -> bool| {
+            mine.iter()
+                .position(|e| pred(e))
+                .unwrap_or_else(|| panic!("pid {pid}: missing event; have {mine:#?}"))
+        };
+        let fork = position(
+            &|e| matches!(e.kind, EventKind::Fork(f) if f.pid == pid && f.tid == pid && f.ppid == me && f.is_new_process()),
+        );
+        let comm = position(
+            &|e| matches!(e.kind, EventKind::Comm(c) if c.exec && c.pid == pid && c.name.as_bytes() == b"true"),
+        );
+        let exe =
+            position(&|e| matches!(&e.kind, EventKind::Mmap(m) if m.path() == true_path && m.exec));
+        let exit = position(
+            &|e| matches!(e.kind, EventKind::Exit(x) if x.pid == pid && x.tid == pid && x.is_leader()),
+        );
+        for name in [&b"libc.so.6"[..], b"ld-linux-x86-64.so.2"] {
+            position(&|e| {
+                matches!(&e.kind, EventKind::Mmap(m) if file_name(m) == name && m.exec
+                    && m.prot.is_some_and(|p| p & libc::PROT_EXEC as u32 != 0))
+            });
+        }
+        let time = |i: usize| mine[i].time_ns;
+        assert!(
+            fork < comm && comm < exe && exe < exit,
+            "order {fork} {comm} {exe} {exit}"
+        );
+        assert!(
+            time(fork) < time(comm) && time(comm) < time(exe) && time(exe) < time(exit),
+            "times {} {} {} {}",
+            time(fork),
+            time(comm),
+            time(exe),
+            time(exit)
+        );
+        let EventKind::Mmap(m) = &mine[exe].kind else {
+            unreachable!()
+        };
+        assert!(m.prot.unwrap() & libc::PROT_EXEC as u32 != 0);
+        if events.build_ids() {
+            let want = want_build_id.as_deref().expect("/bin/true has a build-id");
+            match m.file {
+                FileRef::BuildId(id) => assert_eq!(id.as_bytes(), want),
+                other => panic!("no build-id for {:?}: {other:?}", m.path()),
+            }
+        }
+        // The libraries' build-ids, when the kernel gave them, are theirs.
+        for e in &mine {
+            if let EventKind::Mmap(m) = &e.kind
+                && let FileRef::BuildId(id) = m.file
+                && let Some(want) = elf_build_id(m.path())
+            {
+                assert_eq!(id.as_bytes(), want, "{:?}", m.path());
+            }
+        }
+    }
+
+    // How often the kernel could not read a build-id of a file mapping.
+    let (mut with_id, mut without_id) = (Vec::new(), Vec::new());
+    for e in &all {
+        if let EventKind::Mmap(m) = &e.kind {
+            match m.file {
+                FileRef::BuildId(_) => with_id.push(m.path()),
+                FileRef::Inode { ino, .. } if ino != 0 => without_id.push(m.path()),
+                _ => {}
+            }
+        }
+    }
+    eprintln!(
+        "file mappings with a build-id: {}, with device and inode only: {} {without_id:?}",
+        with_id.len(),
+        without_id.len()
+    );
+
+    match dlopen {
+        Some(pid) => {
+            let libz: Vec<&Event> = all
+                .iter()
+                .filter(|e| {
+                    matches!(&e.kind, EventKind::Mmap(m) if m.pid == pid && m.exec
+                        && file_name(m).starts_with(b"libz.so"))
+                })
+                .collect();
+            assert!(
+                !libz.is_empty(),
+                "no exec mapping of libz for python3 (pid {pid})"
+            );
+            eprintln!("python3's dlopen of libz: {}", describe(libz[0]));
+            let comm = all
+                .iter()
+                .find(|e| matches!(e.kind, EventKind::Comm(c) if c.exec && c.pid == pid))
+                .expect("python3's exec");
+            assert!(comm.time_ns < libz[0].time_ns);
+        }
+        None => eprintln!("python3 with ctypes and libz.so.1 not available: dlopen not checked"),
+    }
+}
+
+#[test]
+fn a_small_ring_wraps_and_overflows_cleanly() {
+    let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    if !is_root() {
+        eprintln!("skipping: a system-wide perf event needs root");
+        return;
+    }
+    // One page per CPU: about six fork+exec+exit cycles fit.
+    let mut events = MappingEvents::open(&Config {
+        data_pages: 1,
+        ..Config::default()
+    })
+    .unwrap();
+    events.drain(|_| {});
+
+    // Drained after every child: records wrap around the end of the ring
+    // again and again, and every child is seen whole.
+    let mut total = DrainStats::default();
+    for _ in 0..40 {
+        let mut child = Command::new("/bin/true").spawn().unwrap();
+        let pid = child.id();
+        child.wait().unwrap();
+        let mut kinds = Vec::new();
+        let stats = events.drain_sorted(|e| {
+            if e.pid() == Some(pid) {
+                kinds.push(std::mem::discriminant(&e.kind));
+            }
+        });
+        total += stats;
+        if stats.lost == 0 {
+            assert!(
+                kinds.len() >= 7,
+                "pid {pid}: {} events, {stats:?}",
+                kinds.len()
+            );
+        }
+    }
+    assert_eq!((total.parse_errors, total.resyncs), (0, 0), "{total:?}");
+    assert!(total.bytes > 2 * events.ring_size() as u64, "{total:?}");
+
+    // Not drained: the ring fills, and the kernel says how much it dropped.
+    for _ in 0..40 {
+        Command::new("/bin/true").status().unwrap();
+    }
+    let mut stats = events.drain(|_| {});
+    eprintln!("after 40 undrained children: {stats:?}");
+    // The kernel writes the LOST record only once there is room again,
+    // before the next record it can write: it shows in the following drain.
+    for _ in 0..4 {
+        Command::new("/bin/true").status().unwrap();
+    }
+    let after = events.drain(|_| {});
+    eprintln!("after draining and 4 more children: {after:?}");
+    stats += after;
+    assert!(stats.lost_records >= 1 && stats.lost > 0, "{stats:?}");
+    assert_eq!((stats.parse_errors, stats.resyncs), (0, 0), "{stats:?}");
+}
+
+/// Not a pass/fail test: prints what the events cost a fork+exec.
+#[test]
+fn cost_of_fork_exec() {
+    let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    if !is_root() {
+        eprintln!("skipping: a system-wide perf event needs root");
+        return;
+    }
+    const N: usize = 500;
+    const ROUNDS: u32 = 3;
+    fn spawn_true() -> u32 {
+        let mut child = Command::new("/bin/true").spawn().unwrap();
+        let pid = child.id();
+        child.wait().unwrap();
+        pid
+    }
+    #[derive(Default)]
+    struct Cost {
+        spawn: Duration,
+        drain: Duration,
+        stats: DrainStats,
+        /// Records and bytes of the children alone.
+        mine: (u64, u64),
+    }
+    let run = |build_ids: Option<BuildIds>, cost: &mut Cost| {
+        let mut events = build_ids.map(|build_ids| {
+            let mut events = MappingEvents::open(&Config {
+                data_pages: 512,
+                build_ids,
+                ..Config::default()
+            })
+            .unwrap();
+            events.drain(|_| {});
+            events
+        });
+        let mut pids = HashSet::new();
+        for _ in 0..N / 50 {
+            let start = Instant::now();
+            for _ in 0..50 {
+                pids.insert(spawn_true());
+            }
+            cost.spawn += start.elapsed();
+            if let Some(events) = &mut events {
+                let start = Instant::now();
+                cost.stats += events.drain_sorted(|e| {
+                    if e.pid().is_some_and(|p| pids.contains(&p)) {
+                        cost.mine.0 += 1;
+                        cost.mine.1 += record_size(&e);
+                    }
+                });
+                cost.drain += start.elapsed();
+            }
+        }
+    };
+
+    // Warm up, then alternate to spread the noise of whatever else runs.
+    run(None, &mut Cost::default());
+    let configs = [
+        ("without events", None),
+        ("with events, no build-ids", Some(BuildIds::Never)),
+        ("with events and build-ids", Some(BuildIds::IfSupported)),
+    ];
+    let mut costs: Vec<Cost> = configs.iter().map(|_| Cost::default()).collect();
+    for _ in 0..ROUNDS {
+        for ((_, config), cost) in configs.iter().zip(&mut costs) {
+            run(*config, cost);
+        }
+    }
+    let runs = ROUNDS * N as u32;
+    let base = costs[0].spawn;
+    for ((name, _), cost) in configs.iter().zip(&costs) {
+        eprintln!(
+            "{name}: fork+exec+wait of /bin/true {:?} ({:+.1}%), drain_sorted {:?} per fork+exec; \
+             the children's records: {:.1} records, {:.0} bytes each; everything drained: {:?}",
+            cost.spawn / runs,
+            (cost.spawn.as_secs_f64() / base.as_secs_f64() - 1.0) * 100.0,
+            cost.drain / runs,
+            cost.mine.0 as f64 / f64::from(runs),
+            cost.mine.1 as f64 / f64::from(runs),
+            cost.stats,
+        );
+    }
+}
