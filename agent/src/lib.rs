@@ -18,6 +18,7 @@ pub mod aggregate;
 pub mod cgroups;
 pub mod containers;
 pub mod export;
+pub mod mapping_feed;
 pub mod run;
 pub mod sampler;
 pub mod status;

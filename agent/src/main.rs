@@ -102,6 +102,11 @@ struct Args {
     /// Keep unwind tables in memory only.
     #[arg(long)]
     no_table_cache: bool,
+    /// Read processes' mappings from /proc only, when first sampled,
+    /// instead of learning them from the kernel's mmap events as they are
+    /// made (processes that exit within milliseconds then lose their names).
+    #[arg(long)]
+    no_mapping_events: bool,
     /// Length of an aggregation interval: identical stacks are summed over
     /// it and shipped as one batch (e.g. `10s`, `1m`).
     #[arg(long, default_value = "10s", value_parser = humantime::parse_duration)]
@@ -244,6 +249,7 @@ fn main() -> anyhow::Result<()> {
         selection_refresh: args.selection_refresh,
         kubelet: kubelet_config(&args),
         kubelet_refresh: args.kubelet_refresh,
+        mapping_events: !args.no_mapping_events,
     };
     let runtime = tokio::runtime::Builder::new_current_thread()
         .enable_all()
@@ -385,6 +391,13 @@ fn json_report(
         },
         "aggregation": summary.aggregation,
         "jit_names": summary.jit_names,
+        "mapping_feed": summary.mapping_feed,
+        "process_table": {
+            "maps_reads": summary.process_table.maps_reads,
+            "mappings_learned": summary.process_table.mappings_learned,
+            "learned_unidentified": summary.process_table.learned_unidentified,
+            "answered_after_exit": summary.process_table.answered_after_exit,
+        },
         "batches": {
             "built": summary.batches.batches_built,
             "intervals_dropped": summary.batches.intervals_dropped,

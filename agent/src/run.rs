@@ -26,12 +26,14 @@ use crate::{
         runtime_names::RuntimeNames,
         selection::{Resolver, SelectionConfig, SelectionError},
     },
+    mapping_feed::{FeedStats, MappingFeed},
     sampler::{Counters, ProgramStats, Sampler, SamplerConfig, SamplerError, record::Record},
     status::{ReaderTotals, Snapshot, StatusLine},
     symbolize::{SymbolizerConfig, perf_map::PerfMapStats},
     tally::ProcessTally,
     unwinding::{StackWalker, UserStack, WalkStats, WalkerConfig},
 };
+use stackscope_process_table::table::TableStats;
 use stackscope_unwind::TailSpan;
 
 /// Where finished batches go: the exporter's queue, or a test's list.
@@ -75,6 +77,9 @@ pub struct AgentConfig {
     /// How often the pod list is fetched (and, at most, how often a sample
     /// of an unknown pod triggers an early fetch).
     pub kubelet_refresh: Duration,
+    /// Learn mappings from the kernel's mmap events as they are made (so
+    /// short-lived processes are unwound and named), not only from `/proc`.
+    pub mapping_events: bool,
 }
 
 impl AgentConfig {
@@ -92,6 +97,7 @@ impl AgentConfig {
             selection_refresh: DEFAULT_SELECTION_REFRESH,
             kubelet: None,
             kubelet_refresh: DEFAULT_KUBELET_REFRESH,
+            mapping_events: true,
         }
     }
 }
@@ -112,6 +118,9 @@ pub struct RunSummary {
     pub aggregation: AggregateStats,
     /// How JIT frames were named.
     pub jit_names: PerfMapStats,
+    /// Mappings learned as they were made.
+    pub mapping_feed: FeedStats,
+    pub process_table: TableStats,
     pub batches: WorkerStats,
     pub elapsed: Duration,
 }
@@ -181,6 +190,13 @@ pub async fn run(
             .cgroup_policies
             .extend(resolver.policies(latest_pods.as_deref(), &mut selection_names)?);
     }
+    // Before the sampler: a process that starts between the two is still
+    // seen mapping its files.
+    let feed = if config.mapping_events {
+        MappingFeed::open()
+    } else {
+        MappingFeed::disabled()
+    };
     let mut sampler = Sampler::start(&sampler_config)?;
     let started = Instant::now();
     let deadline = config.duration.map(|d| started + d);
@@ -202,6 +218,7 @@ pub async fn run(
         aggregator: Aggregator::new(config.aggregation.clone()),
         kernel_frames: Vec::with_capacity(agent_common::MAX_KERNEL_FRAMES),
         tail_spans: Vec::with_capacity(agent_common::MAX_TAIL_SPANS),
+        feed,
     };
     if let Some(pods) = &latest_pods {
         records.aggregator.set_pods(Arc::clone(pods));
@@ -247,7 +264,9 @@ pub async fn run(
                     records.walker.forget_all_processes();
                     records.aggregator.forget_all_processes();
                 }
+                let horizon = records.feed.collect();
                 sampler.drain_records(|bytes| records.add(bytes));
+                records.catch_up(horizon);
                 let RecordTally {
                     walker, aggregator, ..
                 } = &mut records;
@@ -340,7 +359,9 @@ pub async fn run(
 
     // Take what is still queued, then read the final counters before the
     // program is detached.
+    let horizon = records.feed.collect();
     sampler.drain_records(|bytes| records.add(bytes));
+    records.catch_up(horizon);
     let kernel = sampler.counters()?;
     let program = sampler.program_stats()?;
     drop(sampler);
@@ -364,6 +385,8 @@ pub async fn run(
         unwinding: records.walker.stats(),
         aggregation: records.aggregator.stats(),
         jit_names: records.aggregator.jit_stats(),
+        mapping_feed: records.feed.stats(),
+        process_table: records.walker.table_stats(),
         batches: batch_stats,
     })
 }
@@ -509,13 +532,44 @@ struct RecordTally {
     kernel_frames: Vec<u64>,
     /// The spans of the sample's stack tail.
     tail_spans: Vec<TailSpan>,
+    /// What processes fork, exec and map, applied in order with the records.
+    feed: MappingFeed,
+}
+
+impl RecordTally {
+    /// Applies the mapping events every sample before `horizon` has been
+    /// read for (the sample ring was drained since it was taken).
+    fn catch_up(&mut self, horizon: u64) {
+        let Self {
+            walker,
+            aggregator,
+            feed,
+            ..
+        } = self;
+        feed.apply_until(horizon, walker, &mut |w| {
+            aggregator.add(w.header, w.kernel_frames, Some(&w.walk))
+        });
+    }
 }
 
 impl RecordTally {
     fn add(&mut self, bytes: &[u8]) {
         self.totals.records += 1;
         self.totals.bytes += bytes.len() as u64;
-        match Record::decode(bytes) {
+        let record = Record::decode(bytes);
+        if let Ok(record) = &record {
+            // What processes mapped before this record, and only that.
+            let Self {
+                walker,
+                aggregator,
+                feed,
+                ..
+            } = self;
+            feed.apply_until(record.ktime_ns(), walker, &mut |w| {
+                aggregator.add(w.header, w.kernel_frames, Some(&w.walk))
+            });
+        }
+        match record {
             Ok(Record::Sample(sample)) => {
                 self.processes.add(sample.header.tgid, || sample.comm());
                 let Self {
@@ -544,8 +598,13 @@ impl RecordTally {
             }
             Ok(Record::Exec(event)) => {
                 self.totals.process_events += 1;
-                self.walker.on_exec(event.tgid);
-                self.aggregator.on_exec(event.tgid);
+                let Self {
+                    walker, aggregator, ..
+                } = self;
+                walker.on_exec(event.tgid, |w| {
+                    aggregator.add(w.header, w.kernel_frames, Some(&w.walk))
+                });
+                aggregator.on_exec(event.tgid);
             }
             Ok(Record::Exit(event)) => {
                 self.totals.process_events += 1;

@@ -29,7 +29,10 @@ use std::{
 
 use thiserror::Error;
 
-use crate::maps::{self, Dev, Mapping, MappingPath};
+use crate::{
+    maps::{self, Dev, Mapping, MappingPath},
+    object_id::BuildId,
+};
 
 /// An open mapped file.
 #[derive(Debug)]
@@ -66,6 +69,9 @@ pub enum OpenError {
         #[source]
         source: io::Error,
     },
+    /// The mapping has no path to follow (a deleted file, a memfd).
+    #[error("the mapping has no path to open")]
+    NoPath,
     /// The path leads to another file than the one mapped (replaced on
     /// disk, or on a filesystem such as overlayfs that reports another inode).
     #[error(
@@ -203,6 +209,74 @@ fn reach<T>(
 
 fn is_denied(err: &io::Error) -> bool {
     matches!(err.raw_os_error(), Some(libc::EPERM | libc::EACCES))
+}
+
+/// Opens the file a process mapped once the process may be gone: the same
+/// path under the root of each process in `roots` in turn (the process
+/// itself while it lives, its parent, which shares its mount namespace
+/// unless it made a new one, the host's init), keeping the first file that
+/// is the one mapped: the same build-id when the kernel reported one, else
+/// the same device and inode.
+pub fn open_learned(
+    proc_root: &Path,
+    roots: &[u32],
+    mapping: &Mapping,
+    build_id: Option<BuildId>,
+) -> Result<OpenedFile, OpenError> {
+    let MappingPath::File {
+        path: name,
+        deleted: false,
+    } = &mapping.path
+    else {
+        return Err(OpenError::NoPath);
+    };
+    let relative = Path::new(std::ffi::OsStr::from_bytes(
+        name.as_os_str()
+            .as_bytes()
+            .strip_prefix(b"/")
+            .unwrap_or(name.as_os_str().as_bytes()),
+    ));
+    let mut last = OpenError::NoPath;
+    for &pid in roots {
+        let path = proc_root.join(pid.to_string()).join("root").join(relative);
+        let opened = File::open(&path).and_then(|file| {
+            let metadata = file.metadata()?;
+            Ok((file, metadata))
+        });
+        let (file, metadata) = match opened {
+            Ok(opened) => opened,
+            Err(source) => {
+                last = OpenError::Path { path, source };
+                continue;
+            }
+        };
+        let same = match build_id {
+            Some(expected) => {
+                crate::elf::read_summary(&file)
+                    .ok()
+                    .and_then(|summary| summary.build_id)
+                    == Some(expected)
+            }
+            None => {
+                Dev::from_st_dev(metadata.dev()) == mapping.dev && metadata.ino() == mapping.inode
+            }
+        };
+        if same {
+            return Ok(OpenedFile {
+                file,
+                metadata,
+                path,
+            });
+        }
+        last = OpenError::Replaced {
+            path,
+            expected_dev: mapping.dev,
+            expected_inode: mapping.inode,
+            found_dev: Dev::from_st_dev(metadata.dev()),
+            found_inode: metadata.ino(),
+        };
+    }
+    Err(last)
 }
 
 #[cfg(test)]

@@ -20,7 +20,7 @@
 use std::{
     collections::{BTreeMap, HashMap},
     path::{Path, PathBuf},
-    sync::Arc,
+    sync::{Arc, Weak},
     time::{Duration, Instant},
 };
 
@@ -29,7 +29,7 @@ use thiserror::Error;
 use crate::{
     elf::LoadSegment,
     maps::{self, Mapping, MappingPath, MapsError},
-    object_id::{self, FileKey, IdentityError, ObjectId},
+    object_id::{self, BuildId, FileKey, IdentityError, ObjectId},
     open::{self, OpenError, OpenedFile},
 };
 
@@ -89,6 +89,13 @@ pub struct TableStats {
     pub object_cache_hits: u64,
     /// Processes dropped to stay within `max_processes`.
     pub evictions: u64,
+    /// Executable mappings learned from mmap events, and of those, files
+    /// that could not be reached or identified (their frames stay unnamed).
+    pub mappings_learned: u64,
+    pub learned_unidentified: u64,
+    /// Lookups answered from learned mappings because the process's maps
+    /// could no longer be read (it had exited).
+    pub answered_after_exit: u64,
 }
 
 /// Why a lookup failed.
@@ -125,6 +132,10 @@ pub enum MappingError {
     Open(#[source] OpenError),
     #[error("identifying the mapped file")]
     Identify(#[source] IdentityError),
+    /// The file reached has another build-id than the kernel reported for
+    /// the mapping: not the file mapped.
+    #[error("the file reached is not the one mapped (another build-id)")]
+    OtherFile,
 }
 
 /// One executable mapping of one process, shared between the table and the
@@ -134,6 +145,19 @@ pub struct MappedRegion {
     pub tgid: u32,
     pub mapping: Mapping,
     proc_root: Arc<Path>,
+    /// For a mapping learned from an event: how to reach its file once the
+    /// process is gone.
+    learned: Option<Arc<Learned>>,
+}
+
+/// What an mmap event said of a mapping beyond its maps line.
+#[derive(Debug, Clone, PartialEq, Eq)]
+struct Learned {
+    /// The build-id the kernel read from the mapped file, if it did.
+    build_id: Option<BuildId>,
+    /// Processes whose root may hold the file, tried in order: the process
+    /// itself, its parent, the host's init.
+    roots: Vec<u32>,
 }
 
 impl MappedRegion {
@@ -149,9 +173,20 @@ impl MappedRegion {
     }
 
     /// Opens the mapped file (see [`open::open_mapped`]), e.g. for the table
-    /// compiler. Fails once the process has exited.
+    /// compiler. Once the process has exited, a mapping learned from an
+    /// event is still reached by its path under its parent's or the host's
+    /// root, when the file there is the one mapped ([`open::open_learned`]).
     pub fn open(&self) -> Result<OpenedFile, OpenError> {
-        open::open_mapped(&self.proc_root, self.tgid, &self.mapping)
+        let opened = open::open_mapped(&self.proc_root, self.tgid, &self.mapping);
+        match (&self.learned, opened) {
+            (Some(learned), Err(_)) => open::open_learned(
+                &self.proc_root,
+                &learned.roots,
+                &self.mapping,
+                learned.build_id,
+            ),
+            (_, opened) => opened,
+        }
     }
 }
 
@@ -202,7 +237,7 @@ struct CachedObject {
     load_segments: Option<Vec<LoadSegment>>,
 }
 
-#[derive(Debug)]
+#[derive(Debug, Clone)]
 enum Backing {
     /// `vaddr = addr - bias` (wrapping) when `bias` is known.
     Object {
@@ -213,7 +248,7 @@ enum Backing {
     Unbacked,
 }
 
-#[derive(Debug)]
+#[derive(Debug, Clone)]
 struct Region {
     region: Arc<MappedRegion>,
     backing: Backing,
@@ -249,6 +284,16 @@ struct Process {
     read_at: Instant,
     /// Key of this process in `ProcessTable::lru`.
     lru_tick: u64,
+    /// Its mappings were learned from events (it forked or exec'd while
+    /// the agent ran): once `/proc` can no longer be read, they are kept
+    /// and answer lookups, so a process that lived 5 ms is still unwound.
+    learned: bool,
+    /// The process it forked from, when an event said so.
+    parent: Option<u32>,
+    /// An exec event reset the mappings; the sampler's own exec record
+    /// (later: it fires once the new image is mapped) must not reset them
+    /// again.
+    exec_learned: bool,
 }
 
 impl Process {
@@ -272,6 +317,13 @@ pub struct ProcessTable {
     lru: BTreeMap<u64, u32>,
     tick: u64,
     objects: HashMap<FileKey, Arc<CachedObject>>,
+    /// The same identities by build-id, for mappings learned from events
+    /// (whose file may be gone by the time they are read): weak, so only
+    /// `objects` and the processes keep them.
+    by_build_id: HashMap<BuildId, Weak<CachedObject>>,
+    /// Parents of processes forked from untracked ones, until they exec
+    /// (bounded by `max_processes`).
+    fork_parents: HashMap<u32, u32>,
     stats: TableStats,
 }
 
@@ -294,6 +346,8 @@ impl ProcessTable {
             lru: BTreeMap::new(),
             tick: 0,
             objects: HashMap::new(),
+            by_build_id: HashMap::new(),
+            fork_parents: HashMap::new(),
             stats: TableStats::default(),
         }
     }
@@ -322,11 +376,180 @@ impl ProcessTable {
             self.stats.rereads_rate_limited += 1;
             return Ok(None);
         }
+        if let Some(process) = self.processes.get_mut(&tgid)
+            && process.learned
+        {
+            // What events said stands when the process is gone.
+            process.read_at = Instant::now();
+            match maps::read_maps_at(&self.proc_root, tgid) {
+                Ok(_) => {}
+                Err(_) => {
+                    self.stats.answered_after_exit += 1;
+                    return match self.processes.get(&tgid).and_then(|p| p.find(addr)) {
+                        Some(region) => region.location(addr).map(Some),
+                        None => Ok(None),
+                    };
+                }
+            }
+        }
         self.load(tgid)?;
         match self.processes.get(&tgid).and_then(|p| p.find(addr)) {
             Some(region) => region.location(addr).map(Some),
             None => Ok(None),
         }
+    }
+
+    /// Process `child` forked from `parent`: it maps what the parent maps
+    /// (known only if the parent is tracked; otherwise the child is read
+    /// from `/proc` when first sampled). A fork that starts a thread, not a
+    /// process, is not one for this.
+    pub fn forked(&mut self, parent: u32, child: u32) {
+        let Some(regions) = self
+            .processes
+            .get(&parent)
+            .map(|process| process.regions.clone())
+        else {
+            // Remembered for its exec, if it comes: the parent's root is
+            // where the child's files are found once the child is gone.
+            if self.fork_parents.len() >= self.config.max_processes {
+                self.fork_parents.clear();
+            }
+            self.fork_parents.insert(child, parent);
+            return;
+        };
+        self.remove(child);
+        self.insert(child, regions);
+        if let Some(process) = self.processes.get_mut(&child) {
+            process.learned = true;
+            process.parent = Some(parent);
+        }
+    }
+
+    /// Process `tgid` called exec: what it maps from now on is what
+    /// [`Self::mapped`] is told. It is tracked from here on even if it
+    /// exits before its maps are ever read.
+    pub fn exec_learned(&mut self, tgid: u32, parent: Option<u32>) {
+        let parent = parent
+            .or_else(|| self.processes.get(&tgid).and_then(|p| p.parent))
+            .or_else(|| self.fork_parents.remove(&tgid));
+        self.remove(tgid);
+        self.insert(tgid, Vec::new());
+        if let Some(process) = self.processes.get_mut(&tgid) {
+            process.learned = true;
+            process.parent = parent;
+            process.exec_learned = true;
+        }
+    }
+
+    /// Process `tgid` mapped code: `mapping` as its maps would show it, and
+    /// the build-id the kernel read from the file, if any. Whatever the new
+    /// mapping overlaps is gone (the kernel replaced it). Ignored for a
+    /// process the table does not track (it is read from `/proc` when
+    /// first sampled) and for mappings that are not executable.
+    pub fn mapped(&mut self, tgid: u32, mapping: Mapping, build_id: Option<BuildId>) {
+        let Some(process) = self.processes.get(&tgid) else {
+            return;
+        };
+        if !mapping.perms.exec || mapping.is_empty() {
+            return;
+        }
+        self.stats.mappings_learned += 1;
+        // The process, its parent (the same mount namespace, unless it
+        // made a new one), the agent's own root, the host's init (the
+        // host's root when the agent runs in a container with hostPID).
+        let mut roots = vec![tgid];
+        for pid in process.parent.into_iter().chain([std::process::id(), 1]) {
+            if !roots.contains(&pid) {
+                roots.push(pid);
+            }
+        }
+        let has_file = matches!(
+            mapping.path,
+            MappingPath::File { .. } | MappingPath::Memfd { .. }
+        );
+        let region = Arc::new(MappedRegion {
+            tgid,
+            mapping,
+            proc_root: Arc::clone(&self.proc_root),
+            learned: Some(Arc::new(Learned { build_id, roots })),
+        });
+        let backing = if has_file {
+            match self.identify_learned(&region, build_id) {
+                Ok(object) => {
+                    let bias = object
+                        .load_segments
+                        .as_deref()
+                        .and_then(|segments| bias(&region.mapping, segments, self.page_size));
+                    Backing::Object { object, bias }
+                }
+                Err(err) => {
+                    self.stats.learned_unidentified += 1;
+                    tracing::debug!(
+                        tgid,
+                        start = region.mapping.start,
+                        path = %region.mapping.path,
+                        error = ?err,
+                        "cannot identify a file mapped while the agent ran"
+                    );
+                    Backing::Failed(Arc::new(err))
+                }
+            }
+        } else {
+            Backing::Unbacked
+        };
+        let Some(process) = self.processes.get_mut(&tgid) else {
+            return;
+        };
+        let (start, end) = (region.mapping.start, region.mapping.end);
+        process.regions.retain(|r| {
+            let m = &r.region.mapping;
+            m.end <= start || m.start >= end
+        });
+        let at = process
+            .regions
+            .partition_point(|r| r.region.mapping.start < start);
+        process.regions.insert(at, Region { region, backing });
+        self.trim_objects();
+    }
+
+    /// The identity of a file mapped while the agent ran: by build-id from
+    /// the cache when the kernel reported one, else from the file itself,
+    /// reached through the process or, if it is gone, its parent's root.
+    fn identify_learned(
+        &mut self,
+        region: &MappedRegion,
+        build_id: Option<BuildId>,
+    ) -> Result<Arc<CachedObject>, MappingError> {
+        if let Some(object) = build_id
+            .and_then(|id| self.by_build_id.get(&id))
+            .and_then(Weak::upgrade)
+        {
+            self.stats.object_cache_hits += 1;
+            return Ok(object);
+        }
+        let opened = region.open().map_err(MappingError::Open)?;
+        let identity =
+            object_id::identify(&opened.file, &opened.metadata).map_err(MappingError::Identify)?;
+        if let Some(expected) = build_id
+            && identity.id != ObjectId::BuildId(expected)
+        {
+            return Err(MappingError::OtherFile);
+        }
+        Ok(self.remember(identity))
+    }
+
+    /// Caches a newly read identity by file version and build-id.
+    fn remember(&mut self, identity: object_id::Identity) -> Arc<CachedObject> {
+        self.stats.objects_identified += 1;
+        let object = Arc::new(CachedObject {
+            id: Arc::new(identity.id),
+            load_segments: identity.load_segments,
+        });
+        self.objects.insert(identity.file_key, Arc::clone(&object));
+        if let ObjectId::BuildId(id) = identity.id {
+            self.by_build_id.insert(id, Arc::downgrade(&object));
+        }
+        object
     }
 
     /// The `[vdso]` mapping of `tgid`, reading the process on first sight.
@@ -342,15 +565,25 @@ impl ProcessTable {
     /// Forgets `tgid`: call on process exit, so a later process with the
     /// same pid starts from a fresh read.
     pub fn remove(&mut self, tgid: u32) {
+        self.fork_parents.remove(&tgid);
         if let Some(process) = self.processes.remove(&tgid) {
             self.lru.remove(&process.lru_tick);
         }
     }
 
     /// Forgets the mappings of `tgid` because it called `exec`: the new
-    /// program's mappings are read on its next sample.
-    pub fn exec(&mut self, tgid: u32) {
+    /// program's mappings are read on its next sample. Returns false, and
+    /// keeps them, when [`Self::exec_learned`] already saw this exec (its
+    /// mappings since are the new program's).
+    pub fn exec(&mut self, tgid: u32) -> bool {
+        if let Some(process) = self.processes.get_mut(&tgid)
+            && process.exec_learned
+        {
+            process.exec_learned = false;
+            return false;
+        }
         self.remove(tgid);
+        true
     }
 
     /// Number of processes tracked.
@@ -397,6 +630,9 @@ impl ProcessTable {
     /// (Re-)reads `tgid`'s maps and replaces its entry. On any error the old
     /// entry is dropped too: it was either wrong or belongs to a dead process.
     fn load(&mut self, tgid: u32) -> Result<(), ProcessError> {
+        // Where the process came from outlives a re-read of its maps.
+        let parent = self.processes.get(&tgid).and_then(|p| p.parent);
+        let learned = self.processes.get(&tgid).is_some_and(|p| p.learned);
         self.remove(tgid);
         self.stats.maps_reads += 1;
         let mappings = match maps::read_maps_at(&self.proc_root, tgid) {
@@ -442,6 +678,7 @@ impl ProcessTable {
                     tgid,
                     mapping,
                     proc_root: Arc::clone(&self.proc_root),
+                    learned: None,
                 }),
                 backing,
             });
@@ -450,6 +687,9 @@ impl ProcessTable {
         // `find` correct for a hand-written proc root.
         regions.sort_by_key(|region| region.region.mapping.start);
         self.insert(tgid, regions);
+        if let Some(process) = self.processes.get_mut(&tgid) {
+            (process.learned, process.parent) = (learned, parent);
+        }
         self.trim_objects();
         Ok(())
     }
@@ -468,6 +708,9 @@ impl ProcessTable {
                 regions,
                 read_at: Instant::now(),
                 lru_tick: self.tick,
+                learned: false,
+                parent: None,
+                exec_learned: false,
             },
         );
     }
@@ -491,13 +734,7 @@ impl ProcessTable {
         // rewritten between the stat and the open.
         let identity =
             object_id::identify(&opened.file, &opened.metadata).map_err(MappingError::Identify)?;
-        self.stats.objects_identified += 1;
-        let object = Arc::new(CachedObject {
-            id: Arc::new(identity.id),
-            load_segments: identity.load_segments,
-        });
-        self.objects.insert(identity.file_key, Arc::clone(&object));
-        Ok(object)
+        Ok(self.remember(identity))
     }
 
     fn evict_one(&mut self) {
@@ -514,6 +751,8 @@ impl ProcessTable {
         if self.objects.len() > self.config.max_cached_objects {
             self.objects
                 .retain(|_, object| Arc::strong_count(object) > 1);
+            self.by_build_id
+                .retain(|_, object| object.strong_count() > 0);
         }
     }
 }
@@ -913,5 +1152,146 @@ mod tests {
             "{}",
             std::mem::size_of::<Location>()
         );
+    }
+
+    /// An executable anonymous mapping (JIT code) as an mmap event reports it.
+    fn anonymous(start: u64, end: u64) -> Mapping {
+        Mapping {
+            start,
+            end,
+            perms: Perms {
+                read: true,
+                write: false,
+                exec: true,
+                private: true,
+            },
+            offset: 0,
+            dev: Dev::default(),
+            inode: 0,
+            path: MappingPath::Anonymous,
+        }
+    }
+
+    #[test]
+    fn learned_mappings_answer_after_the_process_is_gone() {
+        let proc = FakeProc::new();
+        let mut table = proc.table(8, Duration::ZERO);
+        // Process 20 exec'd and mapped code while the agent ran, and was
+        // gone before anyone looked: no /proc/20 at all.
+        table.exec_learned(20, Some(10));
+        table.mapped(20, anonymous(0x7f00_0000_0000, 0x7f00_0001_0000), None);
+        let found = table.lookup(20, 0x7f00_0000_0010).expect("learned");
+        assert_eq!(unbacked_path(found), MappingPath::Anonymous);
+        // An address it never mapped: /proc is tried, and what was learned stands.
+        assert!(table.lookup(20, 0x10).expect("still learned").is_none());
+        let stats = table.stats();
+        assert_eq!((stats.mappings_learned, stats.answered_after_exit), (1, 1));
+        // A mapping that is not executable is not one a frame can be in.
+        let mut data = anonymous(0x7f00_0002_0000, 0x7f00_0003_0000);
+        data.perms.exec = false;
+        table.mapped(20, data, None);
+        assert_eq!(table.stats().mappings_learned, 1);
+        // Nor does an event for a process the table does not track add one.
+        table.mapped(21, anonymous(0x1000, 0x2000), None);
+        assert!(!table.contains(21));
+    }
+
+    #[test]
+    fn a_fork_inherits_the_mappings_and_an_exec_starts_over() {
+        let proc = FakeProc::new();
+        proc.set_maps(10, &[JIT]);
+        let mut table = proc.table(8, Duration::ZERO);
+        assert!(table.lookup(10, 0x7f00_0000_0010).expect("read").is_some());
+        table.forked(10, 11);
+        let found = table.lookup(11, 0x7f00_0000_0010).expect("inherited");
+        assert_eq!(unbacked_path(found), MappingPath::Anonymous);
+        table.exec_learned(11, None);
+        assert!(
+            table
+                .lookup(11, 0x7f00_0000_0010)
+                .expect("after exec")
+                .is_none()
+        );
+        // A remap replaces what it overlaps.
+        table.mapped(11, anonymous(0x7f00_0000_8000, 0x7f00_0001_8000), None);
+        table.mapped(11, anonymous(0x7f00_0001_0000, 0x7f00_0002_0000), None);
+        assert!(
+            table
+                .lookup(11, 0x7f00_0000_9000)
+                .expect("lookup")
+                .is_none()
+        );
+        assert!(
+            table
+                .lookup(11, 0x7f00_0001_9000)
+                .expect("lookup")
+                .is_some()
+        );
+    }
+
+    #[test]
+    fn the_samplers_exec_record_keeps_what_the_exec_event_learned() {
+        let proc = FakeProc::new();
+        let mut table = proc.table(8, Duration::ZERO);
+        table.exec_learned(12, None);
+        table.mapped(12, anonymous(0x1000, 0x2000), None);
+        // The sampler's record of the same exec comes after the new image
+        // was mapped: it keeps the mappings...
+        assert!(!table.exec(12));
+        assert!(table.lookup(12, 0x1800).expect("kept").is_some());
+        // ...while an exec no event reported starts over.
+        assert!(table.exec(12));
+        assert!(!table.contains(12));
+    }
+
+    #[test]
+    fn a_file_mapped_by_a_process_that_is_gone_is_found_under_its_parents_root() {
+        let proc = FakeProc::new();
+        // The parent (10) is alive and sees the file at /bin/app.
+        let app = std::env::current_exe().expect("the test binary");
+        let parent_bin = proc.dir.path().join("10/root/bin");
+        std::fs::create_dir_all(&parent_bin).expect("parent root");
+        std::fs::copy(&app, parent_bin.join("app")).expect("copying the binary");
+        let file = std::fs::File::open(&app).expect("opening the binary");
+        let summary = crate::elf::read_summary(&file).expect("an ELF file");
+        let build_id = summary
+            .build_id
+            .expect("Rust test binaries carry a build-id");
+        let code = summary
+            .load_segments
+            .iter()
+            .find(|segment| segment.is_executable())
+            .expect("a code segment");
+        let mut text = Mapping {
+            start: 0x5555_0000_0000 + code.offset,
+            end: 0x5555_0000_0000 + code.offset + PAGE,
+            offset: code.offset - code.offset % PAGE,
+            path: MappingPath::File {
+                path: "/bin/app".into(),
+                deleted: false,
+            },
+            ..anonymous(0, 0)
+        };
+        text.start -= code.offset % PAGE;
+        let mut table = proc.table(8, Duration::ZERO);
+        table.exec_learned(20, Some(10));
+        table.mapped(20, text.clone(), Some(build_id));
+        let at = text.start + 0x10;
+        match table.lookup(20, at).expect("learned") {
+            Some(Location::Object(object)) => {
+                assert_eq!(*object.id, ObjectId::BuildId(build_id));
+                assert!(object.elf_vaddr.is_some(), "the bias is known");
+                let opened = object.open().expect("reached through the parent");
+                assert!(opened.path.starts_with(proc.dir.path().join("10/root")));
+            }
+            other => panic!("expected the object, got {other:?}"),
+        }
+        // A file there with another build-id is not the one mapped.
+        let other = BuildId::new(&[7; 20]).expect("a build-id");
+        table.exec_learned(21, Some(10));
+        table.mapped(21, text, Some(other));
+        let err = table.lookup(21, at).expect_err("not the file mapped");
+        assert!(matches!(err, ProcessError::Unidentified { .. }), "{err:?}");
+        assert_eq!(table.stats().learned_unidentified, 1);
     }
 }

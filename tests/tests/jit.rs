@@ -23,13 +23,16 @@ fn walks_through_jit_frames_to_the_root_and_names_them_from_the_perf_map() {
     require_root();
     let _serial = exclusive();
     let script = concat!(env!("CARGO_MANIFEST_DIR"), "/fixtures/jit_chain.js");
+    let data = tempfile::tempdir().expect("temp dir");
+    // In the temporary directory: with perf support on, V8 writes its
+    // code log (isolate-*.log) to the working directory.
     let node = RunningProcess::start_ready(
         Command::new("node")
             .args(["--perf-basic-prof", "--no-turbo-inlining", script])
+            .current_dir(data.path())
             .stderr(Stdio::inherit()),
     );
     let _perf_map = PerfMapFile(format!("/tmp/perf-{}.map", node.pid()));
-    let data = tempfile::tempdir().expect("temp dir");
     let collector = Collector::start(data.path());
 
     let agent = Command::new(workspace_binary("stackscope-agent"))

@@ -52,6 +52,14 @@ pub enum Record<'a> {
 }
 
 impl<'a> Record<'a> {
+    /// When the record was written (`bpf_ktime_get_ns`, CLOCK_MONOTONIC).
+    pub fn ktime_ns(&self) -> u64 {
+        match self {
+            Self::Sample(sample) => sample.header.ktime_ns,
+            Self::Exec(event) | Self::Exit(event) => event.ktime_ns,
+        }
+    }
+
     /// Decodes one ring buffer record of any kind.
     pub fn decode(record: &'a [u8]) -> Result<Self, DecodeError> {
         let kind = record

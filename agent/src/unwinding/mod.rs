@@ -31,7 +31,8 @@ use compiler::{Compiled, Compiler};
 
 use agent_common::{SampleHeader, sample_flags};
 use stackscope_process_table::{
-    Location, MappedRegion, MappingPath, ObjectId, ProcessTable, TableConfig, maps::read_maps,
+    BuildId, Location, MappedRegion, Mapping, MappingPath, ObjectId, ProcessTable, TableConfig,
+    maps::read_maps,
 };
 use stackscope_unwind::{
     DEFAULT_MAX_DEPTH, ModuleAt, ModuleLookup, Registers, RuleCache, SampledStack, StackMemory,
@@ -547,6 +548,8 @@ pub struct StackWalker {
     jit_binary: Arc<str>,
     /// The last walk went through JIT code.
     last_walk_jit: bool,
+    /// Processes that exited while samples of theirs waited for a table.
+    exited: Vec<u32>,
     stats: WalkStats,
 }
 
@@ -627,6 +630,7 @@ impl StackWalker {
             unknown_binary: Arc::from("[unknown]"),
             jit_binary: Arc::from(JIT_BINARY),
             last_walk_jit: false,
+            exited: Vec::new(),
             stats: WalkStats::default(),
         }
     }
@@ -692,6 +696,9 @@ impl StackWalker {
     }
 
     fn flush_process(&mut self, tgid: u32, on_walk: &mut impl FnMut(Walked<'_>)) {
+        if !self.waiting.iter().any(|held| held.header.tgid == tgid) {
+            return;
+        }
         let (theirs, others) = std::mem::take(&mut self.waiting)
             .into_iter()
             .partition(|held| held.header.tgid == tgid);
@@ -714,9 +721,8 @@ impl StackWalker {
     }
 
     fn forget_process(&mut self, tgid: u32) {
-        self.processes.remove(tgid);
-        self.modules.remove(&tgid);
-        self.planner.forget_process(tgid);
+        self.exited.retain(|&exited| exited != tgid);
+        self.forget_exited(tgid);
         self.stats.processes_replaced += 1;
     }
 
@@ -738,6 +744,7 @@ impl StackWalker {
             }
         }
         self.waiting_bytes = 0;
+        self.forget_walked_exits();
     }
 
     /// Samples held for a table right now.
@@ -765,6 +772,27 @@ impl StackWalker {
 
     fn retry_waiting(&mut self, on_walk: &mut impl FnMut(Walked<'_>)) {
         self.tables_changed = false;
+        self.walk_waiting(on_walk);
+        self.forget_walked_exits();
+    }
+
+    /// Processes that exited while samples of theirs were held go once
+    /// none is held any more.
+    fn forget_walked_exits(&mut self) {
+        if self.exited.is_empty() {
+            return;
+        }
+        let exited = std::mem::take(&mut self.exited);
+        for tgid in exited {
+            if self.waiting.iter().any(|held| held.header.tgid == tgid) {
+                self.exited.push(tgid);
+            } else {
+                self.forget_exited(tgid);
+            }
+        }
+    }
+
+    fn walk_waiting(&mut self, on_walk: &mut impl FnMut(Walked<'_>)) {
         for held in std::mem::take(&mut self.waiting) {
             match self
                 .walk_sample(&held.header, held.stack())
@@ -852,18 +880,84 @@ impl StackWalker {
         }
     }
 
-    /// The process replaced its image: forget its mappings and plans.
-    pub fn on_exec(&mut self, tgid: u32) {
-        self.processes.exec(tgid);
+    /// The process replaced its image (the sampler's record, once the new
+    /// image is mapped): its held samples are walked with what was known
+    /// of the old one, then its mappings and plans go, unless the mapping
+    /// feed already saw the exec itself.
+    pub fn on_exec(&mut self, tgid: u32, mut on_walk: impl FnMut(Walked<'_>)) {
+        self.flush_process(tgid, &mut on_walk);
+        if self.processes.exec(tgid) {
+            self.forget_modules(tgid);
+        }
+    }
+
+    /// The process exited: forget it, so a reused pid starts afresh. While
+    /// samples of it wait for a table, what is known of it stays, so they
+    /// can still be walked (it goes once they are).
+    pub fn on_exit(&mut self, tgid: u32) {
+        if self.waiting.iter().any(|held| held.header.tgid == tgid) {
+            self.exited.push(tgid);
+            return;
+        }
+        self.forget_exited(tgid);
+    }
+
+    fn forget_exited(&mut self, tgid: u32) {
+        self.processes.remove(tgid);
+        self.forget_modules(tgid);
+    }
+
+    fn forget_modules(&mut self, tgid: u32) {
         self.modules.remove(&tgid);
         self.planner.forget_process(tgid);
     }
 
-    /// The process exited: forget it, so a reused pid starts afresh.
-    pub fn on_exit(&mut self, tgid: u32) {
-        self.processes.remove(tgid);
-        self.modules.remove(&tgid);
-        self.planner.forget_process(tgid);
+    /// From the mapping feed: `child` forked from `parent` and maps what it
+    /// maps. Samples still held for a process that had `child`'s pid are
+    /// walked first.
+    pub fn process_forked(&mut self, parent: u32, child: u32, mut on_walk: impl FnMut(Walked<'_>)) {
+        self.flush_process(child, &mut on_walk);
+        self.processes.forked(parent, child);
+        self.forget_modules(child);
+    }
+
+    /// From the mapping feed: the process called exec; its mappings from
+    /// now on are the events'. Samples held from before are walked first.
+    pub fn process_exec_learned(&mut self, tgid: u32, mut on_walk: impl FnMut(Walked<'_>)) {
+        self.flush_process(tgid, &mut on_walk);
+        self.processes.exec_learned(tgid, None);
+        self.forget_modules(tgid);
+    }
+
+    /// From the mapping feed: the process mapped code. A module it replaces
+    /// goes (samples held from before are walked with it first).
+    pub fn process_mapped(
+        &mut self,
+        tgid: u32,
+        mapping: Mapping,
+        build_id: Option<BuildId>,
+        mut on_walk: impl FnMut(Walked<'_>),
+    ) {
+        let (start, end) = (mapping.start, mapping.end);
+        let overlaps = |m: &Module| m.start < end && start < m.end;
+        if self
+            .modules
+            .get(&tgid)
+            .is_some_and(|p| p.modules.iter().any(overlaps))
+        {
+            self.flush_process(tgid, &mut on_walk);
+            let space = self.next_space();
+            if let Some(process) = self.modules.get_mut(&tgid) {
+                process.modules.retain(|m| !overlaps(m));
+                process.space = space;
+            }
+        }
+        self.processes.mapped(tgid, mapping, build_id);
+    }
+
+    /// What the process table learned from the mapping feed.
+    pub fn table_stats(&self) -> stackscope_process_table::table::TableStats {
+        self.processes.stats()
     }
 
     /// Exec or exit records were lost (the ring buffer was full): any
@@ -872,6 +966,7 @@ impl StackWalker {
     pub fn forget_all_processes(&mut self) {
         self.processes = ProcessTable::new(TableConfig::default());
         self.modules.clear();
+        self.exited.clear();
         self.planner.forget_all();
         self.stats.state_resets += 1;
     }
