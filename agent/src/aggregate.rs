@@ -39,7 +39,7 @@ pub mod worker;
 
 use foldhash::{HashMap, HashMapExt as _};
 use std::{
-    path::PathBuf,
+    path::{Path, PathBuf},
     sync::Arc,
     time::{Duration, SystemTime},
 };
@@ -485,9 +485,13 @@ impl Aggregator {
         }
     }
 
-    /// The process replaced its image: its exe is read again.
-    pub fn on_exec(&mut self, tgid: u32) {
+    /// The process replaced its image: its exe is read again, or if it is
+    /// gone by then, taken from `exe` (what the mapping feed saw it map).
+    pub fn on_exec(&mut self, tgid: u32, exe: Option<&Path>) {
         self.exes.forget(tgid);
+        if let Some(exe) = exe {
+            self.exes.set_learned(tgid, exe);
+        }
     }
 
     /// The process exited.

@@ -604,7 +604,7 @@ impl RecordTally {
                 walker.on_exec(event.tgid, |w| {
                     aggregator.add(w.header, w.kernel_frames, Some(&w.walk))
                 });
-                aggregator.on_exec(event.tgid);
+                aggregator.on_exec(event.tgid, walker.learned_exe(event.tgid));
             }
             Ok(Record::Exit(event)) => {
                 self.totals.process_events += 1;

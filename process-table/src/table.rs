@@ -294,6 +294,9 @@ struct Process {
     /// (later: it fires once the new image is mapped) must not reset them
     /// again.
     exec_learned: bool,
+    /// The program an exec event's first file mapping was (the kernel maps
+    /// the executable before its interpreter).
+    exe: Option<PathBuf>,
 }
 
 impl Process {
@@ -500,6 +503,12 @@ impl ProcessTable {
         let Some(process) = self.processes.get_mut(&tgid) else {
             return;
         };
+        if process.exec_learned
+            && process.exe.is_none()
+            && let Some(path) = region.mapping.path.file_path()
+        {
+            process.exe = Some(path.to_path_buf());
+        }
         let (start, end) = (region.mapping.start, region.mapping.end);
         process.regions.retain(|r| {
             let m = &r.region.mapping;
@@ -560,6 +569,12 @@ impl ProcessTable {
             .iter()
             .find(|region| region.region.mapping.path == MappingPath::Vdso)
             .map(|region| Arc::clone(&region.region)))
+    }
+
+    /// The program `tgid` exec'd, as an exec event and its first file
+    /// mapping told (the path as the process sees it).
+    pub fn learned_exe(&self, tgid: u32) -> Option<&Path> {
+        self.processes.get(&tgid)?.exe.as_deref()
     }
 
     /// Forgets `tgid`: call on process exit, so a later process with the
@@ -711,6 +726,7 @@ impl ProcessTable {
                 learned: false,
                 parent: None,
                 exec_learned: false,
+                exe: None,
             },
         );
     }
@@ -1276,6 +1292,7 @@ mod tests {
         let mut table = proc.table(8, Duration::ZERO);
         table.exec_learned(20, Some(10));
         table.mapped(20, text.clone(), Some(build_id));
+        assert_eq!(table.learned_exe(20), Some(Path::new("/bin/app")));
         let at = text.start + 0x10;
         match table.lookup(20, at).expect("learned") {
             Some(Location::Object(object)) => {

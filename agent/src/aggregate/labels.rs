@@ -126,6 +126,9 @@ pub struct ExeCache {
     proc_root: PathBuf,
     /// Exe by tgid, with the start time of the process it was read for.
     by_tgid: HashMap<u32, (u64, Arc<str>)>,
+    /// Exe by tgid as learned from the process's exec, for when its link
+    /// can no longer be read (it exited).
+    learned: HashMap<u32, Arc<str>>,
     capacity: usize,
     empty: Arc<str>,
     /// `readlink` calls made (cache misses).
@@ -137,6 +140,7 @@ impl ExeCache {
         Self {
             proc_root: proc_root.to_path_buf(),
             by_tgid: HashMap::new(),
+            learned: HashMap::new(),
             capacity: capacity.max(1),
             empty: "".into(),
             reads: 0,
@@ -163,7 +167,10 @@ impl ExeCache {
         self.reads += 1;
         let link = self.proc_root.join(tgid.to_string()).join("exe");
         let Ok(path) = std::fs::read_link(link) else {
-            return Arc::clone(&self.empty);
+            return self
+                .learned
+                .get(&tgid)
+                .map_or_else(|| Arc::clone(&self.empty), Arc::clone);
         };
         let bytes = path.as_os_str().as_bytes();
         let bytes = bytes.strip_suffix(DELETED_SUFFIX).unwrap_or(bytes);
@@ -178,14 +185,27 @@ impl ExeCache {
         Arc::clone(&self.empty)
     }
 
+    /// What `tgid` exec'd, as the mapping feed saw it: its exe once the
+    /// link is gone.
+    pub fn set_learned(&mut self, tgid: u32, exe: &Path) {
+        if self.learned.len() >= self.capacity {
+            self.learned.clear();
+        }
+        let bytes = exe.as_os_str().as_bytes();
+        self.learned
+            .insert(tgid, String::from_utf8_lossy(bytes).into());
+    }
+
     /// Forgets `tgid` (it called exec, or exited).
     pub fn forget(&mut self, tgid: u32) {
         self.by_tgid.remove(&tgid);
+        self.learned.remove(&tgid);
     }
 
     /// Forgets every process (exec or exit records were lost).
     pub fn forget_all(&mut self) {
         self.by_tgid.clear();
+        self.learned.clear();
     }
 
     pub fn len(&self) -> usize {
@@ -246,6 +266,23 @@ mod tests {
         std::os::unix::fs::symlink("/usr/bin/forked", proc.path().join("43/exe"))
             .expect("exe link");
         assert_eq!(&*cache.get(43, 1), "/usr/bin/forked");
+    }
+
+    #[test]
+    fn a_learned_exe_stands_in_once_the_link_is_gone() {
+        let proc = tempfile::tempdir().expect("temporary directory");
+        let mut cache = ExeCache::new(proc.path(), 4);
+        // Process 50 exec'd and exited before its link was read.
+        cache.set_learned(50, Path::new("/usr/bin/sort"));
+        assert_eq!(&*cache.get(50, 1), "/usr/bin/sort");
+        // A live link wins over what was learned.
+        let dir = proc.path().join("51");
+        std::fs::create_dir(&dir).expect("pid directory");
+        std::os::unix::fs::symlink("/usr/bin/uniq", dir.join("exe")).expect("exe link");
+        cache.set_learned(51, Path::new("/usr/bin/stale"));
+        assert_eq!(&*cache.get(51, 1), "/usr/bin/uniq");
+        cache.forget(50);
+        assert_eq!(&*cache.get(50, 1), "");
     }
 
     #[test]

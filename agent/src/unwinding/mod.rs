@@ -955,6 +955,11 @@ impl StackWalker {
         self.processes.mapped(tgid, mapping, build_id);
     }
 
+    /// The program `tgid` exec'd, as the mapping feed saw it mapped.
+    pub fn learned_exe(&self, tgid: u32) -> Option<&Path> {
+        self.processes.learned_exe(tgid)
+    }
+
     /// What the process table learned from the mapping feed.
     pub fn table_stats(&self) -> stackscope_process_table::table::TableStats {
         self.processes.stats()

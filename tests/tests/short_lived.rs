@@ -1,0 +1,197 @@
+//! Short-lived processes end to end (root): a driver starts a dynamically
+//! linked fixture about 200 times a second, each living 2 to 20 ms, long
+//! gone before anyone could read its `/proc/<pid>/maps`. The agent learns
+//! each one's mappings from the kernel's mmap events as they are made, so
+//! its samples are unwound to `_start` through the fixture's own chain and
+//! named from its binary, on the host and inside a podman container whose
+//! files do not exist on the host. Without the events (the old way) most of
+//! them come out unknown, which the first test checks too, so it shows the
+//! difference rather than assume it.
+
+use std::process::{Command, Stdio};
+
+use stackscope_test_fixtures::{
+    Fixture,
+    containers::{Container, Image},
+};
+use stackscope_tests::{
+    Collector, exclusive, folded, require_root, wait_success, workspace_binary,
+};
+
+/// The fixture's own frames, outermost first, as folded stacks show them.
+const CHAIN: &str = "main;work;inner;spin_for";
+
+/// Runs the agent for 5 s at 199 Hz against `collector` as node `node`.
+fn run_agent(collector: &Collector, node: &str, extra: &[&str]) -> serde_json::Value {
+    let agent = Command::new(workspace_binary("stackscope-agent"))
+        .args(["--collector", &collector.grpc, "--node-name", node])
+        .args(["--frequency", "199", "--duration", "5s", "--interval", "2s"])
+        .args(["--no-table-cache", "--json"])
+        .args(extra)
+        .stdout(Stdio::piped())
+        .spawn()
+        .expect("starting the agent");
+    wait_success(agent)
+}
+
+/// The fixture's samples on `node` (comm `short_lived`) as folded stacks:
+/// all of them, those in its own code (below `main`), and of those, the
+/// ones unwound to `_start` through exactly its chain.
+struct Shares {
+    total: u64,
+    in_code: u64,
+    chained: u64,
+}
+
+fn shares(collector: &Collector, node: &str) -> Shares {
+    let matchers = format!("comm=\"short_lived\",node=\"{node}\"");
+    let stacks = folded(&collector.cli(&[
+        "export", "--format", "folded", "--since", "10m", "--match", &matchers,
+    ]));
+    let weight = |keep: &dyn Fn(&str) -> bool| -> u64 {
+        stacks
+            .iter()
+            .filter(|(stack, _)| keep(stack))
+            .map(|(_, n)| n)
+            .sum()
+    };
+    Shares {
+        total: weight(&|_| true),
+        // In the fixture's code: spin_for (or what it calls) is on the
+        // stack, whatever the walk made of the frames below it.
+        in_code: weight(&|stack| stack.contains("spin_for")),
+        chained: weight(&|stack| {
+            stack.starts_with("_start;") && stack.contains(&format!(";{CHAIN}"))
+        }),
+    }
+}
+
+#[test]
+fn short_lived_processes_on_the_host_are_unwound_and_named() {
+    require_root();
+    let _serial = exclusive();
+    let fixture = Fixture::compile("short_lived", &[]);
+    let spawner = Fixture::compile("spawner", &[]);
+    let data = tempfile::tempdir().expect("temp dir");
+    let collector = Collector::start(data.path());
+    let program = fixture.path.to_str().expect("UTF-8 path");
+
+    for (node, extra) in [
+        ("events", &[][..]),
+        ("proc-only", &["--no-mapping-events"][..]),
+    ] {
+        let _driver = spawner.start(&[program, "200", "7"]);
+        let report = run_agent(&collector, node, extra);
+        let shares = shares(&collector, node);
+        eprintln!(
+            "{node}: {} samples of short_lived, {} in its code, {} of them chained to _start; \
+             mapping feed {}",
+            shares.total, shares.in_code, shares.chained, report["mapping_feed"]
+        );
+        assert!(
+            shares.total > 200,
+            "{node}: only {} samples of the short-lived processes",
+            shares.total
+        );
+        if node == "events" {
+            assert!(
+                shares.chained * 100 >= shares.in_code * 99,
+                "only {} of {} samples in the fixture's code read _start;…;{CHAIN}",
+                shares.chained,
+                shares.in_code
+            );
+            // Nearly all its samples are in its code (the rest: the loader
+            // and libc starting it, and the kernel running its exec).
+            assert!(
+                shares.in_code * 100 >= shares.total * 80,
+                "only {} of {} samples are in the fixture's code",
+                shares.in_code,
+                shares.total
+            );
+            let exes = String::from_utf8(collector.cli(&[
+                "labels",
+                "exe",
+                "--since",
+                "10m",
+                "--match",
+                "comm=\"short_lived\",node=\"events\"",
+            ]))
+            .expect("UTF-8 labels");
+            assert!(
+                exes.lines().any(|exe| exe == program),
+                "the fixture's exe is not among {exes:?}"
+            );
+        } else {
+            assert!(
+                shares.chained * 100 < shares.total * 50,
+                "without mapping events {} of {} samples were still chained: \
+                 the test no longer shows what the events add",
+                shares.chained,
+                shares.total
+            );
+        }
+    }
+    collector.stop();
+}
+
+#[test]
+fn short_lived_processes_in_a_container_are_unwound_and_named() {
+    require_root();
+    let _serial = exclusive();
+    // Static: the image has no libc. The host copies are deleted with their
+    // build directories once the image is made, so the files exist only
+    // inside the container.
+    let image = {
+        let fixture = Fixture::compile("short_lived", &["-static"]);
+        let spawner = Fixture::compile("spawner", &["-static"]);
+        Image::build(
+            "short-lived",
+            &[
+                (fixture.path.as_path(), "/app/short_lived"),
+                (spawner.path.as_path(), "/app/spawner"),
+            ],
+        )
+    };
+    let data = tempfile::tempdir().expect("temp dir");
+    let collector = Collector::start(data.path());
+    let container = Container::run(
+        &image,
+        "short-lived",
+        &["/app/spawner", "/app/short_lived", "200", "60"],
+    );
+    let report = run_agent(&collector, "container", &[]);
+    let shares = shares(&collector, "container");
+    eprintln!(
+        "container: {} samples of short_lived, {} in its code, {} of them chained to _start; \
+         process table {}",
+        shares.total, shares.in_code, shares.chained, report["process_table"]
+    );
+    assert!(shares.total > 200, "only {} samples", shares.total);
+    assert!(
+        shares.chained * 100 >= shares.in_code * 99,
+        "only {} of {} samples in the fixture's code read _start;…;{CHAIN}",
+        shares.chained,
+        shares.in_code
+    );
+    assert!(
+        shares.in_code * 100 >= shares.total * 80,
+        "only {} of {} samples are in the fixture's code",
+        shares.in_code,
+        shares.total
+    );
+    let ids = String::from_utf8(collector.cli(&[
+        "labels",
+        "container_id",
+        "--since",
+        "10m",
+        "--match",
+        "comm=\"short_lived\"",
+    ]))
+    .expect("UTF-8 labels");
+    assert!(
+        ids.lines().any(|id| id == container.id),
+        "the samples are not labelled with the container: {ids:?}"
+    );
+    drop(container);
+    collector.stop();
+}
