@@ -392,6 +392,8 @@ fn json_report(
         "aggregation": summary.aggregation,
         "jit_names": summary.jit_names,
         "mapping_feed": summary.mapping_feed,
+        "exited_processes": summary.tally.exited_counts().0,
+        "exited_samples": summary.tally.exited_counts().1,
         "process_table": {
             "maps_reads": summary.process_table.maps_reads,
             "mappings_learned": summary.process_table.mappings_learned,
@@ -465,6 +467,23 @@ fn print_report(
         unwinding.samples_queued,
         unwinding.queue_full,
     )?;
+    let feed = &summary.mapping_feed;
+    if feed.open {
+        let (exited, exited_samples) = summary.tally.exited_counts();
+        writeln!(
+            out,
+            "mappings learned as they were made: {} forks, {} execs, {} executable mmaps \
+             ({} files not found, {} records lost); {} sampled processes exited while \
+             sampled, with {} samples",
+            feed.forks,
+            feed.execs,
+            feed.mmaps,
+            summary.process_table.learned_unidentified,
+            feed.lost,
+            exited,
+            exited_samples,
+        )?;
+    }
     if unwinding.jit_walks > 0 {
         let jit = &summary.jit_names;
         writeln!(

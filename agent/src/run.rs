@@ -321,9 +321,13 @@ pub async fn run(
                     .collect();
                 let aggregation = records.aggregator.stats();
                 let batches = worker.stats();
+                let feed = records.feed.stats();
+                let table = records.walker.table_stats();
                 tracing::info!(
                     "{}; unwinding: {:.1}% of {} stacks to the outermost frame ({:.1}% stitched, \
-                     {:.1}% truncated; least: {}), {} stack tails learned, \
+                     {:.1}% truncated; least: {}), {:.1}% through JIT code, \
+                     mappings learned as made: {} execs, {} executable mmaps ({} files not found), \
+                     {} stack tails learned, \
                      tables {} compiled + {} from disk, {} samples waiting, {} found the queue full; \
                      aggregation: {} distinct stacks this interval, {} batches built \
                      (last: {} stacks, {} KiB, built in {:.1} ms; {} intervals dropped), \
@@ -338,6 +342,10 @@ pub async fn run(
                     } else {
                         worst.join(", ")
                     },
+                    percent(walks.jit_walks, walks.walks),
+                    feed.execs,
+                    feed.mmaps,
+                    table.learned_unidentified,
                     walks.plans.plans_learned,
                     walks.tables_compiled,
                     walks.tables_from_disk,
@@ -608,6 +616,7 @@ impl RecordTally {
             }
             Ok(Record::Exit(event)) => {
                 self.totals.process_events += 1;
+                self.processes.exited(event.tgid);
                 self.walker.on_exit(event.tgid);
                 self.aggregator.on_exit(event.tgid);
             }
@@ -618,6 +627,14 @@ impl RecordTally {
                 }
             }
         }
+    }
+}
+
+fn percent(part: u64, whole: u64) -> f64 {
+    if whole == 0 {
+        0.0
+    } else {
+        100.0 * part as f64 / whole as f64
     }
 }
 

@@ -14,6 +14,8 @@ pub struct ProcessSamples {
     /// usually the process name).
     pub comm: String,
     pub samples: u64,
+    /// The process exited while the agent ran.
+    pub exited: bool,
 }
 
 /// Per-process sample counts.
@@ -22,6 +24,9 @@ pub struct ProcessTally {
     by_tgid: HashMap<u32, ProcessSamples>,
     capacity: usize,
     other: u64,
+    /// Processes sampled that exited while the agent ran, and their samples.
+    exited_processes: u64,
+    exited_samples: u64,
 }
 
 impl ProcessTally {
@@ -30,7 +35,27 @@ impl ProcessTally {
             by_tgid: HashMap::new(),
             capacity,
             other: 0,
+            exited_processes: 0,
+            exited_samples: 0,
         }
+    }
+
+    /// Process `tgid` exited: the samples it had count as a gone process's
+    /// (a later process with the same pid adds to the same entry).
+    pub fn exited(&mut self, tgid: u32) {
+        if let Some(entry) = self.by_tgid.get_mut(&tgid)
+            && !entry.exited
+        {
+            entry.exited = true;
+            self.exited_processes += 1;
+            self.exited_samples += entry.samples;
+        }
+    }
+
+    /// Sampled processes that exited while the agent ran, and the samples
+    /// they had by then.
+    pub fn exited_counts(&self) -> (u64, u64) {
+        (self.exited_processes, self.exited_samples)
     }
 
     /// Counts one sample of `tgid`; `comm` is only called for a new process.
@@ -45,6 +70,7 @@ impl ProcessTally {
                     tgid,
                     comm,
                     samples: 1,
+                    exited: false,
                 },
             );
         } else {
@@ -90,6 +116,19 @@ mod tests {
         );
         assert_eq!(top[0].comm, "p2");
         assert_eq!(tally.total(), 18);
+    }
+
+    #[test]
+    fn counts_the_samples_of_processes_that_exited() {
+        let mut tally = ProcessTally::with_capacity(10);
+        for tgid in [1, 1, 2, 3, 3, 3] {
+            tally.add(tgid, String::new);
+        }
+        tally.exited(1);
+        tally.exited(3);
+        tally.exited(3);
+        tally.exited(99);
+        assert_eq!(tally.exited_counts(), (2, 5));
     }
 
     #[test]
