@@ -246,6 +246,12 @@ enum Backing {
     },
     Failed(Arc<MappingError>),
     Unbacked,
+    /// A file mapped while the agent ran, not identified yet: most
+    /// processes that exec are never sampled, so their files are looked at
+    /// only when a lookup lands in them.
+    Learned {
+        build_id: Option<BuildId>,
+    },
 }
 
 #[derive(Debug, Clone)]
@@ -273,6 +279,8 @@ impl Region {
                 source: Arc::clone(err),
             }),
             Backing::Unbacked => Ok(Location::Unbacked(Arc::clone(&self.region))),
+            // Identified before any lookup answers (see `ProcessTable::lookup`).
+            Backing::Learned { .. } => Ok(Location::Unbacked(Arc::clone(&self.region))),
         }
     }
 }
@@ -301,11 +309,15 @@ struct Process {
 
 impl Process {
     fn find(&self, addr: u64) -> Option<&Region> {
+        self.regions.get(self.position(addr)?)
+    }
+
+    fn position(&self, addr: u64) -> Option<usize> {
         let after = self
             .regions
             .partition_point(|region| region.region.mapping.start <= addr);
-        let candidate = self.regions.get(after.checked_sub(1)?)?;
-        candidate.region.mapping.contains(addr).then_some(candidate)
+        let at = after.checked_sub(1)?;
+        self.regions[at].region.mapping.contains(addr).then_some(at)
     }
 }
 
@@ -365,6 +377,7 @@ impl ProcessTable {
     pub fn lookup(&mut self, tgid: u32, addr: u64) -> Result<Option<Location>, ProcessError> {
         self.stats.lookups += 1;
         let interval = self.config.reread_interval;
+        self.identify_learned_at(tgid, addr);
         let process = self.process(tgid)?;
         if let Some(region) = process.find(addr) {
             // A file that could not be identified is retried with the next
@@ -477,26 +490,7 @@ impl ProcessTable {
             learned: Some(Arc::new(Learned { build_id, roots })),
         });
         let backing = if has_file {
-            match self.identify_learned(&region, build_id) {
-                Ok(object) => {
-                    let bias = object
-                        .load_segments
-                        .as_deref()
-                        .and_then(|segments| bias(&region.mapping, segments, self.page_size));
-                    Backing::Object { object, bias }
-                }
-                Err(err) => {
-                    self.stats.learned_unidentified += 1;
-                    tracing::debug!(
-                        tgid,
-                        start = region.mapping.start,
-                        path = %region.mapping.path,
-                        error = ?err,
-                        "cannot identify a file mapped while the agent ran"
-                    );
-                    Backing::Failed(Arc::new(err))
-                }
-            }
+            Backing::Learned { build_id }
         } else {
             Backing::Unbacked
         };
@@ -518,6 +512,49 @@ impl ProcessTable {
             .regions
             .partition_point(|r| r.region.mapping.start < start);
         process.regions.insert(at, Region { region, backing });
+    }
+
+    /// Identifies the learned, not yet identified file mapped at `addr` in
+    /// `tgid`, if that is what is there.
+    fn identify_learned_at(&mut self, tgid: u32, addr: u64) {
+        let Some((at, region, build_id)) = self.processes.get(&tgid).and_then(|process| {
+            let at = process.position(addr)?;
+            match process.regions[at].backing {
+                Backing::Learned { build_id } => {
+                    Some((at, Arc::clone(&process.regions[at].region), build_id))
+                }
+                _ => None,
+            }
+        }) else {
+            return;
+        };
+        let backing = match self.identify_learned(&region, build_id) {
+            Ok(object) => {
+                let bias = object
+                    .load_segments
+                    .as_deref()
+                    .and_then(|segments| bias(&region.mapping, segments, self.page_size));
+                Backing::Object { object, bias }
+            }
+            Err(err) => {
+                self.stats.learned_unidentified += 1;
+                tracing::debug!(
+                    tgid,
+                    start = region.mapping.start,
+                    path = %region.mapping.path,
+                    error = %err,
+                    "cannot identify a file mapped while the agent ran"
+                );
+                Backing::Failed(Arc::new(err))
+            }
+        };
+        if let Some(slot) = self
+            .processes
+            .get_mut(&tgid)
+            .and_then(|process| process.regions.get_mut(at))
+        {
+            slot.backing = backing;
+        }
         self.trim_objects();
     }
 

@@ -1,6 +1,6 @@
 //! Benchmarks: they print figures and compare them with the targets; they never
 //! fail on a figure (timing belongs in reports, not in tests). `sampler` drives
-//! the agent; `filter` measures the agent's in-kernel cgroup filter on busy
+//! the agent; `mappings` (in `mappings.rs`) costs the mapping events; `filter` measures the agent's in-kernel cgroup filter on busy
 //! processes in cgroups of their own; `unwind` runs the unwinder's criterion
 //! benches; `collector` loads the collector's storage with a synthetic fleet.
 
@@ -41,6 +41,18 @@ pub enum Bench {
         #[arg(long, default_value_t = 3)]
         repeats: usize,
     },
+    /// What learning mappings as they are made costs: per fork+exec and
+    /// per executable mmap with the agent's mapping events on, off, and no
+    /// agent; the agent's CPU per sample on short-lived processes (200 a
+    /// second) against long-running ones.
+    Mappings {
+        /// How long each agent CPU run samples.
+        #[arg(long, default_value_t = 10)]
+        seconds: u64,
+        /// Runs per configuration (medians and spread are reported).
+        #[arg(long, default_value_t = 3)]
+        repeats: usize,
+    },
     /// In-kernel cgroup filtering: 20 busy processes, each in its own cgroup2
     /// child of one parent; the agent at 997 Hz selecting 1 of 20 cgroups,
     /// all of them, and an empty cgroup (every tick filtered out). Reports
@@ -74,6 +86,7 @@ pub fn run(which: Bench) -> anyhow::Result<()> {
         Bench::Filter { seconds } => filter(seconds),
         Bench::Unwind => unwind(),
         Bench::Overhead { seconds, repeats } => crate::overhead::run(seconds, repeats),
+        Bench::Mappings { seconds, repeats } => crate::mappings::run(seconds, repeats),
         Bench::Collector { nodes, minutes } => run_checked(
             Command::new(std::env::var_os("CARGO").unwrap_or_else(|| "cargo".into()))
                 .args([

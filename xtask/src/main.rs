@@ -3,6 +3,7 @@
 //! It owns no product logic: it builds, installs and runs things.
 
 mod bench;
+mod mappings;
 mod overhead;
 mod setup;
 

@@ -44,13 +44,13 @@ struct Run {
 }
 
 /// A child's exit and resource use, from `wait4`.
-struct Exit {
-    success: bool,
-    cpu: Duration,
-    max_rss_kib: u64,
+pub(crate) struct Exit {
+    pub(crate) success: bool,
+    pub(crate) cpu: Duration,
+    pub(crate) max_rss_kib: u64,
 }
 
-fn wait_rusage(child: &mut Child) -> anyhow::Result<Exit> {
+pub(crate) fn wait_rusage(child: &mut Child) -> anyhow::Result<Exit> {
     let mut status = 0;
     // SAFETY: an all-zero rusage is a valid value to be overwritten.
     let mut usage: libc::rusage = unsafe { std::mem::zeroed() };
@@ -385,7 +385,7 @@ fn perf_roots(data: &Path) -> anyhow::Result<(f64, f64)> {
 }
 
 /// Median and (min, max).
-fn spread(values: impl IntoIterator<Item = f64>) -> (f64, f64, f64) {
+pub(crate) fn spread(values: impl IntoIterator<Item = f64>) -> (f64, f64, f64) {
     let mut values: Vec<f64> = values.into_iter().collect();
     values.sort_by(|a, b| a.total_cmp(b));
     if values.is_empty() {
@@ -398,7 +398,7 @@ fn spread(values: impl IntoIterator<Item = f64>) -> (f64, f64, f64) {
     )
 }
 
-fn show((median, min, max): (f64, f64, f64), unit: &str) -> String {
+pub(crate) fn show((median, min, max): (f64, f64, f64), unit: &str) -> String {
     format!("{median:.2}{unit} ({min:.2}-{max:.2})")
 }
 
