@@ -145,6 +145,11 @@ pub enum MappingKey {
     Jit {
         name: Arc<str>,
     },
+    /// A file that could not be reached: shipped by its path alone, with
+    /// file offsets, so it shows as `path+offset` rather than anonymous.
+    Unreadable {
+        path: Arc<str>,
+    },
     Anonymous,
     /// The kernel: split into the image and its modules when the batch is
     /// built (kallsyms says which).
@@ -649,6 +654,15 @@ impl Aggregator {
                         *address,
                     )
                 }
+                FrameObject::Unreadable { path, file_offset } => (
+                    self.current.mapping(
+                        MappingKey::Unreadable {
+                            path: Arc::clone(path),
+                        },
+                        insert,
+                    ),
+                    *file_offset,
+                ),
                 FrameObject::Anonymous { address } => (
                     self.current.mapping(MappingKey::Anonymous, insert),
                     *address,
@@ -741,7 +755,7 @@ impl Aggregator {
 
 /// The path of a mapping as shipped: the file's path as the process sees
 /// it, without the ` (deleted)` mark (the build-id says which version).
-fn mapping_path(path: &MappingPath) -> String {
+pub(crate) fn mapping_path(path: &MappingPath) -> String {
     match path {
         MappingPath::File { path, .. } => path.to_string_lossy().into_owned(),
         MappingPath::Memfd { name, .. } => format!("/memfd:{}", String::from_utf8_lossy(name)),

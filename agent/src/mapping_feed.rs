@@ -27,9 +27,11 @@ use stackscope_process_table::{
 
 use crate::unwinding::{StackWalker, Walked};
 
-/// Events held for samples not yet read, at most; beyond, the oldest are
+/// Events held for samples not yet read, at most (a few MB; a fork+exec
+/// brings about seven, and the run loop drains every 100 ms or sooner, so
+/// this is tens of thousands of execs a second); beyond, the oldest are
 /// applied at once (a little early rather than never).
-pub const MAX_PENDING: usize = 1 << 18;
+pub const MAX_PENDING: usize = 1 << 16;
 
 /// How long after a drain started a sample taken before it may still be
 /// on its way into the ring (written by a program that read the clock just

@@ -120,6 +120,8 @@ pub enum ProcessError {
         tgid: u32,
         start: u64,
         end: u64,
+        /// The mapping: its path names the frames in it.
+        region: Arc<MappedRegion>,
         #[source]
         source: Arc<MappingError>,
     },
@@ -276,6 +278,7 @@ impl Region {
                 tgid: self.region.tgid,
                 start: mapping.start,
                 end: mapping.end,
+                region: Arc::clone(&self.region),
                 source: Arc::clone(err),
             }),
             Backing::Unbacked => Ok(Location::Unbacked(Arc::clone(&self.region))),

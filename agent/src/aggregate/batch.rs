@@ -199,7 +199,7 @@ fn name_locations(
                     line: 0,
                 }]);
             }
-            MappingKey::Anonymous => {}
+            MappingKey::Unreadable { .. } | MappingKey::Anonymous => {}
         }
     }
     let mut groups: Vec<(u32, Vec<usize>)> = by_mapping.into_iter().collect();
@@ -309,6 +309,9 @@ impl BatchBuilder {
                 String::new(),
                 TRUNCATED.to_owned(),
             ),
+            Some(MappingKey::Unreadable { path }) => {
+                (v1::MappingKind::User, String::new(), path.to_string())
+            }
             Some(MappingKey::Jit { .. }) => (
                 v1::MappingKind::Anonymous,
                 String::new(),

@@ -179,6 +179,13 @@ fn stacks_are_kernel_then_user_frames_leaf_first() {
         file(&libc, 0x9_1234),
         FrameObject::Vdso { offset: 0x9a0 },
         file(&own, 0x1_5678),
+        FrameObject::Jit {
+            address: 0x3ef0_a1c0_c2a0,
+        },
+        FrameObject::Unreadable {
+            path: "/usr/bin/gone".into(),
+            file_offset: 0x2040,
+        },
         FrameObject::Anonymous {
             address: 0x7f00_dead_0000,
         },
@@ -206,6 +213,22 @@ fn stacks_are_kernel_then_user_frames_leaf_first() {
             (user_key(&libc), 0x9_1234, false),
             (MappingKey::Vdso, 0x9a0, true),
             (user_key(&own), 0x1_5678, true),
+            // No perf map for this process: named by its thread.
+            (
+                MappingKey::Jit {
+                    name: "[jit] app".into()
+                },
+                0x3ef0_a1c0_c2a0,
+                true
+            ),
+            // A file no root held: by path and file offset.
+            (
+                MappingKey::Unreadable {
+                    path: "/usr/bin/gone".into()
+                },
+                0x2040,
+                true
+            ),
             (MappingKey::Anonymous, 0x7f00_dead_0000, true),
         ]
     );
@@ -515,9 +538,16 @@ fn batches_have_deduplicated_dictionaries_and_indexes_in_range() {
         let mapping = &own.region.mapping;
         address - mapping.start + mapping.offset
     };
+    let jit = FrameObject::Jit {
+        address: 0x3ef0_a1c0_c2a0,
+    };
+    let gone = FrameObject::Unreadable {
+        path: "/usr/bin/gone".into(),
+        file_offset: 0x2040,
+    };
     let stacks: [&[FrameObject]; 3] = [
         &[file(&libc, 0x9_1234), file(&own, own_offset)],
-        &[file(&own, own_offset)],
+        &[jit, gone, file(&own, own_offset)],
         &[FrameObject::Vdso { offset: 0x9a0 }, file(&own, own_offset)],
     ];
     for (i, stack) in stacks.iter().enumerate() {
@@ -583,9 +613,19 @@ fn batches_have_deduplicated_dictionaries_and_indexes_in_range() {
         (v1::MappingKind::Kernel as i32, "[kernel.kallsyms]"),
         (v1::MappingKind::Kernel as i32, "[nf_tables]"),
         (v1::MappingKind::Vdso as i32, "[vdso]"),
+        (v1::MappingKind::Anonymous as i32, "[jit]"),
     ] {
         assert!(kinds.contains(&expected), "{kinds:?}");
     }
+    // A file no root held ships by its path, without a build-id.
+    assert!(
+        mappings.contains(&(
+            v1::MappingKind::User as i32,
+            String::new(),
+            "/usr/bin/gone".to_string()
+        )),
+        "{mappings:?}"
+    );
 
     // Names: kernel frames from kallsyms, this binary's function from its
     // symbols, located at the return address as walked.
@@ -611,6 +651,11 @@ fn batches_have_deduplicated_dictionaries_and_indexes_in_range() {
     );
     assert!(
         all.contains(&(vec!["entry_SYSCALL_64"], KERNEL_CALLER)),
+        "{all:?}"
+    );
+    // A JIT frame without a perf map entry is named by its thread.
+    assert!(
+        all.contains(&(vec!["[jit] a"], 0x3ef0_a1c0_c2a0)),
         "{all:?}"
     );
     let own_names: Vec<&Vec<&str>> = all

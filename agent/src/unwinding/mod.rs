@@ -31,8 +31,8 @@ use compiler::{Compiled, Compiler};
 
 use agent_common::{SampleHeader, sample_flags};
 use stackscope_process_table::{
-    BuildId, Location, MappedRegion, Mapping, MappingPath, ObjectId, ProcessTable, TableConfig,
-    maps::read_maps,
+    BuildId, Location, MappedRegion, Mapping, MappingPath, ObjectId, ProcessError, ProcessTable,
+    TableConfig, maps::read_maps,
 };
 use stackscope_unwind::{
     DEFAULT_MAX_DEPTH, ModuleAt, ModuleLookup, Registers, RuleCache, SampledStack, StackMemory,
@@ -149,6 +149,9 @@ pub enum FrameObject {
     /// In executable memory no file backs (JIT code): the absolute
     /// address, which the process's perf map may name.
     Jit { address: u64 },
+    /// In a file that could not be reached (its process exited and no
+    /// root holds it): the path it was mapped from and the file offset.
+    Unreadable { path: Arc<str>, file_offset: u64 },
     /// In no module the walker knows (a garbage return address, code
     /// mapped after the process's maps were read): the absolute address,
     /// meaningful only as a hint.
@@ -334,6 +337,8 @@ enum ModuleObject {
     File(Arc<ModuleFile>),
     Vdso,
     Jit,
+    /// A file that could not be reached, by the path the process mapped.
+    Unreadable(Arc<str>),
 }
 
 impl Module {
@@ -346,6 +351,10 @@ impl Module {
             },
             ModuleObject::Vdso => FrameObject::Vdso { offset },
             ModuleObject::Jit => FrameObject::Jit { address: pc },
+            ModuleObject::Unreadable(path) => FrameObject::Unreadable {
+                path: Arc::clone(path),
+                file_offset: offset,
+            },
         }
     }
 }
@@ -363,6 +372,9 @@ enum ModuleTable {
     NoCfi,
     /// Being compiled in the background.
     Pending(ObjectId),
+    /// The file could not be reached or identified (its process is gone
+    /// and no root holds it): nothing to unwind with.
+    Unreadable,
 }
 
 impl ModuleTable {
@@ -436,6 +448,9 @@ impl ModuleLookup for KnownModules<'_> {
                 self.pending.set(true);
                 ModuleAt::Unmapped
             }
+            // Its frames are placed and named by path, but how to step
+            // out of them is unknown: the walk ends there.
+            ModuleTable::Unreadable => ModuleAt::Unmapped,
         }
     }
 }
@@ -1218,6 +1233,22 @@ impl StackWalker {
                 }
             }
             Ok(_) => return false,
+            Err(ProcessError::Unidentified { region, .. }) => {
+                // Counted by the process table; its frames ship with the
+                // path and file offset, never as anonymous memory.
+                let mapping = &region.mapping;
+                Module {
+                    start: mapping.start,
+                    end: mapping.end,
+                    bias: 0,
+                    file_base: mapping.start.wrapping_sub(mapping.offset),
+                    table: ModuleTable::Unreadable,
+                    name: binary_name(&mapping.path),
+                    object: ModuleObject::Unreadable(Arc::from(crate::aggregate::mapping_path(
+                        &mapping.path,
+                    ))),
+                }
+            }
             Err(err) => {
                 tracing::debug!("process {tgid}: {err}");
                 return false;
