@@ -9,11 +9,15 @@
 //! walker), nor exits (the sampler's exit records, which are in the same
 //! ring as the samples, end a process).
 //!
-//! Order: the run loop drains these records first, then the sample ring.
-//! Every mmap a sampled thread could have run code from was recorded before
-//! the thread ran it, so it is in hand when the sample is read; applying
-//! only the events older than each record keeps a sample taken before an
-//! exec or a remap from being walked with the mappings made after it.
+//! Order: the run loop drains these records first, then the sample ring,
+//! and drains them again whenever it reads a sample written after the last
+//! drain ([`MappingFeed::catch_up_to`]). Every mmap a sampled thread could
+//! have run code from was recorded before the thread ran it, so it is in
+//! hand when the sample is read; applying only the events older than each
+//! record keeps a sample taken before an exec or a remap from being walked
+//! with the mappings made after it. Records the kernel lost leave that
+//! incomplete, so the run loop then starts every process over (from
+//! `/proc`), as it does when the sample ring loses records.
 
 use std::collections::VecDeque;
 
@@ -48,9 +52,11 @@ pub struct FeedStats {
     pub forks: u64,
     pub execs: u64,
     pub mmaps: u64,
-    /// Records the kernel lost (its ring was full), and ones that did not parse.
+    /// Records the kernel lost (its ring was full), ones that did not
+    /// parse, and times the reader skipped a ring's contents as corrupt.
     pub lost: u64,
     pub malformed: u64,
+    pub resyncs: u64,
     /// Events applied before their time because too many were pending.
     pub applied_early: u64,
 }
@@ -59,6 +65,9 @@ pub struct FeedStats {
 pub struct MappingFeed {
     events: Option<MappingEvents>,
     pending: VecDeque<Event>,
+    /// When the kernel's rings were last read (CLOCK_MONOTONIC ns).
+    collected_at: u64,
+    lost_since_taken: bool,
     stats: FeedStats,
 }
 
@@ -84,6 +93,8 @@ impl MappingFeed {
             },
             events,
             pending: VecDeque::new(),
+            collected_at: 0,
+            lost_since_taken: false,
         }
     }
 
@@ -92,6 +103,8 @@ impl MappingFeed {
         Self {
             events: None,
             pending: VecDeque::new(),
+            collected_at: 0,
+            lost_since_taken: false,
             stats: FeedStats::default(),
         }
     }
@@ -104,7 +117,9 @@ impl MappingFeed {
     /// draining the sample ring. Returns the time (CLOCK_MONOTONIC ns)
     /// up to which, once that ring is drained, every sample has been read.
     pub fn collect(&mut self) -> u64 {
-        let horizon = monotonic_ns().saturating_sub(IN_FLIGHT_NS);
+        let now = monotonic_ns();
+        self.collected_at = now;
+        let horizon = now.saturating_sub(IN_FLIGHT_NS);
         let Some(events) = self.events.as_mut() else {
             return horizon;
         };
@@ -112,6 +127,10 @@ impl MappingFeed {
         let drained = events.drain_sorted(|event| pending.push_back(event));
         self.stats.lost += drained.lost;
         self.stats.malformed += drained.parse_errors;
+        self.stats.resyncs += drained.resyncs;
+        if drained.lost > 0 || drained.resyncs > 0 {
+            self.lost_since_taken = true;
+        }
         // Each drain is sorted; one that brings an event older than the
         // last one held (a record that was late into its CPU's ring) is
         // merged in place.
@@ -121,6 +140,22 @@ impl MappingFeed {
                 .sort_by_key(|event| event.time_ns);
         }
         horizon
+    }
+
+    /// Whether records were lost (or skipped as corrupt) since the last
+    /// call: what was learned may miss a remap, so the caller starts over.
+    pub fn take_losses(&mut self) -> bool {
+        std::mem::take(&mut self.lost_since_taken)
+    }
+
+    /// Makes sure every event that can precede a record written at
+    /// `time_ns` is in hand: a record written after the last
+    /// [`Self::collect`] (the sample ring is read while the program writes)
+    /// may follow events that came after it too.
+    pub fn catch_up_to(&mut self, time_ns: u64) {
+        if self.events.is_some() && time_ns > self.collected_at {
+            self.collect();
+        }
     }
 
     /// Applies the events older than `time_ns` to the walker's process
@@ -162,7 +197,7 @@ impl MappingFeed {
             }
             EventKind::Comm(comm) if comm.exec => {
                 self.stats.execs += 1;
-                walker.process_exec_learned(comm.pid, on_walk);
+                walker.process_exec_learned(comm.pid, event.time_ns, on_walk);
             }
             EventKind::Mmap(mmap) if mmap.exec => {
                 self.stats.mmaps += 1;

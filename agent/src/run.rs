@@ -260,11 +260,11 @@ pub async fn run(
             Event::Records => {
                 // Before the drain: a lost exit or exec record may have left
                 // a process's state stale for the records about to be read.
-                if sampler.take_new_losses()? > 0 {
+                let horizon = records.feed.collect();
+                if sampler.take_new_losses()? > 0 || records.feed.take_losses() {
                     records.walker.forget_all_processes();
                     records.aggregator.forget_all_processes();
                 }
-                let horizon = records.feed.collect();
                 sampler.drain_records(|bytes| records.add(bytes));
                 records.catch_up(horizon);
                 let RecordTally {
@@ -573,6 +573,7 @@ impl RecordTally {
                 feed,
                 ..
             } = self;
+            feed.catch_up_to(record.ktime_ns());
             feed.apply_until(record.ktime_ns(), walker, &mut |w| {
                 aggregator.add(w.header, w.kernel_frames, Some(&w.walk))
             });
@@ -609,7 +610,7 @@ impl RecordTally {
                 let Self {
                     walker, aggregator, ..
                 } = self;
-                walker.on_exec(event.tgid, |w| {
+                walker.on_exec(event.tgid, event.ktime_ns, |w| {
                     aggregator.add(w.header, w.kernel_frames, Some(&w.walk))
                 });
                 aggregator.on_exec(event.tgid, walker.learned_exe(event.tgid));

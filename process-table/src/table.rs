@@ -45,6 +45,11 @@ pub const MAX_PROCESSES: usize = 4096;
 /// loop) costs at most 10 reads per second.
 pub const REREAD_INTERVAL: Duration = Duration::from_millis(100);
 
+/// Longest time between an exec event and the sampler's record of the
+/// same exec (the kernel maps the new image in between: microseconds, or
+/// milliseconds under load); a record later than this is another exec.
+const SAME_EXEC_NS: u64 = 1_000_000_000;
+
 /// Identities kept once no tracked process maps the file any more is
 /// limited to this many entries; beyond it, unused ones are dropped.
 pub const MAX_CACHED_OBJECTS: usize = 16384;
@@ -301,10 +306,10 @@ struct Process {
     learned: bool,
     /// The process it forked from, when an event said so.
     parent: Option<u32>,
-    /// An exec event reset the mappings; the sampler's own exec record
-    /// (later: it fires once the new image is mapped) must not reset them
-    /// again.
-    exec_learned: bool,
+    /// When an exec event reset the mappings: the sampler's own record of
+    /// that exec (later: it fires once the new image is mapped) must not
+    /// reset them again.
+    exec_learned_at: Option<u64>,
     /// The program an exec event's first file mapping was (the kernel maps
     /// the executable before its interpreter).
     exe: Option<PathBuf>,
@@ -395,22 +400,6 @@ impl ProcessTable {
             self.stats.rereads_rate_limited += 1;
             return Ok(None);
         }
-        if let Some(process) = self.processes.get_mut(&tgid)
-            && process.learned
-        {
-            // What events said stands when the process is gone.
-            process.read_at = Instant::now();
-            match maps::read_maps_at(&self.proc_root, tgid) {
-                Ok(_) => {}
-                Err(_) => {
-                    self.stats.answered_after_exit += 1;
-                    return match self.processes.get(&tgid).and_then(|p| p.find(addr)) {
-                        Some(region) => region.location(addr).map(Some),
-                        None => Ok(None),
-                    };
-                }
-            }
-        }
         self.load(tgid)?;
         match self.processes.get(&tgid).and_then(|p| p.find(addr)) {
             Some(region) => region.location(addr).map(Some),
@@ -423,6 +412,8 @@ impl ProcessTable {
     /// from `/proc` when first sampled). A fork that starts a thread, not a
     /// process, is not one for this.
     pub fn forked(&mut self, parent: u32, child: u32) {
+        // Whatever the pid named before is another process.
+        self.remove(child);
         let Some(regions) = self
             .processes
             .get(&parent)
@@ -436,7 +427,6 @@ impl ProcessTable {
             self.fork_parents.insert(child, parent);
             return;
         };
-        self.remove(child);
         self.insert(child, regions);
         if let Some(process) = self.processes.get_mut(&child) {
             process.learned = true;
@@ -444,10 +434,10 @@ impl ProcessTable {
         }
     }
 
-    /// Process `tgid` called exec: what it maps from now on is what
-    /// [`Self::mapped`] is told. It is tracked from here on even if it
-    /// exits before its maps are ever read.
-    pub fn exec_learned(&mut self, tgid: u32, parent: Option<u32>) {
+    /// Process `tgid` called exec at `time_ns` (CLOCK_MONOTONIC): what it
+    /// maps from now on is what [`Self::mapped`] is told. It is tracked
+    /// from here on even if it exits before its maps are ever read.
+    pub fn exec_learned(&mut self, tgid: u32, parent: Option<u32>, time_ns: u64) {
         let parent = parent
             .or_else(|| self.processes.get(&tgid).and_then(|p| p.parent))
             .or_else(|| self.fork_parents.remove(&tgid));
@@ -456,7 +446,7 @@ impl ProcessTable {
         if let Some(process) = self.processes.get_mut(&tgid) {
             process.learned = true;
             process.parent = parent;
-            process.exec_learned = true;
+            process.exec_learned_at = Some(time_ns);
         }
     }
 
@@ -500,7 +490,7 @@ impl ProcessTable {
         let Some(process) = self.processes.get_mut(&tgid) else {
             return;
         };
-        if process.exec_learned
+        if process.exec_learned_at.is_some()
             && process.exe.is_none()
             && let Some(path) = region.mapping.path.file_path()
         {
@@ -626,15 +616,17 @@ impl ProcessTable {
         }
     }
 
-    /// Forgets the mappings of `tgid` because it called `exec`: the new
-    /// program's mappings are read on its next sample. Returns false, and
-    /// keeps them, when [`Self::exec_learned`] already saw this exec (its
+    /// Forgets the mappings of `tgid` because it called `exec` (the
+    /// sampler's record, at `time_ns`): the new program's mappings are read
+    /// on its next sample. Returns false, and keeps them, when
+    /// [`Self::exec_learned`] already saw this exec, just before (its
     /// mappings since are the new program's).
-    pub fn exec(&mut self, tgid: u32) -> bool {
+    pub fn exec(&mut self, tgid: u32, time_ns: u64) -> bool {
         if let Some(process) = self.processes.get_mut(&tgid)
-            && process.exec_learned
+            && let Some(learned_at) = process.exec_learned_at.take()
+            && learned_at <= time_ns
+            && time_ns - learned_at <= SAME_EXEC_NS
         {
-            process.exec_learned = false;
             return false;
         }
         self.remove(tgid);
@@ -684,13 +676,27 @@ impl ProcessTable {
 
     /// (Re-)reads `tgid`'s maps and replaces its entry. On any error the old
     /// entry is dropped too: it was either wrong or belongs to a dead process.
+    ///
+    /// A process whose mappings were learned from events keeps them when
+    /// its maps cannot be read (it exited): they are what is known.
     fn load(&mut self, tgid: u32) -> Result<(), ProcessError> {
-        // Where the process came from outlives a re-read of its maps.
-        let parent = self.processes.get(&tgid).and_then(|p| p.parent);
-        let learned = self.processes.get(&tgid).is_some_and(|p| p.learned);
-        self.remove(tgid);
         self.stats.maps_reads += 1;
-        let mappings = match maps::read_maps_at(&self.proc_root, tgid) {
+        let read = maps::read_maps_at(&self.proc_root, tgid);
+        if read.is_err()
+            && let Some(process) = self.processes.get_mut(&tgid)
+            && process.learned
+        {
+            process.read_at = Instant::now();
+            self.stats.answered_after_exit += 1;
+            return Ok(());
+        }
+        // What events said of the process outlives a re-read of its maps.
+        let kept = self
+            .processes
+            .get_mut(&tgid)
+            .map(|p| (p.learned, p.parent, p.exec_learned_at, p.exe.take()));
+        self.remove(tgid);
+        let mappings = match read {
             Ok(mappings) => mappings,
             Err(MapsError::ProcessGone { .. }) => return Err(ProcessError::ProcessGone { tgid }),
             Err(source) => {
@@ -742,8 +748,15 @@ impl ProcessTable {
         // `find` correct for a hand-written proc root.
         regions.sort_by_key(|region| region.region.mapping.start);
         self.insert(tgid, regions);
-        if let Some(process) = self.processes.get_mut(&tgid) {
-            (process.learned, process.parent) = (learned, parent);
+        if let Some(process) = self.processes.get_mut(&tgid)
+            && let Some((learned, parent, exec_learned_at, exe)) = kept
+        {
+            (
+                process.learned,
+                process.parent,
+                process.exec_learned_at,
+                process.exe,
+            ) = (learned, parent, exec_learned_at, exe);
         }
         self.trim_objects();
         Ok(())
@@ -765,7 +778,7 @@ impl ProcessTable {
                 lru_tick: self.tick,
                 learned: false,
                 parent: None,
-                exec_learned: false,
+                exec_learned_at: None,
                 exe: None,
             },
         );
@@ -1070,7 +1083,7 @@ mod tests {
         proc.set_maps(10, &[VDSO]);
         // Until told, the table answers from what it read (documented).
         assert!(table.lookup(10, 0x7f0000000010).expect("lookup").is_some());
-        table.exec(10);
+        table.exec(10, 0);
         assert!(!table.contains(10));
         assert!(table.lookup(10, 0x7f0000000010).expect("lookup").is_none());
         assert_eq!(table.stats().maps_reads, 2);
@@ -1234,7 +1247,7 @@ mod tests {
         let mut table = proc.table(8, Duration::ZERO);
         // Process 20 exec'd and mapped code while the agent ran, and was
         // gone before anyone looked: no /proc/20 at all.
-        table.exec_learned(20, Some(10));
+        table.exec_learned(20, Some(10), 100);
         table.mapped(20, anonymous(0x7f00_0000_0000, 0x7f00_0001_0000), None);
         let found = table.lookup(20, 0x7f00_0000_0010).expect("learned");
         assert_eq!(unbacked_path(found), MappingPath::Anonymous);
@@ -1261,7 +1274,7 @@ mod tests {
         table.forked(10, 11);
         let found = table.lookup(11, 0x7f00_0000_0010).expect("inherited");
         assert_eq!(unbacked_path(found), MappingPath::Anonymous);
-        table.exec_learned(11, None);
+        table.exec_learned(11, None, 100);
         assert!(
             table
                 .lookup(11, 0x7f00_0000_0010)
@@ -1289,14 +1302,19 @@ mod tests {
     fn the_samplers_exec_record_keeps_what_the_exec_event_learned() {
         let proc = FakeProc::new();
         let mut table = proc.table(8, Duration::ZERO);
-        table.exec_learned(12, None);
+        table.exec_learned(12, None, 1_000);
         table.mapped(12, anonymous(0x1000, 0x2000), None);
         // The sampler's record of the same exec comes after the new image
         // was mapped: it keeps the mappings...
-        assert!(!table.exec(12));
+        assert!(!table.exec(12, 1_500));
         assert!(table.lookup(12, 0x1800).expect("kept").is_some());
         // ...while an exec no event reported starts over.
-        assert!(table.exec(12));
+        assert!(table.exec(12, 2_000));
+        assert!(!table.contains(12));
+        // So does a record long after the event: another exec, whose own
+        // event was lost.
+        table.exec_learned(12, None, 1_000);
+        assert!(table.exec(12, 1_000 + SAME_EXEC_NS + 1));
         assert!(!table.contains(12));
     }
 
@@ -1330,7 +1348,7 @@ mod tests {
         };
         text.start -= code.offset % PAGE;
         let mut table = proc.table(8, Duration::ZERO);
-        table.exec_learned(20, Some(10));
+        table.exec_learned(20, Some(10), 100);
         table.mapped(20, text.clone(), Some(build_id));
         assert_eq!(table.learned_exe(20), Some(Path::new("/bin/app")));
         let at = text.start + 0x10;
@@ -1345,7 +1363,7 @@ mod tests {
         }
         // A file there with another build-id is not the one mapped.
         let other = BuildId::new(&[7; 20]).expect("a build-id");
-        table.exec_learned(21, Some(10));
+        table.exec_learned(21, Some(10), 100);
         table.mapped(21, text, Some(other));
         let err = table.lookup(21, at).expect_err("not the file mapped");
         assert!(matches!(err, ProcessError::Unidentified { .. }), "{err:?}");

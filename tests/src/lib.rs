@@ -321,7 +321,7 @@ fn walk_record(
             walker.push(&sample.header, &[], stack, |w| walks.push(LiveWalk::of(&w)));
         }
         Record::Exec(_) | Record::Exit(_) if options.withhold_process_events => {}
-        Record::Exec(event) => walker.on_exec(event.tgid, |_| {}),
+        Record::Exec(event) => walker.on_exec(event.tgid, event.ktime_ns, |_| {}),
         Record::Exit(event) => walker.on_exit(event.tgid),
     }
 }

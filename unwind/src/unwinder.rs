@@ -231,7 +231,8 @@ enum Step {
     /// The module has a table but no row covers the address (code
     /// generated at build time without CFI, such as V8's builtins, or
     /// hand-written assembly): [`Step::FramePointer`] where rbp is known to
-    /// be a frame pointer, else the walk ends.
+    /// be a frame pointer (the frame was reached through one), else the
+    /// walk ends.
     NoRow,
 }
 
@@ -472,10 +473,11 @@ fn walk(
         };
         let step = match step {
             // rbp is a frame pointer as far as anything can tell when the
-            // frame was reached through one, or is the interrupted frame
-            // (whose rbp the frame-pointer step validates); after a CFI
-            // step it may be any callee-saved value.
-            Step::NoRow if via_frame_pointer || frames.len() == 1 => Step::FramePointer,
+            // frame was reached through one (JIT code calling V8's
+            // builtins); interrupted there, or after a CFI step, it may be
+            // any callee-saved value (code without CFI need not keep a
+            // frame pointer), and a guess could invent a caller.
+            Step::NoRow if via_frame_pointer => Step::FramePointer,
             Step::NoRow => return UnwindEnd::NoUnwindInfo,
             step => step,
         };
@@ -978,11 +980,10 @@ mod tests {
         assert_eq!(frames, [F, GAP + 8]);
         assert_eq!(end, UnwindEnd::NoUnwindInfo);
 
-        // Mapped beyond the table's last FDE, interrupted there: walked by
-        // its frame pointer, here not one (below rsp).
+        // Mapped beyond the table's last FDE, interrupted there.
         let (frames, end) = walk(regs(BIAS + 0x1f00), &stack, DEFAULT_MAX_DEPTH);
         assert_eq!(frames, [BIAS + 0x1f00]);
-        assert_eq!(end, UnwindEnd::CfaNotIncreasing);
+        assert_eq!(end, UnwindEnd::NoUnwindInfo);
     }
 
     #[test]
@@ -1006,15 +1007,16 @@ mod tests {
         assert_eq!(frames, [NO_CFI + 0x100, GAP + 0x10, F + 0x30, H + 8]);
         assert_eq!(end, UnwindEnd::Outermost);
 
-        // Interrupted in the builtin itself: the same.
+        // Interrupted in the builtin itself, rbp may be anything: the walk
+        // stops rather than guess.
         let in_builtin = Registers {
             rip: GAP + 0x8,
             rsp: SP,
             rbp: rbp1,
         };
         let (frames, end) = walk(in_builtin, &stack, DEFAULT_MAX_DEPTH);
-        assert_eq!(frames, [GAP + 0x8, F + 0x30, H + 8]);
-        assert_eq!(end, UnwindEnd::Outermost);
+        assert_eq!(frames, [GAP + 0x8]);
+        assert_eq!(end, UnwindEnd::NoUnwindInfo);
 
         // Reached by a CFI step, rbp is whatever the callee-saved register
         // holds: the walk stops rather than trust it.

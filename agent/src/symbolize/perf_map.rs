@@ -95,6 +95,8 @@ struct PerfMap {
     offset: u64,
     /// The start of a line the JIT has not finished writing.
     partial: Vec<u8>,
+    /// In the middle of an overlong line: skip to its end.
+    skipping: bool,
     entries: BTreeMap<u64, Entry>,
     bytes: usize,
     last_read: Option<Instant>,
@@ -111,6 +113,7 @@ impl PerfMap {
             file: None,
             offset: 0,
             partial: Vec::new(),
+            skipping: false,
             entries: BTreeMap::new(),
             bytes: 0,
             last_read: None,
@@ -237,17 +240,16 @@ impl PerfMaps {
     }
 
     fn lookup(&mut self, tgid: u32, address: u64, now: Instant) -> Option<Arc<str>> {
-        let map = self.maps.get(&tgid)?;
-        if let Some(name) = map.find(address) {
-            return Some(Arc::clone(name));
-        }
-        let due = map
+        // Read on when due, hit or miss: a JIT that reused the code space
+        // has written the new function's line, which replaces the old.
+        let due = self
+            .maps
+            .get(&tgid)?
             .last_read
             .is_none_or(|last| now.saturating_duration_since(last) >= REFRESH_INTERVAL);
-        if !due {
-            return None;
+        if due {
+            self.refresh(tgid, now);
         }
-        self.refresh(tgid, now);
         self.maps.get(&tgid)?.find(address).cloned()
     }
 
@@ -326,6 +328,17 @@ impl PerfMaps {
         map.offset += read as u64;
         let mut bytes = std::mem::take(&mut map.partial);
         bytes.extend_from_slice(&self.buffer[..read]);
+        if map.skipping {
+            // The rest of an overlong line: up to its newline it is not
+            // the start of one.
+            match bytes.iter().position(|&b| b == b'\n') {
+                Some(end) => {
+                    bytes.drain(..=end);
+                    map.skipping = false;
+                }
+                None => bytes.clear(),
+            }
+        }
         let complete = bytes
             .iter()
             .rposition(|&b| b == b'\n')
@@ -334,6 +347,7 @@ impl PerfMaps {
         if rest.len() > MAX_LINE_BYTES {
             // No newline in sight: not a perf map line; skip to the next one.
             self.stats.malformed += 1;
+            map.skipping = true;
         } else {
             map.partial = rest.to_vec();
         }
@@ -346,7 +360,10 @@ impl PerfMaps {
             if line.is_empty() {
                 continue;
             }
-            let Some((start, end, name)) = parse_line(line) else {
+            let parsed = (line.len() <= MAX_LINE_BYTES)
+                .then(|| parse_line(line))
+                .flatten();
+            let Some((start, end, name)) = parsed else {
                 self.stats.malformed += 1;
                 continue;
             };
@@ -568,6 +585,19 @@ mod tests {
     }
 
     #[test]
+    fn a_reused_code_address_takes_the_new_name_on_the_next_refresh() {
+        let process = fake_process(14, 14);
+        append(&process.map, b"1000 100 old\n");
+        let mut maps = PerfMaps::new(process.proc_root.path());
+        let t0 = Instant::now();
+        assert_eq!(&*maps.name(14, 0, &COMM, 0x1010, t0), "old");
+        append(&process.map, b"1000 80 new\n");
+        assert_eq!(&*maps.name(14, 0, &COMM, 0x1010, t0), "old", "not due yet");
+        let t1 = t0 + REFRESH_INTERVAL;
+        assert_eq!(&*maps.name(14, 0, &COMM, 0x1010, t1), "new");
+    }
+
+    #[test]
     fn a_missing_map_names_frames_by_comm_and_retries_later() {
         let process = fake_process(11, 11);
         let mut maps = PerfMaps::new(process.proc_root.path());
@@ -649,10 +679,15 @@ mod tests {
         assert_eq!(&*maps.name(30, 0, &COMM, 0x1000, t0), "[jit] node");
         assert!(maps.maps[&30].partial.is_empty());
         assert_eq!(maps.stats().malformed, 1);
-        append(&process.map, b"\n1000 10 after\n");
+        append(&process.map, b"aaaa\n1000 10 after\n");
         assert_eq!(
             &*maps.name(30, 0, &COMM, 0x1000, t0 + REFRESH_INTERVAL),
             "after"
+        );
+        assert_eq!(
+            maps.stats().malformed,
+            1,
+            "the rest of the long line is skipped"
         );
     }
 }

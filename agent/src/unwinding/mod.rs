@@ -899,9 +899,9 @@ impl StackWalker {
     /// image is mapped): its held samples are walked with what was known
     /// of the old one, then its mappings and plans go, unless the mapping
     /// feed already saw the exec itself.
-    pub fn on_exec(&mut self, tgid: u32, mut on_walk: impl FnMut(Walked<'_>)) {
+    pub fn on_exec(&mut self, tgid: u32, time_ns: u64, mut on_walk: impl FnMut(Walked<'_>)) {
         self.flush_process(tgid, &mut on_walk);
-        if self.processes.exec(tgid) {
+        if self.processes.exec(tgid, time_ns) {
             self.forget_modules(tgid);
         }
     }
@@ -931,16 +931,26 @@ impl StackWalker {
     /// maps. Samples still held for a process that had `child`'s pid are
     /// walked first.
     pub fn process_forked(&mut self, parent: u32, child: u32, mut on_walk: impl FnMut(Walked<'_>)) {
+        // A new process: whatever is kept under its pid (an exited one
+        // whose held samples kept it) is walked, then goes.
         self.flush_process(child, &mut on_walk);
-        self.processes.forked(parent, child);
+        self.exited.retain(|&tgid| tgid != child);
         self.forget_modules(child);
+        self.processes.forked(parent, child);
     }
 
-    /// From the mapping feed: the process called exec; its mappings from
-    /// now on are the events'. Samples held from before are walked first.
-    pub fn process_exec_learned(&mut self, tgid: u32, mut on_walk: impl FnMut(Walked<'_>)) {
+    /// From the mapping feed: the process called exec at `time_ns`; its
+    /// mappings from now on are the events'. Samples held from before are
+    /// walked first.
+    pub fn process_exec_learned(
+        &mut self,
+        tgid: u32,
+        time_ns: u64,
+        mut on_walk: impl FnMut(Walked<'_>),
+    ) {
         self.flush_process(tgid, &mut on_walk);
-        self.processes.exec_learned(tgid, None);
+        self.exited.retain(|&exited| exited != tgid);
+        self.processes.exec_learned(tgid, None, time_ns);
         self.forget_modules(tgid);
     }
 
