@@ -546,7 +546,8 @@ struct RecordTally {
 
 impl RecordTally {
     /// Applies the mapping events every sample before `horizon` has been
-    /// read for (the sample ring was drained since it was taken).
+    /// read for (the sample ring was drained since it was taken), and lets
+    /// go of the processes whose last held samples have been walked.
     fn catch_up(&mut self, horizon: u64) {
         let Self {
             walker,
@@ -557,6 +558,9 @@ impl RecordTally {
         feed.apply_until(horizon, walker, &mut |w| {
             aggregator.add(w.header, w.kernel_frames, Some(&w.walk))
         });
+        for tgid in walker.take_completed_exits() {
+            aggregator.on_exit(tgid);
+        }
     }
 }
 
@@ -618,8 +622,11 @@ impl RecordTally {
             Ok(Record::Exit(event)) => {
                 self.totals.process_events += 1;
                 self.processes.exited(event.tgid);
-                self.walker.on_exit(event.tgid);
-                self.aggregator.on_exit(event.tgid);
+                // Samples of it still waiting for a table keep its labels
+                // until they are walked.
+                if self.walker.on_exit(event.tgid) {
+                    self.aggregator.on_exit(event.tgid);
+                }
             }
             Err(err) => {
                 self.totals.decode_errors += 1;

@@ -8,7 +8,9 @@
 //!
 //! - [`maps`] parses `/proc/<pid>/maps` into [`maps::Mapping`]s;
 //! - [`open`] reaches the exact file behind a mapping through
-//!   `/proc/<pid>/map_files` (deleted files, containers) or the process's root;
+//!   `/proc/<pid>/map_files` (deleted files, containers) or the process's
+//!   root, and once the process is gone, under its parent's, the agent's or
+//!   the host's root, checked by build-id;
 //! - [`elf`] reads an ELF file's build-id and `PT_LOAD` segments, lazily;
 //! - [`object_id`] turns those into an [`ObjectId`]: the build-id, or a
 //!   [`object_id::FileKey`] for files without one;
@@ -20,7 +22,8 @@
 //! runs in, for the container and pod labels on its samples.
 //!
 //! It does not unwind, compile unwind tables, symbolize, or learn about
-//! process exits and execs by itself: the agent forwards those events.
+//! process exits, execs, forks and mmaps by itself: the agent forwards
+//! those events (`stackscope-process-events` reads the kernel's).
 
 pub mod container;
 pub mod elf;

@@ -3,19 +3,26 @@
 //!
 //! Owns: reading a process's maps on first sight and again when a sample
 //! falls outside every known mapping (at most once per
-//! [`REREAD_INTERVAL`] per process), dropping a process on exit or `exec`,
-//! bounding memory ([`MAX_PROCESSES`], [`MAX_CACHED_OBJECTS`]), caching
-//! identities per file version so a library mapped by a hundred processes is
-//! read once, and turning an address into a file offset and an ELF virtual
-//! address.
+//! [`REREAD_INTERVAL`] per process); taking forks, execs and executable
+//! mmaps as they happen ([`ProcessTable::forked`],
+//! [`ProcessTable::exec_learned`], [`ProcessTable::mapped`]) and answering
+//! from them once the process is gone, its files reached under its
+//! parent's or another root and checked by build-id; dropping a process on
+//! exit or `exec`; bounding memory ([`MAX_PROCESSES`],
+//! [`MAX_CACHED_OBJECTS`], mappings per process); caching identities per
+//! file version and by build-id, so a library mapped by a hundred
+//! processes is read once; and turning an address into a file offset and
+//! an ELF virtual address.
 //!
 //! Does not own: unwind tables (compiled elsewhere, keyed by the
-//! [`ObjectId`] handed out here), symbolization, or learning about exits and
-//! execs (the caller forwards the sampler's events to [`ProcessTable::remove`]
-//! and [`ProcessTable::exec`]). The table does not poll `/proc`: until told,
-//! it keeps answering from what it read, so a pid reused without an exit
-//! event in between would be answered from the old process's mappings for
-//! addresses they cover.
+//! [`ObjectId`] handed out here), symbolization, or learning about process
+//! events (the caller forwards the sampler's exits and execs to
+//! [`ProcessTable::remove`] and [`ProcessTable::exec`], and the kernel's
+//! mmap events to the methods above, in time order with the samples). The
+//! table does not poll `/proc`: until told, it keeps answering from what it
+//! read or was told, so a pid reused without an exit or fork event in
+//! between would be answered from the old process's mappings for addresses
+//! they cover.
 
 use std::{
     collections::{BTreeMap, HashMap},
@@ -44,6 +51,9 @@ pub const MAX_PROCESSES: usize = 4096;
 /// unknown address (a garbage frame, code that is mapped and unmapped in a
 /// loop) costs at most 10 reads per second.
 pub const REREAD_INTERVAL: Duration = Duration::from_millis(100);
+
+/// Executable mappings one process keeps from events at most.
+const MAX_REGIONS_PER_PROCESS: usize = 8192;
 
 /// Longest time between an exec event and the sampler's record of the
 /// same exec (the kernel maps the new image in between: microseconds, or
@@ -495,6 +505,12 @@ impl ProcessTable {
             && let Some(path) = region.mapping.path.file_path()
         {
             process.exe = Some(path.to_path_buf());
+        }
+        if process.regions.len() >= MAX_REGIONS_PER_PROCESS {
+            // munmap is no event, so a process that keeps mapping code at
+            // new addresses would grow its list without end: start over
+            // (a live process is read from /proc on its next miss).
+            process.regions.clear();
         }
         let (start, end) = (region.mapping.start, region.mapping.end);
         process.regions.retain(|r| {

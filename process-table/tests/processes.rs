@@ -233,7 +233,7 @@ fn exec_replaces_the_mappings() {
     object(table.lookup(pid, lib_marker).expect("lookup"));
 
     target.exec(&second);
-    table.exec(pid);
+    table.exec(pid, 0);
     assert!(!table.contains(pid), "exec drops the old mappings");
     let new = object(table.lookup(pid, target.marker).expect("lookup"));
     assert_eq!(*new.id, build_id(second_id));

@@ -322,7 +322,9 @@ fn walk_record(
         }
         Record::Exec(_) | Record::Exit(_) if options.withhold_process_events => {}
         Record::Exec(event) => walker.on_exec(event.tgid, event.ktime_ns, |_| {}),
-        Record::Exit(event) => walker.on_exit(event.tgid),
+        Record::Exit(event) => {
+            walker.on_exit(event.tgid);
+        }
     }
 }
 

@@ -54,8 +54,8 @@ impl Agent {
     }
 }
 
-/// Starts the agent for `seconds` (none for [`Agent::None`]) and waits
-/// until it samples.
+/// Starts the agent for `seconds` (none for [`Agent::None`]) and gives it
+/// time to attach.
 fn start_agent(agent: &Path, which: Agent, seconds: u64) -> anyhow::Result<Option<Child>> {
     if which == Agent::None {
         return Ok(None);
@@ -70,8 +70,8 @@ fn start_agent(agent: &Path, which: Agent, seconds: u64) -> anyhow::Result<Optio
         command.arg("--no-mapping-events");
     }
     let child = command.spawn().context("starting the agent")?;
-    // Loading and attaching the program takes a moment; what is timed
-    // must run while it samples.
+    // Loading and attaching the program takes well under a second here;
+    // what is timed must run while the agent samples.
     std::thread::sleep(Duration::from_millis(1500));
     Ok(Some(child))
 }
@@ -119,7 +119,8 @@ pub fn run(seconds: u64, repeats: usize) -> anyhow::Result<()> {
     let spawner = compile_fixture("spawner")?;
     let short_lived = compile_fixture("short_lived")?;
     let busy = compile_fixture("busy")?;
-    let libc_path = "/lib/x86_64-linux-gnu/libc.so.6";
+    let libc_path = own_libc()?;
+    let libc_path = libc_path.as_str();
     let cpus = std::thread::available_parallelism().map_or(2, |n| n.get());
 
     println!("mapping events benchmark: {repeats} runs each, agent at {HZ} Hz on {cpus} CPUs");
@@ -217,4 +218,14 @@ fn agent_cpu_per_sample(
         bail!("the agent stopped early");
     }
     Ok(cpu.as_secs_f64() * 1e6 / samples.max(1) as f64)
+}
+
+/// The C library this process maps: an executable file churn can map too.
+fn own_libc() -> anyhow::Result<String> {
+    let maps = std::fs::read_to_string("/proc/self/maps").context("reading own maps")?;
+    maps.lines()
+        .filter_map(|line| line.split_whitespace().nth(5))
+        .find(|path| path.contains("/libc.so"))
+        .map(str::to_string)
+        .context("no libc in this process's maps")
 }

@@ -19,6 +19,12 @@
 //! A walk reads the sample's copy and its stack tail (words of deep frames
 //! read at the same tick, see [`stitching`]); how each walk went feeds the
 //! planner that decides how much the sampler reads next time.
+//!
+//! Executable memory no file backs is JIT code, walked by its frame
+//! pointers ([`FrameObject::Jit`]). What processes fork, exec and map comes
+//! in from the mapping feed ([`StackWalker::process_forked`] and the like, applied
+//! in time order with the samples); a process that exits while samples of
+//! its wait for a table is kept until they are walked.
 
 mod compiler;
 pub mod stitching;
@@ -563,8 +569,10 @@ pub struct StackWalker {
     jit_binary: Arc<str>,
     /// The last walk went through JIT code.
     last_walk_jit: bool,
-    /// Processes that exited while samples of theirs waited for a table.
+    /// Processes that exited while samples of theirs waited for a table,
+    /// and those of them that have gone since.
     exited: Vec<u32>,
+    completed_exits: Vec<u32>,
     stats: WalkStats,
 }
 
@@ -646,6 +654,7 @@ impl StackWalker {
             jit_binary: Arc::from(JIT_BINARY),
             last_walk_jit: false,
             exited: Vec::new(),
+            completed_exits: Vec::new(),
             stats: WalkStats::default(),
         }
     }
@@ -803,6 +812,7 @@ impl StackWalker {
                 self.exited.push(tgid);
             } else {
                 self.forget_exited(tgid);
+                self.completed_exits.push(tgid);
             }
         }
     }
@@ -909,12 +919,21 @@ impl StackWalker {
     /// The process exited: forget it, so a reused pid starts afresh. While
     /// samples of it wait for a table, what is known of it stays, so they
     /// can still be walked (it goes once they are).
-    pub fn on_exit(&mut self, tgid: u32) {
+    /// Returns whether it went now (else it goes once its held samples
+    /// are walked, and [`Self::take_completed_exits`] says so).
+    pub fn on_exit(&mut self, tgid: u32) -> bool {
         if self.waiting.iter().any(|held| held.header.tgid == tgid) {
             self.exited.push(tgid);
-            return;
+            return false;
         }
         self.forget_exited(tgid);
+        true
+    }
+
+    /// Processes whose exit [`Self::on_exit`] put off and that have gone
+    /// since: what else is kept of them (labels, names) can go now.
+    pub fn take_completed_exits(&mut self) -> Vec<u32> {
+        std::mem::take(&mut self.completed_exits)
     }
 
     fn forget_exited(&mut self, tgid: u32) {
@@ -965,10 +984,15 @@ impl StackWalker {
     ) {
         let (start, end) = (mapping.start, mapping.end);
         let overlaps = |m: &Module| m.start < end && start < m.end;
+        // JIT code remapped as JIT code (V8 flips code pages between
+        // writable and executable all the time) is walked the same way:
+        // nothing to forget.
+        let jit_over_jit =
+            |m: &Module| is_jit_code(&mapping.path) && matches!(m.object, ModuleObject::Jit);
         if self
             .modules
             .get(&tgid)
-            .is_some_and(|p| p.modules.iter().any(overlaps))
+            .is_some_and(|p| p.modules.iter().any(|m| overlaps(m) && !jit_over_jit(m)))
         {
             self.flush_process(tgid, &mut on_walk);
             let space = self.next_space();
@@ -1243,9 +1267,13 @@ impl StackWalker {
                 }
             }
             Ok(_) => return false,
-            Err(ProcessError::Unidentified { region, .. }) => {
-                // Counted by the process table; its frames ship with the
-                // path and file offset, never as anonymous memory.
+            Err(ProcessError::Unidentified { region, .. })
+                if !Path::new(&format!("/proc/{tgid}")).exists() =>
+            {
+                // The process is gone and no root holds the file (counted
+                // by the process table): its frames ship with the path and
+                // file offset, never as anonymous memory. A live process's
+                // file is retried by later samples instead.
                 let mapping = &region.mapping;
                 Module {
                     start: mapping.start,
