@@ -1434,6 +1434,54 @@ mod tests {
     }
 
     #[test]
+    fn an_exit_waits_for_held_samples() {
+        let mut walker = StackWalker::default();
+        let (header, stack) = own_sample();
+        let mut delivered = Vec::new();
+        walker.push(&header, &[], UserStack::copy_only(&stack), |w| {
+            delivered.push(w.walk.outcome)
+        });
+        assert_eq!(walker.waiting(), 1);
+        assert!(
+            !walker.on_exit(header.tgid),
+            "held samples keep the process"
+        );
+        assert!(walker.processes.contains(header.tgid));
+        let started = std::time::Instant::now();
+        while delivered.is_empty() {
+            assert!(started.elapsed() < std::time::Duration::from_secs(60));
+            std::thread::sleep(std::time::Duration::from_millis(5));
+            walker.poll(|w| delivered.push(w.walk.outcome));
+        }
+        // Walked with what was known of it, then it went.
+        assert_eq!(delivered, [WalkOutcome::Ended(UnwindEnd::Outermost)]);
+        assert_eq!(walker.take_completed_exits(), [header.tgid]);
+        assert!(!walker.processes.contains(header.tgid));
+        assert!(!walker.modules.contains_key(&header.tgid));
+        // An exit with nothing held goes at once.
+        assert!(walker.on_exit(header.tgid));
+    }
+
+    #[test]
+    fn a_fork_reusing_the_pid_of_an_exited_process_starts_afresh() {
+        let mut walker = StackWalker::default();
+        let (header, stack) = own_sample();
+        let mut delivered = 0;
+        walker.push(&header, &[], UserStack::copy_only(&stack), |_| {
+            delivered += 1
+        });
+        assert!(!walker.on_exit(header.tgid));
+        // The pid is a new process's now: the held sample is walked as far
+        // as it goes, and nothing of the old process stays for the new one.
+        walker.process_forked(1, header.tgid, |_| delivered += 1);
+        assert_eq!((delivered, walker.waiting()), (1, 0));
+        assert!(walker.exited.is_empty());
+        assert!(!walker.modules.contains_key(&header.tgid));
+        assert!(!walker.processes.contains(header.tgid), "untracked parent");
+        assert!(walker.take_completed_exits().is_empty());
+    }
+
+    #[test]
     fn a_pid_reused_by_a_later_process_starts_afresh() {
         let mut walker = StackWalker::default();
         let (header, stack) = own_sample();
