@@ -442,6 +442,27 @@ pub fn folded(text: &[u8]) -> Vec<(String, u64)> {
         .collect()
 }
 
+/// Runs the agent binary for `duration` at 199 Hz, shipping to `collector`
+/// every 2 s, with `args` besides, and returns its JSON report.
+pub fn run_agent_for(collector: &Collector, duration: &str, args: &[&str]) -> serde_json::Value {
+    let agent = Command::new(workspace_binary("stackscope-agent"))
+        .args(["--collector", &collector.grpc])
+        .args([
+            "--frequency",
+            "199",
+            "--duration",
+            duration,
+            "--interval",
+            "2s",
+        ])
+        .args(["--no-table-cache", "--json"])
+        .args(args)
+        .stdout(Stdio::piped())
+        .spawn()
+        .expect("starting the agent");
+    wait_success(agent)
+}
+
 /// Waits (up to a minute) for an agent started with `--json` to exit
 /// successfully and returns its report.
 pub fn wait_success(mut agent: Child) -> serde_json::Value {

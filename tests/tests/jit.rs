@@ -6,8 +6,8 @@
 
 use std::process::{Command, Stdio};
 
-use stackscope_test_fixtures::{RunningProcess, workspace_binary};
-use stackscope_tests::{Collector, exclusive, folded, require_root, wait_success};
+use stackscope_test_fixtures::RunningProcess;
+use stackscope_tests::{Collector, exclusive, folded, require_root, run_agent_for};
 
 /// Removes node's perf map when the test ends, however it ends.
 struct PerfMapFile(String);
@@ -35,15 +35,7 @@ fn walks_through_jit_frames_to_the_root_and_names_them_from_the_perf_map() {
     let _perf_map = PerfMapFile(format!("/tmp/perf-{}.map", node.pid()));
     let collector = Collector::start(data.path());
 
-    let agent = Command::new(workspace_binary("stackscope-agent"))
-        .args(["--collector", &collector.grpc])
-        .args(["--pid", &node.pid().to_string()])
-        .args(["--frequency", "199", "--duration", "5s", "--interval", "2s"])
-        .args(["--no-table-cache", "--json"])
-        .stdout(Stdio::piped())
-        .spawn()
-        .expect("starting the agent");
-    let report = wait_success(agent);
+    let report = run_agent_for(&collector, "5s", &["--pid", &node.pid().to_string()]);
     let unwinding = &report["unwinding"];
     let walks = unwinding["walks"].as_u64().expect("walks");
     let jit_walks = unwinding["jit_walks"].as_u64().expect("jit_walks");

@@ -8,30 +8,19 @@
 //! them come out unknown, which the first test checks too, so it shows the
 //! difference rather than assume it.
 
-use std::process::{Command, Stdio};
-
 use stackscope_test_fixtures::{
     Fixture,
     containers::{Container, Image},
 };
-use stackscope_tests::{
-    Collector, exclusive, folded, require_root, wait_success, workspace_binary,
-};
+use stackscope_tests::{Collector, exclusive, folded, require_root, run_agent_for};
 
 /// The fixture's own frames, outermost first, as folded stacks show them.
 const CHAIN: &str = "main;work;inner;spin_for";
 
 /// Runs the agent for 5 s at 199 Hz against `collector` as node `node`.
 fn run_agent(collector: &Collector, node: &str, extra: &[&str]) -> serde_json::Value {
-    let agent = Command::new(workspace_binary("stackscope-agent"))
-        .args(["--collector", &collector.grpc, "--node-name", node])
-        .args(["--frequency", "199", "--duration", "5s", "--interval", "2s"])
-        .args(["--no-table-cache", "--json"])
-        .args(extra)
-        .stdout(Stdio::piped())
-        .spawn()
-        .expect("starting the agent");
-    wait_success(agent)
+    let args = [&["--node-name", node][..], extra].concat();
+    run_agent_for(collector, "5s", &args)
 }
 
 /// The fixture's samples on `node` (comm `short_lived`) as folded stacks:
@@ -41,6 +30,26 @@ struct Shares {
     total: u64,
     in_code: u64,
     chained: u64,
+}
+
+impl Shares {
+    /// At least 99% of the samples in the fixture's code read its exact
+    /// chain from `_start`, and nearly all its samples are in its code (the
+    /// rest: the loader and libc starting it, the kernel running its exec).
+    fn assert_unwound(&self) {
+        assert!(
+            self.chained * 100 >= self.in_code * 99,
+            "only {} of {} samples in the fixture's code read _start;…;{CHAIN}",
+            self.chained,
+            self.in_code
+        );
+        assert!(
+            self.in_code * 100 >= self.total * 80,
+            "only {} of {} samples are in the fixture's code",
+            self.in_code,
+            self.total
+        );
+    }
 }
 
 fn shares(collector: &Collector, node: &str) -> Shares {
@@ -94,20 +103,7 @@ fn short_lived_processes_on_the_host_are_unwound_and_named() {
             shares.total
         );
         if node == "events" {
-            assert!(
-                shares.chained * 100 >= shares.in_code * 99,
-                "only {} of {} samples in the fixture's code read _start;…;{CHAIN}",
-                shares.chained,
-                shares.in_code
-            );
-            // Nearly all its samples are in its code (the rest: the loader
-            // and libc starting it, and the kernel running its exec).
-            assert!(
-                shares.in_code * 100 >= shares.total * 80,
-                "only {} of {} samples are in the fixture's code",
-                shares.in_code,
-                shares.total
-            );
+            shares.assert_unwound();
             // Its exe label, though most of these processes were gone
             // before anyone could read their /proc/<pid>/exe.
             let exe_matchers = format!("comm=\"short_lived\",node=\"events\",exe=\"{program}\"");
@@ -174,18 +170,7 @@ fn short_lived_processes_in_a_container_are_unwound_and_named() {
         shares.total, shares.in_code, shares.chained, report["process_table"]
     );
     assert!(shares.total > 200, "only {} samples", shares.total);
-    assert!(
-        shares.chained * 100 >= shares.in_code * 99,
-        "only {} of {} samples in the fixture's code read _start;…;{CHAIN}",
-        shares.chained,
-        shares.in_code
-    );
-    assert!(
-        shares.in_code * 100 >= shares.total * 80,
-        "only {} of {} samples are in the fixture's code",
-        shares.in_code,
-        shares.total
-    );
+    shares.assert_unwound();
     let ids = String::from_utf8(collector.cli(&[
         "labels",
         "container_id",
