@@ -19,7 +19,7 @@
 //! incomplete, so the run loop then starts every process over (from
 //! `/proc`), as it does when the sample ring loses records.
 
-use std::collections::VecDeque;
+use std::collections::{HashSet, VecDeque};
 
 use stackscope_process_events::{
     BuildIds, Config, Event, EventKind, FileRef, MappingEvents, Mmap, OpenError,
@@ -68,14 +68,18 @@ pub struct MappingFeed {
     /// When the kernel's rings were last read (CLOCK_MONOTONIC ns).
     collected_at: u64,
     lost_since_taken: bool,
+    /// The processes whose events apply; empty: all.
+    only: HashSet<u32>,
     stats: FeedStats,
 }
 
 impl MappingFeed {
     /// Opens the events on every CPU. Failing (no perf events, not
     /// permitted), the agent still works for processes it finds in
-    /// `/proc`: the failure is logged and the feed stays empty.
-    pub fn open() -> Self {
+    /// `/proc`: the failure is logged and the feed stays empty. With
+    /// `pids` (the sampler's `--pid` selection), only their events are
+    /// applied: no other process is ever sampled.
+    pub fn open(pids: &[u32]) -> Self {
         let events = match MappingEvents::open(&Config {
             build_ids: BuildIds::IfSupported,
             ..Config::default()
@@ -95,6 +99,7 @@ impl MappingFeed {
             pending: VecDeque::new(),
             collected_at: 0,
             lost_since_taken: false,
+            only: pids.iter().copied().collect(),
         }
     }
 
@@ -105,6 +110,7 @@ impl MappingFeed {
             pending: VecDeque::new(),
             collected_at: 0,
             lost_since_taken: false,
+            only: HashSet::new(),
             stats: FeedStats::default(),
         }
     }
@@ -123,8 +129,12 @@ impl MappingFeed {
         let Some(events) = self.events.as_mut() else {
             return horizon;
         };
-        let pending = &mut self.pending;
-        let drained = events.drain_sorted(|event| pending.push_back(event));
+        let (pending, only) = (&mut self.pending, &self.only);
+        let drained = events.drain_sorted(|event| {
+            if only.is_empty() || event.pid().is_some_and(|pid| only.contains(&pid)) {
+                pending.push_back(event);
+            }
+        });
         self.stats.lost += drained.lost;
         self.stats.malformed += drained.parse_errors;
         self.stats.resyncs += drained.resyncs;

@@ -193,7 +193,7 @@ pub async fn run(
     // Before the sampler: a process that starts between the two is still
     // seen mapping its files.
     let feed = if config.mapping_events {
-        MappingFeed::open()
+        MappingFeed::open(&config.sampler.pids)
     } else {
         MappingFeed::disabled()
     };
