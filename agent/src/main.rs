@@ -377,6 +377,7 @@ fn json_report(
             "queue_full": summary.unwinding.queue_full,
             "table_pending": summary.unwinding.table_pending,
             "tables_failed": summary.unwinding.tables_failed,
+            "user_context_gone": summary.unwinding.user_context_gone,
             "jit_walks": summary.unwinding.jit_walks,
             "jit_outermost": summary.unwinding.jit_outermost,
             "by_binary": summary.unwinding.by_binary.iter()
@@ -452,13 +453,15 @@ fn print_report(
     writeln!(
         out,
         "{:.1}% of {} user stacks unwound to the outermost frame ({:.1}% through a stack tail), \
-         {:.1}% truncated; {} stack tails learned, {:.0} user stack bytes read per sample \
+         {:.1}% truncated ({} kernel ticks had no user context left: inside exec or exit); \
+         {} stack tails learned, {:.0} user stack bytes read per sample \
          ({} tables compiled, {} from disk, \
          {} objects without usable CFI; {} samples waited for a table, {} found the queue full)",
         ends.outermost_percent(),
         ends.walks,
         ends.stitched_percent(),
         ends.truncated_percent(),
+        unwinding.user_context_gone,
         unwinding.plans.plans_learned,
         summary.kernel.user_bytes_per_sample(),
         unwinding.tables_compiled,

@@ -77,12 +77,15 @@ fn walks_through_jit_frames_to_the_root_and_names_them_from_the_perf_map() {
         rooted * 100 >= total * 90,
         "only {rooted} of {total} samples reach _start: {stacks:#?}"
     );
-    // V8 names optimised code `JS:*name file:line:column`; the chain is
-    // outer, middle, leaf, one frame each, in that order.
+    // The chain is outer, middle, leaf, one frame each, in that order.
     let is = |frame: &str, function: &str| {
-        frame.starts_with("JS:")
-            && frame.contains(&format!("{function} "))
-            && frame.contains("jit_chain.js")
+        // `JS:*leaf /path/jit_chain.js:9:14` in node 20 (`LazyCompile:*leaf
+        // /path/jit_chain.js:9` in older V8): the tier mark, the function,
+        // its script.
+        frame.split_once(':').is_some_and(|(_, rest)| {
+            rest.trim_start_matches(['*', '^', '~', '+'])
+                .starts_with(&format!("{function} "))
+        }) && frame.contains("jit_chain.js")
     };
     let chained: u64 = stacks
         .iter()

@@ -261,6 +261,9 @@ pub struct WalkStats {
     pub stitched: u64,
     /// Walks that ran out of stack bytes (copy and tail).
     pub truncated: u64,
+    /// Kernel ticks whose user context was gone (inside execve or exit):
+    /// counted as kernel samples, not as walks.
+    pub user_context_gone: u64,
     /// Walks with at least one frame in JIT code, and of those, walks
     /// that reached the outermost frame.
     pub jit_walks: u64,
@@ -850,7 +853,11 @@ impl StackWalker {
         on_walk: &mut impl FnMut(Walked<'_>),
     ) {
         let stitched = self.last_tail_reads > 0;
-        self.record(outcome, stitched);
+        if self.frames.is_empty() {
+            self.stats.user_context_gone += 1;
+        } else {
+            self.record(outcome, stitched);
+        }
         on_walk(Walked {
             header,
             kernel_frames,
@@ -1087,6 +1094,17 @@ impl StackWalker {
             WalkOutcome::Ended(end)
         };
         self.place_frames(tgid);
+        if header.flags & sample_flags::TICK_IN_USER == 0
+            && matches!(self.objects[..], [FrameObject::Anonymous { .. }])
+        {
+            // A tick in the kernel whose saved user registers point into
+            // nothing mapped: inside execve after the old image was
+            // dropped, or in exit after the memory was torn down. The
+            // sample is the kernel's alone (the user part would have been
+            // a bare address).
+            self.frames.clear();
+            self.objects.clear();
+        }
         Some(Walk {
             frames: &self.frames,
             objects: &self.objects,
@@ -1431,6 +1449,35 @@ mod tests {
         walker.forget_all_processes();
         assert_eq!(walker.tracked_processes(), 0);
         assert_eq!(walker.stats().state_resets, 1);
+    }
+
+    #[test]
+    fn a_kernel_tick_whose_user_context_is_gone_has_no_user_frames() {
+        let mut walker = StackWalker::default();
+        let (header, stack) = own_sample();
+        // In the kernel (no TICK_IN_USER), the saved rip in nothing mapped:
+        // inside execve or exit, the user memory is gone.
+        let gone = SampleHeader {
+            user_rip: 0x10,
+            ..header
+        };
+        let mut frames = Vec::new();
+        walker.push(&gone, &[], UserStack::copy_only(&stack), |w| {
+            frames.push(w.walk.frames.to_vec())
+        });
+        assert_eq!(frames, [Vec::<u64>::new()]);
+        let stats = walker.stats();
+        assert_eq!((stats.user_context_gone, stats.walks), (1, 0));
+        // Interrupted in user mode there, the address is where the CPU was.
+        let in_user = SampleHeader {
+            flags: gone.flags | sample_flags::TICK_IN_USER,
+            ..gone
+        };
+        walker.push(&in_user, &[], UserStack::copy_only(&stack), |w| {
+            frames.push(w.walk.frames.to_vec())
+        });
+        assert_eq!(frames[1], [0x10]);
+        assert_eq!(walker.stats().walks, 1);
     }
 
     #[test]
