@@ -48,6 +48,27 @@ fn functions(path: &str) -> Vec<(String, u64)> {
 }
 
 #[test]
+fn the_loaders_entry_point_without_cfi_is_outermost() {
+    // glibc's ld.so starts at `_start`, which has no FDE and calls
+    // `_dl_start` in its first bytes: a walk that returns there is whole.
+    const LOADER: &str = "/lib64/ld-linux-x86-64.so.2";
+    let data = std::fs::read(LOADER).expect("reading the loader");
+    let entry = object::File::parse(&*data).expect("parsing ELF").entry();
+    let table = UnwindTable::from_elf(&data).expect("compiling the loader's table");
+    assert_invariants(&table);
+    assert_eq!(table.lookup(entry), Some(UnwindRule::Outermost));
+    assert_eq!(table.lookup(entry + 7), Some(UnwindRule::Outermost));
+    // Only its first bytes: whatever follows keeps its own rows or none.
+    assert_ne!(table.lookup(entry + 64), Some(UnwindRule::Outermost));
+    // A raw .eh_frame knows no entry point: nothing is added.
+    let file = object::File::parse(&*data).expect("parsing ELF");
+    let eh_frame = file.section_by_name(".eh_frame").expect(".eh_frame");
+    let raw = UnwindTable::from_eh_frame(eh_frame.data().expect("data"), eh_frame.address())
+        .expect("compiling .eh_frame alone");
+    assert_eq!(raw.lookup(entry), None);
+}
+
+#[test]
 fn libc() {
     let data = std::fs::read(LIBC).expect("reading libc");
     let started = Instant::now();

@@ -26,9 +26,10 @@
 use super::{NO_INFO, Row, UnsupportedCfi, UnwindRule, UnwindTable};
 
 const MAGIC: [u8; 8] = *b"STKUNWT\0";
-/// Bump on any change to the layout or to the meaning of a rule: old files
-/// then fail with [`CacheError::Version`] and get recompiled.
-pub(crate) const FORMAT_VERSION: u32 = 1;
+/// Bump on any change to the layout or to the meaning of a rule, or to
+/// what a table holds: old files then fail with [`CacheError::Version`] and
+/// get recompiled. 2: entry points without CFI are outermost.
+pub(crate) const FORMAT_VERSION: u32 = 2;
 const HEADER_LEN: usize = 32;
 const RULE_LEN: usize = 12;
 const ROW_LEN: usize = 8;

@@ -47,13 +47,18 @@ pub(super) fn from_elf(data: &[u8]) -> Result<UnwindTable, TableError> {
         bases = bases.set_eh_frame_hdr(hdr.address());
     }
 
+    // The entry point: where the kernel (or, for a program, the dynamic
+    // loader) starts the process, so nothing called it.
+    let entry = Some(file.entry()).filter(|&entry| entry != 0);
     // A separate debug file keeps `.eh_frame` as SHT_NOBITS: its data is
     // empty and `.debug_frame` (if any) is what it has.
     if let Some(section) = file.section_by_name(".eh_frame") {
         let bytes = section.data().map_err(TableError::Elf)?;
         if !bytes.is_empty() {
             let bases = bases.set_eh_frame(section.address());
-            return from_eh_frame(bytes, &bases);
+            let mut section = EhFrame::new(bytes, LittleEndian);
+            section.set_address_size(8);
+            return compile(&section, &bases, CfiSection::EhFrame, entry);
         }
     }
     if let Some(section) = file.section_by_name(".debug_frame") {
@@ -63,22 +68,39 @@ pub(super) fn from_elf(data: &[u8]) -> Result<UnwindTable, TableError> {
         }
         let bytes = section.data().map_err(TableError::Elf)?;
         if !bytes.is_empty() {
-            return from_debug_frame(bytes);
+            let mut section = DebugFrame::new(bytes, LittleEndian);
+            section.set_address_size(8);
+            return compile(
+                &section,
+                &BaseAddresses::default(),
+                CfiSection::DebugFrame,
+                entry,
+            );
         }
     }
     Err(TableError::NoCfi)
 }
 
+/// Bytes after an entry point without CFI taken as its function (the
+/// glibc loader's `_start` calls `_dl_start` within its first 8 bytes):
+/// up to the next FDE, at most this.
+const ENTRY_SPAN: u64 = 64;
+
 pub(super) fn from_eh_frame(data: &[u8], bases: &BaseAddresses) -> Result<UnwindTable, TableError> {
     let mut section = EhFrame::new(data, LittleEndian);
     section.set_address_size(8);
-    compile(&section, bases, CfiSection::EhFrame)
+    compile(&section, bases, CfiSection::EhFrame, None)
 }
 
 pub(super) fn from_debug_frame(data: &[u8]) -> Result<UnwindTable, TableError> {
     let mut section = DebugFrame::new(data, LittleEndian);
     section.set_address_size(8);
-    compile(&section, &BaseAddresses::default(), CfiSection::DebugFrame)
+    compile(
+        &section,
+        &BaseAddresses::default(),
+        CfiSection::DebugFrame,
+        None,
+    )
 }
 
 /// The rows of one FDE, before FDEs are sorted and laid out.
@@ -112,10 +134,14 @@ impl Interner {
     }
 }
 
+/// `entry`: the ELF entry point. When no FDE covers it (the glibc loader's
+/// `_start` has none), its first bytes are marked outermost, so a walk
+/// that reaches it ends there as a complete stack.
 fn compile<'a, S>(
     section: &S,
     bases: &BaseAddresses,
     which: CfiSection,
+    entry: Option<u64>,
 ) -> Result<UnwindTable, TableError>
 where
     S: UnwindSection<Reader<'a>>,
@@ -179,6 +205,26 @@ where
         }
         spans.push(Span {
             start,
+            end,
+            first,
+            last: raw.len(),
+        });
+    }
+
+    if let Some(entry) = entry
+        && !spans
+            .iter()
+            .any(|span| (span.start..span.end).contains(&entry))
+    {
+        let end = spans
+            .iter()
+            .map(|span| span.start)
+            .filter(|&start| start > entry)
+            .fold(entry.saturating_add(ENTRY_SPAN), u64::min);
+        let first = raw.len();
+        raw.push((entry, interner.intern(UnwindRule::Outermost)?));
+        spans.push(Span {
+            start: entry,
             end,
             first,
             last: raw.len(),
