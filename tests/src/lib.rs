@@ -414,6 +414,14 @@ impl Collector {
         assert!(status.success(), "the collector exited with {status}");
     }
 
+    /// The folded stacks of the last 10 minutes' samples matching
+    /// `matchers`, as the CLI exports them.
+    pub fn folded_stacks(&self, matchers: &str) -> Vec<(String, u64)> {
+        folded(&self.cli(&[
+            "export", "--format", "folded", "--since", "10m", "--match", matchers,
+        ]))
+    }
+
     /// Runs the `stackscope` CLI against this collector.
     pub fn cli(&self, args: &[&str]) -> Vec<u8> {
         let out = Command::new(workspace_binary("stackscope"))

@@ -7,7 +7,7 @@
 use std::process::{Command, Stdio};
 
 use stackscope_test_fixtures::RunningProcess;
-use stackscope_tests::{Collector, exclusive, folded, require_root, run_agent_for};
+use stackscope_tests::{Collector, exclusive, require_root, run_agent_for};
 
 /// Removes node's perf map when the test ends, however it ends.
 struct PerfMapFile(String);
@@ -57,15 +57,7 @@ fn walks_through_jit_frames_to_the_root_and_names_them_from_the_perf_map() {
         "{named} JIT frames named from the perf map for {jit_walks} walks: {report}"
     );
 
-    let stacks = folded(&collector.cli(&[
-        "export",
-        "--format",
-        "folded",
-        "--since",
-        "10m",
-        "--match",
-        "comm=\"node\"",
-    ]));
+    let stacks = collector.folded_stacks("comm=\"node\"");
     let total: u64 = stacks.iter().map(|(_, n)| n).sum();
     // Root first: the main thread's stacks start at _start.
     let rooted: u64 = stacks

@@ -12,7 +12,7 @@ use stackscope_test_fixtures::{
     Fixture,
     containers::{Container, Image},
 };
-use stackscope_tests::{Collector, exclusive, folded, require_root, run_agent_for};
+use stackscope_tests::{Collector, exclusive, require_root, run_agent_for};
 
 /// The fixture's own frames, outermost first, as folded stacks show them.
 const CHAIN: &str = "main;work;inner;spin_for";
@@ -54,9 +54,7 @@ impl Shares {
 
 fn shares(collector: &Collector, node: &str) -> Shares {
     let matchers = format!("comm=\"short_lived\",node=\"{node}\"");
-    let stacks = folded(&collector.cli(&[
-        "export", "--format", "folded", "--since", "10m", "--match", &matchers,
-    ]));
+    let stacks = collector.folded_stacks(&matchers);
     let weight = |keep: &dyn Fn(&str) -> bool| -> u64 {
         stacks
             .iter()
@@ -107,18 +105,11 @@ fn short_lived_processes_on_the_host_are_unwound_and_named() {
             // Its exe label, though most of these processes were gone
             // before anyone could read their /proc/<pid>/exe.
             let exe_matchers = format!("comm=\"short_lived\",node=\"events\",exe=\"{program}\"");
-            let labelled: u64 = folded(&collector.cli(&[
-                "export",
-                "--format",
-                "folded",
-                "--since",
-                "10m",
-                "--match",
-                &exe_matchers,
-            ]))
-            .iter()
-            .map(|(_, n)| n)
-            .sum();
+            let labelled: u64 = collector
+                .folded_stacks(&exe_matchers)
+                .iter()
+                .map(|(_, n)| n)
+                .sum();
             assert!(
                 labelled * 100 >= shares.total * 95,
                 "only {labelled} of {} samples carry exe={program}",
