@@ -377,7 +377,7 @@ fn json_report(
             "queue_full": summary.unwinding.queue_full,
             "table_pending": summary.unwinding.table_pending,
             "tables_failed": summary.unwinding.tables_failed,
-            "user_context_gone": summary.unwinding.user_context_gone,
+            "kernel_ticks_unplaced": summary.unwinding.kernel_ticks_unplaced,
             "jit_walks": summary.unwinding.jit_walks,
             "jit_outermost": summary.unwinding.jit_outermost,
             "by_binary": summary.unwinding.by_binary.iter()
@@ -453,7 +453,8 @@ fn print_report(
     writeln!(
         out,
         "{:.1}% of {} user stacks unwound to the outermost frame ({:.1}% through a stack tail), \
-         {:.1}% truncated ({} kernel ticks had no user context left: inside exec or exit); \
+         {:.1}% truncated ({} kernel ticks counted as kernel-only: their user address was in no \
+         known mapping, as inside exec or exit); \
          {} stack tails learned, {:.0} user stack bytes read per sample \
          ({} tables compiled, {} from disk, \
          {} objects without usable CFI; {} samples waited for a table, {} found the queue full)",
@@ -461,7 +462,7 @@ fn print_report(
         ends.walks,
         ends.stitched_percent(),
         ends.truncated_percent(),
-        unwinding.user_context_gone,
+        unwinding.kernel_ticks_unplaced,
         unwinding.plans.plans_learned,
         summary.kernel.user_bytes_per_sample(),
         unwinding.tables_compiled,

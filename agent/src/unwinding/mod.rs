@@ -261,9 +261,11 @@ pub struct WalkStats {
     pub stitched: u64,
     /// Walks that ran out of stack bytes (copy and tail).
     pub truncated: u64,
-    /// Kernel ticks whose user context was gone (inside execve or exit):
-    /// counted as kernel samples, not as walks.
-    pub user_context_gone: u64,
+    /// Kernel ticks whose saved user instruction pointer is in no mapping
+    /// the walker knows (inside execve after the old image went, in exit
+    /// after the memory was torn down, or in a process whose mappings were
+    /// never learned): counted as kernel samples, not as walks.
+    pub kernel_ticks_unplaced: u64,
     /// Walks with at least one frame in JIT code, and of those, walks
     /// that reached the outermost frame.
     pub jit_walks: u64,
@@ -854,7 +856,7 @@ impl StackWalker {
     ) {
         let stitched = self.last_tail_reads > 0;
         if self.frames.is_empty() {
-            self.stats.user_context_gone += 1;
+            self.stats.kernel_ticks_unplaced += 1;
         } else {
             self.record(outcome, stitched);
         }
@@ -1098,10 +1100,11 @@ impl StackWalker {
             && matches!(self.objects[..], [FrameObject::Anonymous { .. }])
         {
             // A tick in the kernel whose saved user registers point into
-            // nothing mapped: inside execve after the old image was
-            // dropped, or in exit after the memory was torn down. The
-            // sample is the kernel's alone (the user part would have been
-            // a bare address).
+            // nothing known to be mapped: inside execve after the old image
+            // was dropped, in exit after the memory was torn down (or, with
+            // mapping events off, a process gone before it was read). The
+            // sample is the kernel's alone: the user part would have been
+            // one bare address, which may not even be the process's now.
             self.frames.clear();
             self.objects.clear();
         }
@@ -1467,7 +1470,7 @@ mod tests {
         });
         assert_eq!(frames, [Vec::<u64>::new()]);
         let stats = walker.stats();
-        assert_eq!((stats.user_context_gone, stats.walks), (1, 0));
+        assert_eq!((stats.kernel_ticks_unplaced, stats.walks), (1, 0));
         // Interrupted in user mode there, the address is where the CPU was.
         let in_user = SampleHeader {
             flags: gone.flags | sample_flags::TICK_IN_USER,
