@@ -24,6 +24,7 @@
 //! blazesym before the descriptor is closed and its number reused.
 
 mod cache;
+pub mod jitdump;
 pub mod kernel;
 pub mod perf_map;
 

@@ -1,8 +1,9 @@
-//! JIT code end to end (root): Debian's `node` with `--perf-basic-prof`
-//! runs a chain of named JavaScript functions; the agent walks through the
-//! JIT frames by their frame pointers (and through V8's builtins, which
-//! have no CFI, the same way) back into C++ with CFI, names them from the
-//! process's perf map, and ships them to a real collector.
+//! JIT code end to end (root): Debian's `node` runs a chain of named
+//! JavaScript functions; the agent walks through the JIT frames by their
+//! frame pointers (and through V8's builtins, which have no CFI, the same
+//! way) back into C++ with CFI, names them from what V8 writes for perf
+//! (its perf map with `--perf-basic-prof`, its jitdump file with
+//! `--perf-prof`), and ships them to a real collector.
 
 use std::process::{Command, Stdio};
 
@@ -20,15 +21,27 @@ impl Drop for PerfMapFile {
 
 #[test]
 fn walks_through_jit_frames_to_the_root_and_names_them_from_the_perf_map() {
+    // `/tmp/perf-<pid>.map`, text.
+    walks_and_names_jit_frames("--perf-basic-prof");
+}
+
+#[test]
+fn names_jit_frames_from_a_jitdump_file() {
+    // `jit-<pid>.dump` in the working directory, binary, found through the
+    // process's maps.
+    walks_and_names_jit_frames("--perf-prof");
+}
+
+fn walks_and_names_jit_frames(perf_flag: &str) {
     require_root();
     let _serial = exclusive();
     let script = concat!(env!("CARGO_MANIFEST_DIR"), "/fixtures/jit_chain.js");
     let data = tempfile::tempdir().expect("temp dir");
     // In the temporary directory: with perf support on, V8 writes its
-    // code log (isolate-*.log) to the working directory.
+    // code log (isolate-*.log), and its jitdump file, there.
     let node = RunningProcess::start_ready(
         Command::new("node")
-            .args(["--perf-basic-prof", "--no-turbo-inlining", script])
+            .args([perf_flag, "--no-turbo-inlining", script])
             .current_dir(data.path())
             .stderr(Stdio::inherit()),
     );
@@ -49,12 +62,12 @@ fn walks_through_jit_frames_to_the_root_and_names_them_from_the_perf_map() {
         jit_outermost * 100 >= jit_walks * 90,
         "only {jit_outermost} of {jit_walks} walks through JIT code reached the root"
     );
-    // Every walk through JIT code has JIT frames named from the perf map
+    // Every walk through JIT code has JIT frames named by the JIT
     // (outer, middle, leaf: three each).
     let named = report["jit_names"]["named"].as_u64().expect("named");
     assert!(
         named >= jit_walks,
-        "{named} JIT frames named from the perf map for {jit_walks} walks: {report}"
+        "{named} JIT frames named by the JIT for {jit_walks} walks: {report}"
     );
 
     let stacks = collector.folded_stacks("comm=\"node\"");

@@ -1,4 +1,4 @@
-//! Names of JIT-compiled code from perf map files.
+//! Names of JIT-compiled code from perf map files (and jitdump files).
 //!
 //! A JIT that runs with perf support (`node --perf-basic-prof`, the JVM with
 //! perf-map-agent, .NET with `DOTNET_PerfMapEnabled=1`, LuaJIT, ...) appends
@@ -20,18 +20,24 @@
 //! (the run loop says).
 //!
 //! Malformed lines are skipped and counted; an incomplete last line is kept
-//! until the JIT finishes writing it.
+//! until the JIT finishes writing it. A process that writes a jitdump file
+//! instead (`node --perf-prof`, JVM and .NET agents) has it found through
+//! its maps (the JIT maps it executable) and read the same way, by
+//! [`super::jitdump`].
 
 use std::{
     collections::BTreeMap,
     fs::File,
     io::{Read as _, Seek as _, SeekFrom},
+    os::unix::ffi::OsStrExt as _,
     path::{Path, PathBuf},
     sync::Arc,
     time::{Duration, Instant},
 };
 
 use foldhash::{HashMap, HashMapExt as _};
+
+use super::jitdump::{DumpEvent, DumpReader};
 
 /// Shortest time between two reads of one process's map: a frame that no
 /// entry covers (code the JIT has not described yet, or never will) costs
@@ -53,6 +59,10 @@ pub const MAX_TOTAL_BYTES: usize = 64 << 20;
 
 /// Longest name kept; longer ones are cut (on a character boundary).
 pub const MAX_NAME_BYTES: usize = 1024;
+
+/// Shortest time between two looks for a process's jitdump file (its
+/// maps are read to find it).
+const DUMP_LOOK_INTERVAL: Duration = Duration::from_secs(2);
 
 /// Lines longer than this are malformed (skipped), so an endless line
 /// cannot grow the pending buffer without bound.
@@ -76,6 +86,14 @@ pub struct PerfMapStats {
     pub evicted: u64,
 }
 
+/// A jitdump file being read.
+#[derive(Debug)]
+struct Dump {
+    file: File,
+    offset: u64,
+    reader: DumpReader,
+}
+
 /// One compiled function.
 #[derive(Debug, Clone)]
 struct Entry {
@@ -97,6 +115,10 @@ struct PerfMap {
     partial: Vec<u8>,
     /// In the middle of an overlong line: skip to its end.
     skipping: bool,
+    /// The process's jitdump file, once found, and when it was last
+    /// looked for.
+    dump: Option<Dump>,
+    dump_looked_for: Option<Instant>,
     entries: BTreeMap<u64, Entry>,
     bytes: usize,
     last_read: Option<Instant>,
@@ -114,6 +136,8 @@ impl PerfMap {
             offset: 0,
             partial: Vec::new(),
             skipping: false,
+            dump: None,
+            dump_looked_for: None,
             entries: BTreeMap::new(),
             bytes: 0,
             last_read: None,
@@ -285,12 +309,88 @@ impl PerfMaps {
     }
 
     /// Reads what the JIT appended since the last read.
+    /// Reads what the JIT appended since the last read, to its perf map
+    /// and to its jitdump file.
     fn refresh(&mut self, tgid: u32, now: Instant) {
+        if let Some(map) = self.maps.get_mut(&tgid) {
+            map.last_read = Some(now);
+        }
+        self.read_perf_map(tgid, now);
+        self.read_jitdump(tgid, now);
+    }
+
+    fn read_jitdump(&mut self, tgid: u32, now: Instant) {
         let proc_root = self.proc_root.clone();
         let Some(map) = self.maps.get_mut(&tgid) else {
             return;
         };
-        map.last_read = Some(now);
+        if map.dump.is_none()
+            && map
+                .dump_looked_for
+                .is_none_or(|last| now.saturating_duration_since(last) >= DUMP_LOOK_INTERVAL)
+        {
+            map.dump_looked_for = Some(now);
+            map.dump = open_jitdump(&proc_root, tgid).map(|file| Dump {
+                file,
+                offset: 0,
+                reader: DumpReader::default(),
+            });
+        }
+        let Some(dump) = map.dump.as_mut() else {
+            return;
+        };
+        if dump.reader.is_broken() {
+            return;
+        }
+        let Ok(metadata) = dump.file.metadata() else {
+            return;
+        };
+        let want = usize::try_from(metadata.len().saturating_sub(dump.offset))
+            .unwrap_or(usize::MAX)
+            .min(MAX_READ_PER_REFRESH);
+        if want == 0 {
+            return;
+        }
+        self.buffer.clear();
+        self.buffer.resize(want, 0);
+        let read = dump
+            .file
+            .seek(SeekFrom::Start(dump.offset))
+            .and_then(|_| read_up_to(&mut dump.file, &mut self.buffer));
+        let Ok(read) = read else {
+            return;
+        };
+        dump.offset += read as u64;
+        let mut events = Vec::new();
+        dump.reader
+            .feed(&self.buffer[..read], |event| events.push(event));
+        if dump.reader.is_broken() {
+            self.stats.malformed += 1;
+        }
+        for event in events {
+            match event {
+                DumpEvent::Load { start, end, name } => self.add_entry(tgid, start, end, &name),
+                DumpEvent::Move { from, to, size } => {
+                    let Some(name) = self
+                        .maps
+                        .get_mut(&tgid)
+                        .and_then(|map| map.entries.get(&from).map(|e| Arc::clone(&e.name)))
+                    else {
+                        continue;
+                    };
+                    if let Some(end) = to.checked_add(size).filter(|_| size > 0) {
+                        self.add_entry(tgid, to, end, &name);
+                    }
+                }
+            }
+        }
+    }
+
+    fn read_perf_map(&mut self, tgid: u32, now: Instant) {
+        let proc_root = self.proc_root.clone();
+        let Some(map) = self.maps.get_mut(&tgid) else {
+            return;
+        };
         if map.file.is_none() {
             let Some(file) = open_perf_map(&proc_root, tgid) else {
                 return;
@@ -367,28 +467,34 @@ impl PerfMaps {
                 self.stats.malformed += 1;
                 continue;
             };
-            let cost = entry_bytes(name);
-            while self.total_bytes + cost > self.max_total_bytes {
-                match self.least_recently_used(Some(tgid)) {
-                    Some(other) => {
-                        self.forget(other);
-                        self.stats.evicted += 1;
-                    }
-                    None => break,
-                }
-            }
-            if self.total_bytes + cost > self.max_total_bytes {
-                self.stats.over_budget += 1;
-                continue;
-            }
-            let Some(map) = self.maps.get_mut(&tgid) else {
-                return;
-            };
-            let before = map.bytes;
-            map.insert(start, end, name.into());
-            self.total_bytes = self.total_bytes + map.bytes - before;
-            self.stats.lines += 1;
+            self.add_entry(tgid, start, end, name);
         }
+    }
+
+    /// Adds one function of `tgid`'s JIT code, within the byte budget.
+    fn add_entry(&mut self, tgid: u32, start: u64, end: u64, name: &str) {
+        let name = floor_char_boundary(name, MAX_NAME_BYTES);
+        let cost = entry_bytes(name);
+        while self.total_bytes + cost > self.max_total_bytes {
+            match self.least_recently_used(Some(tgid)) {
+                Some(other) => {
+                    self.forget(other);
+                    self.stats.evicted += 1;
+                }
+                None => break,
+            }
+        }
+        if self.total_bytes + cost > self.max_total_bytes {
+            self.stats.over_budget += 1;
+            return;
+        }
+        let Some(map) = self.maps.get_mut(&tgid) else {
+            return;
+        };
+        let before = map.bytes;
+        map.insert(start, end, name.into());
+        self.total_bytes = self.total_bytes + map.bytes - before;
+        self.stats.lines += 1;
     }
 }
 
@@ -404,6 +510,21 @@ fn read_up_to(file: &mut File, buffer: &mut [u8]) -> std::io::Result<usize> {
         }
     }
     Ok(filled)
+}
+
+/// The jitdump file `tgid` writes, opened through its root: the JIT maps
+/// it executable (how perf finds it too), as `jit-<pid>.dump` wherever the
+/// process was told to write.
+fn open_jitdump(proc_root: &Path, tgid: u32) -> Option<File> {
+    let process = proc_root.join(tgid.to_string());
+    let maps = std::fs::read(process.join("maps")).ok()?;
+    let path = maps.split(|&b| b == b'\n').find_map(|line| {
+        let path = &line[line.iter().position(|&b| b == b'/')?..];
+        let name = path.rsplit(|&b| b == b'/').next()?;
+        (name.starts_with(b"jit-") && name.ends_with(b".dump")).then_some(path)
+    })?;
+    let relative = std::ffi::OsStr::from_bytes(&path[1..]);
+    File::open(process.join("root").join(relative)).ok()
 }
 
 /// `/proc/<tgid>/root/tmp/perf-<pid in its namespace>.map`, opened.
@@ -595,6 +716,40 @@ mod tests {
         assert_eq!(&*maps.name(14, 0, &COMM, 0x1010, t0), "old", "not due yet");
         let t1 = t0 + REFRESH_INTERVAL;
         assert_eq!(&*maps.name(14, 0, &COMM, 0x1010, t1), "new");
+    }
+
+    #[test]
+    fn names_come_from_a_jitdump_file_found_through_the_maps() {
+        use crate::symbolize::jitdump::tests::{header, load};
+        let process = fake_process(15, 15);
+        let root = process.proc_root.path().join("15");
+        std::fs::create_dir_all(root.join("root/work")).expect("cwd");
+        std::fs::write(
+            root.join("maps"),
+            "7f0000000000-7f0000001000 r-xp 00000000 08:01 99 /work/jit-15.dump\n",
+        )
+        .expect("maps");
+        let dump = root.join("root/work/jit-15.dump");
+        append(
+            &dump,
+            &[header(), load(0x1000, 0x100, "JS:*leaf x.js:2", 64)].concat(),
+        );
+        let mut maps = PerfMaps::new(process.proc_root.path());
+        let t0 = Instant::now();
+        assert_eq!(&*maps.name(15, 0, &COMM, 0x1010, t0), "JS:*leaf x.js:2");
+        // The JIT writes on, half a record at a time.
+        let next = load(0x2000, 0x80, "JS:*middle x.js:7", 16);
+        append(&dump, &next[..30]);
+        let t1 = t0 + REFRESH_INTERVAL;
+        assert_eq!(&*maps.name(15, 0, &COMM, 0x2010, t1), "[jit] node");
+        append(&dump, &next[30..]);
+        let t2 = t1 + REFRESH_INTERVAL;
+        assert_eq!(&*maps.name(15, 0, &COMM, 0x2010, t2), "JS:*middle x.js:7");
+        // A perf map of the same process adds to it.
+        append(&process.map, b"3000 10 from-the-perf-map\n");
+        let t3 = t2 + REFRESH_INTERVAL;
+        assert_eq!(&*maps.name(15, 0, &COMM, 0x3000, t3), "from-the-perf-map");
+        assert_eq!(maps.stats().malformed, 0);
     }
 
     #[test]
