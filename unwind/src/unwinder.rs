@@ -38,10 +38,9 @@ pub enum ModuleAt<'a> {
     NoCfi,
     /// A mapped module and its table; the file virtual address of `pc` is
     /// `pc - bias`. `frame_pointer_gaps`: the module's code that no row
-    /// covers keeps frame pointers (the table describes only a sliver of
-    /// the module, as in a program built with frame pointers and without
-    /// unwind tables, whose CFI is the C runtime's few functions), so it is
-    /// walked by them; otherwise only where rbp is known to be one.
+    /// covers keeps frame pointers ([`UnwindTable::frame_pointer_gaps`]),
+    /// so it is walked by them; otherwise only where rbp is known to be
+    /// one.
     Table {
         table: &'a UnwindTable,
         bias: u64,

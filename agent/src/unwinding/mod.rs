@@ -372,13 +372,9 @@ impl Module {
 
 #[derive(Debug, Clone)]
 enum ModuleTable {
-    /// With the bytes of code its rows cover: a module whose table
-    /// describes less than half of it is walked by frame pointers where
-    /// no row covers the address (see [`ModuleAt::Table`]).
-    Ready {
-        table: Arc<UnwindTable>,
-        covered: u64,
-    },
+    /// A module whose table says its code without rows keeps frame
+    /// pointers is walked by them there (see [`ModuleAt::Table`]).
+    Ready(Arc<UnwindTable>),
     /// No usable CFI: walk with frame pointers.
     NoCfi,
     /// Being compiled in the background.
@@ -386,15 +382,6 @@ enum ModuleTable {
     /// The file could not be reached or identified (its process is gone
     /// and no root holds it): nothing to unwind with.
     Unreadable,
-}
-
-impl ModuleTable {
-    fn ready(table: Arc<UnwindTable>) -> Self {
-        Self::Ready {
-            covered: table.covered_bytes(),
-            table,
-        }
-    }
 }
 
 /// The modules of one process, sorted by start address, non-overlapping.
@@ -449,10 +436,10 @@ impl ModuleLookup for KnownModules<'_> {
             return ModuleAt::Unmapped;
         };
         match &module.table {
-            ModuleTable::Ready { table, covered } => ModuleAt::Table {
+            ModuleTable::Ready(table) => ModuleAt::Table {
                 table,
                 bias: module.bias,
-                frame_pointer_gaps: *covered < (module.end - module.start) / 2,
+                frame_pointer_gaps: table.frame_pointer_gaps(),
             },
             ModuleTable::NoCfi => ModuleAt::NoCfi,
             ModuleTable::Pending(_) => {
@@ -483,7 +470,7 @@ impl CachedTable {
     /// The table, if it is ready and only this cache holds it.
     fn unused_table(&self) -> Option<&Arc<UnwindTable>> {
         match &self.table {
-            ModuleTable::Ready { table, .. } if Arc::strong_count(table) == 1 => Some(table),
+            ModuleTable::Ready(table) if Arc::strong_count(table) == 1 => Some(table),
             _ => None,
         }
     }
@@ -639,7 +626,7 @@ impl StackWalker {
             modules: HashMap::new(),
             tables: TableCache::default(),
             table_cache_bytes: config.table_cache_bytes,
-            vdso: own_vdso_table().map_or(ModuleTable::NoCfi, ModuleTable::ready),
+            vdso: own_vdso_table().map_or(ModuleTable::NoCfi, ModuleTable::Ready),
             compiler: Compiler::start(config.compile_threads, config.disk_cache),
             tables_changed: false,
             waiting: VecDeque::new(),
@@ -1191,7 +1178,7 @@ impl StackWalker {
                     } else {
                         self.stats.tables_compiled += 1;
                     }
-                    ModuleTable::ready(table)
+                    ModuleTable::Ready(table)
                 }
                 Compiled::NoCfi => {
                     self.stats.tables_failed += 1;

@@ -12,7 +12,7 @@
 //! 8       4             version (FORMAT_VERSION)
 //! 12      4             rule count R
 //! 16      4             row count N
-//! 20      4             reserved, zero
+//! 20      4             flags: bit 0, code without rows keeps frame pointers
 //! 24      8             base address
 //! 32      12 * R        rules: kind u8, aux u8, 2 zero bytes, a i32, b i32
 //! 32+12R  8 * N         rows: address offset u32, rule index u32
@@ -28,8 +28,10 @@ use super::{NO_INFO, Row, UnsupportedCfi, UnwindRule, UnwindTable};
 const MAGIC: [u8; 8] = *b"STKUNWT\0";
 /// Bump on any change to the layout or to the meaning of a rule, or to
 /// what a table holds: old files then fail with [`CacheError::Version`] and
-/// get recompiled. 2: entry points without CFI are outermost.
-pub(crate) const FORMAT_VERSION: u32 = 2;
+/// get recompiled. 2: entry points without CFI are outermost. 3: flags.
+pub(crate) const FORMAT_VERSION: u32 = 3;
+/// Header flag: [`UnwindTable::frame_pointer_gaps`].
+const FLAG_FRAME_POINTER_GAPS: u32 = 1;
 const HEADER_LEN: usize = 32;
 const RULE_LEN: usize = 12;
 const ROW_LEN: usize = 8;
@@ -156,7 +158,12 @@ pub(super) fn encode(table: &UnwindTable) -> Vec<u8> {
     let count = |len: usize| u32::try_from(len).unwrap_or(u32::MAX);
     out.extend_from_slice(&count(table.rules.len()).to_le_bytes());
     out.extend_from_slice(&count(table.rows.len()).to_le_bytes());
-    out.extend_from_slice(&0u32.to_le_bytes());
+    let flags = if table.frame_pointer_gaps {
+        FLAG_FRAME_POINTER_GAPS
+    } else {
+        0
+    };
+    out.extend_from_slice(&flags.to_le_bytes());
     out.extend_from_slice(&table.base.to_le_bytes());
     for &rule in &table.rules {
         let (kind, aux, a, b) = encode_rule(rule);
@@ -214,7 +221,7 @@ pub(super) fn decode(bytes: &[u8]) -> Result<UnwindTable, CacheError> {
     }
     let rule_count = header.u32()?;
     let row_count = header.u32()?;
-    let reserved = header.u32()?;
+    let flags = header.u32()?;
     let base = header.u64()?;
 
     let expected = HEADER_LEN as u64
@@ -231,9 +238,9 @@ pub(super) fn decode(bytes: &[u8]) -> Result<UnwindTable, CacheError> {
     if (Cursor { bytes: checksum }).u64()? != fnv1a64(body) {
         return Err(CacheError::Checksum);
     }
-    if reserved != 0 {
+    if flags & !FLAG_FRAME_POINTER_GAPS != 0 {
         return Err(CacheError::Invalid {
-            what: "reserved header field",
+            what: "unknown header flags",
         });
     }
     if rule_count == NO_INFO {
@@ -281,7 +288,12 @@ pub(super) fn decode(bytes: &[u8]) -> Result<UnwindTable, CacheError> {
             });
         }
     }
-    Ok(UnwindTable { base, rows, rules })
+    Ok(UnwindTable {
+        base,
+        rows,
+        rules,
+        frame_pointer_gaps: flags & FLAG_FRAME_POINTER_GAPS != 0,
+    })
 }
 
 #[cfg(test)]
@@ -321,6 +333,7 @@ mod tests {
                 },
                 UnwindRule::Unsupported(UnsupportedCfi::CfaExpression),
             ],
+            frame_pointer_gaps: false,
         }
     }
 
@@ -385,6 +398,7 @@ mod tests {
             base: 0,
             rows,
             rules,
+            frame_pointer_gaps: true,
         };
         assert_eq!(UnwindTable::from_bytes(&table.to_bytes()), Ok(table));
     }
@@ -478,7 +492,7 @@ mod tests {
                 rows_at + 4 * ROW_LEN + 4,
                 &0u32.to_le_bytes(),
             ),
-            ("reserved header field", 20, &[1]),
+            ("unknown header flags", 20, &[2]),
         ];
         for (what, at, edit) in cases {
             let mut bytes = sample().to_bytes();

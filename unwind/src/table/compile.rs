@@ -15,7 +15,8 @@ use gimli::{
     LittleEndian, Register, RegisterRule, UnwindContext, UnwindOffset, UnwindSection,
 };
 use object::{
-    Architecture, CompressionFormat, Object as _, ObjectSection as _, read::elf::ElfFile64,
+    Architecture, CompressionFormat, Object as _, ObjectSection as _, ObjectSymbol as _,
+    read::elf::ElfFile64,
 };
 
 use super::{CfiSection, NO_INFO, Row, TableError, UnsupportedCfi, UnwindRule, UnwindTable};
@@ -58,7 +59,9 @@ pub(super) fn from_elf(data: &[u8]) -> Result<UnwindTable, TableError> {
             let bases = bases.set_eh_frame(section.address());
             let mut section = EhFrame::new(bytes, LittleEndian);
             section.set_address_size(8);
-            return compile(&section, &bases, CfiSection::EhFrame, entry);
+            let mut table = compile(&section, &bases, CfiSection::EhFrame, entry)?;
+            table.frame_pointer_gaps = gaps_keep_frame_pointers(&file, &table);
+            return Ok(table);
         }
     }
     if let Some(section) = file.section_by_name(".debug_frame") {
@@ -70,15 +73,105 @@ pub(super) fn from_elf(data: &[u8]) -> Result<UnwindTable, TableError> {
         if !bytes.is_empty() {
             let mut section = DebugFrame::new(bytes, LittleEndian);
             section.set_address_size(8);
-            return compile(
+            let mut table = compile(
                 &section,
                 &BaseAddresses::default(),
                 CfiSection::DebugFrame,
                 entry,
-            );
+            )?;
+            table.frame_pointer_gaps = gaps_keep_frame_pointers(&file, &table);
+            return Ok(table);
         }
     }
     Err(TableError::NoCfi)
+}
+
+/// The frame-pointer prologue: `push %rbp` first (after an `endbr64` with
+/// CET), then `mov %rsp,%rbp` within the next few instructions (GCC
+/// schedules other moves in between).
+const PUSH_RBP: u8 = 0x55;
+const MOV_RSP_RBP: [u8; 3] = [0x48, 0x89, 0xe5];
+const ENDBR64: [u8; 4] = [0xf3, 0x0f, 0x1e, 0xfa];
+/// Bytes of a function's start searched for `mov %rsp,%rbp`.
+const PROLOGUE_BYTES: usize = 24;
+
+/// Functions every C program links from the C runtime (crtstuff.c, crti),
+/// built however the distribution built them: they say nothing of how the
+/// program itself was compiled.
+const C_RUNTIME: [&str; 7] = [
+    "_start",
+    "_init",
+    "_fini",
+    "deregister_tm_clones",
+    "register_tm_clones",
+    "__do_global_dtors_aux",
+    "frame_dummy",
+];
+
+/// Symbol-less code: at least one `mov %rsp,%rbp` per this many bytes of
+/// code without rows reads as frame-pointer code (functions compiled with
+/// -O2 average well under a few hundred bytes; without frame pointers the
+/// instruction is rare).
+const BYTES_PER_PROLOGUE: u64 = 512;
+/// ...and at least this many.
+const MIN_PROLOGUES: u64 = 16;
+
+/// See [`UnwindTable::frame_pointer_gaps`]: the rows cover less than half
+/// of the executable sections, and most functions they do not cover begin
+/// with the frame-pointer prologue (by the symbol tables), or, in a file
+/// stripped of them, the prologue is common in the code.
+fn gaps_keep_frame_pointers(file: &ElfFile64<'_, object::Endianness>, table: &UnwindTable) -> bool {
+    let code: Vec<(u64, &[u8])> = file
+        .sections()
+        .filter(|section| section.kind() == object::SectionKind::Text)
+        .filter_map(|section| Some((section.address(), section.data().ok()?)))
+        .collect();
+    let code_bytes: u64 = code.iter().map(|(_, data)| data.len() as u64).sum();
+    let covered = table.covered_bytes();
+    if covered.saturating_mul(2) >= code_bytes {
+        return false;
+    }
+    let bytes_at = |address: u64| {
+        code.iter().find_map(|&(start, data)| {
+            let offset = usize::try_from(address.checked_sub(start)?).ok()?;
+            let end = offset.checked_add(PROLOGUE_BYTES)?.min(data.len());
+            data.get(offset..end)
+        })
+    };
+    let opens_a_frame = |bytes: &[u8]| {
+        let bytes = bytes.strip_prefix(&ENDBR64).unwrap_or(bytes);
+        bytes.first() == Some(&PUSH_RBP) && bytes.windows(3).any(|w| w == MOV_RSP_RBP)
+    };
+    let (mut named, mut functions, mut with_frames) = (0u64, 0u64, 0u64);
+    for symbol in file.symbols().chain(file.dynamic_symbols()) {
+        if symbol.kind() != object::SymbolKind::Text
+            || symbol.size() == 0
+            || symbol.name().is_ok_and(|name| C_RUNTIME.contains(&name))
+        {
+            continue;
+        }
+        named += 1;
+        if table.lookup(symbol.address()).is_some() {
+            continue;
+        }
+        if let Some(bytes) = bytes_at(symbol.address()) {
+            functions += 1;
+            with_frames += u64::from(opens_a_frame(bytes));
+        }
+    }
+    if named > 0 {
+        // The program's own functions say it: those without rows open
+        // frames, three in four at least (leaf functions may not).
+        return functions > 0 && with_frames * 4 >= functions * 3;
+    }
+    let prologues = code
+        .iter()
+        .map(|(_, data)| data.windows(3).filter(|w| *w == MOV_RSP_RBP).count() as u64)
+        .sum::<u64>();
+    // A few could be the C runtime's own (crtstuff keeps a frame pointer):
+    // too little code to tell is not frame-pointer code.
+    prologues >= MIN_PROLOGUES
+        && prologues.saturating_mul(BYTES_PER_PROLOGUE) >= code_bytes - covered
 }
 
 /// Bytes after an entry point without CFI taken as its function (the
@@ -234,7 +327,12 @@ where
     let (base, rows) = lay_out(&spans, &raw)?;
     let mut rules = interner.rules;
     rules.shrink_to_fit();
-    Ok(UnwindTable { base, rows, rules })
+    Ok(UnwindTable {
+        base,
+        rows,
+        rules,
+        frame_pointer_gaps: false,
+    })
 }
 
 enum Failure {

@@ -108,6 +108,9 @@ pub struct UnwindTable {
     rows: Vec<Row>,
     /// Every distinct rule, indexed by `Row::rule`.
     rules: Vec<UnwindRule>,
+    /// The code no row covers keeps frame pointers (see
+    /// [`UnwindTable::frame_pointer_gaps`]).
+    frame_pointer_gaps: bool,
 }
 
 /// Which section a table was compiled from; named in errors.
@@ -226,9 +229,19 @@ impl UnwindTable {
         self.rows.is_empty()
     }
 
+    /// Whether the binary's code that no row covers keeps frame pointers,
+    /// so a walk may step out of it by rbp: that code is most of the
+    /// binary (its CFI describes a sliver, as in a program built with
+    /// frame pointers and without unwind tables), and it reads as such
+    /// (its functions begin `push %rbp; mov %rsp,%rbp`). Known only for
+    /// tables compiled from an ELF file.
+    pub fn frame_pointer_gaps(&self) -> bool {
+        self.frame_pointer_gaps
+    }
+
     /// Bytes of code the rows cover (gaps and the terminator excluded).
     /// One pass over the rows: callers that need it often keep it.
-    pub fn covered_bytes(&self) -> u64 {
+    pub(crate) fn covered_bytes(&self) -> u64 {
         self.rows
             .windows(2)
             .filter(|pair| self.rules.get(pair[0].rule as usize).is_some())
@@ -276,7 +289,12 @@ impl UnwindTable {
                 }),
             })
             .collect();
-        Self { base, rows, rules }
+        Self {
+            base,
+            rows,
+            rules,
+            frame_pointer_gaps: false,
+        }
     }
 
     /// Serialises the table for the on-disk cache (see [`Self::from_bytes`]).
@@ -336,6 +354,7 @@ mod tests {
                 .map(|&(address, rule)| Row { address, rule })
                 .collect(),
             rules: rules.to_vec(),
+            frame_pointer_gaps: false,
         }
     }
 
