@@ -90,6 +90,15 @@ impl MappingFeed {
                 None
             }
         };
+        Self::with(events, pids)
+    }
+
+    /// A feed with no events (`--no-mapping-events`).
+    pub fn disabled() -> Self {
+        Self::with(None, &[])
+    }
+
+    fn with(events: Option<MappingEvents>, pids: &[u32]) -> Self {
         Self {
             stats: FeedStats {
                 open: events.is_some(),
@@ -100,18 +109,6 @@ impl MappingFeed {
             collected_at: 0,
             lost_since_taken: false,
             only: pids.iter().copied().collect(),
-        }
-    }
-
-    /// A feed with no events (`--no-mapping-events`).
-    pub fn disabled() -> Self {
-        Self {
-            events: None,
-            pending: VecDeque::new(),
-            collected_at: 0,
-            lost_since_taken: false,
-            only: HashSet::new(),
-            stats: FeedStats::default(),
         }
     }
 
