@@ -19,9 +19,10 @@ const OUTERMOST: WalkOutcome = WalkOutcome::Ended(UnwindEnd::Outermost);
 
 /// How long each fixture is sampled: the first walks of a deep thread end
 /// truncated until its stack plan is learned (a few hundred milliseconds,
-/// the table compiles included), so the window is long enough for them to
-/// be a small share.
-const WINDOW: Duration = Duration::from_secs(10);
+/// the table compiles included: 0.33 s in a fresh clone's CI run, where
+/// 10 s left 94.9%), so the window is long enough for them to be a small
+/// share.
+const WINDOW: Duration = Duration::from_secs(15);
 
 /// The share of a thread's walks that must reach the root.
 const MIN_ROOT_SHARE: f64 = 0.95;
