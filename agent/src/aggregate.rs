@@ -45,7 +45,7 @@ use std::{
 };
 
 use agent_common::{COMM_LEN, SampleHeader};
-use stackscope_process_table::{MappingPath, ObjectId};
+use stackscope_process_table::ObjectId;
 
 pub use batch::{BatchOptions, build_batch};
 use labels::{ExeCache, LabelChoice};
@@ -625,7 +625,9 @@ impl Aggregator {
         let Some(walk) = user else {
             return true;
         };
-        let now = std::time::Instant::now();
+        // Read once per sample, and only for samples with JIT frames: the
+        // clock is not free on the per-sample path.
+        let mut now = None;
         for (i, object) in walk.objects.iter().enumerate() {
             let (mapping, address) = match object {
                 FrameObject::File { file, file_offset } => {
@@ -647,7 +649,7 @@ impl Aggregator {
                         header.process_start_ns,
                         &header.comm,
                         lookup,
-                        now,
+                        *now.get_or_insert_with(std::time::Instant::now),
                     );
                     (
                         self.current.mapping(MappingKey::Jit { name }, insert),
@@ -693,7 +695,7 @@ impl Aggregator {
         }
         let key = MappingKey::User {
             id: *file.id,
-            path: mapping_path(file.path()),
+            path: file.path().shipped_name(),
         };
         let index = match self.current.mapping_index.get(&key) {
             Some(&index) => index,
@@ -750,16 +752,6 @@ impl Aggregator {
         self.stats.intervals += 1;
         self.stats.max_distinct = self.stats.max_distinct.max(finished.samples.len() as u64);
         finished.finish(Arc::clone(&self.node), self.config.labels, end)
-    }
-}
-
-/// The path of a mapping as shipped: the file's path as the process sees
-/// it, without the ` (deleted)` mark (the build-id says which version).
-pub(crate) fn mapping_path(path: &MappingPath) -> String {
-    match path {
-        MappingPath::File { path, .. } => path.to_string_lossy().into_owned(),
-        MappingPath::Memfd { name, .. } => format!("/memfd:{}", String::from_utf8_lossy(name)),
-        other => other.to_string(),
     }
 }
 

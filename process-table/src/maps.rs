@@ -196,6 +196,18 @@ impl MappingPath {
         }
     }
 
+    /// The name a profile carries for the area: a file's path as the
+    /// process sees it without the ` (deleted)` mark (its identity says
+    /// which version), `/memfd:<name>` for a memfd, else the name as maps
+    /// shows it.
+    pub fn shipped_name(&self) -> String {
+        match self {
+            Self::File { path, .. } => path.to_string_lossy().into_owned(),
+            Self::Memfd { name, .. } => format!("/memfd:{}", String::from_utf8_lossy(name)),
+            other => other.to_string(),
+        }
+    }
+
     /// Whether the file behind the area was unlinked or replaced.
     pub fn is_deleted(&self) -> bool {
         matches!(
@@ -501,6 +513,18 @@ mod tests {
                 assert_eq!(err.line, line, "the error names the line");
                 err.kind
             }
+        }
+    }
+
+    #[test]
+    fn shipped_names_drop_the_deleted_mark() {
+        for (name, shipped) in [
+            (&b"/usr/bin/sort (deleted)"[..], "/usr/bin/sort"),
+            (b"/memfd:doublemapper (deleted)", "/memfd:doublemapper"),
+            (b"[vdso]", "[vdso]"),
+            (b"[anon:v8 code]", "[anon:v8 code]"),
+        ] {
+            assert_eq!(MappingPath::parse(name).shipped_name(), shipped);
         }
     }
 

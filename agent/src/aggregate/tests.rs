@@ -201,7 +201,7 @@ fn stacks_are_kernel_then_user_frames_leaf_first() {
     assert_eq!(*count, 1);
     let user_key = |module: &ModuleFile| MappingKey::User {
         id: *module.id,
-        path: mapping_path(module.path()),
+        path: module.path().shipped_name(),
     };
     assert_eq!(
         frames,
@@ -599,7 +599,7 @@ fn batches_have_deduplicated_dictionaries_and_indexes_in_range() {
         (
             v1::MappingKind::User as i32,
             build_id,
-            mapping_path(module.path()),
+            module.path().shipped_name(),
         )
     };
     assert!(mappings.contains(&user(&own)), "{mappings:?}");

@@ -559,8 +559,6 @@ pub struct StackWalker {
     unknown_binary: Arc<str>,
     /// The binary name of JIT modules, shared by all of them.
     jit_binary: Arc<str>,
-    /// The last walk went through JIT code.
-    last_walk_jit: bool,
     /// Processes that exited while samples of theirs waited for a table,
     /// and those of them that have gone since.
     exited: Vec<u32>,
@@ -644,7 +642,6 @@ impl StackWalker {
             frame0_binary: Arc::from("[unknown]"),
             unknown_binary: Arc::from("[unknown]"),
             jit_binary: Arc::from(JIT_BINARY),
-            last_walk_jit: false,
             exited: Vec::new(),
             completed_exits: Vec::new(),
             stats: WalkStats::default(),
@@ -1150,7 +1147,6 @@ impl StackWalker {
     fn place_frames(&mut self, tgid: u32) {
         self.objects.clear();
         self.frame0_binary = Arc::clone(&self.unknown_binary);
-        self.last_walk_jit = false;
         let process = self.modules.get(&tgid);
         for (i, &pc) in self.frames.iter().enumerate() {
             let lookup = if i == 0 { pc } else { pc.wrapping_sub(1) };
@@ -1163,7 +1159,6 @@ impl StackWalker {
             let object = module.map_or(FrameObject::Anonymous { address: pc }, |m| {
                 m.frame_object(pc)
             });
-            self.last_walk_jit |= matches!(object, FrameObject::Jit { .. });
             self.objects.push(object);
         }
     }
@@ -1290,9 +1285,7 @@ impl StackWalker {
                     file_base: mapping.start.wrapping_sub(mapping.offset),
                     table: ModuleTable::Unreadable,
                     name: binary_name(&mapping.path),
-                    object: ModuleObject::Unreadable(Arc::from(crate::aggregate::mapping_path(
-                        &mapping.path,
-                    ))),
+                    object: ModuleObject::Unreadable(Arc::from(mapping.path.shipped_name())),
                 }
             }
             Err(err) => {
@@ -1315,7 +1308,11 @@ impl StackWalker {
             self.stats.truncated,
         ) = (all.walks, all.outermost, all.stitched, all.truncated);
         self.stats.table_pending += u64::from(outcome == WalkOutcome::TablePending);
-        if self.last_walk_jit {
+        if self
+            .objects
+            .iter()
+            .any(|object| matches!(object, FrameObject::Jit { .. }))
+        {
             self.stats.jit_walks += 1;
             self.stats.jit_outermost +=
                 u64::from(outcome == WalkOutcome::Ended(UnwindEnd::Outermost));
