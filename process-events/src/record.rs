@@ -430,15 +430,27 @@ pub fn parse_record(bytes: &[u8], has_sample_id: bool) -> Result<Event, RecordEr
     })
 }
 
-/// `pid, tid, addr, len, pgoff, {maj, min, ino, ino_generation | build_id},
-/// prot, flags, filename`.
+/// `pid, tid, addr, len, pgoff`: how both kinds of mmap record start.
+fn parse_mmap_head(fields: &mut Fields<'_>) -> Result<Mmap, RecordError> {
+    Ok(Mmap {
+        pid: fields.u32("pid")?,
+        tid: fields.u32("tid")?,
+        start: fields.u64("addr")?,
+        len: fields.u64("len")?,
+        pgoff: fields.u64("pgoff")?,
+        prot: None,
+        flags: None,
+        exec: false,
+        file: FileRef::Unknown,
+        path: Vec::new(),
+    })
+}
+
+/// The head, `{maj, min, ino, ino_generation | build_id}, prot, flags,
+/// filename`.
 fn parse_mmap2(fields: &mut Fields<'_>, misc: u16) -> Result<Mmap, RecordError> {
-    let pid = fields.u32("pid")?;
-    let tid = fields.u32("tid")?;
-    let start = fields.u64("addr")?;
-    let len = fields.u64("len")?;
-    let pgoff = fields.u64("pgoff")?;
-    let file = if misc & PERF_RECORD_MISC_MMAP_BUILD_ID != 0 {
+    let mut mmap = parse_mmap_head(fields)?;
+    mmap.file = if misc & PERF_RECORD_MISC_MMAP_BUILD_ID != 0 {
         let size = fields.u8("build_id_size")?;
         fields.skip(3, "build_id_size padding")?;
         let bytes = fields.take(BUILD_ID_MAX, "build_id")?;
@@ -460,42 +472,19 @@ fn parse_mmap2(fields: &mut Fields<'_>, misc: u16) -> Result<Mmap, RecordError> 
         }
     };
     let prot = fields.u32("prot")?;
-    let flags = fields.u32("flags")?;
-    let path = fields.c_string("filename")?.to_vec();
-    Ok(Mmap {
-        pid,
-        tid,
-        start,
-        len,
-        pgoff,
-        prot: Some(prot),
-        flags: Some(flags),
-        exec: prot & libc::PROT_EXEC as u32 != 0,
-        file,
-        path,
-    })
+    mmap.prot = Some(prot);
+    mmap.flags = Some(fields.u32("flags")?);
+    mmap.exec = prot & libc::PROT_EXEC as u32 != 0;
+    mmap.path = fields.c_string("filename")?.to_vec();
+    Ok(mmap)
 }
 
-/// `pid, tid, addr, len, pgoff, filename`.
+/// The head, `filename`.
 fn parse_mmap(fields: &mut Fields<'_>, misc: u16) -> Result<Mmap, RecordError> {
-    let pid = fields.u32("pid")?;
-    let tid = fields.u32("tid")?;
-    let start = fields.u64("addr")?;
-    let len = fields.u64("len")?;
-    let pgoff = fields.u64("pgoff")?;
-    let path = fields.c_string("filename")?.to_vec();
-    Ok(Mmap {
-        pid,
-        tid,
-        start,
-        len,
-        pgoff,
-        prot: None,
-        flags: None,
-        exec: misc & PERF_RECORD_MISC_MMAP_DATA == 0,
-        file: FileRef::Unknown,
-        path,
-    })
+    let mut mmap = parse_mmap_head(fields)?;
+    mmap.exec = misc & PERF_RECORD_MISC_MMAP_DATA == 0;
+    mmap.path = fields.c_string("filename")?.to_vec();
+    Ok(mmap)
 }
 
 /// `sample_id` with `PERF_SAMPLE_TID | PERF_SAMPLE_TIME | PERF_SAMPLE_CPU`.

@@ -1,27 +1,29 @@
 //! Live tests against the running kernel: real processes, real records.
 //!
-//! They need root (a system-wide perf event); as another user they print why
-//! and pass. Both tests take a lock so that one's processes do not show up in
-//! the other's measurements.
+//! They need root (a system-wide perf event) and fail without it, saying so.
+//! Both tests take a lock so that one's processes do not show up in the
+//! other's records.
 
 use std::{
-    collections::HashSet,
     ffi::OsStr,
     path::Path,
     process::{Command, Stdio},
     sync::Mutex,
-    time::{Duration, Instant},
 };
 
 use stackscope_process_events::{
-    BuildIds, Config, DrainStats, Event, EventKind, FileRef, MappingEvents, Mmap,
+    Config, DrainStats, Event, EventKind, FileRef, MappingEvents, Mmap,
 };
 
 static SERIAL: Mutex<()> = Mutex::new(());
 
-fn is_root() -> bool {
+fn require_root() {
     // SAFETY: geteuid has no preconditions.
-    unsafe { libc::geteuid() == 0 }
+    let root = unsafe { libc::geteuid() == 0 };
+    assert!(
+        root,
+        "these tests open a system-wide perf event: run them as root"
+    );
 }
 
 fn monotonic_ns() -> u64 {
@@ -76,28 +78,10 @@ fn describe(e: &Event) -> String {
     }
 }
 
-/// Size of the record an event came from, as the kernel lays it out
-/// (strings NUL-terminated and padded to 8 bytes; a 24-byte sample_id).
-fn record_size(e: &Event) -> u64 {
-    let str_len = |n: usize| (n + 1).next_multiple_of(8) as u64;
-    8 + 24
-        + match &e.kind {
-            EventKind::Mmap(m) if m.prot.is_some() => 64 + str_len(m.path.len()),
-            EventKind::Mmap(m) => 32 + str_len(m.path.len()),
-            EventKind::Comm(c) => 8 + str_len(c.name.as_bytes().len()),
-            EventKind::Fork(_) | EventKind::Exit(_) => 24,
-            EventKind::Lost { .. } => 16,
-            EventKind::Other { .. } => 0,
-        }
-}
-
 #[test]
 fn short_lived_processes_are_seen_from_fork_to_exit() {
     let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
-    if !is_root() {
-        eprintln!("skipping: a system-wide perf event needs root");
-        return;
-    }
+    require_root();
     let mut events = open_events();
     eprintln!("{events:?}");
     events.drain_sorted(|_| {}); // what happened before the test
@@ -251,10 +235,7 @@ fn short_lived_processes_are_seen_from_fork_to_exit() {
 #[test]
 fn a_small_ring_wraps_and_overflows_cleanly() {
     let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
-    if !is_root() {
-        eprintln!("skipping: a system-wide perf event needs root");
-        return;
-    }
+    require_root();
     // One page per CPU: about six fork+exec+exit cycles fit.
     let mut events = MappingEvents::open(&Config {
         data_pages: 1,
@@ -307,90 +288,4 @@ fn a_small_ring_wraps_and_overflows_cleanly() {
     eprintln!("after draining and more children: {stats:?}");
     assert!(stats.lost_records >= 1 && stats.lost > 0, "{stats:?}");
     assert_eq!((stats.parse_errors, stats.resyncs), (0, 0), "{stats:?}");
-}
-
-/// Not a pass/fail test: prints what the events cost a fork+exec
-/// (`cargo xtask bench mappings` measures it with the whole agent).
-#[test]
-#[ignore = "a measurement, not a test: run with --ignored"]
-fn cost_of_fork_exec() {
-    let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
-    if !is_root() {
-        eprintln!("skipping: a system-wide perf event needs root");
-        return;
-    }
-    const N: usize = 500;
-    const ROUNDS: u32 = 3;
-    fn spawn_true() -> u32 {
-        let mut child = Command::new("/bin/true").spawn().unwrap();
-        let pid = child.id();
-        child.wait().unwrap();
-        pid
-    }
-    #[derive(Default)]
-    struct Cost {
-        spawn: Duration,
-        drain: Duration,
-        stats: DrainStats,
-        /// Records and bytes of the children alone.
-        mine: (u64, u64),
-    }
-    let run = |build_ids: Option<BuildIds>, cost: &mut Cost| {
-        let mut events = build_ids.map(|build_ids| {
-            let mut events = MappingEvents::open(&Config {
-                data_pages: 512,
-                build_ids,
-                ..Config::default()
-            })
-            .unwrap();
-            events.drain(|_| {});
-            events
-        });
-        let mut pids = HashSet::new();
-        for _ in 0..N / 50 {
-            let start = Instant::now();
-            for _ in 0..50 {
-                pids.insert(spawn_true());
-            }
-            cost.spawn += start.elapsed();
-            if let Some(events) = &mut events {
-                let start = Instant::now();
-                cost.stats += events.drain_sorted(|e| {
-                    if e.pid().is_some_and(|p| pids.contains(&p)) {
-                        cost.mine.0 += 1;
-                        cost.mine.1 += record_size(&e);
-                    }
-                });
-                cost.drain += start.elapsed();
-            }
-        }
-    };
-
-    // Warm up, then alternate to spread the noise of whatever else runs.
-    run(None, &mut Cost::default());
-    let configs = [
-        ("without events", None),
-        ("with events, no build-ids", Some(BuildIds::Never)),
-        ("with events and build-ids", Some(BuildIds::IfSupported)),
-    ];
-    let mut costs: Vec<Cost> = configs.iter().map(|_| Cost::default()).collect();
-    for _ in 0..ROUNDS {
-        for ((_, config), cost) in configs.iter().zip(&mut costs) {
-            run(*config, cost);
-        }
-    }
-    let runs = ROUNDS * N as u32;
-    let base = costs[0].spawn;
-    for ((name, _), cost) in configs.iter().zip(&costs) {
-        eprintln!(
-            "{name}: fork+exec+wait of /bin/true {:?} ({:+.1}%), drain_sorted {:?} per fork+exec; \
-             the children's records: {:.1} records, {:.0} bytes each; everything drained: {:?}",
-            cost.spawn / runs,
-            (cost.spawn.as_secs_f64() / base.as_secs_f64() - 1.0) * 100.0,
-            cost.drain / runs,
-            cost.mine.0 as f64 / f64::from(runs),
-            cost.mine.1 as f64 / f64::from(runs),
-            cost.stats,
-        );
-    }
 }

@@ -1242,18 +1242,10 @@ mod tests {
     /// An executable anonymous mapping (JIT code) as an mmap event reports it.
     fn anonymous(start: u64, end: u64) -> Mapping {
         Mapping {
-            start,
-            end,
-            perms: Perms {
-                read: true,
-                write: false,
-                exec: true,
-                private: true,
-            },
-            offset: 0,
             dev: Dev::default(),
             inode: 0,
             path: MappingPath::Anonymous,
+            ..mapping(start, end, 0, true)
         }
     }
 

@@ -147,70 +147,30 @@ fn libc() {
 
 #[test]
 fn code_without_rows_keeps_frame_pointers_only_where_it_does() {
-    // A program of many small functions calling each other, generated
-    // here, built without unwind tables: judged by its symbols, and once
-    // stripped of them, by its code alone.
-    let dir = stackscope_test_fixtures::BuildDir::new();
-    let mut source = String::from("volatile int sink;\n");
-    for i in 0..40 {
-        let next = if i == 0 {
-            String::new()
-        } else {
-            format!("f{}(n - 1);", i - 1)
-        };
-        source.push_str(&format!(
-            "__attribute__((noinline)) void f{i}(int n) {{ if (n > 0) {{ {next} }} sink += n; }}\n"
-        ));
-    }
-    source.push_str("int main(int argc, char **argv) { (void)argv; f39(argc); return 0; }\n");
-    let c_file = dir.path().join("many.c");
-    std::fs::write(&c_file, source).expect("writing the source");
-    let tables_of = |frame_pointers: &str| {
-        let binary = dir.path().join(frame_pointers);
-        let stripped = dir.path().join(format!("{frame_pointers}.stripped"));
-        let out = Command::new("gcc")
-            .args([
+    // A program that is mostly its own code, built without unwind tables:
+    // judged by its symbols, and with `-s` (no symbols) by its code alone.
+    let table_of = |args: &[&str]| {
+        let args = [
+            &[
                 "-O2",
-                frame_pointers,
                 "-fno-asynchronous-unwind-tables",
                 "-fno-unwind-tables",
-            ])
-            .arg(&c_file)
-            .arg("-o")
-            .arg(&binary)
-            .output()
-            .expect("running gcc");
-        assert!(
-            out.status.success(),
-            "{}",
-            String::from_utf8_lossy(&out.stderr)
-        );
-        let out = Command::new("strip")
-            .arg("-o")
-            .arg(&stripped)
-            .arg(&binary)
-            .output()
-            .expect("running strip");
-        assert!(
-            out.status.success(),
-            "{}",
-            String::from_utf8_lossy(&out.stderr)
-        );
-        [binary, stripped].map(|path| {
-            let data = std::fs::read(path).expect("reading the program");
-            UnwindTable::from_elf(&data).expect("compiling the program's table")
-        })
+            ],
+            args,
+        ]
+        .concat();
+        let fixture = Fixture::compile_with("many_functions", "gcc", &["many_functions.c"], &args);
+        let data = std::fs::read(&fixture.path).expect("reading the program");
+        UnwindTable::from_elf(&data).expect("compiling the program's table")
     };
     // With frame pointers: only the C runtime's functions have rows, and
     // the rest opens frames.
-    for table in tables_of("-fno-omit-frame-pointer") {
-        assert!(table.frame_pointer_gaps());
-    }
+    assert!(table_of(&["-fno-omit-frame-pointer"]).frame_pointer_gaps());
+    assert!(table_of(&["-fno-omit-frame-pointer", "-s"]).frame_pointer_gaps());
     // Without them: rbp means nothing there, and a walk must stop rather
     // than follow it.
-    for table in tables_of("-fomit-frame-pointer") {
-        assert!(!table.frame_pointer_gaps());
-    }
+    assert!(!table_of(&["-fomit-frame-pointer"]).frame_pointer_gaps());
+    assert!(!table_of(&["-fomit-frame-pointer", "-s"]).frame_pointer_gaps());
     // With unwind tables (the usual build), the rows cover the code.
     let fixture = Fixture::compile("fp_callback", &["-fno-omit-frame-pointer"]);
     let data = std::fs::read(&fixture.path).expect("reading the fixture");
