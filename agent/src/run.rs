@@ -342,7 +342,7 @@ pub async fn run(
                     } else {
                         worst.join(", ")
                     },
-                    percent(walks.jit_walks, walks.walks),
+                    walks.jit_percent(),
                     feed.execs,
                     feed.mmaps,
                     table.learned_unidentified,
@@ -545,9 +545,9 @@ struct RecordTally {
 }
 
 impl RecordTally {
-    /// Applies the mapping events every sample before `horizon` has been
-    /// read for (the sample ring was drained since it was taken), and lets
-    /// go of the processes whose last held samples have been walked.
+    /// Applies the mapping events up to `horizon` (a record's time, or one
+    /// every sample before which has been read), and lets go of the
+    /// processes whose last held samples have been walked.
     fn catch_up(&mut self, horizon: u64) {
         let Self {
             walker,
@@ -571,16 +571,8 @@ impl RecordTally {
         let record = Record::decode(bytes);
         if let Ok(record) = &record {
             // What processes mapped before this record, and only that.
-            let Self {
-                walker,
-                aggregator,
-                feed,
-                ..
-            } = self;
-            feed.catch_up_to(record.ktime_ns());
-            feed.apply_until(record.ktime_ns(), walker, &mut |w| {
-                aggregator.add(w.header, w.kernel_frames, Some(&w.walk))
-            });
+            self.feed.catch_up_to(record.ktime_ns());
+            self.catch_up(record.ktime_ns());
         }
         match record {
             Ok(Record::Sample(sample)) => {
@@ -635,14 +627,6 @@ impl RecordTally {
                 }
             }
         }
-    }
-}
-
-fn percent(part: u64, whole: u64) -> f64 {
-    if whole == 0 {
-        0.0
-    } else {
-        100.0 * part as f64 / whole as f64
     }
 }
 

@@ -311,6 +311,11 @@ impl WalkStats {
         self.ends().outermost_percent()
     }
 
+    /// Share of walks that went through JIT code, in percent.
+    pub fn jit_percent(&self) -> f64 {
+        self.ends().percent(self.jit_walks)
+    }
+
     /// The `n` binaries (of frame 0) with the most walks that stopped short
     /// of the outermost frame, worst first.
     pub fn worst_binaries(&self, n: usize) -> Vec<(&str, WalkEnds)> {
@@ -718,18 +723,27 @@ impl StackWalker {
         self.waiting = others;
         for held in theirs {
             self.waiting_bytes -= held.bytes();
-            if let Some(outcome) = self
-                .walk_sample(&held.header, held.stack())
-                .map(|w| w.outcome)
-            {
-                self.deliver(
-                    &held.header,
-                    &held.kernel_frames,
-                    held.stack(),
-                    outcome,
-                    on_walk,
-                );
-            }
+            self.walk_as_far_as_it_goes(&held, on_walk);
+        }
+    }
+
+    /// Walks a held sample with what is known now, pending tables or not.
+    fn walk_as_far_as_it_goes(
+        &mut self,
+        held: &WaitingSample,
+        on_walk: &mut impl FnMut(Walked<'_>),
+    ) {
+        if let Some(outcome) = self
+            .walk_sample(&held.header, held.stack())
+            .map(|w| w.outcome)
+        {
+            self.deliver(
+                &held.header,
+                &held.kernel_frames,
+                held.stack(),
+                outcome,
+                on_walk,
+            );
         }
     }
 
@@ -743,18 +757,7 @@ impl StackWalker {
     pub fn flush(&mut self, mut on_walk: impl FnMut(Walked<'_>)) {
         self.poll(&mut on_walk);
         for held in std::mem::take(&mut self.waiting) {
-            if let Some(outcome) = self
-                .walk_sample(&held.header, held.stack())
-                .map(|w| w.outcome)
-            {
-                self.deliver(
-                    &held.header,
-                    &held.kernel_frames,
-                    held.stack(),
-                    outcome,
-                    &mut on_walk,
-                );
-            }
+            self.walk_as_far_as_it_goes(&held, &mut on_walk);
         }
         self.waiting_bytes = 0;
         self.forget_walked_exits();
@@ -785,28 +788,6 @@ impl StackWalker {
 
     fn retry_waiting(&mut self, on_walk: &mut impl FnMut(Walked<'_>)) {
         self.tables_changed = false;
-        self.walk_waiting(on_walk);
-        self.forget_walked_exits();
-    }
-
-    /// Processes that exited while samples of theirs were held go once
-    /// none is held any more.
-    fn forget_walked_exits(&mut self) {
-        if self.exited.is_empty() {
-            return;
-        }
-        let exited = std::mem::take(&mut self.exited);
-        for tgid in exited {
-            if self.waiting.iter().any(|held| held.header.tgid == tgid) {
-                self.exited.push(tgid);
-            } else {
-                self.forget_exited(tgid);
-                self.completed_exits.push(tgid);
-            }
-        }
-    }
-
-    fn walk_waiting(&mut self, on_walk: &mut impl FnMut(Walked<'_>)) {
         for held in std::mem::take(&mut self.waiting) {
             match self
                 .walk_sample(&held.header, held.stack())
@@ -824,6 +805,24 @@ impl StackWalker {
                     );
                 }
                 None => self.waiting_bytes -= held.bytes(),
+            }
+        }
+        self.forget_walked_exits();
+    }
+
+    /// Processes that exited while samples of theirs were held go once
+    /// none is held any more.
+    fn forget_walked_exits(&mut self) {
+        if self.exited.is_empty() {
+            return;
+        }
+        let exited = std::mem::take(&mut self.exited);
+        for tgid in exited {
+            if self.waiting.iter().any(|held| held.header.tgid == tgid) {
+                self.exited.push(tgid);
+            } else {
+                self.forget_exited(tgid);
+                self.completed_exits.push(tgid);
             }
         }
     }
