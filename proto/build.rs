@@ -7,6 +7,7 @@ fn main() -> anyhow::Result<()> {
     let files = [
         "stackscope/v1/ingest.proto",
         "stackscope/v1/query.proto",
+        "stackscope/v1/debuginfo.proto",
         "pprof/profile.proto",
     ];
     for file in files {

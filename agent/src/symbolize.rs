@@ -46,7 +46,7 @@ use blazesym::{
         source::{Elf, Process, Source},
     },
 };
-use stackscope_process_table::{MappedRegion, ObjectId, open::OpenError};
+use stackscope_process_table::{MappedRegion, ObjectId, elf::LoadSegment, open::OpenError};
 use stackscope_profile::names::demangle;
 
 pub use cache::GenerationalCache;
@@ -76,6 +76,13 @@ const MAX_LINES: usize = 64;
 /// Objects whose errors have been logged, before the set is cleared (and
 /// errors are logged once more).
 const MAX_LOGGED_OBJECTS: usize = 4096;
+
+/// Objects whose executable segments are remembered, before the map is
+/// cleared (and headers are read again as frames need them).
+const MAX_SEGMENT_OBJECTS: usize = 4096;
+
+/// Executable segments shipped per file: more is not a file a linker made.
+pub const MAX_CODE_SEGMENTS: usize = 16;
 
 /// How the symbolizer finds kernel symbols and bounds itself.
 #[derive(Debug, Clone)]
@@ -263,6 +270,8 @@ pub struct Symbolizer {
     evictions: usize,
     names: GenerationalCache<(NameSpace, u64), Lines>,
     logged: HashSet<ObjectId>,
+    /// Each object's executable `PT_LOAD` segments (empty when unreadable).
+    code_segments: HashMap<ObjectId, Arc<[LoadSegment]>>,
     kernel: KernelSymbols,
     kernel_loaded: Instant,
     kernel_build_id: Option<String>,
@@ -302,6 +311,7 @@ impl Symbolizer {
             evictions: 0,
             names: GenerationalCache::new(config.max_cached_names),
             logged: HashSet::new(),
+            code_segments: HashMap::new(),
             kernel_build_id: kernel::kernel_build_id(&config.sys_root),
             kernel,
             kernel_loaded,
@@ -340,6 +350,40 @@ impl Symbolizer {
         self.cached_or(space, offsets, |this, misses| {
             this.read_object(object, misses)
         })
+    }
+
+    /// The executable `PT_LOAD` segments of `object` (at most
+    /// [`MAX_CODE_SEGMENTS`]; none when its headers cannot be read), read
+    /// once per object: they travel with its frames so the collector can
+    /// name file offsets from a separate debug file.
+    pub fn code_segments(&mut self, object: &ObjectFile) -> Arc<[LoadSegment]> {
+        if let Some(segments) = self.code_segments.get(&object.id) {
+            return Arc::clone(segments);
+        }
+        let segments: Arc<[LoadSegment]> = match object.open_now() {
+            Ok(file) => match stackscope_process_table::elf::read_summary(file) {
+                Ok(summary) => {
+                    let code: Vec<LoadSegment> = summary
+                        .load_segments
+                        .into_iter()
+                        .filter(LoadSegment::is_executable)
+                        .collect();
+                    if code.len() > MAX_CODE_SEGMENTS {
+                        Vec::new()
+                    } else {
+                        code
+                    }
+                }
+                Err(_) => Vec::new(),
+            },
+            Err(_) => Vec::new(),
+        }
+        .into();
+        if self.code_segments.len() >= MAX_SEGMENT_OBJECTS {
+            self.code_segments.clear();
+        }
+        self.code_segments.insert(object.id, Arc::clone(&segments));
+        segments
     }
 
     /// Names `offsets` in the vDSO image.

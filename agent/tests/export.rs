@@ -264,6 +264,7 @@ fn batch(n: u8) -> Batch {
             kind: MappingKind::User as i32,
             build_id: 3,
             path: 4,
+            load_segments: Vec::new(),
         }],
         locations: vec![
             Location {

@@ -102,6 +102,7 @@ fn node_template(node: usize, fleet: &[[u32; DEPTH]]) -> Batch {
                 &mut strings,
             ),
             path: intern(format!("/usr/lib/libservice{b}.so"), &mut strings),
+            load_segments: Vec::new(),
         })
         .collect();
     let file = intern("src/service.rs".into(), &mut strings);

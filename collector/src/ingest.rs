@@ -55,6 +55,33 @@ pub struct MappingRecord {
     /// Lower-case hex with an even number of digits, or empty.
     pub build_id: String,
     pub path: String,
+    /// The file's executable segments (user mappings only; at most
+    /// [`MAX_CODE_SEGMENTS`], none empty, none wrapping around the address
+    /// space): how its file offsets become the ELF virtual addresses debug
+    /// files are read by. Empty when the node did not know them.
+    pub code_segments: Vec<CodeSegment>,
+}
+
+/// Most executable segments a mapping may list.
+pub const MAX_CODE_SEGMENTS: usize = 16;
+
+/// An executable `PT_LOAD` segment of a mapped file.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct CodeSegment {
+    pub file_offset: u64,
+    pub vaddr: u64,
+    pub file_size: u64,
+}
+
+impl CodeSegment {
+    /// The ELF virtual address of `file_offset` among `segments`, if one
+    /// holds it.
+    pub fn vaddr_of(segments: &[CodeSegment], file_offset: u64) -> Option<u64> {
+        segments.iter().find_map(|segment| {
+            let delta = file_offset.checked_sub(segment.file_offset)?;
+            (delta < segment.file_size).then(|| segment.vaddr.wrapping_add(delta))
+        })
+    }
 }
 
 /// An address in a mapping and what the node knew about it.
@@ -195,6 +222,11 @@ pub enum BatchError {
         "mapping {index}: build-id {build_id:?} is not lower-case hex (an even number of [0-9a-f])"
     )]
     BadBuildId { index: usize, build_id: String },
+    /// A mapping lists more code segments than [`MAX_CODE_SEGMENTS`], an
+    /// empty one, one that wraps around the address space, or any on a
+    /// mapping that is not a file.
+    #[error("mapping {index}: {reason}")]
+    BadCodeSegments { index: usize, reason: &'static str },
     /// A location's mapping index is out of range.
     #[error("location {index}: mapping index {mapping} out of range (batch has {len} mappings)")]
     MappingIndex {
@@ -547,10 +579,34 @@ fn validate_mapping(
         return Err(BatchError::BadBuildId { index, build_id });
     }
     let path = text.resolve(mapping.path, || format!("mapping {index}: path"))?;
+    let bad = |reason| BatchError::BadCodeSegments { index, reason };
+    if mapping.load_segments.len() > MAX_CODE_SEGMENTS {
+        return Err(bad("more than 16 code segments"));
+    }
+    if kind != MappingKind::User && !mapping.load_segments.is_empty() {
+        return Err(bad("code segments on a mapping that is not a file"));
+    }
+    let mut code_segments = Vec::with_capacity(mapping.load_segments.len());
+    for segment in &mapping.load_segments {
+        if segment.file_size == 0 {
+            return Err(bad("an empty code segment"));
+        }
+        if segment.file_offset.checked_add(segment.file_size).is_none()
+            || segment.vaddr.checked_add(segment.file_size).is_none()
+        {
+            return Err(bad("a code segment past the end of the address space"));
+        }
+        code_segments.push(CodeSegment {
+            file_offset: segment.file_offset,
+            vaddr: segment.vaddr,
+            file_size: segment.file_size,
+        });
+    }
     Ok(MappingRecord {
         kind,
         build_id,
         path,
+        code_segments,
     })
 }
 
@@ -755,6 +811,11 @@ mod tests {
                 kind: v1::MappingKind::User as i32,
                 build_id: 2,
                 path: 3,
+                load_segments: vec![v1::LoadSegment {
+                    file_offset: 0x1000,
+                    vaddr: 0x401000,
+                    file_size: 0x2000,
+                }],
             }],
             locations: vec![
                 v1::Location {
@@ -835,6 +896,11 @@ mod tests {
                 kind: MappingKind::User,
                 build_id: "abcd01".into(),
                 path: "/usr/lib/libfoo.so".into(),
+                code_segments: vec![CodeSegment {
+                    file_offset: 0x1000,
+                    vaddr: 0x401000,
+                    file_size: 0x2000,
+                }],
             }],
             locations: vec![
                 LocationRecord {
@@ -932,6 +998,7 @@ mod tests {
             kind: v1::MappingKind::Anonymous as i32,
             build_id: 0,
             path: 4,
+            load_segments: Vec::new(),
         });
         let valid = validate(b, &IngestLimits::default()).expect("valid");
         let lines: Vec<(&str, &str)> = valid.locations[0]
@@ -1069,7 +1136,7 @@ mod tests {
         let err = {
             let mut b = batch();
             // One 18-byte path referenced by three mappings: 6 + 3 × (6 + 18) bytes.
-            b.mappings = vec![b.mappings[0]; 3];
+            b.mappings = vec![b.mappings[0].clone(); 3];
             validate(b, &limits).expect_err("too much text")
         };
         assert_eq!(
@@ -1077,6 +1144,37 @@ mod tests {
             "the batch's strings resolve to more than 40 bytes of text"
         );
         assert!(err.is_too_large());
+    }
+
+    #[test]
+    fn code_segments() {
+        let valid = validate(batch(), &IngestLimits::default()).expect("valid");
+        let segments = &valid.mappings[0].code_segments;
+        assert_eq!(CodeSegment::vaddr_of(segments, 0x1000), Some(0x401000));
+        assert_eq!(CodeSegment::vaddr_of(segments, 0x2fff), Some(0x402fff));
+        assert_eq!(CodeSegment::vaddr_of(segments, 0x3000), None);
+        assert_eq!(CodeSegment::vaddr_of(segments, 0xfff), None);
+        let segment = |file_offset, vaddr, file_size| v1::LoadSegment {
+            file_offset,
+            vaddr,
+            file_size,
+        };
+        assert_eq!(
+            error(|b| b.mappings[0].load_segments = vec![segment(0, 0, 1); 17]),
+            "mapping 0: more than 16 code segments"
+        );
+        assert_eq!(
+            error(|b| b.mappings[0].load_segments = vec![segment(0x1000, 0x1000, 0)]),
+            "mapping 0: an empty code segment"
+        );
+        assert_eq!(
+            error(|b| b.mappings[0].load_segments = vec![segment(u64::MAX, 0, 2)]),
+            "mapping 0: a code segment past the end of the address space"
+        );
+        assert_eq!(
+            error(|b| b.mappings[0].kind = v1::MappingKind::Kernel as i32),
+            "mapping 0: code segments on a mapping that is not a file"
+        );
     }
 
     #[test]

@@ -64,11 +64,13 @@ fn batch(id: u8, node: &str, comm: &str, count: u64, unnamed: u64) -> Batch {
                 kind: MappingKind::User as i32,
                 build_id: 4,
                 path: 3,
+                load_segments: Vec::new(),
             },
             Mapping {
                 kind: MappingKind::User as i32,
                 build_id: 0,
                 path: 9,
+                load_segments: Vec::new(),
             },
         ],
         locations: vec![

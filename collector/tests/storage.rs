@@ -14,7 +14,7 @@ use stackscope_collector::{
     },
 };
 use stackscope_profile::model::{
-    Frame, LabelMatcher, MatchOp, Selection, StackSamples, TimeRange, WeightedStack,
+    CodeAddress, Frame, LabelMatcher, MatchOp, Selection, StackSamples, TimeRange, WeightedStack,
 };
 use stackscope_proto::v1;
 
@@ -74,6 +74,7 @@ impl Builder {
             kind: kind as i32,
             build_id,
             path,
+            load_segments: Vec::new(),
         });
         Self::index(self.batch.mappings.len() - 1)
     }
@@ -305,6 +306,7 @@ fn frame(
         file: file.into(),
         line,
         inlined,
+        unnamed_code: None,
     }
 }
 
@@ -384,17 +386,26 @@ fn queries_return_exactly_the_ingested_weights() {
             .map(|f| (**f).clone())
             .collect()
     };
+    // Its code address travels with it, to be named from debuginfo; with
+    // no code segments from the node, only as a file offset.
+    let unknown = Frame {
+        unnamed_code: Some(CodeAddress {
+            file_offset: 0x1a2b,
+            vaddr: None,
+        }),
+        ..frame(
+            "[unknown] libfoo.so+0x1a2b",
+            "libfoo.so",
+            "abcd01",
+            "",
+            0,
+            false,
+        )
+    };
     assert_eq!(
         frames_of(S0),
         [
-            frame(
-                "[unknown] libfoo.so+0x1a2b",
-                "libfoo.so",
-                "abcd01",
-                "",
-                0,
-                false
-            ),
+            unknown,
             frame("inlined_helper", "app", "", "util.h", 3, true),
             frame("work", "app", "", "app.c", 10, false),
             frame("main", "app", "", "app.c", 20, false),
@@ -730,6 +741,7 @@ fn hand_built_batches_and_cache_hits() {
             kind: MappingKind::Vdso,
             build_id: "00ff".into(),
             path: "[vdso]".into(),
+            code_segments: Vec::new(),
         }],
         locations: vec![LocationRecord {
             mapping: 0,
@@ -827,18 +839,20 @@ fn concurrent_ingest_and_queries() {
 }
 
 #[test]
-fn a_version_1_database_loses_its_count_column_and_keeps_its_samples() {
+fn a_version_1_database_is_upgraded_and_keeps_its_samples() {
     let dir = tempfile::tempdir().expect("tempdir");
     let path = dir.path().join("stackscope.db");
     let storage = open(&path);
     storage.ingest(&batch1()).expect("ingest");
     let before = weights(&storage, &all(&[]));
     drop(storage);
-    // What version 1 looked like: the same tables plus samples.count.
+    // What version 1 looked like: the same tables plus samples.count, and
+    // mappings without code segments.
     rusqlite::Connection::open(&path)
         .and_then(|conn| {
             conn.execute_batch(
                 "ALTER TABLE samples ADD COLUMN count INTEGER NOT NULL DEFAULT 1;
+                 ALTER TABLE mappings DROP COLUMN code_segments;
                  PRAGMA user_version = 1;",
             )
         })
@@ -853,14 +867,22 @@ fn a_version_1_database_loses_its_count_column_and_keeps_its_samples() {
     let version: i32 = conn
         .query_row("PRAGMA user_version", [], |row| row.get(0))
         .expect("version");
-    let has_count: bool = conn
-        .query_row(
-            "SELECT count(*) FROM pragma_table_info('samples') WHERE name = 'count'",
-            [],
+    let has_column = |table: &str, column: &str| -> bool {
+        conn.query_row(
+            "SELECT count(*) FROM pragma_table_info(?1) WHERE name = ?2",
+            [table, column],
             |row| row.get(0),
         )
-        .expect("columns");
-    assert_eq!((version, has_count), (2, false));
+        .expect("columns")
+    };
+    assert_eq!(
+        (
+            version,
+            has_column("samples", "count"),
+            has_column("mappings", "code_segments")
+        ),
+        (3, false, true)
+    );
 }
 
 #[test]
@@ -885,13 +907,13 @@ fn incompatible_databases_are_refused() {
     );
 
     rusqlite::Connection::open(&path)
-        .and_then(|conn| conn.pragma_update(None, "user_version", 3))
+        .and_then(|conn| conn.pragma_update(None, "user_version", 4))
         .expect("set a newer version");
     let err = SqliteStorage::open(&path, SqliteOptions::default()).expect_err("newer schema");
     assert_eq!(
         err.to_string(),
         format!(
-            "the database at {} cannot be used: its schema version 3 is newer than the 2 this \
+            "the database at {} cannot be used: its schema version 4 is newer than the 3 this \
              collector knows; run a newer collector",
             path.display()
         )

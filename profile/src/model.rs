@@ -156,6 +156,20 @@ pub struct Frame {
     pub line: u32,
     /// Inlined into the frame after it (no call of its own).
     pub inlined: bool,
+    /// For a frame of a file with a build-id that carries no name yet:
+    /// where its code is, so it can be named later from debuginfo.
+    pub unnamed_code: Option<CodeAddress>,
+}
+
+/// Where an unnamed frame's code is in its file.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct CodeAddress {
+    /// The byte named (inside the call instruction for a caller), as a file
+    /// offset: what `[unknown] <binary>+0x<offset>` shows.
+    pub file_offset: u64,
+    /// The same byte as an ELF virtual address, when the node sent the
+    /// file's code segments: separate debug files are read by it.
+    pub vaddr: Option<u64>,
 }
 
 impl Frame {
@@ -169,6 +183,7 @@ impl Frame {
             file: String::new(),
             line: 0,
             inlined: false,
+            unnamed_code: None,
         }
     }
 

@@ -398,6 +398,7 @@ pub(crate) fn frame_from_proto(frame: &ProtoFrame) -> Frame {
         file: frame.file.clone(),
         line: frame.line,
         inlined: frame.inlined,
+        unnamed_code: None,
     }
 }
 
@@ -518,6 +519,7 @@ pub(crate) mod tests {
             file: String::new(),
             line: 0,
             inlined: false,
+            unnamed_code: None,
         })
     }
 
@@ -726,6 +728,7 @@ pub(crate) mod tests {
             file: "src/inner.rs".into(),
             line: 42,
             inlined: true,
+            unnamed_code: None,
         });
         let samples = StackSamples {
             stacks: vec![

@@ -77,7 +77,9 @@ pub fn build_batch(
                 index
             }
         };
-        location_remap.push(batch.location(mapping, location.address, &lines));
+        // The byte named, not the return address: the collector names
+        // unnamed frames by it (see the wire format).
+        location_remap.push(batch.location(mapping, location.lookup(), &lines));
     }
 
     let stack_remap: Vec<u32> = interval
@@ -282,7 +284,8 @@ impl BatchBuilder {
         module: Option<&Arc<str>>,
         symbolizer: &mut Symbolizer,
     ) -> u32 {
-        let key = interval.mappings.get(index as usize).map(|m| &m.key);
+        let interval_mapping = interval.mappings.get(index as usize);
+        let key = interval_mapping.map(|m| &m.key);
         let (kind, build_id, path) = match key {
             Some(MappingKey::User { id, path }) => {
                 let build_id = match id {
@@ -323,10 +326,26 @@ impl BatchBuilder {
                 ANONYMOUS_PATH.to_owned(),
             ),
         };
+        let load_segments = match interval_mapping {
+            Some(super::IntervalMapping {
+                key: MappingKey::User { .. },
+                file: Some(file),
+            }) => symbolizer
+                .code_segments(file)
+                .iter()
+                .map(|segment| v1::LoadSegment {
+                    file_offset: segment.offset,
+                    vaddr: segment.vaddr,
+                    file_size: segment.file_size,
+                })
+                .collect(),
+            _ => Vec::new(),
+        };
         let mapping = v1::Mapping {
             kind: kind as i32,
             build_id: self.strings.intern(&build_id),
             path: self.strings.intern(&path),
+            load_segments,
         };
         let key = (mapping.kind, mapping.build_id, mapping.path);
         if let Some(&index) = self.mapping_index.get(&key) {

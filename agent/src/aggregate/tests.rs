@@ -604,6 +604,19 @@ fn batches_have_deduplicated_dictionaries_and_indexes_in_range() {
     };
     assert!(mappings.contains(&user(&own)), "{mappings:?}");
     assert!(mappings.contains(&user(&libc)), "{mappings:?}");
+    // Files carry their code segments (so the collector can name their
+    // offsets from separate debug files); the own offset lies in one.
+    for m in &batch.mappings {
+        let is_file = m.kind == v1::MappingKind::User as i32 && m.build_id != 0;
+        assert_eq!(!m.load_segments.is_empty(), is_file, "{m:?}");
+    }
+    assert!(
+        batch.mappings.iter().any(|m| m
+            .load_segments
+            .iter()
+            .any(|s| { (s.file_offset..s.file_offset + s.file_size).contains(&own_offset) })),
+        "no code segment holds {own_offset:#x}"
+    );
     let kinds: Vec<(i32, &str)> = mappings
         .iter()
         .filter(|(kind, _, _)| *kind != v1::MappingKind::User as i32)
@@ -628,7 +641,8 @@ fn batches_have_deduplicated_dictionaries_and_indexes_in_range() {
     );
 
     // Names: kernel frames from kallsyms, this binary's function from its
-    // symbols, located at the return address as walked.
+    // symbols, located at the byte named: a caller's one before its return
+    // address.
     let names = |location: &v1::Location| -> Vec<&str> {
         location
             .lines
@@ -646,7 +660,7 @@ fn batches_have_deduplicated_dictionaries_and_indexes_in_range() {
         "{all:?}"
     );
     assert!(
-        all.contains(&(vec!["nft_do_chain"], MODULE_FRAME)),
+        all.contains(&(vec!["nft_do_chain"], MODULE_FRAME - 1)),
         "{all:?}"
     );
     assert!(
@@ -660,7 +674,7 @@ fn batches_have_deduplicated_dictionaries_and_indexes_in_range() {
     );
     let own_names: Vec<&Vec<&str>> = all
         .iter()
-        .filter(|(_, address)| *address == own_offset)
+        .filter(|(_, address)| *address == own_offset - 1)
         .map(|(names, _)| names)
         .collect();
     assert!(!own_names.is_empty());

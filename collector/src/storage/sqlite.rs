@@ -5,7 +5,7 @@
 //! the per-bucket sums of samples, and the queries over them. Does not own
 //! validation (`ingest`) or symbolization.
 //!
-//! # Schema (version 1, in `PRAGMA user_version`)
+//! # Schema (version 3, in `PRAGMA user_version`)
 //!
 //! * `meta(key, value)`: settings the data depends on (`bucket_nanos`).
 //! * `batches(id, received_unix_nanos, end_unix_nanos)`: ids of stored
@@ -59,16 +59,16 @@ use rusqlite::{
     TransactionBehavior,
 };
 use stackscope_profile::model::{
-    Frame, PeriodAgreement, Selection, StackSamples, WeightedStack, unix_nanos,
+    CodeAddress, Frame, PeriodAgreement, Selection, StackSamples, WeightedStack, unix_nanos,
 };
 
 use super::{IngestOutcome, Storage, StorageError};
-use crate::ingest::{LineRecord, MappingKind, MappingRecord, ValidBatch};
+use crate::ingest::{CodeSegment, LineRecord, MappingKind, MappingRecord, ValidBatch};
 
 /// The schema this code reads and writes. Bump it (and migrate) on any
 /// change; an older collector refuses a newer database instead of
 /// misreading it.
-const SCHEMA_VERSION: i32 = 2;
+const SCHEMA_VERSION: i32 = 3;
 
 const SCHEMA: &str = "
 CREATE TABLE meta (
@@ -82,13 +82,16 @@ CREATE TABLE batches (
     end_unix_nanos INTEGER NOT NULL
 ) STRICT, WITHOUT ROWID;
 
+-- code_segments: per executable segment, varint file offset, vaddr and
+-- file size (empty when the node did not send them).
 CREATE TABLE mappings (
     id INTEGER PRIMARY KEY AUTOINCREMENT,
     hash BLOB NOT NULL UNIQUE,
     kind INTEGER NOT NULL,
     build_id TEXT NOT NULL,
     path TEXT NOT NULL,
-    last_bucket INTEGER NOT NULL
+    last_bucket INTEGER NOT NULL,
+    code_segments BLOB NOT NULL DEFAULT x''
 ) STRICT;
 
 -- address: the u64 stored as the i64 with the same bits.
@@ -180,7 +183,8 @@ ON CONFLICT (bucket_start, label_set_id) DO UPDATE SET
 // before a restart) only moves its last_bucket forward; RETURNING gives the
 // id either way, in one statement.
 const UPSERT_MAPPING: &str = "
-INSERT INTO mappings (hash, kind, build_id, path, last_bucket) VALUES (?1, ?2, ?3, ?4, ?5)
+INSERT INTO mappings (hash, kind, build_id, path, last_bucket, code_segments)
+VALUES (?1, ?2, ?3, ?4, ?5, ?6)
 ON CONFLICT (hash) DO UPDATE SET last_bucket = max(last_bucket, excluded.last_bucket)
 RETURNING id";
 const UPSERT_LOCATION: &str = "
@@ -662,7 +666,22 @@ fn init_schema(conn: &mut Connection, path: &Path, bucket_nanos: i64) -> Result<
         reason,
     };
     let tx = conn.transaction_with_behavior(TransactionBehavior::Immediate)?;
-    let version: i32 = tx.query_row("PRAGMA user_version", [], |row| row.get(0))?;
+    let mut version: i32 = tx.query_row("PRAGMA user_version", [], |row| row.get(0))?;
+    // Version 1 also kept each row's raw sample count, which no query
+    // read; the weight (count × divisor) is what flamegraphs sum.
+    if version == 1 {
+        tx.execute_batch("ALTER TABLE samples DROP COLUMN count")?;
+        version = 2;
+    }
+    // Version 2 had no code segments: its mappings keep none (their frames
+    // are named from debuginfo that holds the code, not from debug files).
+    if version == 2 {
+        tx.execute_batch(
+            "ALTER TABLE mappings ADD COLUMN code_segments BLOB NOT NULL DEFAULT x''",
+        )?;
+        tx.pragma_update(None, "user_version", SCHEMA_VERSION)?;
+        version = SCHEMA_VERSION;
+    }
     match version {
         0 => {
             tx.execute_batch(SCHEMA)?;
@@ -670,12 +689,6 @@ fn init_schema(conn: &mut Connection, path: &Path, bucket_nanos: i64) -> Result<
                 "INSERT INTO meta (key, value) VALUES ('bucket_nanos', ?1)",
                 [bucket_nanos],
             )?;
-            tx.pragma_update(None, "user_version", SCHEMA_VERSION)?;
-        }
-        // Version 1 also kept each row's raw sample count, which no query
-        // read; the weight (count × divisor) is what flamegraphs sum.
-        1 => {
-            tx.execute_batch("ALTER TABLE samples DROP COLUMN count")?;
             tx.pragma_update(None, "user_version", SCHEMA_VERSION)?;
         }
         SCHEMA_VERSION => {}
@@ -949,6 +962,8 @@ impl BatchItems<'_> {
             return Err(mapping_out_of_range());
         };
         if *mapping_id == 0 {
+            let mut segments = Vec::new();
+            encode_code_segments(&mut segments, &mapping.code_segments);
             *mapping_id = mappings.intern(mapping_hash, |upsert| {
                 upsert.query_row(
                     (
@@ -957,6 +972,7 @@ impl BatchItems<'_> {
                         &mapping.build_id,
                         &mapping.path,
                         bucket,
+                        &segments,
                     ),
                     |row| row.get(0),
                 )
@@ -1310,6 +1326,13 @@ fn mapping_hash(bytes: &mut Vec<u8>, mapping: &MappingRecord) -> u128 {
     bytes.push(kind_code(mapping.kind) as u8);
     put_str(bytes, &mapping.build_id);
     put_str(bytes, &mapping.path);
+    // Nothing for no segments: mappings stored before segments were sent
+    // keep their hashes.
+    for segment in &mapping.code_segments {
+        for value in [segment.file_offset, segment.vaddr, segment.file_size] {
+            bytes.extend_from_slice(&value.to_le_bytes());
+        }
+    }
     xxhash_rust::xxh3::xxh3_128(bytes)
 }
 
@@ -1354,6 +1377,27 @@ fn encode_lines(buf: &mut Vec<u8>, lines: &[LineRecord]) {
         buf.extend_from_slice(line.file.as_bytes());
         put_varint(buf, u64::from(line.line));
     }
+}
+
+fn encode_code_segments(buf: &mut Vec<u8>, segments: &[CodeSegment]) {
+    for segment in segments {
+        for value in [segment.file_offset, segment.vaddr, segment.file_size] {
+            put_varint(buf, value);
+        }
+    }
+}
+
+fn decode_code_segments(blob: &[u8]) -> Result<Vec<CodeSegment>, &'static str> {
+    let mut reader = BlobReader { bytes: blob };
+    let mut segments = Vec::new();
+    while !reader.is_empty() {
+        segments.push(CodeSegment {
+            file_offset: reader.varint()?,
+            vaddr: reader.varint()?,
+            file_size: reader.varint()?,
+        });
+    }
+    Ok(segments)
 }
 
 /// Reads a blob written by `put_varint` and friends; errors say what is
@@ -1580,9 +1624,10 @@ impl ReadCaches {
             return Ok(Arc::clone(frames));
         }
         let corrupt = |what: String| StorageError::Corrupt(format!("location {location}: {what}"));
-        let row: Option<(i64, Vec<u8>, i64, String, String)> = tx
+        type Row = (i64, Vec<u8>, i64, String, String, Vec<u8>);
+        let row: Option<Row> = tx
             .prepare_cached(
-                "SELECT l.address, l.lines, m.kind, m.build_id, m.path
+                "SELECT l.address, l.lines, m.kind, m.build_id, m.path, m.code_segments
                  FROM locations l JOIN mappings m ON m.id = l.mapping_id WHERE l.id = ?1",
             )?
             .query_row([location], |row| {
@@ -1592,10 +1637,11 @@ impl ReadCaches {
                     row.get(2)?,
                     row.get(3)?,
                     row.get(4)?,
+                    row.get(5)?,
                 ))
             })
             .optional()?;
-        let Some((address, lines, kind, build_id, path)) = row else {
+        let Some((address, lines, kind, build_id, path, segments)) = row else {
             return Err(corrupt(format!(
                 "referenced by stack {stack}, but it or its mapping does not exist"
             )));
@@ -1603,8 +1649,15 @@ impl ReadCaches {
         let kind =
             kind_from_code(kind).ok_or_else(|| corrupt(format!("unknown mapping kind {kind}")))?;
         let lines = decode_lines(&lines).map_err(|err| corrupt(format!("lines blob: {err}")))?;
-        let frames: Arc<[Arc<Frame>]> =
-            resolve_frames(kind, &build_id, &path, address as u64, lines).into();
+        let segments = decode_code_segments(&segments)
+            .map_err(|err| corrupt(format!("code segments blob: {err}")))?;
+        let mapping = MappingRecord {
+            kind,
+            build_id,
+            path,
+            code_segments: segments,
+        };
+        let frames: Arc<[Arc<Frame>]> = resolve_frames(&mapping, address as u64, lines).into();
         if self.frames.len() >= self.frame_capacity {
             self.frames.clear();
         }
@@ -1631,18 +1684,24 @@ fn binary_name(kind: MappingKind, path: &str) -> String {
 }
 
 /// One frame per line, innermost first (all but the outermost inlined), or
-/// one unnamed frame when the location has no lines.
+/// one unnamed frame when the location has no lines (with where its code
+/// is, for a file with a build-id, so debuginfo can name it later).
 fn resolve_frames(
-    kind: MappingKind,
-    build_id: &str,
-    path: &str,
+    mapping: &MappingRecord,
     address: u64,
     lines: Vec<LineRecord>,
 ) -> Vec<Arc<Frame>> {
-    let binary = binary_name(kind, path);
+    let (kind, build_id) = (mapping.kind, mapping.build_id.as_str());
+    let binary = binary_name(kind, &mapping.path);
     if lines.is_empty() {
+        let unnamed_code =
+            (kind == MappingKind::User && !build_id.is_empty()).then(|| CodeAddress {
+                file_offset: address,
+                vaddr: CodeSegment::vaddr_of(&mapping.code_segments, address),
+            });
         return vec![Arc::new(Frame {
             build_id: build_id.to_owned(),
+            unnamed_code,
             ..Frame::synthetic(Frame::unknown_function(&binary, address), binary)
         })];
     }
@@ -1662,6 +1721,7 @@ fn resolve_frames(
                 file: line.file,
                 line: line.line,
                 inlined: i + 1 < count,
+                unnamed_code: None,
             })
         })
         .collect()

@@ -53,6 +53,7 @@ mod tests {
             file: "src/lib.rs".into(),
             line: 7,
             inlined: true,
+            unnamed_code: None,
         });
         let tree = CallTree::from_stacks(&StackSamples {
             stacks: vec![

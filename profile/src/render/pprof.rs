@@ -346,6 +346,7 @@ mod tests {
             file: file.into(),
             line,
             inlined,
+            unnamed_code: None,
         })
     }
 
