@@ -3,6 +3,7 @@
 //! answers queries over gRPC and HTTP (`server`). Rendering lives in
 //! `stackscope-profile`, shared with the `stackscope` CLI.
 
+pub mod debuginfo;
 pub mod ingest;
 pub mod query;
 pub mod server;

@@ -8,6 +8,11 @@ use std::{io::IsTerminal as _, net::SocketAddr, path::PathBuf, sync::Arc, time::
 use anyhow::Context as _;
 use clap::Parser;
 use stackscope_collector::{
+    debuginfo::{
+        Debuginfo, DebuginfoStore, DiskStore,
+        debuginfod::{Debuginfod, DebuginfodConfig},
+        symbolize::Symbolizer,
+    },
     server::{self, ServerConfig, TlsFiles},
     storage::sqlite::{SqliteOptions, SqliteStorage},
 };
@@ -49,6 +54,21 @@ struct Args {
     /// File holding the bearer token agents must send to push batches.
     #[arg(long)]
     ingest_token_file: Option<PathBuf>,
+    /// debuginfod servers to fetch debuginfo from by build-id, space
+    /// separated (as `DEBUGINFOD_URLS`); fetched files are kept with the
+    /// uploaded ones in DATA_DIR/debuginfo.
+    #[arg(long, env = "DEBUGINFOD_URLS", default_value = "")]
+    debuginfod_urls: String,
+    /// How long a query waits for debuginfod before it answers with the
+    /// names at hand (a download still running names later queries).
+    #[arg(long, default_value = "5s", value_parser = humantime::parse_duration)]
+    debuginfod_timeout: Duration,
+    /// How long a build-id no debuginfod server had is not asked for again.
+    #[arg(long, default_value = "10m", value_parser = humantime::parse_duration)]
+    debuginfod_retry_after: Duration,
+    /// Largest debuginfo file accepted, uploaded or fetched, in bytes.
+    #[arg(long, default_value_t = 2 << 30)]
+    max_debuginfo_bytes: u64,
     /// Log level: error, warn, info, debug or trace.
     #[arg(long, default_value = "info")]
     log_level: tracing::Level,
@@ -104,6 +124,27 @@ async fn main() -> anyhow::Result<()> {
     })
     .await??;
 
+    let debuginfo_dir = args.data_dir.join("debuginfo");
+    let store: Arc<dyn DebuginfoStore> = Arc::new(
+        DiskStore::open(&debuginfo_dir)
+            .with_context(|| format!("opening the debuginfo store {}", debuginfo_dir.display()))?,
+    );
+    let debuginfod = if args.debuginfod_urls.trim().is_empty() {
+        None
+    } else {
+        let config = DebuginfodConfig {
+            query_wait: args.debuginfod_timeout,
+            negative_ttl: args.debuginfod_retry_after,
+            max_bytes: args.max_debuginfo_bytes,
+            ..DebuginfodConfig::from_url_list(&args.debuginfod_urls)
+        };
+        tracing::info!(urls = ?config.urls, "names missing debuginfo from debuginfod");
+        Some(Arc::new(
+            Debuginfod::new(config).context("--debuginfod-urls")?,
+        ))
+    };
+    let symbolizer = Symbolizer::start(Arc::clone(&store), debuginfod)
+        .context("starting the symbolizer thread")?;
     let config = ServerConfig {
         grpc_listen: args.grpc_listen,
         http_listen: (!args.no_http).then_some(args.http_listen),
@@ -111,6 +152,11 @@ async fn main() -> anyhow::Result<()> {
         retention: args.retention,
         tls,
         ingest_token,
+        debuginfo: Some(Debuginfo {
+            store,
+            symbolizer: Arc::new(symbolizer),
+            max_upload_bytes: args.max_debuginfo_bytes,
+        }),
         ..ServerConfig::default()
     };
     let collector = server::start(config, Arc::new(storage))

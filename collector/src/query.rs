@@ -10,7 +10,10 @@ use stackscope_profile::{
     tree::CallTree,
 };
 
-use crate::storage::{Storage, StorageError};
+use crate::{
+    debuginfo::symbolize::{Symbolizer, SymbolizerGone},
+    storage::{Storage, StorageError},
+};
 
 /// A query failed.
 #[derive(Debug, thiserror::Error)]
@@ -19,6 +22,8 @@ pub enum QueryError {
     Storage(#[from] StorageError),
     #[error("the storage task stopped before answering")]
     TaskFailed(#[source] tokio::task::JoinError),
+    #[error(transparent)]
+    Symbolizer(#[from] SymbolizerGone),
     /// The client asked to group by something that cannot be a label name.
     #[error(
         "group_by {0:?} is not a label name (letters, digits and _, not starting with a digit)"
@@ -94,6 +99,8 @@ pub const GROUP_BINARY: &str = "[group]";
 #[derive(Clone)]
 pub struct QueryEngine {
     storage: Arc<dyn Storage>,
+    /// Names frames stored without names, as they are read.
+    symbolizer: Option<Arc<Symbolizer>>,
 }
 
 /// A merged call tree and what one unit of its weight stands for.
@@ -104,7 +111,24 @@ pub struct Flamegraph {
 
 impl QueryEngine {
     pub fn new(storage: Arc<dyn Storage>) -> Self {
-        Self { storage }
+        Self {
+            storage,
+            symbolizer: None,
+        }
+    }
+
+    /// Names unnamed frames from debuginfo as profiles are read.
+    pub fn with_symbolizer(mut self, symbolizer: Arc<Symbolizer>) -> Self {
+        self.symbolizer = Some(symbolizer);
+        self
+    }
+
+    /// `samples` with what debuginfo names of their unnamed frames.
+    async fn named(&self, samples: StackSamples) -> Result<StackSamples, QueryError> {
+        match &self.symbolizer {
+            Some(symbolizer) => Ok(symbolizer.name(samples).await?),
+            None => Ok(samples),
+        }
     }
 
     /// Runs `work` on a blocking thread (storage calls are synchronous).
@@ -124,10 +148,13 @@ impl QueryEngine {
             .map_err(QueryError::from)
     }
 
-    /// The selected stacks, as stored.
+    /// The selected stacks, named from debuginfo where storage has no
+    /// names.
     pub async fn stacks(&self, selection: Selection) -> Result<StackSamples, QueryError> {
-        self.blocking(move |storage| storage.stacks(&selection))
-            .await
+        let samples = self
+            .blocking(move |storage| storage.stacks(&selection))
+            .await?;
+        self.named(samples).await
     }
 
     /// The merged call tree of the selection, without subtrees below
@@ -149,7 +176,10 @@ impl QueryEngine {
         }
         let samples = match group_by.filter(|label| !label.is_empty()) {
             None => self.stacks(selection).await?,
-            Some(label) => self.grouped_stacks(selection, label.to_owned()).await?,
+            Some(label) => {
+                let grouped = self.grouped_stacks(selection, label.to_owned()).await?;
+                self.named(grouped).await?
+            }
         };
         let mut tree = CallTree::from_stacks(&samples);
         if min_share > 0.0 {

@@ -9,6 +9,8 @@ use std::{
 };
 
 use anyhow::Context as _;
+
+mod upload;
 use clap::{Args, Parser, Subcommand, ValueEnum};
 use stackscope_collector::timespec::{self, SelectionText};
 use stackscope_profile::{
@@ -128,6 +130,28 @@ enum Command {
         #[arg(short, long, default_value = "-")]
         output: PathBuf,
     },
+    /// Debuginfo the collector names stripped binaries' frames with.
+    Debuginfo {
+        #[command(subcommand)]
+        command: DebuginfoCommand,
+    },
+}
+
+#[derive(Debug, Subcommand)]
+enum DebuginfoCommand {
+    /// Send files' symbols and DWARF to the collector, once per build-id
+    /// for the whole fleet: unstripped binaries, or separate debug files
+    /// (`objcopy --only-keep-debug`, `/usr/lib/debug/.build-id/...`).
+    /// Profiles already stored show the names at their next query.
+    Upload {
+        /// ELF files carrying a build-id and a symbol table or DWARF.
+        #[arg(required = true)]
+        files: Vec<PathBuf>,
+        /// File holding the collector's bearer token (its
+        /// --ingest-token-file).
+        #[arg(long)]
+        token_file: Option<PathBuf>,
+    },
 }
 
 #[derive(Debug, Clone, Copy, ValueEnum)]
@@ -176,8 +200,9 @@ struct Collector {
     address: String,
 }
 
-impl Collector {
-    async fn connect(cli: &Cli) -> anyhow::Result<Self> {
+/// A channel to the collector at `--collector`.
+async fn connect_channel(cli: &Cli) -> anyhow::Result<Channel> {
+    {
         let mut endpoint = Endpoint::from_shared(cli.collector.clone()).with_context(|| {
             format!(
                 "--collector {:?} is not a URI; use http://HOST:PORT or https://HOST:PORT",
@@ -196,13 +221,19 @@ impl Collector {
             }
             endpoint = endpoint.tls_config(tls).context("setting up TLS")?;
         }
-        let channel = endpoint.connect().await.with_context(|| {
+        endpoint.connect().await.with_context(|| {
             format!(
                 "cannot reach the collector at {}: is stackscope-collector running there? \
                  (set --collector or STACKSCOPE_COLLECTOR)",
                 cli.collector
             )
-        })?;
+        })
+    }
+}
+
+impl Collector {
+    async fn connect(cli: &Cli) -> anyhow::Result<Self> {
+        let channel = connect_channel(cli).await?;
         let client = QueryClient::new(channel)
             .accept_compressed(CompressionEncoding::Zstd)
             .accept_compressed(CompressionEncoding::Gzip)
@@ -424,6 +455,13 @@ async fn main() -> anyhow::Result<()> {
                 }
             };
             write_output(output, &bytes)?;
+        }
+        Command::Debuginfo {
+            command: DebuginfoCommand::Upload { files, token_file },
+        } => {
+            let token = token_file.as_deref().map(upload::read_token).transpose()?;
+            let channel = connect_channel(&cli).await?;
+            upload::upload_files(channel, token, files, &cli.collector).await?;
         }
     }
     Ok(())

@@ -1,13 +1,16 @@
 //! Runs the collector: the gRPC server (ingest, query, health), the HTTP
 //! server, and the retention task, until asked to stop.
 
+mod debuginfo;
 mod grpc;
 mod http;
 
 use std::{net::SocketAddr, sync::Arc, time::Duration};
 
 use stackscope_profile::model::unix_nanos;
-use stackscope_proto::v1::{ingest_server::IngestServer, query_server::QueryServer};
+use stackscope_proto::v1::{
+    debuginfo_server::DebuginfoServer, ingest_server::IngestServer, query_server::QueryServer,
+};
 use tokio::{net::TcpListener, sync::watch, task::JoinSet};
 use tonic::{
     codec::CompressionEncoding,
@@ -15,7 +18,7 @@ use tonic::{
     transport::{Identity, ServerTlsConfig},
 };
 
-use crate::{ingest::IngestLimits, query::QueryEngine, storage::Storage};
+use crate::{debuginfo::Debuginfo, ingest::IngestLimits, query::QueryEngine, storage::Storage};
 
 /// How the collector serves.
 #[derive(Debug, Clone)]
@@ -33,8 +36,12 @@ pub struct ServerConfig {
     pub retention_interval: Duration,
     /// PEM certificate chain and key: serve gRPC over TLS.
     pub tls: Option<TlsFiles>,
-    /// Agents must send `authorization: Bearer <token>` to push.
+    /// Agents must send `authorization: Bearer <token>` to push (and to
+    /// upload debuginfo).
     pub ingest_token: Option<String>,
+    /// The debuginfo store and query-time symbolizer; `None`: frames are
+    /// shown with the names agents sent, and uploads are refused.
+    pub debuginfo: Option<Debuginfo>,
 }
 
 #[derive(Debug, Clone)]
@@ -54,6 +61,7 @@ impl Default for ServerConfig {
             retention_interval: Duration::from_secs(600),
             tls: None,
             ingest_token: None,
+            debuginfo: None,
         }
     }
 }
@@ -127,7 +135,10 @@ pub async fn start(
     storage: Arc<dyn Storage>,
 ) -> Result<RunningCollector, ServerError> {
     let (stop, stop_rx) = watch::channel(false);
-    let engine = QueryEngine::new(Arc::clone(&storage));
+    let mut engine = QueryEngine::new(Arc::clone(&storage));
+    if let Some(debuginfo) = &config.debuginfo {
+        engine = engine.with_symbolizer(Arc::clone(&debuginfo.symbolizer));
+    }
     let mut tasks = JoinSet::new();
 
     let grpc_listener = TcpListener::bind(config.grpc_listen)
@@ -163,6 +174,15 @@ pub async fn start(
         ),
         _ => Ok(request),
     };
+    let debuginfo = config.debuginfo.as_ref().map(|debuginfo| {
+        tonic::service::interceptor::InterceptedService::new(
+            DebuginfoServer::new(debuginfo::DebuginfoService::new(
+                Arc::clone(&debuginfo.store),
+                debuginfo.max_upload_bytes,
+            )),
+            check_token.clone(),
+        )
+    });
     let ingest = IngestServer::new(grpc::IngestService::new(
         Arc::clone(&storage),
         config.limits.clone(),
@@ -190,7 +210,8 @@ pub async fn start(
             ingest,
             check_token,
         ))
-        .add_service(query);
+        .add_service(query)
+        .add_optional_service(debuginfo);
     let incoming = tokio_stream::wrappers::TcpListenerStream::new(grpc_listener);
     let grpc_stop = stopped(stop_rx.clone());
     tasks.spawn(async move {

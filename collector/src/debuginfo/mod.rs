@@ -1,0 +1,398 @@
+//! Debuginfo for the whole fleet, by GNU build-id: what the collector names
+//! stored frames with when profiles are read.
+//!
+//! Owns the store ([`DebuginfoStore`], on disk beside the database by
+//! default: [`DiskStore`]), the checks a file passes before it is stored
+//! ([`check_elf`]: ELF, the claimed build-id, symbols or DWARF inside), the
+//! debuginfod client ([`debuginfod`]) and naming at query time
+//! ([`symbolize`]). Does not own the upload protocol (the gRPC service in
+//! `server`) or which frames need names (storage marks them).
+
+pub mod debuginfod;
+pub mod symbolize;
+
+use std::{
+    fs::File,
+    io::Write as _,
+    path::{Path, PathBuf},
+    sync::atomic::{AtomicU64, Ordering},
+};
+
+use object::{Object as _, ObjectSection as _, SectionKind};
+use std::sync::Arc;
+
+/// The collector's debuginfo: its store and the symbolizer that reads it.
+#[derive(Clone)]
+pub struct Debuginfo {
+    pub store: Arc<dyn DebuginfoStore>,
+    pub symbolizer: Arc<symbolize::Symbolizer>,
+    /// Largest upload accepted, in bytes.
+    pub max_upload_bytes: u64,
+}
+
+impl std::fmt::Debug for Debuginfo {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Debuginfo")
+            .field("max_upload_bytes", &self.max_upload_bytes)
+            .finish_non_exhaustive()
+    }
+}
+
+/// A build-id as stored and asked for: lower-case hex, 2 to 128 digits.
+pub fn is_valid_build_id(build_id: &str) -> bool {
+    (2..=128).contains(&build_id.len())
+        && build_id.len() % 2 == 0
+        && build_id
+            .bytes()
+            .all(|b| b.is_ascii_digit() || (b'a'..=b'f').contains(&b))
+}
+
+/// Why a file was not stored.
+#[derive(Debug, thiserror::Error)]
+pub enum DebuginfoError {
+    #[error("{0:?} is not a build-id (2 to 128 lower-case hex digits)")]
+    InvalidBuildId(String),
+    #[error("the file is not ELF or its headers are malformed")]
+    NotElf(#[source] object::Error),
+    #[error("the file carries no build-id note")]
+    NoBuildId,
+    #[error("the file's build-id is {found}, not the {claimed} it was sent as")]
+    BuildIdMismatch { claimed: String, found: String },
+    #[error("the file carries neither a symbol table nor DWARF (a stripped binary names nothing)")]
+    NoSymbols,
+    #[error("debuginfo store I/O at {path}")]
+    Io {
+        path: PathBuf,
+        #[source]
+        source: std::io::Error,
+    },
+}
+
+fn io_error(path: &Path) -> impl FnOnce(std::io::Error) -> DebuginfoError + '_ {
+    move |source| DebuginfoError::Io {
+        path: path.to_owned(),
+        source,
+    }
+}
+
+/// What a checked ELF file holds.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ElfContent {
+    /// Its executable segments hold the code (a binary, not a separate
+    /// debug file whose sections are `NOBITS`): file offsets can be read
+    /// in it directly.
+    pub holds_code: bool,
+}
+
+/// Checks that `file` is ELF, carries `build_id` and has a symbol table or
+/// DWARF: what the store accepts.
+pub fn check_elf(file: &File, build_id: &str) -> Result<ElfContent, DebuginfoError> {
+    let cache = object::ReadCache::new(file);
+    let elf = object::File::parse(&cache).map_err(DebuginfoError::NotElf)?;
+    let found = elf
+        .build_id()
+        .map_err(DebuginfoError::NotElf)?
+        .ok_or(DebuginfoError::NoBuildId)?;
+    let found: String = found.iter().map(|b| format!("{b:02x}")).collect();
+    if found != build_id {
+        return Err(DebuginfoError::BuildIdMismatch {
+            claimed: build_id.to_owned(),
+            found,
+        });
+    }
+    let has_contents = |name: &str| {
+        elf.section_by_name(name)
+            .is_some_and(|section| section.kind() != SectionKind::UninitializedData)
+    };
+    if !has_contents(".symtab") && !has_contents(".debug_info") {
+        return Err(DebuginfoError::NoSymbols);
+    }
+    let holds_code = has_contents(".text");
+    Ok(ElfContent { holds_code })
+}
+
+/// Where debuginfo files are kept, by build-id. A distributed backend
+/// implements this over its object store and hands the symbolizer local
+/// copies.
+pub trait DebuginfoStore: Send + Sync + 'static {
+    /// A local path to the file stored for `build_id`, if any.
+    fn get(&self, build_id: &str) -> Option<PathBuf>;
+
+    /// A new file for the store, written by the caller before [`Self::commit`].
+    fn stage(&self) -> Result<StagedFile, DebuginfoError>;
+
+    /// Checks `staged` ([`check_elf`]) and stores it as `build_id`'s file;
+    /// `Ok(false)` when the build-id was stored before (and is kept as it
+    /// is). On any error nothing is stored.
+    fn commit(&self, build_id: &str, staged: StagedFile) -> Result<bool, DebuginfoError>;
+}
+
+/// A file being written for the store; deleted unless committed.
+#[derive(Debug)]
+pub struct StagedFile {
+    path: PathBuf,
+    file: Option<File>,
+}
+
+impl StagedFile {
+    pub fn write_all(&mut self, bytes: &[u8]) -> Result<(), DebuginfoError> {
+        match &mut self.file {
+            Some(file) => file.write_all(bytes).map_err(io_error(&self.path)),
+            None => Ok(()),
+        }
+    }
+
+    pub fn path(&self) -> &Path {
+        &self.path
+    }
+}
+
+impl Drop for StagedFile {
+    fn drop(&mut self) {
+        if self.file.take().is_some() {
+            let _ = std::fs::remove_file(&self.path);
+        }
+    }
+}
+
+/// The default store: one file per build-id in a directory (the data
+/// directory's `debuginfo/`), staged in `debuginfo/.incoming/` and renamed
+/// into place, so a file is either whole or absent, also across crashes.
+#[derive(Debug)]
+pub struct DiskStore {
+    dir: PathBuf,
+    incoming: PathBuf,
+    staged: AtomicU64,
+}
+
+impl DiskStore {
+    /// Opens (creating) the store in `dir`, removing uploads a crash left
+    /// half written.
+    pub fn open(dir: &Path) -> Result<Self, DebuginfoError> {
+        let incoming = dir.join(".incoming");
+        if incoming.exists() {
+            std::fs::remove_dir_all(&incoming).map_err(io_error(&incoming))?;
+        }
+        std::fs::create_dir_all(&incoming).map_err(io_error(&incoming))?;
+        Ok(Self {
+            dir: dir.to_owned(),
+            incoming,
+            staged: AtomicU64::new(0),
+        })
+    }
+
+    fn path_of(&self, build_id: &str) -> PathBuf {
+        self.dir.join(build_id)
+    }
+}
+
+impl DebuginfoStore for DiskStore {
+    fn get(&self, build_id: &str) -> Option<PathBuf> {
+        if !is_valid_build_id(build_id) {
+            return None;
+        }
+        let path = self.path_of(build_id);
+        path.is_file().then_some(path)
+    }
+
+    fn stage(&self) -> Result<StagedFile, DebuginfoError> {
+        let n = self.staged.fetch_add(1, Ordering::Relaxed);
+        let path = self.incoming.join(format!("{}-{n}", std::process::id()));
+        // Read too: the checks parse what was written.
+        let file = std::fs::OpenOptions::new()
+            .read(true)
+            .write(true)
+            .create_new(true)
+            .open(&path)
+            .map_err(io_error(&path))?;
+        Ok(StagedFile {
+            path,
+            file: Some(file),
+        })
+    }
+
+    fn commit(&self, build_id: &str, mut staged: StagedFile) -> Result<bool, DebuginfoError> {
+        if !is_valid_build_id(build_id) {
+            return Err(DebuginfoError::InvalidBuildId(build_id.to_owned()));
+        }
+        let Some(file) = staged.file.as_ref() else {
+            return Err(DebuginfoError::Io {
+                path: staged.path.clone(),
+                source: std::io::Error::other("the staged file was already committed"),
+            });
+        };
+        file.sync_all().map_err(io_error(&staged.path))?;
+        check_elf(file, build_id)?;
+        let target = self.path_of(build_id);
+        if target.exists() {
+            return Ok(false);
+        }
+        std::fs::rename(&staged.path, &target).map_err(io_error(&target))?;
+        // Renamed: nothing for the drop to remove.
+        staged.file = None;
+        Ok(true)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::process::Command;
+
+    use super::*;
+
+    /// A program built with `-g`, and its debug file made apart.
+    struct Built {
+        _dir: tempfile::TempDir,
+        binary: PathBuf,
+        debug: PathBuf,
+        stripped: PathBuf,
+        build_id: String,
+    }
+
+    fn build() -> Built {
+        let dir = tempfile::tempdir().expect("temp dir");
+        let source = dir.path().join("prog.c");
+        std::fs::write(&source, "int main(void) { return 0; }\n").expect("source");
+        let binary = dir.path().join("prog");
+        let debug = dir.path().join("prog.debug");
+        let stripped = dir.path().join("prog.stripped");
+        let run = |cmd: &mut Command| {
+            let out = cmd.output().expect("running a build tool");
+            assert!(out.status.success(), "{cmd:?}: {out:?}");
+        };
+        run(Command::new("gcc")
+            .args(["-g", "-O1", "-Wl,--build-id"])
+            .arg(&source)
+            .arg("-o")
+            .arg(&binary));
+        run(Command::new("objcopy")
+            .arg("--only-keep-debug")
+            .arg(&binary)
+            .arg(&debug));
+        run(Command::new("strip")
+            .arg("--strip-all")
+            .arg(&binary)
+            .arg("-o")
+            .arg(&stripped));
+        let elf_data = std::fs::read(&binary).expect("reading the binary");
+        let elf = object::File::parse(&*elf_data).expect("ELF");
+        let build_id = elf
+            .build_id()
+            .expect("notes")
+            .expect("a build-id")
+            .iter()
+            .map(|b| format!("{b:02x}"))
+            .collect();
+        Built {
+            _dir: dir,
+            binary,
+            debug,
+            stripped,
+            build_id,
+        }
+    }
+
+    fn stage_copy(store: &DiskStore, path: &Path) -> StagedFile {
+        let mut staged = store.stage().expect("staging");
+        staged
+            .write_all(&std::fs::read(path).expect("reading"))
+            .expect("writing");
+        staged
+    }
+
+    #[test]
+    fn build_ids_are_lower_case_hex_bytes() {
+        assert!(is_valid_build_id("0a1b"));
+        for bad in ["", "0", "0A", "xy", "../etc", &"ab".repeat(65)] {
+            assert!(!is_valid_build_id(bad), "{bad}");
+        }
+    }
+
+    #[test]
+    fn debug_files_and_binaries_with_symbols_are_stored_once() {
+        let built = build();
+        let data = tempfile::tempdir().expect("temp dir");
+        let store = DiskStore::open(data.path()).expect("store");
+        assert_eq!(store.get(&built.build_id), None);
+
+        let content = check_elf(&File::open(&built.debug).expect("open"), &built.build_id)
+            .expect("a debug file passes");
+        assert!(!content.holds_code);
+        let content = check_elf(&File::open(&built.binary).expect("open"), &built.build_id)
+            .expect("a binary with symbols passes");
+        assert!(content.holds_code);
+
+        let staged = stage_copy(&store, &built.debug);
+        let staged_path = staged.path().to_owned();
+        assert!(store.commit(&built.build_id, staged).expect("stored"));
+        assert!(!staged_path.exists());
+        let stored = store.get(&built.build_id).expect("stored file");
+        assert_eq!(
+            std::fs::read(stored).expect("read"),
+            std::fs::read(&built.debug).expect("read")
+        );
+        // Again: kept as it is, and the second copy is gone.
+        let staged = stage_copy(&store, &built.binary);
+        let staged_path = staged.path().to_owned();
+        assert!(!store.commit(&built.build_id, staged).expect("known"));
+        assert!(!staged_path.exists());
+    }
+
+    #[test]
+    fn refused_files_store_nothing() {
+        let built = build();
+        let data = tempfile::tempdir().expect("temp dir");
+        let store = DiskStore::open(data.path()).expect("store");
+        let debug = std::fs::read(&built.debug).expect("read");
+        let other_id = "00".repeat(20);
+        let cases: [(&str, &[u8], &str, String); 4] = [
+            (
+                "truncated",
+                &debug[..debug.len() / 3],
+                &built.build_id,
+                String::new(),
+            ),
+            (
+                "garbage",
+                b"not an elf file at all",
+                &built.build_id,
+                String::new(),
+            ),
+            (
+                "mismatched",
+                &debug,
+                &other_id,
+                format!(
+                    "the file's build-id is {}, not the {other_id} it was sent as",
+                    built.build_id
+                ),
+            ),
+            (
+                "stripped",
+                &std::fs::read(&built.stripped).expect("read"),
+                &built.build_id,
+                "the file carries neither a symbol table nor DWARF (a stripped binary names \
+                 nothing)"
+                    .to_owned(),
+            ),
+        ];
+        for (what, bytes, claim, message) in cases {
+            let mut staged = store.stage().expect("staging");
+            staged.write_all(bytes).expect("writing");
+            let err = store.commit(claim, staged).expect_err(what);
+            if !message.is_empty() {
+                assert_eq!(err.to_string(), message, "{what}");
+            }
+            assert_eq!(store.get(claim), None, "{what}");
+        }
+        let left: Vec<_> = std::fs::read_dir(data.path().join(".incoming"))
+            .expect("incoming")
+            .collect();
+        assert!(left.is_empty(), "staged files left behind: {left:?}");
+        assert_eq!(
+            std::fs::read_dir(data.path()).expect("store dir").count(),
+            1,
+            "only .incoming"
+        );
+    }
+}

@@ -1,0 +1,399 @@
+//! Names stored frames when a profile is read: a frame of a file with a
+//! build-id that the node could not name (a stripped binary) is looked up in
+//! that build-id's debuginfo from the store, or from debuginfod, and
+//! replaced by one frame per function (inlined ones first, with file and
+//! line where DWARF has them). Nothing is written back: a profile recorded
+//! before its debuginfo arrived is named as soon as it arrives.
+//!
+//! Owns the name cache (by build-id and file offset, bounded) and blazesym's
+//! state for the stored files. A frame that stays unknown keeps its
+//! `[unknown] <binary>+0x<offset>` name: it is never guessed.
+
+use std::{
+    collections::{BTreeMap, HashMap},
+    panic::AssertUnwindSafe,
+    path::PathBuf,
+    sync::{Arc, Mutex, MutexGuard, mpsc},
+};
+
+use blazesym::symbolize::{
+    self as blaze, CodeInfo, Input, Sym, Symbolized,
+    source::{Elf, Source},
+};
+use stackscope_profile::{
+    model::{CodeAddress, Frame, StackSamples},
+    names::demangle,
+};
+
+use tokio::sync::oneshot;
+
+use super::{DebuginfoStore, ElfContent, check_elf, debuginfod::Debuginfod};
+
+/// Names kept, by (build-id, file offset): each a few frames.
+const MAX_CACHED_NAMES: usize = 1 << 20;
+
+/// Files blazesym keeps parsed before its state is dropped and rebuilt.
+const MAX_PARSED_FILES: usize = 64;
+
+/// Functions kept per address (innermost inlined first); the collector's
+/// ingest refuses more lines than this per location too.
+const MAX_LINES: usize = 64;
+
+/// Counters since start, for logs and tests.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct SymbolizeStats {
+    /// Unnamed frames looked up (after the cache), and those named.
+    pub lookups: u64,
+    pub named: u64,
+    /// Build-ids asked for with no debuginfo found (store and debuginfod).
+    pub missing_files: u64,
+    /// Files blazesym could not read, or panicked on.
+    pub failed_files: u64,
+}
+
+/// See the module documentation. blazesym's state is not `Send`: it lives
+/// on one thread of its own, which answers lookups in turn.
+pub struct Symbolizer {
+    store: Arc<dyn DebuginfoStore>,
+    debuginfod: Option<Arc<Debuginfod>>,
+    requests: Mutex<mpsc::Sender<Request>>,
+    stats: Arc<Mutex<SymbolizeStats>>,
+}
+
+/// Found names, by (build-id, file offset).
+type Names = HashMap<(String, u64), Arc<[Arc<Frame>]>>;
+
+struct Request {
+    wanted: Wanted,
+    reply: oneshot::Sender<Names>,
+}
+
+struct State {
+    store: Arc<dyn DebuginfoStore>,
+    blaze: blaze::Symbolizer,
+    parsed_files: usize,
+    /// Each stored file and what it holds, once checked.
+    files: HashMap<String, (PathBuf, ElfContent)>,
+    /// `None`: the file was read and no symbol covers the address.
+    names: HashMap<(String, u64), Option<Arc<[Arc<Frame>]>>>,
+    stats: Arc<Mutex<SymbolizeStats>>,
+}
+
+fn new_blazesym() -> blaze::Symbolizer {
+    blaze::Symbolizer::builder()
+        .enable_code_info(true)
+        .enable_inlined_fns(true)
+        // Its demangler reads bare C names as type codes; the profile's own
+        // demangler is the one every other name went through.
+        .enable_demangling(false)
+        .build()
+}
+
+/// The distinct unnamed frames of a profile, by build-id.
+type Wanted = BTreeMap<String, Vec<CodeAddress>>;
+
+/// The symbolizer thread stopped (it panicked outside blazesym).
+#[derive(Debug, thiserror::Error)]
+#[error("the symbolizer thread stopped")]
+pub struct SymbolizerGone;
+
+impl Symbolizer {
+    /// Starts the symbolizer's thread.
+    pub fn start(
+        store: Arc<dyn DebuginfoStore>,
+        debuginfod: Option<Arc<Debuginfod>>,
+    ) -> std::io::Result<Self> {
+        let (requests, incoming) = mpsc::channel::<Request>();
+        let stats = Arc::new(Mutex::new(SymbolizeStats::default()));
+        let (thread_store, thread_stats) = (Arc::clone(&store), Arc::clone(&stats));
+        std::thread::Builder::new()
+            .name("symbolizer".into())
+            .spawn(move || {
+                let mut state = State {
+                    store: thread_store,
+                    blaze: new_blazesym(),
+                    parsed_files: 0,
+                    files: HashMap::new(),
+                    names: HashMap::new(),
+                    stats: thread_stats,
+                };
+                // Ends when the symbolizer (the last sender) is dropped.
+                for request in incoming {
+                    let names = state.lookup(&request.wanted);
+                    let _ = request.reply.send(names);
+                }
+            })?;
+        Ok(Self {
+            store,
+            debuginfod,
+            requests: Mutex::new(requests),
+            stats,
+        })
+    }
+
+    pub fn stats(&self) -> SymbolizeStats {
+        *lock(&self.stats)
+    }
+
+    /// `samples` with every frame the debuginfo at hand names replaced by
+    /// its functions. Build-ids the store lacks are asked of debuginfod
+    /// first, waiting at most its query wait.
+    pub async fn name(&self, samples: StackSamples) -> Result<StackSamples, SymbolizerGone> {
+        let wanted = wanted(&samples);
+        if wanted.is_empty() {
+            return Ok(samples);
+        }
+        if let Some(debuginfod) = &self.debuginfod {
+            let missing: Vec<String> = wanted
+                .keys()
+                .filter(|build_id| self.store.get(build_id).is_none())
+                .cloned()
+                .collect();
+            if !missing.is_empty() {
+                debuginfod.fetch_into(&self.store, missing).await;
+            }
+        }
+        let (reply, names) = oneshot::channel();
+        lock(&self.requests)
+            .send(Request { wanted, reply })
+            .map_err(|_| SymbolizerGone)?;
+        let names = names.await.map_err(|_| SymbolizerGone)?;
+        tokio::task::spawn_blocking(move || replace_frames(samples, &names))
+            .await
+            .map_err(|_| SymbolizerGone)
+    }
+}
+
+fn lock<T>(mutex: &Mutex<T>) -> MutexGuard<'_, T> {
+    mutex
+        .lock()
+        .unwrap_or_else(|poisoned| poisoned.into_inner())
+}
+
+impl State {
+    /// Names for `wanted` from the cache and the store's files.
+    fn lookup(&mut self, wanted: &Wanted) -> Names {
+        let mut found = HashMap::new();
+        for (build_id, addresses) in wanted {
+            let mut misses = Vec::new();
+            for code in addresses {
+                match self.names.get(&(build_id.clone(), code.file_offset)) {
+                    Some(Some(frames)) => {
+                        found.insert((build_id.clone(), code.file_offset), Arc::clone(frames));
+                    }
+                    Some(None) => {}
+                    None => misses.push(*code),
+                }
+            }
+            if misses.is_empty() {
+                continue;
+            }
+            let Some((path, content)) = self.file(build_id) else {
+                lock(&self.stats).missing_files += 1;
+                continue;
+            };
+            // A binary is read at its file offsets; a separate debug file
+            // keeps only addresses, so frames whose node sent no code
+            // segments cannot be placed in it.
+            let usable: Vec<(CodeAddress, u64)> = misses
+                .iter()
+                .filter_map(|code| {
+                    let address = if content.holds_code {
+                        code.file_offset
+                    } else {
+                        code.vaddr?
+                    };
+                    Some((*code, address))
+                })
+                .collect();
+            let addresses: Vec<u64> = usable.iter().map(|(_, address)| *address).collect();
+            let input = if content.holds_code {
+                Input::FileOffset(&addresses[..])
+            } else {
+                Input::VirtOffset(&addresses[..])
+            };
+            let Some(lines) = self.read(&path, input) else {
+                continue;
+            };
+            if self.names.len() + lines.len() > MAX_CACHED_NAMES {
+                self.names.clear();
+            }
+            let mut named = 0;
+            for ((code, _), lines) in usable.iter().zip(lines) {
+                let key = (build_id.clone(), code.file_offset);
+                let frames = (!lines.is_empty()).then(|| Arc::<[Arc<Frame>]>::from(lines));
+                if let Some(frames) = &frames {
+                    named += 1;
+                    found.insert(key.clone(), Arc::clone(frames));
+                }
+                self.names.insert(key, frames);
+            }
+            let mut stats = lock(&self.stats);
+            stats.lookups += usable.len() as u64;
+            stats.named += named;
+        }
+        found
+    }
+
+    /// The stored file of `build_id` and what it holds; a file that fails
+    /// the checks (or is absent) is asked for again next time, since an
+    /// upload may bring it.
+    fn file(&mut self, build_id: &str) -> Option<(PathBuf, ElfContent)> {
+        if let Some(known) = self.files.get(build_id) {
+            return Some(known.clone());
+        }
+        let path = self.store.get(build_id)?;
+        let content = std::fs::File::open(&path)
+            .ok()
+            .and_then(|file| check_elf(&file, build_id).ok());
+        let Some(content) = content else {
+            lock(&self.stats).failed_files += 1;
+            return None;
+        };
+        if self.files.len() >= MAX_CACHED_NAMES {
+            self.files.clear();
+        }
+        self.files
+            .insert(build_id.to_owned(), (path.clone(), content));
+        Some((path, content))
+    }
+
+    /// Frames per address (empty: no symbol), or `None` when blazesym
+    /// failed on the file.
+    fn read(
+        &mut self,
+        path: &std::path::Path,
+        input: Input<&[u64]>,
+    ) -> Option<Vec<Vec<Arc<Frame>>>> {
+        self.parsed_files += 1;
+        if self.parsed_files > MAX_PARSED_FILES {
+            // What blazesym parsed stays until dropped: start afresh now and
+            // then so a collector naming many binaries stays bounded.
+            self.blaze = new_blazesym();
+            self.parsed_files = 0;
+        }
+        let source = Source::Elf(Elf::new(path));
+        let blaze = &self.blaze;
+        let result = std::panic::catch_unwind(AssertUnwindSafe(|| {
+            blaze.symbolize(&source, input).map(|found| {
+                found
+                    .iter()
+                    .map(frames_of)
+                    .collect::<Vec<Vec<Arc<Frame>>>>()
+            })
+        }));
+        match result {
+            Ok(Ok(frames)) => Some(frames),
+            Ok(Err(err)) => {
+                tracing::warn!("naming frames from {}: {err:#}", path.display());
+                lock(&self.stats).failed_files += 1;
+                None
+            }
+            Err(_) => {
+                tracing::warn!("the symbol reader panicked on {}", path.display());
+                self.blaze = new_blazesym();
+                lock(&self.stats).failed_files += 1;
+                None
+            }
+        }
+    }
+}
+
+/// One frame per function at the address, innermost first; `binary` and
+/// `build_id` are filled in by [`replace_frames`].
+fn frames_of(symbolized: &Symbolized<'_>) -> Vec<Arc<Frame>> {
+    let sym: &Sym<'_> = match symbolized {
+        Symbolized::Sym(sym) => sym,
+        Symbolized::Unknown(_) => return Vec::new(),
+    };
+    // blazesym lists inlined calls outermost first, each with the location
+    // inside it; the symbol's own code info is the call site of the first.
+    let mut lines: Vec<(String, Option<&CodeInfo<'_>>)> = sym
+        .inlined
+        .iter()
+        .rev()
+        .take(MAX_LINES - 1)
+        .map(|inlined| (demangle(&inlined.name), inlined.code_info.as_ref()))
+        .collect();
+    lines.push((demangle(&sym.name), sym.code_info.as_deref()));
+    let count = lines.len();
+    lines
+        .into_iter()
+        .enumerate()
+        .map(|(i, (function, code))| {
+            let (file, line) = code.map_or((String::new(), 0), |code| {
+                (
+                    code.to_path().to_string_lossy().into_owned(),
+                    code.line.unwrap_or(0),
+                )
+            });
+            Arc::new(Frame {
+                file,
+                line,
+                inlined: i + 1 < count,
+                ..Frame::synthetic(function, "")
+            })
+        })
+        .collect()
+}
+
+/// The distinct unnamed frames of `samples`, by build-id.
+fn wanted(samples: &StackSamples) -> Wanted {
+    let mut wanted: Wanted = BTreeMap::new();
+    let mut seen = std::collections::HashSet::new();
+    for frame in samples.stacks.iter().flat_map(|stack| &stack.frames) {
+        if let Some(code) = frame.unnamed_code
+            && seen.insert(Arc::as_ptr(frame))
+        {
+            wanted.entry(frame.build_id.clone()).or_default().push(code);
+        }
+    }
+    for addresses in wanted.values_mut() {
+        addresses.sort_unstable();
+        addresses.dedup();
+    }
+    wanted
+}
+
+/// `samples` with each unnamed frame that `names` covers replaced by its
+/// functions (sharing one `Arc` per stored frame, as storage does).
+fn replace_frames(mut samples: StackSamples, names: &Names) -> StackSamples {
+    if names.is_empty() {
+        return samples;
+    }
+    let mut replaced: HashMap<*const Frame, Option<Vec<Arc<Frame>>>> = HashMap::new();
+    for stack in &mut samples.stacks {
+        if !stack
+            .frames
+            .iter()
+            .any(|frame| frame.unnamed_code.is_some())
+        {
+            continue;
+        }
+        let mut frames = Vec::with_capacity(stack.frames.len() + 4);
+        for frame in stack.frames.drain(..) {
+            let replacement = replaced.entry(Arc::as_ptr(&frame)).or_insert_with(|| {
+                let code = frame.unnamed_code?;
+                let named = names.get(&(frame.build_id.clone(), code.file_offset))?;
+                Some(
+                    named
+                        .iter()
+                        .map(|line| {
+                            Arc::new(Frame {
+                                binary: frame.binary.clone(),
+                                build_id: frame.build_id.clone(),
+                                ..(**line).clone()
+                            })
+                        })
+                        .collect(),
+                )
+            });
+            match replacement {
+                Some(named) => frames.extend(named.iter().cloned()),
+                None => frames.push(frame),
+            }
+        }
+        stack.frames = frames;
+    }
+    samples
+}
