@@ -373,6 +373,13 @@ impl Collector {
     /// Starts `stackscope-collector` on free ports and waits until it says
     /// where it listens.
     pub fn start(data_dir: &Path) -> Self {
+        Self::start_with(data_dir, &[])
+    }
+
+    /// [`Collector::start`] with more arguments. No debuginfod server is
+    /// asked unless `args` name one (a `DEBUGINFOD_URLS` in the test's
+    /// environment is not passed on).
+    pub fn start_with(data_dir: &Path, args: &[&str]) -> Self {
         let mut child = Command::new(workspace_binary("stackscope-collector"))
             .args(["--data-dir".as_ref(), data_dir.as_os_str()])
             .args([
@@ -381,6 +388,8 @@ impl Collector {
                 "--http-listen",
                 "127.0.0.1:0",
             ])
+            .args(args)
+            .env_remove("DEBUGINFOD_URLS")
             .stderr(Stdio::piped())
             .spawn()
             .expect("starting stackscope-collector");

@@ -19,13 +19,21 @@ const BPF_LINKER_VERSION: &str = "0.13.0";
 /// `golang-go` provides `go tool pprof`, the real pprof reader the export
 /// tests check against; `podman` and `runc` run real containers (crun refuses
 /// hybrid cgroups), from images built around `busybox-static`; `nodejs` is
-/// the JIT the JIT unwinding test samples (`--perf-basic-prof`).
+/// the JIT the JIT unwinding test samples (`--perf-basic-prof`);
+/// `debuginfod` is the real server the collector fetches debuginfo from in
+/// the naming tests, `elfutils` and `binutils` make and read their debug
+/// files, `libc6-dbg` is the Debian debug package the agent's local lookup
+/// is tested with.
 const DEBIAN_PACKAGES: &[&str] = &[
+    "binutils",
     "bpftool",
     "busybox-static",
+    "debuginfod",
+    "elfutils",
     "gcc",
     "g++",
     "golang-go",
+    "libc6-dbg",
     "nodejs",
     "podman",
     "runc",

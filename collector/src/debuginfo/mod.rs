@@ -41,7 +41,7 @@ impl std::fmt::Debug for Debuginfo {
 /// A build-id as stored and asked for: lower-case hex, 2 to 128 digits.
 pub fn is_valid_build_id(build_id: &str) -> bool {
     (2..=128).contains(&build_id.len())
-        && build_id.len() % 2 == 0
+        && build_id.len().is_multiple_of(2)
         && build_id
             .bytes()
             .all(|b| b.is_ascii_digit() || (b'a'..=b'f').contains(&b))

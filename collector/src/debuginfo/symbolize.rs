@@ -60,8 +60,11 @@ pub struct Symbolizer {
     stats: Arc<Mutex<SymbolizeStats>>,
 }
 
+/// The frames of one named address, innermost first.
+type NamedFrames = Arc<[Arc<Frame>]>;
+
 /// Found names, by (build-id, file offset).
-type Names = HashMap<(String, u64), Arc<[Arc<Frame>]>>;
+type Names = HashMap<(String, u64), NamedFrames>;
 
 struct Request {
     wanted: Wanted,
@@ -75,7 +78,7 @@ struct State {
     /// Each stored file and what it holds, once checked.
     files: HashMap<String, (PathBuf, ElfContent)>,
     /// `None`: the file was read and no symbol covers the address.
-    names: HashMap<(String, u64), Option<Arc<[Arc<Frame>]>>>,
+    names: HashMap<(String, u64), Option<NamedFrames>>,
     stats: Arc<Mutex<SymbolizeStats>>,
 }
 
@@ -221,7 +224,7 @@ impl State {
             let mut named = 0;
             for ((code, _), lines) in usable.iter().zip(lines) {
                 let key = (build_id.clone(), code.file_offset);
-                let frames = (!lines.is_empty()).then(|| Arc::<[Arc<Frame>]>::from(lines));
+                let frames = (!lines.is_empty()).then(|| NamedFrames::from(lines));
                 if let Some(frames) = &frames {
                     named += 1;
                     found.insert(key.clone(), Arc::clone(frames));

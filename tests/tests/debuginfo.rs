@@ -1,0 +1,311 @@
+//! Names for stripped binaries end to end (root): a fixture built with `-g`
+//! runs stripped, its debug file kept apart. The agent ships its frames
+//! unnamed (build-id + file offset); the collector names the same stored
+//! profile once the debug file is uploaded with the CLI, or when a real
+//! `debuginfod` server (Debian's) serves it, with the inlined function as a
+//! frame of its own, its file and line; a debuginfod that never answers
+//! does not hold a query past the collector's wait.
+
+use std::{
+    io::{Read as _, Write as _},
+    net::{TcpListener, TcpStream},
+    path::{Path, PathBuf},
+    process::{Command, Stdio},
+    time::{Duration, Instant},
+};
+
+use stackscope_test_fixtures::{RunningProcess, workspace_binary};
+use stackscope_tests::{Collector, run_agent_for};
+
+/// The fixture, built with `-g`: the binary run (stripped), its debug
+/// file, and its build-id.
+struct Stripped {
+    dir: tempfile::TempDir,
+    binary: PathBuf,
+    debug: PathBuf,
+    build_id: String,
+}
+
+fn run(command: &mut Command) -> String {
+    let out = command
+        .output()
+        .unwrap_or_else(|err| panic!("{command:?}: {err}"));
+    assert!(
+        out.status.success(),
+        "{command:?}: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    String::from_utf8_lossy(&out.stdout).into_owned()
+}
+
+fn build_stripped() -> Stripped {
+    let dir = tempfile::tempdir().expect("temp dir");
+    let source = Path::new(env!("CARGO_MANIFEST_DIR")).join("fixtures/stripped_chain.c");
+    let full = dir.path().join("stripped_chain.full");
+    let binary = dir.path().join("stripped_chain");
+    let debug = dir.path().join("debug/stripped_chain.debug");
+    std::fs::create_dir(dir.path().join("debug")).expect("debug dir");
+    run(Command::new("gcc")
+        .args(["-O2", "-fomit-frame-pointer", "-g", "-Wl,--build-id"])
+        .arg(&source)
+        .arg("-o")
+        .arg(&full));
+    run(Command::new("objcopy")
+        .arg("--only-keep-debug")
+        .arg(&full)
+        .arg(&debug));
+    run(Command::new("strip")
+        .arg("--strip-all")
+        .arg(&full)
+        .arg("-o")
+        .arg(&binary));
+    let notes = run(Command::new("readelf").arg("-n").arg(&binary));
+    let build_id = notes
+        .lines()
+        .find_map(|line| line.trim().strip_prefix("Build ID: "))
+        .expect("a build-id")
+        .to_owned();
+    Stripped {
+        dir,
+        binary,
+        debug,
+        build_id,
+    }
+}
+
+/// The fixture's folded stacks in a collector.
+fn fixture_stacks(collector: &Collector) -> Vec<(String, u64)> {
+    collector.folded_stacks("comm=\"stripped_chain\"")
+}
+
+/// Samples whose stack reads `chain` somewhere, and all samples.
+fn share(stacks: &[(String, u64)], chain: &str) -> (u64, u64) {
+    let total = stacks.iter().map(|(_, n)| n).sum();
+    let matching = stacks
+        .iter()
+        .filter(|(stack, _)| stack.contains(chain))
+        .map(|(_, n)| n)
+        .sum();
+    (matching, total)
+}
+
+/// Asserts at least 95% of the fixture's samples read the named chain,
+/// at least half of them down to the inlined `mix` (the rest are in
+/// middle's own loop instructions), and that `mix` comes with its file and
+/// line.
+fn assert_named(collector: &Collector, when: &str) {
+    let stacks = fixture_stacks(collector);
+    let (named, total) = share(
+        &stacks,
+        "_start;__libc_start_main_impl;__libc_start_call_main;main;outer;middle",
+    );
+    let (in_mix, _) = share(&stacks, "main;outer;middle;mix");
+    assert!(
+        total > 0 && named * 100 >= total * 95 && in_mix * 2 >= total,
+        "{when}: of {total} samples, {named} read main;outer;middle and {in_mix} reach mix: \
+         {stacks:#?}"
+    );
+    let json = collector.cli(&[
+        "export",
+        "--format",
+        "json",
+        "--since",
+        "10m",
+        "--match",
+        "comm=\"stripped_chain\"",
+    ]);
+    let tree: serde_json::Value = serde_json::from_slice(&json).expect("JSON tree");
+    let mut mix = Vec::new();
+    find_named(&tree, "mix", &mut mix);
+    assert!(!mix.is_empty(), "{when}: no mix frame");
+    for frame in mix {
+        assert_eq!(frame["inlined"], true, "{when}: {frame}");
+        assert!(
+            frame["file"]
+                .as_str()
+                .is_some_and(|file| file.ends_with("stripped_chain.c")),
+            "{when}: {frame}"
+        );
+        // mix's body: lines 14 to 17 of the fixture.
+        let line = frame["line"].as_u64().unwrap_or(0);
+        assert!((14..=17).contains(&line), "{when}: {frame}");
+    }
+}
+
+fn find_named<'a>(node: &'a serde_json::Value, name: &str, out: &mut Vec<&'a serde_json::Value>) {
+    if node["name"] == name {
+        out.push(node);
+    }
+    for child in node["children"].as_array().into_iter().flatten() {
+        find_named(child, name, out);
+    }
+}
+
+/// Copies a stopped collector's data directory.
+fn copy_dir(from: &Path, to: &Path) {
+    std::fs::create_dir_all(to).expect("creating the copy");
+    for entry in std::fs::read_dir(from).expect("reading the data dir") {
+        let entry = entry.expect("entry");
+        if entry.file_type().expect("file type").is_file() {
+            std::fs::copy(entry.path(), to.join(entry.file_name())).expect("copying");
+        }
+    }
+}
+
+/// A real debuginfod (Debian's) serving `dir` on 127.0.0.1, stopped on drop.
+struct Debuginfod {
+    process: RunningProcess,
+    url: String,
+    _db: tempfile::TempDir,
+}
+
+impl Debuginfod {
+    fn serve(dir: &Path, build_id: &str) -> Self {
+        let port = free_port();
+        let db = tempfile::tempdir().expect("temp dir");
+        let child = Command::new("debuginfod")
+            .args(["-F"])
+            .arg(dir)
+            .args(["-p", &port.to_string()])
+            .arg("-d")
+            .arg(db.path().join("debuginfod.sqlite"))
+            .args(["-t", "1", "-g", "0"])
+            .env("HOME", db.path())
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .expect("`debuginfod` is missing: run `cargo xtask setup` (installs debuginfod)");
+        let process = RunningProcess::adopt(child);
+        let url = format!("http://127.0.0.1:{port}");
+        // Its first scan of the directory takes a moment.
+        let started = Instant::now();
+        let path = format!("/buildid/{build_id}/debuginfo");
+        while http_status(port, &path) != Some(200) {
+            assert!(
+                started.elapsed() < Duration::from_secs(60),
+                "debuginfod never served {path}"
+            );
+            std::thread::sleep(Duration::from_millis(200));
+        }
+        Self {
+            process,
+            url,
+            _db: db,
+        }
+    }
+}
+
+impl Drop for Debuginfod {
+    fn drop(&mut self) {
+        // SAFETY: kill(2) on the child this test started.
+        unsafe { libc::kill(self.process.pid() as i32, libc::SIGTERM) };
+    }
+}
+
+fn free_port() -> u16 {
+    TcpListener::bind("127.0.0.1:0")
+        .and_then(|listener| listener.local_addr())
+        .expect("a free port")
+        .port()
+}
+
+/// The status of `GET path` on 127.0.0.1:`port`, if it answers.
+fn http_status(port: u16, path: &str) -> Option<u16> {
+    let mut stream = TcpStream::connect(("127.0.0.1", port)).ok()?;
+    stream.set_read_timeout(Some(Duration::from_secs(5))).ok()?;
+    write!(stream, "GET {path} HTTP/1.0\r\nHost: 127.0.0.1\r\n\r\n").ok()?;
+    let mut head = [0u8; 12];
+    stream.read_exact(&mut head).ok()?;
+    std::str::from_utf8(&head[9..12]).ok()?.parse().ok()
+}
+
+#[test]
+fn stripped_frames_are_named_from_uploads_and_debuginfod_at_query_time() {
+    stackscope_tests::require_root();
+    let _exclusive = stackscope_tests::exclusive();
+    let fixture = build_stripped();
+    let data = tempfile::tempdir().expect("temp dir");
+    let [uploads, via_debuginfod, stalled] =
+        ["uploads", "debuginfod", "stalled"].map(|name| data.path().join(name));
+
+    // Profiled with no debuginfo anywhere: the fixture's frames are its
+    // binary plus an offset.
+    let collector = Collector::start(&uploads);
+    let spinner = RunningProcess::start_ready(Command::new(&fixture.binary).env_clear());
+    run_agent_for(&collector, "4s", &["--pid", &spinner.pid().to_string()]);
+    drop(spinner);
+    let stacks = fixture_stacks(&collector);
+    let (unknown, total) = share(&stacks, "[unknown] stripped_chain+0x");
+    assert!(
+        total > 300 && unknown * 100 >= total * 80,
+        "{unknown} of {total} samples unnamed in the stripped binary: {stacks:#?}"
+    );
+    assert_eq!(share(&stacks, "middle").0, 0, "{stacks:#?}");
+    collector.stop();
+    copy_dir(&uploads, &via_debuginfod);
+    copy_dir(&uploads, &stalled);
+
+    // The debug file uploaded with the CLI: the same stored profile shows
+    // the names; sent again, it is not stored twice.
+    let collector = Collector::start(&uploads);
+    let debug = fixture.debug.to_str().expect("UTF-8 path");
+    let said = String::from_utf8(collector.cli(&["debuginfo", "upload", debug])).expect("UTF-8");
+    assert!(
+        said.contains(&format!("build-id {} uploaded", fixture.build_id)),
+        "{said}"
+    );
+    assert_named(&collector, "after the upload");
+    let said = String::from_utf8(collector.cli(&["debuginfo", "upload", debug])).expect("UTF-8");
+    assert!(said.contains("already stored"), "{said}");
+    // A stripped binary names nothing: refused before it is sent.
+    let out = Command::new(workspace_binary("stackscope"))
+        .args(["--collector", &collector.grpc, "debuginfo", "upload"])
+        .arg(&fixture.binary)
+        .output()
+        .expect("running stackscope");
+    assert!(!out.status.success());
+    assert!(
+        String::from_utf8_lossy(&out.stderr).contains("neither a symbol table nor DWARF"),
+        "{out:?}"
+    );
+    collector.stop();
+
+    // Nothing uploaded, the debug file served by debuginfod only.
+    let server = Debuginfod::serve(&fixture.dir.path().join("debug"), &fixture.build_id);
+    let collector = Collector::start_with(&via_debuginfod, &["--debuginfod-urls", &server.url]);
+    assert_named(&collector, "from debuginfod");
+    // Fetched once into the store: known to uploaders from now on.
+    assert!(
+        via_debuginfod
+            .join("debuginfo")
+            .join(&fixture.build_id)
+            .is_file()
+    );
+    collector.stop();
+    drop(server);
+
+    // A debuginfod that accepts and never answers: the query waits its 1 s
+    // and answers with the frames unnamed (the download would take up to
+    // 5 minutes).
+    let silent = TcpListener::bind("127.0.0.1:0").expect("binding");
+    let silent_url = format!("http://{}", silent.local_addr().expect("address"));
+    let collector = Collector::start_with(
+        &stalled,
+        &[
+            "--debuginfod-urls",
+            &silent_url,
+            "--debuginfod-timeout",
+            "1s",
+        ],
+    );
+    let started = Instant::now();
+    let stacks = fixture_stacks(&collector);
+    let waited = started.elapsed();
+    assert_eq!(share(&stacks, "middle").0, 0, "{stacks:#?}");
+    assert!(share(&stacks, "[unknown] stripped_chain+0x").0 > 0);
+    assert!(
+        waited < Duration::from_secs(30),
+        "a silent debuginfod held the query for {waited:?}"
+    );
+    collector.stop();
+}
