@@ -8,7 +8,7 @@ use std::{
 };
 
 use anyhow::Context as _;
-use clap::Parser;
+use clap::{Parser, ValueEnum};
 use stackscope_agent::{
     aggregate::{
         AggregatorConfig,
@@ -29,6 +29,14 @@ use tracing_subscriber::EnvFilter;
 
 /// Continuous profiler agent: samples the user and kernel stacks of every CPU
 /// with a BPF program on the cpu-clock event.
+/// Where frames get their names (`--symbolize`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+enum Symbolize {
+    Local,
+    Collector,
+    Both,
+}
+
 #[derive(Debug, Parser)]
 #[command(name = "stackscope-agent", version)]
 struct Args {
@@ -102,6 +110,16 @@ struct Args {
     /// Keep unwind tables in memory only.
     #[arg(long)]
     no_table_cache: bool,
+    /// Where frames get their names: `local` (on the node only: the
+    /// binaries' own symbols, separate debug files under the process's or
+    /// the host's usr/lib/debug, MiniDebugInfo), `collector` (frames of
+    /// files with a build-id ship as build-id + offset and the collector
+    /// names them from uploaded or debuginfod debuginfo: smaller batches,
+    /// less agent CPU), or `both` (names found on the node travel, the
+    /// collector fills in the rest). Kernel and JIT frames are always named
+    /// on the node: nothing else can.
+    #[arg(long, value_enum, default_value = "both")]
+    symbolize: Symbolize,
     /// Read processes' mappings from /proc only, when first sampled,
     /// instead of learning them from the kernel's mmap events as they are
     /// made (processes that exit within milliseconds then lose their names).
@@ -238,7 +256,10 @@ fn main() -> anyhow::Result<()> {
             docker_root: args.docker_root.clone(),
             ..AggregatorConfig::default()
         },
-        symbolizer: SymbolizerConfig::default(),
+        symbolizer: SymbolizerConfig {
+            name_files: args.symbolize != Symbolize::Collector,
+            ..SymbolizerConfig::default()
+        },
         selection: SelectionConfig {
             cgroups: args.cgroups.clone(),
             containers: args.containers.clone(),

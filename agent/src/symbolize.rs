@@ -24,6 +24,7 @@
 //! blazesym before the descriptor is closed and its number reused.
 
 mod cache;
+pub mod debug_files;
 pub mod jitdump;
 pub mod kernel;
 pub mod perf_map;
@@ -84,6 +85,15 @@ const MAX_SEGMENT_OBJECTS: usize = 4096;
 /// Executable segments shipped per file: more is not a file a linker made.
 pub const MAX_CODE_SEGMENTS: usize = 16;
 
+/// The ELF virtual address of `file_offset` among `segments`, if one holds
+/// it.
+fn vaddr_of(segments: &[LoadSegment], file_offset: u64) -> Option<u64> {
+    segments.iter().find_map(|segment| {
+        let delta = file_offset.checked_sub(segment.offset)?;
+        (delta < segment.file_size).then(|| segment.vaddr.wrapping_add(delta))
+    })
+}
+
 /// How the symbolizer finds kernel symbols and bounds itself.
 #[derive(Debug, Clone)]
 pub struct SymbolizerConfig {
@@ -98,6 +108,12 @@ pub struct SymbolizerConfig {
     pub kallsyms_reload: Duration,
     /// Where sysfs is mounted, for the kernel's and modules' build-ids.
     pub sys_root: PathBuf,
+    /// Name frames of files with a build-id on the node; off, they ship
+    /// unnamed and the collector names them from debuginfo.
+    pub name_files: bool,
+    /// The host's root, searched after a process's own root for separate
+    /// debug files (`usr/lib/debug/...`).
+    pub host_root: PathBuf,
 }
 
 impl Default for SymbolizerConfig {
@@ -108,6 +124,8 @@ impl Default for SymbolizerConfig {
             kallsyms: PathBuf::from("/proc/kallsyms"),
             kallsyms_reload: DEFAULT_KALLSYMS_RELOAD,
             sys_root: PathBuf::from("/sys"),
+            name_files: true,
+            host_root: PathBuf::from("/"),
         }
     }
 }
@@ -207,6 +225,11 @@ pub struct SymbolizeStats {
     pub no_symbol: u64,
     /// Frames left unnamed because their file could not be opened or read.
     pub errors: u64,
+    /// Stripped files named from a separate debug file found on the node.
+    pub debug_files: u64,
+    /// Frames of files with a build-id left for the collector to name
+    /// (`--symbolize collector`).
+    pub left_to_collector: u64,
     /// Frames left unnamed because the batch's time for naming ran out;
     /// they are looked up again for the next batch.
     pub deferred: u64,
@@ -245,6 +268,9 @@ enum NameSpace {
 struct Registered {
     /// Keeps the descriptor `path` names open.
     _object: Arc<ObjectFile>,
+    /// The separate debug file `path` names instead, kept open for it:
+    /// looked up by ELF virtual address, since it keeps no file layout.
+    debug_file: Option<File>,
     path: PathBuf,
     last_used: u64,
     /// Reading it failed: its frames stay unnamed until it is forgotten.
@@ -346,6 +372,10 @@ impl Symbolizer {
     /// Names `offsets` (file offsets, each at the byte to look up) of
     /// `object`; the result is index for index with `offsets`.
     pub fn user(&mut self, object: &Arc<ObjectFile>, offsets: &[u64]) -> Vec<Lines> {
+        if !self.config.name_files && matches!(object.id, ObjectId::BuildId(_)) {
+            self.stats.left_to_collector += offsets.len() as u64;
+            return offsets.iter().map(|_| Lines::from([])).collect();
+        }
         let space = NameSpace::Object(object.id);
         self.cached_or(space, offsets, |this, misses| {
             this.read_object(object, misses)
@@ -511,9 +541,30 @@ impl Symbolizer {
         object: &Arc<ObjectFile>,
         offsets: &[u64],
     ) -> Result<Vec<Lines>, SymbolizeError> {
-        let path = self.register(object)?;
+        let (path, via_debug_file) = self.register(object)?;
         let source = Source::Elf(Elf::new(path));
-        let result = self.read(&source, Input::FileOffset(offsets));
+        let result = if via_debug_file {
+            // Offsets outside the file's code stay unnamed.
+            let segments = self.code_segments(object);
+            let vaddrs: Vec<Option<u64>> = offsets
+                .iter()
+                .map(|&offset| vaddr_of(&segments, offset))
+                .collect();
+            let present: Vec<u64> = vaddrs.iter().flatten().copied().collect();
+            self.read(&source, Input::VirtOffset(&present))
+                .map(|found| {
+                    let mut found = found.into_iter();
+                    vaddrs
+                        .iter()
+                        .map(|vaddr| match vaddr {
+                            Some(_) => found.next().unwrap_or_default(),
+                            None => Lines::from([]),
+                        })
+                        .collect()
+                })
+        } else {
+            self.read(&source, Input::FileOffset(offsets))
+        };
         if result.is_err()
             && let Some(entry) = self.registered.get_mut(&object.id)
         {
@@ -561,21 +612,29 @@ impl Symbolizer {
         }
     }
 
-    /// The path blazesym reads `object` by, registering it on first use.
-    fn register(&mut self, object: &Arc<ObjectFile>) -> Result<PathBuf, SymbolizeError> {
+    /// The path blazesym reads `object` by, registering it on first use,
+    /// and whether it is a separate debug file (read by ELF virtual
+    /// address) rather than the object itself.
+    fn register(&mut self, object: &Arc<ObjectFile>) -> Result<(PathBuf, bool), SymbolizeError> {
         self.tick += 1;
         if let Some(entry) = self.registered.get_mut(&object.id) {
             entry.last_used = self.tick;
             return if entry.failed {
                 Err(SymbolizeError::FailedBefore)
             } else {
-                Ok(entry.path.clone())
+                Ok((entry.path.clone(), entry.debug_file.is_some()))
             };
         }
         let file = object
             .open_now()
             .map_err(|err| SymbolizeError::Open(Arc::clone(err)))?;
-        let path = Path::new("/proc/self/fd").join(file.as_raw_fd().to_string());
+        let debug_file = self.local_debug_file(object, file);
+        let via_debug_file = debug_file.is_some();
+        if via_debug_file {
+            self.stats.debug_files += 1;
+        }
+        let fd = debug_file.as_ref().unwrap_or(file).as_raw_fd();
+        let path = Path::new("/proc/self/fd").join(fd.to_string());
         while self.registered.len() >= self.config.max_open_objects.max(1) {
             self.evict_least_recent();
         }
@@ -584,12 +643,32 @@ impl Symbolizer {
             object.id,
             Registered {
                 _object: Arc::clone(object),
+                debug_file,
                 path: path.clone(),
                 last_used: self.tick,
                 failed: false,
             },
         );
-        Ok(path)
+        Ok((path, via_debug_file))
+    }
+
+    /// The separate debug file of a binary that carries only dynamic
+    /// symbols, under the root of the process that maps it, then the
+    /// host's (see [`debug_files`]).
+    fn local_debug_file(&self, object: &ObjectFile, file: &File) -> Option<File> {
+        let source = debug_files::name_source(file)?;
+        let build_id = match object.id {
+            ObjectId::BuildId(build_id) => Some(build_id.to_string()),
+            ObjectId::FileKey(_) => None,
+        };
+        let mut roots = Vec::with_capacity(2);
+        let mut path = None;
+        if let Some(region) = &object.region {
+            roots.push(PathBuf::from(format!("/proc/{}/root", region.tgid)));
+            path = region.mapping.path.file_path();
+        }
+        roots.push(self.config.host_root.clone());
+        debug_files::find_debug_file(&roots, build_id.as_deref(), path, &source)
     }
 
     fn evict_least_recent(&mut self) {
@@ -724,6 +803,7 @@ mod tests {
     use object::{Object as _, ObjectSegment as _, ObjectSymbol as _};
     use stackscope_process_table::{FileKey, object_id::identify};
     use stackscope_test_fixtures::{Fixture, RunningProcess};
+    use std::collections::HashSet;
 
     use super::*;
 
@@ -774,6 +854,146 @@ mod tests {
 
     fn functions(lines: &[FrameLine]) -> Vec<&str> {
         lines.iter().map(|line| &*line.function).collect()
+    }
+
+    fn run(command: &mut Command) {
+        let out = command.output().expect("running a build tool");
+        assert!(out.status.success(), "{command:?}: {out:?}");
+    }
+
+    /// The file offset of ELF virtual address `vaddr` in the file at `path`.
+    fn file_offset_of(path: &Path, vaddr: u64) -> u64 {
+        let data = std::fs::read(path).expect("reading");
+        let elf = object::File::parse(&*data).expect("ELF");
+        let segment = elf
+            .segments()
+            .find(|s| (s.address()..s.address() + s.size()).contains(&vaddr))
+            .expect("a segment holding the address");
+        vaddr - segment.address() + segment.file_range().0
+    }
+
+    #[test]
+    fn libc_static_functions_are_named_from_debians_debug_package() {
+        let libc = Path::new("/lib/x86_64-linux-gnu/libc.so.6");
+        let data = std::fs::read(libc).expect("reading libc");
+        let build_id: String = object::File::parse(&*data)
+            .expect("ELF")
+            .build_id()
+            .expect("notes")
+            .expect("libc has a build-id")
+            .iter()
+            .map(|b| format!("{b:02x}"))
+            .collect();
+        let debug = PathBuf::from(format!(
+            "/usr/lib/debug/.build-id/{}/{}.debug",
+            &build_id[..2],
+            &build_id[2..]
+        ));
+        let debug_data = std::fs::read(&debug).unwrap_or_else(|err| {
+            panic!(
+                "{}: {err}: libc6-dbg is missing (cargo xtask setup installs it)",
+                debug.display()
+            )
+        });
+        let debug_elf = object::File::parse(&*debug_data).expect("ELF");
+        // A function libc keeps to itself: not in its dynamic symbols.
+        let exported: HashSet<String> = object::File::parse(&*data)
+            .expect("ELF")
+            .dynamic_symbols()
+            .filter_map(|s| s.name().ok().map(str::to_owned))
+            .collect();
+        let (name, vaddr) = debug_elf
+            .symbols()
+            .find_map(|s| {
+                let name = s.name().ok()?;
+                (s.kind() == object::SymbolKind::Text
+                    && s.is_local()
+                    && s.size() > 16
+                    && name == "check_one_fd"
+                    && !exported.contains(name))
+                .then(|| (name.to_owned(), s.address()))
+            })
+            .expect("check_one_fd in libc's debug file");
+        let offset = file_offset_of(libc, vaddr + 4);
+
+        let mut symbolizer = symbolizer();
+        let found = symbolizer.user(&object_file(libc), &[offset]);
+        assert_eq!(found[0].last().map(|l| &*l.function), Some(&*name));
+        assert_eq!(symbolizer.stats().debug_files, 1);
+    }
+
+    #[test]
+    fn minidebuginfo_names_a_stripped_binary() {
+        let dir = tempfile::tempdir().expect("temp dir");
+        let source = dir.path().join("mini.c");
+        std::fs::write(
+            &source,
+            "static volatile int sink;\n\
+             __attribute__((noinline)) static void hidden_worker(void) { sink++; sink++; }\n\
+             int main(void) { hidden_worker(); return 0; }\n",
+        )
+        .expect("source");
+        let full = dir.path().join("mini.full");
+        let debug = dir.path().join("mini.debug");
+        let symbols = dir.path().join("mini.symbols");
+        let binary = dir.path().join("mini");
+        run(Command::new("gcc")
+            .args(["-O2", "-g", "-Wl,--build-id"])
+            .arg(&source)
+            .arg("-o")
+            .arg(&full));
+        // MiniDebugInfo as distributions make it: the symbol table alone,
+        // xz-compressed, in .gnu_debugdata of the stripped binary.
+        run(Command::new("objcopy")
+            .arg("--only-keep-debug")
+            .arg(&full)
+            .arg(&debug));
+        run(Command::new("objcopy")
+            .arg("--strip-debug")
+            .arg(&debug)
+            .arg(&symbols));
+        run(Command::new("xz").arg("--keep").arg(&symbols));
+        run(Command::new("strip")
+            .arg("--strip-all")
+            .arg(&full)
+            .arg("-o")
+            .arg(&binary));
+        run(Command::new("objcopy")
+            .arg(format!(
+                "--add-section=.gnu_debugdata={}.xz",
+                symbols.display()
+            ))
+            .arg(&binary));
+        let offset = offset_of(&full, "hidden_worker", 2);
+
+        let found = symbolizer().user(&object_file(&binary), &[offset]);
+        assert_eq!(functions(&found[0]), ["hidden_worker"]);
+        // Without the section, nothing names it (the same build-id: a new
+        // symbolizer, so the name cache does not answer).
+        let bare = dir.path().join("bare");
+        run(Command::new("strip")
+            .arg("--strip-all")
+            .arg(&full)
+            .arg("-o")
+            .arg(&bare));
+        let found = symbolizer().user(&object_file(&bare), &[offset]);
+        assert!(found[0].is_empty(), "{found:?}");
+    }
+
+    #[test]
+    fn files_with_a_build_id_are_left_to_the_collector_when_asked() {
+        let fixture = Fixture::compile("call_chain", &[]);
+        let mut symbolizer = Symbolizer::new(SymbolizerConfig {
+            kallsyms: PathBuf::from("/nonexistent/kallsyms"),
+            name_files: false,
+            ..SymbolizerConfig::default()
+        });
+        let object = object_file(&fixture.path);
+        assert!(matches!(object.id, ObjectId::BuildId(_)));
+        let found = symbolizer.user(&object, &[offset_of(&fixture.path, "c", 1)]);
+        assert!(found[0].is_empty());
+        let stats = symbolizer.stats();
+        assert_eq!((stats.left_to_collector, stats.objects_opened), (1, 0));
     }
 
     #[test]

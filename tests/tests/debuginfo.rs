@@ -309,3 +309,47 @@ fn stripped_frames_are_named_from_uploads_and_debuginfod_at_query_time() {
     );
     collector.stop();
 }
+
+/// `--symbolize collector`: a binary that names itself ships unnamed, and
+/// the collector names it once the binary is uploaded.
+#[test]
+fn frames_left_to_the_collector_are_named_from_the_uploaded_binary() {
+    stackscope_tests::require_root();
+    let _exclusive = stackscope_tests::exclusive();
+    let fixture = stackscope_test_fixtures::Fixture::compile("call_chain", &["-Wl,--build-id"]);
+    let data = tempfile::tempdir().expect("temp dir");
+    let collector = Collector::start(data.path());
+    let spinner = fixture.start(&[]);
+    let report = run_agent_for(
+        &collector,
+        "3s",
+        &[
+            "--pid",
+            &spinner.pid().to_string(),
+            "--symbolize",
+            "collector",
+        ],
+    );
+    drop(spinner);
+    assert!(
+        report["symbolization"]["counts"]["left_to_collector"].as_u64() > Some(0),
+        "{report:#}"
+    );
+    let stacks = collector.folded_stacks("comm=\"call_chain\"");
+    let (unknown, total) = share(&stacks, "[unknown] call_chain+0x");
+    assert!(
+        total > 200 && unknown * 100 >= total * 95,
+        "{unknown} of {total} samples unnamed: {stacks:#?}"
+    );
+    assert_eq!(share(&stacks, "main;a;b;c").0, 0, "{stacks:#?}");
+
+    let binary = fixture.path.to_str().expect("UTF-8 path");
+    collector.cli(&["debuginfo", "upload", binary]);
+    let stacks = collector.folded_stacks("comm=\"call_chain\"");
+    let (named, total) = share(&stacks, "main;a;b;c");
+    assert!(
+        named * 100 >= total * 80,
+        "{named} of {total} samples read main;a;b;c: {stacks:#?}"
+    );
+    collector.stop();
+}
