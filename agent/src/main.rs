@@ -19,7 +19,10 @@ use stackscope_agent::{
         runtime_names::{DEFAULT_DOCKER_ROOT, DEFAULT_PODMAN_STORAGE},
         selection::{Budget, SelectionConfig, parse_pod_label},
     },
-    export::{Compression, ExportConfig, ExportStats, Exporter, TlsConfig},
+    export::{
+        Compression, ExportConfig, ExportStats, Exporter, TlsConfig,
+        debuginfo::{DebuginfoUploader, UploadConfig, UploadStats},
+    },
     run::{AgentConfig, RunSummary, run},
     sampler::{Sampler, SamplerConfig},
     symbolize::SymbolizerConfig,
@@ -120,6 +123,13 @@ struct Args {
     /// on the node: nothing else can.
     #[arg(long, value_enum, default_value = "both")]
     symbolize: Symbolize,
+    /// Send the collector what binaries carry of their own symbols
+    /// (.symtab, DWARF), once per build-id for the whole fleet (the
+    /// collector is asked first), one upload at a time, off the sampling
+    /// path: frames of those binaries are then named wherever they ship
+    /// unnamed. Not with `--symbolize local`.
+    #[arg(long, requires = "collector")]
+    upload_debuginfo: bool,
     /// Read processes' mappings from /proc only, when first sampled,
     /// instead of learning them from the kernel's mmap events as they are
     /// made (processes that exit within milliseconds then lose their names).
@@ -271,7 +281,14 @@ fn main() -> anyhow::Result<()> {
         kubelet: kubelet_config(&args),
         kubelet_refresh: args.kubelet_refresh,
         mapping_events: !args.no_mapping_events,
+        debuginfo_uploads: None,
     };
+    if args.upload_debuginfo && args.symbolize == Symbolize::Local {
+        anyhow::bail!(
+            "--upload-debuginfo sends symbols for the collector to name frames with; \
+             --symbolize local keeps naming on the node"
+        );
+    }
     let runtime = tokio::runtime::Builder::new_current_thread()
         .enable_all()
         .build()
@@ -283,7 +300,18 @@ fn main() -> anyhow::Result<()> {
         .transpose()
         .context("enabling BPF run-time stats")?;
     let export = export_config(&args)?;
-    let (summary, exported) = runtime.block_on(async {
+    let (summary, exported, uploaded) = runtime.block_on(async {
+        let uploader = match (&export, args.upload_debuginfo) {
+            (Some(export), true) => Some(
+                DebuginfoUploader::start(export, UploadConfig::default())
+                    .context("setting up debuginfo uploads to --collector")?,
+            ),
+            _ => None,
+        };
+        let config = AgentConfig {
+            debuginfo_uploads: uploader.as_ref().map(DebuginfoUploader::queue),
+            ..config.clone()
+        };
         let exporter = match export {
             Some(export) => Some(std::sync::Arc::new(
                 Exporter::start(export).context("setting up the export to --collector")?,
@@ -303,17 +331,27 @@ fn main() -> anyhow::Result<()> {
             Some(Some(exporter)) => Some(exporter.shutdown(args.shutdown_timeout).await),
             _ => None,
         };
-        anyhow::Ok((summary, exported))
+        let uploaded = match uploader {
+            Some(uploader) => Some(uploader.shutdown(args.shutdown_timeout).await),
+            None => None,
+        };
+        anyhow::Ok((summary, exported, uploaded))
     })?;
     let mut stdout = std::io::stdout().lock();
     if args.json {
         writeln!(
             stdout,
             "{}",
-            json_report(&summary, exported.as_ref(), args.top)
+            json_report(&summary, exported.as_ref(), uploaded.as_ref(), args.top)
         )
     } else {
-        print_report(&mut stdout, &summary, exported.as_ref(), args.top)
+        print_report(
+            &mut stdout,
+            &summary,
+            exported.as_ref(),
+            uploaded.as_ref(),
+            args.top,
+        )
     }
     .context("writing the report")
 }
@@ -373,6 +411,7 @@ fn export_config(args: &Args) -> anyhow::Result<Option<ExportConfig>> {
 fn json_report(
     summary: &RunSummary,
     exported: Option<&ExportStats>,
+    uploaded: Option<&UploadStats>,
     top: usize,
 ) -> serde_json::Value {
     serde_json::json!({
@@ -440,6 +479,7 @@ fn json_report(
             "counts": summary.batches.symbolize,
         },
         "export": exported,
+        "debuginfo_upload": uploaded,
         "top": summary.tally.top(top),
         "other": summary.tally.other(),
     })
@@ -449,6 +489,7 @@ fn print_report(
     out: &mut impl Write,
     summary: &RunSummary,
     exported: Option<&ExportStats>,
+    uploaded: Option<&UploadStats>,
     top: usize,
 ) -> std::io::Result<()> {
     let total = summary.tally.total();
@@ -551,6 +592,18 @@ fn print_report(
                 .as_deref()
                 .map(|e| format!(" (last error: {e})"))
                 .unwrap_or_default(),
+        )?;
+    }
+    if let Some(uploaded) = uploaded {
+        writeln!(
+            out,
+            "debuginfo: {} binaries uploaded ({} bytes), {} already on the collector, {} without \
+             symbols of their own, {} failed",
+            uploaded.uploaded,
+            uploaded.uploaded_bytes,
+            uploaded.already_stored,
+            uploaded.without_symbols,
+            uploaded.failed,
         )?;
     }
     let mut by_binary: Vec<_> = unwinding.by_binary.iter().collect();

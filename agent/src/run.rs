@@ -34,6 +34,8 @@ use crate::{
     unwinding::{StackWalker, UserStack, WalkStats, WalkerConfig},
 };
 use stackscope_process_table::table::TableStats;
+
+use crate::export::debuginfo::UploadQueue;
 use stackscope_unwind::TailSpan;
 
 /// Where finished batches go: the exporter's queue, or a test's list.
@@ -80,6 +82,9 @@ pub struct AgentConfig {
     /// Learn mappings from the kernel's mmap events as they are made (so
     /// short-lived processes are unwound and named), not only from `/proc`.
     pub mapping_events: bool,
+    /// Where binaries carrying symbols are offered for upload to the
+    /// collector (`--upload-debuginfo`); `None`: no uploads.
+    pub debuginfo_uploads: Option<UploadQueue>,
 }
 
 impl AgentConfig {
@@ -98,6 +103,7 @@ impl AgentConfig {
             kubelet: None,
             kubelet_refresh: DEFAULT_KUBELET_REFRESH,
             mapping_events: true,
+            debuginfo_uploads: None,
         }
     }
 }
@@ -165,6 +171,7 @@ pub async fn run(
     let mut worker = BatchWorker::start(
         config.symbolizer.clone(),
         BatchOptions::for_frequency(config.sampler.frequency_hz),
+        config.debuginfo_uploads.clone(),
     )
     .map_err(RunError::Worker)?;
 

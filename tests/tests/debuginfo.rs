@@ -353,3 +353,50 @@ fn frames_left_to_the_collector_are_named_from_the_uploaded_binary() {
     );
     collector.stop();
 }
+
+/// `--upload-debuginfo`: the agent sends the binary it profiled (it
+/// carries symbols) once, and the collector names the frames the agent
+/// left unnamed.
+#[test]
+fn the_agent_uploads_binaries_that_carry_symbols() {
+    stackscope_tests::require_root();
+    let _exclusive = stackscope_tests::exclusive();
+    let fixture = stackscope_test_fixtures::Fixture::compile("call_chain", &["-Wl,--build-id"]);
+    let notes = run(Command::new("readelf").arg("-n").arg(&fixture.path));
+    let build_id = notes
+        .lines()
+        .find_map(|line| line.trim().strip_prefix("Build ID: "))
+        .expect("a build-id")
+        .to_owned();
+    let data = tempfile::tempdir().expect("temp dir");
+    let collector = Collector::start(data.path());
+    let spinner = fixture.start(&[]);
+    let report = run_agent_for(
+        &collector,
+        "3s",
+        &[
+            "--pid",
+            &spinner.pid().to_string(),
+            "--symbolize",
+            "collector",
+            "--upload-debuginfo",
+        ],
+    );
+    drop(spinner);
+    let uploads = &report["debuginfo_upload"];
+    assert_eq!(uploads["uploaded"], 1, "{uploads:#}");
+    assert_eq!(uploads["failed"], 0, "{uploads:#}");
+    // libc and the loader are stripped: nothing of theirs to send.
+    assert!(
+        uploads["without_symbols"].as_u64() >= Some(1),
+        "{uploads:#}"
+    );
+    assert!(data.path().join("debuginfo").join(&build_id).is_file());
+    let stacks = collector.folded_stacks("comm=\"call_chain\"");
+    let (named, total) = share(&stacks, "main;a;b;c");
+    assert!(
+        total > 200 && named * 100 >= total * 80,
+        "{named} of {total} samples read main;a;b;c: {stacks:#?}"
+    );
+    collector.stop();
+}

@@ -25,8 +25,29 @@ use prost::Message as _;
 use stackscope_proto::v1;
 use tokio::sync::mpsc::{UnboundedReceiver, unbounded_channel};
 
+use super::MappingKey;
 use super::{BatchOptions, Interval, build_batch};
-use crate::symbolize::{SymbolizeStats, Symbolizer, SymbolizerConfig};
+use crate::{
+    export::debuginfo::UploadQueue,
+    symbolize::{SymbolizeStats, Symbolizer, SymbolizerConfig},
+};
+use stackscope_process_table::ObjectId;
+
+/// Offers the interval's binaries with a build-id for upload (each once:
+/// the queue remembers what it was offered).
+fn offer_binaries(interval: &Interval, uploads: &UploadQueue) {
+    for mapping in &interval.mappings {
+        let (MappingKey::User { id, path }, Some(object)) = (&mapping.key, &mapping.file) else {
+            continue;
+        };
+        let ObjectId::BuildId(build_id) = id else {
+            continue;
+        };
+        if let Ok(file) = object.open_now() {
+            uploads.offer(&build_id.to_string(), file, path);
+        }
+    }
+}
 
 /// What the worker has done so far.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, serde::Serialize)]
@@ -63,7 +84,12 @@ pub struct BatchWorker {
 
 impl BatchWorker {
     /// Starts the worker thread; it reads kallsyms before the first batch.
-    pub fn start(symbolizer: SymbolizerConfig, options: BatchOptions) -> io::Result<Self> {
+    /// Binaries of each batch that carry symbols are offered to `uploads`.
+    pub fn start(
+        symbolizer: SymbolizerConfig,
+        options: BatchOptions,
+        uploads: Option<UploadQueue>,
+    ) -> io::Result<Self> {
         let (intervals, waiting) = mpsc::sync_channel::<Interval>(1);
         let (built, batches) = unbounded_channel();
         let shared = Arc::new(Mutex::new(WorkerStats::default()));
@@ -81,6 +107,9 @@ impl BatchWorker {
                     let started = Instant::now();
                     let batch = build_batch(&interval, &mut symbolizer, &options);
                     let micros = u64::try_from(started.elapsed().as_micros()).unwrap_or(u64::MAX);
+                    if let Some(uploads) = &uploads {
+                        offer_binaries(&interval, uploads);
+                    }
                     // Closes the interval's files now, not with the next one.
                     drop(interval);
                     {

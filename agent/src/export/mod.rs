@@ -18,6 +18,7 @@
 //! current-thread runtime is enough) and connects lazily, so a collector
 //! that is down when the agent starts only delays delivery.
 
+pub mod debuginfo;
 mod queue;
 mod retry;
 

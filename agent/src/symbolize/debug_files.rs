@@ -50,6 +50,19 @@ pub fn name_source(file: &File) -> Option<NameSource> {
     Some(NameSource::Elsewhere { debug_link })
 }
 
+/// Whether `file` carries symbols of its own a collector can name frames
+/// with (`.symtab` or DWARF; MiniDebugInfo's compressed table aside).
+pub fn carries_symbols(file: &File) -> bool {
+    let cache = object::ReadCache::new(file);
+    let Ok(elf) = object::File::parse(&cache) else {
+        return false;
+    };
+    [".symtab", ".debug_info"].iter().any(|name| {
+        elf.section_by_name(name)
+            .is_some_and(|section| section.kind() != SectionKind::UninitializedData)
+    })
+}
+
 /// `.gnu_debuglink`: a NUL-terminated file name, padding to 4 bytes, and
 /// the CRC-32 of the debug file (in the file's byte order; little-endian on
 /// x86_64).

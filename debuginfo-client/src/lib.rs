@@ -1,0 +1,169 @@
+//! Uploads a debuginfo file to a collector's `Debuginfo` service, once per
+//! build-id for the whole fleet: the collector is asked first, and a file it
+//! already holds (sent by any node or fetched from debuginfod) is not sent.
+//! The file streams in chunks as it is read, after its size and SHA-256
+//! (which the collector checks before storing) were taken in a first read.
+//!
+//! Owns the client side of the protocol only: which files are worth sending
+//! is the caller's choice (the CLI checks them as the collector will; the
+//! agent sends binaries that carry symbols).
+
+use std::{
+    fs::File,
+    io::Read as _,
+    path::{Path, PathBuf},
+};
+
+use sha2::{Digest as _, Sha256};
+use stackscope_proto::v1::{
+    DebuginfoExistsRequest, DebuginfoUploadHeader, DebuginfoUploadRequest,
+    debuginfo_client::DebuginfoClient, debuginfo_upload_request::Part,
+};
+use tonic::{
+    Request,
+    metadata::{Ascii, MetadataValue},
+    transport::Channel,
+};
+
+/// Bytes per upload message (the collector's default message limit is
+/// well above).
+pub const CHUNK_BYTES: usize = 1 << 20;
+
+/// What an upload did.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Uploaded {
+    /// The collector held the build-id already; nothing was sent.
+    AlreadyStored,
+    /// Sent and stored.
+    Stored { bytes: u64 },
+}
+
+/// Why an upload failed.
+#[derive(Debug, thiserror::Error)]
+pub enum UploadError {
+    #[error("reading {path}")]
+    Read {
+        path: PathBuf,
+        #[source]
+        source: std::io::Error,
+    },
+    /// The collector refused the file or could not be reached.
+    #[error("the collector answered {:?}: {}", .0.code(), .0.message())]
+    Collector(#[source] tonic::Status),
+    #[error("the file reader task failed")]
+    Task(#[source] tokio::task::JoinError),
+}
+
+/// A request carrying the bearer token, when there is one.
+fn request<T>(message: T, authorization: Option<&MetadataValue<Ascii>>) -> Request<T> {
+    let mut request = Request::new(message);
+    if let Some(authorization) = authorization {
+        request
+            .metadata_mut()
+            .insert("authorization", authorization.clone());
+    }
+    request
+}
+
+/// Uploads `path` as `build_id`'s debuginfo unless the collector holds it.
+/// `file_name` is what the collector's log shows for it.
+pub async fn upload(
+    client: &mut DebuginfoClient<Channel>,
+    authorization: Option<&MetadataValue<Ascii>>,
+    build_id: &str,
+    path: &Path,
+    file_name: &str,
+) -> Result<Uploaded, UploadError> {
+    let exists = client
+        .exists(request(
+            DebuginfoExistsRequest {
+                build_id: build_id.to_owned(),
+            },
+            authorization,
+        ))
+        .await
+        .map_err(UploadError::Collector)?
+        .into_inner()
+        .exists;
+    if exists {
+        return Ok(Uploaded::AlreadyStored);
+    }
+    let digest_path = path.to_owned();
+    let (size, sha256) = tokio::task::spawn_blocking(move || digest_of(&digest_path))
+        .await
+        .map_err(UploadError::Task)??;
+    let header = DebuginfoUploadRequest {
+        part: Some(Part::Header(DebuginfoUploadHeader {
+            build_id: build_id.to_owned(),
+            size,
+            sha256,
+            file_name: file_name.to_owned(),
+        })),
+    };
+    let (send, receive) = tokio::sync::mpsc::channel(4);
+    let reader_path = path.to_owned();
+    // Reads the file as the stream is sent: a large debug file is never
+    // held in memory whole.
+    let reader = tokio::task::spawn_blocking(move || -> Result<(), UploadError> {
+        if send.blocking_send(header).is_err() {
+            return Ok(());
+        }
+        let read_error = |source| UploadError::Read {
+            path: reader_path.clone(),
+            source,
+        };
+        let mut file = File::open(&reader_path).map_err(read_error)?;
+        loop {
+            let mut chunk = vec![0u8; CHUNK_BYTES];
+            let read = file.read(&mut chunk).map_err(read_error)?;
+            if read == 0 {
+                return Ok(());
+            }
+            chunk.truncate(read);
+            let message = DebuginfoUploadRequest {
+                part: Some(Part::Chunk(chunk)),
+            };
+            // The call ended early (refused): nothing more to send.
+            if send.blocking_send(message).is_err() {
+                return Ok(());
+            }
+        }
+    });
+    let response = client
+        .upload(request(
+            tokio_stream::wrappers::ReceiverStream::new(receive),
+            authorization,
+        ))
+        .await;
+    reader.await.map_err(UploadError::Task)??;
+    let already_stored = response
+        .map_err(UploadError::Collector)?
+        .into_inner()
+        .already_stored;
+    Ok(if already_stored {
+        Uploaded::AlreadyStored
+    } else {
+        Uploaded::Stored { bytes: size }
+    })
+}
+
+/// Size and SHA-256 of a file, read once.
+fn digest_of(path: &Path) -> Result<(u64, Vec<u8>), UploadError> {
+    let read_error = |source| UploadError::Read {
+        path: path.to_owned(),
+        source,
+    };
+    let mut file = File::open(path).map_err(read_error)?;
+    let mut hasher = Sha256::new();
+    let mut buffer = vec![0u8; CHUNK_BYTES];
+    let mut size = 0u64;
+    loop {
+        let read = file.read(&mut buffer).map_err(read_error)?;
+        if read == 0 {
+            break;
+        }
+        size += read as u64;
+        hasher.update(&buffer[..read]);
+    }
+    Ok((size, hasher.finalize().to_vec()))
+}
