@@ -65,6 +65,10 @@ pub const DEFAULT_MAX_OPEN_OBJECTS: usize = 256;
 /// Modules and BPF programs come and go: kallsyms is read again this often.
 pub const DEFAULT_KALLSYMS_RELOAD: Duration = Duration::from_secs(300);
 
+/// A kernel address no symbol names (a module loaded since kallsyms was
+/// read) has kallsyms read again, at most this often.
+pub const DEFAULT_KALLSYMS_RETRY: Duration = Duration::from_secs(10);
+
 /// The longest symbol or file name kept; longer ones (generated C++ or Rust
 /// names can be kilobytes) are cut, so one frame cannot bloat every batch.
 const MAX_NAME_BYTES: usize = 2048;
@@ -106,6 +110,10 @@ pub struct SymbolizerConfig {
     pub kallsyms: PathBuf,
     /// How often kallsyms is read again.
     pub kallsyms_reload: Duration,
+    /// Least time between reads of kallsyms caused by an unnamed address.
+    pub kallsyms_retry: Duration,
+    /// The list of loaded modules and where they lie (`/proc/modules`).
+    pub modules: PathBuf,
     /// Where sysfs is mounted, for the kernel's and modules' build-ids.
     pub sys_root: PathBuf,
     /// Name frames of files with a build-id on the node; off, they ship
@@ -123,6 +131,8 @@ impl Default for SymbolizerConfig {
             max_open_objects: DEFAULT_MAX_OPEN_OBJECTS,
             kallsyms: PathBuf::from("/proc/kallsyms"),
             kallsyms_reload: DEFAULT_KALLSYMS_RELOAD,
+            kallsyms_retry: DEFAULT_KALLSYMS_RETRY,
+            modules: PathBuf::from("/proc/modules"),
             sys_root: PathBuf::from("/sys"),
             name_files: true,
             host_root: PathBuf::from("/"),
@@ -235,6 +245,8 @@ pub struct SymbolizeStats {
     pub deferred: u64,
     pub kernel_named: u64,
     pub kernel_unnamed: u64,
+    /// Reads of kallsyms caused by an address no symbol named.
+    pub kernel_reloads: u64,
     /// Files handed to blazesym.
     pub objects_opened: u64,
     /// Times blazesym's whole state was dropped (after a panic, or to
@@ -321,7 +333,7 @@ impl std::fmt::Debug for Symbolizer {
 
 impl Symbolizer {
     pub fn new(config: SymbolizerConfig) -> Self {
-        let (kernel, kernel_loaded) = load_kallsyms(&config.kallsyms);
+        let (kernel, kernel_loaded) = load_kallsyms(&config.kallsyms, &config.modules);
         let vdso = crate::unwinding::own_vdso_image().map(|(start, image)| {
             use object::Object as _;
             let build_id = object::File::parse(image)
@@ -355,8 +367,7 @@ impl Symbolizer {
     pub fn begin_batch(&mut self, deadline: Option<Instant>) {
         self.deadline = deadline;
         if self.kernel_loaded.elapsed() >= self.config.kallsyms_reload {
-            (self.kernel, self.kernel_loaded) = load_kallsyms(&self.config.kallsyms);
-            self.module_build_ids.clear();
+            self.reload_kallsyms();
         }
     }
 
@@ -428,6 +439,12 @@ impl Symbolizer {
 
     /// Names the kernel address `lookup` (the byte to look up).
     pub fn kernel(&mut self, lookup: u64) -> KernelFrame {
+        if self.kernel.lookup(lookup).is_none()
+            && self.kernel_loaded.elapsed() >= self.config.kallsyms_retry
+        {
+            self.stats.kernel_reloads += 1;
+            self.reload_kallsyms();
+        }
         match self.kernel.lookup(lookup) {
             Some(name) => {
                 self.stats.kernel_named += 1;
@@ -448,6 +465,12 @@ impl Symbolizer {
                 }
             }
         }
+    }
+
+    fn reload_kallsyms(&mut self) {
+        (self.kernel, self.kernel_loaded) =
+            load_kallsyms(&self.config.kallsyms, &self.config.modules);
+        self.module_build_ids.clear();
     }
 
     /// The build-id of the kernel image (`module` `None`) or of a module.
@@ -718,8 +741,8 @@ fn new_blazesym() -> blaze::Symbolizer {
         .build()
 }
 
-fn load_kallsyms(path: &Path) -> (KernelSymbols, Instant) {
-    let table = KernelSymbols::load(path).unwrap_or_else(|err| {
+fn load_kallsyms(path: &Path, modules: &Path) -> (KernelSymbols, Instant) {
+    let table = KernelSymbols::load(path, modules).unwrap_or_else(|err| {
         tracing::debug!("reading {}: {err}", path.display());
         KernelSymbols::default()
     });
@@ -1266,6 +1289,8 @@ mod tests {
         let mut symbolizer = Symbolizer::new(SymbolizerConfig {
             kallsyms: kallsyms.path().to_path_buf(),
             sys_root: PathBuf::from("/nonexistent"),
+            // The test's modules, not this machine's.
+            modules: PathBuf::from("/nonexistent/modules"),
             ..SymbolizerConfig::default()
         });
         let core = symbolizer.kernel(0xffff_ffff_8110_0042);
@@ -1278,6 +1303,47 @@ mod tests {
         let stats = symbolizer.stats();
         assert_eq!((stats.kernel_named, stats.kernel_unnamed), (2, 1));
         assert_eq!(symbolizer.kernel_build_id(module.module.as_ref()), None);
+    }
+
+    #[test]
+    fn a_module_loaded_later_is_read_again_not_named_after_its_neighbour() {
+        let dir = tempfile::tempdir().expect("temp dir");
+        let kallsyms = dir.path().join("kallsyms");
+        let modules = dir.path().join("modules");
+        std::fs::write(
+            &kallsyms,
+            "ffffffff81000000 T _text\nffffffffc0001000 t nft_do_chain\t[nf_tables]\n",
+        )
+        .expect("writing");
+        std::fs::write(&modules, "nf_tables 8192 0 - Live 0xffffffffc0000000\n").expect("writing");
+        let mut symbolizer = Symbolizer::new(SymbolizerConfig {
+            kallsyms: kallsyms.clone(),
+            modules: modules.clone(),
+            kallsyms_retry: Duration::ZERO,
+            sys_root: PathBuf::from("/nonexistent"),
+            ..SymbolizerConfig::default()
+        });
+        assert_eq!(
+            functions(&symbolizer.kernel(0xffff_ffff_c000_1f00).lines),
+            ["nft_do_chain"]
+        );
+        // Past nf_tables' end: a module loaded after kallsyms was read.
+        assert!(symbolizer.kernel(0xffff_ffff_c000_3010).lines.is_empty());
+        std::fs::write(
+            &kallsyms,
+            "ffffffff81000000 T _text\nffffffffc0001000 t nft_do_chain\t[nf_tables]\n\
+             ffffffffc0003000 t later_fn\t[later]\n",
+        )
+        .expect("writing");
+        std::fs::write(
+            &modules,
+            "nf_tables 8192 0 - Live 0xffffffffc0000000\nlater 4096 0 - Live 0xffffffffc0003000\n",
+        )
+        .expect("writing");
+        let frame = symbolizer.kernel(0xffff_ffff_c000_3010);
+        assert_eq!(functions(&frame.lines), ["later_fn"]);
+        assert_eq!(frame.module.as_deref(), Some("later"));
+        assert_eq!(symbolizer.stats().kernel_reloads, 2);
     }
 
     #[test]

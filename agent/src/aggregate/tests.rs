@@ -31,6 +31,8 @@ fn symbolizer(kallsyms: &tempfile::NamedTempFile) -> Symbolizer {
     Symbolizer::new(SymbolizerConfig {
         kallsyms: kallsyms.path().to_path_buf(),
         sys_root: PathBuf::from("/nonexistent"),
+        // The test's modules, not this machine's.
+        modules: PathBuf::from("/nonexistent/modules"),
         ..SymbolizerConfig::default()
     })
 }

@@ -46,12 +46,47 @@ pub struct KernelSymbols {
     symbols: Vec<KernelSymbol>,
     names: String,
     modules: Vec<Arc<str>>,
+    /// Where each loaded module's core lies, `[start, end)`, by the index
+    /// in `modules` (from `/proc/modules`; `None` for names it does not
+    /// list, such as `bpf`): an address past a module's end belongs to no
+    /// symbol of it (a module loaded since, typically).
+    extents: Vec<Option<(u64, u64)>>,
+}
+
+/// `[start, end)` of each module `/proc/modules` lists (`name size refs
+/// deps state address ...` per line); lines of another shape, and modules
+/// whose address is hidden (0), are left out.
+pub fn parse_module_extents(text: &str) -> HashMap<&str, (u64, u64)> {
+    text.lines()
+        .filter_map(|line| {
+            let fields: Vec<&str> = line.split_whitespace().collect();
+            let name = *fields.first()?;
+            let size: u64 = fields.get(1)?.parse().ok()?;
+            let address = fields.get(5)?.strip_prefix("0x")?;
+            let start = u64::from_str_radix(address, 16).ok()?;
+            (start >= KERNEL_SPACE).then_some((name, (start, start.checked_add(size)?)))
+        })
+        .collect()
 }
 
 impl KernelSymbols {
-    /// Reads and parses a kallsyms file.
-    pub fn load(path: &Path) -> io::Result<Self> {
-        Ok(Self::parse(&std::fs::read_to_string(path)?))
+    /// Reads and parses a kallsyms file, bounding module symbols by the
+    /// module extents in `modules` (`/proc/modules`) when it is readable.
+    pub fn load(path: &Path, modules: &Path) -> io::Result<Self> {
+        let mut table = Self::parse(&std::fs::read_to_string(path)?);
+        if let Ok(text) = std::fs::read_to_string(modules) {
+            table.bound_modules(&parse_module_extents(&text));
+        }
+        Ok(table)
+    }
+
+    /// Bounds module symbols by `extents` (by module name).
+    pub fn bound_modules(&mut self, extents: &HashMap<&str, (u64, u64)>) {
+        self.extents = self
+            .modules
+            .iter()
+            .map(|name| extents.get(&**name).copied())
+            .collect();
     }
 
     /// Parses kallsyms text (`<hex address> <type> <name>[\t[<module>]]`
@@ -129,8 +164,10 @@ impl KernelSymbols {
         self.symbols.len()
     }
 
-    /// The function symbol at or below `address`: kallsyms has no sizes,
-    /// so an address past a module's last function is attributed to it.
+    /// The function symbol at or below `address`. kallsyms has no sizes:
+    /// an address past a module's last function is attributed to it only
+    /// when the module's extent is unknown; past a known extent it has no
+    /// name (see [`KernelSymbols::bound_modules`]).
     pub fn lookup(&self, address: u64) -> Option<KernelName<'_>> {
         let at = self.symbols.partition_point(|s| s.address <= address);
         let symbol = self.symbols.get(at.checked_sub(1)?)?;
@@ -138,9 +175,13 @@ impl KernelSymbols {
         let function = self
             .names
             .get(start..start + usize::from(symbol.name_len))?;
-        let module = usize::from(symbol.module)
-            .checked_sub(1)
-            .and_then(|index| self.modules.get(index));
+        let index = usize::from(symbol.module).checked_sub(1);
+        if let Some(Some((_, end))) = index.and_then(|index| self.extents.get(index))
+            && address >= *end
+        {
+            return None;
+        }
+        let module = index.and_then(|index| self.modules.get(index));
         Some(KernelName { function, module })
     }
 }
@@ -304,7 +345,9 @@ ffffffffc0b00000 t ext4_map\t[ext4]
     #[test]
     fn reads_this_kernels_symbols_when_allowed() {
         // Root sees addresses; others see zeros and get an empty table.
-        let Ok(table) = KernelSymbols::load(Path::new("/proc/kallsyms")) else {
+        let Ok(table) =
+            KernelSymbols::load(Path::new("/proc/kallsyms"), Path::new("/proc/modules"))
+        else {
             return;
         };
         let restricted = std::fs::read_to_string("/proc/sys/kernel/kptr_restrict")
