@@ -367,6 +367,8 @@ pub fn find_word(bytes: &[u8], word: u64) -> impl Iterator<Item = usize> + '_ {
 pub struct Collector {
     process: RunningProcess,
     pub grpc: String,
+    /// `http://127.0.0.1:<port>` of its HTTP API.
+    pub http: String,
 }
 
 impl Collector {
@@ -396,19 +398,31 @@ impl Collector {
         let stderr = child.stderr.take().expect("piped stderr");
         let process = RunningProcess::adopt(child);
         let mut lines = BufReader::new(stderr).lines();
-        let grpc = loop {
+        let (grpc, http) = loop {
             let line = lines
                 .next()
                 .expect("the collector exited before it was ready")
                 .expect("reading the collector's log");
             if let Some(at) = line.find("grpc=") {
                 let addr = line[at + 5..].split_whitespace().next().unwrap_or_default();
-                break format!("http://{addr}");
+                // `http=Some("http://127.0.0.1:PORT/")`
+                let http = line
+                    .split("http=Some(\"")
+                    .nth(1)
+                    .and_then(|rest| rest.split('"').next())
+                    .unwrap_or_default()
+                    .trim_end_matches('/')
+                    .to_owned();
+                break (format!("http://{addr}"), http);
             }
         };
         // Keep draining the log so the collector never blocks on a full pipe.
         std::thread::spawn(move || for _ in lines {});
-        Self { process, grpc }
+        Self {
+            process,
+            grpc,
+            http,
+        }
     }
 
     /// Stops the collector with SIGTERM, as a service manager would.

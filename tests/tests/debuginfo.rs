@@ -257,6 +257,25 @@ fn stripped_frames_are_named_from_uploads_and_debuginfod_at_query_time() {
     assert_named(&collector, "after the upload");
     let said = String::from_utf8(collector.cli(&["debuginfo", "upload", debug])).expect("UTF-8");
     assert!(said.contains("already stored"), "{said}");
+    // The collector serves debuginfod's API: elfutils' own client fetches
+    // the file back, and finds no executable for a debug file.
+    let cache = tempfile::tempdir().expect("temp dir");
+    let find = |what: &str| {
+        Command::new("debuginfod-find")
+            .args([what, &fixture.build_id])
+            .env("DEBUGINFOD_URLS", &collector.http)
+            .env("DEBUGINFOD_CACHE_PATH", cache.path())
+            .output()
+            .expect("`debuginfod-find` is missing: run `cargo xtask setup` (installs debuginfod)")
+    };
+    let found = find("debuginfo");
+    assert!(found.status.success(), "{found:?}");
+    let fetched = String::from_utf8_lossy(&found.stdout).trim().to_owned();
+    assert_eq!(
+        std::fs::read(&fetched).expect("the fetched file"),
+        std::fs::read(&fixture.debug).expect("the debug file")
+    );
+    assert!(!find("executable").status.success());
     // A stripped binary names nothing: refused before it is sent.
     let out = Command::new(workspace_binary("stackscope"))
         .args(["--collector", &collector.grpc, "debuginfo", "upload"])

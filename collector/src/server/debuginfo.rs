@@ -1,4 +1,5 @@
-//! The gRPC `Debuginfo` service: whether a build-id is stored, and uploads.
+//! The gRPC `Debuginfo` service (whether a build-id is stored, and uploads)
+//! and debuginfod's HTTP API over the same store.
 //! An upload is written to a staged file as it streams in, with its size
 //! and SHA-256 checked against its header, and stored only when every check
 //! passed ([`DebuginfoStore::commit`]); a refused upload leaves nothing.
@@ -12,7 +13,7 @@ use stackscope_proto::v1::{
 };
 use tonic::{Request, Response, Status, Streaming};
 
-use crate::debuginfo::{DebuginfoError, DebuginfoStore, is_valid_build_id};
+use crate::debuginfo::{DebuginfoError, DebuginfoStore, check_elf, is_valid_build_id};
 
 pub struct DebuginfoService {
     store: Arc<dyn DebuginfoStore>,
@@ -130,4 +131,65 @@ impl debuginfo_server::Debuginfo for DebuginfoService {
             Err(err) => Err(refused(err)),
         }
     }
+}
+
+/// debuginfod's HTTP API over the store (`GET /buildid/<id>/debuginfo` and
+/// `/executable`), so `debuginfod-find`, gdb, perf and other collectors
+/// (`--debuginfod-urls`) can read what the fleet uploaded. A stored debug
+/// file is served as debuginfo only; a stored binary as both.
+pub fn debuginfod_router(store: Arc<dyn DebuginfoStore>) -> axum::Router {
+    use axum::routing::get;
+    axum::Router::new()
+        .route(
+            "/buildid/{build_id}/debuginfo",
+            get(|state, path| serve_file(state, path, false)),
+        )
+        .route(
+            "/buildid/{build_id}/executable",
+            get(|state, path| serve_file(state, path, true)),
+        )
+        .with_state(store)
+}
+
+async fn serve_file(
+    axum::extract::State(store): axum::extract::State<Arc<dyn DebuginfoStore>>,
+    axum::extract::Path(build_id): axum::extract::Path<String>,
+    executable: bool,
+) -> axum::response::Response {
+    use axum::{
+        http::{StatusCode, header},
+        response::IntoResponse as _,
+    };
+    let not_found = || (StatusCode::NOT_FOUND, "not found\n").into_response();
+    let Some(path) = store.get(&build_id) else {
+        return not_found();
+    };
+    let checked = {
+        let (path, build_id) = (path.clone(), build_id.clone());
+        tokio::task::spawn_blocking(move || {
+            let file = std::fs::File::open(&path).ok()?;
+            let content = check_elf(&file, &build_id).ok()?;
+            let size = file.metadata().ok()?.len();
+            Some((content, size))
+        })
+        .await
+    };
+    let Ok(Some((content, size))) = checked else {
+        return not_found();
+    };
+    if executable && !content.holds_code {
+        return not_found();
+    }
+    let Ok(file) = tokio::fs::File::open(&path).await else {
+        return not_found();
+    };
+    let body = axum::body::Body::from_stream(tokio_util::io::ReaderStream::new(file));
+    (
+        [
+            (header::CONTENT_TYPE, "application/octet-stream".to_owned()),
+            (header::CONTENT_LENGTH, size.to_string()),
+        ],
+        body,
+    )
+        .into_response()
 }

@@ -229,7 +229,10 @@ pub async fn start(
             let bound = listener
                 .local_addr()
                 .map_err(|source| ServerError::Bind { addr, source })?;
-            let app = http::router(engine);
+            let mut app = http::router(engine);
+            if let Some(debuginfo) = &config.debuginfo {
+                app = app.merge(debuginfo::debuginfod_router(Arc::clone(&debuginfo.store)));
+            }
             let http_stop = stopped(stop_rx.clone());
             tasks.spawn(async move {
                 axum::serve(listener, app)
