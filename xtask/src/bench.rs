@@ -78,6 +78,18 @@ pub enum Bench {
         #[arg(long, default_value_t = 60)]
         minutes: u32,
     },
+    /// Query-time naming in the collector: frames/s cold (debuginfo parsed)
+    /// and warm (cached), and a whole flamegraph of 10,000 distinct stacks
+    /// named from librustc_driver (148 MB), side by side with eu-addr2line
+    /// and addr2line on the same addresses.
+    Symbolize {
+        /// Distinct stacks of depth 30 in the profile.
+        #[arg(long, default_value_t = 10_000)]
+        stacks: u32,
+        /// Distinct code addresses among them.
+        #[arg(long, default_value_t = 20_000)]
+        addresses: u32,
+    },
 }
 
 pub fn run(which: Bench) -> anyhow::Result<()> {
@@ -87,6 +99,19 @@ pub fn run(which: Bench) -> anyhow::Result<()> {
         Bench::Unwind => unwind(),
         Bench::Overhead { seconds, repeats } => crate::overhead::run(seconds, repeats),
         Bench::Mappings { seconds, repeats } => crate::mappings::run(seconds, repeats),
+        Bench::Symbolize { stacks, addresses } => run_checked(
+            Command::new(std::env::var_os("CARGO").unwrap_or_else(|| "cargo".into()))
+                .args([
+                    "bench",
+                    "--package",
+                    "stackscope-collector",
+                    "--bench",
+                    "symbolize",
+                ])
+                .current_dir(workspace_root())
+                .env("STACKSCOPE_BENCH_STACKS", stacks.to_string())
+                .env("STACKSCOPE_BENCH_ADDRESSES", addresses.to_string()),
+        ),
         Bench::Collector { nodes, minutes } => run_checked(
             Command::new(std::env::var_os("CARGO").unwrap_or_else(|| "cargo".into()))
                 .args([

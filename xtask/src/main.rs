@@ -209,6 +209,14 @@ fn test() -> anyhow::Result<()> {
         "--bench",
         "collector",
     ])?;
+    // And of the symbolization bench: every frame named right.
+    cargo(&[
+        "test",
+        "--package",
+        "stackscope-collector",
+        "--bench",
+        "symbolize",
+    ])?;
     eprintln!("all tests passed");
     Ok(())
 }
