@@ -56,7 +56,7 @@ pub struct SymbolizeStats {
 pub struct Symbolizer {
     store: Arc<dyn DebuginfoStore>,
     debuginfod: Option<Arc<Debuginfod>>,
-    requests: Mutex<mpsc::Sender<Request>>,
+    requests: mpsc::Sender<Request>,
     stats: Arc<Mutex<SymbolizeStats>>,
 }
 
@@ -129,7 +129,7 @@ impl Symbolizer {
         Ok(Self {
             store,
             debuginfod,
-            requests: Mutex::new(requests),
+            requests,
             stats,
         })
     }
@@ -157,7 +157,7 @@ impl Symbolizer {
             }
         }
         let (reply, names) = oneshot::channel();
-        lock(&self.requests)
+        self.requests
             .send(Request { wanted, reply })
             .map_err(|_| SymbolizerGone)?;
         let names = names.await.map_err(|_| SymbolizerGone)?;
