@@ -825,7 +825,10 @@ mod tests {
 
     use object::{Object as _, ObjectSegment as _, ObjectSymbol as _};
     use stackscope_process_table::{FileKey, object_id::identify};
-    use stackscope_test_fixtures::{Fixture, RunningProcess};
+    use stackscope_test_fixtures::{
+        Fixture, RunningProcess,
+        split_debug::{SplitDebug, run_tool},
+    };
     use std::collections::HashSet;
 
     use super::*;
@@ -877,11 +880,6 @@ mod tests {
 
     fn functions(lines: &[FrameLine]) -> Vec<&str> {
         lines.iter().map(|line| &*line.function).collect()
-    }
-
-    fn run(command: &mut Command) {
-        let out = command.output().expect("running a build tool");
-        assert!(out.status.success(), "{command:?}: {out:?}");
     }
 
     /// The file offset of ELF virtual address `vaddr` in the file at `path`.
@@ -947,59 +945,40 @@ mod tests {
 
     #[test]
     fn minidebuginfo_names_a_stripped_binary() {
-        let dir = tempfile::tempdir().expect("temp dir");
-        let source = dir.path().join("mini.c");
-        std::fs::write(
-            &source,
+        let built = SplitDebug::from_source(
+            "mini",
             "static volatile int sink;\n\
              __attribute__((noinline)) static void hidden_worker(void) { sink++; sink++; }\n\
              int main(void) { hidden_worker(); return 0; }\n",
-        )
-        .expect("source");
-        let full = dir.path().join("mini.full");
-        let debug = dir.path().join("mini.debug");
-        let symbols = dir.path().join("mini.symbols");
-        let binary = dir.path().join("mini");
-        run(Command::new("gcc")
-            .args(["-O2", "-g", "-Wl,--build-id"])
-            .arg(&source)
-            .arg("-o")
-            .arg(&full));
+            &["-O2"],
+        );
         // MiniDebugInfo as distributions make it: the symbol table alone,
         // xz-compressed, in .gnu_debugdata of the stripped binary.
-        run(Command::new("objcopy")
-            .arg("--only-keep-debug")
-            .arg(&full)
-            .arg(&debug));
-        run(Command::new("objcopy")
-            .arg("--strip-debug")
-            .arg(&debug)
-            .arg(&symbols));
-        run(Command::new("xz").arg("--keep").arg(&symbols));
-        run(Command::new("strip")
-            .arg("--strip-all")
-            .arg(&full)
-            .arg("-o")
-            .arg(&binary));
-        run(Command::new("objcopy")
-            .arg(format!(
-                "--add-section=.gnu_debugdata={}.xz",
-                symbols.display()
-            ))
-            .arg(&binary));
-        let offset = offset_of(&full, "hidden_worker", 2);
+        let symbols = built.dir().join("mini.symbols");
+        let binary = built.dir().join("mini.minidebuginfo");
+        run_tool(
+            Command::new("objcopy")
+                .arg("--strip-debug")
+                .arg(&built.debug)
+                .arg(&symbols),
+        );
+        run_tool(Command::new("xz").arg("--keep").arg(&symbols));
+        run_tool(
+            Command::new("objcopy")
+                .arg(format!(
+                    "--add-section=.gnu_debugdata={}.xz",
+                    symbols.display()
+                ))
+                .arg(&built.stripped)
+                .arg(&binary),
+        );
+        let offset = offset_of(&built.full, "hidden_worker", 2);
 
         let found = symbolizer().user(&object_file(&binary), &[offset]);
         assert_eq!(functions(&found[0]), ["hidden_worker"]);
         // Without the section, nothing names it (the same build-id: a new
         // symbolizer, so the name cache does not answer).
-        let bare = dir.path().join("bare");
-        run(Command::new("strip")
-            .arg("--strip-all")
-            .arg(&full)
-            .arg("-o")
-            .arg(&bare));
-        let found = symbolizer().user(&object_file(&bare), &[offset]);
+        let found = symbolizer().user(&object_file(&built.stripped), &[offset]);
         assert!(found[0].is_empty(), "{found:?}");
     }
 

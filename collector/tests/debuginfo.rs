@@ -3,7 +3,7 @@
 //! uploads are each refused and store nothing; the ingest token guards
 //! uploads too.
 
-use std::{net::SocketAddr, path::PathBuf, process::Command, sync::Arc};
+use std::{net::SocketAddr, path::PathBuf, sync::Arc};
 
 use sha2::{Digest as _, Sha256};
 use stackscope_collector::{
@@ -15,6 +15,7 @@ use stackscope_proto::v1::{
     DebuginfoExistsRequest, DebuginfoUploadHeader, DebuginfoUploadRequest,
     debuginfo_client::DebuginfoClient, debuginfo_upload_request::Part,
 };
+use stackscope_test_fixtures::split_debug::SplitDebug;
 use tonic::{Code, transport::Channel};
 
 /// Largest upload the test collector takes.
@@ -74,35 +75,12 @@ impl Fixture {
 }
 
 /// A debug file made with `objcopy --only-keep-debug`, and its build-id.
-fn debug_file(dir: &std::path::Path) -> (Vec<u8>, String) {
-    let source = dir.join("prog.c");
-    std::fs::write(&source, "int main(void) { return 0; }\n").expect("source");
-    let binary = dir.join("prog");
-    let debug = dir.join("prog.debug");
-    for command in [
-        Command::new("gcc")
-            .args(["-g", "-O1", "-Wl,--build-id"])
-            .arg(&source)
-            .arg("-o")
-            .arg(&binary),
-        Command::new("objcopy")
-            .arg("--only-keep-debug")
-            .arg(&binary)
-            .arg(&debug),
-    ] {
-        let out = command.output().expect("running a build tool");
-        assert!(out.status.success(), "{out:?}");
-    }
-    let notes = Command::new("readelf")
-        .arg("-n")
-        .arg(&debug)
-        .output()
-        .expect("readelf");
-    let build_id = String::from_utf8_lossy(&notes.stdout)
-        .lines()
-        .find_map(|line| line.trim().strip_prefix("Build ID: ").map(str::to_owned))
-        .expect("a build-id");
-    (std::fs::read(debug).expect("reading"), build_id)
+fn debug_file() -> (Vec<u8>, String) {
+    let built = SplitDebug::from_source("prog", "int main(void) { return 0; }\n", &["-O1"]);
+    (
+        std::fs::read(&built.debug).expect("reading"),
+        built.build_id,
+    )
 }
 
 fn header(build_id: &str, size: u64, sha256: Vec<u8>) -> DebuginfoUploadRequest {
@@ -139,8 +117,7 @@ async fn upload(
 #[tokio::test]
 async fn refused_uploads_store_nothing_and_a_good_one_is_stored_once() {
     let fixture = start(None).await;
-    let build_dir = tempfile::tempdir().expect("temp dir");
-    let (bytes, build_id) = debug_file(build_dir.path());
+    let (bytes, build_id) = debug_file();
     let size = bytes.len() as u64;
     let mut client = fixture.client().await;
     let exists = |client: &mut DebuginfoClient<Channel>| {

@@ -1,8 +1,9 @@
 //! Test-only helpers shared by the end-to-end tests (`tests/`) and the
 //! unwinder's offline tests and benchmarks (`unwind/`): fixture programs
 //! compiled from the workspace's `tests/fixtures/` at test time (never
-//! checked-in binaries), child processes killed on drop, and naming code
-//! addresses with an ELF file's own function symbols.
+//! checked-in binaries), child processes killed on drop, naming code
+//! addresses with an ELF file's own function symbols, and programs split
+//! into a stripped binary and a debug file.
 //!
 //! It owns no knowledge of stackscope itself: what a test samples, unwinds
 //! or asserts stays in the test.
@@ -17,6 +18,7 @@ use object::{Object as _, ObjectSymbol as _, SymbolKind};
 use stackscope_profile::names::demangle;
 
 pub mod containers;
+pub mod split_debug;
 pub mod tls;
 
 /// Flags C fixtures are built with: optimised code without frame pointers,

@@ -9,68 +9,22 @@
 use std::{
     io::{Read as _, Write as _},
     net::{TcpListener, TcpStream},
-    path::{Path, PathBuf},
+    path::Path,
     process::{Command, Stdio},
     time::{Duration, Instant},
 };
 
-use stackscope_test_fixtures::{RunningProcess, workspace_binary};
+use stackscope_test_fixtures::{
+    C_FLAGS, RunningProcess,
+    split_debug::{self, SplitDebug},
+    workspace_binary,
+};
 use stackscope_tests::{Collector, run_agent_for};
 
 /// The fixture, built with `-g`: the binary run (stripped), its debug
-/// file, and its build-id.
-struct Stripped {
-    dir: tempfile::TempDir,
-    binary: PathBuf,
-    debug: PathBuf,
-    build_id: String,
-}
-
-fn run(command: &mut Command) -> String {
-    let out = command
-        .output()
-        .unwrap_or_else(|err| panic!("{command:?}: {err}"));
-    assert!(
-        out.status.success(),
-        "{command:?}: {}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    String::from_utf8_lossy(&out.stdout).into_owned()
-}
-
-fn build_stripped() -> Stripped {
-    let dir = tempfile::tempdir().expect("temp dir");
-    let source = Path::new(env!("CARGO_MANIFEST_DIR")).join("fixtures/stripped_chain.c");
-    let full = dir.path().join("stripped_chain.full");
-    let binary = dir.path().join("stripped_chain");
-    let debug = dir.path().join("debug/stripped_chain.debug");
-    std::fs::create_dir(dir.path().join("debug")).expect("debug dir");
-    run(Command::new("gcc")
-        .args(["-O2", "-fomit-frame-pointer", "-g", "-Wl,--build-id"])
-        .arg(&source)
-        .arg("-o")
-        .arg(&full));
-    run(Command::new("objcopy")
-        .arg("--only-keep-debug")
-        .arg(&full)
-        .arg(&debug));
-    run(Command::new("strip")
-        .arg("--strip-all")
-        .arg(&full)
-        .arg("-o")
-        .arg(&binary));
-    let notes = run(Command::new("readelf").arg("-n").arg(&binary));
-    let build_id = notes
-        .lines()
-        .find_map(|line| line.trim().strip_prefix("Build ID: "))
-        .expect("a build-id")
-        .to_owned();
-    Stripped {
-        dir,
-        binary,
-        debug,
-        build_id,
-    }
+/// file alone in `debug/` (for debuginfod), and its build-id.
+fn build_stripped() -> SplitDebug {
+    SplitDebug::fixture("stripped_chain", C_FLAGS)
 }
 
 /// The fixture's folded stacks in a collector.
@@ -231,7 +185,7 @@ fn stripped_frames_are_named_from_uploads_and_debuginfod_at_query_time() {
     // Profiled with no debuginfo anywhere: the fixture's frames are its
     // binary plus an offset.
     let collector = Collector::start(&uploads);
-    let spinner = RunningProcess::start_ready(Command::new(&fixture.binary).env_clear());
+    let spinner = RunningProcess::start_ready(Command::new(&fixture.stripped).env_clear());
     run_agent_for(&collector, "4s", &["--pid", &spinner.pid().to_string()]);
     drop(spinner);
     let stacks = fixture_stacks(&collector);
@@ -279,7 +233,7 @@ fn stripped_frames_are_named_from_uploads_and_debuginfod_at_query_time() {
     // A stripped binary names nothing: refused before it is sent.
     let out = Command::new(workspace_binary("stackscope"))
         .args(["--collector", &collector.grpc, "debuginfo", "upload"])
-        .arg(&fixture.binary)
+        .arg(&fixture.stripped)
         .output()
         .expect("running stackscope");
     assert!(!out.status.success());
@@ -290,7 +244,7 @@ fn stripped_frames_are_named_from_uploads_and_debuginfod_at_query_time() {
     collector.stop();
 
     // Nothing uploaded, the debug file served by debuginfod only.
-    let server = Debuginfod::serve(&fixture.dir.path().join("debug"), &fixture.build_id);
+    let server = Debuginfod::serve(fixture.dir().join("debug").as_path(), &fixture.build_id);
     let collector = Collector::start_with(&via_debuginfod, &["--debuginfod-urls", &server.url]);
     assert_named(&collector, "from debuginfod");
     // Fetched once into the store: known to uploaders from now on.
@@ -381,12 +335,7 @@ fn the_agent_uploads_binaries_that_carry_symbols() {
     stackscope_tests::require_root();
     let _exclusive = stackscope_tests::exclusive();
     let fixture = stackscope_test_fixtures::Fixture::compile("call_chain", &["-Wl,--build-id"]);
-    let notes = run(Command::new("readelf").arg("-n").arg(&fixture.path));
-    let build_id = notes
-        .lines()
-        .find_map(|line| line.trim().strip_prefix("Build ID: "))
-        .expect("a build-id")
-        .to_owned();
+    let build_id = split_debug::build_id(&fixture.path);
     let data = tempfile::tempdir().expect("temp dir");
     let collector = Collector::start(data.path());
     let spinner = fixture.start(&[]);

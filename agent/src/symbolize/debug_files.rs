@@ -149,12 +149,9 @@ fn open_with_crc(path: &Path, expected: u32) -> Option<File> {
 mod tests {
     use std::process::Command;
 
-    use super::*;
+    use stackscope_test_fixtures::split_debug::{SplitDebug, run_tool};
 
-    fn run(command: &mut Command) {
-        let out = command.output().expect("running a build tool");
-        assert!(out.status.success(), "{command:?}: {out:?}");
-    }
+    use super::*;
 
     #[test]
     fn debug_links_are_parsed_as_bare_names_with_their_crc() {
@@ -175,37 +172,21 @@ mod tests {
     /// link under a root, and not a debug file of another build.
     #[test]
     fn debug_files_are_found_by_build_id_and_by_link_and_checked() {
-        let dir = tempfile::tempdir().expect("temp dir");
-        let root = dir.path().join("root");
+        let built = SplitDebug::from_source("prog", "int main(void) { return 0; }\n", &[]);
+        let (full, debug, build_id) = (&built.full, &built.debug, built.build_id.as_str());
+        let root = built.dir().join("root");
         let bin_dir = root.join("opt/app");
         std::fs::create_dir_all(&bin_dir).expect("dirs");
-        let source = dir.path().join("prog.c");
-        std::fs::write(&source, "int main(void) { return 0; }\n").expect("source");
-        let full = dir.path().join("prog.full");
-        let debug = dir.path().join("prog.debug");
         let binary = bin_dir.join("prog");
-        run(Command::new("gcc")
-            .args(["-g", "-Wl,--build-id"])
-            .arg(&source)
-            .arg("-o")
-            .arg(&full));
-        run(Command::new("objcopy")
-            .arg("--only-keep-debug")
-            .arg(&full)
-            .arg(&debug));
-        run(Command::new("objcopy")
-            .arg("--strip-all")
-            .arg(format!("--add-gnu-debuglink={}", debug.display()))
-            .arg(&full)
-            .arg(&binary));
-        let build_id: String = {
-            let data = std::fs::read(&binary).expect("read");
-            let elf = object::File::parse(&*data).expect("ELF");
-            let id = elf.build_id().expect("notes").expect("build-id");
-            id.iter().map(|b| format!("{b:02x}")).collect()
-        };
+        run_tool(
+            Command::new("objcopy")
+                .arg("--strip-all")
+                .arg(format!("--add-gnu-debuglink={}", debug.display()))
+                .arg(full)
+                .arg(&binary),
+        );
 
-        let full_source = name_source(&File::open(&full).expect("open")).expect("ELF");
+        let full_source = name_source(&File::open(full).expect("open")).expect("ELF");
         assert_eq!(full_source, NameSource::Itself);
         let source = name_source(&File::open(&binary).expect("open")).expect("ELF");
         let NameSource::Elsewhere {
@@ -217,24 +198,24 @@ mod tests {
         assert_eq!(name, "prog.debug");
         let roots = [root.clone()];
         let mapped = Path::new("/opt/app/prog");
-        assert!(find_debug_file(&roots, Some(&build_id), Some(mapped), &source).is_none());
+        assert!(find_debug_file(&roots, Some(build_id), Some(mapped), &source).is_none());
 
         // By debug link, in the binary's .debug directory.
         std::fs::create_dir(bin_dir.join(".debug")).expect("dir");
-        std::fs::copy(&debug, bin_dir.join(".debug/prog.debug")).expect("copy");
-        assert!(find_debug_file(&roots, Some(&build_id), Some(mapped), &source).is_some());
+        std::fs::copy(debug, bin_dir.join(".debug/prog.debug")).expect("copy");
+        assert!(find_debug_file(&roots, Some(build_id), Some(mapped), &source).is_some());
         // A file of another content under the link's name is refused.
         std::fs::write(bin_dir.join(".debug/prog.debug"), b"another build").expect("write");
-        assert!(find_debug_file(&roots, Some(&build_id), Some(mapped), &source).is_none());
+        assert!(find_debug_file(&roots, Some(build_id), Some(mapped), &source).is_none());
 
         // By build-id; a file there with another build-id is refused.
         let by_id = root.join(format!("usr/lib/debug/.build-id/{}", &build_id[..2]));
         std::fs::create_dir_all(&by_id).expect("dirs");
         let target = by_id.join(format!("{}.debug", &build_id[2..]));
-        std::fs::copy(&debug, &target).expect("copy");
-        assert!(find_debug_file(&roots, Some(&build_id), None, &source).is_some());
+        std::fs::copy(debug, &target).expect("copy");
+        assert!(find_debug_file(&roots, Some(build_id), None, &source).is_some());
         let other = format!("{}{}", &build_id[..2], "0".repeat(build_id.len() - 2));
-        std::fs::copy(&debug, by_id.join(format!("{}.debug", &other[2..]))).expect("copy");
+        std::fs::copy(debug, by_id.join(format!("{}.debug", &other[2..]))).expect("copy");
         assert!(find_debug_file(&roots, Some(&other), None, &source).is_none());
     }
 }

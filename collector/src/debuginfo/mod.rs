@@ -236,60 +236,13 @@ impl DebuginfoStore for DiskStore {
 
 #[cfg(test)]
 mod tests {
-    use std::process::Command;
+    use stackscope_test_fixtures::split_debug::SplitDebug;
 
     use super::*;
 
     /// A program built with `-g`, and its debug file made apart.
-    struct Built {
-        _dir: tempfile::TempDir,
-        binary: PathBuf,
-        debug: PathBuf,
-        stripped: PathBuf,
-        build_id: String,
-    }
-
-    fn build() -> Built {
-        let dir = tempfile::tempdir().expect("temp dir");
-        let source = dir.path().join("prog.c");
-        std::fs::write(&source, "int main(void) { return 0; }\n").expect("source");
-        let binary = dir.path().join("prog");
-        let debug = dir.path().join("prog.debug");
-        let stripped = dir.path().join("prog.stripped");
-        let run = |cmd: &mut Command| {
-            let out = cmd.output().expect("running a build tool");
-            assert!(out.status.success(), "{cmd:?}: {out:?}");
-        };
-        run(Command::new("gcc")
-            .args(["-g", "-O1", "-Wl,--build-id"])
-            .arg(&source)
-            .arg("-o")
-            .arg(&binary));
-        run(Command::new("objcopy")
-            .arg("--only-keep-debug")
-            .arg(&binary)
-            .arg(&debug));
-        run(Command::new("strip")
-            .arg("--strip-all")
-            .arg(&binary)
-            .arg("-o")
-            .arg(&stripped));
-        let elf_data = std::fs::read(&binary).expect("reading the binary");
-        let elf = object::File::parse(&*elf_data).expect("ELF");
-        let build_id = elf
-            .build_id()
-            .expect("notes")
-            .expect("a build-id")
-            .iter()
-            .map(|b| format!("{b:02x}"))
-            .collect();
-        Built {
-            _dir: dir,
-            binary,
-            debug,
-            stripped,
-            build_id,
-        }
+    fn build() -> SplitDebug {
+        SplitDebug::from_source("prog", "int main(void) { return 0; }\n", &["-O1"])
     }
 
     fn stage_copy(store: &DiskStore, path: &Path) -> StagedFile {
@@ -318,7 +271,7 @@ mod tests {
         let content = check_elf(&File::open(&built.debug).expect("open"), &built.build_id)
             .expect("a debug file passes");
         assert!(!content.holds_code);
-        let content = check_elf(&File::open(&built.binary).expect("open"), &built.build_id)
+        let content = check_elf(&File::open(&built.full).expect("open"), &built.build_id)
             .expect("a binary with symbols passes");
         assert!(content.holds_code);
 
@@ -332,7 +285,7 @@ mod tests {
             std::fs::read(&built.debug).expect("read")
         );
         // Again: kept as it is, and the second copy is gone.
-        let staged = stage_copy(&store, &built.binary);
+        let staged = stage_copy(&store, &built.full);
         let staged_path = staged.path().to_owned();
         assert!(!store.commit(&built.build_id, staged).expect("known"));
         assert!(!staged_path.exists());
