@@ -15,7 +15,7 @@ use std::{
 };
 
 use stackscope_test_fixtures::{
-    C_FLAGS, RunningProcess,
+    C_FLAGS, Fixture, RunningProcess,
     split_debug::{self, SplitDebug},
     workspace_binary,
 };
@@ -283,27 +283,32 @@ fn stripped_frames_are_named_from_uploads_and_debuginfod_at_query_time() {
     collector.stop();
 }
 
+/// Profiles `call_chain` (which names itself) for 3 s with `--symbolize
+/// collector` and `args`; returns it and the agent's report.
+fn call_chain_left_to_the_collector(
+    collector: &Collector,
+    args: &[&str],
+) -> (Fixture, serde_json::Value) {
+    let fixture = Fixture::compile("call_chain", &["-Wl,--build-id"]);
+    let spinner = fixture.start(&[]);
+    let pid = spinner.pid().to_string();
+    let report = run_agent_for(
+        collector,
+        "3s",
+        &[&["--pid", &pid, "--symbolize", "collector"], args].concat(),
+    );
+    (fixture, report)
+}
+
 /// `--symbolize collector`: a binary that names itself ships unnamed, and
 /// the collector names it once the binary is uploaded.
 #[test]
 fn frames_left_to_the_collector_are_named_from_the_uploaded_binary() {
     stackscope_tests::require_root();
     let _exclusive = stackscope_tests::exclusive();
-    let fixture = stackscope_test_fixtures::Fixture::compile("call_chain", &["-Wl,--build-id"]);
     let data = tempfile::tempdir().expect("temp dir");
     let collector = Collector::start(data.path());
-    let spinner = fixture.start(&[]);
-    let report = run_agent_for(
-        &collector,
-        "3s",
-        &[
-            "--pid",
-            &spinner.pid().to_string(),
-            "--symbolize",
-            "collector",
-        ],
-    );
-    drop(spinner);
+    let (fixture, report) = call_chain_left_to_the_collector(&collector, &[]);
     assert!(
         report["symbolization"]["counts"]["left_to_collector"].as_u64() > Some(0),
         "{report:#}"
@@ -334,23 +339,10 @@ fn frames_left_to_the_collector_are_named_from_the_uploaded_binary() {
 fn the_agent_uploads_binaries_that_carry_symbols() {
     stackscope_tests::require_root();
     let _exclusive = stackscope_tests::exclusive();
-    let fixture = stackscope_test_fixtures::Fixture::compile("call_chain", &["-Wl,--build-id"]);
-    let build_id = split_debug::build_id(&fixture.path);
     let data = tempfile::tempdir().expect("temp dir");
     let collector = Collector::start(data.path());
-    let spinner = fixture.start(&[]);
-    let report = run_agent_for(
-        &collector,
-        "3s",
-        &[
-            "--pid",
-            &spinner.pid().to_string(),
-            "--symbolize",
-            "collector",
-            "--upload-debuginfo",
-        ],
-    );
-    drop(spinner);
+    let (fixture, report) = call_chain_left_to_the_collector(&collector, &["--upload-debuginfo"]);
+    let build_id = split_debug::build_id(&fixture.path);
     let uploads = &report["debuginfo_upload"];
     assert_eq!(uploads["uploaded"], 1, "{uploads:#}");
     assert_eq!(uploads["failed"], 0, "{uploads:#}");

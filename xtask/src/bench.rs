@@ -99,33 +99,40 @@ pub fn run(which: Bench) -> anyhow::Result<()> {
         Bench::Unwind => unwind(),
         Bench::Overhead { seconds, repeats } => crate::overhead::run(seconds, repeats),
         Bench::Mappings { seconds, repeats } => crate::mappings::run(seconds, repeats),
-        Bench::Symbolize { stacks, addresses } => run_checked(
-            Command::new(std::env::var_os("CARGO").unwrap_or_else(|| "cargo".into()))
-                .args([
-                    "bench",
-                    "--package",
-                    "stackscope-collector",
-                    "--bench",
-                    "symbolize",
-                ])
-                .current_dir(workspace_root())
-                .env("STACKSCOPE_BENCH_STACKS", stacks.to_string())
-                .env("STACKSCOPE_BENCH_ADDRESSES", addresses.to_string()),
+        Bench::Symbolize { stacks, addresses } => collector_bench(
+            "symbolize",
+            &[
+                ("STACKSCOPE_BENCH_STACKS", stacks),
+                ("STACKSCOPE_BENCH_ADDRESSES", addresses),
+            ],
         ),
-        Bench::Collector { nodes, minutes } => run_checked(
-            Command::new(std::env::var_os("CARGO").unwrap_or_else(|| "cargo".into()))
-                .args([
-                    "bench",
-                    "--package",
-                    "stackscope-collector",
-                    "--bench",
-                    "collector",
-                ])
-                .current_dir(workspace_root())
-                .env("STACKSCOPE_BENCH_NODES", nodes.to_string())
-                .env("STACKSCOPE_BENCH_MINUTES", minutes.to_string()),
+        Bench::Collector { nodes, minutes } => collector_bench(
+            "collector",
+            &[
+                ("STACKSCOPE_BENCH_NODES", nodes),
+                ("STACKSCOPE_BENCH_MINUTES", minutes),
+            ],
         ),
     }
+}
+
+/// Runs `cargo bench` on the collector's bench `name` with its settings in
+/// the environment.
+fn collector_bench(name: &str, settings: &[(&str, u32)]) -> anyhow::Result<()> {
+    let mut command = Command::new(std::env::var_os("CARGO").unwrap_or_else(|| "cargo".into()));
+    command
+        .args([
+            "bench",
+            "--package",
+            "stackscope-collector",
+            "--bench",
+            name,
+        ])
+        .current_dir(workspace_root());
+    for (variable, value) in settings {
+        command.env(variable, value.to_string());
+    }
+    run_checked(&mut command)
 }
 
 /// Runs the criterion benches of `stackscope-unwind` with their output passed
