@@ -10,7 +10,7 @@
 //! `[unknown] <binary>+0x<offset>` name: it is never guessed.
 
 use std::{
-    collections::{BTreeMap, HashMap},
+    collections::{BTreeMap, HashMap, HashSet},
     panic::AssertUnwindSafe,
     path::PathBuf,
     sync::{Arc, Mutex, MutexGuard, mpsc},
@@ -34,6 +34,9 @@ const MAX_CACHED_NAMES: usize = 1 << 20;
 
 /// Files blazesym keeps parsed before its state is dropped and rebuilt.
 const MAX_PARSED_FILES: usize = 64;
+
+/// Stored files whose checks are remembered.
+const MAX_CHECKED_FILES: usize = 4096;
 
 /// Functions kept per address (innermost inlined first); the collector's
 /// ingest refuses more lines than this per location too.
@@ -74,7 +77,8 @@ struct Request {
 struct State {
     store: Arc<dyn DebuginfoStore>,
     blaze: blaze::Symbolizer,
-    parsed_files: usize,
+    /// The files blazesym has parsed since it was (re)built.
+    parsed: HashSet<PathBuf>,
     /// Each stored file and what it holds, once checked.
     files: HashMap<String, (PathBuf, ElfContent)>,
     /// `None`: the file was read and no symbol covers the address.
@@ -115,7 +119,7 @@ impl Symbolizer {
                 let mut state = State {
                     store: thread_store,
                     blaze: new_blazesym(),
-                    parsed_files: 0,
+                    parsed: HashSet::new(),
                     files: HashMap::new(),
                     names: HashMap::new(),
                     stats: thread_stats,
@@ -253,7 +257,7 @@ impl State {
             lock(&self.stats).failed_files += 1;
             return None;
         };
-        if self.files.len() >= MAX_CACHED_NAMES {
+        if self.files.len() >= MAX_CHECKED_FILES {
             self.files.clear();
         }
         self.files
@@ -268,12 +272,14 @@ impl State {
         path: &std::path::Path,
         input: Input<&[u64]>,
     ) -> Option<Vec<Vec<Arc<Frame>>>> {
-        self.parsed_files += 1;
-        if self.parsed_files > MAX_PARSED_FILES {
-            // What blazesym parsed stays until dropped: start afresh now and
-            // then so a collector naming many binaries stays bounded.
-            self.blaze = new_blazesym();
-            self.parsed_files = 0;
+        if !self.parsed.contains(path) {
+            if self.parsed.len() >= MAX_PARSED_FILES {
+                // What blazesym parsed stays until dropped: start afresh
+                // when a new file would exceed the bound.
+                self.blaze = new_blazesym();
+                self.parsed.clear();
+            }
+            self.parsed.insert(path.to_owned());
         }
         let source = Source::Elf(Elf::new(path));
         let blaze = &self.blaze;
@@ -295,6 +301,7 @@ impl State {
             Err(_) => {
                 tracing::warn!("the symbol reader panicked on {}", path.display());
                 self.blaze = new_blazesym();
+                self.parsed.clear();
                 lock(&self.stats).failed_files += 1;
                 None
             }
@@ -343,7 +350,7 @@ fn frames_of(symbolized: &Symbolized<'_>) -> Vec<Arc<Frame>> {
 /// The distinct unnamed frames of `samples`, by build-id.
 fn wanted(samples: &StackSamples) -> Wanted {
     let mut wanted: Wanted = BTreeMap::new();
-    let mut seen = std::collections::HashSet::new();
+    let mut seen = HashSet::new();
     for frame in samples.stacks.iter().flat_map(|stack| &stack.frames) {
         if let Some(code) = frame.unnamed_code
             && seen.insert(Arc::as_ptr(frame))
