@@ -69,6 +69,11 @@ struct Args {
     /// Largest debuginfo file accepted, uploaded or fetched, in bytes.
     #[arg(long, default_value_t = 2 << 30)]
     max_debuginfo_bytes: u64,
+    /// Most bytes the debuginfo store may hold; uploads and fetches beyond
+    /// are refused (RESOURCE_EXHAUSTED) until files are removed from
+    /// DATA_DIR/debuginfo.
+    #[arg(long, default_value_t = 64 << 30)]
+    max_debuginfo_store_bytes: u64,
     /// Log level: error, warn, info, debug or trace.
     #[arg(long, default_value = "info")]
     log_level: tracing::Level,
@@ -126,7 +131,7 @@ async fn main() -> anyhow::Result<()> {
 
     let debuginfo_dir = args.data_dir.join("debuginfo");
     let store: Arc<dyn DebuginfoStore> = Arc::new(
-        DiskStore::open(&debuginfo_dir)
+        DiskStore::open(&debuginfo_dir, args.max_debuginfo_store_bytes)
             .with_context(|| format!("opening the debuginfo store {}", debuginfo_dir.display()))?,
     );
     let debuginfod = if args.debuginfod_urls.trim().is_empty() {

@@ -32,7 +32,7 @@ async fn start(token: Option<&str>) -> Fixture {
     let storage = SqliteStorage::open(&data.path().join("stackscope.db"), SqliteOptions::default())
         .expect("opening the database");
     let store: Arc<dyn DebuginfoStore> =
-        Arc::new(DiskStore::open(&data.path().join("debuginfo")).expect("store"));
+        Arc::new(DiskStore::open(&data.path().join("debuginfo"), u64::MAX).expect("store"));
     let symbolizer = Symbolizer::start(Arc::clone(&store), None).expect("symbolizer");
     let config = ServerConfig {
         grpc_listen: SocketAddr::from(([127, 0, 0, 1], 0)),

@@ -60,6 +60,12 @@ pub enum DebuginfoError {
     BuildIdMismatch { claimed: String, found: String },
     #[error("the file carries neither a symbol table nor DWARF (a stripped binary names nothing)")]
     NoSymbols,
+    /// Storing the file would take the store past its size limit.
+    #[error(
+        "the debuginfo store holds {stored} bytes; {size} more would pass its limit of {limit} \
+         (--max-debuginfo-store-bytes)"
+    )]
+    StoreFull { stored: u64, size: u64, limit: u64 },
     #[error("debuginfo store I/O at {path}")]
     Io {
         path: PathBuf,
@@ -163,22 +169,44 @@ pub struct DiskStore {
     dir: PathBuf,
     incoming: PathBuf,
     staged: AtomicU64,
+    /// Bytes of the files stored, and the most they may take.
+    stored: std::sync::Mutex<u64>,
+    max_bytes: u64,
 }
 
 impl DiskStore {
     /// Opens (creating) the store in `dir`, removing uploads a crash left
-    /// half written.
-    pub fn open(dir: &Path) -> Result<Self, DebuginfoError> {
+    /// half written; it holds at most `max_bytes` of files (new ones are
+    /// refused beyond).
+    pub fn open(dir: &Path, max_bytes: u64) -> Result<Self, DebuginfoError> {
         let incoming = dir.join(".incoming");
         if incoming.exists() {
             std::fs::remove_dir_all(&incoming).map_err(io_error(&incoming))?;
         }
         std::fs::create_dir_all(&incoming).map_err(io_error(&incoming))?;
+        let mut stored = 0;
+        for entry in std::fs::read_dir(dir).map_err(io_error(dir))? {
+            let entry = entry.map_err(io_error(dir))?;
+            let metadata = entry.metadata().map_err(io_error(&entry.path()))?;
+            if metadata.is_file() {
+                stored += metadata.len();
+            }
+        }
         Ok(Self {
             dir: dir.to_owned(),
             incoming,
             staged: AtomicU64::new(0),
+            stored: std::sync::Mutex::new(stored),
+            max_bytes,
         })
+    }
+
+    /// Bytes of the files stored.
+    pub fn stored_bytes(&self) -> u64 {
+        *self
+            .stored
+            .lock()
+            .unwrap_or_else(|poisoned| poisoned.into_inner())
     }
 
     fn path_of(&self, build_id: &str) -> PathBuf {
@@ -223,11 +251,26 @@ impl DebuginfoStore for DiskStore {
         };
         file.sync_all().map_err(io_error(&staged.path))?;
         check_elf(file, build_id)?;
+        let size = file.metadata().map_err(io_error(&staged.path))?.len();
         let target = self.path_of(build_id);
+        // Held across the rename: two commits cannot both fit in the room
+        // left for one.
+        let mut stored = self
+            .stored
+            .lock()
+            .unwrap_or_else(|poisoned| poisoned.into_inner());
         if target.exists() {
             return Ok(false);
         }
+        if stored.saturating_add(size) > self.max_bytes {
+            return Err(DebuginfoError::StoreFull {
+                stored: *stored,
+                size,
+                limit: self.max_bytes,
+            });
+        }
         std::fs::rename(&staged.path, &target).map_err(io_error(&target))?;
+        *stored += size;
         // Renamed: nothing for the drop to remove.
         staged.file = None;
         Ok(true)
@@ -265,7 +308,7 @@ mod tests {
     fn debug_files_and_binaries_with_symbols_are_stored_once() {
         let built = build();
         let data = tempfile::tempdir().expect("temp dir");
-        let store = DiskStore::open(data.path()).expect("store");
+        let store = DiskStore::open(data.path(), u64::MAX).expect("store");
         assert_eq!(store.get(&built.build_id), None);
 
         let content = check_elf(&File::open(&built.debug).expect("open"), &built.build_id)
@@ -292,10 +335,43 @@ mod tests {
     }
 
     #[test]
+    fn the_store_refuses_files_past_its_size_limit() {
+        let first = build();
+        let second = SplitDebug::from_source("other", "int main(void) { return 1; }\n", &["-O1"]);
+        let size = std::fs::metadata(&first.debug).expect("size").len();
+        let data = tempfile::tempdir().expect("temp dir");
+        let store = DiskStore::open(data.path(), size + 100).expect("store");
+        assert!(
+            store
+                .commit(&first.build_id, stage_copy(&store, &first.debug))
+                .expect("fits")
+        );
+        let err = store
+            .commit(&second.build_id, stage_copy(&store, &second.debug))
+            .expect_err("past the limit");
+        assert!(
+            matches!(err, DebuginfoError::StoreFull { stored, limit, .. }
+            if stored == size && limit == size + 100),
+            "{err}"
+        );
+        assert_eq!(store.get(&second.build_id), None);
+        assert_eq!(
+            std::fs::read_dir(data.path().join(".incoming"))
+                .expect("incoming")
+                .count(),
+            0
+        );
+        // Counted again when the store is opened again.
+        drop(store);
+        let store = DiskStore::open(data.path(), u64::MAX).expect("store");
+        assert_eq!(store.stored_bytes(), size);
+    }
+
+    #[test]
     fn refused_files_store_nothing() {
         let built = build();
         let data = tempfile::tempdir().expect("temp dir");
-        let store = DiskStore::open(data.path()).expect("store");
+        let store = DiskStore::open(data.path(), u64::MAX).expect("store");
         let debug = std::fs::read(&built.debug).expect("read");
         let other_id = "00".repeat(20);
         let cases: [(&str, &[u8], &str, String); 4] = [

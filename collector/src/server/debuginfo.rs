@@ -128,6 +128,9 @@ impl debuginfo_server::Debuginfo for DebuginfoService {
                 }))
             }
             Err(err @ DebuginfoError::Io { .. }) => Err(internal(err)),
+            Err(err @ DebuginfoError::StoreFull { .. }) => Err(Status::resource_exhausted(
+                format!("debuginfo upload refused, nothing stored: {err}"),
+            )),
             Err(err) => Err(refused(err)),
         }
     }
