@@ -26,6 +26,7 @@ use crate::{
         runtime_names::RuntimeNames,
         selection::{Resolver, SelectionConfig, SelectionError},
     },
+    export::debuginfo::UploadQueue,
     mapping_feed::{FeedStats, MappingFeed},
     sampler::{Counters, ProgramStats, Sampler, SamplerConfig, SamplerError, record::Record},
     status::{ReaderTotals, Snapshot, StatusLine},
@@ -34,8 +35,6 @@ use crate::{
     unwinding::{StackWalker, UserStack, WalkStats, WalkerConfig},
 };
 use stackscope_process_table::table::TableStats;
-
-use crate::export::debuginfo::UploadQueue;
 use stackscope_unwind::TailSpan;
 
 /// Where finished batches go: the exporter's queue, or a test's list.

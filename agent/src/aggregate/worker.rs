@@ -22,32 +22,15 @@ use std::{
 };
 
 use prost::Message as _;
+use stackscope_process_table::ObjectId;
 use stackscope_proto::v1;
 use tokio::sync::mpsc::{UnboundedReceiver, unbounded_channel};
 
-use super::MappingKey;
-use super::{BatchOptions, Interval, build_batch};
+use super::{BatchOptions, Interval, MappingKey, build_batch};
 use crate::{
     export::debuginfo::UploadQueue,
     symbolize::{SymbolizeStats, Symbolizer, SymbolizerConfig},
 };
-use stackscope_process_table::ObjectId;
-
-/// Offers the interval's binaries with a build-id for upload (each once:
-/// the queue remembers what it was offered).
-fn offer_binaries(interval: &Interval, uploads: &UploadQueue) {
-    for mapping in &interval.mappings {
-        let (MappingKey::User { id, path }, Some(object)) = (&mapping.key, &mapping.file) else {
-            continue;
-        };
-        let ObjectId::BuildId(build_id) = id else {
-            continue;
-        };
-        if let Ok(file) = object.open_now() {
-            uploads.offer(&build_id.to_string(), file, path);
-        }
-    }
-}
 
 /// What the worker has done so far.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, serde::Serialize)]
@@ -216,4 +199,20 @@ impl Drop for BatchWorker {
 
 fn lock(stats: &Mutex<WorkerStats>) -> std::sync::MutexGuard<'_, WorkerStats> {
     stats.lock().unwrap_or_else(PoisonError::into_inner)
+}
+
+/// Offers the interval's binaries with a build-id for upload (each once:
+/// the queue remembers what it was offered).
+fn offer_binaries(interval: &Interval, uploads: &UploadQueue) {
+    for mapping in &interval.mappings {
+        let (MappingKey::User { id, path }, Some(object)) = (&mapping.key, &mapping.file) else {
+            continue;
+        };
+        let ObjectId::BuildId(build_id) = id else {
+            continue;
+        };
+        if let Ok(file) = object.open_now() {
+            uploads.offer(&build_id.to_string(), file, path);
+        }
+    }
 }
