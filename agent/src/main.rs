@@ -30,8 +30,6 @@ use stackscope_agent::{
 };
 use tracing_subscriber::EnvFilter;
 
-/// Continuous profiler agent: samples the user and kernel stacks of every CPU
-/// with a BPF program on the cpu-clock event.
 /// Where frames get their names (`--symbolize`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
 enum Symbolize {
@@ -40,6 +38,8 @@ enum Symbolize {
     Both,
 }
 
+/// Continuous profiler agent: samples the user and kernel stacks of every CPU
+/// with a BPF program on the cpu-clock event.
 #[derive(Debug, Parser)]
 #[command(name = "stackscope-agent", version)]
 struct Args {
