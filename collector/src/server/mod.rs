@@ -1,5 +1,6 @@
-//! Runs the collector: the gRPC server (ingest, query, health), the HTTP
-//! server, and the retention task, until asked to stop.
+//! Runs the collector: the gRPC server (ingest, query, debuginfo, health),
+//! the HTTP server (queries, debuginfod's API), and the retention task,
+//! until asked to stop.
 
 mod debuginfo;
 mod grpc;
