@@ -7,8 +7,8 @@
 //! (default 60) of simulated time. Nodes run overlapping sets of services,
 //! so stacks repeat across the fleet as they do in real fleets. Ingest is
 //! validate + commit on one thread (one core); queries run the collector's
-//! own path: `QueryEngine::flamegraph` (storage, call tree merge), proto
-//! encoding.
+//! own path: `QueryEngine::flamegraph` (storage, query-time naming, call
+//! tree merge), proto encoding.
 
 use std::{
     collections::HashMap,
@@ -19,6 +19,7 @@ use std::{
 use prost::Message as _;
 use rand::{Rng as _, SeedableRng as _, rngs::StdRng};
 use stackscope_collector::{
+    debuginfo::{DiskStore, symbolize::Symbolizer},
     ingest::{IngestLimits, validate},
     query::QueryEngine,
     storage::{
@@ -304,7 +305,11 @@ fn main() {
     let runtime = tokio::runtime::Builder::new_current_thread()
         .build()
         .expect("tokio runtime");
-    let engine = QueryEngine::new(storage);
+    // As the collector runs it: every profile read passes the query-time
+    // symbolizer (the fleet's frames carry names, so it only looks).
+    let debuginfo = DiskStore::open(&dir.path().join("debuginfo"), u64::MAX).expect("store");
+    let symbolizer = Symbolizer::start(Arc::new(debuginfo), None).expect("symbolizer");
+    let engine = QueryEngine::new(storage).with_symbolizer(Arc::new(symbolizer));
     for (name, matchers) in queries {
         let everything = matchers.is_empty();
         let selection = Selection {
