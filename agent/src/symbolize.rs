@@ -439,23 +439,19 @@ impl Symbolizer {
 
     /// Names the kernel address `lookup` (the byte to look up).
     pub fn kernel(&mut self, lookup: u64) -> KernelFrame {
-        if self.kernel.lookup(lookup).is_none()
-            && self.kernel_loaded.elapsed() >= self.config.kallsyms_retry
-        {
+        let mut found = self.kernel.lookup(lookup).map(kernel_frame);
+        // An address no symbol names may be in a module loaded since
+        // kallsyms was read: read it again (at most every retry interval)
+        // and look once more.
+        if found.is_none() && self.kernel_loaded.elapsed() >= self.config.kallsyms_retry {
             self.stats.kernel_reloads += 1;
             self.reload_kallsyms();
+            found = self.kernel.lookup(lookup).map(kernel_frame);
         }
-        match self.kernel.lookup(lookup) {
-            Some(name) => {
+        match found {
+            Some(frame) => {
                 self.stats.kernel_named += 1;
-                KernelFrame {
-                    module: name.module.cloned(),
-                    lines: Arc::new([FrameLine {
-                        function: bounded(name.function).into(),
-                        file: "".into(),
-                        line: 0,
-                    }]),
-                }
+                frame
             }
             None => {
                 self.stats.kernel_unnamed += 1;
@@ -741,6 +737,18 @@ fn new_blazesym() -> blaze::Symbolizer {
         .build()
 }
 
+/// The frame a kallsyms symbol names.
+fn kernel_frame(name: kernel::KernelName<'_>) -> KernelFrame {
+    KernelFrame {
+        module: name.module.cloned(),
+        lines: Arc::new([FrameLine {
+            function: bounded(name.function).into(),
+            file: "".into(),
+            line: 0,
+        }]),
+    }
+}
+
 fn load_kallsyms(path: &Path, modules: &Path) -> (KernelSymbols, Instant) {
     let table = KernelSymbols::load(path, modules).unwrap_or_else(|err| {
         tracing::debug!("reading {}: {err}", path.display());
@@ -803,7 +811,7 @@ pub(crate) fn truncate_str(text: &str, max: usize) -> &str {
     &text[..text.floor_char_boundary(max)]
 }
 
-fn hex(bytes: &[u8]) -> String {
+pub(crate) fn hex(bytes: &[u8]) -> String {
     bytes.iter().map(|byte| format!("{byte:02x}")).collect()
 }
 

@@ -116,7 +116,7 @@ impl UploadQueue {
             }
             offered.insert(build_id.to_owned());
         }
-        if !debug_files::carries_symbols(file) {
+        if debug_files::name_source(file) != Some(debug_files::NameSource::Symbols) {
             lock(&self.stats).without_symbols += 1;
             return;
         }

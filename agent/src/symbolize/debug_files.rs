@@ -21,8 +21,12 @@ use object::{Object as _, ObjectSection as _, SectionKind};
 /// What a binary says about where its names are.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum NameSource {
-    /// Its own `.symtab`, DWARF or MiniDebugInfo.
-    Itself,
+    /// Its own `.symtab` or DWARF: what a collector can name frames with
+    /// too.
+    Symbols,
+    /// MiniDebugInfo (`.gnu_debugdata`): its function symbols, compressed,
+    /// which blazesym reads on the node.
+    MiniDebugInfo,
     /// Only its dynamic symbols: a debug file elsewhere may hold the rest.
     Elsewhere {
         /// `.gnu_debuglink`: the debug file's name and the CRC-32 of its
@@ -40,27 +44,17 @@ pub fn name_source(file: &File) -> Option<NameSource> {
         elf.section_by_name(name)
             .is_some_and(|section| section.kind() != SectionKind::UninitializedData)
     };
-    if holds(".symtab") || holds(".debug_info") || holds(".gnu_debugdata") {
-        return Some(NameSource::Itself);
+    if holds(".symtab") || holds(".debug_info") {
+        return Some(NameSource::Symbols);
+    }
+    if holds(".gnu_debugdata") {
+        return Some(NameSource::MiniDebugInfo);
     }
     let debug_link = elf
         .section_by_name(".gnu_debuglink")
         .and_then(|section| section.data().ok())
         .and_then(parse_debug_link);
     Some(NameSource::Elsewhere { debug_link })
-}
-
-/// Whether `file` carries symbols of its own a collector can name frames
-/// with (`.symtab` or DWARF; MiniDebugInfo's compressed table aside).
-pub fn carries_symbols(file: &File) -> bool {
-    let cache = object::ReadCache::new(file);
-    let Ok(elf) = object::File::parse(&cache) else {
-        return false;
-    };
-    [".symtab", ".debug_info"].iter().any(|name| {
-        elf.section_by_name(name)
-            .is_some_and(|section| section.kind() != SectionKind::UninitializedData)
-    })
 }
 
 /// `.gnu_debuglink`: a NUL-terminated file name, padding to 4 bytes, and
@@ -125,8 +119,7 @@ fn open_with_build_id(path: &Path, build_id: &str) -> Option<File> {
     let found = {
         let cache = object::ReadCache::new(&file);
         let elf = object::File::parse(&cache).ok()?;
-        let id = elf.build_id().ok()??;
-        id.iter().map(|b| format!("{b:02x}")).collect::<String>()
+        super::hex(elf.build_id().ok()??)
     };
     (found == build_id).then_some(file)
 }
@@ -187,7 +180,7 @@ mod tests {
         );
 
         let full_source = name_source(&File::open(full).expect("open")).expect("ELF");
-        assert_eq!(full_source, NameSource::Itself);
+        assert_eq!(full_source, NameSource::Symbols);
         let source = name_source(&File::open(&binary).expect("open")).expect("ELF");
         let NameSource::Elsewhere {
             debug_link: Some((name, _)),

@@ -8,8 +8,7 @@ use std::{
 };
 
 use anyhow::Context as _;
-use object::Object as _;
-use stackscope_collector::debuginfo::check_elf;
+use stackscope_collector::debuginfo::{DebuginfoError, check_elf, read_build_id};
 use stackscope_debuginfo_client::{Uploaded, upload};
 use stackscope_proto::v1::debuginfo_client::DebuginfoClient;
 use tonic::{metadata::MetadataValue, transport::Channel};
@@ -31,22 +30,16 @@ pub fn read_token(path: &Path) -> anyhow::Result<String> {
 /// as the collector will check it.
 fn build_id_of(path: &Path) -> anyhow::Result<String> {
     let file = File::open(path).with_context(|| format!("opening {}", path.display()))?;
-    let data = object::ReadCache::new(&file);
-    let elf = object::File::parse(&data)
-        .with_context(|| format!("{} is not an ELF file", path.display()))?;
-    let build_id = elf
-        .build_id()
-        .with_context(|| format!("reading the notes of {}", path.display()))?
-        .with_context(|| {
-            format!(
-                "{} has no build-id note (link with -Wl,--build-id): the collector could not \
-                 match it to any frame",
-                path.display()
-            )
-        })?;
-    let build_id: String = build_id.iter().map(|b| format!("{b:02x}")).collect();
-    check_elf(&file, &build_id).with_context(|| format!("{}", path.display()))?;
-    Ok(build_id)
+    let checked =
+        read_build_id(&file).and_then(|build_id| check_elf(&file, &build_id).map(|_| build_id));
+    match checked {
+        Err(DebuginfoError::NoBuildId) => anyhow::bail!(
+            "{} has no build-id note (link with -Wl,--build-id): the collector could not match \
+             it to any frame",
+            path.display()
+        ),
+        checked => Ok(checked.with_context(|| path.display().to_string())?),
+    }
 }
 
 /// Uploads `files`, printing what happened to each; stops at the first

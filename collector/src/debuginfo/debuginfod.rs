@@ -70,17 +70,6 @@ pub enum DebuginfodError {
     Client(#[source] reqwest::Error),
 }
 
-/// Counters since start.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
-pub struct DebuginfodStats {
-    /// Files fetched and stored.
-    pub fetched: u64,
-    /// Fetches that found nothing usable on any server.
-    pub not_found: u64,
-    /// Build-ids skipped because they were missing a short while ago.
-    pub remembered_missing: u64,
-}
-
 /// See the module documentation.
 pub struct Debuginfod {
     http: reqwest::Client,
@@ -94,7 +83,6 @@ struct State {
     missing: HashMap<String, Instant>,
     /// Fetches under way: done when the value turns true.
     in_flight: HashMap<String, watch::Receiver<bool>>,
-    stats: DebuginfodStats,
 }
 
 impl Debuginfod {
@@ -138,10 +126,6 @@ impl Debuginfod {
         })
     }
 
-    pub fn stats(&self) -> DebuginfodStats {
-        self.lock().stats
-    }
-
     fn lock(&self) -> std::sync::MutexGuard<'_, State> {
         self.state
             .lock()
@@ -161,7 +145,6 @@ impl Debuginfod {
             for build_id in build_ids {
                 if let Some(since) = state.missing.get(&build_id) {
                     if since.elapsed() < self.config.negative_ttl {
-                        state.stats.remembered_missing += 1;
                         continue;
                     }
                     state.missing.remove(&build_id);
@@ -182,10 +165,7 @@ impl Debuginfod {
                             .unwrap_or(false);
                             let mut state = this.lock();
                             state.in_flight.remove(&build_id);
-                            if found {
-                                state.stats.fetched += 1;
-                            } else {
-                                state.stats.not_found += 1;
+                            if !found {
                                 if state.missing.len() >= MAX_REMEMBERED_MISSING {
                                     state.missing.clear();
                                 }

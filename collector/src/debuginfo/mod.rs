@@ -90,16 +90,29 @@ pub struct ElfContent {
     pub holds_code: bool,
 }
 
+/// The build-id `elf` carries, as lower-case hex.
+fn build_id_of<'data, R: object::ReadRef<'data>>(
+    elf: &object::File<'data, R>,
+) -> Result<String, DebuginfoError> {
+    let found = elf
+        .build_id()
+        .map_err(DebuginfoError::NotElf)?
+        .ok_or(DebuginfoError::NoBuildId)?;
+    Ok(found.iter().map(|b| format!("{b:02x}")).collect())
+}
+
+/// The build-id the ELF `file` carries, as lower-case hex.
+pub fn read_build_id(file: &File) -> Result<String, DebuginfoError> {
+    let cache = object::ReadCache::new(file);
+    build_id_of(&object::File::parse(&cache).map_err(DebuginfoError::NotElf)?)
+}
+
 /// Checks that `file` is ELF, carries `build_id` and has a symbol table or
 /// DWARF: what the store accepts.
 pub fn check_elf(file: &File, build_id: &str) -> Result<ElfContent, DebuginfoError> {
     let cache = object::ReadCache::new(file);
     let elf = object::File::parse(&cache).map_err(DebuginfoError::NotElf)?;
-    let found = elf
-        .build_id()
-        .map_err(DebuginfoError::NotElf)?
-        .ok_or(DebuginfoError::NoBuildId)?;
-    let found: String = found.iter().map(|b| format!("{b:02x}")).collect();
+    let found = build_id_of(&elf)?;
     if found != build_id {
         return Err(DebuginfoError::BuildIdMismatch {
             claimed: build_id.to_owned(),

@@ -13,7 +13,7 @@ use std::{
     collections::{BTreeMap, HashMap, HashSet},
     panic::AssertUnwindSafe,
     path::PathBuf,
-    sync::{Arc, Mutex, MutexGuard, mpsc},
+    sync::{Arc, mpsc},
 };
 
 use blazesym::symbolize::{
@@ -42,32 +42,19 @@ const MAX_CHECKED_FILES: usize = 4096;
 /// ingest refuses more lines than this per location too.
 const MAX_LINES: usize = 64;
 
-/// Counters since start, for logs and tests.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
-pub struct SymbolizeStats {
-    /// Unnamed frames looked up (after the cache), and those named.
-    pub lookups: u64,
-    pub named: u64,
-    /// Build-ids asked for with no debuginfo found (store and debuginfod).
-    pub missing_files: u64,
-    /// Files blazesym could not read, or panicked on.
-    pub failed_files: u64,
-}
-
 /// See the module documentation. blazesym's state is not `Send`: it lives
 /// on one thread of its own, which answers lookups in turn.
 pub struct Symbolizer {
     store: Arc<dyn DebuginfoStore>,
     debuginfod: Option<Arc<Debuginfod>>,
     requests: mpsc::Sender<Request>,
-    stats: Arc<Mutex<SymbolizeStats>>,
 }
 
 /// The frames of one named address, innermost first.
 type NamedFrames = Arc<[Arc<Frame>]>;
 
-/// Found names, by (build-id, file offset).
-type Names = HashMap<(String, u64), NamedFrames>;
+/// Found names, by build-id, then file offset.
+type Names = HashMap<String, HashMap<u64, NamedFrames>>;
 
 struct Request {
     wanted: Wanted,
@@ -81,9 +68,11 @@ struct State {
     parsed: HashSet<PathBuf>,
     /// Each stored file and what it holds, once checked.
     files: HashMap<String, (PathBuf, ElfContent)>,
-    /// `None`: the file was read and no symbol covers the address.
-    names: HashMap<(String, u64), Option<NamedFrames>>,
-    stats: Arc<Mutex<SymbolizeStats>>,
+    /// By build-id, then file offset; `None`: the file was read and no
+    /// symbol covers the address.
+    names: HashMap<String, HashMap<u64, Option<NamedFrames>>>,
+    /// Entries of `names`, all build-ids together.
+    cached: usize,
 }
 
 fn new_blazesym() -> blaze::Symbolizer {
@@ -111,8 +100,7 @@ impl Symbolizer {
         debuginfod: Option<Arc<Debuginfod>>,
     ) -> std::io::Result<Self> {
         let (requests, incoming) = mpsc::channel::<Request>();
-        let stats = Arc::new(Mutex::new(SymbolizeStats::default()));
-        let (thread_store, thread_stats) = (Arc::clone(&store), Arc::clone(&stats));
+        let thread_store = Arc::clone(&store);
         std::thread::Builder::new()
             .name("symbolizer".into())
             .spawn(move || {
@@ -122,11 +110,11 @@ impl Symbolizer {
                     parsed: HashSet::new(),
                     files: HashMap::new(),
                     names: HashMap::new(),
-                    stats: thread_stats,
+                    cached: 0,
                 };
                 // Ends when the symbolizer (the last sender) is dropped.
                 for request in incoming {
-                    let names = state.lookup(&request.wanted);
+                    let names = state.lookup(request.wanted);
                     let _ = request.reply.send(names);
                 }
             })?;
@@ -134,12 +122,7 @@ impl Symbolizer {
             store,
             debuginfod,
             requests,
-            stats,
         })
-    }
-
-    pub fn stats(&self) -> SymbolizeStats {
-        *lock(&self.stats)
     }
 
     /// `samples` with every frame the debuginfo at hand names replaced by
@@ -171,75 +154,80 @@ impl Symbolizer {
     }
 }
 
-fn lock<T>(mutex: &Mutex<T>) -> MutexGuard<'_, T> {
-    mutex
-        .lock()
-        .unwrap_or_else(|poisoned| poisoned.into_inner())
-}
-
 impl State {
     /// Names for `wanted` from the cache and the store's files.
-    fn lookup(&mut self, wanted: &Wanted) -> Names {
-        let mut found = HashMap::new();
+    fn lookup(&mut self, wanted: Wanted) -> Names {
+        let mut found = Names::new();
         for (build_id, addresses) in wanted {
+            let known = self.names.get(&build_id);
+            let mut named = HashMap::new();
             let mut misses = Vec::new();
             for code in addresses {
-                match self.names.get(&(build_id.clone(), code.file_offset)) {
+                match known.and_then(|known| known.get(&code.file_offset)) {
                     Some(Some(frames)) => {
-                        found.insert((build_id.clone(), code.file_offset), Arc::clone(frames));
+                        named.insert(code.file_offset, Arc::clone(frames));
                     }
                     Some(None) => {}
-                    None => misses.push(*code),
+                    None => misses.push(code),
                 }
             }
-            if misses.is_empty() {
-                continue;
+            if !misses.is_empty() {
+                self.read_misses(&build_id, &misses, &mut named);
             }
-            let Some((path, content)) = self.file(build_id) else {
-                lock(&self.stats).missing_files += 1;
-                continue;
-            };
-            // A binary is read at its file offsets; a separate debug file
-            // keeps only addresses, so frames whose node sent no code
-            // segments cannot be placed in it.
-            let usable: Vec<(CodeAddress, u64)> = misses
-                .iter()
-                .filter_map(|code| {
-                    let address = if content.holds_code {
-                        code.file_offset
-                    } else {
-                        code.vaddr?
-                    };
-                    Some((*code, address))
-                })
-                .collect();
-            let addresses: Vec<u64> = usable.iter().map(|(_, address)| *address).collect();
-            let input = if content.holds_code {
-                Input::FileOffset(&addresses[..])
-            } else {
-                Input::VirtOffset(&addresses[..])
-            };
-            let Some(lines) = self.read(&path, input) else {
-                continue;
-            };
-            if self.names.len() + lines.len() > MAX_CACHED_NAMES {
-                self.names.clear();
+            if !named.is_empty() {
+                found.insert(build_id, named);
             }
-            let mut named = 0;
-            for ((code, _), lines) in usable.iter().zip(lines) {
-                let key = (build_id.clone(), code.file_offset);
-                let frames = (!lines.is_empty()).then(|| NamedFrames::from(lines));
-                if let Some(frames) = &frames {
-                    named += 1;
-                    found.insert(key.clone(), Arc::clone(frames));
-                }
-                self.names.insert(key, frames);
-            }
-            let mut stats = lock(&self.stats);
-            stats.lookups += usable.len() as u64;
-            stats.named += named;
         }
         found
+    }
+
+    /// Reads `misses` from `build_id`'s stored file (if there is one) into
+    /// the cache and `named`.
+    fn read_misses(
+        &mut self,
+        build_id: &str,
+        misses: &[CodeAddress],
+        named: &mut HashMap<u64, NamedFrames>,
+    ) {
+        let Some((path, content)) = self.file(build_id) else {
+            return;
+        };
+        // A binary is read at its file offsets; a separate debug file keeps
+        // only addresses, so frames whose node sent no code segments
+        // cannot be placed in it.
+        let usable: Vec<(u64, u64)> = misses
+            .iter()
+            .filter_map(|code| {
+                let address = if content.holds_code {
+                    code.file_offset
+                } else {
+                    code.vaddr?
+                };
+                Some((code.file_offset, address))
+            })
+            .collect();
+        let addresses: Vec<u64> = usable.iter().map(|(_, address)| *address).collect();
+        let input = if content.holds_code {
+            Input::FileOffset(&addresses[..])
+        } else {
+            Input::VirtOffset(&addresses[..])
+        };
+        let Some(lines) = self.read(&path, input) else {
+            return;
+        };
+        if self.cached + lines.len() > MAX_CACHED_NAMES {
+            self.names.clear();
+            self.cached = 0;
+        }
+        self.cached += lines.len();
+        let cache = self.names.entry(build_id.to_owned()).or_default();
+        for ((file_offset, _), lines) in usable.into_iter().zip(lines) {
+            let frames = (!lines.is_empty()).then(|| NamedFrames::from(lines));
+            if let Some(frames) = &frames {
+                named.insert(file_offset, Arc::clone(frames));
+            }
+            cache.insert(file_offset, frames);
+        }
     }
 
     /// The stored file of `build_id` and what it holds; a file that fails
@@ -254,7 +242,7 @@ impl State {
             .ok()
             .and_then(|file| check_elf(&file, build_id).ok());
         let Some(content) = content else {
-            lock(&self.stats).failed_files += 1;
+            tracing::warn!(build_id, "the stored debuginfo fails its checks");
             return None;
         };
         if self.files.len() >= MAX_CHECKED_FILES {
@@ -295,14 +283,12 @@ impl State {
             Ok(Ok(frames)) => Some(frames),
             Ok(Err(err)) => {
                 tracing::warn!("naming frames from {}: {err:#}", path.display());
-                lock(&self.stats).failed_files += 1;
                 None
             }
             Err(_) => {
                 tracing::warn!("the symbol reader panicked on {}", path.display());
                 self.blaze = new_blazesym();
                 self.parsed.clear();
-                lock(&self.stats).failed_files += 1;
                 None
             }
         }
@@ -384,7 +370,7 @@ fn replace_frames(mut samples: StackSamples, names: &Names) -> StackSamples {
         for frame in stack.frames.drain(..) {
             let replacement = replaced.entry(Arc::as_ptr(&frame)).or_insert_with(|| {
                 let code = frame.unnamed_code?;
-                let named = names.get(&(frame.build_id.clone(), code.file_offset))?;
+                let named = names.get(&frame.build_id)?.get(&code.file_offset)?;
                 Some(
                     named
                         .iter()
