@@ -277,12 +277,18 @@ fn a_small_ring_wraps_and_overflows_cleanly() {
     eprintln!("after 40 undrained children: {stats:?}");
     // The kernel writes the LOST record only once there is room again,
     // before the next record it can write into the ring that lost some: it
-    // shows in a later drain, once a child has run on that CPU.
-    for _ in 0..40 {
+    // shows in a later drain, once a child has run on that CPU. Children
+    // are pinned to each CPU in turn: left to the scheduler, an idle
+    // machine may run them all on the CPU whose ring lost nothing.
+    let cpus: Vec<u32> = events.cpus().collect();
+    for cpu in cpus.iter().cycle().take(40) {
         if stats.lost_records > 0 {
             break;
         }
-        Command::new("/bin/true").status().unwrap();
+        Command::new("taskset")
+            .args(["-c", &cpu.to_string(), "/bin/true"])
+            .status()
+            .unwrap();
         stats += events.drain(|_| {});
     }
     eprintln!("after draining and more children: {stats:?}");
