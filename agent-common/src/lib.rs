@@ -40,6 +40,12 @@ pub mod sample_flags {
     pub const USER_STACK_FAULTED: u32 = 1 << 2;
     /// `bpf_get_stack` failed for a tick in kernel mode.
     pub const KERNEL_STACK_FAILED: u32 = 1 << 3;
+    /// The thread's plan asked for its whole stack ([`super::StackPlan::stack_end`]):
+    /// the user stack is one read from `rsp` up to the end of the thread's
+    /// stack (or [`super::MAX_DEEP_STACK_BYTES`]), there is no tail, and the
+    /// record is a fixed-size reservation: bytes after the announced
+    /// lengths are padding.
+    pub const DEEP_COPY: u32 = 1 << 4;
 }
 
 /// Length of `comm` as the kernel keeps it (`TASK_COMM_LEN`).
@@ -56,6 +62,17 @@ pub const DEFAULT_USER_STACK_BYTES: u32 = 16 * 1024;
 /// Upper bound for the contiguous user stack copy (the ceiling of the
 /// adaptive copy). Deeper stacks reach their root through the stack tail.
 pub const MAX_USER_STACK_BYTES: u32 = 32 * 1024;
+
+/// Most bytes of a deep copy: one read of a thread's whole stack, for
+/// threads whose deep frames change too fast (or are too many) for a stack
+/// tail, such as compilers. A deep record is reserved at its largest size
+/// in the ring buffer and read into directly (no scratch slot, no second copy).
+pub const MAX_DEEP_STACK_BYTES: u32 = 1 << 20;
+/// Ring buffer bytes a deep record reserves for `deep_stack_bytes` of stack:
+/// the header, room for the kernel stack as the program bounds it, the stack.
+pub const fn deep_record_bytes(deep_stack_bytes: u32) -> u32 {
+    SAMPLE_HEADER_SIZE as u32 + KERNEL_STACK_MASK as u32 + 1 + deep_stack_bytes
+}
 
 /// Smallest adaptive copy the agent asks for: a leaf's frame and its
 /// caller's, even when the thread's walks have needed less.
@@ -210,11 +227,15 @@ pub struct StackPlan {
     /// Spans in use, at most [`MAX_TAIL_SPANS`], in ascending address order.
     pub span_count: u32,
     pub _padding: u32,
+    /// When not 0, a deep copy instead of copy and spans: the end of the
+    /// thread's stack mapping, so a tick reads from `rsp` up to it (at most
+    /// `copy_bytes`) in one read that stays inside the mapping.
+    pub stack_end: u64,
     /// Packed spans ([`tail_span::pack`]).
     pub spans: [u64; MAX_TAIL_SPANS],
 }
 
-const _: () = assert!(core::mem::size_of::<StackPlan>() == 16 + 8 * MAX_TAIL_SPANS);
+const _: () = assert!(core::mem::size_of::<StackPlan>() == 24 + 8 * MAX_TAIL_SPANS);
 
 impl StackPlan {
     /// A plan with no spans.
@@ -224,8 +245,16 @@ impl StackPlan {
             copy_bytes,
             span_count: 0,
             _padding: 0,
+            stack_end: 0,
             spans: [0; MAX_TAIL_SPANS],
         }
+    }
+
+    /// A deep copy: up to `copy_bytes` from `rsp` to `stack_end`.
+    pub const fn deep(tgid: u32, copy_bytes: u32, stack_end: u64) -> Self {
+        let mut plan = Self::copy_only(tgid, copy_bytes);
+        plan.stack_end = stack_end;
+        plan
     }
 }
 
@@ -278,11 +307,17 @@ pub enum Counter {
     UserStackBytes = 6,
     /// Tail spans read (words of deep frames read instead of copied).
     TailSpans = 7,
+    /// Deep copies written (whole stacks, see [`sample_flags::DEEP_COPY`]).
+    DeepCopies = 8,
+    /// Deep copies that could not be made (the read faulted: the thread is
+    /// on another stack; or the ring buffer had no room for one): the tick
+    /// fell back to the usual copy.
+    DeepCopyFallbacks = 9,
 }
 
 impl Counter {
     /// Every counter, in index order.
-    pub const ALL: [Counter; 8] = [
+    pub const ALL: [Counter; 10] = [
         Counter::Samples,
         Counter::RingBufferFull,
         Counter::CopyFailed,
@@ -291,6 +326,8 @@ impl Counter {
         Counter::Budgeted,
         Counter::UserStackBytes,
         Counter::TailSpans,
+        Counter::DeepCopies,
+        Counter::DeepCopyFallbacks,
     ];
 }
 
@@ -312,6 +349,7 @@ pub mod names {
     pub const CGROUP_POLICY: &str = "CGROUP_POLICY";
     pub const AGENT_TGID: &str = "AGENT_TGID";
     pub const USER_STACK_BYTES: &str = "USER_STACK_BYTES";
+    pub const DEEP_STACK_BYTES: &str = "DEEP_STACK_BYTES";
     pub const FILTER_TGIDS: &str = "FILTER_TGIDS";
     pub const FILTER_CGROUPS: &str = "FILTER_CGROUPS";
     pub const CGROUP_POLICIES: &str = "CGROUP_POLICIES";

@@ -16,6 +16,13 @@
 //! The record is assembled in a per-CPU scratch slot and handed to the ring
 //! buffer with one `bpf_ringbuf_output` of its real length, so a 2 KiB stack
 //! costs 2 KiB of ring space, not the configured maximum.
+//!
+//! A thread whose deep frames change too fast for a tail (a compiler's
+//! stack, hundreds of KB deep and reshaped every millisecond) gets a deep
+//! copy instead: its whole stack, up to the stack's end the agent learned,
+//! read in one helper call straight into a ring buffer reservation of fixed
+//! size. The reservation spares a megabyte-sized scratch slot per CPU and
+//! the second copy; its unused end is padding the agent skips.
 #![no_std]
 #![no_main]
 
@@ -23,10 +30,10 @@ use core::ffi::c_void;
 
 use agent_common::{
     COUNTER_SLOTS, CgroupPolicy, Counter, DEFAULT_USER_STACK_BYTES, MAX_ALLOW_ENTRIES,
-    MAX_CGROUP_DEPTH, MAX_COPY_SIZES, MAX_KERNEL_STACK_BYTES, MAX_SPAN_BYTES, MAX_STACK_PLANS,
-    MAX_TAIL_BYTES, MAX_TAIL_SPANS, MAX_USER_STACK_BYTES, PAGE_SIZE, ProcessEvent, RecordKind,
-    SAMPLE_HEADER_SIZE, SCRATCH_BYTES, SampleHeader, StackPlan, TAIL_SPAN_HEADER_SIZE,
-    policy_flags, sample_flags, tail_span,
+    MAX_CGROUP_DEPTH, MAX_COPY_SIZES, MAX_DEEP_STACK_BYTES, MAX_KERNEL_STACK_BYTES, MAX_SPAN_BYTES,
+    MAX_STACK_PLANS, MAX_TAIL_BYTES, MAX_TAIL_SPANS, MAX_USER_STACK_BYTES, PAGE_SIZE, ProcessEvent,
+    RecordKind, SAMPLE_HEADER_SIZE, SCRATCH_BYTES, SampleHeader, StackPlan, TAIL_SPAN_HEADER_SIZE,
+    deep_record_bytes, policy_flags, sample_flags, tail_span,
 };
 use aya_ebpf::{
     Global,
@@ -84,6 +91,11 @@ static COPY_BYTES: LruHashMap<u32, u32> = LruHashMap::with_max_entries(MAX_COPY_
 static AGENT_TGID: Global<u32> = Global::new(0);
 #[unsafe(no_mangle)]
 static USER_STACK_BYTES: Global<u32> = Global::new(DEFAULT_USER_STACK_BYTES);
+/// Most bytes of a deep copy; 0 turns deep copies off. Being a load-time
+/// constant, it also sizes the deep record's reservation, which the
+/// verifier needs to know.
+#[unsafe(no_mangle)]
+static DEEP_STACK_BYTES: Global<u32> = Global::new(0);
 #[unsafe(no_mangle)]
 static FILTER_TGIDS: Global<u8> = Global::new(0);
 /// Only tasks whose cgroup (or an ancestor) is `SELECTED` in `CGROUP_POLICY`.
@@ -161,7 +173,6 @@ fn try_sample_cpu_clock(ctx: &PerfEventContext) -> Result<u32, u32> {
     }
 
     let cpu = unsafe { bpf_get_smp_processor_id() };
-    let scratch = SCRATCH.get_ptr_mut(cpu).ok_or(0u32)?.cast::<u8>();
 
     // SAFETY: perf_event programs get a `bpf_perf_event_data` context whose
     // `regs` are the registers at the tick.
@@ -175,33 +186,42 @@ fn try_sample_cpu_clock(ctx: &PerfEventContext) -> Result<u32, u32> {
     } else {
         saved_user_regs()
     };
+    if user_regs.is_some() {
+        flags |= sample_flags::USER_REGS;
+    }
+    // SAFETY: values are only read; a plan the agent rewrites meanwhile
+    // can only make the tail read other (real) stack words.
+    let plan = unsafe { STACK_PLANS.get(tid) }.filter(|plan| plan.tgid == tgid);
 
+    let ids = SampleIds {
+        tgid,
+        tid,
+        cpu,
+        cgroup_id,
+        sampling_divisor,
+    };
+    if let (Some(plan), Some(regs)) = (plan, user_regs)
+        && plan.stack_end != 0
+        && DEEP_STACK_BYTES.load() != 0
+    {
+        if deep_sample(ctx, &ids, flags, regs, plan) {
+            return Ok(0);
+        }
+        count(Counter::DeepCopyFallbacks);
+    }
+
+    let scratch = SCRATCH.get_ptr_mut(cpu).ok_or(0u32)?.cast::<u8>();
     let mut kernel_stack_len = 0u32;
     if !tick_in_user {
         // SAFETY: the destination lies inside the scratch slot, right after
         // the header, and MAX_KERNEL_STACK_BYTES fits there by construction.
-        let ret = unsafe {
-            bpf_get_stack(
-                ctx.ctx.cast(),
-                scratch.add(SAMPLE_HEADER_SIZE).cast(),
-                MAX_KERNEL_STACK_BYTES as u32,
-                0,
-            )
-        };
-        if ret < 0 {
-            flags |= sample_flags::KERNEL_STACK_FAILED;
-        } else {
-            kernel_stack_len = (ret as u32).min(MAX_KERNEL_STACK_BYTES as u32) & !7;
-        }
+        kernel_stack_len =
+            unsafe { kernel_stack(ctx, scratch.add(SAMPLE_HEADER_SIZE), &mut flags) };
     }
 
     let mut user_stack_len = 0u32;
     let mut tail_plan = None;
     if let Some(regs) = user_regs {
-        flags |= sample_flags::USER_REGS;
-        // SAFETY: values are only read; a plan the agent rewrites meanwhile
-        // can only make the tail read other (real) stack words.
-        let plan = unsafe { STACK_PLANS.get(tid) }.filter(|plan| plan.tgid == tgid);
         let ceiling = USER_STACK_BYTES.load().min(MAX_USER_STACK_BYTES);
         let wanted = match plan {
             Some(plan) => plan.copy_bytes,
@@ -221,25 +241,7 @@ fn try_sample_cpu_clock(ctx: &PerfEventContext) -> Result<u32, u32> {
         }
     }
 
-    let header = SampleHeader {
-        kind: RecordKind::Sample as u32,
-        flags,
-        tgid,
-        tid,
-        cpu,
-        kernel_stack_len,
-        user_stack_len,
-        sampling_divisor,
-        ktime_ns: unsafe { bpf_ktime_get_ns() },
-        cgroup_id,
-        user_rip: user_regs.map_or(0, |r| r.rip),
-        user_rsp: user_regs.map_or(0, |r| r.rsp),
-        user_rbp: user_regs.map_or(0, |r| r.rbp),
-        comm: bpf_get_current_comm().unwrap_or([0; 16]),
-        tail_len: 0,
-        tail_spans: 0,
-        process_start_ns: process_start_ns(),
-    };
+    let header = ids.header(flags, kernel_stack_len, user_stack_len, user_regs);
     // SAFETY: scratch slots are 8-aligned map values larger than the header.
     unsafe { scratch.cast::<SampleHeader>().write(header) };
     // From here on, lengths are read back from the header in the slot
@@ -264,23 +266,156 @@ fn try_sample_cpu_clock(ctx: &PerfEventContext) -> Result<u32, u32> {
     }
     // SAFETY: the first `len` bytes of the scratch slot were written above.
     let record = unsafe { core::slice::from_raw_parts(scratch, len as usize) };
-    // Waking the reader on every record costs an irq_work self-interrupt per
-    // tick (about 1.5 us under virtualisation, most of the program's cost), so
-    // records go in silently until a batch is pending; the reader also drains
-    // on a timer, which covers low sample rates.
-    let pending = SAMPLES.query(u64::from(BPF_RB_AVAIL_DATA));
-    let wakeup = if pending + len >= WAKEUP_BYTES.load() {
-        BPF_RB_FORCE_WAKEUP
-    } else {
-        BPF_RB_NO_WAKEUP
-    };
-    if SAMPLES.output::<[u8]>(record, u64::from(wakeup)).is_err() {
+    if SAMPLES.output::<[u8]>(record, wakeup_flag(len)).is_err() {
         count(Counter::RingBufferFull);
         debug!(ctx, "ring buffer full, dropped a {} byte record", len);
     } else {
         count(Counter::Samples);
     }
     Ok(0)
+}
+
+/// What identifies a sample, the same in both kinds of record.
+struct SampleIds {
+    tgid: u32,
+    tid: u32,
+    cpu: u32,
+    cgroup_id: u64,
+    sampling_divisor: u32,
+}
+
+impl SampleIds {
+    #[inline(always)]
+    fn header(
+        &self,
+        flags: u32,
+        kernel_stack_len: u32,
+        user_stack_len: u32,
+        user_regs: Option<UserRegs>,
+    ) -> SampleHeader {
+        SampleHeader {
+            kind: RecordKind::Sample as u32,
+            flags,
+            tgid: self.tgid,
+            tid: self.tid,
+            cpu: self.cpu,
+            kernel_stack_len,
+            user_stack_len,
+            sampling_divisor: self.sampling_divisor,
+            ktime_ns: unsafe { bpf_ktime_get_ns() },
+            cgroup_id: self.cgroup_id,
+            user_rip: user_regs.map_or(0, |r| r.rip),
+            user_rsp: user_regs.map_or(0, |r| r.rsp),
+            user_rbp: user_regs.map_or(0, |r| r.rbp),
+            comm: bpf_get_current_comm().unwrap_or([0; 16]),
+            tail_len: 0,
+            tail_spans: 0,
+            process_start_ns: process_start_ns(),
+        }
+    }
+}
+
+/// Writes the kernel stack of a tick in kernel mode to `dest` (room for
+/// `MAX_KERNEL_STACK_BYTES`) and returns its length; flags a failure.
+///
+/// # Safety
+/// `dest` must have room for `MAX_KERNEL_STACK_BYTES`.
+#[inline(always)]
+unsafe fn kernel_stack(ctx: &PerfEventContext, dest: *mut u8, flags: &mut u32) -> u32 {
+    let ret = unsafe {
+        bpf_get_stack(
+            ctx.ctx.cast(),
+            dest.cast(),
+            MAX_KERNEL_STACK_BYTES as u32,
+            0,
+        )
+    };
+    if ret < 0 {
+        *flags |= sample_flags::KERNEL_STACK_FAILED;
+        0
+    } else {
+        (ret as u32).min(MAX_KERNEL_STACK_BYTES as u32) & !7
+    }
+}
+
+/// Ring buffer flags for a record of `len` bytes: waking the reader on
+/// every record costs an irq_work self-interrupt per tick (about 1.5 us
+/// under virtualisation, most of the program's cost), so records go in
+/// silently until a batch is pending; the reader also drains on a timer,
+/// which covers low sample rates.
+#[inline(always)]
+fn wakeup_flag(len: u64) -> u64 {
+    let pending = SAMPLES.query(u64::from(BPF_RB_AVAIL_DATA));
+    u64::from(if pending + len >= WAKEUP_BYTES.load() {
+        BPF_RB_FORCE_WAKEUP
+    } else {
+        BPF_RB_NO_WAKEUP
+    })
+}
+
+/// A deep copy (see the module doc): reserves a record of the largest deep
+/// size, writes the kernel stack and then the user stack from `rsp` to the
+/// plan's stack end (at most the plan's and the configured size) with one
+/// read, and submits it. False, with nothing written, when there is no
+/// room or the read faults (the thread runs on another stack than the one
+/// learned, or the plan is stale): the tick then takes the usual path.
+///
+/// Not inlined: a BPF-to-BPF call keeps the verifier's view of the usual
+/// path (which then uses the same plan pointer) as simple as it was.
+#[inline(never)]
+fn deep_sample(
+    ctx: &PerfEventContext,
+    ids: &SampleIds,
+    mut flags: u32,
+    regs: UserRegs,
+    plan: &StackPlan,
+) -> bool {
+    let limit = DEEP_STACK_BYTES.load().min(MAX_DEEP_STACK_BYTES);
+    if regs.rsp >= plan.stack_end {
+        return false;
+    }
+    let len = (plan.stack_end - regs.rsp)
+        .min(u64::from(plan.copy_bytes))
+        .min(u64::from(limit));
+    let size = deep_record_bytes(limit) as usize;
+    let Some(mut entry) = SAMPLES.reserve_bytes(size, 0) else {
+        count(Counter::RingBufferFull);
+        return false;
+    };
+    let record = entry.as_mut_ptr();
+    let mut kernel_stack_len = 0;
+    if flags & sample_flags::TICK_IN_USER == 0 {
+        // SAFETY: the reservation has room for the kernel stack after the
+        // header (deep_record_bytes).
+        kernel_stack_len = unsafe { kernel_stack(ctx, record.add(SAMPLE_HEADER_SIZE), &mut flags) };
+    }
+    let offset = SAMPLE_HEADER_SIZE + (u64::from(kernel_stack_len) & KERNEL_STACK_MASK) as usize;
+    // SAFETY: offset + len <= header + KERNEL_STACK_MASK + limit < size; the
+    // source is user memory read with the fault-tolerant helper.
+    let ret = unsafe {
+        bpf_probe_read_user(
+            record.add(offset).cast::<c_void>(),
+            len as u32,
+            regs.rsp as *const c_void,
+        )
+    };
+    if ret < 0 {
+        entry.discard(u64::from(BPF_RB_NO_WAKEUP));
+        return false;
+    }
+    let header = ids.header(
+        flags | sample_flags::DEEP_COPY,
+        kernel_stack_len,
+        len as u32,
+        Some(regs),
+    );
+    // SAFETY: the reservation is 8-aligned and larger than the header.
+    unsafe { record.cast::<SampleHeader>().write(header) };
+    add(Counter::UserStackBytes, len);
+    count(Counter::DeepCopies);
+    count(Counter::Samples);
+    entry.submit(wakeup_flag(size as u64));
+    true
 }
 
 /// When the current process's thread group leader started (its

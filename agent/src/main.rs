@@ -56,6 +56,13 @@ struct Args {
     /// tails (for comparison; deep stacks then stop at the copy).
     #[arg(long)]
     fixed_stack_copy: bool,
+    /// Most bytes of a deep copy (0 or 4096-1048576): a thread whose deep
+    /// frames move too fast for a stack tail (a compiler, hundreds of KB of
+    /// stack reshaped every millisecond) has its whole stack copied, up to
+    /// this, in one read per tick. About 1 us of CPU per 10 KB copied, and
+    /// only for such threads; 0 leaves them truncated instead.
+    #[arg(long, default_value_t = agent_common::MAX_DEEP_STACK_BYTES)]
+    deep_stack_bytes: u32,
     /// Most frames per user stack.
     #[arg(long, default_value_t = stackscope_unwind::DEFAULT_MAX_DEPTH)]
     max_depth: usize,
@@ -240,6 +247,11 @@ fn main() -> anyhow::Result<()> {
         sampler: SamplerConfig {
             frequency_hz: args.frequency,
             user_stack_bytes: args.stack_bytes,
+            deep_stack_bytes: if args.fixed_stack_copy {
+                0
+            } else {
+                args.deep_stack_bytes
+            },
             pids: args.pids.clone(),
             bpf_log_level: args.log_level,
             ..SamplerConfig::default()
@@ -517,7 +529,7 @@ fn print_report(
         "{:.1}% of {} user stacks unwound to the outermost frame ({:.1}% through a stack tail), \
          {:.1}% truncated ({} kernel ticks counted as kernel-only: their user address was in no \
          known mapping, as inside exec or exit); \
-         {} stack tails learned, {:.0} user stack bytes read per sample \
+         {} stack plans learned ({} of them deep copies), {:.0} user stack bytes read per sample \
          ({} tables compiled, {} from disk, \
          {} objects without usable CFI; {} samples waited for a table, {} found the queue full)",
         ends.outermost_percent(),
@@ -526,6 +538,7 @@ fn print_report(
         ends.truncated_percent(),
         unwinding.kernel_ticks_unplaced,
         unwinding.plans.plans_learned,
+        unwinding.plans.deep_plans_learned,
         summary.kernel.user_bytes_per_sample(),
         unwinding.tables_compiled,
         unwinding.tables_from_disk,

@@ -219,6 +219,7 @@ pub async fn run(
         totals: ReaderTotals::default(),
         walker: StackWalker::new(WalkerConfig {
             stack_bytes: config.sampler.user_stack_bytes,
+            deep_stack_bytes: config.sampler.deep_stack_bytes,
             ..config.walker.clone()
         }),
         aggregator: Aggregator::new(config.aggregation.clone()),

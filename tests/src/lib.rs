@@ -250,6 +250,7 @@ pub fn walk_live_with(
         let mut sampler = Sampler::start(config).expect("starting the sampler");
         let mut walker = StackWalker::new(WalkerConfig {
             stack_bytes: config.user_stack_bytes,
+            deep_stack_bytes: config.deep_stack_bytes,
             ..WalkerConfig::default()
         });
         let mut walks = Vec::new();

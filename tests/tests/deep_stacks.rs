@@ -4,8 +4,10 @@
 //! fixtures far deeper than any stack copy: C recursing through 4 KiB
 //! frames to 64 KiB, 256 KiB and 1 MiB in three threads at once, a Rust
 //! thread with a 16 MiB stack, and threads switching between two deep call
-//! chains that differ only at the top and the bottom. Every frame of every
-//! sample is named and checked against the exact chain. Needs root.
+//! chains that differ only at the top and the bottom; and, through deep
+//! copies, a stack 300 KB deep that changes shape every millisecond, which
+//! no tail can follow. Every frame of every sample is named and checked
+//! against the exact chain. Needs root.
 
 use std::{collections::HashMap, time::Duration};
 
@@ -246,4 +248,86 @@ fn a_stitched_walk_never_carries_the_other_chains_tail() {
             "too few stitched walks to trust the check: {stitched:?}"
         );
     }
+}
+
+#[test]
+fn a_deep_stack_that_keeps_changing_shape_reaches_the_root_through_deep_copies() {
+    require_root();
+    let fixture = Fixture::compile("deep_churn", &[]);
+    let _serial = exclusive();
+    // 201 frames of 600 or 2,600 bytes picked at random: about 320 KB.
+    const DEPTH: usize = 200;
+    let process = fixture.start(&[&DEPTH.to_string()]);
+    let pid = process.pid();
+    let config = SamplerConfig {
+        frequency_hz: 99,
+        pids: vec![pid],
+        ..SamplerConfig::default()
+    };
+    let (walks, counters) = walk_live(&config, WINDOW);
+    assert!(counters.deep_copies > 0, "no deep copy: {counters:?}");
+    let mut names = FrameNames::new(pid);
+    let outer = ["main", LIBC, "__libc_start_main", "_start"];
+    let (mut total, mut complete) = (0usize, 0usize);
+    for walk in walks.iter().filter(|w| w.tgid == pid) {
+        let named = names.names(&walk.frames);
+        total += 1;
+        // Never a wrong frame: spin (unless the tick caught a step going
+        // down or up), then steps, then main and its callers, however far
+        // the walk went.
+        let in_spin = named.first().is_some_and(|n| n == "spin");
+        let steps = named
+            .iter()
+            .skip(usize::from(in_spin))
+            .take_while(|n| *n == "step_small" || *n == "step_large")
+            .count();
+        let rest: Vec<&str> = named[usize::from(in_spin) + steps..]
+            .iter()
+            .map(String::as_str)
+            .collect();
+        assert!(
+            steps <= DEPTH + 1 && outer.starts_with(&rest),
+            "not a prefix of the chain ({:?}): {named:?}",
+            walk.outcome
+        );
+        if walk.outcome == OUTERMOST {
+            assert_eq!(rest, outer, "a complete walk: {named:?}");
+            if in_spin {
+                assert_eq!(steps, DEPTH + 1, "a complete walk: {named:?}");
+            }
+            complete += 1;
+        }
+    }
+    let share = complete as f64 / total.max(1) as f64;
+    eprintln!(
+        "deep_churn: {complete} of {total} walks reached the root ({:.1}%); {} deep copies, {} fell back",
+        100.0 * share,
+        counters.deep_copies,
+        counters.deep_copy_fallbacks
+    );
+    assert!(total >= 100, "only {total} walks");
+    assert!(
+        share >= MIN_ROOT_SHARE,
+        "{:.1}% reached the root",
+        100.0 * share
+    );
+
+    // Without deep copies, tails alone cannot follow it.
+    let without = SamplerConfig {
+        deep_stack_bytes: 0,
+        ..config
+    };
+    let (walks, counters) = walk_live(&without, Duration::from_secs(5));
+    let ours: Vec<_> = walks.iter().filter(|w| w.tgid == pid).collect();
+    let complete = ours.iter().filter(|w| w.outcome == OUTERMOST).count();
+    eprintln!(
+        "deep_churn without deep copies: {complete} of {} walks reached the root",
+        ours.len()
+    );
+    assert_eq!(counters.deep_copies, 0);
+    assert!(
+        complete * 2 < ours.len(),
+        "{complete} of {} reached the root without deep copies",
+        ours.len()
+    );
 }

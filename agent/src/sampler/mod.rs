@@ -17,7 +17,8 @@ use std::{
 };
 
 use agent_common::{
-    COUNTER_SLOTS, CgroupPolicy, Counter, MAX_ALLOW_ENTRIES, MAX_USER_STACK_BYTES, StackPlan, names,
+    COUNTER_SLOTS, CgroupPolicy, Counter, MAX_ALLOW_ENTRIES, MAX_DEEP_STACK_BYTES,
+    MAX_USER_STACK_BYTES, PAGE_SIZE, StackPlan, names,
 };
 use aya::{
     Ebpf, EbpfLoader,
@@ -52,6 +53,9 @@ pub struct SamplerConfig {
     pub frequency_hz: u64,
     /// User stack bytes copied per sample, at most [`MAX_USER_STACK_BYTES`].
     pub user_stack_bytes: u32,
+    /// Most bytes of a deep copy (a thread's whole stack, for threads the
+    /// agent gives a deep plan), at most [`MAX_DEEP_STACK_BYTES`]; 0: none.
+    pub deep_stack_bytes: u32,
     /// Only these processes (tgids); empty means all.
     pub pids: Vec<u32>,
     /// Only tasks in a cgroup marked selected in the policies, or below
@@ -72,6 +76,7 @@ impl Default for SamplerConfig {
         Self {
             frequency_hz: 19,
             user_stack_bytes: agent_common::DEFAULT_USER_STACK_BYTES,
+            deep_stack_bytes: MAX_DEEP_STACK_BYTES,
             pids: Vec::new(),
             filter_cgroups: false,
             cgroup_budgets: false,
@@ -88,6 +93,10 @@ pub enum SamplerError {
     BadFrequency(u64),
     #[error("stack copy size {0} is outside 8..={MAX_USER_STACK_BYTES} bytes")]
     BadStackBytes(u32),
+    #[error(
+        "deep copy size {0} is neither 0 nor a multiple of 8 in {PAGE_SIZE}..={MAX_DEEP_STACK_BYTES} bytes"
+    )]
+    BadDeepStackBytes(u32),
     #[error("could not list the CPUs ({what})")]
     Cpus {
         what: &'static str,
@@ -129,6 +138,10 @@ pub struct Counters {
     pub user_stack_bytes: u64,
     /// Tail spans read.
     pub tail_spans: u64,
+    /// Whole-stack copies of threads with a deep plan.
+    pub deep_copies: u64,
+    /// Ticks of such threads that fell back to the usual copy.
+    pub deep_copy_fallbacks: u64,
 }
 
 impl Counters {
@@ -182,6 +195,10 @@ impl Sampler {
         if !(8..=MAX_USER_STACK_BYTES).contains(&config.user_stack_bytes) {
             return Err(SamplerError::BadStackBytes(config.user_stack_bytes));
         }
+        let deep = config.deep_stack_bytes;
+        if deep != 0 && (!(PAGE_SIZE..=MAX_DEEP_STACK_BYTES).contains(&deep) || !deep.is_multiple_of(8)) {
+            return Err(SamplerError::BadDeepStackBytes(deep));
+        }
         let cpu_slots = nr_cpus().map_err(|(what, source)| SamplerError::Cpus { what, source })?;
         let online = online_cpus().map_err(|(what, source)| SamplerError::Cpus { what, source })?;
 
@@ -204,6 +221,7 @@ impl Sampler {
         let mut ebpf = EbpfLoader::new()
             .override_global(names::AGENT_TGID, &agent_tgid, true)
             .override_global(names::USER_STACK_BYTES, &config.user_stack_bytes, true)
+            .override_global(names::DEEP_STACK_BYTES, &config.deep_stack_bytes, true)
             .override_global(names::FILTER_TGIDS, &filter_tgids, true)
             .override_global(names::FILTER_CGROUPS, &filter_cgroups, true)
             .override_global(names::CGROUP_POLICIES, &cgroup_policies, true)
@@ -390,6 +408,8 @@ impl Sampler {
             budgeted: totals[Counter::Budgeted as usize],
             user_stack_bytes: totals[Counter::UserStackBytes as usize],
             tail_spans: totals[Counter::TailSpans as usize],
+            deep_copies: totals[Counter::DeepCopies as usize],
+            deep_copy_fallbacks: totals[Counter::DeepCopyFallbacks as usize],
         })
     }
 

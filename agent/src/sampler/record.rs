@@ -8,9 +8,9 @@
 //! actually present before it is used.
 
 use agent_common::{
-    MAX_KERNEL_STACK_BYTES, MAX_SPAN_BYTES, MAX_TAIL_BYTES, MAX_USER_STACK_BYTES,
-    PROCESS_EVENT_SIZE, ProcessEvent, RecordKind, SAMPLE_HEADER_SIZE, SampleHeader,
-    TAIL_SPAN_HEADER_SIZE, tail_span,
+    MAX_DEEP_STACK_BYTES, MAX_KERNEL_STACK_BYTES, MAX_SPAN_BYTES, MAX_TAIL_BYTES,
+    MAX_USER_STACK_BYTES, PROCESS_EVENT_SIZE, ProcessEvent, RecordKind, SAMPLE_HEADER_SIZE,
+    SampleHeader, TAIL_SPAN_HEADER_SIZE, deep_record_bytes, sample_flags, tail_span,
 };
 use stackscope_unwind::TailSpan;
 
@@ -27,7 +27,7 @@ pub enum DecodeError {
     #[error("kernel stack length {0} is not a multiple of 8 of at most {MAX_KERNEL_STACK_BYTES}")]
     BadKernelStackLen(u32),
     /// The user stack length exceeds what the sampler can copy.
-    #[error("user stack length {0} exceeds the {MAX_USER_STACK_BYTES}-byte maximum")]
+    #[error("user stack length {0} exceeds the sampler's maximum for its kind of copy")]
     BadUserStackLen(u32),
     /// The stack tail exceeds the limit or its spans do not add up to it.
     #[error("stack tail of {len} bytes with {spans} spans is malformed: {why}")]
@@ -122,8 +122,21 @@ impl<'a> Sample<'a> {
         if !kernel_len.is_multiple_of(8) || kernel_len > MAX_KERNEL_STACK_BYTES {
             return Err(DecodeError::BadKernelStackLen(header.kernel_stack_len));
         }
-        if header.user_stack_len > MAX_USER_STACK_BYTES {
+        let deep = header.flags & sample_flags::DEEP_COPY != 0;
+        let max_user = if deep {
+            MAX_DEEP_STACK_BYTES
+        } else {
+            MAX_USER_STACK_BYTES
+        };
+        if header.user_stack_len > max_user {
             return Err(DecodeError::BadUserStackLen(header.user_stack_len));
+        }
+        if deep && header.tail_len != 0 {
+            return Err(DecodeError::BadTail {
+                len: header.tail_len,
+                spans: header.tail_spans,
+                why: "a deep copy has no tail",
+            });
         }
         if header.tail_len > MAX_TAIL_BYTES {
             return Err(DecodeError::BadTail {
@@ -135,13 +148,21 @@ impl<'a> Sample<'a> {
         let user_len = header.user_stack_len as usize;
         let tail_len = header.tail_len as usize;
         let announced = SAMPLE_HEADER_SIZE + kernel_len + user_len + tail_len;
-        if announced != record.len() {
+        // A deep record is a reservation of a size fixed at load: what the
+        // header announces must fit in it, the rest is padding.
+        let fits = if deep {
+            announced <= record.len()
+                && record.len() <= deep_record_bytes(MAX_DEEP_STACK_BYTES) as usize
+        } else {
+            announced == record.len()
+        };
+        if !fits {
             return Err(DecodeError::LengthMismatch {
                 announced,
                 len: record.len(),
             });
         }
-        let (kernel_stack, rest) = record[SAMPLE_HEADER_SIZE..].split_at(kernel_len);
+        let (kernel_stack, rest) = record[SAMPLE_HEADER_SIZE..announced].split_at(kernel_len);
         let (user_stack, tail) = rest.split_at(user_len);
         check_tail(&header, tail)?;
         Ok(Self {
@@ -351,6 +372,52 @@ mod tests {
         assert_eq!(data[8..16], 1u64.to_ne_bytes());
         assert_eq!(data[48..56], 3u64.to_ne_bytes());
         assert_eq!(sample.to_owned_sample().spans, spans);
+    }
+
+    #[test]
+    fn a_deep_copy_is_a_padded_reservation_without_a_tail() {
+        let deep = |mut header: SampleHeader| {
+            header.flags |= sample_flags::DEEP_COPY;
+            header
+        };
+        let stack = vec![5u8; 40_000];
+        // The reservation's unused end is padding, not a length mismatch.
+        let mut record = encode(&deep(header(16, 40_000)), &[1, 2], &stack);
+        record.resize(deep_record_bytes(MAX_DEEP_STACK_BYTES) as usize, 0xee);
+        let sample = Sample::decode(&record).unwrap();
+        assert_eq!(sample.user_stack, stack.as_slice());
+        assert_eq!(sample.kernel_frames().collect::<Vec<_>>(), [1, 2]);
+        assert_eq!(sample.tail_data(), &[] as &[u8]);
+        // The same padding on a usual record is an error.
+        let mut usual = encode(&header(0, 64), &[], &[0; 64]);
+        usual.push(0);
+        assert!(matches!(
+            Sample::decode(&usual),
+            Err(DecodeError::LengthMismatch { .. })
+        ));
+        // A deep copy announces no tail and no more than the deep maximum,
+        // within a record no larger than the largest reservation.
+        let with_a_tail = with_tail(deep(header(0, 8)), &[0; 16], 1);
+        assert!(matches!(
+            Sample::decode(&encode(&with_a_tail, &[], &[0; 8])),
+            Err(DecodeError::BadTail { .. })
+        ));
+        let too_long = deep(header(0, MAX_DEEP_STACK_BYTES + 8));
+        assert!(matches!(
+            Sample::decode(&encode(&too_long, &[], &[])),
+            Err(DecodeError::BadUserStackLen(_))
+        ));
+        let short = deep(header(0, 4096));
+        assert!(matches!(
+            Sample::decode(&encode(&short, &[], &[0; 4000])),
+            Err(DecodeError::LengthMismatch { .. })
+        ));
+        let mut oversized = encode(&deep(header(0, 8)), &[], &[0; 8]);
+        oversized.resize(deep_record_bytes(MAX_DEEP_STACK_BYTES) as usize + 8, 0);
+        assert!(matches!(
+            Sample::decode(&oversized),
+            Err(DecodeError::LengthMismatch { .. })
+        ));
     }
 
     #[test]

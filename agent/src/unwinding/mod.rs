@@ -64,6 +64,9 @@ pub struct WalkerConfig {
     /// The sampler's copy ceiling (`--stack-bytes`), which adaptive copies
     /// never exceed.
     pub stack_bytes: u32,
+    /// The sampler's most bytes of a deep copy (a thread's whole stack);
+    /// 0: none are planned.
+    pub deep_stack_bytes: u32,
     /// Learn per-process copy sizes and per-thread stack tails (the
     /// sampler reads what walks need); off, every tick copies the ceiling.
     pub adaptive: bool,
@@ -78,6 +81,7 @@ impl Default for WalkerConfig {
             max_waiting_bytes: 64 << 20,
             max_depth: DEFAULT_MAX_DEPTH,
             stack_bytes: agent_common::DEFAULT_USER_STACK_BYTES,
+            deep_stack_bytes: agent_common::MAX_DEEP_STACK_BYTES,
             adaptive: true,
         }
     }
@@ -640,7 +644,7 @@ impl StackWalker {
             rules: RuleCache::default(),
             spaces: 0,
             max_depth: config.max_depth,
-            planner: Planner::new(config.stack_bytes, config.adaptive),
+            planner: Planner::new(config.stack_bytes, config.deep_stack_bytes, config.adaptive),
             last_tail_reads: 0,
             last_copy_read: 0,
             learn_frames: Vec::new(),
@@ -859,6 +863,7 @@ impl StackWalker {
         let report = WalkReport {
             tgid: header.tgid,
             tid: header.tid,
+            comm: header.comm,
             ktime_ns: header.ktime_ns,
             copied: stack.copy.len() as u32,
             copy_bytes_read: self.last_copy_read,
@@ -874,7 +879,7 @@ impl StackWalker {
     /// and walks it, so the planner learns which deep words to ask for.
     fn learn(&mut self, header: &SampleHeader, copy: &[u8], report: &WalkReport) {
         let regs = registers(header);
-        let mut planner = std::mem::replace(&mut self.planner, Planner::new(0, false));
+        let mut planner = std::mem::replace(&mut self.planner, Planner::new(0, 0, false));
         planner.learn(report, regs.rsp, copy, |memory| {
             let mut frames = std::mem::take(&mut self.learn_frames);
             let (end, _) = self.walk_memory(

@@ -8,18 +8,26 @@
 //! `process_vm_readv`. It does not walk stacks (the walker does, and tells
 //! it how each walk went) and does not touch BPF maps itself.
 //!
+//! A thread gets a stack tail when its deep frames stay where they were
+//! learned. When they do not (a compiler's stack, hundreds of KB of frames
+//! reshaped every millisecond, makes a tail stale again and again) or are
+//! too many for a tail, it gets a deep copy instead: the sampler copies its
+//! whole stack, from `rsp` to the stack's end learned here, in one read.
+//! That costs more per tick (about a microsecond per 10 KB) but is the only
+//! way such a stack reaches its root.
+//!
 //! Why this is never a wrong frame: what is learned here only chooses which
 //! addresses the sampler reads on later ticks. Every byte a walk uses was
 //! read at its own tick, so a plan gone stale (the thread returned and
 //! called elsewhere) can only make a walk stop short, never walk a frame
 //! that was not on the stack.
 
-use foldhash::{HashMap, HashMapExt as _};
+use foldhash::{HashMap, HashMapExt as _, HashSet, HashSetExt as _};
 use std::io;
 
 use agent_common::{
-    MAX_SPAN_BYTES, MAX_STACK_PLANS, MAX_TAIL_BYTES, MAX_TAIL_SPANS, MIN_USER_STACK_BYTES,
-    PAGE_SIZE, StackPlan, TAIL_SPAN_HEADER_SIZE, tail_span,
+    COMM_LEN, MAX_SPAN_BYTES, MAX_STACK_PLANS, MAX_TAIL_BYTES, MAX_TAIL_SPANS,
+    MIN_USER_STACK_BYTES, PAGE_SIZE, StackPlan, TAIL_SPAN_HEADER_SIZE, tail_span,
 };
 use stackscope_unwind::{StackMemory, UnwindEnd};
 
@@ -49,8 +57,20 @@ const MAX_LEARN_BYTES: usize = 8 << 20;
 const LEARN_CHUNK_BYTES: usize = 64 << 10;
 /// One thread is learned at most this often (ns of sample time).
 const LEARN_INTERVAL_NS: u64 = 250_000_000;
+/// ... except when its tail just went stale: then a deep copy is likely
+/// the answer, and every tick until it is written is a truncated walk.
+const STALE_RELEARN_NS: u64 = 50_000_000;
 /// Learning reads at most this many per second for all threads.
 const LEARNS_PER_SECOND: u32 = 50;
+/// A tail plan that runs out again within this long of being learned has
+/// gone stale (ns of sample time).
+const STALE_WINDOW_NS: u64 = 2_000_000_000;
+/// Stale tails in a row after which a thread gets a deep copy instead.
+const STALE_TAILS_FOR_DEEP: u8 = 1;
+/// Programs (thread names) remembered as needing deep copies: their new
+/// threads and processes (a compiler runs once per file) go deep at their
+/// first learning instead of after a stale tail.
+const MAX_DEEP_PROGRAMS: usize = 256;
 /// A process's copy size follows the largest need seen over this window
 /// and the one before it (ns of sample time).
 const COPY_WINDOW_NS: u64 = 10_000_000_000;
@@ -60,6 +80,8 @@ const COPY_WINDOW_NS: u64 = 10_000_000_000;
 pub struct WalkReport {
     pub tgid: u32,
     pub tid: u32,
+    /// The thread's name.
+    pub comm: [u8; COMM_LEN],
     pub ktime_ns: u64,
     /// Bytes of contiguous copy the tick had.
     pub copied: u32,
@@ -75,8 +97,10 @@ pub struct WalkReport {
 pub struct PlanStats {
     /// Threads whose deep frames were learned into a plan.
     pub plans_learned: u64,
+    /// Of those, deep copies (the whole stack each tick).
+    pub deep_plans_learned: u64,
     /// Learning reads that could not give a plan (the thread was gone,
-    /// the walk did not reach the root, or the spans would not fit).
+    /// the walk did not reach the root, or the stack was too deep).
     pub learn_failed: u64,
     /// Learning reads skipped by the rate limits.
     pub learn_throttled: u64,
@@ -84,6 +108,8 @@ pub struct PlanStats {
     pub copy_updates: u64,
     /// Plans in use now.
     pub thread_plans: usize,
+    /// Of those, deep copies.
+    pub thread_deep_plans: usize,
 }
 
 struct ProcessCopy {
@@ -97,16 +123,29 @@ struct ProcessCopy {
 struct ThreadPlan {
     tgid: u32,
     last_learn_ns: u64,
-    /// Whether the map holds a plan for the thread.
-    planned: bool,
+    /// What the map holds for the thread.
+    planned: Planned,
+    /// Tail plans that went stale in a row (see [`STALE_WINDOW_NS`]).
+    stale_tails: u8,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Planned {
+    Nothing,
+    Tail,
+    Deep,
 }
 
 /// Learns and keeps the copy sizes and stack plans; see the module doc.
 pub struct Planner {
     ceiling: u32,
+    /// Most bytes of a deep copy; 0: none.
+    deep_limit: u32,
     adaptive: bool,
     processes: HashMap<u32, ProcessCopy>,
     threads: HashMap<u32, ThreadPlan>,
+    /// Thread names whose threads needed deep copies.
+    deep_programs: HashSet<[u8; COMM_LEN]>,
     updates: Vec<PlanUpdate>,
     /// Learning budget: the second (of sample time) it counts, and how
     /// many were spent in it.
@@ -118,15 +157,18 @@ pub struct Planner {
 }
 
 impl Planner {
-    /// `ceiling`: the configured copy size, which plans never exceed.
-    /// Without `adaptive`, every tick copies the ceiling and no tails are
+    /// `ceiling`: the configured copy size, which plans never exceed;
+    /// `deep_limit`: the most a deep copy reads (0: no deep copies).
+    /// Without `adaptive`, every tick copies the ceiling and nothing is
     /// learned (the behaviour to compare against).
-    pub fn new(ceiling: u32, adaptive: bool) -> Self {
+    pub fn new(ceiling: u32, deep_limit: u32, adaptive: bool) -> Self {
         Self {
             ceiling,
+            deep_limit,
             adaptive,
             processes: HashMap::new(),
             threads: HashMap::new(),
+            deep_programs: HashSet::new(),
             updates: Vec::new(),
             budget_second: 0,
             budget_spent: 0,
@@ -137,8 +179,10 @@ impl Planner {
     }
 
     pub fn stats(&self) -> PlanStats {
+        let planned = |kind| self.threads.values().filter(|t| t.planned == kind).count();
         PlanStats {
-            thread_plans: self.threads.values().filter(|t| t.planned).count(),
+            thread_plans: planned(Planned::Tail) + planned(Planned::Deep),
+            thread_deep_plans: planned(Planned::Deep),
             ..self.stats
         }
     }
@@ -162,7 +206,10 @@ impl Planner {
         } else {
             u32::try_from(walk.copy_bytes_read).unwrap_or(ceiling)
         };
-        let planned = self.threads.get(&walk.tid).is_some_and(|t| t.planned);
+        let planned = self
+            .threads
+            .get(&walk.tid)
+            .is_some_and(|t| t.planned != Planned::Nothing);
         if !planned {
             self.observe_process(walk.tgid, walk.ktime_ns, needed);
         }
@@ -213,10 +260,28 @@ impl Planner {
         walk_again: impl FnOnce(&mut RemoteStack<'_>) -> UnwindEnd,
     ) {
         let thread = self.threads.get(&walk.tid).filter(|t| t.tgid == walk.tgid);
-        if thread.is_some_and(|t| walk.ktime_ns.saturating_sub(t.last_learn_ns) < LEARN_INTERVAL_NS)
-        {
+        if thread.is_some_and(|t| {
+            let interval = match t.planned {
+                Planned::Tail => STALE_RELEARN_NS,
+                _ => LEARN_INTERVAL_NS,
+            };
+            walk.ktime_ns.saturating_sub(t.last_learn_ns) < interval
+        }) {
             return;
         }
+        let (was_planned, stale_tails) = match thread {
+            Some(t) if t.planned == Planned::Tail => {
+                let recent = walk.ktime_ns.saturating_sub(t.last_learn_ns) < STALE_WINDOW_NS;
+                let stale = if recent {
+                    t.stale_tails.saturating_add(1)
+                } else {
+                    1
+                };
+                (Planned::Tail, stale)
+            }
+            Some(t) => (t.planned, t.stale_tails),
+            None => (Planned::Nothing, 0),
+        };
         let second = walk.ktime_ns / 1_000_000_000;
         if second != self.budget_second {
             (self.budget_second, self.budget_spent) = (second, 0);
@@ -231,40 +296,63 @@ impl Planner {
         {
             self.forget_oldest_thread();
         }
-        let was_planned = self.threads.get(&walk.tid).is_some_and(|t| t.planned);
         self.threads.insert(
             walk.tid,
             ThreadPlan {
                 tgid: walk.tgid,
                 last_learn_ns: walk.ktime_ns,
                 planned: was_planned,
+                stale_tails,
             },
         );
 
         self.reads.clear();
         let mut remote = RemoteStack::new(walk.tgid, rsp, copy, &mut self.remote, &mut self.reads);
         let end = walk_again(&mut remote);
-        let reach = self.reads.iter().max().map_or(0, |&a| a + 8 - rsp);
+        let reach = remote.reads.iter().max().map_or(0, |&a| a + 8 - rsp);
+        let outermost = end == UnwindEnd::Outermost;
+        // Fetched before the tail is planned: planning takes the reads.
+        let stack_end = (outermost && self.deep_limit > 0 && reach <= u64::from(self.deep_limit))
+            .then(|| remote.stack_end())
+            .flatten();
         tracing::debug!(
             tid = walk.tid,
             ?end,
             reach,
-            reads = self.reads.len(),
+            reads = remote.reads.len(),
             "learning a stack tail"
         );
-        let plan = (end == UnwindEnd::Outermost)
-            .then(|| plan_for(walk.tgid, rsp, &mut self.reads, self.ceiling))
-            .flatten();
+        // Tails while they keep up with the thread; a deep copy once they
+        // do not, or when its frames are too many for a tail.
+        let deep = stack_end.map(|end| Box::new(StackPlan::deep(walk.tgid, self.deep_limit, end)));
+        let tails_fell_behind = was_planned == Planned::Deep
+            || stale_tails >= STALE_TAILS_FOR_DEEP
+            || self.deep_programs.contains(&walk.comm);
+        let plan = match deep {
+            Some(deep) if tails_fell_behind => Some((deep, Planned::Deep)),
+            deep => outermost
+                .then(|| plan_for(walk.tgid, rsp, &mut self.reads, self.ceiling))
+                .flatten()
+                .map(|tail| (tail, Planned::Tail))
+                .or(deep.map(|deep| (deep, Planned::Deep))),
+        };
         // The buffer may have grown to megabytes for one deep thread.
         self.remote.clear();
         self.remote.shrink_to(LEARN_CHUNK_BYTES);
-        let Some(plan) = plan else {
+        let Some((plan, kind)) = plan else {
             self.stats.learn_failed += 1;
             return;
         };
         self.stats.plans_learned += 1;
+        if kind == Planned::Deep {
+            self.stats.deep_plans_learned += 1;
+            if self.deep_programs.len() >= MAX_DEEP_PROGRAMS {
+                self.deep_programs.clear();
+            }
+            self.deep_programs.insert(walk.comm);
+        }
         if let Some(thread) = self.threads.get_mut(&walk.tid) {
-            thread.planned = true;
+            thread.planned = kind;
         }
         self.updates.push(PlanUpdate::Thread {
             tid: walk.tid,
@@ -280,7 +368,7 @@ impl Planner {
             .map(|(&tid, t)| (tid, t.planned));
         if let Some((tid, planned)) = oldest {
             self.threads.remove(&tid);
-            if planned {
+            if planned != Planned::Nothing {
                 self.updates.push(PlanUpdate::Thread { tid, plan: None });
             }
         }
@@ -314,7 +402,7 @@ impl Planner {
             if thread.tgid != tgid {
                 return true;
             }
-            if thread.planned {
+            if thread.planned != Planned::Nothing {
                 updates.push(PlanUpdate::Thread { tid, plan: None });
             }
             false
@@ -440,6 +528,15 @@ impl<'a> RemoteStack<'a> {
             exhausted: false,
             reads,
         }
+    }
+
+    /// The end of the stack mapping the walk read: fetches up to it (not
+    /// remembered as reads). `None` when it lies beyond what a learning
+    /// read may fetch, or nothing could be read at all.
+    fn stack_end(&mut self) -> Option<u64> {
+        while self.fetch_more() {}
+        (self.exhausted && !self.fetched.is_empty())
+            .then(|| self.remote_start() + self.fetched.len() as u64)
     }
 
     /// Forgets the reads of a walk that is about to be made again.
@@ -638,6 +735,7 @@ mod tests {
         WalkReport {
             tgid: 10,
             tid,
+            comm: [0; COMM_LEN],
             ktime_ns,
             copied,
             copy_bytes_read: read,
@@ -648,7 +746,7 @@ mod tests {
 
     #[test]
     fn a_process_copy_shrinks_to_its_need_and_grows_back_at_once() {
-        let mut planner = Planner::new(16384, true);
+        let mut planner = Planner::new(16384, 0, true);
         assert!(!planner.observe(&report(10, 0, 16384, 1000, UnwindEnd::Outermost)));
         assert_eq!(
             planner.take_updates(),
@@ -693,7 +791,7 @@ mod tests {
 
     #[test]
     fn without_adaptive_copies_nothing_is_planned() {
-        let mut planner = Planner::new(16384, false);
+        let mut planner = Planner::new(16384, 0, false);
         assert!(!planner.observe(&report(10, 0, 16384, 16384, UnwindEnd::StackTruncated)));
         assert!(planner.take_updates().is_empty());
     }
@@ -704,10 +802,11 @@ mod tests {
         let stack: Vec<u64> = (0..4096u64).collect();
         let rsp = stack.as_ptr() as u64;
         let copy: Vec<u8> = stack[..16].iter().flat_map(|w| w.to_le_bytes()).collect();
-        let mut planner = Planner::new(16384, true);
+        let mut planner = Planner::new(16384, 0, true);
         let walk = WalkReport {
             tgid: std::process::id(),
             tid: 1,
+            comm: [0; COMM_LEN],
             ktime_ns: 1_000,
             copied: 128,
             copy_bytes_read: 128,
@@ -759,5 +858,138 @@ mod tests {
         });
         assert_eq!(far, Some(Err(UnwindEnd::StackTruncated)));
         assert!(planner.reads.is_empty(), "{:?}", planner.reads);
+    }
+
+    /// A fake thread stack in this process: `pages` readable pages with an
+    /// inaccessible page above them, where a stack mapping would end.
+    struct FakeStack {
+        base: *mut u8,
+        len: usize,
+    }
+
+    impl FakeStack {
+        fn new(pages: usize) -> Self {
+            let len = (pages + 1) * PAGE_SIZE as usize;
+            // SAFETY: a fresh anonymous mapping, unmapped on drop.
+            let base = unsafe {
+                libc::mmap(
+                    std::ptr::null_mut(),
+                    len,
+                    libc::PROT_READ | libc::PROT_WRITE,
+                    libc::MAP_PRIVATE | libc::MAP_ANONYMOUS,
+                    -1,
+                    0,
+                )
+            };
+            assert_ne!(base, libc::MAP_FAILED);
+            let guard = len - PAGE_SIZE as usize;
+            // SAFETY: the last page of the mapping made above.
+            let ret = unsafe {
+                libc::mprotect(
+                    base.cast::<u8>().add(guard).cast(),
+                    PAGE_SIZE as usize,
+                    libc::PROT_NONE,
+                )
+            };
+            assert_eq!(ret, 0);
+            Self {
+                base: base.cast(),
+                len,
+            }
+        }
+
+        fn rsp(&self) -> u64 {
+            self.base as u64
+        }
+
+        /// Where the readable part ends.
+        fn end(&self) -> u64 {
+            self.base as u64 + (self.len - PAGE_SIZE as usize) as u64
+        }
+    }
+
+    impl Drop for FakeStack {
+        fn drop(&mut self) {
+            // SAFETY: the mapping made in `new`.
+            unsafe { libc::munmap(self.base.cast(), self.len) };
+        }
+    }
+
+    /// What `learn` queued for thread `tid`: its plan, if one.
+    fn learned(planner: &mut Planner, tid: u32) -> Option<Box<StackPlan>> {
+        planner
+            .take_updates()
+            .into_iter()
+            .find_map(|update| match update {
+                PlanUpdate::Thread { tid: t, plan } if t == tid => plan,
+                _ => None,
+            })
+    }
+
+    #[test]
+    fn a_tail_that_goes_stale_becomes_a_deep_copy_for_the_thread_and_its_program() {
+        let stack = FakeStack::new(16);
+        let rsp = stack.rsp();
+        let copy = [0u8; 128];
+        let deep_word = rsp + 40_000;
+        let walk_to_the_root = |memory: &mut RemoteStack<'_>| {
+            memory.read_u64(deep_word).expect("readable");
+            UnwindEnd::Outermost
+        };
+        let mut comm = [0; COMM_LEN];
+        comm[..5].copy_from_slice(b"rustc");
+        let walk = WalkReport {
+            tgid: std::process::id(),
+            tid: 1,
+            comm,
+            ktime_ns: 1_000,
+            copied: 16384,
+            copy_bytes_read: 16384,
+            tail_reads: 0,
+            end: UnwindEnd::StackTruncated,
+        };
+        let mut planner = Planner::new(16384, 1 << 20, true);
+        // First a tail, as for any deep thread.
+        planner.learn(&walk, rsp, &copy, walk_to_the_root);
+        let tail = learned(&mut planner, 1).expect("a tail plan");
+        assert_eq!((tail.stack_end, tail.span_count), (0, 1));
+        // It ran out again soon after: stale, so the whole stack is copied,
+        // up to the end of the mapping the learning read found.
+        let soon = WalkReport {
+            ktime_ns: walk.ktime_ns + STALE_RELEARN_NS,
+            ..walk
+        };
+        planner.learn(&soon, rsp, &copy, walk_to_the_root);
+        let deep = learned(&mut planner, 1).expect("a deep plan");
+        assert_eq!(deep.stack_end, stack.end());
+        assert_eq!((deep.copy_bytes, deep.span_count), (1 << 20, 0));
+        // Another thread of the same program goes deep at once.
+        let sibling = WalkReport { tid: 2, ..soon };
+        planner.learn(&sibling, rsp, &copy, walk_to_the_root);
+        assert_eq!(
+            learned(&mut planner, 2).expect("a plan").stack_end,
+            stack.end()
+        );
+        let stats = planner.stats();
+        assert_eq!((stats.plans_learned, stats.deep_plans_learned), (3, 2));
+        assert_eq!((stats.thread_plans, stats.thread_deep_plans), (2, 2));
+
+        // Without deep copies a stale tail is learned again as a tail ...
+        let mut planner = Planner::new(16384, 0, true);
+        planner.learn(&walk, rsp, &copy, walk_to_the_root);
+        planner.learn(&soon, rsp, &copy, walk_to_the_root);
+        let updates = planner.take_updates();
+        assert_eq!(updates.len(), 2);
+        assert!(
+            updates
+                .iter()
+                .all(|u| matches!(u, PlanUpdate::Thread { plan: Some(p), .. } if p.stack_end == 0))
+        );
+        // ... as it is when the stack is deeper than the deep limit.
+        let mut planner = Planner::new(16384, 32 * 1024, true);
+        planner.learn(&walk, rsp, &copy, walk_to_the_root);
+        planner.learn(&soon, rsp, &copy, walk_to_the_root);
+        assert_eq!(planner.stats().deep_plans_learned, 0);
+        assert_eq!(planner.stats().plans_learned, 2);
     }
 }
