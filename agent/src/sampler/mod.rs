@@ -196,7 +196,9 @@ impl Sampler {
             return Err(SamplerError::BadStackBytes(config.user_stack_bytes));
         }
         let deep = config.deep_stack_bytes;
-        if deep != 0 && (!(PAGE_SIZE..=MAX_DEEP_STACK_BYTES).contains(&deep) || !deep.is_multiple_of(8)) {
+        if deep != 0
+            && (!(PAGE_SIZE..=MAX_DEEP_STACK_BYTES).contains(&deep) || !deep.is_multiple_of(8))
+        {
             return Err(SamplerError::BadDeepStackBytes(deep));
         }
         let cpu_slots = nr_cpus().map_err(|(what, source)| SamplerError::Cpus { what, source })?;
