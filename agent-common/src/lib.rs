@@ -408,7 +408,8 @@ mod tests {
         assert_eq!(core::mem::offset_of!(SampleHeader, comm), 72);
         assert_eq!(core::mem::offset_of!(SampleHeader, tail_len), 88);
         assert_eq!(core::mem::offset_of!(SampleHeader, process_start_ns), 96);
-        assert_eq!(core::mem::offset_of!(StackPlan, spans), 16);
+        assert_eq!(core::mem::offset_of!(StackPlan, stack_end), 16);
+        assert_eq!(core::mem::offset_of!(StackPlan, spans), 24);
     }
 
     #[test]
