@@ -65,8 +65,10 @@ const LEARNS_PER_SECOND: u32 = 50;
 /// A tail plan that runs out again within this long of being learned has
 /// gone stale (ns of sample time).
 const STALE_WINDOW_NS: u64 = 2_000_000_000;
-/// Stale tails in a row after which a thread gets a deep copy instead.
-const STALE_TAILS_FOR_DEEP: u8 = 1;
+/// Stale tails in a row after which a thread gets a deep copy instead. Two,
+/// not one: a thread first learned while still descending to a stable
+/// depth has one stale tail, and then keeps the next.
+const STALE_TAILS_FOR_DEEP: u8 = 2;
 /// Programs (thread names) remembered as needing deep copies: their new
 /// threads and processes (a compiler runs once per file) go deep at their
 /// first learning instead of after a stale tail.
@@ -953,11 +955,18 @@ mod tests {
         planner.learn(&walk, rsp, &copy, walk_to_the_root);
         let tail = learned(&mut planner, 1).expect("a tail plan");
         assert_eq!((tail.stack_end, tail.span_count), (0, 1));
-        // It ran out again soon after: stale, so the whole stack is copied,
-        // up to the end of the mapping the learning read found.
+        // It ran out again soon after: stale once, a tail again; stale
+        // twice, the whole stack is copied, up to the end of the mapping the
+        // learning read found.
         let soon = WalkReport {
             ktime_ns: walk.ktime_ns + STALE_RELEARN_NS,
             ..walk
+        };
+        planner.learn(&soon, rsp, &copy, walk_to_the_root);
+        assert_eq!(learned(&mut planner, 1).expect("a plan").stack_end, 0);
+        let soon = WalkReport {
+            ktime_ns: soon.ktime_ns + STALE_RELEARN_NS,
+            ..soon
         };
         planner.learn(&soon, rsp, &copy, walk_to_the_root);
         let deep = learned(&mut planner, 1).expect("a deep plan");
@@ -971,7 +980,7 @@ mod tests {
             stack.end()
         );
         let stats = planner.stats();
-        assert_eq!((stats.plans_learned, stats.deep_plans_learned), (3, 2));
+        assert_eq!((stats.plans_learned, stats.deep_plans_learned), (4, 2));
         assert_eq!((stats.thread_plans, stats.thread_deep_plans), (2, 2));
 
         // Without deep copies a stale tail is learned again as a tail ...
