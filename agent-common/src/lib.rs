@@ -229,7 +229,8 @@ pub struct StackPlan {
     pub _padding: u32,
     /// When not 0, a deep copy instead of copy and spans: the end of the
     /// thread's stack mapping, so a tick reads from `rsp` up to it (at most
-    /// `copy_bytes`) in one read that stays inside the mapping.
+    /// the configured deep size) in one read that stays inside the mapping.
+    /// `copy_bytes` is then the copy of a tick the deep read fails for.
     pub stack_end: u64,
     /// Packed spans ([`tail_span::pack`]).
     pub spans: [u64; MAX_TAIL_SPANS],
@@ -250,7 +251,8 @@ impl StackPlan {
         }
     }
 
-    /// A deep copy: up to `copy_bytes` from `rsp` to `stack_end`.
+    /// A deep copy from `rsp` to `stack_end`, or `copy_bytes` when that
+    /// read fails.
     pub const fn deep(tgid: u32, copy_bytes: u32, stack_end: u64) -> Self {
         let mut plan = Self::copy_only(tgid, copy_bytes);
         plan.stack_end = stack_end;

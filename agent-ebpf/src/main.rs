@@ -355,8 +355,8 @@ fn wakeup_flag(len: u64) -> u64 {
 
 /// A deep copy (see the module doc): reserves a record of the largest deep
 /// size, writes the kernel stack and then the user stack from `rsp` to the
-/// plan's stack end (at most the plan's and the configured size) with one
-/// read, and submits it. False, with nothing written, when there is no
+/// plan's stack end (at most the configured size) with one read, and
+/// submits it. False, with nothing written, when there is no
 /// room or the read faults (the thread runs on another stack than the one
 /// learned, or the plan is stale): the tick then takes the usual path.
 ///
@@ -374,12 +374,10 @@ fn deep_sample(
     if regs.rsp >= plan.stack_end {
         return false;
     }
-    let len = (plan.stack_end - regs.rsp)
-        .min(u64::from(plan.copy_bytes))
-        .min(u64::from(limit));
+    let len = (plan.stack_end - regs.rsp).min(u64::from(limit));
     let size = deep_record_bytes(limit) as usize;
+    // No room is not a lost record: the usual path may still fit one.
     let Some(mut entry) = SAMPLES.reserve_bytes(size, 0) else {
-        count(Counter::RingBufferFull);
         return false;
     };
     let record = entry.as_mut_ptr();

@@ -313,10 +313,6 @@ impl Planner {
         let end = walk_again(&mut remote);
         let reach = remote.reads.iter().max().map_or(0, |&a| a + 8 - rsp);
         let outermost = end == UnwindEnd::Outermost;
-        // Fetched before the tail is planned: planning takes the reads.
-        let stack_end = (outermost && self.deep_limit > 0 && reach <= u64::from(self.deep_limit))
-            .then(|| remote.stack_end())
-            .flatten();
         tracing::debug!(
             tid = walk.tid,
             ?end,
@@ -326,17 +322,20 @@ impl Planner {
         );
         // Tails while they keep up with the thread; a deep copy once they
         // do not, or when its frames are too many for a tail.
-        let deep = stack_end.map(|end| Box::new(StackPlan::deep(walk.tgid, self.deep_limit, end)));
         let tails_fell_behind = was_planned == Planned::Deep
             || stale_tails >= STALE_TAILS_FOR_DEEP
             || self.deep_programs.contains(&walk.comm);
-        let plan = match deep {
-            Some(deep) if tails_fell_behind => Some((deep, Planned::Deep)),
-            deep => outermost
-                .then(|| plan_for(walk.tgid, rsp, &mut self.reads, self.ceiling))
-                .flatten()
-                .map(|tail| (tail, Planned::Tail))
-                .or(deep.map(|deep| (deep, Planned::Deep))),
+        let tail = (outermost && !tails_fell_behind)
+            .then(|| plan_for(walk.tgid, rsp, remote.reads, self.ceiling))
+            .flatten();
+        let deep_fits = outermost && self.deep_limit > 0 && reach <= u64::from(self.deep_limit);
+        let plan = match tail {
+            Some(tail) => Some((tail, Planned::Tail)),
+            None if deep_fits => remote.stack_end().map(|end| {
+                let plan = StackPlan::deep(walk.tgid, self.ceiling, end);
+                (Box::new(plan), Planned::Deep)
+            }),
+            None => None,
         };
         // The buffer may have grown to megabytes for one deep thread.
         self.remote.clear();
@@ -971,7 +970,7 @@ mod tests {
         planner.learn(&soon, rsp, &copy, walk_to_the_root);
         let deep = learned(&mut planner, 1).expect("a deep plan");
         assert_eq!(deep.stack_end, stack.end());
-        assert_eq!((deep.copy_bytes, deep.span_count), (1 << 20, 0));
+        assert_eq!((deep.copy_bytes, deep.span_count), (16384, 0));
         // Another thread of the same program goes deep at once.
         let sibling = WalkReport { tid: 2, ..soon };
         planner.learn(&sibling, rsp, &copy, walk_to_the_root);
