@@ -211,8 +211,10 @@ fn offer_binaries(interval: &Interval, uploads: &UploadQueue) {
         let ObjectId::BuildId(build_id) = id else {
             continue;
         };
-        if let Ok(file) = object.open_now() {
-            uploads.offer(&build_id.to_string(), file, path);
-        }
+        uploads.offer(
+            &build_id.to_string(),
+            || object.open_now().ok().and_then(|f| f.try_clone().ok()),
+            path,
+        );
     }
 }

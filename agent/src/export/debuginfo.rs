@@ -102,10 +102,11 @@ fn lock<T>(mutex: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
 }
 
 impl UploadQueue {
-    /// Offers the binary `file` (build-id `build_id`, mapped as `name`)
-    /// unless it was offered before. Reads its section headers (on the
-    /// worker's thread, never the sampling loop's).
-    pub fn offer(&self, build_id: &str, file: &File, name: &str) {
+    /// Offers the binary `open` gives (build-id `build_id`, mapped as
+    /// `name`) unless it was offered before; only then is it opened. Reads
+    /// its section headers (on the worker's thread, never the sampling
+    /// loop's).
+    pub fn offer(&self, build_id: &str, open: impl FnOnce() -> Option<File>, name: &str) {
         {
             let mut offered = lock(&self.offered);
             if offered.contains(build_id) {
@@ -116,13 +117,15 @@ impl UploadQueue {
             }
             offered.insert(build_id.to_owned());
         }
-        if debug_files::name_source(file) != Some(debug_files::NameSource::Symbols) {
+        let Some(file) = open() else {
+            // Offered again with the build-id's next batch.
+            lock(&self.offered).remove(build_id);
+            return;
+        };
+        if debug_files::name_source(&file) != Some(debug_files::NameSource::Symbols) {
             lock(&self.stats).without_symbols += 1;
             return;
         }
-        let Ok(file) = file.try_clone() else {
-            return;
-        };
         let candidate = Candidate {
             build_id: build_id.to_owned(),
             file,
