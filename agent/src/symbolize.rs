@@ -312,6 +312,10 @@ pub struct Symbolizer {
     code_segments: HashMap<ObjectId, Arc<[LoadSegment]>>,
     kernel: KernelSymbols,
     kernel_loaded: Instant,
+    /// How long after a read a miss reads kallsyms again: the configured
+    /// retry, doubled (up to the reload period) each time a read did not
+    /// name the miss, so an address that stays unnamed costs little.
+    kernel_retry: Duration,
     kernel_build_id: Option<String>,
     module_build_ids: HashMap<Arc<str>, Option<String>>,
     /// Where this process maps the vDSO, and the image's build-id.
@@ -353,6 +357,7 @@ impl Symbolizer {
             kernel_build_id: kernel::kernel_build_id(&config.sys_root),
             kernel,
             kernel_loaded,
+            kernel_retry: config.kallsyms_retry,
             module_build_ids: HashMap::new(),
             vdso,
             deadline: None,
@@ -442,11 +447,19 @@ impl Symbolizer {
         let mut found = self.kernel.lookup(lookup).map(kernel_frame);
         // An address no symbol names may be in a module loaded since
         // kallsyms was read: read it again (at most every retry interval)
-        // and look once more.
-        if found.is_none() && self.kernel_loaded.elapsed() >= self.config.kallsyms_retry {
+        // and look once more. An empty table (kptr_restrict) stays empty.
+        if found.is_none()
+            && !self.kernel.is_empty()
+            && self.kernel_loaded.elapsed() >= self.kernel_retry
+        {
             self.stats.kernel_reloads += 1;
             self.reload_kallsyms();
             found = self.kernel.lookup(lookup).map(kernel_frame);
+            self.kernel_retry = if found.is_some() {
+                self.config.kallsyms_retry
+            } else {
+                (self.kernel_retry * 2).min(self.config.kallsyms_reload)
+            };
         }
         match found {
             Some(frame) => {
@@ -730,6 +743,12 @@ fn new_blazesym() -> blaze::Symbolizer {
         // Paths are /proc/self/fd links that name one file for as long as
         // they are registered: no need to stat them on every call.
         .enable_auto_reload(false)
+        // The agent finds separate debug files itself, under the sampled
+        // process's root first (see `debug_files`): blazesym's own search of
+        // the host's /usr/lib/debug would repeat the host half of it for
+        // every binary without one, and would give a container's binary
+        // a host file.
+        .set_debug_dirs(Some::<[&Path; 0]>([]))
         .enable_code_info(true)
         .enable_inlined_fns(true)
         // Its demangler reads bare C names as type codes (`c` -> `char`).
@@ -1290,6 +1309,65 @@ mod tests {
         let stats = symbolizer.stats();
         assert_eq!((stats.kernel_named, stats.kernel_unnamed), (2, 1));
         assert_eq!(symbolizer.kernel_build_id(module.module.as_ref()), None);
+    }
+
+    #[test]
+    fn an_address_that_stays_unnamed_reads_kallsyms_less_and_less_often() {
+        let dir = tempfile::tempdir().expect("temp dir");
+        let kallsyms = dir.path().join("kallsyms");
+        let modules = dir.path().join("modules");
+        // Past nf_tables' end: unnamed until a module is loaded there.
+        std::fs::write(
+            &kallsyms,
+            "ffffffff81000000 T _text\nffffffffc0001000 t nft_do_chain\t[nf_tables]\n",
+        )
+        .expect("writing");
+        std::fs::write(&modules, "nf_tables 8192 0 - Live 0xffffffffc0000000\n").expect("writing");
+        let retry = Duration::from_millis(1);
+        let mut symbolizer = Symbolizer::new(SymbolizerConfig {
+            kallsyms: kallsyms.clone(),
+            modules: modules.clone(),
+            kallsyms_retry: retry,
+            sys_root: PathBuf::from("/nonexistent"),
+            ..SymbolizerConfig::default()
+        });
+        let in_a_module = 0xffff_ffff_c000_3010;
+        std::thread::sleep(retry);
+        assert!(symbolizer.kernel(in_a_module).lines.is_empty());
+        assert_eq!(symbolizer.stats().kernel_reloads, 1);
+        assert_eq!(symbolizer.kernel_retry, 2 * retry);
+        std::thread::sleep(2 * retry);
+        symbolizer.kernel(in_a_module);
+        assert_eq!(symbolizer.kernel_retry, 4 * retry);
+        // A read that names the miss brings the retry back.
+        std::fs::write(
+            &kallsyms,
+            "ffffffff81000000 T _text\nffffffffc0001000 t nft_do_chain\t[nf_tables]\n\
+             ffffffffc0003000 t later_fn\t[later]\n",
+        )
+        .expect("writing");
+        std::fs::write(
+            &modules,
+            "nf_tables 8192 0 - Live 0xffffffffc0000000\nlater 8192 0 - Live 0xffffffffc0003000\n",
+        )
+        .expect("writing");
+        std::thread::sleep(4 * retry);
+        assert_eq!(
+            functions(&symbolizer.kernel(in_a_module).lines),
+            ["later_fn"]
+        );
+        assert_eq!(symbolizer.kernel_retry, retry);
+
+        // With kptr_restrict the table is empty and is never read again.
+        std::fs::write(&kallsyms, "").expect("writing");
+        let mut restricted = Symbolizer::new(SymbolizerConfig {
+            kallsyms,
+            kallsyms_retry: Duration::ZERO,
+            sys_root: PathBuf::from("/nonexistent"),
+            ..SymbolizerConfig::default()
+        });
+        restricted.kernel(0x1000);
+        assert_eq!(restricted.stats().kernel_reloads, 0);
     }
 
     #[test]

@@ -114,8 +114,27 @@ pub fn find_debug_file(
     None
 }
 
+/// Largest debug file read (libLLVM's is about 1.5 GB).
+const MAX_DEBUG_FILE_BYTES: u64 = 4 << 30;
+
+/// Opens `path` only if it is a regular file of a sane size. The paths
+/// under a container's root are the container's to choose: a FIFO there
+/// would block a plain open forever, and a symlink to `/dev/zero` would be
+/// read forever. Opening without blocking and checking what was opened
+/// rules both out.
+fn open_regular(path: &Path) -> Option<File> {
+    use std::os::unix::fs::OpenOptionsExt as _;
+    let file = File::options()
+        .read(true)
+        .custom_flags(libc::O_NONBLOCK | libc::O_CLOEXEC)
+        .open(path)
+        .ok()?;
+    let metadata = file.metadata().ok()?;
+    (metadata.is_file() && metadata.len() <= MAX_DEBUG_FILE_BYTES).then_some(file)
+}
+
 fn open_with_build_id(path: &Path, build_id: &str) -> Option<File> {
-    let file = File::open(path).ok()?;
+    let file = open_regular(path)?;
     let found = {
         let cache = object::ReadCache::new(&file);
         let elf = object::File::parse(&cache).ok()?;
@@ -125,7 +144,7 @@ fn open_with_build_id(path: &Path, build_id: &str) -> Option<File> {
 }
 
 fn open_with_crc(path: &Path, expected: u32) -> Option<File> {
-    let mut file = File::open(path).ok()?;
+    let mut file = open_regular(path)?;
     let mut hasher = crc32fast::Hasher::new();
     let mut buffer = vec![0u8; 1 << 16];
     loop {
@@ -145,6 +164,23 @@ mod tests {
     use stackscope_test_fixtures::split_debug::{SplitDebug, run_tool};
 
     use super::*;
+
+    #[test]
+    fn only_regular_files_are_opened() {
+        let dir = tempfile::tempdir().unwrap();
+        let fifo = dir.path().join("fifo.debug");
+        let c_path = std::ffi::CString::new(fifo.as_os_str().as_encoded_bytes()).unwrap();
+        // SAFETY: a NUL-terminated path.
+        assert_eq!(unsafe { libc::mkfifo(c_path.as_ptr(), 0o600) }, 0);
+        // Would block forever with a plain open (no writer).
+        assert!(open_regular(&fifo).is_none());
+        let zero = dir.path().join("zero.debug");
+        std::os::unix::fs::symlink("/dev/zero", &zero).unwrap();
+        assert!(open_with_crc(&zero, 0).is_none());
+        let plain = dir.path().join("plain.debug");
+        std::fs::write(&plain, b"x").unwrap();
+        assert!(open_regular(&plain).is_some());
+    }
 
     #[test]
     fn debug_links_are_parsed_as_bare_names_with_their_crc() {
