@@ -33,7 +33,6 @@ use tracing_subscriber::EnvFilter;
 /// Where frames get their names (`--symbolize`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
 enum Symbolize {
-    Local,
     Collector,
     Both,
 }
@@ -120,13 +119,12 @@ struct Args {
     /// Keep unwind tables in memory only.
     #[arg(long)]
     no_table_cache: bool,
-    /// Where frames get their names: `local` (on the node only: the
+    /// Where frames get their names: `both` (on the node, from the
     /// binaries' own symbols, separate debug files under the process's or
-    /// the host's usr/lib/debug, MiniDebugInfo), `collector` (frames of
-    /// files with a build-id ship as build-id + offset and the collector
-    /// names them from uploaded or debuginfod debuginfo: smaller batches,
-    /// less agent CPU), or `both` (names found on the node travel, the
-    /// collector fills in the rest). Kernel and JIT frames are always named
+    /// the host's usr/lib/debug and MiniDebugInfo; frames still unnamed ship
+    /// as build-id + offset and the collector fills them in from uploaded or
+    /// debuginfod debuginfo), or `collector` (every frame of a file with a
+    /// build-id ships unnamed: smaller batches, less agent CPU). Kernel and JIT frames are always named
     /// on the node: nothing else can.
     #[arg(long, value_enum, default_value = "both")]
     symbolize: Symbolize,
@@ -134,7 +132,7 @@ struct Args {
     /// (.symtab, DWARF), once per build-id for the whole fleet (the
     /// collector is asked first), one upload at a time, off the sampling
     /// path: frames of those binaries are then named wherever they ship
-    /// unnamed. Not with `--symbolize local`.
+    /// unnamed.
     #[arg(long, requires = "collector")]
     upload_debuginfo: bool,
     /// Read processes' mappings from /proc only, when first sampled,
@@ -295,12 +293,6 @@ fn main() -> anyhow::Result<()> {
         mapping_events: !args.no_mapping_events,
         debuginfo_uploads: None,
     };
-    if args.upload_debuginfo && args.symbolize == Symbolize::Local {
-        anyhow::bail!(
-            "--upload-debuginfo sends symbols for the collector to name frames with; \
-             --symbolize local keeps naming on the node"
-        );
-    }
     let runtime = tokio::runtime::Builder::new_current_thread()
         .enable_all()
         .build()

@@ -212,7 +212,7 @@ fn offer_binaries(interval: &Interval, uploads: &UploadQueue) {
             continue;
         };
         uploads.offer(
-            &build_id.to_string(),
+            *build_id,
             || object.open_now().ok().and_then(|f| f.try_clone().ok()),
             path,
         );

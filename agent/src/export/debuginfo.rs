@@ -19,6 +19,7 @@ use std::{
 };
 
 use stackscope_debuginfo_client::{Uploaded, upload};
+use stackscope_process_table::BuildId;
 use stackscope_proto::v1::debuginfo_client::DebuginfoClient;
 use tokio::{
     sync::{mpsc, watch},
@@ -82,7 +83,7 @@ struct Candidate {
 #[derive(Debug, Clone)]
 pub struct UploadQueue {
     sender: mpsc::Sender<Candidate>,
-    offered: Arc<Mutex<HashSet<String>>>,
+    offered: Arc<Mutex<HashSet<BuildId>>>,
     stats: Arc<Mutex<UploadStats>>,
 }
 
@@ -106,20 +107,20 @@ impl UploadQueue {
     /// `name`) unless it was offered before; only then is it opened. Reads
     /// its section headers (on the worker's thread, never the sampling
     /// loop's).
-    pub fn offer(&self, build_id: &str, open: impl FnOnce() -> Option<File>, name: &str) {
+    pub fn offer(&self, build_id: BuildId, open: impl FnOnce() -> Option<File>, name: &str) {
         {
             let mut offered = lock(&self.offered);
-            if offered.contains(build_id) {
+            if offered.contains(&build_id) {
                 return;
             }
             if offered.len() >= MAX_OFFERED {
                 offered.clear();
             }
-            offered.insert(build_id.to_owned());
+            offered.insert(build_id);
         }
         let Some(file) = open() else {
             // Offered again with the build-id's next batch.
-            lock(&self.offered).remove(build_id);
+            lock(&self.offered).remove(&build_id);
             return;
         };
         if debug_files::name_source(&file) != Some(debug_files::NameSource::Symbols) {
@@ -127,14 +128,14 @@ impl UploadQueue {
             return;
         }
         let candidate = Candidate {
-            build_id: build_id.to_owned(),
+            build_id: build_id.to_string(),
             file,
             name: name.to_owned(),
         };
         if self.sender.try_send(candidate).is_err() {
             lock(&self.stats).queue_full += 1;
             // Offered again with the build-id's next batch.
-            lock(&self.offered).remove(build_id);
+            lock(&self.offered).remove(&build_id);
         }
     }
 }
