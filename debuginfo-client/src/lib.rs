@@ -4,9 +4,10 @@
 //! The file streams in chunks as it is read, after its size and SHA-256
 //! (which the collector checks before storing) were taken in a first read.
 //!
-//! Owns the client side of the protocol only: which files are worth sending
-//! is the caller's choice (the CLI checks them as the collector will; the
-//! agent sends binaries that carry symbols).
+//! Owns the client side of the protocol, and the one rule both sides share
+//! on what is worth sending: a file that carries symbols
+//! ([`carries_symbols`]), which the collector requires and the agent and
+//! the CLI check before they send.
 
 use std::{
     fs::File,
@@ -24,6 +25,22 @@ use tonic::{
     metadata::{Ascii, MetadataValue},
     transport::Channel,
 };
+
+/// Whether section `name` of `elf` holds bytes (a debug file made with
+/// `objcopy --only-keep-debug` keeps the code sections' headers as NOBITS).
+pub fn holds_section<'data, R: object::ReadRef<'data>>(
+    elf: &object::File<'data, R>,
+    name: &str,
+) -> bool {
+    use object::{Object as _, ObjectSection as _};
+    elf.section_by_name(name)
+        .is_some_and(|section| section.kind() != object::SectionKind::UninitializedData)
+}
+
+/// Whether `elf` carries names of its own: a symbol table or DWARF.
+pub fn carries_symbols<'data, R: object::ReadRef<'data>>(elf: &object::File<'data, R>) -> bool {
+    holds_section(elf, ".symtab") || holds_section(elf, ".debug_info")
+}
 
 /// Bytes per upload message (the collector's default message limit is
 /// well above).

@@ -16,7 +16,8 @@ use std::{
     path::{Path, PathBuf},
 };
 
-use object::{Object as _, ObjectSection as _, SectionKind};
+use object::{Object as _, ObjectSection as _};
+use stackscope_debuginfo_client::{carries_symbols, holds_section};
 
 /// What a binary says about where its names are.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -40,14 +41,10 @@ pub enum NameSource {
 pub fn name_source(file: &File) -> Option<NameSource> {
     let cache = object::ReadCache::new(file);
     let elf = object::File::parse(&cache).ok()?;
-    let holds = |name: &str| {
-        elf.section_by_name(name)
-            .is_some_and(|section| section.kind() != SectionKind::UninitializedData)
-    };
-    if holds(".symtab") || holds(".debug_info") {
+    if carries_symbols(&elf) {
         return Some(NameSource::Symbols);
     }
-    if holds(".gnu_debugdata") {
+    if holds_section(&elf, ".gnu_debugdata") {
         return Some(NameSource::MiniDebugInfo);
     }
     let debug_link = elf

@@ -18,7 +18,8 @@ use std::{
     sync::atomic::{AtomicU64, Ordering},
 };
 
-use object::{Object as _, ObjectSection as _, SectionKind};
+use object::Object as _;
+use stackscope_debuginfo_client::{carries_symbols, holds_section};
 use std::sync::Arc;
 
 /// The collector's debuginfo: its store and the symbolizer that reads it.
@@ -119,14 +120,10 @@ pub fn check_elf(file: &File, build_id: &str) -> Result<ElfContent, DebuginfoErr
             found,
         });
     }
-    let has_contents = |name: &str| {
-        elf.section_by_name(name)
-            .is_some_and(|section| section.kind() != SectionKind::UninitializedData)
-    };
-    if !has_contents(".symtab") && !has_contents(".debug_info") {
+    if !carries_symbols(&elf) {
         return Err(DebuginfoError::NoSymbols);
     }
-    let holds_code = has_contents(".text");
+    let holds_code = holds_section(&elf, ".text");
     Ok(ElfContent { holds_code })
 }
 
