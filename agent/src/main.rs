@@ -331,14 +331,21 @@ fn main() -> anyhow::Result<()> {
         });
         let summary = run(&config, sink).await?;
         // The run dropped the sink, so this is the only handle left.
-        let exported = match exporter.map(std::sync::Arc::into_inner) {
-            Some(Some(exporter)) => Some(exporter.shutdown(args.shutdown_timeout).await),
-            _ => None,
+        // Both get the whole timeout, side by side: shutdown takes at most
+        // --shutdown-timeout, not twice it.
+        let exporting = async {
+            match exporter.map(std::sync::Arc::into_inner) {
+                Some(Some(exporter)) => Some(exporter.shutdown(args.shutdown_timeout).await),
+                _ => None,
+            }
         };
-        let uploaded = match uploader {
-            Some(uploader) => Some(uploader.shutdown(args.shutdown_timeout).await),
-            None => None,
+        let uploading = async {
+            match uploader {
+                Some(uploader) => Some(uploader.shutdown(args.shutdown_timeout).await),
+                None => None,
+            }
         };
+        let (exported, uploaded) = tokio::join!(exporting, uploading);
         anyhow::Ok((summary, exported, uploaded))
     })?;
     let mut stdout = std::io::stdout().lock();

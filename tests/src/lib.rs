@@ -411,7 +411,7 @@ impl Collector {
                     .split("http=Some(\"")
                     .nth(1)
                     .and_then(|rest| rest.split('"').next())
-                    .unwrap_or_default()
+                    .expect("the collector logs its HTTP address as http=Some(\"...\")")
                     .trim_end_matches('/')
                     .to_owned();
                 break (format!("http://{addr}"), http);

@@ -214,8 +214,8 @@ fn containers_are_filtered_in_the_kernel_labelled_and_budgeted() {
         Vec::<String>::new()
     );
 
-    // 3. A at 1 in 4, selected by name: a quarter of the raw samples, the
-    // same weight once the collector scales them.
+    // 3. A at 1 in 4, selected by name: about a quarter of the raw
+    // samples, each weighed 4 by the collector.
     let budgeted = run_agent(
         &collector,
         "budget",
