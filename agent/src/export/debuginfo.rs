@@ -25,9 +25,8 @@ use tokio::{
     sync::{mpsc, watch},
     task::JoinHandle,
 };
-use tonic::metadata::MetadataValue;
 
-use super::{ExportConfig, ExportError, endpoint};
+use super::{ExportConfig, ExportError, authorization, endpoint};
 use crate::symbolize::debug_files;
 
 /// Files waiting for the uploader.
@@ -153,13 +152,7 @@ impl DebuginfoUploader {
     /// until the first upload.
     pub fn start(export: &ExportConfig, config: UploadConfig) -> Result<Self, ExportError> {
         let channel = endpoint(export)?.connect_lazy();
-        let authorization = match &export.bearer_token {
-            Some(token) => Some(
-                MetadataValue::try_from(format!("Bearer {token}"))
-                    .map_err(|_| ExportError::InvalidToken)?,
-            ),
-            None => None,
-        };
+        let authorization = authorization(export)?;
         let (sender, mut receiver) = mpsc::channel::<Candidate>(QUEUE_LEN);
         let stats = Arc::new(Mutex::new(UploadStats::default()));
         let queue = UploadQueue {

@@ -282,13 +282,7 @@ impl Exporter {
     pub fn start(config: ExportConfig) -> Result<Self, ExportError> {
         validate(&config)?;
         let endpoint = endpoint(&config)?;
-        let authorization = match &config.bearer_token {
-            Some(token) => Some(
-                MetadataValue::try_from(format!("Bearer {token}"))
-                    .map_err(|_| ExportError::InvalidToken)?,
-            ),
-            None => None,
-        };
+        let authorization = authorization(&config)?;
         // connect_lazy and spawn both need a runtime and would panic
         // without one.
         let runtime = tokio::runtime::Handle::try_current().map_err(|_| ExportError::NoRuntime)?;
@@ -712,6 +706,20 @@ fn parse_endpoint(endpoint: &str) -> Result<Uri, ExportError> {
         return Err(bad("a gRPC endpoint has no path or query"));
     }
     Ok(uri)
+}
+
+/// The `authorization` header the collector's token asks for, if one.
+pub(crate) fn authorization(
+    config: &ExportConfig,
+) -> Result<Option<MetadataValue<tonic::metadata::Ascii>>, ExportError> {
+    config
+        .bearer_token
+        .as_ref()
+        .map(|token| {
+            MetadataValue::try_from(format!("Bearer {token}"))
+                .map_err(|_| ExportError::InvalidToken)
+        })
+        .transpose()
 }
 
 fn endpoint(config: &ExportConfig) -> Result<Endpoint, ExportError> {

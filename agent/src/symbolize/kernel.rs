@@ -59,10 +59,11 @@ pub struct KernelSymbols {
 pub fn parse_module_extents(text: &str) -> HashMap<&str, (u64, u64)> {
     text.lines()
         .filter_map(|line| {
-            let fields: Vec<&str> = line.split_whitespace().collect();
-            let name = *fields.first()?;
-            let size: u64 = fields.get(1)?.parse().ok()?;
-            let address = fields.get(5)?.strip_prefix("0x")?;
+            let mut fields = line.split_whitespace();
+            let name = fields.next()?;
+            let size: u64 = fields.next()?.parse().ok()?;
+            // Past refs, deps and state.
+            let address = fields.nth(3)?.strip_prefix("0x")?;
             let start = u64::from_str_radix(address, 16).ok()?;
             (start >= KERNEL_SPACE).then_some((name, (start, start.checked_add(size)?)))
         })
