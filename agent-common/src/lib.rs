@@ -46,6 +46,10 @@ pub mod sample_flags {
     /// record is a fixed-size reservation: bytes after the announced
     /// lengths are padding.
     pub const DEEP_COPY: u32 = 1 << 4;
+    /// The copy stopped at the thread's [`super::StackTop`]: where its
+    /// walks reached the root before. A walk of such a copy that runs out of
+    /// stack means that top is stale (the agent drops it).
+    pub const COPY_AT_TOP: u32 = 1 << 5;
 }
 
 /// Length of `comm` as the kernel keeps it (`TASK_COMM_LEN`).
@@ -272,6 +276,33 @@ pub const MAX_STACK_PLANS: u32 = 1024;
 /// Processes with an adaptive copy size (`COPY_BYTES`, LRU).
 pub const MAX_COPY_SIZES: u32 = 16384;
 
+/// Where a thread's walks last reached the root: the value of the
+/// `STACK_TOPS` map, keyed by thread id, written by the agent. The sampler
+/// copies no further than `top`, so a copy sized for the thread's deepest
+/// tick does not run past the end of the stack mapping on its shallow ones:
+/// a read that faults there costs more than the copy itself (a page fault
+/// and its exception fixup, about 0.7 us here).
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct StackTop {
+    /// The thread's process: an entry left over from a thread whose id was
+    /// reused by another process is not used.
+    pub tgid: u32,
+    pub _pad: u32,
+    /// First stack address the thread's walks did not need.
+    pub top: u64,
+}
+
+// SAFETY: `repr(C)`, integers only, padding written out: every byte pattern
+// is a value.
+#[cfg(feature = "user")]
+unsafe impl aya::Pod for StackTop {}
+
+const _: () = assert!(core::mem::size_of::<StackTop>() == 16);
+
+/// Threads with a [`StackTop`] at most (LRU).
+pub const MAX_STACK_TOPS: u32 = 16384;
+
 /// An exec or exit of a process, in the same ring buffer as the samples so
 /// that it is read in order with them: samples taken after an exec are never
 /// unwound with the mappings from before it.
@@ -358,6 +389,7 @@ pub mod names {
     pub const WAKEUP_BYTES: &str = "WAKEUP_BYTES";
     pub const STACK_PLANS: &str = "STACK_PLANS";
     pub const COPY_BYTES: &str = "COPY_BYTES";
+    pub const STACK_TOPS: &str = "STACK_TOPS";
     pub const TASK_GROUP_LEADER_OFFSET: &str = "TASK_GROUP_LEADER_OFFSET";
     pub const TASK_START_TIME_OFFSET: &str = "TASK_START_TIME_OFFSET";
 }

@@ -31,9 +31,10 @@ use core::ffi::c_void;
 use agent_common::{
     COUNTER_SLOTS, CgroupPolicy, Counter, DEFAULT_USER_STACK_BYTES, MAX_ALLOW_ENTRIES,
     MAX_CGROUP_DEPTH, MAX_COPY_SIZES, MAX_DEEP_STACK_BYTES, MAX_KERNEL_STACK_BYTES, MAX_SPAN_BYTES,
-    MAX_STACK_PLANS, MAX_TAIL_BYTES, MAX_TAIL_SPANS, MAX_USER_STACK_BYTES, PAGE_SIZE, ProcessEvent,
-    RecordKind, SAMPLE_HEADER_SIZE, SCRATCH_BYTES, SampleHeader, StackPlan, TAIL_SPAN_HEADER_SIZE,
-    deep_record_bytes, policy_flags, sample_flags, tail_span,
+    MAX_STACK_PLANS, MAX_STACK_TOPS, MAX_TAIL_BYTES, MAX_TAIL_SPANS, MAX_USER_STACK_BYTES,
+    PAGE_SIZE, ProcessEvent, RecordKind, SAMPLE_HEADER_SIZE, SCRATCH_BYTES, SampleHeader,
+    StackPlan, StackTop, TAIL_SPAN_HEADER_SIZE, deep_record_bytes, policy_flags, sample_flags,
+    tail_span,
 };
 use aya_ebpf::{
     Global,
@@ -84,6 +85,10 @@ static STACK_PLANS: LruHashMap<u32, StackPlan> = LruHashMap::with_max_entries(MA
 /// Per process (by tgid): the adaptive copy size of threads without a plan.
 #[map(name = "COPY_BYTES")]
 static COPY_BYTES: LruHashMap<u32, u32> = LruHashMap::with_max_entries(MAX_COPY_SIZES, 0);
+
+/// Per thread (by tid): how far up its stack a copy needs to go at most.
+#[map(name = "STACK_TOPS")]
+static STACK_TOPS: LruHashMap<u32, StackTop> = LruHashMap::with_max_entries(MAX_STACK_TOPS, 0);
 
 // Load-time constants, patched by the agent. Being read-only globals, the
 // verifier sees their values and prunes the branches they disable.
@@ -223,11 +228,21 @@ fn try_sample_cpu_clock(ctx: &PerfEventContext) -> Result<u32, u32> {
     let mut tail_plan = None;
     if let Some(regs) = user_regs {
         let ceiling = USER_STACK_BYTES.load().min(MAX_USER_STACK_BYTES);
-        let wanted = match plan {
+        let mut limit = match plan {
             Some(plan) => plan.copy_bytes,
             None => unsafe { COPY_BYTES.get(tgid) }.copied().unwrap_or(ceiling),
-        };
-        let copy = copy_user_stack(scratch, kernel_stack_len, regs.rsp, wanted.min(ceiling));
+        }
+        .min(ceiling);
+        if plan.is_none()
+            && let Some(top) = unsafe { STACK_TOPS.get(tid) }
+            && top.tgid == tgid
+            && top.top > regs.rsp
+            && top.top - regs.rsp < u64::from(limit)
+        {
+            limit = (top.top - regs.rsp) as u32;
+            flags |= sample_flags::COPY_AT_TOP;
+        }
+        let copy = copy_user_stack(scratch, kernel_stack_len, regs.rsp, limit);
         user_stack_len = copy.len;
         if copy.faulted {
             flags |= sample_flags::USER_STACK_FAULTED;

@@ -528,7 +528,8 @@ fn print_report(
         "{:.1}% of {} user stacks unwound to the outermost frame ({:.1}% through a stack tail), \
          {:.1}% truncated ({} kernel ticks counted as kernel-only: their user address was in no \
          known mapping, as inside exec or exit); \
-         {} stack plans learned ({} of them deep copies), {:.0} user stack bytes read per sample \
+         {} stack plans learned ({} of them deep copies), {} stack tops written ({} dropped), \
+         {:.0} user stack bytes read per sample \
          ({} tables compiled, {} from disk, \
          {} objects without usable CFI; {} samples waited for a table, {} found the queue full)",
         ends.outermost_percent(),
@@ -538,6 +539,8 @@ fn print_report(
         unwinding.kernel_ticks_unplaced,
         unwinding.plans.plans_learned,
         unwinding.plans.deep_plans_learned,
+        unwinding.plans.tops_written,
+        unwinding.plans.tops_dropped,
         summary.kernel.user_bytes_per_sample(),
         unwinding.tables_compiled,
         unwinding.tables_from_disk,

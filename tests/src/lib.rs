@@ -21,7 +21,7 @@ use stackscope_agent::sampler::{
 };
 use stackscope_agent::{
     sampler::Counters,
-    unwinding::{StackWalker, UserStack, WalkOutcome, Walked, WalkerConfig},
+    unwinding::{StackWalker, UserStack, WalkOutcome, Walked, WalkerConfig, stitching::PlanUpdate},
 };
 pub use stackscope_process_table::maps::{Mapping, MappingPath};
 use stackscope_process_table::{Location, ProcessTable};
@@ -117,6 +117,28 @@ pub fn sample_for(config: &SamplerConfig, duration: Duration) -> Recorded {
 
 /// Like [`sample_for`], calling `during` once the sampler is attached.
 pub fn sample_while(config: &SamplerConfig, duration: Duration, during: impl FnOnce()) -> Recorded {
+    sample_with(config, duration, |_| during())
+}
+
+/// Like [`sample_for`], with the sampler's maps set by `updates` (as the
+/// walker's planner would) before the first tick is read.
+pub fn sample_planned(
+    config: &SamplerConfig,
+    duration: Duration,
+    updates: Vec<PlanUpdate>,
+) -> Recorded {
+    sample_with(config, duration, |sampler| {
+        sampler.apply_plan_updates(updates);
+        // Ticks from before the maps were set are not what is tested.
+        sampler.drain_records(|_| {});
+    })
+}
+
+fn sample_with(
+    config: &SamplerConfig,
+    duration: Duration,
+    started: impl FnOnce(&mut Sampler),
+) -> Recorded {
     let runtime = tokio::runtime::Builder::new_current_thread()
         .enable_all()
         .build()
@@ -130,8 +152,8 @@ pub fn sample_while(config: &SamplerConfig, duration: Duration, during: impl FnO
             Ok(Record::Exit(event)) => recorded.exits.push(event),
             Err(err) => recorded.decode_errors.push(err),
         };
+        started(&mut sampler);
         let deadline = tokio::time::Instant::now() + duration;
-        during();
         loop {
             tokio::select! {
                 read = sampler.read_records(&mut keep) => { read.expect("reading the ring buffer"); }

@@ -8,14 +8,15 @@ use std::{
     time::{Duration, Instant},
 };
 
-use agent_common::{CgroupPolicy, policy_flags, sample_flags};
+use agent_common::{CgroupPolicy, StackTop, policy_flags, sample_flags};
+use stackscope_agent::unwinding::stitching::PlanUpdate;
 use stackscope_agent::{
     cgroups,
     sampler::{SamplerConfig, record::OwnedSample},
 };
 use stackscope_tests::{
     Fixture, Mapping, MappingPath, RunningProcess, TempCgroup, exclusive, find_word, kernel_symbol,
-    kernel_symbols, read_maps, require_root, sample_for, sample_while,
+    kernel_symbols, read_maps, require_root, sample_for, sample_planned, sample_while,
 };
 
 const CANARY: u64 = 0x05CA_1AB1_E0DD_BA11;
@@ -147,6 +148,50 @@ fn copies_a_short_stack_up_to_the_end_of_its_mapping() {
             1,
             "the one frame's canary"
         );
+    }
+}
+
+#[test]
+fn a_threads_stack_top_ends_its_copies_there_without_a_fault() {
+    require_root();
+    let _serial = exclusive();
+    let fixture = Fixture::compile("deep_stack", &[]);
+    let process = fixture.start(&["0"]);
+    let pid = process.pid();
+    let maps = read_maps(pid);
+    let stack = mapping(&maps, |m| m.path == MappingPath::Stack, "stack");
+    // Above the spinning frame and its canary, below the end of the mapping.
+    let top = stack.end - 64;
+    let config = SamplerConfig {
+        frequency_hz: FREQUENCY_HZ,
+        pids: vec![pid],
+        ..SamplerConfig::default()
+    };
+    let top_of = |tgid| PlanUpdate::ThreadTop {
+        tid: pid,
+        top: Some(StackTop { tgid, _pad: 0, top }),
+    };
+
+    let samples = sample_planned(&config, SAMPLING, vec![top_of(pid)]).samples;
+    assert!(!samples.is_empty(), "no samples of the fixture");
+    for sample in &samples {
+        let h = &sample.header;
+        assert_eq!(sample.user_stack.len() as u64, top - h.user_rsp, "{h:?}");
+        assert_eq!(
+            h.flags & (sample_flags::COPY_AT_TOP | sample_flags::USER_STACK_FAULTED),
+            sample_flags::COPY_AT_TOP,
+            "stopped at the top, not by a fault: {h:?}"
+        );
+        assert_eq!(find_word(&sample.user_stack, CANARY).count(), 1);
+    }
+
+    // Another process's entry for the same thread id is not this thread's.
+    let samples = sample_planned(&config, SAMPLING, vec![top_of(pid + 1)]).samples;
+    assert!(!samples.is_empty(), "no samples of the fixture");
+    for sample in &samples {
+        let h = &sample.header;
+        assert_eq!(sample.user_stack.len() as u64, stack.end - h.user_rsp);
+        assert_eq!(h.flags & sample_flags::COPY_AT_TOP, 0, "{h:?}");
     }
 }
 

@@ -18,7 +18,7 @@ use std::{
 
 use agent_common::{
     COUNTER_SLOTS, CgroupPolicy, Counter, MAX_ALLOW_ENTRIES, MAX_DEEP_STACK_BYTES,
-    MAX_USER_STACK_BYTES, PAGE_SIZE, StackPlan, names,
+    MAX_USER_STACK_BYTES, PAGE_SIZE, StackPlan, StackTop, names,
 };
 use aya::{
     Ebpf, EbpfLoader,
@@ -178,6 +178,8 @@ pub struct Sampler {
     /// Per-thread stack plans and per-process copy sizes (LRU maps).
     plan_map: HashMap<MapData, u32, StackPlan>,
     copy_map: HashMap<MapData, u32, u32>,
+    /// Per-thread stack tops (LRU).
+    top_map: HashMap<MapData, u32, StackTop>,
     /// Ring buffer losses already reported by `take_new_losses`.
     losses_seen: u64,
     log_task: Option<tokio::task::JoinHandle<()>>,
@@ -279,6 +281,7 @@ impl Sampler {
         let counters = take_map(&mut ebpf, names::COUNTERS)?;
         let plan_map = take_map(&mut ebpf, names::STACK_PLANS)?;
         let copy_map = take_map(&mut ebpf, names::COPY_BYTES)?;
+        let top_map = take_map(&mut ebpf, names::STACK_TOPS)?;
         let mut drain_timer = tokio::time::interval(DRAIN_INTERVAL);
         drain_timer.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         Ok(Self {
@@ -289,6 +292,7 @@ impl Sampler {
             policies,
             plan_map,
             copy_map,
+            top_map,
             losses_seen: 0,
             log_task,
             ebpf,
@@ -303,6 +307,13 @@ impl Sampler {
             let result = match update {
                 PlanUpdate::ProcessCopy { tgid, bytes } => self.set_copy_bytes(tgid, bytes),
                 PlanUpdate::Thread { tid, plan } => self.set_stack_plan(tid, plan.as_deref()),
+                PlanUpdate::ThreadTop { tid, top } => {
+                    let result = match top {
+                        Some(top) => self.top_map.insert(tid, top, 0),
+                        None => self.top_map.remove(&tid),
+                    };
+                    map_result(names::STACK_TOPS, result)
+                }
             };
             if let Err(err) = result {
                 tracing::debug!("stack plan not written: {err}");

@@ -865,7 +865,9 @@ impl StackWalker {
             tid: header.tid,
             comm: header.comm,
             ktime_ns: header.ktime_ns,
+            rsp: header.user_rsp,
             copied: stack.copy.len() as u32,
+            copy_at_top: header.flags & sample_flags::COPY_AT_TOP != 0,
             copy_bytes_read: self.last_copy_read,
             tail_reads: self.last_tail_reads,
             end,
@@ -880,7 +882,7 @@ impl StackWalker {
     fn learn(&mut self, header: &SampleHeader, copy: &[u8], report: &WalkReport) {
         let regs = registers(header);
         let mut planner = std::mem::replace(&mut self.planner, Planner::new(0, 0, false));
-        planner.learn(report, regs.rsp, copy, |memory| {
+        planner.learn(report, copy, |memory| {
             let mut frames = std::mem::take(&mut self.learn_frames);
             let (end, _) = self.walk_memory(
                 header.tgid,

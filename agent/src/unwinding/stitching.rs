@@ -26,8 +26,8 @@ use foldhash::{HashMap, HashMapExt as _, HashSet, HashSetExt as _};
 use std::io;
 
 use agent_common::{
-    COMM_LEN, MAX_SPAN_BYTES, MAX_STACK_PLANS, MAX_TAIL_BYTES, MAX_TAIL_SPANS,
-    MIN_USER_STACK_BYTES, PAGE_SIZE, StackPlan, TAIL_SPAN_HEADER_SIZE, tail_span,
+    COMM_LEN, MAX_SPAN_BYTES, MAX_STACK_PLANS, MAX_STACK_TOPS, MAX_TAIL_BYTES, MAX_TAIL_SPANS,
+    MIN_USER_STACK_BYTES, PAGE_SIZE, StackPlan, StackTop, TAIL_SPAN_HEADER_SIZE, tail_span,
 };
 use stackscope_unwind::{StackMemory, UnwindEnd};
 
@@ -42,6 +42,8 @@ pub enum PlanUpdate {
         tid: u32,
         plan: Option<Box<StackPlan>>,
     },
+    /// Set (or remove) how far up one thread's stack its copies go.
+    ThreadTop { tid: u32, top: Option<StackTop> },
 }
 
 /// Bytes copied above the highest word a learned plan's copy must hold,
@@ -85,8 +87,12 @@ pub struct WalkReport {
     /// The thread's name.
     pub comm: [u8; COMM_LEN],
     pub ktime_ns: u64,
+    /// The thread's stack pointer at the tick.
+    pub rsp: u64,
     /// Bytes of contiguous copy the tick had.
     pub copied: u32,
+    /// The copy stopped at the thread's stack top (`COPY_AT_TOP`).
+    pub copy_at_top: bool,
     /// Bytes of the copy the walk read.
     pub copy_bytes_read: u64,
     /// Words the walk read from the tail.
@@ -108,6 +114,11 @@ pub struct PlanStats {
     pub learn_throttled: u64,
     /// Copy size changes written for processes.
     pub copy_updates: u64,
+    /// Stack tops written for threads (their copies stop where their
+    /// walks reach the root, not at a fault past the stack's end).
+    pub tops_written: u64,
+    /// Stack tops dropped because a copy that stopped there ran out.
+    pub tops_dropped: u64,
     /// Plans in use now.
     pub thread_plans: usize,
     /// Of those, deep copies.
@@ -146,6 +157,8 @@ pub struct Planner {
     adaptive: bool,
     processes: HashMap<u32, ProcessCopy>,
     threads: HashMap<u32, ThreadPlan>,
+    /// Per thread: its process and the stack top written for it.
+    tops: HashMap<u32, (u32, u64)>,
     /// Thread names whose threads needed deep copies.
     deep_programs: HashSet<[u8; COMM_LEN]>,
     updates: Vec<PlanUpdate>,
@@ -170,6 +183,7 @@ impl Planner {
             adaptive,
             processes: HashMap::new(),
             threads: HashMap::new(),
+            tops: HashMap::new(),
             deep_programs: HashSet::new(),
             updates: Vec::new(),
             budget_second: 0,
@@ -214,10 +228,57 @@ impl Planner {
             .is_some_and(|t| t.planned != Planned::Nothing);
         if !planned {
             self.observe_process(walk.tgid, walk.ktime_ns, needed);
+            self.observe_top(walk);
         }
         // Deeper than any copy: only a tail can help. A shorter copy that
         // ran out is fixed by the copy size above.
         truncated && (planned || walk.copied >= ceiling)
+    }
+
+    /// Keeps the thread's stack top at the highest address its rooted walks
+    /// read; drops it when a copy that stopped there was not enough.
+    fn observe_top(&mut self, walk: &WalkReport) {
+        let known = self
+            .tops
+            .get(&walk.tid)
+            .filter(|(tgid, _)| *tgid == walk.tgid);
+        match walk.end {
+            UnwindEnd::Outermost if walk.tail_reads == 0 => {
+                let reach = walk
+                    .rsp
+                    .saturating_add(walk.copy_bytes_read.next_multiple_of(8));
+                if known.is_some_and(|&(_, top)| top >= reach) {
+                    return;
+                }
+                if self.tops.len() >= MAX_STACK_TOPS as usize {
+                    // The map's own LRU keeps what the sampler uses; this
+                    // side only needs to know what it wrote recently.
+                    self.tops.clear();
+                }
+                self.tops.insert(walk.tid, (walk.tgid, reach));
+                self.stats.tops_written += 1;
+                self.updates.push(PlanUpdate::ThreadTop {
+                    tid: walk.tid,
+                    top: Some(StackTop {
+                        tgid: walk.tgid,
+                        _pad: 0,
+                        top: reach,
+                    }),
+                });
+            }
+            // Whether or not this side still knows the entry: a stale one
+            // in the map (its thread id reused within the process) would
+            // keep cutting that thread's copies short.
+            UnwindEnd::StackTruncated if walk.copy_at_top => {
+                self.tops.remove(&walk.tid);
+                self.stats.tops_dropped += 1;
+                self.updates.push(PlanUpdate::ThreadTop {
+                    tid: walk.tid,
+                    top: None,
+                });
+            }
+            _ => {}
+        }
     }
 
     fn observe_process(&mut self, tgid: u32, now: u64, needed: u32) {
@@ -257,7 +318,6 @@ impl Planner {
     pub fn learn(
         &mut self,
         walk: &WalkReport,
-        rsp: u64,
         copy: &[u8],
         walk_again: impl FnOnce(&mut RemoteStack<'_>) -> UnwindEnd,
     ) {
@@ -309,6 +369,7 @@ impl Planner {
         );
 
         self.reads.clear();
+        let rsp = walk.rsp;
         let mut remote = RemoteStack::new(walk.tgid, rsp, copy, &mut self.remote, &mut self.reads);
         let end = walk_again(&mut remote);
         let reach = remote.reads.iter().max().map_or(0, |&a| a + 8 - rsp);
@@ -378,10 +439,11 @@ impl Planner {
     /// Exec or exit records were lost: every size and plan goes (a reused
     /// id must not inherit them), from the maps too.
     pub fn forget_all(&mut self) {
-        let tgids: Vec<u32> = self
+        let tgids: HashSet<u32> = self
             .processes
             .keys()
             .chain(self.threads.values().map(|t| &t.tgid))
+            .chain(self.tops.values().map(|(tgid, _)| tgid))
             .copied()
             .collect();
         for tgid in tgids {
@@ -406,6 +468,13 @@ impl Planner {
             if thread.planned != Planned::Nothing {
                 updates.push(PlanUpdate::Thread { tid, plan: None });
             }
+            false
+        });
+        self.tops.retain(|&tid, &mut (top_tgid, _)| {
+            if top_tgid != tgid {
+                return true;
+            }
+            updates.push(PlanUpdate::ThreadTop { tid, top: None });
             false
         });
     }
@@ -738,11 +807,80 @@ mod tests {
             tid,
             comm: [0; COMM_LEN],
             ktime_ns,
+            rsp: 0x7000_0000,
             copied,
+            copy_at_top: false,
             copy_bytes_read: read,
             tail_reads: 0,
             end,
         }
+    }
+
+    /// The process copy-size updates among the queued ones.
+    fn copy_updates(planner: &mut Planner) -> Vec<PlanUpdate> {
+        planner
+            .take_updates()
+            .into_iter()
+            .filter(|update| matches!(update, PlanUpdate::ProcessCopy { .. }))
+            .collect()
+    }
+
+    /// The stack-top updates among the queued ones.
+    fn top_updates(planner: &mut Planner) -> Vec<(u32, Option<u64>)> {
+        planner
+            .take_updates()
+            .into_iter()
+            .filter_map(|update| match update {
+                PlanUpdate::ThreadTop { tid, top } => Some((tid, top.map(|t| t.top))),
+                _ => None,
+            })
+            .collect()
+    }
+
+    #[test]
+    fn a_thread_top_follows_the_highest_word_its_rooted_walks_read() {
+        let mut planner = Planner::new(16384, 0, true);
+        let rsp = 0x7000_0000;
+        planner.observe(&report(7, 0, 16384, 1003, UnwindEnd::Outermost));
+        assert_eq!(top_updates(&mut planner), [(7, Some(rsp + 1008))]);
+        // Lower reaches (and walks that did not reach the root) keep it.
+        planner.observe(&report(7, 1, 16384, 900, UnwindEnd::Outermost));
+        planner.observe(&report(7, 2, 16384, 16384, UnwindEnd::StackTruncated));
+        assert_eq!(top_updates(&mut planner), []);
+        planner.observe(&report(7, 3, 16384, 2000, UnwindEnd::Outermost));
+        assert_eq!(top_updates(&mut planner), [(7, Some(rsp + 2000))]);
+        assert_eq!(planner.stats().tops_written, 2);
+
+        // A copy cut at the top ran out: the top goes, then comes back
+        // from the next rooted walk.
+        let cut = WalkReport {
+            copy_at_top: true,
+            ..report(7, 4, 2000, 2000, UnwindEnd::StackTruncated)
+        };
+        planner.observe(&cut);
+        assert_eq!(top_updates(&mut planner), [(7, None)]);
+        assert_eq!(planner.stats().tops_dropped, 1);
+        planner.observe(&report(7, 5, 16384, 3000, UnwindEnd::Outermost));
+        assert_eq!(top_updates(&mut planner), [(7, Some(rsp + 3000))]);
+
+        // Even one this side no longer knows is dropped from the map.
+        planner.observe(&WalkReport { tid: 8, ..cut });
+        assert_eq!(top_updates(&mut planner), [(8, None)]);
+
+        // The process's exit takes its threads' tops.
+        planner.observe(&report(9, 6, 16384, 500, UnwindEnd::Outermost));
+        planner.take_updates();
+        planner.forget_process(10);
+        let mut gone = top_updates(&mut planner);
+        gone.sort_unstable();
+        assert_eq!(gone, [(7, None), (9, None)]);
+    }
+
+    #[test]
+    fn fixed_copies_write_no_tops() {
+        let mut planner = Planner::new(16384, 0, false);
+        planner.observe(&report(7, 0, 16384, 1000, UnwindEnd::Outermost));
+        assert_eq!(top_updates(&mut planner), []);
     }
 
     #[test]
@@ -750,7 +888,7 @@ mod tests {
         let mut planner = Planner::new(16384, 0, true);
         assert!(!planner.observe(&report(10, 0, 16384, 1000, UnwindEnd::Outermost)));
         assert_eq!(
-            planner.take_updates(),
+            copy_updates(&mut planner),
             [PlanUpdate::ProcessCopy {
                 tgid: 10,
                 bytes: Some(1536)
@@ -758,11 +896,11 @@ mod tests {
         );
         // The same need again: nothing to write.
         planner.observe(&report(10, 1, 1536, 900, UnwindEnd::Outermost));
-        assert!(planner.take_updates().is_empty());
+        assert!(copy_updates(&mut planner).is_empty());
         // A walk ran out of a short copy: back to the ceiling, no learning.
         assert!(!planner.observe(&report(10, 2, 1536, 1536, UnwindEnd::StackTruncated)));
         assert_eq!(
-            planner.take_updates(),
+            copy_updates(&mut planner),
             [PlanUpdate::ProcessCopy {
                 tgid: 10,
                 bytes: Some(16384)
@@ -774,7 +912,7 @@ mod tests {
         planner.observe(&report(10, 21_000_000_000, 1536, 900, UnwindEnd::Outermost));
         planner.observe(&report(10, 32_000_000_000, 1536, 900, UnwindEnd::Outermost));
         assert_eq!(
-            planner.take_updates().last(),
+            copy_updates(&mut planner).last(),
             Some(&PlanUpdate::ProcessCopy {
                 tgid: 10,
                 bytes: Some(1536)
@@ -782,7 +920,7 @@ mod tests {
         );
         planner.forget_process(10);
         assert_eq!(
-            planner.take_updates(),
+            copy_updates(&mut planner),
             [PlanUpdate::ProcessCopy {
                 tgid: 10,
                 bytes: None
@@ -809,14 +947,16 @@ mod tests {
             tid: 1,
             comm: [0; COMM_LEN],
             ktime_ns: 1_000,
+            rsp,
             copied: 128,
+            copy_at_top: false,
             copy_bytes_read: 128,
             tail_reads: 0,
             end: UnwindEnd::StackTruncated,
         };
         let target = rsp + 8 * 3000;
         let mut seen = None;
-        planner.learn(&walk, rsp, &copy, |memory| {
+        planner.learn(&walk, &copy, |memory| {
             // Words past the copy come from the live buffer.
             seen = Some(memory.read_u64(rsp + 8 * 20).unwrap());
             assert_eq!(memory.read_u64(target), Ok(3000));
@@ -837,13 +977,13 @@ mod tests {
         assert_eq!(tail_span::addr(plan.spans[0]), target);
         assert_eq!(planner.stats().plans_learned, 1);
         // Again within the interval: not learned.
-        planner.learn(&walk, rsp, &copy, |_| panic!("learned twice"));
+        planner.learn(&walk, &copy, |_| panic!("learned twice"));
         // A walk that does not reach the root gives no plan.
         let later = WalkReport {
             ktime_ns: 1_000 + LEARN_INTERVAL_NS,
             ..walk
         };
-        planner.learn(&later, rsp, &copy, |_| UnwindEnd::StackTruncated);
+        planner.learn(&later, &copy, |_| UnwindEnd::StackTruncated);
         assert_eq!(planner.stats().learn_failed, 1);
         planner.forget_process(std::process::id());
         assert_eq!(
@@ -853,7 +993,7 @@ mod tests {
         // Far past any stack: refused without being remembered.
         let mut far = None;
         let later_still = WalkReport { tid: 2, ..walk };
-        planner.learn(&later_still, rsp, &copy, |memory| {
+        planner.learn(&later_still, &copy, |memory| {
             far = Some(memory.read_u64(u64::MAX - 7));
             UnwindEnd::Outermost
         });
@@ -944,14 +1084,16 @@ mod tests {
             tid: 1,
             comm,
             ktime_ns: 1_000,
+            rsp,
             copied: 16384,
+            copy_at_top: false,
             copy_bytes_read: 16384,
             tail_reads: 0,
             end: UnwindEnd::StackTruncated,
         };
         let mut planner = Planner::new(16384, 1 << 20, true);
         // First a tail, as for any deep thread.
-        planner.learn(&walk, rsp, &copy, walk_to_the_root);
+        planner.learn(&walk, &copy, walk_to_the_root);
         let tail = learned(&mut planner, 1).expect("a tail plan");
         assert_eq!((tail.stack_end, tail.span_count), (0, 1));
         // It ran out again soon after: stale once, a tail again; stale
@@ -961,19 +1103,19 @@ mod tests {
             ktime_ns: walk.ktime_ns + STALE_RELEARN_NS,
             ..walk
         };
-        planner.learn(&soon, rsp, &copy, walk_to_the_root);
+        planner.learn(&soon, &copy, walk_to_the_root);
         assert_eq!(learned(&mut planner, 1).expect("a plan").stack_end, 0);
         let soon = WalkReport {
             ktime_ns: soon.ktime_ns + STALE_RELEARN_NS,
             ..soon
         };
-        planner.learn(&soon, rsp, &copy, walk_to_the_root);
+        planner.learn(&soon, &copy, walk_to_the_root);
         let deep = learned(&mut planner, 1).expect("a deep plan");
         assert_eq!(deep.stack_end, stack.end());
         assert_eq!((deep.copy_bytes, deep.span_count), (16384, 0));
         // Another thread of the same program goes deep at once.
         let sibling = WalkReport { tid: 2, ..soon };
-        planner.learn(&sibling, rsp, &copy, walk_to_the_root);
+        planner.learn(&sibling, &copy, walk_to_the_root);
         assert_eq!(
             learned(&mut planner, 2).expect("a plan").stack_end,
             stack.end()
@@ -984,8 +1126,8 @@ mod tests {
 
         // Without deep copies a stale tail is learned again as a tail ...
         let mut planner = Planner::new(16384, 0, true);
-        planner.learn(&walk, rsp, &copy, walk_to_the_root);
-        planner.learn(&soon, rsp, &copy, walk_to_the_root);
+        planner.learn(&walk, &copy, walk_to_the_root);
+        planner.learn(&soon, &copy, walk_to_the_root);
         let updates = planner.take_updates();
         assert_eq!(updates.len(), 2);
         assert!(
@@ -995,8 +1137,8 @@ mod tests {
         );
         // ... as it is when the stack is deeper than the deep limit.
         let mut planner = Planner::new(16384, 32 * 1024, true);
-        planner.learn(&walk, rsp, &copy, walk_to_the_root);
-        planner.learn(&soon, rsp, &copy, walk_to_the_root);
+        planner.learn(&walk, &copy, walk_to_the_root);
+        planner.learn(&soon, &copy, walk_to_the_root);
         assert_eq!(planner.stats().deep_plans_learned, 0);
         assert_eq!(planner.stats().plans_learned, 2);
     }
