@@ -4,7 +4,7 @@
 //! fixed capacity; once full, samples of processes not yet in it are counted
 //! as `other` rather than growing the table.
 
-use std::collections::HashMap;
+use foldhash::{HashMap, HashMapExt as _};
 
 /// One process's share of the samples.
 #[derive(Debug, Clone, PartialEq, Eq, serde::Serialize)]

@@ -9,10 +9,11 @@
 //! sample.
 
 use std::{
-    collections::HashMap,
     sync::Arc,
     time::{Duration, Instant},
 };
+
+use foldhash::{HashMap, HashMapExt as _};
 
 use stackscope_process_table::ObjectId;
 use stackscope_profile::model::unix_nanos;
@@ -236,7 +237,7 @@ impl Default for StringTable {
     fn default() -> Self {
         Self {
             strings: vec![String::new()],
-            index: HashMap::from([(String::new(), 0)]),
+            index: [(String::new(), 0)].into_iter().collect(),
         }
     }
 }
