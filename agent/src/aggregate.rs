@@ -329,7 +329,8 @@ struct Builder {
     eager_opens: usize,
     locations: Vec<IntervalLocation>,
     location_index: HashMap<IntervalLocation, u32>,
-    stacks: Vec<Box<[u32]>>,
+    /// Stacks by their frames; the index is the order they first came
+    /// in (one allocation per stack: the list is made at the end).
     stack_index: HashMap<Box<[u32]>, u32>,
     label_sets: Vec<LabelValues>,
     label_index: HashMap<LabelKey, u32>,
@@ -351,7 +352,6 @@ impl Builder {
             eager_opens: 0,
             locations: Vec::new(),
             location_index: HashMap::new(),
-            stacks: Vec::new(),
             stack_index: HashMap::new(),
             label_sets: Vec::new(),
             label_index: HashMap::new(),
@@ -398,8 +398,7 @@ impl Builder {
         if !insert {
             return None;
         }
-        let index = index_of(self.stacks.len());
-        self.stacks.push(stack.into());
+        let index = index_of(self.stack_index.len());
         self.stack_index.insert(stack.into(), index);
         Some(index)
     }
@@ -449,12 +448,21 @@ impl Builder {
             end,
             mappings: self.mappings,
             locations: self.locations,
-            stacks: self.stacks,
+            stacks: in_index_order(self.stack_index),
             label_sets: self.label_sets,
             samples: self.samples,
             labels,
         }
     }
+}
+
+/// The keys of `index` in the order of their values (`0..len`).
+fn in_index_order(index: HashMap<Box<[u32]>, u32>) -> Vec<Box<[u32]>> {
+    let mut keys: Vec<Box<[u32]>> = vec![Box::default(); index.len()];
+    for (key, at) in index {
+        keys[at as usize] = key;
+    }
+    keys
 }
 
 /// Dictionary sizes are bounded far below `u32::MAX` by `max_entries` and
