@@ -74,7 +74,9 @@ impl KernelSymbols {
     /// Reads and parses a kallsyms file, bounding module symbols by the
     /// module extents in `modules` (`/proc/modules`) when it is readable.
     pub fn load(path: &Path, modules: &Path) -> io::Result<Self> {
-        let mut table = Self::parse(&std::fs::read_to_string(path)?);
+        // Streamed: the whole text (8 MB on a distribution kernel) would
+        // double the agent's peak heap for the moment of the parse.
+        let mut table = Self::parse(io::BufReader::new(std::fs::File::open(path)?))?;
         if let Ok(text) = std::fs::read_to_string(modules) {
             table.bound_modules(&parse_module_extents(&text));
         }
@@ -92,11 +94,17 @@ impl KernelSymbols {
 
     /// Parses kallsyms text (`<hex address> <type> <name>[\t[<module>]]`
     /// per line). Lines that are not function symbols, or not of that
-    /// shape, are skipped: the table is best effort, never an error.
-    pub fn parse(text: &str) -> Self {
+    /// shape, are skipped: the table is best effort; only a failed read is
+    /// an error.
+    pub fn parse(mut text: impl io::BufRead) -> io::Result<Self> {
         let mut table = Self::default();
-        let mut module_index: HashMap<&str, u16> = HashMap::new();
-        for line in text.lines() {
+        let mut module_index: HashMap<String, u16> = HashMap::new();
+        let mut line = String::new();
+        loop {
+            line.clear();
+            if text.read_line(&mut line)? == 0 {
+                break;
+            }
             let mut fields = line.split_whitespace();
             let (Some(address), Some(kind), Some(name)) =
                 (fields.next(), fields.next(), fields.next())
@@ -124,7 +132,7 @@ impl KernelSymbols {
                                 continue;
                             };
                             table.modules.push(module.into());
-                            module_index.insert(module, index);
+                            module_index.insert(module.to_string(), index);
                             index
                         }
                     }
@@ -152,7 +160,7 @@ impl KernelSymbols {
         table.symbols.reverse();
         table.symbols.shrink_to_fit();
         table.names.shrink_to_fit();
-        table
+        Ok(table)
     }
 
     /// No symbol was readable (no kallsyms, or addresses hidden by
@@ -253,7 +261,7 @@ ffffffffc0b00000 t ext4_map\t[ext4]
 
     #[test]
     fn parses_functions_with_their_modules() {
-        let table = KernelSymbols::parse(KALLSYMS);
+        let table = KernelSymbols::parse(KALLSYMS.as_bytes()).unwrap();
         assert_eq!(
             table.len(),
             6,
@@ -296,7 +304,7 @@ ffffffffc0b00000 t ext4_map\t[ext4]
     #[test]
     fn hidden_addresses_give_an_empty_table() {
         let hidden = "0000000000000000 T _text\n0000000000000000 t do_one_initcall\n";
-        let table = KernelSymbols::parse(hidden);
+        let table = KernelSymbols::parse(hidden.as_bytes()).unwrap();
         assert!(table.is_empty());
         assert_eq!(table.lookup(0xffff_ffff_8100_0000), None);
     }
