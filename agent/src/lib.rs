@@ -12,13 +12,15 @@
 //! one `stackscope.v1.Batch` per interval, naming frames with [`symbolize`],
 //! [`export`] ships the batches, and [`run`] drives the loop, prints the
 //! periodic [`status`] line and stops on a signal or after a duration (see
-//! `shared/DESIGN.md`).
+//! `shared/DESIGN.md`). [`metrics`] names what the loop and the exporter
+//! count for Prometheus.
 
 pub mod aggregate;
 pub mod cgroups;
 pub mod containers;
 pub mod export;
 pub mod mapping_feed;
+pub mod metrics;
 pub mod run;
 pub mod sampler;
 pub mod status;

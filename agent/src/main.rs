@@ -4,6 +4,7 @@
 use std::{
     io::{IsTerminal as _, Write},
     path::PathBuf,
+    sync::Arc,
     time::Duration,
 };
 
@@ -23,6 +24,7 @@ use stackscope_agent::{
         Compression, ExportConfig, ExportStats, Exporter, TlsConfig,
         debuginfo::{DebuginfoUploader, UploadConfig, UploadStats},
     },
+    metrics::AgentTelemetry,
     run::{AgentConfig, RunSummary, run},
     sampler::{Sampler, SamplerConfig},
     symbolize::SymbolizerConfig,
@@ -221,6 +223,11 @@ struct Args {
     /// Print the final report as JSON on stdout.
     #[arg(long)]
     json: bool,
+    /// Serve Prometheus metrics (/metrics) and health probes (/healthz:
+    /// the main loop turns; /readyz: sampling) over HTTP on this address,
+    /// such as 0.0.0.0:9464. Not served unless given.
+    #[arg(long, value_name = "ADDR")]
+    metrics_address: Option<std::net::SocketAddr>,
 }
 
 fn main() -> anyhow::Result<()> {
@@ -292,6 +299,7 @@ fn main() -> anyhow::Result<()> {
         kubelet_refresh: args.kubelet_refresh,
         mapping_events: !args.no_mapping_events,
         debuginfo_uploads: None,
+        telemetry: args.metrics_address.map(|_| AgentTelemetry::new()),
     };
     let runtime = tokio::runtime::Builder::new_current_thread()
         .enable_all()
@@ -305,6 +313,10 @@ fn main() -> anyhow::Result<()> {
         .context("enabling BPF run-time stats")?;
     let export = export_config(&args)?;
     let (summary, exported, uploaded) = runtime.block_on(async {
+        let _telemetry_server = match (&config.telemetry, args.metrics_address) {
+            (Some(telemetry), Some(address)) => Some(serve_telemetry(telemetry, address).await?),
+            _ => None,
+        };
         let uploader = match (&export, args.upload_debuginfo) {
             (Some(export), true) => Some(
                 DebuginfoUploader::start(export, UploadConfig::default())
@@ -317,7 +329,7 @@ fn main() -> anyhow::Result<()> {
             ..config.clone()
         };
         let exporter = match export {
-            Some(export) => Some(std::sync::Arc::new(
+            Some(export) => Some(Arc::new(
                 Exporter::start(export).context("setting up the export to --collector")?,
             )),
             None => {
@@ -325,6 +337,9 @@ fn main() -> anyhow::Result<()> {
                 None
             }
         };
+        if let (Some(telemetry), Some(exporter)) = (&config.telemetry, &exporter) {
+            telemetry.metrics.set_export(exporter.stats_reader());
+        }
         let sink = exporter.clone().map(|exporter| {
             Box::new(move |batch| exporter.enqueue(batch))
                 as Box<dyn stackscope_agent::run::BatchSink>
@@ -334,7 +349,7 @@ fn main() -> anyhow::Result<()> {
         // Both get the whole timeout, side by side: shutdown takes at most
         // --shutdown-timeout, not twice it.
         let exporting = async {
-            match exporter.map(std::sync::Arc::into_inner) {
+            match exporter.map(Arc::into_inner) {
                 Some(Some(exporter)) => Some(exporter.shutdown(args.shutdown_timeout).await),
                 _ => None,
             }
@@ -365,6 +380,40 @@ fn main() -> anyhow::Result<()> {
         )
     }
     .context("writing the report")
+}
+
+/// Serves the metrics and health endpoints until the returned guard drops
+/// (at exit: they answer while the last batches are delivered).
+async fn serve_telemetry(
+    telemetry: &AgentTelemetry,
+    address: std::net::SocketAddr,
+) -> anyhow::Result<AbortOnDrop> {
+    let listener = tokio::net::TcpListener::bind(address)
+        .await
+        .with_context(|| format!("listening on --metrics-address {address}"))?;
+    let bound = listener
+        .local_addr()
+        .context("reading the metrics address")?;
+    tracing::info!(metrics = %format!("http://{bound}/metrics"), "serving metrics and health");
+    let server = stackscope_telemetry::serve(
+        listener,
+        Arc::new(telemetry.registry()),
+        Arc::clone(&telemetry.health),
+        std::future::pending(),
+    );
+    Ok(AbortOnDrop(tokio::spawn(async move {
+        if let Err(err) = server.await {
+            tracing::warn!("the metrics server stopped: {err}");
+        }
+    })))
+}
+
+struct AbortOnDrop(tokio::task::JoinHandle<()>);
+
+impl Drop for AbortOnDrop {
+    fn drop(&mut self) {
+        self.0.abort();
+    }
 }
 
 /// The kubelet settings: the flags, else the in-cluster default.

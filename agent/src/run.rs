@@ -28,6 +28,7 @@ use crate::{
     },
     export::debuginfo::UploadQueue,
     mapping_feed::{FeedStats, MappingFeed},
+    metrics::{AgentTelemetry, PUBLISH_EVERY, RunTotals},
     sampler::{Counters, ProgramStats, Sampler, SamplerConfig, SamplerError, record::Record},
     status::{ReaderTotals, Snapshot, StatusLine},
     symbolize::{SymbolizerConfig, perf_map::PerfMapStats},
@@ -84,6 +85,9 @@ pub struct AgentConfig {
     /// Where binaries carrying symbols are offered for upload to the
     /// collector (`--upload-debuginfo`); `None`: no uploads.
     pub debuginfo_uploads: Option<UploadQueue>,
+    /// Where the loop publishes its totals and its heartbeat for the
+    /// metrics and health endpoints; `None`: nothing is served.
+    pub telemetry: Option<AgentTelemetry>,
 }
 
 impl AgentConfig {
@@ -103,6 +107,7 @@ impl AgentConfig {
             kubelet_refresh: DEFAULT_KUBELET_REFRESH,
             mapping_events: true,
             debuginfo_uploads: None,
+            telemetry: None,
         }
     }
 }
@@ -153,6 +158,7 @@ enum Event {
     SelectionDue,
     Pods(Arc<PodList>),
     Built(Box<Batch>),
+    PublishDue,
     Stop,
 }
 
@@ -204,6 +210,11 @@ pub async fn run(
         MappingFeed::disabled()
     };
     let mut sampler = Sampler::start(&sampler_config)?;
+    let telemetry = config.telemetry.as_ref();
+    if let Some(telemetry) = telemetry {
+        telemetry.health.beat();
+        telemetry.health.set_ready(true);
+    }
     let started = Instant::now();
     let deadline = config.duration.map(|d| started + d);
     tracing::info!(
@@ -247,6 +258,8 @@ pub async fn run(
         kernel: sampler.counters()?,
     };
     let mut last_at = started;
+    let mut publish = tokio::time::interval(PUBLISH_EVERY);
+    publish.set_missed_tick_behavior(MissedTickBehavior::Delay);
 
     loop {
         let event = tokio::select! {
@@ -259,6 +272,7 @@ pub async fn run(
             batch = worker.next_batch() => Event::Built(Box::new(batch)),
             _ = selection_timer.tick(), if refresh_selection => Event::SelectionDue,
             Some(list) = next_pods(&mut pods) => Event::Pods(list),
+            _ = publish.tick(), if telemetry.is_some() => Event::PublishDue,
             _ = sigint.recv() => Event::Stop,
             _ = sigterm.recv() => Event::Stop,
             _ = sleep_until(deadline) => Event::Stop,
@@ -368,8 +382,24 @@ pub async fn run(
                 );
                 (last, last_at) = (snapshot, now);
             }
+            Event::PublishDue => {
+                if let Some(telemetry) = telemetry {
+                    telemetry.health.beat();
+                    telemetry.metrics.publish(RunTotals {
+                        kernel: sampler.counters()?,
+                        reader: records.totals,
+                        walks: records.walker.stats(),
+                        batches: worker.stats(),
+                        samples_waiting: records.walker.waiting(),
+                    });
+                }
+            }
             Event::Stop => break,
         }
+    }
+    // Stopping: no longer taking part in the fleet's profiles.
+    if let Some(telemetry) = telemetry {
+        telemetry.health.set_ready(false);
     }
 
     // Take what is still queued, then read the final counters before the

@@ -12,6 +12,7 @@ use stackscope_profile::{
 
 use crate::{
     debuginfo::symbolize::{Symbolizer, SymbolizerGone},
+    metrics::CollectorMetrics,
     storage::{Storage, StorageError},
 };
 
@@ -101,6 +102,8 @@ pub struct QueryEngine {
     storage: Arc<dyn Storage>,
     /// Names frames stored without names, as they are read.
     symbolizer: Option<Arc<Symbolizer>>,
+    /// Where query latency is counted.
+    metrics: CollectorMetrics,
 }
 
 /// A merged call tree and what one unit of its weight stands for.
@@ -114,7 +117,14 @@ impl QueryEngine {
         Self {
             storage,
             symbolizer: None,
+            metrics: CollectorMetrics::default(),
         }
+    }
+
+    /// Counts query latency in `metrics` (the served ones).
+    pub fn with_metrics(mut self, metrics: CollectorMetrics) -> Self {
+        self.metrics = metrics;
+        self
     }
 
     /// Names unnamed frames from debuginfo as profiles are read.
@@ -151,6 +161,12 @@ impl QueryEngine {
     /// The selected stacks, named from debuginfo where storage has no
     /// names.
     pub async fn stacks(&self, selection: Selection) -> Result<StackSamples, QueryError> {
+        self.metrics
+            .time_query("stacks", self.named_stacks(selection))
+            .await
+    }
+
+    async fn named_stacks(&self, selection: Selection) -> Result<StackSamples, QueryError> {
         let samples = self
             .blocking(move |storage| storage.stacks(&selection))
             .await?;
@@ -171,11 +187,22 @@ impl QueryEngine {
         min_share: f64,
         group_by: Option<&str>,
     ) -> Result<Flamegraph, QueryError> {
+        self.metrics
+            .time_query("flamegraph", self.merged(selection, min_share, group_by))
+            .await
+    }
+
+    async fn merged(
+        &self,
+        selection: Selection,
+        min_share: f64,
+        group_by: Option<&str>,
+    ) -> Result<Flamegraph, QueryError> {
         if !(0.0..=1.0).contains(&min_share) {
             return Err(QueryError::InvalidMinShare(min_share));
         }
         let samples = match group_by.filter(|label| !label.is_empty()) {
-            None => self.stacks(selection).await?,
+            None => self.named_stacks(selection).await?,
             Some(label) => {
                 let grouped = self.grouped_stacks(selection, label.to_owned()).await?;
                 self.named(grouped).await?
@@ -251,8 +278,8 @@ impl QueryEngine {
     }
 
     pub async fn label_names(&self, selection: Selection) -> Result<Vec<String>, QueryError> {
-        self.blocking(move |storage| storage.label_names(&selection))
-            .await
+        let work = self.blocking(move |storage| storage.label_names(&selection));
+        self.metrics.time_query("label_names", work).await
     }
 
     pub async fn label_values(
@@ -260,8 +287,8 @@ impl QueryEngine {
         selection: Selection,
         name: String,
     ) -> Result<Vec<String>, QueryError> {
-        self.blocking(move |storage| storage.label_values(&selection, &name))
-            .await
+        let work = self.blocking(move |storage| storage.label_values(&selection, &name));
+        self.metrics.time_query("label_values", work).await
     }
 
     /// Weight over time; `step_nanos <= 0` picks about 100 points. Returns
@@ -277,9 +304,8 @@ impl QueryEngine {
         } else {
             (span / 100).max(1_000_000_000)
         };
-        let points = self
-            .blocking(move |storage| storage.series(&selection, step))
-            .await?;
+        let work = self.blocking(move |storage| storage.series(&selection, step));
+        let points = self.metrics.time_query("series", work).await?;
         Ok((step, points))
     }
 }

@@ -7,8 +7,7 @@
 //! does not hold a query past the collector's wait.
 
 use std::{
-    io::{Read as _, Write as _},
-    net::{TcpListener, TcpStream},
+    net::TcpListener,
     path::Path,
     process::{Command, Stdio},
     time::{Duration, Instant},
@@ -19,7 +18,7 @@ use stackscope_test_fixtures::{
     split_debug::{self, SplitDebug},
     workspace_binary,
 };
-use stackscope_tests::{Collector, run_agent_for};
+use stackscope_tests::{Collector, free_port, http_get, run_agent_for};
 
 /// The fixture, built with `-g`: the binary run (stripped), its debug
 /// file alone in `debug/` (for debuginfod), and its build-id.
@@ -134,7 +133,7 @@ impl Debuginfod {
         // Its first scan of the directory takes a moment.
         let started = Instant::now();
         let path = format!("/buildid/{build_id}/debuginfo");
-        while http_status(port, &path) != Some(200) {
+        while http_get(&format!("127.0.0.1:{port}"), &path).map(|(status, _)| status) != Some(200) {
             assert!(
                 started.elapsed() < Duration::from_secs(60),
                 "debuginfod never served {path}"
@@ -147,23 +146,6 @@ impl Debuginfod {
             _db: db,
         }
     }
-}
-
-fn free_port() -> u16 {
-    TcpListener::bind("127.0.0.1:0")
-        .and_then(|listener| listener.local_addr())
-        .expect("a free port")
-        .port()
-}
-
-/// The status of `GET path` on 127.0.0.1:`port`, if it answers.
-fn http_status(port: u16, path: &str) -> Option<u16> {
-    let mut stream = TcpStream::connect(("127.0.0.1", port)).ok()?;
-    stream.set_read_timeout(Some(Duration::from_secs(5))).ok()?;
-    write!(stream, "GET {path} HTTP/1.0\r\nHost: 127.0.0.1\r\n\r\n").ok()?;
-    let mut head = [0u8; 12];
-    stream.read_exact(&mut head).ok()?;
-    std::str::from_utf8(&head[9..12]).ok()?.parse().ok()
 }
 
 #[test]

@@ -23,7 +23,8 @@ const BPF_LINKER_VERSION: &str = "0.13.0";
 /// `debuginfod` is the real server the collector fetches debuginfo from in
 /// the naming tests, `elfutils` and `binutils` make and read their debug
 /// files, `libc6-dbg` is the Debian debug package the agent's local lookup
-/// is tested with.
+/// is tested with; `prometheus` is the real server that scrapes the agent's
+/// and the collector's metrics in their test.
 const DEBIAN_PACKAGES: &[&str] = &[
     "binutils",
     "bpftool",
@@ -36,6 +37,7 @@ const DEBIAN_PACKAGES: &[&str] = &[
     "libc6-dbg",
     "nodejs",
     "podman",
+    "prometheus",
     "runc",
 ];
 

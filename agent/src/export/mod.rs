@@ -255,6 +255,24 @@ pub struct ExportStats {
     pub last_error: Option<String>,
 }
 
+/// See [`Exporter::stats_reader`].
+#[derive(Clone)]
+pub struct ExportStatsReader(Arc<Shared>);
+
+impl ExportStatsReader {
+    pub fn stats(&self) -> ExportStats {
+        self.0.stats()
+    }
+}
+
+impl fmt::Debug for ExportStatsReader {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_tuple("ExportStatsReader")
+            .field(&self.0.endpoint)
+            .finish()
+    }
+}
+
 /// Sends batches to the collector from a background task; see the module
 /// documentation.
 pub struct Exporter {
@@ -371,6 +389,12 @@ impl Exporter {
     /// The counters so far; cheap (one short lock).
     pub fn stats(&self) -> ExportStats {
         self.shared.stats()
+    }
+
+    /// Reads [`Exporter::stats`] from elsewhere (the metrics endpoint)
+    /// without holding on to the exporter, whose shutdown needs it alone.
+    pub fn stats_reader(&self) -> ExportStatsReader {
+        ExportStatsReader(Arc::clone(&self.shared))
     }
 
     /// Stops the exporter: tries to deliver everything still queued

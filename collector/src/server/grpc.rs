@@ -2,7 +2,7 @@
 //! other clients). Maps input errors to precise statuses; a batch is
 //! acknowledged only after storage committed it.
 
-use std::sync::Arc;
+use std::{sync::Arc, time::Instant};
 
 use stackscope_profile::{render, selector};
 use stackscope_proto::v1::{
@@ -15,6 +15,7 @@ use tonic::{Request, Response, Status};
 
 use crate::{
     ingest::{IngestLimits, validate},
+    metrics::{CollectorMetrics, IngestResult},
     query::{DEFAULT_TOP_LIMIT, Fault, QueryEngine, QueryError},
     storage::{IngestOutcome, Storage},
 };
@@ -22,22 +23,25 @@ use crate::{
 pub struct IngestService {
     storage: Arc<dyn Storage>,
     limits: Arc<IngestLimits>,
+    metrics: CollectorMetrics,
 }
 
 impl IngestService {
-    pub fn new(storage: Arc<dyn Storage>, limits: IngestLimits) -> Self {
+    pub fn new(storage: Arc<dyn Storage>, limits: IngestLimits, metrics: CollectorMetrics) -> Self {
         Self {
             storage,
             limits: Arc::new(limits),
+            metrics,
         }
     }
-}
 
-#[tonic::async_trait]
-impl ingest_server::Ingest for IngestService {
-    async fn push(&self, request: Request<PushRequest>) -> Result<Response<PushResponse>, Status> {
-        let Some(batch) = request.into_inner().batch else {
-            return Err(Status::invalid_argument("PushRequest.batch is missing"));
+    /// Validates and stores one batch: the answer, and what it came to.
+    async fn store(&self, request: PushRequest) -> (Result<PushResponse, Status>, IngestResult) {
+        let Some(batch) = request.batch else {
+            return (
+                Err(Status::invalid_argument("PushRequest.batch is missing")),
+                IngestResult::Rejected,
+            );
         };
         let storage = Arc::clone(&self.storage);
         let limits = Arc::clone(&self.limits);
@@ -46,29 +50,56 @@ impl ingest_server::Ingest for IngestService {
         let outcome = tokio::task::spawn_blocking(move || {
             let batch = validate(batch, &limits).map_err(|err| {
                 let message = format!("batch rejected, nothing stored: {err}");
-                if err.is_too_large() {
+                let status = if err.is_too_large() {
                     Status::resource_exhausted(message)
                 } else {
                     Status::invalid_argument(message)
-                }
+                };
+                (status, IngestResult::Rejected)
             })?;
             storage.ingest(&batch).map_err(|err| {
                 tracing::error!("storing a batch failed: {:#}", anyhow::Error::from(err));
-                Status::unavailable("the collector could not store the batch; retry later")
+                (
+                    Status::unavailable("the collector could not store the batch; retry later"),
+                    IngestResult::Failed,
+                )
             })
         })
-        .await
-        .map_err(|_| Status::internal("the ingest task failed"))??;
-        Ok(Response::new(match outcome {
-            IngestOutcome::Stored { samples } => PushResponse {
-                samples_stored: samples,
-                duplicate: false,
-            },
-            IngestOutcome::Duplicate => PushResponse {
-                samples_stored: 0,
-                duplicate: true,
-            },
-        }))
+        .await;
+        match outcome {
+            Ok(Ok(IngestOutcome::Stored { samples })) => (
+                Ok(PushResponse {
+                    samples_stored: samples,
+                    duplicate: false,
+                }),
+                IngestResult::Stored,
+            ),
+            Ok(Ok(IngestOutcome::Duplicate)) => (
+                Ok(PushResponse {
+                    samples_stored: 0,
+                    duplicate: true,
+                }),
+                IngestResult::Duplicate,
+            ),
+            Ok(Err((status, result))) => (Err(status), result),
+            Err(_) => (
+                Err(Status::internal("the ingest task failed")),
+                IngestResult::Failed,
+            ),
+        }
+    }
+}
+
+#[tonic::async_trait]
+impl ingest_server::Ingest for IngestService {
+    async fn push(&self, request: Request<PushRequest>) -> Result<Response<PushResponse>, Status> {
+        let started = Instant::now();
+        let (answer, result) = self.store(request.into_inner()).await;
+        let stored = answer
+            .as_ref()
+            .map_or(0, |response| response.samples_stored);
+        self.metrics.ingested(result, stored, started.elapsed());
+        answer.map(Response::new)
     }
 }
 

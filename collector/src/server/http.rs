@@ -27,7 +27,6 @@ use crate::{
 pub fn router(engine: QueryEngine) -> Router {
     Router::new()
         .route("/", get(index))
-        .route("/healthz", get(|| async { "ok\n" }))
         .route("/api/v1/flamegraph", get(flamegraph))
         .route("/api/v1/diff", get(diff))
         .route("/api/v1/top", get(top))

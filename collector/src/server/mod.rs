@@ -1,5 +1,6 @@
 //! Runs the collector: the gRPC server (ingest, query, debuginfo, health),
-//! the HTTP server (queries, debuginfod's API), and the retention task,
+//! the HTTP server (queries, debuginfod's API, Prometheus metrics and the
+//! health probes), and the retention task,
 //! until asked to stop.
 
 mod debuginfo;
@@ -19,7 +20,12 @@ use tonic::{
     transport::{Identity, ServerTlsConfig},
 };
 
-use crate::{debuginfo::Debuginfo, ingest::IngestLimits, query::QueryEngine, storage::Storage};
+use stackscope_telemetry::Health;
+
+use crate::{
+    debuginfo::Debuginfo, ingest::IngestLimits, metrics::CollectorMetrics, query::QueryEngine,
+    storage::Storage,
+};
 
 /// How the collector serves.
 #[derive(Debug, Clone)]
@@ -136,7 +142,9 @@ pub async fn start(
     storage: Arc<dyn Storage>,
 ) -> Result<RunningCollector, ServerError> {
     let (stop, stop_rx) = watch::channel(false);
-    let mut engine = QueryEngine::new(Arc::clone(&storage));
+    let metrics = CollectorMetrics::default();
+    let health = Health::new();
+    let mut engine = QueryEngine::new(Arc::clone(&storage)).with_metrics(metrics.clone());
     if let Some(debuginfo) = &config.debuginfo {
         engine = engine.with_symbolizer(Arc::clone(&debuginfo.symbolizer));
     }
@@ -187,6 +195,7 @@ pub async fn start(
     let ingest = IngestServer::new(grpc::IngestService::new(
         Arc::clone(&storage),
         config.limits.clone(),
+        metrics.clone(),
     ))
     .accept_compressed(CompressionEncoding::Gzip)
     .accept_compressed(CompressionEncoding::Zstd)
@@ -230,7 +239,10 @@ pub async fn start(
             let bound = listener
                 .local_addr()
                 .map_err(|source| ServerError::Bind { addr, source })?;
-            let mut app = http::router(engine);
+            let mut app = http::router(engine).merge(stackscope_telemetry::router(
+                Arc::new(metrics.registry(Arc::clone(&storage))),
+                Arc::clone(&health),
+            ));
             if let Some(debuginfo) = &config.debuginfo {
                 app = app.merge(debuginfo::debuginfod_router(Arc::clone(&debuginfo.store)));
             }
@@ -250,8 +262,16 @@ pub async fn start(
         storage,
         config.retention,
         config.retention_interval,
-        stop_rx,
+        stop_rx.clone(),
     ));
+    // Ready from here on; not ready once asked to stop (the servers finish
+    // what is in flight meanwhile).
+    health.set_ready(true);
+    tasks.spawn(async move {
+        stopped(stop_rx).await;
+        health.set_ready(false);
+        Ok(())
+    });
 
     Ok(RunningCollector {
         grpc_addr,

@@ -81,4 +81,10 @@ pub trait Storage: Send + Sync + 'static {
     /// Deletes samples (and what only they referenced) older than the cutoff;
     /// returns the sample rows deleted.
     fn delete_before(&self, cutoff_unix_nanos: i64) -> Result<u64, StorageError>;
+
+    /// Bytes the stored profiles take on this machine's disk; `None` when
+    /// the engine keeps them elsewhere.
+    fn disk_bytes(&self) -> Option<u64> {
+        None
+    }
 }

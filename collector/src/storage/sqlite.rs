@@ -644,6 +644,16 @@ impl Storage for SqliteStorage {
         }
         Ok(deleted)
     }
+
+    /// The database file with its write-ahead log and shared-memory index.
+    fn disk_bytes(&self) -> Option<u64> {
+        let size = |suffix: &str| {
+            let mut path = self.path.clone().into_os_string();
+            path.push(suffix);
+            std::fs::metadata(path).map_or(0, |meta| meta.len())
+        };
+        Some(size("") + size("-wal") + size("-shm"))
+    }
 }
 
 fn configure(conn: &Connection, options: &SqliteOptions) -> rusqlite::Result<()> {

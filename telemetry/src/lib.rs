@@ -1,0 +1,430 @@
+//! What a stackscope process tells the people who run it: its Prometheus
+//! metrics (`GET /metrics`, OpenMetrics text) and its health
+//! (`GET /healthz`: the process is alive and its main loop turns;
+//! `GET /readyz`: it is doing its job), served over HTTP.
+//!
+//! Owns the endpoints, the [`Health`] state, the process-level metrics every
+//! stackscope binary exports ([`ProcessMetrics`]: memory, CPU, descriptors)
+//! and [`ConstMetrics`], the writer binaries use to export the counters they
+//! already keep. Which metrics a binary has is the binary's business: it
+//! registers them in the [`Registry`] it hands to [`router`] or [`serve`].
+
+use std::{
+    fmt,
+    future::Future,
+    io,
+    sync::{
+        Arc,
+        atomic::{AtomicBool, AtomicU64, Ordering},
+    },
+    time::{Duration, Instant},
+};
+
+use axum::{
+    Router,
+    extract::State,
+    http::{StatusCode, header},
+    response::IntoResponse,
+    routing::get,
+};
+pub use prometheus_client;
+use prometheus_client::{
+    collector::Collector,
+    encoding::{DescriptorEncoder, EncodeMetric as _},
+    metrics::{MetricType, counter::ConstCounter, gauge::ConstGauge},
+    registry::{Registry, Unit},
+};
+
+/// The content type of the OpenMetrics text `prometheus-client` writes.
+const OPENMETRICS: &str = "application/openmetrics-text; version=1.0.0; charset=utf-8";
+
+/// Whether a process is alive and whether it is ready, as its probes see it.
+#[derive(Debug)]
+pub struct Health {
+    started: Instant,
+    ready: AtomicBool,
+    /// Live only while [`Health::beat`] was called within this long;
+    /// `None`: live while it answers.
+    stale_after: Option<Duration>,
+    /// Milliseconds after `started` of the last beat.
+    last_beat_ms: AtomicU64,
+}
+
+impl Health {
+    /// Live as long as it answers; not ready until [`Health::set_ready`].
+    pub fn new() -> Arc<Self> {
+        Arc::new(Self::build(None, Instant::now()))
+    }
+
+    /// Live only while the owner calls [`Health::beat`] at least every
+    /// `stale_after` (a wedged main loop then fails its liveness probe and
+    /// is restarted); not ready until [`Health::set_ready`].
+    pub fn with_heartbeat(stale_after: Duration) -> Arc<Self> {
+        Arc::new(Self::build(Some(stale_after), Instant::now()))
+    }
+
+    fn build(stale_after: Option<Duration>, now: Instant) -> Self {
+        Self {
+            started: now,
+            ready: AtomicBool::new(false),
+            stale_after,
+            last_beat_ms: AtomicU64::new(0),
+        }
+    }
+
+    /// The main loop is turning.
+    pub fn beat(&self) {
+        self.beat_at(Instant::now());
+    }
+
+    fn beat_at(&self, now: Instant) {
+        let ms = now.saturating_duration_since(self.started).as_millis();
+        self.last_beat_ms
+            .fetch_max(u64::try_from(ms).unwrap_or(u64::MAX), Ordering::Relaxed);
+    }
+
+    pub fn set_ready(&self, ready: bool) {
+        self.ready.store(ready, Ordering::Relaxed);
+    }
+
+    pub fn is_ready(&self) -> bool {
+        self.ready.load(Ordering::Relaxed)
+    }
+
+    /// `Err` says why the process is not live.
+    fn liveness_at(&self, now: Instant) -> Result<(), String> {
+        let Some(stale_after) = self.stale_after else {
+            return Ok(());
+        };
+        let last = self.started + Duration::from_millis(self.last_beat_ms.load(Ordering::Relaxed));
+        let silent = now.saturating_duration_since(last);
+        if silent > stale_after {
+            Err(format!(
+                "the main loop has not turned for {:.1} s (limit {:.1} s)",
+                silent.as_secs_f64(),
+                stale_after.as_secs_f64()
+            ))
+        } else {
+            Ok(())
+        }
+    }
+}
+
+/// What the endpoints read.
+#[derive(Clone)]
+struct Served {
+    registry: Arc<Registry>,
+    health: Arc<Health>,
+}
+
+/// The `/metrics`, `/healthz` and `/readyz` routes, to merge into a router
+/// of the binary's own or to [`serve`] alone.
+pub fn router(registry: Arc<Registry>, health: Arc<Health>) -> Router {
+    Router::new()
+        .route("/metrics", get(metrics))
+        .route("/healthz", get(healthz))
+        .route("/readyz", get(readyz))
+        .with_state(Served { registry, health })
+}
+
+/// Serves [`router`] on `listener` until `shutdown` completes.
+pub async fn serve(
+    listener: tokio::net::TcpListener,
+    registry: Arc<Registry>,
+    health: Arc<Health>,
+    shutdown: impl Future<Output = ()> + Send + 'static,
+) -> io::Result<()> {
+    axum::serve(listener, router(registry, health))
+        .with_graceful_shutdown(shutdown)
+        .await
+}
+
+async fn metrics(State(served): State<Served>) -> impl IntoResponse {
+    let mut text = String::with_capacity(16 << 10);
+    match prometheus_client::encoding::text::encode(&mut text, &served.registry) {
+        Ok(()) => (StatusCode::OK, [(header::CONTENT_TYPE, OPENMETRICS)], text),
+        Err(fmt::Error) => {
+            tracing::warn!("encoding the metrics failed");
+            (
+                StatusCode::INTERNAL_SERVER_ERROR,
+                [(header::CONTENT_TYPE, "text/plain; charset=utf-8")],
+                "encoding the metrics failed\n".to_string(),
+            )
+        }
+    }
+}
+
+async fn healthz(State(served): State<Served>) -> (StatusCode, String) {
+    match served.health.liveness_at(Instant::now()) {
+        Ok(()) => (StatusCode::OK, "ok\n".into()),
+        Err(why) => (StatusCode::SERVICE_UNAVAILABLE, format!("{why}\n")),
+    }
+}
+
+async fn readyz(State(served): State<Served>) -> (StatusCode, &'static str) {
+    if served.health.is_ready() {
+        (StatusCode::OK, "ready\n")
+    } else {
+        (StatusCode::SERVICE_UNAVAILABLE, "not ready\n")
+    }
+}
+
+/// Writes metrics whose values a binary already counts (as plain totals in
+/// its own structures) without keeping a second set of atomics: a
+/// [`Collector`] reads its totals at scrape time and hands them here.
+pub struct ConstMetrics<'a> {
+    encoder: DescriptorEncoder<'a>,
+}
+
+impl<'a> ConstMetrics<'a> {
+    pub fn new(encoder: DescriptorEncoder<'a>) -> Self {
+        Self { encoder }
+    }
+
+    /// A counter; `name` without the `_total` the encoder appends.
+    pub fn counter(&mut self, name: &str, help: &str, value: u64) -> fmt::Result {
+        let metric = ConstCounter::new(value);
+        let encoder = self
+            .encoder
+            .encode_descriptor(name, help, None, metric.metric_type())?;
+        metric.encode(encoder)
+    }
+
+    /// One counter per value of `label`.
+    pub fn counters(
+        &mut self,
+        name: &str,
+        help: &str,
+        label: &str,
+        values: &[(&str, u64)],
+    ) -> fmt::Result {
+        let mut family = self
+            .encoder
+            .encode_descriptor(name, help, None, MetricType::Counter)?;
+        for &(value, count) in values {
+            let labels = [(label, value)];
+            ConstCounter::new(count).encode(family.encode_family(&labels)?)?;
+        }
+        Ok(())
+    }
+
+    pub fn gauge(&mut self, name: &str, help: &str, unit: Option<Unit>, value: f64) -> fmt::Result {
+        let metric = ConstGauge::new(value);
+        let encoder =
+            self.encoder
+                .encode_descriptor(name, help, unit.as_ref(), metric.metric_type())?;
+        metric.encode(encoder)
+    }
+}
+
+/// The process's own resource use, read from `/proc/self` at every scrape,
+/// under the names Prometheus's client libraries use
+/// (`process_resident_memory_bytes`, `process_cpu_seconds_total`, ...),
+/// plus the peak resident memory, the figure to set a memory limit from.
+#[derive(Debug, Default)]
+pub struct ProcessMetrics;
+
+impl Collector for ProcessMetrics {
+    fn encode(&self, encoder: DescriptorEncoder<'_>) -> fmt::Result {
+        let mut out = ConstMetrics::new(encoder);
+        let status = std::fs::read_to_string("/proc/self/status").unwrap_or_default();
+        let kib = |field: &str| status_kib(&status, field).map(|kib| (kib * 1024) as f64);
+        if let Some(rss) = kib("VmRSS:") {
+            out.gauge(
+                "process_resident_memory",
+                "Resident memory size.",
+                Some(Unit::Bytes),
+                rss,
+            )?;
+        }
+        if let Some(peak) = kib("VmHWM:") {
+            out.gauge(
+                "process_peak_resident_memory",
+                "Highest resident memory size since the process started.",
+                Some(Unit::Bytes),
+                peak,
+            )?;
+        }
+        if let Some(seconds) = cpu_seconds() {
+            let metric = ConstCounter::new(seconds);
+            let unit = Unit::Seconds;
+            metric.encode(out.encoder.encode_descriptor(
+                "process_cpu",
+                "User and system CPU time spent.",
+                Some(&unit),
+                metric.metric_type(),
+            )?)?;
+        }
+        if let Ok(fds) = std::fs::read_dir("/proc/self/fd") {
+            out.gauge(
+                "process_open_fds",
+                "Open file descriptors.",
+                None,
+                fds.count() as f64,
+            )?;
+        }
+        Ok(())
+    }
+}
+
+/// A `Name:   1234 kB` field of `/proc/<pid>/status`, in KiB.
+fn status_kib(status: &str, field: &str) -> Option<u64> {
+    let line = status.lines().find(|line| line.starts_with(field))?;
+    line[field.len()..].split_whitespace().next()?.parse().ok()
+}
+
+/// utime + stime of `/proc/self/stat`, in seconds.
+fn cpu_seconds() -> Option<f64> {
+    let stat = std::fs::read_to_string("/proc/self/stat").ok()?;
+    cpu_seconds_of(&stat, clock_ticks_per_second()?)
+}
+
+fn cpu_seconds_of(stat: &str, ticks_per_second: f64) -> Option<f64> {
+    // The command name (field 2) may hold spaces and parentheses: count
+    // from the last ')'. utime and stime are fields 14 and 15, so the
+    // 12th and 13th after it.
+    let after_name = &stat[stat.rfind(')')? + 1..];
+    let mut fields = after_name.split_whitespace().skip(11);
+    let user: u64 = fields.next()?.parse().ok()?;
+    let system: u64 = fields.next()?.parse().ok()?;
+    Some((user + system) as f64 / ticks_per_second)
+}
+
+fn clock_ticks_per_second() -> Option<f64> {
+    // SAFETY: sysconf has no preconditions.
+    let ticks = unsafe { libc::sysconf(libc::_SC_CLK_TCK) };
+    (ticks > 0).then_some(ticks as f64)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_heartbeat_older_than_its_limit_is_not_live() {
+        let start = Instant::now();
+        let health = Health::build(Some(Duration::from_secs(10)), start);
+        health.beat_at(start + Duration::from_secs(5));
+        assert_eq!(health.liveness_at(start + Duration::from_secs(14)), Ok(()));
+        let err = health
+            .liveness_at(start + Duration::from_secs(16))
+            .unwrap_err();
+        assert!(err.contains("11.0 s"), "{err}");
+        // A late beat from another thread never moves the time back.
+        health.beat_at(start + Duration::from_secs(20));
+        health.beat_at(start + Duration::from_secs(1));
+        assert_eq!(health.liveness_at(start + Duration::from_secs(29)), Ok(()));
+    }
+
+    #[test]
+    fn without_a_heartbeat_it_is_live_while_it_answers() {
+        let start = Instant::now();
+        let health = Health::build(None, start);
+        assert_eq!(
+            health.liveness_at(start + Duration::from_secs(3600)),
+            Ok(())
+        );
+        assert!(!health.is_ready());
+        health.set_ready(true);
+        assert!(health.is_ready());
+    }
+
+    #[test]
+    fn cpu_time_is_read_past_a_command_name_with_spaces_and_parens() {
+        let stat = "42 (a (b) c) S 1 42 42 0 -1 4194560 100 0 0 0 250 50 0 0 20 0 1 0 100 0 0";
+        assert_eq!(cpu_seconds_of(stat, 100.0), Some(3.0));
+        assert_eq!(cpu_seconds_of("42 (truncated", 100.0), None);
+        assert_eq!(cpu_seconds_of("42 (x) S 1", 100.0), None);
+    }
+
+    #[test]
+    fn status_fields_are_read_in_kib() {
+        let status = "Name:\tagent\nVmHWM:\t   61288 kB\nVmRSS:\t   60880 kB\n";
+        assert_eq!(status_kib(status, "VmRSS:"), Some(60880));
+        assert_eq!(status_kib(status, "VmHWM:"), Some(61288));
+        assert_eq!(status_kib(status, "VmSwap:"), None);
+    }
+
+    #[derive(Debug)]
+    struct Totals;
+
+    impl Collector for Totals {
+        fn encode(&self, encoder: DescriptorEncoder<'_>) -> fmt::Result {
+            let mut out = ConstMetrics::new(encoder);
+            out.counter("samples", "Samples read.", 7)?;
+            out.counters(
+                "drops",
+                "Samples lost, by cause.",
+                "cause",
+                &[("ring_buffer_full", 2), ("decode_error", 1)],
+            )?;
+            out.gauge("queue", "Bytes queued.", Some(Unit::Bytes), 512.0)
+        }
+    }
+
+    #[tokio::test]
+    async fn the_endpoints_answer_over_http() {
+        let mut registry = Registry::default();
+        registry.register_collector(Box::new(ProcessMetrics));
+        registry
+            .sub_registry_with_prefix("stackscope_test")
+            .register_collector(Box::new(Totals));
+        let health = Health::new();
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+        let server = tokio::spawn(serve(
+            listener,
+            Arc::new(registry),
+            Arc::clone(&health),
+            async {
+                let _ = stopped.await;
+            },
+        ));
+
+        let (status, body) = get_http(addr, "/metrics").await;
+        assert_eq!(status, 200, "{body}");
+        for line in [
+            "stackscope_test_samples_total 7",
+            "stackscope_test_drops_total{cause=\"ring_buffer_full\"} 2",
+            "stackscope_test_drops_total{cause=\"decode_error\"} 1",
+            "stackscope_test_queue_bytes 512.0",
+            "# EOF",
+        ] {
+            assert!(body.lines().any(|l| l == line), "{line:?} missing:\n{body}");
+        }
+        let rss = body
+            .lines()
+            .find_map(|l| l.strip_prefix("process_resident_memory_bytes "))
+            .unwrap_or_else(|| panic!("no RSS:\n{body}"));
+        assert!(rss.parse::<f64>().unwrap() > 1e6, "{rss}");
+        assert!(body.contains("process_cpu_seconds_total "), "{body}");
+
+        assert_eq!(get_http(addr, "/healthz").await.0, 200);
+        assert_eq!(get_http(addr, "/readyz").await, (503, "not ready\n".into()));
+        health.set_ready(true);
+        assert_eq!(get_http(addr, "/readyz").await, (200, "ready\n".into()));
+        assert_eq!(get_http(addr, "/nothing").await.0, 404);
+
+        stop.send(()).unwrap();
+        server.await.unwrap().unwrap();
+    }
+
+    /// A plain HTTP/1.0 GET: status and body.
+    async fn get_http(addr: std::net::SocketAddr, path: &str) -> (u16, String) {
+        use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
+        let mut stream = tokio::net::TcpStream::connect(addr).await.unwrap();
+        stream
+            .write_all(format!("GET {path} HTTP/1.0\r\nHost: test\r\n\r\n").as_bytes())
+            .await
+            .unwrap();
+        let mut response = String::new();
+        stream.read_to_string(&mut response).await.unwrap();
+        let status = response[9..12].parse().unwrap();
+        let body = response
+            .split_once("\r\n\r\n")
+            .map_or("", |(_, body)| body)
+            .to_string();
+        (status, body)
+    }
+}
