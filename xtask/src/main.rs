@@ -1,8 +1,10 @@
 //! `cargo xtask`: the project's two front doors (`run`, `test`) plus the
-//! toolchain bootstrap they share (`setup`) and the benchmarks (`bench`).
+//! toolchain bootstrap they share (`setup`), the benchmarks (`bench`) and
+//! the container images (`image`).
 //! It owns no product logic: it builds, installs and runs things.
 
 mod bench;
+mod image;
 mod mappings;
 mod overhead;
 mod setup;
@@ -40,6 +42,9 @@ enum Task {
         #[command(subcommand)]
         which: bench::Bench,
     },
+    /// Build the agent's and the collector's container images with podman
+    /// (no registry) and print their sizes.
+    Image,
 }
 
 fn main() -> anyhow::Result<()> {
@@ -51,6 +56,10 @@ fn main() -> anyhow::Result<()> {
         Task::Bench { which } => {
             setup::ensure_all()?;
             bench::run(which)
+        }
+        Task::Image => {
+            setup::ensure_all()?;
+            image::build()
         }
     }
 }
@@ -199,6 +208,8 @@ fn test() -> anyhow::Result<()> {
         "stackscope-collector",
         "--bins",
     ])?;
+    // The deployment tests run the images, built from the current sources.
+    image::build()?;
     cargo(&["test"])?;
     // One tiny round of the collector bench: its synthetic fleet and queries
     // stay correct between the (long) benchmark runs.

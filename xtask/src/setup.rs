@@ -24,11 +24,13 @@ const BPF_LINKER_VERSION: &str = "0.13.0";
 /// the naming tests, `elfutils` and `binutils` make and read their debug
 /// files, `libc6-dbg` is the Debian debug package the agent's local lookup
 /// is tested with; `prometheus` is the real server that scrapes the agent's
-/// and the collector's metrics in their test.
+/// and the collector's metrics in their test; `catatonit` is the pause
+/// process `podman kube play` builds its pods' infra image from.
 const DEBIAN_PACKAGES: &[&str] = &[
     "binutils",
     "bpftool",
     "busybox-static",
+    "catatonit",
     "debuginfod",
     "elfutils",
     "gcc",

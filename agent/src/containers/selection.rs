@@ -171,7 +171,10 @@ pub enum SelectionError {
 /// See the module documentation.
 #[derive(Debug)]
 pub struct Resolver {
-    mount: PathBuf,
+    /// The cgroup2 hierarchy, found only when something is selected or
+    /// budgeted: profiling everything works on hosts (and in containers)
+    /// that show no cgroup2 mount.
+    mount: Option<PathBuf>,
     config: SelectionConfig,
 }
 
@@ -193,10 +196,12 @@ impl Resolver {
         if let Some(empty) = config.containers.iter().find(|c| c.is_empty()) {
             return Err(SelectionError::BadContainer(empty.clone()));
         }
-        Ok(Self {
-            mount: cgroups::cgroup2_mount()?,
-            config,
-        })
+        let mount = if config.filters() || !config.budgets.is_empty() {
+            Some(cgroups::cgroup2_mount()?)
+        } else {
+            None
+        };
+        Ok(Self { mount, config })
     }
 
     pub fn config(&self) -> &SelectionConfig {
@@ -209,13 +214,16 @@ impl Resolver {
         pods: Option<&PodList>,
         names: &mut RuntimeNames,
     ) -> Result<HashMap<u64, CgroupPolicy>, SelectionError> {
-        let pod_match = PodMatch::new(&self.config, pods);
         let mut policies: HashMap<u64, CgroupPolicy> = HashMap::new();
-        cgroups::walk(&self.mount, MAX_CGROUPS_WALKED, |path, id| {
+        let Some(mount) = &self.mount else {
+            return Ok(policies);
+        };
+        let pod_match = PodMatch::new(&self.config, pods);
+        cgroups::walk(mount, MAX_CGROUPS_WALKED, |path, id| {
             let identity = container::identify(path);
             let mut facts = CgroupFacts {
                 path,
-                mount: &self.mount,
+                mount,
                 identity: identity.as_ref(),
                 pods,
                 names: &mut *names,
