@@ -215,7 +215,45 @@ fn try_sample_cpu_clock(ctx: &PerfEventContext) -> Result<u32, u32> {
         count(Counter::DeepCopyFallbacks);
     }
 
-    let scratch = SCRATCH.get_ptr_mut(cpu).ok_or(0u32)?.cast::<u8>();
+    Ok(usual_sample(ctx, &ids, flags, user_regs, plan))
+}
+
+/// The usual record (see the module doc): the kernel stack, a bounded copy
+/// of the user stack (as much as the thread's copy size, its stack top or
+/// the ceiling allow), and the plan's tail spans, assembled in the CPU's
+/// scratch slot and output to the ring buffer.
+///
+/// Not inlined: the verifier allows a program and the calls it makes 512
+/// bytes of stack together, counted along each call chain. Apart, the
+/// entry's small frame plus this one, or plus [`deep_sample`]'s, fit;
+/// inlined, the entry's frame would hold this path's locals while calling
+/// `deep_sample` (Linux 6.1 refuses that program).
+/// Returns the program's return value (a `Result` would take a sixth
+/// argument, its return slot: BPF calls pass five).
+#[inline(never)]
+fn usual_sample(
+    ctx: &PerfEventContext,
+    ids: &SampleIds,
+    flags: u32,
+    user_regs: Option<UserRegs>,
+    plan: Option<&StackPlan>,
+) -> u32 {
+    match try_usual_sample(ctx, ids, flags, user_regs, plan) {
+        Ok(ret) | Err(ret) => ret,
+    }
+}
+
+#[inline(always)]
+fn try_usual_sample(
+    ctx: &PerfEventContext,
+    ids: &SampleIds,
+    mut flags: u32,
+    user_regs: Option<UserRegs>,
+    plan: Option<&StackPlan>,
+) -> Result<u32, u32> {
+    let (tgid, tid) = (ids.tgid, ids.tid);
+    let tick_in_user = flags & sample_flags::TICK_IN_USER != 0;
+    let scratch = SCRATCH.get_ptr_mut(ids.cpu).ok_or(0u32)?.cast::<u8>();
     let mut kernel_stack_len = 0u32;
     if !tick_in_user {
         // SAFETY: the destination lies inside the scratch slot, right after
@@ -268,7 +306,7 @@ fn try_sample_cpu_clock(ctx: &PerfEventContext) -> Result<u32, u32> {
         read_tail(scratch, plan);
     }
     // SAFETY: the header was written above; the slot is ours for the tick.
-    let written = unsafe { core::ptr::read_volatile(scratch.cast::<SampleHeader>()) };
+    let written = unsafe { WrittenLengths::read(scratch) };
     let user_bytes = (u64::from(written.user_stack_len) & USER_STACK_MASK)
         + (u64::from(written.tail_len) & u64::from(MAX_TAIL_BYTES - 1));
     add(Counter::UserStackBytes, user_bytes);
@@ -288,6 +326,35 @@ fn try_sample_cpu_clock(ctx: &PerfEventContext) -> Result<u32, u32> {
         count(Counter::Samples);
     }
     Ok(0)
+}
+
+/// The lengths of the header in a scratch slot, read back one field at a
+/// time: a whole header read back would take another 100 bytes of the 512
+/// the verifier allows a program and the calls it makes (Linux 6.1 refuses
+/// the program past them).
+struct WrittenLengths {
+    kernel_stack_len: u32,
+    user_stack_len: u32,
+    tail_len: u32,
+    tail_spans: u32,
+}
+
+impl WrittenLengths {
+    /// # Safety
+    /// `scratch` must hold a header.
+    #[inline(always)]
+    unsafe fn read(scratch: *mut u8) -> Self {
+        let header = scratch.cast::<SampleHeader>();
+        // SAFETY: the fields lie inside the header the caller vouches for.
+        unsafe {
+            Self {
+                kernel_stack_len: core::ptr::addr_of!((*header).kernel_stack_len).read_volatile(),
+                user_stack_len: core::ptr::addr_of!((*header).user_stack_len).read_volatile(),
+                tail_len: core::ptr::addr_of!((*header).tail_len).read_volatile(),
+                tail_spans: core::ptr::addr_of!((*header).tail_spans).read_volatile(),
+            }
+        }
+    }
 }
 
 /// What identifies a sample, the same in both kinds of record.
@@ -585,7 +652,12 @@ fn copy_user_stack(scratch: *mut u8, kernel_stack_len: u32, rsp: u64, limit: u32
             break;
         }
         let to_page_end = PAGE_SIZE - (addr as u32 & (PAGE_SIZE - 1));
-        let chunk = to_page_end.min(limit - copied);
+        // At most a page, but older verifiers cannot see it: 6.1 learns no
+        // bound from the min (a compare of two registers) and loses a
+        // compare's bound on a copy spilled before it. A mask bounds the
+        // very register the helper gets; LLVM, which knows the mask changes
+        // nothing, keeps it only on a value it cannot see through.
+        let chunk = opaque(to_page_end.min(limit - copied)) & (2 * PAGE_SIZE - 1);
         if chunk > PAGE_SIZE {
             break;
         }
@@ -615,6 +687,18 @@ fn copy_user_stack(scratch: *mut u8, kernel_stack_len: u32, rsp: u64, limit: u32
     }
 }
 
+/// `value`, which LLVM can no longer reason about: a bound the verifier
+/// needs is then checked in the code, not folded away as always true.
+#[inline(always)]
+fn opaque(value: u32) -> u32 {
+    let mut slot = 0u32;
+    // SAFETY: `slot` is a live local.
+    unsafe {
+        core::ptr::write_volatile(&mut slot, value);
+        core::ptr::read_volatile(&slot)
+    }
+}
+
 /// Reads the plan's spans into the scratch slot after the copy, each
 /// behind its packed [`tail_span`] header, until the spans or [`MAX_TAIL_BYTES`] run
 /// out, and records their length and count in the slot's header. A span
@@ -624,12 +708,12 @@ fn copy_user_stack(scratch: *mut u8, kernel_stack_len: u32, rsp: u64, limit: u32
 #[inline(always)]
 fn read_tail(scratch: *mut u8, plan: &StackPlan) {
     // SAFETY: the header was written by the caller.
-    let header = unsafe { core::ptr::read_volatile(scratch.cast::<SampleHeader>()) };
+    let written = unsafe { WrittenLengths::read(scratch) };
     // The masks do not change the lengths (both are below them); they
     // bound them for the verifier, with SCRATCH_BYTES sized to match.
     let base = SAMPLE_HEADER_SIZE as u64
-        + (u64::from(header.kernel_stack_len) & KERNEL_STACK_MASK)
-        + (u64::from(header.user_stack_len) & USER_STACK_MASK);
+        + (u64::from(written.kernel_stack_len) & KERNEL_STACK_MASK)
+        + (u64::from(written.user_stack_len) & USER_STACK_MASK);
     let (mut tail_len, mut spans) = (0u32, 0u32);
     let count = plan.span_count;
     for i in 0..MAX_TAIL_SPANS {

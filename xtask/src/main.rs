@@ -5,6 +5,7 @@
 
 mod bench;
 mod image;
+mod kernels;
 mod mappings;
 mod overhead;
 mod setup;
@@ -35,13 +36,18 @@ enum Task {
         #[arg(trailing_var_arg = true, allow_hyphen_values = true)]
         agent_args: Vec<String>,
     },
-    /// Format check, clippy, unit tests and the privileged end-to-end tests.
+    /// Format check, clippy, unit tests and the privileged end-to-end
+    /// tests, on this kernel and (sampler and unwinding) on Linux 6.1 and
+    /// 6.12 in virtual machines.
     Test,
     /// Benchmarks that print figures (reports, not pass/fail tests).
     Bench {
         #[command(subcommand)]
         which: bench::Bench,
     },
+    /// Only the kernel matrix: the sampler and unwinding tests on Linux 6.1
+    /// and 6.12 in virtual machines (part of `test`).
+    Kernels,
     /// Build the agent's and the collector's container images with podman
     /// (no registry) and print their sizes.
     Image,
@@ -56,6 +62,12 @@ fn main() -> anyhow::Result<()> {
         Task::Bench { which } => {
             setup::ensure_all()?;
             bench::run(which)
+        }
+        Task::Kernels => {
+            setup::ensure_all()?;
+            require_root("the tests in the virtual machines load BPF programs")?;
+            cargo(&["build", "--package", "stackscope-agent", "--bins"])?;
+            kernels::test()
         }
         Task::Image => {
             setup::ensure_all()?;
@@ -228,6 +240,8 @@ fn test() -> anyhow::Result<()> {
         "--bench",
         "symbolize",
     ])?;
+    // The BPF program and the unwinder on the older kernels fleets run.
+    kernels::test()?;
     eprintln!("all tests passed");
     Ok(())
 }

@@ -154,7 +154,7 @@ fn find_libllvm(lib_dir: &Path) -> anyhow::Result<PathBuf> {
     )
 }
 
-fn ensure_debian_packages(packages: &[&str]) -> anyhow::Result<()> {
+pub(crate) fn ensure_debian_packages(packages: &[&str]) -> anyhow::Result<()> {
     let missing: Vec<&str> = packages
         .iter()
         .copied()

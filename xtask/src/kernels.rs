@@ -1,0 +1,251 @@
+//! The kernels fleets run: the end-to-end sampler and unwinding tests, run
+//! again inside virtual machines booting Debian's Linux 6.1 and 6.12 over
+//! this machine's root filesystem (virtme-ng, qemu without KVM: under KVM
+//! qemu fails here on an MSR, see `shared/ENVIRONMENT.md`).
+//!
+//! Owns installing the kernels and virtme-ng (idempotently), finding the
+//! test binaries cargo built, and booting each kernel once to run them.
+
+use std::{
+    io::{BufRead as _, BufReader},
+    path::{Path, PathBuf},
+    process::{Command, Stdio},
+};
+
+use anyhow::{Context as _, bail};
+
+use crate::{setup, workspace_root};
+
+/// A family of Debian kernel images: releases `<prefix><number><suffix>`.
+struct KernelFamily {
+    name: &'static str,
+    prefix: &'static str,
+    suffix: &'static str,
+}
+
+impl KernelFamily {
+    fn has(&self, release: &str) -> bool {
+        release
+            .strip_prefix(self.prefix)
+            .and_then(|rest| rest.strip_suffix(self.suffix))
+            .is_some_and(|number| !number.is_empty() && number.bytes().all(|b| b.is_ascii_digit()))
+    }
+}
+
+/// The kernels tested besides this machine's own: the newest image of each
+/// family, installed unless one is there already.
+const KERNELS: &[KernelFamily] = &[
+    // Debian 12's own kernel.
+    KernelFamily {
+        name: "6.1",
+        prefix: "6.1.0-",
+        suffix: "-amd64",
+    },
+    // The 6.12 LTS Debian 12 carries (Debian 13's kernel).
+    KernelFamily {
+        name: "6.12",
+        prefix: "6.12.",
+        suffix: "+deb12-amd64",
+    },
+];
+
+/// virtme-ng release known to boot these kernels here.
+const VIRTME_NG: &str = "virtme-ng==1.42";
+
+/// The test files run in each kernel: they load the BPF program and check
+/// what it records, and unwind what it copied.
+const TEST_FILES: &[&str] = &["sampler", "unwinding"];
+
+pub fn test() -> anyhow::Result<()> {
+    let kernels: Vec<(&str, PathBuf)> = KERNELS
+        .iter()
+        .map(|family| Ok((family.name, ensure_kernel(family)?)))
+        .collect::<anyhow::Result<_>>()?;
+    let vng = ensure_virtme_ng()?;
+    let binaries = test_binaries()?;
+    let root = workspace_root();
+    // The guest runs a shell over the host's files; it has the host's
+    // tools (gcc, rustc for the fixtures) once PATH says where they are.
+    let path = std::env::var("PATH").unwrap_or_default();
+    let mut script = format!(
+        "set -e; export PATH='{path}'; cd '{}'; echo \"kernel $(uname -r)\"",
+        root.join("tests").display()
+    );
+    for binary in &binaries {
+        script.push_str(&format!("; '{}' --test-threads 1", binary.display()));
+    }
+    for (name, vmlinuz) in &kernels {
+        eprintln!("kernel {name}: {} in a virtual machine", vmlinuz.display());
+        let started = std::time::Instant::now();
+        // The guest's console comes through a pipe: given a file, qemu
+        // rewinds it and a second kernel's run overwrites the first one's
+        // log.
+        let mut guest = Command::new(&vng)
+            .arg("-r")
+            .arg(vmlinuz)
+            .args(["--memory", "2G", "--cpus", "2", "--disable-kvm", "--"])
+            .arg(&script)
+            .env(
+                "PATH",
+                format!("{}:{path}", vng.parent().unwrap().display()),
+            )
+            .stdout(Stdio::piped())
+            .spawn()
+            .with_context(|| format!("running {}", vng.display()))?;
+        if let Some(console) = guest.stdout.take() {
+            for line in BufReader::new(console).lines() {
+                println!("{}", line.context("reading the guest's console")?);
+            }
+        }
+        let status = guest.wait().context("waiting for the guest")?;
+        if !status.success() {
+            bail!("the tests failed on Linux {name} ({})", vmlinuz.display());
+        }
+        eprintln!(
+            "kernel {name}: passed in {:.0} s",
+            started.elapsed().as_secs_f64()
+        );
+    }
+    Ok(())
+}
+
+/// The newest installed kernel image of the family, installing the newest
+/// package of it first when there is none.
+fn ensure_kernel(family: &KernelFamily) -> anyhow::Result<PathBuf> {
+    let image = |release: &str| Path::new("/boot").join(format!("vmlinuz-{release}"));
+    // An image of the family already in /boot: use it, offline.
+    let mut present: Vec<String> = std::fs::read_dir("/boot")
+        .map(|dir| {
+            dir.flatten()
+                .filter_map(|entry| {
+                    let name = entry.file_name().to_string_lossy().into_owned();
+                    name.strip_prefix("vmlinuz-").map(str::to_owned)
+                })
+                .filter(|release| family.has(release))
+                .collect()
+        })
+        .unwrap_or_default();
+    present.sort_by(|a, b| version_order(a, b));
+    if let Some(release) = present.last() {
+        return Ok(image(release));
+    }
+    let escape = |text: &str| text.replace('.', r"\.").replace('+', r"\+");
+    let pattern = format!(
+        "^linux-image-{}[0-9]+{}$",
+        escape(family.prefix),
+        escape(family.suffix)
+    );
+    let out = Command::new("apt-cache")
+        .args(["search", "--names-only", &pattern])
+        .output()
+        .context("running apt-cache")?;
+    let mut releases: Vec<String> = String::from_utf8_lossy(&out.stdout)
+        .lines()
+        .filter_map(|line| line.split_whitespace().next()?.strip_prefix("linux-image-"))
+        .filter(|release| family.has(release))
+        .map(str::to_owned)
+        .collect();
+    releases.sort_by(|a, b| version_order(a, b));
+    let Some(release) = releases.last() else {
+        bail!(
+            "no Debian package of Linux {} (apt-get update?)",
+            family.name
+        );
+    };
+    setup::ensure_debian_packages(&[format!("linux-image-{release}").as_str()])?;
+    let image = image(release);
+    if !image.exists() {
+        bail!(
+            "linux-image-{release} is installed but {} is missing",
+            image.display()
+        );
+    }
+    Ok(image)
+}
+
+/// Orders names by their numbers (`6.1.0-9` before `6.1.0-56`).
+fn version_order(a: &str, b: &str) -> std::cmp::Ordering {
+    let numbers = |s: &str| -> Vec<u64> {
+        s.split(|c: char| !c.is_ascii_digit())
+            .filter(|part| !part.is_empty())
+            .map(|part| part.parse().unwrap_or(u64::MAX))
+            .collect()
+    };
+    numbers(a).cmp(&numbers(b))
+}
+
+/// virtme-ng in a virtual environment under `target/`; its `vng`.
+fn ensure_virtme_ng() -> anyhow::Result<PathBuf> {
+    setup::ensure_debian_packages(&["qemu-system-x86"])?;
+    let venv = workspace_root().join("target/virtme-ng");
+    let vng = venv.join("bin/vng");
+    if vng.exists() {
+        return Ok(vng);
+    }
+    crate::run_checked(Command::new("python3").args(["-m", "venv"]).arg(&venv))?;
+    crate::run_checked(Command::new(venv.join("bin/pip")).args(["install", "--quiet", VIRTME_NG]))?;
+    Ok(vng)
+}
+
+/// The test executables of [`TEST_FILES`], built now (they are what
+/// `cargo test` just ran on this kernel).
+fn test_binaries() -> anyhow::Result<Vec<PathBuf>> {
+    let mut command = Command::new("cargo");
+    command
+        .args(["test", "--package", "stackscope-tests", "--no-run"])
+        .args(["--message-format", "json"])
+        .current_dir(workspace_root());
+    for file in TEST_FILES {
+        command.args(["--test", file]);
+    }
+    let out = command.output().context("building the test binaries")?;
+    if !out.status.success() {
+        bail!(
+            "building the test binaries failed: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+    }
+    let mut binaries = Vec::new();
+    for line in String::from_utf8_lossy(&out.stdout).lines() {
+        let Ok(message) = serde_json::from_str::<serde_json::Value>(line) else {
+            continue;
+        };
+        let name = message["target"]["name"].as_str().unwrap_or_default();
+        if let Some(path) = message["executable"].as_str()
+            && TEST_FILES.contains(&name)
+        {
+            binaries.push(PathBuf::from(path));
+        }
+    }
+    if binaries.len() != TEST_FILES.len() {
+        bail!("expected the test binaries of {TEST_FILES:?}, found {binaries:?}");
+    }
+    Ok(binaries)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn kernel_releases_belong_to_their_family() {
+        let [six_one, six_twelve] = [&KERNELS[0], &KERNELS[1]];
+        assert!(six_one.has("6.1.0-56-amd64"));
+        assert!(!six_one.has("6.1.0-56-cloud-amd64"));
+        assert!(!six_one.has("6.1.0--amd64"));
+        assert!(!six_one.has("6.12.117+deb12-amd64"));
+        assert!(six_twelve.has("6.12.117+deb12-amd64"));
+        assert!(!six_twelve.has("6.12.117+deb12-rt-amd64"));
+        assert!(!six_twelve.has("6.1.0-56-amd64"));
+    }
+
+    #[test]
+    fn versions_order_by_their_numbers() {
+        let mut releases = vec!["6.1.0-56-amd64", "6.1.0-9-amd64", "6.1.0-47-amd64"];
+        releases.sort_by(|a, b| version_order(a, b));
+        assert_eq!(
+            releases,
+            ["6.1.0-9-amd64", "6.1.0-47-amd64", "6.1.0-56-amd64"]
+        );
+    }
+}
