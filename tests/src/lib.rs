@@ -556,3 +556,17 @@ pub fn http_get(address: &str, path: &str) -> Option<(u16, String)> {
     let body = response.split_once("\r\n\r\n").map_or("", |(_, body)| body);
     Some((status, body.to_string()))
 }
+
+/// Ids of every loaded BPF object of `kind` (`prog` or `map`), per bpftool.
+pub fn bpf_ids_loaded(kind: &str) -> std::collections::BTreeSet<u64> {
+    let out = Command::new("bpftool")
+        .args(["--json", kind, "show"])
+        .output()
+        .expect("running bpftool");
+    let list: serde_json::Value = serde_json::from_slice(&out.stdout).expect("bpftool JSON");
+    list.as_array()
+        .expect("a list")
+        .iter()
+        .filter_map(|entry| entry["id"].as_u64())
+        .collect()
+}

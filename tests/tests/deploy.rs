@@ -24,7 +24,6 @@
 //! program left behind.
 
 use std::{
-    collections::BTreeSet,
     os::unix::fs::PermissionsExt as _,
     path::Path,
     process::Command,
@@ -500,20 +499,6 @@ fn image_exists(tag: &str) -> bool {
         .is_ok_and(|status| status.success())
 }
 
-/// Ids of every loaded BPF program, per bpftool.
-fn programs_loaded() -> BTreeSet<u64> {
-    let out = Command::new("bpftool")
-        .args(["--json", "prog", "show"])
-        .output()
-        .expect("running bpftool");
-    let list: serde_json::Value = serde_json::from_slice(&out.stdout).expect("bpftool JSON");
-    list.as_array()
-        .expect("a list")
-        .iter()
-        .filter_map(|entry| entry["id"].as_u64())
-        .collect()
-}
-
 #[test]
 fn the_agent_daemonset_and_the_collector_run_as_pods_from_their_images() {
     require_root();
@@ -591,7 +576,7 @@ fn the_agent_daemonset_and_the_collector_run_as_pods_from_their_images() {
         }
     }
     host_volume(&mut agent_pod, "table-cache", cache.path());
-    let loaded_before = programs_loaded();
+    let loaded_before = stackscope_tests::bpf_ids_loaded("prog");
     let agent_pod = RunPod::start(&agent_pod);
     let metrics = format!("127.0.0.1:{metrics_port}");
     wait_ready(&metrics, "/readyz");
@@ -659,7 +644,7 @@ fn the_agent_daemonset_and_the_collector_run_as_pods_from_their_images() {
         .expect("samples_sent");
     assert_eq!(collector.total(&format!("node=\"{node}\"")), sent);
     // Nothing of the agent stays loaded.
-    let left: Vec<u64> = programs_loaded()
+    let left: Vec<u64> = stackscope_tests::bpf_ids_loaded("prog")
         .difference(&loaded_before)
         .copied()
         .collect();
@@ -668,29 +653,22 @@ fn the_agent_daemonset_and_the_collector_run_as_pods_from_their_images() {
     // Each fixture with its own chain, named from its own binary, labelled
     // with where it ran (by container id: names come from the kubelet's pod
     // list on Kubernetes, and no kubelet runs here).
-    let host_stacks = collector.stacks(&host_match);
-    let host_total: u64 = host_stacks.iter().map(|(_, n)| n).sum();
-    let chained: u64 = host_stacks
-        .iter()
-        .filter(|(stack, _)| stack.contains("main;a;b;c"))
-        .map(|(_, n)| n)
-        .sum();
-    assert!(
-        chained * 10 >= host_total * 9,
-        "{chained} of {host_total} host samples read main;a;b;c: {host_stacks:#?}"
-    );
-    let contained_stacks = collector.stacks(&container_match);
-    let contained_total: u64 = contained_stacks.iter().map(|(_, n)| n).sum();
-    let chained: u64 = contained_stacks
-        .iter()
-        .filter(|(stack, _)| stack.contains("main;outer;middle;inner"))
-        .map(|(_, n)| n)
-        .sum();
-    assert!(
-        chained * 10 >= contained_total * 9,
-        "{chained} of {contained_total} container samples read main;outer;middle;inner: \
-         {contained_stacks:#?}"
-    );
+    for (matchers, chain) in [
+        (&host_match, "main;a;b;c"),
+        (&container_match, "main;outer;middle;inner"),
+    ] {
+        let stacks = collector.stacks(matchers);
+        let total: u64 = stacks.iter().map(|(_, n)| n).sum();
+        let chained: u64 = stacks
+            .iter()
+            .filter(|(stack, _)| stack.contains(chain))
+            .map(|(_, n)| n)
+            .sum();
+        assert!(
+            chained * 10 >= total * 9,
+            "{chained} of {total} samples of {matchers} read {chain}: {stacks:#?}"
+        );
+    }
     drop(agent_pod);
     drop(host_process);
     drop(collector_pod);

@@ -455,20 +455,6 @@ fn bpf_ids_held_by(pid: u32) -> (BTreeSet<u64>, BTreeSet<u64>) {
     (programs, maps)
 }
 
-/// Ids of every loaded BPF object of `kind` (`prog` or `map`), per bpftool.
-fn ids_loaded(kind: &str) -> BTreeSet<u64> {
-    let out = Command::new("bpftool")
-        .args(["--json", kind, "show"])
-        .output()
-        .expect("running bpftool");
-    let list: serde_json::Value = serde_json::from_slice(&out.stdout).expect("bpftool JSON");
-    list.as_array()
-        .expect("a list")
-        .iter()
-        .filter_map(|entry| entry["id"].as_u64())
-        .collect()
-}
-
 fn agent_binary() -> std::path::PathBuf {
     stackscope_test_fixtures::workspace_binary("stackscope-agent")
 }
@@ -499,7 +485,9 @@ fn agent_leaves_nothing_loaded_after_a_signal() {
             let (programs, maps) = bpf_ids_held_by(pid);
             // Attached means the perf links are open too: wait for the
             // status of a running agent, not one still loading.
-            if !programs.is_empty() && ids_loaded("prog").is_superset(&programs) {
+            if !programs.is_empty()
+                && stackscope_tests::bpf_ids_loaded("prog").is_superset(&programs)
+            {
                 break (programs, maps);
             }
             if let Some(status) = agent.child.try_wait().expect("polling the agent") {
@@ -535,7 +523,10 @@ fn agent_leaves_nothing_loaded_after_a_signal() {
         // kernel a moment before calling anything a leak.
         let released = Instant::now();
         loop {
-            let (programs_now, maps_now) = (ids_loaded("prog"), ids_loaded("map"));
+            let (programs_now, maps_now) = (
+                stackscope_tests::bpf_ids_loaded("prog"),
+                stackscope_tests::bpf_ids_loaded("map"),
+            );
             if programs.is_disjoint(&programs_now) && maps.is_disjoint(&maps_now) {
                 break;
             }

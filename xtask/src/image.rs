@@ -12,7 +12,7 @@ use std::{
 use anyhow::{Context as _, bail};
 use stackscope_test_fixtures::containers::podman;
 
-use crate::{cargo, run_checked, workspace_root};
+use crate::run_checked;
 
 /// Tags the manifests in `deploy/` refer to.
 pub const AGENT_IMAGE: &str = concat!("localhost/stackscope-agent:", env!("CARGO_PKG_VERSION"));
@@ -41,16 +41,7 @@ struct ImageSpec {
 /// Builds both images and prints their sizes.
 pub fn build() -> anyhow::Result<()> {
     crate::require_root("podman imports images into the system's storage")?;
-    cargo(&[
-        "build",
-        "--release",
-        "--package",
-        "stackscope-agent",
-        "--package",
-        "stackscope-collector",
-        "--bins",
-    ])?;
-    let release = workspace_root().join("target/release");
+    let release = crate::build_binaries(true)?;
     let specs = [
         ImageSpec {
             tag: AGENT_IMAGE,

@@ -77,9 +77,9 @@ pub fn test() -> anyhow::Result<()> {
     for (name, vmlinuz) in &kernels {
         eprintln!("kernel {name}: {} in a virtual machine", vmlinuz.display());
         let started = std::time::Instant::now();
-        // The guest's console comes through a pipe: given a file, qemu
-        // rewinds it and a second kernel's run overwrites the first one's
-        // log.
+        // The guest's output comes through pipes: given a file, qemu
+        // rewinds it and a second kernel's run overwrites everything
+        // written before (and pads its lines with the console's blanks).
         let mut guest = Command::new(&vng)
             .arg("-r")
             .arg(vmlinuz)
@@ -90,14 +90,25 @@ pub fn test() -> anyhow::Result<()> {
                 format!("{}:{path}", vng.parent().unwrap().display()),
             )
             .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
             .spawn()
             .with_context(|| format!("running {}", vng.display()))?;
+        let errors = guest.stderr.take().map(|errors| {
+            std::thread::spawn(move || {
+                for line in BufReader::new(errors).lines().map_while(Result::ok) {
+                    eprintln!("{}", line.trim_end());
+                }
+            })
+        });
         if let Some(console) = guest.stdout.take() {
-            for line in BufReader::new(console).lines() {
-                println!("{}", line.context("reading the guest's console")?);
+            for line in BufReader::new(console).lines().map_while(Result::ok) {
+                println!("{}", line.trim_end());
             }
         }
         let status = guest.wait().context("waiting for the guest")?;
+        if let Some(errors) = errors {
+            let _ = errors.join();
+        }
         if !status.success() {
             bail!("the tests failed on Linux {name} ({})", vmlinuz.display());
         }
@@ -190,7 +201,7 @@ fn ensure_virtme_ng() -> anyhow::Result<PathBuf> {
 /// The test executables of [`TEST_FILES`], built now (they are what
 /// `cargo test` just ran on this kernel).
 fn test_binaries() -> anyhow::Result<Vec<PathBuf>> {
-    let mut command = Command::new("cargo");
+    let mut command = Command::new(std::env::var_os("CARGO").unwrap_or_else(|| "cargo".into()));
     command
         .args(["test", "--package", "stackscope-tests", "--no-run"])
         .args(["--message-format", "json"])

@@ -100,16 +100,9 @@ fn run(agent_args: &[String]) -> anyhow::Result<()> {
 
     setup::ensure_all()?;
     require_root("the agent loads BPF programs")?;
-    cargo(&[
-        "build",
-        "--release",
-        "--package",
-        "stackscope-agent",
-        "--package",
-        "stackscope-collector",
-    ])?;
+    let release = build_binaries(true)?;
     let root = workspace_root();
-    let bin = |name: &str| root.join("target/release").join(name);
+    let bin = |name: &str| release.join(name);
     let started = std::time::SystemTime::now();
 
     // The collector gets its own process group: Ctrl-C in the terminal must
@@ -212,14 +205,7 @@ fn test() -> anyhow::Result<()> {
     )?;
     // The end-to-end tests run the agent binary; build it first so they test
     // the current sources.
-    cargo(&[
-        "build",
-        "--package",
-        "stackscope-agent",
-        "--package",
-        "stackscope-collector",
-        "--bins",
-    ])?;
+    build_binaries(false)?;
     // The deployment tests run the images, built from the current sources.
     image::build()?;
     cargo(&["test"])?;
@@ -262,6 +248,25 @@ pub(crate) fn workspace_root() -> PathBuf {
 }
 
 /// Runs cargo (the same one that runs xtask) in the workspace root.
+/// Builds the agent's and the collector's binaries (in release mode, or
+/// the dev profile); returns where they are.
+pub(crate) fn build_binaries(release: bool) -> anyhow::Result<PathBuf> {
+    let mut args = vec!["build", "--bins"];
+    args.extend([
+        "--package",
+        "stackscope-agent",
+        "--package",
+        "stackscope-collector",
+    ]);
+    if release {
+        args.push("--release");
+    }
+    cargo(&args)?;
+    Ok(workspace_root()
+        .join("target")
+        .join(if release { "release" } else { "debug" }))
+}
+
 pub(crate) fn cargo(args: &[&str]) -> anyhow::Result<()> {
     let cargo = std::env::var_os("CARGO").unwrap_or_else(|| "cargo".into());
     let mut cmd = Command::new(cargo);

@@ -21,7 +21,7 @@ use std::{
 
 use anyhow::{Context as _, bail};
 
-use crate::{KillOnDrop, bench::compile_fixture, cargo, wait_for_listener, workspace_root};
+use crate::{KillOnDrop, bench::compile_fixture, wait_for_listener, workspace_root};
 
 /// What one profiled (or unprofiled) run measured.
 #[derive(Debug, Default, Clone)]
@@ -118,14 +118,7 @@ fn finish_workload(mut child: Child) -> anyhow::Result<f64> {
 }
 
 pub fn run(seconds: u64, repeats: usize) -> anyhow::Result<()> {
-    cargo(&[
-        "build",
-        "--release",
-        "--package",
-        "stackscope-agent",
-        "--package",
-        "stackscope-collector",
-    ])?;
+    crate::build_binaries(true)?;
     let busy = compile_fixture("busy")?;
     let threads = std::thread::available_parallelism().map_or(2, |n| n.get());
     let scratch = tempfile_dir()?;
