@@ -54,6 +54,11 @@ struct Args {
     /// File holding the bearer token agents must send to push batches.
     #[arg(long)]
     ingest_token_file: Option<PathBuf>,
+    /// File holding the bearer token queries must carry (gRPC, and the HTTP
+    /// API, where a browser may give it as the password of HTTP Basic
+    /// authentication). Health probes and /metrics stay open.
+    #[arg(long)]
+    query_token_file: Option<PathBuf>,
     /// debuginfod servers to fetch debuginfo from by build-id, space
     /// separated (as `DEBUGINFOD_URLS`); fetched files are kept with the
     /// uploaded ones in DATA_DIR/debuginfo.
@@ -83,6 +88,21 @@ fn read(path: &PathBuf, what: &str) -> anyhow::Result<Vec<u8>> {
     std::fs::read(path).with_context(|| format!("reading the {what} {}", path.display()))
 }
 
+/// A token file's contents, surrounding white space trimmed; an empty one
+/// is an error (it would let everyone in).
+fn read_token(path: Option<&PathBuf>, what: &str) -> anyhow::Result<Option<String>> {
+    let Some(path) = path else {
+        return Ok(None);
+    };
+    let token = String::from_utf8(read(path, what)?)
+        .with_context(|| format!("{} is not UTF-8", path.display()))?;
+    let token = token.trim().to_string();
+    if token.is_empty() {
+        anyhow::bail!("the {what} {} is empty", path.display());
+    }
+    Ok(Some(token))
+}
+
 #[tokio::main]
 async fn main() -> anyhow::Result<()> {
     let args = Args::parse();
@@ -103,18 +123,8 @@ async fn main() -> anyhow::Result<()> {
         }),
         _ => None,
     };
-    let ingest_token = match &args.ingest_token_file {
-        Some(path) => {
-            let token = String::from_utf8(read(path, "ingest token file")?)
-                .with_context(|| format!("{} is not UTF-8", path.display()))?;
-            let token = token.trim().to_string();
-            if token.is_empty() {
-                anyhow::bail!("the ingest token file {} is empty", path.display());
-            }
-            Some(token)
-        }
-        None => None,
-    };
+    let ingest_token = read_token(args.ingest_token_file.as_ref(), "ingest token file")?;
+    let query_token = read_token(args.query_token_file.as_ref(), "query token file")?;
 
     let database = args.data_dir.join("stackscope.db");
     let storage = tokio::task::spawn_blocking(move || {
@@ -157,6 +167,7 @@ async fn main() -> anyhow::Result<()> {
         retention: args.retention,
         tls,
         ingest_token,
+        query_token,
         debuginfo: Some(Debuginfo {
             store,
             symbolizer: Arc::new(symbolizer),

@@ -1,6 +1,7 @@
 //! The collector's servers on 127.0.0.1 with a real SQLite file: ingest over
 //! gRPC (acknowledged, deduplicated, bad batches refused with nothing
-//! stored), queries over gRPC and HTTP, health, and the ingest token.
+//! stored), queries over gRPC and HTTP, health, and the ingest and query
+//! tokens.
 
 use std::{
     io::{Read as _, Write as _},
@@ -123,6 +124,15 @@ struct Fixture {
 }
 
 async fn start(token: Option<&str>) -> Fixture {
+    start_with(ServerConfig {
+        ingest_token: token.map(str::to_string),
+        ..ServerConfig::default()
+    })
+    .await
+}
+
+/// A collector on free ports with `config`'s tokens and limits.
+async fn start_with(config: ServerConfig) -> Fixture {
     let dir = tempfile::tempdir().expect("temp dir");
     let storage = SqliteStorage::open(&dir.path().join("stackscope.db"), SqliteOptions::default())
         .expect("opening the database");
@@ -130,8 +140,7 @@ async fn start(token: Option<&str>) -> Fixture {
         grpc_listen: SocketAddr::from(([127, 0, 0, 1], 0)),
         http_listen: Some(SocketAddr::from(([127, 0, 0, 1], 0))),
         max_message_bytes: MAX_MESSAGE_BYTES,
-        ingest_token: token.map(str::to_string),
-        ..ServerConfig::default()
+        ..config
     };
     let collector = server::start(config, Arc::new(storage))
         .await
@@ -177,11 +186,16 @@ impl Fixture {
 
     /// GET over plain HTTP/1.1; returns (status, body).
     fn http_get(&self, path: &str) -> (u16, Vec<u8>) {
+        self.http_get_with(path, "")
+    }
+
+    /// [`Fixture::http_get`] with `headers` (each line ending in CRLF).
+    fn http_get_with(&self, path: &str, headers: &str) -> (u16, Vec<u8>) {
         let addr = self.collector.http_addr.expect("HTTP enabled");
         let mut stream = std::net::TcpStream::connect(addr).expect("connecting over HTTP");
         write!(
             stream,
-            "GET {path} HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\n\r\n"
+            "GET {path} HTTP/1.1\r\nHost: {addr}\r\n{headers}Connection: close\r\n\r\n"
         )
         .expect("sending the request");
         let mut response = Vec::new();
@@ -486,6 +500,114 @@ async fn ingest_needs_the_token_when_one_is_set_and_health_is_served() {
     assert_eq!(
         health.status,
         tonic_health::pb::health_check_response::ServingStatus::Serving as i32
+    );
+    fixture.collector.shutdown().await.expect("clean shutdown");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn queries_need_the_query_token_and_probes_stay_open() {
+    let fixture = start_with(ServerConfig {
+        query_token: Some("r3ader".into()),
+        ..ServerConfig::default()
+    })
+    .await;
+    // Ingest is the ingest token's business (none set here).
+    fixture
+        .push(batch(1, "node-a", "redis", 3, 0))
+        .await
+        .expect("a push needs no query token");
+
+    let names = || LabelNamesRequest {
+        selection: Some(selection(vec![])),
+    };
+    let err = QueryClient::new(fixture.channel().await)
+        .label_names(names())
+        .await
+        .expect_err("no token");
+    assert_eq!(err.code(), Code::Unauthenticated);
+    let mut request = tonic::Request::new(names());
+    request
+        .metadata_mut()
+        .insert("authorization", "Bearer wrong".parse().expect("header"));
+    let err = QueryClient::new(fixture.channel().await)
+        .label_names(request)
+        .await
+        .expect_err("a wrong token");
+    assert_eq!(err.code(), Code::Unauthenticated);
+    let mut request = tonic::Request::new(names());
+    request
+        .metadata_mut()
+        .insert("authorization", "Bearer r3ader".parse().expect("header"));
+    let names = QueryClient::new(fixture.channel().await)
+        .label_names(request)
+        .await
+        .expect("the token opens queries")
+        .into_inner()
+        .names;
+    assert!(names.contains(&"comm".to_string()), "{names:?}");
+
+    // HTTP: Bearer, or Basic with the token as password (browsers ask).
+    let path = "/api/v1/labels?since=1h";
+    assert_eq!(fixture.http_get(path).0, 401);
+    assert_eq!(
+        fixture
+            .http_get_with(path, "Authorization: Bearer wrong\r\n")
+            .0,
+        401
+    );
+    assert_eq!(
+        fixture
+            .http_get_with(path, "Authorization: Bearer r3ader\r\n")
+            .0,
+        200
+    );
+    // "anyone:r3ader"
+    assert_eq!(
+        fixture
+            .http_get_with(path, "Authorization: Basic YW55b25lOnIzYWRlcg==\r\n")
+            .0,
+        200
+    );
+    assert_eq!(fixture.http_get("/").0, 401);
+    for open in ["/healthz", "/readyz", "/metrics"] {
+        assert_eq!(fixture.http_get(open).0, 200, "{open}");
+    }
+
+    // The CLI sends the token from --token-file.
+    let dir = tempfile::tempdir().expect("temp dir");
+    let token_file = dir.path().join("token");
+    std::fs::write(&token_file, "r3ader\n").expect("writing the token");
+    let cli = |token: Option<&std::path::Path>| {
+        let mut command = std::process::Command::new(env!("CARGO_BIN_EXE_stackscope"));
+        command
+            .args([
+                "--collector",
+                &format!("http://{}", fixture.collector.grpc_addr),
+            ])
+            .args(["labels", "--since", "1h"])
+            .env_remove("STACKSCOPE_TOKEN_FILE");
+        if let Some(token) = token {
+            command.arg("--token-file").arg(token);
+        }
+        command.output().expect("running stackscope")
+    };
+    let refused = cli(None);
+    assert!(!refused.status.success());
+    assert!(
+        String::from_utf8_lossy(&refused.stderr).contains("Unauthenticated"),
+        "{}",
+        String::from_utf8_lossy(&refused.stderr)
+    );
+    let answered = cli(Some(&token_file));
+    assert!(
+        answered.status.success(),
+        "{}",
+        String::from_utf8_lossy(&answered.stderr)
+    );
+    assert!(
+        String::from_utf8_lossy(&answered.stdout)
+            .lines()
+            .any(|l| l == "comm")
     );
     fixture.collector.shutdown().await.expect("clean shutdown");
 }

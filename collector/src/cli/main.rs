@@ -24,6 +24,8 @@ use stackscope_proto::v1::{
 };
 use tonic::{
     codec::CompressionEncoding,
+    metadata::{Ascii, MetadataValue},
+    service::{Interceptor, interceptor::InterceptedService},
     transport::{Certificate, Channel, ClientTlsConfig, Endpoint},
 };
 
@@ -45,6 +47,15 @@ struct Cli {
     /// Give up on a query after this long.
     #[arg(long, global = true, default_value = "60s", value_parser = humantime::parse_duration)]
     timeout: Duration,
+    /// File holding the bearer token the collector asks queries for (its
+    /// --query-token-file).
+    #[arg(
+        long,
+        global = true,
+        env = "STACKSCOPE_TOKEN_FILE",
+        value_name = "FILE"
+    )]
+    token_file: Option<PathBuf>,
     #[command(subcommand)]
     command: Command,
 }
@@ -196,8 +207,27 @@ impl SelectionArgs {
 }
 
 struct Collector {
-    client: QueryClient<Channel>,
+    client: QueryClient<InterceptedService<Channel, QueryToken>>,
     address: String,
+}
+
+/// Adds `authorization: Bearer <token>` to every query when a token is
+/// given.
+#[derive(Clone)]
+struct QueryToken(Option<MetadataValue<Ascii>>);
+
+impl Interceptor for QueryToken {
+    fn call(
+        &mut self,
+        mut request: tonic::Request<()>,
+    ) -> Result<tonic::Request<()>, tonic::Status> {
+        if let Some(value) = &self.0 {
+            request
+                .metadata_mut()
+                .insert("authorization", value.clone());
+        }
+        Ok(request)
+    }
 }
 
 /// A channel to the collector at `--collector`.
@@ -234,7 +264,18 @@ async fn connect_channel(cli: &Cli) -> anyhow::Result<Channel> {
 impl Collector {
     async fn connect(cli: &Cli) -> anyhow::Result<Self> {
         let channel = connect_channel(cli).await?;
-        let client = QueryClient::new(channel)
+        let token = match &cli.token_file {
+            Some(path) => {
+                let token = upload::read_token(path)?;
+                Some(
+                    MetadataValue::try_from(format!("Bearer {token}")).with_context(|| {
+                        format!("the token in {} is not a header value", path.display())
+                    })?,
+                )
+            }
+            None => None,
+        };
+        let client = QueryClient::with_interceptor(channel, QueryToken(token))
             .accept_compressed(CompressionEncoding::Zstd)
             .accept_compressed(CompressionEncoding::Gzip)
             .max_decoding_message_size(256 << 20);

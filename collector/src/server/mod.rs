@@ -3,6 +3,7 @@
 //! health probes), and the retention task,
 //! until asked to stop.
 
+mod auth;
 mod debuginfo;
 mod grpc;
 mod http;
@@ -16,7 +17,6 @@ use stackscope_proto::v1::{
 use tokio::{net::TcpListener, sync::watch, task::JoinSet};
 use tonic::{
     codec::CompressionEncoding,
-    metadata::MetadataValue,
     transport::{Identity, ServerTlsConfig},
 };
 
@@ -46,6 +46,10 @@ pub struct ServerConfig {
     /// Agents must send `authorization: Bearer <token>` to push (and to
     /// upload debuginfo).
     pub ingest_token: Option<String>,
+    /// Queries must carry this token, on gRPC and on the HTTP API (which
+    /// also takes it as an HTTP Basic password); probes and metrics stay
+    /// open.
+    pub query_token: Option<String>,
     /// The debuginfo store and query-time symbolizer; `None`: frames are
     /// shown with the names agents sent, and uploads are refused.
     pub debuginfo: Option<Debuginfo>,
@@ -68,6 +72,7 @@ impl Default for ServerConfig {
             retention_interval: Duration::from_secs(600),
             tls: None,
             ingest_token: None,
+            query_token: None,
             debuginfo: None,
         }
     }
@@ -83,7 +88,7 @@ pub enum ServerError {
     },
     #[error("the TLS certificate or key is not usable")]
     Tls(#[source] tonic::transport::Error),
-    #[error("the ingest token is not a valid HTTP header value")]
+    #[error("a token is not a valid HTTP header value")]
     Token,
     #[error("the gRPC server failed")]
     Grpc(#[source] tonic::transport::Error),
@@ -171,18 +176,9 @@ pub async fn start(
         .set_serving::<QueryServer<grpc::QueryService>>()
         .await;
 
-    let expected = match &config.ingest_token {
-        Some(token) => Some(
-            MetadataValue::try_from(format!("Bearer {token}")).map_err(|_| ServerError::Token)?,
-        ),
-        None => None,
-    };
-    let check_token = move |request: tonic::Request<()>| match &expected {
-        Some(expected) if request.metadata().get("authorization") != Some(expected) => Err(
-            tonic::Status::unauthenticated("missing or wrong bearer token for ingest"),
-        ),
-        _ => Ok(request),
-    };
+    let ingest_token = auth::Token::new(config.ingest_token.as_deref(), "ingest")?;
+    let query_token = auth::Token::new(config.query_token.as_deref(), "queries")?;
+    let check_token = ingest_token.interceptor();
     let debuginfo = config.debuginfo.as_ref().map(|debuginfo| {
         tonic::service::interceptor::InterceptedService::new(
             DebuginfoServer::new(debuginfo::DebuginfoService::new(
@@ -200,11 +196,14 @@ pub async fn start(
     .accept_compressed(CompressionEncoding::Gzip)
     .accept_compressed(CompressionEncoding::Zstd)
     .max_decoding_message_size(config.max_message_bytes);
-    let query = QueryServer::new(grpc::QueryService::new(engine.clone()))
-        .accept_compressed(CompressionEncoding::Gzip)
-        .accept_compressed(CompressionEncoding::Zstd)
-        .send_compressed(CompressionEncoding::Zstd)
-        .send_compressed(CompressionEncoding::Gzip);
+    let query = tonic::service::interceptor::InterceptedService::new(
+        QueryServer::new(grpc::QueryService::new(engine.clone()))
+            .accept_compressed(CompressionEncoding::Gzip)
+            .accept_compressed(CompressionEncoding::Zstd)
+            .send_compressed(CompressionEncoding::Zstd)
+            .send_compressed(CompressionEncoding::Gzip),
+        query_token.interceptor(),
+    );
 
     let mut builder = tonic::transport::Server::builder();
     if let Some(tls) = &config.tls {
@@ -239,13 +238,21 @@ pub async fn start(
             let bound = listener
                 .local_addr()
                 .map_err(|source| ServerError::Bind { addr, source })?;
-            let mut app = http::router(engine).merge(stackscope_telemetry::router(
-                Arc::new(metrics.registry(Arc::clone(&storage))),
-                Arc::clone(&health),
-            ));
+            // Queries and debug files need the query token; probes and
+            // metrics do not.
+            let mut app = http::router(engine);
             if let Some(debuginfo) = &config.debuginfo {
                 app = app.merge(debuginfo::debuginfod_router(Arc::clone(&debuginfo.store)));
             }
+            let app = app
+                .layer(axum::middleware::from_fn_with_state(
+                    query_token.clone(),
+                    auth::require_http,
+                ))
+                .merge(stackscope_telemetry::router(
+                    Arc::new(metrics.registry(Arc::clone(&storage))),
+                    Arc::clone(&health),
+                ));
             let http_stop = stopped(stop_rx.clone());
             tasks.spawn(async move {
                 axum::serve(listener, app)
