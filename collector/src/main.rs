@@ -175,12 +175,17 @@ async fn main() -> anyhow::Result<()> {
         }),
         ..ServerConfig::default()
     };
+    let scheme = if config.tls.is_some() {
+        "https"
+    } else {
+        "http"
+    };
     let collector = server::start(config, Arc::new(storage))
         .await
         .context("starting the collector")?;
     tracing::info!(
         grpc = %collector.grpc_addr,
-        http = ?collector.http_addr.map(|a| format!("http://{a}/")),
+        http = ?collector.http_addr.map(|a| format!("{scheme}://{a}/")),
         data_dir = %args.data_dir.display(),
         "collector ready"
     );

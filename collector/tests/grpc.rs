@@ -613,6 +613,101 @@ async fn queries_need_the_query_token_and_probes_stay_open() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn with_a_certificate_grpc_and_the_http_api_both_speak_tls() {
+    use rustls::pki_types::pem::PemObject as _;
+    use stackscope_collector::server::TlsFiles;
+    use stackscope_test_fixtures::tls::TestPki;
+
+    let pki = TestPki::new(&["localhost"]);
+    let fixture = start_with(ServerConfig {
+        tls: Some(TlsFiles {
+            cert_pem: pki.server_cert_pem.clone().into_bytes(),
+            key_pem: pki.server_key_pem.clone().into_bytes(),
+        }),
+        ..ServerConfig::default()
+    })
+    .await;
+    let grpc_port = fixture.collector.grpc_addr.port();
+    let http_port = fixture.collector.http_addr.expect("HTTP").port();
+
+    // gRPC, verified against the test CA.
+    let channel = Channel::from_shared(format!("https://localhost:{grpc_port}"))
+        .expect("uri")
+        .tls_config(
+            tonic::transport::ClientTlsConfig::new()
+                .ca_certificate(tonic::transport::Certificate::from_pem(&pki.ca_pem))
+                .domain_name("localhost"),
+        )
+        .expect("TLS settings")
+        .connect()
+        .await
+        .expect("connecting over TLS");
+    IngestClient::new(channel.clone())
+        .push(PushRequest {
+            batch: Some(batch(1, "node-a", "redis", 3, 0)),
+        })
+        .await
+        .expect("a push over TLS");
+
+    // The HTTP API over TLS, with the same certificate.
+    let mut roots = rustls::RootCertStore::empty();
+    roots
+        .add(
+            rustls::pki_types::CertificateDer::from_pem_slice(pki.ca_pem.as_bytes())
+                .expect("the CA's PEM"),
+        )
+        .expect("the test CA");
+    let tls = rustls::ClientConfig::builder_with_provider(std::sync::Arc::new(
+        rustls::crypto::ring::default_provider(),
+    ))
+    .with_safe_default_protocol_versions()
+    .expect("TLS versions")
+    .with_root_certificates(roots)
+    .with_no_client_auth();
+    let client = reqwest::Client::builder()
+        .use_preconfigured_tls(tls)
+        .build()
+        .expect("an HTTPS client");
+    let response = client
+        .get(format!(
+            "https://localhost:{http_port}/api/v1/labels?since=1h"
+        ))
+        .send()
+        .await
+        .expect("a query over HTTPS");
+    assert_eq!(response.status(), 200);
+    let body = response.text().await.expect("the body");
+    assert!(body.contains("comm"), "{body}");
+    // Plain HTTP on the TLS port gets nothing it can use.
+    let plain = reqwest::Client::new()
+        .get(format!("http://localhost:{http_port}/healthz"))
+        .send()
+        .await;
+    assert!(plain.is_err() || !plain.unwrap().status().is_success());
+
+    // The CLI verifies the collector with --ca-cert.
+    let ca = pki.path("ca.pem");
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_stackscope"))
+        .args(["--collector", &format!("https://localhost:{grpc_port}")])
+        .arg("--ca-cert")
+        .arg(&ca)
+        .args(["labels", "--since", "1h"])
+        .output()
+        .expect("running stackscope");
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(
+        String::from_utf8_lossy(&out.stdout)
+            .lines()
+            .any(|l| l == "comm")
+    );
+    fixture.collector.shutdown().await.expect("clean shutdown");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn flamegraphs_group_by_a_label_with_a_group_for_samples_without_it() {
     let fixture = start(None).await;
     // web ran main;work;helper 10 times, db the unnamed libfoo frame 4

@@ -1,6 +1,6 @@
 //! Runs the collector: the gRPC server (ingest, query, debuginfo, health),
 //! the HTTP server (queries, debuginfod's API, Prometheus metrics and the
-//! health probes), and the retention task,
+//! health probes; over TLS when gRPC is), and the retention task,
 //! until asked to stop.
 
 mod auth;
@@ -94,6 +94,8 @@ pub enum ServerError {
     Grpc(#[source] tonic::transport::Error),
     #[error("the HTTP server failed")]
     Http(#[source] std::io::Error),
+    #[error("the TLS certificate or key is not usable for the HTTP API: {0}")]
+    HttpTls(String),
     #[error("a server task panicked")]
     Task(#[source] tokio::task::JoinError),
 }
@@ -254,12 +256,36 @@ pub async fn start(
                     Arc::clone(&health),
                 ));
             let http_stop = stopped(stop_rx.clone());
-            tasks.spawn(async move {
-                axum::serve(listener, app)
-                    .with_graceful_shutdown(http_stop)
-                    .await
-                    .map_err(ServerError::Http)
-            });
+            match &config.tls {
+                // The same certificate as gRPC: one name, one identity.
+                Some(tls) => {
+                    let rustls = axum_server::tls_rustls::RustlsConfig::from_config(Arc::new(
+                        https_config(tls)?,
+                    ));
+                    let listener = listener.into_std().map_err(ServerError::Http)?;
+                    let handle = axum_server::Handle::new();
+                    let stopping = handle.clone();
+                    tokio::spawn(async move {
+                        http_stop.await;
+                        stopping.graceful_shutdown(Some(Duration::from_secs(10)));
+                    });
+                    tasks.spawn(async move {
+                        axum_server::from_tcp_rustls(listener, rustls)
+                            .handle(handle)
+                            .serve(app.into_make_service())
+                            .await
+                            .map_err(ServerError::Http)
+                    });
+                }
+                None => {
+                    tasks.spawn(async move {
+                        axum::serve(listener, app)
+                            .with_graceful_shutdown(http_stop)
+                            .await
+                            .map_err(ServerError::Http)
+                    });
+                }
+            }
             Some(bound)
         }
         None => None,
@@ -286,6 +312,29 @@ pub async fn start(
         stop,
         tasks,
     })
+}
+
+/// The HTTP API's TLS settings (rustls with ring, as tonic's): HTTP/2 and
+/// HTTP/1.1, the certificate chain and key from the PEM files.
+fn https_config(tls: &TlsFiles) -> Result<rustls::ServerConfig, ServerError> {
+    use rustls::pki_types::{CertificateDer, PrivateKeyDer, pem::PemObject as _};
+
+    let invalid = |what: &str| ServerError::HttpTls(what.to_string());
+    let chain = CertificateDer::pem_slice_iter(&tls.cert_pem)
+        .collect::<Result<Vec<_>, _>>()
+        .map_err(|err| invalid(&format!("the certificate PEM: {err}")))?;
+    let key = PrivateKeyDer::from_pem_slice(&tls.key_pem)
+        .map_err(|err| invalid(&format!("the key PEM: {err}")))?;
+    let mut config = rustls::ServerConfig::builder_with_provider(Arc::new(
+        rustls::crypto::ring::default_provider(),
+    ))
+    .with_safe_default_protocol_versions()
+    .map_err(|err| invalid(&err.to_string()))?
+    .with_no_client_auth()
+    .with_single_cert(chain, key)
+    .map_err(|err| invalid(&err.to_string()))?;
+    config.alpn_protocols = vec![b"h2".to_vec(), b"http/1.1".to_vec()];
+    Ok(config)
 }
 
 /// Deletes samples older than `retention` every `interval` (and once at
