@@ -20,7 +20,8 @@ use stackscope_profile::{
     tree::CallTree,
 };
 use stackscope_proto::v1::{
-    FlamegraphRequest, LabelNamesRequest, LabelValuesRequest, query_client::QueryClient,
+    FlamegraphRequest, LabelNamesRequest, LabelValuesRequest, SampleSeriesRequest,
+    query_client::QueryClient,
 };
 use tonic::{
     codec::CompressionEncoding,
@@ -117,6 +118,16 @@ enum Command {
         /// Output file ("-" for stdout).
         #[arg(short, long, default_value = "diff.svg")]
         output: PathBuf,
+    },
+    /// Print the selected samples' weight over time, a line per step:
+    /// `<start, RFC 3339> <weight>` (steps without samples left out).
+    Series {
+        #[command(flatten)]
+        selection: SelectionArgs,
+        /// Width of each step (e.g. 10s, 5m). Default: the collector picks
+        /// about 100 steps over the range.
+        #[arg(long, value_parser = humantime::parse_duration)]
+        step: Option<Duration>,
     },
     /// List label names, or the values of one label.
     Labels {
@@ -440,6 +451,37 @@ async fn main() -> anyhow::Result<()> {
             write_output(output, &render::diff_svg(&old, &new, &options)?)?;
             if output != Path::new("-") {
                 eprintln!("wrote {}", output.display());
+            }
+        }
+        Command::Series {
+            selection: args,
+            step,
+        } => {
+            let selection = selector::selection_to_proto(&args.selection()?);
+            let step_nanos = match step {
+                Some(step) => i64::try_from(step.as_nanos())
+                    .ok()
+                    .filter(|&nanos| nanos > 0)
+                    .context("--step must be between 1ns and about 292 years")?,
+                None => 0,
+            };
+            let mut collector = Collector::connect(&cli).await?;
+            let request = SampleSeriesRequest {
+                selection: Some(selection),
+                step_nanos,
+            };
+            let points = match collector.client.sample_series(request).await {
+                Ok(response) => response.into_inner().points,
+                Err(status) => return Err(collector.failed(status)),
+            };
+            for point in points {
+                let start = std::time::UNIX_EPOCH
+                    + Duration::from_nanos(u64::try_from(point.start_unix_nanos).unwrap_or(0));
+                println!(
+                    "{} {}",
+                    humantime::format_rfc3339_seconds(start),
+                    point.weight
+                );
             }
         }
         Command::Labels {
