@@ -11,4 +11,3 @@ pub mod metrics;
 pub mod query;
 pub mod server;
 pub mod storage;
-pub mod timespec;

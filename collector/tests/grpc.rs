@@ -16,107 +16,14 @@ use stackscope_collector::{
 };
 use stackscope_profile::{model::unix_nanos, render, tree::CallTree};
 use stackscope_proto::v1::{
-    Batch, FlamegraphRequest, Label, LabelMatcher, LabelNamesRequest, LabelSet, Line, Location,
-    Mapping, MappingKind, Node, PushRequest, Sample, Selection, Stack, TopFunctionsRequest,
-    ingest_client::IngestClient, label_matcher::Op, query_client::QueryClient,
+    Batch, FlamegraphRequest, Label, LabelMatcher, LabelNamesRequest, LabelSet, PushRequest,
+    Sample, Selection, TopFunctionsRequest, ingest_client::IngestClient, label_matcher::Op,
+    query_client::QueryClient,
 };
+use stackscope_test_fixtures::batches::batch;
 use tonic::{Code, transport::Channel};
 
 const MAX_MESSAGE_BYTES: usize = 256 << 10;
-
-/// A batch from `node`: `comm` ran main -> work (named, with an inlined
-/// helper) `count` times, and an unnamed frame of libfoo.so `unnamed` times.
-fn batch(id: u8, node: &str, comm: &str, count: u64, unnamed: u64) -> Batch {
-    let strings: Vec<String> = [
-        "",
-        node,
-        "0.1.0",
-        "/usr/bin/app",
-        "abcdef01",
-        "main",
-        "app.c",
-        "work",
-        "helper",
-        "/usr/lib/libfoo.so",
-        "comm",
-        comm,
-    ]
-    .iter()
-    .map(|s| s.to_string())
-    .collect();
-    let line = |function, line| Line {
-        function,
-        file: 6,
-        line,
-    };
-    let now = unix_nanos(SystemTime::now());
-    Batch {
-        batch_id: vec![id; 16],
-        node: Some(Node {
-            name: 1,
-            agent_version: 2,
-        }),
-        start_unix_nanos: now - 10_000_000_000,
-        end_unix_nanos: now,
-        sample_period_nanos: 10_101_010,
-        strings,
-        mappings: vec![
-            Mapping {
-                kind: MappingKind::User as i32,
-                build_id: 4,
-                path: 3,
-                load_segments: Vec::new(),
-            },
-            Mapping {
-                kind: MappingKind::User as i32,
-                build_id: 0,
-                path: 9,
-                load_segments: Vec::new(),
-            },
-        ],
-        locations: vec![
-            Location {
-                mapping: 0,
-                address: 0x1100,
-                lines: vec![line(5, 10)],
-            },
-            Location {
-                mapping: 0,
-                address: 0x1200,
-                lines: vec![line(8, 30), line(7, 20)],
-            },
-            Location {
-                mapping: 1,
-                address: 0x1a2b,
-                lines: vec![],
-            },
-        ],
-        stacks: vec![
-            Stack {
-                locations: vec![1, 0],
-            },
-            Stack {
-                locations: vec![2, 0],
-            },
-        ],
-        label_sets: vec![LabelSet {
-            labels: vec![Label {
-                name: 10,
-                value: 11,
-            }],
-        }],
-        samples: [(0, count), (1, unnamed)]
-            .into_iter()
-            .filter(|&(_, n)| n > 0)
-            .map(|(stack, count)| Sample {
-                stack,
-                label_set: 0,
-                count,
-                sampling_divisor: 0,
-            })
-            .collect(),
-    }
-}
 
 struct Fixture {
     collector: RunningCollector,
@@ -573,42 +480,6 @@ async fn queries_need_the_query_token_and_probes_stay_open() {
         assert_eq!(fixture.http_get(open).0, 200, "{open}");
     }
 
-    // The CLI sends the token from --token-file.
-    let dir = tempfile::tempdir().expect("temp dir");
-    let token_file = dir.path().join("token");
-    std::fs::write(&token_file, "r3ader\n").expect("writing the token");
-    let cli = |token: Option<&std::path::Path>| {
-        let mut command = std::process::Command::new(env!("CARGO_BIN_EXE_stackscope"));
-        command
-            .args([
-                "--collector",
-                &format!("http://{}", fixture.collector.grpc_addr),
-            ])
-            .args(["labels", "--since", "1h"])
-            .env_remove("STACKSCOPE_TOKEN_FILE");
-        if let Some(token) = token {
-            command.arg("--token-file").arg(token);
-        }
-        command.output().expect("running stackscope")
-    };
-    let refused = cli(None);
-    assert!(!refused.status.success());
-    assert!(
-        String::from_utf8_lossy(&refused.stderr).contains("Unauthenticated"),
-        "{}",
-        String::from_utf8_lossy(&refused.stderr)
-    );
-    let answered = cli(Some(&token_file));
-    assert!(
-        answered.status.success(),
-        "{}",
-        String::from_utf8_lossy(&answered.stderr)
-    );
-    assert!(
-        String::from_utf8_lossy(&answered.stdout)
-            .lines()
-            .any(|l| l == "comm")
-    );
     fixture.collector.shutdown().await.expect("clean shutdown");
 }
 
@@ -685,25 +556,6 @@ async fn with_a_certificate_grpc_and_the_http_api_both_speak_tls() {
         .await;
     assert!(plain.is_err() || !plain.unwrap().status().is_success());
 
-    // The CLI verifies the collector with --ca-cert.
-    let ca = pki.path("ca.pem");
-    let out = std::process::Command::new(env!("CARGO_BIN_EXE_stackscope"))
-        .args(["--collector", &format!("https://localhost:{grpc_port}")])
-        .arg("--ca-cert")
-        .arg(&ca)
-        .args(["labels", "--since", "1h"])
-        .output()
-        .expect("running stackscope");
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    assert!(
-        String::from_utf8_lossy(&out.stdout)
-            .lines()
-            .any(|l| l == "comm")
-    );
     fixture.collector.shutdown().await.expect("clean shutdown");
 }
 

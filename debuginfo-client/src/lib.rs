@@ -5,9 +5,9 @@
 //! (which the collector checks before storing) were taken in a first read.
 //!
 //! Owns the client side of the protocol, and the one rule both sides share
-//! on what is worth sending: a file that carries symbols
-//! ([`carries_symbols`]), which the collector requires and the agent and
-//! the CLI check before they send.
+//! on what is worth sending: an ELF file with the build-id it is sent as
+//! and symbols of its own ([`check_elf`], [`carries_symbols`]), which the
+//! collector requires and the agent and the CLI check before they send.
 
 use std::{
     fs::File,
@@ -40,6 +40,66 @@ pub fn holds_section<'data, R: object::ReadRef<'data>>(
 /// Whether `elf` carries names of its own: a symbol table or DWARF.
 pub fn carries_symbols<'data, R: object::ReadRef<'data>>(elf: &object::File<'data, R>) -> bool {
     holds_section(elf, ".symtab") || holds_section(elf, ".debug_info")
+}
+
+/// Why a file is no debuginfo for a build-id.
+#[derive(Debug, thiserror::Error)]
+pub enum ElfCheckError {
+    #[error("the file is not ELF or its headers are malformed")]
+    NotElf(#[source] object::Error),
+    #[error("the file carries no build-id note")]
+    NoBuildId,
+    #[error("the file's build-id is {found}, not the {claimed} it was sent as")]
+    BuildIdMismatch { claimed: String, found: String },
+    #[error("the file carries neither a symbol table nor DWARF (a stripped binary names nothing)")]
+    NoSymbols,
+}
+
+/// What a checked ELF file holds.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ElfContent {
+    /// Its executable segments hold the code (a binary, not a separate
+    /// debug file whose sections are `NOBITS`): file offsets can be read
+    /// in it directly.
+    pub holds_code: bool,
+}
+
+/// The build-id `elf` carries, as lower-case hex.
+fn build_id_of<'data, R: object::ReadRef<'data>>(
+    elf: &object::File<'data, R>,
+) -> Result<String, ElfCheckError> {
+    use object::Object as _;
+    let found = elf
+        .build_id()
+        .map_err(ElfCheckError::NotElf)?
+        .ok_or(ElfCheckError::NoBuildId)?;
+    Ok(found.iter().map(|b| format!("{b:02x}")).collect())
+}
+
+/// The build-id the ELF `file` carries, as lower-case hex.
+pub fn read_build_id(file: &File) -> Result<String, ElfCheckError> {
+    let cache = object::ReadCache::new(file);
+    build_id_of(&object::File::parse(&cache).map_err(ElfCheckError::NotElf)?)
+}
+
+/// Checks that `file` is ELF, carries `build_id` and has a symbol table or
+/// DWARF: what a collector stores, and so what is worth sending.
+pub fn check_elf(file: &File, build_id: &str) -> Result<ElfContent, ElfCheckError> {
+    let cache = object::ReadCache::new(file);
+    let elf = object::File::parse(&cache).map_err(ElfCheckError::NotElf)?;
+    let found = build_id_of(&elf)?;
+    if found != build_id {
+        return Err(ElfCheckError::BuildIdMismatch {
+            claimed: build_id.to_owned(),
+            found,
+        });
+    }
+    if !carries_symbols(&elf) {
+        return Err(ElfCheckError::NoSymbols);
+    }
+    Ok(ElfContent {
+        holds_code: holds_section(&elf, ".text"),
+    })
 }
 
 /// Bytes per upload message (the collector's default message limit is

@@ -9,6 +9,8 @@
 //! - [`names`]: demangling, the same on the node and in the collector;
 //! - [`selector`]: the `{name="value", ...}` matcher syntax and selections on
 //!   the wire;
+//! - [`timespec`]: selections as people type them (`--since 5m`, RFC 3339
+//!   times), shared by the HTTP API and the CLI;
 //! - [`tree`]: the merged [`CallTree`](tree::CallTree), pruning, and its wire
 //!   form;
 //! - [`render`]: everything drawn or exported from a tree.
@@ -17,4 +19,5 @@ pub mod model;
 pub mod names;
 pub mod render;
 pub mod selector;
+pub mod timespec;
 pub mod tree;

@@ -17,6 +17,7 @@ use std::{
 use object::{Object as _, ObjectSymbol as _, SymbolKind};
 use stackscope_profile::names::demangle;
 
+pub mod batches;
 pub mod containers;
 pub mod split_debug;
 pub mod tls;

@@ -247,17 +247,13 @@ pub(crate) fn workspace_root() -> PathBuf {
         .to_path_buf()
 }
 
-/// Runs cargo (the same one that runs xtask) in the workspace root.
-/// Builds the agent's and the collector's binaries (in release mode, or
-/// the dev profile); returns where they are.
+/// Builds the agent's, the collector's and the CLI's binaries (in release
+/// mode, or the dev profile); returns where they are.
 pub(crate) fn build_binaries(release: bool) -> anyhow::Result<PathBuf> {
     let mut args = vec!["build", "--bins"];
-    args.extend([
-        "--package",
-        "stackscope-agent",
-        "--package",
-        "stackscope-collector",
-    ]);
+    for package in ["stackscope-agent", "stackscope-collector", "stackscope-cli"] {
+        args.extend(["--package", package]);
+    }
     if release {
         args.push("--release");
     }
@@ -267,6 +263,7 @@ pub(crate) fn build_binaries(release: bool) -> anyhow::Result<PathBuf> {
         .join(if release { "release" } else { "debug" }))
 }
 
+/// Runs cargo (the same one that runs xtask) in the workspace root.
 pub(crate) fn cargo(args: &[&str]) -> anyhow::Result<()> {
     let cargo = std::env::var_os("CARGO").unwrap_or_else(|| "cargo".into());
     let mut cmd = Command::new(cargo);

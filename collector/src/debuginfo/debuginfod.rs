@@ -19,7 +19,7 @@ use std::{
 
 use tokio::sync::{Semaphore, watch};
 
-use super::{DebuginfoError, DebuginfoStore};
+use super::{DebuginfoError, DebuginfoStore, ElfCheckError};
 
 /// How the client reaches debuginfod and bounds itself.
 #[derive(Debug, Clone)]
@@ -244,7 +244,7 @@ impl Debuginfod {
         match tokio::task::spawn_blocking(move || store.commit(&id, staged)).await? {
             Ok(_) => Ok(true),
             // A stripped executable names nothing: try the next source.
-            Err(DebuginfoError::NoSymbols) => Ok(false),
+            Err(DebuginfoError::Elf(ElfCheckError::NoSymbols)) => Ok(false),
             Err(err) => Err(err.into()),
         }
     }

@@ -18,8 +18,7 @@ use std::{
     sync::atomic::{AtomicU64, Ordering},
 };
 
-use object::Object as _;
-use stackscope_debuginfo_client::{carries_symbols, holds_section};
+pub use stackscope_debuginfo_client::{ElfCheckError, ElfContent, check_elf, read_build_id};
 use std::sync::Arc;
 
 /// The collector's debuginfo: its store and the symbolizer that reads it.
@@ -53,14 +52,8 @@ pub fn is_valid_build_id(build_id: &str) -> bool {
 pub enum DebuginfoError {
     #[error("{0:?} is not a build-id (2 to 128 lower-case hex digits)")]
     InvalidBuildId(String),
-    #[error("the file is not ELF or its headers are malformed")]
-    NotElf(#[source] object::Error),
-    #[error("the file carries no build-id note")]
-    NoBuildId,
-    #[error("the file's build-id is {found}, not the {claimed} it was sent as")]
-    BuildIdMismatch { claimed: String, found: String },
-    #[error("the file carries neither a symbol table nor DWARF (a stripped binary names nothing)")]
-    NoSymbols,
+    #[error(transparent)]
+    Elf(#[from] ElfCheckError),
     /// Storing the file would take the store past its size limit.
     #[error(
         "the debuginfo store holds {stored} bytes; {size} more would pass its limit of {limit} \
@@ -80,51 +73,6 @@ fn io_error(path: &Path) -> impl FnOnce(std::io::Error) -> DebuginfoError + '_ {
         path: path.to_owned(),
         source,
     }
-}
-
-/// What a checked ELF file holds.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct ElfContent {
-    /// Its executable segments hold the code (a binary, not a separate
-    /// debug file whose sections are `NOBITS`): file offsets can be read
-    /// in it directly.
-    pub holds_code: bool,
-}
-
-/// The build-id `elf` carries, as lower-case hex.
-fn build_id_of<'data, R: object::ReadRef<'data>>(
-    elf: &object::File<'data, R>,
-) -> Result<String, DebuginfoError> {
-    let found = elf
-        .build_id()
-        .map_err(DebuginfoError::NotElf)?
-        .ok_or(DebuginfoError::NoBuildId)?;
-    Ok(found.iter().map(|b| format!("{b:02x}")).collect())
-}
-
-/// The build-id the ELF `file` carries, as lower-case hex.
-pub fn read_build_id(file: &File) -> Result<String, DebuginfoError> {
-    let cache = object::ReadCache::new(file);
-    build_id_of(&object::File::parse(&cache).map_err(DebuginfoError::NotElf)?)
-}
-
-/// Checks that `file` is ELF, carries `build_id` and has a symbol table or
-/// DWARF: what the store accepts.
-pub fn check_elf(file: &File, build_id: &str) -> Result<ElfContent, DebuginfoError> {
-    let cache = object::ReadCache::new(file);
-    let elf = object::File::parse(&cache).map_err(DebuginfoError::NotElf)?;
-    let found = build_id_of(&elf)?;
-    if found != build_id {
-        return Err(DebuginfoError::BuildIdMismatch {
-            claimed: build_id.to_owned(),
-            found,
-        });
-    }
-    if !carries_symbols(&elf) {
-        return Err(DebuginfoError::NoSymbols);
-    }
-    let holds_code = holds_section(&elf, ".text");
-    Ok(ElfContent { holds_code })
 }
 
 /// Where debuginfo files are kept, by build-id. A distributed backend

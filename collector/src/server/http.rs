@@ -17,12 +17,10 @@ use serde::Deserialize;
 use stackscope_profile::{
     model::Selection,
     render::{self, SvgOptions},
-};
-
-use crate::{
-    query::{DEFAULT_TOP_LIMIT, Fault, Flamegraph, QueryEngine, QueryError},
     timespec::{self, SelectionText},
 };
+
+use crate::query::{DEFAULT_TOP_LIMIT, Fault, Flamegraph, QueryEngine, QueryError};
 
 pub fn router(engine: QueryEngine) -> Router {
     Router::new()

@@ -12,7 +12,7 @@ use anyhow::Context as _;
 
 mod upload;
 use clap::{Args, Parser, Subcommand, ValueEnum};
-use stackscope_collector::timespec::{self, SelectionText};
+use stackscope_profile::timespec::{self, SelectionText};
 use stackscope_profile::{
     model::Selection,
     render::{self, SvgOptions},

@@ -8,8 +8,7 @@ use std::{
 };
 
 use anyhow::Context as _;
-use stackscope_collector::debuginfo::{DebuginfoError, check_elf, read_build_id};
-use stackscope_debuginfo_client::{Uploaded, upload};
+use stackscope_debuginfo_client::{ElfCheckError, Uploaded, check_elf, read_build_id, upload};
 use stackscope_proto::v1::debuginfo_client::DebuginfoClient;
 use tonic::{metadata::MetadataValue, transport::Channel};
 
@@ -33,7 +32,7 @@ fn build_id_of(path: &Path) -> anyhow::Result<String> {
     let checked =
         read_build_id(&file).and_then(|build_id| check_elf(&file, &build_id).map(|_| build_id));
     match checked {
-        Err(DebuginfoError::NoBuildId) => anyhow::bail!(
+        Err(ElfCheckError::NoBuildId) => anyhow::bail!(
             "{} has no build-id note (link with -Wl,--build-id): the collector could not match \
              it to any frame",
             path.display()

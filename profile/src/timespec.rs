@@ -5,7 +5,7 @@
 
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
-use stackscope_profile::{
+use crate::{
     model::{Selection, TimeRange, unix_nanos},
     selector::{self, SelectorError},
 };
