@@ -20,6 +20,7 @@ use stackscope_proto::v1;
 
 const SECOND: i64 = 1_000_000_000;
 const MINUTE: i64 = 60 * SECOND;
+const DAY: i64 = 24 * 60 * MINUTE;
 /// A multiple of 120 s, so 60 s buckets and 120 s series steps align on it.
 const T0: i64 = 1_700_000_040 * SECOND;
 const PERIOD_100HZ: u64 = 10_000_000;
@@ -846,13 +847,14 @@ fn a_version_1_database_is_upgraded_and_keeps_its_samples() {
     storage.ingest(&batch1()).expect("ingest");
     let before = weights(&storage, &all(&[]));
     drop(storage);
-    // What version 1 looked like: the same tables plus samples.count, and
-    // mappings without code segments.
+    // What version 1 looked like: the same tables plus samples.count,
+    // mappings without code segments, and no rollups.
     rusqlite::Connection::open(&path)
         .and_then(|conn| {
             conn.execute_batch(
                 "ALTER TABLE samples ADD COLUMN count INTEGER NOT NULL DEFAULT 1;
                  ALTER TABLE mappings DROP COLUMN code_segments;
+                 DROP TABLE rollups; DROP TABLE rollup_spans; DROP TABLE pending_spans;
                  PRAGMA user_version = 1;",
             )
         })
@@ -860,6 +862,10 @@ fn a_version_1_database_is_upgraded_and_keeps_its_samples() {
 
     let storage = open(&path);
     assert_eq!(weights(&storage, &all(&[])), before, "samples kept");
+    // The history is pending: the compactor rolls it up (bucket, 10 min,
+    // 1 h and 1 day spans of batch 1's bucket), and the answer stays.
+    assert_eq!(storage.compact(T0 + DAY).expect("compaction"), 4);
+    assert_eq!(weights(&storage, &all(&[])), before, "same after rollups");
     storage.ingest(&batch2()).expect("ingest after the upgrade");
     assert_ne!(weights(&storage, &all(&[])), before, "batch 2 stored");
     drop(storage);
@@ -881,7 +887,7 @@ fn a_version_1_database_is_upgraded_and_keeps_its_samples() {
             has_column("samples", "count"),
             has_column("mappings", "code_segments")
         ),
-        (3, false, true)
+        (4, false, true)
     );
 }
 
@@ -907,13 +913,13 @@ fn incompatible_databases_are_refused() {
     );
 
     rusqlite::Connection::open(&path)
-        .and_then(|conn| conn.pragma_update(None, "user_version", 4))
+        .and_then(|conn| conn.pragma_update(None, "user_version", 5))
         .expect("set a newer version");
     let err = SqliteStorage::open(&path, SqliteOptions::default()).expect_err("newer schema");
     assert_eq!(
         err.to_string(),
         format!(
-            "the database at {} cannot be used: its schema version 4 is newer than the 3 this \
+            "the database at {} cannot be used: its schema version 5 is newer than the 4 this \
              collector knows; run a newer collector",
             path.display()
         )
@@ -931,4 +937,115 @@ fn incompatible_databases_are_refused() {
         err.to_string(),
         "invalid storage options: bucket_nanos must be positive, got 0"
     );
+}
+
+/// A batch of `node` at `start` with the three standard stacks weighted by
+/// `seed`, under one of two label sets.
+fn fleet_batch(id: u8, node: &str, start: i64, period: u64, seed: u64) -> ValidBatch {
+    let mut b = Builder::new(id, node, start, period);
+    let stacks = b.standard_stacks(seed.is_multiple_of(2));
+    let comm = if seed.is_multiple_of(3) { "app" } else { "worker" };
+    let labels = b.label_set(&[("comm", comm)]);
+    for (i, stack) in stacks.into_iter().enumerate() {
+        let weight = 1 + (seed >> (4 * i)) % 13;
+        if weight != 7 {
+            b.sample(stack, labels, weight, 0);
+        }
+    }
+    b.validate()
+}
+
+/// Rollups are a cache of the samples: whatever the compactor has done, a
+/// late batch in a rolled-up span and retention through the middle of spans
+/// included, every fleet-wide answer is the one the base rows give (a second
+/// database that is never compacted).
+#[test]
+fn rollups_answer_exactly_as_the_samples_they_sum() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let rolled = open(&dir.path().join("rolled.db"));
+    let base = open(&dir.path().join("base.db"));
+    // A seeded generator, so a failure repeats.
+    let mut state = 0x9e37_79b9_7f4a_7c15_u64;
+    let mut next = move || {
+        state ^= state << 13;
+        state ^= state >> 7;
+        state ^= state << 17;
+        state
+    };
+    let day_start = T0 - T0.rem_euclid(DAY);
+    let mut id = 0u8;
+    let mut ingest = |at: i64, seed: u64| {
+        id += 1;
+        let node = format!("node-{}", seed % 3);
+        // One batch in ten at 99 Hz: spans whose buckets disagree on the
+        // period must say so as the buckets do.
+        let period = if seed.is_multiple_of(10) {
+            PERIOD_99HZ
+        } else {
+            PERIOD_100HZ
+        };
+        let batch = fleet_batch(id, &node, at, period, seed);
+        rolled.ingest(&batch).expect("ingest");
+        base.ingest(&batch).expect("ingest");
+    };
+    // Two days of batches, so spans of every width close.
+    for _ in 0..150 {
+        let seed = next();
+        let at = day_start + (seed >> 8) as i64 % (2 * DAY);
+        ingest(at - at.rem_euclid(10 * SECOND), seed);
+    }
+    let compare = |next: &mut dyn FnMut() -> u64, what: &str| {
+        for _ in 0..120 {
+            let (a, b) = (next(), next());
+            let start = day_start - MINUTE + (a >> 8) as i64 % (2 * DAY + 2 * MINUTE);
+            // Lengths from seconds to the whole two days.
+            let length = 1
+                + (b >> 8) as i64
+                    % [MINUTE, 30 * MINUTE, 5 * 60 * MINUTE, 2 * DAY][(b % 4) as usize];
+            let selection = select(start, start + length, &[]);
+            assert_eq!(
+                rolled.stacks(&selection).expect("query"),
+                base.stacks(&selection).expect("query"),
+                "{what}: range {start}..{}",
+                start + length
+            );
+        }
+    };
+    compare(&mut next, "nothing rolled up yet");
+    assert_eq!(
+        rolled.compact(day_start).expect("compaction"),
+        0,
+        "nothing closed"
+    );
+    let spans = rolled
+        .compact(day_start + DAY + 3 * 60 * MINUTE)
+        .expect("compaction");
+    assert!(
+        spans > 40,
+        "the first day and three hours roll up: {spans} spans"
+    );
+    compare(&mut next, "first day rolled up");
+
+    // Late batches into rolled-up spans, and new ones after them.
+    for _ in 0..20 {
+        let seed = next();
+        let at = day_start + (seed >> 8) as i64 % (2 * DAY);
+        ingest(at - at.rem_euclid(10 * SECOND), seed);
+    }
+    compare(&mut next, "late batches, not rolled up again yet");
+    rolled.compact(day_start + 3 * DAY).expect("compaction");
+    compare(&mut next, "everything rolled up");
+
+    // Retention through the middle of an hour of the first day.
+    let cutoff = day_start + 13 * 60 * MINUTE + 25 * MINUTE;
+    assert_eq!(
+        rolled.delete_before(cutoff).expect("retention"),
+        base.delete_before(cutoff).expect("retention")
+    );
+    compare(&mut next, "after retention");
+    rolled.compact(day_start + 3 * DAY).expect("compaction");
+    compare(&mut next, "after retention, rolled up again");
+    let path = dir.path().join("rolled.db");
+    assert!(rows(&path, "rollup_spans") > 20, "rollups in use");
+    assert_eq!(rows(&path, "pending_spans"), 0, "every closed span done");
 }

@@ -41,6 +41,9 @@ pub struct ServerConfig {
     pub retention: Duration,
     /// How often the retention task runs.
     pub retention_interval: Duration,
+    /// How often the compaction task rolls up what ingest changed (see
+    /// [`Storage::compact`]).
+    pub compaction_interval: Duration,
     /// PEM certificate chain and key: serve gRPC over TLS.
     pub tls: Option<TlsFiles>,
     /// Agents must send `authorization: Bearer <token>` to push (and to
@@ -70,6 +73,7 @@ impl Default for ServerConfig {
             limits: IngestLimits::default(),
             retention: Duration::from_secs(7 * 24 * 3600),
             retention_interval: Duration::from_secs(600),
+            compaction_interval: Duration::from_secs(15),
             tls: None,
             ingest_token: None,
             query_token: None,
@@ -291,6 +295,11 @@ pub async fn start(
         None => None,
     };
 
+    tasks.spawn(compaction(
+        Arc::clone(&storage),
+        config.compaction_interval,
+        stop_rx.clone(),
+    ));
     tasks.spawn(retention(
         storage,
         config.retention,
@@ -335,6 +344,36 @@ fn https_config(tls: &TlsFiles) -> Result<rustls::ServerConfig, ServerError> {
     .map_err(|err| invalid(&err.to_string()))?;
     config.alpn_protocols = vec![b"h2".to_vec(), b"http/1.1".to_vec()];
     Ok(config)
+}
+
+/// How long after a span of time ends the compactor waits for its batches:
+/// agents ship each interval (10 s by default) when it ends, and a batch
+/// that comes later still is not lost, it only makes the compactor redo the
+/// span.
+const COMPACTION_GRACE: Duration = Duration::from_secs(30);
+
+/// Rolls up what ingest changed every `interval` (and once at start, so the
+/// history of a database from an older collector is rolled up).
+async fn compaction(
+    storage: Arc<dyn Storage>,
+    interval: Duration,
+    stop: watch::Receiver<bool>,
+) -> Result<(), ServerError> {
+    let mut ticks = tokio::time::interval(interval);
+    ticks.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    loop {
+        tokio::select! {
+            _ = ticks.tick() => {}
+            _ = stopped(stop.clone()) => return Ok(()),
+        }
+        let closed_before = unix_nanos(std::time::SystemTime::now() - COMPACTION_GRACE);
+        let storage = Arc::clone(&storage);
+        match tokio::task::spawn_blocking(move || storage.compact(closed_before)).await {
+            Ok(Ok(spans)) => tracing::debug!(spans, "compaction: rolled up"),
+            Ok(Err(err)) => tracing::warn!("compaction: {:#}", anyhow::Error::from(err)),
+            Err(err) => tracing::warn!("compaction task failed: {err}"),
+        }
+    }
 }
 
 /// Deletes samples older than `retention` every `interval` (and once at

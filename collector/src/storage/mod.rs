@@ -82,6 +82,15 @@ pub trait Storage: Send + Sync + 'static {
     /// returns the sample rows deleted.
     fn delete_before(&self, cutoff_unix_nanos: i64) -> Result<u64, StorageError>;
 
+    /// Brings precomputed summaries (rollups) up to date for data that
+    /// ended at or before `closed_before_unix_nanos`; returns how many units
+    /// of work (spans) it did. Queries are right whether or not it ran; they
+    /// are faster after. Engines without summaries do nothing.
+    fn compact(&self, closed_before_unix_nanos: i64) -> Result<u64, StorageError> {
+        let _ = closed_before_unix_nanos;
+        Ok(0)
+    }
+
     /// Bytes the stored profiles take on this machine's disk; `None` when
     /// the engine keeps them elsewhere.
     fn disk_bytes(&self) -> Option<u64> {

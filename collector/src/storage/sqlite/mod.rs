@@ -5,7 +5,7 @@
 //! the per-bucket sums of samples, and the queries over them. Does not own
 //! validation (`ingest`) or symbolization.
 //!
-//! # Schema (version 3, in `PRAGMA user_version`)
+//! # Schema (version 4, in `PRAGMA user_version`)
 //!
 //! * `meta(key, value)`: settings the data depends on (`bucket_nanos`).
 //! * `batches(id, received_unix_nanos, end_unix_nanos)`: ids of stored
@@ -39,6 +39,10 @@
 //!   indexing) billions of sample rows; `last_bucket` is indexed so that
 //!   costs what it deletes.
 //!
+//! * `rollups`, `rollup_spans`, `pending_spans`: label-free sums of closed
+//!   spans of 1 bucket, 10 min, 1 h and 1 day, which fleet-wide queries read
+//!   instead of `samples` (see [`rollup`]).
+//!
 //! Matchers are evaluated in Rust over an in-memory copy of the label sets
 //! (they are few; regexes and absent labels do not map onto an index), so
 //! `labels` needs no `(name, value)` index that would only slow ingest.
@@ -63,12 +67,15 @@ use stackscope_profile::model::{
 };
 
 use super::{IngestOutcome, Storage, StorageError};
+use rollup::Tiers;
+
+mod rollup;
 use crate::ingest::{CodeSegment, LineRecord, MappingKind, MappingRecord, ValidBatch};
 
 /// The schema this code reads and writes. Bump it (and migrate) on any
 /// change; an older collector refuses a newer database instead of
 /// misreading it.
-const SCHEMA_VERSION: i32 = 3;
+const SCHEMA_VERSION: i32 = 4;
 
 const SCHEMA: &str = "
 CREATE TABLE meta (
@@ -217,7 +224,7 @@ pub struct SqliteOptions {
     /// label sets) holds before it is cleared. A hit saves the SQL lookup
     /// of an item a previous batch already stored.
     pub cache_entries: usize,
-    /// Locations whose resolved frames the query side keeps.
+    /// Locations, and stacks, whose resolved frames the query side keeps.
     pub frame_cache_entries: usize,
     /// How long a statement waits for a lock another connection holds.
     pub busy_timeout: Duration,
@@ -255,6 +262,7 @@ pub struct CacheStats {
 pub struct SqliteStorage {
     path: PathBuf,
     bucket_nanos: i64,
+    tiers: Tiers,
     writer: Mutex<Writer>,
     reader: Mutex<Reader>,
     /// Bumped after retention deleted dictionary rows, so the reader drops
@@ -302,7 +310,12 @@ impl SqliteStorage {
                 reason: format!("it cannot use a write-ahead log (journal mode stays {mode:?})"),
             });
         }
-        init_schema(&mut conn, path, options.bucket_nanos)?;
+        init_schema(
+            &mut conn,
+            path,
+            options.bucket_nanos,
+            &Tiers::new(options.bucket_nanos),
+        )?;
 
         let reader = Connection::open(path).map_err(open_error)?;
         configure(&reader, &options).map_err(open_error)?;
@@ -314,6 +327,7 @@ impl SqliteStorage {
         Ok(Self {
             path: path.to_owned(),
             bucket_nanos: options.bucket_nanos,
+            tiers: Tiers::new(options.bucket_nanos),
             writer: Mutex::new(Writer::new(conn, options.cache_entries)),
             reader: Mutex::new(Reader::new(reader, options.frame_cache_entries)),
             generation: AtomicU64::new(0),
@@ -410,29 +424,12 @@ impl SqliteStorage {
         tx: &Transaction<'_>,
         selection: &Selection,
         selected: &Selected,
-        mut each: impl FnMut(i64, i64, i64, u64) -> Result<(), StorageError>,
+        each: impl FnMut(i64, i64, i64, u64) -> Result<(), StorageError>,
     ) -> Result<(), StorageError> {
-        let Some((lo, hi)) = self.bucket_bounds(selection) else {
+        let Some(bounds) = self.bucket_bounds(selection) else {
             return Ok(());
         };
-        let mut stmt = tx.prepare_cached(
-            "SELECT bucket_start, label_set_id, sample_period_nanos, weight
-             FROM label_set_buckets WHERE bucket_start > ?1 AND bucket_start < ?2",
-        )?;
-        let mut rows = stmt.query((lo, hi))?;
-        while let Some(row) = rows.next()? {
-            let (bucket, label_set, period, weight): (i64, i64, i64, i64) =
-                (row.get(0)?, row.get(1)?, row.get(2)?, row.get(3)?);
-            if selected.contains(label_set) {
-                each(
-                    bucket,
-                    label_set,
-                    period,
-                    non_negative(weight, "label set weight")?,
-                )?;
-            }
-        }
-        Ok(())
+        label_set_buckets_in(tx, bounds, selected, each)
     }
 
     /// Label sets with samples in the selection.
@@ -455,7 +452,7 @@ impl SqliteStorage {
 impl Storage for SqliteStorage {
     fn ingest(&self, batch: &ValidBatch) -> Result<IngestOutcome, StorageError> {
         let bucket = self.bucket_of(batch.range.start_unix_nanos);
-        self.writer().ingest(batch, bucket)
+        self.writer().ingest(batch, bucket, &self.tiers)
     }
 
     fn stacks(&self, selection: &Selection) -> Result<StackSamples, StorageError> {
@@ -469,18 +466,35 @@ impl Storage for SqliteStorage {
             };
             match &selected {
                 Selected::All => {
-                    self.for_each_label_set_bucket(tx, selection, &selected, |_, _, p, _| {
-                        period.add(u64::try_from(p).unwrap_or(0));
-                        Ok(())
-                    })?;
-                    // Every label set counts: one sequential pass over the
-                    // buckets' rows beats a seek per label set.
-                    if let Some((lo, hi)) = self.bucket_bounds(selection) {
-                        let mut stmt = tx.prepare_cached(
-                            "SELECT stack_id, weight FROM samples
-                             WHERE bucket_start > ?1 AND bucket_start < ?2",
-                        )?;
-                        let mut rows = stmt.query((lo, hi))?;
+                    // Every label set counts: whole spans from their
+                    // rollups, the buckets between them in one sequential
+                    // pass each over their rows (which beats a seek per
+                    // label set).
+                    let cover = match self.bucket_bounds(selection) {
+                        Some((lo, hi)) => rollup::cover(tx, &self.tiers, lo, hi)?,
+                        None => rollup::Cover::default(),
+                    };
+                    let mut spans = tx.prepare_cached(
+                        "SELECT stack_id, weight FROM rollups
+                         WHERE width = ?1 AND span_start = ?2",
+                    )?;
+                    for span in &cover.spans {
+                        period.add(u64::try_from(span.sample_period_nanos).unwrap_or(0));
+                        let mut rows = spans.query((span.width, span.start))?;
+                        while let Some(row) = rows.next()? {
+                            add(row.get(0)?, row.get(1)?)?;
+                        }
+                    }
+                    let mut samples = tx.prepare_cached(
+                        "SELECT stack_id, weight FROM samples
+                         WHERE bucket_start > ?1 AND bucket_start < ?2",
+                    )?;
+                    for &gap in &cover.gaps {
+                        label_set_buckets_in(tx, gap, &selected, |_, _, p, _| {
+                            period.add(u64::try_from(p).unwrap_or(0));
+                            Ok(())
+                        })?;
+                        let mut rows = samples.query(gap)?;
                         while let Some(row) = rows.next()? {
                             add(row.get(0)?, row.get(1)?)?;
                         }
@@ -601,6 +615,8 @@ impl Storage for SqliteStorage {
                 "DELETE FROM label_set_buckets WHERE bucket_start = ?1",
                 [bucket],
             )?;
+            // No query may use a span summing the deleted bucket.
+            rollup::forget_through(&tx, &self.tiers, bucket)?;
             tx.commit()?;
             deleted = deleted.saturating_add(rows as u64);
         }
@@ -618,6 +634,7 @@ impl Storage for SqliteStorage {
             "DELETE FROM label_set_buckets WHERE bucket_start <= ?1",
             [last],
         )?;
+        rollup::forget_through(&tx, &self.tiers, last)?;
         tx.execute(
             "DELETE FROM labels WHERE label_set_id IN
                 (SELECT id FROM label_sets WHERE last_bucket <= ?1)",
@@ -645,6 +662,25 @@ impl Storage for SqliteStorage {
         Ok(deleted)
     }
 
+    /// Rolls up pending spans that ended at or before `closed_before`, one
+    /// span per write transaction so ingest waits for one span at a time.
+    fn compact(&self, closed_before_unix_nanos: i64) -> Result<u64, StorageError> {
+        let mut spans = 0u64;
+        loop {
+            let mut writer = self.writer();
+            let tx = writer
+                .conn
+                .transaction_with_behavior(TransactionBehavior::Immediate)?;
+            let Some((width, start)) = rollup::next_pending(&tx, closed_before_unix_nanos)? else {
+                break;
+            };
+            rollup::recompute(&tx, &self.tiers, width, start)?;
+            tx.commit()?;
+            spans += 1;
+        }
+        Ok(spans)
+    }
+
     /// The database file with its write-ahead log and shared-memory index.
     fn disk_bytes(&self) -> Option<u64> {
         let size = |suffix: &str| {
@@ -654,6 +690,35 @@ impl Storage for SqliteStorage {
         };
         Some(size("") + size("-wal") + size("-shm"))
     }
+}
+
+/// Calls `each(bucket_start, label_set_id, sample_period_nanos, weight)`
+/// for every label set in `selected` with samples in a bucket `b` with
+/// `lo < b < hi`.
+fn label_set_buckets_in(
+    tx: &Transaction<'_>,
+    (lo, hi): (i64, i64),
+    selected: &Selected,
+    mut each: impl FnMut(i64, i64, i64, u64) -> Result<(), StorageError>,
+) -> Result<(), StorageError> {
+    let mut stmt = tx.prepare_cached(
+        "SELECT bucket_start, label_set_id, sample_period_nanos, weight
+         FROM label_set_buckets WHERE bucket_start > ?1 AND bucket_start < ?2",
+    )?;
+    let mut rows = stmt.query((lo, hi))?;
+    while let Some(row) = rows.next()? {
+        let (bucket, label_set, period, weight): (i64, i64, i64, i64) =
+            (row.get(0)?, row.get(1)?, row.get(2)?, row.get(3)?);
+        if selected.contains(label_set) {
+            each(
+                bucket,
+                label_set,
+                period,
+                non_negative(weight, "label set weight")?,
+            )?;
+        }
+    }
+    Ok(())
 }
 
 fn configure(conn: &Connection, options: &SqliteOptions) -> rusqlite::Result<()> {
@@ -670,7 +735,12 @@ fn configure(conn: &Connection, options: &SqliteOptions) -> rusqlite::Result<()>
 
 /// Creates the schema in a new database, or checks that an existing one was
 /// written by this schema version and with this bucket width.
-fn init_schema(conn: &mut Connection, path: &Path, bucket_nanos: i64) -> Result<(), StorageError> {
+fn init_schema(
+    conn: &mut Connection,
+    path: &Path,
+    bucket_nanos: i64,
+    tiers: &Tiers,
+) -> Result<(), StorageError> {
     let incompatible = |reason: String| StorageError::Incompatible {
         path: path.to_owned(),
         reason,
@@ -689,12 +759,27 @@ fn init_schema(conn: &mut Connection, path: &Path, bucket_nanos: i64) -> Result<
         tx.execute_batch(
             "ALTER TABLE mappings ADD COLUMN code_segments BLOB NOT NULL DEFAULT x''",
         )?;
+        version = 3;
+    }
+    // Version 3 had no rollups: every stored bucket is pending, so the
+    // compactor rolls the history up once.
+    if version == 3 {
+        tx.execute_batch(rollup::SCHEMA)?;
+        for &width in tiers.widths() {
+            tx.execute(
+                "INSERT OR IGNORE INTO pending_spans (width, span_start)
+                 SELECT DISTINCT ?1, bucket_start - (bucket_start % ?1 + ?1) % ?1
+                 FROM label_set_buckets",
+                [width],
+            )?;
+        }
         tx.pragma_update(None, "user_version", SCHEMA_VERSION)?;
         version = SCHEMA_VERSION;
     }
     match version {
         0 => {
             tx.execute_batch(SCHEMA)?;
+            tx.execute_batch(rollup::SCHEMA)?;
             tx.execute(
                 "INSERT INTO meta (key, value) VALUES ('bucket_nanos', ?1)",
                 [bucket_nanos],
@@ -733,6 +818,11 @@ fn init_schema(conn: &mut Connection, path: &Path, bucket_nanos: i64) -> Result<
     }
     tx.commit()?;
     Ok(())
+}
+
+/// A sum as stored: saturated at `i64::MAX`.
+fn saturate(value: u64) -> i64 {
+    i64::try_from(value).unwrap_or(i64::MAX)
 }
 
 /// A weight read back from the database, which only ever stores
@@ -1052,7 +1142,12 @@ impl Writer {
         }
     }
 
-    fn ingest(&mut self, batch: &ValidBatch, bucket: i64) -> Result<IngestOutcome, StorageError> {
+    fn ingest(
+        &mut self,
+        batch: &ValidBatch,
+        bucket: i64,
+        tiers: &Tiers,
+    ) -> Result<IngestOutcome, StorageError> {
         for pending in &mut self.scratch.pending {
             pending.clear();
         }
@@ -1243,7 +1338,6 @@ impl Writer {
             }
             same
         });
-        let saturate = |v: u64| i64::try_from(v).unwrap_or(i64::MAX);
         // 0 stands for "unknown"; validation keeps real periods in range.
         let period = i64::try_from(batch.sample_period_nanos).unwrap_or(0);
         {
@@ -1290,6 +1384,7 @@ impl Writer {
                 batch.range.end_unix_nanos,
             ))?;
         }
+        rollup::invalidate(&tx, tiers, bucket)?;
         tx.commit()?;
 
         mappings.publish(pending_mappings);
@@ -1496,6 +1591,7 @@ impl Reader {
             caches: ReadCaches {
                 label_sets: LabelSets::default(),
                 frames: HashMap::new(),
+                stacks: HashMap::new(),
                 frame_capacity: frame_cache_entries,
             },
         }
@@ -1504,6 +1600,7 @@ impl Reader {
     fn clear_caches(&mut self) {
         self.caches.label_sets = LabelSets::default();
         self.caches.frames.clear();
+        self.caches.stacks.clear();
     }
 }
 
@@ -1512,6 +1609,10 @@ struct ReadCaches {
     /// Frames per location id. Ids are never reused, so an entry stays
     /// right as long as the location exists.
     frames: HashMap<i64, Arc<[Arc<Frame>]>>,
+    /// Frames per stack id (same reasoning): a fleet-wide query resolves
+    /// tens of thousands of stacks, each a lookup of its blob otherwise.
+    stacks: HashMap<i64, Arc<[Arc<Frame>]>>,
+    /// Entries each of `frames` and `stacks` holds before it is cleared.
     frame_capacity: usize,
 }
 
@@ -1605,6 +1706,9 @@ impl ReadCaches {
         tx: &Transaction<'_>,
         stack: i64,
     ) -> Result<Vec<Arc<Frame>>, StorageError> {
+        if let Some(frames) = self.stacks.get(&stack) {
+            return Ok(frames.to_vec());
+        }
         let blob: Vec<u8> = tx
             .prepare_cached("SELECT locations FROM stacks WHERE id = ?1")?
             .query_row([stack], |row| row.get(0))
@@ -1620,6 +1724,12 @@ impl ReadCaches {
         let mut frames = Vec::with_capacity(locations.len());
         for location in locations {
             frames.extend(self.location_frames(tx, stack, location)?.iter().cloned());
+        }
+        if self.stacks.len() >= self.frame_capacity {
+            self.stacks.clear();
+        }
+        if self.frame_capacity > 0 {
+            self.stacks.insert(stack, frames.as_slice().into());
         }
         Ok(frames)
     }

@@ -1,0 +1,365 @@
+//! Rollups: label-free sums of closed spans of time at coarser widths, so a
+//! fleet-wide query over an hour or a day reads one row per (span, stack)
+//! instead of one per (bucket, label set, stack). A hundred nodes that run
+//! the same services send the same stacks: an hour of them is 12M sample
+//! rows but 20k distinct stacks.
+//!
+//! Owns the rollup tables, the compactor that fills them, and the choice of
+//! which spans answer a range. Rollups are a cache of `samples`, never the
+//! truth: a span is used only while its marker row exists, and ingest
+//! removes the markers of every span its bucket falls in (in the batch's own
+//! transaction), so a late batch can never be missed by a query; the
+//! compactor redoes those spans later.
+//!
+//! # Tables
+//!
+//! * `rollups(width, span_start, stack_id, weight)`: per span of `width`
+//!   nanoseconds (the bucket width, then 10 min, 1 h, 1 day) the summed
+//!   weight of each stack over every label set.
+//! * `rollup_spans(width, span_start, sample_period_nanos, weight)`: the
+//!   marker: the span's rollup rows are complete and current. Also the
+//!   sample period its buckets agreed on (0 when they did not), which is what
+//!   a query would have learned from their `label_set_buckets` rows: an
+//!   agreement of agreements is the agreement of the whole.
+//! * `pending_spans(width, span_start)`: spans whose data changed since they
+//!   were last rolled up (written by ingest, cleared by the compactor).
+//!
+//! Empty spans get no marker: a query reads their (absent) base rows, which
+//! costs nothing.
+
+use std::collections::BTreeMap;
+
+use rusqlite::Transaction;
+use stackscope_profile::model::PeriodAgreement;
+
+use super::{StackWeights, StorageError, non_negative, saturate};
+
+pub(super) const SCHEMA: &str = "
+CREATE TABLE rollups (
+    width INTEGER NOT NULL,
+    span_start INTEGER NOT NULL,
+    stack_id INTEGER NOT NULL,
+    weight INTEGER NOT NULL,
+    PRIMARY KEY (width, span_start, stack_id)
+) STRICT, WITHOUT ROWID;
+
+CREATE TABLE rollup_spans (
+    width INTEGER NOT NULL,
+    span_start INTEGER NOT NULL,
+    sample_period_nanos INTEGER NOT NULL,
+    weight INTEGER NOT NULL,
+    PRIMARY KEY (width, span_start)
+) STRICT, WITHOUT ROWID;
+
+CREATE TABLE pending_spans (
+    width INTEGER NOT NULL,
+    span_start INTEGER NOT NULL,
+    PRIMARY KEY (width, span_start)
+) STRICT, WITHOUT ROWID;
+";
+
+/// Span widths above the bucket: each is what a range about ten times as
+/// long reads mostly. A width is used only if it is a multiple of the one
+/// below it, so spans nest and a cover never double-counts.
+const COARSER_WIDTHS_SECS: [i64; 3] = [600, 3600, 86_400];
+
+/// The widths rollups are kept at, finest (the bucket width) first.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) struct Tiers {
+    widths: [i64; 1 + COARSER_WIDTHS_SECS.len()],
+    len: usize,
+}
+
+impl Tiers {
+    pub(super) fn new(bucket_nanos: i64) -> Self {
+        let mut widths = [0; 1 + COARSER_WIDTHS_SECS.len()];
+        widths[0] = bucket_nanos;
+        let mut len = 1;
+        for secs in COARSER_WIDTHS_SECS {
+            let width = secs * 1_000_000_000;
+            let below = widths[len - 1];
+            if width > below && width % below == 0 {
+                widths[len] = width;
+                len += 1;
+            }
+        }
+        Self { widths, len }
+    }
+
+    pub(super) fn widths(&self) -> &[i64] {
+        &self.widths[..self.len]
+    }
+
+    fn bucket(&self) -> i64 {
+        self.widths[0]
+    }
+
+    /// The width below `width`, `None` for the bucket width.
+    fn finer(&self, width: i64) -> Option<i64> {
+        let i = self.widths().iter().position(|&w| w == width)?;
+        i.checked_sub(1).map(|below| self.widths[below])
+    }
+}
+
+/// The start of the span of `width` holding `at`.
+fn span_start(at: i64, width: i64) -> i64 {
+    at.saturating_sub(at.rem_euclid(width))
+}
+
+/// Ingest, in the batch's transaction: `bucket` changes, so every span
+/// holding it is no longer current; queries stop using them now and the
+/// compactor redoes them.
+pub(super) fn invalidate(
+    tx: &Transaction<'_>,
+    tiers: &Tiers,
+    bucket: i64,
+) -> Result<(), StorageError> {
+    let mut unmark =
+        tx.prepare_cached("DELETE FROM rollup_spans WHERE width = ?1 AND span_start = ?2")?;
+    let mut pend = tx.prepare_cached(
+        "INSERT OR IGNORE INTO pending_spans (width, span_start) VALUES (?1, ?2)",
+    )?;
+    for &width in tiers.widths() {
+        let start = span_start(bucket, width);
+        unmark.execute((width, start))?;
+        pend.execute((width, start))?;
+    }
+    Ok(())
+}
+
+/// Retention, in its transaction, after every bucket up to `last` was
+/// deleted: spans starting at or before `last` lose their rollups, and
+/// spans that also hold later buckets are redone from what remains.
+pub(super) fn forget_through(
+    tx: &Transaction<'_>,
+    tiers: &Tiers,
+    last: i64,
+) -> Result<(), StorageError> {
+    for table in ["rollups", "rollup_spans", "pending_spans"] {
+        // Per width, so each delete is a range of the primary key.
+        let mut delete = tx.prepare_cached(&format!(
+            "DELETE FROM {table} WHERE width = ?1 AND span_start <= ?2"
+        ))?;
+        for &width in tiers.widths() {
+            delete.execute((width, last))?;
+        }
+    }
+    let mut pend = tx.prepare_cached(
+        "INSERT OR IGNORE INTO pending_spans (width, span_start) VALUES (?1, ?2)",
+    )?;
+    for &width in tiers.widths() {
+        let start = span_start(last, width);
+        if start.saturating_add(width - tiers.bucket()) > last {
+            pend.execute((width, start))?;
+        }
+    }
+    Ok(())
+}
+
+/// The pending span the compactor should do next: the finest first, so a
+/// coarser span is always summed from finer spans that are current.
+pub(super) fn next_pending(
+    tx: &Transaction<'_>,
+    closed_before: i64,
+) -> Result<Option<(i64, i64)>, StorageError> {
+    let mut stmt = tx.prepare_cached(
+        "SELECT width, span_start FROM pending_spans WHERE span_start <= ?1 - width
+         ORDER BY width, span_start LIMIT 1",
+    )?;
+    let mut rows = stmt.query([closed_before])?;
+    Ok(match rows.next()? {
+        Some(row) => Some((row.get(0)?, row.get(1)?)),
+        None => None,
+    })
+}
+
+/// Sums the span `(width, start)` afresh (from `samples` for the bucket
+/// width, from the spans one width finer above it) and marks it current.
+/// Returns the rollup rows written.
+pub(super) fn recompute(
+    tx: &Transaction<'_>,
+    tiers: &Tiers,
+    width: i64,
+    start: i64,
+) -> Result<u64, StorageError> {
+    tx.execute(
+        "DELETE FROM rollups WHERE width = ?1 AND span_start = ?2",
+        (width, start),
+    )?;
+    tx.execute(
+        "DELETE FROM rollup_spans WHERE width = ?1 AND span_start = ?2",
+        (width, start),
+    )?;
+    tx.execute(
+        "DELETE FROM pending_spans WHERE width = ?1 AND span_start = ?2",
+        (width, start),
+    )?;
+
+    // The bucket width's spans are single buckets; ?1 goes unused there
+    // (SQLite counts parameters up to the highest index, so it still binds).
+    let (periods_sql, weights_sql, finer) = match tiers.finer(width) {
+        None => (
+            "SELECT sample_period_nanos, weight FROM label_set_buckets
+             WHERE bucket_start >= ?2 AND bucket_start < ?3",
+            "SELECT stack_id, weight FROM samples
+             WHERE bucket_start >= ?2 AND bucket_start < ?3",
+            0,
+        ),
+        Some(finer) => (
+            "SELECT sample_period_nanos, weight FROM rollup_spans
+             WHERE width = ?1 AND span_start >= ?2 AND span_start < ?3",
+            "SELECT stack_id, weight FROM rollups
+             WHERE width = ?1 AND span_start >= ?2 AND span_start < ?3",
+            finer,
+        ),
+    };
+    let bounds = (finer, start, start.saturating_add(width));
+
+    let mut period = PeriodAgreement::default();
+    let mut total = 0u64;
+    let mut any = false;
+    {
+        let mut stmt = tx.prepare_cached(periods_sql)?;
+        let mut rows = stmt.query(bounds)?;
+        while let Some(row) = rows.next()? {
+            let (p, weight): (i64, i64) = (row.get(0)?, row.get(1)?);
+            period.add(u64::try_from(p).unwrap_or(0));
+            total = total.saturating_add(non_negative(weight, "span weight")?);
+            any = true;
+        }
+    }
+    if !any {
+        return Ok(0);
+    }
+    let mut weights = StackWeights::default();
+    {
+        let mut stmt = tx.prepare_cached(weights_sql)?;
+        let mut rows = stmt.query(bounds)?;
+        while let Some(row) = rows.next()? {
+            weights.add(row.get(0)?, non_negative(row.get(1)?, "sample weight")?);
+        }
+    }
+    let mut insert = tx.prepare_cached(
+        "INSERT INTO rollups (width, span_start, stack_id, weight) VALUES (?1, ?2, ?3, ?4)",
+    )?;
+    let mut written = 0u64;
+    for (stack, weight) in weights.into_sorted() {
+        insert.execute((width, start, stack, saturate(weight)))?;
+        written += 1;
+    }
+    tx.execute(
+        "INSERT INTO rollup_spans (width, span_start, sample_period_nanos, weight)
+         VALUES (?1, ?2, ?3, ?4)",
+        (width, start, saturate(period.result()), saturate(total)),
+    )?;
+    Ok(written)
+}
+
+/// A current span a query reads instead of its buckets' rows.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) struct Span {
+    pub width: i64,
+    pub start: i64,
+    pub sample_period_nanos: i64,
+}
+
+/// How a range of buckets is read: whole current spans, coarsest first, and
+/// the buckets between them from the base tables.
+#[derive(Debug, Default, PartialEq, Eq)]
+pub(super) struct Cover {
+    pub spans: Vec<Span>,
+    /// Runs of buckets no span covers, as exclusive bounds `(lo, hi)`: the
+    /// buckets `b` with `lo < b < hi`.
+    pub gaps: Vec<(i64, i64)>,
+}
+
+/// The cover of the buckets `b` with `lo < b < hi` (the bounds
+/// `SqliteStorage::bucket_bounds` gives).
+pub(super) fn cover(
+    tx: &Transaction<'_>,
+    tiers: &Tiers,
+    lo: i64,
+    hi: i64,
+) -> Result<Cover, StorageError> {
+    let bucket = tiers.bucket();
+    // The first bucket after lo and the end of the last one before hi.
+    let first = span_start(lo, bucket).saturating_add(bucket);
+    let end = span_start(hi.saturating_sub(1), bucket).saturating_add(bucket);
+    let mut cover = Cover::default();
+    if first >= end {
+        return Ok(cover);
+    }
+    // Chosen spans by start: (end, span). Spans nest (each width is a
+    // multiple of the one below, aligned to it), so a span either lies
+    // inside a chosen coarser one or misses all of them.
+    let mut chosen: BTreeMap<i64, (i64, Span)> = BTreeMap::new();
+    let mut stmt = tx.prepare_cached(
+        "SELECT span_start, sample_period_nanos FROM rollup_spans
+         WHERE width = ?1 AND span_start >= ?2 AND span_start <= ?3 - ?1
+         ORDER BY span_start",
+    )?;
+    for &width in tiers.widths().iter().rev() {
+        let mut rows = stmt.query((width, first, end))?;
+        while let Some(row) = rows.next()? {
+            let (start, sample_period_nanos): (i64, i64) = (row.get(0)?, row.get(1)?);
+            let inside = chosen
+                .range(..=start)
+                .next_back()
+                .is_some_and(|(_, (chosen_end, _))| *chosen_end > start);
+            if !inside {
+                let span = Span {
+                    width,
+                    start,
+                    sample_period_nanos,
+                };
+                chosen.insert(start, (start.saturating_add(width), span));
+            }
+        }
+    }
+    let mut next = first;
+    for (start, (span_end, span)) in chosen {
+        if start > next {
+            cover.gaps.push((next - 1, start));
+        }
+        cover.spans.push(span);
+        next = span_end;
+    }
+    if next < end {
+        cover.gaps.push((next - 1, end));
+    }
+    Ok(cover)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const MINUTE: i64 = 60_000_000_000;
+
+    #[test]
+    fn tiers_nest_above_the_bucket() {
+        assert_eq!(
+            Tiers::new(MINUTE).widths(),
+            [MINUTE, 10 * MINUTE, 60 * MINUTE, 1440 * MINUTE]
+        );
+        // 7 minutes divides none of them: only the bucket itself.
+        assert_eq!(Tiers::new(7 * MINUTE).widths(), [7 * MINUTE]);
+        // 2 hours: only the day above it.
+        assert_eq!(
+            Tiers::new(120 * MINUTE).widths(),
+            [120 * MINUTE, 1440 * MINUTE]
+        );
+        let tiers = Tiers::new(MINUTE);
+        assert_eq!(tiers.finer(MINUTE), None);
+        assert_eq!(tiers.finer(60 * MINUTE), Some(10 * MINUTE));
+        assert_eq!(tiers.finer(3 * MINUTE), None);
+    }
+
+    #[test]
+    fn span_starts_align_below() {
+        assert_eq!(span_start(0, MINUTE), 0);
+        assert_eq!(span_start(MINUTE - 1, MINUTE), 0);
+        assert_eq!(span_start(-1, MINUTE), -MINUTE);
+        assert_eq!(span_start(i64::MIN, MINUTE), i64::MIN);
+    }
+}
