@@ -305,6 +305,9 @@ impl<K: std::hash::Hash + Eq, V> BoundedMap<K, V> {
     }
 }
 
+/// A stack's or location's frames, leaf first, shared.
+type Frames = Arc<[Arc<Frame>]>;
+
 /// Labels of a set, sorted by name.
 type Labels = Arc<[(String, String)]>;
 
@@ -312,10 +315,10 @@ struct QueryCaches {
     /// Label set hash -> labels. Content-addressed: never stale.
     label_sets: BoundedMap<u128, Labels>,
     /// Stack hash -> frames, leaf first.
-    stacks: BoundedMap<u128, Arc<[Arc<Frame>]>>,
+    stacks: BoundedMap<u128, Frames>,
     /// A location's bytes in a stack blob (hashed) -> its frames, so stacks
     /// share the frames of a location as SQLite's do.
-    locations: BoundedMap<u128, Arc<[Arc<Frame>]>>,
+    locations: BoundedMap<u128, Frames>,
 }
 
 /// Storage in a ClickHouse database (see the module doc).
@@ -747,7 +750,7 @@ impl ClickhouseStorage {
     }
 
     /// Frames of the given stacks, from the cache or the database.
-    fn frames_of(&self, hashes: &[u128]) -> Result<HashMap<u128, Arc<[Arc<Frame>]>>, StorageError> {
+    fn frames_of(&self, hashes: &[u128]) -> Result<HashMap<u128, Frames>, StorageError> {
         let mut found = HashMap::with_capacity(hashes.len());
         let mut missing = Vec::new();
         {
@@ -782,7 +785,7 @@ impl ClickhouseStorage {
                     let resolved = match caches.locations.entries.get(&key) {
                         Some(resolved) => Arc::clone(resolved),
                         None => {
-                            let resolved: Arc<[Arc<Frame>]> =
+                            let resolved: Frames =
                                 resolve_frames(&location.mapping, location.address, location.lines)
                                     .into();
                             caches.locations.insert(key, Arc::clone(&resolved));
@@ -791,7 +794,7 @@ impl ClickhouseStorage {
                     };
                     frames.extend(resolved.iter().cloned());
                 }
-                let frames: Arc<[Arc<Frame>]> = frames.into();
+                let frames: Frames = frames.into();
                 caches.stacks.insert(hash, Arc::clone(&frames));
                 found.insert(hash, frames);
             }
