@@ -7,7 +7,7 @@
 //! Blocking, because the `Storage` trait is: the collector calls storage
 //! from tokio's blocking threads.
 
-use std::time::Duration;
+use std::{sync::Arc, time::Duration};
 
 /// Settings every statement runs with.
 ///
@@ -75,8 +75,18 @@ impl Client {
     pub fn new(
         connect_timeout: Duration,
         request_timeout: Duration,
-    ) -> Result<Self, reqwest::Error> {
+    ) -> Result<Self, Box<dyn std::error::Error + Send + Sync>> {
+        // reqwest is built without a default TLS provider (the workspace
+        // keeps aws-lc-rs out); it needs one even for plain HTTP.
+        let provider = Arc::new(rustls::crypto::ring::default_provider());
+        let mut roots = rustls::RootCertStore::empty();
+        roots.extend(webpki_roots::TLS_SERVER_ROOTS.iter().cloned());
+        let tls = rustls::ClientConfig::builder_with_provider(provider)
+            .with_safe_default_protocol_versions()?
+            .with_root_certificates(roots)
+            .with_no_client_auth();
         let http = reqwest::blocking::Client::builder()
+            .tls_backend_preconfigured(tls)
             .connect_timeout(connect_timeout)
             .timeout(request_timeout)
             // Plain HTTP only (see `ClickhouseConfig`): no TLS stack to

@@ -407,7 +407,7 @@ impl ClickhouseStorage {
             Client::new(options.connect_timeout, options.request_timeout).map_err(|source| {
                 StorageError::Remote {
                     action: "building the HTTP client".into(),
-                    source: Box::new(source),
+                    source,
                 }
             })?;
         let endpoints = config
