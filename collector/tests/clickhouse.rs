@@ -26,10 +26,11 @@ use stackscope_collector::{
     },
 };
 use stackscope_profile::{
-    model::{Frame, MatchOp, Selection, StackSamples},
+    model::{CodeAddress, Frame, MatchOp, Selection, StackSamples},
     render::top_functions,
     tree::CallTree,
 };
+use stackscope_proto::v1;
 
 fn open_url(url: &str, options: ClickhouseOptions) -> Result<ClickhouseStorage, StorageError> {
     ClickhouseStorage::open(ClickhouseConfig::from_url(url)?, options)
@@ -92,6 +93,25 @@ fn huge_batches() -> Vec<ValidBatch> {
         .collect()
 }
 
+/// A batch whose unnamed frame's file came with code segments: its frame
+/// carries a virtual address as well as the file offset.
+fn segments_batch() -> ValidBatch {
+    let mut b = Builder::new(120, "node-s", T0, PERIOD_100HZ);
+    let lib = b.mapping(v1::MappingKind::User, "ef01", "/usr/lib/libseg.so");
+    b.batch.mappings[lib as usize].load_segments = vec![v1::LoadSegment {
+        file_offset: 0x1000,
+        vaddr: 0x401000,
+        file_size: 0x2000,
+    }];
+    let unknown = b.location(lib, 0x1a2b, &[]);
+    let main = b.standard_stack(1);
+    let main_location = b.batch.stacks[main as usize].locations[1];
+    let stack = b.stack(&[unknown, main_location]);
+    let set = b.label_set(&[("comm", "seg")]);
+    b.sample(stack, set, 9, 0);
+    b.validate()
+}
+
 #[test]
 fn the_same_batches_give_the_same_answers_as_sqlite() {
     let dir = tempfile::tempdir().expect("tempdir");
@@ -105,12 +125,13 @@ fn the_same_batches_give_the_same_answers_as_sqlite() {
     .expect("open one server");
     let mut batches = vec![batch1(), batch2(), batch3()];
     batches.extend(huge_batches());
+    batches.push(segments_batch());
     for storage in [&sqlite as &dyn Storage, &clustered, &single] {
         ingest_all(storage, &batches);
     }
 
     use MatchOp::*;
-    let matchers: [&[Matcher]; 12] = [
+    let matchers: [&[Matcher]; 13] = [
         &[],
         &[("comm", Equal, "app")],
         &[("comm", NotEqual, "app")],
@@ -123,6 +144,7 @@ fn the_same_batches_give_the_same_answers_as_sqlite() {
         &[("node", Equal, "node-a")],
         &[("node", Equal, "node-b")],
         &[("comm", Equal, "huge")],
+        &[("comm", Equal, "seg")],
     ];
     let ranges = [
         (T0 - 3600 * SECOND, T0 + 3600 * SECOND),
@@ -176,7 +198,7 @@ fn the_same_batches_give_the_same_answers_as_sqlite() {
             }
         }
     }
-    assert_eq!(compared, 12 * 6 * 2);
+    assert_eq!(compared, 13 * 6 * 2);
 
     // What the comparisons compared is what the SQLite tests pin down, so
     // agreeing is not agreeing on nothing.
@@ -203,17 +225,41 @@ fn the_same_batches_give_the_same_answers_as_sqlite() {
         Some(0x1a2b),
         "an unnamed frame keeps its code address"
     );
+    let seg = clustered
+        .stacks(&all(&[("comm", Equal, "seg")]))
+        .expect("stacks");
+    let leaf = seg
+        .stacks
+        .first()
+        .and_then(|s| s.frames.first())
+        .expect("a leaf");
+    assert_eq!(
+        (
+            leaf.function.as_str(),
+            leaf.build_id.as_str(),
+            leaf.unnamed_code
+        ),
+        (
+            "[unknown] libseg.so+0x1a2b",
+            "ef01",
+            Some(CodeAddress {
+                file_offset: 0x1a2b,
+                vaddr: Some(0x401a2b)
+            })
+        )
+    );
     // Saturated: three rows of i64::MAX / 2 + 1 hold i64::MAX, plus one more.
     let half = (i64::MAX / 2 + 1) as u64;
     assert_eq!(
         weights(&clustered, &all(&[("comm", Equal, "huge")])),
         expect(&[(S1, i64::MAX as u64 + half)])
     );
-    // The hour from T0 - 840 s holds both buckets: T0's rows saturated
-    // per (bucket, label set) as SQLite's do, then summed.
+    // The hour from T0 - 840 s holds both buckets (and the segments
+    // batch's 9): T0's rows saturated per (bucket, label set) as SQLite's
+    // do, then summed.
     assert_eq!(
         clustered.series(&all(&[]), 3600 * SECOND).expect("series"),
-        [(T0 - 840 * SECOND, i64::MAX as u64 + half + 41)]
+        [(T0 - 840 * SECOND, i64::MAX as u64 + half + 41 + 9)]
     );
     // Both shards hold some of it: the Distributed tables spread rows.
     for server in [0, 1] {
