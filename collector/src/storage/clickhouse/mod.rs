@@ -497,6 +497,10 @@ impl ClickhouseStorage {
             path: format!("{}{}", endpoint.url, self.config.database).into(),
             reason,
         };
+        // Two collectors creating the same database at once with different
+        // settings both write theirs; `FINAL` keeps one, and the other
+        // collector is refused when it next opens the database. Collectors
+        // of one fleet are started with one configuration.
         if stored.is_empty() {
             let mut rows = RowWriter::default();
             for (key, value) in wanted {
