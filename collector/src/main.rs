@@ -1,5 +1,6 @@
 //! `stackscope-collector`: receives agents' batches over gRPC, stores them in
-//! an embedded SQLite database, and serves queries over gRPC and HTTP.
+//! an embedded SQLite database (or ClickHouse, `--storage clickhouse://…`),
+//! and serves queries over gRPC and HTTP.
 //! The command line lives here; the work is in the `stackscope_collector`
 //! library.
 
@@ -14,7 +15,11 @@ use stackscope_collector::{
         symbolize::Symbolizer,
     },
     server::{self, ServerConfig, TlsFiles},
-    storage::sqlite::{SqliteOptions, SqliteStorage},
+    storage::{
+        Storage,
+        clickhouse::{self, ClickhouseConfig, ClickhouseOptions, ClickhouseStorage},
+        sqlite::{SqliteOptions, SqliteStorage},
+    },
 };
 use tokio::signal::unix::{SignalKind, signal};
 use tracing_subscriber::EnvFilter;
@@ -23,9 +28,18 @@ use tracing_subscriber::EnvFilter;
 #[derive(Debug, Parser)]
 #[command(name = "stackscope-collector", version)]
 struct Args {
-    /// Directory of the database (created if missing).
+    /// Directory of the database (created if missing) and of the debuginfo
+    /// store.
     #[arg(long, default_value = "/var/lib/stackscope")]
     data_dir: PathBuf,
+    /// Where profiles are stored: `sqlite` (DATA_DIR/stackscope.db), or a
+    /// ClickHouse database:
+    /// `clickhouse://[USER[:PASSWORD]@]HOST:PORT[,HOST:PORT...]/DATABASE[?cluster=NAME]`
+    /// (HTTP ports; with several servers, NAME is the remote_servers
+    /// cluster they form and each is one shard). Tables are created if
+    /// missing; any number of collectors may share one database.
+    #[arg(long, env = "STACKSCOPE_STORAGE", default_value = "sqlite")]
+    storage: String,
     /// Address of the gRPC server (ingest, query, health).
     #[arg(long, default_value = "127.0.0.1:7070")]
     grpc_listen: SocketAddr,
@@ -103,6 +117,52 @@ fn read_token(path: Option<&PathBuf>, what: &str) -> anyhow::Result<Option<Strin
     Ok(Some(token))
 }
 
+/// The storage `--storage` names: SQLite in the data directory, or
+/// ClickHouse.
+async fn open_storage(
+    spec: &str,
+    data_dir: &std::path::Path,
+    bucket_nanos: i64,
+) -> anyhow::Result<Arc<dyn Storage>> {
+    if spec == "sqlite" {
+        let database = data_dir.join("stackscope.db");
+        return tokio::task::spawn_blocking(move || -> anyhow::Result<Arc<dyn Storage>> {
+            let storage = SqliteStorage::open(
+                &database,
+                SqliteOptions {
+                    bucket_nanos,
+                    ..SqliteOptions::default()
+                },
+            )
+            .with_context(|| format!("opening the database in {}", database.display()))?;
+            Ok(Arc::new(storage))
+        })
+        .await?;
+    }
+    if !spec.starts_with(clickhouse::URL_SCHEME) {
+        anyhow::bail!(
+            "--storage {spec:?}: expected `sqlite` or a {}… URL",
+            clickhouse::URL_SCHEME
+        );
+    }
+    let config = ClickhouseConfig::from_url(spec).context("--storage")?;
+    tracing::info!(servers = ?config.servers, database = %config.database,
+        cluster = ?config.cluster, "storing profiles in ClickHouse");
+    tokio::task::spawn_blocking(move || -> anyhow::Result<Arc<dyn Storage>> {
+        let what = format!("opening the ClickHouse database {}", config.database);
+        let storage = ClickhouseStorage::open(
+            config,
+            ClickhouseOptions {
+                bucket_nanos,
+                ..ClickhouseOptions::default()
+            },
+        )
+        .context(what)?;
+        Ok(Arc::new(storage))
+    })
+    .await?
+}
+
 #[tokio::main]
 async fn main() -> anyhow::Result<()> {
     let args = Args::parse();
@@ -126,18 +186,7 @@ async fn main() -> anyhow::Result<()> {
     let ingest_token = read_token(args.ingest_token_file.as_ref(), "ingest token file")?;
     let query_token = read_token(args.query_token_file.as_ref(), "query token file")?;
 
-    let database = args.data_dir.join("stackscope.db");
-    let storage = tokio::task::spawn_blocking(move || {
-        SqliteStorage::open(
-            &database,
-            SqliteOptions {
-                bucket_nanos,
-                ..SqliteOptions::default()
-            },
-        )
-        .with_context(|| format!("opening the database in {}", database.display()))
-    })
-    .await??;
+    let storage = open_storage(&args.storage, &args.data_dir, bucket_nanos).await?;
 
     let debuginfo_dir = args.data_dir.join("debuginfo");
     let store: Arc<dyn DebuginfoStore> = Arc::new(
@@ -180,7 +229,7 @@ async fn main() -> anyhow::Result<()> {
     } else {
         "http"
     };
-    let collector = server::start(config, Arc::new(storage))
+    let collector = server::start(config, storage)
         .await
         .context("starting the collector")?;
     tracing::info!(

@@ -25,12 +25,16 @@ const BPF_LINKER_VERSION: &str = "0.13.0";
 /// files, `libc6-dbg` is the Debian debug package the agent's local lookup
 /// is tested with; `prometheus` is the real server that scrapes the agent's
 /// and the collector's metrics in their test; `catatonit` is the pause
-/// process `podman kube play` builds its pods' infra image from.
+/// process `podman kube play` builds its pods' infra image from;
+/// `clickhouse-server` (18.16, started by the tests as plain processes, not
+/// the systemd unit) is the real two-shard cluster the collector's
+/// ClickHouse storage is tested against.
 const DEBIAN_PACKAGES: &[&str] = &[
     "binutils",
     "bpftool",
     "busybox-static",
     "catatonit",
+    "clickhouse-server",
     "debuginfod",
     "elfutils",
     "gcc",

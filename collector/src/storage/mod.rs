@@ -1,9 +1,11 @@
 //! Where batches go: a trait so fleets can swap the embedded default
-//! (`sqlite`) for a distributed engine without touching ingest or queries.
+//! (`sqlite`) for a distributed engine (`clickhouse`) without touching
+//! ingest or queries.
 //!
 //! Implementations are synchronous; the servers call them from blocking
 //! tasks.
 
+pub mod clickhouse;
 pub mod sqlite;
 
 use stackscope_profile::model::{Selection, StackSamples};
@@ -49,6 +51,15 @@ pub enum StorageError {
     /// The engine was configured with values it cannot work with.
     #[error("invalid storage options: {0}")]
     InvalidOptions(String),
+    /// A remote engine (ClickHouse) could not be reached, refused a
+    /// statement, or answered something unreadable, while doing `action`.
+    /// The source holds the server's own message.
+    #[error("ClickHouse: {action}")]
+    Remote {
+        action: String,
+        #[source]
+        source: Box<dyn std::error::Error + Send + Sync>,
+    },
     /// A `ValidBatch` built by hand (not by `ingest::validate`) broke one of
     /// its documented invariants, such as an index out of range.
     #[error("the batch is inconsistent: {0}")]

@@ -1397,7 +1397,7 @@ impl Writer {
     }
 }
 
-fn kind_code(kind: MappingKind) -> i64 {
+pub(super) fn kind_code(kind: MappingKind) -> i64 {
     // The wire format's numbers, so the column reads the same as the proto.
     match kind {
         MappingKind::User => 1,
@@ -1407,7 +1407,7 @@ fn kind_code(kind: MappingKind) -> i64 {
     }
 }
 
-fn kind_from_code(code: i64) -> Option<MappingKind> {
+pub(super) fn kind_from_code(code: i64) -> Option<MappingKind> {
     match code {
         1 => Some(MappingKind::User),
         2 => Some(MappingKind::Kernel),
@@ -1418,14 +1418,16 @@ fn kind_from_code(code: i64) -> Option<MappingKind> {
 }
 
 // Content hashes: a tag byte per kind of item, then every field, strings
-// length-prefixed so no two different items serialize alike.
+// length-prefixed so no two different items serialize alike. Shared with the
+// ClickHouse engine (`pub(super)`), so both name an item by the same hash and
+// encode lines and code segments alike.
 
 fn put_str(bytes: &mut Vec<u8>, s: &str) {
     bytes.extend_from_slice(&(s.len() as u64).to_le_bytes());
     bytes.extend_from_slice(s.as_bytes());
 }
 
-fn mapping_hash(bytes: &mut Vec<u8>, mapping: &MappingRecord) -> u128 {
+pub(super) fn mapping_hash(bytes: &mut Vec<u8>, mapping: &MappingRecord) -> u128 {
     bytes.clear();
     bytes.push(b'm');
     bytes.push(kind_code(mapping.kind) as u8);
@@ -1441,7 +1443,12 @@ fn mapping_hash(bytes: &mut Vec<u8>, mapping: &MappingRecord) -> u128 {
     xxhash_rust::xxh3::xxh3_128(bytes)
 }
 
-fn location_hash(bytes: &mut Vec<u8>, mapping: u128, address: u64, lines: &[LineRecord]) -> u128 {
+pub(super) fn location_hash(
+    bytes: &mut Vec<u8>,
+    mapping: u128,
+    address: u64,
+    lines: &[LineRecord],
+) -> u128 {
     bytes.clear();
     bytes.push(b'l');
     bytes.extend_from_slice(&mapping.to_le_bytes());
@@ -1454,7 +1461,7 @@ fn location_hash(bytes: &mut Vec<u8>, mapping: u128, address: u64, lines: &[Line
     xxhash_rust::xxh3::xxh3_128(bytes)
 }
 
-fn label_set_hash(bytes: &mut Vec<u8>, labels: &[(String, String)]) -> u128 {
+pub(super) fn label_set_hash(bytes: &mut Vec<u8>, labels: &[(String, String)]) -> u128 {
     bytes.clear();
     bytes.push(b'L');
     for (name, value) in labels {
@@ -1466,7 +1473,7 @@ fn label_set_hash(bytes: &mut Vec<u8>, labels: &[(String, String)]) -> u128 {
 
 // Blobs: LEB128 varints and length-prefixed UTF-8.
 
-fn put_varint(buf: &mut Vec<u8>, mut value: u64) {
+pub(super) fn put_varint(buf: &mut Vec<u8>, mut value: u64) {
     while value >= 0x80 {
         buf.push((value as u8) | 0x80);
         value >>= 7;
@@ -1474,7 +1481,7 @@ fn put_varint(buf: &mut Vec<u8>, mut value: u64) {
     buf.push(value as u8);
 }
 
-fn encode_lines(buf: &mut Vec<u8>, lines: &[LineRecord]) {
+pub(super) fn encode_lines(buf: &mut Vec<u8>, lines: &[LineRecord]) {
     for line in lines {
         put_varint(buf, line.function.len() as u64);
         buf.extend_from_slice(line.function.as_bytes());
@@ -1484,7 +1491,7 @@ fn encode_lines(buf: &mut Vec<u8>, lines: &[LineRecord]) {
     }
 }
 
-fn encode_code_segments(buf: &mut Vec<u8>, segments: &[CodeSegment]) {
+pub(super) fn encode_code_segments(buf: &mut Vec<u8>, segments: &[CodeSegment]) {
     for segment in segments {
         for value in [segment.file_offset, segment.vaddr, segment.file_size] {
             put_varint(buf, value);
@@ -1492,7 +1499,7 @@ fn encode_code_segments(buf: &mut Vec<u8>, segments: &[CodeSegment]) {
     }
 }
 
-fn decode_code_segments(blob: &[u8]) -> Result<Vec<CodeSegment>, &'static str> {
+pub(super) fn decode_code_segments(blob: &[u8]) -> Result<Vec<CodeSegment>, &'static str> {
     let mut reader = BlobReader { bytes: blob };
     let mut segments = Vec::new();
     while !reader.is_empty() {
@@ -1507,16 +1514,16 @@ fn decode_code_segments(blob: &[u8]) -> Result<Vec<CodeSegment>, &'static str> {
 
 /// Reads a blob written by `put_varint` and friends; errors say what is
 /// wrong with it, never panic.
-struct BlobReader<'a> {
-    bytes: &'a [u8],
+pub(super) struct BlobReader<'a> {
+    pub(super) bytes: &'a [u8],
 }
 
 impl<'a> BlobReader<'a> {
-    fn is_empty(&self) -> bool {
+    pub(super) fn is_empty(&self) -> bool {
         self.bytes.is_empty()
     }
 
-    fn varint(&mut self) -> Result<u64, &'static str> {
+    pub(super) fn varint(&mut self) -> Result<u64, &'static str> {
         let mut value = 0u64;
         for shift in (0..64).step_by(7) {
             let (&byte, rest) = self.bytes.split_first().ok_or("truncated varint")?;
@@ -1533,7 +1540,7 @@ impl<'a> BlobReader<'a> {
         Err("varint longer than 10 bytes")
     }
 
-    fn str(&mut self) -> Result<&'a str, &'static str> {
+    pub(super) fn str(&mut self) -> Result<&'a str, &'static str> {
         let len = usize::try_from(self.varint()?).map_err(|_| "string length overflows")?;
         let (s, rest) = self
             .bytes
@@ -1544,7 +1551,7 @@ impl<'a> BlobReader<'a> {
     }
 }
 
-fn decode_lines(blob: &[u8]) -> Result<Vec<LineRecord>, &'static str> {
+pub(super) fn decode_lines(blob: &[u8]) -> Result<Vec<LineRecord>, &'static str> {
     let mut reader = BlobReader { bytes: blob };
     let mut lines = Vec::new();
     while !reader.is_empty() {
@@ -1806,7 +1813,7 @@ fn binary_name(kind: MappingKind, path: &str) -> String {
 /// One frame per line, innermost first (all but the outermost inlined), or
 /// one unnamed frame when the location has no lines (with where its code
 /// is, for a file with a build-id, so debuginfo can name it later).
-fn resolve_frames(
+pub(super) fn resolve_frames(
     mapping: &MappingRecord,
     address: u64,
     lines: Vec<LineRecord>,

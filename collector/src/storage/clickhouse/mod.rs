@@ -1,0 +1,1301 @@
+//! The ClickHouse storage engine, for fleets that outgrow one SQLite file:
+//! collectors are stateless in front of one ClickHouse database (one server,
+//! or a cluster of shards behind `Distributed` tables), so any number of
+//! them ingest and answer queries over the whole fleet's data.
+//!
+//! Owns the statements that write and read rows, the caches that spare
+//! round trips, and the configuration (`clickhouse://` URLs). The DDL is in
+//! `schema`, the HTTP client in `client`, row and blob encodings in `codec`.
+//! Does not own validation (`ingest`) or symbolization.
+//!
+//! # How it keeps SQLite's semantics
+//!
+//! * Items are named by the same 128-bit content hashes SQLite's engine
+//!   computes, so every collector names a stack or label set alike without
+//!   coordination; there are no ids to allocate.
+//! * Dedup: a batch id found in `batches` is a duplicate. Its id is written
+//!   after its samples, so a batch whose ingest failed half-way is stored
+//!   again on retry; its sample rows are then exact duplicates (same batch,
+//!   bucket, label set, stack, weight) and `FINAL` counts them once. The
+//!   window left: none for sample weights; two retries racing through
+//!   different collectors both store, and both answer `Stored`.
+//! * Buckets: the same `bucket_nanos` alignment (kept in `meta`, refused if
+//!   another width is asked for), and a bucket overlapping the range counts
+//!   whole.
+//! * Sums: weights are summed exactly (as two 32-bit halves, so nothing
+//!   wraps), saturated at `i64::MAX` per (bucket, label set, stack) as
+//!   SQLite's rows are, then added saturating.
+//! * Periods: known only when every selected row agrees on one.
+//! * Retention: a high-water mark (`retention`) hides deleted buckets at
+//!   once; whole partitions at or before it are dropped. ClickHouse 18.16
+//!   has no `TTL`, and `ALTER .. DELETE` mutations rewrite whole parts, so
+//!   rows of a partition that is only partly past the cutoff stay on disk
+//!   (hidden) until all of it is.
+//! * Stacks come back ordered by hash (SQLite: by id, i.e. first storing);
+//!   the trait promises no order, and trees and top tables do not depend
+//!   on it.
+
+pub mod client;
+pub mod codec;
+pub mod schema;
+
+use std::{
+    collections::{BTreeMap, BTreeSet, HashMap, HashSet},
+    sync::{Arc, Mutex, MutexGuard},
+    time::{Duration, SystemTime},
+};
+
+use stackscope_profile::model::{
+    Frame, PeriodAgreement, Selection, StackSamples, WeightedStack, unix_nanos,
+};
+
+use self::{
+    client::{ClickhouseError, Client, Endpoint},
+    codec::{RowReader, RowWriter},
+    schema::{SCHEMA_VERSION, Tables},
+};
+use super::{
+    IngestOutcome, Storage, StorageError,
+    sqlite::{label_set_hash, location_hash, mapping_hash, resolve_frames},
+};
+use crate::ingest::ValidBatch;
+
+/// Where the data lives: parsed from
+/// `clickhouse://[USER[:PASSWORD]@]HOST:PORT[,HOST:PORT...]/DATABASE[?cluster=NAME]`.
+///
+/// * One `HOST:PORT` (the HTTP interface, 8123 by default) without
+///   `cluster`: a single server, tables used directly.
+/// * With `cluster=NAME`: `NAME` is a cluster of the servers'
+///   `remote_servers` config, one replica per shard, and the URL lists
+///   every shard's HTTP address: the collector creates the tables on each
+///   (no `ON CLUSTER`, which needs ZooKeeper) and runs retention on each;
+///   reads and inserts go through the `Distributed` tables of the first
+///   server that answers.
+#[derive(Clone, PartialEq, Eq)]
+pub struct ClickhouseConfig {
+    /// `http://host:port/`, in the URL's order.
+    pub servers: Vec<String>,
+    pub user: Option<String>,
+    pub password: Option<String>,
+    pub database: String,
+    pub cluster: Option<String>,
+}
+
+impl std::fmt::Debug for ClickhouseConfig {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ClickhouseConfig")
+            .field("servers", &self.servers)
+            .field("user", &self.user)
+            .field("password", &self.password.as_ref().map(|_| "…"))
+            .field("database", &self.database)
+            .field("cluster", &self.cluster)
+            .finish()
+    }
+}
+
+/// The URL scheme that selects this engine.
+pub const URL_SCHEME: &str = "clickhouse://";
+
+impl ClickhouseConfig {
+    /// Parses a `clickhouse://` URL (see the type's doc); errors say what is
+    /// wrong with it.
+    pub fn from_url(url: &str) -> Result<Self, StorageError> {
+        let bad = |why: String| {
+            StorageError::InvalidOptions(format!(
+                "bad ClickHouse URL {:?}: {why}; expected \
+                 clickhouse://[USER[:PASSWORD]@]HOST:PORT[,HOST:PORT...]/DATABASE[?cluster=NAME]",
+                redact(url)
+            ))
+        };
+        let rest = url
+            .strip_prefix(URL_SCHEME)
+            .ok_or_else(|| bad(format!("it does not start with {URL_SCHEME}")))?;
+        let (rest, query) = match rest.split_once('?') {
+            Some((rest, query)) => (rest, Some(query)),
+            None => (rest, None),
+        };
+        let (authority, database) = rest
+            .split_once('/')
+            .ok_or_else(|| bad("no /DATABASE".into()))?;
+        let (credentials, hosts) = match authority.rsplit_once('@') {
+            Some((credentials, hosts)) => (Some(credentials), hosts),
+            None => (None, authority),
+        };
+        let (user, password) = match credentials {
+            None => (None, None),
+            Some(credentials) => match credentials.split_once(':') {
+                Some((user, password)) => (Some(user.to_owned()), Some(password.to_owned())),
+                None => (Some(credentials.to_owned()), None),
+            },
+        };
+        if user.as_deref() == Some("") {
+            return Err(bad("an empty user name".into()));
+        }
+        let mut servers = Vec::new();
+        for host in hosts.split(',') {
+            let (name, port) = match host.rsplit_once(':') {
+                Some((name, port)) if !name.ends_with(']') || name.starts_with('[') => {
+                    (name, Some(port))
+                }
+                _ => (host, None),
+            };
+            let port = match port {
+                None => 8123,
+                Some(port) => port
+                    .parse::<u16>()
+                    .ok()
+                    .filter(|&p| p > 0)
+                    .ok_or_else(|| bad(format!("port {port:?} of {host:?} is not a port")))?,
+            };
+            let valid_name = !name.is_empty()
+                && name.bytes().all(|b| {
+                    b.is_ascii_alphanumeric()
+                        || matches!(b, b'.' | b'-' | b'_' | b'[' | b']' | b':')
+                });
+            if !valid_name {
+                return Err(bad(format!("{host:?} is not HOST:PORT")));
+            }
+            servers.push(format!("http://{name}:{port}/"));
+        }
+        if !schema::is_plain_identifier(database, &[]) {
+            return Err(bad(format!(
+                "database {database:?} is not a plain name (letters, digits, _)"
+            )));
+        }
+        let mut cluster = None;
+        for pair in query
+            .into_iter()
+            .flat_map(|q| q.split('&'))
+            .filter(|p| !p.is_empty())
+        {
+            match pair.split_once('=') {
+                Some(("cluster", name)) if schema::is_plain_identifier(name, b"-.") => {
+                    cluster = Some(name.to_owned());
+                }
+                Some(("cluster", name)) => {
+                    return Err(bad(format!("cluster {name:?} is not a plain name")));
+                }
+                _ => {
+                    return Err(bad(format!(
+                        "unknown parameter {pair:?} (only cluster=NAME)"
+                    )));
+                }
+            }
+        }
+        if cluster.is_none() && servers.len() > 1 {
+            return Err(bad(
+                "several servers need ?cluster=NAME (the remote_servers cluster they form)".into(),
+            ));
+        }
+        Ok(Self {
+            servers,
+            user,
+            password,
+            database: database.to_owned(),
+            cluster,
+        })
+    }
+}
+
+/// `url` without its password, for messages.
+fn redact(url: &str) -> String {
+    match (url.find("://"), url.rfind('@')) {
+        (Some(scheme), Some(at)) if at > scheme => {
+            let credentials = &url[scheme + 3..at];
+            match credentials.split_once(':') {
+                Some((user, _)) => format!("{}{user}:***{}", &url[..scheme + 3], &url[at..]),
+                None => url.to_owned(),
+            }
+        }
+        _ => url.to_owned(),
+    }
+}
+
+/// How the ClickHouse engine stores and caches.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ClickhouseOptions {
+    /// Samples are summed per bucket of this many nanoseconds, as with
+    /// SQLite; fixed when the database is created.
+    pub bucket_nanos: i64,
+    /// Rows are partitioned by time in partitions this wide (a multiple of
+    /// `bucket_nanos`): what retention drops at a time. Fixed when the
+    /// database is created.
+    pub partition_nanos: i64,
+    /// Entries each ingest cache (stacks, label sets known stored) holds.
+    pub cache_entries: usize,
+    /// Stacks and label sets whose decoded contents queries keep.
+    pub query_cache_entries: usize,
+    pub connect_timeout: Duration,
+    /// Longest a statement may take, end to end.
+    pub request_timeout: Duration,
+    /// Stacks (and label sets) a query names per `IN (...)` list when it
+    /// fetches them.
+    pub stack_fetch_chunk: usize,
+}
+
+impl Default for ClickhouseOptions {
+    fn default() -> Self {
+        Self {
+            bucket_nanos: 60_000_000_000,
+            partition_nanos: 24 * 3600 * 1_000_000_000,
+            cache_entries: 1 << 20,
+            query_cache_entries: 1 << 18,
+            connect_timeout: Duration::from_secs(5),
+            request_timeout: Duration::from_secs(120),
+            stack_fetch_chunk: 4096,
+        }
+    }
+}
+
+/// A `ClickhouseError` as a storage error, saying what was being done.
+fn remote(action: impl Into<String>) -> impl FnOnce(ClickhouseError) -> StorageError {
+    let action = action.into();
+    move |source| StorageError::Remote {
+        action,
+        source: Box::new(source),
+    }
+}
+
+/// A bounded set, cleared when full (as SQLite's ingest caches: the
+/// working set refills within a few batches).
+struct BoundedSet<T> {
+    entries: HashSet<T>,
+    capacity: usize,
+}
+
+impl<T: std::hash::Hash + Eq> BoundedSet<T> {
+    fn new(capacity: usize) -> Self {
+        Self {
+            entries: HashSet::new(),
+            capacity,
+        }
+    }
+
+    fn insert(&mut self, value: T) {
+        if self.entries.len() >= self.capacity {
+            self.entries.clear();
+        }
+        if self.capacity > 0 {
+            self.entries.insert(value);
+        }
+    }
+}
+
+/// A bounded map, cleared when full.
+struct BoundedMap<K, V> {
+    entries: HashMap<K, V>,
+    capacity: usize,
+}
+
+impl<K: std::hash::Hash + Eq, V> BoundedMap<K, V> {
+    fn new(capacity: usize) -> Self {
+        Self {
+            entries: HashMap::new(),
+            capacity,
+        }
+    }
+
+    fn insert(&mut self, key: K, value: V) {
+        if self.entries.len() >= self.capacity {
+            self.entries.clear();
+        }
+        if self.capacity > 0 {
+            self.entries.insert(key, value);
+        }
+    }
+}
+
+/// A stack's or location's frames, leaf first, shared.
+type Frames = Arc<[Arc<Frame>]>;
+
+/// Labels of a set, sorted by name.
+type Labels = Arc<[(String, String)]>;
+
+struct QueryCaches {
+    /// Label set hash -> labels. Content-addressed: never stale.
+    label_sets: BoundedMap<u128, Labels>,
+    /// Stack hash -> frames, leaf first.
+    stacks: BoundedMap<u128, Frames>,
+    /// A location's bytes in a stack blob (hashed) -> its frames, so stacks
+    /// share the frames of a location as SQLite's do.
+    locations: BoundedMap<u128, Frames>,
+}
+
+/// Storage in a ClickHouse database (see the module doc).
+pub struct ClickhouseStorage {
+    config: ClickhouseConfig,
+    options: ClickhouseOptions,
+    endpoints: Vec<Endpoint>,
+    tables: Tables,
+    client: Client,
+    /// (hash, partition) of stacks and label sets this collector stored:
+    /// each is written once per partition, not once per batch.
+    stored_stacks: Mutex<BoundedSet<(u128, i64)>>,
+    stored_label_sets: Mutex<BoundedSet<(u128, i64)>>,
+    query_caches: Mutex<QueryCaches>,
+}
+
+impl std::fmt::Debug for ClickhouseStorage {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ClickhouseStorage")
+            .field("config", &self.config)
+            .field("options", &self.options)
+            .finish_non_exhaustive()
+    }
+}
+
+/// The mutex's value, also after a panic elsewhere: the caches only ever
+/// hold content-addressed entries, so a half-made update is harmless.
+fn lock<T>(mutex: &Mutex<T>) -> MutexGuard<'_, T> {
+    mutex
+        .lock()
+        .unwrap_or_else(|poisoned| poisoned.into_inner())
+}
+
+/// `unhex('…')` literals of hashes, comma separated, for `IN (...)`.
+fn hash_list(hashes: impl IntoIterator<Item = u128>) -> String {
+    let mut sql = String::new();
+    for (i, hash) in hashes.into_iter().enumerate() {
+        if i > 0 {
+            sql.push(',');
+        }
+        sql.push_str("unhex('");
+        for byte in hash.to_le_bytes() {
+            sql.push_str(&format!("{byte:02x}"));
+        }
+        sql.push_str("')");
+    }
+    sql
+}
+
+/// An exact sum read back as two halves: `lo` sums the low 32 bits of each
+/// weight, `hi` the high 32 (neither wraps below 2^32 rows).
+fn exact_sum(lo: u64, hi: u64) -> u128 {
+    u128::from(lo) + (u128::from(hi) << 32)
+}
+
+/// What a stored (bucket, label set, stack) row holds at most, as SQLite's
+/// saturating upsert keeps it.
+fn saturate_row(sum: u128) -> u64 {
+    sum.min(i64::MAX as u128) as u64
+}
+
+/// The columns of `exact_sum`.
+const WEIGHT_HALVES: &str = "sum(bitAnd(weight, 4294967295)), sum(bitShiftRight(weight, 32))";
+
+impl ClickhouseStorage {
+    /// Connects, creates the database and tables on every server if
+    /// missing, and checks that stored data was written with these
+    /// settings.
+    pub fn open(
+        config: ClickhouseConfig,
+        options: ClickhouseOptions,
+    ) -> Result<Self, StorageError> {
+        if options.bucket_nanos <= 0
+            || options.partition_nanos < options.bucket_nanos
+            || options.partition_nanos % options.bucket_nanos != 0
+        {
+            return Err(StorageError::InvalidOptions(format!(
+                "bucket_nanos must be positive and partition_nanos a multiple of it, got {} and {}",
+                options.bucket_nanos, options.partition_nanos
+            )));
+        }
+        if config.servers.is_empty() {
+            return Err(StorageError::InvalidOptions("no ClickHouse server".into()));
+        }
+        let client =
+            Client::new(options.connect_timeout, options.request_timeout).map_err(|source| {
+                StorageError::Remote {
+                    action: "building the HTTP client".into(),
+                    source,
+                }
+            })?;
+        let endpoints = config
+            .servers
+            .iter()
+            .map(|url| Endpoint {
+                url: url.clone(),
+                user: config.user.clone(),
+                password: config.password.clone(),
+            })
+            .collect();
+        let storage = Self {
+            tables: Tables {
+                database: config.database.clone(),
+                distributed: config.cluster.is_some(),
+            },
+            stored_stacks: Mutex::new(BoundedSet::new(options.cache_entries)),
+            stored_label_sets: Mutex::new(BoundedSet::new(options.cache_entries)),
+            query_caches: Mutex::new(QueryCaches {
+                label_sets: BoundedMap::new(options.query_cache_entries),
+                stacks: BoundedMap::new(options.query_cache_entries),
+                locations: BoundedMap::new(options.query_cache_entries),
+            }),
+            endpoints,
+            client,
+            config,
+            options,
+        };
+        for endpoint in &storage.endpoints {
+            storage.init_server(endpoint)?;
+        }
+        Ok(storage)
+    }
+
+    pub fn config(&self) -> &ClickhouseConfig {
+        &self.config
+    }
+
+    fn init_server(&self, endpoint: &Endpoint) -> Result<(), StorageError> {
+        let at = |what: &str| format!("{what} on {}", endpoint.url);
+        if let Some(cluster) = &self.config.cluster {
+            let answer = self
+                .client
+                .query(
+                    endpoint,
+                    &format!(
+                        "SELECT count() FROM system.clusters WHERE cluster = '{cluster}' \
+                         FORMAT RowBinary"
+                    ),
+                )
+                .map_err(remote(at("looking up the cluster")))?;
+            let hosts = self.decode(endpoint, &answer, |r| r.u64())?;
+            if hosts.first().copied().unwrap_or(0) == 0 {
+                return Err(StorageError::InvalidOptions(format!(
+                    "{} has no cluster {cluster:?} in its remote_servers configuration",
+                    endpoint.url
+                )));
+            }
+        }
+        for statement in schema::create_statements(
+            &self.tables,
+            self.config.cluster.as_deref(),
+            self.options.partition_nanos,
+        ) {
+            self.client
+                .execute(endpoint, &statement)
+                .map_err(remote(at("creating the schema")))?;
+        }
+        let meta = self.tables.own("meta");
+        let answer = self
+            .client
+            .query(
+                endpoint,
+                &format!("SELECT key, value FROM {meta} FINAL FORMAT RowBinary"),
+            )
+            .map_err(remote(at("reading meta")))?;
+        let stored: BTreeMap<String, i64> = self
+            .decode(endpoint, &answer, |r| Ok((r.string()?, r.i64()?)))?
+            .into_iter()
+            .collect();
+        let wanted = [
+            ("schema_version", SCHEMA_VERSION),
+            ("bucket_nanos", self.options.bucket_nanos),
+            ("partition_nanos", self.options.partition_nanos),
+        ];
+        let incompatible = |reason: String| StorageError::Incompatible {
+            path: format!("{}{}", endpoint.url, self.config.database).into(),
+            reason,
+        };
+        // Two collectors creating the same database at once with different
+        // settings both write theirs; `FINAL` keeps one, and the other
+        // collector is refused when it next opens the database. Collectors
+        // of one fleet are started with one configuration.
+        if stored.is_empty() {
+            let mut rows = RowWriter::default();
+            for (key, value) in wanted {
+                rows.string(key.as_bytes());
+                rows.i64(value);
+            }
+            return self
+                .client
+                .insert(endpoint, &meta, "key, value", rows.bytes)
+                .map_err(remote(at("writing meta")));
+        }
+        for (key, value) in wanted {
+            match stored.get(key) {
+                Some(&stored) if stored == value => {}
+                Some(&stored) if key == "schema_version" && stored > value => {
+                    return Err(incompatible(format!(
+                        "its schema version {stored} is newer than the {value} this collector \
+                         knows; run a newer collector"
+                    )));
+                }
+                Some(&stored) => {
+                    return Err(incompatible(format!(
+                        "it was created with {key} = {stored}, not the {value} asked for; a \
+                         database keeps the settings it was created with"
+                    )));
+                }
+                None => return Err(StorageError::Corrupt(format!("meta has no {key}"))),
+            }
+        }
+        Ok(())
+    }
+
+    /// Decodes every row of a RowBinary answer with `row`.
+    fn decode<T>(
+        &self,
+        endpoint: &Endpoint,
+        answer: &[u8],
+        mut row: impl FnMut(&mut RowReader<'_>) -> Result<T, String>,
+    ) -> Result<Vec<T>, StorageError> {
+        let mut reader = RowReader::new(answer);
+        let mut rows = Vec::new();
+        while !reader.is_empty() {
+            rows.push(row(&mut reader).map_err(|message| StorageError::Remote {
+                action: "reading an answer".into(),
+                source: Box::new(ClickhouseError::Decode {
+                    endpoint: endpoint.url.clone(),
+                    message,
+                }),
+            })?);
+        }
+        Ok(rows)
+    }
+
+    /// Runs `attempt` against the first server that can be reached: a
+    /// server that is down is skipped; one that refuses the statement is
+    /// not (another would refuse it too). Every statement sent this way is
+    /// safe to repeat.
+    fn any_server<T>(
+        &self,
+        action: &str,
+        mut attempt: impl FnMut(&Endpoint) -> Result<T, ClickhouseError>,
+    ) -> Result<T, StorageError> {
+        let mut last = None;
+        for endpoint in &self.endpoints {
+            match attempt(endpoint) {
+                Ok(value) => return Ok(value),
+                Err(err @ ClickhouseError::Transport { .. }) => {
+                    tracing::warn!(server = %endpoint.url, "{action}: {err}; trying the next server");
+                    last = Some(err);
+                }
+                Err(err) => return Err(remote(action)(err)),
+            }
+        }
+        Err(remote(action)(last.unwrap_or(ClickhouseError::Decode {
+            endpoint: String::new(),
+            message: "no server".into(),
+        })))
+    }
+
+    /// Runs a RowBinary query on a server that answers and decodes its rows.
+    fn select<T>(
+        &self,
+        action: &str,
+        sql: &str,
+        mut row: impl FnMut(&mut RowReader<'_>) -> Result<T, String>,
+    ) -> Result<Vec<T>, StorageError> {
+        let (endpoint, answer) = self.any_server(action, |endpoint| {
+            self.client
+                .query(endpoint, sql)
+                .map(|answer| (endpoint.clone(), answer))
+        })?;
+        self.decode(&endpoint, &answer, &mut row)
+    }
+
+    fn insert(
+        &self,
+        action: &str,
+        table: &str,
+        columns: &str,
+        rows: &RowWriter,
+    ) -> Result<(), StorageError> {
+        if rows.bytes.is_empty() {
+            return Ok(());
+        }
+        self.any_server(action, |endpoint| {
+            self.client.insert(
+                endpoint,
+                &self.tables.table(table),
+                columns,
+                rows.bytes.clone(),
+            )
+        })
+    }
+
+    fn bucket_of(&self, unix_nanos: i64) -> i64 {
+        unix_nanos.saturating_sub(unix_nanos.rem_euclid(self.options.bucket_nanos))
+    }
+
+    fn partition_of(&self, bucket: i64) -> i64 {
+        // intDiv in ClickHouse rounds toward zero, as `/` does.
+        bucket / self.options.partition_nanos
+    }
+
+    /// The newest deleted bucket (`i64::MIN` when none was).
+    fn retention_mark(&self) -> Result<i64, StorageError> {
+        let sql = format!(
+            "SELECT count(), max(last_bucket) FROM {} FORMAT RowBinary",
+            self.tables.own("retention")
+        );
+        let rows = self.select("reading the retention mark", &sql, |r| {
+            Ok((r.u64()?, r.i64()?))
+        })?;
+        Ok(match rows.first() {
+            Some(&(count, last)) if count > 0 => last,
+            _ => i64::MIN,
+        })
+    }
+
+    /// The `WHERE` condition on buckets for a selection: buckets that
+    /// overlap its range and were not deleted; `None` when none can.
+    fn bucket_condition(&self, selection: &Selection) -> Result<Option<String>, StorageError> {
+        let range = selection.range;
+        if range.start_unix_nanos >= range.end_unix_nanos {
+            return Ok(None);
+        }
+        // Bucket b covers [b, b + width): it overlaps [start, end) iff
+        // b < end and b > start - width.
+        let lo = range
+            .start_unix_nanos
+            .saturating_sub(self.options.bucket_nanos)
+            .max(self.retention_mark()?);
+        let hi = range.end_unix_nanos;
+        Ok((lo < hi).then(|| format!("bucket > {lo} AND bucket < {hi}")))
+    }
+
+    /// Labels of the given label sets, from the cache or the database.
+    fn labels_of(&self, hashes: &BTreeSet<u128>) -> Result<HashMap<u128, Labels>, StorageError> {
+        let mut found = HashMap::with_capacity(hashes.len());
+        let mut missing = Vec::new();
+        {
+            let caches = lock(&self.query_caches);
+            for &hash in hashes {
+                match caches.label_sets.entries.get(&hash) {
+                    Some(labels) => {
+                        found.insert(hash, Arc::clone(labels));
+                    }
+                    None => missing.push(hash),
+                }
+            }
+        }
+        for chunk in missing.chunks(self.options.stack_fetch_chunk.max(1)) {
+            let sql = format!(
+                "SELECT label_set, any(label_names), any(label_values) FROM {} \
+                 WHERE label_set IN ({}) GROUP BY label_set FORMAT RowBinary",
+                self.tables.table("label_sets"),
+                hash_list(chunk.iter().copied())
+            );
+            let rows = self.select("reading label sets", &sql, |r| {
+                Ok((r.hash()?, r.strings()?, r.strings()?))
+            })?;
+            let mut caches = lock(&self.query_caches);
+            for (hash, names, values) in rows {
+                if names.len() != values.len() {
+                    return Err(StorageError::Corrupt(format!(
+                        "label set {hash:032x} has {} names and {} values",
+                        names.len(),
+                        values.len()
+                    )));
+                }
+                let mut labels: Vec<(String, String)> = names.into_iter().zip(values).collect();
+                // As SQLite reads them: by name, the first of a name kept.
+                labels.sort_by(|a, b| a.0.cmp(&b.0));
+                labels.dedup_by(|next, kept| next.0 == kept.0);
+                let labels: Labels = labels.into();
+                caches.label_sets.insert(hash, Arc::clone(&labels));
+                found.insert(hash, labels);
+            }
+        }
+        if let Some(hash) = hashes.iter().find(|hash| !found.contains_key(hash)) {
+            return Err(StorageError::Corrupt(format!(
+                "samples reference label set {hash:032x}, which does not exist"
+            )));
+        }
+        Ok(found)
+    }
+
+    /// Label sets with samples in the selection's buckets, and their labels.
+    fn label_sets_in(&self, buckets: &str) -> Result<HashMap<u128, Labels>, StorageError> {
+        let sql = format!(
+            "SELECT label_set FROM {} FINAL WHERE {buckets} GROUP BY label_set FORMAT RowBinary",
+            self.tables.table("samples")
+        );
+        let hashes: BTreeSet<u128> = self
+            .select("finding label sets", &sql, |r| r.hash())?
+            .into_iter()
+            .collect();
+        self.labels_of(&hashes)
+    }
+
+    /// The label sets in the selection that its matchers select.
+    fn selected_label_sets(
+        &self,
+        selection: &Selection,
+        buckets: &str,
+    ) -> Result<BTreeMap<u128, Labels>, StorageError> {
+        Ok(self
+            .label_sets_in(buckets)?
+            .into_iter()
+            .filter(|(_, labels)| {
+                selection.matches_labels(labels.iter().map(|(n, v)| (n.as_str(), v.as_str())))
+            })
+            .collect())
+    }
+
+    /// The `WHERE` condition of a selection, `None` when it selects nothing.
+    fn selection_condition(&self, selection: &Selection) -> Result<Option<String>, StorageError> {
+        let Some(buckets) = self.bucket_condition(selection)? else {
+            return Ok(None);
+        };
+        if selection.matchers.is_empty() {
+            return Ok(Some(buckets));
+        }
+        let selected = self.selected_label_sets(selection, &buckets)?;
+        if selected.is_empty() {
+            return Ok(None);
+        }
+        Ok(Some(format!(
+            "{buckets} AND label_set IN ({})",
+            hash_list(selected.keys().copied())
+        )))
+    }
+
+    /// Frames of the given stacks, from the cache or the database.
+    fn frames_of(&self, hashes: &[u128]) -> Result<HashMap<u128, Frames>, StorageError> {
+        let mut found = HashMap::with_capacity(hashes.len());
+        let mut missing = Vec::new();
+        {
+            let caches = lock(&self.query_caches);
+            for &hash in hashes {
+                match caches.stacks.entries.get(&hash) {
+                    Some(frames) => {
+                        found.insert(hash, Arc::clone(frames));
+                    }
+                    None => missing.push(hash),
+                }
+            }
+        }
+        for chunk in missing.chunks(self.options.stack_fetch_chunk.max(1)) {
+            let sql = format!(
+                "SELECT stack, any(frames) FROM {} WHERE stack IN ({}) GROUP BY stack \
+                 FORMAT RowBinary",
+                self.tables.table("stacks"),
+                hash_list(chunk.iter().copied())
+            );
+            let rows = self.select("reading stacks", &sql, |r| {
+                Ok((r.hash()?, r.bytes()?.to_vec()))
+            })?;
+            let mut caches = lock(&self.query_caches);
+            for (hash, blob) in rows {
+                let locations = codec::decode_stack(&blob).map_err(|err| {
+                    StorageError::Corrupt(format!("stack {hash:032x}: frames blob: {err}"))
+                })?;
+                let mut frames = Vec::new();
+                for location in locations {
+                    let key = xxhash_rust::xxh3::xxh3_128(location.raw);
+                    let resolved = match caches.locations.entries.get(&key) {
+                        Some(resolved) => Arc::clone(resolved),
+                        None => {
+                            let resolved: Frames =
+                                resolve_frames(&location.mapping, location.address, location.lines)
+                                    .into();
+                            caches.locations.insert(key, Arc::clone(&resolved));
+                            resolved
+                        }
+                    };
+                    frames.extend(resolved.iter().cloned());
+                }
+                let frames: Frames = frames.into();
+                caches.stacks.insert(hash, Arc::clone(&frames));
+                found.insert(hash, frames);
+            }
+        }
+        if let Some(hash) = hashes.iter().find(|hash| !found.contains_key(hash)) {
+            return Err(StorageError::Corrupt(format!(
+                "samples reference stack {hash:032x}, which does not exist"
+            )));
+        }
+        Ok(found)
+    }
+}
+
+/// What a batch adds, ready to insert.
+struct BatchRows {
+    stacks: RowWriter,
+    label_sets: RowWriter,
+    samples: RowWriter,
+    /// (hash, partition) written, for the caches once stored.
+    new_stacks: Vec<(u128, i64)>,
+    new_label_sets: Vec<(u128, i64)>,
+}
+
+impl ClickhouseStorage {
+    fn batch_rows(&self, batch: &ValidBatch, bucket: i64) -> Result<BatchRows, StorageError> {
+        let invalid = StorageError::InvalidBatch;
+        let partition = self.partition_of(bucket);
+        let mut bytes = Vec::new();
+        let mapping_hashes: Vec<u128> = batch
+            .mappings
+            .iter()
+            .map(|m| mapping_hash(&mut bytes, m))
+            .collect();
+        let mut location_hashes = Vec::with_capacity(batch.locations.len());
+        for (index, location) in batch.locations.iter().enumerate() {
+            let mapping = usize::try_from(location.mapping)
+                .ok()
+                .and_then(|m| mapping_hashes.get(m))
+                .ok_or_else(|| {
+                    invalid(format!(
+                        "location {index}: mapping {} out of range ({} items)",
+                        location.mapping,
+                        mapping_hashes.len()
+                    ))
+                })?;
+            location_hashes.push(location_hash(
+                &mut bytes,
+                *mapping,
+                location.address,
+                &location.lines,
+            ));
+        }
+
+        let mut rows = BatchRows {
+            stacks: RowWriter::default(),
+            label_sets: RowWriter::default(),
+            samples: RowWriter::default(),
+            new_stacks: Vec::new(),
+            new_label_sets: Vec::new(),
+        };
+        let (mut blob, mut scratch) = (Vec::new(), Vec::new());
+        let mut stack_hashes = Vec::with_capacity(batch.stacks.len());
+        {
+            let stored = lock(&self.stored_stacks);
+            for (index, stack) in batch.stacks.iter().enumerate() {
+                bytes.clear();
+                bytes.push(b's');
+                for &location in stack {
+                    let hash = usize::try_from(location)
+                        .ok()
+                        .and_then(|l| location_hashes.get(l))
+                        .ok_or_else(|| {
+                            invalid(format!(
+                                "stack {index}: location {location} out of range ({} items)",
+                                location_hashes.len()
+                            ))
+                        })?;
+                    bytes.extend_from_slice(&hash.to_le_bytes());
+                }
+                let hash = xxhash_rust::xxh3::xxh3_128(&bytes);
+                stack_hashes.push(hash);
+                if stored.entries.contains(&(hash, partition))
+                    || rows.new_stacks.contains(&(hash, partition))
+                {
+                    continue;
+                }
+                codec::encode_stack(batch, stack, &mut blob, &mut scratch)
+                    .map_err(|err| invalid(format!("stack {index}: {err}")))?;
+                rows.stacks.hash(hash);
+                rows.stacks.i64(bucket);
+                rows.stacks.string(&blob);
+                rows.new_stacks.push((hash, partition));
+            }
+        }
+
+        let mut label_set_hashes = Vec::with_capacity(batch.label_sets.len());
+        {
+            let stored = lock(&self.stored_label_sets);
+            for labels in &batch.label_sets {
+                let hash = label_set_hash(&mut bytes, labels);
+                label_set_hashes.push(hash);
+                if stored.entries.contains(&(hash, partition))
+                    || rows.new_label_sets.contains(&(hash, partition))
+                {
+                    continue;
+                }
+                rows.label_sets.hash(hash);
+                rows.label_sets.i64(bucket);
+                rows.label_sets
+                    .strings(labels.iter().map(|(n, _)| n.as_str()));
+                rows.label_sets
+                    .strings(labels.iter().map(|(_, v)| v.as_str()));
+                rows.new_label_sets.push((hash, partition));
+            }
+        }
+
+        // One row per (label set, stack): within a batch, duplicates merge
+        // here, saturating as SQLite's rows do.
+        let mut samples: BTreeMap<(u128, u128), u64> = BTreeMap::new();
+        for (index, sample) in batch.samples.iter().enumerate() {
+            let out_of_range = |what: &str, value: u32, len: usize| {
+                invalid(format!(
+                    "sample {index}: {what} {value} out of range ({len} items)"
+                ))
+            };
+            let stack = usize::try_from(sample.stack)
+                .ok()
+                .and_then(|s| stack_hashes.get(s))
+                .ok_or_else(|| out_of_range("stack", sample.stack, stack_hashes.len()))?;
+            let label_set = usize::try_from(sample.label_set)
+                .ok()
+                .and_then(|s| label_set_hashes.get(s))
+                .ok_or_else(|| {
+                    out_of_range("label set", sample.label_set, label_set_hashes.len())
+                })?;
+            if sample.weight == 0 || i64::try_from(sample.weight).is_err() {
+                return Err(invalid(format!(
+                    "sample {index}: weight {} is not in 1..=i64::MAX",
+                    sample.weight
+                )));
+            }
+            let sum = samples.entry((*label_set, *stack)).or_default();
+            *sum = sum.saturating_add(sample.weight).min(i64::MAX as u64);
+        }
+        for ((label_set, stack), weight) in samples {
+            rows.samples.i64(bucket);
+            rows.samples.hash(label_set);
+            rows.samples.hash(stack);
+            rows.samples.hash(u128::from_le_bytes(batch.batch_id));
+            rows.samples.u64(batch.sample_period_nanos);
+            rows.samples.u64(weight);
+        }
+        Ok(rows)
+    }
+}
+
+impl Storage for ClickhouseStorage {
+    fn ingest(&self, batch: &ValidBatch) -> Result<IngestOutcome, StorageError> {
+        let id = u128::from_le_bytes(batch.batch_id);
+        let sql = format!(
+            "SELECT count() FROM {} WHERE batch = {} FORMAT RowBinary",
+            self.tables.table("batches"),
+            hash_list([id])
+        );
+        let seen = self.select("looking up the batch id", &sql, |r| r.u64())?;
+        if seen.first().copied().unwrap_or(0) > 0 {
+            return Ok(IngestOutcome::Duplicate);
+        }
+        let bucket = self.bucket_of(batch.range.start_unix_nanos);
+        let rows = self.batch_rows(batch, bucket)?;
+        // Dictionaries first: a sample is never visible before what it
+        // references. Each insert returns once every shard has its rows.
+        self.insert(
+            "storing stacks",
+            "stacks",
+            "stack, bucket, frames",
+            &rows.stacks,
+        )?;
+        self.insert(
+            "storing label sets",
+            "label_sets",
+            "label_set, bucket, label_names, label_values",
+            &rows.label_sets,
+        )?;
+        {
+            let mut stored = lock(&self.stored_stacks);
+            for entry in rows.new_stacks {
+                stored.insert(entry);
+            }
+        }
+        {
+            let mut stored = lock(&self.stored_label_sets);
+            for entry in rows.new_label_sets {
+                stored.insert(entry);
+            }
+        }
+        self.insert(
+            "storing samples",
+            "samples",
+            "bucket, label_set, stack, batch, sample_period, weight",
+            &rows.samples,
+        )?;
+        let mut batch_row = RowWriter::default();
+        batch_row.hash(id);
+        batch_row.i64(unix_nanos(SystemTime::now()));
+        batch_row.i64(batch.range.end_unix_nanos);
+        self.insert(
+            "storing the batch id",
+            "batches",
+            "batch, received_unix_nanos, end_unix_nanos",
+            &batch_row,
+        )?;
+        Ok(IngestOutcome::Stored {
+            samples: batch.samples.len() as u64,
+        })
+    }
+
+    fn stacks(&self, selection: &Selection) -> Result<StackSamples, StorageError> {
+        let Some(condition) = self.selection_condition(selection)? else {
+            return Ok(StackSamples::default());
+        };
+        let samples = self.tables.table("samples");
+        let sql = format!(
+            "SELECT stack, {WEIGHT_HALVES}, min(sample_period), max(sample_period) \
+             FROM {samples} FINAL WHERE {condition} GROUP BY stack FORMAT RowBinary"
+        );
+        let rows = self.select("summing stacks", &sql, |r| {
+            Ok((r.hash()?, exact_sum(r.u64()?, r.u64()?), r.u64()?, r.u64()?))
+        })?;
+        let mut period = PeriodAgreement::default();
+        let mut weights: BTreeMap<u128, u64> = BTreeMap::new();
+        let mut saturated = false;
+        for &(stack, sum, min_period, max_period) in &rows {
+            period.add(min_period);
+            period.add(max_period);
+            saturated |= sum > i64::MAX as u128;
+            weights.insert(stack, saturate_row(sum));
+        }
+        if saturated {
+            // Some stack's rows may have saturated one by one, as SQLite's
+            // would: sum per (bucket, label set, stack) and add those up.
+            weights.clear();
+            let sql = format!(
+                "SELECT stack, {WEIGHT_HALVES} FROM {samples} FINAL WHERE {condition} \
+                 GROUP BY bucket, label_set, stack FORMAT RowBinary"
+            );
+            for (stack, sum) in self.select("summing saturated stacks", &sql, |r| {
+                Ok((r.hash()?, exact_sum(r.u64()?, r.u64()?)))
+            })? {
+                let weight = weights.entry(stack).or_default();
+                *weight = weight.saturating_add(saturate_row(sum));
+            }
+        }
+        let hashes: Vec<u128> = weights.keys().copied().collect();
+        let frames = self.frames_of(&hashes)?;
+        let stacks = weights
+            .into_iter()
+            .filter(|&(_, weight)| weight > 0)
+            .map(|(hash, weight)| WeightedStack {
+                frames: frames.get(&hash).map(|f| f.to_vec()).unwrap_or_default(),
+                weight,
+            })
+            .collect();
+        Ok(StackSamples {
+            stacks,
+            sample_period_nanos: period.result(),
+        })
+    }
+
+    fn label_names(&self, selection: &Selection) -> Result<Vec<String>, StorageError> {
+        let Some(buckets) = self.bucket_condition(selection)? else {
+            return Ok(Vec::new());
+        };
+        let mut names = BTreeSet::new();
+        for labels in self.selected_label_sets(selection, &buckets)?.values() {
+            names.extend(labels.iter().map(|(name, _)| name.clone()));
+        }
+        Ok(names.into_iter().collect())
+    }
+
+    fn label_values(&self, selection: &Selection, name: &str) -> Result<Vec<String>, StorageError> {
+        let Some(buckets) = self.bucket_condition(selection)? else {
+            return Ok(Vec::new());
+        };
+        let mut values = BTreeSet::new();
+        for labels in self.selected_label_sets(selection, &buckets)?.values() {
+            if let Ok(i) = labels.binary_search_by(|(n, _)| n.as_str().cmp(name)) {
+                values.insert(labels[i].1.clone());
+            }
+        }
+        Ok(values.into_iter().collect())
+    }
+
+    /// As SQLite's: points aligned to multiples of `step_nanos`, a bucket
+    /// overlapping the range counted whole, `step_nanos <= 0` one point per
+    /// bucket.
+    fn series(
+        &self,
+        selection: &Selection,
+        step_nanos: i64,
+    ) -> Result<Vec<(i64, u64)>, StorageError> {
+        let step = if step_nanos > 0 {
+            step_nanos
+        } else {
+            self.options.bucket_nanos
+        };
+        let Some(condition) = self.selection_condition(selection)? else {
+            return Ok(Vec::new());
+        };
+        // Per (bucket, label set), as SQLite's `label_set_buckets` rows
+        // saturate.
+        let sql = format!(
+            "SELECT bucket, {WEIGHT_HALVES} FROM {} FINAL WHERE {condition} \
+             GROUP BY bucket, label_set FORMAT RowBinary",
+            self.tables.table("samples")
+        );
+        let mut points: BTreeMap<i64, u64> = BTreeMap::new();
+        for (bucket, sum) in self.select("summing the series", &sql, |r| {
+            Ok((r.i64()?, exact_sum(r.u64()?, r.u64()?)))
+        })? {
+            let point = bucket.saturating_sub(bucket.rem_euclid(step));
+            let total = points.entry(point).or_default();
+            *total = total.saturating_add(saturate_row(sum));
+        }
+        Ok(points.into_iter().filter(|&(_, w)| w > 0).collect())
+    }
+
+    /// Hides every bucket ending at or before the cutoff at once (the
+    /// retention mark, on every server), then drops the partitions wholly
+    /// before it on every server. Returns the sample rows hidden: rows are
+    /// per batch, so this counts a (bucket, label set, stack) once per
+    /// batch that added to it (SQLite: once).
+    fn delete_before(&self, cutoff_unix_nanos: i64) -> Result<u64, StorageError> {
+        let last = cutoff_unix_nanos.saturating_sub(self.options.bucket_nanos);
+        let previous = self.retention_mark()?;
+        let mut deleted = 0;
+        if last > previous {
+            let sql = format!(
+                "SELECT count() FROM {} FINAL WHERE bucket > {previous} AND bucket <= {last} \
+                 FORMAT RowBinary",
+                self.tables.table("samples")
+            );
+            deleted = self
+                .select("counting expired samples", &sql, |r| r.u64())?
+                .first()
+                .copied()
+                .unwrap_or(0);
+            let mut mark = RowWriter::default();
+            mark.i64(last);
+            mark.i64(unix_nanos(SystemTime::now()));
+            // Every server first: a query anywhere hides the buckets
+            // before any partition goes.
+            for endpoint in &self.endpoints {
+                self.client
+                    .insert(
+                        endpoint,
+                        &self.tables.own("retention"),
+                        "last_bucket, at_unix_nanos",
+                        mark.bytes.clone(),
+                    )
+                    .map_err(remote(format!(
+                        "writing the retention mark on {}",
+                        endpoint.url
+                    )))?;
+            }
+        }
+        let mark = last.max(previous);
+        let mut dropped = false;
+        let width = self.options.partition_nanos;
+        for endpoint in &self.endpoints {
+            let at = |what: &str| format!("{what} on {}", endpoint.url);
+            let sql = format!(
+                "SELECT DISTINCT table, partition FROM system.parts \
+                 WHERE database = '{}' AND active FORMAT RowBinary",
+                self.config.database
+            );
+            let answer = self
+                .client
+                .query(endpoint, &sql)
+                .map_err(remote(at("listing partitions")))?;
+            for (table, partition) in
+                self.decode(endpoint, &answer, |r| Ok((r.string()?, r.string()?)))?
+            {
+                let Ok(value) = partition.parse::<i64>() else {
+                    continue;
+                };
+                let droppable = match table.as_str() {
+                    "samples_local" | "stacks_local" | "label_sets_local" => {
+                        schema::partition_is_before(value, width, mark)
+                    }
+                    // Keyed by max(received, end): a batch id is kept while
+                    // a retry may still come, as SQLite keeps it.
+                    "batches_local" => schema::partition_is_before(
+                        value,
+                        width,
+                        cutoff_unix_nanos.saturating_sub(1),
+                    ),
+                    _ => false,
+                };
+                if droppable {
+                    let sql = format!(
+                        "ALTER TABLE {}.{table} DROP PARTITION {value}",
+                        self.config.database
+                    );
+                    self.client
+                        .execute(endpoint, &sql)
+                        .map_err(remote(at("dropping an expired partition")))?;
+                    dropped = true;
+                }
+            }
+        }
+        if dropped {
+            // The stored-items caches may name partitions that are gone.
+            lock(&self.stored_stacks).entries.clear();
+            lock(&self.stored_label_sets).entries.clear();
+        }
+        Ok(deleted)
+    }
+
+    /// `None`: the data is on the ClickHouse servers' disks, not this
+    /// machine's (`system.parts` there tells how much).
+    fn disk_bytes(&self) -> Option<u64> {
+        None
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn parse(url: &str) -> Result<ClickhouseConfig, String> {
+        ClickhouseConfig::from_url(url).map_err(|err| err.to_string())
+    }
+
+    #[test]
+    fn urls() {
+        let config = parse("clickhouse://127.0.0.1:8123/stackscope").expect("valid");
+        assert_eq!(config.servers, ["http://127.0.0.1:8123/"]);
+        assert_eq!(config.database, "stackscope");
+        assert_eq!(config.cluster, None);
+        let config = parse("clickhouse://u:p@a:1,b/db?cluster=two").expect("valid");
+        assert_eq!(config.servers, ["http://a:1/", "http://b:8123/"]);
+        assert_eq!(
+            (config.user.as_deref(), config.password.as_deref()),
+            (Some("u"), Some("p"))
+        );
+        assert_eq!(config.cluster.as_deref(), Some("two"));
+        assert!(format!("{config:?}").contains("\"…\""), "password hidden");
+
+        let tail = "; expected clickhouse://[USER[:PASSWORD]@]HOST:PORT[,HOST:PORT...]/DATABASE[?cluster=NAME]";
+        for (url, why) in [
+            ("http://a/db", "it does not start with clickhouse://"),
+            ("clickhouse://a:8123", "no /DATABASE"),
+            ("clickhouse://a:x/db", "port \"x\" of \"a:x\" is not a port"),
+            ("clickhouse://a:0/db", "port \"0\" of \"a:0\" is not a port"),
+            ("clickhouse://a b:1/db", "\"a b:1\" is not HOST:PORT"),
+            (
+                "clickhouse://a:1/d-b",
+                "database \"d-b\" is not a plain name (letters, digits, _)",
+            ),
+            (
+                "clickhouse://a:1/db?x=1",
+                "unknown parameter \"x=1\" (only cluster=NAME)",
+            ),
+            (
+                "clickhouse://a:1/db?cluster=x'y",
+                "cluster \"x'y\" is not a plain name",
+            ),
+            (
+                "clickhouse://a:1,b:2/db",
+                "several servers need ?cluster=NAME (the remote_servers cluster they form)",
+            ),
+        ] {
+            assert_eq!(
+                parse(url).expect_err(url),
+                format!("invalid storage options: bad ClickHouse URL {url:?}: {why}{tail}")
+            );
+        }
+        let err = parse("clickhouse://u:secret@a:1/d-b").expect_err("bad");
+        assert!(!err.contains("secret"), "{err}");
+    }
+
+    #[test]
+    fn sums_are_exact_then_saturate() {
+        let max = i64::MAX as u64;
+        // Three rows of i64::MAX: the halves sum them without wrapping.
+        let (lo, hi) = (3 * (max & 0xffff_ffff), 3 * (max >> 32));
+        assert_eq!(exact_sum(lo, hi), 3 * u128::from(max));
+        assert_eq!(saturate_row(exact_sum(lo, hi)), max);
+        assert_eq!(saturate_row(5), 5);
+    }
+
+    #[test]
+    fn hash_literals() {
+        assert_eq!(
+            hash_list([1u128, u128::MAX]),
+            "unhex('01000000000000000000000000000000'),unhex('ffffffffffffffffffffffffffffffff')"
+        );
+    }
+}

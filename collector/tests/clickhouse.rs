@@ -1,0 +1,561 @@
+//! The ClickHouse storage engine against real `clickhouse-server`s: two
+//! shards of a cluster behind `Distributed` tables (and one server alone),
+//! started by the tests. The same batches give the same answers as SQLite's
+//! engine; retried batches count once; retention deletes old data; two
+//! collectors in front of the cluster each answer for the whole fleet; and
+//! failures are errors that say what happened.
+//!
+//! Needs `clickhouse-server` (`cargo xtask setup` installs it); fails, not
+//! skips, without it.
+
+#[path = "support/batches.rs"]
+mod batches;
+#[path = "support/clickhouse_servers.rs"]
+mod clickhouse_servers;
+
+use std::{collections::BTreeMap, sync::Arc};
+
+use batches::*;
+use clickhouse_servers::servers;
+use stackscope_collector::{
+    ingest::ValidBatch,
+    storage::{
+        IngestOutcome, Storage, StorageError,
+        clickhouse::{ClickhouseConfig, ClickhouseOptions, ClickhouseStorage},
+        sqlite::{SqliteOptions, SqliteStorage},
+    },
+};
+use stackscope_profile::{
+    model::{CodeAddress, Frame, MatchOp, Selection, StackSamples},
+    render::top_functions,
+    tree::CallTree,
+};
+use stackscope_proto::v1;
+
+fn open_url(url: &str, options: ClickhouseOptions) -> Result<ClickhouseStorage, StorageError> {
+    ClickhouseStorage::open(ClickhouseConfig::from_url(url)?, options)
+}
+
+/// The two-shard cluster, database `db` (created on first use).
+fn cluster(db: &str) -> ClickhouseStorage {
+    open_url(&servers().cluster_url(db), ClickhouseOptions::default()).expect("open ClickHouse")
+}
+
+fn ingest_all(storage: &dyn Storage, batches: &[ValidBatch]) {
+    for batch in batches {
+        assert_eq!(
+            storage.ingest(batch).expect("ingest"),
+            IngestOutcome::Stored {
+                samples: batch.samples.len() as u64
+            }
+        );
+    }
+}
+
+fn weights(storage: &dyn Storage, selection: &Selection) -> BTreeMap<String, u64> {
+    folded(&storage.stacks(selection).expect("query stacks"))
+}
+
+/// Rows of `db.table` on one server (0 or 1).
+fn rows_on(server: usize, db: &str, table: &str) -> u64 {
+    servers()
+        .sql(server, &format!("SELECT count() FROM {db}.{table}"))
+        .trim()
+        .parse()
+        .expect("a count")
+}
+
+/// The stacks with their whole frames, in a fixed order: engines may
+/// order them differently.
+fn sorted(samples: &StackSamples) -> Vec<(Vec<Frame>, u64)> {
+    let mut stacks: Vec<(Vec<Frame>, u64)> = samples
+        .stacks
+        .iter()
+        .map(|s| (s.frames.iter().map(|f| (**f).clone()).collect(), s.weight))
+        .collect();
+    stacks.sort();
+    stacks
+}
+
+/// Batches whose weights make SQLite's sums saturate: three of i64::MAX / 2
+/// + 1 on one (bucket, label set, stack), one more in the next bucket.
+fn huge_batches() -> Vec<ValidBatch> {
+    let half = (i64::MAX / 2 + 1) as u64;
+    (0..4u8)
+        .map(|i| {
+            let start = if i < 3 { T0 } else { T0 + MINUTE };
+            let mut b = Builder::new(100 + i, "node-h", start, PERIOD_100HZ);
+            let s1 = b.standard_stack(1);
+            let set = b.label_set(&[("comm", "huge")]);
+            b.sample(s1, set, half, 0);
+            b.validate()
+        })
+        .collect()
+}
+
+/// A batch whose unnamed frame's file came with code segments: its frame
+/// carries a virtual address as well as the file offset.
+fn segments_batch() -> ValidBatch {
+    let mut b = Builder::new(120, "node-s", T0, PERIOD_100HZ);
+    let lib = b.mapping(v1::MappingKind::User, "ef01", "/usr/lib/libseg.so");
+    b.batch.mappings[lib as usize].load_segments = vec![v1::LoadSegment {
+        file_offset: 0x1000,
+        vaddr: 0x401000,
+        file_size: 0x2000,
+    }];
+    let unknown = b.location(lib, 0x1a2b, &[]);
+    let main = b.standard_stack(1);
+    let main_location = b.batch.stacks[main as usize].locations[1];
+    let stack = b.stack(&[unknown, main_location]);
+    let set = b.label_set(&[("comm", "seg")]);
+    b.sample(stack, set, 9, 0);
+    b.validate()
+}
+
+#[test]
+fn the_same_batches_give_the_same_answers_as_sqlite() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let sqlite = SqliteStorage::open(&dir.path().join("stackscope.db"), SqliteOptions::default())
+        .expect("open SQLite");
+    let clustered = cluster("cross_cluster");
+    let single = open_url(
+        &servers().single_url("cross_single"),
+        ClickhouseOptions::default(),
+    )
+    .expect("open one server");
+    let mut batches = vec![batch1(), batch2(), batch3()];
+    batches.extend(huge_batches());
+    batches.push(segments_batch());
+    for storage in [&sqlite as &dyn Storage, &clustered, &single] {
+        ingest_all(storage, &batches);
+    }
+
+    use MatchOp::*;
+    let matchers: [&[Matcher]; 13] = [
+        &[],
+        &[("comm", Equal, "app")],
+        &[("comm", NotEqual, "app")],
+        &[("node", Regex, "node-a|x")],
+        &[("exe", NotRegex, ".*/app")],
+        &[("pod", Equal, "")],
+        &[("pod", Regex, ".+")],
+        &[("node", Equal, "spoofed")],
+        &[("comm", Equal, "app"), ("node", Equal, "node-b")],
+        &[("node", Equal, "node-a")],
+        &[("node", Equal, "node-b")],
+        &[("comm", Equal, "huge")],
+        &[("comm", Equal, "seg")],
+    ];
+    let ranges = [
+        (T0 - 3600 * SECOND, T0 + 3600 * SECOND),
+        (T0, T0 + MINUTE),
+        (T0 + MINUTE, T0 + MINUTE + 1),
+        (T0 + 2 * MINUTE, T0 + 3 * MINUTE),
+        (T0 + MINUTE, T0),
+        (T0 + 59 * SECOND, T0 + 61 * SECOND),
+    ];
+    let mut compared = 0;
+    for matchers in matchers {
+        for (start, end) in ranges {
+            let selection = select(start, end, matchers);
+            let context = format!("matchers {matchers:?}, range {start}..{end}");
+            let expected = sqlite.stacks(&selection).expect("SQLite stacks");
+            let expected_tree = CallTree::from_stacks(&expected);
+            for (engine, storage) in [("cluster", &clustered), ("single", &single)] {
+                let got = storage.stacks(&selection).expect("ClickHouse stacks");
+                assert_eq!(sorted(&got), sorted(&expected), "{engine}: {context}");
+                assert_eq!(
+                    got.sample_period_nanos, expected.sample_period_nanos,
+                    "{engine}: period, {context}"
+                );
+                let tree = CallTree::from_stacks(&got);
+                assert_eq!(tree, expected_tree, "{engine}: tree, {context}");
+                assert_eq!(
+                    top_functions(&tree, 50),
+                    top_functions(&expected_tree, 50),
+                    "{engine}: top, {context}"
+                );
+                assert_eq!(
+                    storage.label_names(&selection).expect("names"),
+                    sqlite.label_names(&selection).expect("names"),
+                    "{engine}: label names, {context}"
+                );
+                for name in ["comm", "exe", "node", "pod"] {
+                    assert_eq!(
+                        storage.label_values(&selection, name).expect("values"),
+                        sqlite.label_values(&selection, name).expect("values"),
+                        "{engine}: values of {name}, {context}"
+                    );
+                }
+                for step in [0, SECOND, MINUTE, 2 * MINUTE, 3600 * SECOND] {
+                    assert_eq!(
+                        storage.series(&selection, step).expect("series"),
+                        sqlite.series(&selection, step).expect("series"),
+                        "{engine}: series by {step}, {context}"
+                    );
+                }
+                compared += 1;
+            }
+        }
+    }
+    assert_eq!(compared, 13 * 6 * 2);
+
+    // What the comparisons compared is what the SQLite tests pin down, so
+    // agreeing is not agreeing on nothing.
+    assert_eq!(
+        weights(&clustered, &all(&[("node", Regex, "node-a|node-b")])),
+        expect(&[(S0, 7), (S1, 14), (S2, 20)])
+    );
+    assert_eq!(
+        weights(&clustered, &all(&[("comm", Equal, "app")])),
+        expect(&[(S0, 7), (S1, 14), (S2, 13)])
+    );
+    let samples = clustered
+        .stacks(&all(&[("node", Equal, "node-a")]))
+        .expect("stacks");
+    assert_eq!(samples.sample_period_nanos, PERIOD_100HZ);
+    let unknown = samples
+        .stacks
+        .iter()
+        .find(|s| name(s) == S0)
+        .and_then(|s| s.frames.first())
+        .expect("S0's leaf");
+    assert_eq!(
+        unknown.unnamed_code.map(|c| c.file_offset),
+        Some(0x1a2b),
+        "an unnamed frame keeps its code address"
+    );
+    let seg = clustered
+        .stacks(&all(&[("comm", Equal, "seg")]))
+        .expect("stacks");
+    let leaf = seg
+        .stacks
+        .first()
+        .and_then(|s| s.frames.first())
+        .expect("a leaf");
+    assert_eq!(
+        (
+            leaf.function.as_str(),
+            leaf.build_id.as_str(),
+            leaf.unnamed_code
+        ),
+        (
+            "[unknown] libseg.so+0x1a2b",
+            "ef01",
+            Some(CodeAddress {
+                file_offset: 0x1a2b,
+                vaddr: Some(0x401a2b)
+            })
+        )
+    );
+    // Saturated: three rows of i64::MAX / 2 + 1 hold i64::MAX, plus one more.
+    let half = (i64::MAX / 2 + 1) as u64;
+    assert_eq!(
+        weights(&clustered, &all(&[("comm", Equal, "huge")])),
+        expect(&[(S1, i64::MAX as u64 + half)])
+    );
+    // The hour from T0 - 840 s holds both buckets (and the segments
+    // batch's 9): T0's rows saturated per (bucket, label set) as SQLite's
+    // do, then summed.
+    assert_eq!(
+        clustered.series(&all(&[]), 3600 * SECOND).expect("series"),
+        [(T0 - 840 * SECOND, i64::MAX as u64 + half + 41 + 9)]
+    );
+    // Both shards hold some of it: the Distributed tables spread rows.
+    for server in [0, 1] {
+        assert!(
+            rows_on(server, "cross_cluster", "samples_local") > 0,
+            "shard {} holds no samples",
+            server + 1
+        );
+    }
+}
+
+#[test]
+fn a_retried_batch_is_not_counted_twice() {
+    let db = "retried";
+    let storage = cluster(db);
+    ingest_all(&storage, &[batch1()]);
+    let before = weights(&storage, &all(&[]));
+    assert_eq!(before, expect(&[(S0, 5), (S1, 3), (S2, 7)]));
+    assert_eq!(
+        storage.ingest(&batch1()).expect("retry"),
+        IngestOutcome::Duplicate
+    );
+    // Another collector sees the id too.
+    assert_eq!(
+        cluster(db).ingest(&batch1()).expect("retry elsewhere"),
+        IngestOutcome::Duplicate
+    );
+    assert_eq!(weights(&storage, &all(&[])), before);
+
+    // A first attempt that stored its samples but failed before its id:
+    // the retry stores them again, and they still count once.
+    for server in [0, 1] {
+        servers().sql(server, &format!("DROP TABLE {db}.batches_local"));
+    }
+    let storage = cluster(db);
+    assert_eq!(
+        rows_on(0, db, "batches_local") + rows_on(1, db, "batches_local"),
+        0
+    );
+    ingest_all(&storage, &[batch1()]);
+    let stored: u64 = (0..2).map(|s| rows_on(s, db, "samples_local")).sum();
+    assert_eq!(stored, 6, "both copies are on disk");
+    assert_eq!(weights(&storage, &all(&[])), before);
+    assert_eq!(
+        storage.series(&all(&[]), MINUTE).expect("series"),
+        [(T0, 15)]
+    );
+}
+
+#[test]
+fn retention_deletes_old_data() {
+    let db = "retention";
+    // Half-hour partitions: T0's is wholly before T0 + 30 min's cutoff.
+    let options = ClickhouseOptions {
+        partition_nanos: 1800 * SECOND,
+        ..ClickhouseOptions::default()
+    };
+    let storage = open_url(&servers().cluster_url(db), options.clone()).expect("open");
+    let new = {
+        let mut b = Builder::new(7, "node-a", T0 + 3600 * SECOND, PERIOD_100HZ);
+        let s1 = b.standard_stack(1);
+        let app = b.label_set(&[("comm", "app"), ("exe", "/usr/bin/app")]);
+        b.sample(s1, app, 4, 0);
+        b.validate()
+    };
+    ingest_all(&storage, &[batch1(), new]);
+    let partitions = |table: &str| -> u64 {
+        (0..2)
+            .map(|server| {
+                servers()
+                    .sql(
+                        server,
+                        &format!(
+                            "SELECT uniqExact(partition) FROM system.parts \
+                             WHERE database = '{db}' AND table = '{table}' AND active"
+                        ),
+                    )
+                    .trim()
+                    .parse::<u64>()
+                    .expect("a count")
+            })
+            .sum()
+    };
+    assert_eq!(partitions("samples_local"), 2);
+
+    // T0's bucket ends at T0 + 60 s: not before T0 + 30 s.
+    assert_eq!(storage.delete_before(T0 + 30 * SECOND).expect("delete"), 0);
+    assert_eq!(weights(&storage, &all(&[])).len(), 3);
+    assert_eq!(
+        storage.delete_before(T0 + 1800 * SECOND).expect("delete"),
+        3
+    );
+    let everything = select(0, i64::MAX, &[]);
+    assert_eq!(weights(&storage, &everything), expect(&[(S1, 4)]));
+    assert_eq!(
+        storage.label_values(&everything, "comm").expect("values"),
+        ["app"]
+    );
+    assert_eq!(
+        storage.series(&everything, MINUTE).expect("series"),
+        [(T0 + 3600 * SECOND, 4)]
+    );
+    // T0's partitions are gone from disk, dictionaries too.
+    assert_eq!(partitions("samples_local"), 1);
+    assert_eq!(partitions("stacks_local"), 1);
+    assert_eq!(partitions("label_sets_local"), 1);
+    // Another collector hides the same (the mark is in ClickHouse).
+    let other = open_url(&servers().cluster_url(db), options).expect("open");
+    assert_eq!(weights(&other, &everything), expect(&[(S1, 4)]));
+    // Batch ids received recently stay: a late retry is still refused.
+    assert_eq!(
+        storage.ingest(&batch1()).expect("retry"),
+        IngestOutcome::Duplicate
+    );
+    // A late batch for a deleted bucket stays hidden.
+    ingest_all(&other, &[batch2()]);
+    assert_eq!(weights(&storage, &everything), expect(&[(S1, 4)]));
+
+    // A cutoff past everything (and past now) empties the database.
+    assert_eq!(storage.delete_before(i64::MAX).expect("delete"), 1);
+    assert_eq!(weights(&storage, &everything), expect(&[]));
+    for table in [
+        "samples_local",
+        "stacks_local",
+        "label_sets_local",
+        "batches_local",
+    ] {
+        assert_eq!(partitions(table), 0, "{table}");
+    }
+}
+
+#[test]
+fn two_collectors_share_one_cluster() {
+    let db = "fleet";
+    let [a, b] = servers().http_ports;
+    // The second collector lists the shards the other way round: it reads
+    // and inserts through shard 2 first.
+    let first = Arc::new(cluster(db));
+    let second = Arc::new(
+        open_url(
+            &format!("clickhouse://127.0.0.1:{b},127.0.0.1:{a}/{db}?cluster=two"),
+            ClickhouseOptions::default(),
+        )
+        .expect("open"),
+    );
+    // Each collector takes one node's batches, 20 each, concurrently.
+    let threads: Vec<_> = [
+        (Arc::clone(&first), "node-a", 0u8),
+        (Arc::clone(&second), "node-b", 100),
+    ]
+    .into_iter()
+    .map(|(storage, node, first_id)| {
+        std::thread::spawn(move || {
+            for i in 0..20u8 {
+                let mut batch = Builder::new(first_id + i + 1, node, T0, PERIOD_100HZ);
+                let [s0, s1, s2] = batch.standard_stacks(i % 2 == 0);
+                let set = batch.label_set(&[("comm", "app")]);
+                batch.sample(s0, set, 1, 0);
+                batch.sample(s1, set, 2, 0);
+                batch.sample(s2, set, 3, 0);
+                ingest_all(&*storage, &[batch.validate()]);
+            }
+        })
+    })
+    .collect();
+    for thread in threads {
+        thread.join().expect("ingest thread");
+    }
+    for storage in [&first, &second] {
+        assert_eq!(
+            weights(&**storage, &all(&[])),
+            expect(&[(S0, 40), (S1, 80), (S2, 120)])
+        );
+        assert_eq!(
+            storage.label_values(&all(&[]), "node").expect("values"),
+            ["node-a", "node-b"]
+        );
+        assert_eq!(
+            weights(&**storage, &all(&[("node", MatchOp::Equal, "node-b")])),
+            expect(&[(S0, 20), (S1, 40), (S2, 60)])
+        );
+        assert_eq!(
+            storage.series(&all(&[]), MINUTE).expect("series"),
+            [(T0, 240)]
+        );
+    }
+    // The stacks were written by both collectors, in both shards' tables;
+    // the samples spread over both shards.
+    for server in [0, 1] {
+        assert!(rows_on(server, db, "samples_local") > 0, "shard {server}");
+    }
+    // A retry through the other collector is a duplicate.
+    let mut retry = Builder::new(1, "node-a", T0, PERIOD_100HZ);
+    let [s0, _, _] = retry.standard_stacks(true);
+    let set = retry.label_set(&[("comm", "app")]);
+    retry.sample(s0, set, 1, 0);
+    assert_eq!(
+        second.ingest(&retry.validate()).expect("retry"),
+        IngestOutcome::Duplicate
+    );
+}
+
+#[test]
+fn failures_are_clear_errors() {
+    // Nothing listens on a port just freed.
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .and_then(|l| l.local_addr())
+        .expect("a free port")
+        .port();
+    let err = open_url(
+        &format!("clickhouse://127.0.0.1:{port}/db"),
+        ClickhouseOptions::default(),
+    )
+    .expect_err("unreachable");
+    let chain = format!("{:#}", anyhow::Error::from(err));
+    assert!(
+        chain.starts_with(&format!(
+            "ClickHouse: creating the schema on http://127.0.0.1:{port}/: HTTP request to \
+             http://127.0.0.1:{port}/ failed"
+        )),
+        "{chain}"
+    );
+
+    let err = open_url(
+        "clickhouse://127.0.0.1/db;drop",
+        ClickhouseOptions::default(),
+    )
+    .expect_err("bad URL");
+    assert!(matches!(err, StorageError::InvalidOptions(_)), "{err:?}");
+
+    let [a, _] = servers().http_ports;
+    let err = open_url(
+        &format!("clickhouse://127.0.0.1:{a}/errors?cluster=nosuch"),
+        ClickhouseOptions::default(),
+    )
+    .expect_err("unknown cluster");
+    assert_eq!(
+        err.to_string(),
+        format!(
+            "invalid storage options: http://127.0.0.1:{a}/ has no cluster \"nosuch\" in its \
+             remote_servers configuration"
+        )
+    );
+
+    // Settings the data depends on are kept.
+    let storage = cluster("errors");
+    ingest_all(&storage, &[batch1()]);
+    let err = open_url(
+        &servers().cluster_url("errors"),
+        ClickhouseOptions {
+            bucket_nanos: 10 * SECOND,
+            ..ClickhouseOptions::default()
+        },
+    )
+    .expect_err("another bucket width");
+    assert_eq!(
+        err.to_string(),
+        format!(
+            "the database at http://127.0.0.1:{a}/errors cannot be used: it was created with \
+             bucket_nanos = 60000000000, not the 10000000000 asked for; a database keeps the \
+             settings it was created with"
+        )
+    );
+
+    // Rows no collector wrote: errors, not panics or wrong frames. First
+    // the stacks are gone (the tables dropped and made anew, empty).
+    for server in [0, 1] {
+        servers().sql(server, "DROP TABLE errors.stacks_local");
+    }
+    let other = cluster("errors");
+    match other.stacks(&all(&[])) {
+        Err(StorageError::Corrupt(message)) => {
+            assert!(message.starts_with("samples reference stack "), "{message}");
+            assert!(message.ends_with(", which does not exist"), "{message}");
+        }
+        answer => panic!("expected a missing stack, got {answer:?}"),
+    }
+    // Then one is there with frames that are not a stack blob.
+    servers().sql(
+        0,
+        "INSERT INTO errors.stacks_local (stack, bucket, frames) \
+         SELECT stack, bucket, 'x' FROM errors.samples LIMIT 1",
+    );
+    match other.stacks(&all(&[])) {
+        Err(StorageError::Corrupt(message)) => assert!(
+            message.ends_with(": frames blob: stack blob version 120, this collector reads 1"),
+            "{message}"
+        ),
+        answer => panic!("expected a corrupt stack, got {answer:?}"),
+    }
+
+    // The database gone under a running collector: the server's message.
+    for server in [0, 1] {
+        servers().sql(server, "DROP DATABASE errors");
+    }
+    let err = other.label_names(&all(&[])).expect_err("no tables");
+    let chain = format!("{:#}", anyhow::Error::from(err));
+    assert!(chain.contains("doesn't exist"), "{chain}");
+}
