@@ -1,5 +1,6 @@
 //! `cargo xtask bench collector`: ingest rate and flamegraph query latency of
-//! the embedded SQLite storage under a synthetic fleet (a report, not a
+//! the embedded SQLite storage and of ClickHouse (a two-shard cluster of real
+//! servers) under the same synthetic fleet, side by side (a report, not a
 //! test: it prints figures, it never fails on them).
 //!
 //! The load: `NODES` nodes (default 100), each sending every 10 s a batch of
@@ -8,15 +9,20 @@
 //! so stacks repeat across the fleet as they do in real fleets. Ingest is
 //! validate + commit on one thread (one core); queries run the collector's
 //! own path: `QueryEngine::flamegraph` (storage, query-time naming, call
-//! tree merge), proto encoding. Each query runs once before the compactor
-//! rolls the data up (the answer from the base rows) and then timed after
-//! it; every timed answer must be that same tree.
+//! tree merge), proto encoding. Each query runs once on SQLite before the
+//! compactor rolls the data up (the answer from the base rows, the
+//! reference) and then timed after it; every timed answer, on either engine,
+//! must be that same tree. `STACKSCOPE_BENCH_CLICKHOUSE=0` leaves ClickHouse
+//! out.
 
 use std::{
     collections::HashMap,
     sync::Arc,
     time::{Duration, Instant, SystemTime},
 };
+
+#[path = "../tests/support/clickhouse_servers.rs"]
+mod clickhouse_servers;
 
 use prost::Message as _;
 use rand::{Rng as _, SeedableRng as _, rngs::StdRng};
@@ -26,9 +32,11 @@ use stackscope_collector::{
     query::QueryEngine,
     storage::{
         Storage,
+        clickhouse::{ClickhouseConfig, ClickhouseOptions, ClickhouseStorage},
         sqlite::{SqliteOptions, SqliteStorage},
     },
 };
+use stackscope_proto::v1::FlamegraphResponse;
 use stackscope_profile::model::{LabelMatcher, MatchOp, Selection, TimeRange, unix_nanos};
 use stackscope_proto::v1::{
     Batch, Label, LabelSet, Line, Location, Mapping, MappingKind, Node, Sample, Stack,
@@ -203,39 +211,37 @@ fn percentile(sorted: &[Duration], p: f64) -> Duration {
     sorted[at.min(sorted.len() - 1)]
 }
 
-fn main() {
-    // `cargo bench` passes `--bench`; `cargo test --bench collector` (run by
-    // `cargo xtask test`) does not: do one tiny round then, so the bench's
-    // data and queries are checked on every test run in seconds.
-    let full = std::env::args().any(|arg| arg == "--bench");
-    let nodes = env_or("STACKSCOPE_BENCH_NODES", if full { 100 } else { 2 });
-    let minutes = env_or("STACKSCOPE_BENCH_MINUTES", if full { 60 } else { 1 });
-    let query_runs = env_or("STACKSCOPE_BENCH_QUERY_RUNS", if full { 15 } else { 1 });
+/// The simulated fleet: what every engine ingests, batch for batch.
+struct Fleet {
+    templates: Vec<Batch>,
+    intervals: usize,
+    first_start: i64,
+}
 
-    let dir = tempfile::tempdir().expect("temp dir");
-    let path = dir.path().join("bench.db");
-    let storage = Arc::new(SqliteStorage::open(&path, SqliteOptions::default()).expect("database"));
-    let fleet = fleet_stacks();
-    let templates: Vec<Batch> = (0..nodes).map(|n| node_template(n, &fleet)).collect();
+/// What ingesting the fleet cost one engine.
+struct Ingested {
+    seconds: f64,
+    batches: u64,
+    rows: u64,
+    samples: u64,
+    wire_bytes: u64,
+    first_interval_rate: f64,
+}
+
+/// Validates and stores every batch of the fleet on one thread, as one
+/// collector's ingest does.
+fn ingest_fleet(storage: &dyn Storage, fleet: &Fleet, progress: bool) -> Ingested {
     let limits = IngestLimits::default();
-    let intervals = minutes * 60 / INTERVAL.as_secs() as usize;
-    let now = unix_nanos(SystemTime::now());
-    let first_start = now - (intervals as i64) * INTERVAL.as_nanos() as i64;
-    println!(
-        "collector bench: {nodes} nodes x {STACKS_PER_NODE} stacks of depth {DEPTH} per {}s, \
-         {minutes} min of data ({} batches)",
-        INTERVAL.as_secs(),
-        nodes * intervals
-    );
-
+    let nodes = fleet.templates.len();
+    // The same seed for every engine: the same counts.
     let mut rng = Rng::new(42);
-    let (mut ingest_time, mut batches, mut rows, mut samples, mut wire_bytes) =
-        (Duration::ZERO, 0u64, 0u64, 0u64, 0u64);
-    let mut first_interval_rate = None;
-    for interval in 0..intervals {
-        let start = first_start + interval as i64 * INTERVAL.as_nanos() as i64;
+    let mut ingest_time = Duration::ZERO;
+    let (mut batches, mut rows, mut samples, mut wire_bytes) = (0u64, 0u64, 0u64, 0u64);
+    let mut first_interval_rate = 0.0;
+    for interval in 0..fleet.intervals {
+        let start = fleet.first_start + interval as i64 * INTERVAL.as_nanos() as i64;
         let interval_began = (ingest_time, samples);
-        for (node, template) in templates.iter().enumerate() {
+        for (node, template) in fleet.templates.iter().enumerate() {
             let id = (interval * nodes + node) as u64;
             let (batch, batch_samples) = interval_batch(template, id, start, &mut rng);
             wire_bytes += batch.encoded_len() as u64;
@@ -249,9 +255,9 @@ fn main() {
         }
         if interval == 0 {
             let spent = (ingest_time - interval_began.0).as_secs_f64();
-            first_interval_rate = Some((samples - interval_began.1) as f64 / spent);
+            first_interval_rate = (samples - interval_began.1) as f64 / spent;
         }
-        if full && (interval + 1) % 60 == 0 {
+        if progress && (interval + 1) % 60 == 0 {
             println!(
                 "  {:>3} min ingested: {:.0} samples/s so far",
                 (interval + 1) / 6,
@@ -259,18 +265,124 @@ fn main() {
             );
         }
     }
-    let seconds = ingest_time.as_secs_f64();
-    println!("ingest (validate + durable commit, one thread):");
+    let ingested = Ingested {
+        seconds: ingest_time.as_secs_f64(),
+        batches,
+        rows,
+        samples,
+        wire_bytes,
+        first_interval_rate,
+    };
     println!(
         "  {:.0} samples/s, {:.0} sample rows/s, {:.1} batches/s ({} batches, {:.1} s); \
          first interval (empty database): {:.0} samples/s; target >= 1,000,000 samples/s",
-        samples as f64 / seconds,
-        rows as f64 / seconds,
-        batches as f64 / seconds,
-        batches,
-        seconds,
-        first_interval_rate.unwrap_or(0.0),
+        ingested.samples as f64 / ingested.seconds,
+        ingested.rows as f64 / ingested.seconds,
+        ingested.batches as f64 / ingested.seconds,
+        ingested.batches,
+        ingested.seconds,
+        ingested.first_interval_rate,
     );
+    ingested
+}
+
+/// The collector's query path over `storage`: every profile read passes
+/// the query-time symbolizer (the fleet's frames carry names, so it only
+/// looks).
+fn query_engine(storage: Arc<dyn Storage>, debuginfo_dir: &std::path::Path) -> QueryEngine {
+    let debuginfo = DiskStore::open(debuginfo_dir, u64::MAX).expect("store");
+    let symbolizer = Symbolizer::start(Arc::new(debuginfo), None).expect("symbolizer");
+    QueryEngine::new(storage).with_symbolizer(Arc::new(symbolizer))
+}
+
+/// One flamegraph query as the servers answer it: storage, naming, merge,
+/// proto encoding.
+fn flamegraph(
+    runtime: &tokio::runtime::Runtime,
+    engine: &QueryEngine,
+    selection: &Selection,
+) -> (FlamegraphResponse, Duration) {
+    let began = Instant::now();
+    let flamegraph = runtime
+        .block_on(engine.flamegraph(selection.clone(), 0.0, None))
+        .expect("query");
+    let response = flamegraph.tree.to_proto(flamegraph.sample_period_nanos);
+    (response, began.elapsed())
+}
+
+/// Runs each query `runs` times, checks every answer against the
+/// reference, prints p50 and p95, and returns the p50s.
+fn time_queries(
+    runtime: &tokio::runtime::Runtime,
+    engine: &QueryEngine,
+    selections: &[(&str, Selection)],
+    reference: &[FlamegraphResponse],
+    runs: usize,
+    ingested_samples: u64,
+) -> Vec<Duration> {
+    let mut p50s = Vec::new();
+    for ((name, selection), reference) in selections.iter().zip(reference) {
+        let mut times = Vec::with_capacity(runs);
+        for _ in 0..runs {
+            let (response, took) = flamegraph(runtime, engine, selection);
+            times.push(took);
+            assert!(
+                response == *reference,
+                "query {name} answered differently from the reference (SQLite's base rows)"
+            );
+        }
+        times.sort();
+        println!(
+            "  {name:<20} p50 {:>8.1} ms  p95 {:>8.1} ms  ({} tree nodes, {} samples)",
+            percentile(&times, 0.5).as_secs_f64() * 1e3,
+            percentile(&times, 0.95).as_secs_f64() * 1e3,
+            reference.nodes.len(),
+            reference.total,
+        );
+        assert!(reference.total > 0, "query {name} found no samples");
+        if selection.matchers.is_empty() {
+            // Every batch falls in the range and weighs its sample count
+            // (no sampling divisor).
+            assert_eq!(
+                reference.total, ingested_samples,
+                "query {name} lost or invented samples"
+            );
+        }
+        p50s.push(percentile(&times, 0.5));
+    }
+    p50s
+}
+
+fn main() {
+    // `cargo bench` passes `--bench`; `cargo test --bench collector` (run by
+    // `cargo xtask test`) does not: do one tiny round then, so the bench's
+    // data and queries are checked on every test run in seconds.
+    let full = std::env::args().any(|arg| arg == "--bench");
+    let nodes = env_or("STACKSCOPE_BENCH_NODES", if full { 100 } else { 2 });
+    let minutes = env_or("STACKSCOPE_BENCH_MINUTES", if full { 60 } else { 1 });
+    let query_runs = env_or("STACKSCOPE_BENCH_QUERY_RUNS", if full { 15 } else { 1 });
+    let with_clickhouse = env_or("STACKSCOPE_BENCH_CLICKHOUSE", 1) != 0;
+
+    let dir = tempfile::tempdir().expect("temp dir");
+    let path = dir.path().join("bench.db");
+    let sqlite = Arc::new(SqliteStorage::open(&path, SqliteOptions::default()).expect("database"));
+    let fleet_stacks = fleet_stacks();
+    let intervals = minutes * 60 / INTERVAL.as_secs() as usize;
+    let now = unix_nanos(SystemTime::now());
+    let fleet = Fleet {
+        templates: (0..nodes).map(|n| node_template(n, &fleet_stacks)).collect(),
+        intervals,
+        first_start: now - (intervals as i64) * INTERVAL.as_nanos() as i64,
+    };
+    println!(
+        "collector bench: {nodes} nodes x {STACKS_PER_NODE} stacks of depth {DEPTH} per {}s, \
+         {minutes} min of data ({} batches)",
+        INTERVAL.as_secs(),
+        nodes * intervals
+    );
+
+    println!("SQLite ingest (validate + durable commit, one thread):");
+    let ingested = ingest_fleet(&*sqlite, &fleet, full);
     let db_bytes: u64 = std::fs::read_dir(dir.path())
         .expect("listing the database dir")
         .filter_map(|e| e.ok()?.metadata().ok())
@@ -278,30 +390,14 @@ fn main() {
         .sum();
     println!(
         "  wire size {:.1} MB uncompressed; database {:.1} MB ({:.1} bytes per ingested sample row)",
-        wire_bytes as f64 / 1e6,
+        ingested.wire_bytes as f64 / 1e6,
         db_bytes as f64 / 1e6,
-        db_bytes as f64 / rows as f64
+        db_bytes as f64 / ingested.rows as f64
     );
 
     let range = TimeRange {
-        start_unix_nanos: first_start,
+        start_unix_nanos: fleet.first_start,
         end_unix_nanos: now,
-    };
-    let runtime = tokio::runtime::Builder::new_current_thread()
-        .build()
-        .expect("tokio runtime");
-    // As the collector runs it: every profile read passes the query-time
-    // symbolizer (the fleet's frames carry names, so it only looks).
-    let debuginfo = DiskStore::open(&dir.path().join("debuginfo"), u64::MAX).expect("store");
-    let symbolizer = Symbolizer::start(Arc::new(debuginfo), None).expect("symbolizer");
-    let engine = QueryEngine::new(storage.clone()).with_symbolizer(Arc::new(symbolizer));
-    let flamegraph = |selection: &Selection| {
-        let began = Instant::now();
-        let flamegraph = runtime
-            .block_on(engine.flamegraph(selection.clone(), 0.0, None))
-            .expect("query");
-        let response = flamegraph.tree.to_proto(flamegraph.sample_period_nanos);
-        (response, began.elapsed())
     };
     // A node every fleet size has (the 8th of the default 100).
     let one_node = format!("node-{:03}", 7.min(nodes.saturating_sub(1)));
@@ -320,55 +416,81 @@ fn main() {
         .into_iter()
         .map(|(name, matchers)| (name, Selection { range, matchers }))
         .collect();
-    println!("flamegraph query over {minutes} min before the compactor ran (base rows, one run):");
-    let mut before = Vec::new();
+    let runtime = tokio::runtime::Builder::new_current_thread()
+        .build()
+        .expect("tokio runtime");
+    let engine = query_engine(sqlite.clone(), &dir.path().join("debuginfo"));
+
+    println!("SQLite flamegraph query over {minutes} min before the compactor ran (base rows, one run):");
+    let mut reference = Vec::new();
     for (name, selection) in &selections {
-        let (response, took) = flamegraph(selection);
+        let (response, took) = flamegraph(&runtime, &engine, selection);
         println!("  {name:<20}      {:>8.1} ms", took.as_secs_f64() * 1e3);
-        before.push(response);
+        reference.push(response);
     }
 
     // The compactor as the collector runs it, all at once here: every span
     // the data closed.
     let began = Instant::now();
-    let spans = storage.compact(now).expect("compaction");
+    let spans = sqlite.compact(now).expect("compaction");
     let compaction = began.elapsed().as_secs_f64();
     println!(
-        "compaction (rollups of every closed span, one thread): {spans} spans in {compaction:.1} s \
-         ({:.0}% of the ingest time)",
-        100.0 * compaction / seconds
+        "SQLite compaction (rollups of every closed span, one thread): {spans} spans in \
+         {compaction:.1} s ({:.0}% of the ingest time)",
+        100.0 * compaction / ingested.seconds
+    );
+    println!(
+        "SQLite flamegraph query over {minutes} min ({query_runs} runs each; storage + merge + \
+         encode; target p50 <= 200 ms for 1 h, <= 1 s for 24 h):"
+    );
+    let sqlite_p50s = time_queries(
+        &runtime,
+        &engine,
+        &selections,
+        &reference,
+        query_runs,
+        ingested.samples,
+    );
+    drop(engine);
+
+    if !with_clickhouse {
+        return;
+    }
+    let servers = clickhouse_servers::servers();
+    let config = ClickhouseConfig::from_url(&servers.cluster_url("bench")).expect("the URL");
+    let clickhouse = Arc::new(
+        ClickhouseStorage::open(config, ClickhouseOptions::default()).expect("ClickHouse"),
+    );
+    println!(
+        "ClickHouse ingest (two shards on this machine, insert_distributed_sync; validate + \
+         insert, one thread):"
+    );
+    let ch_ingested = ingest_fleet(&*clickhouse, &fleet, full);
+    let engine = query_engine(clickhouse, &dir.path().join("debuginfo"));
+    println!("ClickHouse flamegraph query over {minutes} min ({query_runs} runs each):");
+    let ch_p50s = time_queries(
+        &runtime,
+        &engine,
+        &selections,
+        &reference,
+        query_runs,
+        ingested.samples,
     );
 
+    println!("side by side ({nodes} nodes, {minutes} min):");
+    println!("  {:<32} {:>14} {:>14}", "", "SQLite", "ClickHouse");
     println!(
-        "flamegraph query over {minutes} min ({query_runs} runs each; storage + merge + encode; \
-         target p50 <= 200 ms for 1 h, <= 1 s for 24 h):"
+        "  {:<32} {:>14.0} {:>14.0}",
+        "ingest samples/s (one thread)",
+        ingested.samples as f64 / ingested.seconds,
+        ch_ingested.samples as f64 / ch_ingested.seconds
     );
-    for ((name, selection), reference) in selections.iter().zip(&before) {
-        let everything = selection.matchers.is_empty();
-        let mut times = Vec::with_capacity(query_runs);
-        let mut nodes_in_tree = 0;
-        let mut weight = 0;
-        for _ in 0..query_runs {
-            let (response, took) = flamegraph(selection);
-            times.push(took);
-            assert!(
-                response == *reference,
-                "query {name} answered differently after compaction"
-            );
-            nodes_in_tree = response.nodes.len();
-            weight = response.total;
-        }
-        times.sort();
+    for (((name, _), sqlite), clickhouse) in selections.iter().zip(&sqlite_p50s).zip(&ch_p50s) {
         println!(
-            "  {name:<20} p50 {:>8.1} ms  p95 {:>8.1} ms  ({nodes_in_tree} tree nodes, {weight} samples)",
-            percentile(&times, 0.5).as_secs_f64() * 1e3,
-            percentile(&times, 0.95).as_secs_f64() * 1e3,
+            "  {:<32} {:>11.1} ms {:>11.1} ms",
+            format!("{name} p50"),
+            sqlite.as_secs_f64() * 1e3,
+            clickhouse.as_secs_f64() * 1e3
         );
-        assert!(weight > 0, "query {name} found no samples");
-        if everything {
-            // Every batch falls in the range and weighs its sample count
-            // (no sampling divisor).
-            assert_eq!(weight, samples, "query {name} lost or invented samples");
-        }
     }
 }

@@ -18,7 +18,7 @@
 //! - `self = total − Σ children totals` at every node;
 //! - no node is deeper than [`MAX_DEPTH`].
 
-use std::collections::BTreeMap;
+use std::collections::HashMap;
 use std::sync::Arc;
 
 use stackscope_proto::v1::{FlamegraphResponse, Frame as ProtoFrame, TreeNode};
@@ -404,62 +404,100 @@ pub(crate) fn frame_from_proto(frame: &ProtoFrame) -> Frame {
 
 /// A node while the tree is being built, in insertion order.
 struct Draft {
-    frame: Arc<Frame>,
+    /// Index into `Builder::frames`.
+    frame: u32,
     total: u64,
     self_weight: u64,
-    /// Keyed by the whole frame; the map's order is the canonical child
-    /// order.
-    children: BTreeMap<Arc<Frame>, usize>,
 }
+
+type FastMap<K, V> = HashMap<K, V, foldhash::fast::FixedState>;
 
 /// Builds a tree in any order and then lays it out canonically, so that
 /// [`CallTree`] values built from the same content are equal.
+///
+/// A fleet-wide tree has hundreds of thousands of nodes built from millions
+/// of frame visits, so frames are numbered once and children found in one
+/// hash map by (parent, frame number): a visit hashes two integers instead of
+/// comparing frames' strings. Frames are numbered by value (equal frames
+/// from different allocations are one child) and remembered by pointer, so a
+/// frame shared by many stacks (storage hands out one `Arc` per location)
+/// is hashed by content only once.
 struct Builder {
     drafts: Vec<Draft>,
+    /// Distinct frames by number.
+    frames: Vec<Arc<Frame>>,
+    by_value: FastMap<Arc<Frame>, u32>,
+    /// Frame numbers by the address of an `Arc` seen before.
+    by_pointer: FastMap<usize, u32>,
+    /// Every `Arc` whose address `by_pointer` holds, kept alive so that no
+    /// address can be reused for another frame while the builder lives.
+    seen: Vec<Arc<Frame>>,
+    /// (parent draft, frame number) -> child draft.
+    children: FastMap<(u32, u32), u32>,
 }
 
 impl Builder {
     fn new(root: Arc<Frame>) -> Self {
-        Builder {
-            drafts: vec![Draft {
-                frame: root,
-                total: 0,
-                self_weight: 0,
-                children: BTreeMap::new(),
-            }],
-        }
-    }
-
-    fn push(&mut self, frame: Arc<Frame>) -> usize {
-        self.drafts.push(Draft {
+        let mut builder = Builder {
+            drafts: Vec::new(),
+            frames: Vec::new(),
+            by_value: FastMap::default(),
+            by_pointer: FastMap::default(),
+            seen: Vec::new(),
+            children: FastMap::default(),
+        };
+        let frame = builder.number(&root);
+        builder.drafts.push(Draft {
             frame,
             total: 0,
             self_weight: 0,
-            children: BTreeMap::new(),
         });
-        self.drafts.len() - 1
+        builder
+    }
+
+    /// The number of `frame`'s value.
+    fn number(&mut self, frame: &Arc<Frame>) -> u32 {
+        let address = Arc::as_ptr(frame) as usize;
+        if let Some(&number) = self.by_pointer.get(&address) {
+            return number;
+        }
+        let number = match self.by_value.get(frame) {
+            Some(&number) => number,
+            None => {
+                let number = u32::try_from(self.frames.len()).unwrap_or(u32::MAX);
+                self.frames.push(Arc::clone(frame));
+                self.by_value.insert(Arc::clone(frame), number);
+                number
+            }
+        };
+        self.by_pointer.insert(address, number);
+        self.seen.push(Arc::clone(frame));
+        number
     }
 
     /// The child of `parent` with this frame, added if missing.
     fn child(&mut self, parent: usize, frame: &Arc<Frame>) -> usize {
-        if let Some(&child) = self.drafts[parent].children.get(frame) {
-            return child;
-        }
-        let child = self.push(Arc::clone(frame));
-        self.drafts[parent]
+        let frame = self.number(frame);
+        let next = self.drafts.len();
+        let child = *self
             .children
-            .insert(Arc::clone(frame), child);
-        child
+            .entry((draft_index(parent), frame))
+            .or_insert(draft_index(next));
+        if child as usize == next {
+            self.drafts.push(Draft {
+                frame,
+                total: 0,
+                self_weight: 0,
+            });
+        }
+        child as usize
     }
 
     /// A new child of `parent`; `None` if it already has one with this frame.
     fn new_child(&mut self, parent: usize, frame: Arc<Frame>) -> Option<usize> {
-        if self.drafts[parent].children.contains_key(&frame) {
-            return None;
-        }
-        let child = self.push(Arc::clone(&frame));
-        self.drafts[parent].children.insert(frame, child);
-        Some(child)
+        let before = self.drafts.len();
+        let child = self.child(parent, &frame);
+        (child == before).then_some(child)
     }
 
     fn add_total(&mut self, node: usize, weight: u64) {
@@ -477,33 +515,63 @@ impl Builder {
         self.drafts[node].self_weight = self_weight;
     }
 
-    /// Lays the drafts out depth-first with children in frame order. An
-    /// explicit stack rather than recursion: depth is bounded, but a deep
-    /// tree should not cost a deep call stack either.
+    /// The tree in depth-first order with each node's children in frame
+    /// order.
     fn finish(self) -> CallTree {
+        // Frame order as integers: the rank of each frame number among the
+        // distinct frames.
+        let mut order: Vec<u32> = (0..self.frames.len() as u32).collect();
+        order.sort_unstable_by(|&a, &b| self.frames[a as usize].cmp(&self.frames[b as usize]));
+        let mut rank = vec![0u32; self.frames.len()];
+        for (position, &number) in order.iter().enumerate() {
+            rank[number as usize] = position as u32;
+        }
+        // Every (parent, child) edge, grouped by parent and in frame order
+        // within it: the children of draft p are edges[start[p]..start[p + 1]].
+        let mut edges: Vec<(u32, u32, u32)> = self
+            .children
+            .iter()
+            .map(|(&(parent, frame), &child)| (parent, rank[frame as usize], child))
+            .collect();
+        edges.sort_unstable();
+        let mut start = vec![0usize; self.drafts.len() + 1];
+        for &(parent, _, _) in &edges {
+            start[parent as usize + 1] += 1;
+        }
+        for i in 1..start.len() {
+            start[i] += start[i - 1];
+        }
+
         let mut nodes: Vec<Node> = Vec::with_capacity(self.drafts.len());
         let mut pending = vec![(0usize, None::<usize>, 0usize)];
-        while let Some((draft, parent, depth)) = pending.pop() {
+        while let Some((draft_at, parent, depth)) = pending.pop() {
             let index = nodes.len();
-            let draft = &self.drafts[draft];
+            let draft = &self.drafts[draft_at];
+            let children = &edges[start[draft_at]..start[draft_at + 1]];
             nodes.push(Node {
-                frame: Arc::clone(&draft.frame),
+                frame: Arc::clone(&self.frames[draft.frame as usize]),
                 parent,
                 depth,
                 total: draft.total,
                 self_weight: draft.self_weight,
-                children: Vec::with_capacity(draft.children.len()),
+                children: Vec::with_capacity(children.len()),
             });
             if let Some(parent) = parent {
                 nodes[parent].children.push(index);
             }
             // Reversed, so the first child is taken (and numbered) first.
-            for &child in draft.children.values().rev() {
-                pending.push((child, Some(index), depth + 1));
+            for &(_, _, child) in children.iter().rev() {
+                pending.push((child as usize, Some(index), depth + 1));
             }
         }
         CallTree { nodes }
     }
+}
+
+/// A draft index as stored in the children map. A tree of more than 2^32
+/// nodes cannot be held in memory (each node is tens of bytes).
+fn draft_index(index: usize) -> u32 {
+    u32::try_from(index).unwrap_or(u32::MAX)
 }
 
 #[cfg(test)]
