@@ -36,8 +36,8 @@ use stackscope_collector::{
         sqlite::{SqliteOptions, SqliteStorage},
     },
 };
-use stackscope_proto::v1::FlamegraphResponse;
 use stackscope_profile::model::{LabelMatcher, MatchOp, Selection, TimeRange, unix_nanos};
+use stackscope_proto::v1::FlamegraphResponse;
 use stackscope_proto::v1::{
     Batch, Label, LabelSet, Line, Location, Mapping, MappingKind, Node, Sample, Stack,
 };
@@ -370,7 +370,9 @@ fn main() {
     let intervals = minutes * 60 / INTERVAL.as_secs() as usize;
     let now = unix_nanos(SystemTime::now());
     let fleet = Fleet {
-        templates: (0..nodes).map(|n| node_template(n, &fleet_stacks)).collect(),
+        templates: (0..nodes)
+            .map(|n| node_template(n, &fleet_stacks))
+            .collect(),
         intervals,
         first_start: now - (intervals as i64) * INTERVAL.as_nanos() as i64,
     };
@@ -421,7 +423,9 @@ fn main() {
         .expect("tokio runtime");
     let engine = query_engine(sqlite.clone(), &dir.path().join("debuginfo"));
 
-    println!("SQLite flamegraph query over {minutes} min before the compactor ran (base rows, one run):");
+    println!(
+        "SQLite flamegraph query over {minutes} min before the compactor ran (base rows, one run):"
+    );
     let mut reference = Vec::new();
     for (name, selection) in &selections {
         let (response, took) = flamegraph(&runtime, &engine, selection);

@@ -14,7 +14,7 @@ use stackscope_collector::{
     ingest::{SampleRecord, ValidBatch},
     storage::{
         IngestOutcome, Storage, StorageError,
-        sqlite::{CacheStats, SqliteOptions, SqliteStorage},
+        sqlite::{COMPACTION_SPANS_PER_CALL, CacheStats, SqliteOptions, SqliteStorage},
     },
 };
 use stackscope_profile::model::{CodeAddress, Frame, MatchOp, Selection, TimeRange};
@@ -735,6 +735,24 @@ fn rollups_answer_exactly_as_the_samples_they_sum() {
         let at = day_start + (seed >> 8) as i64 % (2 * DAY);
         ingest(at - at.rem_euclid(10 * SECOND), seed);
     }
+    // Every answer three ways: the rolled-up database with no matchers (its
+    // rollups), the same with a matcher every label set passes (which never
+    // reads rollups), and the twin that is never compacted.
+    let check = |start: i64, end: i64, what: &str| {
+        let selection = select(start, end, &[]);
+        let answer = rolled.stacks(&selection).expect("query");
+        let everyone = select(start, end, &[("comm", MatchOp::Regex, ".*")]);
+        assert_eq!(
+            answer,
+            rolled.stacks(&everyone).expect("query"),
+            "{what}: range {start}..{end}, rollups against the label sets' rows"
+        );
+        assert_eq!(
+            answer,
+            base.stacks(&selection).expect("query"),
+            "{what}: range {start}..{end}, against the database never compacted"
+        );
+    };
     let compare = |next: &mut dyn FnMut() -> u64, what: &str| {
         for _ in 0..120 {
             let (a, b) = (next(), next());
@@ -743,29 +761,59 @@ fn rollups_answer_exactly_as_the_samples_they_sum() {
             let length = 1
                 + (b >> 8) as i64
                     % [MINUTE, 30 * MINUTE, 5 * 60 * MINUTE, 2 * DAY][(b % 4) as usize];
-            let selection = select(start, start + length, &[]);
-            assert_eq!(
-                rolled.stacks(&selection).expect("query"),
-                base.stacks(&selection).expect("query"),
-                "{what}: range {start}..{}",
-                start + length
-            );
+            check(start, start + length, what);
+        }
+        // Ranges on and next to span edges, where off-by-one errors live.
+        for width in [MINUTE, 10 * MINUTE, 60 * MINUTE, DAY] {
+            let c = next();
+            let span = day_start + (c >> 8) as i64 % (2 * DAY) / width * width;
+            for (start, end) in [
+                (span, span + width),
+                (span - 1, span + width + 1),
+                (span + 1, span + width),
+                (span, span + width - 1),
+                (span - MINUTE, span + width),
+                (span, span + width + MINUTE),
+            ] {
+                check(start, end, what);
+            }
+        }
+    };
+    // The compactor until nothing closed is left.
+    let compact_all = |closed_before: i64| {
+        let mut total = 0;
+        loop {
+            let spans = rolled.compact(closed_before).expect("compaction");
+            total += spans;
+            if spans < COMPACTION_SPANS_PER_CALL {
+                return total;
+            }
         }
     };
     compare(&mut next, "nothing rolled up yet");
-    assert_eq!(
-        rolled.compact(day_start).expect("compaction"),
-        0,
-        "nothing closed"
-    );
-    let spans = rolled
-        .compact(day_start + DAY + 3 * 60 * MINUTE)
-        .expect("compaction");
+    assert_eq!(compact_all(day_start), 0, "nothing closed");
+    let spans = compact_all(day_start + DAY + 3 * 60 * MINUTE);
     assert!(
         spans > 40,
         "the first day and three hours roll up: {spans} spans"
     );
     compare(&mut next, "first day rolled up");
+    let path = dir.path().join("rolled.db");
+    let widths = |path: &Path| -> Vec<i64> {
+        let conn = rusqlite::Connection::open(path).expect("open");
+        let mut stmt = conn
+            .prepare("SELECT DISTINCT width FROM rollup_spans ORDER BY width")
+            .expect("prepare");
+        stmt.query_map([], |row| row.get(0))
+            .expect("widths")
+            .collect::<Result<_, _>>()
+            .expect("widths")
+    };
+    assert_eq!(
+        widths(&path),
+        [MINUTE, 10 * MINUTE, 60 * MINUTE, DAY],
+        "spans of every width"
+    );
 
     // Late batches into rolled-up spans, and new ones after them.
     for _ in 0..20 {
@@ -774,19 +822,49 @@ fn rollups_answer_exactly_as_the_samples_they_sum() {
         ingest(at - at.rem_euclid(10 * SECOND), seed);
     }
     compare(&mut next, "late batches, not rolled up again yet");
-    rolled.compact(day_start + 3 * DAY).expect("compaction");
+    compact_all(day_start + 3 * DAY);
     compare(&mut next, "everything rolled up");
 
-    // Retention through the middle of an hour of the first day.
-    let cutoff = day_start + 13 * 60 * MINUTE + 25 * MINUTE;
-    assert_eq!(
-        rolled.delete_before(cutoff).expect("retention"),
-        base.delete_before(cutoff).expect("retention")
-    );
-    compare(&mut next, "after retention");
-    rolled.compact(day_start + 3 * DAY).expect("compaction");
-    compare(&mut next, "after retention, rolled up again");
-    let path = dir.path().join("rolled.db");
+    // Retention a few minutes at a time (cutoffs off the bucket grid, through
+    // the middle of 10-minute spans and hours), compacting between steps.
+    let mut cutoff = day_start + 13 * 60 * MINUTE + 25 * MINUTE + 17 * SECOND;
+    for step in 0..4 {
+        assert_eq!(
+            rolled.delete_before(cutoff).expect("retention"),
+            base.delete_before(cutoff).expect("retention")
+        );
+        compare(&mut next, &format!("after retention step {step}"));
+        compact_all(day_start + 3 * DAY);
+        compare(
+            &mut next,
+            &format!("after retention step {step}, rolled up again"),
+        );
+        cutoff += 7 * MINUTE + 3 * SECOND;
+    }
     assert!(rows(&path, "rollup_spans") > 20, "rollups in use");
     assert_eq!(rows(&path, "pending_spans"), 0, "every closed span done");
+}
+
+/// Sums saturate at i64::MAX however they are grouped: per bucket, per
+/// rollup span, across label sets.
+#[test]
+fn weights_saturate_alike_with_and_without_rollups() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let storage = open(&dir.path().join("stackscope.db"));
+    for (id, comm) in [(1, "app"), (2, "worker"), (3, "app")] {
+        let mut b = Builder::new(id, "node-a", T0 + i64::from(id) * MINUTE, PERIOD_100HZ);
+        let [s0, _, _] = b.standard_stacks(false);
+        let labels = b.label_set(&[("comm", comm)]);
+        b.sample(s0, labels, i64::MAX as u64, 0);
+        storage.ingest(&b.validate()).expect("ingest");
+    }
+    let everything = select(T0, T0 + DAY, &[]);
+    let expected = expect(&[(S0, i64::MAX as u64)]);
+    assert_eq!(weights(&storage, &everything), expected);
+    assert!(storage.compact(T0 + 2 * DAY).expect("compaction") > 0);
+    assert_eq!(weights(&storage, &everything), expected, "after rollups");
+    assert_eq!(
+        storage.series(&everything, DAY).expect("series"),
+        [(T0 - T0.rem_euclid(DAY), i64::MAX as u64)]
+    );
 }

@@ -159,6 +159,11 @@ CREATE TABLE label_set_buckets (
 ) STRICT, WITHOUT ROWID;
 ";
 
+/// Spans one `compact` call rolls up at most, so a backlog (a database
+/// upgraded with days of history) is worked off in bounded calls the
+/// collector can stop between.
+pub const COMPACTION_SPANS_PER_CALL: u64 = 64;
+
 /// Sample rows one upsert statement carries: one statement per row spends
 /// a good part of ingest in statement overhead rather than in the B-tree.
 const SAMPLES_PER_STATEMENT: usize = 64;
@@ -585,7 +590,7 @@ impl Storage for SqliteStorage {
             self.for_each_label_set_bucket(tx, selection, &selected, |bucket, _, _, weight| {
                 let point = bucket.saturating_sub(bucket.rem_euclid(step));
                 let sum = points.entry(point).or_default();
-                *sum = sum.saturating_add(weight);
+                *sum = add_capped(*sum, weight);
                 Ok(())
             })?;
             Ok(points.into_iter().filter(|(_, w)| *w > 0).collect())
@@ -662,21 +667,28 @@ impl Storage for SqliteStorage {
         Ok(deleted)
     }
 
-    /// Rolls up pending spans that ended at or before `closed_before`, one
-    /// span per write transaction so ingest waits for one span at a time.
+    /// Rolls up at most [`COMPACTION_SPANS_PER_CALL`] pending spans that
+    /// ended at or before `closed_before`, one span per write transaction so
+    /// ingest waits for one span at a time.
     fn compact(&self, closed_before_unix_nanos: i64) -> Result<u64, StorageError> {
         let mut spans = 0u64;
-        loop {
-            let mut writer = self.writer();
-            let tx = writer
-                .conn
-                .transaction_with_behavior(TransactionBehavior::Immediate)?;
-            let Some((width, start)) = rollup::next_pending(&tx, closed_before_unix_nanos)? else {
-                break;
-            };
-            rollup::recompute(&tx, &self.tiers, width, start)?;
-            tx.commit()?;
+        while spans < COMPACTION_SPANS_PER_CALL {
+            {
+                let mut writer = self.writer();
+                let tx = writer
+                    .conn
+                    .transaction_with_behavior(TransactionBehavior::Immediate)?;
+                let Some((width, start)) =
+                    rollup::next_pending(&tx, &self.tiers, closed_before_unix_nanos)?
+                else {
+                    break;
+                };
+                rollup::recompute(&tx, &self.tiers, width, start)?;
+                tx.commit()?;
+            }
             spans += 1;
+            // The mutex is not fair: let a waiting ingest take it first.
+            std::thread::yield_now();
         }
         Ok(spans)
     }
@@ -823,6 +835,14 @@ fn init_schema(
 /// A sum as stored: saturated at `i64::MAX`.
 fn saturate(value: u64) -> i64 {
     i64::try_from(value).unwrap_or(i64::MAX)
+}
+
+/// Adds weights the way every answer sums them: capped at `i64::MAX`, as
+/// stored rows are. Capped addition of non-negative numbers is associative,
+/// so a sum is `min(exact total, i64::MAX)` however rows were grouped on the
+/// way (per bucket, per rollup span, per engine).
+fn add_capped(sum: u64, weight: u64) -> u64 {
+    sum.saturating_add(weight).min(i64::MAX as u64)
 }
 
 /// A weight read back from the database, which only ever stores
@@ -1880,7 +1900,7 @@ impl StackWeights {
             }
             _ => self.sparse.entry(stack).or_default(),
         };
-        *sum = sum.saturating_add(weight);
+        *sum = add_capped(*sum, weight);
     }
 
     /// (stack id, weight) of the stacks with weight, ascending by id. A
@@ -1989,11 +2009,13 @@ mod tests {
         for (id, weight) in [(3, 1), (far, 2), (1, 4), (3, 8), (far, 16), (-1, 32)] {
             weights.add(id, weight);
         }
-        weights.add(7, u64::MAX);
-        weights.add(7, 1);
+        // Capped at i64::MAX, as stored sums are.
+        weights.add(7, i64::MAX as u64 - 1);
+        weights.add(7, 2);
+        weights.add(7, 3);
         assert_eq!(
             weights.into_sorted(),
-            [(-1, 32), (1, 4), (3, 9), (7, u64::MAX), (far, 18)]
+            [(-1, 32), (1, 4), (3, 9), (7, i64::MAX as u64), (far, 18)]
         );
     }
 

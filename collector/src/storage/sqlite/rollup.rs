@@ -16,7 +16,7 @@
 //! * `rollups(width, span_start, stack_id, weight)`: per span of `width`
 //!   nanoseconds (the bucket width, then 10 min, 1 h, 1 day) the summed
 //!   weight of each stack over every label set.
-//! * `rollup_spans(width, span_start, sample_period_nanos, weight)`: the
+//! * `rollup_spans(width, span_start, sample_period_nanos)`: the
 //!   marker: the span's rollup rows are complete and current. Also the
 //!   sample period its buckets agreed on (0 when they did not), which is what
 //!   a query would have learned from their `label_set_buckets` rows: an
@@ -47,7 +47,6 @@ CREATE TABLE rollup_spans (
     width INTEGER NOT NULL,
     span_start INTEGER NOT NULL,
     sample_period_nanos INTEGER NOT NULL,
-    weight INTEGER NOT NULL,
     PRIMARY KEY (width, span_start)
 ) STRICT, WITHOUT ROWID;
 
@@ -128,8 +127,11 @@ pub(super) fn invalidate(
 }
 
 /// Retention, in its transaction, after every bucket up to `last` was
-/// deleted: spans starting at or before `last` lose their rollups, and
-/// spans that also hold later buckets are redone from what remains.
+/// deleted: spans starting at or before `last` lose their rollups. A span
+/// that also holds later buckets is not redone (retention runs every few
+/// minutes, and would have the day's span summed again each time): queries
+/// read the finer spans after `last` instead, which stay current. A late
+/// batch in such a span makes the compactor redo it from those.
 pub(super) fn forget_through(
     tx: &Transaction<'_>,
     tiers: &Tiers,
@@ -144,36 +146,32 @@ pub(super) fn forget_through(
             delete.execute((width, last))?;
         }
     }
-    let mut pend = tx.prepare_cached(
-        "INSERT OR IGNORE INTO pending_spans (width, span_start) VALUES (?1, ?2)",
-    )?;
-    for &width in tiers.widths() {
-        let start = span_start(last, width);
-        if start.saturating_add(width - tiers.bucket()) > last {
-            pend.execute((width, start))?;
-        }
-    }
     Ok(())
 }
 
 /// The pending span the compactor should do next: the finest first, so a
-/// coarser span is always summed from finer spans that are current.
+/// coarser span is always summed from finer spans that are current (every
+/// write pends all the spans around its bucket, and a span inside a closed
+/// one is closed too). One seek per width: spans still open are never read.
 pub(super) fn next_pending(
     tx: &Transaction<'_>,
+    tiers: &Tiers,
     closed_before: i64,
 ) -> Result<Option<(i64, i64)>, StorageError> {
     let mut stmt = tx.prepare_cached(
-        "SELECT width, span_start FROM pending_spans WHERE span_start <= ?1 - width
-         ORDER BY width, span_start LIMIT 1",
+        "SELECT span_start FROM pending_spans WHERE width = ?1 AND span_start <= ?2 - ?1
+         ORDER BY span_start LIMIT 1",
     )?;
-    let mut rows = stmt.query([closed_before])?;
-    Ok(match rows.next()? {
-        Some(row) => Some((row.get(0)?, row.get(1)?)),
-        None => None,
-    })
+    for &width in tiers.widths() {
+        let mut rows = stmt.query((width, closed_before))?;
+        if let Some(row) = rows.next()? {
+            return Ok(Some((width, row.get(0)?)));
+        }
+    }
+    Ok(None)
 }
 
-/// Sums the span `(width, start)` afresh (from `samples` for the bucket
+/// Sums the span `(width, start)` afresh (from the base rows for the bucket
 /// width, from the spans one width finer above it) and marks it current.
 /// Returns the rollup rows written.
 pub(super) fn recompute(
@@ -182,63 +180,34 @@ pub(super) fn recompute(
     width: i64,
     start: i64,
 ) -> Result<u64, StorageError> {
-    tx.execute(
-        "DELETE FROM rollups WHERE width = ?1 AND span_start = ?2",
-        (width, start),
-    )?;
-    tx.execute(
-        "DELETE FROM rollup_spans WHERE width = ?1 AND span_start = ?2",
-        (width, start),
-    )?;
-    tx.execute(
-        "DELETE FROM pending_spans WHERE width = ?1 AND span_start = ?2",
-        (width, start),
-    )?;
-
-    // The bucket width's spans are single buckets; ?1 goes unused there
-    // (SQLite counts parameters up to the highest index, so it still binds).
-    let (periods_sql, weights_sql, finer) = match tiers.finer(width) {
-        None => (
-            "SELECT sample_period_nanos, weight FROM label_set_buckets
-             WHERE bucket_start >= ?2 AND bucket_start < ?3",
-            "SELECT stack_id, weight FROM samples
-             WHERE bucket_start >= ?2 AND bucket_start < ?3",
-            0,
-        ),
-        Some(finer) => (
-            "SELECT sample_period_nanos, weight FROM rollup_spans
-             WHERE width = ?1 AND span_start >= ?2 AND span_start < ?3",
+    for table in ["rollups", "rollup_spans", "pending_spans"] {
+        tx.prepare_cached(&format!(
+            "DELETE FROM {table} WHERE width = ?1 AND span_start = ?2"
+        ))?
+        .execute((width, start))?;
+    }
+    let end = start.saturating_add(width);
+    let (periods, weights) = match tiers.finer(width) {
+        None => sum(
+            tx,
+            "SELECT sample_period_nanos FROM label_set_buckets
+             WHERE bucket_start >= ?1 AND bucket_start < ?2",
+            "SELECT stack_id, weight FROM samples WHERE bucket_start >= ?1 AND bucket_start < ?2",
+            &[start, end],
+        )?,
+        Some(finer) => sum(
+            tx,
+            "SELECT sample_period_nanos FROM rollup_spans
+             WHERE width = ?3 AND span_start >= ?1 AND span_start < ?2",
             "SELECT stack_id, weight FROM rollups
-             WHERE width = ?1 AND span_start >= ?2 AND span_start < ?3",
-            finer,
-        ),
+             WHERE width = ?3 AND span_start >= ?1 AND span_start < ?2",
+            &[start, end, finer],
+        )?,
     };
-    let bounds = (finer, start, start.saturating_add(width));
-
-    let mut period = PeriodAgreement::default();
-    let mut total = 0u64;
-    let mut any = false;
-    {
-        let mut stmt = tx.prepare_cached(periods_sql)?;
-        let mut rows = stmt.query(bounds)?;
-        while let Some(row) = rows.next()? {
-            let (p, weight): (i64, i64) = (row.get(0)?, row.get(1)?);
-            period.add(u64::try_from(p).unwrap_or(0));
-            total = total.saturating_add(non_negative(weight, "span weight")?);
-            any = true;
-        }
-    }
-    if !any {
+    let Some(period) = periods else {
+        // No data: no marker, queries read the (empty) base rows.
         return Ok(0);
-    }
-    let mut weights = StackWeights::default();
-    {
-        let mut stmt = tx.prepare_cached(weights_sql)?;
-        let mut rows = stmt.query(bounds)?;
-        while let Some(row) = rows.next()? {
-            weights.add(row.get(0)?, non_negative(row.get(1)?, "sample weight")?);
-        }
-    }
+    };
     let mut insert = tx.prepare_cached(
         "INSERT INTO rollups (width, span_start, stack_id, weight) VALUES (?1, ?2, ?3, ?4)",
     )?;
@@ -247,12 +216,40 @@ pub(super) fn recompute(
         insert.execute((width, start, stack, saturate(weight)))?;
         written += 1;
     }
-    tx.execute(
-        "INSERT INTO rollup_spans (width, span_start, sample_period_nanos, weight)
-         VALUES (?1, ?2, ?3, ?4)",
-        (width, start, saturate(period.result()), saturate(total)),
-    )?;
+    tx.prepare_cached(
+        "INSERT INTO rollup_spans (width, span_start, sample_period_nanos) VALUES (?1, ?2, ?3)",
+    )?
+    .execute((width, start, saturate(period.result())))?;
     Ok(written)
+}
+
+/// The period agreement of the rows `periods_sql` selects (`None` when it
+/// selects none) and the summed weights per stack of `weights_sql`.
+fn sum(
+    tx: &Transaction<'_>,
+    periods_sql: &str,
+    weights_sql: &str,
+    params: &[i64],
+) -> Result<(Option<PeriodAgreement>, StackWeights), StorageError> {
+    let params = rusqlite::params_from_iter(params);
+    let mut period: Option<PeriodAgreement> = None;
+    let mut stmt = tx.prepare_cached(periods_sql)?;
+    let mut rows = stmt.query(params.clone())?;
+    while let Some(row) = rows.next()? {
+        let p: i64 = row.get(0)?;
+        period
+            .get_or_insert_default()
+            .add(u64::try_from(p).unwrap_or(0));
+    }
+    let mut weights = StackWeights::default();
+    if period.is_some() {
+        let mut stmt = tx.prepare_cached(weights_sql)?;
+        let mut rows = stmt.query(params)?;
+        while let Some(row) = rows.next()? {
+            weights.add(row.get(0)?, non_negative(row.get(1)?, "sample weight")?);
+        }
+    }
+    Ok((period, weights))
 }
 
 /// A current span a query reads instead of its buckets' rows.
