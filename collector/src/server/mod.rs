@@ -367,11 +367,22 @@ async fn compaction(
             _ = stopped(stop.clone()) => return Ok(()),
         }
         let closed_before = unix_nanos(std::time::SystemTime::now() - COMPACTION_GRACE);
-        let storage = Arc::clone(&storage);
-        match tokio::task::spawn_blocking(move || storage.compact(closed_before)).await {
-            Ok(Ok(spans)) => tracing::debug!(spans, "compaction: rolled up"),
-            Ok(Err(err)) => tracing::warn!("compaction: {:#}", anyhow::Error::from(err)),
-            Err(err) => tracing::warn!("compaction task failed: {err}"),
+        // A call does a bounded amount of work; a backlog takes several,
+        // with a chance to stop between them.
+        while !*stop.borrow() {
+            let storage = Arc::clone(&storage);
+            match tokio::task::spawn_blocking(move || storage.compact(closed_before)).await {
+                Ok(Ok(0)) => break,
+                Ok(Ok(spans)) => tracing::debug!(spans, "compaction: rolled up"),
+                Ok(Err(err)) => {
+                    tracing::warn!("compaction: {:#}", anyhow::Error::from(err));
+                    break;
+                }
+                Err(err) => {
+                    tracing::warn!("compaction task failed: {err}");
+                    break;
+                }
+            }
         }
     }
 }

@@ -94,9 +94,11 @@ pub trait Storage: Send + Sync + 'static {
     fn delete_before(&self, cutoff_unix_nanos: i64) -> Result<u64, StorageError>;
 
     /// Brings precomputed summaries (rollups) up to date for data that
-    /// ended at or before `closed_before_unix_nanos`; returns how many units
-    /// of work (spans) it did. Queries are right whether or not it ran; they
-    /// are faster after. Engines without summaries do nothing.
+    /// ended at or before `closed_before_unix_nanos`, a bounded amount of
+    /// work per call: returns how many units of work (spans) it did, and 0
+    /// once nothing is left, so callers call again until then. Queries are
+    /// right whether or not it ran; they are faster after. Engines without
+    /// summaries do nothing.
     fn compact(&self, closed_before_unix_nanos: i64) -> Result<u64, StorageError> {
         let _ = closed_before_unix_nanos;
         Ok(0)
