@@ -333,10 +333,13 @@ fn time_queries(
         }
         times.sort();
         println!(
-            "  {name:<20} p50 {:>8.1} ms  p95 {:>8.1} ms  ({} tree nodes, {} samples)",
+            "  {name:<20} p50 {:>8.1} ms  p95 {:>8.1} ms  ({} tree nodes, {} frames, {:.1} MB \
+             encoded, {} samples)",
             percentile(&times, 0.5).as_secs_f64() * 1e3,
             percentile(&times, 0.95).as_secs_f64() * 1e3,
             reference.nodes.len(),
+            reference.frames.len(),
+            reference.encoded_len() as f64 / 1e6,
             reference.total,
         );
         assert!(reference.total > 0, "query {name} found no samples");

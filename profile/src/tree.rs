@@ -99,8 +99,15 @@ pub enum TreeError {
     RootParent { parent: u32 },
     #[error("node {index}: its parent {parent} does not come before it")]
     ParentNotBefore { index: usize, parent: u32 },
-    #[error("node {index}: the frame is missing")]
-    MissingFrame { index: usize },
+    #[error(
+        "node {index}: no frame inline, and its frame index {frame_index} is not in the table \
+         of {frames} frames"
+    )]
+    MissingFrame {
+        index: usize,
+        frame_index: u32,
+        frames: usize,
+    },
     #[error("node {index}: deeper than the limit of {max} frames")]
     TooDeep { index: usize, max: usize },
     #[error("node {index}: node {parent} already has a child with the same frame")]
@@ -268,27 +275,41 @@ impl CallTree {
     }
 
     /// The tree as a `FlamegraphResponse`: nodes in this tree's order, the
-    /// root its own parent.
+    /// root its own parent, each distinct frame once in the frame table.
     pub fn to_proto(&self, sample_period_nanos: u64) -> FlamegraphResponse {
-        FlamegraphResponse {
-            nodes: self
-                .nodes
-                .iter()
-                .map(|node| TreeNode {
+        // A tree's nodes share their frames' allocations (one per distinct
+        // frame), so the table is keyed by address; an equal frame in
+        // another allocation only costs a second entry.
+        let mut numbers: HashMap<usize, u32, foldhash::fast::FixedState> = HashMap::default();
+        let mut frames = Vec::new();
+        let nodes = self
+            .nodes
+            .iter()
+            .map(|node| {
+                let frame_index = *numbers
+                    .entry(Arc::as_ptr(&node.frame) as usize)
+                    .or_insert_with(|| {
+                        frames.push(frame_to_proto(&node.frame));
+                        draft_index(frames.len() - 1)
+                    });
+                TreeNode {
                     // A tree with more than 2^32 nodes cannot be built in
                     // memory in practice; if it were, u32::MAX makes
                     // `from_proto` reject the message instead of
                     // misreading it.
-                    parent: node
-                        .parent
-                        .map_or(0, |parent| u32::try_from(parent).unwrap_or(u32::MAX)),
-                    frame: Some(frame_to_proto(&node.frame)),
+                    parent: node.parent.map_or(0, draft_index),
+                    frame: None,
+                    frame_index,
                     total: node.total,
                     self_: node.self_weight,
-                })
-                .collect(),
+                }
+            })
+            .collect();
+        FlamegraphResponse {
+            nodes,
             total: self.total(),
             sample_period_nanos,
+            frames,
         }
     }
 
@@ -308,11 +329,20 @@ impl CallTree {
                 parent: root.parent,
             });
         }
-        let root_frame = root
-            .frame
-            .as_ref()
-            .map_or_else(root_frame, frame_from_proto);
-        let mut builder = Builder::new(Arc::new(root_frame));
+        // Each table frame is read once and shared by its nodes.
+        let table: Vec<Arc<Frame>> = response
+            .frames
+            .iter()
+            .map(|frame| Arc::new(frame_from_proto(frame)))
+            .collect();
+        let frame_of = |node: &TreeNode| -> Option<Arc<Frame>> {
+            match &node.frame {
+                Some(frame) => Some(Arc::new(frame_from_proto(frame))),
+                None => table.get(node.frame_index as usize).cloned(),
+            }
+        };
+        let root_frame = frame_of(root).unwrap_or_else(|| Arc::new(root_frame()));
+        let mut builder = Builder::new(root_frame);
         builder.set_weights(0, root.total, root.self_);
 
         // Per message index: the builder's index, the depth, and the sum of
@@ -337,12 +367,13 @@ impl CallTree {
                     max: MAX_DEPTH,
                 });
             }
-            let frame = node
-                .frame
-                .as_ref()
-                .ok_or(TreeError::MissingFrame { index })?;
+            let frame = frame_of(node).ok_or(TreeError::MissingFrame {
+                index,
+                frame_index: node.frame_index,
+                frames: table.len(),
+            })?;
             let new = builder
-                .new_child(draft[parent], Arc::new(frame_from_proto(frame)))
+                .new_child(draft[parent], frame)
                 .ok_or(TreeError::DuplicateChild { index, parent })?;
             builder.set_weights(new, node.total, node.self_);
             draft.push(new);
@@ -761,30 +792,53 @@ pub(crate) mod tests {
 
     #[test]
     fn to_proto_is_depth_first_with_the_root_its_own_parent() {
-        let tree = tree(&[("main;a", 2), ("main", 1)]);
+        let tree = tree(&[("main;a", 2), ("main", 1), ("b;main", 4)]);
         let proto = tree.to_proto(10_000_000);
-        let node = |parent, function: &str, binary: &str, total, self_| TreeNode {
+        let node = |parent, frame_index, total, self_| TreeNode {
             parent,
-            frame: Some(ProtoFrame {
-                function: function.into(),
-                binary: binary.into(),
-                ..ProtoFrame::default()
-            }),
+            frame: None,
+            frame_index,
             total,
             self_,
+        };
+        let frame = |function: &str, binary: &str| ProtoFrame {
+            function: function.into(),
+            binary: binary.into(),
+            ..ProtoFrame::default()
         };
         assert_eq!(
             proto,
             FlamegraphResponse {
                 nodes: vec![
-                    node(0, "all", "", 3, 0),
-                    node(0, "main", "app", 3, 1),
-                    node(1, "a", "app", 2, 2),
+                    node(0, 0, 7, 0),
+                    node(0, 1, 4, 0),
+                    node(1, 2, 4, 4),
+                    node(0, 2, 3, 1),
+                    node(3, 3, 2, 2),
                 ],
-                total: 3,
+                total: 7,
                 sample_period_nanos: 10_000_000,
+                // `main` once, though two nodes hold it.
+                frames: vec![
+                    frame("all", ""),
+                    frame("b", "app"),
+                    frame("main", "app"),
+                    frame("a", "app"),
+                ],
             }
         );
+    }
+
+    #[test]
+    fn from_proto_reads_inline_frames_and_the_frame_table_alike() {
+        let tree = tree(&[("main;a", 2), ("main;b", 3)]);
+        let mut inline = tree.to_proto(0);
+        for node in &mut inline.nodes {
+            node.frame = Some(inline.frames[node.frame_index as usize].clone());
+            node.frame_index = 0;
+        }
+        inline.frames.clear();
+        assert_eq!(CallTree::from_proto(&inline).unwrap(), tree);
     }
 
     #[test]
@@ -812,8 +866,9 @@ pub(crate) mod tests {
         let tree = CallTree::from_stacks(&samples);
         let proto = tree.to_proto(1);
         assert_eq!(CallTree::from_proto(&proto).unwrap(), tree);
-        assert_eq!(proto.nodes[4].frame.as_ref().unwrap().line, 42);
-        assert!(proto.nodes[4].frame.as_ref().unwrap().inlined);
+        let inner = &proto.frames[proto.nodes[4].frame_index as usize];
+        assert_eq!(inner.line, 42);
+        assert!(inner.inlined);
     }
 
     #[test]
@@ -854,11 +909,11 @@ pub(crate) mod tests {
             "node 2: its parent 4294967295 does not come before it"
         );
         assert_eq!(
-            error(|p| p.nodes[3].frame = None),
-            "node 3: the frame is missing"
+            error(|p| p.nodes[3].frame_index = 4),
+            "node 3: no frame inline, and its frame index 4 is not in the table of 4 frames"
         );
         assert_eq!(
-            error(|p| p.nodes[3].frame = p.nodes[2].frame.clone()),
+            error(|p| p.nodes[3].frame_index = p.nodes[2].frame_index),
             "node 3: node 1 already has a child with the same frame"
         );
     }
@@ -900,6 +955,7 @@ pub(crate) mod tests {
         let mut nodes = vec![TreeNode {
             parent: 0,
             frame: None,
+            frame_index: 0,
             total: 1,
             self_: 0,
         }];
@@ -910,6 +966,7 @@ pub(crate) mod tests {
                     function: "f".into(),
                     ..ProtoFrame::default()
                 }),
+                frame_index: 0,
                 total: 1,
                 self_: u64::from(index == depth),
             });
@@ -918,6 +975,7 @@ pub(crate) mod tests {
             nodes,
             total: 1,
             sample_period_nanos: 0,
+            frames: Vec::new(),
         }
     }
 
@@ -966,10 +1024,11 @@ pub(crate) mod tests {
             let nodes = (0..len)
                 .map(|_| TreeNode {
                     parent: (next() % 5) as u32,
-                    frame: (next() % 4 != 0).then(|| ProtoFrame {
+                    frame: (next() % 4 == 0).then(|| ProtoFrame {
                         function: ["a", "b"][(next() % 2) as usize].into(),
                         ..ProtoFrame::default()
                     }),
+                    frame_index: (next() % 4) as u32,
                     total: next() % 4,
                     self_: next() % 3,
                 })
@@ -978,6 +1037,12 @@ pub(crate) mod tests {
                 nodes,
                 total: next() % 4,
                 sample_period_nanos: 0,
+                frames: (0..next() % 4)
+                    .map(|i| ProtoFrame {
+                        function: ["a", "b", "c"][(i % 3) as usize].into(),
+                        ..ProtoFrame::default()
+                    })
+                    .collect(),
             };
             if let Ok(tree) = CallTree::from_proto(&response) {
                 accepted += 1;
