@@ -22,9 +22,10 @@
 //! * Buckets: the same `bucket_nanos` alignment (kept in `meta`, refused if
 //!   another width is asked for), and a bucket overlapping the range counts
 //!   whole.
-//! * Sums: weights are summed exactly (as two 32-bit halves, so nothing
-//!   wraps), saturated at `i64::MAX` per (bucket, label set, stack) as
-//!   SQLite's rows are, then added saturating.
+//! * Sums: weights are summed exactly (in three 21-bit parts, so nothing
+//!   wraps) and every total returned, per stack or per series point, is
+//!   capped at `i64::MAX`, as SQLite's are. Each stored row is at most
+//!   `i64::MAX`, so capping once at the end equals adding capped.
 //! * Periods: known only when every selected row agrees on one.
 //! * Retention: a high-water mark (`retention`) hides deleted buckets at
 //!   once; whole partitions at or before it are dropped. ClickHouse 18.16
@@ -368,20 +369,33 @@ fn hash_list(hashes: impl IntoIterator<Item = u128>) -> String {
     sql
 }
 
-/// An exact sum read back as two halves: `lo` sums the low 32 bits of each
-/// weight, `hi` the high 32 (neither wraps below 2^32 rows).
-fn exact_sum(lo: u64, hi: u64) -> u128 {
-    u128::from(lo) + (u128::from(hi) << 32)
+/// An exact sum read back in three parts: `parts[i]` sums bits
+/// `21 * i .. 21 * (i + 1)` of each weight. A part is below 2^22 per row
+/// (2^21 for the weights ingest accepts), so its `UInt64` sum cannot wrap
+/// below 2^42 rows in one group: more than any range of a real fleet holds.
+fn exact_sum(parts: [u64; 3]) -> u128 {
+    parts
+        .iter()
+        .enumerate()
+        .map(|(i, &part)| u128::from(part) << (21 * i))
+        .sum()
 }
 
-/// What a stored (bucket, label set, stack) row holds at most, as SQLite's
-/// saturating upsert keeps it.
-fn saturate_row(sum: u128) -> u64 {
+/// What every summed weight an engine returns is: the exact total, capped
+/// at `i64::MAX` (stored rows are each at most that, so capping once at
+/// the end is the same as adding capped).
+fn cap(sum: u128) -> u64 {
     sum.min(i64::MAX as u128) as u64
 }
 
-/// The columns of `exact_sum`.
-const WEIGHT_HALVES: &str = "sum(bitAnd(weight, 4294967295)), sum(bitShiftRight(weight, 32))";
+/// The columns of `exact_sum`, in its order.
+const WEIGHT_PARTS: &str = "sum(bitAnd(weight, 2097151)), \
+     sum(bitAnd(bitShiftRight(weight, 21), 2097151)), sum(bitShiftRight(weight, 42))";
+
+/// Reads the columns of `WEIGHT_PARTS`.
+fn read_sum(r: &mut RowReader<'_>) -> Result<u128, String> {
+    Ok(exact_sum([r.u64()?, r.u64()?, r.u64()?]))
+}
 
 impl ClickhouseStorage {
     /// Connects, creates the database and tables on every server if
@@ -916,7 +930,7 @@ impl ClickhouseStorage {
         }
 
         // One row per (label set, stack): within a batch, duplicates merge
-        // here, saturating as SQLite's rows do.
+        // here, capped at i64::MAX (answers are capped there anyway).
         let mut samples: BTreeMap<(u128, u128), u64> = BTreeMap::new();
         for (index, sample) in batch.samples.iter().enumerate() {
             let out_of_range = |what: &str, value: u32, len: usize| {
@@ -1020,37 +1034,20 @@ impl Storage for ClickhouseStorage {
         let Some(condition) = self.selection_condition(selection)? else {
             return Ok(StackSamples::default());
         };
-        let samples = self.tables.table("samples");
         let sql = format!(
-            "SELECT stack, {WEIGHT_HALVES}, min(sample_period), max(sample_period) \
-             FROM {samples} FINAL WHERE {condition} GROUP BY stack FORMAT RowBinary"
+            "SELECT stack, {WEIGHT_PARTS}, min(sample_period), max(sample_period) \
+             FROM {} FINAL WHERE {condition} GROUP BY stack FORMAT RowBinary",
+            self.tables.table("samples")
         );
         let rows = self.select("summing stacks", &sql, |r| {
-            Ok((r.hash()?, exact_sum(r.u64()?, r.u64()?), r.u64()?, r.u64()?))
+            Ok((r.hash()?, read_sum(r)?, r.u64()?, r.u64()?))
         })?;
         let mut period = PeriodAgreement::default();
         let mut weights: BTreeMap<u128, u64> = BTreeMap::new();
-        let mut saturated = false;
         for &(stack, sum, min_period, max_period) in &rows {
             period.add(min_period);
             period.add(max_period);
-            saturated |= sum > i64::MAX as u128;
-            weights.insert(stack, saturate_row(sum));
-        }
-        if saturated {
-            // Some stack's rows may have saturated one by one, as SQLite's
-            // would: sum per (bucket, label set, stack) and add those up.
-            weights.clear();
-            let sql = format!(
-                "SELECT stack, {WEIGHT_HALVES} FROM {samples} FINAL WHERE {condition} \
-                 GROUP BY bucket, label_set, stack FORMAT RowBinary"
-            );
-            for (stack, sum) in self.select("summing saturated stacks", &sql, |r| {
-                Ok((r.hash()?, exact_sum(r.u64()?, r.u64()?)))
-            })? {
-                let weight = weights.entry(stack).or_default();
-                *weight = weight.saturating_add(saturate_row(sum));
-            }
+            weights.insert(stack, cap(sum));
         }
         let hashes: Vec<u128> = weights.keys().copied().collect();
         let frames = self.frames_of(&hashes)?;
@@ -1108,22 +1105,20 @@ impl Storage for ClickhouseStorage {
         let Some(condition) = self.selection_condition(selection)? else {
             return Ok(Vec::new());
         };
-        // Per (bucket, label set), as SQLite's `label_set_buckets` rows
-        // saturate.
         let sql = format!(
-            "SELECT bucket, {WEIGHT_HALVES} FROM {} FINAL WHERE {condition} \
-             GROUP BY bucket, label_set FORMAT RowBinary",
+            "SELECT bucket, {WEIGHT_PARTS} FROM {} FINAL WHERE {condition} \
+             GROUP BY bucket FORMAT RowBinary",
             self.tables.table("samples")
         );
-        let mut points: BTreeMap<i64, u64> = BTreeMap::new();
+        let mut sums: BTreeMap<i64, u128> = BTreeMap::new();
         for (bucket, sum) in self.select("summing the series", &sql, |r| {
-            Ok((r.i64()?, exact_sum(r.u64()?, r.u64()?)))
+            Ok((r.i64()?, read_sum(r)?))
         })? {
             let point = bucket.saturating_sub(bucket.rem_euclid(step));
-            let total = points.entry(point).or_default();
-            *total = total.saturating_add(saturate_row(sum));
+            *sums.entry(point).or_default() += sum;
         }
-        Ok(points.into_iter().filter(|&(_, w)| w > 0).collect())
+        let points = sums.into_iter().map(|(point, sum)| (point, cap(sum)));
+        Ok(points.filter(|&(_, w)| w > 0).collect())
     }
 
     /// Hides every bucket ending at or before the cutoff at once (the
@@ -1282,13 +1277,19 @@ mod tests {
     }
 
     #[test]
-    fn sums_are_exact_then_saturate() {
+    fn sums_are_exact_then_capped() {
         let max = i64::MAX as u64;
-        // Three rows of i64::MAX: the halves sum them without wrapping.
-        let (lo, hi) = (3 * (max & 0xffff_ffff), 3 * (max >> 32));
-        assert_eq!(exact_sum(lo, hi), 3 * u128::from(max));
-        assert_eq!(saturate_row(exact_sum(lo, hi)), max);
-        assert_eq!(saturate_row(5), 5);
+        let part = |i: u32| (max >> (21 * i)) & 0x1f_ffff;
+        // Three rows of i64::MAX: the parts sum them without wrapping.
+        let parts = [3 * part(0), 3 * part(1), 3 * part(2)];
+        assert_eq!(exact_sum(parts), 3 * u128::from(max));
+        assert_eq!(cap(exact_sum(parts)), max);
+        // 2^42 rows of i64::MAX: the largest part's sum still fits.
+        let parts = [part(0) << 42, part(1) << 42, part(2) << 42];
+        assert!(part(0) << 42 < u64::MAX);
+        assert_eq!(exact_sum(parts), u128::from(max) << 42);
+        assert_eq!(cap(5), 5);
+        assert_eq!(cap(u128::from(max) + 1), max);
     }
 
     #[test]
