@@ -831,9 +831,10 @@ struct BatchRows {
     stacks: RowWriter,
     label_sets: RowWriter,
     samples: RowWriter,
-    /// (hash, partition) written, for the caches once stored.
-    new_stacks: Vec<(u128, i64)>,
-    new_label_sets: Vec<(u128, i64)>,
+    /// (hash, partition) written, for the caches once stored (and to write
+    /// each once per batch).
+    new_stacks: HashSet<(u128, i64)>,
+    new_label_sets: HashSet<(u128, i64)>,
 }
 
 impl ClickhouseStorage {
@@ -870,13 +871,14 @@ impl ClickhouseStorage {
             stacks: RowWriter::default(),
             label_sets: RowWriter::default(),
             samples: RowWriter::default(),
-            new_stacks: Vec::new(),
-            new_label_sets: Vec::new(),
+            new_stacks: HashSet::new(),
+            new_label_sets: HashSet::new(),
         };
         let (mut blob, mut scratch) = (Vec::new(), Vec::new());
         let mut stack_hashes = Vec::with_capacity(batch.stacks.len());
         {
-            let stored = lock(&self.stored_stacks);
+            // Locked per lookup: no other ingest waits while blobs encode.
+            let stored = |key: &(u128, i64)| lock(&self.stored_stacks).entries.contains(key);
             for (index, stack) in batch.stacks.iter().enumerate() {
                 bytes.clear();
                 bytes.push(b's');
@@ -894,9 +896,7 @@ impl ClickhouseStorage {
                 }
                 let hash = xxhash_rust::xxh3::xxh3_128(&bytes);
                 stack_hashes.push(hash);
-                if stored.entries.contains(&(hash, partition))
-                    || rows.new_stacks.contains(&(hash, partition))
-                {
+                if stored(&(hash, partition)) || !rows.new_stacks.insert((hash, partition)) {
                     continue;
                 }
                 codec::encode_stack(batch, stack, &mut blob, &mut scratch)
@@ -904,19 +904,16 @@ impl ClickhouseStorage {
                 rows.stacks.hash(hash);
                 rows.stacks.i64(bucket);
                 rows.stacks.string(&blob);
-                rows.new_stacks.push((hash, partition));
             }
         }
 
         let mut label_set_hashes = Vec::with_capacity(batch.label_sets.len());
         {
-            let stored = lock(&self.stored_label_sets);
+            let stored = |key: &(u128, i64)| lock(&self.stored_label_sets).entries.contains(key);
             for labels in &batch.label_sets {
                 let hash = label_set_hash(&mut bytes, labels);
                 label_set_hashes.push(hash);
-                if stored.entries.contains(&(hash, partition))
-                    || rows.new_label_sets.contains(&(hash, partition))
-                {
+                if stored(&(hash, partition)) || !rows.new_label_sets.insert((hash, partition)) {
                     continue;
                 }
                 rows.label_sets.hash(hash);
@@ -925,7 +922,6 @@ impl ClickhouseStorage {
                     .strings(labels.iter().map(|(n, _)| n.as_str()));
                 rows.label_sets
                     .strings(labels.iter().map(|(_, v)| v.as_str()));
-                rows.new_label_sets.push((hash, partition));
             }
         }
 
@@ -1111,9 +1107,9 @@ impl Storage for ClickhouseStorage {
             self.tables.table("samples")
         );
         let mut sums: BTreeMap<i64, u128> = BTreeMap::new();
-        for (bucket, sum) in self.select("summing the series", &sql, |r| {
-            Ok((r.i64()?, read_sum(r)?))
-        })? {
+        for (bucket, sum) in
+            self.select("summing the series", &sql, |r| Ok((r.i64()?, read_sum(r)?)))?
+        {
             let point = bucket.saturating_sub(bucket.rem_euclid(step));
             *sums.entry(point).or_default() += sum;
         }
