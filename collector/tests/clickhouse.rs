@@ -140,10 +140,21 @@ fn the_same_batches_give_the_same_answers_as_sqlite() {
         ClickhouseOptions::default(),
     )
     .expect("open one server");
+    // Every query chunked per label set and stack, caches of one entry.
+    let tiny = open_url(
+        &servers().cluster_url("cross_tiny"),
+        ClickhouseOptions {
+            stack_fetch_chunk: 1,
+            cache_entries: 1,
+            query_cache_entries: 1,
+            ..ClickhouseOptions::default()
+        },
+    )
+    .expect("open with tiny chunks");
     let mut batches = vec![batch1(), batch2(), batch3()];
     batches.extend(huge_batches());
     batches.push(segments_batch());
-    for storage in [&sqlite as &dyn Storage, &clustered, &single] {
+    for storage in [&sqlite as &dyn Storage, &clustered, &single, &tiny] {
         ingest_all(storage, &batches);
     }
 
@@ -178,7 +189,11 @@ fn the_same_batches_give_the_same_answers_as_sqlite() {
             let context = format!("matchers {matchers:?}, range {start}..{end}");
             let expected = capped(sqlite.stacks(&selection).expect("SQLite stacks"));
             let expected_tree = CallTree::from_stacks(&expected);
-            for (engine, storage) in [("cluster", &clustered), ("single", &single)] {
+            for (engine, storage) in [
+                ("cluster", &clustered),
+                ("single", &single),
+                ("tiny chunks", &tiny),
+            ] {
                 let got = storage.stacks(&selection).expect("ClickHouse stacks");
                 assert_eq!(sorted(&got), sorted(&expected), "{engine}: {context}");
                 assert_eq!(
@@ -215,7 +230,7 @@ fn the_same_batches_give_the_same_answers_as_sqlite() {
             }
         }
     }
-    assert_eq!(compared, 13 * 6 * 2);
+    assert_eq!(compared, 13 * 6 * 3);
 
     // What the comparisons compared is what the SQLite tests pin down, so
     // agreeing is not agreeing on nothing.
@@ -276,7 +291,10 @@ fn the_same_batches_give_the_same_answers_as_sqlite() {
         clustered
             .series(&all(&[("comm", Equal, "huge")]), MINUTE)
             .expect("series"),
-        [(T0, i64::MAX as u64), (T0 + MINUTE, (i64::MAX / 2 + 1) as u64)]
+        [
+            (T0, i64::MAX as u64),
+            (T0 + MINUTE, (i64::MAX / 2 + 1) as u64)
+        ]
     );
     // The hour from T0 - 840 s holds both buckets (and the segments
     // batch's 9): capped once, at the end.

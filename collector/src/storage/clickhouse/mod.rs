@@ -229,8 +229,9 @@ pub struct ClickhouseOptions {
     pub connect_timeout: Duration,
     /// Longest a statement may take, end to end.
     pub request_timeout: Duration,
-    /// Stacks (and label sets) a query names per `IN (...)` list when it
-    /// fetches them.
+    /// Stacks or label sets a query names per `IN (...)` list: when it
+    /// fetches them, and when it sums the samples of selected label sets
+    /// (one query per chunk, added up).
     pub stack_fetch_chunk: usize,
 }
 
@@ -749,22 +750,31 @@ impl ClickhouseStorage {
             .collect())
     }
 
-    /// The `WHERE` condition of a selection, `None` when it selects nothing.
-    fn selection_condition(&self, selection: &Selection) -> Result<Option<String>, StorageError> {
+    /// The `WHERE` conditions of a selection, none when it selects
+    /// nothing. The selected label sets are named in chunks of
+    /// `stack_fetch_chunk`, one condition each (a single `IN` list of tens
+    /// of thousands would pass the server's `max_ast_elements`); each
+    /// condition selects other rows, so answers add up over them.
+    fn selection_conditions(&self, selection: &Selection) -> Result<Vec<String>, StorageError> {
         let Some(buckets) = self.bucket_condition(selection)? else {
-            return Ok(None);
+            return Ok(Vec::new());
         };
         if selection.matchers.is_empty() {
-            return Ok(Some(buckets));
+            return Ok(vec![buckets]);
         }
-        let selected = self.selected_label_sets(selection, &buckets)?;
-        if selected.is_empty() {
-            return Ok(None);
-        }
-        Ok(Some(format!(
-            "{buckets} AND label_set IN ({})",
-            hash_list(selected.keys().copied())
-        )))
+        let selected: Vec<u128> = self
+            .selected_label_sets(selection, &buckets)?
+            .into_keys()
+            .collect();
+        Ok(selected
+            .chunks(self.options.stack_fetch_chunk.max(1))
+            .map(|chunk| {
+                format!(
+                    "{buckets} AND label_set IN ({})",
+                    hash_list(chunk.iter().copied())
+                )
+            })
+            .collect())
     }
 
     /// Frames of the given stacks, from the cache or the database.
@@ -1027,24 +1037,28 @@ impl Storage for ClickhouseStorage {
     }
 
     fn stacks(&self, selection: &Selection) -> Result<StackSamples, StorageError> {
-        let Some(condition) = self.selection_condition(selection)? else {
-            return Ok(StackSamples::default());
-        };
-        let sql = format!(
-            "SELECT stack, {WEIGHT_PARTS}, min(sample_period), max(sample_period) \
-             FROM {} FINAL WHERE {condition} GROUP BY stack FORMAT RowBinary",
-            self.tables.table("samples")
-        );
-        let rows = self.select("summing stacks", &sql, |r| {
-            Ok((r.hash()?, read_sum(r)?, r.u64()?, r.u64()?))
-        })?;
         let mut period = PeriodAgreement::default();
-        let mut weights: BTreeMap<u128, u64> = BTreeMap::new();
-        for &(stack, sum, min_period, max_period) in &rows {
-            period.add(min_period);
-            period.add(max_period);
-            weights.insert(stack, cap(sum));
+        let mut sums: BTreeMap<u128, u128> = BTreeMap::new();
+        for condition in self.selection_conditions(selection)? {
+            let sql = format!(
+                "SELECT stack, {WEIGHT_PARTS}, min(sample_period), max(sample_period) \
+                 FROM {} FINAL WHERE {condition} GROUP BY stack FORMAT RowBinary",
+                self.tables.table("samples")
+            );
+            for (stack, sum, min_period, max_period) in
+                self.select("summing stacks", &sql, |r| {
+                    Ok((r.hash()?, read_sum(r)?, r.u64()?, r.u64()?))
+                })?
+            {
+                period.add(min_period);
+                period.add(max_period);
+                *sums.entry(stack).or_default() += sum;
+            }
         }
+        let weights: BTreeMap<u128, u64> = sums
+            .into_iter()
+            .map(|(stack, sum)| (stack, cap(sum)))
+            .collect();
         let hashes: Vec<u128> = weights.keys().copied().collect();
         let frames = self.frames_of(&hashes)?;
         let stacks = weights
@@ -1098,20 +1112,19 @@ impl Storage for ClickhouseStorage {
         } else {
             self.options.bucket_nanos
         };
-        let Some(condition) = self.selection_condition(selection)? else {
-            return Ok(Vec::new());
-        };
-        let sql = format!(
-            "SELECT bucket, {WEIGHT_PARTS} FROM {} FINAL WHERE {condition} \
-             GROUP BY bucket FORMAT RowBinary",
-            self.tables.table("samples")
-        );
         let mut sums: BTreeMap<i64, u128> = BTreeMap::new();
-        for (bucket, sum) in
-            self.select("summing the series", &sql, |r| Ok((r.i64()?, read_sum(r)?)))?
-        {
-            let point = bucket.saturating_sub(bucket.rem_euclid(step));
-            *sums.entry(point).or_default() += sum;
+        for condition in self.selection_conditions(selection)? {
+            let sql = format!(
+                "SELECT bucket, {WEIGHT_PARTS} FROM {} FINAL WHERE {condition} \
+                 GROUP BY bucket FORMAT RowBinary",
+                self.tables.table("samples")
+            );
+            for (bucket, sum) in
+                self.select("summing the series", &sql, |r| Ok((r.i64()?, read_sum(r)?)))?
+            {
+                let point = bucket.saturating_sub(bucket.rem_euclid(step));
+                *sums.entry(point).or_default() += sum;
+            }
         }
         let points = sums.into_iter().map(|(point, sum)| (point, cap(sum)));
         Ok(points.filter(|&(_, w)| w > 0).collect())
