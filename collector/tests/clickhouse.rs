@@ -565,6 +565,31 @@ fn failures_are_clear_errors() {
         )
     );
 
+    // An answer larger than max_response_bytes is an error, not memory:
+    // the server is told the limit too (max_result_bytes) and refuses
+    // first. (The client's own cap is tested in the client's unit tests.)
+    let small = open_url(
+        &servers().cluster_url("errors"),
+        ClickhouseOptions {
+            max_response_bytes: 4096,
+            ..ClickhouseOptions::default()
+        },
+    )
+    .expect("open with a small answer limit");
+    let mut big = Builder::new(30, "node-a", T0, PERIOD_100HZ);
+    let s1 = big.standard_stack(1);
+    let long = "v".repeat(4000);
+    let set = big.label_set(&[("a", &long), ("b", &long), ("c", &long)]);
+    big.sample(s1, set, 1, 0);
+    ingest_all(&small, &[big.validate()]);
+    let err = small.label_names(&all(&[])).expect_err("too large");
+    let chain = format!("{:#}", anyhow::Error::from(err));
+    assert!(
+        chain.starts_with("ClickHouse: reading label sets: "),
+        "{chain}"
+    );
+    assert!(chain.contains("Limit for result exceeded"), "{chain}");
+
     // Rows no collector wrote: errors, not panics or wrong frames. First
     // the stacks are gone (the tables dropped and made anew, empty).
     for server in [0, 1] {

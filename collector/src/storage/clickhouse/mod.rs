@@ -235,6 +235,9 @@ pub struct ClickhouseOptions {
     pub connect_timeout: Duration,
     /// Longest a statement may take, end to end.
     pub request_timeout: Duration,
+    /// Longest answer read from a server, in bytes (also sent as
+    /// `max_result_bytes`): a larger one is an error, not memory.
+    pub max_response_bytes: u64,
     /// Stacks or label sets a query names per `IN (...)` list: when it
     /// fetches them, and when it sums the samples of selected label sets
     /// (one query per chunk, added up).
@@ -251,6 +254,7 @@ impl Default for ClickhouseOptions {
             connect_timeout: Duration::from_secs(5),
             request_timeout: Duration::from_secs(120),
             stack_fetch_chunk: 4096,
+            max_response_bytes: 1 << 30,
         }
     }
 }
@@ -424,13 +428,15 @@ impl ClickhouseStorage {
         if config.servers.is_empty() {
             return Err(StorageError::InvalidOptions("no ClickHouse server".into()));
         }
-        let client =
-            Client::new(options.connect_timeout, options.request_timeout).map_err(|source| {
-                StorageError::Remote {
-                    action: "building the HTTP client".into(),
-                    source,
-                }
-            })?;
+        let client = Client::new(
+            options.connect_timeout,
+            options.request_timeout,
+            options.max_response_bytes,
+        )
+        .map_err(|source| StorageError::Remote {
+            action: "building the HTTP client".into(),
+            source,
+        })?;
         let endpoints = config
             .servers
             .iter()
@@ -530,7 +536,7 @@ impl ClickhouseStorage {
             }
             return self
                 .client
-                .insert(endpoint, &meta, "key, value", rows.bytes)
+                .insert(endpoint, &meta, "key, value", rows.bytes.into())
                 .map_err(remote(at("writing meta")));
         }
         for (key, value) in wanted {
@@ -577,8 +583,9 @@ impl ClickhouseStorage {
 
     /// Runs `attempt` against the first server that can be reached: a
     /// server that is down is skipped; one that refuses the statement is
-    /// not (another would refuse it too). Every statement sent this way is
-    /// safe to repeat.
+    /// not (another would refuse it too), nor one that timed out (another
+    /// would run the same heavy statement again). Every statement sent
+    /// this way is safe to repeat.
     fn any_server<T>(
         &self,
         action: &str,
@@ -588,7 +595,7 @@ impl ClickhouseStorage {
         for endpoint in &self.endpoints {
             match attempt(endpoint) {
                 Ok(value) => return Ok(value),
-                Err(err @ ClickhouseError::Transport { .. }) => {
+                Err(err) if err.fails_over() => {
                     tracing::warn!(server = %endpoint.url, "{action}: {err}; trying the next server");
                     last = Some(err);
                 }
@@ -621,18 +628,15 @@ impl ClickhouseStorage {
         action: &str,
         table: &str,
         columns: &str,
-        rows: &RowWriter,
+        rows: RowWriter,
     ) -> Result<(), StorageError> {
         if rows.bytes.is_empty() {
             return Ok(());
         }
+        let rows = bytes::Bytes::from(rows.bytes);
         self.any_server(action, |endpoint| {
-            self.client.insert(
-                endpoint,
-                &self.tables.table(table),
-                columns,
-                rows.bytes.clone(),
-            )
+            self.client
+                .insert(endpoint, &self.tables.table(table), columns, rows.clone())
         })
     }
 
@@ -1003,13 +1007,13 @@ impl Storage for ClickhouseStorage {
             "storing stacks",
             "stacks",
             "stack, bucket, frames",
-            &rows.stacks,
+            rows.stacks,
         )?;
         self.insert(
             "storing label sets",
             "label_sets",
             "label_set, bucket, label_names, label_values",
-            &rows.label_sets,
+            rows.label_sets,
         )?;
         {
             let mut stored = lock(&self.stored_stacks);
@@ -1027,7 +1031,7 @@ impl Storage for ClickhouseStorage {
             "storing samples",
             "samples",
             "bucket, label_set, stack, batch, sample_period, weight",
-            &rows.samples,
+            rows.samples,
         )?;
         let mut batch_row = RowWriter::default();
         batch_row.hash(id);
@@ -1037,7 +1041,7 @@ impl Storage for ClickhouseStorage {
             "storing the batch id",
             "batches",
             "batch, received_unix_nanos, end_unix_nanos",
-            &batch_row,
+            batch_row,
         )?;
         Ok(IngestOutcome::Stored {
             samples: batch.samples.len() as u64,
@@ -1161,6 +1165,7 @@ impl Storage for ClickhouseStorage {
             let mut mark = RowWriter::default();
             mark.i64(last);
             mark.i64(unix_nanos(SystemTime::now()));
+            let mark = bytes::Bytes::from(mark.bytes);
             // Every server first: a query anywhere hides the buckets
             // before any partition goes.
             for endpoint in &self.endpoints {
@@ -1169,7 +1174,7 @@ impl Storage for ClickhouseStorage {
                         endpoint,
                         &self.tables.own("retention"),
                         "last_bucket, at_unix_nanos",
-                        mark.bytes.clone(),
+                        mark.clone(),
                     )
                     .map_err(remote(format!(
                         "writing the retention mark on {}",
