@@ -351,6 +351,55 @@ fn a_retried_batch_is_not_counted_twice() {
 }
 
 #[test]
+fn a_batch_whose_dictionary_rows_pass_the_cap_is_refused_whole() {
+    let db = "dictionary_cap";
+    let storage = open_url(
+        &servers().cluster_url(db),
+        ClickhouseOptions {
+            max_batch_dictionary_bytes: 8192,
+            ..ClickhouseOptions::default()
+        },
+    )
+    .expect("open");
+    // One label set of 12 KB: its row alone passes 8 KiB.
+    let mut big = Builder::new(40, "node-a", T0, PERIOD_100HZ);
+    let s1 = big.standard_stack(1);
+    let long = "v".repeat(4000);
+    let set = big.label_set(&[("a", &long), ("b", &long), ("c", &long)]);
+    big.sample(s1, set, 1, 0);
+    let big = big.validate();
+    for _ in 0..2 {
+        match storage.ingest(&big) {
+            Err(err @ StorageError::TooLarge(_)) => assert_eq!(
+                err.to_string(),
+                "the batch is too large to store: its new stacks and label sets take more than \
+                 8192 bytes as ClickHouse rows (max_batch_dictionary_bytes); send smaller batches"
+            ),
+            other => panic!("expected TooLarge, got {other:?}"),
+        }
+    }
+    let tables = [
+        "samples_local",
+        "stacks_local",
+        "label_sets_local",
+        "batches_local",
+    ];
+    for table in tables {
+        assert_eq!(rows_on(0, db, table) + rows_on(1, db, table), 0, "{table}");
+    }
+    // A batch under the cap is stored, and only it.
+    ingest_all(&storage, &[batch1()]);
+    assert_eq!(
+        weights(&storage, &all(&[])),
+        expect(&[(S0, 5), (S1, 3), (S2, 7)])
+    );
+    assert_eq!(
+        rows_on(0, db, "batches_local") + rows_on(1, db, "batches_local"),
+        1
+    );
+}
+
+#[test]
 fn retention_deletes_old_data() {
     let db = "retention";
     // Half-hour partitions: T0's is wholly before T0 + 30 min's cutoff.

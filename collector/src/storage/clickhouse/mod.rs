@@ -235,6 +235,12 @@ pub struct ClickhouseOptions {
     pub connect_timeout: Duration,
     /// Longest a statement may take, end to end.
     pub request_timeout: Duration,
+    /// Most bytes of new dictionary rows (stacks, label sets) one batch may
+    /// add. A stack row holds each location's mapping and lines whole (so
+    /// a row names a whole stack), so a batch within the ingest limits can
+    /// expand many times over; a larger one is refused whole
+    /// (`StorageError::TooLarge`), nothing of it stored.
+    pub max_batch_dictionary_bytes: usize,
     /// Longest answer read from a server, in bytes (also sent as
     /// `max_result_bytes`): a larger one is an error, not memory.
     pub max_response_bytes: u64,
@@ -255,6 +261,7 @@ impl Default for ClickhouseOptions {
             request_timeout: Duration::from_secs(120),
             stack_fetch_chunk: 4096,
             max_response_bytes: 1 << 30,
+            max_batch_dictionary_bytes: 256 << 20,
         }
     }
 }
@@ -860,6 +867,21 @@ struct BatchRows {
 }
 
 impl ClickhouseStorage {
+    /// Refuses a batch whose new dictionary rows pass
+    /// `max_batch_dictionary_bytes` (checked as they are built, so no more
+    /// than that and one row is ever held).
+    fn check_dictionary_bytes(&self, rows: &BatchRows) -> Result<(), StorageError> {
+        let bytes = rows.stacks.bytes.len() + rows.label_sets.bytes.len();
+        let limit = self.options.max_batch_dictionary_bytes;
+        if bytes > limit {
+            return Err(StorageError::TooLarge(format!(
+                "its new stacks and label sets take more than {limit} bytes as ClickHouse \
+                 rows (max_batch_dictionary_bytes); send smaller batches"
+            )));
+        }
+        Ok(())
+    }
+
     fn batch_rows(&self, batch: &ValidBatch, bucket: i64) -> Result<BatchRows, StorageError> {
         let invalid = StorageError::InvalidBatch;
         let partition = self.partition_of(bucket);
@@ -926,6 +948,7 @@ impl ClickhouseStorage {
                 rows.stacks.hash(hash);
                 rows.stacks.i64(bucket);
                 rows.stacks.string(&blob);
+                self.check_dictionary_bytes(&rows)?;
             }
         }
 
@@ -944,6 +967,7 @@ impl ClickhouseStorage {
                     .strings(labels.iter().map(|(n, _)| n.as_str()));
                 rows.label_sets
                     .strings(labels.iter().map(|(_, v)| v.as_str()));
+                self.check_dictionary_bytes(&rows)?;
             }
         }
 
