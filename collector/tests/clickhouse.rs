@@ -400,6 +400,39 @@ fn a_batch_whose_dictionary_rows_pass_the_cap_is_refused_whole() {
 }
 
 #[test]
+fn bucket_widths_that_do_not_divide_a_day_work() {
+    for (db, bucket, partition_minutes) in [
+        ("bucket_7m", 7 * MINUTE, 1442),
+        ("bucket_2d", 2 * 1440 * MINUTE, 2 * 1440),
+    ] {
+        let options = ClickhouseOptions {
+            bucket_nanos: bucket,
+            ..ClickhouseOptions::default()
+        };
+        let storage = open_url(&servers().cluster_url(db), options.clone()).expect(db);
+        ingest_all(&storage, &[batch1()]);
+        assert_eq!(
+            weights(&storage, &all(&[])),
+            expect(&[(S0, 5), (S1, 3), (S2, 7)]),
+            "{db}"
+        );
+        // The rounded width is what the database keeps, and a collector
+        // started the same way opens it again.
+        assert_eq!(
+            servers()
+                .sql(
+                    0,
+                    &format!("SELECT value FROM {db}.meta FINAL WHERE key = 'partition_nanos'")
+                )
+                .trim(),
+            (partition_minutes * MINUTE).to_string(),
+            "{db}"
+        );
+        open_url(&servers().cluster_url(db), options).expect("reopen");
+    }
+}
+
+#[test]
 fn retention_deletes_old_data() {
     let db = "retention";
     // Half-hour partitions: T0's is wholly before T0 + 30 min's cutoff.

@@ -224,9 +224,12 @@ pub struct ClickhouseOptions {
     /// Samples are summed per bucket of this many nanoseconds, as with
     /// SQLite; fixed when the database is created.
     pub bucket_nanos: i64,
-    /// Rows are partitioned by time in partitions this wide (a multiple of
-    /// `bucket_nanos`): what retention drops at a time. Fixed when the
-    /// database is created.
+    /// Rows are partitioned by time in partitions this wide: what
+    /// retention drops at a time. Rounded up to a multiple of
+    /// `bucket_nanos` (a bucket never straddles two partitions): with
+    /// 7-minute buckets a day's partition is 1442 minutes, with 2-day
+    /// buckets it is 2 days. Fixed (as rounded) when the database is
+    /// created.
     pub partition_nanos: i64,
     /// Entries each ingest cache (stacks, label sets known stored) holds.
     pub cache_entries: usize,
@@ -406,6 +409,17 @@ fn cap(sum: u128) -> u64 {
     sum.min(i64::MAX as u128) as u64
 }
 
+/// The partition width for `partition` nanoseconds asked for: the
+/// smallest multiple of `bucket` at least as wide (`None` if either is not
+/// positive, or it overflows).
+fn partition_width(bucket: i64, partition: i64) -> Option<i64> {
+    if bucket <= 0 || partition <= 0 {
+        return None;
+    }
+    let buckets = partition / bucket + i64::from(partition % bucket != 0);
+    buckets.checked_mul(bucket)
+}
+
 /// The columns of `exact_sum`, in its order.
 const WEIGHT_PARTS: &str = "sum(bitAnd(weight, 2097151)), \
      sum(bitAnd(bitShiftRight(weight, 21), 2097151)), sum(bitShiftRight(weight, 42))";
@@ -421,17 +435,16 @@ impl ClickhouseStorage {
     /// settings.
     pub fn open(
         config: ClickhouseConfig,
-        options: ClickhouseOptions,
+        mut options: ClickhouseOptions,
     ) -> Result<Self, StorageError> {
-        if options.bucket_nanos <= 0
-            || options.partition_nanos < options.bucket_nanos
-            || options.partition_nanos % options.bucket_nanos != 0
-        {
-            return Err(StorageError::InvalidOptions(format!(
-                "bucket_nanos must be positive and partition_nanos a multiple of it, got {} and {}",
-                options.bucket_nanos, options.partition_nanos
-            )));
-        }
+        options.partition_nanos = partition_width(options.bucket_nanos, options.partition_nanos)
+            .ok_or_else(|| {
+                StorageError::InvalidOptions(format!(
+                    "bucket_nanos and partition_nanos must be positive (and the partition, \
+                     rounded up to whole buckets, fit in 64 bits), got {} and {}",
+                    options.bucket_nanos, options.partition_nanos
+                ))
+            })?;
         if config.servers.is_empty() {
             return Err(StorageError::InvalidOptions("no ClickHouse server".into()));
         }
@@ -1336,6 +1349,19 @@ mod tests {
         assert_eq!(exact_sum(parts), u128::from(max) << 42);
         assert_eq!(cap(5), 5);
         assert_eq!(cap(u128::from(max) + 1), max);
+    }
+
+    #[test]
+    fn partitions_are_whole_buckets() {
+        let minute = 60_000_000_000;
+        let day = 1440 * minute;
+        assert_eq!(partition_width(minute, day), Some(day));
+        assert_eq!(partition_width(7 * minute, day), Some(1442 * minute));
+        assert_eq!(partition_width(2 * day, day), Some(2 * day));
+        assert_eq!(partition_width(3, 10), Some(12));
+        assert_eq!(partition_width(0, day), None);
+        assert_eq!(partition_width(minute, 0), None);
+        assert_eq!(partition_width(i64::MAX / 2 + 1, i64::MAX), None);
     }
 
     #[test]
