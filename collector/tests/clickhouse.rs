@@ -332,8 +332,11 @@ fn a_retried_batch_is_not_counted_twice() {
 
     // A first attempt that stored its samples but failed before its id:
     // the retry stores them again, and they still count once.
+    // Merges stopped: one would collapse the two copies before they are
+    // counted on disk.
     for server in [0, 1] {
         servers().sql(server, &format!("DROP TABLE {db}.batches_local"));
+        servers().sql(server, &format!("SYSTEM STOP MERGES {db}.samples_local"));
     }
     let storage = cluster(db);
     assert_eq!(
