@@ -675,6 +675,21 @@ fn failures_are_clear_errors() {
     );
     assert!(chain.contains("Limit for result exceeded"), "{chain}");
 
+    // One shard of the cluster's database, without ?cluster=: refused.
+    let err = open_url(
+        &servers().single_url("errors"),
+        ClickhouseOptions::default(),
+    )
+    .expect_err("one shard alone");
+    assert_eq!(
+        err.to_string(),
+        format!(
+            "the database at http://127.0.0.1:{a}/errors cannot be used: it was created for \
+             cluster \"two\" (?cluster=two), not for a single server (no ?cluster=) as asked; \
+             list every shard with ?cluster=NAME, as when it was created"
+        )
+    );
+
     // Rows no collector wrote: errors, not panics or wrong frames. First
     // the stacks are gone (the tables dropped and made anew, empty).
     for server in [0, 1] {

@@ -548,16 +548,37 @@ impl ClickhouseStorage {
         // settings both write theirs; `FINAL` keeps one, and the other
         // collector is refused when it next opens the database. Collectors
         // of one fleet are started with one configuration.
+        // How the database was created: `cluster=NAME` (or `cluster=` for
+        // a single server) = 1. A collector pointed at one shard without
+        // `?cluster=` would read and write that shard alone. Databases
+        // created before this key existed are not checked.
+        let cluster_key = format!("cluster={}", self.config.cluster.as_deref().unwrap_or(""));
         if stored.is_empty() {
             let mut rows = RowWriter::default();
             for (key, value) in wanted {
                 rows.string(key.as_bytes());
                 rows.i64(value);
             }
+            rows.string(cluster_key.as_bytes());
+            rows.i64(1);
             return self
                 .client
                 .insert(endpoint, &meta, "key, value", rows.bytes.into())
                 .map_err(remote(at("writing meta")));
+        }
+        if let Some(created) = stored.keys().find(|key| key.starts_with("cluster="))
+            && *created != cluster_key
+        {
+            let how = |key: &str| match &key["cluster=".len()..] {
+                "" => "a single server (no ?cluster=)".to_owned(),
+                name => format!("cluster {name:?} (?cluster={name})"),
+            };
+            return Err(incompatible(format!(
+                "it was created for {}, not for {} as asked; list every shard with \
+                 ?cluster=NAME, as when it was created",
+                how(created),
+                how(&cluster_key)
+            )));
         }
         for (key, value) in wanted {
             match stored.get(key) {
