@@ -436,6 +436,32 @@ fn bucket_widths_that_do_not_divide_a_day_work() {
 }
 
 #[test]
+fn batches_dated_more_than_a_day_ahead_are_refused() {
+    let storage = cluster("future");
+    let now = stackscope_profile::model::unix_nanos(std::time::SystemTime::now());
+    let day = 1440 * MINUTE;
+    let batch = |id: u8, start: i64| {
+        let mut b = Builder::new(id, "node-a", start, PERIOD_100HZ);
+        let s1 = b.standard_stack(1);
+        let set = b.label_set(&[("comm", "app")]);
+        b.sample(s1, set, 1, 0);
+        b.validate()
+    };
+    match storage.ingest(&batch(1, now + 2 * day)) {
+        Err(StorageError::InvalidBatch(message)) => {
+            assert!(message.ends_with("more than a day after now; is the node's clock right?"))
+        }
+        other => panic!("expected a refusal, got {other:?}"),
+    }
+    assert_eq!(
+        rows_on(0, "future", "samples_local") + rows_on(1, "future", "samples_local"),
+        0
+    );
+    // An hour ahead is a clock a little off: stored.
+    ingest_all(&storage, &[batch(2, now + 60 * MINUTE)]);
+}
+
+#[test]
 fn retention_deletes_old_data() {
     let db = "retention";
     // Half-hour partitions: T0's is wholly before T0 + 30 min's cutoff.

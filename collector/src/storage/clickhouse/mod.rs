@@ -269,6 +269,9 @@ impl Default for ClickhouseOptions {
     }
 }
 
+/// How far past now a batch may end: further is refused.
+const MAX_FUTURE_NANOS: i64 = 24 * 3600 * 1_000_000_000;
+
 /// A `ClickhouseError` as a storage error, saying what was being done.
 fn remote(action: impl Into<String>) -> impl FnOnce(ClickhouseError) -> StorageError {
     let action = action.into();
@@ -1056,6 +1059,16 @@ impl Storage for ClickhouseStorage {
         let seen = self.select("looking up the batch id", &sql, |r| r.u64())?;
         if seen.first().copied().unwrap_or(0) > 0 {
             return Ok(IngestOutcome::Duplicate);
+        }
+        // Partitions are by time: a batch from a clock far ahead would
+        // make partitions retention cannot drop for years.
+        let latest = unix_nanos(SystemTime::now()).saturating_add(MAX_FUTURE_NANOS);
+        if batch.range.end_unix_nanos > latest {
+            return Err(StorageError::InvalidBatch(format!(
+                "it ends at {} ns since the epoch, more than a day after now; is the node's \
+                 clock right?",
+                batch.range.end_unix_nanos
+            )));
         }
         let bucket = self.bucket_of(batch.range.start_unix_nanos);
         let rows = self.batch_rows(batch, bucket)?;
