@@ -56,7 +56,9 @@ struct Args {
     #[arg(long, default_value_t = 64 << 20)]
     max_batch_bytes: usize,
     /// Samples are summed per bucket of this width: smaller buckets give finer
-    /// time resolution and a larger database.
+    /// time resolution and a larger database. With ClickHouse, the daily
+    /// retention partitions are rounded up to whole buckets (7m: 1442 minutes;
+    /// 2d: 2 days).
     #[arg(long, default_value = "1m", value_parser = humantime::parse_duration)]
     bucket: Duration,
     /// PEM certificate chain for gRPC over TLS (with --tls-key).

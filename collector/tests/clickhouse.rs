@@ -77,7 +77,24 @@ fn sorted(samples: &StackSamples) -> Vec<(Vec<Frame>, u64)> {
     stacks
 }
 
-/// Batches whose weights make SQLite's sums saturate: three of i64::MAX / 2
+/// Every summed weight capped at i64::MAX, as both engines return them
+/// now; SQLite's engine before that change saturated per stored row and
+/// added in u64, which capping turns into the same answers.
+fn capped(mut samples: StackSamples) -> StackSamples {
+    for stack in &mut samples.stacks {
+        stack.weight = stack.weight.min(i64::MAX as u64);
+    }
+    samples
+}
+
+fn capped_series(series: Vec<(i64, u64)>) -> Vec<(i64, u64)> {
+    series
+        .into_iter()
+        .map(|(point, weight)| (point, weight.min(i64::MAX as u64)))
+        .collect()
+}
+
+/// Batches whose weights make the sums pass i64::MAX: three of i64::MAX / 2
 /// + 1 on one (bucket, label set, stack), one more in the next bucket.
 fn huge_batches() -> Vec<ValidBatch> {
     let half = (i64::MAX / 2 + 1) as u64;
@@ -123,10 +140,21 @@ fn the_same_batches_give_the_same_answers_as_sqlite() {
         ClickhouseOptions::default(),
     )
     .expect("open one server");
+    // Every query chunked per label set and stack, caches of one entry.
+    let tiny = open_url(
+        &servers().cluster_url("cross_tiny"),
+        ClickhouseOptions {
+            stack_fetch_chunk: 1,
+            cache_entries: 1,
+            query_cache_entries: 1,
+            ..ClickhouseOptions::default()
+        },
+    )
+    .expect("open with tiny chunks");
     let mut batches = vec![batch1(), batch2(), batch3()];
     batches.extend(huge_batches());
     batches.push(segments_batch());
-    for storage in [&sqlite as &dyn Storage, &clustered, &single] {
+    for storage in [&sqlite as &dyn Storage, &clustered, &single, &tiny] {
         ingest_all(storage, &batches);
     }
 
@@ -159,9 +187,13 @@ fn the_same_batches_give_the_same_answers_as_sqlite() {
         for (start, end) in ranges {
             let selection = select(start, end, matchers);
             let context = format!("matchers {matchers:?}, range {start}..{end}");
-            let expected = sqlite.stacks(&selection).expect("SQLite stacks");
+            let expected = capped(sqlite.stacks(&selection).expect("SQLite stacks"));
             let expected_tree = CallTree::from_stacks(&expected);
-            for (engine, storage) in [("cluster", &clustered), ("single", &single)] {
+            for (engine, storage) in [
+                ("cluster", &clustered),
+                ("single", &single),
+                ("tiny chunks", &tiny),
+            ] {
                 let got = storage.stacks(&selection).expect("ClickHouse stacks");
                 assert_eq!(sorted(&got), sorted(&expected), "{engine}: {context}");
                 assert_eq!(
@@ -190,7 +222,7 @@ fn the_same_batches_give_the_same_answers_as_sqlite() {
                 for step in [0, SECOND, MINUTE, 2 * MINUTE, 3600 * SECOND] {
                     assert_eq!(
                         storage.series(&selection, step).expect("series"),
-                        sqlite.series(&selection, step).expect("series"),
+                        capped_series(sqlite.series(&selection, step).expect("series")),
                         "{engine}: series by {step}, {context}"
                     );
                 }
@@ -198,7 +230,7 @@ fn the_same_batches_give_the_same_answers_as_sqlite() {
             }
         }
     }
-    assert_eq!(compared, 13 * 6 * 2);
+    assert_eq!(compared, 13 * 6 * 3);
 
     // What the comparisons compared is what the SQLite tests pin down, so
     // agreeing is not agreeing on nothing.
@@ -248,18 +280,27 @@ fn the_same_batches_give_the_same_answers_as_sqlite() {
             })
         )
     );
-    // Saturated: three rows of i64::MAX / 2 + 1 hold i64::MAX, plus one more.
-    let half = (i64::MAX / 2 + 1) as u64;
+    // Capped: four rows of i64::MAX / 2 + 1 sum to twice i64::MAX; the
+    // answer is i64::MAX.
     assert_eq!(
         weights(&clustered, &all(&[("comm", Equal, "huge")])),
-        expect(&[(S1, i64::MAX as u64 + half)])
+        expect(&[(S1, i64::MAX as u64)])
+    );
+    // One bucket of them alone is capped too, and the next holds one row.
+    assert_eq!(
+        clustered
+            .series(&all(&[("comm", Equal, "huge")]), MINUTE)
+            .expect("series"),
+        [
+            (T0, i64::MAX as u64),
+            (T0 + MINUTE, (i64::MAX / 2 + 1) as u64)
+        ]
     );
     // The hour from T0 - 840 s holds both buckets (and the segments
-    // batch's 9): T0's rows saturated per (bucket, label set) as SQLite's
-    // do, then summed.
+    // batch's 9): capped once, at the end.
     assert_eq!(
         clustered.series(&all(&[]), 3600 * SECOND).expect("series"),
-        [(T0 - 840 * SECOND, i64::MAX as u64 + half + 41 + 9)]
+        [(T0 - 840 * SECOND, i64::MAX as u64)]
     );
     // Both shards hold some of it: the Distributed tables spread rows.
     for server in [0, 1] {
@@ -291,8 +332,11 @@ fn a_retried_batch_is_not_counted_twice() {
 
     // A first attempt that stored its samples but failed before its id:
     // the retry stores them again, and they still count once.
+    // Merges stopped: one would collapse the two copies before they are
+    // counted on disk.
     for server in [0, 1] {
         servers().sql(server, &format!("DROP TABLE {db}.batches_local"));
+        servers().sql(server, &format!("SYSTEM STOP MERGES {db}.samples_local"));
     }
     let storage = cluster(db);
     assert_eq!(
@@ -307,6 +351,114 @@ fn a_retried_batch_is_not_counted_twice() {
         storage.series(&all(&[]), MINUTE).expect("series"),
         [(T0, 15)]
     );
+}
+
+#[test]
+fn a_batch_whose_dictionary_rows_pass_the_cap_is_refused_whole() {
+    let db = "dictionary_cap";
+    let storage = open_url(
+        &servers().cluster_url(db),
+        ClickhouseOptions {
+            max_batch_dictionary_bytes: 8192,
+            ..ClickhouseOptions::default()
+        },
+    )
+    .expect("open");
+    // One label set of 12 KB: its row alone passes 8 KiB.
+    let mut big = Builder::new(40, "node-a", T0, PERIOD_100HZ);
+    let s1 = big.standard_stack(1);
+    let long = "v".repeat(4000);
+    let set = big.label_set(&[("a", &long), ("b", &long), ("c", &long)]);
+    big.sample(s1, set, 1, 0);
+    let big = big.validate();
+    for _ in 0..2 {
+        match storage.ingest(&big) {
+            Err(err @ StorageError::TooLarge(_)) => assert_eq!(
+                err.to_string(),
+                "the batch is too large to store: its new stacks and label sets take more than \
+                 8192 bytes as ClickHouse rows (max_batch_dictionary_bytes); send smaller batches"
+            ),
+            other => panic!("expected TooLarge, got {other:?}"),
+        }
+    }
+    let tables = [
+        "samples_local",
+        "stacks_local",
+        "label_sets_local",
+        "batches_local",
+    ];
+    for table in tables {
+        assert_eq!(rows_on(0, db, table) + rows_on(1, db, table), 0, "{table}");
+    }
+    // A batch under the cap is stored, and only it.
+    ingest_all(&storage, &[batch1()]);
+    assert_eq!(
+        weights(&storage, &all(&[])),
+        expect(&[(S0, 5), (S1, 3), (S2, 7)])
+    );
+    assert_eq!(
+        rows_on(0, db, "batches_local") + rows_on(1, db, "batches_local"),
+        1
+    );
+}
+
+#[test]
+fn bucket_widths_that_do_not_divide_a_day_work() {
+    for (db, bucket, partition_minutes) in [
+        ("bucket_7m", 7 * MINUTE, 1442),
+        ("bucket_2d", 2 * 1440 * MINUTE, 2 * 1440),
+    ] {
+        let options = ClickhouseOptions {
+            bucket_nanos: bucket,
+            ..ClickhouseOptions::default()
+        };
+        let storage = open_url(&servers().cluster_url(db), options.clone()).expect(db);
+        ingest_all(&storage, &[batch1()]);
+        assert_eq!(
+            weights(&storage, &all(&[])),
+            expect(&[(S0, 5), (S1, 3), (S2, 7)]),
+            "{db}"
+        );
+        // The rounded width is what the database keeps, and a collector
+        // started the same way opens it again.
+        assert_eq!(
+            servers()
+                .sql(
+                    0,
+                    &format!("SELECT value FROM {db}.meta FINAL WHERE key = 'partition_nanos'")
+                )
+                .trim(),
+            (partition_minutes * MINUTE).to_string(),
+            "{db}"
+        );
+        open_url(&servers().cluster_url(db), options).expect("reopen");
+    }
+}
+
+#[test]
+fn batches_dated_more_than_a_day_ahead_are_refused() {
+    let storage = cluster("future");
+    let now = stackscope_profile::model::unix_nanos(std::time::SystemTime::now());
+    let day = 1440 * MINUTE;
+    let batch = |id: u8, start: i64| {
+        let mut b = Builder::new(id, "node-a", start, PERIOD_100HZ);
+        let s1 = b.standard_stack(1);
+        let set = b.label_set(&[("comm", "app")]);
+        b.sample(s1, set, 1, 0);
+        b.validate()
+    };
+    match storage.ingest(&batch(1, now + 2 * day)) {
+        Err(StorageError::InvalidBatch(message)) => {
+            assert!(message.ends_with("more than a day after now; is the node's clock right?"))
+        }
+        other => panic!("expected a refusal, got {other:?}"),
+    }
+    assert_eq!(
+        rows_on(0, "future", "samples_local") + rows_on(1, "future", "samples_local"),
+        0
+    );
+    // An hour ahead is a clock a little off: stored.
+    ingest_all(&storage, &[batch(2, now + 60 * MINUTE)]);
 }
 
 #[test]
@@ -521,6 +673,46 @@ fn failures_are_clear_errors() {
             "the database at http://127.0.0.1:{a}/errors cannot be used: it was created with \
              bucket_nanos = 60000000000, not the 10000000000 asked for; a database keeps the \
              settings it was created with"
+        )
+    );
+
+    // An answer larger than max_response_bytes is an error, not memory:
+    // the server is told the limit too (max_result_bytes) and refuses
+    // first. (The client's own cap is tested in the client's unit tests.)
+    let small = open_url(
+        &servers().cluster_url("errors"),
+        ClickhouseOptions {
+            max_response_bytes: 4096,
+            ..ClickhouseOptions::default()
+        },
+    )
+    .expect("open with a small answer limit");
+    let mut big = Builder::new(30, "node-a", T0, PERIOD_100HZ);
+    let s1 = big.standard_stack(1);
+    let long = "v".repeat(4000);
+    let set = big.label_set(&[("a", &long), ("b", &long), ("c", &long)]);
+    big.sample(s1, set, 1, 0);
+    ingest_all(&small, &[big.validate()]);
+    let err = small.label_names(&all(&[])).expect_err("too large");
+    let chain = format!("{:#}", anyhow::Error::from(err));
+    assert!(
+        chain.starts_with("ClickHouse: reading label sets: "),
+        "{chain}"
+    );
+    assert!(chain.contains("Limit for result exceeded"), "{chain}");
+
+    // One shard of the cluster's database, without ?cluster=: refused.
+    let err = open_url(
+        &servers().single_url("errors"),
+        ClickhouseOptions::default(),
+    )
+    .expect_err("one shard alone");
+    assert_eq!(
+        err.to_string(),
+        format!(
+            "the database at http://127.0.0.1:{a}/errors cannot be used: it was created for \
+             cluster \"two\" (?cluster=two), not for a single server (no ?cluster=) as asked; \
+             list every shard with ?cluster=NAME, as when it was created"
         )
     );
 

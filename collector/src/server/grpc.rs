@@ -17,7 +17,7 @@ use crate::{
     ingest::{IngestLimits, validate},
     metrics::{CollectorMetrics, IngestResult},
     query::{DEFAULT_TOP_LIMIT, Fault, QueryEngine, QueryError},
-    storage::{IngestOutcome, Storage},
+    storage::{IngestOutcome, Storage, StorageError},
 };
 
 pub struct IngestService {
@@ -58,6 +58,11 @@ impl IngestService {
                 (status, IngestResult::Rejected)
             })?;
             storage.ingest(&batch).map_err(|err| {
+                if let StorageError::TooLarge(_) = err {
+                    let message = format!("batch rejected, nothing stored: {err}");
+                    tracing::warn!("{message}");
+                    return (Status::resource_exhausted(message), IngestResult::Rejected);
+                }
                 tracing::error!("storing a batch failed: {:#}", anyhow::Error::from(err));
                 (
                     Status::unavailable("the collector could not store the batch; retry later"),

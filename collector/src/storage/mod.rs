@@ -64,6 +64,11 @@ pub enum StorageError {
     /// its documented invariants, such as an index out of range.
     #[error("the batch is inconsistent: {0}")]
     InvalidBatch(String),
+    /// The batch is valid but larger than the engine stores at once (its
+    /// rows would take more memory than configured); nothing of it was
+    /// stored, and a retry would fail the same way.
+    #[error("the batch is too large to store: {0}")]
+    TooLarge(String),
 }
 
 /// Stores validated batches and answers queries over them.

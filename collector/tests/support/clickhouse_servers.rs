@@ -55,7 +55,7 @@ impl Servers {
 
 /// The engine's own HTTP client, for statements of the tests' own.
 fn client() -> Client {
-    Client::new(Duration::from_secs(5), Duration::from_secs(60)).expect("an HTTP client")
+    Client::new(Duration::from_secs(5), Duration::from_secs(60), 1 << 30).expect("an HTTP client")
 }
 
 fn endpoint(port: u16) -> Endpoint {

@@ -19,12 +19,19 @@
 //!   bucket, label set, stack, weight) and `FINAL` counts them once. The
 //!   window left: none for sample weights; two retries racing through
 //!   different collectors both store, and both answer `Stored`.
+//! * `FINAL` is only on the reads whose answer duplicates change: the sums
+//!   (and retention's count). It costs: ClickHouse 18.16 reads a `FINAL`
+//!   table in a single stream per shard (parts merged on the fly, no
+//!   parallel reading on a server), so a sum over a long range runs on one
+//!   core of each shard. Which label sets exist and their names and values
+//!   are read without it.
 //! * Buckets: the same `bucket_nanos` alignment (kept in `meta`, refused if
 //!   another width is asked for), and a bucket overlapping the range counts
 //!   whole.
-//! * Sums: weights are summed exactly (as two 32-bit halves, so nothing
-//!   wraps), saturated at `i64::MAX` per (bucket, label set, stack) as
-//!   SQLite's rows are, then added saturating.
+//! * Sums: weights are summed exactly (in three 21-bit parts, so nothing
+//!   wraps) and every total returned, per stack or per series point, is
+//!   capped at `i64::MAX`, as SQLite's are. Each stored row is at most
+//!   `i64::MAX`, so capping once at the end equals adding capped.
 //! * Periods: known only when every selected row agrees on one.
 //! * Retention: a high-water mark (`retention`) hides deleted buckets at
 //!   once; whole partitions at or before it are dropped. ClickHouse 18.16
@@ -217,9 +224,12 @@ pub struct ClickhouseOptions {
     /// Samples are summed per bucket of this many nanoseconds, as with
     /// SQLite; fixed when the database is created.
     pub bucket_nanos: i64,
-    /// Rows are partitioned by time in partitions this wide (a multiple of
-    /// `bucket_nanos`): what retention drops at a time. Fixed when the
-    /// database is created.
+    /// Rows are partitioned by time in partitions this wide: what
+    /// retention drops at a time. Rounded up to a multiple of
+    /// `bucket_nanos` (a bucket never straddles two partitions): with
+    /// 7-minute buckets a day's partition is 1442 minutes, with 2-day
+    /// buckets it is 2 days. Fixed (as rounded) when the database is
+    /// created.
     pub partition_nanos: i64,
     /// Entries each ingest cache (stacks, label sets known stored) holds.
     pub cache_entries: usize,
@@ -228,8 +238,18 @@ pub struct ClickhouseOptions {
     pub connect_timeout: Duration,
     /// Longest a statement may take, end to end.
     pub request_timeout: Duration,
-    /// Stacks (and label sets) a query names per `IN (...)` list when it
-    /// fetches them.
+    /// Most bytes of new dictionary rows (stacks, label sets) one batch may
+    /// add. A stack row holds each location's mapping and lines whole (so
+    /// a row names a whole stack), so a batch within the ingest limits can
+    /// expand many times over; a larger one is refused whole
+    /// (`StorageError::TooLarge`), nothing of it stored.
+    pub max_batch_dictionary_bytes: usize,
+    /// Longest answer read from a server, in bytes (also sent as
+    /// `max_result_bytes`): a larger one is an error, not memory.
+    pub max_response_bytes: u64,
+    /// Stacks or label sets a query names per `IN (...)` list: when it
+    /// fetches them, and when it sums the samples of selected label sets
+    /// (one query per chunk, added up).
     pub stack_fetch_chunk: usize,
 }
 
@@ -243,9 +263,14 @@ impl Default for ClickhouseOptions {
             connect_timeout: Duration::from_secs(5),
             request_timeout: Duration::from_secs(120),
             stack_fetch_chunk: 4096,
+            max_response_bytes: 1 << 30,
+            max_batch_dictionary_bytes: 256 << 20,
         }
     }
 }
+
+/// How far past now a batch may end: further is refused.
+const MAX_FUTURE_NANOS: i64 = 24 * 3600 * 1_000_000_000;
 
 /// A `ClickhouseError` as a storage error, saying what was being done.
 fn remote(action: impl Into<String>) -> impl FnOnce(ClickhouseError) -> StorageError {
@@ -368,20 +393,44 @@ fn hash_list(hashes: impl IntoIterator<Item = u128>) -> String {
     sql
 }
 
-/// An exact sum read back as two halves: `lo` sums the low 32 bits of each
-/// weight, `hi` the high 32 (neither wraps below 2^32 rows).
-fn exact_sum(lo: u64, hi: u64) -> u128 {
-    u128::from(lo) + (u128::from(hi) << 32)
+/// An exact sum read back in three parts: `parts[i]` sums bits
+/// `21 * i .. 21 * (i + 1)` of each weight. A part is below 2^22 per row
+/// (2^21 for the weights ingest accepts), so its `UInt64` sum cannot wrap
+/// below 2^42 rows in one group: more than any range of a real fleet holds.
+fn exact_sum(parts: [u64; 3]) -> u128 {
+    parts
+        .iter()
+        .enumerate()
+        .map(|(i, &part)| u128::from(part) << (21 * i))
+        .sum()
 }
 
-/// What a stored (bucket, label set, stack) row holds at most, as SQLite's
-/// saturating upsert keeps it.
-fn saturate_row(sum: u128) -> u64 {
+/// What every summed weight an engine returns is: the exact total, capped
+/// at `i64::MAX` (stored rows are each at most that, so capping once at
+/// the end is the same as adding capped).
+fn cap(sum: u128) -> u64 {
     sum.min(i64::MAX as u128) as u64
 }
 
-/// The columns of `exact_sum`.
-const WEIGHT_HALVES: &str = "sum(bitAnd(weight, 4294967295)), sum(bitShiftRight(weight, 32))";
+/// The partition width for `partition` nanoseconds asked for: the
+/// smallest multiple of `bucket` at least as wide (`None` if either is not
+/// positive, or it overflows).
+fn partition_width(bucket: i64, partition: i64) -> Option<i64> {
+    if bucket <= 0 || partition <= 0 {
+        return None;
+    }
+    let buckets = partition / bucket + i64::from(partition % bucket != 0);
+    buckets.checked_mul(bucket)
+}
+
+/// The columns of `exact_sum`, in its order.
+const WEIGHT_PARTS: &str = "sum(bitAnd(weight, 2097151)), \
+     sum(bitAnd(bitShiftRight(weight, 21), 2097151)), sum(bitShiftRight(weight, 42))";
+
+/// Reads the columns of `WEIGHT_PARTS`.
+fn read_sum(r: &mut RowReader<'_>) -> Result<u128, String> {
+    Ok(exact_sum([r.u64()?, r.u64()?, r.u64()?]))
+}
 
 impl ClickhouseStorage {
     /// Connects, creates the database and tables on every server if
@@ -389,27 +438,28 @@ impl ClickhouseStorage {
     /// settings.
     pub fn open(
         config: ClickhouseConfig,
-        options: ClickhouseOptions,
+        mut options: ClickhouseOptions,
     ) -> Result<Self, StorageError> {
-        if options.bucket_nanos <= 0
-            || options.partition_nanos < options.bucket_nanos
-            || options.partition_nanos % options.bucket_nanos != 0
-        {
-            return Err(StorageError::InvalidOptions(format!(
-                "bucket_nanos must be positive and partition_nanos a multiple of it, got {} and {}",
-                options.bucket_nanos, options.partition_nanos
-            )));
-        }
+        options.partition_nanos = partition_width(options.bucket_nanos, options.partition_nanos)
+            .ok_or_else(|| {
+                StorageError::InvalidOptions(format!(
+                    "bucket_nanos and partition_nanos must be positive (and the partition, \
+                     rounded up to whole buckets, fit in 64 bits), got {} and {}",
+                    options.bucket_nanos, options.partition_nanos
+                ))
+            })?;
         if config.servers.is_empty() {
             return Err(StorageError::InvalidOptions("no ClickHouse server".into()));
         }
-        let client =
-            Client::new(options.connect_timeout, options.request_timeout).map_err(|source| {
-                StorageError::Remote {
-                    action: "building the HTTP client".into(),
-                    source,
-                }
-            })?;
+        let client = Client::new(
+            options.connect_timeout,
+            options.request_timeout,
+            options.max_response_bytes,
+        )
+        .map_err(|source| StorageError::Remote {
+            action: "building the HTTP client".into(),
+            source,
+        })?;
         let endpoints = config
             .servers
             .iter()
@@ -501,16 +551,37 @@ impl ClickhouseStorage {
         // settings both write theirs; `FINAL` keeps one, and the other
         // collector is refused when it next opens the database. Collectors
         // of one fleet are started with one configuration.
+        // How the database was created: `cluster=NAME` (or `cluster=` for
+        // a single server) = 1. A collector pointed at one shard without
+        // `?cluster=` would read and write that shard alone. Databases
+        // created before this key existed are not checked.
+        let cluster_key = format!("cluster={}", self.config.cluster.as_deref().unwrap_or(""));
         if stored.is_empty() {
             let mut rows = RowWriter::default();
             for (key, value) in wanted {
                 rows.string(key.as_bytes());
                 rows.i64(value);
             }
+            rows.string(cluster_key.as_bytes());
+            rows.i64(1);
             return self
                 .client
-                .insert(endpoint, &meta, "key, value", rows.bytes)
+                .insert(endpoint, &meta, "key, value", rows.bytes.into())
                 .map_err(remote(at("writing meta")));
+        }
+        if let Some(created) = stored.keys().find(|key| key.starts_with("cluster="))
+            && *created != cluster_key
+        {
+            let how = |key: &str| match &key["cluster=".len()..] {
+                "" => "a single server (no ?cluster=)".to_owned(),
+                name => format!("cluster {name:?} (?cluster={name})"),
+            };
+            return Err(incompatible(format!(
+                "it was created for {}, not for {} as asked; list every shard with \
+                 ?cluster=NAME, as when it was created",
+                how(created),
+                how(&cluster_key)
+            )));
         }
         for (key, value) in wanted {
             match stored.get(key) {
@@ -556,8 +627,9 @@ impl ClickhouseStorage {
 
     /// Runs `attempt` against the first server that can be reached: a
     /// server that is down is skipped; one that refuses the statement is
-    /// not (another would refuse it too). Every statement sent this way is
-    /// safe to repeat.
+    /// not (another would refuse it too), nor one that timed out (another
+    /// would run the same heavy statement again). Every statement sent
+    /// this way is safe to repeat.
     fn any_server<T>(
         &self,
         action: &str,
@@ -567,7 +639,7 @@ impl ClickhouseStorage {
         for endpoint in &self.endpoints {
             match attempt(endpoint) {
                 Ok(value) => return Ok(value),
-                Err(err @ ClickhouseError::Transport { .. }) => {
+                Err(err) if err.fails_over() => {
                     tracing::warn!(server = %endpoint.url, "{action}: {err}; trying the next server");
                     last = Some(err);
                 }
@@ -600,18 +672,15 @@ impl ClickhouseStorage {
         action: &str,
         table: &str,
         columns: &str,
-        rows: &RowWriter,
+        rows: RowWriter,
     ) -> Result<(), StorageError> {
         if rows.bytes.is_empty() {
             return Ok(());
         }
+        let rows = bytes::Bytes::from(rows.bytes);
         self.any_server(action, |endpoint| {
-            self.client.insert(
-                endpoint,
-                &self.tables.table(table),
-                columns,
-                rows.bytes.clone(),
-            )
+            self.client
+                .insert(endpoint, &self.tables.table(table), columns, rows.clone())
         })
     }
 
@@ -672,8 +741,9 @@ impl ClickhouseStorage {
             }
         }
         for chunk in missing.chunks(self.options.stack_fetch_chunk.max(1)) {
+            // One `any` of the pair: two would each pick a row of their own.
             let sql = format!(
-                "SELECT label_set, any(label_names), any(label_values) FROM {} \
+                "SELECT label_set, any((label_names, label_values)) FROM {} \
                  WHERE label_set IN ({}) GROUP BY label_set FORMAT RowBinary",
                 self.tables.table("label_sets"),
                 hash_list(chunk.iter().copied())
@@ -708,9 +778,10 @@ impl ClickhouseStorage {
     }
 
     /// Label sets with samples in the selection's buckets, and their labels.
+    /// Without `FINAL`: a duplicate row names the same label set.
     fn label_sets_in(&self, buckets: &str) -> Result<HashMap<u128, Labels>, StorageError> {
         let sql = format!(
-            "SELECT label_set FROM {} FINAL WHERE {buckets} GROUP BY label_set FORMAT RowBinary",
+            "SELECT label_set FROM {} WHERE {buckets} GROUP BY label_set FORMAT RowBinary",
             self.tables.table("samples")
         );
         let hashes: BTreeSet<u128> = self
@@ -735,22 +806,31 @@ impl ClickhouseStorage {
             .collect())
     }
 
-    /// The `WHERE` condition of a selection, `None` when it selects nothing.
-    fn selection_condition(&self, selection: &Selection) -> Result<Option<String>, StorageError> {
+    /// The `WHERE` conditions of a selection, none when it selects
+    /// nothing. The selected label sets are named in chunks of
+    /// `stack_fetch_chunk`, one condition each (a single `IN` list of tens
+    /// of thousands would pass the server's `max_ast_elements`); each
+    /// condition selects other rows, so answers add up over them.
+    fn selection_conditions(&self, selection: &Selection) -> Result<Vec<String>, StorageError> {
         let Some(buckets) = self.bucket_condition(selection)? else {
-            return Ok(None);
+            return Ok(Vec::new());
         };
         if selection.matchers.is_empty() {
-            return Ok(Some(buckets));
+            return Ok(vec![buckets]);
         }
-        let selected = self.selected_label_sets(selection, &buckets)?;
-        if selected.is_empty() {
-            return Ok(None);
-        }
-        Ok(Some(format!(
-            "{buckets} AND label_set IN ({})",
-            hash_list(selected.keys().copied())
-        )))
+        let selected: Vec<u128> = self
+            .selected_label_sets(selection, &buckets)?
+            .into_keys()
+            .collect();
+        Ok(selected
+            .chunks(self.options.stack_fetch_chunk.max(1))
+            .map(|chunk| {
+                format!(
+                    "{buckets} AND label_set IN ({})",
+                    hash_list(chunk.iter().copied())
+                )
+            })
+            .collect())
     }
 
     /// Frames of the given stacks, from the cache or the database.
@@ -817,12 +897,28 @@ struct BatchRows {
     stacks: RowWriter,
     label_sets: RowWriter,
     samples: RowWriter,
-    /// (hash, partition) written, for the caches once stored.
-    new_stacks: Vec<(u128, i64)>,
-    new_label_sets: Vec<(u128, i64)>,
+    /// (hash, partition) written, for the caches once stored (and to write
+    /// each once per batch).
+    new_stacks: HashSet<(u128, i64)>,
+    new_label_sets: HashSet<(u128, i64)>,
 }
 
 impl ClickhouseStorage {
+    /// Refuses a batch whose new dictionary rows pass
+    /// `max_batch_dictionary_bytes` (checked as they are built, so no more
+    /// than that and one row is ever held).
+    fn check_dictionary_bytes(&self, rows: &BatchRows) -> Result<(), StorageError> {
+        let bytes = rows.stacks.bytes.len() + rows.label_sets.bytes.len();
+        let limit = self.options.max_batch_dictionary_bytes;
+        if bytes > limit {
+            return Err(StorageError::TooLarge(format!(
+                "its new stacks and label sets take more than {limit} bytes as ClickHouse \
+                 rows (max_batch_dictionary_bytes); send smaller batches"
+            )));
+        }
+        Ok(())
+    }
+
     fn batch_rows(&self, batch: &ValidBatch, bucket: i64) -> Result<BatchRows, StorageError> {
         let invalid = StorageError::InvalidBatch;
         let partition = self.partition_of(bucket);
@@ -856,13 +952,14 @@ impl ClickhouseStorage {
             stacks: RowWriter::default(),
             label_sets: RowWriter::default(),
             samples: RowWriter::default(),
-            new_stacks: Vec::new(),
-            new_label_sets: Vec::new(),
+            new_stacks: HashSet::new(),
+            new_label_sets: HashSet::new(),
         };
         let (mut blob, mut scratch) = (Vec::new(), Vec::new());
         let mut stack_hashes = Vec::with_capacity(batch.stacks.len());
         {
-            let stored = lock(&self.stored_stacks);
+            // Locked per lookup: no other ingest waits while blobs encode.
+            let stored = |key: &(u128, i64)| lock(&self.stored_stacks).entries.contains(key);
             for (index, stack) in batch.stacks.iter().enumerate() {
                 bytes.clear();
                 bytes.push(b's');
@@ -880,9 +977,7 @@ impl ClickhouseStorage {
                 }
                 let hash = xxhash_rust::xxh3::xxh3_128(&bytes);
                 stack_hashes.push(hash);
-                if stored.entries.contains(&(hash, partition))
-                    || rows.new_stacks.contains(&(hash, partition))
-                {
+                if stored(&(hash, partition)) || !rows.new_stacks.insert((hash, partition)) {
                     continue;
                 }
                 codec::encode_stack(batch, stack, &mut blob, &mut scratch)
@@ -890,19 +985,17 @@ impl ClickhouseStorage {
                 rows.stacks.hash(hash);
                 rows.stacks.i64(bucket);
                 rows.stacks.string(&blob);
-                rows.new_stacks.push((hash, partition));
+                self.check_dictionary_bytes(&rows)?;
             }
         }
 
         let mut label_set_hashes = Vec::with_capacity(batch.label_sets.len());
         {
-            let stored = lock(&self.stored_label_sets);
+            let stored = |key: &(u128, i64)| lock(&self.stored_label_sets).entries.contains(key);
             for labels in &batch.label_sets {
                 let hash = label_set_hash(&mut bytes, labels);
                 label_set_hashes.push(hash);
-                if stored.entries.contains(&(hash, partition))
-                    || rows.new_label_sets.contains(&(hash, partition))
-                {
+                if stored(&(hash, partition)) || !rows.new_label_sets.insert((hash, partition)) {
                     continue;
                 }
                 rows.label_sets.hash(hash);
@@ -911,12 +1004,12 @@ impl ClickhouseStorage {
                     .strings(labels.iter().map(|(n, _)| n.as_str()));
                 rows.label_sets
                     .strings(labels.iter().map(|(_, v)| v.as_str()));
-                rows.new_label_sets.push((hash, partition));
+                self.check_dictionary_bytes(&rows)?;
             }
         }
 
         // One row per (label set, stack): within a batch, duplicates merge
-        // here, saturating as SQLite's rows do.
+        // here, capped at i64::MAX (answers are capped there anyway).
         let mut samples: BTreeMap<(u128, u128), u64> = BTreeMap::new();
         for (index, sample) in batch.samples.iter().enumerate() {
             let out_of_range = |what: &str, value: u32, len: usize| {
@@ -967,6 +1060,16 @@ impl Storage for ClickhouseStorage {
         if seen.first().copied().unwrap_or(0) > 0 {
             return Ok(IngestOutcome::Duplicate);
         }
+        // Partitions are by time: a batch from a clock far ahead would
+        // make partitions retention cannot drop for years.
+        let latest = unix_nanos(SystemTime::now()).saturating_add(MAX_FUTURE_NANOS);
+        if batch.range.end_unix_nanos > latest {
+            return Err(StorageError::InvalidBatch(format!(
+                "it ends at {} ns since the epoch, more than a day after now; is the node's \
+                 clock right?",
+                batch.range.end_unix_nanos
+            )));
+        }
         let bucket = self.bucket_of(batch.range.start_unix_nanos);
         let rows = self.batch_rows(batch, bucket)?;
         // Dictionaries first: a sample is never visible before what it
@@ -975,13 +1078,13 @@ impl Storage for ClickhouseStorage {
             "storing stacks",
             "stacks",
             "stack, bucket, frames",
-            &rows.stacks,
+            rows.stacks,
         )?;
         self.insert(
             "storing label sets",
             "label_sets",
             "label_set, bucket, label_names, label_values",
-            &rows.label_sets,
+            rows.label_sets,
         )?;
         {
             let mut stored = lock(&self.stored_stacks);
@@ -999,7 +1102,7 @@ impl Storage for ClickhouseStorage {
             "storing samples",
             "samples",
             "bucket, label_set, stack, batch, sample_period, weight",
-            &rows.samples,
+            rows.samples,
         )?;
         let mut batch_row = RowWriter::default();
         batch_row.hash(id);
@@ -1009,7 +1112,7 @@ impl Storage for ClickhouseStorage {
             "storing the batch id",
             "batches",
             "batch, received_unix_nanos, end_unix_nanos",
-            &batch_row,
+            batch_row,
         )?;
         Ok(IngestOutcome::Stored {
             samples: batch.samples.len() as u64,
@@ -1017,41 +1120,28 @@ impl Storage for ClickhouseStorage {
     }
 
     fn stacks(&self, selection: &Selection) -> Result<StackSamples, StorageError> {
-        let Some(condition) = self.selection_condition(selection)? else {
-            return Ok(StackSamples::default());
-        };
-        let samples = self.tables.table("samples");
-        let sql = format!(
-            "SELECT stack, {WEIGHT_HALVES}, min(sample_period), max(sample_period) \
-             FROM {samples} FINAL WHERE {condition} GROUP BY stack FORMAT RowBinary"
-        );
-        let rows = self.select("summing stacks", &sql, |r| {
-            Ok((r.hash()?, exact_sum(r.u64()?, r.u64()?), r.u64()?, r.u64()?))
-        })?;
         let mut period = PeriodAgreement::default();
-        let mut weights: BTreeMap<u128, u64> = BTreeMap::new();
-        let mut saturated = false;
-        for &(stack, sum, min_period, max_period) in &rows {
-            period.add(min_period);
-            period.add(max_period);
-            saturated |= sum > i64::MAX as u128;
-            weights.insert(stack, saturate_row(sum));
-        }
-        if saturated {
-            // Some stack's rows may have saturated one by one, as SQLite's
-            // would: sum per (bucket, label set, stack) and add those up.
-            weights.clear();
+        let mut sums: BTreeMap<u128, u128> = BTreeMap::new();
+        for condition in self.selection_conditions(selection)? {
             let sql = format!(
-                "SELECT stack, {WEIGHT_HALVES} FROM {samples} FINAL WHERE {condition} \
-                 GROUP BY bucket, label_set, stack FORMAT RowBinary"
+                "SELECT stack, {WEIGHT_PARTS}, min(sample_period), max(sample_period) \
+                 FROM {} FINAL WHERE {condition} GROUP BY stack FORMAT RowBinary",
+                self.tables.table("samples")
             );
-            for (stack, sum) in self.select("summing saturated stacks", &sql, |r| {
-                Ok((r.hash()?, exact_sum(r.u64()?, r.u64()?)))
-            })? {
-                let weight = weights.entry(stack).or_default();
-                *weight = weight.saturating_add(saturate_row(sum));
+            for (stack, sum, min_period, max_period) in
+                self.select("summing stacks", &sql, |r| {
+                    Ok((r.hash()?, read_sum(r)?, r.u64()?, r.u64()?))
+                })?
+            {
+                period.add(min_period);
+                period.add(max_period);
+                *sums.entry(stack).or_default() += sum;
             }
         }
+        let weights: BTreeMap<u128, u64> = sums
+            .into_iter()
+            .map(|(stack, sum)| (stack, cap(sum)))
+            .collect();
         let hashes: Vec<u128> = weights.keys().copied().collect();
         let frames = self.frames_of(&hashes)?;
         let stacks = weights
@@ -1105,25 +1195,22 @@ impl Storage for ClickhouseStorage {
         } else {
             self.options.bucket_nanos
         };
-        let Some(condition) = self.selection_condition(selection)? else {
-            return Ok(Vec::new());
-        };
-        // Per (bucket, label set), as SQLite's `label_set_buckets` rows
-        // saturate.
-        let sql = format!(
-            "SELECT bucket, {WEIGHT_HALVES} FROM {} FINAL WHERE {condition} \
-             GROUP BY bucket, label_set FORMAT RowBinary",
-            self.tables.table("samples")
-        );
-        let mut points: BTreeMap<i64, u64> = BTreeMap::new();
-        for (bucket, sum) in self.select("summing the series", &sql, |r| {
-            Ok((r.i64()?, exact_sum(r.u64()?, r.u64()?)))
-        })? {
-            let point = bucket.saturating_sub(bucket.rem_euclid(step));
-            let total = points.entry(point).or_default();
-            *total = total.saturating_add(saturate_row(sum));
+        let mut sums: BTreeMap<i64, u128> = BTreeMap::new();
+        for condition in self.selection_conditions(selection)? {
+            let sql = format!(
+                "SELECT bucket, {WEIGHT_PARTS} FROM {} FINAL WHERE {condition} \
+                 GROUP BY bucket FORMAT RowBinary",
+                self.tables.table("samples")
+            );
+            for (bucket, sum) in
+                self.select("summing the series", &sql, |r| Ok((r.i64()?, read_sum(r)?)))?
+            {
+                let point = bucket.saturating_sub(bucket.rem_euclid(step));
+                *sums.entry(point).or_default() += sum;
+            }
         }
-        Ok(points.into_iter().filter(|&(_, w)| w > 0).collect())
+        let points = sums.into_iter().map(|(point, sum)| (point, cap(sum)));
+        Ok(points.filter(|&(_, w)| w > 0).collect())
     }
 
     /// Hides every bucket ending at or before the cutoff at once (the
@@ -1149,6 +1236,7 @@ impl Storage for ClickhouseStorage {
             let mut mark = RowWriter::default();
             mark.i64(last);
             mark.i64(unix_nanos(SystemTime::now()));
+            let mark = bytes::Bytes::from(mark.bytes);
             // Every server first: a query anywhere hides the buckets
             // before any partition goes.
             for endpoint in &self.endpoints {
@@ -1157,7 +1245,7 @@ impl Storage for ClickhouseStorage {
                         endpoint,
                         &self.tables.own("retention"),
                         "last_bucket, at_unix_nanos",
-                        mark.bytes.clone(),
+                        mark.clone(),
                     )
                     .map_err(remote(format!(
                         "writing the retention mark on {}",
@@ -1282,13 +1370,32 @@ mod tests {
     }
 
     #[test]
-    fn sums_are_exact_then_saturate() {
+    fn sums_are_exact_then_capped() {
         let max = i64::MAX as u64;
-        // Three rows of i64::MAX: the halves sum them without wrapping.
-        let (lo, hi) = (3 * (max & 0xffff_ffff), 3 * (max >> 32));
-        assert_eq!(exact_sum(lo, hi), 3 * u128::from(max));
-        assert_eq!(saturate_row(exact_sum(lo, hi)), max);
-        assert_eq!(saturate_row(5), 5);
+        let part = |i: u32| (max >> (21 * i)) & 0x1f_ffff;
+        // Three rows of i64::MAX: the parts sum them without wrapping.
+        let parts = [3 * part(0), 3 * part(1), 3 * part(2)];
+        assert_eq!(exact_sum(parts), 3 * u128::from(max));
+        assert_eq!(cap(exact_sum(parts)), max);
+        // 2^42 rows of i64::MAX: the largest part's sum still fits.
+        let parts = [part(0) << 42, part(1) << 42, part(2) << 42];
+        assert!(part(0) << 42 < u64::MAX);
+        assert_eq!(exact_sum(parts), u128::from(max) << 42);
+        assert_eq!(cap(5), 5);
+        assert_eq!(cap(u128::from(max) + 1), max);
+    }
+
+    #[test]
+    fn partitions_are_whole_buckets() {
+        let minute = 60_000_000_000;
+        let day = 1440 * minute;
+        assert_eq!(partition_width(minute, day), Some(day));
+        assert_eq!(partition_width(7 * minute, day), Some(1442 * minute));
+        assert_eq!(partition_width(2 * day, day), Some(2 * day));
+        assert_eq!(partition_width(3, 10), Some(12));
+        assert_eq!(partition_width(0, day), None);
+        assert_eq!(partition_width(minute, 0), None);
+        assert_eq!(partition_width(i64::MAX / 2 + 1, i64::MAX), None);
     }
 
     #[test]
