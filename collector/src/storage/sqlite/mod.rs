@@ -38,7 +38,6 @@
 //!   referenced by nothing: retention finds orphans without scanning (or
 //!   indexing) billions of sample rows; `last_bucket` is indexed so that
 //!   costs what it deletes.
-//!
 //! * `rollups`, `rollup_spans`, `pending_spans`: label-free sums of closed
 //!   spans of 1 bucket, 10 min, 1 h and 1 day, which fleet-wide queries read
 //!   instead of `samples` (see [`rollup`]).
@@ -67,10 +66,10 @@ use stackscope_profile::model::{
 };
 
 use super::{IngestOutcome, Storage, StorageError};
+use crate::ingest::{CodeSegment, LineRecord, MappingKind, MappingRecord, ValidBatch};
 use rollup::Tiers;
 
 mod rollup;
-use crate::ingest::{CodeSegment, LineRecord, MappingKind, MappingRecord, ValidBatch};
 
 /// The schema this code reads and writes. Bump it (and migrate) on any
 /// change; an older collector refuses a newer database instead of
@@ -315,12 +314,8 @@ impl SqliteStorage {
                 reason: format!("it cannot use a write-ahead log (journal mode stays {mode:?})"),
             });
         }
-        init_schema(
-            &mut conn,
-            path,
-            options.bucket_nanos,
-            &Tiers::new(options.bucket_nanos),
-        )?;
+        let tiers = Tiers::new(options.bucket_nanos);
+        init_schema(&mut conn, path, options.bucket_nanos, &tiers)?;
 
         let reader = Connection::open(path).map_err(open_error)?;
         configure(&reader, &options).map_err(open_error)?;
@@ -332,7 +327,7 @@ impl SqliteStorage {
         Ok(Self {
             path: path.to_owned(),
             bucket_nanos: options.bucket_nanos,
-            tiers: Tiers::new(options.bucket_nanos),
+            tiers,
             writer: Mutex::new(Writer::new(conn, options.cache_entries)),
             reader: Mutex::new(Reader::new(reader, options.frame_cache_entries)),
             generation: AtomicU64::new(0),
