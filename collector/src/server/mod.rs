@@ -23,8 +23,11 @@ use tonic::{
 use stackscope_telemetry::Health;
 
 use crate::{
-    debuginfo::Debuginfo, ingest::IngestLimits, metrics::CollectorMetrics, query::QueryEngine,
-    storage::Storage,
+    debuginfo::Debuginfo,
+    ingest::IngestLimits,
+    metrics::CollectorMetrics,
+    query::QueryEngine,
+    storage::{Storage, StorageError},
 };
 
 /// How the collector serves.
@@ -359,32 +362,19 @@ async fn compaction(
     interval: Duration,
     stop: watch::Receiver<bool>,
 ) -> Result<(), ServerError> {
-    let mut ticks = tokio::time::interval(interval);
-    ticks.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-    loop {
-        tokio::select! {
-            _ = ticks.tick() => {}
-            _ = stopped(stop.clone()) => return Ok(()),
-        }
+    let mut ticks = ticker(interval);
+    while next_tick(&mut ticks, &stop).await {
         let closed_before = unix_nanos(std::time::SystemTime::now() - COMPACTION_GRACE);
         // A call does a bounded amount of work; a backlog takes several,
         // with a chance to stop between them.
         while !*stop.borrow() {
-            let storage = Arc::clone(&storage);
-            match tokio::task::spawn_blocking(move || storage.compact(closed_before)).await {
-                Ok(Ok(0)) => break,
-                Ok(Ok(spans)) => tracing::debug!(spans, "compaction: rolled up"),
-                Ok(Err(err)) => {
-                    tracing::warn!("compaction: {:#}", anyhow::Error::from(err));
-                    break;
-                }
-                Err(err) => {
-                    tracing::warn!("compaction task failed: {err}");
-                    break;
-                }
+            match in_background(&storage, "compaction", move |s| s.compact(closed_before)).await {
+                None | Some(0) => break,
+                Some(spans) => tracing::debug!(spans, "compaction: rolled up"),
             }
         }
     }
+    Ok(())
 }
 
 /// Deletes samples older than `retention` every `interval` (and once at
@@ -395,20 +385,51 @@ async fn retention(
     interval: Duration,
     stop: watch::Receiver<bool>,
 ) -> Result<(), ServerError> {
+    let mut ticks = ticker(interval);
+    while next_tick(&mut ticks, &stop).await {
+        let cutoff = unix_nanos(std::time::SystemTime::now() - retention);
+        if let Some(deleted) =
+            in_background(&storage, "retention", move |s| s.delete_before(cutoff)).await
+            && deleted > 0
+        {
+            tracing::info!(deleted, "retention: deleted old sample rows");
+        }
+    }
+    Ok(())
+}
+
+/// Ticks every `interval`, the first at once; a late tick is not caught up.
+fn ticker(interval: Duration) -> tokio::time::Interval {
     let mut ticks = tokio::time::interval(interval);
     ticks.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-    loop {
-        tokio::select! {
-            _ = ticks.tick() => {}
-            _ = stopped(stop.clone()) => return Ok(()),
+    ticks
+}
+
+/// Waits for the next tick; false once the collector is asked to stop.
+async fn next_tick(ticks: &mut tokio::time::Interval, stop: &watch::Receiver<bool>) -> bool {
+    tokio::select! {
+        _ = ticks.tick() => true,
+        _ = stopped(stop.clone()) => false,
+    }
+}
+
+/// Runs storage work on a blocking thread; a failure is logged as `what`'s
+/// (the task goes on with its next tick) and gives `None`.
+async fn in_background<T: Send + 'static>(
+    storage: &Arc<dyn Storage>,
+    what: &'static str,
+    work: impl FnOnce(&dyn Storage) -> Result<T, StorageError> + Send + 'static,
+) -> Option<T> {
+    let storage = Arc::clone(storage);
+    match tokio::task::spawn_blocking(move || work(&*storage)).await {
+        Ok(Ok(value)) => Some(value),
+        Ok(Err(err)) => {
+            tracing::warn!("{what}: {:#}", anyhow::Error::from(err));
+            None
         }
-        let cutoff = unix_nanos(std::time::SystemTime::now() - retention);
-        let storage = Arc::clone(&storage);
-        match tokio::task::spawn_blocking(move || storage.delete_before(cutoff)).await {
-            Ok(Ok(0)) => {}
-            Ok(Ok(deleted)) => tracing::info!(deleted, "retention: deleted old sample rows"),
-            Ok(Err(err)) => tracing::warn!("retention: {:#}", anyhow::Error::from(err)),
-            Err(err) => tracing::warn!("retention task failed: {err}"),
+        Err(err) => {
+            tracing::warn!("{what} task failed: {err}");
+            None
         }
     }
 }
