@@ -828,7 +828,14 @@ fn rollups_answer_exactly_as_the_samples_they_sum() {
     // Retention a few minutes at a time (cutoffs off the bucket grid, through
     // the middle of 10-minute spans and hours), compacting between steps.
     let mut cutoff = day_start + 13 * 60 * MINUTE + 25 * MINUTE + 17 * SECOND;
+    let whole = |what: &str| check(day_start - DAY, day_start + 3 * DAY, what);
     for step in 0..4 {
+        // Data in the bucket just after the cutoff, rolled up before
+        // retention cuts its spans.
+        let seed = next();
+        let kept = cutoff + MINUTE;
+        ingest(kept - kept.rem_euclid(MINUTE), seed);
+        compact_all(day_start + 3 * DAY);
         assert_eq!(
             rolled.delete_before(cutoff).expect("retention"),
             base.delete_before(cutoff).expect("retention")
@@ -838,6 +845,18 @@ fn rollups_answer_exactly_as_the_samples_they_sum() {
         compare(
             &mut next,
             &format!("after retention step {step}, rolled up again"),
+        );
+        // A late batch in the same hour as the cutoff but another 10
+        // minutes: the hour is redone, and must still hold what is left of
+        // the 10 minutes retention cut.
+        let seed = next();
+        let late = cutoff + 15 * MINUTE;
+        ingest(late - late.rem_euclid(MINUTE), seed);
+        compact_all(day_start + 3 * DAY);
+        whole(&format!("a late batch after retention step {step}"));
+        compare(
+            &mut next,
+            &format!("a late batch after retention step {step}"),
         );
         cutoff += 7 * MINUTE + 3 * SECOND;
     }

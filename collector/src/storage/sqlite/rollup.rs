@@ -127,11 +127,13 @@ pub(super) fn invalidate(
 }
 
 /// Retention, in its transaction, after every bucket up to `last` was
-/// deleted: spans starting at or before `last` lose their rollups. A span
-/// that also holds later buckets is not redone (retention runs every few
-/// minutes, and would have the day's span summed again each time): queries
-/// read the finer spans after `last` instead, which stay current. A late
-/// batch in such a span makes the compactor redo it from those.
+/// deleted: spans starting at or before `last` lose their rollups, and the
+/// spans that also hold later buckets are redone from what is left of them.
+/// They must be: a coarser span is summed from the spans one width finer
+/// only, so a cut 10 minutes without a marker would leave its later buckets
+/// out of its hour the next time a late batch makes the hour be redone.
+/// (Retention runs every few minutes; redoing the day span each time costs
+/// one sum over its hours.)
 pub(super) fn forget_through(
     tx: &Transaction<'_>,
     tiers: &Tiers,
@@ -144,6 +146,15 @@ pub(super) fn forget_through(
         ))?;
         for &width in tiers.widths() {
             delete.execute((width, last))?;
+        }
+    }
+    let mut pend = tx.prepare_cached(
+        "INSERT OR IGNORE INTO pending_spans (width, span_start) VALUES (?1, ?2)",
+    )?;
+    for &width in tiers.widths() {
+        let start = span_start(last, width);
+        if start.saturating_add(width - tiers.bucket()) > last {
+            pend.execute((width, start))?;
         }
     }
     Ok(())
