@@ -71,6 +71,18 @@ pub enum StorageError {
     TooLarge(String),
 }
 
+/// The point of a `series` answer a bucket's weight goes to: points are
+/// aligned to multiples of `step_nanos`, or one per bucket when it is not
+/// positive. Shared so every engine draws the same points.
+pub(crate) fn series_point(bucket: i64, step_nanos: i64, bucket_nanos: i64) -> i64 {
+    let step = if step_nanos > 0 {
+        step_nanos
+    } else {
+        bucket_nanos
+    };
+    bucket.saturating_sub(bucket.rem_euclid(step))
+}
+
 /// Stores validated batches and answers queries over them.
 pub trait Storage: Send + Sync + 'static {
     /// Stores one batch atomically and durably, or not at all. A batch

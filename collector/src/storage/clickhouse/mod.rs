@@ -1190,11 +1190,6 @@ impl Storage for ClickhouseStorage {
         selection: &Selection,
         step_nanos: i64,
     ) -> Result<Vec<(i64, u64)>, StorageError> {
-        let step = if step_nanos > 0 {
-            step_nanos
-        } else {
-            self.options.bucket_nanos
-        };
         let mut sums: BTreeMap<i64, u128> = BTreeMap::new();
         for condition in self.selection_conditions(selection)? {
             let sql = format!(
@@ -1205,7 +1200,7 @@ impl Storage for ClickhouseStorage {
             for (bucket, sum) in
                 self.select("summing the series", &sql, |r| Ok((r.i64()?, read_sum(r)?)))?
             {
-                let point = bucket.saturating_sub(bucket.rem_euclid(step));
+                let point = super::series_point(bucket, step_nanos, self.options.bucket_nanos);
                 *sums.entry(point).or_default() += sum;
             }
         }

@@ -574,16 +574,11 @@ impl Storage for SqliteStorage {
         selection: &Selection,
         step_nanos: i64,
     ) -> Result<Vec<(i64, u64)>, StorageError> {
-        let step = if step_nanos > 0 {
-            step_nanos
-        } else {
-            self.bucket_nanos
-        };
         self.read(|caches, tx| {
             let selected = caches.label_sets.select(selection);
             let mut points: BTreeMap<i64, u64> = BTreeMap::new();
             self.for_each_label_set_bucket(tx, selection, &selected, |bucket, _, _, weight| {
-                let point = bucket.saturating_sub(bucket.rem_euclid(step));
+                let point = super::series_point(bucket, step_nanos, self.bucket_nanos);
                 let sum = points.entry(point).or_default();
                 *sum = add_capped(*sum, weight);
                 Ok(())

@@ -115,13 +115,10 @@ pub(super) fn invalidate(
 ) -> Result<(), StorageError> {
     let mut unmark =
         tx.prepare_cached("DELETE FROM rollup_spans WHERE width = ?1 AND span_start = ?2")?;
-    let mut pend = tx.prepare_cached(
-        "INSERT OR IGNORE INTO pending_spans (width, span_start) VALUES (?1, ?2)",
-    )?;
     for &width in tiers.widths() {
         let start = span_start(bucket, width);
         unmark.execute((width, start))?;
-        pend.execute((width, start))?;
+        pend(tx, width, start)?;
     }
     Ok(())
 }
@@ -148,15 +145,19 @@ pub(super) fn forget_through(
             delete.execute((width, last))?;
         }
     }
-    let mut pend = tx.prepare_cached(
-        "INSERT OR IGNORE INTO pending_spans (width, span_start) VALUES (?1, ?2)",
-    )?;
     for &width in tiers.widths() {
         let start = span_start(last, width);
         if start.saturating_add(width - tiers.bucket()) > last {
-            pend.execute((width, start))?;
+            pend(tx, width, start)?;
         }
     }
+    Ok(())
+}
+
+/// Marks the span for the compactor to redo.
+fn pend(tx: &Transaction<'_>, width: i64, start: i64) -> Result<(), StorageError> {
+    tx.prepare_cached("INSERT OR IGNORE INTO pending_spans (width, span_start) VALUES (?1, ?2)")?
+        .execute((width, start))?;
     Ok(())
 }
 
