@@ -93,6 +93,15 @@ pub const MAX_EAGER_OPENS: usize = 512;
 /// frames of a module already seen cost no hashing of its path.
 const MAX_MODULE_MEMO: usize = 65_536;
 
+/// Bytes of walk keys remembered per interval (see `Builder::walked`):
+/// about 8,000 stacks 60 frames deep, the hot ones since they come first.
+/// Stacks past it are interned frame by frame, as they would be anyway.
+const MAX_WALK_MEMO_BYTES: usize = 4 << 20;
+
+/// What a walk entry costs besides its key: the boxed slice's pointer and
+/// length, the stack index, and the table's control byte, rounded up.
+const WALK_ENTRY_OVERHEAD: usize = 32;
+
 /// How samples are labelled and aggregated.
 #[derive(Debug, Clone)]
 pub struct AggregatorConfig {
@@ -281,6 +290,8 @@ pub struct Aggregator {
     stats: AggregateStats,
     /// Location indexes of the sample being added.
     stack: Vec<u32>,
+    /// The sample's walk key (see `Builder::walked`).
+    walk_key: Vec<u64>,
 }
 
 /// The labels of a sample as interned: the raw comm avoids decoding it per
@@ -332,6 +343,13 @@ struct Builder {
     /// Stacks by their frames; the index is the order they first came
     /// in (one allocation per stack: the list is made at the end).
     stack_index: HashMap<Box<[u32]>, u32>,
+    /// Stacks by the walk they came from: the space its frames were placed
+    /// in, its kernel frames and its user frames. Equal keys intern to the
+    /// same stack (see `Walk::space`), so a sample whose walk was seen
+    /// before costs one lookup instead of two per frame. Bounded by
+    /// [`MAX_WALK_MEMO_BYTES`].
+    walked: HashMap<Box<[u64]>, u32>,
+    walked_bytes: usize,
     label_sets: Vec<LabelValues>,
     label_index: HashMap<LabelKey, u32>,
     /// In the order the pairs first appeared, as the batch lists them.
@@ -353,6 +371,8 @@ impl Builder {
             locations: Vec::new(),
             location_index: HashMap::new(),
             stack_index: HashMap::new(),
+            walked: HashMap::new(),
+            walked_bytes: 0,
             label_sets: Vec::new(),
             label_index: HashMap::new(),
             samples: Vec::new(),
@@ -423,6 +443,15 @@ impl Builder {
         true
     }
 
+    /// Remembers that walks with `key` intern to `stack`, within the bound.
+    fn remember_walk(&mut self, key: &[u64], stack: u32) {
+        let bytes = std::mem::size_of_val(key) + WALK_ENTRY_OVERHEAD;
+        if self.walked_bytes + bytes <= MAX_WALK_MEMO_BYTES {
+            self.walked_bytes += bytes;
+            self.walked.insert(key.into(), stack);
+        }
+    }
+
     /// The `[truncated]` stack, made on first use whatever the bound: there
     /// is one per interval, and one pair per label set.
     fn truncated_stack(&mut self) -> u32 {
@@ -488,6 +517,7 @@ impl Aggregator {
             previous_files: HashMap::new(),
             stats: AggregateStats::default(),
             stack: Vec::with_capacity(2 * stackscope_unwind::DEFAULT_MAX_DEPTH),
+            walk_key: Vec::with_capacity(MAX_FRAMES_PER_SAMPLE + 2),
         }
     }
 
@@ -591,17 +621,50 @@ impl Aggregator {
         self.stats.kernel_only += u64::from(user.is_none());
 
         let divisor = header.sampling_divisor.max(1);
-        let complete = self.intern_stack(header, kernel_frames, user, insert);
-        let counted = complete
-            && match self.current.stack(&self.stack, insert) {
-                Some(stack) => self.current.count(stack, labels, divisor, insert),
-                None => false,
-            };
+        let memo = self.fill_walk_key(kernel_frames, user);
+        let stack = match memo.then(|| self.current.walked.get(&self.walk_key[..])) {
+            Some(Some(&stack)) => Some(stack),
+            _ => {
+                let complete = self.intern_stack(header, kernel_frames, user, insert);
+                let stack = complete
+                    .then(|| self.current.stack(&self.stack, insert))
+                    .flatten();
+                if let Some(stack) = stack
+                    && memo
+                    && !user.is_some_and(|walk| walk.objects.iter().any(FrameObject::is_jit))
+                {
+                    self.current.remember_walk(&self.walk_key, stack);
+                }
+                stack
+            }
+        };
+        let counted = stack.is_some_and(|stack| self.current.count(stack, labels, divisor, insert));
         if !counted {
             let stack = self.current.truncated_stack();
             self.current.count(stack, labels, divisor, true);
             self.stats.truncated += 1;
         }
+    }
+
+    /// Fills `self.walk_key` with the sample's walk key; false when the
+    /// walk has no space (nothing says equal frames are equal objects).
+    fn fill_walk_key(&mut self, kernel_frames: &[u64], user: Option<&Walk<'_>>) -> bool {
+        let key = &mut self.walk_key;
+        key.clear();
+        match user {
+            Some(walk) => match walk.space {
+                Some(space) => key.push(space),
+                None => return false,
+            },
+            // Spaces count up from 0: this one is never handed out.
+            None => key.push(u64::MAX),
+        }
+        key.push(kernel_frames.len() as u64);
+        key.extend_from_slice(kernel_frames);
+        if let Some(walk) = user {
+            key.extend_from_slice(walk.frames);
+        }
+        true
     }
 
     /// Fills `self.stack` with the sample's location indexes; false when a

@@ -99,6 +99,7 @@ fn add(
         objects,
         outcome: WalkOutcome::Ended(UnwindEnd::Outermost),
         stitched: false,
+        space: None,
     };
     aggregator.add(header, kernel, Some(&walk));
 }
@@ -781,4 +782,104 @@ fn a_file_in_steady_use_is_opened_once_not_once_per_interval() {
         &sample[..1],
     );
     assert_eq!(aggregator.stats().files_opened, 3);
+}
+
+/// Adds one sample whose walk placed `frames` in `space`, with `objects`.
+fn add_walked(
+    aggregator: &mut Aggregator,
+    header: &SampleHeader,
+    kernel: &[u64],
+    frames: &[u64],
+    objects: &[FrameObject],
+    space: Option<u64>,
+) {
+    let walk = Walk {
+        frames,
+        objects,
+        outcome: WalkOutcome::Ended(UnwindEnd::Outermost),
+        stitched: false,
+        space,
+    };
+    aggregator.add(header, kernel, Some(&walk));
+}
+
+#[test]
+fn walks_seen_before_intern_as_they_would_frame_by_frame() {
+    let (own, libc) = module_files();
+    // Two versions of a process's module list: the second has `own`
+    // mapped 0x1000 higher, so the same addresses are other file offsets.
+    let place = |space: u64, pc: u64| {
+        let own_base = if space == 1 { 0x1000_0000 } else { 0x1000_1000 };
+        if pc >= 0x2000_0000 {
+            file(&libc, pc - 0x2000_0000)
+        } else {
+            file(&own, pc - own_base)
+        }
+    };
+    let pcs = [
+        0x1000_2000,
+        0x1000_3000,
+        0x2000_0100,
+        0x2000_0200,
+        0x1000_4000,
+    ];
+    let mut seed = 7u64;
+    let mut next = move |n: usize| {
+        seed = seed
+            .wrapping_mul(6364136223846793005)
+            .wrapping_add(1442695040888963407);
+        (seed >> 33) as usize % n
+    };
+    // A small bound, so that the interval fills and both ways must agree
+    // on which samples become `[truncated]` or are dropped.
+    let small = || AggregatorConfig {
+        max_entries: 40,
+        ..config()
+    };
+    let (mut memo, mut plain) = (Aggregator::new(small()), Aggregator::new(small()));
+    for round in 0..2_000 {
+        let space = 1 + next(2) as u64;
+        let frames: Vec<u64> = (0..1 + next(4)).map(|_| pcs[next(pcs.len())]).collect();
+        let objects: Vec<FrameObject> = frames.iter().map(|&pc| place(space, pc)).collect();
+        let kernel: &[u64] = if next(3) == 0 { &[KERNEL_LEAF] } else { &[] };
+        let header = header(std::process::id(), ["a", "b"][next(2)], true);
+        add_walked(&mut memo, &header, kernel, &frames, &objects, Some(space));
+        add_walked(&mut plain, &header, kernel, &frames, &objects, None);
+        if round == 1_000 {
+            let (a, b) = (
+                memo.finish_interval(UNIX_EPOCH),
+                plain.finish_interval(UNIX_EPOCH),
+            );
+            assert_eq!(flatten(&a), flatten(&b));
+        }
+    }
+    assert!(!memo.current.walked.is_empty(), "walks were remembered");
+    assert!(plain.current.walked.is_empty(), "no space, no memo");
+    let (a, b) = (
+        memo.finish_interval(UNIX_EPOCH),
+        plain.finish_interval(UNIX_EPOCH),
+    );
+    assert_eq!(flatten(&a), flatten(&b));
+    assert!(a.sample_count() > 0 && memo.stats().truncated > 0);
+    assert_eq!(memo.stats(), plain.stats());
+}
+
+#[test]
+fn walks_through_jit_code_are_not_remembered() {
+    // A JIT frame's name comes from the perf map at the time of the
+    // sample: the same address may be another function later.
+    let mut aggregator = Aggregator::new(config());
+    let jit = [FrameObject::Jit {
+        address: 0x3ef0_a1c0_c2a0,
+    }];
+    add_walked(
+        &mut aggregator,
+        &header(7, "node", true),
+        &[],
+        &[0x3ef0_a1c0_c2a0],
+        &jit,
+        Some(3),
+    );
+    assert!(aggregator.current.walked.is_empty());
+    assert_eq!(aggregator.finish_interval(UNIX_EPOCH).sample_count(), 1);
 }

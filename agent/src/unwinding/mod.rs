@@ -136,6 +136,12 @@ pub struct Walk<'a> {
     pub outcome: WalkOutcome,
     /// The walk went past the copy through the stack tail.
     pub stitched: bool,
+    /// The version of the process's module list the frames were placed
+    /// with: no other process and no other version has the same number, so
+    /// equal frames in the same space are placed on equal objects (JIT
+    /// frames aside: their names come from perf maps, which change).
+    /// `None` when nothing vouches for that.
+    pub space: Option<u64>,
 }
 
 /// Which object a frame's address is in, and the address in that object's
@@ -166,6 +172,12 @@ pub enum FrameObject {
     /// mapped after the process's maps were read): the absolute address,
     /// meaningful only as a hint.
     Anonymous { address: u64 },
+}
+
+impl FrameObject {
+    pub fn is_jit(&self) -> bool {
+        matches!(self, FrameObject::Jit { .. })
+    }
 }
 
 /// The file a module maps, shared by the walker's module and every frame
@@ -572,9 +584,11 @@ pub struct StackWalker {
     spaces: u64,
     max_depth: usize,
     planner: Planner,
-    /// The last walk: whether it read the tail, how much copy it read.
+    /// The last walk: whether it read the tail, how much copy it read,
+    /// and the space its frames were placed in.
     last_tail_reads: u32,
     last_copy_read: u64,
+    last_space: u64,
     /// Frames of learning walks (kept apart from the delivered walk's).
     learn_frames: Vec<u64>,
     /// The binary of the last walk's frame 0 (found while placing frames),
@@ -661,6 +675,7 @@ impl StackWalker {
             max_depth: config.max_depth,
             planner: Planner::new(config.stack_bytes, config.deep_stack_bytes, config.adaptive),
             last_tail_reads: 0,
+            last_space: 0,
             last_copy_read: 0,
             learn_frames: Vec::new(),
             frame0_binary: Arc::from("[unknown]"),
@@ -870,6 +885,7 @@ impl StackWalker {
                 objects: &self.objects,
                 outcome,
                 stitched,
+                space: Some(self.last_space),
             },
         });
         let WalkOutcome::Ended(end) = outcome else {
@@ -1118,6 +1134,7 @@ impl StackWalker {
             objects: &self.objects,
             outcome,
             stitched: self.last_tail_reads > 0,
+            space: Some(self.last_space),
         })
     }
 
@@ -1172,6 +1189,9 @@ impl StackWalker {
     fn place_frames(&mut self, tgid: u32) {
         self.objects.truncate(self.frames.len());
         let process = self.modules.get(&tgid);
+        // A process without an entry has no modules, as one with an entry
+        // whose list is still empty (space 0): every frame is anonymous.
+        self.last_space = process.map_or(0, |p| p.space);
         let frame0 = process.and_then(|p| p.find(*self.frames.first()?));
         let frame0_name = frame0.map_or(&self.unknown_binary, |m| &m.name);
         if !Arc::ptr_eq(&self.frame0_binary, frame0_name) {
@@ -1219,9 +1239,15 @@ impl StackWalker {
                     // opened): forget it, so a later sample retries.
                     self.tables.by_object.remove(&id);
                     for process in self.modules.values_mut() {
+                        let before = process.modules.len();
                         process
                             .modules
                             .retain(|m| !matches!(m.table, ModuleTable::Pending(p) if p == id));
+                        if process.modules.len() != before {
+                            // A changed list is a new space (see `Walk::space`).
+                            self.spaces += 1;
+                            process.space = self.spaces;
+                        }
                     }
                     // Samples held for it are walked again (and resolve anew).
                     self.tables_changed = true;
@@ -1343,11 +1369,7 @@ impl StackWalker {
             self.stats.truncated,
         ) = (all.walks, all.outermost, all.stitched, all.truncated);
         self.stats.table_pending += u64::from(outcome == WalkOutcome::TablePending);
-        if self
-            .objects
-            .iter()
-            .any(|object| matches!(object, FrameObject::Jit { .. }))
-        {
+        if self.objects.iter().any(FrameObject::is_jit) {
             self.stats.jit_walks += 1;
             self.stats.jit_outermost +=
                 u64::from(outcome == WalkOutcome::Ended(UnwindEnd::Outermost));
