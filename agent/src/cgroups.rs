@@ -10,8 +10,12 @@
 //! cgroup and all its ancestors, so cgroups created later are covered.
 
 use std::{
+    fs::File,
     io,
-    os::unix::fs::MetadataExt as _,
+    os::{
+        fd::{AsRawFd as _, FromRawFd as _, OwnedFd},
+        unix::fs::MetadataExt as _,
+    },
     path::{Path, PathBuf},
 };
 
@@ -80,6 +84,57 @@ pub fn resolve(selection: &str) -> Result<u64, CgroupError> {
         return Err(CgroupError::NotCgroup2(canonical, mount));
     }
     Ok(std::fs::metadata(&canonical).map_err(read_error)?.ino())
+}
+
+/// The path (relative to the hierarchy's root, as `/proc/<pid>/cgroup`
+/// prints it) of the cgroup whose id is `id`, for a process gone before
+/// its cgroup file was read: the cgroup usually outlives it (its container
+/// runs on). A cgroup2 id is also the directory's file handle in the
+/// cgroup2 filesystem (kernfs), so the directory is opened by handle, in
+/// constant time whatever the size of the tree. Needs
+/// `CAP_DAC_READ_SEARCH`, which the agent has.
+pub fn path_of_id(mount: &Path, id: u64) -> io::Result<String> {
+    /// `struct file_handle` with kernfs's 8-byte handle: the id.
+    #[repr(C)]
+    struct KernfsHandle {
+        handle_bytes: u32,
+        handle_type: i32,
+        id: [u8; 8],
+    }
+    /// `FILEID_KERNFS` in include/linux/exportfs.h.
+    const FILEID_KERNFS: i32 = 0xfe;
+    let root = File::open(mount)?;
+    let mut handle = KernfsHandle {
+        handle_bytes: 8,
+        handle_type: FILEID_KERNFS,
+        id: id.to_ne_bytes(),
+    };
+    // SAFETY: `handle` is a valid `struct file_handle` of `handle_bytes`
+    // bytes of handle, alive for the call; `root` is an open descriptor.
+    let fd = unsafe {
+        libc::open_by_handle_at(
+            root.as_raw_fd(),
+            (&raw mut handle).cast(),
+            libc::O_RDONLY | libc::O_DIRECTORY | libc::O_CLOEXEC,
+        )
+    };
+    if fd < 0 {
+        return Err(io::Error::last_os_error());
+    }
+    // SAFETY: `fd` was just opened and is owned by nothing else.
+    let dir = unsafe { OwnedFd::from_raw_fd(fd) };
+    let path = std::fs::read_link(format!("/proc/self/fd/{}", dir.as_raw_fd()))?;
+    let relative = path.strip_prefix(mount).map_err(|_| {
+        io::Error::new(
+            io::ErrorKind::InvalidData,
+            format!(
+                "cgroup {id} is at {}, outside {}",
+                path.display(),
+                mount.display()
+            ),
+        )
+    })?;
+    Ok(format!("/{}", relative.display()))
 }
 
 /// Calls `visit` with the path (relative to the hierarchy's root, as
@@ -167,6 +222,34 @@ mod tests {
         assert!(seen.contains(&("/a/b".to_string(), ino)));
         // The bound holds.
         assert_eq!(walk(root.path(), 2, |_, _| {}).expect("walking"), 2);
+    }
+
+    #[test]
+    fn a_cgroup_is_found_by_its_id() {
+        // Root only (creating a cgroup, and opening by handle), as the
+        // agent runs; `cargo xtask test` runs as root.
+        if !is_root() {
+            eprintln!("skipped: needs root");
+            return;
+        }
+        let mount = cgroup2_mount().expect("a cgroup2 mount");
+        let name = format!("stackscope-test-{}", std::process::id());
+        let dir = mount.join(&name).join("inner");
+        std::fs::create_dir_all(&dir).expect("creating a cgroup");
+        let id = std::fs::metadata(&dir).expect("the cgroup").ino();
+        let found = path_of_id(&mount, id);
+        let root = path_of_id(&mount, std::fs::metadata(&mount).expect("root").ino());
+        std::fs::remove_dir(&dir).expect("removing the cgroup");
+        std::fs::remove_dir(mount.join(&name)).expect("removing the cgroup");
+        assert_eq!(found.expect("found by id"), format!("/{name}/inner"));
+        assert_eq!(root.expect("the root"), "/");
+        // Gone: a clear error, not another cgroup.
+        assert!(path_of_id(&mount, id).is_err());
+    }
+
+    fn is_root() -> bool {
+        // SAFETY: geteuid has no preconditions.
+        unsafe { libc::geteuid() == 0 }
     }
 
     #[test]

@@ -80,6 +80,8 @@ pub struct ContainerIndex {
     unknown_pod_seen: bool,
     /// `/proc/<pid>/cgroup` reads (cache misses).
     pub reads: u64,
+    /// The cgroup2 mount, found on first use (`None` inside: there is none).
+    cgroup_mount: Option<Option<PathBuf>>,
 }
 
 impl ContainerIndex {
@@ -93,11 +95,22 @@ impl ContainerIndex {
             generation: 0,
             unknown_pod_seen: false,
             reads: 0,
+            cgroup_mount: None,
         }
     }
 
+    /// The path of cgroup `id` (a process's, once the process is gone).
+    fn path_of_cgroup(&mut self, id: u64) -> Option<String> {
+        let mount = self
+            .cgroup_mount
+            .get_or_insert_with(|| crate::cgroups::cgroup2_mount().ok())
+            .as_deref()?;
+        crate::cgroups::path_of_id(mount, id).ok()
+    }
+
     /// The container of process `tgid`, seen in cgroup `cgroup_id`; `None`
-    /// for host processes and processes already gone.
+    /// for host processes. A process already gone is placed by its cgroup,
+    /// while that is still there.
     pub fn labels(&mut self, tgid: u32, cgroup_id: u64) -> Option<Arc<ContainerLabels>> {
         // The clock is read only for labels still missing a name: this
         // runs for every sample.
@@ -115,9 +128,12 @@ impl ContainerIndex {
                     self.by_tgid.clear();
                 }
                 self.reads += 1;
-                // A process gone before its first sample was read is not
-                // remembered: its pid may come back as another process.
-                let path = container::read_cgroup_path(&self.proc_root, tgid).ok()?;
+                // A process gone before its first sample was read is found
+                // by its cgroup, which its container outlives it in.
+                let path = match container::read_cgroup_path(&self.proc_root, tgid) {
+                    Ok(path) => path,
+                    Err(_) => self.path_of_cgroup(cgroup_id)?,
+                };
                 container::identify(&path)
             }
         };
@@ -282,6 +298,33 @@ mod tests {
         .expect("cgroup file");
         assert_eq!(index.labels(10, 8), None);
         assert_eq!(index.reads, reads + 1);
+    }
+
+    #[test]
+    fn a_process_gone_before_it_was_read_is_labelled_by_its_cgroup() {
+        // A real cgroup named as podman names a container's (root only).
+        // SAFETY: geteuid has no preconditions.
+        if unsafe { libc::geteuid() } != 0 {
+            eprintln!("skipped: needs root");
+            return;
+        }
+        let mount = crate::cgroups::cgroup2_mount().expect("a cgroup2 mount");
+        let parent = mount.join(format!("stackscope-test-gone-{}", std::process::id()));
+        let scope = parent.join(format!("libpod-{ID_A}.scope"));
+        std::fs::create_dir_all(&scope).expect("creating cgroups");
+        let id = std::os::unix::fs::MetadataExt::ino(&std::fs::metadata(&scope).expect("cgroup"));
+        // No /proc entry for pid 40: it exited before its sample was read.
+        let proc = proc_with(&[]);
+        let names = RuntimeNames::new(PathBuf::from("/nonexistent"), PathBuf::from("/nonexistent"));
+        let mut index = ContainerIndex::new(proc.path(), names);
+        let labels = index.labels(40, id);
+        let host = index.labels(41, 1);
+        std::fs::remove_dir(&scope).expect("removing cgroups");
+        std::fs::remove_dir(&parent).expect("removing cgroups");
+        assert_eq!(labels.expect("labelled by its cgroup").id.as_ref(), ID_A);
+        assert_eq!(host, None, "the root cgroup is the host's");
+        // The cgroup is gone too: nothing to say.
+        assert_eq!(index.labels(42, id), None);
     }
 
     #[test]
