@@ -19,7 +19,13 @@
 //! incomplete, so the run loop then starts every process over (from
 //! `/proc`), as it does when the sample ring loses records.
 
-use std::collections::{HashSet, VecDeque};
+use std::{
+    collections::{HashSet, VecDeque},
+    os::fd::{AsRawFd as _, RawFd},
+    task::Poll,
+};
+
+use tokio::io::{Interest, unix::AsyncFd};
 
 use stackscope_process_events::{
     BuildIds, Config, Event, EventKind, FileRef, MappingEvents, Mmap, OpenError,
@@ -32,9 +38,10 @@ use stackscope_process_table::{
 use crate::unwinding::{StackWalker, Walked};
 
 /// Events held for samples not yet read, at most (a few MB; a fork+exec
-/// brings about seven, and the run loop drains every 100 ms or sooner, so
-/// this is tens of thousands of execs a second); beyond, the oldest are
-/// applied at once (a little early rather than never).
+/// brings about seven, and the run loop drains whenever a CPU's ring is a
+/// quarter full and every 500 ms, so this is thousands of execs a second
+/// at the least); beyond, the oldest are applied at once (a little early
+/// rather than never).
 pub const MAX_PENDING: usize = 1 << 16;
 
 /// How long after a drain started a sample taken before it may still be
@@ -63,6 +70,10 @@ pub struct FeedStats {
 
 /// See the module documentation.
 pub struct MappingFeed {
+    /// The rings' descriptors registered with the runtime, made on the
+    /// first [`MappingFeed::readable`] (which runs inside it). Declared
+    /// before `events`: dropped (deregistered) before the descriptors close.
+    wakers: Option<Vec<AsyncFd<RawFd>>>,
     events: Option<MappingEvents>,
     pending: VecDeque<Event>,
     /// When the kernel's rings were last read (CLOCK_MONOTONIC ns).
@@ -104,6 +115,7 @@ impl MappingFeed {
                 open: events.is_some(),
                 ..FeedStats::default()
             },
+            wakers: None,
             events,
             pending: VecDeque::new(),
             collected_at: 0,
@@ -114,6 +126,41 @@ impl MappingFeed {
 
     pub fn stats(&self) -> FeedStats {
         self.stats
+    }
+
+    /// Waits until a CPU's ring is a quarter full, when the caller should
+    /// [`Self::collect`] before the ring overflows; never, without events.
+    /// Cancel safe.
+    pub async fn readable(&mut self) {
+        let Some(events) = &self.events else {
+            return std::future::pending().await;
+        };
+        let wakers = self.wakers.get_or_insert_with(|| {
+            events
+                .as_fds()
+                .filter_map(|fd| {
+                    AsyncFd::with_interest(fd.as_raw_fd(), Interest::READABLE)
+                        .inspect_err(|err| {
+                            // The drain timer still reads the ring, only
+                            // not early.
+                            tracing::warn!("cannot wait on a mapping event ring: {err}")
+                        })
+                        .ok()
+                })
+                .collect()
+        });
+        std::future::poll_fn(|cx| {
+            for waker in wakers.iter() {
+                if let Poll::Ready(Ok(mut guard)) = waker.poll_read_ready(cx) {
+                    // The kernel reports a ring once per crossing of its
+                    // mark: the collect that follows reads it.
+                    guard.clear_ready();
+                    return Poll::Ready(());
+                }
+            }
+            Poll::Pending
+        })
+        .await
     }
 
     /// Takes what the kernel recorded since the last call; call it before

@@ -43,7 +43,8 @@ pub const MAX_FREQUENCY_HZ: u64 = 10_000;
 /// The BPF program wakes the reader once this fraction of the ring buffer is
 /// unread (it does not wake it per record, see the program).
 const WAKEUP_FRACTION: u32 = 16;
-/// Below that, the reader drains the ring buffer on this period.
+/// Below that, the reader drains the ring buffer on this period (the
+/// default of [`SamplerConfig::drain_interval`]).
 pub const DRAIN_INTERVAL: Duration = Duration::from_millis(100);
 
 /// What to sample and how.
@@ -69,6 +70,11 @@ pub struct SamplerConfig {
     pub cgroup_policies: StdHashMap<u64, CgroupPolicy>,
     /// Level passed to the BPF-side logger (aya-log).
     pub bpf_log_level: tracing::Level,
+    /// The longest [`Sampler::wait`] waits when the ring stays below its
+    /// wake-up mark: the latency of a sample, and the period of a reader's
+    /// wake-ups when samples come slowly (each costs a few hundred
+    /// microseconds of CPU under virtualisation).
+    pub drain_interval: Duration,
 }
 
 impl Default for SamplerConfig {
@@ -82,6 +88,7 @@ impl Default for SamplerConfig {
             cgroup_budgets: false,
             cgroup_policies: StdHashMap::new(),
             bpf_log_level: tracing::Level::INFO,
+            drain_interval: DRAIN_INTERVAL,
         }
     }
 }
@@ -282,7 +289,8 @@ impl Sampler {
         let plan_map = take_map(&mut ebpf, names::STACK_PLANS)?;
         let copy_map = take_map(&mut ebpf, names::COPY_BYTES)?;
         let top_map = take_map(&mut ebpf, names::STACK_TOPS)?;
-        let mut drain_timer = tokio::time::interval(DRAIN_INTERVAL);
+        let mut drain_timer =
+            tokio::time::interval(config.drain_interval.max(Duration::from_millis(1)));
         drain_timer.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         Ok(Self {
             ring,
