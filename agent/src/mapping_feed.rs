@@ -139,7 +139,10 @@ impl MappingFeed {
             events
                 .as_fds()
                 .filter_map(|fd| {
-                    AsyncFd::with_interest(fd.as_raw_fd(), Interest::READABLE)
+                    // SAFETY: the descriptor stays open while it is
+                    // registered: `wakers` is dropped before `events`.
+                    unsafe { AsyncFd::register_with_interest(fd.as_raw_fd(), Interest::READABLE) }
+                        .map_err(|err| err.into_parts().1)
                         .inspect_err(|err| {
                             // The drain timer still reads the ring, only
                             // not early.
