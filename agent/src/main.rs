@@ -28,7 +28,7 @@ use stackscope_agent::{
     run::{AgentConfig, RunSummary, run},
     sampler::{Sampler, SamplerConfig},
     symbolize::SymbolizerConfig,
-    unwinding::{DiskCache, WalkerConfig},
+    unwinding::{DiskCache, EarlyEnds, WalkerConfig},
 };
 use tracing_subscriber::EnvFilter;
 
@@ -575,7 +575,7 @@ fn print_report(
     writeln!(
         out,
         "{:.1}% of {} user stacks unwound to the outermost frame ({:.1}% through a stack tail), \
-         {:.1}% truncated ({} kernel ticks counted as kernel-only: their user address was in no \
+         {:.1}% truncated{} ({} kernel ticks counted as kernel-only: their user address was in no \
          known mapping, as inside exec or exit); \
          {} stack plans learned ({} of them deep copies), {} stack tops written ({} dropped), \
          {:.0} user stack bytes read per sample \
@@ -585,6 +585,7 @@ fn print_report(
         ends.walks,
         ends.stitched_percent(),
         ends.truncated_percent(),
+        early_ends_text(&unwinding.early_ends),
         unwinding.kernel_ticks_unplaced,
         unwinding.plans.plans_learned,
         unwinding.plans.deep_plans_learned,
@@ -717,6 +718,22 @@ fn print_report(
 /// symbolizer keeps mapped files open, two descriptors each, and the
 /// default soft limit of 1024 is too tight for a busy node. Failing only
 /// costs names (files that cannot be opened go unnamed), so it is not fatal.
+/// `, 12 stopped early (7 in code without unwind info, ...)`; empty when
+/// none did.
+fn early_ends_text(ends: &EarlyEnds) -> String {
+    let reasons = ends.by_reason();
+    let total: u64 = reasons.iter().map(|(count, _)| count).sum();
+    if total == 0 {
+        return String::new();
+    }
+    let listed: Vec<String> = reasons
+        .iter()
+        .filter(|(count, _)| *count > 0)
+        .map(|(count, reason)| format!("{count} {reason}"))
+        .collect();
+    format!(", {total} stopped early ({})", listed.join(", "))
+}
+
 fn raise_open_file_limit() {
     let mut limit = libc::rlimit {
         rlim_cur: 0,

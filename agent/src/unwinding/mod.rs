@@ -267,6 +267,54 @@ impl WalkEnds {
     }
 }
 
+/// Walks that stopped before the outermost frame with stack bytes left, by
+/// reason: what to look at when a program's share reaching the root is low.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, serde::Serialize)]
+pub struct EarlyEnds {
+    /// A return address in no known mapping (or a frame-pointer chain that
+    /// led nowhere).
+    pub unmapped: u64,
+    /// Code whose module has CFI, but none for that address.
+    pub no_unwind_info: u64,
+    /// CFI the unwinder cannot evaluate.
+    pub unsupported: u64,
+    /// Corrupt frames: a CFA not above the previous one, or an address
+    /// below the copy.
+    pub corrupt: u64,
+    pub depth_limit: u64,
+    /// A table was still being compiled.
+    pub table_pending: u64,
+}
+
+impl EarlyEnds {
+    /// Each count with what it means, for the report.
+    pub fn by_reason(&self) -> [(u64, &'static str); 6] {
+        [
+            (self.unmapped, "at an address in no known mapping"),
+            (self.no_unwind_info, "in code without unwind info"),
+            (self.unsupported, "at CFI the unwinder cannot evaluate"),
+            (self.corrupt, "at a corrupt frame"),
+            (self.depth_limit, "at --max-depth"),
+            (self.table_pending, "waiting for a table"),
+        ]
+    }
+
+    fn add(&mut self, outcome: WalkOutcome) {
+        let counter = match outcome {
+            WalkOutcome::TablePending => &mut self.table_pending,
+            WalkOutcome::Ended(end) => match end {
+                UnwindEnd::Outermost | UnwindEnd::StackTruncated => return,
+                UnwindEnd::Unmapped => &mut self.unmapped,
+                UnwindEnd::NoUnwindInfo => &mut self.no_unwind_info,
+                UnwindEnd::Unsupported(_) => &mut self.unsupported,
+                UnwindEnd::CfaNotIncreasing | UnwindEnd::BadStackAddress => &mut self.corrupt,
+                UnwindEnd::DepthLimit => &mut self.depth_limit,
+            },
+        };
+        *counter += 1;
+    }
+}
+
 /// How walks ended, overall and per binary of the sampled instruction.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct WalkStats {
@@ -286,6 +334,9 @@ pub struct WalkStats {
     /// that reached the outermost frame.
     pub jit_walks: u64,
     pub jit_outermost: u64,
+    /// Why the walks that neither reached the outermost frame nor ran out
+    /// of stack bytes stopped.
+    pub early_ends: EarlyEnds,
     /// Per binary holding frame 0.
     pub by_binary: HashMap<Arc<str>, WalkEnds>,
     /// Adaptive copies and learned stack tails.
@@ -1369,6 +1420,7 @@ impl StackWalker {
             self.stats.truncated,
         ) = (all.walks, all.outermost, all.stitched, all.truncated);
         self.stats.table_pending += u64::from(outcome == WalkOutcome::TablePending);
+        self.stats.early_ends.add(outcome);
         if self.objects.iter().any(FrameObject::is_jit) {
             self.stats.jit_walks += 1;
             self.stats.jit_outermost +=
@@ -1472,6 +1524,37 @@ mod tests {
             3,
             "fully unwound binaries are not listed"
         );
+    }
+
+    #[test]
+    fn early_ends_count_only_walks_stopped_with_bytes_left() {
+        let mut early = EarlyEnds::default();
+        for end in [
+            UnwindEnd::Outermost,
+            UnwindEnd::StackTruncated,
+            UnwindEnd::Unmapped,
+            UnwindEnd::NoUnwindInfo,
+            UnwindEnd::NoUnwindInfo,
+            UnwindEnd::CfaNotIncreasing,
+            UnwindEnd::BadStackAddress,
+            UnwindEnd::DepthLimit,
+        ] {
+            early.add(WalkOutcome::Ended(end));
+        }
+        early.add(WalkOutcome::TablePending);
+        assert_eq!(
+            early,
+            EarlyEnds {
+                unmapped: 1,
+                no_unwind_info: 2,
+                unsupported: 0,
+                corrupt: 2,
+                depth_limit: 1,
+                table_pending: 1,
+            }
+        );
+        let total: u64 = early.by_reason().iter().map(|(count, _)| count).sum();
+        assert_eq!(total, 7, "every early end has a reason in the report");
     }
 
     #[test]
