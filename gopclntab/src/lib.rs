@@ -339,6 +339,12 @@ impl<'a> Table<'a> {
         })
     }
 
+    /// Function `index`'s addresses, from the index alone (checked when
+    /// the table was parsed): known even when its record is damaged.
+    pub fn func_range(&self, index: usize) -> Result<Range<u64>, Error> {
+        Ok(self.entry(index)?..self.entry(index + 1)?)
+    }
+
     /// Function `index`'s record.
     pub fn func(&self, index: usize) -> Result<Func<'a>, Error> {
         let entry = self.entry(index)?;
