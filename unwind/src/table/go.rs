@@ -25,7 +25,9 @@
 //!   ...) is flagged `SPWRITE` by the assembler (Go 1.17 and later): its
 //!   table does not lead to its caller, and the walk stops there (Go's
 //!   traceback does too), as [`UnsupportedCfi::StackSwitch`]. So does a
-//!   function the kernel enters on a signal (`runtime.sigtramp`).
+//!   function entered other than by a call: by the kernel on a signal
+//!   (`runtime.sigtramp`), or by a preemption signal pushing the
+//!   interrupted pc as if it were a return address (`runtime.asyncPreempt`).
 //! - `runtime.goexit` (where every goroutine returns to), `runtime.mstart`
 //!   (where every thread's system stack starts) and `runtime.rt0_go` (the
 //!   program's first Go code) are the tops of stacks (`TOPFRAME`, Go's
@@ -48,6 +50,14 @@ use super::{TableError, UnsupportedCfi, UnwindRule};
 /// The functions at the top of every Go stack (the ones the runtime marks
 /// `TOPFRAME` other than `runtime.sigtramp`, which a signal enters).
 pub(crate) const GO_ROOTS: [&str; 3] = ["runtime.goexit", "runtime.mstart", "runtime.rt0_go"];
+
+/// Functions entered other than by a call, whose return address slot
+/// holds an interrupted instruction's address: `runtime.asyncPreempt`,
+/// which a preemption signal makes the goroutine "call" by pushing the
+/// interrupted pc (Go's traceback treats it specially). Stepping past it
+/// as a call would look the caller up one byte early, possibly in the
+/// wrong function, so the walk stops there, whatever the Go version.
+const NOT_CALLED: [&str; 1] = ["runtime.asyncPreempt"];
 
 /// The functions that switch stacks or are entered by the kernel, for Go
 /// 1.16 tables, which carry no flags (later ones flag them `SPWRITE` or
@@ -114,7 +124,10 @@ fn add_function(
     if GO_ROOTS.contains(&func.name) {
         return builder.push_whole(func.entry, func.end, UnwindRule::Outermost);
     }
-    if func.flags & (FLAG_SPWRITE | FLAG_TOPFRAME) != 0 || STACK_SWITCHES.contains(&func.name) {
+    if func.flags & (FLAG_SPWRITE | FLAG_TOPFRAME) != 0
+        || STACK_SWITCHES.contains(&func.name)
+        || NOT_CALLED.contains(&func.name)
+    {
         return builder.push_whole(
             func.entry,
             func.end,

@@ -100,10 +100,12 @@ pub enum UnsupportedCfi {
     Program,
     /// A Go function that switches stacks (flagged `SPWRITE` by Go's
     /// assembler: `runtime.systemstack`, `runtime.mcall`,
-    /// `runtime.morestack`, `runtime.asmcgocall`, ...) or that the kernel
-    /// enters on a signal (`runtime.sigtramp`): its caller's frame is on
-    /// another stack or is no call, so its stack-pointer table does not
-    /// lead to it. Go's own traceback stops at these too.
+    /// `runtime.morestack`, `runtime.asmcgocall`, ...) or that is entered
+    /// other than by a call (`runtime.sigtramp` by the kernel,
+    /// `runtime.asyncPreempt` by a preemption signal): its caller's frame
+    /// is on another stack or made no call, so stepping out of it by its
+    /// stack-pointer table would not find a caller. Go's own traceback
+    /// stops at (or specially handles) these too.
     StackSwitch,
 }
 
