@@ -635,3 +635,6 @@ impl Iterator for PcValues<'_> {
 
 #[cfg(test)]
 mod tests;
+
+#[cfg(feature = "elf")]
+pub mod elf;
