@@ -1,7 +1,9 @@
 //! Names frames on the node: user frames from the mapped file's own symbols
 //! (`.symtab`/`.dynsym`, DWARF lines and inlined functions when present)
-//! with blazesym, vDSO frames from the agent's own copy of the vDSO, kernel
-//! frames from `/proc/kallsyms`.
+//! with blazesym, then, for a Go binary, the frames those leave unnamed
+//! from the Go runtime's function table (`.gopclntab`, which Go binaries
+//! keep when stripped of the rest), vDSO frames from the agent's own copy
+//! of the vDSO, kernel frames from `/proc/kallsyms`.
 //!
 //! Owns: [`ObjectFile`] (a mapped file, opened while a process that maps it
 //! runs, because a container's paths do not exist on the host and a process
@@ -47,6 +49,7 @@ use blazesym::{
         source::{Elf, Process, Source},
     },
 };
+use stackscope_gopclntab::elf::GoFunctions;
 use stackscope_process_table::{MappedRegion, ObjectId, elf::LoadSegment, open::OpenError};
 use stackscope_profile::names::demangle;
 
@@ -85,6 +88,10 @@ const MAX_LOGGED_OBJECTS: usize = 4096;
 /// Objects whose executable segments are remembered, before the map is
 /// cleared (and headers are read again as frames need them).
 const MAX_SEGMENT_OBJECTS: usize = 4096;
+
+/// Bytes of Go function tables kept at once (the largest Go programs have
+/// tables of tens of MB); beyond, all are dropped and read again as needed.
+const MAX_GO_TABLE_BYTES: usize = 128 << 20;
 
 /// Executable segments shipped per file: more is not a file a linker made.
 pub const MAX_CODE_SEGMENTS: usize = 16;
@@ -237,6 +244,9 @@ pub struct SymbolizeStats {
     pub errors: u64,
     /// Stripped files named from a separate debug file found on the node.
     pub debug_files: u64,
+    /// Frames of Go binaries named from their function table
+    /// (`.gopclntab`), which blazesym left unnamed.
+    pub go_named: u64,
     /// Frames of files with a build-id left for the collector to name
     /// (`--symbolize collector`).
     pub left_to_collector: u64,
@@ -310,6 +320,9 @@ pub struct Symbolizer {
     logged: HashSet<ObjectId>,
     /// Each object's executable `PT_LOAD` segments (empty when unreadable).
     code_segments: HashMap<ObjectId, Arc<[LoadSegment]>>,
+    /// Each object's Go function table, read when blazesym first left one
+    /// of its frames unnamed (`None`: no Go binary, or unreadable).
+    go_functions: HashMap<ObjectId, Option<Arc<GoFunctions>>>,
     kernel: KernelSymbols,
     kernel_loaded: Instant,
     /// How long after a read a miss reads kallsyms again: the configured
@@ -354,6 +367,7 @@ impl Symbolizer {
             names: GenerationalCache::new(config.max_cached_names),
             logged: HashSet::new(),
             code_segments: HashMap::new(),
+            go_functions: HashMap::new(),
             kernel_build_id: kernel::kernel_build_id(&config.sys_root),
             kernel,
             kernel_loaded,
@@ -602,7 +616,84 @@ impl Symbolizer {
         {
             entry.failed = true;
         }
-        result
+        self.with_go_names(object, offsets, result)
+    }
+
+    /// `found` with the frames it leaves unnamed named from `object`'s Go
+    /// function table, when it is a Go binary. Go's function table lists
+    /// every function of the binary, so a frame it names is named right
+    /// (blazesym's answer comes first: it has DWARF's inlined functions).
+    fn with_go_names(
+        &mut self,
+        object: &Arc<ObjectFile>,
+        offsets: &[u64],
+        found: Result<Vec<Lines>, SymbolizeError>,
+    ) -> Result<Vec<Lines>, SymbolizeError> {
+        let unnamed = match &found {
+            Ok(lines) => lines.iter().any(|lines| lines.is_empty()),
+            Err(_) => true,
+        };
+        if !unnamed {
+            return found;
+        }
+        let Some(functions) = self.go_functions(object) else {
+            return found;
+        };
+        let Ok(table) = functions.table() else {
+            return found;
+        };
+        let segments = self.code_segments(object);
+        let mut lines = found.unwrap_or_else(|_| offsets.iter().map(|_| Lines::from([])).collect());
+        for (slot, &offset) in lines.iter_mut().zip(offsets) {
+            if !slot.is_empty() {
+                continue;
+            }
+            let Some(named) = vaddr_of(&segments, offset)
+                .and_then(|vaddr| stackscope_gopclntab::elf::lookup(&table, vaddr))
+            else {
+                continue;
+            };
+            let (file, line) = named.file_line.unwrap_or(("", 0));
+            *slot = Arc::new([FrameLine {
+                function: bounded(named.function).into(),
+                file: bounded(file).into(),
+                line,
+            }]);
+            self.stats.go_named += 1;
+        }
+        Ok(lines)
+    }
+
+    /// `object`'s Go function table, read once (while remembered).
+    fn go_functions(&mut self, object: &ObjectFile) -> Option<Arc<GoFunctions>> {
+        if let Some(known) = self.go_functions.get(&object.id) {
+            return known.clone();
+        }
+        let functions = match object.open_now() {
+            Ok(file) => match GoFunctions::read(file) {
+                Ok(functions) => functions.map(Arc::new),
+                Err(err) => {
+                    tracing::debug!(
+                        "reading the Go function table of object {}: {}",
+                        object.id,
+                        error_chain(&err)
+                    );
+                    None
+                }
+            },
+            Err(_) => None,
+        };
+        let bytes = |map: &HashMap<ObjectId, Option<Arc<GoFunctions>>>| -> usize {
+            map.values().flatten().map(|f| f.heap_bytes()).sum()
+        };
+        let adding = functions.as_ref().map_or(0, |f| f.heap_bytes());
+        if self.go_functions.len() >= MAX_SEGMENT_OBJECTS
+            || bytes(&self.go_functions) + adding > MAX_GO_TABLE_BYTES
+        {
+            self.go_functions.clear();
+        }
+        self.go_functions.insert(object.id, functions.clone());
+        functions
     }
 
     fn read_vdso(&mut self, offsets: &[u64]) -> Result<Vec<Lines>, SymbolizeError> {
