@@ -56,11 +56,14 @@ pub struct Named<'a> {
 
 impl GoFunctions {
     /// Reads the table of `file`; `None` when the file has no
-    /// `.gopclntab` (not a Go binary).
+    /// `.gopclntab` (not a Go binary) nor `.data.rel.ro.gopclntab`.
     pub fn read(file: &File) -> Result<Option<Self>, ElfError> {
         let cache = ReadCache::new(file);
         let elf = object::File::parse(&cache).map_err(ElfError::Elf)?;
-        let Some(section) = elf.section_by_name(".gopclntab") else {
+        let Some(section) = crate::SECTION_NAMES
+            .iter()
+            .find_map(|name| elf.section_by_name(name))
+        else {
             return Ok(None);
         };
         if section.size() > MAX_TABLE_BYTES {

@@ -26,6 +26,11 @@
 
 use std::ops::Range;
 
+/// The names Go's linker gives the section holding the table: its own
+/// in an executable, inside `.data.rel.ro` in a position-independent one
+/// (`-buildmode=pie`), where the loader relocates its start-of-text word.
+pub const SECTION_NAMES: [&str; 2] = [".gopclntab", ".data.rel.ro.gopclntab"];
+
 /// Go 1.16 and 1.17.
 pub const MAGIC_GO1_16: u32 = 0xffff_fffa;
 /// Go 1.18 and 1.19.

@@ -164,10 +164,10 @@ impl Fixture {
 
     /// `tests/fixtures/<name>.go` built with the installed Go toolchain
     /// (`go build`, no cgo, offline: its build cache in the build
-    /// directory, the standard library only), with `ldflags` given to the
-    /// linker (`-s -w`: stripped of symbols and DWARF, as Go services
-    /// usually ship).
-    pub fn go(name: &str, ldflags: &str) -> Self {
+    /// directory, the standard library only), with `build_args` added
+    /// (`-ldflags=-s -w`: stripped of symbols and DWARF, as Go services
+    /// usually ship; `-buildmode=pie`).
+    pub fn go(name: &str, build_args: &[&str]) -> Self {
         let dir = BuildDir::new();
         let path = dir.path().join(name);
         let out = Command::new("go")
@@ -179,7 +179,9 @@ impl Fixture {
             .env("GOPATH", dir.path().join("gopath"))
             .env("GO111MODULE", "off")
             .env("CGO_ENABLED", "0")
-            .args(["build", "-ldflags", ldflags, "-o"])
+            .arg("build")
+            .args(build_args)
+            .arg("-o")
             .arg(&path)
             .arg(fixtures_dir().join(format!("{name}.go")))
             .output()

@@ -1,6 +1,6 @@
 //! Go programs end to end (root): `go_chain.go`, built at test time with
 //! the installed Go toolchain, with and without `-ldflags="-s -w"` (no
-//! symbol table, no DWARF: how Go services ship). Its goroutines recurse a
+//! symbol table, no DWARF: how Go services ship), and as a PIE. Its goroutines recurse a
 //! known chain (worker, then alpha/beta/gamma 49 deep, then leafWork) into
 //! crypto/sha256's assembly (which uses rbp as a general register) and
 //! encoding/json.
@@ -167,10 +167,12 @@ fn assert_walks_reach_the_root(fixture: &Fixture, build: &str) -> f64 {
 fn goroutine_stacks_reach_runtime_goexit_through_the_exact_chain() {
     require_root();
     let _serial = exclusive();
-    let full = Fixture::go("go_chain", "");
-    let stripped = Fixture::go("go_chain", "-s -w");
+    let full = Fixture::go("go_chain", &[]);
+    let stripped = Fixture::go("go_chain", &["-ldflags=-s -w"]);
+    let pie = Fixture::go("go_chain", &["-buildmode=pie", "-ldflags=-s -w"]);
     assert_walks_reach_the_root(&full, "go build");
     assert_walks_reach_the_root(&stripped, "go build -ldflags=\"-s -w\"");
+    assert_walks_reach_the_root(&pie, "go build -buildmode=pie -ldflags=\"-s -w\"");
 }
 
 /// Samples of the fixture in `collector` whose stacks read `chain`, the
@@ -224,14 +226,14 @@ fn stripped_go_frames_are_named_on_the_node_and_at_query_time() {
     require_root();
     let _serial = exclusive();
     // No GNU build-id (go build's default): the agent names the frames.
-    let stripped = Fixture::go("go_chain", "-s -w");
+    let stripped = Fixture::go("go_chain", &["-ldflags=-s -w"]);
     assert_stripped_frames_named(&stripped, &[], "named on the node");
     // A GNU build-id: frames ship as build-id + offset, the binary is
     // uploaded (its .gopclntab is what it has to name), and the collector
     // names them when queried.
     let with_build_id = Fixture::go(
         "go_chain",
-        "-s -w -B 0x5ca1ab1e0123456789abcdef0123456789abcdef",
+        &["-ldflags=-s -w -B 0x5ca1ab1e0123456789abcdef0123456789abcdef"],
     );
     assert_stripped_frames_named(
         &with_build_id,

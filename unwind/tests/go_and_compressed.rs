@@ -44,8 +44,8 @@ fn go_tables_agree_with_gos_own_debug_frame_and_survive_stripping() {
         eprintln!("skipped: no Go toolchain (Debian's golang-go)");
         return;
     }
-    let full = Fixture::go("go_chain", "");
-    let stripped = Fixture::go("go_chain", "-s -w");
+    let full = Fixture::go("go_chain", &[]);
+    let stripped = Fixture::go("go_chain", &["-ldflags=-s -w"]);
     let full_data = std::fs::read(&full.path).unwrap();
     let stripped_data = std::fs::read(&stripped.path).unwrap();
     let table = UnwindTable::from_elf(&full_data).expect("table of the Go binary");
@@ -135,7 +135,7 @@ fn a_damaged_gopclntab_is_an_error_or_a_table_never_a_panic() {
         eprintln!("skipped: no Go toolchain (Debian's golang-go)");
         return;
     }
-    let fixture = Fixture::go("go_chain", "-s -w");
+    let fixture = Fixture::go("go_chain", &["-ldflags=-s -w"]);
     let data = std::fs::read(&fixture.path).unwrap();
     let (offset, size) = {
         let elf = object::File::parse(&*data).unwrap();
@@ -286,7 +286,7 @@ fn a_go_binary_whose_debug_frame_header_lies_fails_clearly() {
         eprintln!("skipped: no Go toolchain (Debian's golang-go)");
         return;
     }
-    let fixture = Fixture::go("go_chain", "");
+    let fixture = Fixture::go("go_chain", &[]);
     let mut data = std::fs::read(&fixture.path).unwrap();
     let size_at = chdr_offset(&data) + 8;
     data[size_at..size_at + 8].copy_from_slice(&u64::MAX.to_le_bytes());

@@ -76,13 +76,16 @@ const STACK_SWITCHES: [&str; 9] = [
 
 /// Adds a span for every function of the binary's `.gopclntab` (replacing
 /// spans added before that overlap Go functions). False when the binary
-/// has no such section (it is not a Go binary, or its table is where this
-/// does not look: inside `.data.rel.ro` of an externally linked PIE).
+/// has no such section (it is not a Go binary, or an externally linked
+/// one whose linker merged the table into another section).
 pub(super) fn add_functions(
     file: &ElfFile64<'_, object::Endianness>,
     builder: &mut Builder,
 ) -> Result<bool, TableError> {
-    let Some(section) = file.section_by_name(".gopclntab") else {
+    let Some(section) = stackscope_gopclntab::SECTION_NAMES
+        .iter()
+        .find_map(|name| file.section_by_name(name))
+    else {
         return Ok(false);
     };
     let data = section.data().map_err(TableError::Elf)?;
