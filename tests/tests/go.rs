@@ -12,7 +12,7 @@
 //! without a GNU build-id) or at query time from the uploaded binary
 //! (with one).
 
-use std::{collections::HashMap, time::Duration};
+use std::{collections::HashMap, process::Command, time::Duration};
 
 use agent_common::DEFAULT_USER_STACK_BYTES;
 use stackscope_agent::{sampler::SamplerConfig, unwinding::WalkOutcome};
@@ -96,9 +96,13 @@ fn assert_walks_reach_the_root(fixture: &Fixture, build: &str) -> f64 {
     for walk in &walks {
         let names = go_names(walk, &functions, &maps, &binary);
         if walk.outcome != WalkOutcome::Ended(UnwindEnd::Outermost) {
-            *ends
+            let count = ends
                 .entry(format!("{:?} at {:?}", walk.outcome, names.last()))
-                .or_default() += 1;
+                .or_default();
+            if *count == 0 {
+                eprintln!("{build}: {:?} {names:?} {:x?}", walk.outcome, walk.frames);
+            }
+            *count += 1;
             continue;
         }
         let Some(root) = names.last() else { continue };
@@ -217,6 +221,44 @@ fn assert_stripped_frames_named(fixture: &Fixture, agent_args: &[&str], how: &st
             "main.leafWork;crypto/sha256.Sum256;crypto/sha256.(*digest).Write;crypto/sha256.block"
         )),
         "{how}: no stack down to crypto/sha256.block: {stacks:#?}"
+    );
+    // leafWork's frames come with the file and line of its calls into
+    // crypto/sha256 (line 66) and encoding/json (line 68), as
+    // `go tool pprof -lines` reads them from the exported profile.
+    let pprof = collector.cli(&[
+        "export",
+        "--format",
+        "pprof",
+        "--since",
+        "10m",
+        "--match",
+        "comm=\"go_chain\"",
+    ]);
+    let dir = tempfile::tempdir().expect("temp dir");
+    let file = dir.path().join("profile.pb.gz");
+    std::fs::write(&file, pprof).expect("writing the profile");
+    let out = Command::new("go")
+        .args(["tool", "pprof", "-lines", "-top", "-nodecount=1000"])
+        .arg(&file)
+        .env("HOME", dir.path())
+        .env("GOCACHE", dir.path().join("gocache"))
+        .output()
+        .expect("running go tool pprof");
+    let top = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let lines: Vec<u32> = top
+        .lines()
+        .filter_map(|line| line.split_once(" main.leafWork ")?.1.rsplit_once(':'))
+        .filter(|(file, _)| file.ends_with("go_chain.go"))
+        .filter_map(|(_, line)| line.trim().parse().ok())
+        .collect();
+    assert!(
+        lines.contains(&66) && lines.contains(&68) && lines.iter().all(|l| (65..=71).contains(l)),
+        "{how}: main.leafWork's lines {lines:?} in\n{top}"
     );
     collector.stop();
 }

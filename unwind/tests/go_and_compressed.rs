@@ -76,7 +76,11 @@ fn go_tables_agree_with_gos_own_debug_frame_and_survive_stripping() {
                 assert_eq!(from_dwarf.lookup(address), Some(rule), "at {address:#x}");
                 compared += 1;
             }
-            Some(UnwindRule::Outermost | UnwindRule::Unsupported(UnsupportedCfi::StackSwitch)) => {}
+            Some(
+                UnwindRule::Outermost
+                | UnwindRule::SignalFrame
+                | UnwindRule::Unsupported(UnsupportedCfi::StackSwitch),
+            ) => {}
             None => {}
             other => panic!("unexpected rule {other:?} at {address:#x}"),
         }
@@ -95,6 +99,15 @@ fn go_tables_agree_with_gos_own_debug_frame_and_survive_stripping() {
             assert_eq!(table.lookup(address), Some(UnwindRule::Outermost), "{root}");
         }
     }
+    // The process's entry, which the kernel jumps to, too.
+    let entry = elf.entry();
+    assert_eq!(table.lookup(entry), Some(UnwindRule::Outermost));
+    let (start, _) = symbol(&symbols, "_rt0_amd64");
+    assert_eq!(table.lookup(start), Some(UnwindRule::Outermost));
+    // The signal restorer steps as a signal frame.
+    let (start, end) = symbol(&symbols, "runtime.sigreturn.abi0");
+    assert_eq!(table.lookup(start), Some(UnwindRule::SignalFrame));
+    assert_eq!(table.lookup(end - 1), Some(UnwindRule::SignalFrame));
     // Stack switches end them as such.
     let (start, _) = symbol(&symbols, "runtime.systemstack.abi0");
     assert_eq!(

@@ -76,7 +76,7 @@ pub(super) fn from_elf(data: &[u8]) -> Result<UnwindTable, TableError> {
     }
     // Go's own function table, where the binary has one, describes every
     // Go function (assembly included) and replaces CFI over them.
-    found |= super::go::add_functions(&file, &mut builder)?;
+    found |= super::go::add_functions(&file, &mut builder, entry)?;
     if !found {
         return Err(TableError::NoCfi);
     }

@@ -34,7 +34,11 @@
 //!   traceback ends there as complete): a walk reaching them ends as
 //!   [`UnwindRule::Outermost`]. They are recognised by name in the
 //!   binary's own function table, which is also where the address ranges
-//!   come from.
+//!   come from. So are the process's entry (`_rt0_amd64_linux`,
+//!   `_rt0_amd64`), which nothing called.
+//! - `runtime.sigreturn`, the signal restorer, is returned into by the
+//!   handler with rsp at the kernel's `ucontext`: a signal frame, as
+//!   glibc's `__restore_rt` is.
 //!
 //! Go's linker also writes `.debug_frame` (compressed) from the same
 //! `pcsp` tables, with the same CFA rule; where both exist, the rows from
@@ -50,6 +54,20 @@ use super::{TableError, UnsupportedCfi, UnwindRule};
 /// The functions at the top of every Go stack (the ones the runtime marks
 /// `TOPFRAME` other than `runtime.sigtramp`, which a signal enters).
 pub(crate) const GO_ROOTS: [&str; 3] = ["runtime.goexit", "runtime.mstart", "runtime.rt0_go"];
+
+/// The process's first code on linux/amd64: the ELF entry point jumps
+/// to `_rt0_amd64`, which jumps to `runtime.rt0_go`. Nothing called them
+/// (the word at rsp is `argc`): a walk reaching them is complete. The
+/// function holding the ELF entry point is taken as such too, whatever
+/// its name.
+const PROCESS_ENTRY: [&str; 2] = ["_rt0_amd64_linux", "_rt0_amd64"];
+
+/// Go's signal restorer (`sa_restorer`): the signal handler `runtime.sigtramp`
+/// returns into it with rsp at the kernel's `ucontext`, exactly as glibc's
+/// `__restore_rt`, so it steps as a signal frame (the interrupted
+/// registers from the `ucontext`). `runtime.sigreturn__sigaction` is its
+/// name from Go 1.20 on.
+const SIGNAL_RETURNS: [&str; 2] = ["runtime.sigreturn", "runtime.sigreturn__sigaction"];
 
 /// Functions entered other than by a call, whose return address slot
 /// holds an interrupted instruction's address: `runtime.asyncPreempt`,
@@ -81,6 +99,7 @@ const STACK_SWITCHES: [&str; 9] = [
 pub(super) fn add_functions(
     file: &ElfFile64<'_, object::Endianness>,
     builder: &mut Builder,
+    entry: Option<u64>,
 ) -> Result<bool, TableError> {
     let Some(section) = stackscope_gopclntab::SECTION_NAMES
         .iter()
@@ -106,7 +125,10 @@ pub(super) fn add_functions(
             continue;
         }
         match table.func(index) {
-            Ok(func) => add_function(builder, &table, &func)?,
+            Ok(func) => {
+                let holds_entry = entry.is_some_and(|entry| func.contains(entry));
+                add_function(builder, &table, &func, holds_entry)?
+            }
             // A damaged record: the range is known (from the checked
             // index), how to step out of it is not.
             Err(_) => builder.push_whole(
@@ -123,9 +145,13 @@ fn add_function(
     builder: &mut Builder,
     table: &Table<'_>,
     func: &Func<'_>,
+    holds_entry: bool,
 ) -> Result<(), TableError> {
-    if GO_ROOTS.contains(&func.name) {
+    if GO_ROOTS.contains(&func.name) || PROCESS_ENTRY.contains(&func.name) || holds_entry {
         return builder.push_whole(func.entry, func.end, UnwindRule::Outermost);
+    }
+    if SIGNAL_RETURNS.contains(&func.name) {
+        return builder.push_whole(func.entry, func.end, UnwindRule::SignalFrame);
     }
     if func.flags & (FLAG_SPWRITE | FLAG_TOPFRAME) != 0
         || STACK_SWITCHES.contains(&func.name)
