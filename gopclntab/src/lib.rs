@@ -347,11 +347,27 @@ impl<'a> Table<'a> {
     /// Function `index`'s addresses, from the index alone (checked when
     /// the table was parsed): known even when its record is damaged.
     pub fn func_range(&self, index: usize) -> Result<Range<u64>, Error> {
+        let index = self.checked_index(index)?;
         Ok(self.entry(index)?..self.entry(index + 1)?)
+    }
+
+    /// `index` if it names a function (so `index + 1` names its end).
+    fn checked_index(&self, index: usize) -> Result<usize, Error> {
+        if index < self.nfunc {
+            Ok(index)
+        } else {
+            Err(Error::Truncated {
+                what: "function index",
+                offset: u64::try_from(index).unwrap_or(u64::MAX),
+            })
+        }
     }
 
     /// Function `index`'s record.
     pub fn func(&self, index: usize) -> Result<Func<'a>, Error> {
+        // In bounds of the index checked at parse time, so the arithmetic
+        // below cannot overflow.
+        let index = self.checked_index(index)?;
         let entry = self.entry(index)?;
         let end = self.entry(index + 1)?;
         let at = index * 2 * self.field + self.field;

@@ -200,6 +200,13 @@ fn reads_every_layout() {
         let goexit = table.func_at(TEXT).unwrap().unwrap();
         assert_eq!(goexit.flags, FLAG_TOPFRAME);
         assert_eq!(table.func_at(TEXT - 1).unwrap(), None);
+        for index in [3, usize::MAX] {
+            assert!(matches!(table.func(index), Err(Error::Truncated { .. })));
+            assert!(matches!(
+                table.func_range(index),
+                Err(Error::Truncated { .. })
+            ));
+        }
         assert_eq!(table.func_at(TEXT + 0x161).unwrap(), None);
         assert_eq!(
             table.func_at(TEXT + 0x160).unwrap().map(|f| f.name),
