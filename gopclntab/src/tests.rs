@@ -456,3 +456,16 @@ fn sections<'a>(elf: &'a [u8], data_name: &str, address_name: &str) -> (&'a [u8]
     let address = u64_at(header(find(address_name)) + 0x10);
     (&elf[offset..offset + size], address)
 }
+
+#[cfg(feature = "elf")]
+#[test]
+fn elf_files_without_a_go_table_have_none() {
+    use crate::elf::{ElfError, GoFunctions};
+    let c_program = std::fs::File::open("/bin/true").unwrap();
+    assert!(GoFunctions::read(&c_program).unwrap().is_none());
+    let dir = std::env::temp_dir().join(format!("gopclntab-elf-{}", std::process::id()));
+    std::fs::write(&dir, b"not an ELF file").unwrap();
+    let result = GoFunctions::read(&std::fs::File::open(&dir).unwrap());
+    std::fs::remove_file(&dir).ok();
+    assert!(matches!(result, Err(ElfError::Elf(_))));
+}
