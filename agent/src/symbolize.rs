@@ -1,7 +1,9 @@
 //! Names frames on the node: user frames from the mapped file's own symbols
 //! (`.symtab`/`.dynsym`, DWARF lines and inlined functions when present)
-//! with blazesym, vDSO frames from the agent's own copy of the vDSO, kernel
-//! frames from `/proc/kallsyms`.
+//! with blazesym, then, for a Go binary, the frames those leave unnamed
+//! from the Go runtime's function table (`.gopclntab`, which Go binaries
+//! keep when stripped of the rest), vDSO frames from the agent's own copy
+//! of the vDSO, kernel frames from `/proc/kallsyms`.
 //!
 //! Owns: [`ObjectFile`] (a mapped file, opened while a process that maps it
 //! runs, because a container's paths do not exist on the host and a process
@@ -47,6 +49,7 @@ use blazesym::{
         source::{Elf, Process, Source},
     },
 };
+use stackscope_gopclntab::elf::GoFunctions;
 use stackscope_process_table::{MappedRegion, ObjectId, elf::LoadSegment, open::OpenError};
 use stackscope_profile::names::demangle;
 
@@ -85,6 +88,10 @@ const MAX_LOGGED_OBJECTS: usize = 4096;
 /// Objects whose executable segments are remembered, before the map is
 /// cleared (and headers are read again as frames need them).
 const MAX_SEGMENT_OBJECTS: usize = 4096;
+
+/// Bytes of Go function tables kept at once (the largest Go programs have
+/// tables of tens of MB); beyond, all are dropped and read again as needed.
+const MAX_GO_TABLE_BYTES: usize = 128 << 20;
 
 /// Executable segments shipped per file: more is not a file a linker made.
 pub const MAX_CODE_SEGMENTS: usize = 16;
@@ -237,6 +244,9 @@ pub struct SymbolizeStats {
     pub errors: u64,
     /// Stripped files named from a separate debug file found on the node.
     pub debug_files: u64,
+    /// Frames of Go binaries named from their function table
+    /// (`.gopclntab`), which blazesym left unnamed.
+    pub go_named: u64,
     /// Frames of files with a build-id left for the collector to name
     /// (`--symbolize collector`).
     pub left_to_collector: u64,
@@ -310,6 +320,9 @@ pub struct Symbolizer {
     logged: HashSet<ObjectId>,
     /// Each object's executable `PT_LOAD` segments (empty when unreadable).
     code_segments: HashMap<ObjectId, Arc<[LoadSegment]>>,
+    /// Each object's Go function table, read when blazesym first left one
+    /// of its frames unnamed (`None`: no Go binary, or unreadable).
+    go_functions: HashMap<ObjectId, Option<Arc<GoFunctions>>>,
     kernel: KernelSymbols,
     kernel_loaded: Instant,
     /// How long after a read a miss reads kallsyms again: the configured
@@ -354,6 +367,7 @@ impl Symbolizer {
             names: GenerationalCache::new(config.max_cached_names),
             logged: HashSet::new(),
             code_segments: HashMap::new(),
+            go_functions: HashMap::new(),
             kernel_build_id: kernel::kernel_build_id(&config.sys_root),
             kernel,
             kernel_loaded,
@@ -602,7 +616,84 @@ impl Symbolizer {
         {
             entry.failed = true;
         }
-        result
+        self.with_go_names(object, offsets, result)
+    }
+
+    /// `found` with the frames it leaves unnamed named from `object`'s Go
+    /// function table, when it is a Go binary. Go's function table lists
+    /// every function of the binary, so a frame it names is named right
+    /// (blazesym's answer comes first: it has DWARF's inlined functions).
+    fn with_go_names(
+        &mut self,
+        object: &Arc<ObjectFile>,
+        offsets: &[u64],
+        found: Result<Vec<Lines>, SymbolizeError>,
+    ) -> Result<Vec<Lines>, SymbolizeError> {
+        let unnamed = match &found {
+            Ok(lines) => lines.iter().any(|lines| lines.is_empty()),
+            Err(_) => true,
+        };
+        if !unnamed {
+            return found;
+        }
+        let Some(functions) = self.go_functions(object) else {
+            return found;
+        };
+        let Ok(table) = functions.table() else {
+            return found;
+        };
+        let segments = self.code_segments(object);
+        let mut lines = found.unwrap_or_else(|_| offsets.iter().map(|_| Lines::from([])).collect());
+        for (slot, &offset) in lines.iter_mut().zip(offsets) {
+            if !slot.is_empty() {
+                continue;
+            }
+            let Some(named) = vaddr_of(&segments, offset)
+                .and_then(|vaddr| stackscope_gopclntab::elf::lookup(&table, vaddr))
+            else {
+                continue;
+            };
+            let (file, line) = named.file_line.unwrap_or(("", 0));
+            *slot = Arc::new([FrameLine {
+                function: bounded(named.function).into(),
+                file: bounded(file).into(),
+                line,
+            }]);
+            self.stats.go_named += 1;
+        }
+        Ok(lines)
+    }
+
+    /// `object`'s Go function table, read once (while remembered).
+    fn go_functions(&mut self, object: &ObjectFile) -> Option<Arc<GoFunctions>> {
+        if let Some(known) = self.go_functions.get(&object.id) {
+            return known.clone();
+        }
+        let functions = match object.open_now() {
+            Ok(file) => match GoFunctions::read(file) {
+                Ok(functions) => functions.map(Arc::new),
+                Err(err) => {
+                    tracing::debug!(
+                        "reading the Go function table of object {}: {}",
+                        object.id,
+                        error_chain(&err)
+                    );
+                    None
+                }
+            },
+            Err(_) => None,
+        };
+        let bytes = |map: &HashMap<ObjectId, Option<Arc<GoFunctions>>>| -> usize {
+            map.values().flatten().map(|f| f.heap_bytes()).sum()
+        };
+        let adding = functions.as_ref().map_or(0, |f| f.heap_bytes());
+        if self.go_functions.len() >= MAX_SEGMENT_OBJECTS
+            || bytes(&self.go_functions) + adding > MAX_GO_TABLE_BYTES
+        {
+            self.go_functions.clear();
+        }
+        self.go_functions.insert(object.id, functions.clone());
+        functions
     }
 
     fn read_vdso(&mut self, offsets: &[u64]) -> Result<Vec<Lines>, SymbolizeError> {
@@ -850,7 +941,7 @@ fn error_chain(err: &dyn std::error::Error) -> String {
 mod tests {
     use std::{io::Write as _, process::Command};
 
-    use object::{Object as _, ObjectSegment as _, ObjectSymbol as _};
+    use object::{Object as _, ObjectSection as _, ObjectSegment as _, ObjectSymbol as _};
     use stackscope_process_table::{FileKey, object_id::identify};
     use stackscope_test_fixtures::{
         Fixture, RunningProcess,
@@ -1043,10 +1134,11 @@ mod tests {
         assert_eq!((stats.named, stats.errors, stats.objects_opened), (4, 0, 1));
     }
 
-    #[test]
-    fn dwarf_lines_and_inlined_functions_come_innermost_first() {
-        let dir = tempfile::tempdir().expect("temporary directory");
-        let source = dir.path().join("inlined.c");
+    /// Builds a program whose `outer` holds an inlined call to `inner`,
+    /// with `gcc_args` added, then `post` (objcopy arguments, none: used as
+    /// built) applied to the binary.
+    fn inlined_program(dir: &Path, gcc_args: &[&str], post: &[&str]) -> PathBuf {
+        let source = dir.join("inlined.c");
         std::fs::write(
             &source,
             "static volatile int sink;\n\
@@ -1062,9 +1154,10 @@ mod tests {
              int main(void) { return outer(1); }\n",
         )
         .expect("writing the source");
-        let binary = dir.path().join("inlined");
+        let binary = dir.join("inlined");
         let out = Command::new("gcc")
             .args(["-O2", "-g", "-fomit-frame-pointer"])
+            .args(gcc_args)
             .arg(&source)
             .arg("-o")
             .arg(&binary)
@@ -1075,16 +1168,36 @@ mod tests {
             "{}",
             String::from_utf8_lossy(&out.stderr)
         );
+        if post.is_empty() {
+            return binary;
+        }
+        let processed = dir.join("inlined.post");
+        let out = Command::new("objcopy")
+            .args(post)
+            .arg(&binary)
+            .arg(&processed)
+            .output()
+            .expect("running objcopy");
+        assert!(
+            out.status.success(),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        processed
+    }
 
-        let object = object_file(&binary);
+    /// `outer`'s addresses are named, the inlined `inner` first with its
+    /// file and line, then `outer` with the call site's line.
+    fn assert_inlined_lines(binary: &Path) {
+        let object = object_file(binary);
         let mut symbolizer = symbolizer();
-        let (start, end) = range_of(&binary, "outer");
+        let (start, end) = range_of(binary, "outer");
         let offsets: Vec<u64> = (start..end).collect();
         let found = symbolizer.user(&object, &offsets);
         let inlined = found
             .iter()
             .find(|lines| lines.len() == 2)
-            .expect("an address in the inlined call");
+            .unwrap_or_else(|| panic!("no address in the inlined call: {:?}", found.first()));
         assert_eq!(functions(inlined), ["inner", "outer"]);
         assert!(inlined[0].file.ends_with("inlined.c"), "{inlined:?}");
         assert!(
@@ -1097,6 +1210,58 @@ mod tests {
                 .iter()
                 .all(|lines| lines.last().map(|l| &*l.function) == Some("outer")),
             "every address is in outer"
+        );
+    }
+
+    #[test]
+    fn dwarf_lines_and_inlined_functions_come_innermost_first() {
+        let dir = tempfile::tempdir().expect("temporary directory");
+        assert_inlined_lines(&inlined_program(dir.path(), &[], &[]));
+    }
+
+    #[test]
+    fn compressed_dwarf_names_as_the_uncompressed_one() {
+        // gcc's -gz (SHF_COMPRESSED, zlib) and objcopy's zstd: blazesym's
+        // zlib and zstd features.
+        for (gcc, objcopy) in [
+            (&["-gz=zlib"][..], &[][..]),
+            (&[], &["--compress-debug-sections=zstd"]),
+        ] {
+            let dir = tempfile::tempdir().expect("temporary directory");
+            let binary = inlined_program(dir.path(), gcc, objcopy);
+            let data = std::fs::read(&binary).expect("reading the binary");
+            let elf = object::File::parse(&*data).expect("ELF");
+            let debug_info = elf.section_by_name(".debug_info").expect(".debug_info");
+            assert_ne!(
+                debug_info
+                    .compressed_file_range()
+                    .expect("its range")
+                    .format,
+                object::CompressionFormat::None,
+                "{gcc:?} {objcopy:?}"
+            );
+            assert_inlined_lines(&binary);
+        }
+    }
+
+    #[test]
+    fn zdebug_dwarf_names_from_the_symbol_table_without_lines() {
+        // The pre-SHF_COMPRESSED GNU form (`.zdebug_*`, objcopy's
+        // zlib-gnu, gcc's -gz=zlib-gnu): blazesym 0.2 does not read it,
+        // so its DWARF is not used; the symbol table still names the
+        // function. Pinned so a blazesym that learns it shows here.
+        let dir = tempfile::tempdir().expect("temporary directory");
+        let binary = inlined_program(dir.path(), &[], &["--compress-debug-sections=zlib-gnu"]);
+        let object = object_file(&binary);
+        let (start, end) = range_of(&binary, "outer");
+        let offsets: Vec<u64> = (start..end).collect();
+        let found = symbolizer().user(&object, &offsets);
+        assert!(
+            found
+                .iter()
+                .all(|lines| functions(lines) == ["outer"] && lines[0].line == 0),
+            "{:?}",
+            found.first()
         );
     }
 

@@ -37,9 +37,13 @@ pub fn holds_section<'data, R: object::ReadRef<'data>>(
         .is_some_and(|section| section.kind() != object::SectionKind::UninitializedData)
 }
 
-/// Whether `elf` carries names of its own: a symbol table or DWARF.
+/// Whether `elf` carries names of its own: a symbol table, DWARF, or the
+/// Go runtime's function table (`.gopclntab`, which a Go binary keeps when
+/// stripped of the other two, and which names every Go function).
 pub fn carries_symbols<'data, R: object::ReadRef<'data>>(elf: &object::File<'data, R>) -> bool {
-    holds_section(elf, ".symtab") || holds_section(elf, ".debug_info")
+    holds_section(elf, ".symtab")
+        || holds_section(elf, ".debug_info")
+        || holds_section(elf, ".gopclntab")
 }
 
 /// Why a file is no debuginfo for a build-id.
@@ -51,7 +55,9 @@ pub enum ElfCheckError {
     NoBuildId,
     #[error("the file's build-id is {found}, not the {claimed} it was sent as")]
     BuildIdMismatch { claimed: String, found: String },
-    #[error("the file carries neither a symbol table nor DWARF (a stripped binary names nothing)")]
+    #[error(
+        "the file carries no symbol table, DWARF or Go function table (a stripped binary names nothing)"
+    )]
     NoSymbols,
 }
 

@@ -162,6 +162,38 @@ impl Fixture {
         Self::rust("deep_rust")
     }
 
+    /// `tests/fixtures/<name>.go` built with the installed Go toolchain
+    /// (`go build`, no cgo, offline: its build cache in the build
+    /// directory, the standard library only), with `build_args` added
+    /// (`-ldflags=-s -w`: stripped of symbols and DWARF, as Go services
+    /// usually ship; `-buildmode=pie`).
+    pub fn go(name: &str, build_args: &[&str]) -> Self {
+        let dir = BuildDir::new();
+        let path = dir.path().join(name);
+        let out = Command::new("go")
+            .current_dir(dir.path())
+            .env_clear()
+            .env("PATH", std::env::var_os("PATH").unwrap_or_default())
+            .env("HOME", dir.path())
+            .env("GOCACHE", dir.path().join("gocache"))
+            .env("GOPATH", dir.path().join("gopath"))
+            .env("GO111MODULE", "off")
+            .env("CGO_ENABLED", "0")
+            .arg("build")
+            .args(build_args)
+            .arg("-o")
+            .arg(&path)
+            .arg(fixtures_dir().join(format!("{name}.go")))
+            .output()
+            .unwrap_or_else(|err| panic!("running go (Debian's golang-go): {err}"));
+        assert!(
+            out.status.success(),
+            "go build failed on {name}.go: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        Self { path, dir }
+    }
+
     /// `<name>.rs` built optimised, without frame pointers or debuginfo.
     fn rust(name: &str) -> Self {
         let args = [

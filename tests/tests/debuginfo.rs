@@ -213,7 +213,8 @@ fn stripped_frames_are_named_from_uploads_and_debuginfod_at_query_time() {
         .expect("running stackscope");
     assert!(!out.status.success());
     assert!(
-        String::from_utf8_lossy(&out.stderr).contains("neither a symbol table nor DWARF"),
+        String::from_utf8_lossy(&out.stderr)
+            .contains("no symbol table, DWARF or Go function table"),
         "{out:?}"
     );
     collector.stop();

@@ -358,8 +358,8 @@ mod tests {
                 "stripped",
                 &std::fs::read(&built.stripped).expect("read"),
                 &built.build_id,
-                "the file carries neither a symbol table nor DWARF (a stripped binary names \
-                 nothing)"
+                "the file carries no symbol table, DWARF or Go function table (a stripped \
+                 binary names nothing)"
                     .to_owned(),
             ),
         ];

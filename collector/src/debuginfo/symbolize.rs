@@ -5,8 +5,12 @@
 //! line where DWARF has them). Nothing is written back: a profile recorded
 //! before its debuginfo arrived is named as soon as it arrives.
 //!
+//! A stored Go binary's frames that blazesym leaves unnamed (a Go binary
+//! stripped of its symbol table and DWARF) are named from the Go runtime's
+//! function table, `.gopclntab`, which such binaries keep.
+//!
 //! Owns the name cache (by build-id and file offset, bounded) and blazesym's
-//! state for the stored files. A frame that stays unknown keeps its
+//! state for the stored files, and the Go function tables read from them. A frame that stays unknown keeps its
 //! `[unknown] <binary>+0x<offset>` name: it is never guessed.
 
 use std::{
@@ -25,6 +29,7 @@ use stackscope_profile::{
     names::demangle,
 };
 
+use stackscope_gopclntab::elf::GoFunctions;
 use tokio::sync::oneshot;
 
 use super::{DebuginfoStore, ElfContent, check_elf, debuginfod::Debuginfod};
@@ -73,6 +78,8 @@ struct State {
     names: HashMap<String, HashMap<u64, Option<NamedFrames>>>,
     /// Entries of `names`, all build-ids together.
     cached: usize,
+    /// Go function tables by build-id (`None`: the stored file has none).
+    go: HashMap<String, Option<Arc<GoFunctions>>>,
 }
 
 fn new_blazesym() -> blaze::Symbolizer {
@@ -111,6 +118,7 @@ impl Symbolizer {
                     files: HashMap::new(),
                     names: HashMap::new(),
                     cached: 0,
+                    go: HashMap::new(),
                 };
                 // Ends when the symbolizer (the last sender) is dropped.
                 for request in incoming {
@@ -212,7 +220,8 @@ impl State {
         } else {
             Input::VirtOffset(&addresses[..])
         };
-        let Some(lines) = self.read(&path, input) else {
+        let lines = self.read(&path, input);
+        let Some(lines) = self.with_go_names(build_id, &path, content, &usable, lines) else {
             return;
         };
         if self.cached + lines.len() > MAX_CACHED_NAMES {
@@ -228,6 +237,81 @@ impl State {
             }
             cache.insert(file_offset, frames);
         }
+    }
+
+    /// `found` (blazesym's frames per address of `usable`, `None` when it
+    /// failed on the file) with the addresses it leaves unnamed named from
+    /// the file's Go function table, when it is a Go binary.
+    fn with_go_names(
+        &mut self,
+        build_id: &str,
+        path: &std::path::Path,
+        content: ElfContent,
+        usable: &[(u64, u64)],
+        found: Option<Vec<Vec<Arc<Frame>>>>,
+    ) -> Option<Vec<Vec<Arc<Frame>>>> {
+        if found
+            .as_ref()
+            .is_some_and(|found| found.iter().all(|frames| !frames.is_empty()))
+        {
+            return found;
+        }
+        let Some(functions) = self.go_functions(build_id, path) else {
+            return found;
+        };
+        let Ok(table) = functions.table() else {
+            return found;
+        };
+        let mut found = found.unwrap_or_else(|| vec![Vec::new(); usable.len()]);
+        for (frames, &(file_offset, address)) in found.iter_mut().zip(usable) {
+            if !frames.is_empty() {
+                continue;
+            }
+            // A binary is read at file offsets, a debug file at addresses.
+            let address = if content.holds_code {
+                functions.address_of_offset(file_offset)
+            } else {
+                Some(address)
+            };
+            let Some(named) =
+                address.and_then(|address| stackscope_gopclntab::elf::lookup(&table, address))
+            else {
+                continue;
+            };
+            let (file, line) = named.file_line.unwrap_or(("", 0));
+            frames.push(Arc::new(Frame {
+                file: file.to_owned(),
+                line,
+                inlined: false,
+                ..Frame::synthetic(named.function.to_owned(), "")
+            }));
+        }
+        Some(found)
+    }
+
+    /// The Go function table of `build_id`'s stored file at `path`, read
+    /// once while remembered.
+    fn go_functions(&mut self, build_id: &str, path: &std::path::Path) -> Option<Arc<GoFunctions>> {
+        if let Some(known) = self.go.get(build_id) {
+            return known.clone();
+        }
+        let functions = match std::fs::File::open(path).map(|file| GoFunctions::read(&file)) {
+            Ok(Ok(functions)) => functions.map(Arc::new),
+            Ok(Err(err)) => {
+                tracing::warn!("reading the Go function table of {build_id}: {err:#}");
+                None
+            }
+            Err(err) => {
+                tracing::warn!("opening {}: {err}", path.display());
+                None
+            }
+        };
+        // Each table is tens of MB at most; as many as blazesym parses.
+        if self.go.len() >= MAX_PARSED_FILES {
+            self.go.clear();
+        }
+        self.go.insert(build_id.to_owned(), functions.clone());
+        functions
     }
 
     /// The stored file of `build_id` and what it holds; a file that fails

@@ -29,7 +29,8 @@ const MAGIC: [u8; 8] = *b"STKUNWT\0";
 /// Bump on any change to the layout or to the meaning of a rule, or to
 /// what a table holds: old files then fail with [`CacheError::Version`] and
 /// get recompiled. 2: entry points without CFI are outermost. 3: flags.
-pub(crate) const FORMAT_VERSION: u32 = 3;
+/// 4: compressed `.debug_frame` read, Go functions from `.gopclntab`.
+pub(crate) const FORMAT_VERSION: u32 = 4;
 /// Header flag: [`UnwindTable::frame_pointer_gaps`].
 const FLAG_FRAME_POINTER_GAPS: u32 = 1;
 const HEADER_LEN: usize = 32;
@@ -94,6 +95,7 @@ fn reason_code(reason: UnsupportedCfi) -> u8 {
         UnsupportedCfi::Rsp => 5,
         UnsupportedCfi::OffsetRange => 6,
         UnsupportedCfi::Program => 7,
+        UnsupportedCfi::StackSwitch => 8,
     }
 }
 
@@ -106,6 +108,7 @@ fn reason_from_code(code: u8) -> Option<UnsupportedCfi> {
         5 => UnsupportedCfi::Rsp,
         6 => UnsupportedCfi::OffsetRange,
         7 => UnsupportedCfi::Program,
+        8 => UnsupportedCfi::StackSwitch,
         _ => return None,
     })
 }
@@ -359,6 +362,7 @@ mod tests {
             UnwindRule::Unsupported(UnsupportedCfi::Rsp),
             UnwindRule::Unsupported(UnsupportedCfi::OffsetRange),
             UnwindRule::Unsupported(UnsupportedCfi::Program),
+            UnwindRule::Unsupported(UnsupportedCfi::StackSwitch),
         ]
     }
 

@@ -8,7 +8,7 @@
 //! merged rows with explicit gaps. It does not own the row layout or lookup
 //! (`super`) or the cache format (`super::cache`).
 
-use std::collections::HashMap;
+use std::{borrow::Cow, collections::HashMap};
 
 use gimli::{
     BaseAddresses, CfaRule, CieOrFde, CommonInformationEntry, DebugFrame, EhFrame, EndianSlice,
@@ -19,7 +19,10 @@ use object::{
     read::elf::ElfFile64,
 };
 
-use super::{CfiSection, NO_INFO, Row, TableError, UnsupportedCfi, UnwindRule, UnwindTable};
+use super::{
+    CfiSection, MAX_DECOMPRESSED_BYTES, NO_INFO, Row, TableError, UnsupportedCfi, UnwindRule,
+    UnwindTable,
+};
 
 type Reader<'a> = EndianSlice<'a, LittleEndian>;
 
@@ -51,39 +54,66 @@ pub(super) fn from_elf(data: &[u8]) -> Result<UnwindTable, TableError> {
     // The entry point: where the kernel (or, for a program, the dynamic
     // loader) starts the process, so nothing called it.
     let entry = Some(file.entry()).filter(|&entry| entry != 0);
+    let mut builder = Builder::default();
+    let mut found = false;
     // A separate debug file keeps `.eh_frame` as SHT_NOBITS: its data is
     // empty and `.debug_frame` (if any) is what it has.
-    if let Some(section) = file.section_by_name(".eh_frame") {
-        let bytes = section.data().map_err(TableError::Elf)?;
-        if !bytes.is_empty() {
-            let bases = bases.set_eh_frame(section.address());
-            let mut section = EhFrame::new(bytes, LittleEndian);
-            section.set_address_size(8);
-            let mut table = compile(&section, &bases, CfiSection::EhFrame, entry)?;
-            table.frame_pointer_gaps = gaps_keep_frame_pointers(&file, &table);
-            return Ok(table);
-        }
+    let eh_frame = match file.section_by_name(".eh_frame") {
+        Some(section) => Some((section.address(), section.data().map_err(TableError::Elf)?)),
+        None => None,
+    };
+    if let Some((address, bytes)) = eh_frame.filter(|(_, bytes)| !bytes.is_empty()) {
+        let bases = bases.set_eh_frame(address);
+        let mut section = EhFrame::new(bytes, LittleEndian);
+        section.set_address_size(8);
+        builder.add_fdes(&section, &bases, CfiSection::EhFrame)?;
+        found = true;
+    } else if let Some(bytes) = debug_frame(&file)?.filter(|bytes| !bytes.is_empty()) {
+        let mut section = DebugFrame::new(&bytes[..], LittleEndian);
+        section.set_address_size(8);
+        builder.add_fdes(&section, &BaseAddresses::default(), CfiSection::DebugFrame)?;
+        found = true;
     }
-    if let Some(section) = file.section_by_name(".debug_frame") {
-        let range = section.compressed_file_range().map_err(TableError::Elf)?;
-        if range.format != CompressionFormat::None {
-            return Err(TableError::CompressedSection);
-        }
-        let bytes = section.data().map_err(TableError::Elf)?;
-        if !bytes.is_empty() {
-            let mut section = DebugFrame::new(bytes, LittleEndian);
-            section.set_address_size(8);
-            let mut table = compile(
-                &section,
-                &BaseAddresses::default(),
-                CfiSection::DebugFrame,
-                entry,
-            )?;
-            table.frame_pointer_gaps = gaps_keep_frame_pointers(&file, &table);
-            return Ok(table);
-        }
+    // Go's own function table, where the binary has one, describes every
+    // Go function (assembly included) and replaces CFI over them.
+    found |= super::go::add_functions(&file, &mut builder, entry)?;
+    if !found {
+        return Err(TableError::NoCfi);
     }
-    Err(TableError::NoCfi)
+    let mut table = builder.finish(entry)?;
+    table.frame_pointer_gaps = gaps_keep_frame_pointers(&file, &table);
+    Ok(table)
+}
+
+/// The bytes of `.debug_frame` (or `.zdebug_frame`), decompressed when
+/// compressed (`SHF_COMPRESSED` with zlib or zstd, or the GNU `ZLIB`
+/// header of `.zdebug_*`: Go's linker and `-gz` write them), after the
+/// size its header claims was checked against [`MAX_DECOMPRESSED_BYTES`].
+fn debug_frame<'data>(
+    file: &ElfFile64<'data, object::Endianness>,
+) -> Result<Option<Cow<'data, [u8]>>, TableError> {
+    let Some(section) = file.section_by_name(".debug_frame") else {
+        return Ok(None);
+    };
+    let compressed = section.compressed_data().map_err(TableError::Elf)?;
+    decompress(compressed, CfiSection::DebugFrame).map(Some)
+}
+
+/// `data` decompressed, refusing sizes beyond [`MAX_DECOMPRESSED_BYTES`]
+/// before allocating (object reserves the claimed size up front).
+pub(super) fn decompress<'data>(
+    data: object::CompressedData<'data>,
+    section: CfiSection,
+) -> Result<Cow<'data, [u8]>, TableError> {
+    if data.format != CompressionFormat::None && data.uncompressed_size > MAX_DECOMPRESSED_BYTES {
+        return Err(TableError::DecompressedTooLarge {
+            section,
+            size: data.uncompressed_size,
+            max: MAX_DECOMPRESSED_BYTES,
+        });
+    }
+    data.decompress()
+        .map_err(|source| TableError::Decompress { section, source })
 }
 
 /// The frame-pointer prologue: `push %rbp` first (after an `endbr64` with
@@ -182,21 +212,21 @@ const ENTRY_SPAN: u64 = 64;
 pub(super) fn from_eh_frame(data: &[u8], bases: &BaseAddresses) -> Result<UnwindTable, TableError> {
     let mut section = EhFrame::new(data, LittleEndian);
     section.set_address_size(8);
-    compile(&section, bases, CfiSection::EhFrame, None)
+    let mut builder = Builder::default();
+    builder.add_fdes(&section, bases, CfiSection::EhFrame)?;
+    builder.finish(None)
 }
 
 pub(super) fn from_debug_frame(data: &[u8]) -> Result<UnwindTable, TableError> {
     let mut section = DebugFrame::new(data, LittleEndian);
     section.set_address_size(8);
-    compile(
-        &section,
-        &BaseAddresses::default(),
-        CfiSection::DebugFrame,
-        None,
-    )
+    let mut builder = Builder::default();
+    builder.add_fdes(&section, &BaseAddresses::default(), CfiSection::DebugFrame)?;
+    builder.finish(None)
 }
 
-/// The rows of one FDE, before FDEs are sorted and laid out.
+/// The rows of one FDE (or one Go function), before they are sorted and
+/// laid out.
 struct Span {
     start: u64,
     end: u64,
@@ -227,112 +257,192 @@ impl Interner {
     }
 }
 
-/// `entry`: the ELF entry point. When no FDE covers it (the glibc loader's
-/// `_start` has none), its first bytes are marked outermost, so a walk
-/// that reaches it ends there as a complete stack.
-fn compile<'a, S>(
-    section: &S,
-    bases: &BaseAddresses,
-    which: CfiSection,
-    entry: Option<u64>,
-) -> Result<UnwindTable, TableError>
-where
-    S: UnwindSection<Reader<'a>>,
-{
-    let cfi_error = |source| TableError::Cfi {
-        section: which,
-        source,
-    };
-    let mut interner = Interner::default();
-    let mut raw: Vec<(u64, u32)> = Vec::new();
-    let mut spans: Vec<Span> = Vec::new();
-    let mut ctx = UnwindContext::new();
-    // Most sections have one or two CIEs shared by every FDE: parse each once.
-    let mut cies: HashMap<usize, CommonInformationEntry<Reader<'a>>> = HashMap::new();
+/// Collects spans of rows from every source (CFI, Go's function table),
+/// then lays them out into a table.
+#[derive(Default)]
+pub(super) struct Builder {
+    interner: Interner,
+    raw: Vec<(u64, u32)>,
+    spans: Vec<Span>,
+}
 
-    let mut entries = section.entries(bases);
-    while let Some(entry) = entries.next().map_err(cfi_error)? {
-        let partial = match entry {
-            CieOrFde::Cie(_) => continue,
-            CieOrFde::Fde(partial) => partial,
+impl Builder {
+    /// Adds every FDE of `section`.
+    fn add_fdes<'a, S>(
+        &mut self,
+        section: &S,
+        bases: &BaseAddresses,
+        which: CfiSection,
+    ) -> Result<(), TableError>
+    where
+        S: UnwindSection<Reader<'a>>,
+    {
+        let cfi_error = |source| TableError::Cfi {
+            section: which,
+            source,
         };
-        let fde = partial
-            .parse(|section, bases, offset| {
-                let key = UnwindOffset::into(offset);
-                if let Some(cie) = cies.get(&key) {
-                    return Ok(cie.clone());
-                }
-                let cie = section.cie_from_offset(bases, offset)?;
-                cies.insert(key, cie.clone());
-                Ok(cie)
-            })
-            .map_err(cfi_error)?;
+        let mut ctx = UnwindContext::new();
+        // Most sections have one or two CIEs shared by every FDE: parse each once.
+        let mut cies: HashMap<usize, CommonInformationEntry<Reader<'a>>> = HashMap::new();
 
-        let start = fde.initial_address();
-        let length = fde.len();
-        let end = start
-            .checked_add(length)
-            .ok_or_else(|| TableError::FdeRange {
-                section: which,
-                offset: fde.offset() as u64,
-                start,
-                length,
-            })?;
-        if length == 0 {
-            continue;
-        }
+        let mut entries = section.entries(bases);
+        while let Some(entry) = entries.next().map_err(cfi_error)? {
+            let partial = match entry {
+                CieOrFde::Cie(_) => continue,
+                CieOrFde::Fde(partial) => partial,
+            };
+            let fde = partial
+                .parse(|section, bases, offset| {
+                    let key = UnwindOffset::into(offset);
+                    if let Some(cie) = cies.get(&key) {
+                        return Ok(cie.clone());
+                    }
+                    let cie = section.cie_from_offset(bases, offset)?;
+                    cies.insert(key, cie.clone());
+                    Ok(cie)
+                })
+                .map_err(cfi_error)?;
 
-        let first = raw.len();
-        let evaluated = evaluate_fde(section, bases, &mut ctx, &fde, end, &mut interner, &mut raw);
-        match evaluated {
-            Ok(()) => {}
-            Err(Failure::Table(error)) => return Err(error),
-            // One FDE whose program gimli rejects should not cost the whole
-            // binary its table: its range is marked unsupported instead, so
-            // a walk through it stops rather than guesses.
-            Err(Failure::Program) => {
-                raw.truncate(first);
-                let rule = interner.intern(UnwindRule::Unsupported(UnsupportedCfi::Program))?;
-                raw.push((start, rule));
+            let start = fde.initial_address();
+            let length = fde.len();
+            let end = start
+                .checked_add(length)
+                .ok_or_else(|| TableError::FdeRange {
+                    section: which,
+                    offset: fde.offset() as u64,
+                    start,
+                    length,
+                })?;
+            if length == 0 {
+                continue;
             }
+
+            let first = self.raw.len();
+            let evaluated = evaluate_fde(
+                section,
+                bases,
+                &mut ctx,
+                &fde,
+                end,
+                &mut self.interner,
+                &mut self.raw,
+            );
+            match evaluated {
+                Ok(()) => {}
+                Err(Failure::Table(error)) => return Err(error),
+                // One FDE whose program gimli rejects should not cost the whole
+                // binary its table: its range is marked unsupported instead, so
+                // a walk through it stops rather than guesses.
+                Err(Failure::Program) => {
+                    self.raw.truncate(first);
+                    self.push_whole(start, end, UnwindRule::Unsupported(UnsupportedCfi::Program))?;
+                    continue;
+                }
+            }
+            self.spans.push(Span {
+                start,
+                end,
+                first,
+                last: self.raw.len(),
+            });
         }
-        spans.push(Span {
+        Ok(())
+    }
+
+    /// Drops the spans added so far that overlap any of `ranges` (sorted by
+    /// start, not overlapping each other), so a source added next owns
+    /// those addresses alone.
+    pub(super) fn drop_spans_overlapping(&mut self, ranges: &[std::ops::Range<u64>]) {
+        self.spans.retain(|span| {
+            // The first range ending after the span starts overlaps it if
+            // it also starts before the span ends.
+            let i = ranges.partition_point(|range| range.end <= span.start);
+            ranges.get(i).is_none_or(|range| range.start >= span.end)
+        });
+    }
+
+    /// Adds a span `start..end` following `rule` throughout.
+    pub(super) fn push_whole(
+        &mut self,
+        start: u64,
+        end: u64,
+        rule: UnwindRule,
+    ) -> Result<(), TableError> {
+        let first = self.raw.len();
+        self.raw.push((start, self.interner.intern(rule)?));
+        self.spans.push(Span {
             start,
             end,
             first,
-            last: raw.len(),
+            last: self.raw.len(),
         });
+        Ok(())
     }
 
-    if let Some(entry) = entry
-        && !spans
-            .iter()
-            .any(|span| (span.start..span.end).contains(&entry))
-    {
-        let end = spans
-            .iter()
-            .map(|span| span.start)
-            .filter(|&start| start > entry)
-            .fold(entry.saturating_add(ENTRY_SPAN), u64::min);
-        let first = raw.len();
-        raw.push((entry, interner.intern(UnwindRule::Outermost)?));
-        spans.push(Span {
-            start: entry,
+    /// Adds a span of consecutive rows: each rule from its address to the
+    /// next one's, the last to `end`.
+    pub(super) fn push_rows(
+        &mut self,
+        rows: impl IntoIterator<Item = (u64, UnwindRule)>,
+        end: u64,
+    ) -> Result<(), TableError> {
+        let first = self.raw.len();
+        for (address, rule) in rows {
+            let index = self.interner.intern(rule)?;
+            if self.raw[first..]
+                .last()
+                .is_some_and(|&(_, last)| last == index)
+            {
+                continue;
+            }
+            self.raw.push((address, index));
+        }
+        let Some(&(start, _)) = self.raw.get(first) else {
+            return Ok(());
+        };
+        if start >= end {
+            self.raw.truncate(first);
+            return Ok(());
+        }
+        self.spans.push(Span {
+            start,
             end,
             first,
-            last: raw.len(),
+            last: self.raw.len(),
         });
+        Ok(())
     }
 
-    let (base, rows) = lay_out(&spans, &raw)?;
-    let mut rules = interner.rules;
-    rules.shrink_to_fit();
-    Ok(UnwindTable {
-        base,
-        rows,
-        rules,
-        frame_pointer_gaps: false,
-    })
+    /// Lays the spans out into a table. `entry`: the ELF entry point. When
+    /// no span covers it (the glibc loader's `_start` has no FDE), its first
+    /// bytes are marked outermost, so a walk that reaches it ends there as
+    /// a complete stack.
+    fn finish(mut self, entry: Option<u64>) -> Result<UnwindTable, TableError> {
+        if let Some(entry) = entry
+            && !self
+                .spans
+                .iter()
+                .any(|span| (span.start..span.end).contains(&entry))
+        {
+            let end = self
+                .spans
+                .iter()
+                .map(|span| span.start)
+                .filter(|&start| start > entry)
+                .fold(entry.saturating_add(ENTRY_SPAN), u64::min);
+            self.push_whole(entry, end, UnwindRule::Outermost)?;
+        }
+
+        let (base, rows) = lay_out(&self.spans, &self.raw)?;
+        let mut rules = self.interner.rules;
+        rules.shrink_to_fit();
+        Ok(UnwindTable {
+            base,
+            rows,
+            rules,
+            frame_pointer_gaps: false,
+        })
+    }
 }
 
 enum Failure {

@@ -2,7 +2,8 @@
 //!
 //! This module owns the table's in-memory layout, address lookup, the rule
 //! vocabulary the unwinder understands ([`UnwindRule`]), and the on-disk cache
-//! format (`cache`). Evaluating DWARF CFI into rows lives in `compile`.
+//! format (`cache`). Evaluating DWARF CFI into rows lives in `compile`, and
+//! rows for Go functions from the Go runtime's function table in `go`.
 //! It does not own load biases, mappings or walking stacks (see
 //! [`crate::unwinder`]).
 //!
@@ -18,6 +19,7 @@ mod cache;
 mod compile;
 #[cfg(test)]
 mod compile_tests;
+mod go;
 
 use std::mem::size_of;
 
@@ -25,6 +27,12 @@ pub use cache::CacheError;
 
 /// Rule index of a row that covers addresses no FDE describes.
 pub(crate) const NO_INFO: u32 = u32::MAX;
+
+/// Largest uncompressed size accepted for a compressed CFI section. The
+/// largest `.eh_frame` known (LLVM's) is under 8 MiB; a header claiming
+/// more than this is corrupt or hostile, and is refused rather than
+/// allocated.
+pub const MAX_DECOMPRESSED_BYTES: u64 = 256 << 20;
 
 /// Offset of `uc_mcontext` (a `struct sigcontext`) in the kernel's
 /// `struct ucontext` on x86_64: `uc_flags` (8), `uc_link` (8), `uc_stack` (24).
@@ -87,8 +95,18 @@ pub enum UnsupportedCfi {
     OffsetRange,
     /// The FDE's instructions failed to evaluate (unknown opcode,
     /// `restore_state` without `remember_state`, ...): its whole range gets
-    /// this rule.
+    /// this rule. Also a Go function whose record or stack-pointer table
+    /// in `.gopclntab` is malformed.
     Program,
+    /// A Go function that switches stacks (flagged `SPWRITE` by Go's
+    /// assembler: `runtime.systemstack`, `runtime.mcall`,
+    /// `runtime.morestack`, `runtime.asmcgocall`, ...) or that is entered
+    /// other than by a call (`runtime.sigtramp` by the kernel,
+    /// `runtime.asyncPreempt` by a preemption signal): its caller's frame
+    /// is on another stack or made no call, so stepping out of it by its
+    /// stack-pointer table would not find a caller. Go's own traceback
+    /// stops at (or specially handles) these too.
+    StackSwitch,
 }
 
 /// One table row: addresses `[base + address, base + next.address)` follow
@@ -146,10 +164,31 @@ pub enum TableError {
     /// The file has neither a non-empty `.eh_frame` nor a `.debug_frame`.
     #[error("no .eh_frame or .debug_frame section")]
     NoCfi,
-    /// `.debug_frame` is compressed (`SHF_COMPRESSED`); this crate does not
-    /// link a decompressor.
-    #[error(".debug_frame is compressed")]
-    CompressedSection,
+    /// A compressed CFI section (`SHF_COMPRESSED` or `.zdebug_*`) says it
+    /// is larger than [`MAX_DECOMPRESSED_BYTES`] uncompressed: refused
+    /// before anything is allocated for it.
+    #[error("{section} claims {size} bytes uncompressed, more than the limit of {max}")]
+    DecompressedTooLarge {
+        /// The section.
+        section: CfiSection,
+        /// The size its compression header gives.
+        size: u64,
+        /// [`MAX_DECOMPRESSED_BYTES`].
+        max: u64,
+    },
+    /// A compressed CFI section could not be decompressed: an unknown
+    /// format, a corrupt stream, or fewer bytes than its header says.
+    #[error("cannot decompress {section}")]
+    Decompress {
+        /// The section.
+        section: CfiSection,
+        #[source]
+        source: object::Error,
+    },
+    /// The Go function table (`.gopclntab`) of a Go binary could not be
+    /// read (its header or function index is malformed).
+    #[error("malformed .gopclntab")]
+    GoFunctionTable(#[source] stackscope_gopclntab::Error),
     /// The CFI section is truncated or malformed (a CIE or FDE header,
     /// augmentation or pointer encoding could not be parsed).
     #[error("malformed {section}")]
