@@ -3,7 +3,9 @@
 //! frame pointers (and through V8's builtins, which have no CFI, the same
 //! way) back into C++ with CFI, names them from what V8 writes for perf
 //! (its perf map with `--perf-basic-prof`, its jitdump file with
-//! `--perf-prof`), and ships them to a real collector.
+//! `--perf-prof`), and ships them to a real collector. JavaScript that
+//! calls into V8's C++ runtime is walked back out through the builtin it
+//! called through.
 
 use std::process::{Command, Stdio};
 
@@ -105,6 +107,60 @@ fn walks_and_names_jit_frames(perf_flag: &str) {
     assert!(
         chained * 100 >= total * 90,
         "only {chained} of {total} samples read outer;middle;leaf: {stacks:#?}"
+    );
+    collector.stop();
+}
+
+#[test]
+fn walks_out_of_the_cpp_runtime_through_v8s_builtins_to_the_root() {
+    // Samples in C++ called from JavaScript: the walk returns into
+    // `Builtins_CEntry_*` by CFI (not by a frame pointer, as from JIT
+    // code), and steps out of it by rbp, which V8 keeps wherever its
+    // builtins call out. Without that, every such walk stopped there.
+    require_root();
+    let _serial = exclusive();
+    let script = concat!(env!("CARGO_MANIFEST_DIR"), "/fixtures/json_runtime.js");
+    let data = tempfile::tempdir().expect("temp dir");
+    let node = RunningProcess::start_ready(
+        Command::new("node")
+            .args(["--perf-basic-prof", script])
+            .current_dir(data.path())
+            .stderr(Stdio::inherit()),
+    );
+    let _perf_map = PerfMapFile(format!("/tmp/perf-{}.map", node.pid()));
+    let collector = Collector::start(data.path());
+    let report = run_agent_for(&collector, "5s", &["--pid", &node.pid().to_string()]);
+    let unwinding = &report["unwinding"];
+    let walks = unwinding["walks"].as_u64().expect("walks");
+    let outermost = unwinding["outermost"].as_u64().expect("outermost");
+    assert!(walks > 300, "only {walks} walks in 5 s at 199 Hz");
+    assert!(
+        outermost * 100 >= walks * 95,
+        "only {outermost} of {walks} walks reached the root: {unwinding}"
+    );
+
+    let stacks = collector.folded_stacks("comm=\"node\"");
+    let total: u64 = stacks.iter().map(|(_, n)| n).sum();
+    // From _start, through the named JavaScript function and the builtin
+    // into the C++ JSON code, in that order.
+    let through_the_runtime: u64 = stacks
+        .iter()
+        .filter(|(stack, _)| {
+            let frames: Vec<&str> = stack.split(';').collect();
+            frames.first() == Some(&"_start")
+                && frames.windows(3).any(|w| {
+                    w[0].contains("roundTrip")
+                        && w[0].contains("json_runtime.js")
+                        && w[1].starts_with("Builtins_CEntry")
+                        && w[2].starts_with("v8::internal::Builtin_Json")
+                })
+        })
+        .map(|(_, n)| n)
+        .sum();
+    assert!(
+        through_the_runtime * 100 >= total * 50,
+        "only {through_the_runtime} of {total} samples read \
+         _start;...;roundTrip;Builtins_CEntry_*;v8::internal::Builtin_Json*: {stacks:#?}"
     );
     collector.stop();
 }

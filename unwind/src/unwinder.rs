@@ -478,6 +478,12 @@ fn walk(
             // frame pointer), and a guess could invent a caller.
             Step::NoRow if via_frame_pointer => Step::FramePointer,
             Step::NoRow => return UnwindEnd::NoUnwindInfo,
+            // Interrupted inside it, the frame may not be set up.
+            Step::Rule(UnwindRule::FramePointerAtCalls) if exact => {
+                return UnwindEnd::NoUnwindInfo;
+            }
+            // At a return address, it is: the call was made from the frame.
+            Step::Rule(UnwindRule::FramePointerAtCalls) => Step::FramePointer,
             step => step,
         };
         let (caller, caller_rbp_at, signal) = match step_frame(step, &regs, rbp_saved_at, stack) {
@@ -576,6 +582,8 @@ fn step_frame(
                 return Ok((caller, None, true));
             }
             UnwindRule::Unsupported(reason) => return Err(UnwindEnd::Unsupported(reason)),
+            // Made a frame-pointer step (or the end) by the walk loop.
+            UnwindRule::FramePointerAtCalls => return Err(UnwindEnd::NoUnwindInfo),
         },
     };
     // Checked here, before reading, so a CFA at or below rsp cannot make the
@@ -718,6 +726,44 @@ mod tests {
         let (frames, end) = walk(regs(F + 0x10), &stack, DEFAULT_MAX_DEPTH);
         assert_eq!(frames, [F + 0x10, G + 0x50, H + 0x10]);
         assert_eq!(end, UnwindEnd::Outermost);
+    }
+
+    #[test]
+    fn code_that_keeps_frame_pointers_at_calls_is_stepped_by_rbp_only_at_a_return_address() {
+        // f (rsp-based) was called from a V8-style builtin, which set up its
+        // frame (rbp = SP + 32) before the call and was called by h.
+        let table = UnwindTable::from_rows(&[
+            (0x1000, Some(Rsp { cfa_off: 16 })),
+            (0x1100, Some(UnwindRule::FramePointerAtCalls)),
+            (0x1200, Some(Outermost)),
+            (0x1300, None),
+        ]);
+        const BUILTIN: u64 = BIAS + 0x1100;
+        let stack = StackImage::new(64)
+            .word(SP + 8, BUILTIN + 0x20)
+            .word(SP + 32, 0x7777)
+            .word(SP + 40, H + 0x10);
+        let regs = Registers {
+            rip: F + 0x10,
+            rsp: SP,
+            rbp: SP + 32,
+        };
+        let mut frames = Vec::new();
+        let end = unwind(regs, &stack.0, &modules(&table), 64, &mut frames);
+        assert_eq!(frames, [F + 0x10, BUILTIN + 0x20, H + 0x10]);
+        assert_eq!(end, UnwindEnd::Outermost);
+
+        // Interrupted inside the builtin: its frame may not be set up yet
+        // (rbp would name its caller's frame and skip the caller).
+        let inside = Registers {
+            rip: BUILTIN + 0x4,
+            ..regs
+        };
+        let end = unwind(inside, &stack.0, &modules(&table), 64, &mut frames);
+        assert_eq!(
+            (frames.as_slice(), end),
+            (&[BUILTIN + 0x4][..], UnwindEnd::NoUnwindInfo)
+        );
     }
 
     #[test]

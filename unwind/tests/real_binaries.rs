@@ -324,3 +324,35 @@ fn debug_frame_matches_eh_frame() {
         }
     }
 }
+
+#[test]
+fn v8s_embedded_builtins_are_stepped_by_frame_pointer_at_calls() {
+    // Debian's node (a setup package): its builtins are `Builtins_*`
+    // function symbols in .text that no FDE covers.
+    let path = "/usr/bin/node";
+    let data = std::fs::read(path).expect("reading node (cargo xtask setup installs nodejs)");
+    let table = UnwindTable::from_elf(&data).expect("node's table");
+    assert_invariants(&table);
+    let file = object::File::parse(&*data).expect("node is ELF");
+    let symbol = |name: &str| {
+        file.symbols()
+            .find(|symbol| symbol.name() == Ok(name))
+            .unwrap_or_else(|| panic!("{name} in node's symbols"))
+            .address()
+    };
+    let centry = symbol("Builtins_CEntry_Return1_ArgvOnStack_BuiltinExit");
+    assert_eq!(
+        table.lookup(centry + 1),
+        Some(UnwindRule::FramePointerAtCalls)
+    );
+    let builtins = file
+        .symbols()
+        .filter(|s| s.kind() == SymbolKind::Text && s.size() > 0)
+        .filter(|s| s.name().is_ok_and(|name| name.starts_with("Builtins_")))
+        .filter(|s| table.lookup(s.address()) == Some(UnwindRule::FramePointerAtCalls))
+        .count();
+    assert!(builtins > 1000, "only {builtins} builtins have rows");
+    // C++ keeps its CFI: a function's entry has cfa = rsp + 8.
+    let main = symbol("main");
+    assert_eq!(table.lookup(main), Some(UnwindRule::Rsp { cfa_off: 8 }));
+}

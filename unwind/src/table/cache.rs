@@ -30,7 +30,7 @@ const MAGIC: [u8; 8] = *b"STKUNWT\0";
 /// what a table holds: old files then fail with [`CacheError::Version`] and
 /// get recompiled. 2: entry points without CFI are outermost. 3: flags.
 /// 4: compressed `.debug_frame` read, Go functions from `.gopclntab`.
-pub(crate) const FORMAT_VERSION: u32 = 4;
+pub(crate) const FORMAT_VERSION: u32 = 5;
 /// Header flag: [`UnwindTable::frame_pointer_gaps`].
 const FLAG_FRAME_POINTER_GAPS: u32 = 1;
 const HEADER_LEN: usize = 32;
@@ -124,6 +124,7 @@ fn encode_rule(rule: UnwindRule) -> (u8, u8, i32, i32) {
         UnwindRule::Outermost => (6, 0, 0, 0),
         UnwindRule::SignalFrame => (7, 0, 0, 0),
         UnwindRule::Unsupported(reason) => (8, reason_code(reason), 0, 0),
+        UnwindRule::FramePointerAtCalls => (9, 0, 0, 0),
     }
 }
 
@@ -143,6 +144,7 @@ fn decode_rule(kind: u8, aux: u8, a: i32, b: i32) -> Option<UnwindRule> {
         6 => UnwindRule::Outermost,
         7 => UnwindRule::SignalFrame,
         8 => UnwindRule::Unsupported(reason_from_code(aux)?),
+        9 => UnwindRule::FramePointerAtCalls,
         _ => return None,
     };
     // Only the canonical encoding is accepted: a stray bit in an unused field

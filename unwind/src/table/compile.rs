@@ -77,6 +77,11 @@ pub(super) fn from_elf(data: &[u8]) -> Result<UnwindTable, TableError> {
     // Go's own function table, where the binary has one, describes every
     // Go function (assembly included) and replaces CFI over them.
     found |= super::go::add_functions(&file, &mut builder, entry)?;
+    // Only beside CFI: V8 is C++, and a program whose C++ has no CFI is
+    // not walked through these rows either.
+    if found {
+        super::v8::add_builtins(&file, &mut builder)?;
+    }
     if !found {
         return Err(TableError::NoCfi);
     }
@@ -359,6 +364,21 @@ impl Builder {
             let i = ranges.partition_point(|range| range.end <= span.start);
             ranges.get(i).is_none_or(|range| range.start >= span.end)
         });
+    }
+
+    /// The addresses the spans added so far cover, as sorted ranges that
+    /// do not overlap (overlapping spans merged).
+    pub(super) fn covered_ranges(&self) -> Vec<std::ops::Range<u64>> {
+        let mut spans: Vec<_> = self.spans.iter().map(|span| span.start..span.end).collect();
+        spans.sort_unstable_by_key(|range| range.start);
+        let mut merged: Vec<std::ops::Range<u64>> = Vec::with_capacity(spans.len());
+        for span in spans {
+            match merged.last_mut() {
+                Some(last) if span.start <= last.end => last.end = last.end.max(span.end),
+                _ => merged.push(span),
+            }
+        }
+        merged
     }
 
     /// Adds a span `start..end` following `rule` throughout.

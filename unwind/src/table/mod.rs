@@ -20,6 +20,7 @@ mod compile;
 #[cfg(test)]
 mod compile_tests;
 mod go;
+mod v8;
 
 use std::mem::size_of;
 
@@ -74,6 +75,13 @@ pub enum UnwindRule {
     SignalFrame,
     /// CFI this unwinder cannot evaluate; the walk stops rather than guess.
     Unsupported(UnsupportedCfi),
+    /// Code without CFI that has its frame pointer set up wherever it
+    /// calls out: V8's embedded builtins (`Builtins_*`), whose frames V8's
+    /// own stack walker (garbage collection, exceptions) finds by rbp. At a
+    /// return address into it: cfa = rbp + 16; ra = *(cfa - 8); rbp =
+    /// *(cfa - 16). At the interrupted instruction the frame may not be set
+    /// up yet (or torn down already), so a walk that starts there stops.
+    FramePointerAtCalls,
 }
 
 /// Why a row is [`UnwindRule::Unsupported`].
