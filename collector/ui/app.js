@@ -25,6 +25,7 @@ const hook = {
   searchMatches: 0,
   topFirst: "",
   timings: {},
+  lastDownload: null,
   drawnNames: () => [...new Set(flame.rects.filter((r) => r.node >= 0).map((r) => tree.name(r.node)))],
   benchZoom: (steps) => benchZoom(steps),
   /** Where to click on the first drawn frame named `name` (viewport pixels), scrolled into view. */
@@ -628,6 +629,7 @@ $("token-forget").addEventListener("click", () => {
 });
 
 function download(blob, name) {
+  hook.lastDownload = { name, size: blob.size, type: blob.type, blob };
   const url = URL.createObjectURL(blob);
   const a = document.createElement("a");
   a.href = url;

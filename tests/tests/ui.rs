@@ -539,9 +539,29 @@ async fn the_web_ui_in_headless_chromium() {
     let driver = Chromedriver::start();
     let browser = driver.browser().await;
     scenarios(&browser, &collector, &big, &guarded).await;
+
+    // The collector goes away under an open page: the next query says so.
+    browser
+        .goto(&format!("{}/", collector.http))
+        .await
+        .expect("a WebDriver command");
+    let report = settled(&browser, 1).await;
+    collector.stop();
+    browser
+        .find(Locator::Css("#query-form button"))
+        .await
+        .expect("the Run button")
+        .click()
+        .await
+        .expect("a WebDriver command");
+    let report = finished(&browser, loads(&report) + 1).await;
+    assert_eq!(report["state"], "error");
+    let status = text_of(&browser, "#status").await;
+    assert!(status.contains("unreachable"), "{status}");
+    screenshot(&browser, "14-collector-unreachable").await;
+
     browser.close().await.expect("closing the browser session");
     drop(driver);
-    collector.stop();
     big.stop();
     guarded.stop();
 }
@@ -769,6 +789,58 @@ async fn scenarios(browser: &Client, collector: &Collector, big: &Collector, gua
     );
     screenshot(browser, "07-icicle-top-callers").await;
 
+    // Exports: folded stacks and pprof from the API, SVG of what is drawn.
+    for (button, file) in [
+        ("folded", "stacks.folded"),
+        ("pprof", "profile.pb.gz"),
+        ("svg", "flamegraph.svg"),
+    ] {
+        let start = Instant::now();
+        browser
+            .find(Locator::Css(&format!("[data-export='{button}']")))
+            .await
+            .expect("an export button")
+            .click()
+            .await
+            .expect("a WebDriver command");
+        let bytes = loop {
+            let bytes = browser
+                .execute(
+                    "const [name] = arguments; const d = window.stackscope.lastDownload; \
+                     if (!d || d.name !== name) return null; \
+                     return d.blob.arrayBuffer().then(b => Array.from(new Uint8Array(b)));",
+                    vec![json!(file)],
+                )
+                .await
+                .expect("reading the download");
+            if let Value::Array(bytes) = bytes {
+                break bytes
+                    .iter()
+                    .map(|b| b.as_u64().unwrap_or(0) as u8)
+                    .collect::<Vec<u8>>();
+            }
+            assert!(
+                start.elapsed() < Duration::from_secs(20),
+                "no {file} download"
+            );
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        };
+        match button {
+            "folded" => {
+                let text = String::from_utf8_lossy(&bytes);
+                assert!(text.contains("main;serve;hash_lookup 600"), "{text}");
+            }
+            "pprof" => assert_eq!(&bytes[..2], &[0x1f, 0x8b], "gzipped pprof"),
+            _ => {
+                let text = String::from_utf8_lossy(&bytes);
+                assert!(
+                    text.starts_with("<svg") && text.contains(">hash_lookup<"),
+                    "{text}"
+                );
+            }
+        }
+    }
+
     // The link reproduces the view: selection, zoom, search, view, function.
     let shared = browser.current_url().await.expect("a WebDriver command");
     browser
@@ -804,6 +876,29 @@ async fn scenarios(browser: &Client, collector: &Collector, big: &Collector, gua
     assert!(callers.contains("hash_lookup"), "{callers}");
     screenshot(browser, "08-shared-link").await;
 
+    // Group by a label: one root child per value.
+    browser
+        .goto(&format!("{page}?group_by=comm&since=1h"))
+        .await
+        .expect("a WebDriver command");
+    let report = settled(browser, 1).await;
+    let drawn = names(&report);
+    for group in ["comm=redis", "comm=nginx"] {
+        assert!(drawn.contains(&group.to_owned()), "{group}: {drawn:?}");
+    }
+    screenshot(browser, "09a-group-by-comm").await;
+
+    // A range with no samples at all says how to get some.
+    browser
+        .goto(&format!("{page}?start=1000000&end=1003600"))
+        .await
+        .expect("a WebDriver command");
+    let report = settled(browser, 1).await;
+    assert_eq!(report["state"], "empty");
+    let empty = text_of(browser, "#flame-empty").await;
+    assert!(empty.contains("No data yet"), "{empty}");
+    screenshot(browser, "09b-no-data").await;
+
     // Compare with the hour before: hash_lookup grew from 100 of 500 to
     // 600 of 900 samples (red), the kernel's share shrank (blue).
     browser
@@ -836,7 +931,7 @@ async fn scenarios(browser: &Client, collector: &Collector, big: &Collector, gua
         blue.starts_with("hsl(215 "),
         "sys_read improved, drawn {blue}"
     );
-    screenshot(browser, "09-compare-hour-before").await;
+    screenshot(browser, "10-compare-hour-before").await;
 
     // A drag across the timeline chooses that range.
     let timeline = browser
@@ -879,7 +974,7 @@ async fn scenarios(browser: &Client, collector: &Collector, big: &Collector, gua
         .and_then(|(_, v)| v.parse().ok())
         .expect("the drag sets end");
     assert!(end > start && end - start < 3600.0, "{start}..{end}");
-    screenshot(browser, "10-timeline-drag").await;
+    screenshot(browser, "11-timeline-drag").await;
 
     // The fleet-wide tree of 221,051 nodes: time to first flamegraph, and
     // redraws while zooming.
@@ -907,7 +1002,7 @@ async fn scenarios(browser: &Client, collector: &Collector, big: &Collector, gua
         timings["drawMs"].as_f64().unwrap_or(f64::NAN),
         report["drawn"],
     );
-    screenshot(browser, "11-big-tree").await;
+    screenshot(browser, "12-big-tree").await;
     let bench = browser
         .execute("return window.stackscope.benchZoom(40);", vec![])
         .await
@@ -930,5 +1025,5 @@ async fn scenarios(browser: &Client, collector: &Collector, big: &Collector, gua
         .expect("a WebDriver command");
     let shown = wait_for_text(browser, "#search-result", "% of all").await;
     eprintln!("200k-node tree, search level4_fn3: {shown}");
-    screenshot(browser, "12-big-tree-search").await;
+    screenshot(browser, "13-big-tree-search").await;
 }
