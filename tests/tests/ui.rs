@@ -568,6 +568,16 @@ async fn the_web_ui_in_headless_chromium() {
 
 /// Every scenario in one browser session (one chromedriver per test binary).
 async fn scenarios(browser: &Client, collector: &Collector, big: &Collector, guarded: &Collector) {
+    token(browser, guarded).await;
+    let page = format!("{}/", collector.http);
+    selection(browser, &page).await;
+    zoom_search_top_and_link(browser, &page).await;
+    group_by_and_no_data(browser, &page).await;
+    compare_and_timeline(browser, &page).await;
+    big_tree(browser, big).await;
+}
+
+async fn token(browser: &Client, guarded: &Collector) {
     // A collector that wants a query token: the page says so, takes the
     // token, sends it, and keeps it.
     browser
@@ -596,9 +606,9 @@ async fn scenarios(browser: &Client, collector: &Collector, big: &Collector, gua
         .execute("localStorage.clear();", vec![])
         .await
         .expect("a WebDriver command");
+}
 
-    let page = format!("{}/", collector.http);
-
+async fn selection(browser: &Client, page: &str) {
     // Everything in the last hour: both nodes.
     browser.goto(&page).await.expect("a WebDriver command");
     let report = settled(browser, 1).await;
@@ -702,7 +712,9 @@ async fn scenarios(browser: &Client, collector: &Collector, big: &Collector, gua
     let empty = text_of(browser, "#flame-empty").await;
     assert!(empty.contains("matched nothing"), "{empty}");
     screenshot(browser, "04-selection-matched-nothing").await;
+}
 
+async fn zoom_search_top_and_link(browser: &Client, page: &str) {
     // Back to redis through the URL; zoom by clicking `serve`.
     browser
         .goto(&format!("{page}?match=comm%3D%22redis%22&since=1h"))
@@ -875,7 +887,9 @@ async fn scenarios(browser: &Client, collector: &Collector, big: &Collector, gua
     let callers = wait_for_text(browser, "#callers", "Callees").await;
     assert!(callers.contains("hash_lookup"), "{callers}");
     screenshot(browser, "08-shared-link").await;
+}
 
+async fn group_by_and_no_data(browser: &Client, page: &str) {
     // Group by a label: one root child per value.
     browser
         .goto(&format!("{page}?group_by=comm&since=1h"))
@@ -898,7 +912,9 @@ async fn scenarios(browser: &Client, collector: &Collector, big: &Collector, gua
     let empty = text_of(browser, "#flame-empty").await;
     assert!(empty.contains("No data yet"), "{empty}");
     screenshot(browser, "09b-no-data").await;
+}
 
+async fn compare_and_timeline(browser: &Client, page: &str) {
     // Compare with the hour before: hash_lookup grew from 100 of 500 to
     // 600 of 900 samples (red), the kernel's share shrank (blue).
     browser
@@ -975,7 +991,9 @@ async fn scenarios(browser: &Client, collector: &Collector, big: &Collector, gua
         .expect("the drag sets end");
     assert!(end > start && end - start < 3600.0, "{start}..{end}");
     screenshot(browser, "11-timeline-drag").await;
+}
 
+async fn big_tree(browser: &Client, big: &Collector) {
     // The fleet-wide tree of 221,051 nodes: time to first flamegraph, and
     // redraws while zooming.
     browser
@@ -1008,11 +1026,13 @@ async fn scenarios(browser: &Client, collector: &Collector, big: &Collector, gua
         .await
         .expect("a WebDriver command");
     eprintln!(
-        "200k-node tree, zooming: {} redraws, {:.1} ms on average (max {:.1} ms): {:.0} redraws per second",
+        "200k-node tree, zooming: {} redraws, {:.1} ms on average (max {:.1} ms): {:.0} redraws \
+         per second; {:.0} frames per second with one zoom per animation frame",
         bench["steps"],
         bench["avgMs"].as_f64().unwrap_or(f64::NAN),
         bench["maxMs"].as_f64().unwrap_or(f64::NAN),
         bench["redrawsPerSecond"].as_f64().unwrap_or(f64::NAN),
+        bench["framesPerSecond"].as_f64().unwrap_or(f64::NAN),
     );
     // Still responsive: a search over the whole tree answers.
     let search = browser
