@@ -442,7 +442,9 @@ async function load() {
     renderTop();
     loadCallers();
     if (comparing()) {
-      $("compare-text").textContent = `Comparing ${describeRange(rangeSeconds())} with the baseline ${describeRange([Number(state.base_start), Number(state.base_end)])}.`;
+      const base = describeRange([Number(state.base_start), Number(state.base_end)]);
+      const baseMatch = state.base_match && state.base_match !== state.match ? ` where ${state.base_match}` : "";
+      $("compare-text").textContent = `Comparing ${state.match || "everything"} in ${describeRange(rangeSeconds())} with the baseline ${base}${baseMatch}.`;
     }
   } catch (err) {
     if (err.name === "AbortError") return;
@@ -583,6 +585,13 @@ $("compare-hour").addEventListener("click", () => {
     base_end: (end - 3600).toFixed(3),
   });
 });
+$("compare-selection").addEventListener("click", () => {
+  // The same range; the baseline's matchers are edited in the compare bar.
+  const [start, end] = rangeSeconds();
+  const range = { start: start.toFixed(3), end: end.toFixed(3), since: "" };
+  reload({ ...range, base_start: range.start, base_end: range.end, base_match: state.base_match || state.match });
+  $("base-match").focus();
+});
 $("compare-stop").addEventListener("click", () => reload({ base_start: "", base_end: "", base_match: "" }));
 $("base-match").addEventListener("change", (e) => reload({ base_match: e.target.value.trim() }));
 
@@ -662,6 +671,13 @@ for (const button of document.querySelectorAll("[data-export]")) {
 }
 
 const SELECTION_KEYS = ["match", "since", "start", "end", "group_by", "base_start", "base_end", "base_match"];
+
+// Escape zooms out one level (outside text fields).
+document.addEventListener("keydown", (e) => {
+  if (e.key !== "Escape" || !tree || hook.state !== "ready" || flame.zoom === 0) return;
+  if (e.target instanceof HTMLInputElement || e.target instanceof HTMLSelectElement) return;
+  flame.setZoom(tree.parent[flame.zoom]);
+});
 
 window.addEventListener("popstate", () => {
   const previous = state;

@@ -887,6 +887,18 @@ async fn zoom_search_top_and_link(browser: &Client, page: &str) {
     let callers = wait_for_text(browser, "#callers", "Callees").await;
     assert!(callers.contains("hash_lookup"), "{callers}");
     screenshot(browser, "08-shared-link").await;
+
+    // Escape zooms out one level.
+    browser
+        .find(Locator::Css("body"))
+        .await
+        .expect("the page body")
+        .send_keys("\u{E00C}")
+        .await
+        .expect("pressing Escape");
+    let report = hook(browser).await;
+    assert_eq!(report["root"], "main");
+    assert_eq!(report["zoom"], json!(["main"]));
 }
 
 async fn group_by_and_no_data(browser: &Client, page: &str) {
