@@ -610,7 +610,7 @@ async fn token(browser: &Client, guarded: &Collector) {
 
 async fn selection(browser: &Client, page: &str) {
     // Everything in the last hour: both nodes.
-    browser.goto(&page).await.expect("a WebDriver command");
+    browser.goto(page).await.expect("a WebDriver command");
     let report = settled(browser, 1).await;
     assert_eq!(report["root"], "all");
     let drawn = names(&report);
