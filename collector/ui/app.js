@@ -167,6 +167,10 @@ function afterDraw() {
   panel.dataset.root = hook.root;
   panel.dataset.zoom = JSON.stringify(hook.zoom);
   panel.dataset.drawn = String(hook.drawn);
+  $("flamegraph").setAttribute(
+    "aria-label",
+    `Flamegraph of ${hook.zoom.length ? hook.zoom.join(" > ") : "all samples"}: ${hook.drawn} frames drawn; the top functions table below lists the same weights`,
+  );
   renderBreadcrumb();
 }
 
@@ -255,7 +259,7 @@ function applySearch() {
     hook.searchMatches = result.count;
     panel.dataset.searchShare = String(share);
     out.textContent = result.count
-      ? `${result.count.toLocaleString("en-US")} frames, ${(share * 100).toFixed(2)}% of all`
+      ? `${result.count.toLocaleString("en-US")} ${result.count === 1 ? "frame" : "frames"}, ${(share * 100).toFixed(2)}% of all`
       : "no match";
   }
   afterDraw();
@@ -460,14 +464,18 @@ function describeRange([start, end]) {
 }
 
 async function loadTimeline(signal) {
+  const [start, end] = rangeSeconds();
+  // The range's axis at once, the bars when they come (or never, on an error).
+  timeline.set([], 1, start * 1e9, end * 1e9, "loading…");
   try {
-    const [start, end] = rangeSeconds();
     const series = await get("/api/v1/series", selectionParams(), { signal });
     timeline.set(series.points, series.step_nanos, start * 1e9, end * 1e9);
     const total = series.points.reduce((sum, p) => sum + p.weight, 0);
     $("timeline").dataset.points = String(series.points.length);
     $("timeline").dataset.total = String(total);
   } catch (err) {
+    if (err.name === "AbortError") return;
+    timeline.set([], 1, start * 1e9, end * 1e9, "no series: see the message above");
     showError(err);
   }
 }

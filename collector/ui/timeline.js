@@ -13,6 +13,7 @@ export class Timeline {
     this.end = 1;
     this.step = 1;
     this.drag = null;
+    this.empty = "";
     canvas.addEventListener("mousedown", (e) => {
       this.drag = { from: this.xOf(e), to: this.xOf(e) };
       e.preventDefault();
@@ -45,8 +46,12 @@ export class Timeline {
     return (this.start + ((this.end - this.start) * x) / width) / 1e9;
   }
 
-  /** points: [{start_unix_nanos, weight}]; the range in nanoseconds. */
-  set(points, stepNanos, startNanos, endNanos) {
+  /**
+   * points: [{start_unix_nanos, weight}]; the range in nanoseconds; what to
+   * say while there are no points.
+   */
+  set(points, stepNanos, startNanos, endNanos, empty = "no samples in this range") {
+    this.empty = empty;
     this.points = points;
     this.step = stepNanos;
     this.start = startNanos;
@@ -92,7 +97,7 @@ export class Timeline {
     }
     if (!this.points.length) {
       ctx.textBaseline = "middle";
-      ctx.fillText("no samples in this range", 8, plot / 2);
+      ctx.fillText(this.empty, 8, plot / 2);
     }
     if (max) {
       ctx.textBaseline = "top";
