@@ -398,13 +398,20 @@ async function load() {
   showStatus("");
   syncControls();
   loadTimeline(signal);
-  loadPickers(signal);
   try {
     const flatParams = { ...selectionParams(), format: "flat", group_by: state.group_by };
-    const [current, base] = await Promise.all([
+    const trees = Promise.all([
       get("/api/v1/flamegraph", flatParams, { signal }),
       comparing() ? get("/api/v1/flamegraph", { ...baseParams(), format: "flat" }, { signal }) : null,
     ]);
+    // The pickers' label queries wait for the flamegraph's, which they
+    // would otherwise slow down in the collector.
+    trees
+      .finally(() => {
+        if (!signal.aborted) loadPickers(signal);
+      })
+      .catch(() => {});
+    const [current, base] = await trees;
     const fetched = performance.now();
     const selected = Tree.fromFlat(current);
     const next = base ? Tree.diff(selected, Tree.fromFlat(base)) : selected;
