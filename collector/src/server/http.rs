@@ -478,3 +478,54 @@ async fn series(
     }))
     .into_response())
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn ui_files_are_revalidated_by_etag() {
+        let (path, content_type, body) = UI_FILES[0];
+        assert_eq!(path, "/");
+        let etag = format!("\"{:016x}\"", fnv1a(body.as_bytes()));
+        let first = ui_file(&HeaderMap::new(), content_type, body, &etag);
+        assert_eq!(first.status(), StatusCode::OK);
+        assert_eq!(first.headers()[header::CONTENT_TYPE], HTML);
+        assert_eq!(first.headers()[header::CACHE_CONTROL], "no-cache");
+        assert_eq!(first.headers()[header::ETAG], etag.as_str());
+
+        let mut again = HeaderMap::new();
+        again.insert(
+            header::IF_NONE_MATCH,
+            format!("\"other\", {etag}").parse().unwrap(),
+        );
+        let second = ui_file(&again, content_type, body, &etag);
+        assert_eq!(second.status(), StatusCode::NOT_MODIFIED);
+        assert_eq!(second.headers()[header::ETAG], etag.as_str());
+
+        again.insert(header::IF_NONE_MATCH, "\"stale\"".parse().unwrap());
+        assert_eq!(
+            ui_file(&again, content_type, body, &etag).status(),
+            StatusCode::OK
+        );
+    }
+
+    #[test]
+    fn every_ui_module_the_page_imports_is_served() {
+        let served: Vec<&str> = UI_FILES.iter().map(|&(path, _, _)| path).collect();
+        for &(_, _, body) in UI_FILES {
+            for import in body
+                .split("from \"./")
+                .skip(1)
+                .filter_map(|rest| rest.split('"').next())
+            {
+                let path = format!("/ui/{import}");
+                assert!(served.contains(&path.as_str()), "{path} is not served");
+            }
+        }
+        let page = UI_FILES[0].2;
+        for link in ["/ui/style.css", "/ui/app.js"] {
+            assert!(page.contains(link) && served.contains(&link), "{link}");
+        }
+    }
+}
