@@ -402,7 +402,9 @@ async function load() {
     const flatParams = { ...selectionParams(), format: "flat", group_by: state.group_by };
     const trees = Promise.all([
       get("/api/v1/flamegraph", flatParams, { signal }),
-      comparing() ? get("/api/v1/flamegraph", { ...baseParams(), format: "flat" }, { signal }) : null,
+      comparing()
+        ? get("/api/v1/flamegraph", { ...baseParams(), format: "flat", group_by: state.group_by }, { signal })
+        : null,
     ]);
     // The pickers' label queries wait for the flamegraph's, which they
     // would otherwise slow down in the collector.
@@ -493,16 +495,21 @@ function rangeKey() {
   return JSON.stringify(rangeParams());
 }
 
+/** Label names and values for completion, kept a minute (new ones appear as agents ship). */
+const LABEL_TTL_MS = 60_000;
+
 function cached(key, fetcher) {
   const full = `${rangeKey()}|${key}`;
-  if (!labelCache.has(full)) {
+  const entry = labelCache.get(full);
+  if (!entry || performance.now() - entry.at > LABEL_TTL_MS) {
     const promise = fetcher().catch((err) => {
       labelCache.delete(full);
       throw err;
     });
-    labelCache.set(full, promise);
+    labelCache.set(full, { promise, at: performance.now() });
+    return promise;
   }
-  return labelCache.get(full);
+  return entry.promise;
 }
 
 const labelNames = () => cached("", () => get("/api/v1/labels", rangeParams()));

@@ -570,11 +570,55 @@ async fn the_web_ui_in_headless_chromium() {
 async fn scenarios(browser: &Client, collector: &Collector, big: &Collector, guarded: &Collector) {
     token(browser, guarded).await;
     let page = format!("{}/", collector.http);
+    modules(browser, &page).await;
     selection(browser, &page).await;
     zoom_search_top_and_link(browser, &page).await;
     group_by_and_no_data(browser, &page).await;
     compare_and_timeline(browser, &page).await;
     big_tree(browser, big).await;
+}
+
+/// The page's pure functions, imported in the browser: matcher editing,
+/// and the tree's per-function weights and search share with recursion
+/// (a stack counted once however often a function is on it).
+async fn modules(browser: &Client, page: &str) {
+    browser.goto(page).await.expect("a WebDriver command");
+    let answers = browser
+        .execute(
+            r#"return Promise.all([import('/ui/query.js'), import('/ui/flamegraph.js')])
+               .then(([q, f]) => {
+                 const tree = f.Tree.fromFlat({
+                   total: 10, sample_period_nanos: 0,
+                   frames: [{name: 'all', binary: ''}, {name: 'a', binary: 'x'}, {name: 'b', binary: 'x'}],
+                   nodes: [0, 0, 10, 0, 1, 10, 1, 1, 8, 2, 2, 5],
+                 });
+                 const a = tree.match(fr => fr.name === 'a');
+                 return {
+                   split: q.splitMatchers('comm="a,b", exe=~".*/x"'),
+                   removed: q.setMatcher('comm="a",node="b"', 'node', ''),
+                   replaced: q.setMatcher('comm="a",node=~"b.*"', 'node', 'c'),
+                   quoted: q.setMatcher('', 'pod', 'we"b'),
+                   value: q.matcherValue('pod="we\\"b"', 'pod'),
+                   functions: tree.functions().map(s => [s.name, s.self, s.total]),
+                   search: [a.count, a.weight],
+                 };
+               });"#,
+            vec![],
+        )
+        .await
+        .expect("importing the page's modules");
+    assert_eq!(
+        answers,
+        json!({
+            "split": [r#"comm="a,b""#, r#"exe=~".*/x""#],
+            "removed": r#"comm="a""#,
+            "replaced": r#"comm="a",node="c""#,
+            "quoted": r#"pod="we\"b""#,
+            "value": r#"we"b"#,
+            "functions": [["a", 5, 10], ["b", 5, 5]],
+            "search": [2, 10],
+        })
+    );
 }
 
 async fn token(browser: &Client, guarded: &Collector) {
