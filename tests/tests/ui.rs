@@ -676,6 +676,32 @@ async fn selection(browser: &Client, page: &str) {
         text_of(browser, "#top tbody tr:first-child td:first-child").await,
         "hash_lookup"
     );
+    // Colours by binary: the kernel orange, JIT green, unnamed code grey.
+    let fills = browser
+        .execute(
+            "const d = window.stackscope.drawnNames(); \
+             const unknown = d.find(n => n.startsWith('[unknown]')); \
+             return ['copy_user', 'js_handler', unknown, 'hash_lookup'] \
+               .map(n => window.stackscope.frameFill(n));",
+            vec![],
+        )
+        .await
+        .expect("reading the fills");
+    let fill = |k: usize| fills[k].as_str().unwrap_or_default().to_owned();
+    assert!(fill(0).starts_with("hsl(26 "), "kernel: {}", fill(0));
+    assert!(fill(1).starts_with("hsl(160 "), "JIT: {}", fill(1));
+    assert!(fill(2).starts_with("hsl(0 0% "), "unknown: {}", fill(2));
+    let user_hue: f64 = fill(3)[4..]
+        .split(' ')
+        .next()
+        .unwrap_or("")
+        .parse()
+        .unwrap_or(f64::NAN);
+    assert!(
+        ![0.0, 26.0, 160.0].contains(&user_hue),
+        "user code: {}",
+        fill(3)
+    );
     screenshot(browser, "01-everything").await;
 
     // Completion of label names, then of the values of the label typed.
@@ -799,6 +825,28 @@ async fn zoom_search_top_and_link(browser: &Client, page: &str) {
         "{crumbs}"
     );
     screenshot(browser, "05-zoom-serve").await;
+
+    // The tooltip: self and total weight and share.
+    let (x, y) = frame_center(browser, "hash_lookup").await;
+    let hover = MouseActions::new("mouse".into()).then(PointerAction::MoveTo {
+        duration: None,
+        x,
+        y,
+    });
+    browser
+        .perform_actions(hover)
+        .await
+        .expect("moving the mouse");
+    let tip = wait_for_text(browser, "#tooltip", "hash_lookup").await;
+    assert!(
+        tip.contains("600 samples (6.00 s CPU)") && tip.contains("66.67% of all"),
+        "{tip}"
+    );
+    assert!(
+        tip.contains("self") && tip.contains("redis-server"),
+        "{tip}"
+    );
+    screenshot(browser, "05a-tooltip").await;
 
     // Search: hash_lookup is 600 of redis's 900 samples.
     let search = browser
