@@ -66,7 +66,7 @@ function readUrl() {
     zoom: Array.isArray(zoom) ? zoom.map(String) : [],
     view: q.get("view") === "icicle" ? "icicle" : "flame",
     fn: q.get("fn") || "",
-    sort: q.get("sort") === "total" || q.get("sort") === "name" ? q.get("sort") : "self",
+    sort: ["total", "name", "delta"].includes(q.get("sort")) ? q.get("sort") : "self",
     filter: q.get("filter") || "",
     base_start: q.get("base_start") || "",
     base_end: q.get("base_end") || "",
@@ -292,12 +292,27 @@ async function benchZoom(steps) {
 
 let functions = [];
 
+/**
+ * Adds each function's self share in the baseline and the change of its
+ * self share (`delta`, positive: more of the time now, slower).
+ */
+function compareFunctions(list, selected, baseline) {
+  const before = new Map(baseline.functions().map((f) => [`${f.name}\u0000${f.binary}`, f]));
+  const all = selected.total[0] || 1;
+  const baseAll = baseline.total[0] || 1;
+  for (const f of list) {
+    const old = before.get(`${f.name}\u0000${f.binary}`);
+    f.baseShare = old ? old.self / baseAll : 0;
+    f.delta = f.self / all - f.baseShare;
+  }
+}
+
 function renderTop() {
   const filter = state.filter.toLowerCase();
   const key = state.sort;
   const rows = functions
     .filter((f) => !filter || f.name.toLowerCase().includes(filter))
-    .sort((a, b) => (key === "name" ? a.name.localeCompare(b.name) : b[key] - a[key] || a.name.localeCompare(b.name)));
+    .sort((a, b) => (key === "name" ? a.name.localeCompare(b.name) : (b[key] ?? 0) - (a[key] ?? 0) || a.name.localeCompare(b.name)));
   const all = tree.total[0] || 1;
   $("top-count").textContent = `${rows.length.toLocaleString("en-US")} functions${rows.length > TOP_ROWS ? `, first ${TOP_ROWS} shown` : ""}`;
   hook.topFirst = rows.length ? rows[0].name : "";
@@ -307,18 +322,24 @@ function renderTop() {
       const tr = document.createElement("tr");
       tr.dataset.function = f.name;
       if (f.name === state.fn) tr.className = "selected";
-      for (const [text, num] of [
+      for (const [text, num, extra] of [
         [f.name, false],
         [f.binary, false],
         [Math.round(f.self).toLocaleString("en-US"), true],
         [`${((100 * f.self) / all).toFixed(2)}%`, true],
         [Math.round(f.total).toLocaleString("en-US"), true],
         [`${((100 * f.total) / all).toFixed(2)}%`, true],
+        ...(comparing() && f.delta !== undefined
+          ? [
+              [`${(100 * f.baseShare).toFixed(2)}%`, true, "compare-only"],
+              [`${f.delta >= 0 ? "+" : ""}${(100 * f.delta).toFixed(2)}%`, true, f.delta > 0 ? "slower" : f.delta < 0 ? "faster" : ""],
+            ]
+          : []),
       ]) {
         const td = document.createElement("td");
         td.textContent = text;
         td.title = text;
-        if (num) td.className = "num";
+        td.className = [num ? "num" : "", extra || ""].join(" ").trim();
         tr.append(td);
       }
       tr.addEventListener("click", () => selectFunction(f.name === state.fn ? "" : f.name));
@@ -416,7 +437,8 @@ async function load() {
     const [current, base] = await trees;
     const fetched = performance.now();
     const selected = Tree.fromFlat(current);
-    const next = base ? Tree.diff(selected, Tree.fromFlat(base)) : selected;
+    const baseline = base ? Tree.fromFlat(base) : null;
+    const next = baseline ? Tree.diff(selected, baseline) : selected;
     const parsed = performance.now();
     tree = next;
     hook.nodes = tree.count;
@@ -452,6 +474,8 @@ async function load() {
     renderLegend();
     // In depth-first order (a differential tree is not): the selection's own.
     functions = selected.functions().filter((f) => f.binary !== "[group]");
+    if (baseline) compareFunctions(functions, selected, baseline);
+    document.body.classList.toggle("comparing", Boolean(baseline));
     renderTop();
     loadCallers();
     if (comparing()) {

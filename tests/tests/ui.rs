@@ -1051,6 +1051,19 @@ async fn compare_and_timeline(browser: &Client, page: &str) {
         blue.starts_with("hsl(215 "),
         "sys_read improved, drawn {blue}"
     );
+    // The top table sorted by the change of self share: the regression first.
+    browser
+        .find(Locator::Css("#top th[data-sort='delta']"))
+        .await
+        .expect("the change column")
+        .click()
+        .await
+        .expect("a WebDriver command");
+    let first = text_of(browser, "#top tbody tr:first-child").await;
+    assert!(
+        first.starts_with("hash_lookup") && first.contains("20.00%") && first.ends_with("+46.67%"),
+        "{first}"
+    );
     screenshot(browser, "10-compare-hour-before").await;
 
     // A drag across the timeline chooses that range.
