@@ -140,6 +140,7 @@ function showError(err) {
 }
 
 function setPanelState(value, message = "") {
+  if (value !== "ready") $("side-by-side").hidden = true;
   hook.state = value;
   $("flame-panel").dataset.state = value;
   const empty = $("flame-empty");
@@ -158,6 +159,30 @@ const flame = new Flamegraph($("flamegraph"), $("tooltip"), {
     afterDraw();
   },
 });
+
+// When comparing: the selection and the baseline side by side, each
+// zoomable on its own, under the differential flamegraph.
+const sides = {
+  current: new Flamegraph($("side-current"), $("tip-current")),
+  baseline: new Flamegraph($("side-baseline"), $("tip-baseline")),
+};
+
+function showSides(selected, baseline) {
+  $("side-by-side").hidden = !baseline;
+  if (!baseline) return;
+  for (const [side, t] of [
+    [sides.current, selected],
+    [sides.baseline, baseline],
+  ]) {
+    side.setTree(t);
+    side.icicle = state.view === "icicle";
+    side.draw();
+  }
+  hook.sides = {
+    current: sides.current.rects.filter((r) => r.node >= 0).length,
+    baseline: sides.baseline.rects.filter((r) => r.node >= 0).length,
+  };
+}
 
 function afterDraw() {
   const panel = $("flame-panel");
@@ -475,6 +500,7 @@ async function load() {
     // In depth-first order (a differential tree is not): the selection's own.
     functions = selected.functions().filter((f) => f.binary !== "[group]");
     if (baseline) compareFunctions(functions, selected, baseline);
+    showSides(selected, baseline);
     document.body.classList.toggle("comparing", Boolean(baseline));
     renderTop();
     loadCallers();
@@ -656,6 +682,7 @@ $("view-toggle").addEventListener("click", () => {
   writeUrl({ push: true });
   syncControls();
   flame.setIcicle(state.view === "icicle");
+  if (!$("side-by-side").hidden) for (const side of Object.values(sides)) side.setIcicle(state.view === "icicle");
 });
 
 $("top-filter").addEventListener("input", (e) => {

@@ -1051,6 +1051,22 @@ async fn compare_and_timeline(browser: &Client, page: &str) {
         blue.starts_with("hsl(215 "),
         "sys_read improved, drawn {blue}"
     );
+    // And side by side: the selection's and the baseline's own flamegraphs.
+    let sides = hook(browser).await["sides"].clone();
+    assert!(
+        sides["current"].as_u64() > Some(3) && sides["baseline"].as_u64() > Some(3),
+        "{sides}"
+    );
+    assert!(
+        browser
+            .find(Locator::Css("#side-by-side"))
+            .await
+            .expect("the side-by-side view")
+            .is_displayed()
+            .await
+            .expect("a WebDriver command")
+    );
+
     // The top table sorted by the change of self share: the regression first.
     browser
         .find(Locator::Css("#top th[data-sort='delta']"))
