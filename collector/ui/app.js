@@ -440,7 +440,8 @@ async function load() {
   const started = performance.now();
   hook.loads++;
   hook.error = "";
-  setPanelState("loading", "Loading the flamegraph…");
+  // The flamegraph shown stays (dimmed) until the new one is in.
+  setPanelState("loading", tree && hook.state === "ready" ? "" : "Loading the flamegraph…");
   showStatus("");
   syncControls();
   loadTimeline(signal);
