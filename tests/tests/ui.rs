@@ -519,6 +519,8 @@ async fn wait_for_text(browser: &Client, css: &str, expected: &str) -> String {
 
 #[tokio::test(flavor = "current_thread")]
 async fn the_web_ui_in_headless_chromium() {
+    // Only this run's screenshots.
+    let _ = std::fs::remove_dir_all(screenshot_dir());
     let data = tempfile::tempdir().expect("a temporary directory");
     let collector = Collector::start(&data.path().join("known"));
     for batch in known_batches() {
