@@ -282,6 +282,34 @@ async fn stored_batches_are_counted_once_and_queried_by_label() {
         String::from_utf8(body).expect("UTF-8"),
         "main;[unknown] libfoo.so+0x1a2b 5\nmain;work;helper 30\n"
     );
+    // The flat tree the web UI draws: each frame once, and the nodes as
+    // [parent, frame, total] in depth-first order.
+    let (status, body) =
+        fixture.http_get("/api/v1/flamegraph?format=flat&since=1h&match=comm%3D%22redis%22");
+    assert_eq!(status, 200, "{}", String::from_utf8_lossy(&body));
+    let flat: serde_json::Value = serde_json::from_slice(&body).expect("JSON");
+    let frames: Vec<&str> = flat["frames"]
+        .as_array()
+        .expect("a frame table")
+        .iter()
+        .map(|frame| frame["name"].as_str().expect("a name"))
+        .collect();
+    assert_eq!(
+        frames,
+        [
+            "all",
+            "main",
+            "[unknown] libfoo.so+0x1a2b",
+            "work",
+            "helper"
+        ]
+    );
+    assert_eq!(
+        flat["nodes"],
+        serde_json::json!([0, 0, 35, 0, 1, 35, 1, 2, 5, 1, 3, 30, 3, 4, 30])
+    );
+    assert_eq!(flat["total"], 35);
+    assert_eq!(flat["frames"][4]["inlined"], true);
     let (status, body) = fixture.http_get("/api/v1/flamegraph?since=1h");
     assert_eq!(status, 200);
     let svg = String::from_utf8(body).expect("UTF-8");
@@ -475,8 +503,9 @@ async fn queries_need_the_query_token_and_probes_stay_open() {
             .0,
         200
     );
-    assert_eq!(fixture.http_get("/").0, 401);
-    for open in ["/healthz", "/readyz", "/metrics"] {
+    assert_eq!(fixture.http_get("/flamegraph.svg").0, 401);
+    // The web UI's files hold no data; the page asks for the token.
+    for open in ["/healthz", "/readyz", "/metrics", "/", "/ui/app.js"] {
         assert_eq!(fixture.http_get(open).0, 200, "{open}");
     }
 

@@ -128,7 +128,8 @@ fn run(agent_args: &[String]) -> anyhow::Result<()> {
     let mut agent = agent.spawn().context("starting stackscope-agent")?;
     eprintln!(
         "profiling this host into the collector (data in ./{RUN_DATA_DIR}).\n\
-         flamegraph of the last 15 minutes: http://{RUN_HTTP}/\n\
+         the web UI: http://{RUN_HTTP}/ (one SVG of the last 15 minutes: \
+         http://{RUN_HTTP}/flamegraph.svg)\n\
          press Ctrl-C to stop and write flamegraph.svg"
     );
     let status = with_sigint_ignored(|| agent.wait())?;

@@ -28,12 +28,15 @@ const BPF_LINKER_VERSION: &str = "0.13.0";
 /// process `podman kube play` builds its pods' infra image from;
 /// `clickhouse-server` (18.16, started by the tests as plain processes, not
 /// the systemd unit) is the real two-shard cluster the collector's
-/// ClickHouse storage is tested against.
+/// ClickHouse storage is tested against; `chromium` and `chromium-driver` are
+/// the real browser (headless, driven over WebDriver) the web UI is tested in.
 const DEBIAN_PACKAGES: &[&str] = &[
     "binutils",
     "bpftool",
     "busybox-static",
     "catatonit",
+    "chromium",
+    "chromium-driver",
     "clickhouse-server",
     "debuginfod",
     "elfutils",

@@ -96,17 +96,27 @@ impl Token {
 }
 
 /// The HTTP check, for `axum::middleware::from_fn_with_state`.
+///
+/// The refusal challenges for HTTP Basic, so a browser opening an API URL
+/// asks for the token, except for scripts that say so with
+/// `X-Requested-With` (the web UI): a challenge would make the browser put
+/// up its own password dialog, and hold the script's request until it is
+/// answered, instead of letting the page ask for the token itself.
 pub async fn require_http(State(token): State<Token>, request: Request, next: Next) -> Response {
     if token.accepts_http(request.headers()) {
         return next.run(request).await;
     }
+    let message = format!(
+        "missing or wrong token for {}: send `Authorization: Bearer <token>`\n",
+        token.what
+    );
+    if request.headers().contains_key("x-requested-with") {
+        return (StatusCode::UNAUTHORIZED, message).into_response();
+    }
     (
         StatusCode::UNAUTHORIZED,
         [(header::WWW_AUTHENTICATE, "Basic realm=\"stackscope\"")],
-        format!(
-            "missing or wrong token for {}: send `Authorization: Bearer <token>`\n",
-            token.what
-        ),
+        message,
     )
         .into_response()
 }

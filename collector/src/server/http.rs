@@ -1,30 +1,35 @@
 //! The HTTP API: the same queries as the gRPC `Query` service, rendered for
-//! browsers and scripts (SVG, JSON, folded stacks, pprof).
+//! browsers and scripts (SVG, JSON, folded stacks, pprof), and the web UI
+//! (`collector/ui/`: plain HTML, CSS and JavaScript modules compiled into the
+//! binary, no build step) that is a client of that API.
 //!
 //! Every endpoint takes the selection as query parameters: `match`
 //! (`comm="x",exe=~".*/y"`), and `since` (default 1h) or `start`/`end`.
 //! `/api/v1/flamegraph` also takes `group_by` (a label name) to split the
 //! tree by that label's values (see [`QueryEngine::flamegraph`]).
 
+use std::collections::HashMap;
+
 use axum::{
     Json, Router,
     extract::{Path, Query, State},
-    http::{StatusCode, header},
+    http::{HeaderMap, HeaderValue, StatusCode, header},
     response::{IntoResponse, Response},
     routing::get,
 };
-use serde::Deserialize;
+use serde::{Deserialize, Serialize};
 use stackscope_profile::{
-    model::Selection,
+    model::{Frame, Selection},
     render::{self, SvgOptions},
     timespec::{self, SelectionText},
 };
 
 use crate::query::{DEFAULT_TOP_LIMIT, Fault, Flamegraph, QueryEngine, QueryError};
 
+/// The query API (behind the query token when there is one).
 pub fn router(engine: QueryEngine) -> Router {
     Router::new()
-        .route("/", get(index))
+        .route("/flamegraph.svg", get(index))
         .route("/api/v1/flamegraph", get(flamegraph))
         .route("/api/v1/diff", get(diff))
         .route("/api/v1/top", get(top))
@@ -33,6 +38,92 @@ pub fn router(engine: QueryEngine) -> Router {
         .route("/api/v1/labels/{name}/values", get(label_values))
         .route("/api/v1/series", get(series))
         .with_state(engine)
+}
+
+/// The web UI's files: path, content type, contents. They hold no data (the
+/// page asks the API, with the token the user gives it), so they are served
+/// without the query token: a browser can load the page and then ask for it.
+const UI_FILES: &[(&str, &str, &str)] = &[
+    ("/", HTML, include_str!("../../ui/index.html")),
+    ("/ui/style.css", CSS, include_str!("../../ui/style.css")),
+    ("/ui/app.js", JS, include_str!("../../ui/app.js")),
+    ("/ui/api.js", JS, include_str!("../../ui/api.js")),
+    (
+        "/ui/flamegraph.js",
+        JS,
+        include_str!("../../ui/flamegraph.js"),
+    ),
+    ("/ui/timeline.js", JS, include_str!("../../ui/timeline.js")),
+    ("/ui/query.js", JS, include_str!("../../ui/query.js")),
+];
+const HTML: &str = "text/html; charset=utf-8";
+const CSS: &str = "text/css; charset=utf-8";
+const JS: &str = "text/javascript; charset=utf-8";
+
+/// The page may load its own files and ask its own API, nothing else: no
+/// CDN, no inline script, so it works offline and an injected name cannot
+/// run as code.
+const UI_CSP: &str = "default-src 'none'; script-src 'self'; style-src 'self'; \
+                      connect-src 'self'; img-src 'self' data: blob:; base-uri 'none'; \
+                      form-action 'none'; frame-ancestors 'none'";
+
+/// The web UI's routes.
+pub fn ui_router() -> Router {
+    UI_FILES
+        .iter()
+        .fold(Router::new(), |router, &(path, content_type, body)| {
+            let etag = format!("\"{:016x}\"", fnv1a(body.as_bytes()));
+            router.route(
+                path,
+                get(move |headers: HeaderMap| {
+                    let response = ui_file(&headers, content_type, body, &etag);
+                    async move { response }
+                }),
+            )
+        })
+}
+
+/// A UI file, revalidated on every load (`no-cache` with an `ETag`): a new
+/// collector serves its own UI at once, and an unchanged file costs a 304.
+fn ui_file(
+    request: &HeaderMap,
+    content_type: &'static str,
+    body: &'static str,
+    etag: &str,
+) -> Response {
+    let etag_value = HeaderValue::from_str(etag).expect("hex in quotes is a header value");
+    let common = [
+        (header::CACHE_CONTROL, HeaderValue::from_static("no-cache")),
+        (header::ETAG, etag_value),
+        (
+            header::X_CONTENT_TYPE_OPTIONS,
+            HeaderValue::from_static("nosniff"),
+        ),
+        (
+            header::CONTENT_SECURITY_POLICY,
+            HeaderValue::from_static(UI_CSP),
+        ),
+    ];
+    let fresh = request
+        .get(header::IF_NONE_MATCH)
+        .and_then(|value| value.to_str().ok())
+        .is_some_and(|given| given.split(',').any(|tag| tag.trim() == etag));
+    if fresh {
+        return (StatusCode::NOT_MODIFIED, common).into_response();
+    }
+    (
+        common,
+        [(header::CONTENT_TYPE, HeaderValue::from_static(content_type))],
+        body,
+    )
+        .into_response()
+}
+
+/// 64-bit FNV-1a: an `ETag` that changes when the file does.
+fn fnv1a(bytes: &[u8]) -> u64 {
+    bytes.iter().fold(0xcbf2_9ce4_8422_2325, |hash, &byte| {
+        (hash ^ u64::from(byte)).wrapping_mul(0x0100_0000_01b3)
+    })
 }
 
 /// An error the client can act on, or a server failure.
@@ -111,8 +202,9 @@ impl Params {
             Some("json") => Ok(Format::Json),
             Some("folded") => Ok(Format::Folded),
             Some("pprof") => Ok(Format::Pprof),
+            Some("flat") => Ok(Format::Flat),
             Some(other) => Err(bad_request(format!(
-                "format {other:?}: expected svg, json, folded or pprof"
+                "format {other:?}: expected svg, json, flat, folded or pprof"
             ))),
         }
     }
@@ -154,6 +246,58 @@ enum Format {
     Json,
     Folded,
     Pprof,
+    /// [`FlatTree`]: what the web UI draws.
+    Flat,
+}
+
+/// The tree as flat arrays, compact enough for a fleet-wide tree of
+/// hundreds of thousands of nodes (the nested `json` format repeats every
+/// field name and frame per node): each distinct frame once in `frames`, and
+/// `nodes` as `[parent, frame, total]` triples in the tree's depth-first
+/// order, parents before children, the root first and its own parent. Self
+/// weights are each node's total minus its children's.
+#[derive(Serialize)]
+struct FlatTree<'a> {
+    total: u64,
+    sample_period_nanos: u64,
+    frames: Vec<FlatFrame<'a>>,
+    nodes: Vec<u64>,
+}
+
+#[derive(Serialize)]
+struct FlatFrame<'a> {
+    name: &'a str,
+    binary: &'a str,
+    file: &'a str,
+    line: u32,
+    inlined: bool,
+}
+
+fn flat(flamegraph: &Flamegraph) -> FlatTree<'_> {
+    let tree = &flamegraph.tree;
+    let mut numbers: HashMap<&Frame, u64> = HashMap::new();
+    let mut frames = Vec::new();
+    let mut nodes = Vec::with_capacity(tree.nodes().len() * 3);
+    for node in tree.nodes() {
+        let frame = node.frame();
+        let number = *numbers.entry(frame).or_insert_with(|| {
+            frames.push(FlatFrame {
+                name: &frame.function,
+                binary: &frame.binary,
+                file: &frame.file,
+                line: frame.line,
+                inlined: frame.inlined,
+            });
+            frames.len() as u64 - 1
+        });
+        nodes.extend([node.parent().unwrap_or(0) as u64, number, node.total()]);
+    }
+    FlatTree {
+        total: tree.total(),
+        sample_period_nanos: flamegraph.sample_period_nanos,
+        frames,
+        nodes,
+    }
 }
 
 fn svg_response(bytes: Vec<u8>) -> Response {
@@ -178,6 +322,7 @@ fn render(
             }
         }
         Format::Json => Json(render::json(&flamegraph.tree)).into_response(),
+        Format::Flat => Json(flat(flamegraph)).into_response(),
         Format::Folded => (
             [(header::CONTENT_TYPE, "text/plain; charset=utf-8")],
             render::folded(&flamegraph.tree),
@@ -202,6 +347,8 @@ fn render(
     })
 }
 
+/// `/flamegraph.svg`: the last 15 minutes of everything as one SVG, for a
+/// link or `curl` (the page at `/` is the web UI).
 async fn index(State(engine): State<QueryEngine>) -> Result<Response, ApiError> {
     let selection = SelectionText {
         since: Some("15m"),
@@ -213,7 +360,8 @@ async fn index(State(engine): State<QueryEngine>) -> Result<Response, ApiError> 
     render(
         &flamegraph,
         Format::Svg,
-        "stackscope: the last 15 minutes (see /api/v1/flamegraph for queries)".into(),
+        "stackscope: the last 15 minutes (see / for the web UI, /api/v1/flamegraph for queries)"
+            .into(),
         &selection,
     )
 }
@@ -329,4 +477,55 @@ async fn series(
         })).collect::<Vec<_>>(),
     }))
     .into_response())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn ui_files_are_revalidated_by_etag() {
+        let (path, content_type, body) = UI_FILES[0];
+        assert_eq!(path, "/");
+        let etag = format!("\"{:016x}\"", fnv1a(body.as_bytes()));
+        let first = ui_file(&HeaderMap::new(), content_type, body, &etag);
+        assert_eq!(first.status(), StatusCode::OK);
+        assert_eq!(first.headers()[header::CONTENT_TYPE], HTML);
+        assert_eq!(first.headers()[header::CACHE_CONTROL], "no-cache");
+        assert_eq!(first.headers()[header::ETAG], etag.as_str());
+
+        let mut again = HeaderMap::new();
+        again.insert(
+            header::IF_NONE_MATCH,
+            format!("\"other\", {etag}").parse().unwrap(),
+        );
+        let second = ui_file(&again, content_type, body, &etag);
+        assert_eq!(second.status(), StatusCode::NOT_MODIFIED);
+        assert_eq!(second.headers()[header::ETAG], etag.as_str());
+
+        again.insert(header::IF_NONE_MATCH, "\"stale\"".parse().unwrap());
+        assert_eq!(
+            ui_file(&again, content_type, body, &etag).status(),
+            StatusCode::OK
+        );
+    }
+
+    #[test]
+    fn every_ui_module_the_page_imports_is_served() {
+        let served: Vec<&str> = UI_FILES.iter().map(|&(path, _, _)| path).collect();
+        for &(_, _, body) in UI_FILES {
+            for import in body
+                .split("from \"./")
+                .skip(1)
+                .filter_map(|rest| rest.split('"').next())
+            {
+                let path = format!("/ui/{import}");
+                assert!(served.contains(&path.as_str()), "{path} is not served");
+            }
+        }
+        let page = UI_FILES[0].2;
+        for link in ["/ui/style.css", "/ui/app.js"] {
+            assert!(page.contains(link) && served.contains(&link), "{link}");
+        }
+    }
 }

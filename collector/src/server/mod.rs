@@ -247,8 +247,8 @@ pub async fn start(
             let bound = listener
                 .local_addr()
                 .map_err(|source| ServerError::Bind { addr, source })?;
-            // Queries and debug files need the query token; probes and
-            // metrics do not.
+            // Queries and debug files need the query token; probes,
+            // metrics and the web UI's files (which hold no data) do not.
             let mut app = http::router(engine);
             if let Some(debuginfo) = &config.debuginfo {
                 app = app.merge(debuginfo::debuginfod_router(Arc::clone(&debuginfo.store)));
@@ -258,6 +258,7 @@ pub async fn start(
                     query_token.clone(),
                     auth::require_http,
                 ))
+                .merge(http::ui_router())
                 .merge(stackscope_telemetry::router(
                     Arc::new(metrics.registry(Arc::clone(&storage))),
                     Arc::clone(&health),

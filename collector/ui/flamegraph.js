@@ -1,0 +1,573 @@
+// The call tree (from the API's `format=flat`) and its flamegraph, drawn on
+// a canvas: a fleet-wide tree has hundreds of thousands of nodes, which SVG
+// or DOM elements cannot hold, but only the frames wide enough to see are
+// drawn (siblings narrower than MIN_WIDTH pixels are merged into one
+// "small frames" block), so a redraw costs what is on screen, not what is in
+// the tree.
+
+/** Frames narrower than this (CSS pixels) are merged with their small siblings. */
+export const MIN_WIDTH = 2;
+const ROW = 18;
+const FONT = "12px ui-monospace, SFMono-Regular, Menlo, Consolas, monospace";
+
+/** A call tree in typed arrays; node 0 is the root, parents before children. */
+export class Tree {
+  /**
+   * parent, frame: Int32Array; total: Float64Array; frames: [{name, binary,
+   * file, line, inlined}]; base: Float64Array of the baseline's totals for a
+   * differential tree, else null.
+   */
+  constructor(parent, frame, total, frames, period, base = null, baseTotal = 0) {
+    const n = parent.length;
+    this.count = n;
+    this.parent = parent;
+    this.frame = frame;
+    this.total = total;
+    this.frames = frames;
+    this.period = period;
+    this.base = base;
+    this.baseTotal = baseTotal;
+    this.depth = new Int32Array(n);
+    this.self = Float64Array.from(total);
+    const childCount = new Int32Array(n);
+    let maxDepth = 0;
+    for (let i = 1; i < n; i++) {
+      const p = parent[i];
+      this.depth[i] = this.depth[p] + 1;
+      if (this.depth[i] > maxDepth) maxDepth = this.depth[i];
+      this.self[p] -= total[i];
+      childCount[p]++;
+    }
+    this.maxDepth = maxDepth;
+    this.childStart = new Int32Array(n + 1);
+    for (let i = 0; i < n; i++) this.childStart[i + 1] = this.childStart[i] + childCount[i];
+    this.childList = new Int32Array(Math.max(n - 1, 0));
+    const cursor = this.childStart.slice(0, n);
+    for (let i = 1; i < n; i++) this.childList[cursor[parent[i]]++] = i;
+  }
+
+  /** From the API's flat format: `nodes` as [parent, frame, total] triples. */
+  static fromFlat(flat) {
+    const n = flat.nodes.length / 3;
+    const parent = new Int32Array(n);
+    const frame = new Int32Array(n);
+    const total = new Float64Array(n);
+    const nodes = flat.nodes;
+    for (let i = 0, j = 0; i < n; i++, j += 3) {
+      parent[i] = nodes[j];
+      frame[i] = nodes[j + 1];
+      total[i] = nodes[j + 2];
+    }
+    return new Tree(parent, frame, total, flat.frames, flat.sample_period_nanos);
+  }
+
+  /**
+   * A differential tree: `current`'s shape and widths, each node with the
+   * weight the same path (function and binary per frame) had in `baseline`.
+   * Paths only the baseline has are kept with width 0.
+   */
+  static diff(current, baseline) {
+    const frames = [];
+    const frameIds = new Map();
+    const frameOf = (f) => {
+      const key = `${f.name}\u0000${f.binary}`;
+      let id = frameIds.get(key);
+      if (id === undefined) {
+        id = frames.length;
+        frames.push(f);
+        frameIds.set(key, id);
+      }
+      return id;
+    };
+    const parent = [0];
+    const frame = [frameOf(current.frames[current.frame[0]])];
+    const total = [current.total[0]];
+    const base = [baseline.total[0]];
+    const index = new Map();
+    const add = (tree, isBase) => {
+      const mapped = new Int32Array(tree.count);
+      for (let i = 1; i < tree.count; i++) {
+        const p = mapped[tree.parent[i]];
+        const f = frameOf(tree.frames[tree.frame[i]]);
+        const key = `${p}:${f}`;
+        let m = index.get(key);
+        if (m === undefined) {
+          m = parent.length;
+          index.set(key, m);
+          parent.push(p);
+          frame.push(f);
+          total.push(0);
+          base.push(0);
+        }
+        if (isBase) base[m] += tree.total[i];
+        else total[m] += tree.total[i];
+        mapped[i] = m;
+      }
+    };
+    add(current, false);
+    add(baseline, true);
+    return new Tree(
+      Int32Array.from(parent),
+      Int32Array.from(frame),
+      Float64Array.from(total),
+      frames,
+      current.period,
+      Float64Array.from(base),
+      baseline.total[0],
+    );
+  }
+
+  children(i) {
+    return this.childList.subarray(this.childStart[i], this.childStart[i + 1]);
+  }
+
+  name(i) {
+    return this.frames[this.frame[i]].name;
+  }
+
+  /** Function names from the root's child down to `i`. */
+  path(i) {
+    const names = [];
+    for (let at = i; at !== 0; at = this.parent[at]) names.push(this.name(at));
+    return names.reverse();
+  }
+
+  /** The node reached from the root through these function names, or -1. */
+  find(names) {
+    let at = 0;
+    for (const name of names) {
+      let next = -1;
+      for (const child of this.children(at)) {
+        if (this.name(child) === name && (next < 0 || this.total[child] > this.total[next])) next = child;
+      }
+      if (next < 0) return -1;
+      at = next;
+    }
+    return at;
+  }
+
+  /**
+   * Nodes whose frame `matches` (a predicate on frames): a mark per node and
+   * the weight they cover, each stack counted once (a match under a match
+   * adds nothing).
+   */
+  match(matches) {
+    const frameHit = new Uint8Array(this.frames.length);
+    let any = false;
+    this.frames.forEach((f, k) => {
+      if (matches(f)) {
+        frameHit[k] = 1;
+        any = true;
+      }
+    });
+    const hit = new Uint8Array(this.count);
+    const covered = new Uint8Array(this.count);
+    // Whether the subtree below a node holds a match (for merged blocks).
+    const below = new Uint8Array(this.count);
+    let weight = 0;
+    let count = 0;
+    if (!any) return { hit, below, weight, count };
+    for (let i = 1; i < this.count; i++) {
+      const p = this.parent[i];
+      if (frameHit[this.frame[i]]) {
+        hit[i] = 1;
+        count++;
+        if (!covered[p]) weight += this.total[i];
+        covered[i] = 1;
+      } else {
+        covered[i] = covered[p];
+      }
+    }
+    for (let i = this.count - 1; i > 0; i--) {
+      if (hit[i] || below[i]) below[this.parent[i]] = 1;
+    }
+    return { hit, below, weight, count };
+  }
+
+  /**
+   * Per function (name and binary): self weight, and total weight counting
+   * each stack once even when the function recurses.
+   */
+  functions() {
+    // One entry per (name, binary): frames that differ only in file or line
+    // are the same function here.
+    const stats = [];
+    const ids = new Map();
+    const statOf = Int32Array.from(this.frames, (f) => {
+      const key = `${f.name}\u0000${f.binary}`;
+      let id = ids.get(key);
+      if (id === undefined) {
+        id = stats.length;
+        ids.set(key, id);
+        stats.push({ name: f.name, binary: f.binary, self: 0, total: 0 });
+      }
+      return id;
+    });
+    // How often each function is on the path from the root to the node.
+    const onPath = new Int32Array(stats.length);
+    const path = new Int32Array(this.maxDepth + 1);
+    let length = 0;
+    for (let i = 1; i < this.count; i++) {
+      const d = this.depth[i];
+      while (length >= d) onPath[path[--length]]--;
+      const id = statOf[this.frame[i]];
+      const stat = stats[id];
+      stat.self += this.self[i];
+      if (onPath[id] === 0) stat.total += this.total[i];
+      onPath[id]++;
+      path[length++] = id;
+    }
+    return stats.filter((stat) => stat.total > 0);
+  }
+
+}
+
+// Colours by binary, so the kernel, JIT code and unknown frames stand out
+// from each other and from the binaries of the program.
+const KIND_COLORS = {
+  kernel: [26, 92, 56],
+  jit: [160, 55, 45],
+  unknown: [0, 0, 68],
+  vdso: [48, 80, 55],
+  group: [270, 45, 70],
+  synthetic: [210, 15, 80],
+};
+// Away from the kernel's orange and the JIT's green, so those stay apart.
+const USER_HUES = [200, 218, 236, 258, 280, 302, 324, 345, 60, 84];
+
+export function binaryKind(frame) {
+  const b = frame.binary;
+  if (b === "[kernel]") return "kernel";
+  if (b === "[jit]" || b === "[anonymous]") return "jit";
+  if (b === "[vdso]") return "vdso";
+  if (b === "[group]") return "group";
+  if (b === "" ) return "synthetic";
+  if (b === "[unknown]" || frame.name.startsWith("[unknown]")) return "unknown";
+  return "user";
+}
+
+function hash(text) {
+  let h = 2166136261;
+  for (let i = 0; i < text.length; i++) h = Math.imul(h ^ text.charCodeAt(i), 16777619);
+  return h >>> 0;
+}
+
+export function frameHsl(frame) {
+  const kind = binaryKind(frame);
+  if (kind !== "user") {
+    const [h, s, l] = KIND_COLORS[kind];
+    const jitter = kind === "unknown" || kind === "synthetic" ? 0 : (hash(frame.name) % 10) - 5;
+    return [h, s, l + jitter];
+  }
+  const hue = USER_HUES[hash(frame.binary) % USER_HUES.length];
+  return [hue, 62, 70 + (hash(frame.name) % 12) - 6];
+}
+
+export function binaryLegend(frame) {
+  const kind = binaryKind(frame);
+  return kind === "user" ? frame.binary : `[${kind}]`;
+}
+
+const hsl = ([h, s, l]) => `hsl(${h} ${s}% ${l}%)`;
+
+function diffColor(tree, i) {
+  const now = tree.total[0] ? tree.total[i] / tree.total[0] : 0;
+  const before = tree.baseTotal ? tree.base[i] / tree.baseTotal : 0;
+  const delta = now - before;
+  const intensity = Math.min(1, Math.abs(delta) / Math.max(now, before, 1e-12));
+  if (intensity < 0.02) return "hsl(0 0% 92%)";
+  const light = 92 - 42 * intensity;
+  return delta > 0 ? `hsl(0 80% ${light}%)` : `hsl(215 80% ${light}%)`;
+}
+
+const stripeCache = new Map();
+
+function stripes(ctx, hit) {
+  const key = hit ? "hit" : "plain";
+  if (!stripeCache.has(key)) {
+    const tile = document.createElement("canvas");
+    tile.width = tile.height = 6;
+    const t = tile.getContext("2d");
+    t.fillStyle = hit ? "hsl(292 70% 82%)" : "hsl(0 0% 90%)";
+    t.fillRect(0, 0, 6, 6);
+    t.strokeStyle = hit ? "hsl(292 80% 55%)" : "hsl(0 0% 72%)";
+    t.beginPath();
+    t.moveTo(0, 6);
+    t.lineTo(6, 0);
+    t.stroke();
+    stripeCache.set(key, ctx.createPattern(tile, "repeat"));
+  }
+  return stripeCache.get(key);
+}
+
+/** The interactive flamegraph on `canvas`. */
+export class Flamegraph {
+  constructor(canvas, tooltip, { onZoom, onSelect } = {}) {
+    this.canvas = canvas;
+    this.tooltip = tooltip;
+    this.onZoom = onZoom || (() => {});
+    this.onSelect = onSelect || (() => {});
+    this.tree = null;
+    this.zoom = 0;
+    this.icicle = false;
+    this.search = null;
+    this.highlight = null;
+    this.rects = [];
+    this.hover = -1;
+    this.colors = null;
+    canvas.addEventListener("mousemove", (e) => this.onMove(e));
+    canvas.addEventListener("mouseleave", () => this.hideTooltip());
+    canvas.addEventListener("click", (e) => this.onClick(e));
+    new ResizeObserver(() => this.tree && this.draw()).observe(canvas.parentElement);
+  }
+
+  setTree(tree) {
+    this.tree = tree;
+    this.zoom = 0;
+    this.colors = tree.frames.map((f) => hsl(frameHsl(f)));
+    this.dim = tree.frames.map((f) => {
+      const [h, , l] = frameHsl(f);
+      return `hsl(${h} 12% ${Math.min(90, l + 22)}%)`;
+    });
+    this.search = null;
+    this.highlight = null;
+  }
+
+  setZoom(node) {
+    this.zoom = node;
+    this.draw();
+    this.onZoom(node);
+  }
+
+  setIcicle(icicle) {
+    this.icicle = icicle;
+    if (this.tree) this.draw();
+  }
+
+  /** `matcher`: a predicate on frames, or null; returns the match report. */
+  setSearch(matcher) {
+    this.search = matcher && this.tree ? this.tree.match(matcher) : null;
+    if (this.tree) this.draw();
+    return this.search;
+  }
+
+  /** Outlines every node of this function (name), or none. */
+  setHighlight(name) {
+    this.highlight = name && this.tree ? this.tree.match((f) => f.name === name) : null;
+    if (this.tree) this.draw();
+    return this.highlight;
+  }
+
+  /** Lays out what is visible: one rect per drawn frame, merged blocks too. */
+  layout(width) {
+    const t = this.tree;
+    const rects = [];
+    // The zoomed node's ancestors, full width: the way back out.
+    if (this.zoom !== 0) {
+      const chain = [];
+      for (let a = t.parent[this.zoom]; ; a = t.parent[a]) {
+        chain.push(a);
+        if (a === 0) break;
+      }
+      for (const n of chain.reverse()) rects.push({ node: n, x: 0, w: width, depth: t.depth[n] });
+    }
+    const scale = t.total[this.zoom] > 0 ? width / t.total[this.zoom] : 0;
+    const search = this.search;
+    const stack = [this.zoom, 0];
+    while (stack.length) {
+      const x = stack.pop();
+      const i = stack.pop();
+      const w = t.total[i] * scale;
+      rects.push({ node: i, x, w, depth: t.depth[i] });
+      let cx = x;
+      let merged = 0;
+      let mergedCount = 0;
+      let mergedHit = false;
+      let mergedWeight = 0;
+      for (const c of t.children(i)) {
+        const cw = t.total[c] * scale;
+        if (cw >= MIN_WIDTH) {
+          stack.push(c, cx);
+          cx += cw;
+        } else if (cw > 0) {
+          merged += cw;
+          mergedWeight += t.total[c];
+          mergedCount++;
+          if (search && (search.hit[c] || search.below[c])) mergedHit = true;
+        }
+      }
+      if (merged >= 1) {
+        rects.push({ node: -1, parent: i, x: cx, w: merged, depth: t.depth[i] + 1, count: mergedCount, weight: mergedWeight, hit: mergedHit });
+      }
+    }
+    return rects;
+  }
+
+  draw() {
+    const t = this.tree;
+    if (!t) return;
+    const started = performance.now();
+    const canvas = this.canvas;
+    const width = canvas.parentElement.clientWidth || 800;
+    const rects = this.layout(width);
+    let rows = 1;
+    for (const r of rects) rows = Math.max(rows, r.depth + 1);
+    const height = rows * ROW;
+    const ratio = window.devicePixelRatio || 1;
+    canvas.width = Math.round(width * ratio);
+    canvas.height = Math.round(Math.min(height, 32000 / ratio) * ratio);
+    canvas.style.width = `${width}px`;
+    canvas.style.height = `${height}px`;
+    const ctx = canvas.getContext("2d");
+    ctx.setTransform(ratio, 0, 0, ratio, 0, 0);
+    ctx.clearRect(0, 0, width, height);
+    ctx.font = FONT;
+    ctx.textBaseline = "middle";
+    const charWidth = ctx.measureText("mmmmmmmmmm").width / 10;
+    const search = this.search;
+    const highlight = this.highlight;
+    for (const r of rects) {
+      r.y = this.icicle ? r.depth * ROW : height - (r.depth + 1) * ROW;
+      if (r.node < 0) {
+        // Merged small frames: striped, magenta when a match hides in them.
+        r.fill = r.hit ? "merged-match" : "merged";
+        ctx.fillStyle = stripes(ctx, r.hit);
+        ctx.fillRect(r.x, r.y, Math.max(r.w - 0.5, 0.5), ROW - 1);
+        continue;
+      }
+      const f = t.frame[r.node];
+      let color;
+      if (t.base) color = diffColor(t, r.node);
+      else if (!search) color = this.colors[f];
+      else color = search.hit[r.node] ? "hsl(292 80% 62%)" : this.dim[f];
+      r.fill = color;
+      ctx.fillStyle = color;
+      ctx.fillRect(r.x, r.y, Math.max(r.w - 0.5, 0.5), ROW - 1);
+      if (highlight && highlight.hit[r.node]) {
+        ctx.strokeStyle = "#111";
+        ctx.lineWidth = 2;
+        ctx.strokeRect(r.x + 1, r.y + 1, Math.max(r.w - 2.5, 0.5), ROW - 3);
+      }
+      if (r.w > charWidth * 3 + 6) {
+        const name = t.frames[f].name;
+        const fits = Math.floor((r.w - 6) / charWidth);
+        ctx.fillStyle = "#1a1a1a";
+        ctx.fillText(name.length <= fits ? name : `${name.slice(0, fits - 1)}…`, r.x + 3, r.y + ROW / 2);
+      }
+    }
+    this.rects = rects;
+    this.lastDrawMs = performance.now() - started;
+    this.lastHeight = height;
+  }
+
+  rectAt(event) {
+    const box = this.canvas.getBoundingClientRect();
+    const x = event.clientX - box.left;
+    const y = event.clientY - box.top;
+    for (let k = this.rects.length - 1; k >= 0; k--) {
+      const r = this.rects[k];
+      if (y >= r.y && y < r.y + ROW && x >= r.x && x < r.x + r.w) return r;
+    }
+    return null;
+  }
+
+  onClick(event) {
+    const r = this.rectAt(event);
+    if (!r) return;
+    this.setZoom(r.node < 0 ? r.parent : r.node);
+  }
+
+  onMove(event) {
+    const r = this.rectAt(event);
+    if (!r) return this.hideTooltip();
+    const t = this.tree;
+    const tip = this.tooltip;
+    const pct = (w, of) => (of > 0 ? `${((100 * w) / of).toFixed(2)}%` : "–");
+    const lines = [];
+    if (r.node < 0) {
+      lines.push([`${r.count} small frames, merged`, ""]);
+      lines.push(["total", `${weight(r.weight, t.period)}  ${pct(r.weight, t.total[0])} of all`]);
+      lines.push(["", `each narrower than ${MIN_WIDTH}px here: click to zoom into their caller`]);
+    } else {
+      const f = t.frames[t.frame[r.node]];
+      const all = t.total[0];
+      const zoomTotal = t.total[this.zoom];
+      lines.push([f.name, ""]);
+      lines.push(["binary", `${f.binary || "–"}${f.file ? `  ${f.file}:${f.line}` : ""}${f.inlined ? " (inlined)" : ""}`]);
+      lines.push(["total", `${weight(t.total[r.node], t.period)}  ${pct(t.total[r.node], all)} of all${this.zoom ? `, ${pct(t.total[r.node], zoomTotal)} of zoom` : ""}`]);
+      lines.push(["self", `${weight(t.self[r.node], t.period)}  ${pct(t.self[r.node], all)} of all`]);
+      if (t.base) {
+        lines.push(["baseline", `${weight(t.base[r.node], t.period)}  ${pct(t.base[r.node], t.baseTotal)} of baseline`]);
+      }
+    }
+    tip.replaceChildren(
+      ...lines.map(([k, v], n) => {
+        const line = document.createElement("div");
+        if (n === 0) {
+          line.className = "tip-title";
+          line.textContent = k;
+        } else {
+          const key = document.createElement("span");
+          key.className = "tip-key";
+          key.textContent = k;
+          line.append(key, ` ${v}`);
+        }
+        return line;
+      }),
+    );
+    tip.hidden = false;
+    const box = this.canvas.parentElement.getBoundingClientRect();
+    const left = Math.min(event.clientX - box.left + 14, box.width - tip.offsetWidth - 4);
+    tip.style.left = `${Math.max(0, left)}px`;
+    tip.style.top = `${event.clientY - box.top + 16}px`;
+  }
+
+  hideTooltip() {
+    this.tooltip.hidden = true;
+  }
+
+  /** The visible frames as an SVG document (what is on screen). */
+  toSvg(title) {
+    const t = this.tree;
+    const width = this.canvas.parentElement.clientWidth || 800;
+    const height = this.lastHeight || ROW;
+    const esc = (s) => s.replace(/[&<>"]/g, (c) => ({ "&": "&amp;", "<": "&lt;", ">": "&gt;", '"': "&quot;" })[c]);
+    const out = [
+      `<svg xmlns="http://www.w3.org/2000/svg" width="${width}" height="${height + 24}" font-family="monospace" font-size="12">`,
+      `<text x="4" y="16">${esc(title)}</text>`,
+      `<g transform="translate(0,24)">`,
+    ];
+    const ctx = this.canvas.getContext("2d");
+    ctx.font = FONT;
+    const charWidth = ctx.measureText("mmmmmmmmmm").width / 10;
+    for (const r of this.rects) {
+      const w = Math.max(r.w - 0.5, 0.5).toFixed(2);
+      if (r.node < 0) {
+        out.push(`<rect x="${r.x.toFixed(2)}" y="${r.y}" width="${w}" height="${ROW - 1}" fill="#e0e0e0"><title>${r.count} small frames</title></rect>`);
+        continue;
+      }
+      const f = t.frames[t.frame[r.node]];
+      const fill = t.base ? diffColor(t, r.node) : hsl(frameHsl(f));
+      const share = t.total[0] ? ((100 * t.total[r.node]) / t.total[0]).toFixed(2) : "0";
+      out.push(`<g><title>${esc(f.name)} (${esc(f.binary)}): ${t.total[r.node]} samples, ${share}%</title>`);
+      out.push(`<rect x="${r.x.toFixed(2)}" y="${r.y}" width="${w}" height="${ROW - 1}" fill="${fill}"/>`);
+      if (r.w > charWidth * 3 + 6) {
+        const fits = Math.floor((r.w - 6) / charWidth);
+        const name = f.name.length <= fits ? f.name : `${f.name.slice(0, fits - 1)}…`;
+        out.push(`<text x="${(r.x + 3).toFixed(2)}" y="${r.y + 13}">${esc(name)}</text>`);
+      }
+      out.push("</g>");
+    }
+    out.push("</g></svg>");
+    return out.join("\n");
+  }
+}
+
+/** A weight as samples, and as CPU time when the sample period is known. */
+export function weight(w, periodNanos) {
+  const samples = `${Math.round(w).toLocaleString("en-US")} samples`;
+  if (!periodNanos) return samples;
+  const seconds = (w * periodNanos) / 1e9;
+  const time = seconds >= 100 ? `${Math.round(seconds).toLocaleString("en-US")} s` : seconds >= 1 ? `${seconds.toFixed(2)} s` : `${(seconds * 1000).toFixed(1)} ms`;
+  return `${samples} (${time} CPU)`;
+}

@@ -1,0 +1,1231 @@
+//! The web UI in a real browser: headless Chromium (Debian's `chromium`,
+//! driven through `chromedriver` over WebDriver) against a real
+//! `stackscope-collector` on 127.0.0.1, with known stacks pushed over gRPC.
+//!
+//! The page reports what it drew through `window.stackscope` (the drawn
+//! root, the zoom path, the search share, the names of the frames on the
+//! canvas, timings), so nothing here reads canvas pixels. Clicks and drags
+//! are real WebDriver pointer actions. Screenshots of each state go to
+//! `target/ui-screenshots/`.
+//!
+//! No root, BPF or agent needed; `cargo xtask setup` installs the browser.
+
+use std::{
+    collections::HashMap,
+    path::PathBuf,
+    process::{Child, Command, Stdio},
+    time::{Duration, Instant, SystemTime},
+};
+
+use fantoccini::{
+    Client, ClientBuilder, Locator,
+    actions::{InputSource, MOUSE_BUTTON_LEFT, MouseActions, PointerAction},
+};
+use hyper_util::client::legacy::connect::HttpConnector;
+use serde_json::{Value, json};
+use stackscope_profile::model::unix_nanos;
+use stackscope_proto::v1::{
+    self, Batch, Label, LabelSet, Line, Location, Mapping, MappingKind, PushRequest, Sample, Stack,
+    ingest_client::IngestClient,
+};
+use stackscope_tests::{Collector, free_port};
+
+const CHROMIUM: &str = "/usr/bin/chromium";
+const CHROMEDRIVER: &str = "/usr/bin/chromedriver";
+
+/// `chromedriver` in its own process group, with its own temporary
+/// directory (Chromium's profile and anything else either writes), all
+/// removed on drop.
+struct Chromedriver {
+    child: Child,
+    port: u16,
+    dir: tempfile::TempDir,
+}
+
+impl Chromedriver {
+    fn start() -> Self {
+        for (path, what) in [(CHROMIUM, "chromium"), (CHROMEDRIVER, "chromium-driver")] {
+            assert!(
+                std::path::Path::new(path).exists(),
+                "{path} is missing: the UI test needs Debian's {what} package \
+                 (`cargo xtask setup` installs it, or `apt-get install -y chromium chromium-driver`)"
+            );
+        }
+        let dir = tempfile::tempdir().expect("a temporary directory for the browser");
+        let port = free_port();
+        let child = std::os::unix::process::CommandExt::process_group(
+            Command::new(CHROMEDRIVER)
+                .arg(format!("--port={port}"))
+                .env("TMPDIR", dir.path())
+                .env("HOME", dir.path())
+                .stdout(Stdio::null())
+                .stderr(Stdio::null()),
+            0,
+        )
+        .spawn()
+        .expect("starting chromedriver");
+        let driver = Self { child, port, dir };
+        let deadline = Instant::now() + Duration::from_secs(20);
+        while !ready(port) {
+            assert!(
+                Instant::now() < deadline,
+                "chromedriver did not answer on port {port}"
+            );
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        driver
+    }
+
+    async fn browser(&self) -> Client {
+        let profile = self.dir.path().join("profile");
+        let capabilities = json!({
+            "browserName": "chrome",
+            "goog:chromeOptions": {
+                "binary": CHROMIUM,
+                "args": [
+                    "--headless=new", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage",
+                    "--no-first-run", "--no-default-browser-check", "--disable-extensions",
+                    "--window-size=1400,1000",
+                    format!("--user-data-dir={}", profile.display()),
+                    format!("--crash-dumps-dir={}", self.dir.path().display()),
+                ],
+            },
+        });
+        let Value::Object(capabilities) = capabilities else {
+            unreachable!()
+        };
+        ClientBuilder::new(HttpConnector::new())
+            .capabilities(capabilities)
+            .connect(&format!("http://127.0.0.1:{}", self.port))
+            .await
+            .expect("a Chromium session from chromedriver")
+    }
+}
+
+/// Whether chromedriver answers `/status` with `"ready":true` (HTTP/1.1
+/// with `Connection: close`: it keeps HTTP/1.0 connections open).
+fn ready(port: u16) -> bool {
+    use std::io::{Read as _, Write as _};
+    let Ok(mut stream) = std::net::TcpStream::connect(("127.0.0.1", port)) else {
+        return false;
+    };
+    let _ = stream.set_read_timeout(Some(Duration::from_secs(2)));
+    let request =
+        format!("GET /status HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\nConnection: close\r\n\r\n");
+    if stream.write_all(request.as_bytes()).is_err() {
+        return false;
+    }
+    let mut response = String::new();
+    let _ = stream.read_to_string(&mut response);
+    response.contains("\"ready\":true")
+}
+
+impl Drop for Chromedriver {
+    fn drop(&mut self) {
+        // The whole group: chromedriver and every Chromium process it started.
+        let group = self.child.id() as i32;
+        // SAFETY: kill has no memory-safety preconditions.
+        unsafe { libc::kill(-group, libc::SIGTERM) };
+        let deadline = Instant::now() + Duration::from_secs(5);
+        while self.child.try_wait().ok().flatten().is_none() && Instant::now() < deadline {
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        // SAFETY: as above; stragglers of the group (renderers) go too.
+        unsafe { libc::kill(-group, libc::SIGKILL) };
+        let _ = self.child.wait();
+    }
+}
+
+/// Builds a wire batch from root-first stacks of (binary, function) frames.
+struct BatchBuilder {
+    batch: Batch,
+    strings: HashMap<String, u32>,
+    mappings: HashMap<String, u32>,
+    locations: HashMap<(String, String), u32>,
+    label_sets: HashMap<Vec<(String, String)>, u32>,
+}
+
+impl BatchBuilder {
+    /// A 10 s interval ending `ago` before now, from `node`.
+    fn new(id: u8, node: &str, ago: Duration) -> Self {
+        let end = unix_nanos(SystemTime::now() - ago);
+        let mut builder = Self {
+            batch: Batch {
+                batch_id: vec![id; 16],
+                start_unix_nanos: end - 10_000_000_000,
+                end_unix_nanos: end,
+                sample_period_nanos: 10_000_000,
+                strings: vec![String::new()],
+                ..Batch::default()
+            },
+            strings: HashMap::from([(String::new(), 0)]),
+            mappings: HashMap::new(),
+            locations: HashMap::new(),
+            label_sets: HashMap::new(),
+        };
+        let name = builder.s(node);
+        let agent_version = builder.s("0.1.0");
+        builder.batch.node = Some(v1::Node {
+            name,
+            agent_version,
+        });
+        builder
+    }
+
+    fn s(&mut self, text: &str) -> u32 {
+        if let Some(&index) = self.strings.get(text) {
+            return index;
+        }
+        let index = self.batch.strings.len() as u32;
+        self.batch.strings.push(text.to_owned());
+        self.strings.insert(text.to_owned(), index);
+        index
+    }
+
+    /// `[kernel]` and `[jit]` map to the kernel and anonymous (JIT)
+    /// mappings; anything else is a file path.
+    fn mapping(&mut self, binary: &str) -> u32 {
+        if let Some(&index) = self.mappings.get(binary) {
+            return index;
+        }
+        let (kind, path) = match binary {
+            "[kernel]" => (MappingKind::Kernel, "[kernel.kallsyms]"),
+            "[jit]" => (MappingKind::Anonymous, "[jit]"),
+            path => (MappingKind::User, path),
+        };
+        let path = self.s(path);
+        let index = self.batch.mappings.len() as u32;
+        self.batch.mappings.push(Mapping {
+            kind: kind as i32,
+            build_id: 0,
+            path,
+            load_segments: Vec::new(),
+        });
+        self.mappings.insert(binary.to_owned(), index);
+        index
+    }
+
+    /// A function of `binary`; an empty name is an unnamed location.
+    fn location(&mut self, binary: &str, function: &str) -> u32 {
+        let key = (binary.to_owned(), function.to_owned());
+        if let Some(&index) = self.locations.get(&key) {
+            return index;
+        }
+        let mapping = self.mapping(binary);
+        let lines = if function.is_empty() {
+            Vec::new()
+        } else {
+            vec![Line {
+                function: self.s(function),
+                file: self.s("src.c"),
+                line: 1,
+            }]
+        };
+        let index = self.batch.locations.len() as u32;
+        self.batch.locations.push(Location {
+            mapping,
+            address: 0x1000 + 0x10 * u64::from(index),
+            lines,
+        });
+        self.locations.insert(key, index);
+        index
+    }
+
+    fn sample(&mut self, labels: &[(&str, &str)], frames: &[(&str, &str)], count: u64) {
+        let mut locations: Vec<u32> = frames
+            .iter()
+            .map(|(binary, function)| self.location(binary, function))
+            .collect();
+        locations.reverse();
+        let stack = self.batch.stacks.len() as u32;
+        self.batch.stacks.push(Stack { locations });
+        let key: Vec<(String, String)> = labels
+            .iter()
+            .map(|(n, v)| (n.to_string(), v.to_string()))
+            .collect();
+        let label_set = match self.label_sets.get(&key) {
+            Some(&index) => index,
+            None => {
+                let labels = labels
+                    .iter()
+                    .map(|(n, v)| Label {
+                        name: self.s(n),
+                        value: self.s(v),
+                    })
+                    .collect();
+                let index = self.batch.label_sets.len() as u32;
+                self.batch.label_sets.push(LabelSet { labels });
+                self.label_sets.insert(key, index);
+                index
+            }
+        };
+        self.batch.samples.push(Sample {
+            stack,
+            label_set,
+            count,
+            sampling_divisor: 0,
+        });
+    }
+}
+
+const REDIS: &[(&str, &str)] = &[
+    ("comm", "redis"),
+    ("container_name", "cache"),
+    ("pod", "cache-0"),
+];
+const NGINX: &[(&str, &str)] = &[
+    ("comm", "nginx"),
+    ("container_name", "web"),
+    ("pod", "web-1"),
+];
+
+/// The known data. node-a runs redis: `main > serve > hash_lookup` 600
+/// (the hottest function), `main > serve > sys_read > copy_user` in the
+/// kernel 200, `main > serve > js_handler` (JIT) 100. node-b runs nginx:
+/// `ngx_main > accept_loop > parse_request` 300 and an unnamed frame 50.
+/// All of it 2 minutes ago; 80 minutes ago redis spent only 100 in
+/// hash_lookup (the regression the compare view shows).
+fn known_batches() -> Vec<Batch> {
+    let redis = "/usr/bin/redis-server";
+    let nginx = "/usr/sbin/nginx";
+    let mut a = BatchBuilder::new(1, "node-a", Duration::from_secs(120));
+    a.sample(
+        REDIS,
+        &[(redis, "main"), (redis, "serve"), (redis, "hash_lookup")],
+        600,
+    );
+    a.sample(
+        REDIS,
+        &[
+            (redis, "main"),
+            (redis, "serve"),
+            ("[kernel]", "sys_read"),
+            ("[kernel]", "copy_user"),
+        ],
+        200,
+    );
+    a.sample(
+        REDIS,
+        &[(redis, "main"), (redis, "serve"), ("[jit]", "js_handler")],
+        100,
+    );
+    let mut b = BatchBuilder::new(2, "node-b", Duration::from_secs(120));
+    b.sample(
+        NGINX,
+        &[
+            (nginx, "ngx_main"),
+            (nginx, "accept_loop"),
+            (nginx, "parse_request"),
+        ],
+        300,
+    );
+    b.sample(
+        NGINX,
+        &[
+            (nginx, "ngx_main"),
+            (nginx, "accept_loop"),
+            ("/usr/lib/libfoo.so", ""),
+        ],
+        50,
+    );
+    let mut before = BatchBuilder::new(3, "node-a", Duration::from_secs(80 * 60));
+    before.sample(
+        REDIS,
+        &[(redis, "main"), (redis, "serve"), (redis, "hash_lookup")],
+        100,
+    );
+    before.sample(
+        REDIS,
+        &[
+            (redis, "main"),
+            (redis, "serve"),
+            ("[kernel]", "sys_read"),
+            ("[kernel]", "copy_user"),
+        ],
+        400,
+    );
+    vec![a.batch, b.batch, before.batch]
+}
+
+/// A tree of 221,051 nodes: 50 × 20 × 20 × 10 distinct four-frame stacks.
+fn big_batch() -> Batch {
+    let app = "/usr/bin/fleet-app";
+    let mut big = BatchBuilder::new(9, "node-big", Duration::from_secs(120));
+    let names: Vec<Vec<String>> = [(1, 50), (2, 20), (3, 20), (4, 10)]
+        .iter()
+        .map(|&(level, n)| (0..n).map(|k| format!("level{level}_fn{k}")).collect())
+        .collect();
+    let labels = [("comm", "fleet")];
+    let mut seed = 1u64;
+    for a in &names[0] {
+        for b in &names[1] {
+            for c in &names[2] {
+                for d in &names[3] {
+                    seed = seed
+                        .wrapping_mul(6_364_136_223_846_793_005)
+                        .wrapping_add(1_442_695_040_888_963_407);
+                    let count = 1 + (seed >> 60);
+                    big.sample(&labels, &[(app, a), (app, b), (app, c), (app, d)], count);
+                }
+            }
+        }
+    }
+    big.batch
+}
+
+async fn push(collector: &Collector, batch: Batch) {
+    let mut client = IngestClient::connect(collector.grpc.clone())
+        .await
+        .expect("connecting to the collector over gRPC");
+    client
+        .push(PushRequest { batch: Some(batch) })
+        .await
+        .expect("the collector takes the batch");
+}
+
+/// Where screenshots go: `target/ui-screenshots/`.
+fn screenshot_dir() -> PathBuf {
+    let dir = PathBuf::from(env!("CARGO_TARGET_TMPDIR"))
+        .parent()
+        .expect("target/tmp has a parent")
+        .join("ui-screenshots");
+    std::fs::create_dir_all(&dir).expect("creating target/ui-screenshots");
+    dir
+}
+
+async fn screenshot(browser: &Client, name: &str) {
+    let png = browser.screenshot().await.expect("a screenshot");
+    let path = screenshot_dir().join(format!("{name}.png"));
+    std::fs::write(&path, png).expect("writing a screenshot");
+    eprintln!("screenshot: {}", path.display());
+}
+
+/// `window.stackscope`, the page's report of what it shows.
+async fn hook(browser: &Client) -> Value {
+    browser
+        .execute(
+            "const h = window.stackscope; if (!h) return null; \
+             return Object.assign({}, h, {drawnNames: h.state === 'ready' ? h.drawnNames() : []});",
+            vec![],
+        )
+        .await
+        .expect("reading window.stackscope")
+}
+
+/// Waits until the page has finished its `loads`-th load (or a later one)
+/// and returns its report; fails on an error state.
+async fn settled(browser: &Client, loads: u64) -> Value {
+    let report = finished(browser, loads).await;
+    assert_ne!(
+        report["state"], "error",
+        "the page shows an error: {}",
+        report["error"]
+    );
+    report
+}
+
+/// [`settled`], error states included.
+async fn finished(browser: &Client, loads: u64) -> Value {
+    let deadline = Instant::now() + Duration::from_secs(60);
+    loop {
+        let report = hook(browser).await;
+        let state = report["state"].as_str().unwrap_or("");
+        if report["loads"].as_u64().unwrap_or(0) >= loads && state != "loading" {
+            return report;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "the page did not finish loading: {report}"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+fn loads(report: &Value) -> u64 {
+    report["loads"].as_u64().unwrap_or(0)
+}
+
+fn names(report: &Value) -> Vec<String> {
+    let mut names: Vec<String> = report["drawnNames"]
+        .as_array()
+        .expect("drawnNames")
+        .iter()
+        .map(|n| n.as_str().unwrap_or_default().to_owned())
+        .collect();
+    names.sort();
+    names
+}
+
+/// The center of the first drawn frame named `name`, in viewport pixels
+/// (scrolled into view first).
+async fn frame_center(browser: &Client, name: &str) -> (f64, f64) {
+    let point = browser
+        .execute(
+            "const [name] = arguments; const r = window.stackscope.frameBox(name); return r;",
+            vec![json!(name)],
+        )
+        .await
+        .expect("frameBox");
+    assert!(point.is_object(), "no frame named {name} is drawn");
+    (
+        point["x"].as_f64().expect("x"),
+        point["y"].as_f64().expect("y"),
+    )
+}
+
+async fn click_at(browser: &Client, (x, y): (f64, f64)) {
+    let mouse = MouseActions::new("mouse".into())
+        .then(PointerAction::MoveTo {
+            duration: None,
+            x,
+            y,
+        })
+        .then(PointerAction::Down {
+            button: MOUSE_BUTTON_LEFT,
+        })
+        .then(PointerAction::Up {
+            button: MOUSE_BUTTON_LEFT,
+        });
+    browser
+        .perform_actions(mouse)
+        .await
+        .expect("a real mouse click");
+}
+
+async fn text_of(browser: &Client, css: &str) -> String {
+    browser
+        .find(Locator::Css(css))
+        .await
+        .unwrap_or_else(|err| panic!("{css}: {err}"))
+        .text()
+        .await
+        .expect("element text")
+}
+
+async fn wait_for_text(browser: &Client, css: &str, expected: &str) -> String {
+    let deadline = Instant::now() + Duration::from_secs(20);
+    loop {
+        let text = text_of(browser, css).await;
+        if text.contains(expected) {
+            return text;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "{css} never showed {expected:?}; it shows {text:?}"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+#[tokio::test(flavor = "current_thread")]
+async fn the_web_ui_in_headless_chromium() {
+    // Only this run's screenshots.
+    let _ = std::fs::remove_dir_all(screenshot_dir());
+    let data = tempfile::tempdir().expect("a temporary directory");
+    let collector = Collector::start(&data.path().join("known"));
+    for batch in known_batches() {
+        push(&collector, batch).await;
+    }
+    let big = Collector::start(&data.path().join("big"));
+    push(&big, big_batch()).await;
+    let token = data.path().join("query-token");
+    std::fs::write(&token, "r3ader\n").expect("writing the query token");
+    let guarded = Collector::start_with(
+        &data.path().join("guarded"),
+        &["--query-token-file", token.to_str().expect("a UTF-8 path")],
+    );
+    push(&guarded, known_batches().remove(0)).await;
+
+    // Dropped (chromedriver's process group killed, its directory removed)
+    // when the test ends, passed or failed.
+    let driver = Chromedriver::start();
+    let browser = driver.browser().await;
+    scenarios(&browser, &collector, &big, &guarded).await;
+
+    // The collector goes away under an open page: the next query says so.
+    browser
+        .goto(&format!("{}/", collector.http))
+        .await
+        .expect("a WebDriver command");
+    let report = settled(&browser, 1).await;
+    collector.stop();
+    browser
+        .find(Locator::Css("#query-form button"))
+        .await
+        .expect("the Run button")
+        .click()
+        .await
+        .expect("a WebDriver command");
+    let report = finished(&browser, loads(&report) + 1).await;
+    assert_eq!(report["state"], "error");
+    let status = text_of(&browser, "#status").await;
+    assert!(status.contains("unreachable"), "{status}");
+    screenshot(&browser, "14-collector-unreachable").await;
+
+    browser.close().await.expect("closing the browser session");
+    drop(driver);
+    big.stop();
+    guarded.stop();
+}
+
+/// Every scenario in one browser session (one chromedriver per test binary).
+async fn scenarios(browser: &Client, collector: &Collector, big: &Collector, guarded: &Collector) {
+    token(browser, guarded).await;
+    let page = format!("{}/", collector.http);
+    modules(browser, &page).await;
+    selection(browser, &page).await;
+    zoom_search_top_and_link(browser, &page).await;
+    group_by_and_no_data(browser, &page).await;
+    compare_and_timeline(browser, &page).await;
+    big_tree(browser, big).await;
+}
+
+/// The page's pure functions, imported in the browser: matcher editing,
+/// and the tree's per-function weights and search share with recursion
+/// (a stack counted once however often a function is on it).
+async fn modules(browser: &Client, page: &str) {
+    browser.goto(page).await.expect("a WebDriver command");
+    let answers = browser
+        .execute(
+            r#"return Promise.all([import('/ui/query.js'), import('/ui/flamegraph.js')])
+               .then(([q, f]) => {
+                 const tree = f.Tree.fromFlat({
+                   total: 10, sample_period_nanos: 0,
+                   frames: [{name: 'all', binary: ''}, {name: 'a', binary: 'x'}, {name: 'b', binary: 'x'}],
+                   nodes: [0, 0, 10, 0, 1, 10, 1, 1, 8, 2, 2, 5],
+                 });
+                 const a = tree.match(fr => fr.name === 'a');
+                 return {
+                   split: q.splitMatchers('comm="a,b", exe=~".*/x"'),
+                   removed: q.setMatcher('comm="a",node="b"', 'node', ''),
+                   replaced: q.setMatcher('comm="a",node=~"b.*"', 'node', 'c'),
+                   quoted: q.setMatcher('', 'pod', 'we"b'),
+                   value: q.matcherValue('pod="we\\"b"', 'pod'),
+                   functions: tree.functions().map(s => [s.name, s.self, s.total]),
+                   search: [a.count, a.weight],
+                 };
+               });"#,
+            vec![],
+        )
+        .await
+        .expect("importing the page's modules");
+    assert_eq!(
+        answers,
+        json!({
+            "split": [r#"comm="a,b""#, r#"exe=~".*/x""#],
+            "removed": r#"comm="a""#,
+            "replaced": r#"comm="a",node="c""#,
+            "quoted": r#"pod="we\"b""#,
+            "value": r#"we"b"#,
+            "functions": [["a", 5, 10], ["b", 5, 5]],
+            "search": [2, 10],
+        })
+    );
+}
+
+async fn token(browser: &Client, guarded: &Collector) {
+    // A collector that wants a query token: the page says so, takes the
+    // token, sends it, and keeps it.
+    browser
+        .goto(&format!("{}/", guarded.http))
+        .await
+        .expect("a WebDriver command");
+    let report = finished(browser, 1).await;
+    assert_eq!(report["state"], "error");
+    let status = text_of(browser, "#status").await;
+    assert!(status.contains("query token"), "{status}");
+    screenshot(browser, "00-token-asked").await;
+    let field = browser
+        .find(Locator::Css("#token"))
+        .await
+        .expect("the token field is shown");
+    field
+        .send_keys("r3ader\u{E007}")
+        .await
+        .expect("typing the token");
+    let report = settled(browser, loads(&report) + 1).await;
+    assert!(names(&report).contains(&"hash_lookup".to_owned()));
+    browser.refresh().await.expect("a WebDriver command");
+    let report = settled(browser, 1).await;
+    assert_eq!(report["state"], "ready", "the token is kept across loads");
+    browser
+        .execute("localStorage.clear();", vec![])
+        .await
+        .expect("a WebDriver command");
+}
+
+async fn selection(browser: &Client, page: &str) {
+    // Everything in the last hour: both nodes.
+    browser.goto(page).await.expect("a WebDriver command");
+    let report = settled(browser, 1).await;
+    assert_eq!(report["root"], "all");
+    let drawn = names(&report);
+    for expected in [
+        "main",
+        "ngx_main",
+        "hash_lookup",
+        "parse_request",
+        "copy_user",
+    ] {
+        assert!(
+            drawn.contains(&expected.to_owned()),
+            "{expected} not drawn: {drawn:?}"
+        );
+    }
+    // The top table's first row is the hottest function (by self weight).
+    assert_eq!(report["topFirst"], "hash_lookup");
+    assert_eq!(
+        text_of(browser, "#top tbody tr:first-child td:first-child").await,
+        "hash_lookup"
+    );
+    // Colours by binary: the kernel orange, JIT green, unnamed code grey.
+    let fills = browser
+        .execute(
+            "const d = window.stackscope.drawnNames(); \
+             const unknown = d.find(n => n.startsWith('[unknown]')); \
+             return ['copy_user', 'js_handler', unknown, 'hash_lookup'] \
+               .map(n => window.stackscope.frameFill(n));",
+            vec![],
+        )
+        .await
+        .expect("reading the fills");
+    let fill = |k: usize| fills[k].as_str().unwrap_or_default().to_owned();
+    assert!(fill(0).starts_with("hsl(26 "), "kernel: {}", fill(0));
+    assert!(fill(1).starts_with("hsl(160 "), "JIT: {}", fill(1));
+    assert!(fill(2).starts_with("hsl(0 0% "), "unknown: {}", fill(2));
+    let user_hue: f64 = fill(3)[4..]
+        .split(' ')
+        .next()
+        .unwrap_or("")
+        .parse()
+        .unwrap_or(f64::NAN);
+    assert!(
+        ![0.0, 26.0, 160.0].contains(&user_hue),
+        "user code: {}",
+        fill(3)
+    );
+    screenshot(browser, "01-everything").await;
+
+    // Completion of label names, then of the values of the label typed.
+    let query = browser
+        .find(Locator::Css("#query"))
+        .await
+        .expect("a WebDriver command");
+    query.click().await.expect("a WebDriver command");
+    query.send_keys("co").await.expect("a WebDriver command");
+    let listed = wait_for_text(browser, "#completions", "container_name").await;
+    assert!(listed.contains("comm"), "{listed}");
+    query
+        .send_keys("mm=\"ng")
+        .await
+        .expect("a WebDriver command");
+    let listed = wait_for_text(browser, "#completions", "nginx").await;
+    assert!(
+        !listed.contains("redis"),
+        "values are filtered by what is typed: {listed}"
+    );
+    screenshot(browser, "02-completion").await;
+    // Tab takes the completion (`comm="nginx"`), Enter runs the query.
+    query
+        .send_keys("\u{E004}")
+        .await
+        .expect("a WebDriver command");
+    assert_eq!(
+        query
+            .prop("value")
+            .await
+            .expect("a WebDriver command")
+            .as_deref(),
+        Some("comm=\"nginx\"")
+    );
+    query
+        .send_keys("\u{E007}")
+        .await
+        .expect("a WebDriver command");
+    let report = settled(browser, loads(&report) + 1).await;
+    let drawn = names(&report);
+    assert!(drawn.contains(&"parse_request".to_owned()), "{drawn:?}");
+    assert!(
+        drawn
+            .iter()
+            .any(|n| n.starts_with("[unknown] libfoo.so+0x")),
+        "the unnamed frame: {drawn:?}"
+    );
+    for absent in ["main", "hash_lookup", "copy_user", "js_handler"] {
+        assert!(
+            !drawn.contains(&absent.to_owned()),
+            "{absent} drawn for comm=nginx: {drawn:?}"
+        );
+    }
+    assert_eq!(report["topFirst"], "parse_request");
+    screenshot(browser, "03-selection-nginx").await;
+
+    // The node picker replaces the matcher: node-a only (redis).
+    browser
+        .execute(
+            "const s = document.getElementById('pick-node'); s.value = 'node-a'; \
+             s.dispatchEvent(new Event('change'));",
+            vec![],
+        )
+        .await
+        .expect("a WebDriver command");
+    let report = settled(browser, loads(&report) + 1).await;
+    let url = browser.current_url().await.expect("a WebDriver command");
+    let matchers: String = url
+        .query_pairs()
+        .find(|(k, _)| k == "match")
+        .map(|(_, v)| v.into_owned())
+        .unwrap_or_default();
+    assert_eq!(matchers, "comm=\"nginx\",node=\"node-a\"");
+    assert_eq!(
+        report["state"], "empty",
+        "comm=nginx on node-a matches nothing"
+    );
+    let empty = text_of(browser, "#flame-empty").await;
+    assert!(empty.contains("matched nothing"), "{empty}");
+    screenshot(browser, "04-selection-matched-nothing").await;
+}
+
+async fn zoom_search_top_and_link(browser: &Client, page: &str) {
+    // Back to redis through the URL; zoom by clicking `serve`.
+    browser
+        .goto(&format!("{page}?match=comm%3D%22redis%22&since=1h"))
+        .await
+        .expect("a WebDriver command");
+    settled(browser, 1).await;
+    let center = frame_center(browser, "serve").await;
+    click_at(browser, center).await;
+    let deadline = Instant::now() + Duration::from_secs(10);
+    let report = loop {
+        let report = hook(browser).await;
+        if report["root"] == "serve" || Instant::now() > deadline {
+            break report;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    };
+    assert_eq!(
+        report["root"], "serve",
+        "the clicked frame is the drawn root"
+    );
+    assert_eq!(report["zoom"], json!(["main", "serve"]));
+    let drawn = names(&report);
+    for expected in [
+        "serve",
+        "hash_lookup",
+        "sys_read",
+        "copy_user",
+        "js_handler",
+    ] {
+        assert!(
+            drawn.contains(&expected.to_owned()),
+            "{expected} not in the zoomed subtree: {drawn:?}"
+        );
+    }
+    let crumbs = text_of(browser, "#breadcrumb").await;
+    assert!(
+        crumbs.contains("all") && crumbs.contains("serve"),
+        "{crumbs}"
+    );
+    screenshot(browser, "05-zoom-serve").await;
+
+    // The tooltip: self and total weight and share.
+    let (x, y) = frame_center(browser, "hash_lookup").await;
+    let hover = MouseActions::new("mouse".into()).then(PointerAction::MoveTo {
+        duration: None,
+        x,
+        y,
+    });
+    browser
+        .perform_actions(hover)
+        .await
+        .expect("moving the mouse");
+    let tip = wait_for_text(browser, "#tooltip", "hash_lookup").await;
+    assert!(
+        tip.contains("600 samples (6.00 s CPU)") && tip.contains("66.67% of all"),
+        "{tip}"
+    );
+    assert!(
+        tip.contains("self") && tip.contains("redis-server"),
+        "{tip}"
+    );
+    screenshot(browser, "05a-tooltip").await;
+
+    // Search: hash_lookup is 600 of redis's 900 samples.
+    let search = browser
+        .find(Locator::Css("#search"))
+        .await
+        .expect("a WebDriver command");
+    search
+        .send_keys("hash_lookup")
+        .await
+        .expect("a WebDriver command");
+    let deadline = Instant::now() + Duration::from_secs(10);
+    let report = loop {
+        let report = hook(browser).await;
+        if report["searchShare"].is_number() || Instant::now() > deadline {
+            break report;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    };
+    let share = report["searchShare"].as_f64().expect("a search share");
+    assert!((share - 600.0 / 900.0).abs() < 1e-9, "search share {share}");
+    let shown = text_of(browser, "#search-result").await;
+    assert!(shown.contains("66.67%"), "{shown}");
+    screenshot(browser, "06-search").await;
+
+    // Icicle view, and the top table's row selects the function.
+    browser
+        .find(Locator::Css("#view-toggle"))
+        .await
+        .expect("a WebDriver command")
+        .click()
+        .await
+        .expect("a WebDriver command");
+    browser
+        .find(Locator::Css("#top tbody tr[data-function='serve']"))
+        .await
+        .expect("a WebDriver command")
+        .click()
+        .await
+        .expect("a WebDriver command");
+    let callers = wait_for_text(browser, "#callers", "Callees").await;
+    assert!(
+        callers.contains("main") && callers.contains("hash_lookup"),
+        "{callers}"
+    );
+    screenshot(browser, "07-icicle-top-callers").await;
+
+    // Exports: folded stacks and pprof from the API, SVG of what is drawn.
+    for (button, file) in [
+        ("folded", "stacks.folded"),
+        ("pprof", "profile.pb.gz"),
+        ("svg", "flamegraph.svg"),
+    ] {
+        let start = Instant::now();
+        browser
+            .find(Locator::Css(&format!("[data-export='{button}']")))
+            .await
+            .expect("an export button")
+            .click()
+            .await
+            .expect("a WebDriver command");
+        let bytes = loop {
+            let bytes = browser
+                .execute(
+                    "const [name] = arguments; const d = window.stackscope.lastDownload; \
+                     if (!d || d.name !== name) return null; \
+                     return d.blob.arrayBuffer().then(b => Array.from(new Uint8Array(b)));",
+                    vec![json!(file)],
+                )
+                .await
+                .expect("reading the download");
+            if let Value::Array(bytes) = bytes {
+                break bytes
+                    .iter()
+                    .map(|b| b.as_u64().unwrap_or(0) as u8)
+                    .collect::<Vec<u8>>();
+            }
+            assert!(
+                start.elapsed() < Duration::from_secs(20),
+                "no {file} download"
+            );
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        };
+        match button {
+            "folded" => {
+                let text = String::from_utf8_lossy(&bytes);
+                assert!(text.contains("main;serve;hash_lookup 600"), "{text}");
+            }
+            "pprof" => assert_eq!(&bytes[..2], &[0x1f, 0x8b], "gzipped pprof"),
+            _ => {
+                let text = String::from_utf8_lossy(&bytes);
+                assert!(
+                    text.starts_with("<svg") && text.contains(">hash_lookup<"),
+                    "{text}"
+                );
+            }
+        }
+    }
+
+    // The link reproduces the view: selection, zoom, search, view, function.
+    let shared = browser.current_url().await.expect("a WebDriver command");
+    browser
+        .goto("about:blank")
+        .await
+        .expect("a WebDriver command");
+    browser
+        .goto(shared.as_str())
+        .await
+        .expect("a WebDriver command");
+    let report = settled(browser, 1).await;
+    assert_eq!(report["root"], "serve");
+    assert_eq!(report["zoom"], json!(["main", "serve"]));
+    let share = report["searchShare"]
+        .as_f64()
+        .expect("the search share again");
+    assert!((share - 600.0 / 900.0).abs() < 1e-9, "search share {share}");
+    let restored = browser
+        .execute(
+            "return [document.getElementById('query').value, \
+             document.getElementById('search').value, \
+             document.getElementById('view-toggle').textContent, \
+             document.querySelector('#top tr.selected')?.dataset.function];",
+            vec![],
+        )
+        .await
+        .expect("a WebDriver command");
+    assert_eq!(
+        restored,
+        json!(["comm=\"redis\"", "hash_lookup", "flame", "serve"])
+    );
+    let callers = wait_for_text(browser, "#callers", "Callees").await;
+    assert!(callers.contains("hash_lookup"), "{callers}");
+    screenshot(browser, "08-shared-link").await;
+
+    // Escape zooms out one level.
+    browser
+        .find(Locator::Css("body"))
+        .await
+        .expect("the page body")
+        .send_keys("\u{E00C}")
+        .await
+        .expect("pressing Escape");
+    let report = hook(browser).await;
+    assert_eq!(report["root"], "main");
+    assert_eq!(report["zoom"], json!(["main"]));
+}
+
+async fn group_by_and_no_data(browser: &Client, page: &str) {
+    // Group by a label: one root child per value.
+    browser
+        .goto(&format!("{page}?group_by=comm&since=1h"))
+        .await
+        .expect("a WebDriver command");
+    let report = settled(browser, 1).await;
+    let drawn = names(&report);
+    for group in ["comm=redis", "comm=nginx"] {
+        assert!(drawn.contains(&group.to_owned()), "{group}: {drawn:?}");
+    }
+    screenshot(browser, "09a-group-by-comm").await;
+
+    // A range with no samples at all says how to get some.
+    browser
+        .goto(&format!("{page}?start=1000000&end=1003600"))
+        .await
+        .expect("a WebDriver command");
+    let report = settled(browser, 1).await;
+    assert_eq!(report["state"], "empty");
+    let empty = text_of(browser, "#flame-empty").await;
+    assert!(empty.contains("No data yet"), "{empty}");
+    screenshot(browser, "09b-no-data").await;
+}
+
+async fn compare_and_timeline(browser: &Client, page: &str) {
+    // Compare with the hour before: hash_lookup grew from 100 of 500 to
+    // 600 of 900 samples (red), the kernel's share shrank (blue).
+    browser
+        .goto(&format!("{page}?match=comm%3D%22redis%22&since=1h"))
+        .await
+        .expect("a WebDriver command");
+    let report = settled(browser, 1).await;
+    browser
+        .find(Locator::Css("#compare-hour"))
+        .await
+        .expect("a WebDriver command")
+        .click()
+        .await
+        .expect("a WebDriver command");
+    settled(browser, loads(&report) + 1).await;
+    let colors = browser
+        .execute(
+            "return Object.fromEntries(['hash_lookup', 'sys_read'].map(n => [n, window.stackscope.frameFill(n)]));",
+            vec![],
+        )
+        .await
+        .expect("a WebDriver command");
+    let red = colors["hash_lookup"].as_str().unwrap_or_default();
+    let blue = colors["sys_read"].as_str().unwrap_or_default();
+    assert!(
+        red.starts_with("hsl(0 "),
+        "hash_lookup regressed, drawn {red}"
+    );
+    assert!(
+        blue.starts_with("hsl(215 "),
+        "sys_read improved, drawn {blue}"
+    );
+    // And side by side: the selection's and the baseline's own flamegraphs.
+    let sides = hook(browser).await["sides"].clone();
+    assert!(
+        sides["current"].as_u64() > Some(3) && sides["baseline"].as_u64() > Some(3),
+        "{sides}"
+    );
+    assert!(
+        browser
+            .find(Locator::Css("#side-by-side"))
+            .await
+            .expect("the side-by-side view")
+            .is_displayed()
+            .await
+            .expect("a WebDriver command")
+    );
+
+    // The top table sorted by the change of self share: the regression first.
+    browser
+        .find(Locator::Css("#top th[data-sort='delta']"))
+        .await
+        .expect("the change column")
+        .click()
+        .await
+        .expect("a WebDriver command");
+    let first = text_of(browser, "#top tbody tr:first-child").await;
+    assert!(
+        first.starts_with("hash_lookup") && first.contains("20.00%") && first.ends_with("+46.67%"),
+        "{first}"
+    );
+    screenshot(browser, "10-compare-hour-before").await;
+
+    // A drag across the timeline chooses that range.
+    let timeline = browser
+        .find(Locator::Css("#timeline"))
+        .await
+        .expect("a WebDriver command");
+    let drag = MouseActions::new("mouse".into())
+        .then(PointerAction::MoveToElement {
+            element: timeline.clone(),
+            duration: None,
+            x: -200.0,
+            y: 0.0,
+        })
+        .then(PointerAction::Down {
+            button: MOUSE_BUTTON_LEFT,
+        })
+        .then(PointerAction::MoveBy {
+            duration: Some(Duration::from_millis(100)),
+            x: 300.0,
+            y: 0.0,
+        })
+        .then(PointerAction::Up {
+            button: MOUSE_BUTTON_LEFT,
+        });
+    let before = hook(browser).await;
+    browser
+        .perform_actions(drag)
+        .await
+        .expect("a WebDriver command");
+    settled(browser, loads(&before) + 1).await;
+    let url = browser.current_url().await.expect("a WebDriver command");
+    let start: f64 = url
+        .query_pairs()
+        .find(|(k, _)| k == "start")
+        .and_then(|(_, v)| v.parse().ok())
+        .expect("the drag sets start");
+    let end: f64 = url
+        .query_pairs()
+        .find(|(k, _)| k == "end")
+        .and_then(|(_, v)| v.parse().ok())
+        .expect("the drag sets end");
+    assert!(end > start && end - start < 3600.0, "{start}..{end}");
+    screenshot(browser, "11-timeline-drag").await;
+}
+
+/// GET `path` with a minute to answer: the status, the body's size
+/// (chunked encoding included) and the time taken.
+fn timed_get(base: &str, path: &str) -> (u16, usize, Duration) {
+    use std::io::{Read as _, Write as _};
+    let address = base.trim_start_matches("http://");
+    let started = Instant::now();
+    let mut stream = std::net::TcpStream::connect(address).expect("connecting to the collector");
+    stream
+        .set_read_timeout(Some(Duration::from_secs(60)))
+        .expect("a read timeout");
+    write!(
+        stream,
+        "GET {path} HTTP/1.1\r\nHost: {address}\r\nConnection: close\r\n\r\n"
+    )
+    .expect("sending the request");
+    let mut response = Vec::new();
+    stream
+        .read_to_end(&mut response)
+        .expect("reading the response");
+    let elapsed = started.elapsed();
+    let status = String::from_utf8_lossy(response.get(9..12).unwrap_or_default())
+        .parse()
+        .unwrap_or(0);
+    let head = response
+        .windows(4)
+        .position(|w| w == b"\r\n\r\n")
+        .map_or(response.len(), |at| at + 4);
+    (status, response.len() - head, elapsed)
+}
+
+async fn big_tree(browser: &Client, big: &Collector) {
+    // The fleet-wide tree of 221,051 nodes: time to first flamegraph with
+    // the collector's first query of it (cold), then again (warm).
+    for pass in ["cold", "warm"] {
+        browser
+            .goto("about:blank")
+            .await
+            .expect("a WebDriver command");
+        let started = Instant::now();
+        browser
+            .goto(&format!("{}/?since=1h", big.http))
+            .await
+            .expect("a WebDriver command");
+        let report = settled(browser, 1).await;
+        let wall = started.elapsed();
+        let nodes = report["nodes"].as_u64().unwrap_or(0);
+        assert!(nodes >= 200_000, "the big tree has {nodes} nodes");
+        let timings = &report["timings"];
+        eprintln!(
+            "200k-node tree ({nodes} nodes, {pass}): first flamegraph {:.0} ms after navigation \
+             (test wall clock {:.0} ms; fetch {:.0} ms, parse {:.0} ms, draw {:.0} ms), \
+             {} frames drawn",
+            report["firstFlamegraphMs"].as_f64().unwrap_or(f64::NAN),
+            wall.as_secs_f64() * 1000.0,
+            timings["fetchMs"].as_f64().unwrap_or(f64::NAN),
+            timings["parseMs"].as_f64().unwrap_or(f64::NAN),
+            timings["drawMs"].as_f64().unwrap_or(f64::NAN),
+            report["drawn"],
+        );
+    }
+    // The API alone: the flat format the page reads against the nested
+    // JSON one (each a full query: storage, tree, encoding).
+    for format in ["flat", "json"] {
+        let (status, bytes, took) = timed_get(
+            &big.http,
+            &format!("/api/v1/flamegraph?since=1h&format={format}"),
+        );
+        assert_eq!(status, 200, "format={format}");
+        eprintln!(
+            "200k-node tree, /api/v1/flamegraph?format={format}: {:.1} MB in {:.0} ms",
+            bytes as f64 / 1e6,
+            took.as_secs_f64() * 1000.0
+        );
+    }
+    screenshot(browser, "12-big-tree").await;
+    let bench = browser
+        .execute("return window.stackscope.benchZoom(40);", vec![])
+        .await
+        .expect("a WebDriver command");
+    eprintln!(
+        "200k-node tree, zooming: {} redraws, {:.1} ms on average (max {:.1} ms): {:.0} redraws \
+         per second; {:.0} frames per second with one zoom per animation frame",
+        bench["steps"],
+        bench["avgMs"].as_f64().unwrap_or(f64::NAN),
+        bench["maxMs"].as_f64().unwrap_or(f64::NAN),
+        bench["redrawsPerSecond"].as_f64().unwrap_or(f64::NAN),
+        bench["framesPerSecond"].as_f64().unwrap_or(f64::NAN),
+    );
+    // Still responsive: a search over the whole tree answers.
+    let search = browser
+        .find(Locator::Css("#search"))
+        .await
+        .expect("a WebDriver command");
+    search
+        .send_keys("level4_fn3")
+        .await
+        .expect("a WebDriver command");
+    let shown = wait_for_text(browser, "#search-result", "% of all").await;
+    eprintln!("200k-node tree, search level4_fn3: {shown}");
+    screenshot(browser, "13-big-tree-search").await;
+}
