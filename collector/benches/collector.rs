@@ -13,7 +13,8 @@
 //! compactor rolls the data up (the answer from the base rows, the
 //! reference) and then timed after it; every timed answer, on either engine,
 //! must be that same tree. `STACKSCOPE_BENCH_CLICKHOUSE=0` leaves ClickHouse
-//! out.
+//! out; `STACKSCOPE_BENCH_KEEP_DATA_DIR=DIR` keeps the compacted SQLite
+//! database as a collector's data directory.
 
 use std::{
     collections::HashMap,
@@ -370,6 +371,20 @@ fn time_queries(
     p50s
 }
 
+/// Copies the compacted database into `data_dir` as a collector's data
+/// directory, for `stackscope-collector --data-dir` (the web UI's time to
+/// first flamegraph on the fleet, measured by hand).
+fn keep_database(sqlite: &SqliteStorage, data_dir: &std::path::Path) {
+    std::fs::create_dir_all(data_dir).expect("creating the kept data directory");
+    let target = data_dir.join("stackscope.db");
+    let _ = std::fs::remove_file(&target);
+    // A consistent copy while the storage still holds its connections.
+    rusqlite::Connection::open(sqlite.path())
+        .and_then(|conn| conn.execute("VACUUM INTO ?1", [target.to_str().expect("a UTF-8 path")]))
+        .expect("copying the database into the kept data directory");
+    println!("kept the database in {}", data_dir.display());
+}
+
 fn main() {
     // `cargo bench` passes `--bench`; `cargo test --bench collector` (run by
     // `cargo xtask test`) does not: do one tiny round then, so the bench's
@@ -485,6 +500,9 @@ fn main() {
         ingested.samples,
     );
     drop(engine);
+    if let Ok(keep) = std::env::var("STACKSCOPE_BENCH_KEEP_DATA_DIR") {
+        keep_database(&sqlite, &std::path::PathBuf::from(keep));
+    }
 
     if !with_clickhouse {
         return;

@@ -1229,3 +1229,55 @@ async fn big_tree(browser: &Client, big: &Collector) {
     eprintln!("200k-node tree, search level4_fn3: {shown}");
     screenshot(browser, "13-big-tree-search").await;
 }
+
+/// A measurement run by hand, not part of the suite: the time to first
+/// flamegraph of the collector bench's fleet (100 nodes, an hour), in a
+/// collector started on the database the bench keeps:
+///
+/// ```sh
+/// STACKSCOPE_BENCH_CLICKHOUSE=0 STACKSCOPE_BENCH_KEEP_DATA_DIR=/tmp/fleet cargo xtask bench collector
+/// target/release/stackscope-collector --data-dir /tmp/fleet --http-listen 127.0.0.1:7171 &
+/// STACKSCOPE_UI_FLEET=http://127.0.0.1:7171 cargo test -p stackscope-tests --test ui -- --ignored fleet
+/// ```
+#[tokio::test(flavor = "current_thread")]
+#[ignore = "a measurement: needs STACKSCOPE_UI_FLEET, a collector holding the bench's fleet"]
+async fn the_fleet_hour_time_to_first_flamegraph() {
+    let base = std::env::var("STACKSCOPE_UI_FLEET")
+        .expect("STACKSCOPE_UI_FLEET=http://HOST:PORT of a collector holding the bench's fleet");
+    let driver = Chromedriver::start();
+    let browser = driver.browser().await;
+    // The bench's hour ends when it ran: two hours back covers it.
+    for pass in ["cold", "warm"] {
+        browser
+            .goto("about:blank")
+            .await
+            .expect("a WebDriver command");
+        browser
+            .goto(&format!("{base}/?since=2h"))
+            .await
+            .expect("a WebDriver command");
+        let report = settled(&browser, 1).await;
+        let nodes = report["nodes"].as_u64().unwrap_or(0);
+        assert!(nodes > 10_000, "the fleet's tree has only {nodes} nodes");
+        let timings = &report["timings"];
+        eprintln!(
+            "fleet-wide hour ({nodes} nodes, {pass}): first flamegraph {:.0} ms after navigation \
+             (fetch {:.0} ms, parse {:.0} ms, draw {:.0} ms)",
+            report["firstFlamegraphMs"].as_f64().unwrap_or(f64::NAN),
+            timings["fetchMs"].as_f64().unwrap_or(f64::NAN),
+            timings["parseMs"].as_f64().unwrap_or(f64::NAN),
+            timings["drawMs"].as_f64().unwrap_or(f64::NAN),
+        );
+    }
+    let bench = browser
+        .execute("return window.stackscope.benchZoom(40);", vec![])
+        .await
+        .expect("a WebDriver command");
+    eprintln!(
+        "fleet-wide hour, zooming: {:.1} ms per redraw on average (max {:.1} ms)",
+        bench["avgMs"].as_f64().unwrap_or(f64::NAN),
+        bench["maxMs"].as_f64().unwrap_or(f64::NAN),
+    );
+    screenshot(&browser, "15-fleet-hour").await;
+    browser.close().await.expect("closing the browser session");
+}
