@@ -291,21 +291,8 @@ pub async fn run(
         };
         match event {
             Event::Records => {
-                // Before the drain: a lost exit or exec record may have left
-                // a process's state stale for the records about to be read.
-                let horizon = records.feed.collect();
-                if sampler.take_new_losses()? > 0 || records.feed.take_losses() {
-                    records.walker.forget_all_processes();
-                    records.aggregator.forget_all_processes();
-                }
-                sampler.drain_records(|bytes| records.add(bytes));
-                records.catch_up(horizon);
-                let RecordTally {
-                    walker, aggregator, ..
-                } = &mut records;
-                walker.poll(|w| aggregator.add(w.header, w.kernel_frames, Some(&w.walk)));
-                sampler.apply_plan_updates(walker.take_plan_updates());
-                if aggregator.take_unknown_pod_seen()
+                records.drain(&mut sampler)?;
+                if records.aggregator.take_unknown_pod_seen()
                     && let Some(watch) = &pods
                 {
                     watch.refresh_soon();
@@ -332,6 +319,10 @@ pub async fn run(
                 );
             }
             Event::IntervalDue => {
+                // What was sampled up to now belongs to this interval, not
+                // to the next one: the last drain may be up to a drain
+                // period old.
+                records.drain(&mut sampler)?;
                 let end = nearest_boundary(SystemTime::now(), interval);
                 worker.submit(records.aggregator.finish_interval(end));
             }
@@ -594,6 +585,27 @@ struct RecordTally {
 }
 
 impl RecordTally {
+    /// Reads every record queued (the mapping events first, so that each
+    /// sample finds the mappings it was taken with), walks and counts them,
+    /// and hands the sampler the copy plans the walks taught.
+    fn drain(&mut self, sampler: &mut Sampler) -> Result<(), SamplerError> {
+        let horizon = self.feed.collect();
+        // Before the drain: a lost exit or exec record may have left a
+        // process's state stale for the records about to be read.
+        if sampler.take_new_losses()? > 0 || self.feed.take_losses() {
+            self.walker.forget_all_processes();
+            self.aggregator.forget_all_processes();
+        }
+        sampler.drain_records(|bytes| self.add(bytes));
+        self.catch_up(horizon);
+        let Self {
+            walker, aggregator, ..
+        } = self;
+        walker.poll(|w| aggregator.add(w.header, w.kernel_frames, Some(&w.walk)));
+        sampler.apply_plan_updates(walker.take_plan_updates());
+        Ok(())
+    }
+
     /// Applies the mapping events up to `horizon` (a record's time, or one
     /// every sample before which has been read), and lets go of the
     /// processes whose last held samples have been walked.

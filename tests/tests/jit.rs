@@ -21,6 +21,29 @@ impl Drop for PerfMapFile {
     }
 }
 
+/// node running the fixture `script` with `flags`, ready (it printed
+/// "ready"), in a temporary directory where a collector keeps its data: with
+/// perf support on, V8 writes its code log (isolate-*.log) and its jitdump
+/// file there. Dropped in reverse order: the collector, the perf map, node,
+/// the directory.
+fn node_and_collector(
+    script: &str,
+    flags: &[&str],
+) -> (tempfile::TempDir, RunningProcess, PerfMapFile, Collector) {
+    let script = format!("{}/fixtures/{script}", env!("CARGO_MANIFEST_DIR"));
+    let data = tempfile::tempdir().expect("temp dir");
+    let node = RunningProcess::start_ready(
+        Command::new("node")
+            .args(flags)
+            .arg(script)
+            .current_dir(data.path())
+            .stderr(Stdio::inherit()),
+    );
+    let perf_map = PerfMapFile(format!("/tmp/perf-{}.map", node.pid()));
+    let collector = Collector::start(data.path());
+    (data, node, perf_map, collector)
+}
+
 #[test]
 fn walks_through_jit_frames_to_the_root_and_names_them_from_the_perf_map() {
     // `/tmp/perf-<pid>.map`, text.
@@ -37,18 +60,8 @@ fn names_jit_frames_from_a_jitdump_file() {
 fn walks_and_names_jit_frames(perf_flag: &str) {
     require_root();
     let _serial = exclusive();
-    let script = concat!(env!("CARGO_MANIFEST_DIR"), "/fixtures/jit_chain.js");
-    let data = tempfile::tempdir().expect("temp dir");
-    // In the temporary directory: with perf support on, V8 writes its
-    // code log (isolate-*.log), and its jitdump file, there.
-    let node = RunningProcess::start_ready(
-        Command::new("node")
-            .args([perf_flag, "--no-turbo-inlining", script])
-            .current_dir(data.path())
-            .stderr(Stdio::inherit()),
-    );
-    let _perf_map = PerfMapFile(format!("/tmp/perf-{}.map", node.pid()));
-    let collector = Collector::start(data.path());
+    let (_data, node, _perf_map, collector) =
+        node_and_collector("jit_chain.js", &[perf_flag, "--no-turbo-inlining"]);
 
     let report = run_agent_for(&collector, "5s", &["--pid", &node.pid().to_string()]);
     let unwinding = &report["unwinding"];
@@ -119,16 +132,8 @@ fn walks_out_of_the_cpp_runtime_through_v8s_builtins_to_the_root() {
     // builtins call out. Without that, every such walk stopped there.
     require_root();
     let _serial = exclusive();
-    let script = concat!(env!("CARGO_MANIFEST_DIR"), "/fixtures/json_runtime.js");
-    let data = tempfile::tempdir().expect("temp dir");
-    let node = RunningProcess::start_ready(
-        Command::new("node")
-            .args(["--perf-basic-prof", script])
-            .current_dir(data.path())
-            .stderr(Stdio::inherit()),
-    );
-    let _perf_map = PerfMapFile(format!("/tmp/perf-{}.map", node.pid()));
-    let collector = Collector::start(data.path());
+    let (_data, node, _perf_map, collector) =
+        node_and_collector("json_runtime.js", &["--perf-basic-prof"]);
     let report = run_agent_for(&collector, "5s", &["--pid", &node.pid().to_string()]);
     let unwinding = &report["unwinding"];
     let walks = unwinding["walks"].as_u64().expect("walks");
