@@ -96,6 +96,7 @@ const MAX_MODULE_MEMO: usize = 65_536;
 /// Bytes of walk keys remembered per interval (see `Builder::walked`):
 /// about 8,000 stacks 60 frames deep, the hot ones since they come first.
 /// Stacks past it are interned frame by frame, as they would be anyway.
+/// Walks through JIT code have no space and are never remembered.
 const MAX_WALK_MEMO_BYTES: usize = 4 << 20;
 
 /// What a walk entry costs besides its key: the boxed slice's pointer and
@@ -631,7 +632,6 @@ impl Aggregator {
                     .flatten();
                 if let Some(stack) = stack
                     && memo
-                    && !user.is_some_and(|walk| walk.objects.iter().any(FrameObject::is_jit))
                 {
                     self.current.remember_walk(&self.walk_key, stack);
                 }
@@ -647,7 +647,7 @@ impl Aggregator {
     }
 
     /// Fills `self.walk_key` with the sample's walk key; false when the
-    /// walk has no space (nothing says equal frames are equal objects).
+    /// walk has no space (nothing says equal frames are named the same).
     fn fill_walk_key(&mut self, kernel_frames: &[u64], user: Option<&Walk<'_>>) -> bool {
         let key = &mut self.walk_key;
         key.clear();

@@ -407,9 +407,7 @@ pub async fn run(
 
     // Take what is still queued, then read the final counters before the
     // program is detached.
-    let horizon = records.feed.collect();
-    sampler.drain_records(|bytes| records.add(bytes));
-    records.catch_up(horizon);
+    records.drain(&mut sampler)?;
     let kernel = sampler.counters()?;
     let program = sampler.program_stats()?;
     drop(sampler);

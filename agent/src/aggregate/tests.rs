@@ -863,23 +863,3 @@ fn walks_seen_before_intern_as_they_would_frame_by_frame() {
     assert!(a.sample_count() > 0 && memo.stats().truncated > 0);
     assert_eq!(memo.stats(), plain.stats());
 }
-
-#[test]
-fn walks_through_jit_code_are_not_remembered() {
-    // A JIT frame's name comes from the perf map at the time of the
-    // sample: the same address may be another function later.
-    let mut aggregator = Aggregator::new(config());
-    let jit = [FrameObject::Jit {
-        address: 0x3ef0_a1c0_c2a0,
-    }];
-    add_walked(
-        &mut aggregator,
-        &header(7, "node", true),
-        &[],
-        &[0x3ef0_a1c0_c2a0],
-        &jit,
-        Some(3),
-    );
-    assert!(aggregator.current.walked.is_empty());
-    assert_eq!(aggregator.finish_interval(UNIX_EPOCH).sample_count(), 1);
-}

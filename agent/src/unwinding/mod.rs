@@ -138,9 +138,9 @@ pub struct Walk<'a> {
     pub stitched: bool,
     /// The version of the process's module list the frames were placed
     /// with: no other process and no other version has the same number, so
-    /// equal frames in the same space are placed on equal objects (JIT
-    /// frames aside: their names come from perf maps, which change).
-    /// `None` when nothing vouches for that.
+    /// equal frames in the same space are named the same. `None` when
+    /// nothing vouches for that: a walk through JIT code, whose frames are
+    /// named from perf maps, which change.
     pub space: Option<u64>,
 }
 
@@ -636,10 +636,10 @@ pub struct StackWalker {
     max_depth: usize,
     planner: Planner,
     /// The last walk: whether it read the tail, how much copy it read,
-    /// and the space its frames were placed in.
+    /// and its `Walk::space` (`None`: it went through JIT code).
     last_tail_reads: u32,
     last_copy_read: u64,
-    last_space: u64,
+    last_space: Option<u64>,
     /// Frames of learning walks (kept apart from the delivered walk's).
     learn_frames: Vec<u64>,
     /// The binary of the last walk's frame 0 (found while placing frames),
@@ -726,7 +726,7 @@ impl StackWalker {
             max_depth: config.max_depth,
             planner: Planner::new(config.stack_bytes, config.deep_stack_bytes, config.adaptive),
             last_tail_reads: 0,
-            last_space: 0,
+            last_space: None,
             last_copy_read: 0,
             learn_frames: Vec::new(),
             frame0_binary: Arc::from("[unknown]"),
@@ -936,7 +936,7 @@ impl StackWalker {
                 objects: &self.objects,
                 outcome,
                 stitched,
-                space: Some(self.last_space),
+                space: self.last_space,
             },
         });
         let WalkOutcome::Ended(end) = outcome else {
@@ -1185,7 +1185,7 @@ impl StackWalker {
             objects: &self.objects,
             outcome,
             stitched: self.last_tail_reads > 0,
-            space: Some(self.last_space),
+            space: self.last_space,
         })
     }
 
@@ -1242,7 +1242,7 @@ impl StackWalker {
         let process = self.modules.get(&tgid);
         // A process without an entry has no modules, as one with an entry
         // whose list is still empty (space 0): every frame is anonymous.
-        self.last_space = process.map_or(0, |p| p.space);
+        let space = process.map_or(0, |p| p.space);
         let frame0 = process.and_then(|p| p.find(*self.frames.first()?));
         let frame0_name = frame0.map_or(&self.unknown_binary, |m| &m.name);
         if !Arc::ptr_eq(&self.frame0_binary, frame0_name) {
@@ -1267,6 +1267,7 @@ impl StackWalker {
                 }
             }
         }
+        self.last_space = (!self.objects.iter().any(FrameObject::is_jit)).then_some(space);
     }
 
     /// Installs the tables the background compiler has finished.
@@ -1421,7 +1422,8 @@ impl StackWalker {
         ) = (all.walks, all.outermost, all.stitched, all.truncated);
         self.stats.table_pending += u64::from(outcome == WalkOutcome::TablePending);
         self.stats.early_ends.add(outcome);
-        if self.objects.iter().any(FrameObject::is_jit) {
+        // Only walks through JIT code have no space.
+        if self.last_space.is_none() {
             self.stats.jit_walks += 1;
             self.stats.jit_outermost +=
                 u64::from(outcome == WalkOutcome::Ended(UnwindEnd::Outermost));
@@ -1502,6 +1504,26 @@ mod tests {
             name: format!("m{start:x}").into(),
             object: ModuleObject::Vdso,
         }
+    }
+
+    #[test]
+    fn a_walk_through_jit_code_has_no_space_to_be_remembered_by() {
+        let mut walker = StackWalker::default();
+        let mut jit = module(0x4000, 0x5000);
+        jit.object = ModuleObject::Jit;
+        let space = walker.next_space();
+        let process = walker.process_modules(7, 1);
+        process.insert(module(0x1000, 0x2000), space);
+        process.insert(jit, space);
+        walker.frames = vec![0x1010, 0x1020];
+        walker.place_frames(7);
+        assert_eq!(walker.last_space, Some(space));
+        walker.frames = vec![0x1010, 0x4020, 0x1020];
+        walker.place_frames(7);
+        assert_eq!(walker.last_space, None, "JIT frames are named by perf maps");
+        // A process the walker has no modules for: every frame anonymous.
+        walker.place_frames(8);
+        assert_eq!(walker.last_space, Some(0));
     }
 
     #[test]
