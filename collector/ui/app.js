@@ -3,7 +3,7 @@
 // top table work on the tree already loaded.
 
 import { ApiError, get, setToken, token } from "./api.js";
-import { Flamegraph, Tree, binaryLegend, frameHsl, weight } from "./flamegraph.js";
+import { Flamegraph, Tree, binaryLegend, frameHsl, functionKey, weight } from "./flamegraph.js";
 import { QueryBar, matcherValue, setMatcher } from "./query.js";
 import { Timeline } from "./timeline.js";
 
@@ -322,11 +322,11 @@ let functions = [];
  * self share (`delta`, positive: more of the time now, slower).
  */
 function compareFunctions(list, selected, baseline) {
-  const before = new Map(baseline.functions().map((f) => [`${f.name}\u0000${f.binary}`, f]));
+  const before = new Map(baseline.functions().map((f) => [functionKey(f), f]));
   const all = selected.total[0] || 1;
   const baseAll = baseline.total[0] || 1;
   for (const f of list) {
-    const old = before.get(`${f.name}\u0000${f.binary}`);
+    const old = before.get(functionKey(f));
     f.baseShare = old ? old.self / baseAll : 0;
     f.delta = f.self / all - f.baseShare;
   }

@@ -7,6 +7,10 @@
 
 /** Frames narrower than this (CSS pixels) are merged with their small siblings. */
 export const MIN_WIDTH = 2;
+
+/** What makes two frames the same function: its name and binary (frames
+ * that differ only in file or line are one function). */
+export const functionKey = (f) => `${f.name}\u0000${f.binary}`;
 const ROW = 18;
 const FONT = "12px ui-monospace, SFMono-Regular, Menlo, Consolas, monospace";
 
@@ -70,7 +74,7 @@ export class Tree {
     const frames = [];
     const frameIds = new Map();
     const frameOf = (f) => {
-      const key = `${f.name}\u0000${f.binary}`;
+      const key = functionKey(f);
       let id = frameIds.get(key);
       if (id === undefined) {
         id = frames.length;
@@ -194,7 +198,7 @@ export class Tree {
     const stats = [];
     const ids = new Map();
     const statOf = Int32Array.from(this.frames, (f) => {
-      const key = `${f.name}\u0000${f.binary}`;
+      const key = functionKey(f);
       let id = ids.get(key);
       if (id === undefined) {
         id = stats.length;

@@ -72,7 +72,7 @@ pub fn ui_router() -> Router {
     UI_FILES
         .iter()
         .fold(Router::new(), |router, &(path, content_type, body)| {
-            let etag = format!("\"{:016x}\"", fnv1a(body.as_bytes()));
+            let etag = etag(body);
             router.route(
                 path,
                 get(move |headers: HeaderMap| {
@@ -119,11 +119,9 @@ fn ui_file(
         .into_response()
 }
 
-/// 64-bit FNV-1a: an `ETag` that changes when the file does.
-fn fnv1a(bytes: &[u8]) -> u64 {
-    bytes.iter().fold(0xcbf2_9ce4_8422_2325, |hash, &byte| {
-        (hash ^ u64::from(byte)).wrapping_mul(0x0100_0000_01b3)
-    })
+/// An `ETag` that changes when the file does.
+fn etag(body: &str) -> String {
+    format!("\"{:016x}\"", xxhash_rust::xxh3::xxh3_64(body.as_bytes()))
 }
 
 /// An error the client can act on, or a server failure.
@@ -487,7 +485,7 @@ mod tests {
     fn ui_files_are_revalidated_by_etag() {
         let (path, content_type, body) = UI_FILES[0];
         assert_eq!(path, "/");
-        let etag = format!("\"{:016x}\"", fnv1a(body.as_bytes()));
+        let etag = etag(body);
         let first = ui_file(&HeaderMap::new(), content_type, body, &etag);
         assert_eq!(first.status(), StatusCode::OK);
         assert_eq!(first.headers()[header::CONTENT_TYPE], HTML);
@@ -523,9 +521,20 @@ mod tests {
                 assert!(served.contains(&path.as_str()), "{path} is not served");
             }
         }
+        // And every file the page links to or loads.
         let page = UI_FILES[0].2;
-        for link in ["/ui/style.css", "/ui/app.js"] {
-            assert!(page.contains(link) && served.contains(&link), "{link}");
+        let linked: Vec<&str> = ["href=\"", "src=\""]
+            .iter()
+            .flat_map(|attribute| page.split(attribute).skip(1))
+            .filter_map(|rest| rest.split('"').next())
+            .filter(|link| link.starts_with("/ui/"))
+            .collect();
+        assert!(
+            linked.len() >= 2,
+            "the page links its style and script: {linked:?}"
+        );
+        for link in linked {
+            assert!(served.contains(&link), "{link} is not served");
         }
     }
 }
