@@ -49,7 +49,7 @@ use blazesym::{
         source::{Elf, Process, Source},
     },
 };
-use stackscope_gopclntab::elf::GoFunctions;
+use stackscope_gopclntab::elf::{GoFunctions, GoTableCache};
 use stackscope_process_table::{MappedRegion, ObjectId, elf::LoadSegment, open::OpenError};
 use stackscope_profile::names::demangle;
 
@@ -322,7 +322,7 @@ pub struct Symbolizer {
     code_segments: HashMap<ObjectId, Arc<[LoadSegment]>>,
     /// Each object's Go function table, read when blazesym first left one
     /// of its frames unnamed (`None`: no Go binary, or unreadable).
-    go_functions: HashMap<ObjectId, Option<Arc<GoFunctions>>>,
+    go_functions: GoTableCache<ObjectId>,
     kernel: KernelSymbols,
     kernel_loaded: Instant,
     /// How long after a read a miss reads kallsyms again: the configured
@@ -367,7 +367,7 @@ impl Symbolizer {
             names: GenerationalCache::new(config.max_cached_names),
             logged: HashSet::new(),
             code_segments: HashMap::new(),
-            go_functions: HashMap::new(),
+            go_functions: GoTableCache::new(MAX_SEGMENT_OBJECTS, MAX_GO_TABLE_BYTES),
             kernel_build_id: kernel::kernel_build_id(&config.sys_root),
             kernel,
             kernel_loaded,
@@ -667,7 +667,7 @@ impl Symbolizer {
     /// `object`'s Go function table, read once (while remembered).
     fn go_functions(&mut self, object: &ObjectFile) -> Option<Arc<GoFunctions>> {
         if let Some(known) = self.go_functions.get(&object.id) {
-            return known.clone();
+            return known;
         }
         let functions = match object.open_now() {
             Ok(file) => match GoFunctions::read(file) {
@@ -683,15 +683,6 @@ impl Symbolizer {
             },
             Err(_) => None,
         };
-        let bytes = |map: &HashMap<ObjectId, Option<Arc<GoFunctions>>>| -> usize {
-            map.values().flatten().map(|f| f.heap_bytes()).sum()
-        };
-        let adding = functions.as_ref().map_or(0, |f| f.heap_bytes());
-        if self.go_functions.len() >= MAX_SEGMENT_OBJECTS
-            || bytes(&self.go_functions) + adding > MAX_GO_TABLE_BYTES
-        {
-            self.go_functions.clear();
-        }
         self.go_functions.insert(object.id, functions.clone());
         functions
     }
@@ -1155,33 +1146,23 @@ mod tests {
         )
         .expect("writing the source");
         let binary = dir.join("inlined");
-        let out = Command::new("gcc")
-            .args(["-O2", "-g", "-fomit-frame-pointer"])
-            .args(gcc_args)
-            .arg(&source)
-            .arg("-o")
-            .arg(&binary)
-            .output()
-            .expect("running gcc");
-        assert!(
-            out.status.success(),
-            "{}",
-            String::from_utf8_lossy(&out.stderr)
+        run_tool(
+            Command::new("gcc")
+                .args(["-O2", "-g", "-fomit-frame-pointer"])
+                .args(gcc_args)
+                .arg(&source)
+                .arg("-o")
+                .arg(&binary),
         );
         if post.is_empty() {
             return binary;
         }
         let processed = dir.join("inlined.post");
-        let out = Command::new("objcopy")
-            .args(post)
-            .arg(&binary)
-            .arg(&processed)
-            .output()
-            .expect("running objcopy");
-        assert!(
-            out.status.success(),
-            "{}",
-            String::from_utf8_lossy(&out.stderr)
+        run_tool(
+            Command::new("objcopy")
+                .args(post)
+                .arg(&binary)
+                .arg(&processed),
         );
         processed
     }

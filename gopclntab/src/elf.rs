@@ -6,7 +6,7 @@
 //! bounding what is read. Does not own mapping file offsets to addresses
 //! (the caller knows the file's segments).
 
-use std::fs::File;
+use std::{borrow::Borrow, collections::HashMap, fs::File, hash::Hash, sync::Arc};
 
 use object::{Object as _, ObjectSection as _, ObjectSegment as _, ReadCache};
 
@@ -121,4 +121,53 @@ pub fn lookup<'a>(table: &Table<'a>, address: u64) -> Option<Named<'a>> {
         function: func.name,
         file_line: table.file_line(&func, address).ok().flatten(),
     })
+}
+
+/// Files' Go function tables (or that a file has none) by a key of the
+/// caller's, bounded by entries and by the tables' bytes: past either, all
+/// are dropped and read again as needed.
+#[derive(Debug)]
+pub struct GoTableCache<K> {
+    tables: HashMap<K, Option<Arc<GoFunctions>>>,
+    bytes: usize,
+    max_entries: usize,
+    max_bytes: usize,
+}
+
+impl<K: Eq + Hash> GoTableCache<K> {
+    pub fn new(max_entries: usize, max_bytes: usize) -> Self {
+        Self {
+            tables: HashMap::new(),
+            bytes: 0,
+            max_entries,
+            max_bytes,
+        }
+    }
+
+    /// What is known of `key`: `None` when it was never read.
+    pub fn get<Q>(&self, key: &Q) -> Option<Option<Arc<GoFunctions>>>
+    where
+        K: Borrow<Q>,
+        Q: Eq + Hash + ?Sized,
+    {
+        self.tables.get(key).cloned()
+    }
+
+    /// Remembers what reading `key` gave.
+    pub fn insert(&mut self, key: K, functions: Option<Arc<GoFunctions>>) {
+        let adding = functions.as_ref().map_or(0, |f| f.heap_bytes());
+        if self.tables.len() >= self.max_entries || self.bytes + adding > self.max_bytes {
+            self.tables.clear();
+            self.bytes = 0;
+        }
+        if let Some(old) = self.tables.insert(key, functions).flatten() {
+            self.bytes -= old.heap_bytes();
+        }
+        self.bytes += adding;
+    }
+
+    /// Bytes of the tables held.
+    pub fn bytes(&self) -> usize {
+        self.bytes
+    }
 }

@@ -469,3 +469,44 @@ fn elf_files_without_a_go_table_have_none() {
     std::fs::remove_file(&dir).ok();
     assert!(matches!(result, Err(ElfError::Elf(_))));
 }
+
+#[cfg(feature = "elf")]
+#[test]
+fn the_table_cache_stays_within_its_entries_and_bytes() {
+    use crate::elf::{GoFunctions, GoTableCache};
+    use std::sync::Arc;
+    // Real Go programs: Debian's Go toolchain (a setup package).
+    let read = |path: &str| {
+        let file = std::fs::File::open(path).unwrap_or_else(|err| panic!("{path}: {err}"));
+        Arc::new(GoFunctions::read(&file).unwrap().expect("a Go table"))
+    };
+    let go = read("/usr/lib/go-1.19/bin/go");
+    let gofmt = read("/usr/lib/go-1.19/bin/gofmt");
+    let (big, small) = (go.heap_bytes(), gofmt.heap_bytes());
+    assert!(big > small && small > 0);
+
+    // Room for the big table and not both.
+    let mut cache = GoTableCache::new(10, big + small - 1);
+    cache.insert("go", Some(Arc::clone(&go)));
+    cache.insert("none", None);
+    assert_eq!(cache.bytes(), big);
+    assert!(cache.get("go").unwrap().is_some());
+    assert!(
+        cache.get("none").unwrap().is_none(),
+        "known to have no table"
+    );
+    assert!(cache.get("other").is_none(), "never read");
+    cache.insert("gofmt", Some(Arc::clone(&gofmt)));
+    assert_eq!(cache.bytes(), small, "over the bytes: started over");
+    assert!(cache.get("go").is_none());
+    // The same key again replaces its bytes.
+    cache.insert("gofmt", Some(gofmt));
+    assert_eq!(cache.bytes(), small);
+
+    // And over the entries.
+    let mut cache = GoTableCache::new(2, usize::MAX);
+    for key in ["a", "b", "c"] {
+        cache.insert(key, None);
+    }
+    assert!(cache.get("a").is_none() && cache.get("c").is_some());
+}

@@ -7,13 +7,11 @@
 
 use std::process::Command;
 
+use stackscope_test_fixtures::split_debug::run_tool;
+
 use object::{Object as _, ObjectSection as _, ObjectSymbol as _};
 use stackscope_test_fixtures::Fixture;
 use stackscope_unwind::{CfiSection, TableError, UnsupportedCfi, UnwindRule, UnwindTable};
-
-fn go_available() -> bool {
-    Command::new("go").arg("version").output().is_ok()
-}
 
 /// Function symbols of an ELF file: `(name, start, end)`.
 fn symbols(data: &[u8]) -> Vec<(String, u64, u64)> {
@@ -40,10 +38,6 @@ fn symbol(symbols: &[(String, u64, u64)], name: &str) -> (u64, u64) {
 
 #[test]
 fn go_tables_agree_with_gos_own_debug_frame_and_survive_stripping() {
-    if !go_available() {
-        eprintln!("skipped: no Go toolchain (Debian's golang-go)");
-        return;
-    }
     let full = Fixture::go("go_chain", &[]);
     let stripped = Fixture::go("go_chain", &["-ldflags=-s -w"]);
     let full_data = std::fs::read(&full.path).unwrap();
@@ -144,10 +138,6 @@ fn go_tables_agree_with_gos_own_debug_frame_and_survive_stripping() {
 
 #[test]
 fn a_damaged_gopclntab_is_an_error_or_a_table_never_a_panic() {
-    if !go_available() {
-        eprintln!("skipped: no Go toolchain (Debian's golang-go)");
-        return;
-    }
     let fixture = Fixture::go("go_chain", &["-ldflags=-s -w"]);
     let data = std::fs::read(&fixture.path).unwrap();
     let (offset, size) = {
@@ -197,16 +187,11 @@ fn compressed_variants() -> (Fixture, Vec<(&'static str, Vec<u8>)>) {
     let mut variants = vec![("none", std::fs::read(&fixture.path).unwrap())];
     for (name, how) in [("zlib", "zlib"), ("zstd", "zstd"), ("zlib-gnu", "zlib-gnu")] {
         let out_path = fixture.dir().join(name);
-        let out = Command::new("objcopy")
-            .arg(format!("--compress-debug-sections={how}"))
-            .arg(&fixture.path)
-            .arg(&out_path)
-            .output()
-            .expect("running objcopy");
-        assert!(
-            out.status.success(),
-            "objcopy {how}: {}",
-            String::from_utf8_lossy(&out.stderr)
+        run_tool(
+            Command::new("objcopy")
+                .arg(format!("--compress-debug-sections={how}"))
+                .arg(&fixture.path)
+                .arg(&out_path),
         );
         variants.push((name, std::fs::read(&out_path).unwrap()));
     }
@@ -295,10 +280,6 @@ fn a_compression_header_that_lies_about_its_size_is_a_clear_error() {
 
 #[test]
 fn a_go_binary_whose_debug_frame_header_lies_fails_clearly() {
-    if !go_available() {
-        eprintln!("skipped: no Go toolchain (Debian's golang-go)");
-        return;
-    }
     let fixture = Fixture::go("go_chain", &[]);
     let mut data = std::fs::read(&fixture.path).unwrap();
     let size_at = chdr_offset(&data) + 8;

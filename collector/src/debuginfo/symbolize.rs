@@ -29,7 +29,7 @@ use stackscope_profile::{
     names::demangle,
 };
 
-use stackscope_gopclntab::elf::GoFunctions;
+use stackscope_gopclntab::elf::{GoFunctions, GoTableCache};
 use tokio::sync::oneshot;
 
 use super::{DebuginfoStore, ElfContent, check_elf, debuginfod::Debuginfod};
@@ -39,6 +39,9 @@ const MAX_CACHED_NAMES: usize = 1 << 20;
 
 /// Files blazesym keeps parsed before its state is dropped and rebuilt.
 const MAX_PARSED_FILES: usize = 64;
+/// Bytes of Go function tables kept at once (the largest Go programs have
+/// tables of tens of MB); beyond, all are dropped and read again.
+const MAX_GO_TABLE_BYTES: usize = 256 << 20;
 
 /// Stored files whose checks are remembered.
 const MAX_CHECKED_FILES: usize = 4096;
@@ -79,7 +82,7 @@ struct State {
     /// Entries of `names`, all build-ids together.
     cached: usize,
     /// Go function tables by build-id (`None`: the stored file has none).
-    go: HashMap<String, Option<Arc<GoFunctions>>>,
+    go: GoTableCache<String>,
 }
 
 fn new_blazesym() -> blaze::Symbolizer {
@@ -118,7 +121,7 @@ impl Symbolizer {
                     files: HashMap::new(),
                     names: HashMap::new(),
                     cached: 0,
-                    go: HashMap::new(),
+                    go: GoTableCache::new(MAX_PARSED_FILES, MAX_GO_TABLE_BYTES),
                 };
                 // Ends when the symbolizer (the last sender) is dropped.
                 for request in incoming {
@@ -293,7 +296,7 @@ impl State {
     /// once while remembered.
     fn go_functions(&mut self, build_id: &str, path: &std::path::Path) -> Option<Arc<GoFunctions>> {
         if let Some(known) = self.go.get(build_id) {
-            return known.clone();
+            return known;
         }
         let functions = match std::fs::File::open(path).map(|file| GoFunctions::read(&file)) {
             Ok(Ok(functions)) => functions.map(Arc::new),
@@ -306,10 +309,6 @@ impl State {
                 None
             }
         };
-        // Each table is tens of MB at most; as many as blazesym parses.
-        if self.go.len() >= MAX_PARSED_FILES {
-            self.go.clear();
-        }
         self.go.insert(build_id.to_owned(), functions.clone());
         functions
     }

@@ -30,6 +30,7 @@ const MAGIC: [u8; 8] = *b"STKUNWT\0";
 /// what a table holds: old files then fail with [`CacheError::Version`] and
 /// get recompiled. 2: entry points without CFI are outermost. 3: flags.
 /// 4: compressed `.debug_frame` read, Go functions from `.gopclntab`.
+/// 5: V8's builtins ([`UnwindRule::FramePointerAtCalls`]).
 pub(crate) const FORMAT_VERSION: u32 = 5;
 /// Header flag: [`UnwindTable::frame_pointer_gaps`].
 const FLAG_FRAME_POINTER_GAPS: u32 = 1;
@@ -365,6 +366,7 @@ mod tests {
             UnwindRule::Unsupported(UnsupportedCfi::OffsetRange),
             UnwindRule::Unsupported(UnsupportedCfi::Program),
             UnwindRule::Unsupported(UnsupportedCfi::StackSwitch),
+            UnwindRule::FramePointerAtCalls,
         ]
     }
 

@@ -77,14 +77,12 @@ pub(super) fn from_elf(data: &[u8]) -> Result<UnwindTable, TableError> {
     // Go's own function table, where the binary has one, describes every
     // Go function (assembly included) and replaces CFI over them.
     found |= super::go::add_functions(&file, &mut builder, entry)?;
-    // Only beside CFI: V8 is C++, and a program whose C++ has no CFI is
-    // not walked through these rows either.
-    if found {
-        super::v8::add_builtins(&file, &mut builder)?;
-    }
     if !found {
         return Err(TableError::NoCfi);
     }
+    // Only beside CFI: V8 is C++, and a program whose C++ has no CFI is
+    // not walked through these rows either.
+    super::v8::add_builtins(&file, &mut builder)?;
     let mut table = builder.finish(entry)?;
     table.frame_pointer_gaps = gaps_keep_frame_pointers(&file, &table);
     Ok(table)
