@@ -42,7 +42,7 @@ use stackscope_process_table::{
 };
 use stackscope_unwind::{
     DEFAULT_MAX_DEPTH, ModuleAt, ModuleLookup, Registers, RuleCache, SampledStack, StackMemory,
-    TailSpan, UnwindEnd, UnwindTable, unwind_memory,
+    TailSpan, UnsupportedCfi, UnwindEnd, UnwindTable, unwind_memory,
 };
 use stitching::{PlanStats, PlanUpdate, Planner, RemoteStack, WalkReport};
 
@@ -278,6 +278,9 @@ pub struct EarlyEnds {
     pub no_unwind_info: u64,
     /// CFI the unwinder cannot evaluate.
     pub unsupported: u64,
+    /// Code that switches stacks (Go's `systemstack`, `morestack`, ...):
+    /// the caller is on another stack, which the sample did not copy.
+    pub stack_switch: u64,
     /// Corrupt frames: a CFA not above the previous one, or an address
     /// below the copy.
     pub corrupt: u64,
@@ -288,11 +291,12 @@ pub struct EarlyEnds {
 
 impl EarlyEnds {
     /// Each count with what it means, for the report.
-    pub fn by_reason(&self) -> [(u64, &'static str); 6] {
+    pub fn by_reason(&self) -> [(u64, &'static str); 7] {
         [
             (self.unmapped, "at an address in no known mapping"),
             (self.no_unwind_info, "in code without unwind info"),
             (self.unsupported, "at CFI the unwinder cannot evaluate"),
+            (self.stack_switch, "where the code switches stacks"),
             (self.corrupt, "at a corrupt frame"),
             (self.depth_limit, "at --max-depth"),
             (self.table_pending, "waiting for a table"),
@@ -306,6 +310,7 @@ impl EarlyEnds {
                 UnwindEnd::Outermost | UnwindEnd::StackTruncated => return,
                 UnwindEnd::Unmapped => &mut self.unmapped,
                 UnwindEnd::NoUnwindInfo => &mut self.no_unwind_info,
+                UnwindEnd::Unsupported(UnsupportedCfi::StackSwitch) => &mut self.stack_switch,
                 UnwindEnd::Unsupported(_) => &mut self.unsupported,
                 UnwindEnd::CfaNotIncreasing | UnwindEnd::BadStackAddress => &mut self.corrupt,
                 UnwindEnd::DepthLimit => &mut self.depth_limit,
@@ -1560,6 +1565,8 @@ mod tests {
             UnwindEnd::CfaNotIncreasing,
             UnwindEnd::BadStackAddress,
             UnwindEnd::DepthLimit,
+            UnwindEnd::Unsupported(UnsupportedCfi::StackSwitch),
+            UnwindEnd::Unsupported(UnsupportedCfi::CfaRegister),
         ] {
             early.add(WalkOutcome::Ended(end));
         }
@@ -1569,14 +1576,15 @@ mod tests {
             EarlyEnds {
                 unmapped: 1,
                 no_unwind_info: 2,
-                unsupported: 0,
+                unsupported: 1,
+                stack_switch: 1,
                 corrupt: 2,
                 depth_limit: 1,
                 table_pending: 1,
             }
         );
         let total: u64 = early.by_reason().iter().map(|(count, _)| count).sum();
-        assert_eq!(total, 7, "every early end has a reason in the report");
+        assert_eq!(total, 9, "every early end has a reason in the report");
     }
 
     #[test]
