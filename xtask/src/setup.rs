@@ -51,9 +51,48 @@ const DEBIAN_PACKAGES: &[&str] = &[
 ];
 
 pub fn ensure_all() -> anyhow::Result<()> {
+    ensure_dev_null()?;
     ensure_nightly_rust_src()?;
     ensure_bpf_linker()?;
     ensure_debian_packages(DEBIAN_PACKAGES)?;
+    Ok(())
+}
+
+/// Machines of this kind have been seen with `/dev/null` deleted and
+/// recreated as a regular file by the next `> /dev/null`. It then holds
+/// whatever was last thrown away, and every `Stdio::null()` child reads it:
+/// cargo's rustc probe failed on a gcc error message as its source. Recreate
+/// the device (character device 1:3, as the kernel's devtmpfs makes it).
+fn ensure_dev_null() -> anyhow::Result<()> {
+    use std::os::unix::fs::FileTypeExt as _;
+    let dev_null = Path::new("/dev/null");
+    if std::fs::metadata(dev_null).is_ok_and(|meta| meta.file_type().is_char_device()) {
+        return Ok(());
+    }
+    eprintln!("setup: /dev/null is not the null device; recreating it");
+    match std::fs::remove_file(dev_null) {
+        Ok(()) => {}
+        Err(err) if err.kind() == std::io::ErrorKind::NotFound => {}
+        Err(err) => return Err(err).context("removing the /dev/null impostor (needs root)"),
+    }
+    // SAFETY: the path is a NUL-terminated literal; mknod has no other
+    // memory-safety preconditions.
+    let made = unsafe {
+        libc::mknod(
+            c"/dev/null".as_ptr(),
+            libc::S_IFCHR | 0o666,
+            libc::makedev(1, 3),
+        )
+    };
+    if made != 0 {
+        return Err(std::io::Error::last_os_error()).context("mknod /dev/null c 1 3 (needs root)");
+    }
+    // mknod's mode is masked by the umask; the null device is for everyone.
+    std::fs::set_permissions(
+        dev_null,
+        std::os::unix::fs::PermissionsExt::from_mode(0o666),
+    )
+    .context("chmod 666 /dev/null")?;
     Ok(())
 }
 
