@@ -63,6 +63,7 @@ use crate::{
     },
     unwinding::{FrameObject, ModuleFile, Walk},
 };
+use stackscope_telemetry::StateSize;
 
 /// Default length of an interval.
 pub const DEFAULT_INTERVAL: Duration = Duration::from_secs(10);
@@ -551,6 +552,48 @@ impl Aggregator {
         self.exes.forget_all();
         self.containers.forget_all();
         self.jit_names.forget_all();
+    }
+
+    /// Sizes of the interval being built and of what is kept per process.
+    pub fn state_sizes(&self, out: &mut Vec<StateSize>) {
+        let current = &self.current;
+        out.push(StateSize::entries(
+            "interval_samples",
+            current.samples.len(),
+            Some(self.config.max_entries),
+        ));
+        out.push(StateSize::entries(
+            "interval_locations",
+            current.locations.len(),
+            Some(MAX_LOCATIONS),
+        ));
+        out.push(StateSize::entries(
+            "interval_label_sets",
+            current.label_sets.len(),
+            Some(MAX_LABEL_SETS),
+        ));
+        out.push(StateSize::entries(
+            "interval_stacks",
+            current.stack_index.len(),
+            None,
+        ));
+        out.push(
+            StateSize::entries("walk_memo", current.walked.len(), None)
+                .with_bytes(current.walked_bytes, Some(MAX_WALK_MEMO_BYTES)),
+        );
+        out.push(StateSize::entries(
+            "module_memo",
+            current.module_memo.len(),
+            Some(MAX_MODULE_MEMO),
+        ));
+        out.push(StateSize::entries(
+            "open_files",
+            current.files.len() + self.previous_files.len(),
+            None,
+        ));
+        out.push(self.exes.state_size());
+        self.containers.state_sizes(out);
+        out.push(self.jit_names.state_size());
     }
 
     /// How JIT frames were named.

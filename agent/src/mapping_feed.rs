@@ -36,6 +36,7 @@ use stackscope_process_table::{
 };
 
 use crate::unwinding::{StackWalker, Walked};
+use stackscope_telemetry::StateSize;
 
 /// Events held for samples not yet read, at most (a few MB; a fork+exec
 /// brings about seven, and the run loop drains whenever a CPU's ring is a
@@ -122,6 +123,15 @@ impl MappingFeed {
             lost_since_taken: false,
             only: pids.iter().copied().collect(),
         }
+    }
+
+    /// Events read and waiting for the samples before them.
+    pub fn state_size(&self) -> StateSize {
+        StateSize::entries(
+            "mapping_events_pending",
+            self.pending.len(),
+            Some(MAX_PENDING),
+        )
     }
 
     pub fn stats(&self) -> FeedStats {

@@ -12,7 +12,7 @@ use std::{
 };
 
 use stackscope_telemetry::{
-    ConstMetrics, Health,
+    ConstMetrics, Health, StateSize,
     prometheus_client::{
         collector::Collector,
         encoding::DescriptorEncoder,
@@ -40,6 +40,8 @@ pub struct RunTotals {
     pub batches: WorkerStats,
     /// Samples held for an unwind table being compiled.
     pub samples_waiting: usize,
+    /// What the agent keeps, against its bounds.
+    pub state: Vec<StateSize>,
 }
 
 /// What the metrics endpoint reads; shared between the run loop, the
@@ -203,6 +205,8 @@ impl AgentMetrics {
             w.plans.thread_plans as f64,
         )?;
 
+        out.state(&run.state)?;
+
         let b = &run.batches;
         out.counter(
             "batches_built",
@@ -328,6 +332,39 @@ mod tests {
         // No exporter: no export metrics rather than zeros that look like
         // a healthy export.
         assert!(!text.contains("export_"), "{text}");
+    }
+
+    #[test]
+    fn state_sizes_are_gauges_by_name_without_unknown_figures() {
+        let telemetry = AgentTelemetry::new();
+        telemetry.metrics.publish(RunTotals {
+            state: vec![
+                StateSize::entries("tables", 3, None).with_bytes(4096, Some(65536)),
+                StateSize::entries("processes", 7, Some(4096)),
+            ],
+            ..RunTotals::default()
+        });
+        let mut text = String::new();
+        stackscope_telemetry::prometheus_client::encoding::text::encode(
+            &mut text,
+            &telemetry.registry(),
+        )
+        .unwrap();
+        let state_lines: Vec<&str> = text
+            .lines()
+            .filter(|l| l.starts_with("stackscope_agent_state") && !l.contains("resets"))
+            .collect();
+        assert_eq!(
+            state_lines,
+            [
+                "stackscope_agent_state_entries{state=\"tables\"} 3.0",
+                "stackscope_agent_state_entries{state=\"processes\"} 7.0",
+                "stackscope_agent_state_max_entries{state=\"processes\"} 4096.0",
+                "stackscope_agent_state_bytes{state=\"tables\"} 4096.0",
+                "stackscope_agent_state_max_bytes{state=\"tables\"} 65536.0",
+            ],
+            "{text}"
+        );
         assert!(text.contains("\nprocess_resident_memory_bytes "), "{text}");
     }
 }

@@ -36,6 +36,7 @@ use crate::{
     unwinding::{StackWalker, UserStack, WalkStats, WalkerConfig},
 };
 use stackscope_process_table::table::TableStats;
+use stackscope_telemetry::StateSize;
 use stackscope_unwind::TailSpan;
 
 /// Where finished batches go: the exporter's queue, or a test's list.
@@ -394,6 +395,7 @@ pub async fn run(
                         walks: records.walker.stats(),
                         batches: worker.stats(),
                         samples_waiting: records.walker.waiting(),
+                        state: records.state_sizes(&worker),
                     });
                 }
             }
@@ -624,6 +626,16 @@ impl RecordTally {
 }
 
 impl RecordTally {
+    /// Everything the run loop keeps, against its bounds (the batch
+    /// worker's as of its last batch).
+    fn state_sizes(&self, worker: &BatchWorker) -> Vec<StateSize> {
+        let mut sizes = vec![self.processes.state_size(), self.feed.state_size()];
+        self.walker.state_sizes(&mut sizes);
+        self.aggregator.state_sizes(&mut sizes);
+        worker.state_sizes(&mut sizes);
+        sizes
+    }
+
     fn add(&mut self, bytes: &[u8]) {
         self.totals.records += 1;
         self.totals.bytes += bytes.len() as u64;

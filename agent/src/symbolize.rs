@@ -57,6 +57,7 @@ pub use cache::GenerationalCache;
 use kernel::KernelSymbols;
 
 use crate::unwinding::ModuleFile;
+use stackscope_telemetry::StateSize;
 
 /// Names kept by default: a few hundred bytes each, so tens of MB at most.
 pub const DEFAULT_MAX_CACHED_NAMES: usize = 1 << 18;
@@ -388,6 +389,35 @@ impl Symbolizer {
         if self.kernel_loaded.elapsed() >= self.config.kallsyms_reload {
             self.reload_kallsyms();
         }
+    }
+
+    /// Sizes of the caches naming keeps between batches.
+    pub fn state_sizes(&self, out: &mut Vec<StateSize>) {
+        out.push(StateSize::entries(
+            "symbol_names",
+            self.names.len(),
+            Some(self.config.max_cached_names.max(2)),
+        ));
+        out.push(StateSize::entries(
+            "symbolizer_files",
+            self.registered.len(),
+            Some(self.config.max_open_objects.max(1)),
+        ));
+        out.push(StateSize::entries(
+            "code_segments",
+            self.code_segments.len(),
+            Some(MAX_SEGMENT_OBJECTS),
+        ));
+        let (max_go_entries, max_go_bytes) = self.go_functions.limits();
+        out.push(
+            StateSize::entries("go_tables", self.go_functions.len(), Some(max_go_entries))
+                .with_bytes(self.go_functions.bytes(), Some(max_go_bytes)),
+        );
+        out.push(StateSize::entries(
+            "kernel_module_ids",
+            self.module_build_ids.len(),
+            None,
+        ));
     }
 
     pub fn stats(&self) -> SymbolizeStats {

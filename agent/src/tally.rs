@@ -6,6 +6,8 @@
 
 use foldhash::{HashMap, HashMapExt as _};
 
+use stackscope_telemetry::StateSize;
+
 /// One process's share of the samples.
 #[derive(Debug, Clone, PartialEq, Eq, serde::Serialize)]
 pub struct ProcessSamples {
@@ -84,6 +86,11 @@ impl ProcessTally {
         all.sort_by(|a, b| b.samples.cmp(&a.samples).then(a.tgid.cmp(&b.tgid)));
         all.truncate(n);
         all
+    }
+
+    /// Processes counted, against the table's capacity.
+    pub fn state_size(&self) -> StateSize {
+        StateSize::entries("sampled_processes", self.by_tgid.len(), Some(self.capacity))
     }
 
     /// Samples of processes that arrived after the table was full.

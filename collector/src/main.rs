@@ -52,6 +52,9 @@ struct Args {
     /// Delete samples older than this.
     #[arg(long, default_value = "7d", value_parser = humantime::parse_duration)]
     retention: Duration,
+    /// How often samples past the retention are deleted.
+    #[arg(long, default_value = "10m", value_parser = humantime::parse_duration)]
+    retention_interval: Duration,
     /// Largest batch accepted, in bytes (decompressed).
     #[arg(long, default_value_t = 64 << 20)]
     max_batch_bytes: usize,
@@ -209,6 +212,12 @@ async fn main() -> anyhow::Result<()> {
             Debuginfod::new(config).context("--debuginfod-urls")?,
         ))
     };
+    if args.retention_interval < Duration::from_secs(1) {
+        anyhow::bail!(
+            "--retention-interval {:?} is too short: at least 1s",
+            args.retention_interval
+        );
+    }
     let symbolizer = Symbolizer::start(Arc::clone(&store), debuginfod)
         .context("starting the symbolizer thread")?;
     let config = ServerConfig {
@@ -216,6 +225,7 @@ async fn main() -> anyhow::Result<()> {
         http_listen: (!args.no_http).then_some(args.http_listen),
         max_message_bytes: args.max_batch_bytes,
         retention: args.retention,
+        retention_interval: args.retention_interval,
         tls,
         ingest_token,
         query_token,

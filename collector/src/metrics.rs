@@ -24,7 +24,7 @@ use stackscope_telemetry::{
     },
 };
 
-use crate::storage::Storage;
+use crate::{debuginfo::symbolize::Symbolizer, storage::Storage};
 
 type Labels = [(&'static str, &'static str); 1];
 type QueryLabels = [(&'static str, &'static str); 2];
@@ -110,7 +110,11 @@ impl CollectorMetrics {
 
     /// The registry to serve: process metrics, and the collector's under
     /// `stackscope_collector_`, storage size included.
-    pub fn registry(&self, storage: Arc<dyn Storage>) -> Registry {
+    pub fn registry(
+        &self,
+        storage: Arc<dyn Storage>,
+        symbolizer: Option<Arc<Symbolizer>>,
+    ) -> Registry {
         let mut registry = Registry::default();
         registry.register_collector(Box::new(stackscope_telemetry::ProcessMetrics));
         let own = registry.sub_registry_with_prefix("stackscope_collector");
@@ -136,30 +140,43 @@ impl CollectorMetrics {
             Unit::Seconds,
             self.query_seconds.clone(),
         );
-        own.register_collector(Box::new(StorageSize(storage)));
+        own.register_collector(Box::new(Sizes {
+            storage,
+            symbolizer,
+        }));
         registry
     }
 }
 
-/// The storage's size on disk, read at scrape time.
-struct StorageSize(Arc<dyn Storage>);
+/// The storage's size on disk and the sizes of the collector's caches
+/// (the storage engine's and naming's), read at scrape time.
+struct Sizes {
+    storage: Arc<dyn Storage>,
+    symbolizer: Option<Arc<Symbolizer>>,
+}
 
-impl fmt::Debug for StorageSize {
+impl fmt::Debug for Sizes {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str("StorageSize")
+        f.write_str("Sizes")
     }
 }
 
-impl Collector for StorageSize {
+impl Collector for Sizes {
     fn encode(&self, encoder: DescriptorEncoder<'_>) -> fmt::Result {
-        match self.0.disk_bytes() {
-            Some(bytes) => ConstMetrics::new(encoder).gauge(
+        let mut out = ConstMetrics::new(encoder);
+        if let Some(bytes) = self.storage.disk_bytes() {
+            out.gauge(
                 "storage",
                 "Size of the stored profiles on disk.",
                 Some(Unit::Bytes),
                 bytes as f64,
-            ),
-            None => Ok(()),
+            )?;
         }
+        let mut state = Vec::new();
+        self.storage.state_sizes(&mut state);
+        if let Some(symbolizer) = &self.symbolizer {
+            symbolizer.state_sizes(&mut state);
+        }
+        out.state(&state)
     }
 }

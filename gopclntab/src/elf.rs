@@ -170,4 +170,18 @@ impl<K: Eq + Hash> GoTableCache<K> {
     pub fn bytes(&self) -> usize {
         self.bytes
     }
+
+    /// Files known (with a table or without).
+    pub fn len(&self) -> usize {
+        self.tables.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.tables.is_empty()
+    }
+
+    /// The bounds: entries and bytes.
+    pub fn limits(&self) -> (usize, usize) {
+        (self.max_entries, self.max_bytes)
+    }
 }

@@ -208,12 +208,102 @@ impl<'a> ConstMetrics<'a> {
         Ok(())
     }
 
+    /// Each piece of state's size and bounds (`<prefix>_state_entries`,
+    /// `_state_max_entries`, `_state_bytes`, `_state_max_bytes`), labelled
+    /// `state` by the piece's name; figures not known are left out.
+    pub fn state(&mut self, state: &[StateSize]) -> fmt::Result {
+        type Figure = fn(&StateSize) -> Option<usize>;
+        let families: [(&str, &str, Option<Unit>, Figure); 4] = [
+            (
+                "state_entries",
+                "Entries held by each piece of long-lived state (caches, per-process maps, queues).",
+                None,
+                |s| Some(s.entries),
+            ),
+            (
+                "state_max_entries",
+                "The most entries each piece of state keeps.",
+                None,
+                |s| s.max_entries,
+            ),
+            (
+                "state",
+                "Heap bytes held by each piece of state, where counted.",
+                Some(Unit::Bytes),
+                |s| s.bytes,
+            ),
+            (
+                "state_max",
+                "The most heap bytes each piece of state keeps.",
+                Some(Unit::Bytes),
+                |s| s.max_bytes,
+            ),
+        ];
+        for (name, help, unit, figure) in families {
+            let values: Vec<(&str, f64)> = state
+                .iter()
+                .filter_map(|s| Some((s.name, figure(s)? as f64)))
+                .collect();
+            self.gauges(name, help, unit, "state", &values)?;
+        }
+        Ok(())
+    }
+
+    /// One gauge per value of `label`.
+    pub fn gauges(
+        &mut self,
+        name: &str,
+        help: &str,
+        unit: Option<Unit>,
+        label: &str,
+        values: &[(&str, f64)],
+    ) -> fmt::Result {
+        let mut family =
+            self.encoder
+                .encode_descriptor(name, help, unit.as_ref(), MetricType::Gauge)?;
+        for &(value, gauge) in values {
+            let labels = [(label, value)];
+            ConstGauge::new(gauge).encode(family.encode_family(&labels)?)?;
+        }
+        Ok(())
+    }
+
     pub fn gauge(&mut self, name: &str, help: &str, unit: Option<Unit>, value: f64) -> fmt::Result {
         let metric = ConstGauge::new(value);
         let encoder =
             self.encoder
                 .encode_descriptor(name, help, unit.as_ref(), metric.metric_type())?;
         metric.encode(encoder)
+    }
+}
+
+/// One piece of state: entries now, heap bytes where they are counted, and
+/// the bounds it is kept within (`None`: bounded by something else, such as
+/// the processes that hold it, which is itself listed).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct StateSize {
+    pub name: &'static str,
+    pub entries: usize,
+    pub max_entries: Option<usize>,
+    pub bytes: Option<usize>,
+    pub max_bytes: Option<usize>,
+}
+
+impl StateSize {
+    pub fn entries(name: &'static str, entries: usize, max_entries: Option<usize>) -> Self {
+        Self {
+            name,
+            entries,
+            max_entries,
+            bytes: None,
+            max_bytes: None,
+        }
+    }
+
+    pub fn with_bytes(mut self, bytes: usize, max_bytes: Option<usize>) -> Self {
+        self.bytes = Some(bytes);
+        self.max_bytes = max_bytes;
+        self
     }
 }
 

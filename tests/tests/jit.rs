@@ -68,7 +68,9 @@ fn walks_and_names_jit_frames(perf_flag: &str) {
     let walks = unwinding["walks"].as_u64().expect("walks");
     let jit_walks = unwinding["jit_walks"].as_u64().expect("jit_walks");
     let jit_outermost = unwinding["jit_outermost"].as_u64().expect("jit_outermost");
-    assert!(walks > 300, "only {walks} walks in 5 s at 199 Hz");
+    // Enough walks for the shares below to mean something, even on a
+    // machine busy enough to give node a third of a CPU.
+    assert!(walks > 150, "only {walks} walks in 5 s at 199 Hz");
     assert!(
         jit_walks * 100 >= walks * 80,
         "only {jit_walks} of {walks} walks went through JIT code"
@@ -138,7 +140,9 @@ fn walks_out_of_the_cpp_runtime_through_v8s_builtins_to_the_root() {
     let unwinding = &report["unwinding"];
     let walks = unwinding["walks"].as_u64().expect("walks");
     let outermost = unwinding["outermost"].as_u64().expect("outermost");
-    assert!(walks > 300, "only {walks} walks in 5 s at 199 Hz");
+    // Enough walks for the shares below to mean something, even on a
+    // machine busy enough to give node a third of a CPU.
+    assert!(walks > 150, "only {walks} walks in 5 s at 199 Hz");
     assert!(
         outermost * 100 >= walks * 95,
         "only {outermost} of {walks} walks reached the root: {unwinding}"

@@ -13,6 +13,8 @@ use std::{
     sync::Arc,
 };
 
+use stackscope_telemetry::StateSize;
+
 /// Label names, as shipped.
 pub const COMM: &str = "comm";
 pub const EXE: &str = "exe";
@@ -210,6 +212,15 @@ impl ExeCache {
 
     pub fn len(&self) -> usize {
         self.by_tgid.len()
+    }
+
+    /// Exes kept, read and learned, and the bound of each of the two.
+    pub fn state_size(&self) -> StateSize {
+        StateSize::entries(
+            "exes",
+            self.by_tgid.len() + self.learned.len(),
+            Some(2 * self.capacity),
+        )
     }
 
     pub fn is_empty(&self) -> bool {

@@ -31,6 +31,7 @@ use crate::{
     export::debuginfo::UploadQueue,
     symbolize::{SymbolizeStats, Symbolizer, SymbolizerConfig},
 };
+use stackscope_telemetry::StateSize;
 
 /// What the worker has done so far.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, serde::Serialize)]
@@ -62,6 +63,8 @@ pub struct BatchWorker {
     batches: UnboundedReceiver<v1::Batch>,
     thread: Option<JoinHandle<()>>,
     shared: Arc<Mutex<WorkerStats>>,
+    /// The symbolizer's state sizes, as of the last batch.
+    state: Arc<Mutex<Vec<StateSize>>>,
     dropped: u64,
 }
 
@@ -77,11 +80,19 @@ impl BatchWorker {
         let (built, batches) = unbounded_channel();
         let shared = Arc::new(Mutex::new(WorkerStats::default()));
         let stats = Arc::clone(&shared);
+        let state = Arc::new(Mutex::new(Vec::new()));
+        let worker_state = Arc::clone(&state);
+        let publish_state = move |symbolizer: &Symbolizer| {
+            let mut sizes = Vec::new();
+            symbolizer.state_sizes(&mut sizes);
+            *worker_state.lock().unwrap_or_else(PoisonError::into_inner) = sizes;
+        };
         let thread = std::thread::Builder::new()
             .name("stackscope-batch".into())
             .spawn(move || {
                 let mut symbolizer = Symbolizer::new(symbolizer);
                 lock(&stats).symbolize = symbolizer.stats();
+                publish_state(&symbolizer);
                 for interval in waiting {
                     if interval.samples.is_empty() {
                         lock(&stats).intervals_empty += 1;
@@ -109,6 +120,7 @@ impl BatchWorker {
                         stats.last_batch_samples = batch.samples.len() as u64;
                         stats.symbolize = symbolizer.stats();
                     }
+                    publish_state(&symbolizer);
                     if built.send(batch).is_err() {
                         // Nobody takes batches any more: the run is over.
                         break;
@@ -120,6 +132,7 @@ impl BatchWorker {
             batches,
             thread: Some(thread),
             shared,
+            state,
             dropped: 0,
         })
     }
@@ -157,6 +170,11 @@ impl BatchWorker {
             Some(batch) => batch,
             None => std::future::pending().await,
         }
+    }
+
+    /// The symbolizer's state sizes, as of the last batch built.
+    pub fn state_sizes(&self, out: &mut Vec<StateSize>) {
+        out.extend_from_slice(&self.state.lock().unwrap_or_else(PoisonError::into_inner));
     }
 
     pub fn stats(&self) -> WorkerStats {

@@ -30,6 +30,8 @@ use stackscope_process_table::container::{self, ContainerIdentity};
 use kubelet::PodList;
 use runtime_names::RuntimeNames;
 
+use stackscope_telemetry::StateSize;
+
 /// The container labels of a sample. Empty strings for what is unknown
 /// (no pod outside Kubernetes, no name before the runtime has written it).
 #[derive(Debug, Clone, PartialEq, Eq, Hash)]
@@ -85,6 +87,20 @@ pub struct ContainerIndex {
 }
 
 impl ContainerIndex {
+    /// Processes and containers whose labels are kept.
+    pub fn state_sizes(&self, out: &mut Vec<StateSize>) {
+        out.push(StateSize::entries(
+            "container_processes",
+            self.by_tgid.len(),
+            Some(MAX_PROCESSES),
+        ));
+        out.push(StateSize::entries(
+            "containers",
+            self.by_container.len(),
+            Some(MAX_PROCESSES),
+        ));
+    }
+
     pub fn new(proc_root: &Path, names: RuntimeNames) -> Self {
         Self {
             proc_root: proc_root.to_path_buf(),

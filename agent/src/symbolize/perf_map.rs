@@ -38,6 +38,7 @@ use std::{
 use foldhash::{HashMap, HashMapExt as _};
 
 use super::jitdump::{DumpEvent, DumpReader};
+use stackscope_telemetry::StateSize;
 
 /// Shortest time between two reads of one process's map: a frame that no
 /// entry covers (code the JIT has not described yet, or never will) costs
@@ -224,6 +225,12 @@ impl PerfMaps {
     /// Processes whose maps are kept now.
     pub fn tracked(&self) -> usize {
         self.maps.len()
+    }
+
+    /// The maps kept: processes and bytes of entries.
+    pub fn state_size(&self) -> StateSize {
+        StateSize::entries("perf_maps", self.maps.len(), Some(MAX_PROCESSES))
+            .with_bytes(self.total_bytes, Some(self.max_total_bytes))
     }
 
     /// The name of the JIT code at `address` in process `tgid` (started at

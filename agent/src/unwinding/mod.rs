@@ -46,6 +46,8 @@ use stackscope_unwind::{
 };
 use stitching::{PlanStats, PlanUpdate, Planner, RemoteStack, WalkReport};
 
+use stackscope_telemetry::StateSize;
+
 /// How the walker caches tables and holds samples that wait for one.
 #[derive(Debug, Clone)]
 pub struct WalkerConfig {
@@ -1093,6 +1095,51 @@ impl StackWalker {
     /// The program `tgid` exec'd, as the mapping feed saw it mapped.
     pub fn learned_exe(&self, tgid: u32) -> Option<&Path> {
         self.processes.learned_exe(tgid)
+    }
+
+    /// Sizes of what the walker keeps between samples.
+    pub fn state_sizes(&self, out: &mut Vec<StateSize>) {
+        use stackscope_process_table::table;
+        out.push(StateSize::entries(
+            "process_table",
+            self.processes.len(),
+            Some(table::MAX_PROCESSES),
+        ));
+        out.push(StateSize::entries(
+            "file_identities",
+            self.processes.cached_objects(),
+            Some(table::MAX_CACHED_OBJECTS),
+        ));
+        out.push(StateSize::entries(
+            "process_modules",
+            self.modules.len(),
+            Some(MAX_PROCESSES),
+        ));
+        // Tables some process holds are bounded by the processes and their
+        // modules; the rest by the cache's byte budget.
+        let (mut bytes, mut unused, mut unused_bytes) = (0, 0, 0);
+        for cached in self.tables.by_object.values() {
+            if let ModuleTable::Ready(table) = &cached.table {
+                bytes += table.heap_bytes();
+            }
+            if let Some(table) = cached.unused_table() {
+                unused += 1;
+                unused_bytes += table.heap_bytes();
+            }
+        }
+        out.push(
+            StateSize::entries("unwind_tables", self.tables.by_object.len(), None)
+                .with_bytes(bytes, None),
+        );
+        out.push(
+            StateSize::entries("unwind_tables_unused", unused, None)
+                .with_bytes(unused_bytes, Some(self.table_cache_bytes)),
+        );
+        out.push(
+            StateSize::entries("samples_waiting", self.waiting.len(), None)
+                .with_bytes(self.waiting_bytes, Some(self.max_waiting_bytes)),
+        );
+        self.planner.state_sizes(out);
     }
 
     /// What the process table learned from the mapping feed.

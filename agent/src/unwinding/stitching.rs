@@ -31,6 +31,8 @@ use agent_common::{
 };
 use stackscope_unwind::{StackMemory, UnwindEnd};
 
+use stackscope_telemetry::StateSize;
+
 /// A change for the sampler's maps, queued for the run loop.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum PlanUpdate {
@@ -192,6 +194,30 @@ impl Planner {
             reads: Vec::new(),
             stats: PlanStats::default(),
         }
+    }
+
+    /// Sizes of what the planner keeps per process and per thread.
+    pub fn state_sizes(&self, out: &mut Vec<StateSize>) {
+        out.push(StateSize::entries(
+            "copy_sizes",
+            self.processes.len(),
+            Some(MAX_PROCESSES),
+        ));
+        out.push(StateSize::entries(
+            "stack_plans",
+            self.threads.len(),
+            Some(2 * MAX_STACK_PLANS as usize),
+        ));
+        out.push(StateSize::entries(
+            "stack_tops",
+            self.tops.len(),
+            Some(MAX_STACK_TOPS as usize),
+        ));
+        out.push(StateSize::entries(
+            "deep_programs",
+            self.deep_programs.len(),
+            Some(MAX_DEEP_PROGRAMS),
+        ));
     }
 
     pub fn stats(&self) -> PlanStats {

@@ -17,6 +17,7 @@ use std::{
     time::{Duration, Instant},
 };
 
+use stackscope_telemetry::StateSize;
 use tokio::sync::{Semaphore, watch};
 
 use super::{DebuginfoError, DebuginfoStore, ElfCheckError};
@@ -124,6 +125,22 @@ impl Debuginfod {
             config,
             state: Mutex::new(State::default()),
         })
+    }
+
+    /// Build-ids remembered as missing, and fetches under way.
+    pub fn state_sizes(&self, out: &mut Vec<StateSize>) {
+        let state = self.lock();
+        out.push(StateSize::entries(
+            "debuginfod_missing",
+            state.missing.len(),
+            Some(MAX_REMEMBERED_MISSING),
+        ));
+        // One per build-id a query waits for: bounded by the queries.
+        out.push(StateSize::entries(
+            "debuginfod_fetches",
+            state.in_flight.len(),
+            None,
+        ));
     }
 
     fn lock(&self) -> std::sync::MutexGuard<'_, State> {

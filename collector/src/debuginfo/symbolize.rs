@@ -17,7 +17,7 @@ use std::{
     collections::{BTreeMap, HashMap, HashSet},
     panic::AssertUnwindSafe,
     path::PathBuf,
-    sync::{Arc, mpsc},
+    sync::{Arc, Mutex, PoisonError, mpsc},
 };
 
 use blazesym::symbolize::{
@@ -30,6 +30,7 @@ use stackscope_profile::{
 };
 
 use stackscope_gopclntab::elf::{GoFunctions, GoTableCache};
+use stackscope_telemetry::StateSize;
 use tokio::sync::oneshot;
 
 use super::{DebuginfoStore, ElfContent, check_elf, debuginfod::Debuginfod};
@@ -56,6 +57,8 @@ pub struct Symbolizer {
     store: Arc<dyn DebuginfoStore>,
     debuginfod: Option<Arc<Debuginfod>>,
     requests: mpsc::Sender<Request>,
+    /// The thread's cache sizes, as of its last request.
+    sizes: Arc<Mutex<Vec<StateSize>>>,
 }
 
 /// The frames of one named address, innermost first.
@@ -111,6 +114,8 @@ impl Symbolizer {
     ) -> std::io::Result<Self> {
         let (requests, incoming) = mpsc::channel::<Request>();
         let thread_store = Arc::clone(&store);
+        let sizes = Arc::new(Mutex::new(Vec::new()));
+        let thread_sizes = Arc::clone(&sizes);
         std::thread::Builder::new()
             .name("symbolizer".into())
             .spawn(move || {
@@ -127,13 +132,24 @@ impl Symbolizer {
                 for request in incoming {
                     let names = state.lookup(request.wanted);
                     let _ = request.reply.send(names);
+                    *thread_sizes.lock().unwrap_or_else(PoisonError::into_inner) = state.sizes();
                 }
             })?;
         Ok(Self {
             store,
             debuginfod,
             requests,
+            sizes,
         })
+    }
+
+    /// The caches naming keeps (as of the last query that named frames)
+    /// and debuginfod's.
+    pub fn state_sizes(&self, out: &mut Vec<StateSize>) {
+        out.extend_from_slice(&self.sizes.lock().unwrap_or_else(PoisonError::into_inner));
+        if let Some(debuginfod) = &self.debuginfod {
+            debuginfod.state_sizes(out);
+        }
     }
 
     /// `samples` with every frame the debuginfo at hand names replaced by
@@ -166,6 +182,24 @@ impl Symbolizer {
 }
 
 impl State {
+    fn sizes(&self) -> Vec<StateSize> {
+        vec![
+            StateSize::entries("symbol_names", self.cached, Some(MAX_CACHED_NAMES)),
+            StateSize::entries(
+                "symbolizer_files",
+                self.files.len(),
+                Some(MAX_CHECKED_FILES),
+            ),
+            StateSize::entries(
+                "symbolizer_parsed",
+                self.parsed.len(),
+                Some(MAX_PARSED_FILES),
+            ),
+            StateSize::entries("go_tables", self.go.len(), Some(self.go.limits().0))
+                .with_bytes(self.go.bytes(), Some(self.go.limits().1)),
+        ]
+    }
+
     /// Names for `wanted` from the cache and the store's files.
     fn lookup(&mut self, wanted: Wanted) -> Names {
         let mut found = Names::new();

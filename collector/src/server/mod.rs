@@ -260,7 +260,10 @@ pub async fn start(
                 ))
                 .merge(http::ui_router())
                 .merge(stackscope_telemetry::router(
-                    Arc::new(metrics.registry(Arc::clone(&storage))),
+                    Arc::new(metrics.registry(
+                        Arc::clone(&storage),
+                        config.debuginfo.as_ref().map(|d| Arc::clone(&d.symbolizer)),
+                    )),
                     Arc::clone(&health),
                 ));
             let http_stop = stopped(stop_rx.clone());

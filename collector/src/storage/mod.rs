@@ -10,6 +10,8 @@ pub mod sqlite;
 
 use stackscope_profile::model::{Selection, StackSamples};
 
+use stackscope_telemetry::StateSize;
+
 use crate::ingest::ValidBatch;
 
 /// What storing a batch did.
@@ -125,5 +127,11 @@ pub trait Storage: Send + Sync + 'static {
     /// the engine keeps them elsewhere.
     fn disk_bytes(&self) -> Option<u64> {
         None
+    }
+
+    /// The sizes of the engine's in-memory caches against their bounds
+    /// (left out while a long ingest or query holds them).
+    fn state_sizes(&self, out: &mut Vec<StateSize>) {
+        let _ = out;
     }
 }

@@ -61,6 +61,8 @@ use self::{
     codec::{RowReader, RowWriter},
     schema::{SCHEMA_VERSION, Tables},
 };
+use stackscope_telemetry::StateSize;
+
 use super::{
     IngestOutcome, Storage, StorageError,
     sqlite::{label_set_hash, location_hash, mapping_hash, resolve_frames},
@@ -1303,6 +1305,28 @@ impl Storage for ClickhouseStorage {
 
     /// `None`: the data is on the ClickHouse servers' disks, not this
     /// machine's (`system.parts` there tells how much).
+    fn state_sizes(&self, out: &mut Vec<StateSize>) {
+        let size = |name, entries: usize, capacity: usize| {
+            StateSize::entries(name, entries, Some(capacity))
+        };
+        if let Ok(stacks) = self.stored_stacks.try_lock() {
+            out.push(size("ingest_stacks", stacks.entries.len(), stacks.capacity));
+        }
+        if let Ok(sets) = self.stored_label_sets.try_lock() {
+            out.push(size("ingest_label_sets", sets.entries.len(), sets.capacity));
+        }
+        if let Ok(caches) = self.query_caches.try_lock() {
+            for (name, map) in [
+                ("query_stacks", &caches.stacks),
+                ("query_locations", &caches.locations),
+            ] {
+                out.push(size(name, map.entries.len(), map.capacity));
+            }
+            let sets = &caches.label_sets;
+            out.push(size("query_label_sets", sets.entries.len(), sets.capacity));
+        }
+    }
+
     fn disk_bytes(&self) -> Option<u64> {
         None
     }

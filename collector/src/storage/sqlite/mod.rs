@@ -65,6 +65,8 @@ use stackscope_profile::model::{
     CodeAddress, Frame, PeriodAgreement, Selection, StackSamples, WeightedStack, unix_nanos,
 };
 
+use stackscope_telemetry::StateSize;
+
 use super::{IngestOutcome, Storage, StorageError};
 use crate::ingest::{CodeSegment, LineRecord, MappingKind, MappingRecord, ValidBatch};
 use rollup::Tiers;
@@ -681,6 +683,44 @@ impl Storage for SqliteStorage {
             std::thread::yield_now();
         }
         Ok(spans)
+    }
+
+    fn state_sizes(&self, out: &mut Vec<StateSize>) {
+        // A scrape must not wait behind an ingest or a query.
+        if let Ok(writer) = self.writer.try_lock() {
+            for (name, dictionary) in [
+                ("ingest_mappings", &writer.mappings),
+                ("ingest_locations", &writer.locations),
+                ("ingest_stacks", &writer.stacks),
+                ("ingest_label_sets", &writer.label_sets),
+            ] {
+                out.push(StateSize::entries(
+                    name,
+                    dictionary.entries.len(),
+                    Some(dictionary.capacity),
+                ));
+            }
+        }
+        if let Ok(reader) = self.reader.try_lock() {
+            let caches = &reader.caches;
+            let capacity = Some(caches.frame_capacity);
+            out.push(StateSize::entries(
+                "query_frames",
+                caches.frames.len(),
+                capacity,
+            ));
+            out.push(StateSize::entries(
+                "query_stacks",
+                caches.stacks.len(),
+                capacity,
+            ));
+            // Every stored label set: bounded by what retention keeps.
+            out.push(StateSize::entries(
+                "query_label_sets",
+                caches.label_sets.sets.len(),
+                None,
+            ));
+        }
     }
 
     /// The database file with its write-ahead log and shared-memory index.
