@@ -554,6 +554,18 @@ impl Aggregator {
         self.jit_names.forget_all();
     }
 
+    /// Every process labels, exes or perf maps are kept for.
+    pub fn tracked_processes_into(&self, out: &mut Vec<u32>) {
+        self.exes.tgids_into(out);
+        self.containers.tgids_into(out);
+        self.jit_names.tgids_into(out);
+    }
+
+    /// Where procfs is mounted.
+    pub fn proc_root(&self) -> &Path {
+        &self.config.proc_root
+    }
+
     /// Sizes of the interval being built and of what is kept per process.
     pub fn state_sizes(&self, out: &mut Vec<StateSize>) {
         let current = &self.current;
@@ -572,15 +584,18 @@ impl Aggregator {
             current.label_sets.len(),
             Some(MAX_LABEL_SETS),
         ));
+        // Stacks are added only while the samples are within their bound,
+        // plus the one that stands for the samples past it.
         out.push(StateSize::entries(
             "interval_stacks",
             current.stack_index.len(),
-            None,
+            Some(self.config.max_entries + 1),
         ));
-        out.push(
-            StateSize::entries("walk_memo", current.walked.len(), None)
-                .with_bytes(current.walked_bytes, Some(MAX_WALK_MEMO_BYTES)),
-        );
+        out.push(StateSize::bytes(
+            "walk_memo",
+            current.walked_bytes,
+            Some(MAX_WALK_MEMO_BYTES),
+        ));
         out.push(StateSize::entries(
             "module_memo",
             current.module_memo.len(),

@@ -218,7 +218,7 @@ impl<'a> ConstMetrics<'a> {
                 "state_entries",
                 "Entries held by each piece of long-lived state (caches, per-process maps, queues).",
                 None,
-                |s| Some(s.entries),
+                |s| s.entries,
             ),
             (
                 "state_max_entries",
@@ -283,7 +283,7 @@ impl<'a> ConstMetrics<'a> {
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct StateSize {
     pub name: &'static str,
-    pub entries: usize,
+    pub entries: Option<usize>,
     pub max_entries: Option<usize>,
     pub bytes: Option<usize>,
     pub max_bytes: Option<usize>,
@@ -293,10 +293,21 @@ impl StateSize {
     pub fn entries(name: &'static str, entries: usize, max_entries: Option<usize>) -> Self {
         Self {
             name,
-            entries,
+            entries: Some(entries),
             max_entries,
             bytes: None,
             max_bytes: None,
+        }
+    }
+
+    /// State measured in bytes only.
+    pub fn bytes(name: &'static str, bytes: usize, max_bytes: Option<usize>) -> Self {
+        Self {
+            name,
+            entries: None,
+            max_entries: None,
+            bytes: Some(bytes),
+            max_bytes,
         }
     }
 

@@ -9,6 +9,7 @@ mod kernels;
 mod mappings;
 mod overhead;
 mod setup;
+mod soak;
 
 use std::{
     path::{Path, PathBuf},
@@ -51,6 +52,16 @@ enum Task {
     /// Build the agent's and the collector's container images with podman
     /// (no registry) and print their sizes.
     Image,
+    /// The agent and the collector (release builds) under a mixed load for
+    /// N minutes, with a collector restart: prints every cache's and
+    /// queue's size over time and fails if one keeps growing.
+    Soak {
+        #[arg(long, default_value_t = 60.0)]
+        minutes: f64,
+        /// Soak the debug builds (as `cargo xtask test` does).
+        #[arg(long)]
+        debug: bool,
+    },
 }
 
 fn main() -> anyhow::Result<()> {
@@ -72,6 +83,10 @@ fn main() -> anyhow::Result<()> {
         Task::Image => {
             setup::ensure_all()?;
             image::build()
+        }
+        Task::Soak { minutes, debug } => {
+            setup::ensure_all()?;
+            soak::run(minutes, !debug)
         }
     }
 }
@@ -187,6 +202,9 @@ pub(crate) fn wait_for_listener(addr: &str, child: &mut std::process::Child) -> 
     }
 }
 
+/// How long `cargo xtask test` soaks.
+const SOAK_TEST_MINUTES: f64 = 2.0;
+
 fn test() -> anyhow::Result<()> {
     setup::ensure_all()?;
     require_root("the end-to-end tests load BPF programs")?;
@@ -227,6 +245,9 @@ fn test() -> anyhow::Result<()> {
         "--bench",
         "symbolize",
     ])?;
+    // Two minutes of the soak (debug builds): nothing grows past warm-up
+    // and nothing is lost across a collector restart.
+    soak::run(SOAK_TEST_MINUTES, false)?;
     // The BPF program and the unwinder on the older kernels fleets run.
     kernels::test()?;
     eprintln!("all tests passed");

@@ -52,7 +52,8 @@ use stackscope_telemetry::StateSize;
 #[derive(Debug, Clone)]
 pub struct WalkerConfig {
     /// Bytes of unwind tables kept in memory for objects no tracked process
-    /// maps any more (tables of mapped objects are always kept).
+    /// maps any more (tables of mapped objects are always kept). Beyond,
+    /// they are read back from the disk cache when needed again.
     pub table_cache_bytes: usize,
     /// The on-disk table cache; `None` keeps tables in memory only.
     pub disk_cache: Option<DiskCache>,
@@ -77,7 +78,7 @@ pub struct WalkerConfig {
 impl Default for WalkerConfig {
     fn default() -> Self {
         Self {
-            table_cache_bytes: 256 << 20,
+            table_cache_bytes: 64 << 20,
             disk_cache: None,
             compile_threads: 2,
             max_waiting_bytes: 64 << 20,
@@ -1117,20 +1118,17 @@ impl StackWalker {
         ));
         // Tables some process holds are bounded by the processes and their
         // modules; the rest by the cache's byte budget.
-        let (mut bytes, mut unused, mut unused_bytes) = (0, 0, 0);
+        let (mut used, mut used_bytes, mut unused, mut unused_bytes) = (0, 0, 0, 0);
         for cached in self.tables.by_object.values() {
-            if let ModuleTable::Ready(table) = &cached.table {
-                bytes += table.heap_bytes();
-            }
             if let Some(table) = cached.unused_table() {
                 unused += 1;
                 unused_bytes += table.heap_bytes();
+            } else if let ModuleTable::Ready(table) = &cached.table {
+                used += 1;
+                used_bytes += table.heap_bytes();
             }
         }
-        out.push(
-            StateSize::entries("unwind_tables", self.tables.by_object.len(), None)
-                .with_bytes(bytes, None),
-        );
+        out.push(StateSize::entries("unwind_tables_used", used, None).with_bytes(used_bytes, None));
         out.push(
             StateSize::entries("unwind_tables_unused", unused, None)
                 .with_bytes(unused_bytes, Some(self.table_cache_bytes)),
@@ -1140,6 +1138,15 @@ impl StackWalker {
                 .with_bytes(self.waiting_bytes, Some(self.max_waiting_bytes)),
         );
         self.planner.state_sizes(out);
+    }
+
+    /// Every process something is kept for (a process whose exit record
+    /// was lost, or whose late sample came after it, stays until evicted
+    /// unless the run loop finds it gone).
+    pub fn tracked_processes_into(&self, out: &mut Vec<u32>) {
+        out.extend(self.modules.keys());
+        out.extend(self.processes.tgids());
+        self.planner.tracked_processes_into(out);
     }
 
     /// What the process table learned from the mapping feed.

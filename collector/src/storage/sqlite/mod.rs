@@ -274,6 +274,8 @@ pub struct SqliteStorage {
     /// Bumped after retention deleted dictionary rows, so the reader drops
     /// its caches of them.
     generation: AtomicU64,
+    /// SQLite's page cache bound, per connection.
+    page_cache_bytes: usize,
 }
 
 impl std::fmt::Debug for SqliteStorage {
@@ -333,6 +335,7 @@ impl SqliteStorage {
             writer: Mutex::new(Writer::new(conn, options.cache_entries)),
             reader: Mutex::new(Reader::new(reader, options.frame_cache_entries)),
             generation: AtomicU64::new(0),
+            page_cache_bytes: options.page_cache_kib as usize * 1024,
         })
     }
 
@@ -688,6 +691,11 @@ impl Storage for SqliteStorage {
     fn state_sizes(&self, out: &mut Vec<StateSize>) {
         // A scrape must not wait behind an ingest or a query.
         if let Ok(writer) = self.writer.try_lock() {
+            out.push(page_cache(
+                "writer_page_cache",
+                &writer.conn,
+                self.page_cache_bytes,
+            ));
             for (name, dictionary) in [
                 ("ingest_mappings", &writer.mappings),
                 ("ingest_locations", &writer.locations),
@@ -702,6 +710,11 @@ impl Storage for SqliteStorage {
             }
         }
         if let Ok(reader) = self.reader.try_lock() {
+            out.push(page_cache(
+                "reader_page_cache",
+                &reader.conn,
+                self.page_cache_bytes,
+            ));
             let caches = &reader.caches;
             let capacity = Some(caches.frame_capacity);
             out.push(StateSize::entries(
@@ -732,6 +745,29 @@ impl Storage for SqliteStorage {
         };
         Some(size("") + size("-wal") + size("-shm"))
     }
+}
+
+/// The bytes of SQLite's page cache `conn` uses, against its bound.
+fn page_cache(name: &'static str, conn: &Connection, max_bytes: usize) -> StateSize {
+    let (mut used, mut highwater) = (0, 0);
+    // SAFETY: the handle is the open connection's, used by the thread that
+    // holds its mutex; sqlite3_db_status only reads the connection's
+    // counters into the two integers.
+    let status = unsafe {
+        rusqlite::ffi::sqlite3_db_status(
+            conn.handle(),
+            rusqlite::ffi::SQLITE_DBSTATUS_CACHE_USED,
+            &mut used,
+            &mut highwater,
+            0,
+        )
+    };
+    let used = if status == rusqlite::ffi::SQLITE_OK {
+        used.max(0) as usize
+    } else {
+        0
+    };
+    StateSize::bytes(name, used, Some(max_bytes))
 }
 
 /// Calls `each(bucket_start, label_set_id, sample_period_nanos, weight)`
