@@ -487,6 +487,7 @@ fn json_report(
             "outermost": summary.unwinding.outermost,
             "stitched": summary.unwinding.stitched,
             "truncated": summary.unwinding.truncated,
+            "early_ends": summary.unwinding.early_ends,
             "plans": summary.unwinding.plans,
             "state_resets": summary.unwinding.state_resets,
             "processes_replaced": summary.unwinding.processes_replaced,

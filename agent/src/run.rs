@@ -325,6 +325,7 @@ pub async fn run(
                 // period old.
                 records.drain(&mut sampler)?;
                 records.forget_gone_processes();
+                records.walker.trim_tables();
                 let end = nearest_boundary(SystemTime::now(), interval);
                 worker.submit(records.aggregator.finish_interval(end));
             }

@@ -58,6 +58,11 @@ pub const MAX_PROCESSES: usize = 256;
 /// counted.
 pub const MAX_TOTAL_BYTES: usize = 64 << 20;
 
+/// Bytes of entries one process may hold: a quarter of the total, so one
+/// process with an endless map cannot evict every other JIT's names (and
+/// then have its own read again from the start when they come back).
+pub const MAX_PROCESS_BYTES: usize = MAX_TOTAL_BYTES / 4;
+
 /// Longest name kept; longer ones are cut (on a character boundary).
 pub const MAX_NAME_BYTES: usize = 1024;
 
@@ -81,7 +86,8 @@ pub struct PerfMapStats {
     /// Lines read into entries, and lines skipped as malformed.
     pub lines: u64,
     pub malformed: u64,
-    /// Lines skipped because the entries were at their byte bound.
+    /// Lines skipped because the entries were at their byte bound (the
+    /// total, or the process's share of it).
     pub over_budget: u64,
     /// Maps dropped to stay within the bounds.
     pub evicted: u64,
@@ -197,22 +203,25 @@ pub struct PerfMaps {
     maps: HashMap<u32, PerfMap>,
     total_bytes: usize,
     max_total_bytes: usize,
+    max_process_bytes: usize,
     stats: PerfMapStats,
     buffer: Vec<u8>,
 }
 
 impl PerfMaps {
     pub fn new(proc_root: &Path) -> Self {
-        Self::with_budget(proc_root, MAX_TOTAL_BYTES)
+        Self::with_budget(proc_root, MAX_TOTAL_BYTES, MAX_PROCESS_BYTES)
     }
 
-    /// Maps kept within `max_total_bytes` of entries.
-    pub fn with_budget(proc_root: &Path, max_total_bytes: usize) -> Self {
+    /// Maps kept within `max_total_bytes` of entries, each process's within
+    /// `max_process_bytes`.
+    pub fn with_budget(proc_root: &Path, max_total_bytes: usize, max_process_bytes: usize) -> Self {
         Self {
             proc_root: proc_root.to_path_buf(),
             maps: HashMap::new(),
             total_bytes: 0,
             max_total_bytes,
+            max_process_bytes: max_process_bytes.min(max_total_bytes),
             stats: PerfMapStats::default(),
             buffer: Vec::new(),
         }
@@ -402,6 +411,12 @@ impl PerfMaps {
         let Some(map) = self.maps.get_mut(&tgid) else {
             return;
         };
+        if map.bytes + entry_bytes("") > self.max_process_bytes {
+            // Its entries fill its share: every line read now would be
+            // skipped, and reading on (a 2 GB map, 4 MiB a refresh) would
+            // cost the run loop its time and name nothing.
+            return;
+        }
         if map.file.is_none() {
             let Some(file) = open_perf_map(&proc_root, tgid) else {
                 return;
@@ -486,6 +501,11 @@ impl PerfMaps {
     fn add_entry(&mut self, tgid: u32, start: u64, end: u64, name: &str) {
         let name = floor_char_boundary(name, MAX_NAME_BYTES);
         let cost = entry_bytes(name);
+        let own = self.maps.get(&tgid).map_or(0, |map| map.bytes);
+        if own + cost > self.max_process_bytes {
+            self.stats.over_budget += 1;
+            return;
+        }
         while self.total_bytes + cost > self.max_total_bytes {
             match self.least_recently_used(Some(tgid)) {
                 Some(other) => {
@@ -813,7 +833,7 @@ mod tests {
         append(&a.map, &text);
         // Room for about 50 entries.
         let budget = 50 * entry_bytes("function_00");
-        let mut maps = PerfMaps::with_budget(a.proc_root.path(), budget);
+        let mut maps = PerfMaps::with_budget(a.proc_root.path(), budget, budget);
         let now = Instant::now();
         assert_eq!(&*maps.name(20, 0, &COMM, 0x1000, now), "function_0");
         assert!(maps.total_bytes <= budget);
@@ -834,6 +854,33 @@ mod tests {
         assert_eq!(maps.stats().evicted, 1);
         maps.forget(21);
         assert_eq!((maps.total_bytes, maps.tracked()), (0, 0));
+    }
+
+    #[test]
+    fn a_map_that_fills_its_share_is_read_no_further() {
+        let process = fake_process(40, 40);
+        let mut text = Vec::new();
+        for i in 0..1000u64 {
+            text.extend_from_slice(
+                format!("{:x} 10 function_{i:03}\n", 0x1000 + i * 0x10).as_bytes(),
+            );
+        }
+        append(&process.map, &text);
+        let budget = 10 * entry_bytes("function_000");
+        let mut maps = PerfMaps::with_budget(process.proc_root.path(), 4 * budget, budget);
+        let t0 = Instant::now();
+        assert_eq!(&*maps.name(40, 0, &COMM, 0x1000, t0), "function_000");
+        let offset = maps.maps[&40].offset;
+        let lines = |maps: &PerfMaps| (maps.stats().lines, maps.stats().over_budget);
+        let read_before = lines(&maps);
+        // Later refreshes would only skip lines: the file is not read on.
+        append(&process.map, &text);
+        assert_eq!(
+            &*maps.name(40, 0, &COMM, 0x1000, t0 + REFRESH_INTERVAL),
+            "function_000"
+        );
+        assert_eq!(maps.maps[&40].offset, offset);
+        assert_eq!(lines(&maps), read_before);
     }
 
     #[test]

@@ -1140,6 +1140,13 @@ impl StackWalker {
         self.planner.state_sizes(out);
     }
 
+    /// Drops unused tables past the cache's byte bound. Tables become
+    /// unused when their last process goes, not only when one is added, so
+    /// this runs on a timer as well as on each insert.
+    pub fn trim_tables(&mut self) {
+        self.tables.evict_unused(self.table_cache_bytes);
+    }
+
     /// Every process something is kept for (a process whose exit record
     /// was lost, or whose late sample came after it, stays until evicted
     /// unless the run loop finds it gone).

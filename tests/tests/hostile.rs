@@ -1,0 +1,272 @@
+//! Hostile processes (root, real BPF, real podman): what any container on a
+//! node can hand the agent, on purpose or by accident, all at once.
+//!
+//! - a "JIT" with a 2 GiB perf map;
+//! - a program that replaces itself with a new image every millisecond;
+//! - a program whose stacks are mapped and unmapped while it runs on them;
+//! - a binary whose `.eh_frame` is a chain of entries pointing at each
+//!   other instead of at a CIE, with an `.eh_frame_hdr` claiming 2^31 FDEs;
+//! - a container whose program's directory became a symlink loop.
+//!
+//! The agent must stay within its memory bound, keep working (a well-formed
+//! program beside them unwinds and is named as usual), name what it can and
+//! count what it refuses.
+
+use std::{
+    path::{Path, PathBuf},
+    process::{Command, Stdio},
+    time::Duration,
+};
+
+use stackscope_test_fixtures::{
+    Fixture,
+    containers::{Container, Image},
+    workspace_binary,
+};
+use stackscope_tests::{Collector, exclusive, free_port, http_get, require_root, wait_success};
+
+/// Size of the hostile perf map.
+const PERF_MAP_MIB: &str = "2048";
+
+/// The agent's resident memory must stay far below the perf map it is
+/// handed: its perf map entries are bounded at 64 MiB, and nothing else of
+/// this load needs more than a debug build's usual hundred or two.
+const MAX_AGENT_RSS: u64 = 1 << 30;
+
+#[test]
+fn hostile_processes_leave_the_agent_bounded_and_still_naming() {
+    require_root();
+    let _serial = exclusive();
+    let bpf_before = stackscope_tests::bpf_ids_loaded("prog");
+
+    let jit = Fixture::compile("hostile_jit", &[]);
+    let jit_run = jit.start(&[PERF_MAP_MIB]);
+    let _perf_map = RemoveOnDrop(PathBuf::from(format!("/tmp/perf-{}.map", jit_run.pid())));
+    let exec_loop = Fixture::compile("exec_loop", &[]);
+    let _exec_run = exec_loop.start(&[]);
+    let remap = Fixture::compile("stack_remap", &[]);
+    let _remap_run = remap.start(&[]);
+    let crafted = Fixture::compile("call_chain", &[]);
+    let crafted_path = crafted.dir().join("crafted_chain");
+    std::fs::copy(&crafted.path, &crafted_path).expect("copying call_chain");
+    rewrite_eh_frame(&crafted_path);
+    let _crafted_run = stackscope_test_fixtures::RunningProcess::start_ready(
+        Command::new(&crafted_path).env_clear(),
+    );
+    let control = Fixture::compile("call_chain", &[]);
+    let _control_run = control.start(&[]);
+
+    // The container's program runs from /app/dir, which then becomes a
+    // relative symlink to itself: every path through it loops, from the
+    // host too (an absolute one would resolve against the host's root).
+    let looped = Fixture::compile("call_chain", &["-static"]);
+    let image = Image::build("hostile", &[(looped.path.as_path(), "/app/dir/looped")]);
+    let container = Container::run(
+        &image,
+        "looped",
+        &[
+            "/bin/sh",
+            "-c",
+            "/app/dir/looped & B=/bin/busybox; $B sleep 1; $B mv /app/dir /app/old; \
+             $B ln -s dir /app/dir; wait",
+        ],
+    );
+    std::thread::sleep(Duration::from_secs(2));
+    assert!(
+        std::fs::metadata(container.proc_dir().join("root/app/dir/looped"))
+            .is_err_and(|err| err.raw_os_error() == Some(libc::ELOOP)),
+        "the container's /app/dir is not a symlink loop"
+    );
+
+    let data = tempfile::tempdir().expect("temp dir");
+    let collector = Collector::start(data.path());
+    let metrics = format!("127.0.0.1:{}", free_port());
+    let agent = Command::new(workspace_binary("stackscope-agent"))
+        .args(["--collector", &collector.grpc])
+        .args(["--frequency", "199", "--interval", "2s", "--json"])
+        .args(["--no-table-cache", "--metrics-address", &metrics])
+        .stdout(Stdio::piped())
+        .spawn()
+        .expect("starting the agent");
+    std::thread::sleep(Duration::from_secs(15));
+    let peak_rss = peak_resident_bytes(agent.id());
+    // The run loop, which answers scrapes too, may be busy catching up.
+    let scraped = (0..30).find_map(|_| {
+        http_get(&metrics, "/metrics").or_else(|| {
+            std::thread::sleep(Duration::from_secs(1));
+            None
+        })
+    });
+    // SAFETY: kill has no memory-safety preconditions.
+    unsafe { libc::kill(agent.id() as i32, libc::SIGTERM) };
+    let report = wait_success(agent);
+    let (status, text) = scraped.expect("the agent's metrics answered");
+    assert_eq!(status, 200, "{text}");
+
+    assert!(
+        peak_rss < MAX_AGENT_RSS,
+        "the agent's peak resident memory was {} MiB",
+        peak_rss >> 20
+    );
+
+    // The perf map: read up to its bound, the rest counted, the real code
+    // named.
+    let perf_map_bytes = gauge(&text, "stackscope_agent_state_bytes{state=\"perf_maps\"}");
+    let perf_map_bound = gauge(
+        &text,
+        "stackscope_agent_state_max_bytes{state=\"perf_maps\"}",
+    );
+    assert!(
+        perf_map_bytes <= perf_map_bound && perf_map_bound > 0.0,
+        "perf maps hold {perf_map_bytes} bytes, bound {perf_map_bound}"
+    );
+    let jit_names = &report["jit_names"];
+    assert!(
+        jit_names["over_budget"].as_u64().unwrap_or(0) > 0,
+        "the 2 GiB perf map never reached the bound: {jit_names}"
+    );
+    let spins = collector.folded_stacks("comm=\"hostile_jit\"");
+    assert!(
+        spins
+            .iter()
+            .any(|(stack, _)| stack.contains("hostile_spin")),
+        "the JIT's code was not named from its perf map: {spins:?}"
+    );
+
+    // The crafted table is refused (walked by frame pointers instead) and
+    // said so; nothing else of the walker suffered.
+    let unwinding = &report["unwinding"];
+    assert!(
+        unwinding["tables_failed"].as_u64().unwrap_or(0) >= 1,
+        "no table refused: {unwinding}"
+    );
+    assert!(
+        unwinding["early_ends"].is_object(),
+        "the report says why walks stopped early: {unwinding}"
+    );
+    let crafted_walks = binary_walks(unwinding, "crafted_chain");
+    assert!(
+        crafted_walks > 0,
+        "crafted_chain was not walked: {unwinding}"
+    );
+
+    // Beside all this, a well-formed program unwinds and is named as usual.
+    let control_stacks = collector.folded_stacks("comm=\"call_chain\"");
+    let total: u64 = control_stacks.iter().map(|(_, n)| n).sum();
+    let chained: u64 = control_stacks
+        .iter()
+        .filter(|(stack, _)| stack.contains("main;a;b;c"))
+        .map(|(_, n)| n)
+        .sum();
+    assert!(
+        total > 100 && chained * 100 >= total * 80,
+        "the control program: {chained} of {total} samples main;a;b;c: {control_stacks:?}"
+    );
+
+    // The exec loop and the remapped stacks are sampled and named.
+    let execs = report["mapping_feed"]["execs"].as_u64().unwrap_or(0);
+    assert!(execs > 1000, "only {execs} execs seen from the exec loop");
+    let exec_stacks = collector.folded_stacks("comm=\"exec_loop\"");
+    assert!(
+        exec_stacks.iter().any(|(stack, _)| stack.contains("main")),
+        "no exec_loop sample named main: {exec_stacks:?}"
+    );
+    let remap_stacks = collector.folded_stacks("comm=\"stack_remap\"");
+    assert!(
+        remap_stacks
+            .iter()
+            .any(|(stack, _)| stack.contains("descend")),
+        "no stack_remap sample named descend: {remap_stacks:?}"
+    );
+
+    // The looped container's program is still sampled, under its container.
+    let looped_stacks = collector.folded_stacks(&format!(
+        "comm=\"looped\",container_id=\"{}\"",
+        container.id
+    ));
+    assert!(
+        !looped_stacks.is_empty(),
+        "no sample of the program behind the symlink loop"
+    );
+
+    let bpf_after = stackscope_tests::bpf_ids_loaded("prog");
+    assert!(
+        bpf_after.is_subset(&bpf_before),
+        "BPF programs left loaded: {:?}",
+        bpf_after.difference(&bpf_before).collect::<Vec<_>>()
+    );
+}
+
+/// Rewrites `.eh_frame` in place (same size) as a chain of 12-byte entries
+/// each naming the one before it as its CIE (the first names itself): no
+/// CIE anywhere, a cycle at the start. And makes `.eh_frame_hdr` claim
+/// 2^31 - 1 FDEs in a table of a few.
+fn rewrite_eh_frame(path: &Path) {
+    use object::{Object as _, ObjectSection as _};
+    let mut bytes = std::fs::read(path).expect("reading the binary");
+    let section = |bytes: &[u8], name: &str| -> (usize, usize) {
+        let file = object::File::parse(bytes).expect("an ELF file");
+        let section = file.section_by_name(name).expect("the section");
+        let (offset, size) = section.file_range().expect("a section in the file");
+        (offset as usize, size as usize)
+    };
+    let (offset, size) = section(&bytes, ".eh_frame");
+    let entries = (size - 4) / 12;
+    for i in 0..entries {
+        let at = offset + i * 12;
+        let pointer_field = (i * 12 + 4) as u32;
+        let previous = (i.saturating_sub(1) * 12) as u32;
+        bytes[at..at + 4].copy_from_slice(&8u32.to_le_bytes());
+        bytes[at + 4..at + 8].copy_from_slice(&(pointer_field - previous).to_le_bytes());
+        bytes[at + 8..at + 12].copy_from_slice(&0u32.to_le_bytes());
+    }
+    let end = offset + entries * 12;
+    bytes[end..end + 4].copy_from_slice(&0u32.to_le_bytes());
+    let (hdr, _) = section(&bytes, ".eh_frame_hdr");
+    // version, eh_frame_ptr_enc, fde_count_enc (udata4), table_enc, then
+    // the 4-byte eh_frame pointer: the count is at 8.
+    assert_eq!(bytes[hdr + 2], 0x03, "fde_count is not udata4");
+    bytes[hdr + 8..hdr + 12].copy_from_slice(&0x7fff_ffffu32.to_le_bytes());
+    std::fs::write(path, bytes).expect("writing the crafted binary");
+}
+
+fn binary_walks(unwinding: &serde_json::Value, binary: &str) -> u64 {
+    unwinding["by_binary"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .filter(|entry| {
+            entry["binary"]
+                .as_str()
+                .is_some_and(|b| b.ends_with(binary))
+        })
+        .filter_map(|entry| entry["walks"].as_u64())
+        .sum()
+}
+
+/// A gauge's value in Prometheus text, 0 when absent.
+fn gauge(text: &str, series: &str) -> f64 {
+    text.lines()
+        .find_map(|line| line.strip_prefix(series)?.trim().parse().ok())
+        .unwrap_or(0.0)
+}
+
+/// VmHWM of `pid`, in bytes (0 if it is gone: the agent's own exit
+/// status says why).
+fn peak_resident_bytes(pid: u32) -> u64 {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap_or_default();
+    let kib: u64 = status
+        .lines()
+        .find_map(|line| line.strip_prefix("VmHWM:"))
+        .and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok())
+        .unwrap_or(0);
+    kib * 1024
+}
+
+struct RemoveOnDrop(PathBuf);
+
+impl Drop for RemoveOnDrop {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_file(&self.0);
+    }
+}
