@@ -58,6 +58,11 @@ struct Collector {
     lose_ack_next: Mutex<u32>,
     /// Batch ids answered with INVALID_ARGUMENT.
     reject: Mutex<HashSet<Vec<u8>>>,
+    /// Answer the next this many pushes as the collector does when its disk
+    /// is full: RESOURCE_EXHAUSTED with a server pushback, storing nothing.
+    disk_full_next: Mutex<u32>,
+    /// Batch ids answered as too large: RESOURCE_EXHAUSTED, no pushback.
+    too_large: Mutex<HashSet<Vec<u8>>>,
 }
 
 impl Collector {
@@ -114,6 +119,19 @@ impl Ingest for Collector {
         }
         if self.reject.lock().unwrap().contains(&batch.batch_id) {
             return Err(Status::invalid_argument("test collector: batch refused"));
+        }
+        if take_one(&self.disk_full_next) {
+            let mut status = Status::resource_exhausted("test collector: disk full");
+            status.metadata_mut().insert(
+                stackscope_proto::RETRY_PUSHBACK_KEY,
+                MetadataValue::from(20u32),
+            );
+            return Err(status);
+        }
+        if self.too_large.lock().unwrap().contains(&batch.batch_id) {
+            return Err(Status::resource_exhausted(
+                "test collector: batch too large",
+            ));
         }
         let samples = batch.samples.len() as u64;
         let duplicate = {
@@ -399,6 +417,38 @@ async fn transient_failures_retry_the_same_batch_id_and_deliver_once() {
     assert_eq!(
         stats.last_error.as_deref(),
         Some("Unavailable: test collector: try again")
+    );
+    server.stop().await;
+}
+
+#[tokio::test]
+async fn a_full_disk_is_waited_out_and_a_batch_too_large_dropped() {
+    let server = TestServer::start(ServerOptions::default()).await;
+    *server.collector.disk_full_next.lock().unwrap() = 3;
+    server
+        .collector
+        .too_large
+        .lock()
+        .unwrap()
+        .insert(batch(1).batch_id);
+    let exporter = Exporter::start(config(server.http())).unwrap();
+    for n in 0..3 {
+        exporter.enqueue(batch(n));
+    }
+    let stats = exporter.shutdown(Duration::from_secs(10)).await;
+
+    // Batch 0 met the full disk three times and was kept; batch 1, too
+    // large whatever the disk, was dropped after one try.
+    assert_eq!(server.collector.seen_ids(), [0, 0, 0, 0, 1, 2]);
+    assert_eq!(server.collector.stored_ids(), [0, 2]);
+    assert_eq!(stats.retries, 3);
+    assert_eq!(stats.batches_sent, 2);
+    assert_eq!(stats.batches_rejected, 1);
+    assert_eq!(stats.samples_rejected, ticks([1]));
+    assert_eq!(stats.queued_batches, 0);
+    assert_eq!(
+        stats.last_error.as_deref(),
+        Some("ResourceExhausted: test collector: batch too large")
     );
     server.stop().await;
 }

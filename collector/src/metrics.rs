@@ -1,5 +1,6 @@
 //! The collector's Prometheus metrics: batches ingested by result, samples
-//! stored, ingest and query latency, and the size of the storage on disk.
+//! stored, ingest and query latency, the size of the storage on disk, and
+//! whether that disk is full.
 //! Counted where the work is done (the ingest service, the query engine);
 //! served with the process metrics and the health probes by
 //! `stackscope-telemetry` on the HTTP address.
@@ -18,6 +19,7 @@ use stackscope_telemetry::{
         metrics::{
             counter::Counter,
             family::Family,
+            gauge::Gauge,
             histogram::{Histogram, exponential_buckets},
         },
         registry::{Registry, Unit},
@@ -38,6 +40,9 @@ pub enum IngestResult {
     Rejected,
     /// Storage failed: the agent retries.
     Failed,
+    /// The disk holding the database is full: the agent keeps the batch
+    /// and retries.
+    DiskFull,
 }
 
 impl IngestResult {
@@ -47,6 +52,7 @@ impl IngestResult {
             Self::Duplicate => "duplicate",
             Self::Rejected => "rejected",
             Self::Failed => "failed",
+            Self::DiskFull => "disk_full",
         }
     }
 }
@@ -59,6 +65,8 @@ pub struct CollectorMetrics {
     samples_stored: Counter,
     ingest_seconds: Histogram,
     query_seconds: Family<QueryLabels, Histogram, fn() -> Histogram>,
+    /// 1 from a batch refused for a full disk until one is stored again.
+    storage_full: Gauge,
 }
 
 /// 1 ms to about 65 s, doubling.
@@ -73,6 +81,7 @@ impl Default for CollectorMetrics {
             samples_stored: Counter::default(),
             ingest_seconds: latency_buckets(),
             query_seconds: Family::new_with_constructor(latency_buckets),
+            storage_full: Gauge::default(),
         }
     }
 }
@@ -86,6 +95,12 @@ impl CollectorMetrics {
             .inc();
         self.samples_stored.inc_by(samples);
         self.ingest_seconds.observe(took.as_secs_f64());
+    }
+
+    /// Whether storing batches fails for lack of disk space now; returns
+    /// what it was before, so a change can be logged once.
+    pub fn set_storage_full(&self, full: bool) -> bool {
+        self.storage_full.set(i64::from(full)) != 0
     }
 
     /// A query answered (`ok`) or refused or failed.
@@ -139,6 +154,12 @@ impl CollectorMetrics {
             "Time to answer a query, by kind and outcome.",
             Unit::Seconds,
             self.query_seconds.clone(),
+        );
+        own.register(
+            "storage_full",
+            "1 while batches are refused because the disk holding the database is full \
+             (from the first refusal until a batch is stored again), else 0.",
+            self.storage_full.clone(),
         );
         own.register_collector(Box::new(Sizes {
             storage,

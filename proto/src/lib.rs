@@ -13,3 +13,10 @@ pub mod v1 {
 pub mod pprof {
     tonic::include_proto!("perftools.profiles");
 }
+
+/// The metadata key of a refusal worth retrying later: the least number of
+/// milliseconds to wait first, as a decimal integer. It is gRPC's own server
+/// pushback (gRFC A6). The collector sends it with `RESOURCE_EXHAUSTED` when
+/// its disk is full, so agents tell that (keep the batch, retry) from a
+/// batch too large to take (drop it), which carries none.
+pub const RETRY_PUSHBACK_KEY: &str = "grpc-retry-pushback-ms";

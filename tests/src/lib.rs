@@ -6,12 +6,12 @@
 //! The tests themselves live in `tests/`; they need root and a kernel with BPF.
 
 use std::{
-    collections::HashMap,
+    collections::{BTreeSet, HashMap},
     io::{BufRead as _, BufReader, Read as _, Write as _},
     net::{TcpListener, TcpStream},
     path::{Path, PathBuf},
     process::{Child, Command, Stdio},
-    sync::{Mutex, MutexGuard},
+    sync::{Arc, Mutex, MutexGuard, PoisonError},
     time::{Duration, Instant},
 };
 
@@ -393,6 +393,8 @@ pub struct Collector {
     pub grpc: String,
     /// `http://127.0.0.1:<port>` of its HTTP API.
     pub http: String,
+    /// Every line the collector has logged so far.
+    log: Arc<Mutex<Vec<String>>>,
 }
 
 impl Collector {
@@ -406,14 +408,15 @@ impl Collector {
     /// asked unless `args` name one (a `DEBUGINFOD_URLS` in the test's
     /// environment is not passed on).
     pub fn start_with(data_dir: &Path, args: &[&str]) -> Self {
+        Self::start_listening(data_dir, "127.0.0.1:0", args)
+    }
+
+    /// [`Collector::start_with`] with gRPC on `grpc_listen` (`host:port`),
+    /// so that agents find a restarted collector where they left it.
+    pub fn start_listening(data_dir: &Path, grpc_listen: &str, args: &[&str]) -> Self {
         let mut child = Command::new(workspace_binary("stackscope-collector"))
             .args(["--data-dir".as_ref(), data_dir.as_os_str()])
-            .args([
-                "--grpc-listen",
-                "127.0.0.1:0",
-                "--http-listen",
-                "127.0.0.1:0",
-            ])
+            .args(["--grpc-listen", grpc_listen, "--http-listen", "127.0.0.1:0"])
             .args(args)
             .env_remove("DEBUGINFOD_URLS")
             .stderr(Stdio::piped())
@@ -421,12 +424,23 @@ impl Collector {
             .expect("starting stackscope-collector");
         let stderr = child.stderr.take().expect("piped stderr");
         let process = RunningProcess::adopt(child);
+        let log = Arc::new(Mutex::new(Vec::new()));
         let mut lines = BufReader::new(stderr).lines();
         let (grpc, http) = loop {
             let line = lines
                 .next()
-                .expect("the collector exited before it was ready")
+                .unwrap_or_else(|| {
+                    panic!(
+                        "the collector exited before it was ready:\n{}",
+                        log.lock()
+                            .unwrap_or_else(PoisonError::into_inner)
+                            .join("\n")
+                    )
+                })
                 .expect("reading the collector's log");
+            log.lock()
+                .unwrap_or_else(PoisonError::into_inner)
+                .push(line.clone());
             if let Some(at) = line.find("grpc=") {
                 let addr = line[at + 5..].split_whitespace().next().unwrap_or_default();
                 // `http=Some("http://127.0.0.1:PORT/")`
@@ -441,12 +455,45 @@ impl Collector {
             }
         };
         // Keep draining the log so the collector never blocks on a full pipe.
-        std::thread::spawn(move || for _ in lines {});
+        let kept = Arc::clone(&log);
+        std::thread::spawn(move || {
+            for line in lines.map_while(Result::ok) {
+                kept.lock()
+                    .unwrap_or_else(PoisonError::into_inner)
+                    .push(line);
+            }
+        });
         Self {
             process,
             grpc,
             http,
+            log,
         }
+    }
+
+    /// What the collector has logged so far, one line per entry.
+    pub fn log(&self) -> Vec<String> {
+        self.log
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .clone()
+    }
+
+    /// Kills the collector with SIGKILL, as the OOM killer or a power cut
+    /// would stop it: no shutdown code runs.
+    pub fn kill(mut self) {
+        // SAFETY: kill has no memory-safety preconditions.
+        unsafe { libc::kill(self.process.pid() as i32, libc::SIGKILL) };
+        let status = self
+            .process
+            .child
+            .wait()
+            .expect("waiting for the collector");
+        assert_eq!(
+            std::os::unix::process::ExitStatusExt::signal(&status),
+            Some(libc::SIGKILL),
+            "the collector exited with {status} before the kill"
+        );
     }
 
     /// Stops the collector with SIGTERM, as a service manager would.
@@ -458,7 +505,11 @@ impl Collector {
             .child
             .wait()
             .expect("waiting for the collector");
-        assert!(status.success(), "the collector exited with {status}");
+        assert!(
+            status.success(),
+            "the collector exited with {status}; its log:\n{}",
+            self.log().join("\n")
+        );
     }
 
     /// The folded stacks of the last 10 minutes' samples matching
@@ -557,8 +608,9 @@ pub fn http_get(address: &str, path: &str) -> Option<(u16, String)> {
     Some((status, body.to_string()))
 }
 
-/// Ids of every loaded BPF object of `kind` (`prog` or `map`), per bpftool.
-pub fn bpf_ids_loaded(kind: &str) -> std::collections::BTreeSet<u64> {
+/// Ids of every loaded BPF object of `kind` (`prog`, `map` or `link`), per
+/// bpftool.
+pub fn bpf_ids_loaded(kind: &str) -> BTreeSet<u64> {
     let out = Command::new("bpftool")
         .args(["--json", kind, "show"])
         .output()
@@ -569,4 +621,97 @@ pub fn bpf_ids_loaded(kind: &str) -> std::collections::BTreeSet<u64> {
         .iter()
         .filter_map(|entry| entry["id"].as_u64())
         .collect()
+}
+
+/// The BPF programs, maps and links one process holds open.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct BpfIds {
+    pub programs: BTreeSet<u64>,
+    pub maps: BTreeSet<u64>,
+    pub links: BTreeSet<u64>,
+}
+
+impl BpfIds {
+    /// What process `pid` holds, read from `/proc/<pid>/fdinfo` (Debian's
+    /// bpftool cannot name a program's owner); empty once it is gone.
+    pub fn held_by(pid: u32) -> Self {
+        let mut held = Self::default();
+        let Ok(entries) = std::fs::read_dir(format!("/proc/{pid}/fdinfo")) else {
+            return held;
+        };
+        for entry in entries.flatten() {
+            let info = std::fs::read_to_string(entry.path()).unwrap_or_default();
+            for line in info.lines() {
+                let id = |prefix| {
+                    line.strip_prefix(prefix)
+                        .and_then(|v: &str| v.trim().parse::<u64>().ok())
+                };
+                // A link's fdinfo names its program too.
+                if let Some(id) = id("prog_id:") {
+                    held.programs.insert(id);
+                } else if let Some(id) = id("map_id:") {
+                    held.maps.insert(id);
+                } else if let Some(id) = id("link_id:") {
+                    held.links.insert(id);
+                }
+            }
+        }
+        held
+    }
+
+    /// Those of these objects the kernel still has loaded, per bpftool.
+    pub fn still_loaded(&self) -> Self {
+        let left =
+            |kind, ids: &BTreeSet<u64>| ids.intersection(&bpf_ids_loaded(kind)).copied().collect();
+        Self {
+            programs: left("prog", &self.programs),
+            maps: left("map", &self.maps),
+            links: left("link", &self.links),
+        }
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.programs.is_empty() && self.maps.is_empty() && self.links.is_empty()
+    }
+
+    /// Waits until the kernel has released every one of these objects,
+    /// failing the test with what `after` (say, "after SIGKILL") left.
+    /// Closing the last descriptor unloads a program and its links at once;
+    /// the maps a program referenced go after an RCU grace period, so the
+    /// kernel gets a few seconds before anything counts as a leak.
+    pub fn assert_released(&self, after: &str) {
+        let started = Instant::now();
+        loop {
+            let left = self.still_loaded();
+            if left.is_empty() {
+                return;
+            }
+            assert!(
+                started.elapsed() < Duration::from_secs(10),
+                "{after}, still loaded: {left:?}"
+            );
+            std::thread::sleep(Duration::from_millis(50));
+        }
+    }
+}
+
+/// Waits (up to 20 s) until `agent` has loaded its BPF program, and returns
+/// what it holds then; fails the test if it exits first.
+pub fn wait_until_loaded(agent: &mut RunningProcess) -> BpfIds {
+    let started = Instant::now();
+    loop {
+        let held = BpfIds::held_by(agent.pid());
+        // Loaded as bpftool sees it: a running agent's, not one still loading.
+        if !held.programs.is_empty() && bpf_ids_loaded("prog").is_superset(&held.programs) {
+            return held;
+        }
+        if let Some(status) = agent.child.try_wait().expect("polling the agent") {
+            panic!("the agent exited with {status} before loading its program");
+        }
+        assert!(
+            started.elapsed() < Duration::from_secs(20),
+            "the agent never loaded its program"
+        );
+        std::thread::sleep(Duration::from_millis(100));
+    }
 }

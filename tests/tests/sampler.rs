@@ -2,10 +2,10 @@
 //! Needs root.
 
 use std::{
-    collections::{BTreeSet, HashMap},
+    collections::HashMap,
     os::unix::fs::MetadataExt as _,
     process::{Command, Stdio},
-    time::{Duration, Instant},
+    time::Duration,
 };
 
 use agent_common::{CgroupPolicy, StackTop, policy_flags, sample_flags};
@@ -17,6 +17,7 @@ use stackscope_agent::{
 use stackscope_tests::{
     Fixture, Mapping, MappingPath, RunningProcess, TempCgroup, exclusive, find_word, kernel_symbol,
     kernel_symbols, read_maps, require_root, sample_for, sample_planned, sample_while,
+    wait_until_loaded,
 };
 
 const CANARY: u64 = 0x05CA_1AB1_E0DD_BA11;
@@ -430,31 +431,6 @@ fn reports_exec_and_exit_of_processes_in_order_with_samples() {
     }
 }
 
-/// BPF objects a process holds open, read from `/proc/<pid>/fdinfo`:
-/// (program ids, map ids). Debian's bpftool cannot name a program's owner.
-fn bpf_ids_held_by(pid: u32) -> (BTreeSet<u64>, BTreeSet<u64>) {
-    let mut programs = BTreeSet::new();
-    let mut maps = BTreeSet::new();
-    let Ok(entries) = std::fs::read_dir(format!("/proc/{pid}/fdinfo")) else {
-        return (programs, maps);
-    };
-    for entry in entries.flatten() {
-        let info = std::fs::read_to_string(entry.path()).unwrap_or_default();
-        for line in info.lines() {
-            let id = |prefix| {
-                line.strip_prefix(prefix)
-                    .and_then(|v: &str| v.trim().parse::<u64>().ok())
-            };
-            if let Some(id) = id("prog_id:") {
-                programs.insert(id);
-            } else if let Some(id) = id("map_id:") {
-                maps.insert(id);
-            }
-        }
-    }
-    (programs, maps)
-}
-
 fn agent_binary() -> std::path::PathBuf {
     stackscope_test_fixtures::workspace_binary("stackscope-agent")
 }
@@ -480,26 +456,10 @@ fn agent_leaves_nothing_loaded_after_a_signal() {
         );
         let pid = agent.pid();
 
-        let started = Instant::now();
-        let (programs, maps) = loop {
-            let (programs, maps) = bpf_ids_held_by(pid);
-            // Attached means the perf links are open too: wait for the
-            // status of a running agent, not one still loading.
-            if !programs.is_empty()
-                && stackscope_tests::bpf_ids_loaded("prog").is_superset(&programs)
-            {
-                break (programs, maps);
-            }
-            if let Some(status) = agent.child.try_wait().expect("polling the agent") {
-                panic!("the agent exited with {status} before loading its program");
-            }
-            assert!(
-                started.elapsed() < Duration::from_secs(20),
-                "the agent never loaded its program"
-            );
-            std::thread::sleep(Duration::from_millis(100));
-        };
-        assert!(!maps.is_empty(), "the agent holds no maps");
+        // Attached means the perf links are open too: wait for a running
+        // agent, not one still loading.
+        let held = wait_until_loaded(&mut agent);
+        assert!(!held.maps.is_empty(), "the agent holds no maps");
         // Let it sample for a moment so the exit path runs with data in flight.
         std::thread::sleep(Duration::from_secs(1));
 
@@ -518,25 +478,6 @@ fn agent_leaves_nothing_loaded_after_a_signal() {
             "report: {report}"
         );
 
-        // Closing the last descriptor unloads at once; the maps a program
-        // referenced are released after an RCU grace period, so give the
-        // kernel a moment before calling anything a leak.
-        let released = Instant::now();
-        loop {
-            let (programs_now, maps_now) = (
-                stackscope_tests::bpf_ids_loaded("prog"),
-                stackscope_tests::bpf_ids_loaded("map"),
-            );
-            if programs.is_disjoint(&programs_now) && maps.is_disjoint(&maps_now) {
-                break;
-            }
-            assert!(
-                released.elapsed() < Duration::from_secs(10),
-                "after signal {signal}, still loaded: programs {:?}, maps {:?}",
-                programs.intersection(&programs_now).collect::<Vec<_>>(),
-                maps.intersection(&maps_now).collect::<Vec<_>>(),
-            );
-            std::thread::sleep(Duration::from_millis(50));
-        }
+        held.assert_released(&format!("after signal {signal}"));
     }
 }

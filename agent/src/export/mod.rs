@@ -11,8 +11,10 @@
 //! collector drop the duplicate when an acknowledgement was lost on the way
 //! back. Answers about the batch itself (invalid, too large, not
 //! authenticated) drop it and move on, since sending it again would get the
-//! same answer. While the collector is away the queue keeps the newest
-//! `max_queue_bytes` of data and drops the oldest.
+//! same answer; a collector whose disk is full says so with a server
+//! pushback, and the batch is kept and retried. While the collector is away
+//! (or full) the queue keeps the newest `max_queue_bytes` of data and drops
+//! the oldest.
 //!
 //! The exporter runs as one task on the caller's tokio runtime (a
 //! current-thread runtime is enough) and connects lazily, so a collector
@@ -44,7 +46,7 @@ use tracing::{debug, error, info, warn};
 
 use self::{
     queue::{Evicted, Pending, Queue},
-    retry::{Backoff, LogLimiter, is_retryable},
+    retry::{Backoff, LogLimiter, is_retryable, pushback},
 };
 
 /// At most one line per this interval for each kind of repeated trouble
@@ -592,10 +594,10 @@ async fn deliver(
                 }
                 shared.delivered(&pending, response);
             }
-            Err(status) if is_retryable(status.code()) => {
+            Err(status) if is_retryable(&status) => {
                 failing = true;
                 pending.failed_attempts = pending.failed_attempts.saturating_add(1);
-                let delay = backoff.next_delay();
+                let delay = backoff.next_delay_after(pushback(&status));
                 shared.failed_transiently(pending, &status, delay);
                 wait_before_retry(delay, &mut closing, &mut backoff).await;
             }

@@ -1,11 +1,12 @@
-//! When to retry a failed push, how long to wait first, and how often to
-//! say so in the log.
+//! When to retry a failed push, how long to wait first (the collector may
+//! say), and how often to say so in the log.
 
 use std::time::{Duration, Instant};
 
-use tonic::Code;
+use stackscope_proto::RETRY_PUSHBACK_KEY;
+use tonic::{Code, Status};
 
-/// Whether a push that failed with `code` may succeed if sent again as is.
+/// Whether a push that failed with `status` may succeed if sent again as is.
 ///
 /// Retryable: the collector or the path to it is (for now) not there —
 /// `Unavailable` (also what tonic reports for a refused or dropped
@@ -13,32 +14,44 @@ use tonic::Code;
 /// `Aborted` — and `Unknown`/`Internal`, which tonic produces for HTTP/2 and
 /// connection failures as well as for server bugs; a batch that keeps
 /// failing that way is eventually displaced by the queue bound, so it cannot
-/// block the agent forever. Everything else is an answer about the batch or
-/// the agent's credentials and would come back the same: `InvalidArgument`,
-/// `Unauthenticated`, `PermissionDenied`, `FailedPrecondition`,
-/// `Unimplemented` (e.g. a compression the collector does not accept), and
-/// `ResourceExhausted`, which the collector sends for a batch larger than
-/// it accepts.
-pub(super) fn is_retryable(code: Code) -> bool {
-    match code {
+/// block the agent forever. `ResourceExhausted` is retryable when it comes
+/// with a server pushback ([`pushback`]): the collector's disk is full, and
+/// the batch will be taken once there is room. Everything else is an answer
+/// about the batch or the agent's credentials and would come back the same:
+/// `InvalidArgument`, `Unauthenticated`, `PermissionDenied`,
+/// `FailedPrecondition`, `Unimplemented` (e.g. a compression the collector
+/// does not accept), and `ResourceExhausted` without a pushback, which the
+/// collector (and tonic itself) sends for a batch larger than it accepts.
+pub(super) fn is_retryable(status: &Status) -> bool {
+    match status.code() {
         Code::Unavailable
         | Code::DeadlineExceeded
         | Code::Cancelled
         | Code::Aborted
         | Code::Unknown
         | Code::Internal => true,
+        Code::ResourceExhausted => pushback(status).is_some(),
         Code::Ok
         | Code::InvalidArgument
         | Code::NotFound
         | Code::AlreadyExists
         | Code::PermissionDenied
-        | Code::ResourceExhausted
         | Code::FailedPrecondition
         | Code::OutOfRange
         | Code::Unimplemented
         | Code::DataLoss
         | Code::Unauthenticated => false,
     }
+}
+
+/// The least wait before a retry that the collector asked for with its
+/// refusal (gRPC server pushback, gRFC A6: a non-negative decimal number of
+/// milliseconds in [`RETRY_PUSHBACK_KEY`]); `None` when it asked none, or
+/// sent anything else (A6 reads that as "do not retry").
+pub(super) fn pushback(status: &Status) -> Option<Duration> {
+    let value = status.metadata().get(RETRY_PUSHBACK_KEY)?.to_str().ok()?;
+    let millis: u64 = value.trim().parse().ok()?;
+    Some(Duration::from_millis(millis))
 }
 
 /// Exponential backoff with full jitter: the n-th consecutive failure waits
@@ -76,6 +89,14 @@ impl Backoff {
         self.failures = self.failures.saturating_add(1);
         let nanos = u64::try_from(ceiling.as_nanos()).unwrap_or(u64::MAX);
         Duration::from_nanos(rand::random_range(0..=nanos))
+    }
+
+    /// [`Backoff::next_delay`], but at least `pushback` (what the collector
+    /// asked for), itself capped at the maximum backoff: the agent's own
+    /// bound on how long a batch waits stays in force.
+    pub fn next_delay_after(&mut self, pushback: Option<Duration>) -> Duration {
+        let floor = pushback.unwrap_or_default().min(self.max);
+        self.next_delay().max(floor)
     }
 
     /// Starts over from `initial`, after a success.
@@ -122,6 +143,14 @@ impl LogLimiter {
 mod tests {
     use super::*;
 
+    fn with_pushback(code: Code, value: &str) -> Status {
+        let mut status = Status::new(code, "test");
+        status
+            .metadata_mut()
+            .insert(RETRY_PUSHBACK_KEY, value.parse().unwrap());
+        status
+    }
+
     #[test]
     fn transient_codes_are_retried_and_answers_about_the_batch_are_not() {
         for code in [
@@ -132,7 +161,7 @@ mod tests {
             Code::Unknown,
             Code::Internal,
         ] {
-            assert!(is_retryable(code), "{code:?}");
+            assert!(is_retryable(&Status::new(code, "test")), "{code:?}");
         }
         for code in [
             Code::InvalidArgument,
@@ -143,8 +172,43 @@ mod tests {
             Code::Unimplemented,
             Code::DataLoss,
         ] {
-            assert!(!is_retryable(code), "{code:?}");
+            assert!(!is_retryable(&Status::new(code, "test")), "{code:?}");
         }
+    }
+
+    #[test]
+    fn resource_exhausted_is_retried_only_when_the_collector_says_when() {
+        // A full disk: the collector asks for a wait.
+        let full = with_pushback(Code::ResourceExhausted, "1000");
+        assert!(is_retryable(&full));
+        assert_eq!(pushback(&full), Some(Duration::from_secs(1)));
+        // A batch too large: no pushback, or one that says not to retry.
+        for value in ["-1", "soon", ""] {
+            let status = with_pushback(Code::ResourceExhausted, value);
+            assert!(!is_retryable(&status), "{value:?}");
+            assert_eq!(pushback(&status), None, "{value:?}");
+        }
+        // A pushback never turns an answer about the batch into a retry.
+        assert!(!is_retryable(&with_pushback(Code::InvalidArgument, "10")));
+        assert_eq!(
+            pushback(&with_pushback(Code::Unavailable, " 250 ")),
+            Some(Duration::from_millis(250))
+        );
+    }
+
+    #[test]
+    fn a_pushback_is_the_least_wait_up_to_the_cap() {
+        let ms = Duration::from_millis;
+        let mut backoff = Backoff::new(ms(10), ms(500));
+        for _ in 0..20 {
+            let delay = backoff.next_delay_after(Some(ms(200)));
+            assert!((ms(200)..=ms(500)).contains(&delay), "{delay:?}");
+        }
+        // Longer than the cap: the cap wins.
+        backoff.reset();
+        assert_eq!(backoff.next_delay_after(Some(ms(60_000))), ms(500));
+        backoff.reset();
+        assert!(backoff.next_delay_after(None) <= ms(10));
     }
 
     #[test]

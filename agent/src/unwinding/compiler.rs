@@ -3,11 +3,13 @@
 //! restarted agent does not compile again.
 //!
 //! The cache holds one file per object, named by its identity (build-id or
-//! file key) and written atomically (temporary file, then rename). The file
-//! format is `stackscope-unwind`'s: versioned and checksummed, so a corrupt
-//! or outdated file is compiled again and overwritten, never trusted. The
-//! directory is bounded in bytes: reading a file refreshes its mtime, and
-//! after each write the least recently used files go until it fits.
+//! file key) and written atomically (temporary file, then rename); the
+//! temporary files of an agent killed mid-write are removed at the next
+//! start. The file format is `stackscope-unwind`'s: versioned and
+//! checksummed, so a corrupt, cut short or outdated file is compiled again
+//! and overwritten, never trusted. The directory is bounded in bytes:
+//! reading a file refreshes its mtime, and after each write the least
+//! recently used files go until it fits.
 
 use std::{
     path::{Path, PathBuf},
@@ -58,10 +60,11 @@ impl Compiler {
     pub(super) fn start(threads: usize, disk_cache: Option<DiskCache>) -> Self {
         let (requests, queue) = mpsc::sync_channel::<MappedObject>(COMPILE_QUEUE);
         let (done, results) = mpsc::channel();
-        if let Some(cache) = &disk_cache
-            && let Err(err) = std::fs::create_dir_all(&cache.dir)
-        {
-            tracing::warn!("table cache {} unusable: {err}", cache.dir.display());
+        if let Some(cache) = &disk_cache {
+            match std::fs::create_dir_all(&cache.dir) {
+                Ok(()) => remove_abandoned_temporaries(&cache.dir),
+                Err(err) => tracing::warn!("table cache {} unusable: {err}", cache.dir.display()),
+            }
         }
         let queue = Arc::new(Mutex::new(queue));
         let disk_cache: Option<Arc<DiskCache>> = disk_cache.map(Arc::new);
@@ -168,14 +171,55 @@ fn compile(object: &MappedObject, disk_cache: Option<&DiskCache>) -> Compiled {
     }
 }
 
+/// The temporary file `process` writes `path`'s new contents to.
+fn temporary_path(path: &Path, process: u32) -> PathBuf {
+    path.with_extension(format!("{TEMPORARY_EXTENSION}.{process}"))
+}
+
+/// What a temporary cache file's name has between the object and the
+/// writer's process id: `<id>.tmp.<pid>`.
+const TEMPORARY_EXTENSION: &str = "tmp";
+
 /// Writes `bytes` to `path` so that a reader sees the old file or the whole
 /// new one, never a partial write. Failures only cost a later recompile.
 fn write_atomically(path: &Path, bytes: &[u8]) {
-    let temporary = path.with_extension(format!("tmp.{}", std::process::id()));
+    let temporary = temporary_path(path, std::process::id());
     let result = std::fs::write(&temporary, bytes).and_then(|()| std::fs::rename(&temporary, path));
     if let Err(err) = result {
         tracing::debug!("not caching {}: {err}", path.display());
         let _ = std::fs::remove_file(&temporary);
+    }
+}
+
+/// Removes the temporary files of agents that were killed (or lost power)
+/// between writing a table and renaming it into place: nobody will rename
+/// them, nothing reads them, and eviction counts only finished tables, so
+/// without this each kill would leave one behind for good. Called before
+/// this process writes any, so a file named with its own pid is a previous
+/// agent's that had the same pid (a container's pid 1); a file whose writer
+/// still runs (another agent sharing the directory) is left alone.
+fn remove_abandoned_temporaries(dir: &Path) {
+    let Ok(entries) = std::fs::read_dir(dir) else {
+        return;
+    };
+    for entry in entries.flatten() {
+        let path = entry.path();
+        let writer = path
+            .file_name()
+            .and_then(|name| name.to_str())
+            .and_then(|name| name.rsplit_once(&format!(".{TEMPORARY_EXTENSION}.")))
+            .and_then(|(_, pid)| pid.parse::<u32>().ok());
+        let Some(writer) = writer else { continue };
+        let running =
+            writer != std::process::id() && Path::new(&format!("/proc/{writer}")).exists();
+        if running {
+            continue;
+        }
+        match std::fs::remove_file(&path) {
+            Ok(()) => tracing::debug!("removed {}, left by a stopped agent", path.display()),
+            Err(err) if err.kind() == std::io::ErrorKind::NotFound => {}
+            Err(err) => tracing::debug!("cannot remove {}: {err}", path.display()),
+        }
     }
 }
 
@@ -291,6 +335,42 @@ mod tests {
             UnwindTable::from_bytes(&std::fs::read(&file).unwrap()).unwrap(),
             *compiled
         );
+    }
+
+    #[test]
+    fn temporaries_of_stopped_writers_are_removed_at_start() {
+        let dir = tempfile::tempdir().unwrap();
+        let table = dir.path().join("abc.table");
+        std::fs::write(&table, b"kept").unwrap();
+        // A child that has exited and been reaped: its pid runs nothing.
+        let mut child = std::process::Command::new("true").spawn().unwrap();
+        let gone = child.id();
+        child.wait().unwrap();
+        let abandoned = temporary_path(&table, gone);
+        // Before this process wrote any: a previous agent with the same pid.
+        let same_pid = dir.path().join(format!("def.tmp.{}", std::process::id()));
+        // Another agent sharing the directory, writing now.
+        let live = dir.path().join("def.tmp.1");
+        let other = dir.path().join("abc.tmp.notes");
+        for path in [&abandoned, &same_pid, &live, &other] {
+            std::fs::write(path, b"half a table").unwrap();
+        }
+        assert_eq!(abandoned, dir.path().join(format!("abc.tmp.{gone}")));
+
+        let compiler = Compiler::start(
+            1,
+            Some(DiskCache {
+                dir: dir.path().to_path_buf(),
+                max_bytes: u64::MAX,
+            }),
+        );
+        drop(compiler);
+        assert!(!abandoned.exists(), "an abandoned temporary file stays");
+        assert!(
+            !same_pid.exists(),
+            "a previous agent's file with our pid stays"
+        );
+        assert!(live.exists() && other.exists() && table.exists());
     }
 
     #[test]

@@ -1,6 +1,7 @@
 //! The gRPC services: `Ingest` (agents push batches) and `Query` (the CLI and
 //! other clients). Maps input errors to precise statuses; a batch is
-//! acknowledged only after storage committed it.
+//! acknowledged only after storage committed it, and one the full disk
+//! cannot take is refused in a way agents know to retry.
 
 use std::{sync::Arc, time::Instant};
 
@@ -11,7 +12,7 @@ use stackscope_proto::v1::{
     SampleSeriesResponse, SeriesPoint, TopFunctionsRequest, TopFunctionsResponse, ingest_server,
     query_server,
 };
-use tonic::{Request, Response, Status};
+use tonic::{Request, Response, Status, metadata::MetadataValue};
 
 use crate::{
     ingest::{IngestLimits, validate},
@@ -45,6 +46,7 @@ impl IngestService {
         };
         let storage = Arc::clone(&self.storage);
         let limits = Arc::clone(&self.limits);
+        let metrics = self.metrics.clone();
         // Validation walks every index of a possibly large batch and the
         // commit waits for fsync: both stay off the async workers.
         let outcome = tokio::task::spawn_blocking(move || {
@@ -57,18 +59,36 @@ impl IngestService {
                 };
                 (status, IngestResult::Rejected)
             })?;
-            storage.ingest(&batch).map_err(|err| {
-                if let StorageError::TooLarge(_) = err {
+            let stored = storage.ingest(&batch).map_err(|err| match err {
+                StorageError::TooLarge(_) => {
                     let message = format!("batch rejected, nothing stored: {err}");
                     tracing::warn!("{message}");
-                    return (Status::resource_exhausted(message), IngestResult::Rejected);
+                    (Status::resource_exhausted(message), IngestResult::Rejected)
                 }
-                tracing::error!("storing a batch failed: {:#}", anyhow::Error::from(err));
-                (
-                    Status::unavailable("the collector could not store the batch; retry later"),
-                    IngestResult::Failed,
-                )
-            })
+                err if err.is_disk_full() => {
+                    // Said once when it happens, not once per refused push
+                    // of every agent retrying.
+                    if !metrics.set_storage_full(true) {
+                        tracing::error!(
+                            "the disk holding the database is full ({:#}): refusing batches \
+                             (RESOURCE_EXHAUSTED; agents keep them and retry) until space is freed",
+                            anyhow::Error::from(err)
+                        );
+                    }
+                    (disk_full(), IngestResult::DiskFull)
+                }
+                err => {
+                    tracing::error!("storing a batch failed: {:#}", anyhow::Error::from(err));
+                    (
+                        Status::unavailable("the collector could not store the batch; retry later"),
+                        IngestResult::Failed,
+                    )
+                }
+            })?;
+            if matches!(stored, IngestOutcome::Stored { .. }) && metrics.set_storage_full(false) {
+                tracing::info!("there is room on the disk again: storing batches");
+            }
+            Ok(stored)
         })
         .await;
         match outcome {
@@ -93,6 +113,24 @@ impl IngestService {
             ),
         }
     }
+}
+
+/// How long agents wait at least before retrying a batch refused for a full
+/// disk: freeing space takes an operator, so retrying sooner only costs the
+/// collector decoding batches it cannot store.
+const DISK_FULL_PUSHBACK_MS: u32 = 1000;
+
+/// The answer to a batch the full disk cannot take: RESOURCE_EXHAUSTED, as
+/// for a batch too large, but with gRPC's server pushback, which tells an
+/// agent to keep the batch and retry it rather than drop it.
+fn disk_full() -> Status {
+    let mut status =
+        Status::resource_exhausted("batch not stored: the collector's disk is full; retry later");
+    status.metadata_mut().insert(
+        stackscope_proto::RETRY_PUSHBACK_KEY,
+        MetadataValue::from(DISK_FULL_PUSHBACK_MS),
+    );
+    status
 }
 
 #[tonic::async_trait]

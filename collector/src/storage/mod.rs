@@ -73,6 +73,18 @@ pub enum StorageError {
     TooLarge(String),
 }
 
+impl StorageError {
+    /// Whether a write failed because the disk holding the database is full
+    /// (SQLite's `SQLITE_FULL`, which is what it makes of `ENOSPC`). SQLite
+    /// rolled the transaction back (or the transaction's drop did), so
+    /// nothing of it was kept, and the connection stays usable: the same
+    /// write succeeds once space is freed.
+    pub fn is_disk_full(&self) -> bool {
+        matches!(self, Self::Database(err)
+            if err.sqlite_error_code() == Some(rusqlite::ErrorCode::DiskFull))
+    }
+}
+
 /// The point of a `series` answer a bucket's weight goes to: points are
 /// aligned to multiples of `step_nanos`, or one per bucket when it is not
 /// positive. Shared so every engine draws the same points.
