@@ -848,3 +848,52 @@ fn an_agent_killed_leaves_nothing_loaded_and_the_next_reuses_its_tables() {
     let outermost = unwinding["outermost"].as_u64().unwrap_or(0);
     assert!(walks > 0 && outermost * 10 >= walks * 9, "{unwinding}");
 }
+
+/// A client that opens a connection and then says nothing (a stalled or
+/// hung agent) does not keep the collector from stopping on SIGTERM: it
+/// waits for clients a while, then closes what is left and exits cleanly.
+#[test]
+fn a_stalled_client_does_not_keep_the_collector_from_stopping() {
+    let data = tempfile::tempdir().expect("temp dir");
+    let grpc = format!("127.0.0.1:{}", stackscope_tests::free_port());
+    let mut collector = stackscope_test_fixtures::RunningProcess::adopt(
+        Command::new(workspace_binary("stackscope-collector"))
+            .arg("--data-dir")
+            .arg(data.path())
+            .args(["--grpc-listen", &grpc, "--no-http"])
+            .spawn()
+            .expect("starting the collector"),
+    );
+    let deadline = Instant::now() + Duration::from_secs(30);
+    let mut stalled = loop {
+        match std::net::TcpStream::connect(&grpc) {
+            Ok(stream) => break stream,
+            Err(_) if Instant::now() < deadline => std::thread::sleep(Duration::from_millis(100)),
+            Err(err) => panic!("the collector never listened on {grpc}: {err}"),
+        }
+    };
+    // An HTTP/2 client's preface, then silence.
+    stalled
+        .write_all(b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n\0\0\0\x04\0\0\0\0\0")
+        .expect("writing the preface");
+    std::thread::sleep(Duration::from_millis(500));
+    // SAFETY: kill has no memory-safety preconditions.
+    unsafe { libc::kill(collector.pid() as i32, libc::SIGTERM) };
+    let deadline = Instant::now() + Duration::from_secs(60);
+    let status = loop {
+        if let Some(status) = collector
+            .child
+            .try_wait()
+            .expect("waiting for the collector")
+        {
+            break status;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "the collector still runs a minute after SIGTERM with a stalled client"
+        );
+        std::thread::sleep(Duration::from_millis(200));
+    };
+    assert!(status.success(), "the collector exited with {status}");
+    drop(stalled);
+}

@@ -150,6 +150,9 @@ async fn stopped(mut stop: watch::Receiver<bool>) {
     let _ = stop.wait_for(|stop| *stop).await;
 }
 
+/// How long the servers wait for clients to finish once asked to stop.
+const GRACEFUL_SHUTDOWN: Duration = Duration::from_secs(10);
+
 /// Binds the listeners and starts serving in the background.
 pub async fn start(
     config: ServerConfig,
@@ -232,11 +235,26 @@ pub async fn start(
         .add_optional_service(debuginfo);
     let incoming = tokio_stream::wrappers::TcpListenerStream::new(grpc_listener);
     let grpc_stop = stopped(stop_rx.clone());
+    let grpc_deadline = stop_rx.clone();
     tasks.spawn(async move {
-        router
-            .serve_with_incoming_shutdown(incoming, grpc_stop)
-            .await
-            .map_err(ServerError::Grpc)
+        let serve = router.serve_with_incoming_shutdown(incoming, grpc_stop);
+        // Graceful shutdown waits for every client to close its connection;
+        // one that does not (a stalled agent) must not keep the collector
+        // from stopping. Dropping the server closes what is left; a batch
+        // committed whose answer is lost is retried and found a duplicate.
+        tokio::select! {
+            served = serve => served.map_err(ServerError::Grpc),
+            () = async {
+                stopped(grpc_deadline).await;
+                tokio::time::sleep(GRACEFUL_SHUTDOWN).await;
+            } => {
+                tracing::warn!(
+                    "gRPC clients still connected {} s after the stop: closing their connections",
+                    GRACEFUL_SHUTDOWN.as_secs()
+                );
+                Ok(())
+            }
+        }
     });
 
     let http_addr = match config.http_listen {
@@ -278,7 +296,7 @@ pub async fn start(
                     let stopping = handle.clone();
                     tokio::spawn(async move {
                         http_stop.await;
-                        stopping.graceful_shutdown(Some(Duration::from_secs(10)));
+                        stopping.graceful_shutdown(Some(GRACEFUL_SHUTDOWN));
                     });
                     tasks.spawn(async move {
                         axum_server::from_tcp_rustls(listener, rustls)
