@@ -1,9 +1,10 @@
 //! `cargo xtask`: the project's two front doors (`run`, `test`) plus the
-//! toolchain bootstrap they share (`setup`), the benchmarks (`bench`) and
-//! the container images (`image`).
+//! toolchain bootstrap they share (`setup`), the benchmarks (`bench`), the
+//! container images (`image`) and the parsers' fuzz targets (`fuzz`).
 //! It owns no product logic: it builds, installs and runs things.
 
 mod bench;
+mod fuzz;
 mod image;
 mod kernels;
 mod mappings;
@@ -51,6 +52,10 @@ enum Task {
     /// Build the agent's and the collector's container images with podman
     /// (no registry) and print their sizes.
     Image,
+    /// Run the parsers' cargo-fuzz targets one after the other (installing
+    /// cargo-fuzz if missing) and print each one's executions, coverage and
+    /// crashes.
+    Fuzz(fuzz::Args),
 }
 
 fn main() -> anyhow::Result<()> {
@@ -73,6 +78,7 @@ fn main() -> anyhow::Result<()> {
             setup::ensure_all()?;
             image::build()
         }
+        Task::Fuzz(args) => fuzz::run(&args),
     }
 }
 
