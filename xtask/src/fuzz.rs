@@ -389,7 +389,11 @@ fn fuzz(target: &Target, args: &Args) -> anyhow::Result<Outcome> {
         outcome.read_line(&String::from_utf8_lossy(&line));
     }
     let status = child.wait()?;
-    outcome.seconds = started.elapsed().as_secs();
+    if outcome.seconds == 0 {
+        // Stopped early (a crash): no `Done` line, so the time since the
+        // start, build check included.
+        outcome.seconds = started.elapsed().as_secs();
+    }
     outcome.success = status.success() && outcome.problem.is_none();
     if !status.success() && outcome.problem.is_none() {
         outcome.problem = Some(format!("exited with {status}"));
@@ -431,6 +435,14 @@ impl Outcome {
                 _ => {}
             }
         }
+        // `Done 123456 runs in 601 second(s)`: the fuzzing time, without
+        // the build and the wait for cargo's lock.
+        if let Some(rest) = line.strip_prefix("Done ")
+            && let Some((_, secs)) = rest.split_once(" runs in ")
+            && let Some(secs) = secs.split_whitespace().next().and_then(|s| s.parse().ok())
+        {
+            self.seconds = secs;
+        }
         if let Some((_, error)) = line.split_once("ERROR: libFuzzer: ") {
             self.problem.get_or_insert_with(|| error.to_string());
         }
@@ -447,13 +459,16 @@ impl Outcome {
 }
 
 /// Targets that need files (the perf map reader's fake procfs) make them
-/// under `$TMPDIR/stackscope-fuzz-*`; libFuzzer exits without unwinding,
-/// so they are removed here.
+/// as `stackscope-fuzz-*` under `/dev/shm` or `$TMPDIR`; libFuzzer exits
+/// without unwinding, so they are removed here.
 fn remove_scratch() {
-    let Ok(entries) = std::fs::read_dir(std::env::temp_dir()) else {
-        return;
-    };
-    for entry in entries.flatten() {
+    let dirs = [PathBuf::from("/dev/shm"), std::env::temp_dir()];
+    for entry in dirs
+        .iter()
+        .filter_map(|dir| std::fs::read_dir(dir).ok())
+        .flatten()
+        .flatten()
+    {
         if entry
             .file_name()
             .to_string_lossy()
@@ -531,6 +546,7 @@ mod tests {
         assert_eq!(outcome.exec_per_sec, Some(2057));
         assert_eq!((outcome.cov, outcome.ft), (Some(130), Some(310)));
         assert_eq!(outcome.peak_rss_mb, Some(41));
+        assert_eq!(outcome.seconds, 60);
         assert_eq!(outcome.problem, None);
 
         let mut crashed = Outcome::default();

@@ -30,8 +30,14 @@ const PROCESSES: [(u32, u32); 2] = [(100, 7), (200, 200)];
 fn proc_root() -> &'static Path {
     static ROOT: OnceLock<PathBuf> = OnceLock::new();
     ROOT.get_or_init(|| {
-        let root =
-            std::env::temp_dir().join(format!("stackscope-fuzz-perf-map-{}", std::process::id()));
+        // tmpfs when there is one: a step costs a few file operations.
+        let tmp = Path::new("/dev/shm");
+        let tmp = if tmp.is_dir() {
+            tmp.to_path_buf()
+        } else {
+            std::env::temp_dir()
+        };
+        let root = tmp.join(format!("stackscope-fuzz-perf-map-{}", std::process::id()));
         let _ = std::fs::remove_dir_all(&root);
         for (tgid, pid) in PROCESSES {
             let process = root.join(tgid.to_string());
