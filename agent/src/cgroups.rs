@@ -51,8 +51,9 @@ pub fn cgroup2_mount() -> Result<PathBuf, CgroupError> {
 }
 
 /// Finds the cgroup2 mount point in mountinfo text: field 5 is the mount
-/// point, and the filesystem type follows the ` - ` separator.
-fn cgroup2_mount_in(mountinfo: &str) -> Option<PathBuf> {
+/// point, and the filesystem type follows the ` - ` separator. (Public for
+/// the fuzz target.)
+pub fn cgroup2_mount_in(mountinfo: &str) -> Option<PathBuf> {
     mountinfo.lines().find_map(|line| {
         let (mount, fs) = line.split_once(" - ")?;
         (fs.split_whitespace().next()? == "cgroup2")

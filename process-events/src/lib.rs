@@ -32,6 +32,24 @@ mod sys;
 mod walk;
 
 pub use cpus::{CpuListError, parse_cpu_list};
+
+/// For the fuzz targets (`fuzz/`) only: the private ring walk, so the
+/// decoder is fuzzed on what the walk hands it.
+#[doc(hidden)]
+pub mod fuzzing {
+    /// [`walk_records`](crate::walk::walk_records): each record of
+    /// `first ++ second` to `on_record`; returns (records, bytes of them,
+    /// bytes discarded by a resync).
+    pub fn walk_records(
+        first: &[u8],
+        second: &[u8],
+        scratch: &mut Vec<u8>,
+        on_record: impl FnMut(&[u8]),
+    ) -> (u64, u64, Option<u64>) {
+        let walk = crate::walk::walk_records(first, second, scratch, on_record);
+        (walk.records, walk.bytes, walk.discarded)
+    }
+}
 pub use events::{BuildIds, Config, DrainStats, MAX_DATA_PAGES, MappingEvents, OpenError};
 pub use record::{
     BuildId, Comm, Event, EventKind, Exit, FileRef, Fork, Mmap, RecordError, TaskName, parse_record,

@@ -1,9 +1,10 @@
 //! `cargo xtask`: the project's two front doors (`run`, `test`) plus the
-//! toolchain bootstrap they share (`setup`), the benchmarks (`bench`) and
-//! the container images (`image`).
+//! toolchain bootstrap they share (`setup`), the benchmarks (`bench`), the
+//! container images (`image`) and the parsers' fuzz targets (`fuzz`).
 //! It owns no product logic: it builds, installs and runs things.
 
 mod bench;
+mod fuzz;
 mod image;
 mod kernels;
 mod mappings;
@@ -62,6 +63,10 @@ enum Task {
         #[arg(long)]
         debug: bool,
     },
+    /// Run the parsers' cargo-fuzz targets one after the other (installing
+    /// cargo-fuzz if missing) and print each one's executions, coverage and
+    /// crashes.
+    Fuzz(fuzz::Args),
 }
 
 fn main() -> anyhow::Result<()> {
@@ -88,6 +93,7 @@ fn main() -> anyhow::Result<()> {
             setup::ensure_all()?;
             soak::run(minutes, !debug)
         }
+        Task::Fuzz(args) => fuzz::run(&args),
     }
 }
 

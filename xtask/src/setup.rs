@@ -14,6 +14,11 @@ use crate::run_checked;
 /// bpf-linker release known to build against the nightly toolchain's LLVM.
 const BPF_LINKER_VERSION: &str = "0.13.0";
 
+/// cargo-fuzz release `cargo xtask fuzz` drives (its output format is parsed
+/// for nothing but libFuzzer's own lines, so a newer one would do; pinned so
+/// a fresh machine builds what was tried).
+const CARGO_FUZZ_VERSION: &str = "0.13.2";
+
 /// Debian packages the tests and benchmarks use: `bpftool` checks that
 /// nothing stays loaded; `gcc` and `g++` compile the fixture programs;
 /// `golang-go` provides `go tool pprof`, the real pprof reader the export
@@ -94,6 +99,34 @@ fn ensure_dev_null() -> anyhow::Result<()> {
     )
     .context("chmod 666 /dev/null")?;
     Ok(())
+}
+
+/// cargo-fuzz, for `cargo xtask fuzz` only (the tests do not need it, so
+/// [`ensure_all`] does not build it). Built from crates.io with `--locked`;
+/// it drives the nightly toolchain, which is already there for the BPF crate.
+pub(crate) fn ensure_cargo_fuzz() -> anyhow::Result<()> {
+    let installed = Command::new("cargo")
+        .args(["fuzz", "--version"])
+        .stderr(Stdio::null())
+        .output()
+        .ok()
+        .filter(|out| out.status.success())
+        .map(|out| String::from_utf8_lossy(&out.stdout).into_owned());
+    if installed
+        .is_some_and(|version| version.split_whitespace().nth(1) == Some(CARGO_FUZZ_VERSION))
+    {
+        return Ok(());
+    }
+    eprintln!(
+        "setup: installing cargo-fuzz {CARGO_FUZZ_VERSION} from crates.io (about two minutes)"
+    );
+    run_checked(Command::new("cargo").args([
+        "install",
+        "cargo-fuzz",
+        "--version",
+        CARGO_FUZZ_VERSION,
+        "--locked",
+    ]))
 }
 
 fn ensure_nightly_rust_src() -> anyhow::Result<()> {
