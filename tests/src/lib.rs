@@ -695,7 +695,8 @@ impl BpfIds {
     }
 }
 
-/// Waits (up to 20 s) until `agent` has loaded its BPF program, and returns
+/// Waits (up to 2 minutes: a nested VM under load takes long to verify
+/// the program) until `agent` has loaded its BPF program, and returns
 /// what it holds then; fails the test if it exits first.
 pub fn wait_until_loaded(agent: &mut RunningProcess) -> BpfIds {
     let started = Instant::now();
@@ -709,7 +710,7 @@ pub fn wait_until_loaded(agent: &mut RunningProcess) -> BpfIds {
             panic!("the agent exited with {status} before loading its program");
         }
         assert!(
-            started.elapsed() < Duration::from_secs(20),
+            started.elapsed() < Duration::from_secs(120),
             "the agent never loaded its program"
         );
         std::thread::sleep(Duration::from_millis(100));
