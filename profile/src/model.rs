@@ -60,6 +60,20 @@ pub struct InvalidMatcher {
     pub source: regex::Error,
 }
 
+/// `value` matched against a whole label value: `^(?:value)$`, once
+/// `value` is known to be a regular expression by itself. Otherwise the
+/// group could close early (`x)|(.*` makes `^(?:x)|(.*)$`, valid and
+/// matching everything) and a malformed pattern would select the wrong
+/// samples instead of being refused. Checked by parsing only (the syntax
+/// crate `regex` uses, with the same defaults), so the pattern is compiled
+/// once.
+fn anchored(value: &str) -> Result<Regex, regex::Error> {
+    regex_syntax::Parser::new()
+        .parse(value)
+        .map_err(|err| regex::Error::Syntax(err.to_string()))?;
+    Regex::new(&format!("^(?:{value})$"))
+}
+
 /// One condition on a label. A sample without the label is treated as
 /// having it with the empty value (so `pod=""` selects samples outside pods,
 /// as in PromQL).
@@ -81,7 +95,7 @@ impl LabelMatcher {
         let (name, value) = (name.into(), value.into());
         let regex = match op {
             MatchOp::Equal | MatchOp::NotEqual => None,
-            MatchOp::Regex | MatchOp::NotRegex => match Regex::new(&format!("^(?:{value})$")) {
+            MatchOp::Regex | MatchOp::NotRegex => match anchored(&value) {
                 Ok(regex) => Some(regex),
                 Err(source) => {
                     return Err(InvalidMatcher {

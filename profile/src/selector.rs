@@ -550,6 +550,34 @@ mod tests {
         assert_eq!(parse(r#"exe="(""#), owned(&[("exe", "=", "(")]));
     }
 
+    /// Found by the `selector` fuzz target: a value that is not a regular
+    /// expression on its own was accepted because the anchoring group it is
+    /// wrapped in (`^(?:value)$`) balanced its parentheses; `x)|(.*` then
+    /// matched every value, unanchored.
+    #[test]
+    fn a_value_that_only_parses_inside_the_anchoring_group_is_rejected() {
+        // The fuzzer's input (profile/fuzz, crash-980a7eb2), its first line.
+        let found = "{commm=\"r1is\", ex=~\"ear)i?ide(cai\0*\"}";
+        let err = parse_matchers(found).unwrap_err();
+        assert!(
+            matches!(err, SelectorError::InvalidRegex { ref value, .. } if value == "ear)i?ide(cai\0*"),
+            "{err}"
+        );
+        let err = parse_matchers(r#"exe=~"x)|(.*""#).unwrap_err();
+        assert_eq!(
+            err.to_string(),
+            r#"at 5: invalid regular expression in exe=~"x)|(.*""#
+        );
+        assert_eq!(
+            proto_error("exe", Op::Regex as i32, "x)|(.*"),
+            r#"matcher 1: invalid regular expression in exe=~"x)|(.*""#
+        );
+        // Parentheses that balance inside the value are a group, as before.
+        let matchers = parse_matchers(r#"exe=~"(x)|(y)""#).unwrap();
+        assert!(matchers[0].matches(Some("y")));
+        assert!(!matchers[0].matches(Some("xy")));
+    }
+
     #[test]
     fn format_round_trips() {
         let text = r#"{comm="say \"hi\" \\o/", exe=~".*", pod!="", c!~"x|y"}"#;

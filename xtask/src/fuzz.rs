@@ -450,7 +450,8 @@ impl Outcome {
             self.problem.get_or_insert_with(|| error.to_string());
         }
         if line.starts_with("thread '") && line.contains("panicked at") {
-            self.problem.get_or_insert_with(|| line.to_string());
+            self.problem
+                .get_or_insert_with(|| line.trim_end_matches(':').to_string());
         }
         if let Some((_, path)) = line.split_once("Test unit written to ") {
             self.artifact = Some(PathBuf::from(path.trim()));
@@ -561,7 +562,7 @@ mod tests {
         assert_eq!(crashed.cov, Some(50));
         assert_eq!(
             crashed.problem.as_deref(),
-            Some("thread '<unnamed>' panicked at src/lib.rs:10:5:")
+            Some("thread '<unnamed>' panicked at src/lib.rs:10:5")
         );
         assert_eq!(
             crashed.artifact,
