@@ -21,6 +21,7 @@ use std::{
     collections::BTreeMap,
     io::{Read as _, Write as _},
     net::TcpStream,
+    path::Path,
     process::{Command, Stdio},
     sync::{
         Arc,
@@ -60,7 +61,7 @@ pub fn run(minutes: f64, release: bool) -> anyhow::Result<()> {
     let total = Duration::from_secs_f64(minutes * 60.0);
 
     eprintln!("soak: building the load");
-    let load = Load::start(total)?;
+    let load = Load::start(total, scratch.path())?;
 
     let grpc = format!("127.0.0.1:{}", free_port()?);
     let collector_http = format!("127.0.0.1:{}", free_port()?);
@@ -199,7 +200,7 @@ fn stop(mut child: KillOnDrop, what: &str) -> anyhow::Result<Duration> {
 }
 
 /// The last lines of a log, to explain a failure.
-fn log_tail(path: &std::path::Path) -> String {
+fn log_tail(path: &Path) -> String {
     let text = std::fs::read_to_string(path).unwrap_or_default();
     let lines: Vec<&str> = text.lines().collect();
     format!(
@@ -227,7 +228,8 @@ struct Load {
 }
 
 impl Load {
-    fn start(total: Duration) -> anyhow::Result<Self> {
+    /// `scratch`: node's working directory (V8 writes its logs there).
+    fn start(total: Duration, scratch: &Path) -> anyhow::Result<Self> {
         let deep = Fixture::compile("deep_frames", &[]);
         let busy = Fixture::compile("busy", &[]);
         let spawner = Fixture::compile("spawner", &[]);
@@ -241,7 +243,8 @@ impl Load {
         let node = RunningProcess::start_ready(
             Command::new("node")
                 .arg("--perf-basic-prof")
-                .arg(workspace_root().join("tests/fixtures/json_runtime.js")),
+                .arg(workspace_root().join("tests/fixtures/json_runtime.js"))
+                .current_dir(scratch),
         );
 
         let image = Image::build("soak", &[(churned.path.as_path(), "/app/call_chain")]);
