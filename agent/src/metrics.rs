@@ -38,8 +38,6 @@ pub struct RunTotals {
     pub reader: ReaderTotals,
     pub walks: WalkStats,
     pub batches: WorkerStats,
-    /// Samples held for an unwind table being compiled.
-    pub samples_waiting: usize,
     /// What the agent keeps, against its bounds.
     pub state: Vec<StateSize>,
 }
@@ -182,12 +180,6 @@ impl AgentMetrics {
                 ("failed", w.tables_failed),
             ],
         )?;
-        out.gauge(
-            "samples_waiting_for_tables",
-            "Samples held until their unwind table is compiled.",
-            None,
-            run.samples_waiting as f64,
-        )?;
         out.counter(
             "table_queue_full",
             "Samples walked without waiting because the queue was full.",
@@ -198,13 +190,8 @@ impl AgentMetrics {
             "Times every process's state was dropped after lost exec or exit records.",
             w.state_resets,
         )?;
-        out.gauge(
-            "stack_plans",
-            "Threads with a learned stack plan (tail or deep copy).",
-            None,
-            w.plans.thread_plans as f64,
-        )?;
-
+        // Samples waiting for tables, stack plans and every other piece of
+        // state the agent keeps, with their bounds.
         out.state(&run.state)?;
 
         let b = &run.batches;

@@ -395,7 +395,6 @@ pub async fn run(
                         reader: records.totals,
                         walks: records.walker.stats(),
                         batches: worker.stats(),
-                        samples_waiting: records.walker.waiting(),
                         state: records.state_sizes(&worker),
                     });
                 }
