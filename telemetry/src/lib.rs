@@ -369,7 +369,7 @@ impl Collector for ProcessMetrics {
 }
 
 /// A `Name:   1234 kB` field of `/proc/<pid>/status`, in KiB.
-fn status_kib(status: &str, field: &str) -> Option<u64> {
+pub fn status_kib(status: &str, field: &str) -> Option<u64> {
     let line = status.lines().find(|line| line.starts_with(field))?;
     line[field.len()..].split_whitespace().next()?.parse().ok()
 }

@@ -400,6 +400,32 @@ impl ElfSymbols {
     }
 }
 
+/// A port nothing listens on now (for servers that cannot be told to pick
+/// one and say which).
+pub fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .and_then(|listener| listener.local_addr())
+        .expect("a free port")
+        .port()
+}
+
+/// `GET path` on `address` (`host:port`) over plain HTTP/1.0: the status
+/// and the body, if it answers within a few seconds.
+pub fn http_get(address: &str, path: &str) -> Option<(u16, String)> {
+    use std::io::{Read as _, Write as _};
+    let mut stream = std::net::TcpStream::connect(address).ok()?;
+    stream
+        .set_read_timeout(Some(std::time::Duration::from_secs(5)))
+        .ok()?;
+    write!(stream, "GET {path} HTTP/1.0\r\nHost: {address}\r\n\r\n").ok()?;
+    let mut response = Vec::new();
+    stream.read_to_end(&mut response).ok()?;
+    let response = String::from_utf8_lossy(&response);
+    let status = response.get(9..12)?.parse().ok()?;
+    let body = response.split_once("\r\n\r\n").map_or("", |(_, body)| body);
+    Some((status, body.to_string()))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -7,8 +7,7 @@
 
 use std::{
     collections::{BTreeSet, HashMap},
-    io::{BufRead as _, BufReader, Read as _, Write as _},
-    net::{TcpListener, TcpStream},
+    io::{BufRead as _, BufReader},
     path::{Path, PathBuf},
     process::{Child, Command, Stdio},
     sync::{Arc, Mutex, MutexGuard, PoisonError},
@@ -26,7 +25,9 @@ use stackscope_agent::{
 };
 pub use stackscope_process_table::maps::{Mapping, MappingPath};
 use stackscope_process_table::{Location, ProcessTable};
-pub use stackscope_test_fixtures::{ElfSymbols, Fixture, RunningProcess, workspace_binary};
+pub use stackscope_test_fixtures::{
+    ElfSymbols, Fixture, RunningProcess, free_port, http_get, workspace_binary,
+};
 
 /// Fails the test with a clear message unless it runs as root.
 pub fn require_root() {
@@ -583,29 +584,6 @@ pub fn wait_success(mut agent: Child) -> serde_json::Value {
     }
     let out = agent.wait_with_output().expect("agent output");
     serde_json::from_slice(&out.stdout).expect("the agent's JSON report")
-}
-
-/// A port nothing listens on now (for servers that cannot be told to pick
-/// one and say which).
-pub fn free_port() -> u16 {
-    TcpListener::bind("127.0.0.1:0")
-        .and_then(|listener| listener.local_addr())
-        .expect("a free port")
-        .port()
-}
-
-/// `GET path` on `address` (`host:port`) over plain HTTP/1.0: the status
-/// and the body, if it answers within a few seconds.
-pub fn http_get(address: &str, path: &str) -> Option<(u16, String)> {
-    let mut stream = TcpStream::connect(address).ok()?;
-    stream.set_read_timeout(Some(Duration::from_secs(5))).ok()?;
-    write!(stream, "GET {path} HTTP/1.0\r\nHost: {address}\r\n\r\n").ok()?;
-    let mut response = Vec::new();
-    stream.read_to_end(&mut response).ok()?;
-    let response = String::from_utf8_lossy(&response);
-    let status = response.get(9..12)?.parse().ok()?;
-    let body = response.split_once("\r\n\r\n").map_or("", |(_, body)| body);
-    Some((status, body.to_string()))
 }
 
 /// Ids of every loaded BPF object of `kind` (`prog`, `map` or `link`), per

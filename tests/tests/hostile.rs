@@ -283,12 +283,7 @@ fn gauge(text: &str, series: &str) -> f64 {
 /// status says why).
 fn peak_resident_bytes(pid: u32) -> u64 {
     let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap_or_default();
-    let kib: u64 = status
-        .lines()
-        .find_map(|line| line.strip_prefix("VmHWM:"))
-        .and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok())
-        .unwrap_or(0);
-    kib * 1024
+    stackscope_telemetry::status_kib(&status, "VmHWM:").unwrap_or(0) * 1024
 }
 
 struct RemoveOnDrop(PathBuf);

@@ -22,6 +22,8 @@ use std::{
 
 use anyhow::{Context as _, bail};
 
+use stackscope_test_fixtures::free_port;
+
 use crate::{KillOnDrop, bench::compile_fixture, wait_for_listener, workspace_root};
 
 /// What one profiled (or unprofiled) run measured.
@@ -161,12 +163,6 @@ fn tempfile_dir() -> anyhow::Result<TempDir> {
     Ok(TempDir(dir))
 }
 
-fn free_port() -> anyhow::Result<u16> {
-    Ok(std::net::TcpListener::bind("127.0.0.1:0")?
-        .local_addr()?
-        .port())
-}
-
 fn under_stackscope(
     busy: &Path,
     threads: usize,
@@ -177,8 +173,8 @@ fn under_stackscope(
     let bin = |name: &str| workspace_root().join("target/release").join(name);
     let data = scratch.join("collector");
     let _ = std::fs::remove_dir_all(&data);
-    let grpc = format!("127.0.0.1:{}", free_port()?);
-    let http = format!("127.0.0.1:{}", free_port()?);
+    let grpc = format!("127.0.0.1:{}", free_port());
+    let http = format!("127.0.0.1:{}", free_port());
     let mut collector = KillOnDrop(
         Command::new(bin("stackscope-collector"))
             .arg("--data-dir")

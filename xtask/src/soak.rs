@@ -19,8 +19,6 @@
 
 use std::{
     collections::BTreeMap,
-    io::{Read as _, Write as _},
-    net::TcpStream,
     path::Path,
     process::{Command, Stdio},
     sync::{
@@ -31,9 +29,11 @@ use std::{
 };
 
 use anyhow::{Context as _, bail};
+use stackscope_telemetry::status_kib;
 use stackscope_test_fixtures::{
     Fixture, RunningProcess,
     containers::{Container, Image},
+    free_port, http_get,
 };
 
 use crate::{KillOnDrop, wait_for_listener, workspace_root};
@@ -63,9 +63,9 @@ pub fn run(minutes: f64, release: bool) -> anyhow::Result<()> {
     eprintln!("soak: building the load");
     let load = Load::start(total, scratch.path())?;
 
-    let grpc = format!("127.0.0.1:{}", free_port()?);
-    let collector_http = format!("127.0.0.1:{}", free_port()?);
-    let agent_metrics = format!("127.0.0.1:{}", free_port()?);
+    let grpc = format!("127.0.0.1:{}", free_port());
+    let collector_http = format!("127.0.0.1:{}", free_port());
+    let agent_metrics = format!("127.0.0.1:{}", free_port());
     let data_dir = scratch.path().join("data");
     let collector_log = scratch.path().join("collector.log");
     let start_collector = || -> anyhow::Result<KillOnDrop> {
@@ -208,12 +208,6 @@ fn log_tail(path: &Path) -> String {
         path.display(),
         lines[lines.len().saturating_sub(20)..].join("\n")
     )
-}
-
-fn free_port() -> anyhow::Result<u16> {
-    Ok(std::net::TcpListener::bind("127.0.0.1:0")?
-        .local_addr()?
-        .port())
 }
 
 /// The programs the agent profiles during the soak; all stopped on drop.
@@ -389,7 +383,7 @@ impl Series {
                 fds.count() as f64,
             );
         }
-        if let Some(text) = http_get(metrics, "/metrics") {
+        if let Some((200, text)) = http_get(metrics, "/metrics") {
             self.read_metrics(at, who, &text);
         }
     }
@@ -576,7 +570,9 @@ impl Delivery {
     }
 
     fn scrape(address: &str) -> anyhow::Result<Self> {
-        let text = http_get(address, "/metrics").context("scraping the agent's metrics")?;
+        let Some((200, text)) = http_get(address, "/metrics") else {
+            bail!("the agent's metrics did not answer");
+        };
         let value = |name: &str| -> u64 {
             text.lines()
                 .find_map(|line| line.strip_prefix(name)?.trim().parse::<f64>().ok())
@@ -595,32 +591,8 @@ impl Delivery {
 /// RssAnon and RssFile of `pid`, in bytes.
 fn resident_bytes(pid: u32) -> Option<(f64, f64)> {
     let status = std::fs::read_to_string(format!("/proc/{pid}/status")).ok()?;
-    let field = |name: &str| -> Option<f64> {
-        let kib: f64 = status
-            .lines()
-            .find_map(|l| l.strip_prefix(name))?
-            .trim()
-            .trim_end_matches("kB")
-            .trim()
-            .parse()
-            .ok()?;
-        Some(kib * 1024.0)
-    };
-    Some((field("RssAnon:")?, field("RssFile:")?))
-}
-
-/// A plain HTTP/1.0 GET; the body, or `None` on any failure.
-fn http_get(address: &str, path: &str) -> Option<String> {
-    let mut stream = TcpStream::connect(address).ok()?;
-    stream
-        .set_read_timeout(Some(Duration::from_secs(10)))
-        .ok()?;
-    write!(stream, "GET {path} HTTP/1.0\r\nHost: {address}\r\n\r\n").ok()?;
-    let mut response = String::new();
-    stream.read_to_string(&mut response).ok()?;
-    let (head, body) = response.split_once("\r\n\r\n")?;
-    let status = head.split_whitespace().nth(1)?;
-    (status == "200").then(|| body.to_string())
+    let bytes = |field| Some(status_kib(&status, field)? as f64 * 1024.0);
+    Some((bytes("RssAnon:")?, bytes("RssFile:")?))
 }
 
 #[cfg(test)]
