@@ -314,7 +314,7 @@ fn main() -> anyhow::Result<()> {
     let export = export_config(&args)?;
     let (summary, exported, uploaded) = runtime.block_on(async {
         let _telemetry_server = match (&config.telemetry, args.metrics_address) {
-            (Some(telemetry), Some(address)) => Some(serve_telemetry(telemetry, address).await?),
+            (Some(telemetry), Some(address)) => Some(TelemetryServer::start(telemetry, address)?),
             _ => None,
         };
         let uploader = match (&export, args.upload_debuginfo) {
@@ -382,37 +382,82 @@ fn main() -> anyhow::Result<()> {
     .context("writing the report")
 }
 
-/// Serves the metrics and health endpoints until the returned guard drops
-/// (at exit: they answer while the last batches are delivered).
-async fn serve_telemetry(
-    telemetry: &AgentTelemetry,
-    address: std::net::SocketAddr,
-) -> anyhow::Result<AbortOnDrop> {
-    let listener = tokio::net::TcpListener::bind(address)
-        .await
-        .with_context(|| format!("listening on --metrics-address {address}"))?;
-    let bound = listener
-        .local_addr()
-        .context("reading the metrics address")?;
-    tracing::info!(metrics = %format!("http://{bound}/metrics"), "serving metrics and health");
-    let server = stackscope_telemetry::serve(
-        listener,
-        Arc::new(telemetry.registry()),
-        Arc::clone(&telemetry.health),
-        std::future::pending(),
-    );
-    Ok(AbortOnDrop(tokio::spawn(async move {
-        if let Err(err) = server.await {
-            tracing::warn!("the metrics server stopped: {err}");
-        }
-    })))
+/// The metrics and health endpoints, served from a thread of their own:
+/// the run loop shares the main thread with the unwinder, and a busy
+/// interval would otherwise hold scrapes and liveness probes behind it
+/// (the liveness answer is then the loop's real staleness, not a timeout).
+/// Stops when dropped (at exit: they answer while the last batches are
+/// delivered).
+struct TelemetryServer {
+    stop: Option<tokio::sync::watch::Sender<()>>,
+    thread: Option<std::thread::JoinHandle<()>>,
 }
 
-struct AbortOnDrop(tokio::task::JoinHandle<()>);
+impl TelemetryServer {
+    fn start(telemetry: &AgentTelemetry, address: std::net::SocketAddr) -> anyhow::Result<Self> {
+        // Bound here, so a taken address fails the start with its reason.
+        let listener = std::net::TcpListener::bind(address)
+            .with_context(|| format!("listening on --metrics-address {address}"))?;
+        listener
+            .set_nonblocking(true)
+            .context("setting up the metrics listener")?;
+        let bound = listener
+            .local_addr()
+            .context("reading the metrics address")?;
+        let registry = Arc::new(telemetry.registry());
+        let health = Arc::clone(&telemetry.health);
+        let (stop, stopped) = tokio::sync::watch::channel(());
+        let thread = std::thread::Builder::new()
+            .name("metrics".into())
+            .spawn(move || {
+                let served = tokio::runtime::Builder::new_current_thread()
+                    .enable_all()
+                    .build()
+                    .map_err(|err| err.to_string())
+                    .and_then(|runtime| {
+                        runtime.block_on(async {
+                            let listener = tokio::net::TcpListener::from_std(listener)
+                                .map_err(|err| err.to_string())?;
+                            let mut graceful = stopped.clone();
+                            let shutdown = async move {
+                                let _ = graceful.changed().await;
+                            };
+                            let server =
+                                stackscope_telemetry::serve(listener, registry, health, shutdown);
+                            // A client that keeps its request open does not
+                            // hold the agent's exit for long.
+                            let mut deadline = stopped;
+                            tokio::select! {
+                                served = server => served.map_err(|err| err.to_string()),
+                                _ = async {
+                                    let _ = deadline.changed().await;
+                                    tokio::time::sleep(SERVER_STOP_GRACE).await;
+                                } => Ok(()),
+                            }
+                        })
+                    });
+                if let Err(err) = served {
+                    tracing::warn!("the metrics server stopped: {err}");
+                }
+            })
+            .context("starting the metrics thread")?;
+        tracing::info!(metrics = %format!("http://{bound}/metrics"), "serving metrics and health");
+        Ok(Self {
+            stop: Some(stop),
+            thread: Some(thread),
+        })
+    }
+}
 
-impl Drop for AbortOnDrop {
+/// How long open scrapes may take once the agent stops.
+const SERVER_STOP_GRACE: std::time::Duration = std::time::Duration::from_secs(2);
+
+impl Drop for TelemetryServer {
     fn drop(&mut self) {
-        self.0.abort();
+        drop(self.stop.take());
+        if let Some(thread) = self.thread.take() {
+            let _ = thread.join();
+        }
     }
 }
 

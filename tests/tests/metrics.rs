@@ -142,11 +142,23 @@ fn prometheus_scrapes_what_the_agent_and_the_collector_did() {
     std::thread::spawn(move || for _ in log {});
     let collector_address = collector.http.trim_start_matches("http://").to_string();
 
-    // The probes a kubelet would send.
-    assert_eq!(
-        http_get(&agent_address, "/readyz"),
-        Some((200, "ready\n".into()))
-    );
+    // The probes a kubelet would send. The endpoints answer from the
+    // start, on a thread of their own: not ready while the program loads,
+    // ready once the run loop turns.
+    let loading_until = Instant::now() + Duration::from_secs(120);
+    loop {
+        match http_get(&agent_address, "/readyz") {
+            Some((200, body)) => {
+                assert_eq!(body, "ready\n");
+                break;
+            }
+            Some((503, body)) if Instant::now() < loading_until => {
+                assert_eq!(body, "not ready\n");
+                std::thread::sleep(Duration::from_millis(100));
+            }
+            other => panic!("the agent's /readyz answered {other:?}"),
+        }
+    }
     assert_eq!(
         http_get(&agent_address, "/healthz"),
         Some((200, "ok\n".into()))
