@@ -868,7 +868,9 @@ impl Aggregator {
             .collect();
         self.stats.intervals += 1;
         self.stats.max_distinct = self.stats.max_distinct.max(finished.samples.len() as u64);
-        finished.finish(Arc::clone(&self.node), self.config.labels, end)
+        let interval = finished.finish(Arc::clone(&self.node), self.config.labels, end);
+        self.containers.forget_empty_containers();
+        interval
     }
 }
 

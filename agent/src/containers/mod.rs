@@ -238,6 +238,16 @@ impl ContainerIndex {
         self.by_tgid.clear();
     }
 
+    /// Forgets the labels of containers that no remembered process is in
+    /// any more (their last process exited): containers come and go all
+    /// day on a node, and their labels would otherwise stay until
+    /// [`MAX_PROCESSES`] of them had been seen. Labels still held by
+    /// something else (an interval being built) stay until it lets go.
+    pub fn forget_empty_containers(&mut self) {
+        self.by_container
+            .retain(|_, labels| Arc::strong_count(labels) > 1);
+    }
+
     /// A newer pod list: labels are made again from it.
     pub fn set_pods(&mut self, pods: Arc<PodList>) {
         self.pods = Some(pods);
@@ -314,6 +324,44 @@ mod tests {
         .expect("cgroup file");
         assert_eq!(index.labels(10, 8), None);
         assert_eq!(index.reads, reads + 1);
+    }
+
+    #[test]
+    fn a_containers_labels_go_with_its_last_process() {
+        let proc = proc_with(&[
+            (10, format!("0::/libpod_parent/libpod-{ID_A}\n")),
+            (11, format!("0::/libpod_parent/libpod-{ID_A}\n")),
+            (20, format!("0::/libpod_parent/libpod-{ID_B}\n")),
+        ]);
+        let storage = podman_storage(&[(ID_A, "api"), (ID_B, "db")]);
+        let names = RuntimeNames::new(storage.path().to_path_buf(), PathBuf::from("/nonexistent"));
+        let mut index = ContainerIndex::new(proc.path(), names);
+        for tgid in [10, 11, 20] {
+            index.labels(tgid, 7).expect("a container process");
+        }
+        let containers = |index: &ContainerIndex| {
+            let mut sizes = Vec::new();
+            index.state_sizes(&mut sizes);
+            let containers = sizes
+                .iter()
+                .find(|size| size.name == "containers")
+                .expect("the containers' size");
+            containers.entries.expect("counted")
+        };
+        assert_eq!(containers(&index), 2);
+        // B's only process exits, and one of A's two.
+        index.forget(20);
+        index.forget(10);
+        index.forget_empty_containers();
+        assert_eq!(containers(&index), 1, "only A has a process left");
+        // Labels an interval still holds are kept until it lets go.
+        let held = index.labels(11, 7).expect("A's labels");
+        index.forget(11);
+        index.forget_empty_containers();
+        assert_eq!(containers(&index), 1, "A's labels are still held");
+        drop(held);
+        index.forget_empty_containers();
+        assert_eq!(containers(&index), 0);
     }
 
     #[test]
