@@ -554,6 +554,18 @@ impl Aggregator {
         self.jit_names.forget_all();
     }
 
+    /// Every process labels, exes or perf maps are kept for.
+    pub fn tracked_processes_into(&self, out: &mut Vec<u32>) {
+        self.exes.tgids_into(out);
+        self.containers.tgids_into(out);
+        self.jit_names.tgids_into(out);
+    }
+
+    /// Where procfs is mounted.
+    pub fn proc_root(&self) -> &Path {
+        &self.config.proc_root
+    }
+
     /// Sizes of the interval being built and of what is kept per process.
     pub fn state_sizes(&self, out: &mut Vec<StateSize>) {
         let current = &self.current;

@@ -324,6 +324,7 @@ pub async fn run(
                 // to the next one: the last drain may be up to a drain
                 // period old.
                 records.drain(&mut sampler)?;
+                records.forget_gone_processes();
                 records.walker.trim_tables();
                 let end = nearest_boundary(SystemTime::now(), interval);
                 worker.submit(records.aggregator.finish_interval(end));
@@ -634,6 +635,32 @@ impl RecordTally {
         self.aggregator.state_sizes(&mut sizes);
         worker.state_sizes(&mut sizes);
         sizes
+    }
+
+    /// Forgets processes that exited without their exit being applied:
+    /// its record was lost, or a sample read after it (records of
+    /// different CPUs interleave) made their state again. Without this
+    /// they stay until evicted at each map's bound.
+    fn forget_gone_processes(&mut self) {
+        let mut tracked = Vec::new();
+        self.walker.tracked_processes_into(&mut tracked);
+        self.aggregator.tracked_processes_into(&mut tracked);
+        tracked.sort_unstable();
+        tracked.dedup();
+        let proc_root = self.aggregator.proc_root().to_path_buf();
+        if std::fs::symlink_metadata(proc_root.join("1")).is_err() {
+            // No procfs to ask (or not this pid namespace's): keep all.
+            return;
+        }
+        for tgid in tracked {
+            // A zombie's directory stays until it is reaped; its state
+            // goes then.
+            if std::fs::symlink_metadata(proc_root.join(tgid.to_string())).is_err()
+                && self.walker.on_exit(tgid)
+            {
+                self.aggregator.on_exit(tgid);
+            }
+        }
     }
 
     fn add(&mut self, bytes: &[u8]) {

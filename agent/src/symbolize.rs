@@ -68,6 +68,13 @@ pub const DEFAULT_MAX_CACHED_NAMES: usize = 1 << 18;
 /// anonymous memory with a bound of 256.
 pub const DEFAULT_MAX_OPEN_OBJECTS: usize = 64;
 
+/// Bytes of files blazesym keeps open and parsed by default. What it
+/// parses grows with a file's debug sections, so the files' sizes bound
+/// it where a count cannot: a few binaries with full DWARF (a compiler, a
+/// browser) weigh more than a thousand stripped ones. One file is kept
+/// open whatever its size.
+pub const DEFAULT_MAX_OPEN_BYTES: u64 = 512 << 20;
+
 /// Modules and BPF programs come and go: kallsyms is read again this often.
 pub const DEFAULT_KALLSYMS_RELOAD: Duration = Duration::from_secs(300);
 
@@ -116,6 +123,8 @@ pub struct SymbolizerConfig {
     /// Files blazesym keeps open and parsed at once; the least recently
     /// used one is closed beyond.
     pub max_open_objects: usize,
+    /// Total size of the files blazesym keeps open, likewise.
+    pub max_open_bytes: u64,
     /// The kallsyms file (`/proc/kallsyms`).
     pub kallsyms: PathBuf,
     /// How often kallsyms is read again.
@@ -139,6 +148,7 @@ impl Default for SymbolizerConfig {
         Self {
             max_cached_names: DEFAULT_MAX_CACHED_NAMES,
             max_open_objects: DEFAULT_MAX_OPEN_OBJECTS,
+            max_open_bytes: DEFAULT_MAX_OPEN_BYTES,
             kallsyms: PathBuf::from("/proc/kallsyms"),
             kallsyms_reload: DEFAULT_KALLSYMS_RELOAD,
             kallsyms_retry: DEFAULT_KALLSYMS_RETRY,
@@ -297,6 +307,8 @@ struct Registered {
     /// looked up by ELF virtual address, since it keeps no file layout.
     debug_file: Option<File>,
     path: PathBuf,
+    /// The size of the file `path` names.
+    bytes: u64,
     last_used: u64,
     /// Reading it failed: its frames stay unnamed until it is forgotten.
     failed: bool,
@@ -316,6 +328,8 @@ pub struct Symbolizer {
     config: SymbolizerConfig,
     blaze: blaze::Symbolizer,
     registered: HashMap<ObjectId, Registered>,
+    /// The sizes of the files registered, summed.
+    registered_bytes: u64,
     tick: u64,
     /// Evictions since blazesym was last rebuilt.
     evictions: usize,
@@ -365,6 +379,7 @@ impl Symbolizer {
         Self {
             blaze: new_blazesym(),
             registered: HashMap::new(),
+            registered_bytes: 0,
             tick: 0,
             evictions: 0,
             names: GenerationalCache::new(config.max_cached_names),
@@ -400,11 +415,17 @@ impl Symbolizer {
             self.names.len(),
             Some(self.config.max_cached_names.max(2)),
         ));
-        out.push(StateSize::entries(
-            "symbolizer_files",
-            self.registered.len(),
-            Some(self.config.max_open_objects.max(1)),
-        ));
+        out.push(
+            StateSize::entries(
+                "symbolizer_files",
+                self.registered.len(),
+                Some(self.config.max_open_objects.max(1)),
+            )
+            .with_bytes(
+                usize::try_from(self.registered_bytes).unwrap_or(usize::MAX),
+                usize::try_from(self.config.max_open_bytes).ok(),
+            ),
+        );
         out.push(StateSize::entries(
             "code_segments",
             self.code_segments.len(),
@@ -779,11 +800,18 @@ impl Symbolizer {
         if via_debug_file {
             self.stats.debug_files += 1;
         }
-        let fd = debug_file.as_ref().unwrap_or(file).as_raw_fd();
-        let path = Path::new("/proc/self/fd").join(fd.to_string());
-        while self.registered.len() >= self.config.max_open_objects.max(1) {
+        let read = debug_file.as_ref().unwrap_or(file);
+        let path = Path::new("/proc/self/fd").join(read.as_raw_fd().to_string());
+        // Unknown (unreadable metadata) counts as nothing: blazesym's read
+        // of such a file fails and keeps nothing either.
+        let bytes = read.metadata().map_or(0, |metadata| metadata.len());
+        while !self.registered.is_empty()
+            && (self.registered.len() >= self.config.max_open_objects.max(1)
+                || self.registered_bytes.saturating_add(bytes) > self.config.max_open_bytes)
+        {
             self.evict_least_recent();
         }
+        self.registered_bytes += bytes;
         self.stats.objects_opened += 1;
         self.registered.insert(
             object.id,
@@ -791,6 +819,7 @@ impl Symbolizer {
                 _object: Arc::clone(object),
                 debug_file,
                 path: path.clone(),
+                bytes,
                 last_used: self.tick,
                 failed: false,
             },
@@ -827,6 +856,7 @@ impl Symbolizer {
             return;
         };
         if let Some(entry) = self.registered.remove(&id) {
+            self.registered_bytes -= entry.bytes;
             // Before the descriptor closes (with `entry`): see the module
             // documentation. Evicting a path blazesym never opened is no
             // error, and no other error is possible for an ELF path.
@@ -847,6 +877,7 @@ impl Symbolizer {
     fn rebuild(&mut self) {
         self.blaze = new_blazesym();
         self.registered.clear();
+        self.registered_bytes = 0;
         self.evictions = 0;
         self.stats.rebuilds += 1;
     }
@@ -1445,6 +1476,55 @@ mod tests {
             }
         }
         assert_eq!(symbolizer.stats().objects_opened, 15);
+    }
+
+    #[test]
+    fn open_files_are_bounded_in_bytes_and_one_is_always_kept() {
+        let fixture = Fixture::compile("call_chain", &[]);
+        let offset = offset_of(&fixture.path, "a", 1);
+        let size = std::fs::metadata(&fixture.path).expect("its size").len();
+        let object = |ino| {
+            Arc::new(ObjectFile::from_file(
+                ObjectId::FileKey(FileKey {
+                    dev: 1,
+                    ino,
+                    size: 0,
+                    mtime_ns: 0,
+                }),
+                File::open(&fixture.path).expect("opening"),
+            ))
+        };
+        // Room for two copies by count, but bytes for one and a half.
+        let mut symbolizer = Symbolizer::new(SymbolizerConfig {
+            kallsyms: PathBuf::from("/nonexistent/kallsyms"),
+            max_open_objects: 8,
+            max_open_bytes: size + size / 2,
+            ..SymbolizerConfig::default()
+        });
+        for ino in 0..4 {
+            let found = symbolizer.user(&object(ino), &[offset]);
+            assert_eq!(functions(&found[0]), ["a"]);
+            assert_eq!(symbolizer.registered.len(), 1);
+            assert_eq!(symbolizer.registered_bytes, size);
+        }
+        // A bound smaller than any file still names it: one stays open.
+        let mut tiny = Symbolizer::new(SymbolizerConfig {
+            kallsyms: PathBuf::from("/nonexistent/kallsyms"),
+            max_open_bytes: 1,
+            ..SymbolizerConfig::default()
+        });
+        let found = tiny.user(&object(9), &[offset]);
+        assert_eq!(functions(&found[0]), ["a"]);
+        let mut sizes = Vec::new();
+        tiny.state_sizes(&mut sizes);
+        let files = sizes
+            .iter()
+            .find(|size| size.name == "symbolizer_files")
+            .expect("the open files' size");
+        assert_eq!(
+            (files.entries, files.bytes),
+            (Some(1), usize::try_from(size).ok())
+        );
     }
 
     #[test]

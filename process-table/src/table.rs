@@ -649,6 +649,11 @@ impl ProcessTable {
         true
     }
 
+    /// The processes tracked.
+    pub fn tgids(&self) -> impl Iterator<Item = u32> + '_ {
+        self.processes.keys().copied()
+    }
+
     /// Number of processes tracked.
     pub fn len(&self) -> usize {
         self.processes.len()

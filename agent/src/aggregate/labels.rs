@@ -214,6 +214,11 @@ impl ExeCache {
         self.by_tgid.len()
     }
 
+    pub fn tgids_into(&self, out: &mut Vec<u32>) {
+        out.extend(self.by_tgid.keys());
+        out.extend(self.learned.keys());
+    }
+
     /// Exes kept, read and learned, and the bound of each of the two.
     pub fn state_size(&self) -> StateSize {
         StateSize::entries(

@@ -87,6 +87,10 @@ pub struct ContainerIndex {
 }
 
 impl ContainerIndex {
+    pub fn tgids_into(&self, out: &mut Vec<u32>) {
+        out.extend(self.by_tgid.keys());
+    }
+
     /// Processes and containers whose labels are kept.
     pub fn state_sizes(&self, out: &mut Vec<StateSize>) {
         out.push(StateSize::entries(

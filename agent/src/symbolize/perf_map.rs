@@ -236,6 +236,10 @@ impl PerfMaps {
         self.maps.len()
     }
 
+    pub fn tgids_into(&self, out: &mut Vec<u32>) {
+        out.extend(self.maps.keys());
+    }
+
     /// The maps kept: processes and bytes of entries.
     pub fn state_size(&self) -> StateSize {
         StateSize::entries("perf_maps", self.maps.len(), Some(MAX_PROCESSES))

@@ -1147,6 +1147,15 @@ impl StackWalker {
         self.tables.evict_unused(self.table_cache_bytes);
     }
 
+    /// Every process something is kept for (a process whose exit record
+    /// was lost, or whose late sample came after it, stays until evicted
+    /// unless the run loop finds it gone).
+    pub fn tracked_processes_into(&self, out: &mut Vec<u32>) {
+        out.extend(self.modules.keys());
+        out.extend(self.processes.tgids());
+        self.planner.tracked_processes_into(out);
+    }
+
     /// What the process table learned from the mapping feed.
     pub fn table_stats(&self) -> stackscope_process_table::table::TableStats {
         self.processes.stats()

@@ -196,6 +196,12 @@ impl Planner {
         }
     }
 
+    /// Processes with a copy size or a thread plan.
+    pub fn tracked_processes_into(&self, out: &mut Vec<u32>) {
+        out.extend(self.processes.keys());
+        out.extend(self.threads.values().map(|plan| plan.tgid));
+    }
+
     /// Sizes of what the planner keeps per process and per thread.
     pub fn state_sizes(&self, out: &mut Vec<StateSize>) {
         out.push(StateSize::entries(
