@@ -1012,7 +1012,11 @@ impl StackWalker {
     /// are walked, and [`Self::take_completed_exits`] says so).
     pub fn on_exit(&mut self, tgid: u32) -> bool {
         if self.waiting.iter().any(|held| held.header.tgid == tgid) {
-            self.exited.push(tgid);
+            // Once: the run loop's sweep of gone processes asks again
+            // every interval while they wait.
+            if !self.exited.contains(&tgid) {
+                self.exited.push(tgid);
+            }
             return false;
         }
         self.forget_exited(tgid);
