@@ -407,35 +407,31 @@ impl TelemetryServer {
         let registry = Arc::new(telemetry.registry());
         let health = Arc::clone(&telemetry.health);
         let (stop, stopped) = tokio::sync::watch::channel(());
+        let serve = async move {
+            let listener = tokio::net::TcpListener::from_std(listener)?;
+            let mut graceful = stopped.clone();
+            let shutdown = async move {
+                let _ = graceful.changed().await;
+            };
+            let server = stackscope_telemetry::serve(listener, registry, health, shutdown);
+            // A client that keeps its request open does not hold the
+            // agent's exit for long.
+            let mut deadline = stopped;
+            tokio::select! {
+                served = server => served,
+                () = async {
+                    let _ = deadline.changed().await;
+                    tokio::time::sleep(SERVER_STOP_GRACE).await;
+                } => Ok(()),
+            }
+        };
         let thread = std::thread::Builder::new()
             .name("metrics".into())
             .spawn(move || {
                 let served = tokio::runtime::Builder::new_current_thread()
                     .enable_all()
                     .build()
-                    .map_err(|err| err.to_string())
-                    .and_then(|runtime| {
-                        runtime.block_on(async {
-                            let listener = tokio::net::TcpListener::from_std(listener)
-                                .map_err(|err| err.to_string())?;
-                            let mut graceful = stopped.clone();
-                            let shutdown = async move {
-                                let _ = graceful.changed().await;
-                            };
-                            let server =
-                                stackscope_telemetry::serve(listener, registry, health, shutdown);
-                            // A client that keeps its request open does not
-                            // hold the agent's exit for long.
-                            let mut deadline = stopped;
-                            tokio::select! {
-                                served = server => served.map_err(|err| err.to_string()),
-                                _ = async {
-                                    let _ = deadline.changed().await;
-                                    tokio::time::sleep(SERVER_STOP_GRACE).await;
-                                } => Ok(()),
-                            }
-                        })
-                    });
+                    .and_then(|runtime| runtime.block_on(serve));
                 if let Err(err) = served {
                     tracing::warn!("the metrics server stopped: {err}");
                 }
