@@ -2,7 +2,8 @@
 //! fail on a figure (timing belongs in reports, not in tests). `sampler` drives
 //! the agent; `mappings` (in `mappings.rs`) costs the mapping events; `filter` measures the agent's in-kernel cgroup filter on busy
 //! processes in cgroups of their own; `unwind` runs the unwinder's criterion
-//! benches; `collector` loads the collector's storage with a synthetic fleet.
+//! benches; `collector` loads the collector's storage with a synthetic fleet;
+//! `programs` (in `programs.rs`) runs the product on real programs.
 
 use std::{
     io::Read as _,
@@ -78,6 +79,15 @@ pub enum Bench {
         #[arg(long, default_value_t = 60)]
         minutes: u32,
     },
+    /// The product on real programs (python3, node, sqlite3, xz, a stripped
+    /// Go program, a deep C program, and loops of gcc and rustc runs), each
+    /// in a cgroup of its own: the share of samples unwound to the root, cut
+    /// short, and of frames named.
+    Programs {
+        /// How long the agent samples each program.
+        #[arg(long, default_value_t = 20)]
+        seconds: u64,
+    },
     /// Query-time naming in the collector: frames/s cold (debuginfo parsed)
     /// and warm (cached), and a whole flamegraph of 10,000 distinct stacks
     /// named from librustc_driver (148 MB), side by side with eu-addr2line
@@ -99,6 +109,7 @@ pub fn run(which: Bench) -> anyhow::Result<()> {
         Bench::Unwind => unwind(),
         Bench::Overhead { seconds, repeats } => crate::overhead::run(seconds, repeats),
         Bench::Mappings { seconds, repeats } => crate::mappings::run(seconds, repeats),
+        Bench::Programs { seconds } => crate::programs::run(seconds),
         Bench::Symbolize { stacks, addresses } => collector_bench(
             "symbolize",
             &[
@@ -470,7 +481,7 @@ impl Drop for FilterScene {
 
 /// The cgroup2 mount point from this process's mount table: field 5 is the
 /// mount point, and the filesystem type follows the ` - ` separator.
-fn cgroup2_mount() -> anyhow::Result<PathBuf> {
+pub(crate) fn cgroup2_mount() -> anyhow::Result<PathBuf> {
     let mountinfo =
         std::fs::read_to_string("/proc/self/mountinfo").context("reading /proc/self/mountinfo")?;
     mountinfo
@@ -686,7 +697,7 @@ pub(crate) fn compile_fixture(name: &str) -> anyhow::Result<PathBuf> {
 }
 
 /// Compiles `tests/fixtures/<name>.c` without frame pointers into `out_dir`.
-fn compile_fixture_in(name: &str, out_dir: &Path) -> anyhow::Result<PathBuf> {
+pub(crate) fn compile_fixture_in(name: &str, out_dir: &Path) -> anyhow::Result<PathBuf> {
     let source = workspace_root().join(format!("tests/fixtures/{name}.c"));
     std::fs::create_dir_all(out_dir)?;
     let binary = out_dir.join(name);

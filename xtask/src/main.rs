@@ -9,6 +9,7 @@ mod image;
 mod kernels;
 mod mappings;
 mod overhead;
+mod programs;
 mod setup;
 mod soak;
 

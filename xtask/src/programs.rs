@@ -1,0 +1,336 @@
+//! `cargo xtask bench programs`: the product on real programs, the way a user
+//! meets it. Each program (Debian's python3, node, sqlite3, xz, gcc and rustc,
+//! a Go program and a deep C fixture) runs in a cgroup of its own; the release
+//! agent samples only that cgroup for a while and ships to a release
+//! collector; the report says, per program, what share of samples unwound to
+//! the root (and how many of those through a stack tail), what share were cut
+//! short, and what share of their frames carry a name in the collector.
+//!
+//! A report, not a test: the figures depend on the machine and its load.
+//! The short-lived programs (gcc, rustc) are loops of compiler runs, which is
+//! where the first samples of every new process count most.
+
+use std::{
+    path::{Path, PathBuf},
+    process::{Child, Command, Stdio},
+    time::Duration,
+};
+
+use anyhow::{Context as _, bail};
+use stackscope_test_fixtures::free_port;
+
+use crate::{
+    KillOnDrop,
+    bench::{cgroup2_mount, compile_fixture_in},
+    build_binaries, run_checked, wait_for_listener, workspace_root,
+};
+
+/// Sampling frequency of each agent run.
+const HZ: &str = "199";
+/// How long a program runs before the agent starts (its start-up is not
+/// what is measured).
+const WARM_UP: Duration = Duration::from_secs(2);
+
+/// One program: a shell script that keeps it busy until killed.
+struct Program {
+    name: &'static str,
+    script: String,
+}
+
+pub fn run(seconds: u64) -> anyhow::Result<()> {
+    if seconds == 0 {
+        bail!("--seconds must be at least 1");
+    }
+    let release = build_binaries(true)?;
+    let scratch = Scratch::new()?;
+    let programs = programs(&scratch.dir)?;
+
+    let grpc = format!("127.0.0.1:{}", free_port());
+    let http = format!("127.0.0.1:{}", free_port());
+    let mut collector = KillOnDrop(
+        Command::new(release.join("stackscope-collector"))
+            .arg("--data-dir")
+            .arg(scratch.dir.join("data"))
+            .args(["--grpc-listen", &grpc, "--http-listen", &http])
+            .args(["--log-level", "warn"])
+            .stdout(Stdio::null())
+            .spawn()
+            .context("starting the collector")?,
+    );
+    wait_for_listener(&grpc, &mut collector.0)?;
+
+    println!(
+        "{:<10} {:>8} {:>10} {:>12} {:>10} {:>12}",
+        "program", "samples", "to root", "(via tail)", "truncated", "frames named"
+    );
+    for program in &programs {
+        let cgroup = scratch.cgroup(program.name)?;
+        let _load = Load::start(&program.script, &cgroup.0, &scratch.dir)?;
+        std::thread::sleep(WARM_UP);
+        let node = format!("programs-{}", program.name);
+        let report = agent_run(&release, &grpc, &cgroup.0, &node, seconds)?;
+        let named = named_share(&release, &grpc, &node)?;
+        let share = |n: u64| 100.0 * n as f64 / report.walks.max(1) as f64;
+        println!(
+            "{:<10} {:>8} {:>9.1}% {:>11.1}% {:>9.1}% {:>11.1}%",
+            program.name,
+            report.walks,
+            share(report.outermost),
+            share(report.stitched),
+            share(report.truncated),
+            named,
+        );
+    }
+    println!(
+        "({seconds} s per program at {HZ} Hz; 'via tail': walks that reached the root through \
+         a stack tail; frames named: of every frame in the collector, kernel frames included)"
+    );
+    Ok(())
+}
+
+fn programs(scratch: &Path) -> anyhow::Result<Vec<Program>> {
+    let fixtures = workspace_root().join("tests/fixtures");
+    let fixture = |name: &str| fixtures.join(name).display().to_string();
+    let deep = compile_fixture_in("deep_frames", scratch)?;
+    let go = scratch.join("go_chain");
+    run_checked(
+        Command::new("go")
+            .args(["build", "-ldflags=-s -w", "-o"])
+            .arg(&go)
+            .arg(fixture("go_chain.go"))
+            .env("GO111MODULE", "off")
+            .env("GOCACHE", scratch.join("go-cache")),
+    )
+    .context("building the Go program (stripped, as Go services ship)")?;
+    let input = scratch.join("xz-input");
+    std::fs::write(
+        &input,
+        (0..1_500_000u32)
+            .map(|n| format!("{n}\n"))
+            .collect::<String>(),
+    )
+    .context("writing xz's input")?;
+    let python = "import json, re\n\
+                  def work(n):\n    return [re.sub('[0-9]', 'x', json.dumps({'k': i, 'v': [i] * 20})) for i in range(n)]\n\
+                  while True:\n    work(2000)\n";
+    Ok(vec![
+        Program {
+            name: "python3",
+            script: format!("exec python3 -c \"{python}\""),
+        },
+        Program {
+            name: "node",
+            script: format!("exec node --perf-basic-prof {}", fixture("json_runtime.js")),
+        },
+        Program {
+            name: "sqlite3",
+            script: "while :; do sqlite3 :memory: 'WITH RECURSIVE c(x) AS (SELECT 1 UNION ALL \
+                     SELECT x + 1 FROM c WHERE x < 3000000) SELECT sum(x) FROM c;' >/dev/null; done"
+                .into(),
+        },
+        Program {
+            name: "xz",
+            script: format!(
+                "while :; do xz -6 -T1 -c {} >/dev/null; done",
+                input.display()
+            ),
+        },
+        Program {
+            name: "go",
+            script: format!("exec {} 2", go.display()),
+        },
+        Program {
+            name: "deep C",
+            script: format!("exec {} 1048576 262144 65536", deep.display()),
+        },
+        Program {
+            name: "gcc",
+            script: format!(
+                "while :; do gcc -O2 -c -o /dev/null {}; done",
+                fixture("many_functions.c")
+            ),
+        },
+        Program {
+            name: "rustc",
+            script: format!(
+                "while :; do rustc -O -o {} {}; done",
+                scratch.join("rust_chain").display(),
+                fixture("rust_chain.rs")
+            ),
+        },
+    ])
+}
+
+/// What one agent run reported.
+struct Walks {
+    walks: u64,
+    outermost: u64,
+    stitched: u64,
+    truncated: u64,
+}
+
+fn agent_run(
+    release: &Path,
+    grpc: &str,
+    cgroup: &Path,
+    node: &str,
+    seconds: u64,
+) -> anyhow::Result<Walks> {
+    let mut command = Command::new(release.join("stackscope-agent"));
+    command
+        .arg("--cgroup")
+        .arg(cgroup)
+        .args([
+            "--collector",
+            &format!("http://{grpc}"),
+            "--node-name",
+            node,
+        ])
+        .args(["--frequency", HZ, "--duration", &format!("{seconds}s")])
+        .args(["--json", "--log-level", "warn", "--status-interval", "1h"])
+        .stderr(Stdio::inherit());
+    let out = command
+        .output()
+        .with_context(|| format!("running {command:?}"))?;
+    if !out.status.success() {
+        bail!("{command:?} failed with {}", out.status);
+    }
+    let report: serde_json::Value =
+        serde_json::from_slice(&out.stdout).context("the agent's --json report")?;
+    let field = |name: &str| {
+        report["unwinding"][name]
+            .as_u64()
+            .with_context(|| format!("no unwinding.{name} in the agent's report"))
+    };
+    Ok(Walks {
+        walks: field("walks")?,
+        outermost: field("outermost")?,
+        stitched: field("stitched")?,
+        truncated: field("truncated")?,
+    })
+}
+
+/// The share of frames with a name among the samples `node` shipped, from
+/// the collector's folded export (an unnamed frame reads `[unknown] file+0x..`).
+fn named_share(release: &Path, grpc: &str, node: &str) -> anyhow::Result<f64> {
+    let mut command = Command::new(release.join("stackscope"));
+    command
+        .args(["--collector", &format!("http://{grpc}")])
+        .args(["export", "--format", "folded", "--since", "1h"])
+        .args(["--match", &format!("node=\"{node}\"")]);
+    let out = command
+        .output()
+        .with_context(|| format!("running {command:?}"))?;
+    if !out.status.success() {
+        bail!(
+            "{command:?} failed: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+    }
+    let (mut frames, mut named) = (0u64, 0u64);
+    for line in String::from_utf8_lossy(&out.stdout).lines() {
+        let Some((stack, count)) = line.rsplit_once(' ') else {
+            continue;
+        };
+        let count: u64 = count.parse().context("a folded line's count")?;
+        for frame in stack.split(';') {
+            frames += count;
+            if !frame.starts_with("[unknown]") {
+                named += count;
+            }
+        }
+    }
+    Ok(100.0 * named as f64 / frames.max(1) as f64)
+}
+
+/// The bench's temporary directory and cgroups, removed on drop.
+struct Scratch {
+    dir: PathBuf,
+    cgroup_parent: PathBuf,
+}
+
+impl Scratch {
+    fn new() -> anyhow::Result<Self> {
+        let id = std::process::id();
+        let dir = std::env::temp_dir().join(format!("stackscope-programs-{id}"));
+        std::fs::create_dir_all(&dir).with_context(|| format!("creating {}", dir.display()))?;
+        let cgroup_parent = cgroup2_mount()?.join(format!("stackscope-programs-{id}"));
+        std::fs::create_dir(&cgroup_parent)
+            .with_context(|| format!("creating cgroup {}", cgroup_parent.display()))?;
+        Ok(Self { dir, cgroup_parent })
+    }
+
+    fn cgroup(&self, program: &str) -> anyhow::Result<Cgroup> {
+        let path = self.cgroup_parent.join(program.replace(' ', "-"));
+        std::fs::create_dir(&path)
+            .with_context(|| format!("creating cgroup {}", path.display()))?;
+        Ok(Cgroup(path))
+    }
+}
+
+impl Drop for Scratch {
+    fn drop(&mut self) {
+        remove_cgroup(&self.cgroup_parent);
+        let _ = std::fs::remove_dir_all(&self.dir);
+    }
+}
+
+/// A program's cgroup: whatever is left in it is killed and it is removed
+/// on drop.
+struct Cgroup(PathBuf);
+
+impl Drop for Cgroup {
+    fn drop(&mut self) {
+        // cgroup.kill (Linux 5.14) takes the loop's current child too.
+        let _ = std::fs::write(self.0.join("cgroup.kill"), "1");
+        remove_cgroup(&self.0);
+    }
+}
+
+fn remove_cgroup(path: &Path) {
+    // Its last tasks may take a moment to go.
+    for _ in 0..100 {
+        match std::fs::remove_dir(path) {
+            Ok(()) => return,
+            Err(err) if err.kind() == std::io::ErrorKind::NotFound => return,
+            Err(_) => std::thread::sleep(Duration::from_millis(50)),
+        }
+    }
+    eprintln!("programs bench: could not remove cgroup {}", path.display());
+}
+
+/// A program's shell script, started in its cgroup (before it runs
+/// anything: it waits for a line on stdin) and stopped on drop.
+struct Load {
+    child: Child,
+}
+
+impl Load {
+    fn start(script: &str, cgroup: &Path, dir: &Path) -> anyhow::Result<Self> {
+        use std::io::Write as _;
+        // `read` holds the shell until it is in the cgroup, so every
+        // process of the program starts there.
+        let child = Command::new("bash")
+            .args(["-c", &format!("read -r _; {script}")])
+            .current_dir(dir)
+            .stdin(Stdio::piped())
+            .stdout(Stdio::null())
+            .spawn()
+            .context("starting bash")?;
+        let mut load = Self { child };
+        std::fs::write(cgroup.join("cgroup.procs"), load.child.id().to_string())
+            .with_context(|| format!("moving the program into {}", cgroup.display()))?;
+        writeln!(load.child.stdin.take().context("bash's stdin")?)
+            .context("starting the program")?;
+        Ok(load)
+    }
+}
+
+impl Drop for Load {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+        // node's perf map, named by the pid it ran as (it exec'd the shell).
+        let _ = std::fs::remove_file(format!("/tmp/perf-{}.map", self.child.id()));
+    }
+}
