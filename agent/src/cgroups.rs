@@ -57,9 +57,40 @@ pub fn cgroup2_mount_in(mountinfo: &str) -> Option<PathBuf> {
     mountinfo.lines().find_map(|line| {
         let (mount, fs) = line.split_once(" - ")?;
         (fs.split_whitespace().next()? == "cgroup2")
-            .then(|| mount.split_whitespace().nth(4).map(PathBuf::from))
+            .then(|| mount.split_whitespace().nth(4).map(unescape_mount_field))
             .flatten()
+            .map(PathBuf::from)
     })
+}
+
+/// A mountinfo field as the path it names: the kernel writes a space, a
+/// tab, a newline and a backslash in a path as `\040`, `\011`, `\012` and
+/// `\134` (anything else stays as written). (Public for the fuzz target.)
+pub fn unescape_mount_field(field: &str) -> String {
+    let mut path = String::with_capacity(field.len());
+    let mut rest = field;
+    while let Some(at) = rest.find('\\') {
+        path.push_str(&rest[..at]);
+        let escaped = match rest.get(at + 1..at + 4) {
+            Some("040") => Some(' '),
+            Some("011") => Some('\t'),
+            Some("012") => Some('\n'),
+            Some("134") => Some('\\'),
+            _ => None,
+        };
+        match escaped {
+            Some(c) => {
+                path.push(c);
+                rest = &rest[at + 4..];
+            }
+            None => {
+                path.push('\\');
+                rest = &rest[at + 1..];
+            }
+        }
+    }
+    path.push_str(rest);
+    path
 }
 
 /// The id of the cgroup `selection`: a directory under the cgroup2 mount,
@@ -198,6 +229,20 @@ mod tests {
         );
         let v1_only = "27 25 0:24 / /sys/fs/cgroup/cpu rw shared:11 - cgroup cgroup rw,cpu";
         assert_eq!(cgroup2_mount_in(v1_only), None);
+    }
+
+    #[test]
+    fn a_mount_point_with_spaces_is_unescaped() {
+        let spaced = "35 24 0:30 / /run/my\\040cgroups\\134v2 rw shared:5 - cgroup2 cgroup2 rw";
+        assert_eq!(
+            cgroup2_mount_in(spaced),
+            Some(PathBuf::from("/run/my cgroups\\v2"))
+        );
+        // An escaped backslash followed by digits is a backslash, then the
+        // digits; a backslash starting no escape stays.
+        assert_eq!(unescape_mount_field("a\\134040b"), "a\\040b");
+        assert_eq!(unescape_mount_field("a\\b\\04"), "a\\b\\04");
+        assert_eq!(unescape_mount_field("tab\\011nl\\012"), "tab\tnl\n");
     }
 
     #[test]
