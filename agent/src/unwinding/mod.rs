@@ -594,27 +594,25 @@ impl TableCache {
     /// Drops the least recently used tables that no process holds (their
     /// `Arc` is only ours) until the unused ones fit in `max_bytes`.
     fn evict_unused(&mut self, max_bytes: usize) {
-        let unused_bytes = |cache: &Self| -> usize {
-            cache
-                .by_object
-                .values()
-                .filter_map(CachedTable::unused_table)
-                .map(|t| t.heap_bytes())
-                .sum()
-        };
-        while unused_bytes(self) > max_bytes {
+        // Runs after every drain: one pass when under the bound.
+        let mut unused_bytes: usize = self
+            .by_object
+            .values()
+            .filter_map(CachedTable::unused_table)
+            .map(|t| t.heap_bytes())
+            .sum();
+        while unused_bytes > max_bytes {
             let oldest = self
                 .by_object
                 .iter()
-                .filter(|(_, e)| e.unused_table().is_some())
-                .min_by_key(|(_, e)| e.last_used)
-                .map(|(id, _)| *id);
-            match oldest {
-                Some(id) => {
-                    self.by_object.remove(&id);
-                }
-                None => break,
-            }
+                .filter_map(|(id, e)| Some((id, e.last_used, e.unused_table()?.heap_bytes())))
+                .min_by_key(|&(_, last_used, _)| last_used)
+                .map(|(id, _, bytes)| (*id, bytes));
+            let Some((id, bytes)) = oldest else {
+                break;
+            };
+            self.by_object.remove(&id);
+            unused_bytes -= bytes;
         }
     }
 }
@@ -1146,7 +1144,8 @@ impl StackWalker {
 
     /// Drops unused tables past the cache's byte bound. Tables become
     /// unused when their last process goes, not only when one is added, so
-    /// this runs on a timer as well as on each insert.
+    /// this runs after every drain and every sweep as well as on each
+    /// insert.
     pub fn trim_tables(&mut self) {
         self.tables.evict_unused(self.table_cache_bytes);
     }
