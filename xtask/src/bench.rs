@@ -461,21 +461,27 @@ impl Drop for FilterScene {
             let _ = child.wait();
         }
         for dir in self.cgroups.iter().rev() {
-            // A cgroup whose last task just exited can report EBUSY briefly.
-            for attempt in 0.. {
-                match std::fs::remove_dir(dir) {
-                    Ok(()) => break,
-                    Err(e) if e.raw_os_error() == Some(libc::EBUSY) && attempt < 40 => {
-                        std::thread::sleep(Duration::from_millis(50));
-                    }
-                    Err(e) => {
-                        eprintln!("filter bench: removing cgroup {}: {e}", dir.display());
-                        break;
-                    }
-                }
-            }
+            remove_cgroup(dir);
         }
         let _ = std::fs::remove_dir_all(&self.temp_dir);
+    }
+}
+
+/// Removes an empty cgroup, waiting a little for its last tasks to go (it
+/// reports EBUSY until they have); says so if it could not.
+pub(crate) fn remove_cgroup(dir: &Path) {
+    for attempt in 0.. {
+        match std::fs::remove_dir(dir) {
+            Ok(()) => return,
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => return,
+            Err(e) if e.raw_os_error() == Some(libc::EBUSY) && attempt < 100 => {
+                std::thread::sleep(Duration::from_millis(50));
+            }
+            Err(e) => {
+                eprintln!("removing cgroup {}: {e}", dir.display());
+                return;
+            }
+        }
     }
 }
 

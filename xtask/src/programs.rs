@@ -21,7 +21,7 @@ use stackscope_test_fixtures::free_port;
 
 use crate::{
     KillOnDrop,
-    bench::{cgroup2_mount, compile_fixture_in},
+    bench::{cgroup2_mount, compile_fixture_in, remove_cgroup},
     build_binaries, run_checked, wait_for_listener, workspace_root,
 };
 
@@ -285,18 +285,6 @@ impl Drop for Cgroup {
         let _ = std::fs::write(self.0.join("cgroup.kill"), "1");
         remove_cgroup(&self.0);
     }
-}
-
-fn remove_cgroup(path: &Path) {
-    // Its last tasks may take a moment to go.
-    for _ in 0..100 {
-        match std::fs::remove_dir(path) {
-            Ok(()) => return,
-            Err(err) if err.kind() == std::io::ErrorKind::NotFound => return,
-            Err(_) => std::thread::sleep(Duration::from_millis(50)),
-        }
-    }
-    eprintln!("programs bench: could not remove cgroup {}", path.display());
 }
 
 /// A program's shell script, started in its cgroup (before it runs
