@@ -9,8 +9,10 @@
 //! it could not deliver meanwhile and deliver it after.
 //!
 //! Every few seconds it samples both processes' resident memory and open
-//! files, and every `state_*` gauge (caches, per-process maps, queues) their
-//! metrics endpoints publish. It prints one row per series with values at
+//! descriptors (files apart from the rest), and every `state_*` gauge
+//! (caches, per-process maps, queues) their metrics endpoints publish.
+//! Growth that a bounded cache accounts for is reported as such: anonymous
+//! memory filled by SQLite's page caches, files opened by the symbolizer. It prints one row per series with values at
 //! evenly spaced times, the series' bound, and the slope of a least-squares
 //! fit over the second half (the first is warm-up). It fails when a series
 //! exceeds its bound, when one without a bound keeps growing after warm-up
@@ -375,17 +377,58 @@ impl Series {
             self.point(format!("{who} rss anon"), Kind::Bytes, at, anon);
             self.point(format!("{who} rss file"), Kind::FileBytes, at, file);
         }
-        if let Ok(fds) = std::fs::read_dir(format!("/proc/{pid}/fd")) {
+        if let Some((files, other)) = open_descriptors(pid) {
+            // Files on disk are the naming caches' (bounded by
+            // symbolizer_files and the interval's objects); growth of the
+            // rest (BPF objects, sockets, pipes) would be a leak of its own.
+            self.point(format!("{who} open files"), Kind::Files, at, files);
             self.point(
-                format!("{who} open files"),
+                format!("{who} open descriptors (other)"),
                 Kind::Files,
                 at,
-                fds.count() as f64,
+                other,
             );
         }
         if let Some((200, text)) = http_get(metrics, "/metrics") {
             self.read_metrics(at, who, &text);
         }
+        self.anon_less_page_caches(at, who);
+    }
+
+    /// RssAnon less what SQLite's page caches (heap memory within their
+    /// own bound) held at the same moment: what is left grows only by a
+    /// leak. Nothing when a cache's gauge was skipped at this scrape.
+    fn anon_less_page_caches(&mut self, at: f64, who: &str) {
+        let at_this_scrape = |track: &Track| {
+            track
+                .points
+                .last()
+                .filter(|(when, _)| *when == at)
+                .map(|&(_, value)| value)
+        };
+        let caches: Vec<Option<f64>> = self
+            .0
+            .iter()
+            .filter(|(name, _)| name.starts_with(who) && name.ends_with("page_cache bytes"))
+            .map(|(_, track)| at_this_scrape(track))
+            .collect();
+        if caches.is_empty() {
+            return;
+        }
+        let (Some(anon), Some(caches)) = (
+            self.0
+                .get(&format!("{who} rss anon"))
+                .and_then(at_this_scrape),
+            caches.into_iter().sum::<Option<f64>>(),
+        ) else {
+            return;
+        };
+        self.point(
+            format!("{who} {ANON_LESS_PAGE_CACHES}"),
+            Kind::Bytes,
+            at,
+            anon - caches,
+        );
     }
 
     /// The export queue and the `state_*` gauges of `who`'s metrics text.
@@ -454,7 +497,34 @@ impl Series {
                 .0
                 .get(&format!("{name} bytes"))
                 .and_then(|bytes| bytes.bound);
-            let (verdict, failed) = track.verdict(minutes, bytes_bound.is_some());
+            let (mut verdict, mut failed) = track.verdict(minutes, bytes_bound.is_some());
+            // Anonymous memory that grew by no more than the page caches
+            // filled (within their bound) is explained.
+            if failed
+                && let Some(less) = name
+                    .strip_suffix("rss anon")
+                    .and_then(|who| self.0.get(&format!("{who}{ANON_LESS_PAGE_CACHES}")))
+                && !less.verdict(minutes, false).1
+            {
+                verdict = format!("{verdict}: all of it the page caches (bounded)");
+                failed = false;
+            }
+            // Each file the symbolizer keeps open (bounded in count and
+            // bytes) holds at most three descriptors: the object's, its
+            // separate debug file's and blazesym's own.
+            if failed
+                && let Some(naming) = name
+                    .strip_suffix("open files")
+                    .and_then(|who| self.0.get(&format!("{who}symbolizer_files")))
+                && let (Some(files), Some(fds)) = (
+                    naming.second_half_slope(minutes),
+                    track.second_half_slope(minutes),
+                )
+                && fds <= 3.0 * files
+            {
+                verdict = format!("{verdict}: the symbolizer's files (bounded)");
+                failed = false;
+            }
             let slope = track.second_half_slope(minutes).unwrap_or(0.0);
             println!("{bound:>10} {:>14}  {verdict}", kind.show(slope));
             if failed {
@@ -588,6 +658,26 @@ impl Delivery {
     }
 }
 
+/// The series of RssAnon less the SQLite page caches.
+const ANON_LESS_PAGE_CACHES: &str = "rss anon less page caches";
+
+/// `pid`'s descriptors: (files on disk, everything else).
+fn open_descriptors(pid: u32) -> Option<(f64, f64)> {
+    let (mut files, mut other) = (0.0, 0.0);
+    for entry in std::fs::read_dir(format!("/proc/{pid}/fd")).ok()?.flatten() {
+        // A link to a file names its path; sockets, pipes and anonymous
+        // inodes (BPF maps, programs, links, perf events) do not. Devices
+        // (/dev/null) are neither cache nor leak: counted with the rest.
+        match std::fs::read_link(entry.path()) {
+            Ok(target) if target.starts_with("/") && !target.starts_with("/dev/") => files += 1.0,
+            Ok(_) => other += 1.0,
+            // Closed since the directory was read.
+            Err(_) => {}
+        }
+    }
+    Some((files, other))
+}
+
 /// RssAnon and RssFile of `pid`, in bytes.
 fn resident_bytes(pid: u32) -> Option<(f64, f64)> {
     let status = std::fs::read_to_string(format!("/proc/{pid}/status")).ok()?;
@@ -650,6 +740,78 @@ mod tests {
         );
         let over = track(Kind::Entries, Some(4096.0), |t| t * 500.0);
         assert!(over.verdict(10.0, false).1);
+    }
+
+    fn series(tracks: Vec<(&str, Track)>) -> Series {
+        Series(
+            tracks
+                .into_iter()
+                .map(|(name, track)| (name.to_string(), track))
+                .collect(),
+        )
+    }
+
+    #[test]
+    fn growth_is_explained_only_by_caches_that_grew_as_much() {
+        let anon = |t: f64| 30e6 + t * 2e6;
+        let filling_cache = |t: f64| 10e6 + t * 2e6;
+        let less = |cache: fn(f64) -> f64| track(Kind::Bytes, None, move |t| anon(t) - cache(t));
+        let explained = series(vec![
+            ("collector rss anon", track(Kind::Bytes, None, anon)),
+            ("collector rss anon less page caches", less(filling_cache)),
+        ]);
+        assert!(explained.report(10.0).is_empty());
+        let leaking = series(vec![
+            ("collector rss anon", track(Kind::Bytes, None, anon)),
+            ("collector rss anon less page caches", less(|_| 10e6)),
+        ]);
+        assert_eq!(leaking.report(10.0).len(), 2);
+
+        let fds = |t: f64| 20.0 + t * 5.0;
+        let opened =
+            |per_minute: f64| track(Kind::Entries, Some(64.0), move |t| 5.0 + t * per_minute);
+        let naming = series(vec![
+            ("agent open files", track(Kind::Files, None, fds)),
+            ("agent symbolizer_files", opened(2.0)),
+        ]);
+        assert!(naming.report(10.0).is_empty());
+        let leaking = series(vec![
+            ("agent open files", track(Kind::Files, None, fds)),
+            ("agent symbolizer_files", opened(1.0)),
+        ]);
+        assert_eq!(leaking.report(10.0).len(), 1);
+    }
+
+    #[test]
+    fn the_page_caches_are_taken_from_anonymous_memory_at_the_same_scrape() {
+        let mut series = Series::default();
+        series.point("collector rss anon".into(), Kind::Bytes, 1.0, 50e6);
+        series.point(
+            "collector writer_page_cache bytes".into(),
+            Kind::Bytes,
+            1.0,
+            8e6,
+        );
+        series.point(
+            "collector reader_page_cache bytes".into(),
+            Kind::Bytes,
+            1.0,
+            2e6,
+        );
+        series.anon_less_page_caches(1.0, "collector");
+        // The reader's gauge was skipped (its lock was busy) at 2.0.
+        series.point("collector rss anon".into(), Kind::Bytes, 2.0, 60e6);
+        series.point(
+            "collector writer_page_cache bytes".into(),
+            Kind::Bytes,
+            2.0,
+            9e6,
+        );
+        series.anon_less_page_caches(2.0, "collector");
+        assert_eq!(
+            series.0["collector rss anon less page caches"].points,
+            [(1.0, 40e6)]
+        );
     }
 
     #[test]
