@@ -303,6 +303,19 @@ const _: () = assert!(core::mem::size_of::<StackTop>() == 16);
 /// Threads with a [`StackTop`] at most (LRU).
 pub const MAX_STACK_TOPS: u32 = 16384;
 
+/// Thread names (`comm`) of programs whose threads needed deep copies: the
+/// keys of the `DEEP_PROGRAMS` map (LRU), written by the agent. A tick of
+/// such a program's thread that has neither a plan nor a stack top (a
+/// thread the agent has not learned yet, as every thread of a compiler
+/// run once per file is) wakes the reader at once, so the thread is
+/// learned within milliseconds instead of at the next timed drain.
+pub const MAX_DEEP_PROGRAMS: u32 = 256;
+
+/// A CPU wakes the reader early (see [`MAX_DEEP_PROGRAMS`]) at most once per
+/// this long: a thread that cannot be learned must not cost a wake-up per
+/// tick.
+pub const EARLY_WAKEUP_INTERVAL_NS: u64 = 5_000_000;
+
 /// An exec or exit of a process, in the same ring buffer as the samples so
 /// that it is read in order with them: samples taken after an exec are never
 /// unwound with the mappings from before it.
@@ -346,11 +359,14 @@ pub enum Counter {
     /// on another stack; or the ring buffer had no room for one): the tick
     /// fell back to the usual copy.
     DeepCopyFallbacks = 9,
+    /// Records that woke the reader early: ticks of a thread of a program
+    /// known to need deep copies that the agent has not learned yet.
+    EarlyWakeups = 10,
 }
 
 impl Counter {
     /// Every counter, in index order.
-    pub const ALL: [Counter; 10] = [
+    pub const ALL: [Counter; 11] = [
         Counter::Samples,
         Counter::RingBufferFull,
         Counter::CopyFailed,
@@ -361,6 +377,7 @@ impl Counter {
         Counter::TailSpans,
         Counter::DeepCopies,
         Counter::DeepCopyFallbacks,
+        Counter::EarlyWakeups,
     ];
 }
 
@@ -390,6 +407,8 @@ pub mod names {
     pub const STACK_PLANS: &str = "STACK_PLANS";
     pub const COPY_BYTES: &str = "COPY_BYTES";
     pub const STACK_TOPS: &str = "STACK_TOPS";
+    pub const DEEP_PROGRAMS: &str = "DEEP_PROGRAMS";
+    pub const EARLY_WAKEUPS: &str = "EARLY_WAKEUPS";
     pub const TASK_GROUP_LEADER_OFFSET: &str = "TASK_GROUP_LEADER_OFFSET";
     pub const TASK_START_TIME_OFFSET: &str = "TASK_START_TIME_OFFSET";
 }

@@ -29,8 +29,9 @@
 use core::ffi::c_void;
 
 use agent_common::{
-    COUNTER_SLOTS, CgroupPolicy, Counter, DEFAULT_USER_STACK_BYTES, MAX_ALLOW_ENTRIES,
-    MAX_CGROUP_DEPTH, MAX_COPY_SIZES, MAX_DEEP_STACK_BYTES, MAX_KERNEL_STACK_BYTES, MAX_SPAN_BYTES,
+    COMM_LEN, COUNTER_SLOTS, CgroupPolicy, Counter, DEFAULT_USER_STACK_BYTES,
+    EARLY_WAKEUP_INTERVAL_NS, MAX_ALLOW_ENTRIES, MAX_CGROUP_DEPTH, MAX_COPY_SIZES,
+    MAX_DEEP_PROGRAMS, MAX_DEEP_STACK_BYTES, MAX_KERNEL_STACK_BYTES, MAX_SPAN_BYTES,
     MAX_STACK_PLANS, MAX_STACK_TOPS, MAX_TAIL_BYTES, MAX_TAIL_SPANS, MAX_USER_STACK_BYTES,
     PAGE_SIZE, ProcessEvent, RecordKind, SAMPLE_HEADER_SIZE, SCRATCH_BYTES, SampleHeader,
     StackPlan, StackTop, TAIL_SPAN_HEADER_SIZE, deep_record_bytes, policy_flags, sample_flags,
@@ -89,6 +90,16 @@ static COPY_BYTES: LruHashMap<u32, u32> = LruHashMap::with_max_entries(MAX_COPY_
 /// Per thread (by tid): how far up its stack a copy needs to go at most.
 #[map(name = "STACK_TOPS")]
 static STACK_TOPS: LruHashMap<u32, StackTop> = LruHashMap::with_max_entries(MAX_STACK_TOPS, 0);
+
+/// Thread names of programs whose threads needed deep copies (see
+/// `MAX_DEEP_PROGRAMS`): their unlearned threads wake the reader early.
+#[map(name = "DEEP_PROGRAMS")]
+static DEEP_PROGRAMS: LruHashMap<[u8; COMM_LEN], u8> =
+    LruHashMap::with_max_entries(MAX_DEEP_PROGRAMS, 0);
+
+/// Per CPU: when it last woke the reader early (`bpf_ktime_get_ns`).
+#[map(name = "EARLY_WAKEUPS")]
+static EARLY_WAKEUPS: PerCpuArray<u64> = PerCpuArray::with_max_entries(1, 0);
 
 // Load-time constants, patched by the agent. Being read-only globals, the
 // verifier sees their values and prunes the branches they disable.
@@ -319,7 +330,12 @@ fn try_usual_sample(
     }
     // SAFETY: the first `len` bytes of the scratch slot were written above.
     let record = unsafe { core::slice::from_raw_parts(scratch, len as usize) };
-    if SAMPLES.output::<[u8]>(record, wakeup_flag(len)).is_err() {
+    let wakeup = if plan.is_none() && DEEP_STACK_BYTES.load() != 0 && early_wakeup(scratch, ids) {
+        u64::from(BPF_RB_FORCE_WAKEUP)
+    } else {
+        wakeup_flag(len)
+    };
+    if SAMPLES.output::<[u8]>(record, wakeup).is_err() {
         count(Counter::RingBufferFull);
         debug!(ctx, "ring buffer full, dropped a {} byte record", len);
     } else {
@@ -433,6 +449,39 @@ fn wakeup_flag(len: u64) -> u64 {
     } else {
         BPF_RB_NO_WAKEUP
     })
+}
+
+/// Whether a tick of a thread without a plan wakes the reader at once: its
+/// program (by thread name, from the header in `scratch`) needed deep
+/// copies, the agent has not learned this thread yet (no stack top either:
+/// a thread whose walks reach the root has one), and this CPU has not woken
+/// the reader early within `EARLY_WAKEUP_INTERVAL_NS`. Until the reader
+/// learns the thread, each of its ticks is a truncated walk; a timed drain
+/// comes only every half second, most of a compiler process's life.
+#[inline(always)]
+fn early_wakeup(scratch: *mut u8, ids: &SampleIds) -> bool {
+    // SAFETY: the caller wrote the header to the slot; a map value may be
+    // a lookup key.
+    let comm = unsafe { &*core::ptr::addr_of!((*scratch.cast::<SampleHeader>()).comm) };
+    if unsafe { DEEP_PROGRAMS.get(comm) }.is_none() {
+        return false;
+    }
+    if unsafe { STACK_TOPS.get(ids.tid) }.is_some_and(|top| top.tgid == ids.tgid) {
+        return false;
+    }
+    let Some(last) = EARLY_WAKEUPS.get_ptr_mut(0) else {
+        return false;
+    };
+    let now = unsafe { bpf_ktime_get_ns() };
+    // SAFETY: this CPU's slot; the program does not nest on a CPU.
+    unsafe {
+        if now.wrapping_sub(*last) < EARLY_WAKEUP_INTERVAL_NS {
+            return false;
+        }
+        *last = now;
+    }
+    count(Counter::EarlyWakeups);
+    true
 }
 
 /// A deep copy (see the module doc): reserves a record of the largest deep

@@ -146,6 +146,12 @@ impl AgentMetrics {
             "Ticks of deep-plan threads that fell back to the usual copy.",
             k.deep_copy_fallbacks,
         )?;
+        out.counter(
+            "early_wakeups",
+            "Records that woke the reader at once: ticks of threads not learned yet \
+             of programs whose threads needed deep copies.",
+            k.early_wakeups,
+        )?;
 
         let w = &run.walks;
         let reached = w.outermost.min(w.walks);

@@ -6,12 +6,14 @@
 //! thread with a 16 MiB stack, and threads switching between two deep call
 //! chains that differ only at the top and the bottom; and, through deep
 //! copies, a stack 300 KB deep that changes shape every millisecond, which
-//! no tail can follow. Every frame of every sample is named and checked
-//! against the exact chain. Needs root.
+//! no tail can follow, also in threads that live a quarter of a second
+//! each (learned at their first tick once their program is known to need
+//! deep copies). Every frame of every sample is named and checked against
+//! the exact chain. Needs root.
 
 use std::{collections::HashMap, time::Duration};
 
-use stackscope_agent::{sampler::SamplerConfig, unwinding::WalkOutcome};
+use stackscope_agent::{run::FEED_DRAIN_INTERVAL, sampler::SamplerConfig, unwinding::WalkOutcome};
 use stackscope_tests::{Fixture, FrameNames, LiveWalk, exclusive, require_root, walk_live};
 use stackscope_unwind::UnwindEnd;
 
@@ -270,33 +272,9 @@ fn a_deep_stack_that_keeps_changing_shape_reaches_the_root_through_deep_copies()
     let outer = ["main", LIBC, "__libc_start_main", "_start"];
     let (mut total, mut complete) = (0usize, 0usize);
     for walk in walks.iter().filter(|w| w.tgid == pid) {
-        let named = names.names(&walk.frames);
         total += 1;
-        // Never a wrong frame: spin (unless the tick caught a step going
-        // down or up), then steps, then main and its callers, however far
-        // the walk went.
-        let in_spin = named.first().is_some_and(|n| n == "spin");
-        let steps = named
-            .iter()
-            .skip(usize::from(in_spin))
-            .take_while(|n| *n == "step_small" || *n == "step_large")
-            .count();
-        let rest: Vec<&str> = named[usize::from(in_spin) + steps..]
-            .iter()
-            .map(String::as_str)
-            .collect();
-        assert!(
-            steps <= DEPTH + 1 && outer.starts_with(&rest),
-            "not a prefix of the chain ({:?}): {named:?}",
-            walk.outcome
-        );
-        if walk.outcome == OUTERMOST {
-            assert_eq!(rest, outer, "a complete walk: {named:?}");
-            if in_spin {
-                assert_eq!(steps, DEPTH + 1, "a complete walk: {named:?}");
-            }
-            complete += 1;
-        }
+        let named = names.names(&walk.frames);
+        complete += usize::from(churn_walk_is_whole(walk, &named, DEPTH, &outer));
     }
     let share = complete as f64 / total.max(1) as f64;
     eprintln!(
@@ -330,4 +308,107 @@ fn a_deep_stack_that_keeps_changing_shape_reaches_the_root_through_deep_copies()
         "{complete} of {} reached the root without deep copies",
         ours.len()
     );
+}
+
+/// Checks a walk of `deep_churn` (never a wrong frame: `spin`, unless the
+/// tick caught a step going down or up, then steps, then `outer`, however
+/// far the walk went); true when it is whole, down to the root.
+fn churn_walk_is_whole(walk: &LiveWalk, named: &[String], depth: usize, outer: &[&str]) -> bool {
+    let in_spin = named.first().is_some_and(|n| n == "spin");
+    let steps = named
+        .iter()
+        .skip(usize::from(in_spin))
+        .take_while(|n| *n == "step_small" || *n == "step_large")
+        .count();
+    let rest: Vec<&str> = named[usize::from(in_spin) + steps..]
+        .iter()
+        .map(String::as_str)
+        .collect();
+    assert!(
+        steps <= depth + 1 && outer.starts_with(&rest),
+        "not a prefix of the chain ({:?}): {named:?}",
+        walk.outcome
+    );
+    if walk.outcome != OUTERMOST {
+        return false;
+    }
+    assert_eq!(rest, outer, "a complete walk: {named:?}");
+    if in_spin {
+        assert_eq!(steps, depth + 1, "a complete walk: {named:?}");
+    }
+    true
+}
+
+#[test]
+fn new_threads_of_a_program_that_needed_deep_copies_are_learned_at_their_first_tick() {
+    require_root();
+    let fixture = Fixture::compile("deep_churn", &["-pthread"]);
+    let _serial = exclusive();
+    // A new deep thread every 250 ms: half the half-second drain the agent
+    // uses with its mapping feed, so a thread learned only at a timed
+    // drain has lived most of its life truncated, or is gone.
+    const DEPTH: usize = 200;
+    let process = fixture.start(&[&DEPTH.to_string(), "250"]);
+    let pid = process.pid();
+    let config = SamplerConfig {
+        frequency_hz: 99,
+        pids: vec![pid],
+        drain_interval: FEED_DRAIN_INTERVAL,
+        ..SamplerConfig::default()
+    };
+    let (walks, counters) = walk_live(&config, WINDOW);
+    let mut names = FrameNames::new(pid);
+    let outer = ["churn_thread", LIBC, LIBC];
+    // Per thread, in the order they were first sampled: whether each of
+    // its walks was whole.
+    let mut threads: Vec<(u32, Vec<bool>)> = Vec::new();
+    // The main thread only starts and joins them.
+    for walk in walks.iter().filter(|w| w.tgid == pid && w.tid != pid) {
+        let named = names.names(&walk.frames);
+        // A thread starting or ending in libc (clone3, start_thread and
+        // what it calls before and after churn_thread).
+        let churning = ["churn_thread", "step_small", "step_large", "spin"];
+        if !named.iter().any(|name| churning.contains(&name.as_str())) {
+            continue;
+        }
+        let whole = churn_walk_is_whole(walk, &named, DEPTH, &outer);
+        match threads.iter_mut().find(|t| t.0 == walk.tid) {
+            Some(thread) => thread.1.push(whole),
+            None => threads.push((walk.tid, vec![whole])),
+        }
+    }
+    // The first threads teach that the program needs deep copies (a tail,
+    // stale twice, then a deep copy, all within one thread's life); the
+    // threads after the first one with a whole walk are new threads of a
+    // known deep program. Their first tick is truncated (it is what wakes
+    // the reader); the ones after it must reach the root.
+    let teaching = 1 + threads
+        .iter()
+        .position(|t| t.1.contains(&true))
+        .expect("no thread reached the root");
+    let later = &threads[teaching..];
+    let after_first: Vec<bool> = later
+        .iter()
+        .flat_map(|t| t.1.iter().skip(1).copied())
+        .collect();
+    let complete = after_first.iter().filter(|&&whole| whole).count();
+    let share = complete as f64 / after_first.len().max(1) as f64;
+    let first_whole = later.iter().filter(|t| t.1[0]).count();
+    eprintln!(
+        "deep_churn threads: {} threads, {teaching} teaching; after them, {complete} of {} walks \
+         after a thread's first reached the root ({:.1}%), and {first_whole} of {} first walks; \
+         {} early wake-ups, {} deep copies",
+        threads.len(),
+        after_first.len(),
+        100.0 * share,
+        later.len(),
+        counters.early_wakeups,
+        counters.deep_copies
+    );
+    assert!(counters.early_wakeups > 0, "no early wake-up: {counters:?}");
+    assert!(later.len() >= 20, "only {} later threads", later.len());
+    assert!(after_first.len() >= 40, "only {} walks", after_first.len());
+    // Learned at a timed drain instead, a thread would stay truncated for
+    // a quarter of a second on average: most of its life.
+    assert!(share >= 0.8, "{:.1}% reached the root", 100.0 * share);
 }

@@ -17,7 +17,7 @@ use std::{
 };
 
 use agent_common::{
-    COUNTER_SLOTS, CgroupPolicy, Counter, MAX_ALLOW_ENTRIES, MAX_DEEP_STACK_BYTES,
+    COMM_LEN, COUNTER_SLOTS, CgroupPolicy, Counter, MAX_ALLOW_ENTRIES, MAX_DEEP_STACK_BYTES,
     MAX_USER_STACK_BYTES, PAGE_SIZE, StackPlan, StackTop, names,
 };
 use aya::{
@@ -149,6 +149,9 @@ pub struct Counters {
     pub deep_copies: u64,
     /// Ticks of such threads that fell back to the usual copy.
     pub deep_copy_fallbacks: u64,
+    /// Records that woke the reader early (unlearned threads of programs
+    /// needing deep copies).
+    pub early_wakeups: u64,
 }
 
 impl Counters {
@@ -187,6 +190,8 @@ pub struct Sampler {
     copy_map: HashMap<MapData, u32, u32>,
     /// Per-thread stack tops (LRU).
     top_map: HashMap<MapData, u32, StackTop>,
+    /// Thread names of programs needing deep copies (LRU).
+    deep_program_map: HashMap<MapData, [u8; COMM_LEN], u8>,
     /// Ring buffer losses already reported by `take_new_losses`.
     losses_seen: u64,
     log_task: Option<tokio::task::JoinHandle<()>>,
@@ -289,6 +294,7 @@ impl Sampler {
         let plan_map = take_map(&mut ebpf, names::STACK_PLANS)?;
         let copy_map = take_map(&mut ebpf, names::COPY_BYTES)?;
         let top_map = take_map(&mut ebpf, names::STACK_TOPS)?;
+        let deep_program_map = take_map(&mut ebpf, names::DEEP_PROGRAMS)?;
         let mut drain_timer =
             tokio::time::interval(config.drain_interval.max(Duration::from_millis(1)));
         drain_timer.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
@@ -301,6 +307,7 @@ impl Sampler {
             plan_map,
             copy_map,
             top_map,
+            deep_program_map,
             losses_seen: 0,
             log_task,
             ebpf,
@@ -321,6 +328,14 @@ impl Sampler {
                         None => self.top_map.remove(&tid),
                     };
                     map_result(names::STACK_TOPS, result)
+                }
+                PlanUpdate::DeepProgram { comm, deep } => {
+                    let result = if deep {
+                        self.deep_program_map.insert(comm, 1, 0)
+                    } else {
+                        self.deep_program_map.remove(&comm)
+                    };
+                    map_result(names::DEEP_PROGRAMS, result)
                 }
             };
             if let Err(err) = result {
@@ -431,6 +446,7 @@ impl Sampler {
             tail_spans: totals[Counter::TailSpans as usize],
             deep_copies: totals[Counter::DeepCopies as usize],
             deep_copy_fallbacks: totals[Counter::DeepCopyFallbacks as usize],
+            early_wakeups: totals[Counter::EarlyWakeups as usize],
         })
     }
 

@@ -46,6 +46,9 @@ pub enum PlanUpdate {
     },
     /// Set (or remove) how far up one thread's stack its copies go.
     ThreadTop { tid: u32, top: Option<StackTop> },
+    /// Add (or remove) a program, by thread name, whose unlearned threads
+    /// wake the reader at once.
+    DeepProgram { comm: [u8; COMM_LEN], deep: bool },
 }
 
 /// Bytes copied above the highest word a learned plan's copy must hold,
@@ -74,9 +77,10 @@ const STALE_WINDOW_NS: u64 = 2_000_000_000;
 /// depth has one stale tail, and then keeps the next.
 const STALE_TAILS_FOR_DEEP: u8 = 2;
 /// Programs (thread names) remembered as needing deep copies: their new
-/// threads and processes (a compiler runs once per file) go deep at their
-/// first learning instead of after a stale tail.
-const MAX_DEEP_PROGRAMS: usize = 256;
+/// threads and processes (a compiler runs once per file) wake the reader at
+/// their first tick and go deep at their first learning instead of after a
+/// stale tail.
+const MAX_DEEP_PROGRAMS: usize = agent_common::MAX_DEEP_PROGRAMS as usize;
 /// A process's copy size follows the largest need seen over this window
 /// and the one before it (ns of sample time).
 const COPY_WINDOW_NS: u64 = 10_000_000_000;
@@ -440,10 +444,19 @@ impl Planner {
         self.stats.plans_learned += 1;
         if kind == Planned::Deep {
             self.stats.deep_plans_learned += 1;
-            if self.deep_programs.len() >= MAX_DEEP_PROGRAMS {
-                self.deep_programs.clear();
+            if !self.deep_programs.contains(&walk.comm) {
+                if self.deep_programs.len() >= MAX_DEEP_PROGRAMS {
+                    for comm in self.deep_programs.drain() {
+                        self.updates
+                            .push(PlanUpdate::DeepProgram { comm, deep: false });
+                    }
+                }
+                self.deep_programs.insert(walk.comm);
+                self.updates.push(PlanUpdate::DeepProgram {
+                    comm: walk.comm,
+                    deep: true,
+                });
             }
-            self.deep_programs.insert(walk.comm);
         }
         if let Some(thread) = self.threads.get_mut(&walk.tid) {
             thread.planned = kind;
@@ -1090,13 +1103,27 @@ mod tests {
 
     /// What `learn` queued for thread `tid`: its plan, if one.
     fn learned(planner: &mut Planner, tid: u32) -> Option<Box<StackPlan>> {
-        planner
-            .take_updates()
-            .into_iter()
-            .find_map(|update| match update {
-                PlanUpdate::Thread { tid: t, plan } if t == tid => plan,
-                _ => None,
-            })
+        learned_and_programs(planner, tid).0
+    }
+
+    /// A program marked (true) or unmarked as deep in the sampler's map.
+    type DeepProgram = ([u8; COMM_LEN], bool);
+
+    /// The same, and the programs it marked or unmarked as deep.
+    fn learned_and_programs(
+        planner: &mut Planner,
+        tid: u32,
+    ) -> (Option<Box<StackPlan>>, Vec<DeepProgram>) {
+        let mut plan = None;
+        let mut programs = Vec::new();
+        for update in planner.take_updates() {
+            match update {
+                PlanUpdate::Thread { tid: t, plan: p } if t == tid => plan = p,
+                PlanUpdate::DeepProgram { comm, deep } => programs.push((comm, deep)),
+                _ => {}
+            }
+        }
+        (plan, programs)
     }
 
     #[test]
@@ -1142,16 +1169,20 @@ mod tests {
             ..soon
         };
         planner.learn(&soon, &copy, walk_to_the_root);
-        let deep = learned(&mut planner, 1).expect("a deep plan");
+        let (deep, programs) = learned_and_programs(&mut planner, 1);
+        let deep = deep.expect("a deep plan");
         assert_eq!(deep.stack_end, stack.end());
         assert_eq!((deep.copy_bytes, deep.span_count), (16384, 0));
-        // Another thread of the same program goes deep at once.
+        // The program goes into the sampler's map, where its threads not
+        // learned yet wake the reader at their first tick.
+        assert_eq!(programs, [(comm, true)]);
+        // Another thread of the same program goes deep at once, and the
+        // program is not written again.
         let sibling = WalkReport { tid: 2, ..soon };
         planner.learn(&sibling, &copy, walk_to_the_root);
-        assert_eq!(
-            learned(&mut planner, 2).expect("a plan").stack_end,
-            stack.end()
-        );
+        let (plan, programs) = learned_and_programs(&mut planner, 2);
+        assert_eq!(plan.expect("a plan").stack_end, stack.end());
+        assert_eq!(programs, []);
         let stats = planner.stats();
         assert_eq!((stats.plans_learned, stats.deep_plans_learned), (4, 2));
         assert_eq!((stats.thread_plans, stats.thread_deep_plans), (2, 2));
