@@ -1,6 +1,8 @@
 //! `cargo xtask soak --minutes N`: the agent and the collector under a mixed
 //! load for N minutes, watched for anything that keeps growing.
 //!
+//! The agent samples only the load (its cgroup and the containers'), so
+//! whatever else the machine runs meanwhile does not change its state.
 //! The load: a long-lived deep program (`deep_frames`, 256 KiB of stack), a
 //! shallow busy one (`busy`), a JIT (node running `json_runtime.js` with its
 //! perf map), short-lived process churn (`spawner` starting `short_lived`
@@ -21,7 +23,7 @@
 
 use std::{
     collections::BTreeMap,
-    path::Path,
+    path::{Path, PathBuf},
     process::{Command, Stdio},
     sync::{
         Arc,
@@ -63,7 +65,8 @@ pub fn run(minutes: f64, release: bool) -> anyhow::Result<()> {
     let total = Duration::from_secs_f64(minutes * 60.0);
 
     eprintln!("soak: building the load");
-    let load = Load::start(total, scratch.path())?;
+    let cgroups = SoakCgroups::create()?;
+    let load = Load::start(total, scratch.path(), &cgroups)?;
 
     let grpc = format!("127.0.0.1:{}", free_port());
     let collector_http = format!("127.0.0.1:{}", free_port());
@@ -98,6 +101,10 @@ pub fn run(minutes: f64, release: bool) -> anyhow::Result<()> {
         Command::new(bin.join("stackscope-agent"))
             .args(["--collector", &format!("http://{grpc}")])
             .args(["--frequency", HZ, "--metrics-address", &agent_metrics])
+            .arg("--cgroup")
+            .arg(&cgroups.load)
+            .arg("--cgroup")
+            .arg(&cgroups.containers)
             .arg("--table-cache-dir")
             .arg(scratch.path().join("tables"))
             .args(["--status-interval", "1h", "--log-level", "warn"])
@@ -158,6 +165,9 @@ pub fn run(minutes: f64, release: bool) -> anyhow::Result<()> {
         delivery.stored, delivery.dropped, delivery.rejected, delivery.retries, delivery.queued
     );
     let mut failures = verdicts;
+    if !series.saw_containers() {
+        failures.push("the agent never sampled one of the load's containers".into());
+    }
     if delivery.stored == 0 {
         failures.push("the agent stored no batch".into());
     }
@@ -212,6 +222,51 @@ fn log_tail(path: &Path) -> String {
     )
 }
 
+/// The cgroups the agent samples: the load's own, and podman's parent of
+/// every container (`/libpod_parent`, with the cgroupfs manager). Whatever
+/// else runs on the machine meanwhile (a build, other tests) then leaves
+/// the agent's state alone, and one soak's figures compare with another's.
+struct SoakCgroups {
+    load: PathBuf,
+    containers: PathBuf,
+    /// podman's parent did not exist before the soak: removed if empty.
+    made_containers: bool,
+}
+
+impl SoakCgroups {
+    fn create() -> anyhow::Result<Self> {
+        let mount = crate::bench::cgroup2_mount()?;
+        let load = mount.join(format!("stackscope-soak-{}", std::process::id()));
+        std::fs::create_dir(&load)
+            .with_context(|| format!("creating cgroup {}", load.display()))?;
+        let containers = mount.join("libpod_parent");
+        let made_containers = !containers.exists();
+        std::fs::create_dir_all(&containers)
+            .with_context(|| format!("creating cgroup {}", containers.display()))?;
+        Ok(Self {
+            load,
+            containers,
+            made_containers,
+        })
+    }
+
+    fn enter(&self, pid: u32) -> anyhow::Result<()> {
+        std::fs::write(self.load.join("cgroup.procs"), pid.to_string())
+            .with_context(|| format!("moving {pid} into {}", self.load.display()))
+    }
+}
+
+impl Drop for SoakCgroups {
+    fn drop(&mut self) {
+        // cgroup.kill (Linux 5.14): the spawner's last children too.
+        let _ = std::fs::write(self.load.join("cgroup.kill"), "1");
+        crate::bench::remove_cgroup(&self.load);
+        if self.made_containers {
+            let _ = std::fs::remove_dir(&self.containers);
+        }
+    }
+}
+
 /// The programs the agent profiles during the soak; all stopped on drop.
 struct Load {
     _deep: RunningProcess,
@@ -225,7 +280,7 @@ struct Load {
 
 impl Load {
     /// `scratch`: node's working directory (V8 writes its logs there).
-    fn start(total: Duration, scratch: &Path) -> anyhow::Result<Self> {
+    fn start(total: Duration, scratch: &Path, cgroups: &SoakCgroups) -> anyhow::Result<Self> {
         let deep = Fixture::compile("deep_frames", &[]);
         let busy = Fixture::compile("busy", &[]);
         let spawner = Fixture::compile("spawner", &[]);
@@ -242,6 +297,11 @@ impl Load {
                 .arg(workspace_root().join("tests/fixtures/json_runtime.js"))
                 .current_dir(scratch),
         );
+
+        // The spawner's children from here on are born in its cgroup.
+        for process in [&running_deep, &running_busy, &running_spawner, &node] {
+            cgroups.enter(process.pid())?;
+        }
 
         let image = Image::build("soak", &[(churned.path.as_path(), "/app/call_chain")]);
         let stop_containers = Arc::new(AtomicBool::new(false));
@@ -462,6 +522,13 @@ impl Series {
                 _ => {}
             }
         }
+    }
+
+    /// Whether the agent ever held a container's labels.
+    fn saw_containers(&self) -> bool {
+        self.0
+            .get("agent containers")
+            .is_some_and(|track| track.points.iter().any(|&(_, n)| n > 0.0))
     }
 
     /// Prints the table; returns what failed.
