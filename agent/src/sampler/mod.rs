@@ -598,8 +598,10 @@ where
 }
 
 /// Ring buffer size: 4 MiB per CPU, at least 8 MiB, a power of two as the
-/// kernel requires. At 997 Hz with 16 KiB stacks a CPU produces ~16 MB/s, so
-/// this leaves the reader a few hundred milliseconds of slack.
+/// kernel requires. At 997 Hz with 16 KiB stacks a CPU produces ~16 MB/s
+/// (32 MB/s if every thread needed the whole 32 KiB default), so this
+/// leaves the reader a few hundred milliseconds of slack, and it is woken
+/// each time a sixteenth of it is filled.
 fn ring_buffer_bytes(cpus: usize) -> u32 {
     let wanted = (cpus.max(2) * (4 << 20)).next_power_of_two();
     u32::try_from(wanted).unwrap_or(1 << 30).min(1 << 30)
