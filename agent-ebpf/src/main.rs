@@ -22,7 +22,9 @@
 //! copy instead: its whole stack, up to the stack's end the agent learned,
 //! read in one helper call straight into a ring buffer reservation of fixed
 //! size. The reservation spares a megabyte-sized scratch slot per CPU and
-//! the second copy; its unused end is padding the agent skips.
+//! the second copy; its unused end is padding the agent skips. A thread of
+//! such a program that the agent has not learned yet wakes the reader at
+//! once (see `early_wakeup`), so it is learned at its first tick.
 #![no_std]
 #![no_main]
 

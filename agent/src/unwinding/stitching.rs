@@ -1,12 +1,13 @@
 //! How much of each thread's stack the sampler reads, learned from the
 //! thread's own walks: adaptive copies and stack tails.
 //!
-//! Owns the agent's side of the sampler's `COPY_BYTES` (per process) and
-//! `STACK_PLANS` (per thread) maps: the sizes and spans it wants there, the
-//! updates it queues for the run loop to write, and learning where a deep
-//! thread's frames lie by reading the rest of its stack with
-//! `process_vm_readv`. It does not walk stacks (the walker does, and tells
-//! it how each walk went) and does not touch BPF maps itself.
+//! Owns the agent's side of the sampler's `COPY_BYTES` (per process),
+//! `STACK_PLANS` (per thread) and `DEEP_PROGRAMS` (per thread name) maps:
+//! the sizes, spans and programs it wants there, the updates it queues for
+//! the run loop to write, and learning where a deep thread's frames lie by
+//! reading the rest of its stack with `process_vm_readv`. It does not walk
+//! stacks (the walker does, and tells it how each walk went) and does not
+//! touch BPF maps itself.
 //!
 //! A thread gets a stack tail when its deep frames stay where they were
 //! learned. When they do not (a compiler's stack, hundreds of KB of frames
