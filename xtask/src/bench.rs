@@ -485,6 +485,32 @@ pub(crate) fn remove_cgroup(dir: &Path) {
     }
 }
 
+/// A cgroup made for a run: whatever is left in it is killed and it is
+/// removed on drop.
+pub(crate) struct Cgroup(pub(crate) PathBuf);
+
+impl Cgroup {
+    pub(crate) fn create(path: PathBuf) -> anyhow::Result<Self> {
+        std::fs::create_dir(&path)
+            .with_context(|| format!("creating cgroup {}", path.display()))?;
+        Ok(Self(path))
+    }
+
+    /// Moves `pid` in; its children from then on are born there.
+    pub(crate) fn enter(&self, pid: u32) -> anyhow::Result<()> {
+        std::fs::write(self.0.join("cgroup.procs"), pid.to_string())
+            .with_context(|| format!("moving {pid} into {}", self.0.display()))
+    }
+}
+
+impl Drop for Cgroup {
+    fn drop(&mut self) {
+        // cgroup.kill (Linux 5.14) takes a loop's or spawner's last child too.
+        let _ = std::fs::write(self.0.join("cgroup.kill"), "1");
+        remove_cgroup(&self.0);
+    }
+}
+
 /// The cgroup2 mount point from this process's mount table: field 5 is the
 /// mount point, and the filesystem type follows the ` - ` separator.
 pub(crate) fn cgroup2_mount() -> anyhow::Result<PathBuf> {

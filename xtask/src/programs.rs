@@ -21,7 +21,7 @@ use stackscope_test_fixtures::free_port;
 
 use crate::{
     KillOnDrop,
-    bench::{cgroup2_mount, compile_fixture_in, remove_cgroup},
+    bench::{Cgroup, cgroup2_mount, compile_fixture_in, remove_cgroup},
     build_binaries, run_checked, wait_for_listener, workspace_root,
 };
 
@@ -261,10 +261,7 @@ impl Scratch {
     }
 
     fn cgroup(&self, program: &str) -> anyhow::Result<Cgroup> {
-        let path = self.cgroup_parent.join(program.replace(' ', "-"));
-        std::fs::create_dir(&path)
-            .with_context(|| format!("creating cgroup {}", path.display()))?;
-        Ok(Cgroup(path))
+        Cgroup::create(self.cgroup_parent.join(program.replace(' ', "-")))
     }
 }
 
@@ -272,18 +269,6 @@ impl Drop for Scratch {
     fn drop(&mut self) {
         remove_cgroup(&self.cgroup_parent);
         let _ = std::fs::remove_dir_all(&self.dir);
-    }
-}
-
-/// A program's cgroup: whatever is left in it is killed and it is removed
-/// on drop.
-struct Cgroup(PathBuf);
-
-impl Drop for Cgroup {
-    fn drop(&mut self) {
-        // cgroup.kill (Linux 5.14) takes the loop's current child too.
-        let _ = std::fs::write(self.0.join("cgroup.kill"), "1");
-        remove_cgroup(&self.0);
     }
 }
 

@@ -14,9 +14,10 @@
 //! descriptors (files apart from the rest), and every `state_*` gauge
 //! (caches, per-process maps, queues) their metrics endpoints publish.
 //! Growth that a bounded cache accounts for is reported as such: anonymous
-//! memory filled by SQLite's page caches, files opened by the symbolizer. It prints one row per series with values at
-//! evenly spaced times, the series' bound, and the slope of a least-squares
-//! fit over the second half (the first is warm-up). It fails when a series
+//! memory filled by SQLite's page caches, files opened by the symbolizer.
+//! It prints one row per series with values at evenly spaced times, the
+//! series' bound, and the slope of a least-squares fit over the second half
+//! (the first is warm-up). It fails when a series
 //! exceeds its bound, when one without a bound keeps growing after warm-up
 //! beyond its tolerance, or when the agent lost batches or did not deliver
 //! what it had queued.
@@ -40,7 +41,7 @@ use stackscope_test_fixtures::{
     free_port, http_get,
 };
 
-use crate::{KillOnDrop, wait_for_listener, workspace_root};
+use crate::{KillOnDrop, bench::Cgroup, wait_for_listener, workspace_root};
 
 /// How often the series are sampled.
 const SAMPLE_EVERY: Duration = Duration::from_secs(5);
@@ -102,7 +103,7 @@ pub fn run(minutes: f64, release: bool) -> anyhow::Result<()> {
             .args(["--collector", &format!("http://{grpc}")])
             .args(["--frequency", HZ, "--metrics-address", &agent_metrics])
             .arg("--cgroup")
-            .arg(&cgroups.load)
+            .arg(&cgroups.load.0)
             .arg("--cgroup")
             .arg(&cgroups.containers)
             .arg("--table-cache-dir")
@@ -227,7 +228,7 @@ fn log_tail(path: &Path) -> String {
 /// else runs on the machine meanwhile (a build, other tests) then leaves
 /// the agent's state alone, and one soak's figures compare with another's.
 struct SoakCgroups {
-    load: PathBuf,
+    load: Cgroup,
     containers: PathBuf,
     /// podman's parent did not exist before the soak: removed if empty.
     made_containers: bool,
@@ -236,9 +237,7 @@ struct SoakCgroups {
 impl SoakCgroups {
     fn create() -> anyhow::Result<Self> {
         let mount = crate::bench::cgroup2_mount()?;
-        let load = mount.join(format!("stackscope-soak-{}", std::process::id()));
-        std::fs::create_dir(&load)
-            .with_context(|| format!("creating cgroup {}", load.display()))?;
+        let load = Cgroup::create(mount.join(format!("stackscope-soak-{}", std::process::id())))?;
         let containers = mount.join("libpod_parent");
         let made_containers = !containers.exists();
         std::fs::create_dir_all(&containers)
@@ -249,18 +248,10 @@ impl SoakCgroups {
             made_containers,
         })
     }
-
-    fn enter(&self, pid: u32) -> anyhow::Result<()> {
-        std::fs::write(self.load.join("cgroup.procs"), pid.to_string())
-            .with_context(|| format!("moving {pid} into {}", self.load.display()))
-    }
 }
 
 impl Drop for SoakCgroups {
     fn drop(&mut self) {
-        // cgroup.kill (Linux 5.14): the spawner's last children too.
-        let _ = std::fs::write(self.load.join("cgroup.kill"), "1");
-        crate::bench::remove_cgroup(&self.load);
         if self.made_containers {
             let _ = std::fs::remove_dir(&self.containers);
         }
@@ -300,7 +291,7 @@ impl Load {
 
         // The spawner's children from here on are born in its cgroup.
         for process in [&running_deep, &running_busy, &running_spawner, &node] {
-            cgroups.enter(process.pid())?;
+            cgroups.load.enter(process.pid())?;
         }
 
         let image = Image::build("soak", &[(churned.path.as_path(), "/app/call_chain")]);
