@@ -277,6 +277,8 @@ fn try_usual_sample(
 
     let mut user_stack_len = 0u32;
     let mut tail_plan = None;
+    // Neither a plan nor a stack top: the agent has not learned the thread.
+    let mut unlearned = false;
     if let Some(regs) = user_regs {
         let ceiling = USER_STACK_BYTES.load().min(MAX_USER_STACK_BYTES);
         let mut limit = match plan {
@@ -284,9 +286,12 @@ fn try_usual_sample(
             None => unsafe { COPY_BYTES.get(tgid) }.copied().unwrap_or(ceiling),
         }
         .min(ceiling);
-        if plan.is_none()
-            && let Some(top) = unsafe { STACK_TOPS.get(tid) }
-            && top.tgid == tgid
+        let top = match plan {
+            Some(_) => None,
+            None => unsafe { STACK_TOPS.get(tid) }.filter(|top| top.tgid == tgid),
+        };
+        unlearned = plan.is_none() && top.is_none();
+        if let Some(top) = top
             && top.top > regs.rsp
             && top.top - regs.rsp < u64::from(limit)
         {
@@ -332,7 +337,7 @@ fn try_usual_sample(
     }
     // SAFETY: the first `len` bytes of the scratch slot were written above.
     let record = unsafe { core::slice::from_raw_parts(scratch, len as usize) };
-    let wakeup = if plan.is_none() && DEEP_STACK_BYTES.load() != 0 && early_wakeup(scratch, ids) {
+    let wakeup = if unlearned && DEEP_STACK_BYTES.load() != 0 && early_wakeup(scratch) {
         u64::from(BPF_RB_FORCE_WAKEUP)
     } else {
         wakeup_flag(len)
@@ -453,22 +458,19 @@ fn wakeup_flag(len: u64) -> u64 {
     })
 }
 
-/// Whether a tick of a thread without a plan wakes the reader at once: its
-/// program (by thread name, from the header in `scratch`) needed deep
-/// copies, the agent has not learned this thread yet (no stack top either:
-/// a thread whose walks reach the root has one), and this CPU has not woken
-/// the reader early within `EARLY_WAKEUP_INTERVAL_NS`. Until the reader
+/// Whether a tick of a thread the agent has not learned yet (no plan, and
+/// no stack top: a thread whose walks reach the root has one) wakes the
+/// reader at once: its program (by thread name, from the header in
+/// `scratch`) needed deep copies, and this CPU has not woken the reader
+/// early within `EARLY_WAKEUP_INTERVAL_NS`. Until the reader
 /// learns the thread, each of its ticks is a truncated walk; a timed drain
 /// comes only every half second, most of a compiler process's life.
 #[inline(always)]
-fn early_wakeup(scratch: *mut u8, ids: &SampleIds) -> bool {
+fn early_wakeup(scratch: *mut u8) -> bool {
     // SAFETY: the caller wrote the header to the slot; a map value may be
     // a lookup key.
     let comm = unsafe { &*core::ptr::addr_of!((*scratch.cast::<SampleHeader>()).comm) };
     if unsafe { DEEP_PROGRAMS.get(comm) }.is_none() {
-        return false;
-    }
-    if unsafe { STACK_TOPS.get(ids.tid) }.is_some_and(|top| top.tgid == ids.tgid) {
         return false;
     }
     let Some(last) = EARLY_WAKEUPS.get_ptr_mut(0) else {
