@@ -408,6 +408,60 @@ fn delete_before_removes_old_data_and_orphans() {
     assert_eq!(weights(&storage, &everything), expect(&[]));
 }
 
+/// The last id SQLite handed out in `table` (AUTOINCREMENT's counter).
+fn last_id(path: &Path, table: &str) -> i64 {
+    let conn = rusqlite::Connection::open(path).expect("open for the sequence");
+    conn.query_row(
+        "SELECT seq FROM sqlite_sequence WHERE name = ?1",
+        [table],
+        |row| row.get(0),
+    )
+    .expect("read the sequence")
+}
+
+/// Retention forgets only the cached items it deleted, and items already
+/// stored keep their ids when the caches miss them (after reopening): ids
+/// count items, not cache misses, so they stay dense on a database that
+/// lives for months.
+#[test]
+fn retention_and_cold_caches_keep_ids_dense() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let path = dir.path().join("stackscope.db");
+    // S1 for comm=app, `minutes` after T0, in a batch of its own.
+    let later = |id: u8, minutes: i64| {
+        let mut b = Builder::new(id, "node-a", T0 + minutes * MINUTE, PERIOD_100HZ);
+        let s1 = b.standard_stack(1);
+        let app = b.label_set(&[("comm", "app"), ("exe", "/usr/bin/app")]);
+        b.sample(s1, app, 4, 0);
+        b.validate()
+    };
+    let tables = ["stacks", "locations", "mappings", "label_sets"];
+    let last_ids = || tables.map(|table| last_id(&path, table));
+    {
+        let storage = open(&path);
+        ingest_all(&storage, &[batch1(), later(7, 60)]);
+        // Deletes T0's orphans (S0, S2, comm=worker) and keeps S1.
+        assert_eq!(storage.delete_before(T0 + 30 * MINUTE).expect("delete"), 3);
+        let before = storage.cache_stats();
+        ingest_all(&storage, &[later(8, 61)]);
+        let after = storage.cache_stats();
+        assert_eq!(
+            after.misses, before.misses,
+            "retention kept S1 and its label set cached"
+        );
+        assert!(after.hits > before.hits);
+    }
+    let ids = last_ids();
+    let storage = open(&path);
+    ingest_all(&storage, &[later(9, 62)]);
+    assert!(storage.cache_stats().misses > 0, "the caches start cold");
+    assert_eq!(last_ids(), ids, "known items took no new ids");
+    assert_eq!(
+        weights(&storage, &select(0, i64::MAX, &[])),
+        expect(&[(S1, 12)])
+    );
+}
+
 #[test]
 fn a_rejected_batch_stores_nothing() {
     let dir = tempfile::tempdir().expect("tempdir");

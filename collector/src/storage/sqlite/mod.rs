@@ -213,6 +213,19 @@ INSERT INTO label_sets (hash, last_bucket) VALUES (?1, ?2)
 ON CONFLICT (hash) DO UPDATE SET last_bucket = max(last_bucket, excluded.last_bucket)
 RETURNING id";
 
+// Before an upsert of an item the caches do not know: an upsert that hits a
+// stored row still uses up an AUTOINCREMENT id (SQLite draws it before the
+// uniqueness check), so the ids of a long-lived database would climb with
+// every cache miss rather than with new items.
+const TOUCH_MAPPING: &str =
+    "UPDATE mappings SET last_bucket = max(last_bucket, ?2) WHERE hash = ?1 RETURNING id";
+const TOUCH_LOCATION: &str =
+    "UPDATE locations SET last_bucket = max(last_bucket, ?2) WHERE hash = ?1 RETURNING id";
+const TOUCH_STACK: &str =
+    "UPDATE stacks SET last_bucket = max(last_bucket, ?2) WHERE hash = ?1 RETURNING id";
+const TOUCH_LABEL_SET: &str =
+    "UPDATE label_sets SET last_bucket = max(last_bucket, ?2) WHERE hash = ?1 RETURNING id";
+
 const BUMP_MAPPING: &str = "UPDATE mappings SET last_bucket = max(last_bucket, ?2) WHERE id = ?1";
 const BUMP_LOCATION: &str = "UPDATE locations SET last_bucket = max(last_bucket, ?2) WHERE id = ?1";
 const BUMP_STACK: &str = "UPDATE stacks SET last_bucket = max(last_bucket, ?2) WHERE id = ?1";
@@ -373,7 +386,7 @@ impl SqliteStorage {
         // the caches afresh, the database is the truth.
         self.writer.lock().unwrap_or_else(|poisoned| {
             let mut writer = poisoned.into_inner();
-            writer.clear_caches();
+            writer.forget_through(i64::MAX);
             writer
         })
     }
@@ -655,8 +668,12 @@ impl Storage for SqliteStorage {
         )?;
         tx.commit()?;
         if orphans > 0 {
-            // Cached ids may name deleted rows now.
-            writer.clear_caches();
+            // Cached ids may name deleted rows now: those whose cached
+            // last_bucket is at most `last`. A cached last_bucket is never
+            // newer than the stored one, so every entry kept names a row
+            // that retention kept. Clearing instead would send a whole
+            // working set through SQL (and id allocation) every pass.
+            writer.forget_through(last);
             self.generation.fetch_add(1, Ordering::Release);
         }
         Ok(deleted)
@@ -1046,6 +1063,8 @@ struct Table<'a, 'conn> {
     pending: &'a mut ContentHashMap<Entry>,
     /// `UPDATE .. SET last_bucket = max(last_bucket, ?2) WHERE id = ?1`
     bump: CachedStatement<'conn>,
+    /// `UPDATE .. SET last_bucket = .. WHERE hash = ?1 RETURNING id`
+    touch: CachedStatement<'conn>,
     /// `INSERT .. ON CONFLICT (hash) DO UPDATE .. RETURNING id`
     upsert: CachedStatement<'conn>,
     bucket: i64,
@@ -1075,9 +1094,19 @@ impl Table<'_, '_> {
         let id = match known {
             Known::Current(id) => return Ok(id),
             Known::Stale(id) if self.bump.execute((id, self.bucket))? == 1 => id,
-            // Unknown, or stale and gone (which retention clearing the
-            // caches rules out): store it rather than reference a missing row.
-            Known::Stale(_) | Known::Unknown => store(&mut self.upsert)?,
+            // Unknown, or stale and gone (which retention pruning the
+            // caches rules out): found by its hash if stored, else stored,
+            // rather than reference a missing row.
+            Known::Stale(_) | Known::Unknown => {
+                let found = self
+                    .touch
+                    .query_row((&hash.to_le_bytes()[..], self.bucket), |row| row.get(0))
+                    .optional()?;
+                match found {
+                    Some(id) => id,
+                    None => store(&mut self.upsert)?,
+                }
+            }
         };
         self.pending.insert(
             hash,
@@ -1214,14 +1243,15 @@ impl Writer {
         }
     }
 
-    fn clear_caches(&mut self) {
+    /// Drops the cached items whose `last_bucket` is at most `last`.
+    fn forget_through(&mut self, last: i64) {
         for dict in [
             &mut self.mappings,
             &mut self.locations,
             &mut self.stacks,
             &mut self.label_sets,
         ] {
-            dict.entries.clear();
+            dict.entries.retain(|_, entry| entry.last_bucket > last);
         }
         for pending in &mut self.scratch.pending {
             pending.clear();
@@ -1303,6 +1333,7 @@ impl Writer {
                 dict: mappings,
                 pending: pending_mappings,
                 bump: tx.prepare_cached(BUMP_MAPPING)?,
+                touch: tx.prepare_cached(TOUCH_MAPPING)?,
                 upsert: tx.prepare_cached(UPSERT_MAPPING)?,
                 bucket,
             };
@@ -1310,6 +1341,7 @@ impl Writer {
                 dict: locations,
                 pending: pending_locations,
                 bump: tx.prepare_cached(BUMP_LOCATION)?,
+                touch: tx.prepare_cached(TOUCH_LOCATION)?,
                 upsert: tx.prepare_cached(UPSERT_LOCATION)?,
                 bucket,
             };
@@ -1317,6 +1349,7 @@ impl Writer {
                 dict: stacks,
                 pending: pending_stacks,
                 bump: tx.prepare_cached(BUMP_STACK)?,
+                touch: tx.prepare_cached(TOUCH_STACK)?,
                 upsert: tx.prepare_cached(UPSERT_STACK)?,
                 bucket,
             };
@@ -1375,6 +1408,7 @@ impl Writer {
                 dict: label_sets,
                 pending: pending_label_sets,
                 bump: tx.prepare_cached(BUMP_LABEL_SET)?,
+                touch: tx.prepare_cached(TOUCH_LABEL_SET)?,
                 upsert: tx.prepare_cached(UPSERT_LABEL_SET)?,
                 bucket,
             };
