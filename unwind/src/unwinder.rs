@@ -132,6 +132,11 @@ pub struct TailSpan {
     pub len: u32,
 }
 
+/// How much of a copy [`SampledStack::prefetch`] asks for: more than most
+/// walks read (a deep copy's megabyte is read only as far as its frames go).
+const PREFETCH_BYTES: usize = 16 * 1024;
+const CACHE_LINE: usize = 64;
+
 /// A sample's stack as read at the tick: the contiguous copy from `rsp` and
 /// the stack tail, spans further up read in the same tick (sorted by
 /// address, not overlapping). A walk through the tail is as right as one
@@ -161,6 +166,25 @@ impl<'a> SampledStack<'a> {
             cursor: 0,
             tail_reads: 0,
             copy_reach: rsp,
+        }
+    }
+
+    /// Starts loading the first [`PREFETCH_BYTES`] of the copy into the
+    /// cache, all lines at once. A walk reads the copy as a chain (each
+    /// return address says where the next frame is), so without this every
+    /// frame waits for its own cache miss in turn: the copy sits in a ring
+    /// buffer that another CPU wrote milliseconds ago, and the agent's own
+    /// profile showed a third of a walk's time on that one load.
+    pub fn prefetch(&self) {
+        #[cfg(target_arch = "x86_64")]
+        {
+            use core::arch::x86_64::{_MM_HINT_T0, _mm_prefetch};
+            let bytes = &self.copy.bytes[..self.copy.bytes.len().min(PREFETCH_BYTES)];
+            for line in bytes.chunks(CACHE_LINE) {
+                // SAFETY: a prefetch is a hint that reads nothing (SSE,
+                // which every x86_64 CPU has); the address lies in the copy.
+                unsafe { _mm_prefetch::<_MM_HINT_T0>(line.as_ptr().cast()) };
+            }
         }
     }
 

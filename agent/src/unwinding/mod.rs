@@ -1220,6 +1220,7 @@ impl StackWalker {
         let tgid = header.tgid;
         let regs = registers(header);
         let mut memory = SampledStack::new(regs.rsp, stack.copy, stack.spans, stack.tail);
+        memory.prefetch();
         let mut frames = std::mem::take(&mut self.frames);
         let (end, pending) = self.walk_memory(
             tgid,
