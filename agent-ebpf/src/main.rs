@@ -448,10 +448,18 @@ unsafe fn kernel_stack(ctx: &PerfEventContext, dest: *mut u8, flags: &mut u32) -
 /// under virtualisation, most of the program's cost), so records go in
 /// silently until a batch is pending; the reader also drains on a timer,
 /// which covers low sample rates.
+///
+/// The record that takes the unread bytes past `WAKEUP_BYTES` wakes the
+/// reader; the records after it, written while the woken reader waits for
+/// a CPU, do not (each would pay the self-interrupt again for a wake-up
+/// already on its way), until twice the mark is unread: two CPUs can pass
+/// the mark together with neither seeing itself cross it.
 #[inline(always)]
 fn wakeup_flag(len: u64) -> u64 {
     let pending = SAMPLES.query(u64::from(BPF_RB_AVAIL_DATA));
-    u64::from(if pending + len >= WAKEUP_BYTES.load() {
+    let mark = WAKEUP_BYTES.load();
+    let after = pending + len;
+    u64::from(if (pending < mark && after >= mark) || after >= 2 * mark {
         BPF_RB_FORCE_WAKEUP
     } else {
         BPF_RB_NO_WAKEUP
