@@ -83,6 +83,10 @@ pub fn build_batch(
         location_remap.push(batch.location(mapping, location.lookup(), &lines));
     }
 
+    // The interval's stacks are distinct, and stay so in the batch unless
+    // two of their locations became one there (named alike): only then do
+    // they need looking up (a hash and a copy of each stack).
+    let merged = batch.locations.len() < interval.locations.len();
     let stack_remap: Vec<u32> = interval
         .stacks
         .iter()
@@ -91,7 +95,11 @@ pub fn build_batch(
                 .iter()
                 .map(|&location| location_remap.get(location as usize).copied().unwrap_or(0))
                 .collect();
-            batch.stack(locations)
+            if merged {
+                batch.stack(locations)
+            } else {
+                batch.new_stack(locations)
+            }
         })
         .collect();
 
@@ -400,6 +408,14 @@ impl BatchBuilder {
             locations: locations.clone(),
         });
         self.stack_index.insert(locations, index);
+        index
+    }
+
+    /// Adds a stack known to differ from every stack added (not indexed:
+    /// only [`Self::stack`] looks stacks up, and only when stacks can merge).
+    fn new_stack(&mut self, locations: Vec<u32>) -> u32 {
+        let index = index_of(self.stacks.len());
+        self.stacks.push(v1::Stack { locations });
         index
     }
 
