@@ -22,7 +22,7 @@ use std::{
 
 use anyhow::{Context as _, bail};
 
-use stackscope_test_fixtures::free_port;
+use stackscope_test_fixtures::{free_port, http_get};
 
 use crate::{KillOnDrop, bench::compile_fixture, wait_for_listener, workspace_root};
 
@@ -35,10 +35,11 @@ struct Run {
     profiler_cpu: Duration,
     /// The collector's CPU (stackscope only).
     collector_cpu: Duration,
-    /// Agent user+sys CPU per sample between 5 s into the run and its end,
-    /// plus BPF time per sample: the steady-state cost, without start-up
-    /// (BPF load and verification, kallsyms, first table reads) and
-    /// shutdown (stackscope only).
+    /// Agent user+sys CPU per sample from its first batch (and 5 s) into
+    /// the run to its end, plus BPF time per sample: the steady-state cost,
+    /// without start-up (BPF load and verification, kallsyms, first table
+    /// reads, the first naming of each binary) and shutdown (stackscope
+    /// only).
     steady_per_sample: Duration,
     agent_rss_kib: f64,
     collector_rss_kib: f64,
@@ -70,8 +71,30 @@ pub(crate) fn wait_rusage(child: &mut Child) -> anyhow::Result<Exit> {
     })
 }
 
-/// How long into a run the steady-state window starts.
+/// The steady-state window starts once the agent has built its first
+/// batch (naming its first frames reads the binaries' symbols and debug
+/// info, once per file), and at least this long into the run.
 const STEADY_FROM: Duration = Duration::from_secs(5);
+
+/// Waits until the agent serving metrics on `address` has built a batch,
+/// at most `limit`.
+fn wait_for_first_batch(address: &str, limit: Duration) {
+    let deadline = std::time::Instant::now() + limit;
+    while std::time::Instant::now() < deadline {
+        let built = http_get(address, "/metrics").and_then(|(_, text)| {
+            text.lines().find_map(|line| {
+                line.strip_prefix("stackscope_agent_batches_built_total ")?
+                    .trim()
+                    .parse::<f64>()
+                    .ok()
+            })
+        });
+        if built.is_some_and(|built| built >= 1.0) {
+            return;
+        }
+        std::thread::sleep(Duration::from_millis(250));
+    }
+}
 
 /// User + system CPU of a live process, from `/proc/<pid>/stat`.
 fn process_cpu(pid: u32) -> Duration {
@@ -186,6 +209,8 @@ fn under_stackscope(
     );
     wait_for_listener(&grpc, &mut collector.0)?;
     let workload = start_workload(busy, threads, seconds)?;
+    let metrics = format!("127.0.0.1:{}", free_port());
+    let started = std::time::Instant::now();
     let mut agent = KillOnDrop(
         Command::new(bin("stackscope-agent"))
             .args(["--pid", &workload.id().to_string()])
@@ -200,11 +225,13 @@ fn under_stackscope(
             .args(["--bpf-stats", "--json", "--log-level", "error"])
             .args(["--status-interval", "1h", "--table-cache-dir"])
             .arg(scratch.join("tables"))
+            .args(["--metrics-address", &metrics])
             .stdout(Stdio::piped())
             .spawn()
             .context("starting the agent")?,
     );
     std::thread::sleep(STEADY_FROM);
+    wait_for_first_batch(&metrics, Duration::from_secs(seconds) / 2);
     let steady_from = (process_cpu(agent.0.id()), std::time::Instant::now());
     let units = finish_workload(workload)?;
     let steady_to = (process_cpu(agent.0.id()), std::time::Instant::now());
@@ -227,7 +254,7 @@ fn under_stackscope(
     let samples = number("/kernel/samples");
     // Samples come at a steady rate while the workload runs.
     let window = (steady_to.1 - steady_from.1).as_secs_f64();
-    let steady_samples = samples * window / (window + STEADY_FROM.as_secs_f64());
+    let steady_samples = samples * window / (steady_to.1 - started).as_secs_f64();
     let steady_per_sample = Duration::from_secs_f64(
         (steady_to.0.saturating_sub(steady_from.0)).as_secs_f64() / steady_samples.max(1.0)
             + number("/bpf/ns_per_run") * 1e-9,
@@ -411,7 +438,7 @@ fn report(hz: u32, alone: &[f64], ours: &[Run], perf: &[Run]) {
         );
         if name == "stackscope" {
             println!(
-                "            steady state (from {} s in, agent + BPF) per sample {}",
+                "            steady state (after the first batch and {} s, agent + BPF) per sample {}",
                 STEADY_FROM.as_secs(),
                 show(
                     spread(runs.iter().map(|r| r.steady_per_sample.as_secs_f64() * 1e6)),
