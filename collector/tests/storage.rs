@@ -450,15 +450,25 @@ fn retention_and_cold_caches_keep_ids_dense() {
             "retention kept S1 and its label set cached"
         );
         assert!(after.hits > before.hits);
+        // A late batch at T0 again, with the stacks retention deleted: they
+        // are stored anew, not referenced by the ids the caches forgot.
+        let mut late = batch1();
+        late.batch_id = [0x77; 16];
+        ingest_all(&storage, &[late]);
+        assert_eq!(
+            weights(&storage, &select(0, T0 + MINUTE, &[])),
+            expect(&[(S0, 5), (S1, 3), (S2, 7)]),
+        );
     }
     let ids = last_ids();
     let storage = open(&path);
     ingest_all(&storage, &[later(9, 62)]);
     assert!(storage.cache_stats().misses > 0, "the caches start cold");
     assert_eq!(last_ids(), ids, "known items took no new ids");
+    // S1: 4 in each later batch, 3 in the late one.
     assert_eq!(
         weights(&storage, &select(0, i64::MAX, &[])),
-        expect(&[(S1, 12)])
+        expect(&[(S0, 5), (S1, 15), (S2, 7)])
     );
 }
 

@@ -1421,8 +1421,9 @@ impl Writer {
                 let id = label_set_table.intern(hash, |upsert| {
                     let id: i64 =
                         upsert.query_row((&hash.to_le_bytes()[..], bucket), |row| row.get(0))?;
-                    // Also when the set was stored before: the labels are
-                    // then already there and ignored.
+                    // Only for a set not stored (one stored is found by its
+                    // hash first), whose labels retention deleted with it;
+                    // `OR IGNORE` keeps a retry harmless all the same.
                     for (name, value) in labels {
                         insert_label.execute((id, name, value))?;
                     }
