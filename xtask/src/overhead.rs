@@ -76,25 +76,34 @@ pub(crate) fn wait_rusage(child: &mut Child) -> anyhow::Result<Exit> {
 /// info, once per file), and at least this long into the run.
 const STEADY_FROM: Duration = Duration::from_secs(5);
 
-/// Waits until the agent serving metrics on `address` has built a batch,
-/// at most `limit`.
-fn wait_for_first_batch(address: &str, limit: Duration) {
+/// A counter of the agent serving metrics on `address` (its whole name,
+/// labels included), if it answers.
+fn agent_counter(address: &str, name: &str) -> Option<f64> {
+    let (_, text) = http_get(address, "/metrics")?;
+    text.lines().find_map(|line| {
+        line.strip_prefix(name)?
+            .strip_prefix(' ')?
+            .trim()
+            .parse()
+            .ok()
+    })
+}
+
+/// Waits until the agent serving metrics on `address` has built a batch.
+fn wait_for_first_batch(address: &str, limit: Duration) -> anyhow::Result<()> {
     let deadline = std::time::Instant::now() + limit;
     while std::time::Instant::now() < deadline {
-        let built = http_get(address, "/metrics").and_then(|(_, text)| {
-            text.lines().find_map(|line| {
-                line.strip_prefix("stackscope_agent_batches_built_total ")?
-                    .trim()
-                    .parse::<f64>()
-                    .ok()
-            })
-        });
-        if built.is_some_and(|built| built >= 1.0) {
-            return;
+        if agent_counter(address, "stackscope_agent_batches_built_total").is_some_and(|n| n >= 1.0)
+        {
+            return Ok(());
         }
         std::thread::sleep(Duration::from_millis(250));
     }
+    bail!("the agent built no batch within {limit:?}");
 }
+
+/// Samples the agent has read (its metrics are published once a second).
+const SAMPLES_READ: &str = "stackscope_agent_samples_read_total";
 
 /// User + system CPU of a live process, from `/proc/<pid>/stat`.
 fn process_cpu(pid: u32) -> Duration {
@@ -210,7 +219,6 @@ fn under_stackscope(
     wait_for_listener(&grpc, &mut collector.0)?;
     let workload = start_workload(busy, threads, seconds)?;
     let metrics = format!("127.0.0.1:{}", free_port());
-    let started = std::time::Instant::now();
     let mut agent = KillOnDrop(
         Command::new(bin("stackscope-agent"))
             .args(["--pid", &workload.id().to_string()])
@@ -231,10 +239,16 @@ fn under_stackscope(
             .context("starting the agent")?,
     );
     std::thread::sleep(STEADY_FROM);
-    wait_for_first_batch(&metrics, Duration::from_secs(seconds) / 2);
-    let steady_from = (process_cpu(agent.0.id()), std::time::Instant::now());
+    wait_for_first_batch(&metrics, Duration::from_secs(seconds) / 2)?;
+    let steady_from = (
+        process_cpu(agent.0.id()),
+        agent_counter(&metrics, SAMPLES_READ),
+    );
     let units = finish_workload(workload)?;
-    let steady_to = (process_cpu(agent.0.id()), std::time::Instant::now());
+    let steady_to = (
+        process_cpu(agent.0.id()),
+        agent_counter(&metrics, SAMPLES_READ),
+    );
     signal(&agent.0, libc::SIGINT);
     let mut json = String::new();
     std::io::Read::read_to_string(agent.0.stdout.as_mut().context("stdout")?, &mut json)?;
@@ -252,9 +266,10 @@ fn under_stackscope(
     };
     let bpf = Duration::from_nanos((number("/bpf/ns_per_run") * number("/bpf/run_count")) as u64);
     let samples = number("/kernel/samples");
-    // Samples come at a steady rate while the workload runs.
-    let window = (steady_to.1 - steady_from.1).as_secs_f64();
-    let steady_samples = samples * window / (steady_to.1 - started).as_secs_f64();
+    let (Some(read_from), Some(read_to)) = (steady_from.1, steady_to.1) else {
+        bail!("the agent's metrics did not answer");
+    };
+    let steady_samples = read_to - read_from;
     let steady_per_sample = Duration::from_secs_f64(
         (steady_to.0.saturating_sub(steady_from.0)).as_secs_f64() / steady_samples.max(1.0)
             + number("/bpf/ns_per_run") * 1e-9,
