@@ -340,7 +340,7 @@ fn try_usual_sample(
     let wakeup = if unlearned && DEEP_STACK_BYTES.load() != 0 && early_wakeup(scratch) {
         u64::from(BPF_RB_FORCE_WAKEUP)
     } else {
-        wakeup_flag(len)
+        wakeup_flag(unread_bytes(), len)
     };
     if SAMPLES.output::<[u8]>(record, wakeup).is_err() {
         count(Counter::RingBufferFull);
@@ -443,7 +443,9 @@ unsafe fn kernel_stack(ctx: &PerfEventContext, dest: *mut u8, flags: &mut u32) -
     }
 }
 
-/// Ring buffer flags for a record of `len` bytes: waking the reader on
+/// Ring buffer flags for a record of `len` bytes written when `unread`
+/// bytes were (taken before the record is reserved or output: a
+/// reservation already counts as unread). Waking the reader on
 /// every record costs an irq_work self-interrupt per tick (about 1.5 us
 /// under virtualisation, most of the program's cost), so records go in
 /// silently until a batch is pending; the reader also drains on a timer,
@@ -455,15 +457,20 @@ unsafe fn kernel_stack(ctx: &PerfEventContext, dest: *mut u8, flags: &mut u32) -
 /// already on its way), until twice the mark is unread: two CPUs can pass
 /// the mark together with neither seeing itself cross it.
 #[inline(always)]
-fn wakeup_flag(len: u64) -> u64 {
-    let pending = SAMPLES.query(u64::from(BPF_RB_AVAIL_DATA));
+fn wakeup_flag(unread: u64, len: u64) -> u64 {
     let mark = WAKEUP_BYTES.load();
-    let after = pending + len;
-    u64::from(if (pending < mark && after >= mark) || after >= 2 * mark {
+    let after = unread + len;
+    u64::from(if (unread < mark && after >= mark) || after >= 2 * mark {
         BPF_RB_FORCE_WAKEUP
     } else {
         BPF_RB_NO_WAKEUP
     })
+}
+
+/// Bytes written to `SAMPLES` and not yet consumed.
+#[inline(always)]
+fn unread_bytes() -> u64 {
+    SAMPLES.query(u64::from(BPF_RB_AVAIL_DATA))
 }
 
 /// Whether a tick of a thread the agent has not learned yet (no plan, and
@@ -519,6 +526,7 @@ fn deep_sample(
     }
     let len = (plan.stack_end - regs.rsp).min(u64::from(limit));
     let size = deep_record_bytes(limit) as usize;
+    let unread = unread_bytes();
     // No room is not a lost record: the usual path may still fit one.
     let Some(mut entry) = SAMPLES.reserve_bytes(size, 0) else {
         return false;
@@ -555,7 +563,7 @@ fn deep_sample(
     add(Counter::UserStackBytes, len);
     count(Counter::DeepCopies);
     count(Counter::Samples);
-    entry.submit(wakeup_flag(size as u64));
+    entry.submit(wakeup_flag(unread, size as u64));
     true
 }
 

@@ -38,7 +38,9 @@ pub mod labels;
 pub mod worker;
 
 use foldhash::{HashMap, HashMapExt as _};
+use hashbrown::HashTable;
 use std::{
+    hash::BuildHasher as _,
     path::{Path, PathBuf},
     sync::Arc,
     time::{Duration, SystemTime},
@@ -100,9 +102,9 @@ const MAX_MODULE_MEMO: usize = 65_536;
 /// Walks through JIT code have no space and are never remembered.
 const MAX_WALK_MEMO_BYTES: usize = 4 << 20;
 
-/// What a walk entry costs besides its key: the boxed slice's pointer and
-/// length, the stack index, and the table's control byte, rounded up.
-const WALK_ENTRY_OVERHEAD: usize = 32;
+/// What a walk entry costs besides its key: its place in the key arena,
+/// the stack index, and the table's control byte, rounded up.
+const WALK_ENTRY_OVERHEAD: usize = 16;
 
 /// How samples are labelled and aggregated.
 #[derive(Debug, Clone)]
@@ -342,16 +344,21 @@ struct Builder {
     eager_opens: usize,
     locations: Vec<IntervalLocation>,
     location_index: HashMap<IntervalLocation, u32>,
-    /// Stacks by their frames; the index is the order they first came
-    /// in (one allocation per stack: the list is made at the end).
-    stack_index: HashMap<Box<[u32]>, u32>,
+    /// Stacks in the order they first came in (their index), and found
+    /// by their frames through `stack_index`.
+    stacks: Vec<Box<[u32]>>,
+    stack_index: HashTable<u32>,
     /// Stacks by the walk they came from: the space its frames were placed
     /// in, its kernel frames and its user frames. Equal keys intern to the
     /// same stack (see `Walk::space`), so a sample whose walk was seen
     /// before costs one lookup instead of two per frame. Bounded by
     /// [`MAX_WALK_MEMO_BYTES`].
-    walked: HashMap<Box<[u64]>, u32>,
+    walked: HashTable<WalkEntry>,
+    /// The keys of `walked`, one after the other.
+    walk_keys: Vec<u64>,
     walked_bytes: usize,
+    /// Hashes stacks and walk keys.
+    hasher: foldhash::fast::RandomState,
     label_sets: Vec<LabelValues>,
     label_index: HashMap<LabelKey, u32>,
     /// In the order the pairs first appeared, as the batch lists them.
@@ -372,9 +379,12 @@ impl Builder {
             eager_opens: 0,
             locations: Vec::new(),
             location_index: HashMap::new(),
-            stack_index: HashMap::new(),
-            walked: HashMap::new(),
+            stacks: Vec::new(),
+            stack_index: HashTable::new(),
+            walked: HashTable::new(),
+            walk_keys: Vec::new(),
             walked_bytes: 0,
+            hasher: foldhash::fast::RandomState::default(),
             label_sets: Vec::new(),
             label_index: HashMap::new(),
             samples: Vec::new(),
@@ -414,15 +424,43 @@ impl Builder {
     }
 
     fn stack(&mut self, stack: &[u32], insert: bool) -> Option<u32> {
-        if let Some(&index) = self.stack_index.get(stack) {
+        let Self {
+            stacks,
+            stack_index,
+            hasher,
+            ..
+        } = self;
+        let hash = hasher.hash_one::<&[u32]>(stack);
+        let same = |&index: &u32| stacks.get(index as usize).is_some_and(|s| **s == *stack);
+        if let Some(&index) = stack_index.find(hash, same) {
             return Some(index);
         }
         if !insert {
             return None;
         }
-        let index = index_of(self.stack_index.len());
-        self.stack_index.insert(stack.into(), index);
+        let index = index_of(stacks.len());
+        stacks.push(stack.into());
+        // The same hash as `stack` got: of the `[u32]` itself.
+        let rehash = |&index: &u32| {
+            stacks
+                .get(index as usize)
+                .map_or(0, |s| hasher.hash_one::<&[u32]>(s))
+        };
+        stack_index.insert_unique(hash, index, rehash);
         Some(index)
+    }
+
+    /// The hash of a walk key, for [`Self::walked_stack`] and
+    /// [`Self::remember_walk`].
+    fn walk_hash(&self, key: &[u64]) -> u64 {
+        self.hasher.hash_one::<&[u64]>(key)
+    }
+
+    /// The stack walks with `key` intern to, if remembered.
+    fn walked_stack(&self, key: &[u64], hash: u64) -> Option<u32> {
+        self.walked
+            .find(hash, |entry| entry.key(&self.walk_keys) == Some(key))
+            .map(|entry| entry.stack)
     }
 
     /// Counts one sample for the pair; a new pair only when `insert`.
@@ -445,13 +483,31 @@ impl Builder {
         true
     }
 
-    /// Remembers that walks with `key` intern to `stack`, within the bound.
-    fn remember_walk(&mut self, key: &[u64], stack: u32) {
+    /// Remembers that walks with `key` (hashed to `hash`) intern to
+    /// `stack`, within the bound.
+    fn remember_walk(&mut self, key: &[u64], hash: u64, stack: u32) {
         let bytes = std::mem::size_of_val(key) + WALK_ENTRY_OVERHEAD;
-        if self.walked_bytes + bytes <= MAX_WALK_MEMO_BYTES {
-            self.walked_bytes += bytes;
-            self.walked.insert(key.into(), stack);
+        let (Ok(start), Ok(len)) = (
+            u32::try_from(self.walk_keys.len()),
+            u32::try_from(key.len()),
+        ) else {
+            return;
+        };
+        if self.walked_bytes + bytes > MAX_WALK_MEMO_BYTES {
+            return;
         }
+        self.walked_bytes += bytes;
+        self.walk_keys.extend_from_slice(key);
+        let Self {
+            walked,
+            walk_keys,
+            hasher,
+            ..
+        } = self;
+        let entry = WalkEntry { start, len, stack };
+        walked.insert_unique(hash, entry, |entry| {
+            hasher.hash_one::<&[u64]>(entry.key(walk_keys).unwrap_or_default())
+        });
     }
 
     /// The `[truncated]` stack, made on first use whatever the bound: there
@@ -479,7 +535,7 @@ impl Builder {
             end,
             mappings: self.mappings,
             locations: self.locations,
-            stacks: in_index_order(self.stack_index),
+            stacks: self.stacks,
             label_sets: self.label_sets,
             samples: self.samples,
             labels,
@@ -487,13 +543,19 @@ impl Builder {
     }
 }
 
-/// The keys of `index` in the order of their values (`0..len`).
-fn in_index_order(index: HashMap<Box<[u32]>, u32>) -> Vec<Box<[u32]>> {
-    let mut keys: Vec<Box<[u32]>> = vec![Box::default(); index.len()];
-    for (key, at) in index {
-        keys[at as usize] = key;
+/// A remembered walk: its key, `len` words at `start` in the interval's
+/// key arena, and the stack it interned to.
+#[derive(Debug)]
+struct WalkEntry {
+    start: u32,
+    len: u32,
+    stack: u32,
+}
+
+impl WalkEntry {
+    fn key<'a>(&self, arena: &'a [u64]) -> Option<&'a [u64]> {
+        arena.get(self.start as usize..)?.get(..self.len as usize)
     }
-    keys
 }
 
 /// Dictionary sizes are bounded far below `u32::MAX` by `max_entries` and
@@ -588,7 +650,7 @@ impl Aggregator {
         // plus the one that stands for the samples past it.
         out.push(StateSize::entries(
             "interval_stacks",
-            current.stack_index.len(),
+            current.stacks.len(),
             Some(self.config.max_entries + 1),
         ));
         out.push(StateSize::bytes(
@@ -680,18 +742,20 @@ impl Aggregator {
         self.stats.kernel_only += u64::from(user.is_none());
 
         let divisor = header.sampling_divisor.max(1);
-        let memo = self.fill_walk_key(kernel_frames, user);
-        let stack = match memo.then(|| self.current.walked.get(&self.walk_key[..])) {
-            Some(Some(&stack)) => Some(stack),
-            _ => {
+        // One hash of the walk key, for the lookup and for remembering it.
+        let memo = self
+            .fill_walk_key(kernel_frames, user)
+            .then(|| self.current.walk_hash(&self.walk_key));
+        let remembered = memo.and_then(|hash| self.current.walked_stack(&self.walk_key, hash));
+        let stack = match remembered {
+            Some(stack) => Some(stack),
+            None => {
                 let complete = self.intern_stack(header, kernel_frames, user, insert);
                 let stack = complete
                     .then(|| self.current.stack(&self.stack, insert))
                     .flatten();
-                if let Some(stack) = stack
-                    && memo
-                {
-                    self.current.remember_walk(&self.walk_key, stack);
+                if let (Some(stack), Some(hash)) = (stack, memo) {
+                    self.current.remember_walk(&self.walk_key, hash, stack);
                 }
                 stack
             }

@@ -18,7 +18,7 @@ use std::{
 
 use agent_common::{
     COMM_LEN, COUNTER_SLOTS, CgroupPolicy, Counter, MAX_ALLOW_ENTRIES, MAX_DEEP_STACK_BYTES,
-    MAX_USER_STACK_BYTES, PAGE_SIZE, StackPlan, StackTop, names,
+    MAX_USER_STACK_BYTES, PAGE_SIZE, StackPlan, StackTop, deep_record_bytes, names,
 };
 use aya::{
     Ebpf, EbpfLoader,
@@ -226,7 +226,7 @@ impl Sampler {
         let filter_cgroups = u8::from(config.filter_cgroups);
         let cgroup_policies = u8::from(config.filter_cgroups || config.cgroup_budgets);
         let log_level = bpf_log_level(config.bpf_log_level);
-        let ring_bytes = ring_buffer_bytes(cpu_slots, config.deep_stack_bytes);
+        let ring_bytes = ring_buffer_bytes(cpu_slots);
         // Without the layout samples carry no process start time; process
         // identity then rests on the exec and exit records alone.
         let (leader_offset, start_offset) = match task_layout::TaskLayout::of_running_kernel() {
@@ -600,21 +600,25 @@ where
     M::try_from(map).map_err(|source| SamplerError::Map { name, source })
 }
 
-/// Ring buffer size: 2 MiB per CPU, at least 4 MiB and room for four deep
-/// copies (each reserves `deep_stack_bytes`), a power of two as the kernel
-/// requires. At 997 Hz a CPU produces ~5.5 MB/s with busy.c's adaptive
-/// copies (~32 MB/s if every thread needed the whole 32 KiB ceiling), so a
-/// woken reader has hundreds of milliseconds of slack. Not more: the kernel
-/// maps the ring's pages twice into the agent, all of them at once, so
-/// every MiB here is two of the agent's RSS (8 MiB was 16 MB, a quarter of
-/// its RSS at 997 Hz on 2 CPUs).
-fn ring_buffer_bytes(cpus: usize, deep_stack_bytes: u32) -> u32 {
+/// Ring buffer size: 2 MiB per CPU and at least [`MIN_RING_BYTES`], a power
+/// of two as the kernel requires. At 997 Hz a CPU produces ~5.5 MB/s with
+/// busy.c's adaptive copies, so a reader woken at a quarter full has
+/// hundreds of milliseconds of slack; ~33 MB/s if every tick copied the
+/// whole 32 KiB ceiling, which leaves it ~45 ms. Not more: the kernel maps
+/// the ring's pages twice into the agent, all of them at once, so every
+/// MiB here is two of the agent's RSS (8 MiB was 16 MB, a quarter of its
+/// RSS at 997 Hz on 2 CPUs).
+fn ring_buffer_bytes(cpus: usize) -> u32 {
     let wanted = (cpus * (2 << 20))
-        .max(4 << 20)
-        .max(4 * deep_stack_bytes as usize)
+        .max(MIN_RING_BYTES as usize)
         .next_power_of_two();
     u32::try_from(wanted).unwrap_or(1 << 30).min(1 << 30)
 }
+
+/// The smallest ring: three of the largest deep copies fit (each reserves
+/// a fixed [`deep_record_bytes`] plus the ring's 8-byte record header).
+const MIN_RING_BYTES: u32 = 4 << 20;
+const _: () = assert!(MIN_RING_BYTES >= 3 * (deep_record_bytes(MAX_DEEP_STACK_BYTES) + 8));
 
 /// aya-log level numbers: error = 1 … trace = 5.
 fn bpf_log_level(level: tracing::Level) -> u8 {
@@ -657,14 +661,12 @@ mod tests {
     use super::*;
 
     #[test]
-    fn the_ring_follows_the_cpus_with_room_for_deep_copies() {
+    fn the_ring_follows_the_cpus() {
         const MIB: u32 = 1 << 20;
-        assert_eq!(ring_buffer_bytes(1, 0), 4 * MIB);
-        assert_eq!(ring_buffer_bytes(2, MIB), 4 * MIB);
-        assert_eq!(ring_buffer_bytes(3, MIB), 8 * MIB);
-        assert_eq!(ring_buffer_bytes(64, MIB), 128 * MIB);
-        // Four deep copies of the largest size.
-        assert_eq!(ring_buffer_bytes(2, 4 * MIB), 16 * MIB);
-        assert_eq!(ring_buffer_bytes(100_000, 0), 1 << 30);
+        assert_eq!(ring_buffer_bytes(1), 4 * MIB);
+        assert_eq!(ring_buffer_bytes(2), 4 * MIB);
+        assert_eq!(ring_buffer_bytes(3), 8 * MIB);
+        assert_eq!(ring_buffer_bytes(64), 128 * MIB);
+        assert_eq!(ring_buffer_bytes(100_000), 1 << 30);
     }
 }
