@@ -426,9 +426,40 @@ pub fn http_get(address: &str, path: &str) -> Option<(u16, String)> {
     Some((status, body.to_string()))
 }
 
+/// The value of one series (`name{labels}` exactly as exposed) in a
+/// Prometheus text exposition.
+pub fn metric_value(exposition: &str, series: &str) -> Option<f64> {
+    exposition.lines().find_map(|line| {
+        line.strip_prefix(series)?
+            .strip_prefix(' ')?
+            .split_whitespace()
+            .next()?
+            .parse()
+            .ok()
+    })
+}
+
+/// The value of one series on the `/metrics` endpoint at `address`
+/// (`host:port`); `None` if it does not answer 200 or lacks the series.
+pub fn metric(address: &str, series: &str) -> Option<f64> {
+    match http_get(address, "/metrics")? {
+        (200, body) => metric_value(&body, series),
+        _ => None,
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn metric_values_are_read_by_their_whole_series() {
+        let text = "# TYPE a counter\na_total 3\na_total_more 5\nb{x=\"1\"} 2.5 1700000000\n";
+        assert_eq!(metric_value(text, "a_total"), Some(3.0));
+        assert_eq!(metric_value(text, "b{x=\"1\"}"), Some(2.5));
+        assert_eq!(metric_value(text, "a"), None);
+        assert_eq!(metric_value(text, "c"), None);
+    }
 
     #[test]
     fn names_addresses_of_a_compiled_fixture() {

@@ -473,10 +473,8 @@ fn wait_ready(address: &str, path: &str) {
 
 /// The value of an unlabelled metric `name` on `address`'s `/metrics`.
 fn metric(address: &str, name: &str) -> f64 {
-    let (_, body) = http_get(address, "/metrics").expect("metrics");
-    body.lines()
-        .find_map(|line| line.strip_prefix(name)?.strip_prefix(' ')?.parse().ok())
-        .unwrap_or_else(|| panic!("no {name} on {address}:\n{body}"))
+    stackscope_test_fixtures::metric(address, name)
+        .unwrap_or_else(|| panic!("no {name} on {address}"))
 }
 
 /// A container's standard output, then its standard error.

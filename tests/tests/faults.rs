@@ -23,7 +23,7 @@ use std::{
 use stackscope_proto::v1::{
     Batch, Location, PushRequest, Sample, Stack, ingest_client::IngestClient,
 };
-use stackscope_test_fixtures::{C_FLAGS, batches::batch, workspace_binary};
+use stackscope_test_fixtures::{C_FLAGS, batches::batch, metric, workspace_binary};
 use stackscope_tests::{
     Collector, Fixture, RunningProcess, exclusive, free_port, http_get, require_root,
     wait_until_loaded,
@@ -97,23 +97,6 @@ fn fill_up(path: &Path) -> u64 {
         }
     }
     written
-}
-
-/// The value of one series (`name{labels}` as exposed) on a `/metrics`
-/// endpoint at `address` (`host:port`); `None` if it is not (yet) there.
-fn metric(address: &str, series: &str) -> Option<f64> {
-    let (status, body) = http_get(address, "/metrics")?;
-    if status != 200 {
-        return None;
-    }
-    body.lines().find_map(|line| {
-        line.strip_prefix(series)?
-            .strip_prefix(' ')?
-            .split_whitespace()
-            .next()?
-            .parse()
-            .ok()
-    })
 }
 
 /// Waits up to `limit` for `done`, failing with `what` and `context()`.

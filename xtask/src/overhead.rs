@@ -22,7 +22,7 @@ use std::{
 
 use anyhow::{Context as _, bail};
 
-use stackscope_test_fixtures::{free_port, http_get};
+use stackscope_test_fixtures::{free_port, metric};
 
 use crate::{KillOnDrop, bench::compile_fixture, wait_for_listener, workspace_root};
 
@@ -76,25 +76,11 @@ pub(crate) fn wait_rusage(child: &mut Child) -> anyhow::Result<Exit> {
 /// info, once per file), and at least this long into the run.
 const STEADY_FROM: Duration = Duration::from_secs(5);
 
-/// A counter of the agent serving metrics on `address` (its whole name,
-/// labels included), if it answers.
-fn agent_counter(address: &str, name: &str) -> Option<f64> {
-    let (_, text) = http_get(address, "/metrics")?;
-    text.lines().find_map(|line| {
-        line.strip_prefix(name)?
-            .strip_prefix(' ')?
-            .trim()
-            .parse()
-            .ok()
-    })
-}
-
 /// Waits until the agent serving metrics on `address` has built a batch.
 fn wait_for_first_batch(address: &str, limit: Duration) -> anyhow::Result<()> {
     let deadline = std::time::Instant::now() + limit;
     while std::time::Instant::now() < deadline {
-        if agent_counter(address, "stackscope_agent_batches_built_total").is_some_and(|n| n >= 1.0)
-        {
+        if metric(address, "stackscope_agent_batches_built_total").is_some_and(|n| n >= 1.0) {
             return Ok(());
         }
         std::thread::sleep(Duration::from_millis(250));
@@ -240,15 +226,9 @@ fn under_stackscope(
     );
     std::thread::sleep(STEADY_FROM);
     wait_for_first_batch(&metrics, Duration::from_secs(seconds) / 2)?;
-    let steady_from = (
-        process_cpu(agent.0.id()),
-        agent_counter(&metrics, SAMPLES_READ),
-    );
+    let steady_from = (process_cpu(agent.0.id()), metric(&metrics, SAMPLES_READ));
     let units = finish_workload(workload)?;
-    let steady_to = (
-        process_cpu(agent.0.id()),
-        agent_counter(&metrics, SAMPLES_READ),
-    );
+    let steady_to = (process_cpu(agent.0.id()), metric(&metrics, SAMPLES_READ));
     signal(&agent.0, libc::SIGINT);
     let mut json = String::new();
     std::io::Read::read_to_string(agent.0.stdout.as_mut().context("stdout")?, &mut json)?;

@@ -38,7 +38,7 @@ use stackscope_telemetry::status_kib;
 use stackscope_test_fixtures::{
     Fixture, RunningProcess,
     containers::{Container, Image},
-    free_port, http_get,
+    free_port, http_get, metric_value,
 };
 
 use crate::{KillOnDrop, bench::Cgroup, wait_for_listener, workspace_root};
@@ -701,11 +701,7 @@ impl Delivery {
         let Some((200, text)) = http_get(address, "/metrics") else {
             bail!("the agent's metrics did not answer");
         };
-        let value = |name: &str| -> u64 {
-            text.lines()
-                .find_map(|line| line.strip_prefix(name)?.trim().parse::<f64>().ok())
-                .unwrap_or(0.0) as u64
-        };
+        let value = |name: &str| metric_value(&text, name).unwrap_or(0.0) as u64;
         Ok(Self {
             stored: value("stackscope_agent_export_batches_total{result=\"stored\"}"),
             dropped: value("stackscope_agent_export_batches_total{result=\"dropped_queue_full\"}"),
