@@ -192,45 +192,60 @@ ON CONFLICT (bucket_start, label_set_id) DO UPDATE SET
     weight = CASE WHEN weight > 9223372036854775807 - excluded.weight
         THEN 9223372036854775807 ELSE weight + excluded.weight END";
 
-// Inserting a dictionary item that is already stored (another batch, or
-// before a restart) only moves its last_bucket forward; RETURNING gives the
-// id either way, in one statement.
-const UPSERT_MAPPING: &str = "
-INSERT INTO mappings (hash, kind, build_id, path, last_bucket, code_segments)
-VALUES (?1, ?2, ?3, ?4, ?5, ?6)
-ON CONFLICT (hash) DO UPDATE SET last_bucket = max(last_bucket, excluded.last_bucket)
-RETURNING id";
-const UPSERT_LOCATION: &str = "
-INSERT INTO locations (hash, mapping_id, address, lines, last_bucket) VALUES (?1, ?2, ?3, ?4, ?5)
-ON CONFLICT (hash) DO UPDATE SET last_bucket = max(last_bucket, excluded.last_bucket)
-RETURNING id";
-const UPSERT_STACK: &str = "
-INSERT INTO stacks (hash, locations, last_bucket) VALUES (?1, ?2, ?3)
-ON CONFLICT (hash) DO UPDATE SET last_bucket = max(last_bucket, excluded.last_bucket)
-RETURNING id";
-const UPSERT_LABEL_SET: &str = "
-INSERT INTO label_sets (hash, last_bucket) VALUES (?1, ?2)
-ON CONFLICT (hash) DO UPDATE SET last_bucket = max(last_bucket, excluded.last_bucket)
-RETURNING id";
+/// The statements of one dictionary table. A stored item's `last_bucket`
+/// moves forward by id (`bump`, when the caches know the id) or by hash
+/// (`touch`, which gives the id); only an item `touch` does not find is
+/// inserted. An upsert (`INSERT .. ON CONFLICT DO UPDATE`) would do both in
+/// one statement, but one that hits a stored row still uses up an
+/// AUTOINCREMENT id (SQLite draws it before the uniqueness check), so the
+/// ids of a long-lived database would climb with every cache miss.
+struct DictionarySql {
+    bump: &'static str,
+    touch: &'static str,
+    insert: &'static str,
+}
 
-// Before an upsert of an item the caches do not know: an upsert that hits a
-// stored row still uses up an AUTOINCREMENT id (SQLite draws it before the
-// uniqueness check), so the ids of a long-lived database would climb with
-// every cache miss rather than with new items.
-const TOUCH_MAPPING: &str =
-    "UPDATE mappings SET last_bucket = max(last_bucket, ?2) WHERE hash = ?1 RETURNING id";
-const TOUCH_LOCATION: &str =
-    "UPDATE locations SET last_bucket = max(last_bucket, ?2) WHERE hash = ?1 RETURNING id";
-const TOUCH_STACK: &str =
-    "UPDATE stacks SET last_bucket = max(last_bucket, ?2) WHERE hash = ?1 RETURNING id";
-const TOUCH_LABEL_SET: &str =
-    "UPDATE label_sets SET last_bucket = max(last_bucket, ?2) WHERE hash = ?1 RETURNING id";
+/// [`DictionarySql`] of `table`, whose new rows take `columns` (the first
+/// `hash`, one `?` parameter each, in order).
+macro_rules! dictionary_sql {
+    ($table:literal, $columns:literal, $parameters:literal) => {
+        DictionarySql {
+            bump: concat!(
+                "UPDATE ",
+                $table,
+                " SET last_bucket = max(last_bucket, ?2) WHERE id = ?1"
+            ),
+            touch: concat!(
+                "UPDATE ",
+                $table,
+                " SET last_bucket = max(last_bucket, ?2) WHERE hash = ?1 RETURNING id"
+            ),
+            insert: concat!(
+                "INSERT INTO ",
+                $table,
+                " (",
+                $columns,
+                ") VALUES (",
+                $parameters,
+                ") RETURNING id"
+            ),
+        }
+    };
+}
 
-const BUMP_MAPPING: &str = "UPDATE mappings SET last_bucket = max(last_bucket, ?2) WHERE id = ?1";
-const BUMP_LOCATION: &str = "UPDATE locations SET last_bucket = max(last_bucket, ?2) WHERE id = ?1";
-const BUMP_STACK: &str = "UPDATE stacks SET last_bucket = max(last_bucket, ?2) WHERE id = ?1";
-const BUMP_LABEL_SET: &str =
-    "UPDATE label_sets SET last_bucket = max(last_bucket, ?2) WHERE id = ?1";
+const MAPPINGS: DictionarySql = dictionary_sql!(
+    "mappings",
+    "hash, kind, build_id, path, last_bucket, code_segments",
+    "?1, ?2, ?3, ?4, ?5, ?6"
+);
+const LOCATIONS: DictionarySql = dictionary_sql!(
+    "locations",
+    "hash, mapping_id, address, lines, last_bucket",
+    "?1, ?2, ?3, ?4, ?5"
+);
+const STACKS: DictionarySql =
+    dictionary_sql!("stacks", "hash, locations, last_bucket", "?1, ?2, ?3");
+const LABEL_SETS: DictionarySql = dictionary_sql!("label_sets", "hash, last_bucket", "?1, ?2");
 
 /// How the SQLite engine stores and caches.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -1061,16 +1076,31 @@ enum Known {
 struct Table<'a, 'conn> {
     dict: &'a mut Dictionary,
     pending: &'a mut ContentHashMap<Entry>,
-    /// `UPDATE .. SET last_bucket = max(last_bucket, ?2) WHERE id = ?1`
+    /// The statements of [`DictionarySql`].
     bump: CachedStatement<'conn>,
-    /// `UPDATE .. SET last_bucket = .. WHERE hash = ?1 RETURNING id`
     touch: CachedStatement<'conn>,
-    /// `INSERT .. ON CONFLICT (hash) DO UPDATE .. RETURNING id`
-    upsert: CachedStatement<'conn>,
+    insert: CachedStatement<'conn>,
     bucket: i64,
 }
 
-impl Table<'_, '_> {
+impl<'a, 'conn> Table<'a, 'conn> {
+    fn new(
+        tx: &'conn Transaction<'_>,
+        sql: &DictionarySql,
+        dict: &'a mut Dictionary,
+        pending: &'a mut ContentHashMap<Entry>,
+        bucket: i64,
+    ) -> rusqlite::Result<Self> {
+        Ok(Self {
+            dict,
+            pending,
+            bump: tx.prepare_cached(sql.bump)?,
+            touch: tx.prepare_cached(sql.touch)?,
+            insert: tx.prepare_cached(sql.insert)?,
+            bucket,
+        })
+    }
+
     fn lookup(&mut self, hash: u128) -> Known {
         if let Some(entry) = self.pending.get(&hash) {
             return Known::Current(entry.id);
@@ -1083,7 +1113,7 @@ impl Table<'_, '_> {
     }
 
     /// The id of a looked-up item, after moving its `last_bucket` forward
-    /// or storing it (`store` runs the upsert with the item's columns) as
+    /// or storing it (`store` runs the insert with the item's columns) as
     /// needed.
     fn finish(
         &mut self,
@@ -1104,7 +1134,7 @@ impl Table<'_, '_> {
                     .optional()?;
                 match found {
                     Some(id) => id,
-                    None => store(&mut self.upsert)?,
+                    None => store(&mut self.insert)?,
                 }
             }
         };
@@ -1179,8 +1209,8 @@ impl BatchItems<'_> {
         if *mapping_id == 0 {
             let mut segments = Vec::new();
             encode_code_segments(&mut segments, &mapping.code_segments);
-            *mapping_id = mappings.intern(mapping_hash, |upsert| {
-                upsert.query_row(
+            *mapping_id = mappings.intern(mapping_hash, |insert| {
+                insert.query_row(
                     (
                         &mapping_hash.to_le_bytes()[..],
                         kind_code(mapping.kind),
@@ -1195,10 +1225,10 @@ impl BatchItems<'_> {
         }
         let mapping_id = *mapping_id;
         let blob = &mut *self.blob;
-        let id = locations.intern(hash, |upsert| {
+        let id = locations.intern(hash, |insert| {
             blob.clear();
             encode_lines(blob, &location.lines);
-            upsert.query_row(
+            insert.query_row(
                 (
                     &hash.to_le_bytes()[..],
                     mapping_id,
@@ -1329,30 +1359,10 @@ impl Writer {
         location_ids.resize(batch.locations.len(), 0);
 
         {
-            let mut mapping_table = Table {
-                dict: mappings,
-                pending: pending_mappings,
-                bump: tx.prepare_cached(BUMP_MAPPING)?,
-                touch: tx.prepare_cached(TOUCH_MAPPING)?,
-                upsert: tx.prepare_cached(UPSERT_MAPPING)?,
-                bucket,
-            };
-            let mut location_table = Table {
-                dict: locations,
-                pending: pending_locations,
-                bump: tx.prepare_cached(BUMP_LOCATION)?,
-                touch: tx.prepare_cached(TOUCH_LOCATION)?,
-                upsert: tx.prepare_cached(UPSERT_LOCATION)?,
-                bucket,
-            };
-            let mut stack_table = Table {
-                dict: stacks,
-                pending: pending_stacks,
-                bump: tx.prepare_cached(BUMP_STACK)?,
-                touch: tx.prepare_cached(TOUCH_STACK)?,
-                upsert: tx.prepare_cached(UPSERT_STACK)?,
-                bucket,
-            };
+            let mut mapping_table = Table::new(&tx, &MAPPINGS, mappings, pending_mappings, bucket)?;
+            let mut location_table =
+                Table::new(&tx, &LOCATIONS, locations, pending_locations, bucket)?;
+            let mut stack_table = Table::new(&tx, &STACKS, stacks, pending_stacks, bucket)?;
             let mut items = BatchItems {
                 mapping_hashes,
                 mapping_ids,
@@ -1390,12 +1400,12 @@ impl Writer {
                             )?);
                         }
                         let blob = &mut *items.blob;
-                        stack_table.finish(hash, known, |upsert| {
+                        stack_table.finish(hash, known, |insert| {
                             blob.clear();
                             for &id in stack_locations.iter() {
                                 put_varint(blob, id as u64);
                             }
-                            upsert.query_row((&hash.to_le_bytes()[..], &blob[..], bucket), |row| {
+                            insert.query_row((&hash.to_le_bytes()[..], &blob[..], bucket), |row| {
                                 row.get(0)
                             })
                         })?
@@ -1404,26 +1414,19 @@ impl Writer {
                 stack_ids.push(id);
             }
 
-            let mut label_set_table = Table {
-                dict: label_sets,
-                pending: pending_label_sets,
-                bump: tx.prepare_cached(BUMP_LABEL_SET)?,
-                touch: tx.prepare_cached(TOUCH_LABEL_SET)?,
-                upsert: tx.prepare_cached(UPSERT_LABEL_SET)?,
-                bucket,
-            };
+            let mut label_set_table =
+                Table::new(&tx, &LABEL_SETS, label_sets, pending_label_sets, bucket)?;
             let mut insert_label = tx.prepare_cached(
                 "INSERT OR IGNORE INTO labels (label_set_id, name, value) VALUES (?1, ?2, ?3)",
             )?;
             label_set_ids.clear();
             for labels in &batch.label_sets {
                 let hash = label_set_hash(bytes, labels);
-                let id = label_set_table.intern(hash, |upsert| {
+                let id = label_set_table.intern(hash, |insert| {
                     let id: i64 =
-                        upsert.query_row((&hash.to_le_bytes()[..], bucket), |row| row.get(0))?;
-                    // Only for a set not stored (one stored is found by its
-                    // hash first), whose labels retention deleted with it;
-                    // `OR IGNORE` keeps a retry harmless all the same.
+                        insert.query_row((&hash.to_le_bytes()[..], bucket), |row| row.get(0))?;
+                    // A new set: a stored one is found by its hash first
+                    // (retention deletes a set's labels with it).
                     for (name, value) in labels {
                         insert_label.execute((id, name, value))?;
                     }
