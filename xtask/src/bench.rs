@@ -35,8 +35,9 @@ pub enum Bench {
     /// report`, at 99 and 997 Hz: throughput loss, CPU per sample, peak
     /// RSS, share reaching the root, top functions.
     Overhead {
-        /// How long the workload runs each time.
-        #[arg(long, default_value_t = 20)]
+        /// How long the workload runs each time (at least 25: the steady
+        /// window starts after the agent's first 10 s batch).
+        #[arg(long, default_value_t = 30)]
         seconds: u64,
         /// Runs per configuration (medians and spread are reported).
         #[arg(long, default_value_t = 3)]

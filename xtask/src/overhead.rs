@@ -91,6 +91,30 @@ fn wait_for_first_batch(address: &str, limit: Duration) -> anyhow::Result<()> {
 /// Samples the agent has read (its metrics are published once a second).
 const SAMPLES_READ: &str = "stackscope_agent_samples_read_total";
 
+/// One interval (the agent's default 10 s) and a margin.
+const FIRST_BATCH_WITHIN: Duration = Duration::from_secs(15);
+
+/// Longer than the agent's drain timer and its once-a-second publish.
+const SETTLE: Duration = Duration::from_millis(2500);
+
+/// The agent's CPU and the samples it has read, taken together: the
+/// counter is published once a second, so this waits for a publish (the
+/// counter moving, or standing still for longer than a publish once the
+/// workload is gone) and reads the CPU right after it.
+fn fresh_reading(address: &str, pid: u32) -> anyhow::Result<(Duration, f64)> {
+    let first = metric(address, SAMPLES_READ).context("the agent's metrics did not answer")?;
+    let deadline = std::time::Instant::now() + SETTLE;
+    while std::time::Instant::now() < deadline {
+        std::thread::sleep(Duration::from_millis(10));
+        match metric(address, SAMPLES_READ) {
+            Some(read) if read != first => return Ok((process_cpu(pid), read)),
+            Some(_) => {}
+            None => bail!("the agent's metrics did not answer"),
+        }
+    }
+    Ok((process_cpu(pid), first))
+}
+
 /// User + system CPU of a live process, from `/proc/<pid>/stat`.
 fn process_cpu(pid: u32) -> Duration {
     let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap_or_default();
@@ -139,6 +163,12 @@ fn finish_workload(mut child: Child) -> anyhow::Result<f64> {
 }
 
 pub fn run(seconds: u64, repeats: usize) -> anyhow::Result<()> {
+    if seconds < 25 || repeats == 0 {
+        bail!(
+            "--seconds must be at least 25 (the steady window starts after the agent's \
+             first batch, up to 20 s in) and --repeats at least 1"
+        );
+    }
     crate::build_binaries(true)?;
     let busy = compile_fixture("busy")?;
     let threads = std::thread::available_parallelism().map_or(2, |n| n.get());
@@ -225,10 +255,16 @@ fn under_stackscope(
             .context("starting the agent")?,
     );
     std::thread::sleep(STEADY_FROM);
-    wait_for_first_batch(&metrics, Duration::from_secs(seconds) / 2)?;
-    let steady_from = (process_cpu(agent.0.id()), metric(&metrics, SAMPLES_READ));
+    // Intervals end on wall-clock boundaries, so the first batch comes
+    // within one interval (10 s) of the agent's start, whatever the run's
+    // length.
+    wait_for_first_batch(&metrics, FIRST_BATCH_WITHIN)?;
+    let steady_from = fresh_reading(&metrics, agent.0.id())?;
     let units = finish_workload(workload)?;
-    let steady_to = (process_cpu(agent.0.id()), metric(&metrics, SAMPLES_READ));
+    // The workload is gone: once the agent has drained its last records
+    // and published them, its counter and CPU stand still together.
+    std::thread::sleep(SETTLE);
+    let steady_to = fresh_reading(&metrics, agent.0.id())?;
     signal(&agent.0, libc::SIGINT);
     let mut json = String::new();
     std::io::Read::read_to_string(agent.0.stdout.as_mut().context("stdout")?, &mut json)?;
@@ -246,10 +282,7 @@ fn under_stackscope(
     };
     let bpf = Duration::from_nanos((number("/bpf/ns_per_run") * number("/bpf/run_count")) as u64);
     let samples = number("/kernel/samples");
-    let (Some(read_from), Some(read_to)) = (steady_from.1, steady_to.1) else {
-        bail!("the agent's metrics did not answer");
-    };
-    let steady_samples = read_to - read_from;
+    let steady_samples = steady_to.1 - steady_from.1;
     let steady_per_sample = Duration::from_secs_f64(
         (steady_to.0.saturating_sub(steady_from.0)).as_secs_f64() / steady_samples.max(1.0)
             + number("/bpf/ns_per_run") * 1e-9,
