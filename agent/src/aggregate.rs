@@ -102,9 +102,11 @@ const MAX_MODULE_MEMO: usize = 65_536;
 /// Walks through JIT code have no space and are never remembered.
 const MAX_WALK_MEMO_BYTES: usize = 4 << 20;
 
-/// What a walk entry costs besides its key: its place in the key arena,
-/// the stack index, and the table's control byte, rounded up.
-const WALK_ENTRY_OVERHEAD: usize = 16;
+/// The bytes of a walk table that holds `capacity` entries: an entry and a
+/// control byte per bucket, with buckets at most 7/8 full.
+fn walk_table_bytes(capacity: usize) -> usize {
+    capacity * (std::mem::size_of::<WalkEntry>() + 1) * 8 / 7
+}
 
 /// How samples are labelled and aggregated.
 #[derive(Debug, Clone)]
@@ -356,7 +358,6 @@ struct Builder {
     walked: HashTable<WalkEntry>,
     /// The keys of `walked`, one after the other.
     walk_keys: Vec<u64>,
-    walked_bytes: usize,
     /// Hashes stacks and walk keys.
     hasher: foldhash::fast::RandomState,
     label_sets: Vec<LabelValues>,
@@ -383,7 +384,6 @@ impl Builder {
             stack_index: HashTable::new(),
             walked: HashTable::new(),
             walk_keys: Vec::new(),
-            walked_bytes: 0,
             hasher: foldhash::fast::RandomState::default(),
             label_sets: Vec::new(),
             label_index: HashMap::new(),
@@ -486,17 +486,30 @@ impl Builder {
     /// Remembers that walks with `key` (hashed to `hash`) intern to
     /// `stack`, within the bound.
     fn remember_walk(&mut self, key: &[u64], hash: u64, stack: u32) {
-        let bytes = std::mem::size_of_val(key) + WALK_ENTRY_OVERHEAD;
         let (Ok(start), Ok(len)) = (
             u32::try_from(self.walk_keys.len()),
             u32::try_from(key.len()),
         ) else {
             return;
         };
-        if self.walked_bytes + bytes > MAX_WALK_MEMO_BYTES {
+        // The bound holds what is allocated, not what is used: the arena
+        // grows by doubling, but never past what the bound leaves it.
+        // A full table doubles on this insert.
+        let table_capacity = match self.walked.capacity() {
+            full if full == self.walked.len() => (2 * full).max(4),
+            room => room,
+        };
+        let room = MAX_WALK_MEMO_BYTES.saturating_sub(walk_table_bytes(table_capacity));
+        let needed = self.walk_keys.len() + key.len();
+        if needed * std::mem::size_of::<u64>() > room {
             return;
         }
-        self.walked_bytes += bytes;
+        if needed > self.walk_keys.capacity() {
+            let grown = needed
+                .max(2 * self.walk_keys.capacity())
+                .min(room / std::mem::size_of::<u64>());
+            self.walk_keys.reserve_exact(grown - self.walk_keys.len());
+        }
         self.walk_keys.extend_from_slice(key);
         let Self {
             walked,
@@ -508,6 +521,12 @@ impl Builder {
         walked.insert_unique(hash, entry, |entry| {
             hasher.hash_one::<&[u64]>(entry.key(walk_keys).unwrap_or_default())
         });
+    }
+
+    /// What the walk memo holds: its key arena and its table.
+    fn walk_memo_bytes(&self) -> usize {
+        self.walk_keys.capacity() * std::mem::size_of::<u64>()
+            + walk_table_bytes(self.walked.capacity())
     }
 
     /// The `[truncated]` stack, made on first use whatever the bound: there
@@ -655,7 +674,7 @@ impl Aggregator {
         ));
         out.push(StateSize::bytes(
             "walk_memo",
-            current.walked_bytes,
+            current.walk_memo_bytes(),
             Some(MAX_WALK_MEMO_BYTES),
         ));
         out.push(StateSize::entries(

@@ -863,3 +863,30 @@ fn walks_seen_before_intern_as_they_would_frame_by_frame() {
     assert!(a.sample_count() > 0 && memo.stats().truncated > 0);
     assert_eq!(memo.stats(), plain.stats());
 }
+
+#[test]
+fn the_walk_memo_holds_no_more_memory_than_its_bound() {
+    let mut builder = Builder::new(UNIX_EPOCH);
+    let key_of = |n: u64| -> Vec<u64> { (0..60).map(|frame| n << 8 | frame).collect() };
+    let mut remembered = 0;
+    for n in 0..20_000u64 {
+        let key = key_of(n);
+        let hash = builder.walk_hash(&key);
+        builder.remember_walk(&key, hash, n as u32);
+        if builder.walked_stack(&key, hash) == Some(n as u32) {
+            remembered += 1;
+        }
+        // What is allocated, arena capacity and table buckets, not what
+        // is used.
+        assert!(builder.walk_memo_bytes() <= MAX_WALK_MEMO_BYTES);
+    }
+    assert!(
+        remembered > 8_000 && remembered < 20_000,
+        "remembered {remembered} of 20,000 walks of 480 bytes under 4 MiB"
+    );
+    let first = key_of(0);
+    assert_eq!(
+        builder.walked_stack(&first, builder.walk_hash(&first)),
+        Some(0)
+    );
+}
