@@ -56,7 +56,8 @@ use aya_ebpf::{
 };
 use aya_log_ebpf::debug;
 
-/// Sample records. 8 MiB by default; the agent sizes it to the CPU count at load.
+/// Sample records. The agent sizes the ring to the CPU count at load (2 MiB
+/// per CPU, at least 4 MiB); this size is a placeholder it replaces.
 #[map(name = "SAMPLES")]
 static SAMPLES: RingBuf = RingBuf::with_byte_size(8 << 20, 0);
 
@@ -130,9 +131,10 @@ static CGROUP_POLICIES: Global<u8> = Global::new(0);
 static TASK_GROUP_LEADER_OFFSET: Global<u32> = Global::new(0);
 #[unsafe(no_mangle)]
 static TASK_START_TIME_OFFSET: Global<u32> = Global::new(0);
-/// Unread bytes in `SAMPLES` at which a record wakes the reader.
+/// Unread bytes in `SAMPLES` at which a record wakes the reader (the agent
+/// sets a quarter of the ring at load).
 #[unsafe(no_mangle)]
-static WAKEUP_BYTES: Global<u64> = Global::new(512 * 1024);
+static WAKEUP_BYTES: Global<u64> = Global::new(1 << 20);
 
 /// Page-sized reads needed to cover the largest copy when `rsp` is not page
 /// aligned: a partial first page, then whole pages.

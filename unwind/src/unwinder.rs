@@ -134,7 +134,9 @@ pub struct TailSpan {
 
 /// How much of a copy [`SampledStack::prefetch`] asks for: more than most
 /// walks read (a deep copy's megabyte is read only as far as its frames go).
+#[cfg(target_arch = "x86_64")]
 const PREFETCH_BYTES: usize = 16 * 1024;
+#[cfg(target_arch = "x86_64")]
 const CACHE_LINE: usize = 64;
 
 /// A sample's stack as read at the tick: the contiguous copy from `rsp` and
