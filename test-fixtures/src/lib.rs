@@ -448,9 +448,27 @@ pub fn metric(address: &str, series: &str) -> Option<f64> {
     }
 }
 
+/// The high-water mark of a live process's resident memory (`VmHWM`, its
+/// own since its exec), in KiB; `None` once it is gone. Not `wait4`'s
+/// `ru_maxrss`: a child that exec'd keeps the high-water mark its parent
+/// held at the fork.
+pub fn peak_rss_kib(pid: u32) -> Option<u64> {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).ok()?;
+    stackscope_telemetry::status_kib(&status, "VmHWM:")
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_peak_rss_of_this_process_is_at_least_its_rss() {
+        let status = std::fs::read_to_string("/proc/self/status").unwrap();
+        let now = stackscope_telemetry::status_kib(&status, "VmRSS:").unwrap();
+        let peak = peak_rss_kib(std::process::id()).unwrap();
+        assert!(peak >= now && now > 0, "VmHWM {peak} KiB, VmRSS {now} KiB");
+        assert_eq!(peak_rss_kib(u32::MAX), None);
+    }
 
     #[test]
     fn metric_values_are_read_by_their_whole_series() {

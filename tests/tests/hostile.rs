@@ -270,16 +270,13 @@ fn binary_ends(unwinding: &serde_json::Value, binary: &str) -> (u64, u64) {
 
 /// A gauge's value in Prometheus text, 0 when absent.
 fn gauge(text: &str, series: &str) -> f64 {
-    text.lines()
-        .find_map(|line| line.strip_prefix(series)?.trim().parse().ok())
-        .unwrap_or(0.0)
+    stackscope_test_fixtures::metric_value(text, series).unwrap_or(0.0)
 }
 
 /// VmHWM of `pid`, in bytes (0 if it is gone: the agent's own exit
 /// status says why).
 fn peak_resident_bytes(pid: u32) -> u64 {
-    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap_or_default();
-    stackscope_telemetry::status_kib(&status, "VmHWM:").unwrap_or(0) * 1024
+    stackscope_test_fixtures::peak_rss_kib(pid).unwrap_or(0) * 1024
 }
 
 struct RemoveOnDrop(PathBuf);

@@ -22,7 +22,7 @@ use std::{
 
 use anyhow::{Context as _, bail};
 
-use stackscope_test_fixtures::{free_port, metric};
+use stackscope_test_fixtures::{free_port, metric, peak_rss_kib};
 
 use crate::{KillOnDrop, bench::compile_fixture, wait_for_listener, workspace_root};
 
@@ -47,22 +47,13 @@ struct Run {
     top: Vec<(String, f64)>,
 }
 
-/// A child's exit and CPU use, from `wait4`. Not its peak RSS: the
-/// `ru_maxrss` of a child that exec'd starts from what its parent held at
-/// the fork (the kernel keeps the pre-exec high-water mark), and this
-/// bench's parent holds `perf script`'s output (96 MB once, in the agent's
-/// and the collector's figures alike); see [`peak_rss_kib`].
+/// A child's exit and CPU use, from `wait4`. Not its peak RSS: this
+/// bench's parent holds `perf script`'s output, which a child's
+/// `ru_maxrss` inherits at the fork (96 MB once, for the agent and the
+/// collector alike); see [`peak_rss_kib`].
 pub(crate) struct Exit {
     pub(crate) success: bool,
     pub(crate) cpu: Duration,
-}
-
-/// The high-water mark of a live process's own memory (`VmHWM`, which its
-/// exec started afresh), read just before it is asked to stop.
-fn peak_rss_kib(pid: u32) -> anyhow::Result<u64> {
-    let status = std::fs::read_to_string(format!("/proc/{pid}/status"))
-        .with_context(|| format!("reading /proc/{pid}/status"))?;
-    stackscope_telemetry::status_kib(&status, "VmHWM:").context("no VmHWM in its status")
 }
 
 pub(crate) fn wait_rusage(child: &mut Child) -> anyhow::Result<Exit> {
@@ -107,22 +98,25 @@ const FIRST_BATCH_WITHIN: Duration = Duration::from_secs(15);
 /// Longer than the agent's drain timer and its once-a-second publish.
 const SETTLE: Duration = Duration::from_millis(2500);
 
-/// The agent's CPU and the samples it has read, taken together: the
-/// counter is published once a second, so this waits for a publish (the
-/// counter moving, or standing still for longer than a publish once the
-/// workload is gone) and reads the CPU right after it.
-fn fresh_reading(address: &str, pid: u32) -> anyhow::Result<(Duration, f64)> {
-    let first = metric(address, SAMPLES_READ).context("the agent's metrics did not answer")?;
+/// The agent's CPU and the samples it has read.
+fn reading(address: &str, pid: u32) -> anyhow::Result<(Duration, f64)> {
+    let read = metric(address, SAMPLES_READ).context("the agent's metrics did not answer")?;
+    Ok((process_cpu(pid), read))
+}
+
+/// [`reading`] right after a publish of the counter (once a second), so
+/// that the CPU and the samples are taken together while samples come in.
+fn reading_at_a_publish(address: &str, pid: u32) -> anyhow::Result<(Duration, f64)> {
+    let (_, first) = reading(address, pid)?;
     let deadline = std::time::Instant::now() + SETTLE;
     while std::time::Instant::now() < deadline {
         std::thread::sleep(Duration::from_millis(10));
-        match metric(address, SAMPLES_READ) {
-            Some(read) if read != first => return Ok((process_cpu(pid), read)),
-            Some(_) => {}
-            None => bail!("the agent's metrics did not answer"),
+        let now = reading(address, pid)?;
+        if now.1 != first {
+            return Ok(now);
         }
     }
-    Ok((process_cpu(pid), first))
+    bail!("the agent read no sample for {SETTLE:?}");
 }
 
 /// User + system CPU of a live process, from `/proc/<pid>/stat`.
@@ -269,13 +263,13 @@ fn under_stackscope(
     // within one interval (10 s) of the agent's start, whatever the run's
     // length.
     wait_for_first_batch(&metrics, FIRST_BATCH_WITHIN)?;
-    let steady_from = fresh_reading(&metrics, agent.0.id())?;
+    let steady_from = reading_at_a_publish(&metrics, agent.0.id())?;
     let units = finish_workload(workload)?;
     // The workload is gone: once the agent has drained its last records
     // and published them, its counter and CPU stand still together.
     std::thread::sleep(SETTLE);
-    let steady_to = fresh_reading(&metrics, agent.0.id())?;
-    let agent_rss_kib = peak_rss_kib(agent.0.id())?;
+    let steady_to = reading(&metrics, agent.0.id())?;
+    let agent_rss_kib = peak_rss_kib(agent.0.id()).context("the agent's peak RSS")?;
     signal(&agent.0, libc::SIGINT);
     let mut json = String::new();
     std::io::Read::read_to_string(agent.0.stdout.as_mut().context("stdout")?, &mut json)?;
@@ -311,7 +305,7 @@ fn under_stackscope(
         .output()
         .context("running stackscope top")?;
     let top = parse_top(&String::from_utf8_lossy(&top_text.stdout));
-    let collector_rss_kib = peak_rss_kib(collector.0.id())?;
+    let collector_rss_kib = peak_rss_kib(collector.0.id()).context("the collector's peak RSS")?;
     signal(&collector.0, libc::SIGTERM);
     let collector_exit = wait_rusage(&mut collector.0)?;
     Ok(Run {
