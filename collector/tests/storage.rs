@@ -951,3 +951,25 @@ fn weights_saturate_alike_with_and_without_rollups() {
         [(T0 - T0.rem_euclid(DAY), i64::MAX as u64)]
     );
 }
+
+#[test]
+fn sqlite_memory_is_published_with_the_page_caches_inside_it() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let storage = open(&dir.path().join("stackscope.db"));
+    ingest_all(&storage, &[batch1()]);
+    weights(&storage, &all(&[]));
+    let mut state = Vec::new();
+    storage.state_sizes(&mut state);
+    let bytes = |name: &str| {
+        state
+            .iter()
+            .find(|s| s.name == name)
+            .and_then(|s| s.bytes)
+            .unwrap_or_else(|| panic!("no {name} in {state:?}"))
+    };
+    let page_caches = bytes("writer_page_cache") + bytes("reader_page_cache");
+    // SQLite's whole heap holds both connections' page caches and more
+    // (schemas, statements): what the soak subtracts from the heap.
+    assert!(page_caches > 0, "{state:?}");
+    assert!(bytes("sqlite_memory") > page_caches, "{state:?}");
+}

@@ -356,6 +356,16 @@ impl Collector for ProcessMetrics {
                 metric.metric_type(),
             )?)?;
         }
+        if let Some(heap) = heap_bytes() {
+            out.gauges(
+                "process_heap",
+                "The C allocator's heap: bytes handed out (in_use) and bytes it holds \
+                 free for reuse (free), whose growth with a flat in_use is fragmentation.",
+                Some(Unit::Bytes),
+                "use",
+                &[("in_use", heap.in_use as f64), ("free", heap.free as f64)],
+            )?;
+        }
         if let Ok(fds) = std::fs::read_dir("/proc/self/fd") {
             out.gauge(
                 "process_open_fds",
@@ -366,6 +376,32 @@ impl Collector for ProcessMetrics {
         }
         Ok(())
     }
+}
+
+/// What the C allocator holds, over all its arenas.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct HeapBytes {
+    /// Handed out and not yet freed (small chunks and mmapped blocks).
+    pub in_use: usize,
+    /// Free chunks kept in the arenas for reuse.
+    pub free: usize,
+}
+
+/// The allocator's figures, where it is glibc's (`mallinfo2`, which walks
+/// every arena under its lock: a scrape's cost, not a sample's).
+#[cfg(all(target_os = "linux", target_env = "gnu"))]
+pub fn heap_bytes() -> Option<HeapBytes> {
+    // SAFETY: mallinfo2 takes no arguments and returns a plain struct.
+    let info = unsafe { libc::mallinfo2() };
+    Some(HeapBytes {
+        in_use: info.uordblks + info.hblkhd,
+        free: info.fordblks,
+    })
+}
+
+#[cfg(not(all(target_os = "linux", target_env = "gnu")))]
+pub fn heap_bytes() -> Option<HeapBytes> {
+    None
 }
 
 /// A `Name:   1234 kB` field of `/proc/<pid>/status`, in KiB.
@@ -446,6 +482,26 @@ mod tests {
         assert_eq!(status_kib(status, "VmSwap:"), None);
     }
 
+    #[cfg(all(target_os = "linux", target_env = "gnu"))]
+    #[test]
+    fn the_heap_in_use_counts_what_is_allocated() {
+        const BYTES: usize = 64 << 20;
+        let before = heap_bytes().unwrap();
+        let held = vec![1u8; BYTES];
+        let during = heap_bytes().unwrap();
+        drop(std::hint::black_box(held));
+        let after = heap_bytes().unwrap();
+        // Other tests allocate and free meanwhile, but not tens of MiB.
+        assert!(
+            during.in_use > before.in_use + BYTES / 2,
+            "{before:?} {during:?}"
+        );
+        assert!(
+            after.in_use + BYTES / 2 < during.in_use,
+            "{during:?} {after:?}"
+        );
+    }
+
     #[derive(Debug)]
     struct Totals;
 
@@ -500,6 +556,12 @@ mod tests {
             .unwrap_or_else(|| panic!("no RSS:\n{body}"));
         assert!(rss.parse::<f64>().unwrap() > 1e6, "{rss}");
         assert!(body.contains("process_cpu_seconds_total "), "{body}");
+        if cfg!(target_env = "gnu") {
+            assert!(
+                body.contains("process_heap_bytes{use=\"in_use\"} "),
+                "{body}"
+            );
+        }
 
         assert_eq!(get_http(addr, "/healthz").await.0, 200);
         assert_eq!(get_http(addr, "/readyz").await, (503, "not ready\n".into()));

@@ -444,6 +444,31 @@ impl Series {
             self.read_metrics(at, who, &text);
         }
         self.anon_less_page_caches(at, who);
+        self.heap_less_sqlite(at, who);
+    }
+
+    /// The heap in use less SQLite's own (its page caches, statements and
+    /// schemas): what the collector's own structures hold.
+    fn heap_less_sqlite(&mut self, at: f64, who: &str) {
+        let at_this_scrape = |name: String| {
+            self.0
+                .get(&name)?
+                .points
+                .last()
+                .filter(|(when, _)| *when == at)
+                .map(|&(_, value)| value)
+        };
+        if let (Some(in_use), Some(sqlite)) = (
+            at_this_scrape(format!("{who} heap in use")),
+            at_this_scrape(format!("{who} sqlite_memory bytes")),
+        ) {
+            self.point(
+                format!("{who} heap in use less sqlite"),
+                Kind::Bytes,
+                at,
+                in_use - sqlite,
+            );
+        }
     }
 
     /// RssAnon less what SQLite's page caches (heap memory within their
@@ -486,6 +511,17 @@ impl Series {
     fn read_metrics(&mut self, at: f64, who: &str, text: &str) {
         let prefix = format!("stackscope_{who}_");
         for line in text.lines().filter(|l| !l.starts_with('#')) {
+            // The allocator's heap, split in what is handed out and what
+            // it keeps free: fragmentation grows the second alone.
+            if let Some((use_, value)) = line
+                .strip_prefix("process_heap_bytes{use=\"")
+                .and_then(|rest| rest.split_once("\"} "))
+                && let Ok(value) = value.parse::<f64>()
+            {
+                let use_ = use_.replace('_', " ");
+                self.point(format!("{who} heap {use_}"), Kind::Bytes, at, value);
+                continue;
+            }
             let Some(rest) = line.strip_prefix(&prefix) else {
                 continue;
             };
@@ -869,6 +905,35 @@ mod tests {
     }
 
     #[test]
+    fn sqlite_is_taken_from_the_heap_in_use_at_the_same_scrape() {
+        let mut series = Series::default();
+        series.point("collector heap in use".into(), Kind::Bytes, 1.0, 30e6);
+        series.point(
+            "collector sqlite_memory bytes".into(),
+            Kind::Bytes,
+            1.0,
+            12e6,
+        );
+        series.heap_less_sqlite(1.0, "collector");
+        // SQLite's gauge was skipped at 2.0; the agent has no SQLite.
+        series.point("collector heap in use".into(), Kind::Bytes, 2.0, 31e6);
+        series.heap_less_sqlite(2.0, "collector");
+        series.point("agent heap in use".into(), Kind::Bytes, 2.0, 9e6);
+        series.heap_less_sqlite(2.0, "agent");
+        let derived: Vec<&str> = series
+            .0
+            .keys()
+            .filter(|name| name.ends_with("less sqlite"))
+            .map(String::as_str)
+            .collect();
+        assert_eq!(derived, ["collector heap in use less sqlite"]);
+        assert_eq!(
+            series.0["collector heap in use less sqlite"].points,
+            [(1.0, 18e6)]
+        );
+    }
+
+    #[test]
     fn reads_state_gauges_their_bounds_and_the_queue() {
         let mut series = Series::default();
         let text = "# HELP stackscope_agent_state_entries Entries.\n\
@@ -877,17 +942,23 @@ mod tests {
                     stackscope_agent_state_bytes{state=\"unwind_tables\"} 1048576.0\n\
                     stackscope_agent_export_queue_bytes 300\n\
                     stackscope_collector_state_entries{state=\"query_frames\"} 5.0\n\
-                    stackscope_agent_walks_total{end=\"root\"} 50\n";
+                    stackscope_agent_walks_total{end=\"root\"} 50\n\
+                    process_heap_bytes{use=\"in_use\"} 2048.0\n\
+                    process_heap_bytes{use=\"free\"} 512.0\n";
         series.read_metrics(1.0, "agent", text);
         let names: Vec<&str> = series.0.keys().map(String::as_str).collect();
         assert_eq!(
             names,
             [
                 "agent export queue",
+                "agent heap free",
+                "agent heap in use",
                 "agent process_table",
                 "agent unwind_tables bytes"
             ]
         );
+        assert_eq!(series.0["agent heap in use"].points, [(1.0, 2048.0)]);
+        assert_eq!(series.0["agent heap free"].points, [(1.0, 512.0)]);
         assert_eq!(series.0["agent process_table"].bound, Some(4096.0));
         assert_eq!(series.0["agent process_table"].points, [(1.0, 12.0)]);
         assert_eq!(

@@ -721,6 +721,14 @@ impl Storage for SqliteStorage {
     }
 
     fn state_sizes(&self, out: &mut Vec<StateSize>) {
+        // SAFETY: sqlite3_memory_used reads SQLite's own counter of the
+        // heap it holds (every connection's page cache, statements, schema).
+        let sqlite_heap = unsafe { rusqlite::ffi::sqlite3_memory_used() };
+        out.push(StateSize::bytes(
+            "sqlite_memory",
+            sqlite_heap.max(0) as usize,
+            None,
+        ));
         // A scrape must not wait behind an ingest or a query.
         if let Ok(writer) = self.writer.try_lock() {
             out.push(page_cache(
