@@ -455,7 +455,7 @@ impl Symbolizer {
     /// Names `offsets` (file offsets, each at the byte to look up) of
     /// `object`; the result is index for index with `offsets`.
     pub fn user(&mut self, object: &Arc<ObjectFile>, offsets: &[u64]) -> Vec<Lines> {
-        if !self.config.name_files && matches!(object.id, ObjectId::BuildId(_)) {
+        if !self.config.name_files && matches!(object.id, ObjectId::BuildId(..)) {
             self.stats.left_to_collector += offsets.len() as u64;
             return offsets.iter().map(|_| Lines::from([])).collect();
         }
@@ -832,10 +832,7 @@ impl Symbolizer {
     /// host's (see [`debug_files`]).
     fn local_debug_file(&self, object: &ObjectFile, file: &File) -> Option<File> {
         let source = debug_files::name_source(file)?;
-        let build_id = match object.id {
-            ObjectId::BuildId(build_id) => Some(build_id.to_string()),
-            ObjectId::FileKey(_) => None,
-        };
+        let build_id = object.id.build_id().map(|id| id.to_string());
         let mut roots = Vec::with_capacity(2);
         let mut path = None;
         if let Some(region) = &object.region {
@@ -1163,7 +1160,7 @@ mod tests {
             ..SymbolizerConfig::default()
         });
         let object = object_file(&fixture.path);
-        assert!(matches!(object.id, ObjectId::BuildId(_)));
+        assert!(matches!(object.id, ObjectId::BuildId(..)));
         let found = symbolizer.user(&object, &[offset_of(&fixture.path, "c", 1)]);
         assert!(found[0].is_empty());
         let stats = symbolizer.stats();

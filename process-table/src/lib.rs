@@ -33,5 +33,5 @@ pub mod open;
 pub mod table;
 
 pub use maps::{Mapping, MappingPath};
-pub use object_id::{BuildId, FileKey, ObjectId};
+pub use object_id::{BuildId, ContentDigest, FileKey, ObjectId};
 pub use table::{Location, MappedObject, MappedRegion, ProcessError, ProcessTable, TableConfig};

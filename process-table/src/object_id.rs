@@ -1,17 +1,25 @@
 //! Which object file a mapping is: the key unwind tables, debuginfo and
 //! symbols are filed under.
 //!
-//! Owns: [`ObjectId`] (the GNU build-id when the file has one, else a
-//! [`FileKey`] built from the file's device, inode, size and mtime), its hex
-//! form, and [`identify`], which computes it together with the load segments
-//! from an open file.
+//! Owns: [`ObjectId`] (the GNU build-id with a digest of the file's
+//! contents when the file has one, else a [`FileKey`] built from the file's
+//! device, inode, size and mtime), its hex forms, and [`identify`], which
+//! computes it together with the load segments from an open file.
 //!
 //! Does not own: finding and opening the file ([`open`](crate::open)),
 //! caching identities ([`table`](crate::table)), or parsing anything in the
 //! ELF file beyond the headers ([`elf`]).
 //!
 //! A build-id names the contents, so the same library in a hundred containers
-//! is one object, and a library rebuilt and reinstalled is a new one. Files
+//! is one object, and a library rebuilt and reinstalled is a new one. But any
+//! process can map a file that claims another's build-id (`ld
+//! --build-id=0x...` writes any bytes): keyed by the build-id alone, its
+//! unwind tables and names would be used for the real library in every
+//! other process, and the real one's for it. So the identity also carries
+//! a digest of the whole file ([`ContentDigest`]): every cache on the node
+//! that is shared between files is shared only between identical files,
+//! and the build-id alone goes on the wire, where the collector names it.
+//! Files
 //! without a build-id get a key that changes whenever the file is replaced
 //! (new inode) or rewritten (new mtime or size), so a stale table is never
 //! used for a new version; the price is that the same file on two
@@ -20,9 +28,11 @@
 use std::{
     fmt,
     fs::{File, Metadata},
-    os::unix::fs::MetadataExt as _,
+    io,
+    os::unix::fs::{FileExt as _, MetadataExt as _},
 };
 
+use sha2::{Digest as _, Sha256};
 use thiserror::Error;
 
 use crate::elf::{self, ElfError, LoadSegment};
@@ -78,6 +88,70 @@ impl fmt::Debug for BuildId {
     }
 }
 
+/// The first 128 bits of the SHA-256 of a whole file: equal digests are
+/// equal contents, even for files crafted to collide (finding a second file
+/// with a given digest takes 2^128 work, two colliding files 2^64).
+#[derive(Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct ContentDigest([u8; 16]);
+
+impl ContentDigest {
+    /// Files larger than this are not digested: a hostile process must not
+    /// be able to make the agent read gigabytes per file it maps. Such a
+    /// file is identified by its [`FileKey`] instead, like one without a
+    /// build-id. The largest libraries in common use (LLVM, the Rust
+    /// compiler's driver, CUDA kernels) are well under it.
+    pub const MAX_FILE_BYTES: u64 = 1 << 30;
+
+    /// Digests `file` (`len` bytes) from its start; `None` when it is larger
+    /// than [`Self::MAX_FILE_BYTES`].
+    pub fn of_file(file: &File, len: u64) -> io::Result<Option<Self>> {
+        if len > Self::MAX_FILE_BYTES {
+            return Ok(None);
+        }
+        let mut hasher = Sha256::new();
+        let mut buffer = vec![0u8; 256 << 10];
+        let mut at = 0u64;
+        loop {
+            // Reads at offsets, so a descriptor shared with other readers
+            // keeps its position.
+            let read = file.read_at(&mut buffer, at)?;
+            if read == 0 {
+                break;
+            }
+            hasher.update(&buffer[..read]);
+            at += read as u64;
+            if at > Self::MAX_FILE_BYTES {
+                // It grew past the limit while being read.
+                return Ok(None);
+            }
+        }
+        let digest = hasher.finalize();
+        let mut bytes = [0u8; 16];
+        bytes.copy_from_slice(&digest[..16]);
+        Ok(Some(Self(bytes)))
+    }
+
+    #[cfg(test)]
+    pub(crate) const fn from_bytes(bytes: [u8; 16]) -> Self {
+        Self(bytes)
+    }
+}
+
+impl fmt::Display for ContentDigest {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        for byte in self.0 {
+            write!(f, "{byte:02x}")?;
+        }
+        Ok(())
+    }
+}
+
+impl fmt::Debug for ContentDigest {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "ContentDigest({self})")
+    }
+}
+
 /// Identifies one version of one file on this machine without reading it:
 /// `stat(2)` fields that change when the file is replaced or rewritten.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
@@ -124,16 +198,41 @@ impl fmt::Display for FileKey {
 /// The identity of an object file.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub enum ObjectId {
-    /// The file's GNU build-id: the same for every copy of the same build.
-    BuildId(BuildId),
-    /// The file has no build-id (or is not ELF): this version of this file.
+    /// The file's GNU build-id, and the digest of its contents: the same
+    /// for every copy of the same file, and only for those (see the module
+    /// documentation).
+    BuildId(BuildId, ContentDigest),
+    /// The file has no build-id (or is not ELF, or is too large to digest):
+    /// this version of this file.
     FileKey(FileKey),
+}
+
+impl ObjectId {
+    /// The build-id the file claims, which is what the collector knows it
+    /// by; `None` for a [`FileKey`] identity.
+    pub fn build_id(&self) -> Option<BuildId> {
+        match self {
+            Self::BuildId(id, _) => Some(*id),
+            Self::FileKey(_) => None,
+        }
+    }
+
+    /// A name for this identity that differs whenever the identity does
+    /// (the build-id with the digest after it), for files kept across
+    /// restarts. [`Display`](fmt::Display) shows what people look up: the
+    /// build-id alone.
+    pub fn unique_name(&self) -> String {
+        match self {
+            Self::BuildId(id, digest) => format!("{id}-{digest}"),
+            Self::FileKey(key) => key.to_string(),
+        }
+    }
 }
 
 impl fmt::Display for ObjectId {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         match self {
-            Self::BuildId(id) => id.fmt(f),
+            Self::BuildId(id, _) => id.fmt(f),
             Self::FileKey(key) => key.fmt(f),
         }
     }
@@ -159,6 +258,9 @@ pub enum IdentityError {
     /// would hand the unwinder a file it cannot use either.
     #[error("reading the ELF headers")]
     Elf(#[source] ElfError),
+    /// Reading the file to digest it failed.
+    #[error("reading the file to digest it")]
+    Digest(#[source] io::Error),
 }
 
 /// Identifies an open file whose `metadata` was taken from the same file
@@ -166,13 +268,23 @@ pub enum IdentityError {
 pub fn identify(file: &File, metadata: &Metadata) -> Result<Identity, IdentityError> {
     let file_key = FileKey::from_metadata(metadata);
     match elf::read_summary(file) {
-        Ok(summary) => Ok(Identity {
-            id: summary
-                .build_id
-                .map_or(ObjectId::FileKey(file_key), ObjectId::BuildId),
-            file_key,
-            load_segments: Some(summary.load_segments),
-        }),
+        Ok(summary) => {
+            let digest = match summary.build_id {
+                Some(_) => {
+                    ContentDigest::of_file(file, metadata.size()).map_err(IdentityError::Digest)?
+                }
+                None => None,
+            };
+            let id = match (summary.build_id, digest) {
+                (Some(build_id), Some(digest)) => ObjectId::BuildId(build_id, digest),
+                _ => ObjectId::FileKey(file_key),
+            };
+            Ok(Identity {
+                id,
+                file_key,
+                load_segments: Some(summary.load_segments),
+            })
+        }
         Err(ElfError::NotElf) => Ok(Identity {
             id: ObjectId::FileKey(file_key),
             file_key,
@@ -202,7 +314,12 @@ mod tests {
         let id = BuildId::new(&[0x00, 0x1f, 0xa0, 0xff]).expect("valid");
         assert_eq!(id.to_string(), "001fa0ff");
         assert_eq!(format!("{id:?}"), "BuildId(001fa0ff)");
-        assert_eq!(ObjectId::BuildId(id).to_string(), "001fa0ff");
+        let digest = ContentDigest::from_bytes([0xcd; 16]);
+        assert_eq!(ObjectId::BuildId(id, digest).to_string(), "001fa0ff");
+        assert_eq!(
+            ObjectId::BuildId(id, digest).unique_name(),
+            format!("001fa0ff-{}", "cd".repeat(16))
+        );
         // Padding bytes never leak into equality.
         assert_ne!(
             id,
@@ -229,9 +346,33 @@ mod tests {
         // Held in an Arc per object and compared on every cache lookup:
         // keep it within two cache lines.
         assert!(
-            std::mem::size_of::<ObjectId>() <= 72,
+            std::mem::size_of::<ObjectId>() <= 88,
             "{}",
             std::mem::size_of::<ObjectId>()
+        );
+    }
+
+    #[test]
+    fn digests_tell_contents_apart_and_skip_files_too_large() {
+        let digest = |bytes: &[u8]| {
+            let mut file = tempfile::tempfile().expect("temporary file");
+            file.write_all(bytes).expect("writing");
+            ContentDigest::of_file(&file, bytes.len() as u64).expect("reading")
+        };
+        let one = digest(&[1u8; 300 << 10]).expect("small enough");
+        assert_eq!(digest(&[1u8; 300 << 10]), Some(one));
+        let mut other = vec![1u8; 300 << 10];
+        // Past the first read's buffer: the whole file counts.
+        *other.last_mut().unwrap() = 2;
+        assert_ne!(digest(&other), Some(one));
+        // A sparse file one byte past the limit is refused unread.
+        let large = tempfile::tempfile().expect("temporary file");
+        large
+            .set_len(ContentDigest::MAX_FILE_BYTES + 1)
+            .expect("sparse file");
+        assert_eq!(
+            ContentDigest::of_file(&large, ContentDigest::MAX_FILE_BYTES + 1).expect("no read"),
+            None
         );
     }
 

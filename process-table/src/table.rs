@@ -339,6 +339,16 @@ impl Process {
     }
 }
 
+/// The identity last read from a file claiming a build-id: weak, so only
+/// `objects` and the processes keep it.
+#[derive(Debug)]
+struct BuildIdClaim {
+    object: Weak<CachedObject>,
+    /// Files with different contents claimed the build-id (one of them
+    /// lies): the build-id alone then says nothing of which file is mapped.
+    contested: bool,
+}
+
 /// See the module documentation.
 #[derive(Debug)]
 pub struct ProcessTable {
@@ -351,9 +361,8 @@ pub struct ProcessTable {
     tick: u64,
     objects: HashMap<FileKey, Arc<CachedObject>>,
     /// The same identities by build-id, for mappings learned from events
-    /// (whose file may be gone by the time they are read): weak, so only
-    /// `objects` and the processes keep them.
-    by_build_id: HashMap<BuildId, Weak<CachedObject>>,
+    /// (whose file may be gone by the time they are read).
+    by_build_id: HashMap<BuildId, BuildIdClaim>,
     /// Parents of processes forked from untracked ones, until they exec
     /// (bounded by `max_processes`).
     fork_parents: HashMap<u32, u32>,
@@ -567,26 +576,36 @@ impl ProcessTable {
         self.trim_objects();
     }
 
-    /// The identity of a file mapped while the agent ran: by build-id from
-    /// the cache when the kernel reported one, else from the file itself,
-    /// reached through the process or, if it is gone, its parent's root.
+    /// The identity of a file mapped while the agent ran: from the file
+    /// itself, reached through the process or, if it is gone, its parent's
+    /// root (from the cache when this version of it was seen before). When
+    /// no such file is left, by the build-id the kernel reported, if only
+    /// one file's contents are known under it: the file is not read first
+    /// because any process may map one that claims another's build-id.
     fn identify_learned(
         &mut self,
         region: &MappedRegion,
         build_id: Option<BuildId>,
     ) -> Result<Arc<CachedObject>, MappingError> {
-        if let Some(object) = build_id
-            .and_then(|id| self.by_build_id.get(&id))
-            .and_then(Weak::upgrade)
-        {
+        let opened = match region.open() {
+            Ok(opened) => opened,
+            Err(err) => {
+                return build_id
+                    .and_then(|id| self.by_build_id.get(&id))
+                    .filter(|claim| !claim.contested)
+                    .and_then(|claim| claim.object.upgrade())
+                    .inspect(|_| self.stats.object_cache_hits += 1)
+                    .ok_or(MappingError::Open(err));
+            }
+        };
+        if let Some(object) = self.objects.get(&FileKey::from_metadata(&opened.metadata)) {
             self.stats.object_cache_hits += 1;
-            return Ok(object);
+            return Ok(Arc::clone(object));
         }
-        let opened = region.open().map_err(MappingError::Open)?;
         let identity =
             object_id::identify(&opened.file, &opened.metadata).map_err(MappingError::Identify)?;
         if let Some(expected) = build_id
-            && identity.id != ObjectId::BuildId(expected)
+            && identity.id.build_id() != Some(expected)
         {
             return Err(MappingError::OtherFile);
         }
@@ -601,8 +620,23 @@ impl ProcessTable {
             load_segments: identity.load_segments,
         });
         self.objects.insert(identity.file_key, Arc::clone(&object));
-        if let ObjectId::BuildId(id) = identity.id {
-            self.by_build_id.insert(id, Arc::downgrade(&object));
+        if let Some(build_id) = identity.id.build_id() {
+            let claim = self.by_build_id.entry(build_id).or_insert(BuildIdClaim {
+                object: Weak::new(),
+                contested: false,
+            });
+            if let Some(known) = claim.object.upgrade()
+                && known.id != object.id
+            {
+                if !claim.contested {
+                    tracing::warn!(
+                        "files with different contents claim build-id {build_id}; \
+                         mappings reported by that build-id alone stay unnamed"
+                    );
+                }
+                claim.contested = true;
+            }
+            claim.object = Arc::downgrade(&object);
         }
         object
     }
@@ -842,7 +876,7 @@ impl ProcessTable {
             self.objects
                 .retain(|_, object| Arc::strong_count(object) > 1);
             self.by_build_id
-                .retain(|_, object| object.strong_count() > 0);
+                .retain(|_, claim| claim.object.strong_count() > 0);
         }
     }
 }
@@ -1367,7 +1401,7 @@ mod tests {
         let at = text.start + 0x10;
         match table.lookup(20, at).expect("learned") {
             Some(Location::Object(object)) => {
-                assert_eq!(*object.id, ObjectId::BuildId(build_id));
+                assert_eq!(object.id.build_id(), Some(build_id));
                 assert!(object.elf_vaddr.is_some(), "the bias is known");
                 let opened = object.open().expect("reached through the parent");
                 assert!(opened.path.starts_with(proc.dir.path().join("10/root")));
@@ -1381,5 +1415,60 @@ mod tests {
         let err = table.lookup(21, at).expect_err("not the file mapped");
         assert!(matches!(err, ProcessError::Unidentified { .. }), "{err:?}");
         assert_eq!(table.stats().learned_unidentified, 1);
+    }
+    #[test]
+    fn a_build_id_claimed_by_two_different_files_names_neither_by_itself() {
+        let proc = FakeProc::new();
+        let app = std::env::current_exe().expect("the test binary");
+        let bytes = std::fs::read(&app).expect("reading the binary");
+        // The real file under 10's root, an impostor (the same bytes and
+        // build-id, one more byte at the end) under 11's; 12 has neither.
+        for (pid, extra) in [(10, &[][..]), (11, &[0x90][..])] {
+            let bin = proc.dir.path().join(format!("{pid}/root/bin"));
+            std::fs::create_dir_all(&bin).expect("root");
+            std::fs::write(bin.join("app"), [&bytes[..], extra].concat()).expect("writing");
+        }
+        std::fs::create_dir_all(proc.dir.path().join("12/root")).expect("root");
+        let file = std::fs::File::open(&app).expect("opening the binary");
+        let summary = crate::elf::read_summary(&file).expect("an ELF file");
+        let build_id = summary
+            .build_id
+            .expect("Rust test binaries carry a build-id");
+        let code = *summary
+            .load_segments
+            .iter()
+            .find(|segment| segment.is_executable())
+            .expect("a code segment");
+        let text = Mapping {
+            start: 0x5555_0000_0000 + code.offset - code.offset % PAGE,
+            end: 0x5555_0000_0000 + code.offset + PAGE,
+            offset: code.offset - code.offset % PAGE,
+            path: MappingPath::File {
+                path: "/bin/app".into(),
+                deleted: false,
+            },
+            ..anonymous(0, 0)
+        };
+        let at = text.start + code.offset % PAGE + 0x10;
+        let mut table = proc.table(8, Duration::ZERO);
+        let identity_of = |table: &mut ProcessTable, pid: u32, parent: u32| {
+            table.exec_learned(pid, Some(parent), 100);
+            table.mapped(pid, text.clone(), Some(build_id));
+            match table.lookup(pid, at) {
+                Ok(Some(Location::Object(object))) => Ok(*object.id),
+                Ok(other) => panic!("expected an object, got {other:?}"),
+                Err(err) => Err(err),
+            }
+        };
+        let real = identity_of(&mut table, 20, 10).expect("the real file");
+        // With one file known, a mapping whose file is gone takes its identity.
+        assert_eq!(identity_of(&mut table, 22, 12).ok(), Some(real));
+        // One that is there is read, not taken by its build-id.
+        let impostor = identity_of(&mut table, 21, 11).expect("the impostor");
+        assert_eq!(impostor.build_id(), Some(build_id));
+        assert_ne!(impostor, real);
+        // With two, a mapping known only by the build-id is neither.
+        let err = identity_of(&mut table, 23, 12).expect_err("contested");
+        assert!(matches!(err, ProcessError::Unidentified { .. }), "{err:?}");
     }
 }

@@ -27,7 +27,7 @@ fn rebuilt_library_gets_a_new_build_id() {
     common::build_lib(&v2, 2, "sha1");
 
     let (id1, id2) = (identify(&v1).id, identify(&v2).id);
-    assert!(matches!(id1, ObjectId::BuildId(_)), "{id1:?}");
+    assert!(matches!(id1, ObjectId::BuildId(..)), "{id1:?}");
     assert_ne!(
         id1, id2,
         "a different constant must give a different build-id"
@@ -52,6 +52,23 @@ fn explicit_build_id_is_read_exactly() {
 }
 
 #[test]
+fn a_file_claiming_another_files_build_id_is_another_object() {
+    let dir = tempfile::tempdir().expect("temporary directory");
+    let real = dir.path().join("libreal.so");
+    let impostor = dir.path().join("libimpostor.so");
+    let hex = "00112233445566778899aabbccddeeff00112233";
+    common::build_lib(&real, 1, &format!("0x{hex}"));
+    common::build_lib(&impostor, 2, &format!("0x{hex}"));
+    let (real, impostor) = (identify(&real).id, identify(&impostor).id);
+    // Both claim the build-id, which is what the wire carries...
+    assert_eq!(real.build_id(), impostor.build_id());
+    assert_eq!(real.to_string(), hex);
+    // ...but nothing on the node shares state between them.
+    assert_ne!(real, impostor);
+    assert_ne!(real.unique_name(), impostor.unique_name());
+}
+
+#[test]
 fn copies_share_the_build_id_but_not_the_file_key() {
     let dir = tempfile::tempdir().expect("temporary directory");
     let lib = dir.path().join("lib.so");
@@ -60,6 +77,7 @@ fn copies_share_the_build_id_but_not_the_file_key() {
     std::fs::copy(&lib, &copy).expect("copying the library");
     let (original, copied) = (identify(&lib), identify(&copy));
     assert_eq!(original.id, copied.id, "same contents, same object");
+    assert_eq!(original.id.unique_name(), copied.id.unique_name());
     assert_ne!(original.file_key, copied.file_key, "different inodes");
 }
 

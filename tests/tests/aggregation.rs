@@ -172,7 +172,7 @@ fn build_id(path: &Path) -> String {
         .expect("identifying the fixture")
         .id
     {
-        ObjectId::BuildId(id) => id.to_string(),
+        ObjectId::BuildId(id, _) => id.to_string(),
         other => panic!("{} has no build-id: {other}", path.display()),
     }
 }

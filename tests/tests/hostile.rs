@@ -5,7 +5,8 @@
 //! - a program that replaces itself with a new image every millisecond;
 //! - a program whose stacks are mapped and unmapped while it runs on them;
 //! - a binary whose `.eh_frame` is a chain of entries pointing at each
-//!   other instead of at a CIE, with an `.eh_frame_hdr` claiming 2^31 FDEs;
+//!   other instead of at a CIE, with an `.eh_frame_hdr` claiming 2^31 FDEs,
+//!   and whose build-id is the well-formed program's beside it;
 //! - a container whose program's directory became a symlink loop.
 //!
 //! The agent must stay within its memory bound, keep working (a well-formed
@@ -46,16 +47,16 @@ fn hostile_processes_leave_the_agent_bounded_and_still_naming() {
     let exec_run = exec_loop.start(&[]);
     let remap = Fixture::compile("stack_remap", &[]);
     let remap_run = remap.start(&[]);
-    // Not call_chain, the control's program: the same build gives the same
-    // build-id, and tables are cached by it.
-    let crafted = Fixture::compile("other_chain", &[]);
-    let crafted_path = crafted.dir().join("crafted_chain");
-    std::fs::copy(&crafted.path, &crafted_path).expect("copying other_chain");
+    // A copy of the control's program: the crafted binary claims the
+    // control's build-id, so a table or a name filed under the build-id
+    // alone would go from one to the other.
+    let control = Fixture::compile("call_chain", &[]);
+    let crafted_path = control.dir().join("crafted_chain");
+    std::fs::copy(&control.path, &crafted_path).expect("copying call_chain");
     rewrite_eh_frame(&crafted_path);
     let crafted_run = stackscope_test_fixtures::RunningProcess::start_ready(
         Command::new(&crafted_path).env_clear(),
     );
-    let control = Fixture::compile("call_chain", &[]);
     let control_run = control.start(&[]);
 
     // The container's program runs from /app/dir, which then becomes a
@@ -168,7 +169,9 @@ fn hostile_processes_leave_the_agent_bounded_and_still_naming() {
 
     // Beside all this, a well-formed program unwinds as usual, and is
     // named (what the naming budget of a batch leaves unnamed on a machine
-    // this busy is named in later batches, or by the collector).
+    // this busy is named in later batches, or by the collector), although
+    // the crafted binary claims its build-id: whichever was compiled first,
+    // neither got the other's table.
     let (control_walks, control_roots) = binary_ends(unwinding, "call_chain");
     assert!(
         control_walks > 100 && control_roots * 100 >= control_walks * 95,

@@ -15,7 +15,6 @@ use std::{
 
 use foldhash::{HashMap, HashMapExt as _};
 
-use stackscope_process_table::ObjectId;
 use stackscope_profile::model::unix_nanos;
 use stackscope_proto::v1;
 
@@ -297,10 +296,7 @@ impl BatchBuilder {
         let key = interval_mapping.map(|m| &m.key);
         let (kind, build_id, path) = match key {
             Some(MappingKey::User { id, path }) => {
-                let build_id = match id {
-                    ObjectId::BuildId(build_id) => build_id.to_string(),
-                    ObjectId::FileKey(_) => String::new(),
-                };
+                let build_id = id.build_id().map(|id| id.to_string()).unwrap_or_default();
                 (v1::MappingKind::User, build_id, path.clone())
             }
             Some(MappingKey::Vdso) => (

@@ -595,10 +595,11 @@ fn batches_have_deduplicated_dictionaries_and_indexes_in_range() {
     };
     let mappings: HashSet<(i32, String, String)> = batch.mappings.iter().map(mapping).collect();
     let user = |module: &ModuleFile| {
-        let build_id = match *module.id {
-            ObjectId::BuildId(id) => id.to_string(),
-            ObjectId::FileKey(_) => String::new(),
-        };
+        let build_id = module
+            .id
+            .build_id()
+            .map(|id| id.to_string())
+            .unwrap_or_default();
         (
             v1::MappingKind::User as i32,
             build_id,

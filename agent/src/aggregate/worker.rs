@@ -22,7 +22,6 @@ use std::{
 };
 
 use prost::Message as _;
-use stackscope_process_table::ObjectId;
 use stackscope_proto::v1;
 use tokio::sync::mpsc::{UnboundedReceiver, unbounded_channel};
 
@@ -226,11 +225,11 @@ fn offer_binaries(interval: &Interval, uploads: &UploadQueue) {
         let (MappingKey::User { id, path }, Some(object)) = (&mapping.key, &mapping.file) else {
             continue;
         };
-        let ObjectId::BuildId(build_id) = id else {
+        let Some(build_id) = id.build_id() else {
             continue;
         };
         uploads.offer(
-            *build_id,
+            build_id,
             || object.open_now().ok().and_then(|f| f.try_clone().ok()),
             path,
         );

@@ -2,8 +2,8 @@
 //! threads, fed through a bounded queue, backed by an on-disk cache so a
 //! restarted agent does not compile again.
 //!
-//! The cache holds one file per object, named by its identity (build-id or
-//! file key) and written atomically (temporary file, then rename); the
+//! The cache holds one file per object, named by its identity (build-id and
+//! content digest, or file key) and written atomically (temporary file, then rename); the
 //! temporary files of an agent killed mid-write are removed at the next
 //! start. The file format is `stackscope-unwind`'s: versioned and
 //! checksummed, so a corrupt, cut short or outdated file is compiled again
@@ -103,9 +103,11 @@ impl Compiler {
     }
 }
 
-/// The cache file of `id` in `dir`.
+/// The cache file of `id` in `dir`: by the build-id and the digest of the
+/// file's contents, so a table compiled from a file that claimed another's
+/// build-id is never read back for that other file, even after a restart.
 fn cache_path(dir: &Path, id: &ObjectId) -> PathBuf {
-    dir.join(format!("{id}.table"))
+    dir.join(format!("{}.table", id.unique_name()))
 }
 
 fn compile(object: &MappedObject, disk_cache: Option<&DiskCache>) -> Compiled {
