@@ -828,18 +828,22 @@ impl Symbolizer {
     }
 
     /// The separate debug file of a binary that carries only dynamic
-    /// symbols, under the root of the process that maps it, then the
-    /// host's (see [`debug_files`]).
+    /// symbols, under the host's root, then under the root of the process
+    /// that maps it (see [`debug_files`]).
+    ///
+    /// The host's first: names are cached per object, for every process
+    /// that maps the same file, and any container can put a debug file
+    /// that claims a build-id under its own root. The host's, where it has
+    /// one, is then the one all of them are named from.
     fn local_debug_file(&self, object: &ObjectFile, file: &File) -> Option<File> {
         let source = debug_files::name_source(file)?;
         let build_id = object.id.build_id().map(|id| id.to_string());
-        let mut roots = Vec::with_capacity(2);
+        let mut roots = vec![self.config.host_root.clone()];
         let mut path = None;
         if let Some(region) = &object.region {
             roots.push(PathBuf::from(format!("/proc/{}/root", region.tgid)));
             path = region.mapping.path.file_path();
         }
-        roots.push(self.config.host_root.clone());
         debug_files::find_debug_file(&roots, build_id.as_deref(), path, &source)
     }
 

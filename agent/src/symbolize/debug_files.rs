@@ -2,10 +2,10 @@
 //! build-id under `usr/lib/debug/.build-id/` (Debian's `-dbg` and `-dbgsym`
 //! packages), then through its `.gnu_debuglink` (next to the binary, in its
 //! `.debug/` directory, and under `usr/lib/debug/`), each first under the
-//! root of the process that maps it (a container's own packages) and then
-//! under the host's. A file found by build-id must carry that build-id, one
-//! found by debug link the CRC the link records: a debug file of another
-//! build never names a frame.
+//! host's root and then under the root of the process that maps it (a
+//! container's own packages). A file found by build-id must carry that
+//! build-id, one found by debug link the CRC the link records: a debug file
+//! of another build never names a frame.
 //!
 //! A binary that names itself (`.symtab` or DWARF) needs none, and one with
 //! MiniDebugInfo (`.gnu_debugdata`) is read by blazesym itself.
