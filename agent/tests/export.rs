@@ -256,6 +256,14 @@ fn id_of(batch: &Batch) -> u8 {
 
 /// A batch whose id is `[n; 16]`, with every kind of table filled, and the
 /// same encoded size for every `n` below 100.
+/// What batch `n` takes in the queue: its push request, encoded.
+fn request_len(n: u8) -> usize {
+    PushRequest {
+        batch: Some(batch(n)),
+    }
+    .encoded_len()
+}
+
 fn batch(n: u8) -> Batch {
     let base = 1_700_000_000_000_000_000i64 + i64::from(n) * 10_000_000_000;
     Batch {
@@ -502,7 +510,7 @@ async fn rejected_batch_is_dropped_and_the_next_delivered() {
 #[tokio::test]
 async fn full_queue_drops_the_oldest_while_the_collector_is_down() {
     let addr = refused_addr().await;
-    let size = batch(0).encoded_len();
+    let size = request_len(0);
     let exporter = Exporter::start(ExportConfig {
         max_queue_bytes: 3 * size + size / 2,
         ..config(format!("http://{addr}"))
@@ -546,7 +554,7 @@ async fn full_queue_drops_the_oldest_while_the_collector_is_down() {
 #[tokio::test]
 async fn queue_stays_bounded_while_batches_keep_coming() {
     let addr = refused_addr().await;
-    let size = batch(0).encoded_len();
+    let size = request_len(0);
     let max = 2 * size;
     let exporter = Exporter::start(ExportConfig {
         max_queue_bytes: max,
@@ -576,7 +584,7 @@ async fn queue_stays_bounded_while_batches_keep_coming() {
 #[tokio::test]
 async fn a_batch_larger_than_the_whole_queue_is_dropped() {
     let server = TestServer::start(ServerOptions::default()).await;
-    let size = batch(0).encoded_len();
+    let size = request_len(0);
     let exporter = Exporter::start(ExportConfig {
         max_queue_bytes: size - 1,
         ..config(server.http())
@@ -715,7 +723,7 @@ async fn shutdown_gives_up_at_the_deadline_when_the_collector_never_answers() {
     assert!(elapsed < ms(2300), "{elapsed:?}");
     assert_eq!(stats.batches_sent, 0);
     assert_eq!(stats.queued_batches, 1, "the batch on the wire is unsent");
-    assert_eq!(stats.queued_bytes, batch(0).encoded_len() as u64);
+    assert_eq!(stats.queued_bytes, request_len(0) as u64);
     drop(silent);
 }
 

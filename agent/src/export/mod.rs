@@ -21,6 +21,7 @@
 //! that is down when the agent starts only delays delivery.
 
 pub mod debuginfo;
+mod push;
 mod queue;
 mod retry;
 
@@ -31,7 +32,8 @@ use std::{
     time::{Duration, Instant},
 };
 
-use stackscope_proto::v1::{Batch, PushRequest, PushResponse, ingest_client::IngestClient};
+use prost::bytes::Bytes;
+use stackscope_proto::v1::{Batch, PushResponse};
 use tokio::{
     sync::{Notify, watch},
     task::JoinHandle,
@@ -40,11 +42,12 @@ use tonic::{
     Request, Status,
     codec::CompressionEncoding,
     metadata::{Ascii, MetadataValue},
-    transport::{Certificate, Channel, ClientTlsConfig, Endpoint, Identity, Uri},
+    transport::{Certificate, ClientTlsConfig, Endpoint, Identity, Uri},
 };
 use tracing::{debug, error, info, warn};
 
 use self::{
+    push::IngestPusher,
     queue::{Evicted, Pending, Queue},
     retry::{Backoff, LogLimiter, is_retryable, pushback},
 };
@@ -308,10 +311,7 @@ impl Exporter {
         let runtime = tokio::runtime::Handle::try_current().map_err(|_| ExportError::NoRuntime)?;
         let _entered = runtime.enter();
 
-        let mut client = IngestClient::new(endpoint.connect_lazy());
-        if let Some(encoding) = config.compression.encoding() {
-            client = client.send_compressed(encoding);
-        }
+        let client = IngestPusher::new(endpoint.connect_lazy(), config.compression.encoding());
         let shared = Arc::new(Shared {
             state: Mutex::new(State {
                 queue: Queue::new(config.max_queue_bytes),
@@ -579,14 +579,14 @@ impl Shared {
 /// finds the queue empty.
 async fn deliver(
     shared: Arc<Shared>,
-    mut client: IngestClient<Channel>,
+    mut client: IngestPusher,
     settings: Settings,
     mut closing: watch::Receiver<bool>,
 ) {
     let mut backoff = Backoff::new(settings.initial_backoff, settings.max_backoff);
     let mut failing = false;
     while let Some(mut pending) = next_batch(&shared, &mut closing).await {
-        match push(&mut client, &pending.batch, &settings).await {
+        match push(&mut client, &pending.request, &settings).await {
             Ok(response) => {
                 backoff.reset();
                 if std::mem::take(&mut failing) {
@@ -647,14 +647,13 @@ async fn wait_before_retry(
 }
 
 async fn push(
-    client: &mut IngestClient<Channel>,
-    batch: &Batch,
+    client: &mut IngestPusher,
+    request: &Bytes,
     settings: &Settings,
 ) -> Result<PushResponse, Status> {
-    // A clone per attempt: the original stays queued for a retry.
-    let mut request = Request::new(PushRequest {
-        batch: Some(batch.clone()),
-    });
+    // A reference-counted handle per attempt: the bytes stay queued for a
+    // retry.
+    let mut request = Request::new(request.clone());
     // Lets the collector give up on its side too.
     request.set_timeout(settings.request_timeout);
     if let Some(authorization) = &settings.authorization {

@@ -7,16 +7,17 @@
 
 use std::collections::VecDeque;
 
-use prost::Message;
+use prost::bytes::Bytes;
 use stackscope_proto::v1::Batch;
 
-/// One batch waiting to be sent, with the sizes the bound and the statistics
-/// need, computed once when it is enqueued.
+/// One batch waiting to be sent, encoded, with the sizes the bound and the
+/// statistics need, computed once when it is enqueued.
 #[derive(Debug)]
 pub(super) struct Pending {
-    pub batch: Batch,
-    /// `prost::Message::encoded_len`: the uncompressed size on the wire, a
-    /// close stand-in for the memory the decoded batch holds.
+    /// The push request carrying the batch (see [`super::push`]).
+    pub request: Bytes,
+    /// The request's size: what it holds in memory, and what goes on the
+    /// wire before compression.
     pub bytes: usize,
     /// Ticks the batch carries (the sum of `Sample.count`).
     pub samples: u64,
@@ -26,14 +27,14 @@ pub(super) struct Pending {
 
 impl Pending {
     pub fn new(batch: Batch) -> Self {
-        let bytes = batch.encoded_len();
         let samples = batch
             .samples
             .iter()
             .fold(0u64, |total, sample| total.saturating_add(sample.count));
+        let request = super::push::encode(batch);
         Self {
-            batch,
-            bytes,
+            bytes: request.len(),
+            request,
             samples,
             failed_attempts: 0,
         }
@@ -151,7 +152,8 @@ impl Queue {
 
 #[cfg(test)]
 mod tests {
-    use stackscope_proto::v1::Sample;
+    use prost::Message as _;
+    use stackscope_proto::v1::{PushRequest, Sample};
 
     use super::*;
 
@@ -170,14 +172,26 @@ mod tests {
 
     fn ids(queue: &mut Queue) -> Vec<u8> {
         std::iter::from_fn(|| queue.pop_front())
-            .map(|p| p.batch.batch_id[0])
+            .map(|p| batch_of(&p).batch_id[0])
             .collect()
+    }
+
+    fn batch_of(pending: &Pending) -> Batch {
+        PushRequest::decode(pending.request.clone())
+            .expect("a push request")
+            .batch
+            .expect("with its batch")
     }
 
     #[test]
     fn pending_measures_encoded_size_and_ticks() {
         let p = pending(1, 7);
-        assert_eq!(p.bytes, p.batch.encoded_len());
+        assert_eq!(p.bytes, p.request.len());
+        assert_eq!(
+            batch_of(&p).encoded_len() + 2,
+            p.bytes,
+            "tag, length, batch"
+        );
         assert_eq!(p.samples, 7);
     }
 
@@ -232,7 +246,7 @@ mod tests {
         queue.push_back(pending(0, 1)).unwrap();
         let big = Pending::new(Batch {
             strings: vec!["x".repeat(size)],
-            samples: pending(1, 5).batch.samples,
+            samples: batch_of(&pending(1, 5)).samples,
             ..Batch::default()
         });
         let big_bytes = big.bytes;
