@@ -15,6 +15,9 @@
 //! (caches, per-process maps, queues) their metrics endpoints publish.
 //! Growth that a bounded cache accounts for is reported as such: anonymous
 //! memory filled by SQLite's page caches, files opened by the symbolizer.
+//! The heap's breakdown (glibc's bytes in use and free, SQLite's own, the
+//! collector's in use less SQLite's) is shown beside the resident memory
+//! to explain it, and is not judged itself.
 //! It prints one row per series with values at evenly spaced times, the
 //! series' bound, and the slope of a least-squares fit over the second half
 //! (the first is warm-up). It fails when a series
@@ -374,6 +377,9 @@ enum Kind {
     Bytes,
     /// Resident file pages: reported, not judged.
     FileBytes,
+    /// What the heap holds, split (in use, free, SQLite's): reported to
+    /// explain the resident memory, which is what is judged.
+    HeapBytes,
     Files,
 }
 
@@ -383,14 +389,16 @@ impl Kind {
     fn floor(self) -> f64 {
         match self {
             Kind::Entries => 64.0,
-            Kind::Bytes | Kind::FileBytes => 4.0 * 1024.0 * 1024.0,
+            Kind::Bytes | Kind::FileBytes | Kind::HeapBytes => 4.0 * 1024.0 * 1024.0,
             Kind::Files => 8.0,
         }
     }
 
     fn show(self, value: f64) -> String {
         match self {
-            Kind::Bytes | Kind::FileBytes => format!("{:.1}M", value / (1024.0 * 1024.0)),
+            Kind::Bytes | Kind::FileBytes | Kind::HeapBytes => {
+                format!("{:.1}M", value / (1024.0 * 1024.0))
+            }
             _ => format!("{value:.0}"),
         }
     }
@@ -464,7 +472,7 @@ impl Series {
         ) {
             self.point(
                 format!("{who} heap in use less sqlite"),
-                Kind::Bytes,
+                Kind::HeapBytes,
                 at,
                 in_use - sqlite,
             );
@@ -519,7 +527,7 @@ impl Series {
                 && let Ok(value) = value.parse::<f64>()
             {
                 let use_ = use_.replace('_', " ");
-                self.point(format!("{who} heap {use_}"), Kind::Bytes, at, value);
+                self.point(format!("{who} heap {use_}"), Kind::HeapBytes, at, value);
                 continue;
             }
             let Some(rest) = line.strip_prefix(&prefix) else {
@@ -543,6 +551,10 @@ impl Series {
             };
             match family {
                 "state_entries" => self.point(format!("{who} {state}"), Kind::Entries, at, value),
+                // SQLite's whole heap, page caches included: a breakdown.
+                "state_bytes" if state == "sqlite_memory" => {
+                    self.point(format!("{who} {state} bytes"), Kind::HeapBytes, at, value);
+                }
                 "state_bytes" => self.point(format!("{who} {state} bytes"), Kind::Bytes, at, value),
                 "state_max_entries" => self.bound(format!("{who} {state}"), value),
                 "state_max_bytes" => self.bound(format!("{who} {state} bytes"), value),
@@ -671,8 +683,10 @@ impl Track {
         let Some(slope) = self.second_half_slope(minutes) else {
             return ("too few samples".into(), false);
         };
-        if self.kind == Kind::FileBytes {
-            return ("(page cache: not judged)".into(), false);
+        match self.kind {
+            Kind::FileBytes => return ("(page cache: not judged)".into(), false),
+            Kind::HeapBytes => return ("(heap breakdown: not judged)".into(), false),
+            _ => {}
         }
         let mean = points.iter().map(|p| p.1).sum::<f64>() / points.len() as f64;
         let growth = slope * minutes / 2.0;
@@ -902,6 +916,17 @@ mod tests {
             series.0["collector rss anon less page caches"].points,
             [(1.0, 40e6)]
         );
+    }
+
+    #[test]
+    fn the_heap_breakdown_is_shown_not_judged() {
+        let filling = track(Kind::HeapBytes, None, |t| 10e6 + t * 2e6);
+        let (verdict, failed) = filling.verdict(10.0, false);
+        assert!(!failed, "{verdict}");
+        assert_eq!(verdict, "(heap breakdown: not judged)");
+        // The same growth as resident memory fails.
+        let resident = track(Kind::Bytes, None, |t| 10e6 + t * 2e6);
+        assert!(resident.verdict(10.0, false).1);
     }
 
     #[test]
