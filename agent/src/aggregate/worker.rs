@@ -93,6 +93,8 @@ impl BatchWorker {
                 lock(&stats).symbolize = symbolizer.stats();
                 publish_state(&symbolizer);
                 for interval in waiting {
+                    // The last interval's tables and batch are freed by now.
+                    release_free_heap();
                     if interval.samples.is_empty() {
                         lock(&stats).intervals_empty += 1;
                         continue;
@@ -216,6 +218,20 @@ impl Drop for BatchWorker {
 
 fn lock(stats: &Mutex<WorkerStats>) -> std::sync::MutexGuard<'_, WorkerStats> {
     stats.lock().unwrap_or_else(PoisonError::into_inner)
+}
+
+/// Hands the free pages of the heap back to the kernel. Each interval
+/// allocates and frees tens of MB (its tables, its batch), and glibc keeps
+/// what was freed in its arenas: measured in an hour's soak, 43 MB free
+/// beside 38 MB in use, all of it resident. Once per interval, off the run
+/// loop, it costs a few milliseconds.
+fn release_free_heap() {
+    #[cfg(all(target_os = "linux", target_env = "gnu"))]
+    // SAFETY: malloc_trim takes no pointer and only reorganises the
+    // allocator's own free lists.
+    unsafe {
+        libc::malloc_trim(0);
+    }
 }
 
 /// Offers the interval's binaries with a build-id for upload (each once:
