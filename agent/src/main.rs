@@ -562,6 +562,8 @@ fn json_report(
             "mappings_learned": summary.process_table.mappings_learned,
             "learned_unidentified": summary.process_table.learned_unidentified,
             "answered_after_exit": summary.process_table.answered_after_exit,
+            "objects_identified": summary.process_table.objects_identified,
+            "build_ids_unverified": summary.process_table.build_ids_unverified,
         },
         "batches": {
             "built": summary.batches.batches_built,

@@ -138,7 +138,7 @@ pub struct SymbolizerConfig {
     /// Name frames of files with a build-id on the node; off, they ship
     /// unnamed and the collector names them from debuginfo.
     pub name_files: bool,
-    /// The host's root, searched after a process's own root for separate
+    /// The host's root, searched before a process's own root for separate
     /// debug files (`usr/lib/debug/...`).
     pub host_root: PathBuf,
 }
@@ -455,7 +455,7 @@ impl Symbolizer {
     /// Names `offsets` (file offsets, each at the byte to look up) of
     /// `object`; the result is index for index with `offsets`.
     pub fn user(&mut self, object: &Arc<ObjectFile>, offsets: &[u64]) -> Vec<Lines> {
-        if !self.config.name_files && matches!(object.id, ObjectId::BuildId(..)) {
+        if !self.config.name_files && object.id.build_id().is_some() {
             self.stats.left_to_collector += offsets.len() as u64;
             return offsets.iter().map(|_| Lines::from([])).collect();
         }
@@ -889,11 +889,11 @@ fn new_blazesym() -> blaze::Symbolizer {
         // Paths are /proc/self/fd links that name one file for as long as
         // they are registered: no need to stat them on every call.
         .enable_auto_reload(false)
-        // The agent finds separate debug files itself, under the sampled
-        // process's root first (see `debug_files`): blazesym's own search of
-        // the host's /usr/lib/debug would repeat the host half of it for
-        // every binary without one, and would give a container's binary
-        // a host file.
+        // The agent finds separate debug files itself, under the host's
+        // root and then the sampled process's (see `debug_files`): blazesym's
+        // own search of the host's /usr/lib/debug would repeat the host half
+        // of it for every binary without one, and would not check the file
+        // against the binary's build-id or debug link.
         .set_debug_dirs(Some::<[&Path; 0]>([]))
         .enable_code_info(true)
         .enable_inlined_fns(true)

@@ -254,8 +254,6 @@ fn id_of(batch: &Batch) -> u8 {
     batch.batch_id[0]
 }
 
-/// A batch whose id is `[n; 16]`, with every kind of table filled, and the
-/// same encoded size for every `n` below 100.
 /// What batch `n` takes in the queue: its push request, encoded.
 fn request_len(n: u8) -> usize {
     PushRequest {
@@ -264,6 +262,8 @@ fn request_len(n: u8) -> usize {
     .encoded_len()
 }
 
+/// A batch whose id is `[n; 16]`, with every kind of table filled, and the
+/// same encoded size for every `n` below 100.
 fn batch(n: u8) -> Batch {
     let base = 1_700_000_000_000_000_000i64 + i64::from(n) * 10_000_000_000;
     Batch {

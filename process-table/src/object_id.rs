@@ -30,6 +30,7 @@ use std::{
     fs::{File, Metadata},
     io,
     os::unix::fs::{FileExt as _, MetadataExt as _},
+    time::Instant,
 };
 
 use sha2::{Digest as _, Sha256};
@@ -97,9 +98,9 @@ pub struct ContentDigest([u8; 16]);
 impl ContentDigest {
     /// Files larger than this are not digested: a hostile process must not
     /// be able to make the agent read gigabytes per file it maps. Such a
-    /// file is identified by its [`FileKey`] instead, like one without a
-    /// build-id. The largest libraries in common use (LLVM, the Rust
-    /// compiler's driver, CUDA kernels) are well under it.
+    /// file is identified by its [`FileKey`] instead
+    /// ([`ObjectId::UnverifiedBuildId`]). The largest libraries in common
+    /// use (LLVM, the Rust compiler's driver) are well under it.
     pub const MAX_FILE_BYTES: u64 = 1 << 30;
 
     /// Digests `file` (`len` bytes) from its start; `None` when it is larger
@@ -202,8 +203,12 @@ pub enum ObjectId {
     /// for every copy of the same file, and only for those (see the module
     /// documentation).
     BuildId(BuildId, ContentDigest),
-    /// The file has no build-id (or is not ELF, or is too large to digest):
-    /// this version of this file.
+    /// The file claims a build-id but was not digested (it is larger than
+    /// [`ContentDigest::MAX_FILE_BYTES`], or the [`DigestBudget`] was
+    /// spent): this version of this file, as for [`Self::FileKey`], with
+    /// the build-id kept for the collector.
+    UnverifiedBuildId(BuildId, FileKey),
+    /// The file has no build-id (or is not ELF): this version of this file.
     FileKey(FileKey),
 }
 
@@ -212,7 +217,7 @@ impl ObjectId {
     /// by; `None` for a [`FileKey`] identity.
     pub fn build_id(&self) -> Option<BuildId> {
         match self {
-            Self::BuildId(id, _) => Some(*id),
+            Self::BuildId(id, _) | Self::UnverifiedBuildId(id, _) => Some(*id),
             Self::FileKey(_) => None,
         }
     }
@@ -224,6 +229,7 @@ impl ObjectId {
     pub fn unique_name(&self) -> String {
         match self {
             Self::BuildId(id, digest) => format!("{id}-{digest}"),
+            Self::UnverifiedBuildId(id, key) => format!("{id}-{key}"),
             Self::FileKey(key) => key.to_string(),
         }
     }
@@ -232,7 +238,7 @@ impl ObjectId {
 impl fmt::Display for ObjectId {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         match self {
-            Self::BuildId(id, _) => id.fmt(f),
+            Self::BuildId(id, _) | Self::UnverifiedBuildId(id, _) => id.fmt(f),
             Self::FileKey(key) => key.fmt(f),
         }
     }
@@ -263,21 +269,90 @@ pub enum IdentityError {
     Digest(#[source] io::Error),
 }
 
+/// How many bytes may be digested, refilled over time: what a process
+/// that maps ever new large files (new copies, new inodes) can make the
+/// agent read. Past it, files with a build-id are identified without a
+/// digest ([`ObjectId::UnverifiedBuildId`]): correct, only not shared.
+#[derive(Debug, Clone)]
+pub struct DigestBudget {
+    available: u64,
+    capacity: u64,
+    per_second: u64,
+    refilled_at: Instant,
+}
+
+impl DigestBudget {
+    /// `capacity` bytes at once (a start-up among many libraries), then
+    /// `per_second` on average.
+    pub fn new(capacity: u64, per_second: u64) -> Self {
+        Self {
+            available: capacity,
+            capacity,
+            per_second,
+            refilled_at: Instant::now(),
+        }
+    }
+
+    /// No limit: for tools and tests that identify a file or two.
+    pub fn unlimited() -> Self {
+        Self::new(u64::MAX, 0)
+    }
+
+    /// Takes `bytes` if they are available.
+    fn take(&mut self, bytes: u64) -> bool {
+        let now = Instant::now();
+        let refill = now.duration_since(self.refilled_at).as_secs_f64() * self.per_second as f64;
+        if refill >= 1.0 {
+            self.available = self
+                .available
+                .saturating_add(refill as u64)
+                .min(self.capacity);
+            self.refilled_at = now;
+        }
+        let taken = bytes <= self.available;
+        if taken {
+            self.available -= bytes;
+        }
+        taken
+    }
+}
+
+impl Default for DigestBudget {
+    /// 1 GiB at once, then 128 MiB a second: a few percent of a core.
+    fn default() -> Self {
+        Self::new(1 << 30, 128 << 20)
+    }
+}
+
 /// Identifies an open file whose `metadata` was taken from the same file
-/// descriptor (so the key and the contents belong to the same version).
+/// descriptor (so the key and the contents belong to the same version),
+/// digesting it without a limit.
 pub fn identify(file: &File, metadata: &Metadata) -> Result<Identity, IdentityError> {
+    identify_within(file, metadata, &mut DigestBudget::unlimited())
+}
+
+/// [`identify`], digesting only within `budget`.
+pub fn identify_within(
+    file: &File,
+    metadata: &Metadata,
+    budget: &mut DigestBudget,
+) -> Result<Identity, IdentityError> {
     let file_key = FileKey::from_metadata(metadata);
     match elf::read_summary(file) {
         Ok(summary) => {
             let digest = match summary.build_id {
-                Some(_) => {
+                Some(_)
+                    if metadata.size() <= ContentDigest::MAX_FILE_BYTES
+                        && budget.take(metadata.size()) =>
+                {
                     ContentDigest::of_file(file, metadata.size()).map_err(IdentityError::Digest)?
                 }
-                None => None,
+                _ => None,
             };
             let id = match (summary.build_id, digest) {
                 (Some(build_id), Some(digest)) => ObjectId::BuildId(build_id, digest),
-                _ => ObjectId::FileKey(file_key),
+                (Some(build_id), None) => ObjectId::UnverifiedBuildId(build_id, file_key),
+                (None, _) => ObjectId::FileKey(file_key),
             };
             Ok(Identity {
                 id,
@@ -346,7 +421,7 @@ mod tests {
         // Held in an Arc per object and compared on every cache lookup:
         // keep it within two cache lines.
         assert!(
-            std::mem::size_of::<ObjectId>() <= 88,
+            std::mem::size_of::<ObjectId>() <= 128,
             "{}",
             std::mem::size_of::<ObjectId>()
         );

@@ -36,7 +36,7 @@ use thiserror::Error;
 use crate::{
     elf::LoadSegment,
     maps::{self, Mapping, MappingPath, MapsError},
-    object_id::{self, BuildId, FileKey, IdentityError, ObjectId},
+    object_id::{self, BuildId, DigestBudget, FileKey, IdentityError, ObjectId},
     open::{self, OpenError, OpenedFile},
 };
 
@@ -100,6 +100,9 @@ pub struct TableStats {
     pub rereads_rate_limited: u64,
     /// Files opened and identified (object cache misses).
     pub objects_identified: u64,
+    /// Of those, files claiming a build-id that were not digested (too
+    /// large, or the digest budget was spent): not shared with copies.
+    pub build_ids_unverified: u64,
     /// Mappings whose file was found in the object cache.
     pub object_cache_hits: u64,
     /// Processes dropped to stay within `max_processes`.
@@ -363,6 +366,8 @@ pub struct ProcessTable {
     /// The same identities by build-id, for mappings learned from events
     /// (whose file may be gone by the time they are read).
     by_build_id: HashMap<BuildId, BuildIdClaim>,
+    /// Bounds the reading that identifying new files costs.
+    digests: DigestBudget,
     /// Parents of processes forked from untracked ones, until they exec
     /// (bounded by `max_processes`).
     fork_parents: HashMap<u32, u32>,
@@ -389,6 +394,7 @@ impl ProcessTable {
             tick: 0,
             objects: HashMap::new(),
             by_build_id: HashMap::new(),
+            digests: DigestBudget::default(),
             fork_parents: HashMap::new(),
             stats: TableStats::default(),
         }
@@ -603,7 +609,8 @@ impl ProcessTable {
             return Ok(Arc::clone(object));
         }
         let identity =
-            object_id::identify(&opened.file, &opened.metadata).map_err(MappingError::Identify)?;
+            object_id::identify_within(&opened.file, &opened.metadata, &mut self.digests)
+                .map_err(MappingError::Identify)?;
         if let Some(expected) = build_id
             && identity.id.build_id() != Some(expected)
         {
@@ -615,6 +622,9 @@ impl ProcessTable {
     /// Caches a newly read identity by file version and build-id.
     fn remember(&mut self, identity: object_id::Identity) -> Arc<CachedObject> {
         self.stats.objects_identified += 1;
+        if matches!(identity.id, ObjectId::UnverifiedBuildId(..)) {
+            self.stats.build_ids_unverified += 1;
+        }
         let object = Arc::new(CachedObject {
             id: Arc::new(identity.id),
             load_segments: identity.load_segments,
@@ -857,7 +867,8 @@ impl ProcessTable {
         // Key by the opened file's own metadata: the file may have been
         // rewritten between the stat and the open.
         let identity =
-            object_id::identify(&opened.file, &opened.metadata).map_err(MappingError::Identify)?;
+            object_id::identify_within(&opened.file, &opened.metadata, &mut self.digests)
+                .map_err(MappingError::Identify)?;
         Ok(self.remember(identity))
     }
 

@@ -9,7 +9,7 @@ use std::{fs::File, os::unix::fs::MetadataExt as _, path::Path, time::Duration};
 
 use stackscope_process_table::{
     FileKey, ObjectId, elf,
-    object_id::{self, Identity},
+    object_id::{self, DigestBudget, Identity},
 };
 
 fn identify(path: &Path) -> Identity {
@@ -66,6 +66,36 @@ fn a_file_claiming_another_files_build_id_is_another_object() {
     // ...but nothing on the node shares state between them.
     assert_ne!(real, impostor);
     assert_ne!(real.unique_name(), impostor.unique_name());
+}
+
+#[test]
+fn past_the_digest_budget_a_build_id_is_kept_but_not_shared() {
+    let dir = tempfile::tempdir().expect("temporary directory");
+    let lib = dir.path().join("lib.so");
+    let copy = dir.path().join("copy.so");
+    common::build_lib(&lib, 1, "sha1");
+    std::fs::copy(&lib, &copy).expect("copying the library");
+    let size = std::fs::metadata(&lib).expect("stat").len();
+    // Room for one file, never refilled.
+    let mut budget = DigestBudget::new(size, 0);
+    let identify_within = |path: &Path, budget: &mut DigestBudget| {
+        let file = File::open(path).expect("opening");
+        let metadata = file.metadata().expect("fstat");
+        object_id::identify_within(&file, &metadata, budget).expect("identifying")
+    };
+    let digested = identify_within(&lib, &mut budget).id;
+    let unverified = identify_within(&copy, &mut budget);
+    assert!(matches!(digested, ObjectId::BuildId(..)), "{digested:?}");
+    assert_eq!(
+        unverified.id,
+        ObjectId::UnverifiedBuildId(
+            digested.build_id().expect("a build-id"),
+            unverified.file_key
+        )
+    );
+    // The collector still knows it by its build-id; the node shares nothing.
+    assert_eq!(unverified.id.to_string(), digested.to_string());
+    assert_ne!(unverified.id.unique_name(), digested.unique_name());
 }
 
 #[test]

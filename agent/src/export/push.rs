@@ -105,8 +105,11 @@ impl Decoder for PushCodec {
 mod tests {
     use super::*;
 
+    /// What goes on the wire is shown by the exporter's tests against a
+    /// real tonic server (`agent/tests/export.rs`), compression included;
+    /// this one, that the queued bytes are a whole request.
     #[test]
-    fn the_encoded_request_is_the_generated_message() {
+    fn queued_bytes_decode_as_the_request_with_its_batch() {
         let batch = Batch {
             batch_id: vec![7; 16],
             strings: vec![String::new(), "main".into()],
