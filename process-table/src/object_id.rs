@@ -33,7 +33,6 @@ use std::{
     time::Instant,
 };
 
-use sha2::{Digest as _, Sha256};
 use thiserror::Error;
 
 use crate::elf::{self, ElfError, LoadSegment};
@@ -89,9 +88,11 @@ impl fmt::Debug for BuildId {
     }
 }
 
-/// The first 128 bits of the SHA-256 of a whole file: equal digests are
-/// equal contents, even for files crafted to collide (finding a second file
-/// with a given digest takes 2^128 work, two colliding files 2^64).
+/// The first 128 bits of the BLAKE3 hash of a whole file: equal digests
+/// are equal contents. Making a file with the digest of a given one (the
+/// library it would pass for) takes 2^128 work. BLAKE3 rather than SHA-256:
+/// 2.3 times as fast here (981 against 386 MB/s on a 146 MB library, both
+/// CPUs busy), and files are digested on the sampling loop's thread.
 #[derive(Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub struct ContentDigest([u8; 16]);
 
@@ -120,7 +121,7 @@ impl ContentDigest {
         if len > Self::MAX_FILE_BYTES {
             return Ok(None);
         }
-        let mut hasher = Sha256::new();
+        let mut hasher = blake3::Hasher::new();
         let mut buffer = vec![0u8; 256 << 10];
         let mut at = 0u64;
         loop {
@@ -140,7 +141,7 @@ impl ContentDigest {
         }
         let digest = hasher.finalize();
         let mut bytes = [0u8; 16];
-        bytes.copy_from_slice(&digest[..16]);
+        bytes.copy_from_slice(&digest.as_bytes()[..16]);
         Ok(Some(Self(bytes)))
     }
 
@@ -330,9 +331,11 @@ impl DigestBudget {
 }
 
 impl Default for DigestBudget {
-    /// 1 GiB at once, then 128 MiB a second: a few percent of a core.
+    /// 256 MiB at once (a compiler's libraries: a quarter of a second of
+    /// the sampling loop at start), then 64 MiB a second (under 10% of a
+    /// core at the rate measured for [`ContentDigest`]).
     fn default() -> Self {
-        Self::new(1 << 30, 128 << 20)
+        Self::new(256 << 20, 64 << 20)
     }
 }
 
