@@ -107,17 +107,6 @@ impl ContentDigest {
     /// Digests `file` (`len` bytes) from its start; `None` when it is larger
     /// than [`Self::MAX_FILE_BYTES`].
     pub fn of_file(file: &File, len: u64) -> io::Result<Option<Self>> {
-        Self::of_file_visiting(file, len, |_, _| {})
-    }
-
-    /// [`Self::of_file`], handing `visit` each piece read with its offset:
-    /// what a reader keeps of it is then exactly what was digested, even
-    /// if the file is rewritten meanwhile.
-    pub fn of_file_visiting(
-        file: &File,
-        len: u64,
-        mut visit: impl FnMut(u64, &[u8]),
-    ) -> io::Result<Option<Self>> {
         if len > Self::MAX_FILE_BYTES {
             return Ok(None);
         }
@@ -132,7 +121,6 @@ impl ContentDigest {
                 break;
             }
             hasher.update(&buffer[..read]);
-            visit(at, &buffer[..read]);
             at += read as u64;
             if at > Self::MAX_FILE_BYTES {
                 // It grew past the limit while being read.

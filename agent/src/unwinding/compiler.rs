@@ -22,8 +22,6 @@ use std::{
 use stackscope_process_table::{MappedObject, ObjectId};
 use stackscope_unwind::{TableError, UnwindTable};
 
-use super::cfi_image::{self, CfiImage};
-
 /// Objects queued for compilation at most; beyond, the request is refused
 /// and retried with a later sample.
 const COMPILE_QUEUE: usize = 256;
@@ -143,35 +141,18 @@ fn compile(object: &MappedObject, disk_cache: Option<&DiskCache>) -> Compiled {
             return Compiled::Unreadable;
         }
     };
-    let compiled = match *object.id {
-        // Shared with every identical file: compiled from the bytes that
-        // were digested (see `cfi_image`).
-        ObjectId::BuildId(_, digest) => {
-            match cfi_image::read(&opened.file, opened.metadata.len(), digest) {
-                CfiImage::Verified(image) => UnwindTable::from_elf(&image),
-                CfiImage::NotElf64 => return Compiled::NoCfi,
-                CfiImage::Unverified => {
-                    tracing::debug!("{} changed since it was identified", object.path());
-                    return Compiled::Unreadable;
-                }
-            }
-        }
-        // This file's alone.
-        ObjectId::UnverifiedBuildId(..) | ObjectId::FileKey(_) => {
-            // SAFETY: a read-only private mapping read only here. A file
-            // truncated underneath it could fault (SIGBUS), the accepted
-            // risk of every mmap-based ELF reader: files mapped by running
-            // processes are not truncated in practice.
-            match unsafe { memmap2::Mmap::map(&opened.file) } {
-                Ok(bytes) => UnwindTable::from_elf(&bytes),
-                Err(err) => {
-                    tracing::debug!("cannot map {}: {err}", object.path());
-                    return Compiled::Unreadable;
-                }
-            }
+    // SAFETY: a read-only private mapping read only here. A file truncated
+    // underneath it could fault (SIGBUS), the accepted risk of every
+    // mmap-based ELF reader: files mapped by running processes are not
+    // truncated in practice.
+    let bytes = match unsafe { memmap2::Mmap::map(&opened.file) } {
+        Ok(bytes) => bytes,
+        Err(err) => {
+            tracing::debug!("cannot map {}: {err}", object.path());
+            return Compiled::Unreadable;
         }
     };
-    let table = match compiled {
+    let table = match UnwindTable::from_elf(&bytes) {
         Ok(table) => table,
         Err(TableError::NoCfi) => return Compiled::NoCfi,
         Err(err) => {

@@ -26,7 +26,6 @@
 //! in time order with the samples); a process that exits while samples of
 //! its wait for a table is kept until they are walked.
 
-mod cfi_image;
 mod compiler;
 pub mod stitching;
 
