@@ -572,18 +572,34 @@ pub fn run_agent_for(collector: &Collector, duration: &str, args: &[&str]) -> se
 
 /// Waits (up to a minute) for an agent started with `--json` to exit
 /// successfully and returns its report.
+///
+/// Its output is read while it runs: a report larger than the pipe's
+/// buffer (64 KiB; the per-binary tables of a whole busy machine) would
+/// otherwise block the agent's last write until the deadline.
 pub fn wait_success(mut agent: Child) -> serde_json::Value {
+    let mut stdout = agent.stdout.take().expect("the agent's stdout is piped");
+    let reader = std::thread::spawn(move || {
+        let mut out = Vec::new();
+        std::io::Read::read_to_end(&mut stdout, &mut out).map(|_| out)
+    });
     let deadline = Instant::now() + Duration::from_secs(60);
     loop {
         if let Some(status) = agent.try_wait().expect("waiting for the agent") {
             assert!(status.success(), "the agent exited with {status}");
             break;
         }
-        assert!(Instant::now() < deadline, "the agent did not stop");
+        if Instant::now() >= deadline {
+            let _ = agent.kill();
+            let _ = agent.wait();
+            panic!("the agent did not stop within a minute");
+        }
         std::thread::sleep(Duration::from_millis(100));
     }
-    let out = agent.wait_with_output().expect("agent output");
-    serde_json::from_slice(&out.stdout).expect("the agent's JSON report")
+    let out = reader
+        .join()
+        .expect("the output reader")
+        .expect("reading the agent's output");
+    serde_json::from_slice(&out).expect("the agent's JSON report")
 }
 
 /// Ids of every loaded BPF object of `kind` (`prog`, `map` or `link`), per
