@@ -210,6 +210,35 @@ fn show(value: Option<u64>) -> String {
     value.map_or_else(|| "-".to_string(), |v| v.to_string())
 }
 
+/// Type-checks every fuzz crate with the workspace's toolchain (no
+/// sanitizer, no nightly): `cargo xtask test` runs it, so a target that an
+/// API change broke fails the tests instead of the next fuzzing run (one
+/// did, unnoticed, for sessions). Shares one target directory under the
+/// workspace's.
+pub fn check() -> anyhow::Result<()> {
+    let mut crates: Vec<&Target> = Vec::new();
+    for target in TARGETS {
+        if !crates.iter().any(|seen| seen.krate == target.krate) {
+            crates.push(target);
+        }
+    }
+    let target_dir = workspace_root().join("target").join("fuzz-check");
+    for target in crates {
+        ensure_lock_file(target)?;
+        let manifest = target.fuzz_dir().join("Cargo.toml");
+        crate::cargo(&[
+            "check",
+            "--bins",
+            "--manifest-path",
+            &manifest.to_string_lossy(),
+            "--target-dir",
+            &target_dir.to_string_lossy(),
+        ])
+        .with_context(|| format!("the fuzz targets of {} do not build", target.krate))?;
+    }
+    Ok(())
+}
+
 /// The targets `names` asks for, in [`TARGETS`] order; all when empty.
 fn select(names: &[String]) -> anyhow::Result<Vec<&'static Target>> {
     if names.is_empty() {
@@ -460,8 +489,10 @@ impl Outcome {
 }
 
 /// Targets that need files (the perf map reader's fake procfs) make them
-/// as `stackscope-fuzz-*` under `/dev/shm` or `$TMPDIR`; libFuzzer exits
-/// without unwinding, so they are removed here.
+/// as `stackscope-fuzz-*-<pid>` under `/dev/shm` or `$TMPDIR`; libFuzzer
+/// exits without unwinding, so they are removed here: those of processes
+/// that are gone, not those of a target another `cargo xtask fuzz` is
+/// running (removing them made its target fail on its own fake files).
 fn remove_scratch() {
     let dirs = [PathBuf::from("/dev/shm"), std::env::temp_dir()];
     for entry in dirs
@@ -470,14 +501,18 @@ fn remove_scratch() {
         .flatten()
         .flatten()
     {
-        if entry
-            .file_name()
-            .to_string_lossy()
-            .starts_with("stackscope-fuzz-")
-        {
+        let name = entry.file_name().to_string_lossy().into_owned();
+        if name.starts_with("stackscope-fuzz-") && !owner_is_running(&name) {
             let _ = std::fs::remove_dir_all(entry.path());
         }
     }
+}
+
+/// Whether the process whose id ends a scratch folder's name still runs.
+fn owner_is_running(name: &str) -> bool {
+    name.rsplit_once('-')
+        .and_then(|(_, pid)| pid.parse::<u32>().ok())
+        .is_some_and(|pid| Path::new(&format!("/proc/{pid}")).exists())
 }
 
 /// Files and bytes in a corpus folder.
@@ -497,6 +532,15 @@ fn corpus_size(dir: &Path) -> anyhow::Result<(usize, u64)> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn scratch_folders_of_running_fuzzers_are_kept() {
+        let own = format!("stackscope-fuzz-perf-map-{}", std::process::id());
+        assert!(owner_is_running(&own));
+        // Beyond pid_max (at most 2^22): never a running process.
+        assert!(!owner_is_running("stackscope-fuzz-perf-map-4294967295"));
+        assert!(!owner_is_running("stackscope-fuzz-perf-map"));
+    }
 
     /// Every target's source exists and its fuzz crate declares it, and
     /// every target a fuzz crate declares is listed here.

@@ -81,7 +81,9 @@ fuzz_target!(|data: &[u8]| {
             let _ = std::fs::remove_file(file(tgid, pid, dump));
         }
     }
-    let mut maps = PerfMaps::with_budget(root, 4096);
+    // Small bounds, so inputs reach both: the whole budget and one
+    // process's share of it.
+    let mut maps = PerfMaps::with_budget(root, 4096, 2048);
     let start = Instant::now();
     let mut lookups = 0;
     for (step, bytes) in data.split(|&b| b == 0xff).enumerate() {
