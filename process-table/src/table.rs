@@ -586,7 +586,7 @@ impl ProcessTable {
     /// itself, reached through the process or, if it is gone, its parent's
     /// root (from the cache when this version of it was seen before). When
     /// no such file is left, by the build-id the kernel reported, if only
-    /// one file's contents are known under it: the file is not read first
+    /// one file's contents are known under it. The file comes first
     /// because any process may map one that claims another's build-id.
     fn identify_learned(
         &mut self,
