@@ -3,8 +3,9 @@
 //!
 //! Owns: [`ObjectId`] (the GNU build-id with a digest of the file's
 //! contents when the file has one, else a [`FileKey`] built from the file's
-//! device, inode, size and mtime), its hex forms, and [`identify`], which
-//! computes it together with the load segments from an open file.
+//! device, inode, size and mtime), its hex forms, the [`DigestBudget`], and
+//! [`identify`], which computes it together with the load segments from an
+//! open file.
 //!
 //! Does not own: finding and opening the file ([`open`](crate::open)),
 //! caching identities ([`table`](crate::table)), or parsing anything in the
@@ -19,10 +20,11 @@
 //! a digest of the whole file ([`ContentDigest`]): every cache on the node
 //! that is shared between files is shared only between identical files,
 //! and the build-id alone goes on the wire, where the collector names it.
-//! Files
-//! without a build-id get a key that changes whenever the file is replaced
-//! (new inode) or rewritten (new mtime or size), so a stale table is never
-//! used for a new version; the price is that the same file on two
+//!
+//! Files without a build-id (and those not digested: too large, or past
+//! the budget) get a key that changes whenever the file is replaced (new
+//! inode) or rewritten (new mtime or size), so a stale table is never used
+//! for a new version; the price is that the same file on two
 //! filesystems is two objects.
 
 use std::{

@@ -26,6 +26,7 @@
 
 use std::{
     collections::{BTreeMap, HashMap},
+    fs::Metadata,
     path::{Path, PathBuf},
     sync::{Arc, Weak},
     time::{Duration, Instant},
@@ -604,19 +605,33 @@ impl ProcessTable {
                     .ok_or(MappingError::Open(err));
             }
         };
-        if let Some(object) = self.objects.get(&FileKey::from_metadata(&opened.metadata)) {
-            self.stats.object_cache_hits += 1;
-            return Ok(Arc::clone(object));
+        let object = self.identify_opened(&opened)?;
+        if let Some(expected) = build_id
+            && object.id.build_id() != Some(expected)
+        {
+            return Err(MappingError::OtherFile);
+        }
+        Ok(object)
+    }
+
+    /// The identity of an opened file: from the cache when this version of
+    /// it (by its own `fstat`) was seen before, else read (digested within
+    /// the budget) and cached.
+    fn identify_opened(&mut self, opened: &OpenedFile) -> Result<Arc<CachedObject>, MappingError> {
+        if let Some(object) = self.cached(&opened.metadata) {
+            return Ok(object);
         }
         let identity =
             object_id::identify_within(&opened.file, &opened.metadata, &mut self.digests)
                 .map_err(MappingError::Identify)?;
-        if let Some(expected) = build_id
-            && identity.id.build_id() != Some(expected)
-        {
-            return Err(MappingError::OtherFile);
-        }
         Ok(self.remember(identity))
+    }
+
+    /// The cached identity of the file version `metadata` describes.
+    fn cached(&mut self, metadata: &Metadata) -> Option<Arc<CachedObject>> {
+        let object = Arc::clone(self.objects.get(&FileKey::from_metadata(metadata))?);
+        self.stats.object_cache_hits += 1;
+        Some(object)
     }
 
     /// Caches a newly read identity by file version and build-id.
@@ -858,18 +873,14 @@ impl ProcessTable {
     ) -> Result<Arc<CachedObject>, MappingError> {
         let (metadata, _) =
             open::stat_mapped(&self.proc_root, tgid, mapping).map_err(MappingError::Open)?;
-        if let Some(object) = self.objects.get(&FileKey::from_metadata(&metadata)) {
-            self.stats.object_cache_hits += 1;
-            return Ok(Arc::clone(object));
+        if let Some(object) = self.cached(&metadata) {
+            return Ok(object);
         }
         let opened =
             open::open_mapped(&self.proc_root, tgid, mapping).map_err(MappingError::Open)?;
-        // Key by the opened file's own metadata: the file may have been
+        // Keyed by the opened file's own metadata: the file may have been
         // rewritten between the stat and the open.
-        let identity =
-            object_id::identify_within(&opened.file, &opened.metadata, &mut self.digests)
-                .map_err(MappingError::Identify)?;
-        Ok(self.remember(identity))
+        self.identify_opened(&opened)
     }
 
     fn evict_one(&mut self) {
@@ -1384,27 +1395,7 @@ mod tests {
         let parent_bin = proc.dir.path().join("10/root/bin");
         std::fs::create_dir_all(&parent_bin).expect("parent root");
         std::fs::copy(&app, parent_bin.join("app")).expect("copying the binary");
-        let file = std::fs::File::open(&app).expect("opening the binary");
-        let summary = crate::elf::read_summary(&file).expect("an ELF file");
-        let build_id = summary
-            .build_id
-            .expect("Rust test binaries carry a build-id");
-        let code = summary
-            .load_segments
-            .iter()
-            .find(|segment| segment.is_executable())
-            .expect("a code segment");
-        let mut text = Mapping {
-            start: 0x5555_0000_0000 + code.offset,
-            end: 0x5555_0000_0000 + code.offset + PAGE,
-            offset: code.offset - code.offset % PAGE,
-            path: MappingPath::File {
-                path: "/bin/app".into(),
-                deleted: false,
-            },
-            ..anonymous(0, 0)
-        };
-        text.start -= code.offset % PAGE;
+        let (build_id, text) = code_page_as_bin_app(&app);
         let mut table = proc.table(8, Duration::ZERO);
         table.exec_learned(20, Some(10), 100);
         table.mapped(20, text.clone(), Some(build_id));
@@ -1427,6 +1418,34 @@ mod tests {
         assert!(matches!(err, ProcessError::Unidentified { .. }), "{err:?}");
         assert_eq!(table.stats().learned_unidentified, 1);
     }
+
+    /// The build-id of `binary`, and a mapping of the first page of its
+    /// code as `/bin/app`.
+    fn code_page_as_bin_app(binary: &Path) -> (BuildId, Mapping) {
+        let file = std::fs::File::open(binary).expect("opening the binary");
+        let summary = crate::elf::read_summary(&file).expect("an ELF file");
+        let build_id = summary
+            .build_id
+            .expect("Rust test binaries carry a build-id");
+        let code = summary
+            .load_segments
+            .iter()
+            .find(|segment| segment.is_executable())
+            .expect("a code segment");
+        let page = code.offset - code.offset % PAGE;
+        let text = Mapping {
+            start: 0x5555_0000_0000 + page,
+            end: 0x5555_0000_0000 + code.offset + PAGE,
+            offset: page,
+            path: MappingPath::File {
+                path: "/bin/app".into(),
+                deleted: false,
+            },
+            ..anonymous(0, 0)
+        };
+        (build_id, text)
+    }
+
     #[test]
     fn a_build_id_claimed_by_two_different_files_names_neither_by_itself() {
         let proc = FakeProc::new();
@@ -1440,27 +1459,8 @@ mod tests {
             std::fs::write(bin.join("app"), [&bytes[..], extra].concat()).expect("writing");
         }
         std::fs::create_dir_all(proc.dir.path().join("12/root")).expect("root");
-        let file = std::fs::File::open(&app).expect("opening the binary");
-        let summary = crate::elf::read_summary(&file).expect("an ELF file");
-        let build_id = summary
-            .build_id
-            .expect("Rust test binaries carry a build-id");
-        let code = *summary
-            .load_segments
-            .iter()
-            .find(|segment| segment.is_executable())
-            .expect("a code segment");
-        let text = Mapping {
-            start: 0x5555_0000_0000 + code.offset - code.offset % PAGE,
-            end: 0x5555_0000_0000 + code.offset + PAGE,
-            offset: code.offset - code.offset % PAGE,
-            path: MappingPath::File {
-                path: "/bin/app".into(),
-                deleted: false,
-            },
-            ..anonymous(0, 0)
-        };
-        let at = text.start + code.offset % PAGE + 0x10;
+        let (build_id, text) = code_page_as_bin_app(&app);
+        let at = text.start + 0x10;
         let mut table = proc.table(8, Duration::ZERO);
         let identity_of = |table: &mut ProcessTable, pid: u32, parent: u32| {
             table.exec_learned(pid, Some(parent), 100);

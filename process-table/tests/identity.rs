@@ -13,9 +13,13 @@ use stackscope_process_table::{
 };
 
 fn identify(path: &Path) -> Identity {
+    identify_within(path, &mut DigestBudget::unlimited())
+}
+
+fn identify_within(path: &Path, budget: &mut DigestBudget) -> Identity {
     let file = File::open(path).expect("opening the library");
     let metadata = file.metadata().expect("fstat");
-    object_id::identify(&file, &metadata).expect("identifying the library")
+    object_id::identify_within(&file, &metadata, budget).expect("identifying the library")
 }
 
 #[test]
@@ -78,11 +82,6 @@ fn past_the_digest_budget_a_build_id_is_kept_but_not_shared() {
     let size = std::fs::metadata(&lib).expect("stat").len();
     // Room for one file, never refilled.
     let mut budget = DigestBudget::new(size, 0);
-    let identify_within = |path: &Path, budget: &mut DigestBudget| {
-        let file = File::open(path).expect("opening");
-        let metadata = file.metadata().expect("fstat");
-        object_id::identify_within(&file, &metadata, budget).expect("identifying")
-    };
     let digested = identify_within(&lib, &mut budget).id;
     let unverified = identify_within(&copy, &mut budget);
     assert!(matches!(digested, ObjectId::BuildId(..)), "{digested:?}");

@@ -458,17 +458,9 @@ impl Series {
     /// The heap in use less SQLite's own (its page caches, statements and
     /// schemas): what the collector's own structures hold.
     fn heap_less_sqlite(&mut self, at: f64, who: &str) {
-        let at_this_scrape = |name: String| {
-            self.0
-                .get(&name)?
-                .points
-                .last()
-                .filter(|(when, _)| *when == at)
-                .map(|&(_, value)| value)
-        };
         if let (Some(in_use), Some(sqlite)) = (
-            at_this_scrape(format!("{who} heap in use")),
-            at_this_scrape(format!("{who} sqlite_memory bytes")),
+            self.value_at(&format!("{who} heap in use"), at),
+            self.value_at(&format!("{who} sqlite_memory bytes"), at),
         ) {
             self.point(
                 format!("{who} heap in use less sqlite"),
@@ -483,26 +475,17 @@ impl Series {
     /// own bound) held at the same moment: what is left grows only by a
     /// leak. Nothing when a cache's gauge was skipped at this scrape.
     fn anon_less_page_caches(&mut self, at: f64, who: &str) {
-        let at_this_scrape = |track: &Track| {
-            track
-                .points
-                .last()
-                .filter(|(when, _)| *when == at)
-                .map(|&(_, value)| value)
-        };
         let caches: Vec<Option<f64>> = self
             .0
             .iter()
             .filter(|(name, _)| name.starts_with(who) && name.ends_with("page_cache bytes"))
-            .map(|(_, track)| at_this_scrape(track))
+            .map(|(_, track)| track.value_at(at))
             .collect();
         if caches.is_empty() {
             return;
         }
         let (Some(anon), Some(caches)) = (
-            self.0
-                .get(&format!("{who} rss anon"))
-                .and_then(at_this_scrape),
+            self.value_at(&format!("{who} rss anon"), at),
             caches.into_iter().sum::<Option<f64>>(),
         ) else {
             return;
@@ -513,6 +496,11 @@ impl Series {
             at,
             anon - caches,
         );
+    }
+
+    /// The value series `name` took at the scrape at `at`, if it has one.
+    fn value_at(&self, name: &str, at: f64) -> Option<f64> {
+        self.0.get(name)?.value_at(at)
     }
 
     /// The export queue and the `state_*` gauges of `who`'s metrics text.
@@ -642,6 +630,14 @@ impl Series {
 }
 
 impl Track {
+    /// The value taken at the scrape at `at` (a failed scrape left none).
+    fn value_at(&self, at: f64) -> Option<f64> {
+        self.points
+            .last()
+            .filter(|(when, _)| *when == at)
+            .map(|&(_, value)| value)
+    }
+
     fn second_half(&self, minutes: f64) -> Vec<(f64, f64)> {
         self.points
             .iter()

@@ -222,9 +222,8 @@ fn lock(stats: &Mutex<WorkerStats>) -> std::sync::MutexGuard<'_, WorkerStats> {
 
 /// Hands the free pages of the heap back to the kernel. Each interval
 /// allocates and frees tens of MB (its tables, its batch), and glibc keeps
-/// what was freed in its arenas: measured in an hour's soak, 43 MB free
-/// beside 38 MB in use, all of it resident. Once per interval, off the run
-/// loop, it costs a few milliseconds.
+/// what was freed in its arenas: an hour's soak saw 43 MB free beside
+/// 38 MB in use. Once per interval, off the run loop.
 fn release_free_heap() {
     #[cfg(all(target_os = "linux", target_env = "gnu"))]
     // SAFETY: malloc_trim takes no pointer and only reorganises the

@@ -84,7 +84,6 @@ impl Encoder for PushCodec {
     type Error = Status;
 
     fn encode(&mut self, item: Bytes, dst: &mut EncodeBuf<'_>) -> Result<(), Status> {
-        dst.reserve(item.len());
         dst.put_slice(&item);
         Ok(())
     }

@@ -3,9 +3,9 @@
 //! restarted agent does not compile again.
 //!
 //! The cache holds one file per object, named by its identity (build-id and
-//! content digest, or file key) and written atomically (temporary file, then rename); the
-//! temporary files of an agent killed mid-write are removed at the next
-//! start. The file format is `stackscope-unwind`'s: versioned and
+//! content digest, or file key) and written atomically (temporary file,
+//! then rename); the temporary files of an agent killed mid-write are
+//! removed at the next start. The file format is `stackscope-unwind`'s: versioned and
 //! checksummed, so a corrupt, cut short or outdated file is compiled again
 //! and overwritten, never trusted. The directory is bounded in bytes:
 //! reading a file refreshes its mtime, and after each write the least
