@@ -24,7 +24,11 @@ use anyhow::{Context as _, bail};
 
 use stackscope_test_fixtures::{free_port, metric, peak_rss_kib};
 
-use crate::{KillOnDrop, bench::compile_fixture, wait_for_listener, workspace_root};
+use crate::{
+    KillOnDrop,
+    bench::{Cgroup, cgroup2_mount, compile_fixture},
+    wait_for_listener, workspace_root,
+};
 
 /// What one profiled (or unprofiled) run measured.
 #[derive(Debug, Default, Clone)]
@@ -98,20 +102,21 @@ const FIRST_BATCH_WITHIN: Duration = Duration::from_secs(15);
 /// Longer than the agent's drain timer and its once-a-second publish.
 const SETTLE: Duration = Duration::from_millis(2500);
 
-/// The agent's CPU and the samples it has read.
-fn reading(address: &str, pid: u32) -> anyhow::Result<(Duration, f64)> {
+/// The agent's CPU (all its threads, from its own cgroup) and the samples
+/// it has read.
+fn reading(address: &str, agent: &Cgroup) -> anyhow::Result<(Duration, f64)> {
     let read = metric(address, SAMPLES_READ).context("the agent's metrics did not answer")?;
-    Ok((process_cpu(pid), read))
+    Ok((cgroup_cpu(agent)?, read))
 }
 
 /// [`reading`] right after a publish of the counter (once a second), so
 /// that the CPU and the samples are taken together while samples come in.
-fn reading_at_a_publish(address: &str, pid: u32) -> anyhow::Result<(Duration, f64)> {
-    let (_, first) = reading(address, pid)?;
+fn reading_at_a_publish(address: &str, agent: &Cgroup) -> anyhow::Result<(Duration, f64)> {
+    let (_, first) = reading(address, agent)?;
     let deadline = std::time::Instant::now() + SETTLE;
     while std::time::Instant::now() < deadline {
         std::thread::sleep(Duration::from_millis(10));
-        let now = reading(address, pid)?;
+        let now = reading(address, agent)?;
         if now.1 != first {
             return Ok(now);
         }
@@ -119,21 +124,18 @@ fn reading_at_a_publish(address: &str, pid: u32) -> anyhow::Result<(Duration, f6
     bail!("the agent read no sample for {SETTLE:?}");
 }
 
-/// User + system CPU of a live process, from `/proc/<pid>/stat`.
-fn process_cpu(pid: u32) -> Duration {
-    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap_or_default();
-    // The fields after the parenthesised command name: utime and stime are
-    // the 12th and 13th of them.
-    let after_comm = stat.rsplit_once(')').map_or("", |(_, rest)| rest);
-    let ticks: u64 = after_comm
-        .split_whitespace()
-        .skip(11)
-        .take(2)
-        .filter_map(|field| field.parse::<u64>().ok())
-        .sum();
-    // SAFETY: sysconf has no preconditions.
-    let per_second = unsafe { libc::sysconf(libc::_SC_CLK_TCK) }.max(1) as u64;
-    Duration::from_secs_f64(ticks as f64 / per_second as f64)
+/// User + system CPU of every task in a cgroup, exited threads included,
+/// from its `cpu.stat` (microseconds; cgroup2 keeps it with or without the
+/// cpu controller). `/proc/<pid>/stat` counts in clock ticks (10 ms), a
+/// whole steady window's CPU at 99 Hz.
+fn cgroup_cpu(cgroup: &Cgroup) -> anyhow::Result<Duration> {
+    let path = cgroup.0.join("cpu.stat");
+    let stat =
+        std::fs::read_to_string(&path).with_context(|| format!("reading {}", path.display()))?;
+    stat.lines()
+        .find_map(|line| line.strip_prefix("usage_usec ")?.trim().parse().ok())
+        .map(Duration::from_micros)
+        .with_context(|| format!("no usage_usec in {}", path.display()))
 }
 
 fn signal(child: &Child, signal: libc::c_int) {
@@ -258,17 +260,23 @@ fn under_stackscope(
             .spawn()
             .context("starting the agent")?,
     );
+    // Its CPU is read from a cgroup of its own: the agent is moved in
+    // before it starts sampling, and everything it runs is counted.
+    let agent_cgroup = Cgroup::create(
+        cgroup2_mount()?.join(format!("stackscope-overhead-agent-{}", std::process::id())),
+    )?;
+    agent_cgroup.enter(agent.0.id())?;
     std::thread::sleep(STEADY_FROM);
     // Intervals end on wall-clock boundaries, so the first batch comes
     // within one interval (10 s) of the agent's start, whatever the run's
     // length.
     wait_for_first_batch(&metrics, FIRST_BATCH_WITHIN)?;
-    let steady_from = reading_at_a_publish(&metrics, agent.0.id())?;
+    let steady_from = reading_at_a_publish(&metrics, &agent_cgroup)?;
     let units = finish_workload(workload)?;
     // The workload is gone: once the agent has drained its last records
     // and published them, its counter and CPU stand still together.
     std::thread::sleep(SETTLE);
-    let steady_to = reading(&metrics, agent.0.id())?;
+    let steady_to = reading(&metrics, &agent_cgroup)?;
     let agent_rss_kib = peak_rss_kib(agent.0.id()).context("the agent's peak RSS")?;
     signal(&agent.0, libc::SIGINT);
     let mut json = String::new();
