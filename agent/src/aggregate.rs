@@ -96,17 +96,14 @@ pub const MAX_EAGER_OPENS: usize = 512;
 /// frames of a module already seen cost no hashing of its path.
 const MAX_MODULE_MEMO: usize = 65_536;
 
-/// Bytes of walk keys remembered per interval (see `Builder::walked`):
-/// about 8,000 stacks 60 frames deep, the hot ones since they come first.
-/// Stacks past it are interned frame by frame, as they would be anyway.
-/// Walks through JIT code have no space and are never remembered.
-const MAX_WALK_MEMO_BYTES: usize = 4 << 20;
+/// Threads whose last walk is remembered (see `Builder::last_walks`),
+/// direct-mapped by thread id: a thread sampled again is most often found
+/// in its slot; a collision costs only the reuse.
+const LAST_WALK_SLOTS: usize = 64;
 
-/// The bytes of a walk table that holds `capacity` entries: an entry and a
-/// control byte per bucket, with buckets at most 7/8 full.
-fn walk_table_bytes(capacity: usize) -> usize {
-    capacity * (std::mem::size_of::<WalkEntry>() + 1) * 8 / 7
-}
+/// User frames of a walk remembered at most (the walker's default depth
+/// limit): with [`LAST_WALK_SLOTS`] and the kernel frames, at most 850 KB.
+const MAX_REMEMBERED_FRAMES: usize = stackscope_unwind::DEFAULT_MAX_DEPTH;
 
 /// How samples are labelled and aggregated.
 #[derive(Debug, Clone)]
@@ -296,8 +293,6 @@ pub struct Aggregator {
     stats: AggregateStats,
     /// Location indexes of the sample being added.
     stack: Vec<u32>,
-    /// The sample's walk key (see `Builder::walked`).
-    walk_key: Vec<u64>,
 }
 
 /// The labels of a sample as interned: the raw comm avoids decoding it per
@@ -350,15 +345,14 @@ struct Builder {
     /// by their frames through `stack_index`.
     stacks: Vec<Box<[u32]>>,
     stack_index: HashTable<u32>,
-    /// Stacks by the walk they came from: the space its frames were placed
-    /// in, its kernel frames and its user frames. Equal keys intern to the
-    /// same stack (see `Walk::space`), so a sample whose walk was seen
-    /// before costs one lookup instead of two per frame. Bounded by
-    /// [`MAX_WALK_MEMO_BYTES`].
-    walked: HashTable<WalkEntry>,
-    /// The keys of `walked`, one after the other.
-    walk_keys: Vec<u64>,
-    /// Hashes stacks and walk keys.
+    /// The last walk of recently sampled threads, in slots by thread id.
+    /// Equal frames in the same space are placed in the same locations
+    /// (see `Walk::space`), and a thread's next sample mostly shares its
+    /// outer frames with its last one: those are reused from here without
+    /// a lookup, and only the frames that changed are interned. A walk
+    /// equal to the last one (kernel frames too) reuses its stack.
+    last_walks: Vec<LastWalk>,
+    /// Hashes stacks.
     hasher: foldhash::fast::RandomState,
     label_sets: Vec<LabelValues>,
     label_index: HashMap<LabelKey, u32>,
@@ -382,8 +376,9 @@ impl Builder {
             location_index: HashMap::new(),
             stacks: Vec::new(),
             stack_index: HashTable::new(),
-            walked: HashTable::new(),
-            walk_keys: Vec::new(),
+            last_walks: std::iter::repeat_with(LastWalk::default)
+                .take(LAST_WALK_SLOTS)
+                .collect(),
             hasher: foldhash::fast::RandomState::default(),
             label_sets: Vec::new(),
             label_index: HashMap::new(),
@@ -450,19 +445,6 @@ impl Builder {
         Some(index)
     }
 
-    /// The hash of a walk key, for [`Self::walked_stack`] and
-    /// [`Self::remember_walk`].
-    fn walk_hash(&self, key: &[u64]) -> u64 {
-        self.hasher.hash_one::<&[u64]>(key)
-    }
-
-    /// The stack walks with `key` intern to, if remembered.
-    fn walked_stack(&self, key: &[u64], hash: u64) -> Option<u32> {
-        self.walked
-            .find(hash, |entry| entry.key(&self.walk_keys) == Some(key))
-            .map(|entry| entry.stack)
-    }
-
     /// Counts one sample for the pair; a new pair only when `insert`.
     fn count(&mut self, stack: u32, label_set: u32, divisor: u32, insert: bool) -> bool {
         let key = (stack, label_set, divisor);
@@ -483,50 +465,9 @@ impl Builder {
         true
     }
 
-    /// Remembers that walks with `key` (hashed to `hash`) intern to
-    /// `stack`, within the bound.
-    fn remember_walk(&mut self, key: &[u64], hash: u64, stack: u32) {
-        let (Ok(start), Ok(len)) = (
-            u32::try_from(self.walk_keys.len()),
-            u32::try_from(key.len()),
-        ) else {
-            return;
-        };
-        // The bound holds what is allocated, not what is used: the arena
-        // grows by doubling, but never past what the bound leaves it.
-        // A full table doubles on this insert.
-        let table_capacity = match self.walked.capacity() {
-            full if full == self.walked.len() => (2 * full).max(4),
-            room => room,
-        };
-        let room = MAX_WALK_MEMO_BYTES.saturating_sub(walk_table_bytes(table_capacity));
-        let needed = self.walk_keys.len() + key.len();
-        if needed * std::mem::size_of::<u64>() > room {
-            return;
-        }
-        if needed > self.walk_keys.capacity() {
-            let grown = needed
-                .max(2 * self.walk_keys.capacity())
-                .min(room / std::mem::size_of::<u64>());
-            self.walk_keys.reserve_exact(grown - self.walk_keys.len());
-        }
-        self.walk_keys.extend_from_slice(key);
-        let Self {
-            walked,
-            walk_keys,
-            hasher,
-            ..
-        } = self;
-        let entry = WalkEntry { start, len, stack };
-        walked.insert_unique(hash, entry, |entry| {
-            hasher.hash_one::<&[u64]>(entry.key(walk_keys).unwrap_or_default())
-        });
-    }
-
-    /// What the walk memo holds: its key arena and its table.
-    fn walk_memo_bytes(&self) -> usize {
-        self.walk_keys.capacity() * std::mem::size_of::<u64>()
-            + walk_table_bytes(self.walked.capacity())
+    /// What the last walks hold.
+    fn last_walk_bytes(&self) -> usize {
+        self.last_walks.iter().map(LastWalk::bytes).sum()
     }
 
     /// The `[truncated]` stack, made on first use whatever the bound: there
@@ -562,18 +503,44 @@ impl Builder {
     }
 }
 
-/// A remembered walk: its key, `len` words at `start` in the interval's
-/// key arena, and the stack it interned to.
-#[derive(Debug)]
-struct WalkEntry {
-    start: u32,
-    len: u32,
+/// A thread's last walk in its interval: the space its user frames were
+/// placed in (`None`: nothing remembered), its frames and the locations
+/// they interned to, index for index, its kernel frames, and the stack
+/// the whole sample interned to.
+#[derive(Debug, Default)]
+struct LastWalk {
+    tid: u32,
+    space: Option<u64>,
+    frames: Vec<u64>,
+    locations: Vec<u32>,
+    kernel_frames: Vec<u64>,
     stack: u32,
 }
 
-impl WalkEntry {
-    fn key<'a>(&self, arena: &'a [u64]) -> Option<&'a [u64]> {
-        arena.get(self.start as usize..)?.get(..self.len as usize)
+impl LastWalk {
+    fn bytes(&self) -> usize {
+        self.frames.capacity() * std::mem::size_of::<u64>()
+            + self.locations.capacity() * std::mem::size_of::<u32>()
+            + self.kernel_frames.capacity() * std::mem::size_of::<u64>()
+    }
+
+    /// How many outermost frames of `frames` are this walk's outermost
+    /// frames, and so are in the same locations. A frame that is the
+    /// innermost of one walk but not of the other is not: the innermost
+    /// frame is a location of its own (not a return address).
+    fn shared_outer_frames(&self, frames: &[u64]) -> usize {
+        let shared = self
+            .frames
+            .iter()
+            .rev()
+            .zip(frames.iter().rev())
+            .take_while(|(a, b)| a == b)
+            .count();
+        if shared == frames.len().min(self.frames.len()) && frames.len() != self.frames.len() {
+            shared.saturating_sub(1)
+        } else {
+            shared
+        }
     }
 }
 
@@ -600,7 +567,6 @@ impl Aggregator {
             previous_files: HashMap::new(),
             stats: AggregateStats::default(),
             stack: Vec::with_capacity(2 * stackscope_unwind::DEFAULT_MAX_DEPTH),
-            walk_key: Vec::with_capacity(MAX_FRAMES_PER_SAMPLE + 2),
         }
     }
 
@@ -673,9 +639,13 @@ impl Aggregator {
             Some(self.config.max_entries + 1),
         ));
         out.push(StateSize::bytes(
-            "walk_memo",
-            current.walk_memo_bytes(),
-            Some(MAX_WALK_MEMO_BYTES),
+            "last_walks",
+            current.last_walk_bytes(),
+            Some(
+                LAST_WALK_SLOTS
+                    * (MAX_REMEMBERED_FRAMES * 12
+                        + agent_common::MAX_KERNEL_FRAMES * std::mem::size_of::<u64>()),
+            ),
         ));
         out.push(StateSize::entries(
             "module_memo",
@@ -761,24 +731,7 @@ impl Aggregator {
         self.stats.kernel_only += u64::from(user.is_none());
 
         let divisor = header.sampling_divisor.max(1);
-        // One hash of the walk key, for the lookup and for remembering it.
-        let memo = self
-            .fill_walk_key(kernel_frames, user)
-            .then(|| self.current.walk_hash(&self.walk_key));
-        let remembered = memo.and_then(|hash| self.current.walked_stack(&self.walk_key, hash));
-        let stack = match remembered {
-            Some(stack) => Some(stack),
-            None => {
-                let complete = self.intern_stack(header, kernel_frames, user, insert);
-                let stack = complete
-                    .then(|| self.current.stack(&self.stack, insert))
-                    .flatten();
-                if let (Some(stack), Some(hash)) = (stack, memo) {
-                    self.current.remember_walk(&self.walk_key, hash, stack);
-                }
-                stack
-            }
-        };
+        let stack = self.intern_sample(header, kernel_frames, user, insert);
         let counted = stack.is_some_and(|stack| self.current.count(stack, labels, divisor, insert));
         if !counted {
             let stack = self.current.truncated_stack();
@@ -787,34 +740,78 @@ impl Aggregator {
         }
     }
 
-    /// Fills `self.walk_key` with the sample's walk key; false when the
-    /// walk has no space (nothing says equal frames are named the same).
-    fn fill_walk_key(&mut self, kernel_frames: &[u64], user: Option<&Walk<'_>>) -> bool {
-        let key = &mut self.walk_key;
-        key.clear();
-        match user {
-            Some(walk) => match walk.space {
-                Some(space) => key.push(space),
-                None => return false,
-            },
-            // Spaces count up from 0: this one is never handed out.
-            None => key.push(u64::MAX),
-        }
-        key.push(kernel_frames.len() as u64);
-        key.extend_from_slice(kernel_frames);
-        if let Some(walk) = user {
-            key.extend_from_slice(walk.frames);
-        }
-        true
+    /// The stack of a sample, through its thread's last walk when that
+    /// was in the same space; `None` when a location or the stack is new
+    /// and `insert` is off.
+    fn intern_sample(
+        &mut self,
+        header: &SampleHeader,
+        kernel_frames: &[u64],
+        user: Option<&Walk<'_>>,
+        insert: bool,
+    ) -> Option<u32> {
+        let remembered = user.and_then(|walk| {
+            // Frames and objects go index for index; anything else is not
+            // a walk to share frames with.
+            (walk.frames.len() == walk.objects.len()).then_some((walk, walk.space?))
+        });
+        let Some((walk, space)) = remembered else {
+            return self
+                .intern_stack(header, kernel_frames, user, 0, insert)
+                .then(|| self.current.stack(&self.stack, insert))
+                .flatten();
+        };
+        let slot = header.tid as usize % LAST_WALK_SLOTS;
+        let mut last = std::mem::take(&mut self.current.last_walks[slot]);
+        let same_thread = last.tid == header.tid && last.space == Some(space);
+        let stack =
+            if same_thread && last.frames == walk.frames && last.kernel_frames == kernel_frames {
+                Some(last.stack)
+            } else {
+                let shared = if same_thread {
+                    last.shared_outer_frames(walk.frames)
+                } else {
+                    0
+                };
+                let complete = self.intern_stack(header, kernel_frames, user, shared, insert);
+                let stack = complete
+                    .then(|| {
+                        self.stack
+                            .extend_from_slice(&last.locations[last.locations.len() - shared..]);
+                        self.current.stack(&self.stack, insert)
+                    })
+                    .flatten();
+                last.space = None;
+                if let Some(stack) = stack
+                    && walk.frames.len() <= MAX_REMEMBERED_FRAMES
+                    && kernel_frames.len() <= agent_common::MAX_KERNEL_FRAMES
+                {
+                    last.tid = header.tid;
+                    last.space = Some(space);
+                    last.frames.clear();
+                    last.frames.extend_from_slice(walk.frames);
+                    last.locations.clear();
+                    last.locations
+                        .extend_from_slice(&self.stack[self.stack.len() - walk.frames.len()..]);
+                    last.kernel_frames.clear();
+                    last.kernel_frames.extend_from_slice(kernel_frames);
+                    last.stack = stack;
+                }
+                stack
+            };
+        self.current.last_walks[slot] = last;
+        stack
     }
 
-    /// Fills `self.stack` with the sample's location indexes; false when a
-    /// location is new and `insert` is off.
+    /// Fills `self.stack` with the sample's location indexes, but for the
+    /// `skip_outer` outermost user frames (the caller has them); false when
+    /// a location is new and `insert` is off.
     fn intern_stack(
         &mut self,
         header: &SampleHeader,
         kernel_frames: &[u64],
         user: Option<&Walk<'_>>,
+        skip_outer: usize,
         insert: bool,
     ) -> bool {
         self.stack.clear();
@@ -840,7 +837,8 @@ impl Aggregator {
         // Read once per sample, and only for samples with JIT frames: the
         // clock is not free on the per-sample path.
         let mut now = None;
-        for (i, object) in walk.objects.iter().enumerate() {
+        let own = walk.objects.len().saturating_sub(skip_outer);
+        for (i, object) in walk.objects[..own].iter().enumerate() {
             let (mapping, address) = match object {
                 FrameObject::File { file, file_offset } => {
                     (self.file_mapping(file, insert), *file_offset)

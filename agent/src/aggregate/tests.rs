@@ -805,7 +805,7 @@ fn add_walked(
 }
 
 #[test]
-fn walks_seen_before_intern_as_they_would_frame_by_frame() {
+fn frames_shared_with_a_threads_last_walk_intern_as_they_would_one_by_one() {
     let (own, libc) = module_files();
     // Two versions of a process's module list: the second has `own`
     // mapped 0x1000 higher, so the same addresses are other file offsets.
@@ -843,7 +843,9 @@ fn walks_seen_before_intern_as_they_would_frame_by_frame() {
         let frames: Vec<u64> = (0..1 + next(4)).map(|_| pcs[next(pcs.len())]).collect();
         let objects: Vec<FrameObject> = frames.iter().map(|&pc| place(space, pc)).collect();
         let kernel: &[u64] = if next(3) == 0 { &[KERNEL_LEAF] } else { &[] };
-        let header = header(std::process::id(), ["a", "b"][next(2)], true);
+        let mut header = header(std::process::id(), ["a", "b"][next(2)], true);
+        // Three threads, and one whose slot another thread's id shares.
+        header.tid = [1, 2, 3, 1 + LAST_WALK_SLOTS as u32][next(4)];
         add_walked(&mut memo, &header, kernel, &frames, &objects, Some(space));
         add_walked(&mut plain, &header, kernel, &frames, &objects, None);
         if round == 1_000 {
@@ -854,8 +856,16 @@ fn walks_seen_before_intern_as_they_would_frame_by_frame() {
             assert_eq!(flatten(&a), flatten(&b));
         }
     }
-    assert!(!memo.current.walked.is_empty(), "walks were remembered");
-    assert!(plain.current.walked.is_empty(), "no space, no memo");
+    let remembered = |aggregator: &Aggregator| {
+        aggregator
+            .current
+            .last_walks
+            .iter()
+            .filter(|walk| walk.space.is_some())
+            .count()
+    };
+    assert!(remembered(&memo) > 0, "walks were remembered");
+    assert_eq!(remembered(&plain), 0, "no space, nothing remembered");
     let (a, b) = (
         memo.finish_interval(UNIX_EPOCH),
         plain.finish_interval(UNIX_EPOCH),
@@ -866,28 +876,33 @@ fn walks_seen_before_intern_as_they_would_frame_by_frame() {
 }
 
 #[test]
-fn the_walk_memo_holds_no_more_memory_than_its_bound() {
-    let mut builder = Builder::new(UNIX_EPOCH);
-    let key_of = |n: u64| -> Vec<u64> { (0..60).map(|frame| n << 8 | frame).collect() };
-    let mut remembered = 0;
-    for n in 0..20_000u64 {
-        let key = key_of(n);
-        let hash = builder.walk_hash(&key);
-        builder.remember_walk(&key, hash, n as u32);
-        if builder.walked_stack(&key, hash) == Some(n as u32) {
-            remembered += 1;
-        }
-        // What is allocated, arena capacity and table buckets, not what
-        // is used.
-        assert!(builder.walk_memo_bytes() <= MAX_WALK_MEMO_BYTES);
-    }
-    assert!(
-        remembered > 8_000 && remembered < 20_000,
-        "remembered {remembered} of 20,000 walks of 480 bytes under 4 MiB"
-    );
-    let first = key_of(0);
-    assert_eq!(
-        builder.walked_stack(&first, builder.walk_hash(&first)),
-        Some(0)
-    );
+fn outer_frames_are_shared_but_never_an_innermost_frame_with_a_return_address() {
+    let last = LastWalk {
+        frames: vec![0x30, 0x20, 0x10],
+        ..LastWalk::default()
+    };
+    assert_eq!(last.shared_outer_frames(&[0x31, 0x20, 0x10]), 2);
+    assert_eq!(last.shared_outer_frames(&[0x30, 0x20, 0x10]), 3);
+    assert_eq!(last.shared_outer_frames(&[0x40, 0x30, 0x20, 0x10]), 2);
+    // Frame 0 here is a return address there: its location differs.
+    assert_eq!(last.shared_outer_frames(&[0x20, 0x10]), 1);
+    assert_eq!(last.shared_outer_frames(&[0x10]), 0);
+    assert_eq!(last.shared_outer_frames(&[0x11, 0x10, 0x20]), 0);
+}
+
+#[test]
+fn walks_too_deep_to_remember_are_interned_and_not_remembered() {
+    let (own, _) = module_files();
+    let mut aggregator = Aggregator::new(config());
+    let header = header(std::process::id(), "deep", true);
+    let depth = MAX_REMEMBERED_FRAMES + 1;
+    let frames: Vec<u64> = (0..depth as u64).map(|i| 0x1000 + i).collect();
+    let objects: Vec<FrameObject> = frames.iter().map(|&pc| file(&own, pc)).collect();
+    add_walked(&mut aggregator, &header, &[], &frames, &objects, Some(1));
+    add_walked(&mut aggregator, &header, &[], &frames, &objects, Some(1));
+    assert_eq!(aggregator.current.last_walk_bytes(), 0);
+    let interval = aggregator.finish_interval(UNIX_EPOCH);
+    assert_eq!(interval.samples.len(), 1);
+    assert_eq!(interval.samples[0].count, 2);
+    assert_eq!(interval.stacks[0].len(), depth);
 }
