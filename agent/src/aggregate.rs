@@ -102,8 +102,14 @@ const MAX_MODULE_MEMO: usize = 65_536;
 const LAST_WALK_SLOTS: usize = 64;
 
 /// User frames of a walk remembered at most (the walker's default depth
-/// limit): with [`LAST_WALK_SLOTS`] and the kernel frames, at most 850 KB.
+/// limit).
 const MAX_REMEMBERED_FRAMES: usize = stackscope_unwind::DEFAULT_MAX_DEPTH;
+
+/// What the last walks may hold: in every slot, the most user frames
+/// with their locations, and the most kernel frames (about 850 KB).
+const MAX_LAST_WALK_BYTES: usize = LAST_WALK_SLOTS
+    * (MAX_REMEMBERED_FRAMES * (std::mem::size_of::<u64>() + std::mem::size_of::<u32>())
+        + agent_common::MAX_KERNEL_FRAMES * std::mem::size_of::<u64>());
 
 /// How samples are labelled and aggregated.
 #[derive(Debug, Clone)]
@@ -517,6 +523,21 @@ struct LastWalk {
     stack: u32,
 }
 
+/// Replaces a vector's contents, allocating no more than they need: a
+/// doubling growth would take a slot past its share of
+/// [`MAX_LAST_WALK_BYTES`].
+trait SetExactly<T> {
+    fn set_exactly(&mut self, values: &[T]);
+}
+
+impl<T: Copy> SetExactly<T> for Vec<T> {
+    fn set_exactly(&mut self, values: &[T]) {
+        self.clear();
+        self.reserve_exact(values.len());
+        self.extend_from_slice(values);
+    }
+}
+
 impl LastWalk {
     fn bytes(&self) -> usize {
         self.frames.capacity() * std::mem::size_of::<u64>()
@@ -641,11 +662,7 @@ impl Aggregator {
         out.push(StateSize::bytes(
             "last_walks",
             current.last_walk_bytes(),
-            Some(
-                LAST_WALK_SLOTS
-                    * (MAX_REMEMBERED_FRAMES * 12
-                        + agent_common::MAX_KERNEL_FRAMES * std::mem::size_of::<u64>()),
-            ),
+            Some(MAX_LAST_WALK_BYTES),
         ));
         out.push(StateSize::entries(
             "module_memo",
@@ -788,13 +805,10 @@ impl Aggregator {
                 {
                     last.tid = header.tid;
                     last.space = Some(space);
-                    last.frames.clear();
-                    last.frames.extend_from_slice(walk.frames);
-                    last.locations.clear();
-                    last.locations
-                        .extend_from_slice(&self.stack[self.stack.len() - walk.frames.len()..]);
-                    last.kernel_frames.clear();
-                    last.kernel_frames.extend_from_slice(kernel_frames);
+                    let user_part = self.stack.len() - walk.frames.len();
+                    last.frames.set_exactly(walk.frames);
+                    last.locations.set_exactly(&self.stack[user_part..]);
+                    last.kernel_frames.set_exactly(kernel_frames);
                     last.stack = stack;
                 }
                 stack

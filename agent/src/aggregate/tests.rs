@@ -837,7 +837,7 @@ fn frames_shared_with_a_threads_last_walk_intern_as_they_would_one_by_one() {
         max_entries: 40,
         ..config()
     };
-    let (mut memo, mut plain) = (Aggregator::new(small()), Aggregator::new(small()));
+    let (mut shared, mut plain) = (Aggregator::new(small()), Aggregator::new(small()));
     for round in 0..2_000 {
         let space = 1 + next(2) as u64;
         let frames: Vec<u64> = (0..1 + next(4)).map(|_| pcs[next(pcs.len())]).collect();
@@ -846,11 +846,11 @@ fn frames_shared_with_a_threads_last_walk_intern_as_they_would_one_by_one() {
         let mut header = header(std::process::id(), ["a", "b"][next(2)], true);
         // Three threads, and one whose slot another thread's id shares.
         header.tid = [1, 2, 3, 1 + LAST_WALK_SLOTS as u32][next(4)];
-        add_walked(&mut memo, &header, kernel, &frames, &objects, Some(space));
+        add_walked(&mut shared, &header, kernel, &frames, &objects, Some(space));
         add_walked(&mut plain, &header, kernel, &frames, &objects, None);
         if round == 1_000 {
             let (a, b) = (
-                memo.finish_interval(UNIX_EPOCH),
+                shared.finish_interval(UNIX_EPOCH),
                 plain.finish_interval(UNIX_EPOCH),
             );
             assert_eq!(flatten(&a), flatten(&b));
@@ -864,15 +864,15 @@ fn frames_shared_with_a_threads_last_walk_intern_as_they_would_one_by_one() {
             .filter(|walk| walk.space.is_some())
             .count()
     };
-    assert!(remembered(&memo) > 0, "walks were remembered");
+    assert!(remembered(&shared) > 0, "walks were remembered");
     assert_eq!(remembered(&plain), 0, "no space, nothing remembered");
     let (a, b) = (
-        memo.finish_interval(UNIX_EPOCH),
+        shared.finish_interval(UNIX_EPOCH),
         plain.finish_interval(UNIX_EPOCH),
     );
     assert_eq!(flatten(&a), flatten(&b));
-    assert!(a.sample_count() > 0 && memo.stats().truncated > 0);
-    assert_eq!(memo.stats(), plain.stats());
+    assert!(a.sample_count() > 0 && shared.stats().truncated > 0);
+    assert_eq!(shared.stats(), plain.stats());
 }
 
 #[test]
@@ -905,4 +905,36 @@ fn walks_too_deep_to_remember_are_interned_and_not_remembered() {
     assert_eq!(interval.samples.len(), 1);
     assert_eq!(interval.samples[0].count, 2);
     assert_eq!(interval.stacks[0].len(), depth);
+}
+
+#[test]
+fn the_last_walks_hold_no_more_memory_than_their_bound() {
+    let (own, _) = module_files();
+    let mut aggregator = Aggregator::new(config());
+    let kernel: Vec<u64> = (0..agent_common::MAX_KERNEL_FRAMES as u64)
+        .map(|i| KERNEL_LEAF + i)
+        .collect();
+    // Every slot holds a walk of 600 frames, then one of the most frames
+    // remembered: vectors that doubled would hold 1,200.
+    for depth in [600, MAX_REMEMBERED_FRAMES] {
+        for tid in 0..LAST_WALK_SLOTS as u32 {
+            let mut header = header(std::process::id(), "deep", true);
+            header.tid = tid;
+            let frames: Vec<u64> = (0..depth as u64).map(|i| 0x1000 + i).collect();
+            let objects: Vec<FrameObject> = frames.iter().map(|&pc| file(&own, pc)).collect();
+            add_walked(
+                &mut aggregator,
+                &header,
+                &kernel,
+                &frames,
+                &objects,
+                Some(1),
+            );
+        }
+    }
+    let held = aggregator.current.last_walk_bytes();
+    assert!(
+        held > MAX_LAST_WALK_BYTES * 9 / 10 && held <= MAX_LAST_WALK_BYTES,
+        "{held} bytes held, bound {MAX_LAST_WALK_BYTES}"
+    );
 }
