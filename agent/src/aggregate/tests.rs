@@ -938,3 +938,20 @@ fn the_last_walks_hold_no_more_memory_than_their_bound() {
         "{held} bytes held, bound {MAX_LAST_WALK_BYTES}"
     );
 }
+
+#[test]
+fn the_next_interval_has_room_for_what_this_one_held() {
+    let (own, _) = module_files();
+    let mut aggregator = Aggregator::new(config());
+    let header = header(std::process::id(), "app", true);
+    for leaf in 0..500u64 {
+        let objects = [file(&own, 0x1000 + leaf), file(&own, 0x100)];
+        add(&mut aggregator, &header, &[], &objects);
+    }
+    let held = aggregator.finish_interval(UNIX_EPOCH);
+    assert_eq!((held.stacks.len(), held.locations.len()), (500, 501));
+    let next = &aggregator.current;
+    assert!(next.stacks.is_empty() && next.stacks.capacity() >= 500);
+    assert!(next.stack_index.capacity() >= 500);
+    assert!(next.location_index.capacity() >= 501 && next.sample_index.capacity() >= 500);
+}
