@@ -45,6 +45,8 @@ struct Run {
     /// reads, the first naming of each binary) and shutdown (stackscope
     /// only).
     steady_per_sample: Duration,
+    /// Of which the BPF program's mean run time (over the whole run).
+    bpf_per_sample: Duration,
     agent_rss_kib: f64,
     collector_rss_kib: f64,
     root_share: f64,
@@ -296,10 +298,10 @@ fn under_stackscope(
     let bpf = Duration::from_nanos((number("/bpf/ns_per_run") * number("/bpf/run_count")) as u64);
     let samples = number("/kernel/samples");
     let steady_samples = steady_to.1 - steady_from.1;
+    let bpf_per_sample = Duration::from_secs_f64(number("/bpf/ns_per_run") * 1e-9);
     let steady_per_sample = Duration::from_secs_f64(
-        (steady_to.0.saturating_sub(steady_from.0)).as_secs_f64() / steady_samples.max(1.0)
-            + number("/bpf/ns_per_run") * 1e-9,
-    );
+        (steady_to.0.saturating_sub(steady_from.0)).as_secs_f64() / steady_samples.max(1.0),
+    ) + bpf_per_sample;
     let top_text = Command::new(bin("stackscope"))
         .args([
             "top",
@@ -322,6 +324,7 @@ fn under_stackscope(
         profiler_cpu: agent_exit.cpu + bpf,
         collector_cpu: collector_exit.cpu,
         steady_per_sample,
+        bpf_per_sample,
         agent_rss_kib: agent_rss_kib as f64,
         collector_rss_kib: collector_rss_kib as f64,
         root_share: number("/unwinding/outermost") / number("/unwinding/walks").max(1.0),
@@ -480,10 +483,15 @@ fn report(hz: u32, alone: &[f64], ours: &[Run], perf: &[Run]) {
         );
         if name == "stackscope" {
             println!(
-                "            steady state (after the first batch and {} s, agent + BPF) per sample {}",
+                "            steady state (after the first batch and {} s, agent + BPF) per sample {}, \
+                 of which BPF {}",
                 STEADY_FROM.as_secs(),
                 show(
                     spread(runs.iter().map(|r| r.steady_per_sample.as_secs_f64() * 1e6)),
+                    " us"
+                ),
+                show(
+                    spread(runs.iter().map(|r| r.bpf_per_sample.as_secs_f64() * 1e6)),
                     " us"
                 ),
             );
