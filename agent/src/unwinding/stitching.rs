@@ -168,6 +168,12 @@ pub struct Planner {
     tops: HashMap<u32, (u32, u64)>,
     /// Thread names whose threads needed deep copies.
     deep_programs: HashSet<[u8; COMM_LEN]>,
+    /// Per thread name: tails of its threads that went stale. A program
+    /// whose threads live shorter than two stale tails each (a compiler
+    /// run) is never caught by `ThreadPlan::stale_tails`, so its threads
+    /// would be planned tails, one after the other, none of which keeps
+    /// up. At most `MAX_DEEP_PROGRAMS` names (emptied when full).
+    stale_programs: HashMap<[u8; COMM_LEN], u8>,
     updates: Vec<PlanUpdate>,
     /// Learning budget: the second (of sample time) it counts, and how
     /// many were spent in it.
@@ -192,6 +198,7 @@ impl Planner {
             threads: HashMap::new(),
             tops: HashMap::new(),
             deep_programs: HashSet::new(),
+            stale_programs: HashMap::new(),
             updates: Vec::new(),
             budget_second: 0,
             budget_spent: 0,
@@ -227,6 +234,11 @@ impl Planner {
         out.push(StateSize::entries(
             "deep_programs",
             self.deep_programs.len(),
+            Some(MAX_DEEP_PROGRAMS),
+        ));
+        out.push(StateSize::entries(
+            "stale_programs",
+            self.stale_programs.len(),
             Some(MAX_DEEP_PROGRAMS),
         ));
     }
@@ -371,6 +383,13 @@ impl Planner {
         let (was_planned, stale_tails) = match thread {
             Some(t) if t.planned == Planned::Tail => {
                 let recent = walk.ktime_ns.saturating_sub(t.last_learn_ns) < STALE_WINDOW_NS;
+                if recent {
+                    if self.stale_programs.len() >= MAX_DEEP_PROGRAMS {
+                        self.stale_programs.clear();
+                    }
+                    let count = self.stale_programs.entry(walk.comm).or_default();
+                    *count = count.saturating_add(1);
+                }
                 let stale = if recent {
                     t.stale_tails.saturating_add(1)
                 } else {
@@ -422,7 +441,11 @@ impl Planner {
         // do not, or when its frames are too many for a tail.
         let tails_fell_behind = was_planned == Planned::Deep
             || stale_tails >= STALE_TAILS_FOR_DEEP
-            || self.deep_programs.contains(&walk.comm);
+            || self.deep_programs.contains(&walk.comm)
+            || self
+                .stale_programs
+                .get(&walk.comm)
+                .is_some_and(|&stale| stale >= STALE_TAILS_FOR_DEEP);
         let tail = (outermost && !tails_fell_behind)
             .then(|| plan_for(walk.tgid, rsp, remote.reads, self.ceiling))
             .flatten();
@@ -1205,5 +1228,80 @@ mod tests {
         planner.learn(&soon, &copy, walk_to_the_root);
         assert_eq!(planner.stats().deep_plans_learned, 0);
         assert_eq!(planner.stats().plans_learned, 2);
+    }
+
+    #[test]
+    fn threads_of_one_program_whose_tails_each_go_stale_once_make_the_next_deep() {
+        let stack = FakeStack::new(16);
+        let rsp = stack.rsp();
+        let copy = [0u8; 128];
+        let walk_to_the_root = |memory: &mut RemoteStack<'_>| {
+            memory.read_u64(rsp + 40_000).expect("readable");
+            UnwindEnd::Outermost
+        };
+        let mut comm = [0; COMM_LEN];
+        comm[..5].copy_from_slice(b"rustc");
+        let first = WalkReport {
+            tgid: std::process::id(),
+            tid: 1,
+            comm,
+            ktime_ns: 1_000,
+            rsp,
+            copied: 16384,
+            copy_at_top: false,
+            copy_bytes_read: 16384,
+            tail_reads: 0,
+            end: UnwindEnd::StackTruncated,
+        };
+        let mut planner = Planner::new(16384, 1 << 20, true);
+        // Short-lived threads, one after the other: each is planned a
+        // tail, which goes stale once before the thread is gone.
+        let mut at = first.ktime_ns;
+        for tid in 1..=STALE_TAILS_FOR_DEEP as u32 {
+            let walk = WalkReport {
+                tid,
+                ktime_ns: at,
+                ..first
+            };
+            planner.learn(&walk, &copy, walk_to_the_root);
+            assert_eq!(learned(&mut planner, tid).expect("a tail").stack_end, 0);
+            let stale = WalkReport {
+                ktime_ns: at + STALE_RELEARN_NS,
+                ..walk
+            };
+            planner.learn(&stale, &copy, walk_to_the_root);
+            let (plan, programs) = learned_and_programs(&mut planner, tid);
+            if tid < STALE_TAILS_FOR_DEEP as u32 {
+                assert_eq!(plan.expect("a tail again").stack_end, 0);
+                assert_eq!(programs, []);
+            } else {
+                // Enough of the program's tails went stale: deep, and the
+                // program with it.
+                assert_eq!(plan.expect("a deep plan").stack_end, stack.end());
+                assert_eq!(programs, [(comm, true)]);
+            }
+            at += LEARN_INTERVAL_NS;
+        }
+        // The program's next thread is copied deep from its first learn;
+        // another program's is not.
+        let next = WalkReport {
+            tid: 100,
+            ktime_ns: at,
+            ..first
+        };
+        planner.learn(&next, &copy, walk_to_the_root);
+        assert_eq!(
+            learned(&mut planner, 100).expect("a plan").stack_end,
+            stack.end()
+        );
+        let mut other = [0; COMM_LEN];
+        other[..3].copy_from_slice(b"gcc");
+        let other = WalkReport {
+            tid: 101,
+            comm: other,
+            ..next
+        };
+        planner.learn(&other, &copy, walk_to_the_root);
+        assert_eq!(learned(&mut planner, 101).expect("a tail").stack_end, 0);
     }
 }
