@@ -14,6 +14,9 @@
 //! reshaped every millisecond, makes a tail stale again and again) or are
 //! too many for a tail, it gets a deep copy instead: the sampler copies its
 //! whole stack, from `rsp` to the stack's end learned here, in one read.
+//! So does a thread whose program's threads (by thread name) had two tails
+//! go stale between them shortly before: a compiler's threads are gone
+//! before a tail of their own goes stale twice.
 //! That costs more per tick (about a microsecond per 10 KB) but is the only
 //! way such a stack reaches its root.
 //!
@@ -77,6 +80,11 @@ const STALE_WINDOW_NS: u64 = 2_000_000_000;
 /// not one: a thread first learned while still descending to a stable
 /// depth has one stale tail, and then keeps the next.
 const STALE_TAILS_FOR_DEEP: u8 = 2;
+/// Two stale tails of a program's threads (by thread name, in any of its
+/// processes) make its threads deep when they came within this of each
+/// other (ns of sample time): so do a compiler's, run after run, and not
+/// two stray ones of a long-lived program hours apart.
+const PROGRAM_STALE_WINDOW_NS: u64 = 10_000_000_000;
 /// Programs (thread names) remembered as needing deep copies: their new
 /// threads and processes (a compiler runs once per file) wake the reader at
 /// their first tick and go deep at their first learning instead of after a
@@ -140,6 +148,19 @@ struct ProcessCopy {
     written: u32,
 }
 
+/// Stale tails of a program's threads in a row: `count`, the last at
+/// `last_ns` (sample time).
+struct StaleProgram {
+    count: u8,
+    last_ns: u64,
+}
+
+impl StaleProgram {
+    fn is_recent(&self, now: u64) -> bool {
+        now.saturating_sub(self.last_ns) < PROGRAM_STALE_WINDOW_NS
+    }
+}
+
 struct ThreadPlan {
     tgid: u32,
     last_learn_ns: u64,
@@ -168,12 +189,13 @@ pub struct Planner {
     tops: HashMap<u32, (u32, u64)>,
     /// Thread names whose threads needed deep copies.
     deep_programs: HashSet<[u8; COMM_LEN]>,
-    /// Per thread name: tails of its threads that went stale. A program
-    /// whose threads live shorter than two stale tails each (a compiler
-    /// run) is never caught by `ThreadPlan::stale_tails`, so its threads
-    /// would be planned tails, one after the other, none of which keeps
-    /// up. At most `MAX_DEEP_PROGRAMS` names (emptied when full).
-    stale_programs: HashMap<[u8; COMM_LEN], u8>,
+    /// Per thread name: tails of its threads that went stale, each within
+    /// `PROGRAM_STALE_WINDOW_NS` of the one before. A program whose
+    /// threads live shorter than two stale tails each (a compiler run) is
+    /// never caught by `ThreadPlan::stale_tails`, so its threads would be
+    /// planned tails, one after the other, none of which keeps up. At most
+    /// `MAX_DEEP_PROGRAMS` names (emptied when full).
+    stale_programs: HashMap<[u8; COMM_LEN], StaleProgram>,
     updates: Vec<PlanUpdate>,
     /// Learning budget: the second (of sample time) it counts, and how
     /// many were spent in it.
@@ -380,17 +402,12 @@ impl Planner {
         }) {
             return;
         }
+        // The thread's tail went stale soon after it was learned.
+        let mut went_stale = false;
         let (was_planned, stale_tails) = match thread {
             Some(t) if t.planned == Planned::Tail => {
-                let recent = walk.ktime_ns.saturating_sub(t.last_learn_ns) < STALE_WINDOW_NS;
-                if recent {
-                    if self.stale_programs.len() >= MAX_DEEP_PROGRAMS {
-                        self.stale_programs.clear();
-                    }
-                    let count = self.stale_programs.entry(walk.comm).or_default();
-                    *count = count.saturating_add(1);
-                }
-                let stale = if recent {
+                went_stale = walk.ktime_ns.saturating_sub(t.last_learn_ns) < STALE_WINDOW_NS;
+                let stale = if went_stale {
                     t.stale_tails.saturating_add(1)
                 } else {
                     1
@@ -409,6 +426,15 @@ impl Planner {
             return;
         }
         self.budget_spent += 1;
+        // Counted only now: a throttled learn leaves the thread's last
+        // learning time as it was, and would count the same tail again.
+        let program_stale = if went_stale {
+            self.program_went_stale(walk.comm, walk.ktime_ns)
+        } else {
+            self.stale_programs
+                .get(&walk.comm)
+                .is_some_and(|p| p.is_recent(walk.ktime_ns) && p.count >= STALE_TAILS_FOR_DEEP)
+        };
         if !self.threads.contains_key(&walk.tid)
             && self.threads.len() >= 2 * MAX_STACK_PLANS as usize
         {
@@ -439,17 +465,16 @@ impl Planner {
         );
         // Tails while they keep up with the thread; a deep copy once they
         // do not, or when its frames are too many for a tail.
+        let deep_fits = outermost && self.deep_limit > 0 && reach <= u64::from(self.deep_limit);
+        // The program's word is taken only where a deep copy can follow:
+        // a thread of its own is still planned a tail otherwise.
         let tails_fell_behind = was_planned == Planned::Deep
             || stale_tails >= STALE_TAILS_FOR_DEEP
             || self.deep_programs.contains(&walk.comm)
-            || self
-                .stale_programs
-                .get(&walk.comm)
-                .is_some_and(|&stale| stale >= STALE_TAILS_FOR_DEEP);
+            || (program_stale && deep_fits);
         let tail = (outermost && !tails_fell_behind)
             .then(|| plan_for(walk.tgid, rsp, remote.reads, self.ceiling))
             .flatten();
-        let deep_fits = outermost && self.deep_limit > 0 && reach <= u64::from(self.deep_limit);
         let plan = match tail {
             Some(tail) => Some((tail, Planned::Tail)),
             None if deep_fits => remote.stack_end().map(|end| {
@@ -489,6 +514,27 @@ impl Planner {
             tid: walk.tid,
             plan: Some(plan),
         });
+    }
+
+    /// Counts a stale tail of a thread of `comm` at `now`; true when its
+    /// program's tails went stale often enough, recently enough, for its
+    /// threads to be copied deep.
+    fn program_went_stale(&mut self, comm: [u8; COMM_LEN], now: u64) -> bool {
+        if !self.stale_programs.contains_key(&comm)
+            && self.stale_programs.len() >= MAX_DEEP_PROGRAMS
+        {
+            self.stale_programs.clear();
+        }
+        let program = self.stale_programs.entry(comm).or_insert(StaleProgram {
+            count: 0,
+            last_ns: now,
+        });
+        if !program.is_recent(now) {
+            program.count = 0;
+        }
+        program.count = program.count.saturating_add(1);
+        program.last_ns = now;
+        program.count >= STALE_TAILS_FOR_DEEP
     }
 
     fn forget_oldest_thread(&mut self) {
@@ -1303,5 +1349,80 @@ mod tests {
         };
         planner.learn(&other, &copy, walk_to_the_root);
         assert_eq!(learned(&mut planner, 101).expect("a tail").stack_end, 0);
+    }
+
+    #[test]
+    fn a_programs_stale_tails_count_once_each_and_only_close_together() {
+        let stack = FakeStack::new(16);
+        let rsp = stack.rsp();
+        let copy = [0u8; 128];
+        let walk_to_the_root = |memory: &mut RemoteStack<'_>| {
+            memory.read_u64(rsp + 40_000).expect("readable");
+            UnwindEnd::Outermost
+        };
+        let mut comm = [0; COMM_LEN];
+        comm[..5].copy_from_slice(b"rustc");
+        let walk = |tid, ktime_ns| WalkReport {
+            tgid: std::process::id(),
+            tid,
+            comm,
+            ktime_ns,
+            rsp,
+            copied: 16384,
+            copy_at_top: false,
+            copy_bytes_read: 16384,
+            tail_reads: 0,
+            end: UnwindEnd::StackTruncated,
+        };
+        let deep = |planner: &mut Planner, tid| {
+            learned(planner, tid).expect("a plan").stack_end == stack.end()
+        };
+        let second = 1_000_000_000;
+        let mut planner = Planner::new(16384, 1 << 20, true);
+        // One stale tail of thread 1.
+        planner.learn(&walk(1, second), &copy, walk_to_the_root);
+        planner.learn(&walk(1, second + STALE_RELEARN_NS), &copy, walk_to_the_root);
+        assert!(!deep(&mut planner, 1));
+        // Thread 2's tail goes stale while the learning budget is spent:
+        // its relearns are throttled, and count nothing, however many.
+        planner.learn(&walk(2, 2 * second), &copy, walk_to_the_root);
+        assert!(!deep(&mut planner, 2));
+        for tid in 1001..1000 + LEARNS_PER_SECOND {
+            planner.learn(&walk(tid, 2 * second + 1), &copy, |_| UnwindEnd::Unmapped);
+        }
+        for tick in 1..=5 {
+            let at = 2 * second + tick * STALE_RELEARN_NS;
+            planner.learn(&walk(2, at), &copy, walk_to_the_root);
+        }
+        assert_eq!(planner.stats().learn_throttled, 5);
+        // One stale tail so far: thread 3 gets a tail.
+        planner.learn(&walk(3, 3 * second), &copy, walk_to_the_root);
+        assert!(!deep(&mut planner, 3));
+        // A stale tail long after the program's last one starts the count
+        // again: thread 4 keeps a tail; the next one within the window
+        // makes thread 5 deep.
+        let late = second + STALE_RELEARN_NS + PROGRAM_STALE_WINDOW_NS + second;
+        planner.learn(&walk(4, late), &copy, walk_to_the_root);
+        assert!(!deep(&mut planner, 4));
+        planner.learn(&walk(4, late + STALE_RELEARN_NS), &copy, walk_to_the_root);
+        assert!(!deep(&mut planner, 4));
+        planner.learn(&walk(5, late + second), &copy, walk_to_the_root);
+        assert!(!deep(&mut planner, 5));
+        planner.learn(
+            &walk(5, late + second + STALE_RELEARN_NS),
+            &copy,
+            walk_to_the_root,
+        );
+        assert!(deep(&mut planner, 5), "two stale tails within the window");
+
+        // Without deep copies the program's threads keep their tails.
+        let mut planner = Planner::new(16384, 0, true);
+        for tid in 1..=3 {
+            let at = u64::from(tid) * second;
+            planner.learn(&walk(tid, at), &copy, walk_to_the_root);
+            planner.learn(&walk(tid, at + STALE_RELEARN_NS), &copy, walk_to_the_root);
+        }
+        planner.learn(&walk(9, 4 * second), &copy, walk_to_the_root);
+        assert_eq!(learned(&mut planner, 9).expect("a tail").span_count, 1);
     }
 }
