@@ -555,6 +555,30 @@ impl LastWalk {
             + self.kernel_frames.capacity() * std::mem::size_of::<u64>()
     }
 
+    /// Makes this the thread's last walk, unless it is too deep to keep.
+    fn remember(
+        &mut self,
+        tid: u32,
+        space: u64,
+        frames: &[u64],
+        locations: &[u32],
+        kernel_frames: &[u64],
+        stack: u32,
+    ) {
+        if frames.len() > MAX_REMEMBERED_FRAMES
+            || kernel_frames.len() > agent_common::MAX_KERNEL_FRAMES
+        {
+            self.space = None;
+            return;
+        }
+        self.tid = tid;
+        self.space = Some(space);
+        self.frames.set_exactly(frames);
+        self.locations.set_exactly(locations);
+        self.kernel_frames.set_exactly(kernel_frames);
+        self.stack = stack;
+    }
+
     /// How many outermost frames of `frames` are this walk's outermost
     /// frames, and so are in the same locations. A frame that is the
     /// innermost of one walk but not of the other is not: the innermost
@@ -791,38 +815,44 @@ impl Aggregator {
         let slot = header.tid as usize % LAST_WALK_SLOTS;
         let mut last = std::mem::take(&mut self.current.last_walks[slot]);
         let same_thread = last.tid == header.tid && last.space == Some(space);
-        let stack =
-            if same_thread && last.frames == walk.frames && last.kernel_frames == kernel_frames {
-                Some(last.stack)
-            } else {
-                let shared = if same_thread {
-                    last.shared_outer_frames(walk.frames)
-                } else {
-                    0
-                };
-                let complete = self.intern_stack(header, kernel_frames, user, shared, insert);
-                let stack = complete
-                    .then(|| {
-                        self.stack
-                            .extend_from_slice(&last.locations[last.locations.len() - shared..]);
-                        self.current.stack(&self.stack, insert)
-                    })
-                    .flatten();
-                last.space = None;
-                if let Some(stack) = stack
-                    && walk.frames.len() <= MAX_REMEMBERED_FRAMES
-                    && kernel_frames.len() <= agent_common::MAX_KERNEL_FRAMES
-                {
-                    last.tid = header.tid;
-                    last.space = Some(space);
+        // One pass over the frames: all of them shared is the same walk.
+        let shared = if same_thread {
+            last.shared_outer_frames(walk.frames)
+        } else {
+            0
+        };
+        let stack = if same_thread
+            && shared == walk.frames.len()
+            && shared == last.frames.len()
+            && last.kernel_frames == kernel_frames
+        {
+            Some(last.stack)
+        } else {
+            let stack = self
+                .intern_stack(header, kernel_frames, user, shared, insert)
+                .then(|| {
+                    self.stack
+                        .extend_from_slice(&last.locations[last.locations.len() - shared..]);
+                    self.current.stack(&self.stack, insert)
+                })
+                .flatten();
+            match stack {
+                Some(stack) => {
                     let user_part = self.stack.len() - walk.frames.len();
-                    last.frames.set_exactly(walk.frames);
-                    last.locations.set_exactly(&self.stack[user_part..]);
-                    last.kernel_frames.set_exactly(kernel_frames);
-                    last.stack = stack;
+                    last.remember(
+                        header.tid,
+                        space,
+                        walk.frames,
+                        &self.stack[user_part..],
+                        kernel_frames,
+                        stack,
+                    );
                 }
-                stack
-            };
+                // An incomplete stack may hold only some of the frames.
+                None => last.space = None,
+            }
+            stack
+        };
         self.current.last_walks[slot] = last;
         stack
     }
