@@ -262,8 +262,9 @@ fn under_stackscope(
             .spawn()
             .context("starting the agent")?,
     );
-    // Its CPU is read from a cgroup of its own: the agent is moved in
-    // before it starts sampling, and everything it runs is counted.
+    // Its CPU is read from a cgroup of its own, which it enters right
+    // after it starts (long before the steady window): every thread it
+    // runs is counted, exited ones too.
     let agent_cgroup = Cgroup::create(
         cgroup2_mount()?.join(format!("stackscope-overhead-agent-{}", std::process::id())),
     )?;

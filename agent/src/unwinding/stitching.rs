@@ -155,12 +155,6 @@ struct StaleProgram {
     last_ns: u64,
 }
 
-impl StaleProgram {
-    fn is_recent(&self, now: u64) -> bool {
-        now.saturating_sub(self.last_ns) < PROGRAM_STALE_WINDOW_NS
-    }
-}
-
 struct ThreadPlan {
     tgid: u32,
     last_learn_ns: u64,
@@ -428,13 +422,9 @@ impl Planner {
         self.budget_spent += 1;
         // Counted only now: a throttled learn leaves the thread's last
         // learning time as it was, and would count the same tail again.
-        let program_stale = if went_stale {
-            self.program_went_stale(walk.comm, walk.ktime_ns)
-        } else {
-            self.stale_programs
-                .get(&walk.comm)
-                .is_some_and(|p| p.is_recent(walk.ktime_ns) && p.count >= STALE_TAILS_FOR_DEEP)
-        };
+        // The program's later threads need no count: the deep plan this
+        // one gets puts the program in `deep_programs`.
+        let program_stale = went_stale && self.program_went_stale(walk.comm, walk.ktime_ns);
         if !self.threads.contains_key(&walk.tid)
             && self.threads.len() >= 2 * MAX_STACK_PLANS as usize
         {
@@ -529,7 +519,7 @@ impl Planner {
             count: 0,
             last_ns: now,
         });
-        if !program.is_recent(now) {
+        if now.saturating_sub(program.last_ns) >= PROGRAM_STALE_WINDOW_NS {
             program.count = 0;
         }
         program.count = program.count.saturating_add(1);
@@ -1196,30 +1186,41 @@ mod tests {
         (plan, programs)
     }
 
-    #[test]
-    fn a_tail_that_goes_stale_becomes_a_deep_copy_for_the_thread_and_its_program() {
-        let stack = FakeStack::new(16);
-        let rsp = stack.rsp();
-        let copy = [0u8; 128];
-        let deep_word = rsp + 40_000;
-        let walk_to_the_root = |memory: &mut RemoteStack<'_>| {
-            memory.read_u64(deep_word).expect("readable");
-            UnwindEnd::Outermost
-        };
+    /// A truncated walk of a thread of `rustc` on `rsp`.
+    fn rustc_walk(rsp: u64, tid: u32, ktime_ns: u64) -> WalkReport {
         let mut comm = [0; COMM_LEN];
         comm[..5].copy_from_slice(b"rustc");
-        let walk = WalkReport {
+        WalkReport {
             tgid: std::process::id(),
-            tid: 1,
+            tid,
             comm,
-            ktime_ns: 1_000,
+            ktime_ns,
             rsp,
             copied: 16384,
             copy_at_top: false,
             copy_bytes_read: 16384,
             tail_reads: 0,
             end: UnwindEnd::StackTruncated,
-        };
+        }
+    }
+
+    /// A learning walk that reads one word 40,000 bytes above `rsp` and
+    /// reaches the root.
+    fn to_the_root_past(rsp: u64) -> impl Fn(&mut RemoteStack<'_>) -> UnwindEnd + Copy {
+        move |memory| {
+            memory.read_u64(rsp + 40_000).expect("readable");
+            UnwindEnd::Outermost
+        }
+    }
+
+    #[test]
+    fn a_tail_that_goes_stale_becomes_a_deep_copy_for_the_thread_and_its_program() {
+        let stack = FakeStack::new(16);
+        let rsp = stack.rsp();
+        let copy = [0u8; 128];
+        let walk_to_the_root = to_the_root_past(rsp);
+        let walk = rustc_walk(rsp, 1, 1_000);
+        let comm = walk.comm;
         let mut planner = Planner::new(16384, 1 << 20, true);
         // First a tail, as for any deep thread.
         planner.learn(&walk, &copy, walk_to_the_root);
@@ -1281,24 +1282,9 @@ mod tests {
         let stack = FakeStack::new(16);
         let rsp = stack.rsp();
         let copy = [0u8; 128];
-        let walk_to_the_root = |memory: &mut RemoteStack<'_>| {
-            memory.read_u64(rsp + 40_000).expect("readable");
-            UnwindEnd::Outermost
-        };
-        let mut comm = [0; COMM_LEN];
-        comm[..5].copy_from_slice(b"rustc");
-        let first = WalkReport {
-            tgid: std::process::id(),
-            tid: 1,
-            comm,
-            ktime_ns: 1_000,
-            rsp,
-            copied: 16384,
-            copy_at_top: false,
-            copy_bytes_read: 16384,
-            tail_reads: 0,
-            end: UnwindEnd::StackTruncated,
-        };
+        let walk_to_the_root = to_the_root_past(rsp);
+        let first = rustc_walk(rsp, 1, 1_000);
+        let comm = first.comm;
         let mut planner = Planner::new(16384, 1 << 20, true);
         // Short-lived threads, one after the other: each is planned a
         // tail, which goes stale once before the thread is gone.
@@ -1356,24 +1342,8 @@ mod tests {
         let stack = FakeStack::new(16);
         let rsp = stack.rsp();
         let copy = [0u8; 128];
-        let walk_to_the_root = |memory: &mut RemoteStack<'_>| {
-            memory.read_u64(rsp + 40_000).expect("readable");
-            UnwindEnd::Outermost
-        };
-        let mut comm = [0; COMM_LEN];
-        comm[..5].copy_from_slice(b"rustc");
-        let walk = |tid, ktime_ns| WalkReport {
-            tgid: std::process::id(),
-            tid,
-            comm,
-            ktime_ns,
-            rsp,
-            copied: 16384,
-            copy_at_top: false,
-            copy_bytes_read: 16384,
-            tail_reads: 0,
-            end: UnwindEnd::StackTruncated,
-        };
+        let walk_to_the_root = to_the_root_past(rsp);
+        let walk = |tid, ktime_ns| rustc_walk(rsp, tid, ktime_ns);
         let deep = |planner: &mut Planner, tid| {
             learned(planner, tid).expect("a plan").stack_end == stack.end()
         };
