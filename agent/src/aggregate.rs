@@ -232,6 +232,54 @@ pub struct IntervalSample {
     pub count: u64,
 }
 
+/// The stacks of an interval: each a list of indexes into
+/// [`Interval::locations`], leaf first, all of them end to end in one
+/// vector. A box per stack cost a malloc and a free per distinct stack (most
+/// of a busy interval's stacks are distinct), and scattered the stacks a
+/// lookup compares.
+#[derive(Debug, Clone, Default)]
+pub struct Stacks {
+    locations: Vec<u32>,
+    /// Where each stack ends in `locations`.
+    ends: Vec<usize>,
+}
+
+impl Stacks {
+    /// Room for `stacks` stacks of `locations` locations in all.
+    fn with_capacity(stacks: usize, locations: usize) -> Self {
+        Self {
+            locations: Vec::with_capacity(locations),
+            ends: Vec::with_capacity(stacks),
+        }
+    }
+
+    pub fn len(&self) -> usize {
+        self.ends.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.ends.is_empty()
+    }
+
+    /// Stack `index`, leaf first.
+    pub fn get(&self, index: usize) -> Option<&[u32]> {
+        let end = *self.ends.get(index)?;
+        let start = index.checked_sub(1).map_or(0, |before| self.ends[before]);
+        self.locations.get(start..end)
+    }
+
+    /// The stacks in index order.
+    pub fn iter(&self) -> impl ExactSizeIterator<Item = &[u32]> {
+        (0..self.len()).map(|index| self.get(index).unwrap_or_default())
+    }
+
+    /// Adds `stack` as the last stack.
+    fn push(&mut self, stack: &[u32]) {
+        self.locations.extend_from_slice(stack);
+        self.ends.push(self.locations.len());
+    }
+}
+
 /// One finished interval: what a batch is built from. Plain data, sent to
 /// the batch worker's thread.
 #[derive(Debug, Clone)]
@@ -241,8 +289,7 @@ pub struct Interval {
     pub end: SystemTime,
     pub mappings: Vec<IntervalMapping>,
     pub locations: Vec<IntervalLocation>,
-    /// Indexes into `locations`, leaf first.
-    pub stacks: Vec<Box<[u32]>>,
+    pub stacks: Stacks,
     pub label_sets: Vec<LabelValues>,
     /// In the order the pairs first appeared.
     pub samples: Vec<IntervalSample>,
@@ -351,7 +398,7 @@ struct Builder {
     /// by their frames through `stack_index`, which keeps each one's hash
     /// beside its index: growing the table reads no stack again, and a
     /// lookup reads only stacks of the same hash.
-    stacks: Vec<Box<[u32]>>,
+    stacks: Stacks,
     stack_index: HashTable<(u64, u32)>,
     /// The last walk of recently sampled threads, in slots by thread id.
     /// Equal frames in the same space are placed in the same locations
@@ -382,7 +429,7 @@ impl Builder {
             eager_opens: 0,
             locations: Vec::new(),
             location_index: HashMap::new(),
-            stacks: Vec::new(),
+            stacks: Stacks::default(),
             stack_index: HashTable::new(),
             last_walks: std::iter::repeat_with(LastWalk::default)
                 .take(LAST_WALK_SLOTS)
@@ -404,7 +451,7 @@ impl Builder {
         let mut next = Self::new(start);
         next.locations.reserve_exact(self.locations.len());
         next.location_index.reserve(self.locations.len());
-        next.stacks.reserve_exact(self.stacks.len());
+        next.stacks = Stacks::with_capacity(self.stacks.len(), self.stacks.locations.len());
         next.stack_index
             .reserve(self.stacks.len(), |&(hash, _)| hash);
         next.samples.reserve_exact(self.samples.len());
@@ -446,7 +493,7 @@ impl Builder {
         let hash = self.hasher.hash_one::<&[u32]>(stack);
         let stacks = &self.stacks;
         let same = |&(entry_hash, index): &(u64, u32)| {
-            entry_hash == hash && stacks.get(index as usize).is_some_and(|s| **s == *stack)
+            entry_hash == hash && stacks.get(index as usize) == Some(stack)
         };
         if let Some(&(_, index)) = self.stack_index.find(hash, same) {
             return Some(index);
@@ -455,7 +502,7 @@ impl Builder {
             return None;
         }
         let index = index_of(self.stacks.len());
-        self.stacks.push(stack.into());
+        self.stacks.push(stack);
         self.stack_index
             .insert_unique(hash, (hash, index), |&(hash, _)| hash);
         Some(index)

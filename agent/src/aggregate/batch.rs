@@ -86,6 +86,9 @@ pub fn build_batch(
     // two of their locations became one there (named alike): only then do
     // they need looking up (a hash and a copy of each stack).
     let merged = batch.locations.len() < interval.locations.len();
+    // Sized once, as the samples below: grown by doubling, the vector of a
+    // busy interval's stacks was copied into fresh pages several times.
+    batch.stacks.reserve_exact(interval.stacks.len());
     let stack_remap: Vec<u32> = interval
         .stacks
         .iter()
@@ -142,6 +145,8 @@ pub fn build_batch(
         })
         .collect();
 
+    batch.samples.reserve_exact(interval.samples.len());
+    batch.sample_index.reserve(interval.samples.len());
     for sample in &interval.samples {
         let (Some(&stack), Some(&label_set)) = (
             stack_remap.get(sample.stack as usize),

@@ -119,7 +119,10 @@ fn flatten(interval: &Interval) -> Flat {
         .samples
         .iter()
         .map(|sample| {
-            let frames = interval.stacks[sample.stack as usize]
+            let frames = interval
+                .stacks
+                .get(sample.stack as usize)
+                .unwrap()
                 .iter()
                 .map(|&location| {
                     let location = interval.locations[location as usize];
@@ -904,7 +907,7 @@ fn walks_too_deep_to_remember_are_interned_and_not_remembered() {
     let interval = aggregator.finish_interval(UNIX_EPOCH);
     assert_eq!(interval.samples.len(), 1);
     assert_eq!(interval.samples[0].count, 2);
-    assert_eq!(interval.stacks[0].len(), depth);
+    assert_eq!(interval.stacks.get(0).unwrap().len(), depth);
 }
 
 #[test]
@@ -951,7 +954,24 @@ fn the_next_interval_has_room_for_what_this_one_held() {
     let held = aggregator.finish_interval(UNIX_EPOCH);
     assert_eq!((held.stacks.len(), held.locations.len()), (500, 501));
     let next = &aggregator.current;
-    assert!(next.stacks.is_empty() && next.stacks.capacity() >= 500);
+    assert!(next.stacks.is_empty());
+    assert!(next.stacks.ends.capacity() >= 500 && next.stacks.locations.capacity() >= 1000);
     assert!(next.stack_index.capacity() >= 500);
     assert!(next.location_index.capacity() >= 501 && next.sample_index.capacity() >= 500);
+}
+
+#[test]
+fn stacks_kept_end_to_end_read_back_alike_by_index_and_in_order() {
+    let mut stacks = Stacks::default();
+    let pushed: [&[u32]; 4] = [&[1, 2, 3], &[4], &[], &[5, 6]];
+    for stack in pushed {
+        stacks.push(stack);
+    }
+    assert_eq!(stacks.len(), 4);
+    assert_eq!(stacks.iter().len(), 4);
+    assert!(stacks.iter().eq(pushed));
+    for (index, stack) in pushed.iter().enumerate() {
+        assert_eq!(stacks.get(index), Some(*stack));
+    }
+    assert_eq!(stacks.get(4), None);
 }
