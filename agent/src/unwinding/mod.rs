@@ -1318,12 +1318,20 @@ impl StackWalker {
         if !Arc::ptr_eq(&self.frame0_binary, frame0_name) {
             self.frame0_binary = Arc::clone(frame0_name);
         }
+        // Callers are mostly in the module of the frame above them: that
+        // one is tried before a search of the process's modules.
+        let mut last = frame0;
         for (i, &pc) in self.frames.iter().enumerate() {
             let module = if i == 0 {
                 frame0
             } else {
-                process.and_then(|p| p.find(pc.wrapping_sub(1)))
+                let at = pc.wrapping_sub(1);
+                match last {
+                    Some(module) if (module.start..module.end).contains(&at) => last,
+                    _ => process.and_then(|p| p.find(at)),
+                }
             };
+            last = module.or(last);
             match self.objects.get_mut(i) {
                 Some(object) => match module {
                     Some(module) => module.place(pc, object),
