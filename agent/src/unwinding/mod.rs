@@ -634,7 +634,8 @@ pub struct StackWalker {
     waiting_bytes: usize,
     max_waiting_bytes: usize,
     frames: Vec<u64>,
-    /// Index for index with `frames`, filled after each walk.
+    /// Index for index with `frames`, filled after each walk; entries past
+    /// the walk's frames are kept from deeper walks (see `placed`).
     objects: Vec<FrameObject>,
     rules: RuleCache,
     /// The last address-space number handed out (see `ProcessModules::space`).
@@ -939,7 +940,7 @@ impl StackWalker {
             kernel_frames,
             walk: Walk {
                 frames: &self.frames,
-                objects: &self.objects,
+                objects: self.placed(),
                 outcome,
                 stitched,
                 space: self.last_space,
@@ -1239,7 +1240,7 @@ impl StackWalker {
         };
         self.place_frames(tgid);
         if header.flags & sample_flags::TICK_IN_USER == 0
-            && matches!(self.objects[..], [FrameObject::Anonymous { .. }])
+            && matches!(self.placed(), [FrameObject::Anonymous { .. }])
         {
             // A tick in the kernel whose saved user registers point into
             // nothing known to be mapped: inside execve after the old image
@@ -1248,11 +1249,10 @@ impl StackWalker {
             // sample is the kernel's alone: the user part would have been
             // one bare address, which may not even be the process's now.
             self.frames.clear();
-            self.objects.clear();
         }
         Some(Walk {
             frames: &self.frames,
-            objects: &self.objects,
+            objects: self.placed(),
             outcome,
             stitched: self.last_tail_reads > 0,
             space: self.last_space,
@@ -1304,11 +1304,13 @@ impl StackWalker {
     /// Fills `objects` for the frames of the walk just made. A return
     /// address is placed by the byte before it (see [`FrameObject`]).
     ///
-    /// The previous sample's objects are overwritten in place: consecutive
-    /// samples mostly have the same files at the same depths, and keeping
-    /// their `Arc`s spares two atomic operations per frame.
+    /// Earlier samples' objects are overwritten in place, and those past
+    /// this walk's depth are kept, not dropped: consecutive samples mostly
+    /// have the same files at the same depths, and keeping their `Arc`s
+    /// spares two atomic operations per frame (dropping the deeper ones and
+    /// cloning them back was a fifth of `walk_sample` on a workload whose
+    /// depth varies). At most `max_depth` of them are kept.
     fn place_frames(&mut self, tgid: u32) {
-        self.objects.truncate(self.frames.len());
         let process = self.modules.get(&tgid);
         // A process without an entry has no modules, as one with an entry
         // whose list is still empty (space 0): every frame is anonymous.
@@ -1345,7 +1347,13 @@ impl StackWalker {
                 }
             }
         }
-        self.last_space = (!self.objects.iter().any(FrameObject::is_jit)).then_some(space);
+        self.last_space = (!self.placed().iter().any(FrameObject::is_jit)).then_some(space);
+    }
+
+    /// The objects of the last walk's frames.
+    fn placed(&self) -> &[FrameObject] {
+        // `place_frames` placed every frame: the slice is whole.
+        self.objects.get(..self.frames.len()).unwrap_or_default()
     }
 
     /// Installs the tables the background compiler has finished.
