@@ -234,49 +234,59 @@ pub struct IntervalSample {
 
 /// The stacks of an interval: each a list of indexes into
 /// [`Interval::locations`], leaf first, all of them end to end in one
-/// vector. A box per stack cost a malloc and a free per distinct stack (most
-/// of a busy interval's stacks are distinct), and scattered the stacks a
+/// vector. A box per stack cost a malloc and a free for most samples of a
+/// busy interval (most bring a new stack), and scattered the stacks a
 /// lookup compares.
-#[derive(Debug, Clone, Default)]
+#[derive(Debug, Clone)]
 pub struct Stacks {
     locations: Vec<u32>,
-    /// Where each stack ends in `locations`.
-    ends: Vec<usize>,
+    /// Where each stack starts in `locations`, and after the last, where
+    /// the last ends: stack `i` is `bounds[i]..bounds[i + 1]`.
+    bounds: Vec<usize>,
+}
+
+impl Default for Stacks {
+    fn default() -> Self {
+        Self::with_capacity(0, 0)
+    }
 }
 
 impl Stacks {
     /// Room for `stacks` stacks of `locations` locations in all.
     fn with_capacity(stacks: usize, locations: usize) -> Self {
+        let mut bounds = Vec::with_capacity(stacks + 1);
+        bounds.push(0);
         Self {
             locations: Vec::with_capacity(locations),
-            ends: Vec::with_capacity(stacks),
+            bounds,
         }
     }
 
     pub fn len(&self) -> usize {
-        self.ends.len()
+        self.bounds.len() - 1
     }
 
     pub fn is_empty(&self) -> bool {
-        self.ends.is_empty()
+        self.len() == 0
     }
 
     /// Stack `index`, leaf first.
     pub fn get(&self, index: usize) -> Option<&[u32]> {
-        let end = *self.ends.get(index)?;
-        let start = index.checked_sub(1).map_or(0, |before| self.ends[before]);
+        let (&start, &end) = (self.bounds.get(index)?, self.bounds.get(index + 1)?);
         self.locations.get(start..end)
     }
 
     /// The stacks in index order.
     pub fn iter(&self) -> impl ExactSizeIterator<Item = &[u32]> {
-        (0..self.len()).map(|index| self.get(index).unwrap_or_default())
+        self.bounds
+            .windows(2)
+            .map(|bounds| &self.locations[bounds[0]..bounds[1]])
     }
 
     /// Adds `stack` as the last stack.
     fn push(&mut self, stack: &[u32]) {
         self.locations.extend_from_slice(stack);
-        self.ends.push(self.locations.len());
+        self.bounds.push(self.locations.len());
     }
 }
 

@@ -577,6 +577,7 @@ fn json_report(
             "last_batch_locations": summary.batches.last_batch_locations,
             "last_batch_stacks": summary.batches.last_batch_stacks,
             "last_batch_samples": summary.batches.last_batch_samples,
+            "heap_trims": summary.batches.heap_trims,
         },
         "symbolization": {
             "cache_hit_percent": summary.batches.symbolize.cache_hit_percent(),

@@ -211,6 +211,11 @@ impl AgentMetrics {
             "Aggregation intervals dropped because the batch builder was busy.",
             b.intervals_dropped,
         )?;
+        out.counter(
+            "heap_trims",
+            "Times the heap's free pages were handed back to the kernel (more than 16 MiB free).",
+            b.heap_trims,
+        )?;
         out.gauge(
             "last_batch",
             "Encoded size of the last batch built.",

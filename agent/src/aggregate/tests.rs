@@ -955,7 +955,7 @@ fn the_next_interval_has_room_for_what_this_one_held() {
     assert_eq!((held.stacks.len(), held.locations.len()), (500, 501));
     let next = &aggregator.current;
     assert!(next.stacks.is_empty());
-    assert!(next.stacks.ends.capacity() >= 500 && next.stacks.locations.capacity() >= 1000);
+    assert!(next.stacks.bounds.capacity() > 500 && next.stacks.locations.capacity() >= 1000);
     assert!(next.stack_index.capacity() >= 500);
     assert!(next.location_index.capacity() >= 501 && next.sample_index.capacity() >= 500);
 }

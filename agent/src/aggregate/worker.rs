@@ -47,6 +47,8 @@ pub struct WorkerStats {
     pub build_micros_last: u64,
     pub build_micros_max: u64,
     pub build_micros_total: u64,
+    /// Times the heap's free pages were handed back to the kernel.
+    pub heap_trims: u64,
     /// The last batch: encoded size and dictionary sizes.
     pub last_batch_bytes: u64,
     pub last_batch_locations: u64,
@@ -93,8 +95,11 @@ impl BatchWorker {
                 lock(&stats).symbolize = symbolizer.stats();
                 publish_state(&symbolizer);
                 for interval in waiting {
-                    // The last interval's tables and batch are freed by now.
-                    release_free_heap();
+                    // The last interval's tables are freed by now (its
+                    // batch too, unless the exporter still holds it).
+                    if release_free_heap() {
+                        lock(&stats).heap_trims += 1;
+                    }
                     if interval.samples.is_empty() {
                         lock(&stats).intervals_empty += 1;
                         continue;
@@ -220,29 +225,45 @@ fn lock(stats: &Mutex<WorkerStats>) -> std::sync::MutexGuard<'_, WorkerStats> {
     stats.lock().unwrap_or_else(PoisonError::into_inner)
 }
 
-/// Free heap the allocator may keep for the next interval: each interval
-/// allocates and frees tens of MB (its tables, its batch), and memory kept
-/// free is reused without a page fault, where pages handed back are faulted
-/// in again (zeroed) by the next interval.
-const FREE_HEAP_KEPT: usize = 16 << 20;
+/// Free heap the allocator may keep in memory for the next interval: each
+/// interval allocates and frees tens of MB (its tables, its batch), and
+/// memory kept is reused without a page fault, where pages handed back are
+/// faulted in again (and zeroed) by the next interval.
+const FREE_HEAP_KEPT: u64 = 16 << 20;
 
-/// Hands the free pages of the heap back to the kernel once more than
-/// [`FREE_HEAP_KEPT`] is free. glibc keeps what was freed in its arenas: an
-/// hour's soak saw 43 MB free beside 38 MB in use. Trimming every interval
-/// instead cost 5% of the agent's CPU at 997 Hz (page faults and madvise).
-/// Once per interval, off the run loop.
-fn release_free_heap() {
+/// Hands the free pages of the heap back to the kernel once the agent
+/// holds more than [`FREE_HEAP_KEPT`] of them in memory; true if it did.
+/// glibc keeps what was freed in its arenas (an hour's soak saw 43 MB free
+/// beside 38 MB in use), but trimming after every interval cost 5% of the
+/// agent's CPU at 997 Hz in page faults and madvise calls. Once per
+/// interval, off the run loop.
+///
+/// What is free and in memory is the anonymous memory less what the heap
+/// has in use: the heap's own free figure (`fordblks`) still counts chunks
+/// whose pages a trim already handed back, so it would call for a trim
+/// every interval once the heap is fragmented.
+fn release_free_heap() -> bool {
+    let Some(heap) = stackscope_telemetry::heap_bytes() else {
+        return false;
+    };
+    let Some(anonymous_kib) = std::fs::read_to_string("/proc/self/status")
+        .ok()
+        .and_then(|status| stackscope_telemetry::status_kib(&status, "RssAnon:"))
+    else {
+        return false;
+    };
+    let free_in_memory = (anonymous_kib * 1024).saturating_sub(heap.in_use as u64);
+    let trim = free_in_memory > FREE_HEAP_KEPT;
+    tracing::debug!(free_in_memory, trim, "heap after the interval");
     #[cfg(all(target_os = "linux", target_env = "gnu"))]
-    // SAFETY: mallinfo2 and malloc_trim take no pointer; they read and
-    // reorganise the allocator's own free lists.
-    unsafe {
-        let free = libc::mallinfo2().fordblks;
-        let trim = free > FREE_HEAP_KEPT;
-        tracing::debug!(free_heap_bytes = free, trim, "heap after the interval");
-        if trim {
+    if trim {
+        // SAFETY: malloc_trim takes no pointer and only reorganises the
+        // allocator's own free lists.
+        unsafe {
             libc::malloc_trim(0);
         }
     }
+    trim
 }
 
 /// Offers the interval's binaries with a build-id for upload (each once:

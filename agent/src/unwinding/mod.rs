@@ -1322,7 +1322,7 @@ impl StackWalker {
         }
         // Callers are mostly in the module of the frame above them: that
         // one is tried before a search of the process's modules.
-        let mut last = frame0;
+        let mut last: Option<&Module> = None;
         for (i, &pc) in self.frames.iter().enumerate() {
             let module = if i == 0 {
                 frame0
@@ -1353,6 +1353,7 @@ impl StackWalker {
     /// The objects of the last walk's frames.
     fn placed(&self) -> &[FrameObject] {
         // `place_frames` placed every frame: the slice is whole.
+        debug_assert!(self.objects.len() >= self.frames.len());
         self.objects.get(..self.frames.len()).unwrap_or_default()
     }
 
@@ -1607,6 +1608,15 @@ mod tests {
         walker.frames = vec![0x1010, 0x4020, 0x1020];
         walker.place_frames(7);
         assert_eq!(walker.last_space, None, "JIT frames are named by perf maps");
+        // A shallower walk: the JIT object kept from the deeper one is not
+        // this walk's.
+        walker.frames = vec![0x1010];
+        walker.place_frames(7);
+        assert_eq!(walker.last_space, Some(space));
+        assert!(matches!(
+            walker.placed(),
+            [FrameObject::Vdso { offset: 0x10 }]
+        ));
         // A process the walker has no modules for: every frame anonymous.
         walker.place_frames(8);
         assert_eq!(walker.last_space, Some(0));
