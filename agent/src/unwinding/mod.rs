@@ -433,6 +433,10 @@ enum ModuleObject {
 }
 
 impl Module {
+    fn contains(&self, pc: u64) -> bool {
+        self.start <= pc && pc < self.end
+    }
+
     /// Makes `object` this module's object for `pc`, keeping its `Arc`
     /// when it already names this module's file.
     fn place(&self, pc: u64, object: &mut FrameObject) {
@@ -496,7 +500,7 @@ impl ProcessModules {
     fn find(&self, pc: u64) -> Option<&Module> {
         let at = self.modules.partition_point(|m| m.start <= pc);
         let module = self.modules.get(at.checked_sub(1)?)?;
-        (pc < module.end).then_some(module)
+        module.contains(pc).then_some(module)
     }
 
     fn insert(&mut self, module: Module, space: u64) {
@@ -1329,7 +1333,7 @@ impl StackWalker {
             } else {
                 let at = pc.wrapping_sub(1);
                 match last {
-                    Some(module) if (module.start..module.end).contains(&at) => last,
+                    Some(module) if module.contains(at) => last,
                     _ => process.and_then(|p| p.find(at)),
                 }
             };
