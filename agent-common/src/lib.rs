@@ -307,8 +307,9 @@ const _: () = assert!(core::mem::size_of::<StackTop>() == 16);
 /// Threads with a [`StackTop`] at most (LRU).
 pub const MAX_STACK_TOPS: u32 = 16384;
 
-/// Thread names (`comm`) of programs whose threads needed deep copies: the
-/// keys of the `DEEP_PROGRAMS` map (LRU), written by the agent. A tick of
+/// Thread names (`comm`) of programs whose threads needed deep copies (or
+/// twice exited before the agent could learn them): the keys of the
+/// `DEEP_PROGRAMS` map (LRU), written by the agent. A tick of
 /// such a program's thread that has neither a plan nor a stack top (a
 /// thread the agent has not learned yet, as every thread of a compiler
 /// run once per file is) wakes the reader at once, so the thread is

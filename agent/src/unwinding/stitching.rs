@@ -15,8 +15,9 @@
 //! too many for a tail, it gets a deep copy instead: the sampler copies its
 //! whole stack, from `rsp` to the stack's end learned here, in one read.
 //! So does a thread whose program's threads (by thread name) had two tails
-//! go stale between them shortly before: a compiler's threads are gone
-//! before a tail of their own goes stale twice.
+//! go stale between them shortly before (a compiler's threads are gone
+//! before a tail of their own goes stale twice), or were twice gone before
+//! they could be learned at all (a compiler run that lives 170 ms).
 //! That costs more per tick (about a microsecond per 10 KB) but is the only
 //! way such a stack reaches its root.
 //!
@@ -125,6 +126,9 @@ pub struct PlanStats {
     /// Learning reads that could not give a plan (the thread was gone,
     /// the walk did not reach the root, or the stack was too deep).
     pub learn_failed: u64,
+    /// Of those, reads that found the thread's process exited: it lived
+    /// shorter than the reader took to get to its tick.
+    pub learn_too_late: u64,
     /// Learning reads skipped by the rate limits.
     pub learn_throttled: u64,
     /// Copy size changes written for processes.
@@ -183,8 +187,9 @@ pub struct Planner {
     tops: HashMap<u32, (u32, u64)>,
     /// Thread names whose threads needed deep copies.
     deep_programs: HashSet<[u8; COMM_LEN]>,
-    /// Per thread name: tails of its threads that went stale, each within
-    /// `PROGRAM_STALE_WINDOW_NS` of the one before. A program whose
+    /// Per thread name: tails of its threads that went stale, and learns
+    /// of its threads that came too late (the process had exited), each
+    /// within `PROGRAM_STALE_WINDOW_NS` of the one before. A program whose
     /// threads live shorter than two stale tails each (a compiler run) is
     /// never caught by `ThreadPlan::stale_tails`, so its threads would be
     /// planned tails, one after the other, none of which keeps up. At most
@@ -444,6 +449,7 @@ impl Planner {
         let rsp = walk.rsp;
         let mut remote = RemoteStack::new(walk.tgid, rsp, copy, &mut self.remote, &mut self.reads);
         let end = walk_again(&mut remote);
+        let gone = remote.gone;
         let reach = remote.reads.iter().max().map_or(0, |&a| a + 8 - rsp);
         let outermost = end == UnwindEnd::Outermost;
         tracing::debug!(
@@ -478,24 +484,27 @@ impl Planner {
         self.remote.shrink_to(LEARN_CHUNK_BYTES);
         let Some((plan, kind)) = plan else {
             self.stats.learn_failed += 1;
+            // The thread's process exited before the reader got to this
+            // tick, as a compiler run's threads do, one after the other.
+            // Counted as a stale tail (unless this learn's own stale tail
+            // was): the program goes deep, so that its next threads wake
+            // the reader at their first tick and are learned while they
+            // live. Deep, not only woken early: a tail learned from one
+            // walk of a compiler's stack goes stale within a tick (a loop
+            // of rustc runs: 3% of librustc_driver's samples reached the
+            // root with early tails, 58-61% with deep copies).
+            if gone {
+                self.stats.learn_too_late += 1;
+                if !went_stale && self.program_went_stale(walk.comm, walk.ktime_ns) {
+                    self.add_deep_program(walk.comm);
+                }
+            }
             return;
         };
         self.stats.plans_learned += 1;
         if kind == Planned::Deep {
             self.stats.deep_plans_learned += 1;
-            if !self.deep_programs.contains(&walk.comm) {
-                if self.deep_programs.len() >= MAX_DEEP_PROGRAMS {
-                    for comm in self.deep_programs.drain() {
-                        self.updates
-                            .push(PlanUpdate::DeepProgram { comm, deep: false });
-                    }
-                }
-                self.deep_programs.insert(walk.comm);
-                self.updates.push(PlanUpdate::DeepProgram {
-                    comm: walk.comm,
-                    deep: true,
-                });
-            }
+            self.add_deep_program(walk.comm);
         }
         if let Some(thread) = self.threads.get_mut(&walk.tid) {
             thread.planned = kind;
@@ -504,6 +513,23 @@ impl Planner {
             tid: walk.tid,
             plan: Some(plan),
         });
+    }
+
+    /// Puts `comm` among the programs whose new threads wake the reader
+    /// at their first tick and are planned deep copies.
+    fn add_deep_program(&mut self, comm: [u8; COMM_LEN]) {
+        if self.deep_programs.contains(&comm) {
+            return;
+        }
+        if self.deep_programs.len() >= MAX_DEEP_PROGRAMS {
+            for comm in self.deep_programs.drain() {
+                self.updates
+                    .push(PlanUpdate::DeepProgram { comm, deep: false });
+            }
+        }
+        self.deep_programs.insert(comm);
+        self.updates
+            .push(PlanUpdate::DeepProgram { comm, deep: true });
     }
 
     /// Counts a stale tail of a thread of `comm` at `now`; true when its
@@ -683,6 +709,8 @@ pub struct RemoteStack<'a> {
     /// Bytes fetched from the end of the copy upwards.
     fetched: &'a mut Vec<u8>,
     exhausted: bool,
+    /// The process had exited when its stack was read.
+    gone: bool,
     reads: &'a mut Vec<u64>,
 }
 
@@ -701,6 +729,7 @@ impl<'a> RemoteStack<'a> {
             copy,
             fetched,
             exhausted: false,
+            gone: false,
             reads,
         }
     }
@@ -732,7 +761,14 @@ impl<'a> RemoteStack<'a> {
         let from = self.remote_start() + self.fetched.len() as u64;
         let have = self.fetched.len();
         self.fetched.resize(have + LEARN_CHUNK_BYTES, 0);
-        let got = read_remote(self.tgid, from, &mut self.fetched[have..]).unwrap_or(0);
+        let got = match read_remote(self.tgid, from, &mut self.fetched[have..]) {
+            Ok(got) => got,
+            Err(error) => {
+                // ESRCH for a zombie too: its memory went before it.
+                self.gone = error.raw_os_error() == Some(libc::ESRCH);
+                0
+            }
+        };
         self.fetched.truncate(have + got);
         if got < LEARN_CHUNK_BYTES {
             self.exhausted = true;
@@ -1335,6 +1371,62 @@ mod tests {
         };
         planner.learn(&other, &copy, walk_to_the_root);
         assert_eq!(learned(&mut planner, 101).expect("a tail").stack_end, 0);
+    }
+
+    #[test]
+    fn a_programs_threads_gone_before_they_are_learned_make_it_deep() {
+        let copy = [0u8; 128];
+        let mut exited = std::process::Command::new("true")
+            .spawn()
+            .expect("running true");
+        exited.wait().expect("waiting for true");
+        let gone_tgid = exited.id();
+        let walk_to_the_root = |rsp| {
+            move |memory: &mut RemoteStack<'_>| {
+                memory
+                    .read_u64(rsp + 40_000)
+                    .map_or_else(|end| end, |_| UnwindEnd::Outermost)
+            }
+        };
+        let mut planner = Planner::new(16384, 1 << 20, true);
+        // A thread of this process whose stack ends before the walk needs
+        // it: a failed learn, but not a late one.
+        let stack = FakeStack::new(4);
+        let short = rustc_walk(stack.rsp(), 1, 1_000);
+        let comm = short.comm;
+        planner.learn(&short, &copy, walk_to_the_root(stack.rsp()));
+        planner.learn(
+            &WalkReport { tid: 2, ..short },
+            &copy,
+            walk_to_the_root(stack.rsp()),
+        );
+        assert_eq!(learned_and_programs(&mut planner, 1), (None, vec![]));
+        assert_eq!(planner.stats().learn_too_late, 0);
+        // Threads of a process that exited before they were learned: the
+        // first counts, the second makes the program deep.
+        let late = WalkReport {
+            tgid: gone_tgid,
+            tid: 3,
+            rsp: RSP,
+            ktime_ns: 2_000,
+            ..short
+        };
+        planner.learn(&late, &copy, walk_to_the_root(RSP));
+        assert_eq!(learned_and_programs(&mut planner, 3), (None, vec![]));
+        planner.learn(&WalkReport { tid: 4, ..late }, &copy, walk_to_the_root(RSP));
+        assert_eq!(
+            learned_and_programs(&mut planner, 4),
+            (None, vec![(comm, true)])
+        );
+        let stats = planner.stats();
+        assert_eq!((stats.learn_failed, stats.learn_too_late), (4, 2));
+        // The program's next thread, learned while it lives, is copied
+        // deep at once.
+        let stack = FakeStack::new(16);
+        let next = rustc_walk(stack.rsp(), 5, 3_000);
+        planner.learn(&next, &copy, walk_to_the_root(stack.rsp()));
+        let plan = learned(&mut planner, 5).expect("a plan");
+        assert_eq!(plan.stack_end, stack.end());
     }
 
     #[test]
