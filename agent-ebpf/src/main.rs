@@ -630,8 +630,22 @@ fn cgroup_policy(leaf: u64) -> CgroupPolicy {
 }
 
 /// `execve` replaced the current process's image.
+///
+/// What the agent learned of the old image's stack (its copy size, the
+/// plan and stack top of the thread that is now the only one) does not hold
+/// for the new image: it goes here, at the exec, rather than when the agent
+/// reads this record and updates the maps a drain later. A rustup proxy
+/// that execs rustc left its own 1.8 KB copy size and stale deep plan to the
+/// compiler's first ticks, which then ran short.
 #[raw_tracepoint(tracepoint = "sched_process_exec")]
 pub fn on_process_exec(_ctx: RawTracePointContext) -> i32 {
+    let pid_tgid = bpf_get_current_pid_tgid();
+    // After the exec the thread has the process's id (de_thread ran).
+    let (tgid, tid) = ((pid_tgid >> 32) as u32, pid_tgid as u32);
+    // Absent entries are the usual case, not an error.
+    let _ = COPY_BYTES.remove(&tgid);
+    let _ = STACK_PLANS.remove(&tid);
+    let _ = STACK_TOPS.remove(&tid);
     emit_process_event(RecordKind::Exec);
     0
 }
