@@ -471,12 +471,23 @@ impl Planner {
         let tail = (outermost && !tails_fell_behind)
             .then(|| plan_for(walk.tgid, rsp, remote.reads, self.ceiling))
             .flatten();
+        let deep_plan = |end| {
+            let plan = StackPlan::deep(walk.tgid, self.ceiling, end);
+            (Box::new(plan), Planned::Deep)
+        };
         let plan = match tail {
             Some(tail) => Some((tail, Planned::Tail)),
-            None if deep_fits => remote.stack_end().map(|end| {
-                let plan = StackPlan::deep(walk.tgid, self.ceiling, end);
-                (Box::new(plan), Planned::Deep)
-            }),
+            None if deep_fits => remote.stack_end().map(deep_plan),
+            // A thread to be copied deep whose learning walk lost its way:
+            // the stack above the tick's copy was read now, and a
+            // compiler's changes within a millisecond (a loop of rustc
+            // runs: a third of its threads were never learned so). A deep
+            // copy needs only the stack's end; each tick's walk uses only
+            // that tick's bytes.
+            None if tails_fell_behind && !gone && self.deep_limit > 0 => remote
+                .stack_end()
+                .filter(|end| end.saturating_sub(rsp) <= u64::from(self.deep_limit))
+                .map(deep_plan),
             None => None,
         };
         // The buffer may have grown to megabytes for one deep thread.
@@ -1427,6 +1438,33 @@ mod tests {
         planner.learn(&next, &copy, walk_to_the_root(stack.rsp()));
         let plan = learned(&mut planner, 5).expect("a plan");
         assert_eq!(plan.stack_end, stack.end());
+    }
+
+    #[test]
+    fn a_deep_programs_thread_whose_learning_walk_lost_its_way_is_copied_deep() {
+        let stack = FakeStack::new(16);
+        let rsp = stack.rsp();
+        let copy = [0u8; 128];
+        // The stack above the tick's copy changed before it was read: the
+        // walk through it ends at an address in no mapping.
+        let lost = move |memory: &mut RemoteStack<'_>| {
+            memory.read_u64(rsp + 40_000).expect("readable");
+            UnwindEnd::Unmapped
+        };
+        let mut planner = Planner::new(16384, 1 << 20, true);
+        let walk = rustc_walk(rsp, 1, 1_000);
+        planner.learn(&walk, &copy, lost);
+        assert!(learned(&mut planner, 1).is_none(), "any program's thread");
+        planner.add_deep_program(walk.comm);
+        let walk = rustc_walk(rsp, 2, 2_000);
+        planner.learn(&walk, &copy, lost);
+        let plan = learned(&mut planner, 2).expect("a deep program's thread");
+        assert_eq!(plan.stack_end, stack.end());
+        // Not when the stack is longer than a deep copy.
+        let mut planner = Planner::new(16384, 32768, true);
+        planner.add_deep_program(walk.comm);
+        planner.learn(&walk, &copy, lost);
+        assert!(learned(&mut planner, 2).is_none(), "past the deep limit");
     }
 
     #[test]
