@@ -40,9 +40,11 @@ pub mod sample_flags {
     pub const USER_STACK_FAULTED: u32 = 1 << 2;
     /// `bpf_get_stack` failed for a tick in kernel mode.
     pub const KERNEL_STACK_FAILED: u32 = 1 << 3;
-    /// The thread's plan asked for its whole stack ([`super::StackPlan::stack_end`]):
-    /// the user stack is one read from `rsp` up to the end of the thread's
-    /// stack (or [`super::MAX_DEEP_STACK_BYTES`]), there is no tail, and the
+    /// The thread's plan asked for its whole stack ([`super::StackPlan::stack_end`]),
+    /// or it is a deep program's thread without a plan or a stack top: the
+    /// user stack is one read from `rsp` up to the end of the thread's stack
+    /// (or its thread pointer, or [`super::MAX_DEEP_STACK_BYTES`]), there is
+    /// no tail, and the
     /// record is a fixed-size reservation: bytes after the announced
     /// lengths are padding.
     pub const DEEP_COPY: u32 = 1 << 4;
@@ -416,6 +418,7 @@ pub mod names {
     pub const EARLY_WAKEUPS: &str = "EARLY_WAKEUPS";
     pub const TASK_GROUP_LEADER_OFFSET: &str = "TASK_GROUP_LEADER_OFFSET";
     pub const TASK_START_TIME_OFFSET: &str = "TASK_START_TIME_OFFSET";
+    pub const TASK_FSBASE_OFFSET: &str = "TASK_FSBASE_OFFSET";
 }
 
 /// Capacity of the tgid allow-list and of the cgroup policy map.

@@ -23,8 +23,10 @@
 //! read in one helper call straight into a ring buffer reservation of fixed
 //! size. The reservation spares a megabyte-sized scratch slot per CPU and
 //! the second copy; its unused end is padding the agent skips. A thread of
-//! such a program that the agent has not learned yet wakes the reader at
-//! once (see `early_wakeup`), so it is learned at its first tick.
+//! such a program that the agent has not learned yet is copied deep up to
+//! its thread pointer (see `first_ticks_stack_end`), or, where that fails,
+//! wakes the reader at once (see `early_wakeup`), so it is learned at its
+//! first tick.
 #![no_std]
 #![no_main]
 
@@ -131,6 +133,11 @@ static CGROUP_POLICIES: Global<u8> = Global::new(0);
 static TASK_GROUP_LEADER_OFFSET: Global<u32> = Global::new(0);
 #[unsafe(no_mangle)]
 static TASK_START_TIME_OFFSET: Global<u32> = Global::new(0);
+/// Byte offset of the user thread pointer (`thread.fsbase` on x86-64) in
+/// `task_struct`, from the kernel's BTF; 0 when unknown (then a thread's
+/// first ticks get no deep copy, see `first_ticks_stack_end`).
+#[unsafe(no_mangle)]
+static TASK_FSBASE_OFFSET: Global<u32> = Global::new(0);
 /// Unread bytes in `SAMPLES` at which a record wakes the reader (the agent
 /// sets a quarter of the ring at load).
 #[unsafe(no_mangle)]
@@ -220,14 +227,19 @@ fn try_sample_cpu_clock(ctx: &PerfEventContext) -> Result<u32, u32> {
         cgroup_id,
         sampling_divisor,
     };
-    if let (Some(plan), Some(regs)) = (plan, user_regs)
-        && plan.stack_end != 0
+    if let Some(regs) = user_regs
         && DEEP_STACK_BYTES.load() != 0
     {
-        if deep_sample(ctx, &ids, flags, regs, plan) {
-            return Ok(0);
+        let stack_end = match plan {
+            Some(plan) => plan.stack_end,
+            None => first_ticks_stack_end(tgid, tid, regs.rsp),
+        };
+        if stack_end != 0 {
+            if deep_sample(ctx, &ids, flags, regs, stack_end) {
+                return Ok(0);
+            }
+            count(Counter::DeepCopyFallbacks);
         }
-        count(Counter::DeepCopyFallbacks);
     }
 
     Ok(usual_sample(ctx, &ids, flags, user_regs, plan))
@@ -505,12 +517,54 @@ fn early_wakeup(scratch: *mut u8) -> bool {
     true
 }
 
+/// Where a deep copy of a thread the agent has not learned yet ends, or 0
+/// for none. Such a thread of a program whose threads needed deep copies
+/// (a compiler run's, which lives a few ticks) would otherwise spend its
+/// first ticks truncated until the agent learns its stack's end. glibc and
+/// musl keep a thread's descriptor, which the thread pointer (`fs_base`)
+/// points at, right above the thread's stack: a copy from `rsp` up to it
+/// holds every frame. Only a thread pointer above `rsp` and within the deep
+/// size is taken; a main thread's lies below its stack, in the mappings.
+/// Whatever the guess, the walk uses only the bytes read at this tick.
+///
+/// Not inlined: its locals stay out of the entry's frame (see
+/// `usual_sample`).
+#[inline(never)]
+fn first_ticks_stack_end(tgid: u32, tid: u32, rsp: u64) -> u64 {
+    let offset = TASK_FSBASE_OFFSET.load();
+    if offset == 0 {
+        return 0;
+    }
+    let Ok(comm) = bpf_get_current_comm() else {
+        return 0;
+    };
+    // SAFETY: lookups only; the values are not kept.
+    if unsafe { DEEP_PROGRAMS.get(&comm) }.is_none()
+        || unsafe { STACK_TOPS.get(tid) }.is_some_and(|top| top.tgid == tgid)
+    {
+        return 0;
+    }
+    // SAFETY: read through the fault-tolerant kernel probe; a wrong offset
+    // yields a wrong address, which the range check or the copy refuses.
+    let thread_pointer = unsafe {
+        let task = bpf_get_current_task() as *const u8;
+        bpf_probe_read_kernel(task.add(offset as usize).cast::<u64>()).unwrap_or(0)
+    };
+    let limit = u64::from(DEEP_STACK_BYTES.load().min(MAX_DEEP_STACK_BYTES));
+    if thread_pointer > rsp && thread_pointer - rsp <= limit {
+        thread_pointer
+    } else {
+        0
+    }
+}
+
 /// A deep copy (see the module doc): reserves a record of the largest deep
-/// size, writes the kernel stack and then the user stack from `rsp` to the
-/// plan's stack end (at most the configured size) with one read, and
+/// size, writes the kernel stack and then the user stack from `rsp` to
+/// `stack_end` (at most the configured size) with one read, and
 /// submits it. False, with nothing written, when there is no
 /// room or the read faults (the thread runs on another stack than the one
-/// learned, or the plan is stale): the tick then takes the usual path.
+/// learned, the plan is stale, or a page of the stack was never touched):
+/// the tick then takes the usual path.
 ///
 /// Not inlined: a BPF-to-BPF call keeps the verifier's view of the usual
 /// path (which then uses the same plan pointer) as simple as it was.
@@ -520,13 +574,13 @@ fn deep_sample(
     ids: &SampleIds,
     mut flags: u32,
     regs: UserRegs,
-    plan: &StackPlan,
+    stack_end: u64,
 ) -> bool {
     let limit = DEEP_STACK_BYTES.load().min(MAX_DEEP_STACK_BYTES);
-    if regs.rsp >= plan.stack_end {
+    if regs.rsp >= stack_end {
         return false;
     }
-    let len = (plan.stack_end - regs.rsp).min(u64::from(limit));
+    let len = (stack_end - regs.rsp).min(u64::from(limit));
     let size = deep_record_bytes(limit) as usize;
     let unread = unread_bytes();
     // No room is not a lost record: the usual path may still fit one.

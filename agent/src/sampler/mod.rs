@@ -148,7 +148,8 @@ pub struct Counters {
     pub user_stack_bytes: u64,
     /// Tail spans read.
     pub tail_spans: u64,
-    /// Whole-stack copies of threads with a deep plan.
+    /// Whole-stack copies of threads with a deep plan, or of deep
+    /// programs' threads not learned yet.
     pub deep_copies: u64,
     /// Ticks of such threads that fell back to the usual copy.
     pub deep_copy_fallbacks: u64,
@@ -229,13 +230,18 @@ impl Sampler {
         let ring_bytes = ring_buffer_bytes(cpu_slots);
         // Without the layout samples carry no process start time; process
         // identity then rests on the exec and exit records alone.
-        let (leader_offset, start_offset) = match task_layout::TaskLayout::of_running_kernel() {
-            Ok(layout) => (layout.group_leader, layout.start_time),
-            Err(err) => {
-                tracing::warn!("samples will carry no process start time: {err}");
-                (0, 0)
-            }
-        };
+        let (leader_offset, start_offset, fsbase_offset) =
+            match task_layout::TaskLayout::of_running_kernel() {
+                Ok(layout) => (
+                    layout.group_leader,
+                    layout.start_time,
+                    layout.fsbase.unwrap_or(0),
+                ),
+                Err(err) => {
+                    tracing::warn!("samples will carry no process start time: {err}");
+                    (0, 0, 0)
+                }
+            };
         let wakeup_bytes = u64::from(ring_bytes / WAKEUP_FRACTION);
         let mut ebpf = EbpfLoader::new()
             .override_global(names::AGENT_TGID, &agent_tgid, true)
@@ -247,6 +253,7 @@ impl Sampler {
             .override_global(names::WAKEUP_BYTES, &wakeup_bytes, true)
             .override_global(names::TASK_GROUP_LEADER_OFFSET, &leader_offset, true)
             .override_global(names::TASK_START_TIME_OFFSET, &start_offset, true)
+            .override_global(names::TASK_FSBASE_OFFSET, &fsbase_offset, true)
             .override_global(aya_log::LEVEL, &log_level, false)
             .map_max_entries(names::SCRATCH, cpu_slots as u32)
             .map_max_entries(names::SAMPLES_RING, ring_bytes)

@@ -1,11 +1,13 @@
-//! Where the running kernel keeps a task's thread group leader and start
-//! time in `struct task_struct`, read from the kernel's BTF. The sampler
-//! passes both offsets to the BPF program, which then stamps every sample
-//! with its process's start time: with the pid, the process's identity.
+//! Where the running kernel keeps a task's thread group leader, start time
+//! and user thread pointer in `struct task_struct`, read from the kernel's
+//! BTF. The sampler passes the offsets to the BPF program, which then stamps
+//! every sample with its process's start time (with the pid, the process's
+//! identity) and bounds the first deep copies of a thread by its thread
+//! pointer.
 //!
-//! Owns only finding the two offsets; the BPF program does the reads. The
-//! scan is our own rather than a BTF library's: it needs two member offsets
-//! of one struct, and a library that builds the whole type graph of
+//! Owns only finding the offsets; the BPF program does the reads. The
+//! scan is our own rather than a BTF library's: it needs a few member
+//! offsets of two structs, and a library that builds the whole type graph of
 //! vmlinux's BTF (5 MB, 100k+ types) cost the agent 55 MB of peak heap and
 //! half a second at start-up. This walks the type section once, in place.
 
@@ -21,6 +23,9 @@ pub struct TaskLayout {
     pub group_leader: u32,
     /// `start_time`: when the task started, monotonic nanoseconds.
     pub start_time: u32,
+    /// `thread.fsbase`: the user thread pointer (x86-64); `None` where the
+    /// BTF has no such member.
+    pub fsbase: Option<u32>,
 }
 
 /// Why the layout could not be found.
@@ -65,18 +70,31 @@ impl TaskLayout {
         let members = btf
             .struct_members("task_struct")?
             .ok_or(LayoutError::NoTaskStruct)?;
-        let offset = |wanted: &'static str| {
-            members
-                .iter()
-                .find(|(name, _)| *name == wanted.as_bytes())
-                .and_then(|&(_, bits)| bits.is_multiple_of(8).then_some(bits / 8))
-                .ok_or(LayoutError::Member(wanted))
+        let offset =
+            |wanted: &'static str| byte_offset(&members, wanted).ok_or(LayoutError::Member(wanted));
+        // The thread pointer is optional: without it, only the first deep
+        // copies of threads are lost.
+        let fsbase = match byte_offset(&members, "thread") {
+            Some(thread) => btf
+                .struct_members("thread_struct")?
+                .and_then(|members| byte_offset(&members, "fsbase"))
+                .and_then(|fsbase| thread.checked_add(fsbase)),
+            None => None,
         };
         Ok(Self {
             group_leader: offset("group_leader")?,
             start_time: offset("start_time")?,
+            fsbase,
         })
     }
+}
+
+/// The byte offset of member `wanted`, if it is there and byte-aligned.
+fn byte_offset(members: &Members<'_>, wanted: &str) -> Option<u32> {
+    members
+        .iter()
+        .find(|(name, _)| *name == wanted.as_bytes())
+        .and_then(|&(_, bits)| bits.is_multiple_of(8).then_some(bits / 8))
 }
 
 /// A struct's members: name and bit offset.
@@ -177,16 +195,22 @@ mod tests {
     #[test]
     fn finds_the_running_kernels_task_layout() {
         let layout = TaskLayout::of_running_kernel().expect("this kernel has BTF");
-        // Both members sit well inside task_struct, 8-aligned, and apart.
+        // The members sit well inside task_struct, 8-aligned, and apart;
+        // the thread pointer in `thread`, at its end.
         assert!(layout.group_leader > 0 && layout.group_leader.is_multiple_of(8));
         assert!(layout.start_time > 0 && layout.start_time.is_multiple_of(8));
         assert_ne!(layout.group_leader, layout.start_time);
+        let fsbase = layout.fsbase.expect("x86-64 kernels have thread.fsbase");
+        assert!(fsbase.is_multiple_of(8) && fsbase > layout.start_time.max(layout.group_leader));
     }
 
-    /// BTF with an int, a pointer, and `struct task_struct { int pid;
-    /// ptr group_leader; u64 start_time; }` at bit offsets 0, 64, 1024.
+    /// BTF with an int, a pointer, `struct task_struct { int pid; ptr
+    /// group_leader; u64 start_time; struct thread_struct thread; }` at
+    /// bit offsets 0, 64, `start_time_bits` and 2048, and `struct
+    /// thread_struct { int sp; int fsbase; }` at 0 and 64.
     fn sample_btf(start_time_bits: u32) -> Vec<u8> {
-        let strings = b"\0int\0task_struct\0pid\0group_leader\0start_time\0";
+        let strings =
+            b"\0int\0task_struct\0pid\0group_leader\0start_time\0thread\0thread_struct\0sp\0fsbase\0";
         let name = |s: &str| {
             let needle = format!("\0{s}\0");
             strings
@@ -203,10 +227,14 @@ mod tests {
         };
         push(&[name("int"), 1 << 24, 4, 32]); // 1: INT
         push(&[0, 2 << 24, 1]); // 2: PTR to 1
-        push(&[name("task_struct"), (4 << 24) | 3, 256]); // 3: STRUCT, 3 members
+        push(&[name("task_struct"), (4 << 24) | 4, 512]); // 3: STRUCT, 4 members
         push(&[name("pid"), 1, 0]);
         push(&[name("group_leader"), 2, 64]);
         push(&[name("start_time"), 1, start_time_bits]);
+        push(&[name("thread"), 4, 2048]);
+        push(&[name("thread_struct"), (4 << 24) | 2, 16]); // 4: STRUCT, 2 members
+        push(&[name("sp"), 1, 0]);
+        push(&[name("fsbase"), 1, 64]);
         let mut btf = Vec::new();
         btf.extend_from_slice(&BTF_MAGIC.to_le_bytes());
         btf.extend_from_slice(&[1, 0]);
@@ -230,7 +258,8 @@ mod tests {
             TaskLayout::from_btf(&sample_btf(1024)).unwrap(),
             TaskLayout {
                 group_leader: 8,
-                start_time: 128
+                start_time: 128,
+                fsbase: Some(264),
             }
         );
         assert!(matches!(

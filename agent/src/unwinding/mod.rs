@@ -961,6 +961,7 @@ impl StackWalker {
             rsp: header.user_rsp,
             copied: stack.copy.len() as u32,
             copy_at_top: header.flags & sample_flags::COPY_AT_TOP != 0,
+            deep_copy: header.flags & sample_flags::DEEP_COPY != 0,
             copy_bytes_read: self.last_copy_read,
             tail_reads: self.last_tail_reads,
             end,

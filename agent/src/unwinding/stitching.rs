@@ -109,6 +109,8 @@ pub struct WalkReport {
     pub copied: u32,
     /// The copy stopped at the thread's stack top (`COPY_AT_TOP`).
     pub copy_at_top: bool,
+    /// The tick copied the whole stack (`DEEP_COPY`).
+    pub deep_copy: bool,
     /// Bytes of the copy the walk read.
     pub copy_bytes_read: u64,
     /// Words the walk read from the tail.
@@ -298,7 +300,13 @@ impl Planner {
             .is_some_and(|t| t.planned != Planned::Nothing);
         if !planned {
             self.observe_process(walk.tgid, walk.ktime_ns, needed);
-            self.observe_top(walk);
+            // A deep copy of a thread without a plan is the sampler's own,
+            // to the thread pointer (its first ticks). A stack top ends
+            // those: it is for a thread the usual copy holds, not one that
+            // needed more.
+            if !walk.deep_copy || walk.copy_bytes_read <= u64::from(ceiling) {
+                self.observe_top(walk);
+            }
         }
         // Deeper than any copy: only a tail can help. A shorter copy that
         // ran out is fixed by the copy size above.
@@ -962,6 +970,7 @@ mod tests {
             rsp: 0x7000_0000,
             copied,
             copy_at_top: false,
+            deep_copy: false,
             copy_bytes_read: read,
             tail_reads: 0,
             end,
@@ -1026,6 +1035,21 @@ mod tests {
         let mut gone = top_updates(&mut planner);
         gone.sort_unstable();
         assert_eq!(gone, [(7, None), (9, None)]);
+    }
+
+    #[test]
+    fn a_deep_copy_of_an_unplanned_thread_leaves_it_no_top_unless_it_was_shallow() {
+        let mut planner = Planner::new(16384, 1 << 20, true);
+        let deep = |tid, read| WalkReport {
+            deep_copy: true,
+            ..report(tid, 0, 600_000, read, UnwindEnd::Outermost)
+        };
+        // The sampler's own deep copies to the thread pointer: a top would
+        // end them, which only a stack the usual copy holds can afford.
+        planner.observe(&deep(7, 590_000));
+        assert_eq!(top_updates(&mut planner), []);
+        planner.observe(&deep(8, 3000));
+        assert_eq!(top_updates(&mut planner), [(8, Some(0x7000_0000 + 3000))]);
     }
 
     #[test]
@@ -1102,6 +1126,7 @@ mod tests {
             rsp,
             copied: 128,
             copy_at_top: false,
+            deep_copy: false,
             copy_bytes_read: 128,
             tail_reads: 0,
             end: UnwindEnd::StackTruncated,
@@ -1245,6 +1270,7 @@ mod tests {
             rsp,
             copied: 16384,
             copy_at_top: false,
+            deep_copy: false,
             copy_bytes_read: 16384,
             tail_reads: 0,
             end: UnwindEnd::StackTruncated,
