@@ -97,7 +97,8 @@ static COPY_BYTES: LruHashMap<u32, u32> = LruHashMap::with_max_entries(MAX_COPY_
 static STACK_TOPS: LruHashMap<u32, StackTop> = LruHashMap::with_max_entries(MAX_STACK_TOPS, 0);
 
 /// Thread names of programs whose threads needed deep copies (see
-/// `MAX_DEEP_PROGRAMS`): their unlearned threads wake the reader early.
+/// `MAX_DEEP_PROGRAMS`): their unlearned threads are copied deep to their
+/// thread pointer, or else wake the reader early.
 #[map(name = "DEEP_PROGRAMS")]
 static DEEP_PROGRAMS: LruHashMap<[u8; COMM_LEN], u8> =
     LruHashMap::with_max_entries(MAX_DEEP_PROGRAMS, 0);
@@ -488,10 +489,11 @@ fn unread_bytes() -> u64 {
 }
 
 /// Whether a tick of a thread the agent has not learned yet (no plan, and
-/// no stack top: a thread whose walks reach the root has one) wakes the
-/// reader at once: its program (by thread name, from the header in
-/// `scratch`) needed deep copies, and this CPU has not woken the reader
-/// early within `EARLY_WAKEUP_INTERVAL_NS`. Until the reader
+/// no stack top: a thread whose walks reach the root within the usual copy
+/// has one) that took the usual path (no copy to its thread pointer, see
+/// `first_ticks_stack_end`) wakes the reader at once: its program (by
+/// thread name, from the header in `scratch`) needed deep copies, and this
+/// CPU has not woken the reader early within `EARLY_WAKEUP_INTERVAL_NS`. Until the reader
 /// learns the thread, each of its ticks is a truncated walk; a timed drain
 /// comes only every half second, most of a compiler process's life.
 #[inline(always)]
@@ -535,13 +537,16 @@ fn first_ticks_stack_end(tgid: u32, tid: u32, rsp: u64) -> u64 {
     if offset == 0 {
         return 0;
     }
+    // Cheapest first: most threads have a stack top.
+    // SAFETY: lookups only; the values are not kept.
+    if unsafe { STACK_TOPS.get(tid) }.is_some_and(|top| top.tgid == tgid) {
+        return 0;
+    }
     let Ok(comm) = bpf_get_current_comm() else {
         return 0;
     };
-    // SAFETY: lookups only; the values are not kept.
-    if unsafe { DEEP_PROGRAMS.get(&comm) }.is_none()
-        || unsafe { STACK_TOPS.get(tid) }.is_some_and(|top| top.tgid == tgid)
-    {
+    // SAFETY: as above.
+    if unsafe { DEEP_PROGRAMS.get(comm) }.is_none() {
         return 0;
     }
     // SAFETY: read through the fault-tolerant kernel probe; a wrong offset
@@ -550,11 +555,13 @@ fn first_ticks_stack_end(tgid: u32, tid: u32, rsp: u64) -> u64 {
         let task = bpf_get_current_task() as *const u8;
         bpf_probe_read_kernel(task.add(offset as usize).cast::<u64>()).unwrap_or(0)
     };
+    // A stack the usual copy holds costs less that way (a deep record
+    // reserves its largest size in the ring).
+    let usual = u64::from(USER_STACK_BYTES.load().min(MAX_USER_STACK_BYTES));
     let limit = u64::from(DEEP_STACK_BYTES.load().min(MAX_DEEP_STACK_BYTES));
-    if thread_pointer > rsp && thread_pointer - rsp <= limit {
-        thread_pointer
-    } else {
-        0
+    match thread_pointer.checked_sub(rsp) {
+        Some(len) if len > usual && len <= limit => thread_pointer,
+        _ => 0,
     }
 }
 
@@ -697,9 +704,9 @@ pub fn on_process_exec(_ctx: RawTracePointContext) -> i32 {
     // After the exec the thread has the process's id (de_thread ran).
     let (tgid, tid) = ((pid_tgid >> 32) as u32, pid_tgid as u32);
     // Absent entries are the usual case, not an error.
-    let _ = COPY_BYTES.remove(&tgid);
-    let _ = STACK_PLANS.remove(&tid);
-    let _ = STACK_TOPS.remove(&tid);
+    let _ = COPY_BYTES.remove(tgid);
+    let _ = STACK_PLANS.remove(tid);
+    let _ = STACK_TOPS.remove(tid);
     emit_process_event(RecordKind::Exec);
     0
 }

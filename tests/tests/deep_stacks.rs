@@ -7,9 +7,11 @@
 //! chains that differ only at the top and the bottom; and, through deep
 //! copies, a stack 300 KB deep that changes shape every millisecond, which
 //! no tail can follow, also in threads that live a quarter of a second
-//! each (learned at their first tick once their program is known to need
-//! deep copies). Every frame of every sample is named and checked against
-//! the exact chain. Needs root.
+//! each (copied deep from their first tick once their program is known to
+//! need deep copies) and in images that exec themselves every quarter of a
+//! second (learned at their first tick). Every frame of every sample is
+//! named and checked against the exact chain, except across those images.
+//! Needs root.
 
 use std::{collections::HashMap, time::Duration};
 
@@ -340,7 +342,7 @@ fn churn_walk_is_whole(walk: &LiveWalk, named: &[String], depth: usize, outer: &
 }
 
 #[test]
-fn new_threads_of_a_program_that_needed_deep_copies_are_learned_at_their_first_tick() {
+fn new_threads_of_a_program_that_needed_deep_copies_reach_the_root_from_their_first_tick() {
     require_root();
     let fixture = Fixture::compile("deep_churn", &["-pthread"]);
     let _serial = exclusive();
@@ -408,8 +410,8 @@ fn new_threads_of_a_program_that_needed_deep_copies_are_learned_at_their_first_t
     );
     assert!(later.len() >= 20, "only {} later threads", later.len());
     assert!(after_first.len() >= 40, "only {} walks", after_first.len());
-    // Learned at a timed drain instead, a thread would stay truncated for
-    // a quarter of a second on average: most of its life.
+    // Learned only at a timed drain, a thread would stay truncated for a
+    // quarter of a second on average: most of its life.
     assert!(share >= 0.8, "{:.1}% reached the root", 100.0 * share);
     // Without the copy to the thread pointer, every first walk is cut short.
     assert!(
@@ -417,4 +419,57 @@ fn new_threads_of_a_program_that_needed_deep_copies_are_learned_at_their_first_t
         "{first_whole} of {} first walks reached the root",
         later.len()
     );
+}
+
+#[test]
+fn new_images_of_a_program_that_needed_deep_copies_are_learned_at_their_first_tick() {
+    require_root();
+    let fixture = Fixture::compile("deep_churn", &[]);
+    let _serial = exclusive();
+    // The main thread churns 320 KB deep and execs the program again every
+    // 250 ms: each image's main thread is new to the agent, and its thread
+    // pointer lies below its stack, so nothing copies it deep before the
+    // agent learns it. Its first tick wakes the reader instead of waiting
+    // for the half-second drain.
+    const DEPTH: usize = 200;
+    let process = fixture.start(&[&DEPTH.to_string(), "250", "exec"]);
+    let pid = process.pid();
+    let config = SamplerConfig {
+        frequency_hz: 99,
+        pids: vec![pid],
+        drain_interval: FEED_DRAIN_INTERVAL,
+        ..SamplerConfig::default()
+    };
+    let (walks, counters) = walk_live(&config, WINDOW);
+    // A churning walk to the root holds every step (each image names its
+    // frames at new addresses: the chain itself is checked by the other
+    // tests of this fixture).
+    let whole = |w: &LiveWalk| w.outcome == OUTERMOST && w.frames.len() > DEPTH;
+    let ours: Vec<&LiveWalk> = walks
+        .iter()
+        .filter(|w| w.tgid == pid && !w.frames.is_empty())
+        .collect();
+    // The first images teach that the program needs deep copies (their
+    // tails go stale); from the first whole walk on, each new image's
+    // main thread is learned at its first tick.
+    let taught = ours
+        .iter()
+        .position(|w| whole(w))
+        .expect("no walk reached the root");
+    let later = &ours[taught..];
+    let complete = later.iter().filter(|w| whole(w)).count();
+    let share = complete as f64 / later.len().max(1) as f64;
+    eprintln!(
+        "deep_churn images: {taught} walks teaching; after them, {complete} of {} walks \
+         reached the root ({:.1}%); {} early wake-ups, {} deep copies",
+        later.len(),
+        100.0 * share,
+        counters.early_wakeups,
+        counters.deep_copies
+    );
+    assert!(counters.early_wakeups > 0, "no early wake-up: {counters:?}");
+    assert!(later.len() >= 500, "only {} walks", later.len());
+    // Learned only at a timed drain, an image would stay truncated for a
+    // quarter of a second on average: all its life.
+    assert!(share >= 0.8, "{:.1}% reached the root", 100.0 * share);
 }

@@ -159,6 +159,9 @@ struct ProcessCopy {
 struct StaleProgram {
     count: u8,
     last_ns: u64,
+    /// The process of the last learn that came too late: the threads of
+    /// one process, gone with it, count once.
+    late_tgid: u32,
 }
 
 struct ThreadPlan {
@@ -492,10 +495,19 @@ impl Planner {
             // runs: a third of its threads were never learned so). A deep
             // copy needs only the stack's end; each tick's walk uses only
             // that tick's bytes.
-            None if tails_fell_behind && !gone && self.deep_limit > 0 => remote
-                .stack_end()
-                .filter(|end| end.saturating_sub(rsp) <= u64::from(self.deep_limit))
-                .map(deep_plan),
+            // Not a deep-planned thread's relearn: its walk may have failed
+            // on another stack (a signal's), whose end would replace a plan
+            // that works.
+            None if tails_fell_behind
+                && was_planned != Planned::Deep
+                && !gone
+                && self.deep_limit > 0 =>
+            {
+                remote
+                    .stack_end()
+                    .filter(|end| end.saturating_sub(rsp) <= u64::from(self.deep_limit))
+                    .map(deep_plan)
+            }
             None => None,
         };
         // The buffer may have grown to megabytes for one deep thread.
@@ -514,7 +526,8 @@ impl Planner {
             // root with early tails, 58-61% with deep copies).
             if gone {
                 self.stats.learn_too_late += 1;
-                if !went_stale && self.program_went_stale(walk.comm, walk.ktime_ns) {
+                if !went_stale && self.program_learned_too_late(walk.comm, walk.tgid, walk.ktime_ns)
+                {
                     self.add_deep_program(walk.comm);
                 }
             }
@@ -551,6 +564,23 @@ impl Planner {
             .push(PlanUpdate::DeepProgram { comm, deep: true });
     }
 
+    /// Counts, as a stale tail, a learn of a thread of `comm` that found its
+    /// process `tgid` gone; once per process.
+    fn program_learned_too_late(&mut self, comm: [u8; COMM_LEN], tgid: u32, now: u64) -> bool {
+        if self
+            .stale_programs
+            .get(&comm)
+            .is_some_and(|program| program.late_tgid == tgid)
+        {
+            return false;
+        }
+        let deep = self.program_went_stale(comm, now);
+        if let Some(program) = self.stale_programs.get_mut(&comm) {
+            program.late_tgid = tgid;
+        }
+        deep
+    }
+
     /// Counts a stale tail of a thread of `comm` at `now`; true when its
     /// program's tails went stale often enough, recently enough, for its
     /// threads to be copied deep.
@@ -563,6 +593,7 @@ impl Planner {
         let program = self.stale_programs.entry(comm).or_insert(StaleProgram {
             count: 0,
             last_ns: now,
+            late_tgid: 0,
         });
         if now.saturating_sub(program.last_ns) >= PROGRAM_STALE_WINDOW_NS {
             program.count = 0;
@@ -1278,11 +1309,12 @@ mod tests {
     }
 
     /// A learning walk that reads one word 40,000 bytes above `rsp` and
-    /// reaches the root.
+    /// reaches the root, or ends where that read fails.
     fn to_the_root_past(rsp: u64) -> impl Fn(&mut RemoteStack<'_>) -> UnwindEnd + Copy {
         move |memory| {
-            memory.read_u64(rsp + 40_000).expect("readable");
-            UnwindEnd::Outermost
+            memory
+                .read_u64(rsp + 40_000)
+                .map_or_else(|end| end, |_| UnwindEnd::Outermost)
         }
     }
 
@@ -1413,56 +1445,55 @@ mod tests {
     #[test]
     fn a_programs_threads_gone_before_they_are_learned_make_it_deep() {
         let copy = [0u8; 128];
-        let mut exited = std::process::Command::new("true")
-            .spawn()
-            .expect("running true");
-        exited.wait().expect("waiting for true");
-        let gone_tgid = exited.id();
-        let walk_to_the_root = |rsp| {
-            move |memory: &mut RemoteStack<'_>| {
-                memory
-                    .read_u64(rsp + 40_000)
-                    .map_or_else(|end| end, |_| UnwindEnd::Outermost)
-            }
+        let exited = || {
+            let mut process = std::process::Command::new("true")
+                .spawn()
+                .expect("running true");
+            process.wait().expect("waiting for true");
+            process.id()
         };
+        let (gone, gone_too) = (exited(), exited());
         let mut planner = Planner::new(16384, 1 << 20, true);
         // A thread of this process whose stack ends before the walk needs
         // it: a failed learn, but not a late one.
         let stack = FakeStack::new(4);
         let short = rustc_walk(stack.rsp(), 1, 1_000);
         let comm = short.comm;
-        planner.learn(&short, &copy, walk_to_the_root(stack.rsp()));
-        planner.learn(
-            &WalkReport { tid: 2, ..short },
-            &copy,
-            walk_to_the_root(stack.rsp()),
-        );
+        planner.learn(&short, &copy, to_the_root_past(stack.rsp()));
+        let sibling = WalkReport { tid: 2, ..short };
+        planner.learn(&sibling, &copy, to_the_root_past(stack.rsp()));
         assert_eq!(learned_and_programs(&mut planner, 1), (None, vec![]));
         assert_eq!(planner.stats().learn_too_late, 0);
-        // Threads of a process that exited before they were learned: the
-        // first counts, the second makes the program deep.
+        // Threads of a process that exited before they were learned count
+        // once; one of a second such process makes the program deep.
         let late = WalkReport {
-            tgid: gone_tgid,
+            tgid: gone,
             tid: 3,
             rsp: RSP,
             ktime_ns: 2_000,
             ..short
         };
-        planner.learn(&late, &copy, walk_to_the_root(RSP));
-        assert_eq!(learned_and_programs(&mut planner, 3), (None, vec![]));
-        planner.learn(&WalkReport { tid: 4, ..late }, &copy, walk_to_the_root(RSP));
+        planner.learn(&late, &copy, to_the_root_past(RSP));
+        planner.learn(&WalkReport { tid: 4, ..late }, &copy, to_the_root_past(RSP));
+        assert_eq!(learned_and_programs(&mut planner, 4), (None, vec![]));
+        let other = WalkReport {
+            tgid: gone_too,
+            tid: 5,
+            ..late
+        };
+        planner.learn(&other, &copy, to_the_root_past(RSP));
         assert_eq!(
-            learned_and_programs(&mut planner, 4),
+            learned_and_programs(&mut planner, 5),
             (None, vec![(comm, true)])
         );
         let stats = planner.stats();
-        assert_eq!((stats.learn_failed, stats.learn_too_late), (4, 2));
+        assert_eq!((stats.learn_failed, stats.learn_too_late), (5, 3));
         // The program's next thread, learned while it lives, is copied
         // deep at once.
         let stack = FakeStack::new(16);
-        let next = rustc_walk(stack.rsp(), 5, 3_000);
-        planner.learn(&next, &copy, walk_to_the_root(stack.rsp()));
-        let plan = learned(&mut planner, 5).expect("a plan");
+        let next = rustc_walk(stack.rsp(), 6, 3_000);
+        planner.learn(&next, &copy, to_the_root_past(stack.rsp()));
+        let plan = learned(&mut planner, 6).expect("a plan");
         assert_eq!(plan.stack_end, stack.end());
     }
 
@@ -1486,6 +1517,14 @@ mod tests {
         planner.learn(&walk, &copy, lost);
         let plan = learned(&mut planner, 2).expect("a deep program's thread");
         assert_eq!(plan.stack_end, stack.end());
+        // Its relearn losing its way (on another stack, a signal's) keeps
+        // the plan it has.
+        let later = WalkReport {
+            ktime_ns: walk.ktime_ns + LEARN_INTERVAL_NS,
+            ..walk
+        };
+        planner.learn(&later, &copy, lost);
+        assert!(learned(&mut planner, 2).is_none(), "the plan stays");
         // Not when the stack is longer than a deep copy.
         let mut planner = Planner::new(16384, 32768, true);
         planner.add_deep_program(walk.comm);
