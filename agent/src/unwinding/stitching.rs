@@ -16,8 +16,9 @@
 //! whole stack, from `rsp` to the stack's end learned here, in one read.
 //! So does a thread whose program's threads (by thread name) had two tails
 //! go stale between them shortly before (a compiler's threads are gone
-//! before a tail of their own goes stale twice), or were twice gone before
-//! they could be learned at all (a compiler run that lives 170 ms).
+//! before a tail of their own goes stale twice), or were gone, in two of
+//! its processes, before they could be learned at all (a compiler run that
+//! lives 170 ms).
 //! That costs more per tick (about a microsecond per 10 KB) but is the only
 //! way such a stack reaches its root.
 //!
@@ -518,12 +519,13 @@ impl Planner {
             // The thread's process exited before the reader got to this
             // tick, as a compiler run's threads do, one after the other.
             // Counted as a stale tail (unless this learn's own stale tail
-            // was): the program goes deep, so that its next threads wake
-            // the reader at their first tick and are learned while they
-            // live. Deep, not only woken early: a tail learned from one
-            // walk of a compiler's stack goes stale within a tick (a loop
-            // of rustc runs: 3% of librustc_driver's samples reached the
-            // root with early tails, 58-61% with deep copies).
+            // was): the program goes deep, so that its next threads are
+            // copied deep from their first tick, or wake the reader then
+            // and are learned while they live. Deep, not only woken
+            // early: a tail learned from one walk of a compiler's stack
+            // goes stale within a tick (a loop of rustc runs: 3% of
+            // librustc_driver's samples reached the root with early tails,
+            // 58-61% with deep copies).
             if gone {
                 self.stats.learn_too_late += 1;
                 if !went_stale && self.program_learned_too_late(walk.comm, walk.tgid, walk.ktime_ns)
