@@ -220,6 +220,14 @@ fn try_sample_cpu_clock(ctx: &PerfEventContext) -> Result<u32, u32> {
     // SAFETY: values are only read; a plan the agent rewrites meanwhile
     // can only make the tail read other (real) stack words.
     let plan = unsafe { STACK_PLANS.get(tid) }.filter(|plan| plan.tgid == tgid);
+    // Looked up once for both paths; a planned thread's copies follow its
+    // plan instead.
+    let stack_top = match (plan, user_regs) {
+        (None, Some(_)) => unsafe { STACK_TOPS.get(tid) }
+            .filter(|top| top.tgid == tgid)
+            .map_or(0, |top| top.top),
+        _ => 0,
+    };
 
     let ids = SampleIds {
         tgid,
@@ -227,13 +235,15 @@ fn try_sample_cpu_clock(ctx: &PerfEventContext) -> Result<u32, u32> {
         cpu,
         cgroup_id,
         sampling_divisor,
+        stack_top,
     };
     if let Some(regs) = user_regs
         && DEEP_STACK_BYTES.load() != 0
     {
         let stack_end = match plan {
             Some(plan) => plan.stack_end,
-            None => first_ticks_stack_end(tgid, tid, regs.rsp),
+            None if stack_top == 0 => first_ticks_stack_end(regs.rsp),
+            None => 0,
         };
         if stack_end != 0 {
             if deep_sample(ctx, &ids, flags, regs, stack_end) {
@@ -279,7 +289,7 @@ fn try_usual_sample(
     user_regs: Option<UserRegs>,
     plan: Option<&StackPlan>,
 ) -> Result<u32, u32> {
-    let (tgid, tid) = (ids.tgid, ids.tid);
+    let tgid = ids.tgid;
     let tick_in_user = flags & sample_flags::TICK_IN_USER != 0;
     let scratch = SCRATCH.get_ptr_mut(ids.cpu).ok_or(0u32)?.cast::<u8>();
     let mut kernel_stack_len = 0u32;
@@ -301,16 +311,10 @@ fn try_usual_sample(
             None => unsafe { COPY_BYTES.get(tgid) }.copied().unwrap_or(ceiling),
         }
         .min(ceiling);
-        let top = match plan {
-            Some(_) => None,
-            None => unsafe { STACK_TOPS.get(tid) }.filter(|top| top.tgid == tgid),
-        };
-        unlearned = plan.is_none() && top.is_none();
-        if let Some(top) = top
-            && top.top > regs.rsp
-            && top.top - regs.rsp < u64::from(limit)
-        {
-            limit = (top.top - regs.rsp) as u32;
+        let top = ids.stack_top;
+        unlearned = plan.is_none() && top == 0;
+        if top > regs.rsp && top - regs.rsp < u64::from(limit) {
+            limit = (top - regs.rsp) as u32;
             flags |= sample_flags::COPY_AT_TOP;
         }
         let copy = copy_user_stack(scratch, kernel_stack_len, regs.rsp, limit);
@@ -402,6 +406,8 @@ struct SampleIds {
     cpu: u32,
     cgroup_id: u64,
     sampling_divisor: u32,
+    /// The thread's stack top (`STACK_TOPS`); 0 when it has none, or a plan.
+    stack_top: u64,
 }
 
 impl SampleIds {
@@ -519,7 +525,8 @@ fn early_wakeup(scratch: *mut u8) -> bool {
     true
 }
 
-/// Where a deep copy of a thread the agent has not learned yet ends, or 0
+/// Where a deep copy of a thread the agent has not learned yet (no plan, no
+/// stack top) ends, or 0
 /// for none. Such a thread of a program whose threads needed deep copies
 /// (a compiler run's, which lives a few ticks) would otherwise spend its
 /// first ticks truncated until the agent learns its stack's end. glibc and
@@ -532,20 +539,15 @@ fn early_wakeup(scratch: *mut u8) -> bool {
 /// Not inlined: its locals stay out of the entry's frame (see
 /// `usual_sample`).
 #[inline(never)]
-fn first_ticks_stack_end(tgid: u32, tid: u32, rsp: u64) -> u64 {
+fn first_ticks_stack_end(rsp: u64) -> u64 {
     let offset = TASK_FSBASE_OFFSET.load();
     if offset == 0 {
-        return 0;
-    }
-    // Cheapest first: most threads have a stack top.
-    // SAFETY: lookups only; the values are not kept.
-    if unsafe { STACK_TOPS.get(tid) }.is_some_and(|top| top.tgid == tgid) {
         return 0;
     }
     let Ok(comm) = bpf_get_current_comm() else {
         return 0;
     };
-    // SAFETY: as above.
+    // SAFETY: a lookup only; the value is not kept.
     if unsafe { DEEP_PROGRAMS.get(comm) }.is_none() {
         return 0;
     }
