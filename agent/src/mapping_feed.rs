@@ -330,7 +330,7 @@ fn warn_unavailable(err: &OpenError) {
 }
 
 /// CLOCK_MONOTONIC in nanoseconds: the clock of the samples and events.
-pub(crate) fn monotonic_ns() -> u64 {
+pub fn monotonic_ns() -> u64 {
     let mut now = libc::timespec {
         tv_sec: 0,
         tv_nsec: 0,

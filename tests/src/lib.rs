@@ -20,6 +20,7 @@ use stackscope_agent::sampler::{
     record::{DecodeError, OwnedSample, Record},
 };
 use stackscope_agent::{
+    mapping_feed::monotonic_ns,
     sampler::Counters,
     unwinding::{StackWalker, UserStack, WalkOutcome, Walked, WalkerConfig, stitching::PlanUpdate},
 };
@@ -129,12 +130,27 @@ pub fn sample_planned(
     duration: Duration,
     updates: Vec<PlanUpdate>,
 ) -> Recorded {
-    sample_with(config, duration, |sampler| {
+    let mut maps_set_ns = 0;
+    let mut recorded = sample_with(config, duration, |sampler| {
         sampler.apply_plan_updates(updates);
-        // Ticks from before the maps were set are not what is tested.
-        sampler.drain_records(|_| {});
-    })
+        maps_set_ns = monotonic_ns();
+    });
+    // Ticks from before the maps were set are not what is tested. Draining
+    // the ring is not enough: a tick that looked the maps up just before
+    // they were set can still be copying on the other CPU, and commits its
+    // record after the drain. Its header's time is taken at the end of the
+    // copy, microseconds later, with interrupts off; the margin is
+    // thousands of times that.
+    let first_tick_ns = maps_set_ns + IN_FLIGHT_MARGIN.as_nanos() as u64;
+    recorded
+        .samples
+        .retain(|s| s.header.ktime_ns >= first_tick_ns);
+    recorded
 }
+
+/// How long after the sampler's maps are set a tick may still have read
+/// them as they were: far longer than one run of the BPF program.
+const IN_FLIGHT_MARGIN: Duration = Duration::from_millis(20);
 
 fn sample_with(
     config: &SamplerConfig,
