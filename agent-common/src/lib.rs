@@ -52,6 +52,42 @@ pub mod sample_flags {
     /// walks reached the root before. A walk of such a copy that runs out of
     /// stack means that top is stale (the agent drops it).
     pub const COPY_AT_TOP: u32 = 1 << 5;
+    /// The record is a ring buffer reservation of one of the
+    /// [`super::DIRECT_COPY_CLASSES`] (see [`super::direct_record_bytes`]),
+    /// the stacks read straight into it: bytes after the announced lengths
+    /// are padding. Only ticks of a thread with a stack top and no plan, so
+    /// there is no tail.
+    pub const DIRECT_COPY: u32 = 1 << 6;
+}
+
+/// User stack bytes a direct record (see [`sample_flags::DIRECT_COPY`]) has
+/// room for, smallest first, in steps of 1.5x and 1.33x: a copy takes the
+/// smallest class that holds it, so at most a third of a record's ring
+/// space is padding.
+pub const DIRECT_COPY_CLASSES: [u32; 11] = [
+    1024,
+    1536,
+    2048,
+    3072,
+    4096,
+    6144,
+    8192,
+    12288,
+    16384,
+    24576,
+    MAX_USER_STACK_BYTES,
+];
+
+/// Ring buffer bytes a direct record of `user_class` reserves: the header,
+/// room for the kernel stack as the program bounds it when the tick hit
+/// kernel mode, the class.
+pub const fn direct_record_bytes(user_class: u32, kernel: bool) -> u32 {
+    let kernel_room = if kernel {
+        KERNEL_STACK_MASK as u32 + 1
+    } else {
+        0
+    };
+    SAMPLE_HEADER_SIZE as u32 + kernel_room + user_class
 }
 
 /// Length of `comm` as the kernel keeps it (`TASK_COMM_LEN`).

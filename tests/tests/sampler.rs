@@ -207,9 +207,58 @@ fn records_the_kernel_stack_and_the_saved_user_registers_of_a_syscall() {
     let _serial = exclusive();
     let fixture = Fixture::compile("syscall_loop", &[]);
     let process = fixture.start(&[]);
-    let maps = read_maps(process.pid());
+    let pid = process.pid();
+    let maps = read_maps(pid);
     let stack = mapping(&maps, |m| m.path == MappingPath::Stack, "stack");
-    let samples = sample_process(process.pid(), agent_common::DEFAULT_USER_STACK_BYTES);
+    let symbols = kernel_symbols();
+
+    // An unlearned thread: the record is assembled in the scratch slot.
+    let samples = sample_process(pid, agent_common::DEFAULT_USER_STACK_BYTES);
+    check_syscall_samples(&samples, &maps, stack, &symbols);
+    for sample in &samples {
+        assert_eq!(sample.header.flags & sample_flags::DIRECT_COPY, 0);
+    }
+
+    // With its stack top known, both stacks go straight into a reservation
+    // of the copy's size class, in kernel mode as in user mode.
+    let config = SamplerConfig {
+        frequency_hz: FREQUENCY_HZ,
+        pids: vec![pid],
+        ..SamplerConfig::default()
+    };
+    let top = PlanUpdate::ThreadTop {
+        tid: pid,
+        top: Some(StackTop {
+            tgid: pid,
+            _pad: 0,
+            top: stack.end,
+        }),
+    };
+    let samples = sample_planned(&config, SAMPLING, vec![top]).samples;
+    check_syscall_samples(&samples, &maps, stack, &symbols);
+    for sample in &samples {
+        let h = &sample.header;
+        assert_eq!(
+            h.flags & (sample_flags::DIRECT_COPY | sample_flags::COPY_AT_TOP),
+            sample_flags::DIRECT_COPY | sample_flags::COPY_AT_TOP,
+            "{h:?}"
+        );
+        assert_eq!(
+            sample.user_stack.len() as u64,
+            stack.end - h.user_rsp,
+            "{h:?}"
+        );
+    }
+}
+
+/// Samples of `syscall_loop`: most ticks in kernel mode, inside read(2),
+/// each with its kernel stack and the user registers saved at the syscall.
+fn check_syscall_samples(
+    samples: &[OwnedSample],
+    maps: &[Mapping],
+    stack: &Mapping,
+    symbols: &[(u64, String)],
+) {
     let in_kernel: Vec<_> = samples
         .iter()
         .filter(|s| s.header.flags & sample_flags::TICK_IN_USER == 0)
@@ -222,7 +271,6 @@ fn records_the_kernel_stack_and_the_saved_user_registers_of_a_syscall() {
         samples.len()
     );
 
-    let symbols = kernel_symbols();
     let mut read_paths = 0;
     for sample in &in_kernel {
         let h = &sample.header;
@@ -260,7 +308,7 @@ fn records_the_kernel_stack_and_the_saved_user_registers_of_a_syscall() {
         let names: Vec<&str> = sample
             .kernel_frames
             .iter()
-            .filter_map(|&addr| kernel_symbol(&symbols, addr))
+            .filter_map(|&addr| kernel_symbol(symbols, addr))
             .collect();
         if names.iter().any(|name| name.contains("read")) {
             read_paths += 1;

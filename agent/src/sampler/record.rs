@@ -10,7 +10,8 @@
 use agent_common::{
     MAX_DEEP_STACK_BYTES, MAX_KERNEL_STACK_BYTES, MAX_SPAN_BYTES, MAX_TAIL_BYTES,
     MAX_USER_STACK_BYTES, PROCESS_EVENT_SIZE, ProcessEvent, RecordKind, SAMPLE_HEADER_SIZE,
-    SampleHeader, TAIL_SPAN_HEADER_SIZE, deep_record_bytes, sample_flags, tail_span,
+    SampleHeader, TAIL_SPAN_HEADER_SIZE, deep_record_bytes, direct_record_bytes, sample_flags,
+    tail_span,
 };
 use stackscope_unwind::TailSpan;
 
@@ -123,6 +124,7 @@ impl<'a> Sample<'a> {
             return Err(DecodeError::BadKernelStackLen(header.kernel_stack_len));
         }
         let deep = header.flags & sample_flags::DEEP_COPY != 0;
+        let direct = header.flags & sample_flags::DIRECT_COPY != 0;
         let max_user = if deep {
             MAX_DEEP_STACK_BYTES
         } else {
@@ -131,11 +133,11 @@ impl<'a> Sample<'a> {
         if header.user_stack_len > max_user {
             return Err(DecodeError::BadUserStackLen(header.user_stack_len));
         }
-        if deep && header.tail_len != 0 {
+        if (deep || direct) && header.tail_len != 0 {
             return Err(DecodeError::BadTail {
                 len: header.tail_len,
                 spans: header.tail_spans,
-                why: "a deep copy has no tail",
+                why: "a deep or direct copy has no tail",
             });
         }
         if header.tail_len > MAX_TAIL_BYTES {
@@ -148,11 +150,15 @@ impl<'a> Sample<'a> {
         let user_len = header.user_stack_len as usize;
         let tail_len = header.tail_len as usize;
         let announced = SAMPLE_HEADER_SIZE + kernel_len + user_len + tail_len;
-        // A deep record is a reservation of a size fixed at load: what the
-        // header announces must fit in it, the rest is padding.
+        // Deep and direct records are reservations of a size fixed at load
+        // or of a size class: what the header announces must fit in them,
+        // the rest is padding.
         let fits = if deep {
             announced <= record.len()
                 && record.len() <= deep_record_bytes(MAX_DEEP_STACK_BYTES) as usize
+        } else if direct {
+            announced <= record.len()
+                && record.len() <= direct_record_bytes(MAX_USER_STACK_BYTES, true) as usize
         } else {
             announced == record.len()
         };
@@ -414,6 +420,36 @@ mod tests {
         ));
         let mut oversized = encode(&deep(header(0, 8)), &[], &[0; 8]);
         oversized.resize(deep_record_bytes(MAX_DEEP_STACK_BYTES) as usize + 8, 0);
+        assert!(matches!(
+            Sample::decode(&oversized),
+            Err(DecodeError::LengthMismatch { .. })
+        ));
+    }
+
+    #[test]
+    fn a_direct_copy_is_a_padded_reservation_of_its_class() {
+        let direct = |mut header: SampleHeader| {
+            header.flags |= sample_flags::DIRECT_COPY;
+            header
+        };
+        let stack = vec![7u8; 5000];
+        let mut record = encode(&direct(header(16, 5000)), &[1, 2], &stack);
+        record.resize(direct_record_bytes(6144, true) as usize, 0xee);
+        let sample = Sample::decode(&record).unwrap();
+        assert_eq!(sample.user_stack, stack.as_slice());
+        assert_eq!(sample.kernel_frames().collect::<Vec<_>>(), [1, 2]);
+        assert_eq!(sample.tail_data(), &[] as &[u8]);
+        // No tail, and no record past the largest class.
+        let with_a_tail = with_tail(direct(header(0, 8)), &[0; 16], 1);
+        assert!(matches!(
+            Sample::decode(&encode(&with_a_tail, &[], &[0; 8])),
+            Err(DecodeError::BadTail { .. })
+        ));
+        let mut oversized = encode(&direct(header(0, 8)), &[], &[0; 8]);
+        oversized.resize(
+            direct_record_bytes(MAX_USER_STACK_BYTES, true) as usize + 8,
+            0,
+        );
         assert!(matches!(
             Sample::decode(&oversized),
             Err(DecodeError::LengthMismatch { .. })
