@@ -62,8 +62,9 @@ pub mod sample_flags {
 
 /// User stack bytes a direct record (see [`sample_flags::DIRECT_COPY`]) has
 /// room for, smallest first, in steps of 1.5x and 1.33x: a copy takes the
-/// smallest class that holds it, so at most a third of a record's ring
-/// space is padding.
+/// smallest class that holds it, so a copy of more than 1 KiB pads its
+/// class by at most a third (a kernel-mode tick's record also keeps room
+/// for the longest kernel stack).
 pub const DIRECT_COPY_CLASSES: [u32; 11] = [
     1024,
     1536,
@@ -407,11 +408,15 @@ pub enum Counter {
     /// Records that woke the reader early: ticks of a thread of a program
     /// known to need deep copies that the agent has not learned yet.
     EarlyWakeups = 10,
+    /// Direct copies (see [`sample_flags::DIRECT_COPY`]) that could not be
+    /// made (the ring buffer had no room, or the read faulted: a stack page
+    /// never touched): the tick fell back to the usual copy.
+    DirectCopyFallbacks = 11,
 }
 
 impl Counter {
     /// Every counter, in index order.
-    pub const ALL: [Counter; 11] = [
+    pub const ALL: [Counter; 12] = [
         Counter::Samples,
         Counter::RingBufferFull,
         Counter::CopyFailed,
@@ -423,6 +428,7 @@ impl Counter {
         Counter::DeepCopies,
         Counter::DeepCopyFallbacks,
         Counter::EarlyWakeups,
+        Counter::DirectCopyFallbacks,
     ];
 }
 

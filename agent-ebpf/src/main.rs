@@ -276,8 +276,13 @@ fn try_sample_cpu_clock(ctx: &PerfEventContext) -> Result<u32, u32> {
         ids.copy_limit = limit;
         // A learned thread's copy ends below its stack top, inside its
         // stack mapping: one read of it cannot run off the mapping's end.
-        if plan.is_none() && stack_top != 0 && direct_sample(ctx, &ids, flags, regs) {
-            return Ok(0);
+        // (Above its top, the thread runs on another stack: a signal's, a
+        // coroutine's.)
+        if plan.is_none() && stack_top > regs.rsp {
+            if direct_sample(ctx, &ids, flags, regs) {
+                return Ok(0);
+            }
+            count(Counter::DirectCopyFallbacks);
         }
     }
     Ok(usual_sample(ctx, &ids, flags, user_regs, plan))
@@ -288,9 +293,9 @@ fn try_sample_cpu_clock(ctx: &PerfEventContext) -> Result<u32, u32> {
 /// mode), writes the kernel stack and reads the user stack into it in one
 /// helper call, and submits it. Spares the usual path's second copy
 /// (scratch slot to ring) and its page-by-page reads. False, with nothing
-/// written, when there is no room or the read faults (a page of the stack
-/// was never touched, or the top is stale): the tick then takes the usual
-/// path.
+/// written, when the copy is empty, there is no room, or the read faults (a
+/// page of the stack was never touched, or the top is stale): the tick then
+/// takes the usual path.
 ///
 /// Not inlined: its frame stays out of the entry's (see `usual_sample`).
 #[inline(never)]
@@ -522,7 +527,8 @@ impl WrittenLengths {
     }
 }
 
-/// What identifies a sample, the same in both kinds of record.
+/// What identifies a sample, the same in every kind of record, and how much
+/// of its user stack a copy reads.
 struct SampleIds {
     tgid: u32,
     tid: u32,
@@ -531,8 +537,8 @@ struct SampleIds {
     sampling_divisor: u32,
     /// The thread's stack top (`STACK_TOPS`); 0 when it has none, or a plan.
     stack_top: u64,
-    /// Bytes the usual copy reads from `rsp` (the plan's, the process's,
-    /// or the ceiling, and at most up to the stack top).
+    /// Bytes a usual or direct copy reads from `rsp` (the plan's, the
+    /// process's, or the ceiling, and at most up to the stack top).
     copy_limit: u32,
 }
 

@@ -147,6 +147,12 @@ impl AgentMetrics {
             k.deep_copy_fallbacks,
         )?;
         out.counter(
+            "direct_copy_fallbacks",
+            "Ticks of learned threads whose copy straight into the ring buffer \
+             failed (no room, or a faulting read) and took the usual copy.",
+            k.direct_copy_fallbacks,
+        )?;
+        out.counter(
             "early_wakeups",
             "Records that woke the reader at once: ticks of threads not learned yet \
              of programs whose threads needed deep copies.",

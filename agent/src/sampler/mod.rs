@@ -156,6 +156,9 @@ pub struct Counters {
     /// Records that woke the reader early (unlearned threads of programs
     /// needing deep copies).
     pub early_wakeups: u64,
+    /// Ticks of learned threads whose direct copy could not be made (no
+    /// room in the ring, or a faulting read): they took the usual copy.
+    pub direct_copy_fallbacks: u64,
 }
 
 impl Counters {
@@ -457,6 +460,7 @@ impl Sampler {
             deep_copies: totals[Counter::DeepCopies as usize],
             deep_copy_fallbacks: totals[Counter::DeepCopyFallbacks as usize],
             early_wakeups: totals[Counter::EarlyWakeups as usize],
+            direct_copy_fallbacks: totals[Counter::DirectCopyFallbacks as usize],
         })
     }
 

@@ -37,6 +37,9 @@ pub enum DecodeError {
         spans: u32,
         why: &'static str,
     },
+    /// The flags name two kinds of copy at once.
+    #[error("sample flags {0:#x} mark both a deep and a direct copy")]
+    BadFlags(u32),
     /// The header announces more (or fewer) bytes than the record carries.
     #[error("header announces {announced} bytes of record but {len} arrived")]
     LengthMismatch { announced: usize, len: usize },
@@ -125,6 +128,9 @@ impl<'a> Sample<'a> {
         }
         let deep = header.flags & sample_flags::DEEP_COPY != 0;
         let direct = header.flags & sample_flags::DIRECT_COPY != 0;
+        if deep && direct {
+            return Err(DecodeError::BadFlags(header.flags));
+        }
         let max_user = if deep {
             MAX_DEEP_STACK_BYTES
         } else {
@@ -453,6 +459,12 @@ mod tests {
         assert!(matches!(
             Sample::decode(&oversized),
             Err(DecodeError::LengthMismatch { .. })
+        ));
+        let mut both = direct(header(0, 8));
+        both.flags |= sample_flags::DEEP_COPY;
+        assert!(matches!(
+            Sample::decode(&encode(&both, &[], &[0; 8])),
+            Err(DecodeError::BadFlags(_))
         ));
     }
 

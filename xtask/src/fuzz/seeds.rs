@@ -190,6 +190,11 @@ pub(super) fn sample_record() -> Seeds {
     deep.extend(words(&[0x5555_0000_1300; 8]));
     deep.extend([0xee; 64]);
 
+    let mut direct = header_bytes(&header(8, 1000, 0, 0, sample_flags::DIRECT_COPY));
+    direct.extend(words(&[0xffff_ffff_8100_0000]));
+    direct.extend([0x13; 1000]);
+    direct.extend([0xee; 24]);
+
     let event = |kind: RecordKind| {
         event_bytes(&ProcessEvent {
             kind: kind as u32,
@@ -201,6 +206,7 @@ pub(super) fn sample_record() -> Seeds {
         seed("sample", usual),
         seed("sample-with-tail", with_tail),
         seed("deep-sample", deep),
+        seed("direct-sample", direct),
         seed("exec", event(RecordKind::Exec)),
         seed("exit", event(RecordKind::Exit)),
     ])
