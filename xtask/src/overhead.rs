@@ -546,4 +546,14 @@ fn report(hz: u32, alone: &[f64], ours: &[Run], perf: &[Run]) {
         perf_per / ours_per.max(1e-12)
     }));
     println!("perf CPU per sample / stackscope's: {}", show(ratio, "x"));
+    // A node's agent runs for days: its start-up (BPF load, table
+    // compilation, first namings) is paid once, not per sample.
+    let steady_ratio = spread(perf.iter().zip(ours).map(|(p, o)| {
+        let perf_per = p.profiler_cpu.as_secs_f64() / p.samples.max(1.0);
+        perf_per / o.steady_per_sample.as_secs_f64().max(1e-12)
+    }));
+    println!(
+        "perf CPU per sample / stackscope's steady state: {}",
+        show(steady_ratio, "x")
+    );
 }
