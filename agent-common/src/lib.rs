@@ -115,8 +115,22 @@ pub const MAX_USER_STACK_BYTES: u32 = 32 * 1024;
 /// tail, such as compilers. A deep record is reserved at its largest size
 /// in the ring buffer and read into directly (no scratch slot, no second copy).
 pub const MAX_DEEP_STACK_BYTES: u32 = 1 << 20;
-/// Ring buffer bytes a deep record reserves for `deep_stack_bytes` of stack:
-/// the header, room for the kernel stack as the program bounds it, the stack.
+/// User stack bytes a deep record has room for, smallest first, doubling:
+/// a deep copy takes the smallest class that holds it (see
+/// [`deep_record_bytes`]), so at most half of its ring space is padding.
+pub const DEEP_COPY_CLASSES: [u32; 7] = [
+    16 << 10,
+    32 << 10,
+    64 << 10,
+    128 << 10,
+    256 << 10,
+    512 << 10,
+    MAX_DEEP_STACK_BYTES,
+];
+
+/// Ring buffer bytes a deep record reserves for `deep_stack_bytes` of stack
+/// (its class): the header, room for the kernel stack as the program
+/// bounds it, the stack.
 pub const fn deep_record_bytes(deep_stack_bytes: u32) -> u32 {
     SAMPLE_HEADER_SIZE as u32 + KERNEL_STACK_MASK as u32 + 1 + deep_stack_bytes
 }

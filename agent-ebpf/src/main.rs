@@ -27,9 +27,10 @@
 //! A thread whose deep frames change too fast for a tail (a compiler's
 //! stack, hundreds of KB deep and reshaped every millisecond) gets a deep
 //! copy instead: its whole stack, up to the stack's end the agent learned,
-//! read in one helper call straight into a ring buffer reservation of fixed
-//! size. The reservation spares a megabyte-sized scratch slot per CPU and
-//! the second copy; its unused end is padding the agent skips. A thread of
+//! read in one helper call straight into a ring buffer reservation of the
+//! smallest deep class (16 KiB to 1 MiB, doubling) that holds it. The
+//! reservation spares a megabyte-sized scratch slot per CPU and the second
+//! copy; its unused end is padding the agent skips. A thread of
 //! such a program that the agent has not learned yet is copied deep up to
 //! its thread pointer (see `first_ticks_stack_end`), or, where that fails,
 //! wakes the reader at once (see `early_wakeup`), so it is learned at its
@@ -40,13 +41,13 @@
 use core::ffi::c_void;
 
 use agent_common::{
-    COMM_LEN, COUNTER_SLOTS, CgroupPolicy, Counter, DEFAULT_USER_STACK_BYTES, DIRECT_COPY_CLASSES,
-    EARLY_WAKEUP_INTERVAL_NS, MAX_ALLOW_ENTRIES, MAX_CGROUP_DEPTH, MAX_COPY_SIZES,
-    MAX_DEEP_PROGRAMS, MAX_DEEP_STACK_BYTES, MAX_KERNEL_STACK_BYTES, MAX_SPAN_BYTES,
-    MAX_STACK_PLANS, MAX_STACK_TOPS, MAX_TAIL_BYTES, MAX_TAIL_SPANS, MAX_USER_STACK_BYTES,
-    PAGE_SIZE, ProcessEvent, RecordKind, SAMPLE_HEADER_SIZE, SCRATCH_BYTES, SampleHeader,
-    StackPlan, StackTop, TAIL_SPAN_HEADER_SIZE, deep_record_bytes, direct_record_bytes,
-    policy_flags, sample_flags, tail_span,
+    COMM_LEN, COUNTER_SLOTS, CgroupPolicy, Counter, DEEP_COPY_CLASSES, DEFAULT_USER_STACK_BYTES,
+    DIRECT_COPY_CLASSES, EARLY_WAKEUP_INTERVAL_NS, MAX_ALLOW_ENTRIES, MAX_CGROUP_DEPTH,
+    MAX_COPY_SIZES, MAX_DEEP_PROGRAMS, MAX_DEEP_STACK_BYTES, MAX_KERNEL_STACK_BYTES,
+    MAX_SPAN_BYTES, MAX_STACK_PLANS, MAX_STACK_TOPS, MAX_TAIL_BYTES, MAX_TAIL_SPANS,
+    MAX_USER_STACK_BYTES, PAGE_SIZE, ProcessEvent, RecordKind, SAMPLE_HEADER_SIZE, SCRATCH_BYTES,
+    SampleHeader, StackPlan, StackTop, TAIL_SPAN_HEADER_SIZE, deep_record_bytes,
+    direct_record_bytes, policy_flags, sample_flags, tail_span,
 };
 use aya_ebpf::{
     Global,
@@ -704,7 +705,7 @@ fn first_ticks_stack_end(rsp: u64) -> u64 {
         bpf_probe_read_kernel(task.add(offset as usize).cast::<u64>()).unwrap_or(0)
     };
     // A stack the usual copy holds costs less that way (a deep record
-    // reserves its largest size in the ring).
+    // reserves a whole class in the ring, with room for a kernel stack).
     let usual = u64::from(USER_STACK_BYTES.load().min(MAX_USER_STACK_BYTES));
     let limit = u64::from(DEEP_STACK_BYTES.load().min(MAX_DEEP_STACK_BYTES));
     match thread_pointer.checked_sub(rsp) {
@@ -713,10 +714,10 @@ fn first_ticks_stack_end(rsp: u64) -> u64 {
     }
 }
 
-/// A deep copy (see the module doc): reserves a record of the largest deep
-/// size, writes the kernel stack and then the user stack from `rsp` to
-/// `stack_end` (at most the configured size) with one read, and
-/// submits it. False, with nothing written, when there is no
+/// A deep copy (see the module doc): reserves a record of the smallest deep
+/// class that holds the stack from `rsp` to `stack_end` (at most the
+/// configured size), writes the kernel stack and then that stack with one
+/// read, and submits it. False, with nothing written, when there is no
 /// room or the read faults (the thread runs on another stack than the one
 /// learned, the plan is stale, or a page of the stack was never touched):
 /// the tick then takes the usual path.
@@ -727,7 +728,7 @@ fn first_ticks_stack_end(rsp: u64) -> u64 {
 fn deep_sample(
     ctx: &PerfEventContext,
     ids: &SampleIds,
-    mut flags: u32,
+    flags: u32,
     regs: UserRegs,
     stack_end: u64,
 ) -> bool {
@@ -735,8 +736,38 @@ fn deep_sample(
     if regs.rsp >= stack_end {
         return false;
     }
-    let len = (stack_end - regs.rsp).min(u64::from(limit));
-    let size = deep_record_bytes(limit) as usize;
+    let len = (stack_end - regs.rsp).min(u64::from(limit)) as u32;
+    const CLASSES: [u32; 7] = DEEP_COPY_CLASSES;
+    // One reservation per class: its size must be a constant. Classes
+    // above the configured size are never taken (the verifier, which sees
+    // that size, skips them).
+    match len {
+        len if len <= CLASSES[0] => deep_copy::<{ CLASSES[0] }>(ctx, ids, flags, regs, len),
+        len if len <= CLASSES[1] => deep_copy::<{ CLASSES[1] }>(ctx, ids, flags, regs, len),
+        len if len <= CLASSES[2] => deep_copy::<{ CLASSES[2] }>(ctx, ids, flags, regs, len),
+        len if len <= CLASSES[3] => deep_copy::<{ CLASSES[3] }>(ctx, ids, flags, regs, len),
+        len if len <= CLASSES[4] => deep_copy::<{ CLASSES[4] }>(ctx, ids, flags, regs, len),
+        len if len <= CLASSES[5] => deep_copy::<{ CLASSES[5] }>(ctx, ids, flags, regs, len),
+        len if len <= CLASSES[6] => deep_copy::<{ CLASSES[6] }>(ctx, ids, flags, regs, len),
+        _ => false,
+    }
+}
+
+#[inline(always)]
+fn deep_copy<const BYTES: u32>(
+    ctx: &PerfEventContext,
+    ids: &SampleIds,
+    mut flags: u32,
+    regs: UserRegs,
+    len: u32,
+) -> bool {
+    let size = deep_record_bytes(BYTES) as usize;
+    // Checked on a value LLVM cannot see through: the class match implies
+    // it, and the verifier needs the check itself.
+    let len = opaque(len);
+    if len == 0 || len > BYTES {
+        return false;
+    }
     let unread = unread_bytes();
     // No room is not a lost record: the usual path may still fit one.
     let Some(mut entry) = SAMPLES.reserve_bytes(size, 0) else {
@@ -750,12 +781,12 @@ fn deep_sample(
         kernel_stack_len = unsafe { kernel_stack(ctx, record.add(SAMPLE_HEADER_SIZE), &mut flags) };
     }
     let offset = SAMPLE_HEADER_SIZE + (u64::from(kernel_stack_len) & KERNEL_STACK_MASK) as usize;
-    // SAFETY: offset + len <= header + KERNEL_STACK_MASK + limit < size; the
-    // source is user memory read with the fault-tolerant helper.
+    // SAFETY: offset + len <= header + KERNEL_STACK_MASK + 1 + BYTES = size;
+    // the source is user memory read with the fault-tolerant helper.
     let ret = unsafe {
         bpf_probe_read_user(
             record.add(offset).cast::<c_void>(),
-            len as u32,
+            len,
             regs.rsp as *const c_void,
         )
     };
@@ -769,11 +800,11 @@ fn deep_sample(
             record,
             flags | sample_flags::DEEP_COPY,
             kernel_stack_len,
-            len as u32,
+            len,
             Some(&regs),
         )
     };
-    add(Counter::UserStackBytes, len);
+    add(Counter::UserStackBytes, u64::from(len));
     count(Counter::DeepCopies);
     count(Counter::Samples);
     entry.submit(wakeup_flag(unread, size as u64));

@@ -108,6 +108,9 @@ pub fn read_maps(pid: u32) -> Vec<Mapping> {
 #[derive(Debug, Default)]
 pub struct Recorded {
     pub samples: Vec<OwnedSample>,
+    /// The ring buffer bytes of each sample's record, index for index
+    /// (padding included).
+    pub sample_record_bytes: Vec<usize>,
     pub execs: Vec<ProcessEvent>,
     pub exits: Vec<ProcessEvent>,
     pub decode_errors: Vec<DecodeError>,
@@ -142,9 +145,13 @@ pub fn sample_planned(
     // copy, microseconds later, with interrupts off; the margin is
     // thousands of times that.
     let first_tick_ns = maps_set_ns + IN_FLIGHT_MARGIN.as_nanos() as u64;
-    recorded
-        .samples
-        .retain(|s| s.header.ktime_ns >= first_tick_ns);
+    let (samples, record_bytes) = std::mem::take(&mut recorded.samples)
+        .into_iter()
+        .zip(std::mem::take(&mut recorded.sample_record_bytes))
+        .filter(|(s, _)| s.header.ktime_ns >= first_tick_ns)
+        .unzip();
+    recorded.samples = samples;
+    recorded.sample_record_bytes = record_bytes;
     recorded
 }
 
@@ -165,7 +172,10 @@ fn sample_with(
         let mut sampler = Sampler::start(config).expect("starting the sampler");
         let mut recorded = Recorded::default();
         let mut keep = |bytes: &[u8]| match Record::decode(bytes) {
-            Ok(Record::Sample(sample)) => recorded.samples.push(sample.to_owned_sample()),
+            Ok(Record::Sample(sample)) => {
+                recorded.samples.push(sample.to_owned_sample());
+                recorded.sample_record_bytes.push(bytes.len());
+            }
             Ok(Record::Exec(event)) => recorded.execs.push(event),
             Ok(Record::Exit(event)) => recorded.exits.push(event),
             Err(err) => recorded.decode_errors.push(err),

@@ -8,7 +8,10 @@ use std::{
     time::Duration,
 };
 
-use agent_common::{CgroupPolicy, StackTop, policy_flags, sample_flags};
+use agent_common::{
+    CgroupPolicy, DEEP_COPY_CLASSES, DIRECT_COPY_CLASSES, MAX_DEEP_STACK_BYTES, StackPlan,
+    StackTop, deep_record_bytes, direct_record_bytes, policy_flags, sample_flags,
+};
 use stackscope_agent::unwinding::stitching::PlanUpdate;
 use stackscope_agent::{
     cgroups,
@@ -202,6 +205,60 @@ fn a_threads_stack_top_ends_its_copies_there_without_a_fault() {
 }
 
 #[test]
+fn a_deep_copy_reserves_the_smallest_class_that_holds_the_stack() {
+    require_root();
+    let _serial = exclusive();
+    // About 40 KB of frames: a class well below the largest.
+    const DEPTH: u64 = 1000;
+    let fixture = Fixture::compile("deep_stack", &[]);
+    let process = fixture.start(&[&DEPTH.to_string()]);
+    let pid = process.pid();
+    let maps = read_maps(pid);
+    let stack = mapping(&maps, |m| m.path == MappingPath::Stack, "stack");
+    let mut plan = StackPlan::copy_only(pid, 512);
+    plan.stack_end = stack.end;
+    let config = SamplerConfig {
+        frequency_hz: FREQUENCY_HZ,
+        pids: vec![pid],
+        ..SamplerConfig::default()
+    };
+    let update = PlanUpdate::Thread {
+        tid: pid,
+        plan: Some(Box::new(plan)),
+    };
+    let recorded = sample_planned(&config, SAMPLING, vec![update]);
+    let samples = || recorded.samples.iter().zip(&recorded.sample_record_bytes);
+    let deep: Vec<_> = samples()
+        .filter(|(s, _)| s.header.flags & sample_flags::DEEP_COPY != 0)
+        .collect();
+    // A deep copy falls back to the plan's usual copy when the ring has no
+    // room for it (in the test VMs, this debug build's reader falls behind
+    // at times) or a page of the stack cannot be read at that tick.
+    assert!(
+        deep.len() * 2 > recorded.samples.len(),
+        "{} of {} samples copied deep",
+        deep.len(),
+        recorded.samples.len()
+    );
+    for (sample, _) in samples().filter(|(s, _)| s.header.flags & sample_flags::DEEP_COPY == 0) {
+        assert!(sample.user_stack.len() <= 512, "{:?}", sample.header);
+    }
+    for (sample, &record_bytes) in deep {
+        let h = &sample.header;
+        let copy = stack.end - h.user_rsp;
+        assert_eq!(sample.user_stack.len() as u64, copy, "{h:?}");
+        let class = DEEP_COPY_CLASSES
+            .into_iter()
+            .find(|&class| u64::from(class) >= copy)
+            .expect("a class holds the stack");
+        assert!(class < MAX_DEEP_STACK_BYTES, "{copy} bytes of stack");
+        assert_eq!(record_bytes, deep_record_bytes(class) as usize, "{h:?}");
+        let depths = find_word(&sample.user_stack, CANARY).count() as u64;
+        assert_eq!(depths, DEPTH + 1, "every frame's canary: {h:?}");
+    }
+}
+
+#[test]
 fn records_the_kernel_stack_and_the_saved_user_registers_of_a_syscall() {
     require_root();
     let _serial = exclusive();
@@ -234,18 +291,42 @@ fn records_the_kernel_stack_and_the_saved_user_registers_of_a_syscall() {
             top: stack.end,
         }),
     };
-    let samples = sample_planned(&config, SAMPLING, vec![top]).samples;
-    check_syscall_samples(&samples, &maps, stack, &symbols);
-    for sample in &samples {
+    let recorded = sample_planned(&config, SAMPLING, vec![top]);
+    check_syscall_samples(&recorded.samples, &maps, stack, &symbols);
+    let samples = || recorded.samples.iter().zip(&recorded.sample_record_bytes);
+    let direct: Vec<_> = samples()
+        .filter(|(s, _)| s.header.flags & sample_flags::DIRECT_COPY != 0)
+        .collect();
+    // A direct copy falls back to the usual one when a page of the stack
+    // cannot be read at that tick (seen now and then in the test VMs): the
+    // usual copy then stops at that page too.
+    assert!(
+        direct.len() * 10 >= recorded.samples.len() * 9 && !direct.is_empty(),
+        "{} of {} samples copied directly",
+        direct.len(),
+        recorded.samples.len()
+    );
+    for (sample, _) in samples().filter(|(s, _)| s.header.flags & sample_flags::DIRECT_COPY == 0) {
+        let h = &sample.header;
+        assert_ne!(h.flags & sample_flags::USER_STACK_FAULTED, 0, "{h:?}");
+    }
+    for (sample, &record_bytes) in direct {
         let h = &sample.header;
         assert_eq!(
             h.flags & (sample_flags::DIRECT_COPY | sample_flags::COPY_AT_TOP),
             sample_flags::DIRECT_COPY | sample_flags::COPY_AT_TOP,
             "{h:?}"
         );
+        let copy = stack.end - h.user_rsp;
+        assert_eq!(sample.user_stack.len() as u64, copy, "{h:?}");
+        let class = DIRECT_COPY_CLASSES
+            .into_iter()
+            .find(|&class| u64::from(class) >= copy)
+            .expect("a class holds the copy");
+        let in_kernel = h.flags & sample_flags::TICK_IN_USER == 0;
         assert_eq!(
-            sample.user_stack.len() as u64,
-            stack.end - h.user_rsp,
+            record_bytes,
+            direct_record_bytes(class, in_kernel) as usize,
             "{h:?}"
         );
     }
