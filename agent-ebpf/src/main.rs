@@ -318,74 +318,41 @@ fn direct_class<const KERNEL: bool>(
     const CLASSES: [u32; 11] = DIRECT_COPY_CLASSES;
     // One reservation per class: its size must be a constant.
     match ids.copy_limit {
-        len if len <= CLASSES[0] => direct_copy::<{ CLASSES[0] }, KERNEL>(ctx, ids, flags, regs),
-        len if len <= CLASSES[1] => direct_copy::<{ CLASSES[1] }, KERNEL>(ctx, ids, flags, regs),
-        len if len <= CLASSES[2] => direct_copy::<{ CLASSES[2] }, KERNEL>(ctx, ids, flags, regs),
-        len if len <= CLASSES[3] => direct_copy::<{ CLASSES[3] }, KERNEL>(ctx, ids, flags, regs),
-        len if len <= CLASSES[4] => direct_copy::<{ CLASSES[4] }, KERNEL>(ctx, ids, flags, regs),
-        len if len <= CLASSES[5] => direct_copy::<{ CLASSES[5] }, KERNEL>(ctx, ids, flags, regs),
-        len if len <= CLASSES[6] => direct_copy::<{ CLASSES[6] }, KERNEL>(ctx, ids, flags, regs),
-        len if len <= CLASSES[7] => direct_copy::<{ CLASSES[7] }, KERNEL>(ctx, ids, flags, regs),
-        len if len <= CLASSES[8] => direct_copy::<{ CLASSES[8] }, KERNEL>(ctx, ids, flags, regs),
-        len if len <= CLASSES[9] => direct_copy::<{ CLASSES[9] }, KERNEL>(ctx, ids, flags, regs),
-        len if len <= CLASSES[10] => direct_copy::<{ CLASSES[10] }, KERNEL>(ctx, ids, flags, regs),
+        len if len <= CLASSES[0] => {
+            reserved_copy::<{ CLASSES[0] }, KERNEL, false>(ctx, ids, flags, regs, ids.copy_limit)
+        }
+        len if len <= CLASSES[1] => {
+            reserved_copy::<{ CLASSES[1] }, KERNEL, false>(ctx, ids, flags, regs, ids.copy_limit)
+        }
+        len if len <= CLASSES[2] => {
+            reserved_copy::<{ CLASSES[2] }, KERNEL, false>(ctx, ids, flags, regs, ids.copy_limit)
+        }
+        len if len <= CLASSES[3] => {
+            reserved_copy::<{ CLASSES[3] }, KERNEL, false>(ctx, ids, flags, regs, ids.copy_limit)
+        }
+        len if len <= CLASSES[4] => {
+            reserved_copy::<{ CLASSES[4] }, KERNEL, false>(ctx, ids, flags, regs, ids.copy_limit)
+        }
+        len if len <= CLASSES[5] => {
+            reserved_copy::<{ CLASSES[5] }, KERNEL, false>(ctx, ids, flags, regs, ids.copy_limit)
+        }
+        len if len <= CLASSES[6] => {
+            reserved_copy::<{ CLASSES[6] }, KERNEL, false>(ctx, ids, flags, regs, ids.copy_limit)
+        }
+        len if len <= CLASSES[7] => {
+            reserved_copy::<{ CLASSES[7] }, KERNEL, false>(ctx, ids, flags, regs, ids.copy_limit)
+        }
+        len if len <= CLASSES[8] => {
+            reserved_copy::<{ CLASSES[8] }, KERNEL, false>(ctx, ids, flags, regs, ids.copy_limit)
+        }
+        len if len <= CLASSES[9] => {
+            reserved_copy::<{ CLASSES[9] }, KERNEL, false>(ctx, ids, flags, regs, ids.copy_limit)
+        }
+        len if len <= CLASSES[10] => {
+            reserved_copy::<{ CLASSES[10] }, KERNEL, false>(ctx, ids, flags, regs, ids.copy_limit)
+        }
         _ => false,
     }
-}
-
-#[inline(always)]
-fn direct_copy<const BYTES: u32, const KERNEL: bool>(
-    ctx: &PerfEventContext,
-    ids: &SampleIds,
-    mut flags: u32,
-    regs: UserRegs,
-) -> bool {
-    let size = direct_record_bytes(BYTES, KERNEL) as usize;
-    // Checked on a value LLVM cannot see through: the class match implies
-    // it, and the verifier needs the check itself.
-    let len = opaque(ids.copy_limit);
-    if len == 0 || len > BYTES {
-        return false;
-    }
-    let unread = unread_bytes();
-    let Some(mut entry) = SAMPLES.reserve_bytes(size, 0) else {
-        return false;
-    };
-    let record = entry.as_mut_ptr();
-    let mut kernel_stack_len = 0;
-    if KERNEL {
-        // SAFETY: the reservation has room for the kernel stack after the
-        // header (direct_record_bytes).
-        kernel_stack_len = unsafe { kernel_stack(ctx, record.add(SAMPLE_HEADER_SIZE), &mut flags) };
-    }
-    let offset = SAMPLE_HEADER_SIZE + (u64::from(kernel_stack_len) & KERNEL_STACK_MASK) as usize;
-    // SAFETY: offset + len <= the reservation's size; the source is user
-    // memory read with the fault-tolerant helper.
-    let ret = unsafe {
-        bpf_probe_read_user(
-            record.add(offset).cast::<c_void>(),
-            len,
-            regs.rsp as *const c_void,
-        )
-    };
-    if ret < 0 {
-        entry.discard(u64::from(BPF_RB_NO_WAKEUP));
-        return false;
-    }
-    // SAFETY: the reservation is 8-aligned and larger than the header.
-    unsafe {
-        ids.write_header(
-            record,
-            flags | sample_flags::DIRECT_COPY,
-            kernel_stack_len,
-            len,
-            Some(&regs),
-        )
-    };
-    add(Counter::UserStackBytes, u64::from(len));
-    count(Counter::Samples);
-    entry.submit(wakeup_flag(unread, size as u64));
-    true
 }
 
 /// The usual record (see the module doc): the kernel stack, a bounded copy
@@ -742,26 +709,50 @@ fn deep_sample(
     // above the configured size are never taken (the verifier, which sees
     // that size, skips them).
     match len {
-        len if len <= CLASSES[0] => deep_copy::<{ CLASSES[0] }>(ctx, ids, flags, regs, len),
-        len if len <= CLASSES[1] => deep_copy::<{ CLASSES[1] }>(ctx, ids, flags, regs, len),
-        len if len <= CLASSES[2] => deep_copy::<{ CLASSES[2] }>(ctx, ids, flags, regs, len),
-        len if len <= CLASSES[3] => deep_copy::<{ CLASSES[3] }>(ctx, ids, flags, regs, len),
-        len if len <= CLASSES[4] => deep_copy::<{ CLASSES[4] }>(ctx, ids, flags, regs, len),
-        len if len <= CLASSES[5] => deep_copy::<{ CLASSES[5] }>(ctx, ids, flags, regs, len),
-        len if len <= CLASSES[6] => deep_copy::<{ CLASSES[6] }>(ctx, ids, flags, regs, len),
+        len if len <= CLASSES[0] => {
+            reserved_copy::<{ CLASSES[0] }, true, true>(ctx, ids, flags, regs, len)
+        }
+        len if len <= CLASSES[1] => {
+            reserved_copy::<{ CLASSES[1] }, true, true>(ctx, ids, flags, regs, len)
+        }
+        len if len <= CLASSES[2] => {
+            reserved_copy::<{ CLASSES[2] }, true, true>(ctx, ids, flags, regs, len)
+        }
+        len if len <= CLASSES[3] => {
+            reserved_copy::<{ CLASSES[3] }, true, true>(ctx, ids, flags, regs, len)
+        }
+        len if len <= CLASSES[4] => {
+            reserved_copy::<{ CLASSES[4] }, true, true>(ctx, ids, flags, regs, len)
+        }
+        len if len <= CLASSES[5] => {
+            reserved_copy::<{ CLASSES[5] }, true, true>(ctx, ids, flags, regs, len)
+        }
+        len if len <= CLASSES[6] => {
+            reserved_copy::<{ CLASSES[6] }, true, true>(ctx, ids, flags, regs, len)
+        }
         _ => false,
     }
 }
 
+/// A deep or a direct record of class `BYTES` (see [`deep_sample`] and
+/// [`direct_sample`]): reserves it, with room for a kernel stack when
+/// `KERNEL_ROOM` (written if the tick hit kernel mode), reads `len` bytes
+/// of user stack from `rsp` after it in one helper call, writes the header
+/// and submits it. False, with nothing written, when `len` is 0 or past
+/// the class, there is no room, or the read faults.
 #[inline(always)]
-fn deep_copy<const BYTES: u32>(
+fn reserved_copy<const BYTES: u32, const KERNEL_ROOM: bool, const DEEP: bool>(
     ctx: &PerfEventContext,
     ids: &SampleIds,
     mut flags: u32,
     regs: UserRegs,
     len: u32,
 ) -> bool {
-    let size = deep_record_bytes(BYTES) as usize;
+    let size = if DEEP {
+        deep_record_bytes(BYTES)
+    } else {
+        direct_record_bytes(BYTES, KERNEL_ROOM)
+    } as usize;
     // Checked on a value LLVM cannot see through: the class match implies
     // it, and the verifier needs the check itself.
     let len = opaque(len);
@@ -775,14 +766,14 @@ fn deep_copy<const BYTES: u32>(
     };
     let record = entry.as_mut_ptr();
     let mut kernel_stack_len = 0;
-    if flags & sample_flags::TICK_IN_USER == 0 {
+    if KERNEL_ROOM && flags & sample_flags::TICK_IN_USER == 0 {
         // SAFETY: the reservation has room for the kernel stack after the
-        // header (deep_record_bytes).
+        // header (deep_record_bytes, direct_record_bytes).
         kernel_stack_len = unsafe { kernel_stack(ctx, record.add(SAMPLE_HEADER_SIZE), &mut flags) };
     }
     let offset = SAMPLE_HEADER_SIZE + (u64::from(kernel_stack_len) & KERNEL_STACK_MASK) as usize;
-    // SAFETY: offset + len <= header + KERNEL_STACK_MASK + 1 + BYTES = size;
-    // the source is user memory read with the fault-tolerant helper.
+    // SAFETY: offset + len <= the reservation's size; the source is user
+    // memory read with the fault-tolerant helper.
     let ret = unsafe {
         bpf_probe_read_user(
             record.add(offset).cast::<c_void>(),
@@ -794,18 +785,17 @@ fn deep_copy<const BYTES: u32>(
         entry.discard(u64::from(BPF_RB_NO_WAKEUP));
         return false;
     }
-    // SAFETY: the reservation is 8-aligned and larger than the header.
-    unsafe {
-        ids.write_header(
-            record,
-            flags | sample_flags::DEEP_COPY,
-            kernel_stack_len,
-            len,
-            Some(&regs),
-        )
+    let kind = if DEEP {
+        sample_flags::DEEP_COPY
+    } else {
+        sample_flags::DIRECT_COPY
     };
+    // SAFETY: the reservation is 8-aligned and larger than the header.
+    unsafe { ids.write_header(record, flags | kind, kernel_stack_len, len, Some(&regs)) };
     add(Counter::UserStackBytes, u64::from(len));
-    count(Counter::DeepCopies);
+    if DEEP {
+        count(Counter::DeepCopies);
+    }
     count(Counter::Samples);
     entry.submit(wakeup_flag(unread, size as u64));
     true
