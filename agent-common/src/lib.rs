@@ -53,7 +53,7 @@ pub mod sample_flags {
     /// stack means that top is stale (the agent drops it).
     pub const COPY_AT_TOP: u32 = 1 << 5;
     /// The record is a ring buffer reservation of one of the
-    /// [`super::DIRECT_COPY_CLASSES`] (see [`super::direct_record_bytes`]),
+    /// [`super::DIRECT_COPY_CLASSES`] (see [`super::reserved_record_bytes`]),
     /// the stacks read straight into it: bytes after the announced lengths
     /// are padding. Only ticks of a thread with a stack top and no plan, so
     /// there is no tail.
@@ -79,11 +79,12 @@ pub const DIRECT_COPY_CLASSES: [u32; 11] = [
     MAX_USER_STACK_BYTES,
 ];
 
-/// Ring buffer bytes a direct record of `user_class` reserves: the header,
-/// room for the kernel stack as the program bounds it when the tick hit
-/// kernel mode, the class.
-pub const fn direct_record_bytes(user_class: u32, kernel: bool) -> u32 {
-    let kernel_room = if kernel {
+/// Ring buffer bytes a deep or direct record reserves for a class of
+/// `user_class` stack bytes: the header, room for the kernel stack as the
+/// program bounds it when `kernel_room` (always for a deep record, for a
+/// direct one when the tick hit kernel mode), the class.
+pub const fn reserved_record_bytes(user_class: u32, kernel_room: bool) -> u32 {
+    let kernel_room = if kernel_room {
         KERNEL_STACK_MASK as u32 + 1
     } else {
         0
@@ -112,12 +113,12 @@ pub const MAX_USER_STACK_BYTES: u32 = 32 * 1024;
 
 /// Most bytes of a deep copy: one read of a thread's whole stack, for
 /// threads whose deep frames change too fast (or are too many) for a stack
-/// tail, such as compilers. A deep record is reserved at its largest size
-/// in the ring buffer and read into directly (no scratch slot, no second copy).
+/// tail, such as compilers. A deep record is reserved in the ring buffer at
+/// its class's size and read into directly (no scratch slot, no second copy).
 pub const MAX_DEEP_STACK_BYTES: u32 = 1 << 20;
 /// User stack bytes a deep record has room for, smallest first, doubling:
 /// a deep copy takes the smallest class that holds it (see
-/// [`deep_record_bytes`]), so at most half of its ring space is padding.
+/// [`reserved_record_bytes`]), so at most half of its ring space is padding.
 pub const DEEP_COPY_CLASSES: [u32; 7] = [
     16 << 10,
     32 << 10,
@@ -127,13 +128,6 @@ pub const DEEP_COPY_CLASSES: [u32; 7] = [
     512 << 10,
     MAX_DEEP_STACK_BYTES,
 ];
-
-/// Ring buffer bytes a deep record reserves for `deep_stack_bytes` of stack
-/// (its class): the header, room for the kernel stack as the program
-/// bounds it, the stack.
-pub const fn deep_record_bytes(deep_stack_bytes: u32) -> u32 {
-    SAMPLE_HEADER_SIZE as u32 + KERNEL_STACK_MASK as u32 + 1 + deep_stack_bytes
-}
 
 /// Smallest adaptive copy the agent asks for: a leaf's frame and its
 /// caller's, even when the thread's walks have needed less.

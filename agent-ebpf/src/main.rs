@@ -46,8 +46,8 @@ use agent_common::{
     MAX_COPY_SIZES, MAX_DEEP_PROGRAMS, MAX_DEEP_STACK_BYTES, MAX_KERNEL_STACK_BYTES,
     MAX_SPAN_BYTES, MAX_STACK_PLANS, MAX_STACK_TOPS, MAX_TAIL_BYTES, MAX_TAIL_SPANS,
     MAX_USER_STACK_BYTES, PAGE_SIZE, ProcessEvent, RecordKind, SAMPLE_HEADER_SIZE, SCRATCH_BYTES,
-    SampleHeader, StackPlan, StackTop, TAIL_SPAN_HEADER_SIZE, deep_record_bytes,
-    direct_record_bytes, policy_flags, sample_flags, tail_span,
+    SampleHeader, StackPlan, StackTop, TAIL_SPAN_HEADER_SIZE, policy_flags, reserved_record_bytes,
+    sample_flags, tail_span,
 };
 use aya_ebpf::{
     Global,
@@ -289,6 +289,25 @@ fn try_sample_cpu_clock(ctx: &PerfEventContext) -> Result<u32, u32> {
     Ok(usual_sample(ctx, &ids, flags, user_regs, plan))
 }
 
+/// `$copy`, with `$class` the smallest of `$classes` (whose indexes are
+/// listed) that holds `$len` bytes, as a constant: a ring buffer
+/// reservation's size must be one, so each class is a call of its own.
+/// False when none holds them.
+macro_rules! in_smallest_class {
+    ($len:expr, $classes:expr, [$($i:literal),+], |$class:ident| $copy:expr) => {{
+        // Every class listed, none left out.
+        const _: () = assert!($classes.len() == [$($i),+].len());
+        let len: u32 = $len;
+        $(
+            if len <= $classes[$i] {
+                const $class: u32 = $classes[$i];
+                $copy
+            } else
+        )+
+        { false }
+    }};
+}
+
 /// A direct record (`sample_flags::DIRECT_COPY`): reserves the smallest
 /// class that holds the copy (and the kernel stack, for a tick in kernel
 /// mode), writes the kernel stack and reads the user stack into it in one
@@ -315,44 +334,12 @@ fn direct_class<const KERNEL: bool>(
     flags: u32,
     regs: UserRegs,
 ) -> bool {
-    const CLASSES: [u32; 11] = DIRECT_COPY_CLASSES;
-    // One reservation per class: its size must be a constant.
-    match ids.copy_limit {
-        len if len <= CLASSES[0] => {
-            reserved_copy::<{ CLASSES[0] }, KERNEL, false>(ctx, ids, flags, regs, ids.copy_limit)
-        }
-        len if len <= CLASSES[1] => {
-            reserved_copy::<{ CLASSES[1] }, KERNEL, false>(ctx, ids, flags, regs, ids.copy_limit)
-        }
-        len if len <= CLASSES[2] => {
-            reserved_copy::<{ CLASSES[2] }, KERNEL, false>(ctx, ids, flags, regs, ids.copy_limit)
-        }
-        len if len <= CLASSES[3] => {
-            reserved_copy::<{ CLASSES[3] }, KERNEL, false>(ctx, ids, flags, regs, ids.copy_limit)
-        }
-        len if len <= CLASSES[4] => {
-            reserved_copy::<{ CLASSES[4] }, KERNEL, false>(ctx, ids, flags, regs, ids.copy_limit)
-        }
-        len if len <= CLASSES[5] => {
-            reserved_copy::<{ CLASSES[5] }, KERNEL, false>(ctx, ids, flags, regs, ids.copy_limit)
-        }
-        len if len <= CLASSES[6] => {
-            reserved_copy::<{ CLASSES[6] }, KERNEL, false>(ctx, ids, flags, regs, ids.copy_limit)
-        }
-        len if len <= CLASSES[7] => {
-            reserved_copy::<{ CLASSES[7] }, KERNEL, false>(ctx, ids, flags, regs, ids.copy_limit)
-        }
-        len if len <= CLASSES[8] => {
-            reserved_copy::<{ CLASSES[8] }, KERNEL, false>(ctx, ids, flags, regs, ids.copy_limit)
-        }
-        len if len <= CLASSES[9] => {
-            reserved_copy::<{ CLASSES[9] }, KERNEL, false>(ctx, ids, flags, regs, ids.copy_limit)
-        }
-        len if len <= CLASSES[10] => {
-            reserved_copy::<{ CLASSES[10] }, KERNEL, false>(ctx, ids, flags, regs, ids.copy_limit)
-        }
-        _ => false,
-    }
+    in_smallest_class!(
+        ids.copy_limit,
+        DIRECT_COPY_CLASSES,
+        [0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10],
+        |CLASS| reserved_copy::<CLASS, KERNEL, false>(ctx, ids, flags, regs, ids.copy_limit)
+    )
 }
 
 /// The usual record (see the module doc): the kernel stack, a bounded copy
@@ -704,34 +691,11 @@ fn deep_sample(
         return false;
     }
     let len = (stack_end - regs.rsp).min(u64::from(limit)) as u32;
-    const CLASSES: [u32; 7] = DEEP_COPY_CLASSES;
-    // One reservation per class: its size must be a constant. Classes
-    // above the configured size are never taken (the verifier, which sees
-    // that size, skips them).
-    match len {
-        len if len <= CLASSES[0] => {
-            reserved_copy::<{ CLASSES[0] }, true, true>(ctx, ids, flags, regs, len)
-        }
-        len if len <= CLASSES[1] => {
-            reserved_copy::<{ CLASSES[1] }, true, true>(ctx, ids, flags, regs, len)
-        }
-        len if len <= CLASSES[2] => {
-            reserved_copy::<{ CLASSES[2] }, true, true>(ctx, ids, flags, regs, len)
-        }
-        len if len <= CLASSES[3] => {
-            reserved_copy::<{ CLASSES[3] }, true, true>(ctx, ids, flags, regs, len)
-        }
-        len if len <= CLASSES[4] => {
-            reserved_copy::<{ CLASSES[4] }, true, true>(ctx, ids, flags, regs, len)
-        }
-        len if len <= CLASSES[5] => {
-            reserved_copy::<{ CLASSES[5] }, true, true>(ctx, ids, flags, regs, len)
-        }
-        len if len <= CLASSES[6] => {
-            reserved_copy::<{ CLASSES[6] }, true, true>(ctx, ids, flags, regs, len)
-        }
-        _ => false,
-    }
+    // Classes above the configured size are never taken (the verifier,
+    // which sees that size, skips them).
+    in_smallest_class!(len, DEEP_COPY_CLASSES, [0, 1, 2, 3, 4, 5, 6], |CLASS| {
+        reserved_copy::<CLASS, true, true>(ctx, ids, flags, regs, len)
+    })
 }
 
 /// A deep or a direct record of class `BYTES` (see [`deep_sample`] and
@@ -748,11 +712,7 @@ fn reserved_copy<const BYTES: u32, const KERNEL_ROOM: bool, const DEEP: bool>(
     regs: UserRegs,
     len: u32,
 ) -> bool {
-    let size = if DEEP {
-        deep_record_bytes(BYTES)
-    } else {
-        direct_record_bytes(BYTES, KERNEL_ROOM)
-    } as usize;
+    let size = reserved_record_bytes(BYTES, KERNEL_ROOM) as usize;
     // Checked on a value LLVM cannot see through: the class match implies
     // it, and the verifier needs the check itself.
     let len = opaque(len);
@@ -768,7 +728,7 @@ fn reserved_copy<const BYTES: u32, const KERNEL_ROOM: bool, const DEEP: bool>(
     let mut kernel_stack_len = 0;
     if KERNEL_ROOM && flags & sample_flags::TICK_IN_USER == 0 {
         // SAFETY: the reservation has room for the kernel stack after the
-        // header (deep_record_bytes, direct_record_bytes).
+        // header (reserved_record_bytes).
         kernel_stack_len = unsafe { kernel_stack(ctx, record.add(SAMPLE_HEADER_SIZE), &mut flags) };
     }
     let offset = SAMPLE_HEADER_SIZE + (u64::from(kernel_stack_len) & KERNEL_STACK_MASK) as usize;

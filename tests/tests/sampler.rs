@@ -10,7 +10,7 @@ use std::{
 
 use agent_common::{
     CgroupPolicy, DEEP_COPY_CLASSES, DIRECT_COPY_CLASSES, MAX_DEEP_STACK_BYTES, StackPlan,
-    StackTop, deep_record_bytes, direct_record_bytes, policy_flags, sample_flags,
+    StackTop, policy_flags, reserved_record_bytes, sample_flags,
 };
 use stackscope_agent::unwinding::stitching::PlanUpdate;
 use stackscope_agent::{
@@ -18,9 +18,9 @@ use stackscope_agent::{
     sampler::{SamplerConfig, record::OwnedSample},
 };
 use stackscope_tests::{
-    Fixture, Mapping, MappingPath, RunningProcess, TempCgroup, exclusive, find_word, kernel_symbol,
-    kernel_symbols, read_maps, require_root, sample_for, sample_planned, sample_while,
-    wait_until_loaded,
+    Fixture, Mapping, MappingPath, Recorded, RunningProcess, TempCgroup, exclusive, find_word,
+    kernel_symbol, kernel_symbols, read_maps, require_root, sample_for, sample_planned,
+    sample_while, wait_until_loaded,
 };
 
 const CANARY: u64 = 0x05CA_1AB1_E0DD_BA11;
@@ -227,32 +227,22 @@ fn a_deep_copy_reserves_the_smallest_class_that_holds_the_stack() {
         plan: Some(Box::new(plan)),
     };
     let recorded = sample_planned(&config, SAMPLING, vec![update]);
-    let samples = || recorded.samples.iter().zip(&recorded.sample_record_bytes);
-    let deep: Vec<_> = samples()
-        .filter(|(s, _)| s.header.flags & sample_flags::DEEP_COPY != 0)
-        .collect();
-    // A deep copy falls back to the plan's usual copy when the ring has no
-    // room for it (in the test VMs, this debug build's reader falls behind
-    // at times) or a page of the stack cannot be read at that tick.
-    assert!(
-        deep.len() * 2 > recorded.samples.len(),
-        "{} of {} samples copied deep",
-        deep.len(),
-        recorded.samples.len()
-    );
-    for (sample, _) in samples().filter(|(s, _)| s.header.flags & sample_flags::DEEP_COPY == 0) {
+    let (deep, fallbacks) = split_by_copy(&recorded, sample_flags::DEEP_COPY);
+    for sample in fallbacks {
+        // The plan's usual copy.
         assert!(sample.user_stack.len() <= 512, "{:?}", sample.header);
     }
-    for (sample, &record_bytes) in deep {
+    for (sample, record_bytes) in deep {
         let h = &sample.header;
         let copy = stack.end - h.user_rsp;
         assert_eq!(sample.user_stack.len() as u64, copy, "{h:?}");
-        let class = DEEP_COPY_CLASSES
-            .into_iter()
-            .find(|&class| u64::from(class) >= copy)
-            .expect("a class holds the stack");
+        let class = smallest_class(&DEEP_COPY_CLASSES, copy);
         assert!(class < MAX_DEEP_STACK_BYTES, "{copy} bytes of stack");
-        assert_eq!(record_bytes, deep_record_bytes(class) as usize, "{h:?}");
+        assert_eq!(
+            record_bytes,
+            reserved_record_bytes(class, true) as usize,
+            "{h:?}"
+        );
         let depths = find_word(&sample.user_stack, CANARY).count() as u64;
         assert_eq!(depths, DEPTH + 1, "every frame's canary: {h:?}");
     }
@@ -293,24 +283,15 @@ fn records_the_kernel_stack_and_the_saved_user_registers_of_a_syscall() {
     };
     let recorded = sample_planned(&config, SAMPLING, vec![top]);
     check_syscall_samples(&recorded.samples, &maps, stack, &symbols);
-    let samples = || recorded.samples.iter().zip(&recorded.sample_record_bytes);
-    let direct: Vec<_> = samples()
-        .filter(|(s, _)| s.header.flags & sample_flags::DIRECT_COPY != 0)
-        .collect();
-    // A direct copy falls back to the usual one when a page of the stack
-    // cannot be read at that tick (seen now and then, in the test VMs more
-    // often): the usual copy then stops at that page too.
-    assert!(
-        direct.len() * 2 > recorded.samples.len(),
-        "{} of {} samples copied directly",
-        direct.len(),
-        recorded.samples.len()
-    );
-    for (sample, _) in samples().filter(|(s, _)| s.header.flags & sample_flags::DIRECT_COPY == 0) {
+    let (direct, fallbacks) = split_by_copy(&recorded, sample_flags::DIRECT_COPY);
+    for sample in fallbacks {
+        // The ring has room for these small records: only a page that
+        // could not be read makes a direct copy fall back, and the usual
+        // copy then stops at it too.
         let h = &sample.header;
         assert_ne!(h.flags & sample_flags::USER_STACK_FAULTED, 0, "{h:?}");
     }
-    for (sample, &record_bytes) in direct {
+    for (sample, record_bytes) in direct {
         let h = &sample.header;
         assert_eq!(
             h.flags & (sample_flags::DIRECT_COPY | sample_flags::COPY_AT_TOP),
@@ -319,17 +300,46 @@ fn records_the_kernel_stack_and_the_saved_user_registers_of_a_syscall() {
         );
         let copy = stack.end - h.user_rsp;
         assert_eq!(sample.user_stack.len() as u64, copy, "{h:?}");
-        let class = DIRECT_COPY_CLASSES
-            .into_iter()
-            .find(|&class| u64::from(class) >= copy)
-            .expect("a class holds the copy");
+        let class = smallest_class(&DIRECT_COPY_CLASSES, copy);
         let in_kernel = h.flags & sample_flags::TICK_IN_USER == 0;
         assert_eq!(
             record_bytes,
-            direct_record_bytes(class, in_kernel) as usize,
+            reserved_record_bytes(class, in_kernel) as usize,
             "{h:?}"
         );
     }
+}
+
+/// The samples copied into a reservation of their class (flagged `copy`,
+/// with their records' ring bytes), and the others, which fell back to the
+/// usual copy: when the ring had no room (in the test VMs, the debug
+/// build's reader falls behind at times) or a page of the stack could not
+/// be read at that tick. Most must be the former.
+fn split_by_copy(
+    recorded: &Recorded,
+    copy: u32,
+) -> (Vec<(&OwnedSample, usize)>, Vec<&OwnedSample>) {
+    let (reserved, fallbacks): (Vec<_>, Vec<_>) = recorded
+        .samples
+        .iter()
+        .zip(recorded.sample_record_bytes.iter().copied())
+        .partition(|(s, _)| s.header.flags & copy != 0);
+    assert!(
+        reserved.len() > fallbacks.len(),
+        "{} of {} samples copied into a reservation",
+        reserved.len(),
+        recorded.samples.len()
+    );
+    (reserved, fallbacks.into_iter().map(|(s, _)| s).collect())
+}
+
+/// The smallest of `classes` that holds `bytes`.
+fn smallest_class(classes: &[u32], bytes: u64) -> u32 {
+    classes
+        .iter()
+        .copied()
+        .find(|&class| u64::from(class) >= bytes)
+        .unwrap_or_else(|| panic!("no class holds {bytes} bytes"))
 }
 
 /// Samples of `syscall_loop`: most ticks in kernel mode, inside read(2),

@@ -63,6 +63,13 @@ struct Run {
     top: Vec<(String, f64)>,
 }
 
+impl Run {
+    /// Profiler CPU seconds per sample over the whole run.
+    fn cpu_per_sample(&self) -> f64 {
+        self.profiler_cpu.as_secs_f64() / self.samples.max(1.0)
+    }
+}
+
 /// A child's exit and CPU use, from `wait4`. Not its peak RSS: this
 /// bench's parent holds `perf script`'s output, which a child's
 /// `ru_maxrss` inherits at the fork (96 MB once, for the agent and the
@@ -475,19 +482,12 @@ fn report(hz: u32, alone: &[f64], ours: &[Run], perf: &[Run]) {
     println!("\n== {hz} Hz: the workload alone completes {base:.0} units (median)");
     for (name, runs) in [("stackscope", ours), ("perf", perf)] {
         let loss = spread(runs.iter().map(|r| 100.0 * (1.0 - r.units / base)));
-        let per_thousand = spread(
-            runs.iter()
-                .map(|r| r.profiler_cpu.as_secs_f64() * 1e3 * 1000.0 / r.samples.max(1.0)),
-        );
-        let per_sample = spread(
-            runs.iter()
-                .map(|r| r.profiler_cpu.as_secs_f64() * 1e6 / r.samples.max(1.0)),
-        );
+        // µs per sample is ms per 1,000 samples.
+        let per_sample = spread(runs.iter().map(|r| r.cpu_per_sample() * 1e6));
         println!(
-            "{name:<10}  throughput loss {}   CPU per 1,000 samples {}   per sample {}   \
+            "{name:<10}  throughput loss {}   CPU per sample {} (ms per 1,000 samples)   \
              samples {}   reached the root {}",
             show(loss, "%"),
-            show(per_thousand, " ms"),
             show(per_sample, " us"),
             show(spread(runs.iter().map(|r| r.samples)), ""),
             show(spread(runs.iter().map(|r| 100.0 * r.root_share)), "%"),
@@ -540,18 +540,19 @@ fn report(hz: u32, alone: &[f64], ours: &[Run], perf: &[Run]) {
             println!("            top self: {}", top.join(", "));
         }
     }
-    let ratio = spread(perf.iter().zip(ours).map(|(p, o)| {
-        let perf_per = p.profiler_cpu.as_secs_f64() / p.samples.max(1.0);
-        let ours_per = o.profiler_cpu.as_secs_f64() / o.samples.max(1.0);
-        perf_per / ours_per.max(1e-12)
-    }));
+    let ratio = spread(
+        perf.iter()
+            .zip(ours)
+            .map(|(p, o)| p.cpu_per_sample() / o.cpu_per_sample().max(1e-12)),
+    );
     println!("perf CPU per sample / stackscope's: {}", show(ratio, "x"));
     // A node's agent runs for days: its start-up (BPF load, table
     // compilation, first namings) is paid once, not per sample.
-    let steady_ratio = spread(perf.iter().zip(ours).map(|(p, o)| {
-        let perf_per = p.profiler_cpu.as_secs_f64() / p.samples.max(1.0);
-        perf_per / o.steady_per_sample.as_secs_f64().max(1e-12)
-    }));
+    let steady_ratio = spread(
+        perf.iter()
+            .zip(ours)
+            .map(|(p, o)| p.cpu_per_sample() / o.steady_per_sample.as_secs_f64().max(1e-12)),
+    );
     println!(
         "perf CPU per sample / stackscope's steady state: {}",
         show(steady_ratio, "x")

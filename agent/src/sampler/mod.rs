@@ -18,7 +18,7 @@ use std::{
 
 use agent_common::{
     COMM_LEN, COUNTER_SLOTS, CgroupPolicy, Counter, MAX_ALLOW_ENTRIES, MAX_DEEP_STACK_BYTES,
-    MAX_USER_STACK_BYTES, PAGE_SIZE, StackPlan, StackTop, deep_record_bytes, names,
+    MAX_USER_STACK_BYTES, PAGE_SIZE, StackPlan, StackTop, names, reserved_record_bytes,
 };
 use aya::{
     Ebpf, EbpfLoader,
@@ -627,9 +627,11 @@ fn ring_buffer_bytes(cpus: usize) -> u32 {
 }
 
 /// The smallest ring: three of the largest deep copies fit (each reserves
-/// a fixed [`deep_record_bytes`] plus the ring's 8-byte record header).
+/// its class's [`reserved_record_bytes`] plus the ring's 8-byte record
+/// header).
 const MIN_RING_BYTES: u32 = 4 << 20;
-const _: () = assert!(MIN_RING_BYTES >= 3 * (deep_record_bytes(MAX_DEEP_STACK_BYTES) + 8));
+const _: () =
+    assert!(MIN_RING_BYTES >= 3 * (reserved_record_bytes(MAX_DEEP_STACK_BYTES, true) + 8));
 
 /// aya-log level numbers: error = 1 … trace = 5.
 fn bpf_log_level(level: tracing::Level) -> u8 {

@@ -10,8 +10,7 @@
 use agent_common::{
     MAX_DEEP_STACK_BYTES, MAX_KERNEL_STACK_BYTES, MAX_SPAN_BYTES, MAX_TAIL_BYTES,
     MAX_USER_STACK_BYTES, PROCESS_EVENT_SIZE, ProcessEvent, RecordKind, SAMPLE_HEADER_SIZE,
-    SampleHeader, TAIL_SPAN_HEADER_SIZE, deep_record_bytes, direct_record_bytes, sample_flags,
-    tail_span,
+    SampleHeader, TAIL_SPAN_HEADER_SIZE, reserved_record_bytes, sample_flags, tail_span,
 };
 use stackscope_unwind::TailSpan;
 
@@ -161,10 +160,10 @@ impl<'a> Sample<'a> {
         // the rest is padding.
         let fits = if deep {
             announced <= record.len()
-                && record.len() <= deep_record_bytes(MAX_DEEP_STACK_BYTES) as usize
+                && record.len() <= reserved_record_bytes(MAX_DEEP_STACK_BYTES, true) as usize
         } else if direct {
             announced <= record.len()
-                && record.len() <= direct_record_bytes(MAX_USER_STACK_BYTES, true) as usize
+                && record.len() <= reserved_record_bytes(MAX_USER_STACK_BYTES, true) as usize
         } else {
             announced == record.len()
         };
@@ -387,19 +386,48 @@ mod tests {
     }
 
     #[test]
-    fn a_deep_copy_is_a_padded_reservation_without_a_tail() {
-        let deep = |mut header: SampleHeader| {
-            header.flags |= sample_flags::DEEP_COPY;
-            header
-        };
-        let stack = vec![5u8; 40_000];
-        // The reservation's unused end is padding, not a length mismatch.
-        let mut record = encode(&deep(header(16, 40_000)), &[1, 2], &stack);
-        record.resize(deep_record_bytes(MAX_DEEP_STACK_BYTES) as usize, 0xee);
-        let sample = Sample::decode(&record).unwrap();
-        assert_eq!(sample.user_stack, stack.as_slice());
-        assert_eq!(sample.kernel_frames().collect::<Vec<_>>(), [1, 2]);
-        assert_eq!(sample.tail_data(), &[] as &[u8]);
+    fn deep_and_direct_copies_are_padded_reservations_without_a_tail() {
+        for (copy, largest_class) in [
+            (sample_flags::DEEP_COPY, MAX_DEEP_STACK_BYTES),
+            (sample_flags::DIRECT_COPY, MAX_USER_STACK_BYTES),
+        ] {
+            let reserved = |mut header: SampleHeader| {
+                header.flags |= copy;
+                header
+            };
+            let largest = reserved_record_bytes(largest_class, true) as usize;
+            let stack = vec![5u8; 5000];
+            // The reservation's unused end is padding, not a length mismatch.
+            let mut record = encode(&reserved(header(16, 5000)), &[1, 2], &stack);
+            record.resize(reserved_record_bytes(8192, true) as usize, 0xee);
+            let sample = Sample::decode(&record).unwrap();
+            assert_eq!(sample.user_stack, stack.as_slice());
+            assert_eq!(sample.kernel_frames().collect::<Vec<_>>(), [1, 2]);
+            assert_eq!(sample.tail_data(), &[] as &[u8]);
+            // No tail, no more than the largest class, within a record no
+            // larger than the largest reservation.
+            let with_a_tail = with_tail(reserved(header(0, 8)), &[0; 16], 1);
+            assert!(matches!(
+                Sample::decode(&encode(&with_a_tail, &[], &[0; 8])),
+                Err(DecodeError::BadTail { .. })
+            ));
+            let too_long = reserved(header(0, largest_class + 8));
+            assert!(matches!(
+                Sample::decode(&encode(&too_long, &[], &[])),
+                Err(DecodeError::BadUserStackLen(_))
+            ));
+            let short = reserved(header(0, 4096));
+            assert!(matches!(
+                Sample::decode(&encode(&short, &[], &[0; 4000])),
+                Err(DecodeError::LengthMismatch { .. })
+            ));
+            let mut oversized = encode(&reserved(header(0, 8)), &[], &[0; 8]);
+            oversized.resize(largest + 8, 0);
+            assert!(matches!(
+                Sample::decode(&oversized),
+                Err(DecodeError::LengthMismatch { .. })
+            ));
+        }
         // The same padding on a usual record is an error.
         let mut usual = encode(&header(0, 64), &[], &[0; 64]);
         usual.push(0);
@@ -407,61 +435,9 @@ mod tests {
             Sample::decode(&usual),
             Err(DecodeError::LengthMismatch { .. })
         ));
-        // A deep copy announces no tail and no more than the deep maximum,
-        // within a record no larger than the largest reservation.
-        let with_a_tail = with_tail(deep(header(0, 8)), &[0; 16], 1);
-        assert!(matches!(
-            Sample::decode(&encode(&with_a_tail, &[], &[0; 8])),
-            Err(DecodeError::BadTail { .. })
-        ));
-        let too_long = deep(header(0, MAX_DEEP_STACK_BYTES + 8));
-        assert!(matches!(
-            Sample::decode(&encode(&too_long, &[], &[])),
-            Err(DecodeError::BadUserStackLen(_))
-        ));
-        let short = deep(header(0, 4096));
-        assert!(matches!(
-            Sample::decode(&encode(&short, &[], &[0; 4000])),
-            Err(DecodeError::LengthMismatch { .. })
-        ));
-        let mut oversized = encode(&deep(header(0, 8)), &[], &[0; 8]);
-        oversized.resize(deep_record_bytes(MAX_DEEP_STACK_BYTES) as usize + 8, 0);
-        assert!(matches!(
-            Sample::decode(&oversized),
-            Err(DecodeError::LengthMismatch { .. })
-        ));
-    }
-
-    #[test]
-    fn a_direct_copy_is_a_padded_reservation_of_its_class() {
-        let direct = |mut header: SampleHeader| {
-            header.flags |= sample_flags::DIRECT_COPY;
-            header
-        };
-        let stack = vec![7u8; 5000];
-        let mut record = encode(&direct(header(16, 5000)), &[1, 2], &stack);
-        record.resize(direct_record_bytes(6144, true) as usize, 0xee);
-        let sample = Sample::decode(&record).unwrap();
-        assert_eq!(sample.user_stack, stack.as_slice());
-        assert_eq!(sample.kernel_frames().collect::<Vec<_>>(), [1, 2]);
-        assert_eq!(sample.tail_data(), &[] as &[u8]);
-        // No tail, and no record past the largest class.
-        let with_a_tail = with_tail(direct(header(0, 8)), &[0; 16], 1);
-        assert!(matches!(
-            Sample::decode(&encode(&with_a_tail, &[], &[0; 8])),
-            Err(DecodeError::BadTail { .. })
-        ));
-        let mut oversized = encode(&direct(header(0, 8)), &[], &[0; 8]);
-        oversized.resize(
-            direct_record_bytes(MAX_USER_STACK_BYTES, true) as usize + 8,
-            0,
-        );
-        assert!(matches!(
-            Sample::decode(&oversized),
-            Err(DecodeError::LengthMismatch { .. })
-        ));
-        let mut both = direct(header(0, 8));
-        both.flags |= sample_flags::DEEP_COPY;
+        // One copy or the other, not both.
+        let mut both = header(0, 8);
+        both.flags |= sample_flags::DEEP_COPY | sample_flags::DIRECT_COPY;
         assert!(matches!(
             Sample::decode(&encode(&both, &[], &[0; 8])),
             Err(DecodeError::BadFlags(_))
