@@ -114,6 +114,8 @@ pub struct Recorded {
     pub execs: Vec<ProcessEvent>,
     pub exits: Vec<ProcessEvent>,
     pub decode_errors: Vec<DecodeError>,
+    /// The program's counters at the end of the run.
+    pub counters: Counters,
 }
 
 /// Runs the real sampler for `duration` and returns every record it read.
@@ -135,7 +137,13 @@ pub fn sample_planned(
 ) -> Recorded {
     let mut maps_set_ns = 0;
     let mut recorded = sample_with(config, duration, |sampler| {
-        sampler.apply_plan_updates(updates);
+        for update in updates {
+            // A write that fails would leave the test sampling without it.
+            let written = format!("{update:?}");
+            sampler
+                .apply_plan_update(update)
+                .unwrap_or_else(|err| panic!("writing {written}: {err}"));
+        }
         maps_set_ns = monotonic_ns();
     });
     // Ticks from before the maps were set are not what is tested. Draining
@@ -190,6 +198,7 @@ fn sample_with(
         }
         sampler.drain_records(&mut keep);
         assert!(recorded.decode_errors.is_empty(), "malformed records: {:?}", recorded.decode_errors);
+        recorded.counters = sampler.counters().expect("reading the sampler's counters");
         recorded
     })
 }

@@ -324,11 +324,18 @@ fn split_by_copy(
         .iter()
         .zip(recorded.sample_record_bytes.iter().copied())
         .partition(|(s, _)| s.header.flags & copy != 0);
+    let first_fallbacks: Vec<_> = fallbacks
+        .iter()
+        .take(3)
+        .map(|(s, bytes)| (s.header, s.user_stack.len(), bytes))
+        .collect();
     assert!(
         reserved.len() > fallbacks.len(),
-        "{} of {} samples copied into a reservation",
+        "{} of {} samples copied into a reservation; counters {:?}; the first fallbacks \
+         (header, user stack bytes, record bytes): {first_fallbacks:?}",
         reserved.len(),
-        recorded.samples.len()
+        recorded.samples.len(),
+        recorded.counters,
     );
     (reserved, fallbacks.into_iter().map(|(s, _)| s).collect())
 }

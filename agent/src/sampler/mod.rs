@@ -332,27 +332,31 @@ impl Sampler {
     /// for the thread), so it is logged, not returned.
     pub fn apply_plan_updates(&mut self, updates: impl IntoIterator<Item = PlanUpdate>) {
         for update in updates {
-            let result = match update {
-                PlanUpdate::ProcessCopy { tgid, bytes } => self.set_copy_bytes(tgid, bytes),
-                PlanUpdate::Thread { tid, plan } => self.set_stack_plan(tid, plan.as_deref()),
-                PlanUpdate::ThreadTop { tid, top } => {
-                    let result = match top {
-                        Some(top) => self.top_map.insert(tid, top, 0),
-                        None => self.top_map.remove(&tid),
-                    };
-                    map_result(names::STACK_TOPS, result)
-                }
-                PlanUpdate::DeepProgram { comm, deep } => {
-                    let result = if deep {
-                        self.deep_program_map.insert(comm, 1, 0)
-                    } else {
-                        self.deep_program_map.remove(&comm)
-                    };
-                    map_result(names::DEEP_PROGRAMS, result)
-                }
-            };
-            if let Err(err) = result {
+            if let Err(err) = self.apply_plan_update(update) {
                 tracing::debug!("stack plan not written: {err}");
+            }
+        }
+    }
+
+    /// Writes one of the walker's decisions into its map.
+    pub fn apply_plan_update(&mut self, update: PlanUpdate) -> Result<(), SamplerError> {
+        match update {
+            PlanUpdate::ProcessCopy { tgid, bytes } => self.set_copy_bytes(tgid, bytes),
+            PlanUpdate::Thread { tid, plan } => self.set_stack_plan(tid, plan.as_deref()),
+            PlanUpdate::ThreadTop { tid, top } => {
+                let result = match top {
+                    Some(top) => self.top_map.insert(tid, top, 0),
+                    None => self.top_map.remove(&tid),
+                };
+                map_result(names::STACK_TOPS, result)
+            }
+            PlanUpdate::DeepProgram { comm, deep } => {
+                let result = if deep {
+                    self.deep_program_map.insert(comm, 1, 0)
+                } else {
+                    self.deep_program_map.remove(&comm)
+                };
+                map_result(names::DEEP_PROGRAMS, result)
             }
         }
     }
