@@ -8,7 +8,8 @@
 //! rule is cheap to evaluate (see `shared/DESIGN.md`).
 //!
 //! How much user stack a tick reads follows what the thread's walks need
-//! (maps the agent writes): a contiguous copy from `rsp` of the thread's or
+//! (maps the agent writes): a contiguous copy from `rsp`, up to the thread's
+//! stack top once the agent has learned it, or else of the thread's or
 //! process's adaptive size (at most the configured ceiling), then, for a
 //! thread with deep frames, the few words of each deep frame the walk reads
 //! (its stack tail), so a deep stack reaches its root without being copied.
@@ -267,6 +268,11 @@ fn try_sample_cpu_clock(ctx: &PerfEventContext) -> Result<u32, u32> {
         let ceiling = USER_STACK_BYTES.load().min(MAX_USER_STACK_BYTES);
         let mut limit = match plan {
             Some(plan) => plan.copy_bytes,
+            // A learned thread's copy ends at its top: all a walk to the
+            // root reads, and no more. The process's adaptive size would
+            // only cut it short when the thread runs deeper than its
+            // earlier ticks (a short compiler run's did, every run).
+            None if stack_top > regs.rsp => ceiling,
             None => unsafe { COPY_BYTES.get(tgid) }.copied().unwrap_or(ceiling),
         }
         .min(ceiling);

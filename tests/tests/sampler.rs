@@ -205,6 +205,62 @@ fn a_threads_stack_top_ends_its_copies_there_without_a_fault() {
 }
 
 #[test]
+fn a_learned_threads_copy_reaches_its_top_whatever_its_processs_copy_size() {
+    require_root();
+    let _serial = exclusive();
+    // About 6 KB of frames, well above the process's copy size below.
+    const DEPTH: u64 = 150;
+    const PROCESS_COPY: u32 = agent_common::MIN_USER_STACK_BYTES;
+    let fixture = Fixture::compile("deep_stack", &[]);
+    let process = fixture.start(&[&DEPTH.to_string()]);
+    let pid = process.pid();
+    let maps = read_maps(pid);
+    let stack = mapping(&maps, |m| m.path == MappingPath::Stack, "stack");
+    let top = stack.end - 64;
+    let config = SamplerConfig {
+        frequency_hz: FREQUENCY_HZ,
+        pids: vec![pid],
+        ..SamplerConfig::default()
+    };
+    let process_copy = PlanUpdate::ProcessCopy {
+        tgid: pid,
+        bytes: Some(PROCESS_COPY),
+    };
+
+    // Unlearned, the thread copies its process's size.
+    let samples = sample_planned(&config, SAMPLING, vec![process_copy.clone()]).samples;
+    assert!(!samples.is_empty(), "no samples of the fixture");
+    for sample in &samples {
+        assert_eq!(
+            sample.user_stack.len(),
+            PROCESS_COPY as usize,
+            "{:?}",
+            sample.header
+        );
+    }
+
+    // Learned, it copies up to its top, every frame: a process size learned
+    // from shallower ticks would cut it short.
+    let learned = PlanUpdate::ThreadTop {
+        tid: pid,
+        top: Some(StackTop {
+            tgid: pid,
+            _pad: 0,
+            top,
+        }),
+    };
+    let samples = sample_planned(&config, SAMPLING, vec![process_copy, learned]).samples;
+    assert!(!samples.is_empty(), "no samples of the fixture");
+    for sample in &samples {
+        let h = &sample.header;
+        assert_eq!(sample.user_stack.len() as u64, top - h.user_rsp, "{h:?}");
+        assert_ne!(h.flags & sample_flags::COPY_AT_TOP, 0, "{h:?}");
+        let depths = find_word(&sample.user_stack, CANARY).count() as u64;
+        assert_eq!(depths, DEPTH + 1, "every frame's canary: {h:?}");
+    }
+}
+
+#[test]
 fn a_deep_copy_reserves_the_smallest_class_that_holds_the_stack() {
     require_root();
     let _serial = exclusive();
