@@ -471,6 +471,8 @@ pub mod names {
     pub const TASK_GROUP_LEADER_OFFSET: &str = "TASK_GROUP_LEADER_OFFSET";
     pub const TASK_START_TIME_OFFSET: &str = "TASK_START_TIME_OFFSET";
     pub const TASK_FSBASE_OFFSET: &str = "TASK_FSBASE_OFFSET";
+    pub const TASK_MM_OFFSET: &str = "TASK_MM_OFFSET";
+    pub const MM_START_STACK_OFFSET: &str = "MM_START_STACK_OFFSET";
 }
 
 /// Capacity of the tgid allow-list and of the cgroup policy map.

@@ -149,6 +149,13 @@ static TASK_START_TIME_OFFSET: Global<u32> = Global::new(0);
 /// first ticks get no deep copy, see `first_ticks_stack_end`).
 #[unsafe(no_mangle)]
 static TASK_FSBASE_OFFSET: Global<u32> = Global::new(0);
+/// Byte offsets of `mm` in `task_struct` and of `start_stack` in
+/// `mm_struct`, from the kernel's BTF; 0 when unknown (then a main thread's
+/// first ticks get no deep copy, see `first_ticks_stack_end`).
+#[unsafe(no_mangle)]
+static TASK_MM_OFFSET: Global<u32> = Global::new(0);
+#[unsafe(no_mangle)]
+static MM_START_STACK_OFFSET: Global<u32> = Global::new(0);
 /// Unread bytes in `SAMPLES` at which a record wakes the reader (the agent
 /// sets a quarter of the ring at load).
 #[unsafe(no_mangle)]
@@ -253,7 +260,7 @@ fn try_sample_cpu_clock(ctx: &PerfEventContext) -> Result<u32, u32> {
     {
         let stack_end = match plan {
             Some(plan) => plan.stack_end,
-            None if stack_top == 0 => first_ticks_stack_end(regs.rsp),
+            None if stack_top == 0 => first_ticks_stack_end(regs.rsp, tid == tgid),
             None => 0,
         };
         if stack_end != 0 {
@@ -633,24 +640,24 @@ fn early_wakeup(scratch: *mut u8) -> bool {
 }
 
 /// Where a deep copy of a thread the agent has not learned yet (no plan, no
-/// stack top) ends, or 0
-/// for none. Such a thread of a program whose threads needed deep copies
-/// (a compiler run's, which lives a few ticks) would otherwise spend its
-/// first ticks truncated until the agent learns its stack's end. glibc and
-/// musl keep a thread's descriptor, which the thread pointer (`fs_base`)
-/// points at, right above the thread's stack: a copy from `rsp` up to it
-/// holds every frame. Only a thread pointer above `rsp` and within the deep
-/// size is taken; a main thread's lies below its stack, in the mappings.
-/// Whatever the guess, the walk uses only the bytes read at this tick.
+/// stack top) ends, or 0 for none. Such a thread of a program whose threads
+/// needed deep copies (a compiler run's, which lives a few ticks) would
+/// otherwise spend its first ticks truncated until the agent learns its
+/// stack's end. Where that end lies is known without learning it:
+/// - glibc and musl keep a thread's descriptor, which the thread pointer
+///   (`fs_base`) points at, right above the thread's stack;
+/// - a main thread's outermost frame lies below where the kernel put
+///   `argc` at exec (`mm->start_stack`); its thread pointer is elsewhere,
+///   in the mappings.
+///
+/// A copy from `rsp` up to that end holds every frame. Only an end above
+/// `rsp` and within the deep size is taken; whatever the guess, the walk
+/// uses only the bytes read at this tick.
 ///
 /// Not inlined: its locals stay out of the entry's frame (see
 /// `usual_sample`).
 #[inline(never)]
-fn first_ticks_stack_end(rsp: u64) -> u64 {
-    let offset = TASK_FSBASE_OFFSET.load();
-    if offset == 0 {
-        return 0;
-    }
+fn first_ticks_stack_end(rsp: u64, main_thread: bool) -> u64 {
     let Ok(comm) = bpf_get_current_comm() else {
         return 0;
     };
@@ -658,19 +665,57 @@ fn first_ticks_stack_end(rsp: u64) -> u64 {
     if unsafe { DEEP_PROGRAMS.get(comm) }.is_none() {
         return 0;
     }
-    // SAFETY: read through the fault-tolerant kernel probe; a wrong offset
-    // yields a wrong address, which the range check or the copy refuses.
-    let thread_pointer = unsafe {
-        let task = bpf_get_current_task() as *const u8;
-        bpf_probe_read_kernel(task.add(offset as usize).cast::<u64>()).unwrap_or(0)
+    let end = if main_thread {
+        process_stack_start()
+    } else {
+        thread_pointer()
     };
     // A stack the usual copy holds costs less that way (a deep record
     // reserves a whole class in the ring, with room for a kernel stack).
     let usual = u64::from(USER_STACK_BYTES.load().min(MAX_USER_STACK_BYTES));
     let limit = u64::from(DEEP_STACK_BYTES.load().min(MAX_DEEP_STACK_BYTES));
-    match thread_pointer.checked_sub(rsp) {
-        Some(len) if len > usual && len <= limit => thread_pointer,
+    match end.checked_sub(rsp) {
+        Some(len) if len > usual && len <= limit => end,
         _ => 0,
+    }
+}
+
+/// The current thread's user thread pointer, or 0 when unknown.
+#[inline(always)]
+fn thread_pointer() -> u64 {
+    let offset = TASK_FSBASE_OFFSET.load();
+    if offset == 0 {
+        return 0;
+    }
+    // SAFETY: read through the fault-tolerant kernel probe; a wrong offset
+    // yields a wrong address, which the caller's range check or the copy
+    // refuses.
+    unsafe {
+        let task = bpf_get_current_task() as *const u8;
+        bpf_probe_read_kernel(task.add(offset as usize).cast::<u64>()).unwrap_or(0)
+    }
+}
+
+/// Where the current process's stack started at exec (`mm->start_stack`),
+/// or 0 when unknown.
+#[inline(always)]
+fn process_stack_start() -> u64 {
+    let (mm_offset, start_offset) = (TASK_MM_OFFSET.load(), MM_START_STACK_OFFSET.load());
+    if mm_offset == 0 || start_offset == 0 {
+        return 0;
+    }
+    // SAFETY: both reads go through the fault-tolerant kernel probe; a
+    // wrong offset yields a wrong address, which the caller's range check
+    // or the copy refuses.
+    unsafe {
+        let task = bpf_get_current_task() as *const u8;
+        let Ok(mm) = bpf_probe_read_kernel(task.add(mm_offset as usize).cast::<*const u8>()) else {
+            return 0;
+        };
+        if mm.is_null() {
+            return 0;
+        }
+        bpf_probe_read_kernel(mm.add(start_offset as usize).cast::<u64>()).unwrap_or(0)
     }
 }
 

@@ -468,13 +468,12 @@ fn new_threads_of_a_program_that_needed_deep_copies_reach_the_root_from_their_fi
 }
 
 #[test]
-fn new_images_of_a_program_that_needed_deep_copies_are_learned_at_their_first_tick() {
+fn new_images_of_a_program_that_needed_deep_copies_reach_the_root_from_their_first_tick() {
     require_root();
     // The main thread churns 320 KB deep and execs the program again every
     // 250 ms: each image's main thread is new to the agent, and its thread
-    // pointer lies below its stack, so nothing copies it deep before the
-    // agent learns it. Its first tick wakes the reader instead of waiting
-    // for the half-second drain.
+    // pointer lies below its stack. From its first tick on, the sampler
+    // copies it deep up to where its process's stack started at exec.
     let run = sample_deep_churn(&[], &["250", "exec"], FEED_DRAIN_INTERVAL);
     let ChurnRun {
         process,
@@ -483,37 +482,63 @@ fn new_images_of_a_program_that_needed_deep_copies_are_learned_at_their_first_ti
         ..
     } = &run;
     let pid = process.pid();
+    let fixture_path = std::fs::read_link(format!("/proc/{pid}/exe")).expect("the fixture's path");
     // A churning walk to the root holds every step (each image names its
     // frames at new addresses: the chain itself is checked by the other
     // tests of this fixture).
     let whole = |w: &LiveWalk| w.outcome == OUTERMOST && w.frames.len() > CHURN_DEPTH;
-    let ours: Vec<&LiveWalk> = walks
-        .iter()
-        .filter(|w| w.tgid == pid && !w.frames.is_empty())
-        .collect();
+    // Each image maps the fixture at a new random base, far from the last
+    // one's; its walks' frames in the fixture lie within its few pages.
+    let in_fixture = |w: &LiveWalk| {
+        w.frames
+            .iter()
+            .zip(&w.files)
+            .find(|(_, file)| file.as_deref() == Some(fixture_path.as_path()))
+            .map(|(&address, _)| address)
+    };
+    let mut images: Vec<Vec<bool>> = Vec::new();
+    let mut last_address = None;
+    for walk in walks.iter().filter(|w| w.tgid == pid) {
+        let Some(address) = in_fixture(walk) else {
+            continue;
+        };
+        let same_image = last_address.is_some_and(|last: u64| address.abs_diff(last) < 1 << 16);
+        last_address = Some(address);
+        match images.last_mut() {
+            Some(image) if same_image => image.push(whole(walk)),
+            _ => images.push(vec![whole(walk)]),
+        }
+    }
     // The first images teach that the program needs deep copies (their
-    // tails go stale); from the first whole walk on, each new image's
-    // main thread is learned at its first tick.
-    let taught = ours
+    // tails go stale); the images after the first one with a whole walk
+    // are new images of a known deep program.
+    let teaching = 1 + images
         .iter()
-        .position(|w| whole(w))
+        .position(|image| image.contains(&true))
         .expect("no walk reached the root");
-    let later = &ours[taught..];
-    let complete = later.iter().filter(|w| whole(w)).count();
-    let share = complete as f64 / later.len().max(1) as f64;
+    let later = &images[teaching..];
+    let walks_later: Vec<bool> = later.iter().flatten().copied().collect();
+    let complete = walks_later.iter().filter(|&&w| w).count();
+    let share = complete as f64 / walks_later.len().max(1) as f64;
+    let first_whole = later.iter().filter(|image| image[0]).count();
     eprintln!(
-        "deep_churn images: {taught} walks teaching; after them, {complete} of {} walks \
-         reached the root ({:.1}%); {} early wake-ups, {} deep copies",
-        later.len(),
+        "deep_churn images: {} images, {teaching} teaching; after them, {complete} of {} walks \
+         reached the root ({:.1}%), and {first_whole} of {} first walks; {} early wake-ups, \
+         {} deep copies",
+        images.len(),
+        walks_later.len(),
         100.0 * share,
+        later.len(),
         counters.early_wakeups,
         counters.deep_copies
     );
-    assert!(counters.early_wakeups > 0, "no early wake-up: {counters:?}");
-    assert!(later.len() >= 500, "only {} walks", later.len());
-    // Learned only at a timed drain, an image would stay truncated for a
-    // quarter of a second on average, all its life: 34% with early
-    // wake-ups turned off, 74-94% with them (how soon the reader runs
-    // varies with this VM's scheduling).
-    assert!(share >= 0.6, "{:.1}% reached the root", 100.0 * share);
+    assert!(later.len() >= 20, "only {} later images", later.len());
+    assert!(share >= 0.8, "{:.1}% reached the root", 100.0 * share);
+    // Without the copy to the stack start, every first walk is cut short
+    // (its tick wakes the reader, which learns the image for its next).
+    assert!(
+        first_whole * 10 >= later.len() * 7,
+        "{first_whole} of {} first walks reached the root",
+        later.len()
+    );
 }

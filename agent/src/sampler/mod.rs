@@ -233,18 +233,17 @@ impl Sampler {
         let ring_bytes = ring_buffer_bytes(cpu_slots);
         // Without the layout samples carry no process start time; process
         // identity then rests on the exec and exit records alone.
-        let (leader_offset, start_offset, fsbase_offset) =
-            match task_layout::TaskLayout::of_running_kernel() {
-                Ok(layout) => (
-                    layout.group_leader,
-                    layout.start_time,
-                    layout.fsbase.unwrap_or(0),
-                ),
-                Err(err) => {
-                    tracing::warn!("samples will carry no process start time: {err}");
-                    (0, 0, 0)
-                }
-            };
+        let layout = task_layout::TaskLayout::of_running_kernel()
+            .inspect_err(|err| tracing::warn!("samples will carry no process start time: {err}"))
+            .ok();
+        let (leader_offset, start_offset) =
+            layout.map_or((0, 0), |layout| (layout.group_leader, layout.start_time));
+        let fsbase_offset = layout.and_then(|layout| layout.fsbase).unwrap_or(0);
+        let (mm_offset, start_stack_offset) = layout
+            .and_then(|layout| layout.stack_start)
+            .map_or((0, 0), |stack_start| {
+                (stack_start.mm, stack_start.start_stack)
+            });
         let wakeup_bytes = u64::from(ring_bytes / WAKEUP_FRACTION);
         let mut ebpf = EbpfLoader::new()
             .override_global(names::AGENT_TGID, &agent_tgid, true)
@@ -257,6 +256,8 @@ impl Sampler {
             .override_global(names::TASK_GROUP_LEADER_OFFSET, &leader_offset, true)
             .override_global(names::TASK_START_TIME_OFFSET, &start_offset, true)
             .override_global(names::TASK_FSBASE_OFFSET, &fsbase_offset, true)
+            .override_global(names::TASK_MM_OFFSET, &mm_offset, true)
+            .override_global(names::MM_START_STACK_OFFSET, &start_stack_offset, true)
             .override_global(aya_log::LEVEL, &log_level, false)
             .map_max_entries(names::SCRATCH, cpu_slots as u32)
             .map_max_entries(names::SAMPLES_RING, ring_bytes)

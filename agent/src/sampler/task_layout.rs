@@ -1,9 +1,10 @@
 //! Where the running kernel keeps a task's thread group leader, start time
-//! and user thread pointer in `struct task_struct`, read from the kernel's
-//! BTF. The sampler passes the offsets to the BPF program, which then stamps
-//! every sample with its process's start time (with the pid, the process's
+//! and user thread pointer in `struct task_struct`, and where its process's
+//! stack started in `struct mm_struct`, read from the kernel's BTF. The
+//! sampler passes the offsets to the BPF program, which then stamps every
+//! sample with its process's start time (with the pid, the process's
 //! identity) and bounds the first deep copies of a thread by its thread
-//! pointer.
+//! pointer, or of a main thread by its process's stack start.
 //!
 //! Owns only finding the offsets; the BPF program does the reads. The
 //! scan is our own rather than a BTF library's: it needs a few member
@@ -27,6 +28,18 @@ pub struct TaskLayout {
     /// `thread.fsbase`: the user thread pointer (x86-64); `None` where the
     /// BTF has no such member.
     pub fsbase: Option<u32>,
+    /// Where the main thread's stack started; `None` where the BTF lacks
+    /// either member.
+    pub stack_start: Option<StackStartLayout>,
+}
+
+/// Byte offsets of a process's stack start: `task_struct.mm`, a pointer to
+/// the process's `struct mm_struct`, and there `start_stack` (the address
+/// of `argc` at exec, above the main thread's outermost frame).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct StackStartLayout {
+    pub mm: u32,
+    pub start_stack: u32,
 }
 
 /// Why the layout could not be found.
@@ -50,6 +63,7 @@ pub enum LayoutError {
 
 const BTF_MAGIC: u16 = 0xeb9f;
 const KIND_STRUCT: u32 = 4;
+const KIND_UNION: u32 = 5;
 
 impl TaskLayout {
     /// The layout of the running kernel, from [`VMLINUX_BTF`].
@@ -71,33 +85,45 @@ impl TaskLayout {
         let members = btf
             .struct_members("task_struct")?
             .ok_or(LayoutError::NoTaskStruct)?;
-        let offset =
-            |wanted: &'static str| byte_offset(&members, wanted).ok_or(LayoutError::Member(wanted));
-        // The thread pointer is optional: without it, only the first deep
-        // copies of threads are lost, so a flaw past task_struct is not
-        // the other offsets' error.
-        let fsbase = byte_offset(&members, "thread").and_then(|thread| {
-            let members = btf.struct_members("thread_struct").ok().flatten()?;
-            thread.checked_add(byte_offset(&members, "fsbase")?)
-        });
+        let offset = |wanted: &'static str| {
+            btf.byte_offset(&members, wanted)
+                .ok_or(LayoutError::Member(wanted))
+        };
+        // The thread pointer and the stack start are optional: without
+        // them, only the first deep copies of threads are lost, so a flaw
+        // past task_struct is not the other offsets' error.
+        let nested = |outer: &str, inner_struct: &str, inner: &str| {
+            let outer = btf.byte_offset(&members, outer)?;
+            let members = btf.struct_members(inner_struct).ok().flatten()?;
+            Some((outer, btf.byte_offset(&members, inner)?))
+        };
+        let fsbase = nested("thread", "thread_struct", "fsbase")
+            .and_then(|(thread, fsbase)| thread.checked_add(fsbase));
+        let stack_start = nested("mm", "mm_struct", "start_stack")
+            .map(|(mm, start_stack)| StackStartLayout { mm, start_stack });
         Ok(Self {
             group_leader: offset("group_leader")?,
             start_time: offset("start_time")?,
             fsbase,
+            stack_start,
         })
     }
 }
 
-/// The byte offset of member `wanted`, if it is there and byte-aligned.
-fn byte_offset(members: &Members<'_>, wanted: &str) -> Option<u32> {
-    members
-        .iter()
-        .find(|(name, _)| *name == wanted.as_bytes())
-        .and_then(|&(_, bits)| bits.is_multiple_of(8).then_some(bits / 8))
+/// A struct's or union's members.
+type Members<'a> = Vec<Member<'a>>;
+
+struct Member<'a> {
+    /// Empty for an anonymous struct or union.
+    name: &'a [u8],
+    type_id: u32,
+    bit_offset: u32,
 }
 
-/// A struct's members: name and bit offset.
-type Members<'a> = Vec<(&'a [u8], u32)>;
+/// How deep anonymous structs and unions are searched for a member
+/// (`mm_struct` keeps its members one level down); it also bounds the
+/// search in BTF whose anonymous members form a cycle.
+const MAX_ANONYMOUS_DEPTH: u32 = 3;
 
 struct Btf<'a> {
     types: &'a [u8],
@@ -134,9 +160,51 @@ impl<'a> Btf<'a> {
         rest.split(|&b| b == 0).next().unwrap_or_default()
     }
 
-    /// The members (name, bit offset) of the first struct called `name`
-    /// that has any.
+    /// The byte offset of member `wanted` of a struct with `members`,
+    /// found directly or inside its anonymous structs and unions, if it is
+    /// there and byte-aligned.
+    fn byte_offset(&self, members: &Members<'_>, wanted: &str) -> Option<u32> {
+        let bits = self.bit_offset(members, wanted.as_bytes(), 0)?;
+        bits.is_multiple_of(8).then_some(bits / 8)
+    }
+
+    fn bit_offset(&self, members: &Members<'_>, wanted: &[u8], depth: u32) -> Option<u32> {
+        if let Some(member) = members.iter().find(|m| m.name == wanted) {
+            return Some(member.bit_offset);
+        }
+        if depth >= MAX_ANONYMOUS_DEPTH {
+            return None;
+        }
+        members
+            .iter()
+            .filter(|m| m.name.is_empty())
+            .find_map(|anonymous| {
+                let inner = self.members_of_type(anonymous.type_id).ok().flatten()?;
+                let bits = self.bit_offset(&inner, wanted, depth + 1)?;
+                anonymous.bit_offset.checked_add(bits)
+            })
+    }
+
+    /// The members of the first struct called `name` that has any.
     fn struct_members(&self, name: &str) -> Result<Option<Members<'a>>, LayoutError> {
+        self.find_members(|_, kind, type_name, vlen| {
+            kind == KIND_STRUCT && vlen > 0 && type_name == name.as_bytes()
+        })
+    }
+
+    /// The members of type `id`, if it is a struct or a union.
+    fn members_of_type(&self, id: u32) -> Result<Option<Members<'a>>, LayoutError> {
+        self.find_members(|type_id, kind, _, _| {
+            type_id == id && (kind == KIND_STRUCT || kind == KIND_UNION)
+        })
+    }
+
+    /// The members of the first struct or union type for which `wanted`
+    /// (given its id, kind, name and member count) holds.
+    fn find_members(
+        &self,
+        wanted: impl Fn(u32, u32, &[u8], usize) -> bool,
+    ) -> Result<Option<Members<'a>>, LayoutError> {
         let mut at = 0usize;
         let mut id = 1u32;
         while at < self.types.len() {
@@ -159,23 +227,26 @@ impl<'a> Btf<'a> {
             if end > self.types.len() {
                 return Err(LayoutError::BadType { id, kind });
             }
-            if kind == KIND_STRUCT && vlen > 0 && self.string(name_off) == name.as_bytes() {
+            if (kind == KIND_STRUCT || kind == KIND_UNION)
+                && wanted(id, kind, self.string(name_off), vlen)
+            {
                 // With kind_flag, the top 8 bits of a member's offset are
                 // its bitfield size.
                 let bitfields = info >> 31 == 1;
                 let members = (0..vlen)
                     .map(|i| {
                         let member = body + 12 * i;
-                        let name = self.string(u32_at(self.types, member).unwrap_or(0));
-                        let offset = u32_at(self.types, member + 8).unwrap_or(0);
-                        (
-                            name,
-                            if bitfields {
+                        let word = |j: usize| u32_at(self.types, member + 4 * j).unwrap_or(0);
+                        let offset = word(2);
+                        Member {
+                            name: self.string(word(0)),
+                            type_id: word(1),
+                            bit_offset: if bitfields {
                                 offset & 0x00ff_ffff
                             } else {
                                 offset
                             },
-                        )
+                        }
                     })
                     .collect();
                 return Ok(Some(members));
@@ -205,15 +276,26 @@ mod tests {
             assert!(fsbase.is_multiple_of(8));
             assert!(fsbase > layout.start_time.max(layout.group_leader));
         }
+        // `start_stack` sits in an anonymous struct of mm_struct in the
+        // kernels this runs on.
+        let stack_start = layout
+            .stack_start
+            .expect("task_struct.mm and mm_struct.start_stack");
+        assert!(stack_start.mm > 0 && stack_start.mm.is_multiple_of(8));
+        assert!(stack_start.start_stack > 0 && stack_start.start_stack.is_multiple_of(8));
     }
 
     /// BTF with an int, a pointer, `struct task_struct { int pid; ptr
-    /// group_leader; u64 start_time; struct thread_struct thread; }` at
-    /// bit offsets 0, 64, `start_time_bits` and 2048, and `struct
-    /// thread_struct { int sp; int fsbase; }` at 0 and 64.
+    /// group_leader; u64 start_time; struct thread_struct thread; ptr mm; }`
+    /// at bit offsets 0, 64, `start_time_bits`, 2048 and 1536, `struct
+    /// thread_struct { int sp; int fsbase; }` at 0 and 64, and `struct
+    /// mm_struct { struct { int mmap_base; union { int start_stack; }; }; }`
+    /// with the anonymous struct at 0, `mmap_base` at 0, the anonymous
+    /// union at 3712 and `start_stack` at 64 in it.
     fn sample_btf(start_time_bits: u32) -> Vec<u8> {
         let strings =
-            b"\0int\0task_struct\0pid\0group_leader\0start_time\0thread\0thread_struct\0sp\0fsbase\0";
+            b"\0int\0task_struct\0pid\0group_leader\0start_time\0thread\0thread_struct\0sp\0\
+                        fsbase\0mm\0mm_struct\0mmap_base\0start_stack\0";
         let name = |s: &str| {
             let needle = format!("\0{s}\0");
             strings
@@ -230,14 +312,22 @@ mod tests {
         };
         push(&[name("int"), 1 << 24, 4, 32]); // 1: INT
         push(&[0, 2 << 24, 1]); // 2: PTR to 1
-        push(&[name("task_struct"), (4 << 24) | 4, 512]); // 3: STRUCT, 4 members
+        push(&[name("task_struct"), (4 << 24) | 5, 512]); // 3: STRUCT, 5 members
         push(&[name("pid"), 1, 0]);
         push(&[name("group_leader"), 2, 64]);
         push(&[name("start_time"), 1, start_time_bits]);
         push(&[name("thread"), 4, 2048]);
+        push(&[name("mm"), 2, 1536]);
         push(&[name("thread_struct"), (4 << 24) | 2, 16]); // 4: STRUCT, 2 members
         push(&[name("sp"), 1, 0]);
         push(&[name("fsbase"), 1, 64]);
+        push(&[name("mm_struct"), (4 << 24) | 1, 1472]); // 5: STRUCT, 1 member
+        push(&[0, 6, 0]);
+        push(&[0, (4 << 24) | 2, 1472]); // 6: anonymous STRUCT, 2 members
+        push(&[name("mmap_base"), 1, 0]);
+        push(&[0, 7, 3712]);
+        push(&[0, (5 << 24) | 1, 8]); // 7: anonymous UNION, 1 member
+        push(&[name("start_stack"), 1, 64]);
         let mut btf = Vec::new();
         btf.extend_from_slice(&BTF_MAGIC.to_le_bytes());
         btf.extend_from_slice(&[1, 0]);
@@ -263,6 +353,10 @@ mod tests {
                 group_leader: 8,
                 start_time: 128,
                 fsbase: Some(264),
+                stack_start: Some(StackStartLayout {
+                    mm: 192,
+                    start_stack: 472,
+                }),
             }
         );
         assert!(matches!(
