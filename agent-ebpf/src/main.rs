@@ -696,29 +696,6 @@ fn thread_pointer() -> u64 {
     }
 }
 
-/// Where the current process's stack started at exec (`mm->start_stack`),
-/// or 0 when unknown.
-#[inline(always)]
-fn process_stack_start() -> u64 {
-    let (mm_offset, start_offset) = (TASK_MM_OFFSET.load(), MM_START_STACK_OFFSET.load());
-    if mm_offset == 0 || start_offset == 0 {
-        return 0;
-    }
-    // SAFETY: both reads go through the fault-tolerant kernel probe; a
-    // wrong offset yields a wrong address, which the caller's range check
-    // or the copy refuses.
-    unsafe {
-        let task = bpf_get_current_task() as *const u8;
-        let Ok(mm) = bpf_probe_read_kernel(task.add(mm_offset as usize).cast::<*const u8>()) else {
-            return 0;
-        };
-        if mm.is_null() {
-            return 0;
-        }
-        bpf_probe_read_kernel(mm.add(start_offset as usize).cast::<u64>()).unwrap_or(0)
-    }
-}
-
 /// A deep copy (see the module doc): reserves a record of the smallest deep
 /// class that holds the stack from `rsp` to `stack_end` (at most the
 /// configured size), writes the kernel stack and then that stack with one
@@ -813,26 +790,43 @@ fn reserved_copy<const BYTES: u32, const KERNEL_ROOM: bool, const DEEP: bool>(
 }
 
 /// When the current process's thread group leader started (its
-/// `start_time`), read through the offsets the agent found in BTF.
+/// `start_time`), or 0 when unknown.
 #[inline(always)]
 fn process_start_ns() -> u64 {
-    let (leader_offset, start_offset) = (
+    read_through_task(
         TASK_GROUP_LEADER_OFFSET.load(),
         TASK_START_TIME_OFFSET.load(),
-    );
-    if leader_offset == 0 || start_offset == 0 {
+    )
+}
+
+/// Where the current process's stack started at exec (`mm->start_stack`),
+/// or 0 when unknown.
+#[inline(always)]
+fn process_stack_start() -> u64 {
+    read_through_task(TASK_MM_OFFSET.load(), MM_START_STACK_OFFSET.load())
+}
+
+/// The word at byte `field` of the struct the current task points to at
+/// byte `pointer` (its group leader, its mm), through offsets the agent
+/// found in BTF; 0 when either is unknown (0), the pointer is null or a
+/// read fails.
+#[inline(always)]
+fn read_through_task(pointer: u32, field: u32) -> u64 {
+    if pointer == 0 || field == 0 {
         return 0;
     }
     // SAFETY: both reads go through the fault-tolerant kernel probe; a
     // wrong offset yields a wrong number, never a crash.
     unsafe {
         let task = bpf_get_current_task() as *const u8;
-        let Ok(leader) =
-            bpf_probe_read_kernel(task.add(leader_offset as usize).cast::<*const u8>())
+        let Ok(target) = bpf_probe_read_kernel(task.add(pointer as usize).cast::<*const u8>())
         else {
             return 0;
         };
-        bpf_probe_read_kernel(leader.add(start_offset as usize).cast::<u64>()).unwrap_or(0)
+        if target.is_null() {
+            return 0;
+        }
+        bpf_probe_read_kernel(target.add(field as usize).cast::<u64>()).unwrap_or(0)
     }
 }
 
