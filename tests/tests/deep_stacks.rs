@@ -430,41 +430,76 @@ fn new_threads_of_a_program_that_needed_deep_copies_reach_the_root_from_their_fi
     // threads after the first one with a whole walk are new threads of a
     // known deep program. From their first tick on, the sampler copies
     // them deep to their thread pointer, before the agent learns them; a
-    // tick whose copy faults wakes the reader instead.
-    let teaching = 1 + threads
-        .iter()
-        .position(|t| t.1.contains(&true))
-        .expect("no thread reached the root");
-    let later = &threads[teaching..];
-    let after_first: Vec<bool> = later
-        .iter()
-        .flat_map(|t| t.1.iter().skip(1).copied())
-        .collect();
-    let complete = after_first.iter().filter(|&&whole| whole).count();
-    let share = complete as f64 / after_first.len().max(1) as f64;
-    let first_whole = later.iter().filter(|t| t.1[0]).count();
-    eprintln!(
-        "deep_churn threads: {} threads, {teaching} teaching; after them, {complete} of {} walks \
-         after a thread's first reached the root ({:.1}%), and {first_whole} of {} first walks; \
-         {} early wake-ups, {} deep copies",
-        threads.len(),
-        after_first.len(),
-        100.0 * share,
-        later.len(),
-        counters.early_wakeups,
-        counters.deep_copies
-    );
-    assert!(later.len() >= 20, "only {} later threads", later.len());
-    assert!(after_first.len() >= 40, "only {} walks", after_first.len());
-    // Learned only at a timed drain, a thread would stay truncated for a
-    // quarter of a second on average: most of its life.
-    assert!(share >= 0.8, "{:.1}% reached the root", 100.0 * share);
-    // Without the copy to the thread pointer, every first walk is cut short.
-    assert!(
-        first_whole * 10 >= later.len() * 7,
-        "{first_whole} of {} first walks reached the root",
-        later.len()
-    );
+    // tick whose copy faults wakes the reader instead. Without that copy,
+    // every first walk is cut short.
+    let threads: Vec<Vec<bool>> = threads.into_iter().map(|(_, walks)| walks).collect();
+    FirstWalks::of(&threads).check("threads", counters);
+}
+
+/// How the walks of a deep program's new threads (or images) went, from
+/// whether each one's walks were whole, in order, per thread in the order
+/// first sampled. The first threads teach the agent that the program
+/// needs deep copies; those after the first one with a whole walk are new
+/// threads of a known deep program.
+struct FirstWalks {
+    threads: usize,
+    teaching: usize,
+    /// Of the threads after the teaching ones: how many, and how many of
+    /// their first walks were whole.
+    later: usize,
+    first_whole: usize,
+    /// Their walks after their first: how many, and how many were whole.
+    after_first: usize,
+    after_first_whole: usize,
+}
+
+impl FirstWalks {
+    fn of(threads: &[Vec<bool>]) -> Self {
+        let teaching = 1 + threads
+            .iter()
+            .position(|walks| walks.contains(&true))
+            .expect("no walk reached the root");
+        let later = &threads[teaching..];
+        let after_first = || later.iter().flat_map(|walks| walks.iter().skip(1));
+        Self {
+            threads: threads.len(),
+            teaching,
+            later: later.len(),
+            first_whole: later.iter().filter(|walks| walks[0]).count(),
+            after_first: after_first().count(),
+            after_first_whole: after_first().filter(|&&whole| whole).count(),
+        }
+    }
+
+    /// Prints the figures and checks them: learned only at a timed drain, a
+    /// thread would stay truncated for a quarter of a second on average,
+    /// most of its life, and its first walk would be cut short.
+    fn check(&self, what: &str, counters: &Counters) {
+        let share = self.after_first_whole as f64 / self.after_first.max(1) as f64;
+        eprintln!(
+            "deep_churn {what}: {} in all, {} teaching; after them, {} of {} walks after the \
+             first reached the root ({:.1}%), and {} of {} first walks; {} early wake-ups, {} \
+             deep copies",
+            self.threads,
+            self.teaching,
+            self.after_first_whole,
+            self.after_first,
+            100.0 * share,
+            self.first_whole,
+            self.later,
+            counters.early_wakeups,
+            counters.deep_copies
+        );
+        assert!(self.later >= 20, "only {} later {what}", self.later);
+        assert!(self.after_first >= 40, "only {} walks", self.after_first);
+        assert!(share >= 0.8, "{:.1}% reached the root", 100.0 * share);
+        assert!(
+            self.first_whole * 10 >= self.later * 7,
+            "{} of {} first walks reached the root",
+            self.first_whole,
+            self.later
+        );
+    }
 }
 
 #[test]
@@ -510,35 +545,8 @@ fn new_images_of_a_program_that_needed_deep_copies_reach_the_root_from_their_fir
         }
     }
     // The first images teach that the program needs deep copies (their
-    // tails go stale); the images after the first one with a whole walk
-    // are new images of a known deep program.
-    let teaching = 1 + images
-        .iter()
-        .position(|image| image.contains(&true))
-        .expect("no walk reached the root");
-    let later = &images[teaching..];
-    let walks_later: Vec<bool> = later.iter().flatten().copied().collect();
-    let complete = walks_later.iter().filter(|&&w| w).count();
-    let share = complete as f64 / walks_later.len().max(1) as f64;
-    let first_whole = later.iter().filter(|image| image[0]).count();
-    eprintln!(
-        "deep_churn images: {} images, {teaching} teaching; after them, {complete} of {} walks \
-         reached the root ({:.1}%), and {first_whole} of {} first walks; {} early wake-ups, \
-         {} deep copies",
-        images.len(),
-        walks_later.len(),
-        100.0 * share,
-        later.len(),
-        counters.early_wakeups,
-        counters.deep_copies
-    );
-    assert!(later.len() >= 20, "only {} later images", later.len());
-    assert!(share >= 0.8, "{:.1}% reached the root", 100.0 * share);
-    // Without the copy to the stack start, every first walk is cut short
-    // (its tick wakes the reader, which learns the image for its next).
-    assert!(
-        first_whole * 10 >= later.len() * 7,
-        "{first_whole} of {} first walks reached the root",
-        later.len()
-    );
+    // tails go stale). Without the copy to the stack start, every later
+    // image's first walk is cut short too (its tick wakes the reader,
+    // which learns the image for its next).
+    FirstWalks::of(&images).check("images", counters);
 }

@@ -44,6 +44,33 @@ fn mapping<'a>(maps: &'a [Mapping], what: impl Fn(&Mapping) -> bool, name: &str)
         .unwrap_or_else(|| panic!("no {name} mapping in {maps:#?}"))
 }
 
+/// Samples of process `pid` only, at the tests' rate.
+fn sampling_only(pid: u32) -> SamplerConfig {
+    SamplerConfig {
+        frequency_hz: FREQUENCY_HZ,
+        pids: vec![pid],
+        ..SamplerConfig::default()
+    }
+}
+
+/// `deep_stack` spinning `depth` frames deep, and where its stack mapping
+/// ends.
+fn start_deep_stack(fixture: &Fixture, depth: u64) -> (RunningProcess, u64) {
+    let process = fixture.start(&[&depth.to_string()]);
+    let maps = read_maps(process.pid());
+    let stack = mapping(&maps, |m| m.path == MappingPath::Stack, "stack");
+    (process, stack.end)
+}
+
+/// Thread `tid`'s copies end at `top`, for the process `tgid` (as the
+/// planner learns it).
+fn thread_top(tid: u32, tgid: u32, top: u64) -> PlanUpdate {
+    PlanUpdate::ThreadTop {
+        tid,
+        top: Some(StackTop { tgid, _pad: 0, top }),
+    }
+}
+
 #[test]
 fn copies_the_stack_of_a_deep_recursion_with_every_frames_canary() {
     require_root();
@@ -165,21 +192,12 @@ fn a_threads_stack_top_ends_its_copies_there_without_a_fault() {
     require_root();
     let _serial = exclusive();
     let fixture = Fixture::compile("deep_stack", &[]);
-    let process = fixture.start(&["0"]);
+    let (process, stack_end) = start_deep_stack(&fixture, 0);
     let pid = process.pid();
-    let maps = read_maps(pid);
-    let stack = mapping(&maps, |m| m.path == MappingPath::Stack, "stack");
     // Above the spinning frame and its canary, below the end of the mapping.
-    let top = stack.end - 64;
-    let config = SamplerConfig {
-        frequency_hz: FREQUENCY_HZ,
-        pids: vec![pid],
-        ..SamplerConfig::default()
-    };
-    let top_of = |tgid| PlanUpdate::ThreadTop {
-        tid: pid,
-        top: Some(StackTop { tgid, _pad: 0, top }),
-    };
+    let top = stack_end - 64;
+    let config = sampling_only(pid);
+    let top_of = |tgid| thread_top(pid, tgid, top);
 
     let samples = sample_planned(&config, SAMPLING, vec![top_of(pid)]).samples;
     assert!(!samples.is_empty(), "no samples of the fixture");
@@ -199,7 +217,7 @@ fn a_threads_stack_top_ends_its_copies_there_without_a_fault() {
     assert!(!samples.is_empty(), "no samples of the fixture");
     for sample in &samples {
         let h = &sample.header;
-        assert_eq!(sample.user_stack.len() as u64, stack.end - h.user_rsp);
+        assert_eq!(sample.user_stack.len() as u64, stack_end - h.user_rsp);
         assert_eq!(h.flags & sample_flags::COPY_AT_TOP, 0, "{h:?}");
     }
 }
@@ -212,16 +230,10 @@ fn a_learned_threads_copy_reaches_its_top_whatever_its_processs_copy_size() {
     const DEPTH: u64 = 150;
     const PROCESS_COPY: u32 = agent_common::MIN_USER_STACK_BYTES;
     let fixture = Fixture::compile("deep_stack", &[]);
-    let process = fixture.start(&[&DEPTH.to_string()]);
+    let (process, stack_end) = start_deep_stack(&fixture, DEPTH);
     let pid = process.pid();
-    let maps = read_maps(pid);
-    let stack = mapping(&maps, |m| m.path == MappingPath::Stack, "stack");
-    let top = stack.end - 64;
-    let config = SamplerConfig {
-        frequency_hz: FREQUENCY_HZ,
-        pids: vec![pid],
-        ..SamplerConfig::default()
-    };
+    let top = stack_end - 64;
+    let config = sampling_only(pid);
     let process_copy = PlanUpdate::ProcessCopy {
         tgid: pid,
         bytes: Some(PROCESS_COPY),
@@ -241,14 +253,7 @@ fn a_learned_threads_copy_reaches_its_top_whatever_its_processs_copy_size() {
 
     // Learned, it copies up to its top, every frame: a process size learned
     // from shallower ticks would cut it short.
-    let learned = PlanUpdate::ThreadTop {
-        tid: pid,
-        top: Some(StackTop {
-            tgid: pid,
-            _pad: 0,
-            top,
-        }),
-    };
+    let learned = thread_top(pid, pid, top);
     let samples = sample_planned(&config, SAMPLING, vec![process_copy, learned]).samples;
     assert!(!samples.is_empty(), "no samples of the fixture");
     for sample in &samples {
@@ -267,17 +272,11 @@ fn a_deep_copy_reserves_the_smallest_class_that_holds_the_stack() {
     // About 40 KB of frames: a class well below the largest.
     const DEPTH: u64 = 1000;
     let fixture = Fixture::compile("deep_stack", &[]);
-    let process = fixture.start(&[&DEPTH.to_string()]);
+    let (process, stack_end) = start_deep_stack(&fixture, DEPTH);
     let pid = process.pid();
-    let maps = read_maps(pid);
-    let stack = mapping(&maps, |m| m.path == MappingPath::Stack, "stack");
     let mut plan = StackPlan::copy_only(pid, 512);
-    plan.stack_end = stack.end;
-    let config = SamplerConfig {
-        frequency_hz: FREQUENCY_HZ,
-        pids: vec![pid],
-        ..SamplerConfig::default()
-    };
+    plan.stack_end = stack_end;
+    let config = sampling_only(pid);
     let update = PlanUpdate::Thread {
         tid: pid,
         plan: Some(Box::new(plan)),
@@ -290,7 +289,7 @@ fn a_deep_copy_reserves_the_smallest_class_that_holds_the_stack() {
     }
     for (sample, record_bytes) in deep {
         let h = &sample.header;
-        let copy = stack.end - h.user_rsp;
+        let copy = stack_end - h.user_rsp;
         assert_eq!(sample.user_stack.len() as u64, copy, "{h:?}");
         let class = smallest_class(&DEEP_COPY_CLASSES, copy);
         assert!(class < MAX_DEEP_STACK_BYTES, "{copy} bytes of stack");
@@ -324,20 +323,8 @@ fn records_the_kernel_stack_and_the_saved_user_registers_of_a_syscall() {
 
     // With its stack top known, both stacks go straight into a reservation
     // of the copy's size class, in kernel mode as in user mode.
-    let config = SamplerConfig {
-        frequency_hz: FREQUENCY_HZ,
-        pids: vec![pid],
-        ..SamplerConfig::default()
-    };
-    let top = PlanUpdate::ThreadTop {
-        tid: pid,
-        top: Some(StackTop {
-            tgid: pid,
-            _pad: 0,
-            top: stack.end,
-        }),
-    };
-    let recorded = sample_planned(&config, SAMPLING, vec![top]);
+    let top = thread_top(pid, pid, stack.end);
+    let recorded = sample_planned(&sampling_only(pid), SAMPLING, vec![top]);
     check_syscall_samples(&recorded.samples, &maps, stack, &symbols);
     let (direct, fallbacks) = split_by_copy(&recorded, sample_flags::DIRECT_COPY);
     for sample in fallbacks {
