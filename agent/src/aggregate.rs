@@ -59,6 +59,7 @@ use crate::{
         kubelet::PodList,
         runtime_names::{self, RuntimeNames},
     },
+    probes::{self, Probe},
     symbolize::{
         ObjectFile,
         perf_map::{PerfMapStats, PerfMaps},
@@ -471,6 +472,7 @@ impl Builder {
 
     /// The index of `key`, added when `insert`.
     fn mapping(&mut self, key: MappingKey, insert: bool) -> Option<u32> {
+        probes::count(Probe::Content);
         if let Some(&index) = self.mapping_index.get(&key) {
             return Some(index);
         }
@@ -487,6 +489,7 @@ impl Builder {
     }
 
     fn location(&mut self, location: IntervalLocation, insert: bool) -> Option<u32> {
+        probes::count(Probe::Content);
         if let Some(&index) = self.location_index.get(&location) {
             return Some(index);
         }
@@ -501,6 +504,7 @@ impl Builder {
 
     fn stack(&mut self, stack: &[u32], insert: bool) -> Option<u32> {
         let hash = self.hasher.hash_one::<&[u32]>(stack);
+        probes::count(Probe::Content);
         let stacks = &self.stacks;
         let same = |&(entry_hash, index): &(u64, u32)| {
             entry_hash == hash && stacks.get(index as usize) == Some(stack)
@@ -521,6 +525,7 @@ impl Builder {
     /// Counts one sample for the pair; a new pair only when `insert`.
     fn count(&mut self, stack: u32, label_set: u32, divisor: u32, insert: bool) -> bool {
         let key = (stack, label_set, divisor);
+        probes::count(Probe::Content);
         if let Some(&at) = self.sample_index.get(&key) {
             self.samples[at].count += 1;
             return true;
@@ -817,6 +822,7 @@ impl Aggregator {
                 None
             },
         };
+        probes::count(Probe::Derived);
         let labels = match self.current.label_index.get(&key) {
             Some(&index) => index,
             None if insert && self.current.label_sets.len() < MAX_LABEL_SETS => {
@@ -1011,6 +1017,7 @@ impl Aggregator {
     /// [`MAX_EAGER_OPENS`]).
     fn file_mapping(&mut self, file: &Arc<ModuleFile>, insert: bool) -> Option<u32> {
         let pointer = Arc::as_ptr(file) as usize;
+        probes::count(Probe::Content);
         if let Some((_, index)) = self.current.module_memo.get(&pointer) {
             return Some(*index);
         }
@@ -1018,6 +1025,7 @@ impl Aggregator {
             id: *file.id,
             path: file.path().shipped_name(),
         };
+        probes::count(Probe::Content);
         let index = match self.current.mapping_index.get(&key) {
             Some(&index) => index,
             None if insert => {

@@ -21,6 +21,7 @@ pub mod containers;
 pub mod export;
 pub mod mapping_feed;
 pub mod metrics;
+pub mod probes;
 pub mod run;
 pub mod sampler;
 pub mod status;

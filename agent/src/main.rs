@@ -552,6 +552,11 @@ fn json_report(
                 }))
                 .collect::<Vec<_>>(),
         },
+        "probes": {
+            "by_kind": summary.probes,
+            "per_sample": summary.probes.total() as f64
+                / (summary.reader.records.saturating_sub(summary.reader.process_events)).max(1) as f64,
+        },
         "aggregation": summary.aggregation,
         "jit_names": summary.jit_names,
         "mapping_feed": summary.mapping_feed,

@@ -21,8 +21,8 @@ use stackscope_telemetry::{
 };
 
 use crate::{
-    aggregate::WorkerStats, export::ExportStatsReader, sampler::Counters, status::ReaderTotals,
-    unwinding::WalkStats,
+    aggregate::WorkerStats, export::ExportStatsReader, probes::ProbeTotals, sampler::Counters,
+    status::ReaderTotals, unwinding::WalkStats,
 };
 
 /// Health probes fail when the run loop has not turned for this long.
@@ -38,6 +38,8 @@ pub struct RunTotals {
     pub reader: ReaderTotals,
     pub walks: WalkStats,
     pub batches: WorkerStats,
+    /// Hash-table lookups made by the run loop.
+    pub probes: ProbeTotals,
     /// What the agent keeps, against its bounds.
     pub state: Vec<StateSize>,
 }
@@ -130,6 +132,14 @@ impl AgentMetrics {
             "samples_read",
             "Sample records read from the ring buffer.",
             run.reader.records - run.reader.process_events.min(run.reader.records),
+        )?;
+        out.counters(
+            "hash_probes",
+            "Hash-table lookups of the run loop, by key: per process, per thread, \
+             derived from a process (binary name, label set), or an interval's \
+             dictionaries. Divided by samples_read: the lookups a sample costs.",
+            "kind",
+            &run.probes.by_kind(),
         )?;
         out.counter(
             "stack_bytes_copied",

@@ -8,6 +8,8 @@ use foldhash::{HashMap, HashMapExt as _};
 
 use stackscope_telemetry::StateSize;
 
+use crate::probes::{self, Probe};
+
 /// One process's share of the samples.
 #[derive(Debug, Clone, PartialEq, Eq, serde::Serialize)]
 pub struct ProcessSamples {
@@ -62,6 +64,7 @@ impl ProcessTally {
 
     /// Counts one sample of `tgid`; `comm` is only called for a new process.
     pub fn add(&mut self, tgid: u32, comm: impl FnOnce() -> String) {
+        probes::count(Probe::Process);
         if let Some(entry) = self.by_tgid.get_mut(&tgid) {
             entry.samples += 1;
         } else if self.by_tgid.len() < self.capacity {

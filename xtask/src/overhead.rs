@@ -60,6 +60,10 @@ struct Run {
     agent_rss_kib: f64,
     collector_rss_kib: f64,
     root_share: f64,
+    /// The run loop's hash-table lookups per sample read, by what they
+    /// are keyed by (process, thread, derived, content), over the whole
+    /// run (stackscope only).
+    lookups_per_sample: [f64; 4],
     top: Vec<(String, f64)>,
 }
 
@@ -346,6 +350,10 @@ fn under_stackscope(
         agent_rss_kib: agent_rss_kib as f64,
         collector_rss_kib: collector_rss_kib as f64,
         root_share: number("/unwinding/outermost") / number("/unwinding/walks").max(1.0),
+        lookups_per_sample: ["process", "thread", "derived", "content"].map(|kind| {
+            let read = number("/reader/records") - number("/reader/process_events");
+            number(&format!("/probes/by_kind/{kind}")) / read.max(1.0)
+        }),
         top,
         ..Run::default()
     })
@@ -505,6 +513,19 @@ fn report(hz: u32, alone: &[f64], ours: &[Run], perf: &[Run]) {
                     spread(runs.iter().map(|r| r.bpf_per_sample.as_secs_f64() * 1e6)),
                     " us"
                 ),
+            );
+            let lookups = |kind: usize| spread(runs.iter().map(|r| r.lookups_per_sample[kind]));
+            println!(
+                "            hash lookups per sample {} (by process {}, by thread {}, derived {}, \
+                 interval dictionaries {})",
+                show(
+                    spread(runs.iter().map(|r| r.lookups_per_sample.iter().sum())),
+                    ""
+                ),
+                show(lookups(0), ""),
+                show(lookups(1), ""),
+                show(lookups(2), ""),
+                show(lookups(3), ""),
             );
             println!(
                 "            agent peak RSS {}   collector peak RSS {}   collector CPU {}",

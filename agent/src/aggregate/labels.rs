@@ -15,6 +15,8 @@ use std::{
 
 use stackscope_telemetry::StateSize;
 
+use crate::probes::{self, Probe};
+
 /// Label names, as shipped.
 pub const COMM: &str = "comm";
 pub const EXE: &str = "exe";
@@ -156,6 +158,7 @@ impl ExeCache {
     /// `started` is the process's start time (0: unknown); an entry made
     /// for another process with the same pid is read again.
     pub fn get(&mut self, tgid: u32, started: u64) -> Arc<str> {
+        probes::count(Probe::Process);
         if let Some((at, exe)) = self.by_tgid.get(&tgid)
             && *at == started
         {

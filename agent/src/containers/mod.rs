@@ -32,6 +32,8 @@ use runtime_names::RuntimeNames;
 
 use stackscope_telemetry::StateSize;
 
+use crate::probes::{self, Probe};
+
 /// The container labels of a sample. Empty strings for what is unknown
 /// (no pod outside Kubernetes, no name before the runtime has written it).
 #[derive(Debug, Clone, PartialEq, Eq, Hash)]
@@ -134,6 +136,7 @@ impl ContainerIndex {
     pub fn labels(&mut self, tgid: u32, cgroup_id: u64) -> Option<Arc<ContainerLabels>> {
         // The clock is read only for labels still missing a name: this
         // runs for every sample.
+        probes::count(Probe::Process);
         if let Some(entry) = self.by_tgid.get(&tgid)
             && entry.cgroup_id == cgroup_id
             && entry.generation == self.generation

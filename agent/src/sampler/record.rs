@@ -302,7 +302,7 @@ impl OwnedSample {
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use agent_common::sample_flags;
 
     use super::*;
@@ -477,7 +477,7 @@ mod tests {
         ));
     }
 
-    fn encode(header: &SampleHeader, kernel: &[u64], user: &[u8]) -> Vec<u8> {
+    pub(crate) fn encode(header: &SampleHeader, kernel: &[u64], user: &[u8]) -> Vec<u8> {
         // SAFETY: SampleHeader is repr(C) without implicit padding: all its
         // bytes are initialised.
         let header_bytes: &[u8] = unsafe {

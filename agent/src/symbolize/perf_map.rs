@@ -25,6 +25,7 @@
 //! its maps (the JIT maps it executable) and read the same way, by
 //! [`super::jitdump`].
 
+use crate::probes::{self, Probe};
 use std::{
     collections::BTreeMap,
     fs::File,
@@ -257,6 +258,8 @@ impl PerfMaps {
         address: u64,
         now: Instant,
     ) -> Arc<str> {
+        // Five lookups by process: here, and two in `lookup`.
+        (0..3).for_each(|_| probes::count(Probe::Process));
         if self
             .maps
             .get(&tgid)
@@ -286,6 +289,7 @@ impl PerfMaps {
     fn lookup(&mut self, tgid: u32, address: u64, now: Instant) -> Option<Arc<str>> {
         // Read on when due, hit or miss: a JIT that reused the code space
         // has written the new function's line, which replaces the old.
+        (0..2).for_each(|_| probes::count(Probe::Process));
         let due = self
             .maps
             .get(&tgid)?

@@ -48,6 +48,8 @@ use stitching::{PlanStats, PlanUpdate, Planner, RemoteStack, WalkReport};
 
 use stackscope_telemetry::StateSize;
 
+use crate::probes::{self, Probe};
+
 /// How the walker caches tables and holds samples that wait for one.
 #[derive(Debug, Clone)]
 pub struct WalkerConfig {
@@ -497,6 +499,12 @@ struct ProcessModules {
 }
 
 impl ProcessModules {
+    /// Whether these modules are another process's than one started at
+    /// `started` (0: unknown, no verdict).
+    fn is_other_process(&self, started: u64) -> bool {
+        started != 0 && self.started != 0 && self.started != started
+    }
+
     fn find(&self, pc: u64) -> Option<&Module> {
         let at = self.modules.partition_point(|m| m.start <= pc);
         let module = self.modules.get(at.checked_sub(1)?)?;
@@ -771,14 +779,20 @@ impl StackWalker {
         if self.tables_changed {
             self.retry_waiting(&mut on_walk);
         }
-        if self.is_new_process(header) {
+        let mut walked = self
+            .walk_sample(header, stack, Identity::Checked)
+            .map(|walk| walk.map(|walk| walk.outcome));
+        if walked.is_err() {
             // The pid now names another process (its exit record was lost):
             // the old one's held samples go as far as its state takes them,
             // then that state goes.
             self.flush_process(header.tgid, &mut on_walk);
             self.forget_process(header.tgid);
+            walked = self
+                .walk_sample(header, stack, Identity::Unchecked)
+                .map(|walk| walk.map(|walk| walk.outcome));
         }
-        match self.walk_sample(header, stack).map(|walk| walk.outcome) {
+        match walked.ok().flatten() {
             None => {}
             Some(WalkOutcome::TablePending) if self.hold(header, kernel_frames, stack) => {}
             Some(outcome) => self.deliver(header, kernel_frames, stack, outcome, &mut on_walk),
@@ -798,15 +812,6 @@ impl StackWalker {
         if self.tables_changed {
             self.retry_waiting(&mut on_walk);
         }
-    }
-
-    /// Whether the sample's process started after the one the walker keeps
-    /// state for under the same pid.
-    fn is_new_process(&self, header: &SampleHeader) -> bool {
-        let started = header.process_start_ns;
-        self.modules
-            .get(&header.tgid)
-            .is_some_and(|p| started != 0 && p.started != 0 && p.started != started)
     }
 
     fn flush_process(&mut self, tgid: u32, on_walk: &mut impl FnMut(Walked<'_>)) {
@@ -829,9 +834,9 @@ impl StackWalker {
         held: &WaitingSample,
         on_walk: &mut impl FnMut(Walked<'_>),
     ) {
-        if let Some(outcome) = self
-            .walk_sample(&held.header, held.stack())
-            .map(|w| w.outcome)
+        if let Ok(Some(outcome)) = self
+            .walk_sample(&held.header, held.stack(), Identity::Unchecked)
+            .map(|w| w.map(|w| w.outcome))
         {
             self.deliver(
                 &held.header,
@@ -886,7 +891,9 @@ impl StackWalker {
         self.tables_changed = false;
         for held in std::mem::take(&mut self.waiting) {
             match self
-                .walk_sample(&held.header, held.stack())
+                .walk_sample(&held.header, held.stack(), Identity::Unchecked)
+                .ok()
+                .flatten()
                 .map(|w| w.outcome)
             {
                 Some(WalkOutcome::TablePending) => self.waiting.push_back(held),
@@ -978,13 +985,16 @@ impl StackWalker {
         let mut planner = std::mem::replace(&mut self.planner, Planner::new(0, 0, false));
         planner.learn(report, copy, |memory| {
             let mut frames = std::mem::take(&mut self.learn_frames);
-            let (end, _) = self.walk_memory(
-                header.tgid,
-                header.process_start_ns,
-                regs,
-                memory,
-                &mut frames,
-            );
+            let (end, _) = self
+                .walk_memory(
+                    header.tgid,
+                    header.process_start_ns,
+                    regs,
+                    memory,
+                    &mut frames,
+                    WalkUse::Learn,
+                )
+                .unwrap_or((UnwindEnd::Unmapped, false));
             self.learn_frames = frames;
             end
         });
@@ -1189,19 +1199,8 @@ impl StackWalker {
     /// The modules of `tgid`, made when first walked; the least recently
     /// walked process goes when there are too many.
     fn process_modules(&mut self, tgid: u32, started: u64) -> &mut ProcessModules {
-        if !self.modules.contains_key(&tgid) && self.modules.len() >= MAX_PROCESSES {
-            let oldest = self
-                .modules
-                .iter()
-                .min_by_key(|(_, p)| p.last_walked)
-                .map(|(&tgid, _)| tgid);
-            if let Some(oldest) = oldest {
-                self.modules.remove(&oldest);
-            }
-        }
         let walks = self.stats.walks;
-        let process = self.modules.entry(tgid).or_default();
-        process.last_walked = walks;
+        let process = process_entry(&mut self.modules, tgid, walks);
         if process.started == 0 {
             process.started = started;
         }
@@ -1214,28 +1213,39 @@ impl StackWalker {
     /// [`Self::push`] does both.
     pub fn walk(&mut self, header: &SampleHeader, stack: UserStack<'_>) -> Option<Walk<'_>> {
         self.take_compiled_tables();
-        self.walk_sample(header, stack)
+        self.walk_sample(header, stack, Identity::Unchecked)
+            .ok()
+            .flatten()
     }
 
     /// [`Self::walk`] without installing finished tables first (the
-    /// callers that walk many samples do that once).
-    fn walk_sample(&mut self, header: &SampleHeader, stack: UserStack<'_>) -> Option<Walk<'_>> {
+    /// callers that walk many samples do that once). With
+    /// [`Identity::Checked`], an error when the walker's state for the pid
+    /// is another process's (an earlier one that had the same pid).
+    fn walk_sample(
+        &mut self,
+        header: &SampleHeader,
+        stack: UserStack<'_>,
+        identity: Identity,
+    ) -> Result<Option<Walk<'_>>, OtherProcess> {
         if header.flags & sample_flags::USER_REGS == 0 {
-            return None;
+            return Ok(None);
         }
         let tgid = header.tgid;
         let regs = registers(header);
         let mut memory = SampledStack::new(regs.rsp, stack.copy, stack.spans, stack.tail);
         memory.prefetch();
         let mut frames = std::mem::take(&mut self.frames);
-        let (end, pending) = self.walk_memory(
+        let walked = self.walk_memory(
             tgid,
             header.process_start_ns,
             regs,
             &mut memory,
             &mut frames,
+            WalkUse::Sample(identity),
         );
         self.frames = frames;
+        let (end, pending) = walked?;
         self.last_tail_reads = memory.tail_reads();
         self.last_copy_read = memory.copy_bytes_read();
         let outcome = if pending {
@@ -1243,7 +1253,6 @@ impl StackWalker {
         } else {
             WalkOutcome::Ended(end)
         };
-        self.place_frames(tgid);
         if header.flags & sample_flags::TICK_IN_USER == 0
             && matches!(self.placed(), [FrameObject::Anonymous { .. }])
         {
@@ -1255,18 +1264,20 @@ impl StackWalker {
             // one bare address, which may not even be the process's now.
             self.frames.clear();
         }
-        Some(Walk {
+        Ok(Some(Walk {
             frames: &self.frames,
             objects: self.placed(),
             outcome,
             stitched: self.last_tail_reads > 0,
             space: self.last_space,
-        })
+        }))
     }
 
     /// Walks `memory` from `regs` into `frames`, resolving the modules the
     /// walk reaches and walking again; returns how it ended and whether a
-    /// table it needs is still being compiled.
+    /// table it needs is still being compiled. A sample's walk also places
+    /// its frames (see [`Self::place_frames`]). The process's modules are
+    /// looked up once, unless a module has to be resolved.
     fn walk_memory(
         &mut self,
         tgid: u32,
@@ -1274,11 +1285,31 @@ impl StackWalker {
         regs: Registers,
         memory: &mut impl WalkMemory,
         frames: &mut Vec<u64>,
-    ) -> (UnwindEnd, bool) {
+        used: WalkUse,
+    ) -> Result<(UnwindEnd, bool), OtherProcess> {
         let mut resolves = 0;
-        self.process_modules(tgid, started);
         loop {
-            let process = self.modules.entry(tgid).or_default();
+            let walks = self.stats.walks;
+            let Self {
+                modules,
+                rules,
+                max_depth,
+                objects,
+                frame0_binary,
+                unknown_binary,
+                last_space,
+                ..
+            } = self;
+            let process = process_entry(modules, tgid, walks);
+            if used == WalkUse::Sample(Identity::Checked)
+                && resolves == 0
+                && process.is_other_process(started)
+            {
+                return Err(OtherProcess);
+            }
+            if process.started == 0 {
+                process.started = started;
+            }
             let known = KnownModules {
                 process,
                 unknown: Cell::new(None),
@@ -1289,70 +1320,49 @@ impl StackWalker {
                 regs,
                 memory,
                 &known,
-                &mut self.rules,
+                rules,
                 process.space,
-                self.max_depth,
+                *max_depth,
                 frames,
             );
             let (unknown, pending) = (known.unknown.get(), known.pending.get());
-            let retry = end == UnwindEnd::Unmapped
+            let resolvable = end == UnwindEnd::Unmapped
                 && !pending
                 && resolves < MAX_RESOLVES_PER_WALK
-                && unknown.is_some_and(|pc| self.resolve(tgid, pc));
-            if !retry {
-                return (end, pending);
+                && unknown.is_some();
+            if !resolvable {
+                if matches!(used, WalkUse::Sample(_)) {
+                    *last_space = place_frames(
+                        Some(process),
+                        frames,
+                        objects,
+                        frame0_binary,
+                        unknown_binary,
+                    );
+                }
+                return Ok((end, pending));
+            }
+            if !unknown.is_some_and(|pc| self.resolve(tgid, pc)) {
+                if matches!(used, WalkUse::Sample(_)) {
+                    self.place_frames_of(tgid, frames);
+                }
+                return Ok((end, pending));
             }
             resolves += 1;
         }
     }
 
-    /// Fills `objects` for the frames of the walk just made. A return
-    /// address is placed by the byte before it (see [`FrameObject`]).
-    ///
-    /// Earlier samples' objects are overwritten in place, and those past
-    /// this walk's depth are kept, not dropped: consecutive samples mostly
-    /// have the same files at the same depths, and keeping their `Arc`s
-    /// spares two atomic operations per frame (dropping the deeper ones and
-    /// cloning them back was a fifth of `walk_sample` on a workload whose
-    /// depth varies). At most `max_depth` of them are kept.
-    fn place_frames(&mut self, tgid: u32) {
-        let process = self.modules.get(&tgid);
-        // A process without an entry has no modules, as one with an entry
-        // whose list is still empty (space 0): every frame is anonymous.
-        let space = process.map_or(0, |p| p.space);
-        let frame0 = process.and_then(|p| p.find(*self.frames.first()?));
-        let frame0_name = frame0.map_or(&self.unknown_binary, |m| &m.name);
-        if !Arc::ptr_eq(&self.frame0_binary, frame0_name) {
-            self.frame0_binary = Arc::clone(frame0_name);
-        }
-        // Callers are mostly in the module of the frame above them: that
-        // one is tried before a search of the process's modules.
-        let mut last: Option<&Module> = None;
-        for (i, &pc) in self.frames.iter().enumerate() {
-            let module = if i == 0 {
-                frame0
-            } else {
-                let at = pc.wrapping_sub(1);
-                match last {
-                    Some(module) if module.contains(at) => last,
-                    _ => process.and_then(|p| p.find(at)),
-                }
-            };
-            last = module.or(last);
-            match self.objects.get_mut(i) {
-                Some(object) => match module {
-                    Some(module) => module.place(pc, object),
-                    None => *object = FrameObject::Anonymous { address: pc },
-                },
-                None => {
-                    self.objects
-                        .push(module.map_or(FrameObject::Anonymous { address: pc }, |m| {
-                            m.frame_object(pc)
-                        }))
-                }
-            }
-        }
-        self.last_space = (!self.placed().iter().any(FrameObject::is_jit)).then_some(space);
+    /// Places the frames of a walk of `tgid` made outside
+    /// [`Self::walk_memory`]'s lookup (see [`place_frames`]).
+    fn place_frames_of(&mut self, tgid: u32, frames: &[u64]) {
+        probes::count(Probe::Process);
+        self.last_space = place_frames(
+            self.modules.get(&tgid),
+            frames,
+            &mut self.objects,
+            &mut self.frame0_binary,
+            &self.unknown_binary,
+        );
     }
 
     /// The objects of the last walk's frames.
@@ -1522,10 +1532,115 @@ impl StackWalker {
         }
         let name = Arc::clone(&self.frame0_binary);
         let by_binary = &mut self.stats.by_binary;
+        probes::count(Probe::Derived);
         if by_binary.len() < MAX_BINARIES_TRACKED || by_binary.contains_key(&name) {
             by_binary.entry(name).or_default().add(outcome, stitched);
         }
     }
+}
+
+/// Fills `objects` for `frames`, a walk of `process` just made, and names
+/// its frame 0's binary; returns the walk's space (`None`: it went through
+/// JIT code). A return address is placed by the byte before it (see
+/// [`FrameObject`]).
+///
+/// Earlier samples' objects are overwritten in place, and those past
+/// this walk's depth are kept, not dropped: consecutive samples mostly
+/// have the same files at the same depths, and keeping their `Arc`s
+/// spares two atomic operations per frame (dropping the deeper ones and
+/// cloning them back was a fifth of `walk_sample` on a workload whose
+/// depth varies). At most `max_depth` of them are kept.
+fn place_frames(
+    process: Option<&ProcessModules>,
+    frames: &[u64],
+    objects: &mut Vec<FrameObject>,
+    frame0_binary: &mut Arc<str>,
+    unknown_binary: &Arc<str>,
+) -> Option<u64> {
+    // A process without an entry has no modules, as one with an entry
+    // whose list is still empty (space 0): every frame is anonymous.
+    let space = process.map_or(0, |p| p.space);
+    let frame0 = process.and_then(|p| p.find(*frames.first()?));
+    let frame0_name = frame0.map_or(unknown_binary, |m| &m.name);
+    if !Arc::ptr_eq(frame0_binary, frame0_name) {
+        *frame0_binary = Arc::clone(frame0_name);
+    }
+    // Callers are mostly in the module of the frame above them: that
+    // one is tried before a search of the process's modules.
+    let mut last: Option<&Module> = None;
+    for (i, &pc) in frames.iter().enumerate() {
+        let module = if i == 0 {
+            frame0
+        } else {
+            let at = pc.wrapping_sub(1);
+            match last {
+                Some(module) if module.contains(at) => last,
+                _ => process.and_then(|p| p.find(at)),
+            }
+        };
+        last = module.or(last);
+        match objects.get_mut(i) {
+            Some(object) => match module {
+                Some(module) => module.place(pc, object),
+                None => *object = FrameObject::Anonymous { address: pc },
+            },
+            None => objects.push(module.map_or(FrameObject::Anonymous { address: pc }, |m| {
+                m.frame_object(pc)
+            })),
+        }
+    }
+    let through_jit = objects[..frames.len()].iter().any(FrameObject::is_jit);
+    (!through_jit).then_some(space)
+}
+
+/// The modules of `tgid` in `modules`, made when first walked (the least
+/// recently walked process goes when there are too many), marked as walked
+/// at walk number `walks`. One lookup while the process is known.
+fn process_entry(
+    modules: &mut HashMap<u32, ProcessModules>,
+    tgid: u32,
+    walks: u64,
+) -> &mut ProcessModules {
+    // The length first: the membership test costs a lookup, and only a
+    // full map needs it.
+    if modules.len() >= MAX_PROCESSES && !modules.contains_key(&tgid) {
+        probes::count(Probe::Process);
+        let oldest = modules
+            .iter()
+            .min_by_key(|(_, p)| p.last_walked)
+            .map(|(&tgid, _)| tgid);
+        if let Some(oldest) = oldest {
+            modules.remove(&oldest);
+        }
+    }
+    probes::count(Probe::Process);
+    let process = modules.entry(tgid).or_default();
+    process.last_walked = walks;
+    process
+}
+
+/// Whether a walk checks that the walker's state for its pid is its
+/// process's.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Identity {
+    /// A new sample: its process may have replaced the one the walker
+    /// knows under its pid.
+    Checked,
+    /// A held sample, or one walked after its pid's state was replaced.
+    Unchecked,
+}
+
+/// The walker's state for a sample's pid belongs to an earlier process.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct OtherProcess;
+
+/// What [`StackWalker::walk_memory`] walks for.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum WalkUse {
+    /// A sample to deliver: its frames are placed.
+    Sample(Identity),
+    /// The planner's learning read of a live stack.
+    Learn,
 }
 
 fn registers(header: &SampleHeader) -> Registers {
@@ -1583,7 +1698,7 @@ fn binary_name(path: &MappingPath) -> Arc<str> {
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use super::*;
 
     fn module(start: u64, end: u64) -> Module {
@@ -1608,23 +1723,29 @@ mod tests {
         process.insert(module(0x1000, 0x2000), space);
         process.insert(jit, space);
         walker.frames = vec![0x1010, 0x1020];
-        walker.place_frames(7);
+        place(&mut walker, 7);
         assert_eq!(walker.last_space, Some(space));
         walker.frames = vec![0x1010, 0x4020, 0x1020];
-        walker.place_frames(7);
+        place(&mut walker, 7);
         assert_eq!(walker.last_space, None, "JIT frames are named by perf maps");
         // A shallower walk: the JIT object kept from the deeper one is not
         // this walk's.
         walker.frames = vec![0x1010];
-        walker.place_frames(7);
+        place(&mut walker, 7);
         assert_eq!(walker.last_space, Some(space));
         assert!(matches!(
             walker.placed(),
             [FrameObject::Vdso { offset: 0x10 }]
         ));
         // A process the walker has no modules for: every frame anonymous.
-        walker.place_frames(8);
+        place(&mut walker, 8);
         assert_eq!(walker.last_space, Some(0));
+    }
+
+    fn place(walker: &mut StackWalker, tgid: u32) {
+        let frames = std::mem::take(&mut walker.frames);
+        walker.place_frames_of(tgid, &frames);
+        walker.frames = frames;
     }
 
     #[test]
@@ -1789,25 +1910,25 @@ mod tests {
             process_start_ns: 100,
             ..header
         };
+        let is_new = |walker: &StackWalker, header: &SampleHeader| {
+            walker.modules[&header.tgid].is_other_process(header.process_start_ns)
+        };
         walker.process_modules(first.tgid, 100);
-        assert!(!walker.is_new_process(&first));
+        assert!(!is_new(&walker, &first));
         let unknown = SampleHeader {
             process_start_ns: 0,
             ..header
         };
-        assert!(
-            !walker.is_new_process(&unknown),
-            "no start time: no verdict"
-        );
+        assert!(!is_new(&walker, &unknown), "no start time: no verdict");
         let later = SampleHeader {
             process_start_ns: 200,
             ..header
         };
-        assert!(walker.is_new_process(&later));
+        assert!(is_new(&walker, &later));
         walker.push(&later, &[], UserStack::copy_only(&stack), |_| {});
         assert_eq!(walker.stats().processes_replaced, 1);
         assert_eq!(walker.modules[&later.tgid].started, 200);
-        assert!(!walker.is_new_process(&later));
+        assert!(!is_new(&walker, &later));
     }
 
     #[test]
@@ -1863,7 +1984,7 @@ mod tests {
 
     /// A sample of this very process: rip in its own code, and a zeroed
     /// stack, so the walk reads a zero return address and ends there.
-    fn own_sample() -> (SampleHeader, Vec<u8>) {
+    pub(crate) fn own_sample() -> (SampleHeader, Vec<u8>) {
         let header = SampleHeader {
             kind: agent_common::RecordKind::Sample as u32,
             flags: sample_flags::USER_REGS,

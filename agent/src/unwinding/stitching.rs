@@ -28,6 +28,7 @@
 //! called elsewhere) can only make a walk stop short, never walk a frame
 //! that was not on the stack.
 
+use crate::probes::{self, Probe};
 use foldhash::{HashMap, HashMapExt as _, HashSet, HashSetExt as _};
 use std::io;
 
@@ -298,6 +299,7 @@ impl Planner {
         } else {
             u32::try_from(walk.copy_bytes_read).unwrap_or(ceiling)
         };
+        probes::count(Probe::Thread);
         let planned = self
             .threads
             .get(&walk.tid)
@@ -320,6 +322,7 @@ impl Planner {
     /// Keeps the thread's stack top at the highest address its rooted walks
     /// read; drops it when a copy that stopped there was not enough.
     fn observe_top(&mut self, walk: &WalkReport) {
+        probes::count(Probe::Thread);
         let known = self
             .tops
             .get(&walk.tid)
@@ -365,9 +368,12 @@ impl Planner {
 
     fn observe_process(&mut self, tgid: u32, now: u64, needed: u32) {
         let ceiling = self.ceiling;
-        if !self.processes.contains_key(&tgid) && self.processes.len() >= MAX_PROCESSES {
+        // The length first: only a full map needs the membership test.
+        if self.processes.len() >= MAX_PROCESSES && !self.processes.contains_key(&tgid) {
+            probes::count(Probe::Process);
             return;
         }
+        probes::count(Probe::Process);
         let process = self.processes.entry(tgid).or_insert(ProcessCopy {
             window_start_ns: now,
             max_now: 0,
