@@ -3,9 +3,13 @@
 //! ingest or queries.
 //!
 //! Implementations are synchronous; the servers call them from blocking
-//! tasks.
+//! tasks. What both engines must agree on lives here: the content hashes
+//! that name stored items (`hash`) and the encodings of what they store
+//! (`codec`).
 
 pub mod clickhouse;
+mod codec;
+mod hash;
 pub mod sqlite;
 
 use stackscope_profile::model::{Selection, StackSamples};

@@ -4,7 +4,7 @@
 //! `stacks.frames`. Owns no SQL.
 
 use crate::ingest::{MappingRecord, ValidBatch};
-use crate::storage::sqlite::{
+use crate::storage::codec::{
     BlobReader, decode_code_segments, decode_lines, encode_code_segments, encode_lines, kind_code,
     kind_from_code, put_varint,
 };

@@ -65,7 +65,8 @@ use stackscope_telemetry::StateSize;
 
 use super::{
     IngestOutcome, Storage, StorageError,
-    sqlite::{label_set_hash, location_hash, mapping_hash, resolve_frames},
+    codec::resolve_frames,
+    hash::{label_set_hash, location_hash, mapping_hash, stack_hash},
 };
 use crate::ingest::ValidBatch;
 
@@ -963,21 +964,21 @@ impl ClickhouseStorage {
             // Locked per lookup: no other ingest waits while blobs encode.
             let stored = |key: &(u128, i64)| lock(&self.stored_stacks).entries.contains(key);
             for (index, stack) in batch.stacks.iter().enumerate() {
-                bytes.clear();
-                bytes.push(b's');
-                for &location in stack {
-                    let hash = usize::try_from(location)
-                        .ok()
-                        .and_then(|l| location_hashes.get(l))
-                        .ok_or_else(|| {
-                            invalid(format!(
-                                "stack {index}: location {location} out of range ({} items)",
-                                location_hashes.len()
-                            ))
-                        })?;
-                    bytes.extend_from_slice(&hash.to_le_bytes());
-                }
-                let hash = xxhash_rust::xxh3::xxh3_128(&bytes);
+                let hash = stack_hash(
+                    &mut bytes,
+                    stack.iter().map(|&location| {
+                        usize::try_from(location)
+                            .ok()
+                            .and_then(|l| location_hashes.get(l))
+                            .copied()
+                            .ok_or_else(|| {
+                                invalid(format!(
+                                    "stack {index}: location {location} out of range ({} items)",
+                                    location_hashes.len()
+                                ))
+                            })
+                    }),
+                )?;
                 stack_hashes.push(hash);
                 if stored(&(hash, partition)) || !rows.new_stacks.insert((hash, partition)) {
                     continue;

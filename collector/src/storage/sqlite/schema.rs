@@ -1,0 +1,277 @@
+//! The SQLite engine's schema and connections: the tables (below), the
+//! migrations from older versions, the pragmas every connection gets, and
+//! opening the writer (which creates or checks the schema) and the query
+//! connections. Owns no ingest (`write`) and no queries (`read`).
+//!
+//! # Schema (version 4, in `PRAGMA user_version`)
+//!
+//! * `meta(key, value)`: settings the data depends on (`bucket_nanos`).
+//! * `batches(id, received_unix_nanos, end_unix_nanos)`: ids of stored
+//!   batches, so a retried batch is not counted twice.
+//! * `mappings`, `locations`, `stacks`, `label_sets` (+ `labels`): the
+//!   dictionaries. Each row is content-addressed by a 128-bit xxh3 `hash`
+//!   (UNIQUE) of its content, so an identical item sent by any agent, in any
+//!   batch, before or after a restart, is stored once, and the in-memory
+//!   caches and the database share one key. Locations keep their lines inline
+//!   in a compact blob rather than in a separate string table: dictionaries
+//!   grow with the fleet's code, not with time, so the saving would be small
+//!   next to the samples, and a self-contained row resolves in one lookup
+//!   and needs no string garbage collection. Stacks keep their location ids
+//!   as a varint blob, leaf first. Ids are `AUTOINCREMENT`, so an id is never
+//!   reused after a delete and the query side may cache by id.
+//! * `samples(bucket_start, label_set_id, stack_id, weight)`: sums
+//!   per time bucket, `WITHOUT ROWID` with that primary key so a bucket is
+//!   one contiguous range (cheap upserts within a batch, cheap range scans
+//!   and prefix deletes).
+//! * `label_set_buckets(bucket_start, label_set_id, sample_period_nanos,
+//!   weight)`: one row per label set and bucket with samples: the sample
+//!   period they agree on (0 when batches disagree) and their total weight.
+//!   It is small next to `samples`, answers `series`, `label_names` and
+//!   `label_values` without touching samples, and tells a label-filtered
+//!   `stacks` query exactly which (bucket, label set) prefixes of `samples`
+//!   to read.
+//! * Every dictionary row carries `last_bucket`, the newest bucket of a batch
+//!   that contained it. Buckets are only ever deleted oldest first, so once
+//!   every bucket up to `b` is gone, rows with `last_bucket <= b` are
+//!   referenced by nothing: retention finds orphans without scanning (or
+//!   indexing) billions of sample rows; `last_bucket` is indexed so that
+//!   costs what it deletes.
+//! * `rollups`, `rollup_spans`, `pending_spans`: label-free sums of closed
+//!   spans of 1 bucket, 10 min, 1 h and 1 day, which fleet-wide queries read
+//!   instead of `samples` (see [`rollup`]).
+
+use std::path::Path;
+
+use rusqlite::{Connection, OptionalExtension as _, TransactionBehavior};
+
+use super::{SqliteOptions, StorageError, rollup, rollup::Tiers};
+
+/// The schema this code reads and writes. Bump it (and migrate) on any
+/// change; an older collector refuses a newer database instead of
+/// misreading it.
+const SCHEMA_VERSION: i32 = 4;
+
+const SCHEMA: &str = "
+CREATE TABLE meta (
+    key TEXT PRIMARY KEY,
+    value ANY NOT NULL
+) STRICT, WITHOUT ROWID;
+
+CREATE TABLE batches (
+    id BLOB PRIMARY KEY,
+    received_unix_nanos INTEGER NOT NULL,
+    end_unix_nanos INTEGER NOT NULL
+) STRICT, WITHOUT ROWID;
+
+-- code_segments: per executable segment, varint file offset, vaddr and
+-- file size (empty when the node did not send them).
+CREATE TABLE mappings (
+    id INTEGER PRIMARY KEY AUTOINCREMENT,
+    hash BLOB NOT NULL UNIQUE,
+    kind INTEGER NOT NULL,
+    build_id TEXT NOT NULL,
+    path TEXT NOT NULL,
+    last_bucket INTEGER NOT NULL,
+    code_segments BLOB NOT NULL DEFAULT x''
+) STRICT;
+
+-- address: the u64 stored as the i64 with the same bits.
+-- lines: per line, innermost first: varint length + function, varint
+-- length + file, varint line.
+CREATE TABLE locations (
+    id INTEGER PRIMARY KEY AUTOINCREMENT,
+    hash BLOB NOT NULL UNIQUE,
+    mapping_id INTEGER NOT NULL,
+    address INTEGER NOT NULL,
+    lines BLOB NOT NULL,
+    last_bucket INTEGER NOT NULL
+) STRICT;
+
+-- locations: varint location ids, leaf first.
+CREATE TABLE stacks (
+    id INTEGER PRIMARY KEY AUTOINCREMENT,
+    hash BLOB NOT NULL UNIQUE,
+    locations BLOB NOT NULL,
+    last_bucket INTEGER NOT NULL
+) STRICT;
+
+CREATE TABLE label_sets (
+    id INTEGER PRIMARY KEY AUTOINCREMENT,
+    hash BLOB NOT NULL UNIQUE,
+    last_bucket INTEGER NOT NULL
+) STRICT;
+
+CREATE TABLE labels (
+    label_set_id INTEGER NOT NULL,
+    name TEXT NOT NULL,
+    value TEXT NOT NULL,
+    PRIMARY KEY (label_set_id, name)
+) STRICT, WITHOUT ROWID;
+
+-- Retention deletes dictionary rows by last_bucket: an index makes that
+-- proportional to what it deletes. Ingest moves last_bucket at most once
+-- per item and bucket, so keeping the indexes up costs little.
+CREATE INDEX mappings_last_bucket ON mappings (last_bucket);
+CREATE INDEX locations_last_bucket ON locations (last_bucket);
+CREATE INDEX stacks_last_bucket ON stacks (last_bucket);
+CREATE INDEX label_sets_last_bucket ON label_sets (last_bucket);
+
+CREATE TABLE samples (
+    bucket_start INTEGER NOT NULL,
+    label_set_id INTEGER NOT NULL,
+    stack_id INTEGER NOT NULL,
+    weight INTEGER NOT NULL,
+    PRIMARY KEY (bucket_start, label_set_id, stack_id)
+) STRICT, WITHOUT ROWID;
+
+CREATE TABLE label_set_buckets (
+    bucket_start INTEGER NOT NULL,
+    label_set_id INTEGER NOT NULL,
+    sample_period_nanos INTEGER NOT NULL,
+    weight INTEGER NOT NULL,
+    PRIMARY KEY (bucket_start, label_set_id)
+) STRICT, WITHOUT ROWID;
+";
+
+/// Opens the connection that writes (ingest, retention, compaction): in
+/// WAL mode, with the schema created or checked.
+pub(super) fn open_writer(
+    path: &Path,
+    options: &SqliteOptions,
+    tiers: &Tiers,
+) -> Result<Connection, StorageError> {
+    let open_error = |source| StorageError::Open {
+        path: path.to_owned(),
+        source,
+    };
+    let mut conn = Connection::open(path).map_err(open_error)?;
+    configure(&conn, options).map_err(open_error)?;
+    let mode: String = conn
+        .query_row("PRAGMA journal_mode = WAL", [], |row| row.get(0))
+        .map_err(open_error)?;
+    if !mode.eq_ignore_ascii_case("wal") {
+        return Err(StorageError::Incompatible {
+            path: path.to_owned(),
+            reason: format!("it cannot use a write-ahead log (journal mode stays {mode:?})"),
+        });
+    }
+    init_schema(&mut conn, path, options.bucket_nanos, tiers)?;
+    Ok(conn)
+}
+
+/// Opens a query connection, of a database `open_writer` has set up.
+pub(super) fn open_reader(
+    path: &Path,
+    options: &SqliteOptions,
+) -> Result<Connection, StorageError> {
+    let open_error = |source| StorageError::Open {
+        path: path.to_owned(),
+        source,
+    };
+    let reader = Connection::open(path).map_err(open_error)?;
+    configure(&reader, options).map_err(open_error)?;
+    // The query side never writes; make that a guarantee.
+    reader
+        .pragma_update(None, "query_only", true)
+        .map_err(open_error)?;
+    Ok(reader)
+}
+
+fn configure(conn: &Connection, options: &SqliteOptions) -> rusqlite::Result<()> {
+    conn.busy_timeout(options.busy_timeout)?;
+    // FULL: in WAL mode the log is synced on every commit, so a batch is
+    // acknowledged only once it would survive a power loss.
+    conn.pragma_update(None, "synchronous", "FULL")?;
+    conn.pragma_update(None, "cache_size", -i64::from(options.page_cache_kib))?;
+    conn.pragma_update(None, "temp_store", "MEMORY")?;
+    // Ingest holds about a dozen statements at once; queries a few more.
+    conn.set_prepared_statement_cache_capacity(64);
+    Ok(())
+}
+
+/// Creates the schema in a new database, or checks that an existing one was
+/// written by this schema version and with this bucket width.
+fn init_schema(
+    conn: &mut Connection,
+    path: &Path,
+    bucket_nanos: i64,
+    tiers: &Tiers,
+) -> Result<(), StorageError> {
+    let incompatible = |reason: String| StorageError::Incompatible {
+        path: path.to_owned(),
+        reason,
+    };
+    let tx = conn.transaction_with_behavior(TransactionBehavior::Immediate)?;
+    let mut version: i32 = tx.query_row("PRAGMA user_version", [], |row| row.get(0))?;
+    // Version 1 also kept each row's raw sample count, which no query
+    // read; the weight (count × divisor) is what flamegraphs sum.
+    if version == 1 {
+        tx.execute_batch("ALTER TABLE samples DROP COLUMN count")?;
+        version = 2;
+    }
+    // Version 2 had no code segments: its mappings keep none (their frames
+    // are named from debuginfo that holds the code, not from debug files).
+    if version == 2 {
+        tx.execute_batch(
+            "ALTER TABLE mappings ADD COLUMN code_segments BLOB NOT NULL DEFAULT x''",
+        )?;
+        version = 3;
+    }
+    // Version 3 had no rollups: every stored bucket is pending, so the
+    // compactor rolls the history up once.
+    if version == 3 {
+        tx.execute_batch(rollup::SCHEMA)?;
+        for &width in tiers.widths() {
+            tx.execute(
+                "INSERT OR IGNORE INTO pending_spans (width, span_start)
+                 SELECT DISTINCT ?1, bucket_start - (bucket_start % ?1 + ?1) % ?1
+                 FROM label_set_buckets",
+                [width],
+            )?;
+        }
+        tx.pragma_update(None, "user_version", SCHEMA_VERSION)?;
+        version = SCHEMA_VERSION;
+    }
+    match version {
+        0 => {
+            tx.execute_batch(SCHEMA)?;
+            tx.execute_batch(rollup::SCHEMA)?;
+            tx.execute(
+                "INSERT INTO meta (key, value) VALUES ('bucket_nanos', ?1)",
+                [bucket_nanos],
+            )?;
+            tx.pragma_update(None, "user_version", SCHEMA_VERSION)?;
+        }
+        SCHEMA_VERSION => {}
+        newer if newer > SCHEMA_VERSION => {
+            return Err(incompatible(format!(
+                "its schema version {newer} is newer than the {SCHEMA_VERSION} this collector \
+                 knows; run a newer collector"
+            )));
+        }
+        other => return Err(incompatible(format!("unknown schema version {other}"))),
+    }
+    let stored: Option<i64> = tx
+        .query_row(
+            "SELECT value FROM meta WHERE key = 'bucket_nanos'",
+            [],
+            |row| row.get(0),
+        )
+        .optional()?;
+    match stored {
+        Some(stored) if stored == bucket_nanos => {}
+        Some(stored) if stored > 0 => {
+            return Err(incompatible(format!(
+                "it sums samples into buckets of {stored} ns, not the {bucket_nanos} ns asked \
+                 for; a database keeps the bucket width it was created with"
+            )));
+        }
+        _ => {
+            return Err(StorageError::Corrupt(format!(
+                "meta.bucket_nanos is missing or not positive: {stored:?}"
+            )));
+        }
+    }
+    tx.commit()?;
+    Ok(())
+}

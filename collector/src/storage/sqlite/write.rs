@@ -1,0 +1,888 @@
+//! The SQLite engine's write side: the one writer connection and what it
+//! does. Ingest interns a batch's dictionaries (mappings, locations, stacks,
+//! label sets) by content hash through bounded caches and sums its samples
+//! into their bucket, in one transaction; retention deletes old buckets and
+//! the dictionary rows only they referenced; compaction brings the rollups
+//! up to date (the sums themselves are `rollup`'s). Owns no schema
+//! (`schema`) and no queries (`read`).
+
+use std::{
+    collections::HashMap,
+    hash::{BuildHasherDefault, Hasher},
+    sync::{MutexGuard, atomic::Ordering},
+    time::SystemTime,
+};
+
+use rusqlite::{
+    CachedStatement, Connection, OptionalExtension as _, Statement, Transaction,
+    TransactionBehavior,
+};
+use stackscope_profile::model::unix_nanos;
+use stackscope_telemetry::StateSize;
+
+use super::{
+    CacheStats, IngestOutcome, SqliteStorage, StorageError, page_cache_used, rollup, rollup::Tiers,
+    saturate,
+};
+use crate::{
+    ingest::ValidBatch,
+    storage::{
+        codec::{encode_code_segments, encode_lines, kind_code, put_varint},
+        hash::{label_set_hash, location_hash, mapping_hash, stack_hash},
+    },
+};
+
+/// Spans one `compact` call rolls up at most, so a backlog (a database
+/// upgraded with days of history) is worked off in bounded calls the
+/// collector can stop between.
+pub const COMPACTION_SPANS_PER_CALL: u64 = 64;
+
+/// Sample rows one upsert statement carries: one statement per row spends
+/// a good part of ingest in statement overhead rather than in the B-tree.
+const SAMPLES_PER_STATEMENT: usize = 64;
+
+/// An upsert of `rows` sample rows, 4 parameters each: bucket, label set,
+/// stack, weight.
+fn upsert_samples_sql(rows: usize) -> String {
+    let values = vec!["(?, ?, ?, ?)"; rows].join(", ");
+    // Sums saturate at i64::MAX: SQLite would turn an overflowing integer
+    // sum into a float, which would then fail to read back as an integer.
+    format!(
+        "INSERT INTO samples (bucket_start, label_set_id, stack_id, weight) VALUES {values}
+         ON CONFLICT (bucket_start, label_set_id, stack_id) DO UPDATE SET
+             weight = CASE WHEN weight > 9223372036854775807 - excluded.weight
+                 THEN 9223372036854775807 ELSE weight + excluded.weight END"
+    )
+}
+
+const UPSERT_LABEL_SET_BUCKET: &str = "
+INSERT INTO label_set_buckets (bucket_start, label_set_id, sample_period_nanos, weight)
+VALUES (?1, ?2, ?3, ?4)
+ON CONFLICT (bucket_start, label_set_id) DO UPDATE SET
+    sample_period_nanos = CASE WHEN sample_period_nanos = excluded.sample_period_nanos
+        THEN sample_period_nanos ELSE 0 END,
+    weight = CASE WHEN weight > 9223372036854775807 - excluded.weight
+        THEN 9223372036854775807 ELSE weight + excluded.weight END";
+
+/// The statements of one dictionary table. A stored item's `last_bucket`
+/// moves forward by id (`bump`, when the caches know the id) or by hash
+/// (`touch`, which gives the id); only an item `touch` does not find is
+/// inserted. An upsert (`INSERT .. ON CONFLICT DO UPDATE`) would do both in
+/// one statement, but one that hits a stored row still uses up an
+/// AUTOINCREMENT id (SQLite draws it before the uniqueness check), so the
+/// ids of a long-lived database would climb with every cache miss.
+struct DictionarySql {
+    bump: &'static str,
+    touch: &'static str,
+    insert: &'static str,
+}
+
+/// [`DictionarySql`] of `table`, whose new rows take `columns` (the first
+/// `hash`, one `?` parameter each, in order).
+macro_rules! dictionary_sql {
+    ($table:literal, $columns:literal, $parameters:literal) => {
+        DictionarySql {
+            bump: concat!(
+                "UPDATE ",
+                $table,
+                " SET last_bucket = max(last_bucket, ?2) WHERE id = ?1"
+            ),
+            touch: concat!(
+                "UPDATE ",
+                $table,
+                " SET last_bucket = max(last_bucket, ?2) WHERE hash = ?1 RETURNING id"
+            ),
+            insert: concat!(
+                "INSERT INTO ",
+                $table,
+                " (",
+                $columns,
+                ") VALUES (",
+                $parameters,
+                ") RETURNING id"
+            ),
+        }
+    };
+}
+
+const MAPPINGS: DictionarySql = dictionary_sql!(
+    "mappings",
+    "hash, kind, build_id, path, last_bucket, code_segments",
+    "?1, ?2, ?3, ?4, ?5, ?6"
+);
+const LOCATIONS: DictionarySql = dictionary_sql!(
+    "locations",
+    "hash, mapping_id, address, lines, last_bucket",
+    "?1, ?2, ?3, ?4, ?5"
+);
+const STACKS: DictionarySql =
+    dictionary_sql!("stacks", "hash, locations, last_bucket", "?1, ?2, ?3");
+const LABEL_SETS: DictionarySql = dictionary_sql!("label_sets", "hash, last_bucket", "?1, ?2");
+
+impl SqliteStorage {
+    /// [`super::Storage::ingest`]: the batch goes to the bucket its range
+    /// starts in.
+    pub(super) fn store_batch(&self, batch: &ValidBatch) -> Result<IngestOutcome, StorageError> {
+        let bucket = self.bucket_of(batch.range.start_unix_nanos);
+        self.writer().ingest(batch, bucket, &self.tiers)
+    }
+
+    /// The start of the bucket holding `unix_nanos`.
+    fn bucket_of(&self, unix_nanos: i64) -> i64 {
+        // Saturates only for times near i64::MIN, which validation rejects.
+        unix_nanos.saturating_sub(unix_nanos.rem_euclid(self.bucket_nanos))
+    }
+
+    pub(super) fn writer(&self) -> MutexGuard<'_, Writer> {
+        // A panic while the lock was held rolled its transaction back (the
+        // Transaction's drop) but may have left a cache half updated: start
+        // the caches afresh, the database is the truth.
+        self.writer.lock().unwrap_or_else(|poisoned| {
+            let mut writer = poisoned.into_inner();
+            writer.forget_through(i64::MAX);
+            writer
+        })
+    }
+
+    /// [`super::Storage::delete_before`]: deletes whole buckets, oldest
+    /// first, then the dictionary rows only they referenced.
+    pub(super) fn delete_buckets_before(
+        &self,
+        cutoff_unix_nanos: i64,
+    ) -> Result<u64, StorageError> {
+        // Buckets starting at or before `last` end at or before the cutoff.
+        let last = cutoff_unix_nanos.saturating_sub(self.bucket_nanos);
+        let mut deleted = 0u64;
+        // One bucket per transaction so ingest waits for one bucket's
+        // delete at a time, not for the whole backlog.
+        loop {
+            let mut writer = self.writer();
+            let tx = writer
+                .conn
+                .transaction_with_behavior(TransactionBehavior::Immediate)?;
+            let oldest: Option<i64> =
+                tx.query_row("SELECT min(bucket_start) FROM samples", [], |row| {
+                    row.get(0)
+                })?;
+            let Some(bucket) = oldest.filter(|b| *b <= last) else {
+                break;
+            };
+            let rows = tx.execute("DELETE FROM samples WHERE bucket_start = ?1", [bucket])?;
+            tx.execute(
+                "DELETE FROM label_set_buckets WHERE bucket_start = ?1",
+                [bucket],
+            )?;
+            // No query may use a span summing the deleted bucket.
+            rollup::forget_through(&tx, &self.tiers, bucket)?;
+            tx.commit()?;
+            deleted = deleted.saturating_add(rows as u64);
+        }
+
+        let mut writer = self.writer();
+        let tx = writer
+            .conn
+            .transaction_with_behavior(TransactionBehavior::Immediate)?;
+        // Again in this transaction: a late batch may have added to an old
+        // bucket since, and the orphan deletes below rely on every bucket up
+        // to `last` being gone.
+        let rows = tx.execute("DELETE FROM samples WHERE bucket_start <= ?1", [last])?;
+        deleted = deleted.saturating_add(rows as u64);
+        tx.execute(
+            "DELETE FROM label_set_buckets WHERE bucket_start <= ?1",
+            [last],
+        )?;
+        rollup::forget_through(&tx, &self.tiers, last)?;
+        tx.execute(
+            "DELETE FROM labels WHERE label_set_id IN
+                (SELECT id FROM label_sets WHERE last_bucket <= ?1)",
+            [last],
+        )?;
+        let mut orphans = 0;
+        for table in ["label_sets", "stacks", "locations", "mappings"] {
+            orphans += tx.execute(
+                &format!("DELETE FROM {table} WHERE last_bucket <= ?1"),
+                [last],
+            )?;
+        }
+        // A batch id is kept while a retry may still come (received after
+        // the cutoff) or its samples may still be stored.
+        tx.execute(
+            "DELETE FROM batches WHERE received_unix_nanos < ?1 AND end_unix_nanos <= ?1",
+            [cutoff_unix_nanos],
+        )?;
+        tx.commit()?;
+        if orphans > 0 {
+            // Cached ids may name deleted rows now: those whose cached
+            // last_bucket is at most `last`. A cached last_bucket is never
+            // newer than the stored one, so every entry kept names a row
+            // that retention kept. Clearing instead would send a whole
+            // working set through SQL (and id allocation) every pass.
+            writer.forget_through(last);
+            self.generation.fetch_add(1, Ordering::Release);
+        }
+        Ok(deleted)
+    }
+
+    /// Rolls up at most [`COMPACTION_SPANS_PER_CALL`] pending spans that
+    /// ended at or before `closed_before`, one span per write transaction so
+    /// ingest waits for one span at a time.
+    pub(super) fn roll_up(&self, closed_before_unix_nanos: i64) -> Result<u64, StorageError> {
+        let mut spans = 0u64;
+        while spans < COMPACTION_SPANS_PER_CALL {
+            {
+                let mut writer = self.writer();
+                let tx = writer
+                    .conn
+                    .transaction_with_behavior(TransactionBehavior::Immediate)?;
+                let Some((width, start)) =
+                    rollup::next_pending(&tx, &self.tiers, closed_before_unix_nanos)?
+                else {
+                    break;
+                };
+                rollup::recompute(&tx, &self.tiers, width, start)?;
+                tx.commit()?;
+            }
+            spans += 1;
+            // The mutex is not fair: let a waiting ingest take it first.
+            std::thread::yield_now();
+        }
+        Ok(spans)
+    }
+}
+
+/// What the ingest caches know about a stored dictionary item.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct Entry {
+    id: i64,
+    /// The item's `last_bucket` as of the commit that cached it.
+    last_bucket: i64,
+}
+
+/// Content hashes are uniformly distributed already: use their bits as the
+/// hash map's hash instead of hashing them again.
+#[derive(Default)]
+struct ContentHashHasher(u64);
+
+impl Hasher for ContentHashHasher {
+    fn finish(&self) -> u64 {
+        self.0
+    }
+
+    fn write(&mut self, bytes: &[u8]) {
+        // Only reached for keys other than u128; fold them in FNV-1a style
+        // so the hasher stays correct for any key.
+        for &b in bytes {
+            self.0 = (self.0 ^ u64::from(b)).wrapping_mul(0x0100_0000_01b3);
+        }
+    }
+
+    fn write_u128(&mut self, value: u128) {
+        self.0 = (value as u64) ^ ((value >> 64) as u64);
+    }
+}
+
+type ContentHashMap<V> = HashMap<u128, V, BuildHasherDefault<ContentHashHasher>>;
+
+/// A bounded cache of content hash -> stored item, cleared when full.
+struct Dictionary {
+    entries: ContentHashMap<Entry>,
+    capacity: usize,
+    hits: u64,
+    misses: u64,
+}
+
+impl Dictionary {
+    fn new(capacity: usize) -> Self {
+        Self {
+            entries: ContentHashMap::default(),
+            capacity,
+            hits: 0,
+            misses: 0,
+        }
+    }
+
+    fn get(&mut self, hash: u128) -> Option<Entry> {
+        let entry = self.entries.get(&hash).copied();
+        if entry.is_some() {
+            self.hits += 1;
+        } else {
+            self.misses += 1;
+        }
+        entry
+    }
+
+    /// Adds entries of a committed transaction.
+    fn publish(&mut self, pending: &mut ContentHashMap<Entry>) {
+        for (hash, entry) in pending.drain() {
+            if self.entries.len() >= self.capacity && !self.entries.contains_key(&hash) {
+                // Clearing beats LRU bookkeeping on every hit: the working
+                // set refills within a few batches.
+                self.entries.clear();
+            }
+            if self.capacity > 0 {
+                self.entries.insert(hash, entry);
+            }
+        }
+    }
+}
+
+/// Reused per batch so steady-state ingest allocates little.
+#[derive(Default)]
+struct Scratch {
+    bytes: Vec<u8>,
+    blob: Vec<u8>,
+    mapping_hashes: Vec<u128>,
+    mapping_ids: Vec<i64>,
+    location_hashes: Vec<u128>,
+    location_ids: Vec<i64>,
+    /// Location ids of the stack being interned.
+    stack: Vec<i64>,
+    stack_ids: Vec<i64>,
+    label_set_ids: Vec<i64>,
+    /// (label set id, stack id, weight)
+    samples: Vec<(i64, i64, u64)>,
+    /// Items first stored or moved to a newer bucket by the open
+    /// transaction: published to the caches only after it commits, so a
+    /// rollback cannot leave ids in the caches that the database lacks.
+    /// One map each for mappings, locations, stacks and label sets.
+    pending: [ContentHashMap<Entry>; 4],
+}
+
+pub(super) struct Writer {
+    conn: Connection,
+    /// `upsert_samples_sql` for a full chunk and for a single row.
+    upsert_samples: String,
+    upsert_sample: String,
+    mappings: Dictionary,
+    locations: Dictionary,
+    stacks: Dictionary,
+    label_sets: Dictionary,
+    scratch: Scratch,
+}
+
+/// What the caches know about a dictionary item.
+enum Known {
+    /// Stored, with a `last_bucket` at or after the batch's bucket.
+    Current(i64),
+    /// Stored, but its `last_bucket` has to move forward to the batch's.
+    Stale(i64),
+    /// Not cached: stored before (by a batch before a restart, say) or not.
+    Unknown,
+}
+
+/// Interns one kind of dictionary item in the open transaction.
+struct Table<'a, 'conn> {
+    dict: &'a mut Dictionary,
+    pending: &'a mut ContentHashMap<Entry>,
+    /// The statements of [`DictionarySql`].
+    bump: CachedStatement<'conn>,
+    touch: CachedStatement<'conn>,
+    insert: CachedStatement<'conn>,
+    bucket: i64,
+}
+
+impl<'a, 'conn> Table<'a, 'conn> {
+    fn new(
+        tx: &'conn Transaction<'_>,
+        sql: &DictionarySql,
+        dict: &'a mut Dictionary,
+        pending: &'a mut ContentHashMap<Entry>,
+        bucket: i64,
+    ) -> rusqlite::Result<Self> {
+        Ok(Self {
+            dict,
+            pending,
+            bump: tx.prepare_cached(sql.bump)?,
+            touch: tx.prepare_cached(sql.touch)?,
+            insert: tx.prepare_cached(sql.insert)?,
+            bucket,
+        })
+    }
+
+    fn lookup(&mut self, hash: u128) -> Known {
+        if let Some(entry) = self.pending.get(&hash) {
+            return Known::Current(entry.id);
+        }
+        match self.dict.get(hash) {
+            Some(entry) if entry.last_bucket >= self.bucket => Known::Current(entry.id),
+            Some(entry) => Known::Stale(entry.id),
+            None => Known::Unknown,
+        }
+    }
+
+    /// The id of a looked-up item, after moving its `last_bucket` forward
+    /// or storing it (`store` runs the insert with the item's columns) as
+    /// needed.
+    fn finish(
+        &mut self,
+        hash: u128,
+        known: Known,
+        store: impl FnOnce(&mut Statement<'_>) -> rusqlite::Result<i64>,
+    ) -> Result<i64, StorageError> {
+        let id = match known {
+            Known::Current(id) => return Ok(id),
+            Known::Stale(id) if self.bump.execute((id, self.bucket))? == 1 => id,
+            // Unknown, or stale and gone (which retention pruning the
+            // caches rules out): found by its hash if stored, else stored,
+            // rather than reference a missing row.
+            Known::Stale(_) | Known::Unknown => {
+                let found = self
+                    .touch
+                    .query_row((&hash.to_le_bytes()[..], self.bucket), |row| row.get(0))
+                    .optional()?;
+                match found {
+                    Some(id) => id,
+                    None => store(&mut self.insert)?,
+                }
+            }
+        };
+        self.pending.insert(
+            hash,
+            Entry {
+                id,
+                last_bucket: self.bucket,
+            },
+        );
+        Ok(id)
+    }
+
+    fn intern(
+        &mut self,
+        hash: u128,
+        store: impl FnOnce(&mut Statement<'_>) -> rusqlite::Result<i64>,
+    ) -> Result<i64, StorageError> {
+        let known = self.lookup(hash);
+        self.finish(hash, known, store)
+    }
+}
+
+/// The batch's mappings and locations: content hashes of all of them, and
+/// ids of those interned so far (0: not yet; ids start at 1).
+struct BatchItems<'s> {
+    mapping_hashes: &'s [u128],
+    mapping_ids: &'s mut [i64],
+    location_hashes: &'s [u128],
+    location_ids: &'s mut [i64],
+    blob: &'s mut Vec<u8>,
+}
+
+impl BatchItems<'_> {
+    /// The id of the batch's location `index`, interned (with its mapping)
+    /// at the batch's bucket.
+    fn location(
+        &mut self,
+        batch: &ValidBatch,
+        index: u32,
+        locations: &mut Table<'_, '_>,
+        mappings: &mut Table<'_, '_>,
+    ) -> Result<i64, StorageError> {
+        let out_of_range = || invalid(format!("location {index} out of range"));
+        let i = usize::try_from(index).map_err(|_| out_of_range())?;
+        let (Some(location), Some(&hash), Some(&known_id)) = (
+            batch.locations.get(i),
+            self.location_hashes.get(i),
+            self.location_ids.get(i),
+        ) else {
+            return Err(out_of_range());
+        };
+        if known_id != 0 {
+            return Ok(known_id);
+        }
+        // One bucket for the whole batch: both tables carry it.
+        let bucket = locations.bucket;
+        let mapping_out_of_range = || {
+            invalid(format!(
+                "location {index}: mapping {} out of range",
+                location.mapping
+            ))
+        };
+        let m = usize::try_from(location.mapping).map_err(|_| mapping_out_of_range())?;
+        let (Some(mapping), Some(&mapping_hash), Some(mapping_id)) = (
+            batch.mappings.get(m),
+            self.mapping_hashes.get(m),
+            self.mapping_ids.get_mut(m),
+        ) else {
+            return Err(mapping_out_of_range());
+        };
+        if *mapping_id == 0 {
+            let mut segments = Vec::new();
+            encode_code_segments(&mut segments, &mapping.code_segments);
+            *mapping_id = mappings.intern(mapping_hash, |insert| {
+                insert.query_row(
+                    (
+                        &mapping_hash.to_le_bytes()[..],
+                        kind_code(mapping.kind),
+                        &mapping.build_id,
+                        &mapping.path,
+                        bucket,
+                        &segments,
+                    ),
+                    |row| row.get(0),
+                )
+            })?;
+        }
+        let mapping_id = *mapping_id;
+        let blob = &mut *self.blob;
+        let id = locations.intern(hash, |insert| {
+            blob.clear();
+            encode_lines(blob, &location.lines);
+            insert.query_row(
+                (
+                    &hash.to_le_bytes()[..],
+                    mapping_id,
+                    // Same bits: addresses use the full u64 range.
+                    location.address as i64,
+                    &blob[..],
+                    bucket,
+                ),
+                |row| row.get(0),
+            )
+        })?;
+        if let Some(slot) = self.location_ids.get_mut(i) {
+            *slot = id;
+        }
+        Ok(id)
+    }
+}
+
+fn invalid(message: String) -> StorageError {
+    StorageError::InvalidBatch(message)
+}
+
+/// `items[index]`, or an error naming what referenced it.
+fn item<T>(items: &[T], index: u32, what: impl FnOnce() -> String) -> Result<&T, StorageError> {
+    usize::try_from(index)
+        .ok()
+        .and_then(|i| items.get(i))
+        .ok_or_else(|| invalid(format!("{} out of range ({} items)", what(), items.len())))
+}
+
+impl Writer {
+    pub(super) fn new(conn: Connection, cache_entries: usize) -> Self {
+        Self {
+            conn,
+            upsert_samples: upsert_samples_sql(SAMPLES_PER_STATEMENT),
+            upsert_sample: upsert_samples_sql(1),
+            mappings: Dictionary::new(cache_entries),
+            locations: Dictionary::new(cache_entries),
+            stacks: Dictionary::new(cache_entries),
+            label_sets: Dictionary::new(cache_entries),
+            scratch: Scratch::default(),
+        }
+    }
+
+    /// How well the dictionary caches are doing.
+    pub(super) fn cache_stats(&self) -> CacheStats {
+        [
+            &self.mappings,
+            &self.locations,
+            &self.stacks,
+            &self.label_sets,
+        ]
+        .iter()
+        .fold(CacheStats::default(), |sum, dict| CacheStats {
+            hits: sum.hits + dict.hits,
+            misses: sum.misses + dict.misses,
+            entries: sum.entries + dict.entries.len(),
+        })
+    }
+
+    /// The writer's page cache and dictionary caches against their bounds.
+    pub(super) fn state_sizes(&self, out: &mut Vec<StateSize>, page_cache_bytes: usize) {
+        out.push(StateSize::bytes(
+            "writer_page_cache",
+            page_cache_used(&self.conn),
+            Some(page_cache_bytes),
+        ));
+        for (name, dictionary) in [
+            ("ingest_mappings", &self.mappings),
+            ("ingest_locations", &self.locations),
+            ("ingest_stacks", &self.stacks),
+            ("ingest_label_sets", &self.label_sets),
+        ] {
+            out.push(StateSize::entries(
+                name,
+                dictionary.entries.len(),
+                Some(dictionary.capacity),
+            ));
+        }
+    }
+
+    /// Drops the cached items whose `last_bucket` is at most `last`.
+    fn forget_through(&mut self, last: i64) {
+        for dict in [
+            &mut self.mappings,
+            &mut self.locations,
+            &mut self.stacks,
+            &mut self.label_sets,
+        ] {
+            dict.entries.retain(|_, entry| entry.last_bucket > last);
+        }
+        for pending in &mut self.scratch.pending {
+            pending.clear();
+        }
+    }
+
+    fn ingest(
+        &mut self,
+        batch: &ValidBatch,
+        bucket: i64,
+        tiers: &Tiers,
+    ) -> Result<IngestOutcome, StorageError> {
+        for pending in &mut self.scratch.pending {
+            pending.clear();
+        }
+        let Writer {
+            conn,
+            upsert_samples,
+            upsert_sample,
+            mappings,
+            locations,
+            stacks,
+            label_sets,
+            scratch,
+        } = self;
+        let tx = conn.transaction_with_behavior(TransactionBehavior::Immediate)?;
+        let duplicate = tx
+            .prepare_cached("SELECT 1 FROM batches WHERE id = ?1")?
+            .exists([&batch.batch_id[..]])?;
+        if duplicate {
+            // Dropping the transaction rolls back; nothing was written.
+            return Ok(IngestOutcome::Duplicate);
+        }
+        let Scratch {
+            bytes,
+            blob,
+            mapping_hashes,
+            mapping_ids,
+            location_hashes,
+            location_ids,
+            stack: stack_locations,
+            stack_ids,
+            label_set_ids,
+            samples,
+            pending,
+        } = scratch;
+        let [
+            pending_mappings,
+            pending_locations,
+            pending_stacks,
+            pending_label_sets,
+        ] = pending;
+
+        // Content hashes of every mapping and location: stack hashes are
+        // made of them, and they cost no database work.
+        mapping_hashes.clear();
+        for mapping in &batch.mappings {
+            mapping_hashes.push(mapping_hash(bytes, mapping));
+        }
+        location_hashes.clear();
+        for (index, location) in batch.locations.iter().enumerate() {
+            let mapping_hash = *item(mapping_hashes, location.mapping, || {
+                format!("location {index}: mapping {}", location.mapping)
+            })?;
+            location_hashes.push(location_hash(
+                bytes,
+                mapping_hash,
+                location.address,
+                &location.lines,
+            ));
+        }
+        mapping_ids.clear();
+        mapping_ids.resize(batch.mappings.len(), 0);
+        location_ids.clear();
+        location_ids.resize(batch.locations.len(), 0);
+
+        {
+            let mut mapping_table = Table::new(&tx, &MAPPINGS, mappings, pending_mappings, bucket)?;
+            let mut location_table =
+                Table::new(&tx, &LOCATIONS, locations, pending_locations, bucket)?;
+            let mut stack_table = Table::new(&tx, &STACKS, stacks, pending_stacks, bucket)?;
+            let mut items = BatchItems {
+                mapping_hashes,
+                mapping_ids,
+                location_hashes,
+                location_ids,
+                blob,
+            };
+            stack_ids.clear();
+            for (index, stack) in batch.stacks.iter().enumerate() {
+                let hash = stack_hash(
+                    bytes,
+                    stack.iter().map(|&location| {
+                        item(items.location_hashes, location, || {
+                            format!("stack {index}: location {location}")
+                        })
+                        .copied()
+                    }),
+                )?;
+                let id = match stack_table.lookup(hash) {
+                    // The common case once a fleet's stacks are known: no
+                    // location of the stack needs looking at.
+                    Known::Current(id) => id,
+                    known => {
+                        // A stack stored or moved to this bucket takes its
+                        // locations (and their mappings) along: retention
+                        // relies on those being at least as recent as the
+                        // stacks that use them.
+                        stack_locations.clear();
+                        for &location in stack {
+                            stack_locations.push(items.location(
+                                batch,
+                                location,
+                                &mut location_table,
+                                &mut mapping_table,
+                            )?);
+                        }
+                        let blob = &mut *items.blob;
+                        stack_table.finish(hash, known, |insert| {
+                            blob.clear();
+                            for &id in stack_locations.iter() {
+                                put_varint(blob, id as u64);
+                            }
+                            insert.query_row((&hash.to_le_bytes()[..], &blob[..], bucket), |row| {
+                                row.get(0)
+                            })
+                        })?
+                    }
+                };
+                stack_ids.push(id);
+            }
+
+            let mut label_set_table =
+                Table::new(&tx, &LABEL_SETS, label_sets, pending_label_sets, bucket)?;
+            let mut insert_label = tx.prepare_cached(
+                "INSERT OR IGNORE INTO labels (label_set_id, name, value) VALUES (?1, ?2, ?3)",
+            )?;
+            label_set_ids.clear();
+            for labels in &batch.label_sets {
+                let hash = label_set_hash(bytes, labels);
+                let id = label_set_table.intern(hash, |insert| {
+                    let id: i64 =
+                        insert.query_row((&hash.to_le_bytes()[..], bucket), |row| row.get(0))?;
+                    // A new set: a stored one is found by its hash first
+                    // (retention deletes a set's labels with it).
+                    for (name, value) in labels {
+                        insert_label.execute((id, name, value))?;
+                    }
+                    Ok(id)
+                })?;
+                label_set_ids.push(id);
+            }
+        }
+
+        // Samples, sorted by key: the upserts then walk the bucket's B-tree
+        // in order, and duplicates within the batch merge here.
+        samples.clear();
+        for (index, sample) in batch.samples.iter().enumerate() {
+            let stack = *item(stack_ids, sample.stack, || {
+                format!("sample {index}: stack {}", sample.stack)
+            })?;
+            let label_set = *item(label_set_ids, sample.label_set, || {
+                format!("sample {index}: label set {}", sample.label_set)
+            })?;
+            if sample.weight == 0 || i64::try_from(sample.weight).is_err() {
+                return Err(invalid(format!(
+                    "sample {index}: weight {} is not in 1..=i64::MAX",
+                    sample.weight
+                )));
+            }
+            samples.push((label_set, stack, sample.weight));
+        }
+        samples.sort_unstable();
+        samples.dedup_by(|next, kept| {
+            let same = (next.0, next.1) == (kept.0, kept.1);
+            if same {
+                kept.2 = kept.2.saturating_add(next.2);
+            }
+            same
+        });
+        // 0 stands for "unknown"; validation keeps real periods in range.
+        let period = i64::try_from(batch.sample_period_nanos).unwrap_or(0);
+        {
+            let mut upsert_many = tx.prepare_cached(upsert_samples)?;
+            let mut upsert_one = tx.prepare_cached(upsert_sample)?;
+            for chunk in samples.chunks(SAMPLES_PER_STATEMENT) {
+                if chunk.len() == SAMPLES_PER_STATEMENT {
+                    let mut param = 0;
+                    for &(label_set, stack, weight) in chunk {
+                        for value in [bucket, label_set, stack, saturate(weight)] {
+                            param += 1;
+                            upsert_many.raw_bind_parameter(param, value)?;
+                        }
+                    }
+                    upsert_many.raw_execute()?;
+                } else {
+                    for &(label_set, stack, weight) in chunk {
+                        upsert_one.execute((bucket, label_set, stack, saturate(weight)))?;
+                    }
+                }
+            }
+
+            let mut upsert_label_set_bucket = tx.prepare_cached(UPSERT_LABEL_SET_BUCKET)?;
+            let mut current: Option<(i64, u64)> = None;
+            for &(label_set, _, weight) in samples.iter() {
+                current = match current {
+                    Some((id, sum)) if id == label_set => Some((id, sum.saturating_add(weight))),
+                    Some((id, sum)) => {
+                        upsert_label_set_bucket.execute((bucket, id, period, saturate(sum)))?;
+                        Some((label_set, weight))
+                    }
+                    None => Some((label_set, weight)),
+                };
+            }
+            if let Some((id, sum)) = current {
+                upsert_label_set_bucket.execute((bucket, id, period, saturate(sum)))?;
+            }
+            tx.prepare_cached(
+                "INSERT INTO batches (id, received_unix_nanos, end_unix_nanos) VALUES (?1, ?2, ?3)",
+            )?
+            .execute((
+                &batch.batch_id[..],
+                unix_nanos(SystemTime::now()),
+                batch.range.end_unix_nanos,
+            ))?;
+        }
+        rollup::invalidate(&tx, tiers, bucket)?;
+        tx.commit()?;
+
+        mappings.publish(pending_mappings);
+        locations.publish(pending_locations);
+        stacks.publish(pending_stacks);
+        label_sets.publish(pending_label_sets);
+        Ok(IngestOutcome::Stored {
+            samples: batch.samples.len() as u64,
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Hot ingest types stay small: the caches hold millions of them.
+    #[test]
+    fn entry_size() {
+        assert_eq!(std::mem::size_of::<Entry>(), 16);
+    }
+
+    #[test]
+    fn dictionary_is_bounded() {
+        let mut dict = Dictionary::new(2);
+        let mut pending = ContentHashMap::default();
+        for hash in 0..3u128 {
+            pending.insert(
+                hash,
+                Entry {
+                    id: hash as i64,
+                    last_bucket: 0,
+                },
+            );
+            dict.publish(&mut pending);
+        }
+        assert_eq!(dict.entries.len(), 1);
+        assert_eq!(dict.get(2).map(|e| e.id), Some(2));
+        assert_eq!(dict.get(0), None);
+        assert_eq!((dict.hits, dict.misses), (1, 1));
+    }
+}
