@@ -542,9 +542,9 @@ fn json_report(
             "kernel_ticks_unplaced": summary.unwinding.kernel_ticks_unplaced,
             "jit_walks": summary.unwinding.jit_walks,
             "jit_outermost": summary.unwinding.jit_outermost,
-            "by_binary": summary.unwinding.by_binary.iter()
+            "by_binary": summary.unwinding.binaries()
                 .map(|(name, ends)| serde_json::json!({
-                    "binary": &**name,
+                    "binary": name,
                     "walks": ends.walks,
                     "outermost": ends.outermost,
                     "stitched": ends.stitched,
@@ -721,7 +721,7 @@ fn print_report(
             uploaded.failed,
         )?;
     }
-    let mut by_binary: Vec<_> = unwinding.by_binary.iter().collect();
+    let mut by_binary: Vec<_> = unwinding.binaries().collect();
     by_binary.sort_by(|a, b| b.1.walks.cmp(&a.1.walks).then(a.0.cmp(b.0)));
     if !by_binary.is_empty() {
         writeln!(

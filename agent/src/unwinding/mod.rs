@@ -347,8 +347,11 @@ pub struct WalkStats {
     /// Why the walks that neither reached the outermost frame nor ran out
     /// of stack bytes stopped.
     pub early_ends: EarlyEnds,
-    /// Per binary holding frame 0.
-    pub by_binary: HashMap<Arc<str>, WalkEnds>,
+    /// Per binary holding frame 0, by the slot the walker gave its name
+    /// when it first resolved a module of it (see [`BinarySlots`]); binaries
+    /// without walks yet have empty ends. [`Self::binaries`] lists those
+    /// with walks.
+    pub by_binary: Vec<(Arc<str>, WalkEnds)>,
     /// Adaptive copies and learned stack tails.
     pub plans: PlanStats,
     /// Times every process's state was dropped because exec or exit
@@ -397,15 +400,49 @@ impl WalkStats {
     /// of the outermost frame, worst first.
     pub fn worst_binaries(&self, n: usize) -> Vec<(&str, WalkEnds)> {
         let mut binaries: Vec<_> = self
-            .by_binary
-            .iter()
+            .binaries()
             .filter(|(_, ends)| ends.walks > ends.outermost)
-            .map(|(name, &ends)| (&**name, ends))
             .collect();
         let short = |ends: &WalkEnds| ends.walks - ends.outermost;
         binaries.sort_by(|a, b| short(&b.1).cmp(&short(&a.1)).then(a.0.cmp(b.0)));
         binaries.truncate(n);
         binaries
+    }
+
+    /// The binaries of frame 0 with their walks' ends, those with walks only.
+    pub fn binaries(&self) -> impl Iterator<Item = (&str, WalkEnds)> {
+        self.by_binary
+            .iter()
+            .filter(|(_, ends)| ends.walks > 0)
+            .map(|(name, ends)| (&**name, *ends))
+    }
+}
+
+/// Slots of binary names in [`WalkStats::by_binary`], given when a module
+/// of the binary is first resolved, so a walk counts its frame 0's binary by
+/// index instead of hashing its name. At most [`MAX_BINARIES_TRACKED`]
+/// names get one; later ones share [`Self::UNTRACKED`] and are not counted.
+#[derive(Debug, Default)]
+struct BinarySlots {
+    by_name: HashMap<Arc<str>, u32>,
+}
+
+impl BinarySlots {
+    const UNTRACKED: u32 = u32::MAX;
+
+    /// The slot of `name`, given now (with an empty entry in `by_binary`)
+    /// if it has none yet.
+    fn slot(&mut self, name: Arc<str>, by_binary: &mut Vec<(Arc<str>, WalkEnds)>) -> u32 {
+        if let Some(&slot) = self.by_name.get(&name) {
+            return slot;
+        }
+        if by_binary.len() >= MAX_BINARIES_TRACKED {
+            return Self::UNTRACKED;
+        }
+        let slot = by_binary.len() as u32;
+        by_binary.push((Arc::clone(&name), WalkEnds::default()));
+        self.by_name.insert(name, slot);
+        slot
     }
 }
 
@@ -420,7 +457,8 @@ struct Module {
     /// vDSO): `start - mapping offset`, wrapping.
     file_base: u64,
     table: ModuleTable,
-    name: Arc<str>,
+    /// Its binary's slot in [`WalkStats::by_binary`].
+    binary: u32,
     object: ModuleObject,
 }
 
@@ -663,10 +701,13 @@ pub struct StackWalker {
     learn_frames: Vec<u64>,
     /// The binary of the last walk's frame 0 (found while placing frames),
     /// and the name of none, shared rather than allocated per sample.
-    frame0_binary: Arc<str>,
-    unknown_binary: Arc<str>,
+    frame0_binary: u32,
+    /// The slots of the binary name of frames in no module, and of JIT
+    /// modules.
+    unknown_binary: u32,
     /// The binary name of JIT modules, shared by all of them.
-    jit_binary: Arc<str>,
+    jit_binary: u32,
+    binary_slots: BinarySlots,
     /// Processes that exited while samples of theirs waited for a table,
     /// and those of them that have gone since.
     exited: Vec<u32>,
@@ -727,6 +768,10 @@ impl Default for StackWalker {
 
 impl StackWalker {
     pub fn new(config: WalkerConfig) -> Self {
+        let mut stats = WalkStats::default();
+        let mut binary_slots = BinarySlots::default();
+        let unknown_binary = binary_slots.slot("[unknown]".into(), &mut stats.by_binary);
+        let jit_binary = binary_slots.slot(JIT_BINARY.into(), &mut stats.by_binary);
         Self {
             processes: ProcessTable::new(TableConfig::default()),
             modules: HashMap::new(),
@@ -748,13 +793,18 @@ impl StackWalker {
             last_space: None,
             last_copy_read: 0,
             learn_frames: Vec::new(),
-            frame0_binary: Arc::from("[unknown]"),
-            unknown_binary: Arc::from("[unknown]"),
-            jit_binary: Arc::from(JIT_BINARY),
+            frame0_binary: unknown_binary,
+            unknown_binary,
+            jit_binary,
+            binary_slots,
             exited: Vec::new(),
             completed_exits: Vec::new(),
-            stats: WalkStats::default(),
+            stats,
         }
+    }
+
+    fn binary_slot(&mut self, name: Arc<str>) -> u32 {
+        self.binary_slots.slot(name, &mut self.stats.by_binary)
     }
 
     fn next_space(&mut self) -> u64 {
@@ -1337,7 +1387,7 @@ impl StackWalker {
                         frames,
                         objects,
                         frame0_binary,
-                        unknown_binary,
+                        *unknown_binary,
                     );
                 }
                 return Ok((end, pending));
@@ -1361,7 +1411,7 @@ impl StackWalker {
             frames,
             &mut self.objects,
             &mut self.frame0_binary,
-            &self.unknown_binary,
+            self.unknown_binary,
         );
     }
 
@@ -1450,7 +1500,7 @@ impl StackWalker {
                     bias: pc.wrapping_sub(vaddr),
                     file_base: mapping.start.wrapping_sub(mapping.offset),
                     table,
-                    name: binary_name(object.path()),
+                    binary: self.binary_slot(binary_name(object.path())),
                     object: ModuleObject::File(Arc::new(ModuleFile {
                         id: Arc::clone(&object.id),
                         region: Arc::clone(&object.region),
@@ -1465,7 +1515,7 @@ impl StackWalker {
                     bias: region.mapping.start,
                     file_base: region.mapping.start,
                     table: self.vdso.clone(),
-                    name: "[vdso]".into(),
+                    binary: self.binary_slot("[vdso]".into()),
                     object: ModuleObject::Vdso,
                 }
             }
@@ -1480,7 +1530,7 @@ impl StackWalker {
                     bias: 0,
                     file_base: 0,
                     table: ModuleTable::NoCfi,
-                    name: Arc::clone(&self.jit_binary),
+                    binary: self.jit_binary,
                     object: ModuleObject::Jit,
                 }
             }
@@ -1499,7 +1549,7 @@ impl StackWalker {
                     bias: 0,
                     file_base: mapping.start.wrapping_sub(mapping.offset),
                     table: ModuleTable::Unreadable,
-                    name: binary_name(&mapping.path),
+                    binary: self.binary_slot(binary_name(&mapping.path)),
                     object: ModuleObject::Unreadable(Arc::from(mapping.path.shipped_name())),
                 }
             }
@@ -1530,11 +1580,8 @@ impl StackWalker {
             self.stats.jit_outermost +=
                 u64::from(outcome == WalkOutcome::Ended(UnwindEnd::Outermost));
         }
-        let name = Arc::clone(&self.frame0_binary);
-        let by_binary = &mut self.stats.by_binary;
-        probes::count(Probe::Derived);
-        if by_binary.len() < MAX_BINARIES_TRACKED || by_binary.contains_key(&name) {
-            by_binary.entry(name).or_default().add(outcome, stitched);
+        if let Some((_, ends)) = self.stats.by_binary.get_mut(self.frame0_binary as usize) {
+            ends.add(outcome, stitched);
         }
     }
 }
@@ -1554,17 +1601,14 @@ fn place_frames(
     process: Option<&ProcessModules>,
     frames: &[u64],
     objects: &mut Vec<FrameObject>,
-    frame0_binary: &mut Arc<str>,
-    unknown_binary: &Arc<str>,
+    frame0_binary: &mut u32,
+    unknown_binary: u32,
 ) -> Option<u64> {
     // A process without an entry has no modules, as one with an entry
     // whose list is still empty (space 0): every frame is anonymous.
     let space = process.map_or(0, |p| p.space);
     let frame0 = process.and_then(|p| p.find(*frames.first()?));
-    let frame0_name = frame0.map_or(unknown_binary, |m| &m.name);
-    if !Arc::ptr_eq(frame0_binary, frame0_name) {
-        *frame0_binary = Arc::clone(frame0_name);
-    }
+    *frame0_binary = frame0.map_or(unknown_binary, |m| m.binary);
     // Callers are mostly in the module of the frame above them: that
     // one is tried before a search of the process's modules.
     let mut last: Option<&Module> = None;
@@ -1708,7 +1752,7 @@ pub(crate) mod tests {
             bias: 0,
             file_base: start,
             table: ModuleTable::NoCfi,
-            name: format!("m{start:x}").into(),
+            binary: BinarySlots::UNTRACKED,
             object: ModuleObject::Vdso,
         }
     }
@@ -1757,7 +1801,7 @@ pub(crate) mod tests {
             ..WalkEnds::default()
         };
         for (name, walks, outermost) in [("a", 10, 10), ("b", 10, 4), ("c", 50, 47), ("d", 7, 0)] {
-            stats.by_binary.insert(name.into(), ends(walks, outermost));
+            stats.by_binary.push((name.into(), ends(walks, outermost)));
         }
         assert_eq!(
             stats.worst_binaries(2),
