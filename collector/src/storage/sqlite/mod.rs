@@ -9,7 +9,7 @@
 //!
 //! This module ties the parts together: [`schema`] (tables, migrations,
 //! opening connections), [`write`] (the one writer: ingest, retention,
-//! compaction), [`read`] (the query connection and its caches) and
+//! compaction), [`read`] (a pool of query connections and their caches) and
 //! [`rollup`] (the sums fleet-wide queries read).
 
 use std::{
@@ -45,11 +45,17 @@ pub struct SqliteOptions {
     /// label sets) holds before it is cleared. A hit saves the SQL lookup
     /// of an item a previous batch already stored.
     pub cache_entries: usize,
-    /// Locations, and stacks, whose resolved frames the query side keeps.
+    /// Locations, and stacks, whose resolved frames the query side keeps
+    /// (one cache every query connection shares).
     pub frame_cache_entries: usize,
+    /// Queries answered at once, each on a connection of its own (opened
+    /// as queries need them); one more waits for a connection to be free.
+    /// At least 1. Each connection has a page cache of its own.
+    pub readers: usize,
     /// How long a statement waits for a lock another connection holds.
     pub busy_timeout: Duration,
-    /// SQLite page cache per connection, in KiB.
+    /// SQLite page cache per connection (the writer and each reader), in
+    /// KiB.
     pub page_cache_kib: u32,
 }
 
@@ -59,6 +65,7 @@ impl Default for SqliteOptions {
             bucket_nanos: 60_000_000_000,
             cache_entries: 1 << 20,
             frame_cache_entries: 1 << 18,
+            readers: 4,
             busy_timeout: Duration::from_secs(10),
             page_cache_kib: 64 << 10,
         }
@@ -77,17 +84,18 @@ pub struct CacheStats {
 
 /// Storage in one SQLite database file.
 ///
-/// One connection writes (ingest, retention) and another reads (queries),
-/// each behind its own mutex: in WAL mode readers see the last commit and
-/// neither blocks the other.
+/// One connection writes (ingest, retention, compaction), behind a mutex;
+/// queries run on a pool of read-only connections, one each. In WAL mode
+/// every reader sees the last commit as of its query's start, and neither
+/// side blocks the other.
 pub struct SqliteStorage {
     path: PathBuf,
     bucket_nanos: i64,
     tiers: Tiers,
     writer: Mutex<write::Writer>,
-    reader: Mutex<read::Reader>,
-    /// Bumped after retention deleted dictionary rows, so the reader drops
-    /// its caches of them.
+    readers: read::Readers,
+    /// Bumped after retention deleted dictionary rows, so the query side
+    /// drops its caches of them.
     generation: AtomicU64,
     /// SQLite's page cache bound, per connection.
     page_cache_bytes: usize,
@@ -111,6 +119,11 @@ impl SqliteStorage {
                 options.bucket_nanos
             )));
         }
+        if options.readers == 0 {
+            return Err(StorageError::InvalidOptions(
+                "readers must be at least 1".into(),
+            ));
+        }
         if let Some(dir) = path.parent().filter(|dir| !dir.as_os_str().is_empty()) {
             std::fs::create_dir_all(dir).map_err(|source| StorageError::CreateDir {
                 path: dir.to_owned(),
@@ -126,7 +139,7 @@ impl SqliteStorage {
             tiers,
             writer: Mutex::new(write::Writer::new(writer, options.cache_entries)),
             page_cache_bytes: options.page_cache_kib as usize * 1024,
-            reader: Mutex::new(read::Reader::new(reader, options.frame_cache_entries)),
+            readers: read::Readers::new(path.to_owned(), options, reader),
             generation: AtomicU64::new(0),
         })
     }
@@ -194,9 +207,7 @@ impl Storage for SqliteStorage {
         if let Ok(writer) = self.writer.try_lock() {
             writer.state_sizes(out, self.page_cache_bytes);
         }
-        if let Ok(reader) = self.reader.try_lock() {
-            reader.state_sizes(out, self.page_cache_bytes);
-        }
+        self.readers.state_sizes(out, self.page_cache_bytes);
     }
 
     /// The database file with its write-ahead log and shared-memory index.
@@ -213,8 +224,9 @@ impl Storage for SqliteStorage {
 /// The bytes of SQLite's page cache `conn` uses.
 fn page_cache_used(conn: &Connection) -> usize {
     let (mut used, mut highwater) = (0, 0);
-    // SAFETY: the handle is the open connection's, used by the thread that
-    // holds its mutex; sqlite3_db_status only reads the connection's
+    // SAFETY: the handle is the open connection's, which the caller has to
+    // itself (it holds the writer's mutex, or the reader pool's with the
+    // connection idle in it); sqlite3_db_status only reads the connection's
     // counters into the two integers.
     let status = unsafe {
         rusqlite::ffi::sqlite3_db_status(
