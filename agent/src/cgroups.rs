@@ -271,13 +271,9 @@ mod tests {
     }
 
     #[test]
+    #[ignore = "needs root (creates a cgroup, opens it by handle): run by `cargo xtask test`"]
     fn a_cgroup_is_found_by_its_id() {
-        // Root only (creating a cgroup, and opening by handle), as the
-        // agent runs; `cargo xtask test` runs as root.
-        if !is_root() {
-            eprintln!("skipped: needs root");
-            return;
-        }
+        stackscope_test_fixtures::require_root("creating a cgroup and opening it by handle");
         let mount = cgroup2_mount().expect("a cgroup2 mount");
         let name = format!("stackscope-test-{}", std::process::id());
         let dir = mount.join(&name).join("inner");
@@ -291,11 +287,6 @@ mod tests {
         assert_eq!(root.expect("the root"), "/");
         // Gone: a clear error, not another cgroup.
         assert!(path_of_id(&mount, id).is_err());
-    }
-
-    fn is_root() -> bool {
-        // SAFETY: geteuid has no preconditions.
-        unsafe { libc::geteuid() == 0 }
     }
 
     #[test]

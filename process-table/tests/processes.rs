@@ -318,6 +318,7 @@ fn library_without_build_id_is_keyed_by_file() {
 }
 
 #[test]
+#[ignore = "needs root (opens /proc/PID/map_files): run by `cargo xtask test`"]
 fn deleted_executable_is_opened_through_map_files() {
     common::require_root();
     let fixtures = Fixtures::build();

@@ -279,6 +279,7 @@ mod tests {
     }
 
     #[test]
+    #[ignore = "needs root and podman: run by `cargo xtask test`"]
     fn runs_a_fixture_in_a_container_and_cleans_up() {
         require_root();
         let fixture = Fixture::compile("call_chain", &["-static"]);
@@ -315,6 +316,7 @@ mod tests {
     }
 
     #[test]
+    #[ignore = "needs root and podman: run by `cargo xtask test`"]
     fn busybox_shell_runs_in_an_image_without_files() {
         require_root();
         let image = Image::build("busybox", &[]);

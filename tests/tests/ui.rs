@@ -1230,9 +1230,11 @@ async fn big_tree(browser: &Client, big: &Collector) {
     screenshot(browser, "13-big-tree-search").await;
 }
 
-/// A measurement run by hand, not part of the suite: the time to first
-/// flamegraph of the collector bench's fleet (100 nodes, an hour), in a
-/// collector started on the database the bench keeps:
+/// A measurement run by hand, not part of the suite (`cargo xtask test`
+/// runs the ignored tests but skips this one by name, `HAND_RUN_MEASUREMENT`
+/// in xtask): the time to first flamegraph of the collector bench's fleet
+/// (100 nodes, an hour), in a collector started on the database the bench
+/// keeps:
 ///
 /// ```sh
 /// STACKSCOPE_BENCH_CLICKHOUSE=0 STACKSCOPE_BENCH_KEEP_DATA_DIR=/tmp/fleet cargo xtask bench collector

@@ -326,6 +326,7 @@ fn debug_frame_matches_eh_frame() {
 }
 
 #[test]
+#[ignore = "needs node (cargo xtask setup installs nodejs): run by `cargo xtask test`"]
 fn v8s_embedded_builtins_are_stepped_by_frame_pointer_at_calls() {
     // Debian's node (a setup package): its builtins are `Builtins_*`
     // function symbols in .text that no FDE covers.

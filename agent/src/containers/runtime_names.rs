@@ -627,6 +627,7 @@ mod tests {
 
     /// A real podman container's `--name`, from the host's containers-storage.
     #[test]
+    #[ignore = "needs root and podman: run by `cargo xtask test`"]
     fn names_a_real_podman_container() {
         use stackscope_process_table::container::identify;
         use stackscope_test_fixtures::containers::{Container, Image, require_root};
