@@ -175,6 +175,113 @@ struct ThreadPlan {
     stale_tails: u8,
 }
 
+/// What the planner keeps of one thread: its plan, and the stack top
+/// written for it (with the process it was written for), found together by
+/// one lookup.
+#[derive(Default)]
+struct ThreadState {
+    plan: Option<ThreadPlan>,
+    top: Option<(u32, u64)>,
+}
+
+/// The threads' plans and stack tops in one map by thread id, each kind
+/// counted against its own bound.
+#[derive(Default)]
+struct Threads {
+    by_tid: HashMap<u32, ThreadState>,
+    plans: usize,
+    tops: usize,
+}
+
+impl Threads {
+    fn get(&self, tid: u32) -> Option<&ThreadState> {
+        probes::count(Probe::Thread);
+        self.by_tid.get(&tid)
+    }
+
+    fn plan(&self, tid: u32) -> Option<&ThreadPlan> {
+        self.get(tid)?.plan.as_ref()
+    }
+
+    fn plan_mut(&mut self, tid: u32) -> Option<&mut ThreadPlan> {
+        self.by_tid.get_mut(&tid)?.plan.as_mut()
+    }
+
+    fn plans(&self) -> impl Iterator<Item = (u32, &ThreadPlan)> {
+        self.by_tid
+            .iter()
+            .filter_map(|(&tid, t)| Some((tid, t.plan.as_ref()?)))
+    }
+
+    fn tops(&self) -> impl Iterator<Item = (u32, u32, u64)> + '_ {
+        self.by_tid
+            .iter()
+            .filter_map(|(&tid, t)| t.top.map(|(tgid, top)| (tid, tgid, top)))
+    }
+
+    fn set_plan(&mut self, tid: u32, plan: ThreadPlan) {
+        let thread = self.by_tid.entry(tid).or_default();
+        self.plans += usize::from(thread.plan.is_none());
+        thread.plan = Some(plan);
+    }
+
+    fn set_top(&mut self, tid: u32, tgid: u32, top: u64) {
+        let thread = self.by_tid.entry(tid).or_default();
+        self.tops += usize::from(thread.top.is_none());
+        thread.top = Some((tgid, top));
+    }
+
+    /// Takes the thread's plan; `None` if it had none.
+    fn take_plan(&mut self, tid: u32) -> Option<ThreadPlan> {
+        let thread = self.by_tid.get_mut(&tid)?;
+        let plan = thread.plan.take()?;
+        self.plans -= 1;
+        if thread.top.is_none() {
+            self.by_tid.remove(&tid);
+        }
+        Some(plan)
+    }
+
+    fn remove_top(&mut self, tid: u32) {
+        if let Some(thread) = self.by_tid.get_mut(&tid)
+            && thread.top.take().is_some()
+        {
+            self.tops -= 1;
+            if thread.plan.is_none() {
+                self.by_tid.remove(&tid);
+            }
+        }
+    }
+
+    fn clear_tops(&mut self) {
+        self.by_tid.retain(|_, thread| {
+            thread.top = None;
+            thread.plan.is_some()
+        });
+        self.tops = 0;
+    }
+
+    /// Drops every plan and top kept for process `tgid`, handing each
+    /// thread's id and what it had (a plan, a top) to `dropped`.
+    fn forget_process(
+        &mut self,
+        tgid: u32,
+        mut dropped: impl FnMut(u32, Option<ThreadPlan>, bool),
+    ) {
+        let (plans, tops) = (&mut self.plans, &mut self.tops);
+        self.by_tid.retain(|&tid, thread| {
+            let plan = thread.plan.take_if(|plan| plan.tgid == tgid);
+            let top = thread.top.take_if(|&mut (top_tgid, _)| top_tgid == tgid);
+            *plans -= usize::from(plan.is_some());
+            *tops -= usize::from(top.is_some());
+            if plan.is_some() || top.is_some() {
+                dropped(tid, plan, top.is_some());
+            }
+            thread.plan.is_some() || thread.top.is_some()
+        });
+    }
+}
+
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum Planned {
     Nothing,
@@ -189,9 +296,7 @@ pub struct Planner {
     deep_limit: u32,
     adaptive: bool,
     processes: HashMap<u32, ProcessCopy>,
-    threads: HashMap<u32, ThreadPlan>,
-    /// Per thread: its process and the stack top written for it.
-    tops: HashMap<u32, (u32, u64)>,
+    threads: Threads,
     /// Thread names whose threads needed deep copies.
     deep_programs: HashSet<[u8; COMM_LEN]>,
     /// Per thread name: tails of its threads that went stale, and learns
@@ -223,8 +328,7 @@ impl Planner {
             deep_limit,
             adaptive,
             processes: HashMap::new(),
-            threads: HashMap::new(),
-            tops: HashMap::new(),
+            threads: Threads::default(),
             deep_programs: HashSet::new(),
             stale_programs: HashMap::new(),
             updates: Vec::new(),
@@ -239,7 +343,7 @@ impl Planner {
     /// Processes with a copy size or a thread plan.
     pub fn tracked_processes_into(&self, out: &mut Vec<u32>) {
         out.extend(self.processes.keys());
-        out.extend(self.threads.values().map(|plan| plan.tgid));
+        out.extend(self.threads.plans().map(|(_, plan)| plan.tgid));
     }
 
     /// Sizes of what the planner keeps per process and per thread.
@@ -251,12 +355,12 @@ impl Planner {
         ));
         out.push(StateSize::entries(
             "stack_plans",
-            self.threads.len(),
+            self.threads.plans,
             Some(2 * MAX_STACK_PLANS as usize),
         ));
         out.push(StateSize::entries(
             "stack_tops",
-            self.tops.len(),
+            self.threads.tops,
             Some(MAX_STACK_TOPS as usize),
         ));
         out.push(StateSize::entries(
@@ -272,7 +376,12 @@ impl Planner {
     }
 
     pub fn stats(&self) -> PlanStats {
-        let planned = |kind| self.threads.values().filter(|t| t.planned == kind).count();
+        let planned = |kind| {
+            self.threads
+                .plans()
+                .filter(|(_, t)| t.planned == kind)
+                .count()
+        };
         PlanStats {
             thread_plans: planned(Planned::Tail) + planned(Planned::Deep),
             thread_deep_plans: planned(Planned::Deep),
@@ -299,11 +408,11 @@ impl Planner {
         } else {
             u32::try_from(walk.copy_bytes_read).unwrap_or(ceiling)
         };
-        probes::count(Probe::Thread);
-        let planned = self
-            .threads
-            .get(&walk.tid)
+        let thread = self.threads.get(walk.tid);
+        let planned = thread
+            .and_then(|t| t.plan.as_ref())
             .is_some_and(|t| t.planned != Planned::Nothing);
+        let top = thread.and_then(|t| t.top);
         if !planned {
             self.observe_process(walk.tgid, walk.ktime_ns, needed);
             // A deep copy of a thread without a plan is the sampler's own,
@@ -311,7 +420,7 @@ impl Planner {
             // those: it is for a thread the usual copy holds, not one that
             // needed more.
             if !walk.deep_copy || walk.copy_bytes_read <= u64::from(ceiling) {
-                self.observe_top(walk);
+                self.observe_top(walk, top);
             }
         }
         // Deeper than any copy: only a tail can help. A shorter copy that
@@ -321,26 +430,23 @@ impl Planner {
 
     /// Keeps the thread's stack top at the highest address its rooted walks
     /// read; drops it when a copy that stopped there was not enough.
-    fn observe_top(&mut self, walk: &WalkReport) {
-        probes::count(Probe::Thread);
-        let known = self
-            .tops
-            .get(&walk.tid)
-            .filter(|(tgid, _)| *tgid == walk.tgid);
+    /// `written`: the top written for the thread id (and its process).
+    fn observe_top(&mut self, walk: &WalkReport, written: Option<(u32, u64)>) {
+        let known = written.filter(|(tgid, _)| *tgid == walk.tgid);
         match walk.end {
             UnwindEnd::Outermost if walk.tail_reads == 0 => {
                 let reach = walk
                     .rsp
                     .saturating_add(walk.copy_bytes_read.next_multiple_of(8));
-                if known.is_some_and(|&(_, top)| top >= reach) {
+                if known.is_some_and(|(_, top)| top >= reach) {
                     return;
                 }
-                if self.tops.len() >= MAX_STACK_TOPS as usize {
+                if self.threads.tops >= MAX_STACK_TOPS as usize {
                     // The map's own LRU keeps what the sampler uses; this
                     // side only needs to know what it wrote recently.
-                    self.tops.clear();
+                    self.threads.clear_tops();
                 }
-                self.tops.insert(walk.tid, (walk.tgid, reach));
+                self.threads.set_top(walk.tid, walk.tgid, reach);
                 self.stats.tops_written += 1;
                 self.updates.push(PlanUpdate::ThreadTop {
                     tid: walk.tid,
@@ -355,7 +461,7 @@ impl Planner {
             // in the map (its thread id reused within the process) would
             // keep cutting that thread's copies short.
             UnwindEnd::StackTruncated if walk.copy_at_top => {
-                self.tops.remove(&walk.tid);
+                self.threads.remove_top(walk.tid);
                 self.stats.tops_dropped += 1;
                 self.updates.push(PlanUpdate::ThreadTop {
                     tid: walk.tid,
@@ -409,7 +515,7 @@ impl Planner {
         copy: &[u8],
         walk_again: impl FnOnce(&mut RemoteStack<'_>) -> UnwindEnd,
     ) {
-        let thread = self.threads.get(&walk.tid).filter(|t| t.tgid == walk.tgid);
+        let thread = self.threads.plan(walk.tid).filter(|t| t.tgid == walk.tgid);
         if thread.is_some_and(|t| {
             let interval = match t.planned {
                 Planned::Tail => STALE_RELEARN_NS,
@@ -448,12 +554,12 @@ impl Planner {
         // The program's later threads need no count: the deep plan this
         // one gets puts the program in `deep_programs`.
         let program_stale = went_stale && self.program_went_stale(walk.comm, walk.ktime_ns);
-        if !self.threads.contains_key(&walk.tid)
-            && self.threads.len() >= 2 * MAX_STACK_PLANS as usize
+        if self.threads.plans >= 2 * MAX_STACK_PLANS as usize
+            && self.threads.plan(walk.tid).is_none()
         {
             self.forget_oldest_thread();
         }
-        self.threads.insert(
+        self.threads.set_plan(
             walk.tid,
             ThreadPlan {
                 tgid: walk.tgid,
@@ -546,7 +652,7 @@ impl Planner {
             self.stats.deep_plans_learned += 1;
             self.add_deep_program(walk.comm);
         }
-        if let Some(thread) = self.threads.get_mut(&walk.tid) {
+        if let Some(thread) = self.threads.plan_mut(walk.tid) {
             thread.planned = kind;
         }
         self.updates.push(PlanUpdate::Thread {
@@ -614,11 +720,11 @@ impl Planner {
     fn forget_oldest_thread(&mut self) {
         let oldest = self
             .threads
-            .iter()
+            .plans()
             .min_by_key(|(_, t)| t.last_learn_ns)
-            .map(|(&tid, t)| (tid, t.planned));
+            .map(|(tid, t)| (tid, t.planned));
         if let Some((tid, planned)) = oldest {
-            self.threads.remove(&tid);
+            self.threads.take_plan(tid);
             if planned != Planned::Nothing {
                 self.updates.push(PlanUpdate::Thread { tid, plan: None });
             }
@@ -631,9 +737,9 @@ impl Planner {
         let tgids: HashSet<u32> = self
             .processes
             .keys()
-            .chain(self.threads.values().map(|t| &t.tgid))
-            .chain(self.tops.values().map(|(tgid, _)| tgid))
             .copied()
+            .chain(self.threads.plans().map(|(_, t)| t.tgid))
+            .chain(self.threads.tops().map(|(_, tgid, _)| tgid))
             .collect();
         for tgid in tgids {
             self.forget_process(tgid);
@@ -650,21 +756,13 @@ impl Planner {
                 .push(PlanUpdate::ProcessCopy { tgid, bytes: None });
         }
         let updates = &mut self.updates;
-        self.threads.retain(|&tid, thread| {
-            if thread.tgid != tgid {
-                return true;
-            }
-            if thread.planned != Planned::Nothing {
+        self.threads.forget_process(tgid, |tid, plan, top| {
+            if plan.is_some_and(|plan| plan.planned != Planned::Nothing) {
                 updates.push(PlanUpdate::Thread { tid, plan: None });
             }
-            false
-        });
-        self.tops.retain(|&tid, &mut (top_tgid, _)| {
-            if top_tgid != tgid {
-                return true;
+            if top {
+                updates.push(PlanUpdate::ThreadTop { tid, top: None });
             }
-            updates.push(PlanUpdate::ThreadTop { tid, top: None });
-            false
         });
     }
 }
