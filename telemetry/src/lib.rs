@@ -4,7 +4,8 @@
 //! `GET /readyz`: it is doing its job), served over HTTP.
 //!
 //! Owns the endpoints, the [`Health`] state, the process-level metrics every
-//! stackscope binary exports ([`ProcessMetrics`]: memory, CPU, descriptors)
+//! stackscope binary exports ([`ProcessMetrics`]: memory, CPU, descriptors;
+//! [`ProcessUsage`] reads the CPU and memory for a binary's own reports)
 //! and [`ConstMetrics`], the writer binaries use to export the counters they
 //! already keep. Which metrics a binary has is the binary's business: it
 //! registers them in the [`Registry`] it hands to [`router`] or [`serve`].
@@ -30,7 +31,7 @@ use axum::{
 pub use prometheus_client;
 use prometheus_client::{
     collector::Collector,
-    encoding::{DescriptorEncoder, EncodeMetric as _},
+    encoding::{DescriptorEncoder, EncodeMetric as _, MetricEncoder},
     metrics::{MetricType, counter::ConstCounter, gauge::ConstGauge},
     registry::{Registry, Unit},
 };
@@ -208,6 +209,34 @@ impl<'a> ConstMetrics<'a> {
         Ok(())
     }
 
+    /// One family of `kind`, each value a series: labelled `label` by its
+    /// first member, or, without a label, the one series of the family (its
+    /// first member unused). Gauges are written as floats, counters as
+    /// given.
+    pub fn family(
+        &mut self,
+        name: &str,
+        help: &str,
+        unit: Option<Unit>,
+        kind: MetricType,
+        label: Option<&str>,
+        values: &[(&str, Number)],
+    ) -> fmt::Result {
+        let mut family = self
+            .encoder
+            .encode_descriptor(name, help, unit.as_ref(), kind)?;
+        for &(label_value, value) in values {
+            match label {
+                Some(label) => {
+                    let labels = [(label, label_value)];
+                    value.encode(kind, family.encode_family(&labels)?)?;
+                }
+                None => return value.encode(kind, family),
+            }
+        }
+        Ok(())
+    }
+
     /// Each piece of state's size and bounds (`<prefix>_state_entries`,
     /// `_state_max_entries`, `_state_bytes`, `_state_max_bytes`), labelled
     /// `state` by the piece's name; figures not known are left out.
@@ -277,6 +306,24 @@ impl<'a> ConstMetrics<'a> {
     }
 }
 
+/// A series' value for [`ConstMetrics::family`].
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum Number {
+    Int(u64),
+    Real(f64),
+}
+
+impl Number {
+    fn encode(self, kind: MetricType, encoder: MetricEncoder<'_>) -> fmt::Result {
+        match (kind, self) {
+            (MetricType::Counter, Number::Int(n)) => ConstCounter::new(n).encode(encoder),
+            (MetricType::Counter, Number::Real(x)) => ConstCounter::new(x).encode(encoder),
+            (_, Number::Int(n)) => ConstGauge::new(n as f64).encode(encoder),
+            (_, Number::Real(x)) => ConstGauge::new(x).encode(encoder),
+        }
+    }
+}
+
 /// One piece of state: entries now, heap bytes where they are counted, and
 /// the bounds it is kept within (`None`: bounded by something else, such as
 /// the processes that hold it, which is itself listed).
@@ -328,25 +375,24 @@ pub struct ProcessMetrics;
 impl Collector for ProcessMetrics {
     fn encode(&self, encoder: DescriptorEncoder<'_>) -> fmt::Result {
         let mut out = ConstMetrics::new(encoder);
-        let status = std::fs::read_to_string("/proc/self/status").unwrap_or_default();
-        let kib = |field: &str| status_kib(&status, field).map(|kib| (kib * 1024) as f64);
-        if let Some(rss) = kib("VmRSS:") {
+        let usage = ProcessUsage::now();
+        if let Some(rss) = usage.resident_bytes {
             out.gauge(
                 "process_resident_memory",
                 "Resident memory size.",
                 Some(Unit::Bytes),
-                rss,
+                rss as f64,
             )?;
         }
-        if let Some(peak) = kib("VmHWM:") {
+        if let Some(peak) = usage.peak_resident_bytes {
             out.gauge(
                 "process_peak_resident_memory",
                 "Highest resident memory size since the process started.",
                 Some(Unit::Bytes),
-                peak,
+                peak as f64,
             )?;
         }
-        if let Some(seconds) = cpu_seconds() {
+        if let Some(seconds) = usage.cpu_seconds {
             let metric = ConstCounter::new(seconds);
             let unit = Unit::Seconds;
             metric.encode(out.encoder.encode_descriptor(
@@ -375,6 +421,30 @@ impl Collector for ProcessMetrics {
             )?;
         }
         Ok(())
+    }
+}
+
+/// The process's CPU time and memory at one instant, as [`ProcessMetrics`]
+/// exports them; figures that could not be read are `None`.
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub struct ProcessUsage {
+    /// User and system CPU time of every thread, exited ones included.
+    pub cpu_seconds: Option<f64>,
+    pub resident_bytes: Option<u64>,
+    /// The highest resident size since the process started.
+    pub peak_resident_bytes: Option<u64>,
+}
+
+impl ProcessUsage {
+    /// Read from `getrusage` and `/proc/self/status`.
+    pub fn now() -> Self {
+        let status = std::fs::read_to_string("/proc/self/status").unwrap_or_default();
+        let bytes = |field: &str| status_kib(&status, field).map(|kib| kib * 1024);
+        Self {
+            cpu_seconds: cpu_seconds(),
+            resident_bytes: bytes("VmRSS:"),
+            peak_resident_bytes: bytes("VmHWM:"),
+        }
     }
 }
 
@@ -410,27 +480,18 @@ pub fn status_kib(status: &str, field: &str) -> Option<u64> {
     line[field.len()..].split_whitespace().next()?.parse().ok()
 }
 
-/// utime + stime of `/proc/self/stat`, in seconds.
+/// User plus system CPU time of every thread, exited ones included, in
+/// seconds (`getrusage`: microseconds, where `/proc/self/stat` counts in
+/// clock ticks of 10 ms, too coarse for a status line's few seconds).
 fn cpu_seconds() -> Option<f64> {
-    let stat = std::fs::read_to_string("/proc/self/stat").ok()?;
-    cpu_seconds_of(&stat, clock_ticks_per_second()?)
-}
-
-fn cpu_seconds_of(stat: &str, ticks_per_second: f64) -> Option<f64> {
-    // The command name (field 2) may hold spaces and parentheses: count
-    // from the last ')'. utime and stime are fields 14 and 15, so the
-    // 12th and 13th after it.
-    let after_name = &stat[stat.rfind(')')? + 1..];
-    let mut fields = after_name.split_whitespace().skip(11);
-    let user: u64 = fields.next()?.parse().ok()?;
-    let system: u64 = fields.next()?.parse().ok()?;
-    Some((user + system) as f64 / ticks_per_second)
-}
-
-fn clock_ticks_per_second() -> Option<f64> {
-    // SAFETY: sysconf has no preconditions.
-    let ticks = unsafe { libc::sysconf(libc::_SC_CLK_TCK) };
-    (ticks > 0).then_some(ticks as f64)
+    // SAFETY: an all-zero rusage is a valid value of the plain C struct.
+    let mut usage: libc::rusage = unsafe { std::mem::zeroed() };
+    // SAFETY: getrusage writes into the struct it is given.
+    if unsafe { libc::getrusage(libc::RUSAGE_SELF, &mut usage) } != 0 {
+        return None;
+    }
+    let seconds = |t: libc::timeval| t.tv_sec as f64 + t.tv_usec as f64 * 1e-6;
+    Some(seconds(usage.ru_utime) + seconds(usage.ru_stime))
 }
 
 #[cfg(test)]
@@ -467,11 +528,17 @@ mod tests {
     }
 
     #[test]
-    fn cpu_time_is_read_past_a_command_name_with_spaces_and_parens() {
-        let stat = "42 (a (b) c) S 1 42 42 0 -1 4194560 100 0 0 0 250 50 0 0 20 0 1 0 100 0 0";
-        assert_eq!(cpu_seconds_of(stat, 100.0), Some(3.0));
-        assert_eq!(cpu_seconds_of("42 (truncated", 100.0), None);
-        assert_eq!(cpu_seconds_of("42 (x) S 1", 100.0), None);
+    fn cpu_time_is_counted_finer_than_clock_ticks() {
+        let cpu = || ProcessUsage::now().cpu_seconds.unwrap();
+        let before = cpu();
+        let started = Instant::now();
+        let mut after = cpu();
+        while after == before {
+            assert!(started.elapsed() < Duration::from_secs(10), "{before}");
+            after = cpu();
+        }
+        // Clock ticks (`/proc/self/stat`) would step by 10 ms.
+        assert!(after - before < 0.005, "{before} -> {after}");
     }
 
     #[test]
@@ -515,7 +582,23 @@ mod tests {
                 "cause",
                 &[("ring_buffer_full", 2), ("decode_error", 1)],
             )?;
-            out.gauge("queue", "Bytes queued.", Some(Unit::Bytes), 512.0)
+            out.gauge("queue", "Bytes queued.", Some(Unit::Bytes), 512.0)?;
+            out.family(
+                "busy",
+                "Time busy, by task.",
+                Some(Unit::Seconds),
+                MetricType::Counter,
+                Some("task"),
+                &[("read", Number::Real(1.5)), ("write", Number::Int(2))],
+            )?;
+            out.family(
+                "depth",
+                "Queue depth.",
+                None,
+                MetricType::Gauge,
+                None,
+                &[("", Number::Int(3))],
+            )
         }
     }
 
@@ -546,6 +629,9 @@ mod tests {
             "stackscope_test_drops_total{cause=\"ring_buffer_full\"} 2",
             "stackscope_test_drops_total{cause=\"decode_error\"} 1",
             "stackscope_test_queue_bytes 512.0",
+            "stackscope_test_busy_seconds_total{task=\"read\"} 1.5",
+            "stackscope_test_busy_seconds_total{task=\"write\"} 2",
+            "stackscope_test_depth 3.0",
             "# EOF",
         ] {
             assert!(body.lines().any(|l| l == line), "{line:?} missing:\n{body}");
