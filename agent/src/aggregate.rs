@@ -357,6 +357,10 @@ pub struct Aggregator {
     stats: AggregateStats,
     /// Location indexes of the sample being added.
     stack: Vec<u32>,
+    /// Counts what a process's labels depend on changing (an exec, an
+    /// exit, a new pod list, lost records): a thread's remembered label set
+    /// stands only within one epoch.
+    label_epoch: u64,
 }
 
 /// The labels of a sample as interned: the raw comm avoids decoding it per
@@ -418,6 +422,9 @@ struct Builder {
     /// a lookup, and only the frames that changed are interned. A walk
     /// equal to the last one (kernel frames too) reuses its stack.
     last_walks: Vec<LastWalk>,
+    /// The label set of recently sampled threads, in slots by thread id,
+    /// with what it was made from.
+    last_labels: [Option<(ThreadLabels, u32)>; LAST_WALK_SLOTS],
     /// Hashes stacks.
     hasher: foldhash::fast::RandomState,
     label_sets: Vec<LabelValues>,
@@ -445,6 +452,7 @@ impl Builder {
             last_walks: std::iter::repeat_with(LastWalk::default)
                 .take(LAST_WALK_SLOTS)
                 .collect(),
+            last_labels: [None; LAST_WALK_SLOTS],
             hasher: foldhash::fast::RandomState::default(),
             label_sets: Vec::new(),
             label_index: HashMap::new(),
@@ -585,6 +593,18 @@ impl Builder {
 /// placed in (`None`: nothing remembered), its frames and the locations
 /// they interned to, index for index, its kernel frames, and the stack
 /// the whole sample interned to.
+/// What a thread's label set was made from (see [`Aggregator::label_set`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct ThreadLabels {
+    tid: u32,
+    tgid: u32,
+    started: u64,
+    cgroup_id: u64,
+    comm: [u8; COMM_LEN],
+    has_user: bool,
+    epoch: u64,
+}
+
 #[derive(Debug, Default)]
 struct LastWalk {
     tid: u32,
@@ -684,6 +704,7 @@ impl Aggregator {
             previous_files: HashMap::new(),
             stats: AggregateStats::default(),
             stack: Vec::with_capacity(2 * stackscope_unwind::DEFAULT_MAX_DEPTH),
+            label_epoch: 0,
         }
     }
 
@@ -697,6 +718,7 @@ impl Aggregator {
     /// The process replaced its image: its exe is read again, or if it is
     /// gone by then, taken from `exe` (what the mapping feed saw it map).
     pub fn on_exec(&mut self, tgid: u32, exe: Option<&Path>) {
+        self.label_epoch += 1;
         self.exes.forget(tgid);
         if let Some(exe) = exe {
             self.exes.set_learned(tgid, exe);
@@ -705,6 +727,7 @@ impl Aggregator {
 
     /// The process exited.
     pub fn on_exit(&mut self, tgid: u32) {
+        self.label_epoch += 1;
         self.exes.forget(tgid);
         self.containers.forget(tgid);
         self.jit_names.forget(tgid);
@@ -713,6 +736,7 @@ impl Aggregator {
     /// Exec or exit records were lost: whatever is known per process may
     /// belong to a process that is gone, so all of it goes.
     pub fn forget_all_processes(&mut self) {
+        self.label_epoch += 1;
         self.exes.forget_all();
         self.containers.forget_all();
         self.jit_names.forget_all();
@@ -782,6 +806,7 @@ impl Aggregator {
 
     /// The latest pod list from the kubelet: names the containers of pods.
     pub fn set_pods(&mut self, pods: Arc<PodList>) {
+        self.label_epoch += 1;
         self.containers.set_pods(pods);
     }
 
@@ -802,44 +827,9 @@ impl Aggregator {
         let insert = self.current.samples.len() < self.config.max_entries
             && self.current.locations.len() + MAX_FRAMES_PER_SAMPLE <= MAX_LOCATIONS;
 
-        let choice = self.config.labels;
-        let key = LabelKey {
-            comm: if choice.comm {
-                header.comm
-            } else {
-                [0; COMM_LEN]
-            },
-            exe: match user {
-                Some(_) if choice.exe => self.exes.get(header.tgid, header.process_start_ns),
-                _ => self.exes.empty(),
-            },
-            pid: choice.pid.then_some(header.tgid),
-            container: if choice.any_container() {
-                self.containers
-                    .labels(header.tgid, header.cgroup_id)
-                    .map(SameContainer)
-            } else {
-                None
-            },
-        };
-        probes::count(Probe::Derived);
-        let labels = match self.current.label_index.get(&key) {
-            Some(&index) => index,
-            None if insert && self.current.label_sets.len() < MAX_LABEL_SETS => {
-                let index = index_of(self.current.label_sets.len());
-                self.current.label_sets.push(LabelValues {
-                    comm: labels::comm_str(&key.comm),
-                    exe: Arc::clone(&key.exe),
-                    pid: key.pid,
-                    container: key.container.as_ref().map(|c| Arc::clone(&c.0)),
-                });
-                self.current.label_index.insert(key, index);
-                index
-            }
-            None => {
-                self.stats.dropped += 1;
-                return;
-            }
+        let Some(labels) = self.label_set(header, user.is_some(), insert) else {
+            self.stats.dropped += 1;
+            return;
         };
         self.stats.samples += 1;
         self.stats.kernel_only += u64::from(user.is_none());
@@ -852,6 +842,73 @@ impl Aggregator {
             self.current.count(stack, labels, divisor, true);
             self.stats.truncated += 1;
         }
+    }
+
+    /// The index of the sample's label set in this interval; `None` when
+    /// it is new and there is no room. A thread's next sample gets the set
+    /// its last one got (no lookup of its exe or container) while what the
+    /// set was made from stands: the same process, cgroup and name, no
+    /// exec, exit or pod list since ([`Aggregator::label_epoch`]), and
+    /// labels that were settled (an exe read, a container named).
+    fn label_set(&mut self, header: &SampleHeader, has_user: bool, insert: bool) -> Option<u32> {
+        let slot = header.tid as usize % LAST_WALK_SLOTS;
+        let made_from = ThreadLabels {
+            tid: header.tid,
+            tgid: header.tgid,
+            started: header.process_start_ns,
+            cgroup_id: header.cgroup_id,
+            comm: header.comm,
+            has_user,
+            epoch: self.label_epoch,
+        };
+        if let Some((cached, index)) = self.current.last_labels[slot]
+            && cached == made_from
+        {
+            return Some(index);
+        }
+        let choice = self.config.labels;
+        let exe = match has_user {
+            true if choice.exe => self.exes.get(header.tgid, header.process_start_ns),
+            _ => self.exes.empty(),
+        };
+        let mut settled = !(has_user && choice.exe && exe.is_empty());
+        let container = if choice.any_container() {
+            let (labels, labels_settled) = self
+                .containers
+                .settled_labels(header.tgid, header.cgroup_id);
+            settled &= labels_settled;
+            labels.map(SameContainer)
+        } else {
+            None
+        };
+        let key = LabelKey {
+            comm: if choice.comm {
+                header.comm
+            } else {
+                [0; COMM_LEN]
+            },
+            exe,
+            pid: choice.pid.then_some(header.tgid),
+            container,
+        };
+        probes::count(Probe::Derived);
+        let index = match self.current.label_index.get(&key) {
+            Some(&index) => index,
+            None if insert && self.current.label_sets.len() < MAX_LABEL_SETS => {
+                let index = index_of(self.current.label_sets.len());
+                self.current.label_sets.push(LabelValues {
+                    comm: labels::comm_str(&key.comm),
+                    exe: Arc::clone(&key.exe),
+                    pid: key.pid,
+                    container: key.container.as_ref().map(|c| Arc::clone(&c.0)),
+                });
+                self.current.label_index.insert(key, index);
+                index
+            }
+            None => return None,
+        };
+        self.current.last_labels[slot] = settled.then_some((made_from, index));
+        Some(index)
     }
 
     /// The stack of a sample, through its thread's last walk when that

@@ -975,3 +975,55 @@ fn stacks_kept_end_to_end_read_back_alike_by_index_and_in_order() {
     }
     assert_eq!(stacks.get(4), None);
 }
+
+#[test]
+fn a_threads_label_set_is_reused_until_its_process_execs() {
+    let proc_root = tempfile::tempdir().unwrap();
+    let pid = 4242;
+    let dir = proc_root.path().join(pid.to_string());
+    std::fs::create_dir(&dir).unwrap();
+    std::fs::write(dir.join("cgroup"), "0::/user.slice/session-1.scope\n").unwrap();
+    let exe_link = dir.join("exe");
+    std::os::unix::fs::symlink("/usr/bin/old", &exe_link).unwrap();
+    let mut aggregator = Aggregator::new(AggregatorConfig {
+        proc_root: proc_root.path().to_path_buf(),
+        ..config()
+    });
+    let (own, _) = module_files();
+    let stack = [file(&own, 0x1_5678)];
+    let sample = header(pid, "worker", true);
+
+    let before = crate::probes::ProbeTotals::now();
+    add(&mut aggregator, &sample, &[], &stack);
+    let first = crate::probes::ProbeTotals::now().since(&before);
+    // The image changes under the same process, unannounced: the thread
+    // keeps the set it has (the exe is read once per process, as before).
+    std::fs::remove_file(&exe_link).unwrap();
+    std::os::unix::fs::symlink("/usr/bin/new", &exe_link).unwrap();
+    let before = crate::probes::ProbeTotals::now();
+    add(&mut aggregator, &sample, &[], &stack);
+    let again = crate::probes::ProbeTotals::now().since(&before);
+    assert!(
+        again.process + again.derived < first.process + first.derived,
+        "the second sample looked its labels up again: {again:?} after {first:?}"
+    );
+    // The exec record: the next sample's set is made anew, with the new exe.
+    aggregator.on_exec(pid, None);
+    add(&mut aggregator, &sample, &[], &stack);
+    // Another name in the same process is another set.
+    add(&mut aggregator, &header(pid, "other", true), &[], &stack);
+
+    let interval = aggregator.finish_interval(SystemTime::now());
+    let counts: Vec<(String, String, u64)> = flatten(&interval)
+        .into_iter()
+        .map(|(_, labels, count)| (labels.comm, labels.exe.to_string(), count))
+        .collect();
+    assert_eq!(
+        counts,
+        [
+            ("worker".into(), "/usr/bin/old".into(), 2),
+            ("worker".into(), "/usr/bin/new".into(), 1),
+            ("other".into(), "/usr/bin/new".into(), 1),
+        ]
+    );
+}

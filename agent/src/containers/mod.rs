@@ -134,6 +134,18 @@ impl ContainerIndex {
     /// for host processes. A process already gone is placed by its cgroup,
     /// while that is still there.
     pub fn labels(&mut self, tgid: u32, cgroup_id: u64) -> Option<Arc<ContainerLabels>> {
+        self.settled_labels(tgid, cgroup_id).0
+    }
+
+    /// [`Self::labels`], and whether they are settled: they will not
+    /// change while the process stays in this cgroup and the pod list stays
+    /// the same (false while a name is missing, or the process's cgroup
+    /// could not be read: both are looked up again).
+    pub fn settled_labels(
+        &mut self,
+        tgid: u32,
+        cgroup_id: u64,
+    ) -> (Option<Arc<ContainerLabels>>, bool) {
         // The clock is read only for labels still missing a name: this
         // runs for every sample.
         probes::count(Probe::Process);
@@ -142,7 +154,7 @@ impl ContainerIndex {
             && entry.generation == self.generation
             && entry.retry_at.is_none_or(|at| Instant::now() < at)
         {
-            return entry.labels.clone();
+            return (entry.labels.clone(), entry.retry_at.is_none());
         }
         let identity = match self.by_tgid.remove(&tgid) {
             Some(entry) if entry.cgroup_id == cgroup_id => entry.identity,
@@ -155,7 +167,10 @@ impl ContainerIndex {
                 // by its cgroup, which its container outlives it in.
                 let path = match container::read_cgroup_path(&self.proc_root, tgid) {
                     Ok(path) => path,
-                    Err(_) => self.path_of_cgroup(cgroup_id)?,
+                    Err(_) => match self.path_of_cgroup(cgroup_id) {
+                        Some(path) => path,
+                        None => return (None, false),
+                    },
                 };
                 container::identify(&path)
             }
@@ -177,7 +192,7 @@ impl ContainerIndex {
                 retry_at,
             },
         );
-        labels
+        (labels, retry_at.is_none())
     }
 
     /// The labels of a container: one `Arc` per container and content, so
