@@ -27,15 +27,17 @@
 //! its wait for a table is kept until they are walked.
 
 mod compiler;
+mod process_state;
 pub mod stitching;
 
-use foldhash::{HashMap, HashMapExt as _};
+use foldhash::HashMap;
 use std::{cell::Cell, collections::VecDeque, path::Path, sync::Arc};
 
 pub use compiler::DiskCache;
 use compiler::{Compiled, Compiler};
 
 use agent_common::{SampleHeader, sample_flags};
+use process_state::{ProcessState, Processes, Slot};
 use stackscope_process_table::{
     BuildId, Location, MappedRegion, Mapping, MappingPath, ObjectId, ProcessError, ProcessTable,
     TableConfig, maps::read_maps,
@@ -523,50 +525,10 @@ enum ModuleTable {
     Unreadable,
 }
 
-/// The modules of one process, sorted by start address, non-overlapping.
-#[derive(Debug, Default)]
-struct ProcessModules {
-    modules: Vec<Module>,
-    /// Names this version of the list in the walker's rule cache; renewed
-    /// on every change, so cached rules of a stale version never match.
-    space: u64,
-    /// The walker's walk count when the process was last walked.
-    last_walked: u64,
-    /// The process's start time (0: unknown): with the pid, its identity.
-    started: u64,
-}
-
-impl ProcessModules {
-    /// Whether these modules are another process's than one started at
-    /// `started` (0: unknown, no verdict).
-    fn is_other_process(&self, started: u64) -> bool {
-        started != 0 && self.started != 0 && self.started != started
-    }
-
-    fn find(&self, pc: u64) -> Option<&Module> {
-        let at = self.modules.partition_point(|m| m.start <= pc);
-        let module = self.modules.get(at.checked_sub(1)?)?;
-        module.contains(pc).then_some(module)
-    }
-
-    fn insert(&mut self, module: Module, space: u64) {
-        self.space = space;
-        if self.modules.len() >= MAX_MODULES_PER_PROCESS {
-            self.modules.clear();
-        }
-        // A stale module overlapping the new one (the process remapped the
-        // range) goes: the new one is what the process maps now.
-        self.modules
-            .retain(|m| m.end <= module.start || m.start >= module.end);
-        let at = self.modules.partition_point(|m| m.start < module.start);
-        self.modules.insert(at, module);
-    }
-}
-
 /// The unwinder's view of one process during a walk: answers from the known
 /// modules and remembers the first address it could not place.
 struct KnownModules<'a> {
-    process: &'a ProcessModules,
+    process: &'a ProcessState,
     unknown: Cell<Option<u64>>,
     /// The walk reached a module whose table is still being compiled.
     pending: Cell<bool>,
@@ -671,7 +633,10 @@ impl TableCache {
 /// samples.
 pub struct StackWalker {
     processes: ProcessTable,
-    modules: HashMap<u32, ProcessModules>,
+    /// One record per process walked (its modules, identity and copy size).
+    modules: Processes,
+    /// The record of the sample being walked, for its planning.
+    last_process: Option<Slot>,
     tables: TableCache,
     table_cache_bytes: usize,
     /// The vDSO's table, built from this agent's own vDSO: every process on
@@ -688,7 +653,7 @@ pub struct StackWalker {
     /// the walk's frames are kept from deeper walks (see `placed`).
     objects: Vec<FrameObject>,
     rules: RuleCache,
-    /// The last address-space number handed out (see `ProcessModules::space`).
+    /// The last address-space number handed out (see `ProcessState::space`).
     spaces: u64,
     max_depth: usize,
     planner: Planner,
@@ -774,7 +739,8 @@ impl StackWalker {
         let jit_binary = binary_slots.slot(JIT_BINARY.into(), &mut stats.by_binary);
         Self {
             processes: ProcessTable::new(TableConfig::default()),
-            modules: HashMap::new(),
+            modules: Processes::default(),
+            last_process: None,
             tables: TableCache::default(),
             table_cache_bytes: config.table_cache_bytes,
             vdso: own_vdso_table().map_or(ModuleTable::NoCfi, ModuleTable::Ready),
@@ -800,6 +766,24 @@ impl StackWalker {
             exited: Vec::new(),
             completed_exits: Vec::new(),
             stats,
+        }
+    }
+
+    /// Makes room for the record of `tgid` when the records are at their
+    /// bound and it has none: the least recently walked process goes.
+    fn make_room_for(&mut self, tgid: u32) {
+        // The length first: only a full map needs the membership test.
+        if self.modules.len() < MAX_PROCESSES || self.modules.contains(tgid) {
+            return;
+        }
+        probes::count(Probe::Process);
+        let oldest = self
+            .modules
+            .iter()
+            .min_by_key(|(_, p)| p.last_walked)
+            .map(|(tgid, _)| tgid);
+        if let Some(oldest) = oldest {
+            self.forget_modules(oldest);
         }
     }
 
@@ -1023,7 +1007,11 @@ impl StackWalker {
             tail_reads: self.last_tail_reads,
             end,
         };
-        if self.planner.observe(&report) {
+        let copy = self
+            .last_process
+            .and_then(|slot| self.modules.at(slot))
+            .map(|process| &mut process.copy);
+        if self.planner.observe(&report, copy) {
             self.learn(header, stack.copy, &report);
         }
     }
@@ -1098,9 +1086,11 @@ impl StackWalker {
         self.forget_modules(tgid);
     }
 
+    /// The one way a process's record goes: with it, its copy size and
+    /// its threads' plans (from the sampler's maps too).
     fn forget_modules(&mut self, tgid: u32) {
-        self.modules.remove(&tgid);
-        self.planner.forget_process(tgid);
+        let copy = self.modules.remove(tgid).and_then(|state| state.copy);
+        self.planner.forget_process(tgid, copy);
     }
 
     /// From the mapping feed: `child` forked from `parent` and maps what it
@@ -1148,12 +1138,12 @@ impl StackWalker {
             |m: &Module| is_jit_code(&mapping.path) && matches!(m.object, ModuleObject::Jit);
         if self
             .modules
-            .get(&tgid)
+            .get(tgid)
             .is_some_and(|p| p.modules.iter().any(|m| overlaps(m) && !jit_over_jit(m)))
         {
             self.flush_process(tgid, &mut on_walk);
             let space = self.next_space();
-            if let Some(process) = self.modules.get_mut(&tgid) {
+            if let Some(process) = self.modules.get_mut(tgid) {
                 process.modules.retain(|m| !overlaps(m));
                 process.space = space;
             }
@@ -1182,6 +1172,14 @@ impl StackWalker {
         out.push(StateSize::entries(
             "process_modules",
             self.modules.len(),
+            Some(MAX_PROCESSES),
+        ));
+        out.push(StateSize::entries(
+            "copy_sizes",
+            self.modules
+                .iter()
+                .filter(|(_, p)| p.copy.is_some())
+                .count(),
             Some(MAX_PROCESSES),
         ));
         // Tables some process holds are bounded by the processes and their
@@ -1220,7 +1218,7 @@ impl StackWalker {
     /// was lost, or whose late sample came after it, stays until evicted
     /// unless the run loop finds it gone).
     pub fn tracked_processes_into(&self, out: &mut Vec<u32>) {
-        out.extend(self.modules.keys());
+        out.extend(self.modules.iter().map(|(tgid, _)| tgid));
         out.extend(self.processes.tgids());
         self.planner.tracked_processes_into(out);
     }
@@ -1235,7 +1233,9 @@ impl StackWalker {
     /// learned again. Tables stay: they belong to files, not processes.
     pub fn forget_all_processes(&mut self) {
         self.processes = ProcessTable::new(TableConfig::default());
-        self.modules.clear();
+        for (tgid, state) in self.modules.drain() {
+            self.planner.forget_process(tgid, state.copy);
+        }
         self.exited.clear();
         self.planner.forget_all();
         self.stats.state_resets += 1;
@@ -1248,9 +1248,11 @@ impl StackWalker {
 
     /// The modules of `tgid`, made when first walked; the least recently
     /// walked process goes when there are too many.
-    fn process_modules(&mut self, tgid: u32, started: u64) -> &mut ProcessModules {
+    fn process_modules(&mut self, tgid: u32, started: u64) -> &mut ProcessState {
+        self.make_room_for(tgid);
         let walks = self.stats.walks;
-        let process = process_entry(&mut self.modules, tgid, walks);
+        let (_, process) = self.modules.entry(tgid);
+        process.last_walked = walks;
         if process.started == 0 {
             process.started = started;
         }
@@ -1338,10 +1340,12 @@ impl StackWalker {
         used: WalkUse,
     ) -> Result<(UnwindEnd, bool), OtherProcess> {
         let mut resolves = 0;
+        self.make_room_for(tgid);
         loop {
             let walks = self.stats.walks;
             let Self {
                 modules,
+                last_process,
                 rules,
                 max_depth,
                 objects,
@@ -1350,7 +1354,8 @@ impl StackWalker {
                 last_space,
                 ..
             } = self;
-            let process = process_entry(modules, tgid, walks);
+            let (slot, process) = modules.entry(tgid);
+            process.last_walked = walks;
             if used == WalkUse::Sample(Identity::Checked)
                 && resolves == 0
                 && process.is_other_process(started)
@@ -1359,6 +1364,9 @@ impl StackWalker {
             }
             if process.started == 0 {
                 process.started = started;
+            }
+            if matches!(used, WalkUse::Sample(_)) {
+                *last_process = Some(slot);
             }
             let known = KnownModules {
                 process,
@@ -1407,7 +1415,7 @@ impl StackWalker {
     fn place_frames_of(&mut self, tgid: u32, frames: &[u64]) {
         probes::count(Probe::Process);
         self.last_space = place_frames(
-            self.modules.get(&tgid),
+            self.modules.get(tgid),
             frames,
             &mut self.objects,
             &mut self.frame0_binary,
@@ -1598,7 +1606,7 @@ impl StackWalker {
 /// cloning them back was a fifth of `walk_sample` on a workload whose
 /// depth varies). At most `max_depth` of them are kept.
 fn place_frames(
-    process: Option<&ProcessModules>,
+    process: Option<&ProcessState>,
     frames: &[u64],
     objects: &mut Vec<FrameObject>,
     frame0_binary: &mut u32,
@@ -1635,32 +1643,6 @@ fn place_frames(
     }
     let through_jit = objects[..frames.len()].iter().any(FrameObject::is_jit);
     (!through_jit).then_some(space)
-}
-
-/// The modules of `tgid` in `modules`, made when first walked (the least
-/// recently walked process goes when there are too many), marked as walked
-/// at walk number `walks`. One lookup while the process is known.
-fn process_entry(
-    modules: &mut HashMap<u32, ProcessModules>,
-    tgid: u32,
-    walks: u64,
-) -> &mut ProcessModules {
-    // The length first: the membership test costs a lookup, and only a
-    // full map needs it.
-    if modules.len() >= MAX_PROCESSES && !modules.contains_key(&tgid) {
-        probes::count(Probe::Process);
-        let oldest = modules
-            .iter()
-            .min_by_key(|(_, p)| p.last_walked)
-            .map(|(&tgid, _)| tgid);
-        if let Some(oldest) = oldest {
-            modules.remove(&oldest);
-        }
-    }
-    probes::count(Probe::Process);
-    let process = modules.entry(tgid).or_default();
-    process.last_walked = walks;
-    process
 }
 
 /// Whether a walk checks that the walker's state for its pid is its
@@ -1859,11 +1841,8 @@ pub(crate) mod tests {
         walker.stats.walks += 1;
         walker.process_modules(u32::MAX, 1);
         assert_eq!(walker.tracked_processes(), MAX_PROCESSES);
-        assert!(walker.modules.contains_key(&0), "walked again: kept");
-        assert!(
-            !walker.modules.contains_key(&1),
-            "least recently walked: gone"
-        );
+        assert!(walker.modules.contains(0), "walked again: kept");
+        assert!(!walker.modules.contains(1), "least recently walked: gone");
         walker.forget_all_processes();
         assert_eq!(walker.tracked_processes(), 0);
         assert_eq!(walker.stats().state_resets, 1);
@@ -1922,7 +1901,7 @@ pub(crate) mod tests {
         assert_eq!(delivered, [WalkOutcome::Ended(UnwindEnd::Outermost)]);
         assert_eq!(walker.take_completed_exits(), [header.tgid]);
         assert!(!walker.processes.contains(header.tgid));
-        assert!(!walker.modules.contains_key(&header.tgid));
+        assert!(!walker.modules.contains(header.tgid));
         // An exit with nothing held goes at once.
         assert!(walker.on_exit(header.tgid));
     }
@@ -1941,7 +1920,7 @@ pub(crate) mod tests {
         walker.process_forked(1, header.tgid, |_| delivered += 1);
         assert_eq!((delivered, walker.waiting()), (1, 0));
         assert!(walker.exited.is_empty());
-        assert!(!walker.modules.contains_key(&header.tgid));
+        assert!(!walker.modules.contains(header.tgid));
         assert!(!walker.processes.contains(header.tgid), "untracked parent");
         assert!(walker.take_completed_exits().is_empty());
     }
@@ -1955,7 +1934,11 @@ pub(crate) mod tests {
             ..header
         };
         let is_new = |walker: &StackWalker, header: &SampleHeader| {
-            walker.modules[&header.tgid].is_other_process(header.process_start_ns)
+            walker
+                .modules
+                .get(header.tgid)
+                .unwrap()
+                .is_other_process(header.process_start_ns)
         };
         walker.process_modules(first.tgid, 100);
         assert!(!is_new(&walker, &first));
@@ -1971,13 +1954,13 @@ pub(crate) mod tests {
         assert!(is_new(&walker, &later));
         walker.push(&later, &[], UserStack::copy_only(&stack), |_| {});
         assert_eq!(walker.stats().processes_replaced, 1);
-        assert_eq!(walker.modules[&later.tgid].started, 200);
+        assert_eq!(walker.modules.get(later.tgid).unwrap().started, 200);
         assert!(!is_new(&walker, &later));
     }
 
     #[test]
     fn a_process_mapping_too_many_modules_starts_over() {
-        let mut process = ProcessModules::default();
+        let mut process = ProcessState::default();
         for i in 0..MAX_MODULES_PER_PROCESS as u64 + 1 {
             process.insert(module(0x1000 * (i + 1), 0x1000 * (i + 1) + 0x800), i);
         }
@@ -1986,7 +1969,7 @@ pub(crate) mod tests {
 
     #[test]
     fn finds_the_module_holding_an_address() {
-        let mut process = ProcessModules::default();
+        let mut process = ProcessState::default();
         process.insert(module(0x3000, 0x4000), 1);
         process.insert(module(0x1000, 0x2000), 1);
         assert_eq!(process.find(0x1000).map(|m| m.start), Some(0x1000));
@@ -1999,7 +1982,7 @@ pub(crate) mod tests {
 
     #[test]
     fn a_remapped_range_replaces_the_stale_module() {
-        let mut process = ProcessModules::default();
+        let mut process = ProcessState::default();
         process.insert(module(0x1000, 0x3000), 1);
         process.insert(module(0x5000, 0x6000), 1);
         process.insert(module(0x2000, 0x5800), 1);
@@ -2009,7 +1992,7 @@ pub(crate) mod tests {
 
     #[test]
     fn unknown_addresses_are_remembered_for_resolution() {
-        let mut process = ProcessModules::default();
+        let mut process = ProcessState::default();
         process.insert(module(0x1000, 0x2000), 1);
         let known = KnownModules {
             process: &process,

@@ -148,7 +148,10 @@ pub struct PlanStats {
     pub thread_deep_plans: usize,
 }
 
-struct ProcessCopy {
+/// A process's copy size as the planner learns it; kept in the process's
+/// record (see `process_state`).
+#[derive(Debug)]
+pub(super) struct ProcessCopy {
     window_start_ns: u64,
     max_now: u32,
     max_before: u32,
@@ -295,7 +298,6 @@ pub struct Planner {
     /// Most bytes of a deep copy; 0: none.
     deep_limit: u32,
     adaptive: bool,
-    processes: HashMap<u32, ProcessCopy>,
     threads: Threads,
     /// Thread names whose threads needed deep copies.
     deep_programs: HashSet<[u8; COMM_LEN]>,
@@ -327,7 +329,6 @@ impl Planner {
             ceiling,
             deep_limit,
             adaptive,
-            processes: HashMap::new(),
             threads: Threads::default(),
             deep_programs: HashSet::new(),
             stale_programs: HashMap::new(),
@@ -340,19 +341,13 @@ impl Planner {
         }
     }
 
-    /// Processes with a copy size or a thread plan.
+    /// Processes with a thread plan.
     pub fn tracked_processes_into(&self, out: &mut Vec<u32>) {
-        out.extend(self.processes.keys());
         out.extend(self.threads.plans().map(|(_, plan)| plan.tgid));
     }
 
     /// Sizes of what the planner keeps per process and per thread.
     pub fn state_sizes(&self, out: &mut Vec<StateSize>) {
-        out.push(StateSize::entries(
-            "copy_sizes",
-            self.processes.len(),
-            Some(MAX_PROCESSES),
-        ));
         out.push(StateSize::entries(
             "stack_plans",
             self.threads.plans,
@@ -397,7 +392,13 @@ impl Planner {
     /// Adjusts the process's copy size to what its walks need; says
     /// whether the thread's deep frames should be learned (the walk ran
     /// out of stack with the whole ceiling copied, or a plan's tail).
-    pub fn observe(&mut self, walk: &WalkReport) -> bool {
+    /// `copy`: the copy size kept in the process's record (`None`: no
+    /// record, nothing to adjust).
+    pub(super) fn observe(
+        &mut self,
+        walk: &WalkReport,
+        copy: Option<&mut Option<ProcessCopy>>,
+    ) -> bool {
         if !self.adaptive {
             return false;
         }
@@ -414,7 +415,9 @@ impl Planner {
             .is_some_and(|t| t.planned != Planned::Nothing);
         let top = thread.and_then(|t| t.top);
         if !planned {
-            self.observe_process(walk.tgid, walk.ktime_ns, needed);
+            if let Some(copy) = copy {
+                self.observe_process(copy, walk.tgid, walk.ktime_ns, needed);
+            }
             // A deep copy of a thread without a plan is the sampler's own,
             // to the thread pointer (its first ticks). A stack top ends
             // those: it is for a thread the usual copy holds, not one that
@@ -472,15 +475,15 @@ impl Planner {
         }
     }
 
-    fn observe_process(&mut self, tgid: u32, now: u64, needed: u32) {
+    fn observe_process(
+        &mut self,
+        copy: &mut Option<ProcessCopy>,
+        tgid: u32,
+        now: u64,
+        needed: u32,
+    ) {
         let ceiling = self.ceiling;
-        // The length first: only a full map needs the membership test.
-        if self.processes.len() >= MAX_PROCESSES && !self.processes.contains_key(&tgid) {
-            probes::count(Probe::Process);
-            return;
-        }
-        probes::count(Probe::Process);
-        let process = self.processes.entry(tgid).or_insert(ProcessCopy {
+        let process = copy.get_or_insert(ProcessCopy {
             window_start_ns: now,
             max_now: 0,
             max_before: 0,
@@ -731,25 +734,26 @@ impl Planner {
         }
     }
 
-    /// Exec or exit records were lost: every size and plan goes (a reused
-    /// id must not inherit them), from the maps too.
+    /// Exec or exit records were lost: every plan and top goes (a reused
+    /// id must not inherit them), from the maps too (the processes' copy
+    /// sizes go with their records, through [`Self::forget_process`]).
     pub fn forget_all(&mut self) {
         let tgids: HashSet<u32> = self
-            .processes
-            .keys()
-            .copied()
-            .chain(self.threads.plans().map(|(_, t)| t.tgid))
+            .threads
+            .plans()
+            .map(|(_, t)| t.tgid)
             .chain(self.threads.tops().map(|(_, tgid, _)| tgid))
             .collect();
         for tgid in tgids {
-            self.forget_process(tgid);
+            self.forget_process(tgid, None);
         }
     }
 
-    /// The process exited or replaced its image: its sizes and its
-    /// threads' plans go, in the maps too, so a reused id starts afresh.
-    pub fn forget_process(&mut self, tgid: u32) {
-        if let Some(process) = self.processes.remove(&tgid)
+    /// The process's record went (it exited, replaced its image, or was
+    /// evicted): its copy size, taken from the record, and its threads'
+    /// plans go, in the maps too, so a reused id starts afresh.
+    pub(super) fn forget_process(&mut self, tgid: u32, copy: Option<ProcessCopy>) {
+        if let Some(process) = copy
             && process.written != self.ceiling
         {
             self.updates
@@ -766,9 +770,6 @@ impl Planner {
         });
     }
 }
-
-/// Processes whose copy size is tracked; beyond, new ones keep the ceiling.
-const MAX_PROCESSES: usize = agent_common::MAX_COPY_SIZES as usize;
 
 /// The copy a process gets for walks that needed `needed` bytes: a quarter
 /// more and a little, in 256-byte steps, within the limits.
@@ -1014,6 +1015,45 @@ fn read_remote(tgid: u32, address: u64, out: &mut [u8]) -> io::Result<usize> {
 mod tests {
     use super::*;
 
+    /// A planner with the process records the walker keeps for it (their
+    /// copy sizes), as the walker hands them over.
+    struct Planning {
+        planner: Planner,
+        copies: HashMap<u32, Option<ProcessCopy>>,
+    }
+
+    impl Planning {
+        fn new(ceiling: u32, deep_limit: u32, adaptive: bool) -> Self {
+            Self {
+                planner: Planner::new(ceiling, deep_limit, adaptive),
+                copies: HashMap::new(),
+            }
+        }
+
+        fn observe(&mut self, walk: &WalkReport) -> bool {
+            let copy = self.copies.entry(walk.tgid).or_default();
+            self.planner.observe(walk, Some(copy))
+        }
+
+        fn forget_process(&mut self, tgid: u32) {
+            let copy = self.copies.remove(&tgid).flatten();
+            self.planner.forget_process(tgid, copy);
+        }
+    }
+
+    impl std::ops::Deref for Planning {
+        type Target = Planner;
+        fn deref(&self) -> &Planner {
+            &self.planner
+        }
+    }
+
+    impl std::ops::DerefMut for Planning {
+        fn deref_mut(&mut self) -> &mut Planner {
+            &mut self.planner
+        }
+    }
+
     const RSP: u64 = 0x7ffd_0000_0000;
 
     fn spans(plan: &StackPlan) -> Vec<(u64, u32)> {
@@ -1137,7 +1177,7 @@ mod tests {
 
     #[test]
     fn a_thread_top_follows_the_highest_word_its_rooted_walks_read() {
-        let mut planner = Planner::new(16384, 0, true);
+        let mut planner = Planning::new(16384, 0, true);
         let rsp = 0x7000_0000;
         planner.observe(&report(7, 0, 16384, 1003, UnwindEnd::Outermost));
         assert_eq!(top_updates(&mut planner), [(7, Some(rsp + 1008))]);
@@ -1176,7 +1216,7 @@ mod tests {
 
     #[test]
     fn a_deep_copy_of_an_unplanned_thread_leaves_it_no_top_unless_it_was_shallow() {
-        let mut planner = Planner::new(16384, 1 << 20, true);
+        let mut planner = Planning::new(16384, 1 << 20, true);
         let deep = |tid, read| WalkReport {
             deep_copy: true,
             ..report(tid, 0, 600_000, read, UnwindEnd::Outermost)
@@ -1191,14 +1231,14 @@ mod tests {
 
     #[test]
     fn fixed_copies_write_no_tops() {
-        let mut planner = Planner::new(16384, 0, false);
+        let mut planner = Planning::new(16384, 0, false);
         planner.observe(&report(7, 0, 16384, 1000, UnwindEnd::Outermost));
         assert_eq!(top_updates(&mut planner), []);
     }
 
     #[test]
     fn a_process_copy_shrinks_to_its_need_and_grows_back_at_once() {
-        let mut planner = Planner::new(16384, 0, true);
+        let mut planner = Planning::new(16384, 0, true);
         assert!(!planner.observe(&report(10, 0, 16384, 1000, UnwindEnd::Outermost)));
         assert_eq!(
             copy_updates(&mut planner),
@@ -1243,7 +1283,7 @@ mod tests {
 
     #[test]
     fn without_adaptive_copies_nothing_is_planned() {
-        let mut planner = Planner::new(16384, 0, false);
+        let mut planner = Planning::new(16384, 0, false);
         assert!(!planner.observe(&report(10, 0, 16384, 16384, UnwindEnd::StackTruncated)));
         assert!(planner.take_updates().is_empty());
     }
@@ -1254,7 +1294,7 @@ mod tests {
         let stack: Vec<u64> = (0..4096u64).collect();
         let rsp = stack.as_ptr() as u64;
         let copy: Vec<u8> = stack[..16].iter().flat_map(|w| w.to_le_bytes()).collect();
-        let mut planner = Planner::new(16384, 0, true);
+        let mut planner = Planning::new(16384, 0, true);
         let walk = WalkReport {
             tgid: std::process::id(),
             tid: 1,
@@ -1432,7 +1472,7 @@ mod tests {
         let walk_to_the_root = to_the_root_past(rsp);
         let walk = rustc_walk(rsp, 1, 1_000);
         let comm = walk.comm;
-        let mut planner = Planner::new(16384, 1 << 20, true);
+        let mut planner = Planning::new(16384, 1 << 20, true);
         // First a tail, as for any deep thread.
         planner.learn(&walk, &copy, walk_to_the_root);
         let tail = learned(&mut planner, 1).expect("a tail plan");
@@ -1470,7 +1510,7 @@ mod tests {
         assert_eq!((stats.thread_plans, stats.thread_deep_plans), (2, 2));
 
         // Without deep copies a stale tail is learned again as a tail ...
-        let mut planner = Planner::new(16384, 0, true);
+        let mut planner = Planning::new(16384, 0, true);
         planner.learn(&walk, &copy, walk_to_the_root);
         planner.learn(&soon, &copy, walk_to_the_root);
         let updates = planner.take_updates();
@@ -1481,7 +1521,7 @@ mod tests {
                 .all(|u| matches!(u, PlanUpdate::Thread { plan: Some(p), .. } if p.stack_end == 0))
         );
         // ... as it is when the stack is deeper than the deep limit.
-        let mut planner = Planner::new(16384, 32 * 1024, true);
+        let mut planner = Planning::new(16384, 32 * 1024, true);
         planner.learn(&walk, &copy, walk_to_the_root);
         planner.learn(&soon, &copy, walk_to_the_root);
         assert_eq!(planner.stats().deep_plans_learned, 0);
@@ -1496,7 +1536,7 @@ mod tests {
         let walk_to_the_root = to_the_root_past(rsp);
         let first = rustc_walk(rsp, 1, 1_000);
         let comm = first.comm;
-        let mut planner = Planner::new(16384, 1 << 20, true);
+        let mut planner = Planning::new(16384, 1 << 20, true);
         // Short-lived threads, one after the other: each is planned a
         // tail, which goes stale once before the thread is gone.
         let mut at = first.ktime_ns;
@@ -1559,7 +1599,7 @@ mod tests {
             process.id()
         };
         let (gone, gone_too) = (exited(), exited());
-        let mut planner = Planner::new(16384, 1 << 20, true);
+        let mut planner = Planning::new(16384, 1 << 20, true);
         // A thread of this process whose stack ends before the walk needs
         // it: a failed learn, but not a late one.
         let stack = FakeStack::new(4);
@@ -1614,7 +1654,7 @@ mod tests {
             memory.read_u64(rsp + 40_000).expect("readable");
             UnwindEnd::Unmapped
         };
-        let mut planner = Planner::new(16384, 1 << 20, true);
+        let mut planner = Planning::new(16384, 1 << 20, true);
         let walk = rustc_walk(rsp, 1, 1_000);
         planner.learn(&walk, &copy, lost);
         assert!(learned(&mut planner, 1).is_none(), "any program's thread");
@@ -1632,7 +1672,7 @@ mod tests {
         planner.learn(&later, &copy, lost);
         assert!(learned(&mut planner, 2).is_none(), "the plan stays");
         // Not when the stack is longer than a deep copy.
-        let mut planner = Planner::new(16384, 32768, true);
+        let mut planner = Planning::new(16384, 32768, true);
         planner.add_deep_program(walk.comm);
         planner.learn(&walk, &copy, lost);
         assert!(learned(&mut planner, 2).is_none(), "past the deep limit");
@@ -1649,7 +1689,7 @@ mod tests {
             learned(planner, tid).expect("a plan").stack_end == stack.end()
         };
         let second = 1_000_000_000;
-        let mut planner = Planner::new(16384, 1 << 20, true);
+        let mut planner = Planning::new(16384, 1 << 20, true);
         // One stale tail of thread 1.
         planner.learn(&walk(1, second), &copy, walk_to_the_root);
         planner.learn(&walk(1, second + STALE_RELEARN_NS), &copy, walk_to_the_root);
@@ -1687,7 +1727,7 @@ mod tests {
         assert!(deep(&mut planner, 5), "two stale tails within the window");
 
         // Without deep copies the program's threads keep their tails.
-        let mut planner = Planner::new(16384, 0, true);
+        let mut planner = Planning::new(16384, 0, true);
         for tid in 1..=3 {
             let at = u64::from(tid) * second;
             planner.learn(&walk(tid, at), &copy, walk_to_the_root);
