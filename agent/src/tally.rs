@@ -3,6 +3,10 @@
 //! A long-running agent sees pids come and go without end, so the table has a
 //! fixed capacity; once full, samples of processes not yet in it are counted
 //! as `other` rather than growing the table.
+//!
+//! Entries are never removed (a later process with the same pid adds to the
+//! same one), so where an entry is stays true: a thread's next sample finds
+//! its process's entry through the thread's slot, without a lookup.
 
 use foldhash::{HashMap, HashMapExt as _};
 
@@ -22,10 +26,23 @@ pub struct ProcessSamples {
     pub exited: bool,
 }
 
+/// Slots of recently counted threads, by thread id.
+const THREAD_SLOTS: usize = 64;
+
+/// A thread counted recently: its process and that process's entry.
+#[derive(Debug, Clone, Copy)]
+struct CountedThread {
+    tid: u32,
+    tgid: u32,
+    entry: u32,
+}
+
 /// Per-process sample counts.
 #[derive(Debug)]
 pub struct ProcessTally {
-    by_tgid: HashMap<u32, ProcessSamples>,
+    entries: Vec<ProcessSamples>,
+    by_tgid: HashMap<u32, u32>,
+    threads: [Option<CountedThread>; THREAD_SLOTS],
     capacity: usize,
     other: u64,
     /// Processes sampled that exited while the agent ran, and their samples.
@@ -36,7 +53,9 @@ pub struct ProcessTally {
 impl ProcessTally {
     pub fn with_capacity(capacity: usize) -> Self {
         Self {
+            entries: Vec::new(),
             by_tgid: HashMap::new(),
+            threads: [None; THREAD_SLOTS],
             capacity,
             other: 0,
             exited_processes: 0,
@@ -47,7 +66,8 @@ impl ProcessTally {
     /// Process `tgid` exited: the samples it had count as a gone process's
     /// (a later process with the same pid adds to the same entry).
     pub fn exited(&mut self, tgid: u32) {
-        if let Some(entry) = self.by_tgid.get_mut(&tgid)
+        if let Some(&at) = self.by_tgid.get(&tgid)
+            && let entry = &mut self.entries[at as usize]
             && !entry.exited
         {
             entry.exited = true;
@@ -62,30 +82,43 @@ impl ProcessTally {
         (self.exited_processes, self.exited_samples)
     }
 
-    /// Counts one sample of `tgid`; `comm` is only called for a new process.
-    pub fn add(&mut self, tgid: u32, comm: impl FnOnce() -> String) {
-        probes::count(Probe::Process);
-        if let Some(entry) = self.by_tgid.get_mut(&tgid) {
-            entry.samples += 1;
-        } else if self.by_tgid.len() < self.capacity {
-            let comm = comm();
-            self.by_tgid.insert(
-                tgid,
-                ProcessSamples {
-                    tgid,
-                    comm,
-                    samples: 1,
-                    exited: false,
-                },
-            );
-        } else {
-            self.other += 1;
+    /// Counts one sample of thread `tid` of `tgid`; `comm` is only called
+    /// for a new process.
+    pub fn add(&mut self, tid: u32, tgid: u32, comm: impl FnOnce() -> String) {
+        let slot = &mut self.threads[tid as usize % THREAD_SLOTS];
+        if let Some(counted) = slot
+            && counted.tid == tid
+            && counted.tgid == tgid
+        {
+            self.entries[counted.entry as usize].samples += 1;
+            return;
         }
+        probes::count(Probe::Process);
+        let entry = match self.by_tgid.get(&tgid) {
+            Some(&at) => at,
+            None if self.entries.len() < self.capacity => {
+                let at = self.entries.len() as u32;
+                self.entries.push(ProcessSamples {
+                    tgid,
+                    comm: comm(),
+                    samples: 0,
+                    exited: false,
+                });
+                self.by_tgid.insert(tgid, at);
+                at
+            }
+            None => {
+                self.other += 1;
+                return;
+            }
+        };
+        self.entries[entry as usize].samples += 1;
+        *slot = Some(CountedThread { tid, tgid, entry });
     }
 
     /// The `n` processes with the most samples, most first (ties by tgid).
     pub fn top(&self, n: usize) -> Vec<ProcessSamples> {
-        let mut all: Vec<_> = self.by_tgid.values().cloned().collect();
+        let mut all = self.entries.clone();
         all.sort_by(|a, b| b.samples.cmp(&a.samples).then(a.tgid.cmp(&b.tgid)));
         all.truncate(n);
         all
@@ -93,7 +126,7 @@ impl ProcessTally {
 
     /// Processes counted, against the table's capacity.
     pub fn state_size(&self) -> StateSize {
-        StateSize::entries("sampled_processes", self.by_tgid.len(), Some(self.capacity))
+        StateSize::entries("sampled_processes", self.entries.len(), Some(self.capacity))
     }
 
     /// Samples of processes that arrived after the table was full.
@@ -103,7 +136,7 @@ impl ProcessTally {
 
     /// All samples counted.
     pub fn total(&self) -> u64 {
-        self.other + self.by_tgid.values().map(|p| p.samples).sum::<u64>()
+        self.other + self.entries.iter().map(|p| p.samples).sum::<u64>()
     }
 }
 
@@ -116,7 +149,7 @@ mod tests {
         let mut tally = ProcessTally::with_capacity(10);
         for (tgid, n) in [(1, 3), (2, 7), (3, 7), (4, 1)] {
             for _ in 0..n {
-                tally.add(tgid, || format!("p{tgid}"));
+                tally.add(tgid, tgid, || format!("p{tgid}"));
             }
         }
         let top = tally.top(3);
@@ -132,7 +165,7 @@ mod tests {
     fn counts_the_samples_of_processes_that_exited() {
         let mut tally = ProcessTally::with_capacity(10);
         for tgid in [1, 1, 2, 3, 3, 3] {
-            tally.add(tgid, String::new);
+            tally.add(tgid, tgid, String::new);
         }
         tally.exited(1);
         tally.exited(3);
@@ -145,11 +178,28 @@ mod tests {
     fn stays_bounded_and_counts_the_overflow() {
         let mut tally = ProcessTally::with_capacity(2);
         for tgid in 0..100 {
-            tally.add(tgid, String::new);
+            tally.add(tgid, tgid, String::new);
         }
-        tally.add(0, String::new);
+        tally.add(0, 0, String::new);
         assert_eq!(tally.top(usize::MAX).len(), 2);
         assert_eq!(tally.other(), 98);
         assert_eq!(tally.total(), 101);
+    }
+
+    #[test]
+    fn a_threads_slot_counts_for_its_process_only() {
+        let mut tally = ProcessTally::with_capacity(10);
+        tally.add(100, 1, || "a".into());
+        tally.add(100, 1, || "a".into());
+        // Another thread in the same slot, and the first thread's id reused
+        // by another process: each counts for its own process.
+        tally.add(100 + THREAD_SLOTS as u32, 2, || "b".into());
+        tally.add(100, 3, || "c".into());
+        tally.add(100, 3, || "c".into());
+        tally.add(101, 1, || "a".into());
+        let counts: Vec<_> = tally.top(9).iter().map(|p| (p.tgid, p.samples)).collect();
+        assert_eq!(counts, [(1, 3), (3, 2), (2, 1)]);
+        tally.exited(3);
+        assert_eq!(tally.exited_counts(), (1, 2));
     }
 }
