@@ -12,8 +12,9 @@
 //! one `stackscope.v1.Batch` per interval, naming frames with [`symbolize`],
 //! [`export`] ships the batches, and [`run`] drives the loop, prints the
 //! periodic [`status`] line and stops on a signal or after a duration (see
-//! `shared/DESIGN.md`). [`metrics`] names what the loop and the exporter
-//! count for Prometheus.
+//! `shared/DESIGN.md`). [`stats`] describes once what the loop, the exporter
+//! and the uploader count; [`metrics`] serves it to Prometheus, the status
+//! line and the final report render it too.
 
 pub mod aggregate;
 pub mod cgroups;
@@ -24,6 +25,7 @@ pub mod metrics;
 pub mod probes;
 pub mod run;
 pub mod sampler;
+pub mod stats;
 pub mod status;
 pub mod symbolize;
 pub mod tally;

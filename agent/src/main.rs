@@ -2,7 +2,7 @@
 //! The command line lives here; the work is in the `stackscope_agent` library.
 
 use std::{
-    io::{IsTerminal as _, Write},
+    io::{IsTerminal as _, Write as _},
     path::PathBuf,
     sync::Arc,
     time::Duration,
@@ -21,14 +21,15 @@ use stackscope_agent::{
         selection::{Budget, SelectionConfig, parse_pod_label},
     },
     export::{
-        Compression, ExportConfig, ExportStats, Exporter, TlsConfig,
-        debuginfo::{DebuginfoUploader, UploadConfig, UploadStats},
+        Compression, ExportConfig, Exporter, TlsConfig,
+        debuginfo::{DebuginfoUploader, UploadConfig},
     },
     metrics::AgentTelemetry,
-    run::{AgentConfig, RunSummary, run},
+    run::{AgentConfig, run},
     sampler::{Sampler, SamplerConfig},
+    stats::report,
     symbolize::SymbolizerConfig,
-    unwinding::{DiskCache, EarlyEnds, WalkerConfig},
+    unwinding::{DiskCache, WalkerConfig},
 };
 use tracing_subscriber::EnvFilter;
 
@@ -368,10 +369,10 @@ fn main() -> anyhow::Result<()> {
         writeln!(
             stdout,
             "{}",
-            json_report(&summary, exported.as_ref(), uploaded.as_ref(), args.top)
+            report::json(&summary, exported.as_ref(), uploaded.as_ref(), args.top)
         )
     } else {
-        print_report(
+        report::write_text(
             &mut stdout,
             &summary,
             exported.as_ref(),
@@ -509,281 +510,10 @@ fn export_config(args: &Args) -> anyhow::Result<Option<ExportConfig>> {
     }))
 }
 
-fn json_report(
-    summary: &RunSummary,
-    exported: Option<&ExportStats>,
-    uploaded: Option<&UploadStats>,
-    top: usize,
-) -> serde_json::Value {
-    serde_json::json!({
-        "elapsed_secs": summary.elapsed.as_secs_f64(),
-        "reader": summary.reader,
-        "kernel": summary.kernel,
-        "bpf": {
-            "run_count": summary.program.run_count,
-            "ns_per_run": summary.program.per_run().map(|d| d.as_nanos() as u64),
-        },
-        "unwinding": {
-            "walks": summary.unwinding.walks,
-            "outermost": summary.unwinding.outermost,
-            "stitched": summary.unwinding.stitched,
-            "truncated": summary.unwinding.truncated,
-            "early_ends": summary.unwinding.early_ends,
-            "plans": summary.unwinding.plans,
-            "state_resets": summary.unwinding.state_resets,
-            "processes_replaced": summary.unwinding.processes_replaced,
-            "tables_compiled": summary.unwinding.tables_compiled,
-            "tables_from_disk": summary.unwinding.tables_from_disk,
-            "table_cache_hits": summary.unwinding.table_cache_hits,
-            "samples_queued": summary.unwinding.samples_queued,
-            "queue_full": summary.unwinding.queue_full,
-            "table_pending": summary.unwinding.table_pending,
-            "tables_failed": summary.unwinding.tables_failed,
-            "kernel_ticks_unplaced": summary.unwinding.kernel_ticks_unplaced,
-            "jit_walks": summary.unwinding.jit_walks,
-            "jit_outermost": summary.unwinding.jit_outermost,
-            "by_binary": summary.unwinding.binaries()
-                .map(|(name, ends)| serde_json::json!({
-                    "binary": name,
-                    "walks": ends.walks,
-                    "outermost": ends.outermost,
-                    "stitched": ends.stitched,
-                    "truncated": ends.truncated,
-                }))
-                .collect::<Vec<_>>(),
-        },
-        "probes": {
-            "by_kind": summary.probes,
-            "per_sample": summary.probes.total() as f64
-                / (summary.reader.records.saturating_sub(summary.reader.process_events)).max(1) as f64,
-        },
-        "aggregation": summary.aggregation,
-        "jit_names": summary.jit_names,
-        "mapping_feed": summary.mapping_feed,
-        "exited_processes": summary.tally.exited_counts().0,
-        "exited_samples": summary.tally.exited_counts().1,
-        "process_table": {
-            "maps_reads": summary.process_table.maps_reads,
-            "mappings_learned": summary.process_table.mappings_learned,
-            "learned_unidentified": summary.process_table.learned_unidentified,
-            "answered_after_exit": summary.process_table.answered_after_exit,
-            "objects_identified": summary.process_table.objects_identified,
-            "build_ids_unverified": summary.process_table.build_ids_unverified,
-        },
-        "batches": {
-            "built": summary.batches.batches_built,
-            "intervals_dropped": summary.batches.intervals_dropped,
-            "intervals_empty": summary.batches.intervals_empty,
-            "samples": summary.batches.samples_in_batches,
-            "build_micros_last": summary.batches.build_micros_last,
-            "build_micros_max": summary.batches.build_micros_max,
-            "build_micros_total": summary.batches.build_micros_total,
-            "last_batch_bytes": summary.batches.last_batch_bytes,
-            "last_batch_locations": summary.batches.last_batch_locations,
-            "last_batch_stacks": summary.batches.last_batch_stacks,
-            "last_batch_samples": summary.batches.last_batch_samples,
-            "heap_trims": summary.batches.heap_trims,
-        },
-        "symbolization": {
-            "cache_hit_percent": summary.batches.symbolize.cache_hit_percent(),
-            "counts": summary.batches.symbolize,
-        },
-        "export": exported,
-        "debuginfo_upload": uploaded,
-        "top": summary.tally.top(top),
-        "other": summary.tally.other(),
-    })
-}
-
-fn print_report(
-    out: &mut impl Write,
-    summary: &RunSummary,
-    exported: Option<&ExportStats>,
-    uploaded: Option<&UploadStats>,
-    top: usize,
-) -> std::io::Result<()> {
-    let total = summary.tally.total();
-    writeln!(
-        out,
-        "{} samples in {:.1}s ({} dropped, {} copy failures, {} decode errors)",
-        total,
-        summary.elapsed.as_secs_f64(),
-        summary.kernel.ring_buffer_full,
-        summary.kernel.copy_failed,
-        summary.reader.decode_errors,
-    )?;
-    if let Some(per_run) = summary.program.per_run() {
-        writeln!(
-            out,
-            "BPF program: {} runs, {} ns per run",
-            summary.program.run_count,
-            per_run.as_nanos()
-        )?;
-    }
-    let unwinding = &summary.unwinding;
-    let ends = unwinding.ends();
-    writeln!(
-        out,
-        "{:.1}% of {} user stacks unwound to the outermost frame ({:.1}% through a stack tail), \
-         {:.1}% truncated{} ({} kernel ticks counted as kernel-only: their user address was in no \
-         known mapping, as inside exec or exit); \
-         {} stack plans learned ({} of them deep copies), {} stack tops written ({} dropped), \
-         {:.0} user stack bytes read per sample \
-         ({} tables compiled, {} from disk, \
-         {} objects without usable CFI; {} samples waited for a table, {} found the queue full)",
-        ends.outermost_percent(),
-        ends.walks,
-        ends.stitched_percent(),
-        ends.truncated_percent(),
-        early_ends_text(&unwinding.early_ends),
-        unwinding.kernel_ticks_unplaced,
-        unwinding.plans.plans_learned,
-        unwinding.plans.deep_plans_learned,
-        unwinding.plans.tops_written,
-        unwinding.plans.tops_dropped,
-        summary.kernel.user_bytes_per_sample(),
-        unwinding.tables_compiled,
-        unwinding.tables_from_disk,
-        unwinding.tables_failed,
-        unwinding.samples_queued,
-        unwinding.queue_full,
-    )?;
-    let feed = &summary.mapping_feed;
-    if feed.open {
-        let (exited, exited_samples) = summary.tally.exited_counts();
-        writeln!(
-            out,
-            "mappings learned as they were made: {} forks, {} execs, {} executable mmaps \
-             ({} files not found, {} records lost); {} sampled processes exited while \
-             sampled, with {} samples",
-            feed.forks,
-            feed.execs,
-            feed.mmaps,
-            summary.process_table.learned_unidentified,
-            feed.lost,
-            exited,
-            exited_samples,
-        )?;
-    }
-    if unwinding.jit_walks > 0 {
-        let jit = &summary.jit_names;
-        writeln!(
-            out,
-            "{} stacks went through JIT code, {:.1}% of them to the outermost frame; \
-             {} JIT frames named from perf maps, {} without an entry",
-            unwinding.jit_walks,
-            100.0 * unwinding.jit_outermost as f64 / unwinding.jit_walks as f64,
-            jit.named,
-            jit.unnamed,
-        )?;
-    }
-    let batches = &summary.batches;
-    writeln!(
-        out,
-        "{} batches built ({} samples, {} intervals dropped; building took {:.1} ms at most), \
-         {} distinct stacks in the busiest interval; names: {:.1}% cache hits, {} frames without \
-         a symbol, {} unreadable files' frames",
-        batches.batches_built,
-        batches.samples_in_batches,
-        batches.intervals_dropped,
-        batches.build_micros_max as f64 / 1000.0,
-        summary.aggregation.max_distinct,
-        batches.symbolize.cache_hit_percent(),
-        batches.symbolize.no_symbol,
-        batches.symbolize.errors,
-    )?;
-    if let Some(export) = exported {
-        writeln!(
-            out,
-            "shipped {} batches ({} samples) to the collector; {} dropped while it was \
-             unreachable, {} rejected, {} left unsent at shutdown{}",
-            export.batches_sent,
-            export.samples_sent,
-            export.batches_dropped_queue_full,
-            export.batches_rejected,
-            export.queued_batches,
-            export
-                .last_error
-                .as_deref()
-                .map(|e| format!(" (last error: {e})"))
-                .unwrap_or_default(),
-        )?;
-    }
-    if let Some(uploaded) = uploaded {
-        writeln!(
-            out,
-            "debuginfo: {} binaries uploaded ({} bytes), {} already on the collector, {} without \
-             symbols of their own, {} failed",
-            uploaded.uploaded,
-            uploaded.uploaded_bytes,
-            uploaded.already_stored,
-            uploaded.without_symbols,
-            uploaded.failed,
-        )?;
-    }
-    let mut by_binary: Vec<_> = unwinding.binaries().collect();
-    by_binary.sort_by(|a, b| b.1.walks.cmp(&a.1.walks).then(a.0.cmp(b.0)));
-    if !by_binary.is_empty() {
-        writeln!(
-            out,
-            "{:>9}  {:>6}  {:>8}  {:>9}  BINARY (of the sampled instruction)",
-            "STACKS", "ROOT", "STITCHED", "TRUNCATED"
-        )?;
-    }
-    for (binary, ends) in by_binary.into_iter().take(top) {
-        writeln!(
-            out,
-            "{:>9}  {:>5.1}%  {:>7.1}%  {:>8.1}%  {binary}",
-            ends.walks,
-            ends.outermost_percent(),
-            ends.stitched_percent(),
-            ends.truncated_percent(),
-        )?;
-    }
-    if total == 0 {
-        return Ok(());
-    }
-    writeln!(out, "{:>9}  {:>6}  {:>8}  COMM", "SAMPLES", "SHARE", "PID")?;
-    for process in summary.tally.top(top) {
-        writeln!(
-            out,
-            "{:>9}  {:>5.1}%  {:>8}  {}",
-            process.samples,
-            100.0 * process.samples as f64 / total as f64,
-            process.tgid,
-            process.comm
-        )?;
-    }
-    if summary.tally.other() > 0 {
-        writeln!(
-            out,
-            "{:>9}  (processes beyond the tracking limit)",
-            summary.tally.other()
-        )?;
-    }
-    Ok(())
-}
-
 /// Raises the soft limit on open files to the hard one (at most 1M): the
 /// symbolizer keeps mapped files open, two descriptors each, and the
 /// default soft limit of 1024 is too tight for a busy node. Failing only
 /// costs names (files that cannot be opened go unnamed), so it is not fatal.
-/// `, 12 stopped early (7 in code without unwind info, ...)`; empty when
-/// none did.
-fn early_ends_text(ends: &EarlyEnds) -> String {
-    let reasons = ends.by_reason();
-    let total: u64 = reasons.iter().map(|(count, _)| count).sum();
-    if total == 0 {
-        return String::new();
-    }
-    let listed: Vec<String> = reasons
-        .iter()
-        .filter(|(count, _)| *count > 0)
-        .map(|(count, reason)| format!("{count} {reason}"))
-        .collect();
-    format!(", {total} stopped early ({})", listed.join(", "))
-}
-
 fn raise_open_file_limit() {
     let mut limit = libc::rlimit {
         rlim_cur: 0,

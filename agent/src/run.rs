@@ -28,16 +28,17 @@ use crate::{
     },
     export::debuginfo::UploadQueue,
     mapping_feed::{FeedStats, MappingFeed},
-    metrics::{AgentTelemetry, PUBLISH_EVERY, RunTotals},
+    metrics::{AgentTelemetry, PUBLISH_EVERY},
     probes::ProbeTotals,
     sampler::{Counters, ProgramStats, Sampler, SamplerConfig, SamplerError, record::Record},
-    status::{ReaderTotals, Snapshot, StatusLine},
+    stats::{RunTotals, TallyTotals},
+    status::{ReaderTotals, StatusLine},
     symbolize::{SymbolizerConfig, perf_map::PerfMapStats},
     tally::ProcessTally,
     unwinding::{StackWalker, UserStack, WalkStats, WalkerConfig},
 };
 use stackscope_process_table::table::TableStats;
-use stackscope_telemetry::StateSize;
+use stackscope_telemetry::{ProcessUsage, StateSize};
 use stackscope_unwind::TailSpan;
 
 /// Where finished batches go: the exporter's queue, or a test's list.
@@ -268,9 +269,11 @@ pub async fn run(
     let mut status =
         tokio::time::interval_at(started + config.status_interval, config.status_interval);
     status.set_missed_tick_behavior(MissedTickBehavior::Delay);
-    let mut last = Snapshot {
-        reader: ReaderTotals::default(),
+    // The first line's figures leave out the loading.
+    let mut last = RunTotals {
         kernel: sampler.counters()?,
+        process: ProcessUsage::now(),
+        ..RunTotals::default()
     };
     let mut last_at = started;
     let mut publish = tokio::time::interval(PUBLISH_EVERY);
@@ -339,69 +342,15 @@ pub async fn run(
             }
             Event::StatusDue => {
                 let now = Instant::now();
-                let snapshot = Snapshot {
-                    reader: records.totals,
-                    kernel: sampler.counters()?,
-                };
-                let walks = records.walker.stats();
-                let worst: Vec<String> = walks
-                    .worst_binaries(3)
-                    .into_iter()
-                    .map(|(binary, ends)| format!("{binary} {:.0}%", ends.outermost_percent()))
-                    .collect();
-                let aggregation = records.aggregator.stats();
-                let batches = worker.stats();
-                let feed = records.feed.stats();
-                let table = records.walker.table_stats();
-                tracing::info!(
-                    "{}; unwinding: {:.1}% of {} stacks to the outermost frame ({:.1}% stitched, \
-                     {:.1}% truncated; least: {}), {:.1}% through JIT code, \
-                     mappings learned as made: {} execs, {} executable mmaps ({} files not found), \
-                     {} stack tails learned, \
-                     tables {} compiled + {} from disk, {} samples waiting, {} found the queue full; \
-                     aggregation: {} distinct stacks this interval, {} batches built \
-                     (last: {} stacks, {} KiB, built in {:.1} ms; {} intervals dropped), \
-                     naming {:.0}% cache hits",
-                    StatusLine::between(&last, &snapshot, now - last_at),
-                    walks.outermost_percent(),
-                    walks.walks,
-                    walks.ends().stitched_percent(),
-                    walks.ends().truncated_percent(),
-                    if worst.is_empty() {
-                        "none".to_string()
-                    } else {
-                        worst.join(", ")
-                    },
-                    walks.jit_percent(),
-                    feed.execs,
-                    feed.mmaps,
-                    table.learned_unidentified,
-                    walks.plans.plans_learned,
-                    walks.tables_compiled,
-                    walks.tables_from_disk,
-                    records.walker.waiting(),
-                    walks.queue_full,
-                    aggregation.distinct,
-                    batches.batches_built,
-                    batches.last_batch_stacks,
-                    batches.last_batch_bytes / 1024,
-                    batches.build_micros_last as f64 / 1000.0,
-                    batches.intervals_dropped,
-                    batches.symbolize.cache_hit_percent(),
-                );
-                (last, last_at) = (snapshot, now);
+                let totals = records.totals(&sampler, &worker, now - started)?;
+                tracing::info!("{}", StatusLine::between(&last, &totals, now - last_at));
+                (last, last_at) = (totals, now);
             }
             Event::PublishDue => {
                 if let Some(telemetry) = telemetry {
                     telemetry.health.beat();
-                    telemetry.metrics.publish(RunTotals {
-                        kernel: sampler.counters()?,
-                        reader: records.totals,
-                        walks: records.walker.stats(),
-                        batches: worker.stats(),
-                        probes: ProbeTotals::now(),
-                        state: records.state_sizes(&worker),
-                    });
+                    let totals = records.totals(&sampler, &worker, started.elapsed())?;
+                    telemetry.metrics.publish(totals);
                 }
             }
             Event::Stop => break,
@@ -636,6 +585,42 @@ impl RecordTally {
 }
 
 impl RecordTally {
+    /// What the statistics are read from now (the batch worker's figures
+    /// as of its last batch).
+    fn totals(
+        &self,
+        sampler: &Sampler,
+        worker: &BatchWorker,
+        elapsed: Duration,
+    ) -> Result<RunTotals, SamplerError> {
+        let (exited_processes, exited_samples) = self.processes.exited_counts();
+        Ok(RunTotals {
+            elapsed,
+            kernel: sampler.counters()?,
+            // Only counted with --bpf-stats; never worth stopping for.
+            program: sampler.program_stats().unwrap_or_default(),
+            reader: self.totals,
+            probes: ProbeTotals::now(),
+            walks: self.walker.stats(),
+            mapping_feed: self.feed.stats(),
+            process_table: self.walker.table_stats(),
+            processes: TallyTotals {
+                exited_processes,
+                exited_samples,
+                untracked_samples: self.processes.other(),
+            },
+            aggregation: self.aggregator.stats(),
+            jit_names: self.aggregator.jit_stats(),
+            batches: worker.stats(),
+            // The exporter's are read at scrape time; the uploader's at
+            // the end.
+            export: None,
+            uploads: None,
+            process: ProcessUsage::now(),
+            state: self.state_sizes(worker),
+        })
+    }
+
     /// Everything the run loop keeps, against its bounds (the batch
     /// worker's as of its last batch).
     fn state_sizes(&self, worker: &BatchWorker) -> Vec<StateSize> {

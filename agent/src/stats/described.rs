@@ -1,0 +1,1234 @@
+//! The description itself: every statistic of the agent, by group. A new
+//! counter gets a [`Stat`] here (and its JSON pointer), and every rendering
+//! has it. `/metrics` names and JSON pointers that exist are kept as they
+//! are: dashboards, the benches and the tests read them.
+
+use super::{Group, Kind, RunTotals, Series, Shown, Stat, StatUnit, Value};
+
+/// Reads the figure at a path of the totals: `field!(kernel.samples)`.
+macro_rules! field {
+    ($($path:tt)+) => {
+        |t: &RunTotals| Value::from(t.$($path)+)
+    };
+}
+
+const fn counter(name: &'static str, help: &'static str, series: &'static [Series]) -> Stat {
+    Stat {
+        name,
+        help,
+        kind: Kind::Counter,
+        unit: StatUnit::Count,
+        label: None,
+        series,
+        shown: Shown::Everywhere,
+    }
+}
+
+const fn gauge(name: &'static str, help: &'static str, series: &'static [Series]) -> Stat {
+    Stat {
+        kind: Kind::Gauge,
+        ..counter(name, help, series)
+    }
+}
+
+impl Stat {
+    /// Series told apart by `label`.
+    const fn by(self, label: &'static str) -> Self {
+        Self {
+            label: Some(label),
+            ..self
+        }
+    }
+
+    const fn unit(self, unit: StatUnit) -> Self {
+        Self { unit, ..self }
+    }
+
+    /// In the reports only.
+    const fn reports(self) -> Self {
+        Self {
+            shown: Shown::Reports,
+            ..self
+        }
+    }
+
+    /// Served by `stackscope_telemetry::ProcessMetrics`.
+    const fn process_metrics(self) -> Self {
+        Self {
+            shown: Shown::ProcessMetrics,
+            ..self
+        }
+    }
+}
+
+/// A series labelled `label`, at `json` in the report.
+const fn s(label: &'static str, json: &'static str, read: fn(&RunTotals) -> Value) -> Series {
+    Series { label, json, read }
+}
+
+/// The one series of an unlabelled statistic.
+const fn one(json: &'static str, read: fn(&RunTotals) -> Value) -> Series {
+    s("", json, read)
+}
+
+fn always(_: &RunTotals) -> bool {
+    true
+}
+
+/// Every statistic, in the order of the reports.
+pub const GROUPS: &[Group] = &[
+    Group {
+        title: "sampling",
+        json: None,
+        present: always,
+        stats: SAMPLING,
+    },
+    Group {
+        title: "unwinding",
+        json: None,
+        present: always,
+        stats: UNWINDING,
+    },
+    Group {
+        title: "stack plans",
+        json: None,
+        present: always,
+        stats: STACK_PLANS,
+    },
+    Group {
+        title: "processes",
+        json: None,
+        present: always,
+        stats: PROCESSES,
+    },
+    Group {
+        title: "aggregation",
+        json: None,
+        present: always,
+        stats: AGGREGATION,
+    },
+    Group {
+        title: "batches",
+        json: None,
+        present: always,
+        stats: BATCHES,
+    },
+    Group {
+        title: "naming",
+        json: None,
+        present: always,
+        stats: NAMING,
+    },
+    Group {
+        title: "export",
+        json: Some("/export"),
+        present: |t| t.export.is_some(),
+        stats: EXPORT,
+    },
+    Group {
+        title: "debuginfo uploads",
+        json: Some("/debuginfo_upload"),
+        present: |t| t.uploads.is_some(),
+        stats: UPLOADS,
+    },
+    Group {
+        title: "agent",
+        json: None,
+        present: always,
+        stats: AGENT,
+    },
+];
+
+const SAMPLING: &[Stat] = &[
+    counter(
+        "ticks",
+        "Timer ticks on the CPUs, by what became of them.",
+        &[
+            s("sampled", "/kernel/samples", field!(kernel.samples)),
+            s("idle", "/kernel/idle", field!(kernel.idle)),
+            s("filtered", "/kernel/filtered", field!(kernel.filtered)),
+            s("budgeted", "/kernel/budgeted", field!(kernel.budgeted)),
+            s(
+                "ring_buffer_full",
+                "/kernel/ring_buffer_full",
+                field!(kernel.ring_buffer_full),
+            ),
+        ],
+    )
+    .by("outcome"),
+    counter(
+        "samples_lost",
+        "Samples lost, by cause.",
+        &[
+            s(
+                "ring_buffer_full",
+                "/kernel/ring_buffer_full",
+                field!(kernel.ring_buffer_full),
+            ),
+            s(
+                "decode_error",
+                "/reader/decode_errors",
+                field!(reader.decode_errors),
+            ),
+        ],
+    )
+    .by("cause"),
+    counter(
+        "stack_copy_failures",
+        "Samples whose user stack copy read no byte.",
+        &[one("/kernel/copy_failed", field!(kernel.copy_failed))],
+    ),
+    counter(
+        "samples_read",
+        "Sample records read from the ring buffer.",
+        &[one("/reader/samples", |t| {
+            t.reader
+                .records
+                .saturating_sub(t.reader.process_events)
+                .into()
+        })],
+    ),
+    counter(
+        "process_events_read",
+        "Process exec and exit records read from the ring buffer.",
+        &[one("/reader/process_events", field!(reader.process_events))],
+    ),
+    counter(
+        "records_read",
+        "Records read from the ring buffer: samples and process events.",
+        &[one("/reader/records", field!(reader.records))],
+    ),
+    counter(
+        "ring_buffer_read",
+        "Bytes of the records read from the ring buffer.",
+        &[one("/reader/bytes", field!(reader.bytes))],
+    )
+    .unit(StatUnit::Bytes),
+    counter(
+        "stack_bytes_copied",
+        "User stack bytes the BPF program copied (copies and tails).",
+        &[one(
+            "/kernel/user_stack_bytes",
+            field!(kernel.user_stack_bytes),
+        )],
+    ),
+    gauge(
+        "stack_bytes_per_sample",
+        "User stack bytes copied per sample, on average.",
+        &[one("/kernel/user_bytes_per_sample", |t| {
+            t.kernel.user_bytes_per_sample().into()
+        })],
+    )
+    .unit(StatUnit::Bytes)
+    .reports(),
+    counter(
+        "tail_spans",
+        "Stack tail spans the BPF program read past the copy.",
+        &[one("/kernel/tail_spans", field!(kernel.tail_spans))],
+    ),
+    counter(
+        "deep_copies",
+        "Whole-stack copies of threads with a deep plan.",
+        &[one("/kernel/deep_copies", field!(kernel.deep_copies))],
+    ),
+    counter(
+        "deep_copy_fallbacks",
+        "Ticks of deep-plan threads that fell back to the usual copy.",
+        &[one(
+            "/kernel/deep_copy_fallbacks",
+            field!(kernel.deep_copy_fallbacks),
+        )],
+    ),
+    counter(
+        "direct_copy_fallbacks",
+        "Ticks of learned threads whose copy straight into the ring buffer \
+         failed (no room, or a faulting read) and took the usual copy.",
+        &[one(
+            "/kernel/direct_copy_fallbacks",
+            field!(kernel.direct_copy_fallbacks),
+        )],
+    ),
+    counter(
+        "early_wakeups",
+        "Records that woke the reader at once: ticks of threads not learned yet \
+         of programs whose threads needed deep copies.",
+        &[one("/kernel/early_wakeups", field!(kernel.early_wakeups))],
+    ),
+    counter(
+        "bpf_runs",
+        "Runs of the BPF program, counted while the kernel's BPF statistics \
+         are on (--bpf-stats).",
+        &[one("/bpf/run_count", field!(program.run_count))],
+    ),
+    counter(
+        "bpf_run_time",
+        "Time the BPF program ran, counted while the kernel's BPF statistics \
+         are on (--bpf-stats).",
+        &[one("/bpf/run_ns", |t| {
+            u64::try_from(t.program.run_time.as_nanos())
+                .unwrap_or(u64::MAX)
+                .into()
+        })],
+    )
+    .unit(StatUnit::Nanos),
+    gauge(
+        "bpf_time_per_run",
+        "Mean time of one run of the BPF program (with --bpf-stats).",
+        &[one("/bpf/ns_per_run", |t| {
+            t.program
+                .per_run()
+                .map(|d| u64::try_from(d.as_nanos()).unwrap_or(u64::MAX))
+                .into()
+        })],
+    )
+    .unit(StatUnit::Nanos)
+    .reports(),
+    counter(
+        "hash_probes",
+        "Hash-table lookups of the run loop, by key: per process, per thread, \
+         derived from a process (binary name, label set), or an interval's \
+         dictionaries. Divided by samples_read: the lookups a sample costs.",
+        &[
+            s("process", "/probes/by_kind/process", field!(probes.process)),
+            s("thread", "/probes/by_kind/thread", field!(probes.thread)),
+            s("derived", "/probes/by_kind/derived", field!(probes.derived)),
+            s("content", "/probes/by_kind/content", field!(probes.content)),
+        ],
+    )
+    .by("kind"),
+    gauge(
+        "hash_probes_per_sample",
+        "Hash-table lookups of the run loop per sample read.",
+        &[one("/probes/per_sample", |t| {
+            let samples = t.reader.records.saturating_sub(t.reader.process_events);
+            (t.probes.total() as f64 / samples.max(1) as f64).into()
+        })],
+    )
+    .reports(),
+];
+
+const UNWINDING: &[Stat] = &[
+    counter(
+        "walks",
+        "User stack walks, by how they ended: at the root from the copied bytes, \
+         at the root through a stitched tail, out of stack bytes, or otherwise \
+         (unknown code, a bad rule, the depth limit).",
+        &[
+            s("root", "/unwinding/root", |t| {
+                let reached = t.walks.outermost.min(t.walks.walks);
+                (reached - t.walks.stitched.min(reached)).into()
+            }),
+            s("stitched", "/unwinding/stitched", |t| {
+                t.walks
+                    .stitched
+                    .min(t.walks.outermost.min(t.walks.walks))
+                    .into()
+            }),
+            s("truncated", "/unwinding/truncated", field!(walks.truncated)),
+            s("other", "/unwinding/other", |t| {
+                let w = &t.walks;
+                w.walks
+                    .saturating_sub(w.outermost.min(w.walks))
+                    .saturating_sub(w.truncated)
+                    .into()
+            }),
+        ],
+    )
+    .by("end"),
+    counter(
+        "walks_in_all",
+        "User stack walks (all ends).",
+        &[one("/unwinding/walks", field!(walks.walks))],
+    )
+    .reports(),
+    counter(
+        "walks_to_root",
+        "Walks that reached the outermost frame, through a stitched tail or not.",
+        &[one("/unwinding/outermost", field!(walks.outermost))],
+    )
+    .reports(),
+    gauge(
+        "walks_to_root_share",
+        "Share of the walks that reached the outermost frame.",
+        &[one("/unwinding/outermost_percent", |t| {
+            t.walks.outermost_percent().into()
+        })],
+    )
+    .unit(StatUnit::Percent)
+    .reports(),
+    counter(
+        "walks_stopped_early",
+        "Walks that stopped before the outermost frame with stack bytes left, \
+         by reason: an address in no known mapping, code without unwind info, \
+         CFI the unwinder cannot evaluate, code that switches stacks, a corrupt \
+         frame, --max-depth, a table still being compiled.",
+        &[
+            s(
+                "unmapped",
+                "/unwinding/early_ends/unmapped",
+                field!(walks.early_ends.unmapped),
+            ),
+            s(
+                "no_unwind_info",
+                "/unwinding/early_ends/no_unwind_info",
+                field!(walks.early_ends.no_unwind_info),
+            ),
+            s(
+                "unsupported",
+                "/unwinding/early_ends/unsupported",
+                field!(walks.early_ends.unsupported),
+            ),
+            s(
+                "stack_switch",
+                "/unwinding/early_ends/stack_switch",
+                field!(walks.early_ends.stack_switch),
+            ),
+            s(
+                "corrupt",
+                "/unwinding/early_ends/corrupt",
+                field!(walks.early_ends.corrupt),
+            ),
+            s(
+                "depth_limit",
+                "/unwinding/early_ends/depth_limit",
+                field!(walks.early_ends.depth_limit),
+            ),
+            s(
+                "table_pending",
+                "/unwinding/early_ends/table_pending",
+                field!(walks.early_ends.table_pending),
+            ),
+        ],
+    )
+    .by("reason"),
+    counter(
+        "kernel_ticks_unplaced",
+        "Kernel ticks whose user instruction pointer was in no known mapping \
+         (inside exec or exit): counted as kernel samples, not walked.",
+        &[one(
+            "/unwinding/kernel_ticks_unplaced",
+            field!(walks.kernel_ticks_unplaced),
+        )],
+    ),
+    counter(
+        "jit_walks",
+        "Walks with at least one frame in JIT code.",
+        &[one("/unwinding/jit_walks", field!(walks.jit_walks))],
+    ),
+    counter(
+        "jit_walks_to_root",
+        "Walks through JIT code that reached the outermost frame.",
+        &[one("/unwinding/jit_outermost", field!(walks.jit_outermost))],
+    ),
+    counter(
+        "unwind_tables",
+        "Unwind tables made ready, by where they came from; failed: walked with frame pointers.",
+        &[
+            s(
+                "compiled",
+                "/unwinding/tables_compiled",
+                field!(walks.tables_compiled),
+            ),
+            s(
+                "disk",
+                "/unwinding/tables_from_disk",
+                field!(walks.tables_from_disk),
+            ),
+            s(
+                "failed",
+                "/unwinding/tables_failed",
+                field!(walks.tables_failed),
+            ),
+        ],
+    )
+    .by("source"),
+    counter(
+        "unwind_table_cache_hits",
+        "Module resolutions answered by the in-memory table cache.",
+        &[one(
+            "/unwinding/table_cache_hits",
+            field!(walks.table_cache_hits),
+        )],
+    ),
+    counter(
+        "samples_queued_for_tables",
+        "Samples held for a table being compiled.",
+        &[one(
+            "/unwinding/samples_queued",
+            field!(walks.samples_queued),
+        )],
+    ),
+    counter(
+        "table_queue_full",
+        "Samples walked without waiting because the queue was full.",
+        &[one("/unwinding/queue_full", field!(walks.queue_full))],
+    ),
+    counter(
+        "table_pending_walks",
+        "Walks that ended short because a table was still being compiled.",
+        &[one("/unwinding/table_pending", field!(walks.table_pending))],
+    ),
+    counter(
+        "state_resets",
+        "Times every process's state was dropped after lost exec or exit records.",
+        &[one("/unwinding/state_resets", field!(walks.state_resets))],
+    ),
+    counter(
+        "processes_replaced",
+        "Processes whose state was dropped because a sample showed their pid in \
+         use by a process that started later (their exit record was lost).",
+        &[one(
+            "/unwinding/processes_replaced",
+            field!(walks.processes_replaced),
+        )],
+    ),
+];
+
+const STACK_PLANS: &[Stat] = &[
+    counter(
+        "stack_plans_learned",
+        "Threads whose deep frames were learned into a copy plan (deep copies included).",
+        &[one(
+            "/unwinding/plans/plans_learned",
+            field!(walks.plans.plans_learned),
+        )],
+    ),
+    counter(
+        "deep_stack_plans_learned",
+        "Of the plans learned, deep copies (the whole stack at every tick).",
+        &[one(
+            "/unwinding/plans/deep_plans_learned",
+            field!(walks.plans.deep_plans_learned),
+        )],
+    ),
+    counter(
+        "stack_plan_learn_failures",
+        "Learning reads that gave no plan (the thread was gone, the walk did \
+         not reach the root, or the stack was too deep).",
+        &[one(
+            "/unwinding/plans/learn_failed",
+            field!(walks.plans.learn_failed),
+        )],
+    ),
+    counter(
+        "stack_plan_learn_too_late",
+        "Of the learning reads that gave no plan, those that found the \
+         thread's process exited.",
+        &[one(
+            "/unwinding/plans/learn_too_late",
+            field!(walks.plans.learn_too_late),
+        )],
+    ),
+    counter(
+        "stack_plan_learn_throttled",
+        "Learning reads skipped by the rate limits.",
+        &[one(
+            "/unwinding/plans/learn_throttled",
+            field!(walks.plans.learn_throttled),
+        )],
+    ),
+    counter(
+        "stack_copy_size_updates",
+        "Copy size changes written for processes.",
+        &[one(
+            "/unwinding/plans/copy_updates",
+            field!(walks.plans.copy_updates),
+        )],
+    ),
+    counter(
+        "stack_tops",
+        "Stack tops of threads written for the BPF program (their copies stop \
+         where their walks reach the root), and dropped because a copy that \
+         stopped there ran out.",
+        &[
+            s(
+                "written",
+                "/unwinding/plans/tops_written",
+                field!(walks.plans.tops_written),
+            ),
+            s(
+                "dropped",
+                "/unwinding/plans/tops_dropped",
+                field!(walks.plans.tops_dropped),
+            ),
+        ],
+    )
+    .by("action"),
+    gauge(
+        "stack_plans",
+        "Copy plans of threads in use.",
+        &[one(
+            "/unwinding/plans/thread_plans",
+            field!(walks.plans.thread_plans),
+        )],
+    ),
+    gauge(
+        "deep_stack_plans",
+        "Of the plans in use, deep copies.",
+        &[one(
+            "/unwinding/plans/thread_deep_plans",
+            field!(walks.plans.thread_deep_plans),
+        )],
+    ),
+];
+
+const PROCESSES: &[Stat] = &[
+    gauge(
+        "mapping_feed_open",
+        "1 while mappings are learned from the kernel's events as they are \
+         made; 0: from /proc only (processes that exit within milliseconds \
+         lose their names).",
+        &[one("/mapping_feed/open", field!(mapping_feed.open))],
+    ),
+    counter(
+        "mapping_events",
+        "Process events the mapping feed read, by kind.",
+        &[
+            s("fork", "/mapping_feed/forks", field!(mapping_feed.forks)),
+            s("exec", "/mapping_feed/execs", field!(mapping_feed.execs)),
+            s("mmap", "/mapping_feed/mmaps", field!(mapping_feed.mmaps)),
+        ],
+    )
+    .by("event"),
+    counter(
+        "mapping_events_lost",
+        "Mapping event records the kernel lost (its ring was full).",
+        &[one("/mapping_feed/lost", field!(mapping_feed.lost))],
+    ),
+    counter(
+        "mapping_events_malformed",
+        "Mapping event records that did not parse.",
+        &[one(
+            "/mapping_feed/malformed",
+            field!(mapping_feed.malformed),
+        )],
+    ),
+    counter(
+        "mapping_feed_resyncs",
+        "Times the mapping feed skipped a ring's contents as corrupt.",
+        &[one("/mapping_feed/resyncs", field!(mapping_feed.resyncs))],
+    ),
+    counter(
+        "mapping_events_applied_early",
+        "Mapping events applied before their time because too many were pending.",
+        &[one(
+            "/mapping_feed/applied_early",
+            field!(mapping_feed.applied_early),
+        )],
+    ),
+    counter(
+        "process_table_lookups",
+        "Lookups of processes' mappings in the process table.",
+        &[one("/process_table/lookups", field!(process_table.lookups))],
+    ),
+    counter(
+        "proc_maps_reads",
+        "Reads of a /proc/<pid>/maps (first sight and re-reads, processes \
+         found gone included).",
+        &[one(
+            "/process_table/maps_reads",
+            field!(process_table.maps_reads),
+        )],
+    ),
+    counter(
+        "proc_maps_rereads_rate_limited",
+        "Misses that did not read a process's maps again because the last \
+         read was too recent.",
+        &[one(
+            "/process_table/rereads_rate_limited",
+            field!(process_table.rereads_rate_limited),
+        )],
+    ),
+    counter(
+        "objects_identified",
+        "Mapped files opened and identified (object cache misses).",
+        &[one(
+            "/process_table/objects_identified",
+            field!(process_table.objects_identified),
+        )],
+    ),
+    counter(
+        "object_cache_hits",
+        "Mappings whose file was found in the object cache.",
+        &[one(
+            "/process_table/object_cache_hits",
+            field!(process_table.object_cache_hits),
+        )],
+    ),
+    counter(
+        "build_ids_unverified",
+        "Files claiming a build-id that were not digested (too large, or over \
+         the digest budget): not shared with their copies.",
+        &[one(
+            "/process_table/build_ids_unverified",
+            field!(process_table.build_ids_unverified),
+        )],
+    ),
+    counter(
+        "process_table_evictions",
+        "Processes dropped to keep the process table within its bound.",
+        &[one(
+            "/process_table/evictions",
+            field!(process_table.evictions),
+        )],
+    ),
+    counter(
+        "mappings_learned",
+        "Executable mappings learned from mmap events.",
+        &[one(
+            "/process_table/mappings_learned",
+            field!(process_table.mappings_learned),
+        )],
+    ),
+    counter(
+        "mappings_unidentified",
+        "Of the mappings learned, files that could not be reached or \
+         identified: their frames stay unnamed.",
+        &[one(
+            "/process_table/learned_unidentified",
+            field!(process_table.learned_unidentified),
+        )],
+    ),
+    counter(
+        "lookups_after_exit",
+        "Lookups answered from learned mappings after the process's maps could \
+         no longer be read (it had exited).",
+        &[one(
+            "/process_table/answered_after_exit",
+            field!(process_table.answered_after_exit),
+        )],
+    ),
+    counter(
+        "exited_processes",
+        "Sampled processes that exited while the agent ran.",
+        &[one("/exited_processes", field!(processes.exited_processes))],
+    ),
+    counter(
+        "exited_process_samples",
+        "Samples of the sampled processes that exited while the agent ran.",
+        &[one("/exited_samples", field!(processes.exited_samples))],
+    ),
+    counter(
+        "untracked_process_samples",
+        "Samples of processes that came after the per-process tally was full.",
+        &[one("/other", field!(processes.untracked_samples))],
+    ),
+];
+
+const AGGREGATION: &[Stat] = &[
+    counter(
+        "aggregated_samples",
+        "Samples counted into intervals (truncated ones included).",
+        &[one("/aggregation/samples", field!(aggregation.samples))],
+    ),
+    counter(
+        "kernel_thread_samples",
+        "Of the samples counted, samples of kernel threads (no user part).",
+        &[one(
+            "/aggregation/kernel_only",
+            field!(aggregation.kernel_only),
+        )],
+    ),
+    counter(
+        "empty_samples",
+        "Samples without a single frame (a kernel thread's stack could not be \
+         read): counted nowhere.",
+        &[one("/aggregation/empty", field!(aggregation.empty))],
+    ),
+    counter(
+        "interval_full_samples",
+        "Samples an interval had no room for, by what became of them: counted \
+         under the [truncated] stack, or dropped.",
+        &[
+            s(
+                "truncated",
+                "/aggregation/truncated",
+                field!(aggregation.truncated),
+            ),
+            s(
+                "dropped",
+                "/aggregation/dropped",
+                field!(aggregation.dropped),
+            ),
+        ],
+    )
+    .by("outcome"),
+    counter(
+        "intervals_finished",
+        "Aggregation intervals finished.",
+        &[one("/aggregation/intervals", field!(aggregation.intervals))],
+    ),
+    gauge(
+        "interval_stacks",
+        "Distinct (labels, stack) pairs in the interval being aggregated.",
+        &[one("/aggregation/distinct", field!(aggregation.distinct))],
+    ),
+    gauge(
+        "interval_stacks_max",
+        "The most distinct (labels, stack) pairs an interval had.",
+        &[one(
+            "/aggregation/max_distinct",
+            field!(aggregation.max_distinct),
+        )],
+    ),
+    counter(
+        "aggregation_files_opened",
+        "Mapped files opened while aggregating (failed opens included).",
+        &[one(
+            "/aggregation/files_opened",
+            field!(aggregation.files_opened),
+        )],
+    ),
+    counter(
+        "aggregation_file_failures",
+        "Mapped files that could not be opened while aggregating.",
+        &[one(
+            "/aggregation/files_failed",
+            field!(aggregation.files_failed),
+        )],
+    ),
+    counter(
+        "jit_frames",
+        "JIT frames, by whether a perf map entry named them.",
+        &[
+            s("named", "/jit_names/named", field!(jit_names.named)),
+            s("unnamed", "/jit_names/unnamed", field!(jit_names.unnamed)),
+        ],
+    )
+    .by("result"),
+    counter(
+        "perf_map_lines",
+        "Perf map lines read into entries.",
+        &[one("/jit_names/lines", field!(jit_names.lines))],
+    ),
+    counter(
+        "perf_map_lines_malformed",
+        "Perf map lines skipped as malformed.",
+        &[one("/jit_names/malformed", field!(jit_names.malformed))],
+    ),
+    counter(
+        "perf_map_lines_over_budget",
+        "Perf map lines skipped because the entries were at their byte bound \
+         (the total, or the process's share of it).",
+        &[one("/jit_names/over_budget", field!(jit_names.over_budget))],
+    ),
+    counter(
+        "perf_maps_evicted",
+        "Perf maps dropped to stay within their bounds.",
+        &[one("/jit_names/evicted", field!(jit_names.evicted))],
+    ),
+];
+
+const BATCHES: &[Stat] = &[
+    counter(
+        "batches_built",
+        "Aggregated batches built.",
+        &[one("/batches/built", field!(batches.batches_built))],
+    ),
+    counter(
+        "intervals_dropped",
+        "Aggregation intervals dropped because the batch builder was busy.",
+        &[one(
+            "/batches/intervals_dropped",
+            field!(batches.intervals_dropped),
+        )],
+    ),
+    counter(
+        "intervals_empty",
+        "Intervals without a sample: no batch is built for them.",
+        &[one(
+            "/batches/intervals_empty",
+            field!(batches.intervals_empty),
+        )],
+    ),
+    counter(
+        "batch_samples",
+        "Samples in the batches built (the sum of their counts).",
+        &[one("/batches/samples", field!(batches.samples_in_batches))],
+    ),
+    counter(
+        "batch_build",
+        "Time spent building batches, naming included.",
+        &[one(
+            "/batches/build_micros_total",
+            field!(batches.build_micros_total),
+        )],
+    )
+    .unit(StatUnit::Micros),
+    gauge(
+        "last_batch_build",
+        "Time the last batch took to build, naming included.",
+        &[one(
+            "/batches/build_micros_last",
+            field!(batches.build_micros_last),
+        )],
+    )
+    .unit(StatUnit::Micros),
+    gauge(
+        "batch_build_max",
+        "The longest a batch took to build, naming included.",
+        &[one(
+            "/batches/build_micros_max",
+            field!(batches.build_micros_max),
+        )],
+    )
+    .unit(StatUnit::Micros),
+    gauge(
+        "last_batch",
+        "Encoded size of the last batch built.",
+        &[one(
+            "/batches/last_batch_bytes",
+            field!(batches.last_batch_bytes),
+        )],
+    )
+    .unit(StatUnit::Bytes),
+    gauge(
+        "last_batch_entries",
+        "Entries of the last batch built, by table: locations, stacks, samples.",
+        &[
+            s(
+                "locations",
+                "/batches/last_batch_locations",
+                field!(batches.last_batch_locations),
+            ),
+            s(
+                "stacks",
+                "/batches/last_batch_stacks",
+                field!(batches.last_batch_stacks),
+            ),
+            s(
+                "samples",
+                "/batches/last_batch_samples",
+                field!(batches.last_batch_samples),
+            ),
+        ],
+    )
+    .by("table"),
+    counter(
+        "heap_trims",
+        "Times the heap's free pages were handed back to the kernel (more than 16 MiB free).",
+        &[one("/batches/heap_trims", field!(batches.heap_trims))],
+    ),
+];
+
+const NAMING: &[Stat] = &[
+    counter(
+        "symbol_cache_lookups",
+        "Lookups of user and vDSO frames in the name cache, by result.",
+        &[
+            s(
+                "hit",
+                "/symbolization/counts/cache_hits",
+                field!(batches.symbolize.cache_hits),
+            ),
+            s(
+                "miss",
+                "/symbolization/counts/cache_misses",
+                field!(batches.symbolize.cache_misses),
+            ),
+        ],
+    )
+    .by("result"),
+    gauge(
+        "symbol_cache_hit_share",
+        "Share of the name cache lookups answered by the cache.",
+        &[one("/symbolization/cache_hit_percent", |t| {
+            t.batches.symbolize.cache_hit_percent().into()
+        })],
+    )
+    .unit(StatUnit::Percent)
+    .reports(),
+    counter(
+        "frames_named",
+        "Name cache misses that found a name.",
+        &[one(
+            "/symbolization/counts/named",
+            field!(batches.symbolize.named),
+        )],
+    ),
+    counter(
+        "frames_without_symbol",
+        "Name cache misses that no symbol covers.",
+        &[one(
+            "/symbolization/counts/no_symbol",
+            field!(batches.symbolize.no_symbol),
+        )],
+    ),
+    counter(
+        "frames_unreadable",
+        "Frames left unnamed because their file could not be opened or read.",
+        &[one(
+            "/symbolization/counts/errors",
+            field!(batches.symbolize.errors),
+        )],
+    ),
+    counter(
+        "debug_files_used",
+        "Stripped files named from a separate debug file found on the node.",
+        &[one(
+            "/symbolization/counts/debug_files",
+            field!(batches.symbolize.debug_files),
+        )],
+    ),
+    counter(
+        "go_frames_named",
+        "Frames of Go binaries named from their function table (.gopclntab), \
+         which blazesym left unnamed.",
+        &[one(
+            "/symbolization/counts/go_named",
+            field!(batches.symbolize.go_named),
+        )],
+    ),
+    counter(
+        "frames_left_to_collector",
+        "Frames of files with a build-id left for the collector to name \
+         (--symbolize collector).",
+        &[one(
+            "/symbolization/counts/left_to_collector",
+            field!(batches.symbolize.left_to_collector),
+        )],
+    ),
+    counter(
+        "frames_deferred",
+        "Frames left unnamed because the batch's time for naming ran out \
+         (looked up again for the next batch).",
+        &[one(
+            "/symbolization/counts/deferred",
+            field!(batches.symbolize.deferred),
+        )],
+    ),
+    counter(
+        "kernel_frames",
+        "Kernel frames, by whether a kernel symbol named them.",
+        &[
+            s(
+                "named",
+                "/symbolization/counts/kernel_named",
+                field!(batches.symbolize.kernel_named),
+            ),
+            s(
+                "unnamed",
+                "/symbolization/counts/kernel_unnamed",
+                field!(batches.symbolize.kernel_unnamed),
+            ),
+        ],
+    )
+    .by("result"),
+    counter(
+        "kallsyms_reloads",
+        "Reads of kallsyms caused by an address no symbol named.",
+        &[one(
+            "/symbolization/counts/kernel_reloads",
+            field!(batches.symbolize.kernel_reloads),
+        )],
+    ),
+    gauge(
+        "kernel_symbols",
+        "Symbols in the kernel table (0 when kallsyms is hidden).",
+        &[one(
+            "/symbolization/counts/kernel_symbols",
+            field!(batches.symbolize.kernel_symbols),
+        )],
+    ),
+    counter(
+        "symbolizer_files_opened",
+        "Files handed to blazesym.",
+        &[one(
+            "/symbolization/counts/objects_opened",
+            field!(batches.symbolize.objects_opened),
+        )],
+    ),
+    counter(
+        "symbolizer_rebuilds",
+        "Times blazesym's whole state was dropped (after a panic, or to \
+         release what path evictions do not reach).",
+        &[one(
+            "/symbolization/counts/rebuilds",
+            field!(batches.symbolize.rebuilds),
+        )],
+    ),
+    counter(
+        "symbolizer_panics",
+        "Panics caught in blazesym.",
+        &[one(
+            "/symbolization/counts/panics",
+            field!(batches.symbolize.panics),
+        )],
+    ),
+];
+
+/// Read only when the group is present (an exporter runs).
+fn export(t: &RunTotals) -> &crate::export::ExportStats {
+    const NONE: &crate::export::ExportStats = &crate::export::ExportStats {
+        batches_sent: 0,
+        samples_sent: 0,
+        batches_duplicate: 0,
+        batches_dropped_queue_full: 0,
+        samples_dropped_queue_full: 0,
+        batches_rejected: 0,
+        samples_rejected: 0,
+        retries: 0,
+        queued_batches: 0,
+        queued_bytes: 0,
+        queued_samples: 0,
+        last_error: None,
+    };
+    t.export.as_ref().unwrap_or(NONE)
+}
+
+const EXPORT: &[Stat] = &[
+    counter(
+        "export_batches",
+        "Batches leaving for the collector, by result.",
+        &[
+            s("stored", "/export/batches_stored", |t| {
+                let e = export(t);
+                e.batches_sent.saturating_sub(e.batches_duplicate).into()
+            }),
+            s("duplicate", "/export/batches_duplicate", |t| {
+                export(t).batches_duplicate.into()
+            }),
+            s(
+                "dropped_queue_full",
+                "/export/batches_dropped_queue_full",
+                |t| export(t).batches_dropped_queue_full.into(),
+            ),
+            s("rejected", "/export/batches_rejected", |t| {
+                export(t).batches_rejected.into()
+            }),
+        ],
+    )
+    .by("result"),
+    counter(
+        "export_batches_acknowledged",
+        "Batches the collector acknowledged (stored and duplicate).",
+        &[one("/export/batches_sent", |t| {
+            export(t).batches_sent.into()
+        })],
+    )
+    .reports(),
+    counter(
+        "export_samples",
+        "Samples leaving for the collector, by result.",
+        &[
+            s("sent", "/export/samples_sent", |t| {
+                export(t).samples_sent.into()
+            }),
+            s(
+                "dropped_queue_full",
+                "/export/samples_dropped_queue_full",
+                |t| export(t).samples_dropped_queue_full.into(),
+            ),
+            s("rejected", "/export/samples_rejected", |t| {
+                export(t).samples_rejected.into()
+            }),
+        ],
+    )
+    .by("result"),
+    counter(
+        "export_retries",
+        "Pushes that failed transiently and were tried again.",
+        &[one("/export/retries", |t| export(t).retries.into())],
+    ),
+    gauge(
+        "export_queue",
+        "Bytes of batches not delivered yet.",
+        &[one("/export/queued_bytes", |t| {
+            export(t).queued_bytes.into()
+        })],
+    )
+    .unit(StatUnit::Bytes),
+    gauge(
+        "export_queue_batches",
+        "Batches not delivered yet.",
+        &[one("/export/queued_batches", |t| {
+            export(t).queued_batches.into()
+        })],
+    ),
+    gauge(
+        "export_queue_samples",
+        "Samples in the batches not delivered yet.",
+        &[one("/export/queued_samples", |t| {
+            export(t).queued_samples.into()
+        })],
+    ),
+];
+
+/// Read only when the group is present (uploads are on).
+fn uploads(t: &RunTotals) -> crate::export::debuginfo::UploadStats {
+    t.uploads.unwrap_or_default()
+}
+
+const UPLOADS: &[Stat] = &[
+    counter(
+        "debuginfo_uploads",
+        "Binaries offered for a debuginfo upload, by what became of them: \
+         uploaded, already on the collector, without symbols of their own, \
+         failed, or dropped because the queue was full.",
+        &[
+            s("uploaded", "/debuginfo_upload/uploaded", |t| {
+                uploads(t).uploaded.into()
+            }),
+            s("already_stored", "/debuginfo_upload/already_stored", |t| {
+                uploads(t).already_stored.into()
+            }),
+            s(
+                "without_symbols",
+                "/debuginfo_upload/without_symbols",
+                |t| uploads(t).without_symbols.into(),
+            ),
+            s("failed", "/debuginfo_upload/failed", |t| {
+                uploads(t).failed.into()
+            }),
+            s("queue_full", "/debuginfo_upload/queue_full", |t| {
+                uploads(t).queue_full.into()
+            }),
+        ],
+    )
+    .by("result"),
+    counter(
+        "debuginfo_uploaded",
+        "Bytes of debuginfo uploaded.",
+        &[one("/debuginfo_upload/uploaded_bytes", |t| {
+            uploads(t).uploaded_bytes.into()
+        })],
+    )
+    .unit(StatUnit::Bytes),
+];
+
+const AGENT: &[Stat] = &[
+    gauge(
+        "run_time",
+        "How long the agent has sampled.",
+        &[one("/elapsed_secs", |t| t.elapsed.as_secs_f64().into())],
+    )
+    .unit(StatUnit::Seconds)
+    .reports(),
+    counter(
+        "process_cpu",
+        "User and system CPU time spent.",
+        &[one("/process/cpu_seconds", field!(process.cpu_seconds))],
+    )
+    .unit(StatUnit::Seconds)
+    .process_metrics(),
+    gauge(
+        "process_resident_memory",
+        "Resident memory size.",
+        &[one(
+            "/process/resident_bytes",
+            field!(process.resident_bytes),
+        )],
+    )
+    .unit(StatUnit::Bytes)
+    .process_metrics(),
+    gauge(
+        "process_peak_resident_memory",
+        "Highest resident memory size since the process started.",
+        &[one(
+            "/process/peak_resident_bytes",
+            field!(process.peak_resident_bytes),
+        )],
+    )
+    .unit(StatUnit::Bytes)
+    .process_metrics(),
+];
