@@ -41,8 +41,15 @@ enum Task {
     },
     /// Format check, clippy, unit tests and the privileged end-to-end
     /// tests, on this kernel and (sampler and unwinding) on Linux 6.1 and
-    /// 6.12 in virtual machines.
-    Test,
+    /// 6.12 in virtual machines (root).
+    Test {
+        /// Only the fast tier, as a normal user: format check, then the unit
+        /// and parser tests, the collector on SQLite and gRPC, the CLI, the
+        /// export and the unwinder on fixtures; no root, no servers but the
+        /// tests' own on 127.0.0.1, nothing installed by apt-get.
+        #[arg(long)]
+        fast: bool,
+    },
     /// Benchmarks that print figures (reports, not pass/fail tests).
     Bench {
         #[command(subcommand)]
@@ -75,7 +82,8 @@ fn main() -> anyhow::Result<()> {
     match cli.command {
         Task::Setup => setup::ensure_all(),
         Task::Run { agent_args } => run(&agent_args),
-        Task::Test => test(),
+        Task::Test { fast: false } => test(),
+        Task::Test { fast: true } => test_fast(),
         Task::Bench { which } => {
             setup::ensure_all()?;
             bench::run(which)
@@ -277,6 +285,132 @@ fn test() -> anyhow::Result<()> {
 /// fleet, started by hand.
 const HAND_RUN_MEASUREMENT: &str = "the_fleet_hour_time_to_first_flamegraph";
 
+/// The fast tier's integration test targets (`--test NAME`; each name is in
+/// one selected package only): the collector's gRPC API, storage on SQLite
+/// and debuginfo store; the CLI against a collector it starts; the agent's
+/// export to a fake collector; the process table on fixture processes; the
+/// unwinder on real binaries and on stopped fixture processes.
+const FAST_TESTS: &[&str] = &[
+    "grpc",
+    "storage",
+    "debuginfo",
+    "queries",
+    "export",
+    "processes",
+    "identity",
+    "real_binaries",
+    "end_to_end",
+];
+
+/// Commands the fast tier's tests run (fixtures are compiled at test time;
+/// split debug files made and read with binutils and xz), and where each
+/// comes from.
+const FAST_TOOLS: &[(&str, &str)] = &[
+    ("gcc", "Debian's gcc"),
+    ("g++", "Debian's g++"),
+    ("objcopy", "Debian's binutils"),
+    ("strip", "Debian's binutils"),
+    ("readelf", "Debian's binutils"),
+    ("xz", "Debian's xz-utils"),
+    ("rustc", "rustup's stable toolchain"),
+    ("true", "coreutils"),
+    ("sleep", "coreutils"),
+];
+
+/// `cargo xtask test --fast`: the tier a developer runs between edits, as a
+/// normal user. It installs nothing with apt-get (the user-level part of
+/// setup, nightly's rust-src and bpf-linker, is installed if missing: the
+/// agent's build script builds the BPF object) and checks for the commands
+/// the tests run. Leaves out the tests that need root, BPF, containers,
+/// ClickHouse or a browser; `cargo xtask test` runs them.
+fn test_fast() -> anyhow::Result<()> {
+    let started = std::time::Instant::now();
+    setup::ensure_user_level()?;
+    check_fast_tools()?;
+    // A formatting difference fails the tier after the tests have run, so
+    // one run reports both.
+    let formatted = cargo(&["fmt", "--all", "--", "--check"]);
+    // Explicit targets: no doc-test pass (there are no doc tests), no
+    // examples, no empty test harnesses of binaries.
+    let mut args = vec!["test", "--no-fail-fast", "--workspace"];
+    // The BPF crate builds only for its target; the end-to-end crate needs
+    // root and BPF throughout.
+    args.extend(["--exclude", "agent-ebpf", "--exclude", "stackscope-tests"]);
+    args.extend(["--lib", "--bin", "xtask"]);
+    for name in FAST_TESTS {
+        args.extend(["--test", name]);
+    }
+    cargo(&args)?;
+    formatted.context("formatting differs: run `cargo fmt --all`")?;
+    eprintln!(
+        "fast tier passed in {:.0} s (`cargo xtask test` runs the whole suite, as root)",
+        started.elapsed().as_secs_f64()
+    );
+    Ok(())
+}
+
+/// Fails naming every missing command the fast tier's tests run, and what
+/// provides it.
+fn check_fast_tools() -> anyhow::Result<()> {
+    let mut missing: Vec<String> = FAST_TOOLS
+        .iter()
+        .filter(|(command, _)| !on_path(command))
+        .map(|(command, from)| format!("`{command}` ({from})"))
+        .collect();
+    // The unwinder's static-pie fixture links glibc statically.
+    if on_path("gcc") && !gcc_finds("libc.a") {
+        missing.push("glibc's static library libc.a (Debian's libc6-dev)".to_string());
+    }
+    // The sampler's layout test reads the running kernel's BTF.
+    if !Path::new("/sys/kernel/btf/vmlinux").exists() {
+        missing.push("the kernel's BTF, /sys/kernel/btf/vmlinux (a kernel built with it)".into());
+    }
+    if !missing.is_empty() {
+        bail!(
+            "the fast tier's tests need {}; `sudo cargo xtask setup` installs Debian's packages",
+            missing.join(", ")
+        );
+    }
+    // The unwinder's end-to-end tests ptrace their own fixture processes;
+    // Yama's scope 2 and 3 keep that to root.
+    let ptrace_scope = std::fs::read_to_string("/proc/sys/kernel/yama/ptrace_scope")
+        .ok()
+        .and_then(|scope| scope.trim().parse::<u32>().ok());
+    // SAFETY: geteuid has no preconditions and cannot fail.
+    let root = unsafe { libc::geteuid() } == 0;
+    if ptrace_scope.is_some_and(|scope| scope >= 2) && !root {
+        bail!(
+            "kernel.yama.ptrace_scope is {}: the unwinder's tests ptrace their fixture processes, \
+             which needs scope 0 or 1 (`sudo sysctl kernel.yama.ptrace_scope=1`) or root",
+            ptrace_scope.unwrap_or_default()
+        );
+    }
+    Ok(())
+}
+
+/// Whether `command` is an executable file in a directory of `$PATH`.
+fn on_path(command: &str) -> bool {
+    use std::os::unix::fs::PermissionsExt as _;
+    std::env::var_os("PATH").is_some_and(|path| {
+        std::env::split_paths(&path).any(|dir| {
+            std::fs::metadata(dir.join(command))
+                .is_ok_and(|meta| meta.is_file() && meta.permissions().mode() & 0o111 != 0)
+        })
+    })
+}
+
+/// Whether gcc finds `file` in its library search path (it prints the bare
+/// name when it does not).
+fn gcc_finds(file: &str) -> bool {
+    Command::new("gcc")
+        .arg(format!("-print-file-name={file}"))
+        .output()
+        .is_ok_and(|out| {
+            out.status.success()
+                && Path::new(String::from_utf8_lossy(&out.stdout).trim()).is_absolute()
+        })
+}
+
 fn require_root(why: &str) -> anyhow::Result<()> {
     // SAFETY: geteuid has no preconditions and cannot fail.
     if unsafe { libc::geteuid() } != 0 {
@@ -313,6 +447,26 @@ pub(crate) fn cargo(args: &[&str]) -> anyhow::Result<()> {
     let cargo = std::env::var_os("CARGO").unwrap_or_else(|| "cargo".into());
     let mut cmd = Command::new(cargo);
     cmd.args(args).current_dir(workspace_root());
+    // What `cargo run` set for xtask itself is not the build's environment:
+    // ring's build script reruns when CARGO_MANIFEST_DIR changes, so
+    // inheriting it rebuilt ring and everything above it (rustls, tonic,
+    // reqwest, the agent, the collector: 25-60 s here) at every switch
+    // between `cargo xtask test --fast` and a plain `cargo test`.
+    for (name, _) in std::env::vars_os() {
+        let name = name.to_string_lossy();
+        if name.starts_with("CARGO_PKG_")
+            || [
+                "CARGO_MANIFEST_DIR",
+                "CARGO_MANIFEST_PATH",
+                "CARGO_CRATE_NAME",
+                "CARGO_BIN_NAME",
+                "CARGO_PRIMARY_PACKAGE",
+            ]
+            .contains(&&*name)
+        {
+            cmd.env_remove(&*name);
+        }
+    }
     run_checked(&mut cmd)
 }
 

@@ -63,15 +63,36 @@ pub fn ensure_all() -> anyhow::Result<()> {
     Ok(())
 }
 
+/// What `cargo xtask test --fast` may do as a normal user: nightly's
+/// `rust-src` and `bpf-linker` (rustup and cargo install into the user's
+/// own toolchain), and /dev/null checked (recreated only by root).
+pub fn ensure_user_level() -> anyhow::Result<()> {
+    // SAFETY: geteuid has no preconditions and cannot fail.
+    if unsafe { libc::geteuid() } == 0 {
+        ensure_dev_null()?;
+    } else if !dev_null_is_the_device() {
+        bail!(
+            "/dev/null is not the null device (children would read whatever was last written \
+             to it): `sudo cargo xtask setup` recreates it"
+        );
+    }
+    ensure_nightly_rust_src()?;
+    ensure_bpf_linker()
+}
+
+fn dev_null_is_the_device() -> bool {
+    use std::os::unix::fs::FileTypeExt as _;
+    std::fs::metadata("/dev/null").is_ok_and(|meta| meta.file_type().is_char_device())
+}
+
 /// Machines of this kind have been seen with `/dev/null` deleted and
 /// recreated as a regular file by the next `> /dev/null`. It then holds
 /// whatever was last thrown away, and every `Stdio::null()` child reads it:
 /// cargo's rustc probe failed on a gcc error message as its source. Recreate
 /// the device (character device 1:3, as the kernel's devtmpfs makes it).
 fn ensure_dev_null() -> anyhow::Result<()> {
-    use std::os::unix::fs::FileTypeExt as _;
     let dev_null = Path::new("/dev/null");
-    if std::fs::metadata(dev_null).is_ok_and(|meta| meta.file_type().is_char_device()) {
+    if dev_null_is_the_device() {
         return Ok(());
     }
     eprintln!("setup: /dev/null is not the null device; recreating it");
