@@ -409,6 +409,17 @@ impl ProcessTable {
     /// since), unless they were read less than `reread_interval` ago.
     /// `Ok(None)` means "not in executable memory as far as we know".
     pub fn lookup(&mut self, tgid: u32, addr: u64) -> Result<Option<Location>, ProcessError> {
+        self.lookup_at(tgid, addr, Instant::now())
+    }
+
+    /// [`lookup`](Self::lookup) at time `now`, against which the last read
+    /// of the maps is aged (tests pass a later `now` instead of sleeping).
+    pub fn lookup_at(
+        &mut self,
+        tgid: u32,
+        addr: u64,
+        now: Instant,
+    ) -> Result<Option<Location>, ProcessError> {
         self.stats.lookups += 1;
         let interval = self.config.reread_interval;
         self.identify_learned_at(tgid, addr);
@@ -418,11 +429,12 @@ impl ProcessTable {
             // read, under the same rate limit as unknown addresses: the
             // failure may have been a race with the process changing its
             // mappings.
-            if !matches!(region.backing, Backing::Failed(_)) || process.read_at.elapsed() < interval
+            if !matches!(region.backing, Backing::Failed(_))
+                || now.saturating_duration_since(process.read_at) < interval
             {
                 return region.location(addr).map(Some);
             }
-        } else if process.read_at.elapsed() < interval {
+        } else if now.saturating_duration_since(process.read_at) < interval {
             self.stats.rereads_rate_limited += 1;
             return Ok(None);
         }
@@ -1132,7 +1144,7 @@ mod tests {
     fn unknown_address_rereads_at_most_once_per_interval() {
         let proc = FakeProc::new();
         proc.set_maps(10, &[JIT]);
-        let interval = Duration::from_millis(200);
+        let interval = Duration::from_secs(3600);
         let mut table = proc.table(8, interval);
         assert!(table.lookup(10, 0x10).expect("first sight").is_none());
         // First sight read the maps just now: no re-read yet.
@@ -1142,10 +1154,10 @@ mod tests {
         }
         assert_eq!(table.stats().maps_reads, 1);
         assert_eq!(table.stats().rereads_rate_limited, 101);
-        std::thread::sleep(interval);
-        // A library appeared meanwhile: the re-read finds it.
+        // An interval later a library has appeared: the re-read finds it.
         proc.set_maps(10, &[VDSO, JIT]);
-        let found = table.lookup(10, 0x7ffd5e3d6000).expect("re-read");
+        let later = Instant::now() + interval;
+        let found = table.lookup_at(10, 0x7ffd5e3d6000, later).expect("re-read");
         assert_eq!(unbacked_path(found), MappingPath::Vdso);
         assert_eq!(table.stats().maps_reads, 2);
     }
@@ -1193,7 +1205,7 @@ mod tests {
     fn garbage_maps_are_an_error_not_a_panic() {
         let proc = FakeProc::new();
         proc.set_maps(10, &[JIT, "this is not a maps line"]);
-        let interval = Duration::from_millis(50);
+        let interval = Duration::from_secs(3600);
         let mut table = proc.table(8, interval);
         let err = table.lookup(10, 0x10).expect_err("parse error");
         assert!(
@@ -1209,8 +1221,8 @@ mod tests {
         // Retrying is rate limited, then reports the error again.
         assert!(table.lookup(10, 0x10).expect("rate limited").is_none());
         assert_eq!(table.stats().maps_reads, 1);
-        std::thread::sleep(interval);
-        assert!(table.lookup(10, 0x10).is_err());
+        let later = Instant::now() + interval;
+        assert!(table.lookup_at(10, 0x10, later).is_err());
         assert_eq!(table.stats().maps_reads, 2);
     }
 
@@ -1232,7 +1244,7 @@ mod tests {
             metadata.ino()
         );
         proc.set_maps(10, &[&line]);
-        let interval = Duration::from_millis(50);
+        let interval = Duration::from_secs(3600);
         let mut table = proc.table(8, interval);
 
         let err = table
@@ -1254,8 +1266,8 @@ mod tests {
         assert!(table.lookup(10, 0x7f0000100010).is_err());
         assert_eq!(table.stats().maps_reads, 1);
         std::fs::rename(&staged, root.join("lib/x.so")).expect("moving into place");
-        std::thread::sleep(interval);
-        let found = match table.lookup(10, 0x7f0000100010).expect("retried") {
+        let later = Instant::now() + interval;
+        let found = match table.lookup_at(10, 0x7f0000100010, later).expect("retried") {
             Some(Location::Object(found)) => found,
             other => panic!("expected an object, got {other:?}"),
         };
