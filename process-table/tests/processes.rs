@@ -3,7 +3,10 @@
 
 mod common;
 
-use std::{sync::Arc, time::Duration};
+use std::{
+    sync::Arc,
+    time::{Duration, Instant},
+};
 
 use common::Target;
 use stackscope_process_table::{
@@ -139,7 +142,7 @@ fn vdso_is_listed_with_its_bounds() {
 fn unknown_address_rereads_once_then_reports_none() {
     let fixtures = Fixtures::build();
     let target = Target::start(&fixtures.target(), None);
-    let interval = Duration::from_millis(100);
+    let interval = Duration::from_secs(3600);
     let mut table = table_with_interval(interval);
     object(
         table
@@ -148,11 +151,12 @@ fn unknown_address_rereads_once_then_reports_none() {
     );
     assert_eq!(table.stats().maps_reads, 1);
 
-    std::thread::sleep(interval);
-    // Page 1 is never mapped: one re-read, then "nowhere".
+    // An interval later, page 1 is still not mapped: one re-read, then
+    // "nowhere".
+    let later = Instant::now() + interval;
     assert!(
         table
-            .lookup(target.pid(), 0x1000)
+            .lookup_at(target.pid(), 0x1000, later)
             .expect("lookup")
             .is_none()
     );
@@ -160,7 +164,7 @@ fn unknown_address_rereads_once_then_reports_none() {
     for _ in 0..1000 {
         assert!(
             table
-                .lookup(target.pid(), 0x1000)
+                .lookup_at(target.pid(), 0x1000, later)
                 .expect("lookup")
                 .is_none()
         );
@@ -177,7 +181,7 @@ fn exited_process_is_reported_gone() {
     let fixtures = Fixtures::build();
     let mut target = Target::start(&fixtures.target(), Some(&fixtures.lib()));
     let pid = target.pid();
-    let interval = Duration::from_millis(50);
+    let interval = Duration::from_secs(3600);
     let mut table = table_with_interval(interval);
     let lib = object(
         table
@@ -186,9 +190,10 @@ fn exited_process_is_reported_gone() {
     );
     target.exit();
 
-    std::thread::sleep(interval);
-    // A miss re-reads and finds the process gone; its entry goes with it.
-    let err = table.lookup(pid, 0x1000).expect_err("gone");
+    // A miss an interval later re-reads and finds the process gone; its
+    // entry goes with it.
+    let later = Instant::now() + interval;
+    let err = table.lookup_at(pid, 0x1000, later).expect_err("gone");
     assert!(
         matches!(err, ProcessError::ProcessGone { tgid } if tgid == pid),
         "{err:?}"
