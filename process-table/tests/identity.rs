@@ -136,12 +136,18 @@ fn file_without_build_id_gets_a_key_that_changes_when_rewritten() {
     );
 
     // Rewritten in place (same inode), as `cp new.so lib.so` does. The
-    // kernel stamps mtime with a clock that ticks every few milliseconds:
-    // wait for the next tick so the rewrite is visible (see FileKey).
-    std::thread::sleep(Duration::from_millis(20));
+    // kernel stamps mtime with a clock that ticks every few milliseconds,
+    // so a rewrite within the same tick keeps the key (see FileKey): stamp
+    // this one a second later, as a rewrite after the next tick is.
     let rebuilt = dir.path().join("rebuilt.so");
     common::build_lib(&rebuilt, 2, "none");
     std::fs::write(&lib, std::fs::read(&rebuilt).expect("reading")).expect("rewriting");
+    File::options()
+        .write(true)
+        .open(&lib)
+        .expect("opening")
+        .set_modified(metadata.modified().expect("mtime") + Duration::from_secs(1))
+        .expect("stamping the rewrite");
     let rewritten = identify(&lib);
     assert_eq!(
         rewritten.file_key.ino, first.file_key.ino,
