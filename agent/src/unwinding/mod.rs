@@ -393,24 +393,6 @@ impl WalkStats {
         self.ends().outermost_percent()
     }
 
-    /// Share of walks that went through JIT code, in percent.
-    pub fn jit_percent(&self) -> f64 {
-        self.ends().percent(self.jit_walks)
-    }
-
-    /// The `n` binaries (of frame 0) with the most walks that stopped short
-    /// of the outermost frame, worst first.
-    pub fn worst_binaries(&self, n: usize) -> Vec<(&str, WalkEnds)> {
-        let mut binaries: Vec<_> = self
-            .binaries()
-            .filter(|(_, ends)| ends.walks > ends.outermost)
-            .collect();
-        let short = |ends: &WalkEnds| ends.walks - ends.outermost;
-        binaries.sort_by(|a, b| short(&b.1).cmp(&short(&a.1)).then(a.0.cmp(b.0)));
-        binaries.truncate(n);
-        binaries
-    }
-
     /// The binaries of frame 0 with their walks' ends, those with walks only.
     pub fn binaries(&self) -> impl Iterator<Item = (&str, WalkEnds)> {
         self.by_binary
@@ -1772,28 +1754,6 @@ pub(crate) mod tests {
         let frames = std::mem::take(&mut walker.frames);
         walker.place_frames_of(tgid, &frames);
         walker.frames = frames;
-    }
-
-    #[test]
-    fn ranks_binaries_by_walks_that_stopped_short() {
-        let mut stats = WalkStats::default();
-        let ends = |walks, outermost| WalkEnds {
-            walks,
-            outermost,
-            ..WalkEnds::default()
-        };
-        for (name, walks, outermost) in [("a", 10, 10), ("b", 10, 4), ("c", 50, 47), ("d", 7, 0)] {
-            stats.by_binary.push((name.into(), ends(walks, outermost)));
-        }
-        assert_eq!(
-            stats.worst_binaries(2),
-            [("d", ends(7, 0)), ("b", ends(10, 4))]
-        );
-        assert_eq!(
-            stats.worst_binaries(9).len(),
-            3,
-            "fully unwound binaries are not listed"
-        );
     }
 
     #[test]
