@@ -6,8 +6,10 @@
 //! walks get. It does not compile tables or step frames (`stackscope-unwind`)
 //! and does not read `/proc` itself (`stackscope-process-table`).
 //!
-//! Each process has a sorted list of the modules its samples have touched.
-//! A walk runs against that list; when it reaches an address outside it, the
+//! Each process has one record ([`process_state`]): a sorted list of the
+//! modules its samples have touched, its identity, and the copy size the
+//! planner learned for it, found once per sample. A walk runs against that
+//! list; when it reaches an address outside it, the
 //! address is resolved after the walk (process table lookup, then the
 //! object's table from the cache, compiled on a miss) and the walk runs
 //! again. Once a process's hot modules are known, a sample costs one walk.
