@@ -9,9 +9,11 @@
 //! runs, because a container's paths do not exist on the host and a process
 //! may exit before its frames are named), the bounded name cache keyed by
 //! (object identity, file offset) and shared by every process, the bounded
-//! set of files blazesym holds open, the kernel symbol table, and
-//! demangling. Does not own which addresses are looked up, or at which byte
-//! (the batch builder decides), nor the wire format.
+//! set of files blazesym holds open, and when the kernel symbol table is
+//! read again. Does not own which addresses are looked up, or at which byte
+//! (the batch builder decides), nor the wire format; nor demangling,
+//! kallsyms and jitdump files (`stackscope_symbolize`, shared with the
+//! collector).
 //!
 //! Naming is best effort and never fails as a whole: a frame whose file
 //! cannot be opened or read, or that no symbol covers, gets no lines (and
@@ -27,8 +29,6 @@
 
 mod cache;
 pub mod debug_files;
-pub mod jitdump;
-pub mod kernel;
 pub mod perf_map;
 
 use std::{
@@ -51,10 +51,12 @@ use blazesym::{
 };
 use stackscope_gopclntab::elf::{GoFunctions, GoTableCache};
 use stackscope_process_table::{MappedRegion, ObjectId, elf::LoadSegment, open::OpenError};
-use stackscope_profile::names::demangle;
+use stackscope_symbolize::{
+    demangle,
+    kernel::{self, KernelSymbols},
+};
 
 pub use cache::GenerationalCache;
-use kernel::KernelSymbols;
 
 use crate::unwinding::ModuleFile;
 use stackscope_telemetry::StateSize;
@@ -163,7 +165,7 @@ impl Default for SymbolizerConfig {
 /// One name of a frame: a function, and where in its source the address is.
 #[derive(Debug, Clone, PartialEq, Eq, Hash)]
 pub struct FrameLine {
-    /// Demangled (see [`stackscope_profile::names::demangle`]).
+    /// Demangled (see [`stackscope_symbolize::demangle`]).
     pub function: Box<str>,
     /// The source file, or empty when unknown.
     pub file: Box<str>,

@@ -28,10 +28,10 @@ use stackscope_collector::debuginfo::{
 };
 use stackscope_profile::{
     model::{CodeAddress, Frame, StackSamples, WeightedStack},
-    names::demangle,
     render::{self, SvgOptions},
     tree::CallTree,
 };
+use stackscope_symbolize::demangle;
 
 const DEPTH: usize = 30;
 const BUILD_ID: &str = "5374616b73636f70652062656e636821";

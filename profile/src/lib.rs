@@ -6,7 +6,6 @@
 //!
 //! - [`model`]: selections, frames and weighted stacks (shared with the
 //!   collector's storage), and times as the wire holds them;
-//! - [`names`]: demangling, the same on the node and in the collector;
 //! - [`selector`]: the `{name="value", ...}` matcher syntax and selections on
 //!   the wire;
 //! - [`timespec`]: selections as people type them (`--since 5m`, RFC 3339
@@ -16,7 +15,6 @@
 //! - [`render`]: everything drawn or exported from a tree.
 
 pub mod model;
-pub mod names;
 pub mod render;
 pub mod selector;
 pub mod timespec;

@@ -15,7 +15,7 @@ use std::{
 };
 
 use object::{Object as _, ObjectSymbol as _, SymbolKind};
-use stackscope_profile::names::demangle;
+use stackscope_symbolize::demangle;
 
 pub mod batches;
 pub mod containers;

@@ -132,7 +132,7 @@ pub(crate) const TARGETS: &[Target] = &[
         seeds: seeds::perf_map,
     },
     Target {
-        krate: "agent",
+        krate: "symbolize",
         name: "jitdump",
         what: "jitdump reader (jit-<pid>.dump, fed in chunks)",
         seeds: seeds::jitdump,

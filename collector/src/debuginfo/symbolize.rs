@@ -24,10 +24,8 @@ use blazesym::symbolize::{
     self as blaze, CodeInfo, Input, Sym, Symbolized,
     source::{Elf, Source},
 };
-use stackscope_profile::{
-    model::{CodeAddress, Frame, StackSamples},
-    names::demangle,
-};
+use stackscope_profile::model::{CodeAddress, Frame, StackSamples};
+use stackscope_symbolize::demangle;
 
 use stackscope_gopclntab::elf::{GoFunctions, GoTableCache};
 use stackscope_telemetry::StateSize;
@@ -92,7 +90,7 @@ fn new_blazesym() -> blaze::Symbolizer {
     blaze::Symbolizer::builder()
         .enable_code_info(true)
         .enable_inlined_fns(true)
-        // Its demangler reads bare C names as type codes; the profile's own
+        // Its demangler reads bare C names as type codes; the shared
         // demangler is the one every other name went through.
         .enable_demangling(false)
         .build()

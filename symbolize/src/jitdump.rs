@@ -6,7 +6,7 @@
 //! untrusted (every size checked, a record that cannot be right stops the
 //! stream for good: [`DumpReader::is_broken`]), and never holding a
 //! record's code bytes: they are skipped as they arrive. Does not own
-//! finding the file or what the names are used for (`super::perf_map`).
+//! finding the file or what the names are used for (the agent's perf maps).
 //!
 //! Format (Linux `tools/perf/Documentation/jitdump-specification.txt`): a
 //! header (magic `JiTD`, version, its own size, ...) then records, each
@@ -206,12 +206,14 @@ fn u64_at(bytes: &[u8], at: usize) -> u64 {
         .map_or(0, u64::from_le_bytes)
 }
 
-#[cfg(test)]
-pub(crate) mod tests {
+/// Jitdump streams made by hand, for the tests of this reader and of the
+/// agent's perf maps, which read jitdump files behind it.
+#[cfg(any(test, feature = "test-support"))]
+pub mod test_streams {
     use super::*;
 
     /// A jitdump file header.
-    pub(crate) fn header() -> Vec<u8> {
+    pub fn header() -> Vec<u8> {
         let mut out = Vec::new();
         for word in [MAGIC, 1, FILE_HEADER_MIN, 62, 0, 4242] {
             out.extend_from_slice(&word.to_le_bytes());
@@ -221,7 +223,7 @@ pub(crate) mod tests {
     }
 
     /// A code load record with `code` bytes of code.
-    pub(crate) fn load(start: u64, len: u64, name: &str, code: usize) -> Vec<u8> {
+    pub fn load(start: u64, len: u64, name: &str, code: usize) -> Vec<u8> {
         let size = RECORD_HEADER + LOAD_FIELDS + name.len() + 1 + code;
         let mut out = Vec::new();
         out.extend_from_slice(&CODE_LOAD.to_le_bytes());
@@ -236,6 +238,11 @@ pub(crate) mod tests {
         out.extend(std::iter::repeat_n(0xcc, code));
         out
     }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::{test_streams::*, *};
 
     fn code_move(from: u64, to: u64, size: u64) -> Vec<u8> {
         let total = RECORD_HEADER + MOVE_FIELDS;

@@ -1,6 +1,8 @@
 //! Function names as people read them: one set of demangling rules for the
 //! agent (which names frames on the node), the collector and the tests, so
 //! a frame reads the same wherever it was named.
+//!
+//! Owns the rules, not where names come from.
 
 /// A readable name for a symbol: Rust (legacy or v0, without the hash),
 /// else C++ (without parameters or return type, as flame graphs show it),

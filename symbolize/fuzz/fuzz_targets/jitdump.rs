@@ -5,7 +5,7 @@
 #![no_main]
 
 use libfuzzer_sys::fuzz_target;
-use stackscope_agent::symbolize::jitdump::{DumpEvent, DumpReader};
+use stackscope_symbolize::jitdump::{DumpEvent, DumpReader};
 
 fn read<'a>(chunks: impl Iterator<Item = &'a [u8]>) -> (Vec<DumpEvent>, bool) {
     let mut reader = DumpReader::default();

@@ -3,8 +3,8 @@
 //! Owns parsing kallsyms into a compact sorted table (function symbols
 //! only, module names kept) and reading the build-id notes of the kernel
 //! (`/sys/kernel/notes`) and of modules (`/sys/module/<name>/notes`). Does
-//! not decide when to reload (the [`Symbolizer`](super::Symbolizer) does)
-//! and does not look at anything but these files.
+//! not decide when to reload (the agent's symbolizer does) and does not
+//! look at anything but these files.
 //!
 //! kallsyms is read directly rather than through blazesym's kernel source:
 //! the module column names the mapping a kernel frame is shipped in, and
