@@ -11,9 +11,10 @@
 //! (object identity, file offset) and shared by every process, the bounded
 //! set of files blazesym holds open, and when the kernel symbol table is
 //! read again. Does not own which addresses are looked up, or at which byte
-//! (the batch builder decides), nor the wire format; nor demangling,
-//! kallsyms and jitdump files (`stackscope_symbolize`, shared with the
-//! collector).
+//! (the batch builder decides), nor the wire format; nor what the agent and
+//! the collector share (`stackscope_symbolize`): blazesym's set-up and its
+//! recovery from a panic, its answers as lines, the `.gopclntab` fallback,
+//! demangling, kallsyms and jitdump files.
 //!
 //! Naming is best effort and never fails as a whole: a frame whose file
 //! cannot be opened or read, or that no symbol covers, gets no lines (and
@@ -35,28 +36,27 @@ use std::{
     collections::{HashMap, HashSet},
     fs::File,
     os::fd::AsRawFd as _,
-    panic::AssertUnwindSafe,
     path::{Path, PathBuf},
     sync::{Arc, OnceLock},
     time::{Duration, Instant},
 };
 
-use blazesym::{
-    Pid,
-    symbolize::{
-        self as blaze, CodeInfo, Input, Sym, Symbolized,
-        evict::{self, Evict},
-        source::{Elf, Process, Source},
-    },
-};
-use stackscope_gopclntab::elf::{GoFunctions, GoTableCache};
 use stackscope_process_table::{MappedRegion, ObjectId, elf::LoadSegment, open::OpenError};
 use stackscope_symbolize::{
-    demangle,
+    ReadError, Reader, ReaderOptions,
+    blazesym::{
+        Pid,
+        symbolize::{
+            Input,
+            source::{Elf, Process, Source},
+        },
+    },
+    go::{GoFunctions, GoNames, GoTableCache},
     kernel::{self, KernelSymbols},
 };
 
 pub use cache::GenerationalCache;
+pub use stackscope_symbolize::{FrameLine, Lines, truncate_str};
 
 use crate::unwinding::ModuleFile;
 use stackscope_telemetry::StateSize;
@@ -87,11 +87,6 @@ pub const DEFAULT_KALLSYMS_RETRY: Duration = Duration::from_secs(10);
 /// The longest symbol or file name kept; longer ones (generated C++ or Rust
 /// names can be kilobytes) are cut, so one frame cannot bloat every batch.
 const MAX_NAME_BYTES: usize = 2048;
-
-/// Lines kept per address: inlining deeper than this keeps the innermost
-/// functions and the one that holds the code (the collector refuses more
-/// than 256).
-const MAX_LINES: usize = 64;
 
 /// Objects whose errors have been logged, before the set is cleared (and
 /// errors are logged once more).
@@ -162,21 +157,6 @@ impl Default for SymbolizerConfig {
     }
 }
 
-/// One name of a frame: a function, and where in its source the address is.
-#[derive(Debug, Clone, PartialEq, Eq, Hash)]
-pub struct FrameLine {
-    /// Demangled (see [`stackscope_symbolize::demangle`]).
-    pub function: Box<str>,
-    /// The source file, or empty when unknown.
-    pub file: Box<str>,
-    /// 0 when unknown.
-    pub line: u32,
-}
-
-/// The names found for one address, innermost (inlined) function first and
-/// the function that holds the code last; empty when none was found.
-pub type Lines = Arc<[FrameLine]>;
-
 /// Why an object's frames could not be named.
 #[derive(Debug, thiserror::Error)]
 pub enum SymbolizeError {
@@ -184,12 +164,10 @@ pub enum SymbolizeError {
     /// was opened, or the agent lacks the privileges).
     #[error("opening the mapped file")]
     Open(#[source] Arc<OpenError>),
-    /// blazesym could not read the file (not ELF, malformed, I/O error).
-    #[error("reading the object file")]
-    Read(#[source] blazesym::Error),
-    /// blazesym panicked on the file: it is not tried again while remembered.
-    #[error("the symbol reader panicked on the object file")]
-    Panicked,
+    /// blazesym could not read the file (not ELF, malformed, I/O error),
+    /// or panicked on it: it is not tried again while remembered.
+    #[error(transparent)]
+    Read(#[from] ReadError),
     /// An earlier attempt failed: not tried again while remembered.
     #[error("the object file failed before")]
     FailedBefore,
@@ -328,7 +306,7 @@ pub struct KernelFrame {
 /// See the module documentation.
 pub struct Symbolizer {
     config: SymbolizerConfig,
-    blaze: blaze::Symbolizer,
+    reader: Reader,
     registered: HashMap<ObjectId, Registered>,
     /// The sizes of the files registered, summed.
     registered_bytes: u64,
@@ -379,7 +357,7 @@ impl Symbolizer {
             (start, build_id)
         });
         Self {
-            blaze: new_blazesym(),
+            reader: Reader::new(reader_options()),
             registered: HashMap::new(),
             registered_bytes: 0,
             tick: 0,
@@ -675,9 +653,8 @@ impl Symbolizer {
     }
 
     /// `found` with the frames it leaves unnamed named from `object`'s Go
-    /// function table, when it is a Go binary. Go's function table lists
-    /// every function of the binary, so a frame it names is named right
-    /// (blazesym's answer comes first: it has DWARF's inlined functions).
+    /// function table, when it is a Go binary (see
+    /// [`stackscope_symbolize::go`]).
     fn with_go_names(
         &mut self,
         object: &Arc<ObjectFile>,
@@ -694,28 +671,12 @@ impl Symbolizer {
         let Some(functions) = self.go_functions(object) else {
             return found;
         };
-        let Ok(table) = functions.table() else {
+        let Some(go) = GoNames::new(&functions, MAX_NAME_BYTES) else {
             return found;
         };
         let segments = self.code_segments(object);
         let mut lines = found.unwrap_or_else(|_| offsets.iter().map(|_| Lines::from([])).collect());
-        for (slot, &offset) in lines.iter_mut().zip(offsets) {
-            if !slot.is_empty() {
-                continue;
-            }
-            let Some(named) = vaddr_of(&segments, offset)
-                .and_then(|vaddr| stackscope_gopclntab::elf::lookup(&table, vaddr))
-            else {
-                continue;
-            };
-            let (file, line) = named.file_line.unwrap_or(("", 0));
-            *slot = Arc::new([FrameLine {
-                function: bounded(named.function).into(),
-                file: bounded(file).into(),
-                line,
-            }]);
-            self.stats.go_named += 1;
-        }
+        self.stats.go_named += go.fill(&mut lines, |i| vaddr_of(&segments, offsets[i]));
         Ok(lines)
     }
 
@@ -758,27 +719,18 @@ impl Symbolizer {
 
     /// One blazesym call, with a panic in it turned into an error (and
     /// blazesym's state dropped, since a panic may have left it half
-    /// updated).
+    /// updated: with it go the registrations).
     fn read(
         &mut self,
         source: &Source,
         input: Input<&[u64]>,
     ) -> Result<Vec<Lines>, SymbolizeError> {
-        let blaze = &self.blaze;
-        let result = std::panic::catch_unwind(AssertUnwindSafe(|| {
-            blaze
-                .symbolize(source, input)
-                .map(|found| found.iter().map(lines_of).collect::<Vec<Lines>>())
-        }));
-        match result {
-            Ok(Ok(lines)) => Ok(lines),
-            Ok(Err(err)) => Err(SymbolizeError::Read(err)),
-            Err(_) => {
-                self.stats.panics += 1;
-                self.rebuild();
-                Err(SymbolizeError::Panicked)
-            }
+        let result = self.reader.read(source, input);
+        if let Err(ReadError::Panicked) = result {
+            self.stats.panics += 1;
+            self.rebuilt();
         }
+        Ok(result?)
     }
 
     /// The path blazesym reads `object` by, registering it on first use,
@@ -861,11 +813,8 @@ impl Symbolizer {
         if let Some(entry) = self.registered.remove(&id) {
             self.registered_bytes -= entry.bytes;
             // Before the descriptor closes (with `entry`): see the module
-            // documentation. Evicting a path blazesym never opened is no
-            // error, and no other error is possible for an ELF path.
-            let _ = self
-                .blaze
-                .evict(&Evict::Elf(evict::Elf::new(entry.path.clone())));
+            // documentation.
+            self.reader.evict_elf(&entry.path);
         }
         self.evictions += 1;
         // What blazesym caches by other paths (debug-link targets, dwp
@@ -878,7 +827,12 @@ impl Symbolizer {
 
     /// Drops blazesym's whole state (and with it every registration).
     fn rebuild(&mut self) {
-        self.blaze = new_blazesym();
+        self.reader.rebuild();
+        self.rebuilt();
+    }
+
+    /// blazesym's state was dropped: nothing is registered any more.
+    fn rebuilt(&mut self) {
         self.registered.clear();
         self.registered_bytes = 0;
         self.evictions = 0;
@@ -886,22 +840,19 @@ impl Symbolizer {
     }
 }
 
-fn new_blazesym() -> blaze::Symbolizer {
-    blaze::Symbolizer::builder()
+fn reader_options() -> ReaderOptions {
+    ReaderOptions {
         // Paths are /proc/self/fd links that name one file for as long as
         // they are registered: no need to stat them on every call.
-        .enable_auto_reload(false)
+        auto_reload: false,
         // The agent finds separate debug files itself, under the host's
         // root and then the sampled process's (see `debug_files`): blazesym's
         // own search of the host's /usr/lib/debug would repeat the host half
         // of it for every binary without one, and would not check the file
         // against the binary's build-id or debug link.
-        .set_debug_dirs(Some::<[&Path; 0]>([]))
-        .enable_code_info(true)
-        .enable_inlined_fns(true)
-        // Its demangler reads bare C names as type codes (`c` -> `char`).
-        .enable_demangling(false)
-        .build()
+        debug_dirs: Some(Vec::new()),
+        max_name_bytes: MAX_NAME_BYTES,
+    }
 }
 
 /// The frame a kallsyms symbol names.
@@ -930,52 +881,9 @@ fn load_kallsyms(path: &Path, modules: &Path) -> (KernelSymbols, Instant) {
     (table, Instant::now())
 }
 
-/// The lines of one blazesym answer, innermost function first.
-fn lines_of(symbolized: &Symbolized<'_>) -> Lines {
-    let sym: &Sym<'_> = match symbolized {
-        Symbolized::Sym(sym) => sym,
-        // Every reason, `IgnoredError` (a failure for this address in a
-        // file that could be read) included, is an address without a name:
-        // asking again would get the same answer.
-        Symbolized::Unknown(_) => return Arc::new([]),
-    };
-    // blazesym lists inlined calls outermost first, each with the location
-    // inside it; the symbol's own code info is the call site of the first.
-    let mut lines: Vec<FrameLine> = sym
-        .inlined
-        .iter()
-        .rev()
-        .map(|inlined| frame_line(&inlined.name, inlined.code_info.as_ref()))
-        .collect();
-    if lines.len() >= MAX_LINES {
-        lines.truncate(MAX_LINES - 1);
-    }
-    lines.push(frame_line(&sym.name, sym.code_info.as_deref()));
-    lines.into()
-}
-
-fn frame_line(name: &str, code: Option<&CodeInfo<'_>>) -> FrameLine {
-    let (file, line) = code.map_or((String::new(), 0), |code| {
-        (
-            code.to_path().to_string_lossy().into_owned(),
-            code.line.unwrap_or(0),
-        )
-    });
-    FrameLine {
-        function: bounded(&demangle(name)).into(),
-        file: bounded(&file).into(),
-        line,
-    }
-}
-
 /// `text` cut to at most [`MAX_NAME_BYTES`].
 fn bounded(text: &str) -> &str {
     truncate_str(text, MAX_NAME_BYTES)
-}
-
-/// `text` cut to at most `max` bytes, on a character boundary.
-pub(crate) fn truncate_str(text: &str, max: usize) -> &str {
-    &text[..text.floor_char_boundary(max)]
 }
 
 pub(crate) fn hex(bytes: &[u8]) -> String {
@@ -998,11 +906,12 @@ fn error_chain(err: &dyn std::error::Error) -> String {
 mod tests {
     use std::{io::Write as _, process::Command};
 
-    use object::{Object as _, ObjectSection as _, ObjectSegment as _, ObjectSymbol as _};
+    use object::{Object as _, ObjectSegment as _, ObjectSymbol as _};
     use stackscope_process_table::{FileKey, object_id::identify};
     use stackscope_test_fixtures::{
         Fixture, RunningProcess,
         split_debug::{SplitDebug, run_tool},
+        symbol_file_offset as offset_of,
     };
     use std::collections::HashSet;
 
@@ -1021,36 +930,6 @@ mod tests {
         let metadata = file.metadata().expect("fstat");
         let id = identify(&file, &metadata).expect("identifying").id;
         Arc::new(ObjectFile::from_file(id, file))
-    }
-
-    /// Function `name`'s file offset (plus `delta`) in the ELF file at `path`.
-    fn offset_of(path: &Path, name: &str, delta: u64) -> u64 {
-        let data = std::fs::read(path).expect("reading the fixture");
-        let elf = object::File::parse(&*data).expect("parsing");
-        let vaddr = elf
-            .symbols()
-            .find(|symbol| symbol.name() == Ok(name))
-            .unwrap_or_else(|| panic!("no symbol {name}"))
-            .address()
-            + delta;
-        let segment = elf
-            .segments()
-            .find(|s| (s.address()..s.address() + s.size()).contains(&vaddr))
-            .expect("a segment holding the symbol");
-        vaddr - segment.address() + segment.file_range().0
-    }
-
-    /// `(start, end)` file offsets of function `name`.
-    fn range_of(path: &Path, name: &str) -> (u64, u64) {
-        let data = std::fs::read(path).expect("reading the fixture");
-        let elf = object::File::parse(&*data).expect("parsing");
-        let size = elf
-            .symbols()
-            .find(|symbol| symbol.name() == Ok(name))
-            .expect("the symbol")
-            .size();
-        let start = offset_of(path, name, 0);
-        (start, start + size)
     }
 
     fn functions(lines: &[FrameLine]) -> Vec<&str> {
@@ -1190,136 +1069,6 @@ mod tests {
         assert_eq!(found, names.map(|name| vec![name]));
         let stats = symbolizer.stats();
         assert_eq!((stats.named, stats.errors, stats.objects_opened), (4, 0, 1));
-    }
-
-    /// Builds a program whose `outer` holds an inlined call to `inner`,
-    /// with `gcc_args` added, then `post` (objcopy arguments, none: used as
-    /// built) applied to the binary.
-    fn inlined_program(dir: &Path, gcc_args: &[&str], post: &[&str]) -> PathBuf {
-        let source = dir.join("inlined.c");
-        std::fs::write(
-            &source,
-            "static volatile int sink;\n\
-             static inline __attribute__((always_inline)) int inner(int x) {\n\
-             \x20   sink += x;\n\
-             \x20   return sink * 3;\n\
-             }\n\
-             __attribute__((noinline)) int outer(int x) {\n\
-             \x20   int r = inner(x);\n\
-             \x20   sink += r;\n\
-             \x20   return r;\n\
-             }\n\
-             int main(void) { return outer(1); }\n",
-        )
-        .expect("writing the source");
-        let binary = dir.join("inlined");
-        run_tool(
-            Command::new("gcc")
-                .args(["-O2", "-g", "-fomit-frame-pointer"])
-                .args(gcc_args)
-                .arg(&source)
-                .arg("-o")
-                .arg(&binary),
-        );
-        if post.is_empty() {
-            return binary;
-        }
-        let processed = dir.join("inlined.post");
-        run_tool(
-            Command::new("objcopy")
-                .args(post)
-                .arg(&binary)
-                .arg(&processed),
-        );
-        processed
-    }
-
-    /// `outer`'s addresses are named, the inlined `inner` first with its
-    /// file and line, then `outer` with the call site's line.
-    fn assert_inlined_lines(binary: &Path) {
-        let object = object_file(binary);
-        let mut symbolizer = symbolizer();
-        let (start, end) = range_of(binary, "outer");
-        let offsets: Vec<u64> = (start..end).collect();
-        let found = symbolizer.user(&object, &offsets);
-        let inlined = found
-            .iter()
-            .find(|lines| lines.len() == 2)
-            .unwrap_or_else(|| panic!("no address in the inlined call: {:?}", found.first()));
-        assert_eq!(functions(inlined), ["inner", "outer"]);
-        assert!(inlined[0].file.ends_with("inlined.c"), "{inlined:?}");
-        assert!(
-            (3..=4).contains(&inlined[0].line),
-            "line in inner: {inlined:?}"
-        );
-        assert_eq!(inlined[1].line, 7, "the call site in outer: {inlined:?}");
-        assert!(
-            found
-                .iter()
-                .all(|lines| lines.last().map(|l| &*l.function) == Some("outer")),
-            "every address is in outer"
-        );
-    }
-
-    #[test]
-    fn dwarf_lines_and_inlined_functions_come_innermost_first() {
-        let dir = tempfile::tempdir().expect("temporary directory");
-        assert_inlined_lines(&inlined_program(dir.path(), &[], &[]));
-    }
-
-    #[test]
-    fn compressed_dwarf_names_as_the_uncompressed_one() {
-        // gcc's -gz (SHF_COMPRESSED, zlib) and objcopy's zstd: blazesym's
-        // zlib and zstd features.
-        for (gcc, objcopy) in [
-            (&["-gz=zlib"][..], &[][..]),
-            (&[], &["--compress-debug-sections=zstd"]),
-        ] {
-            let dir = tempfile::tempdir().expect("temporary directory");
-            let binary = inlined_program(dir.path(), gcc, objcopy);
-            let data = std::fs::read(&binary).expect("reading the binary");
-            let elf = object::File::parse(&*data).expect("ELF");
-            let debug_info = elf.section_by_name(".debug_info").expect(".debug_info");
-            assert_ne!(
-                debug_info
-                    .compressed_file_range()
-                    .expect("its range")
-                    .format,
-                object::CompressionFormat::None,
-                "{gcc:?} {objcopy:?}"
-            );
-            assert_inlined_lines(&binary);
-        }
-    }
-
-    #[test]
-    fn zdebug_dwarf_names_from_the_symbol_table_without_lines() {
-        // The pre-SHF_COMPRESSED GNU form (`.zdebug_*`, objcopy's
-        // zlib-gnu, gcc's -gz=zlib-gnu): blazesym 0.2 does not read it,
-        // so its DWARF is not used; the symbol table still names the
-        // function. Pinned so a blazesym that learns it shows here.
-        let dir = tempfile::tempdir().expect("temporary directory");
-        let binary = inlined_program(dir.path(), &[], &["--compress-debug-sections=zlib-gnu"]);
-        let object = object_file(&binary);
-        let (start, end) = range_of(&binary, "outer");
-        let offsets: Vec<u64> = (start..end).collect();
-        let found = symbolizer().user(&object, &offsets);
-        assert!(
-            found
-                .iter()
-                .all(|lines| functions(lines) == ["outer"] && lines[0].line == 0),
-            "{:?}",
-            found.first()
-        );
-    }
-
-    #[test]
-    fn cpp_names_are_demangled_without_parameters() {
-        let fixture = Fixture::cpp_template_chain();
-        let object = object_file(&fixture.path);
-        let offset = offset_of(&fixture.path, "_ZN6WorkerIiE3runEv", 1);
-        let found = symbolizer().user(&object, &[offset]);
-        assert_eq!(functions(&found[0]), ["Worker<int>::run"]);
     }
 
     #[test]

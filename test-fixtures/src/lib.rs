@@ -400,6 +400,26 @@ impl ElfSymbols {
     }
 }
 
+/// The file offset of symbol `name` (plus `delta`) in the ELF file at
+/// `path`: where a symbolizer that reads by file offset looks it up.
+pub fn symbol_file_offset(path: &Path, name: &str, delta: u64) -> u64 {
+    use object::ObjectSegment as _;
+    let data =
+        std::fs::read(path).unwrap_or_else(|err| panic!("reading {}: {err}", path.display()));
+    let elf = object::File::parse(&*data).expect("parsing an ELF file");
+    let vaddr = elf
+        .symbols()
+        .find(|symbol| symbol.name() == Ok(name))
+        .unwrap_or_else(|| panic!("no symbol {name}"))
+        .address()
+        + delta;
+    let segment = elf
+        .segments()
+        .find(|s| (s.address()..s.address() + s.size()).contains(&vaddr))
+        .expect("a segment holding the symbol");
+    vaddr - segment.address() + segment.file_range().0
+}
+
 /// A port nothing listens on now (for servers that cannot be told to pick
 /// one and say which).
 pub fn free_port() -> u16 {
