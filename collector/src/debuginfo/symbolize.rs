@@ -9,25 +9,28 @@
 //! stripped of its symbol table and DWARF) are named from the Go runtime's
 //! function table, `.gopclntab`, which such binaries keep.
 //!
-//! Owns the name cache (by build-id and file offset, bounded) and blazesym's
-//! state for the stored files, and the Go function tables read from them. A frame that stays unknown keeps its
-//! `[unknown] <binary>+0x<offset>` name: it is never guessed.
+//! Owns the name cache (by build-id and file offset, bounded), which stored
+//! files blazesym has parsed, and the Go function tables read from them. A
+//! frame that stays unknown keeps its `[unknown] <binary>+0x<offset>` name:
+//! it is never guessed. blazesym's set-up and its answers as lines, the
+//! Go table's lookups and demangling are `stackscope_symbolize`'s, shared
+//! with the agent.
 
 use std::{
     collections::{BTreeMap, HashMap, HashSet},
-    panic::AssertUnwindSafe,
     path::PathBuf,
     sync::{Arc, Mutex, PoisonError, mpsc},
 };
 
-use blazesym::symbolize::{
-    self as blaze, CodeInfo, Input, Sym, Symbolized,
-    source::{Elf, Source},
-};
 use stackscope_profile::model::{CodeAddress, Frame, StackSamples};
-use stackscope_symbolize::demangle;
-
-use stackscope_gopclntab::elf::{GoFunctions, GoTableCache};
+use stackscope_symbolize::{
+    Lines, ReadError, Reader, ReaderOptions,
+    blazesym::symbolize::{
+        Input,
+        source::{Elf, Source},
+    },
+    go::{GoFunctions, GoNames, GoTableCache},
+};
 use stackscope_telemetry::StateSize;
 use tokio::sync::oneshot;
 
@@ -44,10 +47,6 @@ const MAX_GO_TABLE_BYTES: usize = 256 << 20;
 
 /// Stored files whose checks are remembered.
 const MAX_CHECKED_FILES: usize = 4096;
-
-/// Functions kept per address (innermost inlined first); the collector's
-/// ingest refuses more lines than this per location too.
-const MAX_LINES: usize = 64;
 
 /// See the module documentation. blazesym's state is not `Send`: it lives
 /// on one thread of its own, which answers lookups in turn.
@@ -72,7 +71,7 @@ struct Request {
 
 struct State {
     store: Arc<dyn DebuginfoStore>,
-    blaze: blaze::Symbolizer,
+    reader: Reader,
     /// The files blazesym has parsed since it was (re)built.
     parsed: HashSet<PathBuf>,
     /// Each stored file and what it holds, once checked.
@@ -86,14 +85,11 @@ struct State {
     go: GoTableCache<String>,
 }
 
-fn new_blazesym() -> blaze::Symbolizer {
-    blaze::Symbolizer::builder()
-        .enable_code_info(true)
-        .enable_inlined_fns(true)
-        // Its demangler reads bare C names as type codes; the shared
-        // demangler is the one every other name went through.
-        .enable_demangling(false)
-        .build()
+/// blazesym's defaults (a stored file is read by its own path, and
+/// blazesym looks for debug files where it looks by default), names
+/// kept whole.
+fn reader_options() -> ReaderOptions {
+    ReaderOptions::default()
 }
 
 /// The distinct unnamed frames of a profile, by build-id.
@@ -119,7 +115,7 @@ impl Symbolizer {
             .spawn(move || {
                 let mut state = State {
                     store: thread_store,
-                    blaze: new_blazesym(),
+                    reader: Reader::new(reader_options()),
                     parsed: HashSet::new(),
                     files: HashMap::new(),
                     names: HashMap::new(),
@@ -266,7 +262,7 @@ impl State {
         self.cached += lines.len();
         let cache = self.names.entry(build_id.to_owned()).or_default();
         for ((file_offset, _), lines) in usable.into_iter().zip(lines) {
-            let frames = (!lines.is_empty()).then(|| NamedFrames::from(lines));
+            let frames = (!lines.is_empty()).then(|| frames_of(&lines));
             if let Some(frames) = &frames {
                 named.insert(file_offset, Arc::clone(frames));
             }
@@ -274,7 +270,7 @@ impl State {
         }
     }
 
-    /// `found` (blazesym's frames per address of `usable`, `None` when it
+    /// `found` (blazesym's lines per address of `usable`, `None` when it
     /// failed on the file) with the addresses it leaves unnamed named from
     /// the file's Go function table, when it is a Go binary.
     fn with_go_names(
@@ -283,44 +279,30 @@ impl State {
         path: &std::path::Path,
         content: ElfContent,
         usable: &[(u64, u64)],
-        found: Option<Vec<Vec<Arc<Frame>>>>,
-    ) -> Option<Vec<Vec<Arc<Frame>>>> {
+        found: Option<Vec<Lines>>,
+    ) -> Option<Vec<Lines>> {
         if found
             .as_ref()
-            .is_some_and(|found| found.iter().all(|frames| !frames.is_empty()))
+            .is_some_and(|found| found.iter().all(|lines| !lines.is_empty()))
         {
             return found;
         }
         let Some(functions) = self.go_functions(build_id, path) else {
             return found;
         };
-        let Ok(table) = functions.table() else {
+        let Some(go) = GoNames::new(&functions, usize::MAX) else {
             return found;
         };
-        let mut found = found.unwrap_or_else(|| vec![Vec::new(); usable.len()]);
-        for (frames, &(file_offset, address)) in found.iter_mut().zip(usable) {
-            if !frames.is_empty() {
-                continue;
-            }
+        let mut found = found.unwrap_or_else(|| vec![Lines::from([]); usable.len()]);
+        go.fill(&mut found, |i| {
+            let (file_offset, address) = usable[i];
             // A binary is read at file offsets, a debug file at addresses.
-            let address = if content.holds_code {
+            if content.holds_code {
                 functions.address_of_offset(file_offset)
             } else {
                 Some(address)
-            };
-            let Some(named) =
-                address.and_then(|address| stackscope_gopclntab::elf::lookup(&table, address))
-            else {
-                continue;
-            };
-            let (file, line) = named.file_line.unwrap_or(("", 0));
-            frames.push(Arc::new(Frame {
-                file: file.to_owned(),
-                line,
-                inlined: false,
-                ..Frame::synthetic(named.function.to_owned(), "")
-            }));
-        }
+            }
+        });
         Some(found)
     }
 
@@ -368,41 +350,28 @@ impl State {
         Some((path, content))
     }
 
-    /// Frames per address (empty: no symbol), or `None` when blazesym
+    /// Lines per address (empty: no symbol), or `None` when blazesym
     /// failed on the file.
-    fn read(
-        &mut self,
-        path: &std::path::Path,
-        input: Input<&[u64]>,
-    ) -> Option<Vec<Vec<Arc<Frame>>>> {
+    fn read(&mut self, path: &std::path::Path, input: Input<&[u64]>) -> Option<Vec<Lines>> {
         if !self.parsed.contains(path) {
             if self.parsed.len() >= MAX_PARSED_FILES {
                 // What blazesym parsed stays until dropped: start afresh
                 // when a new file would exceed the bound.
-                self.blaze = new_blazesym();
+                self.reader.rebuild();
                 self.parsed.clear();
             }
             self.parsed.insert(path.to_owned());
         }
         let source = Source::Elf(Elf::new(path));
-        let blaze = &self.blaze;
-        let result = std::panic::catch_unwind(AssertUnwindSafe(|| {
-            blaze.symbolize(&source, input).map(|found| {
-                found
-                    .iter()
-                    .map(frames_of)
-                    .collect::<Vec<Vec<Arc<Frame>>>>()
-            })
-        }));
-        match result {
-            Ok(Ok(frames)) => Some(frames),
-            Ok(Err(err)) => {
+        match self.reader.read(&source, input) {
+            Ok(lines) => Some(lines),
+            Err(ReadError::Read(err)) => {
                 tracing::warn!("naming frames from {}: {err:#}", path.display());
                 None
             }
-            Err(_) => {
+            Err(ReadError::Panicked) => {
+                // The reader was rebuilt: nothing is parsed any more.
                 tracing::warn!("the symbol reader panicked on {}", path.display());
-                self.blaze = new_blazesym();
                 self.parsed.clear();
                 None
             }
@@ -412,37 +381,17 @@ impl State {
 
 /// One frame per function at the address, innermost first; `binary` and
 /// `build_id` are filled in by [`replace_frames`].
-fn frames_of(symbolized: &Symbolized<'_>) -> Vec<Arc<Frame>> {
-    let sym: &Sym<'_> = match symbolized {
-        Symbolized::Sym(sym) => sym,
-        Symbolized::Unknown(_) => return Vec::new(),
-    };
-    // blazesym lists inlined calls outermost first, each with the location
-    // inside it; the symbol's own code info is the call site of the first.
-    let mut lines: Vec<(String, Option<&CodeInfo<'_>>)> = sym
-        .inlined
-        .iter()
-        .rev()
-        .take(MAX_LINES - 1)
-        .map(|inlined| (demangle(&inlined.name), inlined.code_info.as_ref()))
-        .collect();
-    lines.push((demangle(&sym.name), sym.code_info.as_deref()));
+fn frames_of(lines: &Lines) -> NamedFrames {
     let count = lines.len();
     lines
-        .into_iter()
+        .iter()
         .enumerate()
-        .map(|(i, (function, code))| {
-            let (file, line) = code.map_or((String::new(), 0), |code| {
-                (
-                    code.to_path().to_string_lossy().into_owned(),
-                    code.line.unwrap_or(0),
-                )
-            });
+        .map(|(i, line)| {
             Arc::new(Frame {
-                file,
-                line,
+                file: line.file.to_string(),
+                line: line.line,
                 inlined: i + 1 < count,
-                ..Frame::synthetic(function, "")
+                ..Frame::synthetic(line.function.to_string(), "")
             })
         })
         .collect()
