@@ -151,7 +151,10 @@ fn containers_are_filtered_in_the_kernel_labelled_and_budgeted() {
     let all = run_agent(&collector, "all", &[]);
     let of_a = format!(r#"node="all",container_id="{}""#, a.id);
     let (a_stacks, a_weight) = stacks(&collector, &of_a);
-    assert!(weight_with(&a_stacks, "main;a;b;c") * 100 >= a_weight * 80);
+    assert!(
+        weight_with(&a_stacks, "main;a;b;c") * 100 >= a_weight * 80,
+        "A's samples: {a_stacks:#?}\nthe agent's report: {all}"
+    );
     assert_eq!(weight_with(&a_stacks, "outer"), 0, "B's frames under A");
     let (b_stacks, b_weight) = stacks(
         &collector,
