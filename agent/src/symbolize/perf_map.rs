@@ -258,8 +258,7 @@ impl PerfMaps {
         address: u64,
         now: Instant,
     ) -> Arc<str> {
-        // Five lookups by process: here, and two in `lookup`.
-        (0..3).for_each(|_| probes::count(Probe::Process));
+        probes::count(Probe::Process);
         if self
             .maps
             .get(&tgid)
@@ -267,11 +266,13 @@ impl PerfMaps {
         {
             self.forget(tgid);
         }
+        probes::count(Probe::Process);
         if !self.maps.contains_key(&tgid) {
             self.make_room();
             self.maps.insert(tgid, PerfMap::new(started, now));
         }
         let found = self.lookup(tgid, address, now);
+        probes::count(Probe::Process);
         let map = self.maps.get_mut(&tgid).expect("inserted above");
         map.last_used = now;
         match found {
@@ -289,7 +290,7 @@ impl PerfMaps {
     fn lookup(&mut self, tgid: u32, address: u64, now: Instant) -> Option<Arc<str>> {
         // Read on when due, hit or miss: a JIT that reused the code space
         // has written the new function's line, which replaces the old.
-        (0..2).for_each(|_| probes::count(Probe::Process));
+        probes::count(Probe::Process);
         let due = self
             .maps
             .get(&tgid)?
@@ -298,6 +299,7 @@ impl PerfMaps {
         if due {
             self.refresh(tgid, now);
         }
+        probes::count(Probe::Process);
         self.maps.get(&tgid)?.find(address).cloned()
     }
 

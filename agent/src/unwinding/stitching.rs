@@ -725,12 +725,14 @@ impl Planner {
             .threads
             .plans()
             .min_by_key(|(_, t)| t.last_learn_ns)
-            .map(|(tid, t)| (tid, t.planned));
-        if let Some((tid, planned)) = oldest {
-            self.threads.take_plan(tid);
-            if planned != Planned::Nothing {
-                self.updates.push(PlanUpdate::Thread { tid, plan: None });
-            }
+            .map(|(tid, _)| tid);
+        if let Some(tid) = oldest
+            && self
+                .threads
+                .take_plan(tid)
+                .is_some_and(|plan| plan.planned != Planned::Nothing)
+        {
+            self.updates.push(PlanUpdate::Thread { tid, plan: None });
         }
     }
 
