@@ -30,7 +30,7 @@ use crate::{
     export::{ExportStats, debuginfo::UploadStats},
     mapping_feed::FeedStats,
     probes::ProbeTotals,
-    run::RunSummary,
+    run::{HandoffTotals, RunSummary},
     sampler::{Counters, ProgramStats},
     status::ReaderTotals,
     symbolize::perf_map::PerfMapStats,
@@ -57,6 +57,8 @@ pub struct RunTotals {
     /// How JIT frames were named.
     pub jit_names: PerfMapStats,
     pub batches: WorkerStats,
+    /// Messages between the agent's threads dropped on a full queue.
+    pub handoffs: HandoffTotals,
     /// `None`: no exporter (its statistics are left out, not zero).
     pub export: Option<ExportStats>,
     /// `None`: no debuginfo uploads.
@@ -104,6 +106,7 @@ impl RunTotals {
             aggregation: summary.aggregation,
             jit_names: summary.jit_names,
             batches: summary.batches,
+            handoffs: summary.handoffs,
             export: export.cloned(),
             uploads: uploads.copied(),
             process: ProcessUsage::now(),

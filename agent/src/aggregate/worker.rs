@@ -3,9 +3,9 @@
 //! Owns the [`Symbolizer`] (blazesym's state is not `Send`, and the first
 //! lookup in a large binary reads its symbols and DWARF, which can take a
 //! while: the loop that drains the ring buffer must not wait for that), a
-//! queue of one finished interval, and the build statistics. Built batches
-//! come back to the loop through a channel, so the sink runs on the loop's
-//! thread and runtime.
+//! queue of one finished interval, the build statistics and the sink each
+//! built batch goes to (the exporter's queue, which takes it without
+//! waiting).
 //!
 //! Memory: one interval waits at most; an interval finished while the
 //! worker is still busy with the one before and another waiting is dropped
@@ -22,12 +22,11 @@ use std::{
 };
 
 use prost::Message as _;
-use stackscope_proto::v1;
-use tokio::sync::mpsc::{UnboundedReceiver, unbounded_channel};
 
 use super::{BatchOptions, Interval, MappingKey, build_batch};
 use crate::{
     export::debuginfo::UploadQueue,
+    run::BatchSink,
     symbolize::{SymbolizeStats, Symbolizer, SymbolizerConfig},
 };
 use stackscope_telemetry::StateSize;
@@ -61,7 +60,6 @@ pub struct WorkerStats {
 #[derive(Debug)]
 pub struct BatchWorker {
     intervals: Option<SyncSender<Interval>>,
-    batches: UnboundedReceiver<v1::Batch>,
     thread: Option<JoinHandle<()>>,
     shared: Arc<Mutex<WorkerStats>>,
     /// The symbolizer's state sizes, as of the last batch.
@@ -71,14 +69,15 @@ pub struct BatchWorker {
 
 impl BatchWorker {
     /// Starts the worker thread; it reads kallsyms before the first batch.
-    /// Binaries of each batch that carry symbols are offered to `uploads`.
+    /// Each batch goes to `sink` (none: built and dropped); binaries of
+    /// each batch that carry symbols are offered to `uploads`.
     pub fn start(
         symbolizer: SymbolizerConfig,
         options: BatchOptions,
         uploads: Option<UploadQueue>,
+        mut sink: Option<Box<dyn BatchSink>>,
     ) -> io::Result<Self> {
         let (intervals, waiting) = mpsc::sync_channel::<Interval>(1);
-        let (built, batches) = unbounded_channel();
         let shared = Arc::new(Mutex::new(WorkerStats::default()));
         let stats = Arc::clone(&shared);
         let state = Arc::new(Mutex::new(Vec::new()));
@@ -127,15 +126,13 @@ impl BatchWorker {
                         stats.symbolize = symbolizer.stats();
                     }
                     publish_state(&symbolizer);
-                    if built.send(batch).is_err() {
-                        // Nobody takes batches any more: the run is over.
-                        break;
+                    if let Some(sink) = sink.as_mut() {
+                        sink.send(batch);
                     }
                 }
             })?;
         Ok(Self {
             intervals: Some(intervals),
-            batches,
             thread: Some(thread),
             shared,
             state,
@@ -169,15 +166,6 @@ impl BatchWorker {
         }
     }
 
-    /// The next batch built; pending forever once the worker is gone (so a
-    /// `select!` branch on it simply never fires).
-    pub async fn next_batch(&mut self) -> v1::Batch {
-        match self.batches.recv().await {
-            Some(batch) => batch,
-            None => std::future::pending().await,
-        }
-    }
-
     /// The symbolizer's state sizes, as of the last batch built.
     pub fn state_sizes(&self, out: &mut Vec<StateSize>) {
         out.extend_from_slice(&self.state.lock().unwrap_or_else(PoisonError::into_inner));
@@ -191,9 +179,9 @@ impl BatchWorker {
     }
 
     /// Hands over the last interval (waiting for room), lets the worker
-    /// build everything it was given, and returns the batches not taken
-    /// yet with the final statistics. Blocks until the worker is done.
-    pub fn finish(mut self, last: Interval) -> (Vec<v1::Batch>, WorkerStats) {
+    /// build everything it was given and hand it to the sink, and returns
+    /// the final statistics. Blocks until the worker is done.
+    pub fn finish(mut self, last: Interval) -> WorkerStats {
         if let Some(intervals) = self.intervals.take() {
             // Fails only if the worker is gone; the interval is lost then.
             if intervals.send(last).is_err() {
@@ -205,11 +193,7 @@ impl BatchWorker {
         {
             tracing::error!("the batch worker panicked");
         }
-        let mut batches = Vec::new();
-        while let Ok(batch) = self.batches.try_recv() {
-            batches.push(batch);
-        }
-        (batches, self.stats())
+        self.stats()
     }
 }
 

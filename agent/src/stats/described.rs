@@ -834,6 +834,28 @@ const BATCHES: &[Stat] = &[
         )],
     ),
     counter(
+        "thread_messages_dropped",
+        "Messages between the agent's threads dropped because their queue was full.",
+        &[
+            s(
+                "sampling",
+                "/handoffs/commands_dropped",
+                field!(handoffs.commands_dropped),
+            ),
+            s(
+                "runtime",
+                "/handoffs/reports_dropped",
+                field!(handoffs.reports_dropped),
+            ),
+            s(
+                "metadata",
+                "/handoffs/jobs_dropped",
+                field!(handoffs.jobs_dropped),
+            ),
+        ],
+    )
+    .by("queue"),
+    counter(
         "intervals_empty",
         "Intervals without a sample: no batch is built for them.",
         &[one(

@@ -185,6 +185,11 @@ pub(crate) fn every_figure_distinct() -> RunTotals {
                 kernel_symbols: n(),
             },
         },
+        handoffs: crate::run::HandoffTotals {
+            commands_dropped: n(),
+            reports_dropped: n(),
+            jobs_dropped: n(),
+        },
         export: Some(ExportStats {
             batches_sent: 40_000,
             samples_sent: n(),
@@ -246,6 +251,7 @@ pub(crate) fn summary_of(totals: &RunTotals) -> RunSummary {
         process_table: totals.process_table,
         batches: totals.batches,
         probes: totals.probes,
+        handoffs: totals.handoffs,
         elapsed: totals.elapsed,
     }
 }

@@ -1,0 +1,138 @@
+//! The metadata worker: a thread for the reads that walk `/proc` and the
+//! cgroup tree, kept off the sampling thread (a slow filesystem must not
+//! delay a drain) and off the runtime (which exports and serves). It
+//! resolves the container selection into cgroup policies, with the
+//! container runtimes' names it keeps, and finds which of the processes
+//! the sampling thread tracks are gone. Its answers go to the sampling
+//! thread as [`Command`]s.
+
+use std::{
+    io,
+    path::PathBuf,
+    sync::{
+        Arc,
+        mpsc::{self, SyncSender, TrySendError},
+    },
+};
+
+use tokio::sync::mpsc::Sender;
+
+use super::{
+    Handoffs,
+    sampling::{COMMAND_QUEUE, Command},
+};
+use crate::containers::{kubelet::PodList, runtime_names::RuntimeNames, selection::Resolver};
+
+/// What the worker is asked to do.
+#[derive(Debug)]
+enum Job {
+    /// Resolve the selection against the cgroup tree as it is now (and
+    /// this pod list).
+    Resolve(Option<Arc<PodList>>),
+    /// Which of these processes have no `/proc` entry any more.
+    FindGone(Vec<u32>),
+}
+
+/// Room in the worker's queue: a job comes every few seconds; when it is
+/// full the worker is stuck on a slow read, and a newer job supersedes.
+const JOB_QUEUE: usize = COMMAND_QUEUE / 8;
+
+/// A handle to ask the worker for work, from any thread.
+#[derive(Debug, Clone)]
+pub(super) struct MetadataJobs {
+    jobs: SyncSender<Job>,
+    handoffs: Arc<Handoffs>,
+}
+
+impl MetadataJobs {
+    /// Asks for the selection's policies now; they reach the sampling
+    /// thread when resolved.
+    pub fn resolve(&self, pods: Option<Arc<PodList>>) {
+        self.send(Job::Resolve(pods));
+    }
+
+    /// Asks which of `tracked` are gone; those reach the sampling thread
+    /// to be forgotten.
+    pub fn find_gone(&self, tracked: Vec<u32>) {
+        if !tracked.is_empty() {
+            self.send(Job::FindGone(tracked));
+        }
+    }
+
+    fn send(&self, job: Job) {
+        match self.jobs.try_send(job) {
+            Ok(()) | Err(TrySendError::Disconnected(_)) => {}
+            Err(TrySendError::Full(_)) => self.handoffs.count_job_dropped(),
+        }
+    }
+}
+
+/// Starts the worker thread. It ends when every [`MetadataJobs`] is
+/// dropped (it is never joined: a read stuck on a dead filesystem must not
+/// hold the agent's exit).
+pub(super) fn start(
+    resolver: Resolver,
+    mut names: RuntimeNames,
+    proc_root: PathBuf,
+    commands: Sender<Command>,
+    handoffs: Arc<Handoffs>,
+) -> io::Result<MetadataJobs> {
+    let (jobs, queued) = mpsc::sync_channel(JOB_QUEUE);
+    let answers = Arc::clone(&handoffs);
+    std::thread::Builder::new()
+        .name("stackscope-metadata".into())
+        .spawn(move || {
+            for job in queued {
+                let answer = match job {
+                    Job::Resolve(pods) => match resolver.policies(pods.as_deref(), &mut names) {
+                        Ok(wanted) => Command::Policies(wanted),
+                        Err(err) => {
+                            tracing::warn!("resolving the container selection failed: {err}");
+                            continue;
+                        }
+                    },
+                    Job::FindGone(tracked) => {
+                        let gone = gone_processes(&proc_root, tracked);
+                        if gone.is_empty() {
+                            continue;
+                        }
+                        Command::Gone(gone)
+                    }
+                };
+                answers.command(&commands, answer);
+            }
+        })?;
+    Ok(MetadataJobs { jobs, handoffs })
+}
+
+/// The processes of `tracked` without a directory under `proc_root`; none
+/// when there is no procfs to ask there (or not this pid namespace's). A
+/// zombie's directory stays until it is reaped: its state goes then.
+fn gone_processes(proc_root: &std::path::Path, mut tracked: Vec<u32>) -> Vec<u32> {
+    if std::fs::symlink_metadata(proc_root.join("1")).is_err() {
+        return Vec::new();
+    }
+    tracked.retain(|tgid| std::fs::symlink_metadata(proc_root.join(tgid.to_string())).is_err());
+    tracked
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn gone_processes_are_those_without_a_proc_entry() {
+        let proc_root = PathBuf::from("/proc");
+        let mut child = std::process::Command::new("true").spawn().unwrap();
+        let reaped = child.id();
+        child.wait().unwrap();
+        let own = std::process::id();
+        assert_eq!(gone_processes(&proc_root, vec![own, reaped]), [reaped]);
+        // No procfs there: nothing is said to be gone.
+        let empty = tempfile::tempdir().unwrap();
+        assert_eq!(
+            gone_processes(empty.path(), vec![own, reaped]),
+            Vec::<u32>::new()
+        );
+    }
+}
