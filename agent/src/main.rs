@@ -314,7 +314,7 @@ fn main() -> anyhow::Result<()> {
         .context("enabling BPF run-time stats")?;
     let export = export_config(&args)?;
     let (summary, exported, uploaded) = runtime.block_on(async {
-        let _telemetry_server = match (&config.telemetry, args.metrics_address) {
+        let telemetry_server = match (&config.telemetry, args.metrics_address) {
             (Some(telemetry), Some(address)) => Some(TelemetryServer::start(telemetry, address)?),
             _ => None,
         };
@@ -362,6 +362,10 @@ fn main() -> anyhow::Result<()> {
             }
         };
         let (exported, uploaded) = tokio::join!(exporting, uploading);
+        // The endpoints answered while the last batches were delivered.
+        if let Some(server) = telemetry_server {
+            server.stop().await;
+        }
         anyhow::Ok((summary, exported, uploaded))
     })?;
     let mut stdout = std::io::stdout().lock();
@@ -383,15 +387,14 @@ fn main() -> anyhow::Result<()> {
     .context("writing the report")
 }
 
-/// The metrics and health endpoints, served from a thread of their own:
-/// the run loop shares the main thread with the unwinder, and a busy
-/// interval would otherwise hold scrapes and liveness probes behind it
-/// (the liveness answer is then the loop's real staleness, not a timeout).
-/// Stops when dropped (at exit: they answer while the last batches are
-/// delivered).
+/// The metrics and health endpoints, served by a task on the runtime that
+/// exports (the sampling thread never waits for them, and the liveness
+/// answer is the sampling thread's real staleness: its beat comes from
+/// that thread's answers). Stopped by [`TelemetryServer::stop`] after the
+/// last batches are delivered; dropped, it stops at once.
 struct TelemetryServer {
-    stop: Option<tokio::sync::watch::Sender<()>>,
-    thread: Option<std::thread::JoinHandle<()>>,
+    stop: tokio::sync::watch::Sender<()>,
+    task: tokio::task::JoinHandle<std::io::Result<()>>,
 }
 
 impl TelemetryServer {
@@ -405,44 +408,31 @@ impl TelemetryServer {
         let bound = listener
             .local_addr()
             .context("reading the metrics address")?;
+        let listener = tokio::net::TcpListener::from_std(listener)
+            .context("setting up the metrics listener")?;
         let registry = Arc::new(telemetry.registry());
         let health = Arc::clone(&telemetry.health);
-        let (stop, stopped) = tokio::sync::watch::channel(());
-        let serve = async move {
-            let listener = tokio::net::TcpListener::from_std(listener)?;
-            let mut graceful = stopped.clone();
-            let shutdown = async move {
-                let _ = graceful.changed().await;
-            };
-            let server = stackscope_telemetry::serve(listener, registry, health, shutdown);
-            // A client that keeps its request open does not hold the
-            // agent's exit for long.
-            let mut deadline = stopped;
-            tokio::select! {
-                served = server => served,
-                () = async {
-                    let _ = deadline.changed().await;
-                    tokio::time::sleep(SERVER_STOP_GRACE).await;
-                } => Ok(()),
-            }
+        let (stop, mut stopped) = tokio::sync::watch::channel(());
+        let shutdown = async move {
+            let _ = stopped.changed().await;
         };
-        let thread = std::thread::Builder::new()
-            .name("metrics".into())
-            .spawn(move || {
-                let served = tokio::runtime::Builder::new_current_thread()
-                    .enable_all()
-                    .build()
-                    .and_then(|runtime| runtime.block_on(serve));
-                if let Err(err) = served {
-                    tracing::warn!("the metrics server stopped: {err}");
-                }
-            })
-            .context("starting the metrics thread")?;
+        let task = tokio::spawn(stackscope_telemetry::serve(
+            listener, registry, health, shutdown,
+        ));
         tracing::info!(metrics = %format!("http://{bound}/metrics"), "serving metrics and health");
-        Ok(Self {
-            stop: Some(stop),
-            thread: Some(thread),
-        })
+        Ok(Self { stop, task })
+    }
+
+    /// Stops taking scrapes and lets open ones finish, for at most
+    /// [`SERVER_STOP_GRACE`]: a client that keeps its request open does
+    /// not hold the agent's exit for long.
+    async fn stop(mut self) {
+        self.stop.send_replace(());
+        match tokio::time::timeout(SERVER_STOP_GRACE, &mut self.task).await {
+            Ok(Ok(Err(err))) => tracing::warn!("the metrics server stopped: {err}"),
+            Ok(_) => {}
+            Err(_) => self.task.abort(),
+        }
     }
 }
 
@@ -451,10 +441,7 @@ const SERVER_STOP_GRACE: std::time::Duration = std::time::Duration::from_secs(2)
 
 impl Drop for TelemetryServer {
     fn drop(&mut self) {
-        drop(self.stop.take());
-        if let Some(thread) = self.thread.take() {
-            let _ = thread.join();
-        }
+        self.task.abort();
     }
 }
 

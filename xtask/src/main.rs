@@ -221,63 +221,111 @@ pub(crate) fn wait_for_listener(addr: &str, child: &mut std::process::Child) -> 
 const SOAK_TEST_MINUTES: f64 = 2.0;
 
 fn test() -> anyhow::Result<()> {
-    setup::ensure_all()?;
+    let mut steps = Steps::new();
+    steps.run("setup", setup::ensure_all)?;
     require_root("the end-to-end tests load BPF programs")?;
-    cargo(&["fmt", "--all", "--", "--check"])
-        .context("formatting differs: run `cargo fmt --all`")?;
+    steps.run("fmt", || {
+        cargo(&["fmt", "--all", "--", "--check"])
+            .context("formatting differs: run `cargo fmt --all`")
+    })?;
     // Host crates are the default members; the BPF crate only builds for the
     // BPF target, so it is linted there.
-    cargo(&["clippy", "--all-targets", "--", "-D", "warnings"])?;
-    run_checked(
-        Command::new("cargo")
-            .args(["+nightly", "clippy", "--package", "agent-ebpf", "--release"])
-            .args(["--target", "bpfel-unknown-none", "-Z", "build-std=core"])
-            .args(["--", "-D", "warnings"])
-            .current_dir(workspace_root())
-            .env_remove("RUSTUP_TOOLCHAIN")
-            .env_remove("RUSTC"),
-    )?;
+    steps.run("clippy", || {
+        cargo(&["clippy", "--all-targets", "--", "-D", "warnings"])?;
+        run_checked(
+            Command::new("cargo")
+                .args(["+nightly", "clippy", "--package", "agent-ebpf", "--release"])
+                .args(["--target", "bpfel-unknown-none", "-Z", "build-std=core"])
+                .args(["--", "-D", "warnings"])
+                .current_dir(workspace_root())
+                .env_remove("RUSTUP_TOOLCHAIN")
+                .env_remove("RUSTC"),
+        )
+    })?;
     // The end-to-end tests run the agent binary; build it first so they test
     // the current sources.
-    build_binaries(false)?;
+    steps.run("binaries", || build_binaries(false).map(drop))?;
     // The deployment tests run the images, built from the current sources.
-    image::build()?;
+    steps.run("images", image::build)?;
     // Also the tests `#[ignore]`d as needing root, podman, go, node or
     // libc6-dbg (left out of `test --fast`), but not the measurement run by
     // hand.
-    cargo(&[
-        "test",
-        "--",
-        "--include-ignored",
-        "--skip",
-        HAND_RUN_MEASUREMENT,
-    ])?;
+    steps.run("cargo test", || {
+        cargo(&[
+            "test",
+            "--",
+            "--include-ignored",
+            "--skip",
+            HAND_RUN_MEASUREMENT,
+        ])
+    })?;
     // The fuzz targets still build against the parsers' current APIs.
-    fuzz::check()?;
-    // One tiny round of the collector bench: its synthetic fleet and queries
-    // stay correct between the (long) benchmark runs.
-    cargo(&[
-        "test",
-        "--package",
-        "stackscope-collector",
-        "--bench",
-        "collector",
-    ])?;
-    // And of the symbolization bench: every frame named right.
-    cargo(&[
-        "test",
-        "--package",
-        "stackscope-collector",
-        "--bench",
-        "symbolize",
-    ])?;
+    steps.run("fuzz targets", fuzz::check)?;
+    // One tiny round of each collector bench: the collector bench's
+    // synthetic fleet and queries stay correct between the (long) benchmark
+    // runs, and the symbolization bench names every frame right.
+    steps.run("bench rounds", || {
+        for bench in ["collector", "symbolize"] {
+            cargo(&[
+                "test",
+                "--package",
+                "stackscope-collector",
+                "--bench",
+                bench,
+            ])?;
+        }
+        Ok(())
+    })?;
     // Two minutes of the soak (debug builds): nothing grows past warm-up
     // and nothing is lost across a collector restart.
-    soak::run(SOAK_TEST_MINUTES, false)?;
+    steps.run("soak", || soak::run(SOAK_TEST_MINUTES, false))?;
     // The BPF program and the unwinder on the older kernels fleets run.
-    kernels::test()?;
-    eprintln!("all tests passed");
+    steps.run("kernels", kernels::test)?;
+    eprintln!("all tests passed in {}", steps.summary());
     Ok(())
+}
+
+/// The whole suite's steps and how long each took, so a slow step shows in
+/// every run's log.
+struct Steps {
+    started: std::time::Instant,
+    took: Vec<(&'static str, f64)>,
+}
+
+impl Steps {
+    fn new() -> Self {
+        Self {
+            started: std::time::Instant::now(),
+            took: Vec::new(),
+        }
+    }
+
+    fn run(
+        &mut self,
+        name: &'static str,
+        step: impl FnOnce() -> anyhow::Result<()>,
+    ) -> anyhow::Result<()> {
+        let started = std::time::Instant::now();
+        let result = step();
+        let seconds = started.elapsed().as_secs_f64();
+        eprintln!("step {name}: {seconds:.0} s");
+        self.took.push((name, seconds));
+        result.with_context(|| format!("step {name} failed after {seconds:.0} s"))
+    }
+
+    /// `812 s (setup 3 s, fmt 1 s, ...)`.
+    fn summary(&self) -> String {
+        let steps: Vec<String> = self
+            .took
+            .iter()
+            .map(|(name, seconds)| format!("{name} {seconds:.0} s"))
+            .collect();
+        format!(
+            "{:.0} s ({})",
+            self.started.elapsed().as_secs_f64(),
+            steps.join(", ")
+        )
+    }
 }
 
 /// The one `#[ignore]`d test `cargo xtask test` does not run: a measurement
