@@ -239,24 +239,21 @@ async fn sample(
                 if let Err(err) = read {
                     break Err(RunError::Read(err));
                 }
-                if let Err(err) = records.drain(&mut sampler) {
-                    break Err(err.into());
-                }
-                if records.aggregator.take_unknown_pod_seen() {
-                    handoffs.report(&reports, Report::UnknownPod);
+                if let Err(err) = drain(&mut records, &mut sampler, &reports, &handoffs) {
+                    break Err(err);
                 }
             }
             () = records.feed.readable() => {
-                if let Err(err) = records.drain(&mut sampler) {
-                    break Err(err.into());
+                if let Err(err) = drain(&mut records, &mut sampler, &reports, &handoffs) {
+                    break Err(err);
                 }
             }
             _ = intervals.tick() => {
                 // What was sampled up to now belongs to this interval, not
                 // to the next one: the last drain may be up to a drain
                 // period old.
-                if let Err(err) = records.drain(&mut sampler) {
-                    break Err(err.into());
+                if let Err(err) = drain(&mut records, &mut sampler, &reports, &handoffs) {
+                    break Err(err);
                 }
                 metadata.find_gone(records.tracked_processes());
                 records.walker.trim_tables();
@@ -276,6 +273,21 @@ async fn sample(
         }
     };
     Some(ended.and_then(|()| finish(records, sampler, worker, &handoffs, began)))
+}
+
+/// Drains the records queued and tells the runtime when a sample came
+/// from a pod its list does not know yet.
+fn drain(
+    records: &mut RecordTally,
+    sampler: &mut Sampler,
+    reports: &mpsc::Sender<Report>,
+    handoffs: &Handoffs,
+) -> Result<(), RunError> {
+    records.drain(sampler)?;
+    if records.aggregator.take_unknown_pod_seen() {
+        handoffs.report(reports, Report::UnknownPod);
+    }
+    Ok(())
 }
 
 /// Takes what is still queued, reads the final counters, detaches the
