@@ -59,14 +59,16 @@ use crate::{
         kubelet::PodList,
         runtime_names::{self, RuntimeNames},
     },
-    probes::{self, Probe},
     symbolize::{
         ObjectFile,
         perf_map::{PerfMapStats, PerfMaps},
     },
     unwinding::{FrameObject, ModuleFile, Walk},
 };
-use stackscope_telemetry::StateSize;
+use stackscope_telemetry::{
+    StateSize,
+    probes::{self, Probe},
+};
 
 /// Default length of an interval.
 pub const DEFAULT_INTERVAL: Duration = Duration::from_secs(10);
@@ -897,7 +899,7 @@ impl Aggregator {
             None if insert && self.current.label_sets.len() < MAX_LABEL_SETS => {
                 let index = index_of(self.current.label_sets.len());
                 self.current.label_sets.push(LabelValues {
-                    comm: labels::comm_str(&key.comm),
+                    comm: agent_common::comm_str(&key.comm),
                     exe: Arc::clone(&key.exe),
                     pid: key.pid,
                     container: key.container.as_ref().map(|c| Arc::clone(&c.0)),

@@ -22,7 +22,6 @@ pub mod containers;
 pub mod export;
 pub mod mapping_feed;
 pub mod metrics;
-pub mod probes;
 pub mod run;
 pub mod sampler;
 pub mod stats;

@@ -29,7 +29,6 @@ use crate::{
     export::debuginfo::UploadQueue,
     mapping_feed::{FeedStats, MappingFeed},
     metrics::{AgentTelemetry, PUBLISH_EVERY},
-    probes::ProbeTotals,
     sampler::{Counters, ProgramStats, Sampler, SamplerConfig, SamplerError, record::Record},
     stats::{RunTotals, TallyTotals},
     status::{ReaderTotals, StatusLine},
@@ -38,7 +37,7 @@ use crate::{
     unwinding::{StackWalker, UserStack, WalkStats, WalkerConfig},
 };
 use stackscope_process_table::table::TableStats;
-use stackscope_telemetry::{ProcessUsage, StateSize};
+use stackscope_telemetry::{ProcessUsage, StateSize, probes::ProbeTotals};
 use stackscope_unwind::TailSpan;
 
 /// Where finished batches go: the exporter's queue, or a test's list.

@@ -29,7 +29,6 @@ use crate::{
     aggregate::{AggregateStats, WorkerStats},
     export::{ExportStats, debuginfo::UploadStats},
     mapping_feed::FeedStats,
-    probes::ProbeTotals,
     run::RunSummary,
     sampler::{Counters, ProgramStats},
     status::ReaderTotals,
@@ -37,6 +36,7 @@ use crate::{
     unwinding::WalkStats,
 };
 use stackscope_process_table::table::TableStats;
+use stackscope_telemetry::probes::ProbeTotals;
 
 /// What the statistics are read from: the run's totals at one instant.
 #[derive(Debug, Clone, Default)]

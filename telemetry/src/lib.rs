@@ -7,8 +7,11 @@
 //! stackscope binary exports ([`ProcessMetrics`]: memory, CPU, descriptors;
 //! [`ProcessUsage`] reads the CPU and memory for a binary's own reports)
 //! and [`ConstMetrics`], the writer binaries use to export the counters they
-//! already keep. Which metrics a binary has is the binary's business: it
+//! already keep, and [`probes`], the hash lookups a sample costs, counted
+//! where each is made. Which metrics a binary has is the binary's business: it
 //! registers them in the [`Registry`] it hands to [`router`] or [`serve`].
+
+pub mod probes;
 
 use std::{
     fmt,

@@ -32,7 +32,7 @@ use runtime_names::RuntimeNames;
 
 use stackscope_telemetry::StateSize;
 
-use crate::probes::{self, Probe};
+use stackscope_telemetry::probes::{self, Probe};
 
 /// The container labels of a sample. Empty strings for what is unknown
 /// (no pod outside Kubernetes, no name before the runtime has written it).

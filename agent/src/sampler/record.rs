@@ -204,7 +204,7 @@ impl<'a> Sample<'a> {
 
     /// The thread name up to its first NUL, lossily decoded.
     pub fn comm(&self) -> String {
-        crate::aggregate::labels::comm_str(&self.header.comm)
+        agent_common::comm_str(&self.header.comm)
     }
 
     /// Size of the record this sample was decoded from.

@@ -25,7 +25,7 @@
 //! its maps (the JIT maps it executable) and read the same way, by
 //! [`stackscope_symbolize::jitdump`].
 
-use crate::probes::{self, Probe};
+use stackscope_telemetry::probes::{self, Probe};
 use std::{
     collections::BTreeMap,
     fs::File,
@@ -184,7 +184,7 @@ impl PerfMap {
         match &self.unnamed {
             Some((made_from, name)) if made_from == comm => Arc::clone(name),
             _ => {
-                let text = crate::aggregate::labels::comm_str(comm);
+                let text = agent_common::comm_str(comm);
                 let name: Arc<str> = format!("[jit] {text}").into();
                 self.unnamed = Some((*comm, Arc::clone(&name)));
                 name

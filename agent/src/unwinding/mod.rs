@@ -52,7 +52,7 @@ use stitching::{PlanStats, PlanUpdate, Planner, RemoteStack, WalkReport};
 
 use stackscope_telemetry::StateSize;
 
-use crate::probes::{self, Probe};
+use stackscope_telemetry::probes::{self, Probe};
 
 /// How the walker caches tables and holds samples that wait for one.
 #[derive(Debug, Clone)]

@@ -28,8 +28,8 @@
 //! called elsewhere) can only make a walk stop short, never walk a frame
 //! that was not on the stack.
 
-use crate::probes::{self, Probe};
 use foldhash::{HashMap, HashMapExt as _, HashSet, HashSetExt as _};
+use stackscope_telemetry::probes::{self, Probe};
 use std::io;
 
 use agent_common::{
