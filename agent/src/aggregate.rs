@@ -63,12 +63,12 @@ use crate::{
         ObjectFile,
         perf_map::{PerfMapStats, PerfMaps},
     },
-    unwinding::{FrameObject, ModuleFile, Walk},
 };
 use stackscope_telemetry::{
     StateSize,
     probes::{self, Probe},
 };
+use stackscope_unwind::walker::{FrameObject, ModuleFile, Walk};
 
 /// Default length of an interval.
 pub const DEFAULT_INTERVAL: Duration = Duration::from_secs(10);

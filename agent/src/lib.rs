@@ -5,7 +5,7 @@
 //! [`cgroups`]' view of the cgroup2 hierarchy, again while running. Then data flows
 //! through the modules in this order: [`sampler`] loads the BPF
 //! program and yields raw ring buffer records, [`sampler::record`] decodes them,
-//! [`unwinding`] turns each sample's copied stack into frames, each placed in
+//! the walker (`stackscope_unwind::walker`) turns each sample's copied stack into frames, each placed in
 //! its object at its file offset, [`tally`] counts samples per process,
 //! [`aggregate`] labels each sample (its container from [`containers`]),
 //! sums identical (labels, stack) pairs per interval and builds
@@ -28,4 +28,3 @@ pub mod stats;
 pub mod status;
 pub mod symbolize;
 pub mod tally;
-pub mod unwinding;

@@ -29,8 +29,8 @@ use stackscope_agent::{
     sampler::{Sampler, SamplerConfig},
     stats::report,
     symbolize::SymbolizerConfig,
-    unwinding::{DiskCache, WalkerConfig},
 };
+use stackscope_unwind::walker::{DiskCache, WalkerConfig};
 use tracing_subscriber::EnvFilter;
 
 /// Where frames get their names (`--symbolize`).

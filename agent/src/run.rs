@@ -34,11 +34,11 @@ use crate::{
     status::{ReaderTotals, StatusLine},
     symbolize::{SymbolizerConfig, perf_map::PerfMapStats},
     tally::ProcessTally,
-    unwinding::{StackWalker, UserStack, WalkStats, WalkerConfig},
 };
 use stackscope_process_table::table::TableStats;
 use stackscope_telemetry::{ProcessUsage, StateSize, probes::ProbeTotals};
 use stackscope_unwind::TailSpan;
+use stackscope_unwind::walker::{StackWalker, UserStack, WalkStats, WalkerConfig};
 
 /// Where finished batches go: the exporter's queue, or a test's list.
 /// Called on the run loop's thread, once per aggregation interval (and once
@@ -740,7 +740,7 @@ mod tests {
 
     #[test]
     fn a_steady_sample_costs_a_bounded_number_of_lookups() {
-        let (header, stack) = crate::unwinding::tests::own_sample();
+        let (header, stack) = stackscope_unwind::walker::test_support::own_sample();
         let record = crate::sampler::record::tests::encode(&header, &[], &stack);
         let mut records = RecordTally {
             processes: ProcessTally::with_capacity(16),

@@ -33,10 +33,10 @@ use crate::{
     sampler::{Counters, ProgramStats},
     status::ReaderTotals,
     symbolize::perf_map::PerfMapStats,
-    unwinding::WalkStats,
 };
 use stackscope_process_table::table::TableStats;
 use stackscope_telemetry::probes::ProbeTotals;
+use stackscope_unwind::walker::WalkStats;
 
 /// What the statistics are read from: the run's totals at one instant.
 #[derive(Debug, Clone, Default)]

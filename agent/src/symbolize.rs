@@ -58,8 +58,8 @@ use stackscope_symbolize::{
 pub use cache::GenerationalCache;
 pub use stackscope_symbolize::{FrameLine, Lines, truncate_str};
 
-use crate::unwinding::ModuleFile;
 use stackscope_telemetry::StateSize;
+use stackscope_unwind::walker::ModuleFile;
 
 /// Names kept by default: a few hundred bytes each, so tens of MB at most.
 pub const DEFAULT_MAX_CACHED_NAMES: usize = 1 << 18;
@@ -348,7 +348,7 @@ impl std::fmt::Debug for Symbolizer {
 impl Symbolizer {
     pub fn new(config: SymbolizerConfig) -> Self {
         let (kernel, kernel_loaded) = load_kallsyms(&config.kallsyms, &config.modules);
-        let vdso = crate::unwinding::own_vdso_image().map(|(start, image)| {
+        let vdso = stackscope_unwind::walker::own_vdso_image().map(|(start, image)| {
             use object::Object as _;
             let build_id = object::File::parse(image)
                 .ok()
@@ -1424,7 +1424,7 @@ mod tests {
 
     #[test]
     fn the_vdso_is_named_from_the_agents_own_copy() {
-        let Some((start, image)) = crate::unwinding::own_vdso_image() else {
+        let Some((start, image)) = stackscope_unwind::walker::own_vdso_image() else {
             return;
         };
         let elf = object::File::parse(image).expect("the vDSO is ELF");

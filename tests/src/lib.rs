@@ -19,15 +19,14 @@ use stackscope_agent::sampler::{
     Sampler, SamplerConfig,
     record::{DecodeError, OwnedSample, Record},
 };
-use stackscope_agent::{
-    mapping_feed::monotonic_ns,
-    sampler::Counters,
-    unwinding::{StackWalker, UserStack, WalkOutcome, Walked, WalkerConfig, stitching::PlanUpdate},
-};
+use stackscope_agent::{mapping_feed::monotonic_ns, sampler::Counters};
 pub use stackscope_process_table::maps::{Mapping, MappingPath};
 use stackscope_process_table::{Location, ProcessTable};
 pub use stackscope_test_fixtures::{
     ElfSymbols, Fixture, RunningProcess, free_port, http_get, workspace_binary,
+};
+use stackscope_unwind::walker::{
+    StackWalker, UserStack, WalkOutcome, Walked, WalkerConfig, stitching::PlanUpdate,
 };
 
 /// Fails the test with a clear message unless it runs as root.
@@ -345,7 +344,7 @@ impl LiveWalk {
             .objects
             .iter()
             .map(|object| match object {
-                stackscope_agent::unwinding::FrameObject::File { file, .. } => {
+                stackscope_unwind::walker::FrameObject::File { file, .. } => {
                     file.path().file_path().map(Path::to_path_buf)
                 }
                 _ => None,

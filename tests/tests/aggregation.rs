@@ -17,13 +17,13 @@ use stackscope_agent::{
     run::{AgentConfig, RunSummary, run},
     sampler::{SamplerConfig, record::OwnedSample},
     symbolize::{Symbolizer, SymbolizerConfig},
-    unwinding::StackWalker,
 };
 use stackscope_process_table::{ObjectId, object_id::identify};
 use stackscope_proto::v1;
 use stackscope_tests::{
     Fixture, exclusive, kernel_symbol, kernel_symbols, require_root, sample_for,
 };
+use stackscope_unwind::walker::StackWalker;
 
 const NODE: &str = "aggregation-test-node";
 

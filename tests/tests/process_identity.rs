@@ -13,11 +13,12 @@ use std::{
     time::{Duration, Instant},
 };
 
-use stackscope_agent::{sampler::SamplerConfig, unwinding::WalkOutcome};
+use stackscope_agent::sampler::SamplerConfig;
 use stackscope_tests::{
     Fixture, FrameNames, LiveOptions, RunningProcess, exclusive, require_root, walk_live_with,
 };
 use stackscope_unwind::UnwindEnd;
+use stackscope_unwind::walker::WalkOutcome;
 
 /// Starts `fixture` under `pid`, by setting the kernel's last handed-out
 /// pid just below it; retries while other processes take it first.

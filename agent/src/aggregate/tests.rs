@@ -6,10 +6,8 @@ use stackscope_proto::v1;
 use stackscope_unwind::UnwindEnd;
 
 use super::*;
-use crate::{
-    symbolize::{Symbolizer, SymbolizerConfig},
-    unwinding::WalkOutcome,
-};
+use crate::symbolize::{Symbolizer, SymbolizerConfig};
+use stackscope_unwind::walker::WalkOutcome;
 
 const KERNEL_LEAF: u64 = 0xffff_ffff_8110_0042;
 const KERNEL_CALLER: u64 = 0xffff_ffff_8120_0010;

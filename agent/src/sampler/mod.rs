@@ -31,7 +31,7 @@ use aya::{
 };
 use tokio::io::unix::AsyncFd;
 
-use crate::unwinding::stitching::PlanUpdate;
+use stackscope_unwind::walker::stitching::PlanUpdate;
 
 /// The BPF object built by `build.rs`.
 static BPF_OBJECT: &[u8] = aya::include_bytes_aligned!(concat!(env!("OUT_DIR"), "/agent-ebpf"));

@@ -292,8 +292,8 @@ pub struct OwnedSample {
 
 impl OwnedSample {
     /// The user stack as the walker takes it.
-    pub fn stack(&self) -> crate::unwinding::UserStack<'_> {
-        crate::unwinding::UserStack {
+    pub fn stack(&self) -> stackscope_unwind::walker::UserStack<'_> {
+        stackscope_unwind::walker::UserStack {
             copy: &self.user_stack,
             spans: &self.spans,
             tail: &self.tail,
