@@ -3,7 +3,7 @@
 //! This crate owns the byte layout of everything that crosses the kernel/user
 //! boundary: the sample record written to the ring buffer, the per-CPU counter
 //! indices, and the limits both sides must agree on. It owns no logic: the BPF
-//! side fills these types, the agent's `sampler::record` module decodes them.
+//! side fills these types, `stackscope_sampler::record` decodes them.
 //!
 //! Every type is `#[repr(C)]` with its padding written out, and a `const`
 //! assertion pins its size, so a field added on one side cannot silently shift

@@ -3,8 +3,8 @@
 //! [`containers::selection`] turns the user's selections (containers, pods,
 //! cgroups, budgets) into the BPF program's cgroup policies, through
 //! [`cgroups`]' view of the cgroup2 hierarchy, again while running. Then data flows
-//! through the modules in this order: [`sampler`] loads the BPF
-//! program and yields raw ring buffer records, [`sampler::record`] decodes them,
+//! through the crates and modules in this order: `stackscope_sampler` loads the BPF
+//! program and yields raw ring buffer records and decodes them,
 //! the walker (`stackscope_unwind::walker`) turns each sample's copied stack into frames, each placed in
 //! its object at its file offset, [`tally`] counts samples per process,
 //! [`aggregate`] labels each sample (its container from [`containers`]),
@@ -20,10 +20,8 @@ pub mod aggregate;
 pub mod cgroups;
 pub mod containers;
 pub mod export;
-pub mod mapping_feed;
 pub mod metrics;
 pub mod run;
-pub mod sampler;
 pub mod stats;
 pub mod status;
 pub mod symbolize;

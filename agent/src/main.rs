@@ -26,10 +26,10 @@ use stackscope_agent::{
     },
     metrics::AgentTelemetry,
     run::{AgentConfig, run},
-    sampler::{Sampler, SamplerConfig},
     stats::report,
     symbolize::SymbolizerConfig,
 };
+use stackscope_sampler::{Sampler, SamplerConfig};
 use stackscope_unwind::walker::{DiskCache, WalkerConfig};
 use tracing_subscriber::EnvFilter;
 

@@ -101,7 +101,8 @@ mod tests {
     use stackscope_telemetry::StateSize;
 
     use super::*;
-    use crate::{sampler::Counters, status::ReaderTotals};
+    use crate::status::ReaderTotals;
+    use stackscope_sampler::Counters;
     use stackscope_unwind::walker::WalkStats;
 
     #[test]

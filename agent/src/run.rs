@@ -27,15 +27,17 @@ use crate::{
         selection::{Resolver, SelectionConfig, SelectionError},
     },
     export::debuginfo::UploadQueue,
-    mapping_feed::{FeedStats, MappingFeed},
     metrics::{AgentTelemetry, PUBLISH_EVERY},
-    sampler::{Counters, ProgramStats, Sampler, SamplerConfig, SamplerError, record::Record},
     stats::{RunTotals, TallyTotals},
     status::{ReaderTotals, StatusLine},
     symbolize::{SymbolizerConfig, perf_map::PerfMapStats},
     tally::ProcessTally,
 };
 use stackscope_process_table::table::TableStats;
+use stackscope_sampler::mapping_feed::{FeedStats, MappingFeed};
+use stackscope_sampler::{
+    Counters, ProgramStats, Sampler, SamplerConfig, SamplerError, record::Record,
+};
 use stackscope_telemetry::{ProcessUsage, StateSize, probes::ProbeTotals};
 use stackscope_unwind::TailSpan;
 use stackscope_unwind::walker::{StackWalker, UserStack, WalkStats, WalkerConfig};
@@ -741,7 +743,7 @@ mod tests {
     #[test]
     fn a_steady_sample_costs_a_bounded_number_of_lookups() {
         let (header, stack) = stackscope_unwind::walker::test_support::own_sample();
-        let record = crate::sampler::record::tests::encode(&header, &[], &stack);
+        let record = stackscope_sampler::record::test_support::encode(&header, &[], &stack);
         let mut records = RecordTally {
             processes: ProcessTally::with_capacity(16),
             totals: ReaderTotals::default(),

@@ -28,13 +28,13 @@ pub use described::GROUPS;
 use crate::{
     aggregate::{AggregateStats, WorkerStats},
     export::{ExportStats, debuginfo::UploadStats},
-    mapping_feed::FeedStats,
     run::RunSummary,
-    sampler::{Counters, ProgramStats},
     status::ReaderTotals,
     symbolize::perf_map::PerfMapStats,
 };
 use stackscope_process_table::table::TableStats;
+use stackscope_sampler::mapping_feed::FeedStats;
+use stackscope_sampler::{Counters, ProgramStats};
 use stackscope_telemetry::probes::ProbeTotals;
 use stackscope_unwind::walker::WalkStats;
 

@@ -15,13 +15,14 @@ use std::{
 };
 
 use agent_common::ProcessEvent;
-use stackscope_agent::sampler::{
+pub use stackscope_process_table::maps::{Mapping, MappingPath};
+use stackscope_process_table::{Location, ProcessTable};
+use stackscope_sampler::Counters;
+use stackscope_sampler::mapping_feed::monotonic_ns;
+use stackscope_sampler::{
     Sampler, SamplerConfig,
     record::{DecodeError, OwnedSample, Record},
 };
-use stackscope_agent::{mapping_feed::monotonic_ns, sampler::Counters};
-pub use stackscope_process_table::maps::{Mapping, MappingPath};
-use stackscope_process_table::{Location, ProcessTable};
 pub use stackscope_test_fixtures::{
     ElfSymbols, Fixture, RunningProcess, free_port, http_get, workspace_binary,
 };

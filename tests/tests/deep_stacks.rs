@@ -15,10 +15,8 @@
 
 use std::{collections::HashMap, sync::MutexGuard, time::Duration};
 
-use stackscope_agent::{
-    run::FEED_DRAIN_INTERVAL,
-    sampler::{Counters, SamplerConfig},
-};
+use stackscope_agent::run::FEED_DRAIN_INTERVAL;
+use stackscope_sampler::{Counters, SamplerConfig};
 use stackscope_tests::{
     Fixture, FrameNames, LiveWalk, RunningProcess, exclusive, require_root, walk_live,
 };

@@ -15,8 +15,8 @@
 use std::{collections::HashMap, process::Command, time::Duration};
 
 use agent_common::DEFAULT_USER_STACK_BYTES;
-use stackscope_agent::sampler::SamplerConfig;
 use stackscope_gopclntab::elf::{GoFunctions, lookup};
+use stackscope_sampler::SamplerConfig;
 use stackscope_test_fixtures::Fixture;
 use stackscope_tests::{
     Collector, LiveWalk, Mapping, exclusive, read_maps, require_root, run_agent_for,

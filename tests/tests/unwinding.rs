@@ -11,7 +11,7 @@ use std::{
     time::{Duration, Instant},
 };
 
-use stackscope_agent::sampler::SamplerConfig;
+use stackscope_sampler::SamplerConfig;
 use stackscope_tests::{Fixture, FrameNames, exclusive, require_root, sample_for};
 use stackscope_unwind::walker::{StackWalker, WalkOutcome, WalkerConfig};
 use stackscope_unwind::{DEFAULT_MAX_DEPTH, UnwindEnd};

@@ -96,7 +96,7 @@ pub(crate) const TARGETS: &[Target] = &[
         seeds: seeds::gopclntab,
     },
     Target {
-        krate: "agent",
+        krate: "sampler",
         name: "sample_record",
         what: "ring-buffer records of the BPF sampler (samples, exec, exit)",
         seeds: seeds::sample_record,
