@@ -53,16 +53,14 @@ pub use batch::{BatchOptions, build_batch};
 use labels::{ExeCache, LabelChoice};
 pub use worker::{BatchWorker, WorkerStats};
 
-use crate::{
-    containers::{
-        ContainerIndex, ContainerLabels,
-        kubelet::PodList,
-        runtime_names::{self, RuntimeNames},
-    },
-    symbolize::{
-        ObjectFile,
-        perf_map::{PerfMapStats, PerfMaps},
-    },
+use crate::symbolize::{
+    ObjectFile,
+    perf_map::{PerfMapStats, PerfMaps},
+};
+use stackscope_metadata::{
+    ContainerIndex, ContainerLabels,
+    kubelet::PodList,
+    runtime_names::{self, RuntimeNames},
 };
 use stackscope_telemetry::{
     StateSize,

@@ -15,11 +15,6 @@ use stackscope_agent::{
         AggregatorConfig,
         labels::{LabelChoice, host_name},
     },
-    containers::{
-        kubelet::KubeletConfig,
-        runtime_names::{DEFAULT_DOCKER_ROOT, DEFAULT_PODMAN_STORAGE},
-        selection::{Budget, SelectionConfig, parse_pod_label},
-    },
     export::{
         Compression, ExportConfig, Exporter, TlsConfig,
         debuginfo::{DebuginfoUploader, UploadConfig},
@@ -28,6 +23,11 @@ use stackscope_agent::{
     run::{AgentConfig, run},
     stats::report,
     symbolize::SymbolizerConfig,
+};
+use stackscope_metadata::{
+    kubelet::KubeletConfig,
+    runtime_names::{DEFAULT_DOCKER_ROOT, DEFAULT_PODMAN_STORAGE},
+    selection::{Budget, SelectionConfig, parse_pod_label},
 };
 use stackscope_sampler::{Sampler, SamplerConfig};
 use stackscope_unwind::walker::{DiskCache, WalkerConfig};

@@ -21,17 +21,17 @@ use crate::{
         AggregateStats, Aggregator, AggregatorConfig, BatchOptions, BatchWorker, DEFAULT_INTERVAL,
         WorkerStats,
     },
-    containers::{
-        kubelet::{KubeletClient, KubeletConfig, KubeletError, PodList},
-        runtime_names::RuntimeNames,
-        selection::{Resolver, SelectionConfig, SelectionError},
-    },
     export::debuginfo::UploadQueue,
     metrics::{AgentTelemetry, PUBLISH_EVERY},
     stats::{RunTotals, TallyTotals},
     status::{ReaderTotals, StatusLine},
     symbolize::{SymbolizerConfig, perf_map::PerfMapStats},
     tally::ProcessTally,
+};
+use stackscope_metadata::{
+    kubelet::{KubeletClient, KubeletConfig, KubeletError, PodList},
+    runtime_names::RuntimeNames,
+    selection::{Resolver, SelectionConfig, SelectionError},
 };
 use stackscope_process_table::table::TableStats;
 use stackscope_sampler::mapping_feed::{FeedStats, MappingFeed};

@@ -50,7 +50,7 @@ pub struct TempCgroup {
 
 impl TempCgroup {
     pub fn create(name: &str) -> Self {
-        let mount = stackscope_agent::cgroups::cgroup2_mount().expect("a cgroup2 mount");
+        let mount = stackscope_metadata::cgroups::cgroup2_mount().expect("a cgroup2 mount");
         let path = mount.join(format!("stackscope-test-{name}-{}", std::process::id()));
         std::fs::create_dir(&path)
             .unwrap_or_else(|err| panic!("creating {}: {err}", path.display()));

@@ -12,7 +12,7 @@ use agent_common::{
     CgroupPolicy, DEEP_COPY_CLASSES, DIRECT_COPY_CLASSES, MAX_DEEP_STACK_BYTES, StackPlan,
     StackTop, policy_flags, reserved_record_bytes, sample_flags,
 };
-use stackscope_agent::cgroups;
+use stackscope_metadata::cgroups;
 use stackscope_sampler::{SamplerConfig, record::OwnedSample};
 use stackscope_tests::{
     Fixture, Mapping, MappingPath, Recorded, RunningProcess, TempCgroup, exclusive, find_word,

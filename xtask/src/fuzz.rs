@@ -114,13 +114,13 @@ pub(crate) const TARGETS: &[Target] = &[
         seeds: seeds::proc_maps,
     },
     Target {
-        krate: "process-table",
+        krate: "metadata",
         name: "proc_cgroup",
         what: "/proc/<pid>/cgroup parser and container identity from the path",
         seeds: seeds::proc_cgroup,
     },
     Target {
-        krate: "agent",
+        krate: "metadata",
         name: "mountinfo",
         what: "/proc/self/mountinfo: the cgroup2 mount point",
         seeds: seeds::mountinfo,

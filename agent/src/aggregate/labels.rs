@@ -3,7 +3,7 @@
 //!
 //! Owns the per-process `exe` cache (read from `/proc/<pid>/exe` once per
 //! process, forgotten on exec and exit, bounded) and the node's name. The
-//! container labels come from [`crate::containers`]; the others straight
+//! container labels come from `stackscope_metadata`; the others straight
 //! from the sample header.
 
 use std::{

@@ -36,8 +36,8 @@ use std::{
     time::{Duration, Instant, SystemTime},
 };
 
+use crate::container::Runtime;
 use serde::Deserialize;
-use stackscope_process_table::container::Runtime;
 
 /// containers-storage's default root for system (rootful) containers.
 pub const DEFAULT_PODMAN_STORAGE: &str = "/var/lib/containers/storage";
@@ -629,7 +629,7 @@ mod tests {
     #[test]
     #[ignore = "needs root and podman: run by `cargo xtask test`"]
     fn names_a_real_podman_container() {
-        use stackscope_process_table::container::identify;
+        use crate::container::identify;
         use stackscope_test_fixtures::containers::{Container, Image, require_root};
 
         require_root();

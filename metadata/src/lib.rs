@@ -1,19 +1,27 @@
-//! Which container each sampled process runs in, and what it is called.
+//! Which container each sampled process runs in, and what it is called:
+//! the labels the agent puts on samples beyond the process's own.
 //!
 //! Owns the per-process container identity ([`ContainerIndex`]): the cgroup
 //! path of `/proc/<pid>/cgroup`, read once per process (again when a sample
 //! shows the process in another cgroup), says the runtime, the container
-//! id and, under Kubernetes, the pod UID
-//! ([`stackscope_process_table::container`]). Names come from the kubelet's
-//! pod list ([`kubelet`]: pod, namespace, container name) or, outside
-//! Kubernetes, from the runtime's own state on disk ([`runtime_names`]).
-//! [`selection`] turns the user's container, pod and cgroup selections into
-//! the BPF program's cgroup policies.
+//! id and, under Kubernetes, the pod UID ([`container`], the one place that
+//! reads a container's identity from a cgroup path). Names come from the
+//! kubelet's pod list ([`kubelet`]: pod, namespace, container name) or,
+//! outside Kubernetes, from the runtime's own state on disk
+//! ([`runtime_names`]). [`selection`] turns the user's container, pod and
+//! cgroup selections into the BPF program's cgroup policies, through
+//! [`cgroups`]' view of the cgroup2 hierarchy.
 //!
 //! Keyed by process rather than by the sample's cgroup id: on a hybrid
 //! host a runtime that manages only the v1 hierarchies leaves containers at
 //! the v2 root, where the v2 id says nothing.
+//!
+//! Does not own which processes exist or what they map
+//! (`stackscope-process-table`), nor the labels' place in a batch (the
+//! agent's aggregator).
 
+pub mod cgroups;
+pub mod container;
 pub mod kubelet;
 pub mod runtime_names;
 pub mod selection;
@@ -25,7 +33,7 @@ use std::{
     time::{Duration, Instant},
 };
 
-use stackscope_process_table::container::{self, ContainerIdentity};
+use crate::container::ContainerIdentity;
 
 use kubelet::PodList;
 use runtime_names::RuntimeNames;
