@@ -47,26 +47,26 @@ use std::{
 };
 
 use agent_common::{COMM_LEN, SampleHeader};
-use stackscope_process_table::ObjectId;
+use stackscope_process_table::{ModuleFile, ObjectId};
 
 pub use batch::{BatchOptions, build_batch};
 use labels::{ExeCache, LabelChoice};
 pub use worker::{BatchWorker, WorkerStats};
 
-use crate::symbolize::{
-    ObjectFile,
-    perf_map::{PerfMapStats, PerfMaps},
-};
 use stackscope_metadata::{
     ContainerIndex, ContainerLabels,
     kubelet::PodList,
     runtime_names::{self, RuntimeNames},
 };
+use stackscope_symbolize::node::{
+    ObjectFile,
+    perf_map::{PerfMapStats, PerfMaps},
+};
 use stackscope_telemetry::{
     StateSize,
     probes::{self, Probe},
 };
-use stackscope_unwind::walker::{FrameObject, ModuleFile, Walk};
+use stackscope_unwind::walker::{FrameObject, Walk};
 
 /// Default length of an interval.
 pub const DEFAULT_INTERVAL: Duration = Duration::from_secs(10);

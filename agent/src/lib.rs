@@ -9,7 +9,7 @@
 //! its object at its file offset, [`tally`] counts samples per process,
 //! [`aggregate`] labels each sample (its container from `stackscope_metadata`),
 //! sums identical (labels, stack) pairs per interval and builds
-//! one `stackscope.v1.Batch` per interval, naming frames with [`symbolize`],
+//! one `stackscope.v1.Batch` per interval, naming frames with `stackscope_symbolize::node`,
 //! [`export`] ships the batches, and [`run`] drives the loop, prints the
 //! periodic [`status`] line and stops on a signal or after a duration (see
 //! `shared/DESIGN.md`). [`stats`] describes once what the loop, the exporter
@@ -22,5 +22,4 @@ pub mod metrics;
 pub mod run;
 pub mod stats;
 pub mod status;
-pub mod symbolize;
 pub mod tally;

@@ -22,7 +22,6 @@ use stackscope_agent::{
     metrics::AgentTelemetry,
     run::{AgentConfig, run},
     stats::report,
-    symbolize::SymbolizerConfig,
 };
 use stackscope_metadata::{
     kubelet::KubeletConfig,
@@ -30,6 +29,7 @@ use stackscope_metadata::{
     selection::{Budget, SelectionConfig, parse_pod_label},
 };
 use stackscope_sampler::{Sampler, SamplerConfig};
+use stackscope_symbolize::node::SymbolizerConfig;
 use stackscope_unwind::walker::{DiskCache, WalkerConfig};
 use tracing_subscriber::EnvFilter;
 

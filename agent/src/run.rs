@@ -25,7 +25,6 @@ use crate::{
     metrics::{AgentTelemetry, PUBLISH_EVERY},
     stats::{RunTotals, TallyTotals},
     status::{ReaderTotals, StatusLine},
-    symbolize::{SymbolizerConfig, perf_map::PerfMapStats},
     tally::ProcessTally,
 };
 use stackscope_metadata::{
@@ -38,6 +37,7 @@ use stackscope_sampler::mapping_feed::{FeedStats, MappingFeed};
 use stackscope_sampler::{
     Counters, ProgramStats, Sampler, SamplerConfig, SamplerError, record::Record,
 };
+use stackscope_symbolize::node::{SymbolizerConfig, perf_map::PerfMapStats};
 use stackscope_telemetry::{ProcessUsage, StateSize, probes::ProbeTotals};
 use stackscope_unwind::TailSpan;
 use stackscope_unwind::walker::{StackWalker, UserStack, WalkStats, WalkerConfig};

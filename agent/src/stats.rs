@@ -30,11 +30,11 @@ use crate::{
     export::{ExportStats, debuginfo::UploadStats},
     run::RunSummary,
     status::ReaderTotals,
-    symbolize::perf_map::PerfMapStats,
 };
 use stackscope_process_table::table::TableStats;
 use stackscope_sampler::mapping_feed::FeedStats;
 use stackscope_sampler::{Counters, ProgramStats};
+use stackscope_symbolize::node::perf_map::PerfMapStats;
 use stackscope_telemetry::probes::ProbeTotals;
 use stackscope_unwind::walker::WalkStats;
 

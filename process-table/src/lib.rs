@@ -30,4 +30,6 @@ pub mod table;
 
 pub use maps::{Mapping, MappingPath};
 pub use object_id::{BuildId, ContentDigest, FileKey, ObjectId};
-pub use table::{Location, MappedObject, MappedRegion, ProcessError, ProcessTable, TableConfig};
+pub use table::{
+    Location, MappedObject, MappedRegion, ModuleFile, ProcessError, ProcessTable, TableConfig,
+};

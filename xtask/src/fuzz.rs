@@ -126,7 +126,7 @@ pub(crate) const TARGETS: &[Target] = &[
         seeds: seeds::mountinfo,
     },
     Target {
-        krate: "agent",
+        krate: "symbolize",
         name: "perf_map",
         what: "perf map reader (/tmp/perf-<pid>.map, read as it grows)",
         seeds: seeds::perf_map,

@@ -19,7 +19,7 @@ use stackscope_profile::model::unix_nanos;
 use stackscope_proto::v1;
 
 use super::{Interval, MappingKey, index_of, labels};
-use crate::symbolize::{FrameLine, Lines, Symbolizer, truncate_str};
+use stackscope_symbolize::node::{FrameLine, Lines, Symbolizer, truncate_str};
 
 /// The longest string sent: the collector's default limit.
 const MAX_STRING_BYTES: usize = 4096;

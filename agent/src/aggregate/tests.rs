@@ -6,7 +6,7 @@ use stackscope_proto::v1;
 use stackscope_unwind::UnwindEnd;
 
 use super::*;
-use crate::symbolize::{Symbolizer, SymbolizerConfig};
+use stackscope_symbolize::node::{Symbolizer, SymbolizerConfig};
 use stackscope_unwind::walker::WalkOutcome;
 
 const KERNEL_LEAF: u64 = 0xffff_ffff_8110_0042;

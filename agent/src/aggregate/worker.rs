@@ -26,10 +26,8 @@ use stackscope_proto::v1;
 use tokio::sync::mpsc::{UnboundedReceiver, unbounded_channel};
 
 use super::{BatchOptions, Interval, MappingKey, build_batch};
-use crate::{
-    export::debuginfo::UploadQueue,
-    symbolize::{SymbolizeStats, Symbolizer, SymbolizerConfig},
-};
+use crate::export::debuginfo::UploadQueue;
+use stackscope_symbolize::node::{SymbolizeStats, Symbolizer, SymbolizerConfig};
 use stackscope_telemetry::StateSize;
 
 /// What the worker has done so far.

@@ -9,7 +9,8 @@ use stackscope_telemetry::{
 };
 
 use super::*;
-use crate::{export::ExportStats, symbolize::SymbolizeStats, tally::ProcessTally};
+use crate::{export::ExportStats, tally::ProcessTally};
+use stackscope_symbolize::node::SymbolizeStats;
 use stackscope_unwind::walker::{EarlyEnds, WalkEnds, stitching::PlanStats};
 
 /// Totals whose every figure is set, nearly all to distinct values, so a

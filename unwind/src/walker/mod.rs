@@ -48,8 +48,8 @@ use crate::{
 use agent_common::{SampleHeader, sample_flags};
 use process_state::{ProcessState, Processes, Slot};
 use stackscope_process_table::{
-    BuildId, Location, MappedRegion, Mapping, MappingPath, ObjectId, ProcessError, ProcessTable,
-    TableConfig, maps::read_maps,
+    BuildId, Location, Mapping, MappingPath, ModuleFile, ObjectId, ProcessError, ProcessTable,
+    TableConfig, maps::own_vdso_image,
 };
 use stitching::{PlanStats, PlanUpdate, Planner, RemoteStack, WalkReport};
 
@@ -189,25 +189,6 @@ pub enum FrameObject {
 impl FrameObject {
     pub fn is_jit(&self) -> bool {
         matches!(self, FrameObject::Jit { .. })
-    }
-}
-
-/// The file a module maps, shared by the walker's module and every frame
-/// delivered in it.
-#[derive(Debug, PartialEq, Eq)]
-pub struct ModuleFile {
-    /// The file's identity: build-id, or a key for this version of the file.
-    pub id: Arc<ObjectId>,
-    /// The mapping the module was resolved from: the path as the process
-    /// sees it, and the way to open the very file mapped
-    /// ([`MappedRegion::open`], through `/proc/<pid>/map_files`).
-    pub region: Arc<MappedRegion>,
-}
-
-impl ModuleFile {
-    /// The path as the process's maps show it.
-    pub fn path(&self) -> &MappingPath {
-        &self.region.mapping.path
     }
 }
 
@@ -1662,19 +1643,6 @@ fn registers(header: &SampleHeader) -> Registers {
         rsp: header.user_rsp,
         rbp: header.user_rbp,
     }
-}
-
-/// This process's own vDSO: where it is mapped and its image, which is the
-/// same in every process on this kernel.
-pub fn own_vdso_image() -> Option<(u64, &'static [u8])> {
-    let maps = read_maps(std::process::id()).ok()?;
-    let vdso = maps.iter().find(|m| m.path == MappingPath::Vdso)?;
-    let len = usize::try_from(vdso.end.checked_sub(vdso.start)?).ok()?;
-    // SAFETY: the kernel maps the vDSO readable for the process's whole
-    // lifetime unless the process unmaps it, which the agent never does;
-    // `start..end` is that mapping in ours.
-    let image = unsafe { std::slice::from_raw_parts(vdso.start as *const u8, len) };
-    Some((vdso.start, image))
 }
 
 /// The table of this process's own vDSO.
