@@ -7,7 +7,7 @@
 //! ([`labels`]); building the batch ([`batch`]); and the thread that names
 //! frames and builds batches off the sampling loop ([`worker`]). Does not
 //! own when intervals end (the run loop decides), naming frames
-//! ([`crate::symbolize`]), or sending batches (the exporter).
+//! (`stackscope_symbolize::node`), or sending batches (the exporter).
 //!
 //! A sample's stack is leaf first overall: its kernel frames (innermost
 //! first), then its user frames (innermost first), since the kernel was
