@@ -12,7 +12,7 @@
 //!   container, with `"Name": "/api"` (the leading slash is dropped).
 //!
 //! Containers run by containerd or CRI-O are Kubernetes pods here: their
-//! names come from the kubelet's pod list (`containers::kubelet`), so
+//! names come from the kubelet's pod list ([`crate::kubelet`]), so
 //! [`RuntimeNames::name`] returns `None` for them.
 //!
 //! Lookups happen while samples are labelled, so every answer is cached:
