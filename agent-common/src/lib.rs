@@ -3,12 +3,15 @@
 //! This crate owns the byte layout of everything that crosses the kernel/user
 //! boundary: the sample record written to the ring buffer, the per-CPU counter
 //! indices, and the limits both sides must agree on. It owns no logic: the BPF
-//! side fills these types, the agent's `sampler::record` module decodes them.
+//! side fills these types, `stackscope_sampler::record` decodes them.
 //!
 //! Every type is `#[repr(C)]` with its padding written out, and a `const`
 //! assertion pins its size, so a field added on one side cannot silently shift
 //! the layout the other side reads.
 #![no_std]
+
+#[cfg(feature = "alloc")]
+extern crate alloc;
 
 /// Kinds of records in the sample ring buffer. The first `u32` of every record.
 #[repr(u32)]
@@ -94,6 +97,14 @@ pub const fn reserved_record_bytes(user_class: u32, kernel_room: bool) -> u32 {
 
 /// Length of `comm` as the kernel keeps it (`TASK_COMM_LEN`).
 pub const COMM_LEN: usize = 16;
+
+/// A `comm` as text: up to its first NUL (the kernel pads with NULs and
+/// leaves whatever followed a shorter name after it), lossily as UTF-8.
+#[cfg(feature = "alloc")]
+pub fn comm_str(comm: &[u8]) -> alloc::string::String {
+    let end = comm.iter().position(|&b| b == 0).unwrap_or(comm.len());
+    alloc::string::String::from_utf8_lossy(&comm[..end]).into_owned()
+}
 
 /// Most kernel frames recorded per sample: the default of
 /// `kernel.perf_event_max_stack`, the kernel's own cap for `bpf_get_stack`.
@@ -515,6 +526,13 @@ pub const MAX_CGROUP_DEPTH: i32 = 16;
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[cfg(feature = "alloc")]
+    #[test]
+    fn comm_stops_at_the_first_nul() {
+        assert_eq!(comm_str(b"redis\0\0\0garbage\0"), "redis");
+        assert_eq!(comm_str(b"exactly-16-bytes"), "exactly-16-bytes");
+    }
 
     #[test]
     fn header_fields_are_where_the_decoder_expects_them() {

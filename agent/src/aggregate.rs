@@ -7,7 +7,7 @@
 //! ([`labels`]); building the batch ([`batch`]); and the thread that names
 //! frames and builds batches off the sampling loop ([`worker`]). Does not
 //! own when intervals end (the run loop decides), naming frames
-//! ([`crate::symbolize`]), or sending batches (the exporter).
+//! (`stackscope_symbolize::node`), or sending batches (the exporter).
 //!
 //! A sample's stack is leaf first overall: its kernel frames (innermost
 //! first), then its user frames (innermost first), since the kernel was
@@ -47,26 +47,26 @@ use std::{
 };
 
 use agent_common::{COMM_LEN, SampleHeader};
-use stackscope_process_table::ObjectId;
+use stackscope_process_table::{ModuleFile, ObjectId};
 
 pub use batch::{BatchOptions, build_batch};
 use labels::{ExeCache, LabelChoice};
 pub use worker::{BatchWorker, WorkerStats};
 
-use crate::{
-    containers::{
-        ContainerIndex, ContainerLabels,
-        kubelet::PodList,
-        runtime_names::{self, RuntimeNames},
-    },
-    probes::{self, Probe},
-    symbolize::{
-        ObjectFile,
-        perf_map::{PerfMapStats, PerfMaps},
-    },
-    unwinding::{FrameObject, ModuleFile, Walk},
+use stackscope_metadata::{
+    ContainerIndex, ContainerLabels,
+    kubelet::PodList,
+    runtime_names::{self, RuntimeNames},
 };
-use stackscope_telemetry::StateSize;
+use stackscope_symbolize::node::{
+    ObjectFile,
+    perf_map::{PerfMapStats, PerfMaps},
+};
+use stackscope_telemetry::{
+    StateSize,
+    probes::{self, Probe},
+};
+use stackscope_unwind::walker::{FrameObject, Walk};
 
 /// Default length of an interval.
 pub const DEFAULT_INTERVAL: Duration = Duration::from_secs(10);
@@ -897,7 +897,7 @@ impl Aggregator {
             None if insert && self.current.label_sets.len() < MAX_LABEL_SETS => {
                 let index = index_of(self.current.label_sets.len());
                 self.current.label_sets.push(LabelValues {
-                    comm: labels::comm_str(&key.comm),
+                    comm: agent_common::comm_str(&key.comm),
                     exe: Arc::clone(&key.exe),
                     pid: key.pid,
                     container: key.container.as_ref().map(|c| Arc::clone(&c.0)),

@@ -1,32 +1,28 @@
-//! The stackscope node agent.
+//! The stackscope node agent: the run loop and its threads, aggregation,
+//! export and the agent's statistics. What a sample passes through before
+//! and beside these lives in crates of its own, one job each (see
+//! `shared/DESIGN.md`).
 //!
-//! [`containers::selection`] turns the user's selections (containers, pods,
-//! cgroups, budgets) into the BPF program's cgroup policies, through
-//! [`cgroups`]' view of the cgroup2 hierarchy, again while running. Then data flows
-//! through the modules in this order: [`sampler`] loads the BPF
-//! program and yields raw ring buffer records, [`sampler::record`] decodes them,
-//! [`unwinding`] turns each sample's copied stack into frames, each placed in
-//! its object at its file offset, [`tally`] counts samples per process,
-//! [`aggregate`] labels each sample (its container from [`containers`]),
-//! sums identical (labels, stack) pairs per interval and builds
-//! one `stackscope.v1.Batch` per interval, naming frames with [`symbolize`],
-//! [`export`] ships the batches, and [`run`] drives the loop, prints the
-//! periodic [`status`] line and stops on a signal or after a duration (see
-//! `shared/DESIGN.md`). [`stats`] describes once what the loop, the exporter
-//! and the uploader count; [`metrics`] serves it to Prometheus, the status
-//! line and the final report render it too.
+//! `stackscope_metadata::selection` turns the user's selections
+//! (containers, pods, cgroups, budgets) into the BPF program's cgroup
+//! policies, again while running. Then data flows in this order:
+//! `stackscope_sampler` loads the BPF program, reads the ring buffer's
+//! records and decodes them; the walker (`stackscope_unwind::walker`)
+//! turns each sample's copied stack into frames, each placed in its object
+//! at its file offset; [`tally`] counts samples per process; [`aggregate`]
+//! labels each sample (its container from `stackscope_metadata`), sums
+//! identical (labels, stack) pairs per interval and builds one
+//! `stackscope.v1.Batch` per interval, naming frames with
+//! `stackscope_symbolize::node`; [`export`] ships the batches; and [`run`]
+//! drives the loop, prints the periodic [`status`] line and stops on a
+//! signal or after a duration. [`stats`] describes once what the loop, the
+//! exporter and the uploader count; [`metrics`] serves it to Prometheus,
+//! the status line and the final report render it too.
 
 pub mod aggregate;
-pub mod cgroups;
-pub mod containers;
 pub mod export;
-pub mod mapping_feed;
 pub mod metrics;
-pub mod probes;
 pub mod run;
-pub mod sampler;
 pub mod stats;
 pub mod status;
-pub mod symbolize;
 pub mod tally;
-pub mod unwinding;

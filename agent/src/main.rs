@@ -15,22 +15,22 @@ use stackscope_agent::{
         AggregatorConfig,
         labels::{LabelChoice, host_name},
     },
-    containers::{
-        kubelet::KubeletConfig,
-        runtime_names::{DEFAULT_DOCKER_ROOT, DEFAULT_PODMAN_STORAGE},
-        selection::{Budget, SelectionConfig, parse_pod_label},
-    },
     export::{
         Compression, ExportConfig, Exporter, TlsConfig,
         debuginfo::{DebuginfoUploader, UploadConfig},
     },
     metrics::AgentTelemetry,
     run::{AgentConfig, run},
-    sampler::{Sampler, SamplerConfig},
     stats::report,
-    symbolize::SymbolizerConfig,
-    unwinding::{DiskCache, WalkerConfig},
 };
+use stackscope_metadata::{
+    kubelet::KubeletConfig,
+    runtime_names::{DEFAULT_DOCKER_ROOT, DEFAULT_PODMAN_STORAGE},
+    selection::{Budget, SelectionConfig, parse_pod_label},
+};
+use stackscope_sampler::{Sampler, SamplerConfig};
+use stackscope_symbolize::node::SymbolizerConfig;
+use stackscope_unwind::walker::{DiskCache, WalkerConfig};
 use tracing_subscriber::EnvFilter;
 
 /// Where frames get their names (`--symbolize`).

@@ -101,7 +101,9 @@ mod tests {
     use stackscope_telemetry::StateSize;
 
     use super::*;
-    use crate::{sampler::Counters, status::ReaderTotals, unwinding::WalkStats};
+    use crate::status::ReaderTotals;
+    use stackscope_sampler::Counters;
+    use stackscope_unwind::walker::WalkStats;
 
     #[test]
     fn walk_ends_partition_the_walks() {

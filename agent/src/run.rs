@@ -35,24 +35,23 @@ use crate::{
     aggregate::{
         AggregateStats, AggregatorConfig, BatchOptions, BatchWorker, DEFAULT_INTERVAL, WorkerStats,
     },
-    containers::{
-        kubelet::{KubeletClient, KubeletConfig, KubeletError, PodList},
-        selection::{Resolver, SelectionConfig, SelectionError},
-    },
     export::debuginfo::UploadQueue,
-    mapping_feed::FeedStats,
     metrics::{AgentTelemetry, PUBLISH_EVERY},
-    probes::ProbeTotals,
-    sampler::{Counters, ProgramStats, SamplerConfig, SamplerError},
     stats::RunTotals,
     status::{ReaderTotals, StatusLine},
-    symbolize::{SymbolizerConfig, perf_map::PerfMapStats},
     tally::ProcessTally,
-    unwinding::{WalkStats, WalkerConfig},
 };
 use sampling::{Command, Purpose, REPORT_QUEUE, Report, SamplingThread, Setup};
+use stackscope_metadata::{
+    kubelet::{KubeletClient, KubeletConfig, KubeletError, PodList},
+    selection::{Resolver, SelectionConfig, SelectionError},
+};
 use stackscope_process_table::table::TableStats;
-use stackscope_telemetry::ProcessUsage;
+use stackscope_sampler::mapping_feed::FeedStats;
+use stackscope_sampler::{Counters, ProgramStats, SamplerConfig, SamplerError};
+use stackscope_symbolize::node::{SymbolizerConfig, perf_map::PerfMapStats};
+use stackscope_telemetry::{ProcessUsage, probes::ProbeTotals};
+use stackscope_unwind::walker::{WalkStats, WalkerConfig};
 
 /// Where finished batches go: the exporter's queue, or a test's list.
 /// Called on the batch worker's thread, once per aggregation interval (and

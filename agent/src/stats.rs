@@ -28,15 +28,15 @@ pub use described::GROUPS;
 use crate::{
     aggregate::{AggregateStats, WorkerStats},
     export::{ExportStats, debuginfo::UploadStats},
-    mapping_feed::FeedStats,
-    probes::ProbeTotals,
     run::{HandoffTotals, RunSummary},
-    sampler::{Counters, ProgramStats},
     status::ReaderTotals,
-    symbolize::perf_map::PerfMapStats,
-    unwinding::WalkStats,
 };
 use stackscope_process_table::table::TableStats;
+use stackscope_sampler::mapping_feed::FeedStats;
+use stackscope_sampler::{Counters, ProgramStats};
+use stackscope_symbolize::node::perf_map::PerfMapStats;
+use stackscope_telemetry::probes::ProbeTotals;
+use stackscope_unwind::walker::WalkStats;
 
 /// What the statistics are read from: the run's totals at one instant.
 #[derive(Debug, Clone, Default)]

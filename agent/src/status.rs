@@ -142,7 +142,8 @@ mod tests {
     use stackscope_telemetry::ProcessUsage;
 
     use super::*;
-    use crate::{sampler::Counters, unwinding::WalkStats};
+    use stackscope_sampler::Counters;
+    use stackscope_unwind::walker::WalkStats;
 
     fn totals(records: u64, lost: u64, walks: (u64, u64), cpu: f64, rss: u64) -> RunTotals {
         RunTotals {

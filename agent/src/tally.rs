@@ -12,7 +12,7 @@ use foldhash::{HashMap, HashMapExt as _};
 
 use stackscope_telemetry::StateSize;
 
-use crate::probes::{self, Probe};
+use stackscope_telemetry::probes::{self, Probe};
 
 /// One process's share of the samples.
 #[derive(Debug, Clone, PartialEq, Eq, serde::Serialize)]

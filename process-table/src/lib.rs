@@ -17,15 +17,11 @@
 //! - [`table`] ties them together in a bounded [`ProcessTable`] answering
 //!   [`ProcessTable::lookup`] for each sampled address.
 //!
-//! Beside that, [`container`] maps a process's cgroup path
-//! (`/proc/<pid>/cgroup`) to the container, runtime and Kubernetes pod it
-//! runs in, for the container and pod labels on its samples.
-//!
-//! It does not unwind, compile unwind tables, symbolize, or learn about
+//! It does not say which container a process runs in
+//! (`stackscope-metadata`), and does not unwind, compile unwind tables, symbolize, or learn about
 //! process exits, execs, forks and mmaps by itself: the agent forwards
 //! those events (`stackscope-process-events` reads the kernel's).
 
-pub mod container;
 pub mod elf;
 pub mod maps;
 pub mod object_id;
@@ -34,4 +30,6 @@ pub mod table;
 
 pub use maps::{Mapping, MappingPath};
 pub use object_id::{BuildId, ContentDigest, FileKey, ObjectId};
-pub use table::{Location, MappedObject, MappedRegion, ProcessError, ProcessTable, TableConfig};
+pub use table::{
+    Location, MappedObject, MappedRegion, ModuleFile, ProcessError, ProcessTable, TableConfig,
+};

@@ -494,6 +494,20 @@ fn parse_perms(text: &[u8]) -> Result<Perms, LineErrorKind> {
     })
 }
 
+/// This process's own vDSO: where it is mapped and its image, which is the
+/// same in every process on this kernel (the walker compiles its table, the
+/// symbolizer names its frames).
+pub fn own_vdso_image() -> Option<(u64, &'static [u8])> {
+    let maps = read_maps(std::process::id()).ok()?;
+    let vdso = maps.iter().find(|m| m.path == MappingPath::Vdso)?;
+    let len = usize::try_from(vdso.end.checked_sub(vdso.start)?).ok()?;
+    // SAFETY: the kernel maps the vDSO readable for the process's whole
+    // lifetime unless the process unmaps it, which the agent never does;
+    // `start..end` is that mapping in ours.
+    let image = unsafe { std::slice::from_raw_parts(vdso.start as *const u8, len) };
+    Some((vdso.start, image))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -159,6 +159,27 @@ pub enum MappingError {
     OtherFile,
 }
 
+/// The file a module maps: its identity and the mapping it was resolved
+/// from. The walker shares one between its module and every frame delivered
+/// in it, and the symbolizer opens the file through it, so it lives here,
+/// with the types it is made of, rather than in either.
+#[derive(Debug, PartialEq, Eq)]
+pub struct ModuleFile {
+    /// The file's identity: build-id, or a key for this version of the file.
+    pub id: Arc<ObjectId>,
+    /// The mapping the module was resolved from: the path as the process
+    /// sees it, and the way to open the very file mapped
+    /// ([`MappedRegion::open`], through `/proc/<pid>/map_files`).
+    pub region: Arc<MappedRegion>,
+}
+
+impl ModuleFile {
+    /// The path as the process's maps show it.
+    pub fn path(&self) -> &MappingPath {
+        &self.region.mapping.path
+    }
+}
+
 /// One executable mapping of one process, shared between the table and the
 /// lookups that returned it.
 #[derive(Debug, Clone, PartialEq, Eq)]

@@ -12,9 +12,12 @@
 //!   times), shared by the HTTP API and the CLI;
 //! - [`tree`]: the merged [`CallTree`](tree::CallTree), pruning, and its wire
 //!   form;
-//! - [`render`]: everything drawn or exported from a tree.
+//! - `render`: everything drawn or exported from a tree, behind the
+//!   `render` feature (the collector and the CLI enable it; the agent, which
+//!   uses only [`model`], does not link inferno and flate2).
 
 pub mod model;
+#[cfg(feature = "render")]
 pub mod render;
 pub mod selector;
 pub mod timespec;

@@ -4,7 +4,7 @@
 //! it for display, and carrying it over the wire as a
 //! `stackscope.v1.FlamegraphResponse` (and validating one that arrives, since
 //! it comes from the network). Does not own any rendering (see
-//! [`render`](crate::render)).
+//! `render`).
 //!
 //! Shape and invariants, which every constructor upholds and every renderer
 //! relies on:
@@ -231,7 +231,7 @@ impl CallTree {
     /// cost). Totals stay as they were, so the weight of a dropped subtree
     /// shows as its parent's self weight (the remainder a flamegraph draws
     /// beside the children). For display: self weights after pruning are not
-    /// what [`render::top_functions`](crate::render::top_functions) should
+    /// what `render::top_functions` should
     /// be computed from. `min_share` of 0, below 0, or NaN keeps everything.
     pub fn prune(&self, min_share: f64) -> CallTree {
         if min_share.is_nan() || min_share <= 0.0 {

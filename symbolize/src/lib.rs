@@ -14,19 +14,22 @@
 //!   ([`go`], `.gopclntab`);
 //! - demangling ([`demangle`]);
 //! - kernel symbols from kallsyms and the kernel's build-ids ([`kernel`]);
-//! - decoding jitdump files as they grow ([`jitdump`]).
+//! - decoding jitdump files as they grow ([`jitdump`]);
+//! - behind the `node` feature, naming on the node (`node`): mapped files
+//!   opened through `/proc`, separate debug files found on the node, the
+//!   name cache by object identity, the vDSO, perf maps read per process.
 //!
-//! Does not own which addresses are named, when, or where the files come
-//! from: the agent opens mapped files through `/proc`, finds separate debug
-//! files on the node, keeps its name cache by its own object ids and
-//! reads perf maps per process; the collector reads its debuginfo store
-//! and debuginfod. Nor the wire format or the profile model: callers turn
+//! Does not own which addresses are named or when (the agent's batch
+//! builder, the collector's queries), nor where the collector's files come
+//! from (its debuginfo store and debuginfod). Nor the wire format or the profile model: callers turn
 //! [`Lines`] into their own frames.
 
 pub mod demangle;
 pub mod go;
 pub mod jitdump;
 pub mod kernel;
+#[cfg(feature = "node")]
+pub mod node;
 mod reader;
 
 use std::sync::Arc;

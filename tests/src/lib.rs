@@ -15,19 +15,19 @@ use std::{
 };
 
 use agent_common::ProcessEvent;
-use stackscope_agent::sampler::{
+pub use stackscope_process_table::maps::{Mapping, MappingPath};
+use stackscope_process_table::{Location, ProcessTable};
+use stackscope_sampler::Counters;
+use stackscope_sampler::mapping_feed::monotonic_ns;
+use stackscope_sampler::{
     Sampler, SamplerConfig,
     record::{DecodeError, OwnedSample, Record},
 };
-use stackscope_agent::{
-    mapping_feed::monotonic_ns,
-    sampler::Counters,
-    unwinding::{StackWalker, UserStack, WalkOutcome, Walked, WalkerConfig, stitching::PlanUpdate},
-};
-pub use stackscope_process_table::maps::{Mapping, MappingPath};
-use stackscope_process_table::{Location, ProcessTable};
 pub use stackscope_test_fixtures::{
     ElfSymbols, Fixture, RunningProcess, free_port, http_get, workspace_binary,
+};
+use stackscope_unwind::walker::{
+    StackWalker, UserStack, WalkOutcome, Walked, WalkerConfig, stitching::PlanUpdate,
 };
 
 /// Fails the test with a clear message unless it runs as root.
@@ -50,7 +50,7 @@ pub struct TempCgroup {
 
 impl TempCgroup {
     pub fn create(name: &str) -> Self {
-        let mount = stackscope_agent::cgroups::cgroup2_mount().expect("a cgroup2 mount");
+        let mount = stackscope_metadata::cgroups::cgroup2_mount().expect("a cgroup2 mount");
         let path = mount.join(format!("stackscope-test-{name}-{}", std::process::id()));
         std::fs::create_dir(&path)
             .unwrap_or_else(|err| panic!("creating {}: {err}", path.display()));
@@ -345,7 +345,7 @@ impl LiveWalk {
             .objects
             .iter()
             .map(|object| match object {
-                stackscope_agent::unwinding::FrameObject::File { file, .. } => {
+                stackscope_unwind::walker::FrameObject::File { file, .. } => {
                     file.path().file_path().map(Path::to_path_buf)
                 }
                 _ => None,

@@ -15,15 +15,15 @@ use agent_common::sample_flags;
 use stackscope_agent::{
     aggregate::{Aggregator, AggregatorConfig, BatchOptions, build_batch},
     run::{AgentConfig, RunSummary, run},
-    sampler::{SamplerConfig, record::OwnedSample},
-    symbolize::{Symbolizer, SymbolizerConfig},
-    unwinding::StackWalker,
 };
 use stackscope_process_table::{ObjectId, object_id::identify};
 use stackscope_proto::v1;
+use stackscope_sampler::{SamplerConfig, record::OwnedSample};
+use stackscope_symbolize::node::{Symbolizer, SymbolizerConfig};
 use stackscope_tests::{
     Fixture, exclusive, kernel_symbol, kernel_symbols, require_root, sample_for,
 };
+use stackscope_unwind::walker::StackWalker;
 
 const NODE: &str = "aggregation-test-node";
 

@@ -15,15 +15,13 @@
 
 use std::{collections::HashMap, sync::MutexGuard, time::Duration};
 
-use stackscope_agent::{
-    run::FEED_DRAIN_INTERVAL,
-    sampler::{Counters, SamplerConfig},
-    unwinding::WalkOutcome,
-};
+use stackscope_agent::run::FEED_DRAIN_INTERVAL;
+use stackscope_sampler::{Counters, SamplerConfig};
 use stackscope_tests::{
     Fixture, FrameNames, LiveWalk, RunningProcess, exclusive, require_root, walk_live,
 };
 use stackscope_unwind::UnwindEnd;
+use stackscope_unwind::walker::WalkOutcome;
 
 /// Static libc functions (no `.symtab` in Debian's libc): named by file.
 const LIBC: &str = "libc.so.6";

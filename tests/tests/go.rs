@@ -15,13 +15,14 @@
 use std::{collections::HashMap, process::Command, time::Duration};
 
 use agent_common::DEFAULT_USER_STACK_BYTES;
-use stackscope_agent::{sampler::SamplerConfig, unwinding::WalkOutcome};
 use stackscope_gopclntab::elf::{GoFunctions, lookup};
+use stackscope_sampler::SamplerConfig;
 use stackscope_test_fixtures::Fixture;
 use stackscope_tests::{
     Collector, LiveWalk, Mapping, exclusive, read_maps, require_root, run_agent_for,
 };
 use stackscope_unwind::UnwindEnd;
+use stackscope_unwind::walker::WalkOutcome;
 
 /// Depth of the fixture's alpha/beta/gamma recursion (`depth` in
 /// go_chain.go): 49 frames from alpha(48) down to the one at 0.

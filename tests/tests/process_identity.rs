@@ -13,11 +13,12 @@ use std::{
     time::{Duration, Instant},
 };
 
-use stackscope_agent::{sampler::SamplerConfig, unwinding::WalkOutcome};
+use stackscope_sampler::SamplerConfig;
 use stackscope_tests::{
     Fixture, FrameNames, LiveOptions, RunningProcess, exclusive, require_root, walk_live_with,
 };
 use stackscope_unwind::UnwindEnd;
+use stackscope_unwind::walker::WalkOutcome;
 
 /// Starts `fixture` under `pid`, by setting the kernel's last handed-out
 /// pid just below it; retries while other processes take it first.
@@ -130,7 +131,7 @@ fn records_lost_to_a_full_ring_buffer_are_reported_before_the_next_drain() {
         .build()
         .expect("tokio runtime");
     runtime.block_on(async {
-        let mut sampler = stackscope_agent::sampler::Sampler::start(&config).expect("the sampler");
+        let mut sampler = stackscope_sampler::Sampler::start(&config).expect("the sampler");
         assert_eq!(sampler.take_new_losses().expect("counters"), 0);
         // Nobody reads for a while: 2 CPUs x 997 Hz x 32 KiB fill the ring
         // in well under a second, and the exits of these short processes
@@ -151,8 +152,8 @@ fn records_lost_to_a_full_ring_buffer_are_reported_before_the_next_drain() {
         // Reported once: the next check counts only new losses.
         let mut exits = 0;
         sampler.drain_records(|bytes| {
-            if let Ok(stackscope_agent::sampler::record::Record::Exit(_)) =
-                stackscope_agent::sampler::record::Record::decode(bytes)
+            if let Ok(stackscope_sampler::record::Record::Exit(_)) =
+                stackscope_sampler::record::Record::decode(bytes)
             {
                 exits += 1;
             }

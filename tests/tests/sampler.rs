@@ -12,16 +12,14 @@ use agent_common::{
     CgroupPolicy, DEEP_COPY_CLASSES, DIRECT_COPY_CLASSES, MAX_DEEP_STACK_BYTES, StackPlan,
     StackTop, policy_flags, reserved_record_bytes, sample_flags,
 };
-use stackscope_agent::unwinding::stitching::PlanUpdate;
-use stackscope_agent::{
-    cgroups,
-    sampler::{SamplerConfig, record::OwnedSample},
-};
+use stackscope_metadata::cgroups;
+use stackscope_sampler::{SamplerConfig, record::OwnedSample};
 use stackscope_tests::{
     Fixture, Mapping, MappingPath, Recorded, RunningProcess, TempCgroup, exclusive, find_word,
     kernel_symbol, kernel_symbols, read_maps, require_root, sample_for, sample_planned,
     sample_while, wait_until_loaded,
 };
+use stackscope_unwind::walker::stitching::PlanUpdate;
 
 const CANARY: u64 = 0x05CA_1AB1_E0DD_BA11;
 const FREQUENCY_HZ: u64 = 99;

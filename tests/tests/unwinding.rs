@@ -11,11 +11,9 @@ use std::{
     time::{Duration, Instant},
 };
 
-use stackscope_agent::{
-    sampler::SamplerConfig,
-    unwinding::{StackWalker, WalkOutcome, WalkerConfig},
-};
+use stackscope_sampler::SamplerConfig;
 use stackscope_tests::{Fixture, FrameNames, exclusive, require_root, sample_for};
+use stackscope_unwind::walker::{StackWalker, WalkOutcome, WalkerConfig};
 use stackscope_unwind::{DEFAULT_MAX_DEPTH, UnwindEnd};
 
 /// The depth limit of the depth-limit test: low enough that a copy holds

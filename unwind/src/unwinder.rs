@@ -1123,7 +1123,7 @@ mod tests {
         assert_eq!(end, UnwindEnd::DepthLimit);
 
         let (frames, end) = walk(regs(F), &stack, 0);
-        assert_eq!(frames, []);
+        assert_eq!(frames, [0u64; 0]);
         assert_eq!(end, UnwindEnd::DepthLimit);
 
         // Without a limit in the way, the copy runs out.

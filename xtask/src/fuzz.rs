@@ -96,7 +96,7 @@ pub(crate) const TARGETS: &[Target] = &[
         seeds: seeds::gopclntab,
     },
     Target {
-        krate: "agent",
+        krate: "sampler",
         name: "sample_record",
         what: "ring-buffer records of the BPF sampler (samples, exec, exit)",
         seeds: seeds::sample_record,
@@ -114,19 +114,19 @@ pub(crate) const TARGETS: &[Target] = &[
         seeds: seeds::proc_maps,
     },
     Target {
-        krate: "process-table",
+        krate: "metadata",
         name: "proc_cgroup",
         what: "/proc/<pid>/cgroup parser and container identity from the path",
         seeds: seeds::proc_cgroup,
     },
     Target {
-        krate: "agent",
+        krate: "metadata",
         name: "mountinfo",
         what: "/proc/self/mountinfo: the cgroup2 mount point",
         seeds: seeds::mountinfo,
     },
     Target {
-        krate: "agent",
+        krate: "symbolize",
         name: "perf_map",
         what: "perf map reader (/tmp/perf-<pid>.map, read as it grows)",
         seeds: seeds::perf_map,

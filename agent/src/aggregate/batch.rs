@@ -19,7 +19,7 @@ use stackscope_profile::model::unix_nanos;
 use stackscope_proto::v1;
 
 use super::{Interval, MappingKey, index_of, labels};
-use crate::symbolize::{FrameLine, Lines, Symbolizer, truncate_str};
+use stackscope_symbolize::node::{FrameLine, Lines, Symbolizer, truncate_str};
 
 /// The longest string sent: the collector's default limit.
 const MAX_STRING_BYTES: usize = 4096;
@@ -29,7 +29,7 @@ const MAX_STRING_BYTES: usize = 4096;
 const KERNEL_PATH: &str = "[kernel.kallsyms]";
 const ANONYMOUS_PATH: &str = "[anonymous]";
 /// The mapping JIT frames are shipped in (their names come with them).
-const JIT_PATH: &str = crate::unwinding::JIT_BINARY;
+const JIT_PATH: &str = stackscope_unwind::walker::JIT_BINARY;
 const VDSO_PATH: &str = "[vdso]";
 /// The function (and mapping path) of the pseudo-frame that stands for the
 /// stacks beyond the interval's bound.

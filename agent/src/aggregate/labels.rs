@@ -3,7 +3,7 @@
 //!
 //! Owns the per-process `exe` cache (read from `/proc/<pid>/exe` once per
 //! process, forgotten on exec and exit, bounded) and the node's name. The
-//! container labels come from [`crate::containers`]; the others straight
+//! container labels come from `stackscope_metadata`; the others straight
 //! from the sample header.
 
 use std::{
@@ -15,7 +15,7 @@ use std::{
 
 use stackscope_telemetry::StateSize;
 
-use crate::probes::{self, Probe};
+use stackscope_telemetry::probes::{self, Probe};
 
 /// Label names, as shipped.
 pub const COMM: &str = "comm";
@@ -245,12 +245,6 @@ pub fn host_name() -> String {
         .unwrap_or_else(|| "unknown".to_string())
 }
 
-/// `comm` up to its first NUL, lossily decoded.
-pub fn comm_str(comm: &[u8]) -> String {
-    let end = comm.iter().position(|&b| b == 0).unwrap_or(comm.len());
-    String::from_utf8_lossy(&comm[..end]).into_owned()
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -336,11 +330,5 @@ mod tests {
             err.contains("\"container\"") && err.contains("container_name"),
             "{err}"
         );
-    }
-
-    #[test]
-    fn comm_stops_at_the_first_nul() {
-        assert_eq!(comm_str(b"redis\0\0\0garbage\0"), "redis");
-        assert_eq!(comm_str(b"exactly-16-bytes"), "exactly-16-bytes");
     }
 }

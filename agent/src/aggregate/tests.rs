@@ -6,10 +6,8 @@ use stackscope_proto::v1;
 use stackscope_unwind::UnwindEnd;
 
 use super::*;
-use crate::{
-    symbolize::{Symbolizer, SymbolizerConfig},
-    unwinding::WalkOutcome,
-};
+use stackscope_symbolize::node::{Symbolizer, SymbolizerConfig};
+use stackscope_unwind::walker::WalkOutcome;
 
 const KERNEL_LEAF: u64 = 0xffff_ffff_8110_0042;
 const KERNEL_CALLER: u64 = 0xffff_ffff_8120_0010;
@@ -993,16 +991,16 @@ fn a_threads_label_set_is_reused_until_its_process_execs() {
     let stack = [file(&own, 0x1_5678)];
     let sample = header(pid, "worker", true);
 
-    let before = crate::probes::ProbeTotals::now();
+    let before = stackscope_telemetry::probes::ProbeTotals::now();
     add(&mut aggregator, &sample, &[], &stack);
-    let first = crate::probes::ProbeTotals::now().since(&before);
+    let first = stackscope_telemetry::probes::ProbeTotals::now().since(&before);
     // The image changes under the same process, unannounced: the thread
     // keeps the set it has (the exe is read once per process, as before).
     std::fs::remove_file(&exe_link).unwrap();
     std::os::unix::fs::symlink("/usr/bin/new", &exe_link).unwrap();
-    let before = crate::probes::ProbeTotals::now();
+    let before = stackscope_telemetry::probes::ProbeTotals::now();
     add(&mut aggregator, &sample, &[], &stack);
-    let again = crate::probes::ProbeTotals::now().since(&before);
+    let again = stackscope_telemetry::probes::ProbeTotals::now().since(&before);
     assert!(
         again.process + again.derived < first.process + first.derived,
         "the second sample looked its labels up again: {again:?} after {first:?}"

@@ -24,11 +24,8 @@ use std::{
 use prost::Message as _;
 
 use super::{BatchOptions, Interval, MappingKey, build_batch};
-use crate::{
-    export::debuginfo::UploadQueue,
-    run::BatchSink,
-    symbolize::{SymbolizeStats, Symbolizer, SymbolizerConfig},
-};
+use crate::{export::debuginfo::UploadQueue, run::BatchSink};
+use stackscope_symbolize::node::{SymbolizeStats, Symbolizer, SymbolizerConfig};
 use stackscope_telemetry::StateSize;
 
 /// What the worker has done so far.

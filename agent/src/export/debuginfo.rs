@@ -27,7 +27,7 @@ use tokio::{
 };
 
 use super::{ExportConfig, ExportError, authorization, endpoint};
-use crate::symbolize::debug_files;
+use stackscope_symbolize::node::debug_files;
 
 /// Files waiting for the uploader.
 const QUEUE_LEN: usize = 64;

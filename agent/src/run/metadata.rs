@@ -21,7 +21,7 @@ use super::{
     Handoffs,
     sampling::{COMMAND_QUEUE, Command},
 };
-use crate::containers::{kubelet::PodList, runtime_names::RuntimeNames, selection::Resolver};
+use stackscope_metadata::{kubelet::PodList, runtime_names::RuntimeNames, selection::Resolver};
 
 /// What the worker is asked to do.
 #[derive(Debug)]

@@ -30,17 +30,19 @@ use super::{
 };
 use crate::{
     aggregate::{Aggregator, BatchWorker},
-    containers::kubelet::PodList,
-    mapping_feed::MappingFeed,
-    probes::ProbeTotals,
-    sampler::{Counters, Sampler, SamplerConfig, SamplerError, record::Record},
     stats::{RunTotals, TallyTotals},
     status::ReaderTotals,
     tally::ProcessTally,
-    unwinding::{StackWalker, UserStack, WalkerConfig},
 };
-use stackscope_telemetry::StateSize;
-use stackscope_unwind::TailSpan;
+use stackscope_metadata::kubelet::PodList;
+use stackscope_sampler::{
+    Counters, Sampler, SamplerConfig, SamplerError, mapping_feed::MappingFeed, record::Record,
+};
+use stackscope_telemetry::{StateSize, probes::ProbeTotals};
+use stackscope_unwind::{
+    TailSpan,
+    walker::{StackWalker, UserStack, WalkerConfig},
+};
 
 /// Room in the sampling thread's command queue: pod lists, policies and
 /// totals asked for come a few a minute; a full queue means the thread is
@@ -569,8 +571,8 @@ mod tests {
     /// A tally fed with a record of this test's own stack, whose first
     /// sample has been walked (it waits for its table first).
     fn walked_own_sample() -> (RecordTally, Vec<u8>, u32) {
-        let (header, stack) = crate::unwinding::tests::own_sample();
-        let record = crate::sampler::record::tests::encode(&header, &[], &stack);
+        let (header, stack) = stackscope_unwind::walker::test_support::own_sample();
+        let record = stackscope_sampler::record::test_support::encode(&header, &[], &stack);
         let mut records = RecordTally {
             processes: ProcessTally::with_capacity(16),
             totals: ReaderTotals::default(),

@@ -9,12 +9,9 @@ use stackscope_telemetry::{
 };
 
 use super::*;
-use crate::{
-    export::ExportStats,
-    symbolize::SymbolizeStats,
-    tally::ProcessTally,
-    unwinding::{EarlyEnds, WalkEnds, stitching::PlanStats},
-};
+use crate::{export::ExportStats, tally::ProcessTally};
+use stackscope_symbolize::node::SymbolizeStats;
+use stackscope_unwind::walker::{EarlyEnds, WalkEnds, stitching::PlanStats};
 
 /// Totals whose every figure is set, nearly all to distinct values, so a
 /// statistic reading the wrong field shows. Each struct is written out

@@ -5,7 +5,16 @@
 //! attaches is released when the [`Sampler`] is dropped (aya closes the program,
 //! link and map file descriptors), so no program of ours outlives the agent.
 //! It does not interpret records beyond the framing: see [`record`].
+//!
+//! The crate is what the agent reads from the kernel: the BPF object (built
+//! from `agent-ebpf` by this crate's `build.rs`) and its maps, the records
+//! ([`record`], decoded as untrusted input), the kernel's task layout the
+//! program is told ([`task_layout`]), and the mapping events applied to the
+//! walker in time order with the samples ([`mapping_feed`]). It writes the
+//! copy plans to the program's maps but does not make them: the walker's
+//! planner (`stackscope_unwind::walker::stitching`) learns them from walks.
 
+pub mod mapping_feed;
 pub mod record;
 pub mod task_layout;
 
@@ -31,7 +40,7 @@ use aya::{
 };
 use tokio::io::unix::AsyncFd;
 
-use crate::unwinding::stitching::PlanUpdate;
+use stackscope_unwind::walker::stitching::PlanUpdate;
 
 /// The BPF object built by `build.rs`.
 static BPF_OBJECT: &[u8] = aya::include_bytes_aligned!(concat!(env!("OUT_DIR"), "/agent-ebpf"));

@@ -1,5 +1,5 @@
 //! Builds `agent-ebpf` for the BPF target with the nightly toolchain and puts
-//! the object in `OUT_DIR`, where `sampler` embeds it with
+//! the object in `OUT_DIR`, where `lib.rs` embeds it with
 //! `include_bytes_aligned!`. Needs nightly `rust-src` and `bpf-linker`:
 //! `cargo xtask setup` installs both.
 use anyhow::{Context as _, anyhow};
@@ -8,7 +8,7 @@ use aya_build::{Package, Toolchain};
 fn main() -> anyhow::Result<()> {
     let ebpf_dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
         .parent()
-        .ok_or_else(|| anyhow!("agent crate has no parent directory"))?
+        .ok_or_else(|| anyhow!("sampler crate has no parent directory"))?
         .join("agent-ebpf");
     let ebpf_dir = ebpf_dir
         .to_str()

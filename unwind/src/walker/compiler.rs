@@ -19,8 +19,8 @@ use std::{
     },
 };
 
+use crate::{TableError, UnwindTable};
 use stackscope_process_table::{MappedObject, ObjectId};
-use stackscope_unwind::{TableError, UnwindTable};
 
 /// Objects queued for compilation at most; beyond, the request is refused
 /// and retried with a later sample.

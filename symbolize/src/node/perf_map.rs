@@ -23,9 +23,9 @@
 //! until the JIT finishes writing it. A process that writes a jitdump file
 //! instead (`node --perf-prof`, JVM and .NET agents) has it found through
 //! its maps (the JIT maps it executable) and read the same way, by
-//! [`stackscope_symbolize::jitdump`].
+//! [`crate::jitdump`].
 
-use crate::probes::{self, Probe};
+use stackscope_telemetry::probes::{self, Probe};
 use std::{
     collections::BTreeMap,
     fs::File,
@@ -38,7 +38,7 @@ use std::{
 
 use foldhash::{HashMap, HashMapExt as _};
 
-use stackscope_symbolize::jitdump::{DumpEvent, DumpReader};
+use crate::jitdump::{DumpEvent, DumpReader};
 use stackscope_telemetry::StateSize;
 
 /// Shortest time between two reads of one process's map: a frame that no
@@ -184,7 +184,7 @@ impl PerfMap {
         match &self.unnamed {
             Some((made_from, name)) if made_from == comm => Arc::clone(name),
             _ => {
-                let text = crate::aggregate::labels::comm_str(comm);
+                let text = agent_common::comm_str(comm);
                 let name: Arc<str> = format!("[jit] {text}").into();
                 self.unnamed = Some((*comm, Arc::clone(&name)));
                 name
@@ -757,7 +757,7 @@ mod tests {
 
     #[test]
     fn names_come_from_a_jitdump_file_found_through_the_maps() {
-        use stackscope_symbolize::jitdump::test_streams::{header, load};
+        use crate::jitdump::test_streams::{header, load};
         let process = fake_process(15, 15);
         let root = process.proc_root.path().join("15");
         std::fs::create_dir_all(root.join("root/work")).expect("cwd");

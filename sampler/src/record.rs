@@ -204,7 +204,7 @@ impl<'a> Sample<'a> {
 
     /// The thread name up to its first NUL, lossily decoded.
     pub fn comm(&self) -> String {
-        crate::aggregate::labels::comm_str(&self.header.comm)
+        agent_common::comm_str(&self.header.comm)
     }
 
     /// Size of the record this sample was decoded from.
@@ -292,8 +292,8 @@ pub struct OwnedSample {
 
 impl OwnedSample {
     /// The user stack as the walker takes it.
-    pub fn stack(&self) -> crate::unwinding::UserStack<'_> {
-        crate::unwinding::UserStack {
+    pub fn stack(&self) -> stackscope_unwind::walker::UserStack<'_> {
+        stackscope_unwind::walker::UserStack {
             copy: &self.user_stack,
             spans: &self.spans,
             tail: &self.tail,
@@ -301,11 +301,33 @@ impl OwnedSample {
     }
 }
 
+/// What other crates' tests build on (the `test-support` feature).
+#[cfg(any(test, feature = "test-support"))]
+pub mod test_support {
+    use agent_common::{SAMPLE_HEADER_SIZE, SampleHeader};
+
+    /// A sample record as the BPF program writes it: the header, the
+    /// kernel frames, then the user stack bytes.
+    pub fn encode(header: &SampleHeader, kernel: &[u64], user: &[u8]) -> Vec<u8> {
+        // SAFETY: SampleHeader is repr(C) without implicit padding: all its
+        // bytes are initialised.
+        let header_bytes: &[u8] = unsafe {
+            core::slice::from_raw_parts(core::ptr::from_ref(header).cast(), SAMPLE_HEADER_SIZE)
+        };
+        let mut out = header_bytes.to_vec();
+        for frame in kernel {
+            out.extend_from_slice(&frame.to_ne_bytes());
+        }
+        out.extend_from_slice(user);
+        out
+    }
+}
+
 #[cfg(test)]
-pub(crate) mod tests {
+mod tests {
     use agent_common::sample_flags;
 
-    use super::*;
+    use super::{test_support::encode, *};
 
     fn header(kernel_stack_len: u32, user_stack_len: u32) -> SampleHeader {
         let mut comm = [0u8; 16];
@@ -475,20 +497,6 @@ pub(crate) mod tests {
             Sample::decode(&encode(&header, &[], &[])),
             Err(DecodeError::BadTail { .. })
         ));
-    }
-
-    pub(crate) fn encode(header: &SampleHeader, kernel: &[u64], user: &[u8]) -> Vec<u8> {
-        // SAFETY: SampleHeader is repr(C) without implicit padding: all its
-        // bytes are initialised.
-        let header_bytes: &[u8] = unsafe {
-            core::slice::from_raw_parts(core::ptr::from_ref(header).cast(), SAMPLE_HEADER_SIZE)
-        };
-        let mut out = header_bytes.to_vec();
-        for frame in kernel {
-            out.extend_from_slice(&frame.to_ne_bytes());
-        }
-        out.extend_from_slice(user);
-        out
     }
 
     #[test]

@@ -12,7 +12,7 @@
 //! selection by namespace and labels).
 //!
 //! It does not own: mapping a sampled process to its container id (that comes
-//! from the process's cgroup path, see [`crate::cgroups`]), deciding how often
+//! from the process's cgroup path, see [`crate::container`]), deciding how often
 //! to refresh, or talking to the API server (the kubelet is node-local, needs
 //! no watch, and only knows this node's pods, which is exactly what we want).
 

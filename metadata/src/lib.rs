@@ -1,20 +1,29 @@
-//! Which container each sampled process runs in, and what it is called.
+//! Which container each sampled process runs in, and what it is called:
+//! the labels the agent puts on samples beyond the process's own.
 //!
 //! Owns the per-process container identity ([`ContainerIndex`]): the cgroup
 //! path of `/proc/<pid>/cgroup`, read once per process (again when a sample
 //! shows the process in another cgroup), says the runtime, the container
-//! id and, under Kubernetes, the pod UID
-//! ([`stackscope_process_table::container`]). Names come from the kubelet's
-//! pod list ([`kubelet`]: pod, namespace, container name) or, outside
-//! Kubernetes, from the runtime's own state on disk ([`runtime_names`]).
-//! [`selection`] turns the user's container, pod and cgroup selections into
-//! the BPF program's cgroup policies.
+//! id and, under Kubernetes, the pod UID ([`container`], the one place that
+//! reads a container's identity from a cgroup path). Names come from the
+//! kubelet's pod list ([`kubelet`]: pod, namespace, container name) or,
+//! outside Kubernetes, from the runtime's own state on disk
+//! ([`runtime_names`]), both behind one trait ([`provider`]). [`selection`] turns the user's container, pod and
+//! cgroup selections into the BPF program's cgroup policies, through
+//! [`cgroups`]' view of the cgroup2 hierarchy.
 //!
 //! Keyed by process rather than by the sample's cgroup id: on a hybrid
 //! host a runtime that manages only the v1 hierarchies leaves containers at
 //! the v2 root, where the v2 id says nothing.
+//!
+//! Does not own which processes exist or what they map
+//! (`stackscope-process-table`), nor the labels' place in a batch (the
+//! agent's aggregator).
 
+pub mod cgroups;
+pub mod container;
 pub mod kubelet;
+pub mod provider;
 pub mod runtime_names;
 pub mod selection;
 
@@ -25,14 +34,15 @@ use std::{
     time::{Duration, Instant},
 };
 
-use stackscope_process_table::container::{self, ContainerIdentity};
+use crate::container::ContainerIdentity;
 
 use kubelet::PodList;
+use provider::NameProvider as _;
 use runtime_names::RuntimeNames;
 
 use stackscope_telemetry::StateSize;
 
-use crate::probes::{self, Probe};
+use stackscope_telemetry::probes::{self, Probe};
 
 /// The container labels of a sample. Empty strings for what is unknown
 /// (no pod outside Kubernetes, no name before the runtime has written it).
@@ -221,32 +231,23 @@ impl ContainerIndex {
         labels
     }
 
-    /// Names the container from the pod list, else from its runtime.
+    /// Names the container from its providers in order: the pod list
+    /// (it also names pod and namespace, and is the only source for
+    /// containerd's and CRI-O's containers), else the runtime's state.
     fn look_up(&mut self, identity: &ContainerIdentity) -> ContainerLabels {
-        let id: Arc<str> = identity.container_id.as_str().into();
-        let from_pods = self
-            .pods
-            .as_deref()
-            .and_then(|pods| pods.by_container_id(&identity.container_id));
-        if let Some((pod, container)) = from_pods {
-            return ContainerLabels {
-                id,
-                name: container.name.as_str().into(),
-                pod: pod.name.as_str().into(),
-                namespace: pod.namespace.as_str().into(),
-            };
-        }
-        if identity.pod_uid.is_some() {
+        let from_pods = self.pods.as_mut().and_then(|pods| pods.names(identity));
+        if from_pods.is_none() && identity.pod_uid.is_some() {
+            // A pod the list does not have yet: the run loop fetches it again.
             self.unknown_pod_seen = true;
         }
+        let names = from_pods
+            .or_else(|| self.names.names(identity))
+            .unwrap_or_default();
         ContainerLabels {
-            name: self
-                .names
-                .name(identity.runtime, &identity.container_id)
-                .unwrap_or_else(|| "".into()),
-            id,
-            pod: "".into(),
-            namespace: "".into(),
+            id: identity.container_id.as_str().into(),
+            name: names.name,
+            pod: names.pod,
+            namespace: names.namespace,
         }
     }
 

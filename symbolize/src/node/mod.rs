@@ -12,9 +12,12 @@
 //! set of files blazesym holds open, and when the kernel symbol table is
 //! read again. Does not own which addresses are looked up, or at which byte
 //! (the batch builder decides), nor the wire format; nor what the agent and
-//! the collector share (`stackscope_symbolize`): blazesym's set-up and its
+//! the collector share (the rest of this crate): blazesym's set-up and its
 //! recovery from a panic, its answers as lines, the `.gopclntab` fallback,
-//! demangling, kallsyms and jitdump files.
+//! demangling, kallsyms and jitdump files. Behind the `node` feature,
+//! which the agent enables and the collector does not: it reads `/proc`,
+//! the node's debug directories and perf maps, none of which the collector
+//! has.
 //!
 //! Naming is best effort and never fails as a whole: a frame whose file
 //! cannot be opened or read, or that no symbol covers, gets no lines (and
@@ -41,8 +44,7 @@ use std::{
     time::{Duration, Instant},
 };
 
-use stackscope_process_table::{MappedRegion, ObjectId, elf::LoadSegment, open::OpenError};
-use stackscope_symbolize::{
+use crate::{
     ReadError, Reader, ReaderOptions,
     blazesym::{
         Pid,
@@ -54,11 +56,12 @@ use stackscope_symbolize::{
     go::{GoFunctions, GoNames, GoTableCache},
     kernel::{self, KernelSymbols},
 };
+use stackscope_process_table::{MappedRegion, ObjectId, elf::LoadSegment, open::OpenError};
 
+pub use crate::{FrameLine, Lines, truncate_str};
 pub use cache::GenerationalCache;
-pub use stackscope_symbolize::{FrameLine, Lines, truncate_str};
 
-use crate::unwinding::ModuleFile;
+use stackscope_process_table::ModuleFile;
 use stackscope_telemetry::StateSize;
 
 /// Names kept by default: a few hundred bytes each, so tens of MB at most.
@@ -348,7 +351,7 @@ impl std::fmt::Debug for Symbolizer {
 impl Symbolizer {
     pub fn new(config: SymbolizerConfig) -> Self {
         let (kernel, kernel_loaded) = load_kallsyms(&config.kallsyms, &config.modules);
-        let vdso = crate::unwinding::own_vdso_image().map(|(start, image)| {
+        let vdso = stackscope_process_table::maps::own_vdso_image().map(|(start, image)| {
             use object::Object as _;
             let build_id = object::File::parse(image)
                 .ok()
@@ -654,7 +657,7 @@ impl Symbolizer {
 
     /// `found` with the frames it leaves unnamed named from `object`'s Go
     /// function table, when it is a Go binary (see
-    /// [`stackscope_symbolize::go`]).
+    /// [`crate::go`]).
     fn with_go_names(
         &mut self,
         object: &Arc<ObjectFile>,
@@ -1424,7 +1427,7 @@ mod tests {
 
     #[test]
     fn the_vdso_is_named_from_the_agents_own_copy() {
-        let Some((start, image)) = crate::unwinding::own_vdso_image() else {
+        let Some((start, image)) = stackscope_process_table::maps::own_vdso_image() else {
             return;
         };
         let elf = object::File::parse(image).expect("the vDSO is ELF");

@@ -4,7 +4,7 @@
 #![no_main]
 
 use libfuzzer_sys::fuzz_target;
-use stackscope_agent::cgroups::{cgroup2_mount_in, unescape_mount_field};
+use stackscope_metadata::cgroups::{cgroup2_mount_in, unescape_mount_field};
 
 fuzz_target!(|data: &[u8]| {
     let Ok(text) = std::str::from_utf8(data) else {

@@ -35,8 +35,8 @@ use stackscope_process_table::{
     maps::{Dev, Perms},
 };
 
-use crate::unwinding::{StackWalker, Walked};
 use stackscope_telemetry::StateSize;
+use stackscope_unwind::walker::{StackWalker, Walked};
 
 /// Events held for samples not yet read, at most (a few MB; a fork+exec
 /// brings about seven, and the run loop drains whenever a CPU's ring is a

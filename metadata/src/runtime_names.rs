@@ -12,7 +12,7 @@
 //!   container, with `"Name": "/api"` (the leading slash is dropped).
 //!
 //! Containers run by containerd or CRI-O are Kubernetes pods here: their
-//! names come from the kubelet's pod list (`containers::kubelet`), so
+//! names come from the kubelet's pod list ([`crate::kubelet`]), so
 //! [`RuntimeNames::name`] returns `None` for them.
 //!
 //! Lookups happen while samples are labelled, so every answer is cached:
@@ -36,8 +36,8 @@ use std::{
     time::{Duration, Instant, SystemTime},
 };
 
+use crate::container::Runtime;
 use serde::Deserialize;
-use stackscope_process_table::container::Runtime;
 
 /// containers-storage's default root for system (rootful) containers.
 pub const DEFAULT_PODMAN_STORAGE: &str = "/var/lib/containers/storage";
@@ -629,7 +629,7 @@ mod tests {
     #[test]
     #[ignore = "needs root and podman: run by `cargo xtask test`"]
     fn names_a_real_podman_container() {
-        use stackscope_process_table::container::identify;
+        use crate::container::identify;
         use stackscope_test_fixtures::containers::{Container, Image, require_root};
 
         require_root();

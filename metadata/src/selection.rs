@@ -11,8 +11,8 @@
 
 use std::{collections::HashMap, collections::HashSet, path::PathBuf, str::FromStr};
 
+use crate::container;
 use agent_common::{CgroupPolicy, policy_flags};
-use stackscope_process_table::container;
 
 use super::{kubelet::PodList, runtime_names::RuntimeNames};
 use crate::cgroups::{self, CgroupError};

@@ -2,9 +2,12 @@
 //!
 //! Owns the glue between the process table (which file is mapped where), the
 //! unwind tables (one per object, shared by every process that maps it, in a
-//! cache bounded by bytes) and the unwinder, plus the statistics on how far
-//! walks get. It does not compile tables or step frames (`stackscope-unwind`)
-//! and does not read `/proc` itself (`stackscope-process-table`).
+//! cache bounded by bytes, compiled by a pool of threads and kept on disk:
+//! [`DiskCache`]) and the unwinder, plus the statistics on how far walks get.
+//! It does not compile tables or step frames itself ([`crate::table`],
+//! [`crate::unwinder`]), does not read `/proc` itself
+//! (`stackscope-process-table`) and does not touch BPF maps (the sampler
+//! writes the copy plans [`stitching`] queues).
 //!
 //! Each process has one record ([`process_state`]): a sorted list of the
 //! modules its samples have touched, its identity, and the copy size the
@@ -38,21 +41,21 @@ use std::{cell::Cell, collections::VecDeque, path::Path, sync::Arc};
 pub use compiler::DiskCache;
 use compiler::{Compiled, Compiler};
 
+use crate::{
+    DEFAULT_MAX_DEPTH, ModuleAt, ModuleLookup, Registers, RuleCache, SampledStack, StackMemory,
+    TailSpan, UnsupportedCfi, UnwindEnd, UnwindTable, unwind_memory,
+};
 use agent_common::{SampleHeader, sample_flags};
 use process_state::{ProcessState, Processes, Slot};
 use stackscope_process_table::{
-    BuildId, Location, MappedRegion, Mapping, MappingPath, ObjectId, ProcessError, ProcessTable,
-    TableConfig, maps::read_maps,
-};
-use stackscope_unwind::{
-    DEFAULT_MAX_DEPTH, ModuleAt, ModuleLookup, Registers, RuleCache, SampledStack, StackMemory,
-    TailSpan, UnsupportedCfi, UnwindEnd, UnwindTable, unwind_memory,
+    BuildId, Location, Mapping, MappingPath, ModuleFile, ObjectId, ProcessError, ProcessTable,
+    TableConfig, maps::own_vdso_image,
 };
 use stitching::{PlanStats, PlanUpdate, Planner, RemoteStack, WalkReport};
 
 use stackscope_telemetry::StateSize;
 
-use crate::probes::{self, Probe};
+use stackscope_telemetry::probes::{self, Probe};
 
 /// How the walker caches tables and holds samples that wait for one.
 #[derive(Debug, Clone)]
@@ -186,25 +189,6 @@ pub enum FrameObject {
 impl FrameObject {
     pub fn is_jit(&self) -> bool {
         matches!(self, FrameObject::Jit { .. })
-    }
-}
-
-/// The file a module maps, shared by the walker's module and every frame
-/// delivered in it.
-#[derive(Debug, PartialEq, Eq)]
-pub struct ModuleFile {
-    /// The file's identity: build-id, or a key for this version of the file.
-    pub id: Arc<ObjectId>,
-    /// The mapping the module was resolved from: the path as the process
-    /// sees it, and the way to open the very file mapped
-    /// ([`MappedRegion::open`], through `/proc/<pid>/map_files`).
-    pub region: Arc<MappedRegion>,
-}
-
-impl ModuleFile {
-    /// The path as the process's maps show it.
-    pub fn path(&self) -> &MappingPath {
-        &self.region.mapping.path
     }
 }
 
@@ -1661,19 +1645,6 @@ fn registers(header: &SampleHeader) -> Registers {
     }
 }
 
-/// This process's own vDSO: where it is mapped and its image, which is the
-/// same in every process on this kernel.
-pub(crate) fn own_vdso_image() -> Option<(u64, &'static [u8])> {
-    let maps = read_maps(std::process::id()).ok()?;
-    let vdso = maps.iter().find(|m| m.path == MappingPath::Vdso)?;
-    let len = usize::try_from(vdso.end.checked_sub(vdso.start)?).ok()?;
-    // SAFETY: the kernel maps the vDSO readable for the process's whole
-    // lifetime unless the process unmaps it, which the agent never does;
-    // `start..end` is that mapping in ours.
-    let image = unsafe { std::slice::from_raw_parts(vdso.start as *const u8, len) };
-    Some((vdso.start, image))
-}
-
 /// The table of this process's own vDSO.
 fn own_vdso_table() -> Option<Arc<UnwindTable>> {
     let (_, image) = own_vdso_image()?;
@@ -1707,9 +1678,41 @@ fn binary_name(path: &MappingPath) -> Arc<str> {
     }
 }
 
+/// What other crates' tests build on (the `test-support` feature).
+#[cfg(any(test, feature = "test-support"))]
+pub mod test_support {
+    use agent_common::{SampleHeader, sample_flags};
+
+    /// A sample of this very process: rip in its own code, and a zeroed
+    /// stack, so the walk reads a zero return address and ends there.
+    pub fn own_sample() -> (SampleHeader, Vec<u8>) {
+        let header = SampleHeader {
+            kind: agent_common::RecordKind::Sample as u32,
+            flags: sample_flags::USER_REGS,
+            tgid: std::process::id(),
+            tid: std::process::id(),
+            cpu: 0,
+            kernel_stack_len: 0,
+            user_stack_len: 256,
+            sampling_divisor: 1,
+            ktime_ns: 0,
+            cgroup_id: 0,
+            // The entry of a function: its CFA rule is rsp + 8.
+            user_rip: own_sample as fn() -> (SampleHeader, Vec<u8>) as usize as u64,
+            user_rsp: 0x7fff_0000_0000,
+            user_rbp: 0,
+            comm: [0; 16],
+            tail_len: 0,
+            tail_spans: 0,
+            process_start_ns: 0,
+        };
+        (header, vec![0; 256])
+    }
+}
+
 #[cfg(test)]
-pub(crate) mod tests {
-    use super::*;
+mod tests {
+    use super::{test_support::own_sample, *};
 
     fn module(start: u64, end: u64) -> Module {
         Module {
@@ -1969,32 +1972,6 @@ pub(crate) mod tests {
             Some(0x9000),
             "the first unknown address"
         );
-    }
-
-    /// A sample of this very process: rip in its own code, and a zeroed
-    /// stack, so the walk reads a zero return address and ends there.
-    pub(crate) fn own_sample() -> (SampleHeader, Vec<u8>) {
-        let header = SampleHeader {
-            kind: agent_common::RecordKind::Sample as u32,
-            flags: sample_flags::USER_REGS,
-            tgid: std::process::id(),
-            tid: std::process::id(),
-            cpu: 0,
-            kernel_stack_len: 0,
-            user_stack_len: 256,
-            sampling_divisor: 1,
-            ktime_ns: 0,
-            cgroup_id: 0,
-            // The entry of a function: its CFA rule is rsp + 8.
-            user_rip: own_sample as fn() -> (SampleHeader, Vec<u8>) as usize as u64,
-            user_rsp: 0x7fff_0000_0000,
-            user_rbp: 0,
-            comm: [0; 16],
-            tail_len: 0,
-            tail_spans: 0,
-            process_start_ns: 0,
-        };
-        (header, vec![0; 256])
     }
 
     #[test]

@@ -1,8 +1,11 @@
-//! Counts the hash-table lookups the run loop makes, by what they are keyed
-//! by, so the bench and `/metrics` can say how many a sample costs (issue
-//! 32 asks for at most 3 in steady state). Every lookup on the per-sample
-//! path calls [`count`] next to it; a change that removes a lookup removes
-//! its call, so the figure always describes the code it sits in.
+//! Counts the hash-table lookups the agent's run loop makes, by what they
+//! are keyed by, so the bench and `/metrics` can say how many a sample costs
+//! (issue 32 asks for at most 3 in steady state). Every lookup on the
+//! per-sample path calls [`count`] next to it; a change that removes a
+//! lookup removes its call, so the figure always describes the code it sits
+//! in. It lives here, not in the agent, because the lookups are made in
+//! every crate a sample passes through (sampler, unwind, metadata,
+//! symbolize), and each counts its own.
 //!
 //! The counters are thread-local: only the run loop's thread samples, and
 //! the batch worker's lookups (symbolization, per batch) stay out of the

@@ -1,6 +1,6 @@
 //! The cgroup2 hierarchy as the BPF program sees it: finds its mount,
 //! resolves a `--cgroup` selection to its cgroup v2 id, and walks the tree
-//! for the container selection ([`crate::containers::selection`]). A cgroup
+//! for the container selection ([`crate::selection`]). A cgroup
 //! v2 id is the inode number of its directory in the cgroup2 filesystem,
 //! which is what `bpf_get_current_cgroup_id()` returns.
 //!

@@ -19,7 +19,7 @@ use std::{
 };
 
 use libfuzzer_sys::fuzz_target;
-use stackscope_agent::symbolize::perf_map::{PerfMaps, REFRESH_INTERVAL};
+use stackscope_symbolize::node::perf_map::{PerfMaps, REFRESH_INTERVAL};
 
 const COMM: [u8; 16] = *b"node\0\0\0\0\0\0\0\0\0\0\0\0";
 /// Two processes: (tgid, pid in its own namespace).

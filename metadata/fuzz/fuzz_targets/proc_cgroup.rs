@@ -5,7 +5,7 @@
 #![no_main]
 
 use libfuzzer_sys::fuzz_target;
-use stackscope_process_table::container::{cgroup_path_from_proc, identify};
+use stackscope_metadata::container::{cgroup_path_from_proc, identify};
 
 fuzz_target!(|data: &[u8]| {
     let Ok(text) = std::str::from_utf8(data) else {

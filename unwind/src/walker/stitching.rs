@@ -28,15 +28,15 @@
 //! called elsewhere) can only make a walk stop short, never walk a frame
 //! that was not on the stack.
 
-use crate::probes::{self, Probe};
 use foldhash::{HashMap, HashMapExt as _, HashSet, HashSetExt as _};
+use stackscope_telemetry::probes::{self, Probe};
 use std::io;
 
+use crate::{StackMemory, UnwindEnd};
 use agent_common::{
     COMM_LEN, MAX_SPAN_BYTES, MAX_STACK_PLANS, MAX_STACK_TOPS, MAX_TAIL_BYTES, MAX_TAIL_SPANS,
     MIN_USER_STACK_BYTES, PAGE_SIZE, StackPlan, StackTop, TAIL_SPAN_HEADER_SIZE, tail_span,
 };
-use stackscope_unwind::{StackMemory, UnwindEnd};
 
 use stackscope_telemetry::StateSize;
 

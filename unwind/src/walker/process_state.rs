@@ -10,7 +10,7 @@
 use foldhash::HashMap;
 
 use super::{MAX_MODULES_PER_PROCESS, Module, stitching::ProcessCopy};
-use crate::probes::{self, Probe};
+use stackscope_telemetry::probes::{self, Probe};
 
 /// One process's record; see the module documentation.
 #[derive(Debug, Default)]

@@ -4,7 +4,7 @@
 #![no_main]
 
 use libfuzzer_sys::fuzz_target;
-use stackscope_agent::sampler::record::Record;
+use stackscope_sampler::record::Record;
 
 fuzz_target!(|data: &[u8]| {
     let Ok(Record::Sample(sample)) = Record::decode(data) else {
