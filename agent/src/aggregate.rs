@@ -50,7 +50,8 @@ use agent_common::{COMM_LEN, SampleHeader};
 use stackscope_process_table::{ModuleFile, ObjectId};
 
 pub use batch::{BatchOptions, build_batch};
-use labels::{ExeCache, LabelChoice};
+use labels::LabelChoice;
+use stackscope_metadata::exe::{ExeCache, MAX_CACHED_EXES};
 pub use worker::{BatchWorker, WorkerStats};
 
 use stackscope_metadata::{
@@ -696,7 +697,7 @@ impl Aggregator {
     pub fn starting_at(config: AggregatorConfig, start: SystemTime) -> Self {
         Self {
             node: config.node_name.as_str().into(),
-            exes: ExeCache::new(&config.proc_root, labels::MAX_CACHED_EXES),
+            exes: ExeCache::new(&config.proc_root, MAX_CACHED_EXES),
             containers: ContainerIndex::new(&config.proc_root, config.runtime_names()),
             jit_names: PerfMaps::new(&config.proc_root),
             config,

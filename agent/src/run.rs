@@ -43,7 +43,8 @@ use crate::{
 };
 use sampling::{Command, Purpose, REPORT_QUEUE, Report, SamplingThread, Setup};
 use stackscope_metadata::{
-    kubelet::{KubeletClient, KubeletConfig, KubeletError, PodList},
+    kubelet::{KubeletClient, KubeletConfig, KubeletError},
+    pod_watch::PodWatch,
     selection::{Resolver, SelectionConfig, SelectionError},
 };
 use stackscope_process_table::table::TableStats;
@@ -372,7 +373,7 @@ pub async fn run(
                     }
                 }
             },
-            Some(list) = next_pods(&mut pods) => {
+            Some(list) = PodWatch::next(&mut pods) => {
                 handoffs.command(&commands, Command::Pods(Arc::clone(&list)));
                 latest_pods = Some(list);
                 if refresh_selection {
@@ -391,89 +392,6 @@ pub async fn run(
     }
     sampling.join();
     ended.unwrap_or(Err(RunError::SamplingLost))
-}
-
-/// Fetches the kubelet's pod list on a period, or sooner when asked, on a
-/// task of its own, and hands each new list to the run loop.
-struct PodWatch {
-    lists: tokio::sync::mpsc::Receiver<Arc<PodList>>,
-    soon: Arc<tokio::sync::Notify>,
-    task: tokio::task::JoinHandle<()>,
-}
-
-impl PodWatch {
-    fn start(client: KubeletClient, period: Duration) -> Self {
-        let (sender, lists) = tokio::sync::mpsc::channel(1);
-        let soon = Arc::new(tokio::sync::Notify::new());
-        let wake = Arc::clone(&soon);
-        let period = period.max(Duration::from_secs(1));
-        let task = tokio::spawn(async move {
-            let mut failures = 0u32;
-            loop {
-                let fetched = Instant::now();
-                match client.fetch().await {
-                    Ok(list) => {
-                        if failures > 0 {
-                            tracing::info!(
-                                "the kubelet's pod list is back after {failures} failed fetches"
-                            );
-                        }
-                        failures = 0;
-                        if sender.send(Arc::new(list)).await.is_err() {
-                            return;
-                        }
-                    }
-                    Err(err) => {
-                        failures += 1;
-                        // Once, then every 20th: a kubelet down for an hour
-                        // must not flood the log.
-                        if failures == 1 || failures.is_multiple_of(20) {
-                            tracing::warn!(
-                                "fetching the kubelet's pod list failed ({failures} in a row): {err}"
-                            );
-                        }
-                    }
-                }
-                // At most one fetch a second, however often we are asked.
-                tokio::time::sleep_until(fetched + Duration::from_secs(1)).await;
-                tokio::select! {
-                    _ = tokio::time::sleep_until(fetched + period) => {}
-                    _ = wake.notified() => {}
-                }
-            }
-        });
-        Self { lists, soon, task }
-    }
-
-    /// The first list, waiting up to a few seconds for it.
-    async fn first(&mut self) -> Option<Arc<PodList>> {
-        match tokio::time::timeout(Duration::from_secs(5), self.lists.recv()).await {
-            Ok(list) => list,
-            Err(_) => {
-                tracing::warn!(
-                    "no pod list from the kubelet yet: pods are selected and named once it answers"
-                );
-                None
-            }
-        }
-    }
-
-    fn refresh_soon(&self) {
-        self.soon.notify_one();
-    }
-}
-
-impl Drop for PodWatch {
-    fn drop(&mut self) {
-        self.task.abort();
-    }
-}
-
-async fn next_pods(pods: &mut Option<PodWatch>) -> Option<Arc<PodList>> {
-    match pods {
-        Some(watch) => watch.lists.recv().await,
-        None => std::future::pending().await,
-    }
 }
 
 async fn sleep_until(deadline: Option<Instant>) {

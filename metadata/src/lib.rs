@@ -1,12 +1,14 @@
-//! Which container each sampled process runs in, and what it is called:
-//! the labels the agent puts on samples beyond the process's own.
+//! What the agent reads about a sampled process beyond its sample header:
+//! its executable ([`exe`]), which container it runs in and what that is
+//! called.
 //!
 //! Owns the per-process container identity ([`ContainerIndex`]): the cgroup
 //! path of `/proc/<pid>/cgroup`, read once per process (again when a sample
 //! shows the process in another cgroup), says the runtime, the container
 //! id and, under Kubernetes, the pod UID ([`container`], the one place that
 //! reads a container's identity from a cgroup path). Names come from the
-//! kubelet's pod list ([`kubelet`]: pod, namespace, container name) or,
+//! kubelet's pod list ([`kubelet`]: pod, namespace, container name; kept
+//! fresh by [`pod_watch`]) or,
 //! outside Kubernetes, from the runtime's own state on disk
 //! ([`runtime_names`]), both behind one trait ([`provider`]). [`selection`] turns the user's container, pod and
 //! cgroup selections into the BPF program's cgroup policies, through
@@ -22,7 +24,9 @@
 
 pub mod cgroups;
 pub mod container;
+pub mod exe;
 pub mod kubelet;
+pub mod pod_watch;
 pub mod provider;
 pub mod runtime_names;
 pub mod selection;
