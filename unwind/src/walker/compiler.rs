@@ -2,6 +2,13 @@
 //! threads, fed through a bounded queue, backed by an on-disk cache so a
 //! restarted agent does not compile again.
 //!
+//! The queue hands out the object with the least mapped code first, and at
+//! most all threads but one compile a large object at a time: on a build
+//! machine the table of a compiler's 100 MB driver takes seconds (more
+//! under load), and the small programs sampled meanwhile, most of what a
+//! node runs, must not wait behind it (their samples are held until their
+//! tables are ready, and dropped from the queue beyond its bound).
+//!
 //! The cache holds one file per object, named by its identity (build-id and
 //! content digest, or file key) and written atomically (temporary file,
 //! then rename); the temporary files of an agent killed mid-write are
@@ -14,8 +21,8 @@
 use std::{
     path::{Path, PathBuf},
     sync::{
-        Arc, Mutex,
-        mpsc::{self, Receiver, SyncSender},
+        Arc, Condvar, Mutex, PoisonError,
+        mpsc::{self, Receiver},
     },
 };
 
@@ -47,10 +54,62 @@ pub struct DiskCache {
     pub max_bytes: u64,
 }
 
+/// Mapped code (the executable mapping's length) from which an object is
+/// large: a compiler's driver, a browser, a JVM. Below, a table compiles in
+/// milliseconds.
+const LARGE_OBJECT_BYTES: u64 = 16 << 20;
+
+/// The objects waiting, and how many large ones are compiling.
+#[derive(Default)]
+struct Queue {
+    waiting: Vec<MappedObject>,
+    large_compiling: usize,
+    closed: bool,
+}
+
+fn code_bytes(object: &MappedObject) -> u64 {
+    let mapping = &object.region.mapping;
+    mapping.end.saturating_sub(mapping.start)
+}
+
+impl Queue {
+    /// The object a free thread compiles next: the one with the least code
+    /// (the oldest of equals), unless it is large and `max_large` large
+    /// ones are compiling already. The caller reports the end of a large
+    /// one with [`Queue::large_done`].
+    fn take(&mut self, max_large: usize) -> Option<MappedObject> {
+        let (index, bytes) = self
+            .waiting
+            .iter()
+            .map(code_bytes)
+            .enumerate()
+            .min_by_key(|&(index, bytes)| (bytes, index))?;
+        if bytes >= LARGE_OBJECT_BYTES {
+            if self.large_compiling >= max_large {
+                return None;
+            }
+            self.large_compiling += 1;
+        }
+        Some(self.waiting.remove(index))
+    }
+
+    fn large_done(&mut self) {
+        self.large_compiling = self.large_compiling.saturating_sub(1);
+    }
+}
+
+/// The queue and the condition its threads wait on.
+type Shared = (Mutex<Queue>, Condvar);
+
+fn lock(shared: &Shared) -> std::sync::MutexGuard<'_, Queue> {
+    shared.0.lock().unwrap_or_else(PoisonError::into_inner)
+}
+
 /// A pool of compile threads. Dropping it closes the queue; the threads end
 /// after their current object.
 pub(super) struct Compiler {
-    requests: SyncSender<MappedObject>,
+    queue: Arc<Shared>,
+    threads: usize,
     results: Receiver<(ObjectId, Compiled)>,
 }
 
@@ -58,7 +117,6 @@ impl Compiler {
     /// Starts `threads` compile threads (at least one); the disk cache's
     /// directory, when given, is created if needed.
     pub(super) fn start(threads: usize, disk_cache: Option<DiskCache>) -> Self {
-        let (requests, queue) = mpsc::sync_channel::<MappedObject>(COMPILE_QUEUE);
         let (done, results) = mpsc::channel();
         if let Some(cache) = &disk_cache {
             match std::fs::create_dir_all(&cache.dir) {
@@ -66,40 +124,85 @@ impl Compiler {
                 Err(err) => tracing::warn!("table cache {} unusable: {err}", cache.dir.display()),
             }
         }
-        let queue = Arc::new(Mutex::new(queue));
+        let queue: Arc<Shared> = Arc::default();
         let disk_cache: Option<Arc<DiskCache>> = disk_cache.map(Arc::new);
-        for n in 0..threads.max(1) {
+        let wanted = threads.max(1);
+        // One thread stays free for small objects, when there are two.
+        let max_large = (wanted - 1).max(1);
+        let mut started = 0;
+        for n in 0..wanted {
             let queue = Arc::clone(&queue);
             let done = done.clone();
             let disk_cache = disk_cache.clone();
             let spawned = std::thread::Builder::new()
                 .name(format!("table-compiler-{n}"))
                 .spawn(move || {
-                    loop {
-                        // Holding the lock only to take the next object.
-                        let next = queue.lock().map(|queue| queue.recv());
-                        let Ok(Ok(object)) = next else { break };
+                    while let Some(object) = next_object(&queue, max_large) {
                         let compiled = compile(&object, disk_cache.as_deref());
+                        if code_bytes(&object) >= LARGE_OBJECT_BYTES {
+                            lock(&queue).large_done();
+                            // A thread may be waiting for a large one.
+                            queue.1.notify_all();
+                        }
                         if done.send((*object.id, compiled)).is_err() {
                             break;
                         }
                     }
                 });
-            if let Err(err) = spawned {
-                tracing::warn!("could not start a table compiler thread: {err}");
+            match spawned {
+                Ok(_) => started += 1,
+                Err(err) => tracing::warn!("could not start a table compiler thread: {err}"),
             }
         }
-        Self { requests, results }
+        Self {
+            queue,
+            threads: started,
+            results,
+        }
     }
 
     /// Queues `object`; false when the queue is full (or no thread runs).
     pub(super) fn submit(&self, object: MappedObject) -> bool {
-        self.requests.try_send(object).is_ok()
+        if self.threads == 0 {
+            return false;
+        }
+        {
+            let mut queue = lock(&self.queue);
+            if queue.waiting.len() >= COMPILE_QUEUE {
+                return false;
+            }
+            queue.waiting.push(object);
+        }
+        // Every thread: the one woken might be waiting for a small object.
+        self.queue.1.notify_all();
+        true
     }
 
     /// A finished object, if any.
     pub(super) fn finished(&self) -> Option<(ObjectId, Compiled)> {
         self.results.try_recv().ok()
+    }
+}
+
+impl Drop for Compiler {
+    fn drop(&mut self) {
+        lock(&self.queue).closed = true;
+        self.queue.1.notify_all();
+    }
+}
+
+/// Waits for an object this thread may compile; `None` once the pool is
+/// dropped.
+fn next_object(shared: &Shared, max_large: usize) -> Option<MappedObject> {
+    let mut queue = lock(shared);
+    loop {
+        if queue.closed {
+            return None;
+        }
+        if let Some(object) = queue.take(max_large) {
+            return Some(object);
+        }
+        queue = shared.1.wait(queue).unwrap_or_else(PoisonError::into_inner);
     }
 }
 
@@ -284,6 +387,41 @@ mod tests {
             );
             std::thread::sleep(Duration::from_millis(5));
         }
+    }
+
+    /// The test's own object, claiming `bytes` of mapped code (for the
+    /// queue only: its file is not reachable at that size).
+    fn object_of(bytes: u64) -> MappedObject {
+        let mut object = own_object();
+        let mut region = (*object.region).clone();
+        region.mapping.end = region.mapping.start + bytes;
+        object.region = Arc::new(region);
+        object
+    }
+
+    #[test]
+    fn the_least_code_goes_first_and_large_objects_leave_a_thread_free() {
+        let large = LARGE_OBJECT_BYTES;
+        let mut queue = Queue::default();
+        for bytes in [2 * large, 3 * large, 4096, large - 1, 4096] {
+            queue.waiting.push(object_of(bytes));
+        }
+        let taken = |queue: &mut Queue| queue.take(1).map(|object| code_bytes(&object));
+        // Smallest first, the older of equals first.
+        assert_eq!(taken(&mut queue), Some(4096));
+        assert_eq!(queue.waiting.len(), 4);
+        assert_eq!(taken(&mut queue), Some(4096));
+        assert_eq!(taken(&mut queue), Some(large - 1));
+        // One large one at a time (of two threads): the other waits.
+        assert_eq!(taken(&mut queue), Some(2 * large));
+        assert_eq!(taken(&mut queue), None);
+        // A small one arriving meanwhile goes at once.
+        queue.waiting.push(object_of(8192));
+        assert_eq!(taken(&mut queue), Some(8192));
+        queue.large_done();
+        assert_eq!(taken(&mut queue), Some(3 * large));
+        assert_eq!(taken(&mut queue), None);
+        assert!(queue.waiting.is_empty());
     }
 
     #[test]
