@@ -6,7 +6,7 @@
 //! allocations; the bound on distinct entries per interval; the labels
 //! ([`labels`]); building the batch ([`batch`]); and the thread that names
 //! frames and builds batches off the sampling loop ([`worker`]). Does not
-//! own when intervals end (the run loop decides), naming frames
+//! own when intervals end (the sampling thread decides), naming frames
 //! (`stackscope_symbolize::node`), or sending batches (the exporter).
 //!
 //! A sample's stack is leaf first overall: its kernel frames (innermost

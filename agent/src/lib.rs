@@ -1,4 +1,4 @@
-//! The stackscope node agent: the run loop and its threads, aggregation,
+//! The stackscope node agent: the run and its threads, aggregation,
 //! export and the agent's statistics. What a sample passes through before
 //! and beside these lives in crates of its own, one job each (see
 //! `shared/DESIGN.md`).

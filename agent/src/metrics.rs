@@ -1,5 +1,5 @@
-//! The agent's Prometheus metrics: what the run loop counts (published by it
-//! about once a second, [`AgentMetrics::publish`]) and what the exporter
+//! The agent's Prometheus metrics: what the sampling thread counts (its
+//! totals asked for and published about once a second, [`AgentMetrics::publish`]) and what the exporter
 //! counts (read at scrape time), written out at every scrape of `/metrics`
 //! as [`crate::stats`] describes them. Serving them, the process metrics
 //! and the health endpoints belong to `stackscope-telemetry`.
@@ -17,13 +17,15 @@ use stackscope_telemetry::{
 
 use crate::{export::ExportStatsReader, stats::RunTotals};
 
-/// Health probes fail when the run loop has not turned for this long.
+/// Health probes fail when the sampling thread has not answered for this
+/// long.
 pub const STALE_AFTER: Duration = Duration::from_secs(30);
 
-/// How often the run loop publishes its totals and beats.
+/// How often the sampling thread's totals are asked for, published and
+/// beaten on.
 pub const PUBLISH_EVERY: Duration = Duration::from_secs(1);
 
-/// What the metrics endpoint reads; shared between the run loop, the
+/// What the metrics endpoint reads; shared between the run, the
 /// exporter's owner and the HTTP server.
 #[derive(Debug, Default)]
 pub struct AgentMetrics {
@@ -31,7 +33,7 @@ pub struct AgentMetrics {
     export: Mutex<Option<ExportStatsReader>>,
 }
 
-/// What the agent hands the run loop when metrics are served.
+/// What the agent hands the run when metrics are served.
 #[derive(Debug, Clone)]
 pub struct AgentTelemetry {
     pub metrics: Arc<AgentMetrics>,

@@ -6,7 +6,10 @@
 //! whose drops are counted ([`Handoffs`]):
 //!
 //! - [`sampling`]: drains the ring buffer, walks, aggregates, ends
-//!   intervals (never opens a file, never waits for the network);
+//!   intervals; never waits for the network or another thread (what it
+//!   still reads, on a process's first samples: the exe link, the cgroup
+//!   file, the container runtime's record, a perf map, `/proc/<pid>/maps`
+//!   and ELF headers the mapping feed did not supply);
 //! - [`metadata`]: the cgroup tree and `/proc` reads the selection and the
 //!   process sweep need;
 //! - the batch worker ([`crate::aggregate::BatchWorker`]): names frames,
@@ -19,7 +22,7 @@ use std::{
     io,
     sync::{
         Arc,
-        atomic::{AtomicU64, Ordering},
+        atomic::{AtomicBool, AtomicU64, Ordering},
     },
     time::Duration,
 };
@@ -186,6 +189,9 @@ pub struct Handoffs {
     commands: AtomicU64,
     reports: AtomicU64,
     jobs: AtomicU64,
+    /// The metadata worker's queue was found closed (it panicked), and
+    /// said so once.
+    metadata_lost: AtomicBool,
 }
 
 /// [`Handoffs`] at one instant.
@@ -211,20 +217,24 @@ impl Handoffs {
 
     /// Sends a command to the sampling thread without waiting.
     fn command(&self, to: &mpsc::Sender<Command>, command: Command) {
-        if let Err(mpsc::error::TrySendError::Full(_)) = to.try_send(command) {
-            self.commands.fetch_add(1, Ordering::Relaxed);
-        }
+        offer(to, command, &self.commands);
     }
 
     /// Sends a report to the runtime without waiting.
     fn report(&self, to: &mpsc::Sender<Report>, report: Report) {
-        if let Err(mpsc::error::TrySendError::Full(_)) = to.try_send(report) {
-            self.reports.fetch_add(1, Ordering::Relaxed);
-        }
+        offer(to, report, &self.reports);
     }
 
     fn count_job_dropped(&self) {
         self.jobs.fetch_add(1, Ordering::Relaxed);
+    }
+}
+
+/// Sends without waiting: a full queue drops the message, counted in
+/// `dropped`; a closed one means the receiver is gone (the run is ending).
+fn offer<T>(to: &mpsc::Sender<T>, message: T, dropped: &AtomicU64) {
+    if let Err(mpsc::error::TrySendError::Full(_)) = to.try_send(message) {
+        dropped.fetch_add(1, Ordering::Relaxed);
     }
 }
 
@@ -275,12 +285,12 @@ pub async fn run(
     let (reports_tx, mut reports) = mpsc::channel(REPORT_QUEUE);
     // The sampling thread's command queue, made before the thread so the
     // metadata worker can answer into it.
-    let (commands_tx, commands_rx) = mpsc::channel(sampling::COMMAND_QUEUE);
+    let (commands, commands_rx) = mpsc::channel(sampling::COMMAND_QUEUE);
     let metadata = metadata::start(
         resolver,
         selection_names,
         config.aggregation.proc_root.clone(),
-        commands_tx.clone(),
+        commands.clone(),
         Arc::clone(&handoffs),
     )
     .map_err(|err| RunError::Thread("metadata", err))?;
@@ -294,7 +304,6 @@ pub async fn run(
             reports: reports_tx,
             handoffs: Arc::clone(&handoffs),
         },
-        commands_tx,
         commands_rx,
     )
     .map_err(|err| RunError::Thread("sampling", err))?;
@@ -341,12 +350,17 @@ pub async fn run(
     let mut publish = tokio::time::interval(PUBLISH_EVERY);
     publish.set_missed_tick_behavior(MissedTickBehavior::Delay);
 
-    let commands = sampling.commands.clone();
     let ask = |purpose| handoffs.command(&commands, Command::Totals(purpose));
     let mut stopping = false;
     let ended = loop {
         if stopping {
+            // Idempotent: the first asks the thread to flush and end.
             sampling.stop();
+            // No longer taking part in the fleet's profiles, from the
+            // moment the flush begins.
+            if let Some(telemetry) = telemetry {
+                telemetry.health.set_ready(false);
+            }
         }
         tokio::select! {
             result = &mut sampling.finished => break result,
@@ -386,7 +400,6 @@ pub async fn run(
             _ = sleep_until(deadline), if !stopping => stopping = true,
         }
     };
-    // Stopping: no longer taking part in the fleet's profiles.
     if let Some(telemetry) = telemetry {
         telemetry.health.set_ready(false);
     }

@@ -1,4 +1,4 @@
-//! The agent's statistics, described once. Every figure the run loop, the
+//! The agent's statistics, described once. Every figure the sampling thread, the
 //! exporter and the uploader count is a [`Stat`] in [`GROUPS`]: its name,
 //! help text, kind, unit and label, and for each of its series where it
 //! sits in the JSON report and how it is read from the run's totals
@@ -41,12 +41,12 @@ use stackscope_unwind::walker::WalkStats;
 /// What the statistics are read from: the run's totals at one instant.
 #[derive(Debug, Clone, Default)]
 pub struct RunTotals {
-    /// Since the run loop started.
+    /// Since the sampling thread started.
     pub elapsed: Duration,
     pub kernel: Counters,
     pub program: ProgramStats,
     pub reader: ReaderTotals,
-    /// Hash-table lookups made by the run loop.
+    /// Hash-table lookups made by the sampling thread.
     pub probes: ProbeTotals,
     pub walks: WalkStats,
     /// Mappings learned as they were made.

@@ -241,7 +241,7 @@ impl ContainerIndex {
     fn look_up(&mut self, identity: &ContainerIdentity) -> ContainerLabels {
         let from_pods = self.pods.as_mut().and_then(|pods| pods.names(identity));
         if from_pods.is_none() && identity.pod_uid.is_some() {
-            // A pod the list does not have yet: the run loop fetches it again.
+            // A pod the list does not have yet: the agent fetches it again.
             self.unknown_pod_seen = true;
         }
         let names = from_pods

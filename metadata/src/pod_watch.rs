@@ -10,7 +10,7 @@ use tokio::time::Instant;
 use crate::kubelet::{KubeletClient, PodList};
 
 /// Fetches the kubelet's pod list on a period, or sooner when asked, on a
-/// task of its own, and hands each new list to the run loop.
+/// task of its own, and hands each new list to whoever watches.
 pub struct PodWatch {
     lists: tokio::sync::mpsc::Receiver<Arc<PodList>>,
     soon: Arc<tokio::sync::Notify>,

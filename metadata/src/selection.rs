@@ -4,7 +4,7 @@
 //!
 //! Containers and pods come and go, so the policies are made again on a
 //! period from the cgroup2 hierarchy (a cgroup named after a container id
-//! says which container it is) and the kubelet's pod list; the run loop
+//! says which container it is) and the kubelet's pod list; the agent
 //! writes the difference into the map. One entry per matching cgroup is
 //! enough: the program also checks every ancestor of a task's cgroup, so
 //! whatever a container starts below its cgroup is covered.

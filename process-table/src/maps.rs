@@ -496,7 +496,9 @@ fn parse_perms(text: &[u8]) -> Result<Perms, LineErrorKind> {
 
 /// This process's own vDSO: where it is mapped and its image, which is the
 /// same in every process on this kernel (the walker compiles its table, the
-/// symbolizer names its frames).
+/// symbolizer names its frames). The image is borrowed for the process's
+/// lifetime: a caller must not unmap (or `mremap`) its own vDSO afterwards,
+/// which the agent never does and programs do not do.
 pub fn own_vdso_image() -> Option<(u64, &'static [u8])> {
     let maps = read_maps(std::process::id()).ok()?;
     let vdso = maps.iter().find(|m| m.path == MappingPath::Vdso)?;

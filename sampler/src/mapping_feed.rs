@@ -9,14 +9,14 @@
 //! walker), nor exits (the sampler's exit records, which are in the same
 //! ring as the samples, end a process).
 //!
-//! Order: the run loop drains these records first, then the sample ring,
+//! Order: the sampling thread drains these records first, then the sample ring,
 //! and drains them again whenever it reads a sample written after the last
 //! drain ([`MappingFeed::catch_up_to`]). Every mmap a sampled thread could
 //! have run code from was recorded before the thread ran it, so it is in
 //! hand when the sample is read; applying only the events older than each
 //! record keeps a sample taken before an exec or a remap from being walked
 //! with the mappings made after it. Records the kernel lost leave that
-//! incomplete, so the run loop then starts every process over (from
+//! incomplete, so the sampling thread then starts every process over (from
 //! `/proc`), as it does when the sample ring loses records.
 
 use std::{
@@ -39,7 +39,7 @@ use stackscope_telemetry::StateSize;
 use stackscope_unwind::walker::{StackWalker, Walked};
 
 /// Events held for samples not yet read, at most (a few MB; a fork+exec
-/// brings about seven, and the run loop drains whenever a CPU's ring is a
+/// brings about seven, and the sampling thread drains whenever a CPU's ring is a
 /// quarter full and every 500 ms, so this is thousands of execs a second
 /// at the least); beyond, the oldest are applied at once (a little early
 /// rather than never).

@@ -1,4 +1,4 @@
-//! Counts the hash-table lookups the agent's run loop makes, by what they
+//! Counts the hash-table lookups the agent's sampling thread makes, by what they
 //! are keyed by, so the bench and `/metrics` can say how many a sample costs
 //! (issue 32 asks for at most 3 in steady state). Every lookup on the
 //! per-sample path calls [`count`] next to it; a change that removes a
@@ -7,7 +7,7 @@
 //! every crate a sample passes through (sampler, unwind, metadata,
 //! symbolize), and each counts its own.
 //!
-//! The counters are thread-local: only the run loop's thread samples, and
+//! The counters are thread-local: only the sampling thread samples, and
 //! the batch worker's lookups (symbolization, per batch) stay out of the
 //! figure. A count is one add to a thread-local (about a nanosecond).
 

@@ -1,10 +1,10 @@
 //! The labels every sample carries, which of them are wanted
 //! ([`LabelChoice`]), and where their values come from.
 //!
-//! Owns the per-process `exe` cache (read from `/proc/<pid>/exe` once per
-//! process, forgotten on exec and exit, bounded) and the node's name. The
-//! container labels come from `stackscope_metadata`; the others straight
-//! from the sample header.
+//! Owns the node's name. The `exe` label comes from
+//! `stackscope_metadata::exe`, the container labels from
+//! `stackscope_metadata`'s container index; the others straight from the
+//! sample header.
 
 /// Label names, as shipped.
 pub const COMM: &str = "comm";

@@ -217,7 +217,7 @@ const FREE_HEAP_KEPT: u64 = 16 << 20;
 /// glibc keeps what was freed in its arenas (an hour's soak saw 43 MB free
 /// beside 38 MB in use), but trimming after every interval cost 5% of the
 /// agent's CPU at 997 Hz in page faults and madvise calls. Once per
-/// interval, off the run loop.
+/// interval, off the sampling thread.
 ///
 /// What is free and in memory is the anonymous memory less what the heap
 /// has in use: the heap's own free figure (`fordblks`) still counts chunks

@@ -3,7 +3,7 @@
 //! Owns the connection to the collector (plain or TLS, optional mTLS and
 //! bearer token, compression), a queue bounded in bytes, retries with
 //! backoff, and the delivery statistics. Does not build batches (the
-//! aggregator does) and does not decide when to stop (the run loop calls
+//! aggregator does) and does not decide when to stop (the run calls
 //! [`Exporter::shutdown`]).
 //!
 //! Delivery is at least once and in order: one push at a time; a transient

@@ -11,16 +11,15 @@ use std::{
     path::PathBuf,
     sync::{
         Arc,
+        atomic::Ordering,
         mpsc::{self, SyncSender, TrySendError},
     },
 };
 
+use stackscope_sampler::mapping_feed::monotonic_ns;
 use tokio::sync::mpsc::Sender;
 
-use super::{
-    Handoffs,
-    sampling::{COMMAND_QUEUE, Command},
-};
+use super::{Handoffs, sampling::Command};
 use stackscope_metadata::{kubelet::PodList, runtime_names::RuntimeNames, selection::Resolver};
 
 /// What the worker is asked to do.
@@ -33,9 +32,10 @@ enum Job {
     FindGone(Vec<u32>),
 }
 
-/// Room in the worker's queue: a job comes every few seconds; when it is
-/// full the worker is stuck on a slow read, and a newer job supersedes.
-const JOB_QUEUE: usize = COMMAND_QUEUE / 8;
+/// Room in the worker's queue: a job comes every few seconds. When it is
+/// full the worker is stuck on a slow read; the job that finds it full is
+/// dropped and counted, and the next selection tick or interval asks again.
+const JOB_QUEUE: usize = 8;
 
 /// A handle to ask the worker for work, from any thread.
 #[derive(Debug, Clone)]
@@ -61,8 +61,17 @@ impl MetadataJobs {
 
     fn send(&self, job: Job) {
         match self.jobs.try_send(job) {
-            Ok(()) | Err(TrySendError::Disconnected(_)) => {}
+            Ok(()) => {}
             Err(TrySendError::Full(_)) => self.handoffs.count_job_dropped(),
+            Err(TrySendError::Disconnected(_)) => {
+                // It panicked: selection refreshes and sweeps stop.
+                if !self.handoffs.metadata_lost.swap(true, Ordering::Relaxed) {
+                    tracing::error!(
+                        "the metadata worker has stopped: the container selection and the \
+                         sweep of gone processes are no longer refreshed"
+                    );
+                }
+            }
         }
     }
 }
@@ -92,11 +101,14 @@ pub(super) fn start(
                         }
                     },
                     Job::FindGone(tracked) => {
-                        let gone = gone_processes(&proc_root, tracked);
-                        if gone.is_empty() {
+                        // Before the first look: a process that has a pid
+                        // found gone started after this.
+                        let checked_at = monotonic_ns();
+                        let tgids = gone_processes(&proc_root, tracked);
+                        if tgids.is_empty() {
                             continue;
                         }
-                        Command::Gone(gone)
+                        Command::Gone { tgids, checked_at }
                     }
                 };
                 answers.command(&commands, answer);

@@ -58,8 +58,11 @@ pub(super) enum Command {
     Pods(Arc<PodList>),
     /// The cgroup policies the container selection resolves to now.
     Policies(StdHashMap<u64, CgroupPolicy>),
-    /// Tracked processes whose `/proc` entry is gone.
-    Gone(Vec<u32>),
+    /// Tracked processes whose `/proc` entry was gone at `checked_at`
+    /// (`CLOCK_MONOTONIC` ns, the clock of the samples' process start
+    /// times): a process with one of these pids that started since is
+    /// another one.
+    Gone { tgids: Vec<u32>, checked_at: u64 },
     /// The totals now, for the status line or the metrics.
     Totals(Purpose),
 }
@@ -99,21 +102,16 @@ pub(super) struct SamplingThread {
     pub started: oneshot::Receiver<Result<Counters, RunError>>,
     /// What the run saw, once stopped (or why it ended early).
     pub finished: oneshot::Receiver<Result<RunSummary, RunError>>,
-    pub commands: mpsc::Sender<Command>,
     stop: Option<oneshot::Sender<()>>,
     thread: Option<JoinHandle<()>>,
 }
 
 impl SamplingThread {
     /// Starts the thread; it attaches the sampler (the mapping feed
-    /// first) and says so through [`SamplingThread::started`].
-    /// `commands` is the sending end of `commands_rx`, made by the caller
-    /// so that others can answer into it.
-    pub fn spawn(
-        setup: Setup,
-        commands: mpsc::Sender<Command>,
-        commands_rx: mpsc::Receiver<Command>,
-    ) -> io::Result<Self> {
+    /// first) and says so through [`SamplingThread::started`]. It takes
+    /// its commands from `commands` (whose senders the caller hands to
+    /// whoever answers into it).
+    pub fn spawn(setup: Setup, commands: mpsc::Receiver<Command>) -> io::Result<Self> {
         let (started_tx, started) = oneshot::channel();
         let (finished_tx, finished) = oneshot::channel();
         let (stop, stop_rx) = oneshot::channel();
@@ -130,7 +128,7 @@ impl SamplingThread {
                         return;
                     }
                 };
-                let result = runtime.block_on(sample(setup, started_tx, commands_rx, stop_rx));
+                let result = runtime.block_on(sample(setup, started_tx, commands, stop_rx));
                 if let Some(result) = result {
                     let _ = finished_tx.send(result);
                 }
@@ -138,7 +136,6 @@ impl SamplingThread {
         Ok(Self {
             started,
             finished,
-            commands,
             stop: Some(stop),
             thread: Some(thread),
         })
@@ -265,7 +262,7 @@ async fn sample(
             Some(command) = commands.recv() => match command {
                 Command::Pods(list) => records.aggregator.set_pods(list),
                 Command::Policies(wanted) => update_policies(&mut sampler, &wanted),
-                Command::Gone(tgids) => records.forget(&tgids),
+                Command::Gone { tgids, checked_at } => records.forget(&tgids, checked_at),
                 Command::Totals(purpose) => match records.totals(&sampler, &worker, &handoffs, began.elapsed()) {
                     Ok(totals) => handoffs.report(&reports, Report::Totals(purpose, Box::new(totals))),
                     Err(err) => break Err(err.into()),
@@ -484,9 +481,18 @@ impl RecordTally {
     /// Forgets processes that exited without their exit being applied:
     /// its record was lost, or a sample read after it (records of
     /// different CPUs interleave) made their state again. Without this
-    /// they stay until evicted at each map's bound.
-    fn forget(&mut self, gone: &[u32]) {
+    /// they stay until evicted at each map's bound. `gone` were found gone
+    /// at `checked_at`: a process sampled since under one of those pids
+    /// that started later is another one, and stays.
+    fn forget(&mut self, gone: &[u32], checked_at: u64) {
         for &tgid in gone {
+            if self
+                .walker
+                .process_started(tgid)
+                .is_some_and(|started| started >= checked_at)
+            {
+                continue;
+            }
             if self.walker.on_exit(tgid) {
                 self.aggregator.on_exit(tgid);
             }
@@ -628,12 +634,16 @@ mod tests {
     }
 
     #[test]
-    fn a_gone_process_is_forgotten_by_the_walker_and_the_labels() {
+    fn a_gone_process_is_forgotten_by_the_walker_and_the_labels_unless_its_pid_was_reused() {
         let (mut records, _, tgid) = walked_own_sample();
         assert_eq!(records.tracked_processes(), [tgid]);
-        records.forget(&[tgid + 1]);
+        let started = records.walker.process_started(tgid).expect("walked");
+        records.forget(&[tgid + 1], u64::MAX);
         assert_eq!(records.tracked_processes(), [tgid]);
-        records.forget(&[tgid]);
+        // Found gone before this process started: its pid was another's.
+        records.forget(&[tgid], started);
+        assert_eq!(records.tracked_processes(), [tgid]);
+        records.forget(&[tgid], started + 1);
         assert_eq!(records.tracked_processes(), Vec::<u32>::new());
     }
 

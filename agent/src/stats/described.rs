@@ -285,7 +285,7 @@ const SAMPLING: &[Stat] = &[
     .reports(),
     counter(
         "hash_probes",
-        "Hash-table lookups of the run loop, by key: per process, per thread, \
+        "Hash-table lookups of the sampling thread, by key: per process, per thread, \
          derived from a process (binary name, label set), or an interval's \
          dictionaries. Divided by samples_read: the lookups a sample costs.",
         &[
@@ -298,7 +298,7 @@ const SAMPLING: &[Stat] = &[
     .by("kind"),
     gauge(
         "hash_probes_per_sample",
-        "Hash-table lookups of the run loop per sample read.",
+        "Hash-table lookups of the sampling thread per sample read.",
         &[one("/probes/per_sample", |t| {
             let samples = t.reader.records.saturating_sub(t.reader.process_events);
             (t.probes.total() as f64 / samples.max(1) as f64).into()

@@ -64,6 +64,9 @@ const LARGE_OBJECT_BYTES: u64 = 16 << 20;
 struct Queue {
     waiting: Vec<MappedObject>,
     large_compiling: usize,
+    /// How many large ones may compile at once: all threads but one, when
+    /// there are two or more.
+    max_large: usize,
     closed: bool,
 }
 
@@ -77,7 +80,7 @@ impl Queue {
     /// (the oldest of equals), unless it is large and `max_large` large
     /// ones are compiling already. The caller reports the end of a large
     /// one with [`Queue::large_done`].
-    fn take(&mut self, max_large: usize) -> Option<MappedObject> {
+    fn take(&mut self) -> Option<MappedObject> {
         let (index, bytes) = self
             .waiting
             .iter()
@@ -85,7 +88,7 @@ impl Queue {
             .enumerate()
             .min_by_key(|&(index, bytes)| (bytes, index))?;
         if bytes >= LARGE_OBJECT_BYTES {
-            if self.large_compiling >= max_large {
+            if self.large_compiling >= self.max_large.max(1) {
                 return None;
             }
             self.large_compiling += 1;
@@ -126,24 +129,20 @@ impl Compiler {
         }
         let queue: Arc<Shared> = Arc::default();
         let disk_cache: Option<Arc<DiskCache>> = disk_cache.map(Arc::new);
-        let wanted = threads.max(1);
-        // One thread stays free for small objects, when there are two.
-        let max_large = (wanted - 1).max(1);
-        let mut started = 0;
-        for n in 0..wanted {
+        let mut started: usize = 0;
+        for n in 0..threads.max(1) {
             let queue = Arc::clone(&queue);
             let done = done.clone();
             let disk_cache = disk_cache.clone();
             let spawned = std::thread::Builder::new()
                 .name(format!("table-compiler-{n}"))
                 .spawn(move || {
-                    while let Some(object) = next_object(&queue, max_large) {
-                        let compiled = compile(&object, disk_cache.as_deref());
-                        if code_bytes(&object) >= LARGE_OBJECT_BYTES {
-                            lock(&queue).large_done();
-                            // A thread may be waiting for a large one.
-                            queue.1.notify_all();
-                        }
+                    while let Some(object) = next_object(&queue) {
+                        let compiled = {
+                            let _slot = (code_bytes(&object) >= LARGE_OBJECT_BYTES)
+                                .then(|| LargeSlot(&queue));
+                            compile_guarded(&object, disk_cache.as_deref())
+                        };
                         if done.send((*object.id, compiled)).is_err() {
                             break;
                         }
@@ -154,6 +153,8 @@ impl Compiler {
                 Err(err) => tracing::warn!("could not start a table compiler thread: {err}"),
             }
         }
+        // One thread stays free for small objects, when there are two.
+        lock(&queue).max_large = started.saturating_sub(1).max(1);
         Self {
             queue,
             threads: started,
@@ -173,8 +174,8 @@ impl Compiler {
             }
             queue.waiting.push(object);
         }
-        // Every thread: the one woken might be waiting for a small object.
-        self.queue.1.notify_all();
+        // Any waiting thread can take it, if any can.
+        self.queue.1.notify_one();
         true
     }
 
@@ -191,15 +192,40 @@ impl Drop for Compiler {
     }
 }
 
+/// A large object compiling: its place among the large ones is given
+/// back however the compile ends.
+struct LargeSlot<'a>(&'a Shared);
+
+impl Drop for LargeSlot<'_> {
+    fn drop(&mut self) {
+        lock(self.0).large_done();
+        // A thread may be waiting for a large one.
+        self.0.1.notify_one();
+    }
+}
+
+/// [`compile`], with a panic on a hostile file (a parser bug) turned into
+/// "no table" for that file instead of the end of a compile thread.
+fn compile_guarded(object: &MappedObject, disk_cache: Option<&DiskCache>) -> Compiled {
+    std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| compile(object, disk_cache)))
+        .unwrap_or_else(|_| {
+            tracing::error!(
+                "compiling the unwind table of {} panicked; using frame pointers",
+                object.path()
+            );
+            Compiled::NoCfi
+        })
+}
+
 /// Waits for an object this thread may compile; `None` once the pool is
 /// dropped.
-fn next_object(shared: &Shared, max_large: usize) -> Option<MappedObject> {
+fn next_object(shared: &Shared) -> Option<MappedObject> {
     let mut queue = lock(shared);
     loop {
         if queue.closed {
             return None;
         }
-        if let Some(object) = queue.take(max_large) {
+        if let Some(object) = queue.take() {
             return Some(object);
         }
         queue = shared.1.wait(queue).unwrap_or_else(PoisonError::into_inner);
@@ -402,11 +428,14 @@ mod tests {
     #[test]
     fn the_least_code_goes_first_and_large_objects_leave_a_thread_free() {
         let large = LARGE_OBJECT_BYTES;
-        let mut queue = Queue::default();
+        let mut queue = Queue {
+            max_large: 1,
+            ..Queue::default()
+        };
         for bytes in [2 * large, 3 * large, 4096, large - 1, 4096] {
             queue.waiting.push(object_of(bytes));
         }
-        let taken = |queue: &mut Queue| queue.take(1).map(|object| code_bytes(&object));
+        let taken = |queue: &mut Queue| queue.take().map(|object| code_bytes(&object));
         // Smallest first, the older of equals first.
         assert_eq!(taken(&mut queue), Some(4096));
         assert_eq!(queue.waiting.len(), 4);

@@ -802,7 +802,7 @@ impl StackWalker {
     }
 
     /// The changes for the sampler's copy-size and stack-plan maps decided
-    /// since the last call; the run loop writes them.
+    /// since the last call; the sampling thread writes them.
     pub fn take_plan_updates(&mut self) -> Vec<PlanUpdate> {
         self.planner.take_updates()
     }
@@ -1032,8 +1032,8 @@ impl StackWalker {
     /// are walked, and [`Self::take_completed_exits`] says so).
     pub fn on_exit(&mut self, tgid: u32) -> bool {
         if self.waiting.iter().any(|held| held.header.tgid == tgid) {
-            // Once: the run loop's sweep of gone processes asks again
-            // every interval while they wait.
+            // Once: the sweep of gone processes asks again every
+            // interval while they wait.
             if !self.exited.contains(&tgid) {
                 self.exited.push(tgid);
             }
@@ -1041,6 +1041,12 @@ impl StackWalker {
         }
         self.forget_exited(tgid);
         true
+    }
+
+    /// When the process the walker knows by `tgid` started (the samples'
+    /// `process_start_ns`, on `CLOCK_MONOTONIC`), if it knows one.
+    pub fn process_started(&self, tgid: u32) -> Option<u64> {
+        self.modules.get(tgid).map(|state| state.started)
     }
 
     /// Processes whose exit [`Self::on_exit`] put off and that have gone
@@ -1184,7 +1190,7 @@ impl StackWalker {
 
     /// Every process something is kept for (a process whose exit record
     /// was lost, or whose late sample came after it, stays until evicted
-    /// unless the run loop finds it gone).
+    /// unless the sweep of gone processes finds it gone).
     pub fn tracked_processes_into(&self, out: &mut Vec<u32>) {
         out.extend(self.modules.iter().map(|(tgid, _)| tgid));
         out.extend(self.processes.tgids());

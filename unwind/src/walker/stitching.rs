@@ -4,7 +4,7 @@
 //! Owns the agent's side of the sampler's `COPY_BYTES` (per process),
 //! `STACK_PLANS` (per thread) and `DEEP_PROGRAMS` (per thread name) maps:
 //! the sizes, spans and programs it wants there, the updates it queues for
-//! the run loop to write, and learning where a deep thread's frames lie by
+//! the sampling thread to write, and learning where a deep thread's frames lie by
 //! reading the rest of its stack with `process_vm_readv`. It does not walk
 //! stacks (the walker does, and tells it how each walk went) and does not
 //! touch BPF maps itself.
@@ -40,7 +40,7 @@ use agent_common::{
 
 use stackscope_telemetry::StateSize;
 
-/// A change for the sampler's maps, queued for the run loop.
+/// A change for the sampler's maps, queued for the sampling thread.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum PlanUpdate {
     /// Set (or with `None`, remove) the copy size of a process's threads
