@@ -77,7 +77,10 @@ fn walks_and_names_jit_frames(perf_flag: &str) {
     );
     assert!(
         jit_outermost * 100 >= jit_walks * 90,
-        "only {jit_outermost} of {jit_walks} walks through JIT code reached the root"
+        "only {jit_outermost} of {jit_walks} walks through JIT code reached the root; \
+         early ends {}, by binary {}",
+        unwinding["early_ends"],
+        unwinding["by_binary"]
     );
     // Every walk through JIT code has JIT frames named by the JIT
     // (outer, middle, leaf: three each).
