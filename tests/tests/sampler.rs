@@ -52,12 +52,34 @@ fn sampling_only(pid: u32) -> SamplerConfig {
 }
 
 /// `deep_stack` spinning `depth` frames deep, and where its stack mapping
-/// ends.
+/// ends (every page of its top present: see [`map_stack_top`]).
 fn start_deep_stack(fixture: &Fixture, depth: u64) -> (RunningProcess, u64) {
     let process = fixture.start(&[&depth.to_string()]);
     let maps = read_maps(process.pid());
     let stack = mapping(&maps, |m| m.path == MappingPath::Stack, "stack");
+    map_stack_top(process.pid(), stack);
     (process, stack.end)
+}
+
+/// Makes every page of the top of process `pid`'s `stack` mapping present.
+/// The kernel leaves a random gap of up to 8 KiB between the strings at the
+/// stack's top and `argc`; a page of it that was never touched is not
+/// present, and a BPF copy (which cannot fault pages in) stops there. With
+/// the fixtures' empty environment that takes a gap near its largest, so
+/// it is rare, but CI met it in the Linux 6.1 VM: the syscall test's copies
+/// to the mapping's end faulted on every tick. Reading the pages through
+/// /proc maps them. (The agent's own tops lie below the gap: a walk's root
+/// frame is under `argc`.)
+fn map_stack_top(pid: u32, stack: &Mapping) {
+    let from = stack
+        .start
+        .max(stack.end - u64::from(agent_common::MAX_USER_STACK_BYTES));
+    let memory =
+        std::fs::File::open(format!("/proc/{pid}/mem")).expect("opening the fixture's memory");
+    let mut bytes = vec![0; (stack.end - from) as usize];
+    memory
+        .read_exact_at(&mut bytes, from)
+        .expect("reading the top of the fixture's stack");
 }
 
 /// Thread `tid`'s copies end at `top`, for the process `tgid` (as the
@@ -152,22 +174,11 @@ fn copies_a_short_stack_up_to_the_end_of_its_mapping() {
             let maps = read_maps(process.pid());
             let stack = mapping(&maps, |m| m.path == MappingPath::Stack, "stack");
             let end_is_free = !maps.iter().any(|m| m.start == stack.end);
-            end_is_free.then_some((process, stack.start, stack.end))
+            end_is_free.then_some((process, stack.clone()))
         })
-        .map(|(process, start, end)| {
-            // The kernel leaves a random gap of up to 8 KiB between the
-            // strings at the stack's top and `argc`; a page of it that was
-            // never touched is not present, and the copy stops there (seen
-            // in the Linux 6.1 VM). Reading it through /proc maps it, so
-            // the copy can reach the end.
-            let from = start.max(end - u64::from(agent_common::MAX_USER_STACK_BYTES));
-            let memory = std::fs::File::open(format!("/proc/{}/mem", process.pid()))
-                .expect("opening the fixture's memory");
-            let mut bytes = vec![0; (end - from) as usize];
-            memory
-                .read_exact_at(&mut bytes, from)
-                .expect("reading the top of the fixture's stack");
-            (process, end)
+        .map(|(process, stack)| {
+            map_stack_top(process.pid(), &stack);
+            (process, stack.end)
         })
         .expect("in 20 starts, a mapping always began right at the stack's end");
 
@@ -325,6 +336,7 @@ fn records_the_kernel_stack_and_the_saved_user_registers_of_a_syscall() {
     let pid = process.pid();
     let maps = read_maps(pid);
     let stack = mapping(&maps, |m| m.path == MappingPath::Stack, "stack");
+    map_stack_top(pid, stack);
     let symbols = kernel_symbols();
 
     // An unlearned thread: the record is assembled in the scratch slot.
