@@ -91,6 +91,15 @@ impl BuildDir {
     ) -> PathBuf {
         let fixtures = fixtures_dir();
         let path = self.path().join(output);
+        let cached = RunCache::from_env().map(|cache| {
+            let key = cache.key(compiler, sources, args, output);
+            (cache, key)
+        });
+        if let Some((cache, key)) = &cached
+            && cache.copy_out(key, &path)
+        {
+            return path;
+        }
         let out = Command::new(compiler)
             .current_dir(self.path())
             .args(sources.iter().map(|source| fixtures.join(source)))
@@ -104,7 +113,61 @@ impl BuildDir {
             "{compiler} failed on {sources:?}: {}",
             String::from_utf8_lossy(&out.stderr)
         );
+        if let Some((cache, key)) = &cached {
+            cache.keep(key, &path);
+        }
         path
+    }
+}
+
+/// Fixtures already compiled in this test run, shared between test
+/// binaries and with the kernel matrix's virtual machines, which see the
+/// host's files: under qemu without KVM one gcc run takes 4 s and rustc
+/// 16 s, most of those machines' time. `cargo xtask test` empties the
+/// directory named by [`RunCache::ENV`] when it starts, so every fixture
+/// is still compiled from source in every run, once.
+struct RunCache {
+    dir: PathBuf,
+}
+
+impl RunCache {
+    const ENV: &str = "STACKSCOPE_FIXTURE_CACHE";
+
+    fn from_env() -> Option<Self> {
+        let dir = PathBuf::from(std::env::var_os(Self::ENV)?);
+        dir.is_dir().then_some(Self { dir })
+    }
+
+    /// What the output depends on: the command and the sources' bytes
+    /// (a path in `args`, such as an rpath into a temporary directory,
+    /// makes the key that build's alone). The hash is the same in every
+    /// process running the same test binary.
+    fn key(&self, compiler: &str, sources: &[&str], args: &[&str], output: &str) -> String {
+        use std::hash::{DefaultHasher, Hash as _, Hasher as _};
+        let mut hasher = DefaultHasher::new();
+        (compiler, sources, args, output).hash(&mut hasher);
+        for source in sources {
+            std::fs::read(fixtures_dir().join(source))
+                .unwrap_or_default()
+                .hash(&mut hasher);
+        }
+        format!("{output}-{:016x}", hasher.finish())
+    }
+
+    /// Copies the cached build of `key` to `path`; false when there is none.
+    fn copy_out(&self, key: &str, path: &Path) -> bool {
+        std::fs::copy(self.dir.join(key), path).is_ok()
+    }
+
+    /// Keeps a copy of `path` as `key`, atomically (tests compile in
+    /// parallel). Best effort: a guest may see the directory read-only.
+    fn keep(&self, key: &str, path: &Path) {
+        let Ok(partial) = tempfile::NamedTempFile::new_in(&self.dir) else {
+            return;
+        };
+        if std::fs::copy(path, partial.path()).is_ok() {
+            let _ = partial.persist(self.dir.join(key));
+        }
     }
 }
 

@@ -224,6 +224,7 @@ fn test() -> anyhow::Result<()> {
     let mut steps = Steps::new();
     steps.run("setup", setup::ensure_all)?;
     require_root("the end-to-end tests load BPF programs")?;
+    fresh_fixture_cache()?;
     steps.run("fmt", || {
         cargo(&["fmt", "--all", "--", "--check"])
             .context("formatting differs: run `cargo fmt --all`")
@@ -282,6 +283,22 @@ fn test() -> anyhow::Result<()> {
     // The BPF program and the unwinder on the older kernels fleets run.
     steps.run("kernels", kernels::test)?;
     eprintln!("all tests passed in {}", steps.summary());
+    Ok(())
+}
+
+/// An empty directory for the fixtures this run compiles, named to the
+/// tests by `STACKSCOPE_FIXTURE_CACHE` (see test-fixtures' `RunCache`): the
+/// host's tests compile each fixture once and the kernel matrix's virtual
+/// machines reuse them.
+fn fresh_fixture_cache() -> anyhow::Result<()> {
+    let dir = workspace_root().join("target/fixture-cache");
+    if dir.exists() {
+        std::fs::remove_dir_all(&dir).with_context(|| format!("emptying {}", dir.display()))?;
+    }
+    std::fs::create_dir_all(&dir).with_context(|| format!("creating {}", dir.display()))?;
+    // SAFETY: xtask is single-threaded here; the variable is read by the
+    // children it starts.
+    unsafe { std::env::set_var(kernels::FIXTURE_CACHE, &dir) };
     Ok(())
 }
 
