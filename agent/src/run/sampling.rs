@@ -29,7 +29,7 @@ use super::{
     metadata::MetadataJobs,
 };
 use crate::{
-    aggregate::{Aggregator, BatchWorker},
+    aggregate::{Aggregator, BatchWorker, WorkerStats},
     stats::{RunTotals, TallyTotals},
     status::ReaderTotals,
     tally::ProcessTally,
@@ -233,45 +233,56 @@ async fn sample(
     intervals.set_missed_tick_behavior(MissedTickBehavior::Skip);
 
     let ended = loop {
-        tokio::select! {
-            read = sampler.wait() => {
-                if let Err(err) = read {
-                    break Err(RunError::Read(err));
-                }
-                if let Err(err) = drain(&mut records, &mut sampler, &reports, &handoffs) {
-                    break Err(err);
-                }
-            }
-            () = records.feed.readable() => {
-                if let Err(err) = drain(&mut records, &mut sampler, &reports, &handoffs) {
-                    break Err(err);
-                }
-            }
+        let step = tokio::select! {
+            ready = records_ready(&mut sampler, &mut records.feed) => ready
+                .map_err(RunError::Read)
+                .and_then(|()| drain(&mut records, &mut sampler, &reports, &handoffs)),
             _ = intervals.tick() => {
                 // What was sampled up to now belongs to this interval, not
                 // to the next one: the last drain may be up to a drain
                 // period old.
-                if let Err(err) = drain(&mut records, &mut sampler, &reports, &handoffs) {
-                    break Err(err);
-                }
-                metadata.find_gone(records.tracked_processes());
-                records.walker.trim_tables();
-                let end = nearest_boundary(SystemTime::now(), interval);
-                worker.submit(records.aggregator.finish_interval(end));
+                drain(&mut records, &mut sampler, &reports, &handoffs).map(|()| {
+                    metadata.find_gone(records.tracked_processes());
+                    records.walker.trim_tables();
+                    let end = nearest_boundary(SystemTime::now(), interval);
+                    worker.submit(records.aggregator.finish_interval(end));
+                })
             }
-            Some(command) = commands.recv() => match command {
-                Command::Pods(list) => records.aggregator.set_pods(list),
-                Command::Policies(wanted) => update_policies(&mut sampler, &wanted),
-                Command::Gone { tgids, checked_at } => records.forget(&tgids, checked_at),
-                Command::Totals(purpose) => match records.totals(&sampler, &worker, &handoffs, began.elapsed()) {
-                    Ok(totals) => handoffs.report(&reports, Report::Totals(purpose, Box::new(totals))),
-                    Err(err) => break Err(err.into()),
-                },
-            },
+            Some(command) = commands.recv() => {
+                let sampling = Sampling { sampler: &mut sampler, worker: &worker, began };
+                records.apply(command, sampling, &reports, &handoffs)
+            }
             _ = &mut stop => break Ok(()),
+        };
+        if let Err(err) = step {
+            break Err(err);
         }
     };
-    Some(ended.and_then(|()| finish(records, sampler, worker, &handoffs, began)))
+    Some(match ended {
+        Ok(()) => finish(records, sampler, worker, &handoffs, began),
+        Err(err) => {
+            // What was read before the error still goes out.
+            drop(sampler);
+            records.flush(worker);
+            Err(err)
+        }
+    })
+}
+
+/// What a [`Command`] may act on besides the records.
+struct Sampling<'a> {
+    sampler: &'a mut Sampler,
+    worker: &'a BatchWorker,
+    began: Instant,
+}
+
+/// Resolves when there are records to read: samples in the ring buffer or
+/// mapping events in the feed.
+async fn records_ready(sampler: &mut Sampler, feed: &mut MappingFeed) -> io::Result<()> {
+    tokio::select! {
+        read = sampler.wait() => read,
+        () = feed.readable() => Ok(()),
+    }
 }
 
 /// Drains the records queued and tells the runtime when a sample came
@@ -302,14 +313,7 @@ fn finish(
     let kernel = sampler.counters()?;
     let program = sampler.program_stats()?;
     drop(sampler);
-    let RecordTally {
-        walker, aggregator, ..
-    } = &mut records;
-    walker.flush(|w| aggregator.add(w.header, w.kernel_frames, Some(&w.walk)));
-    let last = records.aggregator.finish_interval(SystemTime::now());
-    // Blocks until the last batches are built and handed to the sink:
-    // nothing else is left to run here.
-    let batches = worker.finish(last);
+    let batches = records.flush(worker);
     Ok(RunSummary {
         kernel,
         program,
@@ -377,6 +381,37 @@ struct RecordTally {
 }
 
 impl RecordTally {
+    fn apply(
+        &mut self,
+        command: Command,
+        sampling: Sampling<'_>,
+        reports: &mpsc::Sender<Report>,
+        handoffs: &Handoffs,
+    ) -> Result<(), RunError> {
+        match command {
+            Command::Pods(list) => self.aggregator.set_pods(list),
+            Command::Policies(wanted) => update_policies(sampling.sampler, &wanted),
+            Command::Gone { tgids, checked_at } => self.forget(&tgids, checked_at),
+            Command::Totals(purpose) => {
+                let elapsed = sampling.began.elapsed();
+                let totals = self.totals(sampling.sampler, sampling.worker, handoffs, elapsed)?;
+                handoffs.report(reports, Report::Totals(purpose, Box::new(totals)));
+            }
+        }
+        Ok(())
+    }
+
+    /// Walks the samples still held, ends the last partial interval and
+    /// waits for the worker to build and hand over its batches: nothing
+    /// else is left to run on this thread.
+    fn flush(&mut self, worker: BatchWorker) -> WorkerStats {
+        let Self {
+            walker, aggregator, ..
+        } = self;
+        walker.flush(|w| aggregator.add(w.header, w.kernel_frames, Some(&w.walk)));
+        worker.finish(aggregator.finish_interval(SystemTime::now()))
+    }
+
     /// Reads every record queued (the mapping events first, so that each
     /// sample finds the mappings it was taken with), walks and counts them,
     /// and hands the sampler the copy plans the walks taught.

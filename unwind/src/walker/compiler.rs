@@ -2,8 +2,9 @@
 //! threads, fed through a bounded queue, backed by an on-disk cache so a
 //! restarted agent does not compile again.
 //!
-//! The queue hands out the object with the least mapped code first, and at
-//! most all threads but one compile a large object at a time: on a build
+//! The queue hands out the object with the least mapped code first (but
+//! one that [`MAX_PASSED`] others went before goes next), and at most all
+//! threads but one compile a large object at a time: on a build
 //! machine the table of a compiler's 100 MB driver takes seconds (more
 //! under load), and the small programs sampled meanwhile, most of what a
 //! node runs, must not wait behind it (their samples are held until their
@@ -59,10 +60,18 @@ pub struct DiskCache {
 /// milliseconds.
 const LARGE_OBJECT_BYTES: u64 = 16 << 20;
 
+/// Objects others may pass in the queue before the one waiting longest
+/// goes next whatever its size: under a steady stream of small programs
+/// (a build), a larger table is late, not never compiled.
+const MAX_PASSED: u64 = 64;
+
 /// The objects waiting, and how many large ones are compiling.
 #[derive(Default)]
 struct Queue {
-    waiting: Vec<MappedObject>,
+    /// Oldest first, each with [`Queue::taken`] when it came.
+    waiting: Vec<(MappedObject, u64)>,
+    /// Objects taken so far.
+    taken: u64,
     large_compiling: usize,
     /// How many large ones may compile at once: all threads but one, when
     /// there are two or more.
@@ -76,24 +85,35 @@ fn code_bytes(object: &MappedObject) -> u64 {
 }
 
 impl Queue {
+    fn push(&mut self, object: MappedObject) {
+        self.waiting.push((object, self.taken));
+    }
+
     /// The object a free thread compiles next: the one with the least code
-    /// (the oldest of equals), unless it is large and `max_large` large
-    /// ones are compiling already. The caller reports the end of a large
-    /// one with [`Queue::large_done`].
+    /// (the oldest of equals), or the oldest once [`MAX_PASSED`] others
+    /// went before it, unless it is large and `max_large` large ones are
+    /// compiling already. The caller reports the end of a large one with
+    /// [`Queue::large_done`].
     fn take(&mut self) -> Option<MappedObject> {
-        let (index, bytes) = self
-            .waiting
-            .iter()
-            .map(code_bytes)
-            .enumerate()
-            .min_by_key(|&(index, bytes)| (bytes, index))?;
+        let large_may_go = self.large_compiling < self.max_large.max(1);
+        let may_go = |bytes| bytes < LARGE_OBJECT_BYTES || large_may_go;
+        let (oldest, came) = self.waiting.first()?;
+        let oldest_bytes = code_bytes(oldest);
+        let (index, bytes) = if self.taken - came >= MAX_PASSED && may_go(oldest_bytes) {
+            (0, oldest_bytes)
+        } else {
+            self.waiting
+                .iter()
+                .map(|(object, _)| code_bytes(object))
+                .enumerate()
+                .min_by_key(|&(index, bytes)| (bytes, index))
+                .filter(|&(_, bytes)| may_go(bytes))?
+        };
         if bytes >= LARGE_OBJECT_BYTES {
-            if self.large_compiling >= self.max_large.max(1) {
-                return None;
-            }
             self.large_compiling += 1;
         }
-        Some(self.waiting.remove(index))
+        self.taken += 1;
+        Some(self.waiting.remove(index).0)
     }
 
     fn large_done(&mut self) {
@@ -172,7 +192,7 @@ impl Compiler {
             if queue.waiting.len() >= COMPILE_QUEUE {
                 return false;
             }
-            queue.waiting.push(object);
+            queue.push(object);
         }
         // Any waiting thread can take it, if any can.
         self.queue.1.notify_one();
@@ -433,7 +453,7 @@ mod tests {
             ..Queue::default()
         };
         for bytes in [2 * large, 3 * large, 4096, large - 1, 4096] {
-            queue.waiting.push(object_of(bytes));
+            queue.push(object_of(bytes));
         }
         let taken = |queue: &mut Queue| queue.take().map(|object| code_bytes(&object));
         // Smallest first, the older of equals first.
@@ -445,12 +465,48 @@ mod tests {
         assert_eq!(taken(&mut queue), Some(2 * large));
         assert_eq!(taken(&mut queue), None);
         // A small one arriving meanwhile goes at once.
-        queue.waiting.push(object_of(8192));
+        queue.push(object_of(8192));
         assert_eq!(taken(&mut queue), Some(8192));
         queue.large_done();
         assert_eq!(taken(&mut queue), Some(3 * large));
         assert_eq!(taken(&mut queue), None);
         assert!(queue.waiting.is_empty());
+    }
+
+    #[test]
+    fn an_object_passed_over_long_enough_goes_next_whatever_its_size() {
+        let mut queue = Queue {
+            max_large: 1,
+            ..Queue::default()
+        };
+        let taken = |queue: &mut Queue| queue.take().map(|object| code_bytes(&object));
+        let waiting_long = LARGE_OBJECT_BYTES - 1;
+        queue.push(object_of(waiting_long));
+        // A steady stream of smaller ones: each goes first, until the
+        // first has been passed MAX_PASSED times.
+        for _ in 0..MAX_PASSED {
+            queue.push(object_of(4096));
+            assert_eq!(taken(&mut queue), Some(4096));
+        }
+        queue.push(object_of(4096));
+        assert_eq!(taken(&mut queue), Some(waiting_long));
+        assert_eq!(taken(&mut queue), Some(4096));
+        assert_eq!(taken(&mut queue), None);
+
+        // A large one passed over while the large ones' places are full
+        // lets the small ones by: a thread is never left idle.
+        let large = LARGE_OBJECT_BYTES;
+        queue.push(object_of(large));
+        assert_eq!(taken(&mut queue), Some(large));
+        queue.push(object_of(2 * large));
+        for _ in 0..MAX_PASSED {
+            queue.push(object_of(4096));
+            assert_eq!(taken(&mut queue), Some(4096));
+        }
+        queue.push(object_of(4096));
+        assert_eq!(taken(&mut queue), Some(4096));
+        queue.large_done();
+        assert_eq!(taken(&mut queue), Some(2 * large));
     }
 
     #[test]
