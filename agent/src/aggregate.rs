@@ -43,7 +43,7 @@ use std::{
     hash::BuildHasher as _,
     path::{Path, PathBuf},
     sync::Arc,
-    time::{Duration, SystemTime},
+    time::{Duration, Instant, SystemTime},
 };
 
 use agent_common::{COMM_LEN, SampleHeader};
@@ -51,7 +51,10 @@ use stackscope_process_table::{ModuleFile, ObjectId};
 
 pub use batch::{BatchOptions, build_batch};
 use labels::LabelChoice;
-use stackscope_metadata::exe::{ExeCache, MAX_CACHED_EXES};
+use stackscope_metadata::{
+    describe::{Describer, Description, Reads, Wanted},
+    exe::{ExeCache, MAX_CACHED_EXES},
+};
 pub use worker::{BatchWorker, WorkerStats};
 
 use stackscope_metadata::{
@@ -123,7 +126,8 @@ pub struct AggregatorConfig {
     /// Distinct (labels, stack) pairs per interval; see the module
     /// documentation for what happens beyond.
     pub max_entries: usize,
-    /// Where procfs is mounted, for `/proc/<pid>/exe`.
+    /// Where procfs is mounted: processes are described and their perf
+    /// maps read through it.
     pub proc_root: PathBuf,
     /// containers-storage's root (podman's container names) and Docker's
     /// data root (Docker's).
@@ -136,7 +140,24 @@ impl AggregatorConfig {
     pub fn runtime_names(&self) -> RuntimeNames {
         RuntimeNames::new(self.podman_storage.clone(), self.docker_root.clone())
     }
+
+    /// What the labels chosen need read about a process, and where from.
+    pub fn describer(&self) -> Describer {
+        let reads = Reads {
+            exe: self.labels.exe,
+            container: self.labels.any_container(),
+        };
+        Describer::new(&self.proc_root, reads, self.runtime_names())
+    }
 }
+
+/// Processes whose description is awaited at most; beyond, the list
+/// starts over (a process still without one is asked for again).
+const MAX_ASKED: usize = 65_536;
+
+/// How long a description asked for is awaited before it is asked for
+/// again (the metadata worker's queue was full, or the answer was lost).
+const ASK_AGAIN: Duration = Duration::from_secs(1);
 
 impl Default for AggregatorConfig {
     fn default() -> Self {
@@ -362,6 +383,11 @@ pub struct Aggregator {
     /// exit, a new pod list, lost records): a thread's remembered label set
     /// stands only within one epoch.
     label_epoch: u64,
+    /// Processes to describe (see [`Aggregator::take_wanted`]).
+    wanted: Vec<Wanted>,
+    /// Processes whose description is awaited: start time and when it was
+    /// asked for, by tgid.
+    asked: HashMap<u32, (u64, Instant)>,
 }
 
 /// The labels of a sample as interned: the raw comm avoids decoding it per
@@ -372,6 +398,24 @@ struct LabelKey {
     exe: Arc<str>,
     pid: Option<u32>,
     container: Option<SameContainer>,
+    /// A process not described yet: its own set until it is (tgid and
+    /// start time).
+    pending: Option<(u32, u64)>,
+}
+
+/// A label set made before its process was described, filled in when the
+/// description comes.
+#[derive(Debug, Clone)]
+struct PendingSet {
+    index: u32,
+    tgid: u32,
+    started: u64,
+    cgroup_id: u64,
+    has_user: bool,
+    /// What the process exec'd, as the mapping feed saw it when the sample
+    /// came: its exe if the link cannot be read, even once its exit has
+    /// made the cache forget it.
+    learned_exe: Option<Arc<str>>,
 }
 
 /// Container labels compared by address, so that hashing a label key does
@@ -430,6 +474,8 @@ struct Builder {
     hasher: foldhash::fast::RandomState,
     label_sets: Vec<LabelValues>,
     label_index: HashMap<LabelKey, u32>,
+    /// Label sets whose process was not described yet.
+    pending_sets: Vec<PendingSet>,
     /// In the order the pairs first appeared, as the batch lists them.
     samples: Vec<IntervalSample>,
     /// Index into `samples` by (stack, label set, divisor).
@@ -457,6 +503,7 @@ impl Builder {
             hasher: foldhash::fast::RandomState::default(),
             label_sets: Vec::new(),
             label_index: HashMap::new(),
+            pending_sets: Vec::new(),
             samples: Vec::new(),
             sample_index: HashMap::new(),
             truncated_stack: None,
@@ -697,8 +744,8 @@ impl Aggregator {
     pub fn starting_at(config: AggregatorConfig, start: SystemTime) -> Self {
         Self {
             node: config.node_name.as_str().into(),
-            exes: ExeCache::new(&config.proc_root, MAX_CACHED_EXES),
-            containers: ContainerIndex::new(&config.proc_root, config.runtime_names()),
+            exes: ExeCache::new(MAX_CACHED_EXES),
+            containers: ContainerIndex::default(),
             jit_names: PerfMaps::new(&config.proc_root),
             config,
             current: Builder::new(start),
@@ -706,6 +753,8 @@ impl Aggregator {
             stats: AggregateStats::default(),
             stack: Vec::with_capacity(2 * stackscope_unwind::DEFAULT_MAX_DEPTH),
             label_epoch: 0,
+            wanted: Vec::new(),
+            asked: HashMap::new(),
         }
     }
 
@@ -716,11 +765,13 @@ impl Aggregator {
         }
     }
 
-    /// The process replaced its image: its exe is read again, or if it is
-    /// gone by then, taken from `exe` (what the mapping feed saw it map).
+    /// The process replaced its image: it is described again, and if it
+    /// is gone by then, its exe taken from `exe` (what the mapping feed saw
+    /// it map).
     pub fn on_exec(&mut self, tgid: u32, exe: Option<&Path>) {
         self.label_epoch += 1;
         self.exes.forget(tgid);
+        self.asked.remove(&tgid);
         if let Some(exe) = exe {
             self.exes.set_learned(tgid, exe);
         }
@@ -730,6 +781,7 @@ impl Aggregator {
     pub fn on_exit(&mut self, tgid: u32) {
         self.label_epoch += 1;
         self.exes.forget(tgid);
+        self.asked.remove(&tgid);
         self.containers.forget(tgid);
         self.jit_names.forget(tgid);
     }
@@ -739,8 +791,110 @@ impl Aggregator {
     pub fn forget_all_processes(&mut self) {
         self.label_epoch += 1;
         self.exes.forget_all();
+        self.asked.clear();
         self.containers.forget_all();
         self.jit_names.forget_all();
+    }
+
+    /// The processes to describe since the last call: met without a
+    /// description (or due for another, while a container name is
+    /// missing). Their answers go to [`Aggregator::describe`].
+    pub fn take_wanted(&mut self) -> Vec<Wanted> {
+        std::mem::take(&mut self.wanted)
+    }
+
+    /// Takes the descriptions of processes wanted, and fills in the label
+    /// sets of this interval made before they came.
+    pub fn describe(&mut self, descriptions: Vec<Description>) {
+        let choice = self.config.labels;
+        for description in descriptions {
+            let Wanted {
+                tgid,
+                started,
+                cgroup_id,
+            } = description.process;
+            if self.asked.get(&tgid).is_some_and(|&(at, _)| at == started) {
+                self.asked.remove(&tgid);
+            }
+            if choice.exe {
+                self.exes.insert(tgid, started, description.exe);
+            }
+            if choice.any_container() {
+                self.containers
+                    .describe(tgid, cgroup_id, description.placement);
+            }
+        }
+        let mut pending = std::mem::take(&mut self.current.pending_sets);
+        pending.retain(|set| !self.fill_in(set));
+        self.current.pending_sets = pending;
+    }
+
+    /// Whether label sets of this interval wait for a description.
+    pub fn has_pending_labels(&self) -> bool {
+        !self.current.pending_sets.is_empty()
+    }
+
+    /// Describes the processes wanted now, on this thread: for tests and
+    /// tools that aggregate without the agent's metadata worker.
+    pub fn describe_wanted(&mut self, describer: &mut Describer) {
+        let descriptions = self
+            .take_wanted()
+            .into_iter()
+            .map(|wanted| describer.describe(wanted))
+            .collect();
+        self.describe(descriptions);
+    }
+
+    /// Writes the labels of a pending set, if its process is described now.
+    fn fill_in(&mut self, set: &PendingSet) -> bool {
+        let choice = self.config.labels;
+        let exe = match set.has_user && choice.exe {
+            true => self
+                .exes
+                .get(set.tgid, set.started)
+                .map(|exe| match &set.learned_exe {
+                    Some(learned) if exe.is_empty() => Arc::clone(learned),
+                    _ => exe,
+                }),
+            false => Some(self.exes.empty()),
+        };
+        let container = match choice.any_container() {
+            true => self
+                .containers
+                .placed(set.tgid, set.cgroup_id)
+                .map(|placed| placed.labels),
+            false => Some(None),
+        };
+        let (Some(exe), Some(container)) = (exe, container) else {
+            return false;
+        };
+        if let Some(values) = self.current.label_sets.get_mut(set.index as usize) {
+            values.exe = exe;
+            values.container = container;
+        }
+        true
+    }
+
+    /// Asks for a description of the sample's process, unless one is
+    /// awaited already.
+    fn want(&mut self, header: &SampleHeader) {
+        let now = Instant::now();
+        if let Some(&(started, at)) = self.asked.get(&header.tgid)
+            && started == header.process_start_ns
+            && now < at + ASK_AGAIN
+        {
+            return;
+        }
+        if self.asked.len() >= MAX_ASKED {
+            self.asked.clear();
+        }
+        self.asked
+            .insert(header.tgid, (header.process_start_ns, now));
+        self.wanted.push(Wanted {
+            tgid: header.tgid,
+            started: header.process_start_ns,
+            cgroup_id: header.cgroup_id,
+        });
     }
 
     /// Every process labels, exes or perf maps are kept for.
@@ -868,20 +1022,39 @@ impl Aggregator {
             return Some(index);
         }
         let choice = self.config.labels;
+        // Not described yet: a set of its own, filled in when it is.
+        let mut pending = false;
         let exe = match has_user {
-            true if choice.exe => self.exes.get(header.tgid, header.process_start_ns),
+            true if choice.exe => self
+                .exes
+                .get(header.tgid, header.process_start_ns)
+                .unwrap_or_else(|| {
+                    pending = true;
+                    self.exes.empty()
+                }),
             _ => self.exes.empty(),
         };
         let mut settled = !(has_user && choice.exe && exe.is_empty());
+        let mut describe_again = false;
         let container = if choice.any_container() {
-            let (labels, labels_settled) = self
-                .containers
-                .settled_labels(header.tgid, header.cgroup_id);
-            settled &= labels_settled;
-            labels.map(SameContainer)
+            match self.containers.placed(header.tgid, header.cgroup_id) {
+                Some(placed) => {
+                    settled &= placed.settled;
+                    describe_again = placed.describe_again;
+                    placed.labels.map(SameContainer)
+                }
+                None => {
+                    pending = true;
+                    None
+                }
+            }
         } else {
             None
         };
+        if pending || describe_again {
+            self.want(header);
+        }
+        settled &= !pending;
         let key = LabelKey {
             comm: if choice.comm {
                 header.comm
@@ -891,6 +1064,7 @@ impl Aggregator {
             exe,
             pid: choice.pid.then_some(header.tgid),
             container,
+            pending: pending.then_some((header.tgid, header.process_start_ns)),
         };
         probes::count(Probe::Derived);
         let index = match self.current.label_index.get(&key) {
@@ -903,6 +1077,16 @@ impl Aggregator {
                     pid: key.pid,
                     container: key.container.as_ref().map(|c| Arc::clone(&c.0)),
                 });
+                if pending {
+                    self.current.pending_sets.push(PendingSet {
+                        index,
+                        tgid: header.tgid,
+                        started: header.process_start_ns,
+                        cgroup_id: header.cgroup_id,
+                        has_user,
+                        learned_exe: self.exes.learned(header.tgid),
+                    });
+                }
                 self.current.label_index.insert(key, index);
                 index
             }

@@ -7,11 +7,12 @@
 //!
 //! - [`sampling`]: drains the ring buffer, walks, aggregates, ends
 //!   intervals; never waits for the network or another thread (what it
-//!   still reads, on a process's first samples: the exe link, the cgroup
-//!   file, the container runtime's record, a perf map, `/proc/<pid>/maps`
-//!   and ELF headers the mapping feed did not supply);
-//! - [`metadata`]: the cgroup tree and `/proc` reads the selection and the
-//!   process sweep need;
+//!   still reads, on a process's first samples: a perf map, the mapped
+//!   files an interval opens for naming, `/proc/<pid>/maps` and ELF
+//!   headers the mapping feed did not supply);
+//! - [`metadata`]: the reads that describe a process for its labels (exe
+//!   link, cgroup, container runtime's record), and the cgroup tree and
+//!   `/proc` reads the selection and the process sweep need;
 //! - the batch worker ([`crate::aggregate::BatchWorker`]): names frames,
 //!   builds each batch and hands it to the sink (the exporter's queue).
 
@@ -270,14 +271,16 @@ pub async fn run(
         None => None,
     };
     let resolver = Resolver::new(config.selection.clone(), pods.is_some())?;
-    let mut selection_names = config.aggregation.runtime_names();
+    // Names containers for the selection and the labels, on the metadata
+    // worker once it runs.
+    let mut describer = config.aggregation.describer();
     let mut sampler_config = config.sampler.clone();
     sampler_config.filter_cgroups |= config.selection.filters();
     sampler_config.cgroup_budgets |= !config.selection.budgets.is_empty();
     if sampler_config.filter_cgroups || sampler_config.cgroup_budgets {
         sampler_config
             .cgroup_policies
-            .extend(resolver.policies(latest_pods.as_deref(), &mut selection_names)?);
+            .extend(resolver.policies(latest_pods.as_deref(), describer.runtime_names())?);
     }
     let refresh_selection = resolver.config().changes();
 
@@ -288,7 +291,7 @@ pub async fn run(
     let (commands, commands_rx) = mpsc::channel(sampling::COMMAND_QUEUE);
     let metadata = metadata::start(
         resolver,
-        selection_names,
+        describer,
         config.aggregation.proc_root.clone(),
         commands.clone(),
         Arc::clone(&handoffs),

@@ -1,14 +1,11 @@
 //! The `exe` label: each process's executable, as the process sees it (a
-//! container's process shows the path inside the container), read from
-//! `/proc/<pid>/exe` once per process, or taken from what its exec mapped
-//! once the link is gone; forgotten on exec and exit, bounded.
+//! container's process shows the path inside the container). Read from
+//! `/proc/<pid>/exe` once per process by [`read_exe`] (on the metadata
+//! worker, see [`crate::describe`]), or taken from what its exec mapped
+//! once the link is gone; kept in [`ExeCache`], which never reads itself;
+//! forgotten on exec and exit, bounded.
 
-use std::{
-    collections::HashMap,
-    os::unix::ffi::OsStrExt as _,
-    path::{Path, PathBuf},
-    sync::Arc,
-};
+use std::{collections::HashMap, os::unix::ffi::OsStrExt as _, path::Path, sync::Arc};
 
 use stackscope_telemetry::{
     StateSize,
@@ -22,65 +19,72 @@ pub const MAX_CACHED_EXES: usize = 65_536;
 /// What the kernel appends to the link of an unlinked file.
 const DELETED_SUFFIX: &[u8] = b" (deleted)";
 
-/// The executable of each process, as the process sees it (a container's
-/// process shows the path inside the container).
+/// The executable of process `tgid` under `proc_root`; `None` when its
+/// link cannot be read (the process exited).
+pub fn read_exe(proc_root: &Path, tgid: u32) -> Option<Arc<str>> {
+    let path = std::fs::read_link(proc_root.join(tgid.to_string()).join("exe")).ok()?;
+    let bytes = path.as_os_str().as_bytes();
+    let bytes = bytes.strip_suffix(DELETED_SUFFIX).unwrap_or(bytes);
+    Some(String::from_utf8_lossy(bytes).into())
+}
+
+/// The executable of each process described so far, as the process sees
+/// it.
 #[derive(Debug)]
 pub struct ExeCache {
-    proc_root: PathBuf,
-    /// Exe by tgid, with the start time of the process it was read for.
-    by_tgid: HashMap<u32, (u64, Arc<str>)>,
+    /// Exe by tgid, with the start time of the process it was read for:
+    /// `None` when its link could not be read.
+    by_tgid: HashMap<u32, (u64, Option<Arc<str>>)>,
     /// Exe by tgid as learned from the process's exec, for when its link
     /// can no longer be read (it exited).
     learned: HashMap<u32, Arc<str>>,
     capacity: usize,
     empty: Arc<str>,
-    /// `readlink` calls made (cache misses).
-    pub reads: u64,
 }
 
 impl ExeCache {
-    pub fn new(proc_root: &Path, capacity: usize) -> Self {
+    pub fn new(capacity: usize) -> Self {
         Self {
-            proc_root: proc_root.to_path_buf(),
             by_tgid: HashMap::new(),
             learned: HashMap::new(),
             capacity: capacity.max(1),
             empty: "".into(),
-            reads: 0,
         }
     }
 
-    /// The exe path of `tgid`; empty when it cannot be read (the process
-    /// exited). Failures are not cached: a sample delivered late, after its
-    /// process exited, must not leave an empty exe for a later process
-    /// that gets the same pid by `fork` alone (no exec event forgets it).
-    /// `started` is the process's start time (0: unknown); an entry made
-    /// for another process with the same pid is read again.
-    pub fn get(&mut self, tgid: u32, started: u64) -> Arc<str> {
+    /// The exe path of `tgid`, started at `started` (0: unknown); empty
+    /// when its link could not be read and its exec was not seen. `None`
+    /// when the process was not described yet (or an entry was made for
+    /// another process with the same pid).
+    pub fn get(&self, tgid: u32, started: u64) -> Option<Arc<str>> {
         probes::count(Probe::Process);
-        if let Some((at, exe)) = self.by_tgid.get(&tgid)
-            && *at == started
-        {
-            return Arc::clone(exe);
+        let (at, exe) = self.by_tgid.get(&tgid)?;
+        if *at != started {
+            return None;
         }
-        if self.by_tgid.len() >= self.capacity {
-            // Starting over costs one readlink per live process; tracking
-            // recency would cost on every sample.
-            self.by_tgid.clear();
-        }
-        self.reads += 1;
-        let link = self.proc_root.join(tgid.to_string()).join("exe");
-        let Ok(path) = std::fs::read_link(link) else {
-            return self
+        Some(match exe {
+            Some(exe) => Arc::clone(exe),
+            None => self
                 .learned
                 .get(&tgid)
-                .map_or_else(|| Arc::clone(&self.empty), Arc::clone);
-        };
-        let bytes = path.as_os_str().as_bytes();
-        let bytes = bytes.strip_suffix(DELETED_SUFFIX).unwrap_or(bytes);
-        let exe: Arc<str> = String::from_utf8_lossy(bytes).into();
-        self.by_tgid.insert(tgid, (started, Arc::clone(&exe)));
-        exe
+                .map_or_else(|| Arc::clone(&self.empty), Arc::clone),
+        })
+    }
+
+    /// What [`read_exe`] found for `tgid` started at `started`. A link that
+    /// could not be read is remembered only for a known start time: a
+    /// later process with the same pid (by `fork` alone, which no exec
+    /// record announces) has another one, and is described anew.
+    pub fn insert(&mut self, tgid: u32, started: u64, exe: Option<Arc<str>>) {
+        if exe.is_none() && started == 0 {
+            return;
+        }
+        if self.by_tgid.len() >= self.capacity {
+            // Starting over costs one description per live process;
+            // tracking recency would cost on every sample.
+            self.by_tgid.clear();
+        }
+        self.by_tgid.insert(tgid, (started, exe));
     }
 
     /// The empty exe (kernel threads, exe not labelled), shared rather than
@@ -98,6 +102,11 @@ impl ExeCache {
         let bytes = exe.as_os_str().as_bytes();
         self.learned
             .insert(tgid, String::from_utf8_lossy(bytes).into());
+    }
+
+    /// What `tgid` exec'd, if the mapping feed saw it.
+    pub fn learned(&self, tgid: u32) -> Option<Arc<str>> {
+        self.learned.get(&tgid).cloned()
     }
 
     /// Forgets `tgid` (it called exec, or exited).
@@ -140,64 +149,68 @@ mod tests {
     use super::*;
 
     #[test]
-    fn reads_exe_links_caches_them_and_forgets_on_request() {
+    fn reads_exe_links_without_the_deleted_suffix() {
         let proc = tempfile::tempdir().expect("temporary directory");
         let pid_dir = proc.path().join("42");
         std::fs::create_dir(&pid_dir).expect("pid directory");
         std::os::unix::fs::symlink("/usr/bin/redis-server (deleted)", pid_dir.join("exe"))
             .expect("exe link");
-        let mut cache = ExeCache::new(proc.path(), 8);
-        assert_eq!(&*cache.get(42, 1), "/usr/bin/redis-server");
-        assert_eq!(&*cache.get(43, 1), "", "no such process");
-        // Replaced behind the cache's back: still the cached answer.
-        std::fs::remove_file(pid_dir.join("exe")).expect("removing the link");
-        std::os::unix::fs::symlink("/bin/sh", pid_dir.join("exe")).expect("exe link");
-        assert_eq!(&*cache.get(42, 1), "/usr/bin/redis-server");
-        assert_eq!(cache.reads, 2);
-        // exec: read again.
+        assert_eq!(
+            read_exe(proc.path(), 42).as_deref(),
+            Some("/usr/bin/redis-server")
+        );
+        assert_eq!(read_exe(proc.path(), 43), None, "no such process");
+    }
+
+    #[test]
+    fn caches_exes_by_process_and_forgets_on_request() {
+        let mut cache = ExeCache::new(8);
+        assert_eq!(cache.get(42, 1), None, "not described yet");
+        cache.insert(42, 1, Some("/usr/bin/redis-server".into()));
+        assert_eq!(cache.get(42, 1).as_deref(), Some("/usr/bin/redis-server"));
+        // Another process with the same pid (its exit record was lost).
+        assert_eq!(cache.get(42, 2), None);
+        // exec: described again.
         cache.forget(42);
-        assert_eq!(&*cache.get(42, 1), "/bin/sh");
-        assert_eq!(cache.reads, 3);
-        // Another process with the same pid (its exit record was lost):
-        // read again.
-        std::fs::remove_file(pid_dir.join("exe")).expect("removing the link");
-        std::os::unix::fs::symlink("/bin/other", pid_dir.join("exe")).expect("exe link");
-        assert_eq!(&*cache.get(42, 2), "/bin/other");
-        assert_eq!(cache.reads, 4);
-        // A missing process is not remembered as empty.
-        std::fs::create_dir(proc.path().join("43")).expect("pid directory");
-        std::os::unix::fs::symlink("/usr/bin/forked", proc.path().join("43/exe"))
-            .expect("exe link");
-        assert_eq!(&*cache.get(43, 1), "/usr/bin/forked");
+        assert_eq!(cache.get(42, 1), None);
+        // A link that could not be read: empty, for this process only.
+        cache.insert(43, 1, None);
+        assert_eq!(cache.get(43, 1).as_deref(), Some(""));
+        assert_eq!(cache.get(43, 2), None);
+        // Without a start time, a failure is not remembered: the pid may
+        // belong to a forked process next.
+        cache.insert(44, 0, None);
+        assert_eq!(cache.get(44, 0), None);
     }
 
     #[test]
     fn a_learned_exe_stands_in_once_the_link_is_gone() {
-        let proc = tempfile::tempdir().expect("temporary directory");
-        let mut cache = ExeCache::new(proc.path(), 4);
+        let mut cache = ExeCache::new(4);
         // Process 50 exec'd and exited before its link was read.
         cache.set_learned(50, Path::new("/usr/bin/sort"));
-        assert_eq!(&*cache.get(50, 1), "/usr/bin/sort");
+        cache.insert(50, 1, None);
+        assert_eq!(cache.get(50, 1).as_deref(), Some("/usr/bin/sort"));
         // A live link wins over what was learned.
-        let dir = proc.path().join("51");
-        std::fs::create_dir(&dir).expect("pid directory");
-        std::os::unix::fs::symlink("/usr/bin/uniq", dir.join("exe")).expect("exe link");
         cache.set_learned(51, Path::new("/usr/bin/stale"));
-        assert_eq!(&*cache.get(51, 1), "/usr/bin/uniq");
+        cache.insert(51, 1, Some("/usr/bin/uniq".into()));
+        assert_eq!(cache.get(51, 1).as_deref(), Some("/usr/bin/uniq"));
         cache.forget(50);
-        assert_eq!(&*cache.get(50, 1), "");
+        cache.insert(50, 1, None);
+        assert_eq!(cache.get(50, 1).as_deref(), Some(""));
     }
 
     #[test]
     fn the_cache_stays_within_its_capacity() {
-        let proc = tempfile::tempdir().expect("temporary directory");
-        let mut cache = ExeCache::new(proc.path(), 4);
+        let mut cache = ExeCache::new(4);
         for tgid in 0..100u32 {
-            let dir = proc.path().join(tgid.to_string());
-            std::fs::create_dir(&dir).expect("pid directory");
-            std::os::unix::fs::symlink(format!("/bin/p{tgid}"), dir.join("exe")).expect("exe link");
-            assert_eq!(&*cache.get(tgid, 1), format!("/bin/p{tgid}"));
+            cache.insert(tgid, 1, Some(format!("/bin/p{tgid}").into()));
+            assert_eq!(
+                cache.get(tgid, 1).as_deref(),
+                Some(&*format!("/bin/p{tgid}"))
+            );
             assert!(!cache.is_empty() && cache.len() <= 4);
+            cache.set_learned(tgid, Path::new("/bin/learned"));
+            assert!(cache.state_size().entries.is_some_and(|n| n <= 8));
         }
     }
 }

@@ -1,6 +1,6 @@
-//! What the agent reads about a sampled process beyond its sample header:
+//! What the agent knows about a sampled process beyond its sample header:
 //! its executable ([`exe`]), which container it runs in and what that is
-//! called.
+//! called, read by [`describe`] on a thread that may wait on files.
 //!
 //! Owns the per-process container identity ([`ContainerIndex`]): the cgroup
 //! path of `/proc/<pid>/cgroup`, read once per process (again when a sample
@@ -24,6 +24,7 @@
 
 pub mod cgroups;
 pub mod container;
+pub mod describe;
 pub mod exe;
 pub mod kubelet;
 pub mod pod_watch;
@@ -33,16 +34,17 @@ pub mod selection;
 
 use std::{
     collections::HashMap,
-    path::{Path, PathBuf},
     sync::Arc,
     time::{Duration, Instant},
 };
 
-use crate::container::ContainerIdentity;
+use crate::{
+    container::ContainerIdentity,
+    describe::Placement,
+    provider::{ContainerNames, NameProvider as _},
+};
 
 use kubelet::PodList;
-use provider::NameProvider as _;
-use runtime_names::RuntimeNames;
 
 use stackscope_telemetry::StateSize;
 
@@ -68,38 +70,53 @@ impl ContainerLabels {
 /// Processes whose container is remembered before the index starts over.
 pub const MAX_PROCESSES: usize = 65_536;
 
-/// How often labels still missing a name are looked up again for a
-/// process: the runtime writes its state, and the kubelet lists a pod, a
-/// little after the container's first process starts.
+/// How often a process whose labels still miss a name (or whose cgroup
+/// could not be read) is described again: the runtime writes its state,
+/// and the kubelet lists a pod, a little after the container's first
+/// process starts.
 const INCOMPLETE_RETRY: Duration = Duration::from_secs(1);
 
 #[derive(Debug)]
 struct ProcessEntry {
     cgroup_id: u64,
+    /// `None`: a host process, or one whose cgroup could not be read.
     identity: Option<ContainerIdentity>,
+    /// Its cgroup could not be read: it is described again every
+    /// [`INCOMPLETE_RETRY`].
+    unread: bool,
+    /// What the runtime called the container when the process was
+    /// described.
+    runtime_names: Option<ContainerNames>,
     labels: Option<Arc<ContainerLabels>>,
     /// The pod list generation the labels were made with.
     generation: u64,
-    /// When incomplete labels may be looked up again.
+    /// When a process whose labels are incomplete is described again.
     retry_at: Option<Instant>,
 }
 
+/// A process's container labels as the index knows them.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Placed {
+    /// `None` for a host process.
+    pub labels: Option<Arc<ContainerLabels>>,
+    /// They will not change while the process stays in this cgroup and
+    /// the pod list stays the same (false while a name is missing, or the
+    /// process's cgroup could not be read).
+    pub settled: bool,
+    /// Time to describe the process again (once per [`INCOMPLETE_RETRY`]).
+    pub describe_again: bool,
+}
+
 /// See the module documentation.
-#[derive(Debug)]
+#[derive(Debug, Default)]
 pub struct ContainerIndex {
-    proc_root: PathBuf,
     by_tgid: HashMap<u32, ProcessEntry>,
     /// Labels by container id, shared by the container's processes (for
     /// the current pod list generation).
     by_container: HashMap<String, Arc<ContainerLabels>>,
-    names: RuntimeNames,
     pods: Option<Arc<PodList>>,
     generation: u64,
     unknown_pod_seen: bool,
-    /// `/proc/<pid>/cgroup` reads (cache misses).
-    pub reads: u64,
-    /// The cgroup2 mount, found on first use (`None` inside: there is none).
-    cgroup_mount: Option<Option<PathBuf>>,
 }
 
 impl ContainerIndex {
@@ -121,106 +138,101 @@ impl ContainerIndex {
         ));
     }
 
-    pub fn new(proc_root: &Path, names: RuntimeNames) -> Self {
-        Self {
-            proc_root: proc_root.to_path_buf(),
-            by_tgid: HashMap::new(),
-            by_container: HashMap::new(),
-            names,
-            pods: None,
-            generation: 0,
-            unknown_pod_seen: false,
-            reads: 0,
-            cgroup_mount: None,
-        }
-    }
-
-    /// The path of cgroup `id` (a process's, once the process is gone).
-    fn path_of_cgroup(&mut self, id: u64) -> Option<String> {
-        let mount = self
-            .cgroup_mount
-            .get_or_insert_with(|| crate::cgroups::cgroup2_mount().ok())
-            .as_deref()?;
-        crate::cgroups::path_of_id(mount, id).ok()
-    }
-
-    /// The container of process `tgid`, seen in cgroup `cgroup_id`; `None`
-    /// for host processes. A process already gone is placed by its cgroup,
-    /// while that is still there.
-    pub fn labels(&mut self, tgid: u32, cgroup_id: u64) -> Option<Arc<ContainerLabels>> {
-        self.settled_labels(tgid, cgroup_id).0
-    }
-
-    /// [`Self::labels`], and whether they are settled: they will not
-    /// change while the process stays in this cgroup and the pod list stays
-    /// the same (false while a name is missing, or the process's cgroup
-    /// could not be read: both are looked up again).
-    pub fn settled_labels(
-        &mut self,
-        tgid: u32,
-        cgroup_id: u64,
-    ) -> (Option<Arc<ContainerLabels>>, bool) {
-        // The clock is read only for labels still missing a name: this
-        // runs for every sample.
+    /// The container labels of process `tgid`, seen in cgroup `cgroup_id`;
+    /// `None` until the process is described in that cgroup
+    /// ([`Self::describe`]).
+    pub fn placed(&mut self, tgid: u32, cgroup_id: u64) -> Option<Placed> {
         probes::count(Probe::Process);
-        if let Some(entry) = self.by_tgid.get(&tgid)
-            && entry.cgroup_id == cgroup_id
-            && entry.generation == self.generation
-            && entry.retry_at.is_none_or(|at| Instant::now() < at)
-        {
-            return (entry.labels.clone(), entry.retry_at.is_none());
+        let entry = self.by_tgid.get(&tgid)?;
+        if entry.cgroup_id != cgroup_id {
+            return None;
         }
-        let identity = match self.by_tgid.remove(&tgid) {
-            Some(entry) if entry.cgroup_id == cgroup_id => entry.identity,
-            _ => {
-                if self.by_tgid.len() >= MAX_PROCESSES {
-                    self.by_tgid.clear();
-                }
-                self.reads += 1;
-                // A process gone before its first sample was read is found
-                // by its cgroup, which its container outlives it in.
-                let path = match container::read_cgroup_path(&self.proc_root, tgid) {
-                    Ok(path) => path,
-                    Err(_) => match self.path_of_cgroup(cgroup_id) {
-                        Some(path) => path,
-                        None => return (None, false),
-                    },
-                };
-                container::identify(&path)
+        if entry.generation != self.generation {
+            // A newer pod list: the labels are made again from it.
+            let (identity, names) = (entry.identity.clone(), entry.runtime_names.clone());
+            let (labels, retry_at) = self.labels_with_retry(identity.as_ref(), names);
+            let entry = self.by_tgid.get_mut(&tgid)?;
+            entry.labels = labels;
+            if !entry.unread {
+                entry.retry_at = retry_at;
             }
+            entry.generation = self.generation;
+        }
+        let entry = self.by_tgid.get_mut(&tgid)?;
+        // The clock is read only for labels still missing a name: this
+        // runs for every sample a thread's remembered labels do not cover.
+        let describe_again = entry.retry_at.is_some_and(|at| Instant::now() >= at);
+        if describe_again {
+            entry.retry_at = Some(Instant::now() + INCOMPLETE_RETRY);
+        }
+        Some(Placed {
+            labels: entry.labels.clone(),
+            settled: entry.retry_at.is_none(),
+            describe_again,
+        })
+    }
+
+    /// Takes what a description of `tgid` (in cgroup `cgroup_id`) found.
+    pub fn describe(&mut self, tgid: u32, cgroup_id: u64, placement: Placement) {
+        if self.by_tgid.len() >= MAX_PROCESSES && !self.by_tgid.contains_key(&tgid) {
+            self.by_tgid.clear();
+        }
+        let (identity, runtime_names, unread) = match placement {
+            Placement::Unknown => (None, None, true),
+            Placement::Host => (None, None, false),
+            Placement::Container {
+                identity,
+                runtime_names,
+            } => (Some(identity), runtime_names, false),
         };
-        let labels = identity.as_ref().map(|identity| self.labels_of(identity));
-        let retry_at = match (&identity, &labels) {
-            (Some(identity), Some(labels)) if !labels.complete(identity.pod_uid.is_some()) => {
-                Some(Instant::now() + INCOMPLETE_RETRY)
-            }
-            _ => None,
-        };
+        let (labels, retry_at) = self.labels_with_retry(identity.as_ref(), runtime_names.clone());
+        let retry_at = retry_at.or(unread.then(|| Instant::now() + INCOMPLETE_RETRY));
         self.by_tgid.insert(
             tgid,
             ProcessEntry {
                 cgroup_id,
                 identity,
-                labels: labels.clone(),
+                unread,
+                runtime_names,
+                labels,
                 generation: self.generation,
                 retry_at,
             },
         );
-        (labels, retry_at.is_none())
+    }
+
+    /// The labels of a container (if any), and when to describe its
+    /// process again if they are incomplete.
+    fn labels_with_retry(
+        &mut self,
+        identity: Option<&ContainerIdentity>,
+        runtime_names: Option<ContainerNames>,
+    ) -> (Option<Arc<ContainerLabels>>, Option<Instant>) {
+        let Some(identity) = identity else {
+            return (None, None);
+        };
+        let labels = self.labels_of(identity, runtime_names);
+        let retry_at = (!labels.complete(identity.pod_uid.is_some()))
+            .then(|| Instant::now() + INCOMPLETE_RETRY);
+        (Some(labels), retry_at)
     }
 
     /// The labels of a container: one `Arc` per container and content, so
     /// that label keys can compare them by address. Complete labels are
-    /// reused as they are; incomplete ones are looked up again (a name may
-    /// have appeared) and keep their `Arc` while nothing changed.
-    fn labels_of(&mut self, identity: &ContainerIdentity) -> Arc<ContainerLabels> {
+    /// reused as they are; incomplete ones are made again (a name may have
+    /// appeared) and keep their `Arc` while nothing changed.
+    fn labels_of(
+        &mut self,
+        identity: &ContainerIdentity,
+        runtime_names: Option<ContainerNames>,
+    ) -> Arc<ContainerLabels> {
         let in_pod = identity.pod_uid.is_some();
         if let Some(labels) = self.by_container.get(&identity.container_id)
             && labels.complete(in_pod)
         {
             return Arc::clone(labels);
         }
-        let labels = self.look_up(identity);
+        let labels = self.look_up(identity, runtime_names);
         if let Some(known) = self.by_container.get(&identity.container_id)
             && **known == labels
         {
@@ -237,16 +249,19 @@ impl ContainerIndex {
 
     /// Names the container from its providers in order: the pod list
     /// (it also names pod and namespace, and is the only source for
-    /// containerd's and CRI-O's containers), else the runtime's state.
-    fn look_up(&mut self, identity: &ContainerIdentity) -> ContainerLabels {
+    /// containerd's and CRI-O's containers), else what the runtime's state
+    /// said when the process was described.
+    fn look_up(
+        &mut self,
+        identity: &ContainerIdentity,
+        runtime_names: Option<ContainerNames>,
+    ) -> ContainerLabels {
         let from_pods = self.pods.as_mut().and_then(|pods| pods.names(identity));
         if from_pods.is_none() && identity.pod_uid.is_some() {
             // A pod the list does not have yet: the agent fetches it again.
             self.unknown_pod_seen = true;
         }
-        let names = from_pods
-            .or_else(|| self.names.names(identity))
-            .unwrap_or_default();
+        let names = from_pods.or(runtime_names).unwrap_or_default();
         ContainerLabels {
             id: identity.container_id.as_str().into(),
             name: names.name,
@@ -292,6 +307,42 @@ impl ContainerIndex {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::{
+        describe::{Describer, Reads, Wanted},
+        runtime_names::RuntimeNames,
+    };
+    use std::path::{Path, PathBuf};
+
+    /// The index's labels of `tgid` in `cgroup_id`, describing the process
+    /// first (as the agent's metadata worker does) when the index asks for
+    /// it.
+    fn labels(
+        index: &mut ContainerIndex,
+        describer: &mut Describer,
+        tgid: u32,
+        cgroup_id: u64,
+    ) -> Option<Arc<ContainerLabels>> {
+        if let Some(placed) = index.placed(tgid, cgroup_id)
+            && !placed.describe_again
+        {
+            return placed.labels;
+        }
+        let description = describer.describe(Wanted {
+            tgid,
+            started: 1,
+            cgroup_id,
+        });
+        index.describe(tgid, cgroup_id, description.placement);
+        index.placed(tgid, cgroup_id).expect("described").labels
+    }
+
+    fn describer(proc: &Path, names: RuntimeNames) -> Describer {
+        let reads = Reads {
+            exe: false,
+            container: true,
+        };
+        Describer::new(proc, reads, names)
+    }
 
     const ID_A: &str = "f4abe5cb3cffbee1e3403a24413e5f2044e0c07bb1e09d0a61ea6e69e1266c77";
     const ID_B: &str = "0123456789abcdef0123456789abcdef0123456789abcdef0123456789abcdef";
@@ -333,24 +384,36 @@ mod tests {
         ]);
         let storage = podman_storage(&[(ID_A, "api")]);
         let names = RuntimeNames::new(storage.path().to_path_buf(), PathBuf::from("/nonexistent"));
-        let mut index = ContainerIndex::new(proc.path(), names);
-        let a = index.labels(10, 7).expect("process 10 is in a container");
+        let (mut index, mut describer) = (ContainerIndex::default(), describer(proc.path(), names));
+        assert_eq!(index.placed(10, 7), None, "not described yet");
+        let a = labels(&mut index, &mut describer, 10, 7).expect("process 10 is in a container");
         assert_eq!((&*a.id, &*a.name, &*a.pod), (ID_A, "api", ""));
-        let again = index.labels(11, 7).expect("process 11 too");
+        let again = labels(&mut index, &mut describer, 11, 7).expect("process 11 too");
         assert!(Arc::ptr_eq(&a, &again), "one labels value per container");
-        assert_eq!(index.labels(20, 1), None, "a host process");
-        assert_eq!(index.labels(99, 1), None, "a process already gone");
-        let reads = index.reads;
-        index.labels(10, 7);
-        assert_eq!(index.reads, reads, "cached per process");
-        // The process moved to another cgroup: read again.
+        assert_eq!(
+            labels(&mut index, &mut describer, 20, 1),
+            None,
+            "a host process"
+        );
+        assert_eq!(
+            labels(&mut index, &mut describer, 99, 1),
+            None,
+            "a process already gone"
+        );
+        let described = describer.described;
+        let placed = index.placed(10, 7).expect("described");
+        assert!(placed.settled && !placed.describe_again);
+        labels(&mut index, &mut describer, 10, 7);
+        assert_eq!(describer.described, described, "kept per process");
+        // The process moved to another cgroup: described again.
         std::fs::write(
             proc.path().join("10/cgroup"),
             "0::/system.slice/other.service\n",
         )
         .expect("cgroup file");
-        assert_eq!(index.labels(10, 8), None);
-        assert_eq!(index.reads, reads + 1);
+        assert_eq!(index.placed(10, 8), None);
+        assert_eq!(labels(&mut index, &mut describer, 10, 8), None);
+        assert_eq!(describer.described, described + 1);
     }
 
     #[test]
@@ -362,9 +425,9 @@ mod tests {
         ]);
         let storage = podman_storage(&[(ID_A, "api"), (ID_B, "db")]);
         let names = RuntimeNames::new(storage.path().to_path_buf(), PathBuf::from("/nonexistent"));
-        let mut index = ContainerIndex::new(proc.path(), names);
+        let (mut index, mut describer) = (ContainerIndex::default(), describer(proc.path(), names));
         for tgid in [10, 11, 20] {
-            index.labels(tgid, 7).expect("a container process");
+            labels(&mut index, &mut describer, tgid, 7).expect("a container process");
         }
         let containers = |index: &ContainerIndex| {
             let mut sizes = Vec::new();
@@ -382,7 +445,7 @@ mod tests {
         index.forget_empty_containers();
         assert_eq!(containers(&index), 1, "only A has a process left");
         // Labels an interval still holds are kept until it lets go.
-        let held = index.labels(11, 7).expect("A's labels");
+        let held = labels(&mut index, &mut describer, 11, 7).expect("A's labels");
         index.forget(11);
         index.forget_empty_containers();
         assert_eq!(containers(&index), 1, "A's labels are still held");
@@ -404,15 +467,16 @@ mod tests {
         // No /proc entry for pid 40: it exited before its sample was read.
         let proc = proc_with(&[]);
         let names = RuntimeNames::new(PathBuf::from("/nonexistent"), PathBuf::from("/nonexistent"));
-        let mut index = ContainerIndex::new(proc.path(), names);
-        let labels = index.labels(40, id);
-        let host = index.labels(41, 1);
+        let (mut index, mut describer) = (ContainerIndex::default(), describer(proc.path(), names));
+        let gone = labels(&mut index, &mut describer, 40, id);
+        let host = labels(&mut index, &mut describer, 41, 1);
         std::fs::remove_dir(&scope).expect("removing cgroups");
         std::fs::remove_dir(&parent).expect("removing cgroups");
-        assert_eq!(labels.expect("labelled by its cgroup").id.as_ref(), ID_A);
+        assert_eq!(gone.expect("labelled by its cgroup").id.as_ref(), ID_A);
         assert_eq!(host, None, "the root cgroup is the host's");
-        // The cgroup is gone too: nothing to say.
-        assert_eq!(index.labels(42, id), None);
+        // The cgroup is gone too: nothing to say, and asked again later.
+        assert_eq!(labels(&mut index, &mut describer, 42, id), None);
+        assert!(!index.placed(42, id).expect("described").settled);
     }
 
     #[test]
@@ -423,10 +487,15 @@ mod tests {
         ]);
         // podman has not written the container's name (no state at all).
         let names = RuntimeNames::new(PathBuf::from("/nonexistent"), PathBuf::from("/nonexistent"));
-        let mut index = ContainerIndex::new(proc.path(), names);
-        let first = index.labels(10, 7).expect("a container");
+        let (mut index, mut describer) = (ContainerIndex::default(), describer(proc.path(), names));
+        let first = labels(&mut index, &mut describer, 10, 7).expect("a container");
         assert_eq!((&*first.id, &*first.name), (ID_A, ""));
-        let second = index.labels(11, 7).expect("a container");
+        let placed = index.placed(10, 7).expect("described");
+        assert!(
+            !placed.settled && !placed.describe_again,
+            "asked again in a second"
+        );
+        let second = labels(&mut index, &mut describer, 11, 7).expect("a container");
         assert!(
             Arc::ptr_eq(&first, &second),
             "label keys compare container labels by address: one value per container"
@@ -441,8 +510,8 @@ mod tests {
         );
         let proc = proc_with(&[(30, pod_path)]);
         let names = RuntimeNames::new(PathBuf::from("/nonexistent"), PathBuf::from("/nonexistent"));
-        let mut index = ContainerIndex::new(proc.path(), names);
-        let before = index.labels(30, 5).expect("a pod's container");
+        let (mut index, mut describer) = (ContainerIndex::default(), describer(proc.path(), names));
+        let before = labels(&mut index, &mut describer, 30, 5).expect("a pod's container");
         assert_eq!((&*before.id, &*before.pod), (ID_B, ""));
         assert!(index.take_unknown_pod_seen());
         assert!(!index.take_unknown_pod_seen(), "cleared by the call");
@@ -456,7 +525,16 @@ mod tests {
         )
         .expect("a pod list");
         index.set_pods(Arc::new(pods));
-        let after = index.labels(30, 5).expect("a pod's container");
+        let described = describer.described;
+        let after = index
+            .placed(30, 5)
+            .expect("still described")
+            .labels
+            .expect("a pod's container");
+        assert_eq!(
+            describer.described, described,
+            "named from the pod list alone"
+        );
         assert_eq!(
             (&*after.name, &*after.pod, &*after.namespace),
             ("nginx", "web-7d4b9", "shop")

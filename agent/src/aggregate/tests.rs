@@ -85,6 +85,19 @@ fn file(module: &Arc<ModuleFile>, file_offset: u64) -> FrameObject {
 }
 
 /// Adds one sample with user frames `objects` (innermost first).
+/// A walk of `objects` that reached the root.
+fn walk_of(objects: &[FrameObject]) -> Walk<'_> {
+    Walk {
+        frames: &ZERO_FRAMES[..objects.len()],
+        objects,
+        outcome: WalkOutcome::Ended(UnwindEnd::Outermost),
+        stitched: false,
+        space: None,
+    }
+}
+
+const ZERO_FRAMES: [u64; 16] = [0; 16];
+
 fn add(
     aggregator: &mut Aggregator,
     header: &SampleHeader,
@@ -99,7 +112,26 @@ fn add(
         stitched: false,
         space: None,
     };
-    aggregator.add(header, kernel, Some(&walk));
+    aggregator.add_described(header, kernel, Some(&walk));
+}
+
+/// Adding a sample as the agent does once its process is described: the
+/// metadata worker's answer taken first, as if it had come at once (the
+/// label sets made before an answer have their own test).
+trait AddDescribed {
+    fn add_described(&mut self, header: &SampleHeader, kernel: &[u64], user: Option<&Walk<'_>>);
+}
+
+impl AddDescribed for Aggregator {
+    fn add_described(&mut self, header: &SampleHeader, kernel: &[u64], user: Option<&Walk<'_>>) {
+        let description = self.config.describer().describe(Wanted {
+            tgid: header.tgid,
+            started: header.process_start_ns,
+            cgroup_id: header.cgroup_id,
+        });
+        self.describe(vec![description]);
+        self.add(header, kernel, user);
+    }
 }
 
 fn config() -> AggregatorConfig {
@@ -173,6 +205,82 @@ fn sums_identical_pairs_and_keeps_different_labels_apart() {
     assert!(next.samples.is_empty());
     assert_eq!(aggregator.stats().intervals, 2);
     assert_eq!(aggregator.stats().max_distinct, 2);
+}
+
+#[test]
+fn samples_before_their_process_is_described_get_its_labels_when_it_is() {
+    let (own, _) = module_files();
+    let mut aggregator = Aggregator::new(config());
+    let stack = [file(&own, 0x1_5678)];
+    let pid = std::process::id();
+    let sample = header(pid, "worker", true);
+    // Met for the first time: a set of its own, and one description asked
+    // for however many samples come before it.
+    aggregator.add(&sample, &[], Some(&walk_of(&stack)));
+    aggregator.add(&sample, &[], Some(&walk_of(&stack)));
+    assert!(aggregator.has_pending_labels());
+    let wanted = aggregator.take_wanted();
+    assert_eq!(
+        wanted,
+        [Wanted {
+            tgid: pid,
+            started: sample.process_start_ns,
+            cgroup_id: sample.cgroup_id,
+        }]
+    );
+    assert!(aggregator.take_wanted().is_empty(), "asked once");
+    // The metadata worker answers: the set is filled in.
+    let mut describer = aggregator.config.describer();
+    let descriptions = wanted.into_iter().map(|w| describer.describe(w)).collect();
+    aggregator.describe(descriptions);
+    assert!(!aggregator.has_pending_labels());
+    // Later samples get a set of their own, equal to the first one.
+    aggregator.add(&sample, &[], Some(&walk_of(&stack)));
+    assert!(aggregator.take_wanted().is_empty(), "described");
+
+    let interval = aggregator.finish_interval(SystemTime::now());
+    let exe = std::fs::read_link("/proc/self/exe").expect("own exe");
+    assert_eq!(interval.label_sets.len(), 2);
+    for labels in &interval.label_sets {
+        assert_eq!(&*labels.exe, exe.to_str().expect("UTF-8"));
+    }
+    // The batch holds one set with every sample.
+    let kallsyms = kallsyms();
+    let mut symbolizer = symbolizer(&kallsyms);
+    let batch = build_batch(&interval, &mut symbolizer, &BatchOptions::for_frequency(19));
+    assert_eq!(batch.label_sets.len(), 1);
+    let counts: Vec<u64> = batch.samples.iter().map(|s| s.count).collect();
+    assert_eq!(counts, [3]);
+}
+
+#[test]
+fn an_interval_ended_before_the_answer_ships_what_it_knows() {
+    let (own, _) = module_files();
+    let mut aggregator = Aggregator::new(config());
+    let stack = [file(&own, 0x1_5678)];
+    // A process that exited before it could be described: asked again
+    // after a while, not on every sample.
+    let gone = SampleHeader {
+        process_start_ns: 12_345,
+        ..header(u32::MAX - 1, "short", true)
+    };
+    aggregator.add(&gone, &[], Some(&walk_of(&stack)));
+    let wanted = aggregator.take_wanted();
+    assert_eq!(wanted.len(), 1);
+    let interval = aggregator.finish_interval(SystemTime::now());
+    assert_eq!(interval.label_sets.len(), 1);
+    assert_eq!(
+        &*interval.label_sets[0].exe, "",
+        "not known when the interval ended"
+    );
+    let mut describer = aggregator.config.describer();
+    let descriptions = wanted.into_iter().map(|w| describer.describe(w)).collect();
+    aggregator.describe(descriptions);
+    // Its link could not be read: the next sample's set says so and needs
+    // no other description.
+    aggregator.add(&gone, &[], Some(&walk_of(&stack)));
+    assert!(!aggregator.has_pending_labels());
+    assert!(aggregator.take_wanted().is_empty());
 }
 
 #[test]
@@ -250,8 +358,8 @@ fn stacks_are_kernel_then_user_frames_leaf_first() {
 #[test]
 fn kernel_threads_are_aggregated_without_exe_and_empty_samples_dropped() {
     let mut aggregator = Aggregator::new(config());
-    aggregator.add(&header(0, "kworker/0:1", false), &[KERNEL_LEAF], None);
-    aggregator.add(&header(0, "kworker/0:1", false), &[], None);
+    aggregator.add_described(&header(0, "kworker/0:1", false), &[KERNEL_LEAF], None);
+    aggregator.add_described(&header(0, "kworker/0:1", false), &[], None);
     let stats = aggregator.stats();
     assert_eq!((stats.samples, stats.kernel_only, stats.empty), (1, 1, 1));
     let interval = aggregator.finish_interval(SystemTime::now());
@@ -275,7 +383,7 @@ fn pid_label_only_when_asked() {
             ..config()
         });
         for pid in [100, 101] {
-            aggregator.add(&header(pid, "app", false), &[KERNEL_LEAF], None);
+            aggregator.add_described(&header(pid, "app", false), &[KERNEL_LEAF], None);
         }
         let interval = aggregator.finish_interval(SystemTime::now());
         let pids: Vec<Option<u32>> = interval.label_sets.iter().map(|l| l.pid).collect();
@@ -308,8 +416,8 @@ fn labels_not_chosen_are_neither_kept_apart_nor_shipped() {
         labels: LabelChoice::none(),
         ..config()
     });
-    aggregator.add(&header(100, "app", false), &[KERNEL_LEAF], None);
-    aggregator.add(&header(101, "other", false), &[KERNEL_LEAF], None);
+    aggregator.add_described(&header(100, "app", false), &[KERNEL_LEAF], None);
+    aggregator.add_described(&header(101, "other", false), &[KERNEL_LEAF], None);
     let interval = aggregator.finish_interval(SystemTime::now());
     assert_eq!(interval.label_sets.len(), 1, "{:?}", interval.label_sets);
     let batch = build_batch(&interval, &mut symbolizer, &BatchOptions::for_frequency(19));
@@ -333,9 +441,9 @@ fn samples_taken_under_a_budget_keep_their_divisor() {
         ..header(100, "app", false)
     };
     for _ in 0..3 {
-        aggregator.add(&budgeted, &[KERNEL_LEAF], None);
+        aggregator.add_described(&budgeted, &[KERNEL_LEAF], None);
     }
-    aggregator.add(&header(100, "app", false), &[KERNEL_LEAF], None);
+    aggregator.add_described(&header(100, "app", false), &[KERNEL_LEAF], None);
     let interval = aggregator.finish_interval(SystemTime::now());
     let batch = build_batch(&interval, &mut symbolizer, &BatchOptions::for_frequency(19));
     let mut counts: Vec<(u32, u64)> = batch
@@ -355,7 +463,7 @@ fn a_full_interval_truncates_known_labels_and_drops_new_ones() {
         ..config()
     });
     let kernel_only = |aggregator: &mut Aggregator, comm: &str, address: u64| {
-        aggregator.add(&header(0, comm, false), &[address], None);
+        aggregator.add_described(&header(0, comm, false), &[address], None);
     };
     kernel_only(&mut aggregator, "a", KERNEL_LEAF);
     kernel_only(&mut aggregator, "a", KERNEL_CALLER);
@@ -566,7 +674,7 @@ fn batches_have_deduplicated_dictionaries_and_indexes_in_range() {
             }
         }
     }
-    aggregator.add(&header(0, "kworker", false), &[KERNEL_CALLER], None);
+    aggregator.add_described(&header(0, "kworker", false), &[KERNEL_CALLER], None);
     let interval = aggregator.finish_interval(start + Duration::from_secs(10));
 
     let started = std::time::Instant::now();
@@ -802,7 +910,7 @@ fn add_walked(
         stitched: false,
         space,
     };
-    aggregator.add(header, kernel, Some(&walk));
+    aggregator.add_described(header, kernel, Some(&walk));
 }
 
 #[test]

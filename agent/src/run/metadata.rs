@@ -1,10 +1,11 @@
 //! The metadata worker: a thread for the reads that walk `/proc` and the
 //! cgroup tree, kept off the sampling thread (a slow filesystem must not
 //! delay a drain) and off the runtime (which exports and serves). It
-//! resolves the container selection into cgroup policies, with the
-//! container runtimes' names it keeps, and finds which of the processes
-//! the sampling thread tracks are gone. Its answers go to the sampling
-//! thread as [`Command`]s.
+//! describes the processes the sampling thread meets (their exe, cgroup
+//! and container names: what their labels are made of), resolves the
+//! container selection into cgroup policies, with the container runtimes'
+//! names it keeps, and finds which of the processes the sampling thread
+//! tracks are gone. Its answers go to the sampling thread as [`Command`]s.
 
 use std::{
     io,
@@ -20,7 +21,11 @@ use stackscope_sampler::mapping_feed::monotonic_ns;
 use tokio::sync::mpsc::Sender;
 
 use super::{Handoffs, sampling::Command};
-use stackscope_metadata::{kubelet::PodList, runtime_names::RuntimeNames, selection::Resolver};
+use stackscope_metadata::{
+    describe::{Describer, Wanted},
+    kubelet::PodList,
+    selection::Resolver,
+};
 
 /// What the worker is asked to do.
 #[derive(Debug)]
@@ -30,12 +35,16 @@ enum Job {
     Resolve(Option<Arc<PodList>>),
     /// Which of these processes have no `/proc` entry any more.
     FindGone(Vec<u32>),
+    /// What these processes' labels are made of.
+    Describe(Vec<Wanted>),
 }
 
-/// Room in the worker's queue: a job comes every few seconds. When it is
-/// full the worker is stuck on a slow read; the job that finds it full is
-/// dropped and counted, and the next selection tick or interval asks again.
-const JOB_QUEUE: usize = 8;
+/// Room in the worker's queue: selections and sweeps come every few
+/// seconds, descriptions at most once per drain (processes first met in
+/// it). When it is full the worker is stuck on a slow read; the job that
+/// finds it full is dropped and counted, and asked for again later (the
+/// next selection tick or interval; a description a second later).
+const JOB_QUEUE: usize = 64;
 
 /// A handle to ask the worker for work, from any thread.
 #[derive(Debug, Clone)]
@@ -59,6 +68,14 @@ impl MetadataJobs {
         }
     }
 
+    /// Asks for descriptions of `wanted`; they reach the sampling thread
+    /// when read.
+    pub fn describe(&self, wanted: Vec<Wanted>) {
+        if !wanted.is_empty() {
+            self.send(Job::Describe(wanted));
+        }
+    }
+
     fn send(&self, job: Job) {
         match self.jobs.try_send(job) {
             Ok(()) => {}
@@ -67,8 +84,10 @@ impl MetadataJobs {
                 // It panicked: selection refreshes and sweeps stop.
                 if !self.handoffs.metadata_lost.swap(true, Ordering::Relaxed) {
                     tracing::error!(
-                        "the metadata worker has stopped: the container selection and the \
-                         sweep of gone processes are no longer refreshed"
+                        "the metadata worker has stopped: new processes are no longer \
+                         described (their exe and container labels stay empty), and the \
+                         container selection and the sweep of gone processes are no longer \
+                         refreshed"
                     );
                 }
             }
@@ -81,7 +100,7 @@ impl MetadataJobs {
 /// hold the agent's exit).
 pub(super) fn start(
     resolver: Resolver,
-    mut names: RuntimeNames,
+    mut describer: Describer,
     proc_root: PathBuf,
     commands: Sender<Command>,
     handoffs: Arc<Handoffs>,
@@ -93,13 +112,15 @@ pub(super) fn start(
         .spawn(move || {
             for job in queued {
                 let answer = match job {
-                    Job::Resolve(pods) => match resolver.policies(pods.as_deref(), &mut names) {
-                        Ok(wanted) => Command::Policies(wanted),
-                        Err(err) => {
-                            tracing::warn!("resolving the container selection failed: {err}");
-                            continue;
+                    Job::Resolve(pods) => {
+                        match resolver.policies(pods.as_deref(), describer.runtime_names()) {
+                            Ok(wanted) => Command::Policies(wanted),
+                            Err(err) => {
+                                tracing::warn!("resolving the container selection failed: {err}");
+                                continue;
+                            }
                         }
-                    },
+                    }
                     Job::FindGone(tracked) => {
                         // Before the first look: a process that has a pid
                         // found gone started after this.
@@ -110,6 +131,12 @@ pub(super) fn start(
                         }
                         Command::Gone { tgids, checked_at }
                     }
+                    Job::Describe(wanted) => Command::Described(
+                        wanted
+                            .into_iter()
+                            .map(|process| describer.describe(process))
+                            .collect(),
+                    ),
                 };
                 answers.command(&commands, answer);
             }

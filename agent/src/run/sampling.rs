@@ -3,9 +3,10 @@
 //! aggregation interval and hands it to the batch worker. It owns all the
 //! state a sample touches (sampler, walker, aggregator, tally), so a sample
 //! waits for no lock and no other work: export, uploads, the kubelet and
-//! the HTTP endpoints run on the tokio runtime, and what walks `/proc` or
-//! the cgroup tree (the container selection, which processes are gone) runs
-//! on the metadata worker, whose answers come back here as [`Command`]s.
+//! the HTTP endpoints run on the tokio runtime, and what reads `/proc`, the
+//! cgroup tree or a container runtime's state (what a process's labels are
+//! made of, the container selection, which processes are gone) runs on the
+//! metadata worker, whose answers come back here as [`Command`]s.
 //!
 //! It talks to the others only through bounded queues: a message that finds
 //! its queue full is dropped and counted ([`Handoffs`]), never waited for.
@@ -34,7 +35,7 @@ use crate::{
     status::ReaderTotals,
     tally::ProcessTally,
 };
-use stackscope_metadata::kubelet::PodList;
+use stackscope_metadata::{describe::Description, kubelet::PodList};
 use stackscope_sampler::{
     Counters, Sampler, SamplerConfig, SamplerError, mapping_feed::MappingFeed, record::Record,
 };
@@ -51,6 +52,12 @@ pub(super) const COMMAND_QUEUE: usize = 64;
 /// Room in the queue of what the thread reports to the runtime.
 pub(super) const REPORT_QUEUE: usize = 16;
 
+/// How long the end of an interval waits for the descriptions of the
+/// processes first sampled in it, so that their label sets go out with
+/// their exe and container (a description takes a few reads on the
+/// metadata worker). Samples read meanwhile join the interval.
+const LABELS_WAIT: Duration = Duration::from_millis(500);
+
 /// What the runtime and the metadata worker ask of the sampling thread.
 #[derive(Debug)]
 pub(super) enum Command {
@@ -63,6 +70,8 @@ pub(super) enum Command {
     /// times): a process with one of these pids that started since is
     /// another one.
     Gone { tgids: Vec<u32>, checked_at: u64 },
+    /// What the processes the aggregator asked about are: their labels.
+    Described(Vec<Description>),
     /// The totals now, for the status line or the metrics.
     Totals(Purpose),
 }
@@ -232,22 +241,27 @@ async fn sample(
     // A late tick must not shift the boundaries.
     intervals.set_missed_tick_behavior(MissedTickBehavior::Skip);
 
+    let mut ending = IntervalEnd::default();
     let ended = loop {
+        let labels_deadline = ending.deadline().unwrap_or_else(Instant::now);
         let step = tokio::select! {
             ready = records_ready(&mut sampler, &mut records.feed) => ready
                 .map_err(RunError::Read)
-                .and_then(|()| drain(&mut records, &mut sampler, &reports, &handoffs)),
+                .and_then(|()| drain(&mut records, &mut sampler, &reports, &handoffs, &metadata)),
             _ = intervals.tick() => {
                 // What was sampled up to now belongs to this interval, not
                 // to the next one: the last drain may be up to a drain
                 // period old.
-                drain(&mut records, &mut sampler, &reports, &handoffs).map(|()| {
+                drain(&mut records, &mut sampler, &reports, &handoffs, &metadata).map(|()| {
                     metadata.find_gone(records.tracked_processes());
                     records.walker.trim_tables();
                     let end = nearest_boundary(SystemTime::now(), interval);
-                    worker.submit(records.aggregator.finish_interval(end));
+                    if let Some(earlier) = ending.tick(end, Instant::now()) {
+                        worker.submit(records.aggregator.finish_interval(earlier));
+                    }
                 })
             }
+            () = tokio::time::sleep_until(labels_deadline), if ending.deadline().is_some() => Ok(()),
             Some(command) = commands.recv() => {
                 let sampling = Sampling { sampler: &mut sampler, worker: &worker, began };
                 records.apply(command, sampling, &reports, &handoffs)
@@ -257,7 +271,13 @@ async fn sample(
         if let Err(err) = step {
             break Err(err);
         }
+        if let Some(end) = ending.due(records.aggregator.has_pending_labels(), Instant::now()) {
+            worker.submit(records.aggregator.finish_interval(end));
+        }
     };
+    if let Some(end) = ending.take() {
+        worker.submit(records.aggregator.finish_interval(end));
+    }
     Some(match ended {
         Ok(()) => finish(records, sampler, worker, &handoffs, began),
         Err(err) => {
@@ -267,6 +287,41 @@ async fn sample(
             Err(err)
         }
     })
+}
+
+/// The end of an interval, once its tick came: it waits up to
+/// [`LABELS_WAIT`] for the descriptions its label sets wait for.
+#[derive(Debug, Default)]
+struct IntervalEnd {
+    waiting: Option<(SystemTime, Instant)>,
+}
+
+impl IntervalEnd {
+    /// The tick of the interval ending at `end`; returns the end of one
+    /// still waiting, which must end first.
+    fn tick(&mut self, end: SystemTime, now: Instant) -> Option<SystemTime> {
+        let earlier = self.take();
+        self.waiting = Some((end, now + LABELS_WAIT));
+        earlier
+    }
+
+    /// When the waiting interval ends at the latest.
+    fn deadline(&self) -> Option<Instant> {
+        self.waiting.map(|(_, deadline)| deadline)
+    }
+
+    /// The end of the waiting interval if it ends now: no label set waits
+    /// any more, or the wait is over.
+    fn due(&mut self, labels_pending: bool, now: Instant) -> Option<SystemTime> {
+        let (_, deadline) = self.waiting?;
+        (!labels_pending || now >= deadline)
+            .then(|| self.take())
+            .flatten()
+    }
+
+    fn take(&mut self) -> Option<SystemTime> {
+        self.waiting.take().map(|(end, _)| end)
+    }
 }
 
 /// What a [`Command`] may act on besides the records.
@@ -285,15 +340,18 @@ async fn records_ready(sampler: &mut Sampler, feed: &mut MappingFeed) -> io::Res
     }
 }
 
-/// Drains the records queued and tells the runtime when a sample came
-/// from a pod its list does not know yet.
+/// Drains the records queued, asks the metadata worker to describe the
+/// processes met for the first time, and tells the runtime when a sample
+/// came from a pod its list does not know yet.
 fn drain(
     records: &mut RecordTally,
     sampler: &mut Sampler,
     reports: &mpsc::Sender<Report>,
     handoffs: &Handoffs,
+    metadata: &MetadataJobs,
 ) -> Result<(), RunError> {
     records.drain(sampler)?;
+    metadata.describe(records.aggregator.take_wanted());
     if records.aggregator.take_unknown_pod_seen() {
         handoffs.report(reports, Report::UnknownPod);
     }
@@ -392,6 +450,7 @@ impl RecordTally {
             Command::Pods(list) => self.aggregator.set_pods(list),
             Command::Policies(wanted) => update_policies(sampling.sampler, &wanted),
             Command::Gone { tgids, checked_at } => self.forget(&tgids, checked_at),
+            Command::Described(descriptions) => self.aggregator.describe(descriptions),
             Command::Totals(purpose) => {
                 let elapsed = sampling.began.elapsed();
                 let totals = self.totals(sampling.sampler, sampling.worker, handoffs, elapsed)?;
@@ -636,6 +695,9 @@ mod tests {
             } = &mut records;
             walker.poll(|w| aggregator.add(w.header, w.kernel_frames, Some(&w.walk)));
         }
+        // The metadata worker's answer.
+        let mut describer = AggregatorConfig::default().describer();
+        records.aggregator.describe_wanted(&mut describer);
         (records, record, header.tgid)
     }
 
@@ -680,6 +742,28 @@ mod tests {
         assert_eq!(records.tracked_processes(), [tgid]);
         records.forget(&[tgid], started + 1);
         assert_eq!(records.tracked_processes(), Vec::<u32>::new());
+    }
+
+    #[test]
+    fn an_interval_ends_when_its_labels_are_known_or_its_wait_is_over() {
+        let now = Instant::now();
+        let end = UNIX_EPOCH + Duration::from_secs(10);
+        let mut ending = IntervalEnd::default();
+        assert_eq!(ending.due(false, now), None, "no tick yet");
+        // Nothing pending: it ends at once.
+        assert_eq!(ending.tick(end, now), None);
+        assert_eq!(ending.due(false, now), Some(end));
+        assert_eq!(ending.deadline(), None);
+        // Pending labels: it waits, up to LABELS_WAIT.
+        ending.tick(end, now);
+        assert_eq!(ending.deadline(), Some(now + LABELS_WAIT));
+        assert_eq!(ending.due(true, now), None);
+        assert_eq!(ending.due(true, now + LABELS_WAIT), Some(end));
+        // The next tick ends a still waiting one first.
+        ending.tick(end, now);
+        let next = end + Duration::from_secs(10);
+        assert_eq!(ending.tick(next, now), Some(end));
+        assert_eq!(ending.due(false, now), Some(next));
     }
 
     #[test]
