@@ -360,6 +360,9 @@ pub struct AggregateStats {
     /// Mapped files opened while aggregating, and opens that failed.
     pub files_opened: u64,
     pub files_failed: u64,
+    /// Label sets shipped before their process was described (the
+    /// description came too late): without their exe and container.
+    pub labels_undescribed: u64,
 }
 
 /// See the module documentation.
@@ -1313,6 +1316,7 @@ impl Aggregator {
     /// Ends the interval being aggregated at `end`, starts the next one
     /// there, and returns the finished one.
     pub fn finish_interval(&mut self, end: SystemTime) -> Interval {
+        self.stats.labels_undescribed += self.current.pending_sets.len() as u64;
         let next = self.current.next(end);
         let mut finished = std::mem::replace(&mut self.current, next);
         // Only files held open: one that failed (its process gone) is

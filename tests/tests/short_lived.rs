@@ -110,6 +110,10 @@ fn short_lived_processes_on_the_host_are_unwound_and_named() {
                 .iter()
                 .map(|(_, n)| n)
                 .sum();
+            eprintln!(
+                "{node}: {labelled} of {} samples carry exe={program}",
+                shares.total
+            );
             assert!(
                 labelled * 100 >= shares.total * 95,
                 "only {labelled} of {} samples carry exe={program}",

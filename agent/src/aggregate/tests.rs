@@ -273,6 +273,7 @@ fn an_interval_ended_before_the_answer_ships_what_it_knows() {
         &*interval.label_sets[0].exe, "",
         "not known when the interval ended"
     );
+    assert_eq!(aggregator.stats().labels_undescribed, 1);
     let mut describer = aggregator.config.describer();
     let descriptions = wanted.into_iter().map(|w| describer.describe(w)).collect();
     aggregator.describe(descriptions);

@@ -275,6 +275,11 @@ async fn sample(
             worker.submit(records.aggregator.finish_interval(end));
         }
     };
+    if ended.is_ok()
+        && let Err(err) = last_labels(&mut records, &mut sampler, &metadata, &mut commands).await
+    {
+        tracing::warn!("reading the last records failed: {err}");
+    }
     if let Some(end) = ending.take() {
         worker.submit(records.aggregator.finish_interval(end));
     }
@@ -329,6 +334,31 @@ struct Sampling<'a> {
     sampler: &'a mut Sampler,
     worker: &'a BatchWorker,
     began: Instant,
+}
+
+/// At the stop: takes what is queued, and waits up to [`LABELS_WAIT`] for
+/// the descriptions the last label sets lack (the processes first met in
+/// the last drains; a short run's last half second can be a tenth of its
+/// samples). Other commands are moot by now.
+async fn last_labels(
+    records: &mut RecordTally,
+    sampler: &mut Sampler,
+    metadata: &MetadataJobs,
+    commands: &mut mpsc::Receiver<Command>,
+) -> Result<(), SamplerError> {
+    records.drain(sampler)?;
+    metadata.describe(records.aggregator.take_wanted());
+    let deadline = Instant::now() + LABELS_WAIT;
+    while records.aggregator.has_pending_labels() {
+        match tokio::time::timeout_at(deadline, commands.recv()).await {
+            Ok(Some(Command::Described(descriptions))) => {
+                records.aggregator.describe(descriptions);
+            }
+            Ok(Some(_)) => {}
+            Ok(None) | Err(_) => break,
+        }
+    }
+    Ok(())
 }
 
 /// Resolves when there are records to read: samples in the ring buffer or

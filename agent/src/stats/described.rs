@@ -788,6 +788,15 @@ const AGGREGATION: &[Stat] = &[
         )],
     ),
     counter(
+        "labels_undescribed",
+        "Label sets shipped without exe and container: their process was \
+         described after their interval ended.",
+        &[one(
+            "/aggregation/labels_undescribed",
+            field!(aggregation.labels_undescribed),
+        )],
+    ),
+    counter(
         "jit_frames",
         "JIT frames, by whether a perf map entry named them.",
         &[

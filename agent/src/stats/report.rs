@@ -219,6 +219,7 @@ mod tests {
         "/aggregation/max_distinct",
         "/aggregation/files_opened",
         "/aggregation/files_failed",
+        "/aggregation/labels_undescribed",
         "/jit_names/named",
         "/jit_names/unnamed",
         "/jit_names/lines",

@@ -141,6 +141,7 @@ pub(crate) fn every_figure_distinct() -> RunTotals {
             max_distinct: n(),
             files_opened: n(),
             files_failed: n(),
+            labels_undescribed: n(),
         },
         jit_names: PerfMapStats {
             named: n(),
