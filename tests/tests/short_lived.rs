@@ -111,8 +111,9 @@ fn short_lived_processes_on_the_host_are_unwound_and_named() {
                 .map(|(_, n)| n)
                 .sum();
             eprintln!(
-                "{node}: {labelled} of {} samples carry exe={program}",
-                shares.total
+                "{node}: {labelled} of {} samples carry exe={program}; label sets shipped \
+                 before their process was described: {}",
+                shares.total, report["aggregation"]["labels_undescribed"]
             );
             assert!(
                 labelled * 100 >= shares.total * 95,
