@@ -89,12 +89,13 @@ pub const MAX_LOCATIONS: usize = 900_000;
 const MAX_FRAMES_PER_SAMPLE: usize =
     agent_common::MAX_KERNEL_FRAMES + stackscope_unwind::DEFAULT_MAX_DEPTH;
 
-/// Mapped files newly opened per interval while their process runs (a
-/// file the previous interval used is handed on, not opened again); files
-/// past this are opened when the batch is built (failing if the process has
-/// exited by then). Bounds the descriptors an interval holds; with the
-/// symbolizer's, a few thousand at most, which is why the agent's `main`
-/// raises its soft limit on open files.
+/// Mapped files newly opened per interval while their process runs (by the
+/// metadata worker, see [`Aggregator::take_to_open`]; a file the previous
+/// interval used is handed on, not opened again); files past this are
+/// opened when the batch is built (failing if the process has exited by
+/// then). Bounds the descriptors an interval holds; with the symbolizer's,
+/// a few thousand at most, which is why the agent's `main` raises its soft
+/// limit on open files.
 pub const MAX_EAGER_OPENS: usize = 512;
 
 /// Module files whose mapping index is remembered per interval, so that
@@ -115,6 +116,14 @@ const MAX_REMEMBERED_FRAMES: usize = stackscope_unwind::DEFAULT_MAX_DEPTH;
 const MAX_LAST_WALK_BYTES: usize = LAST_WALK_SLOTS
     * (MAX_REMEMBERED_FRAMES * (std::mem::size_of::<u64>() + std::mem::size_of::<u32>())
         + agent_common::MAX_KERNEL_FRAMES * std::mem::size_of::<u64>());
+
+/// Processes whose description is awaited at most; beyond, the list
+/// starts over (a process still without one is asked for again).
+const MAX_ASKED: usize = 65_536;
+
+/// How long a description asked for is awaited before it is asked for
+/// again (the metadata worker's queue was full, or the answer was lost).
+const ASK_AGAIN: Duration = Duration::from_secs(1);
 
 /// How samples are labelled and aggregated.
 #[derive(Debug, Clone)]
@@ -150,14 +159,6 @@ impl AggregatorConfig {
         Describer::new(&self.proc_root, reads, self.runtime_names())
     }
 }
-
-/// Processes whose description is awaited at most; beyond, the list
-/// starts over (a process still without one is asked for again).
-const MAX_ASKED: usize = 65_536;
-
-/// How long a description asked for is awaited before it is asked for
-/// again (the metadata worker's queue was full, or the answer was lost).
-const ASK_AGAIN: Duration = Duration::from_secs(1);
 
 impl Default for AggregatorConfig {
     fn default() -> Self {
@@ -357,7 +358,8 @@ pub struct AggregateStats {
     /// the most any interval had.
     pub distinct: u64,
     pub max_distinct: u64,
-    /// Mapped files opened while aggregating, and opens that failed.
+    /// Mapped files handed over to be opened while their process runs,
+    /// and those whose open had failed when their interval ended.
     pub files_opened: u64,
     pub files_failed: u64,
     /// Label sets shipped before their process was described (the
@@ -388,6 +390,9 @@ pub struct Aggregator {
     label_epoch: u64,
     /// Processes to describe (see [`Aggregator::take_wanted`]).
     wanted: Vec<Wanted>,
+    /// Files to open while their process runs (see
+    /// [`Aggregator::take_to_open`]).
+    to_open: Vec<Arc<ObjectFile>>,
     /// Processes whose description is awaited: start time and when it was
     /// asked for, by tgid.
     asked: HashMap<u32, (u64, Instant)>,
@@ -757,6 +762,7 @@ impl Aggregator {
             stack: Vec::with_capacity(2 * stackscope_unwind::DEFAULT_MAX_DEPTH),
             label_epoch: 0,
             wanted: Vec::new(),
+            to_open: Vec::new(),
             asked: HashMap::new(),
         }
     }
@@ -837,9 +843,21 @@ impl Aggregator {
         !self.current.pending_sets.is_empty()
     }
 
-    /// Describes the processes wanted now, on this thread: for tests and
-    /// tools that aggregate without the agent's metadata worker.
-    pub fn describe_wanted(&mut self, describer: &mut Describer) {
+    /// The mapped files this interval met for the first time, to open
+    /// while their processes run (off the sampling thread: an open can
+    /// wait on a slow filesystem). Opening one is the same for every
+    /// holder of its `Arc`.
+    pub fn take_to_open(&mut self) -> Vec<Arc<ObjectFile>> {
+        std::mem::take(&mut self.to_open)
+    }
+
+    /// Does what the agent's metadata worker does for the aggregator, on
+    /// this thread: describes the processes wanted and opens the files
+    /// met. For tests and tools that aggregate without the agent's run.
+    pub fn serve_metadata(&mut self, describer: &mut Describer) {
+        for object in self.take_to_open() {
+            let _ = object.open_now();
+        }
         let descriptions = self
             .take_wanted()
             .into_iter()
@@ -1258,7 +1276,7 @@ impl Aggregator {
         true
     }
 
-    /// The mapping of a module file; a new one opens the file (see
+    /// The mapping of a module file; a new one has its file opened (see
     /// [`MAX_EAGER_OPENS`]).
     fn file_mapping(&mut self, file: &Arc<ModuleFile>, insert: bool) -> Option<u32> {
         let pointer = Arc::as_ptr(file) as usize;
@@ -1291,8 +1309,8 @@ impl Aggregator {
         Some(index)
     }
 
-    /// The interval's handle on the file of `module`, opened now (while
-    /// its process runs) for the first [`MAX_EAGER_OPENS`] files.
+    /// The interval's handle on the file of `module`, to be opened soon
+    /// (while its process runs) for the first [`MAX_EAGER_OPENS`] files.
     fn object_file(&mut self, module: &ModuleFile) -> Arc<ObjectFile> {
         if let Some(object) = self.current.files.get(&*module.id) {
             return Arc::clone(object);
@@ -1304,10 +1322,8 @@ impl Aggregator {
         let object = Arc::new(ObjectFile::new(module));
         if self.current.eager_opens < MAX_EAGER_OPENS {
             self.current.eager_opens += 1;
-            match object.open_now() {
-                Ok(_) => self.stats.files_opened += 1,
-                Err(_) => self.stats.files_failed += 1,
-            }
+            self.stats.files_opened += 1;
+            self.to_open.push(Arc::clone(&object));
         }
         self.current.files.insert(*module.id, Arc::clone(&object));
         object
@@ -1317,6 +1333,12 @@ impl Aggregator {
     /// there, and returns the finished one.
     pub fn finish_interval(&mut self, end: SystemTime) -> Interval {
         self.stats.labels_undescribed += self.current.pending_sets.len() as u64;
+        self.stats.files_failed += self
+            .current
+            .files
+            .values()
+            .filter(|file| file.open_failed())
+            .count() as u64;
         let next = self.current.next(end);
         let mut finished = std::mem::replace(&mut self.current, next);
         // Only files held open: one that failed (its process gone) is

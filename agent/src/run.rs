@@ -7,12 +7,12 @@
 //!
 //! - [`sampling`]: drains the ring buffer, walks, aggregates, ends
 //!   intervals; never waits for the network or another thread (what it
-//!   still reads, on a process's first samples: a perf map, the mapped
-//!   files an interval opens for naming, `/proc/<pid>/maps` and ELF
-//!   headers the mapping feed did not supply);
+//!   still reads, on a process's first samples: a perf map,
+//!   `/proc/<pid>/maps` and ELF headers the mapping feed did not supply);
 //! - [`metadata`]: the reads that describe a process for its labels (exe
-//!   link, cgroup, container runtime's record), and the cgroup tree and
-//!   `/proc` reads the selection and the process sweep need;
+//!   link, cgroup, container runtime's record), the opens of the files
+//!   frames are named in, and the cgroup tree and `/proc` reads the
+//!   selection and the process sweep need;
 //! - the batch worker ([`crate::aggregate::BatchWorker`]): names frames,
 //!   builds each batch and hands it to the sink (the exporter's queue).
 

@@ -233,9 +233,9 @@ fn aggregate(samples: &[OwnedSample]) -> v1::Batch {
     }
     walker.flush(|w| aggregator.add(w.header, w.kernel_frames, Some(&w.walk)));
     // What the agent's metadata worker does: the processes met are
-    // described, and their label sets filled in.
+    // described (their label sets filled in) and their files opened.
     let mut describer = AggregatorConfig::default().describer();
-    aggregator.describe_wanted(&mut describer);
+    aggregator.serve_metadata(&mut describer);
     assert_eq!(aggregator.stats().samples, samples.len() as u64);
     let interval = aggregator.finish_interval(SystemTime::now());
     // The name cache is tested by the aggregator's unit tests; this builds

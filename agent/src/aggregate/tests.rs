@@ -112,18 +112,23 @@ fn add(
         stitched: false,
         space: None,
     };
-    aggregator.add_described(header, kernel, Some(&walk));
+    aggregator.add_with_metadata(header, kernel, Some(&walk));
 }
 
-/// Adding a sample as the agent does once its process is described: the
-/// metadata worker's answer taken first, as if it had come at once (the
-/// label sets made before an answer have their own test).
-trait AddDescribed {
-    fn add_described(&mut self, header: &SampleHeader, kernel: &[u64], user: Option<&Walk<'_>>);
+/// Adding a sample as the agent does with a metadata worker that answers
+/// at once: the process described first, the files the sample met opened
+/// after (the label sets made before an answer have their own test).
+trait AddWithMetadata {
+    fn add_with_metadata(&mut self, header: &SampleHeader, kernel: &[u64], user: Option<&Walk<'_>>);
 }
 
-impl AddDescribed for Aggregator {
-    fn add_described(&mut self, header: &SampleHeader, kernel: &[u64], user: Option<&Walk<'_>>) {
+impl AddWithMetadata for Aggregator {
+    fn add_with_metadata(
+        &mut self,
+        header: &SampleHeader,
+        kernel: &[u64],
+        user: Option<&Walk<'_>>,
+    ) {
         let description = self.config.describer().describe(Wanted {
             tgid: header.tgid,
             started: header.process_start_ns,
@@ -131,6 +136,9 @@ impl AddDescribed for Aggregator {
         });
         self.describe(vec![description]);
         self.add(header, kernel, user);
+        for file in self.take_to_open() {
+            let _ = file.open_now();
+        }
     }
 }
 
@@ -359,8 +367,8 @@ fn stacks_are_kernel_then_user_frames_leaf_first() {
 #[test]
 fn kernel_threads_are_aggregated_without_exe_and_empty_samples_dropped() {
     let mut aggregator = Aggregator::new(config());
-    aggregator.add_described(&header(0, "kworker/0:1", false), &[KERNEL_LEAF], None);
-    aggregator.add_described(&header(0, "kworker/0:1", false), &[], None);
+    aggregator.add_with_metadata(&header(0, "kworker/0:1", false), &[KERNEL_LEAF], None);
+    aggregator.add_with_metadata(&header(0, "kworker/0:1", false), &[], None);
     let stats = aggregator.stats();
     assert_eq!((stats.samples, stats.kernel_only, stats.empty), (1, 1, 1));
     let interval = aggregator.finish_interval(SystemTime::now());
@@ -384,7 +392,7 @@ fn pid_label_only_when_asked() {
             ..config()
         });
         for pid in [100, 101] {
-            aggregator.add_described(&header(pid, "app", false), &[KERNEL_LEAF], None);
+            aggregator.add_with_metadata(&header(pid, "app", false), &[KERNEL_LEAF], None);
         }
         let interval = aggregator.finish_interval(SystemTime::now());
         let pids: Vec<Option<u32>> = interval.label_sets.iter().map(|l| l.pid).collect();
@@ -417,8 +425,8 @@ fn labels_not_chosen_are_neither_kept_apart_nor_shipped() {
         labels: LabelChoice::none(),
         ..config()
     });
-    aggregator.add_described(&header(100, "app", false), &[KERNEL_LEAF], None);
-    aggregator.add_described(&header(101, "other", false), &[KERNEL_LEAF], None);
+    aggregator.add_with_metadata(&header(100, "app", false), &[KERNEL_LEAF], None);
+    aggregator.add_with_metadata(&header(101, "other", false), &[KERNEL_LEAF], None);
     let interval = aggregator.finish_interval(SystemTime::now());
     assert_eq!(interval.label_sets.len(), 1, "{:?}", interval.label_sets);
     let batch = build_batch(&interval, &mut symbolizer, &BatchOptions::for_frequency(19));
@@ -442,9 +450,9 @@ fn samples_taken_under_a_budget_keep_their_divisor() {
         ..header(100, "app", false)
     };
     for _ in 0..3 {
-        aggregator.add_described(&budgeted, &[KERNEL_LEAF], None);
+        aggregator.add_with_metadata(&budgeted, &[KERNEL_LEAF], None);
     }
-    aggregator.add_described(&header(100, "app", false), &[KERNEL_LEAF], None);
+    aggregator.add_with_metadata(&header(100, "app", false), &[KERNEL_LEAF], None);
     let interval = aggregator.finish_interval(SystemTime::now());
     let batch = build_batch(&interval, &mut symbolizer, &BatchOptions::for_frequency(19));
     let mut counts: Vec<(u32, u64)> = batch
@@ -464,7 +472,7 @@ fn a_full_interval_truncates_known_labels_and_drops_new_ones() {
         ..config()
     });
     let kernel_only = |aggregator: &mut Aggregator, comm: &str, address: u64| {
-        aggregator.add_described(&header(0, comm, false), &[address], None);
+        aggregator.add_with_metadata(&header(0, comm, false), &[address], None);
     };
     kernel_only(&mut aggregator, "a", KERNEL_LEAF);
     kernel_only(&mut aggregator, "a", KERNEL_CALLER);
@@ -675,7 +683,7 @@ fn batches_have_deduplicated_dictionaries_and_indexes_in_range() {
             }
         }
     }
-    aggregator.add_described(&header(0, "kworker", false), &[KERNEL_CALLER], None);
+    aggregator.add_with_metadata(&header(0, "kworker", false), &[KERNEL_CALLER], None);
     let interval = aggregator.finish_interval(start + Duration::from_secs(10));
 
     let started = std::time::Instant::now();
@@ -911,7 +919,7 @@ fn add_walked(
         stitched: false,
         space,
     };
-    aggregator.add_described(header, kernel, Some(&walk));
+    aggregator.add_with_metadata(header, kernel, Some(&walk));
 }
 
 #[test]

@@ -2,7 +2,9 @@
 //! cgroup tree, kept off the sampling thread (a slow filesystem must not
 //! delay a drain) and off the runtime (which exports and serves). It
 //! describes the processes the sampling thread meets (their exe, cgroup
-//! and container names: what their labels are made of), resolves the
+//! and container names: what their labels are made of), opens the mapped
+//! files the aggregator will name frames in while their processes run,
+//! resolves the
 //! container selection into cgroup policies, with the container runtimes'
 //! names it keeps, and finds which of the processes the sampling thread
 //! tracks are gone. Its answers go to the sampling thread as [`Command`]s.
@@ -26,6 +28,7 @@ use stackscope_metadata::{
     kubelet::PodList,
     selection::Resolver,
 };
+use stackscope_symbolize::node::ObjectFile;
 
 /// What the worker is asked to do.
 #[derive(Debug)]
@@ -37,6 +40,9 @@ enum Job {
     FindGone(Vec<u32>),
     /// What these processes' labels are made of.
     Describe(Vec<Wanted>),
+    /// Open these mapped files while their processes run (the interval
+    /// that met them holds them for naming).
+    Open(Vec<Arc<ObjectFile>>),
 }
 
 /// Room in the worker's queue: selections and sweeps come every few
@@ -65,6 +71,14 @@ impl MetadataJobs {
     pub fn find_gone(&self, tracked: Vec<u32>) {
         if !tracked.is_empty() {
             self.send(Job::FindGone(tracked));
+        }
+    }
+
+    /// Asks for `files` to be opened (each open is seen by every holder of
+    /// the file).
+    pub fn open(&self, files: Vec<Arc<ObjectFile>>) {
+        if !files.is_empty() {
+            self.send(Job::Open(files));
         }
     }
 
@@ -130,6 +144,14 @@ pub(super) fn start(
                             continue;
                         }
                         Command::Gone { tgids, checked_at }
+                    }
+                    Job::Open(files) => {
+                        for file in files {
+                            // A failure stays in the file for the batch
+                            // to see.
+                            let _ = file.open_now();
+                        }
+                        continue;
                     }
                     Job::Describe(wanted) => Command::Described(
                         wanted

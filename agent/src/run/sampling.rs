@@ -381,6 +381,7 @@ fn drain(
     metadata: &MetadataJobs,
 ) -> Result<(), RunError> {
     records.drain(sampler)?;
+    metadata.open(records.aggregator.take_to_open());
     metadata.describe(records.aggregator.take_wanted());
     if records.aggregator.take_unknown_pod_seen() {
         handoffs.report(reports, Report::UnknownPod);
@@ -727,7 +728,7 @@ mod tests {
         }
         // The metadata worker's answer.
         let mut describer = AggregatorConfig::default().describer();
-        records.aggregator.describe_wanted(&mut describer);
+        records.aggregator.serve_metadata(&mut describer);
         (records, record, header.tgid)
     }
 

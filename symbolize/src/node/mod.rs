@@ -224,6 +224,11 @@ impl ObjectFile {
     pub fn is_open(&self) -> bool {
         matches!(self.file.get(), Some(Ok(_)))
     }
+
+    /// Whether opening it was tried and failed.
+    pub fn open_failed(&self) -> bool {
+        matches!(self.file.get(), Some(Err(_)))
+    }
 }
 
 /// Counters since the symbolizer was created.
