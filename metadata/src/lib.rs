@@ -94,6 +94,23 @@ struct ProcessEntry {
     retry_at: Option<Instant>,
 }
 
+impl ProcessEntry {
+    /// What the index says of the process now; an entry due for another
+    /// description says so once per [`INCOMPLETE_RETRY`]. The clock is
+    /// read only for labels still missing a name.
+    fn placed(&mut self) -> Placed {
+        let describe_again = self.retry_at.is_some_and(|at| Instant::now() >= at);
+        if describe_again {
+            self.retry_at = Some(Instant::now() + INCOMPLETE_RETRY);
+        }
+        Placed {
+            labels: self.labels.clone(),
+            settled: self.retry_at.is_none(),
+            describe_again,
+        }
+    }
+}
+
 /// A process's container labels as the index knows them.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Placed {
@@ -143,33 +160,23 @@ impl ContainerIndex {
     /// ([`Self::describe`]).
     pub fn placed(&mut self, tgid: u32, cgroup_id: u64) -> Option<Placed> {
         probes::count(Probe::Process);
-        let entry = self.by_tgid.get(&tgid)?;
-        if entry.cgroup_id != cgroup_id {
-            return None;
+        let entry = self
+            .by_tgid
+            .get_mut(&tgid)
+            .filter(|entry| entry.cgroup_id == cgroup_id)?;
+        if entry.generation == self.generation {
+            return Some(entry.placed());
         }
-        if entry.generation != self.generation {
-            // A newer pod list: the labels are made again from it.
-            let (identity, names) = (entry.identity.clone(), entry.runtime_names.clone());
-            let (labels, retry_at) = self.labels_with_retry(identity.as_ref(), names);
-            let entry = self.by_tgid.get_mut(&tgid)?;
-            entry.labels = labels;
-            if !entry.unread {
-                entry.retry_at = retry_at;
-            }
-            entry.generation = self.generation;
-        }
+        // A newer pod list: the labels are made again from it.
+        let (identity, names) = (entry.identity.clone(), entry.runtime_names.clone());
+        let (labels, retry_at) = self.labels_with_retry(identity.as_ref(), names);
         let entry = self.by_tgid.get_mut(&tgid)?;
-        // The clock is read only for labels still missing a name: this
-        // runs for every sample a thread's remembered labels do not cover.
-        let describe_again = entry.retry_at.is_some_and(|at| Instant::now() >= at);
-        if describe_again {
-            entry.retry_at = Some(Instant::now() + INCOMPLETE_RETRY);
+        entry.labels = labels;
+        if !entry.unread {
+            entry.retry_at = retry_at;
         }
-        Some(Placed {
-            labels: entry.labels.clone(),
-            settled: entry.retry_at.is_none(),
-            describe_again,
-        })
+        entry.generation = self.generation;
+        Some(entry.placed())
     }
 
     /// Takes what a description of `tgid` (in cgroup `cgroup_id`) found.
