@@ -155,8 +155,18 @@ impl RunCache {
     }
 
     /// Copies the cached build of `key` to `path`; false when there is none.
+    /// The copy is made by `cp`, as gcc writes its output, in a process of
+    /// its own: a file this process wrote could be held open for writing by
+    /// a child another test thread forked meanwhile, and running it would
+    /// then fail with ETXTBSY (a whole-suite run saw it).
     fn copy_out(&self, key: &str, path: &Path) -> bool {
-        std::fs::copy(self.dir.join(key), path).is_ok()
+        let cached = self.dir.join(key);
+        cached.is_file()
+            && Command::new("cp")
+                .arg(&cached)
+                .arg(path)
+                .status()
+                .is_ok_and(|status| status.success())
     }
 
     /// Keeps a copy of `path` as `key`, atomically (tests compile in
