@@ -520,10 +520,11 @@ impl RecordTally {
         } = self;
         walker.poll(|w| aggregator.add(w.header, w.kernel_frames, Some(&w.walk)));
         sampler.apply_plan_updates(walker.take_plan_updates());
+        self.let_go_of_exited();
         // The exits just applied may have left tables unused: trimmed now,
         // they never stay past their bound until the interval ends (the
         // hour's soak saw 69 MB of a 64 MiB bound between two trims).
-        walker.trim_tables();
+        self.walker.trim_tables();
         Ok(())
     }
 
@@ -540,8 +541,20 @@ impl RecordTally {
         feed.apply_until(horizon, walker, &mut |w| {
             aggregator.add(w.header, w.kernel_frames, Some(&w.walk))
         });
-        for tgid in walker.take_completed_exits() {
-            aggregator.on_exit(tgid);
+        self.let_go_of_exited();
+    }
+
+    /// The one exit path: a process goes from the walker (at its exit, or
+    /// once its held samples are walked), and then what the aggregator
+    /// keeps of it.
+    fn exited(&mut self, tgid: u32) {
+        self.walker.on_exit(tgid);
+        self.let_go_of_exited();
+    }
+
+    fn let_go_of_exited(&mut self) {
+        for tgid in self.walker.take_completed_exits() {
+            self.aggregator.on_exit(tgid);
         }
     }
 
@@ -618,9 +631,7 @@ impl RecordTally {
             {
                 continue;
             }
-            if self.walker.on_exit(tgid) {
-                self.aggregator.on_exit(tgid);
-            }
+            self.exited(tgid);
         }
     }
 
@@ -676,9 +687,7 @@ impl RecordTally {
                 self.processes.exited(event.tgid);
                 // Samples of it still waiting for a table keep its labels
                 // until they are walked.
-                if self.walker.on_exit(event.tgid) {
-                    self.aggregator.on_exit(event.tgid);
-                }
+                self.exited(event.tgid);
             }
             Err(err) => {
                 self.totals.decode_errors += 1;

@@ -641,9 +641,10 @@ pub struct StackWalker {
     /// The binary name of JIT modules, shared by all of them.
     jit_binary: u32,
     binary_slots: BinarySlots,
-    /// Processes that exited while samples of theirs waited for a table,
-    /// and those of them that have gone since.
+    /// Processes that exited while samples of theirs waited for a table.
     exited: Vec<u32>,
+    /// Processes let go of since the owner last asked
+    /// ([`Self::take_completed_exits`]).
     completed_exits: Vec<u32>,
     stats: WalkStats,
 }
@@ -927,7 +928,6 @@ impl StackWalker {
                 self.exited.push(tgid);
             } else {
                 self.forget_exited(tgid);
-                self.completed_exits.push(tgid);
             }
         }
     }
@@ -1027,20 +1027,18 @@ impl StackWalker {
 
     /// The process exited: forget it, so a reused pid starts afresh. While
     /// samples of it wait for a table, what is known of it stays, so they
-    /// can still be walked (it goes once they are).
-    /// Returns whether it went now (else it goes once its held samples
-    /// are walked, and [`Self::take_completed_exits`] says so).
-    pub fn on_exit(&mut self, tgid: u32) -> bool {
+    /// can still be walked (it goes once they are). Either way
+    /// [`Self::take_completed_exits`] says when it went.
+    pub fn on_exit(&mut self, tgid: u32) {
         if self.waiting.iter().any(|held| held.header.tgid == tgid) {
             // Once: the sweep of gone processes asks again every
             // interval while they wait.
             if !self.exited.contains(&tgid) {
                 self.exited.push(tgid);
             }
-            return false;
+            return;
         }
         self.forget_exited(tgid);
-        true
     }
 
     /// When the process the walker knows by `tgid` started (the samples'
@@ -1049,8 +1047,11 @@ impl StackWalker {
         self.modules.get(tgid).map(|state| state.started)
     }
 
-    /// Processes whose exit [`Self::on_exit`] put off and that have gone
-    /// since: what else is kept of them (labels, names) can go now.
+    /// The processes whose exit the walker applied since the last call
+    /// (at once, or once their held samples were walked): what else is
+    /// kept of them (labels, names) can go now. The owner takes them after
+    /// every exit it applies; at most
+    /// [`stackscope_process_table::table::MAX_PROCESSES`] wait.
     pub fn take_completed_exits(&mut self) -> Vec<u32> {
         std::mem::take(&mut self.completed_exits)
     }
@@ -1058,6 +1059,9 @@ impl StackWalker {
     fn forget_exited(&mut self, tgid: u32) {
         self.processes.remove(tgid);
         self.forget_modules(tgid);
+        if self.completed_exits.len() < stackscope_process_table::table::MAX_PROCESSES {
+            self.completed_exits.push(tgid);
+        }
     }
 
     /// The one way a process's record goes: with it, its copy size and
@@ -1074,8 +1078,12 @@ impl StackWalker {
         // A new process: whatever is kept under its pid (an exited one
         // whose held samples kept it) is walked, then goes.
         self.flush_process(child, &mut on_walk);
-        self.exited.retain(|&tgid| tgid != child);
-        self.forget_modules(child);
+        if self.exited.contains(&child) {
+            self.exited.retain(|&tgid| tgid != child);
+            self.forget_exited(child);
+        } else {
+            self.forget_modules(child);
+        }
         self.processes.forked(parent, child);
     }
 
@@ -1857,8 +1865,9 @@ mod tests {
             delivered.push(w.walk.outcome)
         });
         assert_eq!(walker.waiting(), 1);
+        walker.on_exit(header.tgid);
         assert!(
-            !walker.on_exit(header.tgid),
+            walker.take_completed_exits().is_empty(),
             "held samples keep the process"
         );
         assert!(walker.processes.contains(header.tgid));
@@ -1874,7 +1883,8 @@ mod tests {
         assert!(!walker.processes.contains(header.tgid));
         assert!(!walker.modules.contains(header.tgid));
         // An exit with nothing held goes at once.
-        assert!(walker.on_exit(header.tgid));
+        walker.on_exit(header.tgid);
+        assert_eq!(walker.take_completed_exits(), [header.tgid]);
     }
 
     #[test]
@@ -1885,7 +1895,7 @@ mod tests {
         walker.push(&header, &[], UserStack::copy_only(&stack), |_| {
             delivered += 1
         });
-        assert!(!walker.on_exit(header.tgid));
+        walker.on_exit(header.tgid);
         // The pid is a new process's now: the held sample is walked as far
         // as it goes, and nothing of the old process stays for the new one.
         walker.process_forked(1, header.tgid, |_| delivered += 1);
@@ -1893,7 +1903,8 @@ mod tests {
         assert!(walker.exited.is_empty());
         assert!(!walker.modules.contains(header.tgid));
         assert!(!walker.processes.contains(header.tgid), "untracked parent");
-        assert!(walker.take_completed_exits().is_empty());
+        // The old process's exit is applied: what else is kept of it goes.
+        assert_eq!(walker.take_completed_exits(), [header.tgid]);
     }
 
     #[test]
