@@ -12,7 +12,7 @@ const PICKERS = ["pick-node", "pick-container", "pick-pod", "pick-comm"];
 const TOP_ROWS = 200;
 
 // What tests (and curious people) can read from the page without reading
-// pixels: see tests/tests/ui.rs.
+// pixels: see tests/tests/e2e/ui.rs.
 const hook = {
   state: "loading",
   error: "",

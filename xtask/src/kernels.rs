@@ -4,7 +4,7 @@
 //! qemu fails here on an MSR, see `shared/ENVIRONMENT.md`).
 //!
 //! Owns installing the kernels and virtme-ng (idempotently), finding the
-//! test binaries cargo built, and booting each kernel once to run them.
+//! end-to-end test binary cargo built, and booting each kernel once to run them.
 
 use std::{
     io::{BufRead as _, BufReader},
@@ -52,15 +52,17 @@ const KERNELS: &[KernelFamily] = &[
 /// virtme-ng release known to boot these kernels here.
 const VIRTME_NG: &str = "virtme-ng==1.42";
 
-/// The test files run in each kernel: they load the BPF program and check
-/// what it records, and unwind what it copied.
-const TEST_FILES: &[&str] = &["sampler", "unwinding"];
+/// The end-to-end test binary (`tests/tests/e2e`), and its modules run in
+/// each kernel: they load the BPF program and check what it records, and
+/// unwind what it copied.
+const TEST_BINARY: &str = "e2e";
+const TEST_MODULES: &[&str] = &["sampler", "unwinding"];
 
 /// Names the directory of fixtures compiled in this run (test-fixtures'
 /// `RunCache`).
 pub const FIXTURE_CACHE: &str = "STACKSCOPE_FIXTURE_CACHE";
 
-/// Runs [`TEST_FILES`] in each kernel. When [`FIXTURE_CACHE`] is set (as
+/// Runs [`TEST_MODULES`] in each kernel. When [`FIXTURE_CACHE`] is set (as
 /// `cargo xtask test` sets it), the guests copy the fixtures the host's
 /// tests compiled from there instead of compiling them again: one gcc run
 /// takes 4 s in a guest.
@@ -70,7 +72,7 @@ pub fn test() -> anyhow::Result<()> {
         .map(|family| Ok((family.name, ensure_kernel(family)?)))
         .collect::<anyhow::Result<_>>()?;
     let vng = ensure_virtme_ng()?;
-    let binaries = test_binaries()?;
+    let binary = test_binary()?;
     let root = workspace_root();
     // The guest runs a shell over the host's files; it has the host's
     // tools (gcc, rustc for the fixtures) once PATH says where they are.
@@ -85,8 +87,10 @@ pub fn test() -> anyhow::Result<()> {
             Path::new(&cache).display()
         ));
     }
-    for binary in &binaries {
-        script.push_str(&format!("; '{}' --test-threads 1", binary.display()));
+    // Filtered by module path: `sampler::` matches that module's tests only.
+    script.push_str(&format!("; '{}' --test-threads 1", binary.display()));
+    for module in TEST_MODULES {
+        script.push_str(&format!(" {module}::"));
     }
     for (name, vmlinuz) in &kernels {
         eprintln!("kernel {name}: {} in a virtual machine", vmlinuz.display());
@@ -244,40 +248,27 @@ fn ensure_virtme_ng() -> anyhow::Result<PathBuf> {
     Ok(vng)
 }
 
-/// The test executables of [`TEST_FILES`], built now (they are what
-/// `cargo test` just ran on this kernel).
-fn test_binaries() -> anyhow::Result<Vec<PathBuf>> {
-    let mut command = Command::new(std::env::var_os("CARGO").unwrap_or_else(|| "cargo".into()));
-    command
+/// The end-to-end test executable, built now (it is what `cargo test`
+/// just ran on this kernel).
+fn test_binary() -> anyhow::Result<PathBuf> {
+    let out = Command::new(std::env::var_os("CARGO").unwrap_or_else(|| "cargo".into()))
         .args(["test", "--package", "stackscope-tests", "--no-run"])
-        .args(["--message-format", "json"])
-        .current_dir(workspace_root());
-    for file in TEST_FILES {
-        command.args(["--test", file]);
-    }
-    let out = command.output().context("building the test binaries")?;
+        .args(["--test", TEST_BINARY, "--message-format", "json"])
+        .current_dir(workspace_root())
+        .output()
+        .context("building the test binary")?;
     if !out.status.success() {
         bail!(
-            "building the test binaries failed: {}",
+            "building the test binary failed: {}",
             String::from_utf8_lossy(&out.stderr)
         );
     }
-    let mut binaries = Vec::new();
-    for line in String::from_utf8_lossy(&out.stdout).lines() {
-        let Ok(message) = serde_json::from_str::<serde_json::Value>(line) else {
-            continue;
-        };
-        let name = message["target"]["name"].as_str().unwrap_or_default();
-        if let Some(path) = message["executable"].as_str()
-            && TEST_FILES.contains(&name)
-        {
-            binaries.push(PathBuf::from(path));
-        }
-    }
-    if binaries.len() != TEST_FILES.len() {
-        bail!("expected the test binaries of {TEST_FILES:?}, found {binaries:?}");
-    }
-    Ok(binaries)
+    String::from_utf8_lossy(&out.stdout)
+        .lines()
+        .filter_map(|line| serde_json::from_str::<serde_json::Value>(line).ok())
+        .find(|message| message["target"]["name"] == TEST_BINARY)
+        .and_then(|message| Some(PathBuf::from(message["executable"].as_str()?)))
+        .with_context(|| format!("cargo built no test binary named {TEST_BINARY}"))
 }
 
 #[cfg(test)]

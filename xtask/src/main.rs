@@ -346,7 +346,7 @@ impl Steps {
 }
 
 /// The one `#[ignore]`d test `cargo xtask test` does not run: a measurement
-/// (tests/tests/ui.rs) that needs a collector holding the collector bench's
+/// (tests/tests/e2e/ui.rs) that needs a collector holding the collector bench's
 /// fleet, started by hand.
 const HAND_RUN_MEASUREMENT: &str = "the_fleet_hour_time_to_first_flamegraph";
 

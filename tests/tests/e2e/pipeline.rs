@@ -6,10 +6,11 @@
 use std::process::{Command, Stdio};
 
 use stackscope_test_fixtures::{C_FLAGS, Fixture, workspace_binary};
-use stackscope_tests::{Collector, folded, wait_success};
+use stackscope_tests::{Collector, exclusive, folded, wait_success};
 
 #[test]
 fn agent_to_collector_to_cli_keeps_every_sample_and_the_call_chain() {
+    let _exclusive = exclusive();
     let fixture = Fixture::compile("call_chain", C_FLAGS);
     let spinner = fixture.start(&[]);
     let data = tempfile::tempdir().expect("temp dir");
