@@ -363,7 +363,8 @@ pub struct AggregateStats {
     pub files_opened: u64,
     pub files_failed: u64,
     /// Label sets shipped before their process was described (the
-    /// description came too late): without their exe and container.
+    /// description came too late): without their container, and without
+    /// their exe unless the mapping feed saw the process exec.
     pub labels_undescribed: u64,
 }
 
@@ -1333,6 +1334,15 @@ impl Aggregator {
     /// there, and returns the finished one.
     pub fn finish_interval(&mut self, end: SystemTime) -> Interval {
         self.stats.labels_undescribed += self.current.pending_sets.len() as u64;
+        // Undescribed, but not unknown: the program the mapping feed saw
+        // the process exec is its exe.
+        for set in std::mem::take(&mut self.current.pending_sets) {
+            if let (true, Some(learned)) = (set.has_user && self.config.labels.exe, set.learned_exe)
+                && let Some(values) = self.current.label_sets.get_mut(set.index as usize)
+            {
+                values.exe = learned;
+            }
+        }
         self.stats.files_failed += self
             .current
             .files

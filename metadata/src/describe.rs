@@ -24,7 +24,7 @@ use crate::{
 };
 
 /// A process whose labels are wanted, as its sample shows it.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Wanted {
     pub tgid: u32,
     /// When it started (`CLOCK_MONOTONIC` ns; 0: unknown): a pid reused by

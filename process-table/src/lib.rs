@@ -31,5 +31,6 @@ pub mod table;
 pub use maps::{Mapping, MappingPath};
 pub use object_id::{BuildId, ContentDigest, FileKey, ObjectId};
 pub use table::{
-    Location, MappedObject, MappedRegion, ModuleFile, ProcessError, ProcessTable, TableConfig,
+    Location, MappedObject, MappedRegion, ModuleFile, ProcessError, ProcessTable, ReadAnswer,
+    ReadRequest, TableConfig, TableReader,
 };

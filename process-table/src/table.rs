@@ -24,11 +24,12 @@
 //! between would be answered from the old process's mappings for addresses
 //! they cover.
 
+mod read;
+
 use std::{
     collections::{BTreeMap, HashMap},
-    fs::Metadata,
     path::{Path, PathBuf},
-    sync::{Arc, Weak},
+    sync::Arc,
     time::{Duration, Instant},
 };
 
@@ -36,10 +37,12 @@ use thiserror::Error;
 
 use crate::{
     elf::LoadSegment,
-    maps::{self, Mapping, MappingPath, MapsError},
-    object_id::{self, BuildId, DigestBudget, FileKey, IdentityError, ObjectId},
+    maps::{Mapping, MappingPath, MapsError},
+    object_id::{BuildId, IdentityError, ObjectId},
     open::{self, OpenError, OpenedFile},
 };
+use read::{CachedObject, Found, MapsReadError};
+pub use read::{ReadAnswer, ReadRequest, TableReader};
 
 /// Processes tracked at once; the least recently looked-up one is dropped
 /// to make room (it is read again if it shows up later). A process costs
@@ -61,6 +64,10 @@ const MAX_REGIONS_PER_PROCESS: usize = 8192;
 /// milliseconds under load); a record later than this is another exec.
 const SAME_EXEC_NS: u64 = 1_000_000_000;
 
+/// How long a deferred read is awaited before a lookup asks for it again
+/// (the owner could not hand it on: its worker's queue was full).
+const ASK_AGAIN: Duration = Duration::from_secs(1);
+
 /// Identities kept once no tracked process maps the file any more is
 /// limited to this many entries; beyond it, unused ones are dropped.
 pub const MAX_CACHED_OBJECTS: usize = 16384;
@@ -77,6 +84,9 @@ pub struct TableConfig {
     pub reread_interval: Duration,
     /// [`MAX_CACHED_OBJECTS`] by default.
     pub max_cached_objects: usize,
+    /// Reads are asked of the owner instead of done by lookups (see
+    /// [`ProcessTable::lookup`]); off by default.
+    pub defer_reads: bool,
 }
 
 impl Default for TableConfig {
@@ -86,6 +96,7 @@ impl Default for TableConfig {
             max_processes: MAX_PROCESSES,
             reread_interval: REREAD_INTERVAL,
             max_cached_objects: MAX_CACHED_OBJECTS,
+            defer_reads: false,
         }
     }
 }
@@ -115,6 +126,8 @@ pub struct TableStats {
     /// Lookups answered from learned mappings because the process's maps
     /// could no longer be read (it had exited).
     pub answered_after_exit: u64,
+    /// Reads asked of the owner (with deferred reads).
+    pub reads_deferred: u64,
 }
 
 /// Why a lookup failed.
@@ -123,6 +136,10 @@ pub enum ProcessError {
     /// The process exited (or is a zombie). Its entry has been dropped.
     #[error("process {tgid} is gone")]
     ProcessGone { tgid: u32 },
+    /// A read of the process (its maps, or a file it mapped) was asked of
+    /// the owner and is not answered yet (deferred reads only).
+    #[error("a read of process {tgid} is awaited")]
+    ReadPending { tgid: u32 },
     /// Its maps could not be read or parsed. Retried at most once per
     /// `reread_interval`; lookups in between answer `Ok(None)`.
     #[error("reading the mappings of process {tgid}")]
@@ -272,13 +289,6 @@ impl MappedObject {
     }
 }
 
-/// An identity in the cache, shared by every mapping of one file version.
-#[derive(Debug)]
-struct CachedObject {
-    id: Arc<ObjectId>,
-    load_segments: Option<Vec<LoadSegment>>,
-}
-
 #[derive(Debug, Clone)]
 enum Backing {
     /// `vaddr = addr - bias` (wrapping) when `bias` is known.
@@ -364,32 +374,22 @@ impl Process {
     }
 }
 
-/// The identity last read from a file claiming a build-id: weak, so only
-/// `objects` and the processes keep it.
-#[derive(Debug)]
-struct BuildIdClaim {
-    object: Weak<CachedObject>,
-    /// Files with different contents claimed the build-id (one of them
-    /// lies): the build-id alone then says nothing of which file is mapped.
-    contested: bool,
-}
-
 /// See the module documentation.
 #[derive(Debug)]
 pub struct ProcessTable {
     config: TableConfig,
-    proc_root: Arc<Path>,
-    page_size: u64,
     processes: HashMap<u32, Process>,
     /// Last use tick → tgid; the first entry is the least recently used.
     lru: BTreeMap<u64, u32>,
     tick: u64,
-    objects: HashMap<FileKey, Arc<CachedObject>>,
-    /// The same identities by build-id, for mappings learned from events
-    /// (whose file may be gone by the time they are read).
-    by_build_id: HashMap<BuildId, BuildIdClaim>,
-    /// Bounds the reading that identifying new files costs.
-    digests: DigestBudget,
+    /// Reads maps and identifies files, with the identity cache.
+    reader: TableReader,
+    /// With deferred reads: the processes a read was asked for and is not
+    /// answered yet, and when it was asked.
+    asked: HashMap<u32, Instant>,
+    /// With deferred reads: the reads to hand to the owner
+    /// ([`Self::take_read_requests`]).
+    requests: Vec<ReadRequest>,
     /// Parents of processes forked from untracked ones, until they exec
     /// (bounded by `max_processes`).
     fork_parents: HashMap<u32, u32>,
@@ -406,17 +406,20 @@ impl ProcessTable {
     pub fn new(config: TableConfig) -> Self {
         // SAFETY: sysconf has no preconditions.
         let page_size = unsafe { libc::sysconf(libc::_SC_PAGESIZE) };
-        Self {
-            proc_root: Arc::from(config.proc_root.as_path()),
-            config,
+        let reader = TableReader::new(
+            Arc::from(config.proc_root.as_path()),
             // sysconf fails only for unknown names; 4 KiB is x86_64's size.
-            page_size: u64::try_from(page_size).unwrap_or(4096).max(1),
+            u64::try_from(page_size).unwrap_or(4096).max(1),
+            config.max_cached_objects,
+        );
+        Self {
+            config,
             processes: HashMap::new(),
             lru: BTreeMap::new(),
             tick: 0,
-            objects: HashMap::new(),
-            by_build_id: HashMap::new(),
-            digests: DigestBudget::default(),
+            reader,
+            asked: HashMap::new(),
+            requests: Vec::new(),
             fork_parents: HashMap::new(),
             stats: TableStats::default(),
         }
@@ -429,6 +432,11 @@ impl ProcessTable {
     /// identified, re-reads them (the process may have loaded a library
     /// since), unless they were read less than `reread_interval` ago.
     /// `Ok(None)` means "not in executable memory as far as we know".
+    ///
+    /// With [`TableConfig::defer_reads`], a lookup that needs a read asks
+    /// for it ([`Self::take_read_requests`]) and answers
+    /// [`ProcessError::ReadPending`] until the answer is applied
+    /// ([`Self::apply`]).
     pub fn lookup(&mut self, tgid: u32, addr: u64) -> Result<Option<Location>, ProcessError> {
         self.lookup_at(tgid, addr, Instant::now())
     }
@@ -442,9 +450,14 @@ impl ProcessTable {
         now: Instant,
     ) -> Result<Option<Location>, ProcessError> {
         self.stats.lookups += 1;
+        if self.config.defer_reads && self.awaits_read(tgid, now) {
+            return Err(ProcessError::ReadPending { tgid });
+        }
         let interval = self.config.reread_interval;
-        self.identify_learned_at(tgid, addr);
-        let process = self.process(tgid)?;
+        if let Some(request) = self.learned_unidentified_at(tgid, addr) {
+            self.read(request, now)?;
+        }
+        let process = self.process(tgid, now)?;
         if let Some(region) = process.find(addr) {
             // A file that could not be identified is retried with the next
             // read, under the same rate limit as unknown addresses: the
@@ -459,7 +472,7 @@ impl ProcessTable {
             self.stats.rereads_rate_limited += 1;
             return Ok(None);
         }
-        self.load(tgid)?;
+        self.read(ReadRequest::Maps { tgid }, now)?;
         match self.processes.get(&tgid).and_then(|p| p.find(addr)) {
             Some(region) => region.location(addr).map(Some),
             None => Ok(None),
@@ -538,7 +551,7 @@ impl ProcessTable {
         let region = Arc::new(MappedRegion {
             tgid,
             mapping,
-            proc_root: Arc::clone(&self.proc_root),
+            proc_root: Arc::clone(&self.reader.proc_root),
             learned: Some(Arc::new(Learned { build_id, roots })),
         });
         let backing = if has_file {
@@ -572,136 +585,119 @@ impl ProcessTable {
         process.regions.insert(at, Region { region, backing });
     }
 
-    /// Identifies the learned, not yet identified file mapped at `addr` in
-    /// `tgid`, if that is what is there.
-    fn identify_learned_at(&mut self, tgid: u32, addr: u64) {
-        let Some((at, region, build_id)) = self.processes.get(&tgid).and_then(|process| {
-            let at = process.position(addr)?;
-            match process.regions[at].backing {
-                Backing::Learned { build_id } => {
-                    Some((at, Arc::clone(&process.regions[at].region), build_id))
+    /// The read that identifies the learned, not yet identified file
+    /// mapped at `addr` in `tgid`, if that is what is there.
+    fn learned_unidentified_at(&self, tgid: u32, addr: u64) -> Option<ReadRequest> {
+        let process = self.processes.get(&tgid)?;
+        let region = process.find(addr)?;
+        match region.backing {
+            Backing::Learned { build_id } => Some(ReadRequest::Learned {
+                tgid,
+                region: Arc::clone(&region.region),
+                build_id,
+            }),
+            _ => None,
+        }
+    }
+
+    /// Whether a read of `tgid` was asked for and is still awaited (one
+    /// not answered within [`ASK_AGAIN`] may be asked for again: the owner
+    /// could not hand it on).
+    fn awaits_read(&mut self, tgid: u32, now: Instant) -> bool {
+        match self.asked.get(&tgid) {
+            Some(&at) if now.saturating_duration_since(at) < ASK_AGAIN => true,
+            Some(_) => {
+                self.asked.remove(&tgid);
+                false
+            }
+            None => false,
+        }
+    }
+
+    /// Does `request` now, on this thread, or with deferred reads asks the
+    /// owner for it and answers [`ProcessError::ReadPending`].
+    fn read(&mut self, request: ReadRequest, now: Instant) -> Result<(), ProcessError> {
+        let tgid = request.tgid();
+        if !self.config.defer_reads {
+            let answer = self.reader.read(request);
+            return self.apply_found(answer);
+        }
+        if self.asked.len() >= self.config.max_processes {
+            // Asked for and never answered (the owner dropped them): they
+            // are asked for again as samples come.
+            self.asked.clear();
+        }
+        self.asked.insert(tgid, now);
+        self.requests.push(request);
+        self.stats.reads_deferred += 1;
+        Err(ProcessError::ReadPending { tgid })
+    }
+
+    /// The reads asked for since the last call, for the owner to run
+    /// ([`TableReader::read`]) and hand back ([`Self::apply`]).
+    pub fn take_read_requests(&mut self) -> Vec<ReadRequest> {
+        std::mem::take(&mut self.requests)
+    }
+
+    /// Turns deferred reads on or off; returns whether they were on. Off,
+    /// lookups read at once, as they do by default.
+    pub fn set_defer_reads(&mut self, defer: bool) -> bool {
+        std::mem::replace(&mut self.config.defer_reads, defer)
+    }
+
+    /// Whether reads asked for are still unanswered (with deferred reads).
+    pub fn awaits_reads(&self) -> bool {
+        !self.asked.is_empty()
+    }
+
+    /// A handle that does this table's reads (sharing its identity cache)
+    /// on the thread that holds it.
+    pub fn reader(&self) -> TableReader {
+        self.reader.clone()
+    }
+
+    /// Applies the answer to a read asked for; one whose process was
+    /// forgotten since (it exited, exec'd or its pid was reused) is
+    /// dropped. Returns whether it was applied.
+    pub fn apply(&mut self, answer: ReadAnswer) -> bool {
+        if self.asked.remove(&answer.tgid()).is_none() {
+            return false;
+        }
+        // Errors reach the lookups that retry: a process found gone is
+        // left with an empty entry, which rate-limits its reads.
+        let _ = self.apply_found(answer);
+        true
+    }
+
+    fn apply_found(&mut self, answer: ReadAnswer) -> Result<(), ProcessError> {
+        let counts = answer.counts;
+        self.stats.objects_identified += counts.objects_identified;
+        self.stats.build_ids_unverified += counts.build_ids_unverified;
+        self.stats.object_cache_hits += counts.object_cache_hits;
+        self.stats.learned_unidentified += counts.learned_unidentified;
+        let tgid = answer.tgid();
+        match answer.found {
+            Found::Maps(read) => self.apply_maps(tgid, read),
+            Found::Learned(backing) => {
+                let ReadRequest::Learned { region, .. } = answer.request else {
+                    return Ok(());
+                };
+                // The region, if the process still maps it there.
+                if let Some(slot) = self.processes.get_mut(&tgid).and_then(|process| {
+                    let at = process.position(region.mapping.start)?;
+                    let slot = process.regions.get_mut(at)?;
+                    Arc::ptr_eq(&slot.region, &region).then_some(slot)
+                }) {
+                    slot.backing = backing;
                 }
-                _ => None,
+                Ok(())
             }
-        }) else {
-            return;
-        };
-        let backing = match self.identify_learned(&region, build_id) {
-            Ok(object) => {
-                let bias = object
-                    .load_segments
-                    .as_deref()
-                    .and_then(|segments| bias(&region.mapping, segments, self.page_size));
-                Backing::Object { object, bias }
-            }
-            Err(err) => {
-                self.stats.learned_unidentified += 1;
-                tracing::debug!(
-                    tgid,
-                    start = region.mapping.start,
-                    path = %region.mapping.path,
-                    error = %err,
-                    "cannot identify a file mapped while the agent ran"
-                );
-                Backing::Failed(Arc::new(err))
-            }
-        };
-        if let Some(slot) = self
-            .processes
-            .get_mut(&tgid)
-            .and_then(|process| process.regions.get_mut(at))
-        {
-            slot.backing = backing;
         }
-        self.trim_objects();
-    }
-
-    /// The identity of a file mapped while the agent ran: from the file
-    /// itself, reached through the process or, if it is gone, its parent's
-    /// root (from the cache when this version of it was seen before). When
-    /// no such file is left, by the build-id the kernel reported, if only
-    /// one file's contents are known under it. The file comes first
-    /// because any process may map one that claims another's build-id.
-    fn identify_learned(
-        &mut self,
-        region: &MappedRegion,
-        build_id: Option<BuildId>,
-    ) -> Result<Arc<CachedObject>, MappingError> {
-        let opened = match region.open() {
-            Ok(opened) => opened,
-            Err(err) => {
-                return build_id
-                    .and_then(|id| self.by_build_id.get(&id))
-                    .filter(|claim| !claim.contested)
-                    .and_then(|claim| claim.object.upgrade())
-                    .inspect(|_| self.stats.object_cache_hits += 1)
-                    .ok_or(MappingError::Open(err));
-            }
-        };
-        let object = self.identify_opened(&opened)?;
-        if let Some(expected) = build_id
-            && object.id.build_id() != Some(expected)
-        {
-            return Err(MappingError::OtherFile);
-        }
-        Ok(object)
-    }
-
-    /// The identity of an opened file: from the cache when this version of
-    /// it (by its own `fstat`) was seen before, else read (digested within
-    /// the budget) and cached.
-    fn identify_opened(&mut self, opened: &OpenedFile) -> Result<Arc<CachedObject>, MappingError> {
-        if let Some(object) = self.cached(&opened.metadata) {
-            return Ok(object);
-        }
-        let identity =
-            object_id::identify_within(&opened.file, &opened.metadata, &mut self.digests)
-                .map_err(MappingError::Identify)?;
-        Ok(self.remember(identity))
-    }
-
-    /// The cached identity of the file version `metadata` describes.
-    fn cached(&mut self, metadata: &Metadata) -> Option<Arc<CachedObject>> {
-        let object = Arc::clone(self.objects.get(&FileKey::from_metadata(metadata))?);
-        self.stats.object_cache_hits += 1;
-        Some(object)
-    }
-
-    /// Caches a newly read identity by file version and build-id.
-    fn remember(&mut self, identity: object_id::Identity) -> Arc<CachedObject> {
-        self.stats.objects_identified += 1;
-        if matches!(identity.id, ObjectId::UnverifiedBuildId(..)) {
-            self.stats.build_ids_unverified += 1;
-        }
-        let object = Arc::new(CachedObject {
-            id: Arc::new(identity.id),
-            load_segments: identity.load_segments,
-        });
-        self.objects.insert(identity.file_key, Arc::clone(&object));
-        if let Some(build_id) = identity.id.build_id() {
-            let claim = self.by_build_id.entry(build_id).or_insert(BuildIdClaim {
-                object: Weak::new(),
-                contested: false,
-            });
-            if let Some(known) = claim.object.upgrade()
-                && known.id != object.id
-            {
-                if !claim.contested {
-                    tracing::warn!(
-                        "files with different contents claim build-id {build_id}; \
-                         mappings reported by that build-id alone stay unnamed"
-                    );
-                }
-                claim.contested = true;
-            }
-            claim.object = Arc::downgrade(&object);
-        }
-        object
     }
 
     /// The `[vdso]` mapping of `tgid`, reading the process on first sight.
     pub fn vdso(&mut self, tgid: u32) -> Result<Option<Arc<MappedRegion>>, ProcessError> {
-        let process = self.process(tgid)?;
+        let process = self.process(tgid, Instant::now())?;
         Ok(process
             .regions
             .iter()
@@ -719,9 +715,22 @@ impl ProcessTable {
     /// same pid starts from a fresh read.
     pub fn remove(&mut self, tgid: u32) {
         self.fork_parents.remove(&tgid);
+        // A read asked for is of the process forgotten: its answer is not
+        // applied.
+        self.asked.remove(&tgid);
         if let Some(process) = self.processes.remove(&tgid) {
             self.lru.remove(&process.lru_tick);
         }
+    }
+
+    /// Forgets every process (exec or exit records were lost), keeping the
+    /// identity cache: it belongs to files, not processes.
+    pub fn forget_processes(&mut self) {
+        self.processes.clear();
+        self.lru.clear();
+        self.fork_parents.clear();
+        self.asked.clear();
+        self.requests.clear();
     }
 
     /// Forgets the mappings of `tgid` because it called `exec` (the
@@ -762,7 +771,7 @@ impl ProcessTable {
 
     /// Number of file versions in the identity cache.
     pub fn cached_objects(&self) -> usize {
-        self.objects.len()
+        self.reader.cached_objects()
     }
 
     pub fn stats(&self) -> TableStats {
@@ -770,7 +779,7 @@ impl ProcessTable {
     }
 
     /// The entry for `tgid`, read if new, marked as just used.
-    fn process(&mut self, tgid: u32) -> Result<&Process, ProcessError> {
+    fn process(&mut self, tgid: u32, now: Instant) -> Result<&Process, ProcessError> {
         if self.processes.contains_key(&tgid) {
             self.tick += 1;
             let tick = self.tick;
@@ -780,21 +789,25 @@ impl ProcessTable {
                 process.lru_tick = tick;
             }
         } else {
-            self.load(tgid)?;
+            self.read(ReadRequest::Maps { tgid }, now)?;
         }
         self.processes
             .get(&tgid)
             .ok_or(ProcessError::ProcessGone { tgid })
     }
 
-    /// (Re-)reads `tgid`'s maps and replaces its entry. On any error the old
-    /// entry is dropped too: it was either wrong or belongs to a dead process.
+    /// Replaces `tgid`'s entry with what a read of its maps found. On any
+    /// error the old entry is dropped too: it was either wrong or belongs to
+    /// a dead process.
     ///
     /// A process whose mappings were learned from events keeps them when
     /// its maps cannot be read (it exited): they are what is known.
-    fn load(&mut self, tgid: u32) -> Result<(), ProcessError> {
+    fn apply_maps(
+        &mut self,
+        tgid: u32,
+        read: Result<Vec<Region>, MapsReadError>,
+    ) -> Result<(), ProcessError> {
         self.stats.maps_reads += 1;
-        let read = maps::read_maps_at(&self.proc_root, tgid);
         if read.is_err()
             && let Some(process) = self.processes.get_mut(&tgid)
             && process.learned
@@ -809,57 +822,24 @@ impl ProcessTable {
             .get_mut(&tgid)
             .map(|p| (p.learned, p.parent, p.exec_learned_at, p.exe.take()));
         self.remove(tgid);
-        let mappings = match read {
-            Ok(mappings) => mappings,
-            Err(MapsError::ProcessGone { .. }) => return Err(ProcessError::ProcessGone { tgid }),
-            Err(source) => {
+        let regions = match read {
+            Ok(regions) => regions,
+            Err(MapsReadError::Gone) if !self.config.defer_reads => {
+                return Err(ProcessError::ProcessGone { tgid });
+            }
+            Err(MapsReadError::Gone) => {
+                // The samples held for it retry: an empty entry answers
+                // them (and rate-limits another read).
+                self.insert(tgid, Vec::new());
+                return Err(ProcessError::ProcessGone { tgid });
+            }
+            Err(MapsReadError::Unreadable(source)) => {
                 // An empty entry puts retries under the rate limit: maps we
                 // cannot read or parse must not be read again every sample.
                 self.insert(tgid, Vec::new());
                 return Err(ProcessError::Maps { tgid, source });
             }
         };
-        let mut regions = Vec::new();
-        for mapping in mappings.into_iter().filter(|m| m.perms.exec) {
-            let backing = if mapping.is_file_backed() {
-                match self.identify(tgid, &mapping) {
-                    Ok(object) => {
-                        let bias = object
-                            .load_segments
-                            .as_deref()
-                            .and_then(|segments| bias(&mapping, segments, self.page_size));
-                        Backing::Object { object, bias }
-                    }
-                    Err(MappingError::Open(OpenError::ProcessGone { .. })) => {
-                        return Err(ProcessError::ProcessGone { tgid });
-                    }
-                    Err(err) => {
-                        tracing::debug!(
-                            tgid,
-                            start = mapping.start,
-                            path = %mapping.path,
-                            error = %err,
-                            "cannot identify a mapped file"
-                        );
-                        Backing::Failed(Arc::new(err))
-                    }
-                }
-            } else {
-                Backing::Unbacked
-            };
-            regions.push(Region {
-                region: Arc::new(MappedRegion {
-                    tgid,
-                    mapping,
-                    proc_root: Arc::clone(&self.proc_root),
-                    learned: None,
-                }),
-                backing,
-            });
-        }
-        // The kernel prints maps sorted; sorting again costs little and keeps
-        // `find` correct for a hand-written proc root.
-        regions.sort_by_key(|region| region.region.mapping.start);
         self.insert(tgid, regions);
         if let Some(process) = self.processes.get_mut(&tgid)
             && let Some((learned, parent, exec_learned_at, exe)) = kept
@@ -871,7 +851,6 @@ impl ProcessTable {
                 process.exe,
             ) = (learned, parent, exec_learned_at, exe);
         }
-        self.trim_objects();
         Ok(())
     }
 
@@ -897,41 +876,10 @@ impl ProcessTable {
         );
     }
 
-    /// The identity of a mapped file, from the cache when this version of
-    /// the file (by `stat`) was seen before.
-    fn identify(
-        &mut self,
-        tgid: u32,
-        mapping: &Mapping,
-    ) -> Result<Arc<CachedObject>, MappingError> {
-        let (metadata, _) =
-            open::stat_mapped(&self.proc_root, tgid, mapping).map_err(MappingError::Open)?;
-        if let Some(object) = self.cached(&metadata) {
-            return Ok(object);
-        }
-        let opened =
-            open::open_mapped(&self.proc_root, tgid, mapping).map_err(MappingError::Open)?;
-        // Keyed by the opened file's own metadata: the file may have been
-        // rewritten between the stat and the open.
-        self.identify_opened(&opened)
-    }
-
     fn evict_one(&mut self) {
         if let Some((_, tgid)) = self.lru.pop_first() {
             self.processes.remove(&tgid);
             self.stats.evictions += 1;
-        }
-    }
-
-    /// Keeps the identity cache bounded: past the cap, identities no tracked
-    /// process maps are dropped. Ones still in use stay, so the cache can
-    /// exceed the cap only as far as the processes' own mappings demand.
-    fn trim_objects(&mut self) {
-        if self.objects.len() > self.config.max_cached_objects {
-            self.objects
-                .retain(|_, object| Arc::strong_count(object) > 1);
-            self.by_build_id
-                .retain(|_, claim| claim.object.strong_count() > 0);
         }
     }
 }
@@ -984,7 +932,10 @@ mod tests {
     use std::fmt::Write as _;
 
     use super::*;
-    use crate::maps::{Dev, Perms};
+    use crate::{
+        maps::{Dev, Perms},
+        object_id::FileKey,
+    };
 
     const PAGE: u64 = 4096;
     const R: u32 = object::elf::PF_R.0;
@@ -1220,6 +1171,65 @@ mod tests {
             "{err:?}"
         );
         assert!(table.is_empty());
+    }
+
+    #[test]
+    fn deferred_reads_are_asked_of_the_owner_and_answer_once_applied() {
+        let proc = FakeProc::new();
+        proc.set_maps(10, &[JIT]);
+        let mut table = ProcessTable::new(TableConfig {
+            proc_root: proc.dir.path().to_path_buf(),
+            defer_reads: true,
+            ..TableConfig::default()
+        });
+        let now = Instant::now();
+        let pending = |result: Result<Option<Location>, ProcessError>| {
+            matches!(result, Err(ProcessError::ReadPending { tgid: 10 }))
+        };
+        assert!(pending(table.lookup_at(10, 0x7f0000000010, now)));
+        // Asked for once while awaited, however many samples come.
+        assert!(pending(table.lookup_at(10, 0x7f0000000020, now)));
+        let requests = table.take_read_requests();
+        assert!(matches!(requests[..], [ReadRequest::Maps { tgid: 10 }]));
+        assert_eq!(table.stats().maps_reads, 0, "nothing read on this thread");
+        // The owner's thread reads; the answer is applied here.
+        let reader = table.reader();
+        let answer = std::thread::spawn(move || reader.read(requests[0].clone()))
+            .join()
+            .expect("reader thread");
+        assert!(table.apply(answer));
+        let found = table.lookup_at(10, 0x7f0000000010, now).expect("answered");
+        assert!(matches!(found, Some(Location::Unbacked(_))), "{found:?}");
+        assert_eq!(table.stats().reads_deferred, 1);
+
+        // An answer for a process forgotten meanwhile is dropped.
+        proc.set_maps(11, &[JIT]);
+        assert!(matches!(
+            table.lookup_at(11, 0x7f0000000010, now),
+            Err(ProcessError::ReadPending { tgid: 11 })
+        ));
+        let request = table.take_read_requests().remove(0);
+        table.remove(11);
+        assert!(!table.apply(table.reader().read(request)));
+        assert!(!table.contains(11));
+
+        // A read never answered (the owner dropped it) is asked for again.
+        proc.set_maps(12, &[JIT]);
+        assert!(table.lookup_at(12, 0x10, now).is_err());
+        assert_eq!(table.take_read_requests().len(), 1);
+        assert!(table.lookup_at(12, 0x10, now).is_err());
+        assert!(table.take_read_requests().is_empty());
+        assert!(table.lookup_at(12, 0x10, now + ASK_AGAIN).is_err());
+        assert_eq!(table.take_read_requests().len(), 1);
+
+        // A process found gone answers its retries, unread, until the
+        // rate limit lets another read be asked for.
+        proc.kill(12);
+        let request = ReadRequest::Maps { tgid: 12 };
+        assert!(table.apply(table.reader().read(request)));
+        let later = Instant::now();
+        assert!(matches!(table.lookup_at(12, 0x10, later), Ok(None)));
+        assert!(table.take_read_requests().is_empty());
     }
 
     #[test]

@@ -556,10 +556,13 @@ mod tests {
 
     #[test]
     fn the_peak_rss_of_this_process_is_at_least_its_rss() {
+        // One read of both: the kernel's RSS counters are batched per
+        // CPU, so two reads can see the resident size shrink a little.
         let status = std::fs::read_to_string("/proc/self/status").unwrap();
         let now = stackscope_telemetry::status_kib(&status, "VmRSS:").unwrap();
-        let peak = peak_rss_kib(std::process::id()).unwrap();
+        let peak = stackscope_telemetry::status_kib(&status, "VmHWM:").unwrap();
         assert!(peak >= now && now > 0, "VmHWM {peak} KiB, VmRSS {now} KiB");
+        assert!(peak_rss_kib(std::process::id()).is_some_and(|peak| peak > 0));
         assert_eq!(peak_rss_kib(u32::MAX), None);
     }
 

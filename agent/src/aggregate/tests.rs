@@ -290,6 +290,19 @@ fn an_interval_ended_before_the_answer_ships_what_it_knows() {
     aggregator.add(&gone, &[], Some(&walk_of(&stack)));
     assert!(!aggregator.has_pending_labels());
     assert!(aggregator.take_wanted().is_empty());
+
+    // One whose exec the mapping feed saw ships the exe it exec'd, even
+    // undescribed.
+    let execd = SampleHeader {
+        process_start_ns: 23_456,
+        ..header(u32::MAX - 2, "short", true)
+    };
+    aggregator.on_exec(execd.tgid, Some(Path::new("/usr/bin/short")));
+    aggregator.add(&execd, &[], Some(&walk_of(&stack)));
+    let interval = aggregator.finish_interval(SystemTime::now());
+    let exes: Vec<&str> = interval.label_sets.iter().map(|set| &*set.exe).collect();
+    assert!(exes.contains(&"/usr/bin/short"), "{exes:?}");
+    assert_eq!(aggregator.stats().labels_undescribed, 2);
 }
 
 #[test]

@@ -2,7 +2,9 @@
 //! cgroup tree, kept off the sampling thread (a slow filesystem must not
 //! delay a drain) and off the runtime (which exports and serves). It
 //! describes the processes the sampling thread meets (their exe, cgroup
-//! and container names: what their labels are made of), opens the mapped
+//! and container names: what their labels are made of), reads the maps of
+//! processes the walker meets without knowing them and identifies the
+//! files they map (the process table's reads), opens the mapped
 //! files the aggregator will name frames in while their processes run,
 //! resolves the
 //! container selection into cgroup policies, with the container runtimes'
@@ -28,6 +30,7 @@ use stackscope_metadata::{
     kubelet::PodList,
     selection::Resolver,
 };
+use stackscope_process_table::{ReadRequest, TableReader};
 use stackscope_symbolize::node::ObjectFile;
 
 /// What the worker is asked to do.
@@ -40,6 +43,8 @@ enum Job {
     FindGone(Vec<u32>),
     /// What these processes' labels are made of.
     Describe(Vec<Wanted>),
+    /// The process table's reads: maps and the identities of mapped files.
+    Read(TableReader, Vec<ReadRequest>),
     /// Open these mapped files while their processes run (the interval
     /// that met them holds them for naming).
     Open(Vec<Arc<ObjectFile>>),
@@ -79,6 +84,15 @@ impl MetadataJobs {
     pub fn open(&self, files: Vec<Arc<ObjectFile>>) {
         if !files.is_empty() {
             self.send(Job::Open(files));
+        }
+    }
+
+    /// Asks for the process table's reads; the answers reach the sampling
+    /// thread when read (a read dropped with a full queue is asked for
+    /// again by the table, a second later).
+    pub fn read(&self, reader: TableReader, requests: Vec<ReadRequest>) {
+        if !requests.is_empty() {
+            self.send(Job::Read(reader, requests));
         }
     }
 
@@ -153,6 +167,12 @@ pub(super) fn start(
                         }
                         continue;
                     }
+                    Job::Read(reader, requests) => Command::Read(
+                        requests
+                            .into_iter()
+                            .map(|request| reader.read(request))
+                            .collect(),
+                    ),
                     Job::Describe(wanted) => Command::Described(
                         wanted
                             .into_iter()

@@ -36,6 +36,7 @@ use crate::{
     tally::ProcessTally,
 };
 use stackscope_metadata::{describe::Description, kubelet::PodList};
+use stackscope_process_table::ReadAnswer;
 use stackscope_sampler::{
     Counters, Sampler, SamplerConfig, SamplerError, mapping_feed::MappingFeed, record::Record,
 };
@@ -72,6 +73,8 @@ pub(super) enum Command {
     Gone { tgids: Vec<u32>, checked_at: u64 },
     /// What the processes the aggregator asked about are: their labels.
     Described(Vec<Description>),
+    /// The process table's reads the walker asked for.
+    Read(Vec<ReadAnswer>),
     /// The totals now, for the status line or the metrics.
     Totals(Purpose),
 }
@@ -226,6 +229,8 @@ async fn sample(
         walker: StackWalker::new(WalkerConfig {
             stack_bytes: config.sampler.user_stack_bytes,
             deep_stack_bytes: config.sampler.deep_stack_bytes,
+            // The metadata worker reads: this thread never waits on /proc.
+            defer_reads: true,
             ..config.walker.clone()
         }),
         aggregator: Aggregator::new(config.aggregation.clone()),
@@ -264,7 +269,11 @@ async fn sample(
             () = tokio::time::sleep_until(labels_deadline), if ending.deadline().is_some() => Ok(()),
             Some(command) = commands.recv() => {
                 let sampling = Sampling { sampler: &mut sampler, worker: &worker, began };
-                records.apply(command, sampling, &reports, &handoffs)
+                let applied = records.apply(command, sampling, &reports, &handoffs);
+                // Samples a read let through may want descriptions, files
+                // opened, or another read.
+                records.ask_metadata(&metadata);
+                applied
             }
             _ = &mut stop => break Ok(()),
         };
@@ -347,12 +356,20 @@ async fn last_labels(
     commands: &mut mpsc::Receiver<Command>,
 ) -> Result<(), SamplerError> {
     records.drain(sampler)?;
-    metadata.describe(records.aggregator.take_wanted());
+    records.ask_metadata(metadata);
     let deadline = Instant::now() + LABELS_WAIT;
-    while records.aggregator.has_pending_labels() {
+    while records.aggregator.has_pending_labels() || records.walker.awaits_reads() {
         match tokio::time::timeout_at(deadline, commands.recv()).await {
             Ok(Some(Command::Described(descriptions))) => {
                 records.aggregator.describe(descriptions);
+            }
+            Ok(Some(Command::Read(answers))) => {
+                let RecordTally {
+                    walker, aggregator, ..
+                } = records;
+                walker.apply_reads(answers);
+                walker.poll(|w| aggregator.add(w.header, w.kernel_frames, Some(&w.walk)));
+                records.ask_metadata(metadata);
             }
             Ok(Some(_)) => {}
             Ok(None) | Err(_) => break,
@@ -381,8 +398,7 @@ fn drain(
     metadata: &MetadataJobs,
 ) -> Result<(), RunError> {
     records.drain(sampler)?;
-    metadata.open(records.aggregator.take_to_open());
-    metadata.describe(records.aggregator.take_wanted());
+    records.ask_metadata(metadata);
     if records.aggregator.take_unknown_pod_seen() {
         handoffs.report(reports, Report::UnknownPod);
     }
@@ -482,6 +498,13 @@ impl RecordTally {
             Command::Policies(wanted) => update_policies(sampling.sampler, &wanted),
             Command::Gone { tgids, checked_at } => self.forget(&tgids, checked_at),
             Command::Described(descriptions) => self.aggregator.describe(descriptions),
+            Command::Read(answers) => {
+                let Self {
+                    walker, aggregator, ..
+                } = self;
+                walker.apply_reads(answers);
+                walker.poll(|w| aggregator.add(w.header, w.kernel_frames, Some(&w.walk)));
+            }
             Command::Totals(purpose) => {
                 let elapsed = sampling.began.elapsed();
                 let totals = self.totals(sampling.sampler, sampling.worker, handoffs, elapsed)?;
@@ -489,6 +512,15 @@ impl RecordTally {
             }
         }
         Ok(())
+    }
+
+    /// Hands the metadata worker what the walks and labels since the last
+    /// call need: the process table's reads, files to open while their
+    /// processes run, processes to describe.
+    fn ask_metadata(&mut self, metadata: &MetadataJobs) {
+        metadata.read(self.walker.table_reader(), self.walker.take_read_requests());
+        metadata.open(self.aggregator.take_to_open());
+        metadata.describe(self.aggregator.take_wanted());
     }
 
     /// Walks the samples still held, ends the last partial interval and

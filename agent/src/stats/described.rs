@@ -699,6 +699,15 @@ const PROCESSES: &[Stat] = &[
         )],
     ),
     counter(
+        "proc_reads_deferred",
+        "Process table reads (maps, mapped files' identities) handed to the \
+         metadata worker; the samples that needed one waited for it.",
+        &[one(
+            "/process_table/reads_deferred",
+            field!(process_table.reads_deferred),
+        )],
+    ),
+    counter(
         "exited_processes",
         "Sampled processes that exited while the agent ran.",
         &[one("/exited_processes", field!(processes.exited_processes))],
@@ -789,8 +798,9 @@ const AGGREGATION: &[Stat] = &[
     ),
     counter(
         "labels_undescribed",
-        "Label sets shipped without exe and container: their process was \
-         described after their interval ended.",
+        "Label sets shipped before their process was described (after their \
+         interval ended): without their container, and without their exe \
+         unless the mapping feed saw the process exec.",
         &[one(
             "/aggregation/labels_undescribed",
             field!(aggregation.labels_undescribed),

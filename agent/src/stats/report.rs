@@ -237,6 +237,7 @@ mod tests {
         "/exited_processes",
         "/exited_samples",
         "/process_table/maps_reads",
+        "/process_table/reads_deferred",
         "/process_table/mappings_learned",
         "/process_table/learned_unidentified",
         "/process_table/answered_after_exit",

@@ -124,6 +124,7 @@ pub(crate) fn every_figure_distinct() -> RunTotals {
             mappings_learned: n(),
             learned_unidentified: n(),
             answered_after_exit: n(),
+            reads_deferred: n(),
         },
         processes: TallyTotals {
             exited_processes: n(),

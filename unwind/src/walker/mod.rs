@@ -49,7 +49,7 @@ use agent_common::{SampleHeader, sample_flags};
 use process_state::{ProcessState, Processes, Slot};
 use stackscope_process_table::{
     BuildId, Location, Mapping, MappingPath, ModuleFile, ObjectId, ProcessError, ProcessTable,
-    TableConfig, maps::own_vdso_image,
+    ReadAnswer, ReadRequest, TableConfig, TableReader, maps::own_vdso_image,
 };
 use stitching::{PlanStats, PlanUpdate, Planner, RemoteStack, WalkReport};
 
@@ -82,6 +82,10 @@ pub struct WalkerConfig {
     /// Learn per-process copy sizes and per-thread stack tails (the
     /// sampler reads what walks need); off, every tick copies the ceiling.
     pub adaptive: bool,
+    /// The process table's reads (maps, file identities) are handed to the
+    /// owner ([`StackWalker::take_read_requests`]) instead of done on the
+    /// walking thread; the samples that need one are held meanwhile.
+    pub defer_reads: bool,
 }
 
 impl Default for WalkerConfig {
@@ -95,6 +99,7 @@ impl Default for WalkerConfig {
             stack_bytes: agent_common::DEFAULT_USER_STACK_BYTES,
             deep_stack_bytes: agent_common::MAX_DEEP_STACK_BYTES,
             adaptive: true,
+            defer_reads: false,
         }
     }
 }
@@ -124,6 +129,18 @@ pub const JIT_BINARY: &str = "[jit]";
 /// Modules resolved per walk at most: bounds the re-walks a single sample can
 /// cause (a stack through many not-yet-seen libraries).
 const MAX_RESOLVES_PER_WALK: usize = 16;
+
+/// What resolving an address found.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Resolved {
+    /// The module holding it, added to the process's list.
+    Module,
+    /// No module: not executable memory, or the process is gone.
+    Nothing,
+    /// A read of the process is awaited (deferred reads): the walk waits,
+    /// as for a table.
+    Pending,
+}
 
 /// Binaries tracked individually in [`WalkStats::by_binary`].
 const MAX_BINARIES_TRACKED: usize = 1024;
@@ -209,7 +226,8 @@ pub struct Walked<'a> {
 pub enum WalkOutcome {
     /// The unwinder stopped for this reason.
     Ended(UnwindEnd),
-    /// The walk reached a module whose table is still being compiled; the
+    /// The walk reached a module whose table is still being compiled (or,
+    /// with deferred reads, an address whose process is being read); the
     /// frames so far are correct but incomplete.
     TablePending,
 }
@@ -707,7 +725,10 @@ impl StackWalker {
         let unknown_binary = binary_slots.slot("[unknown]".into(), &mut stats.by_binary);
         let jit_binary = binary_slots.slot(JIT_BINARY.into(), &mut stats.by_binary);
         Self {
-            processes: ProcessTable::new(TableConfig::default()),
+            processes: ProcessTable::new(TableConfig {
+                defer_reads: config.defer_reads,
+                ..TableConfig::default()
+            }),
             modules: Processes::default(),
             last_process: None,
             tables: TableCache::default(),
@@ -825,10 +846,15 @@ impl StackWalker {
             .into_iter()
             .partition(|held| held.header.tgid == tgid);
         self.waiting = others;
+        // What the process maps is about to be forgotten (it exec'd, or
+        // its pid is another process's): a read asked for would come too
+        // late for these, so they read on this thread, this once.
+        let deferred = self.processes.set_defer_reads(false);
         for held in theirs {
             self.waiting_bytes -= held.bytes();
             self.walk_as_far_as_it_goes(&held, on_walk);
         }
+        self.processes.set_defer_reads(deferred);
     }
 
     /// Walks a held sample with what is known now, pending tables or not.
@@ -1214,13 +1240,40 @@ impl StackWalker {
     /// process's state may be another's now, so all of it goes and is
     /// learned again. Tables stay: they belong to files, not processes.
     pub fn forget_all_processes(&mut self) {
-        self.processes = ProcessTable::new(TableConfig::default());
+        self.processes.forget_processes();
         for (tgid, state) in self.modules.drain() {
             self.planner.forget_process(tgid, state.copy);
         }
         self.exited.clear();
         self.planner.forget_all();
         self.stats.state_resets += 1;
+    }
+
+    /// The process table's reads asked for since the last call (deferred
+    /// reads, see [`WalkerConfig::defer_reads`]): the owner runs them with
+    /// [`Self::table_reader`] on another thread and hands the answers to
+    /// [`Self::apply_reads`].
+    pub fn take_read_requests(&mut self) -> Vec<ReadRequest> {
+        self.processes.take_read_requests()
+    }
+
+    /// A handle that does the process table's reads, sharing its identity
+    /// cache, on the thread that holds it.
+    pub fn table_reader(&self) -> TableReader {
+        self.processes.reader()
+    }
+
+    /// Whether reads asked for are still unanswered.
+    pub fn awaits_reads(&self) -> bool {
+        self.processes.awaits_reads()
+    }
+
+    /// Applies the answers to reads asked for; the samples held for them
+    /// are walked again on the next [`Self::poll`] or [`Self::push`].
+    pub fn apply_reads(&mut self, answers: Vec<ReadAnswer>) {
+        for answer in answers {
+            self.tables_changed |= self.processes.apply(answer);
+        }
     }
 
     /// Processes whose modules are kept now (at most [`MAX_PROCESSES`]).
@@ -1382,11 +1435,12 @@ impl StackWalker {
                 }
                 return Ok((end, pending));
             }
-            if !unknown.is_some_and(|pc| self.resolve(tgid, pc)) {
+            let resolved = unknown.map_or(Resolved::Nothing, |pc| self.resolve(tgid, pc));
+            if resolved != Resolved::Module {
                 if matches!(used, WalkUse::Sample(_)) {
                     self.place_frames_of(tgid, frames);
                 }
-                return Ok((end, pending));
+                return Ok((end, resolved == Resolved::Pending));
             }
             resolves += 1;
         }
@@ -1458,13 +1512,13 @@ impl StackWalker {
         }
     }
 
-    /// Adds the module holding `pc` to the process's list; false when `pc`
-    /// is in no module (or the process is gone).
-    fn resolve(&mut self, tgid: u32, pc: u64) -> bool {
+    /// Adds the module holding `pc` to the process's list, if it is in
+    /// one (and the process is not gone), or says a read is awaited.
+    fn resolve(&mut self, tgid: u32, pc: u64) -> Resolved {
         let module = match self.processes.lookup(tgid, pc) {
             Ok(Some(Location::Object(object))) => {
                 let Some(vaddr) = object.elf_vaddr else {
-                    return false;
+                    return Resolved::Nothing;
                 };
                 let id = *object.id;
                 let table = match self.tables.get(&id) {
@@ -1475,7 +1529,7 @@ impl StackWalker {
                     None => {
                         if !self.compiler.submit(object.clone()) {
                             // The compiler's queue is full: a later sample retries.
-                            return false;
+                            return Resolved::Nothing;
                         }
                         let pending = ModuleTable::Pending(id);
                         self.tables
@@ -1524,7 +1578,8 @@ impl StackWalker {
                     object: ModuleObject::Jit,
                 }
             }
-            Ok(_) => return false,
+            Ok(_) => return Resolved::Nothing,
+            Err(ProcessError::ReadPending { .. }) => return Resolved::Pending,
             Err(ProcessError::Unidentified { region, .. })
                 if !Path::new(&format!("/proc/{tgid}")).exists() =>
             {
@@ -1545,12 +1600,12 @@ impl StackWalker {
             }
             Err(err) => {
                 tracing::debug!("process {tgid}: {err}");
-                return false;
+                return Resolved::Nothing;
             }
         };
         let space = self.next_space();
         self.process_modules(tgid, 0).insert(module, space);
-        true
+        Resolved::Module
     }
 
     fn record(&mut self, outcome: WalkOutcome, stitched: bool) {
@@ -1885,6 +1940,45 @@ mod tests {
         // An exit with nothing held goes at once.
         walker.on_exit(header.tgid);
         assert_eq!(walker.take_completed_exits(), [header.tgid]);
+    }
+
+    #[test]
+    fn with_deferred_reads_a_sample_waits_for_its_process_to_be_read_elsewhere() {
+        let mut walker = StackWalker::new(WalkerConfig {
+            defer_reads: true,
+            ..WalkerConfig::default()
+        });
+        let (header, stack) = own_sample();
+        let mut delivered = Vec::new();
+        walker.push(&header, &[], UserStack::copy_only(&stack), |w| {
+            delivered.push(w.walk.outcome)
+        });
+        assert_eq!((walker.waiting(), walker.table_stats().maps_reads), (1, 0));
+        let requests = walker.take_read_requests();
+        assert_eq!(requests.len(), 1);
+        let reader = walker.table_reader();
+        let answers = std::thread::spawn(move || {
+            requests
+                .into_iter()
+                .map(|request| reader.read(request))
+                .collect()
+        })
+        .join()
+        .expect("the reading thread");
+        walker.apply_reads(answers);
+        let started = std::time::Instant::now();
+        while delivered.is_empty() {
+            assert!(started.elapsed() < std::time::Duration::from_secs(60));
+            // Files identified on the reading thread, tables compiled on
+            // the compiler's; this one only waits for them.
+            std::thread::sleep(std::time::Duration::from_millis(5));
+            walker.poll(|w| delivered.push(w.walk.outcome));
+            for request in walker.take_read_requests() {
+                walker.apply_reads(vec![walker.table_reader().read(request)]);
+            }
+        }
+        assert_eq!(delivered, [WalkOutcome::Ended(UnwindEnd::Outermost)]);
+        assert_eq!(walker.table_stats().maps_reads, 1);
     }
 
     #[test]
