@@ -364,11 +364,7 @@ async fn last_labels(
                 records.aggregator.describe(descriptions);
             }
             Ok(Some(Command::Read(answers))) => {
-                let RecordTally {
-                    walker, aggregator, ..
-                } = records;
-                walker.apply_reads(answers);
-                walker.poll(|w| aggregator.add(w.header, w.kernel_frames, Some(&w.walk)));
+                records.walk_after_reads(answers, sampler);
                 records.ask_metadata(metadata);
             }
             Ok(Some(_)) => {}
@@ -498,13 +494,7 @@ impl RecordTally {
             Command::Policies(wanted) => update_policies(sampling.sampler, &wanted),
             Command::Gone { tgids, checked_at } => self.forget(&tgids, checked_at),
             Command::Described(descriptions) => self.aggregator.describe(descriptions),
-            Command::Read(answers) => {
-                let Self {
-                    walker, aggregator, ..
-                } = self;
-                walker.apply_reads(answers);
-                walker.poll(|w| aggregator.add(w.header, w.kernel_frames, Some(&w.walk)));
-            }
+            Command::Read(answers) => self.walk_after_reads(answers, sampling.sampler),
             Command::Totals(purpose) => {
                 let elapsed = sampling.began.elapsed();
                 let totals = self.totals(sampling.sampler, sampling.worker, handoffs, elapsed)?;
@@ -512,6 +502,18 @@ impl RecordTally {
             }
         }
         Ok(())
+    }
+
+    /// Applies the process table's reads and walks the samples that waited
+    /// for them. The plans those walks teach go to the sampler now, not at
+    /// the next drain: a short process would be gone by then.
+    fn walk_after_reads(&mut self, answers: Vec<ReadAnswer>, sampler: &mut Sampler) {
+        let Self {
+            walker, aggregator, ..
+        } = self;
+        walker.apply_reads(answers);
+        walker.poll(|w| aggregator.add(w.header, w.kernel_frames, Some(&w.walk)));
+        sampler.apply_plan_updates(walker.take_plan_updates());
     }
 
     /// Hands the metadata worker what the walks and labels since the last
