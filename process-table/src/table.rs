@@ -452,9 +452,6 @@ impl ProcessTable {
         now: Instant,
     ) -> Result<Option<Location>, ProcessError> {
         self.stats.lookups += 1;
-        if self.config.defer_reads && self.awaits_read(tgid, now) {
-            return Err(ProcessError::ReadPending { tgid });
-        }
         let interval = self.config.reread_interval;
         if let Some(request) = self.learned_unidentified_at(tgid, addr) {
             // At once even with deferred reads: an open through map_files
@@ -481,7 +478,7 @@ impl ProcessTable {
             self.stats.rereads_rate_limited += 1;
             return Ok(None);
         }
-        self.read(ReadRequest::Maps { tgid }, now)?;
+        self.reread(tgid, now)?;
         match self.processes.get(&tgid).and_then(|p| p.find(addr)) {
             Some(region) => region.location(addr).map(Some),
             None => Ok(None),
@@ -623,14 +620,38 @@ impl ProcessTable {
         }
     }
 
-    /// Does `request` now, on this thread, or with deferred reads asks the
-    /// owner for it and answers [`ProcessError::ReadPending`].
+    /// Reads the maps of a process seen for the first time now, on this
+    /// thread, or with deferred reads asks the owner for them (once) and
+    /// answers [`ProcessError::ReadPending`]: its samples wait.
     fn read(&mut self, request: ReadRequest, now: Instant) -> Result<(), ProcessError> {
         let tgid = request.tgid();
         if !self.config.defer_reads {
             let answer = self.reader.read(request);
             return self.apply_found(answer);
         }
+        if !self.awaits_read(tgid, now) {
+            self.ask(request, now);
+        }
+        Err(ProcessError::ReadPending { tgid })
+    }
+
+    /// Reads a known process's maps again (an address outside them, or in
+    /// a file not identified): now, or with deferred reads asks for them
+    /// and goes on with what is known. Its samples do not wait: most such
+    /// addresses are the garbage a walk ends on, and the new library a read
+    /// would find is there for the samples after the answer.
+    fn reread(&mut self, tgid: u32, now: Instant) -> Result<(), ProcessError> {
+        if !self.config.defer_reads {
+            return self.read(ReadRequest::Maps { tgid }, now);
+        }
+        if !self.awaits_read(tgid, now) {
+            self.ask(ReadRequest::Maps { tgid }, now);
+        }
+        Ok(())
+    }
+
+    fn ask(&mut self, request: ReadRequest, now: Instant) {
+        let tgid = request.tgid();
         if self.asked.len() >= self.config.max_processes {
             // Asked for and never answered (the owner dropped them): they
             // are asked for again as samples come.
@@ -639,7 +660,6 @@ impl ProcessTable {
         self.asked.insert(tgid, now);
         self.requests.push(request);
         self.stats.reads_deferred += 1;
-        Err(ProcessError::ReadPending { tgid })
     }
 
     /// The reads asked for since the last call, for the owner to run
@@ -1210,6 +1230,13 @@ mod tests {
         let found = table.lookup_at(10, 0x7f0000000010, now).expect("answered");
         assert!(matches!(found, Some(Location::Unbacked(_))), "{found:?}");
         assert_eq!(table.stats().reads_deferred, 1);
+        // An address outside its known mappings asks for a read again, but
+        // the lookup answers from what is known: nothing waits for it.
+        let later = Instant::now() + REREAD_INTERVAL;
+        assert!(matches!(table.lookup_at(10, 0x10, later), Ok(None)));
+        assert!(matches!(table.lookup_at(10, 0x20, later), Ok(None)));
+        assert_eq!(table.take_read_requests().len(), 1, "asked once");
+        assert!(table.lookup_at(10, 0x7f0000000010, later).is_ok());
 
         // An answer for a process forgotten meanwhile is dropped.
         proc.set_maps(11, &[JIT]);
