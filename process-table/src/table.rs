@@ -86,8 +86,8 @@ pub struct TableConfig {
     pub reread_interval: Duration,
     /// [`MAX_CACHED_OBJECTS`] by default.
     pub max_cached_objects: usize,
-    /// Reads of maps are asked of the owner instead of done by lookups
-    /// (see [`ProcessTable::lookup`]); off by default.
+    /// Reads are asked of the owner instead of done by lookups (see
+    /// [`ProcessTable::lookup`]); off by default.
     pub defer_reads: bool,
 }
 
@@ -435,10 +435,12 @@ impl ProcessTable {
     /// since), unless they were read less than `reread_interval` ago.
     /// `Ok(None)` means "not in executable memory as far as we know".
     ///
-    /// With [`TableConfig::defer_reads`], a lookup that needs the process's
-    /// maps read asks for it ([`Self::take_read_requests`]) and answers
+    /// With [`TableConfig::defer_reads`], a lookup that needs a read (the
+    /// maps of a process seen for the first time, a file mapped while the
+    /// agent ran) asks for it ([`Self::take_read_requests`]) and answers
     /// [`ProcessError::ReadPending`] until the answer is applied
-    /// ([`Self::apply`]).
+    /// ([`Self::apply`]); a re-read of a known process's maps is asked for
+    /// without holding anything up.
     pub fn lookup(&mut self, tgid: u32, addr: u64) -> Result<Option<Location>, ProcessError> {
         self.lookup_at(tgid, addr, Instant::now())
     }
@@ -454,14 +456,7 @@ impl ProcessTable {
         self.stats.lookups += 1;
         let interval = self.config.reread_interval;
         if let Some(request) = self.learned_unidentified_at(tgid, addr) {
-            // At once even with deferred reads: an open through map_files
-            // and a cache hit, most often, and the process it belongs to
-            // started while the agent ran, so it may live only
-            // milliseconds. Held for a read, its samples were walked late
-            // enough to cost a loop of short sqlite3 runs 3% of its walks
-            // to the root (truncated copies).
-            let answer = self.reader.read(request);
-            self.apply_found(answer)?;
+            self.read(request, now)?;
         }
         let process = self.process(tgid, now)?;
         if let Some(region) = process.find(addr) {
@@ -620,9 +615,9 @@ impl ProcessTable {
         }
     }
 
-    /// Reads the maps of a process seen for the first time now, on this
-    /// thread, or with deferred reads asks the owner for them (once) and
-    /// answers [`ProcessError::ReadPending`]: its samples wait.
+    /// Does `request` now, on this thread, or with deferred reads asks the
+    /// owner for it (once) and answers [`ProcessError::ReadPending`]: the
+    /// samples that need it wait.
     fn read(&mut self, request: ReadRequest, now: Instant) -> Result<(), ProcessError> {
         let tgid = request.tgid();
         if !self.config.defer_reads {

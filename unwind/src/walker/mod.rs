@@ -1340,15 +1340,21 @@ impl StackWalker {
         } else {
             WalkOutcome::Ended(end)
         };
+        let stack_unreadable = stack.copy.is_empty()
+            && stack.tail.is_empty()
+            && header.flags & sample_flags::USER_STACK_FAULTED != 0;
         if header.flags & sample_flags::TICK_IN_USER == 0
-            && matches!(self.placed(), [FrameObject::Anonymous { .. }])
+            && (stack_unreadable || matches!(self.placed(), [FrameObject::Anonymous { .. }]))
         {
             // A tick in the kernel whose saved user registers point into
-            // nothing known to be mapped: inside execve after the old image
-            // was dropped, in exit after the memory was torn down (or, with
-            // mapping events off, a process gone before it was read). The
-            // sample is the kernel's alone: the user part would have been
-            // one bare address, which may not even be the process's now.
+            // nothing known to be mapped, or whose user stack could not be
+            // read at all: inside execve after the old image was dropped, in
+            // exit after the memory was torn down (or, with mapping events
+            // off, a process gone before it was read). The sample is the
+            // kernel's alone: the user part would have been one bare
+            // address, which may not even be the process's now. (Whether the
+            // address is still known depends on when its file was
+            // identified; the unreadable stack does not.)
             self.frames.clear();
         }
         Ok(Some(Walk {
@@ -1909,6 +1915,31 @@ mod tests {
         });
         assert_eq!(frames[1], [0x10]);
         assert_eq!(walker.stats().walks, 1);
+    }
+
+    #[test]
+    fn a_kernel_tick_whose_user_stack_is_unreadable_has_no_user_frames() {
+        let mut walker = StackWalker::default();
+        let (header, _) = own_sample();
+        // In the kernel, its saved rip in this binary, but not one byte of
+        // its stack readable: exit tearing the memory down.
+        let torn = SampleHeader {
+            flags: (header.flags & !sample_flags::TICK_IN_USER) | sample_flags::USER_STACK_FAULTED,
+            ..header
+        };
+        let mut frames = Vec::new();
+        walker.push(&torn, &[], UserStack::copy_only(&[]), |w| {
+            frames.push(w.walk.frames.to_vec())
+        });
+        let started = std::time::Instant::now();
+        while frames.is_empty() {
+            assert!(started.elapsed() < std::time::Duration::from_secs(60));
+            // The binary's table compiles on the compiler's threads.
+            std::thread::sleep(std::time::Duration::from_millis(5));
+            walker.poll(|w| frames.push(w.walk.frames.to_vec()));
+        }
+        assert_eq!(frames, [Vec::<u64>::new()]);
+        assert_eq!(walker.stats().kernel_ticks_unplaced, 1);
     }
 
     #[test]
