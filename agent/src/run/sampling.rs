@@ -229,8 +229,8 @@ async fn sample(
         walker: StackWalker::new(WalkerConfig {
             stack_bytes: config.sampler.user_stack_bytes,
             deep_stack_bytes: config.sampler.deep_stack_bytes,
-            // The metadata worker reads maps and mapped files: this thread
-            // does not wait on a file.
+            // The metadata worker reads maps: this thread does not wait on
+            // /proc/<pid>/maps.
             defer_reads: true,
             ..config.walker.clone()
         }),

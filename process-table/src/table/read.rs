@@ -6,9 +6,11 @@
 //! it, and the identity cache they share ([`Identities`], by file version
 //! and by build-id). The table makes [`ReadRequest`]s and applies the
 //! [`ReadAnswer`]s: at once, on its own thread, by default; or, with
-//! [`TableConfig::defer_reads`](super::TableConfig::defer_reads), through
-//! its owner, who runs them elsewhere (the agent's metadata worker), so
-//! that the thread that walks samples never waits on a file.
+//! [`TableConfig::defer_reads`](super::TableConfig::defer_reads), reads of
+//! maps go through its owner, who runs them elsewhere (the agent's
+//! metadata worker), so that the thread that walks samples never waits on
+//! `/proc/<pid>/maps`. Files mapped while the agent ran are identified at
+//! once either way (see `ProcessTable::lookup_at`).
 
 use std::{
     collections::HashMap,
