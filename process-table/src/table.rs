@@ -633,9 +633,7 @@ impl ProcessTable {
             let answer = self.reader.read(request);
             return self.apply_found(answer);
         }
-        if !self.awaits_read(tgid, now) {
-            self.ask(request, now);
-        }
+        self.ask_once(request, now);
         Err(ProcessError::ReadPending { tgid })
     }
 
@@ -648,14 +646,17 @@ impl ProcessTable {
         if !self.config.defer_reads {
             return self.read(ReadRequest::Maps { tgid }, now);
         }
-        if !self.awaits_read(tgid, now) {
-            self.ask(ReadRequest::Maps { tgid }, now);
-        }
+        self.ask_once(ReadRequest::Maps { tgid }, now);
         Ok(())
     }
 
-    fn ask(&mut self, request: ReadRequest, now: Instant) {
+    /// Asks the owner for `request` unless a read of its process is
+    /// awaited already.
+    fn ask_once(&mut self, request: ReadRequest, now: Instant) {
         let tgid = request.tgid();
+        if self.awaits_read(tgid, now) {
+            return;
+        }
         if self.asked.len() >= self.config.max_processes {
             // Asked for and never answered (the owner dropped them): they
             // are asked for again as samples come.

@@ -359,7 +359,10 @@ async fn last_labels(
     records.drain(sampler)?;
     records.ask_metadata(metadata);
     let deadline = Instant::now() + LABELS_WAIT;
-    while records.aggregator.has_pending_labels() || records.walker.awaits_reads() {
+    // Reads matter here only for held samples: a re-read holds none.
+    while records.aggregator.has_pending_labels()
+        || (records.walker.waiting() > 0 && records.walker.awaits_reads())
+    {
         match tokio::time::timeout_at(deadline, commands.recv()).await {
             Ok(Some(Command::Described(descriptions))) => {
                 records.aggregator.describe(descriptions);
@@ -521,7 +524,10 @@ impl RecordTally {
     /// call need: the process table's reads, files to open while their
     /// processes run, processes to describe.
     fn ask_metadata(&mut self, metadata: &MetadataJobs) {
-        metadata.read(self.walker.table_reader(), self.walker.take_read_requests());
+        let requests = self.walker.take_read_requests();
+        if !requests.is_empty() {
+            metadata.read(self.walker.table_reader(), requests);
+        }
         metadata.open(self.aggregator.take_to_open());
         metadata.describe(self.aggregator.take_wanted());
     }
