@@ -82,9 +82,11 @@ pub struct WalkerConfig {
     /// Learn per-process copy sizes and per-thread stack tails (the
     /// sampler reads what walks need); off, every tick copies the ceiling.
     pub adaptive: bool,
-    /// The process table's reads (maps, file identities) are handed to the
-    /// owner ([`StackWalker::take_read_requests`]) instead of done on the
-    /// walking thread; the samples that need one are held meanwhile.
+    /// The process table's reads of maps (with the identities of the files
+    /// they list) are handed to the owner
+    /// ([`StackWalker::take_read_requests`]) instead of done on the walking
+    /// thread; a first-seen process's samples are held meanwhile. Files
+    /// mapped while the agent ran are identified at once.
     pub defer_reads: bool,
 }
 
