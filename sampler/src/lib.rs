@@ -404,6 +404,16 @@ impl Sampler {
         apply_policies(&mut self.policy_map, &mut self.policies, wanted)
     }
 
+    /// Brings the next timed drain forward to `within` from now (if that
+    /// is sooner than the period): samples of processes the reader has not
+    /// met yet need their maps read while the processes still run, and a
+    /// process may exit within one drain period.
+    pub fn drain_within(&mut self, within: Duration) {
+        if within < self.drain_timer.period() {
+            self.drain_timer.reset_after(within);
+        }
+    }
+
     /// Waits until the program signals a batch or the drain period is over,
     /// then passes every queued record to `on_record` and returns how many
     /// there were. Cancel safe: records are only taken once the wait is over.

@@ -88,6 +88,10 @@ pub enum Bench {
         /// How long the agent samples each program.
         #[arg(long, default_value_t = 20)]
         seconds: u64,
+        /// Only these programs (by the name in the first column), to chase
+        /// one row; all of them when none is named.
+        #[arg(long, value_delimiter = ',')]
+        only: Vec<String>,
     },
     /// Query-time naming in the collector: frames/s cold (debuginfo parsed)
     /// and warm (cached), and a whole flamegraph of 10,000 distinct stacks
@@ -110,7 +114,7 @@ pub fn run(which: Bench) -> anyhow::Result<()> {
         Bench::Unwind => unwind(),
         Bench::Overhead { seconds, repeats } => crate::overhead::run(seconds, repeats),
         Bench::Mappings { seconds, repeats } => crate::mappings::run(seconds, repeats),
-        Bench::Programs { seconds } => crate::programs::run(seconds),
+        Bench::Programs { seconds, only } => crate::programs::run(seconds, &only),
         Bench::Symbolize { stacks, addresses } => collector_bench(
             "symbolize",
             &[

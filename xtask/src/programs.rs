@@ -37,13 +37,23 @@ struct Program {
     script: String,
 }
 
-pub fn run(seconds: u64) -> anyhow::Result<()> {
+pub fn run(seconds: u64, only: &[String]) -> anyhow::Result<()> {
     if seconds == 0 {
         bail!("--seconds must be at least 1");
     }
     let release = build_binaries(true)?;
     let scratch = Scratch::new()?;
-    let programs = programs(&scratch.dir)?;
+    let mut programs = programs(&scratch.dir)?;
+    if let Some(unknown) = only
+        .iter()
+        .find(|name| !programs.iter().any(|program| program.name == name.as_str()))
+    {
+        let known: Vec<&str> = programs.iter().map(|program| program.name).collect();
+        bail!("no program named {unknown:?} (known: {})", known.join(", "));
+    }
+    if !only.is_empty() {
+        programs.retain(|program| only.iter().any(|name| name == program.name));
+    }
 
     let grpc = format!("127.0.0.1:{}", free_port());
     let http = format!("127.0.0.1:{}", free_port());
