@@ -440,8 +440,9 @@ impl ProcessTable {
     /// ([`Self::take_read_requests`]) and answers
     /// [`ProcessError::ReadPending`] until the answer is applied
     /// ([`Self::apply`]); a re-read of a known process's maps is asked for
-    /// without holding anything up. Files mapped while the agent ran are
-    /// identified at once either way.
+    /// without holding anything up. A file mapped while the agent ran is
+    /// identified on the first lookup that reaches it: its samples are
+    /// held for that read too.
     pub fn lookup(&mut self, tgid: u32, addr: u64) -> Result<Option<Location>, ProcessError> {
         self.lookup_at(tgid, addr, Instant::now())
     }
@@ -457,15 +458,9 @@ impl ProcessTable {
         self.stats.lookups += 1;
         let interval = self.config.reread_interval;
         if let Some(request) = self.learned_unidentified_at(tgid, addr) {
-            // At once even with deferred reads: an open through map_files
-            // and a cache hit, most often, for a process that started
-            // while the agent ran and may live only milliseconds. Held for
-            // the metadata worker, a loop of short sqlite3 runs lost 3% of
-            // its walks to the root in `bench programs` (96.9% against
-            // 100%), with no such loss in the same run by hand: not
-            // explained yet.
-            let answer = self.reader.read(request);
-            self.apply_found(answer)?;
+            // With deferred reads the samples wait for the answer: the
+            // file stays open through the process's root once it exits.
+            self.read(request, now)?;
         }
         let process = self.process(tgid, now)?;
         if let Some(region) = process.find(addr) {
@@ -1501,6 +1496,49 @@ mod tests {
         let err = table.lookup(21, at).expect_err("not the file mapped");
         assert!(matches!(err, ProcessError::Unidentified { .. }), "{err:?}");
         assert_eq!(table.stats().learned_unidentified, 1);
+    }
+
+    #[test]
+    fn with_deferred_reads_a_learned_file_is_identified_by_the_owner() {
+        let proc = FakeProc::new();
+        let app = std::env::current_exe().expect("the test binary");
+        let parent_bin = proc.dir.path().join("10/root/bin");
+        std::fs::create_dir_all(&parent_bin).expect("parent root");
+        std::fs::copy(&app, parent_bin.join("app")).expect("copying the binary");
+        let (build_id, text) = code_page_as_bin_app(&app);
+        let mut table = ProcessTable::new(TableConfig {
+            proc_root: proc.dir.path().to_path_buf(),
+            defer_reads: true,
+            ..TableConfig::default()
+        });
+        table.exec_learned(20, Some(10), 100);
+        table.mapped(20, text.clone(), Some(build_id));
+        let at = text.start + 0x10;
+        // The samples wait: no file is opened on this thread.
+        let now = Instant::now();
+        let err = table.lookup_at(20, at, now).expect_err("read pending");
+        assert!(
+            matches!(err, ProcessError::ReadPending { tgid: 20 }),
+            "{err:?}"
+        );
+        assert_eq!(table.stats().objects_identified, 0);
+        let requests = table.take_read_requests();
+        assert!(
+            matches!(requests[..], [ReadRequest::Learned { tgid: 20, .. }]),
+            "{requests:?}"
+        );
+        let reader = table.reader();
+        let answer = std::thread::spawn(move || reader.read(requests[0].clone()))
+            .join()
+            .expect("reader thread");
+        assert!(table.apply(answer));
+        match table.lookup_at(20, at, now).expect("identified") {
+            Some(Location::Object(object)) => {
+                assert_eq!(object.id.build_id(), Some(build_id));
+            }
+            other => panic!("expected the object, got {other:?}"),
+        }
+        assert!(table.take_read_requests().is_empty(), "read once");
     }
 
     /// The build-id of `binary`, and a mapping of the first page of its

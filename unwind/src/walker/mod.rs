@@ -85,8 +85,9 @@ pub struct WalkerConfig {
     /// The process table's reads of maps (with the identities of the files
     /// they list) are handed to the owner
     /// ([`StackWalker::take_read_requests`]) instead of done on the walking
-    /// thread; a first-seen process's samples are held meanwhile. Files
-    /// mapped while the agent ran are identified at once.
+    /// thread; the samples that need a read (a first-seen process, a file
+    /// mapped while the agent ran and not identified yet) are held
+    /// meanwhile.
     pub defer_reads: bool,
 }
 
