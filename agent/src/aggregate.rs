@@ -53,12 +53,12 @@ pub use batch::{BatchOptions, build_batch};
 use labels::LabelChoice;
 use stackscope_metadata::{
     describe::{Describer, Description, Reads, Wanted},
-    exe::{ExeCache, MAX_CACHED_EXES},
+    process::ProcessLabels,
 };
 pub use worker::{BatchWorker, WorkerStats};
 
 use stackscope_metadata::{
-    ContainerIndex, ContainerLabels,
+    ContainerLabels,
     kubelet::PodList,
     runtime_names::{self, RuntimeNames},
 };
@@ -116,14 +116,6 @@ const MAX_REMEMBERED_FRAMES: usize = stackscope_unwind::DEFAULT_MAX_DEPTH;
 const MAX_LAST_WALK_BYTES: usize = LAST_WALK_SLOTS
     * (MAX_REMEMBERED_FRAMES * (std::mem::size_of::<u64>() + std::mem::size_of::<u32>())
         + agent_common::MAX_KERNEL_FRAMES * std::mem::size_of::<u64>());
-
-/// Processes whose description is awaited at most; beyond, the list
-/// starts over (a process still without one is asked for again).
-const MAX_ASKED: usize = 65_536;
-
-/// How long a description asked for is awaited before it is asked for
-/// again (the metadata worker's queue was full, or the answer was lost).
-const ASK_AGAIN: Duration = Duration::from_secs(1);
 
 /// How samples are labelled and aggregated.
 #[derive(Debug, Clone)]
@@ -378,8 +370,8 @@ pub struct Aggregator {
     /// when seen again, so a file in steady use is opened once, not once per
     /// interval. Files unused for a whole interval are let go.
     previous_files: HashMap<ObjectId, Arc<ObjectFile>>,
-    exes: ExeCache,
-    containers: ContainerIndex,
+    /// What each process's labels are made of, one record per process.
+    processes: ProcessLabels,
     /// Names of JIT frames, from the processes' perf maps.
     jit_names: PerfMaps,
     stats: AggregateStats,
@@ -394,9 +386,6 @@ pub struct Aggregator {
     /// Files to open while their process runs (see
     /// [`Aggregator::take_to_open`]).
     to_open: Vec<Arc<ObjectFile>>,
-    /// Processes whose description is awaited: start time and when it was
-    /// asked for, by tgid.
-    asked: HashMap<u32, (u64, Instant)>,
 }
 
 /// The labels of a sample as interned: the raw comm avoids decoding it per
@@ -753,8 +742,7 @@ impl Aggregator {
     pub fn starting_at(config: AggregatorConfig, start: SystemTime) -> Self {
         Self {
             node: config.node_name.as_str().into(),
-            exes: ExeCache::new(MAX_CACHED_EXES),
-            containers: ContainerIndex::default(),
+            processes: ProcessLabels::default(),
             jit_names: PerfMaps::new(&config.proc_root),
             config,
             current: Builder::new(start),
@@ -764,7 +752,6 @@ impl Aggregator {
             label_epoch: 0,
             wanted: Vec::new(),
             to_open: Vec::new(),
-            asked: HashMap::new(),
         }
     }
 
@@ -780,19 +767,13 @@ impl Aggregator {
     /// it map).
     pub fn on_exec(&mut self, tgid: u32, exe: Option<&Path>) {
         self.label_epoch += 1;
-        self.exes.forget(tgid);
-        self.asked.remove(&tgid);
-        if let Some(exe) = exe {
-            self.exes.set_learned(tgid, exe);
-        }
+        self.processes.exec(tgid, exe);
     }
 
     /// The process exited.
     pub fn on_exit(&mut self, tgid: u32) {
         self.label_epoch += 1;
-        self.exes.forget(tgid);
-        self.asked.remove(&tgid);
-        self.containers.forget(tgid);
+        self.processes.exit(tgid);
         self.jit_names.forget(tgid);
     }
 
@@ -800,9 +781,7 @@ impl Aggregator {
     /// belong to a process that is gone, so all of it goes.
     pub fn forget_all_processes(&mut self) {
         self.label_epoch += 1;
-        self.exes.forget_all();
-        self.asked.clear();
-        self.containers.forget_all();
+        self.processes.forget_all();
         self.jit_names.forget_all();
     }
 
@@ -818,21 +797,8 @@ impl Aggregator {
     pub fn describe(&mut self, descriptions: Vec<Description>) {
         let choice = self.config.labels;
         for description in descriptions {
-            let Wanted {
-                tgid,
-                started,
-                cgroup_id,
-            } = description.process;
-            if self.asked.get(&tgid).is_some_and(|&(at, _)| at == started) {
-                self.asked.remove(&tgid);
-            }
-            if choice.exe {
-                self.exes.insert(tgid, started, description.exe);
-            }
-            if choice.any_container() {
-                self.containers
-                    .describe(tgid, cgroup_id, description.placement);
-            }
+            self.processes
+                .describe(description, choice.exe, choice.any_container());
         }
         let mut pending = std::mem::take(&mut self.current.pending_sets);
         pending.retain(|set| !self.fill_in(set));
@@ -870,21 +836,16 @@ impl Aggregator {
     /// Writes the labels of a pending set, if its process is described now.
     fn fill_in(&mut self, set: &PendingSet) -> bool {
         let choice = self.config.labels;
+        let known = self.processes.known(set.tgid, set.started, set.cgroup_id);
         let exe = match set.has_user && choice.exe {
-            true => self
-                .exes
-                .get(set.tgid, set.started)
-                .map(|exe| match &set.learned_exe {
-                    Some(learned) if exe.is_empty() => Arc::clone(learned),
-                    _ => exe,
-                }),
-            false => Some(self.exes.empty()),
+            true => known.exe.map(|exe| match &set.learned_exe {
+                Some(learned) if exe.is_empty() => Arc::clone(learned),
+                _ => exe,
+            }),
+            false => Some(self.processes.empty()),
         };
         let container = match choice.any_container() {
-            true => self
-                .containers
-                .placed(set.tgid, set.cgroup_id)
-                .map(|placed| placed.labels),
+            true => known.container.map(|placed| placed.labels),
             false => Some(None),
         };
         let (Some(exe), Some(container)) = (exe, container) else {
@@ -900,29 +861,19 @@ impl Aggregator {
     /// Asks for a description of the sample's process, unless one is
     /// awaited already.
     fn want(&mut self, header: &SampleHeader) {
-        let now = Instant::now();
-        if let Some(&(started, at)) = self.asked.get(&header.tgid)
-            && started == header.process_start_ns
-            && now < at + ASK_AGAIN
-        {
-            return;
-        }
-        if self.asked.len() >= MAX_ASKED {
-            self.asked.clear();
-        }
-        self.asked
-            .insert(header.tgid, (header.process_start_ns, now));
-        self.wanted.push(Wanted {
+        let wanted = Wanted {
             tgid: header.tgid,
             started: header.process_start_ns,
             cgroup_id: header.cgroup_id,
-        });
+        };
+        if self.processes.want(&wanted, Instant::now()) {
+            self.wanted.push(wanted);
+        }
     }
 
     /// Every process labels, exes or perf maps are kept for.
     pub fn tracked_processes_into(&self, out: &mut Vec<u32>) {
-        self.exes.tgids_into(out);
-        self.containers.tgids_into(out);
+        self.processes.tgids_into(out);
         self.jit_names.tgids_into(out);
     }
 
@@ -971,8 +922,7 @@ impl Aggregator {
             current.files.len() + self.previous_files.len(),
             None,
         ));
-        out.push(self.exes.state_size());
-        self.containers.state_sizes(out);
+        self.processes.state_sizes(out);
         out.push(self.jit_names.state_size());
     }
 
@@ -984,13 +934,13 @@ impl Aggregator {
     /// The latest pod list from the kubelet: names the containers of pods.
     pub fn set_pods(&mut self, pods: Arc<PodList>) {
         self.label_epoch += 1;
-        self.containers.set_pods(pods);
+        self.processes.set_pods(pods);
     }
 
     /// Whether a sample came from a pod the pod list does not know yet
     /// (cleared by the call): time to fetch the list again.
     pub fn take_unknown_pod_seen(&mut self) -> bool {
-        self.containers.take_unknown_pod_seen()
+        self.processes.take_unknown_pod_seen()
     }
 
     /// Counts one sample: its kernel frames (innermost first) and, unless
@@ -1044,22 +994,25 @@ impl Aggregator {
             return Some(index);
         }
         let choice = self.config.labels;
+        let wants_exe = has_user && choice.exe;
+        // One lookup of the process's record, for both labels.
+        let known = (wants_exe || choice.any_container()).then(|| {
+            self.processes
+                .known(header.tgid, header.process_start_ns, header.cgroup_id)
+        });
         // Not described yet: a set of its own, filled in when it is.
         let mut pending = false;
-        let exe = match has_user {
-            true if choice.exe => self
-                .exes
-                .get(header.tgid, header.process_start_ns)
-                .unwrap_or_else(|| {
-                    pending = true;
-                    self.exes.empty()
-                }),
-            _ => self.exes.empty(),
+        let exe = match known.as_ref().filter(|_| wants_exe) {
+            Some(known) => known.exe.clone().unwrap_or_else(|| {
+                pending = true;
+                self.processes.empty()
+            }),
+            None => self.processes.empty(),
         };
-        let mut settled = !(has_user && choice.exe && exe.is_empty());
+        let mut settled = !(wants_exe && exe.is_empty());
         let mut describe_again = false;
-        let container = if choice.any_container() {
-            match self.containers.placed(header.tgid, header.cgroup_id) {
+        let container = match known.filter(|_| choice.any_container()) {
+            Some(known) => match known.container {
                 Some(placed) => {
                     settled &= placed.settled;
                     describe_again = placed.describe_again;
@@ -1069,9 +1022,8 @@ impl Aggregator {
                     pending = true;
                     None
                 }
-            }
-        } else {
-            None
+            },
+            None => None,
         };
         if pending || describe_again {
             self.want(header);
@@ -1106,7 +1058,7 @@ impl Aggregator {
                         started: header.process_start_ns,
                         cgroup_id: header.cgroup_id,
                         has_user,
-                        learned_exe: self.exes.learned(header.tgid),
+                        learned_exe: self.processes.learned_exe(header.tgid),
                     });
                 }
                 self.current.label_index.insert(key, index);
@@ -1360,7 +1312,7 @@ impl Aggregator {
         self.stats.intervals += 1;
         self.stats.max_distinct = self.stats.max_distinct.max(finished.samples.len() as u64);
         let interval = finished.finish(Arc::clone(&self.node), self.config.labels, end);
-        self.containers.forget_empty_containers();
+        self.processes.forget_empty_containers();
         interval
     }
 }

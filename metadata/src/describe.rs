@@ -1,6 +1,6 @@
 //! Reads what a process's labels are made from, for the caches the sampling
-//! thread looks them up in without reading ([`crate::exe::ExeCache`],
-//! [`crate::ContainerIndex`]): its executable's link, its cgroup and what
+//! thread looks them up in without reading (each process's record,
+//! [`crate::process::ProcessLabels`]): its executable's link, its cgroup and what
 //! the container runtime calls that container. All of it is files under
 //! `/proc`, the cgroup tree and the runtime's state, which a slow or stuck
 //! filesystem can hold up: the agent reads them on its metadata worker,

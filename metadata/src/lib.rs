@@ -2,10 +2,12 @@
 //! its executable ([`exe`]), which container it runs in and what that is
 //! called, read by [`describe`] on a thread that may wait on files.
 //!
-//! Owns the per-process container identity ([`ContainerIndex`]): the cgroup
-//! path of `/proc/<pid>/cgroup`, read once per process (again when a sample
-//! shows the process in another cgroup), says the runtime, the container
-//! id and, under Kubernetes, the pod UID ([`container`], the one place that
+//! Owns container labels ([`ContainerIndex`], one value per container,
+//! shared by its processes) and what a process's description makes of them
+//! ([`ContainerEntry`], kept in the caller's per-process record): the
+//! cgroup path of `/proc/<pid>/cgroup`, read once per process (again when
+//! a sample shows the process in another cgroup), says the runtime, the
+//! container id and, under Kubernetes, the pod UID ([`container`], the one place that
 //! reads a container's identity from a cgroup path). Names come from the
 //! kubelet's pod list ([`kubelet`]: pod, namespace, container name; kept
 //! fresh by [`pod_watch`]) or,
@@ -28,6 +30,7 @@ pub mod describe;
 pub mod exe;
 pub mod kubelet;
 pub mod pod_watch;
+pub mod process;
 pub mod provider;
 pub mod runtime_names;
 pub mod selection;
@@ -48,8 +51,6 @@ use kubelet::PodList;
 
 use stackscope_telemetry::StateSize;
 
-use stackscope_telemetry::probes::{self, Probe};
-
 /// The container labels of a sample. Empty strings for what is unknown
 /// (no pod outside Kubernetes, no name before the runtime has written it).
 #[derive(Debug, Clone, PartialEq, Eq, Hash)]
@@ -67,8 +68,8 @@ impl ContainerLabels {
     }
 }
 
-/// Processes whose container is remembered before the index starts over.
-pub const MAX_PROCESSES: usize = 65_536;
+/// Containers whose labels are kept before the index starts over.
+pub const MAX_CONTAINERS: usize = 65_536;
 
 /// How often a process whose labels still miss a name (or whose cgroup
 /// could not be read) is described again: the runtime writes its state,
@@ -76,8 +77,10 @@ pub const MAX_PROCESSES: usize = 65_536;
 /// process starts.
 const INCOMPLETE_RETRY: Duration = Duration::from_secs(1);
 
+/// What a description of one process said of its container, kept in the
+/// caller's record of the process (see [`ContainerIndex::entry`]).
 #[derive(Debug)]
-struct ProcessEntry {
+pub struct ContainerEntry {
     cgroup_id: u64,
     /// `None`: a host process, or one whose cgroup could not be read.
     identity: Option<ContainerIdentity>,
@@ -94,7 +97,7 @@ struct ProcessEntry {
     retry_at: Option<Instant>,
 }
 
-impl ProcessEntry {
+impl ContainerEntry {
     /// What the index says of the process now; an entry due for another
     /// description says so once per [`INCOMPLETE_RETRY`]. The clock is
     /// read only for labels still missing a name.
@@ -127,7 +130,6 @@ pub struct Placed {
 /// See the module documentation.
 #[derive(Debug, Default)]
 pub struct ContainerIndex {
-    by_tgid: HashMap<u32, ProcessEntry>,
     /// Labels by container id, shared by the container's processes (for
     /// the current pod list generation).
     by_container: HashMap<String, Arc<ContainerLabels>>,
@@ -137,53 +139,34 @@ pub struct ContainerIndex {
 }
 
 impl ContainerIndex {
-    pub fn tgids_into(&self, out: &mut Vec<u32>) {
-        out.extend(self.by_tgid.keys());
+    /// Containers whose labels are kept.
+    pub fn state_size(&self) -> StateSize {
+        StateSize::entries("containers", self.by_container.len(), Some(MAX_CONTAINERS))
     }
 
-    /// Processes and containers whose labels are kept.
-    pub fn state_sizes(&self, out: &mut Vec<StateSize>) {
-        out.push(StateSize::entries(
-            "container_processes",
-            self.by_tgid.len(),
-            Some(MAX_PROCESSES),
-        ));
-        out.push(StateSize::entries(
-            "containers",
-            self.by_container.len(),
-            Some(MAX_PROCESSES),
-        ));
-    }
-
-    /// The container labels of process `tgid`, seen in cgroup `cgroup_id`;
-    /// `None` until the process is described in that cgroup
-    /// ([`Self::describe`]).
-    pub fn placed(&mut self, tgid: u32, cgroup_id: u64) -> Option<Placed> {
-        probes::count(Probe::Process);
-        let entry = self
-            .by_tgid
-            .get_mut(&tgid)
-            .filter(|entry| entry.cgroup_id == cgroup_id)?;
-        if entry.generation == self.generation {
-            return Some(entry.placed());
+    /// The container labels of the process `entry` describes, seen in
+    /// cgroup `cgroup_id`; `None` when it was described in another cgroup
+    /// (it moved: describe it again, [`Self::entry`]).
+    pub fn placed(&mut self, entry: &mut ContainerEntry, cgroup_id: u64) -> Option<Placed> {
+        if entry.cgroup_id != cgroup_id {
+            return None;
         }
-        // A newer pod list: the labels are made again from it.
-        let (identity, names) = (entry.identity.clone(), entry.runtime_names.clone());
-        let (labels, retry_at) = self.labels_with_retry(identity.as_ref(), names);
-        let entry = self.by_tgid.get_mut(&tgid)?;
-        entry.labels = labels;
-        if !entry.unread {
-            entry.retry_at = retry_at;
+        if entry.generation != self.generation {
+            // A newer pod list: the labels are made again from it.
+            let names = entry.runtime_names.clone();
+            let (labels, retry_at) = self.labels_with_retry(entry.identity.as_ref(), names);
+            entry.labels = labels;
+            if !entry.unread {
+                entry.retry_at = retry_at;
+            }
+            entry.generation = self.generation;
         }
-        entry.generation = self.generation;
         Some(entry.placed())
     }
 
-    /// Takes what a description of `tgid` (in cgroup `cgroup_id`) found.
-    pub fn describe(&mut self, tgid: u32, cgroup_id: u64, placement: Placement) {
-        if self.by_tgid.len() >= MAX_PROCESSES && !self.by_tgid.contains_key(&tgid) {
-            self.by_tgid.clear();
-        }
+    /// What a description of a process (in cgroup `cgroup_id`) found, as
+    /// an entry for the caller's record of the process.
+    pub fn entry(&mut self, cgroup_id: u64, placement: Placement) -> ContainerEntry {
         let (identity, runtime_names, unread) = match placement {
             Placement::Unknown => (None, None, true),
             Placement::Host => (None, None, false),
@@ -194,18 +177,15 @@ impl ContainerIndex {
         };
         let (labels, retry_at) = self.labels_with_retry(identity.as_ref(), runtime_names.clone());
         let retry_at = retry_at.or(unread.then(|| Instant::now() + INCOMPLETE_RETRY));
-        self.by_tgid.insert(
-            tgid,
-            ProcessEntry {
-                cgroup_id,
-                identity,
-                unread,
-                runtime_names,
-                labels,
-                generation: self.generation,
-                retry_at,
-            },
-        );
+        ContainerEntry {
+            cgroup_id,
+            identity,
+            unread,
+            runtime_names,
+            labels,
+            generation: self.generation,
+            retry_at,
+        }
     }
 
     /// The labels of a container (if any), and when to describe its
@@ -245,7 +225,7 @@ impl ContainerIndex {
         {
             return Arc::clone(known);
         }
-        if self.by_container.len() >= MAX_PROCESSES {
+        if self.by_container.len() >= MAX_CONTAINERS {
             self.by_container.clear();
         }
         let labels = Arc::new(labels);
@@ -277,20 +257,10 @@ impl ContainerIndex {
         }
     }
 
-    /// Forgets process `tgid` (it exited).
-    pub fn forget(&mut self, tgid: u32) {
-        self.by_tgid.remove(&tgid);
-    }
-
-    /// Forgets every process (exit records were lost).
-    pub fn forget_all(&mut self) {
-        self.by_tgid.clear();
-    }
-
     /// Forgets the labels of containers that no remembered process is in
     /// any more (their last process exited): containers come and go all
     /// day on a node, and their labels would otherwise stay until
-    /// [`MAX_PROCESSES`] of them had been seen. Labels still held by
+    /// [`MAX_CONTAINERS`] of them had been seen. Labels still held by
     /// something else (an interval being built) stay until it lets go.
     pub fn forget_empty_containers(&mut self) {
         self.by_container
@@ -320,11 +290,35 @@ mod tests {
     };
     use std::path::{Path, PathBuf};
 
+    /// The index with each process's entry kept by pid, as the agent's
+    /// per-process records keep them.
+    #[derive(Default)]
+    struct Index {
+        containers: ContainerIndex,
+        entries: HashMap<u32, ContainerEntry>,
+    }
+
+    impl Index {
+        fn placed(&mut self, tgid: u32, cgroup_id: u64) -> Option<Placed> {
+            let entry = self.entries.get_mut(&tgid)?;
+            self.containers.placed(entry, cgroup_id)
+        }
+
+        fn describe(&mut self, tgid: u32, cgroup_id: u64, placement: Placement) {
+            let entry = self.containers.entry(cgroup_id, placement);
+            self.entries.insert(tgid, entry);
+        }
+
+        fn forget(&mut self, tgid: u32) {
+            self.entries.remove(&tgid);
+        }
+    }
+
     /// The index's labels of `tgid` in `cgroup_id`, describing the process
     /// first (as the agent's metadata worker does) when the index asks for
     /// it.
     fn labels(
-        index: &mut ContainerIndex,
+        index: &mut Index,
         describer: &mut Describer,
         tgid: u32,
         cgroup_id: u64,
@@ -391,7 +385,7 @@ mod tests {
         ]);
         let storage = podman_storage(&[(ID_A, "api")]);
         let names = RuntimeNames::new(storage.path().to_path_buf(), PathBuf::from("/nonexistent"));
-        let (mut index, mut describer) = (ContainerIndex::default(), describer(proc.path(), names));
+        let (mut index, mut describer) = (Index::default(), describer(proc.path(), names));
         assert_eq!(index.placed(10, 7), None, "not described yet");
         let a = labels(&mut index, &mut describer, 10, 7).expect("process 10 is in a container");
         assert_eq!((&*a.id, &*a.name, &*a.pod), (ID_A, "api", ""));
@@ -432,32 +426,30 @@ mod tests {
         ]);
         let storage = podman_storage(&[(ID_A, "api"), (ID_B, "db")]);
         let names = RuntimeNames::new(storage.path().to_path_buf(), PathBuf::from("/nonexistent"));
-        let (mut index, mut describer) = (ContainerIndex::default(), describer(proc.path(), names));
+        let (mut index, mut describer) = (Index::default(), describer(proc.path(), names));
         for tgid in [10, 11, 20] {
             labels(&mut index, &mut describer, tgid, 7).expect("a container process");
         }
-        let containers = |index: &ContainerIndex| {
-            let mut sizes = Vec::new();
-            index.state_sizes(&mut sizes);
-            let containers = sizes
-                .iter()
-                .find(|size| size.name == "containers")
-                .expect("the containers' size");
-            containers.entries.expect("counted")
+        let containers = |index: &Index| {
+            index
+                .containers
+                .state_size()
+                .entries
+                .expect("containers are counted")
         };
         assert_eq!(containers(&index), 2);
         // B's only process exits, and one of A's two.
         index.forget(20);
         index.forget(10);
-        index.forget_empty_containers();
+        index.containers.forget_empty_containers();
         assert_eq!(containers(&index), 1, "only A has a process left");
         // Labels an interval still holds are kept until it lets go.
         let held = labels(&mut index, &mut describer, 11, 7).expect("A's labels");
         index.forget(11);
-        index.forget_empty_containers();
+        index.containers.forget_empty_containers();
         assert_eq!(containers(&index), 1, "A's labels are still held");
         drop(held);
-        index.forget_empty_containers();
+        index.containers.forget_empty_containers();
         assert_eq!(containers(&index), 0);
     }
 
@@ -474,7 +466,7 @@ mod tests {
         // No /proc entry for pid 40: it exited before its sample was read.
         let proc = proc_with(&[]);
         let names = RuntimeNames::new(PathBuf::from("/nonexistent"), PathBuf::from("/nonexistent"));
-        let (mut index, mut describer) = (ContainerIndex::default(), describer(proc.path(), names));
+        let (mut index, mut describer) = (Index::default(), describer(proc.path(), names));
         let gone = labels(&mut index, &mut describer, 40, id);
         let host = labels(&mut index, &mut describer, 41, 1);
         std::fs::remove_dir(&scope).expect("removing cgroups");
@@ -494,7 +486,7 @@ mod tests {
         ]);
         // podman has not written the container's name (no state at all).
         let names = RuntimeNames::new(PathBuf::from("/nonexistent"), PathBuf::from("/nonexistent"));
-        let (mut index, mut describer) = (ContainerIndex::default(), describer(proc.path(), names));
+        let (mut index, mut describer) = (Index::default(), describer(proc.path(), names));
         let first = labels(&mut index, &mut describer, 10, 7).expect("a container");
         assert_eq!((&*first.id, &*first.name), (ID_A, ""));
         let placed = index.placed(10, 7).expect("described");
@@ -517,11 +509,14 @@ mod tests {
         );
         let proc = proc_with(&[(30, pod_path)]);
         let names = RuntimeNames::new(PathBuf::from("/nonexistent"), PathBuf::from("/nonexistent"));
-        let (mut index, mut describer) = (ContainerIndex::default(), describer(proc.path(), names));
+        let (mut index, mut describer) = (Index::default(), describer(proc.path(), names));
         let before = labels(&mut index, &mut describer, 30, 5).expect("a pod's container");
         assert_eq!((&*before.id, &*before.pod), (ID_B, ""));
-        assert!(index.take_unknown_pod_seen());
-        assert!(!index.take_unknown_pod_seen(), "cleared by the call");
+        assert!(index.containers.take_unknown_pod_seen());
+        assert!(
+            !index.containers.take_unknown_pod_seen(),
+            "cleared by the call"
+        );
 
         let pods = PodList::parse(
             format!(
@@ -531,7 +526,7 @@ mod tests {
             .as_bytes(),
         )
         .expect("a pod list");
-        index.set_pods(Arc::new(pods));
+        index.containers.set_pods(Arc::new(pods));
         let described = describer.described;
         let after = index
             .placed(30, 5)
@@ -546,6 +541,6 @@ mod tests {
             (&*after.name, &*after.pod, &*after.namespace),
             ("nginx", "web-7d4b9", "shop")
         );
-        assert!(!index.take_unknown_pod_seen());
+        assert!(!index.containers.take_unknown_pod_seen());
     }
 }
