@@ -32,5 +32,5 @@ pub use maps::{Mapping, MappingPath};
 pub use object_id::{BuildId, ContentDigest, FileKey, ObjectId};
 pub use table::{
     Location, MappedObject, MappedRegion, ModuleFile, ProcessError, ProcessTable, ReadAnswer,
-    ReadRequest, TableConfig, TableReader,
+    ReadRequest, Slot, TableConfig, TableReader,
 };

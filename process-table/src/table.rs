@@ -1,5 +1,8 @@
-//! The process table: for every process seen in samples, its executable
-//! mappings and the object each one is.
+//! The process table: for every process seen in samples, one record with
+//! its executable mappings, the object each one is, and what the table's
+//! owner keeps of the process (`ProcessTable<S>`: the walker's modules and
+//! copy plan), which lives and goes with the record ([`ProcessTable::state`],
+//! [`ProcessTable::take_dropped`]).
 //!
 //! Owns: reading a process's maps on first sight and again when a sample
 //! falls outside every known mapping (at most once per
@@ -27,9 +30,10 @@
 //! they cover.
 
 mod read;
+mod slots;
 
 use std::{
-    collections::{BTreeMap, HashMap},
+    collections::HashMap,
     path::{Path, PathBuf},
     sync::Arc,
     time::{Duration, Instant},
@@ -45,6 +49,8 @@ use crate::{
 };
 use read::{CachedObject, Found, MapsReadError};
 pub use read::{ReadAnswer, ReadRequest, TableReader};
+pub use slots::Slot;
+use slots::Slots;
 
 /// Processes tracked at once; the least recently looked-up one is dropped
 /// to make room (it is read again if it shows up later). A process costs
@@ -341,12 +347,17 @@ impl Region {
 }
 
 #[derive(Debug)]
-struct Process {
+struct Process<S> {
     /// Executable mappings, sorted by start; the kernel never overlaps them.
     regions: Vec<Region>,
+    /// Its mappings were read or learned: false for a record made for its
+    /// owner's state alone ([`ProcessTable::state`]), whose maps are read
+    /// on its first lookup.
+    known: bool,
     read_at: Instant,
-    /// Key of this process in `ProcessTable::lru`.
-    lru_tick: u64,
+    /// When it was last used (the table's use count): the least recently
+    /// used record goes first.
+    last_used: u64,
     /// Its mappings were learned from events (it forked or exec'd while
     /// the agent ran): once `/proc` can no longer be read, they are kept
     /// and answer lookups, so a process that lived 5 ms is still unwound.
@@ -360,9 +371,28 @@ struct Process {
     /// The program an exec event's first file mapping was (the kernel maps
     /// the executable before its interpreter).
     exe: Option<PathBuf>,
+    /// What the table's owner keeps of the process (the walker's modules,
+    /// copy plan and identity): it lives and goes with the record.
+    state: S,
 }
 
-impl Process {
+impl<S: Default> Process<S> {
+    fn new(regions: Vec<Region>, known: bool, last_used: u64) -> Self {
+        Self {
+            regions,
+            known,
+            read_at: Instant::now(),
+            last_used,
+            learned: false,
+            parent: None,
+            exec_learned_at: None,
+            exe: None,
+            state: S::default(),
+        }
+    }
+}
+
+impl<S> Process<S> {
     fn find(&self, addr: u64) -> Option<&Region> {
         self.regions.get(self.position(addr)?)
     }
@@ -376,14 +406,14 @@ impl Process {
     }
 }
 
-/// See the module documentation.
+/// See the module documentation. `S` is what the owner keeps per process
+/// in the same record (see [`Self::state`]).
 #[derive(Debug)]
-pub struct ProcessTable {
+pub struct ProcessTable<S = ()> {
     config: TableConfig,
-    processes: HashMap<u32, Process>,
-    /// Last use tick → tgid; the first entry is the least recently used.
-    lru: BTreeMap<u64, u32>,
-    tick: u64,
+    processes: Slots<Process<S>>,
+    /// Counts uses of records, for `Process::last_used`.
+    uses: u64,
     /// Reads maps and identifies files, with the identity cache.
     reader: TableReader,
     /// With deferred reads: the processes a read was asked for and is not
@@ -395,6 +425,9 @@ pub struct ProcessTable {
     /// Parents of processes forked from untracked ones, until they exec
     /// (bounded by `max_processes`).
     fork_parents: HashMap<u32, u32>,
+    /// The owner's state of every record removed since the owner last took
+    /// them ([`Self::take_dropped`]), whatever removed it.
+    dropped: Vec<(u32, S)>,
     stats: TableStats,
 }
 
@@ -405,7 +438,15 @@ impl Default for ProcessTable {
 }
 
 impl ProcessTable {
+    /// A table that keeps nothing for an owner beside the mappings.
     pub fn new(config: TableConfig) -> Self {
+        Self::with_owner_state(config)
+    }
+}
+
+impl<S: Default> ProcessTable<S> {
+    /// A table whose records also hold an `S` for their owner.
+    pub fn with_owner_state(config: TableConfig) -> Self {
         // SAFETY: sysconf has no preconditions.
         let page_size = unsafe { libc::sysconf(libc::_SC_PAGESIZE) };
         let reader = TableReader::new(
@@ -416,15 +457,67 @@ impl ProcessTable {
         );
         Self {
             config,
-            processes: HashMap::new(),
-            lru: BTreeMap::new(),
-            tick: 0,
+            processes: Slots::default(),
+            uses: 0,
             reader,
             asked: HashMap::new(),
             requests: Vec::new(),
             fork_parents: HashMap::new(),
+            dropped: Vec::new(),
             stats: TableStats::default(),
         }
+    }
+
+    /// The owner's state of process `tgid`, with the record's slot; the
+    /// record is made (maps unknown, read on its first lookup) if there is
+    /// none, and marked as just used. One lookup.
+    pub fn state(&mut self, tgid: u32) -> (Slot, &mut S) {
+        if !self.processes.contains(tgid) {
+            self.make_room();
+        }
+        self.uses += 1;
+        let uses = self.uses;
+        let (slot, process) = self
+            .processes
+            .entry(tgid, || Process::new(Vec::new(), false, uses));
+        process.last_used = uses;
+        (slot, &mut process.state)
+    }
+
+    /// The owner's state in `slot`, if the record is still there.
+    pub fn state_at(&mut self, slot: Slot) -> Option<&mut S> {
+        self.processes.at(slot).map(|process| &mut process.state)
+    }
+
+    /// The owner's state of `tgid`, if it has a record.
+    pub fn state_of(&self, tgid: u32) -> Option<&S> {
+        self.processes.get(tgid).map(|process| &process.state)
+    }
+
+    pub fn state_of_mut(&mut self, tgid: u32) -> Option<&mut S> {
+        self.processes
+            .get_mut(tgid)
+            .map(|process| &mut process.state)
+    }
+
+    /// Every record's owner state.
+    pub fn states(&self) -> impl Iterator<Item = (u32, &S)> {
+        self.processes
+            .iter()
+            .map(|(tgid, process)| (tgid, &process.state))
+    }
+
+    pub fn states_mut(&mut self) -> impl Iterator<Item = &mut S> {
+        self.processes
+            .values_mut()
+            .map(|process| &mut process.state)
+    }
+
+    /// The owner's state of each record removed since the last call: at an
+    /// exit or exec, a fork over its pid, a read that found it gone, or to
+    /// stay within `max_processes`. The one way a record goes.
+    pub fn take_dropped(&mut self) -> Vec<(u32, S)> {
+        std::mem::take(&mut self.dropped)
     }
 
     /// Where `addr` is in process `tgid`.
@@ -478,7 +571,7 @@ impl ProcessTable {
             return Ok(None);
         }
         self.reread(tgid, now)?;
-        match self.processes.get(&tgid).and_then(|p| p.find(addr)) {
+        match self.processes.get(tgid).and_then(|p| p.find(addr)) {
             Some(region) => region.location(addr).map(Some),
             None => Ok(None),
         }
@@ -493,7 +586,8 @@ impl ProcessTable {
         self.remove(child);
         let Some(regions) = self
             .processes
-            .get(&parent)
+            .get(parent)
+            .filter(|process| process.known)
             .map(|process| process.regions.clone())
         else {
             // Remembered for its exec, if it comes: the parent's root is
@@ -505,7 +599,7 @@ impl ProcessTable {
             return;
         };
         self.insert(child, regions);
-        if let Some(process) = self.processes.get_mut(&child) {
+        if let Some(process) = self.processes.get_mut(child) {
             process.learned = true;
             process.parent = Some(parent);
         }
@@ -516,11 +610,11 @@ impl ProcessTable {
     /// from here on even if it exits before its maps are ever read.
     pub fn exec_learned(&mut self, tgid: u32, parent: Option<u32>, time_ns: u64) {
         let parent = parent
-            .or_else(|| self.processes.get(&tgid).and_then(|p| p.parent))
+            .or_else(|| self.processes.get(tgid).and_then(|p| p.parent))
             .or_else(|| self.fork_parents.remove(&tgid));
         self.remove(tgid);
         self.insert(tgid, Vec::new());
-        if let Some(process) = self.processes.get_mut(&tgid) {
+        if let Some(process) = self.processes.get_mut(tgid) {
             process.learned = true;
             process.parent = parent;
             process.exec_learned_at = Some(time_ns);
@@ -533,7 +627,7 @@ impl ProcessTable {
     /// process the table does not track (it is read from `/proc` when
     /// first sampled) and for mappings that are not executable.
     pub fn mapped(&mut self, tgid: u32, mapping: Mapping, build_id: Option<BuildId>) {
-        let Some(process) = self.processes.get(&tgid) else {
+        let Some(process) = self.processes.get(tgid).filter(|p| p.known) else {
             return;
         };
         if !mapping.perms.exec || mapping.is_empty() {
@@ -564,7 +658,7 @@ impl ProcessTable {
         } else {
             Backing::Unbacked
         };
-        let Some(process) = self.processes.get_mut(&tgid) else {
+        let Some(process) = self.processes.get_mut(tgid) else {
             return;
         };
         if process.exec_learned_at.is_some()
@@ -593,7 +687,7 @@ impl ProcessTable {
     /// The read that identifies the learned, not yet identified file
     /// mapped at `addr` in `tgid`, if that is what is there.
     fn learned_unidentified_at(&self, tgid: u32, addr: u64) -> Option<ReadRequest> {
-        let process = self.processes.get(&tgid)?;
+        let process = self.processes.get(tgid)?;
         let region = process.find(addr)?;
         match region.backing {
             Backing::Learned { build_id } => Some(ReadRequest::Learned {
@@ -712,7 +806,7 @@ impl ProcessTable {
                     return Ok(());
                 };
                 // The region, if the process still maps it there.
-                if let Some(slot) = self.processes.get_mut(&tgid).and_then(|process| {
+                if let Some(slot) = self.processes.get_mut(tgid).and_then(|process| {
                     let at = process.position(region.mapping.start)?;
                     let slot = process.regions.get_mut(at)?;
                     Arc::ptr_eq(&slot.region, &region).then_some(slot)
@@ -737,26 +831,39 @@ impl ProcessTable {
     /// The program `tgid` exec'd, as an exec event and its first file
     /// mapping told (the path as the process sees it).
     pub fn learned_exe(&self, tgid: u32) -> Option<&Path> {
-        self.processes.get(&tgid)?.exe.as_deref()
+        self.processes.get(tgid)?.exe.as_deref()
     }
 
     /// Forgets `tgid`: call on process exit, so a later process with the
-    /// same pid starts from a fresh read.
+    /// same pid starts from a fresh read. Its owner state goes to
+    /// [`Self::take_dropped`].
     pub fn remove(&mut self, tgid: u32) {
         self.fork_parents.remove(&tgid);
         // A read asked for is of the process forgotten: its answer is not
         // applied.
         self.asked.remove(&tgid);
-        if let Some(process) = self.processes.remove(&tgid) {
-            self.lru.remove(&process.lru_tick);
+        if let Some(process) = self.processes.remove(tgid) {
+            self.drop_state(tgid, process.state);
         }
+    }
+
+    fn drop_state(&mut self, tgid: u32, state: S) {
+        // Bounded if the owner never takes them: the oldest half goes
+        // (what it would have cleaned up is bounded elsewhere too).
+        if self.dropped.len() >= self.config.max_processes.max(1) {
+            let half = self.dropped.len() / 2;
+            self.dropped.drain(..half.max(1));
+        }
+        self.dropped.push((tgid, state));
     }
 
     /// Forgets every process (exec or exit records were lost), keeping the
     /// identity cache: it belongs to files, not processes.
     pub fn forget_processes(&mut self) {
-        self.processes.clear();
-        self.lru.clear();
+        let drained: Vec<(u32, Process<S>)> = self.processes.drain().collect();
+        for (tgid, process) in drained {
+            self.drop_state(tgid, process.state);
+        }
         self.fork_parents.clear();
         self.asked.clear();
         self.requests.clear();
@@ -768,7 +875,7 @@ impl ProcessTable {
     /// [`Self::exec_learned`] already saw this exec, just before (its
     /// mappings since are the new program's).
     pub fn exec(&mut self, tgid: u32, time_ns: u64) -> bool {
-        if let Some(process) = self.processes.get_mut(&tgid)
+        if let Some(process) = self.processes.get_mut(tgid)
             && let Some(learned_at) = process.exec_learned_at.take()
             && learned_at <= time_ns
             && time_ns - learned_at <= SAME_EXEC_NS
@@ -781,7 +888,7 @@ impl ProcessTable {
 
     /// The processes tracked.
     pub fn tgids(&self) -> impl Iterator<Item = u32> + '_ {
-        self.processes.keys().copied()
+        self.processes.iter().map(|(tgid, _)| tgid)
     }
 
     /// Number of processes tracked.
@@ -795,7 +902,7 @@ impl ProcessTable {
 
     /// Whether `tgid` is tracked (without reading anything).
     pub fn contains(&self, tgid: u32) -> bool {
-        self.processes.contains_key(&tgid)
+        self.processes.contains(tgid)
     }
 
     /// Number of file versions in the identity cache.
@@ -807,21 +914,18 @@ impl ProcessTable {
         self.stats
     }
 
-    /// The entry for `tgid`, read if new, marked as just used.
-    fn process(&mut self, tgid: u32, now: Instant) -> Result<&Process, ProcessError> {
-        if self.processes.contains_key(&tgid) {
-            self.tick += 1;
-            let tick = self.tick;
-            if let Some(process) = self.processes.get_mut(&tgid) {
-                self.lru.remove(&process.lru_tick);
-                self.lru.insert(tick, tgid);
-                process.lru_tick = tick;
-            }
-        } else {
-            self.read(ReadRequest::Maps { tgid }, now)?;
+    /// The entry for `tgid`, read if new (or made for its owner state
+    /// alone), marked as just used.
+    fn process(&mut self, tgid: u32, now: Instant) -> Result<&Process<S>, ProcessError> {
+        self.uses += 1;
+        let uses = self.uses;
+        match self.processes.get_mut(tgid) {
+            Some(process) if process.known => process.last_used = uses,
+            _ => self.read(ReadRequest::Maps { tgid }, now)?,
         }
         self.processes
-            .get(&tgid)
+            .get(tgid)
+            .filter(|process| process.known)
             .ok_or(ProcessError::ProcessGone { tgid })
     }
 
@@ -838,76 +942,71 @@ impl ProcessTable {
     ) -> Result<(), ProcessError> {
         self.stats.maps_reads += 1;
         if read.is_err()
-            && let Some(process) = self.processes.get_mut(&tgid)
+            && let Some(process) = self.processes.get_mut(tgid)
             && process.learned
         {
             process.read_at = Instant::now();
             self.stats.answered_after_exit += 1;
             return Ok(());
         }
-        // What events said of the process outlives a re-read of its maps.
-        let kept = self
-            .processes
-            .get_mut(&tgid)
-            .map(|p| (p.learned, p.parent, p.exec_learned_at, p.exe.take()));
-        self.remove(tgid);
-        let regions = match read {
-            Ok(regions) => regions,
+        self.fork_parents.remove(&tgid);
+        self.asked.remove(&tgid);
+        let (regions, result) = match read {
+            Ok(regions) => (regions, Ok(())),
             Err(MapsReadError::Gone) if !self.config.defer_reads => {
+                self.remove(tgid);
                 return Err(ProcessError::ProcessGone { tgid });
             }
-            Err(MapsReadError::Gone) => {
-                // The samples held for it retry: an empty entry answers
-                // them (and rate-limits another read).
-                self.insert(tgid, Vec::new());
-                return Err(ProcessError::ProcessGone { tgid });
-            }
+            // The samples held for it retry: an empty entry answers them
+            // (and rate-limits another read).
+            Err(MapsReadError::Gone) => (Vec::new(), Err(ProcessError::ProcessGone { tgid })),
+            // An empty entry puts retries under the rate limit: maps we
+            // cannot read or parse must not be read again every sample.
             Err(MapsReadError::Unreadable(source)) => {
-                // An empty entry puts retries under the rate limit: maps we
-                // cannot read or parse must not be read again every sample.
-                self.insert(tgid, Vec::new());
-                return Err(ProcessError::Maps { tgid, source });
+                (Vec::new(), Err(ProcessError::Maps { tgid, source }))
             }
         };
-        self.insert(tgid, regions);
-        if let Some(process) = self.processes.get_mut(&tgid)
-            && let Some((learned, parent, exec_learned_at, exe)) = kept
-        {
-            (
-                process.learned,
-                process.parent,
-                process.exec_learned_at,
-                process.exe,
-            ) = (learned, parent, exec_learned_at, exe);
+        // What events said of the process, and its owner's state, outlive
+        // a re-read of its maps.
+        if !self.processes.contains(tgid) {
+            self.make_room();
         }
-        Ok(())
+        self.uses += 1;
+        let uses = self.uses;
+        let (_, process) = self
+            .processes
+            .entry(tgid, || Process::new(Vec::new(), true, uses));
+        process.regions = regions;
+        process.known = true;
+        process.read_at = Instant::now();
+        process.last_used = uses;
+        result
     }
 
-    /// Adds a freshly read process, evicting the least recently used one if
-    /// the table is full.
+    /// Adds a process whose mappings are known (read, or learned from
+    /// events), in place of any record of its pid, making room if the table
+    /// is full.
     fn insert(&mut self, tgid: u32, regions: Vec<Region>) {
-        if self.processes.len() >= self.config.max_processes {
-            self.evict_one();
-        }
-        self.tick += 1;
-        self.lru.insert(self.tick, tgid);
-        self.processes.insert(
-            tgid,
-            Process {
-                regions,
-                read_at: Instant::now(),
-                lru_tick: self.tick,
-                learned: false,
-                parent: None,
-                exec_learned_at: None,
-                exe: None,
-            },
-        );
+        self.remove(tgid);
+        self.make_room();
+        self.uses += 1;
+        let uses = self.uses;
+        self.processes
+            .entry(tgid, || Process::new(regions, true, uses));
     }
 
-    fn evict_one(&mut self) {
-        if let Some((_, tgid)) = self.lru.pop_first() {
-            self.processes.remove(&tgid);
+    /// Drops the least recently used record when the table is full.
+    fn make_room(&mut self) {
+        if self.processes.len() < self.config.max_processes.max(1) {
+            return;
+        }
+        let oldest = self
+            .processes
+            .iter()
+            .min_by_key(|(_, process)| process.last_used)
+            .map(|(tgid, _)| tgid);
+        if let Some(oldest) = oldest {
+            self.remove(oldest);
             self.stats.evictions += 1;
         }
     }
@@ -1199,6 +1298,48 @@ mod tests {
             matches!(err, ProcessError::ProcessGone { tgid: 11 }),
             "{err:?}"
         );
+        assert!(table.is_empty());
+    }
+
+    #[test]
+    fn the_owners_state_lives_and_goes_with_the_record() {
+        let proc = FakeProc::new();
+        proc.set_maps(10, &[JIT]);
+        let mut table: ProcessTable<u32> = ProcessTable::with_owner_state(TableConfig {
+            proc_root: proc.dir.path().to_path_buf(),
+            max_processes: 2,
+            reread_interval: Duration::ZERO,
+            ..TableConfig::default()
+        });
+        // Made for the owner's state alone: its maps are read on its first
+        // lookup, and the state stays through that read and re-reads.
+        let (slot, state) = table.state(10);
+        *state = 7;
+        assert_eq!(table.stats().maps_reads, 0);
+        assert!(table.lookup(10, 0x7f0000000010).expect("read").is_some());
+        assert!(table.lookup(10, 0x10).expect("re-read").is_none());
+        assert_eq!(table.stats().maps_reads, 2);
+        assert_eq!(table.state_at(slot).copied(), Some(7));
+        // Mapping events are for processes whose maps are known.
+        table.state(11);
+        table.mapped(11, anonymous(0x1000, 0x2000), None);
+        assert_eq!(table.stats().mappings_learned, 0);
+        assert!(table.take_dropped().is_empty());
+
+        // Every way a record goes hands its state back, once.
+        table.remove(10);
+        assert_eq!(table.take_dropped(), [(10, 7)]);
+        assert!(table.state_at(slot).is_none(), "its slot is stale");
+        *table.state(12).1 = 12;
+        *table.state(11).1 = 11;
+        *table.state(13).1 = 13;
+        assert_eq!(table.take_dropped(), [(12, 12)], "the least recently used");
+        table.forked(11, 13);
+        table.exec_learned(11, None, 100);
+        assert_eq!(table.take_dropped(), [(13, 13), (11, 11)]);
+        table.state(20);
+        table.forget_processes();
+        assert_eq!(table.take_dropped().len(), 2);
         assert!(table.is_empty());
     }
 

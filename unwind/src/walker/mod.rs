@@ -46,16 +46,14 @@ use crate::{
     TailSpan, UnsupportedCfi, UnwindEnd, UnwindTable, unwind_memory,
 };
 use agent_common::{SampleHeader, sample_flags};
-use process_state::{ProcessState, Processes, Slot};
+use process_state::ProcessState;
 use stackscope_process_table::{
     BuildId, Location, Mapping, MappingPath, ModuleFile, ObjectId, ProcessError, ProcessTable,
-    ReadAnswer, ReadRequest, TableConfig, TableReader, maps::own_vdso_image,
+    ReadAnswer, ReadRequest, Slot, TableConfig, TableReader, maps::own_vdso_image, table,
 };
 use stitching::{PlanStats, PlanUpdate, Planner, RemoteStack, WalkReport};
 
 use stackscope_telemetry::StateSize;
-
-use stackscope_telemetry::probes::{self, Probe};
 
 /// How the walker caches tables and holds samples that wait for one.
 #[derive(Debug, Clone)]
@@ -148,9 +146,10 @@ enum Resolved {
 /// Binaries tracked individually in [`WalkStats::by_binary`].
 const MAX_BINARIES_TRACKED: usize = 1024;
 
-/// Processes whose modules the walker keeps; beyond, the least recently
-/// walked one is forgotten (its modules are resolved again if it returns).
-const MAX_PROCESSES: usize = 4096;
+/// Processes the walker keeps a record of (in the process table); beyond,
+/// the least recently used one is forgotten (its maps are read and its
+/// modules resolved again if it returns).
+const MAX_PROCESSES: usize = table::MAX_PROCESSES;
 /// Modules one process keeps; beyond, its list starts over (a process that
 /// maps thousands of files is rare, and one that keeps mapping new ones
 /// must not grow the walker without bound).
@@ -621,9 +620,9 @@ impl TableCache {
 /// Walks samples' user stacks; keeps what it learns about processes between
 /// samples.
 pub struct StackWalker {
-    processes: ProcessTable,
-    /// One record per process walked (its modules, identity and copy size).
-    modules: Processes,
+    /// One record per process: its mappings, and what the walker keeps of
+    /// it (its modules, identity and copy size).
+    processes: ProcessTable<ProcessState>,
     /// The record of the sample being walked, for its planning.
     last_process: Option<Slot>,
     tables: TableCache,
@@ -728,11 +727,11 @@ impl StackWalker {
         let unknown_binary = binary_slots.slot("[unknown]".into(), &mut stats.by_binary);
         let jit_binary = binary_slots.slot(JIT_BINARY.into(), &mut stats.by_binary);
         Self {
-            processes: ProcessTable::new(TableConfig {
+            processes: ProcessTable::with_owner_state(TableConfig {
                 defer_reads: config.defer_reads,
+                max_processes: MAX_PROCESSES,
                 ..TableConfig::default()
             }),
-            modules: Processes::default(),
             last_process: None,
             tables: TableCache::default(),
             table_cache_bytes: config.table_cache_bytes,
@@ -762,21 +761,14 @@ impl StackWalker {
         }
     }
 
-    /// Makes room for the record of `tgid` when the records are at their
-    /// bound and it has none: the least recently walked process goes.
-    fn make_room_for(&mut self, tgid: u32) {
-        // The length first: only a full map needs the membership test.
-        if self.modules.len() < MAX_PROCESSES || self.modules.contains(tgid) {
-            return;
-        }
-        probes::count(Probe::Process);
-        let oldest = self
-            .modules
-            .iter()
-            .min_by_key(|(_, p)| p.last_walked)
-            .map(|(tgid, _)| tgid);
-        if let Some(oldest) = oldest {
-            self.forget_modules(oldest);
+    /// The one way a process's record goes: whatever removed it from the
+    /// process table (an exit, an exec, a fork over its pid, a read that
+    /// found it gone, the table's bound), what the planner wrote for it
+    /// (its copy size and its threads' plans, in the sampler's maps too)
+    /// goes with it.
+    fn let_go_of_dropped(&mut self) {
+        for (tgid, state) in self.processes.take_dropped() {
+            self.planner.forget_process(tgid, state.copy);
         }
     }
 
@@ -1006,7 +998,7 @@ impl StackWalker {
         };
         let copy = self
             .last_process
-            .and_then(|slot| self.modules.at(slot))
+            .and_then(|slot| self.processes.state_at(slot))
             .map(|process| &mut process.copy);
         if self.planner.observe(&report, copy) {
             self.learn(header, stack.copy, &report);
@@ -1049,9 +1041,8 @@ impl StackWalker {
     /// feed already saw the exec itself.
     pub fn on_exec(&mut self, tgid: u32, time_ns: u64, mut on_walk: impl FnMut(Walked<'_>)) {
         self.flush_process(tgid, &mut on_walk);
-        if self.processes.exec(tgid, time_ns) {
-            self.forget_modules(tgid);
-        }
+        self.processes.exec(tgid, time_ns);
+        self.let_go_of_dropped();
     }
 
     /// The process exited: forget it, so a reused pid starts afresh. While
@@ -1073,7 +1064,7 @@ impl StackWalker {
     /// When the process the walker knows by `tgid` started (the samples'
     /// `process_start_ns`, on `CLOCK_MONOTONIC`), if it knows one.
     pub fn process_started(&self, tgid: u32) -> Option<u64> {
-        self.modules.get(tgid).map(|state| state.started)
+        self.processes.state_of(tgid).map(|state| state.started)
     }
 
     /// The processes whose exit the walker applied since the last call
@@ -1087,17 +1078,10 @@ impl StackWalker {
 
     fn forget_exited(&mut self, tgid: u32) {
         self.processes.remove(tgid);
-        self.forget_modules(tgid);
+        self.let_go_of_dropped();
         if self.completed_exits.len() < stackscope_process_table::table::MAX_PROCESSES {
             self.completed_exits.push(tgid);
         }
-    }
-
-    /// The one way a process's record goes: with it, its copy size and
-    /// its threads' plans (from the sampler's maps too).
-    fn forget_modules(&mut self, tgid: u32) {
-        let copy = self.modules.remove(tgid).and_then(|state| state.copy);
-        self.planner.forget_process(tgid, copy);
     }
 
     /// From the mapping feed: `child` forked from `parent` and maps what it
@@ -1110,10 +1094,9 @@ impl StackWalker {
         if self.exited.contains(&child) {
             self.exited.retain(|&tgid| tgid != child);
             self.forget_exited(child);
-        } else {
-            self.forget_modules(child);
         }
         self.processes.forked(parent, child);
+        self.let_go_of_dropped();
     }
 
     /// From the mapping feed: the process called exec at `time_ns`; its
@@ -1128,7 +1111,7 @@ impl StackWalker {
         self.flush_process(tgid, &mut on_walk);
         self.exited.retain(|&exited| exited != tgid);
         self.processes.exec_learned(tgid, None, time_ns);
-        self.forget_modules(tgid);
+        self.let_go_of_dropped();
     }
 
     /// From the mapping feed: the process mapped code. A module it replaces
@@ -1148,13 +1131,13 @@ impl StackWalker {
         let jit_over_jit =
             |m: &Module| is_jit_code(&mapping.path) && matches!(m.object, ModuleObject::Jit);
         if self
-            .modules
-            .get(tgid)
+            .processes
+            .state_of(tgid)
             .is_some_and(|p| p.modules.iter().any(|m| overlaps(m) && !jit_over_jit(m)))
         {
             self.flush_process(tgid, &mut on_walk);
             let space = self.next_space();
-            if let Some(process) = self.modules.get_mut(tgid) {
+            if let Some(process) = self.processes.state_of_mut(tgid) {
                 process.modules.retain(|m| !overlaps(m));
                 process.space = space;
             }
@@ -1169,11 +1152,10 @@ impl StackWalker {
 
     /// Sizes of what the walker keeps between samples.
     pub fn state_sizes(&self, out: &mut Vec<StateSize>) {
-        use stackscope_process_table::table;
         out.push(StateSize::entries(
             "process_table",
             self.processes.len(),
-            Some(table::MAX_PROCESSES),
+            Some(MAX_PROCESSES),
         ));
         out.push(StateSize::entries(
             "file_identities",
@@ -1181,14 +1163,9 @@ impl StackWalker {
             Some(table::MAX_CACHED_OBJECTS),
         ));
         out.push(StateSize::entries(
-            "process_modules",
-            self.modules.len(),
-            Some(MAX_PROCESSES),
-        ));
-        out.push(StateSize::entries(
             "copy_sizes",
-            self.modules
-                .iter()
+            self.processes
+                .states()
                 .filter(|(_, p)| p.copy.is_some())
                 .count(),
             Some(MAX_PROCESSES),
@@ -1229,7 +1206,6 @@ impl StackWalker {
     /// was lost, or whose late sample came after it, stays until evicted
     /// unless the sweep of gone processes finds it gone).
     pub fn tracked_processes_into(&self, out: &mut Vec<u32>) {
-        out.extend(self.modules.iter().map(|(tgid, _)| tgid));
         out.extend(self.processes.tgids());
         self.planner.tracked_processes_into(out);
     }
@@ -1244,9 +1220,7 @@ impl StackWalker {
     /// learned again. Tables stay: they belong to files, not processes.
     pub fn forget_all_processes(&mut self) {
         self.processes.forget_processes();
-        for (tgid, state) in self.modules.drain() {
-            self.planner.forget_process(tgid, state.copy);
-        }
+        self.let_go_of_dropped();
         self.exited.clear();
         self.planner.forget_all();
         self.stats.state_resets += 1;
@@ -1279,18 +1253,15 @@ impl StackWalker {
         }
     }
 
-    /// Processes whose modules are kept now (at most [`MAX_PROCESSES`]).
+    /// Processes with a record now (at most [`MAX_PROCESSES`]).
     pub fn tracked_processes(&self) -> usize {
-        self.modules.len()
+        self.processes.len()
     }
 
-    /// The modules of `tgid`, made when first walked; the least recently
-    /// walked process goes when there are too many.
+    /// The record of `tgid`, made when first walked; the least recently
+    /// used process goes when there are too many.
     fn process_modules(&mut self, tgid: u32, started: u64) -> &mut ProcessState {
-        self.make_room_for(tgid);
-        let walks = self.stats.walks;
-        let (_, process) = self.modules.entry(tgid);
-        process.last_walked = walks;
+        let (_, process) = self.processes.state(tgid);
         if process.started == 0 {
             process.started = started;
         }
@@ -1384,11 +1355,12 @@ impl StackWalker {
         used: WalkUse,
     ) -> Result<(UnwindEnd, bool), OtherProcess> {
         let mut resolves = 0;
-        self.make_room_for(tgid);
+        // Records the table let go of since (to make room, or a read that
+        // found a process gone) take their plans with them first.
+        self.let_go_of_dropped();
         loop {
-            let walks = self.stats.walks;
             let Self {
-                modules,
+                processes,
                 last_process,
                 rules,
                 max_depth,
@@ -1398,8 +1370,7 @@ impl StackWalker {
                 last_space,
                 ..
             } = self;
-            let (slot, process) = modules.entry(tgid);
-            process.last_walked = walks;
+            let (slot, process) = processes.state(tgid);
             if used == WalkUse::Sample(Identity::Checked)
                 && resolves == 0
                 && process.is_other_process(started)
@@ -1458,9 +1429,8 @@ impl StackWalker {
     /// Places the frames of a walk of `tgid` made outside
     /// [`Self::walk_memory`]'s lookup (see [`place_frames`]).
     fn place_frames_of(&mut self, tgid: u32, frames: &[u64]) {
-        probes::count(Probe::Process);
         self.last_space = place_frames(
-            self.modules.get(tgid),
+            self.processes.state_of(tgid),
             frames,
             &mut self.objects,
             &mut self.frame0_binary,
@@ -1495,7 +1465,7 @@ impl StackWalker {
                     // Transient (the process exited before its file was
                     // opened): forget it, so a later sample retries.
                     self.tables.by_object.remove(&id);
-                    for process in self.modules.values_mut() {
+                    for process in self.processes.states_mut() {
                         let before = process.modules.len();
                         process
                             .modules
@@ -1511,7 +1481,11 @@ impl StackWalker {
                     continue;
                 }
             };
-            for module in self.modules.values_mut().flat_map(|p| p.modules.iter_mut()) {
+            for module in self
+                .processes
+                .states_mut()
+                .flat_map(|p| p.modules.iter_mut())
+            {
                 if matches!(module.table, ModuleTable::Pending(p) if p == id) {
                     module.table = table.clone();
                 }
@@ -1884,8 +1858,8 @@ mod tests {
         walker.stats.walks += 1;
         walker.process_modules(u32::MAX, 1);
         assert_eq!(walker.tracked_processes(), MAX_PROCESSES);
-        assert!(walker.modules.contains(0), "walked again: kept");
-        assert!(!walker.modules.contains(1), "least recently walked: gone");
+        assert!(walker.processes.contains(0), "walked again: kept");
+        assert!(!walker.processes.contains(1), "least recently walked: gone");
         walker.forget_all_processes();
         assert_eq!(walker.tracked_processes(), 0);
         assert_eq!(walker.stats().state_resets, 1);
@@ -1970,7 +1944,6 @@ mod tests {
         assert_eq!(delivered, [WalkOutcome::Ended(UnwindEnd::Outermost)]);
         assert_eq!(walker.take_completed_exits(), [header.tgid]);
         assert!(!walker.processes.contains(header.tgid));
-        assert!(!walker.modules.contains(header.tgid));
         // An exit with nothing held goes at once.
         walker.on_exit(header.tgid);
         assert_eq!(walker.take_completed_exits(), [header.tgid]);
@@ -2029,7 +2002,6 @@ mod tests {
         walker.process_forked(1, header.tgid, |_| delivered += 1);
         assert_eq!((delivered, walker.waiting()), (1, 0));
         assert!(walker.exited.is_empty());
-        assert!(!walker.modules.contains(header.tgid));
         assert!(!walker.processes.contains(header.tgid), "untracked parent");
         // The old process's exit is applied: what else is kept of it goes.
         assert_eq!(walker.take_completed_exits(), [header.tgid]);
@@ -2045,8 +2017,8 @@ mod tests {
         };
         let is_new = |walker: &StackWalker, header: &SampleHeader| {
             walker
-                .modules
-                .get(header.tgid)
+                .processes
+                .state_of(header.tgid)
                 .unwrap()
                 .is_other_process(header.process_start_ns)
         };
@@ -2064,7 +2036,7 @@ mod tests {
         assert!(is_new(&walker, &later));
         walker.push(&later, &[], UserStack::copy_only(&stack), |_| {});
         assert_eq!(walker.stats().processes_replaced, 1);
-        assert_eq!(walker.modules.get(later.tgid).unwrap().started, 200);
+        assert_eq!(walker.process_started(later.tgid), Some(200));
         assert!(!is_new(&walker, &later));
     }
 
