@@ -377,9 +377,9 @@ struct Process<S> {
 }
 
 impl<S: Default> Process<S> {
-    fn new(regions: Vec<Region>, known: bool, last_used: u64) -> Self {
+    fn new(known: bool, last_used: u64) -> Self {
         Self {
-            regions,
+            regions: Vec::new(),
             known,
             read_at: Instant::now(),
             last_used,
@@ -472,16 +472,21 @@ impl<S: Default> ProcessTable<S> {
     /// record is made (maps unknown, read on its first lookup) if there is
     /// none, and marked as just used. One lookup.
     pub fn state(&mut self, tgid: u32) -> (Slot, &mut S) {
+        let (slot, process) = self.record(tgid, false);
+        (slot, &mut process.state)
+    }
+
+    /// The record of `tgid`, made (room made first) with its maps `known`
+    /// or not if there is none, and marked as just used.
+    fn record(&mut self, tgid: u32, known: bool) -> (Slot, &mut Process<S>) {
         if !self.processes.contains(tgid) {
             self.make_room();
         }
         self.uses += 1;
         let uses = self.uses;
-        let (slot, process) = self
-            .processes
-            .entry(tgid, || Process::new(Vec::new(), false, uses));
+        let (slot, process) = self.processes.entry(tgid, || Process::new(known, uses));
         process.last_used = uses;
-        (slot, &mut process.state)
+        (slot, process)
     }
 
     /// The owner's state in `slot`, if the record is still there.
@@ -968,18 +973,10 @@ impl<S: Default> ProcessTable<S> {
         };
         // What events said of the process, and its owner's state, outlive
         // a re-read of its maps.
-        if !self.processes.contains(tgid) {
-            self.make_room();
-        }
-        self.uses += 1;
-        let uses = self.uses;
-        let (_, process) = self
-            .processes
-            .entry(tgid, || Process::new(Vec::new(), true, uses));
+        let (_, process) = self.record(tgid, true);
         process.regions = regions;
         process.known = true;
         process.read_at = Instant::now();
-        process.last_used = uses;
         result
     }
 
@@ -988,11 +985,7 @@ impl<S: Default> ProcessTable<S> {
     /// is full.
     fn insert(&mut self, tgid: u32, regions: Vec<Region>) {
         self.remove(tgid);
-        self.make_room();
-        self.uses += 1;
-        let uses = self.uses;
-        self.processes
-            .entry(tgid, || Process::new(regions, true, uses));
+        self.record(tgid, true).1.regions = regions;
     }
 
     /// Drops the least recently used record when the table is full.
