@@ -17,7 +17,10 @@
 //! - one Function per distinct (function, file);
 //! - one Mapping per distinct (binary, build id), with `has_functions` set
 //!   so pprof does not try to symbolize again; frames with neither (the
-//!   synthetic `[truncated]`) have no mapping.
+//!   synthetic `[truncated]`) have no mapping. The first mapping is what
+//!   pprof calls the main binary (`go tool pprof` shows it as `File:`): the
+//!   binary of the outermost frames that carry the most weight, leaving out
+//!   pseudo-binaries such as `[kernel]` and `[vdso]`.
 
 use std::collections::HashMap;
 use std::io::Write as _;
@@ -80,6 +83,7 @@ pub fn pprof_profile(
         });
     }
 
+    builder.put_main_mapping_first();
     let default_sample_type = if sample_period_nanos > 0 {
         cpu_type.r#type
     } else {
@@ -188,6 +192,41 @@ impl<'t> ProfileBuilder<'t> {
         });
         self.function_ids.insert(key, id);
         id
+    }
+
+    /// Makes the main binary's mapping the first (see the module
+    /// documentation): ids are positions, so it swaps places, and ids,
+    /// with the mapping that was first.
+    fn put_main_mapping_first(&mut self) {
+        let tree: &'t CallTree = self.tree;
+        let nodes = tree.nodes();
+        let mut weights: HashMap<(&str, &str), u64> = HashMap::new();
+        for &child in tree.root().children() {
+            let frame = nodes[child].frame();
+            if frame.binary.is_empty() || frame.binary.starts_with('[') {
+                continue;
+            }
+            *weights
+                .entry((frame.binary.as_str(), frame.build_id.as_str()))
+                .or_default() += nodes[child].total();
+        }
+        let main = weights
+            .into_iter()
+            .max_by(|a, b| a.1.cmp(&b.1).then(b.0.cmp(&a.0)))
+            .and_then(|(key, _)| self.mapping_ids.get(&key).copied());
+        let Some(main) = main.filter(|&id| id > 1) else {
+            return;
+        };
+        self.mappings.swap(0, main as usize - 1);
+        self.mappings[0].id = 1;
+        self.mappings[main as usize - 1].id = main;
+        for location in &mut self.locations {
+            location.mapping_id = match location.mapping_id {
+                1 => main,
+                id if id == main => 1,
+                id => id,
+            };
+        }
     }
 
     fn mapping(&mut self, frame: &'t Frame) -> u64 {
@@ -348,6 +387,54 @@ mod tests {
             inlined,
             unnamed_code: None,
         })
+    }
+
+    #[test]
+    fn the_main_binary_is_the_first_mapping() {
+        // The first location made is the vDSO's (the first sample's leaf);
+        // the program's binary holds the outermost frames of most weight.
+        let samples = crate::tree::tests::samples(&[
+            (
+                &[
+                    ("__vdso_clock_gettime", "[vdso]"),
+                    ("clock_gettime", "libc.so.6"),
+                    ("main", "app"),
+                    ("_start", "app"),
+                ],
+                5,
+            ),
+            (
+                &[("memcpy", "libc.so.6"), ("main", "app"), ("_start", "app")],
+                3,
+            ),
+            (&[("start_thread", "libc.so.6")], 1),
+            (&[("worker", "[kernel]")], 9),
+        ]);
+        let profile = decode(&pprof(&CallTree::from_stacks(&samples), 0, 0, 0));
+        let names: Vec<(u64, &str)> = profile
+            .mapping
+            .iter()
+            .map(|m| (m.id, string(&profile, m.filename)))
+            .collect();
+        assert_eq!(names[0], (1, "app"), "{names:?}");
+        for (index, mapping) in profile.mapping.iter().enumerate() {
+            assert_eq!(mapping.id, index as u64 + 1, "ids are positions");
+        }
+        // Every location still points at its own binary.
+        for location in &profile.location {
+            let function = &profile.function[location.line[0].function_id as usize - 1];
+            let binary = string(
+                &profile,
+                profile.mapping[location.mapping_id as usize - 1].filename,
+            );
+            let expected = match string(&profile, function.name) {
+                "__vdso_clock_gettime" => "[vdso]",
+                "clock_gettime" | "memcpy" | "start_thread" => "libc.so.6",
+                "worker" => "[kernel]",
+                _ => "app",
+            };
+            assert_eq!(binary, expected);
+        }
     }
 
     #[test]
@@ -573,6 +660,10 @@ mod tests {
             output.status.success(),
             "go tool pprof failed ({}):\n{stderr}\n{stdout}",
             output.status
+        );
+        assert!(
+            stdout.lines().any(|line| line == "File: app"),
+            "the main binary is the program's:\n{stdout}"
         );
         // Rows look like `  flat  flat%   sum%   cum   cum%  name`, where
         // the name of a function seen only inlined ends in ` (inline)`.
