@@ -6,13 +6,23 @@
 //! named from its binary, on the host and inside a podman container whose
 //! files do not exist on the host. Without the events (the old way) most of
 //! them come out unknown, which the first test checks too, so it shows the
-//! difference rather than assume it.
+//! difference rather than assume it. A process that started before the
+//! agent has its maps read from `/proc` instead, which must happen before
+//! it exits, however soon after the agent starts that is.
 
 use stackscope_test_fixtures::{
     Fixture,
     containers::{Container, Image},
 };
-use stackscope_tests::{Collector, exclusive, require_root, run_agent_for};
+use stackscope_tests::{
+    Collector, RunningProcess, exclusive, require_root, run_agent_for, wait_until_loaded,
+    workspace_binary,
+};
+use std::{
+    io::Read as _,
+    process::{Command, Stdio},
+    time::Duration,
+};
 
 /// The fixture's own frames, outermost first, as folded stacks show them.
 const CHAIN: &str = "main;work;inner;spin_for";
@@ -182,4 +192,55 @@ fn short_lived_processes_in_a_container_are_unwound_and_named() {
     );
     drop(container);
     collector.stop();
+}
+
+#[test]
+fn a_process_older_than_the_agent_that_exits_soon_after_it_starts_is_unwound() {
+    require_root();
+    let _serial = exclusive();
+    // Spinning before the agent starts: the mapping feed never sees it map
+    // its files, so its maps are read from /proc after its first samples
+    // are drained, and it must still be there then.
+    let spinner = Fixture::compile("call_chain", stackscope_test_fixtures::C_FLAGS).start(&[]);
+    let pid = spinner.pid().to_string();
+    // 99 Hz: 200 ms of samples stay below the ring buffer's wake-up mark,
+    // so only the drain timer decides when they are read.
+    let mut agent = RunningProcess::adopt(
+        Command::new(workspace_binary("stackscope-agent"))
+            .args(["--pid", &pid, "--frequency", "99", "--duration", "3s"])
+            .args(["--no-table-cache", "--json", "--log-level", "warn"])
+            .stdout(Stdio::piped())
+            .spawn()
+            .expect("starting the agent"),
+    );
+    let mut stdout = agent.child.stdout.take().expect("piped stdout");
+    let output = std::thread::spawn(move || {
+        let mut out = Vec::new();
+        stdout.read_to_end(&mut out).map(|_| out)
+    });
+    wait_until_loaded(&mut agent);
+    // Gone 200 ms later: before a 500 ms drain period ends.
+    std::thread::sleep(Duration::from_millis(200));
+    drop(spinner);
+    let status = agent.child.wait().expect("waiting for the agent");
+    assert!(status.success(), "the agent exited with {status}");
+    let out = output
+        .join()
+        .expect("the output reader")
+        .expect("reading the agent's output");
+    let report: serde_json::Value = serde_json::from_slice(&out).expect("the agent's JSON report");
+    let unwinding = &report["unwinding"];
+    let (walks, outermost) = (
+        unwinding["walks"].as_u64().expect("walks"),
+        unwinding["outermost"].as_u64().expect("outermost"),
+    );
+    eprintln!(
+        "{outermost} of {walks} walks reached the root; early ends {}",
+        unwinding["early_ends"]
+    );
+    assert!(walks >= 5, "only {walks} samples of the spinner");
+    assert!(
+        outermost * 100 >= walks * 90,
+        "{outermost} of {walks} walks reached the root: its maps were read too late"
+    );
 }
