@@ -38,6 +38,13 @@ const hook = {
     const box = canvas.getBoundingClientRect();
     return { x: Math.round(box.left + r.x + Math.min(r.w / 2, 40)), y: Math.round(box.top + r.y + 9) };
   },
+  /** Where the root frame of the drawing is, in viewport pixels (no scrolling). */
+  rootBox: () => {
+    const r = flame.rects.find((rect) => rect.node >= 0 && rect.depth === 0);
+    if (!r) return null;
+    const box = $("flamegraph").getBoundingClientRect();
+    return { top: Math.round(box.top + r.y), drawingTop: Math.round(box.top), viewport: window.innerHeight };
+  },
   /** The colour the first drawn frame named `name` was filled with. */
   frameFill: (name) => drawnRect(name)?.fill ?? null,
 };
@@ -64,7 +71,9 @@ function readUrl() {
     group_by: q.get("group_by") || "",
     search: q.get("search") || "",
     zoom: Array.isArray(zoom) ? zoom.map(String) : [],
-    view: q.get("view") === "icicle" ? "icicle" : "flame",
+    // Icicle by default, as Pyroscope and Parca open: the root is at the
+    // top, in view, however deep the stacks.
+    view: q.get("view") === "flame" ? "flame" : "icicle",
     fn: q.get("fn") || "",
     sort: ["total", "name", "delta"].includes(q.get("sort")) ? q.get("sort") : "self",
     filter: q.get("filter") || "",
@@ -82,7 +91,7 @@ function writeUrl({ push = false } = {}) {
     if (name === "zoom") {
       if (value.length) q.set("zoom", JSON.stringify(value));
     } else if (name === "view") {
-      if (value !== "flame") q.set(name, value);
+      if (value !== "icicle") q.set(name, value);
     } else if (name === "sort") {
       if (value !== "self") q.set(name, value);
     } else if (value) {

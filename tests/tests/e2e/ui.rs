@@ -878,7 +878,8 @@ async fn zoom_search_top_and_link(browser: &Client, page: &str) {
     assert!(shown.contains("66.67%"), "{shown}");
     screenshot(browser, "06-search").await;
 
-    // Icicle view, and the top table's row selects the function.
+    // Flame view (the page opens as an icicle), and the top table's row
+    // selects the function.
     browser
         .find(Locator::Css("#view-toggle"))
         .await
@@ -898,7 +899,7 @@ async fn zoom_search_top_and_link(browser: &Client, page: &str) {
         callers.contains("main") && callers.contains("hash_lookup"),
         "{callers}"
     );
-    screenshot(browser, "07-icicle-top-callers").await;
+    screenshot(browser, "07-flame-top-callers").await;
 
     // Exports: folded stacks and pprof from the API, SVG of what is drawn.
     for (button, file) in [
@@ -981,7 +982,7 @@ async fn zoom_search_top_and_link(browser: &Client, page: &str) {
         .expect("a WebDriver command");
     assert_eq!(
         restored,
-        json!(["comm=\"redis\"", "hash_lookup", "flame", "serve"])
+        json!(["comm=\"redis\"", "hash_lookup", "icicle", "serve"])
     );
     let callers = wait_for_text(browser, "#callers", "Callees").await;
     assert!(callers.contains("hash_lookup"), "{callers}");
@@ -1193,6 +1194,23 @@ async fn big_tree(browser: &Client, big: &Collector) {
             report["drawn"],
         );
     }
+    // The page opens as an icicle: the root is the drawing's first row, on
+    // the first screen however deep the stacks (drawn as a flame graph, a
+    // busy host's root sat below the fold).
+    let root = browser
+        .execute("return window.stackscope.rootBox();", vec![])
+        .await
+        .expect("a WebDriver command");
+    let (top, drawing_top, viewport) = (
+        root["top"].as_i64().expect("the root is drawn"),
+        root["drawingTop"].as_i64().expect("the drawing's top"),
+        root["viewport"].as_i64().expect("the viewport's height"),
+    );
+    assert_eq!(top, drawing_top, "the root is the drawing's first row");
+    assert!(
+        (0..viewport).contains(&top),
+        "the root is drawn at y={top} in a {viewport}-pixel window"
+    );
     // The API alone: the flat format the page reads against the nested
     // JSON one (each a full query: storage, tree, encoding).
     for format in ["flat", "json"] {
