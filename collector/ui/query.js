@@ -42,6 +42,23 @@ export function matcherValue(text, name) {
   return "";
 }
 
+/**
+ * The options that contain what is typed (any case), best first: the exact
+ * one, then those that start with it, then the rest, each group in the
+ * order given. Typing `x` puts `xz` before `pyenv-exec`.
+ */
+export function rankCompletions(options, typed) {
+  const prefix = typed.toLowerCase();
+  const groups = [[], [], []];
+  for (const option of options) {
+    const lower = option.toLowerCase();
+    if (lower === prefix) groups[0].push(option);
+    else if (lower.startsWith(prefix)) groups[1].push(option);
+    else if (lower.includes(prefix)) groups[2].push(option);
+  }
+  return groups.flat();
+}
+
 export class QueryBar {
   /** names(): label names; values(name): its values; onSubmit(text). */
   constructor(input, list, { names, values, onSubmit, onError }) {
@@ -54,8 +71,9 @@ export class QueryBar {
     this.items = [];
     this.active = -1;
     this.request = 0;
+    // Not on focus: tabbing through the page must not open a list (and
+    // a Tab then take its first entry).
     input.addEventListener("input", () => this.complete());
-    input.addEventListener("focus", () => this.complete());
     input.addEventListener("blur", () => setTimeout(() => this.close(), 150));
     input.addEventListener("keydown", (e) => this.onKey(e));
   }
@@ -70,7 +88,13 @@ export class QueryBar {
       this.active = (this.active - 1 + this.items.length) % this.items.length;
       this.render();
       e.preventDefault();
-    } else if ((e.key === "Enter" || e.key === "Tab") && open && this.active >= 0) {
+    } else if (e.key === "Tab" && open) {
+      // Tab takes the entry chosen with the arrows, else the best one.
+      this.accept(this.items[Math.max(this.active, 0)]);
+      e.preventDefault();
+    } else if (e.key === "Enter" && open && this.active >= 0) {
+      // Enter takes an entry only when one was chosen with the arrows;
+      // otherwise it runs the query as typed.
       this.accept(this.items[this.active]);
       e.preventDefault();
     } else if (e.key === "Enter") {
@@ -112,10 +136,10 @@ export class QueryBar {
       return this.close();
     }
     if (request !== this.request) return;
-    const prefix = context.prefix.toLowerCase();
     this.context_ = context;
-    this.items = options.filter((o) => o.toLowerCase().includes(prefix)).slice(0, 50);
-    this.active = this.items.length ? 0 : -1;
+    this.items = rankCompletions(options, context.prefix).slice(0, 50);
+    // Nothing chosen until the arrows choose: Enter runs what is typed.
+    this.active = -1;
     this.render();
   }
 

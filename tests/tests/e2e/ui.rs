@@ -606,6 +606,7 @@ async fn modules(browser: &Client, page: &str) {
                    replaced: q.setMatcher('comm="a",node=~"b.*"', 'node', 'c'),
                    quoted: q.setMatcher('', 'pod', 'we"b'),
                    value: q.matcherValue('pod="we\\"b"', 'pod'),
+                   ranked: q.rankCompletions(['pyenv-exec', 'sxz', 'XZ-utils', 'xz', 'bash'], 'x'),
                    functions: tree.functions().map(s => [s.name, s.self, s.total]),
                    search: [a.count, a.weight],
                  };
@@ -622,6 +623,7 @@ async fn modules(browser: &Client, page: &str) {
             "replaced": r#"comm="a",node="c""#,
             "quoted": r#"pod="we\"b""#,
             "value": r#"we"b"#,
+            "ranked": ["XZ-utils", "xz", "pyenv-exec", "sxz"],
             "functions": [["a", 5, 10], ["b", 5, 5]],
             "search": [2, 10],
         })
@@ -717,6 +719,16 @@ async fn selection(browser: &Client, page: &str) {
         .await
         .expect("a WebDriver command");
     query.click().await.expect("a WebDriver command");
+    // Focus alone opens no list (tabbing through the page must not write
+    // into the query).
+    let hidden = browser
+        .execute(
+            "return document.getElementById('completions').hidden;",
+            vec![],
+        )
+        .await
+        .expect("a WebDriver command");
+    assert_eq!(hidden, json!(true), "the list opened on focus");
     query.send_keys("co").await.expect("a WebDriver command");
     let listed = wait_for_text(browser, "#completions", "container_name").await;
     assert!(listed.contains("comm"), "{listed}");
