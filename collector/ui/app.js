@@ -22,6 +22,7 @@ const hook = {
   nodes: 0,
   drawn: 0,
   searchShare: null,
+  searchError: "",
   searchMatches: 0,
   topFirst: "",
   timings: {},
@@ -262,27 +263,36 @@ function renderLegend() {
   }
 }
 
+/** The search as a frame matcher (none for an empty search), or why its regex is not one. */
 function searchMatcher(text) {
-  if (!text) return null;
+  if (!text) return { match: null, error: "" };
   const regex = /^\/(.+)\/$/.exec(text);
   if (regex) {
     try {
       const re = new RegExp(regex[1], "i");
-      return (f) => re.test(f.name);
+      return { match: (f) => re.test(f.name), error: "" };
     } catch (err) {
-      showStatus(`search ${text}: ${err.message}`, "error");
-      return () => false;
+      return { match: () => false, error: err.message };
     }
   }
   const needle = text.toLowerCase();
-  return (f) => f.name.toLowerCase().includes(needle);
+  return { match: (f) => f.name.toLowerCase().includes(needle), error: "" };
 }
 
 function applySearch() {
-  const result = flame.setSearch(searchMatcher(state.search));
+  const { match, error } = searchMatcher(state.search);
+  const result = flame.setSearch(match);
   const out = $("search-result");
   const panel = $("flame-panel");
-  if (!result) {
+  // Next to the search, so it goes with the search that caused it.
+  hook.searchError = error;
+  out.classList.toggle("error", Boolean(error));
+  if (error) {
+    out.textContent = error;
+    hook.searchShare = null;
+    hook.searchMatches = 0;
+    delete panel.dataset.searchShare;
+  } else if (!result) {
     out.textContent = "";
     hook.searchShare = null;
     hook.searchMatches = 0;
@@ -347,7 +357,7 @@ function renderTop() {
   const rows = functions
     .filter((f) => !filter || f.name.toLowerCase().includes(filter))
     .sort((a, b) => (key === "name" ? a.name.localeCompare(b.name) : (b[key] ?? 0) - (a[key] ?? 0) || a.name.localeCompare(b.name)));
-  const all = tree.total[0] || 1;
+  const all = tree?.total[0] || 1;
   $("top-count").textContent = `${rows.length.toLocaleString("en-US")} functions${rows.length > TOP_ROWS ? `, first ${TOP_ROWS} shown` : ""}`;
   hook.topFirst = rows.length ? rows[0].name : "";
   for (const th of document.querySelectorAll("#top th[data-sort]")) th.classList.toggle("sorted", th.dataset.sort === key);
@@ -479,10 +489,7 @@ async function load() {
     hook.nodes = tree.count;
     $("flame-panel").dataset.nodes = String(tree.count);
     if (tree.total[0] === 0) {
-      functions = [];
-      renderTop();
-      $("legend").replaceChildren();
-      $("breadcrumb").replaceChildren();
+      clearSelectionViews();
       const message = state.match
         ? `The selection matched nothing in this time range.\nWiden the range (a preset above, or drag on the timeline) or remove matchers from the query (${state.match}).`
         : "No data yet: the collector has no samples in this time range.\nStart an agent that ships to this collector (stackscope-agent --collector http://HOST:7070), wait for its first interval, or pick a longer range.";
@@ -522,9 +529,20 @@ async function load() {
   } catch (err) {
     if (err.name === "AbortError") return;
     tree = null;
+    // Nothing of the previous selection stays beside the error.
+    clearSelectionViews();
     setPanelState("error", err.status === 0 ? "The collector is unreachable." : "The query failed: see the message above.");
     showError(err);
   }
+}
+
+/** Empties the views of a selection: what a failed or empty query leaves. */
+function clearSelectionViews() {
+  functions = [];
+  renderTop();
+  $("legend").replaceChildren();
+  $("breadcrumb").replaceChildren();
+  $("callers").replaceChildren();
 }
 
 function describeRange([start, end]) {

@@ -581,6 +581,7 @@ async fn scenarios(browser: &Client, collector: &Collector, big: &Collector, gua
     selection(browser, &page).await;
     zoom_search_top_and_link(browser, &page).await;
     group_by_and_no_data(browser, &page).await;
+    nothing_stale(browser, &page).await;
     compare_and_timeline(browser, &page).await;
     big_tree(browser, big).await;
 }
@@ -1036,6 +1037,89 @@ async fn group_by_and_no_data(browser: &Client, page: &str) {
     let empty = text_of(browser, "#flame-empty").await;
     assert!(empty.contains("No data yet"), "{empty}");
     screenshot(browser, "09b-no-data").await;
+}
+
+/// A search's regex error shows beside the search and goes with it; a
+/// query that fails leaves nothing of the selection before it.
+async fn nothing_stale(browser: &Client, page: &str) {
+    browser
+        .goto(&format!("{page}?match=comm%3D%22redis%22&since=1h"))
+        .await
+        .expect("a WebDriver command");
+    let report = settled(browser, 1).await;
+    let rows = |browser: &Client| {
+        let browser = browser.clone();
+        async move {
+            browser
+                .execute(
+                    "return [document.querySelectorAll('#top tbody tr').length, \
+                     document.getElementById('legend').children.length];",
+                    vec![],
+                )
+                .await
+                .expect("a WebDriver command")
+        }
+    };
+    let shown = rows(browser).await;
+    assert!(
+        shown[0].as_u64() > Some(0) && shown[1].as_u64() > Some(0),
+        "{shown}"
+    );
+
+    let search = |text: &str| {
+        format!(
+            "const s = document.getElementById('search'); s.value = {text:?}; \
+             s.dispatchEvent(new Event('input'));"
+        )
+    };
+    let search_state = async |browser: &Client| {
+        tokio::time::sleep(Duration::from_millis(400)).await;
+        let h = hook(browser).await;
+        (
+            h["searchError"].as_str().unwrap_or("?").to_owned(),
+            text_of(browser, "#search-result").await,
+            text_of(browser, "#status").await,
+        )
+    };
+    browser
+        .execute(&search("/(/"), vec![])
+        .await
+        .expect("a WebDriver command");
+    let (error, beside, status) = search_state(browser).await;
+    assert!(!error.is_empty(), "no error for the search /(/");
+    assert_eq!(beside, error, "the error is shown beside the search");
+    assert!(
+        !status.contains("search"),
+        "and not in the status: {status}"
+    );
+    browser
+        .execute(&search(""), vec![])
+        .await
+        .expect("a WebDriver command");
+    let (error, beside, _) = search_state(browser).await;
+    assert_eq!(
+        (error.as_str(), beside.as_str()),
+        ("", ""),
+        "it goes with the search"
+    );
+
+    // A regex the collector refuses: the query fails, and the top table and
+    // the legend of comm=redis are gone with it.
+    browser
+        .execute(
+            "const q = document.getElementById('query'); q.value = 'comm=~\"(\"'; \
+             document.getElementById('query-form').requestSubmit();",
+            vec![],
+        )
+        .await
+        .expect("a WebDriver command");
+    let report = finished(browser, loads(&report) + 1).await;
+    assert_eq!(report["state"], "error", "{report}");
+    assert_eq!(
+        rows(browser).await,
+        json!([0, 0]),
+        "stale content after a failed query"
+    );
 }
 
 async fn compare_and_timeline(browser: &Client, page: &str) {
