@@ -625,8 +625,14 @@ function fillSelect(select, values, current, none) {
   select.value = current;
 }
 
+/** Says when the query bar holds other matchers than the graph shows. */
+function markPendingQuery() {
+  $("query-pending").hidden = $("query").value.trim() === state.match;
+}
+
 function syncControls() {
   $("query").value = state.match;
+  markPendingQuery();
   $("search").value = state.search;
   $("top-filter").value = state.filter;
   $("view-toggle").textContent = state.view === "icicle" ? "flame" : "icicle";
@@ -658,6 +664,8 @@ new QueryBar($("query"), $("completions"), {
   onSubmit: (text) => reload({ match: text }),
   onError: showError,
 });
+
+$("query").addEventListener("input", markPendingQuery);
 
 $("query-form").addEventListener("submit", (e) => {
   e.preventDefault();

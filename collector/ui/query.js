@@ -184,7 +184,9 @@ export class QueryBar {
     this.input.value = text.slice(0, context.start) + insert + text.slice(end);
     this.input.setSelectionRange(caret, caret);
     this.close();
-    if (context.kind === "name") this.complete();
+    // As typing would: the page sees the change, and a name just taken
+    // gets its values listed.
+    this.input.dispatchEvent(new Event("input"));
   }
 
   close() {

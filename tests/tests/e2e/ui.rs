@@ -748,6 +748,20 @@ async fn selection(browser: &Client, page: &str) {
         .send_keys("\u{E004}")
         .await
         .expect("a WebDriver command");
+    // Typed but not run: the page says the graph shows something else.
+    let pending = |browser: &Client| {
+        let browser = browser.clone();
+        async move {
+            browser
+                .execute(
+                    "return !document.getElementById('query-pending').hidden;",
+                    vec![],
+                )
+                .await
+                .expect("a WebDriver command")
+        }
+    };
+    assert_eq!(pending(browser).await, json!(true), "no 'not applied' hint");
     assert_eq!(
         query
             .prop("value")
@@ -761,6 +775,11 @@ async fn selection(browser: &Client, page: &str) {
         .await
         .expect("a WebDriver command");
     let report = settled(browser, loads(&report) + 1).await;
+    assert_eq!(
+        pending(browser).await,
+        json!(false),
+        "applied, yet marked not applied"
+    );
     let drawn = names(&report);
     assert!(drawn.contains(&"parse_request".to_owned()), "{drawn:?}");
     assert!(
