@@ -640,6 +640,7 @@ function syncControls() {
   for (const b of document.querySelectorAll(".presets button")) {
     b.classList.toggle("active", !state.start && (state.since || "1h") === b.dataset.since);
   }
+  $("export-api").href = exportUrl("pprof");
   $("range").textContent = state.start && state.end ? describeRange(rangeSeconds()) : `the last ${state.since || "1h"}`;
   $("compare-bar").hidden = !comparing();
   $("base-match").value = state.base_match;
@@ -750,6 +751,27 @@ $("token-forget").addEventListener("click", () => {
   $("token").value = "";
 });
 
+/** The selection's range as UTC instants, e.g. 2026-11-28T09:00:00Z. */
+function utcRange() {
+  const iso = (seconds) => new Date(seconds * 1000).toISOString().replace(/\.\d{3}Z$/, "Z");
+  return rangeSeconds().map(iso);
+}
+
+/** A file name that says what was exported: the matchers and the range. */
+function exportName(extension) {
+  const what = (state.match || "all").replace(/[^A-Za-z0-9._-]+/g, "_").replace(/^_+|_+$/g, "").slice(0, 60) || "all";
+  const [start, end] = utcRange().map((t) => t.replace(/[-:]/g, ""));
+  return `stackscope-${what}-${start}-${end}.${extension}`;
+}
+
+/** The API address of the export shown: copyable, and what a script would fetch. */
+function exportUrl(kind) {
+  const params = new URLSearchParams({ ...selectionParams(), format: kind });
+  if (state.group_by) params.set("group_by", state.group_by);
+  for (const [name, value] of [...params]) if (!value) params.delete(name);
+  return `${location.origin}/api/v1/flamegraph?${params}`;
+}
+
 function download(blob, name) {
   hook.lastDownload = { name, size: blob.size, type: blob.type, blob };
   const url = URL.createObjectURL(blob);
@@ -768,10 +790,12 @@ for (const button of document.querySelectorAll("[data-export]")) {
     try {
       if (kind === "svg") {
         if (!tree) throw new Error("Nothing to export: no flamegraph is shown.");
-        download(new Blob([flame.toSvg(`stackscope ${state.match || "all"} ${$("range").textContent}`)], { type: "image/svg+xml" }), "flamegraph.svg");
+        const [start, end] = utcRange();
+        const title = `stackscope ${state.match || "everything"}, ${start} to ${end}`;
+        download(new Blob([flame.toSvg(title)], { type: "image/svg+xml" }), exportName("svg"));
       } else {
         const blob = await get("/api/v1/flamegraph", { ...selectionParams(), format: kind, group_by: state.group_by }, { as: "blob" });
-        download(blob, kind === "pprof" ? "profile.pb.gz" : "stacks.folded");
+        download(blob, exportName(kind === "pprof" ? "pb.gz" : "folded"));
       }
     } catch (err) {
       showError(err);

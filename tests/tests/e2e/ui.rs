@@ -934,11 +934,16 @@ async fn zoom_search_top_and_link(browser: &Client, page: &str) {
     screenshot(browser, "07-flame-top-callers").await;
 
     // Exports: folded stacks and pprof from the API, SVG of what is drawn.
-    for (button, file) in [
-        ("folded", "stacks.folded"),
-        ("pprof", "profile.pb.gz"),
-        ("svg", "flamegraph.svg"),
-    ] {
+    // Named for what they hold: the matchers and the range, in UTC.
+    let names = regex::Regex::new(
+        r"^stackscope-comm_redis-\d{8}T\d{6}Z-\d{8}T\d{6}Z\.(folded|pb\.gz|svg)$",
+    )
+    .expect("a regex");
+    let title = regex::Regex::new(
+        r#">stackscope comm=&quot;redis&quot;, \d{4}-\d\d-\d\dT\d\d:\d\d:\d\dZ to \d{4}-"#,
+    )
+    .expect("a regex");
+    for (button, file) in [("folded", ".folded"), ("pprof", ".pb.gz"), ("svg", ".svg")] {
         let start = Instant::now();
         browser
             .find(Locator::Css(&format!("[data-export='{button}']")))
@@ -950,15 +955,17 @@ async fn zoom_search_top_and_link(browser: &Client, page: &str) {
         let bytes = loop {
             let bytes = browser
                 .execute(
-                    "const [name] = arguments; const d = window.stackscope.lastDownload; \
-                     if (!d || d.name !== name) return null; \
-                     return d.blob.arrayBuffer().then(b => Array.from(new Uint8Array(b)));",
+                    "const [ext] = arguments; const d = window.stackscope.lastDownload; \
+                     if (!d || !d.name.endsWith(ext)) return null; \
+                     return d.blob.arrayBuffer().then(b => [d.name, ...new Uint8Array(b)]);",
                     vec![json!(file)],
                 )
                 .await
                 .expect("reading the download");
-            if let Value::Array(bytes) = bytes {
-                break bytes
+            if let Value::Array(download) = bytes {
+                let name = download[0].as_str().unwrap_or_default();
+                assert!(names.is_match(name), "export named {name}");
+                break download[1..]
                     .iter()
                     .map(|b| b.as_u64().unwrap_or(0) as u8)
                     .collect::<Vec<u8>>();
@@ -981,9 +988,26 @@ async fn zoom_search_top_and_link(browser: &Client, page: &str) {
                     text.starts_with("<svg") && text.contains(">hash_lookup<"),
                     "{text}"
                 );
+                // Its title says when, not "the last 1h".
+                assert!(title.is_match(&text), "{}", &text[..200.min(text.len())]);
             }
         }
     }
+    // The API address beside them fetches the same pprof.
+    let api = browser
+        .execute("return document.getElementById('export-api').href;", vec![])
+        .await
+        .expect("a WebDriver command");
+    let api = api.as_str().unwrap_or_default();
+    assert!(
+        api.contains("/api/v1/flamegraph?") && api.contains("format=pprof"),
+        "{api}"
+    );
+    let path = &api[api.find("/api/").unwrap_or(0)..];
+    let base = &api[..api.find("/api/").unwrap_or(0)];
+    let (status, bytes, _) = timed_get(base, path);
+    assert_eq!(status, 200, "{api}");
+    assert!(bytes > 20, "{api} answered {bytes} bytes");
 
     // The link reproduces the view: selection, zoom, search, view, function.
     let shared = browser.current_url().await.expect("a WebDriver command");
