@@ -239,6 +239,34 @@ const KIND_COLORS = {
 // Away from the kernel's orange and the JIT's green, so those stay apart.
 const USER_HUES = [200, 218, 236, 258, 280, 302, 324, 345, 60, 84];
 
+/**
+ * A frame's name cut to `fits` characters, keeping the function's own name
+ * (what follows the last `::` or `.` outside brackets): the namespace goes
+ * first (`…ssManager::run`), and only an own name too long by itself is cut
+ * at its end.
+ */
+export function shortLabel(name, fits) {
+  if (name.length <= fits) return name;
+  if (fits < 2) return "";
+  const own = ownName(name);
+  if (own.length <= fits - 1) return `…${name.slice(name.length - (fits - 1))}`;
+  return `${own.slice(0, fits - 1)}…`;
+}
+
+/** What follows the last `::` or `.` outside <>, () and []. */
+function ownName(name) {
+  let depth = 0;
+  let start = 0;
+  for (let i = 0; i < name.length; i++) {
+    const c = name[i];
+    if (c === "<" || c === "(" || c === "[") depth++;
+    else if ((c === ">" || c === ")" || c === "]") && depth > 0) depth--;
+    else if (depth === 0 && c === ":" && name[i + 1] === ":") start = ++i + 1;
+    else if (depth === 0 && c === ".") start = i + 1;
+  }
+  return name.slice(start);
+}
+
 export function binaryKind(frame) {
   const b = frame.binary;
   if (b === "[kernel]") return "kernel";
@@ -456,7 +484,7 @@ export class Flamegraph {
         const name = t.frames[f].name;
         const fits = Math.floor((r.w - 6) / charWidth);
         ctx.fillStyle = "#1a1a1a";
-        ctx.fillText(name.length <= fits ? name : `${name.slice(0, fits - 1)}…`, r.x + 3, r.y + ROW / 2);
+        ctx.fillText(shortLabel(name, fits), r.x + 3, r.y + ROW / 2);
       }
     }
     this.rects = rects;
@@ -557,7 +585,7 @@ export class Flamegraph {
       out.push(`<rect x="${r.x.toFixed(2)}" y="${r.y}" width="${w}" height="${ROW - 1}" fill="${fill}"/>`);
       if (r.w > charWidth * 3 + 6) {
         const fits = Math.floor((r.w - 6) / charWidth);
-        const name = f.name.length <= fits ? f.name : `${f.name.slice(0, fits - 1)}…`;
+        const name = shortLabel(f.name, fits);
         out.push(`<text x="${(r.x + 3).toFixed(2)}" y="${r.y + 13}">${esc(name)}</text>`);
       }
       out.push("</g>");

@@ -608,6 +608,9 @@ async fn modules(browser: &Client, page: &str) {
                    quoted: q.setMatcher('', 'pod', 'we"b'),
                    value: q.matcherValue('pod="we\\"b"', 'pod'),
                    ranked: q.rankCompletions(['pyenv-exec', 'sxz', 'XZ-utils', 'xz', 'bash'], 'x'),
+                   short: [['llvm::PassManager::run', 15], ['v8::internal::Heap::CollectGarbage', 20],
+                           ['std::vector<std::string>::push_back', 12], ['abcdefghijklmnop', 8], ['main', 10]]
+                          .map(([n, w]) => f.shortLabel(n, w)),
                    functions: tree.functions().map(s => [s.name, s.self, s.total]),
                    search: [a.count, a.weight],
                  };
@@ -625,6 +628,7 @@ async fn modules(browser: &Client, page: &str) {
             "quoted": r#"pod="we\"b""#,
             "value": r#"we"b"#,
             "ranked": ["XZ-utils", "xz", "pyenv-exec", "sxz"],
+            "short": ["…ssManager::run", "…eap::CollectGarbage", "…::push_back", "abcdefg…", "main"],
             "functions": [["a", 5, 10], ["b", 5, 5]],
             "search": [2, 10],
         })
