@@ -602,8 +602,13 @@ async function loadPickers(signal) {
       PICKERS.map(async (id) => {
         const select = $(id);
         const label = select.dataset.label;
-        const values = names.includes(label) ? await labelValues(label) : [];
-        if (!signal.aborted) fillSelect(select, values, matcherValue(state.match, label), "any");
+        const present = names.includes(label);
+        const current = matcherValue(state.match, label);
+        // A label no sample carries in this range (no containers, no pods):
+        // its picker would offer only "any". Kept while the query uses it.
+        select.parentElement.hidden = !present && !current;
+        const values = present ? await labelValues(label) : [];
+        if (!signal.aborted) fillSelect(select, values, current, "any");
       }),
     );
   } catch (err) {

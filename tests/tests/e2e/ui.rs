@@ -1350,6 +1350,33 @@ async fn big_tree(browser: &Client, big: &Collector) {
         root["viewport"].as_i64().expect("the viewport's height"),
     );
     assert_eq!(top, drawing_top, "the root is the drawing's first row");
+    // This fleet's samples carry no container or pod labels: no pickers
+    // for them, only for what can be picked.
+    let asked = Instant::now();
+    let pickers = loop {
+        let pickers = browser
+            .execute(
+                "const shown = (id) => !document.getElementById(id).parentElement.hidden; \
+                 return document.getElementById('pick-comm').options.length > 1 \
+                   ? ['pick-node', 'pick-container', 'pick-pod', 'pick-comm'].map(shown) : null;",
+                vec![],
+            )
+            .await
+            .expect("a WebDriver command");
+        if !pickers.is_null() {
+            break pickers;
+        }
+        assert!(
+            asked.elapsed() < Duration::from_secs(30),
+            "the pickers were never filled"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    };
+    assert_eq!(
+        pickers,
+        json!([true, false, false, true]),
+        "node, container, pod, comm"
+    );
     assert!(
         (0..viewport).contains(&top),
         "the root is drawn at y={top} in a {viewport}-pixel window"
