@@ -524,7 +524,11 @@ async function load() {
     if (comparing()) {
       const base = describeRange([Number(state.base_start), Number(state.base_end)]);
       const baseMatch = state.base_match && state.base_match !== state.match ? ` where ${state.base_match}` : "";
-      $("compare-text").textContent = `Comparing ${state.match || "everything"} in ${describeRange(rangeSeconds())} with the baseline ${base}${baseMatch}.`;
+      const empty = baseline && baseline.total[0] === 0;
+      // Against nothing, every frame is new and drawn red: say why.
+      const notice = empty ? " The baseline has no samples: every frame shows as new." : "";
+      $("compare-text").textContent = `Comparing ${state.match || "everything"} in ${describeRange(rangeSeconds())} with the baseline ${base}${baseMatch}.${notice}`;
+      $("compare-text").classList.toggle("warn", Boolean(empty));
     }
   } catch (err) {
     if (err.name === "AbortError") return;

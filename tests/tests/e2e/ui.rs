@@ -1232,6 +1232,22 @@ async fn compare_and_timeline(browser: &Client, page: &str) {
         "{first}"
     );
     screenshot(browser, "10-compare-hour-before").await;
+    let text = text_of(browser, "#compare-text").await;
+    assert!(!text.contains("no samples"), "{text}");
+
+    // Against a baseline with no samples at all, the page says so.
+    browser
+        .goto(&format!(
+            "{page}?match=comm%3D%22redis%22&since=1h&base_start=1000000&base_end=1003600"
+        ))
+        .await
+        .expect("a WebDriver command");
+    settled(browser, 1).await;
+    let text = text_of(browser, "#compare-text").await;
+    assert!(
+        text.contains("The baseline has no samples"),
+        "no notice of the empty baseline: {text}"
+    );
 
     // A drag across the timeline chooses that range.
     let timeline = browser
