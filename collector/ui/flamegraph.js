@@ -12,6 +12,8 @@ export const MIN_WIDTH = 2;
  * that differ only in file or line are one function). */
 export const functionKey = (f) => `${f.name}\u0000${f.binary}`;
 const ROW = 18;
+/** A frame a search does not match, in a comparison. */
+const SEARCH_MISS = "hsl(0 0% 86%)";
 const FONT = "12px ui-monospace, SFMono-Regular, Menlo, Consolas, monospace";
 
 /** A call tree in typed arrays; node 0 is the root, parents before children. */
@@ -469,7 +471,9 @@ export class Flamegraph {
       }
       const f = t.frame[r.node];
       let color;
-      if (t.base) color = diffColor(t, r.node);
+      // In a comparison a search keeps its matches' change colours and
+      // greys out the rest.
+      if (t.base) color = !search || search.hit[r.node] ? diffColor(t, r.node) : SEARCH_MISS;
       else if (!search) color = this.colors[f];
       else color = search.hit[r.node] ? "hsl(292 80% 62%)" : this.dim[f];
       r.fill = color;

@@ -1202,6 +1202,43 @@ async fn compare_and_timeline(browser: &Client, page: &str) {
         blue.starts_with("hsl(215 "),
         "sys_read improved, drawn {blue}"
     );
+    // A search in the comparison: its matches keep their change colour,
+    // the rest goes grey.
+    browser
+        .execute(
+            "const s = document.getElementById('search'); s.value = 'hash_lookup'; \
+             s.dispatchEvent(new Event('input'));",
+            vec![],
+        )
+        .await
+        .expect("a WebDriver command");
+    tokio::time::sleep(Duration::from_millis(400)).await;
+    let searched = browser
+        .execute(
+            "return ['hash_lookup', 'sys_read'].map(n => window.stackscope.frameFill(n));",
+            vec![],
+        )
+        .await
+        .expect("a WebDriver command");
+    assert_eq!(
+        searched[0].as_str(),
+        Some(red),
+        "the match keeps its colour"
+    );
+    assert_eq!(
+        searched[1].as_str(),
+        Some("hsl(0 0% 86%)"),
+        "the rest goes grey"
+    );
+    browser
+        .execute(
+            "const s = document.getElementById('search'); s.value = ''; \
+             s.dispatchEvent(new Event('input'));",
+            vec![],
+        )
+        .await
+        .expect("a WebDriver command");
+    tokio::time::sleep(Duration::from_millis(400)).await;
     // And side by side: the selection's and the baseline's own flamegraphs.
     let sides = hook(browser).await["sides"].clone();
     assert!(
