@@ -77,6 +77,9 @@ function readUrl() {
     view: q.get("view") === "flame" ? "flame" : "icicle",
     fn: q.get("fn") || "",
     sort: ["total", "name", "delta"].includes(q.get("sort")) ? q.get("sort") : "self",
+    // The sorted column's natural order (names A-Z, figures largest first)
+    // unless reversed.
+    reversed: q.get("reversed") === "1" ? "1" : "",
     filter: q.get("filter") || "",
     base_start: q.get("base_start") || "",
     base_end: q.get("base_end") || "",
@@ -357,10 +360,14 @@ function renderTop() {
   const rows = functions
     .filter((f) => !filter || f.name.toLowerCase().includes(filter))
     .sort((a, b) => (key === "name" ? a.name.localeCompare(b.name) : (b[key] ?? 0) - (a[key] ?? 0) || a.name.localeCompare(b.name)));
+  if (state.reversed) rows.reverse();
   const all = tree?.total[0] || 1;
   $("top-count").textContent = `${rows.length.toLocaleString("en-US")} functions${rows.length > TOP_ROWS ? `, first ${TOP_ROWS} shown` : ""}`;
   hook.topFirst = rows.length ? rows[0].name : "";
-  for (const th of document.querySelectorAll("#top th[data-sort]")) th.classList.toggle("sorted", th.dataset.sort === key);
+  for (const th of document.querySelectorAll("#top th[data-sort]")) {
+    th.classList.toggle("sorted", th.dataset.sort === key);
+    th.classList.toggle("reversed", th.dataset.sort === key && Boolean(state.reversed));
+  }
   $("top").tBodies[0].replaceChildren(
     ...rows.slice(0, TOP_ROWS).map((f) => {
       const tr = document.createElement("tr");
@@ -738,6 +745,8 @@ $("top-filter").addEventListener("input", (e) => {
 });
 for (const th of document.querySelectorAll("#top th[data-sort]")) {
   th.addEventListener("click", () => {
+    // The sorted column again: the other way round.
+    state.reversed = th.dataset.sort === state.sort && !state.reversed ? "1" : "";
     state.sort = th.dataset.sort;
     writeUrl();
     if (tree) renderTop();

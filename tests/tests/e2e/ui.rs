@@ -1268,6 +1268,27 @@ async fn compare_and_timeline(browser: &Client, page: &str) {
         first.starts_with("hash_lookup") && first.contains("20.00%") && first.ends_with("+46.67%"),
         "{first}"
     );
+    // Clicked again, the other way round: the biggest improvement first.
+    browser
+        .find(Locator::Css("#top th[data-sort='delta']"))
+        .await
+        .expect("the change column")
+        .click()
+        .await
+        .expect("a WebDriver command");
+    let last_first = text_of(browser, "#top tbody tr:first-child").await;
+    assert!(
+        last_first.contains("-") && !last_first.starts_with("hash_lookup"),
+        "reversed: {last_first}"
+    );
+    browser
+        .find(Locator::Css("#top th[data-sort='delta']"))
+        .await
+        .expect("the change column")
+        .click()
+        .await
+        .expect("a WebDriver command");
+    assert_eq!(text_of(browser, "#top tbody tr:first-child").await, first);
     screenshot(browser, "10-compare-hour-before").await;
     let text = text_of(browser, "#compare-text").await;
     assert!(!text.contains("no samples"), "{text}");
