@@ -43,6 +43,12 @@ function headers() {
   return sent;
 }
 
+/** Whether the collector answers queries without a token. */
+export async function answersWithoutToken() {
+  const response = await fetch("/api/v1/labels", { headers: { "X-Requested-With": "stackscope-ui" } });
+  return response.ok;
+}
+
 /** The URL of an API path with query parameters (empty ones left out). */
 export function apiUrl(path, params = {}) {
   const query = new URLSearchParams();
@@ -59,8 +65,9 @@ export function apiUrl(path, params = {}) {
  */
 export async function get(path, params = {}, { signal, as = "json" } = {}) {
   let response;
+  const sent = headers();
   try {
-    response = await fetch(apiUrl(path, params), { headers: headers(), signal });
+    response = await fetch(apiUrl(path, params), { headers: sent, signal });
   } catch (err) {
     if (err.name === "AbortError") throw err;
     throw new ApiError(
@@ -72,11 +79,11 @@ export async function get(path, params = {}, { signal, as = "json" } = {}) {
   if (!response.ok) {
     const body = (await response.text().catch(() => "")).trim();
     if (response.status === 401) {
-      throw new ApiError(
-        401,
-        "The collector asks for a query token (--query-token-file): enter it in the Token field above. " +
-          (body ? `(${body})` : ""),
-      );
+      // A wrong token and a missing one call for different fixes.
+      const asked = sent.Authorization
+        ? "The collector refused the query token saved in this browser: check it in the Token field above. "
+        : "The collector asks for a query token (--query-token-file): enter it in the Token field above. ";
+      throw new ApiError(401, asked + (body ? `(${body})` : ""));
     }
     throw new ApiError(
       response.status,

@@ -2,7 +2,7 @@
 // each change of selection asks the API again; zoom, search, view and the
 // top table work on the tree already loaded.
 
-import { ApiError, get, setToken, token } from "./api.js";
+import { ApiError, answersWithoutToken, get, setToken, token } from "./api.js";
 import { Flamegraph, Tree, binaryLegend, frameHsl, functionKey, weight } from "./flamegraph.js";
 import { QueryBar, matcherValue, setMatcher } from "./query.js";
 import { Timeline } from "./timeline.js";
@@ -757,12 +757,23 @@ $("token-button").addEventListener("click", () => {
   $("token-form").hidden = !$("token-form").hidden;
   $("token").value = token();
 });
-$("token-form").addEventListener("submit", (e) => {
+$("token-form").addEventListener("submit", async (e) => {
   e.preventDefault();
-  setToken($("token").value.trim());
+  const value = $("token").value.trim();
+  setToken(value);
   $("token-form").hidden = true;
   labelCache.clear();
   load();
+  if (!value) return;
+  // Saved either way; say when this collector does not use it.
+  try {
+    const unused = await answersWithoutToken();
+    if (hook.state !== "error") {
+      showStatus(unused ? "Token saved; this collector answers without one." : "Token saved.");
+    }
+  } catch {
+    // Unreachable: the load says so.
+  }
 });
 $("token-forget").addEventListener("click", () => {
   setToken("");

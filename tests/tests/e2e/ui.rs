@@ -575,8 +575,8 @@ async fn the_web_ui_in_headless_chromium() {
 
 /// Every scenario in one browser session (one chromedriver per test binary).
 async fn scenarios(browser: &Client, collector: &Collector, big: &Collector, guarded: &Collector) {
-    token(browser, guarded).await;
     let page = format!("{}/", collector.http);
+    token(browser, guarded, &page).await;
     modules(browser, &page).await;
     selection(browser, &page).await;
     zoom_search_top_and_link(browser, &page).await;
@@ -635,7 +635,7 @@ async fn modules(browser: &Client, page: &str) {
     );
 }
 
-async fn token(browser: &Client, guarded: &Collector) {
+async fn token(browser: &Client, guarded: &Collector, open_page: &str) {
     // A collector that wants a query token: the page says so, takes the
     // token, sends it, and keeps it.
     browser
@@ -651,6 +651,19 @@ async fn token(browser: &Client, guarded: &Collector) {
         .find(Locator::Css("#token"))
         .await
         .expect("the token field is shown");
+    // A wrong token reads otherwise than a missing one.
+    field
+        .send_keys("wrong\u{E007}")
+        .await
+        .expect("typing the token");
+    let report = finished(browser, loads(&report) + 1).await;
+    assert_eq!(report["state"], "error");
+    let status = text_of(browser, "#status").await;
+    assert!(status.contains("refused the query token"), "{status}");
+    browser
+        .execute("document.getElementById('token').value = '';", vec![])
+        .await
+        .expect("a WebDriver command");
     field
         .send_keys("r3ader\u{E007}")
         .await
@@ -660,6 +673,31 @@ async fn token(browser: &Client, guarded: &Collector) {
     browser.refresh().await.expect("a WebDriver command");
     let report = settled(browser, 1).await;
     assert_eq!(report["state"], "ready", "the token is kept across loads");
+
+    // Saved on a collector that asks for none: the page says so.
+    browser.goto(open_page).await.expect("a WebDriver command");
+    let report = settled(browser, 1).await;
+    browser
+        .find(Locator::Css("#token-button"))
+        .await
+        .expect("the token button")
+        .click()
+        .await
+        .expect("a WebDriver command");
+    browser
+        .execute("document.getElementById('token').value = '';", vec![])
+        .await
+        .expect("a WebDriver command");
+    browser
+        .find(Locator::Css("#token"))
+        .await
+        .expect("the token field")
+        .send_keys("unneeded\u{E007}")
+        .await
+        .expect("typing the token");
+    settled(browser, loads(&report) + 1).await;
+    let said = wait_for_text(browser, "#status", "Token saved").await;
+    assert!(said.contains("answers without one"), "{said}");
     browser
         .execute("localStorage.clear();", vec![])
         .await
