@@ -5,7 +5,7 @@
 import { ApiError, answersWithoutToken, get, setToken, token } from "./api.js";
 import { Flamegraph, Tree, binaryLegend, frameHsl, functionKey, weight } from "./flamegraph.js";
 import { QueryBar, matcherValue, setMatcher } from "./query.js";
-import { Timeline } from "./timeline.js";
+import { Timeline, localTime, utcOffset } from "./timeline.js";
 
 const $ = (id) => document.getElementById(id);
 const PICKERS = ["pick-node", "pick-container", "pick-pod", "pick-comm"];
@@ -556,9 +556,9 @@ function clearSelectionViews() {
   $("callers").replaceChildren();
 }
 
+/** A range as the timeline's axis reads it: local times, with their zone. */
 function describeRange([start, end]) {
-  const fmt = (s) => new Date(s * 1000).toLocaleString();
-  return `${fmt(start)} – ${fmt(end)}`;
+  return `${localTime(start)} – ${localTime(end)} (${utcOffset(new Date(end * 1000))})`;
 }
 
 async function loadTimeline(signal) {

@@ -99,8 +99,12 @@ export class Timeline {
       ctx.textBaseline = "middle";
       ctx.fillText(this.empty, 8, plot / 2);
     }
+    // The axis's time zone, at its right end: the labels are local times.
+    ctx.textBaseline = "top";
+    const zone = utcOffset(new Date(this.end / 1e6));
+    ctx.fillText(zone, width - ctx.measureText(zone).width - 4, 2);
+    this.canvas.dataset.zone = zone;
     if (max) {
-      ctx.textBaseline = "top";
       ctx.fillText(`max ${Math.round(max).toLocaleString("en-US")} samples / ${stepLabel(this.step)}`, 4, 2);
     }
     if (this.drag) {
@@ -117,7 +121,26 @@ function timeLabel(nanos, span) {
   const hm = `${pad(d.getHours())}:${pad(d.getMinutes())}`;
   if (span <= 3600e9 * 2) return `${hm}:${pad(d.getSeconds())}`;
   if (span <= 86400e9 * 2) return hm;
-  return `${d.getMonth() + 1}/${d.getDate()} ${hm}`;
+  return `${d.getFullYear()}-${pad(d.getMonth() + 1)}-${pad(d.getDate())} ${hm}`;
+}
+
+/** The browser's offset from UTC at `date`, as `UTC+01:00`. */
+export function utcOffset(date) {
+  const minutes = -date.getTimezoneOffset();
+  const sign = minutes < 0 ? "-" : "+";
+  const abs = Math.abs(minutes);
+  const pad = (n) => String(n).padStart(2, "0");
+  return `UTC${sign}${pad(Math.floor(abs / 60))}:${pad(abs % 60)}`;
+}
+
+/** A time as the page writes it everywhere: local, `2026-11-28 09:30:00`. */
+export function localTime(seconds) {
+  const d = new Date(seconds * 1000);
+  const pad = (n) => String(n).padStart(2, "0");
+  return (
+    `${d.getFullYear()}-${pad(d.getMonth() + 1)}-${pad(d.getDate())} ` +
+    `${pad(d.getHours())}:${pad(d.getMinutes())}:${pad(d.getSeconds())}`
+  );
 }
 
 function stepLabel(nanos) {

@@ -1386,6 +1386,26 @@ async fn compare_and_timeline(browser: &Client, page: &str) {
         .and_then(|(_, v)| v.parse().ok())
         .expect("the drag sets end");
     assert!(end > start && end - start < 3600.0, "{start}..{end}");
+    // The range reads as the axis does: local times, and their zone on both.
+    settled(browser, 1).await;
+    let range = text_of(browser, "#range").await;
+    let zone = browser
+        .execute(
+            "return document.getElementById('timeline').dataset.zone;",
+            vec![],
+        )
+        .await
+        .expect("a WebDriver command");
+    let zone = zone.as_str().unwrap_or_default();
+    let format = regex::Regex::new(
+        r"^\d{4}-\d\d-\d\d \d\d:\d\d:\d\d – \d{4}-\d\d-\d\d \d\d:\d\d:\d\d \(UTC[+-]\d\d:\d\d\)$",
+    )
+    .expect("a regex");
+    assert!(format.is_match(&range), "the range reads {range:?}");
+    assert!(
+        zone.starts_with("UTC") && range.ends_with(&format!("({zone})")),
+        "axis zone {zone:?}, range {range:?}"
+    );
     screenshot(browser, "11-timeline-drag").await;
 }
 
