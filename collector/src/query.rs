@@ -13,7 +13,7 @@ use stackscope_profile::{
 use crate::{
     debuginfo::symbolize::{Symbolizer, SymbolizerGone},
     metrics::CollectorMetrics,
-    storage::{Storage, StorageError},
+    storage::{Storage, StorageError, series_step},
 };
 
 /// A query failed.
@@ -304,8 +304,13 @@ impl QueryEngine {
         } else {
             (span / 100).max(1_000_000_000)
         };
-        let work = self.blocking(move |storage| storage.series(&selection, step));
-        let points = self.metrics.time_query("series", work).await?;
-        Ok((step, points))
+        // The step answered is the one drawn: whole storage buckets.
+        let work = self.blocking(move |storage| {
+            let step = series_step(step, storage.bucket_nanos());
+            storage
+                .series(&selection, step)
+                .map(|points| (step, points))
+        });
+        self.metrics.time_query("series", work).await
     }
 }

@@ -72,7 +72,10 @@ export class Timeline {
     ctx.clearRect(0, 0, width, HEIGHT);
     const span = Math.max(this.end - this.start, 1);
     const plot = HEIGHT - AXIS;
-    const max = this.points.reduce((m, p) => Math.max(m, p.weight), 0);
+    // Bars of buckets that start before the range are partly off the left
+    // edge; the caption's max is of the bars in view.
+    const visible = this.points.filter((p) => p.start_unix_nanos + this.step > this.start && p.start_unix_nanos < this.end);
+    const max = visible.reduce((m, p) => Math.max(m, p.weight), 0);
     ctx.fillStyle = "hsl(210 60% 55%)";
     for (const p of this.points) {
       const x = ((p.start_unix_nanos - this.start) / span) * width;
@@ -105,7 +108,11 @@ export class Timeline {
     ctx.fillText(zone, width - ctx.measureText(zone).width - 4, 2);
     this.canvas.dataset.zone = zone;
     if (max) {
-      ctx.fillText(`max ${Math.round(max).toLocaleString("en-US")} samples / ${stepLabel(this.step)}`, 4, 2);
+      const caption = `max ${Math.round(max).toLocaleString("en-US")} samples / ${stepLabel(this.step)}`;
+      this.canvas.dataset.caption = caption;
+      ctx.fillText(caption, 4, 2);
+    } else {
+      delete this.canvas.dataset.caption;
     }
     if (this.drag) {
       const [a, b] = [Math.min(this.drag.from, this.drag.to), Math.max(this.drag.from, this.drag.to)];
@@ -145,7 +152,7 @@ export function localTime(seconds) {
 
 function stepLabel(nanos) {
   const s = nanos / 1e9;
-  if (s < 60) return `${s}s`;
+  if (s < 60) return `${Number(s.toFixed(s < 10 ? 1 : 0))}s`;
   if (s < 3600) return `${Math.round(s / 60)}m`;
   return `${Math.round(s / 3600)}h`;
 }

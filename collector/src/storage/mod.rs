@@ -101,8 +101,26 @@ pub(crate) fn series_point(bucket: i64, step_nanos: i64, bucket_nanos: i64) -> i
     bucket.saturating_sub(bucket.rem_euclid(step))
 }
 
+/// The width of a series' points for an asked width: whole storage buckets
+/// (a bucket is the finest the data is: a narrower point would draw a
+/// minute's samples as a sliver), one bucket when none is asked.
+pub fn series_step(step_nanos: i64, bucket_nanos: i64) -> i64 {
+    let bucket = bucket_nanos.max(1);
+    if step_nanos <= bucket {
+        return bucket;
+    }
+    let buckets = step_nanos / bucket + i64::from(step_nanos % bucket != 0);
+    buckets
+        .checked_mul(bucket)
+        .unwrap_or(i64::MAX / bucket * bucket)
+}
+
 /// Stores validated batches and answers queries over them.
 pub trait Storage: Send + Sync + 'static {
+    /// The width of the buckets samples are summed in: the finest time
+    /// resolution a query can have.
+    fn bucket_nanos(&self) -> i64;
+
     /// Stores one batch atomically and durably, or not at all. A batch
     /// whose id is already stored is not counted again.
     fn ingest(&self, batch: &ValidBatch) -> Result<IngestOutcome, StorageError>;
@@ -149,5 +167,27 @@ pub trait Storage: Send + Sync + 'static {
     /// (left out while a long ingest or query holds them).
     fn state_sizes(&self, out: &mut Vec<StateSize>) {
         let _ = out;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::series_step;
+
+    const MINUTE: i64 = 60_000_000_000;
+
+    #[test]
+    fn a_series_step_is_whole_storage_buckets() {
+        assert_eq!(series_step(0, MINUTE), MINUTE, "none asked: one bucket");
+        assert_eq!(
+            series_step(2_301_250_001, MINUTE),
+            MINUTE,
+            "finer than the data"
+        );
+        assert_eq!(series_step(MINUTE, MINUTE), MINUTE);
+        assert_eq!(series_step(MINUTE + 1, MINUTE), 2 * MINUTE, "rounded up");
+        assert_eq!(series_step(36 * MINUTE, MINUTE), 36 * MINUTE);
+        assert_eq!(series_step(i64::MAX, MINUTE) % MINUTE, 0, "no overflow");
+        assert_eq!(series_step(5, 0), 5, "a zero bucket width counts as 1 ns");
     }
 }

@@ -1215,6 +1215,31 @@ async fn compare_and_timeline(browser: &Client, page: &str) {
         .await
         .expect("a WebDriver command");
     let report = settled(browser, 1).await;
+    // The timeline's bars are as wide as the data is fine: an hour asks
+    // for 36 s steps, the collector sums minutes, and the caption says so.
+    let asked = Instant::now();
+    let caption = loop {
+        let caption = browser
+            .execute(
+                "return document.getElementById('timeline').dataset.caption || null;",
+                vec![],
+            )
+            .await
+            .expect("a WebDriver command");
+        if let Some(caption) = caption.as_str() {
+            break caption.to_owned();
+        }
+        assert!(
+            asked.elapsed() < Duration::from_secs(20),
+            "the timeline has no caption"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    };
+    let honest = regex::Regex::new(r"^max [\d,]+ samples / 1m$").expect("a regex");
+    assert!(
+        honest.is_match(&caption),
+        "the timeline's caption: {caption}"
+    );
     browser
         .find(Locator::Css("#compare-hour"))
         .await

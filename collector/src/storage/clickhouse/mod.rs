@@ -1052,6 +1052,10 @@ impl ClickhouseStorage {
 }
 
 impl Storage for ClickhouseStorage {
+    fn bucket_nanos(&self) -> i64 {
+        self.options.bucket_nanos
+    }
+
     fn ingest(&self, batch: &ValidBatch) -> Result<IngestOutcome, StorageError> {
         let id = u128::from_le_bytes(batch.batch_id);
         let sql = format!(

@@ -156,6 +156,10 @@ impl SqliteStorage {
 }
 
 impl Storage for SqliteStorage {
+    fn bucket_nanos(&self) -> i64 {
+        self.bucket_nanos
+    }
+
     fn ingest(&self, batch: &ValidBatch) -> Result<IngestOutcome, StorageError> {
         self.store_batch(batch)
     }
