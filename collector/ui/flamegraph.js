@@ -534,6 +534,11 @@ export class Flamegraph {
       lines.push(["self", `${weight(t.self[r.node], t.period)}  ${pct(t.self[r.node], all)} of all`]);
       if (t.base) {
         lines.push(["baseline", `${weight(t.base[r.node], t.period)}  ${pct(t.base[r.node], t.baseTotal)} of baseline`]);
+        // What the colour says, in numbers: the share of all that moved.
+        const now = all > 0 ? t.total[r.node] / all : 0;
+        const before = t.baseTotal > 0 ? t.base[r.node] / t.baseTotal : 0;
+        const points = (100 * (now - before)).toFixed(2);
+        lines.push(["change", `${now >= before ? "+" : ""}${points} points of all (${(100 * before).toFixed(2)}% → ${(100 * now).toFixed(2)}%)`]);
       }
     }
     tip.replaceChildren(

@@ -1265,6 +1265,22 @@ async fn compare_and_timeline(browser: &Client, page: &str) {
         blue.starts_with("hsl(215 "),
         "sys_read improved, drawn {blue}"
     );
+    // The tooltip says the change the colour shows.
+    let (x, y) = frame_center(browser, "hash_lookup").await;
+    let hover = MouseActions::new("mouse".into()).then(PointerAction::MoveTo {
+        duration: None,
+        x,
+        y,
+    });
+    browser
+        .perform_actions(hover)
+        .await
+        .expect("moving the mouse");
+    let tip = wait_for_text(browser, "#tooltip", "change").await;
+    assert!(
+        tip.contains("+46.67 points of all (20.00% → 66.67%)"),
+        "{tip}"
+    );
     // A search in the comparison: its matches keep their change colour,
     // the rest goes grey.
     browser
