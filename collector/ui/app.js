@@ -260,9 +260,20 @@ function renderLegend() {
     }),
   );
   if (tree.base) {
+    // A colour scale, as the frames are coloured: the change of a frame's
+    // share of all, relative to the larger of the two shares.
+    const scale = document.createElement("span");
+    scale.className = "diff-scale";
+    const bar = document.createElement("i");
+    bar.style.background =
+      "linear-gradient(to right, hsl(215 80% 50%), hsl(215 80% 71%), hsl(0 0% 92%), hsl(0 80% 71%), hsl(0 80% 50%))";
+    const [less, more] = [document.createElement("span"), document.createElement("span")];
+    less.textContent = "smaller share than the baseline";
+    more.textContent = "larger";
+    scale.append(less, bar, more);
     const note = document.createElement("span");
-    note.textContent = "differential: red = larger share than the baseline (slower), blue = smaller (faster); widths are the selection's";
-    $("legend").replaceChildren(note);
+    note.textContent = "widths are the selection's";
+    $("legend").replaceChildren(scale, note);
   }
 }
 

@@ -102,17 +102,18 @@ export class Timeline {
       ctx.textBaseline = "middle";
       ctx.fillText(this.empty, 8, plot / 2);
     }
-    // The axis's time zone, at its right end: the labels are local times.
+    // The axis's time zone (its labels are local times), after the
+    // caption at the top left, where no bar reaches.
     ctx.textBaseline = "top";
     const zone = utcOffset(new Date(this.end / 1e6));
-    ctx.fillText(zone, width - ctx.measureText(zone).width - 4, 2);
     this.canvas.dataset.zone = zone;
     if (max) {
       const caption = `max ${Math.round(max).toLocaleString("en-US")} samples / ${stepLabel(this.step)}`;
       this.canvas.dataset.caption = caption;
-      ctx.fillText(caption, 4, 2);
+      ctx.fillText(`${caption} · times in ${zone}`, 4, 2);
     } else {
       delete this.canvas.dataset.caption;
+      ctx.fillText(`times in ${zone}`, 4, 2);
     }
     if (this.drag) {
       const [a, b] = [Math.min(this.drag.from, this.drag.to), Math.max(this.drag.from, this.drag.to)];

@@ -1265,6 +1265,20 @@ async fn compare_and_timeline(browser: &Client, page: &str) {
         blue.starts_with("hsl(215 "),
         "sys_read improved, drawn {blue}"
     );
+    // The legend is a colour scale from blue to red, not a sentence.
+    let scale = browser
+        .execute(
+            "const i = document.querySelector('#legend .diff-scale i'); \
+             return i ? getComputedStyle(i).backgroundImage : null;",
+            vec![],
+        )
+        .await
+        .expect("a WebDriver command");
+    let scale = scale.as_str().unwrap_or_default();
+    assert!(
+        scale.starts_with("linear-gradient") && scale.contains("rgb("),
+        "the comparison's legend: {scale:?}"
+    );
     // The tooltip says the change the colour shows.
     let (x, y) = frame_center(browser, "hash_lookup").await;
     let hover = MouseActions::new("mouse".into()).then(PointerAction::MoveTo {
