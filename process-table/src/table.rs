@@ -1603,12 +1603,7 @@ mod tests {
     #[test]
     fn a_file_mapped_by_a_process_that_is_gone_is_found_under_its_parents_root() {
         let proc = FakeProc::new();
-        // The parent (10) is alive and sees the file at /bin/app.
-        let app = std::env::current_exe().expect("the test binary");
-        let parent_bin = proc.dir.path().join("10/root/bin");
-        std::fs::create_dir_all(&parent_bin).expect("parent root");
-        std::fs::copy(&app, parent_bin.join("app")).expect("copying the binary");
-        let (build_id, text) = code_page_as_bin_app(&app);
+        let (build_id, text) = app_in_the_root_of_10(&proc);
         let mut table = proc.table(8, Duration::ZERO);
         table.exec_learned(20, Some(10), 100);
         table.mapped(20, text.clone(), Some(build_id));
@@ -1635,11 +1630,7 @@ mod tests {
     #[test]
     fn with_deferred_reads_a_learned_file_is_identified_by_the_owner() {
         let proc = FakeProc::new();
-        let app = std::env::current_exe().expect("the test binary");
-        let parent_bin = proc.dir.path().join("10/root/bin");
-        std::fs::create_dir_all(&parent_bin).expect("parent root");
-        std::fs::copy(&app, parent_bin.join("app")).expect("copying the binary");
-        let (build_id, text) = code_page_as_bin_app(&app);
+        let (build_id, text) = app_in_the_root_of_10(&proc);
         let mut table = ProcessTable::new(TableConfig {
             proc_root: proc.dir.path().to_path_buf(),
             defer_reads: true,
@@ -1673,6 +1664,17 @@ mod tests {
             other => panic!("expected the object, got {other:?}"),
         }
         assert!(table.take_read_requests().is_empty(), "read once");
+    }
+
+    /// The test binary as `/bin/app` in the root of a live process 10 (the
+    /// parent of the learned processes), with its build-id and a mapping
+    /// of its first code page.
+    fn app_in_the_root_of_10(proc: &FakeProc) -> (BuildId, Mapping) {
+        let app = std::env::current_exe().expect("the test binary");
+        let parent_bin = proc.dir.path().join("10/root/bin");
+        std::fs::create_dir_all(&parent_bin).expect("parent root");
+        std::fs::copy(&app, parent_bin.join("app")).expect("copying the binary");
+        code_page_as_bin_app(&app)
     }
 
     /// The build-id of `binary`, and a mapping of the first page of its

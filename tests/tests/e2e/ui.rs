@@ -502,6 +502,36 @@ async fn text_of(browser: &Client, css: &str) -> String {
         .expect("element text")
 }
 
+/// Moves the mouse onto the first drawn frame named `frame` and returns
+/// the tooltip once it says `expected`.
+async fn hover_tooltip(browser: &Client, frame: &str, expected: &str) -> String {
+    let (x, y) = frame_center(browser, frame).await;
+    let hover = MouseActions::new("mouse".into()).then(PointerAction::MoveTo {
+        duration: None,
+        x,
+        y,
+    });
+    browser
+        .perform_actions(hover)
+        .await
+        .expect("moving the mouse");
+    wait_for_text(browser, "#tooltip", expected).await
+}
+
+/// Types `text` into the flamegraph's search (as the page takes input)
+/// and waits for the page's debounce to apply it.
+async fn set_search(browser: &Client, text: &str) {
+    browser
+        .execute(
+            "const s = document.getElementById('search'); s.value = arguments[0]; \
+             s.dispatchEvent(new Event('input'));",
+            vec![json!(text)],
+        )
+        .await
+        .expect("a WebDriver command");
+    tokio::time::sleep(Duration::from_millis(400)).await;
+}
+
 async fn wait_for_text(browser: &Client, css: &str, expected: &str) -> String {
     let deadline = Instant::now() + Duration::from_secs(20);
     loop {
@@ -908,17 +938,7 @@ async fn zoom_search_top_and_link(browser: &Client, page: &str) {
     screenshot(browser, "05-zoom-serve").await;
 
     // The tooltip: self and total weight and share.
-    let (x, y) = frame_center(browser, "hash_lookup").await;
-    let hover = MouseActions::new("mouse".into()).then(PointerAction::MoveTo {
-        duration: None,
-        x,
-        y,
-    });
-    browser
-        .perform_actions(hover)
-        .await
-        .expect("moving the mouse");
-    let tip = wait_for_text(browser, "#tooltip", "hash_lookup").await;
+    let tip = hover_tooltip(browser, "hash_lookup", "hash_lookup").await;
     assert!(
         tip.contains("600 samples (6.00 s CPU)") && tip.contains("66.67% of all"),
         "{tip}"
@@ -1151,14 +1171,7 @@ async fn nothing_stale(browser: &Client, page: &str) {
         "{shown}"
     );
 
-    let search = |text: &str| {
-        format!(
-            "const s = document.getElementById('search'); s.value = {text:?}; \
-             s.dispatchEvent(new Event('input'));"
-        )
-    };
     let search_state = async |browser: &Client| {
-        tokio::time::sleep(Duration::from_millis(400)).await;
         let h = hook(browser).await;
         (
             h["searchError"].as_str().unwrap_or("?").to_owned(),
@@ -1166,10 +1179,7 @@ async fn nothing_stale(browser: &Client, page: &str) {
             text_of(browser, "#status").await,
         )
     };
-    browser
-        .execute(&search("/(/"), vec![])
-        .await
-        .expect("a WebDriver command");
+    set_search(browser, "/(/").await;
     let (error, beside, status) = search_state(browser).await;
     assert!(!error.is_empty(), "no error for the search /(/");
     assert_eq!(beside, error, "the error is shown beside the search");
@@ -1177,10 +1187,7 @@ async fn nothing_stale(browser: &Client, page: &str) {
         !status.contains("search"),
         "and not in the status: {status}"
     );
-    browser
-        .execute(&search(""), vec![])
-        .await
-        .expect("a WebDriver command");
+    set_search(browser, "").await;
     let (error, beside, _) = search_state(browser).await;
     assert_eq!(
         (error.as_str(), beside.as_str()),
@@ -1280,32 +1287,14 @@ async fn compare_and_timeline(browser: &Client, page: &str) {
         "the comparison's legend: {scale:?}"
     );
     // The tooltip says the change the colour shows.
-    let (x, y) = frame_center(browser, "hash_lookup").await;
-    let hover = MouseActions::new("mouse".into()).then(PointerAction::MoveTo {
-        duration: None,
-        x,
-        y,
-    });
-    browser
-        .perform_actions(hover)
-        .await
-        .expect("moving the mouse");
-    let tip = wait_for_text(browser, "#tooltip", "change").await;
+    let tip = hover_tooltip(browser, "hash_lookup", "change").await;
     assert!(
         tip.contains("+46.67 points of all (20.00% → 66.67%)"),
         "{tip}"
     );
     // A search in the comparison: its matches keep their change colour,
     // the rest goes grey.
-    browser
-        .execute(
-            "const s = document.getElementById('search'); s.value = 'hash_lookup'; \
-             s.dispatchEvent(new Event('input'));",
-            vec![],
-        )
-        .await
-        .expect("a WebDriver command");
-    tokio::time::sleep(Duration::from_millis(400)).await;
+    set_search(browser, "hash_lookup").await;
     let searched = browser
         .execute(
             "return ['hash_lookup', 'sys_read'].map(n => window.stackscope.frameFill(n));",
@@ -1323,15 +1312,7 @@ async fn compare_and_timeline(browser: &Client, page: &str) {
         Some("hsl(0 0% 86%)"),
         "the rest goes grey"
     );
-    browser
-        .execute(
-            "const s = document.getElementById('search'); s.value = ''; \
-             s.dispatchEvent(new Event('input'));",
-            vec![],
-        )
-        .await
-        .expect("a WebDriver command");
-    tokio::time::sleep(Duration::from_millis(400)).await;
+    set_search(browser, "").await;
     // And side by side: the selection's and the baseline's own flamegraphs.
     let sides = hook(browser).await["sides"].clone();
     assert!(
@@ -1349,39 +1330,28 @@ async fn compare_and_timeline(browser: &Client, page: &str) {
     );
 
     // The top table sorted by the change of self share: the regression first.
-    browser
-        .find(Locator::Css("#top th[data-sort='delta']"))
-        .await
-        .expect("the change column")
-        .click()
-        .await
-        .expect("a WebDriver command");
-    let first = text_of(browser, "#top tbody tr:first-child").await;
+    let sort_by_change = async || {
+        browser
+            .find(Locator::Css("#top th[data-sort='delta']"))
+            .await
+            .expect("the change column")
+            .click()
+            .await
+            .expect("a WebDriver command");
+        text_of(browser, "#top tbody tr:first-child").await
+    };
+    let first = sort_by_change().await;
     assert!(
         first.starts_with("hash_lookup") && first.contains("20.00%") && first.ends_with("+46.67%"),
         "{first}"
     );
     // Clicked again, the other way round: the biggest improvement first.
-    browser
-        .find(Locator::Css("#top th[data-sort='delta']"))
-        .await
-        .expect("the change column")
-        .click()
-        .await
-        .expect("a WebDriver command");
-    let last_first = text_of(browser, "#top tbody tr:first-child").await;
+    let last_first = sort_by_change().await;
     assert!(
         last_first.contains("-") && !last_first.starts_with("hash_lookup"),
         "reversed: {last_first}"
     );
-    browser
-        .find(Locator::Css("#top th[data-sort='delta']"))
-        .await
-        .expect("the change column")
-        .click()
-        .await
-        .expect("a WebDriver command");
-    assert_eq!(text_of(browser, "#top tbody tr:first-child").await, first);
+    assert_eq!(sort_by_change().await, first);
     screenshot(browser, "10-compare-hour-before").await;
     let text = text_of(browser, "#compare-text").await;
     assert!(!text.contains("no samples"), "{text}");
