@@ -53,7 +53,7 @@ pub use batch::{BatchOptions, build_batch};
 use labels::LabelChoice;
 use stackscope_metadata::{
     describe::{Describer, Description, Reads, Wanted},
-    process::ProcessLabels,
+    process::{Known, ProcessLabels},
 };
 pub use worker::{BatchWorker, WorkerStats};
 
@@ -996,34 +996,41 @@ impl Aggregator {
         let choice = self.config.labels;
         let wants_exe = has_user && choice.exe;
         // One lookup of the process's record, for both labels.
-        let known = (wants_exe || choice.any_container()).then(|| {
-            self.processes
-                .known(header.tgid, header.process_start_ns, header.cgroup_id)
-        });
+        let Known {
+            exe: known_exe,
+            container: placed,
+        } = match wants_exe || choice.any_container() {
+            true => self
+                .processes
+                .known(header.tgid, header.process_start_ns, header.cgroup_id),
+            false => Known {
+                exe: None,
+                container: None,
+            },
+        };
         // Not described yet: a set of its own, filled in when it is.
         let mut pending = false;
-        let exe = match known.as_ref().filter(|_| wants_exe) {
-            Some(known) => known.exe.clone().unwrap_or_else(|| {
+        let exe = match (wants_exe, known_exe) {
+            (true, Some(exe)) => exe,
+            (true, None) => {
                 pending = true;
                 self.processes.empty()
-            }),
-            None => self.processes.empty(),
+            }
+            (false, _) => self.processes.empty(),
         };
         let mut settled = !(wants_exe && exe.is_empty());
         let mut describe_again = false;
-        let container = match known.filter(|_| choice.any_container()) {
-            Some(known) => match known.container {
-                Some(placed) => {
-                    settled &= placed.settled;
-                    describe_again = placed.describe_again;
-                    placed.labels.map(SameContainer)
-                }
-                None => {
-                    pending = true;
-                    None
-                }
-            },
-            None => None,
+        let container = match (choice.any_container(), placed) {
+            (true, Some(placed)) => {
+                settled &= placed.settled;
+                describe_again = placed.describe_again;
+                placed.labels.map(SameContainer)
+            }
+            (true, None) => {
+                pending = true;
+                None
+            }
+            (false, _) => None,
         };
         if pending || describe_again {
             self.want(header);

@@ -168,10 +168,7 @@ impl ProcessLabels {
     /// The record of `tgid` started at `started`, made (or made again, when
     /// it was another process's) if need be.
     fn record(&mut self, tgid: u32, started: u64) -> &mut Record {
-        if self.records.len() >= self.capacity && !self.records.contains_key(&tgid) {
-            self.records.clear();
-        }
-        let record = self.records.entry(tgid).or_default();
+        let record = self.entry(tgid);
         if record.started != started {
             if record.started != 0 {
                 // Another process under a reused pid (its exit was lost).
@@ -182,13 +179,19 @@ impl ProcessLabels {
         record
     }
 
-    /// Process `tgid` exec'd (its first mapping `exe`, if the mapping feed
-    /// saw it): its exe is described again; its container stays.
-    pub fn exec(&mut self, tgid: u32, exe: Option<&Path>) {
+    /// The record of `tgid`, made if it has none; at the bound the map
+    /// starts over first.
+    fn entry(&mut self, tgid: u32) -> &mut Record {
         if self.records.len() >= self.capacity && !self.records.contains_key(&tgid) {
             self.records.clear();
         }
-        let record = self.records.entry(tgid).or_default();
+        self.records.entry(tgid).or_default()
+    }
+
+    /// Process `tgid` exec'd (its first mapping `exe`, if the mapping feed
+    /// saw it): its exe is described again; its container stays.
+    pub fn exec(&mut self, tgid: u32, exe: Option<&Path>) {
+        let record = self.entry(tgid);
         record.exe = None;
         record.asked_at = None;
         record.learned_exe =

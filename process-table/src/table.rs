@@ -479,9 +479,7 @@ impl<S: Default> ProcessTable<S> {
     /// The record of `tgid`, made (room made first) with its maps `known`
     /// or not if there is none, and marked as just used.
     fn record(&mut self, tgid: u32, known: bool) -> (Slot, &mut Process<S>) {
-        if !self.processes.contains(tgid) {
-            self.make_room();
-        }
+        self.make_room_for(tgid);
         self.uses += 1;
         let uses = self.uses;
         let (slot, process) = self.processes.entry(tgid, || Process::new(known, uses));
@@ -988,9 +986,12 @@ impl<S: Default> ProcessTable<S> {
         self.record(tgid, true).1.regions = regions;
     }
 
-    /// Drops the least recently used record when the table is full.
-    fn make_room(&mut self) {
-        if self.processes.len() < self.config.max_processes.max(1) {
+    /// Drops the least recently used record when the table is full and
+    /// `tgid` has none. The length first: a sample's lookup of a table
+    /// below its bound pays no membership probe.
+    fn make_room_for(&mut self, tgid: u32) {
+        if self.processes.len() < self.config.max_processes.max(1) || self.processes.contains(tgid)
+        {
             return;
         }
         let oldest = self
