@@ -2,7 +2,7 @@
 // each change of selection asks the API again; zoom, search, view and the
 // top table work on the tree already loaded.
 
-import { ApiError, answersWithoutToken, get, setToken, token } from "./api.js";
+import { ApiError, answersWithoutToken, apiUrl, get, setToken, token } from "./api.js";
 import { Flamegraph, Tree, binaryLegend, frameHsl, functionKey, weight } from "./flamegraph.js";
 import { QueryBar, matcherValue, setMatcher } from "./query.js";
 import { Timeline, localTime, utcOffset } from "./timeline.js";
@@ -806,10 +806,7 @@ function exportName(extension) {
 
 /** The API address of the export shown: copyable, and what a script would fetch. */
 function exportUrl(kind) {
-  const params = new URLSearchParams({ ...selectionParams(), format: kind });
-  if (state.group_by) params.set("group_by", state.group_by);
-  for (const [name, value] of [...params]) if (!value) params.delete(name);
-  return `${location.origin}/api/v1/flamegraph?${params}`;
+  return location.origin + apiUrl("/api/v1/flamegraph", { ...selectionParams(), format: kind, group_by: state.group_by });
 }
 
 function download(blob, name) {

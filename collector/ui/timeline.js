@@ -102,8 +102,8 @@ export class Timeline {
       ctx.textBaseline = "middle";
       ctx.fillText(this.empty, 8, plot / 2);
     }
-    // The axis's time zone (its labels are local times), after the
-    // caption at the top left, where no bar reaches.
+    // The axis's time zone (its labels are local times), with the
+    // caption at the top left: the right end is the newest bar's.
     ctx.textBaseline = "top";
     const zone = utcOffset(new Date(this.end / 1e6));
     this.canvas.dataset.zone = zone;
@@ -123,9 +123,10 @@ export class Timeline {
   }
 }
 
+const pad = (n) => String(n).padStart(2, "0");
+
 function timeLabel(nanos, span) {
   const d = new Date(nanos / 1e6);
-  const pad = (n) => String(n).padStart(2, "0");
   const hm = `${pad(d.getHours())}:${pad(d.getMinutes())}`;
   if (span <= 3600e9 * 2) return `${hm}:${pad(d.getSeconds())}`;
   if (span <= 86400e9 * 2) return hm;
@@ -137,14 +138,12 @@ export function utcOffset(date) {
   const minutes = -date.getTimezoneOffset();
   const sign = minutes < 0 ? "-" : "+";
   const abs = Math.abs(minutes);
-  const pad = (n) => String(n).padStart(2, "0");
   return `UTC${sign}${pad(Math.floor(abs / 60))}:${pad(abs % 60)}`;
 }
 
 /** A time as the page writes it everywhere: local, `2026-11-28 09:30:00`. */
 export function localTime(seconds) {
   const d = new Date(seconds * 1000);
-  const pad = (n) => String(n).padStart(2, "0");
   return (
     `${d.getFullYear()}-${pad(d.getMonth() + 1)}-${pad(d.getDate())} ` +
     `${pad(d.getHours())}:${pad(d.getMinutes())}:${pad(d.getSeconds())}`
