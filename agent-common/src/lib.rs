@@ -26,6 +26,10 @@ pub enum RecordKind {
     /// A [`ProcessEvent`]: the process's main thread exited; its tgid may be
     /// reused by an unrelated process.
     Exit = 3,
+    /// A [`PythonStackHeader`] followed by its [`PythonFrame`]s: the CPython
+    /// frames of the thread whose sample record comes next from the same
+    /// CPU (written just before it, in the same run of the program).
+    PythonStack = 4,
 }
 
 /// Bit flags in [`SampleHeader::flags`].
@@ -398,6 +402,140 @@ pub struct ProcessEvent {
 pub const PROCESS_EVENT_SIZE: usize = 16;
 const _: () = assert!(core::mem::size_of::<ProcessEvent>() == PROCESS_EVENT_SIZE);
 
+/// Processes whose CPython frames the sampler reads (`PYTHON_PROCESSES`).
+pub const MAX_PYTHON_PROCESSES: u32 = 4096;
+
+/// Most Python frames read per sample; deeper frames (the outermost) are
+/// left out and the stack is marked [`python_stack_flags::TRUNCATED`].
+pub const MAX_PYTHON_FRAMES: usize = 128;
+
+/// Bytes of a `_PyInterpreterFrame` the sampler reads in one go: every field
+/// it uses lies below this in CPython 3.11 to 3.13 (the largest, `owner`,
+/// at byte 70).
+pub const PYTHON_FRAME_READ_BYTES: u32 = 72;
+
+/// How the sampler finds and reads a CPython process's frames: the value of
+/// the `PYTHON_PROCESSES` map, keyed by tgid, written by the agent when it
+/// finds an interpreter in a process's mappings. Every address is in the
+/// process; every offset is in bytes and below [`PYTHON_FRAME_READ_BYTES`]
+/// where it is one into a frame.
+///
+/// The walk: the thread's `PyThreadState` is the value of the pthread key
+/// stored at `tss_key` (glibc keeps key `k` < 32 at `fs_base + tsd_base +
+/// tsd_stride * k`); from it `tstate_frame` (3.13: `current_frame`), or,
+/// when `cframe_frame` is not [`PythonProcess::NO_CFRAME`], the
+/// `_PyCFrame*` at `tstate_frame` and the frame at `cframe_frame` in it
+/// (3.11, 3.12); then each frame's code object, instruction pointer and
+/// `previous` link.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct PythonProcess {
+    /// The process's start time ([`SampleHeader::process_start_ns`]): an
+    /// entry left for an exited process is not used for one that reuses
+    /// its pid.
+    pub process_start_ns: u64,
+    /// Address of the interpreter's `Py_tss_t` (`{int initialized;
+    /// pthread_key_t key}`) holding the thread-state key.
+    pub tss_key: u64,
+    pub tsd_base: u32,
+    pub tsd_stride: u32,
+    pub tstate_frame: u32,
+    pub cframe_frame: u32,
+    /// In a frame: the code object (`f_code`, `f_executable`), the
+    /// `previous` link, the instruction pointer (`prev_instr`,
+    /// `instr_ptr`) and the byte that marks an entry from C.
+    pub frame_code: u32,
+    pub frame_previous: u32,
+    pub frame_instr: u32,
+    pub frame_entry: u32,
+    /// The value of that byte at an entry. With `entry_is_shim` (3.12+) the
+    /// marked frame is a shim CPython puts on the C stack: it is left out
+    /// and the frame it called is the entry; without (3.11's `is_entry`),
+    /// the marked frame itself is.
+    pub entry_value: u32,
+    pub entry_is_shim: u32,
+    /// In a code object: `co_firstlineno` (the fingerprint the agent
+    /// checks) and where the bytecode starts (`co_code_adaptive`).
+    pub code_first_line: u32,
+    pub code_bytecode: u32,
+}
+
+impl PythonProcess {
+    /// [`PythonProcess::cframe_frame`] when the thread state points at the
+    /// frame itself.
+    pub const NO_CFRAME: u32 = u32::MAX;
+}
+
+const _: () = assert!(core::mem::size_of::<PythonProcess>() == 64);
+
+// SAFETY: `repr(C)`, integers only, no padding: every byte pattern is a
+// value.
+#[cfg(feature = "user")]
+unsafe impl aya::Pod for PythonProcess {}
+
+/// Bit flags in [`PythonStackHeader::flags`].
+pub mod python_stack_flags {
+    /// The walk stopped at [`super::MAX_PYTHON_FRAMES`] with frames left.
+    pub const TRUNCATED: u32 = 1 << 0;
+    /// A read failed mid-walk (a frame freed under the walk, a bad link):
+    /// the frames before it are whole.
+    pub const READ_FAILED: u32 = 1 << 1;
+}
+
+/// The fixed part of a [`RecordKind::PythonStack`] record, followed by
+/// `frames` [`PythonFrame`]s, innermost first.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct PythonStackHeader {
+    /// [`RecordKind::PythonStack`].
+    pub kind: u32,
+    pub cpu: u32,
+    pub tgid: u32,
+    pub tid: u32,
+    pub frames: u32,
+    /// Bit set of [`python_stack_flags`].
+    pub flags: u32,
+    /// `bpf_ktime_get_ns()` when the frames were read, just before the
+    /// sample's record was written.
+    pub ktime_ns: u64,
+}
+
+/// Size of [`PythonStackHeader`] in bytes.
+pub const PYTHON_STACK_HEADER_SIZE: usize = 32;
+const _: () = assert!(core::mem::size_of::<PythonStackHeader>() == PYTHON_STACK_HEADER_SIZE);
+
+/// One Python frame as read at the tick: which code object ran and where
+/// in it. The agent names the code object later, from the process, and
+/// refuses it when its first line no longer matches (the object was freed
+/// and its address reused).
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct PythonFrame {
+    /// Address of the code object.
+    pub code: u64,
+    /// Byte offset of the instruction pointer from the start of the
+    /// bytecode (it may be -2 before the first instruction, in 3.11 and
+    /// 3.12), or [`PythonFrame::NO_OFFSET`] when it lies outside the code.
+    pub instr_offset: i32,
+    /// `co_firstlineno` read at the tick; the top bit ([`PythonFrame::ENTRY`])
+    /// marks the outermost frame of one `_PyEval_EvalFrameDefault`
+    /// activation (a frame entered from C).
+    pub first_line: u32,
+}
+
+impl PythonFrame {
+    pub const ENTRY: u32 = 1 << 31;
+    pub const NO_OFFSET: i32 = i32::MIN;
+}
+
+/// Size of one [`PythonFrame`] in bytes.
+pub const PYTHON_FRAME_SIZE: usize = 16;
+const _: () = assert!(core::mem::size_of::<PythonFrame>() == PYTHON_FRAME_SIZE);
+
+/// Bytes of a Python stack record with every frame.
+pub const PYTHON_STACK_MAX_BYTES: usize =
+    PYTHON_STACK_HEADER_SIZE + MAX_PYTHON_FRAMES * PYTHON_FRAME_SIZE;
+
 /// Indices into the per-CPU `COUNTERS` array.
 #[repr(u32)]
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -431,11 +569,16 @@ pub enum Counter {
     /// made (the ring buffer had no room, or the read faulted: a stack page
     /// never touched): the tick fell back to the usual copy.
     DirectCopyFallbacks = 11,
+    /// Python stack records written (ticks of a thread of a CPython process
+    /// the agent described, with a thread state).
+    PythonStacks = 12,
+    /// Python frames in them.
+    PythonFrames = 13,
 }
 
 impl Counter {
     /// Every counter, in index order.
-    pub const ALL: [Counter; 12] = [
+    pub const ALL: [Counter; 14] = [
         Counter::Samples,
         Counter::RingBufferFull,
         Counter::CopyFailed,
@@ -448,6 +591,8 @@ impl Counter {
         Counter::DeepCopyFallbacks,
         Counter::EarlyWakeups,
         Counter::DirectCopyFallbacks,
+        Counter::PythonStacks,
+        Counter::PythonFrames,
     ];
 }
 
@@ -484,6 +629,8 @@ pub mod names {
     pub const TASK_FSBASE_OFFSET: &str = "TASK_FSBASE_OFFSET";
     pub const TASK_MM_OFFSET: &str = "TASK_MM_OFFSET";
     pub const MM_START_STACK_OFFSET: &str = "MM_START_STACK_OFFSET";
+    pub const PYTHON_PROCESSES: &str = "PYTHON_PROCESSES";
+    pub const PYTHON_SCRATCH: &str = "PYTHON_SCRATCH";
 }
 
 /// Capacity of the tgid allow-list and of the cgroup policy map.

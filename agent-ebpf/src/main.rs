@@ -45,9 +45,11 @@ use agent_common::{
     COMM_LEN, COUNTER_SLOTS, CgroupPolicy, Counter, DEEP_COPY_CLASSES, DEFAULT_USER_STACK_BYTES,
     DIRECT_COPY_CLASSES, EARLY_WAKEUP_INTERVAL_NS, MAX_ALLOW_ENTRIES, MAX_CGROUP_DEPTH,
     MAX_COPY_SIZES, MAX_DEEP_PROGRAMS, MAX_DEEP_STACK_BYTES, MAX_KERNEL_STACK_BYTES,
-    MAX_SPAN_BYTES, MAX_STACK_PLANS, MAX_STACK_TOPS, MAX_TAIL_BYTES, MAX_TAIL_SPANS,
-    MAX_USER_STACK_BYTES, PAGE_SIZE, ProcessEvent, RecordKind, SAMPLE_HEADER_SIZE, SCRATCH_BYTES,
-    SampleHeader, StackPlan, StackTop, TAIL_SPAN_HEADER_SIZE, policy_flags, reserved_record_bytes,
+    MAX_PYTHON_FRAMES, MAX_PYTHON_PROCESSES, MAX_SPAN_BYTES, MAX_STACK_PLANS, MAX_STACK_TOPS,
+    MAX_TAIL_BYTES, MAX_TAIL_SPANS, MAX_USER_STACK_BYTES, PAGE_SIZE, PYTHON_FRAME_READ_BYTES,
+    PYTHON_STACK_HEADER_SIZE, PYTHON_STACK_MAX_BYTES, ProcessEvent, PythonFrame, PythonProcess,
+    PythonStackHeader, RecordKind, SAMPLE_HEADER_SIZE, SCRATCH_BYTES, SampleHeader, StackPlan,
+    StackTop, TAIL_SPAN_HEADER_SIZE, policy_flags, python_stack_flags, reserved_record_bytes,
     sample_flags, tail_span,
 };
 use aya_ebpf::{
@@ -56,6 +58,7 @@ use aya_ebpf::{
     helpers::{
         bpf_get_current_cgroup_id, bpf_get_current_comm, bpf_get_current_pid_tgid,
         bpf_get_smp_processor_id, bpf_ktime_get_ns, bpf_probe_read_kernel,
+        bpf_probe_read_user as read_user_value,
         generated::{
             bpf_get_current_ancestor_cgroup_id, bpf_get_current_comm as gen_get_current_comm,
             bpf_get_current_task, bpf_get_current_task_btf, bpf_get_prandom_u32, bpf_get_stack,
@@ -116,6 +119,41 @@ static DEEP_PROGRAMS: LruHashMap<[u8; COMM_LEN], u8> =
 /// Per CPU: when it last woke the reader early (`bpf_ktime_get_ns`).
 #[map(name = "EARLY_WAKEUPS")]
 static EARLY_WAKEUPS: PerCpuArray<u64> = PerCpuArray::with_max_entries(1, 0);
+
+/// CPython processes (by tgid) whose frames each tick reads, and how.
+#[map(name = "PYTHON_PROCESSES")]
+static PYTHON_PROCESSES: HashMap<u32, PythonProcess> =
+    HashMap::with_max_entries(MAX_PYTHON_PROCESSES, 0);
+
+/// Per CPU: a Python stack record being assembled, and the frame read last.
+#[map(name = "PYTHON_SCRATCH")]
+static PYTHON_SCRATCH: PerCpuArray<PythonScratch> = PerCpuArray::with_max_entries(1, 0);
+
+/// 8-aligned (a map value is), so the record's header and frames and the
+/// frame buffer's words are read and written whole: unaligned, the BPF
+/// target does each byte apart, and the values kept meanwhile took the
+/// stack past what Linux 6.1 allows the program's calls together.
+#[repr(C, align(8))]
+struct PythonScratch {
+    record: [u8; PYTHON_STACK_MAX_BYTES],
+    /// Twice the bytes read, so that a field at any offset below
+    /// `PYTHON_FRAME_MASK` lies inside for the verifier.
+    frame: [u8; 2 * PYTHON_FRAME_READ_BYTES as usize],
+    /// The walk's state (see `python_frame`): the next frame to read, the
+    /// frames written and the record's flags; the last code object read
+    /// and its first line (a recursion's frames share one: read once).
+    next: u64,
+    frames: u32,
+    flags: u32,
+    last_code: u64,
+    last_first_line: u32,
+    _pad: u32,
+}
+
+/// Bounds a field's offset into `PythonScratch::frame` for the verifier.
+const PYTHON_FRAME_MASK: u32 = 127;
+const _: () = assert!(PYTHON_FRAME_MASK as usize + 8 <= 2 * PYTHON_FRAME_READ_BYTES as usize);
+const _: () = assert!(MAX_PYTHON_FRAMES.is_power_of_two());
 
 // Load-time constants, patched by the agent. Being read-only globals, the
 // verifier sees their values and prunes the branches they disable.
@@ -218,6 +256,7 @@ fn try_sample_cpu_clock(ctx: &PerfEventContext) -> Result<u32, u32> {
     }
 
     let cpu = unsafe { bpf_get_smp_processor_id() };
+    python_stack(tgid, tid, cpu);
 
     // SAFETY: perf_event programs get a `bpf_perf_event_data` context whose
     // `regs` are the registers at the tick.
@@ -787,6 +826,243 @@ fn reserved_copy<const BYTES: u32, const KERNEL_ROOM: bool, const DEEP: bool>(
     count(Counter::Samples);
     entry.submit(wakeup_flag(unread, size as u64));
     true
+}
+
+/// Writes the CPython frames of the current thread as a Python stack
+/// record, when the agent described its process (`PYTHON_PROCESSES`) and
+/// the thread has a thread state. Written before the tick's sample record,
+/// from the same CPU, so the reader meets it first.
+///
+/// Per frame, one read of the frame's first bytes and one of the code
+/// object's first line (the agent's check that the object it names later is
+/// the one that ran). Not inlined: its locals stay out of the entry's frame.
+#[inline(never)]
+fn python_stack(tgid: u32, tid: u32, cpu: u32) {
+    // SAFETY: read only; the agent replaces entries whole.
+    let Some(process) = (unsafe { PYTHON_PROCESSES.get(tgid) }) else {
+        return;
+    };
+    if process.process_start_ns != process_start_ns() {
+        return;
+    }
+    let Some(scratch) = PYTHON_SCRATCH.get_ptr_mut(0) else {
+        return;
+    };
+    let Some(frame) = top_python_frame(process) else {
+        return;
+    };
+    // SAFETY: this CPU's slot; the program does not nest on a CPU.
+    // Volatile: LLVM would merge the stores into a call of `memset`, one
+    // more level of calls, whose frame Linux 6.1 counts (with the entry's
+    // and this one's, past the 512 bytes a chain of calls may use).
+    unsafe {
+        core::ptr::addr_of_mut!((*scratch).next).write_volatile(frame);
+        core::ptr::addr_of_mut!((*scratch).frames).write_volatile(0);
+        core::ptr::addr_of_mut!((*scratch).flags).write_volatile(0);
+        core::ptr::addr_of_mut!((*scratch).last_code).write_volatile(0);
+    }
+    for _ in 0..MAX_PYTHON_FRAMES {
+        // SAFETY: as above.
+        if !unsafe { python_frame(scratch, process) } {
+            break;
+        }
+    }
+    // SAFETY: as above; read back through memory, as in the loop.
+    let (frames, mut flags, next) = unsafe {
+        (
+            core::ptr::addr_of!((*scratch).frames).read_volatile() as usize,
+            core::ptr::addr_of!((*scratch).flags).read_volatile(),
+            core::ptr::addr_of!((*scratch).next).read_volatile(),
+        )
+    };
+    if next != 0 && flags & python_stack_flags::READ_FAILED == 0 {
+        flags |= python_stack_flags::TRUNCATED;
+    }
+    if frames == 0 && flags == 0 {
+        return;
+    }
+    let frames = frames.min(MAX_PYTHON_FRAMES);
+    // SAFETY: the record is this CPU's slot's.
+    let record = unsafe { (*scratch).record.as_mut_ptr() };
+    // SAFETY: the header lies at the start of the record.
+    unsafe {
+        record
+            .cast::<PythonStackHeader>()
+            .write_unaligned(PythonStackHeader {
+                kind: RecordKind::PythonStack as u32,
+                cpu,
+                tgid,
+                tid,
+                frames: frames as u32,
+                flags,
+                ktime_ns: bpf_ktime_get_ns(),
+            })
+    };
+    let len = PYTHON_STACK_HEADER_SIZE + frames * size_of::<PythonFrame>();
+    // SAFETY: the first `len` bytes of the record were written above.
+    let bytes = unsafe { core::slice::from_raw_parts(record, len) };
+    if SAMPLES
+        .output::<[u8]>(bytes, wakeup_flag(unread_bytes(), len as u64))
+        .is_err()
+    {
+        count(Counter::RingBufferFull);
+    } else {
+        count(Counter::PythonStacks);
+        add(Counter::PythonFrames, frames as u64);
+    }
+}
+
+/// Reads the frame at `scratch.next` into the record (or, for a shim
+/// frame, marks the one before it as the entry) and moves `next` to the
+/// frame's caller. False when the walk is over: no frame left, a read
+/// failed, or the record is full.
+///
+/// The walk's state lives in the scratch slot, not in registers: the
+/// verifier then sees every iteration start alike (unknown counts and
+/// addresses) and verifies the loop body once per way through it, where
+/// values carried in registers made it follow each iteration's own (the
+/// program went past its million instructions).
+///
+/// # Safety
+/// `scratch` must be this CPU's `PYTHON_SCRATCH` slot.
+#[inline(always)]
+unsafe fn python_frame(scratch: *mut PythonScratch, process: &PythonProcess) -> bool {
+    let (frame, frames) = unsafe {
+        (
+            core::ptr::addr_of!((*scratch).next).read_volatile(),
+            core::ptr::addr_of!((*scratch).frames).read_volatile() as usize,
+        )
+    };
+    if frame == 0 || frames >= MAX_PYTHON_FRAMES {
+        return false;
+    }
+    let buffer = unsafe { (*scratch).frame.as_mut_ptr() };
+    // SAFETY: reads into the slot's frame buffer, which has room; a bad
+    // address only fails the read.
+    let failed = unsafe {
+        bpf_probe_read_user(
+            buffer.cast(),
+            PYTHON_FRAME_READ_BYTES,
+            frame as *const c_void,
+        )
+    } != 0;
+    if failed {
+        unsafe { (*scratch).flags |= python_stack_flags::READ_FAILED };
+        return false;
+    }
+    // SAFETY: offsets are masked into the buffer. The layout's fields are
+    // read here, each time (volatile): hoisted out of the loop, LLVM kept
+    // them all on the stack, and the program's calls together went past
+    // the 512 bytes Linux 6.1 allows them.
+    let (code, previous, instr, marker) = unsafe {
+        (
+            frame_field::<u64>(buffer, layout(&process.frame_code)),
+            frame_field::<u64>(buffer, layout(&process.frame_previous)),
+            frame_field::<u64>(buffer, layout(&process.frame_instr)),
+            frame_field::<u8>(buffer, layout(&process.frame_entry)),
+        )
+    };
+    unsafe { (*scratch).next = previous };
+    let frames_at = unsafe { (*scratch).record.as_mut_ptr().add(PYTHON_STACK_HEADER_SIZE) }
+        .cast::<PythonFrame>();
+    let entry = u32::from(marker) == layout(&process.entry_value);
+    if entry && layout(&process.entry_is_shim) != 0 {
+        // The shim between C and the frame it called: that frame, the last
+        // one written, is the entry.
+        if let Some(last) = frames.checked_sub(1) {
+            // SAFETY: the mask keeps the index inside the record's frames.
+            unsafe {
+                let first_line = core::ptr::addr_of_mut!(
+                    (*frames_at.add(last & (MAX_PYTHON_FRAMES - 1))).first_line
+                );
+                first_line.write(first_line.read() | PythonFrame::ENTRY);
+            }
+        }
+        return true;
+    }
+    // SAFETY: the slot is this CPU's.
+    let first_line = unsafe {
+        if code != 0 && code == core::ptr::addr_of!((*scratch).last_code).read_volatile() {
+            core::ptr::addr_of!((*scratch).last_first_line).read_volatile()
+        } else {
+            let first_line =
+                user_value::<u32>(code + u64::from(layout(&process.code_first_line))).unwrap_or(0);
+            (*scratch).last_code = code;
+            (*scratch).last_first_line = first_line;
+            first_line
+        }
+    };
+    let start = code + u64::from(layout(&process.code_bytecode));
+    let instr_offset = match i32::try_from(instr.wrapping_sub(start) as i64) {
+        Ok(offset) if offset > -8 => offset,
+        _ => PythonFrame::NO_OFFSET,
+    };
+    // SAFETY: the mask keeps the index inside the record's frames.
+    unsafe {
+        frames_at
+            .add(frames & (MAX_PYTHON_FRAMES - 1))
+            .write(PythonFrame {
+                code,
+                instr_offset,
+                first_line: (first_line & !PythonFrame::ENTRY)
+                    | if entry { PythonFrame::ENTRY } else { 0 },
+            });
+        (*scratch).frames = frames as u32 + 1;
+    }
+    true
+}
+
+/// The innermost `_PyInterpreterFrame` of the current thread (0: none
+/// running), through its thread state; None when the thread has none.
+#[inline(always)]
+fn top_python_frame(process: &PythonProcess) -> Option<u64> {
+    let fs_base = thread_pointer();
+    if fs_base == 0 {
+        return None;
+    }
+    let [initialized, key] = user_value::<[u32; 2]>(process.tss_key)?;
+    // glibc's first-level keys only; the interpreter takes one of the first.
+    if initialized == 0 || key >= 32 {
+        return None;
+    }
+    let slot =
+        fs_base + u64::from(process.tsd_base) + u64::from(process.tsd_stride) * u64::from(key);
+    let tstate = user_value::<u64>(slot)?;
+    if tstate == 0 {
+        return None;
+    }
+    let frame = user_value::<u64>(tstate + u64::from(process.tstate_frame))?;
+    if process.cframe_frame == PythonProcess::NO_CFRAME || frame == 0 {
+        return Some(frame);
+    }
+    user_value::<u64>(frame + u64::from(process.cframe_frame))
+}
+
+/// The value at `addr` in the current process; None when the read faults.
+#[inline(always)]
+fn user_value<T>(addr: u64) -> Option<T> {
+    // SAFETY: the fault-tolerant probe reads into a value of its own.
+    unsafe { read_user_value(addr as *const T) }.ok()
+}
+
+/// A field of the process's layout (a map value), read where it is used
+/// (see `python_frame`).
+#[inline(always)]
+fn layout(field: &u32) -> u32 {
+    // SAFETY: a reference to a live map value's field.
+    unsafe { core::ptr::read_volatile(field) }
+}
+
+/// A field at `offset` of the frame read into `buffer`. CPython's frame
+/// fields are naturally aligned: the offset is taken down to a multiple of
+/// the field's size, so the read is one aligned load.
+///
+/// # Safety
+/// `buffer` must be a `PythonScratch::frame`.
+#[inline(always)]
+unsafe fn frame_field<T: Copy>(buffer: *const u8, offset: u32) -> T {
+    let aligned = offset & PYTHON_FRAME_MASK & !(size_of::<T>() as u32 - 1);
+    unsafe { buffer.add(aligned as usize).cast::<T>().read() }
 }
 
 /// When the current process's thread group leader started (its

@@ -35,6 +35,8 @@
 
 pub mod batch;
 pub mod labels;
+#[cfg(any(test, feature = "test-support"))]
+pub mod test_support;
 pub mod worker;
 
 use foldhash::{HashMap, HashMapExt as _};
@@ -46,14 +48,14 @@ use std::{
     time::{Duration, Instant, SystemTime},
 };
 
-use agent_common::{COMM_LEN, SampleHeader};
+use agent_common::{COMM_LEN, PythonFrame, SampleHeader};
 use stackscope_process_table::{ModuleFile, ObjectId};
 
 pub use batch::{BatchOptions, build_batch};
 use labels::LabelChoice;
 use stackscope_metadata::{
     describe::{Describer, Description, Reads, Wanted},
-    process::{Known, ProcessLabels},
+    process::{Known, Labeller, ProcessLabels},
 };
 pub use worker::{BatchWorker, WorkerStats};
 
@@ -62,15 +64,46 @@ use stackscope_metadata::{
     kubelet::PodList,
     runtime_names::{self, RuntimeNames},
 };
+use stackscope_python::{
+    CodeCache,
+    merge::{self, Merged},
+};
 use stackscope_symbolize::node::{
     ObjectFile,
-    perf_map::{PerfMapStats, PerfMaps},
+    perf_map::{self, JitRequest, JitUpdate, PerfMapReader, PerfMapStats, PerfMaps},
 };
 use stackscope_telemetry::{
     StateSize,
     probes::{self, Probe},
 };
 use stackscope_unwind::walker::{FrameObject, Walk};
+
+/// The name of a Python frame whose code object could not be read.
+pub const UNNAMED_PYTHON: &str = "[python]";
+
+/// A sample's Python frames, and what names them: handed in with its walk
+/// (see [`Aggregator::add_with_python`]).
+#[derive(Debug)]
+pub struct PythonSample<'a> {
+    /// Innermost first, as the sampler read them.
+    pub frames: &'a [PythonFrame],
+    /// The code of the process's `_PyEval_EvalFrameDefault`.
+    pub eval: &'a std::ops::Range<u64>,
+    pub codes: &'a mut CodeCache,
+}
+
+/// Where the aggregator finds a process's labels record by pid: the
+/// agent's process table, or a map of records for tools and tests.
+pub trait LabelRecords {
+    fn labels_of(&mut self, tgid: u32) -> Option<&mut ProcessLabels>;
+}
+
+/// Records made as processes are described.
+impl LabelRecords for std::collections::HashMap<u32, ProcessLabels> {
+    fn labels_of(&mut self, tgid: u32) -> Option<&mut ProcessLabels> {
+        Some(self.entry(tgid).or_default())
+    }
+}
 
 /// Default length of an interval.
 pub const DEFAULT_INTERVAL: Duration = Duration::from_secs(10);
@@ -150,6 +183,12 @@ impl AggregatorConfig {
         };
         Describer::new(&self.proc_root, reads, self.runtime_names())
     }
+
+    /// What reads the perf maps and jitdump files the aggregator asks for
+    /// (on the agent's metadata worker).
+    pub fn perf_map_reader(&self) -> PerfMapReader {
+        PerfMapReader::new(&self.proc_root)
+    }
 }
 
 impl Default for AggregatorConfig {
@@ -178,6 +217,21 @@ pub enum MappingKey {
     /// JIT code, one key per name: its perf map entry, or `[jit] <comm>`.
     Jit {
         name: Arc<str>,
+    },
+    /// JIT code of process `tgid` (started at `started`) that no entry
+    /// read so far covered when it was sampled: renamed when the interval
+    /// ends, from the read that the miss asked for (see
+    /// [`Aggregator::finish_interval`]).
+    JitNotYetNamed {
+        tgid: u32,
+        started: u64,
+        comm: [u8; COMM_LEN],
+    },
+    /// A Python function (its qualified name and file, as its code object
+    /// says); the location's address is the line.
+    Python {
+        function: Arc<str>,
+        file: Arc<str>,
     },
     /// A file that could not be reached: shipped by its path alone, with
     /// file offsets, so it shows as `path+offset` rather than anonymous.
@@ -358,6 +412,13 @@ pub struct AggregateStats {
     /// description came too late): without their container, and without
     /// their exe unless the mapping feed saw the process exec.
     pub labels_undescribed: u64,
+    /// Python frames merged into walks, by whether their code object was
+    /// read (unnamed: freed, its address reused, or garbage).
+    pub python_named: u64,
+    pub python_unnamed: u64,
+    /// Activations of Python frames left out: the native walk had no
+    /// evaluation frame left for them (it stopped short).
+    pub python_unplaced: u64,
 }
 
 /// See the module documentation.
@@ -370,13 +431,25 @@ pub struct Aggregator {
     /// when seen again, so a file in steady use is opened once, not once per
     /// interval. Files unused for a whole interval are let go.
     previous_files: HashMap<ObjectId, Arc<ObjectFile>>,
-    /// What each process's labels are made of, one record per process.
-    processes: ProcessLabels,
-    /// Names of JIT frames, from the processes' perf maps.
+    /// What the processes' label records share (their containers); each
+    /// record is in its process's record, handed in with the sample.
+    labeller: Labeller,
+    /// The record of a sample whose process has none any more.
+    scratch: ProcessLabels,
+    /// Names of JIT frames, from what the metadata worker has read of the
+    /// processes' perf maps and jitdump files. A frame sampled before the
+    /// read it asked for is named when its interval ends: named at sample
+    /// time only, a third of node's samples went unnamed in a loaded run.
     jit_names: PerfMaps,
+    /// Processes that exited in this interval: their JIT names are
+    /// forgotten once its frames that missed them are named.
+    jit_exits: Vec<u32>,
     stats: AggregateStats,
     /// Location indexes of the sample being added.
     stack: Vec<u32>,
+    /// The merged frames of the sample being added, when it has Python
+    /// frames.
+    merged: Vec<Merged>,
     /// Counts what a process's labels depend on changing (an exec, an
     /// exit, a new pod list, lost records): a thread's remembered label set
     /// stands only within one epoch.
@@ -479,6 +552,9 @@ struct Builder {
     /// Index into `samples` by (stack, label set, divisor).
     sample_index: HashMap<(u32, u32, u32), usize>,
     truncated_stack: Option<u32>,
+    /// Locations of [`MappingKey::JitNotYetNamed`], with the frames
+    /// sampled in each (for the named and unnamed counts).
+    jit_not_yet_named: HashMap<u32, u64>,
 }
 
 impl Builder {
@@ -505,6 +581,7 @@ impl Builder {
             samples: Vec::new(),
             sample_index: HashMap::new(),
             truncated_stack: None,
+            jit_not_yet_named: HashMap::new(),
         }
     }
 
@@ -742,17 +819,24 @@ impl Aggregator {
     pub fn starting_at(config: AggregatorConfig, start: SystemTime) -> Self {
         Self {
             node: config.node_name.as_str().into(),
-            processes: ProcessLabels::default(),
-            jit_names: PerfMaps::new(&config.proc_root),
+            labeller: Labeller::default(),
+            scratch: ProcessLabels::default(),
+            jit_names: PerfMaps::default(),
+            jit_exits: Vec::new(),
             config,
             current: Builder::new(start),
             previous_files: HashMap::new(),
             stats: AggregateStats::default(),
             stack: Vec::with_capacity(2 * stackscope_unwind::DEFAULT_MAX_DEPTH),
+            merged: Vec::new(),
             label_epoch: 0,
             wanted: Vec::new(),
             to_open: Vec::new(),
         }
+    }
+
+    pub fn config(&self) -> &AggregatorConfig {
+        &self.config
     }
 
     pub fn stats(&self) -> AggregateStats {
@@ -762,27 +846,32 @@ impl Aggregator {
         }
     }
 
-    /// The process replaced its image: it is described again, and if it
-    /// is gone by then, its exe taken from `exe` (what the mapping feed saw
-    /// it map).
-    pub fn on_exec(&mut self, tgid: u32, exe: Option<&Path>) {
+    /// The process replaced its image (`labels` is its record): it is
+    /// described again, and if it is gone by then, its exe taken from `exe`
+    /// (what the mapping feed saw it map).
+    pub fn on_exec(&mut self, labels: &mut ProcessLabels, exe: Option<&Path>) {
         self.label_epoch += 1;
-        self.processes.exec(tgid, exe);
+        labels.exec(exe);
     }
 
-    /// The process exited.
+    /// The process exited (its record went with it). Its JIT names stay
+    /// to the end of the interval, for its frames that missed them.
     pub fn on_exit(&mut self, tgid: u32) {
         self.label_epoch += 1;
-        self.processes.exit(tgid);
-        self.jit_names.forget(tgid);
+        if self.jit_exits.len() < perf_map::MAX_PROCESSES {
+            self.jit_exits.push(tgid);
+        } else {
+            self.jit_names.forget(tgid);
+        }
     }
 
     /// Exec or exit records were lost: whatever is known per process may
-    /// belong to a process that is gone, so all of it goes.
+    /// belong to a process that is gone, so all of it goes (the records
+    /// with the process table's).
     pub fn forget_all_processes(&mut self) {
         self.label_epoch += 1;
-        self.processes.forget_all();
         self.jit_names.forget_all();
+        self.jit_exits.clear();
     }
 
     /// The processes to describe since the last call: met without a
@@ -792,17 +881,24 @@ impl Aggregator {
         std::mem::take(&mut self.wanted)
     }
 
-    /// Takes the descriptions of processes wanted, and fills in the label
-    /// sets of this interval made before they came.
-    pub fn describe(&mut self, descriptions: Vec<Description>) {
+    /// Takes the descriptions of processes wanted into their records, and
+    /// fills in the label sets of this interval made before they came. The
+    /// description of a process whose record is gone (it exited first)
+    /// still fills in its sets.
+    pub fn describe(&mut self, descriptions: Vec<Description>, records: &mut impl LabelRecords) {
         let choice = self.config.labels;
         for description in descriptions {
-            self.processes
-                .describe(description, choice.exe, choice.any_container());
+            let Wanted { tgid, started, .. } = description.process;
+            let mut gone = ProcessLabels::default();
+            let record = records.labels_of(tgid).unwrap_or(&mut gone);
+            self.labeller
+                .describe(record, description, choice.exe, choice.any_container());
+            let mut pending = std::mem::take(&mut self.current.pending_sets);
+            pending.retain(|set| {
+                !(set.tgid == tgid && set.started == started && self.fill_in(set, record))
+            });
+            self.current.pending_sets = pending;
         }
-        let mut pending = std::mem::take(&mut self.current.pending_sets);
-        pending.retain(|set| !self.fill_in(set));
-        self.current.pending_sets = pending;
     }
 
     /// Whether label sets of this interval wait for a description.
@@ -818,31 +914,52 @@ impl Aggregator {
         std::mem::take(&mut self.to_open)
     }
 
+    /// The reads of perf maps and jitdump files the JIT frames named since
+    /// the last call asked for (and the files to close), for the metadata
+    /// worker's [`PerfMapReader`].
+    pub fn take_jit_requests(&mut self) -> Vec<JitRequest> {
+        self.jit_names.take_requests()
+    }
+
+    /// What the perf maps and jitdump files added: JIT frames are named by
+    /// it from now on, and so are those of this interval that missed it.
+    pub fn add_jit_names(&mut self, updates: Vec<JitUpdate>) {
+        self.jit_names.apply(updates);
+    }
+
     /// Does what the agent's metadata worker does for the aggregator, on
-    /// this thread: describes the processes wanted and opens the files
-    /// met. For tests and tools that aggregate without the agent's run.
-    pub fn serve_metadata(&mut self, describer: &mut Describer) {
+    /// this thread: describes the processes wanted, opens the files met and
+    /// reads the perf maps asked for. For tests and tools that aggregate
+    /// without the agent's run.
+    pub fn serve_metadata(
+        &mut self,
+        describer: &mut Describer,
+        perf_maps: &mut PerfMapReader,
+        records: &mut impl LabelRecords,
+    ) {
         for object in self.take_to_open() {
             let _ = object.open_now();
         }
+        let jit_names = perf_maps.serve(self.take_jit_requests(), std::time::Instant::now());
+        self.add_jit_names(jit_names);
         let descriptions = self
             .take_wanted()
             .into_iter()
             .map(|wanted| describer.describe(wanted))
             .collect();
-        self.describe(descriptions);
+        self.describe(descriptions, records);
     }
 
     /// Writes the labels of a pending set, if its process is described now.
-    fn fill_in(&mut self, set: &PendingSet) -> bool {
+    fn fill_in(&mut self, set: &PendingSet, record: &mut ProcessLabels) -> bool {
         let choice = self.config.labels;
-        let known = self.processes.known(set.tgid, set.started, set.cgroup_id);
+        let known = self.labeller.known(record, set.started, set.cgroup_id);
         let exe = match set.has_user && choice.exe {
             true => known.exe.map(|exe| match &set.learned_exe {
                 Some(learned) if exe.is_empty() => Arc::clone(learned),
                 _ => exe,
             }),
-            false => Some(self.processes.empty()),
+            false => Some(self.labeller.empty()),
         };
         let container = match choice.any_container() {
             true => known.container.map(|placed| placed.labels),
@@ -860,20 +977,20 @@ impl Aggregator {
 
     /// Asks for a description of the sample's process, unless one is
     /// awaited already.
-    fn want(&mut self, header: &SampleHeader) {
+    fn want(&mut self, header: &SampleHeader, record: &mut ProcessLabels) {
         let wanted = Wanted {
             tgid: header.tgid,
             started: header.process_start_ns,
             cgroup_id: header.cgroup_id,
         };
-        if self.processes.want(&wanted, Instant::now()) {
+        if record.want(&wanted, Instant::now()) {
             self.wanted.push(wanted);
         }
     }
 
-    /// Every process labels, exes or perf maps are kept for.
+    /// Every process perf maps are kept for (the labels are in the
+    /// process table's records).
     pub fn tracked_processes_into(&self, out: &mut Vec<u32>) {
-        self.processes.tgids_into(out);
         self.jit_names.tgids_into(out);
     }
 
@@ -922,7 +1039,7 @@ impl Aggregator {
             current.files.len() + self.previous_files.len(),
             None,
         ));
-        self.processes.state_sizes(out);
+        out.push(self.labeller.state_size());
         out.push(self.jit_names.state_size());
     }
 
@@ -934,18 +1051,39 @@ impl Aggregator {
     /// The latest pod list from the kubelet: names the containers of pods.
     pub fn set_pods(&mut self, pods: Arc<PodList>) {
         self.label_epoch += 1;
-        self.processes.set_pods(pods);
+        self.labeller.set_pods(pods);
     }
 
     /// Whether a sample came from a pod the pod list does not know yet
     /// (cleared by the call): time to fetch the list again.
     pub fn take_unknown_pod_seen(&mut self) -> bool {
-        self.processes.take_unknown_pod_seen()
+        self.labeller.take_unknown_pod_seen()
     }
 
     /// Counts one sample: its kernel frames (innermost first) and, unless
-    /// it is a kernel thread's, its walked user stack.
-    pub fn add(&mut self, header: &SampleHeader, kernel_frames: &[u64], user: Option<&Walk<'_>>) {
+    /// it is a kernel thread's, its walked user stack. `labels` is its
+    /// process's labels record (`None`: the process has no record any more).
+    pub fn add(
+        &mut self,
+        header: &SampleHeader,
+        kernel_frames: &[u64],
+        user: Option<&Walk<'_>>,
+        labels: Option<&mut ProcessLabels>,
+    ) {
+        self.add_with_python(header, kernel_frames, user, labels, None);
+    }
+
+    /// [`Aggregator::add`] for a sample that may come with Python frames:
+    /// each native evaluation frame of its walk is replaced by the Python
+    /// frames it ran (see `stackscope_python::merge`).
+    pub fn add_with_python(
+        &mut self,
+        header: &SampleHeader,
+        kernel_frames: &[u64],
+        user: Option<&Walk<'_>>,
+        labels: Option<&mut ProcessLabels>,
+        python: Option<PythonSample<'_>>,
+    ) {
         let user_frames = user.map_or(0, |walk| walk.objects.len());
         if kernel_frames.is_empty() && user_frames == 0 {
             self.stats.empty += 1;
@@ -954,7 +1092,16 @@ impl Aggregator {
         let insert = self.current.samples.len() < self.config.max_entries
             && self.current.locations.len() + MAX_FRAMES_PER_SAMPLE <= MAX_LOCATIONS;
 
-        let Some(labels) = self.label_set(header, user.is_some(), insert) else {
+        let label_set = match labels {
+            Some(record) => self.label_set(header, user.is_some(), insert, record),
+            None => {
+                let mut scratch = std::mem::take(&mut self.scratch);
+                let label_set = self.label_set(header, user.is_some(), insert, &mut scratch);
+                self.scratch = scratch;
+                label_set
+            }
+        };
+        let Some(labels) = label_set else {
             self.stats.dropped += 1;
             return;
         };
@@ -962,7 +1109,13 @@ impl Aggregator {
         self.stats.kernel_only += u64::from(user.is_none());
 
         let divisor = header.sampling_divisor.max(1);
-        let stack = self.intern_sample(header, kernel_frames, user, insert);
+        let stack = match (python, user) {
+            (Some(python), Some(walk)) if walk.frames.len() == walk.objects.len() => self
+                .intern_python_stack(header, kernel_frames, walk, python, insert)
+                .then(|| self.current.stack(&self.stack, insert))
+                .flatten(),
+            _ => self.intern_sample(header, kernel_frames, user, insert),
+        };
         let counted = stack.is_some_and(|stack| self.current.count(stack, labels, divisor, insert));
         if !counted {
             let stack = self.current.truncated_stack();
@@ -977,7 +1130,13 @@ impl Aggregator {
     /// set was made from stands: the same process, cgroup and name, no
     /// exec, exit or pod list since ([`Aggregator::label_epoch`]), and
     /// labels that were settled (an exe read, a container named).
-    fn label_set(&mut self, header: &SampleHeader, has_user: bool, insert: bool) -> Option<u32> {
+    fn label_set(
+        &mut self,
+        header: &SampleHeader,
+        has_user: bool,
+        insert: bool,
+        record: &mut ProcessLabels,
+    ) -> Option<u32> {
         let slot = header.tid as usize % LAST_WALK_SLOTS;
         let made_from = ThreadLabels {
             tid: header.tid,
@@ -995,14 +1154,14 @@ impl Aggregator {
         }
         let choice = self.config.labels;
         let wants_exe = has_user && choice.exe;
-        // One lookup of the process's record, for both labels.
+        // The process's record, for both labels.
         let Known {
             exe: known_exe,
             container: placed,
         } = match wants_exe || choice.any_container() {
             true => self
-                .processes
-                .known(header.tgid, header.process_start_ns, header.cgroup_id),
+                .labeller
+                .known(record, header.process_start_ns, header.cgroup_id),
             false => Known {
                 exe: None,
                 container: None,
@@ -1014,9 +1173,9 @@ impl Aggregator {
             (true, Some(exe)) => exe,
             (true, None) => {
                 pending = true;
-                self.processes.empty()
+                self.labeller.empty()
             }
-            (false, _) => self.processes.empty(),
+            (false, _) => self.labeller.empty(),
         };
         let mut settled = !(wants_exe && exe.is_empty());
         let mut describe_again = false;
@@ -1033,7 +1192,7 @@ impl Aggregator {
             (false, _) => None,
         };
         if pending || describe_again {
-            self.want(header);
+            self.want(header, record);
         }
         settled &= !pending;
         let key = LabelKey {
@@ -1065,7 +1224,7 @@ impl Aggregator {
                         started: header.process_start_ns,
                         cgroup_id: header.cgroup_id,
                         has_user,
-                        learned_exe: self.processes.learned_exe(header.tgid),
+                        learned_exe: record.learned_exe(),
                     });
                 }
                 self.current.label_index.insert(key, index);
@@ -1177,63 +1336,232 @@ impl Aggregator {
         // Read once per sample, and only for samples with JIT frames: the
         // clock is not free on the per-sample path.
         let mut now = None;
+        // Positions in `self.stack` of JIT frames not named yet, counted
+        // once the whole sample is in (no allocation unless one missed).
+        let mut not_yet_named = Vec::new();
         let own = walk.objects.len().saturating_sub(skip_outer);
         for (i, object) in walk.objects[..own].iter().enumerate() {
-            let (mapping, address) = match object {
-                FrameObject::File { file, file_offset } => {
-                    (self.file_mapping(file, insert), *file_offset)
-                }
-                FrameObject::Vdso { offset } => {
-                    (self.current.mapping(MappingKey::Vdso, insert), *offset)
-                }
-                FrameObject::Jit { address } => {
-                    // Named now: the perf map is read while the process
-                    // runs, and forgotten when it exits.
-                    let lookup = if i == 0 {
-                        *address
-                    } else {
-                        address.wrapping_sub(1)
-                    };
-                    let name = self.jit_names.name(
-                        header.tgid,
-                        header.process_start_ns,
-                        &header.comm,
-                        lookup,
-                        *now.get_or_insert_with(std::time::Instant::now),
-                    );
-                    (
-                        self.current.mapping(MappingKey::Jit { name }, insert),
-                        *address,
-                    )
-                }
-                FrameObject::Unreadable { path, file_offset } => (
-                    self.current.mapping(
-                        MappingKey::Unreadable {
-                            path: Arc::clone(path),
-                        },
-                        insert,
-                    ),
-                    *file_offset,
-                ),
-                FrameObject::Anonymous { address } => (
-                    self.current.mapping(MappingKey::Anonymous, insert),
-                    *address,
-                ),
-            };
-            let Some(mapping) = mapping else {
+            if !self.push_user_frame(header, i, object, insert, &mut now, &mut not_yet_named) {
                 return false;
-            };
-            let location = IntervalLocation {
-                mapping,
-                address,
-                return_address: i > 0,
-            };
-            match self.current.location(location, insert) {
-                Some(index) => self.stack.push(index),
-                None => return false,
             }
         }
+        self.count_not_yet_named(not_yet_named);
         true
+    }
+
+    /// Counts the JIT frames at these positions of `self.stack` as not
+    /// named yet (once the whole sample is in).
+    fn count_not_yet_named(&mut self, positions: Vec<usize>) {
+        for position in positions {
+            *self
+                .current
+                .jit_not_yet_named
+                .entry(self.stack[position])
+                .or_default() += 1;
+        }
+    }
+
+    /// Fills `self.stack` for a sample with Python frames: its kernel
+    /// frames, then its walk with each evaluation frame replaced by the
+    /// Python frames it ran; false when a location is new and `insert` is
+    /// off.
+    fn intern_python_stack(
+        &mut self,
+        header: &SampleHeader,
+        kernel_frames: &[u64],
+        walk: &Walk<'_>,
+        python: PythonSample<'_>,
+        insert: bool,
+    ) -> bool {
+        if !self.intern_stack(header, kernel_frames, None, 0, insert) {
+            return false;
+        }
+        let mut merged = std::mem::take(&mut self.merged);
+        merged.clear();
+        let counts = merge::merge(walk.frames, python.eval, python.frames, &mut merged);
+        self.stats.python_unplaced += counts.unplaced as u64;
+        let mut now = None;
+        let mut not_yet_named = Vec::new();
+        let mut complete = true;
+        for item in &merged {
+            complete = match *item {
+                Merged::Native(i) => self.push_user_frame(
+                    header,
+                    i,
+                    &walk.objects[i],
+                    insert,
+                    &mut now,
+                    &mut not_yet_named,
+                ),
+                Merged::Python(frame) => self.push_python_frame(frame, python.codes, insert),
+            };
+            if !complete {
+                break;
+            }
+        }
+        self.merged = merged;
+        if complete {
+            self.count_not_yet_named(not_yet_named);
+        }
+        complete
+    }
+
+    /// Pushes the location of a Python frame, named from its code object
+    /// (read from the process on a miss); false when it is new and
+    /// `insert` is off.
+    fn push_python_frame(
+        &mut self,
+        frame: PythonFrame,
+        codes: &mut CodeCache,
+        insert: bool,
+    ) -> bool {
+        let first_line = frame.first_line & !PythonFrame::ENTRY;
+        let (key, line) = match codes.get(frame.code, first_line) {
+            Some(code) => {
+                self.stats.python_named += 1;
+                let line = code.line_of(frame.instr_offset).unwrap_or(0);
+                (
+                    MappingKey::Python {
+                        function: Arc::clone(&code.qualname),
+                        file: Arc::clone(&code.filename),
+                    },
+                    line,
+                )
+            }
+            None => {
+                self.stats.python_unnamed += 1;
+                (
+                    MappingKey::Python {
+                        function: Arc::from(UNNAMED_PYTHON),
+                        file: Arc::from(""),
+                    },
+                    0,
+                )
+            }
+        };
+        let Some(mapping) = self.current.mapping(key, insert) else {
+            return false;
+        };
+        let location = IntervalLocation {
+            mapping,
+            address: u64::from(line),
+            return_address: false,
+        };
+        match self.current.location(location, insert) {
+            Some(index) => {
+                self.stack.push(index);
+                true
+            }
+            None => false,
+        }
+    }
+
+    /// Pushes the location of user frame `i` of a walk (`object`) onto
+    /// `self.stack`; false when it is new and `insert` is off. A JIT frame
+    /// no name covers yet has its position put in `not_yet_named`; `now`
+    /// is read for the first JIT frame.
+    fn push_user_frame(
+        &mut self,
+        header: &SampleHeader,
+        i: usize,
+        object: &FrameObject,
+        insert: bool,
+        now: &mut Option<Instant>,
+        not_yet_named: &mut Vec<usize>,
+    ) -> bool {
+        let (mapping, address) = match object {
+            FrameObject::File { file, file_offset } => {
+                (self.file_mapping(file, insert), *file_offset)
+            }
+            FrameObject::Vdso { offset } => {
+                (self.current.mapping(MappingKey::Vdso, insert), *offset)
+            }
+            FrameObject::Jit { address } => {
+                // Named now when it can be: the JIT may reuse the
+                // code space later.
+                let lookup = if i == 0 {
+                    *address
+                } else {
+                    address.wrapping_sub(1)
+                };
+                let name = self.jit_names.name(
+                    header.tgid,
+                    header.process_start_ns,
+                    lookup,
+                    *now.get_or_insert_with(std::time::Instant::now),
+                );
+                let key = match name {
+                    Some(name) => MappingKey::Jit { name },
+                    None => {
+                        not_yet_named.push(self.stack.len());
+                        MappingKey::JitNotYetNamed {
+                            tgid: header.tgid,
+                            started: header.process_start_ns,
+                            comm: header.comm,
+                        }
+                    }
+                };
+                (self.current.mapping(key, insert), *address)
+            }
+            FrameObject::Unreadable { path, file_offset } => (
+                self.current.mapping(
+                    MappingKey::Unreadable {
+                        path: Arc::clone(path),
+                    },
+                    insert,
+                ),
+                *file_offset,
+            ),
+            FrameObject::Anonymous { address } => (
+                self.current.mapping(MappingKey::Anonymous, insert),
+                *address,
+            ),
+        };
+        let Some(mapping) = mapping else {
+            return false;
+        };
+        let location = IntervalLocation {
+            mapping,
+            address,
+            return_address: i > 0,
+        };
+        match self.current.location(location, insert) {
+            Some(index) => self.stack.push(index),
+            None => return false,
+        }
+        true
+    }
+
+    /// Names the interval's JIT frames that missed at sample time, from
+    /// what has been read since; `[jit] <comm>` when still nothing covers
+    /// them.
+    fn name_jit_frames_late(&mut self) {
+        for (location, frames) in std::mem::take(&mut self.current.jit_not_yet_named) {
+            let Some(&sampled) = self.current.locations.get(location as usize) else {
+                continue;
+            };
+            let Some(MappingKey::JitNotYetNamed {
+                tgid,
+                started,
+                comm,
+            }) = self
+                .current
+                .mappings
+                .get(sampled.mapping as usize)
+                .map(|mapping| mapping.key.clone())
+            else {
+                continue;
+            };
+            let name = self
+                .jit_names
+                .name_later(tgid, started, sampled.lookup(), frames)
+                .unwrap_or_else(|| perf_map::unnamed(&comm));
+            // The mapping added for the name is never looked up again in
+            // this interval, so the bound on new entries does not apply.
+            if let Some(mapping) = self.current.mapping(MappingKey::Jit { name }, true) {
+                self.current.locations[location as usize].mapping = mapping;
+            }
+        }
     }
 
     /// The mapping of a module file; a new one has its file opened (see
@@ -1292,6 +1620,10 @@ impl Aggregator {
     /// Ends the interval being aggregated at `end`, starts the next one
     /// there, and returns the finished one.
     pub fn finish_interval(&mut self, end: SystemTime) -> Interval {
+        self.name_jit_frames_late();
+        for tgid in std::mem::take(&mut self.jit_exits) {
+            self.jit_names.forget(tgid);
+        }
         self.stats.labels_undescribed += self.current.pending_sets.len() as u64;
         // Undescribed, but not unknown: the program the mapping feed saw
         // the process exec is its exe.
@@ -1319,7 +1651,7 @@ impl Aggregator {
         self.stats.intervals += 1;
         self.stats.max_distinct = self.stats.max_distinct.max(finished.samples.len() as u64);
         let interval = finished.finish(Arc::clone(&self.node), self.config.labels, end);
-        self.processes.forget_empty_containers();
+        self.labeller.forget_empty_containers();
         interval
     }
 }

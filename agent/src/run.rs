@@ -17,6 +17,10 @@
 //!   builds each batch and hands it to the sink (the exporter's queue).
 
 mod metadata;
+mod process;
+mod python;
+
+pub use python::PythonStats;
 mod sampling;
 
 use std::{
@@ -102,6 +106,9 @@ pub struct AgentConfig {
     /// Learn mappings from the kernel's mmap events as they are made (so
     /// short-lived processes are unwound and named), not only from `/proc`.
     pub mapping_events: bool,
+    /// Read CPython processes' Python frames and put them in place of the
+    /// evaluation loop's.
+    pub python_frames: bool,
     /// Where binaries carrying symbols are offered for upload to the
     /// collector (`--upload-debuginfo`); `None`: no uploads.
     pub debuginfo_uploads: Option<UploadQueue>,
@@ -126,6 +133,7 @@ impl AgentConfig {
             kubelet: None,
             kubelet_refresh: DEFAULT_KUBELET_REFRESH,
             mapping_events: true,
+            python_frames: true,
             debuginfo_uploads: None,
             telemetry: None,
         }
@@ -153,6 +161,8 @@ pub struct RunSummary {
     pub aggregation: AggregateStats,
     /// How JIT frames were named.
     pub jit_names: PerfMapStats,
+    /// CPython processes found, and their Python stacks.
+    pub python: PythonStats,
     /// Mappings learned as they were made.
     pub mapping_feed: FeedStats,
     pub process_table: TableStats,
@@ -292,6 +302,7 @@ pub async fn run(
     let metadata = metadata::start(
         resolver,
         describer,
+        config.aggregation.perf_map_reader(),
         config.aggregation.proc_root.clone(),
         commands.clone(),
         Arc::clone(&handoffs),

@@ -91,7 +91,7 @@ impl StatusLine {
         let figures: Vec<String> = FIGURES
             .iter()
             .map(|figure| {
-                let shown = stats::find(figure.stat).and_then(|stat| {
+                let shown = stats::DESCRIPTION.find(figure.stat).and_then(|stat| {
                     let growth = |labels: &[&str]| {
                         Some(
                             stat.total(after, labels).as_f64()?
@@ -225,7 +225,8 @@ mod tests {
     #[test]
     fn every_figure_names_a_described_statistic_and_its_series() {
         for figure in &FIGURES {
-            let stat = stats::find(figure.stat)
+            let stat = stats::DESCRIPTION
+                .find(figure.stat)
                 .unwrap_or_else(|| panic!("{} is not described", figure.stat));
             for label in figure.of {
                 assert!(

@@ -15,6 +15,7 @@ use std::{
 
 use prost::Message;
 use stackscope_agent::export::{Compression, ExportConfig, ExportError, Exporter, TlsConfig};
+use stackscope_collector_client::connect::ConnectError;
 use stackscope_proto::v1::{
     Batch, Label, LabelSet, Line, Location, Mapping, MappingKind, Node, PushRequest, PushResponse,
     Sample, Stack,
@@ -749,14 +750,20 @@ fn start_reports_bad_configuration_clearly() {
     let err = |config: ExportConfig| Exporter::start(config).unwrap_err();
 
     let e = err(ExportConfig::new("foo"));
-    assert!(matches!(e, ExportError::BadEndpoint { .. }), "{e:?}");
+    assert!(
+        matches!(e, ExportError::Connect(ConnectError::BadEndpoint { .. })),
+        "{e:?}"
+    );
     assert!(
         e.to_string().starts_with("collector endpoint \"foo\": "),
         "{e}"
     );
 
     let e = err(ExportConfig::new("http://exa mple:1"));
-    assert!(matches!(e, ExportError::InvalidUri { .. }), "{e:?}");
+    assert!(
+        matches!(e, ExportError::Connect(ConnectError::InvalidUri { .. })),
+        "{e:?}"
+    );
     assert_eq!(
         e.to_string(),
         "collector endpoint \"http://exa mple:1\": invalid URI"
@@ -783,7 +790,13 @@ fn start_reports_bad_configuration_clearly() {
         tls: Some(TlsConfig::default()),
         ..ExportConfig::new("http://127.0.0.1:7070")
     });
-    assert!(matches!(e, ExportError::TlsWithoutHttps { .. }), "{e:?}");
+    assert!(
+        matches!(
+            e,
+            ExportError::Connect(ConnectError::TlsWithoutHttps { .. })
+        ),
+        "{e:?}"
+    );
 
     let e = err(ExportConfig {
         tls: Some(TlsConfig {
@@ -795,9 +808,9 @@ fn start_reports_bad_configuration_clearly() {
     assert!(
         matches!(
             e,
-            ExportError::IncompleteClientIdentity {
+            ExportError::Connect(ConnectError::IncompleteClientIdentity {
                 given: "certificate"
-            }
+            })
         ),
         "{e:?}"
     );
@@ -806,7 +819,10 @@ fn start_reports_bad_configuration_clearly() {
         bearer_token: Some("two\nlines".into()),
         ..ExportConfig::new("http://127.0.0.1:7070")
     });
-    assert!(matches!(e, ExportError::InvalidToken), "{e:?}");
+    assert!(
+        matches!(e, ExportError::Connect(ConnectError::InvalidToken)),
+        "{e:?}"
+    );
 
     // Everything valid, but no tokio runtime to run on.
     let e = err(ExportConfig::new("http://127.0.0.1:7070"));

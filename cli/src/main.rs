@@ -12,6 +12,7 @@ use anyhow::Context as _;
 
 mod upload;
 use clap::{Args, Parser, Subcommand, ValueEnum};
+use stackscope_collector_client::connect::{self, TlsConfig};
 use stackscope_profile::timespec::{self, SelectionText};
 use stackscope_profile::{
     model::Selection,
@@ -27,7 +28,7 @@ use tonic::{
     codec::CompressionEncoding,
     metadata::{Ascii, MetadataValue},
     service::{Interceptor, interceptor::InterceptedService},
-    transport::{Certificate, Channel, ClientTlsConfig, Endpoint},
+    transport::Channel,
 };
 
 /// Query flamegraphs and top functions from a stackscope collector.
@@ -243,33 +244,20 @@ impl Interceptor for QueryToken {
 
 /// A channel to the collector at `--collector`.
 async fn connect_channel(cli: &Cli) -> anyhow::Result<Channel> {
-    {
-        let mut endpoint = Endpoint::from_shared(cli.collector.clone()).with_context(|| {
-            format!(
-                "--collector {:?} is not a URI; use http://HOST:PORT or https://HOST:PORT",
-                cli.collector
-            )
-        })?;
-        endpoint = endpoint
-            .timeout(cli.timeout)
-            .connect_timeout(Duration::from_secs(10));
-        if cli.collector.starts_with("https://") || cli.ca_cert.is_some() {
-            let mut tls = ClientTlsConfig::new().with_webpki_roots();
-            if let Some(ca) = &cli.ca_cert {
-                let pem = std::fs::read(ca)
-                    .with_context(|| format!("reading the CA certificate {}", ca.display()))?;
-                tls = tls.ca_certificate(Certificate::from_pem(pem));
-            }
-            endpoint = endpoint.tls_config(tls).context("setting up TLS")?;
-        }
-        endpoint.connect().await.with_context(|| {
-            format!(
-                "cannot reach the collector at {}: is stackscope-collector running there? \
-                 (set --collector or STACKSCOPE_COLLECTOR)",
-                cli.collector
-            )
-        })
-    }
+    let tls = cli.ca_cert.clone().map(|ca_cert| TlsConfig {
+        ca_cert: Some(ca_cert),
+        ..TlsConfig::default()
+    });
+    let endpoint = connect::endpoint(&cli.collector, tls.as_ref(), Duration::from_secs(10))
+        .context("--collector and --ca-cert")?
+        .timeout(cli.timeout);
+    endpoint.connect().await.with_context(|| {
+        format!(
+            "cannot reach the collector at {}: is stackscope-collector running there? \
+             (set --collector or STACKSCOPE_COLLECTOR)",
+            cli.collector
+        )
+    })
 }
 
 impl Collector {
@@ -278,11 +266,8 @@ impl Collector {
         let token = match &cli.token_file {
             Some(path) => {
                 let token = upload::read_token(path)?;
-                Some(
-                    MetadataValue::try_from(format!("Bearer {token}")).with_context(|| {
-                        format!("the token in {} is not a header value", path.display())
-                    })?,
-                )
+                connect::authorization(Some(&token))
+                    .with_context(|| format!("the token in {}", path.display()))?
             }
             None => None,
         };

@@ -1,6 +1,6 @@
 //! `stackscope debuginfo upload`: checks each file as the collector will
 //! (ELF, a build-id, a symbol table or DWARF) and sends it once per
-//! build-id (`stackscope-debuginfo-client`).
+//! build-id (`stackscope-collector-client`).
 
 use std::{
     fs::File,
@@ -8,7 +8,7 @@ use std::{
 };
 
 use anyhow::Context as _;
-use stackscope_debuginfo_client::{ElfCheckError, Uploaded, check_elf, read_build_id, upload};
+use stackscope_collector_client::{ElfCheckError, Uploaded, check_elf, read_build_id, upload};
 use stackscope_proto::v1::debuginfo_client::DebuginfoClient;
 use tonic::{metadata::MetadataValue, transport::Channel};
 

@@ -46,6 +46,9 @@ pub enum MappingKind {
     Vdso,
     /// Memory no file backs: addresses are absolute.
     Anonymous,
+    /// Interpreted code named on the node (Python functions): the lines
+    /// say everything, the address is the line.
+    Python,
 }
 
 /// A mapped binary.
@@ -561,6 +564,7 @@ fn validate_mapping(
         Ok(v1::MappingKind::Kernel) => MappingKind::Kernel,
         Ok(v1::MappingKind::Vdso) => MappingKind::Vdso,
         Ok(v1::MappingKind::Anonymous) => MappingKind::Anonymous,
+        Ok(v1::MappingKind::Python) => MappingKind::Python,
         Err(_) => {
             return Err(BatchError::UnknownMappingKind {
                 index,

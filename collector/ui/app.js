@@ -33,10 +33,15 @@ const hook = {
   frameBox: (name) => {
     const r = drawnRect(name);
     if (!r) return null;
-    const canvas = $("flamegraph");
-    const top = canvas.getBoundingClientRect().top;
+    const top = $("flamegraph").getBoundingClientRect().top;
     window.scrollTo(0, window.scrollY + top + r.y - window.innerHeight / 2);
-    const box = canvas.getBoundingClientRect();
+    return hook.framePoint(name);
+  },
+  /** Where the first drawn frame named `name` is, in viewport pixels (no scrolling). */
+  framePoint: (name) => {
+    const r = drawnRect(name);
+    if (!r) return null;
+    const box = $("flamegraph").getBoundingClientRect();
     return { x: Math.round(box.left + r.x + Math.min(r.w / 2, 40)), y: Math.round(box.top + r.y + 9) };
   },
   /** Where the root frame of the drawing is, in viewport pixels (no scrolling). */
@@ -48,6 +53,8 @@ const hook = {
   },
   /** The colour the first drawn frame named `name` was filled with. */
   frameFill: (name) => drawnRect(name)?.fill ?? null,
+  /** The frame the keyboard is on, if any. */
+  focused: () => (flame.focused >= 0 ? tree.name(flame.focused) : null),
 };
 
 function drawnRect(name) {
@@ -574,6 +581,7 @@ function describeRange([start, end]) {
 
 async function loadTimeline(signal) {
   const [start, end] = rangeSeconds();
+  timeline.setBaseline(comparing() ? [Number(state.base_start) * 1e9, Number(state.base_end) * 1e9] : null);
   // The range's axis at once, the bars when they come (or never, on an error).
   timeline.set([], 1, start * 1e9, end * 1e9, "loading…");
   try {
@@ -683,7 +691,7 @@ function reload(change) {
 // ---- wiring ----
 
 const timeline = new Timeline($("timeline"), {
-  onRange: (start, end) => reload({ start: start.toFixed(3), end: end.toFixed(3), since: "" }),
+  onRange: (start, end) => reload({ start: String(start), end: String(end), since: "" }),
 });
 
 new QueryBar($("query"), $("completions"), {
@@ -739,6 +747,26 @@ $("search").addEventListener("input", (e) => {
     writeUrl();
     if (tree && hook.state === "ready") applySearch();
   }, 120);
+});
+
+// ---- the theme: the one chosen here (kept in localStorage), else the system's ----
+
+const THEME_KEY = "stackscope.theme";
+const systemDark = window.matchMedia("(prefers-color-scheme: dark)");
+
+function applyTheme() {
+  const theme = localStorage.getItem(THEME_KEY) || (systemDark.matches ? "dark" : "light");
+  document.documentElement.dataset.theme = theme;
+  $("theme-toggle").textContent = theme === "dark" ? "light" : "dark";
+  // The canvases read their colours from the style sheet when they draw.
+  timeline.draw();
+}
+
+applyTheme();
+systemDark.addEventListener("change", applyTheme);
+$("theme-toggle").addEventListener("click", () => {
+  localStorage.setItem(THEME_KEY, document.documentElement.dataset.theme === "dark" ? "light" : "dark");
+  applyTheme();
 });
 
 $("view-toggle").addEventListener("click", () => {

@@ -349,15 +349,26 @@ export class Flamegraph {
     this.rects = [];
     this.hover = -1;
     this.colors = null;
+    /** The node the keyboard is on (-1: none yet). */
+    this.focused = -1;
     canvas.addEventListener("mousemove", (e) => this.onMove(e));
     canvas.addEventListener("mouseleave", () => this.hideTooltip());
     canvas.addEventListener("click", (e) => this.onClick(e));
+    // Keyboard: Tab to the drawing, arrows move between frames, Enter
+    // zooms into the one in focus, Escape zooms out to the root.
+    canvas.tabIndex = 0;
+    canvas.addEventListener("keydown", (e) => this.onKey(e));
+    canvas.addEventListener("blur", () => {
+      this.hideTooltip();
+      if (this.tree) this.draw();
+    });
     new ResizeObserver(() => this.tree && this.draw()).observe(canvas.parentElement);
   }
 
   setTree(tree) {
     this.tree = tree;
     this.zoom = 0;
+    this.focused = -1;
     this.colors = tree.frames.map((f) => hsl(frameHsl(f)));
     this.dim = tree.frames.map((f) => {
       const [h, , l] = frameHsl(f);
@@ -484,6 +495,11 @@ export class Flamegraph {
         ctx.lineWidth = 2;
         ctx.strokeRect(r.x + 1, r.y + 1, Math.max(r.w - 2.5, 0.5), ROW - 3);
       }
+      if (r.node === this.focused && document.activeElement === canvas) {
+        ctx.strokeStyle = "hsl(210 90% 35%)";
+        ctx.lineWidth = 3;
+        ctx.strokeRect(r.x + 1.5, r.y + 1.5, Math.max(r.w - 3.5, 0.5), ROW - 4);
+      }
       if (r.w > charWidth * 3 + 6) {
         const name = t.frames[f].name;
         const fits = Math.floor((r.w - 6) / charWidth);
@@ -511,11 +527,93 @@ export class Flamegraph {
     const r = this.rectAt(event);
     if (!r) return;
     this.setZoom(r.node < 0 ? r.parent : r.node);
+    // The head (breadcrumb, search) sticks to the window's top while the
+    // panel is in view; a zoomed drawing can be so much shorter that the
+    // whole panel went above the window: it is brought back then.
+    const head = this.canvas.closest(".flame-panel")?.querySelector(".flame-head");
+    if (head && head.getBoundingClientRect().bottom <= 0) head.scrollIntoView({ block: "start" });
+    // What is under the pointer now, not the frame that was clicked.
+    this.onMove(event);
+  }
+
+  /** Arrow keys, Enter and Escape; see the constructor. */
+  onKey(event) {
+    if (!this.tree) return;
+    const t = this.tree;
+    const current = this.drawnRect(this.focused) ? this.focused : this.zoom;
+    // Deeper is down in an icicle (the root on top), up in a flame graph.
+    const deeper = this.icicle ? "ArrowDown" : "ArrowUp";
+    const shallower = this.icicle ? "ArrowUp" : "ArrowDown";
+    let next;
+    switch (event.key) {
+      case deeper:
+        next = this.widestDrawnChild(current);
+        break;
+      case shallower:
+        next = current === 0 ? current : t.parent[current];
+        break;
+      case "ArrowLeft":
+      case "ArrowRight":
+        next = this.drawnNeighbour(current, event.key === "ArrowRight" ? 1 : -1);
+        break;
+      case "Enter":
+        this.setZoom(current);
+        next = current;
+        break;
+      case "Escape":
+        this.setZoom(0);
+        next = 0;
+        break;
+      default:
+        return;
+    }
+    event.preventDefault();
+    this.focusOn(next);
+  }
+
+  /** Puts the keyboard on `node`: outlined, in view, its tooltip shown. */
+  focusOn(node) {
+    this.focused = node;
+    this.draw();
+    const r = this.drawnRect(node);
+    if (!r) return this.hideTooltip();
+    const box = this.canvas.getBoundingClientRect();
+    const y = box.top + r.y;
+    if (y < 0 || y + ROW > window.innerHeight) window.scrollBy(0, y - window.innerHeight / 2);
+    const now = this.canvas.getBoundingClientRect();
+    this.showTooltip(r, now.left + r.x + Math.min(r.w / 2, 40), now.top + r.y + ROW / 2);
+  }
+
+  drawnRect(node) {
+    return node >= 0 ? this.rects.find((r) => r.node === node) || null : null;
+  }
+
+  /** The widest drawn child of `node`, or `node` when none is drawn. */
+  widestDrawnChild(node) {
+    let widest = null;
+    for (const r of this.rects) {
+      if (r.node >= 0 && r.node !== node && this.tree.parent[r.node] === node && (!widest || r.w > widest.w)) widest = r;
+    }
+    return widest ? widest.node : node;
+  }
+
+  /** The drawn frame beside `node` at its depth (`step` -1: left, 1: right). */
+  drawnNeighbour(node, step) {
+    const depth = this.tree.depth[node];
+    const row = this.rects.filter((r) => r.node >= 0 && r.depth === depth).sort((a, b) => a.x - b.x);
+    const at = row.findIndex((r) => r.node === node);
+    const next = row[at + step];
+    return next ? next.node : node;
   }
 
   onMove(event) {
     const r = this.rectAt(event);
     if (!r) return this.hideTooltip();
+    this.showTooltip(r, event.clientX, event.clientY);
+  }
+
+  /** The tooltip of `r`, placed by the point (viewport pixels) it is for. */
+  showTooltip(r, clientX, clientY) {
     const t = this.tree;
     const tip = this.tooltip;
     const pct = (w, of) => (of > 0 ? `${((100 * w) / of).toFixed(2)}%` : "–");
@@ -558,9 +656,12 @@ export class Flamegraph {
     );
     tip.hidden = false;
     const box = this.canvas.parentElement.getBoundingClientRect();
-    const left = Math.min(event.clientX - box.left + 14, box.width - tip.offsetWidth - 4);
+    const left = Math.min(clientX - box.left + 14, box.width - tip.offsetWidth - 4);
     tip.style.left = `${Math.max(0, left)}px`;
-    tip.style.top = `${event.clientY - box.top + 16}px`;
+    // Below the pointer, or above it where the window ends first.
+    const below = clientY + 16 + tip.offsetHeight <= window.innerHeight - 4;
+    const top = below ? clientY + 16 : Math.max(4, clientY - 8 - tip.offsetHeight);
+    tip.style.top = `${top - box.top}px`;
   }
 
   hideTooltip() {

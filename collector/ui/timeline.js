@@ -1,5 +1,7 @@
 // Samples over time for the selection (the series API), drawn as bars on a
-// canvas; dragging across it chooses a new time range.
+// canvas; dragging across it chooses a new time range, out to whole bars:
+// a bar is the finest the data is summed in, so a range that cut one would
+// be widened by the query anyway, and silently.
 
 const HEIGHT = 90;
 const AXIS = 16;
@@ -14,6 +16,8 @@ export class Timeline {
     this.step = 1;
     this.drag = null;
     this.empty = "";
+    /** The baseline's range in unix nanoseconds, when comparing. */
+    this.baseline = null;
     canvas.addEventListener("mousedown", (e) => {
       this.drag = { from: this.xOf(e), to: this.xOf(e) };
       e.preventDefault();
@@ -27,10 +31,10 @@ export class Timeline {
       const drag = this.drag;
       this.drag = null;
       if (!drag) return;
-      const [a, b] = [Math.min(drag.from, drag.to), Math.max(drag.from, drag.to)];
       this.draw();
-      if (b - a < 3) return;
-      this.onRange(this.timeAt(a), this.timeAt(b));
+      if (Math.abs(drag.to - drag.from) < 3) return;
+      const [from, to] = this.snapped(drag);
+      this.onRange(Math.round(from / 1e9), Math.round(to / 1e9));
     });
     new ResizeObserver(() => this.draw()).observe(canvas.parentElement);
   }
@@ -40,10 +44,29 @@ export class Timeline {
     return Math.max(0, Math.min(box.width, event.clientX - box.left));
   }
 
-  /** Unix seconds at x. */
+  /** Unix nanoseconds at x. */
   timeAt(x) {
     const width = this.canvas.clientWidth || 1;
-    return (this.start + ((this.end - this.start) * x) / width) / 1e9;
+    return this.start + ((this.end - this.start) * x) / width;
+  }
+
+  /** x of unix nanoseconds `t`. */
+  xAt(t) {
+    const width = this.canvas.clientWidth || 1;
+    return ((t - this.start) / Math.max(this.end - this.start, 1)) * width;
+  }
+
+  /**
+   * A drag's range in unix nanoseconds, out to the edges of the bars it
+   * touches (bars start at multiples of the step, as the series API
+   * aligns them).
+   */
+  snapped(drag) {
+    const [a, b] = [Math.min(drag.from, drag.to), Math.max(drag.from, drag.to)];
+    const step = this.step;
+    const from = Math.floor(this.timeAt(a) / step) * step;
+    const to = Math.max(Math.ceil(this.timeAt(b) / step) * step, from + step);
+    return [from, to];
   }
 
   /**
@@ -56,6 +79,12 @@ export class Timeline {
     this.step = stepNanos;
     this.start = startNanos;
     this.end = endNanos;
+    this.draw();
+  }
+
+  /** Marks the baseline's range ([start, end] in unix nanoseconds), or none. */
+  setBaseline(range) {
+    this.baseline = range;
     this.draw();
   }
 
@@ -72,6 +101,13 @@ export class Timeline {
     ctx.clearRect(0, 0, width, HEIGHT);
     const span = Math.max(this.end - this.start, 1);
     const plot = HEIGHT - AXIS;
+    // The page's theme, as its style sheet says it.
+    const style = getComputedStyle(canvas);
+    this.colors = {
+      text: style.getPropertyValue("--canvas-text").trim() || "#555",
+      axis: style.getPropertyValue("--canvas-axis").trim() || "#999",
+      baseline: style.getPropertyValue("--canvas-baseline").trim() || "hsl(35 90% 30%)",
+    };
     // Bars of buckets that start before the range are partly off the left
     // edge; the caption's max is of the bars in view.
     const visible = this.points.filter((p) => p.start_unix_nanos + this.step > this.start && p.start_unix_nanos < this.end);
@@ -83,12 +119,12 @@ export class Timeline {
       const h = max ? (p.weight / max) * (plot - 4) : 0;
       ctx.fillRect(x, plot - h, w, h);
     }
-    ctx.strokeStyle = "#999";
+    ctx.strokeStyle = this.colors.axis;
     ctx.beginPath();
     ctx.moveTo(0, plot + 0.5);
     ctx.lineTo(width, plot + 0.5);
     ctx.stroke();
-    ctx.fillStyle = "#555";
+    ctx.fillStyle = this.colors.text;
     ctx.font = "11px system-ui, sans-serif";
     ctx.textBaseline = "top";
     const ticks = Math.max(2, Math.floor(width / 140));
@@ -115,12 +151,59 @@ export class Timeline {
       delete this.canvas.dataset.caption;
       ctx.fillText(`times in ${zone}`, 4, 2);
     }
+    this.drawBaseline(ctx, width, plot, span);
     if (this.drag) {
-      const [a, b] = [Math.min(this.drag.from, this.drag.to), Math.max(this.drag.from, this.drag.to)];
+      const [from, to] = this.snapped(this.drag);
+      const [a, b] = [this.xAt(from), this.xAt(to)];
       ctx.fillStyle = "hsl(210 80% 50% / 0.2)";
       ctx.fillRect(a, 0, b - a, plot);
+      // What the range will be, at the highlight's top.
+      ctx.fillStyle = this.colors.text;
+      ctx.textBaseline = "top";
+      const label = `${timeLabel(from, span)} – ${timeLabel(to, span)}`;
+      const w = ctx.measureText(label).width;
+      ctx.fillText(label, Math.min(Math.max(a + 2, 0), width - w), 16);
     }
   }
+
+  /**
+   * The baseline's range: a band where it is in view, else an arrow at the
+   * edge it lies beyond, with its times (`dataset.baseline` says which).
+   */
+  drawBaseline(ctx, width, plot, span) {
+    if (!this.baseline) {
+      delete this.canvas.dataset.baseline;
+      return;
+    }
+    const [from, to] = this.baseline;
+    const labelSpan = Math.max(to - from, span);
+    const times = `${timeLabel(from, labelSpan)} – ${timeLabel(to, labelSpan)}`;
+    const [a, b] = [Math.max(this.xAt(from), 0), Math.min(this.xAt(to), width)];
+    ctx.font = "11px system-ui, sans-serif";
+    ctx.textBaseline = "bottom";
+    let where;
+    let label;
+    if (b > a) {
+      where = "in view";
+      label = `baseline ${times}`;
+      ctx.fillStyle = "hsl(35 90% 55% / 0.15)";
+      ctx.fillRect(a, 0, b - a, plot);
+      ctx.fillStyle = "hsl(35 90% 45%)";
+      ctx.fillRect(a, plot - 3, b - a, 3);
+    } else if (to <= this.start) {
+      where = "before";
+      label = `◀ baseline ${times}`;
+    } else {
+      where = "after";
+      label = `baseline ${times} ▶`;
+    }
+    ctx.fillStyle = this.colors.baseline;
+    const w = ctx.measureText(label).width;
+    const x = where === "after" ? width - w - 4 : where === "before" ? 4 : Math.min(Math.max(a + 4, 4), width - w - 4);
+    ctx.fillText(label, x, plot - 4);
+    this.canvas.dataset.baseline = `${where}: ${label}`;
+  }
+
 }
 
 const pad = (n) => String(n).padStart(2, "0");

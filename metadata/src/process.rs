@@ -1,29 +1,24 @@
-//! One record per process for what its labels are made of: its exe as a
+//! What one process's labels are made of ([`ProcessLabels`]): its exe as a
 //! description read it (or as its exec mapped it, once the link is gone),
-//! its container entry, and whether a description is awaited.
+//! its container entry, and whether a description is awaited. It lives in
+//! the process's record (the agent's process table), so it is found with
+//! the record the sample already looked up, goes when the record goes (the
+//! one exit path), and is never read for another process under a reused
+//! pid: a record whose start time differs starts over.
 //!
-//! Owns the record's life: made when the process is first wanted or
-//! described, found with one lookup per label lookup ([`ProcessLabels::known`]),
-//! cleared of its exe at exec, dropped at exit ([`ProcessLabels::exit`], the
-//! one exit path), and never read for another process under a reused pid
-//! (another start time: the record starts over). Bounded: at
-//! [`MAX_PROCESSES`] records the map starts over (a process met again is
-//! described again). Owns the container labels shared by the processes of
-//! a container too ([`ContainerIndex`]). Does not read anything: the
-//! descriptions come from [`crate::describe`], on a thread that may wait.
+//! [`Labeller`] owns what the records share: the container labels of the
+//! processes of a container ([`ContainerIndex`]) and the empty exe. Nothing
+//! here reads anything: the descriptions come from [`crate::describe`], on
+//! a thread that may wait.
 
 use std::{
-    collections::HashMap,
     os::unix::ffi::OsStrExt as _,
     path::Path,
     sync::Arc,
     time::{Duration, Instant},
 };
 
-use stackscope_telemetry::{
-    StateSize,
-    probes::{self, Probe},
-};
+use stackscope_telemetry::StateSize;
 
 use crate::{
     ContainerEntry, ContainerIndex, Placed,
@@ -31,17 +26,13 @@ use crate::{
     kubelet::PodList,
 };
 
-/// Processes with a record before the map starts over: a few hundred
-/// bytes each, so a few tens of MB at most.
-pub const MAX_PROCESSES: usize = 65_536;
-
 /// How long a description asked for is awaited before it is asked for
 /// again (the metadata worker's queue was full, or the answer was lost).
 pub const ASK_AGAIN: Duration = Duration::from_secs(1);
 
-/// What is known of one process.
+/// What is known of one process; see the module documentation.
 #[derive(Debug, Default)]
-struct Record {
+pub struct ProcessLabels {
     /// The process's start time (0: not known yet): with the pid, its
     /// identity.
     started: u64,
@@ -66,51 +57,79 @@ pub struct Known {
     pub container: Option<Placed>,
 }
 
-/// See the module documentation.
+impl ProcessLabels {
+    /// The record as of process `started`: what it held of an earlier
+    /// process under the same pid goes.
+    fn of(&mut self, started: u64) -> &mut Self {
+        if self.started != started {
+            if self.started != 0 {
+                *self = Self::default();
+            }
+            self.started = started;
+        }
+        self
+    }
+
+    /// Whether to ask for a description of `wanted` now: not while one
+    /// asked for less than [`ASK_AGAIN`] before `now` is awaited.
+    pub fn want(&mut self, wanted: &Wanted, now: Instant) -> bool {
+        let record = self.of(wanted.started);
+        if record
+            .asked_at
+            .is_some_and(|at| now.saturating_duration_since(at) < ASK_AGAIN)
+        {
+            return false;
+        }
+        record.asked_at = Some(now);
+        true
+    }
+
+    /// The process exec'd (its first mapping `exe`, if the mapping feed
+    /// saw it): its exe is described again.
+    pub fn exec(&mut self, exe: Option<&Path>) {
+        self.exe = None;
+        self.asked_at = None;
+        self.learned_exe =
+            exe.map(|exe| String::from_utf8_lossy(exe.as_os_str().as_bytes()).into());
+    }
+
+    /// What the last exec mapped first, if an exec event said.
+    pub fn learned_exe(&self) -> Option<Arc<str>> {
+        self.learned_exe.clone()
+    }
+}
+
+/// What the records share; see the module documentation.
 #[derive(Debug)]
-pub struct ProcessLabels {
-    records: HashMap<u32, Record>,
+pub struct Labeller {
     containers: ContainerIndex,
-    capacity: usize,
     empty: Arc<str>,
 }
 
-impl Default for ProcessLabels {
+impl Default for Labeller {
     fn default() -> Self {
-        Self::new(MAX_PROCESSES)
-    }
-}
-
-impl ProcessLabels {
-    /// Records for at most `capacity` processes (0 behaves as 1).
-    pub fn new(capacity: usize) -> Self {
         Self {
-            records: HashMap::new(),
             containers: ContainerIndex::default(),
-            capacity: capacity.max(1),
             empty: "".into(),
         }
     }
+}
 
+impl Labeller {
     /// The empty exe, shared.
     pub fn empty(&self) -> Arc<str> {
         Arc::clone(&self.empty)
     }
 
-    /// What is known of process `tgid` started at `started`, sampled in
-    /// cgroup `cgroup_id`: one lookup.
-    pub fn known(&mut self, tgid: u32, started: u64, cgroup_id: u64) -> Known {
-        probes::count(Probe::Process);
-        let Some(record) = self
-            .records
-            .get_mut(&tgid)
-            .filter(|record| record.started == started)
-        else {
+    /// What `record` says of the process started at `started`, sampled in
+    /// cgroup `cgroup_id`.
+    pub fn known(&mut self, record: &mut ProcessLabels, started: u64, cgroup_id: u64) -> Known {
+        if record.started != started {
             return Known {
                 exe: None,
                 container: None,
             };
-        };
+        }
         let exe = record.exe.as_ref().map(|exe| match exe {
             Some(exe) => Arc::clone(exe),
             None => record
@@ -125,35 +144,20 @@ impl ProcessLabels {
         Known { exe, container }
     }
 
-    /// What the last exec of `tgid` mapped first, if an exec event said.
-    pub fn learned_exe(&self, tgid: u32) -> Option<Arc<str>> {
-        self.records.get(&tgid)?.learned_exe.clone()
-    }
-
-    /// Whether to ask for a description of `wanted` now: not while one
-    /// asked for less than [`ASK_AGAIN`] before `now` is awaited.
-    pub fn want(&mut self, wanted: &Wanted, now: Instant) -> bool {
-        let record = self.record(wanted.tgid, wanted.started);
-        if record
-            .asked_at
-            .is_some_and(|at| now.saturating_duration_since(at) < ASK_AGAIN)
-        {
-            return false;
-        }
-        record.asked_at = Some(now);
-        true
-    }
-
-    /// Takes a description: the exe (when `exe` labels are kept) and the
-    /// container entry (when container labels are).
-    pub fn describe(&mut self, description: Description, exe: bool, container: bool) {
+    /// Writes a description into `record`: the exe (when `exe` labels are
+    /// kept) and the container entry (when container labels are).
+    pub fn describe(
+        &mut self,
+        record: &mut ProcessLabels,
+        description: Description,
+        exe: bool,
+        container: bool,
+    ) {
         let Wanted {
-            tgid,
-            started,
-            cgroup_id,
+            started, cgroup_id, ..
         } = description.process;
         let entry = container.then(|| self.containers.entry(cgroup_id, description.placement));
-        let record = self.record(tgid, started);
+        let record = record.of(started);
         record.asked_at = None;
         // Without a start time a failed read is not remembered: the pid
         // may belong to a forked process next.
@@ -163,49 +167,6 @@ impl ProcessLabels {
         if let Some(entry) = entry {
             record.container = Some(entry);
         }
-    }
-
-    /// The record of `tgid` started at `started`, made (or made again, when
-    /// it was another process's) if need be.
-    fn record(&mut self, tgid: u32, started: u64) -> &mut Record {
-        let record = self.entry(tgid);
-        if record.started != started {
-            if record.started != 0 {
-                // Another process under a reused pid (its exit was lost).
-                *record = Record::default();
-            }
-            record.started = started;
-        }
-        record
-    }
-
-    /// The record of `tgid`, made if it has none; at the bound the map
-    /// starts over first.
-    fn entry(&mut self, tgid: u32) -> &mut Record {
-        if self.records.len() >= self.capacity && !self.records.contains_key(&tgid) {
-            self.records.clear();
-        }
-        self.records.entry(tgid).or_default()
-    }
-
-    /// Process `tgid` exec'd (its first mapping `exe`, if the mapping feed
-    /// saw it): its exe is described again; its container stays.
-    pub fn exec(&mut self, tgid: u32, exe: Option<&Path>) {
-        let record = self.entry(tgid);
-        record.exe = None;
-        record.asked_at = None;
-        record.learned_exe =
-            exe.map(|exe| String::from_utf8_lossy(exe.as_os_str().as_bytes()).into());
-    }
-
-    /// Process `tgid` exited: its record goes.
-    pub fn exit(&mut self, tgid: u32) {
-        self.records.remove(&tgid);
-    }
-
-    /// Every record goes (exec or exit records were lost).
-    pub fn forget_all(&mut self) {
-        self.records.clear();
     }
 
     /// Forgets the labels of containers no record holds any more.
@@ -224,26 +185,9 @@ impl ProcessLabels {
         self.containers.take_unknown_pod_seen()
     }
 
-    pub fn tgids_into(&self, out: &mut Vec<u32>) {
-        out.extend(self.records.keys());
-    }
-
-    pub fn len(&self) -> usize {
-        self.records.len()
-    }
-
-    pub fn is_empty(&self) -> bool {
-        self.records.is_empty()
-    }
-
-    /// The records and the containers kept, against their bounds.
-    pub fn state_sizes(&self, out: &mut Vec<StateSize>) {
-        out.push(StateSize::entries(
-            "process_labels",
-            self.records.len(),
-            Some(self.capacity),
-        ));
-        out.push(self.containers.state_size());
+    /// The containers kept, against their bound.
+    pub fn state_size(&self) -> StateSize {
+        self.containers.state_size()
     }
 }
 
@@ -264,101 +208,108 @@ mod tests {
         }
     }
 
-    fn exe(labels: &mut ProcessLabels, tgid: u32, started: u64) -> Option<String> {
-        labels
-            .known(tgid, started, 1)
+    fn exe(labeller: &mut Labeller, record: &mut ProcessLabels, started: u64) -> Option<String> {
+        labeller
+            .known(record, started, 1)
             .exe
             .map(|exe| exe.to_string())
     }
 
     #[test]
-    fn one_record_per_process_until_exit_and_never_another_processes() {
-        let mut labels = ProcessLabels::new(8);
-        assert_eq!(exe(&mut labels, 42, 1), None, "not described yet");
-        labels.describe(described(42, 1, Some("/usr/bin/redis-server")), true, true);
+    fn a_record_answers_for_its_process_only() {
+        let mut labeller = Labeller::default();
+        let mut record = ProcessLabels::default();
         assert_eq!(
-            exe(&mut labels, 42, 1).as_deref(),
+            exe(&mut labeller, &mut record, 1),
+            None,
+            "not described yet"
+        );
+        labeller.describe(
+            &mut record,
+            described(42, 1, Some("/usr/bin/redis-server")),
+            true,
+            true,
+        );
+        assert_eq!(
+            exe(&mut labeller, &mut record, 1).as_deref(),
             Some("/usr/bin/redis-server")
         );
-        let known = labels.known(42, 1, 1);
+        let known = labeller.known(&mut record, 1, 1);
         assert_eq!(known.container.map(|placed| placed.labels), Some(None));
         // Another process with the same pid (its exit record was lost).
-        assert_eq!(labels.known(42, 2, 1).exe, None);
-        assert_eq!(labels.known(42, 2, 1).container, None);
+        assert_eq!(labeller.known(&mut record, 2, 1).exe, None);
+        assert_eq!(labeller.known(&mut record, 2, 1).container, None);
         // In another cgroup: its container is described again.
-        assert_eq!(labels.known(42, 1, 9).container, None);
-        labels.exit(42);
-        assert_eq!(exe(&mut labels, 42, 1), None);
-        assert!(labels.is_empty());
+        assert_eq!(labeller.known(&mut record, 1, 9).container, None);
 
         // A link that could not be read: empty, for this process only.
-        labels.describe(described(43, 1, None), true, true);
-        assert_eq!(exe(&mut labels, 43, 1).as_deref(), Some(""));
-        assert_eq!(exe(&mut labels, 43, 2), None);
+        let mut record = ProcessLabels::default();
+        labeller.describe(&mut record, described(43, 1, None), true, true);
+        assert_eq!(exe(&mut labeller, &mut record, 1).as_deref(), Some(""));
+        assert_eq!(exe(&mut labeller, &mut record, 2), None);
+        // A description for a new process under the pid replaces the record.
+        labeller.describe(&mut record, described(43, 5, Some("/bin/new")), true, true);
+        assert_eq!(
+            exe(&mut labeller, &mut record, 5).as_deref(),
+            Some("/bin/new")
+        );
+        assert_eq!(exe(&mut labeller, &mut record, 1), None);
         // Without a start time, a failure is not remembered: the pid may
         // belong to a forked process next.
-        labels.describe(described(44, 0, None), true, false);
-        assert_eq!(exe(&mut labels, 44, 0), None);
-        // A description for a new process under a pid replaces the record.
-        labels.describe(described(43, 5, Some("/bin/new")), true, true);
-        assert_eq!(exe(&mut labels, 43, 5).as_deref(), Some("/bin/new"));
-        assert_eq!(exe(&mut labels, 43, 1), None);
+        let mut record = ProcessLabels::default();
+        labeller.describe(&mut record, described(44, 0, None), true, false);
+        assert_eq!(exe(&mut labeller, &mut record, 0), None);
     }
 
     #[test]
     fn an_exec_describes_the_exe_again_and_what_it_mapped_stands_in() {
-        let mut labels = ProcessLabels::new(8);
-        labels.describe(described(50, 1, Some("/bin/sh")), true, true);
-        labels.exec(50, Some(Path::new("/usr/bin/sort")));
-        assert_eq!(exe(&mut labels, 50, 1), None, "described again");
-        assert!(
-            labels.known(50, 1, 1).container.is_some(),
-            "the container stays"
-        );
-        assert_eq!(labels.learned_exe(50).as_deref(), Some("/usr/bin/sort"));
+        let mut labeller = Labeller::default();
+        let mut record = ProcessLabels::default();
+        labeller.describe(&mut record, described(50, 1, Some("/bin/sh")), true, true);
+        record.exec(Some(Path::new("/usr/bin/sort")));
+        assert_eq!(exe(&mut labeller, &mut record, 1), None, "described again");
+        assert_eq!(record.learned_exe().as_deref(), Some("/usr/bin/sort"));
         // It exited before its link was read: what its exec mapped.
-        labels.describe(described(50, 1, None), true, true);
-        assert_eq!(exe(&mut labels, 50, 1).as_deref(), Some("/usr/bin/sort"));
+        labeller.describe(&mut record, described(50, 1, None), true, true);
+        assert_eq!(
+            exe(&mut labeller, &mut record, 1).as_deref(),
+            Some("/usr/bin/sort")
+        );
         // A live link wins over what was learned.
-        labels.exec(51, Some(Path::new("/usr/bin/stale")));
-        labels.describe(described(51, 1, Some("/usr/bin/uniq")), true, true);
-        assert_eq!(exe(&mut labels, 51, 1).as_deref(), Some("/usr/bin/uniq"));
+        let mut record = ProcessLabels::default();
+        record.exec(Some(Path::new("/usr/bin/stale")));
+        labeller.describe(
+            &mut record,
+            described(51, 1, Some("/usr/bin/uniq")),
+            true,
+            true,
+        );
+        assert_eq!(
+            exe(&mut labeller, &mut record, 1).as_deref(),
+            Some("/usr/bin/uniq")
+        );
     }
 
     #[test]
     fn a_description_is_asked_for_once_while_awaited() {
-        let mut labels = ProcessLabels::new(8);
+        let mut labeller = Labeller::default();
+        let mut record = ProcessLabels::default();
         let wanted = Wanted {
             tgid: 60,
             started: 1,
             cgroup_id: 1,
         };
         let now = Instant::now();
-        assert!(labels.want(&wanted, now));
-        assert!(!labels.want(&wanted, now), "awaited");
-        assert!(labels.want(&wanted, now + ASK_AGAIN), "asked again");
+        assert!(record.want(&wanted, now));
+        assert!(!record.want(&wanted, now), "awaited");
+        assert!(record.want(&wanted, now + ASK_AGAIN), "asked again");
         // Another process under the pid is asked for at once.
         let other = Wanted {
             started: 2,
             ..wanted
         };
-        assert!(labels.want(&other, now));
-        labels.describe(described(60, 2, Some("/bin/x")), true, true);
-        assert!(labels.want(&other, now), "answered: a new ask is a new one");
-    }
-
-    #[test]
-    fn the_records_stay_within_their_bound() {
-        let mut labels = ProcessLabels::new(4);
-        for tgid in 0..100u32 {
-            labels.describe(described(tgid, 1, Some("/bin/p")), true, true);
-            assert_eq!(exe(&mut labels, tgid, 1).as_deref(), Some("/bin/p"));
-            labels.exec(tgid + 1000, Some(Path::new("/bin/learned")));
-            assert!(labels.len() <= 4);
-        }
-        let mut sizes = Vec::new();
-        labels.state_sizes(&mut sizes);
-        assert_eq!(sizes[0].name, "process_labels");
-        assert!(sizes[0].entries.is_some_and(|n| n <= 4));
+        assert!(record.want(&other, now));
+        labeller.describe(&mut record, described(60, 2, Some("/bin/x")), true, true);
+        assert!(record.want(&other, now), "answered: a new ask is a new one");
     }
 }

@@ -151,6 +151,17 @@ pub enum MappingPath {
 }
 
 impl MappingPath {
+    /// Whether executable memory of this name is JIT code: anonymous
+    /// memory, or named anonymous memory (`[anon:name]`, from `prctl`).
+    /// Not the vDSO (its image is known) nor `[vsyscall]`.
+    pub fn is_jit_code(&self) -> bool {
+        match self {
+            MappingPath::Anonymous => true,
+            MappingPath::Other(name) => name.starts_with(b"[anon:"),
+            _ => false,
+        }
+    }
+
     /// Classifies the name column (already stripped of the padding before it).
     pub fn parse(name: &[u8]) -> Self {
         match name {

@@ -27,7 +27,8 @@ use std::{
 
 use agent_common::{
     COMM_LEN, COUNTER_SLOTS, CgroupPolicy, Counter, MAX_ALLOW_ENTRIES, MAX_DEEP_STACK_BYTES,
-    MAX_USER_STACK_BYTES, PAGE_SIZE, StackPlan, StackTop, names, reserved_record_bytes,
+    MAX_USER_STACK_BYTES, PAGE_SIZE, PythonProcess, StackPlan, StackTop, names,
+    reserved_record_bytes,
 };
 use aya::{
     Ebpf, EbpfLoader,
@@ -168,6 +169,9 @@ pub struct Counters {
     /// Ticks of learned threads whose direct copy could not be made (no
     /// room in the ring, or a faulting read): they took the usual copy.
     pub direct_copy_fallbacks: u64,
+    /// Python stack records written, and the frames in them.
+    pub python_stacks: u64,
+    pub python_frames: u64,
 }
 
 impl Counters {
@@ -208,6 +212,7 @@ pub struct Sampler {
     top_map: HashMap<MapData, u32, StackTop>,
     /// Thread names of programs needing deep copies (LRU).
     deep_program_map: HashMap<MapData, [u8; COMM_LEN], u8>,
+    python_map: HashMap<MapData, u32, PythonProcess>,
     /// Ring buffer losses already reported by `take_new_losses`.
     losses_seen: u64,
     log_task: Option<tokio::task::JoinHandle<()>>,
@@ -318,6 +323,7 @@ impl Sampler {
         let copy_map = take_map(&mut ebpf, names::COPY_BYTES)?;
         let top_map = take_map(&mut ebpf, names::STACK_TOPS)?;
         let deep_program_map = take_map(&mut ebpf, names::DEEP_PROGRAMS)?;
+        let python_map = take_map(&mut ebpf, names::PYTHON_PROCESSES)?;
         let mut drain_timer =
             tokio::time::interval(config.drain_interval.max(Duration::from_millis(1)));
         drain_timer.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
@@ -331,6 +337,7 @@ impl Sampler {
             copy_map,
             top_map,
             deep_program_map,
+            python_map,
             losses_seen: 0,
             log_task,
             ebpf,
@@ -392,6 +399,21 @@ impl Sampler {
             None => self.copy_map.remove(&tgid),
         };
         map_result(names::COPY_BYTES, result)
+    }
+
+    /// Has each tick of process `tgid` read its CPython frames as
+    /// `python` says (a [`record::PythonStack`] before its sample), or
+    /// stops that (None).
+    pub fn set_python_process(
+        &mut self,
+        tgid: u32,
+        python: Option<&PythonProcess>,
+    ) -> Result<(), SamplerError> {
+        let result = match python {
+            Some(python) => self.python_map.insert(tgid, python, 0),
+            None => self.python_map.remove(&tgid),
+        };
+        map_result(names::PYTHON_PROCESSES, result)
     }
 
     /// Makes the program's cgroup policies `wanted`: entries no longer
@@ -485,6 +507,8 @@ impl Sampler {
             deep_copy_fallbacks: totals[Counter::DeepCopyFallbacks as usize],
             early_wakeups: totals[Counter::EarlyWakeups as usize],
             direct_copy_fallbacks: totals[Counter::DirectCopyFallbacks as usize],
+            python_stacks: totals[Counter::PythonStacks as usize],
+            python_frames: totals[Counter::PythonFrames as usize],
         })
     }
 

@@ -1,5 +1,6 @@
 //! Mappings as events: what every process forks, execs and maps executable,
-//! applied to the walker's process table in time order with the samples.
+//! applied to the process table (lent to the walker) in time order with
+//! the samples.
 //!
 //! Owns: opening the kernel's side-band records
 //! ([`stackscope_process_events`]), holding them until the samples before
@@ -31,12 +32,12 @@ use stackscope_process_events::{
     BuildIds, Config, Event, EventKind, FileRef, MappingEvents, Mmap, OpenError,
 };
 use stackscope_process_table::{
-    BuildId, Mapping, MappingPath,
+    BuildId, Mapping, MappingPath, ProcessTable,
     maps::{Dev, Perms},
 };
 
 use stackscope_telemetry::StateSize;
-use stackscope_unwind::walker::{StackWalker, Walked};
+use stackscope_unwind::walker::{StackWalker, Walked, WalkerRecord};
 
 /// Events held for samples not yet read, at most (a few MB; a fork+exec
 /// brings about seven, and the sampling thread drains whenever a CPU's ring is a
@@ -225,19 +226,20 @@ impl MappingFeed {
         }
     }
 
-    /// Applies the events older than `time_ns` to the walker's process
-    /// table. Samples the walker still holds from before a change to their
-    /// process are walked first and go to `on_walk`.
-    pub fn apply_until(
+    /// Applies the events older than `time_ns` to the process table the
+    /// walker is lent. Samples the walker still holds from before a change
+    /// to their process are walked first and go to `on_walk`.
+    pub fn apply_until<R: WalkerRecord>(
         &mut self,
         time_ns: u64,
         walker: &mut StackWalker,
-        on_walk: &mut impl FnMut(Walked<'_>),
+        processes: &mut ProcessTable<R>,
+        on_walk: &mut impl FnMut(Walked<'_, R>),
     ) {
         while self.pending.len() > MAX_PENDING {
             if let Some(event) = self.pending.pop_front() {
                 self.stats.applied_early += 1;
-                self.apply(event, walker, on_walk);
+                self.apply(event, walker, processes, on_walk);
             }
         }
         while self
@@ -246,30 +248,31 @@ impl MappingFeed {
             .is_some_and(|event| event.time_ns <= time_ns)
         {
             if let Some(event) = self.pending.pop_front() {
-                self.apply(event, walker, on_walk);
+                self.apply(event, walker, processes, on_walk);
             }
         }
     }
 
-    fn apply(
+    fn apply<R: WalkerRecord>(
         &mut self,
         event: Event,
         walker: &mut StackWalker,
-        on_walk: &mut impl FnMut(Walked<'_>),
+        processes: &mut ProcessTable<R>,
+        on_walk: &mut impl FnMut(Walked<'_, R>),
     ) {
         match event.kind {
             EventKind::Fork(fork) if fork.is_new_process() => {
                 self.stats.forks += 1;
-                walker.process_forked(fork.ppid, fork.pid, on_walk);
+                walker.process_forked(processes, fork.ppid, fork.pid, on_walk);
             }
             EventKind::Comm(comm) if comm.exec => {
                 self.stats.execs += 1;
-                walker.process_exec_learned(comm.pid, event.time_ns, on_walk);
+                walker.process_exec_learned(processes, comm.pid, event.time_ns, on_walk);
             }
             EventKind::Mmap(mmap) if mmap.exec => {
                 self.stats.mmaps += 1;
                 let (mapping, build_id) = mapping_of(&mmap);
-                walker.process_mapped(mmap.pid, mapping, build_id, on_walk);
+                walker.process_mapped(processes, mmap.pid, mapping, build_id, on_walk);
             }
             _ => {}
         }
@@ -398,6 +401,8 @@ mod tests {
     fn events_wait_for_the_samples_before_them_and_stay_bounded() {
         let mut feed = MappingFeed::disabled();
         let mut walker = StackWalker::default();
+        let mut table: ProcessTable<stackscope_unwind::walker::ProcessState> =
+            StackWalker::process_table(&Default::default());
         let fork = |time_ns, pid| Event {
             time_ns,
             cpu: 0,
@@ -410,12 +415,12 @@ mod tests {
         };
         feed.pending
             .extend([fork(10, 100), fork(20, 101), fork(30, 102)]);
-        feed.apply_until(20, &mut walker, &mut |_| {});
+        feed.apply_until(20, &mut walker, &mut table, &mut |_| {});
         assert_eq!(feed.pending.len(), 1, "the event at 30 waits");
         assert_eq!(feed.stats().forks, 2);
         feed.pending
             .extend((0..MAX_PENDING as u32 + 5).map(|i| fork(1_000 + u64::from(i), 200)));
-        feed.apply_until(0, &mut walker, &mut |_| {});
+        feed.apply_until(0, &mut walker, &mut table, &mut |_| {});
         assert_eq!(feed.pending.len(), MAX_PENDING);
         assert_eq!(feed.stats().applied_early, 6);
     }

@@ -1,5 +1,6 @@
 //! Decoding of the records the BPF programs write to the ring buffer:
-//! samples, and process exec/exit events.
+//! samples, the Python stacks read for some of them, and process exec/exit
+//! events.
 //!
 //! The ring buffer is written by our own program, but the decoder still treats
 //! every record as untrusted bytes: a layout mismatch between a stale BPF object
@@ -8,9 +9,11 @@
 //! actually present before it is used.
 
 use agent_common::{
-    MAX_DEEP_STACK_BYTES, MAX_KERNEL_STACK_BYTES, MAX_SPAN_BYTES, MAX_TAIL_BYTES,
-    MAX_USER_STACK_BYTES, PROCESS_EVENT_SIZE, ProcessEvent, RecordKind, SAMPLE_HEADER_SIZE,
-    SampleHeader, TAIL_SPAN_HEADER_SIZE, reserved_record_bytes, sample_flags, tail_span,
+    MAX_DEEP_STACK_BYTES, MAX_KERNEL_STACK_BYTES, MAX_PYTHON_FRAMES, MAX_SPAN_BYTES,
+    MAX_TAIL_BYTES, MAX_USER_STACK_BYTES, PROCESS_EVENT_SIZE, PYTHON_FRAME_SIZE,
+    PYTHON_STACK_HEADER_SIZE, ProcessEvent, PythonFrame, PythonStackHeader, RecordKind,
+    SAMPLE_HEADER_SIZE, SampleHeader, TAIL_SPAN_HEADER_SIZE, reserved_record_bytes, sample_flags,
+    tail_span,
 };
 use stackscope_unwind::TailSpan;
 
@@ -39,6 +42,9 @@ pub enum DecodeError {
     /// The flags name two kinds of copy at once.
     #[error("sample flags {0:#x} mark both a deep and a direct copy")]
     BadFlags(u32),
+    /// A Python stack record announces more frames than the sampler reads.
+    #[error("python stack of {0} frames, more than the sampler reads ({MAX_PYTHON_FRAMES})")]
+    BadPythonFrames(u32),
     /// The header announces more (or fewer) bytes than the record carries.
     #[error("header announces {announced} bytes of record but {len} arrived")]
     LengthMismatch { announced: usize, len: usize },
@@ -52,6 +58,56 @@ pub enum Record<'a> {
     Exec(ProcessEvent),
     /// The process exited: its tgid may be reused.
     Exit(ProcessEvent),
+    /// The CPython frames of the sample that comes next from the same CPU.
+    PythonStack(PythonStack<'a>),
+}
+
+/// A decoded Python stack record: its header and its frames, innermost
+/// first, borrowed from the ring buffer.
+#[derive(Debug, Clone, Copy)]
+pub struct PythonStack<'a> {
+    pub header: PythonStackHeader,
+    frames: &'a [u8],
+}
+
+impl<'a> PythonStack<'a> {
+    pub fn decode(record: &'a [u8]) -> Result<Self, DecodeError> {
+        let fixed = record
+            .get(..PYTHON_STACK_HEADER_SIZE)
+            .ok_or(DecodeError::ShortHeader {
+                len: record.len(),
+                needed: PYTHON_STACK_HEADER_SIZE,
+            })?;
+        // SAFETY: exactly size_of::<PythonStackHeader>() bytes, integers
+        // only, unaligned read.
+        let header: PythonStackHeader = unsafe { core::ptr::read_unaligned(fixed.as_ptr().cast()) };
+        if header.kind != RecordKind::PythonStack as u32 {
+            return Err(DecodeError::UnknownKind(header.kind));
+        }
+        if header.frames as usize > MAX_PYTHON_FRAMES {
+            return Err(DecodeError::BadPythonFrames(header.frames));
+        }
+        let announced = PYTHON_STACK_HEADER_SIZE + header.frames as usize * PYTHON_FRAME_SIZE;
+        if record.len() != announced {
+            return Err(DecodeError::LengthMismatch {
+                announced,
+                len: record.len(),
+            });
+        }
+        Ok(Self {
+            header,
+            frames: &record[PYTHON_STACK_HEADER_SIZE..],
+        })
+    }
+
+    /// The frames, innermost first.
+    pub fn frames(&self) -> impl ExactSizeIterator<Item = PythonFrame> + 'a {
+        self.frames.chunks_exact(PYTHON_FRAME_SIZE).map(|bytes| {
+            // SAFETY: exactly size_of::<PythonFrame>() bytes, integers only,
+            // unaligned read.
+            unsafe { core::ptr::read_unaligned(bytes.as_ptr().cast()) }
+        })
+    }
 }
 
 impl<'a> Record<'a> {
@@ -60,6 +116,7 @@ impl<'a> Record<'a> {
         match self {
             Self::Sample(sample) => sample.header.ktime_ns,
             Self::Exec(event) | Self::Exit(event) => event.ktime_ns,
+            Self::PythonStack(stack) => stack.header.ktime_ns,
         }
     }
 
@@ -76,6 +133,9 @@ impl<'a> Record<'a> {
             k if k == RecordKind::Sample as u32 => Sample::decode(record).map(Record::Sample),
             k if k == RecordKind::Exec as u32 => decode_process_event(record).map(Record::Exec),
             k if k == RecordKind::Exit as u32 => decode_process_event(record).map(Record::Exit),
+            k if k == RecordKind::PythonStack as u32 => {
+                PythonStack::decode(record).map(Record::PythonStack)
+            }
             other => Err(DecodeError::UnknownKind(other)),
         }
     }
@@ -522,6 +582,70 @@ mod tests {
             [0xffff_ffff_8100_0000, 0xffff_ffff_8200_0000]
         );
         assert_eq!(owned.user_stack, user);
+    }
+
+    #[test]
+    fn decodes_python_stacks_and_refuses_bad_lengths() {
+        let header = |frames| PythonStackHeader {
+            kind: RecordKind::PythonStack as u32,
+            cpu: 1,
+            tgid: 7,
+            tid: 8,
+            frames,
+            flags: 0,
+            ktime_ns: 99,
+        };
+        let encode = |header: PythonStackHeader, frames: &[PythonFrame]| {
+            let mut bytes = Vec::new();
+            // SAFETY: plain integers, read as bytes.
+            bytes.extend_from_slice(unsafe {
+                core::slice::from_raw_parts(
+                    (&raw const header).cast::<u8>(),
+                    PYTHON_STACK_HEADER_SIZE,
+                )
+            });
+            for frame in frames {
+                // SAFETY: as above.
+                bytes.extend_from_slice(unsafe {
+                    core::slice::from_raw_parts((&raw const *frame).cast::<u8>(), PYTHON_FRAME_SIZE)
+                });
+            }
+            bytes
+        };
+        let frames = [
+            PythonFrame {
+                code: 0x7f00_0000_1000,
+                instr_offset: 40,
+                first_line: 3,
+            },
+            PythonFrame {
+                code: 0x7f00_0000_2000,
+                instr_offset: PythonFrame::NO_OFFSET,
+                first_line: 1 | PythonFrame::ENTRY,
+            },
+        ];
+        let good = encode(header(2), &frames);
+        let Ok(Record::PythonStack(stack)) = Record::decode(&good) else {
+            panic!("not a python stack");
+        };
+        assert_eq!(stack.header, header(2));
+        assert_eq!(stack.frames().collect::<Vec<_>>(), frames);
+        assert!(matches!(
+            PythonStack::decode(&good[..good.len() - 1]),
+            Err(DecodeError::LengthMismatch { .. })
+        ));
+        assert!(matches!(
+            PythonStack::decode(&encode(header(3), &frames)),
+            Err(DecodeError::LengthMismatch { .. })
+        ));
+        assert!(matches!(
+            PythonStack::decode(&encode(header(MAX_PYTHON_FRAMES as u32 + 1), &frames)),
+            Err(DecodeError::BadPythonFrames(_))
+        ));
+        assert!(matches!(
+            PythonStack::decode(&good[..PYTHON_STACK_HEADER_SIZE - 1]),
+            Err(DecodeError::ShortHeader { .. })
+        ));
     }
 
     #[test]

@@ -7,7 +7,8 @@
 //! stackscope binary exports ([`ProcessMetrics`]: memory, CPU, descriptors;
 //! [`ProcessUsage`] reads the CPU and memory for a binary's own reports)
 //! and [`ConstMetrics`], the writer binaries use to export the counters they
-//! already keep, and [`probes`], the hash lookups a sample costs, counted
+//! already keep, [`described`], the statistics a binary describes once and
+//! renders as `/metrics`, JSON and text reports, and [`probes`], the hash lookups a sample costs, counted
 //! where each is made. Which metrics a binary has is the binary's business: it
 //! registers them in the [`Registry`](prometheus_client::registry::Registry)
 //! it hands to [`router`] or [`serve`].
@@ -19,6 +20,9 @@
 //! and leave it off.
 
 pub mod probes;
+
+#[cfg(feature = "http")]
+pub mod described;
 
 #[cfg(feature = "http")]
 mod http;

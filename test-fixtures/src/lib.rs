@@ -59,6 +59,11 @@ fn fixtures_dir() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("../tests/fixtures")
 }
 
+/// The source file `name` under `tests/fixtures/` (a script run as it is).
+pub fn fixture_source(name: &str) -> PathBuf {
+    fixtures_dir().join(name)
+}
+
 /// A temporary directory fixtures are compiled into, removed on drop: a
 /// program and the shared libraries it links live side by side.
 pub struct BuildDir(tempfile::TempDir);

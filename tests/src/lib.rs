@@ -17,17 +17,17 @@ use std::{
 use agent_common::ProcessEvent;
 pub use stackscope_process_table::maps::{Mapping, MappingPath};
 use stackscope_process_table::{Location, ProcessTable};
-use stackscope_sampler::Counters;
 use stackscope_sampler::mapping_feed::monotonic_ns;
+use stackscope_sampler::{Counters, ProgramStats};
 use stackscope_sampler::{
     Sampler, SamplerConfig,
     record::{DecodeError, OwnedSample, Record},
 };
 pub use stackscope_test_fixtures::{
-    ElfSymbols, Fixture, RunningProcess, free_port, http_get, workspace_binary,
+    ElfSymbols, Fixture, RunningProcess, fixture_source, free_port, http_get, workspace_binary,
 };
 use stackscope_unwind::walker::{
-    StackWalker, UserStack, WalkOutcome, Walked, WalkerConfig, stitching::PlanUpdate,
+    ProcessState, StackWalker, UserStack, WalkOutcome, Walked, WalkerConfig, stitching::PlanUpdate,
 };
 
 /// Fails the test with a clear message unless it runs as root.
@@ -114,8 +114,19 @@ pub struct Recorded {
     pub execs: Vec<ProcessEvent>,
     pub exits: Vec<ProcessEvent>,
     pub decode_errors: Vec<DecodeError>,
+    pub python_stacks: Vec<PythonStackRecord>,
+    /// The sampling program's run time and runs over the whole run (the
+    /// kernel's accounting is on while it samples).
+    pub program: ProgramStats,
     /// The program's counters at the end of the run.
     pub counters: Counters,
+}
+
+/// A Python stack record as read.
+#[derive(Debug, Clone)]
+pub struct PythonStackRecord {
+    pub header: agent_common::PythonStackHeader,
+    pub frames: Vec<agent_common::PythonFrame>,
 }
 
 /// Runs the real sampler for `duration` and returns every record it read.
@@ -152,14 +163,42 @@ pub fn sample_planned(
     // record after the drain. Its header's time is taken at the end of the
     // copy, microseconds later, with interrupts off; the margin is
     // thousands of times that.
-    let first_tick_ns = maps_set_ns + IN_FLIGHT_MARGIN.as_nanos() as u64;
-    let (samples, record_bytes) = std::mem::take(&mut recorded.samples)
-        .into_iter()
-        .zip(std::mem::take(&mut recorded.sample_record_bytes))
-        .filter(|(s, _)| s.header.ktime_ns >= first_tick_ns)
-        .unzip();
-    recorded.samples = samples;
-    recorded.sample_record_bytes = record_bytes;
+    recorded.drop_ticks_before(maps_set_ns + IN_FLIGHT_MARGIN.as_nanos() as u64);
+    recorded
+}
+
+impl Recorded {
+    /// Leaves out the records of ticks before `first_tick_ns`.
+    fn drop_ticks_before(&mut self, first_tick_ns: u64) {
+        let (samples, record_bytes) = std::mem::take(&mut self.samples)
+            .into_iter()
+            .zip(std::mem::take(&mut self.sample_record_bytes))
+            .filter(|(s, _)| s.header.ktime_ns >= first_tick_ns)
+            .unzip();
+        self.samples = samples;
+        self.sample_record_bytes = record_bytes;
+        self.python_stacks
+            .retain(|s| s.header.ktime_ns >= first_tick_ns);
+    }
+}
+
+/// Like [`sample_for`], with process `tgid` described to the sampler as
+/// CPython (`python`) before the first tick is read; samples and Python
+/// stacks from ticks before that are left out.
+pub fn sample_python(
+    config: &SamplerConfig,
+    duration: Duration,
+    tgid: u32,
+    python: &agent_common::PythonProcess,
+) -> Recorded {
+    let mut set_ns = 0;
+    let mut recorded = sample_with(config, duration, |sampler| {
+        sampler
+            .set_python_process(tgid, Some(python))
+            .expect("describing the Python process");
+        set_ns = monotonic_ns();
+    });
+    recorded.drop_ticks_before(set_ns + IN_FLIGHT_MARGIN.as_nanos() as u64);
     recorded
 }
 
@@ -177,6 +216,7 @@ fn sample_with(
         .build()
         .expect("tokio runtime");
     runtime.block_on(async {
+        let _run_time_stats = Sampler::enable_run_time_stats().expect("BPF run-time statistics");
         let mut sampler = Sampler::start(config).expect("starting the sampler");
         let mut recorded = Recorded::default();
         let mut keep = |bytes: &[u8]| match Record::decode(bytes) {
@@ -186,6 +226,10 @@ fn sample_with(
             }
             Ok(Record::Exec(event)) => recorded.execs.push(event),
             Ok(Record::Exit(event)) => recorded.exits.push(event),
+            Ok(Record::PythonStack(stack)) => recorded.python_stacks.push(PythonStackRecord {
+                header: stack.header,
+                frames: stack.frames().collect(),
+            }),
             Err(err) => recorded.decode_errors.push(err),
         };
         started(&mut sampler);
@@ -199,6 +243,7 @@ fn sample_with(
         sampler.drain_records(&mut keep);
         assert!(recorded.decode_errors.is_empty(), "malformed records: {:?}", recorded.decode_errors);
         recorded.counters = sampler.counters().expect("reading the sampler's counters");
+        recorded.program = sampler.program_stats().expect("the program's statistics");
         recorded
     })
 }
@@ -307,33 +352,35 @@ pub fn walk_live_with(
         .expect("tokio runtime");
     runtime.block_on(async {
         let mut sampler = Sampler::start(config).expect("starting the sampler");
-        let mut walker = StackWalker::new(WalkerConfig {
+        let walker_config = WalkerConfig {
             stack_bytes: config.user_stack_bytes,
             deep_stack_bytes: config.deep_stack_bytes,
             ..WalkerConfig::default()
-        });
+        };
+        let mut table: ProcessTable<ProcessState> = StackWalker::process_table(&walker_config);
+        let mut walker = StackWalker::new(walker_config);
         let mut walks = Vec::new();
         let mut spans = Vec::new();
         let deadline = tokio::time::Instant::now() + duration;
         loop {
             tokio::select! {
-                result = sampler.read_records(|bytes| walk_record(&mut walker, &mut spans, &mut walks, options, bytes)) => {
+                result = sampler.read_records(|bytes| walk_record(&mut walker, &mut table, &mut spans, &mut walks, options, bytes)) => {
                     result.expect("reading the ring buffer");
                 }
                 _ = tokio::time::sleep_until(deadline) => break,
             }
-            walker.poll(|w| walks.push(LiveWalk::of(&w)));
+            walker.poll(&mut table, |w| walks.push(LiveWalk::of(&w)));
             sampler.apply_plan_updates(walker.take_plan_updates());
         }
-        sampler.drain_records(|bytes| walk_record(&mut walker, &mut spans, &mut walks, options, bytes));
+        sampler.drain_records(|bytes| walk_record(&mut walker, &mut table, &mut spans, &mut walks, options, bytes));
         let counters = sampler.counters().expect("counters");
         drop(sampler);
         let started = Instant::now();
         while walker.waiting() > 0 && started.elapsed() < Duration::from_secs(30) {
             std::thread::sleep(Duration::from_millis(20));
-            walker.poll(|w| walks.push(LiveWalk::of(&w)));
+            walker.poll(&mut table, |w| walks.push(LiveWalk::of(&w)));
         }
-        walker.flush(|w| walks.push(LiveWalk::of(&w)));
+        walker.flush(&mut table, |w| walks.push(LiveWalk::of(&w)));
         (walks, counters)
     })
 }
@@ -365,6 +412,7 @@ impl LiveWalk {
 
 fn walk_record(
     walker: &mut StackWalker,
+    table: &mut ProcessTable<ProcessState>,
     spans: &mut Vec<stackscope_unwind::TailSpan>,
     walks: &mut Vec<LiveWalk>,
     options: LiveOptions,
@@ -378,13 +426,16 @@ fn walk_record(
                 spans,
                 tail: sample.tail_data(),
             };
-            walker.push(&sample.header, &[], stack, |w| walks.push(LiveWalk::of(&w)));
+            walker.push(table, &sample.header, &[], stack, |w| {
+                walks.push(LiveWalk::of(&w))
+            });
         }
         Record::Exec(_) | Record::Exit(_) if options.withhold_process_events => {}
-        Record::Exec(event) => walker.on_exec(event.tgid, event.ktime_ns, |_| {}),
+        Record::Exec(event) => walker.on_exec(table, event.tgid, event.ktime_ns, |_| {}),
         Record::Exit(event) => {
-            walker.on_exit(event.tgid);
+            walker.on_exit(table, event.tgid);
         }
+        Record::PythonStack(_) => {}
     }
 }
 

@@ -42,6 +42,11 @@ pub enum Bench {
         /// Runs per configuration (medians and spread are reported).
         #[arg(long, default_value_t = 3)]
         repeats: usize,
+        /// Another build's release binaries (a `target/release` folder):
+        /// compares this build's agent against that one's, run after run
+        /// in alternating order, instead of against perf.
+        #[arg(long, value_name = "DIR")]
+        baseline: Option<std::path::PathBuf>,
     },
     /// What learning mappings as they are made costs: per fork+exec and
     /// per executable mmap with the agent's mapping events on, off, and no
@@ -112,7 +117,14 @@ pub fn run(which: Bench) -> anyhow::Result<()> {
         Bench::Sampler { duration } => sampler(&duration),
         Bench::Filter { seconds } => filter(seconds),
         Bench::Unwind => unwind(),
-        Bench::Overhead { seconds, repeats } => crate::overhead::run(seconds, repeats),
+        Bench::Overhead {
+            seconds,
+            repeats,
+            baseline,
+        } => match baseline {
+            Some(baseline) => crate::overhead::against_baseline(seconds, repeats, &baseline),
+            None => crate::overhead::run(seconds, repeats),
+        },
         Bench::Mappings { seconds, repeats } => crate::mappings::run(seconds, repeats),
         Bench::Programs { seconds, only } => crate::programs::run(seconds, &only),
         Bench::Symbolize { stacks, addresses } => collector_bench(
@@ -135,16 +147,13 @@ pub fn run(which: Bench) -> anyhow::Result<()> {
 /// Runs `cargo bench` on the collector's bench `name` with its settings in
 /// the environment.
 fn collector_bench(name: &str, settings: &[(&str, u32)]) -> anyhow::Result<()> {
-    let mut command = Command::new(std::env::var_os("CARGO").unwrap_or_else(|| "cargo".into()));
-    command
-        .args([
-            "bench",
-            "--package",
-            "stackscope-collector",
-            "--bench",
-            name,
-        ])
-        .current_dir(workspace_root());
+    let mut command = crate::cargo_command(&[
+        "bench",
+        "--package",
+        "stackscope-collector",
+        "--bench",
+        name,
+    ]);
     for (variable, value) in settings {
         command.env(variable, value.to_string());
     }
@@ -159,13 +168,10 @@ fn unwind() -> anyhow::Result<()> {
         "stackscope-unwind-bench-{}.txt",
         std::process::id()
     ));
-    let cargo = std::env::var_os("CARGO").unwrap_or_else(|| "cargo".into());
+    // Every bench target, not the library: its unit tests would only print
+    // themselves as ignored.
     let result = run_checked(
-        Command::new(cargo)
-            // Every bench target, not the library: its unit tests would only
-            // print themselves as ignored.
-            .args(["bench", "--package", "stackscope-unwind", "--bench", "*"])
-            .current_dir(workspace_root())
+        crate::cargo_command(&["bench", "--package", "stackscope-unwind", "--bench", "*"])
             .env("STACKSCOPE_BENCH_REPORT", &summary),
     );
     let text = std::fs::read_to_string(&summary);
@@ -288,6 +294,69 @@ fn sampler(duration: &str) -> anyhow::Result<()> {
         busy_ns[1],
         busy_ns[0] as f64 / busy_ns[1].max(1) as f64
     );
+    python_frames(&agent, cpus, duration)
+}
+
+/// Interpreters the Python rows run, first found first: Debian's (a user's
+/// `python3`), else pyenv's.
+const PYTHONS: [&str; 2] = [
+    "/usr/bin/python3.11",
+    "/root/.pyenv/versions/3.12.1/bin/python3.12",
+];
+
+/// What reading CPython's frames adds to the BPF program: one Python
+/// process per CPU at depths 10, 30 and 100, every frame a function of its
+/// own (as in an application) or one function recursing, the agent with
+/// its Python frames on and off (`--no-python-frames`), alternately, twice
+/// each.
+fn python_frames(agent: &Path, cpus: usize, duration: &str) -> anyhow::Result<()> {
+    let Some(python) = PYTHONS.iter().map(Path::new).find(|path| path.exists()) else {
+        println!("python frames: skipped, none of {PYTHONS:?} is installed");
+        return Ok(());
+    };
+    let script = workspace_root().join("tests/fixtures/python_depth.py");
+    println!(
+        "python frames ({}, one process per CPU, 997 Hz): ns per BPF run with the frames read \
+         and without (--no-python-frames), two runs each, alternately",
+        python.display()
+    );
+    println!(
+        "{:>6}  {:<9}  {:>14}  {:>14}  {:>10}  {:>13}",
+        "depth", "functions", "ns/run frames", "ns/run without", "added ns", "frames/stack"
+    );
+    for (depth, functions) in [10, 30, 100]
+        .into_iter()
+        .flat_map(|depth| [(depth, "distinct"), (depth, "recursive")])
+    {
+        let spinners: Vec<KillOnDrop> = (0..cpus)
+            .map(|_| {
+                Command::new(python)
+                    .arg(&script)
+                    .args([depth.to_string().as_str(), functions])
+                    .stdout(Stdio::null())
+                    .spawn()
+                    .map(KillOnDrop)
+                    .context("starting python")
+            })
+            .collect::<anyhow::Result<_>>()?;
+        let pids: Vec<String> = spinners.iter().map(|s| s.0.id().to_string()).collect();
+        let (mut with, mut without, mut frames_per_stack) = (Vec::new(), Vec::new(), 0.0);
+        for _ in 0..2 {
+            let off = run_agent(agent, &pids, 997, 16384, duration, &["--no-python-frames"])?;
+            without.push(off.ns_per_run as f64);
+            let on = run_agent(agent, &pids, 997, 16384, duration, &[])?;
+            with.push(on.ns_per_run as f64);
+            frames_per_stack = on.python_frames as f64 / on.python_stacks.max(1) as f64;
+        }
+        let mean = |runs: &[f64]| runs.iter().sum::<f64>() / runs.len() as f64;
+        println!(
+            "{depth:>6}  {functions:<9}  {:>14.0}  {:>14.0}  {:>10.0}  {frames_per_stack:>13.1}",
+            mean(&with),
+            mean(&without),
+            mean(&with) - mean(&without),
+        );
+    }
+    println!("target: at most 1000 ns added per Python sample at depth 30");
     Ok(())
 }
 
@@ -303,6 +372,9 @@ struct AgentReport {
     walks: u64,
     outermost: u64,
     stitched: u64,
+    /// Python stack records the program wrote, and their frames.
+    python_stacks: u64,
+    python_frames: u64,
 }
 
 fn run_agent(
@@ -362,6 +434,8 @@ fn run_agent(
         walks: field("unwinding", "walks")?,
         outermost: field("unwinding", "outermost")?,
         stitched: field("unwinding", "stitched")?,
+        python_stacks: field("kernel", "python_stacks")?,
+        python_frames: field("kernel", "python_frames")?,
     })
 }
 

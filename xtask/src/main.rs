@@ -302,6 +302,36 @@ fn fresh_fixture_cache() -> anyhow::Result<()> {
     Ok(())
 }
 
+/// Below this much free space, a failed step is likely the disk's fault:
+/// the linker dies of a bus error and rustc of "No space left on device",
+/// deep in a step's output. A fresh clone's whole suite writes about 20 GiB
+/// into `target/`.
+const NEARLY_FULL_BYTES: u64 = 2 << 30;
+
+/// Says so when the disk holding `target/` is nearly full.
+fn disk_nearly_full() -> Option<String> {
+    let target = workspace_root().join("target");
+    let path = std::ffi::CString::new(target.as_os_str().as_encoded_bytes()).ok()?;
+    let mut stats = std::mem::MaybeUninit::<libc::statvfs>::uninit();
+    // SAFETY: `path` is NUL-terminated and `stats` is written by the call
+    // before it is read, only when the call succeeds.
+    let stats = unsafe {
+        if libc::statvfs(path.as_ptr(), stats.as_mut_ptr()) != 0 {
+            return None;
+        }
+        stats.assume_init()
+    };
+    let free = stats.f_bavail.saturating_mul(stats.f_frsize);
+    (free < NEARLY_FULL_BYTES).then(|| {
+        format!(
+            "the disk holding {} has {:.1} GiB free: a full disk fails builds \
+             (`cargo clean` frees what earlier builds left)",
+            target.display(),
+            free as f64 / f64::from(1u32 << 30)
+        )
+    })
+}
+
 /// The whole suite's steps and how long each took, so a slow step shows in
 /// every run's log.
 struct Steps {
@@ -327,7 +357,12 @@ impl Steps {
         let seconds = started.elapsed().as_secs_f64();
         eprintln!("step {name}: {seconds:.0} s");
         self.took.push((name, seconds));
-        result.with_context(|| format!("step {name} failed after {seconds:.0} s"))
+        result
+            .map_err(|error| match disk_nearly_full() {
+                Some(hint) => error.context(hint),
+                None => error,
+            })
+            .with_context(|| format!("step {name} failed after {seconds:.0} s"))
     }
 
     /// `812 s (setup 3 s, fmt 1 s, ...)`.
@@ -353,13 +388,14 @@ const HAND_RUN_MEASUREMENT: &str = "the_fleet_hour_time_to_first_flamegraph";
 /// The fast tier's integration test targets (`--test NAME`; each name is in
 /// one selected package only): the collector's gRPC API, storage on SQLite
 /// and debuginfo store; the CLI against a collector it starts; the agent's
-/// export to a fake collector; the process table on fixture processes; the
+/// aggregator and its export to a fake collector; the process table on fixture processes; the
 /// unwinder on real binaries and on stopped fixture processes.
 const FAST_TESTS: &[&str] = &[
     "grpc",
     "storage",
     "debuginfo",
     "queries",
+    "aggregator",
     "export",
     "processes",
     "identity",
@@ -509,6 +545,12 @@ pub(crate) fn build_binaries(release: bool) -> anyhow::Result<PathBuf> {
 
 /// Runs cargo (the same one that runs xtask) in the workspace root.
 pub(crate) fn cargo(args: &[&str]) -> anyhow::Result<()> {
+    run_checked(&mut cargo_command(args))
+}
+
+/// Cargo (the same one that runs xtask) with `args`, in the workspace root,
+/// in the environment a build from a shell would have.
+pub(crate) fn cargo_command(args: &[&str]) -> Command {
     let cargo = std::env::var_os("CARGO").unwrap_or_else(|| "cargo".into());
     let mut cmd = Command::new(cargo);
     cmd.args(args).current_dir(workspace_root());
@@ -516,7 +558,8 @@ pub(crate) fn cargo(args: &[&str]) -> anyhow::Result<()> {
     // ring's build script reruns when CARGO_MANIFEST_DIR changes, so
     // inheriting it rebuilt ring and everything above it (rustls, tonic,
     // reqwest, the agent, the collector: 25-60 s here) at every switch
-    // between `cargo xtask test --fast` and a plain `cargo test`.
+    // between `cargo xtask test --fast` and a plain `cargo test` (and in
+    // every whole suite, when the kernel matrix built its test binary).
     for (name, _) in std::env::vars_os() {
         let name = name.to_string_lossy();
         if name.starts_with("CARGO_PKG_")
@@ -532,7 +575,7 @@ pub(crate) fn cargo(args: &[&str]) -> anyhow::Result<()> {
             cmd.env_remove(&*name);
         }
     }
-    run_checked(&mut cmd)
+    cmd
 }
 
 pub(crate) fn run_checked(cmd: &mut Command) -> anyhow::Result<()> {

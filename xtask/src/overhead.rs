@@ -191,13 +191,23 @@ fn finish_workload(mut child: Child) -> anyhow::Result<f64> {
         .with_context(|| format!("the workload printed no units: {out:?}"))
 }
 
-pub fn run(seconds: u64, repeats: usize) -> anyhow::Result<()> {
+fn check_arguments(seconds: u64, repeats: usize) -> anyhow::Result<()> {
     if seconds < 25 || repeats == 0 {
         bail!(
             "--seconds must be at least 25 (the steady window starts after the agent's \
              first batch, up to 20 s in) and --repeats at least 1"
         );
     }
+    Ok(())
+}
+
+/// This build's release binaries.
+fn own_binaries() -> PathBuf {
+    workspace_root().join("target/release")
+}
+
+pub fn run(seconds: u64, repeats: usize) -> anyhow::Result<()> {
+    check_arguments(seconds, repeats)?;
     crate::build_binaries(true)?;
     let busy = compile_fixture("busy")?;
     let threads = std::thread::available_parallelism().map_or(2, |n| n.get());
@@ -213,7 +223,14 @@ pub fn run(seconds: u64, repeats: usize) -> anyhow::Result<()> {
         for _ in 0..repeats {
             let child = start_workload(&busy, threads, seconds)?;
             alone.push(finish_workload(child)?);
-            ours.push(under_stackscope(&busy, threads, seconds, hz, &scratch.0)?);
+            ours.push(under_stackscope(
+                &own_binaries(),
+                &busy,
+                threads,
+                seconds,
+                hz,
+                &scratch.0,
+            )?);
             perf.push(under_perf(&busy, threads, seconds, hz, &scratch.0)?);
         }
         report(hz, &alone, &ours, &perf);
@@ -240,14 +257,82 @@ fn tempfile_dir() -> anyhow::Result<TempDir> {
     Ok(TempDir(dir))
 }
 
+/// `cargo xtask bench overhead --baseline DIR`: this build's agent and
+/// collector against another build's, on the same workload, run after run
+/// with the order alternating (a machine's drift falls on both alike); the
+/// ratios are taken run by run, paired.
+pub fn against_baseline(seconds: u64, repeats: usize, baseline: &Path) -> anyhow::Result<()> {
+    check_arguments(seconds, repeats)?;
+    for binary in ["stackscope-agent", "stackscope-collector", "stackscope"] {
+        let path = baseline.join(binary);
+        if !path.is_file() {
+            bail!(
+                "no {} in the baseline: build it there with `cargo build --release --bins`",
+                path.display()
+            );
+        }
+    }
+    crate::build_binaries(true)?;
+    let busy = compile_fixture("busy")?;
+    let threads = std::thread::available_parallelism().map_or(2, |n| n.get());
+    let scratch = tempfile_dir()?;
+    println!(
+        "overhead against {}: busy.c with {threads} threads for {seconds} s, {repeats} pairs \
+         per rate, order alternating; medians (min-max)",
+        baseline.display()
+    );
+    for hz in [99u32, 997] {
+        let (mut ours, mut theirs) = (Vec::new(), Vec::new());
+        for repeat in 0..repeats {
+            // Separate table caches: the formats may differ.
+            let run = |bins: &Path, cache: &str| {
+                under_stackscope(bins, &busy, threads, seconds, hz, &scratch.0.join(cache))
+            };
+            if repeat % 2 == 0 {
+                ours.push(run(&own_binaries(), "ours")?);
+                theirs.push(run(baseline, "baseline")?);
+            } else {
+                theirs.push(run(baseline, "baseline")?);
+                ours.push(run(&own_binaries(), "ours")?);
+            }
+        }
+        println!("\n== {hz} Hz");
+        for (name, runs) in [("this build", &ours), ("baseline", &theirs)] {
+            println!(
+                "{name:<10}  steady per sample {}   of which BPF {}   whole run per sample {}   \
+                 agent peak RSS {}",
+                micros(runs, |r| r.steady_per_sample),
+                micros(runs, |r| r.bpf_per_sample),
+                show(spread(runs.iter().map(|r| r.cpu_per_sample() * 1e6)), " us"),
+                show(spread(runs.iter().map(|r| r.agent_rss_kib / 1024.0)), " MB"),
+            );
+        }
+        let paired = |per_run: fn(&Run) -> f64| {
+            spread(
+                ours.iter()
+                    .zip(&theirs)
+                    .map(|(o, t)| per_run(o) / per_run(t).max(1e-12)),
+            )
+        };
+        println!(
+            "this build / baseline, run by run: steady per sample {}, whole run per sample {}",
+            show(paired(|r| r.steady_per_sample.as_secs_f64()), "x"),
+            show(paired(Run::cpu_per_sample), "x"),
+        );
+    }
+    Ok(())
+}
+
 fn under_stackscope(
+    bins: &Path,
     busy: &Path,
     threads: usize,
     seconds: u64,
     hz: u32,
     scratch: &Path,
 ) -> anyhow::Result<Run> {
-    let bin = |name: &str| workspace_root().join("target/release").join(name);
+    let bin = |name: &str| bins.join(name);
+    std::fs::create_dir_all(scratch)?;
     let data = scratch.join("collector");
     let _ = std::fs::remove_dir_all(&data);
     let grpc = format!("127.0.0.1:{}", free_port());
@@ -481,6 +566,14 @@ pub(crate) fn spread(values: impl IntoIterator<Item = f64>) -> (f64, f64, f64) {
     )
 }
 
+/// Median and spread of a per-sample time over `runs`, in microseconds.
+fn micros(runs: &[Run], time: impl Fn(&Run) -> Duration) -> String {
+    show(
+        spread(runs.iter().map(|r| time(r).as_secs_f64() * 1e6)),
+        " us",
+    )
+}
+
 pub(crate) fn show((median, min, max): (f64, f64, f64), unit: &str) -> String {
     format!("{median:.2}{unit} ({min:.2}-{max:.2})")
 }
@@ -505,14 +598,8 @@ fn report(hz: u32, alone: &[f64], ours: &[Run], perf: &[Run]) {
                 "            steady state (after the first batch and {} s, agent + BPF) per sample {}, \
                  of which BPF {}",
                 STEADY_FROM.as_secs(),
-                show(
-                    spread(runs.iter().map(|r| r.steady_per_sample.as_secs_f64() * 1e6)),
-                    " us"
-                ),
-                show(
-                    spread(runs.iter().map(|r| r.bpf_per_sample.as_secs_f64() * 1e6)),
-                    " us"
-                ),
+                micros(runs, |r| r.steady_per_sample),
+                micros(runs, |r| r.bpf_per_sample),
             );
             let lookups = |kind: usize| spread(runs.iter().map(|r| r.lookups_per_sample[kind]));
             println!(

@@ -19,7 +19,7 @@ use stackscope_profile::model::unix_nanos;
 use stackscope_proto::v1;
 
 use super::{Interval, MappingKey, index_of, labels};
-use stackscope_symbolize::node::{FrameLine, Lines, Symbolizer, truncate_str};
+use stackscope_symbolize::node::{FrameLine, Lines, Symbolizer, perf_map, truncate_str};
 
 /// The longest string sent: the collector's default limit.
 const MAX_STRING_BYTES: usize = 4096;
@@ -30,6 +30,8 @@ const KERNEL_PATH: &str = "[kernel.kallsyms]";
 const ANONYMOUS_PATH: &str = "[anonymous]";
 /// The mapping JIT frames are shipped in (their names come with them).
 const JIT_PATH: &str = stackscope_unwind::walker::JIT_BINARY;
+/// The mapping Python frames are shipped in (their names come with them).
+const PYTHON_PATH: &str = "[python]";
 const VDSO_PATH: &str = "[vdso]";
 /// The function (and mapping path) of the pseudo-frame that stands for the
 /// stacks beyond the interval's bound.
@@ -207,9 +209,25 @@ fn name_locations(
                     line: 0,
                 }]);
             }
+            MappingKey::Python { function, file } => {
+                names[index].0 = Arc::new([FrameLine {
+                    function: function.as_ref().into(),
+                    file: file.as_ref().into(),
+                    line: u32::try_from(location.address).unwrap_or(0),
+                }]);
+            }
             MappingKey::Jit { name } => {
                 names[index].0 = Arc::new([FrameLine {
                     function: name.as_ref().into(),
+                    file: "".into(),
+                    line: 0,
+                }]);
+            }
+            // Renamed when the interval ended; an interval made otherwise
+            // (by hand, in tests) still ships a name.
+            MappingKey::JitNotYetNamed { comm, .. } => {
+                names[index].0 = Arc::new([FrameLine {
+                    function: perf_map::unnamed(comm).as_ref().into(),
                     file: "".into(),
                     line: 0,
                 }]);
@@ -325,7 +343,12 @@ impl BatchBuilder {
             Some(MappingKey::Unreadable { path }) => {
                 (v1::MappingKind::User, String::new(), path.to_string())
             }
-            Some(MappingKey::Jit { .. }) => (
+            Some(MappingKey::Python { .. }) => (
+                v1::MappingKind::Python,
+                String::new(),
+                PYTHON_PATH.to_owned(),
+            ),
+            Some(MappingKey::Jit { .. } | MappingKey::JitNotYetNamed { .. }) => (
                 v1::MappingKind::Anonymous,
                 String::new(),
                 JIT_PATH.to_owned(),

@@ -18,7 +18,7 @@ use std::{
     time::Duration,
 };
 
-use stackscope_debuginfo_client::{Uploaded, upload};
+use stackscope_collector_client::{Uploaded, upload};
 use stackscope_process_table::BuildId;
 use stackscope_proto::v1::debuginfo_client::DebuginfoClient;
 use tokio::{
@@ -26,7 +26,7 @@ use tokio::{
     task::JoinHandle,
 };
 
-use super::{ExportConfig, ExportError, authorization, endpoint};
+use super::{ExportConfig, ExportError, connection};
 use stackscope_symbolize::node::debug_files;
 
 /// Files waiting for the uploader.
@@ -151,8 +151,8 @@ impl DebuginfoUploader {
     /// the exporter does (same endpoint, TLS and token). Does not connect
     /// until the first upload.
     pub fn start(export: &ExportConfig, config: UploadConfig) -> Result<Self, ExportError> {
-        let channel = endpoint(export)?.connect_lazy();
-        let authorization = authorization(export)?;
+        let (endpoint, authorization) = connection(export)?;
+        let channel = endpoint.connect_lazy();
         let (sender, mut receiver) = mpsc::channel::<Candidate>(QUEUE_LEN);
         let stats = Arc::new(Mutex::new(UploadStats::default()));
         let queue = UploadQueue {

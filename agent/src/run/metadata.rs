@@ -6,10 +6,11 @@
 //! processes the walker meets without knowing them and identifies the
 //! files they map (the process table's reads), opens the mapped
 //! files the aggregator will name frames in while their processes run,
-//! resolves the
-//! container selection into cgroup policies, with the container runtimes'
-//! names it keeps, and finds which of the processes the sampling thread
-//! tracks are gone. Its answers go to the sampling thread as [`Command`]s.
+//! reads on in the perf maps and jitdump files JIT frames are named from,
+//! resolves the container selection into cgroup policies, with the container runtimes'
+//! names it keeps, finds the CPython interpreters of processes that map
+//! one, and finds which of the processes the sampling thread tracks are
+//! gone. Its answers go to the sampling thread as [`Command`]s.
 
 use std::{
     io,
@@ -19,6 +20,7 @@ use std::{
         atomic::Ordering,
         mpsc::{self, SyncSender, TrySendError},
     },
+    time::Instant,
 };
 
 use stackscope_sampler::mapping_feed::monotonic_ns;
@@ -31,7 +33,11 @@ use stackscope_metadata::{
     selection::Resolver,
 };
 use stackscope_process_table::{ReadRequest, TableReader};
-use stackscope_symbolize::node::ObjectFile;
+use stackscope_python::FoundInterpreter;
+use stackscope_symbolize::node::{
+    ObjectFile,
+    perf_map::{JitRequest, PerfMapReader},
+};
 
 /// What the worker is asked to do.
 #[derive(Debug)]
@@ -48,6 +54,11 @@ enum Job {
     /// Open these mapped files while their processes run (the interval
     /// that met them holds them for naming).
     Open(Vec<Arc<ObjectFile>>),
+    /// Read on in these processes' perf maps and jitdump files (or close
+    /// them).
+    ReadJit(Vec<JitRequest>),
+    /// Look for a CPython interpreter in these processes.
+    FindPython(Vec<u32>),
 }
 
 /// Room in the worker's queue: selections and sweeps come every few
@@ -96,6 +107,22 @@ impl MetadataJobs {
         }
     }
 
+    /// Asks for what JIT frames' names are read from (a read dropped with
+    /// a full queue is asked for again when due).
+    pub fn read_jit(&self, requests: Vec<JitRequest>) {
+        if !requests.is_empty() {
+            self.send(Job::ReadJit(requests));
+        }
+    }
+
+    /// Asks which of `tgids` run a CPython interpreter the sampler reads;
+    /// the answers reach the sampling thread.
+    pub fn find_python(&self, tgids: Vec<u32>) {
+        if !tgids.is_empty() {
+            self.send(Job::FindPython(tgids));
+        }
+    }
+
     /// Asks for descriptions of `wanted`; they reach the sampling thread
     /// when read.
     pub fn describe(&self, wanted: Vec<Wanted>) {
@@ -129,6 +156,7 @@ impl MetadataJobs {
 pub(super) fn start(
     resolver: Resolver,
     mut describer: Describer,
+    mut perf_maps: PerfMapReader,
     proc_root: PathBuf,
     commands: Sender<Command>,
     handoffs: Arc<Handoffs>,
@@ -173,6 +201,19 @@ pub(super) fn start(
                             .map(|request| reader.read(request))
                             .collect(),
                     ),
+                    Job::ReadJit(requests) => {
+                        let updates = perf_maps.serve(requests, Instant::now());
+                        if updates.is_empty() {
+                            continue;
+                        }
+                        Command::JitNames(updates)
+                    }
+                    Job::FindPython(tgids) => Command::Python(
+                        tgids
+                            .into_iter()
+                            .map(|tgid| (tgid, find_python(&proc_root, tgid)))
+                            .collect(),
+                    ),
                     Job::Describe(wanted) => Command::Described(
                         wanted
                             .into_iter()
@@ -184,6 +225,15 @@ pub(super) fn start(
             }
         })?;
     Ok(MetadataJobs { jobs, handoffs })
+}
+
+/// The CPython interpreter process `tgid` runs, if the sampler reads it;
+/// why not is logged (at debug: a process that exited, a Python 2).
+fn find_python(proc_root: &std::path::Path, tgid: u32) -> Option<FoundInterpreter> {
+    stackscope_python::find_in_process(proc_root, tgid)
+        .inspect_err(|err| tracing::debug!("process {tgid}: no Python frames: {err}"))
+        .ok()
+        .flatten()
 }
 
 /// The processes of `tracked` without a directory under `proc_root`; none

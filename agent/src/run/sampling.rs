@@ -14,6 +14,7 @@
 use std::{
     collections::HashMap as StdHashMap,
     io,
+    path::Path,
     sync::Arc,
     thread::JoinHandle,
     time::{Duration, SystemTime, UNIX_EPOCH},
@@ -28,6 +29,8 @@ use tokio::{
 use super::{
     AgentConfig, FEED_DRAIN_INTERVAL, Handoffs, MAX_TRACKED_PROCESSES, RunError, RunSummary,
     metadata::MetadataJobs,
+    process::{ProcessRecord, add_walked},
+    python::{self, PythonProcesses},
 };
 use crate::{
     aggregate::{Aggregator, BatchWorker, WorkerStats},
@@ -36,10 +39,12 @@ use crate::{
     tally::ProcessTally,
 };
 use stackscope_metadata::{describe::Description, kubelet::PodList};
-use stackscope_process_table::{ReadAnswer, ReadRequest};
+use stackscope_process_table::{ProcessTable, ReadAnswer, ReadRequest};
+use stackscope_python::{FoundInterpreter, named_like_interpreter};
 use stackscope_sampler::{
     Counters, Sampler, SamplerConfig, SamplerError, mapping_feed::MappingFeed, record::Record,
 };
+use stackscope_symbolize::node::perf_map::JitUpdate;
 use stackscope_telemetry::{StateSize, probes::ProbeTotals};
 use stackscope_unwind::{
     TailSpan,
@@ -86,6 +91,11 @@ pub(super) enum Command {
     Described(Vec<Description>),
     /// The process table's reads the walker asked for.
     Read(Vec<ReadAnswer>),
+    /// What the perf maps and jitdump files asked for added.
+    JitNames(Vec<JitUpdate>),
+    /// The CPython interpreters found in the processes asked about (None:
+    /// none the sampler reads).
+    Python(Vec<(u32, Option<FoundInterpreter>)>),
     /// The totals now, for the status line or the metrics.
     Totals(Purpose),
 }
@@ -234,21 +244,24 @@ async fn sample(
         }
     };
     let began = Instant::now();
+    let walker_config = WalkerConfig {
+        stack_bytes: config.sampler.user_stack_bytes,
+        deep_stack_bytes: config.sampler.deep_stack_bytes,
+        // The metadata worker reads maps: this thread does not wait on
+        // /proc/<pid>/maps.
+        defer_reads: true,
+        ..config.walker.clone()
+    };
     let mut records = RecordTally {
-        processes: ProcessTally::with_capacity(MAX_TRACKED_PROCESSES),
+        tally: ProcessTally::with_capacity(MAX_TRACKED_PROCESSES),
         totals: ReaderTotals::default(),
-        walker: StackWalker::new(WalkerConfig {
-            stack_bytes: config.sampler.user_stack_bytes,
-            deep_stack_bytes: config.sampler.deep_stack_bytes,
-            // The metadata worker reads maps: this thread does not wait on
-            // /proc/<pid>/maps.
-            defer_reads: true,
-            ..config.walker.clone()
-        }),
+        processes: StackWalker::process_table(&walker_config),
+        walker: StackWalker::new(walker_config),
         aggregator: Aggregator::new(config.aggregation.clone()),
         kernel_frames: Vec::with_capacity(agent_common::MAX_KERNEL_FRAMES),
         tail_spans: Vec::with_capacity(agent_common::MAX_TAIL_SPANS),
         feed,
+        python: PythonProcesses::new(config.python_frames),
     };
     if let Some(pods) = pods {
         records.aggregator.set_pods(pods);
@@ -372,11 +385,13 @@ async fn last_labels(
     let deadline = Instant::now() + LABELS_WAIT;
     // Reads matter here only for held samples: a re-read holds none.
     while records.aggregator.has_pending_labels()
-        || (records.walker.waiting() > 0 && records.walker.awaits_reads())
+        || (records.walker.waiting() > 0 && records.processes.awaits_reads())
     {
         match tokio::time::timeout_at(deadline, commands.recv()).await {
             Ok(Some(Command::Described(descriptions))) => {
-                records.aggregator.describe(descriptions);
+                records
+                    .aggregator
+                    .describe(descriptions, &mut records.processes);
             }
             Ok(Some(Command::Read(answers))) => {
                 records.walk_after_reads(answers, sampler);
@@ -438,12 +453,13 @@ fn finish(
         program,
         elapsed: began.elapsed(),
         reader: records.totals,
-        tally: records.processes,
+        tally: records.tally,
         unwinding: records.walker.stats(),
         aggregation: records.aggregator.stats(),
         jit_names: records.aggregator.jit_stats(),
+        python: records.python.stats,
         mapping_feed: records.feed.stats(),
-        process_table: records.walker.table_stats(),
+        process_table: records.processes.stats(),
         batches,
         probes: ProbeTotals::now(),
         handoffs: handoffs.totals(),
@@ -486,8 +502,11 @@ fn next_boundary(interval: Duration) -> Instant {
 
 /// What the reader keeps of each record.
 struct RecordTally {
-    processes: ProcessTally,
+    tally: ProcessTally,
     totals: ReaderTotals,
+    /// One record per process (see [`ProcessRecord`]), lent to the walker
+    /// for each walk and each process event.
+    processes: ProcessTable<ProcessRecord>,
     walker: StackWalker,
     aggregator: Aggregator,
     /// The kernel frames of the sample being read, copied out of the ring
@@ -497,6 +516,9 @@ struct RecordTally {
     tail_spans: Vec<TailSpan>,
     /// What processes fork, exec and map, applied in order with the records.
     feed: MappingFeed,
+    /// CPython processes: which to look at, their sampler entries, their
+    /// Python stacks paired with samples.
+    python: PythonProcesses,
 }
 
 impl RecordTally {
@@ -511,8 +533,25 @@ impl RecordTally {
             Command::Pods(list) => self.aggregator.set_pods(list),
             Command::Policies(wanted) => update_policies(sampling.sampler, &wanted),
             Command::Gone { tgids, checked_at } => self.forget(&tgids, checked_at),
-            Command::Described(descriptions) => self.aggregator.describe(descriptions),
+            Command::Described(descriptions) => {
+                self.aggregator.describe(descriptions, &mut self.processes)
+            }
             Command::Read(answers) => self.walk_after_reads(answers, sampling.sampler),
+            Command::JitNames(updates) => self.aggregator.add_jit_names(updates),
+            Command::Python(found) => {
+                for (tgid, found) in found {
+                    if let Some(record) = self.processes.state_of_mut(tgid) {
+                        let started = record.started();
+                        self.python.found(
+                            tgid,
+                            &mut record.python,
+                            started,
+                            found,
+                            sampling.sampler,
+                        );
+                    }
+                }
+            }
             Command::Totals(purpose) => {
                 let elapsed = sampling.began.elapsed();
                 let totals = self.totals(sampling.sampler, sampling.worker, handoffs, elapsed)?;
@@ -526,28 +565,45 @@ impl RecordTally {
     /// for them. The plans those walks teach go to the sampler now, not at
     /// the next drain: a short process would be gone by then.
     fn walk_after_reads(&mut self, answers: Vec<ReadAnswer>, sampler: &mut Sampler) {
+        // A process that maps a file named like an interpreter is looked
+        // at for one (on the metadata worker).
+        for answer in &answers {
+            if answer.file_paths().into_iter().any(named_like_interpreter)
+                && let Some(record) = self.processes.state_of_mut(answer.tgid())
+            {
+                self.python.maybe_python(answer.tgid(), &mut record.python);
+            }
+        }
         let Self {
-            walker, aggregator, ..
+            processes,
+            walker,
+            aggregator,
+            ..
         } = self;
-        walker.apply_reads(answers);
-        walker.poll(|w| aggregator.add(w.header, w.kernel_frames, Some(&w.walk)));
+        walker.apply_reads(processes, answers);
+        walker.poll(processes, add_walked(aggregator));
         sampler.apply_plan_updates(walker.take_plan_updates());
     }
 
     /// Hands the metadata worker what the walks and labels since the last
     /// call need: the process table's reads, files to open while their
-    /// processes run, processes to describe.
-    /// Returns whether a process's maps were asked for.
+    /// processes run, processes to describe, perf maps to read on.
+    /// Returns whether a process's maps were asked for (its samples wait
+    /// for them: the next drain comes soon). A perf map read asked for
+    /// does not hurry the drain: the frames that missed it are named when
+    /// their interval ends.
     fn ask_metadata(&mut self, metadata: &MetadataJobs) -> bool {
-        let requests = self.walker.take_read_requests();
+        let requests = self.processes.take_read_requests();
         let maps_asked = requests
             .iter()
             .any(|request| matches!(request, ReadRequest::Maps { .. }));
         if !requests.is_empty() {
-            metadata.read(self.walker.table_reader(), requests);
+            metadata.read(self.processes.reader(), requests);
         }
         metadata.open(self.aggregator.take_to_open());
         metadata.describe(self.aggregator.take_wanted());
+        metadata.read_jit(self.aggregator.take_jit_requests());
+        metadata.find_python(self.python.take_wanted());
         maps_asked
     }
 
@@ -556,9 +612,12 @@ impl RecordTally {
     /// else is left to run on this thread.
     fn flush(&mut self, worker: BatchWorker) -> WorkerStats {
         let Self {
-            walker, aggregator, ..
+            processes,
+            walker,
+            aggregator,
+            ..
         } = self;
-        walker.flush(|w| aggregator.add(w.header, w.kernel_frames, Some(&w.walk)));
+        walker.flush(processes, add_walked(aggregator));
         worker.finish(aggregator.finish_interval(SystemTime::now()))
     }
 
@@ -570,15 +629,19 @@ impl RecordTally {
         // Before the drain: a lost exit or exec record may have left a
         // process's state stale for the records about to be read.
         if sampler.take_new_losses()? > 0 || self.feed.take_losses() {
-            self.walker.forget_all_processes();
+            self.walker.forget_all_processes(&mut self.processes);
             self.aggregator.forget_all_processes();
         }
         sampler.drain_records(|bytes| self.add(bytes));
+        self.python.apply(sampler);
         self.catch_up(horizon);
         let Self {
-            walker, aggregator, ..
+            processes,
+            walker,
+            aggregator,
+            ..
         } = self;
-        walker.poll(|w| aggregator.add(w.header, w.kernel_frames, Some(&w.walk)));
+        walker.poll(processes, add_walked(aggregator));
         sampler.apply_plan_updates(walker.take_plan_updates());
         self.let_go_of_exited();
         // The exits just applied may have left tables unused: trimmed now,
@@ -593,14 +656,13 @@ impl RecordTally {
     /// processes whose last held samples have been walked.
     fn catch_up(&mut self, horizon: u64) {
         let Self {
+            processes,
             walker,
             aggregator,
             feed,
             ..
         } = self;
-        feed.apply_until(horizon, walker, &mut |w| {
-            aggregator.add(w.header, w.kernel_frames, Some(&w.walk))
-        });
+        feed.apply_until(horizon, walker, processes, &mut add_walked(aggregator));
         self.let_go_of_exited();
     }
 
@@ -608,7 +670,8 @@ impl RecordTally {
     /// once its held samples are walked), and then what the aggregator
     /// keeps of it.
     fn exited(&mut self, tgid: u32) {
-        self.walker.on_exit(tgid);
+        self.python.gone(tgid);
+        self.walker.on_exit(&mut self.processes, tgid);
         self.let_go_of_exited();
     }
 
@@ -627,7 +690,7 @@ impl RecordTally {
         handoffs: &Handoffs,
         elapsed: Duration,
     ) -> Result<RunTotals, SamplerError> {
-        let (exited_processes, exited_samples) = self.processes.exited_counts();
+        let (exited_processes, exited_samples) = self.tally.exited_counts();
         Ok(RunTotals {
             elapsed,
             kernel: sampler.counters()?,
@@ -637,14 +700,15 @@ impl RecordTally {
             probes: ProbeTotals::now(),
             walks: self.walker.stats(),
             mapping_feed: self.feed.stats(),
-            process_table: self.walker.table_stats(),
+            process_table: self.processes.stats(),
             processes: TallyTotals {
                 exited_processes,
                 exited_samples,
-                untracked_samples: self.processes.other(),
+                untracked_samples: self.tally.other(),
             },
             aggregation: self.aggregator.stats(),
             jit_names: self.aggregator.jit_stats(),
+            python: self.python.stats,
             batches: worker.stats(),
             handoffs: handoffs.totals(),
             // The exporter's are read at scrape time; the uploader's at
@@ -659,8 +723,9 @@ impl RecordTally {
     /// Everything the sampling thread keeps, against its bounds (the batch
     /// worker's as of its last batch).
     fn state_sizes(&self, worker: &BatchWorker) -> Vec<StateSize> {
-        let mut sizes = vec![self.processes.state_size(), self.feed.state_size()];
-        self.walker.state_sizes(&mut sizes);
+        let mut sizes = vec![self.tally.state_size(), self.feed.state_size()];
+        self.walker.state_sizes(&self.processes, &mut sizes);
+        sizes.push(python::code_cache_size(&self.processes));
         self.aggregator.state_sizes(&mut sizes);
         worker.state_sizes(&mut sizes);
         sizes
@@ -669,7 +734,8 @@ impl RecordTally {
     /// The processes anything here keeps state for, each once.
     fn tracked_processes(&self) -> Vec<u32> {
         let mut tracked = Vec::new();
-        self.walker.tracked_processes_into(&mut tracked);
+        self.walker
+            .tracked_processes_into(&self.processes, &mut tracked);
         self.aggregator.tracked_processes_into(&mut tracked);
         tracked.sort_unstable();
         tracked.dedup();
@@ -686,7 +752,7 @@ impl RecordTally {
         for &tgid in gone {
             if self
                 .walker
-                .process_started(tgid)
+                .process_started(&self.processes, tgid)
                 .is_some_and(|started| started >= checked_at)
             {
                 continue;
@@ -706,20 +772,34 @@ impl RecordTally {
         }
         match record {
             Ok(Record::Sample(sample)) => {
-                self.processes
+                self.tally
                     .add(sample.header.tid, sample.header.tgid, || sample.comm());
                 let Self {
+                    processes,
                     walker,
                     aggregator,
                     kernel_frames,
                     tail_spans,
+                    python,
                     ..
                 } = self;
+                // Its Python stack waits in its record for its walk.
+                if let Some(frames) = python.for_sample(&sample.header) {
+                    let (_, record) = processes.state(sample.header.tgid);
+                    python.wait_for_walk(&mut record.python, &sample.header, frames);
+                }
                 kernel_frames.clear();
                 kernel_frames.extend(sample.kernel_frames());
                 if sample.header.flags & sample_flags::USER_REGS == 0 {
-                    // A kernel thread: nothing to walk.
-                    aggregator.add(&sample.header, kernel_frames, None);
+                    // A kernel thread: nothing to walk, but a record for
+                    // its labels.
+                    let (_, record) = processes.state(sample.header.tgid);
+                    aggregator.add(
+                        &sample.header,
+                        kernel_frames,
+                        None,
+                        Some(&mut record.labels),
+                    );
                 } else {
                     sample.tail_spans(tail_spans);
                     let stack = UserStack {
@@ -727,28 +807,42 @@ impl RecordTally {
                         spans: tail_spans,
                         tail: sample.tail_data(),
                     };
-                    walker.push(&sample.header, kernel_frames, stack, |w| {
-                        aggregator.add(w.header, w.kernel_frames, Some(&w.walk))
-                    });
+                    walker.push(
+                        processes,
+                        &sample.header,
+                        kernel_frames,
+                        stack,
+                        add_walked(aggregator),
+                    );
                 }
             }
             Ok(Record::Exec(event)) => {
                 self.totals.process_events += 1;
+                self.python.gone(event.tgid);
                 let Self {
-                    walker, aggregator, ..
+                    processes,
+                    walker,
+                    aggregator,
+                    ..
                 } = self;
-                walker.on_exec(event.tgid, event.ktime_ns, |w| {
-                    aggregator.add(w.header, w.kernel_frames, Some(&w.walk))
-                });
-                aggregator.on_exec(event.tgid, walker.learned_exe(event.tgid));
+                walker.on_exec(
+                    processes,
+                    event.tgid,
+                    event.ktime_ns,
+                    add_walked(aggregator),
+                );
+                let learned = processes.learned_exe(event.tgid).map(Path::to_path_buf);
+                let (_, record) = processes.state(event.tgid);
+                aggregator.on_exec(&mut record.labels, learned.as_deref());
             }
             Ok(Record::Exit(event)) => {
                 self.totals.process_events += 1;
-                self.processes.exited(event.tgid);
+                self.tally.exited(event.tgid);
                 // Samples of it still waiting for a table keep its labels
                 // until they are walked.
                 self.exited(event.tgid);
             }
+            Ok(Record::PythonStack(stack)) => self.python.stack(&stack),
             Err(err) => {
                 self.totals.decode_errors += 1;
                 if self.totals.decode_errors == 1 {
@@ -774,13 +868,15 @@ mod tests {
         let (header, stack) = stackscope_unwind::walker::test_support::own_sample();
         let record = stackscope_sampler::record::test_support::encode(&header, &[], &stack);
         let mut records = RecordTally {
-            processes: ProcessTally::with_capacity(16),
+            tally: ProcessTally::with_capacity(16),
             totals: ReaderTotals::default(),
+            processes: StackWalker::process_table(&WalkerConfig::default()),
             walker: StackWalker::default(),
             aggregator: Aggregator::new(AggregatorConfig::default()),
             kernel_frames: Vec::new(),
             tail_spans: Vec::new(),
             feed: MappingFeed::disabled(),
+            python: PythonProcesses::default(),
         };
         records.add(&record);
         let started = std::time::Instant::now();
@@ -791,13 +887,19 @@ mod tests {
             );
             std::thread::sleep(Duration::from_millis(5));
             let RecordTally {
-                walker, aggregator, ..
+                processes,
+                walker,
+                aggregator,
+                ..
             } = &mut records;
-            walker.poll(|w| aggregator.add(w.header, w.kernel_frames, Some(&w.walk)));
+            walker.poll(processes, add_walked(aggregator));
         }
         // The metadata worker's answer.
-        let mut describer = AggregatorConfig::default().describer();
-        records.aggregator.serve_metadata(&mut describer);
+        let config = AggregatorConfig::default();
+        let (mut describer, mut perf_maps) = (config.describer(), config.perf_map_reader());
+        records
+            .aggregator
+            .serve_metadata(&mut describer, &mut perf_maps, &mut records.processes);
         (records, record, header.tgid)
     }
 
@@ -834,7 +936,10 @@ mod tests {
     fn a_gone_process_is_forgotten_by_the_walker_and_the_labels_unless_its_pid_was_reused() {
         let (mut records, _, tgid) = walked_own_sample();
         assert_eq!(records.tracked_processes(), [tgid]);
-        let started = records.walker.process_started(tgid).expect("walked");
+        let started = records
+            .walker
+            .process_started(&records.processes, tgid)
+            .expect("walked");
         records.forget(&[tgid + 1], u64::MAX);
         assert_eq!(records.tracked_processes(), [tgid]);
         // Found gone before this process started: its pid was another's.

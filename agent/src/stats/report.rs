@@ -1,5 +1,5 @@
 //! The report printed when the agent stops (`--json`, or text): the
-//! described statistics ([`super::json`], [`super::write_text`]) over the
+//! described statistics ([`super::DESCRIPTION`]: JSON and text) over the
 //! whole run, plus what is not a count: the walks per binary, the busiest
 //! processes and the export's last error.
 
@@ -30,7 +30,7 @@ pub fn json(
 }
 
 fn json_of(totals: &RunTotals, summary: &RunSummary, top: usize) -> serde_json::Value {
-    let mut report = super::json(totals);
+    let mut report = super::DESCRIPTION.json(totals);
     report["unwinding"]["by_binary"] = summary
         .unwinding
         .binaries()
@@ -89,7 +89,7 @@ fn write_text_of(
         totals.elapsed.as_secs_f64(),
         StatusLine::between(&start, totals, totals.elapsed)
     )?;
-    super::write_text(totals, out)?;
+    super::DESCRIPTION.write_text(totals, out)?;
     if let Some(error) = totals.export.as_ref().and_then(|e| e.last_error.as_ref()) {
         writeln!(out, "last export error: {error}")?;
     }

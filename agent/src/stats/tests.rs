@@ -38,6 +38,8 @@ pub(crate) fn every_figure_distinct() -> RunTotals {
             deep_copy_fallbacks: n(),
             early_wakeups: n(),
             direct_copy_fallbacks: n(),
+            python_stacks: n(),
+            python_frames: n(),
         },
         program: ProgramStats {
             run_time: Duration::from_nanos(4_001 * 3_333),
@@ -143,6 +145,14 @@ pub(crate) fn every_figure_distinct() -> RunTotals {
             files_opened: n(),
             files_failed: n(),
             labels_undescribed: n(),
+            python_named: n(),
+            python_unnamed: n(),
+            python_unplaced: n(),
+        },
+        python: PythonStats {
+            processes: n(),
+            stacks: n(),
+            paired: n(),
         },
         jit_names: PerfMapStats {
             named: n(),
@@ -246,6 +256,7 @@ pub(crate) fn summary_of(totals: &RunTotals) -> RunSummary {
         },
         aggregation: totals.aggregation,
         jit_names: totals.jit_names,
+        python: totals.python,
         mapping_feed: totals.mapping_feed,
         process_table: totals.process_table,
         batches: totals.batches,
@@ -285,8 +296,12 @@ fn metric_value(text: &str, series: &str) -> Option<f64> {
 
 fn series_name(stat: &Stat, series: &Series) -> String {
     match stat.label {
-        Some(label) => format!("{}{{{label}=\"{}\"}}", stat.metric_name(), series.label),
-        None => stat.metric_name(),
+        Some(label) => format!(
+            "{}{{{label}=\"{}\"}}",
+            DESCRIPTION.metric_name(stat),
+            series.label
+        ),
+        None => DESCRIPTION.metric_name(stat),
     }
 }
 
@@ -294,7 +309,7 @@ fn series_name(stat: &Stat, series: &Series) -> String {
 fn every_statistic_is_in_metrics_with_its_value() {
     let totals = every_figure_distinct();
     let text = metrics_text(&totals);
-    for (_, stat) in all() {
+    for (_, stat) in DESCRIPTION.all() {
         for series in stat.series {
             let name = series_name(stat, series);
             let found = metric_value(&text, &name);
@@ -327,8 +342,8 @@ fn every_statistic_is_in_metrics_with_its_value() {
 #[test]
 fn every_statistic_is_in_the_json_report_at_its_pointer() {
     let totals = every_figure_distinct();
-    let report = json(&totals);
-    for (_, stat) in all() {
+    let report = DESCRIPTION.json(&totals);
+    for (_, stat) in DESCRIPTION.all() {
         for series in stat.series {
             let value = (series.read)(&totals);
             assert_ne!(value, Value::Unknown, "{}", series.json);
@@ -347,9 +362,9 @@ fn every_statistic_is_in_the_json_report_at_its_pointer() {
 fn every_statistic_is_in_the_text_report() {
     let totals = every_figure_distinct();
     let mut text = Vec::new();
-    write_text(&totals, &mut text).unwrap();
+    DESCRIPTION.write_text(&totals, &mut text).unwrap();
     let text = String::from_utf8(text).unwrap();
-    for (group, stat) in all() {
+    for (group, stat) in DESCRIPTION.all() {
         assert!(text.lines().any(|l| l == group.title), "{}", group.title);
         let line = text
             .lines()
@@ -370,7 +385,7 @@ fn every_statistic_is_in_the_text_report() {
 fn each_series_reads_its_own_figure() {
     let totals = every_figure_distinct();
     let mut seen: HashMap<u64, &str> = HashMap::new();
-    for (_, stat) in all() {
+    for (_, stat) in DESCRIPTION.all() {
         for series in stat.series {
             let Value::Int(n) = (series.read)(&totals) else {
                 continue;
@@ -388,9 +403,11 @@ fn each_series_reads_its_own_figure() {
 fn names_and_pointers_are_unique_and_well_formed() {
     let mut names = HashMap::new();
     let mut pointers: HashMap<&str, &str> = HashMap::new();
-    for (group, stat) in all() {
+    for (group, stat) in DESCRIPTION.all() {
         assert!(
-            names.insert(stat.metric_name(), group.title).is_none(),
+            names
+                .insert(DESCRIPTION.metric_name(stat), group.title)
+                .is_none(),
             "{} twice",
             stat.name
         );
@@ -502,7 +519,7 @@ fn a_run_without_an_exporter_or_uploads_leaves_them_out_of_metrics() {
 #[test]
 fn every_counted_field_is_described() {
     let totals = every_figure_distinct();
-    let report = json(&totals);
+    let report = DESCRIPTION.json(&totals);
     let sections: [(&str, serde_json::Value); 11] = [
         ("/kernel", serde_json::to_value(totals.kernel).unwrap()),
         ("/reader", serde_json::to_value(totals.reader).unwrap()),

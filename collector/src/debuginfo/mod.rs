@@ -18,7 +18,7 @@ use std::{
     sync::atomic::{AtomicU64, Ordering},
 };
 
-pub use stackscope_debuginfo_client::{ElfCheckError, ElfContent, check_elf, read_build_id};
+pub use stackscope_collector_client::{ElfCheckError, ElfContent, check_elf, read_build_id};
 use std::sync::Arc;
 
 /// The collector's debuginfo: its store and the symbolizer that reads it.

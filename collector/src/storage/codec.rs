@@ -18,6 +18,7 @@ pub(super) fn kind_code(kind: MappingKind) -> i64 {
         MappingKind::Kernel => 2,
         MappingKind::Vdso => 3,
         MappingKind::Anonymous => 4,
+        MappingKind::Python => 5,
     }
 }
 
@@ -27,6 +28,7 @@ pub(super) fn kind_from_code(code: i64) -> Option<MappingKind> {
         2 => Some(MappingKind::Kernel),
         3 => Some(MappingKind::Vdso),
         4 => Some(MappingKind::Anonymous),
+        5 => Some(MappingKind::Python),
         _ => None,
     }
 }
@@ -132,6 +134,7 @@ fn binary_name(kind: MappingKind, path: &str) -> String {
     match kind {
         MappingKind::Kernel => "[kernel]".into(),
         MappingKind::Vdso => "[vdso]".into(),
+        MappingKind::Python => "[python]".into(),
         MappingKind::User | MappingKind::Anonymous => {
             match path.rsplit('/').find(|part| !part.is_empty()) {
                 Some(name) => name.into(),

@@ -82,6 +82,21 @@ impl ReadAnswer {
     pub fn tgid(&self) -> u32 {
         self.request.tgid()
     }
+
+    /// The paths of the files the read was about: every file the maps
+    /// showed, or the one learned file.
+    pub fn file_paths(&self) -> Vec<&Path> {
+        match (&self.request, &self.found) {
+            (_, Found::Maps(Ok(regions))) => regions
+                .iter()
+                .filter_map(|region| region.region.mapping.path.file_path())
+                .collect(),
+            (ReadRequest::Learned { region, .. }, _) => {
+                region.mapping.path.file_path().into_iter().collect()
+            }
+            _ => Vec::new(),
+        }
+    }
 }
 
 #[derive(Debug)]

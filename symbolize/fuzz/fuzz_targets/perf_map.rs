@@ -6,9 +6,10 @@
 //! The input is steps separated by 0xff bytes. A step's first byte says
 //! which process (bit 0), which file (bit 1: the perf map, or the jitdump
 //! file its maps point at) and whether the file is truncated first (bit 2);
-//! the rest is appended to that file. After each step the reader looks up
-//! the start address of the step's last line (a likely hit) and address 0,
-//! a refresh interval later than the step before.
+//! the rest is appended to that file. After each step the sampling side
+//! looks up the start address of the step's last line (a likely hit) and
+//! address 0, a refresh interval later than the step before; the reader
+//! answers what those lookups asked for, and both are looked up again.
 #![no_main]
 
 use std::{
@@ -19,7 +20,7 @@ use std::{
 };
 
 use libfuzzer_sys::fuzz_target;
-use stackscope_symbolize::node::perf_map::{PerfMaps, REFRESH_INTERVAL};
+use stackscope_symbolize::node::perf_map::{PerfMapReader, PerfMaps, REFRESH_INTERVAL, unnamed};
 
 const COMM: [u8; 16] = *b"node\0\0\0\0\0\0\0\0\0\0\0\0";
 /// Two processes: (tgid, pid in its own namespace).
@@ -83,7 +84,8 @@ fuzz_target!(|data: &[u8]| {
     }
     // Small bounds, so inputs reach both: the whole budget and one
     // process's share of it.
-    let mut maps = PerfMaps::with_budget(root, 4096, 2048);
+    let mut maps = PerfMaps::with_budget(4096, 2048);
+    let mut reader = PerfMapReader::new(root);
     let start = Instant::now();
     let mut lookups = 0;
     for (step, bytes) in data.split(|&b| b == 0xff).enumerate() {
@@ -104,12 +106,23 @@ fuzz_target!(|data: &[u8]| {
             .and_then(|mut f| f.write_all(text))
             .expect("writing the fake file");
         let now = start + REFRESH_INTERVAL * (step as u32 + 1);
-        for address in [last_start(text).unwrap_or(0), 0] {
-            let name = maps.name(tgid, 1, &COMM, address, now);
-            assert!(!name.is_empty());
-            lookups += 1;
+        let addresses = [last_start(text).unwrap_or(0), 0];
+        for read in [false, true] {
+            if read {
+                let requests = maps.take_requests();
+                maps.apply(reader.serve(requests, now));
+            }
+            for address in addresses {
+                let name = maps
+                    .name(tgid, 1, address, now)
+                    .or_else(|| maps.name_later(tgid, 1, address, 1))
+                    .unwrap_or_else(|| unnamed(&COMM));
+                assert!(!name.is_empty());
+                lookups += 1;
+            }
         }
         assert!(maps.tracked() <= PROCESSES.len());
+        assert!(reader.tracked() <= PROCESSES.len());
     }
     let stats = maps.stats();
     assert_eq!(stats.named + stats.unnamed, lookups);

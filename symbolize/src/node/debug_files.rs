@@ -17,7 +17,7 @@ use std::{
 };
 
 use object::{Object as _, ObjectSection as _};
-use stackscope_debuginfo_client::{carries_symbols, holds_section};
+use stackscope_collector_client::{carries_symbols, holds_section};
 
 /// What a binary says about where its names are.
 #[derive(Debug, Clone, PartialEq, Eq)]

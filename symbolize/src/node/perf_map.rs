@@ -7,17 +7,29 @@
 //! in its own pid namespace and `/tmp` is its own, so the file is reached
 //! through `/proc/<pid>/root` with the pid `NSpid` gives.
 //!
-//! Owns: finding and reading each process's perf map incrementally as it
-//! grows (only the bytes appended since the last read, at most
-//! [`MAX_READ_PER_REFRESH`] per refresh and at most one refresh per
-//! [`REFRESH_INTERVAL`], so a 2 GB map costs bounded time per sample), the
-//! entries (a later line for an address replaces what covered it: JITs
-//! reuse code space), the bounds ([`MAX_PROCESSES`] maps, at most
-//! [`MAX_TOTAL_BYTES`] of entries over all of them), the name of a JIT
-//! frame no entry covers (`[jit] <comm>`), and forgetting a process when
-//! it exits or its pid turns out to be another process's. Does not own
-//! which frames are JIT code (the walker decides) nor when a process exits
-//! (the run loop says).
+//! Two halves, on two threads, so that naming a frame never waits for a
+//! file:
+//! - [`PerfMaps`], on the sampling thread, owns the entries (a later line
+//!   for an address replaces what covered it: JITs reuse code space) and
+//!   names JIT frames at sample time from what has been read so far: the
+//!   entry that covers the address. A frame no entry covers yet is named
+//!   later ([`PerfMaps::name_later`], when the caller's interval ends), so
+//!   that a read asked for by the frame itself can still name it. It owns the bounds
+//!   ([`MAX_PROCESSES`] maps, at most [`MAX_TOTAL_BYTES`] of entries over
+//!   all of them, [`MAX_PROCESS_BYTES`] for one), forgetting a process when
+//!   it exits or its pid turns out to be another process's, and when to
+//!   read on: at most once per [`REFRESH_INTERVAL`] while a process's JIT
+//!   frames are sampled, hit or miss (the JIT may have reused the space),
+//!   asked for as [`JitRequest`]s.
+//! - [`PerfMapReader`], on the metadata worker, owns the files: it finds
+//!   and opens each process's perf map and jitdump file and reads only the
+//!   bytes appended since its last read (at most [`MAX_READ_PER_REFRESH`]
+//!   of each per read, so a 2 GB map is taken in over many reads), and
+//!   answers with what they added ([`JitUpdate`]).
+//!
+//! Does not own which frames are JIT code (the walker decides), when a
+//! process exits (the run loop says) nor what an unnamed frame is called
+//! ([`unnamed`] is the usual choice).
 //!
 //! Malformed lines are skipped and counted; an incomplete last line is kept
 //! until the JIT finishes writing it. A process that writes a jitdump file
@@ -46,11 +58,12 @@ use stackscope_telemetry::StateSize;
 /// at most this many reads.
 pub const REFRESH_INTERVAL: Duration = Duration::from_millis(200);
 
-/// Most bytes read from one map per refresh: a huge map is taken in over
-/// several refreshes instead of stalling the sampling loop.
+/// Most bytes read from one file per read: a huge map is taken in over
+/// several reads, so one answer stays small.
 pub const MAX_READ_PER_REFRESH: usize = 4 << 20;
 
 /// Processes whose maps are kept; beyond, the least recently used goes.
+/// The reader keeps as many open files, likewise.
 pub const MAX_PROCESSES: usize = 256;
 
 /// Bytes of entries (names plus bookkeeping) kept over all processes.
@@ -66,6 +79,11 @@ pub const MAX_PROCESS_BYTES: usize = MAX_TOTAL_BYTES / 4;
 
 /// Longest name kept; longer ones are cut (on a character boundary).
 pub const MAX_NAME_BYTES: usize = 1024;
+
+/// Requests kept for the owner to take: beyond, reads are not asked for
+/// (the next due frame asks again) and forgotten processes' files wait for
+/// the reader's own bound.
+const MAX_REQUESTS: usize = 2 * MAX_PROCESSES;
 
 /// Shortest time between two looks for a process's jitdump file (its
 /// maps are read to find it).
@@ -94,12 +112,31 @@ pub struct PerfMapStats {
     pub evicted: u64,
 }
 
-/// A jitdump file being read.
-#[derive(Debug)]
-struct Dump {
-    file: File,
-    offset: u64,
-    reader: DumpReader,
+/// What [`PerfMaps`] asks of the [`PerfMapReader`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum JitRequest {
+    /// Read on in process `tgid`'s files (the process started at
+    /// `started`: another start time is another process, read afresh).
+    Read { tgid: u32, started: u64 },
+    /// Close process `tgid`'s files: it exited, or its map was dropped.
+    Forget { tgid: u32 },
+    /// Close every file (exit records were lost).
+    ForgetAll,
+}
+
+/// What one read of a process's files added, to apply in order.
+#[derive(Debug, Default)]
+pub struct JitUpdate {
+    pub tgid: u32,
+    pub started: u64,
+    /// The perf map was truncated: what was read before describes code
+    /// that is gone.
+    pub restart: bool,
+    pub events: Vec<DumpEvent>,
+    /// Lines (or jitdump streams) found malformed.
+    pub malformed: u64,
+    /// When the files were read.
+    pub read_at: Option<Instant>,
 }
 
 /// One compiled function.
@@ -109,49 +146,33 @@ struct Entry {
     name: Arc<str>,
 }
 
-/// What is known of one process's perf map.
+/// What is known of one process's JIT code.
 #[derive(Debug)]
 struct PerfMap {
     /// The process's start time: with the pid, its identity.
     started: u64,
-    /// The map, open since first found: it stays readable after the
-    /// process exits, for the samples still to be named.
-    file: Option<File>,
-    /// Bytes of the file consumed so far (complete lines).
-    offset: u64,
-    /// The start of a line the JIT has not finished writing.
-    partial: Vec<u8>,
-    /// In the middle of an overlong line: skip to its end.
-    skipping: bool,
-    /// The process's jitdump file, once found, and when it was last
-    /// looked for.
-    dump: Option<Dump>,
-    dump_looked_for: Option<Instant>,
     entries: BTreeMap<u64, Entry>,
     bytes: usize,
-    last_read: Option<Instant>,
+    /// When a read was last asked for (`None`: never).
+    last_asked: Option<Instant>,
     last_used: Instant,
-    /// `[jit] <comm>`, for frames no entry covers, with the comm it was
-    /// made from.
-    unnamed: Option<([u8; agent_common::COMM_LEN], Arc<str>)>,
 }
 
 impl PerfMap {
     fn new(started: u64, now: Instant) -> Self {
         Self {
             started,
-            file: None,
-            offset: 0,
-            partial: Vec::new(),
-            skipping: false,
-            dump: None,
-            dump_looked_for: None,
             entries: BTreeMap::new(),
             bytes: 0,
-            last_read: None,
+            last_asked: None,
             last_used: now,
-            unnamed: None,
         }
+    }
+
+    /// Whether this is another process's map than one started at
+    /// `started` (0: unknown, no verdict).
+    fn is_other_process(&self, started: u64) -> bool {
+        started != 0 && self.started != 0 && self.started != started
     }
 
     fn find(&self, address: u64) -> Option<&Arc<str>> {
@@ -179,52 +200,46 @@ impl PerfMap {
         self.bytes += entry_bytes(&name);
         self.entries.insert(start, Entry { end, name });
     }
+}
 
-    fn unnamed(&mut self, comm: &[u8; agent_common::COMM_LEN]) -> Arc<str> {
-        match &self.unnamed {
-            Some((made_from, name)) if made_from == comm => Arc::clone(name),
-            _ => {
-                let text = agent_common::comm_str(comm);
-                let name: Arc<str> = format!("[jit] {text}").into();
-                self.unnamed = Some((*comm, Arc::clone(&name)));
-                name
-            }
-        }
-    }
+/// `[jit] <comm>`: the name of JIT code no entry describes, by the thread
+/// that ran it.
+pub fn unnamed(comm: &[u8; agent_common::COMM_LEN]) -> Arc<str> {
+    format!("[jit] {}", agent_common::comm_str(comm)).into()
 }
 
 fn entry_bytes(name: &str) -> usize {
     name.len() + ENTRY_OVERHEAD
 }
 
-/// See the module documentation.
+/// The entries half; see the module documentation.
 #[derive(Debug)]
 pub struct PerfMaps {
-    proc_root: PathBuf,
     maps: HashMap<u32, PerfMap>,
     total_bytes: usize,
     max_total_bytes: usize,
     max_process_bytes: usize,
+    requests: Vec<JitRequest>,
     stats: PerfMapStats,
-    buffer: Vec<u8>,
+}
+
+impl Default for PerfMaps {
+    fn default() -> Self {
+        Self::with_budget(MAX_TOTAL_BYTES, MAX_PROCESS_BYTES)
+    }
 }
 
 impl PerfMaps {
-    pub fn new(proc_root: &Path) -> Self {
-        Self::with_budget(proc_root, MAX_TOTAL_BYTES, MAX_PROCESS_BYTES)
-    }
-
     /// Maps kept within `max_total_bytes` of entries, each process's within
     /// `max_process_bytes`.
-    pub fn with_budget(proc_root: &Path, max_total_bytes: usize, max_process_bytes: usize) -> Self {
+    pub fn with_budget(max_total_bytes: usize, max_process_bytes: usize) -> Self {
         Self {
-            proc_root: proc_root.to_path_buf(),
             maps: HashMap::new(),
             total_bytes: 0,
             max_total_bytes,
             max_process_bytes: max_process_bytes.min(max_total_bytes),
+            requests: Vec::new(),
             stats: PerfMapStats::default(),
-            buffer: Vec::new(),
         }
     }
 
@@ -248,65 +263,143 @@ impl PerfMaps {
     }
 
     /// The name of the JIT code at `address` in process `tgid` (started at
-    /// `started`, 0 if unknown, with thread name `comm`): the perf map's
-    /// entry, read on if none covers it yet, else `[jit] <comm>`.
+    /// `started`, 0 if unknown): the entry read so far that covers it.
+    /// Asks for a read when one is due ([`Self::take_requests`]), hit or
+    /// miss. A miss is not counted: the caller names the frame later.
     pub fn name(
         &mut self,
         tgid: u32,
         started: u64,
-        comm: &[u8; agent_common::COMM_LEN],
         address: u64,
         now: Instant,
-    ) -> Arc<str> {
+    ) -> Option<Arc<str>> {
         probes::count(Probe::Process);
-        if self
+        let known = self
             .maps
             .get(&tgid)
-            .is_some_and(|map| started != 0 && map.started != 0 && map.started != started)
-        {
-            self.forget(tgid);
-        }
-        probes::count(Probe::Process);
-        if !self.maps.contains_key(&tgid) {
+            .map(|map| map.is_other_process(started));
+        if known != Some(false) {
+            if known == Some(true) {
+                self.forget(tgid);
+            }
             self.make_room();
             self.maps.insert(tgid, PerfMap::new(started, now));
         }
-        let found = self.lookup(tgid, address, now);
         probes::count(Probe::Process);
-        let map = self.maps.get_mut(&tgid).expect("inserted above");
+        let Some(map) = self.maps.get_mut(&tgid) else {
+            unreachable!("inserted above");
+        };
         map.last_used = now;
-        match found {
-            Some(name) => {
-                self.stats.named += 1;
-                name
-            }
-            None => {
-                self.stats.unnamed += 1;
-                map.unnamed(comm)
-            }
+        // Read on when due, hit or miss: a JIT that reused the code space
+        // has written the new function's line, which replaces the old. A
+        // map that fills its share would only have lines skipped.
+        let due = map
+            .last_asked
+            .is_none_or(|last| now.saturating_duration_since(last) >= REFRESH_INTERVAL);
+        if due
+            && map.bytes + entry_bytes("") <= self.max_process_bytes
+            && self.requests.len() < MAX_REQUESTS
+        {
+            map.last_asked = Some(now);
+            self.requests.push(JitRequest::Read {
+                tgid,
+                started: map.started,
+            });
         }
+        let name = Arc::clone(map.find(address)?);
+        self.stats.named += 1;
+        Some(name)
     }
 
-    fn lookup(&mut self, tgid: u32, address: u64, now: Instant) -> Option<Arc<str>> {
-        // Read on when due, hit or miss: a JIT that reused the code space
-        // has written the new function's line, which replaces the old.
+    /// The name of JIT code that [`Self::name`] missed, from what has been
+    /// read since (the read that miss asked for, when it has come): counted
+    /// as `frames` frames named, or unnamed. Asks for no read.
+    pub fn name_later(
+        &mut self,
+        tgid: u32,
+        started: u64,
+        address: u64,
+        frames: u64,
+    ) -> Option<Arc<str>> {
         probes::count(Probe::Process);
-        let due = self
+        let name = self
             .maps
-            .get(&tgid)?
-            .last_read
-            .is_none_or(|last| now.saturating_duration_since(last) >= REFRESH_INTERVAL);
-        if due {
-            self.refresh(tgid, now);
+            .get(&tgid)
+            .filter(|map| !map.is_other_process(started))
+            .and_then(|map| map.find(address))
+            .map(Arc::clone);
+        match name {
+            Some(_) => self.stats.named += frames,
+            None => self.stats.unnamed += frames,
         }
-        probes::count(Probe::Process);
-        self.maps.get(&tgid)?.find(address).cloned()
+        name
+    }
+
+    /// The reads and forgets asked for since the last call, for the
+    /// [`PerfMapReader`].
+    pub fn take_requests(&mut self) -> Vec<JitRequest> {
+        std::mem::take(&mut self.requests)
+    }
+
+    /// Applies what the reader read. An answer for another process than
+    /// the one kept under its pid is dropped; one for a process without a
+    /// map (a read done with its maps, before any of its JIT frames was
+    /// named) makes one.
+    pub fn apply(&mut self, updates: Vec<JitUpdate>) {
+        for update in updates {
+            self.stats.malformed += update.malformed;
+            let tgid = update.tgid;
+            match self
+                .maps
+                .get(&tgid)
+                .map(|map| map.is_other_process(update.started))
+            {
+                Some(true) => continue,
+                Some(false) => {}
+                None => {
+                    self.make_room();
+                    let read_at = update.read_at.unwrap_or_else(Instant::now);
+                    let mut map = PerfMap::new(update.started, read_at);
+                    // Just read: the first frame named need not ask again.
+                    map.last_asked = update.read_at;
+                    self.maps.insert(tgid, map);
+                }
+            }
+            let Some(map) = self.maps.get_mut(&tgid) else {
+                continue;
+            };
+            if update.restart {
+                self.total_bytes -= map.bytes;
+                map.entries.clear();
+                map.bytes = 0;
+            }
+            for event in update.events {
+                match event {
+                    DumpEvent::Load { start, end, name } => self.add_entry(tgid, start, end, &name),
+                    DumpEvent::Move { from, to, size } => {
+                        let Some(name) = self
+                            .maps
+                            .get(&tgid)
+                            .and_then(|map| map.entries.get(&from).map(|e| Arc::clone(&e.name)))
+                        else {
+                            continue;
+                        };
+                        if let Some(end) = to.checked_add(size).filter(|_| size > 0) {
+                            self.add_entry(tgid, to, end, &name);
+                        }
+                    }
+                }
+            }
+        }
     }
 
     /// The process exited: its map goes.
     pub fn forget(&mut self, tgid: u32) {
         if let Some(map) = self.maps.remove(&tgid) {
             self.total_bytes -= map.bytes;
+            if self.requests.len() < MAX_REQUESTS {
+                self.requests.push(JitRequest::Forget { tgid });
+            }
         }
     }
 
@@ -314,6 +407,8 @@ impl PerfMaps {
     pub fn forget_all(&mut self) {
         self.maps.clear();
         self.total_bytes = 0;
+        self.requests.clear();
+        self.requests.push(JitRequest::ForgetAll);
     }
 
     fn make_room(&mut self) {
@@ -332,175 +427,6 @@ impl PerfMaps {
             .filter(|(tgid, _)| Some(**tgid) != except)
             .min_by_key(|(_, map)| map.last_used)
             .map(|(&tgid, _)| tgid)
-    }
-
-    /// Reads what the JIT appended since the last read.
-    /// Reads what the JIT appended since the last read, to its perf map
-    /// and to its jitdump file.
-    fn refresh(&mut self, tgid: u32, now: Instant) {
-        if let Some(map) = self.maps.get_mut(&tgid) {
-            map.last_read = Some(now);
-        }
-        self.read_perf_map(tgid, now);
-        self.read_jitdump(tgid, now);
-    }
-
-    fn read_jitdump(&mut self, tgid: u32, now: Instant) {
-        let proc_root = self.proc_root.clone();
-        let Some(map) = self.maps.get_mut(&tgid) else {
-            return;
-        };
-        if map.dump.is_none()
-            && map
-                .dump_looked_for
-                .is_none_or(|last| now.saturating_duration_since(last) >= DUMP_LOOK_INTERVAL)
-        {
-            map.dump_looked_for = Some(now);
-            map.dump = open_jitdump(&proc_root, tgid).map(|file| Dump {
-                file,
-                offset: 0,
-                reader: DumpReader::default(),
-            });
-        }
-        let Some(dump) = map.dump.as_mut() else {
-            return;
-        };
-        if dump.reader.is_broken() {
-            return;
-        }
-        let Ok(metadata) = dump.file.metadata() else {
-            return;
-        };
-        let want = usize::try_from(metadata.len().saturating_sub(dump.offset))
-            .unwrap_or(usize::MAX)
-            .min(MAX_READ_PER_REFRESH);
-        if want == 0 {
-            return;
-        }
-        self.buffer.clear();
-        self.buffer.resize(want, 0);
-        let read = dump
-            .file
-            .seek(SeekFrom::Start(dump.offset))
-            .and_then(|_| read_up_to(&mut dump.file, &mut self.buffer));
-        let Ok(read) = read else {
-            return;
-        };
-        dump.offset += read as u64;
-        let mut events = Vec::new();
-        dump.reader
-            .feed(&self.buffer[..read], |event| events.push(event));
-        if dump.reader.is_broken() {
-            self.stats.malformed += 1;
-        }
-        for event in events {
-            match event {
-                DumpEvent::Load { start, end, name } => self.add_entry(tgid, start, end, &name),
-                DumpEvent::Move { from, to, size } => {
-                    let Some(name) = self
-                        .maps
-                        .get_mut(&tgid)
-                        .and_then(|map| map.entries.get(&from).map(|e| Arc::clone(&e.name)))
-                    else {
-                        continue;
-                    };
-                    if let Some(end) = to.checked_add(size).filter(|_| size > 0) {
-                        self.add_entry(tgid, to, end, &name);
-                    }
-                }
-            }
-        }
-    }
-
-    fn read_perf_map(&mut self, tgid: u32, now: Instant) {
-        let proc_root = self.proc_root.clone();
-        let Some(map) = self.maps.get_mut(&tgid) else {
-            return;
-        };
-        if map.bytes + entry_bytes("") > self.max_process_bytes {
-            // Its entries fill its share: every line read now would be
-            // skipped, and reading on (a 2 GB map, 4 MiB a refresh) would
-            // cost the run loop its time and name nothing.
-            return;
-        }
-        if map.file.is_none() {
-            let Some(file) = open_perf_map(&proc_root, tgid) else {
-                return;
-            };
-            map.file = Some(file);
-        }
-        let Some(file) = map.file.as_mut() else {
-            return;
-        };
-        let Ok(metadata) = file.metadata() else {
-            return;
-        };
-        if metadata.len() < map.offset {
-            // Truncated: what was read describes code that is gone.
-            self.total_bytes -= map.bytes;
-            let started = map.started;
-            *map = PerfMap::new(started, now);
-            return;
-        }
-        let available = metadata.len() - map.offset;
-        let want = usize::try_from(available)
-            .unwrap_or(usize::MAX)
-            .min(MAX_READ_PER_REFRESH);
-        if want == 0 {
-            return;
-        }
-        self.buffer.clear();
-        self.buffer.resize(want, 0);
-        let read = file
-            .seek(SeekFrom::Start(map.offset))
-            .and_then(|_| read_up_to(file, &mut self.buffer));
-        let Ok(read) = read else {
-            return;
-        };
-        map.offset += read as u64;
-        let mut bytes = std::mem::take(&mut map.partial);
-        bytes.extend_from_slice(&self.buffer[..read]);
-        if map.skipping {
-            // The rest of an overlong line: up to its newline it is not
-            // the start of one.
-            match bytes.iter().position(|&b| b == b'\n') {
-                Some(end) => {
-                    bytes.drain(..=end);
-                    map.skipping = false;
-                }
-                None => bytes.clear(),
-            }
-        }
-        let complete = bytes
-            .iter()
-            .rposition(|&b| b == b'\n')
-            .map_or(0, |at| at + 1);
-        let (lines, rest) = bytes.split_at(complete);
-        if rest.len() > MAX_LINE_BYTES {
-            // No newline in sight: not a perf map line; skip to the next one.
-            self.stats.malformed += 1;
-            map.skipping = true;
-        } else {
-            map.partial = rest.to_vec();
-        }
-        self.add_lines(tgid, lines);
-        self.buffer = bytes;
-    }
-
-    fn add_lines(&mut self, tgid: u32, lines: &[u8]) {
-        for line in lines.split(|&b| b == b'\n') {
-            if line.is_empty() {
-                continue;
-            }
-            let parsed = (line.len() <= MAX_LINE_BYTES)
-                .then(|| parse_line(line))
-                .flatten();
-            let Some((start, end, name)) = parsed else {
-                self.stats.malformed += 1;
-                continue;
-            };
-            self.add_entry(tgid, start, end, name);
-        }
     }
 
     /// Adds one function of `tgid`'s JIT code, within the byte budget.
@@ -533,6 +459,263 @@ impl PerfMaps {
         self.total_bytes = self.total_bytes + map.bytes - before;
         self.stats.lines += 1;
     }
+}
+
+/// A jitdump file being read.
+#[derive(Debug)]
+struct Dump {
+    file: File,
+    offset: u64,
+    reader: DumpReader,
+}
+
+/// What the reader keeps of one process's files.
+#[derive(Debug)]
+struct MapFiles {
+    started: u64,
+    /// The map, open since first found: it stays readable after the
+    /// process exits, for the samples still to be named.
+    file: Option<File>,
+    /// Bytes of the file consumed so far (complete lines).
+    offset: u64,
+    /// The start of a line the JIT has not finished writing.
+    partial: Vec<u8>,
+    /// In the middle of an overlong line: skip to its end.
+    skipping: bool,
+    /// The process's jitdump file, once found, and when it was last
+    /// looked for.
+    dump: Option<Dump>,
+    dump_looked_for: Option<Instant>,
+    last_used: Instant,
+}
+
+impl MapFiles {
+    fn new(started: u64, now: Instant) -> Self {
+        Self {
+            started,
+            file: None,
+            offset: 0,
+            partial: Vec::new(),
+            skipping: false,
+            dump: None,
+            dump_looked_for: None,
+            last_used: now,
+        }
+    }
+}
+
+/// The files half; see the module documentation.
+#[derive(Debug)]
+pub struct PerfMapReader {
+    proc_root: PathBuf,
+    files: HashMap<u32, MapFiles>,
+    buffer: Vec<u8>,
+}
+
+impl PerfMapReader {
+    pub fn new(proc_root: &Path) -> Self {
+        Self {
+            proc_root: proc_root.to_path_buf(),
+            files: HashMap::new(),
+            buffer: Vec::new(),
+        }
+    }
+
+    /// Processes whose files are kept open now.
+    pub fn tracked(&self) -> usize {
+        self.files.len()
+    }
+
+    /// Carries out `requests` in order; the reads' answers.
+    pub fn serve(&mut self, requests: Vec<JitRequest>, now: Instant) -> Vec<JitUpdate> {
+        let mut updates = Vec::new();
+        for request in requests {
+            match request {
+                JitRequest::Read { tgid, started } => updates.push(self.read(tgid, started, now)),
+                JitRequest::Forget { tgid } => {
+                    self.files.remove(&tgid);
+                }
+                JitRequest::ForgetAll => self.files.clear(),
+            }
+        }
+        updates
+    }
+
+    /// Reads what process `tgid` (started at `started`, 0 if unknown)
+    /// appended since the last read, to its perf map and to its jitdump
+    /// file.
+    pub fn read(&mut self, tgid: u32, started: u64, now: Instant) -> JitUpdate {
+        if self
+            .files
+            .get(&tgid)
+            .is_some_and(|f| f.started != 0 && started != 0 && f.started != started)
+        {
+            self.files.remove(&tgid);
+        }
+        if !self.files.contains_key(&tgid) && self.files.len() >= MAX_PROCESSES {
+            let oldest = self
+                .files
+                .iter()
+                .min_by_key(|(_, files)| files.last_used)
+                .map(|(&tgid, _)| tgid);
+            if let Some(oldest) = oldest {
+                self.files.remove(&oldest);
+            }
+        }
+        let files = self
+            .files
+            .entry(tgid)
+            .or_insert_with(|| MapFiles::new(started, now));
+        files.last_used = now;
+        let mut update = JitUpdate {
+            tgid,
+            started,
+            read_at: Some(now),
+            ..JitUpdate::default()
+        };
+        read_perf_map(&self.proc_root, tgid, files, &mut self.buffer, &mut update);
+        read_jitdump(
+            &self.proc_root,
+            tgid,
+            files,
+            &mut self.buffer,
+            &mut update,
+            now,
+        );
+        update
+    }
+}
+
+fn read_perf_map(
+    proc_root: &Path,
+    tgid: u32,
+    files: &mut MapFiles,
+    buffer: &mut Vec<u8>,
+    update: &mut JitUpdate,
+) {
+    if files.file.is_none() {
+        files.file = open_perf_map(proc_root, tgid);
+    }
+    let Some(file) = files.file.as_mut() else {
+        return;
+    };
+    let Ok(metadata) = file.metadata() else {
+        return;
+    };
+    if metadata.len() < files.offset {
+        // Truncated: what was read describes code that is gone; read it
+        // from the start.
+        // The jitdump file's entries go with them: it is read again too.
+        update.restart = true;
+        files.offset = 0;
+        files.partial.clear();
+        files.skipping = false;
+        files.dump = None;
+        files.dump_looked_for = None;
+    }
+    let Some(read) = read_appended(file, files.offset, metadata.len(), buffer) else {
+        return;
+    };
+    files.offset += read as u64;
+    let mut bytes = std::mem::take(&mut files.partial);
+    bytes.extend_from_slice(&buffer[..read]);
+    if files.skipping {
+        // The rest of an overlong line: up to its newline it is not the
+        // start of one.
+        match bytes.iter().position(|&b| b == b'\n') {
+            Some(end) => {
+                bytes.drain(..=end);
+                files.skipping = false;
+            }
+            None => bytes.clear(),
+        }
+    }
+    let complete = bytes
+        .iter()
+        .rposition(|&b| b == b'\n')
+        .map_or(0, |at| at + 1);
+    let (lines, rest) = bytes.split_at(complete);
+    if rest.len() > MAX_LINE_BYTES {
+        // No newline in sight: not a perf map line; skip to the next one.
+        update.malformed += 1;
+        files.skipping = true;
+    } else {
+        files.partial = rest.to_vec();
+    }
+    for line in lines.split(|&b| b == b'\n') {
+        if line.is_empty() {
+            continue;
+        }
+        let parsed = (line.len() <= MAX_LINE_BYTES)
+            .then(|| parse_line(line))
+            .flatten();
+        match parsed {
+            Some((start, end, name)) => update.events.push(DumpEvent::Load {
+                start,
+                end,
+                name: name.to_owned(),
+            }),
+            None => update.malformed += 1,
+        }
+    }
+    *buffer = bytes;
+}
+
+fn read_jitdump(
+    proc_root: &Path,
+    tgid: u32,
+    files: &mut MapFiles,
+    buffer: &mut Vec<u8>,
+    update: &mut JitUpdate,
+    now: Instant,
+) {
+    if files.dump.is_none()
+        && files
+            .dump_looked_for
+            .is_none_or(|last| now.saturating_duration_since(last) >= DUMP_LOOK_INTERVAL)
+    {
+        files.dump_looked_for = Some(now);
+        files.dump = open_jitdump(proc_root, tgid).map(|file| Dump {
+            file,
+            offset: 0,
+            reader: DumpReader::default(),
+        });
+    }
+    let Some(dump) = files.dump.as_mut() else {
+        return;
+    };
+    if dump.reader.is_broken() {
+        return;
+    }
+    let Ok(metadata) = dump.file.metadata() else {
+        return;
+    };
+    let Some(read) = read_appended(&mut dump.file, dump.offset, metadata.len(), buffer) else {
+        return;
+    };
+    dump.offset += read as u64;
+    dump.reader
+        .feed(&buffer[..read], |event| update.events.push(event));
+    if dump.reader.is_broken() {
+        update.malformed += 1;
+    }
+}
+
+/// Reads what `file` (now `len` bytes long) holds past `offset`, at most
+/// [`MAX_READ_PER_REFRESH`] of it, into `buffer`: how many bytes, `None`
+/// when there are none or the read failed.
+fn read_appended(file: &mut File, offset: u64, len: u64, buffer: &mut Vec<u8>) -> Option<usize> {
+    let want = usize::try_from(len.saturating_sub(offset))
+        .unwrap_or(usize::MAX)
+        .min(MAX_READ_PER_REFRESH);
+    if want == 0 {
+        return None;
+    }
+    buffer.clear();
+    buffer.resize(want, 0);
+    file.seek(SeekFrom::Start(offset))
+        .and_then(|_| read_up_to(file, buffer))
+        .ok()
 }
 
 /// `read` until `buffer` is full or the end of the file.
@@ -648,6 +831,49 @@ mod tests {
         FakeProcess { proc_root, map }
     }
 
+    /// Both halves, joined as the run loop joins them.
+    struct Joined {
+        maps: PerfMaps,
+        reader: PerfMapReader,
+    }
+
+    impl Joined {
+        fn new(proc_root: &Path) -> Self {
+            Self::with_budget(proc_root, MAX_TOTAL_BYTES, MAX_PROCESS_BYTES)
+        }
+
+        fn with_budget(proc_root: &Path, total: usize, process: usize) -> Self {
+            Self {
+                maps: PerfMaps::with_budget(total, process),
+                reader: PerfMapReader::new(proc_root),
+            }
+        }
+
+        /// A frame named on the sampling thread, from what was read so far
+        /// (a miss named at once, as unnamed).
+        fn name(&mut self, tgid: u32, started: u64, address: u64, now: Instant) -> Arc<str> {
+            self.maps
+                .name(tgid, started, address, now)
+                .or_else(|| self.maps.name_later(tgid, started, address, 1))
+                .unwrap_or_else(|| unnamed(&COMM))
+        }
+
+        /// The reader answers what was asked; how many reads it did.
+        fn answer(&mut self, now: Instant) -> usize {
+            let updates = self.reader.serve(self.maps.take_requests(), now);
+            let reads = updates.len();
+            self.maps.apply(updates);
+            reads
+        }
+
+        /// A frame named after the read its first sight asked for.
+        fn named(&mut self, tgid: u32, started: u64, address: u64, now: Instant) -> Arc<str> {
+            self.name(tgid, started, address, now);
+            self.answer(now);
+            self.name(tgid, started, address, now)
+        }
+    }
+
     fn append(path: &Path, text: &[u8]) {
         let mut file = std::fs::OpenOptions::new()
             .create(true)
@@ -705,23 +931,72 @@ mod tests {
             &process.map,
             b"1000 100 first\nnot a line\n2000 100 second\n3000 100 thi",
         );
-        let mut maps = PerfMaps::new(process.proc_root.path());
+        let mut jit = Joined::new(process.proc_root.path());
         let t0 = Instant::now();
-        assert_eq!(&*maps.name(4242, 1, &COMM, 0x1080, t0), "first");
-        assert_eq!(&*maps.name(4242, 1, &COMM, 0x20ff, t0), "second");
+        // Nothing is read on the sampling thread: the first frame asks.
+        assert_eq!(&*jit.name(4242, 1, 0x1080, t0), "[jit] node");
+        assert_eq!(jit.reader.tracked(), 0);
+        assert_eq!(jit.answer(t0), 1);
+        assert_eq!(&*jit.name(4242, 1, 0x1080, t0), "first");
+        assert_eq!(&*jit.name(4242, 1, 0x20ff, t0), "second");
         // The third line is still being written: not an entry yet.
-        assert_eq!(&*maps.name(4242, 1, &COMM, 0x3000, t0), "[jit] node");
+        assert_eq!(&*jit.name(4242, 1, 0x3000, t0), "[jit] node");
         append(&process.map, b"rd\n4000 100 fourth\n");
         // Not read again before the refresh interval...
         let soon = t0 + REFRESH_INTERVAL / 2;
-        assert_eq!(&*maps.name(4242, 1, &COMM, 0x3000, soon), "[jit] node");
+        assert_eq!(&*jit.name(4242, 1, 0x3000, soon), "[jit] node");
+        assert_eq!(jit.answer(soon), 0);
         // ...then read on from where it stopped.
         let later = t0 + REFRESH_INTERVAL;
-        assert_eq!(&*maps.name(4242, 1, &COMM, 0x3000, later), "third");
-        assert_eq!(&*maps.name(4242, 1, &COMM, 0x4010, later), "fourth");
-        let stats = maps.stats();
+        assert_eq!(&*jit.named(4242, 1, 0x3000, later), "third");
+        assert_eq!(&*jit.name(4242, 1, 0x4010, later), "fourth");
+        let stats = jit.maps.stats();
         assert_eq!((stats.lines, stats.malformed), (4, 1));
-        assert_eq!((stats.named, stats.unnamed), (4, 2));
+        assert_eq!((stats.named, stats.unnamed), (4, 4));
+    }
+
+    #[test]
+    fn a_frame_missed_before_its_read_is_named_later_by_that_read() {
+        let process = fake_process(21, 21);
+        append(&process.map, b"1000 100 first\n");
+        let mut jit = Joined::new(process.proc_root.path());
+        let t0 = Instant::now();
+        // Missed: nothing read yet, and not counted either way.
+        assert_eq!(jit.maps.name(21, 5, 0x1010, t0), None);
+        assert_eq!(jit.maps.stats(), PerfMapStats::default());
+        // Named later by the read the miss asked for, for every frame
+        // that missed it.
+        assert_eq!(jit.answer(t0), 1);
+        assert_eq!(
+            jit.maps.name_later(21, 5, 0x1010, 3).as_deref(),
+            Some("first")
+        );
+        // Code no entry covers stays unnamed; another process under the
+        // pid is not named by this one's entries; later lookups ask for
+        // no read.
+        assert_eq!(jit.maps.name_later(21, 5, 0x5000, 2), None);
+        assert_eq!(jit.maps.name_later(21, 6, 0x1010, 1), None);
+        assert!(jit.maps.take_requests().is_empty());
+        let stats = jit.maps.stats();
+        assert_eq!((stats.named, stats.unnamed), (3, 3));
+    }
+
+    #[test]
+    fn a_read_done_with_the_processs_maps_names_its_first_frames() {
+        let process = fake_process(16, 16);
+        append(&process.map, b"1000 100 first\n");
+        let mut jit = Joined::new(process.proc_root.path());
+        let t0 = Instant::now();
+        // Read before any JIT frame of it was named, its start unknown.
+        let update = jit.reader.read(16, 0, t0);
+        jit.maps.apply(vec![update]);
+        assert_eq!(&*jit.name(16, 77, 0x1010, t0), "first");
+        assert!(jit.maps.take_requests().is_empty(), "just read");
+        // Later reads go on from where that one stopped.
+        append(&process.map, b"2000 100 second\n");
+        let t1 = t0 + REFRESH_INTERVAL;
+        assert_eq!(&*jit.named(16, 77, 0x2010, t1), "second");
+        assert_eq!(jit.maps.stats().lines, 2);
     }
 
     #[test]
@@ -731,28 +1006,31 @@ mod tests {
             &process.map,
             b"1000 100 old-a\n1100 100 old-b\n1300 100 old-c\n10c0 80 new\n",
         );
-        let mut maps = PerfMaps::new(process.proc_root.path());
+        let mut jit = Joined::new(process.proc_root.path());
         let now = Instant::now();
-        assert_eq!(&*maps.name(10, 0, &COMM, 0x10c0, now), "new");
-        assert_eq!(&*maps.name(10, 0, &COMM, 0x1000, now), "[jit] node");
-        assert_eq!(&*maps.name(10, 0, &COMM, 0x1100, now), "new");
+        assert_eq!(&*jit.named(10, 0, 0x10c0, now), "new");
+        assert_eq!(&*jit.name(10, 0, 0x1000, now), "[jit] node");
+        assert_eq!(&*jit.name(10, 0, 0x1100, now), "new");
         // What remains of old-b's range is no longer old-b's.
-        assert_eq!(&*maps.name(10, 0, &COMM, 0x1180, now), "[jit] node");
-        assert_eq!(&*maps.name(10, 0, &COMM, 0x1300, now), "old-c");
-        assert_eq!(maps.maps[&10].entries.len(), 2);
+        assert_eq!(&*jit.name(10, 0, 0x1180, now), "[jit] node");
+        assert_eq!(&*jit.name(10, 0, 0x1300, now), "old-c");
+        assert_eq!(jit.maps.maps[&10].entries.len(), 2);
     }
 
     #[test]
     fn a_reused_code_address_takes_the_new_name_on_the_next_refresh() {
         let process = fake_process(14, 14);
         append(&process.map, b"1000 100 old\n");
-        let mut maps = PerfMaps::new(process.proc_root.path());
+        let mut jit = Joined::new(process.proc_root.path());
         let t0 = Instant::now();
-        assert_eq!(&*maps.name(14, 0, &COMM, 0x1010, t0), "old");
+        assert_eq!(&*jit.named(14, 0, 0x1010, t0), "old");
         append(&process.map, b"1000 80 new\n");
-        assert_eq!(&*maps.name(14, 0, &COMM, 0x1010, t0), "old", "not due yet");
+        assert_eq!(&*jit.named(14, 0, 0x1010, t0), "old", "not due yet");
         let t1 = t0 + REFRESH_INTERVAL;
-        assert_eq!(&*maps.name(14, 0, &COMM, 0x1010, t1), "new");
+        // A hit asks too, when due: the space may have been reused.
+        assert_eq!(&*jit.name(14, 0, 0x1010, t1), "old");
+        assert_eq!(jit.answer(t1), 1);
+        assert_eq!(&*jit.name(14, 0, 0x1010, t1), "new");
     }
 
     #[test]
@@ -771,62 +1049,71 @@ mod tests {
             &dump,
             &[header(), load(0x1000, 0x100, "JS:*leaf x.js:2", 64)].concat(),
         );
-        let mut maps = PerfMaps::new(process.proc_root.path());
+        let mut jit = Joined::new(process.proc_root.path());
         let t0 = Instant::now();
-        assert_eq!(&*maps.name(15, 0, &COMM, 0x1010, t0), "JS:*leaf x.js:2");
+        assert_eq!(&*jit.named(15, 0, 0x1010, t0), "JS:*leaf x.js:2");
         // The JIT writes on, half a record at a time.
         let next = load(0x2000, 0x80, "JS:*middle x.js:7", 16);
         append(&dump, &next[..30]);
         let t1 = t0 + REFRESH_INTERVAL;
-        assert_eq!(&*maps.name(15, 0, &COMM, 0x2010, t1), "[jit] node");
+        assert_eq!(&*jit.named(15, 0, 0x2010, t1), "[jit] node");
         append(&dump, &next[30..]);
         let t2 = t1 + REFRESH_INTERVAL;
-        assert_eq!(&*maps.name(15, 0, &COMM, 0x2010, t2), "JS:*middle x.js:7");
+        assert_eq!(&*jit.named(15, 0, 0x2010, t2), "JS:*middle x.js:7");
         // A perf map of the same process adds to it.
         append(&process.map, b"3000 10 from-the-perf-map\n");
         let t3 = t2 + REFRESH_INTERVAL;
-        assert_eq!(&*maps.name(15, 0, &COMM, 0x3000, t3), "from-the-perf-map");
-        assert_eq!(maps.stats().malformed, 0);
+        assert_eq!(&*jit.named(15, 0, 0x3000, t3), "from-the-perf-map");
+        assert_eq!(jit.maps.stats().malformed, 0);
     }
 
     #[test]
     fn a_missing_map_names_frames_by_comm_and_retries_later() {
         let process = fake_process(11, 11);
-        let mut maps = PerfMaps::new(process.proc_root.path());
+        let mut jit = Joined::new(process.proc_root.path());
         let t0 = Instant::now();
-        assert_eq!(&*maps.name(11, 0, &COMM, 0x1000, t0), "[jit] node");
+        assert_eq!(&*jit.named(11, 0, 0x1000, t0), "[jit] node");
         append(&process.map, b"1000 10 late\n");
-        assert_eq!(
-            &*maps.name(11, 0, &COMM, 0x1000, t0 + REFRESH_INTERVAL),
-            "late"
-        );
+        assert_eq!(&*jit.named(11, 0, 0x1000, t0 + REFRESH_INTERVAL), "late");
     }
 
     #[test]
     fn a_reused_pid_starts_afresh() {
         let process = fake_process(12, 12);
         append(&process.map, b"1000 10 old\n");
-        let mut maps = PerfMaps::new(process.proc_root.path());
+        let mut jit = Joined::new(process.proc_root.path());
         let t0 = Instant::now();
-        assert_eq!(&*maps.name(12, 100, &COMM, 0x1000, t0), "old");
+        assert_eq!(&*jit.named(12, 100, 0x1000, t0), "old");
         std::fs::remove_file(&process.map).expect("rm");
         append(&process.map, b"2000 10 new\n");
-        assert_eq!(&*maps.name(12, 200, &COMM, 0x1000, t0), "[jit] node");
-        assert_eq!(&*maps.name(12, 200, &COMM, 0x2000, t0), "new");
+        assert_eq!(&*jit.named(12, 200, 0x1000, t0), "[jit] node");
+        assert_eq!(&*jit.name(12, 200, 0x2000, t0), "new");
+        // An answer about the process gone is not applied to the new one.
+        let stale = JitUpdate {
+            tgid: 12,
+            started: 100,
+            events: vec![DumpEvent::Load {
+                start: 0x1000,
+                end: 0x1010,
+                name: "old".into(),
+            }],
+            ..JitUpdate::default()
+        };
+        jit.maps.apply(vec![stale]);
+        assert_eq!(&*jit.name(12, 200, 0x1000, t0), "[jit] node");
     }
 
     #[test]
     fn a_truncated_map_is_read_from_the_start() {
         let process = fake_process(13, 13);
         append(&process.map, b"1000 10 old\n1100 10 older\n");
-        let mut maps = PerfMaps::new(process.proc_root.path());
+        let mut jit = Joined::new(process.proc_root.path());
         let t0 = Instant::now();
-        assert_eq!(&*maps.name(13, 0, &COMM, 0x1000, t0), "old");
+        assert_eq!(&*jit.named(13, 0, 0x1000, t0), "old");
         std::fs::write(&process.map, b"2000 10 new\n").expect("truncate");
         let t1 = t0 + REFRESH_INTERVAL;
-        assert_eq!(&*maps.name(13, 0, &COMM, 0x2000, t1), "[jit] node");
-        assert_eq!(&*maps.name(13, 0, &COMM, 0x2000, t1), "new");
-        assert_eq!(&*maps.name(13, 0, &COMM, 0x1000, t1), "[jit] node");
+        assert_eq!(&*jit.named(13, 0, 0x2000, t1), "new");
+        assert_eq!(&*jit.name(13, 0, 0x1000, t1), "[jit] node");
     }
 
     #[test]
@@ -839,11 +1126,11 @@ mod tests {
         append(&a.map, &text);
         // Room for about 50 entries.
         let budget = 50 * entry_bytes("function_00");
-        let mut maps = PerfMaps::with_budget(a.proc_root.path(), budget, budget);
+        let mut jit = Joined::with_budget(a.proc_root.path(), budget, budget);
         let now = Instant::now();
-        assert_eq!(&*maps.name(20, 0, &COMM, 0x1000, now), "function_0");
-        assert!(maps.total_bytes <= budget);
-        let stats = maps.stats();
+        assert_eq!(&*jit.named(20, 0, 0x1000, now), "function_0");
+        assert!(jit.maps.total_bytes <= budget);
+        let stats = jit.maps.stats();
         assert!(stats.over_budget > 0 && stats.lines + stats.over_budget == 100);
         // A second process evicts the first when it needs the room.
         let b_dir = a.proc_root.path().join("21");
@@ -851,15 +1138,20 @@ mod tests {
         std::fs::write(b_dir.join("status"), "NSpid:\t21\n").expect("status");
         append(&b_dir.join("root/tmp/perf-21.map"), &text);
         let later = now + REFRESH_INTERVAL;
-        assert_eq!(&*maps.name(21, 0, &COMM, 0x1000, later), "function_0");
-        assert!(maps.total_bytes <= budget);
+        assert_eq!(&*jit.named(21, 0, 0x1000, later), "function_0");
+        assert!(jit.maps.total_bytes <= budget);
         assert!(
-            !maps.maps.contains_key(&20),
+            !jit.maps.maps.contains_key(&20),
             "the least recently used map went"
         );
-        assert_eq!(maps.stats().evicted, 1);
-        maps.forget(21);
-        assert_eq!((maps.total_bytes, maps.tracked()), (0, 0));
+        assert_eq!(jit.maps.stats().evicted, 1);
+        // Its files are closed with it.
+        assert_eq!(jit.answer(later), 0);
+        assert_eq!(jit.reader.tracked(), 1);
+        jit.maps.forget(21);
+        assert_eq!((jit.maps.total_bytes, jit.maps.tracked()), (0, 0));
+        jit.answer(later);
+        assert_eq!(jit.reader.tracked(), 0);
     }
 
     #[test]
@@ -873,38 +1165,32 @@ mod tests {
         }
         append(&process.map, &text);
         let budget = 10 * entry_bytes("function_000");
-        let mut maps = PerfMaps::with_budget(process.proc_root.path(), 4 * budget, budget);
+        let mut jit = Joined::with_budget(process.proc_root.path(), 4 * budget, budget);
         let t0 = Instant::now();
-        assert_eq!(&*maps.name(40, 0, &COMM, 0x1000, t0), "function_000");
-        let offset = maps.maps[&40].offset;
-        let lines = |maps: &PerfMaps| (maps.stats().lines, maps.stats().over_budget);
-        let read_before = lines(&maps);
-        // Later refreshes would only skip lines: the file is not read on.
+        assert_eq!(&*jit.named(40, 0, 0x1000, t0), "function_000");
+        let lines = |jit: &Joined| (jit.maps.stats().lines, jit.maps.stats().over_budget);
+        let read_before = lines(&jit);
+        // Later reads would only skip lines: none is asked for.
         append(&process.map, &text);
-        assert_eq!(
-            &*maps.name(40, 0, &COMM, 0x1000, t0 + REFRESH_INTERVAL),
-            "function_000"
-        );
-        assert_eq!(maps.maps[&40].offset, offset);
-        assert_eq!(lines(&maps), read_before);
+        let t1 = t0 + REFRESH_INTERVAL;
+        assert_eq!(&*jit.name(40, 0, 0x1000, t1), "function_000");
+        assert_eq!(jit.answer(t1), 0);
+        assert_eq!(lines(&jit), read_before);
     }
 
     #[test]
     fn an_endless_line_is_skipped_not_kept() {
         let process = fake_process(30, 30);
         append(&process.map, &vec![b'a'; MAX_LINE_BYTES * 2]);
-        let mut maps = PerfMaps::new(process.proc_root.path());
+        let mut jit = Joined::new(process.proc_root.path());
         let t0 = Instant::now();
-        assert_eq!(&*maps.name(30, 0, &COMM, 0x1000, t0), "[jit] node");
-        assert!(maps.maps[&30].partial.is_empty());
-        assert_eq!(maps.stats().malformed, 1);
+        assert_eq!(&*jit.named(30, 0, 0x1000, t0), "[jit] node");
+        assert!(jit.reader.files[&30].partial.is_empty());
+        assert_eq!(jit.maps.stats().malformed, 1);
         append(&process.map, b"aaaa\n1000 10 after\n");
+        assert_eq!(&*jit.named(30, 0, 0x1000, t0 + REFRESH_INTERVAL), "after");
         assert_eq!(
-            &*maps.name(30, 0, &COMM, 0x1000, t0 + REFRESH_INTERVAL),
-            "after"
-        );
-        assert_eq!(
-            maps.stats().malformed,
+            jit.maps.stats().malformed,
             1,
             "the rest of the long line is skipped"
         );

@@ -13,9 +13,10 @@ use std::{
 
 use agent_common::sample_flags;
 use stackscope_agent::{
-    aggregate::{Aggregator, AggregatorConfig, BatchOptions, build_batch},
+    aggregate::{Aggregator, AggregatorConfig, BatchOptions, LabelRecords, build_batch},
     run::{AgentConfig, RunSummary, run},
 };
+use stackscope_process_table::ProcessTable;
 use stackscope_process_table::{ObjectId, object_id::identify};
 use stackscope_proto::v1;
 use stackscope_sampler::{SamplerConfig, record::OwnedSample};
@@ -23,7 +24,7 @@ use stackscope_symbolize::node::{Symbolizer, SymbolizerConfig};
 use stackscope_tests::{
     Fixture, exclusive, kernel_symbol, kernel_symbols, require_root, sample_for,
 };
-use stackscope_unwind::walker::StackWalker;
+use stackscope_unwind::walker::{ProcessState, StackWalker, WalkerConfig};
 
 const NODE: &str = "aggregation-test-node";
 
@@ -209,18 +210,30 @@ fn run_agent(pid: u32, duration: Duration) -> (Vec<v1::Batch>, RunSummary) {
 /// builds one batch.
 fn aggregate(samples: &[OwnedSample]) -> v1::Batch {
     let mut walker = StackWalker::default();
+    let mut table: ProcessTable<ProcessState> =
+        StackWalker::process_table(&WalkerConfig::default());
     let mut aggregator = Aggregator::new(AggregatorConfig {
         node_name: NODE.into(),
         ..AggregatorConfig::default()
     });
+    // The labels records, kept apart from the walker's table here.
+    let mut records = HashMap::new();
     for sample in samples {
         if sample.header.flags & sample_flags::USER_REGS == 0 {
-            aggregator.add(&sample.header, &sample.kernel_frames, None);
+            let labels = records.labels_of(sample.header.tgid);
+            aggregator.add(&sample.header, &sample.kernel_frames, None, labels);
             continue;
         }
-        walker.push(&sample.header, &sample.kernel_frames, sample.stack(), |w| {
-            aggregator.add(w.header, w.kernel_frames, Some(&w.walk))
-        });
+        walker.push(
+            &mut table,
+            &sample.header,
+            &sample.kernel_frames,
+            sample.stack(),
+            |w| {
+                let labels = records.labels_of(w.header.tgid);
+                aggregator.add(w.header, w.kernel_frames, Some(&w.walk), labels)
+            },
+        );
     }
     let started = Instant::now();
     while walker.waiting() > 0 {
@@ -229,13 +242,20 @@ fn aggregate(samples: &[OwnedSample]) -> v1::Batch {
             "tables never compiled"
         );
         std::thread::sleep(Duration::from_millis(20));
-        walker.poll(|w| aggregator.add(w.header, w.kernel_frames, Some(&w.walk)));
+        walker.poll(&mut table, |w| {
+            let labels = records.labels_of(w.header.tgid);
+            aggregator.add(w.header, w.kernel_frames, Some(&w.walk), labels)
+        });
     }
-    walker.flush(|w| aggregator.add(w.header, w.kernel_frames, Some(&w.walk)));
+    walker.flush(&mut table, |w| {
+        let labels = records.labels_of(w.header.tgid);
+        aggregator.add(w.header, w.kernel_frames, Some(&w.walk), labels)
+    });
     // What the agent's metadata worker does: the processes met are
     // described (their label sets filled in) and their files opened.
-    let mut describer = AggregatorConfig::default().describer();
-    aggregator.serve_metadata(&mut describer);
+    let config = AggregatorConfig::default();
+    let (mut describer, mut perf_maps) = (config.describer(), config.perf_map_reader());
+    aggregator.serve_metadata(&mut describer, &mut perf_maps, &mut records);
     assert_eq!(aggregator.stats().samples, samples.len() as u64);
     let interval = aggregator.finish_interval(SystemTime::now());
     // The name cache is tested by the aggregator's unit tests; this builds

@@ -37,6 +37,10 @@ const WINDOW: Duration = Duration::from_secs(15);
 /// The share of a thread's walks that must reach the root.
 const MIN_ROOT_SHARE: f64 = 0.95;
 
+/// How long a teacher (see [`sample_deep_churn`]) runs: its main thread's
+/// stack is learned, found stale twice, then copied deep within a second.
+const TEACHING: Duration = Duration::from_secs(2);
+
 /// Steps of `deep_churn`'s descent: 201 frames of 600 or 2,600 bytes
 /// picked at random, about 320 KB.
 const CHURN_DEPTH: usize = 200;
@@ -56,8 +60,15 @@ struct ChurnRun {
 
 /// Builds `deep_churn` with `cflags`, starts it with `mode` after its
 /// depth, and samples only it, the reader draining every `drain_interval`
-/// when no wake-up comes sooner.
-fn sample_deep_churn(cflags: &[&str], mode: &[&str], drain_interval: Duration) -> ChurnRun {
+/// when no wake-up comes sooner. With `teacher`, another run of the program
+/// churns on its main thread for the first [`TEACHING`] of the window, and
+/// is sampled too.
+fn sample_deep_churn(
+    cflags: &[&str],
+    mode: &[&str],
+    drain_interval: Duration,
+    teacher: bool,
+) -> ChurnRun {
     let fixture = Fixture::compile("deep_churn", cflags);
     let _serial = exclusive();
     let depth = CHURN_DEPTH.to_string();
@@ -66,9 +77,19 @@ fn sample_deep_churn(cflags: &[&str], mode: &[&str], drain_interval: Duration) -
         .chain(mode.iter().copied())
         .collect();
     let process = fixture.start(&args);
+    let mut pids = vec![process.pid()];
+    if teacher {
+        let teacher = fixture.start(&[depth.as_str()]);
+        pids.push(teacher.pid());
+        // Killed (on drop) once it has taught.
+        std::thread::spawn(move || {
+            std::thread::sleep(TEACHING);
+            drop(teacher);
+        });
+    }
     let config = SamplerConfig {
         frequency_hz: 99,
-        pids: vec![process.pid()],
+        pids,
         drain_interval,
         ..SamplerConfig::default()
     };
@@ -308,7 +329,7 @@ fn a_stitched_walk_never_carries_the_other_chains_tail() {
 fn a_deep_stack_that_keeps_changing_shape_reaches_the_root_through_deep_copies() {
     require_root();
     let default_drain = SamplerConfig::default().drain_interval;
-    let run = sample_deep_churn(&[], &[], default_drain);
+    let run = sample_deep_churn(&[], &[], default_drain, false);
     let ChurnRun {
         process,
         config,
@@ -395,7 +416,7 @@ fn new_threads_of_a_program_that_needed_deep_copies_reach_the_root_from_their_fi
     // A new deep thread every 250 ms: half the half-second drain the agent
     // uses with its mapping feed, so a thread learned only at a timed
     // drain has lived most of its life truncated, or is gone.
-    let run = sample_deep_churn(&["-pthread"], &["250"], FEED_DRAIN_INTERVAL);
+    let run = sample_deep_churn(&["-pthread"], &["250"], FEED_DRAIN_INTERVAL, false);
     let ChurnRun {
         process,
         walks,
@@ -431,7 +452,7 @@ fn new_threads_of_a_program_that_needed_deep_copies_reach_the_root_from_their_fi
     // tick whose copy faults wakes the reader instead. Without that copy,
     // every first walk is cut short.
     let threads: Vec<Vec<bool>> = threads.into_iter().map(|(_, walks)| walks).collect();
-    FirstWalks::of(&threads).check("threads", counters);
+    FirstWalks::of(&threads, walks, counters).check("threads", counters);
 }
 
 /// How the walks of a deep program's new threads (or images) went, from
@@ -452,11 +473,22 @@ struct FirstWalks {
 }
 
 impl FirstWalks {
-    fn of(threads: &[Vec<bool>]) -> Self {
-        let teaching = 1 + threads
-            .iter()
-            .position(|walks| walks.contains(&true))
-            .expect("no walk reached the root");
+    /// `walks` and `counters` are the whole run's, for the message when
+    /// no walk is whole (nothing was learned).
+    fn of(threads: &[Vec<bool>], walks: &[LiveWalk], counters: &Counters) -> Self {
+        let Some(first_whole) = threads.iter().position(|walks| walks.contains(&true)) else {
+            let mut outcomes: HashMap<String, usize> = HashMap::new();
+            for walk in walks {
+                *outcomes.entry(format!("{:?}", walk.outcome)).or_default() += 1;
+            }
+            panic!(
+                "no walk reached the root: {} threads or images, {} walks in all, by outcome \
+                 {outcomes:?}; {counters:?}",
+                threads.len(),
+                walks.len()
+            );
+        };
+        let teaching = 1 + first_whole;
         let later = &threads[teaching..];
         let after_first = || later.iter().flat_map(|walks| walks.iter().skip(1));
         Self {
@@ -507,7 +539,16 @@ fn new_images_of_a_program_that_needed_deep_copies_reach_the_root_from_their_fir
     // 250 ms: each image's main thread is new to the agent, and its thread
     // pointer lies below its stack. From its first tick on, the sampler
     // copies it deep up to where its process's stack started at exec.
-    let run = sample_deep_churn(&[], &["250", "exec"], FEED_DRAIN_INTERVAL);
+    //
+    // What teaches the sampler that the program needs deep copies is
+    // another run of it, churning on one long-lived thread, as a build
+    // fleet's first compiler runs do. Left to the exec'ing process alone,
+    // learning hung on when the timed drains fell in its images' quarter
+    // second lives: this walker reads a process's maps when it walks its
+    // samples (the agent learns them from the kernel's mmap events), and a
+    // sample walked after its image had exec'd again met the next image's
+    // maps. Twice in whole suites every walk ended unmapped or truncated.
+    let run = sample_deep_churn(&[], &["250", "exec"], FEED_DRAIN_INTERVAL, true);
     let ChurnRun {
         process,
         walks,
@@ -546,5 +587,5 @@ fn new_images_of_a_program_that_needed_deep_copies_reach_the_root_from_their_fir
     // tails go stale). Without the copy to the stack start, every later
     // image's first walk is cut short too (its tick wakes the reader,
     // which learns the image for its next).
-    FirstWalks::of(&images).check("images", counters);
+    FirstWalks::of(&images, walks, counters).check("images", counters);
 }

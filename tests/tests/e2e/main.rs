@@ -18,6 +18,7 @@ mod jit;
 mod metrics;
 mod pipeline;
 mod process_identity;
+mod python;
 mod sampler;
 mod short_lived;
 mod ui;

@@ -400,6 +400,14 @@ async fn screenshot(browser: &Client, name: &str) {
     eprintln!("screenshot: {}", path.display());
 }
 
+/// What the page's `script` returns.
+async fn script(browser: &Client, script: &str) -> Value {
+    browser
+        .execute(script, vec![])
+        .await
+        .expect("a WebDriver command")
+}
+
 /// `window.stackscope`, the page's report of what it shows.
 async fn hook(browser: &Client) -> Value {
     browser
@@ -490,6 +498,21 @@ async fn click_at(browser: &Client, (x, y): (f64, f64)) {
         .perform_actions(mouse)
         .await
         .expect("a real mouse click");
+}
+
+/// Where the element with `id` spans vertically, and the window's height,
+/// in viewport pixels.
+async fn vertical_span(browser: &Client, id: &str) -> (f64, f64, f64) {
+    let span = browser
+        .execute(
+            "const r = document.getElementById(arguments[0]).getBoundingClientRect(); \
+             return [r.top, r.bottom, window.innerHeight];",
+            vec![json!(id)],
+        )
+        .await
+        .expect("a WebDriver command");
+    let at = |k: usize| span[k].as_f64().expect("a number");
+    (at(0), at(1), at(2))
 }
 
 async fn text_of(browser: &Client, css: &str) -> String {
@@ -610,9 +633,11 @@ async fn scenarios(browser: &Client, collector: &Collector, big: &Collector, gua
     modules(browser, &page).await;
     selection(browser, &page).await;
     zoom_search_top_and_link(browser, &page).await;
+    keyboard(browser, &page).await;
     group_by_and_no_data(browser, &page).await;
     nothing_stale(browser, &page).await;
     compare_and_timeline(browser, &page).await;
+    dark_theme(browser, &page).await;
     big_tree(browser, big).await;
 }
 
@@ -690,10 +715,7 @@ async fn token(browser: &Client, guarded: &Collector, open_page: &str) {
     assert_eq!(report["state"], "error");
     let status = text_of(browser, "#status").await;
     assert!(status.contains("refused the query token"), "{status}");
-    browser
-        .execute("document.getElementById('token').value = '';", vec![])
-        .await
-        .expect("a WebDriver command");
+    script(browser, "document.getElementById('token').value = '';").await;
     field
         .send_keys("r3ader\u{E007}")
         .await
@@ -714,10 +736,7 @@ async fn token(browser: &Client, guarded: &Collector, open_page: &str) {
         .click()
         .await
         .expect("a WebDriver command");
-    browser
-        .execute("document.getElementById('token').value = '';", vec![])
-        .await
-        .expect("a WebDriver command");
+    script(browser, "document.getElementById('token').value = '';").await;
     browser
         .find(Locator::Css("#token"))
         .await
@@ -728,10 +747,7 @@ async fn token(browser: &Client, guarded: &Collector, open_page: &str) {
     settled(browser, loads(&report) + 1).await;
     let said = wait_for_text(browser, "#status", "Token saved").await;
     assert!(said.contains("answers without one"), "{said}");
-    browser
-        .execute("localStorage.clear();", vec![])
-        .await
-        .expect("a WebDriver command");
+    script(browser, "localStorage.clear();").await;
 }
 
 async fn selection(browser: &Client, page: &str) {
@@ -794,13 +810,11 @@ async fn selection(browser: &Client, page: &str) {
     query.click().await.expect("a WebDriver command");
     // Focus alone opens no list (tabbing through the page must not write
     // into the query).
-    let hidden = browser
-        .execute(
-            "return document.getElementById('completions').hidden;",
-            vec![],
-        )
-        .await
-        .expect("a WebDriver command");
+    let hidden = script(
+        browser,
+        "return document.getElementById('completions').hidden;",
+    )
+    .await;
     assert_eq!(hidden, json!(true), "the list opened on focus");
     query.send_keys("co").await.expect("a WebDriver command");
     let listed = wait_for_text(browser, "#completions", "container_name").await;
@@ -824,13 +838,11 @@ async fn selection(browser: &Client, page: &str) {
     let pending = |browser: &Client| {
         let browser = browser.clone();
         async move {
-            browser
-                .execute(
-                    "return !document.getElementById('query-pending').hidden;",
-                    vec![],
-                )
-                .await
-                .expect("a WebDriver command")
+            script(
+                &browser,
+                "return !document.getElementById('query-pending').hidden;",
+            )
+            .await
         }
     };
     assert_eq!(pending(browser).await, json!(true), "no 'not applied' hint");
@@ -870,14 +882,12 @@ async fn selection(browser: &Client, page: &str) {
     screenshot(browser, "03-selection-nginx").await;
 
     // The node picker replaces the matcher: node-a only (redis).
-    browser
-        .execute(
-            "const s = document.getElementById('pick-node'); s.value = 'node-a'; \
+    script(
+        browser,
+        "const s = document.getElementById('pick-node'); s.value = 'node-a'; \
              s.dispatchEvent(new Event('change'));",
-            vec![],
-        )
-        .await
-        .expect("a WebDriver command");
+    )
+    .await;
     let report = settled(browser, loads(&report) + 1).await;
     let url = browser.current_url().await.expect("a WebDriver command");
     let matchers: String = url
@@ -895,6 +905,104 @@ async fn selection(browser: &Client, page: &str) {
     screenshot(browser, "04-selection-matched-nothing").await;
 }
 
+/// The theme button turns the page dark (its canvases too) and the choice
+/// outlives a reload; it is turned back to light at the end.
+async fn dark_theme(browser: &Client, page: &str) {
+    browser
+        .goto(&format!("{page}?match=comm%3D%22redis%22&since=1h"))
+        .await
+        .expect("a WebDriver command");
+    settled(browser, 1).await;
+    // The page's background brightness, the timeline's label colour, and
+    // the theme the page says it is in.
+    let look = async || {
+        script(browser, "const rgb = getComputedStyle(document.documentElement).backgroundColor.match(/\\d+/g).map(Number); \
+                 const timeline = document.getElementById('timeline'); \
+                 return { theme: document.documentElement.dataset.theme, \
+                          brightness: (rgb[0] + rgb[1] + rgb[2]) / 3, \
+                          label: getComputedStyle(timeline).getPropertyValue('--canvas-text').trim() };").await
+    };
+    let toggle = async || {
+        browser
+            .find(Locator::Css("#theme-toggle"))
+            .await
+            .expect("the theme button")
+            .click()
+            .await
+            .expect("a WebDriver command");
+    };
+    let light = look().await;
+    assert_eq!(
+        light["theme"], "light",
+        "headless Chromium prefers light: {light}"
+    );
+    assert!(light["brightness"].as_f64() > Some(200.0), "{light}");
+    toggle().await;
+    let dark = look().await;
+    assert_eq!(dark["theme"], "dark", "{dark}");
+    assert!(dark["brightness"].as_f64() < Some(60.0), "{dark}");
+    assert_ne!(
+        dark["label"], light["label"],
+        "the timeline's labels follow"
+    );
+    screenshot(browser, "15-dark").await;
+    // Kept across a reload.
+    browser.refresh().await.expect("a WebDriver command");
+    settled(browser, 1).await;
+    assert_eq!(look().await["theme"], "dark");
+    toggle().await;
+    assert_eq!(look().await["theme"], "light");
+}
+
+/// The flamegraph without a mouse: Tab to it, arrows move between frames
+/// (down is deeper in the default icicle), Enter zooms, Escape zooms out.
+async fn keyboard(browser: &Client, page: &str) {
+    browser
+        .goto(&format!("{page}?match=comm%3D%22redis%22&since=1h"))
+        .await
+        .expect("a WebDriver command");
+    let report = settled(browser, 1).await;
+    script(browser, "document.getElementById('flamegraph').focus();").await;
+    let press = async |key: &str| {
+        browser
+            .active_element()
+            .await
+            .expect("the focused element")
+            .send_keys(key)
+            .await
+            .expect("a WebDriver command");
+        let focused = script(browser, "return window.stackscope.focused();").await;
+        focused.as_str().unwrap_or_default().to_owned()
+    };
+    const DOWN: &str = "\u{E015}";
+    const RIGHT: &str = "\u{E014}";
+    const LEFT: &str = "\u{E012}";
+    const UP: &str = "\u{E013}";
+    const ENTER: &str = "\u{E007}";
+    const ESCAPE: &str = "\u{E00C}";
+    assert_eq!(press(DOWN).await, "main", "from the root, one deeper");
+    assert_eq!(press(DOWN).await, "serve");
+    // The widest child first (600 of serve's 900 samples), then its
+    // neighbours at that depth.
+    assert_eq!(press(DOWN).await, "hash_lookup");
+    assert_eq!(press(RIGHT).await, "js_handler");
+    assert_eq!(press(RIGHT).await, "sys_read");
+    assert_eq!(press(LEFT).await, "js_handler");
+    assert_eq!(press(UP).await, "serve");
+    assert_eq!(press(DOWN).await, "hash_lookup");
+    // The focused frame's tooltip, as a pointer over it would show.
+    let tip = wait_for_text(browser, "#tooltip", "hash_lookup").await;
+    assert!(tip.contains("of all"), "{tip}");
+    // Enter zooms into it (the URL keeps the zoom), Escape back out.
+    assert_eq!(press(ENTER).await, "hash_lookup");
+    let zoomed = settled(browser, loads(&report)).await;
+    assert_eq!(zoomed["root"], "hash_lookup");
+    assert_eq!(zoomed["zoom"], json!(["main", "serve", "hash_lookup"]));
+    assert_eq!(press(ESCAPE).await, "all");
+    assert_eq!(hook(browser).await["root"], "all");
+    screenshot(browser, "05b-keyboard").await;
+}
+
 async fn zoom_search_top_and_link(browser: &Client, page: &str) {
     // Back to redis through the URL; zoom by clicking `serve`.
     browser
@@ -902,7 +1010,20 @@ async fn zoom_search_top_and_link(browser: &Client, page: &str) {
         .await
         .expect("a WebDriver command");
     settled(browser, 1).await;
-    let center = frame_center(browser, "serve").await;
+    // A long page scrolled so that the flamegraph's head is above the
+    // window: zooming must leave the breadcrumb in view.
+    script(
+        browser,
+        "document.body.style.paddingBottom = '3000px'; \
+             const panel = document.getElementById('flame-panel'); \
+             window.scrollTo(0, window.scrollY + panel.getBoundingClientRect().top + 30);",
+    )
+    .await;
+    let point = script(browser, "return window.stackscope.framePoint('serve');").await;
+    let center = (
+        point["x"].as_f64().expect("serve is drawn"),
+        point["y"].as_f64().expect("serve is drawn"),
+    );
     click_at(browser, center).await;
     let deadline = Instant::now() + Duration::from_secs(10);
     let report = loop {
@@ -917,6 +1038,46 @@ async fn zoom_search_top_and_link(browser: &Client, page: &str) {
         "the clicked frame is the drawn root"
     );
     assert_eq!(report["zoom"], json!(["main", "serve"]));
+    let (top, bottom, window) = vertical_span(browser, "breadcrumb").await;
+    assert!(
+        top >= 0.0 && bottom <= window,
+        "after the zoom the breadcrumb is at {top}..{bottom} of a {window} px window"
+    );
+    // The tooltip under the pointer is the zoomed drawing's, not the one
+    // the click was made on (which had no share of the zoom).
+    let tip = wait_for_text(browser, "#tooltip", "of zoom").await;
+    assert!(tip.contains("serve"), "{tip}");
+    // A frame at the window's bottom edge (room made above the page to
+    // scroll it there): its tooltip opens above the pointer, inside the
+    // window.
+    let point = script(
+        browser,
+        "document.body.style.paddingTop = `${window.innerHeight}px`; \
+             const p = window.stackscope.framePoint('hash_lookup'); \
+             window.scrollTo(0, window.scrollY + p.y - window.innerHeight + 12); \
+             return window.stackscope.framePoint('hash_lookup');",
+    )
+    .await;
+    let hover = MouseActions::new("mouse".into()).then(PointerAction::MoveTo {
+        duration: None,
+        x: point["x"].as_f64().expect("hash_lookup is drawn"),
+        y: point["y"].as_f64().expect("hash_lookup is drawn"),
+    });
+    browser
+        .perform_actions(hover)
+        .await
+        .expect("moving the mouse");
+    wait_for_text(browser, "#tooltip", "hash_lookup").await;
+    let (top, bottom, window) = vertical_span(browser, "tooltip").await;
+    assert!(
+        top >= 0.0 && bottom <= window,
+        "the tooltip spans {top}..{bottom} of a {window} px window"
+    );
+    script(
+        browser,
+        "document.body.style.paddingBottom = ''; document.body.style.paddingTop = '';",
+    )
+    .await;
     let drawn = names(&report);
     for expected in [
         "serve",
@@ -1056,10 +1217,11 @@ async fn zoom_search_top_and_link(browser: &Client, page: &str) {
         }
     }
     // The API address beside them fetches the same pprof.
-    let api = browser
-        .execute("return document.getElementById('export-api').href;", vec![])
-        .await
-        .expect("a WebDriver command");
+    let api = script(
+        browser,
+        "return document.getElementById('export-api').href;",
+    )
+    .await;
     let api = api.as_str().unwrap_or_default();
     assert!(
         api.contains("/api/v1/flamegraph?") && api.contains("format=pprof"),
@@ -1088,16 +1250,14 @@ async fn zoom_search_top_and_link(browser: &Client, page: &str) {
         .as_f64()
         .expect("the search share again");
     assert!((share - 600.0 / 900.0).abs() < 1e-9, "search share {share}");
-    let restored = browser
-        .execute(
-            "return [document.getElementById('query').value, \
+    let restored = script(
+        browser,
+        "return [document.getElementById('query').value, \
              document.getElementById('search').value, \
              document.getElementById('view-toggle').textContent, \
              document.querySelector('#top tr.selected')?.dataset.function];",
-            vec![],
-        )
-        .await
-        .expect("a WebDriver command");
+    )
+    .await;
     assert_eq!(
         restored,
         json!(["comm=\"redis\"", "hash_lookup", "icicle", "serve"])
@@ -1155,14 +1315,12 @@ async fn nothing_stale(browser: &Client, page: &str) {
     let rows = |browser: &Client| {
         let browser = browser.clone();
         async move {
-            browser
-                .execute(
-                    "return [document.querySelectorAll('#top tbody tr').length, \
+            script(
+                &browser,
+                "return [document.querySelectorAll('#top tbody tr').length, \
                      document.getElementById('legend').children.length];",
-                    vec![],
-                )
-                .await
-                .expect("a WebDriver command")
+            )
+            .await
         }
     };
     let shown = rows(browser).await;
@@ -1197,14 +1355,12 @@ async fn nothing_stale(browser: &Client, page: &str) {
 
     // A regex the collector refuses: the query fails, and the top table and
     // the legend of comm=redis are gone with it.
-    browser
-        .execute(
-            "const q = document.getElementById('query'); q.value = 'comm=~\"(\"'; \
+    script(
+        browser,
+        "const q = document.getElementById('query'); q.value = 'comm=~\"(\"'; \
              document.getElementById('query-form').requestSubmit();",
-            vec![],
-        )
-        .await
-        .expect("a WebDriver command");
+    )
+    .await;
     let report = finished(browser, loads(&report) + 1).await;
     assert_eq!(report["state"], "error", "{report}");
     assert_eq!(
@@ -1226,13 +1382,11 @@ async fn compare_and_timeline(browser: &Client, page: &str) {
     // for 36 s steps, the collector sums minutes, and the caption says so.
     let asked = Instant::now();
     let caption = loop {
-        let caption = browser
-            .execute(
-                "return document.getElementById('timeline').dataset.caption || null;",
-                vec![],
-            )
-            .await
-            .expect("a WebDriver command");
+        let caption = script(
+            browser,
+            "return document.getElementById('timeline').dataset.caption || null;",
+        )
+        .await;
         if let Some(caption) = caption.as_str() {
             break caption.to_owned();
         }
@@ -1255,13 +1409,21 @@ async fn compare_and_timeline(browser: &Client, page: &str) {
         .await
         .expect("a WebDriver command");
     settled(browser, loads(&report) + 1).await;
-    let colors = browser
-        .execute(
-            "return Object.fromEntries(['hash_lookup', 'sys_read'].map(n => [n, window.stackscope.frameFill(n)]));",
-            vec![],
-        )
-        .await
-        .expect("a WebDriver command");
+    // The timeline marks where the baseline is: the hour before, off its
+    // left edge, with its times.
+    let baseline = script(
+        browser,
+        "return document.getElementById('timeline').dataset.baseline || null;",
+    )
+    .await;
+    let baseline = baseline.as_str().unwrap_or_default();
+    let marked = regex::Regex::new(r"^before: ◀ baseline \d\d:\d\d:\d\d – \d\d:\d\d:\d\d$")
+        .expect("a regex");
+    assert!(
+        marked.is_match(baseline),
+        "the timeline's baseline mark: {baseline:?}"
+    );
+    let colors = script(browser, "return Object.fromEntries(['hash_lookup', 'sys_read'].map(n => [n, window.stackscope.frameFill(n)]));").await;
     let red = colors["hash_lookup"].as_str().unwrap_or_default();
     let blue = colors["sys_read"].as_str().unwrap_or_default();
     assert!(
@@ -1273,14 +1435,12 @@ async fn compare_and_timeline(browser: &Client, page: &str) {
         "sys_read improved, drawn {blue}"
     );
     // The legend is a colour scale from blue to red, not a sentence.
-    let scale = browser
-        .execute(
-            "const i = document.querySelector('#legend .diff-scale i'); \
+    let scale = script(
+        browser,
+        "const i = document.querySelector('#legend .diff-scale i'); \
              return i ? getComputedStyle(i).backgroundImage : null;",
-            vec![],
-        )
-        .await
-        .expect("a WebDriver command");
+    )
+    .await;
     let scale = scale.as_str().unwrap_or_default();
     assert!(
         scale.starts_with("linear-gradient") && scale.contains("rgb("),
@@ -1295,13 +1455,11 @@ async fn compare_and_timeline(browser: &Client, page: &str) {
     // A search in the comparison: its matches keep their change colour,
     // the rest goes grey.
     set_search(browser, "hash_lookup").await;
-    let searched = browser
-        .execute(
-            "return ['hash_lookup', 'sys_read'].map(n => window.stackscope.frameFill(n));",
-            vec![],
-        )
-        .await
-        .expect("a WebDriver command");
+    let searched = script(
+        browser,
+        "return ['hash_lookup', 'sys_read'].map(n => window.stackscope.frameFill(n));",
+    )
+    .await;
     assert_eq!(
         searched[0].as_str(),
         Some(red),
@@ -1411,16 +1569,20 @@ async fn compare_and_timeline(browser: &Client, page: &str) {
         .and_then(|(_, v)| v.parse().ok())
         .expect("the drag sets end");
     assert!(end > start && end - start < 3600.0, "{start}..{end}");
+    // Out to whole bars (minutes here, as the caption said): what the
+    // query sums is what was highlighted, not a range it widens silently.
+    assert!(
+        start % 60.0 == 0.0 && end % 60.0 == 0.0,
+        "the drag chose {start}..{end}, not whole minutes"
+    );
     // The range reads as the axis does: local times, and their zone on both.
     settled(browser, 1).await;
     let range = text_of(browser, "#range").await;
-    let zone = browser
-        .execute(
-            "return document.getElementById('timeline').dataset.zone;",
-            vec![],
-        )
-        .await
-        .expect("a WebDriver command");
+    let zone = script(
+        browser,
+        "return document.getElementById('timeline').dataset.zone;",
+    )
+    .await;
     let zone = zone.as_str().unwrap_or_default();
     let format = regex::Regex::new(
         r"^\d{4}-\d\d-\d\d \d\d:\d\d:\d\d – \d{4}-\d\d-\d\d \d\d:\d\d:\d\d \(UTC[+-]\d\d:\d\d\)$",
@@ -1497,10 +1659,7 @@ async fn big_tree(browser: &Client, big: &Collector) {
     // The page opens as an icicle: the root is the drawing's first row, on
     // the first screen however deep the stacks (drawn as a flame graph, a
     // busy host's root sat below the fold).
-    let root = browser
-        .execute("return window.stackscope.rootBox();", vec![])
-        .await
-        .expect("a WebDriver command");
+    let root = script(browser, "return window.stackscope.rootBox();").await;
     let (top, drawing_top, viewport) = (
         root["top"].as_i64().expect("the root is drawn"),
         root["drawingTop"].as_i64().expect("the drawing's top"),
@@ -1511,15 +1670,13 @@ async fn big_tree(browser: &Client, big: &Collector) {
     // for them, only for what can be picked.
     let asked = Instant::now();
     let pickers = loop {
-        let pickers = browser
-            .execute(
-                "const shown = (id) => !document.getElementById(id).parentElement.hidden; \
+        let pickers = script(
+            browser,
+            "const shown = (id) => !document.getElementById(id).parentElement.hidden; \
                  return document.getElementById('pick-comm').options.length > 1 \
                    ? ['pick-node', 'pick-container', 'pick-pod', 'pick-comm'].map(shown) : null;",
-                vec![],
-            )
-            .await
-            .expect("a WebDriver command");
+        )
+        .await;
         if !pickers.is_null() {
             break pickers;
         }
@@ -1553,10 +1710,7 @@ async fn big_tree(browser: &Client, big: &Collector) {
         );
     }
     screenshot(browser, "12-big-tree").await;
-    let bench = browser
-        .execute("return window.stackscope.benchZoom(40);", vec![])
-        .await
-        .expect("a WebDriver command");
+    let bench = script(browser, "return window.stackscope.benchZoom(40);").await;
     eprintln!(
         "200k-node tree, zooming: {} redraws, {:.1} ms on average (max {:.1} ms): {:.0} redraws \
          per second; {:.0} frames per second with one zoom per animation frame",
@@ -1621,10 +1775,7 @@ async fn the_fleet_hour_time_to_first_flamegraph() {
             timings["drawMs"].as_f64().unwrap_or(f64::NAN),
         );
     }
-    let bench = browser
-        .execute("return window.stackscope.benchZoom(40);", vec![])
-        .await
-        .expect("a WebDriver command");
+    let bench = script(&browser, "return window.stackscope.benchZoom(40);").await;
     eprintln!(
         "fleet-wide hour, zooming: {:.1} ms per redraw on average (max {:.1} ms)",
         bench["avgMs"].as_f64().unwrap_or(f64::NAN),

@@ -11,9 +11,10 @@ use std::{
     time::{Duration, Instant},
 };
 
+use stackscope_process_table::ProcessTable;
 use stackscope_sampler::SamplerConfig;
 use stackscope_tests::{Fixture, FrameNames, exclusive, require_root, sample_for};
-use stackscope_unwind::walker::{StackWalker, WalkOutcome, WalkerConfig};
+use stackscope_unwind::walker::{ProcessState, StackWalker, WalkOutcome, WalkerConfig};
 use stackscope_unwind::{DEFAULT_MAX_DEPTH, UnwindEnd};
 
 /// The depth limit of the depth-limit test: low enough that a copy holds
@@ -67,10 +68,12 @@ fn sample_and_walk_to(pids: &[u32], stack_bytes: u32, max_depth: usize) -> Vec<N
         );
     }
 
-    let mut walker = StackWalker::new(WalkerConfig {
+    let walker_config = WalkerConfig {
         max_depth,
         ..WalkerConfig::default()
-    });
+    };
+    let mut table: ProcessTable<ProcessState> = StackWalker::process_table(&walker_config);
+    let mut walker = StackWalker::new(walker_config);
     let mut symbolizers: HashMap<u32, FrameNames> = HashMap::new();
     let started = Instant::now();
     samples
@@ -80,7 +83,7 @@ fn sample_and_walk_to(pids: &[u32], stack_bytes: u32, max_depth: usize) -> Vec<N
             // the walk reaches it: walk again until none is pending.
             let walk = loop {
                 let walk = walker
-                    .walk(&sample.header, sample.stack())
+                    .walk(&mut table, &sample.header, sample.stack())
                     .expect("user registers");
                 if walk.outcome != WalkOutcome::TablePending {
                     break walk;

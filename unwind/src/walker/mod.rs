@@ -9,9 +9,12 @@
 //! (`stackscope-process-table`) and does not touch BPF maps (the sampler
 //! writes the copy plans [`stitching`] queues).
 //!
-//! Each process has one record ([`process_state`]): a sorted list of the
-//! modules its samples have touched, its identity, and the copy size the
-//! planner learned for it, found once per sample. A walk runs against that
+//! Each process has one record in the process table, which the walker's
+//! owner keeps and lends it for each call ([`StackWalker::process_table`]
+//! makes one); the walker's part of the record ([`ProcessState`], in any
+//! [`WalkerRecord`]) is a sorted list of the modules its samples have
+//! touched, its identity, and the copy size the planner learned for it,
+//! found once per sample. A walk runs against that
 //! list; when it reaches an address outside it, the
 //! address is resolved after the walk (process table lookup, then the
 //! object's table from the cache, compiled on a miss) and the walk runs
@@ -46,10 +49,11 @@ use crate::{
     TailSpan, UnsupportedCfi, UnwindEnd, UnwindTable, unwind_memory,
 };
 use agent_common::{SampleHeader, sample_flags};
-use process_state::ProcessState;
+use process_state::WalkerTable;
+pub use process_state::{ProcessState, WalkerRecord};
 use stackscope_process_table::{
     BuildId, Location, Mapping, MappingPath, ModuleFile, ObjectId, ProcessError, ProcessTable,
-    ReadAnswer, ReadRequest, Slot, TableConfig, TableReader, maps::own_vdso_image, table,
+    ReadAnswer, Slot, TableConfig, maps::own_vdso_image, table,
 };
 use stitching::{PlanStats, PlanUpdate, Planner, RemoteStack, WalkReport};
 
@@ -82,7 +86,8 @@ pub struct WalkerConfig {
     pub adaptive: bool,
     /// The process table's reads of maps (with the identities of the files
     /// they list) are handed to the owner
-    /// ([`StackWalker::take_read_requests`]) instead of done on the walking
+    /// ([`ProcessTable::take_read_requests`], answered through
+    /// [`StackWalker::apply_reads`]) instead of done on the walking
     /// thread; the samples that need a read (a first-seen process, a file
     /// mapped while the agent ran and not identified yet) are held
     /// meanwhile.
@@ -215,12 +220,15 @@ impl FrameObject {
 /// [`StackWalker::poll`] and [`StackWalker::flush`]: the sample it belongs
 /// to and the kernel frames pushed with it (kept while the sample waited for
 /// a table).
-#[derive(Debug, Clone, Copy)]
-pub struct Walked<'a> {
+#[derive(Debug)]
+pub struct Walked<'a, R = ProcessState> {
     pub header: &'a SampleHeader,
     /// Kernel addresses, innermost first, as pushed.
     pub kernel_frames: &'a [u64],
     pub walk: Walk<'a>,
+    /// The process's record in the table the walker was lent, if it still
+    /// has one: what the owner keeps of the process beside the walker.
+    pub record: Option<&'a mut R>,
 }
 
 /// How a walk ended.
@@ -620,9 +628,6 @@ impl TableCache {
 /// Walks samples' user stacks; keeps what it learns about processes between
 /// samples.
 pub struct StackWalker {
-    /// One record per process: its mappings, and what the walker keeps of
-    /// it (its modules, identity and copy size).
-    processes: ProcessTable<ProcessState>,
     /// The record of the sample being walked, for its planning.
     last_process: Option<Slot>,
     tables: TableCache,
@@ -721,17 +726,22 @@ impl Default for StackWalker {
 }
 
 impl StackWalker {
+    /// A process table for a walker made with `config` (reads deferred
+    /// or not, bounded as the walker's state is), whose records are `R`.
+    pub fn process_table<R: WalkerRecord>(config: &WalkerConfig) -> ProcessTable<R> {
+        ProcessTable::with_owner_state(TableConfig {
+            defer_reads: config.defer_reads,
+            max_processes: MAX_PROCESSES,
+            ..TableConfig::default()
+        })
+    }
+
     pub fn new(config: WalkerConfig) -> Self {
         let mut stats = WalkStats::default();
         let mut binary_slots = BinarySlots::default();
         let unknown_binary = binary_slots.slot("[unknown]".into(), &mut stats.by_binary);
         let jit_binary = binary_slots.slot(JIT_BINARY.into(), &mut stats.by_binary);
         Self {
-            processes: ProcessTable::with_owner_state(TableConfig {
-                defer_reads: config.defer_reads,
-                max_processes: MAX_PROCESSES,
-                ..TableConfig::default()
-            }),
             last_process: None,
             tables: TableCache::default(),
             table_cache_bytes: config.table_cache_bytes,
@@ -766,9 +776,10 @@ impl StackWalker {
     /// found it gone, the table's bound), what the planner wrote for it
     /// (its copy size and its threads' plans, in the sampler's maps too)
     /// goes with it.
-    fn let_go_of_dropped(&mut self) {
-        for (tgid, state) in self.processes.take_dropped() {
-            self.planner.forget_process(tgid, state.copy);
+    fn let_go_of_dropped<R: WalkerRecord>(&mut self, processes: &mut ProcessTable<R>) {
+        for (tgid, mut record) in processes.take_dropped() {
+            let copy = record.walker_state_mut().copy.take();
+            self.planner.forget_process(tgid, copy);
         }
     }
 
@@ -785,36 +796,44 @@ impl StackWalker {
     /// a table it needs compiles. Every finished walk (this sample's, or
     /// earlier held ones whose tables are now ready) goes to `on_walk`;
     /// kernel-only samples produce none.
-    pub fn push(
+    pub fn push<R: WalkerRecord>(
         &mut self,
+        processes: &mut ProcessTable<R>,
         header: &SampleHeader,
         kernel_frames: &[u64],
         stack: UserStack<'_>,
-        mut on_walk: impl FnMut(Walked<'_>),
+        mut on_walk: impl FnMut(Walked<'_, R>),
     ) {
         // Held samples first: they are older, and walking them reuses the
         // frame buffers, so this sample's walk must come after.
-        self.take_compiled_tables();
+        self.take_compiled_tables(processes);
         if self.tables_changed {
-            self.retry_waiting(&mut on_walk);
+            self.retry_waiting(processes, &mut on_walk);
         }
         let mut walked = self
-            .walk_sample(header, stack, Identity::Checked)
+            .walk_sample(processes, header, stack, Identity::Checked)
             .map(|walk| walk.map(|walk| walk.outcome));
         if walked.is_err() {
             // The pid now names another process (its exit record was lost):
             // the old one's held samples go as far as its state takes them,
             // then that state goes.
-            self.flush_process(header.tgid, &mut on_walk);
-            self.forget_process(header.tgid);
+            self.flush_process(processes, header.tgid, &mut on_walk);
+            self.forget_process(processes, header.tgid);
             walked = self
-                .walk_sample(header, stack, Identity::Unchecked)
+                .walk_sample(processes, header, stack, Identity::Unchecked)
                 .map(|walk| walk.map(|walk| walk.outcome));
         }
         match walked.ok().flatten() {
             None => {}
             Some(WalkOutcome::TablePending) if self.hold(header, kernel_frames, stack) => {}
-            Some(outcome) => self.deliver(header, kernel_frames, stack, outcome, &mut on_walk),
+            Some(outcome) => self.deliver(
+                processes,
+                header,
+                kernel_frames,
+                stack,
+                outcome,
+                &mut on_walk,
+            ),
         }
     }
 
@@ -826,14 +845,23 @@ impl StackWalker {
 
     /// Walks held samples whose tables have become ready; call it now and
     /// then, so samples do not wait for the next sample to arrive.
-    pub fn poll(&mut self, mut on_walk: impl FnMut(Walked<'_>)) {
-        self.take_compiled_tables();
+    pub fn poll<R: WalkerRecord>(
+        &mut self,
+        processes: &mut ProcessTable<R>,
+        mut on_walk: impl FnMut(Walked<'_, R>),
+    ) {
+        self.take_compiled_tables(processes);
         if self.tables_changed {
-            self.retry_waiting(&mut on_walk);
+            self.retry_waiting(processes, &mut on_walk);
         }
     }
 
-    fn flush_process(&mut self, tgid: u32, on_walk: &mut impl FnMut(Walked<'_>)) {
+    fn flush_process<R: WalkerRecord>(
+        &mut self,
+        processes: &mut ProcessTable<R>,
+        tgid: u32,
+        on_walk: &mut impl FnMut(Walked<'_, R>),
+    ) {
         if !self.waiting.iter().any(|held| held.header.tgid == tgid) {
             return;
         }
@@ -844,25 +872,27 @@ impl StackWalker {
         // What the process maps is about to be forgotten (it exec'd, or
         // its pid is another process's): a read asked for would come too
         // late for these, so they read on this thread, this once.
-        let deferred = self.processes.set_defer_reads(false);
+        let deferred = processes.set_defer_reads(false);
         for held in theirs {
             self.waiting_bytes -= held.bytes();
-            self.walk_as_far_as_it_goes(&held, on_walk);
+            self.walk_as_far_as_it_goes(processes, &held, on_walk);
         }
-        self.processes.set_defer_reads(deferred);
+        processes.set_defer_reads(deferred);
     }
 
     /// Walks a held sample with what is known now, pending tables or not.
-    fn walk_as_far_as_it_goes(
+    fn walk_as_far_as_it_goes<R: WalkerRecord>(
         &mut self,
+        processes: &mut ProcessTable<R>,
         held: &WaitingSample,
-        on_walk: &mut impl FnMut(Walked<'_>),
+        on_walk: &mut impl FnMut(Walked<'_, R>),
     ) {
         if let Ok(Some(outcome)) = self
-            .walk_sample(&held.header, held.stack(), Identity::Unchecked)
+            .walk_sample(processes, &held.header, held.stack(), Identity::Unchecked)
             .map(|w| w.map(|w| w.outcome))
         {
             self.deliver(
+                processes,
                 &held.header,
                 &held.kernel_frames,
                 held.stack(),
@@ -872,20 +902,24 @@ impl StackWalker {
         }
     }
 
-    fn forget_process(&mut self, tgid: u32) {
+    fn forget_process<R: WalkerRecord>(&mut self, processes: &mut ProcessTable<R>, tgid: u32) {
         self.exited.retain(|&exited| exited != tgid);
-        self.forget_exited(tgid);
+        self.forget_exited(processes, tgid);
         self.stats.processes_replaced += 1;
     }
 
     /// Walks every held sample as far as it goes now (at shutdown).
-    pub fn flush(&mut self, mut on_walk: impl FnMut(Walked<'_>)) {
-        self.poll(&mut on_walk);
+    pub fn flush<R: WalkerRecord>(
+        &mut self,
+        processes: &mut ProcessTable<R>,
+        mut on_walk: impl FnMut(Walked<'_, R>),
+    ) {
+        self.poll(processes, &mut on_walk);
         for held in std::mem::take(&mut self.waiting) {
-            self.walk_as_far_as_it_goes(&held, &mut on_walk);
+            self.walk_as_far_as_it_goes(processes, &held, &mut on_walk);
         }
         self.waiting_bytes = 0;
-        self.forget_walked_exits();
+        self.forget_walked_exits(processes);
     }
 
     /// Samples held for a table right now.
@@ -911,11 +945,15 @@ impl StackWalker {
         true
     }
 
-    fn retry_waiting(&mut self, on_walk: &mut impl FnMut(Walked<'_>)) {
+    fn retry_waiting<R: WalkerRecord>(
+        &mut self,
+        processes: &mut ProcessTable<R>,
+        on_walk: &mut impl FnMut(Walked<'_, R>),
+    ) {
         self.tables_changed = false;
         for held in std::mem::take(&mut self.waiting) {
             match self
-                .walk_sample(&held.header, held.stack(), Identity::Unchecked)
+                .walk_sample(processes, &held.header, held.stack(), Identity::Unchecked)
                 .ok()
                 .flatten()
                 .map(|w| w.outcome)
@@ -924,6 +962,7 @@ impl StackWalker {
                 Some(outcome) => {
                     self.waiting_bytes -= held.bytes();
                     self.deliver(
+                        processes,
                         &held.header,
                         &held.kernel_frames,
                         held.stack(),
@@ -934,12 +973,12 @@ impl StackWalker {
                 None => self.waiting_bytes -= held.bytes(),
             }
         }
-        self.forget_walked_exits();
+        self.forget_walked_exits(processes);
     }
 
     /// Processes that exited while samples of theirs were held go once
     /// none is held any more.
-    fn forget_walked_exits(&mut self) {
+    fn forget_walked_exits<R: WalkerRecord>(&mut self, processes: &mut ProcessTable<R>) {
         if self.exited.is_empty() {
             return;
         }
@@ -948,20 +987,21 @@ impl StackWalker {
             if self.waiting.iter().any(|held| held.header.tgid == tgid) {
                 self.exited.push(tgid);
             } else {
-                self.forget_exited(tgid);
+                self.forget_exited(processes, tgid);
             }
         }
     }
 
     /// Counts the walk just made, hands it to `on_walk`, then tells the
     /// planner how it went (which may learn the thread's deep frames).
-    fn deliver(
+    fn deliver<R: WalkerRecord>(
         &mut self,
+        processes: &mut ProcessTable<R>,
         header: &SampleHeader,
         kernel_frames: &[u64],
         stack: UserStack<'_>,
         outcome: WalkOutcome,
-        on_walk: &mut impl FnMut(Walked<'_>),
+        on_walk: &mut impl FnMut(Walked<'_, R>),
     ) {
         let stitched = self.last_tail_reads > 0;
         if self.frames.is_empty() {
@@ -972,6 +1012,7 @@ impl StackWalker {
         on_walk(Walked {
             header,
             kernel_frames,
+            record: self.last_process.and_then(|slot| processes.state_at(slot)),
             walk: Walk {
                 frames: &self.frames,
                 objects: self.placed(),
@@ -998,29 +1039,27 @@ impl StackWalker {
         };
         let copy = self
             .last_process
-            .and_then(|slot| self.processes.state_at(slot))
+            .and_then(|slot| processes.walker_at(slot))
             .map(|process| &mut process.copy);
         if self.planner.observe(&report, copy) {
-            self.learn(header, stack.copy, &report);
+            self.learn(processes, header, stack.copy, &report);
         }
     }
 
     /// Reads the rest of the sampled thread's stack from the live process
     /// and walks it, so the planner learns which deep words to ask for.
-    fn learn(&mut self, header: &SampleHeader, copy: &[u8], report: &WalkReport) {
-        let regs = registers(header);
+    fn learn<R: WalkerRecord>(
+        &mut self,
+        processes: &mut ProcessTable<R>,
+        header: &SampleHeader,
+        copy: &[u8],
+        report: &WalkReport,
+    ) {
         let mut planner = std::mem::replace(&mut self.planner, Planner::new(0, 0, false));
         planner.learn(report, copy, |memory| {
             let mut frames = std::mem::take(&mut self.learn_frames);
             let (end, _) = self
-                .walk_memory(
-                    header.tgid,
-                    header.process_start_ns,
-                    regs,
-                    memory,
-                    &mut frames,
-                    WalkUse::Learn,
-                )
+                .walk_memory(processes, header, memory, &mut frames, WalkUse::Learn)
                 .unwrap_or((UnwindEnd::Unmapped, false));
             self.learn_frames = frames;
             end
@@ -1039,17 +1078,23 @@ impl StackWalker {
     /// image is mapped): its held samples are walked with what was known
     /// of the old one, then its mappings and plans go, unless the mapping
     /// feed already saw the exec itself.
-    pub fn on_exec(&mut self, tgid: u32, time_ns: u64, mut on_walk: impl FnMut(Walked<'_>)) {
-        self.flush_process(tgid, &mut on_walk);
-        self.processes.exec(tgid, time_ns);
-        self.let_go_of_dropped();
+    pub fn on_exec<R: WalkerRecord>(
+        &mut self,
+        processes: &mut ProcessTable<R>,
+        tgid: u32,
+        time_ns: u64,
+        mut on_walk: impl FnMut(Walked<'_, R>),
+    ) {
+        self.flush_process(processes, tgid, &mut on_walk);
+        processes.exec(tgid, time_ns);
+        self.let_go_of_dropped(processes);
     }
 
     /// The process exited: forget it, so a reused pid starts afresh. While
     /// samples of it wait for a table, what is known of it stays, so they
     /// can still be walked (it goes once they are). Either way
     /// [`Self::take_completed_exits`] says when it went.
-    pub fn on_exit(&mut self, tgid: u32) {
+    pub fn on_exit<R: WalkerRecord>(&mut self, processes: &mut ProcessTable<R>, tgid: u32) {
         if self.waiting.iter().any(|held| held.header.tgid == tgid) {
             // Once: the sweep of gone processes asks again every
             // interval while they wait.
@@ -1058,13 +1103,17 @@ impl StackWalker {
             }
             return;
         }
-        self.forget_exited(tgid);
+        self.forget_exited(processes, tgid);
     }
 
     /// When the process the walker knows by `tgid` started (the samples'
     /// `process_start_ns`, on `CLOCK_MONOTONIC`), if it knows one.
-    pub fn process_started(&self, tgid: u32) -> Option<u64> {
-        self.processes.state_of(tgid).map(|state| state.started)
+    pub fn process_started<R: WalkerRecord>(
+        &self,
+        processes: &ProcessTable<R>,
+        tgid: u32,
+    ) -> Option<u64> {
+        processes.walker_of(tgid).map(|state| state.started)
     }
 
     /// The processes whose exit the walker applied since the last call
@@ -1076,9 +1125,9 @@ impl StackWalker {
         std::mem::take(&mut self.completed_exits)
     }
 
-    fn forget_exited(&mut self, tgid: u32) {
-        self.processes.remove(tgid);
-        self.let_go_of_dropped();
+    fn forget_exited<R: WalkerRecord>(&mut self, processes: &mut ProcessTable<R>, tgid: u32) {
+        processes.remove(tgid);
+        self.let_go_of_dropped(processes);
         if self.completed_exits.len() < stackscope_process_table::table::MAX_PROCESSES {
             self.completed_exits.push(tgid);
         }
@@ -1087,41 +1136,49 @@ impl StackWalker {
     /// From the mapping feed: `child` forked from `parent` and maps what it
     /// maps. Samples still held for a process that had `child`'s pid are
     /// walked first.
-    pub fn process_forked(&mut self, parent: u32, child: u32, mut on_walk: impl FnMut(Walked<'_>)) {
+    pub fn process_forked<R: WalkerRecord>(
+        &mut self,
+        processes: &mut ProcessTable<R>,
+        parent: u32,
+        child: u32,
+        mut on_walk: impl FnMut(Walked<'_, R>),
+    ) {
         // A new process: whatever is kept under its pid (an exited one
         // whose held samples kept it) is walked, then goes.
-        self.flush_process(child, &mut on_walk);
+        self.flush_process(processes, child, &mut on_walk);
         if self.exited.contains(&child) {
             self.exited.retain(|&tgid| tgid != child);
-            self.forget_exited(child);
+            self.forget_exited(processes, child);
         }
-        self.processes.forked(parent, child);
-        self.let_go_of_dropped();
+        processes.forked(parent, child);
+        self.let_go_of_dropped(processes);
     }
 
     /// From the mapping feed: the process called exec at `time_ns`; its
     /// mappings from now on are the events'. Samples held from before are
     /// walked first.
-    pub fn process_exec_learned(
+    pub fn process_exec_learned<R: WalkerRecord>(
         &mut self,
+        processes: &mut ProcessTable<R>,
         tgid: u32,
         time_ns: u64,
-        mut on_walk: impl FnMut(Walked<'_>),
+        mut on_walk: impl FnMut(Walked<'_, R>),
     ) {
-        self.flush_process(tgid, &mut on_walk);
+        self.flush_process(processes, tgid, &mut on_walk);
         self.exited.retain(|&exited| exited != tgid);
-        self.processes.exec_learned(tgid, None, time_ns);
-        self.let_go_of_dropped();
+        processes.exec_learned(tgid, None, time_ns);
+        self.let_go_of_dropped(processes);
     }
 
     /// From the mapping feed: the process mapped code. A module it replaces
     /// goes (samples held from before are walked with it first).
-    pub fn process_mapped(
+    pub fn process_mapped<R: WalkerRecord>(
         &mut self,
+        processes: &mut ProcessTable<R>,
         tgid: u32,
         mapping: Mapping,
         build_id: Option<BuildId>,
-        mut on_walk: impl FnMut(Walked<'_>),
+        mut on_walk: impl FnMut(Walked<'_, R>),
     ) {
         let (start, end) = (mapping.start, mapping.end);
         let overlaps = |m: &Module| m.start < end && start < m.end;
@@ -1129,45 +1186,40 @@ impl StackWalker {
         // writable and executable all the time) is walked the same way:
         // nothing to forget.
         let jit_over_jit =
-            |m: &Module| is_jit_code(&mapping.path) && matches!(m.object, ModuleObject::Jit);
-        if self
-            .processes
-            .state_of(tgid)
+            |m: &Module| mapping.path.is_jit_code() && matches!(m.object, ModuleObject::Jit);
+        if processes
+            .walker_of(tgid)
             .is_some_and(|p| p.modules.iter().any(|m| overlaps(m) && !jit_over_jit(m)))
         {
-            self.flush_process(tgid, &mut on_walk);
+            self.flush_process(processes, tgid, &mut on_walk);
             let space = self.next_space();
-            if let Some(process) = self.processes.state_of_mut(tgid) {
+            if let Some(process) = processes.walker_of_mut(tgid) {
                 process.modules.retain(|m| !overlaps(m));
                 process.space = space;
             }
         }
-        self.processes.mapped(tgid, mapping, build_id);
-    }
-
-    /// The program `tgid` exec'd, as the mapping feed saw it mapped.
-    pub fn learned_exe(&self, tgid: u32) -> Option<&Path> {
-        self.processes.learned_exe(tgid)
+        processes.mapped(tgid, mapping, build_id);
     }
 
     /// Sizes of what the walker keeps between samples.
-    pub fn state_sizes(&self, out: &mut Vec<StateSize>) {
+    pub fn state_sizes<R: WalkerRecord>(
+        &self,
+        processes: &ProcessTable<R>,
+        out: &mut Vec<StateSize>,
+    ) {
         out.push(StateSize::entries(
             "process_table",
-            self.processes.len(),
+            processes.len(),
             Some(MAX_PROCESSES),
         ));
         out.push(StateSize::entries(
             "file_identities",
-            self.processes.cached_objects(),
+            processes.cached_objects(),
             Some(table::MAX_CACHED_OBJECTS),
         ));
         out.push(StateSize::entries(
             "copy_sizes",
-            self.processes
-                .states()
-                .filter(|(_, p)| p.copy.is_some())
-                .count(),
+            processes.walkers().filter(|p| p.copy.is_some()).count(),
             Some(MAX_PROCESSES),
         ));
         // Tables some process holds are bounded by the processes and their
@@ -1205,76 +1257,50 @@ impl StackWalker {
     /// Every process something is kept for (a process whose exit record
     /// was lost, or whose late sample came after it, stays until evicted
     /// unless the sweep of gone processes finds it gone).
-    pub fn tracked_processes_into(&self, out: &mut Vec<u32>) {
-        out.extend(self.processes.tgids());
+    pub fn tracked_processes_into<R: WalkerRecord>(
+        &self,
+        processes: &ProcessTable<R>,
+        out: &mut Vec<u32>,
+    ) {
+        out.extend(processes.tgids());
         self.planner.tracked_processes_into(out);
-    }
-
-    /// What the process table learned from the mapping feed.
-    pub fn table_stats(&self) -> stackscope_process_table::table::TableStats {
-        self.processes.stats()
     }
 
     /// Exec or exit records were lost (the ring buffer was full): any
     /// process's state may be another's now, so all of it goes and is
     /// learned again. Tables stay: they belong to files, not processes.
-    pub fn forget_all_processes(&mut self) {
-        self.processes.forget_processes();
-        self.let_go_of_dropped();
+    pub fn forget_all_processes<R: WalkerRecord>(&mut self, processes: &mut ProcessTable<R>) {
+        processes.forget_processes();
+        self.let_go_of_dropped(processes);
         self.exited.clear();
         self.planner.forget_all();
         self.stats.state_resets += 1;
     }
 
-    /// The process table's reads asked for since the last call (deferred
-    /// reads, see [`WalkerConfig::defer_reads`]): the owner runs them with
-    /// [`Self::table_reader`] on another thread and hands the answers to
-    /// [`Self::apply_reads`].
-    pub fn take_read_requests(&mut self) -> Vec<ReadRequest> {
-        self.processes.take_read_requests()
-    }
-
-    /// A handle that does the process table's reads, sharing its identity
-    /// cache, on the thread that holds it.
-    pub fn table_reader(&self) -> TableReader {
-        self.processes.reader()
-    }
-
-    /// Whether reads asked for are still unanswered.
-    pub fn awaits_reads(&self) -> bool {
-        self.processes.awaits_reads()
-    }
-
     /// Applies the answers to reads asked for; the samples held for them
     /// are walked again on the next [`Self::poll`] or [`Self::push`].
-    pub fn apply_reads(&mut self, answers: Vec<ReadAnswer>) {
+    pub fn apply_reads<R: WalkerRecord>(
+        &mut self,
+        processes: &mut ProcessTable<R>,
+        answers: Vec<ReadAnswer>,
+    ) {
         for answer in answers {
-            self.tables_changed |= self.processes.apply(answer);
+            self.tables_changed |= processes.apply(answer);
         }
-    }
-
-    /// Processes with a record now (at most [`MAX_PROCESSES`]).
-    pub fn tracked_processes(&self) -> usize {
-        self.processes.len()
-    }
-
-    /// The record of `tgid`, made when first walked; the least recently
-    /// used process goes when there are too many.
-    fn process_modules(&mut self, tgid: u32, started: u64) -> &mut ProcessState {
-        let (_, process) = self.processes.state(tgid);
-        if process.started == 0 {
-            process.started = started;
-        }
-        process
     }
 
     /// Walks the user stack of a sample (its header, the copied stack
     /// bytes and the tail) with what is known now; `None` when it has no
     /// user part (a kernel thread). Does not hold or count the sample:
     /// [`Self::push`] does both.
-    pub fn walk(&mut self, header: &SampleHeader, stack: UserStack<'_>) -> Option<Walk<'_>> {
-        self.take_compiled_tables();
-        self.walk_sample(header, stack, Identity::Unchecked)
+    pub fn walk<R: WalkerRecord>(
+        &mut self,
+        processes: &mut ProcessTable<R>,
+        header: &SampleHeader,
+        stack: UserStack<'_>,
+    ) -> Option<Walk<'_>> {
+        self.take_compiled_tables(processes);
+        self.walk_sample(processes, header, stack, Identity::Unchecked)
             .ok()
             .flatten()
     }
@@ -1283,8 +1309,9 @@ impl StackWalker {
     /// callers that walk many samples do that once). With
     /// [`Identity::Checked`], an error when the walker's state for the pid
     /// is another process's (an earlier one that had the same pid).
-    fn walk_sample(
+    fn walk_sample<R: WalkerRecord>(
         &mut self,
+        processes: &mut ProcessTable<R>,
         header: &SampleHeader,
         stack: UserStack<'_>,
         identity: Identity,
@@ -1292,15 +1319,13 @@ impl StackWalker {
         if header.flags & sample_flags::USER_REGS == 0 {
             return Ok(None);
         }
-        let tgid = header.tgid;
         let regs = registers(header);
         let mut memory = SampledStack::new(regs.rsp, stack.copy, stack.spans, stack.tail);
         memory.prefetch();
         let mut frames = std::mem::take(&mut self.frames);
         let walked = self.walk_memory(
-            tgid,
-            header.process_start_ns,
-            regs,
+            processes,
+            header,
             &mut memory,
             &mut frames,
             WalkUse::Sample(identity),
@@ -1345,22 +1370,21 @@ impl StackWalker {
     /// table it needs is still being compiled. A sample's walk also places
     /// its frames (see [`Self::place_frames`]). The process's modules are
     /// looked up once, unless a module has to be resolved.
-    fn walk_memory(
+    fn walk_memory<R: WalkerRecord>(
         &mut self,
-        tgid: u32,
-        started: u64,
-        regs: Registers,
+        processes: &mut ProcessTable<R>,
+        header: &SampleHeader,
         memory: &mut impl WalkMemory,
         frames: &mut Vec<u64>,
         used: WalkUse,
     ) -> Result<(UnwindEnd, bool), OtherProcess> {
+        let (tgid, started, regs) = (header.tgid, header.process_start_ns, registers(header));
         let mut resolves = 0;
         // Records the table let go of since (to make room, or a read that
         // found a process gone) take their plans with them first.
-        self.let_go_of_dropped();
+        self.let_go_of_dropped(processes);
         loop {
             let Self {
-                processes,
                 last_process,
                 rules,
                 max_depth,
@@ -1370,7 +1394,7 @@ impl StackWalker {
                 last_space,
                 ..
             } = self;
-            let (slot, process) = processes.state(tgid);
+            let (slot, process) = processes.walker(tgid);
             if used == WalkUse::Sample(Identity::Checked)
                 && resolves == 0
                 && process.is_other_process(started)
@@ -1415,10 +1439,11 @@ impl StackWalker {
                 }
                 return Ok((end, pending));
             }
-            let resolved = unknown.map_or(Resolved::Nothing, |pc| self.resolve(tgid, pc));
+            let resolved =
+                unknown.map_or(Resolved::Nothing, |pc| self.resolve(processes, tgid, pc));
             if resolved != Resolved::Module {
                 if matches!(used, WalkUse::Sample(_)) {
-                    self.place_frames_of(tgid, frames);
+                    self.place_frames_of(processes, tgid, frames);
                 }
                 return Ok((end, resolved == Resolved::Pending));
             }
@@ -1428,9 +1453,14 @@ impl StackWalker {
 
     /// Places the frames of a walk of `tgid` made outside
     /// [`Self::walk_memory`]'s lookup (see [`place_frames`]).
-    fn place_frames_of(&mut self, tgid: u32, frames: &[u64]) {
+    fn place_frames_of<R: WalkerRecord>(
+        &mut self,
+        processes: &mut ProcessTable<R>,
+        tgid: u32,
+        frames: &[u64],
+    ) {
         self.last_space = place_frames(
-            self.processes.state_of(tgid),
+            processes.walker_of(tgid),
             frames,
             &mut self.objects,
             &mut self.frame0_binary,
@@ -1446,7 +1476,7 @@ impl StackWalker {
     }
 
     /// Installs the tables the background compiler has finished.
-    fn take_compiled_tables(&mut self) {
+    fn take_compiled_tables<R: WalkerRecord>(&mut self, processes: &mut ProcessTable<R>) {
         while let Some((id, result)) = self.compiler.finished() {
             let table = match result {
                 Compiled::Table { table, from_disk } => {
@@ -1465,7 +1495,7 @@ impl StackWalker {
                     // Transient (the process exited before its file was
                     // opened): forget it, so a later sample retries.
                     self.tables.by_object.remove(&id);
-                    for process in self.processes.states_mut() {
+                    for process in processes.walkers_mut() {
                         let before = process.modules.len();
                         process
                             .modules
@@ -1481,11 +1511,7 @@ impl StackWalker {
                     continue;
                 }
             };
-            for module in self
-                .processes
-                .states_mut()
-                .flat_map(|p| p.modules.iter_mut())
-            {
+            for module in processes.walkers_mut().flat_map(|p| p.modules.iter_mut()) {
                 if matches!(module.table, ModuleTable::Pending(p) if p == id) {
                     module.table = table.clone();
                 }
@@ -1497,8 +1523,13 @@ impl StackWalker {
 
     /// Adds the module holding `pc` to the process's list, if it is in
     /// one (and the process is not gone), or says a read is awaited.
-    fn resolve(&mut self, tgid: u32, pc: u64) -> Resolved {
-        let module = match self.processes.lookup(tgid, pc) {
+    fn resolve<R: WalkerRecord>(
+        &mut self,
+        processes: &mut ProcessTable<R>,
+        tgid: u32,
+        pc: u64,
+    ) -> Resolved {
+        let module = match processes.lookup(tgid, pc) {
             Ok(Some(Location::Object(object))) => {
                 let Some(vaddr) = object.elf_vaddr else {
                     return Resolved::Nothing;
@@ -1546,7 +1577,7 @@ impl StackWalker {
                     object: ModuleObject::Vdso,
                 }
             }
-            Ok(Some(Location::Unbacked(region))) if is_jit_code(&region.mapping.path) => {
+            Ok(Some(Location::Unbacked(region))) if region.mapping.path.is_jit_code() => {
                 // Executable memory no file backs: JIT code, which keeps
                 // frame pointers (V8, HotSpot with -XX:+PreserveFramePointer,
                 // .NET, LuaJIT). Walked by the validated frame-pointer step
@@ -1587,7 +1618,7 @@ impl StackWalker {
             }
         };
         let space = self.next_space();
-        self.process_modules(tgid, 0).insert(module, space);
+        process_modules(processes, tgid, 0).insert(module, space);
         Resolved::Module
     }
 
@@ -1612,6 +1643,20 @@ impl StackWalker {
             ends.add(outcome, stitched);
         }
     }
+}
+
+/// The record of `tgid`, made when first walked; the least recently used
+/// process goes when there are too many.
+fn process_modules<R: WalkerRecord>(
+    processes: &mut ProcessTable<R>,
+    tgid: u32,
+    started: u64,
+) -> &mut ProcessState {
+    let (_, process) = processes.walker(tgid);
+    if process.started == 0 {
+        process.started = started;
+    }
+    process
 }
 
 /// Fills `objects` for `frames`, a walk of `process` just made, and names
@@ -1709,17 +1754,6 @@ fn own_vdso_table() -> Option<Arc<UnwindTable>> {
     }
 }
 
-/// Whether an executable mapping without a file is JIT code: anonymous
-/// memory, or named anonymous memory (`[anon:name]`, from `prctl`). Not
-/// the vDSO (its image is known) nor `[vsyscall]`.
-fn is_jit_code(path: &MappingPath) -> bool {
-    match path {
-        MappingPath::Anonymous => true,
-        MappingPath::Other(name) => name.starts_with(b"[anon:"),
-        _ => false,
-    }
-}
-
 fn binary_name(path: &MappingPath) -> Arc<str> {
     match path.file_path() {
         Some(path) => Path::new(path)
@@ -1766,6 +1800,11 @@ pub mod test_support {
 mod tests {
     use super::{test_support::own_sample, *};
 
+    /// The table a walker made with the default configuration is lent.
+    fn test_table() -> ProcessTable<ProcessState> {
+        StackWalker::process_table(&WalkerConfig::default())
+    }
+
     fn module(start: u64, end: u64) -> Module {
         Module {
             start,
@@ -1781,35 +1820,36 @@ mod tests {
     #[test]
     fn a_walk_through_jit_code_has_no_space_to_be_remembered_by() {
         let mut walker = StackWalker::default();
+        let mut table = test_table();
         let mut jit = module(0x4000, 0x5000);
         jit.object = ModuleObject::Jit;
         let space = walker.next_space();
-        let process = walker.process_modules(7, 1);
+        let process = process_modules(&mut table, 7, 1);
         process.insert(module(0x1000, 0x2000), space);
         process.insert(jit, space);
         walker.frames = vec![0x1010, 0x1020];
-        place(&mut walker, 7);
+        place(&mut walker, &mut table, 7);
         assert_eq!(walker.last_space, Some(space));
         walker.frames = vec![0x1010, 0x4020, 0x1020];
-        place(&mut walker, 7);
+        place(&mut walker, &mut table, 7);
         assert_eq!(walker.last_space, None, "JIT frames are named by perf maps");
         // A shallower walk: the JIT object kept from the deeper one is not
         // this walk's.
         walker.frames = vec![0x1010];
-        place(&mut walker, 7);
+        place(&mut walker, &mut table, 7);
         assert_eq!(walker.last_space, Some(space));
         assert!(matches!(
             walker.placed(),
             [FrameObject::Vdso { offset: 0x10 }]
         ));
         // A process the walker has no modules for: every frame anonymous.
-        place(&mut walker, 8);
+        place(&mut walker, &mut table, 8);
         assert_eq!(walker.last_space, Some(0));
     }
 
-    fn place(walker: &mut StackWalker, tgid: u32) {
+    fn place(walker: &mut StackWalker, table: &mut ProcessTable<ProcessState>, tgid: u32) {
         let frames = std::mem::take(&mut walker.frames);
-        walker.place_frames_of(tgid, &frames);
+        walker.place_frames_of(table, tgid, &frames);
         walker.frames = frames;
     }
 
@@ -1850,24 +1890,26 @@ mod tests {
     #[test]
     fn the_least_recently_walked_process_goes_beyond_the_bound() {
         let mut walker = StackWalker::default();
+        let mut table = test_table();
         for tgid in 0..MAX_PROCESSES as u32 {
-            walker.process_modules(tgid, 1);
+            process_modules(&mut table, tgid, 1);
             walker.stats.walks += 1;
         }
-        walker.process_modules(0, 1);
+        process_modules(&mut table, 0, 1);
         walker.stats.walks += 1;
-        walker.process_modules(u32::MAX, 1);
-        assert_eq!(walker.tracked_processes(), MAX_PROCESSES);
-        assert!(walker.processes.contains(0), "walked again: kept");
-        assert!(!walker.processes.contains(1), "least recently walked: gone");
-        walker.forget_all_processes();
-        assert_eq!(walker.tracked_processes(), 0);
+        process_modules(&mut table, u32::MAX, 1);
+        assert_eq!(table.len(), MAX_PROCESSES);
+        assert!(table.contains(0), "walked again: kept");
+        assert!(!table.contains(1), "least recently walked: gone");
+        walker.forget_all_processes(&mut table);
+        assert_eq!(table.len(), 0);
         assert_eq!(walker.stats().state_resets, 1);
     }
 
     #[test]
     fn a_kernel_tick_whose_user_context_is_gone_has_no_user_frames() {
         let mut walker = StackWalker::default();
+        let mut table = test_table();
         let (header, stack) = own_sample();
         // In the kernel (no TICK_IN_USER), the saved rip in nothing mapped:
         // inside execve or exit, the user memory is gone.
@@ -1876,7 +1918,7 @@ mod tests {
             ..header
         };
         let mut frames = Vec::new();
-        walker.push(&gone, &[], UserStack::copy_only(&stack), |w| {
+        walker.push(&mut table, &gone, &[], UserStack::copy_only(&stack), |w| {
             frames.push(w.walk.frames.to_vec())
         });
         assert_eq!(frames, [Vec::<u64>::new()]);
@@ -1887,9 +1929,13 @@ mod tests {
             flags: gone.flags | sample_flags::TICK_IN_USER,
             ..gone
         };
-        walker.push(&in_user, &[], UserStack::copy_only(&stack), |w| {
-            frames.push(w.walk.frames.to_vec())
-        });
+        walker.push(
+            &mut table,
+            &in_user,
+            &[],
+            UserStack::copy_only(&stack),
+            |w| frames.push(w.walk.frames.to_vec()),
+        );
         assert_eq!(frames[1], [0x10]);
         assert_eq!(walker.stats().walks, 1);
     }
@@ -1897,6 +1943,7 @@ mod tests {
     #[test]
     fn a_kernel_tick_whose_user_stack_is_unreadable_has_no_user_frames() {
         let mut walker = StackWalker::default();
+        let mut table = test_table();
         let (header, _) = own_sample();
         // In the kernel, its saved rip in this binary, but not one byte of
         // its stack readable: exit tearing the memory down.
@@ -1905,7 +1952,7 @@ mod tests {
             ..header
         };
         let mut frames = Vec::new();
-        walker.push(&torn, &[], UserStack::copy_only(&[]), |w| {
+        walker.push(&mut table, &torn, &[], UserStack::copy_only(&[]), |w| {
             frames.push(w.walk.frames.to_vec())
         });
         let started = std::time::Instant::now();
@@ -1913,7 +1960,7 @@ mod tests {
             assert!(started.elapsed() < std::time::Duration::from_secs(60));
             // The binary's table compiles on the compiler's threads.
             std::thread::sleep(std::time::Duration::from_millis(5));
-            walker.poll(|w| frames.push(w.walk.frames.to_vec()));
+            walker.poll(&mut table, |w| frames.push(w.walk.frames.to_vec()));
         }
         assert_eq!(frames, [Vec::<u64>::new()]);
         assert_eq!(walker.stats().kernel_ticks_unplaced, 1);
@@ -1922,48 +1969,59 @@ mod tests {
     #[test]
     fn an_exit_waits_for_held_samples() {
         let mut walker = StackWalker::default();
+        let mut table = test_table();
         let (header, stack) = own_sample();
         let mut delivered = Vec::new();
-        walker.push(&header, &[], UserStack::copy_only(&stack), |w| {
-            delivered.push(w.walk.outcome)
-        });
+        walker.push(
+            &mut table,
+            &header,
+            &[],
+            UserStack::copy_only(&stack),
+            |w| delivered.push(w.walk.outcome),
+        );
         assert_eq!(walker.waiting(), 1);
-        walker.on_exit(header.tgid);
+        walker.on_exit(&mut table, header.tgid);
         assert!(
             walker.take_completed_exits().is_empty(),
             "held samples keep the process"
         );
-        assert!(walker.processes.contains(header.tgid));
+        assert!(table.contains(header.tgid));
         let started = std::time::Instant::now();
         while delivered.is_empty() {
             assert!(started.elapsed() < std::time::Duration::from_secs(60));
             std::thread::sleep(std::time::Duration::from_millis(5));
-            walker.poll(|w| delivered.push(w.walk.outcome));
+            walker.poll(&mut table, |w| delivered.push(w.walk.outcome));
         }
         // Walked with what was known of it, then it went.
         assert_eq!(delivered, [WalkOutcome::Ended(UnwindEnd::Outermost)]);
         assert_eq!(walker.take_completed_exits(), [header.tgid]);
-        assert!(!walker.processes.contains(header.tgid));
+        assert!(!table.contains(header.tgid));
         // An exit with nothing held goes at once.
-        walker.on_exit(header.tgid);
+        walker.on_exit(&mut table, header.tgid);
         assert_eq!(walker.take_completed_exits(), [header.tgid]);
     }
 
     #[test]
     fn with_deferred_reads_a_sample_waits_for_its_process_to_be_read_elsewhere() {
-        let mut walker = StackWalker::new(WalkerConfig {
+        let config = WalkerConfig {
             defer_reads: true,
             ..WalkerConfig::default()
-        });
+        };
+        let mut table: ProcessTable<ProcessState> = StackWalker::process_table(&config);
+        let mut walker = StackWalker::new(config);
         let (header, stack) = own_sample();
         let mut delivered = Vec::new();
-        walker.push(&header, &[], UserStack::copy_only(&stack), |w| {
-            delivered.push(w.walk.outcome)
-        });
-        assert_eq!((walker.waiting(), walker.table_stats().maps_reads), (1, 0));
-        let requests = walker.take_read_requests();
+        walker.push(
+            &mut table,
+            &header,
+            &[],
+            UserStack::copy_only(&stack),
+            |w| delivered.push(w.walk.outcome),
+        );
+        assert_eq!((walker.waiting(), table.stats().maps_reads), (1, 0));
+        let requests = table.take_read_requests();
         assert_eq!(requests.len(), 1);
-        let reader = walker.table_reader();
+        let reader = table.reader();
         let answers = std::thread::spawn(move || {
             requests
                 .into_iter()
@@ -1972,37 +2030,43 @@ mod tests {
         })
         .join()
         .expect("the reading thread");
-        walker.apply_reads(answers);
+        walker.apply_reads(&mut table, answers);
         let started = std::time::Instant::now();
         while delivered.is_empty() {
             assert!(started.elapsed() < std::time::Duration::from_secs(60));
             // Files identified on the reading thread, tables compiled on
             // the compiler's; this one only waits for them.
             std::thread::sleep(std::time::Duration::from_millis(5));
-            walker.poll(|w| delivered.push(w.walk.outcome));
-            for request in walker.take_read_requests() {
-                walker.apply_reads(vec![walker.table_reader().read(request)]);
+            walker.poll(&mut table, |w| delivered.push(w.walk.outcome));
+            for request in table.take_read_requests() {
+                let answer = table.reader().read(request);
+                walker.apply_reads(&mut table, vec![answer]);
             }
         }
         assert_eq!(delivered, [WalkOutcome::Ended(UnwindEnd::Outermost)]);
-        assert_eq!(walker.table_stats().maps_reads, 1);
+        assert_eq!(table.stats().maps_reads, 1);
     }
 
     #[test]
     fn a_fork_reusing_the_pid_of_an_exited_process_starts_afresh() {
         let mut walker = StackWalker::default();
+        let mut table = test_table();
         let (header, stack) = own_sample();
         let mut delivered = 0;
-        walker.push(&header, &[], UserStack::copy_only(&stack), |_| {
-            delivered += 1
-        });
-        walker.on_exit(header.tgid);
+        walker.push(
+            &mut table,
+            &header,
+            &[],
+            UserStack::copy_only(&stack),
+            |_| delivered += 1,
+        );
+        walker.on_exit(&mut table, header.tgid);
         // The pid is a new process's now: the held sample is walked as far
         // as it goes, and nothing of the old process stays for the new one.
-        walker.process_forked(1, header.tgid, |_| delivered += 1);
+        walker.process_forked(&mut table, 1, header.tgid, |_| delivered += 1);
         assert_eq!((delivered, walker.waiting()), (1, 0));
         assert!(walker.exited.is_empty());
-        assert!(!walker.processes.contains(header.tgid), "untracked parent");
+        assert!(!table.contains(header.tgid), "untracked parent");
         // The old process's exit is applied: what else is kept of it goes.
         assert_eq!(walker.take_completed_exits(), [header.tgid]);
     }
@@ -2010,34 +2074,40 @@ mod tests {
     #[test]
     fn a_pid_reused_by_a_later_process_starts_afresh() {
         let mut walker = StackWalker::default();
+        let mut table = test_table();
         let (header, stack) = own_sample();
         let first = SampleHeader {
             process_start_ns: 100,
             ..header
         };
-        let is_new = |walker: &StackWalker, header: &SampleHeader| {
-            walker
-                .processes
+        let is_new = |table: &ProcessTable<ProcessState>, header: &SampleHeader| {
+            table
                 .state_of(header.tgid)
                 .unwrap()
                 .is_other_process(header.process_start_ns)
         };
-        walker.process_modules(first.tgid, 100);
-        assert!(!is_new(&walker, &first));
+        process_modules(&mut table, first.tgid, 100);
+        assert!(!is_new(&table, &first));
         let unknown = SampleHeader {
             process_start_ns: 0,
             ..header
         };
-        assert!(!is_new(&walker, &unknown), "no start time: no verdict");
+        assert!(!is_new(&table, &unknown), "no start time: no verdict");
         let later = SampleHeader {
             process_start_ns: 200,
             ..header
         };
-        assert!(is_new(&walker, &later));
-        walker.push(&later, &[], UserStack::copy_only(&stack), |_| {});
+        assert!(is_new(&table, &later));
+        walker.push(
+            &mut table,
+            &later,
+            &[],
+            UserStack::copy_only(&stack),
+            |_| {},
+        );
         assert_eq!(walker.stats().processes_replaced, 1);
-        assert_eq!(walker.process_started(later.tgid), Some(200));
-        assert!(!is_new(&walker, &later));
+        assert_eq!(walker.process_started(&table, later.tgid), Some(200));
+        assert!(!is_new(&table, &later));
     }
 
     #[test]
@@ -2094,6 +2164,7 @@ mod tests {
     #[test]
     fn holds_a_sample_until_its_table_is_compiled() {
         let mut walker = StackWalker::default();
+        let mut table = test_table();
         let (header, stack) = own_sample();
         let mut walks = Vec::new();
         let kernel = [0xffff_ffff_8100_1234, 0xffff_ffff_8100_5678];
@@ -2110,6 +2181,7 @@ mod tests {
             }
         }
         walker.push(
+            &mut table,
             &header,
             &kernel,
             UserStack::copy_only(&stack),
@@ -2128,7 +2200,7 @@ mod tests {
                 "the held sample was never walked"
             );
             std::thread::sleep(std::time::Duration::from_millis(5));
-            walker.poll(keep(&mut walks));
+            walker.poll(&mut table, keep(&mut walks));
         }
         assert_eq!(walks.len(), 1);
         // Re-walks while the table compiled are not counted: one sample, one walk.
@@ -2164,20 +2236,27 @@ mod tests {
 
         // The table is known now: the next sample is walked at once.
         let mut immediate = 0;
-        walker.push(&header, &[], UserStack::copy_only(&stack), |w| {
-            assert_eq!(w.walk.outcome, WalkOutcome::Ended(UnwindEnd::Outermost));
-            assert!(w.kernel_frames.is_empty());
-            immediate += 1;
-        });
+        walker.push(
+            &mut table,
+            &header,
+            &[],
+            UserStack::copy_only(&stack),
+            |w| {
+                assert_eq!(w.walk.outcome, WalkOutcome::Ended(UnwindEnd::Outermost));
+                assert!(w.kernel_frames.is_empty());
+                immediate += 1;
+            },
+        );
         assert_eq!(immediate, 1);
     }
 
     #[test]
     fn a_sample_pushed_after_held_ones_is_delivered_with_its_own_frames() {
         let mut walker = StackWalker::default();
+        let mut table = test_table();
         let (held, stack) = own_sample();
         let mut delivered = Vec::new();
-        walker.push(&held, &[1], UserStack::copy_only(&stack), |w| {
+        walker.push(&mut table, &held, &[1], UserStack::copy_only(&stack), |w| {
             delivered.push((w.kernel_frames.to_vec(), w.walk.frames.to_vec()))
         });
         assert_eq!(walker.waiting(), 1);
@@ -2185,7 +2264,7 @@ mod tests {
         while !walker.tables_changed {
             assert!(started.elapsed() < std::time::Duration::from_secs(60));
             std::thread::sleep(std::time::Duration::from_millis(5));
-            walker.take_compiled_tables();
+            walker.take_compiled_tables(&mut table);
         }
         // Another function's entry: the held sample is walked first, and
         // this one's frames must not be the held one's.
@@ -2193,7 +2272,7 @@ mod tests {
             user_rip: a_full_queue_walks_the_sample_as_far_as_it_goes as fn() as usize as u64,
             ..held
         };
-        walker.push(&next, &[2], UserStack::copy_only(&stack), |w| {
+        walker.push(&mut table, &next, &[2], UserStack::copy_only(&stack), |w| {
             delivered.push((w.kernel_frames.to_vec(), w.walk.frames.to_vec()))
         });
         assert_eq!(
@@ -2207,15 +2286,21 @@ mod tests {
 
     #[test]
     fn a_full_queue_walks_the_sample_as_far_as_it_goes() {
-        let mut walker = StackWalker::new(WalkerConfig {
+        let config = WalkerConfig {
             max_waiting_bytes: 0,
             ..WalkerConfig::default()
-        });
+        };
+        let mut table: ProcessTable<ProcessState> = StackWalker::process_table(&config);
+        let mut walker = StackWalker::new(config);
         let (header, stack) = own_sample();
         let mut outcomes = Vec::new();
-        walker.push(&header, &[], UserStack::copy_only(&stack), |w| {
-            outcomes.push(w.walk.outcome)
-        });
+        walker.push(
+            &mut table,
+            &header,
+            &[],
+            UserStack::copy_only(&stack),
+            |w| outcomes.push(w.walk.outcome),
+        );
         assert_eq!(outcomes, [WalkOutcome::TablePending]);
         let stats = walker.stats();
         assert_eq!(

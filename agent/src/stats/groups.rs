@@ -3,72 +3,13 @@
 //! has it. `/metrics` names and JSON pointers that exist are kept as they
 //! are: dashboards, the benches and the tests read them.
 
-use super::{Group, Kind, RunTotals, Series, Shown, Stat, StatUnit, Value};
+use super::{Group, RunTotals, Series, Stat, StatUnit, Value};
 
 /// Reads the figure at a path of the totals: `field!(kernel.samples)`.
 macro_rules! field {
     ($($path:tt)+) => {
         |t: &RunTotals| Value::from(t.$($path)+)
     };
-}
-
-const fn counter(name: &'static str, help: &'static str, series: &'static [Series]) -> Stat {
-    Stat {
-        name,
-        help,
-        kind: Kind::Counter,
-        unit: StatUnit::Count,
-        label: None,
-        series,
-        shown: Shown::Everywhere,
-    }
-}
-
-const fn gauge(name: &'static str, help: &'static str, series: &'static [Series]) -> Stat {
-    Stat {
-        kind: Kind::Gauge,
-        ..counter(name, help, series)
-    }
-}
-
-impl Stat {
-    /// Series told apart by `label`.
-    const fn by(self, label: &'static str) -> Self {
-        Self {
-            label: Some(label),
-            ..self
-        }
-    }
-
-    const fn unit(self, unit: StatUnit) -> Self {
-        Self { unit, ..self }
-    }
-
-    /// In the reports only.
-    const fn reports(self) -> Self {
-        Self {
-            shown: Shown::Reports,
-            ..self
-        }
-    }
-
-    /// Served by `stackscope_telemetry::ProcessMetrics`.
-    const fn process_metrics(self) -> Self {
-        Self {
-            shown: Shown::ProcessMetrics,
-            ..self
-        }
-    }
-}
-
-/// A series labelled `label`, at `json` in the report.
-const fn s(label: &'static str, json: &'static str, read: fn(&RunTotals) -> Value) -> Series {
-    Series { label, json, read }
-}
-
-/// The one series of an unlabelled statistic.
-const fn one(json: &'static str, read: fn(&RunTotals) -> Value) -> Series {
-    s("", json, read)
 }
 
 fn always(_: &RunTotals) -> bool {
@@ -140,15 +81,15 @@ pub const GROUPS: &[Group] = &[
 ];
 
 const SAMPLING: &[Stat] = &[
-    counter(
+    Stat::counter(
         "ticks",
         "Timer ticks on the CPUs, by what became of them.",
         &[
-            s("sampled", "/kernel/samples", field!(kernel.samples)),
-            s("idle", "/kernel/idle", field!(kernel.idle)),
-            s("filtered", "/kernel/filtered", field!(kernel.filtered)),
-            s("budgeted", "/kernel/budgeted", field!(kernel.budgeted)),
-            s(
+            Series::labelled("sampled", "/kernel/samples", field!(kernel.samples)),
+            Series::labelled("idle", "/kernel/idle", field!(kernel.idle)),
+            Series::labelled("filtered", "/kernel/filtered", field!(kernel.filtered)),
+            Series::labelled("budgeted", "/kernel/budgeted", field!(kernel.budgeted)),
+            Series::labelled(
                 "ring_buffer_full",
                 "/kernel/ring_buffer_full",
                 field!(kernel.ring_buffer_full),
@@ -156,16 +97,16 @@ const SAMPLING: &[Stat] = &[
         ],
     )
     .by("outcome"),
-    counter(
+    Stat::counter(
         "samples_lost",
         "Samples lost, by cause.",
         &[
-            s(
+            Series::labelled(
                 "ring_buffer_full",
                 "/kernel/ring_buffer_full",
                 field!(kernel.ring_buffer_full),
             ),
-            s(
+            Series::labelled(
                 "decode_error",
                 "/reader/decode_errors",
                 field!(reader.decode_errors),
@@ -173,108 +114,137 @@ const SAMPLING: &[Stat] = &[
         ],
     )
     .by("cause"),
-    counter(
+    Stat::counter(
         "stack_copy_failures",
         "Samples whose user stack copy read no byte.",
-        &[one("/kernel/copy_failed", field!(kernel.copy_failed))],
+        &[Series::one(
+            "/kernel/copy_failed",
+            field!(kernel.copy_failed),
+        )],
     ),
-    counter(
+    Stat::counter(
         "samples_read",
         "Sample records read from the ring buffer.",
-        &[one("/reader/samples", |t| {
+        &[Series::one("/reader/samples", |t| {
             t.reader
                 .records
                 .saturating_sub(t.reader.process_events)
                 .into()
         })],
     ),
-    counter(
+    Stat::counter(
         "process_events_read",
         "Process exec and exit records read from the ring buffer.",
-        &[one("/reader/process_events", field!(reader.process_events))],
+        &[Series::one(
+            "/reader/process_events",
+            field!(reader.process_events),
+        )],
     ),
-    counter(
+    Stat::counter(
         "records_read",
         "Records read from the ring buffer: samples and process events.",
-        &[one("/reader/records", field!(reader.records))],
+        &[Series::one("/reader/records", field!(reader.records))],
     ),
-    counter(
+    Stat::counter(
         "ring_buffer_read",
         "Bytes of the records read from the ring buffer.",
-        &[one("/reader/bytes", field!(reader.bytes))],
+        &[Series::one("/reader/bytes", field!(reader.bytes))],
     )
     .unit(StatUnit::Bytes),
-    counter(
+    Stat::counter(
         "stack_bytes_copied",
         "User stack bytes the BPF program copied (copies and tails).",
-        &[one(
+        &[Series::one(
             "/kernel/user_stack_bytes",
             field!(kernel.user_stack_bytes),
         )],
     ),
-    gauge(
+    Stat::gauge(
         "stack_bytes_per_sample",
         "User stack bytes copied per sample, on average.",
-        &[one("/kernel/user_bytes_per_sample", |t| {
+        &[Series::one("/kernel/user_bytes_per_sample", |t| {
             t.kernel.user_bytes_per_sample().into()
         })],
     )
     .unit(StatUnit::Bytes)
     .reports(),
-    counter(
+    Stat::counter(
         "tail_spans",
         "Stack tail spans the BPF program read past the copy.",
-        &[one("/kernel/tail_spans", field!(kernel.tail_spans))],
+        &[Series::one("/kernel/tail_spans", field!(kernel.tail_spans))],
     ),
-    counter(
+    Stat::counter(
         "deep_copies",
         "Whole-stack copies of threads with a deep plan.",
-        &[one("/kernel/deep_copies", field!(kernel.deep_copies))],
+        &[Series::one(
+            "/kernel/deep_copies",
+            field!(kernel.deep_copies),
+        )],
     ),
-    counter(
+    Stat::counter(
         "deep_copy_fallbacks",
         "Ticks of deep-plan threads that fell back to the usual copy.",
-        &[one(
+        &[Series::one(
             "/kernel/deep_copy_fallbacks",
             field!(kernel.deep_copy_fallbacks),
         )],
     ),
-    counter(
+    Stat::counter(
         "direct_copy_fallbacks",
         "Ticks of learned threads whose copy straight into the ring buffer \
          failed (no room, or a faulting read) and took the usual copy.",
-        &[one(
+        &[Series::one(
             "/kernel/direct_copy_fallbacks",
             field!(kernel.direct_copy_fallbacks),
         )],
     ),
-    counter(
+    Stat::counter(
         "early_wakeups",
         "Records that woke the reader at once: ticks of threads not learned yet \
          of programs whose threads needed deep copies.",
-        &[one("/kernel/early_wakeups", field!(kernel.early_wakeups))],
+        &[Series::one(
+            "/kernel/early_wakeups",
+            field!(kernel.early_wakeups),
+        )],
     ),
-    counter(
+    Stat::counter(
+        "python_stacks",
+        "Python stack records the sampler wrote: ticks of CPython threads \
+         with a thread state.",
+        &[Series::one(
+            "/kernel/python_stacks",
+            field!(kernel.python_stacks),
+        )],
+    ),
+    Stat::counter(
+        "python_frames",
+        "Python frames in those records.",
+        &[Series::one(
+            "/kernel/python_frames",
+            field!(kernel.python_frames),
+        )],
+    ),
+    Stat::counter(
         "bpf_runs",
         "Runs of the BPF program, counted while the kernel's BPF statistics \
          are on (--bpf-stats).",
-        &[one("/bpf/run_count", field!(program.run_count))],
+        &[Series::one("/bpf/run_count", field!(program.run_count))],
     ),
-    counter(
+    Stat::counter(
         "bpf_run_time",
         "Time the BPF program ran, counted while the kernel's BPF statistics \
          are on (--bpf-stats).",
-        &[one("/bpf/run_ns", |t| {
+        &[Series::one("/bpf/run_ns", |t| {
             u64::try_from(t.program.run_time.as_nanos())
                 .unwrap_or(u64::MAX)
                 .into()
         })],
     )
     .unit(StatUnit::Nanos),
-    gauge(
+    Stat::gauge(
         "bpf_time_per_run",
         "Mean time of one run of the BPF program (with --bpf-stats).",
-        &[one("/bpf/ns_per_run", |t| {
+        &[Series::one("/bpf/ns_per_run", |t| {
             t.program
                 .per_run()
                 .map(|d| u64::try_from(d.as_nanos()).unwrap_or(u64::MAX))
@@ -283,23 +253,23 @@ const SAMPLING: &[Stat] = &[
     )
     .unit(StatUnit::Nanos)
     .reports(),
-    counter(
+    Stat::counter(
         "hash_probes",
         "Hash-table lookups of the sampling thread, by key: per process, per thread, \
          derived from a process (binary name, label set), or an interval's \
          dictionaries. Divided by samples_read: the lookups a sample costs.",
         &[
-            s("process", "/probes/by_kind/process", field!(probes.process)),
-            s("thread", "/probes/by_kind/thread", field!(probes.thread)),
-            s("derived", "/probes/by_kind/derived", field!(probes.derived)),
-            s("content", "/probes/by_kind/content", field!(probes.content)),
+            Series::labelled("process", "/probes/by_kind/process", field!(probes.process)),
+            Series::labelled("thread", "/probes/by_kind/thread", field!(probes.thread)),
+            Series::labelled("derived", "/probes/by_kind/derived", field!(probes.derived)),
+            Series::labelled("content", "/probes/by_kind/content", field!(probes.content)),
         ],
     )
     .by("kind"),
-    gauge(
+    Stat::gauge(
         "hash_probes_per_sample",
         "Hash-table lookups of the sampling thread per sample read.",
-        &[one("/probes/per_sample", |t| {
+        &[Series::one("/probes/per_sample", |t| {
             let samples = t.reader.records.saturating_sub(t.reader.process_events);
             (t.probes.total() as f64 / samples.max(1) as f64).into()
         })],
@@ -308,24 +278,24 @@ const SAMPLING: &[Stat] = &[
 ];
 
 const UNWINDING: &[Stat] = &[
-    counter(
+    Stat::counter(
         "walks",
         "User stack walks, by how they ended: at the root from the copied bytes, \
          at the root through a stitched tail, out of stack bytes, or otherwise \
          (unknown code, a bad rule, the depth limit).",
         &[
-            s("root", "/unwinding/root", |t| {
+            Series::labelled("root", "/unwinding/root", |t| {
                 let reached = t.walks.outermost.min(t.walks.walks);
                 (reached - t.walks.stitched.min(reached)).into()
             }),
-            s("stitched", "/unwinding/stitched", |t| {
+            Series::labelled("stitched", "/unwinding/stitched", |t| {
                 t.walks
                     .stitched
                     .min(t.walks.outermost.min(t.walks.walks))
                     .into()
             }),
-            s("truncated", "/unwinding/truncated", field!(walks.truncated)),
-            s("other", "/unwinding/other", |t| {
+            Series::labelled("truncated", "/unwinding/truncated", field!(walks.truncated)),
+            Series::labelled("other", "/unwinding/other", |t| {
                 let w = &t.walks;
                 w.walks
                     .saturating_sub(w.outermost.min(w.walks))
@@ -335,65 +305,65 @@ const UNWINDING: &[Stat] = &[
         ],
     )
     .by("end"),
-    counter(
+    Stat::counter(
         "walks_in_all",
         "User stack walks (all ends).",
-        &[one("/unwinding/walks", field!(walks.walks))],
+        &[Series::one("/unwinding/walks", field!(walks.walks))],
     )
     .reports(),
-    counter(
+    Stat::counter(
         "walks_to_root",
         "Walks that reached the outermost frame, through a stitched tail or not.",
-        &[one("/unwinding/outermost", field!(walks.outermost))],
+        &[Series::one("/unwinding/outermost", field!(walks.outermost))],
     )
     .reports(),
-    gauge(
+    Stat::gauge(
         "walks_to_root_share",
         "Share of the walks that reached the outermost frame.",
-        &[one("/unwinding/outermost_percent", |t| {
+        &[Series::one("/unwinding/outermost_percent", |t| {
             t.walks.outermost_percent().into()
         })],
     )
     .unit(StatUnit::Percent)
     .reports(),
-    counter(
+    Stat::counter(
         "walks_stopped_early",
         "Walks that stopped before the outermost frame with stack bytes left, \
          by reason: an address in no known mapping, code without unwind info, \
          CFI the unwinder cannot evaluate, code that switches stacks, a corrupt \
          frame, --max-depth, a table still being compiled.",
         &[
-            s(
+            Series::labelled(
                 "unmapped",
                 "/unwinding/early_ends/unmapped",
                 field!(walks.early_ends.unmapped),
             ),
-            s(
+            Series::labelled(
                 "no_unwind_info",
                 "/unwinding/early_ends/no_unwind_info",
                 field!(walks.early_ends.no_unwind_info),
             ),
-            s(
+            Series::labelled(
                 "unsupported",
                 "/unwinding/early_ends/unsupported",
                 field!(walks.early_ends.unsupported),
             ),
-            s(
+            Series::labelled(
                 "stack_switch",
                 "/unwinding/early_ends/stack_switch",
                 field!(walks.early_ends.stack_switch),
             ),
-            s(
+            Series::labelled(
                 "corrupt",
                 "/unwinding/early_ends/corrupt",
                 field!(walks.early_ends.corrupt),
             ),
-            s(
+            Series::labelled(
                 "depth_limit",
                 "/unwinding/early_ends/depth_limit",
                 field!(walks.early_ends.depth_limit),
             ),
-            s(
+            Series::labelled(
                 "table_pending",
                 "/unwinding/early_ends/table_pending",
                 field!(walks.early_ends.table_pending),
@@ -401,40 +371,43 @@ const UNWINDING: &[Stat] = &[
         ],
     )
     .by("reason"),
-    counter(
+    Stat::counter(
         "kernel_ticks_unplaced",
         "Kernel ticks whose user instruction pointer was in no known mapping \
          (inside exec or exit): counted as kernel samples, not walked.",
-        &[one(
+        &[Series::one(
             "/unwinding/kernel_ticks_unplaced",
             field!(walks.kernel_ticks_unplaced),
         )],
     ),
-    counter(
+    Stat::counter(
         "jit_walks",
         "Walks with at least one frame in JIT code.",
-        &[one("/unwinding/jit_walks", field!(walks.jit_walks))],
+        &[Series::one("/unwinding/jit_walks", field!(walks.jit_walks))],
     ),
-    counter(
+    Stat::counter(
         "jit_walks_to_root",
         "Walks through JIT code that reached the outermost frame.",
-        &[one("/unwinding/jit_outermost", field!(walks.jit_outermost))],
+        &[Series::one(
+            "/unwinding/jit_outermost",
+            field!(walks.jit_outermost),
+        )],
     ),
-    counter(
+    Stat::counter(
         "unwind_tables",
         "Unwind tables made ready, by where they came from; failed: walked with frame pointers.",
         &[
-            s(
+            Series::labelled(
                 "compiled",
                 "/unwinding/tables_compiled",
                 field!(walks.tables_compiled),
             ),
-            s(
+            Series::labelled(
                 "disk",
                 "/unwinding/tables_from_disk",
                 field!(walks.tables_from_disk),
             ),
-            s(
+            Series::labelled(
                 "failed",
                 "/unwinding/tables_failed",
                 field!(walks.tables_failed),
@@ -442,42 +415,51 @@ const UNWINDING: &[Stat] = &[
         ],
     )
     .by("source"),
-    counter(
+    Stat::counter(
         "unwind_table_cache_hits",
         "Module resolutions answered by the in-memory table cache.",
-        &[one(
+        &[Series::one(
             "/unwinding/table_cache_hits",
             field!(walks.table_cache_hits),
         )],
     ),
-    counter(
+    Stat::counter(
         "samples_queued_for_tables",
         "Samples held for a table being compiled.",
-        &[one(
+        &[Series::one(
             "/unwinding/samples_queued",
             field!(walks.samples_queued),
         )],
     ),
-    counter(
+    Stat::counter(
         "table_queue_full",
         "Samples walked without waiting because the queue was full.",
-        &[one("/unwinding/queue_full", field!(walks.queue_full))],
+        &[Series::one(
+            "/unwinding/queue_full",
+            field!(walks.queue_full),
+        )],
     ),
-    counter(
+    Stat::counter(
         "table_pending_walks",
         "Walks that ended short because a table was still being compiled.",
-        &[one("/unwinding/table_pending", field!(walks.table_pending))],
+        &[Series::one(
+            "/unwinding/table_pending",
+            field!(walks.table_pending),
+        )],
     ),
-    counter(
+    Stat::counter(
         "state_resets",
         "Times every process's state was dropped after lost exec or exit records.",
-        &[one("/unwinding/state_resets", field!(walks.state_resets))],
+        &[Series::one(
+            "/unwinding/state_resets",
+            field!(walks.state_resets),
+        )],
     ),
-    counter(
+    Stat::counter(
         "processes_replaced",
         "Processes whose state was dropped because a sample showed their pid in \
          use by a process that started later (their exit record was lost).",
-        &[one(
+        &[Series::one(
             "/unwinding/processes_replaced",
             field!(walks.processes_replaced),
         )],
@@ -485,68 +467,68 @@ const UNWINDING: &[Stat] = &[
 ];
 
 const STACK_PLANS: &[Stat] = &[
-    counter(
+    Stat::counter(
         "stack_plans_learned",
         "Threads whose deep frames were learned into a copy plan (deep copies included).",
-        &[one(
+        &[Series::one(
             "/unwinding/plans/plans_learned",
             field!(walks.plans.plans_learned),
         )],
     ),
-    counter(
+    Stat::counter(
         "deep_stack_plans_learned",
         "Of the plans learned, deep copies (the whole stack at every tick).",
-        &[one(
+        &[Series::one(
             "/unwinding/plans/deep_plans_learned",
             field!(walks.plans.deep_plans_learned),
         )],
     ),
-    counter(
+    Stat::counter(
         "stack_plan_learn_failures",
         "Learning reads that gave no plan (the thread was gone, the walk did \
          not reach the root, or the stack was too deep).",
-        &[one(
+        &[Series::one(
             "/unwinding/plans/learn_failed",
             field!(walks.plans.learn_failed),
         )],
     ),
-    counter(
+    Stat::counter(
         "stack_plan_learn_too_late",
         "Of the learning reads that gave no plan, those that found the \
          thread's process exited.",
-        &[one(
+        &[Series::one(
             "/unwinding/plans/learn_too_late",
             field!(walks.plans.learn_too_late),
         )],
     ),
-    counter(
+    Stat::counter(
         "stack_plan_learn_throttled",
         "Learning reads skipped by the rate limits.",
-        &[one(
+        &[Series::one(
             "/unwinding/plans/learn_throttled",
             field!(walks.plans.learn_throttled),
         )],
     ),
-    counter(
+    Stat::counter(
         "stack_copy_size_updates",
         "Copy size changes written for processes.",
-        &[one(
+        &[Series::one(
             "/unwinding/plans/copy_updates",
             field!(walks.plans.copy_updates),
         )],
     ),
-    counter(
+    Stat::counter(
         "stack_tops",
         "Stack tops of threads written for the BPF program (their copies stop \
          where their walks reach the root), and dropped because a copy that \
          stopped there ran out.",
         &[
-            s(
+            Series::labelled(
                 "written",
                 "/unwinding/plans/tops_written",
                 field!(walks.plans.tops_written),
             ),
-            s(
+            Series::labelled(
                 "dropped",
                 "/unwinding/plans/tops_dropped",
                 field!(walks.plans.tops_dropped),
@@ -554,18 +536,18 @@ const STACK_PLANS: &[Stat] = &[
         ],
     )
     .by("action"),
-    gauge(
+    Stat::gauge(
         "stack_plans",
         "Copy plans of threads in use.",
-        &[one(
+        &[Series::one(
             "/unwinding/plans/thread_plans",
             field!(walks.plans.thread_plans),
         )],
     ),
-    gauge(
+    Stat::gauge(
         "deep_stack_plans",
         "Of the plans in use, deep copies.",
-        &[one(
+        &[Series::one(
             "/unwinding/plans/thread_deep_plans",
             field!(walks.plans.thread_deep_plans),
         )],
@@ -573,188 +555,203 @@ const STACK_PLANS: &[Stat] = &[
 ];
 
 const PROCESSES: &[Stat] = &[
-    gauge(
+    Stat::gauge(
         "mapping_feed_open",
         "1 while mappings are learned from the kernel's events as they are \
          made; 0: from /proc only (processes that exit within milliseconds \
          lose their names).",
-        &[one("/mapping_feed/open", field!(mapping_feed.open))],
+        &[Series::one("/mapping_feed/open", field!(mapping_feed.open))],
     ),
-    counter(
+    Stat::counter(
         "mapping_events",
         "Process events the mapping feed read, by kind.",
         &[
-            s("fork", "/mapping_feed/forks", field!(mapping_feed.forks)),
-            s("exec", "/mapping_feed/execs", field!(mapping_feed.execs)),
-            s("mmap", "/mapping_feed/mmaps", field!(mapping_feed.mmaps)),
+            Series::labelled("fork", "/mapping_feed/forks", field!(mapping_feed.forks)),
+            Series::labelled("exec", "/mapping_feed/execs", field!(mapping_feed.execs)),
+            Series::labelled("mmap", "/mapping_feed/mmaps", field!(mapping_feed.mmaps)),
         ],
     )
     .by("event"),
-    counter(
+    Stat::counter(
         "mapping_events_lost",
         "Mapping event records the kernel lost (its ring was full).",
-        &[one("/mapping_feed/lost", field!(mapping_feed.lost))],
+        &[Series::one("/mapping_feed/lost", field!(mapping_feed.lost))],
     ),
-    counter(
+    Stat::counter(
         "mapping_events_malformed",
         "Mapping event records that did not parse.",
-        &[one(
+        &[Series::one(
             "/mapping_feed/malformed",
             field!(mapping_feed.malformed),
         )],
     ),
-    counter(
+    Stat::counter(
         "mapping_feed_resyncs",
         "Times the mapping feed skipped a ring's contents as corrupt.",
-        &[one("/mapping_feed/resyncs", field!(mapping_feed.resyncs))],
+        &[Series::one(
+            "/mapping_feed/resyncs",
+            field!(mapping_feed.resyncs),
+        )],
     ),
-    counter(
+    Stat::counter(
         "mapping_events_applied_early",
         "Mapping events applied before their time because too many were pending.",
-        &[one(
+        &[Series::one(
             "/mapping_feed/applied_early",
             field!(mapping_feed.applied_early),
         )],
     ),
-    counter(
+    Stat::counter(
         "process_table_lookups",
         "Lookups of processes' mappings in the process table.",
-        &[one("/process_table/lookups", field!(process_table.lookups))],
+        &[Series::one(
+            "/process_table/lookups",
+            field!(process_table.lookups),
+        )],
     ),
-    counter(
+    Stat::counter(
         "proc_maps_reads",
         "Reads of a /proc/<pid>/maps (first sight and re-reads, processes \
          found gone included).",
-        &[one(
+        &[Series::one(
             "/process_table/maps_reads",
             field!(process_table.maps_reads),
         )],
     ),
-    counter(
+    Stat::counter(
         "proc_maps_rereads_rate_limited",
         "Misses that did not read a process's maps again because the last \
          read was too recent.",
-        &[one(
+        &[Series::one(
             "/process_table/rereads_rate_limited",
             field!(process_table.rereads_rate_limited),
         )],
     ),
-    counter(
+    Stat::counter(
         "objects_identified",
         "Mapped files opened and identified (object cache misses).",
-        &[one(
+        &[Series::one(
             "/process_table/objects_identified",
             field!(process_table.objects_identified),
         )],
     ),
-    counter(
+    Stat::counter(
         "object_cache_hits",
         "Mappings whose file was found in the object cache.",
-        &[one(
+        &[Series::one(
             "/process_table/object_cache_hits",
             field!(process_table.object_cache_hits),
         )],
     ),
-    counter(
+    Stat::counter(
         "build_ids_unverified",
         "Files claiming a build-id that were not digested (too large, or over \
          the digest budget): not shared with their copies.",
-        &[one(
+        &[Series::one(
             "/process_table/build_ids_unverified",
             field!(process_table.build_ids_unverified),
         )],
     ),
-    counter(
+    Stat::counter(
         "process_table_evictions",
         "Processes dropped to keep the process table within its bound.",
-        &[one(
+        &[Series::one(
             "/process_table/evictions",
             field!(process_table.evictions),
         )],
     ),
-    counter(
+    Stat::counter(
         "mappings_learned",
         "Executable mappings learned from mmap events.",
-        &[one(
+        &[Series::one(
             "/process_table/mappings_learned",
             field!(process_table.mappings_learned),
         )],
     ),
-    counter(
+    Stat::counter(
         "mappings_unidentified",
         "Of the mappings learned, files that could not be reached or \
          identified: their frames stay unnamed.",
-        &[one(
+        &[Series::one(
             "/process_table/learned_unidentified",
             field!(process_table.learned_unidentified),
         )],
     ),
-    counter(
+    Stat::counter(
         "lookups_after_exit",
         "Lookups answered from learned mappings after the process's maps could \
          no longer be read (it had exited).",
-        &[one(
+        &[Series::one(
             "/process_table/answered_after_exit",
             field!(process_table.answered_after_exit),
         )],
     ),
-    counter(
+    Stat::counter(
         "proc_reads_deferred",
         "Process table reads (maps, mapped files' identities) handed to the \
          metadata worker; the samples that needed one waited for it.",
-        &[one(
+        &[Series::one(
             "/process_table/reads_deferred",
             field!(process_table.reads_deferred),
         )],
     ),
-    counter(
+    Stat::counter(
         "exited_processes",
         "Sampled processes that exited while the agent ran.",
-        &[one("/exited_processes", field!(processes.exited_processes))],
+        &[Series::one(
+            "/exited_processes",
+            field!(processes.exited_processes),
+        )],
     ),
-    counter(
+    Stat::counter(
         "exited_process_samples",
         "Samples of the sampled processes that exited while the agent ran.",
-        &[one("/exited_samples", field!(processes.exited_samples))],
+        &[Series::one(
+            "/exited_samples",
+            field!(processes.exited_samples),
+        )],
     ),
-    counter(
+    Stat::counter(
         "untracked_process_samples",
         "Samples of processes that came after the per-process tally was full.",
-        &[one("/other", field!(processes.untracked_samples))],
+        &[Series::one("/other", field!(processes.untracked_samples))],
     ),
 ];
 
 const AGGREGATION: &[Stat] = &[
-    counter(
+    Stat::counter(
         "aggregated_samples",
         "Samples counted into intervals (truncated ones included).",
-        &[one("/aggregation/samples", field!(aggregation.samples))],
+        &[Series::one(
+            "/aggregation/samples",
+            field!(aggregation.samples),
+        )],
     ),
-    counter(
+    Stat::counter(
         "kernel_thread_samples",
         "Of the samples counted, samples of kernel threads (no user part).",
-        &[one(
+        &[Series::one(
             "/aggregation/kernel_only",
             field!(aggregation.kernel_only),
         )],
     ),
-    counter(
+    Stat::counter(
         "empty_samples",
         "Samples without a single frame (a kernel thread's stack could not be \
          read): counted nowhere.",
-        &[one("/aggregation/empty", field!(aggregation.empty))],
+        &[Series::one("/aggregation/empty", field!(aggregation.empty))],
     ),
-    counter(
+    Stat::counter(
         "interval_full_samples",
         "Samples an interval had no room for, by what became of them: counted \
          under the [truncated] stack, or dropped.",
         &[
-            s(
+            Series::labelled(
                 "truncated",
                 "/aggregation/truncated",
                 field!(aggregation.truncated),
             ),
-            s(
+            Series::labelled(
                 "dropped",
                 "/aggregation/dropped",
                 field!(aggregation.dropped),
@@ -762,111 +759,166 @@ const AGGREGATION: &[Stat] = &[
         ],
     )
     .by("outcome"),
-    counter(
+    Stat::counter(
         "intervals_finished",
         "Aggregation intervals finished.",
-        &[one("/aggregation/intervals", field!(aggregation.intervals))],
+        &[Series::one(
+            "/aggregation/intervals",
+            field!(aggregation.intervals),
+        )],
     ),
-    gauge(
+    Stat::gauge(
         "interval_stacks",
         "Distinct (labels, stack) pairs in the interval being aggregated.",
-        &[one("/aggregation/distinct", field!(aggregation.distinct))],
+        &[Series::one(
+            "/aggregation/distinct",
+            field!(aggregation.distinct),
+        )],
     ),
-    gauge(
+    Stat::gauge(
         "interval_stacks_max",
         "The most distinct (labels, stack) pairs an interval had.",
-        &[one(
+        &[Series::one(
             "/aggregation/max_distinct",
             field!(aggregation.max_distinct),
         )],
     ),
-    counter(
+    Stat::counter(
         "aggregation_files_opened",
         "Mapped files opened while aggregating (failed opens included).",
-        &[one(
+        &[Series::one(
             "/aggregation/files_opened",
             field!(aggregation.files_opened),
         )],
     ),
-    counter(
+    Stat::counter(
         "aggregation_file_failures",
         "Mapped files that could not be opened while aggregating.",
-        &[one(
+        &[Series::one(
             "/aggregation/files_failed",
             field!(aggregation.files_failed),
         )],
     ),
-    counter(
+    Stat::counter(
         "labels_undescribed",
         "Label sets shipped before their process was described (after their \
          interval ended): without their container, and without their exe \
          unless the mapping feed saw the process exec.",
-        &[one(
+        &[Series::one(
             "/aggregation/labels_undescribed",
             field!(aggregation.labels_undescribed),
         )],
     ),
-    counter(
-        "jit_frames",
-        "JIT frames, by whether a perf map entry named them.",
+    Stat::counter(
+        "python_processes",
+        "Processes found running a CPython the sampler reads the frames of.",
+        &[Series::one("/python/processes", field!(python.processes))],
+    ),
+    Stat::counter(
+        "python_stacks_read",
+        "Python stack records read.",
+        &[Series::one("/python/stacks", field!(python.stacks))],
+    ),
+    Stat::counter(
+        "python_stacks_paired",
+        "Python stack records paired with their sample (the others: the \
+         sample's record was lost, or the process's record had gone).",
+        &[Series::one("/python/paired", field!(python.paired))],
+    ),
+    Stat::counter(
+        "python_frames_merged",
+        "Python frames merged into walks, by whether their code object was \
+         read (unnamed: freed, its address reused, or not a code object).",
         &[
-            s("named", "/jit_names/named", field!(jit_names.named)),
-            s("unnamed", "/jit_names/unnamed", field!(jit_names.unnamed)),
+            Series::labelled(
+                "named",
+                "/aggregation/python_named",
+                field!(aggregation.python_named),
+            ),
+            Series::labelled(
+                "unnamed",
+                "/aggregation/python_unnamed",
+                field!(aggregation.python_unnamed),
+            ),
         ],
     )
     .by("result"),
-    counter(
+    Stat::counter(
+        "python_activations_unplaced",
+        "Activations of Python frames left out: the native walk had no \
+         evaluation frame left for them.",
+        &[Series::one(
+            "/aggregation/python_unplaced",
+            field!(aggregation.python_unplaced),
+        )],
+    ),
+    Stat::counter(
+        "jit_frames",
+        "JIT frames, by whether a perf map entry named them.",
+        &[
+            Series::labelled("named", "/jit_names/named", field!(jit_names.named)),
+            Series::labelled("unnamed", "/jit_names/unnamed", field!(jit_names.unnamed)),
+        ],
+    )
+    .by("result"),
+    Stat::counter(
         "perf_map_lines",
         "Perf map lines read into entries.",
-        &[one("/jit_names/lines", field!(jit_names.lines))],
+        &[Series::one("/jit_names/lines", field!(jit_names.lines))],
     ),
-    counter(
+    Stat::counter(
         "perf_map_lines_malformed",
         "Perf map lines skipped as malformed.",
-        &[one("/jit_names/malformed", field!(jit_names.malformed))],
+        &[Series::one(
+            "/jit_names/malformed",
+            field!(jit_names.malformed),
+        )],
     ),
-    counter(
+    Stat::counter(
         "perf_map_lines_over_budget",
         "Perf map lines skipped because the entries were at their byte bound \
          (the total, or the process's share of it).",
-        &[one("/jit_names/over_budget", field!(jit_names.over_budget))],
+        &[Series::one(
+            "/jit_names/over_budget",
+            field!(jit_names.over_budget),
+        )],
     ),
-    counter(
+    Stat::counter(
         "perf_maps_evicted",
         "Perf maps dropped to stay within their bounds.",
-        &[one("/jit_names/evicted", field!(jit_names.evicted))],
+        &[Series::one("/jit_names/evicted", field!(jit_names.evicted))],
     ),
 ];
 
 const BATCHES: &[Stat] = &[
-    counter(
+    Stat::counter(
         "batches_built",
         "Aggregated batches built.",
-        &[one("/batches/built", field!(batches.batches_built))],
+        &[Series::one("/batches/built", field!(batches.batches_built))],
     ),
-    counter(
+    Stat::counter(
         "intervals_dropped",
         "Aggregation intervals dropped because the batch builder was busy.",
-        &[one(
+        &[Series::one(
             "/batches/intervals_dropped",
             field!(batches.intervals_dropped),
         )],
     ),
-    counter(
+    Stat::counter(
         "thread_messages_dropped",
         "Messages between the agent's threads dropped because their queue was full.",
         &[
-            s(
+            Series::labelled(
                 "sampling",
                 "/handoffs/commands_dropped",
                 field!(handoffs.commands_dropped),
             ),
-            s(
+            Series::labelled(
                 "runtime",
                 "/handoffs/reports_dropped",
                 field!(handoffs.reports_dropped),
             ),
-            s(
+            Series::labelled(
                 "metadata",
                 "/handoffs/jobs_dropped",
                 field!(handoffs.jobs_dropped),
@@ -874,70 +926,73 @@ const BATCHES: &[Stat] = &[
         ],
     )
     .by("queue"),
-    counter(
+    Stat::counter(
         "intervals_empty",
         "Intervals without a sample: no batch is built for them.",
-        &[one(
+        &[Series::one(
             "/batches/intervals_empty",
             field!(batches.intervals_empty),
         )],
     ),
-    counter(
+    Stat::counter(
         "batch_samples",
         "Samples in the batches built (the sum of their counts).",
-        &[one("/batches/samples", field!(batches.samples_in_batches))],
+        &[Series::one(
+            "/batches/samples",
+            field!(batches.samples_in_batches),
+        )],
     ),
-    counter(
+    Stat::counter(
         "batch_build",
         "Time spent building batches, naming included.",
-        &[one(
+        &[Series::one(
             "/batches/build_micros_total",
             field!(batches.build_micros_total),
         )],
     )
     .unit(StatUnit::Micros),
-    gauge(
+    Stat::gauge(
         "last_batch_build",
         "Time the last batch took to build, naming included.",
-        &[one(
+        &[Series::one(
             "/batches/build_micros_last",
             field!(batches.build_micros_last),
         )],
     )
     .unit(StatUnit::Micros),
-    gauge(
+    Stat::gauge(
         "batch_build_max",
         "The longest a batch took to build, naming included.",
-        &[one(
+        &[Series::one(
             "/batches/build_micros_max",
             field!(batches.build_micros_max),
         )],
     )
     .unit(StatUnit::Micros),
-    gauge(
+    Stat::gauge(
         "last_batch",
         "Encoded size of the last batch built.",
-        &[one(
+        &[Series::one(
             "/batches/last_batch_bytes",
             field!(batches.last_batch_bytes),
         )],
     )
     .unit(StatUnit::Bytes),
-    gauge(
+    Stat::gauge(
         "last_batch_entries",
         "Entries of the last batch built, by table: locations, stacks, samples.",
         &[
-            s(
+            Series::labelled(
                 "locations",
                 "/batches/last_batch_locations",
                 field!(batches.last_batch_locations),
             ),
-            s(
+            Series::labelled(
                 "stacks",
                 "/batches/last_batch_stacks",
                 field!(batches.last_batch_stacks),
             ),
-            s(
+            Series::labelled(
                 "samples",
                 "/batches/last_batch_samples",
                 field!(batches.last_batch_samples),
@@ -945,24 +1000,27 @@ const BATCHES: &[Stat] = &[
         ],
     )
     .by("table"),
-    counter(
+    Stat::counter(
         "heap_trims",
         "Times the heap's free pages were handed back to the kernel (more than 16 MiB free).",
-        &[one("/batches/heap_trims", field!(batches.heap_trims))],
+        &[Series::one(
+            "/batches/heap_trims",
+            field!(batches.heap_trims),
+        )],
     ),
 ];
 
 const NAMING: &[Stat] = &[
-    counter(
+    Stat::counter(
         "symbol_cache_lookups",
         "Lookups of user and vDSO frames in the name cache, by result.",
         &[
-            s(
+            Series::labelled(
                 "hit",
                 "/symbolization/counts/cache_hits",
                 field!(batches.symbolize.cache_hits),
             ),
-            s(
+            Series::labelled(
                 "miss",
                 "/symbolization/counts/cache_misses",
                 field!(batches.symbolize.cache_misses),
@@ -970,84 +1028,84 @@ const NAMING: &[Stat] = &[
         ],
     )
     .by("result"),
-    gauge(
+    Stat::gauge(
         "symbol_cache_hit_share",
         "Share of the name cache lookups answered by the cache.",
-        &[one("/symbolization/cache_hit_percent", |t| {
+        &[Series::one("/symbolization/cache_hit_percent", |t| {
             t.batches.symbolize.cache_hit_percent().into()
         })],
     )
     .unit(StatUnit::Percent)
     .reports(),
-    counter(
+    Stat::counter(
         "frames_named",
         "Name cache misses that found a name.",
-        &[one(
+        &[Series::one(
             "/symbolization/counts/named",
             field!(batches.symbolize.named),
         )],
     ),
-    counter(
+    Stat::counter(
         "frames_without_symbol",
         "Name cache misses that no symbol covers.",
-        &[one(
+        &[Series::one(
             "/symbolization/counts/no_symbol",
             field!(batches.symbolize.no_symbol),
         )],
     ),
-    counter(
+    Stat::counter(
         "frames_unreadable",
         "Frames left unnamed because their file could not be opened or read.",
-        &[one(
+        &[Series::one(
             "/symbolization/counts/errors",
             field!(batches.symbolize.errors),
         )],
     ),
-    counter(
+    Stat::counter(
         "debug_files_used",
         "Stripped files named from a separate debug file found on the node.",
-        &[one(
+        &[Series::one(
             "/symbolization/counts/debug_files",
             field!(batches.symbolize.debug_files),
         )],
     ),
-    counter(
+    Stat::counter(
         "go_frames_named",
         "Frames of Go binaries named from their function table (.gopclntab), \
          which blazesym left unnamed.",
-        &[one(
+        &[Series::one(
             "/symbolization/counts/go_named",
             field!(batches.symbolize.go_named),
         )],
     ),
-    counter(
+    Stat::counter(
         "frames_left_to_collector",
         "Frames of files with a build-id left for the collector to name \
          (--symbolize collector).",
-        &[one(
+        &[Series::one(
             "/symbolization/counts/left_to_collector",
             field!(batches.symbolize.left_to_collector),
         )],
     ),
-    counter(
+    Stat::counter(
         "frames_deferred",
         "Frames left unnamed because the batch's time for naming ran out \
          (looked up again for the next batch).",
-        &[one(
+        &[Series::one(
             "/symbolization/counts/deferred",
             field!(batches.symbolize.deferred),
         )],
     ),
-    counter(
+    Stat::counter(
         "kernel_frames",
         "Kernel frames, by whether a kernel symbol named them.",
         &[
-            s(
+            Series::labelled(
                 "named",
                 "/symbolization/counts/kernel_named",
                 field!(batches.symbolize.kernel_named),
             ),
-            s(
+            Series::labelled(
                 "unnamed",
                 "/symbolization/counts/kernel_unnamed",
                 field!(batches.symbolize.kernel_unnamed),
@@ -1055,43 +1113,43 @@ const NAMING: &[Stat] = &[
         ],
     )
     .by("result"),
-    counter(
+    Stat::counter(
         "kallsyms_reloads",
         "Reads of kallsyms caused by an address no symbol named.",
-        &[one(
+        &[Series::one(
             "/symbolization/counts/kernel_reloads",
             field!(batches.symbolize.kernel_reloads),
         )],
     ),
-    gauge(
+    Stat::gauge(
         "kernel_symbols",
         "Symbols in the kernel table (0 when kallsyms is hidden).",
-        &[one(
+        &[Series::one(
             "/symbolization/counts/kernel_symbols",
             field!(batches.symbolize.kernel_symbols),
         )],
     ),
-    counter(
+    Stat::counter(
         "symbolizer_files_opened",
         "Files handed to blazesym.",
-        &[one(
+        &[Series::one(
             "/symbolization/counts/objects_opened",
             field!(batches.symbolize.objects_opened),
         )],
     ),
-    counter(
+    Stat::counter(
         "symbolizer_rebuilds",
         "Times blazesym's whole state was dropped (after a panic, or to \
          release what path evictions do not reach).",
-        &[one(
+        &[Series::one(
             "/symbolization/counts/rebuilds",
             field!(batches.symbolize.rebuilds),
         )],
     ),
-    counter(
+    Stat::counter(
         "symbolizer_panics",
         "Panics caught in blazesym.",
-        &[one(
+        &[Series::one(
             "/symbolization/counts/panics",
             field!(batches.symbolize.panics),
         )],
@@ -1118,78 +1176,78 @@ fn export(t: &RunTotals) -> &crate::export::ExportStats {
 }
 
 const EXPORT: &[Stat] = &[
-    counter(
+    Stat::counter(
         "export_batches",
         "Batches leaving for the collector, by result.",
         &[
-            s("stored", "/export/batches_stored", |t| {
+            Series::labelled("stored", "/export/batches_stored", |t| {
                 let e = export(t);
                 e.batches_sent.saturating_sub(e.batches_duplicate).into()
             }),
-            s("duplicate", "/export/batches_duplicate", |t| {
+            Series::labelled("duplicate", "/export/batches_duplicate", |t| {
                 export(t).batches_duplicate.into()
             }),
-            s(
+            Series::labelled(
                 "dropped_queue_full",
                 "/export/batches_dropped_queue_full",
                 |t| export(t).batches_dropped_queue_full.into(),
             ),
-            s("rejected", "/export/batches_rejected", |t| {
+            Series::labelled("rejected", "/export/batches_rejected", |t| {
                 export(t).batches_rejected.into()
             }),
         ],
     )
     .by("result"),
-    counter(
+    Stat::counter(
         "export_batches_acknowledged",
         "Batches the collector acknowledged (stored and duplicate).",
-        &[one("/export/batches_sent", |t| {
+        &[Series::one("/export/batches_sent", |t| {
             export(t).batches_sent.into()
         })],
     )
     .reports(),
-    counter(
+    Stat::counter(
         "export_samples",
         "Samples leaving for the collector, by result.",
         &[
-            s("sent", "/export/samples_sent", |t| {
+            Series::labelled("sent", "/export/samples_sent", |t| {
                 export(t).samples_sent.into()
             }),
-            s(
+            Series::labelled(
                 "dropped_queue_full",
                 "/export/samples_dropped_queue_full",
                 |t| export(t).samples_dropped_queue_full.into(),
             ),
-            s("rejected", "/export/samples_rejected", |t| {
+            Series::labelled("rejected", "/export/samples_rejected", |t| {
                 export(t).samples_rejected.into()
             }),
         ],
     )
     .by("result"),
-    counter(
+    Stat::counter(
         "export_retries",
         "Pushes that failed transiently and were tried again.",
-        &[one("/export/retries", |t| export(t).retries.into())],
+        &[Series::one("/export/retries", |t| export(t).retries.into())],
     ),
-    gauge(
+    Stat::gauge(
         "export_queue",
         "Bytes of batches not delivered yet.",
-        &[one("/export/queued_bytes", |t| {
+        &[Series::one("/export/queued_bytes", |t| {
             export(t).queued_bytes.into()
         })],
     )
     .unit(StatUnit::Bytes),
-    gauge(
+    Stat::gauge(
         "export_queue_batches",
         "Batches not delivered yet.",
-        &[one("/export/queued_batches", |t| {
+        &[Series::one("/export/queued_batches", |t| {
             export(t).queued_batches.into()
         })],
     ),
-    gauge(
+    Stat::gauge(
         "export_queue_samples",
         "Samples in the batches not delivered yet.",
-        &[one("/export/queued_samples", |t| {
+        &[Series::one("/export/queued_samples", |t| {
             export(t).queued_samples.into()
         })],
     ),
@@ -1201,36 +1259,36 @@ fn uploads(t: &RunTotals) -> crate::export::debuginfo::UploadStats {
 }
 
 const UPLOADS: &[Stat] = &[
-    counter(
+    Stat::counter(
         "debuginfo_uploads",
         "Binaries offered for a debuginfo upload, by what became of them: \
          uploaded, already on the collector, without symbols of their own, \
          failed, or dropped because the queue was full.",
         &[
-            s("uploaded", "/debuginfo_upload/uploaded", |t| {
+            Series::labelled("uploaded", "/debuginfo_upload/uploaded", |t| {
                 uploads(t).uploaded.into()
             }),
-            s("already_stored", "/debuginfo_upload/already_stored", |t| {
+            Series::labelled("already_stored", "/debuginfo_upload/already_stored", |t| {
                 uploads(t).already_stored.into()
             }),
-            s(
+            Series::labelled(
                 "without_symbols",
                 "/debuginfo_upload/without_symbols",
                 |t| uploads(t).without_symbols.into(),
             ),
-            s("failed", "/debuginfo_upload/failed", |t| {
+            Series::labelled("failed", "/debuginfo_upload/failed", |t| {
                 uploads(t).failed.into()
             }),
-            s("queue_full", "/debuginfo_upload/queue_full", |t| {
+            Series::labelled("queue_full", "/debuginfo_upload/queue_full", |t| {
                 uploads(t).queue_full.into()
             }),
         ],
     )
     .by("result"),
-    counter(
+    Stat::counter(
         "debuginfo_uploaded",
         "Bytes of debuginfo uploaded.",
-        &[one("/debuginfo_upload/uploaded_bytes", |t| {
+        &[Series::one("/debuginfo_upload/uploaded_bytes", |t| {
             uploads(t).uploaded_bytes.into()
         })],
     )
@@ -1238,34 +1296,39 @@ const UPLOADS: &[Stat] = &[
 ];
 
 const AGENT: &[Stat] = &[
-    gauge(
+    Stat::gauge(
         "run_time",
         "How long the agent has sampled.",
-        &[one("/elapsed_secs", |t| t.elapsed.as_secs_f64().into())],
+        &[Series::one("/elapsed_secs", |t| {
+            t.elapsed.as_secs_f64().into()
+        })],
     )
     .unit(StatUnit::Seconds)
     .reports(),
-    counter(
+    Stat::counter(
         "process_cpu",
         "User and system CPU time spent.",
-        &[one("/process/cpu_seconds", field!(process.cpu_seconds))],
+        &[Series::one(
+            "/process/cpu_seconds",
+            field!(process.cpu_seconds),
+        )],
     )
     .unit(StatUnit::Seconds)
     .process_metrics(),
-    gauge(
+    Stat::gauge(
         "process_resident_memory",
         "Resident memory size.",
-        &[one(
+        &[Series::one(
             "/process/resident_bytes",
             field!(process.resident_bytes),
         )],
     )
     .unit(StatUnit::Bytes)
     .process_metrics(),
-    gauge(
+    Stat::gauge(
         "process_peak_resident_memory",
         "Highest resident memory size since the process started.",
-        &[one(
+        &[Series::one(
             "/process/peak_resident_bytes",
             field!(process.peak_resident_bytes),
         )],

@@ -1,0 +1,88 @@
+//! One record per process in the run loop's process table
+//! ([`ProcessRecord`]): beside the mappings the table keeps, what the
+//! walker knows of the process (its modules, identity and copy size), what
+//! its labels are made of (exe, container) and its CPython interpreter
+//! (with the code objects read and the Python stacks waiting for walks). A
+//! sample finds it with the one lookup its walk makes and hands it to the
+//! aggregator with the walk ([`add_walked`]); it goes when the table lets go
+//! of the process (exit, exec, pid reuse, the table's bound), all of it at
+//! once.
+
+use stackscope_metadata::process::ProcessLabels;
+use stackscope_process_table::ProcessTable;
+use stackscope_unwind::walker::{ProcessState, Walked, WalkerRecord};
+
+use super::python::{PythonRecord, PythonState};
+use crate::aggregate::{Aggregator, LabelRecords, PythonSample};
+
+/// See the module documentation.
+#[derive(Debug, Default)]
+pub(super) struct ProcessRecord {
+    walker: ProcessState,
+    pub labels: ProcessLabels,
+    pub python: PythonRecord,
+}
+
+impl ProcessRecord {
+    /// The process's start time, as its samples said (0: unknown).
+    pub fn started(&self) -> u64 {
+        self.walker.started()
+    }
+}
+
+impl WalkerRecord for ProcessRecord {
+    fn walker_state(&self) -> &ProcessState {
+        &self.walker
+    }
+
+    fn walker_state_mut(&mut self) -> &mut ProcessState {
+        &mut self.walker
+    }
+}
+
+impl LabelRecords for ProcessTable<ProcessRecord> {
+    fn labels_of(&mut self, tgid: u32) -> Option<&mut ProcessLabels> {
+        self.state_of_mut(tgid).map(|record| &mut record.labels)
+    }
+}
+
+/// Counts each walk the walker delivers, under its process's labels, its
+/// Python frames merged in when its sample came with them.
+pub(super) fn add_walked(
+    aggregator: &mut Aggregator,
+) -> impl FnMut(Walked<'_, ProcessRecord>) + '_ {
+    |walked| {
+        let Some(ProcessRecord { labels, python, .. }) = walked.record else {
+            aggregator.add(
+                walked.header,
+                walked.kernel_frames,
+                Some(&walked.walk),
+                None,
+            );
+            return;
+        };
+        let PythonRecord::Found(state) = python else {
+            aggregator.add(
+                walked.header,
+                walked.kernel_frames,
+                Some(&walked.walk),
+                Some(labels),
+            );
+            return;
+        };
+        let frames = state.take_stack(walked.header);
+        let PythonState { eval, codes, .. } = &mut **state;
+        let python = frames.as_deref().map(|frames| PythonSample {
+            frames,
+            eval,
+            codes,
+        });
+        aggregator.add_with_python(
+            walked.header,
+            walked.kernel_frames,
+            Some(&walked.walk),
+            Some(labels),
+            python,
+        );
+    }
+}

@@ -1,0 +1,156 @@
+//! Where CPython keeps what the sampler follows, per minor version: the
+//! thread-state key in `_PyRuntime`, the frame chain, the code object and
+//! its strings. Measured on this machine's CPython 3.11.7, 3.12.1 and
+//! 3.13.0 (and Debian's 3.11.2), see `docs/research/cpython-frames.md`;
+//! stable within a minor version (3.13 publishes them itself, in
+//! `_Py_DebugOffsets`).
+
+use agent_common::PythonProcess;
+
+use crate::Interpreter;
+
+/// glibc's thread-specific data: key `k` (< 32) is at `fs_base + 0x310 +
+/// 16 * k + 8` (`specific_1stblock[k].data` in `struct pthread`), the same
+/// in every glibc since 2.34 on x86-64.
+const GLIBC_TSD_BASE: u32 = 0x310 + 8;
+const GLIBC_TSD_STRIDE: u32 = 16;
+
+/// The offsets of one CPython minor version.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Layout {
+    pub version: (u8, u8),
+    /// `Py_tss_t autoTSSkey` in `_PyRuntime`.
+    runtime_tss_key: u32,
+    tstate_frame: u32,
+    cframe_frame: u32,
+    frame_code: u32,
+    frame_previous: u32,
+    frame_instr: u32,
+    frame_entry: u32,
+    entry_value: u32,
+    entry_is_shim: bool,
+    /// In a code object.
+    pub code_first_line: u32,
+    pub code_bytecode: u32,
+    pub code_filename: u32,
+    pub code_qualname: u32,
+    pub code_linetable: u32,
+    /// Where a compact ASCII string's characters start (`sizeof
+    /// PyASCIIObject`), and a compact non-ASCII one's.
+    pub ascii_data: u32,
+    pub compact_data: u32,
+}
+
+/// 3.11: `tstate->cframe->current_frame`, `is_entry` marks an entry.
+const V3_11: Layout = Layout {
+    version: (3, 11),
+    runtime_tss_key: 0x250,
+    tstate_frame: 56,
+    cframe_frame: 8,
+    frame_code: 32,
+    frame_previous: 48,
+    frame_instr: 56,
+    frame_entry: 68,
+    entry_value: 1,
+    entry_is_shim: false,
+    code_first_line: 72,
+    code_bytecode: 184,
+    code_filename: 112,
+    code_qualname: 128,
+    code_linetable: 136,
+    ascii_data: 48,
+    compact_data: 72,
+};
+
+/// 3.12: the frame's fields move, a shim frame (`owner == 3`) marks an
+/// entry, strings lose `wstr`.
+const V3_12: Layout = Layout {
+    version: (3, 12),
+    runtime_tss_key: 0x608,
+    cframe_frame: 0,
+    frame_code: 0,
+    frame_previous: 8,
+    frame_entry: 70,
+    entry_value: 3,
+    entry_is_shim: true,
+    code_first_line: 68,
+    code_bytecode: 192,
+    ascii_data: 40,
+    compact_data: 56,
+    ..V3_11
+};
+
+/// 3.13: no `_PyCFrame`, the thread state points at the frame.
+const V3_13: Layout = Layout {
+    version: (3, 13),
+    runtime_tss_key: 0x870,
+    tstate_frame: 72,
+    cframe_frame: PythonProcess::NO_CFRAME,
+    code_bytecode: 200,
+    ..V3_12
+};
+
+impl Layout {
+    /// The layout of CPython `major.minor`, if this profiler reads it.
+    pub fn of(version: (u8, u8)) -> Option<Self> {
+        match version {
+            (3, 11) => Some(V3_11),
+            (3, 12) => Some(V3_12),
+            (3, 13) => Some(V3_13),
+            _ => None,
+        }
+    }
+
+    /// The layout of `interpreter`'s version, if this profiler reads it.
+    pub fn of_interpreter(interpreter: &Interpreter) -> Option<Self> {
+        Self::of(interpreter.version())
+    }
+
+    /// What the sampler needs to walk the frames of a process (started at
+    /// `process_start_ns`) whose `_PyRuntime` lies at `runtime`.
+    pub fn sampler_entry(&self, runtime: u64, process_start_ns: u64) -> PythonProcess {
+        PythonProcess {
+            process_start_ns,
+            tss_key: runtime + u64::from(self.runtime_tss_key),
+            tsd_base: GLIBC_TSD_BASE,
+            tsd_stride: GLIBC_TSD_STRIDE,
+            tstate_frame: self.tstate_frame,
+            cframe_frame: self.cframe_frame,
+            frame_code: self.frame_code,
+            frame_previous: self.frame_previous,
+            frame_instr: self.frame_instr,
+            frame_entry: self.frame_entry,
+            entry_value: self.entry_value,
+            entry_is_shim: u32::from(self.entry_is_shim),
+            code_first_line: self.code_first_line,
+            code_bytecode: self.code_bytecode,
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use agent_common::PYTHON_FRAME_READ_BYTES;
+
+    use super::*;
+
+    #[test]
+    fn every_frame_field_lies_within_the_bytes_the_sampler_reads() {
+        for minor in 11..=13 {
+            let layout = Layout::of((3, minor)).expect("a known version");
+            for (field, size) in [
+                (layout.frame_code, 8),
+                (layout.frame_previous, 8),
+                (layout.frame_instr, 8),
+                (layout.frame_entry, 1),
+            ] {
+                assert!(
+                    field + size <= PYTHON_FRAME_READ_BYTES,
+                    "3.{minor}: {field}"
+                );
+            }
+        }
+        assert_eq!(Layout::of((3, 10)), None);
+        assert_eq!(Layout::of((3, 14)), None);
+    }
+}

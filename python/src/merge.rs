@@ -1,0 +1,155 @@
+//! Where a sample's Python frames go in its native walk.
+//!
+//! Each run of `_PyEval_EvalFrameDefault` on the native stack evaluates one
+//! activation of Python frames: the frames from the innermost down to the
+//! one marked as its entry (entered from C). Walking both stacks from the
+//! innermost frame, the n-th native evaluation frame is replaced by the
+//! n-th activation, so a C function that calls back into Python (`sorted`
+//! with a `key=`, `json.dumps` with a `default=`) stays between the two
+//! activations it separates.
+
+use std::ops::Range;
+
+use agent_common::PythonFrame;
+
+/// One frame of a merged stack, innermost first.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Merged {
+    /// The native frame at this index of the walk.
+    Native(usize),
+    /// A Python frame.
+    Python(PythonFrame),
+}
+
+/// What merging a sample did, for the agent's counters.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct MergeCounts {
+    /// Native evaluation frames replaced by their Python frames.
+    pub replaced: usize,
+    /// Activations with no native evaluation frame left to replace (the
+    /// native walk stopped short of them): left out.
+    pub unplaced: usize,
+}
+
+/// Merges `python` (innermost first, activations ending at
+/// [`PythonFrame::ENTRY`]) into the native walk `native` (return
+/// addresses but for the first, innermost first), whose evaluation frames
+/// are those in `eval` (the code of `_PyEval_EvalFrameDefault`). Appends
+/// to `out`.
+pub fn merge(
+    native: &[u64],
+    eval: &Range<u64>,
+    python: &[PythonFrame],
+    out: &mut Vec<Merged>,
+) -> MergeCounts {
+    let mut counts = MergeCounts::default();
+    let mut activations =
+        python.split_inclusive(|frame| frame.first_line & PythonFrame::ENTRY != 0);
+    for (index, &address) in native.iter().enumerate() {
+        // A return address lies after its call: the call is in the
+        // function one byte before it.
+        let in_function = if index == 0 {
+            address
+        } else {
+            address.wrapping_sub(1)
+        };
+        if eval.contains(&in_function)
+            && let Some(activation) = activations.next()
+        {
+            out.extend(activation.iter().copied().map(Merged::Python));
+            counts.replaced += 1;
+        } else {
+            out.push(Merged::Native(index));
+        }
+    }
+    counts.unplaced = activations.count();
+    counts
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn frame(code: u64, entry: bool) -> PythonFrame {
+        PythonFrame {
+            code,
+            instr_offset: 0,
+            first_line: 1 | if entry { PythonFrame::ENTRY } else { 0 },
+        }
+    }
+
+    #[test]
+    fn each_evaluation_frame_takes_its_own_activation_in_order() {
+        // leaf <- key_function (entry: called by sorted) | sorted's C frames
+        // | main <- <module> (entry).
+        let python = [
+            frame(1, false),
+            frame(2, true),
+            frame(3, false),
+            frame(4, true),
+        ];
+        let eval = 0x1000..0x2000;
+        // leaf's native frames, eval, sorted (C), eval, PyEval_EvalCode, main.
+        let native = [0x5000, 0x1100, 0x6000, 0x1200, 0x7000, 0x8000];
+        let mut out = Vec::new();
+        let counts = merge(&native, &eval, &python, &mut out);
+        assert_eq!(
+            out,
+            [
+                Merged::Native(0),
+                Merged::Python(python[0]),
+                Merged::Python(python[1]),
+                Merged::Native(2),
+                Merged::Python(python[2]),
+                Merged::Python(python[3]),
+                Merged::Native(4),
+                Merged::Native(5),
+            ]
+        );
+        assert_eq!(
+            counts,
+            MergeCounts {
+                replaced: 2,
+                unplaced: 0
+            }
+        );
+    }
+
+    #[test]
+    fn a_return_address_just_past_the_function_is_still_in_it() {
+        let eval = 0x1000..0x2000;
+        let python = [frame(1, true)];
+        let mut out = Vec::new();
+        // The call is the function's last instruction: its return address
+        // is the function's end.
+        merge(&[0x5000, 0x2000], &eval, &python, &mut out);
+        assert_eq!(out, [Merged::Native(0), Merged::Python(python[0])]);
+        // The innermost frame is an address in the function, not a return
+        // address: its end is outside.
+        out.clear();
+        merge(&[0x2000], &eval, &python, &mut out);
+        assert_eq!(out, [Merged::Native(0)]);
+    }
+
+    #[test]
+    fn frames_without_a_partner_stay_as_they_are_and_are_counted() {
+        let eval = 0x1000..0x2000;
+        let python = [frame(1, true), frame(2, true)];
+        let mut out = Vec::new();
+        // A walk that stopped after one evaluation frame.
+        let counts = merge(&[0x5000, 0x1100], &eval, &python, &mut out);
+        assert_eq!(out, [Merged::Native(0), Merged::Python(python[0])]);
+        assert_eq!(
+            counts,
+            MergeCounts {
+                replaced: 1,
+                unplaced: 1
+            }
+        );
+        // More evaluation frames than activations (no thread state read).
+        out.clear();
+        let counts = merge(&[0x1100, 0x1200], &eval, &[], &mut out);
+        assert_eq!(out, [Merged::Native(0), Merged::Native(1)]);
+        assert_eq!(counts, MergeCounts::default());
+    }
+}

@@ -1,0 +1,103 @@
+//! Finding the interpreter in a running process: which mapped file holds
+//! it (`python3.X` or `libpython3.X.so`), where its `_PyRuntime` lies in
+//! the process, and the layout of its version.
+
+use std::{
+    fs::File,
+    ops::Range,
+    path::{Path, PathBuf},
+};
+
+use stackscope_process_table::{elf, maps, table::bias};
+
+use crate::{Interpreter, InterpreterError, Layout};
+
+/// A CPython interpreter in a running process.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct FoundInterpreter {
+    /// The mapped file that holds it, as the process sees it.
+    pub path: PathBuf,
+    pub interpreter: Interpreter,
+    pub layout: Layout,
+    /// Address of `_PyRuntime` in the process.
+    pub runtime: u64,
+    /// The code of `_PyEval_EvalFrameDefault` in the process (empty when
+    /// the file has no symbol for it: no native frame is replaced).
+    pub eval: Range<u64>,
+}
+
+/// Why a process's interpreter could not be used.
+#[derive(Debug, thiserror::Error)]
+pub enum FindError {
+    #[error("reading the process's mappings: {0}")]
+    Maps(#[from] maps::MapsError),
+    #[error("{path}: {source}")]
+    Interpreter {
+        path: PathBuf,
+        #[source]
+        source: InterpreterError,
+    },
+    #[error("{path}: CPython {}.{} is not read (3.11 to 3.13 are)", .version.0, .version.1)]
+    Unsupported { path: PathBuf, version: (u8, u8) },
+    #[error("{path}: no load segment covers its mappings")]
+    NoBias { path: PathBuf },
+}
+
+/// Whether a file's name says it may hold a CPython interpreter
+/// (`python3.11`, `libpython3.12.so.1.0`).
+pub fn named_like_interpreter(path: &Path) -> bool {
+    path.file_name()
+        .and_then(|name| name.to_str())
+        .is_some_and(|name| name.starts_with("python") || name.starts_with("libpython"))
+}
+
+/// The interpreter mapped in process `pid` (under procfs at `proc_root`),
+/// if any. Only files named like an interpreter (`python*`, `libpython*`)
+/// are opened, each once, through the process's root (its container's
+/// files).
+pub fn find_in_process(proc_root: &Path, pid: u32) -> Result<Option<FoundInterpreter>, FindError> {
+    let mappings = maps::read_maps_at(proc_root, pid)?;
+    let mut tried: Vec<PathBuf> = Vec::new();
+    for mapping in &mappings {
+        let Some(path) = mapping.path.file_path() else {
+            continue;
+        };
+        if !named_like_interpreter(path) || tried.iter().any(|seen| seen == path) {
+            continue;
+        }
+        tried.push(path.to_path_buf());
+        let in_root =
+            PathBuf::from(format!("/proc/{pid}/root")).join(path.strip_prefix("/").unwrap_or(path));
+        let Ok(file) = File::open(&in_root) else {
+            continue;
+        };
+        let error = |source| FindError::Interpreter {
+            path: path.to_path_buf(),
+            source,
+        };
+        let Some(interpreter) = Interpreter::read(&file).map_err(error)? else {
+            continue;
+        };
+        let layout = Layout::of_interpreter(&interpreter).ok_or(FindError::Unsupported {
+            path: path.to_path_buf(),
+            version: interpreter.version(),
+        })?;
+        let segments = elf::read_summary(&file)
+            .map(|summary| summary.load_segments)
+            .unwrap_or_default();
+        let bias = bias(mapping, &segments, 4096).ok_or(FindError::NoBias {
+            path: path.to_path_buf(),
+        })?;
+        let eval = interpreter.eval.clone().map_or(0..0, |eval| {
+            eval.start.wrapping_add(bias)..eval.end.wrapping_add(bias)
+        });
+        return Ok(Some(FoundInterpreter {
+            path: path.to_path_buf(),
+            runtime: interpreter.runtime.wrapping_add(bias),
+            eval,
+            interpreter,
+            layout,
+        }));
+    }
+    Ok(None)
+}

@@ -1,0 +1,474 @@
+//! End to end: the sampler reads CPython's frames at each tick (issue 33),
+//! for every CPython version on this machine that the profiler reads:
+//! pyenv's 3.11, 3.12 and 3.13 (libpython shared) and Debian's python3.11
+//! (libpython linked into a stripped executable). Each runs
+//! `python_chain.py` (`<module>` -> `outer` -> `middle` -> `leaf`, spinning
+//! in `leaf`); the interpreter is found in the process's mappings, the
+//! sampler told how to walk it, and every frame of every Python stack is
+//! named from the process's code objects, checked against the exact chain
+//! with `leaf`'s line. Versions not installed are skipped, and said so.
+//! The agent finds each interpreter itself and ships the Python functions
+//! in place of the evaluation loop's frames, through a real collector; so
+//! too for an interpreter that exists only inside a container's image.
+//! And a C program that pretends to be CPython 3.12, its frame chain a
+//! cycle over garbage, costs a bounded walk and names nothing.
+//! Needs root.
+
+use std::{
+    collections::HashMap,
+    path::{Path, PathBuf},
+    process::Command,
+    time::Duration,
+};
+
+use agent_common::{MAX_PYTHON_FRAMES, PythonFrame, python_stack_flags};
+use stackscope_python::{CodeObject, code::ProcessMemory, find_in_process};
+use stackscope_sampler::SamplerConfig;
+use stackscope_test_fixtures::containers::{Container, Image};
+use stackscope_tests::{
+    Collector, Fixture, Recorded, RunningProcess, exclusive, fixture_source, require_root,
+    run_agent_for, sample_for, sample_python,
+};
+
+/// The line `leaf` spins on in `python_chain.py`.
+const LEAF_LINE: u32 = 9;
+
+/// The chain every Python stack of the fixture must name, innermost first.
+const CHAIN: [&str; 4] = ["leaf", "middle", "outer", "<module>"];
+
+/// The interpreters tried and installed: a name for the report, and the
+/// program. Those not installed are skipped, and said so.
+fn interpreters() -> Vec<(&'static str, PathBuf)> {
+    let pyenv = |version: &str, program: &str| {
+        PathBuf::from(format!("/root/.pyenv/versions/{version}/bin/{program}"))
+    };
+    let all = [
+        ("pyenv 3.11.7", pyenv("3.11.7", "python3.11")),
+        ("pyenv 3.12.1", pyenv("3.12.1", "python3.12")),
+        ("pyenv 3.13.0", pyenv("3.13.0", "python3.13")),
+        ("Debian python3.11", PathBuf::from("/usr/bin/python3.11")),
+    ];
+    let installed: Vec<_> = all
+        .into_iter()
+        .filter(|(name, program)| {
+            let present = program.exists();
+            if !present {
+                eprintln!(
+                    "python frames: {name} skipped: {} is not installed",
+                    program.display()
+                );
+            }
+            present
+        })
+        .collect();
+    assert!(
+        !installed.is_empty(),
+        "no CPython 3.11-3.13 on this machine"
+    );
+    installed
+}
+
+fn start_chain(program: &Path) -> RunningProcess {
+    RunningProcess::start_ready(
+        Command::new(program)
+            .arg(fixture_source("python_chain.py"))
+            .env_clear(),
+    )
+}
+
+#[test]
+fn the_sampler_reads_every_cpython_versions_frames_in_order() {
+    require_root();
+    let _serial = exclusive();
+    let mut tried = 0;
+    for (name, program) in interpreters() {
+        if !program.exists() {
+            eprintln!(
+                "python frames: {name} skipped: {} is not installed",
+                program.display()
+            );
+            continue;
+        }
+        tried += 1;
+        check_chain(name, &program);
+    }
+    assert!(tried > 0, "no CPython 3.11-3.13 on this machine");
+}
+
+fn check_chain(name: &str, program: &PathBuf) {
+    let process = RunningProcess::start_ready(
+        Command::new(program)
+            .arg(fixture_source("python_chain.py"))
+            .env_clear(),
+    );
+    let pid = process.pid();
+    let found = find_in_process(Path::new("/proc"), pid)
+        .unwrap_or_else(|err| panic!("{name}: {err}"))
+        .unwrap_or_else(|| panic!("{name}: no interpreter found in its mappings"));
+    let config = SamplerConfig {
+        frequency_hz: 99,
+        pids: vec![pid],
+        ..SamplerConfig::default()
+    };
+    // The entry names the process by its start time, as its samples do;
+    // this run also gives the program's cost without the Python walk.
+    let native = sample_for(&config, Duration::from_secs(2));
+    let process_start_ns = native
+        .samples
+        .iter()
+        .find(|sample| sample.header.tgid == pid)
+        .map(|sample| sample.header.process_start_ns)
+        .unwrap_or_else(|| panic!("{name}: no sample of the fixture"));
+    let entry = found.layout.sampler_entry(found.runtime, process_start_ns);
+    let recorded = sample_python(&config, Duration::from_secs(3), pid, &entry);
+
+    let samples = recorded
+        .samples
+        .iter()
+        .filter(|s| s.header.tgid == pid)
+        .count();
+    let memory = ProcessMemory { pid };
+    let mut codes: HashMap<(u64, u32), CodeObject> = HashMap::new();
+    let mut exact = 0;
+    let stacks: Vec<_> = recorded
+        .python_stacks
+        .iter()
+        .filter(|stack| stack.header.tgid == pid)
+        .collect();
+    for stack in &stacks {
+        assert_eq!(stack.header.flags & python_stack_flags::TRUNCATED, 0);
+        let mut named = Vec::new();
+        let mut leaf_line = None;
+        for frame in &stack.frames {
+            let first_line = frame.first_line & !PythonFrame::ENTRY;
+            let code = codes.entry((frame.code, first_line)).or_insert_with(|| {
+                CodeObject::read(&memory, &found.layout, frame.code, first_line)
+                    .unwrap_or_else(|err| panic!("{name}: code object {:#x}: {err}", frame.code))
+            });
+            if named.is_empty() {
+                leaf_line = code.line_of(frame.instr_offset);
+            }
+            named.push((
+                code.qualname.clone(),
+                frame.first_line & PythonFrame::ENTRY != 0,
+            ));
+        }
+        let names: Vec<&str> = named.iter().map(|(n, _)| &**n).collect();
+        assert_eq!(names, CHAIN, "{name}: a Python stack");
+        // One activation of the evaluation loop, entered at <module>.
+        let entries: Vec<bool> = named.iter().map(|(_, entry)| *entry).collect();
+        assert_eq!(entries, [false, false, false, true], "{name}: entry marks");
+        assert!(
+            leaf_line.is_some_and(|line| line.abs_diff(LEAF_LINE) <= 1),
+            "{name}: leaf at line {leaf_line:?}"
+        );
+        exact += 1;
+    }
+    let file = codes
+        .values()
+        .find(|code| &*code.qualname == "leaf")
+        .map(|code| code.filename.clone());
+    let per_run = |recorded: &Recorded| {
+        recorded
+            .program
+            .per_run()
+            .map_or(f64::NAN, |time| time.as_nanos() as f64)
+    };
+    eprintln!(
+        "python frames: {name} ({}, _PyRuntime at {:#x}): {exact} of {samples} samples carried the \
+         exact chain; leaf in {file:?}; counters {} stacks, {} frames; BPF {:.0} ns per run, {:.0} \
+         without the Python walk",
+        found.path.display(),
+        found.runtime,
+        recorded.counters.python_stacks,
+        recorded.counters.python_frames,
+        per_run(&recorded),
+        per_run(&native),
+    );
+    assert!(samples >= 100, "{name}: only {samples} samples");
+    assert!(
+        exact * 100 >= samples * 99,
+        "{name}: {exact} of {samples} samples carried the exact Python chain"
+    );
+    assert!(
+        file.is_some_and(|file| file.ends_with("python_chain.py")),
+        "{name}: leaf's file"
+    );
+}
+
+#[test]
+fn the_agent_ships_python_functions_in_place_of_the_evaluation_loop() {
+    require_root();
+    let _serial = exclusive();
+    for (name, program) in interpreters() {
+        let process = start_chain(&program);
+        let (stacks, report) = profile_with_agent(process.pid(), &comm_of(&program));
+        let (chained, total) = chained_samples(&stacks);
+        let aggregation = &report["aggregation"];
+        eprintln!(
+            "python frames: agent on {name}: {chained} of {total} samples read \
+             _start;...;<module>;outer;middle;leaf; python frames named {}, unnamed {}, \
+             activations unplaced {}",
+            aggregation["python_named"],
+            aggregation["python_unnamed"],
+            aggregation["python_unplaced"]
+        );
+        assert!(
+            total >= 300,
+            "{name}: only {total} samples in 4 s at 199 Hz"
+        );
+        assert!(
+            chained * 100 >= total * 95,
+            "{name}: only {chained} of {total} samples read the chain: {stacks:#?}"
+        );
+    }
+}
+
+/// The stacks the agent (`--pid`, 4 s at 199 Hz) ships of process `pid`
+/// to a collector of its own, as folded for its `comm`, and the agent's
+/// report.
+fn profile_with_agent(pid: u32, comm: &str) -> (Vec<(String, u64)>, serde_json::Value) {
+    let data = tempfile::tempdir().expect("temp dir");
+    let collector = Collector::start(data.path());
+    let report = run_agent_for(&collector, "4s", &["--pid", &pid.to_string()]);
+    let stacks = collector.folded_stacks(&format!("comm=\"{comm}\""));
+    collector.stop();
+    (stacks, report)
+}
+
+/// A program's thread name: its file name.
+fn comm_of(program: &Path) -> String {
+    program
+        .file_name()
+        .and_then(|name| name.to_str())
+        .expect("a program name")
+        .to_owned()
+}
+
+/// Of `stacks`, how many samples read root first the native frames from
+/// `_start`, then the Python chain where the evaluation loop ran it (the
+/// loop's own frames gone), then whatever C code `leaf` was in (adding,
+/// allocating); and how many samples there are.
+fn chained_samples(stacks: &[(String, u64)]) -> (u64, u64) {
+    let total = stacks.iter().map(|(_, n)| n).sum();
+    let chained = stacks
+        .iter()
+        .filter(|(stack, _)| {
+            let frames: Vec<&str> = stack.split(';').collect();
+            frames.first() == Some(&"_start")
+                && frames
+                    .windows(CHAIN.len())
+                    .any(|w| w.iter().rev().eq(CHAIN.iter()))
+                && !frames.contains(&"_PyEval_EvalFrameDefault")
+        })
+        .map(|(_, n)| n)
+        .sum();
+    (chained, total)
+}
+
+#[test]
+fn a_services_threads_generators_recursion_and_callbacks_through_c_keep_their_order() {
+    require_root();
+    let _serial = exclusive();
+    for (name, program) in interpreters() {
+        let process = RunningProcess::start_ready(
+            Command::new(&program)
+                .arg(fixture_source("python_services.py"))
+                .env_clear(),
+        );
+        let (stacks, _) = profile_with_agent(process.pid(), &comm_of(&program));
+        // The pool's threads: from the thread's start, through threading's
+        // bootstrap, a method, a generator and 50 frames of recursion, in
+        // that order; native frames may come between the Python ones (the
+        // generator runs in an evaluation loop of its own in 3.11, called
+        // from C).
+        let mut pool_chain = vec![
+            "Thread._bootstrap",
+            "Thread._bootstrap_inner",
+            "Thread.run",
+            "worker",
+            "Handler.handle",
+            "items",
+        ];
+        pool_chain.extend(["recurse"; 50]);
+        pool_chain.push("leaf_work");
+        let (mut pool, mut pool_whole) = (0, 0);
+        // The main thread: JSON encoded in C, which calls `encode` back.
+        let (mut callbacks, mut callbacks_in_order) = (0, 0);
+        for (stack, count) in &stacks {
+            let frames: Vec<&str> = stack.split(';').collect();
+            if frames.contains(&"worker") {
+                pool += count;
+                let python: Vec<&str> = frames
+                    .iter()
+                    .copied()
+                    .filter(|frame| pool_chain.contains(frame))
+                    .collect();
+                let whole = frames.first() == Some(&"clone3") && python == pool_chain;
+                pool_whole += if whole { *count } else { 0 };
+            }
+            // The callback is innermost Python, called from the C encoder:
+            // native frames (named or not: Debian's binary is stripped)
+            // between it and the method that called into C.
+            if let Some(at) = frames.iter().position(|f| *f == "encode") {
+                callbacks += count;
+                let in_order = frames
+                    .iter()
+                    .position(|f| *f == "JSONEncoder.iterencode")
+                    .is_some_and(|caller| caller + 1 < at);
+                callbacks_in_order += if in_order { *count } else { 0 };
+            }
+        }
+        eprintln!(
+            "python frames: services on {name}: {pool_whole} of {pool} pool samples read the whole \
+             chain; {callbacks_in_order} of {callbacks} samples in the default= callback read \
+             JSONEncoder.iterencode;<C>;encode"
+        );
+        assert!(
+            pool >= 100,
+            "{name}: only {pool} samples of the pool's threads"
+        );
+        let busiest_pool_stack = stacks
+            .iter()
+            .filter(|(stack, _)| stack.contains(";worker;"))
+            .max_by_key(|(_, count)| *count);
+        assert!(
+            pool_whole * 100 >= pool * 95,
+            "{name}: only {pool_whole} of {pool} pool samples read the chain; the most \
+             common: {busiest_pool_stack:?}"
+        );
+        assert!(callbacks > 0, "{name}: no sample in the default= callback");
+        let with_callback: Vec<_> = stacks
+            .iter()
+            .filter(|(stack, _)| stack.split(';').any(|f| f == "encode"))
+            .collect();
+        assert_eq!(
+            callbacks_in_order, callbacks,
+            "{name}: callbacks out of order: {with_callback:#?}"
+        );
+    }
+}
+
+#[test]
+fn python_in_a_container_is_read_from_the_interpreter_in_its_image() {
+    require_root();
+    // Debian's interpreter, at a path only the image has, with the few
+    // files it reads at start-up (its libraries, the codecs of
+    // `encodings`: everything else it needs is frozen into it).
+    let python = Path::new("/usr/bin/python3.11");
+    if !python.exists() {
+        eprintln!(
+            "python frames: container skipped: {} is not installed",
+            python.display()
+        );
+        return;
+    }
+    let mut files: Vec<(PathBuf, String)> = vec![
+        (python.to_path_buf(), "/opt/py/bin/python3.11".into()),
+        (
+            fixture_source("python_chain.py"),
+            "/app/python_chain.py".into(),
+        ),
+    ];
+    for library in shared_libraries(python) {
+        let inside = library.display().to_string();
+        files.push((library, inside));
+    }
+    for module in ["__init__.py", "aliases.py", "utf_8.py"] {
+        files.push((
+            PathBuf::from(format!("/usr/lib/python3.11/encodings/{module}")),
+            format!("/opt/py/lib/python3.11/encodings/{module}"),
+        ));
+    }
+    let files: Vec<(&Path, &str)> = files
+        .iter()
+        .map(|(host, inside)| (host.as_path(), inside.as_str()))
+        .collect();
+    let image = Image::build("python", &files);
+    let _serial = exclusive();
+    let container = Container::run_with(
+        &image,
+        "python",
+        &["-e", "PYTHONHOME=/opt/py"],
+        &["/opt/py/bin/python3.11", "/app/python_chain.py"],
+    );
+    // The interpreter is past its start-up (into `leaf`) well within this.
+    std::thread::sleep(Duration::from_millis(500));
+    let (stacks, _) = profile_with_agent(container.pid, "python3.11");
+    let (chained, total) = chained_samples(&stacks);
+    eprintln!(
+        "python frames: in a container ({}): {chained} of {total} samples read \
+         _start;...;<module>;outer;middle;leaf",
+        container.name
+    );
+    assert!(total >= 300, "only {total} samples in 4 s at 199 Hz");
+    assert!(
+        chained * 100 >= total * 95,
+        "only {chained} of {total} samples read the chain: {stacks:#?}"
+    );
+}
+
+/// The shared libraries `program` loads (as `ldd` lists them), by the paths
+/// it loads them from.
+fn shared_libraries(program: &Path) -> Vec<PathBuf> {
+    let out = Command::new("ldd")
+        .arg(program)
+        .output()
+        .expect("running ldd");
+    assert!(out.status.success(), "ldd {}", program.display());
+    String::from_utf8_lossy(&out.stdout)
+        .lines()
+        .filter_map(|line| {
+            // `libm.so.6 => /lib/x86_64-linux-gnu/libm.so.6 (0x...)` or
+            // `/lib64/ld-linux-x86-64.so.2 (0x...)`; the vDSO has no file.
+            let path = line.split("=>").last()?.split_whitespace().next()?;
+            path.starts_with('/').then(|| PathBuf::from(path))
+        })
+        .collect()
+}
+
+#[test]
+fn a_process_that_pretends_to_be_python_costs_a_bounded_walk_and_names_nothing() {
+    require_root();
+    let fixture = Fixture::compile("python_impostor", &["-pthread"]);
+    let _serial = exclusive();
+    let process = fixture.start(&[]);
+    let pid = process.pid();
+    let found = find_in_process(Path::new("/proc"), pid)
+        .expect("reading its mappings")
+        .expect("taken for an interpreter: it exports _PyRuntime and Py_Version");
+    assert_eq!(found.interpreter.version(), (3, 12));
+    let config = SamplerConfig {
+        frequency_hz: 99,
+        pids: vec![pid],
+        ..SamplerConfig::default()
+    };
+    let process_start_ns = sample_for(&config, Duration::from_millis(500))
+        .samples
+        .iter()
+        .find(|sample| sample.header.tgid == pid)
+        .map(|sample| sample.header.process_start_ns)
+        .expect("a sample of the impostor");
+    let entry = found.layout.sampler_entry(found.runtime, process_start_ns);
+    let recorded = sample_python(&config, Duration::from_secs(2), pid, &entry);
+    let stacks: Vec<_> = recorded
+        .python_stacks
+        .iter()
+        .filter(|stack| stack.header.tgid == pid)
+        .collect();
+    assert!(stacks.len() >= 50, "only {} stacks", stacks.len());
+    let memory = ProcessMemory { pid };
+    for stack in stacks {
+        // The cycle ends at the bound, and says so.
+        assert_eq!(stack.frames.len(), MAX_PYTHON_FRAMES);
+        assert_eq!(stack.header.flags, python_stack_flags::TRUNCATED);
+        let frame = stack.frames[0];
+        let named = CodeObject::read(
+            &memory,
+            &found.layout,
+            frame.code,
+            frame.first_line & !PythonFrame::ENTRY,
+        );
+        assert!(named.is_err(), "garbage named: {named:?}");
+    }
+}
