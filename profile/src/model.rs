@@ -156,6 +156,10 @@ impl Selection {
     }
 }
 
+/// The binary of Python functions' frames (named on the node from the
+/// interpreter's code objects: their line is the line run).
+pub const PYTHON_BINARY: &str = "[python]";
+
 /// A frame as people read it.
 #[derive(Debug, Clone, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub struct Frame {

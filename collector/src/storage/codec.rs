@@ -7,7 +7,7 @@
 
 use std::sync::Arc;
 
-use stackscope_profile::model::{CodeAddress, Frame};
+use stackscope_profile::model::{CodeAddress, Frame, PYTHON_BINARY};
 
 use crate::ingest::{CodeSegment, LineRecord, MappingKind, MappingRecord};
 
@@ -134,7 +134,7 @@ fn binary_name(kind: MappingKind, path: &str) -> String {
     match kind {
         MappingKind::Kernel => "[kernel]".into(),
         MappingKind::Vdso => "[vdso]".into(),
-        MappingKind::Python => "[python]".into(),
+        MappingKind::Python => PYTHON_BINARY.into(),
         MappingKind::User | MappingKind::Anonymous => {
             match path.rsplit('/').find(|part| !part.is_empty()) {
                 Some(name) => name.into(),

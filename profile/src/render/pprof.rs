@@ -29,7 +29,7 @@ use flate2::{Compression, write::GzEncoder};
 use prost::Message as _;
 use stackscope_proto::pprof::{Function, Line, Location, Mapping, Profile, Sample, ValueType};
 
-use crate::model::Frame;
+use crate::model::{Frame, PYTHON_BINARY};
 use crate::tree::CallTree;
 
 /// The tree as a gzipped pprof profile; see the module documentation for
@@ -183,10 +183,18 @@ impl<'t> ProfileBuilder<'t> {
         let id = self.functions.len() as u64 + 1;
         let name = self.string(&frame.function);
         let filename = self.string(&frame.file);
+        // A Python function has no linker name. pprof rewrites a function
+        // whose system name is its name as if it were a demangled C++ one
+        // and would erase `<module>` or `<lambda>` as template parameters.
+        let system_name = if frame.binary == PYTHON_BINARY {
+            self.string("")
+        } else {
+            name
+        };
         self.functions.push(Function {
             id,
             name,
-            system_name: name,
+            system_name,
             filename,
             start_line: 0,
         });
@@ -621,7 +629,17 @@ mod tests {
                         frame("memcpy", "libc.so.6"),
                         located("main", "app", "main.c", 5, false),
                     ],
-                    weight: 10,
+                    weight: 5,
+                },
+                // Python's names in angle brackets, which pprof takes for
+                // C++ templates (and removes) unless told they are names.
+                WeightedStack {
+                    frames: vec![
+                        located("<lambda>", PYTHON_BINARY, "app.py", 3, false),
+                        located("<module>", PYTHON_BINARY, "app.py", 1, false),
+                        located("main", "app", "main.c", 6, false),
+                    ],
+                    weight: 5,
                 },
             ],
             sample_period_nanos: 10_000_000,
@@ -631,13 +649,8 @@ mod tests {
         std::fs::write(&path, pprof(&tree, 10_000_000, 0, 1_000_000_000)).unwrap();
 
         let output = Command::new("go")
-            .args([
-                "tool",
-                "pprof",
-                "-top",
-                "-sample_index=samples",
-                "-symbolize=none",
-            ])
+            // Symbolization as a user gets it: pprof's name heuristics on.
+            .args(["tool", "pprof", "-top", "-sample_index=samples"])
             .arg(&path)
             .env("HOME", dir.path())
             .env("GOPATH", dir.path().join("gopath"))
@@ -684,7 +697,9 @@ mod tests {
             ["20", "20.00%"],
             "{stdout}"
         );
-        assert_eq!(row("memcpy")[..2], ["10", "10.00%"], "{stdout}");
+        assert_eq!(row("memcpy")[..2], ["5", "5.00%"], "{stdout}");
+        assert_eq!(row("<lambda>")[..2], ["5", "5.00%"], "{stdout}");
+        assert_eq!(row("<module>")[3..5], ["5", "5.00%"], "{stdout}");
         assert_eq!(row("main")[..2], ["0", "0%"], "{stdout}");
         assert_eq!(row("main")[3..5], ["100", "100%"], "{stdout}");
         assert_eq!(row("cold_path")[3..5], ["20", "20.00%"], "{stdout}");
