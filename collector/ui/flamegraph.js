@@ -233,12 +233,14 @@ export class Tree {
 const KIND_COLORS = {
   kernel: [26, 92, 56],
   jit: [160, 55, 45],
+  python: [110, 50, 52],
   unknown: [0, 0, 68],
   vdso: [48, 80, 55],
   group: [270, 45, 70],
   synthetic: [210, 15, 80],
 };
-// Away from the kernel's orange and the JIT's green, so those stay apart.
+// Away from the kernel's orange, the JIT's and Python's greens, so those
+// stay apart.
 const USER_HUES = [200, 218, 236, 258, 280, 302, 324, 345, 60, 84];
 
 /**
@@ -274,6 +276,7 @@ export function binaryKind(frame) {
   if (b === "[kernel]") return "kernel";
   if (b === "[jit]" || b === "[anonymous]") return "jit";
   if (b === "[vdso]") return "vdso";
+  if (b === "[python]") return "python";
   if (b === "[group]") return "group";
   if (b === "" ) return "synthetic";
   if (b === "[unknown]" || frame.name.startsWith("[unknown]")) return "unknown";

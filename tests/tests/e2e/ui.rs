@@ -668,6 +668,9 @@ async fn modules(browser: &Client, page: &str) {
                           .map(([n, w]) => f.shortLabel(n, w)),
                    functions: tree.functions().map(s => [s.name, s.self, s.total]),
                    search: [a.count, a.weight],
+                   kinds: [['[python]', '<module>'], ['[kernel]', 'sys_read'], ['[jit]', 'js']]
+                          .map(([binary, name]) => ({binary, name}))
+                          .map(fr => [f.binaryKind(fr), f.frameHsl(fr)[0], f.binaryLegend(fr)]),
                  };
                });"#,
             vec![],
@@ -686,6 +689,9 @@ async fn modules(browser: &Client, page: &str) {
             "short": ["…ssManager::run", "…eap::CollectGarbage", "…::push_back", "abcdefg…", "main"],
             "functions": [["a", 5, 10], ["b", 5, 5]],
             "search": [2, 10],
+            // Python functions get a colour of their own, apart from the
+            // kernel's and the JIT's.
+            "kinds": [["python", 110, "[python]"], ["kernel", 26, "[kernel]"], ["jit", 160, "[jit]"]],
         })
     );
 }
