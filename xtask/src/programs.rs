@@ -4,7 +4,9 @@
 //! agent samples only that cgroup for a while and ships to a release
 //! collector; the report says, per program, what share of samples unwound to
 //! the root (and how many of those through a stack tail), what share were cut
-//! short, and what share of their frames carry a name in the collector.
+//! short, and what share of their frames carry a name in the collector. The
+//! Python rows run the same program on each CPython installed (Debian's and
+//! pyenv's) and say what share of samples name its Python function.
 //!
 //! A report, not a test: the figures depend on the machine and its load.
 //! The short-lived programs (gcc, rustc) are loops of compiler runs, which is
@@ -35,7 +37,28 @@ const WARM_UP: Duration = Duration::from_secs(2);
 struct Program {
     name: &'static str,
     script: String,
+    /// A function of the program's own (not of its runtime) that most of
+    /// its samples should show: for a Python program, its hot Python
+    /// function, which without Python frames no sample carries.
+    own_function: Option<&'static str>,
 }
+
+/// The CPython interpreters the Python rows run, besides Debian's
+/// `python3`: pyenv's builds, those installed.
+const PYENV_PYTHONS: &[(&str, &str)] = &[
+    ("py3.11-pyenv", "3.11.7/bin/python3.11"),
+    ("py3.12-pyenv", "3.12.1/bin/python3.12"),
+    ("py3.13-pyenv", "3.13.0/bin/python3.13"),
+];
+
+/// The Python programs' hot function (see `PYTHON_WORK`).
+const PYTHON_FUNCTION: &str = "work";
+
+/// What every Python row runs: JSON and regular expressions (C code)
+/// called from a Python function.
+const PYTHON_WORK: &str = "import json, re\n\
+    def work(n):\n    return [re.sub('[0-9]', 'x', json.dumps({'k': i, 'v': [i] * 20})) for i in range(n)]\n\
+    while True:\n    work(2000)\n";
 
 pub fn run(seconds: u64, only: &[String]) -> anyhow::Result<()> {
     if seconds == 0 {
@@ -70,8 +93,8 @@ pub fn run(seconds: u64, only: &[String]) -> anyhow::Result<()> {
     wait_for_listener(&grpc, &mut collector.0)?;
 
     println!(
-        "{:<10} {:>8} {:>10} {:>12} {:>10} {:>12}",
-        "program", "samples", "to root", "(via tail)", "truncated", "frames named"
+        "{:<12} {:>8} {:>10} {:>12} {:>10} {:>12} {:>14}",
+        "program", "samples", "to root", "(via tail)", "truncated", "frames named", "own function"
     );
     for program in &programs {
         let cgroup = scratch.cgroup(program.name)?;
@@ -79,21 +102,27 @@ pub fn run(seconds: u64, only: &[String]) -> anyhow::Result<()> {
         std::thread::sleep(WARM_UP);
         let node = format!("programs-{}", program.name);
         let report = agent_run(&release, &grpc, &cgroup.0, &node, seconds)?;
-        let named = named_share(&release, &grpc, &node)?;
+        let shipped = shipped_names(&release, &grpc, &node, program.own_function)?;
         let share = |n: u64| 100.0 * n as f64 / report.walks.max(1) as f64;
+        let own = match (program.own_function, shipped.own_function) {
+            (Some(function), Some(share)) => format!("{share:.1}% {function}"),
+            _ => "-".into(),
+        };
         println!(
-            "{:<10} {:>8} {:>9.1}% {:>11.1}% {:>9.1}% {:>11.1}%",
+            "{:<12} {:>8} {:>9.1}% {:>11.1}% {:>9.1}% {:>11.1}% {:>14}",
             program.name,
             report.walks,
             share(report.outermost),
             share(report.stitched),
             share(report.truncated),
-            named,
+            shipped.frames_named,
+            own,
         );
     }
     println!(
         "({seconds} s per program at {HZ} Hz; 'via tail': walks that reached the root through \
-         a stack tail; frames named: of every frame in the collector, kernel frames included)"
+         a stack tail; frames named: of every frame in the collector, kernel frames included; \
+         own function: the samples in the collector that carry it)"
     );
     Ok(())
 }
@@ -120,23 +149,38 @@ fn programs(scratch: &Path) -> anyhow::Result<Vec<Program>> {
             .collect::<String>(),
     )
     .context("writing xz's input")?;
-    let python = "import json, re\n\
-                  def work(n):\n    return [re.sub('[0-9]', 'x', json.dumps({'k': i, 'v': [i] * 20})) for i in range(n)]\n\
-                  while True:\n    work(2000)\n";
-    Ok(vec![
-        Program {
-            name: "python3",
-            script: format!("exec python3 -c \"{python}\""),
-        },
+    let python = |program: &str| Program {
+        name: "",
+        script: format!("exec {program} -c \"{PYTHON_WORK}\""),
+        own_function: Some(PYTHON_FUNCTION),
+    };
+    let mut programs = vec![Program {
+        name: "python3",
+        ..python("python3")
+    }];
+    for (name, version) in PYENV_PYTHONS {
+        let program = Path::new("/root/.pyenv/versions").join(version);
+        if program.exists() {
+            programs.push(Program {
+                name,
+                ..python(&program.display().to_string())
+            });
+        } else {
+            println!("{name}: skipped, {} is not installed", program.display());
+        }
+    }
+    programs.extend([
         Program {
             name: "node",
             script: format!("exec node --perf-basic-prof {}", fixture("json_runtime.js")),
+            own_function: None,
         },
         Program {
             name: "sqlite3",
             script: "while :; do sqlite3 :memory: 'WITH RECURSIVE c(x) AS (SELECT 1 UNION ALL \
                      SELECT x + 1 FROM c WHERE x < 3000000) SELECT sum(x) FROM c;' >/dev/null; done"
                 .into(),
+            own_function: None,
         },
         Program {
             name: "xz",
@@ -144,14 +188,17 @@ fn programs(scratch: &Path) -> anyhow::Result<Vec<Program>> {
                 "while :; do xz -6 -T1 -c {} >/dev/null; done",
                 input.display()
             ),
+            own_function: None,
         },
         Program {
             name: "go",
             script: format!("exec {} 2", go.display()),
+            own_function: None,
         },
         Program {
             name: "deep C",
             script: format!("exec {} 1048576 262144 65536", deep.display()),
+            own_function: None,
         },
         Program {
             name: "gcc",
@@ -159,6 +206,7 @@ fn programs(scratch: &Path) -> anyhow::Result<Vec<Program>> {
                 "while :; do gcc -O2 -c -o /dev/null {}; done",
                 fixture("many_functions.c")
             ),
+            own_function: None,
         },
         Program {
             name: "rustc",
@@ -167,8 +215,10 @@ fn programs(scratch: &Path) -> anyhow::Result<Vec<Program>> {
                 scratch.join("rust_chain").display(),
                 fixture("rust_chain.rs")
             ),
+            own_function: None,
         },
-    ])
+    ]);
+    Ok(programs)
 }
 
 /// What one agent run reported.
@@ -220,9 +270,22 @@ fn agent_run(
     })
 }
 
-/// The share of frames with a name among the samples `node` shipped, from
-/// the collector's folded export (an unnamed frame reads `[unknown] file+0x..`).
-fn named_share(release: &Path, grpc: &str, node: &str) -> anyhow::Result<f64> {
+/// What `node` shipped, from the collector's folded export.
+struct Shipped {
+    /// The share of frames with a name (an unnamed frame reads
+    /// `[unknown] file+0x..`).
+    frames_named: f64,
+    /// The share of samples that carry the program's own function, when
+    /// it has one.
+    own_function: Option<f64>,
+}
+
+fn shipped_names(
+    release: &Path,
+    grpc: &str,
+    node: &str,
+    own_function: Option<&str>,
+) -> anyhow::Result<Shipped> {
     let mut command = Command::new(release.join("stackscope"));
     command
         .args(["--collector", &format!("http://{grpc}")])
@@ -237,12 +300,16 @@ fn named_share(release: &Path, grpc: &str, node: &str) -> anyhow::Result<f64> {
             String::from_utf8_lossy(&out.stderr)
         );
     }
-    let (mut frames, mut named) = (0u64, 0u64);
+    let (mut frames, mut named, mut samples, mut own) = (0u64, 0u64, 0u64, 0u64);
     for line in String::from_utf8_lossy(&out.stdout).lines() {
         let Some((stack, count)) = line.rsplit_once(' ') else {
             continue;
         };
         let count: u64 = count.parse().context("a folded line's count")?;
+        samples += count;
+        if own_function.is_some_and(|function| stack.split(';').any(|frame| frame == function)) {
+            own += count;
+        }
         for frame in stack.split(';') {
             frames += count;
             if !frame.starts_with("[unknown]") {
@@ -250,7 +317,11 @@ fn named_share(release: &Path, grpc: &str, node: &str) -> anyhow::Result<f64> {
             }
         }
     }
-    Ok(100.0 * named as f64 / frames.max(1) as f64)
+    let share = |part: u64, whole: u64| 100.0 * part as f64 / whole.max(1) as f64;
+    Ok(Shipped {
+        frames_named: share(named, frames),
+        own_function: own_function.map(|_| share(own, samples)),
+    })
 }
 
 /// The bench's temporary directory and cgroups, removed on drop.
