@@ -81,12 +81,18 @@ use stackscope_unwind::walker::{FrameObject, Walk};
 /// The name of a Python frame whose code object could not be read.
 pub const UNNAMED_PYTHON: &str = "[python]";
 
+/// The frame that stands for the Python frames of an activation the
+/// sampler did not read (past its frame limit, or after a failed read).
+pub const PYTHON_NOT_READ: &str = "[python frames not read]";
+
 /// A sample's Python frames, and what names them: handed in with its walk
 /// (see [`Aggregator::add_with_python`]).
 #[derive(Debug)]
 pub struct PythonSample<'a> {
     /// Innermost first, as the sampler read them.
     pub frames: &'a [PythonFrame],
+    /// The read stopped before the outermost frame.
+    pub cut: bool,
     /// The code of the process's `_PyEval_EvalFrameDefault`.
     pub eval: &'a std::ops::Range<u64>,
     pub codes: &'a mut CodeCache,
@@ -419,6 +425,9 @@ pub struct AggregateStats {
     /// Activations of Python frames left out: the native walk had no
     /// evaluation frame left for them (it stopped short).
     pub python_unplaced: u64,
+    /// Activations read only in part (the sampler's frame limit, a failed
+    /// read): their frames not read stand as one marked frame.
+    pub python_cut: u64,
 }
 
 /// See the module documentation.
@@ -1378,7 +1387,13 @@ impl Aggregator {
         }
         let mut merged = std::mem::take(&mut self.merged);
         merged.clear();
-        let counts = merge::merge(walk.frames, python.eval, python.frames, &mut merged);
+        let counts = merge::merge(
+            walk.frames,
+            python.eval,
+            python.frames,
+            python.cut,
+            &mut merged,
+        );
         self.stats.python_unplaced += counts.unplaced as u64;
         let mut now = None;
         let mut not_yet_named = Vec::new();
@@ -1394,6 +1409,10 @@ impl Aggregator {
                     &mut not_yet_named,
                 ),
                 Merged::Python(frame) => self.push_python_frame(frame, python.codes, insert),
+                Merged::Cut => {
+                    self.stats.python_cut += 1;
+                    self.push_python_location(Arc::from(PYTHON_NOT_READ), Arc::from(""), 0, insert)
+                }
             };
             if !complete {
                 break;
@@ -1416,29 +1435,35 @@ impl Aggregator {
         insert: bool,
     ) -> bool {
         let first_line = frame.first_line & !PythonFrame::ENTRY;
-        let (key, line) = match codes.get(frame.code, first_line) {
+        match codes.get(frame.code, first_line) {
             Some(code) => {
                 self.stats.python_named += 1;
                 let line = code.line_of(frame.instr_offset).unwrap_or(0);
-                (
-                    MappingKey::Python {
-                        function: Arc::clone(&code.qualname),
-                        file: Arc::clone(&code.filename),
-                    },
+                self.push_python_location(
+                    Arc::clone(&code.qualname),
+                    Arc::clone(&code.filename),
                     line,
+                    insert,
                 )
             }
             None => {
                 self.stats.python_unnamed += 1;
-                (
-                    MappingKey::Python {
-                        function: Arc::from(UNNAMED_PYTHON),
-                        file: Arc::from(""),
-                    },
-                    0,
-                )
+                self.push_python_location(Arc::from(UNNAMED_PYTHON), Arc::from(""), 0, insert)
             }
-        };
+        }
+    }
+
+    /// Pushes the location of `function` at `line` of `file` (a Python
+    /// mapping's address is the line); false when it is new and `insert`
+    /// is off.
+    fn push_python_location(
+        &mut self,
+        function: Arc<str>,
+        file: Arc<str>,
+        line: u32,
+        insert: bool,
+    ) -> bool {
+        let key = MappingKey::Python { function, file };
         let Some(mapping) = self.current.mapping(key, insert) else {
             return false;
         };

@@ -14,7 +14,7 @@ use std::{
     time::{Duration, SystemTime},
 };
 
-use agent_common::SampleHeader;
+use agent_common::{PythonFrame, SampleHeader};
 use stackscope_agent::aggregate::{
     labels::LabelChoice,
     test_support::{AddWithMetadata as _, add, config, file, flatten, header, module_files},
@@ -22,6 +22,7 @@ use stackscope_agent::aggregate::{
 };
 use stackscope_metadata::{describe::Wanted, process::ProcessLabels};
 use stackscope_process_table::ModuleFile;
+use stackscope_python::{CodeCache, Layout};
 use stackscope_symbolize::node::{Symbolizer, SymbolizerConfig};
 use stackscope_unwind::walker::WalkOutcome;
 use stackscope_unwind::walker::{FrameObject, Walk};
@@ -920,4 +921,88 @@ fn jit_frames_sampled_before_their_perf_map_was_read_are_named_when_the_interval
         .map(|line| batch.strings[line.function as usize].as_str())
         .collect();
     assert_eq!(names, HashSet::from(["hot", "[jit] app"]));
+}
+
+/// A Python stack read in part (the sampler's frame limit, or a read that
+/// failed) keeps the frames it read in place of the evaluation loop's
+/// frame, then one marked frame where those not read would be, then the
+/// native callers; read whole, it has no mark.
+#[test]
+fn a_python_stack_read_in_part_ends_its_activation_in_a_marked_frame() {
+    let (own, libc) = module_files();
+    let mut aggregator = Aggregator::new(config());
+    let header = header(7, "python3", true);
+    let description = aggregator.config().describer().describe(Wanted {
+        tgid: header.tgid,
+        started: header.process_start_ns,
+        cgroup_id: header.cgroup_id,
+    });
+    let mut records = HashMap::new();
+    aggregator.describe(vec![description], &mut records);
+    // libc's leaf, the evaluation loop, main.
+    let objects = [
+        file(&libc, 0x9_1234),
+        file(&own, 0x1_1100),
+        file(&own, 0x1_8000),
+    ];
+    let frames = [0x7f00_0009_1234, 0x5555_0001_1100, 0x5555_0001_8000];
+    let eval = 0x5555_0001_1000..0x5555_0001_2000;
+    let walk = Walk {
+        frames: &frames,
+        objects: &objects,
+        outcome: WalkOutcome::Ended(UnwindEnd::Outermost),
+        stitched: false,
+        space: None,
+    };
+    // A code object at an address nothing maps (as a freed one): unnamed.
+    let python = [PythonFrame {
+        code: 0x10,
+        instr_offset: 0,
+        first_line: 3,
+    }];
+    let mut codes = CodeCache::new(
+        std::process::id(),
+        Layout::of((3, 12)).expect("a layout for 3.12"),
+    );
+    for cut in [true, false] {
+        aggregator.add_with_python(
+            &header,
+            &[],
+            Some(&walk),
+            records.labels_of(header.tgid),
+            Some(PythonSample {
+                frames: &python,
+                cut,
+                eval: &eval,
+                codes: &mut codes,
+            }),
+        );
+    }
+    assert_eq!(aggregator.stats().python_cut, 1);
+    let interval = aggregator.finish_interval(SystemTime::now());
+    let user_key = |module: &ModuleFile| MappingKey::User {
+        id: *module.id,
+        path: module.path().shipped_name(),
+    };
+    let python_key = |function: &str| MappingKey::Python {
+        function: function.into(),
+        file: "".into(),
+    };
+    let stacks: Vec<_> = flatten(&interval)
+        .into_iter()
+        .map(|(frames, _, count)| {
+            assert_eq!(count, 1);
+            frames
+        })
+        .collect();
+    let whole = vec![
+        (user_key(&libc), 0x9_1234, false),
+        (python_key(UNNAMED_PYTHON), 0, false),
+        (user_key(&own), 0x1_8000, true),
+    ];
+    let mut cut = whole.clone();
+    cut.insert(2, (python_key(PYTHON_NOT_READ), 0, false));
+    assert_eq!(stacks.len(), 2, "{stacks:#?}");
+    assert!(stacks.contains(&cut), "{stacks:#?}");
+    assert!(stacks.contains(&whole), "{stacks:#?}");
 }

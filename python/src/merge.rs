@@ -19,6 +19,10 @@ pub enum Merged {
     Native(usize),
     /// A Python frame.
     Python(PythonFrame),
+    /// Where the read of an activation stopped short of its entry (the
+    /// sampler's frame limit, or a read that failed): its outer Python
+    /// frames, not read, would be here.
+    Cut,
 }
 
 /// What merging a sample did, for the agent's counters.
@@ -35,16 +39,19 @@ pub struct MergeCounts {
 /// [`PythonFrame::ENTRY`]) into the native walk `native` (return
 /// addresses but for the first, innermost first), whose evaluation frames
 /// are those in `eval` (the code of `_PyEval_EvalFrameDefault`). Appends
-/// to `out`.
+/// to `out`. `cut`: the read stopped before the outermost frame, so the
+/// last activation, if it has no entry, is marked [`Merged::Cut`].
 pub fn merge(
     native: &[u64],
     eval: &Range<u64>,
     python: &[PythonFrame],
+    cut: bool,
     out: &mut Vec<Merged>,
 ) -> MergeCounts {
     let mut counts = MergeCounts::default();
-    let mut activations =
-        python.split_inclusive(|frame| frame.first_line & PythonFrame::ENTRY != 0);
+    let mut activations = python
+        .split_inclusive(|frame| frame.first_line & PythonFrame::ENTRY != 0)
+        .peekable();
     for (index, &address) in native.iter().enumerate() {
         // A return address lies after its call: the call is in the
         // function one byte before it.
@@ -57,6 +64,12 @@ pub fn merge(
             && let Some(activation) = activations.next()
         {
             out.extend(activation.iter().copied().map(Merged::Python));
+            let entered = activation
+                .last()
+                .is_some_and(|frame| frame.first_line & PythonFrame::ENTRY != 0);
+            if cut && !entered && activations.peek().is_none() {
+                out.push(Merged::Cut);
+            }
             counts.replaced += 1;
         } else {
             out.push(Merged::Native(index));
@@ -92,7 +105,7 @@ mod tests {
         // leaf's native frames, eval, sorted (C), eval, PyEval_EvalCode, main.
         let native = [0x5000, 0x1100, 0x6000, 0x1200, 0x7000, 0x8000];
         let mut out = Vec::new();
-        let counts = merge(&native, &eval, &python, &mut out);
+        let counts = merge(&native, &eval, &python, false, &mut out);
         assert_eq!(
             out,
             [
@@ -122,12 +135,12 @@ mod tests {
         let mut out = Vec::new();
         // The call is the function's last instruction: its return address
         // is the function's end.
-        merge(&[0x5000, 0x2000], &eval, &python, &mut out);
+        merge(&[0x5000, 0x2000], &eval, &python, false, &mut out);
         assert_eq!(out, [Merged::Native(0), Merged::Python(python[0])]);
         // The innermost frame is an address in the function, not a return
         // address: its end is outside.
         out.clear();
-        merge(&[0x2000], &eval, &python, &mut out);
+        merge(&[0x2000], &eval, &python, false, &mut out);
         assert_eq!(out, [Merged::Native(0)]);
     }
 
@@ -137,7 +150,7 @@ mod tests {
         let python = [frame(1, true), frame(2, true)];
         let mut out = Vec::new();
         // A walk that stopped after one evaluation frame.
-        let counts = merge(&[0x5000, 0x1100], &eval, &python, &mut out);
+        let counts = merge(&[0x5000, 0x1100], &eval, &python, false, &mut out);
         assert_eq!(out, [Merged::Native(0), Merged::Python(python[0])]);
         assert_eq!(
             counts,
@@ -148,8 +161,48 @@ mod tests {
         );
         // More evaluation frames than activations (no thread state read).
         out.clear();
-        let counts = merge(&[0x1100, 0x1200], &eval, &[], &mut out);
+        let counts = merge(&[0x1100, 0x1200], &eval, &[], false, &mut out);
         assert_eq!(out, [Merged::Native(0), Merged::Native(1)]);
         assert_eq!(counts, MergeCounts::default());
+    }
+
+    #[test]
+    fn a_cut_read_marks_where_its_last_activation_stops() {
+        let eval = 0x1000..0x2000;
+        // An inner activation read whole, the outer one cut after `2`.
+        let python = [frame(1, true), frame(2, false)];
+        let native = [0x5000, 0x1100, 0x6000, 0x1200, 0x8000];
+        let mut out = Vec::new();
+        merge(&native, &eval, &python, true, &mut out);
+        assert_eq!(
+            out,
+            [
+                Merged::Native(0),
+                Merged::Python(python[0]),
+                Merged::Native(2),
+                Merged::Python(python[1]),
+                Merged::Cut,
+                Merged::Native(4),
+            ]
+        );
+        // Cut right after an entry: every activation read is whole, the
+        // outer ones keep their native frames.
+        out.clear();
+        merge(&native, &eval, &python[..1], true, &mut out);
+        assert_eq!(
+            out,
+            [
+                Merged::Native(0),
+                Merged::Python(python[0]),
+                Merged::Native(2),
+                Merged::Native(3),
+                Merged::Native(4),
+            ]
+        );
+        // Not cut: an activation without its entry is the innermost part
+        // of one whose entry the walk has not reached (never marked).
+        out.clear();
+        merge(&native, &eval, &python, false, &mut out);
+        assert!(!out.contains(&Merged::Cut), "{out:?}");
     }
 }

@@ -70,10 +70,11 @@ pub(super) fn add_walked(
             );
             return;
         };
-        let frames = state.take_stack(walked.header);
+        let stack = state.take_stack(walked.header);
         let PythonState { eval, codes, .. } = &mut **state;
-        let python = frames.as_deref().map(|frames| PythonSample {
-            frames,
+        let python = stack.as_ref().map(|stack| PythonSample {
+            frames: &stack.frames,
+            cut: stack.cut,
             eval,
             codes,
         });

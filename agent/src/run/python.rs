@@ -12,7 +12,7 @@
 use std::collections::{HashSet, VecDeque};
 use std::ops::Range;
 
-use agent_common::{PythonFrame, PythonProcess, SampleHeader};
+use agent_common::{PythonFrame, PythonProcess, SampleHeader, python_stack_flags};
 use stackscope_process_table::ProcessTable;
 use stackscope_python::{CodeCache, FoundInterpreter, code::MAX_CACHE_BYTES};
 use stackscope_telemetry::StateSize;
@@ -62,18 +62,28 @@ pub(super) enum PythonRecord {
     Found(Box<PythonState>),
 }
 
+/// A Python stack as the sampler read it.
+#[derive(Debug, Default)]
+pub(super) struct ReadStack {
+    /// Innermost first.
+    pub frames: Box<[PythonFrame]>,
+    /// The read stopped before the outermost frame (the sampler's frame
+    /// limit, or a read that failed).
+    pub cut: bool,
+}
+
 /// A CPython process the sampler reads the frames of.
 #[derive(Debug)]
 pub(super) struct PythonState {
     pub eval: Range<u64>,
     pub codes: CodeCache,
     /// Python stacks by the (thread, time) of their sample, oldest first.
-    pub waiting: VecDeque<(u32, u64, Box<[PythonFrame]>)>,
+    pub waiting: VecDeque<(u32, u64, ReadStack)>,
 }
 
 impl PythonState {
     /// The Python stack of the sample with `header`, if one came with it.
-    pub fn take_stack(&mut self, header: &SampleHeader) -> Option<Box<[PythonFrame]>> {
+    pub fn take_stack(&mut self, header: &SampleHeader) -> Option<ReadStack> {
         if self.waiting.is_empty() {
             return None;
         }
@@ -83,7 +93,7 @@ impl PythonState {
             .position(|(tid, ktime, _)| *tid == header.tid && *ktime == header.ktime_ns)?;
         // Older ones had their samples walked without them (dropped).
         self.waiting.drain(..at);
-        self.waiting.pop_front().map(|(_, _, frames)| frames)
+        self.waiting.pop_front().map(|(_, _, stack)| stack)
     }
 }
 
@@ -92,7 +102,7 @@ impl PythonState {
 struct Pending {
     tid: u32,
     ktime_ns: u64,
-    frames: Box<[PythonFrame]>,
+    stack: ReadStack,
 }
 
 /// See the module documentation.
@@ -144,25 +154,30 @@ impl PythonProcesses {
         self.pending[cpu] = Some(Pending {
             tid: stack.header.tid,
             ktime_ns: stack.header.ktime_ns,
-            frames: stack.frames().collect(),
+            stack: ReadStack {
+                frames: stack.frames().collect(),
+                cut: stack.header.flags
+                    & (python_stack_flags::TRUNCATED | python_stack_flags::READ_FAILED)
+                    != 0,
+            },
         });
     }
 
     /// The Python stack taken for the sample with `header`, if any: the
     /// pending stack of its CPU, when it is its tick's.
-    pub fn for_sample(&mut self, header: &SampleHeader) -> Option<Box<[PythonFrame]>> {
+    pub fn for_sample(&mut self, header: &SampleHeader) -> Option<ReadStack> {
         let pending = self.pending.get_mut(header.cpu as usize)?.take()?;
         let ours = pending.tid == header.tid
             && header.ktime_ns.wrapping_sub(pending.ktime_ns) < PAIRING_WINDOW_NS;
-        ours.then_some(pending.frames)
+        ours.then_some(pending.stack)
     }
 
-    /// Keeps `frames` in `record` for the walk of the sample with `header`.
+    /// Keeps `stack` in `record` for the walk of the sample with `header`.
     pub fn wait_for_walk(
         &mut self,
         record: &mut PythonRecord,
         header: &SampleHeader,
-        frames: Box<[PythonFrame]>,
+        stack: ReadStack,
     ) {
         let PythonRecord::Found(state) = record else {
             return;
@@ -172,7 +187,7 @@ impl PythonProcesses {
         }
         state
             .waiting
-            .push_back((header.tid, header.ktime_ns, frames));
+            .push_back((header.tid, header.ktime_ns, stack));
         self.stats.paired += 1;
     }
 
@@ -321,8 +336,9 @@ mod tests {
         assert!(python.for_sample(&sample(0, 9, 1_500)).is_none());
         assert!(python.for_sample(&sample(0, 8, 1_600)).is_none());
         // CPU 1's is the same thread's, a few microseconds later.
-        let frames = python.for_sample(&sample(1, 7, 5_000)).expect("paired");
-        assert_eq!(frames[0].code, 0xa);
+        let stack = python.for_sample(&sample(1, 7, 5_000)).expect("paired");
+        assert_eq!(stack.frames[0].code, 0xa);
+        assert!(!stack.cut);
         // Taken once.
         assert!(python.for_sample(&sample(1, 7, 5_000)).is_none());
         // A sample a tick later is not the stack's.
@@ -342,32 +358,39 @@ mod tests {
         let mut python = PythonProcesses::default();
         let mut record = found_record();
         for (ktime, code) in [(100, 0x1), (200, 0x2), (300, 0x3)] {
-            let frames: Box<[PythonFrame]> = vec![PythonFrame {
-                code,
-                instr_offset: 0,
-                first_line: 1,
-            }]
-            .into();
-            python.wait_for_walk(&mut record, &sample(0, 7, ktime), frames);
+            let stack = ReadStack {
+                frames: vec![PythonFrame {
+                    code,
+                    instr_offset: 0,
+                    first_line: 1,
+                }]
+                .into(),
+                cut: false,
+            };
+            python.wait_for_walk(&mut record, &sample(0, 7, ktime), stack);
         }
         let PythonRecord::Found(state) = &mut record else {
             unreachable!()
         };
         // The walk of the second sample: the first one's stack is stale.
-        let frames = state.take_stack(&sample(0, 7, 200)).expect("its stack");
-        assert_eq!(frames[0].code, 0x2);
+        let stack = state.take_stack(&sample(0, 7, 200)).expect("its stack");
+        assert_eq!(stack.frames[0].code, 0x2);
         assert_eq!(state.waiting.len(), 1);
         assert!(
             state.take_stack(&sample(0, 8, 300)).is_none(),
             "another thread"
         );
         assert_eq!(
-            state.take_stack(&sample(0, 7, 300)).expect("its stack")[0].code,
+            state
+                .take_stack(&sample(0, 7, 300))
+                .expect("its stack")
+                .frames[0]
+                .code,
             0x3
         );
         // Bounded.
         for ktime in 0..MAX_WAITING_STACKS as u64 + 10 {
-            python.wait_for_walk(&mut record, &sample(0, 7, ktime), Box::new([]));
+            python.wait_for_walk(&mut record, &sample(0, 7, ktime), ReadStack::default());
         }
         let PythonRecord::Found(state) = &record else {
             unreachable!()

@@ -784,9 +784,9 @@ impl RecordTally {
                     ..
                 } = self;
                 // Its Python stack waits in its record for its walk.
-                if let Some(frames) = python.for_sample(&sample.header) {
+                if let Some(stack) = python.for_sample(&sample.header) {
                     let (_, record) = processes.state(sample.header.tgid);
-                    python.wait_for_walk(&mut record.python, &sample.header, frames);
+                    python.wait_for_walk(&mut record.python, &sample.header, stack);
                 }
                 kernel_frames.clear();
                 kernel_frames.extend(sample.kernel_frames());

@@ -853,6 +853,16 @@ const AGGREGATION: &[Stat] = &[
         )],
     ),
     Stat::counter(
+        "python_activations_cut",
+        "Activations of Python frames read only in part (the sampler's \
+         frame limit, a failed read): their frames not read stand as one \
+         marked frame.",
+        &[Series::one(
+            "/aggregation/python_cut",
+            field!(aggregation.python_cut),
+        )],
+    ),
+    Stat::counter(
         "jit_frames",
         "JIT frames, by whether a perf map entry named them.",
         &[

@@ -148,6 +148,7 @@ pub(crate) fn every_figure_distinct() -> RunTotals {
             python_named: n(),
             python_unnamed: n(),
             python_unplaced: n(),
+            python_cut: n(),
         },
         python: PythonStats {
             processes: n(),

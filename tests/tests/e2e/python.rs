@@ -10,7 +10,8 @@
 //! The agent finds each interpreter itself and ships the Python functions
 //! in place of the evaluation loop's frames, through a real collector; so
 //! too for an interpreter that exists only inside a container's image.
-//! And a C program that pretends to be CPython 3.12, its frame chain a
+//! A recursion deeper than the sampler reads is marked where its read
+//! stopped. And a C program that pretends to be CPython 3.12, its frame chain a
 //! cycle over garbage, costs a bounded walk and names nothing.
 //! Needs root.
 
@@ -22,6 +23,7 @@ use std::{
 };
 
 use agent_common::{MAX_PYTHON_FRAMES, PythonFrame, python_stack_flags};
+use stackscope_agent::aggregate::PYTHON_NOT_READ;
 use stackscope_python::{CodeObject, code::ProcessMemory, find_in_process};
 use stackscope_sampler::SamplerConfig;
 use stackscope_test_fixtures::containers::{Container, Image};
@@ -323,6 +325,52 @@ fn chained_samples(stacks: &[(String, u64)]) -> (u64, u64) {
         .map(|(_, n)| n)
         .sum();
     (chained, total)
+}
+
+/// A recursion deeper than the sampler reads (`MAX_PYTHON_FRAMES`): the
+/// agent ships the innermost frames it read, then one marked frame where
+/// the outer ones would be, then the native callers of the evaluation loop.
+#[test]
+fn a_stack_deeper_than_the_sampler_reads_is_marked_where_its_read_stopped() {
+    require_root();
+    let _serial = exclusive();
+    const DEPTH: usize = 200;
+    let mut read = vec!["down"; MAX_PYTHON_FRAMES - 1];
+    read.push("spin");
+    for (name, program) in interpreters() {
+        let process = RunningProcess::start_ready(
+            Command::new(&program)
+                .arg(fixture_source("python_depth.py"))
+                .arg(DEPTH.to_string())
+                .env_clear(),
+        );
+        let (stacks, report) = profile_with_agent(process.pid(), &comm_of(&program));
+        let total: u64 = stacks.iter().map(|(_, n)| n).sum();
+        let marked: u64 = stacks
+            .iter()
+            .filter(|(stack, _)| {
+                let frames: Vec<&str> = stack.split(';').collect();
+                let Some(at) = frames.iter().position(|f| *f == PYTHON_NOT_READ) else {
+                    return false;
+                };
+                frames.first() == Some(&"_start")
+                    && frames.get(at + 1..at + 1 + read.len()) == Some(&read[..])
+                    && !frames.contains(&"_PyEval_EvalFrameDefault")
+            })
+            .map(|(_, n)| n)
+            .sum();
+        eprintln!(
+            "python frames: {DEPTH} deep on {name}: {marked} of {total} samples read the \
+             innermost {MAX_PYTHON_FRAMES} frames and the mark; activations cut {}",
+            report["aggregation"]["python_cut"]
+        );
+        assert!(total >= 300, "{name}: only {total} samples");
+        let busiest = stacks.iter().max_by_key(|(_, n)| *n);
+        assert!(
+            marked * 100 >= total * 95,
+            "{name}: only {marked} of {total} samples marked; the most common: {busiest:?}"
+        );
+    }
 }
 
 #[test]
