@@ -10,7 +10,8 @@
 //! The agent finds each interpreter itself and ships the Python functions
 //! in place of the evaluation loop's frames, through a real collector; so
 //! too for an interpreter that exists only inside a container's image.
-//! A recursion deeper than the sampler reads is marked where its read
+//! asyncio tasks read their coroutines in order below the event loop. A
+//! recursion deeper than the sampler reads is marked where its read
 //! stopped. And a C program that pretends to be CPython 3.12, its frame chain a
 //! cycle over garbage, costs a bounded walk and names nothing.
 //! Needs root.
@@ -452,6 +453,70 @@ fn a_services_threads_generators_recursion_and_callbacks_through_c_keep_their_or
         assert_eq!(
             callbacks_in_order, callbacks,
             "{name}: callbacks out of order: {with_callback:#?}"
+        );
+    }
+}
+
+/// asyncio: a task's coroutines (`handle` awaiting `compute`), run by the
+/// event loop through C (the task's step), read in order below the loop's
+/// own Python frames.
+#[test]
+fn coroutines_of_an_asyncio_task_read_in_order_below_the_event_loop() {
+    require_root();
+    let _serial = exclusive();
+    let chain = [
+        "<module>",
+        "run",
+        "Runner.run",
+        "BaseEventLoop.run_until_complete",
+        "BaseEventLoop.run_forever",
+        "BaseEventLoop._run_once",
+        "Handle._run",
+        "handle",
+        "compute",
+        "crunch",
+    ];
+    for (name, program) in interpreters() {
+        let process = RunningProcess::start_ready(
+            Command::new(&program)
+                .arg(fixture_source("python_asyncio.py"))
+                .env_clear(),
+        );
+        let (stacks, _) = profile_with_agent(process.pid(), &comm_of(&program));
+        let (mut crunching, mut in_order) = (0, 0);
+        for (stack, count) in &stacks {
+            let frames: Vec<&str> = stack.split(';').collect();
+            if !frames.contains(&"crunch") {
+                continue;
+            }
+            crunching += count;
+            let python: Vec<&str> = frames
+                .iter()
+                .copied()
+                .filter(|frame| chain.contains(frame))
+                .collect();
+            if frames.first() == Some(&"_start")
+                && python == chain
+                && !frames.contains(&"_PyEval_EvalFrameDefault")
+            {
+                in_order += count;
+            }
+        }
+        eprintln!(
+            "python frames: asyncio on {name}: {in_order} of {crunching} samples in crunch read \
+             the loop, the task's coroutines and crunch in order"
+        );
+        assert!(
+            crunching >= 200,
+            "{name}: only {crunching} samples in crunch"
+        );
+        let busiest = stacks
+            .iter()
+            .filter(|(stack, _)| stack.contains("crunch"))
+            .max_by_key(|(_, count)| *count);
+        assert!(
+            in_order * 100 >= crunching * 95,
+            "{name}: only {in_order} of {crunching} samples in order; the most common: {busiest:?}"
         );
     }
 }
