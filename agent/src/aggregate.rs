@@ -65,7 +65,7 @@ use stackscope_metadata::{
     runtime_names::{self, RuntimeNames},
 };
 use stackscope_python::{
-    CodeCache,
+    CodeCache, Unnamed,
     merge::{self, Merged},
 };
 use stackscope_symbolize::node::{
@@ -418,10 +418,12 @@ pub struct AggregateStats {
     /// description came too late): without their container, and without
     /// their exe unless the mapping feed saw the process exec.
     pub labels_undescribed: u64,
-    /// Python frames merged into walks, by whether their code object was
-    /// read (unnamed: freed, its address reused, or garbage).
+    /// Python frames merged into walks: named from their code object, or
+    /// unnamed because the object at the address was another (stale: the
+    /// one sampled was freed and its address reused) or none (unreadable).
     pub python_named: u64,
-    pub python_unnamed: u64,
+    pub python_stale: u64,
+    pub python_unreadable: u64,
     /// Activations of Python frames left out: the native walk had no
     /// evaluation frame left for them (it stopped short).
     pub python_unplaced: u64,
@@ -1436,7 +1438,7 @@ impl Aggregator {
     ) -> bool {
         let first_line = frame.first_line & !PythonFrame::ENTRY;
         match codes.get(frame.code, first_line) {
-            Some(code) => {
+            Ok(code) => {
                 self.stats.python_named += 1;
                 let line = code.line_of(frame.instr_offset).unwrap_or(0);
                 self.push_python_location(
@@ -1446,8 +1448,11 @@ impl Aggregator {
                     insert,
                 )
             }
-            None => {
-                self.stats.python_unnamed += 1;
+            Err(unnamed) => {
+                match unnamed {
+                    Unnamed::Stale => self.stats.python_stale += 1,
+                    Unnamed::Unreadable => self.stats.python_unreadable += 1,
+                }
                 self.push_python_location(Arc::from(UNNAMED_PYTHON), Arc::from(""), 0, insert)
             }
         }

@@ -978,7 +978,9 @@ fn a_python_stack_read_in_part_ends_its_activation_in_a_marked_frame() {
             }),
         );
     }
-    assert_eq!(aggregator.stats().python_cut, 1);
+    let stats = aggregator.stats();
+    assert_eq!(stats.python_cut, 1);
+    assert_eq!((stats.python_unreadable, stats.python_stale), (2, 0));
     let interval = aggregator.finish_interval(SystemTime::now());
     let user_key = |module: &ModuleFile| MappingKey::User {
         id: *module.id,

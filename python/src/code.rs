@@ -440,17 +440,18 @@ mod tests {
         let table = fake.bytes_object(0, &[]);
         let code = fake.code(3, name, name, table);
         let mut cache = CodeCache::new(std::process::id(), fake.layout);
-        assert_eq!(cache.get(code, 3).map(|code| code.first_line), Some(3));
-        assert!(cache.get(code, 3).is_some());
+        assert_eq!(cache.get(code, 3).map(|code| code.first_line), Ok(3));
+        assert!(cache.get(code, 3).is_ok());
         // The same address with another first line: another object (the
-        // one the sample saw was freed), refused.
-        assert!(cache.get(code, 4).is_none());
-        assert!(cache.get(0x1000, 1).is_none());
-        assert!(cache.get(0x1000, 1).is_none());
+        // one the sample saw was freed), refused, on a hit too.
+        assert_eq!(cache.get(code, 4).err(), Some(Unnamed::Stale));
+        assert_eq!(cache.get(code, 4).err(), Some(Unnamed::Stale));
+        assert_eq!(cache.get(0x1000, 1).err(), Some(Unnamed::Unreadable));
+        assert_eq!(cache.get(0x1000, 1).err(), Some(Unnamed::Unreadable));
         assert_eq!(
             cache.stats,
             CodeCacheStats {
-                hits: 2,
+                hits: 3,
                 reads: 3,
                 stale: 1,
                 failed: 1,
@@ -479,9 +480,19 @@ pub const MAX_CACHE_BYTES: usize = 2 << 20;
 pub struct CodeCache {
     memory: ProcessMemory,
     layout: Layout,
-    entries: HashMap<(u64, u32), Option<Arc<CodeObject>>>,
+    entries: HashMap<(u64, u32), Result<Arc<CodeObject>, Unnamed>>,
     bytes: usize,
     pub stats: CodeCacheStats,
+}
+
+/// Why a frame's code object names nothing.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Unnamed {
+    /// The object at the address has another first line than the sampler
+    /// read: the one it saw was freed and its address reused.
+    Stale,
+    /// Not readable as a code object (unmapped, or garbage).
+    Unreadable,
 }
 
 /// What a [`CodeCache`] did.
@@ -509,23 +520,23 @@ impl CodeCache {
     }
 
     /// The code object at `code` with first line `first_line`, read from
-    /// the process on a miss; None when it cannot be read or is not the
-    /// object the sampler saw.
-    pub fn get(&mut self, code: u64, first_line: u32) -> Option<Arc<CodeObject>> {
+    /// the process on a miss; why not, when it cannot be read or is not
+    /// the object the sampler saw.
+    pub fn get(&mut self, code: u64, first_line: u32) -> Result<Arc<CodeObject>, Unnamed> {
         if let Some(entry) = self.entries.get(&(code, first_line)) {
             self.stats.hits += 1;
             return entry.clone();
         }
         self.stats.reads += 1;
         let read = match CodeObject::read(&self.memory, &self.layout, code, first_line) {
-            Ok(object) => Some(Arc::new(object)),
+            Ok(object) => Ok(Arc::new(object)),
             Err(CodeError::Stale { .. }) => {
                 self.stats.stale += 1;
-                None
+                Err(Unnamed::Stale)
             }
             Err(_) => {
                 self.stats.failed += 1;
-                None
+                Err(Unnamed::Unreadable)
             }
         };
         let cost = 64

@@ -827,8 +827,9 @@ const AGGREGATION: &[Stat] = &[
     ),
     Stat::counter(
         "python_frames_merged",
-        "Python frames merged into walks, by whether their code object was \
-         read (unnamed: freed, its address reused, or not a code object).",
+        "Python frames merged into walks: named, or unnamed because the \
+         object at the address was another (stale: the one sampled was \
+         freed, its address reused) or none (unreadable).",
         &[
             Series::labelled(
                 "named",
@@ -836,9 +837,14 @@ const AGGREGATION: &[Stat] = &[
                 field!(aggregation.python_named),
             ),
             Series::labelled(
-                "unnamed",
-                "/aggregation/python_unnamed",
-                field!(aggregation.python_unnamed),
+                "stale",
+                "/aggregation/python_stale",
+                field!(aggregation.python_stale),
+            ),
+            Series::labelled(
+                "unreadable",
+                "/aggregation/python_unreadable",
+                field!(aggregation.python_unreadable),
             ),
         ],
     )

@@ -269,10 +269,11 @@ fn the_agent_ships_python_functions_in_place_of_the_evaluation_loop() {
         let aggregation = &report["aggregation"];
         eprintln!(
             "python frames: agent on {name}: {chained} of {total} samples read \
-             _start;...;<module>;outer;middle;leaf; python frames named {}, unnamed {}, \
-             activations unplaced {}",
+             _start;...;<module>;outer;middle;leaf; python frames named {}, stale {}, \
+             unreadable {}, activations unplaced {}",
             aggregation["python_named"],
-            aggregation["python_unnamed"],
+            aggregation["python_stale"],
+            aggregation["python_unreadable"],
             aggregation["python_unplaced"]
         );
         assert!(
