@@ -17,7 +17,9 @@ use std::{
 use agent_common::{PythonFrame, SampleHeader};
 use stackscope_agent::aggregate::{
     labels::LabelChoice,
-    test_support::{AddWithMetadata as _, add, config, file, flatten, header, module_files},
+    test_support::{
+        AddWithMetadata as _, add, config, described, file, flatten, header, module_files,
+    },
     *,
 };
 use stackscope_metadata::{describe::Wanted, process::ProcessLabels};
@@ -932,13 +934,7 @@ fn a_python_stack_read_in_part_ends_its_activation_in_a_marked_frame() {
     let (own, libc) = module_files();
     let mut aggregator = Aggregator::new(config());
     let header = header(7, "python3", true);
-    let description = aggregator.config().describer().describe(Wanted {
-        tgid: header.tgid,
-        started: header.process_start_ns,
-        cgroup_id: header.cgroup_id,
-    });
-    let mut records = HashMap::new();
-    aggregator.describe(vec![description], &mut records);
+    let mut records = described(&mut aggregator, &header);
     // libc's leaf, the evaluation loop, main.
     let objects = [
         file(&libc, 0x9_1234),

@@ -5,7 +5,7 @@
 use std::{collections::HashMap, sync::Arc};
 
 use agent_common::{COMM_LEN, RecordKind, SampleHeader, sample_flags};
-use stackscope_metadata::describe::Wanted;
+use stackscope_metadata::{describe::Wanted, process::ProcessLabels};
 use stackscope_process_table::{Location, ModuleFile, ProcessTable};
 use stackscope_unwind::{
     UnwindEnd,
@@ -95,19 +95,29 @@ impl AddWithMetadata for Aggregator {
         kernel: &[u64],
         user: Option<&Walk<'_>>,
     ) {
-        let description = self.config().describer().describe(Wanted {
-            tgid: header.tgid,
-            started: header.process_start_ns,
-            cgroup_id: header.cgroup_id,
-        });
         // The process's record, described before the sample is added.
-        let mut records = HashMap::new();
-        self.describe(vec![description], &mut records);
+        let mut records = described(self, header);
         self.add(header, kernel, user, records.labels_of(header.tgid));
         for file in self.take_to_open() {
             let _ = file.open_now();
         }
     }
+}
+
+/// The labels records of the process of `header`, described as the
+/// metadata worker would.
+pub fn described(
+    aggregator: &mut Aggregator,
+    header: &SampleHeader,
+) -> HashMap<u32, ProcessLabels> {
+    let description = aggregator.config().describer().describe(Wanted {
+        tgid: header.tgid,
+        started: header.process_start_ns,
+        cgroup_id: header.cgroup_id,
+    });
+    let mut records = HashMap::new();
+    aggregator.describe(vec![description], &mut records);
+    records
 }
 
 /// The node the tests' samples come from.

@@ -347,30 +347,81 @@ fn a_stack_deeper_than_the_sampler_reads_is_marked_where_its_read_stopped() {
                 .env_clear(),
         );
         let (stacks, report) = profile_with_agent(process.pid(), &comm_of(&program));
-        let total: u64 = stacks.iter().map(|(_, n)| n).sum();
-        let marked: u64 = stacks
-            .iter()
-            .filter(|(stack, _)| {
-                let frames: Vec<&str> = stack.split(';').collect();
-                let Some(at) = frames.iter().position(|f| *f == PYTHON_NOT_READ) else {
-                    return false;
-                };
-                frames.first() == Some(&"_start")
-                    && frames.get(at + 1..at + 1 + read.len()) == Some(&read[..])
-                    && !frames.contains(&"_PyEval_EvalFrameDefault")
-            })
-            .map(|(_, n)| n)
-            .sum();
+        let marked = Share::of(&stacks, "spin", "_start", |frames| {
+            frames
+                .iter()
+                .position(|f| *f == PYTHON_NOT_READ)
+                .is_some_and(|at| frames.get(at + 1..at + 1 + read.len()) == Some(&read[..]))
+        });
         eprintln!(
-            "python frames: {DEPTH} deep on {name}: {marked} of {total} samples read the \
+            "python frames: {DEPTH} deep on {name}: {} of {} samples in spin read the \
              innermost {MAX_PYTHON_FRAMES} frames and the mark; activations cut {}",
-            report["aggregation"]["python_cut"]
+            marked.whole, marked.total, report["aggregation"]["python_cut"]
         );
-        assert!(total >= 300, "{name}: only {total} samples");
-        let busiest = stacks.iter().max_by_key(|(_, n)| *n);
+        marked.assert_at_least(name, 300, 95);
+    }
+}
+
+/// Of the samples (folded, root first) with a given frame on them, those
+/// read whole: from their thread's root, with no evaluation loop frame
+/// left, and as the test expects.
+struct Share<'a> {
+    frame: &'a str,
+    whole: u64,
+    total: u64,
+    /// The most common stack with the frame, for a failure's message.
+    busiest: Option<&'a (String, u64)>,
+}
+
+impl<'a> Share<'a> {
+    fn of(
+        stacks: &'a [(String, u64)],
+        frame: &'a str,
+        root: &str,
+        expected: impl Fn(&[&str]) -> bool,
+    ) -> Self {
+        let mut share = Self {
+            frame,
+            whole: 0,
+            total: 0,
+            busiest: None,
+        };
+        for sample in stacks {
+            let (stack, count) = sample;
+            let frames: Vec<&str> = stack.split(';').collect();
+            if !frames.contains(&frame) {
+                continue;
+            }
+            share.total += count;
+            if frames.first() == Some(&root)
+                && !frames.contains(&"_PyEval_EvalFrameDefault")
+                && expected(&frames)
+            {
+                share.whole += count;
+            }
+            if share.busiest.is_none_or(|(_, most)| count > most) {
+                share.busiest = Some(sample);
+            }
+        }
+        share
+    }
+
+    /// At least `min_total` samples with the frame, `percent`% of them whole.
+    fn assert_at_least(&self, name: &str, min_total: u64, percent: u64) {
+        let Self {
+            frame,
+            whole,
+            total,
+            busiest,
+        } = self;
         assert!(
-            marked * 100 >= total * 95,
-            "{name}: only {marked} of {total} samples marked; the most common: {busiest:?}"
+            *total >= min_total,
+            "{name}: only {total} samples in {frame}"
+        );
+        assert!(
+            whole * 100 >= total * percent,
+            "{name}: only {whole} of {total} samples in {frame} read whole; the most common: \
+             {busiest:?}"
         );
     }
 }
@@ -401,21 +452,16 @@ fn a_services_threads_generators_recursion_and_callbacks_through_c_keep_their_or
         ];
         pool_chain.extend(["recurse"; 50]);
         pool_chain.push("leaf_work");
-        let (mut pool, mut pool_whole) = (0, 0);
+        let pool = Share::of(&stacks, "worker", "clone3", |frames| {
+            frames
+                .iter()
+                .filter(|frame| pool_chain.contains(frame))
+                .eq(&pool_chain)
+        });
         // The main thread: JSON encoded in C, which calls `encode` back.
         let (mut callbacks, mut callbacks_in_order) = (0, 0);
         for (stack, count) in &stacks {
             let frames: Vec<&str> = stack.split(';').collect();
-            if frames.contains(&"worker") {
-                pool += count;
-                let python: Vec<&str> = frames
-                    .iter()
-                    .copied()
-                    .filter(|frame| pool_chain.contains(frame))
-                    .collect();
-                let whole = frames.first() == Some(&"clone3") && python == pool_chain;
-                pool_whole += if whole { *count } else { 0 };
-            }
             // The callback is innermost Python, called from the C encoder:
             // native frames (named or not: Debian's binary is stripped)
             // between it and the method that called into C.
@@ -429,23 +475,12 @@ fn a_services_threads_generators_recursion_and_callbacks_through_c_keep_their_or
             }
         }
         eprintln!(
-            "python frames: services on {name}: {pool_whole} of {pool} pool samples read the whole \
-             chain; {callbacks_in_order} of {callbacks} samples in the default= callback read \
-             JSONEncoder.iterencode;<C>;encode"
+            "python frames: services on {name}: {} of {} pool samples read the whole chain; \
+             {callbacks_in_order} of {callbacks} samples in the default= callback read \
+             JSONEncoder.iterencode;<C>;encode",
+            pool.whole, pool.total
         );
-        assert!(
-            pool >= 100,
-            "{name}: only {pool} samples of the pool's threads"
-        );
-        let busiest_pool_stack = stacks
-            .iter()
-            .filter(|(stack, _)| stack.contains(";worker;"))
-            .max_by_key(|(_, count)| *count);
-        assert!(
-            pool_whole * 100 >= pool * 95,
-            "{name}: only {pool_whole} of {pool} pool samples read the chain; the most \
-             common: {busiest_pool_stack:?}"
-        );
+        pool.assert_at_least(name, 100, 95);
         assert!(callbacks > 0, "{name}: no sample in the default= callback");
         let with_callback: Vec<_> = stacks
             .iter()
@@ -484,41 +519,18 @@ fn coroutines_of_an_asyncio_task_read_in_order_below_the_event_loop() {
                 .env_clear(),
         );
         let (stacks, _) = profile_with_agent(process.pid(), &comm_of(&program));
-        let (mut crunching, mut in_order) = (0, 0);
-        for (stack, count) in &stacks {
-            let frames: Vec<&str> = stack.split(';').collect();
-            if !frames.contains(&"crunch") {
-                continue;
-            }
-            crunching += count;
-            let python: Vec<&str> = frames
+        let in_order = Share::of(&stacks, "crunch", "_start", |frames| {
+            frames
                 .iter()
-                .copied()
                 .filter(|frame| chain.contains(frame))
-                .collect();
-            if frames.first() == Some(&"_start")
-                && python == chain
-                && !frames.contains(&"_PyEval_EvalFrameDefault")
-            {
-                in_order += count;
-            }
-        }
+                .eq(&chain)
+        });
         eprintln!(
-            "python frames: asyncio on {name}: {in_order} of {crunching} samples in crunch read \
-             the loop, the task's coroutines and crunch in order"
+            "python frames: asyncio on {name}: {} of {} samples in crunch read the loop, the \
+             task's coroutines and crunch in order",
+            in_order.whole, in_order.total
         );
-        assert!(
-            crunching >= 200,
-            "{name}: only {crunching} samples in crunch"
-        );
-        let busiest = stacks
-            .iter()
-            .filter(|(stack, _)| stack.contains("crunch"))
-            .max_by_key(|(_, count)| *count);
-        assert!(
-            in_order * 100 >= crunching * 95,
-            "{name}: only {in_order} of {crunching} samples in order; the most common: {busiest:?}"
-        );
+        in_order.assert_at_least(name, 200, 95);
     }
 }
 
