@@ -71,12 +71,18 @@ fn interpreters() -> Vec<(&'static str, PathBuf)> {
     installed
 }
 
-fn start_chain(program: &Path) -> RunningProcess {
+/// `program` running the fixture `script` with `args`, once it says ready.
+fn start_script(program: &Path, script: &str, args: &[&str]) -> RunningProcess {
     RunningProcess::start_ready(
         Command::new(program)
-            .arg(fixture_source("python_chain.py"))
+            .arg(fixture_source(script))
+            .args(args)
             .env_clear(),
     )
+}
+
+fn start_chain(program: &Path) -> RunningProcess {
+    start_script(program, "python_chain.py", &[])
 }
 
 #[test]
@@ -98,12 +104,8 @@ fn the_sampler_reads_every_cpython_versions_frames_in_order() {
     assert!(tried > 0, "no CPython 3.11-3.13 on this machine");
 }
 
-fn check_chain(name: &str, program: &PathBuf) {
-    let process = RunningProcess::start_ready(
-        Command::new(program)
-            .arg(fixture_source("python_chain.py"))
-            .env_clear(),
-    );
+fn check_chain(name: &str, program: &Path) {
+    let process = start_chain(program);
     let pid = process.pid();
     let found = find_in_process(Path::new("/proc"), pid)
         .unwrap_or_else(|err| panic!("{name}: {err}"))
@@ -340,12 +342,7 @@ fn a_stack_deeper_than_the_sampler_reads_is_marked_where_its_read_stopped() {
     let mut read = vec!["down"; MAX_PYTHON_FRAMES - 1];
     read.push("spin");
     for (name, program) in interpreters() {
-        let process = RunningProcess::start_ready(
-            Command::new(&program)
-                .arg(fixture_source("python_depth.py"))
-                .arg(DEPTH.to_string())
-                .env_clear(),
-        );
+        let process = start_script(&program, "python_depth.py", &[&DEPTH.to_string()]);
         let (stacks, report) = profile_with_agent(process.pid(), &comm_of(&program));
         let marked = Share::of(&stacks, "spin", "_start", |frames| {
             frames
@@ -431,11 +428,7 @@ fn a_services_threads_generators_recursion_and_callbacks_through_c_keep_their_or
     require_root();
     let _serial = exclusive();
     for (name, program) in interpreters() {
-        let process = RunningProcess::start_ready(
-            Command::new(&program)
-                .arg(fixture_source("python_services.py"))
-                .env_clear(),
-        );
+        let process = start_script(&program, "python_services.py", &[]);
         let (stacks, _) = profile_with_agent(process.pid(), &comm_of(&program));
         // The pool's threads: from the thread's start, through threading's
         // bootstrap, a method, a generator and 50 frames of recursion, in
@@ -513,11 +506,7 @@ fn coroutines_of_an_asyncio_task_read_in_order_below_the_event_loop() {
         "crunch",
     ];
     for (name, program) in interpreters() {
-        let process = RunningProcess::start_ready(
-            Command::new(&program)
-                .arg(fixture_source("python_asyncio.py"))
-                .env_clear(),
-        );
+        let process = start_script(&program, "python_asyncio.py", &[]);
         let (stacks, _) = profile_with_agent(process.pid(), &comm_of(&program));
         let in_order = Share::of(&stacks, "crunch", "_start", |frames| {
             frames
