@@ -6,7 +6,9 @@
 //! interpreter exports `_PyRuntime` (the runtime state every walk starts
 //! from) and, since 3.11, `Py_Version` (`PY_VERSION_HEX`); every build
 //! also keeps `_PyRuntime` alone in a section named `.PyRuntime`, the
-//! fallback when its symbol is gone.
+//! fallback when its symbol is gone. Since 3.13 `_PyRuntime` starts with
+//! `_Py_DebugOffsets`, the interpreter's own statement of where its fields
+//! are; its initial value is in the file.
 
 use std::{fs::File, ops::Range};
 
@@ -26,6 +28,68 @@ pub struct Interpreter {
     /// native frames the Python frames replace (exported by every build
     /// read here); None when the file has no such symbol.
     pub eval: Option<Range<u64>>,
+    /// What `_Py_DebugOffsets` says (3.13+; None before, or when the file
+    /// holds no such table).
+    pub debug_offsets: Option<DebugOffsets>,
+}
+
+/// The offsets of `_Py_DebugOffsets` (CPython 3.13) that the profiler's
+/// layout also states: thread state, frame and code object fields.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct DebugOffsets {
+    pub tstate_current_frame: u64,
+    pub frame_previous: u64,
+    pub frame_executable: u64,
+    pub frame_instr_ptr: u64,
+    pub frame_owner: u64,
+    pub code_filename: u64,
+    pub code_qualname: u64,
+    pub code_linetable: u64,
+    pub code_firstlineno: u64,
+    pub code_bytecode: u64,
+}
+
+/// `_Py_DebugOffsets` as 3.13 lays it out: the cookie, then 8-byte words.
+const DEBUG_COOKIE: &[u8; 8] = b"xdebugpy";
+/// Word indexes of the fields read, and how many words are read.
+const DEBUG_WORDS: usize = 44;
+const DEBUG_VERSION: usize = 1;
+const DEBUG_TSTATE_CURRENT_FRAME: usize = 23;
+const DEBUG_FRAME_PREVIOUS: usize = 29;
+const DEBUG_FRAME_EXECUTABLE: usize = 30;
+const DEBUG_FRAME_INSTR_PTR: usize = 31;
+const DEBUG_FRAME_OWNER: usize = 33;
+const DEBUG_CODE_FILENAME: usize = 35;
+const DEBUG_CODE_QUALNAME: usize = 37;
+const DEBUG_CODE_LINETABLE: usize = 38;
+const DEBUG_CODE_FIRSTLINENO: usize = 39;
+const DEBUG_CODE_BYTECODE: usize = 43;
+
+impl DebugOffsets {
+    /// Parses the start of a 3.13 `_PyRuntime`; None without the cookie
+    /// or when its version is not `version_hex`.
+    pub fn parse(bytes: &[u8], version_hex: u32) -> Option<Self> {
+        if bytes.len() < DEBUG_WORDS * 8 || &bytes[..8] != DEBUG_COOKIE {
+            return None;
+        }
+        let word =
+            |index: usize| u64::from_le_bytes(bytes[index * 8..][..8].try_into().expect("8 bytes"));
+        if word(DEBUG_VERSION) != u64::from(version_hex) {
+            return None;
+        }
+        Some(Self {
+            tstate_current_frame: word(DEBUG_TSTATE_CURRENT_FRAME),
+            frame_previous: word(DEBUG_FRAME_PREVIOUS),
+            frame_executable: word(DEBUG_FRAME_EXECUTABLE),
+            frame_instr_ptr: word(DEBUG_FRAME_INSTR_PTR),
+            frame_owner: word(DEBUG_FRAME_OWNER),
+            code_filename: word(DEBUG_CODE_FILENAME),
+            code_qualname: word(DEBUG_CODE_QUALNAME),
+            code_linetable: word(DEBUG_CODE_LINETABLE),
+            code_firstlineno: word(DEBUG_CODE_FIRSTLINENO),
+            code_bytecode: word(DEBUG_CODE_BYTECODE),
+        })
+    }
 }
 
 /// Why a file could not be read as an interpreter.
@@ -75,10 +139,15 @@ impl Interpreter {
             })
             .ok_or(InterpreterError::NoVersion)?;
         let eval = symbol("_PyEval_EvalFrameDefault").filter(|range| !range.is_empty());
+        let debug_offsets = elf.sections().find_map(|section| {
+            let bytes = section.data_range(runtime, DEBUG_WORDS as u64 * 8).ok()??;
+            DebugOffsets::parse(bytes, version_hex)
+        });
         Ok(Some(Self {
             version_hex,
             runtime,
             eval,
+            debug_offsets,
         }))
     }
 }
@@ -113,7 +182,26 @@ mod tests {
             version_hex: 0x030D00F0,
             runtime: 0,
             eval: None,
+            debug_offsets: None,
         };
         assert_eq!(interpreter.version(), (3, 13));
+    }
+
+    #[test]
+    fn debug_offsets_need_their_cookie_and_the_files_version() {
+        let mut bytes = vec![0u8; DEBUG_WORDS * 8];
+        bytes[..8].copy_from_slice(DEBUG_COOKIE);
+        bytes[8..16].copy_from_slice(&0x030D00F0u64.to_le_bytes());
+        bytes[DEBUG_CODE_QUALNAME * 8..][..8].copy_from_slice(&128u64.to_le_bytes());
+        let parsed = DebugOffsets::parse(&bytes, 0x030D00F0).expect("a table");
+        assert_eq!(parsed.code_qualname, 128);
+        assert_eq!(
+            DebugOffsets::parse(&bytes, 0x030E00F0),
+            None,
+            "another version"
+        );
+        assert_eq!(DebugOffsets::parse(&bytes[..64], 0x030D00F0), None, "short");
+        bytes[0] = b'X';
+        assert_eq!(DebugOffsets::parse(&bytes, 0x030D00F0), None, "no cookie");
     }
 }

@@ -7,7 +7,7 @@
 
 use agent_common::PythonProcess;
 
-use crate::Interpreter;
+use crate::{DebugOffsets, Interpreter};
 
 /// glibc's thread-specific data: key `k` (< 32) is at `fs_base + 0x310 +
 /// 16 * k + 8` (`specific_1stblock[k].data` in `struct pthread`), the same
@@ -106,6 +106,62 @@ impl Layout {
         Self::of(interpreter.version())
     }
 
+    /// The first field whose offset `published` (the interpreter's
+    /// `_Py_DebugOffsets`) states otherwise than this layout: its name,
+    /// the published offset and this layout's. None when they agree.
+    pub fn disagreement(&self, published: &DebugOffsets) -> Option<(&'static str, u64, u32)> {
+        [
+            (
+                "thread state current_frame",
+                published.tstate_current_frame,
+                self.tstate_frame,
+            ),
+            (
+                "frame previous",
+                published.frame_previous,
+                self.frame_previous,
+            ),
+            (
+                "frame executable",
+                published.frame_executable,
+                self.frame_code,
+            ),
+            (
+                "frame instr_ptr",
+                published.frame_instr_ptr,
+                self.frame_instr,
+            ),
+            ("frame owner", published.frame_owner, self.frame_entry),
+            (
+                "code co_filename",
+                published.code_filename,
+                self.code_filename,
+            ),
+            (
+                "code co_qualname",
+                published.code_qualname,
+                self.code_qualname,
+            ),
+            (
+                "code co_linetable",
+                published.code_linetable,
+                self.code_linetable,
+            ),
+            (
+                "code co_firstlineno",
+                published.code_firstlineno,
+                self.code_first_line,
+            ),
+            (
+                "code co_code_adaptive",
+                published.code_bytecode,
+                self.code_bytecode,
+            ),
+        ]
+        .into_iter()
+        .find(|(_, published, known)| *published != u64::from(*known))
+    }
+
     /// What the sampler needs to walk the frames of a process (started at
     /// `process_start_ns`) whose `_PyRuntime` lies at `runtime`.
     pub fn sampler_entry(&self, runtime: u64, process_start_ns: u64) -> PythonProcess {
@@ -152,5 +208,45 @@ mod tests {
         }
         assert_eq!(Layout::of((3, 10)), None);
         assert_eq!(Layout::of((3, 14)), None);
+    }
+
+    /// The interpreters on this machine: 3.13 publishes offsets that agree
+    /// with its layout, every field; the older ones publish none. Those
+    /// not installed are skipped, and said so.
+    #[test]
+    fn cpython_3_13_publishes_the_offsets_its_layout_states() {
+        let libraries = [
+            ("3.11.7", "libpython3.11.so.1.0", false),
+            ("3.12.1", "libpython3.12.so.1.0", false),
+            ("3.13.0", "libpython3.13.so.1.0", true),
+        ];
+        for (version, library, publishes) in libraries {
+            let path = format!("/root/.pyenv/versions/{version}/lib/{library}");
+            let Ok(file) = std::fs::File::open(&path) else {
+                eprintln!("{path} is not installed: skipped");
+                continue;
+            };
+            let interpreter = Interpreter::read(&file)
+                .expect("an ELF file")
+                .expect("an interpreter");
+            assert_eq!(interpreter.debug_offsets.is_some(), publishes, "{path}");
+            let layout = Layout::of_interpreter(&interpreter).expect("a known version");
+            if let Some(published) = interpreter.debug_offsets {
+                assert_eq!(layout.disagreement(&published), None, "{path}");
+                // One field moved: named, with both offsets.
+                let moved = DebugOffsets {
+                    code_qualname: published.code_qualname + 8,
+                    ..published
+                };
+                assert_eq!(
+                    layout.disagreement(&moved),
+                    Some((
+                        "code co_qualname",
+                        u64::from(layout.code_qualname) + 8,
+                        layout.code_qualname
+                    ))
+                );
+            }
+        }
     }
 }

@@ -21,6 +21,6 @@ pub mod merge;
 pub mod process;
 
 pub use code::{CodeCache, CodeError, CodeObject, Unnamed};
-pub use interpreter::{Interpreter, InterpreterError};
+pub use interpreter::{DebugOffsets, Interpreter, InterpreterError};
 pub use layout::Layout;
 pub use process::{FindError, FoundInterpreter, find_in_process, named_like_interpreter};

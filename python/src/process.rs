@@ -41,6 +41,18 @@ pub enum FindError {
     Unsupported { path: PathBuf, version: (u8, u8) },
     #[error("{path}: no load segment covers its mappings")]
     NoBias { path: PathBuf },
+    #[error(
+        "{path}: its _Py_DebugOffsets put {field} at {published}, not at {known} as in the \
+         CPython {}.{} this profiler reads: its frames are not read",
+        .version.0, .version.1
+    )]
+    OffsetsDiffer {
+        path: PathBuf,
+        version: (u8, u8),
+        field: &'static str,
+        published: u64,
+        known: u32,
+    },
 }
 
 /// Whether a file's name says it may hold a CPython interpreter
@@ -82,6 +94,21 @@ pub fn find_in_process(proc_root: &Path, pid: u32) -> Result<Option<FoundInterpr
             path: path.to_path_buf(),
             version: interpreter.version(),
         })?;
+        // A build whose layout differs from the version's usual one
+        // (patched, or configured otherwise) says so itself since 3.13:
+        // its frames are not read rather than read wrong.
+        if let Some((field, published, known)) = interpreter
+            .debug_offsets
+            .and_then(|published| layout.disagreement(&published))
+        {
+            return Err(FindError::OffsetsDiffer {
+                path: path.to_path_buf(),
+                version: interpreter.version(),
+                field,
+                published,
+                known,
+            });
+        }
         let segments = elf::read_summary(&file)
             .map(|summary| summary.load_segments)
             .unwrap_or_default();
