@@ -276,13 +276,24 @@ mod tests {
     /// A Python stack record of one frame (code `code`) read on `cpu` by
     /// thread `tid` at `ktime_ns`.
     fn stack_record(cpu: u32, tid: u32, ktime_ns: u64, code: u64) -> Vec<u8> {
+        stack_record_with_flags(cpu, tid, ktime_ns, code, 0)
+    }
+
+    /// [`stack_record`] with the sampler's `flags`.
+    fn stack_record_with_flags(
+        cpu: u32,
+        tid: u32,
+        ktime_ns: u64,
+        code: u64,
+        flags: u32,
+    ) -> Vec<u8> {
         let header = PythonStackHeader {
             kind: RecordKind::PythonStack as u32,
             cpu,
             tgid: tid,
             tid,
             frames: 1,
-            flags: 0,
+            flags,
             ktime_ns,
         };
         let frame = PythonFrame {
@@ -348,6 +359,19 @@ mod tests {
                 .for_sample(&sample(1, 7, 10_000 + PAIRING_WINDOW_NS))
                 .is_none()
         );
+        // A read the sampler cut short (its frame limit, a failed read)
+        // says so.
+        for flags in [
+            python_stack_flags::TRUNCATED,
+            python_stack_flags::READ_FAILED,
+        ] {
+            read(
+                &mut python,
+                &stack_record_with_flags(1, 7, 20_000, 0xe, flags),
+            );
+            let stack = python.for_sample(&sample(1, 7, 20_100)).expect("paired");
+            assert!(stack.cut, "flags {flags:#x}");
+        }
         // A CPU number no machine has is a bad record, not a huge vector.
         read(&mut python, &stack_record(u32::MAX, 7, 1, 0xd));
         assert!(python.pending.len() <= 2);
