@@ -917,6 +917,16 @@ impl Aggregator {
         !self.current.pending_sets.is_empty()
     }
 
+    /// Whether JIT frames of this interval that missed a name wait for a
+    /// perf map or jitdump read asked for and not answered yet: the first
+    /// frames of a JIT process met in the drain that ends an interval
+    /// would otherwise all ship as `[jit] <comm>` (a node run under load
+    /// lost its first interval's names that way, the read answered 12 ms
+    /// after the interval ended).
+    pub fn awaits_jit_names(&self, now: Instant) -> bool {
+        !self.current.jit_not_yet_named.is_empty() && self.jit_names.awaits_answers(now)
+    }
+
     /// The mapped files this interval met for the first time, to open
     /// while their processes run (off the sampling thread: an open can
     /// wait on a slow filesystem). Opening one is the same for every

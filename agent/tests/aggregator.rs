@@ -873,13 +873,18 @@ fn jit_frames_sampled_before_their_perf_map_was_read_are_named_when_the_interval
     let mut header = header(tgid, "app", true);
     header.process_start_ns = started;
     let jit = |address| FrameObject::Jit { address };
-    // Sampled before the metadata worker read the map: asked for, not named.
+    let now = std::time::Instant::now();
+    assert!(!aggregator.awaits_jit_names(now));
+    // Sampled before the metadata worker read the map: asked for, not named;
+    // the interval's end waits for the answer.
     add(&mut aggregator, &header, &[], &[jit(0x1010), jit(0x5000)]);
     let requests = aggregator.take_jit_requests();
     assert_eq!(requests.len(), 1, "{requests:?}");
+    assert!(aggregator.awaits_jit_names(now));
     // The worker's answer, then a sample of the same code named at once.
     let mut reader = aggregator.config().perf_map_reader();
-    aggregator.add_jit_names(reader.serve(requests, std::time::Instant::now()));
+    aggregator.add_jit_names(reader.serve(requests, now));
+    assert!(!aggregator.awaits_jit_names(now));
     add(&mut aggregator, &header, &[], &[jit(0x1010)]);
     // The process exits before the interval ends: its names stay for it.
     aggregator.on_exit(tgid);

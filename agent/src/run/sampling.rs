@@ -58,11 +58,12 @@ pub(super) const COMMAND_QUEUE: usize = 64;
 /// Room in the queue of what the thread reports to the runtime.
 pub(super) const REPORT_QUEUE: usize = 16;
 
-/// How long the end of an interval waits for the descriptions of the
-/// processes first sampled in it, so that their label sets go out with
-/// their exe and container (a description takes a few reads on the
-/// metadata worker). Samples read meanwhile join the interval.
-const LABELS_WAIT: Duration = Duration::from_millis(500);
+/// How long the end of an interval waits for what the metadata worker was
+/// asked for its samples: the descriptions of the processes first sampled
+/// in it, so that their label sets go out with their exe and container (a
+/// description takes a few reads), and the perf map and jitdump reads its
+/// unnamed JIT frames asked for. Samples read meanwhile join the interval.
+const ANSWERS_WAIT: Duration = Duration::from_millis(500);
 
 /// How soon the next drain comes while the walker meets processes it has
 /// no maps of: their maps are read on the metadata worker after the drain
@@ -305,7 +306,8 @@ async fn sample(
         if let Err(err) = step {
             break Err(err);
         }
-        if let Some(end) = ending.due(records.aggregator.has_pending_labels(), Instant::now()) {
+        let now = Instant::now();
+        if let Some(end) = ending.due(records.awaits_answers(now), now) {
             worker.submit(records.aggregator.finish_interval(end));
         }
     };
@@ -329,7 +331,7 @@ async fn sample(
 }
 
 /// The end of an interval, once its tick came: it waits up to
-/// [`LABELS_WAIT`] for the descriptions its label sets wait for.
+/// [`ANSWERS_WAIT`] for the answers its samples wait for.
 #[derive(Debug, Default)]
 struct IntervalEnd {
     waiting: Option<(SystemTime, Instant)>,
@@ -340,7 +342,7 @@ impl IntervalEnd {
     /// still waiting, which must end first.
     fn tick(&mut self, end: SystemTime, now: Instant) -> Option<SystemTime> {
         let earlier = self.take();
-        self.waiting = Some((end, now + LABELS_WAIT));
+        self.waiting = Some((end, now + ANSWERS_WAIT));
         earlier
     }
 
@@ -349,11 +351,11 @@ impl IntervalEnd {
         self.waiting.map(|(_, deadline)| deadline)
     }
 
-    /// The end of the waiting interval if it ends now: no label set waits
-    /// any more, or the wait is over.
-    fn due(&mut self, labels_pending: bool, now: Instant) -> Option<SystemTime> {
+    /// The end of the waiting interval if it ends now: no answer is
+    /// awaited any more, or the wait is over.
+    fn due(&mut self, awaits_answers: bool, now: Instant) -> Option<SystemTime> {
         let (_, deadline) = self.waiting?;
-        (!labels_pending || now >= deadline)
+        (!awaits_answers || now >= deadline)
             .then(|| self.take())
             .flatten()
     }
@@ -370,10 +372,11 @@ struct Sampling<'a> {
     began: Instant,
 }
 
-/// At the stop: takes what is queued, and waits up to [`LABELS_WAIT`] for
+/// At the stop: takes what is queued, and waits up to [`ANSWERS_WAIT`] for
 /// the descriptions the last label sets lack (the processes first met in
 /// the last drains; a short run's last half second can be a tenth of its
-/// samples). Other commands are moot by now.
+/// samples) and the JIT names its last frames asked for. Other commands
+/// are moot by now.
 async fn last_labels(
     records: &mut RecordTally,
     sampler: &mut Sampler,
@@ -382,9 +385,9 @@ async fn last_labels(
 ) -> Result<(), SamplerError> {
     records.drain(sampler)?;
     records.ask_metadata(metadata);
-    let deadline = Instant::now() + LABELS_WAIT;
+    let deadline = Instant::now() + ANSWERS_WAIT;
     // Reads matter here only for held samples: a re-read holds none.
-    while records.aggregator.has_pending_labels()
+    while records.awaits_answers(Instant::now())
         || (records.walker.waiting() > 0 && records.processes.awaits_reads())
     {
         match tokio::time::timeout_at(deadline, commands.recv()).await {
@@ -397,6 +400,7 @@ async fn last_labels(
                 records.walk_after_reads(answers, sampler);
                 records.ask_metadata(metadata);
             }
+            Ok(Some(Command::JitNames(updates))) => records.aggregator.add_jit_names(updates),
             Ok(Some(_)) => {}
             Ok(None) | Err(_) => break,
         }
@@ -559,6 +563,12 @@ impl RecordTally {
             }
         }
         Ok(())
+    }
+
+    /// Whether the interval's samples wait for answers from the metadata
+    /// worker (see [`ANSWERS_WAIT`]).
+    fn awaits_answers(&self, now: Instant) -> bool {
+        self.aggregator.has_pending_labels() || self.aggregator.awaits_jit_names(now.into_std())
     }
 
     /// Applies the process table's reads and walks the samples that waited
@@ -959,11 +969,11 @@ mod tests {
         assert_eq!(ending.tick(end, now), None);
         assert_eq!(ending.due(false, now), Some(end));
         assert_eq!(ending.deadline(), None);
-        // Pending labels: it waits, up to LABELS_WAIT.
+        // Answers awaited: it waits, up to ANSWERS_WAIT.
         ending.tick(end, now);
-        assert_eq!(ending.deadline(), Some(now + LABELS_WAIT));
+        assert_eq!(ending.deadline(), Some(now + ANSWERS_WAIT));
         assert_eq!(ending.due(true, now), None);
-        assert_eq!(ending.due(true, now + LABELS_WAIT), Some(end));
+        assert_eq!(ending.due(true, now + ANSWERS_WAIT), Some(end));
         // The next tick ends a still waiting one first.
         ending.tick(end, now);
         let next = end + Duration::from_secs(10);

@@ -62,6 +62,11 @@ pub const REFRESH_INTERVAL: Duration = Duration::from_millis(200);
 /// several reads, so one answer stays small.
 pub const MAX_READ_PER_REFRESH: usize = 4 << 20;
 
+/// How long an unanswered read is waited for (see
+/// [`PerfMaps::awaits_answers`]): far longer than a read takes (about 10 ms
+/// for node's 2,800 entries in a debug build under load).
+const ANSWER_WAIT: Duration = Duration::from_secs(1);
+
 /// Processes whose maps are kept; beyond, the least recently used goes.
 /// The reader keeps as many open files, likewise.
 pub const MAX_PROCESSES: usize = 256;
@@ -155,6 +160,8 @@ struct PerfMap {
     bytes: usize,
     /// When a read was last asked for (`None`: never).
     last_asked: Option<Instant>,
+    /// Whether the last read asked for has not been answered yet.
+    unanswered: bool,
     last_used: Instant,
 }
 
@@ -165,6 +172,7 @@ impl PerfMap {
             entries: BTreeMap::new(),
             bytes: 0,
             last_asked: None,
+            unanswered: false,
             last_used: now,
         }
     }
@@ -301,6 +309,7 @@ impl PerfMaps {
             && self.requests.len() < MAX_REQUESTS
         {
             map.last_asked = Some(now);
+            map.unanswered = true;
             self.requests.push(JitRequest::Read {
                 tgid,
                 started: map.started,
@@ -333,6 +342,19 @@ impl PerfMaps {
             None => self.stats.unnamed += frames,
         }
         name
+    }
+
+    /// Whether a read asked for less than [`ANSWER_WAIT`] before `now` has
+    /// not been answered yet: frames [`Self::name`] missed may be named
+    /// by it. An older one is taken as lost (dropped with a full queue; the
+    /// next frame named asks again).
+    pub fn awaits_answers(&self, now: Instant) -> bool {
+        self.maps.values().any(|map| {
+            map.unanswered
+                && map
+                    .last_asked
+                    .is_some_and(|asked| now.saturating_duration_since(asked) < ANSWER_WAIT)
+        })
     }
 
     /// The reads and forgets asked for since the last call, for the
@@ -368,6 +390,7 @@ impl PerfMaps {
             let Some(map) = self.maps.get_mut(&tgid) else {
                 continue;
             };
+            map.unanswered = false;
             if update.restart {
                 self.total_bytes -= map.bytes;
                 map.entries.clear();
@@ -962,11 +985,18 @@ mod tests {
         let mut jit = Joined::new(process.proc_root.path());
         let t0 = Instant::now();
         // Missed: nothing read yet, and not counted either way.
+        assert!(!jit.maps.awaits_answers(t0));
         assert_eq!(jit.maps.name(21, 5, 0x1010, t0), None);
         assert_eq!(jit.maps.stats(), PerfMapStats::default());
+        // The read it asked for is awaited until answered, or for
+        // ANSWER_WAIT when it never is (a job dropped with a full queue).
+        assert!(jit.maps.awaits_answers(t0));
+        assert!(jit.maps.awaits_answers(t0 + ANSWER_WAIT / 2));
+        assert!(!jit.maps.awaits_answers(t0 + ANSWER_WAIT));
         // Named later by the read the miss asked for, for every frame
         // that missed it.
         assert_eq!(jit.answer(t0), 1);
+        assert!(!jit.maps.awaits_answers(t0));
         assert_eq!(
             jit.maps.name_later(21, 5, 0x1010, 3).as_deref(),
             Some("first")
