@@ -321,6 +321,9 @@ pub struct LiveWalk {
     pub files: Vec<Option<PathBuf>>,
     pub outcome: WalkOutcome,
     pub stitched: bool,
+    /// The tick's copy went to the stack's end or the thread's learned top
+    /// (`DEEP_COPY` or `COPY_AT_TOP`): what it held was the whole stack.
+    pub whole_copy: bool,
 }
 
 /// How [`walk_live_with`] treats the ring buffer's records.
@@ -406,6 +409,9 @@ impl LiveWalk {
             files,
             outcome: walked.walk.outcome,
             stitched: walked.walk.stitched,
+            whole_copy: walked.header.flags
+                & (agent_common::sample_flags::DEEP_COPY | agent_common::sample_flags::COPY_AT_TOP)
+                != 0,
         }
     }
 }
