@@ -409,10 +409,10 @@ pub const MAX_PYTHON_PROCESSES: u32 = 4096;
 /// left out and the stack is marked [`python_stack_flags::TRUNCATED`].
 pub const MAX_PYTHON_FRAMES: usize = 128;
 
-/// Bytes of a `_PyInterpreterFrame` the sampler reads in one go: every field
-/// it uses lies below this in CPython 3.11 to 3.13 (the largest, `owner`,
-/// at byte 70).
-pub const PYTHON_FRAME_READ_BYTES: u32 = 72;
+/// Most bytes of a frame the sampler reads in one go
+/// ([`PythonProcess::frame_bytes`]): every field it uses lies below this
+/// in CPython 3.10 to 3.13 (the largest, 3.10's `f_lasti`, at byte 96).
+pub const PYTHON_FRAME_READ_BYTES: u32 = 104;
 
 /// How the sampler finds and reads a CPython process's frames: the value of
 /// the `PYTHON_PROCESSES` map, keyed by tgid, written by the agent when it
@@ -426,7 +426,8 @@ pub const PYTHON_FRAME_READ_BYTES: u32 = 72;
 /// when `cframe_frame` is not [`PythonProcess::NO_CFRAME`], the
 /// `_PyCFrame*` at `tstate_frame` and the frame at `cframe_frame` in it
 /// (3.11, 3.12); then each frame's code object, instruction pointer and
-/// `previous` link.
+/// `previous` link. In 3.10 (`frame_objects`) the frames are
+/// `PyFrameObject`s: `tstate->frame`, then `f_back`.
 #[repr(C)]
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct PythonProcess {
@@ -458,6 +459,15 @@ pub struct PythonProcess {
     /// checks) and where the bytecode starts (`co_code_adaptive`).
     pub code_first_line: u32,
     pub code_bytecode: u32,
+    /// Nonzero for CPython 3.10's frame objects: each frame is one
+    /// `_PyEval_EvalFrameDefault` activation of its own (an entry), and
+    /// `frame_instr` is the `int f_lasti`, an index of 2-byte code units
+    /// (the bytecode is not in the code object: `code_bytecode` is unused).
+    pub frame_objects: u32,
+    /// Bytes read of each frame: at most [`PYTHON_FRAME_READ_BYTES`], no
+    /// more than the version's fields need (a frame can be the last thing
+    /// in its memory).
+    pub frame_bytes: u32,
 }
 
 impl PythonProcess {
@@ -466,7 +476,7 @@ impl PythonProcess {
     pub const NO_CFRAME: u32 = u32::MAX;
 }
 
-const _: () = assert!(core::mem::size_of::<PythonProcess>() == 64);
+const _: () = assert!(core::mem::size_of::<PythonProcess>() == 72);
 
 // SAFETY: `repr(C)`, integers only, no padding: every byte pattern is a
 // value.

@@ -937,12 +937,12 @@ unsafe fn python_frame(scratch: *mut PythonScratch, process: &PythonProcess) -> 
         return false;
     }
     let buffer = unsafe { (*scratch).frame.as_mut_ptr() };
-    // SAFETY: reads into the slot's frame buffer, which has room; a bad
-    // address only fails the read.
+    // SAFETY: reads into the slot's frame buffer, which has room for any
+    // size the mask lets through; a bad address only fails the read.
     let failed = unsafe {
         bpf_probe_read_user(
             buffer.cast(),
-            PYTHON_FRAME_READ_BYTES,
+            layout(&process.frame_bytes) & PYTHON_FRAME_MASK,
             frame as *const c_void,
         )
     } != 0;
@@ -965,8 +965,9 @@ unsafe fn python_frame(scratch: *mut PythonScratch, process: &PythonProcess) -> 
     unsafe { (*scratch).next = previous };
     let frames_at = unsafe { (*scratch).record.as_mut_ptr().add(PYTHON_STACK_HEADER_SIZE) }
         .cast::<PythonFrame>();
-    let entry = u32::from(marker) == layout(&process.entry_value);
-    if entry && layout(&process.entry_is_shim) != 0 {
+    let frame_objects = layout(&process.frame_objects) != 0;
+    let entry = frame_objects || u32::from(marker) == layout(&process.entry_value);
+    if entry && !frame_objects && layout(&process.entry_is_shim) != 0 {
         // The shim between C and the frame it called: that frame, the last
         // one written, is the entry.
         if let Some(last) = frames.checked_sub(1) {
@@ -992,8 +993,14 @@ unsafe fn python_frame(scratch: *mut PythonScratch, process: &PythonProcess) -> 
             first_line
         }
     };
-    let start = code + u64::from(layout(&process.code_bytecode));
-    let instr_offset = match i32::try_from(instr.wrapping_sub(start) as i64) {
+    let offset = if frame_objects {
+        // `f_lasti`: the low half of the word read (the high one is
+        // `f_lineno`), -1 before the first instruction.
+        i64::from(instr as u32 as i32) * 2
+    } else {
+        instr.wrapping_sub(code + u64::from(layout(&process.code_bytecode))) as i64
+    };
+    let instr_offset = match i32::try_from(offset) {
         Ok(offset) if offset > -8 => offset,
         _ => PythonFrame::NO_OFFSET,
     };

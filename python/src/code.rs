@@ -11,7 +11,7 @@
 
 use std::{collections::HashMap, io, sync::Arc};
 
-use crate::Layout;
+use crate::{Layout, layout::LineTable};
 
 /// Longest name or file name read, in characters.
 const MAX_STRING_CHARS: u64 = 4096;
@@ -26,6 +26,7 @@ pub struct CodeObject {
     pub filename: Arc<str>,
     pub first_line: u32,
     linetable: Vec<u8>,
+    format: LineTable,
 }
 
 /// Why a code object could not be read.
@@ -93,6 +94,7 @@ impl CodeObject {
         code: u64,
         first_line: u32,
     ) -> Result<Self, CodeError> {
+        // Up to the bytecode (3.11+) or the last field read (3.10).
         let mut object = vec![0; layout.code_bytecode as usize];
         memory.read(code, &mut object)?;
         let field = |offset: u32, size: usize| -> &[u8] {
@@ -111,13 +113,42 @@ impl CodeObject {
             filename: read_string(memory, layout, pointer(layout.code_filename))?.into(),
             first_line,
             linetable: read_bytes(memory, pointer(layout.code_linetable))?,
+            format: layout.line_table,
         })
     }
 
     /// The line of the instruction at byte `instr_offset` of the bytecode
-    /// (as the sampler computed it), from the location table of CPython
-    /// 3.11+ (`Objects/locations.md`); None when the table gives it none.
+    /// (as the sampler computed it); None when the table gives it none.
     pub fn line_of(&self, instr_offset: i32) -> Option<u32> {
+        match self.format {
+            LineTable::Pep626 => self.pep626_line_of(instr_offset),
+            LineTable::Locations => self.location_line_of(instr_offset),
+        }
+    }
+
+    /// From 3.10's line table: (bytes, line delta) pairs, a delta of -128
+    /// for bytes with no line. A pair of no bytes still moves the line (a
+    /// jump of more than 127 lines takes several).
+    fn pep626_line_of(&self, instr_offset: i32) -> Option<u32> {
+        let target = u64::try_from(instr_offset.max(0)).ok()?;
+        let mut line = i64::from(self.first_line);
+        let mut end = 0u64;
+        for pair in self.linetable.chunks_exact(2) {
+            end += u64::from(pair[0]);
+            let delta = pair[1] as i8;
+            if delta != -128 {
+                line += i64::from(delta);
+            }
+            // Earlier pairs ended at or before `target`.
+            if target < end {
+                return (delta != -128).then(|| u32::try_from(line).ok()).flatten();
+            }
+        }
+        None
+    }
+
+    /// From the location table of CPython 3.11+ (`Objects/locations.md`).
+    fn location_line_of(&self, instr_offset: i32) -> Option<u32> {
         let target = u64::try_from(instr_offset.max(0) / 2).ok()?;
         let table = &self.linetable;
         let mut at = 0;
@@ -252,7 +283,43 @@ mod tests {
             filename: "f.py".into(),
             first_line,
             linetable,
+            format: LineTable::Locations,
         }
+    }
+
+    #[test]
+    fn the_3_10_line_table_gives_each_instruction_its_line() {
+        // 4 bytes at line 10 (+0), 2 at 11, 2 with no line, a jump of 130
+        // lines in two pairs (the first of no bytes), 4 bytes at 141, 2 at
+        // 139.
+        let table = vec![4, 0, 2, 1, 2, 0x80, 0, 127, 4, 3, 2, 0xfe];
+        let code = CodeObject {
+            format: LineTable::Pep626,
+            ..code(10, table)
+        };
+        let lines: Vec<Option<u32>> = (0..9).map(|unit| code.line_of(unit * 2)).collect();
+        assert_eq!(
+            lines,
+            [
+                Some(10),
+                Some(10),
+                Some(11),
+                None,
+                Some(141),
+                Some(141),
+                Some(139),
+                None,
+                None
+            ]
+        );
+        // Before the first instruction (`f_lasti` -1): the first line.
+        assert_eq!(code.line_of(-2), Some(10));
+        // An odd byte count cut short: no panic.
+        let code = CodeObject {
+            linetable: vec![4, 0, 9],
+            ..code
+        };
+        assert_eq!(code.line_of(6), None);
     }
 
     #[test]

@@ -4,13 +4,15 @@
 //! stripped but exports `_PyRuntime`); pyenv and others build a small
 //! launcher and a `libpython3.X.so`. Either way the file that holds the
 //! interpreter exports `_PyRuntime` (the runtime state every walk starts
-//! from) and, since 3.11, `Py_Version` (`PY_VERSION_HEX`); every build
+//! from) and, since 3.11, `Py_Version` (`PY_VERSION_HEX`; before, the
+//! version is the one in the file's name, `python3.10` or
+//! `libpython3.10.so.1.0`, as the build names it); every build
 //! also keeps `_PyRuntime` alone in a section named `.PyRuntime`, the
 //! fallback when its symbol is gone. Since 3.13 `_PyRuntime` starts with
 //! `_Py_DebugOffsets`, the interpreter's own statement of where its fields
 //! are; its initial value is in the file.
 
-use std::{fs::File, ops::Range};
+use std::{fs::File, ops::Range, path::Path};
 
 use object::{
     Endianness, Object as _, ObjectSection as _, ObjectSymbol as _, ReadCache, read::elf::ElfFile64,
@@ -97,7 +99,10 @@ impl DebugOffsets {
 pub enum InterpreterError {
     #[error("not a 64-bit ELF file: {0}")]
     Malformed(#[source] object::Error),
-    #[error("`_PyRuntime` is there but no `Py_Version` (CPython before 3.11 is not read)")]
+    #[error(
+        "`_PyRuntime` is there but neither `Py_Version` (3.11+) nor a version before 3.11 in \
+         the file's name"
+    )]
     NoVersion,
 }
 
@@ -110,10 +115,10 @@ impl Interpreter {
         )
     }
 
-    /// Reads `file`; None when it holds no interpreter (no `_PyRuntime`).
-    /// Only the headers, symbol tables and the 4 bytes of `Py_Version` are
-    /// read, not the whole (often 20 MB) file.
-    pub fn read(file: &File) -> Result<Option<Self>, InterpreterError> {
+    /// Reads `file` (named `path`); None when it holds no interpreter (no
+    /// `_PyRuntime`). Only the headers, symbol tables and the 4 bytes of
+    /// `Py_Version` are read, not the whole (often 20 MB) file.
+    pub fn read(file: &File, path: &Path) -> Result<Option<Self>, InterpreterError> {
         let cache = ReadCache::new(file);
         let elf = ElfFile64::<Endianness, _>::parse(&cache).map_err(InterpreterError::Malformed)?;
         let symbol = |name: &str| {
@@ -137,6 +142,12 @@ impl Interpreter {
                     Some(u32::from_le_bytes(bytes.try_into().ok()?))
                 })
             })
+            .or_else(|| {
+                // Before 3.11 only the name says; a name that claims a
+                // later version without `Py_Version` is not believed.
+                let (major, minor) = version_in_name(path).filter(|&v| v < (3, 11))?;
+                Some((u32::from(major) << 24) | (u32::from(minor) << 16))
+            })
             .ok_or(InterpreterError::NoVersion)?;
         let eval = symbol("_PyEval_EvalFrameDefault").filter(|range| !range.is_empty());
         let debug_offsets = elf.sections().find_map(|section| {
@@ -152,6 +163,18 @@ impl Interpreter {
     }
 }
 
+/// The version in an interpreter's file name: `python3.10`,
+/// `libpython3.10.so.1.0`, `libpython3.10d.so`.
+fn version_in_name(path: &Path) -> Option<(u8, u8)> {
+    let name = path.file_name()?.to_str()?;
+    let rest = name
+        .strip_prefix("libpython")
+        .or_else(|| name.strip_prefix("python"))?;
+    let (major, rest) = rest.split_once('.')?;
+    let minor: String = rest.chars().take_while(char::is_ascii_digit).collect();
+    Some((major.parse().ok()?, minor.parse().ok()?))
+}
+
 #[cfg(test)]
 mod tests {
     use std::io::Write as _;
@@ -161,7 +184,10 @@ mod tests {
     #[test]
     fn a_program_without_a_runtime_is_no_interpreter() {
         let own = File::open("/proc/self/exe").expect("this test's binary");
-        assert_eq!(Interpreter::read(&own).expect("an ELF file"), None);
+        assert_eq!(
+            Interpreter::read(&own, Path::new("/usr/bin/python3.10")).expect("an ELF file"),
+            None
+        );
     }
 
     #[test]
@@ -170,9 +196,24 @@ mod tests {
             let mut file = tempfile::tempfile().expect("a temporary file");
             file.write_all(bytes).expect("writing");
             assert!(matches!(
-                Interpreter::read(&file),
+                Interpreter::read(&file, Path::new("python3")),
                 Err(InterpreterError::Malformed(_))
             ));
+        }
+    }
+
+    #[test]
+    fn a_version_is_read_from_names_as_builds_make_them() {
+        for (name, version) in [
+            ("/usr/bin/python3.10", Some((3, 10))),
+            ("/opt/lib/libpython3.10.so.1.0", Some((3, 10))),
+            ("libpython3.9d.so", Some((3, 9))),
+            ("/usr/bin/python3", None),
+            ("python", None),
+            ("libpython3.x.so", None),
+            ("pythonista", None),
+        ] {
+            assert_eq!(version_in_name(Path::new(name)), version, "{name}");
         }
     }
 

@@ -1,7 +1,7 @@
 //! Where CPython keeps what the sampler follows, per minor version: the
 //! thread-state key in `_PyRuntime`, the frame chain, the code object and
-//! its strings. Measured on this machine's CPython 3.11.7, 3.12.1 and
-//! 3.13.0 (and Debian's 3.11.2), see `docs/research/cpython-frames.md`;
+//! its strings. Measured on this machine's CPython 3.10.13, 3.11.7, 3.12.1
+//! and 3.13.0 (and Debian's 3.11.2), see `docs/research/cpython-frames.md`;
 //! stable within a minor version (3.13 publishes them itself, in
 //! `_Py_DebugOffsets`).
 
@@ -29,17 +29,59 @@ pub struct Layout {
     frame_entry: u32,
     entry_value: u32,
     entry_is_shim: bool,
-    /// In a code object.
+    /// 3.10's frame objects (see `PythonProcess::frame_objects`).
+    frame_objects: bool,
+    /// Bytes of a frame that hold every field above.
+    frame_bytes: u32,
+    /// In a code object (3.10 has no `co_qualname`: `co_name` stands in,
+    /// and its bytecode is another object: `code_bytecode` is where the
+    /// fields read end).
     pub code_first_line: u32,
     pub code_bytecode: u32,
     pub code_filename: u32,
     pub code_qualname: u32,
     pub code_linetable: u32,
+    pub line_table: LineTable,
     /// Where a compact ASCII string's characters start (`sizeof
     /// PyASCIIObject`), and a compact non-ASCII one's.
     pub ascii_data: u32,
     pub compact_data: u32,
 }
+
+/// How a code object maps instructions to lines.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum LineTable {
+    /// 3.10's `co_linetable` (PEP 626): pairs of (bytes of bytecode, line
+    /// delta), -128 for no line.
+    Pep626,
+    /// 3.11+'s location table (`Objects/locations.md`).
+    Locations,
+}
+
+/// 3.10: frame objects, `tstate->frame` then `f_back`; every frame has its
+/// own evaluation loop activation; `f_lasti` counts code units.
+const V3_10: Layout = Layout {
+    version: (3, 10),
+    runtime_tss_key: 0x248,
+    tstate_frame: 24,
+    cframe_frame: PythonProcess::NO_CFRAME,
+    frame_code: 32,
+    frame_previous: 24,
+    frame_instr: 96,
+    frame_entry: 0,
+    entry_value: 0,
+    entry_is_shim: false,
+    frame_objects: true,
+    frame_bytes: 104,
+    code_first_line: 40,
+    code_bytecode: 128,
+    code_filename: 104,
+    code_qualname: 112,
+    code_linetable: 120,
+    line_table: LineTable::Pep626,
+    ascii_data: 48,
+    compact_data: 72,
+};
 
 /// 3.11: `tstate->cframe->current_frame`, `is_entry` marks an entry.
 const V3_11: Layout = Layout {
@@ -53,11 +95,14 @@ const V3_11: Layout = Layout {
     frame_entry: 68,
     entry_value: 1,
     entry_is_shim: false,
+    frame_objects: false,
+    frame_bytes: 72,
     code_first_line: 72,
     code_bytecode: 184,
     code_filename: 112,
     code_qualname: 128,
     code_linetable: 136,
+    line_table: LineTable::Locations,
     ascii_data: 48,
     compact_data: 72,
 };
@@ -94,6 +139,7 @@ impl Layout {
     /// The layout of CPython `major.minor`, if this profiler reads it.
     pub fn of(version: (u8, u8)) -> Option<Self> {
         match version {
+            (3, 10) => Some(V3_10),
             (3, 11) => Some(V3_11),
             (3, 12) => Some(V3_12),
             (3, 13) => Some(V3_13),
@@ -180,6 +226,8 @@ impl Layout {
             entry_is_shim: u32::from(self.entry_is_shim),
             code_first_line: self.code_first_line,
             code_bytecode: self.code_bytecode,
+            frame_objects: u32::from(self.frame_objects),
+            frame_bytes: self.frame_bytes,
         }
     }
 }
@@ -192,21 +240,28 @@ mod tests {
 
     #[test]
     fn every_frame_field_lies_within_the_bytes_the_sampler_reads() {
-        for minor in 11..=13 {
+        for minor in 10..=13 {
             let layout = Layout::of((3, minor)).expect("a known version");
+            assert!(layout.frame_bytes <= PYTHON_FRAME_READ_BYTES);
             for (field, size) in [
                 (layout.frame_code, 8),
                 (layout.frame_previous, 8),
                 (layout.frame_instr, 8),
                 (layout.frame_entry, 1),
             ] {
-                assert!(
-                    field + size <= PYTHON_FRAME_READ_BYTES,
-                    "3.{minor}: {field}"
-                );
+                assert!(field + size <= layout.frame_bytes, "3.{minor}: {field}");
+            }
+            // The code object's fields read lie within what is read of it.
+            for field in [
+                layout.code_first_line + 4,
+                layout.code_filename + 8,
+                layout.code_qualname + 8,
+                layout.code_linetable + 8,
+            ] {
+                assert!(field <= layout.code_bytecode, "3.{minor}: {field}");
             }
         }
-        assert_eq!(Layout::of((3, 10)), None);
+        assert_eq!(Layout::of((3, 9)), None);
         assert_eq!(Layout::of((3, 14)), None);
     }
 
@@ -216,6 +271,7 @@ mod tests {
     #[test]
     fn cpython_3_13_publishes_the_offsets_its_layout_states() {
         let libraries = [
+            ("3.10.13", "libpython3.10.so.1.0", false),
             ("3.11.7", "libpython3.11.so.1.0", false),
             ("3.12.1", "libpython3.12.so.1.0", false),
             ("3.13.0", "libpython3.13.so.1.0", true),
@@ -226,7 +282,7 @@ mod tests {
                 eprintln!("{path} is not installed: skipped");
                 continue;
             };
-            let interpreter = Interpreter::read(&file)
+            let interpreter = Interpreter::read(&file, std::path::Path::new(&path))
                 .expect("an ELF file")
                 .expect("an interpreter");
             assert_eq!(interpreter.debug_offsets.is_some(), publishes, "{path}");

@@ -39,8 +39,12 @@ pub struct MergeCounts {
 /// [`PythonFrame::ENTRY`]) into the native walk `native` (return
 /// addresses but for the first, innermost first), whose evaluation frames
 /// are those in `eval` (the code of `_PyEval_EvalFrameDefault`). Appends
-/// to `out`. `cut`: the read stopped before the outermost frame, so the
-/// last activation, if it has no entry, is marked [`Merged::Cut`].
+/// to `out`. `cut`: the read stopped before the outermost frame, so
+/// [`Merged::Cut`] marks, once, where the frames not read would be: after
+/// the last activation when it has no entry, else in place of the first
+/// evaluation frame left (3.10 reads one frame per activation: a deep
+/// recursion is cut between activations); evaluation frames further out
+/// are left out, their frames not read either.
 pub fn merge(
     native: &[u64],
     eval: &Range<u64>,
@@ -49,6 +53,7 @@ pub fn merge(
     out: &mut Vec<Merged>,
 ) -> MergeCounts {
     let mut counts = MergeCounts::default();
+    let mut marked = false;
     let mut activations = python
         .split_inclusive(|frame| frame.first_line & PythonFrame::ENTRY != 0)
         .peekable();
@@ -60,19 +65,23 @@ pub fn merge(
         } else {
             address.wrapping_sub(1)
         };
-        if eval.contains(&in_function)
-            && let Some(activation) = activations.next()
-        {
+        if !eval.contains(&in_function) {
+            out.push(Merged::Native(index));
+        } else if let Some(activation) = activations.next() {
             out.extend(activation.iter().copied().map(Merged::Python));
             let entered = activation
                 .last()
                 .is_some_and(|frame| frame.first_line & PythonFrame::ENTRY != 0);
             if cut && !entered && activations.peek().is_none() {
                 out.push(Merged::Cut);
+                marked = true;
             }
             counts.replaced += 1;
-        } else {
+        } else if !cut {
             out.push(Merged::Native(index));
+        } else if !marked {
+            out.push(Merged::Cut);
+            marked = true;
         }
     }
     counts.unplaced = activations.count();
@@ -185,8 +194,8 @@ mod tests {
                 Merged::Native(4),
             ]
         );
-        // Cut right after an entry: every activation read is whole, the
-        // outer ones keep their native frames.
+        // Cut right after an entry (3.10's frames are an activation each):
+        // the next evaluation frame is where the frames not read go.
         out.clear();
         merge(&native, &eval, &python[..1], true, &mut out);
         assert_eq!(
@@ -195,8 +204,24 @@ mod tests {
                 Merged::Native(0),
                 Merged::Python(python[0]),
                 Merged::Native(2),
-                Merged::Native(3),
+                Merged::Cut,
                 Merged::Native(4),
+            ]
+        );
+        // Evaluation frames further out are left out: one mark.
+        out.clear();
+        let deeper = [0x5000, 0x1100, 0x6000, 0x1200, 0x6000, 0x1300, 0x8000];
+        merge(&deeper, &eval, &python, true, &mut out);
+        assert_eq!(
+            out,
+            [
+                Merged::Native(0),
+                Merged::Python(python[0]),
+                Merged::Native(2),
+                Merged::Python(python[1]),
+                Merged::Cut,
+                Merged::Native(4),
+                Merged::Native(6),
             ]
         );
         // Not cut: an activation without its entry is the innermost part

@@ -37,7 +37,7 @@ pub enum FindError {
         #[source]
         source: InterpreterError,
     },
-    #[error("{path}: CPython {}.{} is not read (3.11 to 3.13 are)", .version.0, .version.1)]
+    #[error("{path}: CPython {}.{} is not read (3.10 to 3.13 are)", .version.0, .version.1)]
     Unsupported { path: PathBuf, version: (u8, u8) },
     #[error("{path}: no load segment covers its mappings")]
     NoBias { path: PathBuf },
@@ -87,7 +87,7 @@ pub fn find_in_process(proc_root: &Path, pid: u32) -> Result<Option<FoundInterpr
             path: path.to_path_buf(),
             source,
         };
-        let Some(interpreter) = Interpreter::read(&file).map_err(error)? else {
+        let Some(interpreter) = Interpreter::read(&file, path).map_err(error)? else {
             continue;
         };
         let layout = Layout::of_interpreter(&interpreter).ok_or(FindError::Unsupported {

@@ -46,6 +46,7 @@ struct Program {
 /// The CPython interpreters the Python rows run, besides Debian's
 /// `python3`: pyenv's builds, those installed.
 const PYENV_PYTHONS: &[(&str, &str)] = &[
+    ("py3.10-pyenv", "3.10.13/bin/python3.10"),
     ("py3.11-pyenv", "3.11.7/bin/python3.11"),
     ("py3.12-pyenv", "3.12.1/bin/python3.12"),
     ("py3.13-pyenv", "3.13.0/bin/python3.13"),
