@@ -307,7 +307,7 @@ async fn sample(
             break Err(err);
         }
         let now = Instant::now();
-        if let Some(end) = ending.due(records.awaits_answers(now), now) {
+        if let Some(end) = ending.due(|| records.awaits_answers(now), now) {
             worker.submit(records.aggregator.finish_interval(end));
         }
     };
@@ -352,10 +352,11 @@ impl IntervalEnd {
     }
 
     /// The end of the waiting interval if it ends now: no answer is
-    /// awaited any more, or the wait is over.
-    fn due(&mut self, awaits_answers: bool, now: Instant) -> Option<SystemTime> {
+    /// awaited any more, or the wait is over. `awaits_answers` is asked
+    /// only while an interval waits.
+    fn due(&mut self, awaits_answers: impl FnOnce() -> bool, now: Instant) -> Option<SystemTime> {
         let (_, deadline) = self.waiting?;
-        (!awaits_answers || now >= deadline)
+        (now >= deadline || !awaits_answers())
             .then(|| self.take())
             .flatten()
     }
@@ -960,25 +961,26 @@ mod tests {
     }
 
     #[test]
-    fn an_interval_ends_when_its_labels_are_known_or_its_wait_is_over() {
+    fn an_interval_ends_when_its_answers_are_in_or_its_wait_is_over() {
         let now = Instant::now();
         let end = UNIX_EPOCH + Duration::from_secs(10);
         let mut ending = IntervalEnd::default();
-        assert_eq!(ending.due(false, now), None, "no tick yet");
+        let unasked = || -> bool { panic!("asked with no interval waiting") };
+        assert_eq!(ending.due(unasked, now), None, "no tick yet");
         // Nothing pending: it ends at once.
         assert_eq!(ending.tick(end, now), None);
-        assert_eq!(ending.due(false, now), Some(end));
+        assert_eq!(ending.due(|| false, now), Some(end));
         assert_eq!(ending.deadline(), None);
         // Answers awaited: it waits, up to ANSWERS_WAIT.
         ending.tick(end, now);
         assert_eq!(ending.deadline(), Some(now + ANSWERS_WAIT));
-        assert_eq!(ending.due(true, now), None);
-        assert_eq!(ending.due(true, now + ANSWERS_WAIT), Some(end));
+        assert_eq!(ending.due(|| true, now), None);
+        assert_eq!(ending.due(|| true, now + ANSWERS_WAIT), Some(end));
         // The next tick ends a still waiting one first.
         ending.tick(end, now);
         let next = end + Duration::from_secs(10);
         assert_eq!(ending.tick(next, now), Some(end));
-        assert_eq!(ending.due(false, now), Some(next));
+        assert_eq!(ending.due(|| false, now), Some(next));
     }
 
     #[test]
