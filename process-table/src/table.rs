@@ -428,6 +428,9 @@ pub struct ProcessTable<S = ()> {
     /// The owner's state of every record removed since the owner last took
     /// them ([`Self::take_dropped`]), whatever removed it.
     dropped: Vec<(u32, S)>,
+    /// Records the first owner let go of, for a second one
+    /// ([`Self::release`], [`Self::take_released`]).
+    released: Vec<(u32, S)>,
     stats: TableStats,
 }
 
@@ -464,6 +467,7 @@ impl<S: Default> ProcessTable<S> {
             requests: Vec::new(),
             fork_parents: HashMap::new(),
             dropped: Vec::new(),
+            released: Vec::new(),
             stats: TableStats::default(),
         }
     }
@@ -521,6 +525,20 @@ impl<S: Default> ProcessTable<S> {
     /// stay within `max_processes`. The one way a record goes.
     pub fn take_dropped(&mut self) -> Vec<(u32, S)> {
         std::mem::take(&mut self.dropped)
+    }
+
+    /// Hands a record taken from [`Self::take_dropped`] on to a second
+    /// owner ([`Self::take_released`]), once the first has let go of its
+    /// part: the walker takes every dropped record at once (its plans must
+    /// go before the next sample is planned), the run loop then reads what
+    /// the record counted.
+    pub fn release(&mut self, tgid: u32, state: S) {
+        bounded_push(&mut self.released, self.config.max_processes, (tgid, state));
+    }
+
+    /// The records handed on by [`Self::release`] since the last call.
+    pub fn take_released(&mut self) -> Vec<(u32, S)> {
+        std::mem::take(&mut self.released)
     }
 
     /// Where `addr` is in process `tgid`.
@@ -851,13 +869,7 @@ impl<S: Default> ProcessTable<S> {
     }
 
     fn drop_state(&mut self, tgid: u32, state: S) {
-        // Bounded if the owner never takes them: the oldest half goes
-        // (what it would have cleaned up is bounded elsewhere too).
-        if self.dropped.len() >= self.config.max_processes.max(1) {
-            let half = self.dropped.len() / 2;
-            self.dropped.drain(..half.max(1));
-        }
-        self.dropped.push((tgid, state));
+        bounded_push(&mut self.dropped, self.config.max_processes, (tgid, state));
     }
 
     /// Forgets every process (exec or exit records were lost), keeping the
@@ -1047,6 +1059,17 @@ pub fn bias(mapping: &Mapping, segments: &[LoadSegment], page_size: u64) -> Opti
             .wrapping_add(segment.offset)
             .wrapping_sub(segment.vaddr),
     )
+}
+
+/// Pushes a record let go of onto a list its owner takes. Bounded if the
+/// owner never takes them: the oldest half goes (what it would have
+/// cleaned up is bounded elsewhere too).
+fn bounded_push<S>(list: &mut Vec<(u32, S)>, max_processes: usize, record: (u32, S)) {
+    if list.len() >= max_processes.max(1) {
+        let half = list.len() / 2;
+        list.drain(..half.max(1));
+    }
+    list.push(record);
 }
 
 #[cfg(test)]
@@ -1333,8 +1356,16 @@ mod tests {
         assert_eq!(table.take_dropped(), [(13, 13), (11, 11)]);
         table.state(20);
         table.forget_processes();
-        assert_eq!(table.take_dropped().len(), 2);
+        let dropped = table.take_dropped();
+        assert_eq!(dropped.len(), 2);
         assert!(table.is_empty());
+
+        // Handed on by the first owner to the second, once.
+        for (tgid, state) in dropped {
+            table.release(tgid, state);
+        }
+        assert_eq!(table.take_released().len(), 2);
+        assert!(table.take_released().is_empty());
     }
 
     #[test]

@@ -1,8 +1,9 @@
 //! One record per process in the run loop's process table
 //! ([`ProcessRecord`]): beside the mappings the table keeps, what the
 //! walker knows of the process (its modules, identity and copy size), what
-//! its labels are made of (exe, container) and its CPython interpreter
-//! (with the code objects read and the Python stacks waiting for walks). A
+//! its labels are made of (exe, container), its CPython interpreter
+//! (with the code objects read and the Python stacks waiting for walks)
+//! and the samples it had (for the run's report). A
 //! sample finds it with the one lookup its walk makes and hands it to the
 //! aggregator with the walk ([`add_walked`]); it goes when the table lets go
 //! of the process (exit, exec, pid reuse, the table's bound), all of it at
@@ -13,7 +14,10 @@ use stackscope_process_table::ProcessTable;
 use stackscope_unwind::walker::{ProcessState, Walked, WalkerRecord};
 
 use super::python::{PythonRecord, PythonState};
-use crate::aggregate::{Aggregator, LabelRecords, PythonSample};
+use crate::{
+    aggregate::{Aggregator, LabelRecords, PythonSample},
+    tally::{Counted, ProcessTally},
+};
 
 /// See the module documentation.
 #[derive(Debug, Default)]
@@ -21,6 +25,7 @@ pub(super) struct ProcessRecord {
     walker: ProcessState,
     pub labels: ProcessLabels,
     pub python: PythonRecord,
+    pub samples: Counted,
 }
 
 impl ProcessRecord {
@@ -47,12 +52,21 @@ impl LabelRecords for ProcessTable<ProcessRecord> {
 }
 
 /// Counts each walk the walker delivers, under its process's labels, its
-/// Python frames merged in when its sample came with them.
-pub(super) fn add_walked(
-    aggregator: &mut Aggregator,
-) -> impl FnMut(Walked<'_, ProcessRecord>) + '_ {
+/// Python frames merged in when its sample came with them, and in its
+/// process's record (in `tally` when the record went first).
+pub(super) fn add_walked<'a>(
+    aggregator: &'a mut Aggregator,
+    tally: &'a mut ProcessTally,
+) -> impl FnMut(Walked<'_, ProcessRecord>) + 'a {
     |walked| {
-        let Some(ProcessRecord { labels, python, .. }) = walked.record else {
+        let Some(ProcessRecord {
+            labels,
+            python,
+            samples,
+            ..
+        }) = walked.record
+        else {
+            tally.add_other();
             aggregator.add(
                 walked.header,
                 walked.kernel_frames,
@@ -61,6 +75,7 @@ pub(super) fn add_walked(
             );
             return;
         };
+        samples.add(|| agent_common::comm_str(&walked.header.comm));
         let PythonRecord::Found(state) = python else {
             aggregator.add(
                 walked.header,

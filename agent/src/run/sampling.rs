@@ -453,6 +453,11 @@ fn finish(
     let program = sampler.program_stats()?;
     drop(sampler);
     let batches = records.flush(worker);
+    // The report counts the processes still running too.
+    records.let_go_of_released();
+    for (tgid, record) in records.processes.states() {
+        records.tally.keep(tgid, &record.samples);
+    }
     Ok(RunSummary {
         kernel,
         program,
@@ -589,10 +594,11 @@ impl RecordTally {
             processes,
             walker,
             aggregator,
+            tally,
             ..
         } = self;
         walker.apply_reads(processes, answers);
-        walker.poll(processes, add_walked(aggregator));
+        walker.poll(processes, add_walked(aggregator, tally));
         sampler.apply_plan_updates(walker.take_plan_updates());
     }
 
@@ -626,9 +632,10 @@ impl RecordTally {
             processes,
             walker,
             aggregator,
+            tally,
             ..
         } = self;
-        walker.flush(processes, add_walked(aggregator));
+        walker.flush(processes, add_walked(aggregator, tally));
         worker.finish(aggregator.finish_interval(SystemTime::now()))
     }
 
@@ -650,9 +657,10 @@ impl RecordTally {
             processes,
             walker,
             aggregator,
+            tally,
             ..
         } = self;
-        walker.poll(processes, add_walked(aggregator));
+        walker.poll(processes, add_walked(aggregator, tally));
         sampler.apply_plan_updates(walker.take_plan_updates());
         self.let_go_of_exited();
         // The exits just applied may have left tables unused: trimmed now,
@@ -670,10 +678,16 @@ impl RecordTally {
             processes,
             walker,
             aggregator,
+            tally,
             feed,
             ..
         } = self;
-        feed.apply_until(horizon, walker, processes, &mut add_walked(aggregator));
+        feed.apply_until(
+            horizon,
+            walker,
+            processes,
+            &mut add_walked(aggregator, tally),
+        );
         self.let_go_of_exited();
     }
 
@@ -689,6 +703,15 @@ impl RecordTally {
     fn let_go_of_exited(&mut self) {
         for tgid in self.walker.take_completed_exits() {
             self.aggregator.on_exit(tgid);
+        }
+        self.let_go_of_released();
+    }
+
+    /// Keeps what the records the walker let go of counted (whatever
+    /// removed them).
+    fn let_go_of_released(&mut self) {
+        for (tgid, record) in self.processes.take_released() {
+            self.tally.let_go(tgid, &record.samples);
         }
     }
 
@@ -783,12 +806,11 @@ impl RecordTally {
         }
         match record {
             Ok(Record::Sample(sample)) => {
-                self.tally
-                    .add(sample.header.tid, sample.header.tgid, || sample.comm());
                 let Self {
                     processes,
                     walker,
                     aggregator,
+                    tally,
                     kernel_frames,
                     tail_spans,
                     python,
@@ -805,6 +827,7 @@ impl RecordTally {
                     // A kernel thread: nothing to walk, but a record for
                     // its labels.
                     let (_, record) = processes.state(sample.header.tgid);
+                    record.samples.add(|| sample.comm());
                     aggregator.add(
                         &sample.header,
                         kernel_frames,
@@ -823,7 +846,7 @@ impl RecordTally {
                         &sample.header,
                         kernel_frames,
                         stack,
-                        add_walked(aggregator),
+                        add_walked(aggregator, tally),
                     );
                 }
             }
@@ -834,13 +857,14 @@ impl RecordTally {
                     processes,
                     walker,
                     aggregator,
+                    tally,
                     ..
                 } = self;
                 walker.on_exec(
                     processes,
                     event.tgid,
                     event.ktime_ns,
-                    add_walked(aggregator),
+                    add_walked(aggregator, tally),
                 );
                 let learned = processes.learned_exe(event.tgid).map(Path::to_path_buf);
                 let (_, record) = processes.state(event.tgid);
@@ -848,7 +872,9 @@ impl RecordTally {
             }
             Ok(Record::Exit(event)) => {
                 self.totals.process_events += 1;
-                self.tally.exited(event.tgid);
+                if let Some(record) = self.processes.state_of_mut(event.tgid) {
+                    record.samples.exited();
+                }
                 // Samples of it still waiting for a table keep its labels
                 // until they are walked.
                 self.exited(event.tgid);
@@ -901,9 +927,10 @@ mod tests {
                 processes,
                 walker,
                 aggregator,
+                tally,
                 ..
             } = &mut records;
-            walker.poll(processes, add_walked(aggregator));
+            walker.poll(processes, add_walked(aggregator, tally));
         }
         // The metadata worker's answer.
         let config = AggregatorConfig::default();
@@ -944,7 +971,8 @@ mod tests {
     }
 
     #[test]
-    fn a_gone_process_is_forgotten_by_the_walker_and_the_labels_unless_its_pid_was_reused() {
+    fn a_gone_process_is_forgotten_by_the_walker_and_the_labels_unless_its_pid_was_reused_and_its_samples_kept()
+     {
         let (mut records, _, tgid) = walked_own_sample();
         assert_eq!(records.tracked_processes(), [tgid]);
         let started = records
@@ -956,8 +984,20 @@ mod tests {
         // Found gone before this process started: its pid was another's.
         records.forget(&[tgid], started);
         assert_eq!(records.tracked_processes(), [tgid]);
+        assert!(
+            records.tally.top(9).is_empty(),
+            "its samples are in its record"
+        );
         records.forget(&[tgid], started + 1);
         assert_eq!(records.tracked_processes(), Vec::<u32>::new());
+        // What its record counted stays for the run's report.
+        let kept: Vec<_> = records
+            .tally
+            .top(9)
+            .into_iter()
+            .map(|process| (process.tgid, process.samples))
+            .collect();
+        assert_eq!(kept, [(tgid, 1)]);
     }
 
     #[test]

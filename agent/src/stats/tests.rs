@@ -9,7 +9,10 @@ use stackscope_telemetry::{
 };
 
 use super::*;
-use crate::{export::ExportStats, tally::ProcessTally};
+use crate::{
+    export::ExportStats,
+    tally::{Counted, ProcessTally},
+};
 use stackscope_symbolize::node::SymbolizeStats;
 use stackscope_unwind::walker::{EarlyEnds, WalkEnds, stitching::PlanStats};
 
@@ -235,10 +238,12 @@ pub(crate) fn every_figure_distinct() -> RunTotals {
 /// A finished run's summary with `totals`' figures, one busy process and
 /// the binary of its walks.
 pub(crate) fn summary_of(totals: &RunTotals) -> RunSummary {
-    let mut tally = ProcessTally::with_capacity(4);
+    let mut spinner = Counted::default();
     for _ in 0..3 {
-        tally.add(42, 42, || "spinner".into());
+        spinner.add(|| "spinner".into());
     }
+    let mut tally = ProcessTally::with_capacity(4);
+    tally.keep(42, &spinner);
     RunSummary {
         tally,
         reader: totals.reader,

@@ -775,11 +775,13 @@ impl StackWalker {
     /// process table (an exit, an exec, a fork over its pid, a read that
     /// found it gone, the table's bound), what the planner wrote for it
     /// (its copy size and its threads' plans, in the sampler's maps too)
-    /// goes with it.
+    /// goes with it. The record is then handed on to the table's owner
+    /// ([`ProcessTable::take_released`]), for what else it held.
     fn let_go_of_dropped<R: WalkerRecord>(&mut self, processes: &mut ProcessTable<R>) {
         for (tgid, mut record) in processes.take_dropped() {
             let copy = record.walker_state_mut().copy.take();
             self.planner.forget_process(tgid, copy);
+            processes.release(tgid, record);
         }
     }
 
