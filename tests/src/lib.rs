@@ -168,6 +168,23 @@ pub fn sample_planned(
 }
 
 impl Recorded {
+    /// Keeps a record read from the ring buffer.
+    fn keep(&mut self, bytes: &[u8]) {
+        match Record::decode(bytes) {
+            Ok(Record::Sample(sample)) => {
+                self.samples.push(sample.to_owned_sample());
+                self.sample_record_bytes.push(bytes.len());
+            }
+            Ok(Record::Exec(event)) => self.execs.push(event),
+            Ok(Record::Exit(event)) => self.exits.push(event),
+            Ok(Record::PythonStack(stack)) => self.python_stacks.push(PythonStackRecord {
+                header: stack.header,
+                frames: stack.frames().collect(),
+            }),
+            Err(err) => self.decode_errors.push(err),
+        }
+    }
+
     /// Leaves out the records of ticks before `first_tick_ns`.
     fn drop_ticks_before(&mut self, first_tick_ns: u64) {
         let (samples, record_bytes) = std::mem::take(&mut self.samples)
@@ -183,23 +200,50 @@ impl Recorded {
 }
 
 /// Like [`sample_for`], with process `tgid` described to the sampler as
-/// CPython (`python`) before the first tick is read; samples and Python
-/// stacks from ticks before that are left out.
+/// CPython: the sampler runs until the process's first sample says its
+/// start time (the entry's identity), is then told of it by the entry
+/// `python` makes of that time, and samples `duration` more; samples and
+/// Python stacks from ticks before the entry are left out. One sampler
+/// for both (loading it takes seconds in the kernel matrix's emulated
+/// machines). The program's statistics are those of the ticks after the
+/// entry.
 pub fn sample_python(
     config: &SamplerConfig,
     duration: Duration,
     tgid: u32,
-    python: &agent_common::PythonProcess,
+    python: impl FnOnce(u64) -> agent_common::PythonProcess,
 ) -> Recorded {
-    let mut set_ns = 0;
-    let mut recorded = sample_with(config, duration, |sampler| {
+    let runtime = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .expect("tokio runtime");
+    runtime.block_on(async {
+        let _run_time_stats = Sampler::enable_run_time_stats().expect("BPF run-time statistics");
+        let mut sampler = Sampler::start(config).expect("starting the sampler");
+        let mut recorded = Recorded::default();
+        let deadline = tokio::time::Instant::now() + Duration::from_secs(30);
+        let process_start_ns = loop {
+            if let Some(sample) = recorded.samples.iter().find(|s| s.header.tgid == tgid) {
+                break sample.header.process_start_ns;
+            }
+            tokio::select! {
+                read = sampler.read_records(|bytes| recorded.keep(bytes)) => {
+                    read.expect("reading the ring buffer");
+                }
+                _ = tokio::time::sleep_until(deadline) => panic!("no sample of process {tgid} in 30 s"),
+            }
+        };
+        let before = sampler.program_stats().expect("the program's statistics");
         sampler
-            .set_python_process(tgid, Some(python))
+            .set_python_process(tgid, Some(&python(process_start_ns)))
             .expect("describing the Python process");
-        set_ns = monotonic_ns();
-    });
-    recorded.drop_ticks_before(set_ns + IN_FLIGHT_MARGIN.as_nanos() as u64);
-    recorded
+        let set_ns = monotonic_ns();
+        let mut recorded = record_until(&mut sampler, tokio::time::Instant::now() + duration).await;
+        recorded.program.run_time = recorded.program.run_time.saturating_sub(before.run_time);
+        recorded.program.run_count = recorded.program.run_count.saturating_sub(before.run_count);
+        recorded.drop_ticks_before(set_ns + IN_FLIGHT_MARGIN.as_nanos() as u64);
+        recorded
+    })
 }
 
 /// How long after the sampler's maps are set a tick may still have read
@@ -218,34 +262,32 @@ fn sample_with(
     runtime.block_on(async {
         let _run_time_stats = Sampler::enable_run_time_stats().expect("BPF run-time statistics");
         let mut sampler = Sampler::start(config).expect("starting the sampler");
-        let mut recorded = Recorded::default();
-        let mut keep = |bytes: &[u8]| match Record::decode(bytes) {
-            Ok(Record::Sample(sample)) => {
-                recorded.samples.push(sample.to_owned_sample());
-                recorded.sample_record_bytes.push(bytes.len());
-            }
-            Ok(Record::Exec(event)) => recorded.execs.push(event),
-            Ok(Record::Exit(event)) => recorded.exits.push(event),
-            Ok(Record::PythonStack(stack)) => recorded.python_stacks.push(PythonStackRecord {
-                header: stack.header,
-                frames: stack.frames().collect(),
-            }),
-            Err(err) => recorded.decode_errors.push(err),
-        };
         started(&mut sampler);
-        let deadline = tokio::time::Instant::now() + duration;
-        loop {
-            tokio::select! {
-                read = sampler.read_records(&mut keep) => { read.expect("reading the ring buffer"); }
-                _ = tokio::time::sleep_until(deadline) => break,
-            }
-        }
-        sampler.drain_records(&mut keep);
-        assert!(recorded.decode_errors.is_empty(), "malformed records: {:?}", recorded.decode_errors);
-        recorded.counters = sampler.counters().expect("reading the sampler's counters");
-        recorded.program = sampler.program_stats().expect("the program's statistics");
-        recorded
+        record_until(&mut sampler, tokio::time::Instant::now() + duration).await
     })
+}
+
+/// Every record `sampler` reads until `deadline`, with its counters and
+/// the program's statistics then.
+async fn record_until(sampler: &mut Sampler, deadline: tokio::time::Instant) -> Recorded {
+    let mut recorded = Recorded::default();
+    loop {
+        tokio::select! {
+            read = sampler.read_records(|bytes| recorded.keep(bytes)) => {
+                read.expect("reading the ring buffer");
+            }
+            _ = tokio::time::sleep_until(deadline) => break,
+        }
+    }
+    sampler.drain_records(|bytes| recorded.keep(bytes));
+    assert!(
+        recorded.decode_errors.is_empty(),
+        "malformed records: {:?}",
+        recorded.decode_errors
+    );
+    recorded.counters = sampler.counters().expect("reading the sampler's counters");
+    recorded.program = sampler.program_stats().expect("the program's statistics");
+    recorded
 }
 
 /// Names the frames of one process: the symbol covering the address in

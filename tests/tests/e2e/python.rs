@@ -33,7 +33,7 @@ use stackscope_sampler::SamplerConfig;
 use stackscope_test_fixtures::containers::{Container, Image};
 use stackscope_tests::{
     Collector, Fixture, Recorded, RunningProcess, exclusive, fixture_source, require_root,
-    run_agent_for, sample_for, sample_python,
+    run_agent_for, sample_python,
 };
 
 /// The line `leaf` spins on in `python_chain.py`.
@@ -156,17 +156,10 @@ fn check_chain(python: &Python) {
         pids: vec![pid],
         ..SamplerConfig::default()
     };
-    // The entry names the process by its start time, as its samples do;
-    // this run also gives the program's cost without the Python walk.
-    let native = sample_for(&config, Duration::from_secs(2));
-    let process_start_ns = native
-        .samples
-        .iter()
-        .find(|sample| sample.header.tgid == pid)
-        .map(|sample| sample.header.process_start_ns)
-        .unwrap_or_else(|| panic!("{name}: no sample of the fixture"));
-    let entry = found.layout.sampler_entry(found.runtime, process_start_ns);
-    let recorded = sample_python(&config, Duration::from_secs(3), pid, &entry);
+    // The entry names the process by its start time, as its samples do.
+    let recorded = sample_python(&config, Duration::from_secs(3), pid, |started| {
+        found.layout.sampler_entry(found.runtime, started)
+    });
 
     let samples = recorded
         .samples
@@ -236,25 +229,18 @@ fn check_chain(python: &Python) {
         .values()
         .find(|code| &*code.qualname == "leaf")
         .map(|code| code.filename.clone());
-    let per_run = |recorded: &Recorded| {
-        recorded
-            .program
-            .per_run()
-            .map_or(f64::NAN, |time| time.as_nanos() as f64)
-    };
     for miss in &misses {
         eprintln!("python frames: {name}: a read failed: {miss}");
     }
     eprintln!(
         "python frames: {name} ({}, _PyRuntime at {:#x}): {exact} of {samples} samples carried the \
-         exact chain; leaf in {file:?}; counters {} stacks, {} frames; BPF {:.0} ns per run, {:.0} \
-         without the Python walk",
+         exact chain; leaf in {file:?}; counters {} stacks, {} frames; BPF {:?} per run \
+         (cargo xtask bench sampler compares it without the Python walk)",
         found.path.display(),
         found.runtime,
         recorded.counters.python_stacks,
         recorded.counters.python_frames,
-        per_run(&recorded),
-        per_run(&native),
+        recorded.program.per_run().unwrap_or_default(),
     );
     assert!(samples >= 100, "{name}: only {samples} samples");
     assert!(
@@ -714,14 +700,9 @@ fn a_process_that_pretends_to_be_python_costs_a_bounded_walk_and_names_nothing()
         pids: vec![pid],
         ..SamplerConfig::default()
     };
-    let process_start_ns = sample_for(&config, Duration::from_millis(500))
-        .samples
-        .iter()
-        .find(|sample| sample.header.tgid == pid)
-        .map(|sample| sample.header.process_start_ns)
-        .expect("a sample of the impostor");
-    let entry = found.layout.sampler_entry(found.runtime, process_start_ns);
-    let recorded = sample_python(&config, Duration::from_secs(2), pid, &entry);
+    let recorded = sample_python(&config, Duration::from_secs(2), pid, |started| {
+        found.layout.sampler_entry(found.runtime, started)
+    });
     let stacks: Vec<_> = recorded
         .python_stacks
         .iter()
