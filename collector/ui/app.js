@@ -204,6 +204,29 @@ function showSides(selected, baseline) {
   };
 }
 
+// The chosen function's sandwich: its callers drawn as a flame above it,
+// its callees as an icicle below, the two meeting at the function.
+const sandwich = {
+  callers: new Flamegraph($("sandwich-callers"), $("tip-callers")),
+  callees: new Flamegraph($("sandwich-callees"), $("tip-callees")),
+};
+
+function showSandwich() {
+  const parts = state.fn && tree ? tree.sandwich(state.fn) : null;
+  $("sandwich").hidden = !parts;
+  hook.sandwich = null;
+  if (!parts) return;
+  $("sandwich-title").textContent = `${state.fn}: its callers above, its callees below (${weight(parts.callees.total[0], tree.period)})`;
+  sandwich.callers.setTree(parts.callers);
+  sandwich.callers.icicle = false;
+  sandwich.callers.draw();
+  sandwich.callees.setTree(parts.callees);
+  sandwich.callees.icicle = true;
+  sandwich.callees.draw();
+  const drawn = (side) => side.rects.filter((r) => r.node >= 0).map((r) => side.tree.name(r.node));
+  hook.sandwich = { callers: drawn(sandwich.callers), callees: drawn(sandwich.callees) };
+}
+
 function afterDraw() {
   const panel = $("flame-panel");
   hook.root = tree.name(flame.zoom);
@@ -428,6 +451,7 @@ function selectFunction(name) {
 let callersRequest = null;
 
 async function loadCallers() {
+  showSandwich();
   const panel = $("callers");
   const name = state.fn;
   callersRequest?.abort();
@@ -572,6 +596,8 @@ function clearSelectionViews() {
   $("legend").replaceChildren();
   $("breadcrumb").replaceChildren();
   $("callers").replaceChildren();
+  $("sandwich").hidden = true;
+  hook.sandwich = null;
 }
 
 /** A range as the timeline's axis reads it: local times, with their zone. */

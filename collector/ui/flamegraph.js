@@ -226,6 +226,67 @@ export class Tree {
     return stats.filter((stat) => stat.total > 0);
   }
 
+  /**
+   * The sandwich of function `name` (in any binary): `callees`, the calls
+   * below it merged into one tree rooted at it, and `callers`, the paths
+   * from it up to the root merged into one tree rooted at it (its callers
+   * its children, the program's entry its leaves). Each stack counts once:
+   * where the function recurses, its outermost call stands for the stack.
+   * Null when no node is the function.
+   */
+  sandwich(name) {
+    const outermost = [];
+    const inside = new Uint8Array(this.count);
+    for (let i = 1; i < this.count; i++) {
+      const hit = this.name(i) === name;
+      if (hit && !inside[this.parent[i]]) outermost.push(i);
+      inside[i] = hit || inside[this.parent[i]] ? 1 : 0;
+    }
+    if (!outermost.length) return null;
+    const root = this.frame[outermost[0]];
+    const merged = () => {
+      const parent = [0];
+      const frame = [root];
+      const total = [0];
+      const index = new Map();
+      const frameCount = this.frames.length;
+      const child = (p, f, w) => {
+        const key = p * frameCount + f;
+        let at = index.get(key);
+        if (at === undefined) {
+          at = parent.length;
+          index.set(key, at);
+          parent.push(p);
+          frame.push(f);
+          total.push(0);
+        }
+        total[at] += w;
+        return at;
+      };
+      const tree = () => new Tree(Int32Array.from(parent), Int32Array.from(frame), Float64Array.from(total), this.frames, this.period);
+      return { total, child, tree };
+    };
+
+    // Callees: every node under an outermost call, in order (parents
+    // come before their children), placed under its parent's place.
+    const callees = merged();
+    const placed = new Int32Array(this.count).fill(-1);
+    for (const i of outermost) placed[i] = 0;
+    for (let i = 1; i < this.count; i++) {
+      if (placed[i] === 0) callees.total[0] += this.total[i];
+      else if (placed[this.parent[i]] >= 0) placed[i] = callees.child(placed[this.parent[i]], this.frame[i], this.total[i]);
+    }
+
+    // Callers: each outermost call's path to the root, innermost first.
+    const callers = merged();
+    for (const i of outermost) {
+      const w = this.total[i];
+      callers.total[0] += w;
+      let at = 0;
+      for (let up = this.parent[i]; up !== 0; up = this.parent[up]) at = callers.child(at, this.frame[up], w);
+    }
+    return { callers: callers.tree(), callees: callees.tree() };
+  }
 }
 
 // Colours by binary, so the kernel, JIT code and unknown frames stand out

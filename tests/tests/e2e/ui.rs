@@ -656,7 +656,16 @@ async fn modules(browser: &Client, page: &str) {
                    nodes: [0, 0, 10, 0, 1, 10, 1, 1, 8, 2, 2, 5],
                  });
                  const a = tree.match(fr => fr.name === 'a');
+                 // `a` recursing under the root, and called by `c`.
+                 const recursive = f.Tree.fromFlat({
+                   total: 14, sample_period_nanos: 0,
+                   frames: [{name: 'all', binary: ''}, {name: 'a', binary: 'x'}, {name: 'b', binary: 'x'}, {name: 'c', binary: 'x'}],
+                   nodes: [0, 0, 14, 0, 1, 10, 1, 1, 8, 2, 2, 5, 0, 3, 4, 4, 1, 4],
+                 });
+                 const sandwich = recursive.sandwich('a');
+                 const paths = (t) => Array.from({length: t.count}, (_, i) => [[t.name(0), ...t.path(i)].join('>'), t.total[i]]);
                  return {
+                   sandwich: [paths(sandwich.callers), paths(sandwich.callees), recursive.sandwich('nowhere')],
                    split: q.splitMatchers('comm="a,b", exe=~".*/x"'),
                    removed: q.setMatcher('comm="a",node="b"', 'node', ''),
                    replaced: q.setMatcher('comm="a",node=~"b.*"', 'node', 'c'),
@@ -689,6 +698,12 @@ async fn modules(browser: &Client, page: &str) {
             "short": ["…ssManager::run", "…eap::CollectGarbage", "…::push_back", "abcdefg…", "main"],
             "functions": [["a", 5, 10], ["b", 5, 5]],
             "search": [2, 10],
+            // Each stack once: the recursion's outer call stands for it.
+            "sandwich": [
+                [["a", 14], ["a>c", 4]],
+                [["a", 14], ["a>a", 8], ["a>a>b", 5]],
+                null,
+            ],
             // Python functions get a colour of their own, apart from the
             // kernel's and the JIT's.
             "kinds": [["python", 110, "[python]"], ["kernel", 26, "[kernel]"], ["jit", 160, "[jit]"]],
@@ -1159,6 +1174,36 @@ async fn zoom_search_top_and_link(browser: &Client, page: &str) {
     assert!(
         callers.contains("main") && callers.contains("hash_lookup"),
         "{callers}"
+    );
+    // Its sandwich under the flamegraph: its callers drawn above it, its
+    // callees below, the two drawings meeting at it.
+    let drawn = |side: &serde_json::Value| {
+        let mut names: Vec<String> = side
+            .as_array()
+            .expect("drawn frames")
+            .iter()
+            .map(|name| name.as_str().expect("a name").to_owned())
+            .collect();
+        names.sort();
+        names
+    };
+    let report = hook(browser).await;
+    assert_eq!(drawn(&report["sandwich"]["callers"]), ["main", "serve"]);
+    assert_eq!(
+        drawn(&report["sandwich"]["callees"]),
+        [
+            "copy_user",
+            "hash_lookup",
+            "js_handler",
+            "serve",
+            "sys_read"
+        ]
+    );
+    let (_, callers_bottom, _) = vertical_span(browser, "sandwich-callers").await;
+    let (callees_top, _, _) = vertical_span(browser, "sandwich-callees").await;
+    assert!(
+        (callees_top - callers_bottom).abs() < 1.0,
+        "the callers end at {callers_bottom}, the callees start at {callees_top}"
     );
     screenshot(browser, "07-flame-top-callers").await;
 
