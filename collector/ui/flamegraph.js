@@ -16,6 +16,42 @@ const ROW = 18;
 const SEARCH_MISS = "hsl(0 0% 86%)";
 const FONT = "12px ui-monospace, SFMono-Regular, Menlo, Consolas, monospace";
 
+/**
+ * Builds a tree node by node: the children of a node with the same frame
+ * are one node, their weights summed. `base` (a baseline's weights) only
+ * for differential trees.
+ */
+class TreeBuilder {
+  constructor(rootFrame) {
+    this.parent = [0];
+    this.frame = [rootFrame];
+    this.total = [0];
+    this.base = [0];
+    this.index = new Map();
+  }
+
+  /** The node for frame `f` under node `p`, made if there is none. */
+  child(p, f) {
+    // Frame ids stay below 2^32 and nodes below 2^21: an exact number.
+    const key = p * 4294967296 + f;
+    let at = this.index.get(key);
+    if (at === undefined) {
+      at = this.parent.length;
+      this.index.set(key, at);
+      this.parent.push(p);
+      this.frame.push(f);
+      this.total.push(0);
+      this.base.push(0);
+    }
+    return at;
+  }
+
+  tree(frames, period, baseTotal = null) {
+    const base = baseTotal === null ? null : Float64Array.from(this.base);
+    return new Tree(Int32Array.from(this.parent), Int32Array.from(this.frame), Float64Array.from(this.total), frames, period, base, baseTotal ?? 0);
+  }
+}
+
 /** A call tree in typed arrays; node 0 is the root, parents before children. */
 export class Tree {
   /**
@@ -85,42 +121,20 @@ export class Tree {
       }
       return id;
     };
-    const parent = [0];
-    const frame = [frameOf(current.frames[current.frame[0]])];
-    const total = [current.total[0]];
-    const base = [baseline.total[0]];
-    const index = new Map();
-    const add = (tree, isBase) => {
+    const built = new TreeBuilder(frameOf(current.frames[current.frame[0]]));
+    built.total[0] = current.total[0];
+    built.base[0] = baseline.total[0];
+    const add = (tree, weights) => {
       const mapped = new Int32Array(tree.count);
       for (let i = 1; i < tree.count; i++) {
-        const p = mapped[tree.parent[i]];
-        const f = frameOf(tree.frames[tree.frame[i]]);
-        const key = `${p}:${f}`;
-        let m = index.get(key);
-        if (m === undefined) {
-          m = parent.length;
-          index.set(key, m);
-          parent.push(p);
-          frame.push(f);
-          total.push(0);
-          base.push(0);
-        }
-        if (isBase) base[m] += tree.total[i];
-        else total[m] += tree.total[i];
+        const m = built.child(mapped[tree.parent[i]], frameOf(tree.frames[tree.frame[i]]));
+        weights[m] += tree.total[i];
         mapped[i] = m;
       }
     };
-    add(current, false);
-    add(baseline, true);
-    return new Tree(
-      Int32Array.from(parent),
-      Int32Array.from(frame),
-      Float64Array.from(total),
-      frames,
-      current.period,
-      Float64Array.from(base),
-      baseline.total[0],
-    );
+    add(current, built.total);
+    add(baseline, built.base);
+    return built.tree(frames, current.period, baseline.total[0]);
   }
 
   children(i) {
@@ -244,48 +258,29 @@ export class Tree {
     }
     if (!outermost.length) return null;
     const root = this.frame[outermost[0]];
-    const merged = () => {
-      const parent = [0];
-      const frame = [root];
-      const total = [0];
-      const index = new Map();
-      const frameCount = this.frames.length;
-      const child = (p, f, w) => {
-        const key = p * frameCount + f;
-        let at = index.get(key);
-        if (at === undefined) {
-          at = parent.length;
-          index.set(key, at);
-          parent.push(p);
-          frame.push(f);
-          total.push(0);
-        }
-        total[at] += w;
-        return at;
-      };
-      const tree = () => new Tree(Int32Array.from(parent), Int32Array.from(frame), Float64Array.from(total), this.frames, this.period);
-      return { total, child, tree };
-    };
 
     // Callees: every node under an outermost call, in order (parents
     // come before their children), placed under its parent's place.
-    const callees = merged();
+    const callees = new TreeBuilder(root);
     const placed = new Int32Array(this.count).fill(-1);
     for (const i of outermost) placed[i] = 0;
     for (let i = 1; i < this.count; i++) {
-      if (placed[i] === 0) callees.total[0] += this.total[i];
-      else if (placed[this.parent[i]] >= 0) placed[i] = callees.child(placed[this.parent[i]], this.frame[i], this.total[i]);
+      if (placed[i] !== 0 && placed[this.parent[i]] >= 0) placed[i] = callees.child(placed[this.parent[i]], this.frame[i]);
+      if (placed[i] >= 0) callees.total[placed[i]] += this.total[i];
     }
 
     // Callers: each outermost call's path to the root, innermost first.
-    const callers = merged();
+    const callers = new TreeBuilder(root);
     for (const i of outermost) {
       const w = this.total[i];
       callers.total[0] += w;
       let at = 0;
-      for (let up = this.parent[i]; up !== 0; up = this.parent[up]) at = callers.child(at, this.frame[up], w);
+      for (let up = this.parent[i]; up !== 0; up = this.parent[up]) {
+        at = callers.child(at, this.frame[up]);
+        callers.total[at] += w;
+      }
     }
-    return { callers: callers.tree(), callees: callees.tree() };
+    return { callers: callers.tree(this.frames, this.period), callees: callees.tree(this.frames, this.period) };
   }
 }
 

@@ -213,13 +213,7 @@ pub fn sample_python(
     tgid: u32,
     python: impl FnOnce(u64) -> agent_common::PythonProcess,
 ) -> Recorded {
-    let runtime = tokio::runtime::Builder::new_current_thread()
-        .enable_all()
-        .build()
-        .expect("tokio runtime");
-    runtime.block_on(async {
-        let _run_time_stats = Sampler::enable_run_time_stats().expect("BPF run-time statistics");
-        let mut sampler = Sampler::start(config).expect("starting the sampler");
+    with_sampler(config, async |sampler| {
         let mut recorded = Recorded::default();
         let deadline = tokio::time::Instant::now() + Duration::from_secs(30);
         let process_start_ns = loop {
@@ -238,7 +232,7 @@ pub fn sample_python(
             .set_python_process(tgid, Some(&python(process_start_ns)))
             .expect("describing the Python process");
         let set_ns = monotonic_ns();
-        let mut recorded = record_until(&mut sampler, tokio::time::Instant::now() + duration).await;
+        let mut recorded = record_until(sampler, tokio::time::Instant::now() + duration).await;
         recorded.program.run_time = recorded.program.run_time.saturating_sub(before.run_time);
         recorded.program.run_count = recorded.program.run_count.saturating_sub(before.run_count);
         recorded.drop_ticks_before(set_ns + IN_FLIGHT_MARGIN.as_nanos() as u64);
@@ -255,6 +249,15 @@ fn sample_with(
     duration: Duration,
     started: impl FnOnce(&mut Sampler),
 ) -> Recorded {
+    with_sampler(config, async |sampler| {
+        started(sampler);
+        record_until(sampler, tokio::time::Instant::now() + duration).await
+    })
+}
+
+/// Runs `run` with a loaded and attached sampler (the kernel's accounting
+/// of the program's run time on), in a runtime of its own.
+fn with_sampler<T>(config: &SamplerConfig, run: impl AsyncFnOnce(&mut Sampler) -> T) -> T {
     let runtime = tokio::runtime::Builder::new_current_thread()
         .enable_all()
         .build()
@@ -262,8 +265,7 @@ fn sample_with(
     runtime.block_on(async {
         let _run_time_stats = Sampler::enable_run_time_stats().expect("BPF run-time statistics");
         let mut sampler = Sampler::start(config).expect("starting the sampler");
-        started(&mut sampler);
-        record_until(&mut sampler, tokio::time::Instant::now() + duration).await
+        run(&mut sampler).await
     })
 }
 
