@@ -4,8 +4,7 @@
 //! qemu fails here on an MSR, see `shared/ENVIRONMENT.md`).
 //!
 //! Owns installing the kernels and virtme-ng (idempotently), finding the
-//! end-to-end test binary cargo built, and booting each kernel once to run
-//! them, the kernels side by side.
+//! end-to-end test binary cargo built, and booting each kernel once to run them.
 
 use std::{
     io::{BufRead as _, BufReader},
@@ -110,73 +109,33 @@ pub fn test() -> anyhow::Result<()> {
     for filter in TEST_FILTERS {
         script.push_str(&format!(" {filter}"));
     }
-    // The machines run side by side: under emulation a guest keeps about
-    // one host CPU busy (the verifier and most tests are one thread), so
-    // two take little longer than one. Each line says whose it is.
-    let started = std::time::Instant::now();
-    let outcomes: Vec<(&str, anyhow::Result<()>)> = std::thread::scope(|scope| {
-        let guests: Vec<_> = kernels
-            .iter()
-            .map(|(name, vmlinuz)| {
-                let (vng, script, path) = (&vng, &script, &path);
-                let run = scope.spawn(move || run_kernel(name, vng, vmlinuz, script, path));
-                (*name, run)
-            })
-            .collect();
-        guests
-            .into_iter()
-            .map(|(name, run)| {
-                let outcome = run
-                    .join()
-                    .unwrap_or_else(|_| Err(anyhow::anyhow!("the thread running it panicked")));
-                (name, outcome)
-            })
-            .collect()
-    });
-    let failed: Vec<String> = outcomes
-        .into_iter()
-        .filter_map(|(name, outcome)| outcome.err().map(|err| format!("Linux {name}: {err:#}")))
-        .collect();
-    if !failed.is_empty() {
-        bail!("{}", failed.join("; "));
-    }
-    eprintln!(
-        "kernels: all passed in {:.0} s",
-        started.elapsed().as_secs_f64()
-    );
-    Ok(())
-}
-
-/// Boots kernel `name` and runs `script` in it, once more if the machine
-/// never booted.
-fn run_kernel(
-    name: &str,
-    vng: &Path,
-    vmlinuz: &Path,
-    script: &str,
-    path: &str,
-) -> anyhow::Result<()> {
-    eprintln!("[{name}] {} in a virtual machine", vmlinuz.display());
-    let started = std::time::Instant::now();
-    let mut guest = run_guest(name, vng, vmlinuz, script, path)?;
-    if !guest.status.success() && guest.lines == 0 {
-        // Nothing at all, not even the kernel's release: the machine
-        // never booted (seen once on 6.12 after 6.1 had passed; the
-        // next run passed). Tests that fail print their failures.
+    for (name, vmlinuz) in &kernels {
+        eprintln!("kernel {name}: {} in a virtual machine", vmlinuz.display());
+        let started = std::time::Instant::now();
+        let mut guest = run_guest(&vng, vmlinuz, &script, &path)?;
+        if !guest.status.success() && guest.lines == 0 {
+            // Nothing at all, not even the kernel's release: the machine
+            // never booted (seen once on 6.12 after 6.1 had passed; the
+            // next run passed). Tests that fail print their failures.
+            eprintln!(
+                "kernel {name}: the virtual machine printed nothing and ended with {}; \
+                 starting it once more",
+                guest.status
+            );
+            guest = run_guest(&vng, vmlinuz, &script, &path)?;
+        }
+        if !guest.status.success() {
+            bail!(
+                "the tests failed on Linux {name} ({}): {}",
+                vmlinuz.display(),
+                guest.status
+            );
+        }
         eprintln!(
-            "[{name}] the virtual machine printed nothing and ended with {}; \
-             starting it once more",
-            guest.status
+            "kernel {name}: passed in {:.0} s",
+            started.elapsed().as_secs_f64()
         );
-        guest = run_guest(name, vng, vmlinuz, script, path)?;
     }
-    if !guest.status.success() {
-        bail!("the tests failed ({}): {}", vmlinuz.display(), guest.status);
-    }
-    eprintln!(
-        "[{name}] passed in {:.0} s",
-        started.elapsed().as_secs_f64()
-    );
     Ok(())
 }
 
@@ -186,15 +145,8 @@ struct GuestRun {
     lines: usize,
 }
 
-/// Boots `vmlinuz` and runs `script` in it, printing what it prints, each
-/// line after `[name]`.
-fn run_guest(
-    name: &str,
-    vng: &Path,
-    vmlinuz: &Path,
-    script: &str,
-    path: &str,
-) -> anyhow::Result<GuestRun> {
+/// Boots `vmlinuz` and runs `script` in it, printing what it prints.
+fn run_guest(vng: &Path, vmlinuz: &Path, script: &str, path: &str) -> anyhow::Result<GuestRun> {
     // The guest's output comes through pipes: given a file, qemu rewinds
     // it and a second kernel's run overwrites everything written before
     // (and pads its lines with the console's blanks).
@@ -212,11 +164,10 @@ fn run_guest(
         .spawn()
         .with_context(|| format!("running {}", vng.display()))?;
     let errors = guest.stderr.take().map(|errors| {
-        let name = name.to_owned();
         std::thread::spawn(move || {
             let mut lines = 0;
             for line in BufReader::new(errors).lines().map_while(Result::ok) {
-                eprintln!("[{name}] {}", line.trim_end());
+                eprintln!("{}", line.trim_end());
                 lines += 1;
             }
             lines
@@ -225,7 +176,7 @@ fn run_guest(
     let mut lines = 0;
     if let Some(console) = guest.stdout.take() {
         for line in BufReader::new(console).lines().map_while(Result::ok) {
-            println!("[{name}] {}", line.trim_end());
+            println!("{}", line.trim_end());
             lines += 1;
         }
     }
