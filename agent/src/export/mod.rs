@@ -21,9 +21,8 @@
 //! that is down when the agent starts only delays delivery.
 
 pub mod debuginfo;
-mod push;
+mod log_limit;
 mod queue;
-mod retry;
 
 use std::{
     fmt,
@@ -48,10 +47,14 @@ use tracing::{debug, error, info, warn};
 pub use stackscope_collector_client::connect::TlsConfig;
 use stackscope_collector_client::connect::{self, ConnectError};
 
-use self::{
+use stackscope_collector_client::ingest::{
     push::IngestPusher,
+    retry::{Backoff, is_retryable, pushback},
+};
+
+use self::{
+    log_limit::LogLimiter,
     queue::{Evicted, Pending, Queue},
-    retry::{Backoff, LogLimiter, is_retryable, pushback},
 };
 
 /// At most one line per this interval for each kind of repeated trouble

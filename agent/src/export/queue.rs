@@ -14,7 +14,7 @@ use stackscope_proto::v1::Batch;
 /// statistics need, computed once when it is enqueued.
 #[derive(Debug)]
 pub(super) struct Pending {
-    /// The push request carrying the batch (see [`super::push`]).
+    /// The push request carrying the batch (see `stackscope_collector_client::ingest::push`).
     pub request: Bytes,
     /// The request's size: what it holds in memory, and what goes on the
     /// wire before compression.
@@ -31,7 +31,7 @@ impl Pending {
             .samples
             .iter()
             .fold(0u64, |total, sample| total.saturating_add(sample.count));
-        let request = super::push::encode(batch);
+        let request = stackscope_collector_client::ingest::push::encode(batch);
         Self {
             bytes: request.len(),
             request,

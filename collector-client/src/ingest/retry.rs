@@ -1,7 +1,7 @@
-//! When to retry a failed push, how long to wait first (the collector may
-//! say), and how often to say so in the log.
+//! When to retry a failed push and how long to wait first (the collector
+//! may say: gRPC server pushback).
 
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use stackscope_proto::RETRY_PUSHBACK_KEY;
 use tonic::{Code, Status};
@@ -22,7 +22,7 @@ use tonic::{Code, Status};
 /// `FailedPrecondition`, `Unimplemented` (e.g. a compression the collector
 /// does not accept), and `ResourceExhausted` without a pushback, which the
 /// collector (and tonic itself) sends for a batch larger than it accepts.
-pub(super) fn is_retryable(status: &Status) -> bool {
+pub fn is_retryable(status: &Status) -> bool {
     match status.code() {
         Code::Unavailable
         | Code::DeadlineExceeded
@@ -48,7 +48,7 @@ pub(super) fn is_retryable(status: &Status) -> bool {
 /// refusal (gRPC server pushback, gRFC A6: a non-negative decimal number of
 /// milliseconds in [`RETRY_PUSHBACK_KEY`]); `None` when it asked none, or
 /// sent anything else (A6 reads that as "do not retry").
-pub(super) fn pushback(status: &Status) -> Option<Duration> {
+pub fn pushback(status: &Status) -> Option<Duration> {
     let value = status.metadata().get(RETRY_PUSHBACK_KEY)?.to_str().ok()?;
     let millis: u64 = value.trim().parse().ok()?;
     Some(Duration::from_millis(millis))
@@ -59,7 +59,7 @@ pub(super) fn pushback(status: &Status) -> Option<Duration> {
 /// spreads a fleet of agents that lost the same collector at the same moment,
 /// so they do not all come back in lockstep.
 #[derive(Debug, Clone)]
-pub(super) struct Backoff {
+pub struct Backoff {
     initial: Duration,
     max: Duration,
     failures: u32,
@@ -102,40 +102,6 @@ impl Backoff {
     /// Starts over from `initial`, after a success.
     pub fn reset(&mut self) {
         self.failures = 0;
-    }
-}
-
-/// Lets one log line through per interval and counts the ones it held back,
-/// so a collector that rejects every batch does not flood the node's log.
-#[derive(Debug, Clone)]
-pub(super) struct LogLimiter {
-    every: Duration,
-    last: Option<Instant>,
-    suppressed: u64,
-}
-
-impl LogLimiter {
-    pub fn new(every: Duration) -> Self {
-        Self {
-            every,
-            last: None,
-            suppressed: 0,
-        }
-    }
-
-    /// `Some(n)` when the event at `now` should be logged, `n` being how many
-    /// events were held back since the last one logged; `None` to stay quiet.
-    pub fn allow(&mut self, now: Instant) -> Option<u64> {
-        match self.last {
-            Some(last) if now.saturating_duration_since(last) < self.every => {
-                self.suppressed += 1;
-                None
-            }
-            _ => {
-                self.last = Some(now);
-                Some(std::mem::take(&mut self.suppressed))
-            }
-        }
     }
 }
 
@@ -244,18 +210,5 @@ mod tests {
         let mut backoff = Backoff::new(Duration::from_secs(1), Duration::from_secs(1));
         let delays: std::collections::HashSet<_> = (0..20).map(|_| backoff.next_delay()).collect();
         assert!(delays.len() > 1, "{delays:?}");
-    }
-
-    #[test]
-    fn limiter_lets_one_through_per_interval_and_counts_the_rest() {
-        let start = Instant::now();
-        let secs = Duration::from_secs;
-        let mut limiter = LogLimiter::new(secs(10));
-        assert_eq!(limiter.allow(start), Some(0));
-        assert_eq!(limiter.allow(start + secs(1)), None);
-        assert_eq!(limiter.allow(start + secs(9)), None);
-        assert_eq!(limiter.allow(start + secs(10)), Some(2));
-        assert_eq!(limiter.allow(start + secs(11)), None);
-        assert_eq!(limiter.allow(start + secs(25)), Some(1));
     }
 }

@@ -8,7 +8,7 @@
 //! and frames them). The bytes on the wire are the same.
 //!
 //! Owns: the ingest service's push path and the codec. Does not own
-//! retries, the queue or the connection (see the module above).
+//! the queue or the connection (the agent's exporter does).
 
 use prost::{
     Message as _,
@@ -26,18 +26,18 @@ use tonic::{
 const PUSH_PATH: &str = "/stackscope.v1.Ingest/Push";
 
 /// `PushRequest { batch }`, encoded.
-pub(super) fn encode(batch: Batch) -> Bytes {
+pub fn encode(batch: Batch) -> Bytes {
     PushRequest { batch: Some(batch) }.encode_to_vec().into()
 }
 
 /// A client of the ingest service that pushes encoded requests.
 #[derive(Debug, Clone)]
-pub(super) struct IngestPusher {
+pub struct IngestPusher {
     grpc: tonic::client::Grpc<Channel>,
 }
 
 impl IngestPusher {
-    pub(super) fn new(channel: Channel, compression: Option<CompressionEncoding>) -> Self {
+    pub fn new(channel: Channel, compression: Option<CompressionEncoding>) -> Self {
         let mut grpc = tonic::client::Grpc::new(channel);
         if let Some(encoding) = compression {
             grpc = grpc.send_compressed(encoding);
@@ -46,7 +46,7 @@ impl IngestPusher {
     }
 
     /// Pushes `request`: a `PushRequest` from [`encode`].
-    pub(super) async fn push(
+    pub async fn push(
         &mut self,
         request: Request<Bytes>,
     ) -> Result<Response<PushResponse>, Status> {
@@ -105,7 +105,7 @@ mod tests {
     use super::*;
 
     /// What goes on the wire is shown by the exporter's tests against a
-    /// real tonic server (`agent/tests/export.rs`), compression included;
+    /// real tonic server (the agent's `tests/export.rs`), compression included;
     /// this one, that the queued bytes are a whole request.
     #[test]
     fn queued_bytes_decode_as_the_request_with_its_batch() {
