@@ -107,6 +107,17 @@ mod tests {
     use stackscope_sampler::Counters;
     use stackscope_unwind::walker::WalkStats;
 
+    /// What a scrape of `/metrics` reads.
+    fn scrape(telemetry: &AgentTelemetry) -> String {
+        let mut text = String::new();
+        stackscope_telemetry::prometheus_client::encoding::text::encode(
+            &mut text,
+            &telemetry.registry(),
+        )
+        .expect("encodes");
+        text
+    }
+
     #[test]
     fn walk_ends_partition_the_walks() {
         let telemetry = AgentTelemetry::new();
@@ -132,12 +143,7 @@ mod tests {
             },
             ..RunTotals::default()
         });
-        let mut text = String::new();
-        stackscope_telemetry::prometheus_client::encoding::text::encode(
-            &mut text,
-            &telemetry.registry(),
-        )
-        .unwrap();
+        let text = scrape(&telemetry);
         for line in [
             "stackscope_agent_walks_total{end=\"root\"} 50",
             "stackscope_agent_walks_total{end=\"stitched\"} 30",
@@ -166,12 +172,7 @@ mod tests {
             ],
             ..RunTotals::default()
         });
-        let mut text = String::new();
-        stackscope_telemetry::prometheus_client::encoding::text::encode(
-            &mut text,
-            &telemetry.registry(),
-        )
-        .unwrap();
+        let text = scrape(&telemetry);
         let state_lines: Vec<&str> = text
             .lines()
             .filter(|l| l.starts_with("stackscope_agent_state") && !l.contains("resets"))

@@ -33,6 +33,7 @@ use crate::{
     run::PythonStats,
     run::{HandoffTotals, RunSummary},
     status::ReaderTotals,
+    tally::TallyTotals,
 };
 use stackscope_process_table::table::TableStats;
 use stackscope_sampler::mapping_feed::FeedStats;
@@ -75,16 +76,6 @@ pub struct RunTotals {
     pub state: Vec<StateSize>,
 }
 
-/// The per-process tally's totals.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
-pub struct TallyTotals {
-    /// Sampled processes that exited while the agent ran, and their samples.
-    pub exited_processes: u64,
-    pub exited_samples: u64,
-    /// Samples of processes beyond the tally's bound.
-    pub untracked_samples: u64,
-}
-
 impl RunTotals {
     /// The totals a finished run reports, with the exporter's and the
     /// uploader's final figures and the agent's CPU and memory now.
@@ -93,7 +84,6 @@ impl RunTotals {
         export: Option<&ExportStats>,
         uploads: Option<&UploadStats>,
     ) -> Self {
-        let (exited_processes, exited_samples) = summary.tally.exited_counts();
         Self {
             elapsed: summary.elapsed,
             kernel: summary.kernel,
@@ -103,11 +93,7 @@ impl RunTotals {
             walks: summary.unwinding.clone(),
             mapping_feed: summary.mapping_feed,
             process_table: summary.process_table,
-            processes: TallyTotals {
-                exited_processes,
-                exited_samples,
-                untracked_samples: summary.tally.other(),
-            },
+            processes: summary.tally.totals(),
             aggregation: summary.aggregation,
             jit_names: summary.jit_names,
             python: summary.python,

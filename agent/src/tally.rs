@@ -23,6 +23,16 @@ pub struct ProcessSamples {
     pub exited: bool,
 }
 
+/// The tally's totals.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct TallyTotals {
+    /// Sampled processes that exited while the agent ran, and their samples.
+    pub exited_processes: u64,
+    pub exited_samples: u64,
+    /// Samples of processes beyond the tally's bound.
+    pub untracked_samples: u64,
+}
+
 /// What one process's record counted.
 #[derive(Debug, Default)]
 pub struct Counted {
@@ -109,10 +119,13 @@ impl ProcessTally {
         self.other += 1;
     }
 
-    /// Sampled processes that exited while the agent ran, and the samples
-    /// they had by then.
-    pub fn exited_counts(&self) -> (u64, u64) {
-        (self.exited_processes, self.exited_samples)
+    /// The tally's totals, for the statistics.
+    pub fn totals(&self) -> TallyTotals {
+        TallyTotals {
+            exited_processes: self.exited_processes,
+            exited_samples: self.exited_samples,
+            untracked_samples: self.other,
+        }
     }
 
     /// The `n` processes kept with the most samples, most first (ties by
@@ -195,7 +208,8 @@ mod tests {
         tally.let_go(3, &three);
         // What a run's end keeps of a live process is not an exit.
         tally.keep(4, &counted("four", 5));
-        assert_eq!(tally.exited_counts(), (2, 5));
+        let totals = tally.totals();
+        assert_eq!((totals.exited_processes, totals.exited_samples), (2, 5));
         let exited: Vec<_> = tally.top(9).iter().map(|p| (p.tgid, p.exited)).collect();
         assert_eq!(exited, [(4, false), (3, true), (1, true), (2, false)]);
     }

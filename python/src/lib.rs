@@ -9,6 +9,8 @@
 //! - [`layout`]: the offsets of the structures the sampler follows, per
 //!   CPython version, as the `agent_common::PythonProcess` the sampler reads;
 //! - [`process`]: the interpreter mapped in a running process;
+//! - [`pairing`]: a Python stack paired with its tick's sample, kept in
+//!   the process's state until the sample's walk;
 //! - [`merge`]: where a sample's Python frames go in its native walk;
 //! - [`code`]: a code object read from the process (qualified name, file,
 //!   first line, location table), checked against the first line the
@@ -18,9 +20,11 @@ pub mod code;
 pub mod interpreter;
 pub mod layout;
 pub mod merge;
+pub mod pairing;
 pub mod process;
 
 pub use code::{CodeCache, CodeError, CodeObject, Unnamed};
 pub use interpreter::{DebugOffsets, Interpreter, InterpreterError};
 pub use layout::Layout;
+pub use pairing::{PythonRecord, PythonState, ReadStack, StackPairing};
 pub use process::{FindError, FoundInterpreter, find_in_process, named_like_interpreter};

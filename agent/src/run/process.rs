@@ -5,7 +5,7 @@
 //! (with the code objects read and the Python stacks waiting for walks)
 //! and the samples it had (for the run's report). A
 //! sample finds it with the one lookup its walk makes and hands it to the
-//! aggregator with the walk ([`add_walked`]); it goes when the table lets go
+//! aggregator with the walk ([`WalkSink::add_walked`]); it goes when the table lets go
 //! of the process (exit, exec, pid reuse, the table's bound), all of it at
 //! once.
 
@@ -13,11 +13,11 @@ use stackscope_metadata::process::ProcessLabels;
 use stackscope_process_table::ProcessTable;
 use stackscope_unwind::walker::{ProcessState, Walked, WalkerRecord};
 
-use super::python::{PythonRecord, PythonState};
 use crate::{
     aggregate::{Aggregator, LabelRecords, PythonSample},
     tally::{Counted, ProcessTally},
 };
+use stackscope_python::{PythonRecord, PythonState};
 
 /// See the module documentation.
 #[derive(Debug, Default)]
@@ -51,54 +51,62 @@ impl LabelRecords for ProcessTable<ProcessRecord> {
     }
 }
 
-/// Counts each walk the walker delivers, under its process's labels, its
-/// Python frames merged in when its sample came with them, and in its
-/// process's record (in `tally` when the record went first).
-pub(super) fn add_walked<'a>(
-    aggregator: &'a mut Aggregator,
-    tally: &'a mut ProcessTally,
-) -> impl FnMut(Walked<'_, ProcessRecord>) + 'a {
-    |walked| {
-        let Some(ProcessRecord {
-            labels,
-            python,
-            samples,
-            ..
-        }) = walked.record
-        else {
-            tally.add_other();
-            aggregator.add(
-                walked.header,
-                walked.kernel_frames,
-                Some(&walked.walk),
-                None,
-            );
-            return;
-        };
-        samples.add(|| agent_common::comm_str(&walked.header.comm));
-        let PythonRecord::Found(state) = python else {
-            aggregator.add(
+/// What the walks add to: the interval's aggregate, and the tally of
+/// processes whose record went first.
+#[derive(Debug)]
+pub(super) struct WalkSink {
+    pub aggregator: Aggregator,
+    pub tally: ProcessTally,
+}
+
+impl WalkSink {
+    /// Counts each walk the walker delivers, under its process's labels,
+    /// its Python frames merged in when its sample came with them, and in
+    /// its process's record (in the tally when the record went first).
+    pub fn add_walked(&mut self) -> impl FnMut(Walked<'_, ProcessRecord>) + '_ {
+        let Self { aggregator, tally } = self;
+        move |walked| {
+            let Some(ProcessRecord {
+                labels,
+                python,
+                samples,
+                ..
+            }) = walked.record
+            else {
+                tally.add_other();
+                aggregator.add(
+                    walked.header,
+                    walked.kernel_frames,
+                    Some(&walked.walk),
+                    None,
+                );
+                return;
+            };
+            samples.add(|| agent_common::comm_str(&walked.header.comm));
+            let PythonRecord::Found(state) = python else {
+                aggregator.add(
+                    walked.header,
+                    walked.kernel_frames,
+                    Some(&walked.walk),
+                    Some(labels),
+                );
+                return;
+            };
+            let stack = state.take_stack(walked.header);
+            let PythonState { eval, codes, .. } = &mut **state;
+            let python = stack.as_ref().map(|stack| PythonSample {
+                frames: &stack.frames,
+                cut: stack.cut,
+                eval,
+                codes,
+            });
+            aggregator.add_with_python(
                 walked.header,
                 walked.kernel_frames,
                 Some(&walked.walk),
                 Some(labels),
+                python,
             );
-            return;
-        };
-        let stack = state.take_stack(walked.header);
-        let PythonState { eval, codes, .. } = &mut **state;
-        let python = stack.as_ref().map(|stack| PythonSample {
-            frames: &stack.frames,
-            cut: stack.cut,
-            eval,
-            codes,
-        });
-        aggregator.add_with_python(
-            walked.header,
-            walked.kernel_frames,
-            Some(&walked.walk),
-            Some(labels),
-            python,
-        );
+        }
     }
 }

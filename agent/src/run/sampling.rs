@@ -29,12 +29,12 @@ use tokio::{
 use super::{
     AgentConfig, FEED_DRAIN_INTERVAL, Handoffs, MAX_TRACKED_PROCESSES, RunError, RunSummary,
     metadata::MetadataJobs,
-    process::{ProcessRecord, add_walked},
+    process::{ProcessRecord, WalkSink},
     python::{self, PythonProcesses},
 };
 use crate::{
     aggregate::{Aggregator, BatchWorker, WorkerStats},
-    stats::{RunTotals, TallyTotals},
+    stats::RunTotals,
     status::ReaderTotals,
     tally::ProcessTally,
 };
@@ -254,18 +254,20 @@ async fn sample(
         ..config.walker.clone()
     };
     let mut records = RecordTally {
-        tally: ProcessTally::with_capacity(MAX_TRACKED_PROCESSES),
         totals: ReaderTotals::default(),
         processes: StackWalker::process_table(&walker_config),
         walker: StackWalker::new(walker_config),
-        aggregator: Aggregator::new(config.aggregation.clone()),
+        sink: WalkSink {
+            aggregator: Aggregator::new(config.aggregation.clone()),
+            tally: ProcessTally::with_capacity(MAX_TRACKED_PROCESSES),
+        },
         kernel_frames: Vec::with_capacity(agent_common::MAX_KERNEL_FRAMES),
         tail_spans: Vec::with_capacity(agent_common::MAX_TAIL_SPANS),
         feed,
         python: PythonProcesses::new(config.python_frames),
     };
     if let Some(pods) = pods {
-        records.aggregator.set_pods(pods);
+        records.sink.aggregator.set_pods(pods);
     }
     let interval = config.interval.max(Duration::from_millis(1));
     let mut intervals = tokio::time::interval_at(next_boundary(interval), interval);
@@ -288,7 +290,7 @@ async fn sample(
                     records.walker.trim_tables();
                     let end = nearest_boundary(SystemTime::now(), interval);
                     if let Some(earlier) = ending.tick(end, Instant::now()) {
-                        worker.submit(records.aggregator.finish_interval(earlier));
+                        worker.submit(records.sink.aggregator.finish_interval(earlier));
                     }
                 })
             }
@@ -308,7 +310,7 @@ async fn sample(
         }
         let now = Instant::now();
         if let Some(end) = ending.due(|| records.awaits_answers(now), now) {
-            worker.submit(records.aggregator.finish_interval(end));
+            worker.submit(records.sink.aggregator.finish_interval(end));
         }
     };
     if ended.is_ok()
@@ -317,7 +319,7 @@ async fn sample(
         tracing::warn!("reading the last records failed: {err}");
     }
     if let Some(end) = ending.take() {
-        worker.submit(records.aggregator.finish_interval(end));
+        worker.submit(records.sink.aggregator.finish_interval(end));
     }
     Some(match ended {
         Ok(()) => finish(records, sampler, worker, &handoffs, began),
@@ -394,6 +396,7 @@ async fn last_labels(
         match tokio::time::timeout_at(deadline, commands.recv()).await {
             Ok(Some(Command::Described(descriptions))) => {
                 records
+                    .sink
                     .aggregator
                     .describe(descriptions, &mut records.processes);
             }
@@ -401,7 +404,7 @@ async fn last_labels(
                 records.walk_after_reads(answers, sampler);
                 records.ask_metadata(metadata);
             }
-            Ok(Some(Command::JitNames(updates))) => records.aggregator.add_jit_names(updates),
+            Ok(Some(Command::JitNames(updates))) => records.sink.aggregator.add_jit_names(updates),
             Ok(Some(_)) => {}
             Ok(None) | Err(_) => break,
         }
@@ -433,7 +436,7 @@ fn drain(
     if records.ask_metadata(metadata) || began.elapsed() < QUICK_START {
         sampler.drain_within(QUICK_DRAIN);
     }
-    if records.aggregator.take_unknown_pod_seen() {
+    if records.sink.aggregator.take_unknown_pod_seen() {
         handoffs.report(reports, Report::UnknownPod);
     }
     Ok(())
@@ -456,17 +459,17 @@ fn finish(
     // The report counts the processes still running too.
     records.let_go_of_released();
     for (tgid, record) in records.processes.states() {
-        records.tally.keep(tgid, &record.samples);
+        records.sink.tally.keep(tgid, &record.samples);
     }
     Ok(RunSummary {
         kernel,
         program,
         elapsed: began.elapsed(),
         reader: records.totals,
-        tally: records.tally,
+        tally: records.sink.tally,
         unwinding: records.walker.stats(),
-        aggregation: records.aggregator.stats(),
-        jit_names: records.aggregator.jit_stats(),
+        aggregation: records.sink.aggregator.stats(),
+        jit_names: records.sink.aggregator.jit_stats(),
         python: records.python.stats,
         mapping_feed: records.feed.stats(),
         process_table: records.processes.stats(),
@@ -512,13 +515,13 @@ fn next_boundary(interval: Duration) -> Instant {
 
 /// What the reader keeps of each record.
 struct RecordTally {
-    tally: ProcessTally,
     totals: ReaderTotals,
     /// One record per process (see [`ProcessRecord`]), lent to the walker
     /// for each walk and each process event.
     processes: ProcessTable<ProcessRecord>,
     walker: StackWalker,
-    aggregator: Aggregator,
+    /// What the walks add to.
+    sink: WalkSink,
     /// The kernel frames of the sample being read, copied out of the ring
     /// buffer record once.
     kernel_frames: Vec<u64>,
@@ -540,14 +543,15 @@ impl RecordTally {
         handoffs: &Handoffs,
     ) -> Result<(), RunError> {
         match command {
-            Command::Pods(list) => self.aggregator.set_pods(list),
+            Command::Pods(list) => self.sink.aggregator.set_pods(list),
             Command::Policies(wanted) => update_policies(sampling.sampler, &wanted),
             Command::Gone { tgids, checked_at } => self.forget(&tgids, checked_at),
-            Command::Described(descriptions) => {
-                self.aggregator.describe(descriptions, &mut self.processes)
-            }
+            Command::Described(descriptions) => self
+                .sink
+                .aggregator
+                .describe(descriptions, &mut self.processes),
             Command::Read(answers) => self.walk_after_reads(answers, sampling.sampler),
-            Command::JitNames(updates) => self.aggregator.add_jit_names(updates),
+            Command::JitNames(updates) => self.sink.aggregator.add_jit_names(updates),
             Command::Python(found) => {
                 for (tgid, found) in found {
                     if let Some(record) = self.processes.state_of_mut(tgid) {
@@ -574,7 +578,8 @@ impl RecordTally {
     /// Whether the interval's samples wait for answers from the metadata
     /// worker (see [`ANSWERS_WAIT`]).
     fn awaits_answers(&self, now: Instant) -> bool {
-        self.aggregator.has_pending_labels() || self.aggregator.awaits_jit_names(now.into_std())
+        self.sink.aggregator.has_pending_labels()
+            || self.sink.aggregator.awaits_jit_names(now.into_std())
     }
 
     /// Applies the process table's reads and walks the samples that waited
@@ -590,15 +595,9 @@ impl RecordTally {
                 self.python.maybe_python(answer.tgid(), &mut record.python);
             }
         }
-        let Self {
-            processes,
-            walker,
-            aggregator,
-            tally,
-            ..
-        } = self;
-        walker.apply_reads(processes, answers);
-        walker.poll(processes, add_walked(aggregator, tally));
+        let walker = &mut self.walker;
+        walker.apply_reads(&mut self.processes, answers);
+        walker.poll(&mut self.processes, self.sink.add_walked());
         sampler.apply_plan_updates(walker.take_plan_updates());
     }
 
@@ -617,9 +616,9 @@ impl RecordTally {
         if !requests.is_empty() {
             metadata.read(self.processes.reader(), requests);
         }
-        metadata.open(self.aggregator.take_to_open());
-        metadata.describe(self.aggregator.take_wanted());
-        metadata.read_jit(self.aggregator.take_jit_requests());
+        metadata.open(self.sink.aggregator.take_to_open());
+        metadata.describe(self.sink.aggregator.take_wanted());
+        metadata.read_jit(self.sink.aggregator.take_jit_requests());
         metadata.find_python(self.python.take_wanted());
         maps_asked
     }
@@ -628,15 +627,9 @@ impl RecordTally {
     /// waits for the worker to build and hand over its batches: nothing
     /// else is left to run on this thread.
     fn flush(&mut self, worker: BatchWorker) -> WorkerStats {
-        let Self {
-            processes,
-            walker,
-            aggregator,
-            tally,
-            ..
-        } = self;
-        walker.flush(processes, add_walked(aggregator, tally));
-        worker.finish(aggregator.finish_interval(SystemTime::now()))
+        self.walker
+            .flush(&mut self.processes, self.sink.add_walked());
+        worker.finish(self.sink.aggregator.finish_interval(SystemTime::now()))
     }
 
     /// Reads every record queued (the mapping events first, so that each
@@ -648,20 +641,14 @@ impl RecordTally {
         // process's state stale for the records about to be read.
         if sampler.take_new_losses()? > 0 || self.feed.take_losses() {
             self.walker.forget_all_processes(&mut self.processes);
-            self.aggregator.forget_all_processes();
+            self.sink.aggregator.forget_all_processes();
         }
         sampler.drain_records(|bytes| self.add(bytes));
         self.python.apply(sampler);
         self.catch_up(horizon);
-        let Self {
-            processes,
-            walker,
-            aggregator,
-            tally,
-            ..
-        } = self;
-        walker.poll(processes, add_walked(aggregator, tally));
-        sampler.apply_plan_updates(walker.take_plan_updates());
+        self.walker
+            .poll(&mut self.processes, self.sink.add_walked());
+        sampler.apply_plan_updates(self.walker.take_plan_updates());
         self.let_go_of_exited();
         // The exits just applied may have left tables unused: trimmed now,
         // they never stay past their bound until the interval ends (the
@@ -674,19 +661,11 @@ impl RecordTally {
     /// every sample before which has been read), and lets go of the
     /// processes whose last held samples have been walked.
     fn catch_up(&mut self, horizon: u64) {
-        let Self {
-            processes,
-            walker,
-            aggregator,
-            tally,
-            feed,
-            ..
-        } = self;
-        feed.apply_until(
+        self.feed.apply_until(
             horizon,
-            walker,
-            processes,
-            &mut add_walked(aggregator, tally),
+            &mut self.walker,
+            &mut self.processes,
+            &mut self.sink.add_walked(),
         );
         self.let_go_of_exited();
     }
@@ -702,7 +681,7 @@ impl RecordTally {
 
     fn let_go_of_exited(&mut self) {
         for tgid in self.walker.take_completed_exits() {
-            self.aggregator.on_exit(tgid);
+            self.sink.aggregator.on_exit(tgid);
         }
         self.let_go_of_released();
     }
@@ -711,7 +690,7 @@ impl RecordTally {
     /// removed them).
     fn let_go_of_released(&mut self) {
         for (tgid, record) in self.processes.take_released() {
-            self.tally.let_go(tgid, &record.samples);
+            self.sink.tally.let_go(tgid, &record.samples);
         }
     }
 
@@ -724,7 +703,6 @@ impl RecordTally {
         handoffs: &Handoffs,
         elapsed: Duration,
     ) -> Result<RunTotals, SamplerError> {
-        let (exited_processes, exited_samples) = self.tally.exited_counts();
         Ok(RunTotals {
             elapsed,
             kernel: sampler.counters()?,
@@ -735,13 +713,9 @@ impl RecordTally {
             walks: self.walker.stats(),
             mapping_feed: self.feed.stats(),
             process_table: self.processes.stats(),
-            processes: TallyTotals {
-                exited_processes,
-                exited_samples,
-                untracked_samples: self.tally.other(),
-            },
-            aggregation: self.aggregator.stats(),
-            jit_names: self.aggregator.jit_stats(),
+            processes: self.sink.tally.totals(),
+            aggregation: self.sink.aggregator.stats(),
+            jit_names: self.sink.aggregator.jit_stats(),
             python: self.python.stats,
             batches: worker.stats(),
             handoffs: handoffs.totals(),
@@ -757,10 +731,10 @@ impl RecordTally {
     /// Everything the sampling thread keeps, against its bounds (the batch
     /// worker's as of its last batch).
     fn state_sizes(&self, worker: &BatchWorker) -> Vec<StateSize> {
-        let mut sizes = vec![self.tally.state_size(), self.feed.state_size()];
+        let mut sizes = vec![self.sink.tally.state_size(), self.feed.state_size()];
         self.walker.state_sizes(&self.processes, &mut sizes);
         sizes.push(python::code_cache_size(&self.processes));
-        self.aggregator.state_sizes(&mut sizes);
+        self.sink.aggregator.state_sizes(&mut sizes);
         worker.state_sizes(&mut sizes);
         sizes
     }
@@ -770,7 +744,7 @@ impl RecordTally {
         let mut tracked = Vec::new();
         self.walker
             .tracked_processes_into(&self.processes, &mut tracked);
-        self.aggregator.tracked_processes_into(&mut tracked);
+        self.sink.aggregator.tracked_processes_into(&mut tracked);
         tracked.sort_unstable();
         tracked.dedup();
         tracked
@@ -809,8 +783,7 @@ impl RecordTally {
                 let Self {
                     processes,
                     walker,
-                    aggregator,
-                    tally,
+                    sink,
                     kernel_frames,
                     tail_spans,
                     python,
@@ -828,7 +801,7 @@ impl RecordTally {
                     // its labels.
                     let (_, record) = processes.state(sample.header.tgid);
                     record.samples.add(|| sample.comm());
-                    aggregator.add(
+                    sink.aggregator.add(
                         &sample.header,
                         kernel_frames,
                         None,
@@ -846,29 +819,27 @@ impl RecordTally {
                         &sample.header,
                         kernel_frames,
                         stack,
-                        add_walked(aggregator, tally),
+                        sink.add_walked(),
                     );
                 }
             }
             Ok(Record::Exec(event)) => {
                 self.totals.process_events += 1;
                 self.python.gone(event.tgid);
-                let Self {
-                    processes,
-                    walker,
-                    aggregator,
-                    tally,
-                    ..
-                } = self;
-                walker.on_exec(
-                    processes,
+                self.walker.on_exec(
+                    &mut self.processes,
                     event.tgid,
                     event.ktime_ns,
-                    add_walked(aggregator, tally),
+                    self.sink.add_walked(),
                 );
-                let learned = processes.learned_exe(event.tgid).map(Path::to_path_buf);
-                let (_, record) = processes.state(event.tgid);
-                aggregator.on_exec(&mut record.labels, learned.as_deref());
+                let learned = self
+                    .processes
+                    .learned_exe(event.tgid)
+                    .map(Path::to_path_buf);
+                let (_, record) = self.processes.state(event.tgid);
+                self.sink
+                    .aggregator
+                    .on_exec(&mut record.labels, learned.as_deref());
             }
             Ok(Record::Exit(event)) => {
                 self.totals.process_events += 1;
@@ -905,11 +876,13 @@ mod tests {
         let (header, stack) = stackscope_unwind::walker::test_support::own_sample();
         let record = stackscope_sampler::record::test_support::encode(&header, &[], &stack);
         let mut records = RecordTally {
-            tally: ProcessTally::with_capacity(16),
             totals: ReaderTotals::default(),
             processes: StackWalker::process_table(&WalkerConfig::default()),
             walker: StackWalker::default(),
-            aggregator: Aggregator::new(AggregatorConfig::default()),
+            sink: WalkSink {
+                aggregator: Aggregator::new(AggregatorConfig::default()),
+                tally: ProcessTally::with_capacity(16),
+            },
             kernel_frames: Vec::new(),
             tail_spans: Vec::new(),
             feed: MappingFeed::disabled(),
@@ -923,21 +896,18 @@ mod tests {
                 "the first sample was never walked"
             );
             std::thread::sleep(Duration::from_millis(5));
-            let RecordTally {
-                processes,
-                walker,
-                aggregator,
-                tally,
-                ..
-            } = &mut records;
-            walker.poll(processes, add_walked(aggregator, tally));
+            records
+                .walker
+                .poll(&mut records.processes, records.sink.add_walked());
         }
         // The metadata worker's answer.
         let config = AggregatorConfig::default();
         let (mut describer, mut perf_maps) = (config.describer(), config.perf_map_reader());
-        records
-            .aggregator
-            .serve_metadata(&mut describer, &mut perf_maps, &mut records.processes);
+        records.sink.aggregator.serve_metadata(
+            &mut describer,
+            &mut perf_maps,
+            &mut records.processes,
+        );
         (records, record, header.tgid)
     }
 
@@ -985,13 +955,14 @@ mod tests {
         records.forget(&[tgid], started);
         assert_eq!(records.tracked_processes(), [tgid]);
         assert!(
-            records.tally.top(9).is_empty(),
+            records.sink.tally.top(9).is_empty(),
             "its samples are in its record"
         );
         records.forget(&[tgid], started + 1);
         assert_eq!(records.tracked_processes(), Vec::<u32>::new());
         // What its record counted stays for the run's report.
         let kept: Vec<_> = records
+            .sink
             .tally
             .top(9)
             .into_iter()

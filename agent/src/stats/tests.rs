@@ -11,7 +11,7 @@ use stackscope_telemetry::{
 use super::*;
 use crate::{
     export::ExportStats,
-    tally::{Counted, ProcessTally},
+    tally::{Counted, ProcessTally, TallyTotals},
 };
 use stackscope_symbolize::node::SymbolizeStats;
 use stackscope_unwind::walker::{EarlyEnds, WalkEnds, stitching::PlanStats};
