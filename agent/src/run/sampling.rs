@@ -602,8 +602,9 @@ impl RecordTally {
     }
 
     /// Hands the metadata worker what the walks and labels since the last
-    /// call need: the process table's reads, files to open while their
-    /// processes run, processes to describe, perf maps to read on.
+    /// call need: the process table's reads, interpreters to look for,
+    /// files to open while their processes run, processes to describe,
+    /// perf maps to read on.
     /// Returns whether a process's maps were asked for (its samples wait
     /// for them: the next drain comes soon). A perf map read asked for
     /// does not hurry the drain: the frames that missed it are named when
@@ -616,10 +617,14 @@ impl RecordTally {
         if !requests.is_empty() {
             metadata.read(self.processes.reader(), requests);
         }
+        // The worker answers in order: what the samples' content waits
+        // for (maps, interpreters) before what their labels and names wait
+        // for (those are waited for at the interval's end, the Python
+        // frames a sample was taken without are lost).
+        metadata.find_python(self.python.take_wanted());
         metadata.open(self.sink.aggregator.take_to_open());
         metadata.describe(self.sink.aggregator.take_wanted());
         metadata.read_jit(self.sink.aggregator.take_jit_requests());
-        metadata.find_python(self.python.take_wanted());
         maps_asked
     }
 
