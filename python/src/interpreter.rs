@@ -15,7 +15,8 @@
 use std::{fs::File, ops::Range, path::Path};
 
 use object::{
-    Endianness, Object as _, ObjectSection as _, ObjectSymbol as _, read::elf::ElfFile64,
+    Endianness, Object as _, ObjectSection as _, ReadCache, SectionIndex, elf,
+    read::elf::{ElfFile64, SectionHeader as _},
 };
 
 /// A CPython interpreter found in an ELF file.
@@ -99,8 +100,6 @@ impl DebugOffsets {
 pub enum InterpreterError {
     #[error("not a 64-bit ELF file: {0}")]
     Malformed(#[source] object::Error),
-    #[error("cannot map the file: {0}")]
-    Map(#[source] std::io::Error),
     #[error(
         "`_PyRuntime` is there but neither `Py_Version` (3.11+) nor a version before 3.11 in \
          the file's name"
@@ -118,20 +117,19 @@ impl Interpreter {
     }
 
     /// Reads `file` (named `path`); None when it holds no interpreter (no
-    /// `_PyRuntime`). Only the headers, symbol tables and the 4 bytes of
-    /// `Py_Version` are read, not the whole (often 20 MB) file: it is
-    /// mapped, so only those pages are. (Read through a cache of small
-    /// reads instead, every symbol name was a read of its own: a pyenv
+    /// `_PyRuntime`). Only the headers, the symbol tables and the bytes of
+    /// `Py_Version` and `_Py_DebugOffsets` are read, not the whole (often
+    /// 20 MB) file, each table with one read: through a cache of small
+    /// reads every symbol name was a read of its own (a pyenv
     /// libpython3.10, whose full table is searched, took 630 ms in a debug
-    /// build, while the process's samples waited for their Python frames.)
+    /// build, while the process's samples waited for their Python frames).
+    /// Not mapped: the file comes from a container, which could truncate
+    /// it under the mapping and fault the agent.
     pub fn read(file: &File, path: &Path) -> Result<Option<Self>, InterpreterError> {
-        // SAFETY: a read-only private mapping read only here. A file
-        // truncated underneath it could fault (SIGBUS), the accepted risk
-        // of every mmap-based ELF reader: an interpreter a process runs is
-        // not truncated in practice.
-        let bytes = unsafe { memmap2::Mmap::map(file) }.map_err(InterpreterError::Map)?;
-        let elf = ElfFile64::<Endianness>::parse(&*bytes).map_err(InterpreterError::Malformed)?;
+        let cache = ReadCache::new(file);
+        let elf = ElfFile64::<Endianness, _>::parse(&cache).map_err(InterpreterError::Malformed)?;
         let [runtime, version, eval] = find_symbols(
+            file,
             &elf,
             ["_PyRuntime", "Py_Version", "_PyEval_EvalFrameDefault"],
         );
@@ -144,11 +142,8 @@ impl Interpreter {
         };
         let version_hex = version
             .and_then(|range| {
-                let address = range.start;
-                elf.sections().find_map(|section| {
-                    let bytes = section.data_range(address, 4).ok()??;
-                    Some(u32::from_le_bytes(bytes.try_into().ok()?))
-                })
+                let bytes = read_at_address(file, &elf, range.start, 4)?;
+                Some(u32::from_le_bytes(bytes.try_into().ok()?))
             })
             .or_else(|| {
                 // Before 3.11 only the name says; a name that claims a
@@ -158,10 +153,8 @@ impl Interpreter {
             })
             .ok_or(InterpreterError::NoVersion)?;
         let eval = eval.filter(|range| !range.is_empty());
-        let debug_offsets = elf.sections().find_map(|section| {
-            let bytes = section.data_range(runtime, DEBUG_WORDS as u64 * 8).ok()??;
-            DebugOffsets::parse(bytes, version_hex)
-        });
+        let debug_offsets = read_at_address(file, &elf, runtime, DEBUG_WORDS * 8)
+            .and_then(|bytes| DebugOffsets::parse(&bytes, version_hex));
         Ok(Some(Self {
             version_hex,
             runtime,
@@ -171,31 +164,68 @@ impl Interpreter {
     }
 }
 
+/// An interpreter's ELF file, parsed through a cache of the reads its
+/// headers take.
+type Elf<'data> = ElfFile64<'data, Endianness, &'data ReadCache<&'data File>>;
+
+/// Symbol tables (and their names) larger than this are not read: a
+/// libpython's full table and names are a few MB.
+const MAX_TABLE_BYTES: u64 = 64 << 20;
+
+/// `len` bytes of the file's contents at virtual `address`, from the
+/// section that holds them; `None` when no section holds them all (or
+/// their read fails).
+fn read_at_address(file: &File, elf: &Elf<'_>, address: u64, len: usize) -> Option<Vec<u8>> {
+    let end = address.checked_add(len as u64)?;
+    let section = elf.sections().find(|section| {
+        section.address() <= address
+            && end <= section.address().saturating_add(section.size())
+            && section.file_range().is_some()
+    })?;
+    let (offset, _) = section.file_range()?;
+    read_exact_at(file, offset.checked_add(address - section.address())?, len)
+}
+
+fn read_exact_at(file: &File, offset: u64, len: usize) -> Option<Vec<u8>> {
+    use std::os::unix::fs::FileExt as _;
+    let mut bytes = vec![0; len];
+    file.read_exact_at(&mut bytes, offset).ok()?;
+    Some(bytes)
+}
+
 /// The address ranges of the symbols `names`, each the first defined one
 /// of its name in the dynamic symbols, then in the full table. One pass
 /// over each table for all of them, the full table only for what the
-/// dynamic symbols lack: an interpreter exports all three, and a
-/// libpython's tables hold tens of thousands of symbols (three scans of
-/// them is work every sample of a new Python process waits for before its
-/// Python frames are read).
+/// dynamic symbols lack (an interpreter exports all three but 3.10's and
+/// 3.11's evaluation loop).
 fn find_symbols<const N: usize>(
-    elf: &ElfFile64<'_, Endianness>,
+    file: &File,
+    elf: &Elf<'_>,
     names: [&str; N],
 ) -> [Option<Range<u64>>; N] {
     let mut found: [Option<Range<u64>>; N] = std::array::from_fn(|_| None);
-    for symbols in [elf.dynamic_symbols(), elf.symbols()] {
+    for kind in [elf::SHT_DYNSYM, elf::SHT_SYMTAB] {
         if found.iter().all(Option::is_some) {
             break;
         }
-        for symbol in symbols {
-            if symbol.address() == 0 {
+        let Some((symbols, strings)) = symbol_table(file, elf, kind) else {
+            continue;
+        };
+        for entry in symbols.chunks_exact(SYMBOL_SIZE) {
+            let Some(symbol) = Symbol::parse(entry, elf.endian()) else {
+                continue;
+            };
+            if symbol.value == 0 {
                 continue;
             }
-            let Ok(name) = symbol.name_bytes() else {
+            let Some(name) = strings
+                .get(symbol.name as usize..)
+                .and_then(|tail| tail.split(|&byte| byte == 0).next())
+            else {
                 continue;
             };
             if let Some(at) = (0..N).find(|&i| found[i].is_none() && names[i].as_bytes() == name) {
-                found[at] = Some(symbol.address()..symbol.address() + symbol.size());
+                found[at] = Some(symbol.value..symbol.value.saturating_add(symbol.size));
                 if found.iter().all(Option::is_some) {
                     break;
                 }
@@ -203,6 +233,61 @@ fn find_symbols<const N: usize>(
         }
     }
     found
+}
+
+/// `Elf64_Sym`'s size.
+const SYMBOL_SIZE: usize = 24;
+
+/// The fields of an `Elf64_Sym` a lookup by name needs.
+struct Symbol {
+    name: u32,
+    value: u64,
+    size: u64,
+}
+
+impl Symbol {
+    fn parse(entry: &[u8], endian: Endianness) -> Option<Self> {
+        let word = |at: usize| -> Option<u32> {
+            let bytes = entry.get(at..at + 4)?.try_into().ok()?;
+            Some(match endian {
+                Endianness::Little => u32::from_le_bytes(bytes),
+                Endianness::Big => u32::from_be_bytes(bytes),
+            })
+        };
+        let quad = |at: usize| -> Option<u64> {
+            let bytes = entry.get(at..at + 8)?.try_into().ok()?;
+            Some(match endian {
+                Endianness::Little => u64::from_le_bytes(bytes),
+                Endianness::Big => u64::from_be_bytes(bytes),
+            })
+        };
+        Some(Self {
+            name: word(0)?,
+            value: quad(8)?,
+            size: quad(16)?,
+        })
+    }
+}
+
+/// The first section of `kind` (`SHT_DYNSYM`, `SHT_SYMTAB`) and the
+/// string table it links to, each read whole (and bounded).
+fn symbol_table(file: &File, elf: &Elf<'_>, kind: elf::SectionType) -> Option<(Vec<u8>, Vec<u8>)> {
+    let endian = elf.endian();
+    let table = elf
+        .elf_section_table()
+        .iter()
+        .find(|header| header.sh_type(endian) == kind)?;
+    let strings = elf
+        .elf_section_table()
+        .section(SectionIndex(table.sh_link(endian) as usize))
+        .ok()?;
+    let read = |header: &elf::SectionHeader64<Endianness>| {
+        let size = header.sh_size(endian);
+        (size <= MAX_TABLE_BYTES)
+            .then(|| read_exact_at(file, header.sh_offset(endian), size as usize))
+            .flatten()
+    };
+    Some((read(table)?, read(strings)?))
 }
 
 /// The version in an interpreter's file name: `python3.10`,
