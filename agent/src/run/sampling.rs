@@ -618,9 +618,11 @@ impl RecordTally {
             metadata.read(self.processes.reader(), requests);
         }
         // The worker answers in order: what the samples' content waits
-        // for (maps, interpreters) before what their labels and names wait
-        // for (those are waited for at the interval's end, the Python
-        // frames a sample was taken without are lost).
+        // for (maps, interpreters: the Python frames of the ticks before
+        // are lost) before what their names and labels need (files held
+        // open for a process that may exit soon, which a lookup of a few
+        // milliseconds rarely outruns; descriptions, which the interval's
+        // end waits for).
         metadata.find_python(self.python.take_wanted());
         metadata.open(self.sink.aggregator.take_to_open());
         metadata.describe(self.sink.aggregator.take_wanted());
