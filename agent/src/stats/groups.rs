@@ -1131,7 +1131,8 @@ const NAMING: &[Stat] = &[
     .by("result"),
     Stat::counter(
         "kallsyms_reloads",
-        "Reads of kallsyms caused by an address no symbol named.",
+        "Reads of kallsyms after the first: an address no symbol named, or modules or BPF \
+         programs loaded or unloaded since the last read.",
         &[Series::one(
             "/symbolization/counts/kernel_reloads",
             field!(batches.symbolize.kernel_reloads),

@@ -80,8 +80,12 @@ pub const DEFAULT_MAX_OPEN_OBJECTS: usize = 64;
 /// open whatever its size.
 pub const DEFAULT_MAX_OPEN_BYTES: u64 = 512 << 20;
 
-/// Modules and BPF programs come and go: kallsyms is read again this often.
+/// Modules and BPF programs come and go: this often the agent looks
+/// whether they did, and reads kallsyms again if so.
 pub const DEFAULT_KALLSYMS_RELOAD: Duration = Duration::from_secs(300);
+
+/// This kernel's symbols.
+const LIVE_KALLSYMS: &str = "/proc/kallsyms";
 
 /// A kernel address no symbol names (a module loaded since kallsyms was
 /// read) has kallsyms read again, at most this often.
@@ -127,7 +131,8 @@ pub struct SymbolizerConfig {
     pub max_open_bytes: u64,
     /// The kallsyms file (`/proc/kallsyms`).
     pub kallsyms: PathBuf,
-    /// How often kallsyms is read again.
+    /// How often the agent looks whether modules or BPF programs came or
+    /// went, and reads kallsyms again if they did.
     pub kallsyms_reload: Duration,
     /// Least time between reads of kallsyms caused by an unnamed address.
     pub kallsyms_retry: Duration,
@@ -149,7 +154,7 @@ impl Default for SymbolizerConfig {
             max_cached_names: DEFAULT_MAX_CACHED_NAMES,
             max_open_objects: DEFAULT_MAX_OPEN_OBJECTS,
             max_open_bytes: DEFAULT_MAX_OPEN_BYTES,
-            kallsyms: PathBuf::from("/proc/kallsyms"),
+            kallsyms: PathBuf::from(LIVE_KALLSYMS),
             kallsyms_reload: DEFAULT_KALLSYMS_RELOAD,
             kallsyms_retry: DEFAULT_KALLSYMS_RETRY,
             modules: PathBuf::from("/proc/modules"),
@@ -256,7 +261,9 @@ pub struct SymbolizeStats {
     pub deferred: u64,
     pub kernel_named: u64,
     pub kernel_unnamed: u64,
-    /// Reads of kallsyms caused by an address no symbol named.
+    /// Reads of kallsyms after the first: for an address no symbol
+    /// named, or because modules or BPF programs came or went since the
+    /// last one (looked at every [`SymbolizerConfig::kallsyms_reload`]).
     pub kernel_reloads: u64,
     /// Files handed to blazesym.
     pub objects_opened: u64,
@@ -330,6 +337,11 @@ pub struct Symbolizer {
     go_functions: GoTableCache<ObjectId>,
     kernel: KernelSymbols,
     kernel_loaded: Instant,
+    /// What the kernel's code was made of at the last read of kallsyms
+    /// ([`kernel_code_fingerprint`]; `None`: unknown, read again whenever
+    /// due), and when it was last compared.
+    kernel_fingerprint: Option<u64>,
+    kernel_checked: Instant,
     /// How long after a read a miss reads kallsyms again: the configured
     /// retry, doubled (up to the reload period) each time a read did not
     /// name the miss, so an address that stays unnamed costs little.
@@ -355,6 +367,7 @@ impl std::fmt::Debug for Symbolizer {
 
 impl Symbolizer {
     pub fn new(config: SymbolizerConfig) -> Self {
+        let kernel_fingerprint = kernel_code_fingerprint(&config);
         let (kernel, kernel_loaded) = load_kallsyms(&config.kallsyms, &config.modules);
         let vdso = stackscope_process_table::maps::own_vdso_image().map(|(start, image)| {
             use object::Object as _;
@@ -377,6 +390,8 @@ impl Symbolizer {
             kernel_build_id: kernel::kernel_build_id(&config.sys_root),
             kernel,
             kernel_loaded,
+            kernel_fingerprint,
+            kernel_checked: kernel_loaded,
             kernel_retry: config.kallsyms_retry,
             module_build_ids: HashMap::new(),
             vdso,
@@ -388,11 +403,19 @@ impl Symbolizer {
 
     /// Starts naming one batch: names not found by `deadline` are left
     /// out of it (see [`SymbolizeStats::deferred`]); reads kallsyms again
-    /// when due.
+    /// when due and the kernel's code changed since the last read.
+    /// (Reading it is 50 ms of kernel time and as much parsing for 120k
+    /// symbols: every five minutes, a third of what an idle agent may
+    /// cost.)
     pub fn begin_batch(&mut self, deadline: Option<Instant>) {
         self.deadline = deadline;
-        if self.kernel_loaded.elapsed() >= self.config.kallsyms_reload {
-            self.reload_kallsyms();
+        if self.kernel_checked.elapsed() >= self.config.kallsyms_reload {
+            self.kernel_checked = Instant::now();
+            let now = kernel_code_fingerprint(&self.config);
+            if now.is_none() || now != self.kernel_fingerprint {
+                self.stats.kernel_reloads += 1;
+                self.reload_kallsyms(now);
+            }
         }
     }
 
@@ -508,7 +531,7 @@ impl Symbolizer {
             && self.kernel_loaded.elapsed() >= self.kernel_retry
         {
             self.stats.kernel_reloads += 1;
-            self.reload_kallsyms();
+            self.reload_kallsyms(kernel_code_fingerprint(&self.config));
             found = self.kernel.lookup(lookup).map(kernel_frame);
             self.kernel_retry = if found.is_some() {
                 self.config.kallsyms_retry
@@ -531,9 +554,13 @@ impl Symbolizer {
         }
     }
 
-    fn reload_kallsyms(&mut self) {
+    /// Reads kallsyms again; `fingerprint` is the kernel's code's, taken
+    /// before the read (a change while it reads is read next time).
+    fn reload_kallsyms(&mut self, fingerprint: Option<u64>) {
+        self.kernel_fingerprint = fingerprint;
         (self.kernel, self.kernel_loaded) =
             load_kallsyms(&self.config.kallsyms, &self.config.modules);
+        self.kernel_checked = self.kernel_loaded;
         self.module_build_ids.clear();
     }
 
@@ -873,6 +900,77 @@ fn kernel_frame(name: kernel::KernelName<'_>) -> KernelFrame {
             line: 0,
         }]),
     }
+}
+
+/// What kallsyms' function symbols change with, cheaply: the modules
+/// loaded (`/proc/modules`: their names, sizes and addresses, not their
+/// users, which change with every container started) and, for this
+/// kernel's own kallsyms, the BPF programs loaded (their ids), hashed.
+/// The same value means kallsyms would name the same code (kprobes and
+/// ftrace trampolines set since aside: an address no symbol names reads it
+/// again anyway). `None` when the programs cannot be listed (listing them
+/// takes `CAP_SYS_ADMIN`, which an agent with `CAP_BPF` alone lacks): a BPF
+/// program has no extent in kallsyms, so a new one would be named after
+/// the one below it, and only reading kallsyms again keeps that short.
+fn kernel_code_fingerprint(config: &SymbolizerConfig) -> Option<u64> {
+    use std::hash::{BuildHasher as _, Hasher as _};
+    let mut hasher = foldhash::fast::FixedState::with_seed(0).build_hasher();
+    if let Ok(text) = std::fs::read_to_string(&config.modules) {
+        let mut modules: Vec<_> = kernel::parse_module_extents(&text).into_iter().collect();
+        modules.sort_unstable();
+        for (name, (start, end)) in modules {
+            hasher.write(name.as_bytes());
+            hasher.write_u64(start);
+            hasher.write_u64(end);
+        }
+    }
+    if config.kallsyms == Path::new(LIVE_KALLSYMS) {
+        for id in bpf_program_ids()? {
+            hasher.write_u32(id);
+        }
+    }
+    Some(hasher.finish())
+}
+
+/// The ids of the BPF programs loaded, in order, up to a bound; `None`
+/// when they cannot be listed (no privilege, no BPF).
+fn bpf_program_ids() -> Option<Vec<u32>> {
+    /// `BPF_PROG_GET_NEXT_ID`.
+    const PROG_GET_NEXT_ID: libc::c_long = 11;
+    /// Far past the programs of any node (Cilium's are thousands).
+    const MAX_PROGRAMS: usize = 1 << 16;
+    /// The command's part of `union bpf_attr`.
+    #[repr(C)]
+    struct NextId {
+        start_id: u32,
+        next_id: u32,
+        open_flags: u32,
+    }
+    let mut ids = Vec::new();
+    while ids.len() < MAX_PROGRAMS {
+        let mut attr = NextId {
+            start_id: ids.last().copied().unwrap_or(0),
+            next_id: 0,
+            open_flags: 0,
+        };
+        // SAFETY: bpf(2) reads and writes `attr`, a valid value of the
+        // size passed, and nothing else.
+        let result = unsafe {
+            libc::syscall(
+                libc::SYS_bpf,
+                PROG_GET_NEXT_ID,
+                &raw mut attr,
+                std::mem::size_of::<NextId>(),
+            )
+        };
+        if result != 0 {
+            // ENOENT: past the last one.
+            return (std::io::Error::last_os_error().raw_os_error() == Some(libc::ENOENT))
+                .then_some(ids);
+        }
+        ids.push(attr.next_id);
+    }
+    Some(ids)
 }
 
 fn load_kallsyms(path: &Path, modules: &Path) -> (KernelSymbols, Instant) {
@@ -1387,6 +1485,51 @@ mod tests {
         });
         restricted.kernel(0x1000);
         assert_eq!(restricted.stats().kernel_reloads, 0);
+    }
+
+    #[test]
+    fn kallsyms_is_read_again_when_due_only_if_modules_came_or_went() {
+        let dir = tempfile::tempdir().expect("temp dir");
+        let kallsyms = dir.path().join("kallsyms");
+        let modules = dir.path().join("modules");
+        std::fs::write(
+            &kallsyms,
+            "ffffffff81000000 T _text\nffffffffc0001000 t nft_do_chain\t[nf_tables]\n",
+        )
+        .expect("writing");
+        std::fs::write(&modules, "nf_tables 8192 0 - Live 0xffffffffc0000000\n").expect("writing");
+        let mut symbolizer = Symbolizer::new(SymbolizerConfig {
+            kallsyms: kallsyms.clone(),
+            modules: modules.clone(),
+            kallsyms_reload: Duration::ZERO,
+            sys_root: PathBuf::from("/nonexistent"),
+            ..SymbolizerConfig::default()
+        });
+        // Due at every batch, but nothing came or went: the table stands
+        // (a kallsyms changed behind the modules' back is not read).
+        std::fs::write(&kallsyms, "ffffffff81000000 T renamed\n").expect("writing");
+        for _ in 0..3 {
+            symbolizer.begin_batch(None);
+        }
+        assert_eq!(symbolizer.stats().kernel_reloads, 0);
+        assert_eq!(
+            functions(&symbolizer.kernel(0xffff_ffff_8100_0010).lines),
+            ["_text"]
+        );
+        // A module loaded: read again at the next batch.
+        std::fs::write(
+            &modules,
+            "nf_tables 8192 0 - Live 0xffffffffc0000000\nlater 4096 0 - Live 0xffffffffc0003000\n",
+        )
+        .expect("writing");
+        symbolizer.begin_batch(None);
+        assert_eq!(symbolizer.stats().kernel_reloads, 1);
+        assert_eq!(
+            functions(&symbolizer.kernel(0xffff_ffff_8100_0010).lines),
+            ["renamed"]
+        );
+        symbolizer.begin_batch(None);
+        assert_eq!(symbolizer.stats().kernel_reloads, 1);
     }
 
     #[test]
