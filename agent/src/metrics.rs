@@ -1,5 +1,5 @@
 //! The agent's Prometheus metrics: what the sampling thread counts (its
-//! totals asked for and published about once a second, [`AgentMetrics::publish`]) and what the exporter
+//! totals asked for and published every few seconds, [`AgentMetrics::publish`]) and what the exporter
 //! counts (read at scrape time), written out at every scrape of `/metrics`
 //! as [`crate::stats`] describes them. Serving them, the process metrics
 //! and the health endpoints belong to `stackscope-telemetry`.
@@ -22,8 +22,11 @@ use crate::{export::ExportStatsReader, stats::RunTotals};
 pub const STALE_AFTER: Duration = Duration::from_secs(30);
 
 /// How often the sampling thread's totals are asked for, published and
-/// beaten on.
-pub const PUBLISH_EVERY: Duration = Duration::from_secs(1);
+/// beaten on: well within a scrape interval (15-60 s) and [`STALE_AFTER`].
+/// Each publish wakes the runtime and the sampling thread twice and reads
+/// a score of BPF maps; once a second, that was the larger part of an
+/// idle agent's wake-ups.
+pub const PUBLISH_EVERY: Duration = Duration::from_secs(5);
 
 /// What the metrics endpoint reads; shared between the run, the
 /// exporter's owner and the HTTP server.

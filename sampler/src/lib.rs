@@ -426,6 +426,18 @@ impl Sampler {
         apply_policies(&mut self.policy_map, &mut self.policies, wanted)
     }
 
+    /// Drains on `period` from now on (see
+    /// [`SamplerConfig::drain_interval`]): the next timed drain comes one
+    /// period from now. The same period again changes nothing.
+    pub fn set_drain_period(&mut self, period: Duration) {
+        let period = period.max(Duration::from_millis(1));
+        if period != self.drain_timer.period() {
+            let mut timer = tokio::time::interval_at(tokio::time::Instant::now() + period, period);
+            timer.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+            self.drain_timer = timer;
+        }
+    }
+
     /// Brings the next timed drain forward to `within` from now (if that
     /// is sooner than the period): samples of processes the reader has not
     /// met yet need their maps read while the processes still run, and a
