@@ -88,6 +88,9 @@ pub struct SamplerConfig {
     /// wake-ups when samples come slowly (each costs a few hundred
     /// microseconds of CPU under virtualisation).
     pub drain_interval: Duration,
+    /// The longest the drain period grows to on a quiet host (see
+    /// [`DrainPace`]); at most `drain_interval` keeps the period fixed.
+    pub idle_drain_interval: Duration,
 }
 
 impl Default for SamplerConfig {
@@ -102,7 +105,43 @@ impl Default for SamplerConfig {
             cgroup_policies: StdHashMap::new(),
             bpf_log_level: tracing::Level::INFO,
             drain_interval: DRAIN_INTERVAL,
+            idle_drain_interval: DRAIN_INTERVAL,
         }
+    }
+}
+
+/// A drain that read fewer records than this found the host quiet.
+const FEW_RECORDS: usize = 16;
+
+/// How often the ring buffer is drained when it stays below its wake-up
+/// mark. Each wake-up costs the same whatever it finds: on a near-idle
+/// host (a few samples a minute at 19 Hz) two a second were the larger
+/// part of the agent's CPU. A drain that found few records doubles the
+/// period, up to `max`; one that found more brings it back to `base`.
+#[derive(Debug, Clone, Copy)]
+struct DrainPace {
+    base: Duration,
+    max: Duration,
+    now: Duration,
+}
+
+impl DrainPace {
+    fn new(base: Duration, max: Duration) -> Self {
+        Self {
+            base,
+            max: max.max(base),
+            now: base,
+        }
+    }
+
+    /// The period after a drain that read `records`.
+    fn after(&mut self, records: usize) -> Duration {
+        self.now = if records < FEW_RECORDS {
+            self.now.saturating_mul(2).min(self.max)
+        } else {
+            self.base
+        };
+        self.now
     }
 }
 
@@ -201,6 +240,7 @@ impl ProgramStats {
 pub struct Sampler {
     ring: AsyncFd<RingBuf<MapData>>,
     drain_timer: tokio::time::Interval,
+    pace: DrainPace,
     counters: PerCpuArray<MapData, u64>,
     /// The `CGROUP_POLICY` map and what we last wrote into it.
     policy_map: HashMap<MapData, u64, CgroupPolicy>,
@@ -324,12 +364,13 @@ impl Sampler {
         let top_map = take_map(&mut ebpf, names::STACK_TOPS)?;
         let deep_program_map = take_map(&mut ebpf, names::DEEP_PROGRAMS)?;
         let python_map = take_map(&mut ebpf, names::PYTHON_PROCESSES)?;
-        let mut drain_timer =
-            tokio::time::interval(config.drain_interval.max(Duration::from_millis(1)));
+        let drain_interval = config.drain_interval.max(Duration::from_millis(1));
+        let mut drain_timer = tokio::time::interval(drain_interval);
         drain_timer.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         Ok(Self {
             ring,
             drain_timer,
+            pace: DrainPace::new(drain_interval, config.idle_drain_interval),
             counters,
             policy_map,
             policies,
@@ -426,11 +467,9 @@ impl Sampler {
         apply_policies(&mut self.policy_map, &mut self.policies, wanted)
     }
 
-    /// Drains on `period` from now on (see
-    /// [`SamplerConfig::drain_interval`]): the next timed drain comes one
+    /// Drains on `period` from now on: the next timed drain comes one
     /// period from now. The same period again changes nothing.
-    pub fn set_drain_period(&mut self, period: Duration) {
-        let period = period.max(Duration::from_millis(1));
+    fn set_drain_period(&mut self, period: Duration) {
         if period != self.drain_timer.period() {
             let mut timer = tokio::time::interval_at(tokio::time::Instant::now() + period, period);
             timer.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
@@ -488,9 +527,13 @@ impl Sampler {
         Ok(new)
     }
 
-    /// Passes the records queued right now to `on_record`, without waiting.
+    /// Passes the records queued right now to `on_record`, without waiting,
+    /// and paces the timed drains by how many there were ([`DrainPace`]).
     pub fn drain_records(&mut self, on_record: impl FnMut(&[u8])) -> usize {
-        drain(self.ring.get_mut(), on_record)
+        let read = drain(self.ring.get_mut(), on_record);
+        let period = self.pace.after(read);
+        self.set_drain_period(period);
+        read
     }
 
     /// Counters summed over CPUs.
@@ -731,6 +774,19 @@ fn start_bpf_logger(ebpf: &mut Ebpf) -> Option<tokio::task::JoinHandle<()>> {
 
 #[cfg(test)]
 mod tests {
+    #[test]
+    fn quiet_drains_come_less_often_and_a_busy_one_brings_the_period_back() {
+        let ms = Duration::from_millis;
+        let mut pace = DrainPace::new(ms(500), ms(2000));
+        assert_eq!(pace.after(0), ms(1000));
+        assert_eq!(pace.after(FEW_RECORDS - 1), ms(2000));
+        assert_eq!(pace.after(3), ms(2000), "never past the most");
+        assert_eq!(pace.after(FEW_RECORDS), ms(500));
+        // A most below the base keeps the period fixed.
+        let mut fixed = DrainPace::new(ms(100), ms(50));
+        assert_eq!(fixed.after(0), ms(100));
+    }
+
     use super::*;
 
     #[test]

@@ -8,7 +8,8 @@
 //! [`ProcessUsage`] reads the CPU and memory for a binary's own reports)
 //! and [`ConstMetrics`], the writer binaries use to export the counters they
 //! already keep, [`described`], the statistics a binary describes once and
-//! renders as `/metrics`, JSON and text reports, and [`probes`], the hash lookups a sample costs, counted
+//! renders as `/metrics`, JSON and text reports, [`log_limit`], which keeps
+//! repeated trouble to a log line per interval, and [`probes`], the hash lookups a sample costs, counted
 //! where each is made. Which metrics a binary has is the binary's business: it
 //! registers them in the [`Registry`](prometheus_client::registry::Registry)
 //! it hands to [`router`] or [`serve`].
@@ -19,6 +20,7 @@
 //! only count ([`probes`]) and report their state's size ([`StateSize`]),
 //! and leave it off.
 
+pub mod log_limit;
 pub mod probes;
 
 #[cfg(feature = "http")]

@@ -21,7 +21,6 @@
 //! that is down when the agent starts only delays delivery.
 
 pub mod debuginfo;
-mod log_limit;
 mod queue;
 
 use std::{
@@ -52,10 +51,9 @@ use stackscope_collector_client::ingest::{
     retry::{Backoff, is_retryable, pushback},
 };
 
-use self::{
-    log_limit::LogLimiter,
-    queue::{Evicted, Pending, Queue},
-};
+use stackscope_telemetry::log_limit::LogLimiter;
+
+use self::queue::{Evicted, Pending, Queue};
 
 /// At most one line per this interval for each kind of repeated trouble
 /// (queue full, rejections, retries): a collector that is down or refuses

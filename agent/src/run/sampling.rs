@@ -76,44 +76,9 @@ const QUICK_DRAIN: Duration = Duration::from_millis(50);
 /// sampled then predates the agent and is met without its maps.
 const QUICK_START: Duration = Duration::from_secs(1);
 
-/// The longest drain period on a host with little to sample (see
-/// [`DrainPace`]); the interval's end drains anyway.
+/// The longest drain period on a host with little to sample, with the
+/// mapping feed (the interval's end drains anyway).
 const IDLE_DRAIN_INTERVAL: Duration = Duration::from_secs(2);
-
-/// A drain that read fewer records than this found the host quiet.
-const FEW_RECORDS: usize = 16;
-
-/// How often the ring buffer is drained when it stays below its wake-up
-/// mark. Each wake-up costs the same whatever it finds: on a near-idle
-/// host (a few samples a minute at 19 Hz) two a second were the larger
-/// part of the agent's CPU. A drain that found few records doubles the
-/// period, up to `max`; one that found more brings it back to `base`.
-#[derive(Debug, Clone, Copy)]
-struct DrainPace {
-    base: Duration,
-    max: Duration,
-    now: Duration,
-}
-
-impl DrainPace {
-    fn new(base: Duration, max: Duration) -> Self {
-        Self {
-            base,
-            max: max.max(base),
-            now: base,
-        }
-    }
-
-    /// The period after a drain that read `records`.
-    fn after(&mut self, records: usize) -> Duration {
-        self.now = if records < FEW_RECORDS {
-            self.now.saturating_mul(2).min(self.max)
-        } else {
-            self.base
-        };
-        self.now
-    }
-}
 
 /// What the runtime and the metadata worker ask of the sampling thread.
 #[derive(Debug)]
@@ -269,16 +234,10 @@ async fn sample(
         // `/proc` while they live, and the feed wakes the loop before its
         // rings fill: the timer only bounds how long samples wait.
         sampler_config.drain_interval = FEED_DRAIN_INTERVAL;
+        // So samples may wait longer on a quiet host; without the feed
+        // their maps are read while they live, and the period stays.
+        sampler_config.idle_drain_interval = IDLE_DRAIN_INTERVAL;
     }
-    // With the feed, processes are learned from its events, so samples may
-    // wait longer on a quiet host; without it their maps are read while
-    // they live, and the period stays.
-    let idle_drain = if feed.stats().open {
-        IDLE_DRAIN_INTERVAL
-    } else {
-        sampler_config.drain_interval
-    };
-    let pace = DrainPace::new(sampler_config.drain_interval, idle_drain);
     let mut sampler = match Sampler::start(&sampler_config).and_then(|sampler| {
         let counters = sampler.counters()?;
         Ok((sampler, counters))
@@ -313,7 +272,6 @@ async fn sample(
         tail_spans: Vec::with_capacity(agent_common::MAX_TAIL_SPANS),
         feed,
         python: PythonProcesses::new(config.python_frames),
-        pace,
     };
     if let Some(pods) = pods {
         records.sink.aggregator.set_pods(pods);
@@ -481,8 +439,7 @@ fn drain(
     metadata: &MetadataJobs,
     began: Instant,
 ) -> Result<(), RunError> {
-    let read = records.drain(sampler)?;
-    sampler.set_drain_period(records.pace.after(read));
+    records.drain(sampler)?;
     if records.ask_metadata(metadata) || began.elapsed() < QUICK_START {
         sampler.drain_within(QUICK_DRAIN);
     }
@@ -582,7 +539,6 @@ struct RecordTally {
     /// CPython processes: which to look at, their sampler entries, their
     /// Python stacks paired with samples.
     python: PythonProcesses,
-    pace: DrainPace,
 }
 
 impl RecordTally {
@@ -693,8 +649,7 @@ impl RecordTally {
     /// Reads every record queued (the mapping events first, so that each
     /// sample finds the mappings it was taken with), walks and counts them,
     /// and hands the sampler the copy plans the walks taught.
-    /// Returns how many records it read.
-    fn drain(&mut self, sampler: &mut Sampler) -> Result<usize, SamplerError> {
+    fn drain(&mut self, sampler: &mut Sampler) -> Result<(), SamplerError> {
         let horizon = self.feed.collect();
         // Before the drain: a lost exit or exec record may have left a
         // process's state stale for the records about to be read.
@@ -702,7 +657,7 @@ impl RecordTally {
             self.walker.forget_all_processes(&mut self.processes);
             self.sink.aggregator.forget_all_processes();
         }
-        let read = sampler.drain_records(|bytes| self.add(bytes));
+        sampler.drain_records(|bytes| self.add(bytes));
         self.python.apply(sampler);
         self.catch_up(horizon);
         self.walker
@@ -713,7 +668,7 @@ impl RecordTally {
         // they never stay past their bound until the interval ends (the
         // hour's soak saw 69 MB of a 64 MiB bound between two trims).
         self.walker.trim_tables();
-        Ok(read)
+        Ok(())
     }
 
     /// Applies the mapping events up to `horizon` (a record's time, or one
@@ -922,19 +877,6 @@ impl RecordTally {
 
 #[cfg(test)]
 mod tests {
-    #[test]
-    fn quiet_drains_come_less_often_and_a_busy_one_brings_the_period_back() {
-        let ms = Duration::from_millis;
-        let mut pace = DrainPace::new(ms(500), ms(2000));
-        assert_eq!(pace.after(0), ms(1000));
-        assert_eq!(pace.after(FEW_RECORDS - 1), ms(2000));
-        assert_eq!(pace.after(3), ms(2000), "never past the most");
-        assert_eq!(pace.after(FEW_RECORDS), ms(500));
-        // Without the feed the most is the base: the period stays.
-        let mut fixed = DrainPace::new(ms(100), ms(100));
-        assert_eq!(fixed.after(0), ms(100));
-    }
-
     use super::*;
     use crate::aggregate::AggregatorConfig;
 
@@ -959,7 +901,6 @@ mod tests {
             tail_spans: Vec::new(),
             feed: MappingFeed::disabled(),
             python: PythonProcesses::default(),
-            pace: DrainPace::new(Duration::from_millis(500), IDLE_DRAIN_INTERVAL),
         };
         records.add(&record);
         let started = std::time::Instant::now();

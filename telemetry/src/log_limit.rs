@@ -1,12 +1,13 @@
 //! At most one log line per interval for each kind of repeated trouble,
-//! with a count of the ones held back.
+//! with a count of the ones held back: a peer that is down or refuses
+//! everything must not flood the node's log.
 
 use std::time::{Duration, Instant};
 
 /// Lets one log line through per interval and counts the ones it held back,
 /// so a collector that rejects every batch does not flood the node's log.
 #[derive(Debug, Clone)]
-pub(super) struct LogLimiter {
+pub struct LogLimiter {
     every: Duration,
     last: Option<Instant>,
     suppressed: u64,
