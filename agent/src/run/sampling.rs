@@ -68,7 +68,7 @@ const ANSWERS_WAIT: Duration = Duration::from_millis(500);
 /// How soon the next drain comes while the walker meets processes it has
 /// no maps of: their maps are read on the metadata worker after the drain
 /// that meets them, and one that exits before that read loses its samples
-/// (with the feed's 500 ms period, a loop of one-second sqlite3 runs that
+/// (with the feed's 500 ms base period, a loop of one-second sqlite3 runs that
 /// predate the agent lost the first run's samples, 2% of the bench's walks).
 const QUICK_DRAIN: Duration = Duration::from_millis(50);
 
