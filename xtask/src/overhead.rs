@@ -308,24 +308,7 @@ const BPF_RUN_TIME: &str = "stackscope_agent_bpf_run_time_seconds_total";
 fn idle(bins: &Path, scratch: &Path) -> anyhow::Result<Idle> {
     let data = scratch.join("idle-collector");
     let _ = std::fs::remove_dir_all(&data);
-    let grpc = format!("127.0.0.1:{}", free_port());
-    let http = format!("127.0.0.1:{}", free_port());
-    let mut collector = KillOnDrop(
-        Command::new(bins.join("stackscope-collector"))
-            .arg("--data-dir")
-            .arg(&data)
-            .args(["--grpc-listen", &grpc, "--http-listen", &http])
-            .stderr(Stdio::null())
-            .spawn()
-            .context("starting the collector")?,
-    );
-    let cgroups = cgroup2_mount()?;
-    let collector_cgroup = Cgroup::create(cgroups.join(format!(
-        "stackscope-overhead-idle-collector-{}",
-        std::process::id()
-    )))?;
-    collector_cgroup.enter(collector.0.id())?;
-    wait_for_listener(&grpc, &mut collector.0)?;
+    let (_collector, collector_cgroup, grpc) = start_collector(bins, &data, "idle-collector")?;
     let metrics = format!("127.0.0.1:{}", free_port());
     let daemonset = |extra: &[&str]| {
         let mut command = Command::new(bins.join("stackscope-agent"));
@@ -355,7 +338,7 @@ fn idle(bins: &Path, scratch: &Path) -> anyhow::Result<Idle> {
             .spawn()
             .context("starting the agent")?,
     );
-    let agent_cgroup = Cgroup::create(cgroups.join(format!(
+    let agent_cgroup = Cgroup::create(cgroup2_mount()?.join(format!(
         "stackscope-overhead-idle-agent-{}",
         std::process::id()
     )))?;
@@ -485,6 +468,33 @@ pub fn against_baseline(seconds: u64, repeats: usize, baseline: &Path) -> anyhow
     Ok(())
 }
 
+/// A collector on free ports with its data in `data`, in a cgroup of its
+/// own (`stackscope-overhead-<name>-<pid>`, for its CPU), answering on its
+/// gRPC address (returned).
+fn start_collector(
+    bins: &Path,
+    data: &Path,
+    name: &str,
+) -> anyhow::Result<(KillOnDrop, Cgroup, String)> {
+    let grpc = format!("127.0.0.1:{}", free_port());
+    let http = format!("127.0.0.1:{}", free_port());
+    let mut collector = KillOnDrop(
+        Command::new(bins.join("stackscope-collector"))
+            .arg("--data-dir")
+            .arg(data)
+            .args(["--grpc-listen", &grpc, "--http-listen", &http])
+            .stderr(Stdio::null())
+            .spawn()
+            .context("starting the collector")?,
+    );
+    let cgroup = Cgroup::create(
+        cgroup2_mount()?.join(format!("stackscope-overhead-{name}-{}", std::process::id())),
+    )?;
+    cgroup.enter(collector.0.id())?;
+    wait_for_listener(&grpc, &mut collector.0)?;
+    Ok((collector, cgroup, grpc))
+}
+
 fn under_stackscope(
     bins: &Path,
     busy: &Path,
@@ -497,24 +507,8 @@ fn under_stackscope(
     std::fs::create_dir_all(scratch)?;
     let data = scratch.join("collector");
     let _ = std::fs::remove_dir_all(&data);
-    let grpc = format!("127.0.0.1:{}", free_port());
-    let http = format!("127.0.0.1:{}", free_port());
-    let mut collector = KillOnDrop(
-        Command::new(bin("stackscope-collector"))
-            .arg("--data-dir")
-            .arg(&data)
-            .args(["--grpc-listen", &grpc, "--http-listen", &http])
-            .stderr(Stdio::null())
-            .spawn()
-            .context("starting the collector")?,
-    );
     // Its CPU up to the profile's query, not the query's.
-    let collector_cgroup = Cgroup::create(cgroup2_mount()?.join(format!(
-        "stackscope-overhead-collector-{}",
-        std::process::id()
-    )))?;
-    collector_cgroup.enter(collector.0.id())?;
-    wait_for_listener(&grpc, &mut collector.0)?;
+    let (mut collector, collector_cgroup, grpc) = start_collector(bins, &data, "collector")?;
     let workload = start_workload(busy, threads, seconds)?;
     let metrics = format!("127.0.0.1:{}", free_port());
     let mut agent = KillOnDrop(
