@@ -15,9 +15,10 @@
 use std::{fs::File, ops::Range, path::Path};
 
 use object::{
-    Endianness, Object as _, ObjectSection as _, ReadCache, SectionIndex, elf,
-    read::elf::{ElfFile64, SectionHeader as _},
+    Endianness, ReadCache, SectionIndex, elf,
+    read::elf::{FileHeader as _, SectionHeader as _, SectionTable},
 };
+use object::elf::FileHeader64;
 
 /// A CPython interpreter found in an ELF file.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -126,23 +127,32 @@ impl Interpreter {
     /// Not mapped: the file comes from a container, which could truncate
     /// it under the mapping and fault the agent.
     pub fn read(file: &File, path: &Path) -> Result<Option<Self>, InterpreterError> {
+        // Only the file and section headers through the cache: parsing the
+        // whole file (`ElfFile64`) would read every symbol table whole,
+        // however large a file in a container makes them.
         let cache = ReadCache::new(file);
-        let elf = ElfFile64::<Endianness, _>::parse(&cache).map_err(InterpreterError::Malformed)?;
-        let [runtime, version, eval] = find_symbols(
+        let header = FileHeader64::<Endianness>::parse(&cache).map_err(InterpreterError::Malformed)?;
+        let endian = header.endian().map_err(InterpreterError::Malformed)?;
+        let sections = header
+            .sections(endian, &cache)
+            .map_err(InterpreterError::Malformed)?;
+        let elf = Elf {
             file,
-            &elf,
-            ["_PyRuntime", "Py_Version", "_PyEval_EvalFrameDefault"],
-        );
+            endian,
+            sections: &sections,
+        };
+        let [runtime, version, eval] =
+            elf.find_symbols(["_PyRuntime", "Py_Version", "_PyEval_EvalFrameDefault"]);
         let runtime = runtime.map(|range| range.start).or_else(|| {
-            elf.section_by_name(".PyRuntime")
-                .map(|section| section.address())
+            let (_, section) = sections.section_by_name(endian, b".PyRuntime")?;
+            Some(section.sh_addr(endian))
         });
         let Some(runtime) = runtime else {
             return Ok(None);
         };
         let version_hex = version
             .and_then(|range| {
-                let bytes = read_at_address(file, &elf, range.start, 4)?;
+                let bytes = elf.read_at_address(range.start, 4)?;
                 Some(u32::from_le_bytes(bytes.try_into().ok()?))
             })
             .or_else(|| {
@@ -153,7 +163,8 @@ impl Interpreter {
             })
             .ok_or(InterpreterError::NoVersion)?;
         let eval = eval.filter(|range| !range.is_empty());
-        let debug_offsets = read_at_address(file, &elf, runtime, DEBUG_WORDS * 8)
+        let debug_offsets = elf
+            .read_at_address(runtime, DEBUG_WORDS * 8)
             .and_then(|bytes| DebugOffsets::parse(&bytes, version_hex));
         Ok(Some(Self {
             version_hex,
@@ -164,26 +175,102 @@ impl Interpreter {
     }
 }
 
-/// An interpreter's ELF file, parsed through a cache of the reads its
-/// headers take.
-type Elf<'data> = ElfFile64<'data, Endianness, &'data ReadCache<&'data File>>;
+/// An interpreter's ELF file: its section headers, and the file for the
+/// sections' bytes.
+struct Elf<'data> {
+    file: &'data File,
+    endian: Endianness,
+    sections: &'data SectionTable<'data, FileHeader64<Endianness>, &'data ReadCache<&'data File>>,
+}
 
 /// Symbol tables (and their names) larger than this are not read: a
 /// libpython's full table and names are a few MB.
 const MAX_TABLE_BYTES: u64 = 64 << 20;
 
-/// `len` bytes of the file's contents at virtual `address`, from the
-/// section that holds them; `None` when no section holds them all (or
-/// their read fails).
-fn read_at_address(file: &File, elf: &Elf<'_>, address: u64, len: usize) -> Option<Vec<u8>> {
-    let end = address.checked_add(len as u64)?;
-    let section = elf.sections().find(|section| {
-        section.address() <= address
-            && end <= section.address().saturating_add(section.size())
-            && section.file_range().is_some()
-    })?;
-    let (offset, _) = section.file_range()?;
-    read_exact_at(file, offset.checked_add(address - section.address())?, len)
+/// `Elf64_Sym`'s size.
+const SYMBOL_SIZE: usize = 24;
+
+impl Elf<'_> {
+    /// `len` bytes of the file's contents at virtual `address`, from the
+    /// loaded section that holds them; `None` when none holds them all (or
+    /// their read fails).
+    fn read_at_address(&self, address: u64, len: usize) -> Option<Vec<u8>> {
+        let endian = self.endian;
+        let end = address.checked_add(len as u64)?;
+        let section = self.sections.iter().find(|section| {
+            let start = section.sh_addr(endian);
+            u64::from(section.sh_flags(endian)) & u64::from(elf::SHF_ALLOC) != 0
+                && section.sh_type(endian) != elf::SHT_NOBITS
+                && start <= address
+                && end <= start.saturating_add(section.sh_size(endian))
+        })?;
+        let offset = section
+            .sh_offset(endian)
+            .checked_add(address - section.sh_addr(endian))?;
+        read_exact_at(self.file, offset, len)
+    }
+
+    /// The address ranges of the symbols `names`, each the first defined
+    /// one of its name in the dynamic symbols, then in the full table. One
+    /// pass over each table for all of them, the full table only for what
+    /// the dynamic symbols lack (an interpreter exports all three but 3.10's
+    /// and 3.11's evaluation loop).
+    fn find_symbols<const N: usize>(&self, names: [&str; N]) -> [Option<Range<u64>>; N] {
+        let mut found: [Option<Range<u64>>; N] = std::array::from_fn(|_| None);
+        for kind in [elf::SHT_DYNSYM, elf::SHT_SYMTAB] {
+            if found.iter().all(Option::is_some) {
+                break;
+            }
+            let Some((symbols, strings)) = self.symbol_table(kind) else {
+                continue;
+            };
+            for entry in symbols.chunks_exact(SYMBOL_SIZE) {
+                let Some(symbol) = Symbol::parse(entry, self.endian) else {
+                    continue;
+                };
+                if symbol.value == 0 {
+                    continue;
+                }
+                let Some(name) = strings
+                    .get(symbol.name as usize..)
+                    .and_then(|tail| tail.split(|&byte| byte == 0).next())
+                else {
+                    continue;
+                };
+                if let Some(at) =
+                    (0..N).find(|&i| found[i].is_none() && names[i].as_bytes() == name)
+                {
+                    found[at] = Some(symbol.value..symbol.value.saturating_add(symbol.size));
+                    if found.iter().all(Option::is_some) {
+                        break;
+                    }
+                }
+            }
+        }
+        found
+    }
+
+    /// The first section of `kind` (`SHT_DYNSYM`, `SHT_SYMTAB`) and the
+    /// string table it links to, each read whole with one read (and
+    /// bounded).
+    fn symbol_table(&self, kind: elf::SectionType) -> Option<(Vec<u8>, Vec<u8>)> {
+        let endian = self.endian;
+        let table = self
+            .sections
+            .iter()
+            .find(|header| header.sh_type(endian) == kind)?;
+        let strings = self
+            .sections
+            .section(SectionIndex(table.sh_link(endian) as usize))
+            .ok()?;
+        let read = |header: &elf::SectionHeader64<Endianness>| {
+            let size = header.sh_size(endian);
+            (size <= MAX_TABLE_BYTES)
+                .then(|| read_exact_at(self.file, header.sh_offset(endian), size as usize))
+                .flatten()
+        };
+        Some((read(table)?, read(strings)?))
+    }
 }
 
 fn read_exact_at(file: &File, offset: u64, len: usize) -> Option<Vec<u8>> {
@@ -192,51 +279,6 @@ fn read_exact_at(file: &File, offset: u64, len: usize) -> Option<Vec<u8>> {
     file.read_exact_at(&mut bytes, offset).ok()?;
     Some(bytes)
 }
-
-/// The address ranges of the symbols `names`, each the first defined one
-/// of its name in the dynamic symbols, then in the full table. One pass
-/// over each table for all of them, the full table only for what the
-/// dynamic symbols lack (an interpreter exports all three but 3.10's and
-/// 3.11's evaluation loop).
-fn find_symbols<const N: usize>(
-    file: &File,
-    elf: &Elf<'_>,
-    names: [&str; N],
-) -> [Option<Range<u64>>; N] {
-    let mut found: [Option<Range<u64>>; N] = std::array::from_fn(|_| None);
-    for kind in [elf::SHT_DYNSYM, elf::SHT_SYMTAB] {
-        if found.iter().all(Option::is_some) {
-            break;
-        }
-        let Some((symbols, strings)) = symbol_table(file, elf, kind) else {
-            continue;
-        };
-        for entry in symbols.chunks_exact(SYMBOL_SIZE) {
-            let Some(symbol) = Symbol::parse(entry, elf.endian()) else {
-                continue;
-            };
-            if symbol.value == 0 {
-                continue;
-            }
-            let Some(name) = strings
-                .get(symbol.name as usize..)
-                .and_then(|tail| tail.split(|&byte| byte == 0).next())
-            else {
-                continue;
-            };
-            if let Some(at) = (0..N).find(|&i| found[i].is_none() && names[i].as_bytes() == name) {
-                found[at] = Some(symbol.value..symbol.value.saturating_add(symbol.size));
-                if found.iter().all(Option::is_some) {
-                    break;
-                }
-            }
-        }
-    }
-    found
-}
-
-/// `Elf64_Sym`'s size.
-const SYMBOL_SIZE: usize = 24;
 
 /// The fields of an `Elf64_Sym` a lookup by name needs.
 struct Symbol {
@@ -267,27 +309,6 @@ impl Symbol {
             size: quad(16)?,
         })
     }
-}
-
-/// The first section of `kind` (`SHT_DYNSYM`, `SHT_SYMTAB`) and the
-/// string table it links to, each read whole (and bounded).
-fn symbol_table(file: &File, elf: &Elf<'_>, kind: elf::SectionType) -> Option<(Vec<u8>, Vec<u8>)> {
-    let endian = elf.endian();
-    let table = elf
-        .elf_section_table()
-        .iter()
-        .find(|header| header.sh_type(endian) == kind)?;
-    let strings = elf
-        .elf_section_table()
-        .section(SectionIndex(table.sh_link(endian) as usize))
-        .ok()?;
-    let read = |header: &elf::SectionHeader64<Endianness>| {
-        let size = header.sh_size(endian);
-        (size <= MAX_TABLE_BYTES)
-            .then(|| read_exact_at(file, header.sh_offset(endian), size as usize))
-            .flatten()
-    };
-    Some((read(table)?, read(strings)?))
 }
 
 /// The version in an interpreter's file name: `python3.10`,

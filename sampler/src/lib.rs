@@ -89,7 +89,8 @@ pub struct SamplerConfig {
     /// microseconds of CPU under virtualisation).
     pub drain_interval: Duration,
     /// The longest the drain period grows to on a quiet host (see
-    /// [`DrainPace`]); at most `drain_interval` keeps the period fixed.
+    /// [`DrainPace`]); zero (the default), or at most `drain_interval`,
+    /// keeps the period fixed.
     pub idle_drain_interval: Duration,
 }
 
@@ -105,24 +106,30 @@ impl Default for SamplerConfig {
             cgroup_policies: StdHashMap::new(),
             bpf_log_level: tracing::Level::INFO,
             drain_interval: DRAIN_INTERVAL,
-            idle_drain_interval: DRAIN_INTERVAL,
+            idle_drain_interval: Duration::ZERO,
         }
     }
 }
 
-/// A drain that read fewer records than this found the host quiet.
-const FEW_RECORDS: usize = 16;
+/// A host whose drains read fewer records than this per drain period is
+/// quiet.
+const FEW_RECORDS: f64 = 16.0;
 
 /// How often the ring buffer is drained when it stays below its wake-up
 /// mark. Each wake-up costs the same whatever it finds: on a near-idle
 /// host (a few samples a minute at 19 Hz) two a second were the larger
-/// part of the agent's CPU. A drain that found few records doubles the
-/// period, up to `max`; one that found more brings it back to `base`.
+/// part of the agent's CPU. After a drain that found records at a rate of
+/// fewer than [`FEW_RECORDS`] a `base` period, the period doubles, up to
+/// `max`; a faster rate brings it back to `base`. A rate, not a count: the
+/// reader also drains between timed drains (quick drains for new
+/// processes, the interval's end), and those find fewer records only for
+/// coming sooner.
 #[derive(Debug, Clone, Copy)]
 struct DrainPace {
     base: Duration,
     max: Duration,
     now: Duration,
+    last: Option<std::time::Instant>,
 }
 
 impl DrainPace {
@@ -131,12 +138,19 @@ impl DrainPace {
             base,
             max: max.max(base),
             now: base,
+            last: None,
         }
     }
 
-    /// The period after a drain that read `records`.
-    fn after(&mut self, records: usize) -> Duration {
-        self.now = if records < FEW_RECORDS {
+    /// The period after a drain at `at` that read `records`.
+    fn after(&mut self, records: usize, at: std::time::Instant) -> Duration {
+        let since = self
+            .last
+            .replace(at)
+            .map_or(self.now, |last| at.saturating_duration_since(last))
+            .max(Duration::from_millis(1));
+        let per_base = records as f64 * self.base.as_secs_f64() / since.as_secs_f64();
+        self.now = if per_base < FEW_RECORDS {
             self.now.saturating_mul(2).min(self.max)
         } else {
             self.base
@@ -531,7 +545,7 @@ impl Sampler {
     /// and paces the timed drains by how many there were ([`DrainPace`]).
     pub fn drain_records(&mut self, on_record: impl FnMut(&[u8])) -> usize {
         let read = drain(self.ring.get_mut(), on_record);
-        let period = self.pace.after(read);
+        let period = self.pace.after(read, std::time::Instant::now());
         self.set_drain_period(period);
         read
     }
@@ -777,14 +791,21 @@ mod tests {
     #[test]
     fn quiet_drains_come_less_often_and_a_busy_one_brings_the_period_back() {
         let ms = Duration::from_millis;
+        let start = std::time::Instant::now();
+        let at = |millis| start + ms(millis);
         let mut pace = DrainPace::new(ms(500), ms(2000));
-        assert_eq!(pace.after(0), ms(1000));
-        assert_eq!(pace.after(FEW_RECORDS - 1), ms(2000));
-        assert_eq!(pace.after(3), ms(2000), "never past the most");
-        assert_eq!(pace.after(FEW_RECORDS), ms(500));
+        assert_eq!(pace.after(0, at(500)), ms(1000));
+        assert_eq!(pace.after(15, at(1000)), ms(2000));
+        assert_eq!(pace.after(3, at(3000)), ms(2000), "never past the most");
+        // 16 records in 2 s is 4 a period: still quiet.
+        assert_eq!(pace.after(16, at(5000)), ms(2000));
+        assert_eq!(pace.after(64, at(7000)), ms(500));
+        // A quick drain 50 ms after the last that reads 2 records: 20 a
+        // period, the rate of a busy host, not a quiet one.
+        assert_eq!(pace.after(2, at(7050)), ms(500));
         // A most below the base keeps the period fixed.
         let mut fixed = DrainPace::new(ms(100), ms(50));
-        assert_eq!(fixed.after(0), ms(100));
+        assert_eq!(fixed.after(0, at(100)), ms(100));
     }
 
     use super::*;
