@@ -385,6 +385,16 @@ pub const MAX_DEEP_PROGRAMS: u32 = 256;
 /// tick.
 pub const EARLY_WAKEUP_INTERVAL_NS: u64 = 5_000_000;
 
+/// Processes (by tgid) that woke the reader for their first unlearned tick
+/// while its drains were paced (the keys of the `NEW_PROCESS_WAKEUPS` map,
+/// LRU, written by the program; an exec removes its process). On a quiet
+/// host the agent drains every 2 s instead of 500 ms; a process met only at
+/// the next drain would lose what the agent learns from it at once (a
+/// Python process's first seconds of Python frames, a short one's maps).
+/// One wake-up per new process, not per tick: a thread the agent cannot
+/// learn keeps being unlearned.
+pub const MAX_NEW_PROCESS_WAKEUPS: u32 = 4096;
+
 /// An exec or exit of a process, in the same ring buffer as the samples so
 /// that it is read in order with them: samples taken after an exec are never
 /// unwound with the mappings from before it.
@@ -572,8 +582,9 @@ pub enum Counter {
     /// on another stack; or the ring buffer had no room for one): the tick
     /// fell back to the usual copy.
     DeepCopyFallbacks = 9,
-    /// Records that woke the reader early: ticks of a thread of a program
-    /// known to need deep copies that the agent has not learned yet.
+    /// Records that woke the reader early: ticks of a thread the agent has
+    /// not learned yet, of a program known to need deep copies or of a
+    /// process new while drains are paced (see [`MAX_NEW_PROCESS_WAKEUPS`]).
     EarlyWakeups = 10,
     /// Direct copies (see [`sample_flags::DIRECT_COPY`]) that could not be
     /// made (the ring buffer had no room, or the read faulted: a stack page
@@ -634,6 +645,8 @@ pub mod names {
     pub const STACK_TOPS: &str = "STACK_TOPS";
     pub const DEEP_PROGRAMS: &str = "DEEP_PROGRAMS";
     pub const EARLY_WAKEUPS: &str = "EARLY_WAKEUPS";
+    pub const PACED_DRAINS: &str = "PACED_DRAINS";
+    pub const NEW_PROCESS_WAKEUPS: &str = "NEW_PROCESS_WAKEUPS";
     pub const TASK_GROUP_LEADER_OFFSET: &str = "TASK_GROUP_LEADER_OFFSET";
     pub const TASK_START_TIME_OFFSET: &str = "TASK_START_TIME_OFFSET";
     pub const TASK_FSBASE_OFFSET: &str = "TASK_FSBASE_OFFSET";

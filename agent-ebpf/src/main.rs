@@ -45,12 +45,12 @@ use agent_common::{
     COMM_LEN, COUNTER_SLOTS, CgroupPolicy, Counter, DEEP_COPY_CLASSES, DEFAULT_USER_STACK_BYTES,
     DIRECT_COPY_CLASSES, EARLY_WAKEUP_INTERVAL_NS, MAX_ALLOW_ENTRIES, MAX_CGROUP_DEPTH,
     MAX_COPY_SIZES, MAX_DEEP_PROGRAMS, MAX_DEEP_STACK_BYTES, MAX_KERNEL_STACK_BYTES,
-    MAX_PYTHON_FRAMES, MAX_PYTHON_PROCESSES, MAX_SPAN_BYTES, MAX_STACK_PLANS, MAX_STACK_TOPS,
-    MAX_TAIL_BYTES, MAX_TAIL_SPANS, MAX_USER_STACK_BYTES, PAGE_SIZE, PYTHON_FRAME_READ_BYTES,
-    PYTHON_STACK_HEADER_SIZE, PYTHON_STACK_MAX_BYTES, ProcessEvent, PythonFrame, PythonProcess,
-    PythonStackHeader, RecordKind, SAMPLE_HEADER_SIZE, SCRATCH_BYTES, SampleHeader, StackPlan,
-    StackTop, TAIL_SPAN_HEADER_SIZE, policy_flags, python_stack_flags, reserved_record_bytes,
-    sample_flags, tail_span,
+    MAX_NEW_PROCESS_WAKEUPS, MAX_PYTHON_FRAMES, MAX_PYTHON_PROCESSES, MAX_SPAN_BYTES,
+    MAX_STACK_PLANS, MAX_STACK_TOPS, MAX_TAIL_BYTES, MAX_TAIL_SPANS, MAX_USER_STACK_BYTES,
+    PAGE_SIZE, PYTHON_FRAME_READ_BYTES, PYTHON_STACK_HEADER_SIZE, PYTHON_STACK_MAX_BYTES,
+    ProcessEvent, PythonFrame, PythonProcess, PythonStackHeader, RecordKind, SAMPLE_HEADER_SIZE,
+    SCRATCH_BYTES, SampleHeader, StackPlan, StackTop, TAIL_SPAN_HEADER_SIZE, policy_flags,
+    python_stack_flags, reserved_record_bytes, sample_flags, tail_span,
 };
 use aya_ebpf::{
     Global,
@@ -119,6 +119,17 @@ static DEEP_PROGRAMS: LruHashMap<[u8; COMM_LEN], u8> =
 /// Per CPU: when it last woke the reader early (`bpf_ktime_get_ns`).
 #[map(name = "EARLY_WAKEUPS")]
 static EARLY_WAKEUPS: PerCpuArray<u64> = PerCpuArray::with_max_entries(1, 0);
+
+/// 1 while the reader's timed drains come less often than their base
+/// period (a quiet host), written by the agent: a new process's first tick
+/// then wakes it (see `MAX_NEW_PROCESS_WAKEUPS`).
+#[map(name = "PACED_DRAINS")]
+static PACED_DRAINS: Array<u32> = Array::with_max_entries(1, 0);
+
+/// Processes (by tgid) that woke the reader while drains were paced.
+#[map(name = "NEW_PROCESS_WAKEUPS")]
+static NEW_PROCESS_WAKEUPS: LruHashMap<u32, u8> =
+    LruHashMap::with_max_entries(MAX_NEW_PROCESS_WAKEUPS, 0);
 
 /// CPython processes (by tgid) whose frames each tick reads, and how.
 #[map(name = "PYTHON_PROCESSES")]
@@ -491,7 +502,7 @@ fn try_usual_sample(
     }
     // SAFETY: the first `len` bytes of the scratch slot were written above.
     let record = unsafe { core::slice::from_raw_parts(scratch, len as usize) };
-    let wakeup = if unlearned && DEEP_STACK_BYTES.load() != 0 && early_wakeup(scratch) {
+    let wakeup = if unlearned && early_wakeup(scratch, ids.tgid) {
         u64::from(BPF_RB_FORCE_WAKEUP)
     } else {
         wakeup_flag(unread_bytes(), len)
@@ -650,17 +661,26 @@ fn unread_bytes() -> u64 {
 /// Whether a tick of a thread the agent has not learned yet (no plan, and
 /// no stack top: a thread whose walks reach the root within the usual copy
 /// has one) that took the usual path (no copy to its thread pointer, see
-/// `first_ticks_stack_end`) wakes the reader at once: its program (by
-/// thread name, from the header in `scratch`) needed deep copies, and this
-/// CPU has not woken the reader early within `EARLY_WAKEUP_INTERVAL_NS`. Until the reader
-/// learns the thread, each of its ticks is a truncated walk; a timed drain
-/// comes only every half second, most of a compiler process's life.
+/// `first_ticks_stack_end`) wakes the reader at once, so the thread is
+/// learned within milliseconds instead of at the next timed drain:
+/// - its program (by thread name, from the header in `scratch`) needed
+///   deep copies: until the reader learns the thread, each of its ticks is
+///   a truncated walk, and a timed drain comes only every half second, most
+///   of a compiler process's life;
+/// - or drains are paced (a quiet host, every 2 s) and its process `tgid`
+///   has not woken the reader yet.
+///
+/// Either way at most once per `EARLY_WAKEUP_INTERVAL_NS` per CPU.
 #[inline(always)]
-fn early_wakeup(scratch: *mut u8) -> bool {
+fn early_wakeup(scratch: *mut u8, tgid: u32) -> bool {
     // SAFETY: the caller wrote the header to the slot; a map value may be
     // a lookup key.
     let comm = unsafe { &*core::ptr::addr_of!((*scratch.cast::<SampleHeader>()).comm) };
-    if unsafe { DEEP_PROGRAMS.get(comm) }.is_none() {
+    let deep_program = DEEP_STACK_BYTES.load() != 0 && unsafe { DEEP_PROGRAMS.get(comm) }.is_some();
+    let new_process = !deep_program
+        && PACED_DRAINS.get(0).is_some_and(|&paced| paced != 0)
+        && unsafe { NEW_PROCESS_WAKEUPS.get(&tgid) }.is_none();
+    if !deep_program && !new_process {
         return false;
     }
     let Some(last) = EARLY_WAKEUPS.get_ptr_mut(0) else {
@@ -673,6 +693,11 @@ fn early_wakeup(scratch: *mut u8) -> bool {
             return false;
         }
         *last = now;
+    }
+    // A full map evicts its oldest entry: that process may wake the reader
+    // once more.
+    if new_process && NEW_PROCESS_WAKEUPS.insert(&tgid, &1, 0).is_err() {
+        return false;
     }
     count(Counter::EarlyWakeups);
     true
@@ -1166,6 +1191,8 @@ pub fn on_process_exec(_ctx: RawTracePointContext) -> i32 {
     let _ = COPY_BYTES.remove(tgid);
     let _ = STACK_PLANS.remove(tid);
     let _ = STACK_TOPS.remove(tid);
+    // Another program: its first tick may wake the reader again.
+    let _ = NEW_PROCESS_WAKEUPS.remove(&tgid);
     emit_process_event(RecordKind::Exec);
     0
 }

@@ -14,11 +14,11 @@
 
 use std::{fs::File, ops::Range, path::Path};
 
+use object::elf::FileHeader64;
 use object::{
     Endianness, ReadCache, SectionIndex, elf,
     read::elf::{FileHeader as _, SectionHeader as _, SectionTable},
 };
-use object::elf::FileHeader64;
 
 /// A CPython interpreter found in an ELF file.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -131,7 +131,8 @@ impl Interpreter {
         // whole file (`ElfFile64`) would read every symbol table whole,
         // however large a file in a container makes them.
         let cache = ReadCache::new(file);
-        let header = FileHeader64::<Endianness>::parse(&cache).map_err(InterpreterError::Malformed)?;
+        let header =
+            FileHeader64::<Endianness>::parse(&cache).map_err(InterpreterError::Malformed)?;
         let endian = header.endian().map_err(InterpreterError::Malformed)?;
         let sections = header
             .sections(endian, &cache)
@@ -199,7 +200,7 @@ impl Elf<'_> {
         let end = address.checked_add(len as u64)?;
         let section = self.sections.iter().find(|section| {
             let start = section.sh_addr(endian);
-            u64::from(section.sh_flags(endian)) & u64::from(elf::SHF_ALLOC) != 0
+            section.sh_flags(endian).0 & elf::SHF_ALLOC.0 != 0
                 && section.sh_type(endian) != elf::SHT_NOBITS
                 && start <= address
                 && end <= start.saturating_add(section.sh_size(endian))

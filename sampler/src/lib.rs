@@ -22,7 +22,7 @@ use std::{
     collections::HashMap as StdHashMap,
     io,
     os::fd::{AsRawFd, OwnedFd},
-    time::Duration,
+    time::{Duration, Instant},
 };
 
 use agent_common::{
@@ -32,7 +32,7 @@ use agent_common::{
 };
 use aya::{
     Ebpf, EbpfLoader,
-    maps::{HashMap, MapData, PerCpuArray, RingBuf},
+    maps::{Array, HashMap, MapData, PerCpuArray, RingBuf},
     programs::{
         PerfEvent, RawTracePoint,
         perf_event::{PerfEventConfig, PerfEventScope, SamplePolicy, SoftwareEvent},
@@ -118,44 +118,63 @@ const FEW_RECORDS: f64 = 16.0;
 /// How often the ring buffer is drained when it stays below its wake-up
 /// mark. Each wake-up costs the same whatever it finds: on a near-idle
 /// host (a few samples a minute at 19 Hz) two a second were the larger
-/// part of the agent's CPU. After a drain that found records at a rate of
-/// fewer than [`FEW_RECORDS`] a `base` period, the period doubles, up to
-/// `max`; a faster rate brings it back to `base`. A rate, not a count: the
-/// reader also drains between timed drains (quick drains for new
-/// processes, the interval's end), and those find fewer records only for
-/// coming sooner.
+/// part of the agent's CPU. Over a window of drains at least `base` long,
+/// fewer than [`FEW_RECORDS`] records a `base` period double the period,
+/// up to `max`; more bring it back to `base`. Over a window, not per
+/// drain: the reader also drains between timed drains (quick drains for
+/// new processes, the interval's end), and those find fewer records only
+/// for coming sooner. A process met for the first time brings the period
+/// back to `base` ([`Self::restart`]): what the agent learns from a
+/// process (its maps, a Python process's names) it learns only while the
+/// process runs, from drains that come while it does.
 #[derive(Debug, Clone, Copy)]
 struct DrainPace {
     base: Duration,
     max: Duration,
     now: Duration,
-    last: Option<std::time::Instant>,
+    window_start: Instant,
+    window_records: usize,
 }
 
 impl DrainPace {
-    fn new(base: Duration, max: Duration) -> Self {
+    fn new(base: Duration, max: Duration, at: Instant) -> Self {
         Self {
             base,
             max: max.max(base),
             now: base,
-            last: None,
+            window_start: at,
+            window_records: 0,
         }
     }
 
+    /// Whether the period is above its base: the host is quiet.
+    fn paced(&self) -> bool {
+        self.now > self.base
+    }
+
     /// The period after a drain at `at` that read `records`.
-    fn after(&mut self, records: usize, at: std::time::Instant) -> Duration {
-        let since = self
-            .last
-            .replace(at)
-            .map_or(self.now, |last| at.saturating_duration_since(last))
-            .max(Duration::from_millis(1));
-        let per_base = records as f64 * self.base.as_secs_f64() / since.as_secs_f64();
-        self.now = if per_base < FEW_RECORDS {
-            self.now.saturating_mul(2).min(self.max)
-        } else {
-            self.base
-        };
+    fn after(&mut self, records: usize, at: Instant) -> Duration {
+        self.window_records = self.window_records.saturating_add(records);
+        let span = at.saturating_duration_since(self.window_start);
+        if span >= self.base {
+            let per_base =
+                self.window_records as f64 * self.base.as_secs_f64() / span.as_secs_f64();
+            self.now = if per_base < FEW_RECORDS {
+                self.now.saturating_mul(2).min(self.max)
+            } else {
+                self.base
+            };
+            self.window_start = at;
+            self.window_records = 0;
+        }
         self.now
+    }
+
+    /// The base period again, and a new window from `at`.
+    fn restart(&mut self, at: Instant) {
+        self.now = self.base;
+        self.window_start = at;
+        self.window_records = 0;
     }
 }
 
@@ -267,6 +286,10 @@ pub struct Sampler {
     /// Thread names of programs needing deep copies (LRU).
     deep_program_map: HashMap<MapData, [u8; COMM_LEN], u8>,
     python_map: HashMap<MapData, u32, PythonProcess>,
+    /// `PACED_DRAINS`: whether the program wakes the reader for new
+    /// processes, and what we last wrote.
+    paced_map: Array<MapData, u32>,
+    paced: bool,
     /// Ring buffer losses already reported by `take_new_losses`.
     losses_seen: u64,
     log_task: Option<tokio::task::JoinHandle<()>>,
@@ -378,13 +401,14 @@ impl Sampler {
         let top_map = take_map(&mut ebpf, names::STACK_TOPS)?;
         let deep_program_map = take_map(&mut ebpf, names::DEEP_PROGRAMS)?;
         let python_map = take_map(&mut ebpf, names::PYTHON_PROCESSES)?;
+        let paced_map = take_map(&mut ebpf, names::PACED_DRAINS)?;
         let drain_interval = config.drain_interval.max(Duration::from_millis(1));
         let mut drain_timer = tokio::time::interval(drain_interval);
         drain_timer.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         Ok(Self {
             ring,
             drain_timer,
-            pace: DrainPace::new(drain_interval, config.idle_drain_interval),
+            pace: DrainPace::new(drain_interval, config.idle_drain_interval, Instant::now()),
             counters,
             policy_map,
             policies,
@@ -393,6 +417,8 @@ impl Sampler {
             top_map,
             deep_program_map,
             python_map,
+            paced_map,
+            paced: false,
             losses_seen: 0,
             log_task,
             ebpf,
@@ -485,10 +511,20 @@ impl Sampler {
     /// period from now. The same period again changes nothing.
     fn set_drain_period(&mut self, period: Duration) {
         if period != self.drain_timer.period() {
+            tracing::debug!("drain period now {period:?}");
             let mut timer = tokio::time::interval_at(tokio::time::Instant::now() + period, period);
             timer.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
             self.drain_timer = timer;
         }
+    }
+
+    /// Brings the drain period back to its base (see [`DrainPace`]): the
+    /// reader met processes for the first time, and learns what it wants
+    /// of them only while they run.
+    pub fn met_new_processes(&mut self) {
+        self.pace.restart(Instant::now());
+        self.set_drain_period(self.pace.now);
+        self.set_paced(false);
     }
 
     /// Brings the next timed drain forward to `within` from now (if that
@@ -545,9 +581,24 @@ impl Sampler {
     /// and paces the timed drains by how many there were ([`DrainPace`]).
     pub fn drain_records(&mut self, on_record: impl FnMut(&[u8])) -> usize {
         let read = drain(self.ring.get_mut(), on_record);
-        let period = self.pace.after(read, std::time::Instant::now());
+        let period = self.pace.after(read, Instant::now());
         self.set_drain_period(period);
+        self.set_paced(self.pace.paced());
         read
+    }
+
+    /// Tells the program whether drains are paced: while they are, a new
+    /// process's first tick wakes the reader (see
+    /// [`agent_common::MAX_NEW_PROCESS_WAKEUPS`]). A failed write leaves
+    /// new processes waiting for the timed drain, so it is logged only.
+    fn set_paced(&mut self, paced: bool) {
+        if paced == self.paced {
+            return;
+        }
+        match self.paced_map.set(0, u32::from(paced), 0) {
+            Ok(()) => self.paced = paced,
+            Err(err) => tracing::debug!("{} not written: {err}", names::PACED_DRAINS),
+        }
     }
 
     /// Counters summed over CPUs.
@@ -791,20 +842,39 @@ mod tests {
     #[test]
     fn quiet_drains_come_less_often_and_a_busy_one_brings_the_period_back() {
         let ms = Duration::from_millis;
-        let start = std::time::Instant::now();
+        let start = Instant::now();
         let at = |millis| start + ms(millis);
-        let mut pace = DrainPace::new(ms(500), ms(2000));
+        let mut pace = DrainPace::new(ms(500), ms(2000), start);
+        assert!(!pace.paced());
         assert_eq!(pace.after(0, at(500)), ms(1000));
-        assert_eq!(pace.after(15, at(1000)), ms(2000));
-        assert_eq!(pace.after(3, at(3000)), ms(2000), "never past the most");
+        assert!(pace.paced());
+        assert_eq!(pace.after(15, at(1500)), ms(2000));
+        assert_eq!(pace.after(3, at(3500)), ms(2000), "never past the most");
         // 16 records in 2 s is 4 a period: still quiet.
-        assert_eq!(pace.after(16, at(5000)), ms(2000));
-        assert_eq!(pace.after(64, at(7000)), ms(500));
-        // A quick drain 50 ms after the last that reads 2 records: 20 a
-        // period, the rate of a busy host, not a quiet one.
-        assert_eq!(pace.after(2, at(7050)), ms(500));
+        assert_eq!(pace.after(16, at(5500)), ms(2000));
+        assert_eq!(pace.after(64, at(7500)), ms(500));
+        assert!(!pace.paced());
+        // Quick drains 50 ms apart, 2 records each: no judgement until the
+        // window is a base period long, and then 20 a period, the rate of
+        // a busy host.
+        for step in 1..10 {
+            assert_eq!(pace.after(2, at(7500 + step * 50)), ms(500));
+        }
+        assert_eq!(pace.after(2, at(8000)), ms(500));
+        // A process met for the first time: the base again, and a window
+        // from then.
+        pace.after(0, at(8500));
+        assert!(pace.paced());
+        pace.restart(at(8600));
+        assert!(!pace.paced());
+        assert_eq!(
+            pace.after(0, at(9000)),
+            ms(500),
+            "the window is 400 ms long"
+        );
+        assert_eq!(pace.after(0, at(9100)), ms(1000));
         // A most below the base keeps the period fixed.
-        let mut fixed = DrainPace::new(ms(100), ms(50));
+        let mut fixed = DrainPace::new(ms(100), ms(50), start);
         assert_eq!(fixed.after(0, at(100)), ms(100));
     }
 

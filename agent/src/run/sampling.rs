@@ -76,6 +76,10 @@ const QUICK_DRAIN: Duration = Duration::from_millis(50);
 /// sampled then predates the agent and is met without its maps.
 const QUICK_START: Duration = Duration::from_secs(1);
 
+/// The longest drain period on a host with little to sample, with the
+/// mapping feed (the interval's end drains anyway).
+const IDLE_DRAIN_INTERVAL: Duration = Duration::from_secs(2);
+
 /// What the runtime and the metadata worker ask of the sampling thread.
 #[derive(Debug)]
 pub(super) enum Command {
@@ -230,11 +234,9 @@ async fn sample(
         // `/proc` while they live, and the feed wakes the loop before its
         // rings fill: the timer only bounds how long samples wait.
         sampler_config.drain_interval = FEED_DRAIN_INTERVAL;
-        // Not paced (`SamplerConfig::idle_drain_interval`, 2 s) yet: the sampler counts records
-        // per drain, and the first second's quick drains read few, so a
-        // new Python process's samples waited up to 2 s for their
-        // interpreter (python3 in `bench programs`: 85.9% of samples named
-        // `work`, against 95.9%). Pacing by rate comes first.
+        // So samples may wait longer on a quiet host; without the feed
+        // their maps are read while they live, and the period stays.
+        sampler_config.idle_drain_interval = IDLE_DRAIN_INTERVAL;
     }
     let mut sampler = match Sampler::start(&sampler_config).and_then(|sampler| {
         let counters = sampler.counters()?;
@@ -305,7 +307,9 @@ async fn sample(
                 let applied = records.apply(command, sampling, &reports, &handoffs);
                 // Samples a read let through may want descriptions, files
                 // opened, or another read.
-                records.ask_metadata(&metadata);
+                if records.ask_metadata(&metadata).new_processes {
+                    sampler.met_new_processes();
+                }
                 applied
             }
             _ = &mut stop => break Ok(()),
@@ -335,6 +339,19 @@ async fn sample(
             Err(err)
         }
     })
+}
+
+/// What [`RecordTally::ask_metadata`] asked for that hurries the drains.
+#[derive(Debug, Clone, Copy)]
+struct Asked {
+    /// A process's maps: its samples wait for them, and the process may
+    /// exit (the next drain comes within [`QUICK_DRAIN`]).
+    maps: bool,
+    /// Descriptions or interpreters of processes met for the first time:
+    /// what the agent learns from a process (a Python process's names) it
+    /// learns while the process runs, from drains that come while it does
+    /// (the drain period goes back to its base).
+    new_processes: bool,
 }
 
 /// The end of an interval, once its tick came: it waits up to
@@ -438,7 +455,11 @@ fn drain(
     began: Instant,
 ) -> Result<(), RunError> {
     records.drain(sampler)?;
-    if records.ask_metadata(metadata) || began.elapsed() < QUICK_START {
+    let asked = records.ask_metadata(metadata);
+    if asked.new_processes {
+        sampler.met_new_processes();
+    }
+    if asked.maps || began.elapsed() < QUICK_START {
         sampler.drain_within(QUICK_DRAIN);
     }
     if records.sink.aggregator.take_unknown_pod_seen() {
@@ -610,11 +631,10 @@ impl RecordTally {
     /// call need: the process table's reads, interpreters to look for,
     /// files to open while their processes run, processes to describe,
     /// perf maps to read on.
-    /// Returns whether a process's maps were asked for (its samples wait
-    /// for them: the next drain comes soon). A perf map read asked for
-    /// does not hurry the drain: the frames that missed it are named when
-    /// their interval ends.
-    fn ask_metadata(&mut self, metadata: &MetadataJobs) -> bool {
+    /// Returns what was asked that hurries the drains. A perf map read
+    /// asked for does not: the frames that missed it are named when their
+    /// interval ends.
+    fn ask_metadata(&mut self, metadata: &MetadataJobs) -> Asked {
         let requests = self.processes.take_read_requests();
         let maps_asked = requests
             .iter()
@@ -628,11 +648,17 @@ impl RecordTally {
         // open for a process that may exit soon, which a lookup of a few
         // milliseconds rarely outruns; descriptions, which the interval's
         // end waits for).
-        metadata.find_python(self.python.take_wanted());
+        let python = self.python.take_wanted();
+        let descriptions = self.sink.aggregator.take_wanted();
+        let new_processes = !python.is_empty() || !descriptions.is_empty();
+        metadata.find_python(python);
         metadata.open(self.sink.aggregator.take_to_open());
-        metadata.describe(self.sink.aggregator.take_wanted());
+        metadata.describe(descriptions);
         metadata.read_jit(self.sink.aggregator.take_jit_requests());
-        maps_asked
+        Asked {
+            maps: maps_asked,
+            new_processes,
+        }
     }
 
     /// Walks the samples still held, ends the last partial interval and

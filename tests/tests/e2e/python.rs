@@ -13,6 +13,8 @@
 //! The agent finds each interpreter itself and ships the Python functions
 //! in place of the evaluation loop's frames, through a real collector; so
 //! too for an interpreter that exists only inside a container's image.
+//! A Python process started on a quiet host, whose drains the agent paces,
+//! wakes the agent with its first tick and is read from its first moments.
 //! asyncio tasks read their coroutines in order below the event loop. A
 //! recursion deeper than the sampler reads is marked where its read
 //! stopped. And a C program that pretends to be CPython 3.12, its frame chain a
@@ -22,7 +24,7 @@
 use std::{
     collections::HashMap,
     path::{Path, PathBuf},
-    process::Command,
+    process::{Command, Stdio},
     time::Duration,
 };
 
@@ -33,7 +35,7 @@ use stackscope_sampler::SamplerConfig;
 use stackscope_test_fixtures::containers::{Container, Image};
 use stackscope_tests::{
     Collector, Fixture, Recorded, RunningProcess, exclusive, fixture_source, require_root,
-    run_agent_for, sample_python,
+    run_agent_for, sample_python, wait_success, workspace_binary,
 };
 
 /// The line `leaf` spins on in `python_chain.py`.
@@ -389,6 +391,57 @@ fn assert_chained(python: &Python, stacks: &[(String, u64)], report: &serde_json
     assert!(
         paired * 100 >= total * 80,
         "{name}: only {paired} of {total} samples came with their Python stack"
+    );
+}
+
+/// On a quiet host the agent's timed drains come every 2 s, not every
+/// 500 ms; a Python process started then wakes it with its first tick, so
+/// its Python frames are read from its first moments, not after its end.
+/// The agent profiles the whole host at its default 19 Hz; 5 s in (its
+/// drains paced by then: nothing else runs), `python_chain.py` runs for
+/// 1.5 s. Without the wake-up it would be met at the next timed drain, up
+/// to 2 s later, when it has exited: no Python frame at all.
+#[test]
+fn a_python_process_started_on_a_quiet_host_is_read_from_its_first_moments() {
+    require_root();
+    let _serial = exclusive();
+    let python = interpreters().pop().expect("an interpreter");
+    let data = tempfile::tempdir().expect("temp dir");
+    let collector = Collector::start(data.path());
+    let agent = Command::new(workspace_binary("stackscope-agent"))
+        .args(["--collector", &collector.grpc])
+        .args(["--frequency", "19", "--duration", "9s", "--interval", "2s"])
+        .args(["--no-table-cache", "--json"])
+        .stdout(Stdio::piped())
+        .spawn()
+        .expect("starting the agent");
+    std::thread::sleep(Duration::from_secs(5));
+    let process = start_chain(&python.program);
+    std::thread::sleep(Duration::from_millis(1500));
+    drop(process);
+    let report = wait_success(agent);
+    let stacks = collector.folded_stacks(&format!("comm=\"{}\"", comm_of(&python.program)));
+    collector.stop();
+    let total: u64 = stacks.iter().map(|(_, n)| n).sum();
+    let in_leaf: u64 = stacks
+        .iter()
+        .filter(|(stack, _)| stack.split(';').any(|frame| frame == "leaf"))
+        .map(|(_, n)| n)
+        .sum();
+    let wakeups = report["kernel"]["early_wakeups"].as_u64().unwrap_or(0);
+    eprintln!(
+        "python frames: {} started on a quiet host: {in_leaf} of {total} samples in `leaf`, \
+         {wakeups} early wake-ups; frames named {}, stale {}, unreadable {}",
+        python.name,
+        report["aggregation"]["python_named"],
+        report["aggregation"]["python_stale"],
+        report["aggregation"]["python_unreadable"],
+    );
+    assert!(wakeups >= 1, "the new process woke no drain: {report}");
+    assert!(total >= 15, "only {total} samples in 1.5 s at 19 Hz");
+    assert!(
+        in_leaf * 100 >= total * 80,
+        "only {in_leaf} of {total} samples named `leaf`: {stacks:#?}"
     );
 }
 
