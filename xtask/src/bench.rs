@@ -32,8 +32,9 @@ pub enum Bench {
     /// What profiling costs the profiled: a CPU-bound workload (busy.c, one
     /// thread per CPU, no frame pointers) alone, under stackscope (agent +
     /// collector) and under `perf record --call-graph dwarf` + `perf
-    /// report`, at 99 and 997 Hz: throughput loss, CPU per sample, peak
-    /// RSS, share reaching the root, top functions.
+    /// report`, at 19, 99 and 997 Hz: throughput loss, CPU per sample, peak
+    /// RSS, share reaching the root, top functions; then the agent's cost
+    /// on an idle host over 60 s.
     Overhead {
         /// How long the workload runs each time (at least 25: the steady
         /// window starts after the agent's first 10 s batch).
