@@ -173,6 +173,9 @@ pub struct AggregatorConfig {
     /// data root (Docker's).
     pub podman_storage: PathBuf,
     pub docker_root: PathBuf,
+    /// Bytes of JIT names (perf maps, jitdump) kept for every process at
+    /// once; a quarter of it for one process.
+    pub perf_map_bytes: usize,
 }
 
 impl AggregatorConfig {
@@ -206,6 +209,7 @@ impl Default for AggregatorConfig {
             proc_root: PathBuf::from("/proc"),
             podman_storage: PathBuf::from(runtime_names::DEFAULT_PODMAN_STORAGE),
             docker_root: PathBuf::from(runtime_names::DEFAULT_DOCKER_ROOT),
+            perf_map_bytes: perf_map::MAX_TOTAL_BYTES,
         }
     }
 }
@@ -832,7 +836,7 @@ impl Aggregator {
             node: config.node_name.as_str().into(),
             labeller: Labeller::default(),
             scratch: ProcessLabels::default(),
-            jit_names: PerfMaps::default(),
+            jit_names: PerfMaps::with_budget(config.perf_map_bytes, config.perf_map_bytes / 4),
             jit_exits: Vec::new(),
             config,
             current: Builder::new(start),

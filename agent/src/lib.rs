@@ -15,12 +15,14 @@
 //! `stackscope.v1.Batch` per interval, naming frames with
 //! `stackscope_symbolize::node`; [`export`] ships the batches; and [`run`]
 //! drives the loop, prints the periodic [`status`] line and stops on a
-//! signal or after a duration. [`stats`] describes once what the loop, the
+//! signal or after a duration. [`memory`] splits the agent's memory limit
+//! among its caches and queues. [`stats`] describes once what the loop, the
 //! exporter and the uploader count; [`metrics`] serves it to Prometheus,
 //! the status line and the final report render it too.
 
 pub mod aggregate;
 pub mod export;
+pub mod memory;
 pub mod metrics;
 pub mod run;
 pub mod stats;

@@ -19,6 +19,7 @@ use stackscope_agent::{
         Compression, ExportConfig, Exporter, TlsConfig,
         debuginfo::{DebuginfoUploader, UploadConfig},
     },
+    memory::{self, Consumer, MemoryBudget, parse_size},
     metrics::AgentTelemetry,
     run::{AgentConfig, run},
     stats::report,
@@ -217,9 +218,16 @@ struct Args {
     #[arg(long, value_enum, default_value_t = Compression::Zstd)]
     compression: Compression,
     /// Bytes of batches held while the collector is unreachable; beyond,
-    /// the oldest are dropped (and counted).
-    #[arg(long, default_value_t = 64 << 20)]
-    max_queue_bytes: usize,
+    /// the oldest are dropped (and counted). Default: the export queue's
+    /// share of --memory-limit, at most 64 MiB.
+    #[arg(long, value_parser = parse_size)]
+    max_queue_bytes: Option<u64>,
+    /// The memory the agent keeps within (such as 256MiB): split among its
+    /// caches and queues, which give way in order, what only costs re-reads
+    /// first, held samples last. Default: 3/4 of the agent's cgroup memory
+    /// limit when one is set, else 192 MiB.
+    #[arg(long, value_name = "SIZE", value_parser = parse_size)]
+    memory_limit: Option<u64>,
     /// How long shutdown waits to deliver what is still queued.
     #[arg(long, default_value = "10s", value_parser = humantime::parse_duration)]
     shutdown_timeout: Duration,
@@ -254,6 +262,7 @@ fn main() -> anyhow::Result<()> {
         anyhow::bail!("--node-name must not be empty");
     }
     raise_open_file_limit();
+    let memory = memory_budget(&args)?;
 
     let config = AgentConfig {
         sampler: SamplerConfig {
@@ -277,6 +286,8 @@ fn main() -> anyhow::Result<()> {
             }),
             max_depth: args.max_depth,
             adaptive: !args.fixed_stack_copy,
+            table_cache_bytes: share(&memory, Consumer::UnusedUnwindTables),
+            max_waiting_bytes: share(&memory, Consumer::HeldSamples),
             ..WalkerConfig::default()
         },
         interval: args.interval,
@@ -288,10 +299,13 @@ fn main() -> anyhow::Result<()> {
             },
             podman_storage: args.podman_storage.clone(),
             docker_root: args.docker_root.clone(),
+            perf_map_bytes: share(&memory, Consumer::PerfMaps),
             ..AggregatorConfig::default()
         },
         symbolizer: SymbolizerConfig {
             name_files: args.symbolize != Symbolize::Collector,
+            max_open_bytes: memory.share(Consumer::SymbolizerFiles),
+            max_go_table_bytes: share(&memory, Consumer::GoTables),
             ..SymbolizerConfig::default()
         },
         selection: SelectionConfig {
@@ -319,7 +333,7 @@ fn main() -> anyhow::Result<()> {
         .then(Sampler::enable_run_time_stats)
         .transpose()
         .context("enabling BPF run-time stats")?;
-    let export = export_config(&args)?;
+    let export = export_config(&args, &memory)?;
     let (summary, exported, uploaded) = runtime.block_on(async {
         let telemetry_server = match (&config.telemetry, args.metrics_address) {
             (Some(telemetry), Some(address)) => Some(TelemetryServer::start(telemetry, address)?),
@@ -345,6 +359,9 @@ fn main() -> anyhow::Result<()> {
                 None
             }
         };
+        if let Some(telemetry) = &config.telemetry {
+            telemetry.metrics.set_memory(memory.clone());
+        }
         if let (Some(telemetry), Some(exporter)) = (&config.telemetry, &exporter) {
             telemetry.metrics.set_export(exporter.stats_reader());
         }
@@ -377,11 +394,9 @@ fn main() -> anyhow::Result<()> {
     })?;
     let mut stdout = std::io::stdout().lock();
     if args.json {
-        writeln!(
-            stdout,
-            "{}",
-            report::json(&summary, exported.as_ref(), uploaded.as_ref(), args.top)
-        )
+        let mut report = report::json(&summary, exported.as_ref(), uploaded.as_ref(), args.top);
+        report["memory"] = memory.json();
+        writeln!(stdout, "{report}")
     } else {
         report::write_text(
             &mut stdout,
@@ -470,7 +485,7 @@ fn kubelet_config(args: &Args) -> Option<KubeletConfig> {
 }
 
 /// The export settings from the command line; `None` without `--collector`.
-fn export_config(args: &Args) -> anyhow::Result<Option<ExportConfig>> {
+fn export_config(args: &Args, memory: &MemoryBudget) -> anyhow::Result<Option<ExportConfig>> {
     let Some(endpoint) = &args.collector else {
         return Ok(None);
     };
@@ -499,9 +514,39 @@ fn export_config(args: &Args) -> anyhow::Result<Option<ExportConfig>> {
         tls,
         bearer_token,
         compression: args.compression,
-        max_queue_bytes: args.max_queue_bytes,
+        max_queue_bytes: share(memory, Consumer::ExportQueue),
         ..ExportConfig::new(endpoint.clone())
     }))
+}
+
+/// The memory budget (`--memory-limit`, else the cgroup's, else the
+/// default) split among the caches and queues; `--max-queue-bytes`, when
+/// given, is the export queue's share.
+fn memory_budget(args: &Args) -> anyhow::Result<MemoryBudget> {
+    let (limit, source) = memory::resolve_limit(args.memory_limit);
+    let ring = stackscope_sampler::ring_buffer_rss().unwrap_or(8 << 20);
+    let fixed: Vec<_> = args
+        .max_queue_bytes
+        .map(|bytes| (Consumer::ExportQueue, bytes))
+        .into_iter()
+        .collect();
+    let budget = MemoryBudget::split(limit, source, ring, &fixed)?;
+    tracing::info!(
+        "memory budget {} ({}): {}",
+        memory::Bytes(budget.limit),
+        budget.source,
+        budget
+            .shares()
+            .map(|(consumer, share)| format!("{} {}", consumer.name(), memory::Bytes(share)))
+            .collect::<Vec<_>>()
+            .join(", ")
+    );
+    Ok(budget)
+}
+
+/// `consumer`'s share of `memory`, as a size in memory.
+fn share(memory: &MemoryBudget, consumer: Consumer) -> usize {
+    usize::try_from(memory.share(consumer)).unwrap_or(usize::MAX)
 }
 
 /// Raises the soft limit on open files to the hard one (at most 1M): the

@@ -12,10 +12,14 @@ use std::{
 
 use stackscope_telemetry::{
     ConstMetrics, Health,
-    prometheus_client::{collector::Collector, encoding::DescriptorEncoder, registry::Registry},
+    prometheus_client::{
+        collector::Collector,
+        encoding::DescriptorEncoder,
+        registry::{Registry, Unit},
+    },
 };
 
-use crate::{export::ExportStatsReader, stats::RunTotals};
+use crate::{export::ExportStatsReader, memory::MemoryBudget, stats::RunTotals};
 
 /// Health probes fail when the sampling thread has not answered for this
 /// long.
@@ -34,6 +38,7 @@ pub const PUBLISH_EVERY: Duration = Duration::from_secs(5);
 pub struct AgentMetrics {
     run: Mutex<RunTotals>,
     export: Mutex<Option<ExportStatsReader>>,
+    memory: Mutex<Option<MemoryBudget>>,
 }
 
 /// What the agent hands the run when metrics are served.
@@ -74,6 +79,11 @@ impl AgentMetrics {
         *self.run.lock().unwrap_or_else(PoisonError::into_inner) = totals;
     }
 
+    /// The memory budget the caches' bounds come from.
+    pub fn set_memory(&self, budget: MemoryBudget) {
+        *self.memory.lock().unwrap_or_else(PoisonError::into_inner) = Some(budget);
+    }
+
     /// Where the delivery counters come from once an exporter runs.
     pub fn set_export(&self, reader: ExportStatsReader) {
         *self.export.lock().unwrap_or_else(PoisonError::into_inner) = Some(reader);
@@ -91,8 +101,34 @@ impl AgentMetrics {
             .unwrap_or_else(PoisonError::into_inner)
             .as_ref()
             .map(ExportStatsReader::stats);
-        crate::stats::write_metrics(&totals, out)
+        crate::stats::write_metrics(&totals, out)?;
+        if let Some(budget) = &*self.memory.lock().unwrap_or_else(PoisonError::into_inner) {
+            write_memory(budget, out)?;
+        }
+        Ok(())
     }
+}
+
+/// The budget's limit and shares; what each cache holds is in the
+/// `state_bytes` gauges, under the same names.
+fn write_memory(budget: &MemoryBudget, out: &mut ConstMetrics<'_>) -> fmt::Result {
+    out.gauge(
+        "memory_limit",
+        "Memory the agent keeps within (--memory-limit, else its cgroup's, else the default)",
+        Some(Unit::Bytes),
+        budget.limit as f64,
+    )?;
+    let shares: Vec<_> = budget
+        .shares()
+        .map(|(consumer, bytes)| (consumer.name(), bytes as f64))
+        .collect();
+    out.gauges(
+        "memory_share",
+        "Each cache's and queue's share of the memory limit",
+        Some(Unit::Bytes),
+        "state",
+        &shares,
+    )
 }
 
 impl Collector for AgentMetrics {

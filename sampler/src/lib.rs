@@ -779,6 +779,13 @@ where
     M::try_from(map).map_err(|source| SamplerError::Map { name, source })
 }
 
+/// What the sample ring buffer adds to the agent's RSS on this host: its
+/// pages are mapped twice. `None` when the CPUs cannot be listed.
+pub fn ring_buffer_rss() -> Option<u64> {
+    let cpus = nr_cpus().ok()?;
+    Some(2 * u64::from(ring_buffer_bytes(cpus)))
+}
+
 /// Ring buffer size: 2 MiB per CPU and at least [`MIN_RING_BYTES`], a power
 /// of two as the kernel requires. At 997 Hz a CPU produces ~5.5 MB/s with
 /// busy.c's adaptive copies, so a reader woken at a quarter full has

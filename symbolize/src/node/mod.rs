@@ -105,7 +105,7 @@ const MAX_SEGMENT_OBJECTS: usize = 4096;
 
 /// Bytes of Go function tables kept at once (the largest Go programs have
 /// tables of tens of MB); beyond, all are dropped and read again as needed.
-const MAX_GO_TABLE_BYTES: usize = 128 << 20;
+pub const DEFAULT_MAX_GO_TABLE_BYTES: usize = 128 << 20;
 
 /// Executable segments shipped per file: more is not a file a linker made.
 pub const MAX_CODE_SEGMENTS: usize = 16;
@@ -129,6 +129,9 @@ pub struct SymbolizerConfig {
     pub max_open_objects: usize,
     /// Total size of the files blazesym keeps open, likewise.
     pub max_open_bytes: u64,
+    /// Bytes of Go function tables (stripped Go binaries) kept; all go
+    /// beyond.
+    pub max_go_table_bytes: usize,
     /// The kallsyms file (`/proc/kallsyms`).
     pub kallsyms: PathBuf,
     /// How often the agent looks whether modules or BPF programs came or
@@ -154,6 +157,7 @@ impl Default for SymbolizerConfig {
             max_cached_names: DEFAULT_MAX_CACHED_NAMES,
             max_open_objects: DEFAULT_MAX_OPEN_OBJECTS,
             max_open_bytes: DEFAULT_MAX_OPEN_BYTES,
+            max_go_table_bytes: DEFAULT_MAX_GO_TABLE_BYTES,
             kallsyms: PathBuf::from(LIVE_KALLSYMS),
             kallsyms_reload: DEFAULT_KALLSYMS_RELOAD,
             kallsyms_retry: DEFAULT_KALLSYMS_RETRY,
@@ -386,7 +390,7 @@ impl Symbolizer {
             names: GenerationalCache::new(config.max_cached_names),
             logged: HashSet::new(),
             code_segments: HashMap::new(),
-            go_functions: GoTableCache::new(MAX_SEGMENT_OBJECTS, MAX_GO_TABLE_BYTES),
+            go_functions: GoTableCache::new(MAX_SEGMENT_OBJECTS, config.max_go_table_bytes),
             kernel_build_id: kernel::kernel_build_id(&config.sys_root),
             kernel,
             kernel_loaded,

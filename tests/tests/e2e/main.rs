@@ -15,6 +15,7 @@ mod faults;
 mod go;
 mod hostile;
 mod jit;
+mod memory_limit;
 mod metrics;
 mod pipeline;
 mod process_identity;

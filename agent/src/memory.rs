@@ -1,0 +1,471 @@
+//! The agent's one memory budget (`--memory-limit`): the limit, where it
+//! came from (the flag, the cgroup's, or the default), and its split among
+//! the caches and queues that grow with the workload.
+//!
+//! Each of them has a size of its own when memory is plentiful; when their
+//! sizes and the agent's baseline add up to more than the limit, they give
+//! way in a fixed order, each down to a floor before the next is cut: first
+//! what only costs work to rebuild (files the symbolizer holds open, then
+//! perf maps, Go tables, unused unwind tables), last what holds samples
+//! (the export queue, then samples waiting for their tables). An agent
+//! killed for memory on a busy node loses exactly the profile that was
+//! wanted: a smaller cache costs re-reads instead.
+
+use std::{fmt, path::Path};
+
+/// The limit when neither the flag nor a cgroup sets one: it fits the
+/// DaemonSet's 256 MiB with room for the kernel's share.
+pub const DEFAULT_LIMIT: u64 = 192 << 20;
+
+/// Of a cgroup's memory limit, the share the agent takes as its own (the
+/// rest is for page cache the cgroup is charged with, and headroom).
+const CGROUP_SHARE: (u64, u64) = (3, 4);
+
+/// What the agent holds outside the budgeted caches: its code, the
+/// runtime's threads, the interval being built, the BPF maps it reads
+/// (besides the ring buffer, counted apart).
+pub const BASELINE: u64 = 32 << 20;
+
+/// What holds memory within the budget, in the order they give way.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Consumer {
+    /// Files blazesym keeps open and parsed (by file size).
+    SymbolizerFiles,
+    /// JIT perf maps and jitdump names.
+    PerfMaps,
+    /// Go function tables of stripped Go binaries.
+    GoTables,
+    /// Unwind tables no live process uses, kept for the next one.
+    UnusedUnwindTables,
+    /// Batches waiting for the collector.
+    ExportQueue,
+    /// Samples waiting for their unwind table or their process's maps.
+    HeldSamples,
+}
+
+impl Consumer {
+    /// Every consumer, the first to give way first.
+    pub const ALL: [Consumer; 6] = [
+        Consumer::SymbolizerFiles,
+        Consumer::PerfMaps,
+        Consumer::GoTables,
+        Consumer::UnusedUnwindTables,
+        Consumer::ExportQueue,
+        Consumer::HeldSamples,
+    ];
+
+    /// Its name in the report and in `/metrics`.
+    pub fn name(self) -> &'static str {
+        match self {
+            Consumer::SymbolizerFiles => "symbolizer_files",
+            Consumer::PerfMaps => "perf_maps",
+            Consumer::GoTables => "go_tables",
+            Consumer::UnusedUnwindTables => "unwind_tables_unused",
+            Consumer::ExportQueue => "export_queue",
+            Consumer::HeldSamples => "samples_waiting",
+        }
+    }
+
+    /// Its size when memory is plentiful.
+    pub fn full(self) -> u64 {
+        match self {
+            Consumer::SymbolizerFiles => 512 << 20,
+            Consumer::GoTables => 128 << 20,
+            Consumer::PerfMaps
+            | Consumer::UnusedUnwindTables
+            | Consumer::ExportQueue
+            | Consumer::HeldSamples => 64 << 20,
+        }
+    }
+
+    /// The least it is cut to: below, it would stop working (one file
+    /// open at a time, one batch queued) rather than work with less.
+    pub fn floor(self) -> u64 {
+        match self {
+            Consumer::SymbolizerFiles => 8 << 20,
+            _ => 4 << 20,
+        }
+    }
+}
+
+/// Where the limit came from.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum LimitSource {
+    Flag,
+    /// A share of this cgroup's limit (its path, and the limit).
+    Cgroup {
+        path: String,
+        limit: u64,
+    },
+    Default,
+}
+
+impl fmt::Display for LimitSource {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            LimitSource::Flag => f.write_str("--memory-limit"),
+            LimitSource::Cgroup { path, limit } => write!(
+                f,
+                "{}/{} of the limit of cgroup {path} ({})",
+                CGROUP_SHARE.0,
+                CGROUP_SHARE.1,
+                Bytes(*limit)
+            ),
+            LimitSource::Default => f.write_str("the default"),
+        }
+    }
+}
+
+/// Why a limit cannot be kept.
+#[derive(Debug, thiserror::Error)]
+pub enum BudgetError {
+    #[error(
+        "memory limit {limit} (from {from}) is below what the agent needs at the least: \
+         {needed} (its baseline {baseline}, the ring buffer {ring}, and every cache at its floor)"
+    )]
+    TooLow {
+        limit: Bytes,
+        from: LimitSource,
+        needed: Bytes,
+        baseline: Bytes,
+        ring: Bytes,
+    },
+}
+
+/// The budget: the limit and each consumer's share of it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct MemoryBudget {
+    pub limit: u64,
+    pub source: LimitSource,
+    /// The baseline and the ring buffer: what the shares leave room for.
+    pub reserved: u64,
+    shares: [u64; Consumer::ALL.len()],
+}
+
+impl MemoryBudget {
+    /// Splits `limit` (from `source`) among the consumers, `ring` bytes of
+    /// ring buffer and the baseline set aside; `fixed` consumers keep the
+    /// size given (a flag of their own), and are never cut.
+    pub fn split(
+        limit: u64,
+        source: LimitSource,
+        ring: u64,
+        fixed: &[(Consumer, u64)],
+    ) -> Result<Self, BudgetError> {
+        let fixed_size = |consumer| {
+            fixed
+                .iter()
+                .find(|(which, _)| *which == consumer)
+                .map(|&(_, bytes)| bytes)
+        };
+        let mut shares =
+            Consumer::ALL.map(|consumer| fixed_size(consumer).unwrap_or(consumer.full()));
+        let floors = Consumer::ALL.map(|consumer| fixed_size(consumer).unwrap_or(consumer.floor()));
+        let reserved = BASELINE + ring;
+        let needed = reserved + floors.iter().sum::<u64>();
+        if limit < needed {
+            return Err(BudgetError::TooLow {
+                limit: Bytes(limit),
+                from: source,
+                needed: Bytes(needed),
+                baseline: Bytes(BASELINE),
+                ring: Bytes(ring),
+            });
+        }
+        let mut over = (reserved + shares.iter().sum::<u64>()).saturating_sub(limit);
+        for (share, floor) in shares.iter_mut().zip(floors) {
+            let cut = over.min(*share - floor);
+            *share -= cut;
+            over -= cut;
+        }
+        Ok(Self {
+            limit,
+            source,
+            reserved,
+            shares,
+        })
+    }
+
+    /// `consumer`'s share.
+    pub fn share(&self, consumer: Consumer) -> u64 {
+        let at = Consumer::ALL
+            .iter()
+            .position(|&which| which == consumer)
+            .unwrap_or_default();
+        self.shares[at]
+    }
+
+    /// Each consumer and its share, the first to give way first.
+    pub fn shares(&self) -> impl Iterator<Item = (Consumer, u64)> + '_ {
+        Consumer::ALL.into_iter().zip(self.shares)
+    }
+
+    /// The budget in the report: the limit, its source, what is set aside
+    /// and each share, in the order they give way.
+    pub fn json(&self) -> serde_json::Value {
+        serde_json::json!({
+            "limit_bytes": self.limit,
+            "source": self.source.to_string(),
+            "reserved_bytes": self.reserved,
+            "shares": self
+                .shares()
+                .map(|(consumer, bytes)| serde_json::json!({
+                    "consumer": consumer.name(),
+                    "bytes": bytes,
+                }))
+                .collect::<Vec<_>>(),
+        })
+    }
+}
+
+/// The limit: `flag` when given, else a share of the agent's cgroup's
+/// memory limit when one is set, else [`DEFAULT_LIMIT`].
+pub fn resolve_limit(flag: Option<u64>) -> (u64, LimitSource) {
+    if let Some(limit) = flag {
+        return (limit, LimitSource::Flag);
+    }
+    match cgroup_limit(
+        Path::new("/proc/self/cgroup"),
+        Path::new("/proc/self/mountinfo"),
+    ) {
+        Some((path, limit)) => (
+            limit / CGROUP_SHARE.1 * CGROUP_SHARE.0,
+            LimitSource::Cgroup { path, limit },
+        ),
+        None => (DEFAULT_LIMIT, LimitSource::Default),
+    }
+}
+
+/// Limits at or above this are no limit (cgroup v1 writes "unlimited" as
+/// the largest page-aligned `i64`).
+const UNLIMITED: u64 = 1 << 62;
+
+/// The memory limit of the cgroup this process runs in, and the cgroup's
+/// path: cgroup2's `memory.max` (the least of its and its ancestors'), or
+/// else cgroup v1's `hierarchical_memory_limit`; `None` when no limit is set
+/// or none can be read.
+fn cgroup_limit(cgroup_file: &Path, mountinfo_file: &Path) -> Option<(String, u64)> {
+    let cgroups = std::fs::read_to_string(cgroup_file).ok()?;
+    let mountinfo = std::fs::read_to_string(mountinfo_file).ok()?;
+    let mounts = memory_mounts(&mountinfo);
+    let v2 = cgroups.lines().find_map(|line| line.strip_prefix("0::"));
+    if let (Some(path), Some(mount)) = (v2, &mounts.v2) {
+        // Walk up: a parent's limit binds its children too.
+        let mut dir = mount.join(path.trim_start_matches('/'));
+        let mut least: Option<u64> = None;
+        while dir.starts_with(mount) {
+            if let Some(limit) = std::fs::read_to_string(dir.join("memory.max"))
+                .ok()
+                .and_then(|text| text.trim().parse::<u64>().ok())
+            {
+                least = Some(least.map_or(limit, |least| least.min(limit)));
+            }
+            if !dir.pop() {
+                break;
+            }
+        }
+        if let Some(limit) = least.filter(|&limit| limit < UNLIMITED) {
+            return Some((path.to_owned(), limit));
+        }
+    }
+    let v1 = cgroups.lines().find_map(|line| {
+        let mut fields = line.splitn(3, ':');
+        let (_, controllers, path) = (fields.next()?, fields.next()?, fields.next()?);
+        controllers
+            .split(',')
+            .any(|c| c == "memory")
+            .then_some(path)
+    })?;
+    let stat = std::fs::read_to_string(
+        mounts
+            .v1
+            .as_ref()?
+            .join(v1.trim_start_matches('/'))
+            .join("memory.stat"),
+    )
+    .ok()?;
+    let limit = stat.lines().find_map(|line| {
+        line.strip_prefix("hierarchical_memory_limit ")?
+            .trim()
+            .parse::<u64>()
+            .ok()
+    })?;
+    (limit < UNLIMITED).then(|| (v1.to_owned(), limit))
+}
+
+/// Where the memory controller is mounted.
+#[derive(Debug, Default, PartialEq, Eq)]
+struct MemoryMounts {
+    /// The cgroup2 hierarchy, if its memory controller is enabled.
+    v2: Option<std::path::PathBuf>,
+    /// cgroup v1's memory hierarchy.
+    v1: Option<std::path::PathBuf>,
+}
+
+fn memory_mounts(mountinfo: &str) -> MemoryMounts {
+    let mut mounts = MemoryMounts::default();
+    for line in mountinfo.lines() {
+        let Some((before, after)) = line.split_once(" - ") else {
+            continue;
+        };
+        let Some(point) = before.split_whitespace().nth(4) else {
+            continue;
+        };
+        let point =
+            std::path::PathBuf::from(stackscope_metadata::cgroups::unescape_mount_field(point));
+        let mut after = after.split_whitespace();
+        match (after.next(), after.nth(1)) {
+            (Some("cgroup2"), _) => {
+                let enabled = std::fs::read_to_string(point.join("cgroup.controllers"))
+                    .is_ok_and(|controllers| controllers.split_whitespace().any(|c| c == "memory"));
+                if enabled {
+                    mounts.v2 = Some(point);
+                }
+            }
+            (Some("cgroup"), Some(options)) if options.split(',').any(|o| o == "memory") => {
+                mounts.v1 = Some(point);
+            }
+            _ => {}
+        }
+    }
+    mounts
+}
+
+/// A size as people write it: `96MiB`, `96Mi`, `96M` (binary units, as
+/// Kubernetes' `Mi`), `1G`, or bytes.
+pub fn parse_size(text: &str) -> Result<u64, String> {
+    let text = text.trim();
+    let digits = text
+        .find(|c: char| !c.is_ascii_digit())
+        .unwrap_or(text.len());
+    let (number, unit) = text.split_at(digits);
+    let number: u64 = number
+        .parse()
+        .map_err(|_| format!("{text:?} is not a size such as 96MiB or 1GiB"))?;
+    let shift = match unit.trim().to_ascii_lowercase().as_str() {
+        "" | "b" => 0,
+        "k" | "ki" | "kib" | "kb" => 10,
+        "m" | "mi" | "mib" | "mb" => 20,
+        "g" | "gi" | "gib" | "gb" => 30,
+        _ => return Err(format!("unknown unit in {text:?}: use KiB, MiB or GiB")),
+    };
+    number
+        .checked_mul(1 << shift)
+        .ok_or_else(|| format!("{text:?} is too large"))
+}
+
+/// Bytes, shown in MiB.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Bytes(pub u64);
+
+impl fmt::Display for Bytes {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{:.1} MiB", self.0 as f64 / f64::from(1 << 20))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const MIB: u64 = 1 << 20;
+
+    #[test]
+    fn plenty_of_memory_leaves_every_consumer_its_full_size() {
+        let budget = MemoryBudget::split(4 << 30, LimitSource::Flag, 4 * MIB, &[]).unwrap();
+        for (consumer, share) in budget.shares() {
+            assert_eq!(share, consumer.full(), "{consumer:?}");
+        }
+    }
+
+    #[test]
+    fn what_gives_way_first_is_cut_to_its_floor_before_the_next_is_cut() {
+        // 96 MiB: 36 MiB set aside, 60 MiB for the consumers, whose full
+        // sizes add up to 896 MiB.
+        let budget = MemoryBudget::split(96 * MIB, LimitSource::Flag, 4 * MIB, &[]).unwrap();
+        let shares: Vec<_> = budget.shares().map(|(_, share)| share / MIB).collect();
+        assert_eq!(shares, [8, 4, 4, 4, 4, 36]);
+        assert_eq!(
+            budget.reserved + budget.shares().map(|(_, share)| share).sum::<u64>(),
+            96 * MIB
+        );
+        // More room goes to what gives way last first.
+        let budget = MemoryBudget::split(200 * MIB, LimitSource::Flag, 4 * MIB, &[]).unwrap();
+        let shares: Vec<_> = budget.shares().map(|(_, share)| share / MIB).collect();
+        assert_eq!(shares, [8, 4, 4, 20, 64, 64]);
+    }
+
+    #[test]
+    fn a_size_given_by_its_own_flag_is_kept_and_counted() {
+        let fixed = [(Consumer::ExportQueue, 16 * MIB)];
+        let budget = MemoryBudget::split(96 * MIB, LimitSource::Flag, 4 * MIB, &fixed).unwrap();
+        assert_eq!(budget.share(Consumer::ExportQueue), 16 * MIB);
+        assert_eq!(budget.share(Consumer::HeldSamples), 24 * MIB);
+    }
+
+    #[test]
+    fn a_limit_below_the_floors_is_refused_and_says_what_it_needs() {
+        let err = MemoryBudget::split(48 * MIB, LimitSource::Flag, 4 * MIB, &[]).unwrap_err();
+        let text = err.to_string();
+        assert!(text.contains("48.0 MiB (from --memory-limit)"), "{text}");
+        assert!(text.contains("64.0 MiB"), "{text}");
+    }
+
+    #[test]
+    fn sizes_are_read_as_people_write_them() {
+        assert_eq!(parse_size("96MiB"), Ok(96 * MIB));
+        assert_eq!(parse_size("96Mi"), Ok(96 * MIB));
+        assert_eq!(parse_size("1G"), Ok(1 << 30));
+        assert_eq!(parse_size("4096"), Ok(4096));
+        assert!(parse_size("96 parsecs").is_err());
+        assert!(parse_size("MiB").is_err());
+        assert!(parse_size("99999999999999GiB").is_err());
+    }
+
+    #[test]
+    fn the_memory_controller_is_found_in_v1_mounts() {
+        let mountinfo = "35 31 0:32 / /sys/fs/cgroup/memory rw,relatime - cgroup cgroup rw,memory\n\
+                         36 31 0:33 / /sys/fs/cgroup/cpu rw,relatime - cgroup cgroup rw,cpu\n";
+        assert_eq!(
+            memory_mounts(mountinfo),
+            MemoryMounts {
+                v2: None,
+                v1: Some("/sys/fs/cgroup/memory".into())
+            }
+        );
+    }
+
+    #[test]
+    fn a_cgroups_limit_is_read_and_unlimited_is_none() {
+        let dir = tempfile::tempdir().unwrap();
+        let memory = dir.path().join("memory");
+        let group = memory.join("pods/agent");
+        std::fs::create_dir_all(&group).unwrap();
+        let mountinfo = dir.path().join("mountinfo");
+        std::fs::write(
+            &mountinfo,
+            format!(
+                "35 31 0:32 / {} rw,relatime - cgroup cgroup rw,memory\n",
+                memory.display()
+            ),
+        )
+        .unwrap();
+        let cgroup = dir.path().join("cgroup");
+        std::fs::write(&cgroup, "4:memory:/pods/agent\n0::/\n").unwrap();
+        std::fs::write(
+            group.join("memory.stat"),
+            "cache 0\nhierarchical_memory_limit 268435456\n",
+        )
+        .unwrap();
+        assert_eq!(
+            cgroup_limit(&cgroup, &mountinfo),
+            Some(("/pods/agent".into(), 256 * MIB))
+        );
+        std::fs::write(
+            group.join("memory.stat"),
+            "hierarchical_memory_limit 9223372036854771712\n",
+        )
+        .unwrap();
+        assert_eq!(cgroup_limit(&cgroup, &mountinfo), None);
+    }
+}

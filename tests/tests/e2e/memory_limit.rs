@@ -1,0 +1,143 @@
+//! The agent's memory limit (root, a real memory cgroup): without
+//! `--memory-limit` the agent takes 3/4 of its cgroup's limit (cgroup2's
+//! `memory.max` where the memory controller is there, else cgroup v1's
+//! `memory.limit_in_bytes`), as a DaemonSet's container limit sets it; a
+//! limit below what the agent needs at the least is refused, saying what
+//! it needs. (That the agent keeps within its limit under load is the
+//! hostile test's part.)
+
+use std::{
+    path::PathBuf,
+    process::{Command, Stdio},
+    time::Duration,
+};
+
+use stackscope_test_fixtures::workspace_binary;
+use stackscope_tests::{exclusive, require_root, wait_success};
+
+/// A memory cgroup made for the test (cgroup2 with the memory controller,
+/// else cgroup v1's memory hierarchy) with a limit; on drop, whatever runs
+/// in it is killed and it is removed.
+struct MemoryCgroup {
+    path: PathBuf,
+}
+
+impl MemoryCgroup {
+    fn with_limit(bytes: u64) -> Self {
+        let mount = stackscope_metadata::cgroups::cgroup2_mount().ok();
+        let v2 = mount.filter(|mount| {
+            std::fs::read_to_string(mount.join("cgroup.subtree_control"))
+                .is_ok_and(|controllers| controllers.split_whitespace().any(|c| c == "memory"))
+        });
+        let (parent, limit_file) = match v2 {
+            Some(mount) => (mount, "memory.max"),
+            None => (
+                PathBuf::from("/sys/fs/cgroup/memory"),
+                "memory.limit_in_bytes",
+            ),
+        };
+        let path = parent.join(format!("stackscope-test-memory-{}", std::process::id()));
+        std::fs::create_dir(&path)
+            .unwrap_or_else(|err| panic!("creating {}: {err}", path.display()));
+        let cgroup = Self { path };
+        std::fs::write(cgroup.path.join(limit_file), bytes.to_string())
+            .expect("setting the cgroup's memory limit");
+        cgroup
+    }
+}
+
+impl Drop for MemoryCgroup {
+    fn drop(&mut self) {
+        let procs = std::fs::read_to_string(self.path.join("cgroup.procs")).unwrap_or_default();
+        for pid in procs
+            .lines()
+            .filter_map(|line| line.trim().parse::<i32>().ok())
+        {
+            // SAFETY: kill(2) on processes this test put in its own cgroup.
+            unsafe { libc::kill(pid, libc::SIGKILL) };
+        }
+        for _ in 0..100 {
+            if std::fs::remove_dir(&self.path).is_ok() {
+                return;
+            }
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        eprintln!("could not remove test cgroup {}", self.path.display());
+    }
+}
+
+#[test]
+fn without_a_limit_of_its_own_the_agent_takes_three_quarters_of_its_cgroups() {
+    require_root();
+    let _serial = exclusive();
+    let cgroup = MemoryCgroup::with_limit(256 << 20);
+    // The shell moves itself into the cgroup, then becomes the agent: the
+    // agent reads its cgroup as it starts.
+    let agent = Command::new("sh")
+        .arg("-c")
+        .arg(r#"echo $$ > "$1/cgroup.procs" && shift && exec "$@""#)
+        .arg("sh")
+        .arg(&cgroup.path)
+        .arg(workspace_binary("stackscope-agent"))
+        .args([
+            "--pid",
+            &std::process::id().to_string(),
+            "--duration",
+            "1s",
+            "--json",
+        ])
+        .stdout(Stdio::piped())
+        .spawn()
+        .expect("starting the agent");
+    let report = wait_success(agent);
+    let memory = &report["memory"];
+    assert_eq!(memory["limit_bytes"].as_u64(), Some(192 << 20), "{memory}");
+    let name = cgroup
+        .path
+        .file_name()
+        .unwrap()
+        .to_string_lossy()
+        .into_owned();
+    assert!(
+        memory["source"]
+            .as_str()
+            .is_some_and(|source| source.contains(&name)),
+        "{memory}"
+    );
+    // What gives way first is cut first: the symbolizer's files are at
+    // their floor before the held samples lose anything.
+    let share = |name: &str| {
+        memory["shares"]
+            .as_array()
+            .and_then(|shares| shares.iter().find(|share| share["consumer"] == name))
+            .and_then(|share| share["bytes"].as_u64())
+            .unwrap_or_else(|| panic!("no share for {name}: {memory}"))
+    };
+    assert_eq!(share("symbolizer_files"), 8 << 20, "{memory}");
+    assert_eq!(share("samples_waiting"), 64 << 20, "{memory}");
+}
+
+#[test]
+fn a_limit_below_what_the_agent_needs_is_refused_saying_what_it_needs() {
+    let out = Command::new(workspace_binary("stackscope-agent"))
+        .args(["--memory-limit", "40MiB", "--duration", "1s"])
+        .env("RUST_BACKTRACE", "0")
+        .output()
+        .expect("running the agent");
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success(), "{stderr}");
+    assert!(
+        stderr
+            .contains("memory limit 40.0 MiB (from --memory-limit) is below what the agent needs"),
+        "{stderr}"
+    );
+    let out = Command::new(workspace_binary("stackscope-agent"))
+        .args(["--memory-limit", "96 parsecs"])
+        .output()
+        .expect("running the agent");
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        !out.status.success() && stderr.contains("unknown unit"),
+        "{stderr}"
+    );
+}
