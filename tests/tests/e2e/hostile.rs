@@ -1,7 +1,7 @@
 //! Hostile processes (root, real BPF, real podman): what any container on a
 //! node can hand the agent, on purpose or by accident, all at once.
 //!
-//! - a "JIT" with a 2 GiB perf map;
+//! - a "JIT" with a 2 GiB perf map, and four with 32 MiB ones;
 //! - a program that replaces itself with a new image every millisecond;
 //! - a program whose stacks are mapped and unmapped while it runs on them;
 //! - a binary whose `.eh_frame` is a chain of entries pointing at each
@@ -29,11 +29,16 @@ use stackscope_tests::{Collector, exclusive, free_port, http_get, require_root, 
 /// Size of the hostile perf map.
 const PERF_MAP_MIB: &str = "2048";
 
-/// The agent's memory limit here: low, so that its budget bites (the
-/// perf map's names alone would take 64 MiB; under the default limit the
-/// agent, a debug build, peaked at 100 MiB in this test). Its peak RSS
-/// must stay within it.
-const MEMORY_LIMIT_MIB: u64 = 96;
+/// JITs beside the hostile one, each with a perf map of this many MiB:
+/// more names than one process may keep (a quarter of the perf maps'
+/// share), together more than the budget gives them all.
+const MORE_JITS: usize = 4;
+const MORE_PERF_MAP_MIB: &str = "32";
+
+/// The agent's memory limit here: low, so that its budget bites (the JITs'
+/// names alone would take 64 MiB at the perf maps' full size). Its peak
+/// RSS must stay within it.
+const MEMORY_LIMIT_MIB: u64 = 128;
 
 #[test]
 fn hostile_processes_leave_the_agent_bounded_and_still_naming() {
@@ -44,6 +49,13 @@ fn hostile_processes_leave_the_agent_bounded_and_still_naming() {
     let jit = Fixture::compile("hostile_jit", &[]);
     let jit_run = jit.start(&[PERF_MAP_MIB]);
     let _perf_map = RemoveOnDrop(PathBuf::from(format!("/tmp/perf-{}.map", jit_run.pid())));
+    let more_jits: Vec<_> = (0..MORE_JITS)
+        .map(|_| {
+            let run = jit.start(&[MORE_PERF_MAP_MIB]);
+            let map = RemoveOnDrop(PathBuf::from(format!("/tmp/perf-{}.map", run.pid())));
+            (run, map)
+        })
+        .collect();
     let exec_loop = Fixture::compile("exec_loop", &[]);
     let exec_run = exec_loop.start(&[]);
     let remap = Fixture::compile("stack_remap", &[]);
@@ -98,8 +110,9 @@ fn hostile_processes_leave_the_agent_bounded_and_still_naming() {
         control_run.pid(),
         looped_pid,
     ]
-    .iter()
-    .map(u32::to_string)
+    .into_iter()
+    .chain(more_jits.iter().map(|(run, _)| run.pid()))
+    .map(|pid| pid.to_string())
     .collect();
     let metrics = format!("127.0.0.1:{}", free_port());
     let images_before = exec_images(exec_run.pid());
