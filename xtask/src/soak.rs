@@ -56,6 +56,10 @@ const COLUMNS: usize = 7;
 /// the export queue see real traffic.
 const HZ: &str = "199";
 
+/// The agent's memory limit (MiB): the DaemonSet's default budget, which
+/// its peak RSS over the whole soak must stay within.
+const AGENT_MEMORY_LIMIT_MIB: u64 = 192;
+
 pub fn run(minutes: f64, release: bool) -> anyhow::Result<()> {
     if !(minutes > 0.0 && minutes.is_finite()) {
         bail!("--minutes must be a positive number, not {minutes}");
@@ -105,6 +109,7 @@ pub fn run(minutes: f64, release: bool) -> anyhow::Result<()> {
         Command::new(bin.join("stackscope-agent"))
             .args(["--collector", &format!("http://{grpc}")])
             .args(["--frequency", HZ, "--metrics-address", &agent_metrics])
+            .args(["--memory-limit", &format!("{AGENT_MEMORY_LIMIT_MIB}MiB")])
             .arg("--cgroup")
             .arg(&cgroups.load.0)
             .arg("--cgroup")
@@ -154,6 +159,12 @@ pub fn run(minutes: f64, release: bool) -> anyhow::Result<()> {
     load.stop()?;
     // What the agent still holds is delivered before it is asked to stop.
     let delivery = Delivery::when_delivered(&agent_metrics);
+    // The whole run's peak, not the samples': a spike between two is what
+    // would get the agent killed.
+    let agent_peak = std::fs::read_to_string(format!("/proc/{}/status", agent.0.id()))
+        .ok()
+        .and_then(|status| status_kib(&status, "VmHWM:"))
+        .map(|kib| kib << 10);
     stop(agent, "the agent")?;
     stop(
         collector.take().expect("the collector runs"),
@@ -171,6 +182,18 @@ pub fn run(minutes: f64, release: bool) -> anyhow::Result<()> {
     let mut failures = verdicts;
     if !series.saw_containers() {
         failures.push("the agent never sampled one of the load's containers".into());
+    }
+    match agent_peak {
+        Some(peak) => {
+            println!(
+                "agent peak RSS: {:.1} MiB of its {AGENT_MEMORY_LIMIT_MIB} MiB limit",
+                peak as f64 / f64::from(1 << 20)
+            );
+            if peak > AGENT_MEMORY_LIMIT_MIB << 20 {
+                failures.push("the agent's peak RSS was over its --memory-limit".into());
+            }
+        }
+        None => failures.push("the agent's peak RSS could not be read".into()),
     }
     if delivery.stored == 0 {
         failures.push("the agent stored no batch".into());
