@@ -679,7 +679,7 @@ fn early_wakeup(scratch: *mut u8, tgid: u32) -> bool {
     let deep_program = DEEP_STACK_BYTES.load() != 0 && unsafe { DEEP_PROGRAMS.get(comm) }.is_some();
     let new_process = !deep_program
         && PACED_DRAINS.get(0).is_some_and(|&paced| paced != 0)
-        && unsafe { NEW_PROCESS_WAKEUPS.get(&tgid) }.is_none();
+        && unsafe { NEW_PROCESS_WAKEUPS.get(tgid) }.is_none();
     if !deep_program && !new_process {
         return false;
     }
@@ -696,7 +696,7 @@ fn early_wakeup(scratch: *mut u8, tgid: u32) -> bool {
     }
     // A full map evicts its oldest entry: that process may wake the reader
     // once more.
-    if new_process && NEW_PROCESS_WAKEUPS.insert(&tgid, &1, 0).is_err() {
+    if new_process && NEW_PROCESS_WAKEUPS.insert(tgid, 1, 0).is_err() {
         return false;
     }
     count(Counter::EarlyWakeups);
@@ -1192,7 +1192,7 @@ pub fn on_process_exec(_ctx: RawTracePointContext) -> i32 {
     let _ = STACK_PLANS.remove(tid);
     let _ = STACK_TOPS.remove(tid);
     // Another program: its first tick may wake the reader again.
-    let _ = NEW_PROCESS_WAKEUPS.remove(&tgid);
+    let _ = NEW_PROCESS_WAKEUPS.remove(tgid);
     emit_process_event(RecordKind::Exec);
     0
 }
@@ -1204,6 +1204,9 @@ pub fn on_process_exec(_ctx: RawTracePointContext) -> i32 {
 pub fn on_process_exit(_ctx: RawTracePointContext) -> i32 {
     let pid_tgid = bpf_get_current_pid_tgid();
     if pid_tgid >> 32 == pid_tgid & 0xffff_ffff {
+        // A process that reuses the tgid is new: its first tick may wake
+        // the reader.
+        let _ = NEW_PROCESS_WAKEUPS.remove((pid_tgid >> 32) as u32);
         emit_process_event(RecordKind::Exit);
     }
     0

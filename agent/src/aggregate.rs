@@ -471,6 +471,9 @@ pub struct Aggregator {
     label_epoch: u64,
     /// Processes to describe (see [`Aggregator::take_wanted`]).
     wanted: Vec<Wanted>,
+    /// Some of them were never described: processes met for the first
+    /// time (see [`Aggregator::take_first_descriptions`]).
+    first_descriptions: bool,
     /// Files to open while their process runs (see
     /// [`Aggregator::take_to_open`]).
     to_open: Vec<Arc<ObjectFile>>,
@@ -846,6 +849,7 @@ impl Aggregator {
             merged: Vec::new(),
             label_epoch: 0,
             wanted: Vec::new(),
+            first_descriptions: false,
             to_open: Vec::new(),
         }
     }
@@ -894,6 +898,12 @@ impl Aggregator {
     /// missing). Their answers go to [`Aggregator::describe`].
     pub fn take_wanted(&mut self) -> Vec<Wanted> {
         std::mem::take(&mut self.wanted)
+    }
+
+    /// Whether processes never described were wanted since the last call:
+    /// processes met for the first time, not ones asked about again.
+    pub fn take_first_descriptions(&mut self) -> bool {
+        std::mem::take(&mut self.first_descriptions)
     }
 
     /// Takes the descriptions of processes wanted into their records, and
@@ -1009,6 +1019,7 @@ impl Aggregator {
             cgroup_id: header.cgroup_id,
         };
         if record.want(&wanted, Instant::now()) {
+            self.first_descriptions |= !record.described();
             self.wanted.push(wanted);
         }
     }

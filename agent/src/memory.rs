@@ -11,7 +11,14 @@
 //! killed for memory on a busy node loses exactly the profile that was
 //! wanted: a smaller cache costs re-reads instead.
 
-use std::{fmt, path::Path};
+use std::{
+    fmt,
+    path::{Path, PathBuf},
+};
+
+use stackscope_metadata::cgroups::unescape_mount_field;
+use stackscope_symbolize::node;
+use stackscope_unwind::walker::WalkerConfig;
 
 /// The limit when neither the flag nor a cgroup sets one: it fits the
 /// DaemonSet's 256 MiB with room for the kernel's share.
@@ -68,14 +75,16 @@ impl Consumer {
 
     /// Its size when memory is plentiful.
     pub fn full(self) -> u64 {
-        match self {
-            Consumer::SymbolizerFiles => 512 << 20,
-            Consumer::GoTables => 128 << 20,
-            Consumer::PerfMaps
-            | Consumer::UnusedUnwindTables
-            | Consumer::ExportQueue
-            | Consumer::HeldSamples => 64 << 20,
-        }
+        let walker = WalkerConfig::default();
+        let bytes = match self {
+            Consumer::SymbolizerFiles => return node::DEFAULT_MAX_OPEN_BYTES,
+            Consumer::GoTables => node::DEFAULT_MAX_GO_TABLE_BYTES,
+            Consumer::PerfMaps => node::perf_map::MAX_TOTAL_BYTES,
+            Consumer::UnusedUnwindTables => walker.table_cache_bytes,
+            Consumer::ExportQueue => crate::export::DEFAULT_MAX_QUEUE_BYTES,
+            Consumer::HeldSamples => walker.max_waiting_bytes,
+        };
+        bytes as u64
     }
 
     /// The least it is cut to: below, it would stop working (one file
@@ -145,7 +154,10 @@ pub struct MemoryBudget {
 impl MemoryBudget {
     /// Splits `limit` (from `source`) among the consumers, `ring` bytes of
     /// ring buffer and the baseline set aside; `fixed` consumers keep the
-    /// size given (a flag of their own), and are never cut.
+    /// size given (a flag of their own), and are never cut. A limit below
+    /// [`Self::least`] is refused when the flag set it; one from a cgroup or
+    /// the default (too small for a host with many CPUs, whose ring buffer
+    /// is larger) leaves every consumer at its floor, and says so.
     pub fn split(
         limit: u64,
         source: LimitSource,
@@ -161,20 +173,29 @@ impl MemoryBudget {
         let mut shares =
             Consumer::ALL.map(|consumer| fixed_size(consumer).unwrap_or(consumer.full()));
         let floors = Consumer::ALL.map(|consumer| fixed_size(consumer).unwrap_or(consumer.floor()));
-        let reserved = BASELINE + ring;
-        let needed = reserved + floors.iter().sum::<u64>();
-        if limit < needed {
-            return Err(BudgetError::TooLow {
+        let reserved = BASELINE.saturating_add(ring);
+        let least = floors
+            .iter()
+            .fold(reserved, |sum, &floor| sum.saturating_add(floor));
+        if limit < least {
+            let err = BudgetError::TooLow {
                 limit: Bytes(limit),
-                from: source,
-                needed: Bytes(needed),
+                from: source.clone(),
+                needed: Bytes(least),
                 baseline: Bytes(BASELINE),
                 ring: Bytes(ring),
-            });
+            };
+            if source == LimitSource::Flag {
+                return Err(err);
+            }
+            tracing::warn!("{err}: every cache and queue is kept at its floor");
         }
-        let mut over = (reserved + shares.iter().sum::<u64>()).saturating_sub(limit);
+        let total = shares
+            .iter()
+            .fold(reserved, |sum, &share| sum.saturating_add(share));
+        let mut over = total.saturating_sub(limit);
         for (share, floor) in shares.iter_mut().zip(floors) {
-            let cut = over.min(*share - floor);
+            let cut = over.min(share.saturating_sub(floor));
             *share -= cut;
             over -= cut;
         }
@@ -250,10 +271,10 @@ fn cgroup_limit(cgroup_file: &Path, mountinfo_file: &Path) -> Option<(String, u6
     let mounts = memory_mounts(&mountinfo);
     let v2 = cgroups.lines().find_map(|line| line.strip_prefix("0::"));
     if let (Some(path), Some(mount)) = (v2, &mounts.v2) {
-        // Walk up: a parent's limit binds its children too.
-        let mut dir = mount.join(path.trim_start_matches('/'));
+        // Walk up to the mount: a parent's limit binds its children too.
+        let mut dir = mount.dir_of(path);
         let mut least: Option<u64> = None;
-        while dir.starts_with(mount) {
+        while dir.starts_with(&mount.point) {
             if let Some(limit) = std::fs::read_to_string(dir.join("memory.max"))
                 .ok()
                 .and_then(|text| text.trim().parse::<u64>().ok())
@@ -276,14 +297,7 @@ fn cgroup_limit(cgroup_file: &Path, mountinfo_file: &Path) -> Option<(String, u6
             .any(|c| c == "memory")
             .then_some(path)
     })?;
-    let stat = std::fs::read_to_string(
-        mounts
-            .v1
-            .as_ref()?
-            .join(v1.trim_start_matches('/'))
-            .join("memory.stat"),
-    )
-    .ok()?;
+    let stat = std::fs::read_to_string(mounts.v1.as_ref()?.dir_of(v1).join("memory.stat")).ok()?;
     let limit = stat.lines().find_map(|line| {
         line.strip_prefix("hierarchical_memory_limit ")?
             .trim()
@@ -293,13 +307,35 @@ fn cgroup_limit(cgroup_file: &Path, mountinfo_file: &Path) -> Option<(String, u6
     (limit < UNLIMITED).then(|| (v1.to_owned(), limit))
 }
 
+/// A mount of a cgroup hierarchy: which of its directories (`root`) is
+/// mounted where (`point`).
+#[derive(Debug, PartialEq, Eq)]
+struct CgroupMount {
+    root: String,
+    point: PathBuf,
+}
+
+impl CgroupMount {
+    /// The directory of cgroup `path` (as `/proc/self/cgroup` names it).
+    /// In a container without a cgroup namespace the path is the host's
+    /// (`/kubepods/.../<id>`) while the mount's root is that cgroup
+    /// already.
+    fn dir_of(&self, path: &str) -> PathBuf {
+        let below = path
+            .strip_prefix(self.root.as_str())
+            .filter(|rest| rest.is_empty() || rest.starts_with('/') || self.root == "/")
+            .unwrap_or(path);
+        self.point.join(below.trim_start_matches('/'))
+    }
+}
+
 /// Where the memory controller is mounted.
 #[derive(Debug, Default, PartialEq, Eq)]
 struct MemoryMounts {
     /// The cgroup2 hierarchy, if its memory controller is enabled.
-    v2: Option<std::path::PathBuf>,
+    v2: Option<CgroupMount>,
     /// cgroup v1's memory hierarchy.
-    v1: Option<std::path::PathBuf>,
+    v1: Option<CgroupMount>,
 }
 
 fn memory_mounts(mountinfo: &str) -> MemoryMounts {
@@ -308,22 +344,25 @@ fn memory_mounts(mountinfo: &str) -> MemoryMounts {
         let Some((before, after)) = line.split_once(" - ") else {
             continue;
         };
-        let Some(point) = before.split_whitespace().nth(4) else {
+        let mut fields = before.split_whitespace().skip(3);
+        let (Some(root), Some(point)) = (fields.next(), fields.next()) else {
             continue;
         };
-        let point =
-            std::path::PathBuf::from(stackscope_metadata::cgroups::unescape_mount_field(point));
+        let mount = CgroupMount {
+            root: unescape_mount_field(root),
+            point: PathBuf::from(unescape_mount_field(point)),
+        };
         let mut after = after.split_whitespace();
         match (after.next(), after.nth(1)) {
             (Some("cgroup2"), _) => {
-                let enabled = std::fs::read_to_string(point.join("cgroup.controllers"))
+                let enabled = std::fs::read_to_string(mount.point.join("cgroup.controllers"))
                     .is_ok_and(|controllers| controllers.split_whitespace().any(|c| c == "memory"));
                 if enabled {
-                    mounts.v2 = Some(point);
+                    mounts.v2 = Some(mount);
                 }
             }
             (Some("cgroup"), Some(options)) if options.split(',').any(|o| o == "memory") => {
-                mounts.v1 = Some(point);
+                mounts.v1 = Some(mount);
             }
             _ => {}
         }
@@ -412,6 +451,22 @@ mod tests {
     }
 
     #[test]
+    fn a_cgroups_limit_too_low_for_this_host_leaves_every_cache_at_its_floor() {
+        let source = LimitSource::Cgroup {
+            path: "/pods/agent".into(),
+            limit: 64 * MIB,
+        };
+        // A host with many CPUs: a 128 MiB ring buffer, mapped twice.
+        let budget = MemoryBudget::split(48 * MIB, source, 256 * MIB, &[]).unwrap();
+        for (consumer, share) in budget.shares() {
+            assert_eq!(share, consumer.floor(), "{consumer:?}");
+        }
+        // A flag of its own no sum can overflow.
+        let fixed = [(Consumer::ExportQueue, u64::MAX)];
+        assert!(MemoryBudget::split(96 * MIB, LimitSource::Flag, 4 * MIB, &fixed).is_err());
+    }
+
+    #[test]
     fn sizes_are_read_as_people_write_them() {
         assert_eq!(parse_size("96MiB"), Ok(96 * MIB));
         assert_eq!(parse_size("96Mi"), Ok(96 * MIB));
@@ -430,9 +485,37 @@ mod tests {
             memory_mounts(mountinfo),
             MemoryMounts {
                 v2: None,
-                v1: Some("/sys/fs/cgroup/memory".into())
+                v1: Some(CgroupMount {
+                    root: "/".into(),
+                    point: "/sys/fs/cgroup/memory".into()
+                })
             }
         );
+    }
+
+    #[test]
+    fn a_containers_cgroup_is_found_below_the_root_its_mount_shows() {
+        // Without a cgroup namespace: the host's path, and the container's
+        // own cgroup mounted.
+        let mount = CgroupMount {
+            root: "/kubepods/pod1/abc".into(),
+            point: "/sys/fs/cgroup/memory".into(),
+        };
+        assert_eq!(
+            mount.dir_of("/kubepods/pod1/abc"),
+            PathBuf::from("/sys/fs/cgroup/memory")
+        );
+        assert_eq!(
+            mount.dir_of("/kubepods/pod1/abcdef"),
+            PathBuf::from("/sys/fs/cgroup/memory/kubepods/pod1/abcdef"),
+            "a prefix of a name is not a parent"
+        );
+        let host = CgroupMount {
+            root: "/".into(),
+            point: "/sys/fs/cgroup".into(),
+        };
+        assert_eq!(host.dir_of("/a/b"), PathBuf::from("/sys/fs/cgroup/a/b"));
+        assert_eq!(host.dir_of("/"), PathBuf::from("/sys/fs/cgroup"));
     }
 
     #[test]

@@ -84,6 +84,12 @@ impl ProcessLabels {
         true
     }
 
+    /// Whether a description came since its process started (or last
+    /// exec'd): asked again, it is no process met for the first time.
+    pub fn described(&self) -> bool {
+        self.exe.is_some() || self.container.is_some()
+    }
+
     /// The process exec'd (its first mapping `exe`, if the mapping feed
     /// saw it): its exe is described again.
     pub fn exec(&mut self, exe: Option<&Path>) {
@@ -301,6 +307,7 @@ mod tests {
         };
         let now = Instant::now();
         assert!(record.want(&wanted, now));
+        assert!(!record.described());
         assert!(!record.want(&wanted, now), "awaited");
         assert!(record.want(&wanted, now + ASK_AGAIN), "asked again");
         // Another process under the pid is asked for at once.
@@ -310,6 +317,7 @@ mod tests {
         };
         assert!(record.want(&other, now));
         labeller.describe(&mut record, described(60, 2, Some("/bin/x")), true, true);
+        assert!(record.described());
         assert!(record.want(&other, now), "answered: a new ask is a new one");
     }
 }

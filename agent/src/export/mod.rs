@@ -122,6 +122,9 @@ pub struct ExportConfig {
     pub max_backoff: Duration,
 }
 
+/// The export queue's bound when memory is plentiful.
+pub const DEFAULT_MAX_QUEUE_BYTES: usize = 64 << 20;
+
 impl ExportConfig {
     /// The defaults: zstd, a 64 MiB queue, 30 s per push, backoff from
     /// 500 ms up to 60 s, no TLS options, no token.
@@ -131,7 +134,7 @@ impl ExportConfig {
             tls: None,
             bearer_token: None,
             compression: Compression::default(),
-            max_queue_bytes: 64 << 20,
+            max_queue_bytes: DEFAULT_MAX_QUEUE_BYTES,
             request_timeout: Duration::from_secs(30),
             initial_backoff: Duration::from_millis(500),
             max_backoff: Duration::from_secs(60),

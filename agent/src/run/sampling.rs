@@ -649,11 +649,10 @@ impl RecordTally {
         // milliseconds rarely outruns; descriptions, which the interval's
         // end waits for).
         let python = self.python.take_wanted();
-        let descriptions = self.sink.aggregator.take_wanted();
-        let new_processes = !python.is_empty() || !descriptions.is_empty();
+        let new_processes = !python.is_empty() || self.sink.aggregator.take_first_descriptions();
         metadata.find_python(python);
         metadata.open(self.sink.aggregator.take_to_open());
-        metadata.describe(descriptions);
+        metadata.describe(self.sink.aggregator.take_wanted());
         metadata.read_jit(self.sink.aggregator.take_jit_requests());
         Asked {
             maps: maps_asked,
