@@ -320,6 +320,7 @@ fn main() -> anyhow::Result<()> {
         kubelet_refresh: args.kubelet_refresh,
         mapping_events: !args.no_mapping_events,
         python_frames: !args.no_python_frames,
+        python_code_bytes: share(&memory, Consumer::PythonCode),
         debuginfo_uploads: None,
         telemetry: args.metrics_address.map(|_| AgentTelemetry::new()),
     };

@@ -6,7 +6,7 @@
 //! sizes and the agent's baseline add up to more than the limit, they give
 //! way in a fixed order, each down to a floor before the next is cut: first
 //! what only costs work to rebuild (files the symbolizer holds open, then
-//! perf maps, Go tables, unused unwind tables), last what holds samples
+//! perf maps, Python code objects, Go tables, unused unwind tables), last what holds samples
 //! (the export queue, then samples waiting for their tables). An agent
 //! killed for memory on a busy node loses exactly the profile that was
 //! wanted: a smaller cache costs re-reads instead.
@@ -40,6 +40,8 @@ pub enum Consumer {
     SymbolizerFiles,
     /// JIT perf maps and jitdump names.
     PerfMaps,
+    /// Code objects read from CPython processes (their frames' names).
+    PythonCode,
     /// Go function tables of stripped Go binaries.
     GoTables,
     /// Unwind tables no live process uses, kept for the next one.
@@ -52,9 +54,10 @@ pub enum Consumer {
 
 impl Consumer {
     /// Every consumer, the first to give way first.
-    pub const ALL: [Consumer; 6] = [
+    pub const ALL: [Consumer; 7] = [
         Consumer::SymbolizerFiles,
         Consumer::PerfMaps,
+        Consumer::PythonCode,
         Consumer::GoTables,
         Consumer::UnusedUnwindTables,
         Consumer::ExportQueue,
@@ -66,6 +69,7 @@ impl Consumer {
         match self {
             Consumer::SymbolizerFiles => "symbolizer_files",
             Consumer::PerfMaps => "perf_maps",
+            Consumer::PythonCode => "python_code_objects",
             Consumer::GoTables => "go_tables",
             Consumer::UnusedUnwindTables => "unwind_tables_unused",
             Consumer::ExportQueue => "export_queue",
@@ -80,6 +84,7 @@ impl Consumer {
             Consumer::SymbolizerFiles => return node::DEFAULT_MAX_OPEN_BYTES,
             Consumer::GoTables => node::DEFAULT_MAX_GO_TABLE_BYTES,
             Consumer::PerfMaps => node::perf_map::MAX_TOTAL_BYTES,
+            Consumer::PythonCode => crate::run::DEFAULT_PYTHON_CODE_BYTES,
             Consumer::UnusedUnwindTables => walker.table_cache_bytes,
             Consumer::ExportQueue => crate::export::DEFAULT_MAX_QUEUE_BYTES,
             Consumer::HeldSamples => walker.max_waiting_bytes,
@@ -420,10 +425,10 @@ mod tests {
     #[test]
     fn what_gives_way_first_is_cut_to_its_floor_before_the_next_is_cut() {
         // 96 MiB: 36 MiB set aside, 60 MiB for the consumers, whose full
-        // sizes add up to 896 MiB.
+        // sizes add up to 960 MiB.
         let budget = MemoryBudget::split(96 * MIB, LimitSource::Flag, 4 * MIB, &[]).unwrap();
         let shares: Vec<_> = budget.shares().map(|(_, share)| share / MIB).collect();
-        assert_eq!(shares, [8, 4, 4, 4, 4, 36]);
+        assert_eq!(shares, [8, 4, 4, 4, 4, 4, 32]);
         assert_eq!(
             budget.reserved + budget.shares().map(|(_, share)| share).sum::<u64>(),
             96 * MIB
@@ -431,7 +436,7 @@ mod tests {
         // More room goes to what gives way last first.
         let budget = MemoryBudget::split(200 * MIB, LimitSource::Flag, 4 * MIB, &[]).unwrap();
         let shares: Vec<_> = budget.shares().map(|(_, share)| share / MIB).collect();
-        assert_eq!(shares, [8, 4, 4, 20, 64, 64]);
+        assert_eq!(shares, [8, 4, 4, 4, 16, 64, 64]);
     }
 
     #[test]
@@ -439,7 +444,7 @@ mod tests {
         let fixed = [(Consumer::ExportQueue, 16 * MIB)];
         let budget = MemoryBudget::split(96 * MIB, LimitSource::Flag, 4 * MIB, &fixed).unwrap();
         assert_eq!(budget.share(Consumer::ExportQueue), 16 * MIB);
-        assert_eq!(budget.share(Consumer::HeldSamples), 24 * MIB);
+        assert_eq!(budget.share(Consumer::HeldSamples), 20 * MIB);
     }
 
     #[test]
@@ -447,7 +452,7 @@ mod tests {
         let err = MemoryBudget::split(48 * MIB, LimitSource::Flag, 4 * MIB, &[]).unwrap_err();
         let text = err.to_string();
         assert!(text.contains("48.0 MiB (from --memory-limit)"), "{text}");
-        assert!(text.contains("64.0 MiB"), "{text}");
+        assert!(text.contains("68.0 MiB"), "{text}");
     }
 
     #[test]

@@ -20,7 +20,7 @@ mod metadata;
 mod process;
 mod python;
 
-pub use python::PythonStats;
+pub use python::{DEFAULT_CODE_BYTES as DEFAULT_PYTHON_CODE_BYTES, PythonStats};
 mod sampling;
 
 use std::{
@@ -109,6 +109,9 @@ pub struct AgentConfig {
     /// Read CPython processes' Python frames and put them in place of the
     /// evaluation loop's.
     pub python_frames: bool,
+    /// Bytes of code objects (Python frames' names) every CPython
+    /// process's record keeps together.
+    pub python_code_bytes: usize,
     /// Where binaries carrying symbols are offered for upload to the
     /// collector (`--upload-debuginfo`); `None`: no uploads.
     pub debuginfo_uploads: Option<UploadQueue>,
@@ -134,6 +137,7 @@ impl AgentConfig {
             kubelet_refresh: DEFAULT_KUBELET_REFRESH,
             mapping_events: true,
             python_frames: true,
+            python_code_bytes: DEFAULT_PYTHON_CODE_BYTES,
             debuginfo_uploads: None,
             telemetry: None,
         }

@@ -3,7 +3,7 @@
 // top table work on the tree already loaded.
 
 import { ApiError, answersWithoutToken, apiUrl, get, setToken, token } from "./api.js";
-import { Flamegraph, Tree, binaryLegend, frameHsl, functionKey, weight } from "./flamegraph.js";
+import { Flamegraph, Tree, binaryHsl, binaryLegend, functionKey, weight } from "./flamegraph.js";
 import { QueryBar, matcherValue, setMatcher } from "./query.js";
 import { Timeline, localTime, utcOffset } from "./timeline.js";
 
@@ -283,7 +283,7 @@ function renderLegend() {
     ...entries.map(([name, { frame }]) => {
       const span = document.createElement("span");
       const swatch = document.createElement("i");
-      const [h, s, l] = frameHsl(frame);
+      const [h, s, l] = binaryHsl(frame, tree.palette());
       swatch.style.background = `hsl(${h} ${s}% ${l}%)`;
       span.append(swatch, name);
       return span;

@@ -69,6 +69,7 @@ export class Tree {
     this.period = period;
     this.base = base;
     this.baseTotal = baseTotal;
+    this.binaryColors = null;
     this.depth = new Int32Array(n);
     this.self = Float64Array.from(total);
     const childCount = new Int32Array(n);
@@ -86,6 +87,27 @@ export class Tree {
     this.childList = new Int32Array(Math.max(n - 1, 0));
     const cursor = this.childStart.slice(0, n);
     for (let i = 1; i < n; i++) this.childList[cursor[parent[i]]++] = i;
+  }
+
+  /**
+   * Each binary's colour in this view: the binaries by their own samples,
+   * the heaviest first, each the next of the palette's 20 colours (past
+   * them, colours repeat). Once per tree.
+   */
+  palette() {
+    if (!this.binaryColors) {
+      const weights = new Map();
+      for (let i = 1; i < this.count; i++) {
+        const f = this.frames[this.frame[i]];
+        if (binaryKind(f) !== "user") continue;
+        weights.set(f.binary, (weights.get(f.binary) || 0) + this.self[i]);
+      }
+      const ranked = [...weights.entries()].sort((a, b) => b[1] - a[1] || (a[0] < b[0] ? -1 : 1));
+      this.binaryColors = new Map(
+        ranked.map(([binary], i) => [binary, USER_COLORS[i % USER_COLORS.length]]),
+      );
+    }
+    return this.binaryColors;
   }
 
   /** From the API's flat format: `nodes` as [parent, frame, total] triples. */
@@ -296,8 +318,14 @@ const KIND_COLORS = {
   synthetic: [210, 15, 80],
 };
 // Away from the kernel's orange, the JIT's and Python's greens, so those
-// stay apart.
-const USER_HUES = [200, 218, 236, 258, 280, 302, 324, 345, 60, 84];
+// stay apart; each in a light and a deeper shade: 20 colours for the
+// binaries of a view, the heaviest first, none shared among them.
+const USER_HUES = [200, 280, 236, 324, 60, 218, 302, 258, 345, 84];
+const USER_SHADES = [
+  [62, 72],
+  [48, 58],
+];
+const USER_COLORS = USER_SHADES.flatMap(([s, l]) => USER_HUES.map((h) => [h, s, l]));
 
 /**
  * A frame's name cut to `fits` characters, keeping the function's own name
@@ -345,15 +373,29 @@ function hash(text) {
   return h >>> 0;
 }
 
-export function frameHsl(frame) {
+/**
+ * The colour of a frame's binary, as the legend shows it: its kind's
+ * (kernel, JIT, Python, ...), or for a binary's own code the one `palette`
+ * (see `Tree.palette`) gives it.
+ */
+export function binaryHsl(frame, palette) {
   const kind = binaryKind(frame);
-  if (kind !== "user") {
-    const [h, s, l] = KIND_COLORS[kind];
-    const jitter = kind === "unknown" || kind === "synthetic" ? 0 : (hash(frame.name) % 10) - 5;
-    return [h, s, l + jitter];
+  if (kind !== "user") return KIND_COLORS[kind];
+  return palette?.get(frame.binary) ?? USER_COLORS[hash(frame.binary) % USER_COLORS.length];
+}
+
+/** A frame's colour: its binary's, each function a little lighter or darker. */
+function frameHsl(frame, palette) {
+  const [h, s, l] = binaryHsl(frame, palette);
+  switch (binaryKind(frame)) {
+    case "unknown":
+    case "synthetic":
+      return [h, s, l];
+    case "user":
+      return [h, s, l + (hash(frame.name) % 8) - 4];
+    default:
+      return [h, s, l + (hash(frame.name) % 10) - 5];
   }
-  const hue = USER_HUES[hash(frame.binary) % USER_HUES.length];
-  return [hue, 62, 70 + (hash(frame.name) % 12) - 6];
 }
 
 export function binaryLegend(frame) {
@@ -428,9 +470,10 @@ export class Flamegraph {
     this.tree = tree;
     this.zoom = 0;
     this.focused = -1;
-    this.colors = tree.frames.map((f) => hsl(frameHsl(f)));
+    const palette = tree.palette();
+    this.colors = tree.frames.map((f) => hsl(frameHsl(f, palette)));
     this.dim = tree.frames.map((f) => {
-      const [h, , l] = frameHsl(f);
+      const [h, , l] = frameHsl(f, palette);
       return `hsl(${h} 12% ${Math.min(90, l + 22)}%)`;
     });
     this.search = null;
@@ -748,7 +791,7 @@ export class Flamegraph {
         continue;
       }
       const f = t.frames[t.frame[r.node]];
-      const fill = t.base ? diffColor(t, r.node) : hsl(frameHsl(f));
+      const fill = t.base ? diffColor(t, r.node) : hsl(frameHsl(f, t.palette()));
       const share = t.total[0] ? ((100 * t.total[r.node]) / t.total[0]).toFixed(2) : "0";
       out.push(`<g><title>${esc(f.name)} (${esc(f.binary)}): ${t.total[r.node]} samples, ${share}%</title>`);
       out.push(`<rect x="${r.x.toFixed(2)}" y="${r.y}" width="${w}" height="${ROW - 1}" fill="${fill}"/>`);

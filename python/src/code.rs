@@ -624,4 +624,12 @@ impl CodeCache {
     pub fn bytes(&self) -> usize {
         self.bytes
     }
+
+    /// Empties the cache (for a bound over every process's): its objects
+    /// are read again as samples name them.
+    pub fn clear(&mut self) {
+        self.entries.clear();
+        self.bytes = 0;
+        self.stats.resets += 1;
+    }
 }

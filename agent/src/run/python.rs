@@ -16,10 +16,16 @@ use stackscope_telemetry::StateSize;
 use super::process::ProcessRecord;
 use stackscope_sampler::{Sampler, record::PythonStack};
 
+/// The code objects CPython processes' records keep together when memory
+/// is plentiful: [`MAX_CACHE_BYTES`] each for 32 processes.
+pub const DEFAULT_CODE_BYTES: usize = 32 * MAX_CACHE_BYTES;
+
 /// The code objects every CPython process's record keeps, in bytes,
-/// against what they may hold together: [`MAX_CACHE_BYTES`] a record, as
-/// many records as the process table keeps (the default table's bound).
-pub(super) fn code_cache_size(processes: &ProcessTable<ProcessRecord>) -> StateSize {
+/// against what they may hold together.
+pub(super) fn code_cache_size(
+    processes: &ProcessTable<ProcessRecord>,
+    max_bytes: usize,
+) -> StateSize {
     let bytes = processes
         .states()
         .map(|(_, record)| match &record.python {
@@ -27,11 +33,24 @@ pub(super) fn code_cache_size(processes: &ProcessTable<ProcessRecord>) -> StateS
             _ => 0,
         })
         .sum();
-    StateSize::bytes(
-        "python_code_objects",
-        bytes,
-        Some(MAX_CACHE_BYTES * stackscope_process_table::table::MAX_PROCESSES),
-    )
+    StateSize::bytes("python_code_objects", bytes, Some(max_bytes))
+}
+
+/// Which of the caches (`sizes`: each process's, in bytes) to empty for
+/// the rest to hold at most `max_bytes`: the largest first (the process
+/// with the most code sampled is the one whose names come back soonest).
+fn caches_to_clear(mut sizes: Vec<(u32, usize)>, max_bytes: usize) -> Vec<u32> {
+    let mut total: usize = sizes.iter().map(|&(_, bytes)| bytes).sum();
+    sizes.sort_unstable_by(|a, b| b.1.cmp(&a.1));
+    let mut cleared = Vec::new();
+    for (tgid, bytes) in sizes {
+        if total <= max_bytes {
+            break;
+        }
+        total -= bytes;
+        cleared.push(tgid);
+    }
+    cleared
 }
 
 /// See the module documentation.
@@ -46,6 +65,8 @@ pub(super) struct PythonProcesses {
     wanted: Vec<u32>,
     /// Processes whose sampler entries go (exec, exit, gone).
     forget: Vec<u32>,
+    /// What the records' code objects may hold together.
+    pub code_bytes: usize,
     pub stats: PythonStats,
 }
 
@@ -57,12 +78,15 @@ pub struct PythonStats {
     /// Python stacks read, and those paired with their sample.
     pub stacks: u64,
     pub paired: u64,
+    /// Processes' code objects dropped for the bound over all of them.
+    pub code_caches_cleared: u64,
 }
 
 impl PythonProcesses {
-    pub fn new(enabled: bool) -> Self {
+    pub fn new(enabled: bool, code_bytes: usize) -> Self {
         Self {
             enabled,
+            code_bytes,
             ..Self::default()
         }
     }
@@ -144,6 +168,28 @@ impl PythonProcesses {
         )));
     }
 
+    /// Empties the largest processes' code caches until they all hold at
+    /// most [`Self::code_bytes`] (asked at each interval's end: between,
+    /// they grow by what one interval's samples name).
+    pub fn trim_codes(&mut self, processes: &mut ProcessTable<ProcessRecord>) {
+        let sizes = processes
+            .states()
+            .filter_map(|(tgid, record)| match &record.python {
+                PythonRecord::Found(state) => Some((tgid, state.codes.bytes())),
+                _ => None,
+            })
+            .collect();
+        for tgid in caches_to_clear(sizes, self.code_bytes) {
+            if let Some(PythonRecord::Found(state)) = processes
+                .state_of_mut(tgid)
+                .map(|record| &mut record.python)
+            {
+                state.codes.clear();
+                self.stats.code_caches_cleared += 1;
+            }
+        }
+    }
+
     /// Process `tgid` exec'd or exited: its sampler entry goes (the record
     /// goes with the process table's).
     pub fn gone(&mut self, tgid: u32) {
@@ -167,12 +213,21 @@ mod tests {
     use super::*;
 
     #[test]
+    fn the_largest_code_caches_go_first_until_the_rest_fit() {
+        let sizes = vec![(1, 100), (2, 700), (3, 300), (4, 50)];
+        assert_eq!(caches_to_clear(sizes.clone(), 2000), Vec::<u32>::new());
+        assert_eq!(caches_to_clear(sizes.clone(), 450), vec![2]);
+        assert_eq!(caches_to_clear(sizes.clone(), 149), vec![2, 3, 1]);
+        assert_eq!(caches_to_clear(sizes, 0), vec![2, 3, 1, 4]);
+    }
+
+    #[test]
     fn a_process_is_asked_about_once_and_forgotten_only_if_described() {
-        let mut python = PythonProcesses::new(false);
+        let mut python = PythonProcesses::new(false, DEFAULT_CODE_BYTES);
         let mut record = PythonRecord::default();
         python.maybe_python(5, &mut record);
         assert!(python.take_wanted().is_empty(), "turned off");
-        let mut python = PythonProcesses::new(true);
+        let mut python = PythonProcesses::new(true, DEFAULT_CODE_BYTES);
         python.maybe_python(5, &mut record);
         python.maybe_python(5, &mut record);
         assert_eq!(python.take_wanted(), [5]);

@@ -271,7 +271,7 @@ async fn sample(
         kernel_frames: Vec::with_capacity(agent_common::MAX_KERNEL_FRAMES),
         tail_spans: Vec::with_capacity(agent_common::MAX_TAIL_SPANS),
         feed,
-        python: PythonProcesses::new(config.python_frames),
+        python: PythonProcesses::new(config.python_frames, config.python_code_bytes),
     };
     if let Some(pods) = pods {
         records.sink.aggregator.set_pods(pods);
@@ -295,6 +295,7 @@ async fn sample(
                 drain(&mut records, &mut sampler, &reports, &handoffs, &metadata, began).map(|()| {
                     metadata.find_gone(records.tracked_processes());
                     records.walker.trim_tables();
+                    records.python.trim_codes(&mut records.processes);
                     let end = nearest_boundary(SystemTime::now(), interval);
                     if let Some(earlier) = ending.tick(end, Instant::now()) {
                         worker.submit(records.sink.aggregator.finish_interval(earlier));
@@ -770,7 +771,10 @@ impl RecordTally {
     fn state_sizes(&self, worker: &BatchWorker) -> Vec<StateSize> {
         let mut sizes = vec![self.sink.tally.state_size(), self.feed.state_size()];
         self.walker.state_sizes(&self.processes, &mut sizes);
-        sizes.push(python::code_cache_size(&self.processes));
+        sizes.push(python::code_cache_size(
+            &self.processes,
+            self.python.code_bytes,
+        ));
         self.sink.aggregator.state_sizes(&mut sizes);
         worker.state_sizes(&mut sizes);
         sizes

@@ -826,6 +826,15 @@ const AGGREGATION: &[Stat] = &[
         &[Series::one("/python/paired", field!(python.paired))],
     ),
     Stat::counter(
+        "python_code_caches_cleared",
+        "Processes' Python code objects dropped to keep them all within their \
+         share of the memory limit (read again as samples name them).",
+        &[Series::one(
+            "/python/code_caches_cleared",
+            field!(python.code_caches_cleared),
+        )],
+    ),
+    Stat::counter(
         "python_frames_merged",
         "Python frames merged into walks: named, or unnamed because the \
          object at the address was another (stale: the one sampled was \

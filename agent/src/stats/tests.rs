@@ -158,6 +158,7 @@ pub(crate) fn every_figure_distinct() -> RunTotals {
             processes: n(),
             stacks: n(),
             paired: n(),
+            code_caches_cleared: n(),
         },
         jit_names: PerfMapStats {
             named: n(),

@@ -679,7 +679,15 @@ async fn modules(browser: &Client, page: &str) {
                    search: [a.count, a.weight],
                    kinds: [['[python]', '<module>'], ['[kernel]', 'sys_read'], ['[jit]', 'js']]
                           .map(([binary, name]) => ({binary, name}))
-                          .map(fr => [f.binaryKind(fr), f.frameHsl(fr)[0], f.binaryLegend(fr)]),
+                          .map(fr => [f.binaryKind(fr), f.binaryHsl(fr)[0], f.binaryLegend(fr)]),
+                   palette: (() => {
+                     const frames = [{name: 'all', binary: ''},
+                       ...Array.from({length: 12}, (_, k) => ({name: `f${k + 1}`, binary: `/usr/lib/lib${k + 1}.so`}))];
+                     const nodes = [0, 0, 162];
+                     for (let k = 1; k <= 12; k++) nodes.push(0, k, 20 - k);
+                     const t = f.Tree.fromFlat({total: 162, sample_period_nanos: 0, frames, nodes});
+                     return frames.slice(1).map(fr => f.binaryHsl(fr, t.palette()).join('/'));
+                   })(),
                  };
                });"#,
             vec![],
@@ -707,6 +715,14 @@ async fn modules(browser: &Client, page: &str) {
             // Python functions get a colour of their own, apart from the
             // kernel's and the JIT's.
             "kinds": [["python", 110, "[python]"], ["kernel", 26, "[kernel]"], ["jit", 160, "[jit]"]],
+            // Twelve binaries, twelve colours, the heaviest first: ten hues
+            // (libLLVM and libc both light green no more), then the first
+            // hues again in a deeper shade.
+            "palette": [
+                "200/62/72", "280/62/72", "236/62/72", "324/62/72", "60/62/72",
+                "218/62/72", "302/62/72", "258/62/72", "345/62/72", "84/62/72",
+                "200/48/58", "280/48/58",
+            ],
         })
     );
 }
