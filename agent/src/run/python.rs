@@ -41,7 +41,7 @@ pub(super) fn code_cache_size(
 /// with the most code sampled is the one whose names come back soonest).
 fn caches_to_clear(mut sizes: Vec<(u32, usize)>, max_bytes: usize) -> Vec<u32> {
     let mut total: usize = sizes.iter().map(|&(_, bytes)| bytes).sum();
-    sizes.sort_unstable_by(|a, b| b.1.cmp(&a.1));
+    sizes.sort_unstable_by_key(|&(_, bytes)| std::cmp::Reverse(bytes));
     let mut cleared = Vec::new();
     for (tgid, bytes) in sizes {
         if total <= max_bytes {
