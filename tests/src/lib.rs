@@ -42,8 +42,8 @@ pub fn exclusive() -> MutexGuard<'static, ()> {
     LOCK.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
 }
 
-/// A cgroup v2 made for one test; on drop, whatever still runs in it is
-/// killed and the cgroup removed.
+/// A cgroup made for one test (cgroup v2 unless said); on drop, whatever
+/// still runs in it is killed and the cgroup removed.
 pub struct TempCgroup {
     pub path: PathBuf,
 }
@@ -51,6 +51,12 @@ pub struct TempCgroup {
 impl TempCgroup {
     pub fn create(name: &str) -> Self {
         let mount = stackscope_metadata::cgroups::cgroup2_mount().expect("a cgroup2 mount");
+        Self::create_in(&mount, name)
+    }
+
+    /// One at the top of the hierarchy mounted at `mount` (a cgroup v1
+    /// controller's, say).
+    pub fn create_in(mount: &Path, name: &str) -> Self {
         let path = mount.join(format!("stackscope-test-{name}-{}", std::process::id()));
         std::fs::create_dir(&path)
             .unwrap_or_else(|err| panic!("creating {}: {err}", path.display()));

@@ -7,70 +7,39 @@
 //! hostile test's part.)
 
 use std::{
-    path::PathBuf,
+    path::Path,
     process::{Command, Stdio},
-    time::Duration,
 };
 
 use stackscope_test_fixtures::workspace_binary;
-use stackscope_tests::{exclusive, require_root, wait_success};
+use stackscope_tests::{TempCgroup, exclusive, require_root, wait_success};
 
 /// A memory cgroup made for the test (cgroup2 with the memory controller,
-/// else cgroup v1's memory hierarchy) with a limit; on drop, whatever runs
-/// in it is killed and it is removed.
-struct MemoryCgroup {
-    path: PathBuf,
-}
-
-impl MemoryCgroup {
-    fn with_limit(bytes: u64) -> Self {
-        let mount = stackscope_metadata::cgroups::cgroup2_mount().ok();
-        let v2 = mount.filter(|mount| {
+/// else cgroup v1's memory hierarchy) with a limit of `bytes`.
+fn memory_cgroup(bytes: u64) -> TempCgroup {
+    let v2 = stackscope_metadata::cgroups::cgroup2_mount()
+        .ok()
+        .filter(|mount| {
             std::fs::read_to_string(mount.join("cgroup.subtree_control"))
                 .is_ok_and(|controllers| controllers.split_whitespace().any(|c| c == "memory"))
         });
-        let (parent, limit_file) = match v2 {
-            Some(mount) => (mount, "memory.max"),
-            None => (
-                PathBuf::from("/sys/fs/cgroup/memory"),
-                "memory.limit_in_bytes",
-            ),
-        };
-        let path = parent.join(format!("stackscope-test-memory-{}", std::process::id()));
-        std::fs::create_dir(&path)
-            .unwrap_or_else(|err| panic!("creating {}: {err}", path.display()));
-        let cgroup = Self { path };
-        std::fs::write(cgroup.path.join(limit_file), bytes.to_string())
-            .expect("setting the cgroup's memory limit");
-        cgroup
-    }
-}
-
-impl Drop for MemoryCgroup {
-    fn drop(&mut self) {
-        let procs = std::fs::read_to_string(self.path.join("cgroup.procs")).unwrap_or_default();
-        for pid in procs
-            .lines()
-            .filter_map(|line| line.trim().parse::<i32>().ok())
-        {
-            // SAFETY: kill(2) on processes this test put in its own cgroup.
-            unsafe { libc::kill(pid, libc::SIGKILL) };
-        }
-        for _ in 0..100 {
-            if std::fs::remove_dir(&self.path).is_ok() {
-                return;
-            }
-            std::thread::sleep(Duration::from_millis(50));
-        }
-        eprintln!("could not remove test cgroup {}", self.path.display());
-    }
+    let (cgroup, limit_file) = match v2 {
+        Some(mount) => (TempCgroup::create_in(&mount, "memory"), "memory.max"),
+        None => (
+            TempCgroup::create_in(Path::new("/sys/fs/cgroup/memory"), "memory"),
+            "memory.limit_in_bytes",
+        ),
+    };
+    std::fs::write(cgroup.path.join(limit_file), bytes.to_string())
+        .expect("setting the cgroup's memory limit");
+    cgroup
 }
 
 #[test]
 fn without_a_limit_of_its_own_the_agent_takes_three_quarters_of_its_cgroups() {
     require_root();
     let _serial = exclusive();
-    let cgroup = MemoryCgroup::with_limit(256 << 20);
+    let cgroup = memory_cgroup(256 << 20);
     // The shell moves itself into the cgroup, then becomes the agent: the
     // agent reads its cgroup as it starts.
     let agent = Command::new("sh")
