@@ -111,8 +111,8 @@ impl Default for SamplerConfig {
     }
 }
 
-/// A host whose drains read fewer records than this per drain period is
-/// quiet.
+/// A host whose drains read fewer records than this per base drain period
+/// (judged over a window of drains, see [`DrainPace`]) is quiet.
 const FEW_RECORDS: f64 = 16.0;
 
 /// How often the ring buffer is drained when it stays below its wake-up
