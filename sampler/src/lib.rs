@@ -518,7 +518,7 @@ impl Sampler {
         }
     }
 
-    /// Brings the drain period back to its base (see [`DrainPace`]): the
+    /// Brings the drain period back to its base (see `DrainPace`): the
     /// reader met processes for the first time, and learns what it wants
     /// of them only while they run.
     pub fn met_new_processes(&mut self) {
