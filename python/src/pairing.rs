@@ -72,8 +72,16 @@ impl PythonState {
     }
 
     /// Keeps `stack` for the walk of the sample with `header` (the oldest
-    /// waiting one goes when [`MAX_WAITING_STACKS`] wait).
+    /// waiting one goes when [`MAX_WAITING_STACKS`] wait), its code objects
+    /// read now: the walk may wait for the process's maps, and a
+    /// short-lived process, its code objects with it, may be gone by then.
     pub fn wait_for_walk(&mut self, header: &SampleHeader, stack: ReadStack) {
+        for frame in &stack.frames {
+            // Kept in the cache, named or not, for the walk.
+            let _ = self
+                .codes
+                .get(frame.code, frame.first_line & !PythonFrame::ENTRY);
+        }
         if self.waiting.len() >= MAX_WAITING_STACKS {
             self.waiting.pop_front();
         }
@@ -232,7 +240,9 @@ mod tests {
 
     #[test]
     fn a_walk_finds_its_samples_stack_and_drops_older_ones() {
-        let codes = CodeCache::new(1, Layout::of((3, 12)).expect("3.12"));
+        // No process has this id (above the kernel's PID_MAX_LIMIT, 2^22): the
+        // code objects read as the stacks wait are unreadable.
+        let codes = CodeCache::new(1 << 23, Layout::of((3, 12)).expect("3.12"));
         let mut state = PythonState::new(0..0, codes);
         for (ktime, code) in [(100, 0x1), (200, 0x2), (300, 0x3)] {
             let stack = ReadStack {

@@ -580,6 +580,13 @@ impl RecordTally {
             Command::Read(answers) => self.walk_after_reads(answers, sampling.sampler),
             Command::JitNames(updates) => self.sink.aggregator.add_jit_names(updates),
             Command::Python(found) => {
+                // The first Python stacks of a process come at its next
+                // ticks, and their code objects can be read only while it
+                // runs: a paced drain (up to 2 s away) would meet a short
+                // script's stacks after its exit, none of them named.
+                if found.iter().any(|(_, found)| found.is_some()) {
+                    sampling.sampler.met_new_processes();
+                }
                 for (tgid, found) in found {
                     if let Some(record) = self.processes.state_of_mut(tgid) {
                         let started = record.started();
