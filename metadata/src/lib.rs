@@ -29,6 +29,7 @@ pub mod container;
 pub mod describe;
 pub mod exe;
 pub mod kubelet;
+pub mod memory_limit;
 pub mod pod_watch;
 pub mod process;
 pub mod provider;
