@@ -205,38 +205,51 @@ impl Recorded {
     }
 }
 
-/// Like [`sample_for`], with process `tgid` described to the sampler as
-/// CPython: the sampler runs until the process's first sample says its
-/// start time (the entry's identity), is then told of it by the entry
-/// `python` makes of that time, and samples `duration` more; samples and
-/// Python stacks from ticks before the entry are left out. One sampler
-/// for both (loading it takes seconds in the kernel matrix's emulated
-/// machines). The program's statistics are those of the ticks after the
-/// entry.
+/// Like [`sample_for`], with each process of `tgids` described to the
+/// sampler as CPython: the sampler runs until each process's first sample
+/// says its start time (the entry's identity), is then told of it by the
+/// entry `python` makes of its tgid and that time, and samples `duration`
+/// more; samples and Python stacks from ticks before the entries are left
+/// out. One sampler for all (loading it takes seconds in the kernel
+/// matrix's emulated machines). The program's statistics are those of the
+/// ticks after the entries.
 pub fn sample_python(
     config: &SamplerConfig,
     duration: Duration,
-    tgid: u32,
-    python: impl FnOnce(u64) -> agent_common::PythonProcess,
+    tgids: &[u32],
+    python: impl Fn(u32, u64) -> agent_common::PythonProcess,
 ) -> Recorded {
     with_sampler(config, async |sampler| {
         let mut recorded = Recorded::default();
         let deadline = tokio::time::Instant::now() + Duration::from_secs(30);
-        let process_start_ns = loop {
-            if let Some(sample) = recorded.samples.iter().find(|s| s.header.tgid == tgid) {
-                break sample.header.process_start_ns;
+        let mut started: HashMap<u32, u64> = HashMap::new();
+        loop {
+            for sample in &recorded.samples {
+                if tgids.contains(&sample.header.tgid) {
+                    started
+                        .entry(sample.header.tgid)
+                        .or_insert(sample.header.process_start_ns);
+                }
+            }
+            if started.len() == tgids.len() {
+                break;
             }
             tokio::select! {
                 read = sampler.read_records(|bytes| recorded.keep(bytes)) => {
                     read.expect("reading the ring buffer");
                 }
-                _ = tokio::time::sleep_until(deadline) => panic!("no sample of process {tgid} in 30 s"),
+                _ = tokio::time::sleep_until(deadline) => {
+                    let unseen: Vec<_> = tgids.iter().filter(|t| !started.contains_key(t)).collect();
+                    panic!("no sample of processes {unseen:?} in 30 s");
+                }
             }
-        };
+        }
         let before = sampler.program_stats().expect("the program's statistics");
-        sampler
-            .set_python_process(tgid, Some(&python(process_start_ns)))
-            .expect("describing the Python process");
+        for (&tgid, &process_start_ns) in &started {
+            sampler
+                .set_python_process(tgid, Some(&python(tgid, process_start_ns)))
+                .expect("describing the Python process");
+        }
         let set_ns = monotonic_ns();
         let mut recorded = record_until(sampler, tokio::time::Instant::now() + duration).await;
         recorded.program.run_time = recorded.program.run_time.saturating_sub(before.run_time);
@@ -710,6 +723,25 @@ pub fn run_agent_for(collector: &Collector, duration: &str, args: &[&str]) -> se
         .spawn()
         .expect("starting the agent");
     wait_success(agent)
+}
+
+/// The CPU time process `pid` has had so far: user and system, all its
+/// threads.
+pub fn cpu_time(pid: u32) -> Duration {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat"))
+        .unwrap_or_else(|err| panic!("reading /proc/{pid}/stat: {err}"));
+    // After the command name, which may hold spaces and parentheses:
+    // utime and stime are fields 14 and 15 of proc(5), the 12th and 13th
+    // after it.
+    let after_name = &stat[stat.rfind(')').expect("a command name") + 1..];
+    let fields: Vec<&str> = after_name.split_whitespace().collect();
+    let ticks: u64 = fields[11..13]
+        .iter()
+        .map(|field| field.parse::<u64>().expect("a tick count"))
+        .sum();
+    // SAFETY: sysconf reads a constant of the system.
+    let per_second = unsafe { libc::sysconf(libc::_SC_CLK_TCK) }.max(1) as u64;
+    Duration::from_nanos(ticks * 1_000_000_000 / per_second)
 }
 
 /// Waits (up to a minute) for an agent started with `--json` to exit
