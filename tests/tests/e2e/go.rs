@@ -15,7 +15,7 @@
 use std::{collections::HashMap, process::Command, time::Duration};
 
 use agent_common::DEFAULT_USER_STACK_BYTES;
-use stackscope_gopclntab::elf::{GoFunctions, lookup};
+use stackscope_gopclntab::{Table, elf::GoFunctions};
 use stackscope_sampler::SamplerConfig;
 use stackscope_test_fixtures::Fixture;
 use stackscope_tests::{
@@ -50,10 +50,10 @@ fn expected_chain() -> Vec<String> {
 fn go_names(
     walk: &LiveWalk,
     functions: &GoFunctions,
+    table: &Table<'_>,
     maps: &[Mapping],
     binary: &std::path::Path,
 ) -> Vec<String> {
-    let table = functions.table().expect("the Go table");
     walk.frames
         .iter()
         .enumerate()
@@ -62,8 +62,8 @@ fn go_names(
             maps.iter()
                 .find(|m| m.contains(address) && m.path.file_path() == Some(binary))
                 .and_then(|m| functions.address_of_offset(address - m.start + m.offset))
-                .and_then(|vaddr| lookup(&table, vaddr))
-                .map_or_else(|| "?".to_owned(), |named| named.function.to_owned())
+                .and_then(|vaddr| table.func_at(vaddr).ok().flatten())
+                .map_or_else(|| "?".to_owned(), |func| func.name.to_owned())
         })
         .collect()
 }
@@ -86,6 +86,7 @@ fn assert_walks_reach_the_root(fixture: &Fixture, build: &str) -> f64 {
     let functions = GoFunctions::read(&std::fs::File::open(&binary).unwrap())
         .expect("reading .gopclntab")
         .expect("a Go binary");
+    let table = functions.table().expect("the Go table");
     let walks: Vec<&LiveWalk> = walks.iter().filter(|w| w.tgid == pid).collect();
     assert!(walks.len() > 500, "{build}: only {} samples", walks.len());
 
@@ -95,7 +96,7 @@ fn assert_walks_reach_the_root(fixture: &Fixture, build: &str) -> f64 {
     let mut in_sha256_asm = 0;
     let mut ends: HashMap<String, usize> = HashMap::new();
     for walk in &walks {
-        let names = go_names(walk, &functions, &maps, &binary);
+        let names = go_names(walk, &functions, &table, &maps, &binary);
         if walk.outcome != WalkOutcome::Ended(UnwindEnd::Outermost) {
             let count = ends
                 .entry(format!("{:?} at {:?}", walk.outcome, names.last()))
