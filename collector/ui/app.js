@@ -701,7 +701,7 @@ function syncControls() {
   for (const b of document.querySelectorAll(".presets button")) {
     b.classList.toggle("active", !state.start && (state.since || "1h") === b.dataset.since);
   }
-  $("export-api").href = exportUrl("pprof");
+  for (const link of document.querySelectorAll("[data-export-api]")) link.href = exportUrl(link.dataset.exportApi);
   $("range").textContent = state.start && state.end ? describeRange(rangeSeconds()) : `the last ${state.since || "1h"}`;
   $("compare-bar").hidden = !comparing();
   $("base-match").value = state.base_match;

@@ -233,9 +233,16 @@ export function localTime(seconds) {
   );
 }
 
+/** A bar's width, exactly: `1h 41m`, not a rounded `2h` (a bar holds whole storage buckets). */
 function stepLabel(nanos) {
   const s = nanos / 1e9;
   if (s < 60) return `${Number(s.toFixed(s < 10 ? 1 : 0))}s`;
-  if (s < 3600) return `${Math.round(s / 60)}m`;
-  return `${Math.round(s / 3600)}h`;
+  let rest = Math.round(s);
+  const parts = [];
+  for (const [unit, size] of [["d", 86400], ["h", 3600], ["m", 60], ["s", 1]]) {
+    const count = Math.floor(rest / size);
+    if (count) parts.push(`${count}${unit}`);
+    rest -= count * size;
+  }
+  return parts.join(" ");
 }

@@ -1283,22 +1283,27 @@ async fn zoom_search_top_and_link(browser: &Client, page: &str) {
             }
         }
     }
-    // The API address beside them fetches the same pprof.
-    let api = script(
-        browser,
-        "return document.getElementById('export-api').href;",
-    )
-    .await;
-    let api = api.as_str().unwrap_or_default();
-    assert!(
-        api.contains("/api/v1/flamegraph?") && api.contains("format=pprof"),
-        "{api}"
-    );
-    let path = &api[api.find("/api/").unwrap_or(0)..];
-    let base = &api[..api.find("/api/").unwrap_or(0)];
-    let (status, bytes, _) = timed_get(base, path);
-    assert_eq!(status, 200, "{api}");
-    assert!(bytes > 20, "{api} answered {bytes} bytes");
+    // The API addresses beside them fetch the same pprof and folded
+    // stacks, of the selection shown.
+    for (id, format) in [("export-api", "pprof"), ("export-api-folded", "folded")] {
+        let api = script(
+            browser,
+            &format!("return document.getElementById('{id}').href;"),
+        )
+        .await;
+        let api = api.as_str().unwrap_or_default();
+        assert!(
+            api.contains("/api/v1/flamegraph?")
+                && api.contains(&format!("format={format}"))
+                && api.contains("redis"),
+            "{api}"
+        );
+        let path = &api[api.find("/api/").unwrap_or(0)..];
+        let base = &api[..api.find("/api/").unwrap_or(0)];
+        let (status, bytes, _) = timed_get(base, path);
+        assert_eq!(status, 200, "{api}");
+        assert!(bytes > 20, "{api} answered {bytes} bytes");
+    }
 
     // The link reproduces the view: selection, zoom, search, view, function.
     let shared = browser.current_url().await.expect("a WebDriver command");
@@ -1437,6 +1442,26 @@ async fn nothing_stale(browser: &Client, page: &str) {
     );
 }
 
+/// The timeline's caption, once its bars have come (up to 20 s).
+async fn timeline_caption(browser: &Client) -> String {
+    let asked = Instant::now();
+    loop {
+        let caption = script(
+            browser,
+            "return document.getElementById('timeline').dataset.caption || null;",
+        )
+        .await;
+        if let Some(caption) = caption.as_str() {
+            return caption.to_owned();
+        }
+        assert!(
+            asked.elapsed() < Duration::from_secs(20),
+            "the timeline has no caption"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
 async fn compare_and_timeline(browser: &Client, page: &str) {
     // Compare with the hour before: hash_lookup grew from 100 of 500 to
     // 600 of 900 samples (red), the kernel's share shrank (blue).
@@ -1444,30 +1469,32 @@ async fn compare_and_timeline(browser: &Client, page: &str) {
         .goto(&format!("{page}?match=comm%3D%22redis%22&since=1h"))
         .await
         .expect("a WebDriver command");
-    let report = settled(browser, 1).await;
+    settled(browser, 1).await;
     // The timeline's bars are as wide as the data is fine: an hour asks
     // for 36 s steps, the collector sums minutes, and the caption says so.
-    let asked = Instant::now();
-    let caption = loop {
-        let caption = script(
-            browser,
-            "return document.getElementById('timeline').dataset.caption || null;",
-        )
-        .await;
-        if let Some(caption) = caption.as_str() {
-            break caption.to_owned();
-        }
-        assert!(
-            asked.elapsed() < Duration::from_secs(20),
-            "the timeline has no caption"
-        );
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    };
+    let caption = timeline_caption(browser).await;
     let honest = regex::Regex::new(r"^max [\d,]+ samples / 1m$").expect("a regex");
     assert!(
         honest.is_match(&caption),
         "the timeline's caption: {caption}"
     );
+    // Seven days ask for about 100 steps: 100.8 minutes, 101 whole
+    // minutes answered, and said exactly (not "2h").
+    browser
+        .goto(&format!("{page}?match=comm%3D%22redis%22&since=7d"))
+        .await
+        .expect("a WebDriver command");
+    settled(browser, 1).await;
+    let week = timeline_caption(browser).await;
+    assert!(
+        week.ends_with(" samples / 1h 41m"),
+        "the timeline's caption over 7 days: {week}"
+    );
+    browser
+        .goto(&format!("{page}?match=comm%3D%22redis%22&since=1h"))
+        .await
+        .expect("a WebDriver command");
+    let report = settled(browser, 1).await;
     browser
         .find(Locator::Css("#compare-hour"))
         .await
