@@ -9,7 +9,8 @@
 //! `stackscope_sampler` loads the BPF program, reads the ring buffer's
 //! records and decodes them; the walker (`stackscope_unwind::walker`)
 //! turns each sample's copied stack into frames, each placed in its object
-//! at its file offset; [`tally`] counts samples per process; [`aggregate`]
+//! at its file offset; `stackscope_telemetry::tally` counts samples per
+//! process; [`aggregate`]
 //! labels each sample (its container from `stackscope_metadata`), sums
 //! identical (labels, stack) pairs per interval and builds one
 //! `stackscope.v1.Batch` per interval, naming frames with
@@ -27,4 +28,3 @@ pub mod metrics;
 pub mod run;
 pub mod stats;
 pub mod status;
-pub mod tally;

@@ -47,7 +47,6 @@ use crate::{
     metrics::{AgentTelemetry, PUBLISH_EVERY},
     stats::RunTotals,
     status::{ReaderTotals, StatusLine},
-    tally::ProcessTally,
 };
 use sampling::{Command, Purpose, REPORT_QUEUE, Report, SamplingThread, Setup};
 use stackscope_metadata::{
@@ -59,6 +58,7 @@ use stackscope_process_table::table::TableStats;
 use stackscope_sampler::mapping_feed::FeedStats;
 use stackscope_sampler::{Counters, ProgramStats, SamplerConfig, SamplerError};
 use stackscope_symbolize::node::{SymbolizerConfig, perf_map::PerfMapStats};
+use stackscope_telemetry::tally::ProcessTally;
 use stackscope_telemetry::{ProcessUsage, probes::ProbeTotals};
 use stackscope_unwind::walker::{WalkStats, WalkerConfig};
 

@@ -33,13 +33,13 @@ use crate::{
     run::PythonStats,
     run::{HandoffTotals, RunSummary},
     status::ReaderTotals,
-    tally::TallyTotals,
 };
 use stackscope_process_table::table::TableStats;
 use stackscope_sampler::mapping_feed::FeedStats;
 use stackscope_sampler::{Counters, ProgramStats};
 use stackscope_symbolize::node::perf_map::PerfMapStats;
 use stackscope_telemetry::probes::ProbeTotals;
+use stackscope_telemetry::tally::TallyTotals;
 use stackscope_unwind::walker::WalkStats;
 
 /// What the statistics are read from: the run's totals at one instant.

@@ -9,8 +9,9 @@
 //! and [`ConstMetrics`], the writer binaries use to export the counters they
 //! already keep, [`described`], the statistics a binary describes once and
 //! renders as `/metrics`, JSON and text reports, [`log_limit`], which keeps
-//! repeated trouble to a log line per interval, and [`probes`], the hash lookups a sample costs, counted
-//! where each is made. Which metrics a binary has is the binary's business: it
+//! repeated trouble to a log line per interval, [`probes`], the hash lookups a sample costs, counted
+//! where each is made, and [`tally`], the samples counted per process for
+//! a run's report. Which metrics a binary has is the binary's business: it
 //! registers them in the [`Registry`](prometheus_client::registry::Registry)
 //! it hands to [`router`] or [`serve`].
 //!
@@ -22,6 +23,7 @@
 
 pub mod log_limit;
 pub mod probes;
+pub mod tally;
 
 #[cfg(feature = "http")]
 pub mod described;

@@ -21,7 +21,6 @@
 //! that is down when the agent starts only delays delivery.
 
 pub mod debuginfo;
-mod queue;
 
 use std::{
     fmt,
@@ -53,7 +52,7 @@ use stackscope_collector_client::ingest::{
 
 use stackscope_telemetry::log_limit::LogLimiter;
 
-use self::queue::{Evicted, Pending, Queue};
+use stackscope_collector_client::ingest::queue::{Evicted, Pending, Queue};
 
 /// At most one line per this interval for each kind of repeated trouble
 /// (queue full, rejections, retries): a collector that is down or refuses

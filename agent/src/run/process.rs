@@ -13,11 +13,9 @@ use stackscope_metadata::process::ProcessLabels;
 use stackscope_process_table::ProcessTable;
 use stackscope_unwind::walker::{ProcessState, Walked, WalkerRecord};
 
-use crate::{
-    aggregate::{Aggregator, LabelRecords, PythonSample},
-    tally::{Counted, ProcessTally},
-};
+use crate::aggregate::{Aggregator, LabelRecords, PythonSample};
 use stackscope_python::{PythonRecord, PythonState};
+use stackscope_telemetry::tally::{Counted, ProcessTally};
 
 /// See the module documentation.
 #[derive(Debug, Default)]

@@ -36,7 +36,6 @@ use crate::{
     aggregate::{Aggregator, BatchWorker, WorkerStats},
     stats::RunTotals,
     status::ReaderTotals,
-    tally::ProcessTally,
 };
 use stackscope_metadata::{describe::Description, kubelet::PodList};
 use stackscope_process_table::{ProcessTable, ReadAnswer, ReadRequest};
@@ -45,6 +44,7 @@ use stackscope_sampler::{
     Counters, Sampler, SamplerConfig, SamplerError, mapping_feed::MappingFeed, record::Record,
 };
 use stackscope_symbolize::node::perf_map::JitUpdate;
+use stackscope_telemetry::tally::ProcessTally;
 use stackscope_telemetry::{StateSize, probes::ProbeTotals};
 use stackscope_unwind::{
     TailSpan,

@@ -9,11 +9,9 @@ use stackscope_telemetry::{
 };
 
 use super::*;
-use crate::{
-    export::ExportStats,
-    tally::{Counted, ProcessTally, TallyTotals},
-};
+use crate::export::ExportStats;
 use stackscope_symbolize::node::SymbolizeStats;
+use stackscope_telemetry::tally::{Counted, ProcessTally, TallyTotals};
 use stackscope_unwind::walker::{EarlyEnds, WalkEnds, stitching::PlanStats};
 
 /// Totals whose every figure is set, nearly all to distinct values, so a

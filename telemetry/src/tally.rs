@@ -9,7 +9,7 @@
 //! tally keeps a bounded number of them: once full, the half with the
 //! fewest samples makes room and their samples count as `other`.
 
-use stackscope_telemetry::StateSize;
+use crate::StateSize;
 
 /// One process's share of the samples.
 #[derive(Debug, Clone, PartialEq, Eq, serde::Serialize)]

@@ -1,9 +1,11 @@
-//! The exporter's byte-bounded FIFO of batches waiting for the collector.
+//! A byte-bounded FIFO of batches waiting for the collector, each encoded
+//! once as its push request.
 //!
 //! The bound is what keeps an agent whose collector is down for hours from
 //! growing without limit: when a batch does not fit, the oldest batches go,
 //! because the newest data is what people look at first once the collector
-//! is back. Owns no I/O and no locking; the exporter wraps it in a mutex.
+//! is back. Owns no I/O and no locking; the agent's exporter wraps it in a
+//! mutex and sends what it pops.
 
 use std::collections::VecDeque;
 
@@ -13,8 +15,8 @@ use stackscope_proto::v1::Batch;
 /// One batch waiting to be sent, encoded, with the sizes the bound and the
 /// statistics need, computed once when it is enqueued.
 #[derive(Debug)]
-pub(super) struct Pending {
-    /// The push request carrying the batch (see `stackscope_collector_client::ingest::push`).
+pub struct Pending {
+    /// The push request carrying the batch (see [`super::push`]).
     pub request: Bytes,
     /// The request's size: what it holds in memory, and what goes on the
     /// wire before compression.
@@ -31,7 +33,7 @@ impl Pending {
             .samples
             .iter()
             .fold(0u64, |total, sample| total.saturating_add(sample.count));
-        let request = stackscope_collector_client::ingest::push::encode(batch);
+        let request = super::push::encode(batch);
         Self {
             bytes: request.len(),
             request,
@@ -43,7 +45,7 @@ impl Pending {
 
 /// Batches a push displaced to stay within the bound.
 #[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
-pub(super) struct Evicted {
+pub struct Evicted {
     pub batches: u64,
     pub samples: u64,
 }
@@ -58,7 +60,7 @@ impl Evicted {
 /// A batch the queue did not take; it is dropped, and this is what the
 /// statistics and the log need of it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(super) struct Refused {
+pub struct Refused {
     pub bytes: usize,
     pub samples: u64,
 }
@@ -75,7 +77,7 @@ impl Refused {
 /// FIFO of [`Pending`] batches whose encoded sizes add up to at most
 /// `max_bytes`.
 #[derive(Debug)]
-pub(super) struct Queue {
+pub struct Queue {
     waiting: VecDeque<Pending>,
     bytes: usize,
     samples: u64,
