@@ -143,6 +143,10 @@ impl Queue {
         self.waiting.len()
     }
 
+    pub fn is_empty(&self) -> bool {
+        self.waiting.is_empty()
+    }
+
     pub fn bytes(&self) -> usize {
         self.bytes
     }
