@@ -223,8 +223,9 @@ struct Args {
     #[arg(long, value_parser = parse_size)]
     max_queue_bytes: Option<u64>,
     /// The memory the agent keeps within (such as 256MiB): split among its
-    /// caches and queues, which give way in order, what only costs re-reads
-    /// first, held samples last. Default: 3/4 of the agent's cgroup memory
+    /// caches and queues, which give way in order: what only costs re-reads
+    /// first, then the queues of samples, unused unwind tables last.
+    /// Default: 3/4 of the agent's cgroup memory
     /// limit when one is set, else 192 MiB.
     #[arg(long, value_name = "SIZE", value_parser = parse_size)]
     memory_limit: Option<u64>,

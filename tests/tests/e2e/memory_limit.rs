@@ -73,9 +73,9 @@ fn without_a_limit_of_its_own_the_agent_takes_three_quarters_of_its_cgroups() {
             .is_some_and(|source| source.contains(&name)),
         "{memory}"
     );
-    // What gives way first is cut first: the symbolizer's files are at
-    // their floor, and once one consumer is above its floor, every one
-    // after it is whole.
+    // What gives way first is cut first: what only costs re-reads is at
+    // its floor, the two queues share what is left beside the unused
+    // unwind tables, which give way last and are whole.
     let shares: Vec<(String, u64)> = memory["shares"]
         .as_array()
         .expect("shares")
@@ -87,26 +87,25 @@ fn without_a_limit_of_its_own_the_agent_takes_three_quarters_of_its_cgroups() {
             )
         })
         .collect();
-    assert_eq!(shares[0], ("symbolizer_files".into(), 8 << 20), "{memory}");
-    let full = |name: &str| match name {
-        "symbolizer_files" => 512 << 20,
-        "go_tables" => 128 << 20,
-        _ => 64 << 20,
-    };
-    let floor = |name: &str| {
-        if name == "symbolizer_files" {
-            8 << 20
-        } else {
-            4 << 20
-        }
-    };
-    let first_above = shares
-        .iter()
-        .position(|(name, bytes)| *bytes > floor(name))
-        .expect("room above the floors under 192 MiB");
-    for (name, bytes) in &shares[first_above + 1..] {
-        assert_eq!(*bytes, full(name), "{name}: {memory}");
-    }
+    let names: Vec<&str> = shares.iter().map(|(name, _)| name.as_str()).collect();
+    assert_eq!(
+        names,
+        [
+            "symbolizer_files",
+            "perf_maps",
+            "python_code_objects",
+            "go_tables",
+            "export_queue",
+            "samples_waiting",
+            "unwind_tables_unused"
+        ],
+        "{memory}"
+    );
+    let bytes: Vec<u64> = shares.iter().map(|(_, bytes)| *bytes).collect();
+    assert_eq!(bytes[..4], [8 << 20, 4 << 20, 4 << 20, 4 << 20], "{memory}");
+    assert_eq!(bytes[4], bytes[5], "the queues share: {memory}");
+    assert!(bytes[4] > 4 << 20 && bytes[4] < 64 << 20, "{memory}");
+    assert_eq!(bytes[6], 64 << 20, "{memory}");
 }
 
 #[test]
