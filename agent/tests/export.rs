@@ -321,6 +321,7 @@ fn batch(n: u8) -> Batch {
             count: 10 + u64::from(n),
             sampling_divisor: 1,
         }],
+        typed_samples: Vec::new(),
     }
 }
 

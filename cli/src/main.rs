@@ -192,6 +192,10 @@ struct SelectionArgs {
     /// Label matchers, as in PromQL: 'comm="redis-server",exe=~".*/redis.*"'.
     #[arg(long = "match", short = 'm')]
     matchers: Option<String>,
+    /// The profile type: cpu (time on the CPU, the default) or off-cpu
+    /// (time blocked).
+    #[arg(long = "type", value_name = "TYPE")]
+    profile_type: Option<String>,
     /// The last DURATION (e.g. 5m, 2h). Default: 1h.
     #[arg(long, conflicts_with = "start")]
     since: Option<String>,
@@ -207,6 +211,7 @@ impl SelectionArgs {
     fn text(&self) -> SelectionText<'_> {
         SelectionText {
             matchers: self.matchers.as_deref(),
+            profile_type: self.profile_type.as_deref(),
             since: self.since.as_deref(),
             start: self.start.as_deref(),
             end: self.end.as_deref(),
@@ -373,10 +378,10 @@ async fn main() -> anyhow::Result<()> {
             }
             let selection = args.selection()?;
             let (tree, _) = fetch_tree(&cli, &selection, *min_share, group_by.as_deref()).await?;
-            let options = SvgOptions {
-                title: title.clone().unwrap_or_else(|| timespec::title(&selection)),
-                ..SvgOptions::default()
-            };
+            let options = SvgOptions::titled(
+                title.clone().unwrap_or_else(|| timespec::title(&selection)),
+                selection.profile_type,
+            );
             write_output(output, &render::svg(&tree, &options)?)?;
             if output != Path::new("-") {
                 eprintln!("wrote {} ({} samples)", output.display(), tree.total());
@@ -423,16 +428,17 @@ async fn main() -> anyhow::Result<()> {
                     since: base_since.as_deref(),
                     start: base_start.as_deref(),
                     end: base_end.as_deref(),
+                    ..SelectionText::default()
                 })
                 .parse()
                 .context("baseline")?;
             let mut collector = Collector::connect(&cli).await?;
             let (new, _) = collector.tree(&selection, 0.0, None).await?;
             let (old, _) = collector.tree(&base, 0.0, None).await.context("baseline")?;
-            let options = SvgOptions {
-                title: timespec::diff_title(&selection, &base),
-                ..SvgOptions::default()
-            };
+            let options = SvgOptions::titled(
+                timespec::diff_title(&selection, &base),
+                selection.profile_type,
+            );
             write_output(output, &render::diff_svg(&old, &new, &options)?)?;
             if output != Path::new("-") {
                 eprintln!("wrote {}", output.display());
@@ -511,6 +517,7 @@ async fn main() -> anyhow::Result<()> {
             let bytes = match format {
                 ExportFormat::Pprof => render::pprof(
                     &tree,
+                    selection.profile_type,
                     period,
                     selection.range.start_unix_nanos,
                     selection.range.end_unix_nanos - selection.range.start_unix_nanos,

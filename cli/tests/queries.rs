@@ -9,7 +9,9 @@ use stackscope_collector::{
     server::{self, ServerConfig, TlsFiles},
     storage::sqlite::{SqliteOptions, SqliteStorage},
 };
-use stackscope_proto::v1::{PushRequest, ingest_client::IngestClient};
+use stackscope_proto::v1::{
+    ProfileType, PushRequest, Sample, TypedSamples, ingest_client::IngestClient,
+};
 use stackscope_test_fixtures::{batches::batch, tls::TestPki};
 use tonic::transport::{Certificate, Channel, ClientTlsConfig};
 
@@ -61,9 +63,28 @@ async fn the_cli_verifies_the_collector_and_sends_its_token() {
         .connect()
         .await
         .expect("connecting over TLS");
-    IngestClient::new(channel)
+    let mut ingest = IngestClient::new(channel);
+    ingest
         .push(PushRequest {
             batch: Some(batch(1, "node-a", "redis", 3, 0)),
+        })
+        .await
+        .expect("a push");
+    // Off-CPU time alone: 2.5 ms blocked in the same stack.
+    let mut blocked = batch(2, "node-a", "redis", 0, 0);
+    blocked.typed_samples = vec![TypedSamples {
+        r#type: ProfileType::OffCpu as i32,
+        period_nanos: 1,
+        samples: vec![Sample {
+            stack: 0,
+            label_set: 0,
+            count: 2_500_000,
+            sampling_divisor: 0,
+        }],
+    }];
+    ingest
+        .push(PushRequest {
+            batch: Some(blocked),
         })
         .await
         .expect("a push");
@@ -86,28 +107,35 @@ async fn the_cli_verifies_the_collector_and_sends_its_token() {
     let names = String::from_utf8_lossy(&answered.stdout);
     assert!(names.lines().any(|line| line == "comm"), "{names}");
 
-    // `series`: one line per step with samples, summing to the 3 pushed.
-    let series = stackscope(
-        port,
-        &pki,
-        Some(&token),
-        &["series", "--since", "30m", "--step", "1h"],
-    );
+    // `series`: one line per step with samples, summing to the 3 ticks
+    // pushed, or with `--type off-cpu` to the nanoseconds blocked.
+    let total = |extra: &[&str]| -> u64 {
+        let mut args = vec!["series", "--since", "30m", "--step", "1h"];
+        args.extend_from_slice(extra);
+        let series = stackscope(port, &pki, Some(&token), &args);
+        assert!(
+            series.status.success(),
+            "{}",
+            String::from_utf8_lossy(&series.stderr)
+        );
+        let text = String::from_utf8_lossy(&series.stdout);
+        text.lines()
+            .map(|line| {
+                let (start, weight) = line.split_once(' ').expect("`start weight` lines");
+                humantime::parse_rfc3339(start).expect("an RFC 3339 start");
+                weight.parse::<u64>().expect("a weight")
+            })
+            .sum()
+    };
+    assert_eq!(total(&[]), 3);
+    assert_eq!(total(&["--type", "off-cpu"]), 2_500_000);
+    let unknown = stackscope(port, &pki, Some(&token), &["series", "--type", "wall"]);
+    assert!(!unknown.status.success());
+    let error = String::from_utf8_lossy(&unknown.stderr);
     assert!(
-        series.status.success(),
-        "{}",
-        String::from_utf8_lossy(&series.stderr)
+        error.contains("type \"wall\": expected one of cpu, off_cpu"),
+        "{error}"
     );
-    let text = String::from_utf8_lossy(&series.stdout);
-    let weights: Vec<u64> = text
-        .lines()
-        .map(|line| {
-            let (start, weight) = line.split_once(' ').expect("`start weight` lines");
-            humantime::parse_rfc3339(start).expect("an RFC 3339 start");
-            weight.parse().expect("a weight")
-        })
-        .collect();
-    assert_eq!(weights.iter().sum::<u64>(), 3, "{text}");
 
     // Without the CA the server's certificate is not trusted.
     let untrusted = std::process::Command::new(env!("CARGO_BIN_EXE_stackscope"))

@@ -193,6 +193,7 @@ fn node_template(node: usize, fleet: &[[u32; DEPTH]]) -> Batch {
                 sampling_divisor: 0,
             })
             .collect(),
+        typed_samples: Vec::new(),
     }
 }
 
@@ -454,7 +455,16 @@ fn main() {
     ];
     let selections: Vec<(&str, Selection)> = queries
         .into_iter()
-        .map(|(name, matchers)| (name, Selection { range, matchers }))
+        .map(|(name, matchers)| {
+            (
+                name,
+                Selection {
+                    range,
+                    matchers,
+                    profile_type: Default::default(),
+                },
+            )
+        })
         .collect();
     let runtime = tokio::runtime::Builder::new_current_thread()
         .build()

@@ -9,7 +9,12 @@
 //! looked up with a bounds check and turned into an error that names the
 //! offending item, never a panic.
 
-use stackscope_profile::{model::TimeRange, selector::is_valid_label_name};
+use std::collections::HashMap;
+
+use stackscope_profile::{
+    model::{PROFILE_TYPE_LABEL, ProfileType, TimeRange},
+    selector::is_valid_label_name,
+};
 use stackscope_proto::v1;
 
 /// A batch that passed [`validate`]: every index refers to an item of the
@@ -30,8 +35,16 @@ pub struct ValidBatch {
     pub stacks: Vec<Vec<u32>>,
     /// Each set sorted by name with unique names, and always holding the
     /// label `node` = [`ValidBatch::node`]. Labels with an empty value are
-    /// left out: an empty value means "absent" (as in PromQL).
+    /// left out: an empty value means "absent" (as in PromQL). The sets
+    /// samples of a type other than CPU use carry the label
+    /// [`PROFILE_TYPE_LABEL`] with the type's name (see
+    /// [`ProfileType::label_value`]): a set the batch sent is one set per
+    /// type its samples have.
     pub label_sets: Vec<Vec<(String, String)>>,
+    /// Per label set: nanoseconds one unit of its samples' weight stands
+    /// for (the batch's sample period for CPU samples), in `1..=i64::MAX`.
+    pub label_set_periods: Vec<u64>,
+    /// The CPU samples, then those of the other types.
     pub samples: Vec<SampleRecord>,
 }
 
@@ -293,6 +306,21 @@ pub enum BatchError {
         label_set: u32,
         len: usize,
     },
+    /// A label name starting with `__`: those are the collector's (such as
+    /// the profile type's label).
+    #[error(
+        "label set {set}: label name {name:?} is reserved (names starting with __ are the collector's)"
+    )]
+    ReservedLabelName { set: usize, name: String },
+    /// A group of typed samples that is not acceptable as a group.
+    #[error("typed_samples[{group}]: {reason}")]
+    BadTypedSamples { group: usize, reason: String },
+    /// A sample of a typed group is not acceptable.
+    #[error("typed_samples[{group}]: {source}")]
+    InTypedSamples {
+        group: usize,
+        source: Box<BatchError>,
+    },
     /// A sample with no ticks: agents leave those out.
     #[error("sample {index}: count is 0")]
     ZeroCount { index: usize },
@@ -310,6 +338,9 @@ impl BatchError {
     /// answers RESOURCE_EXHAUSTED (split and retry) instead of
     /// INVALID_ARGUMENT (do not retry).
     pub(crate) fn is_too_large(&self) -> bool {
+        if let BatchError::InTypedSamples { source, .. } = self {
+            return source.is_too_large();
+        }
         matches!(
             self,
             BatchError::TooMany { .. }
@@ -339,6 +370,7 @@ pub fn validate(batch: v1::Batch, limits: &IngestLimits) -> Result<ValidBatch, B
         stacks,
         label_sets,
         samples,
+        typed_samples,
     } = batch;
 
     let batch_id: [u8; 16] = batch_id
@@ -353,7 +385,13 @@ pub fn validate(batch: v1::Batch, limits: &IngestLimits) -> Result<ValidBatch, B
         ("locations", locations.len(), limits.max_locations),
         ("stacks", stacks.len(), limits.max_stacks),
         ("label sets", label_sets.len(), limits.max_label_sets),
-        ("samples", samples.len(), limits.max_samples),
+        (
+            "samples",
+            typed_samples.iter().fold(samples.len(), |sum, group| {
+                sum.saturating_add(group.samples.len())
+            }),
+            limits.max_samples,
+        ),
     ] {
         if count > limit {
             return Err(BatchError::TooMany { what, count, limit });
@@ -424,11 +462,53 @@ pub fn validate(batch: v1::Batch, limits: &IngestLimits) -> Result<ValidBatch, B
         .map(|(set, labels)| validate_label_set(set, labels, &node_name, limits, &mut text))
         .collect::<Result<Vec<_>, _>>()?;
 
-    let samples = samples
+    let mut samples = samples
         .into_iter()
         .enumerate()
         .map(|(index, sample)| validate_sample(index, sample, stacks.len(), label_sets.len()))
         .collect::<Result<Vec<_>, _>>()?;
+    let mut label_sets = TypedLabelSets::new(label_sets, sample_period_nanos);
+    let mut types_seen = Vec::new();
+    for (group, typed) in typed_samples.into_iter().enumerate() {
+        let bad = |reason: String| BatchError::BadTypedSamples { group, reason };
+        let profile_type = match v1::ProfileType::try_from(typed.r#type) {
+            Ok(v1::ProfileType::OffCpu) => ProfileType::OffCpu,
+            Ok(v1::ProfileType::Cpu) => {
+                return Err(bad("CPU samples go in samples, not typed_samples".into()));
+            }
+            Ok(v1::ProfileType::Unspecified) => return Err(bad("the type is unspecified".into())),
+            Err(_) => return Err(bad(format!("unknown type {}", typed.r#type))),
+        };
+        if types_seen.contains(&profile_type) {
+            return Err(bad(format!("a second group of type {profile_type}")));
+        }
+        types_seen.push(profile_type);
+        if typed.period_nanos == 0 || i64::try_from(typed.period_nanos).is_err() {
+            return Err(bad(format!(
+                "period_nanos must be in 1..=9223372036854775807, got {}",
+                typed.period_nanos
+            )));
+        }
+        for (index, sample) in typed.samples.into_iter().enumerate() {
+            let record = validate_sample(index, sample, stacks.len(), label_sets.sent()).map_err(
+                |source| BatchError::InTypedSamples {
+                    group,
+                    source: Box::new(source),
+                },
+            )?;
+            let label_set = label_sets.of_type(record.label_set, profile_type, typed.period_nanos);
+            samples.push(SampleRecord {
+                label_set,
+                ..record
+            });
+        }
+    }
+    label_sets.check(limits)?;
+    let TypedLabelSets {
+        sets: label_sets,
+        periods: label_set_periods,
+        ..
+    } = label_sets;
 
     Ok(ValidBatch {
         batch_id,
@@ -442,8 +522,63 @@ pub fn validate(batch: v1::Batch, limits: &IngestLimits) -> Result<ValidBatch, B
         locations,
         stacks,
         label_sets,
+        label_set_periods,
         samples,
     })
+}
+
+/// The batch's label sets, with a set of its own for each (set, type)
+/// pair typed samples use.
+struct TypedLabelSets {
+    sets: Vec<Vec<(String, String)>>,
+    periods: Vec<u64>,
+    sent: usize,
+    typed: HashMap<(u32, ProfileType), u32>,
+}
+
+impl TypedLabelSets {
+    fn new(sets: Vec<Vec<(String, String)>>, cpu_period: u64) -> Self {
+        Self {
+            periods: vec![cpu_period; sets.len()],
+            sent: sets.len(),
+            sets,
+            typed: HashMap::new(),
+        }
+    }
+
+    /// How many sets the batch sent (typed samples index those).
+    fn sent(&self) -> usize {
+        self.sent
+    }
+
+    /// The index of sent set `set` with `profile_type`'s label.
+    fn of_type(&mut self, set: u32, profile_type: ProfileType, period: u64) -> u32 {
+        *self.typed.entry((set, profile_type)).or_insert_with(|| {
+            let mut labels = self.sets[set as usize].clone();
+            let at = labels.partition_point(|(name, _)| name.as_str() < PROFILE_TYPE_LABEL);
+            labels.insert(
+                at,
+                (
+                    PROFILE_TYPE_LABEL.to_owned(),
+                    profile_type.label_value().to_owned(),
+                ),
+            );
+            self.sets.push(labels);
+            self.periods.push(period);
+            (self.sets.len() - 1) as u32
+        })
+    }
+
+    fn check(&self, limits: &IngestLimits) -> Result<(), BatchError> {
+        if self.sets.len() > limits.max_label_sets {
+            return Err(BatchError::TooMany {
+                what: "label sets with their types",
+                count: self.sets.len(),
+                limit: limits.max_label_sets,
+            });
+        }
+        Ok(())
+    }
 }
 
 /// The batch's string table, resolving indexes while counting the bytes
@@ -715,6 +850,12 @@ fn validate_label_set(
                 name: name.to_owned(),
             });
         }
+        if name.starts_with("__") {
+            return Err(BatchError::ReservedLabelName {
+                set,
+                name: name.to_owned(),
+            });
+        }
         let value = text.get(label.value, || {
             format!("label set {set}, label {label_index}: value")
         })?;
@@ -863,6 +1004,7 @@ mod tests {
                     sampling_divisor: 4,
                 },
             ],
+            typed_samples: Vec::new(),
         }
     }
 
@@ -930,6 +1072,7 @@ mod tests {
                 ],
                 vec![("node".into(), "node-a".into())],
             ],
+            label_set_periods: vec![10_000_000; 2],
             samples: vec![
                 SampleRecord {
                     stack: 0,
@@ -944,6 +1087,123 @@ mod tests {
             ],
         };
         assert_eq!(valid, expected);
+    }
+
+    fn off_cpu(samples: Vec<v1::Sample>) -> v1::TypedSamples {
+        v1::TypedSamples {
+            r#type: v1::ProfileType::OffCpu as i32,
+            period_nanos: 1,
+            samples,
+        }
+    }
+
+    fn sample(stack: u32, label_set: u32, count: u64) -> v1::Sample {
+        v1::Sample {
+            stack,
+            label_set,
+            count,
+            sampling_divisor: 0,
+        }
+    }
+
+    #[test]
+    fn typed_samples_get_label_sets_of_their_own() {
+        let mut b = batch();
+        // Set 0 holds CPU ticks too; set 1 is used twice.
+        b.typed_samples = vec![off_cpu(vec![
+            sample(1, 0, 5_000),
+            sample(0, 1, 7_000),
+            sample(1, 1, 2_000),
+        ])];
+        let valid = validate(b, &IngestLimits::default()).expect("valid");
+        assert_eq!(
+            valid.label_sets[2..],
+            [
+                vec![
+                    ("__type__".to_owned(), "off_cpu".to_owned()),
+                    ("comm".into(), "app".into()),
+                    ("node".into(), "node-a".into()),
+                ],
+                vec![
+                    ("__type__".to_owned(), "off_cpu".to_owned()),
+                    ("node".into(), "node-a".into()),
+                ],
+            ]
+        );
+        assert_eq!(valid.label_set_periods, [10_000_000, 10_000_000, 1, 1]);
+        let typed: Vec<_> = valid.samples[2..]
+            .iter()
+            .map(|s| (s.stack, s.label_set, s.weight))
+            .collect();
+        assert_eq!(typed, [(1, 2, 5_000), (0, 3, 7_000), (1, 3, 2_000)]);
+    }
+
+    #[test]
+    fn bad_typed_samples_are_refused_with_their_group() {
+        type Change = fn(&mut v1::Batch);
+        let cases: [(Change, &str); 6] = [
+            (
+                |b| {
+                    b.typed_samples = vec![off_cpu(vec![sample(0, 0, 1)])];
+                    b.typed_samples[0].r#type = v1::ProfileType::Cpu as i32;
+                },
+                "typed_samples[0]: CPU samples go in samples, not typed_samples",
+            ),
+            (
+                |b| {
+                    b.typed_samples = vec![off_cpu(vec![sample(0, 0, 1)])];
+                    b.typed_samples[0].r#type = 99;
+                },
+                "typed_samples[0]: unknown type 99",
+            ),
+            (
+                |b| b.typed_samples = vec![off_cpu(vec![]), off_cpu(vec![])],
+                "typed_samples[1]: a second group of type off_cpu",
+            ),
+            (
+                |b| {
+                    b.typed_samples = vec![off_cpu(vec![sample(0, 0, 1)])];
+                    b.typed_samples[0].period_nanos = 0;
+                },
+                "typed_samples[0]: period_nanos must be in 1..=9223372036854775807, got 0",
+            ),
+            (
+                |b| b.typed_samples = vec![off_cpu(vec![sample(0, 9, 1)])],
+                "typed_samples[0]: sample 0: label set index 9 out of range (batch has 2 label sets)",
+            ),
+            (
+                |b| b.typed_samples = vec![off_cpu(vec![sample(0, 0, 0)])],
+                "typed_samples[0]: sample 0: count is 0",
+            ),
+        ];
+        for (change, message) in cases {
+            assert_eq!(error(change), message);
+        }
+        // Every sample counts against the limit, whatever its type.
+        let limits = IngestLimits {
+            max_samples: 3,
+            ..IngestLimits::default()
+        };
+        assert_eq!(
+            error_with(&limits, |b| {
+                b.typed_samples = vec![off_cpu(vec![sample(0, 0, 1), sample(1, 1, 1)])];
+            }),
+            "too many samples: 4 > limit 3"
+        );
+    }
+
+    #[test]
+    fn label_names_starting_with_two_underscores_are_the_collectors() {
+        let message = error(|b| {
+            let name = push_string(b, "__type__");
+            let value = push_string(b, "cpu");
+            b.label_sets[1].labels = vec![v1::Label { name, value }];
+        });
+        assert_eq!(
+            message,
+            "label set 1: label name \"__type__\" is reserved (names starting with __ are the \
+             collector's)"
+        );
     }
 
     #[test]

@@ -5,7 +5,9 @@
 use std::sync::Arc;
 
 use stackscope_profile::{
-    model::{Frame, LabelMatcher, MatchOp, PeriodAgreement, Selection, StackSamples},
+    model::{
+        Frame, LabelMatcher, MatchOp, PROFILE_TYPE_LABEL, PeriodAgreement, Selection, StackSamples,
+    },
     selector::is_valid_label_name,
     tree::CallTree,
 };
@@ -278,7 +280,13 @@ impl QueryEngine {
     }
 
     pub async fn label_names(&self, selection: Selection) -> Result<Vec<String>, QueryError> {
-        let work = self.blocking(move |storage| storage.label_names(&selection));
+        // The profile type's label is the selection's `profile_type`, not a
+        // label people match on.
+        let work = self.blocking(move |storage| {
+            let mut names = storage.label_names(&selection)?;
+            names.retain(|name| name != PROFILE_TYPE_LABEL);
+            Ok::<_, StorageError>(names)
+        });
         self.metrics.time_query("label_names", work).await
     }
 

@@ -26,7 +26,7 @@ use stackscope_collector::{
     },
 };
 use stackscope_profile::{
-    model::{CodeAddress, Frame, MatchOp, Selection, StackSamples},
+    model::{CodeAddress, Frame, MatchOp, ProfileType, Selection, StackSamples},
     render::top_functions,
     tree::CallTree,
 };
@@ -399,6 +399,45 @@ fn a_batch_whose_dictionary_rows_pass_the_cap_is_refused_whole() {
     assert_eq!(
         rows_on(0, db, "batches_local") + rows_on(1, db, "batches_local"),
         1
+    );
+}
+
+/// The ClickHouse storage keeps CPU samples only: a batch with off-CPU
+/// samples is refused whole, with a message that says where they go.
+#[test]
+fn a_batch_with_samples_of_another_profile_type_is_refused_whole() {
+    let db = "profile_types";
+    let storage = cluster(db);
+    let mut b = Builder::new(41, "node-a", T0, PERIOD_100HZ);
+    let s1 = b.standard_stack(1);
+    let set = b.label_set(&[("comm", "app")]);
+    b.sample(s1, set, 3, 0);
+    b.off_cpu_sample(s1, set, 2_000_000);
+    match storage.ingest(&b.validate()) {
+        Err(err @ StorageError::Unsupported(_)) => assert_eq!(
+            err.to_string(),
+            "the batch cannot be stored here: the ClickHouse storage keeps CPU samples only; this \
+             batch has samples of type \"off_cpu\" (store them with the SQLite storage)"
+        ),
+        other => panic!("expected Unsupported, got {other:?}"),
+    }
+    for table in [
+        "samples_local",
+        "stacks_local",
+        "label_sets_local",
+        "batches_local",
+    ] {
+        assert_eq!(rows_on(0, db, table) + rows_on(1, db, table), 0, "{table}");
+    }
+    let off_cpu = Selection {
+        profile_type: ProfileType::OffCpu,
+        ..all(&[])
+    };
+    ingest_all(&storage, &[batch1()]);
+    assert_eq!(
+        weights(&storage, &off_cpu),
+        expect(&[]),
+        "CPU ticks are not off-CPU time"
     );
 }
 

@@ -16,9 +16,9 @@ use stackscope_collector::{
 };
 use stackscope_profile::{model::unix_nanos, render, tree::CallTree};
 use stackscope_proto::v1::{
-    Batch, FlamegraphRequest, Label, LabelMatcher, LabelNamesRequest, LabelSet, PushRequest,
-    Sample, Selection, TopFunctionsRequest, ingest_client::IngestClient, label_matcher::Op,
-    query_client::QueryClient,
+    Batch, FlamegraphRequest, Label, LabelMatcher, LabelNamesRequest, LabelSet, ProfileType,
+    PushRequest, Sample, Selection, TopFunctionsRequest, TypedSamples, ingest_client::IngestClient,
+    label_matcher::Op, query_client::QueryClient,
 };
 use stackscope_test_fixtures::batches::batch;
 use tonic::{Code, transport::Channel};
@@ -183,6 +183,7 @@ fn selection(matchers: Vec<LabelMatcher>) -> Selection {
         start_unix_nanos: unix_nanos(SystemTime::now()) - 3_600_000_000_000,
         end_unix_nanos: unix_nanos(SystemTime::now()) + 60_000_000_000,
         matchers,
+        profile_type: String::new(),
     }
 }
 
@@ -192,6 +193,79 @@ fn matcher(name: &str, op: Op, value: &str) -> LabelMatcher {
         op: op as i32,
         value: value.into(),
     }
+}
+
+/// Off-CPU samples beside CPU ticks, on the same labels and stacks: gRPC
+/// and HTTP answer one type at a time, CPU when none is named, and refuse
+/// a type they do not know.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn each_profile_type_is_queried_apart() {
+    let fixture = start(None).await;
+    let mut both = batch(1, "node-a", "redis", 30, 5);
+    let blocked = |stack, nanos| Sample {
+        stack,
+        label_set: 0,
+        count: nanos,
+        sampling_divisor: 0,
+    };
+    both.typed_samples = vec![TypedSamples {
+        r#type: ProfileType::OffCpu as i32,
+        period_nanos: 1,
+        samples: vec![blocked(0, 4_000_000), blocked(1, 1_000_000)],
+    }];
+    let stored = fixture.push(both).await.expect("push");
+    assert_eq!(stored.samples_stored, 4);
+    assert_eq!(fixture.total(vec![]).await, 35, "CPU ticks only");
+
+    let typed = |profile_type: &str| Selection {
+        profile_type: profile_type.into(),
+        ..selection(vec![])
+    };
+    let flamegraph = |profile_type: &str| {
+        let request = FlamegraphRequest {
+            selection: Some(typed(profile_type)),
+            min_share: 0.0,
+            group_by: String::new(),
+        };
+        let channel = fixture.channel();
+        async move { QueryClient::new(channel.await).flamegraph(request).await }
+    };
+    let off_cpu = flamegraph("off_cpu").await.expect("off-CPU").into_inner();
+    assert_eq!((off_cpu.total, off_cpu.sample_period_nanos), (5_000_000, 1));
+    let cpu = flamegraph("cpu").await.expect("CPU").into_inner();
+    assert_eq!((cpu.total, cpu.sample_period_nanos), (35, 10_101_010));
+    let unknown = flamegraph("alloc_space")
+        .await
+        .expect_err("an unknown type");
+    assert_eq!(unknown.code(), Code::InvalidArgument);
+    assert!(unknown.message().contains("\"alloc_space\""), "{unknown:?}");
+
+    let names = QueryClient::new(fixture.channel().await)
+        .label_names(LabelNamesRequest {
+            selection: Some(typed("off_cpu")),
+        })
+        .await
+        .expect("label names")
+        .into_inner()
+        .names;
+    assert_eq!(names, ["comm", "node"], "the type is not a label to match");
+
+    let (status, body) = fixture.http_get("/api/v1/flamegraph?format=folded&since=1h&type=off_cpu");
+    assert_eq!(status, 200, "{}", String::from_utf8_lossy(&body));
+    assert_eq!(
+        String::from_utf8(body).expect("UTF-8"),
+        "main;[unknown] libfoo.so+0x1a2b 1000000\nmain;work;helper 4000000\n"
+    );
+    let (status, body) = fixture.http_get("/api/v1/flamegraph?format=folded&since=1h");
+    assert_eq!(status, 200);
+    assert_eq!(
+        String::from_utf8(body).expect("UTF-8"),
+        "main;[unknown] libfoo.so+0x1a2b 5\nmain;work;helper 30\n"
+    );
+    let (status, body) = fixture.http_get("/api/v1/flamegraph?format=folded&since=1h&type=wall");
+    assert_eq!(status, 400);
+    let message = String::from_utf8_lossy(&body);
+    assert!(message.contains("type \"wall\""), "{message}");
 }
 
 // Multi-threaded: the HTTP checks use a blocking socket, and the servers

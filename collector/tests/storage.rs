@@ -17,7 +17,7 @@ use stackscope_collector::{
         sqlite::{COMPACTION_SPANS_PER_CALL, CacheStats, SqliteOptions, SqliteStorage},
     },
 };
-use stackscope_profile::model::{CodeAddress, Frame, MatchOp, Selection, TimeRange};
+use stackscope_profile::model::{CodeAddress, Frame, MatchOp, ProfileType, Selection, TimeRange};
 
 fn open(path: &Path) -> SqliteStorage {
     SqliteStorage::open(path, SqliteOptions::default()).expect("open the database")
@@ -264,6 +264,75 @@ fn label_names_values_and_series() {
         storage.series(&all(&[]), MINUTE).expect("series"),
         "a step of 0 means one point per bucket"
     );
+}
+
+/// Off-CPU samples on the same labels and stacks as CPU ticks: each type's
+/// queries see only their own weights and period, before and after the
+/// compactor rolls the CPU samples up.
+#[test]
+fn profile_types_are_stored_and_queried_apart() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let storage = open(&dir.path().join("stackscope.db"));
+    let mut b = Builder::new(9, "node-a", T0 + 20 * SECOND, PERIOD_100HZ);
+    let [s0, _, s2] = b.standard_stacks(false);
+    let app = b.label_set(&[("comm", "app"), ("exe", "/usr/bin/app")]);
+    b.sample(s0, app, 4, 0);
+    b.off_cpu_sample(s0, app, 3_000_000);
+    b.off_cpu_sample(s2, app, 40_000_000);
+    ingest_all(&storage, &[batch1(), b.validate()]);
+    use MatchOp::*;
+    let off_cpu = |matchers: &[Matcher<'_>]| Selection {
+        profile_type: ProfileType::OffCpu,
+        ..all(matchers)
+    };
+    let check = |when: &str| {
+        // CPU answers are those of the CPU samples alone.
+        assert_eq!(
+            weights(&storage, &all(&[])),
+            expect(&[(S0, 9), (S1, 3), (S2, 7)]),
+            "{when}"
+        );
+        assert_eq!(
+            weights(&storage, &all(&[("comm", Equal, "app")])),
+            expect(&[(S0, 9), (S1, 3)]),
+            "{when}"
+        );
+        let blocked = expect(&[(S0, 3_000_000), (S2, 40_000_000)]);
+        assert_eq!(weights(&storage, &off_cpu(&[])), blocked, "{when}");
+        assert_eq!(
+            weights(&storage, &off_cpu(&[("comm", Equal, "app")])),
+            blocked,
+            "{when}"
+        );
+        assert_eq!(
+            weights(&storage, &off_cpu(&[("comm", Equal, "worker")])),
+            expect(&[]),
+            "{when}"
+        );
+        let periods =
+            |selection: &Selection| storage.stacks(selection).unwrap().sample_period_nanos;
+        assert_eq!(periods(&all(&[])), PERIOD_100HZ, "{when}");
+        assert_eq!(periods(&off_cpu(&[])), 1, "{when}");
+        let total = |selection: &Selection| -> u64 {
+            storage
+                .series(selection, 0)
+                .unwrap()
+                .iter()
+                .map(|(_, w)| w)
+                .sum()
+        };
+        assert_eq!(total(&all(&[])), 19, "{when}");
+        assert_eq!(total(&off_cpu(&[])), 43_000_000, "{when}");
+        // The type's label is not one of the CPU samples' labels.
+        assert_eq!(
+            storage.label_names(&all(&[])).unwrap(),
+            ["comm", "exe", "node"],
+            "{when}"
+        );
+    };
+    check("as stored");
+    assert!(storage.compact(T0 + DAY).expect("compaction") > 0);
+    check("rolled up");
 }
 
 #[test]
@@ -556,6 +625,7 @@ fn hand_built_batches_and_cache_hits() {
         }],
         stacks: vec![vec![0, 0]],
         label_sets: vec![vec![("node".into(), "n".into())]],
+        label_set_periods: vec![1],
         samples: vec![SampleRecord {
             stack: 0,
             label_set: 0,
@@ -656,6 +726,7 @@ fn a_version_1_database_is_upgraded_and_keeps_its_samples() {
                 "ALTER TABLE samples ADD COLUMN count INTEGER NOT NULL DEFAULT 1;
                  ALTER TABLE mappings DROP COLUMN code_segments;
                  DROP TABLE rollups; DROP TABLE rollup_spans; DROP TABLE pending_spans;
+                 DROP INDEX labels_by_name;
                  PRAGMA user_version = 1;",
             )
         })
@@ -682,13 +753,22 @@ fn a_version_1_database_is_upgraded_and_keeps_its_samples() {
         )
         .expect("columns")
     };
+    let has_index = |name: &str| -> bool {
+        conn.query_row(
+            "SELECT count(*) FROM sqlite_schema WHERE type = 'index' AND name = ?1",
+            [name],
+            |row| row.get(0),
+        )
+        .expect("indexes")
+    };
     assert_eq!(
         (
             version,
             has_column("samples", "count"),
-            has_column("mappings", "code_segments")
+            has_column("mappings", "code_segments"),
+            has_index("labels_by_name")
         ),
-        (4, false, true)
+        (5, false, true, true)
     );
 }
 
@@ -714,13 +794,13 @@ fn incompatible_databases_are_refused() {
     );
 
     rusqlite::Connection::open(&path)
-        .and_then(|conn| conn.pragma_update(None, "user_version", 5))
+        .and_then(|conn| conn.pragma_update(None, "user_version", 6))
         .expect("set a newer version");
     let err = SqliteStorage::open(&path, SqliteOptions::default()).expect_err("newer schema");
     assert_eq!(
         err.to_string(),
         format!(
-            "the database at {} cannot be used: its schema version 5 is newer than the 4 this \
+            "the database at {} cannot be used: its schema version 6 is newer than the 5 this \
              collector knows; run a newer collector",
             path.display()
         )
@@ -755,6 +835,11 @@ fn fleet_batch(id: u8, node: &str, start: i64, period: u64, seed: u64) -> ValidB
         let weight = 1 + (seed >> (4 * i)) % 13;
         if weight != 7 {
             b.sample(stack, labels, weight, 0);
+        }
+        // Off-CPU time on some stacks: fleet-wide CPU answers (rollups
+        // among them) leave it out.
+        if weight % 4 == 1 {
+            b.off_cpu_sample(stack, labels, weight * 1_000_000);
         }
     }
     b.validate()
@@ -804,6 +889,15 @@ fn rollups_answer_exactly_as_the_samples_they_sum() {
     // reads rollups), and the twin that is never compacted.
     let check = |start: i64, end: i64, what: &str| {
         let selection = select(start, end, &[]);
+        let off_cpu = Selection {
+            profile_type: ProfileType::OffCpu,
+            ..selection.clone()
+        };
+        assert_eq!(
+            rolled.stacks(&off_cpu).expect("query"),
+            base.stacks(&off_cpu).expect("query"),
+            "{what}: range {start}..{end}, off-CPU time"
+        );
         let answer = rolled.stacks(&selection).expect("query");
         let everyone = select(start, end, &[("comm", MatchOp::Regex, ".*")]);
         assert_eq!(

@@ -139,20 +139,94 @@ impl LabelMatcher {
     }
 }
 
-/// Which samples a query covers: every matcher must hold.
+/// What a profile's weights measure. A query selects one type: weights
+/// of different types are never summed.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub enum ProfileType {
+    /// Time on the CPU, sampled by a timer: a weight is ticks, each worth
+    /// the batch's sample period.
+    #[default]
+    Cpu,
+    /// Time blocked off the CPU: a weight is nanoseconds.
+    OffCpu,
+}
+
+/// The label storage keeps a sample's profile type in, when it is not
+/// [`ProfileType::Cpu`] (samples stored before types existed, and CPU
+/// samples since, carry none, so their label sets are unchanged). Names
+/// starting with `__` are the collector's: ingest refuses them from nodes.
+pub const PROFILE_TYPE_LABEL: &str = "__type__";
+
+impl ProfileType {
+    pub const ALL: [ProfileType; 2] = [ProfileType::Cpu, ProfileType::OffCpu];
+
+    /// Its name in queries (`type=`, `--type`) and in storage.
+    pub fn name(self) -> &'static str {
+        match self {
+            ProfileType::Cpu => "cpu",
+            ProfileType::OffCpu => "off_cpu",
+        }
+    }
+
+    /// The type named `name` (`off-cpu` is read as `off_cpu`).
+    pub fn from_name(name: &str) -> Option<Self> {
+        match name {
+            "cpu" => Some(ProfileType::Cpu),
+            "off_cpu" | "off-cpu" => Some(ProfileType::OffCpu),
+            _ => None,
+        }
+    }
+
+    /// The value of [`PROFILE_TYPE_LABEL`] in its samples' label sets:
+    /// empty (absent) for CPU samples.
+    pub fn label_value(self) -> &'static str {
+        match self {
+            ProfileType::Cpu => "",
+            ProfileType::OffCpu => self.name(),
+        }
+    }
+
+    /// The unit one weight stands for, once multiplied by the sample
+    /// period (pprof's sample value unit).
+    pub fn unit(self) -> &'static str {
+        "nanoseconds"
+    }
+}
+
+impl std::fmt::Display for ProfileType {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+/// Which samples a query covers: samples of its profile type, on which
+/// every matcher holds.
 #[derive(Debug, Clone)]
 pub struct Selection {
     pub range: TimeRange,
     pub matchers: Vec<LabelMatcher>,
+    pub profile_type: ProfileType,
 }
 
 impl Selection {
-    /// Whether a sample with these labels is selected (time aside).
+    /// Whether a sample with these labels is selected (time aside): its
+    /// type is the selection's and every matcher holds.
     pub fn matches_labels<'a, I>(&self, labels: I) -> bool
     where
         I: IntoIterator<Item = (&'a str, &'a str)> + Clone,
     {
-        self.matchers.iter().all(|m| m.matches_set(labels.clone()))
+        let type_value = labels
+            .clone()
+            .into_iter()
+            .find(|(name, _)| *name == PROFILE_TYPE_LABEL)
+            .map_or("", |(_, value)| value);
+        type_value == self.profile_type.label_value()
+            && self.matchers.iter().all(|m| m.matches_set(labels.clone()))
+    }
+
+    /// Whether it selects every label set of its type: no matchers.
+    pub fn selects_every_label_set(&self) -> bool {
+        self.matchers.is_empty()
     }
 }
 

@@ -27,7 +27,7 @@ use stackscope_proto::v1::{
     LabelMatcher as ProtoMatcher, Selection as ProtoSelection, label_matcher::Op,
 };
 
-use crate::model::{InvalidMatcher, LabelMatcher, MatchOp, Selection, TimeRange};
+use crate::model::{InvalidMatcher, LabelMatcher, MatchOp, ProfileType, Selection, TimeRange};
 
 /// A matcher list or a selection message is not acceptable. Text positions
 /// are 0-based byte offsets into the text given to [`parse_matchers`];
@@ -79,6 +79,9 @@ pub enum SelectorError {
         #[source]
         source: regex::Error,
     },
+    /// A selection message names a profile type this build does not know.
+    #[error("profile type {0:?}: expected one of cpu, off_cpu")]
+    UnknownProfileType(String),
 }
 
 const EXPECTED_OP: &str = "one of =, !=, =~, !~";
@@ -316,6 +319,10 @@ pub fn selection_to_proto(selection: &Selection) -> ProtoSelection {
                 value: m.value.clone(),
             })
             .collect(),
+        profile_type: match selection.profile_type {
+            ProfileType::Cpu => String::new(),
+            other => other.name().to_owned(),
+        },
     }
 }
 
@@ -370,12 +377,18 @@ pub fn selection_from_proto(selection: &ProtoSelection) -> Result<Selection, Sel
             )
         })
         .collect::<Result<Vec<_>, _>>()?;
+    let profile_type = match selection.profile_type.as_str() {
+        "" => ProfileType::Cpu,
+        name => ProfileType::from_name(name)
+            .ok_or_else(|| SelectorError::UnknownProfileType(name.to_owned()))?,
+    };
     Ok(Selection {
         range: TimeRange {
             start_unix_nanos: selection.start_unix_nanos,
             end_unix_nanos: selection.end_unix_nanos,
         },
         matchers,
+        profile_type,
     })
 }
 
@@ -602,6 +615,7 @@ mod tests {
                 end_unix_nanos: 2_000,
             },
             matchers: parse_matchers(r#"comm="redis",exe=~".*redis.*",pod!="",c!~"x""#).unwrap(),
+            profile_type: ProfileType::OffCpu,
         }
     }
 
@@ -635,11 +649,28 @@ mod tests {
                         value: "x".into()
                     },
                 ],
+                profile_type: "off_cpu".into(),
             }
         );
         let back = selection_from_proto(&proto).unwrap();
         assert_eq!(back.range, selection().range);
         assert_eq!(triples(&back.matchers), triples(&selection().matchers));
+        assert_eq!(back.profile_type, ProfileType::OffCpu);
+        // Empty is CPU (peers from before types); an unknown type is refused.
+        let cpu = ProtoSelection {
+            profile_type: String::new(),
+            ..proto.clone()
+        };
+        assert_eq!(
+            selection_from_proto(&cpu).unwrap().profile_type,
+            ProfileType::Cpu
+        );
+        let unknown = ProtoSelection {
+            profile_type: "alloc_space".into(),
+            ..proto
+        };
+        let err = selection_from_proto(&unknown).unwrap_err().to_string();
+        assert!(err.contains("\"alloc_space\""), "{err}");
     }
 
     fn proto_error(name: &str, op: i32, value: &str) -> String {
@@ -658,6 +689,7 @@ mod tests {
                     value: value.into(),
                 },
             ],
+            profile_type: String::new(),
         };
         selection_from_proto(&proto).unwrap_err().to_string()
     }

@@ -6,7 +6,7 @@
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use crate::{
-    model::{Selection, TimeRange, unix_nanos},
+    model::{ProfileType, Selection, TimeRange, unix_nanos},
     selector::{self, SelectorError},
 };
 
@@ -21,14 +21,20 @@ pub enum SelectionError {
     /// Not a `#[source]`: the message already carries the parser's words.
     #[error("match: {0}")]
     Matchers(SelectorError),
+    #[error("type {0:?}: expected one of cpu, off_cpu")]
+    ProfileType(String),
 }
 
 /// A selection's matchers as people read them, for titles and messages.
 pub fn describe(selection: &Selection) -> String {
-    if selection.matchers.is_empty() {
+    let samples = if selection.matchers.is_empty() {
         "all samples".to_string()
     } else {
         selector::format_matchers(&selection.matchers)
+    };
+    match selection.profile_type {
+        ProfileType::Cpu => samples,
+        other => format!("{samples} ({other})"),
     }
 }
 
@@ -51,6 +57,8 @@ pub fn diff_title(selection: &Selection, base: &Selection) -> String {
 pub struct SelectionText<'a> {
     /// Label matchers; `None` selects every sample.
     pub matchers: Option<&'a str>,
+    /// The profile type's name; `None` is CPU.
+    pub profile_type: Option<&'a str>,
     /// The time options as [`resolve`] takes them.
     pub since: Option<&'a str>,
     pub start: Option<&'a str>,
@@ -71,16 +79,27 @@ impl<'a> SelectionText<'a> {
             Some(text) => selector::parse_matchers(text).map_err(SelectionError::Matchers)?,
             None => Vec::new(),
         };
-        Ok(Selection { range, matchers })
+        let profile_type = match self.profile_type {
+            Some(name) => ProfileType::from_name(name)
+                .ok_or_else(|| SelectionError::ProfileType(name.to_owned()))?,
+            None => ProfileType::Cpu,
+        };
+        Ok(Selection {
+            range,
+            matchers,
+            profile_type,
+        })
     }
 
     /// The baseline of a diff against this selection: `base`'s parts, each
     /// defaulting to this selection's own. A base range given by its start
-    /// or duration does not inherit this selection's end.
+    /// or duration does not inherit this selection's end. The profile type
+    /// is always this selection's: weights of two types do not compare.
     pub fn baseline(&self, base: SelectionText<'a>) -> SelectionText<'a> {
         let own_range = base.since.is_none() && base.start.is_none();
         SelectionText {
             matchers: base.matchers.or(self.matchers),
+            profile_type: self.profile_type,
             since: if own_range { self.since } else { base.since },
             start: if own_range { self.start } else { base.start },
             end: base.end.or(if own_range { self.end } else { None }),
@@ -234,6 +253,7 @@ mod tests {
     fn a_baseline_defaults_to_the_selection_but_not_half_of_its_range() {
         let own = SelectionText {
             matchers: Some("comm=\"a\""),
+            profile_type: Some("off_cpu"),
             since: Some("5m"),
             start: None,
             end: Some("1h"),
@@ -251,6 +271,32 @@ mod tests {
         assert_eq!(
             (base.matchers, base.since, base.start, base.end),
             (Some("comm=\"b\""), None, Some("2h"), None)
+        );
+        // Weights of two types do not compare: the baseline has this type.
+        assert_eq!(base.profile_type, Some("off_cpu"));
+    }
+
+    #[test]
+    fn a_selection_reads_one_profile_type_cpu_unless_named() {
+        let parse = |profile_type| {
+            SelectionText {
+                profile_type,
+                ..SelectionText::default()
+            }
+            .parse()
+        };
+        assert_eq!(parse(None).unwrap().profile_type, ProfileType::Cpu);
+        assert_eq!(
+            parse(Some("off-cpu")).unwrap().profile_type,
+            ProfileType::OffCpu
+        );
+        assert_eq!(
+            parse(Some("off_cpu")).unwrap().profile_type,
+            ProfileType::OffCpu
+        );
+        assert_eq!(
+            parse(Some("wall")).unwrap_err().to_string(),
+            "type \"wall\": expected one of cpu, off_cpu"
         );
     }
 

@@ -99,5 +99,6 @@ pub fn batch(id: u8, node: &str, comm: &str, count: u64, unnamed: u64) -> Batch 
                 sampling_divisor: 0,
             })
             .collect(),
+        typed_samples: Vec::new(),
     }
 }

@@ -177,6 +177,7 @@ pub fn build_batch(
         stacks: batch.stacks,
         label_sets: batch.label_sets,
         samples: batch.samples,
+        typed_samples: Vec::new(),
     }
 }
 

@@ -153,6 +153,9 @@ impl From<QueryError> for ApiError {
 struct Params {
     #[serde(rename = "match")]
     matchers: Option<String>,
+    /// The profile type (`cpu`, `off_cpu`); CPU when absent.
+    #[serde(rename = "type")]
+    profile_type: Option<String>,
     since: Option<String>,
     start: Option<String>,
     end: Option<String>,
@@ -173,6 +176,7 @@ impl Params {
     fn text(&self) -> SelectionText<'_> {
         SelectionText {
             matchers: self.matchers.as_deref(),
+            profile_type: self.profile_type.as_deref(),
             since: self.since.as_deref(),
             start: self.start.as_deref(),
             end: self.end.as_deref(),
@@ -190,6 +194,7 @@ impl Params {
             since: self.base_since.as_deref(),
             start: self.base_start.as_deref(),
             end: self.base_end.as_deref(),
+            ..SelectionText::default()
         };
         self.text().baseline(base).parse().map_err(bad_request)
     }
@@ -310,10 +315,7 @@ fn render(
 ) -> Result<Response, ApiError> {
     Ok(match format {
         Format::Svg => {
-            let options = SvgOptions {
-                title,
-                ..SvgOptions::default()
-            };
+            let options = SvgOptions::titled(title, selection.profile_type);
             match render::svg(&flamegraph.tree, &options) {
                 Ok(bytes) => svg_response(bytes),
                 Err(err) => ApiError(StatusCode::NOT_FOUND, format!("{err}")).into_response(),
@@ -336,6 +338,7 @@ fn render(
             ],
             render::pprof(
                 &flamegraph.tree,
+                selection.profile_type,
                 flamegraph.sample_period_nanos,
                 selection.range.start_unix_nanos,
                 selection.range.end_unix_nanos - selection.range.start_unix_nanos,
@@ -391,10 +394,10 @@ async fn diff(
         engine.flamegraph(selection.clone(), 0.0, None),
         engine.flamegraph(base.clone(), 0.0, None)
     )?;
-    let options = SvgOptions {
-        title: timespec::diff_title(&selection, &base),
-        ..SvgOptions::default()
-    };
+    let options = SvgOptions::titled(
+        timespec::diff_title(&selection, &base),
+        selection.profile_type,
+    );
     match render::diff_svg(&old.tree, &new.tree, &options) {
         Ok(bytes) => Ok(svg_response(bytes)),
         Err(err) => Err(ApiError(StatusCode::NOT_FOUND, err.to_string())),

@@ -8,7 +8,7 @@ use std::collections::{BTreeMap, HashMap};
 
 use stackscope_collector::ingest::{self, IngestLimits, ValidBatch};
 use stackscope_profile::model::{
-    Frame, LabelMatcher, MatchOp, Selection, StackSamples, TimeRange, WeightedStack,
+    Frame, LabelMatcher, MatchOp, ProfileType, Selection, StackSamples, TimeRange, WeightedStack,
 };
 use stackscope_proto::v1;
 
@@ -119,6 +119,33 @@ impl Builder {
         });
     }
 
+    /// Adds an off-CPU sample of `nanos` blocked (in the batch's one
+    /// off-CPU group, made on first use).
+    pub fn off_cpu_sample(&mut self, stack: u32, label_set: u32, nanos: u64) {
+        let group = match self
+            .batch
+            .typed_samples
+            .iter()
+            .position(|group| group.r#type == v1::ProfileType::OffCpu as i32)
+        {
+            Some(group) => group,
+            None => {
+                self.batch.typed_samples.push(v1::TypedSamples {
+                    r#type: v1::ProfileType::OffCpu as i32,
+                    period_nanos: 1,
+                    samples: Vec::new(),
+                });
+                self.batch.typed_samples.len() - 1
+            }
+        };
+        self.batch.typed_samples[group].samples.push(v1::Sample {
+            stack,
+            label_set,
+            count: nanos,
+            sampling_divisor: 1,
+        });
+    }
+
     /// Adds the three test stacks (in reverse when `reverse`, so batches
     /// disagree on indexes but not on content) and returns their indexes
     /// as `[S0, S1, S2]`:
@@ -222,6 +249,7 @@ pub fn select(start: i64, end: i64, matchers: &[Matcher<'_>]) -> Selection {
             .iter()
             .map(|&(name, op, value)| LabelMatcher::new(name, op, value).expect("matcher"))
             .collect(),
+        profile_type: ProfileType::Cpu,
     }
 }
 

@@ -60,6 +60,7 @@ fuzz_target!(|data: &[u8]| {
             end_unix_nanos: 1,
         },
         matchers,
+        profile_type: Default::default(),
     };
     let back = selection_from_proto(&selection_to_proto(&selection)).expect("own message");
     assert_eq!(parts(&back.matchers), parts(&selection.matchers));

@@ -29,21 +29,28 @@ use flate2::{Compression, write::GzEncoder};
 use prost::Message as _;
 use stackscope_proto::pprof::{Function, Line, Location, Mapping, Profile, Sample, ValueType};
 
-use crate::model::{Frame, PYTHON_BINARY};
+use crate::model::{Frame, PYTHON_BINARY, ProfileType};
 use crate::tree::CallTree;
 
-/// The tree as a gzipped pprof profile; see the module documentation for
-/// the layout. `sample_period_nanos` of 0 (unknown) gives a cpu column of
-/// zeros. `time_nanos` and `duration_nanos` describe the selection's time
-/// range.
+/// The tree of `profile_type`'s samples as a gzipped pprof profile; see
+/// the module documentation for the layout. `sample_period_nanos` of 0
+/// (unknown) gives a cpu column of zeros. `time_nanos` and
+/// `duration_nanos` describe the selection's time range.
 pub fn pprof(
     tree: &CallTree,
+    profile_type: ProfileType,
     sample_period_nanos: u64,
     time_nanos: i64,
     duration_nanos: i64,
 ) -> Vec<u8> {
-    let encoded =
-        pprof_profile(tree, sample_period_nanos, time_nanos, duration_nanos).encode_to_vec();
+    let encoded = pprof_profile(
+        tree,
+        profile_type,
+        sample_period_nanos,
+        time_nanos,
+        duration_nanos,
+    )
+    .encode_to_vec();
     let mut gzip = GzEncoder::new(
         Vec::with_capacity(encoded.len() / 4),
         Compression::default(),
@@ -55,16 +62,34 @@ pub fn pprof(
         .expect("gzip into memory cannot fail")
 }
 
-/// The profile [`pprof`] encodes, before encoding and compression.
+/// The profile [`pprof`] encodes, before encoding and compression. CPU
+/// profiles have two values per sample, `samples/count` and
+/// `cpu/nanoseconds`; off-CPU ones one, `off_cpu/nanoseconds` (their
+/// weights are nanoseconds already).
 pub fn pprof_profile(
     tree: &CallTree,
+    profile_type: ProfileType,
     sample_period_nanos: u64,
     time_nanos: i64,
     duration_nanos: i64,
 ) -> Profile {
     let mut builder = ProfileBuilder::new(tree);
-    let samples_type = builder.value_type("samples", "count");
-    let cpu_type = builder.value_type("cpu", "nanoseconds");
+    let (sample_type, period_type, default_sample_type) = match profile_type {
+        ProfileType::Cpu => {
+            let samples_type = builder.value_type("samples", "count");
+            let cpu_type = builder.value_type("cpu", "nanoseconds");
+            let default = if sample_period_nanos > 0 {
+                cpu_type.r#type
+            } else {
+                samples_type.r#type
+            };
+            (vec![samples_type, cpu_type], cpu_type, default)
+        }
+        ProfileType::OffCpu => {
+            let off_cpu = builder.value_type(profile_type.name(), profile_type.unit());
+            (vec![off_cpu], off_cpu, off_cpu.r#type)
+        }
+    };
     let period = clamp(sample_period_nanos);
 
     let mut samples = Vec::new();
@@ -73,24 +98,20 @@ pub fn pprof_profile(
             continue;
         }
         let location_id = builder.locations_of_path(index);
+        let nanos = clamp(node.self_weight().saturating_mul(sample_period_nanos));
         samples.push(Sample {
             location_id,
-            value: vec![
-                clamp(node.self_weight()),
-                clamp(node.self_weight().saturating_mul(sample_period_nanos)),
-            ],
+            value: match profile_type {
+                ProfileType::Cpu => vec![clamp(node.self_weight()), nanos],
+                ProfileType::OffCpu => vec![nanos],
+            },
             label: Vec::new(),
         });
     }
 
     builder.put_main_mapping_first();
-    let default_sample_type = if sample_period_nanos > 0 {
-        cpu_type.r#type
-    } else {
-        samples_type.r#type
-    };
     Profile {
-        sample_type: vec![samples_type, cpu_type],
+        sample_type,
         sample: samples,
         mapping: builder.mappings,
         location: builder.locations,
@@ -100,7 +121,7 @@ pub fn pprof_profile(
         keep_frames: 0,
         time_nanos,
         duration_nanos,
-        period_type: Some(cpu_type),
+        period_type: Some(period_type),
         period,
         comment: Vec::new(),
         default_sample_type,
@@ -418,7 +439,13 @@ mod tests {
             (&[("start_thread", "libc.so.6")], 1),
             (&[("worker", "[kernel]")], 9),
         ]);
-        let profile = decode(&pprof(&CallTree::from_stacks(&samples), 0, 0, 0));
+        let profile = decode(&pprof(
+            &CallTree::from_stacks(&samples),
+            ProfileType::Cpu,
+            0,
+            0,
+            0,
+        ));
         let names: Vec<(u64, &str)> = profile
             .mapping
             .iter()
@@ -450,6 +477,7 @@ mod tests {
         let tree = tree(&[("main;a;b", 3), ("main;a", 2), ("main;c", 5)]);
         let profile = decode(&pprof(
             &tree,
+            ProfileType::Cpu,
             10_000_000,
             1_700_000_000_000_000_000,
             60_000_000_000,
@@ -496,8 +524,25 @@ mod tests {
     }
 
     #[test]
+    fn an_off_cpu_profile_has_one_value_in_nanoseconds() {
+        // Weights of off-CPU samples are nanoseconds blocked (period 1).
+        let tree = tree(&[("main;read", 7_000), ("main;sleep", 3_000)]);
+        let profile = decode(&pprof(&tree, ProfileType::OffCpu, 1, 0, 0));
+        let types: Vec<(&str, &str)> = profile
+            .sample_type
+            .iter()
+            .map(|t| (string(&profile, t.r#type), string(&profile, t.unit)))
+            .collect();
+        assert_eq!(types, [("off_cpu", "nanoseconds")]);
+        assert_eq!(string(&profile, profile.default_sample_type), "off_cpu");
+        assert_eq!(profile.period, 1);
+        let values: Vec<Vec<i64>> = samples(&profile).into_iter().map(|(_, v)| v).collect();
+        assert_eq!(values, [vec![7_000], vec![3_000]]);
+    }
+
+    #[test]
     fn unknown_period_defaults_to_samples() {
-        let profile = decode(&pprof(&tree(&[("main", 4)]), 0, 0, 0));
+        let profile = decode(&pprof(&tree(&[("main", 4)]), ProfileType::Cpu, 0, 0, 0));
         assert_eq!(profile.period, 0);
         assert_eq!(string(&profile, profile.default_sample_type), "samples");
         assert_eq!(profile.sample[0].value, [4, 0]);
@@ -530,7 +575,7 @@ mod tests {
             stacks,
             sample_period_nanos: 1,
         });
-        let profile = decode(&pprof(&tree, 1, 0, 0));
+        let profile = decode(&pprof(&tree, ProfileType::Cpu, 1, 0, 0));
         let sample = |names: &[&str], weight: i64| {
             (
                 names.iter().map(|n| n.to_string()).collect::<Vec<_>>(),
@@ -588,7 +633,13 @@ mod tests {
 
     #[test]
     fn empty_stacks_and_empty_trees() {
-        let profile = decode(&pprof(&tree(&[("", 2), ("main", 1)]), 5, 0, 0));
+        let profile = decode(&pprof(
+            &tree(&[("", 2), ("main", 1)]),
+            ProfileType::Cpu,
+            5,
+            0,
+            0,
+        ));
         assert_eq!(
             samples(&profile),
             [
@@ -596,7 +647,7 @@ mod tests {
                 (vec!["main:0".to_string()], vec![1, 5])
             ]
         );
-        let empty = decode(&pprof(&CallTree::default(), 5, 0, 0));
+        let empty = decode(&pprof(&CallTree::default(), ProfileType::Cpu, 5, 0, 0));
         assert!(empty.sample.is_empty());
         assert!(empty.location.is_empty());
         assert_eq!(empty.sample_type.len(), 2);
@@ -646,7 +697,11 @@ mod tests {
         });
         let dir = tempfile::tempdir().expect("a temporary directory");
         let path = dir.path().join("profile.pb.gz");
-        std::fs::write(&path, pprof(&tree, 10_000_000, 0, 1_000_000_000)).unwrap();
+        std::fs::write(
+            &path,
+            pprof(&tree, ProfileType::Cpu, 10_000_000, 0, 1_000_000_000),
+        )
+        .unwrap();
 
         let output = Command::new("go")
             // Symbolization as a user gets it: pprof's name heuristics on.

@@ -5,6 +5,7 @@ use inferno::{differential, flamegraph};
 
 use super::RenderError;
 use super::folded::folded;
+use crate::model::ProfileType;
 use crate::tree::CallTree;
 
 /// How a flamegraph is drawn.
@@ -24,6 +25,22 @@ pub struct SvgOptions {
     /// profile's total, so that a change of load does not paint everything
     /// red or blue and only shifts in where the time goes show.
     pub normalize: bool,
+}
+
+impl SvgOptions {
+    /// The defaults, titled `title`, for a profile of `profile_type`: its
+    /// weights are samples, or nanoseconds off the CPU.
+    pub fn titled(title: String, profile_type: ProfileType) -> Self {
+        SvgOptions {
+            title,
+            count_name: match profile_type {
+                ProfileType::Cpu => "samples",
+                ProfileType::OffCpu => "ns off-CPU",
+            }
+            .to_string(),
+            ..SvgOptions::default()
+        }
+    }
 }
 
 impl Default for SvgOptions {

@@ -53,7 +53,8 @@ use std::{
 };
 
 use stackscope_profile::model::{
-    Frame, PeriodAgreement, Selection, StackSamples, WeightedStack, unix_nanos,
+    Frame, PROFILE_TYPE_LABEL, PeriodAgreement, ProfileType, Selection, StackSamples,
+    WeightedStack, unix_nanos,
 };
 
 use self::{
@@ -818,7 +819,8 @@ impl ClickhouseStorage {
         let Some(buckets) = self.bucket_condition(selection)? else {
             return Ok(Vec::new());
         };
-        if selection.matchers.is_empty() {
+        if selection.selects_every_label_set() && selection.profile_type == ProfileType::Cpu {
+            // Every set is a CPU one: ingest takes no other type.
             return Ok(vec![buckets]);
         }
         let selected: Vec<u128> = self
@@ -992,6 +994,22 @@ impl ClickhouseStorage {
             }
         }
 
+        // Its rows have no profile type of their own yet, and its
+        // fleet-wide queries read every label set: samples of another type
+        // would count as CPU time there.
+        if let Some(set) = batch
+            .label_sets
+            .iter()
+            .find(|labels| labels.iter().any(|(name, _)| name == PROFILE_TYPE_LABEL))
+        {
+            return Err(StorageError::Unsupported(format!(
+                "the ClickHouse storage keeps CPU samples only; this batch has samples of type \
+                 {:?} (store them with the SQLite storage)",
+                set.iter()
+                    .find(|(name, _)| name == PROFILE_TYPE_LABEL)
+                    .map_or("", |(_, value)| value.as_str())
+            )));
+        }
         let mut label_set_hashes = Vec::with_capacity(batch.label_sets.len());
         {
             let stored = |key: &(u128, i64)| lock(&self.stored_label_sets).entries.contains(key);

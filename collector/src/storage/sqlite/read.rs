@@ -17,7 +17,9 @@ use std::{
 };
 
 use rusqlite::{Connection, OptionalExtension as _, Transaction};
-use stackscope_profile::model::{Frame, PeriodAgreement, Selection, StackSamples, WeightedStack};
+use stackscope_profile::model::{
+    Frame, PROFILE_TYPE_LABEL, PeriodAgreement, ProfileType, Selection, StackSamples, WeightedStack,
+};
 use stackscope_telemetry::StateSize;
 
 use super::{
@@ -282,6 +284,9 @@ impl QueryCaches {
             let sets = Arc::make_mut(&mut shared.sets);
             for (id, labels) in new {
                 sets.max_id = sets.max_id.max(id);
+                if labels.iter().any(|(name, _)| name == PROFILE_TYPE_LABEL) {
+                    sets.typed.insert(id);
+                }
                 sets.sets.insert(id, labels);
             }
         }
@@ -314,16 +319,20 @@ struct Snapshot<'a> {
 }
 
 /// Which label sets a selection covers.
-enum Selected {
-    /// No matchers: every label set, including ones not loaded yet.
-    All,
+enum Selected<'a> {
+    /// A CPU selection without matchers: every label set but those of
+    /// the other profile types (which the rollups leave out too).
+    EveryCpu {
+        typed: &'a HashSet<i64>,
+    },
     Some(HashSet<i64>),
 }
 
-impl Selected {
+impl Selected<'_> {
     fn contains(&self, id: i64) -> bool {
         match self {
-            Selected::All => true,
+            // Most stores hold CPU samples alone: no hashing per row.
+            Selected::EveryCpu { typed } => typed.is_empty() || !typed.contains(&id),
             Selected::Some(ids) => ids.contains(&id),
         }
     }
@@ -335,6 +344,8 @@ impl Selected {
 struct LabelSets {
     max_id: i64,
     sets: HashMap<i64, Labels>,
+    /// The sets of profile types other than CPU (with the type's label).
+    typed: HashSet<i64>,
 }
 
 /// A label set's labels, sorted by name; shared by every copy of the map.
@@ -375,9 +386,9 @@ impl LabelSets {
         Ok(sets)
     }
 
-    fn select(&self, selection: &Selection) -> Selected {
-        if selection.matchers.is_empty() {
-            return Selected::All;
+    fn select(&self, selection: &Selection) -> Selected<'_> {
+        if selection.selects_every_label_set() && selection.profile_type == ProfileType::Cpu {
+            return Selected::EveryCpu { typed: &self.typed };
         }
         Selected::Some(
             self.sets
@@ -581,7 +592,7 @@ impl SqliteStorage {
                 Ok(())
             };
             match &selected {
-                Selected::All => {
+                Selected::EveryCpu { .. } => {
                     // Every label set counts: whole spans from their
                     // rollups, the buckets between them in one sequential
                     // pass each over their rows (which beats a seek per
@@ -602,7 +613,7 @@ impl SqliteStorage {
                         }
                     }
                     let mut samples = tx.prepare_cached(
-                        "SELECT stack_id, weight FROM samples
+                        "SELECT label_set_id, stack_id, weight FROM samples
                          WHERE bucket_start > ?1 AND bucket_start < ?2",
                     )?;
                     for &gap in &cover.gaps {
@@ -612,7 +623,9 @@ impl SqliteStorage {
                         })?;
                         let mut rows = samples.query(gap)?;
                         while let Some(row) = rows.next()? {
-                            add(row.get(0)?, row.get(1)?)?;
+                            if selected.contains(row.get(0)?) {
+                                add(row.get(1)?, row.get(2)?)?;
+                            }
                         }
                     }
                 }
@@ -823,6 +836,7 @@ mod tests {
             }],
             stacks: vec![vec![0]],
             label_sets: vec![vec![("node".into(), node.into())]],
+            label_set_periods: vec![10_000_000],
             samples: vec![SampleRecord {
                 stack: 0,
                 label_set: 0,
@@ -841,6 +855,7 @@ mod tests {
                 .map(|node| LabelMatcher::new("node", MatchOp::Equal, node).expect("matcher"))
                 .into_iter()
                 .collect(),
+            profile_type: Default::default(),
         }
     }
 

@@ -15,7 +15,8 @@
 //!
 //! * `rollups(width, span_start, stack_id, weight)`: per span of `width`
 //!   nanoseconds (the bucket width, then 10 min, 1 h, 1 day) the summed
-//!   weight of each stack over every label set.
+//!   weight of each stack over every label set of CPU samples (the sets of
+//!   other profile types, which carry the type's label, are left out).
 //! * `rollup_spans(width, span_start, sample_period_nanos)`: the
 //!   marker: the span's rollup rows are complete and current. Also the
 //!   sample period its buckets agreed on (0 when they did not), which is what
@@ -200,11 +201,15 @@ pub(super) fn recompute(
     }
     let end = start.saturating_add(width);
     let (periods, weights) = match tiers.finer(width) {
+        // CPU samples only: the label sets of other profile types (which
+        // carry the type's label) are left out.
         None => sum(
             tx,
             "SELECT sample_period_nanos FROM label_set_buckets
-             WHERE bucket_start >= ?1 AND bucket_start < ?2",
-            "SELECT stack_id, weight FROM samples WHERE bucket_start >= ?1 AND bucket_start < ?2",
+             WHERE bucket_start >= ?1 AND bucket_start < ?2
+             AND label_set_id NOT IN (SELECT label_set_id FROM labels WHERE name = '__type__')",
+            "SELECT stack_id, weight FROM samples WHERE bucket_start >= ?1 AND bucket_start < ?2
+             AND label_set_id NOT IN (SELECT label_set_id FROM labels WHERE name = '__type__')",
             &[start, end],
         )?,
         Some(finer) => sum(

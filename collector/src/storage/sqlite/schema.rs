@@ -3,13 +3,15 @@
 //! opening the writer (which creates or checks the schema) and the query
 //! connections. Owns no ingest (`write`) and no queries (`read`).
 //!
-//! # Schema (version 4, in `PRAGMA user_version`)
+//! # Schema (version 5, in `PRAGMA user_version`)
 //!
 //! * `meta(key, value)`: settings the data depends on (`bucket_nanos`).
 //! * `batches(id, received_unix_nanos, end_unix_nanos)`: ids of stored
 //!   batches, so a retried batch is not counted twice.
 //! * `mappings`, `locations`, `stacks`, `label_sets` (+ `labels`): the
-//!   dictionaries. Each row is content-addressed by a 128-bit xxh3 `hash`
+//!   dictionaries. A sample's profile type is part of its label set: the
+//!   label `__type__` names any type but CPU (whose sets have none, as
+//!   before types existed). Each row is content-addressed by a 128-bit xxh3 `hash`
 //!   (UNIQUE) of its content, so an identical item sent by any agent, in any
 //!   batch, before or after a restart, is stored once, and the in-memory
 //!   caches and the database share one key. Locations keep their lines inline
@@ -49,7 +51,7 @@ use super::{SqliteOptions, StorageError, rollup, rollup::Tiers};
 /// The schema this code reads and writes. Bump it (and migrate) on any
 /// change; an older collector refuses a newer database instead of
 /// misreading it.
-const SCHEMA_VERSION: i32 = 4;
+const SCHEMA_VERSION: i32 = 5;
 
 const SCHEMA: &str = "
 CREATE TABLE meta (
@@ -115,6 +117,10 @@ CREATE INDEX mappings_last_bucket ON mappings (last_bucket);
 CREATE INDEX locations_last_bucket ON locations (last_bucket);
 CREATE INDEX stacks_last_bucket ON stacks (last_bucket);
 CREATE INDEX label_sets_last_bucket ON label_sets (last_bucket);
+-- The label sets of profile types other than CPU, which rollups leave
+-- out, are found by their type's label. Labels are written only with a
+-- new set.
+CREATE INDEX labels_by_name ON labels (name);
 
 CREATE TABLE samples (
     bucket_start INTEGER NOT NULL,
@@ -229,6 +235,12 @@ fn init_schema(
                 [width],
             )?;
         }
+        version = 4;
+    }
+    // Version 4 had one profile type (CPU): the sets of other types are
+    // found by their label through an index of their own.
+    if version == 4 {
+        tx.execute_batch("CREATE INDEX labels_by_name ON labels (name)")?;
         tx.pragma_update(None, "user_version", SCHEMA_VERSION)?;
         version = SCHEMA_VERSION;
     }

@@ -339,8 +339,10 @@ struct Scratch {
     stack: Vec<i64>,
     stack_ids: Vec<i64>,
     label_set_ids: Vec<i64>,
-    /// (label set id, stack id, weight)
-    samples: Vec<(i64, i64, u64)>,
+    /// Per label set of the batch: its period (0: unknown).
+    label_set_periods: Vec<i64>,
+    /// (label set id, stack id, weight, the label set's period)
+    samples: Vec<(i64, i64, u64, i64)>,
     /// Items first stored or moved to a newer bucket by the open
     /// transaction: published to the caches only after it commits, so a
     /// rollback cannot leave ids in the caches that the database lacks.
@@ -660,6 +662,7 @@ impl Writer {
             stack: stack_locations,
             stack_ids,
             label_set_ids,
+            label_set_periods,
             samples,
             pending,
         } = scratch;
@@ -754,8 +757,19 @@ impl Writer {
             let mut insert_label = tx.prepare_cached(
                 "INSERT OR IGNORE INTO labels (label_set_id, name, value) VALUES (?1, ?2, ?3)",
             )?;
+            if batch.label_set_periods.len() != batch.label_sets.len() {
+                return Err(invalid(format!(
+                    "{} label sets but {} periods",
+                    batch.label_sets.len(),
+                    batch.label_set_periods.len()
+                )));
+            }
             label_set_ids.clear();
-            for labels in &batch.label_sets {
+            label_set_periods.clear();
+            for (labels, &period) in batch.label_sets.iter().zip(&batch.label_set_periods) {
+                // 0 stands for "unknown"; validation keeps real periods in
+                // range.
+                label_set_periods.push(i64::try_from(period).unwrap_or(0));
                 let hash = label_set_hash(bytes, labels);
                 let id = label_set_table.intern(hash, |insert| {
                     let id: i64 =
@@ -781,13 +795,19 @@ impl Writer {
             let label_set = *item(label_set_ids, sample.label_set, || {
                 format!("sample {index}: label set {}", sample.label_set)
             })?;
+            let period = *item(label_set_periods, sample.label_set, || {
+                format!(
+                    "sample {index}: the period of label set {}",
+                    sample.label_set
+                )
+            })?;
             if sample.weight == 0 || i64::try_from(sample.weight).is_err() {
                 return Err(invalid(format!(
                     "sample {index}: weight {} is not in 1..=i64::MAX",
                     sample.weight
                 )));
             }
-            samples.push((label_set, stack, sample.weight));
+            samples.push((label_set, stack, sample.weight, period));
         }
         samples.sort_unstable();
         samples.dedup_by(|next, kept| {
@@ -797,15 +817,13 @@ impl Writer {
             }
             same
         });
-        // 0 stands for "unknown"; validation keeps real periods in range.
-        let period = i64::try_from(batch.sample_period_nanos).unwrap_or(0);
         {
             let mut upsert_many = tx.prepare_cached(upsert_samples)?;
             let mut upsert_one = tx.prepare_cached(upsert_sample)?;
             for chunk in samples.chunks(SAMPLES_PER_STATEMENT) {
                 if chunk.len() == SAMPLES_PER_STATEMENT {
                     let mut param = 0;
-                    for &(label_set, stack, weight) in chunk {
+                    for &(label_set, stack, weight, _) in chunk {
                         for value in [bucket, label_set, stack, saturate(weight)] {
                             param += 1;
                             upsert_many.raw_bind_parameter(param, value)?;
@@ -813,25 +831,32 @@ impl Writer {
                     }
                     upsert_many.raw_execute()?;
                 } else {
-                    for &(label_set, stack, weight) in chunk {
+                    for &(label_set, stack, weight, _) in chunk {
                         upsert_one.execute((bucket, label_set, stack, saturate(weight)))?;
                     }
                 }
             }
 
             let mut upsert_label_set_bucket = tx.prepare_cached(UPSERT_LABEL_SET_BUCKET)?;
-            let mut current: Option<(i64, u64)> = None;
-            for &(label_set, _, weight) in samples.iter() {
+            let mut current: Option<(i64, u64, i64)> = None;
+            for &(label_set, _, weight, period) in samples.iter() {
                 current = match current {
-                    Some((id, sum)) if id == label_set => Some((id, sum.saturating_add(weight))),
-                    Some((id, sum)) => {
-                        upsert_label_set_bucket.execute((bucket, id, period, saturate(sum)))?;
-                        Some((label_set, weight))
+                    Some((id, sum, period)) if id == label_set => {
+                        Some((id, sum.saturating_add(weight), period))
                     }
-                    None => Some((label_set, weight)),
+                    Some((id, sum, last_period)) => {
+                        upsert_label_set_bucket.execute((
+                            bucket,
+                            id,
+                            last_period,
+                            saturate(sum),
+                        ))?;
+                        Some((label_set, weight, period))
+                    }
+                    None => Some((label_set, weight, period)),
                 };
             }
-            if let Some((id, sum)) = current {
+            if let Some((id, sum, period)) = current {
                 upsert_label_set_bucket.execute((bucket, id, period, saturate(sum)))?;
             }
             tx.prepare_cached(
