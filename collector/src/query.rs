@@ -6,7 +6,8 @@ use std::sync::Arc;
 
 use stackscope_profile::{
     model::{
-        Frame, LabelMatcher, MatchOp, PROFILE_TYPE_LABEL, PeriodAgreement, Selection, StackSamples,
+        Frame, LabelMatcher, MatchOp, PROFILE_TYPE_LABEL, PeriodAgreement, ProfileType, Selection,
+        StackSamples,
     },
     selector::is_valid_label_name,
     tree::CallTree,
@@ -288,6 +289,29 @@ impl QueryEngine {
             Ok::<_, StorageError>(names)
         });
         self.metrics.time_query("label_names", work).await
+    }
+
+    /// The profile types with samples in the selection (its own type
+    /// aside), in [`ProfileType::ALL`]'s order.
+    pub async fn profile_types(
+        &self,
+        selection: Selection,
+    ) -> Result<Vec<ProfileType>, QueryError> {
+        let work = self.blocking(move |storage| {
+            let mut present = Vec::new();
+            for profile_type in ProfileType::ALL {
+                let selection = Selection {
+                    profile_type,
+                    ..selection.clone()
+                };
+                // Every stored label set has `node`.
+                if !storage.label_names(&selection)?.is_empty() {
+                    present.push(profile_type);
+                }
+            }
+            Ok::<_, StorageError>(present)
+        });
+        self.metrics.time_query("profile_types", work).await
     }
 
     pub async fn label_values(

@@ -73,6 +73,8 @@ function readUrl() {
   }
   return {
     match: q.get("match") || "",
+    // The profile type; empty is CPU.
+    type: q.get("type") === "cpu" ? "" : q.get("type") || "",
     since: q.get("since") || "",
     start: q.get("start") || "",
     end: q.get("end") || "",
@@ -119,9 +121,11 @@ function comparing() {
   return Boolean(state.base_start && state.base_end);
 }
 
+/** The time range and the profile type every query of the page reads. */
 function rangeParams() {
-  if (state.start && state.end) return { start: state.start, end: state.end };
-  return { since: state.since || "1h" };
+  const type = state.type ? { type: state.type } : {};
+  if (state.start && state.end) return { ...type, start: state.start, end: state.end };
+  return { ...type, since: state.since || "1h" };
 }
 
 function selectionParams() {
@@ -129,7 +133,8 @@ function selectionParams() {
 }
 
 function baseParams() {
-  return { match: state.base_match || state.match, start: state.base_start, end: state.base_end };
+  const type = state.type ? { type: state.type } : {};
+  return { ...type, match: state.base_match || state.match, start: state.base_start, end: state.base_end };
 }
 
 const UNITS = { s: 1, m: 60, h: 3600, d: 86400, w: 604800 };
@@ -216,7 +221,7 @@ function showSandwich() {
   $("sandwich").hidden = !parts;
   hook.sandwich = null;
   if (!parts) return;
-  $("sandwich-title").textContent = `${state.fn}: its callers above, its callees below (${weight(parts.callees.total[0], tree.period)})`;
+  $("sandwich-title").textContent = `${state.fn}: its callers above, its callees below (${weight(parts.callees.total[0], tree.period, tree.type)})`;
   sandwich.callers.setTree(parts.callers);
   sandwich.callers.icicle = false;
   sandwich.callers.draw();
@@ -487,7 +492,7 @@ async function loadCallers() {
     title.className = "fn";
     title.textContent = report.function;
     const stats = document.createElement("div");
-    stats.textContent = `self ${weight(report.self, tree.period)}, total ${weight(report.total, tree.period)}`;
+    stats.textContent = `self ${weight(report.self, tree.period, tree.type)}, total ${weight(report.total, tree.period, tree.type)}`;
     panel.replaceChildren(title, stats, ...list("Callers", report.callers), ...list("Callees", report.callees));
   } catch (err) {
     if (err.name === "AbortError") return;
@@ -612,6 +617,7 @@ async function loadTimeline(signal) {
   timeline.set([], 1, start * 1e9, end * 1e9, "loading…");
   try {
     const series = await get("/api/v1/series", selectionParams(), { signal });
+    timeline.type = state.type || "cpu";
     timeline.set(series.points, series.step_nanos, start * 1e9, end * 1e9);
     const total = series.points.reduce((sum, p) => sum + p.weight, 0);
     $("timeline").dataset.points = String(series.points.length);
@@ -647,12 +653,18 @@ function cached(key, fetcher) {
 }
 
 const labelNames = () => cached("", () => get("/api/v1/labels", rangeParams()));
+// Over the range alone: every type with samples in it, whichever is shown.
+const profileTypes = () => {
+  const { type, ...range } = rangeParams();
+  return cached("|types", () => get("/api/v1/types", range));
+};
 const labelValues = (name) => cached(name, () => get(`/api/v1/labels/${encodeURIComponent(name)}/values`, rangeParams()));
 
 async function loadPickers(signal) {
   try {
-    const names = await labelNames();
+    const [names, types] = await Promise.all([labelNames(), profileTypes()]);
     if (signal.aborted) return;
+    fillTypes(types);
     fillSelect($("group-by"), names, state.group_by, "none");
     await Promise.all(
       PICKERS.map(async (id) => {
@@ -670,6 +682,24 @@ async function loadPickers(signal) {
   } catch (err) {
     showError(err);
   }
+}
+
+const TYPE_NAMES = { cpu: "CPU time", off_cpu: "off-CPU time" };
+
+/** The profile-type picker: shown when the range holds more than CPU samples. */
+function fillTypes(types) {
+  const current = state.type || "cpu";
+  const offered = types.includes(current) ? types : [...types, current];
+  $("pick-type").parentElement.hidden = offered.length < 2;
+  $("pick-type").replaceChildren(
+    ...offered.map((type) => {
+      const option = document.createElement("option");
+      option.value = type;
+      option.textContent = TYPE_NAMES[type] || type;
+      return option;
+    }),
+  );
+  $("pick-type").value = current;
 }
 
 function fillSelect(select, values, current, none) {
@@ -740,6 +770,7 @@ for (const id of PICKERS) {
   });
 }
 $("group-by").addEventListener("change", (e) => reload({ group_by: e.target.value }));
+$("pick-type").addEventListener("change", (e) => reload({ type: e.target.value === "cpu" ? "" : e.target.value }));
 
 for (const button of document.querySelectorAll(".presets button")) {
   button.addEventListener("click", () => reload({ since: button.dataset.since, start: "", end: "" }));
@@ -894,7 +925,7 @@ for (const button of document.querySelectorAll("[data-export]")) {
   });
 }
 
-const SELECTION_KEYS = ["match", "since", "start", "end", "group_by", "base_start", "base_end", "base_match"];
+const SELECTION_KEYS = ["match", "type", "since", "start", "end", "group_by", "base_start", "base_end", "base_match"];
 
 // Escape zooms out one level (outside text fields).
 document.addEventListener("keydown", (e) => {

@@ -46,9 +46,9 @@ class TreeBuilder {
     return at;
   }
 
-  tree(frames, period, baseTotal = null) {
+  tree(frames, period, baseTotal = null, type = "cpu") {
     const base = baseTotal === null ? null : Float64Array.from(this.base);
-    return new Tree(Int32Array.from(this.parent), Int32Array.from(this.frame), Float64Array.from(this.total), frames, period, base, baseTotal ?? 0);
+    return new Tree(Int32Array.from(this.parent), Int32Array.from(this.frame), Float64Array.from(this.total), frames, period, base, baseTotal ?? 0, type);
   }
 }
 
@@ -57,9 +57,10 @@ export class Tree {
   /**
    * parent, frame: Int32Array; total: Float64Array; frames: [{name, binary,
    * file, line, inlined}]; base: Float64Array of the baseline's totals for a
-   * differential tree, else null.
+   * differential tree, else null; type: the profile type its weights are
+   * of ("cpu": samples, each worth `period` ns; "off_cpu": nanoseconds).
    */
-  constructor(parent, frame, total, frames, period, base = null, baseTotal = 0) {
+  constructor(parent, frame, total, frames, period, base = null, baseTotal = 0, type = "cpu") {
     const n = parent.length;
     this.count = n;
     this.parent = parent;
@@ -67,6 +68,7 @@ export class Tree {
     this.total = total;
     this.frames = frames;
     this.period = period;
+    this.type = type;
     this.base = base;
     this.baseTotal = baseTotal;
     this.binaryColors = null;
@@ -122,7 +124,7 @@ export class Tree {
       frame[i] = nodes[j + 1];
       total[i] = nodes[j + 2];
     }
-    return new Tree(parent, frame, total, flat.frames, flat.sample_period_nanos);
+    return new Tree(parent, frame, total, flat.frames, flat.sample_period_nanos, null, 0, flat.profile_type || "cpu");
   }
 
   /**
@@ -156,7 +158,7 @@ export class Tree {
     };
     add(current, built.total);
     add(baseline, built.base);
-    return built.tree(frames, current.period, baseline.total[0]);
+    return built.tree(frames, current.period, baseline.total[0], current.type);
   }
 
   children(i) {
@@ -302,7 +304,10 @@ export class Tree {
         callers.total[at] += w;
       }
     }
-    return { callers: callers.tree(this.frames, this.period), callees: callees.tree(this.frames, this.period) };
+    return {
+      callers: callers.tree(this.frames, this.period, null, this.type),
+      callees: callees.tree(this.frames, this.period, null, this.type),
+    };
   }
 }
 
@@ -722,7 +727,7 @@ export class Flamegraph {
     const lines = [];
     if (r.node < 0) {
       lines.push([`${r.count} small frames, merged`, ""]);
-      lines.push(["total", `${weight(r.weight, t.period)}  ${pct(r.weight, t.total[0])} of all`]);
+      lines.push(["total", `${weight(r.weight, t.period, t.type)}  ${pct(r.weight, t.total[0])} of all`]);
       lines.push(["", `each narrower than ${MIN_WIDTH}px here: click to zoom into their caller`]);
     } else {
       const f = t.frames[t.frame[r.node]];
@@ -730,10 +735,10 @@ export class Flamegraph {
       const zoomTotal = t.total[this.zoom];
       lines.push([f.name, ""]);
       lines.push(["binary", `${f.binary || "–"}${f.file ? `  ${f.file}:${f.line}` : ""}${f.inlined ? " (inlined)" : ""}`]);
-      lines.push(["total", `${weight(t.total[r.node], t.period)}  ${pct(t.total[r.node], all)} of all${this.zoom ? `, ${pct(t.total[r.node], zoomTotal)} of zoom` : ""}`]);
-      lines.push(["self", `${weight(t.self[r.node], t.period)}  ${pct(t.self[r.node], all)} of all`]);
+      lines.push(["total", `${weight(t.total[r.node], t.period, t.type)}  ${pct(t.total[r.node], all)} of all${this.zoom ? `, ${pct(t.total[r.node], zoomTotal)} of zoom` : ""}`]);
+      lines.push(["self", `${weight(t.self[r.node], t.period, t.type)}  ${pct(t.self[r.node], all)} of all`]);
       if (t.base) {
-        lines.push(["baseline", `${weight(t.base[r.node], t.period)}  ${pct(t.base[r.node], t.baseTotal)} of baseline`]);
+        lines.push(["baseline", `${weight(t.base[r.node], t.period, t.type)}  ${pct(t.base[r.node], t.baseTotal)} of baseline`]);
         // What the colour says, in numbers: the share of all that moved.
         const now = all > 0 ? t.total[r.node] / all : 0;
         const before = t.baseTotal > 0 ? t.base[r.node] / t.baseTotal : 0;
@@ -793,7 +798,8 @@ export class Flamegraph {
       const f = t.frames[t.frame[r.node]];
       const fill = t.base ? diffColor(t, r.node) : hsl(frameHsl(f, t.palette()));
       const share = t.total[0] ? ((100 * t.total[r.node]) / t.total[0]).toFixed(2) : "0";
-      out.push(`<g><title>${esc(f.name)} (${esc(f.binary)}): ${t.total[r.node]} samples, ${share}%</title>`);
+      const amount = t.type === "off_cpu" ? weight(t.total[r.node], t.period, t.type) : `${t.total[r.node]} samples`;
+      out.push(`<g><title>${esc(f.name)} (${esc(f.binary)}): ${amount}, ${share}%</title>`);
       out.push(`<rect x="${r.x.toFixed(2)}" y="${r.y}" width="${w}" height="${ROW - 1}" fill="${fill}"/>`);
       if (r.w > charWidth * 3 + 6) {
         const fits = Math.floor((r.w - 6) / charWidth);
@@ -807,11 +813,19 @@ export class Flamegraph {
   }
 }
 
-/** A weight as samples, and as CPU time when the sample period is known. */
-export function weight(w, periodNanos) {
+/**
+ * A weight of a profile of `type`: CPU samples, and their CPU time when
+ * the sample period is known; off-CPU time (nanoseconds blocked).
+ */
+export function weight(w, periodNanos, type = "cpu") {
+  if (type === "off_cpu") return `${duration((w * (periodNanos || 1)) / 1e9)} off-CPU`;
   const samples = `${Math.round(w).toLocaleString("en-US")} samples`;
   if (!periodNanos) return samples;
-  const seconds = (w * periodNanos) / 1e9;
-  const time = seconds >= 100 ? `${Math.round(seconds).toLocaleString("en-US")} s` : seconds >= 1 ? `${seconds.toFixed(2)} s` : `${(seconds * 1000).toFixed(1)} ms`;
-  return `${samples} (${time} CPU)`;
+  return `${samples} (${duration((w * periodNanos) / 1e9)} CPU)`;
+}
+
+function duration(seconds) {
+  if (seconds >= 100) return `${Math.round(seconds).toLocaleString("en-US")} s`;
+  if (seconds >= 1) return `${seconds.toFixed(2)} s`;
+  return `${(seconds * 1000).toFixed(1)} ms`;
 }

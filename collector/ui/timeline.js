@@ -3,6 +3,8 @@
 // a bar is the finest the data is summed in, so a range that cut one would
 // be widened by the query anyway, and silently.
 
+import { weight } from "./flamegraph.js";
+
 const HEIGHT = 90;
 const AXIS = 16;
 
@@ -10,6 +12,8 @@ export class Timeline {
   constructor(canvas, { onRange }) {
     this.canvas = canvas;
     this.onRange = onRange;
+    // The profile type the weights are of (the caption's unit).
+    this.type = "cpu";
     this.points = [];
     this.start = 0;
     this.end = 1;
@@ -144,7 +148,7 @@ export class Timeline {
     const zone = utcOffset(new Date(this.end / 1e6));
     this.canvas.dataset.zone = zone;
     if (max) {
-      const caption = `max ${Math.round(max).toLocaleString("en-US")} samples / ${stepLabel(this.step)}`;
+      const caption = `max ${this.type === "off_cpu" ? weight(max, 1, "off_cpu") : `${Math.round(max).toLocaleString("en-US")} samples`} / ${stepLabel(this.step)}`;
       this.canvas.dataset.caption = caption;
       ctx.fillText(`${caption} · times in ${zone}`, 4, 2);
     } else {

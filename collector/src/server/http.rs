@@ -19,7 +19,7 @@ use axum::{
 };
 use serde::{Deserialize, Serialize};
 use stackscope_profile::{
-    model::{Frame, Selection},
+    model::{Frame, ProfileType, Selection},
     render::{self, SvgOptions},
     timespec::{self, SelectionText},
 };
@@ -37,6 +37,7 @@ pub fn router(engine: QueryEngine) -> Router {
         .route("/api/v1/labels", get(label_names))
         .route("/api/v1/labels/{name}/values", get(label_values))
         .route("/api/v1/series", get(series))
+        .route("/api/v1/types", get(profile_types))
         .with_state(engine)
 }
 
@@ -261,6 +262,8 @@ enum Format {
 /// weights are each node's total minus its children's.
 #[derive(Serialize)]
 struct FlatTree<'a> {
+    /// The profile type the weights are of (`cpu`, `off_cpu`).
+    profile_type: &'static str,
     total: u64,
     sample_period_nanos: u64,
     frames: Vec<FlatFrame<'a>>,
@@ -276,7 +279,7 @@ struct FlatFrame<'a> {
     inlined: bool,
 }
 
-fn flat(flamegraph: &Flamegraph) -> FlatTree<'_> {
+fn flat(flamegraph: &Flamegraph, profile_type: ProfileType) -> FlatTree<'_> {
     let tree = &flamegraph.tree;
     let mut numbers: HashMap<&Frame, u64> = HashMap::new();
     let mut frames = Vec::new();
@@ -296,6 +299,7 @@ fn flat(flamegraph: &Flamegraph) -> FlatTree<'_> {
         nodes.extend([node.parent().unwrap_or(0) as u64, number, node.total()]);
     }
     FlatTree {
+        profile_type: profile_type.name(),
         total: tree.total(),
         sample_period_nanos: flamegraph.sample_period_nanos,
         frames,
@@ -322,7 +326,7 @@ fn render(
             }
         }
         Format::Json => Json(render::json(&flamegraph.tree)).into_response(),
-        Format::Flat => Json(flat(flamegraph)).into_response(),
+        Format::Flat => Json(flat(flamegraph, selection.profile_type)).into_response(),
         Format::Folded => (
             [(header::CONTENT_TYPE, "text/plain; charset=utf-8")],
             render::folded(&flamegraph.tree),
@@ -463,6 +467,15 @@ async fn label_values(
     Query(params): Query<Params>,
 ) -> Result<Json<Vec<String>>, ApiError> {
     Ok(Json(engine.label_values(params.selection()?, name).await?))
+}
+
+/// The profile types with samples in the selection, CPU first.
+async fn profile_types(
+    State(engine): State<QueryEngine>,
+    Query(params): Query<Params>,
+) -> Result<Json<Vec<&'static str>>, ApiError> {
+    let types = engine.profile_types(params.selection()?).await?;
+    Ok(Json(types.into_iter().map(ProfileType::name).collect()))
 }
 
 async fn series(

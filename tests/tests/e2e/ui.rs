@@ -266,6 +266,18 @@ impl BatchBuilder {
             sampling_divisor: 0,
         });
     }
+
+    /// Moves every sample added so far to an off-CPU group: their counts
+    /// are nanoseconds blocked.
+    fn off_cpu(mut self) -> Self {
+        let samples = std::mem::take(&mut self.batch.samples);
+        self.batch.typed_samples = vec![v1::TypedSamples {
+            r#type: v1::ProfileType::OffCpu as i32,
+            period_nanos: 1,
+            samples,
+        }];
+        self
+    }
 }
 
 const REDIS: &[(&str, &str)] = &[
@@ -639,6 +651,74 @@ async fn scenarios(browser: &Client, collector: &Collector, big: &Collector, gua
     compare_and_timeline(browser, &page).await;
     dark_theme(browser, &page).await;
     big_tree(browser, big).await;
+    // Last: the off-CPU data it adds would show its picker in the others.
+    profile_types(browser, collector, &page).await;
+}
+
+/// Off-CPU time beside the CPU samples: a type picker appears, choosing
+/// off-CPU shows where redis waited (weighed in time, in the tooltip and
+/// the timeline's caption, kept in the URL), and CPU again shows the CPU
+/// samples.
+async fn profile_types(browser: &Client, collector: &Collector, page: &str) {
+    browser.goto(page).await.expect("a WebDriver command");
+    let report = settled(browser, 1).await;
+    let hidden = script(
+        browser,
+        "return document.getElementById('pick-type').parentElement.hidden;",
+    )
+    .await;
+    assert_eq!(hidden, true, "CPU samples alone: no type picker");
+
+    let redis = "/usr/bin/redis-server";
+    let mut blocked = BatchBuilder::new(40, "node-a", Duration::from_secs(120));
+    blocked.sample(
+        REDIS,
+        &[
+            (redis, "main"),
+            (redis, "serve"),
+            ("[kernel]", "futex_wait"),
+        ],
+        250_000_000,
+    );
+    push(collector, blocked.off_cpu().batch).await;
+    browser.goto(page).await.expect("a WebDriver command");
+    let report = settled(browser, 1).await;
+    assert!(names(&report).contains(&"hash_lookup".to_owned()));
+    let options = wait_for_text(browser, "#pick-type", "off-CPU time").await;
+    assert!(options.contains("CPU time"), "{options}");
+
+    browser
+        .execute(
+            "const s = document.getElementById('pick-type'); s.value = 'off_cpu'; \
+             s.dispatchEvent(new Event('change'));",
+            vec![],
+        )
+        .await
+        .expect("a WebDriver command");
+    let report = settled(browser, loads(&report) + 1).await;
+    let drawn = names(&report);
+    assert!(drawn.contains(&"futex_wait".to_owned()), "{drawn:?}");
+    assert!(!drawn.contains(&"hash_lookup".to_owned()), "{drawn:?}");
+    let url = browser.current_url().await.expect("the page's URL");
+    assert!(url.as_str().contains("type=off_cpu"), "{url}");
+    let tooltip = hover_tooltip(browser, "futex_wait", "250.0 ms off-CPU").await;
+    assert!(tooltip.contains("100.00% of all"), "{tooltip}");
+    let caption = timeline_caption(browser).await;
+    assert!(caption.starts_with("max 250.0 ms off-CPU / "), "{caption}");
+    screenshot(browser, "16-off-cpu").await;
+
+    browser
+        .execute(
+            "const s = document.getElementById('pick-type'); s.value = 'cpu'; \
+             s.dispatchEvent(new Event('change'));",
+            vec![],
+        )
+        .await
+        .expect("a WebDriver command");
+    let report = settled(browser, loads(&report) + 1).await;
+    assert!(names(&report).contains(&"hash_lookup".to_owned()));
+    let url = browser.current_url().await.expect("the page's URL");
+    assert!(!url.as_str().contains("type="), "{url}");
 }
 
 /// The page's pure functions, imported in the browser: matcher editing,
