@@ -661,7 +661,9 @@ async fn scenarios(browser: &Client, collector: &Collector, big: &Collector, gua
 /// samples.
 async fn profile_types(browser: &Client, collector: &Collector, page: &str) {
     browser.goto(page).await.expect("a WebDriver command");
-    let report = settled(browser, 1).await;
+    settled(browser, 1).await;
+    // Once the pickers are filled (the type picker with them).
+    wait_for_text(browser, "#pick-node", "node-b").await;
     let hidden = script(
         browser,
         "return document.getElementById('pick-type').parentElement.hidden;",
