@@ -129,6 +129,18 @@ fn segments_batch() -> ValidBatch {
     b.validate()
 }
 
+/// Off-CPU time on node-a at T0, beside batch 1's CPU ticks on the same
+/// labels and stack, and on labels of its own.
+fn off_cpu_batch() -> ValidBatch {
+    let mut b = Builder::new(121, "node-a", T0 + 30 * SECOND, PERIOD_100HZ);
+    let [s0, _, s2] = b.standard_stacks(false);
+    let app = b.label_set(&[("comm", "app"), ("exe", "/usr/bin/app")]);
+    let waiter = b.label_set(&[("comm", "waiter")]);
+    b.off_cpu_sample(s0, app, 3_000_000);
+    b.off_cpu_sample(s2, waiter, 90_000_000);
+    b.validate()
+}
+
 #[test]
 fn the_same_batches_give_the_same_answers_as_sqlite() {
     let dir = tempfile::tempdir().expect("tempdir");
@@ -154,6 +166,7 @@ fn the_same_batches_give_the_same_answers_as_sqlite() {
     let mut batches = vec![batch1(), batch2(), batch3()];
     batches.extend(huge_batches());
     batches.push(segments_batch());
+    batches.push(off_cpu_batch());
     for storage in [&sqlite as &dyn Storage, &clustered, &single, &tiny] {
         ingest_all(storage, &batches);
     }
@@ -183,10 +196,19 @@ fn the_same_batches_give_the_same_answers_as_sqlite() {
         (T0 + 59 * SECOND, T0 + 61 * SECOND),
     ];
     let mut compared = 0;
-    for matchers in matchers {
-        for (start, end) in ranges {
-            let selection = select(start, end, matchers);
-            let context = format!("matchers {matchers:?}, range {start}..{end}");
+    for (matchers, (start, end), profile_type) in matchers.iter().flat_map(|matchers| {
+        ranges.iter().flat_map(move |&range| {
+            ProfileType::ALL
+                .into_iter()
+                .map(move |profile_type| (matchers, range, profile_type))
+        })
+    }) {
+        {
+            let selection = Selection {
+                profile_type,
+                ..select(start, end, matchers)
+            };
+            let context = format!("{profile_type}, matchers {matchers:?}, range {start}..{end}");
             let expected = capped(sqlite.stacks(&selection).expect("SQLite stacks"));
             let expected_tree = CallTree::from_stacks(&expected);
             for (engine, storage) in [
@@ -230,7 +252,7 @@ fn the_same_batches_give_the_same_answers_as_sqlite() {
             }
         }
     }
-    assert_eq!(compared, 13 * 6 * 3);
+    assert_eq!(compared, 13 * 6 * 2 * 3);
 
     // What the comparisons compared is what the SQLite tests pin down, so
     // agreeing is not agreeing on nothing.
@@ -241,6 +263,21 @@ fn the_same_batches_give_the_same_answers_as_sqlite() {
     assert_eq!(
         weights(&clustered, &all(&[("comm", Equal, "app")])),
         expect(&[(S0, 7), (S1, 14), (S2, 13)])
+    );
+    let off_cpu = Selection {
+        profile_type: ProfileType::OffCpu,
+        ..all(&[])
+    };
+    assert_eq!(
+        weights(&clustered, &off_cpu),
+        expect(&[(S0, 3_000_000), (S2, 90_000_000)])
+    );
+    assert_eq!(
+        clustered
+            .stacks(&off_cpu)
+            .expect("stacks")
+            .sample_period_nanos,
+        1
     );
     let samples = clustered
         .stacks(&all(&[("node", Equal, "node-a")]))
@@ -399,45 +436,6 @@ fn a_batch_whose_dictionary_rows_pass_the_cap_is_refused_whole() {
     assert_eq!(
         rows_on(0, db, "batches_local") + rows_on(1, db, "batches_local"),
         1
-    );
-}
-
-/// The ClickHouse storage keeps CPU samples only: a batch with off-CPU
-/// samples is refused whole, with a message that says where they go.
-#[test]
-fn a_batch_with_samples_of_another_profile_type_is_refused_whole() {
-    let db = "profile_types";
-    let storage = cluster(db);
-    let mut b = Builder::new(41, "node-a", T0, PERIOD_100HZ);
-    let s1 = b.standard_stack(1);
-    let set = b.label_set(&[("comm", "app")]);
-    b.sample(s1, set, 3, 0);
-    b.off_cpu_sample(s1, set, 2_000_000);
-    match storage.ingest(&b.validate()) {
-        Err(err @ StorageError::Unsupported(_)) => assert_eq!(
-            err.to_string(),
-            "the batch cannot be stored here: the ClickHouse storage keeps CPU samples only; this \
-             batch has samples of type \"off_cpu\" (store them with the SQLite storage)"
-        ),
-        other => panic!("expected Unsupported, got {other:?}"),
-    }
-    for table in [
-        "samples_local",
-        "stacks_local",
-        "label_sets_local",
-        "batches_local",
-    ] {
-        assert_eq!(rows_on(0, db, table) + rows_on(1, db, table), 0, "{table}");
-    }
-    let off_cpu = Selection {
-        profile_type: ProfileType::OffCpu,
-        ..all(&[])
-    };
-    ingest_all(&storage, &[batch1()]);
-    assert_eq!(
-        weights(&storage, &off_cpu),
-        expect(&[]),
-        "CPU ticks are not off-CPU time"
     );
 }
 

@@ -65,11 +65,6 @@ impl IngestService {
                     tracing::warn!("{message}");
                     (Status::resource_exhausted(message), IngestResult::Rejected)
                 }
-                StorageError::Unsupported(_) => {
-                    let message = format!("batch rejected, nothing stored: {err}");
-                    tracing::warn!("{message}");
-                    (Status::invalid_argument(message), IngestResult::Rejected)
-                }
                 err if err.is_disk_full() => {
                     // Said once when it happens, not once per refused push
                     // of every agent retrying.

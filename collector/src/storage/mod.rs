@@ -75,10 +75,6 @@ pub enum StorageError {
     /// stored, and a retry would fail the same way.
     #[error("the batch is too large to store: {0}")]
     TooLarge(String),
-    /// The batch is valid but holds what this engine does not keep;
-    /// nothing of it was stored, and a retry would fail the same way.
-    #[error("the batch cannot be stored here: {0}")]
-    Unsupported(String),
 }
 
 impl StorageError {

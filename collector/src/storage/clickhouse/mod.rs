@@ -820,8 +820,14 @@ impl ClickhouseStorage {
             return Ok(Vec::new());
         };
         if selection.selects_every_label_set() && selection.profile_type == ProfileType::Cpu {
-            // Every set is a CPU one: ingest takes no other type.
-            return Ok(vec![buckets]);
+            // Every set but those of other profile types, which carry the
+            // type's label: the one subquery runs once, where the query
+            // starts (GLOBAL), and finds none on most stores.
+            return Ok(vec![format!(
+                "{buckets} AND label_set GLOBAL NOT IN \
+                 (SELECT label_set FROM {} WHERE has(label_names, '{PROFILE_TYPE_LABEL}'))",
+                self.tables.table("label_sets")
+            )]);
         }
         let selected: Vec<u128> = self
             .selected_label_sets(selection, &buckets)?
@@ -994,20 +1000,11 @@ impl ClickhouseStorage {
             }
         }
 
-        // Its rows have no profile type of their own yet, and its
-        // fleet-wide queries read every label set: samples of another type
-        // would count as CPU time there.
-        if let Some(set) = batch
-            .label_sets
-            .iter()
-            .find(|labels| labels.iter().any(|(name, _)| name == PROFILE_TYPE_LABEL))
-        {
-            return Err(StorageError::Unsupported(format!(
-                "the ClickHouse storage keeps CPU samples only; this batch has samples of type \
-                 {:?} (store them with the SQLite storage)",
-                set.iter()
-                    .find(|(name, _)| name == PROFILE_TYPE_LABEL)
-                    .map_or("", |(_, value)| value.as_str())
+        if batch.label_set_periods.len() != batch.label_sets.len() {
+            return Err(invalid(format!(
+                "{} label sets but {} periods",
+                batch.label_sets.len(),
+                batch.label_set_periods.len()
             )));
         }
         let mut label_set_hashes = Vec::with_capacity(batch.label_sets.len());
@@ -1031,7 +1028,7 @@ impl ClickhouseStorage {
 
         // One row per (label set, stack): within a batch, duplicates merge
         // here, capped at i64::MAX (answers are capped there anyway).
-        let mut samples: BTreeMap<(u128, u128), u64> = BTreeMap::new();
+        let mut samples: BTreeMap<(u128, u128), (u64, u64)> = BTreeMap::new();
         for (index, sample) in batch.samples.iter().enumerate() {
             let out_of_range = |what: &str, value: u32, len: usize| {
                 invalid(format!(
@@ -1054,15 +1051,18 @@ impl ClickhouseStorage {
                     sample.weight
                 )));
             }
-            let sum = samples.entry((*label_set, *stack)).or_default();
+            // The label set's type decides the period (CPU ticks or
+            // nanoseconds off the CPU).
+            let period = batch.label_set_periods[sample.label_set as usize];
+            let (sum, _) = samples.entry((*label_set, *stack)).or_insert((0, period));
             *sum = sum.saturating_add(sample.weight).min(i64::MAX as u64);
         }
-        for ((label_set, stack), weight) in samples {
+        for ((label_set, stack), (weight, period)) in samples {
             rows.samples.i64(bucket);
             rows.samples.hash(label_set);
             rows.samples.hash(stack);
             rows.samples.hash(u128::from_le_bytes(batch.batch_id));
-            rows.samples.u64(batch.sample_period_nanos);
+            rows.samples.u64(period);
             rows.samples.u64(weight);
         }
         Ok(rows)
