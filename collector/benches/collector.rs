@@ -395,10 +395,22 @@ fn main() {
     let minutes = env_or("STACKSCOPE_BENCH_MINUTES", if full { 60 } else { 1 });
     let query_runs = env_or("STACKSCOPE_BENCH_QUERY_RUNS", if full { 15 } else { 1 });
     let with_clickhouse = env_or("STACKSCOPE_BENCH_CLICKHOUSE", 1) != 0;
+    // The storage's bucket width (the collector's --bucket): the finest
+    // time a timeline can show, against more rows per hour.
+    let bucket_nanos = env_or("STACKSCOPE_BENCH_BUCKET_SECS", 60) as i64 * 1_000_000_000;
 
     let dir = tempfile::tempdir().expect("temp dir");
     let path = dir.path().join("bench.db");
-    let sqlite = Arc::new(SqliteStorage::open(&path, SqliteOptions::default()).expect("database"));
+    let sqlite = Arc::new(
+        SqliteStorage::open(
+            &path,
+            SqliteOptions {
+                bucket_nanos,
+                ..SqliteOptions::default()
+            },
+        )
+        .expect("database"),
+    );
     let fleet_stacks = fleet_stacks();
     let interval = Duration::from_secs(env_or(
         "STACKSCOPE_BENCH_INTERVAL_SECS",
@@ -417,9 +429,10 @@ fn main() {
     };
     println!(
         "collector bench: {nodes} nodes x {STACKS_PER_NODE} stacks of depth {DEPTH} per {}s, \
-         {minutes} min of data ({} batches)",
+         {minutes} min of data ({} batches), buckets of {} s",
         interval.as_secs(),
-        nodes * intervals
+        nodes * intervals,
+        bucket_nanos / 1_000_000_000
     );
 
     println!("SQLite ingest (validate + durable commit, one thread):");
@@ -520,7 +533,14 @@ fn main() {
     let servers = clickhouse_servers::servers();
     let config = ClickhouseConfig::from_url(&servers.cluster_url("bench")).expect("the URL");
     let clickhouse = Arc::new(
-        ClickhouseStorage::open(config, ClickhouseOptions::default()).expect("ClickHouse"),
+        ClickhouseStorage::open(
+            config,
+            ClickhouseOptions {
+                bucket_nanos,
+                ..ClickhouseOptions::default()
+            },
+        )
+        .expect("ClickHouse"),
     );
     println!(
         "ClickHouse ingest (two shards on this machine, insert_distributed_sync; validate + \

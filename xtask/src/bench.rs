@@ -85,6 +85,10 @@ pub enum Bench {
         /// Minutes of data to ingest before querying.
         #[arg(long, default_value_t = 60)]
         minutes: u32,
+        /// The storage's bucket width in seconds (the collector's
+        /// --bucket): the finest a timeline shows, against more rows.
+        #[arg(long, default_value_t = 60)]
+        bucket_secs: u32,
     },
     /// The product on real programs (python3, node, sqlite3, xz, a stripped
     /// Go program, a deep C program, and loops of gcc and rustc runs), each
@@ -135,11 +139,16 @@ pub fn run(which: Bench) -> anyhow::Result<()> {
                 ("STACKSCOPE_BENCH_ADDRESSES", addresses),
             ],
         ),
-        Bench::Collector { nodes, minutes } => collector_bench(
+        Bench::Collector {
+            nodes,
+            minutes,
+            bucket_secs,
+        } => collector_bench(
             "collector",
             &[
                 ("STACKSCOPE_BENCH_NODES", nodes),
                 ("STACKSCOPE_BENCH_MINUTES", minutes),
+                ("STACKSCOPE_BENCH_BUCKET_SECS", bucket_secs),
             ],
         ),
     }

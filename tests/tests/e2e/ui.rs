@@ -1919,8 +1919,12 @@ async fn big_tree(browser: &Client, big: &Collector) {
 /// ```sh
 /// STACKSCOPE_BENCH_CLICKHOUSE=0 STACKSCOPE_BENCH_KEEP_DATA_DIR=/tmp/fleet cargo xtask bench collector
 /// target/release/stackscope-collector --data-dir /tmp/fleet --http-listen 127.0.0.1:7171 &
-/// STACKSCOPE_UI_FLEET=http://127.0.0.1:7171 cargo test -p stackscope-tests --test ui -- --ignored fleet
+/// STACKSCOPE_UI_FLEET=http://127.0.0.1:7171 cargo test -p stackscope-tests --test e2e -- --ignored --nocapture ui::the_fleet_hour
 /// ```
+///
+/// Measured (2026-12-02, this 2-CPU VM, 399,263 tree nodes): first
+/// flamegraph 583 ms after navigation cold, 383 ms warm (fetch 252 ms);
+/// zoom redraws 0.7 ms on average.
 #[tokio::test(flavor = "current_thread")]
 #[ignore = "a measurement: needs STACKSCOPE_UI_FLEET, a collector holding the bench's fleet"]
 async fn the_fleet_hour_time_to_first_flamegraph() {
