@@ -655,6 +655,20 @@ async fn scenarios(browser: &Client, collector: &Collector, big: &Collector, gua
     profile_types(browser, collector, &page).await;
 }
 
+/// Chooses `profile_type` in the type picker, as a user would, and waits
+/// for the load it starts (after the one `report` was of).
+async fn pick_type(browser: &Client, report: &Value, profile_type: &str) -> Value {
+    browser
+        .execute(
+            "const s = document.getElementById('pick-type'); s.value = arguments[0]; \
+             s.dispatchEvent(new Event('change'));",
+            vec![json!(profile_type)],
+        )
+        .await
+        .expect("a WebDriver command");
+    settled(browser, loads(report) + 1).await
+}
+
 /// Off-CPU time beside the CPU samples: a type picker appears, choosing
 /// off-CPU shows where redis waited (weighed in time, in the tooltip and
 /// the timeline's caption, kept in the URL), and CPU again shows the CPU
@@ -689,15 +703,7 @@ async fn profile_types(browser: &Client, collector: &Collector, page: &str) {
     let options = wait_for_text(browser, "#pick-type", "off-CPU time").await;
     assert!(options.contains("CPU time"), "{options}");
 
-    browser
-        .execute(
-            "const s = document.getElementById('pick-type'); s.value = 'off_cpu'; \
-             s.dispatchEvent(new Event('change'));",
-            vec![],
-        )
-        .await
-        .expect("a WebDriver command");
-    let report = settled(browser, loads(&report) + 1).await;
+    let report = pick_type(browser, &report, "off_cpu").await;
     let drawn = names(&report);
     assert!(drawn.contains(&"futex_wait".to_owned()), "{drawn:?}");
     assert!(!drawn.contains(&"hash_lookup".to_owned()), "{drawn:?}");
@@ -709,15 +715,7 @@ async fn profile_types(browser: &Client, collector: &Collector, page: &str) {
     assert!(caption.starts_with("max 250.0 ms off-CPU / "), "{caption}");
     screenshot(browser, "16-off-cpu").await;
 
-    browser
-        .execute(
-            "const s = document.getElementById('pick-type'); s.value = 'cpu'; \
-             s.dispatchEvent(new Event('change'));",
-            vec![],
-        )
-        .await
-        .expect("a WebDriver command");
-    let report = settled(browser, loads(&report) + 1).await;
+    let report = pick_type(browser, &report, "cpu").await;
     assert!(names(&report).contains(&"hash_lookup".to_owned()));
     let url = browser.current_url().await.expect("the page's URL");
     assert!(!url.as_str().contains("type="), "{url}");
