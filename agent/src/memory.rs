@@ -1,5 +1,5 @@
-//! The agent's one memory budget (`--memory-limit`): the limit, where it
-//! came from (the flag, the cgroup's, or the default), and its split among
+//! The agent's one memory budget (`--memory-limit`; the limit and where it
+//! came from are `stackscope_metadata::memory_limit`'s): its split among
 //! the caches and queues that grow with the workload.
 //!
 //! Each of them has a size of its own when memory is plentiful; when their
@@ -17,19 +17,13 @@
 //! memory on a busy node loses exactly the profile that was wanted: a
 //! smaller cache costs re-reads instead.
 
-use std::{fmt, path::Path};
+use std::fmt;
 
-use stackscope_metadata::memory_limit::cgroup_memory_limit;
+pub use stackscope_metadata::memory_limit::{
+    DEFAULT_LIMIT, LimitSource, parse_size, resolve_limit,
+};
 use stackscope_symbolize::node;
 use stackscope_unwind::walker::WalkerConfig;
-
-/// The limit when neither the flag nor a cgroup sets one: it fits the
-/// DaemonSet's 256 MiB with room for the kernel's share.
-pub const DEFAULT_LIMIT: u64 = 192 << 20;
-
-/// Of a cgroup's memory limit, the share the agent takes as its own (the
-/// rest is for page cache the cgroup is charged with, and headroom).
-const CGROUP_SHARE: (u64, u64) = (3, 4);
 
 /// What the agent holds outside the budgeted caches: its code, the
 /// runtime's threads, the interval being built, the BPF maps it reads
@@ -114,34 +108,6 @@ impl Consumer {
         match self {
             Consumer::SymbolizerFiles => 8 << 20,
             _ => 4 << 20,
-        }
-    }
-}
-
-/// Where the limit came from.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub enum LimitSource {
-    Flag,
-    /// A share of this cgroup's limit (its path, and the limit).
-    Cgroup {
-        path: String,
-        limit: u64,
-    },
-    Default,
-}
-
-impl fmt::Display for LimitSource {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        match self {
-            LimitSource::Flag => f.write_str("--memory-limit"),
-            LimitSource::Cgroup { path, limit } => write!(
-                f,
-                "{}/{} of the limit of cgroup {path} ({})",
-                CGROUP_SHARE.0,
-                CGROUP_SHARE.1,
-                Bytes(*limit)
-            ),
-            LimitSource::Default => f.write_str("the default"),
         }
     }
 }
@@ -282,47 +248,6 @@ impl MemoryBudget {
     }
 }
 
-/// The limit: `flag` when given, else a share of the agent's cgroup's
-/// memory limit when one is set, else [`DEFAULT_LIMIT`].
-pub fn resolve_limit(flag: Option<u64>) -> (u64, LimitSource) {
-    if let Some(limit) = flag {
-        return (limit, LimitSource::Flag);
-    }
-    match cgroup_memory_limit(
-        Path::new("/proc/self/cgroup"),
-        Path::new("/proc/self/mountinfo"),
-    ) {
-        Some((path, limit)) => (
-            limit / CGROUP_SHARE.1 * CGROUP_SHARE.0,
-            LimitSource::Cgroup { path, limit },
-        ),
-        None => (DEFAULT_LIMIT, LimitSource::Default),
-    }
-}
-
-/// A size as people write it: `96MiB`, `96Mi`, `96M` (binary units, as
-/// Kubernetes' `Mi`), `1G`, or bytes.
-pub fn parse_size(text: &str) -> Result<u64, String> {
-    let text = text.trim();
-    let digits = text
-        .find(|c: char| !c.is_ascii_digit())
-        .unwrap_or(text.len());
-    let (number, unit) = text.split_at(digits);
-    let number: u64 = number
-        .parse()
-        .map_err(|_| format!("{text:?} is not a size such as 96MiB or 1GiB"))?;
-    let shift = match unit.trim().to_ascii_lowercase().as_str() {
-        "" | "b" => 0,
-        "k" | "ki" | "kib" | "kb" => 10,
-        "m" | "mi" | "mib" | "mb" => 20,
-        "g" | "gi" | "gib" | "gb" => 30,
-        _ => return Err(format!("unknown unit in {text:?}: use KiB, MiB or GiB")),
-    };
-    number
-        .checked_mul(1 << shift)
-        .ok_or_else(|| format!("{text:?} is too large"))
-}
-
 /// Bytes, shown in MiB.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Bytes(pub u64);
@@ -402,16 +327,5 @@ mod tests {
         // A flag of its own no sum can overflow.
         let fixed = [(Consumer::ExportQueue, u64::MAX)];
         assert!(MemoryBudget::split(96 * MIB, LimitSource::Flag, 4 * MIB, &fixed).is_err());
-    }
-
-    #[test]
-    fn sizes_are_read_as_people_write_them() {
-        assert_eq!(parse_size("96MiB"), Ok(96 * MIB));
-        assert_eq!(parse_size("96Mi"), Ok(96 * MIB));
-        assert_eq!(parse_size("1G"), Ok(1 << 30));
-        assert_eq!(parse_size("4096"), Ok(4096));
-        assert!(parse_size("96 parsecs").is_err());
-        assert!(parse_size("MiB").is_err());
-        assert!(parse_size("99999999999999GiB").is_err());
     }
 }

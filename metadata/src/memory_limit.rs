@@ -1,13 +1,95 @@
-//! The memory limit of the cgroup a process runs in, as the agent's
-//! default memory budget takes it: cgroup2's `memory.max` (the least of a
-//! cgroup's and its ancestors'), else cgroup v1's
-//! `hierarchical_memory_limit`; the memory controller found in mountinfo,
-//! the cgroup's directory below the root its mount shows (a container
-//! without a cgroup namespace sees its own cgroup mounted).
+//! The agent's memory limit ([`resolve_limit`]): `--memory-limit` (a size
+//! as people write it, [`parse_size`]), else a share of the memory limit
+//! of the cgroup it runs in, else a default. The cgroup's limit is
+//! cgroup2's `memory.max` (the least of a cgroup's and its ancestors'),
+//! else cgroup v1's `hierarchical_memory_limit`; the memory controller
+//! found in mountinfo, the cgroup's directory below the root its mount
+//! shows (a container without a cgroup namespace sees its own cgroup
+//! mounted).
 
-use std::path::{Path, PathBuf};
+use std::{
+    fmt,
+    path::{Path, PathBuf},
+};
 
 use crate::cgroups::unescape_mount_field;
+
+/// The limit when neither the flag nor a cgroup sets one: it fits the
+/// DaemonSet's 256 MiB with room for the kernel's share.
+pub const DEFAULT_LIMIT: u64 = 192 << 20;
+
+/// Of a cgroup's memory limit, the share the agent takes as its own (the
+/// rest is for page cache the cgroup is charged with, and headroom).
+const CGROUP_SHARE: (u64, u64) = (3, 4);
+
+/// Where the limit came from.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum LimitSource {
+    Flag,
+    /// A share of this cgroup's limit (its path, and the limit).
+    Cgroup {
+        path: String,
+        limit: u64,
+    },
+    Default,
+}
+
+impl fmt::Display for LimitSource {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            LimitSource::Flag => f.write_str("--memory-limit"),
+            LimitSource::Cgroup { path, limit } => write!(
+                f,
+                "{}/{} of the limit of cgroup {path} ({:.1} MiB)",
+                CGROUP_SHARE.0,
+                CGROUP_SHARE.1,
+                *limit as f64 / f64::from(1 << 20)
+            ),
+            LimitSource::Default => f.write_str("the default"),
+        }
+    }
+}
+
+/// The limit: `flag` when given, else a share of the agent's cgroup's
+/// memory limit when one is set, else [`DEFAULT_LIMIT`].
+pub fn resolve_limit(flag: Option<u64>) -> (u64, LimitSource) {
+    if let Some(limit) = flag {
+        return (limit, LimitSource::Flag);
+    }
+    match cgroup_memory_limit(
+        Path::new("/proc/self/cgroup"),
+        Path::new("/proc/self/mountinfo"),
+    ) {
+        Some((path, limit)) => (
+            limit / CGROUP_SHARE.1 * CGROUP_SHARE.0,
+            LimitSource::Cgroup { path, limit },
+        ),
+        None => (DEFAULT_LIMIT, LimitSource::Default),
+    }
+}
+
+/// A size as people write it: `96MiB`, `96Mi`, `96M` (binary units, as
+/// Kubernetes' `Mi`), `1G`, or bytes.
+pub fn parse_size(text: &str) -> Result<u64, String> {
+    let text = text.trim();
+    let digits = text
+        .find(|c: char| !c.is_ascii_digit())
+        .unwrap_or(text.len());
+    let (number, unit) = text.split_at(digits);
+    let number: u64 = number
+        .parse()
+        .map_err(|_| format!("{text:?} is not a size such as 96MiB or 1GiB"))?;
+    let shift = match unit.trim().to_ascii_lowercase().as_str() {
+        "" | "b" => 0,
+        "k" | "ki" | "kib" | "kb" => 10,
+        "m" | "mi" | "mib" | "mb" => 20,
+        "g" | "gi" | "gib" | "gb" => 30,
+        _ => return Err(format!("unknown unit in {text:?}: use KiB, MiB or GiB")),
+    };
+    number
+        .checked_mul(1 << shift)
+        .ok_or_else(|| format!("{text:?} is too large"))
+}
 
 /// Limits at or above this are no limit (cgroup v1 writes "unlimited" as
 /// the largest page-aligned `i64`).
@@ -128,6 +210,17 @@ mod tests {
     use super::*;
 
     const MIB: u64 = 1 << 20;
+
+    #[test]
+    fn sizes_are_read_as_people_write_them() {
+        assert_eq!(parse_size("96MiB"), Ok(96 * MIB));
+        assert_eq!(parse_size("96Mi"), Ok(96 * MIB));
+        assert_eq!(parse_size("1G"), Ok(1 << 30));
+        assert_eq!(parse_size("4096"), Ok(4096));
+        assert!(parse_size("96 parsecs").is_err());
+        assert!(parse_size("MiB").is_err());
+        assert!(parse_size("99999999999999GiB").is_err());
+    }
 
     #[test]
     fn the_memory_controller_is_found_in_v1_mounts() {
