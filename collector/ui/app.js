@@ -3,7 +3,7 @@
 // top table work on the tree already loaded.
 
 import { ApiError, answersWithoutToken, apiUrl, get, setToken, token } from "./api.js";
-import { Flamegraph, Tree, binaryHsl, binaryLegend, functionKey, weight } from "./flamegraph.js";
+import { Flamegraph, Tree, amount, binaryHsl, binaryLegend, functionKey, weight } from "./flamegraph.js";
 import { QueryBar, matcherValue, setMatcher } from "./query.js";
 import { Timeline, localTime, utcOffset } from "./timeline.js";
 
@@ -422,9 +422,9 @@ function renderTop() {
       for (const [text, num, extra] of [
         [f.name, false],
         [f.binary, false],
-        [Math.round(f.self).toLocaleString("en-US"), true],
+        [amount(f.self, tree?.period, tree?.type), true],
         [`${((100 * f.self) / all).toFixed(2)}%`, true],
-        [Math.round(f.total).toLocaleString("en-US"), true],
+        [amount(f.total, tree?.period, tree?.type), true],
         [`${((100 * f.total) / all).toFixed(2)}%`, true],
         ...(comparing() && f.delta !== undefined
           ? [

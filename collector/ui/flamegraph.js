@@ -824,6 +824,15 @@ export function weight(w, periodNanos, type = "cpu") {
   return `${samples} (${duration((w * periodNanos) / 1e9)} CPU)`;
 }
 
+/**
+ * A weight as a table shows it: the samples counted, or the time off the
+ * CPU for an off-CPU profile.
+ */
+export function amount(w, periodNanos, type = "cpu") {
+  if (type === "off_cpu") return duration((w * (periodNanos || 1)) / 1e9);
+  return Math.round(w).toLocaleString("en-US");
+}
+
 function duration(seconds) {
   if (seconds >= 100) return `${Math.round(seconds).toLocaleString("en-US")} s`;
   if (seconds >= 1) return `${seconds.toFixed(2)} s`;

@@ -713,6 +713,9 @@ async fn profile_types(browser: &Client, collector: &Collector, page: &str) {
     assert!(tooltip.contains("100.00% of all"), "{tooltip}");
     let caption = timeline_caption(browser).await;
     assert!(caption.starts_with("max 250.0 ms off-CPU / "), "{caption}");
+    // The top table's weights are times too.
+    let top = text_of(browser, "#top tbody tr[data-function='futex_wait']").await;
+    assert!(top.contains("250.0 ms"), "{top}");
     screenshot(browser, "16-off-cpu").await;
 
     let report = pick_type(browser, &report, "cpu").await;
