@@ -15,7 +15,7 @@ use clap::{Args, Parser, Subcommand, ValueEnum};
 use stackscope_collector_client::connect::{self, TlsConfig};
 use stackscope_profile::timespec::{self, SelectionText};
 use stackscope_profile::{
-    model::Selection,
+    model::{ProfileType, Selection},
     render::{self, SvgOptions},
     selector,
     tree::CallTree,
@@ -314,6 +314,20 @@ impl Collector {
             .await
             .map_err(|status| self.failed(status))?
             .into_inner();
+        // A collector from before profile types ignores the one asked for
+        // and answers CPU samples.
+        let answered = match response.profile_type.as_str() {
+            "" => ProfileType::Cpu,
+            name => ProfileType::from_name(name).unwrap_or(selection.profile_type),
+        };
+        if answered != selection.profile_type {
+            anyhow::bail!(
+                "{} answered {answered} samples, not the {} asked for: it predates profile \
+                 types; upgrade it",
+                self.address,
+                selection.profile_type
+            );
+        }
         let tree = CallTree::from_proto(&response)
             .context("the collector sent an inconsistent call tree")?;
         if tree.total() == 0 {

@@ -42,7 +42,8 @@ pub struct ValidBatch {
     /// type its samples have.
     pub label_sets: Vec<Vec<(String, String)>>,
     /// Per label set: nanoseconds one unit of its samples' weight stands
-    /// for (the batch's sample period for CPU samples), in `1..=i64::MAX`.
+    /// for: the batch's sample period for CPU samples, in `1..=i64::MAX`;
+    /// 1 for the other types, whose weights are stored in nanoseconds.
     pub label_set_periods: Vec<u64>,
     /// The CPU samples, then those of the other types.
     pub samples: Vec<SampleRecord>,
@@ -496,9 +497,23 @@ pub fn validate(batch: v1::Batch, limits: &IngestLimits) -> Result<ValidBatch, B
                     source: Box::new(source),
                 },
             )?;
-            let label_set = label_sets.of_type(record.label_set, profile_type, typed.period_nanos);
+            // Stored in nanoseconds (period 1), whatever unit the node
+            // counted in: weights from nodes with other periods then add
+            // up, and every reader takes them as they are.
+            let weight = record
+                .weight
+                .checked_mul(typed.period_nanos)
+                .filter(|w| i64::try_from(*w).is_ok())
+                .ok_or_else(|| {
+                    bad(format!(
+                        "sample {index}: {} × period_nanos {} does not fit in 63 bits",
+                        record.weight, typed.period_nanos
+                    ))
+                })?;
+            let label_set = label_sets.of_type(record.label_set, profile_type);
             samples.push(SampleRecord {
                 label_set,
+                weight,
                 ..record
             });
         }
@@ -552,7 +567,7 @@ impl TypedLabelSets {
     }
 
     /// The index of sent set `set` with `profile_type`'s label.
-    fn of_type(&mut self, set: u32, profile_type: ProfileType, period: u64) -> u32 {
+    fn of_type(&mut self, set: u32, profile_type: ProfileType) -> u32 {
         *self.typed.entry((set, profile_type)).or_insert_with(|| {
             let mut labels = self.sets[set as usize].clone();
             let at = labels.partition_point(|(name, _)| name.as_str() < PROFILE_TYPE_LABEL);
@@ -564,7 +579,8 @@ impl TypedLabelSets {
                 ),
             );
             self.sets.push(labels);
-            self.periods.push(period);
+            // Typed weights are stored in nanoseconds.
+            self.periods.push(1);
             (self.sets.len() - 1) as u32
         })
     }
@@ -1136,12 +1152,21 @@ mod tests {
             .map(|s| (s.stack, s.label_set, s.weight))
             .collect();
         assert_eq!(typed, [(1, 2, 5_000), (0, 3, 7_000), (1, 3, 2_000)]);
+
+        // Counted in microseconds by the node: stored in nanoseconds.
+        let mut b = batch();
+        let mut group = off_cpu(vec![sample(1, 0, 5)]);
+        group.period_nanos = 1_000;
+        b.typed_samples = vec![group];
+        let valid = validate(b, &IngestLimits::default()).expect("valid");
+        assert_eq!(valid.samples[2].weight, 5_000);
+        assert_eq!(valid.label_set_periods[2], 1);
     }
 
     #[test]
     fn bad_typed_samples_are_refused_with_their_group() {
         type Change = fn(&mut v1::Batch);
-        let cases: [(Change, &str); 6] = [
+        let cases: [(Change, &str); 7] = [
             (
                 |b| {
                     b.typed_samples = vec![off_cpu(vec![sample(0, 0, 1)])];
@@ -1174,6 +1199,14 @@ mod tests {
             (
                 |b| b.typed_samples = vec![off_cpu(vec![sample(0, 0, 0)])],
                 "typed_samples[0]: sample 0: count is 0",
+            ),
+            (
+                |b| {
+                    b.typed_samples = vec![off_cpu(vec![sample(0, 0, 1 << 40)])];
+                    b.typed_samples[0].period_nanos = 1 << 30;
+                },
+                "typed_samples[0]: sample 0: 1099511627776 × period_nanos 1073741824 does not fit \
+                 in 63 bits",
             ),
         ];
         for (change, message) in cases {

@@ -544,7 +544,9 @@ async function load() {
     $("flame-panel").dataset.nodes = String(tree.count);
     if (tree.total[0] === 0) {
       clearSelectionViews();
-      const message = state.match
+      const message = state.type
+        ? `No ${TYPE_NAMES[state.type] || state.type} in this selection and time range.\nChoose CPU time in the type picker, widen the range, or remove matchers from the query.`
+        : state.match
         ? `The selection matched nothing in this time range.\nWiden the range (a preset above, or drag on the timeline) or remove matchers from the query (${state.match}).`
         : "No data yet: the collector has no samples in this time range.\nStart an agent that ships to this collector (stackscope-agent --collector http://HOST:7070), wait for its first interval, or pick a longer range.";
       setPanelState("empty", message);

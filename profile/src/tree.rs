@@ -310,6 +310,7 @@ impl CallTree {
             total: self.total(),
             sample_period_nanos,
             frames,
+            profile_type: String::new(),
         }
     }
 

@@ -185,14 +185,15 @@ impl query_server::Query for QueryService {
     ) -> Result<Response<FlamegraphResponse>, Status> {
         let request = request.into_inner();
         let selection = selection(request.selection)?;
+        let profile_type = selection.profile_type;
         let flamegraph = self
             .engine
             .flamegraph(selection, request.min_share, Some(&request.group_by))
             .await
             .map_err(query_status)?;
-        Ok(Response::new(
-            flamegraph.tree.to_proto(flamegraph.sample_period_nanos),
-        ))
+        let mut response = flamegraph.tree.to_proto(flamegraph.sample_period_nanos);
+        response.profile_type = profile_type.name().to_owned();
+        Ok(Response::new(response))
     }
 
     async fn top_functions(
