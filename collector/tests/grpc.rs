@@ -232,12 +232,20 @@ async fn each_profile_type_is_queried_apart() {
     };
     let off_cpu = flamegraph("off_cpu").await.expect("off-CPU").into_inner();
     assert_eq!(
-        (off_cpu.total, off_cpu.sample_period_nanos, off_cpu.profile_type.as_str()),
+        (
+            off_cpu.total,
+            off_cpu.sample_period_nanos,
+            off_cpu.profile_type.as_str()
+        ),
         (5_000_000, 1, "off_cpu")
     );
     let cpu = flamegraph("cpu").await.expect("CPU").into_inner();
     assert_eq!(
-        (cpu.total, cpu.sample_period_nanos, cpu.profile_type.as_str()),
+        (
+            cpu.total,
+            cpu.sample_period_nanos,
+            cpu.profile_type.as_str()
+        ),
         (35, 10_101_010, "cpu")
     );
     let unknown = flamegraph("alloc_space")

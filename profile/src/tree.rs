@@ -826,6 +826,7 @@ pub(crate) mod tests {
                     frame("main", "app"),
                     frame("a", "app"),
                 ],
+                profile_type: String::new(),
             }
         );
     }
@@ -977,6 +978,7 @@ pub(crate) mod tests {
             total: 1,
             sample_period_nanos: 0,
             frames: Vec::new(),
+            profile_type: String::new(),
         }
     }
 
@@ -1044,6 +1046,7 @@ pub(crate) mod tests {
                         ..ProtoFrame::default()
                     })
                     .collect(),
+                profile_type: String::new(),
             };
             if let Ok(tree) = CallTree::from_proto(&response) {
                 accepted += 1;

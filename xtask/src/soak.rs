@@ -601,11 +601,8 @@ impl Series {
             for &t in &times {
                 // The last point at or before t.
                 let value = track
-                    .points
-                    .iter()
-                    .take_while(|(at, _)| *at <= t + 1e-9)
-                    .last()
-                    .map_or("-".to_string(), |&(_, v)| kind.show(v));
+                    .value_at_or_before(t)
+                    .map_or("-".to_string(), |v| kind.show(v));
                 print!("{value:>9}");
             }
             let bound = track.bound.map_or("-".into(), |b| kind.show(b));
@@ -624,6 +621,22 @@ impl Series {
                 && !less.verdict(minutes, false).1
             {
                 verdict = format!("{verdict}: all of it the page caches (bounded)");
+                failed = false;
+            }
+            // The symbolizer keeps one file open whatever its size (below
+            // its bytes' bound it could name nothing): over the bound only
+            // at scrapes where it held that one file is its design.
+            if failed
+                && let Some(files) = name
+                    .strip_suffix("symbolizer_files bytes")
+                    .and_then(|who| self.0.get(&format!("{who}symbolizer_files")))
+                && track.bound.is_some_and(|bound| {
+                    track.points.iter().all(|&(at, bytes)| {
+                        bytes <= bound || files.value_at_or_before(at) == Some(1.0)
+                    })
+                })
+            {
+                verdict = format!("{verdict}: one file at a time (larger than the bound)");
                 failed = false;
             }
             // Each file the symbolizer keeps open (bounded in count and
@@ -653,6 +666,15 @@ impl Series {
 }
 
 impl Track {
+    /// The last value taken at or before `at`.
+    fn value_at_or_before(&self, at: f64) -> Option<f64> {
+        self.points
+            .iter()
+            .take_while(|(when, _)| *when <= at + 1e-9)
+            .last()
+            .map(|&(_, value)| value)
+    }
+
     /// The value taken at the scrape at `at` (a failed scrape left none).
     fn value_at(&self, at: f64) -> Option<f64> {
         self.points
@@ -903,6 +925,42 @@ mod tests {
             ("agent symbolizer_files", opened(1.0)),
         ]);
         assert_eq!(leaking.report(10.0).len(), 1);
+    }
+
+    #[test]
+    fn the_symbolizer_may_pass_its_bytes_bound_with_one_file_open() {
+        let mib = 1024.0 * 1024.0;
+        // One 100 MiB file at minute 4, alone; small files otherwise.
+        let bytes = |big_alone_at: f64| {
+            track(Kind::Bytes, Some(8.0 * mib), move |t| {
+                if t == big_alone_at {
+                    100.0 * mib
+                } else {
+                    4.0 * mib
+                }
+            })
+        };
+        let files = track(
+            Kind::Entries,
+            Some(64.0),
+            |t| if t == 4.0 { 1.0 } else { 3.0 },
+        );
+        let alone = series(vec![
+            ("agent symbolizer_files bytes", bytes(4.0)),
+            ("agent symbolizer_files", files),
+        ]);
+        assert!(alone.report(10.0).is_empty());
+        // Over the bound with three files open: a failure.
+        let files = track(
+            Kind::Entries,
+            Some(64.0),
+            |t| if t == 4.0 { 1.0 } else { 3.0 },
+        );
+        let crowded = series(vec![
+            ("agent symbolizer_files bytes", bytes(6.0)),
+            ("agent symbolizer_files", files),
+        ]);
+        assert_eq!(crowded.report(10.0).len(), 1);
     }
 
     #[test]
