@@ -940,27 +940,22 @@ mod tests {
                 }
             })
         };
-        let files = track(
-            Kind::Entries,
-            Some(64.0),
-            |t| if t == 4.0 { 1.0 } else { 3.0 },
-        );
-        let alone = series(vec![
-            ("agent symbolizer_files bytes", bytes(4.0)),
-            ("agent symbolizer_files", files),
-        ]);
-        assert!(alone.report(10.0).is_empty());
+        // One file open at minute 4, three otherwise.
+        let judged = |big_at| {
+            let files = track(
+                Kind::Entries,
+                Some(64.0),
+                |t| if t == 4.0 { 1.0 } else { 3.0 },
+            );
+            series(vec![
+                ("agent symbolizer_files bytes", bytes(big_at)),
+                ("agent symbolizer_files", files),
+            ])
+            .report(10.0)
+        };
+        assert!(judged(4.0).is_empty());
         // Over the bound with three files open: a failure.
-        let files = track(
-            Kind::Entries,
-            Some(64.0),
-            |t| if t == 4.0 { 1.0 } else { 3.0 },
-        );
-        let crowded = series(vec![
-            ("agent symbolizer_files bytes", bytes(6.0)),
-            ("agent symbolizer_files", files),
-        ]);
-        assert_eq!(crowded.report(10.0).len(), 1);
+        assert_eq!(judged(6.0).len(), 1);
     }
 
     #[test]
