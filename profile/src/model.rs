@@ -185,12 +185,6 @@ impl ProfileType {
             ProfileType::OffCpu => self.name(),
         }
     }
-
-    /// The unit one weight stands for, once multiplied by the sample
-    /// period (pprof's sample value unit).
-    pub fn unit(self) -> &'static str {
-        "nanoseconds"
-    }
 }
 
 impl std::fmt::Display for ProfileType {
@@ -224,9 +218,10 @@ impl Selection {
             && self.matchers.iter().all(|m| m.matches_set(labels.clone()))
     }
 
-    /// Whether it selects every label set of its type: no matchers.
-    pub fn selects_every_label_set(&self) -> bool {
-        self.matchers.is_empty()
+    /// Whether it selects every CPU sample (no matchers): what storage
+    /// answers from label-free sums, which hold CPU samples only.
+    pub fn selects_every_cpu_sample(&self) -> bool {
+        self.matchers.is_empty() && self.profile_type == ProfileType::Cpu
     }
 }
 

@@ -86,7 +86,7 @@ pub fn pprof_profile(
             (vec![samples_type, cpu_type], cpu_type, default)
         }
         ProfileType::OffCpu => {
-            let off_cpu = builder.value_type(profile_type.name(), profile_type.unit());
+            let off_cpu = builder.value_type(profile_type.name(), "nanoseconds");
             (vec![off_cpu], off_cpu, off_cpu.r#type)
         }
     };

@@ -53,8 +53,7 @@ use std::{
 };
 
 use stackscope_profile::model::{
-    Frame, PROFILE_TYPE_LABEL, PeriodAgreement, ProfileType, Selection, StackSamples,
-    WeightedStack, unix_nanos,
+    Frame, PROFILE_TYPE_LABEL, PeriodAgreement, Selection, StackSamples, WeightedStack, unix_nanos,
 };
 
 use self::{
@@ -819,7 +818,7 @@ impl ClickhouseStorage {
         let Some(buckets) = self.bucket_condition(selection)? else {
             return Ok(Vec::new());
         };
-        if selection.selects_every_label_set() && selection.profile_type == ProfileType::Cpu {
+        if selection.selects_every_cpu_sample() {
             // Every set but those of other profile types, which carry the
             // type's label: the one subquery runs once, where the query
             // starts (GLOBAL), and finds none on most stores.

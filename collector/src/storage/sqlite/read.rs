@@ -18,7 +18,7 @@ use std::{
 
 use rusqlite::{Connection, OptionalExtension as _, Transaction};
 use stackscope_profile::model::{
-    Frame, PROFILE_TYPE_LABEL, PeriodAgreement, ProfileType, Selection, StackSamples, WeightedStack,
+    Frame, PROFILE_TYPE_LABEL, PeriodAgreement, Selection, StackSamples, WeightedStack,
 };
 use stackscope_telemetry::StateSize;
 
@@ -387,7 +387,7 @@ impl LabelSets {
     }
 
     fn select(&self, selection: &Selection) -> Selected<'_> {
-        if selection.selects_every_label_set() && selection.profile_type == ProfileType::Cpu {
+        if selection.selects_every_cpu_sample() {
             return Selected::EveryCpu { typed: &self.typed };
         }
         Selected::Some(

@@ -31,9 +31,17 @@
 use std::collections::BTreeMap;
 
 use rusqlite::Transaction;
-use stackscope_profile::model::PeriodAgreement;
+use stackscope_profile::model::{PROFILE_TYPE_LABEL, PeriodAgreement};
 
 use super::{StackWeights, StorageError, non_negative, saturate};
+
+/// The condition on the rows of CPU samples: their label sets carry no
+/// profile type.
+fn cpu_only() -> String {
+    format!(
+        "label_set_id NOT IN (SELECT label_set_id FROM labels WHERE name = '{PROFILE_TYPE_LABEL}')"
+    )
+}
 
 pub(super) const SCHEMA: &str = "
 CREATE TABLE rollups (
@@ -200,16 +208,20 @@ pub(super) fn recompute(
         .execute((width, start))?;
     }
     let end = start.saturating_add(width);
+    let cpu_only = cpu_only();
     let (periods, weights) = match tiers.finer(width) {
         // CPU samples only: the label sets of other profile types (which
         // carry the type's label) are left out.
         None => sum(
             tx,
-            "SELECT sample_period_nanos FROM label_set_buckets
-             WHERE bucket_start >= ?1 AND bucket_start < ?2
-             AND label_set_id NOT IN (SELECT label_set_id FROM labels WHERE name = '__type__')",
-            "SELECT stack_id, weight FROM samples WHERE bucket_start >= ?1 AND bucket_start < ?2
-             AND label_set_id NOT IN (SELECT label_set_id FROM labels WHERE name = '__type__')",
+            &format!(
+                "SELECT sample_period_nanos FROM label_set_buckets
+                 WHERE bucket_start >= ?1 AND bucket_start < ?2 AND {cpu_only}"
+            ),
+            &format!(
+                "SELECT stack_id, weight FROM samples
+                 WHERE bucket_start >= ?1 AND bucket_start < ?2 AND {cpu_only}"
+            ),
             &[start, end],
         )?,
         Some(finer) => sum(
