@@ -30,6 +30,9 @@ pub enum RecordKind {
     /// frames of the thread whose sample record comes next from the same
     /// CPU (written just before it, in the same run of the program).
     PythonStack = 4,
+    /// A [`SwitchIn`]: a thread whose off-CPU sample (see
+    /// [`sample_flags::OFF_CPU`]) was written came back onto a CPU.
+    SwitchIn = 5,
 }
 
 /// Bit flags in [`SampleHeader::flags`].
@@ -65,6 +68,12 @@ pub mod sample_flags {
     /// are padding. Only ticks of a thread with a stack top and no plan, so
     /// there is no tail.
     pub const DIRECT_COPY: u32 = 1 << 6;
+    /// An off-CPU sample: written at `sched_switch` as the thread blocked
+    /// (it left the CPU without being runnable), not at a tick. `ktime_ns`
+    /// is when it left; the [`super::SwitchIn`] record with its `tid` and
+    /// that time says when it came back, and so how long the stack waited.
+    /// The registers are the ones it saved on entering the kernel.
+    pub const OFF_CPU: u32 = 1 << 7;
 }
 
 /// User stack bytes a direct record (see [`sample_flags::DIRECT_COPY`]) has
@@ -412,6 +421,70 @@ pub struct ProcessEvent {
 pub const PROCESS_EVENT_SIZE: usize = 16;
 const _: () = assert!(core::mem::size_of::<ProcessEvent>() == PROCESS_EVENT_SIZE);
 
+/// A thread whose off-CPU sample was written is back on a CPU: the record
+/// that ends its blocked time. Written at the `sched_switch` that runs it
+/// again, from the `OFF_CPU_PENDING` entry its switch-out left.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct SwitchIn {
+    /// [`RecordKind::SwitchIn`].
+    pub kind: u32,
+    pub tid: u32,
+    pub tgid: u32,
+    /// Keeps the `u64` fields 8-aligned.
+    pub _pad: u32,
+    /// When it left the CPU: its off-CPU sample's `ktime_ns`.
+    pub out_ns: u64,
+    /// When it was switched back in (`bpf_ktime_get_ns()`).
+    pub in_ns: u64,
+}
+
+/// Size of [`SwitchIn`] in bytes.
+pub const SWITCH_IN_SIZE: usize = 32;
+const _: () = assert!(core::mem::size_of::<SwitchIn>() == SWITCH_IN_SIZE);
+
+/// What the switch-out of a sampled blocking thread leaves for its
+/// switch-in: the value of `OFF_CPU_PENDING`, keyed by tid.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct OffCpuPending {
+    pub tgid: u32,
+    pub _pad: u32,
+    /// The off-CPU sample's `ktime_ns`.
+    pub out_ns: u64,
+}
+
+const _: () = assert!(core::mem::size_of::<OffCpuPending>() == 16);
+
+// SAFETY: `repr(C)`, integers only, padding written out: every byte
+// pattern is a value.
+#[cfg(feature = "user")]
+unsafe impl aya::Pod for OffCpuPending {}
+
+/// Threads whose off-CPU sample waits for their switch-in
+/// (`OFF_CPU_PENDING`, an LRU map): a node's sampled threads blocked at
+/// once. One evicted loses that sample's time (the agent lets its held
+/// record go, counted).
+pub const MAX_OFF_CPU_PENDING: u32 = 16_384;
+
+/// Per CPU, the state of the off-CPU sampling rate (`OFF_CPU_RATE`): the
+/// blocking switches of the current window, and the 1-in-N the last
+/// window's count set for this one.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct OffCpuRate {
+    pub window_start_ns: u64,
+    pub switches: u32,
+    /// Keep one blocking switch in `divisor` (0 and 1: every one).
+    pub divisor: u32,
+}
+
+const _: () = assert!(core::mem::size_of::<OffCpuRate>() == 16);
+
+/// How long a window of [`OffCpuRate`] lasts: the divisor follows a change
+/// of load within this long.
+pub const OFF_CPU_WINDOW_NS: u64 = 100_000_000;
+
 /// Processes whose CPython frames the sampler reads (`PYTHON_PROCESSES`).
 pub const MAX_PYTHON_PROCESSES: u32 = 4096;
 
@@ -595,11 +668,24 @@ pub enum Counter {
     PythonStacks = 12,
     /// Python frames in them.
     PythonFrames = 13,
+    /// Blocking switches of selected user threads (the thread left the
+    /// CPU without being runnable), with the agent's off-CPU sampling on.
+    OffCpuSwitches = 14,
+    /// Of those, the ones the rate (see [`OffCpuRate`]) or a cgroup budget
+    /// left out.
+    OffCpuSkipped = 15,
+    /// Off-CPU samples written.
+    OffCpuSamples = 16,
+    /// Off-CPU samples chosen but not written (no room in the ring, or
+    /// no user stack read).
+    OffCpuFailed = 17,
+    /// Switch-in records written (an off-CPU sample's thread ran again).
+    SwitchIns = 18,
 }
 
 impl Counter {
     /// Every counter, in index order.
-    pub const ALL: [Counter; 14] = [
+    pub const ALL: [Counter; 19] = [
         Counter::Samples,
         Counter::RingBufferFull,
         Counter::CopyFailed,
@@ -614,6 +700,11 @@ impl Counter {
         Counter::DirectCopyFallbacks,
         Counter::PythonStacks,
         Counter::PythonFrames,
+        Counter::OffCpuSwitches,
+        Counter::OffCpuSkipped,
+        Counter::OffCpuSamples,
+        Counter::OffCpuFailed,
+        Counter::SwitchIns,
     ];
 }
 
@@ -654,6 +745,15 @@ pub mod names {
     pub const MM_START_STACK_OFFSET: &str = "MM_START_STACK_OFFSET";
     pub const PYTHON_PROCESSES: &str = "PYTHON_PROCESSES";
     pub const PYTHON_SCRATCH: &str = "PYTHON_SCRATCH";
+    /// The off-CPU program, as a BTF tracepoint and as a raw one (for a
+    /// kernel that refuses the first).
+    pub const OFF_CPU_PROGRAM: &str = "on_sched_switch";
+    pub const OFF_CPU_RAW_PROGRAM: &str = "on_sched_switch_raw";
+    pub const SWITCH_TRACEPOINT: &str = "sched_switch";
+    pub const OFF_CPU_PENDING: &str = "OFF_CPU_PENDING";
+    pub const OFF_CPU_RATE: &str = "OFF_CPU_RATE";
+    pub const OFF_CPU_SAMPLES_PER_SEC: &str = "OFF_CPU_SAMPLES_PER_SEC";
+    pub const TASK_PID_OFFSET: &str = "TASK_PID_OFFSET";
 }
 
 /// Capacity of the tgid allow-list and of the cgroup policy map.

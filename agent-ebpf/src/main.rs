@@ -1,5 +1,8 @@
 //! The stackscope sampler: a `perf_event` program on `PERF_COUNT_SW_CPU_CLOCK`,
-//! plus two raw tracepoints reporting process exec and exit.
+//! two raw tracepoints reporting process exec and exit, and, for off-CPU
+//! profiles, one on `sched_switch` (see `on_switch`) that writes the same
+//! sample records when a thread blocks, and a switch-in record when it
+//! runs again.
 //!
 //! On each tick it writes one variable-length record to the `SAMPLES` ring
 //! buffer: a [`SampleHeader`] (ids, cgroup, comm, user registers), the kernel
@@ -45,15 +48,16 @@ use agent_common::{
     COMM_LEN, COUNTER_SLOTS, CgroupPolicy, Counter, DEEP_COPY_CLASSES, DEFAULT_USER_STACK_BYTES,
     DIRECT_COPY_CLASSES, EARLY_WAKEUP_INTERVAL_NS, MAX_ALLOW_ENTRIES, MAX_CGROUP_DEPTH,
     MAX_COPY_SIZES, MAX_DEEP_PROGRAMS, MAX_DEEP_STACK_BYTES, MAX_KERNEL_STACK_BYTES,
-    MAX_NEW_PROCESS_WAKEUPS, MAX_PYTHON_FRAMES, MAX_PYTHON_PROCESSES, MAX_SPAN_BYTES,
-    MAX_STACK_PLANS, MAX_STACK_TOPS, MAX_TAIL_BYTES, MAX_TAIL_SPANS, MAX_USER_STACK_BYTES,
-    PAGE_SIZE, PYTHON_FRAME_READ_BYTES, PYTHON_STACK_HEADER_SIZE, PYTHON_STACK_MAX_BYTES,
-    ProcessEvent, PythonFrame, PythonProcess, PythonStackHeader, RecordKind, SAMPLE_HEADER_SIZE,
-    SCRATCH_BYTES, SampleHeader, StackPlan, StackTop, TAIL_SPAN_HEADER_SIZE, policy_flags,
-    python_stack_flags, reserved_record_bytes, sample_flags, tail_span,
+    MAX_NEW_PROCESS_WAKEUPS, MAX_OFF_CPU_PENDING, MAX_PYTHON_FRAMES, MAX_PYTHON_PROCESSES,
+    MAX_SPAN_BYTES, MAX_STACK_PLANS, MAX_STACK_TOPS, MAX_TAIL_BYTES, MAX_TAIL_SPANS,
+    MAX_USER_STACK_BYTES, OFF_CPU_WINDOW_NS, OffCpuPending, OffCpuRate, PAGE_SIZE,
+    PYTHON_FRAME_READ_BYTES, PYTHON_STACK_HEADER_SIZE, PYTHON_STACK_MAX_BYTES, ProcessEvent,
+    PythonFrame, PythonProcess, PythonStackHeader, RecordKind, SAMPLE_HEADER_SIZE, SCRATCH_BYTES,
+    SWITCH_IN_SIZE, SampleHeader, StackPlan, StackTop, SwitchIn, TAIL_SPAN_HEADER_SIZE,
+    policy_flags, python_stack_flags, reserved_record_bytes, sample_flags, tail_span,
 };
 use aya_ebpf::{
-    Global,
+    EbpfContext, Global,
     bindings::{BPF_RB_AVAIL_DATA, BPF_RB_FORCE_WAKEUP, BPF_RB_NO_WAKEUP, pt_regs},
     helpers::{
         bpf_get_current_cgroup_id, bpf_get_current_comm, bpf_get_current_pid_tgid,
@@ -65,9 +69,9 @@ use aya_ebpf::{
             bpf_probe_read_user, bpf_task_pt_regs,
         },
     },
-    macros::{map, perf_event, raw_tracepoint},
+    macros::{btf_tracepoint, map, perf_event, raw_tracepoint},
     maps::{Array, HashMap, LruHashMap, PerCpuArray, RingBuf},
-    programs::{PerfEventContext, RawTracePointContext},
+    programs::{BtfTracePointContext, PerfEventContext, RawTracePointContext},
 };
 use aya_log_ebpf::debug;
 
@@ -130,6 +134,16 @@ static PACED_DRAINS: Array<u32> = Array::with_max_entries(1, 0);
 #[map(name = "NEW_PROCESS_WAKEUPS")]
 static NEW_PROCESS_WAKEUPS: LruHashMap<u32, u8> =
     LruHashMap::with_max_entries(MAX_NEW_PROCESS_WAKEUPS, 0);
+
+/// Sampled blocking threads (by tid) waiting to be switched back in: what
+/// their switch-in record names (see `on_switch`).
+#[map(name = "OFF_CPU_PENDING")]
+static OFF_CPU_PENDING: LruHashMap<u32, OffCpuPending> =
+    LruHashMap::with_max_entries(MAX_OFF_CPU_PENDING, 0);
+
+/// Per CPU: the off-CPU sampling rate's window (see `off_cpu_divisor`).
+#[map(name = "OFF_CPU_RATE")]
+static OFF_CPU_RATE: PerCpuArray<OffCpuRate> = PerCpuArray::with_max_entries(1, 0);
 
 /// CPython processes (by tgid) whose frames each tick reads, and how.
 #[map(name = "PYTHON_PROCESSES")]
@@ -205,6 +219,15 @@ static TASK_FSBASE_OFFSET: Global<u32> = Global::new(0);
 static TASK_MM_OFFSET: Global<u32> = Global::new(0);
 #[unsafe(no_mangle)]
 static MM_START_STACK_OFFSET: Global<u32> = Global::new(0);
+/// Off-CPU samples per second per CPU the sampling rate aims at (see
+/// `off_cpu_divisor`).
+#[unsafe(no_mangle)]
+static OFF_CPU_SAMPLES_PER_SEC: Global<u32> = Global::new(200);
+/// Byte offsets of `pid` (the thread id) in `task_struct`, from the
+/// kernel's BTF: how a switch names the task it runs next. 0 when unknown
+/// (the agent does not attach the off-CPU program then).
+#[unsafe(no_mangle)]
+static TASK_PID_OFFSET: Global<u32> = Global::new(0);
 /// Unread bytes in `SAMPLES` at which a record wakes the reader (the agent
 /// sets a quarter of the ring at load).
 #[unsafe(no_mangle)]
@@ -230,6 +253,7 @@ pub fn sample_cpu_clock(ctx: PerfEventContext) -> u32 {
 }
 
 fn try_sample_cpu_clock(ctx: &PerfEventContext) -> Result<u32, u32> {
+    let ktime_ns = unsafe { bpf_ktime_get_ns() };
     let pid_tgid = bpf_get_current_pid_tgid();
     let tgid = (pid_tgid >> 32) as u32;
     let tid = pid_tgid as u32;
@@ -239,31 +263,13 @@ fn try_sample_cpu_clock(ctx: &PerfEventContext) -> Result<u32, u32> {
         count(Counter::Idle);
         return Ok(0);
     }
-    if tgid == AGENT_TGID.load() {
+    let Some((cgroup_id, budget)) = selected(tgid) else {
         count(Counter::Filtered);
         return Ok(0);
-    }
-    if FILTER_TGIDS.load() != 0 && unsafe { TGID_ALLOW.get(tgid) }.is_none() {
-        count(Counter::Filtered);
+    };
+    if !kept(budget) {
+        count(Counter::Budgeted);
         return Ok(0);
-    }
-    let cgroup_id = unsafe { bpf_get_current_cgroup_id() };
-    let mut sampling_divisor = 1;
-    if CGROUP_POLICIES.load() != 0 {
-        let policy = cgroup_policy(cgroup_id);
-        if FILTER_CGROUPS.load() != 0 && policy.flags & policy_flags::SELECTED == 0 {
-            count(Counter::Filtered);
-            return Ok(0);
-        }
-        if policy.divisor > 1 {
-            // Random rather than every N-th tick: a counter would alias with
-            // work whose period is a multiple of N ticks.
-            if unsafe { bpf_get_prandom_u32() } % policy.divisor != 0 {
-                count(Counter::Budgeted);
-                return Ok(0);
-            }
-            sampling_divisor = policy.divisor;
-        }
     }
 
     let cpu = unsafe { bpf_get_smp_processor_id() };
@@ -281,6 +287,62 @@ fn try_sample_cpu_clock(ctx: &PerfEventContext) -> Result<u32, u32> {
     } else {
         saved_user_regs()
     };
+    let mut ids = SampleIds {
+        tgid,
+        tid,
+        cpu,
+        cgroup_id,
+        sampling_divisor: budget,
+        stack_top: 0,
+        copy_limit: 0,
+        ktime_ns,
+    };
+    stack_sample(ctx, &mut ids, flags, user_regs);
+    Ok(0)
+}
+
+/// The current task's cgroup id and its cgroup's budget (keep 1 in N)
+/// when the agent's filters select it (never the agent itself); `None`
+/// when they leave it out.
+#[inline(always)]
+fn selected(tgid: u32) -> Option<(u64, u32)> {
+    if tgid == AGENT_TGID.load() {
+        return None;
+    }
+    if FILTER_TGIDS.load() != 0 && unsafe { TGID_ALLOW.get(tgid) }.is_none() {
+        return None;
+    }
+    let cgroup_id = unsafe { bpf_get_current_cgroup_id() };
+    let mut budget = 1;
+    if CGROUP_POLICIES.load() != 0 {
+        let policy = cgroup_policy(cgroup_id);
+        if FILTER_CGROUPS.load() != 0 && policy.flags & policy_flags::SELECTED == 0 {
+            return None;
+        }
+        budget = policy.divisor.max(1);
+    }
+    Some((cgroup_id, budget))
+}
+
+/// One time in `divisor`, at random rather than every N-th time: a
+/// counter would alias with work whose period is a multiple of N.
+#[inline(always)]
+fn kept(divisor: u32) -> bool {
+    divisor <= 1 || unsafe { bpf_get_prandom_u32() } % divisor == 0
+}
+
+/// Writes a sample record of the current task's stacks, taken with
+/// `user_regs` (its user registers, `None` for a kernel thread): the deep,
+/// direct or usual copy its thread's plan and stack top call for (see the
+/// module doc). Whether a record was written.
+#[inline(always)]
+fn stack_sample<C: EbpfContext>(
+    ctx: &C,
+    ids: &mut SampleIds,
+    mut flags: u32,
+    user_regs: Option<UserRegs>,
+) -> bool {
+    let (tgid, tid) = (ids.tgid, ids.tid);
     if user_regs.is_some() {
         flags |= sample_flags::USER_REGS;
     }
@@ -289,22 +351,13 @@ fn try_sample_cpu_clock(ctx: &PerfEventContext) -> Result<u32, u32> {
     let plan = unsafe { STACK_PLANS.get(tid) }.filter(|plan| plan.tgid == tgid);
     // Looked up once for both paths; a planned thread's copies follow its
     // plan instead.
-    let stack_top = match (plan, user_regs) {
+    ids.stack_top = match (plan, user_regs) {
         (None, Some(_)) => unsafe { STACK_TOPS.get(tid) }
             .filter(|top| top.tgid == tgid)
             .map_or(0, |top| top.top),
         _ => 0,
     };
-
-    let mut ids = SampleIds {
-        tgid,
-        tid,
-        cpu,
-        cgroup_id,
-        sampling_divisor,
-        stack_top,
-        copy_limit: 0,
-    };
+    let stack_top = ids.stack_top;
     if let Some(regs) = user_regs
         && DEEP_STACK_BYTES.load() != 0
     {
@@ -314,8 +367,8 @@ fn try_sample_cpu_clock(ctx: &PerfEventContext) -> Result<u32, u32> {
             None => 0,
         };
         if stack_end != 0 {
-            if deep_sample(ctx, &ids, flags, regs, stack_end) {
-                return Ok(0);
+            if deep_sample(ctx, ids, flags, regs, stack_end) {
+                return true;
             }
             count(Counter::DeepCopyFallbacks);
         }
@@ -343,13 +396,13 @@ fn try_sample_cpu_clock(ctx: &PerfEventContext) -> Result<u32, u32> {
         // (Above its top, the thread runs on another stack: a signal's, a
         // coroutine's.)
         if plan.is_none() && stack_top > regs.rsp {
-            if direct_sample(ctx, &ids, flags, regs) {
-                return Ok(0);
+            if direct_sample(ctx, ids, flags, regs) {
+                return true;
             }
             count(Counter::DirectCopyFallbacks);
         }
     }
-    Ok(usual_sample(ctx, &ids, flags, user_regs, plan))
+    usual_sample(ctx, ids, flags, user_regs, plan)
 }
 
 /// `$copy`, with `$class` the smallest of `$classes` (whose indexes are
@@ -382,17 +435,17 @@ macro_rules! in_smallest_class {
 ///
 /// Not inlined: its frame stays out of the entry's (see `usual_sample`).
 #[inline(never)]
-fn direct_sample(ctx: &PerfEventContext, ids: &SampleIds, flags: u32, regs: UserRegs) -> bool {
+fn direct_sample<C: EbpfContext>(ctx: &C, ids: &SampleIds, flags: u32, regs: UserRegs) -> bool {
     if flags & sample_flags::TICK_IN_USER != 0 {
-        direct_class::<false>(ctx, ids, flags, regs)
+        direct_class::<C, false>(ctx, ids, flags, regs)
     } else {
-        direct_class::<true>(ctx, ids, flags, regs)
+        direct_class::<C, true>(ctx, ids, flags, regs)
     }
 }
 
 #[inline(always)]
-fn direct_class<const KERNEL: bool>(
-    ctx: &PerfEventContext,
+fn direct_class<C: EbpfContext, const KERNEL: bool>(
+    ctx: &C,
     ids: &SampleIds,
     flags: u32,
     regs: UserRegs,
@@ -401,7 +454,7 @@ fn direct_class<const KERNEL: bool>(
         ids.copy_limit,
         DIRECT_COPY_CLASSES,
         [0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10],
-        |CLASS| reserved_copy::<CLASS, KERNEL, false>(ctx, ids, flags, regs, ids.copy_limit)
+        |CLASS| reserved_copy::<C, CLASS, KERNEL, false>(ctx, ids, flags, regs, ids.copy_limit)
     )
 }
 
@@ -415,31 +468,29 @@ fn direct_class<const KERNEL: bool>(
 /// entry's small frame plus this one, or plus [`deep_sample`]'s, fit;
 /// inlined, the entry's frame would hold this path's locals while calling
 /// `deep_sample` (Linux 6.1 refuses that program).
-/// Returns the program's return value (a `Result` would take a sixth
-/// argument, its return slot: BPF calls pass five).
+/// Whether the record was written (a `Result` would take a sixth argument,
+/// its return slot: BPF calls pass five).
 #[inline(never)]
-fn usual_sample(
-    ctx: &PerfEventContext,
+fn usual_sample<C: EbpfContext>(
+    ctx: &C,
     ids: &SampleIds,
     flags: u32,
     user_regs: Option<UserRegs>,
     plan: Option<&StackPlan>,
-) -> u32 {
-    match try_usual_sample(ctx, ids, flags, user_regs, plan) {
-        Ok(ret) | Err(ret) => ret,
-    }
+) -> bool {
+    try_usual_sample(ctx, ids, flags, user_regs, plan).is_ok()
 }
 
 #[inline(always)]
-fn try_usual_sample(
-    ctx: &PerfEventContext,
+fn try_usual_sample<C: EbpfContext>(
+    ctx: &C,
     ids: &SampleIds,
     mut flags: u32,
     user_regs: Option<UserRegs>,
     plan: Option<&StackPlan>,
-) -> Result<u32, u32> {
+) -> Result<(), ()> {
     let tick_in_user = flags & sample_flags::TICK_IN_USER != 0;
-    let scratch = SCRATCH.get_ptr_mut(ids.cpu).ok_or(0u32)?.cast::<u8>();
+    let scratch = SCRATCH.get_ptr_mut(ids.cpu).ok_or(())?.cast::<u8>();
     let mut kernel_stack_len = 0u32;
     if !tick_in_user {
         // SAFETY: the destination lies inside the scratch slot, right after
@@ -498,7 +549,7 @@ fn try_usual_sample(
         + (u64::from(written.kernel_stack_len) & KERNEL_STACK_MASK)
         + user_bytes;
     if len > SCRATCH_BYTES as u64 {
-        return Err(0);
+        return Err(());
     }
     // SAFETY: the first `len` bytes of the scratch slot were written above.
     let record = unsafe { core::slice::from_raw_parts(scratch, len as usize) };
@@ -510,10 +561,10 @@ fn try_usual_sample(
     if SAMPLES.output::<[u8]>(record, wakeup).is_err() {
         count(Counter::RingBufferFull);
         debug!(ctx, "ring buffer full, dropped a {} byte record", len);
-    } else {
-        count(Counter::Samples);
+        return Err(());
     }
-    Ok(0)
+    count(Counter::Samples);
+    Ok(())
 }
 
 /// The lengths of the header in a scratch slot, read back one field at a
@@ -558,6 +609,9 @@ struct SampleIds {
     /// Bytes a usual or direct copy reads from `rsp` (the plan's, the
     /// process's, or the ceiling, and at most up to the stack top).
     copy_limit: u32,
+    /// When the sample was taken (`bpf_ktime_get_ns`): an off-CPU
+    /// sample's switch-in record names it by this time.
+    ktime_ns: u64,
 }
 
 impl SampleIds {
@@ -589,7 +643,7 @@ impl SampleIds {
             (*h).kernel_stack_len = kernel_stack_len;
             (*h).user_stack_len = user_stack_len;
             (*h).sampling_divisor = self.sampling_divisor;
-            (*h).ktime_ns = bpf_ktime_get_ns();
+            (*h).ktime_ns = self.ktime_ns;
             (*h).cgroup_id = self.cgroup_id;
             (*h).user_rip = user_regs.map_or(0, |r| r.rip);
             (*h).user_rsp = user_regs.map_or(0, |r| r.rsp);
@@ -611,15 +665,8 @@ impl SampleIds {
 /// # Safety
 /// `dest` must have room for `MAX_KERNEL_STACK_BYTES`.
 #[inline(always)]
-unsafe fn kernel_stack(ctx: &PerfEventContext, dest: *mut u8, flags: &mut u32) -> u32 {
-    let ret = unsafe {
-        bpf_get_stack(
-            ctx.ctx.cast(),
-            dest.cast(),
-            MAX_KERNEL_STACK_BYTES as u32,
-            0,
-        )
-    };
+unsafe fn kernel_stack<C: EbpfContext>(ctx: &C, dest: *mut u8, flags: &mut u32) -> u32 {
+    let ret = unsafe { bpf_get_stack(ctx.as_ptr(), dest.cast(), MAX_KERNEL_STACK_BYTES as u32, 0) };
     if ret < 0 {
         *flags |= sample_flags::KERNEL_STACK_FAILED;
         0
@@ -771,8 +818,8 @@ fn thread_pointer() -> u64 {
 /// Not inlined: a BPF-to-BPF call keeps the verifier's view of the usual
 /// path (which then uses the same plan pointer) as simple as it was.
 #[inline(never)]
-fn deep_sample(
-    ctx: &PerfEventContext,
+fn deep_sample<C: EbpfContext>(
+    ctx: &C,
     ids: &SampleIds,
     flags: u32,
     regs: UserRegs,
@@ -786,7 +833,7 @@ fn deep_sample(
     // Classes above the configured size are never taken (the verifier,
     // which sees that size, skips them).
     in_smallest_class!(len, DEEP_COPY_CLASSES, [0, 1, 2, 3, 4, 5, 6], |CLASS| {
-        reserved_copy::<CLASS, true, true>(ctx, ids, flags, regs, len)
+        reserved_copy::<C, CLASS, true, true>(ctx, ids, flags, regs, len)
     })
 }
 
@@ -797,8 +844,8 @@ fn deep_sample(
 /// and submits it. False, with nothing written, when `len` is 0 or past
 /// the class, there is no room, or the read faults.
 #[inline(always)]
-fn reserved_copy<const BYTES: u32, const KERNEL_ROOM: bool, const DEEP: bool>(
-    ctx: &PerfEventContext,
+fn reserved_copy<C: EbpfContext, const BYTES: u32, const KERNEL_ROOM: bool, const DEEP: bool>(
+    ctx: &C,
     ids: &SampleIds,
     mut flags: u32,
     regs: UserRegs,
@@ -1210,6 +1257,170 @@ pub fn on_process_exit(_ctx: RawTracePointContext) -> i32 {
         emit_process_event(RecordKind::Exit);
     }
     0
+}
+
+/// Task states (`prev_state`, from `include/linux/sched.h`): waiting for
+/// an event (interruptible or not), and the last switch of an exiting task.
+const TASK_INTERRUPTIBLE: u64 = 0x1;
+const TASK_UNINTERRUPTIBLE: u64 = 0x2;
+const TASK_DEAD: u64 = 0x80;
+
+/// Off-CPU sampling, on `sched_switch` (with the agent's `--off-cpu`), as a
+/// BTF tracepoint.
+#[btf_tracepoint(function = "sched_switch")]
+pub fn on_sched_switch(ctx: BtfTracePointContext) -> i32 {
+    on_switch(&ctx);
+    0
+}
+
+/// [`on_sched_switch`] as a raw tracepoint, for a kernel that will not
+/// load the BTF one. Both get the tracepoint's arguments as `u64`s.
+#[raw_tracepoint(tracepoint = "sched_switch")]
+pub fn on_sched_switch_raw(ctx: RawTracePointContext) -> i32 {
+    on_switch(&ctx);
+    0
+}
+
+/// `sched_switch(bool preempt, struct task_struct *prev, struct
+/// task_struct *next, unsigned int prev_state)` (Linux 5.18 and later),
+/// run on `prev`, still current:
+/// - `next`, when its off-CPU sample waits for it, gets its switch-in
+///   record;
+/// - `prev`, when it blocks (it leaves the CPU waiting for an event, not
+///   preempted and not exiting) and the agent's filters select it, gets
+///   an off-CPU sample, one in the divisor the rate and its cgroup's
+///   budget set: the stacks it blocked with, through the same copies as a
+///   tick's. A preempted thread is runnable, waiting for a CPU rather than
+///   for an event: that is not off-CPU time here.
+#[inline(always)]
+fn on_switch<C: EbpfContext>(ctx: &C) {
+    let args = ctx.as_ptr().cast::<u64>();
+    // SAFETY: both kinds of tracepoint context are the arguments, one u64
+    // each; sched_switch has four.
+    let (preempt, next, prev_state) =
+        unsafe { (*args & 0xff != 0, *args.add(2), *args.add(3) & 0xffff_ffff) };
+    switched_in(next);
+    if !preempt
+        && prev_state & (TASK_INTERRUPTIBLE | TASK_UNINTERRUPTIBLE) != 0
+        && prev_state & TASK_DEAD == 0
+    {
+        switched_out(ctx);
+    }
+}
+
+/// Writes the switch-in record of `next` (a `task_struct` pointer) when
+/// its off-CPU sample waits for one.
+#[inline(always)]
+fn switched_in(next: u64) {
+    let offset = TASK_PID_OFFSET.load();
+    if offset == 0 || next == 0 {
+        return;
+    }
+    // SAFETY: a fault-tolerant read of a kernel pointer the tracepoint
+    // passed; a wrong offset names a wrong tid, which finds no entry or
+    // one whose record the agent refuses (its time does not match).
+    let Ok(tid) =
+        (unsafe { bpf_probe_read_kernel((next as *const u8).add(offset as usize).cast::<u32>()) })
+    else {
+        return;
+    };
+    // SAFETY: copied out before the entry goes.
+    let Some(pending) = (unsafe { OFF_CPU_PENDING.get(tid) }).copied() else {
+        return;
+    };
+    let _ = OFF_CPU_PENDING.remove(tid);
+    let unread = unread_bytes();
+    let Some(mut entry) = SAMPLES.reserve::<SwitchIn>(0) else {
+        count(Counter::RingBufferFull);
+        return;
+    };
+    entry.write(SwitchIn {
+        kind: RecordKind::SwitchIn as u32,
+        tid,
+        tgid: pending.tgid,
+        _pad: 0,
+        out_ns: pending.out_ns,
+        in_ns: unsafe { bpf_ktime_get_ns() },
+    });
+    entry.submit(wakeup_flag(unread, SWITCH_IN_SIZE as u64));
+    count(Counter::SwitchIns);
+}
+
+/// The off-CPU sample of the current task, which is blocking (see
+/// [`on_switch`]).
+#[inline(always)]
+fn switched_out<C: EbpfContext>(ctx: &C) {
+    let pid_tgid = bpf_get_current_pid_tgid();
+    let (tgid, tid) = ((pid_tgid >> 32) as u32, pid_tgid as u32);
+    if tgid == 0 {
+        return;
+    }
+    let Some((cgroup_id, budget)) = selected(tgid) else {
+        return;
+    };
+    // A kernel thread has no user stack to show where it waits.
+    let Some(regs) = saved_user_regs() else {
+        return;
+    };
+    count(Counter::OffCpuSwitches);
+    let ktime_ns = unsafe { bpf_ktime_get_ns() };
+    let divisor = off_cpu_divisor(ktime_ns).saturating_mul(budget);
+    if !kept(divisor) {
+        count(Counter::OffCpuSkipped);
+        return;
+    }
+    let mut ids = SampleIds {
+        tgid,
+        tid,
+        cpu: unsafe { bpf_get_smp_processor_id() },
+        cgroup_id,
+        sampling_divisor: divisor,
+        stack_top: 0,
+        copy_limit: 0,
+        ktime_ns,
+    };
+    if !stack_sample(ctx, &mut ids, sample_flags::OFF_CPU, Some(regs)) {
+        count(Counter::OffCpuFailed);
+        return;
+    }
+    let pending = OffCpuPending {
+        tgid,
+        _pad: 0,
+        out_ns: ktime_ns,
+    };
+    // A full map evicts its oldest entry: that sample's time is lost (the
+    // agent lets its record go), not misplaced.
+    if OFF_CPU_PENDING.insert(tid, pending, 0).is_err() {
+        count(Counter::OffCpuFailed);
+        return;
+    }
+    count(Counter::OffCpuSamples);
+}
+
+/// This CPU's off-CPU divisor (keep 1 blocking switch in N) for a switch
+/// at `now`, counting it: each window of `OFF_CPU_WINDOW_NS` sets the next
+/// window's divisor from its own rate of switches, so about
+/// `OFF_CPU_SAMPLES_PER_SEC` samples a second are written whatever the
+/// load, and each stands for the N switches it was chosen among (the
+/// agent weighs its blocked time by N: totals stay true).
+#[inline(always)]
+fn off_cpu_divisor(now: u64) -> u32 {
+    let Some(rate) = OFF_CPU_RATE.get_ptr_mut(0) else {
+        return 1;
+    };
+    // SAFETY: this CPU's slot; the program does not nest on a CPU.
+    unsafe {
+        let elapsed = now.wrapping_sub((*rate).window_start_ns);
+        if elapsed >= OFF_CPU_WINDOW_NS {
+            let per_sec = u64::from((*rate).switches) * 1_000_000_000 / elapsed;
+            let target = u64::from(OFF_CPU_SAMPLES_PER_SEC.load().max(1));
+            (*rate).divisor = (per_sec / target).clamp(1, u64::from(u32::MAX)) as u32;
+            (*rate).window_start_ns = now;
+            (*rate).switches = 0;
+        }
+        (*rate).switches += 1;
+        (*rate).divisor.max(1)
+    }
 }
 
 fn emit_process_event(kind: RecordKind) {

@@ -50,6 +50,7 @@ use std::{
 
 use agent_common::{COMM_LEN, PythonFrame, SampleHeader};
 use stackscope_process_table::{ModuleFile, ObjectId};
+use stackscope_profile::model::ProfileType;
 
 pub use batch::{BatchOptions, build_batch};
 use labels::LabelChoice;
@@ -300,16 +301,44 @@ pub struct LabelValues {
     pub container: Option<Arc<ContainerLabels>>,
 }
 
-/// Samples of one (stack, label set) pair taken under one sampling divisor.
+/// Samples of one (stack, label set) pair of one profile type taken under
+/// one sampling divisor.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct IntervalSample {
     /// Index into [`Interval::stacks`].
     pub stack: u32,
     /// Index into [`Interval::label_sets`].
     pub label_set: u32,
-    /// The 1-in-N budget the samples were taken under (1: none).
+    /// The 1-in-N the samples were taken under (1: every one).
     pub divisor: u32,
+    /// CPU: ticks; off-CPU: nanoseconds blocked.
     pub count: u64,
+    pub profile_type: ProfileType,
+}
+
+/// What one sample adds to its (stack, label set) pair.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum SampleWeight {
+    /// A timer tick.
+    Tick,
+    /// An off-CPU sample: the nanoseconds its thread stayed blocked.
+    OffCpu { nanos: u64 },
+}
+
+impl SampleWeight {
+    fn profile_type(self) -> ProfileType {
+        match self {
+            SampleWeight::Tick => ProfileType::Cpu,
+            SampleWeight::OffCpu { .. } => ProfileType::OffCpu,
+        }
+    }
+
+    fn count(self) -> u64 {
+        match self {
+            SampleWeight::Tick => 1,
+            SampleWeight::OffCpu { nanos } => nanos,
+        }
+    }
 }
 
 /// The stacks of an interval: each a list of indexes into
@@ -388,9 +417,13 @@ pub struct Interval {
 }
 
 impl Interval {
-    /// Samples counted in the interval.
+    /// CPU samples (ticks) counted in the interval.
     pub fn sample_count(&self) -> u64 {
-        self.samples.iter().map(|sample| sample.count).sum()
+        self.samples
+            .iter()
+            .filter(|sample| sample.profile_type == ProfileType::Cpu)
+            .map(|sample| sample.count)
+            .sum()
     }
 }
 
@@ -567,8 +600,8 @@ struct Builder {
     pending_sets: Vec<PendingSet>,
     /// In the order the pairs first appeared, as the batch lists them.
     samples: Vec<IntervalSample>,
-    /// Index into `samples` by (stack, label set, divisor).
-    sample_index: HashMap<(u32, u32, u32), usize>,
+    /// Index into `samples` by (stack, label set, divisor, type).
+    sample_index: HashMap<(u32, u32, u32, ProfileType), usize>,
     truncated_stack: Option<u32>,
     /// Locations of [`MappingKey::JitNotYetNamed`], with the frames
     /// sampled in each (for the named and unnamed counts).
@@ -671,12 +704,21 @@ impl Builder {
         Some(index)
     }
 
-    /// Counts one sample for the pair; a new pair only when `insert`.
-    fn count(&mut self, stack: u32, label_set: u32, divisor: u32, insert: bool) -> bool {
-        let key = (stack, label_set, divisor);
+    /// Counts one sample of `weight` for the pair; a new pair only when
+    /// `insert`.
+    fn count(
+        &mut self,
+        stack: u32,
+        label_set: u32,
+        divisor: u32,
+        weight: SampleWeight,
+        insert: bool,
+    ) -> bool {
+        let profile_type = weight.profile_type();
+        let key = (stack, label_set, divisor, profile_type);
         probes::count(Probe::Content);
         if let Some(&at) = self.sample_index.get(&key) {
-            self.samples[at].count += 1;
+            self.samples[at].count += weight.count();
             return true;
         }
         if !insert {
@@ -687,7 +729,8 @@ impl Builder {
             stack,
             label_set,
             divisor,
-            count: 1,
+            count: weight.count(),
+            profile_type,
         });
         true
     }
@@ -1106,12 +1149,19 @@ impl Aggregator {
         user: Option<&Walk<'_>>,
         labels: Option<&mut ProcessLabels>,
     ) {
-        self.add_with_python(header, kernel_frames, user, labels, None);
+        self.add_with_python(
+            header,
+            kernel_frames,
+            user,
+            labels,
+            None,
+            SampleWeight::Tick,
+        );
     }
 
-    /// [`Aggregator::add`] for a sample that may come with Python frames:
-    /// each native evaluation frame of its walk is replaced by the Python
-    /// frames it ran (see `stackscope_python::merge`).
+    /// [`Aggregator::add`] for a sample of `weight` that may come with
+    /// Python frames: each native evaluation frame of its walk is replaced
+    /// by the Python frames it ran (see `stackscope_python::merge`).
     pub fn add_with_python(
         &mut self,
         header: &SampleHeader,
@@ -1119,6 +1169,7 @@ impl Aggregator {
         user: Option<&Walk<'_>>,
         labels: Option<&mut ProcessLabels>,
         python: Option<PythonSample<'_>>,
+        weight: SampleWeight,
     ) {
         let user_frames = user.map_or(0, |walk| walk.objects.len());
         if kernel_frames.is_empty() && user_frames == 0 {
@@ -1152,10 +1203,11 @@ impl Aggregator {
                 .flatten(),
             _ => self.intern_sample(header, kernel_frames, user, insert),
         };
-        let counted = stack.is_some_and(|stack| self.current.count(stack, labels, divisor, insert));
+        let counted =
+            stack.is_some_and(|stack| self.current.count(stack, labels, divisor, weight, insert));
         if !counted {
             let stack = self.current.truncated_stack();
-            self.current.count(stack, labels, divisor, true);
+            self.current.count(stack, labels, divisor, weight, true);
             self.stats.truncated += 1;
         }
     }

@@ -29,7 +29,7 @@ use stackscope_metadata::{
     runtime_names::{DEFAULT_DOCKER_ROOT, DEFAULT_PODMAN_STORAGE},
     selection::{Budget, SelectionConfig, parse_pod_label},
 };
-use stackscope_sampler::{Sampler, SamplerConfig};
+use stackscope_sampler::{OffCpuConfig, Sampler, SamplerConfig};
 use stackscope_symbolize::node::SymbolizerConfig;
 use stackscope_unwind::walker::{DiskCache, WalkerConfig};
 use tracing_subscriber::EnvFilter;
@@ -150,6 +150,22 @@ struct Args {
     /// frame of a sample (`cargo xtask bench sampler`).
     #[arg(long)]
     no_python_frames: bool,
+    /// Also profile where threads wait: each selected user thread's stacks
+    /// as it blocks (on a lock, I/O, a sleep), weighed by the time until it
+    /// runs again, as the `off-cpu` profile type (query it with `--type
+    /// off-cpu`). Preempted threads are not waiting: left out. Linux 5.18+.
+    #[arg(long)]
+    off_cpu: bool,
+    /// Off-CPU samples per second per CPU aimed at: a CPU whose threads
+    /// block more often keeps one blocking in N (N set every 100 ms from
+    /// the rate of blockings), each weighed N times, so totals stay true.
+    #[arg(
+        long,
+        default_value_t = stackscope_sampler::DEFAULT_OFF_CPU_SAMPLES_PER_SEC,
+        requires = "off_cpu",
+        value_parser = clap::value_parser!(u32).range(1..=1_000_000)
+    )]
+    off_cpu_rate: u32,
     /// Length of an aggregation interval: identical stacks are summed over
     /// it and shipped as one batch (e.g. `10s`, `1m`).
     #[arg(long, default_value = "10s", value_parser = humantime::parse_duration)]
@@ -264,6 +280,10 @@ fn main() -> anyhow::Result<()> {
     }
     raise_open_file_limit();
     let memory = memory_budget(&args)?;
+    // Off-CPU samples waiting for their switch-in are held samples too:
+    // they take a quarter of the share.
+    let held_samples = share(&memory, Consumer::HeldSamples);
+    let off_cpu_held_bytes = if args.off_cpu { held_samples / 4 } else { 0 };
 
     let config = AgentConfig {
         sampler: SamplerConfig {
@@ -276,6 +296,9 @@ fn main() -> anyhow::Result<()> {
             },
             pids: args.pids.clone(),
             bpf_log_level: args.log_level,
+            off_cpu: args.off_cpu.then_some(OffCpuConfig {
+                samples_per_sec: args.off_cpu_rate,
+            }),
             ..SamplerConfig::default()
         },
         duration: args.duration,
@@ -288,7 +311,7 @@ fn main() -> anyhow::Result<()> {
             max_depth: args.max_depth,
             adaptive: !args.fixed_stack_copy,
             table_cache_bytes: share(&memory, Consumer::UnusedUnwindTables),
-            max_waiting_bytes: share(&memory, Consumer::HeldSamples),
+            max_waiting_bytes: held_samples - off_cpu_held_bytes,
             ..WalkerConfig::default()
         },
         interval: args.interval,
@@ -322,6 +345,7 @@ fn main() -> anyhow::Result<()> {
         mapping_events: !args.no_mapping_events,
         python_frames: !args.no_python_frames,
         python_code_bytes: share(&memory, Consumer::PythonCode),
+        off_cpu_held_bytes,
         debuginfo_uploads: None,
         telemetry: args.metrics_address.map(|_| AgentTelemetry::new()),
     };

@@ -17,9 +17,11 @@
 //!   builds each batch and hands it to the sink (the exporter's queue).
 
 mod metadata;
+mod off_cpu;
 mod process;
 mod python;
 
+pub use off_cpu::{DEFAULT_MAX_HELD_BYTES as DEFAULT_OFF_CPU_HELD_BYTES, OffCpuStats};
 pub use python::{DEFAULT_CODE_BYTES as DEFAULT_PYTHON_CODE_BYTES, PythonStats};
 mod sampling;
 
@@ -112,6 +114,9 @@ pub struct AgentConfig {
     /// Bytes of code objects (Python frames' names) every CPython
     /// process's record keeps together.
     pub python_code_bytes: usize,
+    /// Bytes of off-CPU sample records waiting for their thread's
+    /// switch-in kept at most (with `sampler.off_cpu`).
+    pub off_cpu_held_bytes: usize,
     /// Where binaries carrying symbols are offered for upload to the
     /// collector (`--upload-debuginfo`); `None`: no uploads.
     pub debuginfo_uploads: Option<UploadQueue>,
@@ -138,6 +143,7 @@ impl AgentConfig {
             mapping_events: true,
             python_frames: true,
             python_code_bytes: DEFAULT_PYTHON_CODE_BYTES,
+            off_cpu_held_bytes: DEFAULT_OFF_CPU_HELD_BYTES,
             debuginfo_uploads: None,
             telemetry: None,
         }
@@ -169,6 +175,9 @@ pub struct RunSummary {
     pub jit_names: PerfMapStats,
     /// CPython processes found, and their Python stacks.
     pub python: PythonStats,
+    /// Off-CPU samples joined with their blocked time; `None`: off-CPU
+    /// sampling was off.
+    pub off_cpu: Option<OffCpuStats>,
     /// Mappings learned as they were made.
     pub mapping_feed: FeedStats,
     pub process_table: TableStats,

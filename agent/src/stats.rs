@@ -30,8 +30,8 @@ pub use groups::GROUPS;
 use crate::{
     aggregate::{AggregateStats, WorkerStats},
     export::{ExportStats, debuginfo::UploadStats},
-    run::PythonStats,
     run::{HandoffTotals, RunSummary},
+    run::{OffCpuStats, PythonStats},
     status::ReaderTotals,
 };
 use stackscope_process_table::table::TableStats;
@@ -62,6 +62,8 @@ pub struct RunTotals {
     pub jit_names: PerfMapStats,
     /// CPython processes found, and their Python stacks.
     pub python: PythonStats,
+    /// `None`: off-CPU sampling is off.
+    pub off_cpu: Option<OffCpuStats>,
     pub batches: WorkerStats,
     /// Messages between the agent's threads dropped on a full queue.
     pub handoffs: HandoffTotals,
@@ -97,6 +99,7 @@ impl RunTotals {
             aggregation: summary.aggregation,
             jit_names: summary.jit_names,
             python: summary.python,
+            off_cpu: summary.off_cpu,
             batches: summary.batches,
             handoffs: summary.handoffs,
             export: export.cloned(),

@@ -16,6 +16,7 @@ use std::{
 
 use agent_common::{PythonFrame, SampleHeader};
 use stackscope_agent::aggregate::{
+    SampleWeight,
     labels::LabelChoice,
     test_support::{
         AddWithMetadata as _, add, config, described, file, flatten, header, module_files,
@@ -977,6 +978,7 @@ fn a_python_stack_read_in_part_ends_its_activation_in_a_marked_frame() {
                 eval: &eval,
                 codes: &mut codes,
             }),
+            SampleWeight::Tick,
         );
     }
     let stats = aggregator.stats();

@@ -31,10 +31,10 @@ use agent_common::{
     reserved_record_bytes,
 };
 use aya::{
-    Ebpf, EbpfLoader,
+    Btf, Ebpf, EbpfLoader,
     maps::{Array, HashMap, MapData, PerCpuArray, RingBuf},
     programs::{
-        PerfEvent, RawTracePoint,
+        BtfTracePoint, PerfEvent, RawTracePoint,
         perf_event::{PerfEventConfig, PerfEventScope, SamplePolicy, SoftwareEvent},
     },
     util::{nr_cpus, online_cpus},
@@ -92,6 +92,32 @@ pub struct SamplerConfig {
     /// [`DrainPace`]); zero (the default), or at most `drain_interval`,
     /// keeps the period fixed.
     pub idle_drain_interval: Duration,
+    /// Off-CPU samples (see [`OffCpuConfig`]); `None`: CPU samples only.
+    pub off_cpu: Option<OffCpuConfig>,
+}
+
+/// Off-CPU sampling: a sample of each selected user thread's stacks as it
+/// blocks (on `sched_switch`), and the time until it runs again.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct OffCpuConfig {
+    /// Samples per second per CPU the program aims at: a CPU that sees more
+    /// blocking switches keeps one in N of them (N from the last 100 ms),
+    /// and each kept one stands for N.
+    pub samples_per_sec: u32,
+}
+
+/// The default [`OffCpuConfig::samples_per_sec`]: a stack copy costs about
+/// what a tick's does, so this keeps the off-CPU samples' cost near a 200 Hz
+/// CPU profile's on a CPU that blocks often, and writes every blocking
+/// switch of one that blocks less.
+pub const DEFAULT_OFF_CPU_SAMPLES_PER_SEC: u32 = 200;
+
+impl Default for OffCpuConfig {
+    fn default() -> Self {
+        Self {
+            samples_per_sec: DEFAULT_OFF_CPU_SAMPLES_PER_SEC,
+        }
+    }
 }
 
 impl Default for SamplerConfig {
@@ -107,6 +133,7 @@ impl Default for SamplerConfig {
             bpf_log_level: tracing::Level::INFO,
             drain_interval: DRAIN_INTERVAL,
             idle_drain_interval: Duration::ZERO,
+            off_cpu: None,
         }
     }
 }
@@ -215,6 +242,8 @@ pub enum SamplerError {
     TooManyFilters { name: &'static str, count: usize },
     #[error("registering the ring buffer with the async runtime failed")]
     Poll(#[source] io::Error),
+    #[error("off-CPU profiles cannot run on this kernel: {0}")]
+    OffCpuUnsupported(String),
 }
 
 /// Counter totals summed over all CPUs since the sampler started.
@@ -244,6 +273,14 @@ pub struct Counters {
     /// Python stack records written, and the frames in them.
     pub python_stacks: u64,
     pub python_frames: u64,
+    /// Blocking switches of selected user threads seen (off-CPU sampling
+    /// on), those the rate or a budget left out, the samples written, the
+    /// ones chosen but not written, and the switch-in records written.
+    pub off_cpu_switches: u64,
+    pub off_cpu_skipped: u64,
+    pub off_cpu_samples: u64,
+    pub off_cpu_failed: u64,
+    pub switch_ins: u64,
 }
 
 impl Counters {
@@ -292,6 +329,8 @@ pub struct Sampler {
     paced: bool,
     /// Ring buffer losses already reported by `take_new_losses`.
     losses_seen: u64,
+    /// The off-CPU program attached, if any (see [`OffCpuConfig`]).
+    off_cpu_program: Option<&'static str>,
     log_task: Option<tokio::task::JoinHandle<()>>,
     // Owns the program and its perf links; declared last so it drops last.
     ebpf: Ebpf,
@@ -336,6 +375,11 @@ impl Sampler {
                 (stack_start.mm, stack_start.start_stack)
             });
         let wakeup_bytes = u64::from(ring_bytes / WAKEUP_FRACTION);
+        let pid_offset = match config.off_cpu {
+            Some(_) => off_cpu_pid_offset(layout.as_ref())?,
+            None => 0,
+        };
+        let off_cpu_rate = config.off_cpu.unwrap_or_default().samples_per_sec.max(1);
         let mut ebpf = EbpfLoader::new()
             .override_global(names::AGENT_TGID, &agent_tgid, true)
             .override_global(names::USER_STACK_BYTES, &config.user_stack_bytes, true)
@@ -349,6 +393,8 @@ impl Sampler {
             .override_global(names::TASK_FSBASE_OFFSET, &fsbase_offset, true)
             .override_global(names::TASK_MM_OFFSET, &mm_offset, true)
             .override_global(names::MM_START_STACK_OFFSET, &start_stack_offset, true)
+            .override_global(names::TASK_PID_OFFSET, &pid_offset, true)
+            .override_global(names::OFF_CPU_SAMPLES_PER_SEC, &off_cpu_rate, true)
             .override_global(aya_log::LEVEL, &log_level, false)
             .map_max_entries(names::SCRATCH, cpu_slots as u32)
             .map_max_entries(names::SAMPLES_RING, ring_bytes)
@@ -393,6 +439,11 @@ impl Sampler {
             program.attach(tracepoint).map_err(error)?;
         }
 
+        let off_cpu_program = match config.off_cpu {
+            Some(_) => Some(attach_off_cpu(&mut ebpf)?),
+            None => None,
+        };
+
         let ring: RingBuf<MapData> = take_map(&mut ebpf, names::SAMPLES_RING)?;
         let ring = register_readable(ring).map_err(SamplerError::Poll)?;
         let counters = take_map(&mut ebpf, names::COUNTERS)?;
@@ -420,6 +471,7 @@ impl Sampler {
             paced_map,
             paced: false,
             losses_seen: 0,
+            off_cpu_program,
             log_task,
             ebpf,
         })
@@ -629,6 +681,11 @@ impl Sampler {
             direct_copy_fallbacks: totals[Counter::DirectCopyFallbacks as usize],
             python_stacks: totals[Counter::PythonStacks as usize],
             python_frames: totals[Counter::PythonFrames as usize],
+            off_cpu_switches: totals[Counter::OffCpuSwitches as usize],
+            off_cpu_skipped: totals[Counter::OffCpuSkipped as usize],
+            off_cpu_samples: totals[Counter::OffCpuSamples as usize],
+            off_cpu_failed: totals[Counter::OffCpuFailed as usize],
+            switch_ins: totals[Counter::SwitchIns as usize],
         })
     }
 
@@ -648,6 +705,24 @@ impl Sampler {
         })
     }
 
+    /// Run time and count of the off-CPU program (one run per context
+    /// switch), when it is attached. Zero unless run-time stats are enabled.
+    pub fn off_cpu_program_stats(&self) -> Result<Option<ProgramStats>, SamplerError> {
+        let Some(name) = self.off_cpu_program else {
+            return Ok(None);
+        };
+        let info = self
+            .ebpf
+            .program(name)
+            .ok_or(SamplerError::Missing(name))?
+            .info()
+            .map_err(|source| SamplerError::Program { name, source })?;
+        Ok(Some(ProgramStats {
+            run_time: info.run_time(),
+            run_count: info.run_count(),
+        }))
+    }
+
     /// Turns on the kernel's BPF run-time accounting for as long as the
     /// returned descriptor is open (`BPF_ENABLE_STATS`), without touching the
     /// `kernel.bpf_stats_enabled` sysctl.
@@ -662,6 +737,86 @@ impl Drop for Sampler {
             task.abort();
         }
     }
+}
+
+/// Where `task_struct.pid` is, which the off-CPU program needs, or why
+/// off-CPU sampling cannot run here.
+fn off_cpu_pid_offset(layout: Option<&task_layout::TaskLayout>) -> Result<u32, SamplerError> {
+    // `sched_switch` passes `prev_state` from Linux 5.18 on.
+    let release = std::fs::read_to_string("/proc/sys/kernel/osrelease").unwrap_or_default();
+    let mut numbers = release
+        .trim()
+        .split(['.', '-'])
+        .map(|part| part.parse::<u32>().ok());
+    if let (Some(Some(major)), Some(Some(minor))) = (numbers.next(), numbers.next())
+        && (major, minor) < (5, 18)
+    {
+        return Err(SamplerError::OffCpuUnsupported(format!(
+            "Linux {major}.{minor} is older than 5.18, whose sched_switch tracepoint first passes the task's state"
+        )));
+    }
+    layout
+        .and_then(|layout| layout.pid)
+        .filter(|&offset| offset != 0)
+        .ok_or_else(|| {
+            SamplerError::OffCpuUnsupported(format!(
+                "task_struct.pid was not found in {}",
+                task_layout::VMLINUX_BTF
+            ))
+        })
+}
+
+/// Attaches the off-CPU program to `sched_switch`: the BTF tracepoint, or
+/// where the kernel refuses it, the raw one. Returns the one attached.
+fn attach_off_cpu(ebpf: &mut Ebpf) -> Result<&'static str, SamplerError> {
+    let err = match attach_off_cpu_btf(ebpf) {
+        Ok(()) => return Ok(names::OFF_CPU_PROGRAM),
+        Err(err) => err,
+    };
+    tracing::warn!(
+        "off-CPU samples through the raw sched_switch tracepoint: the BTF one failed: {}",
+        error_chain(&err)
+    );
+    let name = names::OFF_CPU_RAW_PROGRAM;
+    let error = |source| SamplerError::Program { name, source };
+    let program: &mut RawTracePoint = ebpf
+        .program_mut(name)
+        .ok_or(SamplerError::Missing(name))?
+        .try_into()
+        .map_err(error)?;
+    program.load().map_err(error)?;
+    program.attach(names::SWITCH_TRACEPOINT).map_err(error)?;
+    Ok(name)
+}
+
+fn attach_off_cpu_btf(ebpf: &mut Ebpf) -> Result<(), SamplerError> {
+    let name = names::OFF_CPU_PROGRAM;
+    let btf = Btf::from_sys_fs().map_err(|err| {
+        SamplerError::OffCpuUnsupported(format!("reading the kernel's BTF: {err}"))
+    })?;
+    let error = |source| SamplerError::Program { name, source };
+    let program: &mut BtfTracePoint = ebpf
+        .program_mut(name)
+        .ok_or(SamplerError::Missing(name))?
+        .try_into()
+        .map_err(error)?;
+    program
+        .load(names::SWITCH_TRACEPOINT, &btf)
+        .map_err(error)?;
+    program.attach().map_err(error)?;
+    Ok(())
+}
+
+/// `err` and its sources, one after the other.
+fn error_chain(err: &dyn std::error::Error) -> String {
+    let mut text = err.to_string();
+    let mut source = err.source();
+    while let Some(cause) = source {
+        text.push_str(": ");
+        text.push_str(&cause.to_string());
+        source = cause.source();
+    }
+    text
 }
 
 /// Registers a ring buffer's descriptor with the tokio reactor.

@@ -1,6 +1,7 @@
 //! Decoding of the records the BPF programs write to the ring buffer:
-//! samples, the Python stacks read for some of them, and process exec/exit
-//! events.
+//! samples (at ticks, and off-CPU ones as threads block), the Python
+//! stacks read for some of them, process exec/exit events, and the
+//! switch-in records that end off-CPU samples' blocked time.
 //!
 //! The ring buffer is written by our own program, but the decoder still treats
 //! every record as untrusted bytes: a layout mismatch between a stale BPF object
@@ -12,8 +13,8 @@ use agent_common::{
     MAX_DEEP_STACK_BYTES, MAX_KERNEL_STACK_BYTES, MAX_PYTHON_FRAMES, MAX_SPAN_BYTES,
     MAX_TAIL_BYTES, MAX_USER_STACK_BYTES, PROCESS_EVENT_SIZE, PYTHON_FRAME_SIZE,
     PYTHON_STACK_HEADER_SIZE, ProcessEvent, PythonFrame, PythonStackHeader, RecordKind,
-    SAMPLE_HEADER_SIZE, SampleHeader, TAIL_SPAN_HEADER_SIZE, reserved_record_bytes, sample_flags,
-    tail_span,
+    SAMPLE_HEADER_SIZE, SWITCH_IN_SIZE, SampleHeader, SwitchIn, TAIL_SPAN_HEADER_SIZE,
+    reserved_record_bytes, sample_flags, tail_span,
 };
 use stackscope_unwind::TailSpan;
 
@@ -45,6 +46,9 @@ pub enum DecodeError {
     /// A Python stack record announces more frames than the sampler reads.
     #[error("python stack of {0} frames, more than the sampler reads ({MAX_PYTHON_FRAMES})")]
     BadPythonFrames(u32),
+    /// A switch-in record says its thread came back before it left.
+    #[error("switch-in at {in_ns} ns is before the switch-out at {out_ns} ns")]
+    SwitchInBeforeOut { out_ns: u64, in_ns: u64 },
     /// The header announces more (or fewer) bytes than the record carries.
     #[error("header announces {announced} bytes of record but {len} arrived")]
     LengthMismatch { announced: usize, len: usize },
@@ -60,6 +64,8 @@ pub enum Record<'a> {
     Exit(ProcessEvent),
     /// The CPython frames of the sample that comes next from the same CPU.
     PythonStack(PythonStack<'a>),
+    /// A thread whose off-CPU sample was written runs again.
+    SwitchIn(SwitchIn),
 }
 
 /// A decoded Python stack record: its header and its frames, innermost
@@ -117,6 +123,7 @@ impl<'a> Record<'a> {
             Self::Sample(sample) => sample.header.ktime_ns,
             Self::Exec(event) | Self::Exit(event) => event.ktime_ns,
             Self::PythonStack(stack) => stack.header.ktime_ns,
+            Self::SwitchIn(switch) => switch.in_ns,
         }
     }
 
@@ -136,6 +143,7 @@ impl<'a> Record<'a> {
             k if k == RecordKind::PythonStack as u32 => {
                 PythonStack::decode(record).map(Record::PythonStack)
             }
+            k if k == RecordKind::SwitchIn as u32 => decode_switch_in(record).map(Record::SwitchIn),
             other => Err(DecodeError::UnknownKind(other)),
         }
     }
@@ -150,6 +158,24 @@ fn decode_process_event(record: &[u8]) -> Result<ProcessEvent, DecodeError> {
     }
     // SAFETY: exactly size_of::<ProcessEvent>() bytes, integers only, unaligned read.
     Ok(unsafe { core::ptr::read_unaligned(record.as_ptr().cast()) })
+}
+
+fn decode_switch_in(record: &[u8]) -> Result<SwitchIn, DecodeError> {
+    if record.len() != SWITCH_IN_SIZE {
+        return Err(DecodeError::LengthMismatch {
+            announced: SWITCH_IN_SIZE,
+            len: record.len(),
+        });
+    }
+    // SAFETY: exactly size_of::<SwitchIn>() bytes, integers only, unaligned read.
+    let switch: SwitchIn = unsafe { core::ptr::read_unaligned(record.as_ptr().cast()) };
+    if switch.in_ns < switch.out_ns {
+        return Err(DecodeError::SwitchInBeforeOut {
+            out_ns: switch.out_ns,
+            in_ns: switch.in_ns,
+        });
+    }
+    Ok(switch)
 }
 
 /// One decoded sample, borrowing its stacks from the ring buffer.
@@ -755,6 +781,48 @@ mod tests {
         );
         let exit = encode_event(RecordKind::Exit, 42);
         assert!(matches!(Record::decode(&exit), Ok(Record::Exit(e)) if e.tgid == 42));
+    }
+
+    fn encode_switch_in(out_ns: u64, in_ns: u64) -> Vec<u8> {
+        let switch = SwitchIn {
+            kind: RecordKind::SwitchIn as u32,
+            tid: 7,
+            tgid: 5,
+            _pad: 0,
+            out_ns,
+            in_ns,
+        };
+        // SAFETY: SwitchIn is repr(C) without padding.
+        unsafe {
+            core::slice::from_raw_parts(core::ptr::from_ref(&switch).cast::<u8>(), SWITCH_IN_SIZE)
+        }
+        .to_vec()
+    }
+
+    #[test]
+    fn decodes_switch_ins_and_refuses_bad_ones() {
+        let record = encode_switch_in(100, 250);
+        assert!(matches!(
+            Record::decode(&record),
+            Ok(Record::SwitchIn(s)) if s.tid == 7 && s.tgid == 5 && s.out_ns == 100 && s.in_ns == 250
+        ));
+        assert_eq!(Record::decode(&record).unwrap().ktime_ns(), 250);
+        for len in 4..SWITCH_IN_SIZE {
+            assert_eq!(
+                Record::decode(&record[..len]).unwrap_err(),
+                DecodeError::LengthMismatch {
+                    announced: SWITCH_IN_SIZE,
+                    len
+                }
+            );
+        }
+        assert_eq!(
+            Record::decode(&encode_switch_in(300, 250)).unwrap_err(),
+            DecodeError::SwitchInBeforeOut {
+                out_ns: 300,
+                in_ns: 250
+            }
+        );
     }
 
     #[test]

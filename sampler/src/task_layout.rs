@@ -31,6 +31,9 @@ pub struct TaskLayout {
     /// Where the main thread's stack started; `None` where the BTF lacks
     /// either member.
     pub stack_start: Option<StackStartLayout>,
+    /// `pid`: the thread id (off-CPU samples name the thread a switch runs
+    /// next by it); `None` where the BTF lacks it.
+    pub pid: Option<u32>,
 }
 
 /// Byte offsets of a process's stack start: `task_struct.mm`, a pointer to
@@ -106,6 +109,7 @@ impl TaskLayout {
             start_time: offset("start_time")?,
             fsbase,
             stack_start,
+            pid: btf.byte_offset(&members, "pid"),
         })
     }
 }
@@ -270,6 +274,8 @@ mod tests {
         assert!(layout.group_leader > 0 && layout.group_leader.is_multiple_of(8));
         assert!(layout.start_time > 0 && layout.start_time.is_multiple_of(8));
         assert_ne!(layout.group_leader, layout.start_time);
+        let pid = layout.pid.expect("task_struct.pid");
+        assert!(pid > 0 && pid.is_multiple_of(4));
         #[cfg(target_arch = "x86_64")]
         {
             let fsbase = layout.fsbase.expect("x86-64 kernels have thread.fsbase");
@@ -357,6 +363,7 @@ mod tests {
                     mm: 192,
                     start_stack: 472,
                 }),
+                pid: Some(0),
             }
         );
         assert!(matches!(

@@ -15,7 +15,7 @@ use std::{
 
 use foldhash::{HashMap, HashMapExt as _};
 
-use stackscope_profile::model::unix_nanos;
+use stackscope_profile::model::{ProfileType, unix_nanos};
 use stackscope_proto::v1;
 
 use super::{Interval, MappingKey, index_of, labels};
@@ -156,8 +156,23 @@ pub fn build_batch(
         ) else {
             continue;
         };
-        batch.sample(stack, label_set, sample.divisor, sample.count);
+        batch.sample(
+            stack,
+            label_set,
+            sample.divisor,
+            sample.count,
+            sample.profile_type,
+        );
     }
+    // Counts of off-CPU samples are nanoseconds already.
+    let typed_samples = match batch.off_cpu_samples.is_empty() {
+        true => Vec::new(),
+        false => vec![v1::TypedSamples {
+            r#type: v1::ProfileType::OffCpu.into(),
+            period_nanos: 1,
+            samples: batch.off_cpu_samples,
+        }],
+    };
 
     let start = unix_nanos(interval.start);
     let agent_version = batch.strings.intern(env!("CARGO_PKG_VERSION"));
@@ -177,7 +192,7 @@ pub fn build_batch(
         stacks: batch.stacks,
         label_sets: batch.label_sets,
         samples: batch.samples,
-        typed_samples: Vec::new(),
+        typed_samples,
     }
 }
 
@@ -303,7 +318,9 @@ struct BatchBuilder {
     label_sets: Vec<v1::LabelSet>,
     label_set_index: HashMap<Vec<(u32, u32)>, u32>,
     samples: Vec<v1::Sample>,
-    sample_index: HashMap<(u32, u32, u32), usize>,
+    /// Off-CPU samples: nanoseconds blocked.
+    off_cpu_samples: Vec<v1::Sample>,
+    sample_index: HashMap<(u32, u32, u32, ProfileType), usize>,
 }
 
 impl BatchBuilder {
@@ -467,20 +484,31 @@ impl BatchBuilder {
 
     /// Counts merge when two interval entries became one (locations that
     /// differed only in how they were named).
-    fn sample(&mut self, stack: u32, label_set: u32, divisor: u32, count: u64) {
+    fn sample(
+        &mut self,
+        stack: u32,
+        label_set: u32,
+        divisor: u32,
+        count: u64,
+        profile_type: ProfileType,
+    ) {
         if count == 0 {
             return;
         }
-        let key = (stack, label_set, divisor);
+        let key = (stack, label_set, divisor, profile_type);
+        let samples = match profile_type {
+            ProfileType::Cpu => &mut self.samples,
+            ProfileType::OffCpu => &mut self.off_cpu_samples,
+        };
         match self
             .sample_index
             .get(&key)
-            .and_then(|&at| self.samples.get_mut(at))
+            .and_then(|&at| samples.get_mut(at))
         {
             Some(sample) => sample.count += count,
             None => {
-                self.sample_index.insert(key, self.samples.len());
-                self.samples.push(v1::Sample {
+                self.sample_index.insert(key, samples.len());
+                samples.push(v1::Sample {
                     stack,
                     label_set,
                     count,

@@ -13,7 +13,8 @@ use stackscope_metadata::process::ProcessLabels;
 use stackscope_process_table::ProcessTable;
 use stackscope_unwind::walker::{ProcessState, Walked, WalkerRecord};
 
-use crate::aggregate::{Aggregator, LabelRecords, PythonSample};
+use super::off_cpu::OffCpuWeights;
+use crate::aggregate::{Aggregator, LabelRecords, PythonSample, SampleWeight};
 use stackscope_python::{PythonRecord, PythonState};
 use stackscope_telemetry::tally::{Counted, ProcessTally};
 
@@ -55,6 +56,8 @@ impl LabelRecords for ProcessTable<ProcessRecord> {
 pub(super) struct WalkSink {
     pub aggregator: Aggregator,
     pub tally: ProcessTally,
+    /// The weights of off-CPU samples, put there at their switch-in.
+    pub off_cpu: OffCpuWeights,
 }
 
 impl WalkSink {
@@ -62,8 +65,18 @@ impl WalkSink {
     /// its Python frames merged in when its sample came with them, and in
     /// its process's record (in the tally when the record went first).
     pub fn add_walked(&mut self) -> impl FnMut(Walked<'_, ProcessRecord>) + '_ {
-        let Self { aggregator, tally } = self;
+        let Self {
+            aggregator,
+            tally,
+            off_cpu,
+        } = self;
         move |walked| {
+            let weight = match off_cpu.take(walked.header) {
+                Some(nanos) => SampleWeight::OffCpu { nanos },
+                // An off-CPU sample whose weight is gone: no time to count.
+                None if walked.header.flags & agent_common::sample_flags::OFF_CPU != 0 => return,
+                None => SampleWeight::Tick,
+            };
             let Some(ProcessRecord {
                 labels,
                 python,
@@ -72,21 +85,25 @@ impl WalkSink {
             }) = walked.record
             else {
                 tally.add_other();
-                aggregator.add(
+                aggregator.add_with_python(
                     walked.header,
                     walked.kernel_frames,
                     Some(&walked.walk),
                     None,
+                    None,
+                    weight,
                 );
                 return;
             };
             samples.add(|| agent_common::comm_str(&walked.header.comm));
             let PythonRecord::Found(state) = python else {
-                aggregator.add(
+                aggregator.add_with_python(
                     walked.header,
                     walked.kernel_frames,
                     Some(&walked.walk),
                     Some(labels),
+                    None,
+                    weight,
                 );
                 return;
             };
@@ -104,6 +121,7 @@ impl WalkSink {
                 Some(&walked.walk),
                 Some(labels),
                 python,
+                weight,
             );
         }
     }

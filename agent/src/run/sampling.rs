@@ -29,6 +29,7 @@ use tokio::{
 use super::{
     AgentConfig, FEED_DRAIN_INTERVAL, Handoffs, MAX_TRACKED_PROCESSES, RunError, RunSummary,
     metadata::MetadataJobs,
+    off_cpu::{OffCpuJoin, OffCpuStats, OffCpuWeights},
     process::{ProcessRecord, WalkSink},
     python::{self, PythonProcesses},
 };
@@ -41,7 +42,9 @@ use stackscope_metadata::{describe::Description, kubelet::PodList};
 use stackscope_process_table::{ProcessTable, ReadAnswer, ReadRequest};
 use stackscope_python::{FoundInterpreter, named_like_interpreter};
 use stackscope_sampler::{
-    Counters, Sampler, SamplerConfig, SamplerError, mapping_feed::MappingFeed, record::Record,
+    Counters, ProgramStats, Sampler, SamplerConfig, SamplerError,
+    mapping_feed::{MappingFeed, monotonic_ns},
+    record::{Record, Sample},
 };
 use stackscope_symbolize::node::perf_map::JitUpdate;
 use stackscope_telemetry::tally::ProcessTally;
@@ -267,7 +270,12 @@ async fn sample(
         sink: WalkSink {
             aggregator: Aggregator::new(config.aggregation.clone()),
             tally: ProcessTally::with_capacity(MAX_TRACKED_PROCESSES),
+            off_cpu: OffCpuWeights::default(),
         },
+        off_cpu: config
+            .sampler
+            .off_cpu
+            .map(|_| OffCpuJoin::new(config.off_cpu_held_bytes)),
         kernel_frames: Vec::with_capacity(agent_common::MAX_KERNEL_FRAMES),
         tail_spans: Vec::with_capacity(agent_common::MAX_TAIL_SPANS),
         feed,
@@ -481,13 +489,17 @@ fn finish(
     records.drain(&mut sampler)?;
     let kernel = sampler.counters()?;
     let program = sampler.program_stats()?;
+    let off_cpu_program = sampler.off_cpu_program_stats()?;
     drop(sampler);
+    // Threads still blocked have waited until now so far.
+    records.end_blocked(monotonic_ns());
     let batches = records.flush(worker);
     // The report counts the processes still running too.
     records.let_go_of_released();
     for (tgid, record) in records.processes.states() {
         records.sink.tally.keep(tgid, &record.samples);
     }
+    let off_cpu = records.off_cpu_stats(off_cpu_program);
     Ok(RunSummary {
         kernel,
         program,
@@ -498,6 +510,7 @@ fn finish(
         aggregation: records.sink.aggregator.stats(),
         jit_names: records.sink.aggregator.jit_stats(),
         python: records.python.stats,
+        off_cpu,
         mapping_feed: records.feed.stats(),
         process_table: records.processes.stats(),
         batches,
@@ -559,6 +572,9 @@ struct RecordTally {
     /// CPython processes: which to look at, their sampler entries, their
     /// Python stacks paired with samples.
     python: PythonProcesses,
+    /// Off-CPU samples waiting for their switch-in; `None`: off-CPU
+    /// sampling is off.
+    off_cpu: Option<OffCpuJoin>,
 }
 
 impl RecordTally {
@@ -762,6 +778,8 @@ impl RecordTally {
             aggregation: self.sink.aggregator.stats(),
             jit_names: self.sink.aggregator.jit_stats(),
             python: self.python.stats,
+            // Only counted with --bpf-stats, as the sampling program's.
+            off_cpu: self.off_cpu_stats(sampler.off_cpu_program_stats().unwrap_or_default()),
             batches: worker.stats(),
             handoffs: handoffs.totals(),
             // The exporter's are read at scrape time; the uploader's at
@@ -777,6 +795,7 @@ impl RecordTally {
     /// worker's as of its last batch).
     fn state_sizes(&self, worker: &BatchWorker) -> Vec<StateSize> {
         let mut sizes = vec![self.sink.tally.state_size(), self.feed.state_size()];
+        sizes.extend(self.off_cpu.as_ref().map(OffCpuJoin::state_size));
         self.walker.state_sizes(&self.processes, &mut sizes);
         sizes.push(python::code_cache_size(
             &self.processes,
@@ -817,6 +836,80 @@ impl RecordTally {
         }
     }
 
+    /// Walks and counts one sample (a tick's, or an off-CPU one at its
+    /// switch-in).
+    fn add_sample(&mut self, sample: &Sample<'_>) {
+        let Self {
+            processes,
+            walker,
+            sink,
+            kernel_frames,
+            tail_spans,
+            python,
+            ..
+        } = self;
+        // Its Python stack waits in its record for its walk.
+        if let Some(stack) = python.for_sample(&sample.header) {
+            let (_, record) = processes.state(sample.header.tgid);
+            python.wait_for_walk(&mut record.python, &sample.header, stack);
+        }
+        kernel_frames.clear();
+        kernel_frames.extend(sample.kernel_frames());
+        if sample.header.flags & sample_flags::USER_REGS == 0 {
+            // A kernel thread: nothing to walk, but a record for
+            // its labels.
+            let (_, record) = processes.state(sample.header.tgid);
+            record.samples.add(|| sample.comm());
+            sink.aggregator.add(
+                &sample.header,
+                kernel_frames,
+                None,
+                Some(&mut record.labels),
+            );
+        } else {
+            sample.tail_spans(tail_spans);
+            let stack = UserStack {
+                copy: sample.user_stack,
+                spans: tail_spans,
+                tail: sample.tail_data(),
+            };
+            walker.push(
+                processes,
+                &sample.header,
+                kernel_frames,
+                stack,
+                sink.add_walked(),
+            );
+        }
+    }
+
+    /// Counts the off-CPU samples still waiting for their switch-in as
+    /// blocked until `now_ns` (the run ends).
+    fn end_blocked(&mut self, now_ns: u64) {
+        let Some(off_cpu) = &mut self.off_cpu else {
+            return;
+        };
+        for held in off_cpu.end_all(now_ns, &mut self.sink.off_cpu) {
+            if let Ok(sample) = Sample::decode(&held) {
+                self.add_sample(&sample);
+            }
+        }
+        self.walker
+            .flush(&mut self.processes, self.sink.add_walked());
+    }
+
+    /// The off-CPU figures, with the off-CPU program's cost.
+    fn off_cpu_stats(&self, program: Option<ProgramStats>) -> Option<OffCpuStats> {
+        let off_cpu = self.off_cpu.as_ref()?;
+        let program = program.unwrap_or_default();
+        Some(OffCpuStats {
+            weight_missing: self.sink.off_cpu.missing,
+            bpf_runs: program.run_count,
+            bpf_run_nanos: u64::try_from(program.run_time.as_nanos()).unwrap_or(u64::MAX),
+            ..off_cpu.stats
+        })
+    }
+
     fn add(&mut self, bytes: &[u8]) {
         self.totals.records += 1;
         self.totals.bytes += bytes.len() as u64;
@@ -827,53 +920,33 @@ impl RecordTally {
             self.catch_up(record.ktime_ns());
         }
         match record {
-            Ok(Record::Sample(sample)) => {
-                let Self {
-                    processes,
-                    walker,
-                    sink,
-                    kernel_frames,
-                    tail_spans,
-                    python,
-                    ..
-                } = self;
-                // Its Python stack waits in its record for its walk.
-                if let Some(stack) = python.for_sample(&sample.header) {
-                    let (_, record) = processes.state(sample.header.tgid);
-                    python.wait_for_walk(&mut record.python, &sample.header, stack);
+            Ok(Record::Sample(sample)) => match &mut self.off_cpu {
+                // Walked at its switch-in, when its weight is known.
+                Some(off_cpu) if sample.header.flags & sample_flags::OFF_CPU != 0 => {
+                    off_cpu.hold(&sample.header, bytes);
                 }
-                kernel_frames.clear();
-                kernel_frames.extend(sample.kernel_frames());
-                if sample.header.flags & sample_flags::USER_REGS == 0 {
-                    // A kernel thread: nothing to walk, but a record for
-                    // its labels.
-                    let (_, record) = processes.state(sample.header.tgid);
-                    record.samples.add(|| sample.comm());
-                    sink.aggregator.add(
-                        &sample.header,
-                        kernel_frames,
-                        None,
-                        Some(&mut record.labels),
-                    );
-                } else {
-                    sample.tail_spans(tail_spans);
-                    let stack = UserStack {
-                        copy: sample.user_stack,
-                        spans: tail_spans,
-                        tail: sample.tail_data(),
-                    };
-                    walker.push(
-                        processes,
-                        &sample.header,
-                        kernel_frames,
-                        stack,
-                        sink.add_walked(),
-                    );
+                _ => self.add_sample(&sample),
+            },
+            Ok(Record::SwitchIn(switch)) => {
+                let Some(off_cpu) = &mut self.off_cpu else {
+                    return;
+                };
+                if let Some(held) = off_cpu.switched_in(&switch, &mut self.sink.off_cpu) {
+                    // Decoded when it was held.
+                    if let Ok(sample) = Sample::decode(&held) {
+                        self.add_sample(&sample);
+                    }
+                    if let Some(off_cpu) = &mut self.off_cpu {
+                        off_cpu.recycle(held);
+                    }
                 }
             }
             Ok(Record::Exec(event)) => {
                 self.totals.process_events += 1;
                 self.python.gone(event.tgid);
+                if let Some(off_cpu) = &mut self.off_cpu {
+                    off_cpu.process_ended(event.tgid);
+                }
                 self.walker.on_exec(
                     &mut self.processes,
                     event.tgid,
@@ -891,6 +964,9 @@ impl RecordTally {
             }
             Ok(Record::Exit(event)) => {
                 self.totals.process_events += 1;
+                if let Some(off_cpu) = &mut self.off_cpu {
+                    off_cpu.process_ended(event.tgid);
+                }
                 if let Some(record) = self.processes.state_of_mut(event.tgid) {
                     record.samples.exited();
                 }
@@ -913,6 +989,7 @@ impl RecordTally {
 mod tests {
     use super::*;
     use crate::aggregate::AggregatorConfig;
+    use stackscope_profile::model::ProfileType;
 
     /// Hash-table lookups a sample may cost the sampling thread once its
     /// process, thread and stack are known (issue 32 asks for at most 3).
@@ -930,11 +1007,13 @@ mod tests {
             sink: WalkSink {
                 aggregator: Aggregator::new(AggregatorConfig::default()),
                 tally: ProcessTally::with_capacity(16),
+                off_cpu: OffCpuWeights::default(),
             },
             kernel_frames: Vec::new(),
             tail_spans: Vec::new(),
             feed: MappingFeed::disabled(),
             python: PythonProcesses::default(),
+            off_cpu: Some(OffCpuJoin::new(1 << 20)),
         };
         records.add(&record);
         let started = std::time::Instant::now();
@@ -957,6 +1036,66 @@ mod tests {
             &mut records.processes,
         );
         (records, record, header.tgid)
+    }
+
+    /// A switch-in record's bytes.
+    fn switch_in_record(tgid: u32, tid: u32, out_ns: u64, in_ns: u64) -> Vec<u8> {
+        let switch = agent_common::SwitchIn {
+            kind: agent_common::RecordKind::SwitchIn as u32,
+            tid,
+            tgid,
+            _pad: 0,
+            out_ns,
+            in_ns,
+        };
+        // SAFETY: SwitchIn is repr(C), integers only, no padding.
+        unsafe {
+            std::slice::from_raw_parts(
+                std::ptr::from_ref(&switch).cast::<u8>(),
+                agent_common::SWITCH_IN_SIZE,
+            )
+        }
+        .to_vec()
+    }
+
+    #[test]
+    fn an_off_cpu_sample_is_walked_at_its_switch_in_and_weighed_by_its_time_blocked() {
+        let (mut records, _, tgid) = walked_own_sample();
+        let (mut header, stack) = stackscope_unwind::walker::test_support::own_sample();
+        header.flags |= sample_flags::OFF_CPU;
+        header.ktime_ns += 1_000;
+        let off_cpu = stackscope_sampler::record::test_support::encode(&header, &[], &stack);
+        let walks = records.walker.stats().walks;
+        records.add(&off_cpu);
+        assert_eq!(records.walker.stats().walks, walks, "held, not walked");
+        // Another switch-out's switch-in leaves it held.
+        records.add(&switch_in_record(
+            tgid,
+            header.tid,
+            header.ktime_ns - 1,
+            header.ktime_ns + 5,
+        ));
+        assert_eq!(records.walker.stats().walks, walks);
+        records.add(&switch_in_record(
+            tgid,
+            header.tid,
+            header.ktime_ns,
+            header.ktime_ns + 2_500_000,
+        ));
+        assert_eq!(records.walker.stats().walks, walks + 1);
+        let interval = records.sink.aggregator.finish_interval(SystemTime::now());
+        let off_cpu: Vec<_> = interval
+            .samples
+            .iter()
+            .filter(|sample| sample.profile_type == ProfileType::OffCpu)
+            .collect();
+        assert_eq!(off_cpu.len(), 1);
+        assert_eq!(off_cpu[0].count, 2_500_000);
+        // The tick's sample was counted apart, as one tick.
+        assert_eq!(interval.sample_count(), 1);
+        let stats = records.off_cpu_stats(None).expect("off-CPU on");
+        assert_eq!((stats.samples, stats.joined), (1, 1));
+        assert_eq!(stats.unmatched_switch_ins, 1);
     }
 
     #[test]

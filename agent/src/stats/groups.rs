@@ -61,6 +61,12 @@ pub const GROUPS: &[Group] = &[
         stats: NAMING,
     },
     Group {
+        title: "off-CPU",
+        json: None,
+        present: |t| t.off_cpu.is_some(),
+        stats: OFF_CPU,
+    },
+    Group {
         title: "export",
         json: Some("/export"),
         present: |t| t.export.is_some(),
@@ -78,6 +84,121 @@ pub const GROUPS: &[Group] = &[
         present: always,
         stats: AGENT,
     },
+];
+
+/// Reads an off-CPU figure (the group is shown only when there are some).
+macro_rules! off_cpu {
+    ($field:ident) => {
+        |t: &RunTotals| Value::from(t.off_cpu.map_or(0, |o| o.$field))
+    };
+}
+
+const OFF_CPU: &[Stat] = &[
+    Stat::counter(
+        "off_cpu_blocking_switches",
+        "Blocking context switches of selected user threads: they left the \
+         CPU waiting for an event (not preempted).",
+        &[Series::one(
+            "/kernel/off_cpu_switches",
+            field!(kernel.off_cpu_switches),
+        )],
+    ),
+    Stat::counter(
+        "off_cpu_switches",
+        "Blocking context switches of selected user threads, by what became \
+         of them: sampled, left \
+         out by the rate or a budget (their kept neighbours stand for them), \
+         or chosen but not written.",
+        &[
+            Series::labelled(
+                "sampled",
+                "/kernel/off_cpu_samples",
+                field!(kernel.off_cpu_samples),
+            ),
+            Series::labelled(
+                "skipped",
+                "/kernel/off_cpu_skipped",
+                field!(kernel.off_cpu_skipped),
+            ),
+            Series::labelled(
+                "failed",
+                "/kernel/off_cpu_failed",
+                field!(kernel.off_cpu_failed),
+            ),
+        ],
+    )
+    .by("outcome"),
+    Stat::counter(
+        "switch_ins",
+        "Switch-in records: a sampled blocked thread ran again.",
+        &[Series::one("/kernel/switch_ins", field!(kernel.switch_ins))],
+    ),
+    Stat::counter(
+        "off_cpu_samples",
+        "Off-CPU samples read, by what became of them: joined with the time \
+         they blocked; let go as their process exited or exec'd first; \
+         replaced by a newer one of their thread (their switch-in was lost); \
+         not held for want of room; walked without their weight.",
+        &[
+            Series::labelled("joined", "/off_cpu/joined", off_cpu!(joined)),
+            Series::labelled(
+                "ended_by_exit",
+                "/off_cpu/ended_by_exit",
+                off_cpu!(ended_by_exit),
+            ),
+            Series::labelled("replaced", "/off_cpu/replaced", off_cpu!(replaced)),
+            Series::labelled(
+                "dropped_full",
+                "/off_cpu/dropped_full",
+                off_cpu!(dropped_full),
+            ),
+            Series::labelled(
+                "weight_missing",
+                "/off_cpu/weight_missing",
+                off_cpu!(weight_missing),
+            ),
+        ],
+    )
+    .by("outcome"),
+    Stat::counter(
+        "off_cpu_unmatched_switch_ins",
+        "Switch-in records that matched no held off-CPU sample.",
+        &[Series::one(
+            "/off_cpu/unmatched_switch_ins",
+            off_cpu!(unmatched_switch_ins),
+        )],
+    ),
+    Stat::counter(
+        "off_cpu_blocked_time",
+        "Time the joined off-CPU samples' threads were blocked (before their \
+         sampling divisor).",
+        &[Series::one("/off_cpu/blocked_ns", off_cpu!(blocked_nanos))],
+    )
+    .unit(StatUnit::Nanos),
+    Stat::counter(
+        "off_cpu_bpf_runs",
+        "Runs of the off-CPU program, one per context switch (with --bpf-stats).",
+        &[Series::one("/off_cpu/bpf_runs", off_cpu!(bpf_runs))],
+    ),
+    Stat::counter(
+        "off_cpu_bpf_run_time",
+        "Time the off-CPU program ran (with --bpf-stats).",
+        &[Series::one("/off_cpu/bpf_run_ns", off_cpu!(bpf_run_nanos))],
+    )
+    .unit(StatUnit::Nanos),
+    Stat::gauge(
+        "off_cpu_bpf_time_per_switch",
+        "Mean time of one run of the off-CPU program: its cost per context \
+         switch (with --bpf-stats).",
+        &[Series::one("/off_cpu/bpf_ns_per_switch", |t| {
+            t.off_cpu
+                .filter(|o| o.bpf_runs > 0)
+                .map(|o| o.bpf_run_nanos / o.bpf_runs)
+                .into()
+        })],
+    )
+    .unit(StatUnit::Nanos)
+    .reports(),
 ];
 
 const SAMPLING: &[Stat] = &[
