@@ -462,9 +462,8 @@ const _: () = assert!(core::mem::size_of::<OffCpuPending>() == 16);
 unsafe impl aya::Pod for OffCpuPending {}
 
 /// Threads whose off-CPU sample waits for their switch-in
-/// (`OFF_CPU_PENDING`, an LRU map): a node's sampled threads blocked at
-/// once. One evicted loses that sample's time (the agent lets its held
-/// record go, counted).
+/// (`OFF_CPU_PENDING`): a node's sampled threads blocked at once. Past
+/// it, a blocking thread's sample is not written (counted as failed).
 pub const MAX_OFF_CPU_PENDING: u32 = 16_384;
 
 /// Per CPU, the state of the off-CPU sampling rate (`OFF_CPU_RATE`): the

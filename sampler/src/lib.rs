@@ -407,6 +407,10 @@ impl Sampler {
         // the program's map references to their descriptors. Fill the
         // allow-lists after that and before attaching, so no tick is missed.
         perf_program(&mut ebpf)?.load().map_err(program_error)?;
+        let off_cpu_program = match config.off_cpu {
+            Some(_) => Some(load_off_cpu(&mut ebpf)?),
+            None => None,
+        };
         fill_allow_list(&mut ebpf, names::TGID_ALLOW, &config.pids)?;
         let mut policy_map = take_map(&mut ebpf, names::CGROUP_POLICY)?;
         let mut policies = StdHashMap::new();
@@ -439,10 +443,9 @@ impl Sampler {
             program.attach(tracepoint).map_err(error)?;
         }
 
-        let off_cpu_program = match config.off_cpu {
-            Some(_) => Some(attach_off_cpu(&mut ebpf)?),
-            None => None,
-        };
+        if let Some(name) = off_cpu_program {
+            attach_off_cpu(&mut ebpf, name)?;
+        }
 
         let ring: RingBuf<MapData> = take_map(&mut ebpf, names::SAMPLES_RING)?;
         let ring = register_readable(ring).map_err(SamplerError::Poll)?;
@@ -766,10 +769,11 @@ fn off_cpu_pid_offset(layout: Option<&task_layout::TaskLayout>) -> Result<u32, S
         })
 }
 
-/// Attaches the off-CPU program to `sched_switch`: the BTF tracepoint, or
-/// where the kernel refuses it, the raw one. Returns the one attached.
-fn attach_off_cpu(ebpf: &mut Ebpf) -> Result<&'static str, SamplerError> {
-    let err = match attach_off_cpu_btf(ebpf) {
+/// Loads the off-CPU program for `sched_switch`: the BTF tracepoint, or
+/// where the kernel refuses it, the raw one. Returns the one loaded. (Before
+/// the sampler hands its maps' descriptors back: loading resolves them.)
+fn load_off_cpu(ebpf: &mut Ebpf) -> Result<&'static str, SamplerError> {
+    let err = match load_off_cpu_btf(ebpf) {
         Ok(()) => return Ok(names::OFF_CPU_PROGRAM),
         Err(err) => err,
     };
@@ -778,32 +782,43 @@ fn attach_off_cpu(ebpf: &mut Ebpf) -> Result<&'static str, SamplerError> {
         error_chain(&err)
     );
     let name = names::OFF_CPU_RAW_PROGRAM;
-    let error = |source| SamplerError::Program { name, source };
     let program: &mut RawTracePoint = ebpf
         .program_mut(name)
         .ok_or(SamplerError::Missing(name))?
         .try_into()
-        .map_err(error)?;
-    program.load().map_err(error)?;
-    program.attach(names::SWITCH_TRACEPOINT).map_err(error)?;
+        .map_err(|source| SamplerError::Program { name, source })?;
+    program
+        .load()
+        .map_err(|source| SamplerError::Program { name, source })?;
     Ok(name)
 }
 
-fn attach_off_cpu_btf(ebpf: &mut Ebpf) -> Result<(), SamplerError> {
+fn load_off_cpu_btf(ebpf: &mut Ebpf) -> Result<(), SamplerError> {
     let name = names::OFF_CPU_PROGRAM;
     let btf = Btf::from_sys_fs().map_err(|err| {
         SamplerError::OffCpuUnsupported(format!("reading the kernel's BTF: {err}"))
     })?;
-    let error = |source| SamplerError::Program { name, source };
     let program: &mut BtfTracePoint = ebpf
         .program_mut(name)
         .ok_or(SamplerError::Missing(name))?
         .try_into()
-        .map_err(error)?;
+        .map_err(|source| SamplerError::Program { name, source })?;
     program
         .load(names::SWITCH_TRACEPOINT, &btf)
-        .map_err(error)?;
-    program.attach().map_err(error)?;
+        .map_err(|source| SamplerError::Program { name, source })
+}
+
+/// Attaches the off-CPU program `name` that [`load_off_cpu`] loaded.
+fn attach_off_cpu(ebpf: &mut Ebpf, name: &'static str) -> Result<(), SamplerError> {
+    let error = |source| SamplerError::Program { name, source };
+    let program = ebpf.program_mut(name).ok_or(SamplerError::Missing(name))?;
+    if name == names::OFF_CPU_PROGRAM {
+        let program: &mut BtfTracePoint = program.try_into().map_err(error)?;
+        program.attach().map_err(error)?;
+    } else {
+        let program: &mut RawTracePoint = program.try_into().map_err(error)?;
+        program.attach(names::SWITCH_TRACEPOINT).map_err(error)?;
+    }
     Ok(())
 }
 

@@ -121,9 +121,13 @@ pub struct Recorded {
     pub exits: Vec<ProcessEvent>,
     pub decode_errors: Vec<DecodeError>,
     pub python_stacks: Vec<PythonStackRecord>,
+    /// Switch-in records (off-CPU samples' threads running again).
+    pub switch_ins: Vec<agent_common::SwitchIn>,
     /// The sampling program's run time and runs over the whole run (the
     /// kernel's accounting is on while it samples).
     pub program: ProgramStats,
+    /// The off-CPU program's, when it was attached.
+    pub off_cpu_program: Option<ProgramStats>,
     /// The program's counters at the end of the run.
     pub counters: Counters,
 }
@@ -187,6 +191,7 @@ impl Recorded {
                 header: stack.header,
                 frames: stack.frames().collect(),
             }),
+            Ok(Record::SwitchIn(switch)) => self.switch_ins.push(switch),
             Err(err) => self.decode_errors.push(err),
         }
     }
@@ -308,6 +313,9 @@ async fn record_until(sampler: &mut Sampler, deadline: tokio::time::Instant) -> 
     );
     recorded.counters = sampler.counters().expect("reading the sampler's counters");
     recorded.program = sampler.program_stats().expect("the program's statistics");
+    recorded.off_cpu_program = sampler
+        .off_cpu_program_stats()
+        .expect("the off-CPU program's statistics");
     recorded
 }
 
@@ -504,7 +512,7 @@ fn walk_record(
         Record::Exit(event) => {
             walker.on_exit(table, event.tgid);
         }
-        Record::PythonStack(_) => {}
+        Record::PythonStack(_) | Record::SwitchIn(_) => {}
     }
 }
 
@@ -882,5 +890,89 @@ pub fn wait_until_loaded(agent: &mut RunningProcess) -> BpfIds {
             "the agent never loaded its program"
         );
         std::thread::sleep(Duration::from_millis(100));
+    }
+}
+
+/// The `off_cpu` fixture (`tests/fixtures/off_cpu.c`): blocks in known
+/// chains once told to start, measuring each block itself, and reports
+/// what it measured by leaf function.
+pub struct OffCpuFixture {
+    process: RunningProcess,
+    stdout: BufReader<std::process::ChildStdout>,
+    _fixture: Fixture,
+}
+
+/// The leaf functions the `off_cpu` fixture blocks in.
+pub const OFF_CPU_LEAVES: [&str; 10] = [
+    "sleep_leaf",
+    "pipe_read_leaf",
+    "mutex_lock_leaf",
+    "epoll_leaf",
+    "answer_wait_leaf",
+    "answer_sleep_leaf",
+    "holder_lock_leaf",
+    "holder_sleep_leaf",
+    "holder_idle_leaf",
+    "join_leaf",
+];
+
+impl OffCpuFixture {
+    /// Starts it, to block for `seconds` once [`OffCpuFixture::go`] is
+    /// called.
+    pub fn start(seconds: f64) -> Self {
+        let fixture = Fixture::compile("off_cpu", &["-pthread"]);
+        let mut child = Command::new(&fixture.path)
+            .arg(seconds.to_string())
+            .env_clear()
+            .stdout(Stdio::piped())
+            .spawn()
+            .expect("starting the off_cpu fixture");
+        let stdout = child.stdout.take().expect("piped stdout");
+        let process = RunningProcess::adopt(child);
+        let mut stdout = BufReader::new(stdout);
+        let mut line = String::new();
+        stdout.read_line(&mut line).expect("reading the fixture");
+        assert_eq!(line.trim(), "ready", "the off_cpu fixture did not start");
+        Self {
+            process,
+            stdout,
+            _fixture: fixture,
+        }
+    }
+
+    pub fn pid(&self) -> u32 {
+        self.process.pid()
+    }
+
+    /// Starts its threads and its blocking (the blocks before, waiting for
+    /// this, are not measured).
+    pub fn go(&self) {
+        // SAFETY: a signal to our own child, which is alive (adopted).
+        let sent = unsafe { libc::kill(self.pid() as libc::pid_t, libc::SIGUSR1) };
+        assert_eq!(sent, 0, "signalling the off_cpu fixture");
+    }
+
+    /// Waits for it to finish: the nanoseconds it measured blocked in each
+    /// leaf function.
+    pub fn measured(mut self) -> HashMap<String, u64> {
+        let mut measured = HashMap::new();
+        let mut line = String::new();
+        loop {
+            line.clear();
+            let read = self
+                .stdout
+                .read_line(&mut line)
+                .expect("reading the fixture");
+            assert!(read > 0, "the off_cpu fixture ended without its figures");
+            let line = line.trim();
+            if line == "done" {
+                break;
+            }
+            let (leaf, nanos) = line.split_once(' ').expect("`leaf nanoseconds` lines");
+            measured.insert(leaf.to_string(), nanos.parse().expect("nanoseconds"));
+        }
+        let status = self.process.child.wait().expect("waiting for the fixture");
+        assert!(status.success(), "the off_cpu fixture exited with {status}");
+        measured
     }
 }

@@ -13,10 +13,10 @@ use agent_common::{
     StackTop, policy_flags, reserved_record_bytes, sample_flags,
 };
 use stackscope_metadata::cgroups;
-use stackscope_sampler::{SamplerConfig, record::OwnedSample};
+use stackscope_sampler::{OffCpuConfig, SamplerConfig, record::OwnedSample};
 use stackscope_tests::{
-    Fixture, Mapping, MappingPath, Recorded, RunningProcess, TempCgroup, exclusive, find_word,
-    kernel_symbol, kernel_symbols, read_maps, require_root, sample_for, sample_planned,
+    Fixture, Mapping, MappingPath, OffCpuFixture, Recorded, RunningProcess, TempCgroup, exclusive,
+    find_word, kernel_symbol, kernel_symbols, read_maps, require_root, sample_for, sample_planned,
     sample_while, wait_until_loaded,
 };
 use stackscope_unwind::walker::stitching::PlanUpdate;
@@ -699,4 +699,93 @@ fn agent_leaves_nothing_loaded_after_a_signal() {
 
         held.assert_released(&format!("after signal {signal}"));
     }
+}
+
+/// Off-CPU sampling on the real kernel (and in the kernel matrix's VMs,
+/// which load the `sched_switch` program this way): every blocking of the
+/// fixture's threads after it starts is written as an off-CPU sample with
+/// its stacks, and ended by a switch-in record; together they measure the
+/// time blocked the fixture measured itself.
+#[test]
+fn off_cpu_samples_and_their_switch_ins_measure_the_time_threads_blocked() {
+    require_root();
+    let _exclusive = exclusive();
+    let fixture = OffCpuFixture::start(1.5);
+    let pid = fixture.pid();
+    let config = SamplerConfig {
+        // Every blocking switch: the totals are exact, not estimated.
+        off_cpu: Some(OffCpuConfig {
+            samples_per_sec: 1_000_000,
+        }),
+        ..sampling_only(pid)
+    };
+    let recorded = sample_while(&config, Duration::from_secs(4), || fixture.go());
+    let measured: u64 = fixture.measured().values().sum();
+
+    let off_cpu: Vec<&OwnedSample> = recorded
+        .samples
+        .iter()
+        .filter(|s| s.header.flags & sample_flags::OFF_CPU != 0)
+        .collect();
+    assert!(
+        off_cpu.len() > 300,
+        "only {} off-CPU samples in 1.5 s of blocking every few ms",
+        off_cpu.len()
+    );
+    for sample in &off_cpu {
+        let header = &sample.header;
+        assert_eq!(header.tgid, pid);
+        assert_eq!(header.sampling_divisor, 1);
+        // Blocked in a system call: its saved user registers, and the
+        // kernel stack it blocked with.
+        assert_ne!(header.flags & sample_flags::USER_REGS, 0);
+        assert_eq!(header.flags & sample_flags::TICK_IN_USER, 0);
+        assert!(!sample.kernel_frames.is_empty(), "no kernel stack");
+        assert!(!sample.user_stack.is_empty(), "no user stack");
+    }
+    let switched_in: HashMap<(u32, u64), u64> = recorded
+        .switch_ins
+        .iter()
+        .map(|s| ((s.tid, s.out_ns), s.in_ns))
+        .collect();
+    let blocked: Vec<u64> = off_cpu
+        .iter()
+        .filter_map(|s| {
+            let in_ns = switched_in.get(&(s.header.tid, s.header.ktime_ns))?;
+            Some(in_ns - s.header.ktime_ns)
+        })
+        .collect();
+    // About one blocking in a thousand gets no switch-in on Linux 6.18:
+    // its entry is still in the map when its thread blocks again (no
+    // recursion misses; cause not found). Its time is lost, not misplaced.
+    let unmatched = off_cpu.len() - blocked.len();
+    assert!(
+        unmatched * 100 <= off_cpu.len(),
+        "{unmatched} of {} blockings never switched in",
+        off_cpu.len()
+    );
+    let total: u64 = blocked.iter().sum();
+    let ratio = total as f64 / measured as f64;
+    eprintln!(
+        "{} off-CPU samples, {:.3} s blocked; the fixture measured {:.3} s ({ratio:.3})",
+        off_cpu.len(),
+        total as f64 / 1e9,
+        measured as f64 / 1e9
+    );
+    assert!(
+        (0.9..=1.1).contains(&ratio),
+        "blocked {total} ns by the switches, {measured} ns by the fixture"
+    );
+    let counters = recorded.counters;
+    assert_eq!(counters.off_cpu_skipped, 0);
+    assert_eq!(counters.off_cpu_failed, 0);
+    assert!(counters.off_cpu_samples >= off_cpu.len() as u64);
+    assert!(counters.switch_ins >= recorded.switch_ins.len() as u64);
+    let program = recorded.off_cpu_program.expect("the off-CPU program ran");
+    eprintln!(
+        "off-CPU program: {} runs, {:?} per run",
+        program.run_count,
+        program.per_run()
+    );
+    assert!(program.run_count >= off_cpu.len() as u64);
 }
