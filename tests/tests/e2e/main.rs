@@ -17,6 +17,7 @@ mod hostile;
 mod jit;
 mod memory_limit;
 mod metrics;
+mod off_cpu;
 mod pipeline;
 mod process_identity;
 mod python;
