@@ -49,6 +49,20 @@ pub enum Bench {
         #[arg(long, value_name = "DIR")]
         baseline: Option<std::path::PathBuf>,
     },
+    /// What off-CPU profiling costs the profiled: a pipe ping-pong between
+    /// two processes and a mutex-contended thread pool alone, under the
+    /// agent sampling CPU only and with `--off-cpu` at its default rate;
+    /// the off-CPU program's cost per context switch, selected and not; and
+    /// the blocked time estimated at the default rate against a fixture's
+    /// own measure.
+    OffCpu {
+        /// How long each workload runs.
+        #[arg(long, default_value_t = 10)]
+        seconds: u64,
+        /// Runs per configuration (medians are reported).
+        #[arg(long, default_value_t = 3)]
+        repeats: usize,
+    },
     /// What learning mappings as they are made costs: per fork+exec and
     /// per executable mmap with the agent's mapping events on, off, and no
     /// agent; the agent's CPU per sample on short-lived processes (200 a
@@ -131,6 +145,7 @@ pub fn run(which: Bench) -> anyhow::Result<()> {
             None => crate::overhead::run(seconds, repeats),
         },
         Bench::Mappings { seconds, repeats } => crate::mappings::run(seconds, repeats),
+        Bench::OffCpu { seconds, repeats } => crate::off_cpu::run(seconds, repeats),
         Bench::Programs { seconds, only } => crate::programs::run(seconds, &only),
         Bench::Symbolize { stacks, addresses } => collector_bench(
             "symbolize",

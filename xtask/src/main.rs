@@ -8,6 +8,7 @@ mod fuzz;
 mod image;
 mod kernels;
 mod mappings;
+mod off_cpu;
 mod overhead;
 mod programs;
 mod setup;

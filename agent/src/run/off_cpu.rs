@@ -35,9 +35,11 @@ pub struct OffCpuStats {
     /// Of those, joined with their switch-in (or with the run's end, for
     /// threads still blocked then) and handed to the walker.
     pub joined: u64,
-    /// Nanoseconds blocked those joined stand for (before the sampling
-    /// divisor).
+    /// Nanoseconds those joined were blocked, and the same weighed by
+    /// their sampling divisor (each stands for the blockings it was chosen
+    /// among): the blocked time of the threads the agent estimates.
     pub blocked_nanos: u64,
+    pub weighted_blocked_nanos: u64,
     /// Held samples let go because their process exited or exec'd first.
     pub ended_by_exit: u64,
     /// Held samples replaced by a newer one of the same thread (the
@@ -59,6 +61,7 @@ pub struct OffCpuStats {
 struct Held {
     tgid: u32,
     out_ns: u64,
+    divisor: u32,
     record: Vec<u8>,
 }
 
@@ -111,6 +114,7 @@ impl OffCpuJoin {
             Held {
                 tgid,
                 out_ns: header.ktime_ns,
+                divisor: header.sampling_divisor.max(1),
                 record,
             },
         );
@@ -124,19 +128,21 @@ impl OffCpuJoin {
         switch: &SwitchIn,
         weights: &mut OffCpuWeights,
     ) -> Option<Vec<u8>> {
-        let matches = self
-            .held
-            .get(&(switch.tgid, switch.tid))
-            .is_some_and(|held| held.out_ns == switch.out_ns);
-        if !matches {
-            self.stats.unmatched_switch_ins += 1;
-            return None;
-        }
+        let divisor = match self.held.get(&(switch.tgid, switch.tid)) {
+            Some(held) if held.out_ns == switch.out_ns => held.divisor,
+            _ => {
+                self.stats.unmatched_switch_ins += 1;
+                return None;
+            }
+        };
         let record = self.release(switch.tid)?;
-        let nanos = switch.in_ns - switch.out_ns;
-        self.stats.joined += 1;
-        self.stats.blocked_nanos += nanos;
-        weights.put(switch.tid, switch.out_ns, nanos);
+        self.joined(
+            switch.tid,
+            switch.out_ns,
+            switch.in_ns - switch.out_ns,
+            divisor,
+            weights,
+        );
         Some(record)
     }
 
@@ -165,12 +171,26 @@ impl OffCpuJoin {
         held.into_iter()
             .map(|((_, tid), held)| {
                 let nanos = now_ns.saturating_sub(held.out_ns);
-                self.stats.joined += 1;
-                self.stats.blocked_nanos += nanos;
-                weights.put(tid, held.out_ns, nanos);
+                self.joined(tid, held.out_ns, nanos, held.divisor, weights);
                 held.record
             })
             .collect()
+    }
+
+    /// Counts a sample joined with its `nanos` blocked and hands its weight
+    /// to its walk.
+    fn joined(
+        &mut self,
+        tid: u32,
+        out_ns: u64,
+        nanos: u64,
+        divisor: u32,
+        weights: &mut OffCpuWeights,
+    ) {
+        self.stats.joined += 1;
+        self.stats.blocked_nanos += nanos;
+        self.stats.weighted_blocked_nanos += nanos * u64::from(divisor);
+        weights.put(tid, out_ns, nanos);
     }
 
     /// Takes back a buffer [`OffCpuJoin::switched_in`] returned.

@@ -170,10 +170,18 @@ const OFF_CPU: &[Stat] = &[
     ),
     Stat::counter(
         "off_cpu_blocked_time",
-        "Time the joined off-CPU samples' threads were blocked (before their \
-         sampling divisor).",
-        &[Series::one("/off_cpu/blocked_ns", off_cpu!(blocked_nanos))],
+        "Time the joined off-CPU samples' threads were blocked: as sampled, \
+         and weighed by each sample's divisor (the blocked time estimated).",
+        &[
+            Series::labelled("sampled", "/off_cpu/blocked_ns", off_cpu!(blocked_nanos)),
+            Series::labelled(
+                "estimated",
+                "/off_cpu/weighted_blocked_ns",
+                off_cpu!(weighted_blocked_nanos),
+            ),
+        ],
     )
+    .by("as")
     .unit(StatUnit::Nanos),
     Stat::counter(
         "off_cpu_bpf_runs",

@@ -167,6 +167,7 @@ pub(crate) fn every_figure_distinct() -> RunTotals {
             samples: n(),
             joined: n(),
             blocked_nanos: n(),
+            weighted_blocked_nanos: n(),
             ended_by_exit: n(),
             replaced: n(),
             dropped_full: n(),
