@@ -256,7 +256,6 @@ pub fn sample_cpu_clock(ctx: PerfEventContext) -> u32 {
 }
 
 fn try_sample_cpu_clock(ctx: &PerfEventContext) -> Result<u32, u32> {
-    let ktime_ns = unsafe { bpf_ktime_get_ns() };
     let pid_tgid = bpf_get_current_pid_tgid();
     let tgid = (pid_tgid >> 32) as u32;
     let tid = pid_tgid as u32;
@@ -277,6 +276,8 @@ fn try_sample_cpu_clock(ctx: &PerfEventContext) -> Result<u32, u32> {
 
     let cpu = unsafe { bpf_get_smp_processor_id() };
     python_stack(tgid, tid, cpu);
+    // After the Python stack's: the agent pairs the two by their order.
+    let ktime_ns = unsafe { bpf_ktime_get_ns() };
 
     // SAFETY: perf_event programs get a `bpf_perf_event_data` context whose
     // `regs` are the registers at the tick.
@@ -1366,16 +1367,21 @@ fn switched_out<C: EbpfContext>(ctx: &C) {
         return;
     };
     count(Counter::OffCpuSwitches);
-    let ktime_ns = unsafe { bpf_ktime_get_ns() };
-    let divisor = off_cpu_divisor(ktime_ns).saturating_mul(budget);
+    let divisor = off_cpu_divisor(unsafe { bpf_ktime_get_ns() }).saturating_mul(budget);
     if !kept(divisor) {
         count(Counter::OffCpuSkipped);
         return;
     }
+    let cpu = unsafe { bpf_get_smp_processor_id() };
+    // A CPython thread's frames, as a tick reads them: where it waits in
+    // Python.
+    python_stack(tgid, tid, cpu);
+    // After the Python stack's: the agent pairs the two by their order.
+    let ktime_ns = unsafe { bpf_ktime_get_ns() };
     let mut ids = SampleIds {
         tgid,
         tid,
-        cpu: unsafe { bpf_get_smp_processor_id() },
+        cpu,
         cgroup_id,
         sampling_divisor: divisor,
         stack_top: 0,

@@ -60,6 +60,10 @@ pub struct PythonState {
     pub codes: CodeCache,
     /// Python stacks by the (thread, time) of their sample, oldest first.
     pub waiting: VecDeque<(u32, u64, ReadStack)>,
+    /// The (thread, time) of waiting stacks whose samples are off-CPU ones,
+    /// walked at their switch-in, after ticks taken later: the walk of a
+    /// later tick does not drop them as stale.
+    pub walked_late: Vec<(u32, u64)>,
 }
 
 impl PythonState {
@@ -68,6 +72,7 @@ impl PythonState {
             eval,
             codes,
             waiting: VecDeque::new(),
+            walked_late: Vec::new(),
         }
     }
 
@@ -82,8 +87,13 @@ impl PythonState {
                 .codes
                 .get(frame.code, frame.first_line & !PythonFrame::ENTRY);
         }
-        if self.waiting.len() >= MAX_WAITING_STACKS {
-            self.waiting.pop_front();
+        if self.waiting.len() >= MAX_WAITING_STACKS
+            && let Some((tid, ktime, _)) = self.waiting.pop_front()
+        {
+            self.walked_late.retain(|&late| late != (tid, ktime));
+        }
+        if header.flags & agent_common::sample_flags::OFF_CPU != 0 {
+            self.walked_late.push((header.tid, header.ktime_ns));
         }
         self.waiting.push_back((header.tid, header.ktime_ns, stack));
     }
@@ -97,9 +107,21 @@ impl PythonState {
             .waiting
             .iter()
             .position(|(tid, ktime, _)| *tid == header.tid && *ktime == header.ktime_ns)?;
-        // Older ones had their samples walked without them (dropped).
-        self.waiting.drain(..at);
-        self.waiting.pop_front().map(|(_, _, stack)| stack)
+        let (tid, ktime, stack) = self.waiting.remove(at)?;
+        // Older ones had their samples walked without them (dropped),
+        // unless theirs are off-CPU samples, walked later.
+        if self.walked_late.is_empty() {
+            self.waiting.drain(..at);
+        } else {
+            self.walked_late.retain(|&late| late != (tid, ktime));
+            let mut index = 0;
+            let walked_late = &self.walked_late;
+            self.waiting.retain(|(tid, ktime, _)| {
+                index += 1;
+                index > at || walked_late.contains(&(*tid, *ktime))
+            });
+        }
+        Some(stack)
     }
 }
 
@@ -261,6 +283,17 @@ mod tests {
         );
         let stack = state.take_stack(&sample(0, 7, 300)).expect("its stack");
         assert_eq!(stack.frames[0].code, 0x3);
+        // An off-CPU sample's stack waits for its walk past later ticks'.
+        let mut off_cpu = sample(0, 7, 400);
+        off_cpu.flags |= agent_common::sample_flags::OFF_CPU;
+        state.wait_for_walk(&off_cpu, ReadStack::default());
+        for ktime in [500, 600] {
+            state.wait_for_walk(&sample(0, 7, ktime), ReadStack::default());
+        }
+        assert!(state.take_stack(&sample(0, 7, 600)).is_some());
+        assert_eq!(state.waiting.len(), 1, "the tick at 500 is stale");
+        assert!(state.take_stack(&off_cpu).is_some());
+        assert!(state.waiting.is_empty() && state.walked_late.is_empty());
         // Bounded.
         for ktime in 0..MAX_WAITING_STACKS as u64 + 10 {
             state.wait_for_walk(&sample(0, 7, ktime), ReadStack::default());

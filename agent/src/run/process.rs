@@ -95,7 +95,10 @@ impl WalkSink {
                 );
                 return;
             };
-            samples.add(|| agent_common::comm_str(&walked.header.comm));
+            // The report's samples per process are ticks.
+            if weight == SampleWeight::Tick {
+                samples.add(|| agent_common::comm_str(&walked.header.comm));
+            }
             let PythonRecord::Found(state) = python else {
                 aggregator.add_with_python(
                     walked.header,

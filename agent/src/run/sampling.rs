@@ -920,13 +920,22 @@ impl RecordTally {
             self.catch_up(record.ktime_ns());
         }
         match record {
-            Ok(Record::Sample(sample)) => match &mut self.off_cpu {
-                // Walked at its switch-in, when its weight is known.
-                Some(off_cpu) if sample.header.flags & sample_flags::OFF_CPU != 0 => {
-                    off_cpu.hold(&sample.header, bytes);
+            Ok(Record::Sample(sample)) => {
+                let header = &sample.header;
+                match &mut self.off_cpu {
+                    // Walked at its switch-in, when its weight is known;
+                    // its Python stack waits in its process's record (its
+                    // code objects read now, while the process runs).
+                    Some(off_cpu) if header.flags & sample_flags::OFF_CPU != 0 => {
+                        off_cpu.hold(header, bytes);
+                        if let Some(stack) = self.python.for_sample(header) {
+                            let (_, record) = self.processes.state(header.tgid);
+                            self.python.wait_for_walk(&mut record.python, header, stack);
+                        }
+                    }
+                    _ => self.add_sample(&sample),
                 }
-                _ => self.add_sample(&sample),
-            },
+            }
             Ok(Record::SwitchIn(switch)) => {
                 let Some(off_cpu) = &mut self.off_cpu else {
                     return;

@@ -35,7 +35,7 @@ use stackscope_sampler::SamplerConfig;
 use stackscope_test_fixtures::containers::{Container, Image};
 use stackscope_tests::{
     Collector, Fixture, Recorded, RunningProcess, TempCgroup, cpu_time, exclusive, fixture_source,
-    require_root, run_agent_for, sample_python, wait_success, workspace_binary,
+    folded, require_root, run_agent_for, sample_python, wait_success, workspace_binary,
 };
 
 /// The line `leaf` spins on in `python_chain.py`.
@@ -900,4 +900,80 @@ fn a_process_that_pretends_to_be_python_costs_a_bounded_walk_and_names_nothing()
         );
         assert!(named.is_err(), "garbage named: {named:?}");
     }
+}
+
+/// Off-CPU profiles of CPython programs show where they wait in Python:
+/// each version's interpreter blocks in `time.sleep` and `os.read` under
+/// known functions, and the agent's `--off-cpu` samples carry them.
+#[test]
+fn off_cpu_time_of_python_programs_lands_on_the_python_functions_that_wait() {
+    require_root();
+    let _serial = exclusive();
+    let pythons = one_per_version();
+    let scripts: Vec<RunningProcess> = pythons
+        .iter()
+        .map(|python| start_script(&python.program, "python_waits.py", &[]))
+        .collect();
+    let data = tempfile::tempdir().expect("temp dir");
+    let collector = Collector::start(data.path());
+    let mut args = vec!["--label-pid", "--off-cpu", "--off-cpu-rate", "1000000"]
+        .into_iter()
+        .map(str::to_owned)
+        .collect::<Vec<_>>();
+    for script in &scripts {
+        args.extend(["--pid".to_owned(), script.pid().to_string()]);
+    }
+    let args: Vec<&str> = args.iter().map(String::as_str).collect();
+    let report = run_agent_for(&collector, "6s", &args);
+    eprintln!("off-CPU figures: {}", report["off_cpu"]);
+    for (python, script) in pythons.iter().zip(&scripts) {
+        let stacks = folded(&collector.cli(&[
+            "export",
+            "--format",
+            "folded",
+            "--type",
+            "off-cpu",
+            "--since",
+            "10m",
+            "--match",
+            &format!("pid=\"{}\"", script.pid()),
+        ]));
+        let total: u64 = stacks.iter().map(|(_, nanos)| nanos).sum();
+        let on = |chain: &[&str]| -> u64 {
+            stacks
+                .iter()
+                .filter(|(stack, _)| {
+                    python.reads_chain(&stack.split(';').collect::<Vec<_>>(), chain)
+                })
+                .map(|(_, nanos)| nanos)
+                .sum()
+        };
+        let sleeping = on(&["serve", "wait_for_request"]);
+        let reading = on(&["serve", "read_reply"]);
+        let answering = on(&["answer"]);
+        eprintln!(
+            "{}: {:.2} s off-CPU: serve;wait_for_request {:.2} s, serve;read_reply {:.2} s, answer {:.2} s",
+            python.name,
+            total as f64 / 1e9,
+            sleeping as f64 / 1e9,
+            reading as f64 / 1e9,
+            answering as f64 / 1e9
+        );
+        // The main thread waits all the time, in either; the answering
+        // thread too. The first moments, before the interpreter is found,
+        // show native frames only.
+        assert!(
+            total > 5_000_000_000,
+            "{}: only {total} ns off-CPU in 6 s of two waiting threads",
+            python.name
+        );
+        assert!(
+            (sleeping + reading + answering) * 100 >= total * 80,
+            "{}: only {} of {total} ns under the Python functions that wait: {stacks:#?}",
+            python.name,
+            sleeping + reading + answering
+        );
+        assert!(sleeping > 0 && reading > 0, "{}: {stacks:#?}", python.name);
+    }
+    collector.stop();
 }
