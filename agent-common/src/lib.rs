@@ -439,6 +439,19 @@ pub struct SwitchIn {
     pub in_ns: u64,
 }
 
+impl SwitchIn {
+    pub const fn new(tid: u32, tgid: u32, out_ns: u64, in_ns: u64) -> Self {
+        Self {
+            kind: RecordKind::SwitchIn as u32,
+            tid,
+            tgid,
+            _pad: 0,
+            out_ns,
+            in_ns,
+        }
+    }
+}
+
 /// Size of [`SwitchIn`] in bytes.
 pub const SWITCH_IN_SIZE: usize = 32;
 const _: () = assert!(core::mem::size_of::<SwitchIn>() == SWITCH_IN_SIZE);

@@ -137,9 +137,9 @@ static NEW_PROCESS_WAKEUPS: LruHashMap<u32, u8> =
 
 /// Sampled blocking threads (by tid) waiting to be switched back in: what
 /// their switch-in record names (see `on_switch`). A plain hash, not an
-/// LRU one: an LRU map evicts live entries before it is full (its free
-/// nodes sit in per-CPU lists), which lost about one switch-in in a
-/// thousand; every entry here goes at its thread's switch-in.
+/// LRU one, which may evict live entries before it is full (its free
+/// nodes sit in per-CPU lists): an entry goes at its thread's switch-in,
+/// or else at its exit (`on_process_exit`), so none stays behind.
 #[map(name = "OFF_CPU_PENDING")]
 static OFF_CPU_PENDING: HashMap<u32, OffCpuPending> =
     HashMap::with_max_entries(MAX_OFF_CPU_PENDING, 0);
@@ -1254,6 +1254,11 @@ pub fn on_process_exec(_ctx: RawTracePointContext) -> i32 {
 #[raw_tracepoint(tracepoint = "sched_process_exit")]
 pub fn on_process_exit(_ctx: RawTracePointContext) -> i32 {
     let pid_tgid = bpf_get_current_pid_tgid();
+    // A thread whose switch-in was never seen leaves no entry behind (the
+    // offset is set only with off-CPU sampling on).
+    if TASK_PID_OFFSET.load() != 0 {
+        let _ = OFF_CPU_PENDING.remove(pid_tgid as u32);
+    }
     if pid_tgid >> 32 == pid_tgid & 0xffff_ffff {
         // A process that reuses the tgid is new: its first tick may wake
         // the reader.
@@ -1338,14 +1343,9 @@ fn switched_in(next: u64) {
         count(Counter::RingBufferFull);
         return;
     };
-    entry.write(SwitchIn {
-        kind: RecordKind::SwitchIn as u32,
-        tid,
-        tgid: pending.tgid,
-        _pad: 0,
-        out_ns: pending.out_ns,
-        in_ns: unsafe { bpf_ktime_get_ns() },
-    });
+    entry.write(SwitchIn::new(tid, pending.tgid, pending.out_ns, unsafe {
+        bpf_ktime_get_ns()
+    }));
     entry.submit(wakeup_flag(unread, SWITCH_IN_SIZE as u64));
     count(Counter::SwitchIns);
 }

@@ -59,11 +59,18 @@ pub struct PythonState {
     pub eval: Range<u64>,
     pub codes: CodeCache,
     /// Python stacks by the (thread, time) of their sample, oldest first.
-    pub waiting: VecDeque<(u32, u64, ReadStack)>,
-    /// The (thread, time) of waiting stacks whose samples are off-CPU ones,
-    /// walked at their switch-in, after ticks taken later: the walk of a
-    /// later tick does not drop them as stale.
-    pub walked_late: Vec<(u32, u64)>,
+    pub waiting: VecDeque<Waiting>,
+}
+
+/// A Python stack waiting for its sample's walk.
+#[derive(Debug)]
+pub struct Waiting {
+    tid: u32,
+    ktime_ns: u64,
+    /// Its sample is an off-CPU one, walked at its switch-in, after ticks
+    /// taken later: their walks do not drop it as stale.
+    walked_late: bool,
+    stack: ReadStack,
 }
 
 impl PythonState {
@@ -72,7 +79,6 @@ impl PythonState {
             eval,
             codes,
             waiting: VecDeque::new(),
-            walked_late: Vec::new(),
         }
     }
 
@@ -87,15 +93,15 @@ impl PythonState {
                 .codes
                 .get(frame.code, frame.first_line & !PythonFrame::ENTRY);
         }
-        if self.waiting.len() >= MAX_WAITING_STACKS
-            && let Some((tid, ktime, _)) = self.waiting.pop_front()
-        {
-            self.walked_late.retain(|&late| late != (tid, ktime));
+        if self.waiting.len() >= MAX_WAITING_STACKS {
+            self.waiting.pop_front();
         }
-        if header.flags & agent_common::sample_flags::OFF_CPU != 0 {
-            self.walked_late.push((header.tid, header.ktime_ns));
-        }
-        self.waiting.push_back((header.tid, header.ktime_ns, stack));
+        self.waiting.push_back(Waiting {
+            tid: header.tid,
+            ktime_ns: header.ktime_ns,
+            walked_late: header.flags & agent_common::sample_flags::OFF_CPU != 0,
+            stack,
+        });
     }
 
     /// The Python stack of the sample with `header`, if one came with it.
@@ -106,21 +112,15 @@ impl PythonState {
         let at = self
             .waiting
             .iter()
-            .position(|(tid, ktime, _)| *tid == header.tid && *ktime == header.ktime_ns)?;
-        let (tid, ktime, stack) = self.waiting.remove(at)?;
+            .position(|w| w.tid == header.tid && w.ktime_ns == header.ktime_ns)?;
+        let stack = self.waiting.remove(at)?.stack;
         // Older ones had their samples walked without them (dropped),
-        // unless theirs are off-CPU samples, walked later.
-        if self.walked_late.is_empty() {
-            self.waiting.drain(..at);
-        } else {
-            self.walked_late.retain(|&late| late != (tid, ktime));
-            let mut index = 0;
-            let walked_late = &self.walked_late;
-            self.waiting.retain(|(tid, ktime, _)| {
-                index += 1;
-                index > at || walked_late.contains(&(*tid, *ktime))
-            });
-        }
+        // unless theirs are walked late.
+        let mut index = 0;
+        self.waiting.retain(|waiting| {
+            index += 1;
+            index > at || waiting.walked_late
+        });
         Some(stack)
     }
 }
@@ -293,7 +293,7 @@ mod tests {
         assert!(state.take_stack(&sample(0, 7, 600)).is_some());
         assert_eq!(state.waiting.len(), 1, "the tick at 500 is stale");
         assert!(state.take_stack(&off_cpu).is_some());
-        assert!(state.waiting.is_empty() && state.walked_late.is_empty());
+        assert!(state.waiting.is_empty());
         // Bounded.
         for ktime in 0..MAX_WAITING_STACKS as u64 + 10 {
             state.wait_for_walk(&sample(0, 7, ktime), ReadStack::default());

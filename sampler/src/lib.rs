@@ -745,17 +745,13 @@ impl Drop for Sampler {
 /// Where `task_struct.pid` is, which the off-CPU program needs, or why
 /// off-CPU sampling cannot run here.
 fn off_cpu_pid_offset(layout: Option<&task_layout::TaskLayout>) -> Result<u32, SamplerError> {
-    // `sched_switch` passes `prev_state` from Linux 5.18 on.
-    let release = std::fs::read_to_string("/proc/sys/kernel/osrelease").unwrap_or_default();
-    let mut numbers = release
-        .trim()
-        .split(['.', '-'])
-        .map(|part| part.parse::<u32>().ok());
-    if let (Some(Some(major)), Some(Some(minor))) = (numbers.next(), numbers.next())
-        && (major, minor) < (5, 18)
+    // `sched_switch` passes `prev_state` from Linux 5.18 on. A version
+    // that cannot be read is not refused: the BTF read below still is.
+    if let Ok(version) = aya::util::KernelVersion::current()
+        && version < aya::util::KernelVersion::new(5, 18, 0)
     {
         return Err(SamplerError::OffCpuUnsupported(format!(
-            "Linux {major}.{minor} is older than 5.18, whose sched_switch tracepoint first passes the task's state"
+            "Linux {version:?} is older than 5.18, whose sched_switch tracepoint first passes the task's state"
         )));
     }
     layout

@@ -390,7 +390,16 @@ impl OwnedSample {
 /// What other crates' tests build on (the `test-support` feature).
 #[cfg(any(test, feature = "test-support"))]
 pub mod test_support {
-    use agent_common::{SAMPLE_HEADER_SIZE, SampleHeader};
+    use agent_common::{SAMPLE_HEADER_SIZE, SWITCH_IN_SIZE, SampleHeader, SwitchIn};
+
+    /// A switch-in record as the BPF program writes it.
+    pub fn encode_switch_in(switch: &SwitchIn) -> Vec<u8> {
+        // SAFETY: SwitchIn is repr(C) without implicit padding.
+        unsafe {
+            core::slice::from_raw_parts(core::ptr::from_ref(switch).cast::<u8>(), SWITCH_IN_SIZE)
+        }
+        .to_vec()
+    }
 
     /// A sample record as the BPF program writes it: the header, the
     /// kernel frames, then the user stack bytes.
@@ -784,19 +793,7 @@ mod tests {
     }
 
     fn encode_switch_in(out_ns: u64, in_ns: u64) -> Vec<u8> {
-        let switch = SwitchIn {
-            kind: RecordKind::SwitchIn as u32,
-            tid: 7,
-            tgid: 5,
-            _pad: 0,
-            out_ns,
-            in_ns,
-        };
-        // SAFETY: SwitchIn is repr(C) without padding.
-        unsafe {
-            core::slice::from_raw_parts(core::ptr::from_ref(&switch).cast::<u8>(), SWITCH_IN_SIZE)
-        }
-        .to_vec()
+        test_support::encode_switch_in(&SwitchIn::new(7, 5, out_ns, in_ns))
     }
 
     #[test]

@@ -16,7 +16,7 @@
 
 use std::collections::{BTreeMap, HashMap};
 
-use agent_common::{SampleHeader, SwitchIn, sample_flags};
+use agent_common::{SampleHeader, SwitchIn};
 use stackscope_telemetry::StateSize;
 
 /// Bytes of held records kept at most by default.
@@ -59,7 +59,6 @@ pub struct OffCpuStats {
 
 #[derive(Debug)]
 struct Held {
-    tgid: u32,
     out_ns: u64,
     divisor: u32,
     record: Vec<u8>,
@@ -74,8 +73,6 @@ pub struct OffCpuJoin {
     tgid_of: HashMap<u32, u32>,
     held_bytes: usize,
     max_bytes: usize,
-    /// Buffers of records walked, reused.
-    spare: Vec<Vec<u8>>,
     pub stats: OffCpuStats,
 }
 
@@ -86,7 +83,6 @@ impl OffCpuJoin {
             tgid_of: HashMap::new(),
             held_bytes: 0,
             max_bytes,
-            spare: Vec::new(),
             stats: OffCpuStats::default(),
         }
     }
@@ -96,33 +92,27 @@ impl OffCpuJoin {
     pub fn hold(&mut self, header: &SampleHeader, bytes: &[u8]) {
         self.stats.samples += 1;
         let (tgid, tid) = (header.tgid, header.tid);
-        if let Some(old) = self.release(tid) {
+        if self.release(tid).is_some() {
             self.stats.replaced += 1;
-            self.recycle(old);
         }
         if self.held_bytes + bytes.len() > self.max_bytes {
             self.stats.dropped_full += 1;
             return;
         }
-        let mut record = self.spare.pop().unwrap_or_default();
-        record.clear();
-        record.extend_from_slice(bytes);
-        self.held_bytes += record.len();
+        self.held_bytes += bytes.len();
         self.tgid_of.insert(tid, tgid);
         self.held.insert(
             (tgid, tid),
             Held {
-                tgid,
                 out_ns: header.ktime_ns,
                 divisor: header.sampling_divisor.max(1),
-                record,
+                record: bytes.to_vec(),
             },
         );
     }
 
     /// The held record `switch` ends, with its weight put in `weights`
-    /// for its walk; `None` when none waits for it. Give the record back
-    /// with [`OffCpuJoin::recycle`] once read.
+    /// for its walk; `None` when none waits for it.
     pub fn switched_in(
         &mut self,
         switch: &SwitchIn,
@@ -155,9 +145,8 @@ impl OffCpuJoin {
             .map(|(&(_, tid), _)| tid)
             .collect();
         for tid in tids {
-            if let Some(record) = self.release(tid) {
+            if self.release(tid).is_some() {
                 self.stats.ended_by_exit += 1;
-                self.recycle(record);
             }
         }
     }
@@ -193,18 +182,9 @@ impl OffCpuJoin {
         weights.put(tid, out_ns, nanos);
     }
 
-    /// Takes back a buffer [`OffCpuJoin::switched_in`] returned.
-    pub fn recycle(&mut self, record: Vec<u8>) {
-        // A few buffers are enough: records are walked one at a time.
-        if self.spare.len() < 4 {
-            self.spare.push(record);
-        }
-    }
-
     fn release(&mut self, tid: u32) -> Option<Vec<u8>> {
         let tgid = self.tgid_of.remove(&tid)?;
         let held = self.held.remove(&(tgid, tid))?;
-        debug_assert_eq!(held.tgid, tgid);
         self.held_bytes -= held.record.len();
         Some(held.record)
     }
@@ -240,11 +220,8 @@ impl OffCpuWeights {
     }
 
     /// The blocked nanoseconds of the off-CPU sample with `header`;
-    /// `None` for a tick's sample, or an off-CPU one whose weight is gone.
+    /// `None` when its weight is gone (counted).
     pub fn take(&mut self, header: &SampleHeader) -> Option<u64> {
-        if header.flags & sample_flags::OFF_CPU == 0 {
-            return None;
-        }
         let nanos = self.nanos.remove(&(header.tid, header.ktime_ns));
         self.missing += u64::from(nanos.is_none());
         nanos
@@ -254,6 +231,7 @@ impl OffCpuWeights {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use agent_common::sample_flags;
 
     fn header(tgid: u32, tid: u32, out_ns: u64) -> SampleHeader {
         SampleHeader {
@@ -278,14 +256,7 @@ mod tests {
     }
 
     fn switch_in(tgid: u32, tid: u32, out_ns: u64, in_ns: u64) -> SwitchIn {
-        SwitchIn {
-            kind: agent_common::RecordKind::SwitchIn as u32,
-            tid,
-            tgid,
-            _pad: 0,
-            out_ns,
-            in_ns,
-        }
+        SwitchIn::new(tid, tgid, out_ns, in_ns)
     }
 
     #[test]
@@ -385,14 +356,5 @@ mod tests {
         assert_eq!(weights.take(&header(20, 21, 4_000)), Some(1_000));
         assert_eq!(join.state_size().entries, Some(0));
         assert_eq!(join.state_size().bytes, Some(0));
-    }
-
-    #[test]
-    fn a_tick_s_sample_has_no_off_cpu_weight() {
-        let mut weights = OffCpuWeights::default();
-        let mut tick = header(10, 11, 1_000);
-        tick.flags = sample_flags::USER_REGS;
-        assert_eq!(weights.take(&tick), None);
-        assert_eq!(weights.missing, 0);
     }
 }

@@ -71,11 +71,14 @@ impl WalkSink {
             off_cpu,
         } = self;
         move |walked| {
-            let weight = match off_cpu.take(walked.header) {
-                Some(nanos) => SampleWeight::OffCpu { nanos },
+            let weight = if walked.header.flags & agent_common::sample_flags::OFF_CPU == 0 {
+                SampleWeight::Tick
+            } else {
                 // An off-CPU sample whose weight is gone: no time to count.
-                None if walked.header.flags & agent_common::sample_flags::OFF_CPU != 0 => return,
-                None => SampleWeight::Tick,
+                let Some(nanos) = off_cpu.take(walked.header) else {
+                    return;
+                };
+                SampleWeight::OffCpu { nanos }
             };
             let Some(ProcessRecord {
                 labels,

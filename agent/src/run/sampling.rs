@@ -20,7 +20,7 @@ use std::{
     time::{Duration, SystemTime, UNIX_EPOCH},
 };
 
-use agent_common::{CgroupPolicy, sample_flags};
+use agent_common::{CgroupPolicy, SampleHeader, sample_flags};
 use tokio::{
     sync::{mpsc, oneshot},
     time::{Instant, MissedTickBehavior},
@@ -553,6 +553,19 @@ fn next_boundary(interval: Duration) -> Instant {
     Instant::now() + Duration::from_nanos(u64::try_from(wait).unwrap_or(u64::MAX))
 }
 
+/// Puts the Python stack read with the sample with `header`, if any, in
+/// its process's record, where it waits for the sample's walk.
+fn pair_python_stack(
+    python: &mut PythonProcesses,
+    processes: &mut ProcessTable<ProcessRecord>,
+    header: &SampleHeader,
+) {
+    if let Some(stack) = python.for_sample(header) {
+        let (_, record) = processes.state(header.tgid);
+        python.wait_for_walk(&mut record.python, header, stack);
+    }
+}
+
 /// What the reader keeps of each record.
 struct RecordTally {
     totals: ReaderTotals,
@@ -848,11 +861,7 @@ impl RecordTally {
             python,
             ..
         } = self;
-        // Its Python stack waits in its record for its walk.
-        if let Some(stack) = python.for_sample(&sample.header) {
-            let (_, record) = processes.state(sample.header.tgid);
-            python.wait_for_walk(&mut record.python, &sample.header, stack);
-        }
+        pair_python_stack(python, processes, &sample.header);
         kernel_frames.clear();
         kernel_frames.extend(sample.kernel_frames());
         if sample.header.flags & sample_flags::USER_REGS == 0 {
@@ -894,8 +903,6 @@ impl RecordTally {
                 self.add_sample(&sample);
             }
         }
-        self.walker
-            .flush(&mut self.processes, self.sink.add_walked());
     }
 
     /// The off-CPU figures, with the off-CPU program's cost.
@@ -928,10 +935,7 @@ impl RecordTally {
                     // code objects read now, while the process runs).
                     Some(off_cpu) if header.flags & sample_flags::OFF_CPU != 0 => {
                         off_cpu.hold(header, bytes);
-                        if let Some(stack) = self.python.for_sample(header) {
-                            let (_, record) = self.processes.state(header.tgid);
-                            self.python.wait_for_walk(&mut record.python, header, stack);
-                        }
+                        pair_python_stack(&mut self.python, &mut self.processes, header);
                     }
                     _ => self.add_sample(&sample),
                 }
@@ -940,14 +944,11 @@ impl RecordTally {
                 let Some(off_cpu) = &mut self.off_cpu else {
                     return;
                 };
-                if let Some(held) = off_cpu.switched_in(&switch, &mut self.sink.off_cpu) {
+                if let Some(held) = off_cpu.switched_in(&switch, &mut self.sink.off_cpu)
                     // Decoded when it was held.
-                    if let Ok(sample) = Sample::decode(&held) {
-                        self.add_sample(&sample);
-                    }
-                    if let Some(off_cpu) = &mut self.off_cpu {
-                        off_cpu.recycle(held);
-                    }
+                    && let Ok(sample) = Sample::decode(&held)
+                {
+                    self.add_sample(&sample);
                 }
             }
             Ok(Record::Exec(event)) => {
@@ -1049,22 +1050,9 @@ mod tests {
 
     /// A switch-in record's bytes.
     fn switch_in_record(tgid: u32, tid: u32, out_ns: u64, in_ns: u64) -> Vec<u8> {
-        let switch = agent_common::SwitchIn {
-            kind: agent_common::RecordKind::SwitchIn as u32,
-            tid,
-            tgid,
-            _pad: 0,
-            out_ns,
-            in_ns,
-        };
-        // SAFETY: SwitchIn is repr(C), integers only, no padding.
-        unsafe {
-            std::slice::from_raw_parts(
-                std::ptr::from_ref(&switch).cast::<u8>(),
-                agent_common::SWITCH_IN_SIZE,
-            )
-        }
-        .to_vec()
+        stackscope_sampler::record::test_support::encode_switch_in(&agent_common::SwitchIn::new(
+            tid, tgid, out_ns, in_ns,
+        ))
     }
 
     #[test]
