@@ -50,7 +50,7 @@ use std::{
 
 use agent_common::{COMM_LEN, PythonFrame, SampleHeader};
 use stackscope_process_table::{ModuleFile, ObjectId};
-use stackscope_profile::model::ProfileType;
+use stackscope_proto::v1::ProfileType;
 
 pub use batch::{BatchOptions, build_batch};
 use labels::LabelChoice;

@@ -318,7 +318,7 @@ impl Collector {
         // and answers CPU samples.
         let answered = match response.profile_type.as_str() {
             "" => ProfileType::Cpu,
-            name => ProfileType::from_name(name).unwrap_or(selection.profile_type),
+            name => ProfileType::from_name(name).unwrap_or_else(|| selection.profile_type.clone()),
         };
         if answered != selection.profile_type {
             anyhow::bail!(
@@ -394,7 +394,7 @@ async fn main() -> anyhow::Result<()> {
             let (tree, _) = fetch_tree(&cli, &selection, *min_share, group_by.as_deref()).await?;
             let options = SvgOptions::titled(
                 title.clone().unwrap_or_else(|| timespec::title(&selection)),
-                selection.profile_type,
+                &selection.profile_type,
             );
             write_output(output, &render::svg(&tree, &options)?)?;
             if output != Path::new("-") {
@@ -451,7 +451,7 @@ async fn main() -> anyhow::Result<()> {
             let (old, _) = collector.tree(&base, 0.0, None).await.context("baseline")?;
             let options = SvgOptions::titled(
                 timespec::diff_title(&selection, &base),
-                selection.profile_type,
+                &selection.profile_type,
             );
             write_output(output, &render::diff_svg(&old, &new, &options)?)?;
             if output != Path::new("-") {
@@ -531,7 +531,7 @@ async fn main() -> anyhow::Result<()> {
             let bytes = match format {
                 ExportFormat::Pprof => render::pprof(
                     &tree,
-                    selection.profile_type,
+                    &selection.profile_type,
                     period,
                     selection.range.start_unix_nanos,
                     selection.range.end_unix_nanos - selection.range.start_unix_nanos,

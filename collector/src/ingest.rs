@@ -483,7 +483,7 @@ pub fn validate(batch: v1::Batch, limits: &IngestLimits) -> Result<ValidBatch, B
         if types_seen.contains(&profile_type) {
             return Err(bad(format!("a second group of type {profile_type}")));
         }
-        types_seen.push(profile_type);
+        types_seen.push(profile_type.clone());
         if typed.period_nanos == 0 || i64::try_from(typed.period_nanos).is_err() {
             return Err(bad(format!(
                 "period_nanos must be in 1..=9223372036854775807, got {}",
@@ -510,7 +510,7 @@ pub fn validate(batch: v1::Batch, limits: &IngestLimits) -> Result<ValidBatch, B
                         record.weight, typed.period_nanos
                     ))
                 })?;
-            let label_set = label_sets.of_type(record.label_set, profile_type);
+            let label_set = label_sets.of_type(record.label_set, &profile_type);
             samples.push(SampleRecord {
                 label_set,
                 weight,
@@ -567,22 +567,25 @@ impl TypedLabelSets {
     }
 
     /// The index of sent set `set` with `profile_type`'s label.
-    fn of_type(&mut self, set: u32, profile_type: ProfileType) -> u32 {
-        *self.typed.entry((set, profile_type)).or_insert_with(|| {
-            let mut labels = self.sets[set as usize].clone();
-            let at = labels.partition_point(|(name, _)| name.as_str() < PROFILE_TYPE_LABEL);
-            labels.insert(
-                at,
-                (
-                    PROFILE_TYPE_LABEL.to_owned(),
-                    profile_type.label_value().to_owned(),
-                ),
-            );
-            self.sets.push(labels);
-            // Typed weights are stored in nanoseconds.
-            self.periods.push(1);
-            (self.sets.len() - 1) as u32
-        })
+    fn of_type(&mut self, set: u32, profile_type: &ProfileType) -> u32 {
+        *self
+            .typed
+            .entry((set, profile_type.clone()))
+            .or_insert_with(|| {
+                let mut labels = self.sets[set as usize].clone();
+                let at = labels.partition_point(|(name, _)| name.as_str() < PROFILE_TYPE_LABEL);
+                labels.insert(
+                    at,
+                    (
+                        PROFILE_TYPE_LABEL.to_owned(),
+                        profile_type.label_value().to_owned(),
+                    ),
+                );
+                self.sets.push(labels);
+                // Typed weights are stored in nanoseconds.
+                self.periods.push(1);
+                (self.sets.len() - 1) as u32
+            })
     }
 
     fn check(&self, limits: &IngestLimits) -> Result<(), BatchError> {

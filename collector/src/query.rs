@@ -292,25 +292,12 @@ impl QueryEngine {
     }
 
     /// The profile types with samples in the selection (its own type
-    /// aside), in [`ProfileType::ALL`]'s order.
+    /// aside), sorted (CPU, off-CPU, then the sent types by id).
     pub async fn profile_types(
         &self,
         selection: Selection,
     ) -> Result<Vec<ProfileType>, QueryError> {
-        let work = self.blocking(move |storage| {
-            let mut present = Vec::new();
-            for profile_type in ProfileType::ALL {
-                let selection = Selection {
-                    profile_type,
-                    ..selection.clone()
-                };
-                // Every stored label set has `node`.
-                if !storage.label_names(&selection)?.is_empty() {
-                    present.push(profile_type);
-                }
-            }
-            Ok::<_, StorageError>(present)
-        });
+        let work = self.blocking(move |storage| storage.profile_types(&selection));
         self.metrics.time_query("profile_types", work).await
     }
 

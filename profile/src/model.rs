@@ -141,7 +141,7 @@ impl LabelMatcher {
 
 /// What a profile's weights measure. A query selects one type: weights
 /// of different types are never summed.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Hash, PartialOrd, Ord)]
+#[derive(Debug, Clone, Default, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub enum ProfileType {
     /// Time on the CPU, sampled by a timer: a weight is ticks, each worth
     /// the batch's sample period.
@@ -149,6 +149,10 @@ pub enum ProfileType {
     Cpu,
     /// Time blocked off the CPU: a weight is nanoseconds.
     OffCpu,
+    /// A type an application sent (an SDK's pprof sample type: allocated
+    /// bytes, heap in use, lock waits, ...), named by its Pyroscope id
+    /// (see [`PyroscopeTypeId`]); a weight is the id's sample unit.
+    Sent(PyroscopeTypeId),
 }
 
 /// The label storage keeps a sample's profile type in, when it is not
@@ -157,32 +161,135 @@ pub enum ProfileType {
 /// starting with `__` are the collector's: ingest refuses them from nodes.
 pub const PROFILE_TYPE_LABEL: &str = "__type__";
 
-impl ProfileType {
-    pub const ALL: [ProfileType; 2] = [ProfileType::Cpu, ProfileType::OffCpu];
+/// A profile type as Pyroscope names it, `name:sample_type:sample_unit:
+/// period_type:period_unit` (`memory:alloc_space:bytes:space:bytes`): five
+/// non-empty parts of letters, digits, `_`, `-` and `.`. Grafana and the
+/// application SDKs speak these ids, so sent types keep them as they are.
+#[derive(Debug, Clone, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct PyroscopeTypeId(Arc<str>);
 
-    /// Its name in queries (`type=`, `--type`) and in storage.
-    pub fn name(self) -> &'static str {
-        match self {
-            ProfileType::Cpu => "cpu",
-            ProfileType::OffCpu => "off_cpu",
+/// A string is not a Pyroscope profile type id.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error(
+    "{0:?} is not a profile type id (name:sample_type:sample_unit:period_type:period_unit, \
+     each part letters, digits, '_', '-' or '.')"
+)]
+pub struct InvalidTypeId(pub String);
+
+impl PyroscopeTypeId {
+    /// Most bytes an id may have: ids are label values and names in menus.
+    pub const MAX_LEN: usize = 200;
+
+    pub fn new(id: &str) -> Result<Self, InvalidTypeId> {
+        let part_ok = |part: &str| {
+            !part.is_empty()
+                && part
+                    .bytes()
+                    .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'_' | b'-' | b'.'))
+        };
+        if id.len() <= Self::MAX_LEN && id.split(':').count() == 5 && id.split(':').all(part_ok) {
+            Ok(Self(id.into()))
+        } else {
+            Err(InvalidTypeId(id.to_owned()))
         }
     }
 
-    /// The type named `name` (`off-cpu` is read as `off_cpu`).
+    /// The id built from its parts (each checked as [`PyroscopeTypeId::new`] does).
+    pub fn from_parts(
+        name: &str,
+        sample: (&str, &str),
+        period: (&str, &str),
+    ) -> Result<Self, InvalidTypeId> {
+        Self::new(&format!(
+            "{name}:{}:{}:{}:{}",
+            sample.0, sample.1, period.0, period.1
+        ))
+    }
+
+    pub fn as_str(&self) -> &str {
+        &self.0
+    }
+
+    fn part(&self, index: usize) -> &str {
+        self.0.split(':').nth(index).unwrap_or("")
+    }
+
+    /// The profile's name (`memory`, `process_cpu`, ...).
+    pub fn name(&self) -> &str {
+        self.part(0)
+    }
+
+    /// What a sample's value is and its unit (`alloc_space`, `bytes`).
+    pub fn sample_type(&self) -> (&str, &str) {
+        (self.part(1), self.part(2))
+    }
+
+    /// What the profile's period counts and its unit.
+    pub fn period_type(&self) -> (&str, &str) {
+        (self.part(3), self.part(4))
+    }
+}
+
+impl ProfileType {
+    /// Pyroscope's id for CPU time, which is what the agents' CPU samples
+    /// (converted to nanoseconds) and SDKs' CPU profiles are in Grafana.
+    pub const CPU_ID: &str = "process_cpu:cpu:nanoseconds:cpu:nanoseconds";
+    /// The id off-CPU time is given in Pyroscope's API.
+    pub const OFF_CPU_ID: &str = "off_cpu:off_cpu:nanoseconds:off_cpu:nanoseconds";
+
+    /// Its name in queries (`type=`, `--type`) and in storage.
+    pub fn name(&self) -> &str {
+        match self {
+            ProfileType::Cpu => "cpu",
+            ProfileType::OffCpu => "off_cpu",
+            ProfileType::Sent(id) => id.as_str(),
+        }
+    }
+
+    /// The type named `name`: `cpu`, `off_cpu` (or `off-cpu`), or a
+    /// Pyroscope id (those of CPU and off-CPU time name those types).
     pub fn from_name(name: &str) -> Option<Self> {
         match name {
-            "cpu" => Some(ProfileType::Cpu),
-            "off_cpu" | "off-cpu" => Some(ProfileType::OffCpu),
-            _ => None,
+            "cpu" | Self::CPU_ID => Some(ProfileType::Cpu),
+            "off_cpu" | "off-cpu" | Self::OFF_CPU_ID => Some(ProfileType::OffCpu),
+            _ => PyroscopeTypeId::new(name).ok().map(ProfileType::Sent),
+        }
+    }
+
+    /// The type whose samples carry `value` in [`PROFILE_TYPE_LABEL`]
+    /// (`""`: CPU); `None` for a value no type of this collector stores.
+    pub fn from_label_value(value: &str) -> Option<Self> {
+        match value {
+            "" => Some(ProfileType::Cpu),
+            "cpu" | Self::CPU_ID => None,
+            _ => Self::from_name(value),
         }
     }
 
     /// The value of [`PROFILE_TYPE_LABEL`] in its samples' label sets:
     /// empty (absent) for CPU samples.
-    pub fn label_value(self) -> &'static str {
+    pub fn label_value(&self) -> &str {
         match self {
             ProfileType::Cpu => "",
-            ProfileType::OffCpu => self.name(),
+            _ => self.name(),
+        }
+    }
+
+    /// Its Pyroscope id: what Grafana lists and selects.
+    pub fn pyroscope_id(&self) -> &str {
+        match self {
+            ProfileType::Cpu => Self::CPU_ID,
+            ProfileType::OffCpu => Self::OFF_CPU_ID,
+            ProfileType::Sent(id) => id.as_str(),
+        }
+    }
+
+    /// The unit its weights are in once multiplied by the sample period
+    /// (CPU: nanoseconds; the others: as stored).
+    pub fn unit(&self) -> &str {
+        match self {
+            ProfileType::Cpu | ProfileType::OffCpu => "nanoseconds",
+            ProfileType::Sent(id) => id.sample_type().1,
         }
     }
 }
@@ -214,8 +321,15 @@ impl Selection {
             .into_iter()
             .find(|(name, _)| *name == PROFILE_TYPE_LABEL)
             .map_or("", |(_, value)| value);
-        type_value == self.profile_type.label_value()
-            && self.matchers.iter().all(|m| m.matches_set(labels.clone()))
+        type_value == self.profile_type.label_value() && self.matches_labels_of_any_type(labels)
+    }
+
+    /// Whether every matcher holds on these labels, whatever their type.
+    pub fn matches_labels_of_any_type<'a, I>(&self, labels: I) -> bool
+    where
+        I: IntoIterator<Item = (&'a str, &'a str)> + Clone,
+    {
+        self.matchers.iter().all(|m| m.matches_set(labels.clone()))
     }
 
     /// Whether it selects every CPU sample (no matchers): what storage
@@ -328,5 +442,57 @@ impl PeriodAgreement {
             Some(value) if !self.disagree => value,
             _ => 0,
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn profile_types_are_named_by_their_names_and_pyroscope_ids() {
+        assert_eq!(ProfileType::from_name("cpu"), Some(ProfileType::Cpu));
+        assert_eq!(
+            ProfileType::from_name(ProfileType::CPU_ID),
+            Some(ProfileType::Cpu)
+        );
+        assert_eq!(ProfileType::from_name("off-cpu"), Some(ProfileType::OffCpu));
+        let alloc = ProfileType::from_name("memory:alloc_space:bytes:space:bytes").unwrap();
+        let ProfileType::Sent(id) = &alloc else {
+            panic!("{alloc:?}")
+        };
+        assert_eq!(id.name(), "memory");
+        assert_eq!(id.sample_type(), ("alloc_space", "bytes"));
+        assert_eq!(id.period_type(), ("space", "bytes"));
+        assert_eq!(alloc.unit(), "bytes");
+        assert_eq!(alloc.label_value(), alloc.pyroscope_id());
+        for bad in [
+            "alloc_space",
+            "memory:alloc_space:bytes:space",
+            "memory:alloc_space:bytes:space:bytes:x",
+            "memory::bytes:space:bytes",
+            "memory:alloc space:bytes:space:bytes",
+            "memory:alloc_space:bytes:space:bytes\"",
+        ] {
+            assert_eq!(ProfileType::from_name(bad), None, "{bad}");
+        }
+        assert!(PyroscopeTypeId::new(&format!("{}:a:b:c:d", "x".repeat(200))).is_err());
+    }
+
+    #[test]
+    fn label_values_name_the_type_that_stores_them() {
+        for profile_type in [
+            ProfileType::Cpu,
+            ProfileType::OffCpu,
+            ProfileType::from_name("memory:inuse_objects:count:space:bytes").unwrap(),
+        ] {
+            assert_eq!(
+                ProfileType::from_label_value(profile_type.label_value()),
+                Some(profile_type)
+            );
+        }
+        // CPU samples carry no type label: a set that says "cpu" is no type's.
+        assert_eq!(ProfileType::from_label_value("cpu"), None);
+        assert_eq!(ProfileType::from_label_value(ProfileType::CPU_ID), None);
     }
 }

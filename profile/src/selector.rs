@@ -319,10 +319,7 @@ pub fn selection_to_proto(selection: &Selection) -> ProtoSelection {
                 value: m.value.clone(),
             })
             .collect(),
-        profile_type: match selection.profile_type {
-            ProfileType::Cpu => String::new(),
-            other => other.name().to_owned(),
-        },
+        profile_type: selection.profile_type.label_value().to_owned(),
     }
 }
 

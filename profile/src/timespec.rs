@@ -32,7 +32,7 @@ pub fn describe(selection: &Selection) -> String {
     } else {
         selector::format_matchers(&selection.matchers)
     };
-    match selection.profile_type {
+    match &selection.profile_type {
         ProfileType::Cpu => samples,
         other => format!("{samples} ({other})"),
     }

@@ -15,7 +15,7 @@ use std::{
 
 use foldhash::{HashMap, HashMapExt as _};
 
-use stackscope_profile::model::{ProfileType, unix_nanos};
+use stackscope_profile::model::unix_nanos;
 use stackscope_proto::v1;
 
 use super::{Interval, MappingKey, index_of, labels};
@@ -320,7 +320,7 @@ struct BatchBuilder {
     samples: Vec<v1::Sample>,
     /// Off-CPU samples: nanoseconds blocked.
     off_cpu_samples: Vec<v1::Sample>,
-    sample_index: HashMap<(u32, u32, u32, ProfileType), usize>,
+    sample_index: HashMap<(u32, u32, u32, v1::ProfileType), usize>,
 }
 
 impl BatchBuilder {
@@ -490,15 +490,15 @@ impl BatchBuilder {
         label_set: u32,
         divisor: u32,
         count: u64,
-        profile_type: ProfileType,
+        profile_type: v1::ProfileType,
     ) {
         if count == 0 {
             return;
         }
         let key = (stack, label_set, divisor, profile_type);
         let samples = match profile_type {
-            ProfileType::Cpu => &mut self.samples,
-            ProfileType::OffCpu => &mut self.off_cpu_samples,
+            v1::ProfileType::Cpu | v1::ProfileType::Unspecified => &mut self.samples,
+            v1::ProfileType::OffCpu => &mut self.off_cpu_samples,
         };
         match self
             .sample_index

@@ -999,7 +999,7 @@ impl RecordTally {
 mod tests {
     use super::*;
     use crate::aggregate::AggregatorConfig;
-    use stackscope_profile::model::ProfileType;
+    use stackscope_proto::v1::ProfileType;
 
     /// Hash-table lookups a sample may cost the sampling thread once its
     /// process, thread and stack are known (issue 32 asks for at most 3).

@@ -185,7 +185,7 @@ impl query_server::Query for QueryService {
     ) -> Result<Response<FlamegraphResponse>, Status> {
         let request = request.into_inner();
         let selection = selection(request.selection)?;
-        let profile_type = selection.profile_type;
+        let profile_type = selection.profile_type.clone();
         let flamegraph = self
             .engine
             .flamegraph(selection, request.min_share, Some(&request.group_by))

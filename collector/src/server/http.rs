@@ -262,8 +262,9 @@ enum Format {
 /// weights are each node's total minus its children's.
 #[derive(Serialize)]
 struct FlatTree<'a> {
-    /// The profile type the weights are of (`cpu`, `off_cpu`).
-    profile_type: &'static str,
+    /// The profile type the weights are of (`cpu`, `off_cpu`, a sent
+    /// type's id).
+    profile_type: &'a str,
     total: u64,
     sample_period_nanos: u64,
     frames: Vec<FlatFrame<'a>>,
@@ -279,7 +280,7 @@ struct FlatFrame<'a> {
     inlined: bool,
 }
 
-fn flat(flamegraph: &Flamegraph, profile_type: ProfileType) -> FlatTree<'_> {
+fn flat<'a>(flamegraph: &'a Flamegraph, profile_type: &'a ProfileType) -> FlatTree<'a> {
     let tree = &flamegraph.tree;
     let mut numbers: HashMap<&Frame, u64> = HashMap::new();
     let mut frames = Vec::new();
@@ -319,14 +320,14 @@ fn render(
 ) -> Result<Response, ApiError> {
     Ok(match format {
         Format::Svg => {
-            let options = SvgOptions::titled(title, selection.profile_type);
+            let options = SvgOptions::titled(title, &selection.profile_type);
             match render::svg(&flamegraph.tree, &options) {
                 Ok(bytes) => svg_response(bytes),
                 Err(err) => ApiError(StatusCode::NOT_FOUND, format!("{err}")).into_response(),
             }
         }
         Format::Json => Json(render::json(&flamegraph.tree)).into_response(),
-        Format::Flat => Json(flat(flamegraph, selection.profile_type)).into_response(),
+        Format::Flat => Json(flat(flamegraph, &selection.profile_type)).into_response(),
         Format::Folded => (
             [(header::CONTENT_TYPE, "text/plain; charset=utf-8")],
             render::folded(&flamegraph.tree),
@@ -342,7 +343,7 @@ fn render(
             ],
             render::pprof(
                 &flamegraph.tree,
-                selection.profile_type,
+                &selection.profile_type,
                 flamegraph.sample_period_nanos,
                 selection.range.start_unix_nanos,
                 selection.range.end_unix_nanos - selection.range.start_unix_nanos,
@@ -400,7 +401,7 @@ async fn diff(
     )?;
     let options = SvgOptions::titled(
         timespec::diff_title(&selection, &base),
-        selection.profile_type,
+        &selection.profile_type,
     );
     match render::diff_svg(&old.tree, &new.tree, &options) {
         Ok(bytes) => Ok(svg_response(bytes)),
@@ -473,9 +474,9 @@ async fn label_values(
 async fn profile_types(
     State(engine): State<QueryEngine>,
     Query(params): Query<Params>,
-) -> Result<Json<Vec<&'static str>>, ApiError> {
+) -> Result<Json<Vec<String>>, ApiError> {
     let types = engine.profile_types(params.selection()?).await?;
-    Ok(Json(types.into_iter().map(ProfileType::name).collect()))
+    Ok(Json(types.iter().map(|t| t.name().to_owned()).collect()))
 }
 
 async fn series(

@@ -12,7 +12,7 @@ mod codec;
 mod hash;
 pub mod sqlite;
 
-use stackscope_profile::model::{Selection, StackSamples};
+use stackscope_profile::model::{ProfileType, Selection, StackSamples};
 
 use stackscope_telemetry::StateSize;
 
@@ -133,6 +133,10 @@ pub trait Storage: Send + Sync + 'static {
 
     /// Values of `name` on the selected samples, sorted.
     fn label_values(&self, selection: &Selection, name: &str) -> Result<Vec<String>, StorageError>;
+
+    /// The profile types with samples in the selection's range on which its
+    /// matchers hold (its own type aside), sorted.
+    fn profile_types(&self, selection: &Selection) -> Result<Vec<ProfileType>, StorageError>;
 
     /// Weight of the selected samples per `step_nanos` wide bucket, as
     /// (bucket start, weight), ascending, empty buckets left out.

@@ -38,7 +38,7 @@ use crate::tree::CallTree;
 /// `duration_nanos` describe the selection's time range.
 pub fn pprof(
     tree: &CallTree,
-    profile_type: ProfileType,
+    profile_type: &ProfileType,
     sample_period_nanos: u64,
     time_nanos: i64,
     duration_nanos: i64,
@@ -65,10 +65,11 @@ pub fn pprof(
 /// The profile [`pprof`] encodes, before encoding and compression. CPU
 /// profiles have two values per sample, `samples/count` and
 /// `cpu/nanoseconds`; off-CPU ones one, `off_cpu/nanoseconds` (their
-/// weights are nanoseconds already).
+/// weights are nanoseconds already); a sent type's one, its own sample type
+/// (`alloc_space/bytes`) with its weights as stored.
 pub fn pprof_profile(
     tree: &CallTree,
-    profile_type: ProfileType,
+    profile_type: &ProfileType,
     sample_period_nanos: u64,
     time_nanos: i64,
     duration_nanos: i64,
@@ -89,6 +90,12 @@ pub fn pprof_profile(
             let off_cpu = builder.value_type(profile_type.name(), "nanoseconds");
             (vec![off_cpu], off_cpu, off_cpu.r#type)
         }
+        ProfileType::Sent(id) => {
+            let (kind, unit) = id.sample_type();
+            let sample = builder.value_type(kind, unit);
+            let (kind, unit) = id.period_type();
+            (vec![sample], builder.value_type(kind, unit), sample.r#type)
+        }
     };
     let period = clamp(sample_period_nanos);
 
@@ -104,6 +111,7 @@ pub fn pprof_profile(
             value: match profile_type {
                 ProfileType::Cpu => vec![clamp(node.self_weight()), nanos],
                 ProfileType::OffCpu => vec![nanos],
+                ProfileType::Sent(_) => vec![clamp(node.self_weight())],
             },
             label: Vec::new(),
         });
@@ -441,7 +449,7 @@ mod tests {
         ]);
         let profile = decode(&pprof(
             &CallTree::from_stacks(&samples),
-            ProfileType::Cpu,
+            &ProfileType::Cpu,
             0,
             0,
             0,
@@ -477,7 +485,7 @@ mod tests {
         let tree = tree(&[("main;a;b", 3), ("main;a", 2), ("main;c", 5)]);
         let profile = decode(&pprof(
             &tree,
-            ProfileType::Cpu,
+            &ProfileType::Cpu,
             10_000_000,
             1_700_000_000_000_000_000,
             60_000_000_000,
@@ -527,7 +535,7 @@ mod tests {
     fn an_off_cpu_profile_has_one_value_in_nanoseconds() {
         // Weights of off-CPU samples are nanoseconds blocked (period 1).
         let tree = tree(&[("main;read", 7_000), ("main;sleep", 3_000)]);
-        let profile = decode(&pprof(&tree, ProfileType::OffCpu, 1, 0, 0));
+        let profile = decode(&pprof(&tree, &ProfileType::OffCpu, 1, 0, 0));
         let types: Vec<(&str, &str)> = profile
             .sample_type
             .iter()
@@ -542,7 +550,7 @@ mod tests {
 
     #[test]
     fn unknown_period_defaults_to_samples() {
-        let profile = decode(&pprof(&tree(&[("main", 4)]), ProfileType::Cpu, 0, 0, 0));
+        let profile = decode(&pprof(&tree(&[("main", 4)]), &ProfileType::Cpu, 0, 0, 0));
         assert_eq!(profile.period, 0);
         assert_eq!(string(&profile, profile.default_sample_type), "samples");
         assert_eq!(profile.sample[0].value, [4, 0]);
@@ -575,7 +583,7 @@ mod tests {
             stacks,
             sample_period_nanos: 1,
         });
-        let profile = decode(&pprof(&tree, ProfileType::Cpu, 1, 0, 0));
+        let profile = decode(&pprof(&tree, &ProfileType::Cpu, 1, 0, 0));
         let sample = |names: &[&str], weight: i64| {
             (
                 names.iter().map(|n| n.to_string()).collect::<Vec<_>>(),
@@ -635,7 +643,7 @@ mod tests {
     fn empty_stacks_and_empty_trees() {
         let profile = decode(&pprof(
             &tree(&[("", 2), ("main", 1)]),
-            ProfileType::Cpu,
+            &ProfileType::Cpu,
             5,
             0,
             0,
@@ -647,7 +655,7 @@ mod tests {
                 (vec!["main:0".to_string()], vec![1, 5])
             ]
         );
-        let empty = decode(&pprof(&CallTree::default(), ProfileType::Cpu, 5, 0, 0));
+        let empty = decode(&pprof(&CallTree::default(), &ProfileType::Cpu, 5, 0, 0));
         assert!(empty.sample.is_empty());
         assert!(empty.location.is_empty());
         assert_eq!(empty.sample_type.len(), 2);
@@ -699,7 +707,7 @@ mod tests {
         let path = dir.path().join("profile.pb.gz");
         std::fs::write(
             &path,
-            pprof(&tree, ProfileType::Cpu, 10_000_000, 0, 1_000_000_000),
+            pprof(&tree, &ProfileType::Cpu, 10_000_000, 0, 1_000_000_000),
         )
         .unwrap();
 

@@ -29,15 +29,15 @@ pub struct SvgOptions {
 
 impl SvgOptions {
     /// The defaults, titled `title`, for a profile of `profile_type`: its
-    /// weights are samples, or nanoseconds off the CPU.
-    pub fn titled(title: String, profile_type: ProfileType) -> Self {
+    /// weights are samples, nanoseconds off the CPU, or a sent type's unit.
+    pub fn titled(title: String, profile_type: &ProfileType) -> Self {
         SvgOptions {
             title,
             count_name: match profile_type {
-                ProfileType::Cpu => "samples",
-                ProfileType::OffCpu => "ns off-CPU",
-            }
-            .to_string(),
+                ProfileType::Cpu => "samples".to_owned(),
+                ProfileType::OffCpu => "ns off-CPU".to_owned(),
+                ProfileType::Sent(id) => id.sample_type().1.to_owned(),
+            },
             ..SvgOptions::default()
         }
     }

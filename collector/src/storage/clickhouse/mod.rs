@@ -53,7 +53,8 @@ use std::{
 };
 
 use stackscope_profile::model::{
-    Frame, PROFILE_TYPE_LABEL, PeriodAgreement, Selection, StackSamples, WeightedStack, unix_nanos,
+    Frame, PROFILE_TYPE_LABEL, PeriodAgreement, ProfileType, Selection, StackSamples,
+    WeightedStack, unix_nanos,
 };
 
 use self::{
@@ -1204,6 +1205,25 @@ impl Storage for ClickhouseStorage {
             }
         }
         Ok(values.into_iter().collect())
+    }
+
+    fn profile_types(&self, selection: &Selection) -> Result<Vec<ProfileType>, StorageError> {
+        let Some(buckets) = self.bucket_condition(selection)? else {
+            return Ok(Vec::new());
+        };
+        let mut types = BTreeSet::new();
+        for labels in self.label_sets_in(&buckets)?.values() {
+            if !selection
+                .matches_labels_of_any_type(labels.iter().map(|(n, v)| (n.as_str(), v.as_str())))
+            {
+                continue;
+            }
+            let value = labels
+                .binary_search_by(|(n, _)| n.as_str().cmp(PROFILE_TYPE_LABEL))
+                .map_or("", |i| labels[i].1.as_str());
+            types.extend(ProfileType::from_label_value(value));
+        }
+        Ok(types.into_iter().collect())
     }
 
     /// As SQLite's: points aligned to multiples of `step_nanos`, a bucket

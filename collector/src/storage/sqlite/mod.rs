@@ -20,7 +20,7 @@ use std::{
 };
 
 use rusqlite::Connection;
-use stackscope_profile::model::{Selection, StackSamples};
+use stackscope_profile::model::{ProfileType, Selection, StackSamples};
 use stackscope_telemetry::StateSize;
 
 use super::{IngestOutcome, Storage, StorageError};
@@ -174,6 +174,10 @@ impl Storage for SqliteStorage {
 
     fn label_values(&self, selection: &Selection, name: &str) -> Result<Vec<String>, StorageError> {
         self.query_label_values(selection, name)
+    }
+
+    fn profile_types(&self, selection: &Selection) -> Result<Vec<ProfileType>, StorageError> {
+        self.query_profile_types(selection)
     }
 
     /// Points are aligned to multiples of `step_nanos`; a storage bucket

@@ -18,7 +18,7 @@ use std::{
 
 use rusqlite::{Connection, OptionalExtension as _, Transaction};
 use stackscope_profile::model::{
-    Frame, PROFILE_TYPE_LABEL, PeriodAgreement, Selection, StackSamples, WeightedStack,
+    Frame, PROFILE_TYPE_LABEL, PeriodAgreement, ProfileType, Selection, StackSamples, WeightedStack,
 };
 use stackscope_telemetry::StateSize;
 
@@ -401,6 +401,21 @@ impl LabelSets {
         )
     }
 
+    /// The sets the selection's matchers select, whatever their type.
+    fn select_any_type(&self, selection: &Selection) -> Selected<'_> {
+        Selected::Some(
+            self.sets
+                .iter()
+                .filter(|(_, labels)| {
+                    selection.matches_labels_of_any_type(
+                        labels.iter().map(|(n, v)| (n.as_str(), v.as_str())),
+                    )
+                })
+                .map(|(id, _)| *id)
+                .collect(),
+        )
+    }
+
     fn get(&self, id: i64) -> Result<&[(String, String)], StorageError> {
         self.sets.get(&id).map(|labels| &labels[..]).ok_or_else(|| {
             StorageError::Corrupt(format!(
@@ -699,6 +714,30 @@ impl SqliteStorage {
                 }
             }
             Ok(values.into_iter().map(str::to_owned).collect())
+        })
+    }
+
+    pub(super) fn query_profile_types(
+        &self,
+        selection: &Selection,
+    ) -> Result<Vec<ProfileType>, StorageError> {
+        self.read(|snapshot, tx| {
+            let selected = snapshot.label_sets.select_any_type(selection);
+            let mut ids = BTreeSet::new();
+            self.for_each_label_set_bucket(tx, selection, &selected, |_, label_set, _, _| {
+                ids.insert(label_set);
+                Ok(())
+            })?;
+            let mut types = BTreeSet::new();
+            for id in ids {
+                let labels = snapshot.label_sets.get(id)?;
+                let value = labels
+                    .binary_search_by(|(n, _)| n.as_str().cmp(PROFILE_TYPE_LABEL))
+                    .map_or("", |i| labels[i].1.as_str());
+                // A value no type has (stored by hand) selects nothing.
+                types.extend(ProfileType::from_label_value(value));
+            }
+            Ok(types.into_iter().collect())
         })
     }
 
