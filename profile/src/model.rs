@@ -163,7 +163,8 @@ pub const PROFILE_TYPE_LABEL: &str = "__type__";
 
 /// A profile type as Pyroscope names it, `name:sample_type:sample_unit:
 /// period_type:period_unit` (`memory:alloc_space:bytes:space:bytes`): five
-/// non-empty parts of letters, digits, `_`, `-` and `.`. Grafana and the
+/// parts of letters, digits, `_`, `-` and `.`, the period's two possibly
+/// empty (`memory:alloc_in_new_tlab_bytes:bytes::`). Grafana and the
 /// application SDKs speak these ids, so sent types keep them as they are.
 #[derive(Debug, Clone, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub struct PyroscopeTypeId(Arc<str>);
@@ -172,7 +173,7 @@ pub struct PyroscopeTypeId(Arc<str>);
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 #[error(
     "{0:?} is not a profile type id (name:sample_type:sample_unit:period_type:period_unit, \
-     each part letters, digits, '_', '-' or '.')"
+     each part letters, digits, '_', '-' or '.', only the period's may be empty)"
 )]
 pub struct InvalidTypeId(pub String);
 
@@ -181,13 +182,16 @@ impl PyroscopeTypeId {
     pub const MAX_LEN: usize = 200;
 
     pub fn new(id: &str) -> Result<Self, InvalidTypeId> {
-        let part_ok = |part: &str| {
-            !part.is_empty()
+        let part_ok = |(index, part): (usize, &str)| {
+            (index >= 3 || !part.is_empty())
                 && part
                     .bytes()
                     .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'_' | b'-' | b'.'))
         };
-        if id.len() <= Self::MAX_LEN && id.split(':').count() == 5 && id.split(':').all(part_ok) {
+        if id.len() <= Self::MAX_LEN
+            && id.split(':').count() == 5
+            && id.split(':').enumerate().all(part_ok)
+        {
             Ok(Self(id.into()))
         } else {
             Err(InvalidTypeId(id.to_owned()))
@@ -343,6 +347,10 @@ impl Selection {
 /// interpreter's code objects: their line is the line run).
 pub const PYTHON_BINARY: &str = "[python]";
 
+/// The binary of frames an application named itself (an SDK's pprof) when
+/// its profile names no file for them.
+pub const SENT_BINARY: &str = "[sdk]";
+
 /// A frame as people read it.
 #[derive(Debug, Clone, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub struct Frame {
@@ -471,11 +479,13 @@ mod tests {
             "memory:alloc_space:bytes:space",
             "memory:alloc_space:bytes:space:bytes:x",
             "memory::bytes:space:bytes",
+            "memory:alloc_space::space:bytes",
             "memory:alloc space:bytes:space:bytes",
             "memory:alloc_space:bytes:space:bytes\"",
         ] {
             assert_eq!(ProfileType::from_name(bad), None, "{bad}");
         }
+        assert!(PyroscopeTypeId::new("memory:alloc_in_new_tlab_bytes:bytes::").is_ok());
         assert!(PyroscopeTypeId::new(&format!("{}:a:b:c:d", "x".repeat(200))).is_err());
     }
 

@@ -18,8 +18,10 @@ use crate::{
     ingest::{IngestLimits, validate},
     metrics::{CollectorMetrics, IngestResult},
     query::{DEFAULT_TOP_LIMIT, Fault, QueryEngine, QueryError},
-    storage::{IngestOutcome, Storage, StorageError},
+    storage::{IngestOutcome, Storage},
 };
+
+use super::store::{Refusal, store};
 
 pub struct IngestService {
     storage: Arc<dyn Storage>,
@@ -59,36 +61,17 @@ impl IngestService {
                 };
                 (status, IngestResult::Rejected)
             })?;
-            let stored = storage.ingest(&batch).map_err(|err| match err {
-                StorageError::TooLarge(_) => {
-                    let message = format!("batch rejected, nothing stored: {err}");
-                    tracing::warn!("{message}");
-                    (Status::resource_exhausted(message), IngestResult::Rejected)
-                }
-                err if err.is_disk_full() => {
-                    // Said once when it happens, not once per refused push
-                    // of every agent retrying.
-                    if !metrics.set_storage_full(true) {
-                        tracing::error!(
-                            "the disk holding the database is full ({:#}): refusing batches \
-                             (RESOURCE_EXHAUSTED; agents keep them and retry) until space is freed",
-                            anyhow::Error::from(err)
-                        );
+            store(&*storage, &metrics, &batch).map_err(|refusal| {
+                let result = refusal.result();
+                let status = match refusal {
+                    Refusal::TooLarge(message) => Status::resource_exhausted(message),
+                    Refusal::DiskFull => disk_full(),
+                    Refusal::Failed => {
+                        Status::unavailable("the collector could not store the batch; retry later")
                     }
-                    (disk_full(), IngestResult::DiskFull)
-                }
-                err => {
-                    tracing::error!("storing a batch failed: {:#}", anyhow::Error::from(err));
-                    (
-                        Status::unavailable("the collector could not store the batch; retry later"),
-                        IngestResult::Failed,
-                    )
-                }
-            })?;
-            if matches!(stored, IngestOutcome::Stored { .. }) && metrics.set_storage_full(false) {
-                tracing::info!("there is room on the disk again: storing batches");
-            }
-            Ok(stored)
+                };
+                (status, result)
+            })
         })
         .await;
         match outcome {

@@ -1,12 +1,16 @@
 //! Runs the collector: the gRPC server (ingest, query, debuginfo, health),
-//! the HTTP server (queries, debuginfod's API, Prometheus metrics and the
-//! health probes; over TLS when gRPC is), and the retention task,
+//! the HTTP server (queries, Pyroscope's querier and push APIs, debuginfod's
+//! API, Prometheus metrics and the health probes; over TLS when gRPC is),
+//! and the retention task,
 //! until asked to stop.
 
 mod auth;
+mod connect;
 mod debuginfo;
 mod grpc;
 mod http;
+mod pyroscope;
+mod store;
 
 use std::{net::SocketAddr, sync::Arc, time::Duration};
 
@@ -267,15 +271,27 @@ pub async fn start(
                 .map_err(|source| ServerError::Bind { addr, source })?;
             // Queries and debug files need the query token; probes,
             // metrics and the web UI's files (which hold no data) do not.
-            let mut app = http::router(engine);
+            let mut app = http::router(engine.clone()).merge(pyroscope::querier_router(engine));
             if let Some(debuginfo) = &config.debuginfo {
                 app = app.merge(debuginfo::debuginfod_router(Arc::clone(&debuginfo.store)));
             }
+            // Pyroscope's SDKs push here, with the ingest token.
+            let sdk_ingest = pyroscope::ingest_router(pyroscope::IngestState {
+                storage: Arc::clone(&storage),
+                limits: Arc::new(config.limits.clone()),
+                metrics: metrics.clone(),
+                max_bytes: config.max_message_bytes,
+            })
+            .layer(axum::middleware::from_fn_with_state(
+                ingest_token.clone(),
+                auth::require_http,
+            ));
             let app = app
                 .layer(axum::middleware::from_fn_with_state(
                     query_token.clone(),
                     auth::require_http,
                 ))
+                .merge(sdk_ingest)
                 .merge(http::ui_router())
                 .merge(stackscope_telemetry::router(
                     Arc::new(metrics.registry(

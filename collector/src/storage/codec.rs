@@ -7,7 +7,7 @@
 
 use std::sync::Arc;
 
-use stackscope_profile::model::{CodeAddress, Frame, PYTHON_BINARY};
+use stackscope_profile::model::{CodeAddress, Frame, PYTHON_BINARY, SENT_BINARY};
 
 use crate::ingest::{CodeSegment, LineRecord, MappingKind, MappingRecord};
 
@@ -19,6 +19,7 @@ pub(super) fn kind_code(kind: MappingKind) -> i64 {
         MappingKind::Vdso => 3,
         MappingKind::Anonymous => 4,
         MappingKind::Python => 5,
+        MappingKind::Named => 6,
     }
 }
 
@@ -29,6 +30,7 @@ pub(super) fn kind_from_code(code: i64) -> Option<MappingKind> {
         3 => Some(MappingKind::Vdso),
         4 => Some(MappingKind::Anonymous),
         5 => Some(MappingKind::Python),
+        6 => Some(MappingKind::Named),
         _ => None,
     }
 }
@@ -135,7 +137,8 @@ fn binary_name(kind: MappingKind, path: &str) -> String {
         MappingKind::Kernel => "[kernel]".into(),
         MappingKind::Vdso => "[vdso]".into(),
         MappingKind::Python => PYTHON_BINARY.into(),
-        MappingKind::User | MappingKind::Anonymous => {
+        MappingKind::Named if path.is_empty() => SENT_BINARY.into(),
+        MappingKind::User | MappingKind::Anonymous | MappingKind::Named => {
             match path.rsplit('/').find(|part| !part.is_empty()) {
                 Some(name) => name.into(),
                 None if kind == MappingKind::Anonymous => "[anonymous]".into(),

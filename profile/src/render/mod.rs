@@ -2,13 +2,14 @@
 //!
 //! Owns every rendering of a [`CallTree`](crate::tree::CallTree): folded
 //! stacks, SVG flamegraphs and differential flamegraphs (drawn by inferno),
-//! gzipped pprof, nested JSON, top functions, callers and callees, and the
+//! gzipped pprof, Pyroscope's flame graph levels, nested JSON, top functions, callers and callees, and the
 //! terminal tables for the last two. Every output is deterministic: the same
 //! tree gives the same bytes. Does not own the tree itself nor pruning (see
 //! [`tree`](crate::tree)), nor any I/O: renderers return bytes or strings.
 
 mod folded;
 mod json;
+mod levels;
 mod pprof;
 mod svg;
 mod text;
@@ -16,6 +17,7 @@ mod top;
 
 pub use folded::{folded, folded_name};
 pub use json::json;
+pub use levels::{FlameGraphLevels, OTHER, flame_graph_levels};
 pub use pprof::{pprof, pprof_profile};
 pub use svg::{SvgOptions, diff_folded, diff_svg, svg};
 pub use text::{text_callers_callees, text_top};

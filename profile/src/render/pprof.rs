@@ -29,7 +29,7 @@ use flate2::{Compression, write::GzEncoder};
 use prost::Message as _;
 use stackscope_proto::pprof::{Function, Line, Location, Mapping, Profile, Sample, ValueType};
 
-use crate::model::{Frame, PYTHON_BINARY, ProfileType};
+use crate::model::{Frame, PYTHON_BINARY, ProfileType, SENT_BINARY};
 use crate::tree::CallTree;
 
 /// The tree of `profile_type`'s samples as a gzipped pprof profile; see
@@ -212,10 +212,11 @@ impl<'t> ProfileBuilder<'t> {
         let id = self.functions.len() as u64 + 1;
         let name = self.string(&frame.function);
         let filename = self.string(&frame.file);
-        // A Python function has no linker name. pprof rewrites a function
-        // whose system name is its name as if it were a demangled C++ one
-        // and would erase `<module>` or `<lambda>` as template parameters.
-        let system_name = if frame.binary == PYTHON_BINARY {
+        // A Python function (named on the node, or by an SDK) has no
+        // linker name. pprof rewrites a function whose system name is its
+        // name as if it were a demangled C++ one and would erase `<module>`
+        // or `<lambda>` as template parameters.
+        let system_name = if frame.binary == PYTHON_BINARY || frame.binary == SENT_BINARY {
             self.string("")
         } else {
             name

@@ -1,13 +1,16 @@
 //! Ingest validation: turns a `stackscope.v1.Batch` straight off the network
-//! into a [`ValidBatch`] whose every index is in range, whose strings are
-//! resolved, whose labels are well formed and whose size is bounded, so
-//! storage engines can trust it. Owns the rules a batch must follow and the
+//! (and, in `pprof`, the profiles applications send) into a [`ValidBatch`]
+//! whose every index is in range, whose strings are resolved, whose labels
+//! are well formed and whose size is bounded, so storage engines can trust
+//! it. Owns the rules a batch must follow and the
 //! limits that keep one batch from exhausting the collector; does not own
 //! storing (see `storage`) or transport (see `server`).
 //!
 //! Indexes arrive as `u32`s chosen by whoever sent the batch: every one is
 //! looked up with a bounds check and turned into an error that names the
 //! offending item, never a panic.
+
+pub mod pprof;
 
 use std::collections::HashMap;
 
@@ -63,6 +66,10 @@ pub enum MappingKind {
     /// Interpreted code named on the node (Python functions): the lines
     /// say everything, the address is the line.
     Python,
+    /// Code an application named itself (a frame of an SDK's pprof): the
+    /// lines say everything; the path is the pprof mapping's file, often
+    /// empty.
+    Named,
 }
 
 /// A mapped binary.
@@ -719,6 +726,7 @@ fn validate_mapping(
         Ok(v1::MappingKind::Vdso) => MappingKind::Vdso,
         Ok(v1::MappingKind::Anonymous) => MappingKind::Anonymous,
         Ok(v1::MappingKind::Python) => MappingKind::Python,
+        Ok(v1::MappingKind::Named) => MappingKind::Named,
         Err(_) => {
             return Err(BatchError::UnknownMappingKind {
                 index,
