@@ -3,12 +3,10 @@
 //! stored), queries over gRPC and HTTP, health, and the ingest and query
 //! tokens.
 
-use std::{
-    io::{Read as _, Write as _},
-    net::SocketAddr,
-    sync::Arc,
-    time::SystemTime,
-};
+use std::{net::SocketAddr, sync::Arc, time::SystemTime};
+
+#[path = "support/http.rs"]
+mod http;
 
 use stackscope_collector::{
     server::{self, RunningCollector, ServerConfig},
@@ -99,54 +97,13 @@ impl Fixture {
     /// [`Fixture::http_get`] with `headers` (each line ending in CRLF).
     fn http_get_with(&self, path: &str, headers: &str) -> (u16, Vec<u8>) {
         let addr = self.collector.http_addr.expect("HTTP enabled");
-        let mut stream = std::net::TcpStream::connect(addr).expect("connecting over HTTP");
-        write!(
-            stream,
-            "GET {path} HTTP/1.1\r\nHost: {addr}\r\n{headers}Connection: close\r\n\r\n"
-        )
-        .expect("sending the request");
-        let mut response = Vec::new();
-        stream
-            .read_to_end(&mut response)
-            .expect("reading the response");
-        let split = response
-            .windows(4)
-            .position(|w| w == b"\r\n\r\n")
-            .expect("headers end");
-        let head = String::from_utf8_lossy(&response[..split]).to_string();
-        let status = head
-            .split_whitespace()
-            .nth(1)
-            .and_then(|s| s.parse().ok())
-            .expect("status code");
-        let mut body = response[split + 4..].to_vec();
-        if head
-            .to_ascii_lowercase()
-            .contains("transfer-encoding: chunked")
-        {
-            body = dechunk(&body);
-        }
-        (status, body)
-    }
-}
-
-fn dechunk(mut data: &[u8]) -> Vec<u8> {
-    let mut out = Vec::new();
-    loop {
-        let line_end = data
-            .windows(2)
-            .position(|w| w == b"\r\n")
-            .expect("chunk size");
-        let size = usize::from_str_radix(
-            std::str::from_utf8(&data[..line_end]).expect("hex").trim(),
-            16,
-        )
-        .expect("chunk size");
-        if size == 0 {
-            return out;
-        }
-        out.extend_from_slice(&data[line_end + 2..line_end + 2 + size]);
-        data = &data[line_end + 4 + size..];
+        let headers: Vec<(&str, &str)> = headers
+            .split("\r\n")
+            .filter_map(|line| line.split_once(':'))
+            .map(|(name, value)| (name.trim(), value.trim()))
+            .collect();
+        let answer = http::request(addr, "GET", path, &headers, b"");
+        (answer.status, answer.body)
     }
 }
 

@@ -24,7 +24,9 @@ const CARGO_FUZZ_VERSION: &str = "0.13.2";
 /// `golang-go` provides `go tool pprof`, the real pprof reader the export
 /// tests check against; `podman` and `runc` run real containers (crun refuses
 /// hybrid cgroups), from images built around `busybox-static`; `nodejs` is
-/// the JIT the JIT unwinding test samples (`--perf-basic-prof`);
+/// the JIT the JIT unwinding test samples (`--perf-basic-prof`), and its
+/// `npm` installs Pyroscope's Node SDK for the SDK tests, as `python3-venv`
+/// lets them install its Python SDK and a Connect client from PyPI;
 /// `debuginfod` is the real server the collector fetches debuginfo from in
 /// the naming tests, `elfutils` and `binutils` make and read their debug
 /// files, `libc6-dbg` is the Debian debug package the agent's local lookup
@@ -52,6 +54,7 @@ const DEBIAN_PACKAGES: &[&str] = &[
     "nodejs",
     "podman",
     "prometheus",
+    "python3-venv",
     "runc",
 ];
 
