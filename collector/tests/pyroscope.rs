@@ -140,13 +140,17 @@ fn gzip(bytes: &[u8]) -> Vec<u8> {
     gz.finish().expect("gzip")
 }
 
+/// A stack of a [`profile`]: frames root first, a value per sample type,
+/// string labels.
+type SentStack<'a> = (&'a [&'a str], &'a [i64], &'a [(&'a str, &'a str)]);
+
 /// A pprof profile as Pyroscope's Python SDK writes one: no mappings, one
 /// line per location, functions with file names; `stacks` root first, each
 /// with its values (one per sample type) and string labels.
 fn profile(
     sample_types: &[(&str, &str)],
     period: (&str, &str, i64),
-    stacks: &[(&[&str], &[i64], &[(&str, &str)])],
+    stacks: &[SentStack<'_>],
 ) -> pprof::Profile {
     let mut strings = vec![String::new()];
     let mut string = |s: &str| -> i64 {
