@@ -176,11 +176,12 @@ struct Args {
     node_name: Option<String>,
     /// The labels put on samples (`node` is always there): a comma-separated
     /// list of node, comm, exe, pid, container_id, container_name, pod,
-    /// namespace. A label without a value (a host process has no pod) is
-    /// left off.
+    /// namespace, service_name (the pod's app label or workload, else the
+    /// container's name, else the executable's file name). A label without
+    /// a value (a host process has no pod) is left off.
     #[arg(
         long,
-        default_value = "comm,exe,container_id,container_name,pod,namespace"
+        default_value = "comm,exe,container_id,container_name,pod,namespace,service_name"
     )]
     labels: LabelChoice,
     /// Label every sample with its process id too (one series per process:

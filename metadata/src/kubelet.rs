@@ -235,8 +235,34 @@ pub struct PodInfo {
     pub name: String,
     pub namespace: String,
     pub labels: BTreeMap<String, String>,
+    /// The controller that made the pod (`ReplicaSet`, `DaemonSet`, ...)
+    /// and its name, when one did.
+    pub owner: Option<(String, String)>,
     /// Started containers (regular, init and ephemeral), in that order.
     pub containers: Vec<PodContainer>,
+}
+
+impl PodInfo {
+    /// The service the pod is part of, as Pyroscope and Grafana name
+    /// services (`service_name`): its `app.kubernetes.io/name` or `app`
+    /// label, else its controller's workload (a Deployment's name, from its
+    /// ReplicaSet's; a DaemonSet's, StatefulSet's or Job's own), else
+    /// nothing.
+    pub fn service_name(&self) -> Option<&str> {
+        for key in ["app.kubernetes.io/name", "app"] {
+            if let Some(name) = self.labels.get(key).filter(|v| !v.is_empty()) {
+                return Some(name);
+            }
+        }
+        let (kind, name) = self.owner.as_ref()?;
+        let deployment = (kind == "ReplicaSet")
+            .then(|| {
+                let hash = self.labels.get("pod-template-hash")?;
+                name.strip_suffix(hash.as_str())?.strip_suffix('-')
+            })
+            .flatten();
+        Some(deployment.unwrap_or(name)).filter(|name| !name.is_empty())
+    }
 }
 
 /// One started container of a pod.
@@ -323,6 +349,15 @@ impl PodList {
             name: meta.name.unwrap_or_default(),
             namespace: meta.namespace.unwrap_or_default(),
             labels: meta.labels.unwrap_or_default(),
+            owner: meta.owner_references.and_then(|owners| {
+                // The controller if one is marked, else the first owner.
+                let at = owners
+                    .iter()
+                    .position(|o| o.controller == Some(true))
+                    .unwrap_or(0);
+                let owner = owners.into_iter().nth(at)?;
+                Some((owner.kind?, owner.name?))
+            }),
             containers,
         });
     }
@@ -402,11 +437,20 @@ struct WirePod {
 }
 
 #[derive(Deserialize, Default)]
+#[serde(rename_all = "camelCase")]
 struct WireMeta {
     name: Option<String>,
     namespace: Option<String>,
     uid: Option<String>,
     labels: Option<BTreeMap<String, String>>,
+    owner_references: Option<Vec<WireOwner>>,
+}
+
+#[derive(Deserialize)]
+struct WireOwner {
+    kind: Option<String>,
+    name: Option<String>,
+    controller: Option<bool>,
 }
 
 #[derive(Deserialize, Default)]
@@ -817,6 +861,11 @@ mod tests {
         assert_eq!(web.namespace, "shop");
         assert_eq!(web.labels["app"], "web");
         assert_eq!(web.labels.len(), 3);
+        assert_eq!(
+            web.owner,
+            Some(("ReplicaSet".to_owned(), "web-7d4b9c8f6".to_owned()))
+        );
+        assert_eq!(list.pods()[2].owner, None);
         let container = |id: &str, name: &str| PodContainer {
             id: id.to_owned(),
             name: name.to_owned(),
@@ -1026,6 +1075,45 @@ mod tests {
         .expect("in a cluster");
         assert_eq!(config.url, "https://[fd00:10::7]:10250/pods");
         KubeletClient::new(config).expect("the default settings build a client");
+    }
+
+    #[test]
+    fn a_pods_service_is_its_app_label_else_its_workload() {
+        let pod = |labels: &[(&str, &str)], owner: Option<(&str, &str)>| PodInfo {
+            uid: "u".into(),
+            name: "p".into(),
+            namespace: "n".into(),
+            labels: labels
+                .iter()
+                .map(|(k, v)| ((*k).to_owned(), (*v).to_owned()))
+                .collect(),
+            owner: owner.map(|(kind, name)| (kind.to_owned(), name.to_owned())),
+            containers: Vec::new(),
+        };
+        let parsed = parsed();
+        assert_eq!(parsed.pods()[0].service_name(), Some("web"));
+        assert_eq!(parsed.pods()[2].service_name(), None, "a static pod");
+        assert_eq!(
+            pod(&[("app.kubernetes.io/name", "shop"), ("app", "web")], None).service_name(),
+            Some("shop")
+        );
+        assert_eq!(
+            pod(
+                &[("pod-template-hash", "7d4b9c8f6")],
+                Some(("ReplicaSet", "checkout-7d4b9c8f6"))
+            )
+            .service_name(),
+            Some("checkout"),
+            "a Deployment's pods"
+        );
+        assert_eq!(
+            pod(&[], Some(("DaemonSet", "node-agent"))).service_name(),
+            Some("node-agent")
+        );
+        assert_eq!(
+            pod(&[("app", "")], Some(("StatefulSet", "db"))).service_name(),
+            Some("db")
+        );
     }
 
     #[test]

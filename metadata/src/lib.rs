@@ -60,6 +60,8 @@ pub struct ContainerLabels {
     pub name: Arc<str>,
     pub pod: Arc<str>,
     pub namespace: Arc<str>,
+    /// The pod's service (its `app` label or its workload's name).
+    pub service: Arc<str>,
 }
 
 impl ContainerLabels {
@@ -255,6 +257,7 @@ impl ContainerIndex {
             name: names.name,
             pod: names.pod,
             namespace: names.namespace,
+            service: names.service,
         }
     }
 

@@ -22,6 +22,10 @@ pub struct ContainerNames {
     pub name: Arc<str>,
     pub pod: Arc<str>,
     pub namespace: Arc<str>,
+    /// The service the pod is part of ([`PodInfo::service_name`]).
+    ///
+    /// [`PodInfo::service_name`]: crate::kubelet::PodInfo::service_name
+    pub service: Arc<str>,
 }
 
 /// A source of container names.
@@ -39,6 +43,7 @@ impl NameProvider for Arc<PodList> {
             name: container.name.as_str().into(),
             pod: pod.name.as_str().into(),
             namespace: pod.namespace.as_str().into(),
+            service: pod.service_name().unwrap_or("").into(),
         })
     }
 }

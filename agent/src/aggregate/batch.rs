@@ -136,6 +136,11 @@ pub fn build_batch(
                     choice.namespace,
                     container.map(|c| &*c.namespace),
                 ),
+                (
+                    labels::SERVICE_NAME,
+                    choice.service_name,
+                    Some(labels::service_name(container, &values.exe)),
+                ),
             ];
             for (name, chosen, value) in candidates {
                 // An empty value is no label: a host process has no pod.

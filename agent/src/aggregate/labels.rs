@@ -15,6 +15,22 @@ pub const CONTAINER_ID: &str = "container_id";
 pub const CONTAINER_NAME: &str = "container_name";
 pub const POD: &str = "pod";
 pub const NAMESPACE: &str = "namespace";
+/// What Pyroscope's SDKs and Grafana call an application; see
+/// [`service_name`].
+pub const SERVICE_NAME: &str = "service_name";
+
+/// A sample's service, as Grafana's service picker lists services beside
+/// those of Pyroscope's SDKs: its pod's (the `app.kubernetes.io/name` or
+/// `app` label, else its workload's name), else its container's name, else
+/// its executable's file name.
+pub fn service_name<'a>(
+    container: Option<&'a stackscope_metadata::ContainerLabels>,
+    exe: &'a str,
+) -> &'a str {
+    container
+        .and_then(|c| [&*c.service, &*c.name].into_iter().find(|s| !s.is_empty()))
+        .unwrap_or_else(|| exe.rsplit('/').next().unwrap_or(exe))
+}
 
 /// Which labels samples carry besides `node` (always there). A label
 /// without a value for a sample (a host process has no pod) is left off.
@@ -28,6 +44,7 @@ pub struct LabelChoice {
     pub container_name: bool,
     pub pod: bool,
     pub namespace: bool,
+    pub service_name: bool,
 }
 
 impl Default for LabelChoice {
@@ -40,13 +57,14 @@ impl Default for LabelChoice {
             container_name: true,
             pod: true,
             namespace: true,
+            service_name: true,
         }
     }
 }
 
 impl LabelChoice {
     /// Every label name that can be chosen.
-    pub const NAMES: [&str; 8] = [
+    pub const NAMES: [&str; 9] = [
         NODE,
         COMM,
         EXE,
@@ -55,6 +73,7 @@ impl LabelChoice {
         CONTAINER_NAME,
         POD,
         NAMESPACE,
+        SERVICE_NAME,
     ];
 
     /// No label but `node`.
@@ -67,12 +86,13 @@ impl LabelChoice {
             container_name: false,
             pod: false,
             namespace: false,
+            service_name: false,
         }
     }
 
     /// Whether any label needs the process's container.
     pub fn any_container(&self) -> bool {
-        self.container_id || self.container_name || self.pod || self.namespace
+        self.container_id || self.container_name || self.pod || self.namespace || self.service_name
     }
 }
 
@@ -92,6 +112,7 @@ impl std::str::FromStr for LabelChoice {
                 CONTAINER_NAME => &mut choice.container_name,
                 POD => &mut choice.pod,
                 NAMESPACE => &mut choice.namespace,
+                SERVICE_NAME => &mut choice.service_name,
                 other => {
                     return Err(format!(
                         "unknown label {other:?}; choose from {}",
@@ -137,5 +158,30 @@ mod tests {
             err.contains("\"container\"") && err.contains("container_name"),
             "{err}"
         );
+    }
+
+    #[test]
+    fn a_samples_service_is_its_pods_else_its_containers_else_its_executables() {
+        let container = |service: &str, name: &str| stackscope_metadata::ContainerLabels {
+            id: "c0ffee".into(),
+            name: name.into(),
+            pod: "".into(),
+            namespace: "".into(),
+            service: service.into(),
+        };
+        assert_eq!(
+            service_name(Some(&container("web", "nginx")), "/usr/sbin/nginx"),
+            "web"
+        );
+        assert_eq!(
+            service_name(Some(&container("", "nginx")), "/usr/sbin/nginx"),
+            "nginx"
+        );
+        assert_eq!(
+            service_name(Some(&container("", "")), "/usr/sbin/nginx"),
+            "nginx"
+        );
+        assert_eq!(service_name(None, "/usr/bin/python3.11"), "python3.11");
+        assert_eq!(service_name(None, "[kthread]"), "[kthread]");
     }
 }

@@ -175,6 +175,15 @@ fn containers_are_filtered_in_the_kernel_labelled_and_budgeted() {
         &format!(r#"node="all",container_name="{}""#, a.name),
     );
     assert_eq!(a_by_name, a_weight);
+    // Outside a pod, a container's service is its name.
+    assert_eq!(
+        label_values(
+            &collector,
+            "service_name",
+            &format!(r#"node="all",container_name="{}""#, a.name)
+        ),
+        [a.name.clone()]
+    );
     let names = label_values(&collector, "container_name", r#"node="all""#);
     assert!(
         names.contains(&a.name) && names.contains(&b.name),
@@ -439,6 +448,8 @@ fn pods_are_selected_by_label_named_from_the_pod_list_and_picked_up_while_runnin
     assert_eq!(label_values(&collector, "pod", node), ["web-1", "web-2"]);
     assert_eq!(label_values(&collector, "namespace", node), ["shop"]);
     assert_eq!(label_values(&collector, "container_name", node), ["api"]);
+    // Grafana's service picker: the pods' app label.
+    assert_eq!(label_values(&collector, "service_name", node), ["web"]);
     let (web1_stacks, web1_weight) = stacks(&collector, r#"node="k8s",pod="web-1""#);
     assert!(
         weight_with(&web1_stacks, "main;a;b;c") * 100 >= web1_weight * 80,
