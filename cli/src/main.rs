@@ -21,8 +21,8 @@ use stackscope_profile::{
     tree::CallTree,
 };
 use stackscope_proto::v1::{
-    FlamegraphRequest, LabelNamesRequest, LabelValuesRequest, SampleSeriesRequest,
-    query_client::QueryClient,
+    FlamegraphRequest, LabelNamesRequest, LabelValuesRequest, ProfileTypesRequest,
+    SampleSeriesRequest, query_client::QueryClient,
 };
 use tonic::{
     codec::CompressionEncoding,
@@ -130,6 +130,11 @@ enum Command {
         #[arg(long, value_parser = humantime::parse_duration)]
         step: Option<Duration>,
     },
+    /// List the profile types with samples in the selection's time range.
+    Types {
+        #[command(flatten)]
+        selection: SelectionArgs,
+    },
     /// List label names, or the values of one label.
     Labels {
         /// A label name: list its values.
@@ -192,8 +197,10 @@ struct SelectionArgs {
     /// Label matchers, as in PromQL: 'comm="redis-server",exe=~".*/redis.*"'.
     #[arg(long = "match", short = 'm')]
     matchers: Option<String>,
-    /// The profile type: cpu (time on the CPU, the default) or off-cpu
-    /// (time blocked).
+    /// The profile type: cpu (time on the CPU, the default), off-cpu (time
+    /// blocked), or the id of a type applications send with Pyroscope's
+    /// SDKs (memory:alloc_space:bytes:space:bytes; `stackscope types` lists
+    /// them).
     #[arg(long = "type", value_name = "TYPE")]
     profile_type: Option<String>,
     /// The last DURATION (e.g. 5m, 2h). Default: 1h.
@@ -487,6 +494,20 @@ async fn main() -> anyhow::Result<()> {
                     humantime::format_rfc3339_seconds(start),
                     point.weight
                 );
+            }
+        }
+        Command::Types { selection: args } => {
+            let request = ProfileTypesRequest {
+                selection: Some(selector::selection_to_proto(&args.selection()?)),
+            };
+            let mut collector = Collector::connect(&cli).await?;
+            match collector.client.profile_types(request).await {
+                Ok(response) => {
+                    for name in response.into_inner().types {
+                        println!("{name}");
+                    }
+                }
+                Err(status) => return Err(collector.failed(status)),
             }
         }
         Command::Labels {

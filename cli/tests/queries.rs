@@ -133,9 +133,16 @@ async fn the_cli_verifies_the_collector_and_sends_its_token() {
     assert!(!unknown.status.success());
     let error = String::from_utf8_lossy(&unknown.stderr);
     assert!(
-        error.contains("type \"wall\": expected one of cpu, off_cpu"),
+        error.contains("type \"wall\": expected cpu, off_cpu or a profile type id"),
         "{error}"
     );
+    let types = stackscope(port, &pki, Some(&token), &["types", "--since", "1h"]);
+    assert!(
+        types.status.success(),
+        "{}",
+        String::from_utf8_lossy(&types.stderr)
+    );
+    assert_eq!(String::from_utf8_lossy(&types.stdout), "cpu\noff_cpu\n");
 
     // Without the CA the server's certificate is not trusted.
     let untrusted = std::process::Command::new(env!("CARGO_BIN_EXE_stackscope"))

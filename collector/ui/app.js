@@ -545,7 +545,7 @@ async function load() {
     if (tree.total[0] === 0) {
       clearSelectionViews();
       const message = state.type
-        ? `No ${TYPE_NAMES[state.type] || state.type} in this selection and time range.\nChoose CPU time in the type picker, widen the range, or remove matchers from the query.`
+        ? `No ${typeName(state.type)} in this selection and time range.\nChoose CPU time in the type picker, widen the range, or remove matchers from the query.`
         : state.match
         ? `The selection matched nothing in this time range.\nWiden the range (a preset above, or drag on the timeline) or remove matchers from the query (${state.match}).`
         : "No data yet: the collector has no samples in this time range.\nStart an agent that ships to this collector (stackscope-agent --collector http://HOST:7070), wait for its first interval, or pick a longer range.";
@@ -688,6 +688,13 @@ async function loadPickers(signal) {
 
 const TYPE_NAMES = { cpu: "CPU time", off_cpu: "off-CPU time" };
 
+/** A type's name in the picker: an application's (`memory:alloc_space:bytes:…`) as "alloc_space (memory)". */
+function typeName(type) {
+  if (TYPE_NAMES[type]) return TYPE_NAMES[type];
+  const parts = type.split(":");
+  return parts.length === 5 ? `${parts[1]} (${parts[0]})` : type;
+}
+
 /** The profile-type picker: shown when the range holds more than CPU samples. */
 function fillTypes(types) {
   const current = state.type || "cpu";
@@ -697,7 +704,7 @@ function fillTypes(types) {
     ...offered.map((type) => {
       const option = document.createElement("option");
       option.value = type;
-      option.textContent = TYPE_NAMES[type] || type;
+      option.textContent = typeName(type);
       return option;
     }),
   );

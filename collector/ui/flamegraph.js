@@ -58,7 +58,8 @@ export class Tree {
    * parent, frame: Int32Array; total: Float64Array; frames: [{name, binary,
    * file, line, inlined}]; base: Float64Array of the baseline's totals for a
    * differential tree, else null; type: the profile type its weights are
-   * of ("cpu": samples, each worth `period` ns; "off_cpu": nanoseconds).
+   * of ("cpu": samples, each worth `period` ns; "off_cpu": nanoseconds; a
+   * Pyroscope id: its sample unit).
    */
   constructor(parent, frame, total, frames, period, base = null, baseTotal = 0, type = "cpu") {
     const n = parent.length;
@@ -798,7 +799,7 @@ export class Flamegraph {
       const f = t.frames[t.frame[r.node]];
       const fill = t.base ? diffColor(t, r.node) : hsl(frameHsl(f, t.palette()));
       const share = t.total[0] ? ((100 * t.total[r.node]) / t.total[0]).toFixed(2) : "0";
-      const amount = t.type === "off_cpu" ? weight(t.total[r.node], t.period, t.type) : `${t.total[r.node]} samples`;
+      const amount = t.type === "cpu" ? `${t.total[r.node]} samples` : weight(t.total[r.node], t.period, t.type);
       out.push(`<g><title>${esc(f.name)} (${esc(f.binary)}): ${amount}, ${share}%</title>`);
       out.push(`<rect x="${r.x.toFixed(2)}" y="${r.y}" width="${w}" height="${ROW - 1}" fill="${fill}"/>`);
       if (r.w > charWidth * 3 + 6) {
@@ -814,11 +815,42 @@ export class Flamegraph {
 }
 
 /**
+ * What the weights of a profile type an application sent measure, from
+ * its Pyroscope id (`memory:alloc_space:bytes:space:bytes`): the sample
+ * type and its unit; null for CPU and off-CPU time.
+ */
+function sentType(type) {
+  const parts = type.split(":");
+  return parts.length === 5 ? { sample: parts[1], unit: parts[2] } : null;
+}
+
+/** A sent type's weight in its unit: time, bytes, or a count of its sample type. */
+function sentAmount(w, sent, withName) {
+  if (sent.unit === "nanoseconds") return duration(w / 1e9);
+  if (sent.unit === "bytes") return bytes(w);
+  const count = Math.round(w).toLocaleString("en-US");
+  return withName ? `${count} ${sent.sample}` : count;
+}
+
+function bytes(n) {
+  const units = ["B", "KiB", "MiB", "GiB", "TiB"];
+  let i = 0;
+  while (n >= 1024 && i < units.length - 1) {
+    n /= 1024;
+    i += 1;
+  }
+  return i === 0 ? `${Math.round(n)} B` : `${n.toFixed(1)} ${units[i]}`;
+}
+
+/**
  * A weight of a profile of `type`: CPU samples, and their CPU time when
- * the sample period is known; off-CPU time (nanoseconds blocked).
+ * the sample period is known; off-CPU time (nanoseconds blocked); a sent
+ * type's amount in its unit.
  */
 export function weight(w, periodNanos, type = "cpu") {
   if (type === "off_cpu") return `${duration((w * (periodNanos || 1)) / 1e9)} off-CPU`;
+  const sent = sentType(type);
+  if (sent) return sentAmount(w, sent, true);
   const samples = `${Math.round(w).toLocaleString("en-US")} samples`;
   if (!periodNanos) return samples;
   return `${samples} (${duration((w * periodNanos) / 1e9)} CPU)`;
@@ -830,6 +862,8 @@ export function weight(w, periodNanos, type = "cpu") {
  */
 export function amount(w, periodNanos, type = "cpu") {
   if (type === "off_cpu") return duration((w * (periodNanos || 1)) / 1e9);
+  const sent = sentType(type);
+  if (sent) return sentAmount(w, sent, false);
   return Math.round(w).toLocaleString("en-US");
 }
 

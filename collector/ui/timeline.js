@@ -148,7 +148,7 @@ export class Timeline {
     const zone = utcOffset(new Date(this.end / 1e6));
     this.canvas.dataset.zone = zone;
     if (max) {
-      const caption = `max ${this.type === "off_cpu" ? weight(max, 1, "off_cpu") : `${Math.round(max).toLocaleString("en-US")} samples`} / ${stepLabel(this.step)}`;
+      const caption = `max ${this.type === "cpu" ? `${Math.round(max).toLocaleString("en-US")} samples` : weight(max, 1, this.type)} / ${stepLabel(this.step)}`;
       this.canvas.dataset.caption = caption;
       ctx.fillText(`${caption} · times in ${zone}`, 4, 2);
     } else {

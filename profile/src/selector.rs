@@ -80,7 +80,9 @@ pub enum SelectorError {
         source: regex::Error,
     },
     /// A selection message names a profile type this build does not know.
-    #[error("profile type {0:?}: expected one of cpu, off_cpu")]
+    #[error(
+        "profile type {0:?}: expected cpu, off_cpu or a profile type id such as memory:alloc_space:bytes:space:bytes"
+    )]
     UnknownProfileType(String),
 }
 

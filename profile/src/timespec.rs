@@ -21,7 +21,9 @@ pub enum SelectionError {
     /// Not a `#[source]`: the message already carries the parser's words.
     #[error("match: {0}")]
     Matchers(SelectorError),
-    #[error("type {0:?}: expected one of cpu, off_cpu")]
+    #[error(
+        "type {0:?}: expected cpu, off_cpu or a profile type id such as memory:alloc_space:bytes:space:bytes"
+    )]
     ProfileType(String),
 }
 
@@ -296,7 +298,7 @@ mod tests {
         );
         assert_eq!(
             parse(Some("wall")).unwrap_err().to_string(),
-            "type \"wall\": expected one of cpu, off_cpu"
+            "type \"wall\": expected cpu, off_cpu or a profile type id such as memory:alloc_space:bytes:space:bytes"
         );
     }
 

@@ -8,9 +8,9 @@ use std::{sync::Arc, time::Instant};
 use stackscope_profile::{render, selector};
 use stackscope_proto::v1::{
     FlamegraphRequest, FlamegraphResponse, FunctionCost, LabelNamesRequest, LabelNamesResponse,
-    LabelValuesRequest, LabelValuesResponse, PushRequest, PushResponse, SampleSeriesRequest,
-    SampleSeriesResponse, SeriesPoint, TopFunctionsRequest, TopFunctionsResponse, ingest_server,
-    query_server,
+    LabelValuesRequest, LabelValuesResponse, ProfileTypesRequest, ProfileTypesResponse,
+    PushRequest, PushResponse, SampleSeriesRequest, SampleSeriesResponse, SeriesPoint,
+    TopFunctionsRequest, TopFunctionsResponse, ingest_server, query_server,
 };
 use tonic::{Request, Response, Status, metadata::MetadataValue};
 
@@ -220,6 +220,21 @@ impl query_server::Query for QueryService {
             .await
             .map_err(query_status)?;
         Ok(Response::new(LabelNamesResponse { names }))
+    }
+
+    async fn profile_types(
+        &self,
+        request: Request<ProfileTypesRequest>,
+    ) -> Result<Response<ProfileTypesResponse>, Status> {
+        let selection = selection(request.into_inner().selection)?;
+        let types = self
+            .engine
+            .profile_types(selection)
+            .await
+            .map_err(query_status)?;
+        Ok(Response::new(ProfileTypesResponse {
+            types: types.iter().map(|t| t.name().to_owned()).collect(),
+        }))
     }
 
     async fn label_values(
