@@ -5,6 +5,8 @@
 //!
 //! The tests themselves live in `tests/`; they need root and a kernel with BPF.
 
+pub mod sdk;
+
 use std::{
     collections::{BTreeSet, HashMap},
     io::{BufRead as _, BufReader},

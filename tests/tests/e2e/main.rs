@@ -20,6 +20,7 @@ mod metrics;
 mod off_cpu;
 mod pipeline;
 mod process_identity;
+mod pyroscope;
 mod python;
 mod sampler;
 mod short_lived;
