@@ -182,7 +182,7 @@ fn containers_are_filtered_in_the_kernel_labelled_and_budgeted() {
             "service_name",
             &format!(r#"node="all",container_name="{}""#, a.name)
         ),
-        [a.name.clone()]
+        std::slice::from_ref(&a.name)
     );
     let names = label_values(&collector, "container_name", r#"node="all""#);
     assert!(
