@@ -546,9 +546,9 @@ async fn series(
 }
 
 /// What one unit of a selection's weights is in its type's unit: CPU
-/// ticks are the samples' period in nanoseconds (when the selected samples
-/// were taken at different rates, the first one stored stands for all:
-/// see the README).
+/// ticks are the samples' period in nanoseconds. When the selected samples
+/// were taken at different rates there is no one period: they are answered
+/// as samples (see the README).
 fn unit_scale(profile_type: &ProfileType, sample_period_nanos: u64) -> u64 {
     match profile_type {
         ProfileType::Cpu => sample_period_nanos.max(1),
