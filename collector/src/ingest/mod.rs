@@ -10,6 +10,7 @@
 //! looked up with a bounds check and turned into an error that names the
 //! offending item, never a panic.
 
+pub mod otlp;
 pub mod pprof;
 
 use std::collections::HashMap;

@@ -5,9 +5,11 @@
 //! Owns how an SDK's profile becomes stored samples: every pprof sample
 //! type is a profile type named by its Pyroscope id (`memory:alloc_space:
 //! bytes:space:bytes`), except CPU time in nanoseconds
-//! (`process_cpu:cpu:nanoseconds:cpu:nanoseconds`), which is stored as the
-//! agents' CPU samples are, ticks of the profile's period, so Grafana and
-//! our own queries see an application's CPU beside a node's. Frames are
+//! (`process_cpu:cpu:nanoseconds:cpu:nanoseconds`, or CPU samples counted,
+//! `process_cpu:samples:count:cpu:nanoseconds`, in a profile without it),
+//! which is stored as the agents' CPU samples are, ticks of the profile's
+//! period, so Grafana and our own queries see an application's CPU beside
+//! a node's. Frames are
 //! the pprof's functions and lines; an address no line names is kept as
 //! the agents' unnamed frames are (file offset and build-id, for
 //! debuginfo to name later). Labels are Pyroscope's: the series' labels,
@@ -183,7 +185,13 @@ struct StoredType {
     profile_type: ProfileType,
     /// CPU: nanoseconds per tick (the profile's period); 0 otherwise.
     tick_nanos: u64,
+    /// How many of the sample type's units make one stored unit (CPU
+    /// nanoseconds: the period; counts: 1).
+    units_per_tick: u64,
 }
+
+/// CPU samples counted, each worth the period.
+const CPU_SAMPLES_ID: &str = "process_cpu:samples:count:cpu:nanoseconds";
 
 /// Where the batch's items are numbered: each distinct item once.
 #[derive(Default)]
@@ -398,27 +406,44 @@ fn add_profile(
         Some(t) => (strings.get(t.r#type)?, strings.get(t.unit)?),
         None => ("", ""),
     };
-    let mut types = Vec::with_capacity(profile.sample_type.len());
+    let mut ids = Vec::with_capacity(profile.sample_type.len());
     for sample_type in &profile.sample_type {
         let sample = (
             strings.get(sample_type.r#type)?,
             strings.get(sample_type.unit)?,
         );
-        let id = PyroscopeTypeId::from_parts(&name, sample, (period_type, period_unit))
-            .map_err(|err| err.to_string())?;
-        let cpu_ticks = id.as_str() == ProfileType::CPU_ID && profile.period > 0;
-        types.push(if cpu_ticks {
-            StoredType {
-                profile_type: ProfileType::Cpu,
-                tick_nanos: profile.period as u64,
-            }
-        } else {
-            StoredType {
-                profile_type: ProfileType::Sent(id),
-                tick_nanos: 0,
-            }
-        });
+        ids.push(
+            PyroscopeTypeId::from_parts(&name, sample, (period_type, period_unit))
+                .map_err(|err| err.to_string())?,
+        );
     }
+    // CPU time is the agents' CPU type, in ticks of the profile's period:
+    // nanoseconds divided by it, or, when the profile counts samples alone
+    // (OTel's eBPF profiler), the counts as they are.
+    let has_cpu_time = ids.iter().any(|id| id.as_str() == ProfileType::CPU_ID);
+    let types: Vec<StoredType> = ids
+        .into_iter()
+        .map(|id| {
+            let per_tick = match id.as_str() {
+                ProfileType::CPU_ID => profile.period,
+                CPU_SAMPLES_ID if !has_cpu_time => 1,
+                _ => 0,
+            };
+            if per_tick > 0 && profile.period > 0 {
+                StoredType {
+                    profile_type: ProfileType::Cpu,
+                    tick_nanos: profile.period as u64,
+                    units_per_tick: per_tick as u64,
+                }
+            } else {
+                StoredType {
+                    profile_type: ProfileType::Sent(id),
+                    tick_nanos: 0,
+                    units_per_tick: 1,
+                }
+            }
+        })
+        .collect();
     if types.is_empty() {
         return Err("the profile has no sample types".into());
     }
@@ -544,10 +569,11 @@ fn add_profile(
             let Ok(value) = u64::try_from(value) else {
                 continue;
             };
-            // CPU: ticks, rounded (SDKs send multiples of the period).
+            // CPU nanoseconds: ticks, rounded (SDKs send multiples of the
+            // period).
             let weight = value
-                .saturating_add(stored.tick_nanos / 2)
-                .checked_div(stored.tick_nanos)
+                .saturating_add(stored.units_per_tick / 2)
+                .checked_div(stored.units_per_tick)
                 .unwrap_or(value);
             if weight == 0 {
                 continue;

@@ -9,11 +9,13 @@ mod connect;
 mod debuginfo;
 mod grpc;
 mod http;
+mod otlp;
 mod pyroscope;
 mod store;
 
 use std::{net::SocketAddr, sync::Arc, time::Duration};
 
+use opentelemetry_proto::tonic::collector::profiles::v1development::profiles_service_server::ProfilesServiceServer;
 use stackscope_profile::model::unix_nanos;
 use stackscope_proto::v1::{
     debuginfo_server::DebuginfoServer, ingest_server::IngestServer, query_server::QueryServer,
@@ -204,6 +206,19 @@ pub async fn start(
             check_token.clone(),
         )
     });
+    // Profiles applications send: Pyroscope's SDKs on HTTP, OTLP on both.
+    let sent_ingest = store::SentIngest {
+        storage: Arc::clone(&storage),
+        limits: Arc::new(config.limits.clone()),
+        metrics: metrics.clone(),
+        max_bytes: config.max_message_bytes,
+    };
+    let otlp_profiles = tonic::service::interceptor::InterceptedService::new(
+        ProfilesServiceServer::new(otlp::OtlpProfiles(sent_ingest.clone()))
+            .accept_compressed(CompressionEncoding::Gzip)
+            .max_decoding_message_size(config.max_message_bytes),
+        check_token.clone(),
+    );
     let ingest = IngestServer::new(grpc::IngestService::new(
         Arc::clone(&storage),
         config.limits.clone(),
@@ -236,6 +251,7 @@ pub async fn start(
             check_token,
         ))
         .add_service(query)
+        .add_service(otlp_profiles)
         .add_optional_service(debuginfo);
     let incoming = tokio_stream::wrappers::TcpListenerStream::new(grpc_listener);
     let grpc_stop = stopped(stop_rx.clone());
@@ -276,16 +292,12 @@ pub async fn start(
                 app = app.merge(debuginfo::debuginfod_router(Arc::clone(&debuginfo.store)));
             }
             // Pyroscope's SDKs push here, with the ingest token.
-            let sdk_ingest = pyroscope::ingest_router(pyroscope::IngestState {
-                storage: Arc::clone(&storage),
-                limits: Arc::new(config.limits.clone()),
-                metrics: metrics.clone(),
-                max_bytes: config.max_message_bytes,
-            })
-            .layer(axum::middleware::from_fn_with_state(
-                ingest_token.clone(),
-                auth::require_http,
-            ));
+            let sdk_ingest = pyroscope::ingest_router(sent_ingest.clone())
+                .merge(otlp::http_router(sent_ingest.clone()))
+                .layer(axum::middleware::from_fn_with_state(
+                    ingest_token.clone(),
+                    auth::require_http,
+                ));
             let app = app
                 .layer(axum::middleware::from_fn_with_state(
                     query_token.clone(),

@@ -16,7 +16,7 @@
 //! `__name__` matcher holding a whole id. CPU weights are answered in
 //! nanoseconds (ticks × the selection's sample period).
 
-use std::{collections::BTreeMap, sync::Arc, time::SystemTime};
+use std::collections::BTreeMap;
 
 use axum::{
     Router,
@@ -29,7 +29,7 @@ use axum::{
 use prost::Message as _;
 use serde::Deserialize;
 use stackscope_profile::{
-    model::{LabelMatcher, MatchOp, ProfileType, Selection, TimeRange, unix_nanos},
+    model::{LabelMatcher, MatchOp, ProfileType, Selection, TimeRange},
     render,
     selector::parse_matchers,
     tree::CallTree,
@@ -46,16 +46,12 @@ use stackscope_proto::{
 
 use super::{
     connect::{Code, ConnectError, decode, decompressed, respond},
-    store::{Refusal, store},
+    store::{SentIngest, SentRefusal},
 };
 use crate::{
-    ingest::{
-        IngestLimits,
-        pprof::{SentProfile, SentProfileError, sent_profiles_batch},
-    },
-    metrics::{CollectorMetrics, IngestResult},
+    ingest::pprof::SentProfile,
     query::{Fault, MAX_GROUPS, QueryEngine, QueryError},
-    storage::{IngestOutcome, Storage},
+    storage::IngestOutcome,
 };
 
 /// Largest request the querier takes (its requests are a few selectors).
@@ -74,18 +70,8 @@ pub fn querier_router(engine: QueryEngine) -> Router {
         .with_state(engine)
 }
 
-/// What the SDKs' routes need.
-#[derive(Clone)]
-pub struct IngestState {
-    pub storage: Arc<dyn Storage>,
-    pub limits: Arc<IngestLimits>,
-    pub metrics: CollectorMetrics,
-    /// Largest body, and largest profile decompressed.
-    pub max_bytes: usize,
-}
-
 /// The SDKs' routes (behind the ingest token).
-pub fn ingest_router(state: IngestState) -> Router {
+pub fn ingest_router(state: SentIngest) -> Router {
     let max_bytes = state.max_bytes;
     Router::new()
         .route("/push.v1.PusherService/Push", post(push))
@@ -774,66 +760,23 @@ async fn profile_stats(
     })
 }
 
-fn now() -> i64 {
-    unix_nanos(SystemTime::now())
-}
-
-/// Stores sent profiles as one batch: the answer's HTTP status and message
-/// when refused.
+/// Stores sent profiles as one batch; a refusal as a Connect error.
 async fn store_sent(
-    state: &IngestState,
+    state: &SentIngest,
     profiles: Vec<SentProfile>,
 ) -> Result<IngestOutcome, ConnectError> {
-    let started = std::time::Instant::now();
-    let state_for_task = state.clone();
-    let outcome = tokio::task::spawn_blocking(move || {
-        let state = state_for_task;
-        let batch = sent_profiles_batch(&profiles, &state.limits, state.max_bytes, now()).map_err(
-            |err: SentProfileError| {
-                let message = format!("profiles refused, nothing stored: {err}");
-                let code = if err.is_too_large() {
-                    Code::ResourceExhausted
-                } else {
-                    Code::InvalidArgument
-                };
-                (ConnectError::new(code, message), IngestResult::Rejected)
-            },
-        )?;
-        store(&*state.storage, &state.metrics, &batch).map_err(|refusal| {
-            let result = refusal.result();
-            let error = match refusal {
-                Refusal::TooLarge(message) => ConnectError::new(Code::ResourceExhausted, message),
-                Refusal::DiskFull => ConnectError::new(
-                    Code::Unavailable,
-                    "profiles not stored: the collector's disk is full; retry later",
-                ),
-                Refusal::Failed => ConnectError::new(
-                    Code::Unavailable,
-                    "the collector could not store the profiles; retry later",
-                ),
-            };
-            (error, result)
+    state
+        .store(profiles)
+        .await
+        .map_err(|refusal| match refusal {
+            SentRefusal::Invalid(message) => ConnectError::invalid(message),
+            SentRefusal::TooLarge(message) => ConnectError::new(Code::ResourceExhausted, message),
+            SentRefusal::Unavailable(message) => ConnectError::new(Code::Unavailable, message),
         })
-    })
-    .await;
-    let (answer, result, samples) = match outcome {
-        Ok(Ok(outcome @ IngestOutcome::Stored { samples })) => {
-            (Ok(outcome), IngestResult::Stored, samples)
-        }
-        Ok(Ok(outcome)) => (Ok(outcome), IngestResult::Duplicate, 0),
-        Ok(Err((error, result))) => (Err(error), result, 0),
-        Err(_) => (
-            Err(ConnectError::new(Code::Internal, "the ingest task failed")),
-            IngestResult::Failed,
-            0,
-        ),
-    };
-    state.metrics.ingested(result, samples, started.elapsed());
-    answer
 }
 
 /// `push.v1.PusherService/Push`: each series' raw profiles with its labels.
-async fn push(State(state): State<IngestState>, headers: HeaderMap, body: Bytes) -> Response {
+async fn push(State(state): State<SentIngest>, headers: HeaderMap, body: Bytes) -> Response {
     let (request, encoding) =
         match decode::<PushRequest>(&headers, body, "push.v1.PushRequest", state.max_bytes) {
             Ok(decoded) => decoded,
@@ -1043,7 +986,7 @@ fn ingest_error(status: StatusCode, message: impl Into<String>) -> Response {
 /// `POST /ingest`: one profile, pprof (raw, gzipped, or the `profile` part
 /// of a multipart form) or folded stacks.
 async fn ingest(
-    State(state): State<IngestState>,
+    State(state): State<SentIngest>,
     Query(params): Query<IngestParams>,
     request: Request,
 ) -> Response {
