@@ -390,13 +390,14 @@ impl Steps {
 const HAND_RUN_MEASUREMENT: &str = "the_fleet_hour_time_to_first_flamegraph";
 
 /// The fast tier's integration test targets (`--test NAME`; each name is in
-/// one selected package only): the collector's gRPC API, Pyroscope's APIs, storage on SQLite
+/// one selected package only): the collector's gRPC API, Pyroscope's APIs, OTLP profiles, storage on SQLite
 /// and debuginfo store; the CLI against a collector it starts; the agent's
 /// aggregator and its export to a fake collector; the process table on fixture processes; the
 /// unwinder on real binaries and on stopped fixture processes.
 const FAST_TESTS: &[&str] = &[
     "grpc",
     "pyroscope",
+    "otlp",
     "storage",
     "debuginfo",
     "queries",

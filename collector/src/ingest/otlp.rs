@@ -104,12 +104,11 @@ pub fn otlp_profiles(
                     .map_or(&[][..], |r| &r.attributes[..]);
                 for attribute in resource_attributes {
                     let key = key_of(attribute, &dictionary.string_table).map_err(at)?;
-                    if let Some(value) = attribute.value.as_ref() {
-                        if let Some(value) =
+                    if let Some(value) = attribute.value.as_ref()
+                        && let Some(value) =
                             label_value(value, &dictionary.string_table).map_err(at)?
-                        {
-                            labels.push((label_name(key).to_owned(), value));
-                        }
+                    {
+                        labels.push((label_name(key).to_owned(), value));
                     }
                 }
                 for &index in &profile.attribute_indices {
@@ -207,10 +206,10 @@ impl<'a> PprofBuilder<'a> {
         // The build id is an attribute (`process.executable.build_id.gnu`).
         let mut build_id = 0;
         for &attribute_index in &mapping.attribute_indices {
-            if let Some((key, value)) = attribute(self.dictionary, attribute_index)? {
-                if key == "process.executable.build_id.gnu" {
-                    build_id = self.text(&value);
-                }
+            if let Some((key, value)) = attribute(self.dictionary, attribute_index)?
+                && key == "process.executable.build_id.gnu"
+            {
+                build_id = self.text(&value);
             }
         }
         let id = self.profile.mapping.len() as u64 + 1;
