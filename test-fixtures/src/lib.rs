@@ -510,12 +510,28 @@ pub fn free_port() -> u16 {
 /// `GET path` on `address` (`host:port`) over plain HTTP/1.0: the status
 /// and the body, if it answers within a few seconds.
 pub fn http_get(address: &str, path: &str) -> Option<(u16, String)> {
+    http_request(address, "GET", path, b"")
+}
+
+/// `POST path` with `body` on `address` over plain HTTP/1.0, as
+/// [`http_get`].
+pub fn http_post(address: &str, path: &str, body: &[u8]) -> Option<(u16, String)> {
+    http_request(address, "POST", path, body)
+}
+
+fn http_request(address: &str, method: &str, path: &str, body: &[u8]) -> Option<(u16, String)> {
     use std::io::{Read as _, Write as _};
     let mut stream = std::net::TcpStream::connect(address).ok()?;
     stream
         .set_read_timeout(Some(std::time::Duration::from_secs(5)))
         .ok()?;
-    write!(stream, "GET {path} HTTP/1.0\r\nHost: {address}\r\n\r\n").ok()?;
+    write!(
+        stream,
+        "{method} {path} HTTP/1.0\r\nHost: {address}\r\nContent-Length: {}\r\n\r\n",
+        body.len()
+    )
+    .ok()?;
+    stream.write_all(body).ok()?;
     let mut response = Vec::new();
     stream.read_to_end(&mut response).ok()?;
     let response = String::from_utf8_lossy(&response);

@@ -26,7 +26,8 @@ use stackscope_sampler::{
     record::{DecodeError, OwnedSample, Record},
 };
 pub use stackscope_test_fixtures::{
-    ElfSymbols, Fixture, RunningProcess, fixture_source, free_port, http_get, workspace_binary,
+    ElfSymbols, Fixture, RunningProcess, fixture_source, free_port, http_get, http_post,
+    workspace_binary,
 };
 use stackscope_unwind::walker::{
     ProcessState, StackWalker, UserStack, WalkOutcome, Walked, WalkerConfig, stitching::PlanUpdate,

@@ -28,7 +28,7 @@ use stackscope_proto::v1::{
     self, Batch, Label, LabelSet, Line, Location, Mapping, MappingKind, PushRequest, Sample, Stack,
     ingest_client::IngestClient,
 };
-use stackscope_tests::{Collector, exclusive, free_port};
+use stackscope_tests::{Collector, exclusive, free_port, http_post};
 
 const CHROMIUM: &str = "/usr/bin/chromium";
 const CHROMEDRIVER: &str = "/usr/bin/chromedriver";
@@ -722,6 +722,30 @@ async fn profile_types(browser: &Client, collector: &Collector, page: &str) {
     assert!(names(&report).contains(&"hash_lookup".to_owned()));
     let url = browser.current_url().await.expect("the page's URL");
     assert!(!url.as_str().contains("type="), "{url}");
+
+    // An application's allocations, sent as an SDK sends them: a type of
+    // its own, named for people, weighed in bytes.
+    let until = unix_nanos(SystemTime::now()) / 1_000_000_000 - 100;
+    let (status, body) = http_post(
+        collector.http.trim_start_matches("http://"),
+        &format!(
+            "/ingest?name=shop.alloc_space%7Bregion%3Deu%7D&format=folded&from={}&until={until}",
+            until - 10
+        ),
+        b"main;load_catalog 3145728\nmain 1024\n",
+    )
+    .expect("the collector's HTTP API");
+    assert_eq!(status, 200, "{body}");
+    browser.goto(page).await.expect("a WebDriver command");
+    let report = settled(browser, 1).await;
+    let options = wait_for_text(browser, "#pick-type", "alloc_space (memory)").await;
+    assert!(options.contains("off-CPU time"), "{options}");
+    let report = pick_type(browser, &report, "memory:alloc_space:bytes:space:bytes").await;
+    assert!(names(&report).contains(&"load_catalog".to_owned()));
+    hover_tooltip(browser, "load_catalog", "3.0 MiB").await;
+    let caption = timeline_caption(browser).await;
+    assert!(caption.starts_with("max 3.0 MiB / "), "{caption}");
+    pick_type(browser, &report, "cpu").await;
 }
 
 /// The page's pure functions, imported in the browser: matcher editing,
