@@ -301,6 +301,13 @@ impl QueryEngine {
         self.metrics.time_query("profile_types", work).await
     }
 
+    /// The nanoseconds one unit of the selected samples' weight stands for
+    /// when they agree on it, else 0.
+    pub async fn sample_period(&self, selection: Selection) -> Result<u64, QueryError> {
+        let work = self.blocking(move |storage| storage.sample_period(&selection));
+        self.metrics.time_query("sample_period", work).await
+    }
+
     pub async fn label_values(
         &self,
         selection: Selection,

@@ -165,12 +165,19 @@ fn queries_return_exactly_the_ingested_weights() {
     assert_eq!(main_frames.len(), 3);
     assert!(main_frames.windows(2).all(|w| Arc::ptr_eq(w[0], w[1])));
 
-    // The sample period is known only where the batches agree on it.
+    // The sample period is known only where the batches agree on it; the
+    // label sets' rows say it as the samples do.
     let period = |matchers: &[Matcher<'_>]| {
-        storage
+        let from_stacks = storage
             .stacks(&all(matchers))
             .expect("stacks")
-            .sample_period_nanos
+            .sample_period_nanos;
+        assert_eq!(
+            storage.sample_period(&all(matchers)).expect("period"),
+            from_stacks,
+            "{matchers:?}"
+        );
+        from_stacks
     };
     assert_eq!(period(&[]), 0);
     assert_eq!(period(&[("node", Equal, "node-a")]), PERIOD_100HZ);
@@ -309,8 +316,15 @@ fn profile_types_are_stored_and_queried_apart() {
             expect(&[]),
             "{when}"
         );
-        let periods =
-            |selection: &Selection| storage.stacks(selection).unwrap().sample_period_nanos;
+        let periods = |selection: &Selection| {
+            let from_stacks = storage.stacks(selection).unwrap().sample_period_nanos;
+            assert_eq!(
+                storage.sample_period(selection).unwrap(),
+                from_stacks,
+                "{when}"
+            );
+            from_stacks
+        };
         assert_eq!(periods(&all(&[])), PERIOD_100HZ, "{when}");
         assert_eq!(periods(&off_cpu(&[])), 1, "{when}");
         let total = |selection: &Selection| -> u64 {

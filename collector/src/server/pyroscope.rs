@@ -702,15 +702,15 @@ async fn select_series(
                     .expect("= compiles"),
             );
         }
-        let scale = match narrowed.profile_type {
-            ProfileType::Cpu => {
-                // The period of the group's samples, from their stacks'
-                // answer: series carry none.
-                let (_, scale) = merged_tree(engine, narrowed.clone()).await?;
-                scale
-            }
+        let period = match narrowed.profile_type {
+            // Series carry no period: the group's samples say it.
+            ProfileType::Cpu => engine
+                .sample_period(narrowed.clone())
+                .await
+                .map_err(query_error)?,
             _ => 1,
         };
+        let scale = unit_scale(&narrowed.profile_type, period);
         let (_, points) = engine
             .series(narrowed, step_nanos)
             .await

@@ -176,6 +176,10 @@ impl Storage for SqliteStorage {
         self.query_label_values(selection, name)
     }
 
+    fn sample_period(&self, selection: &Selection) -> Result<u64, StorageError> {
+        self.query_sample_period(selection)
+    }
+
     fn profile_types(&self, selection: &Selection) -> Result<Vec<ProfileType>, StorageError> {
         self.query_profile_types(selection)
     }

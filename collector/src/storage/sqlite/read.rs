@@ -717,6 +717,19 @@ impl SqliteStorage {
         })
     }
 
+    /// From the label sets' bucket rows alone (each keeps its period).
+    pub(super) fn query_sample_period(&self, selection: &Selection) -> Result<u64, StorageError> {
+        self.read(|snapshot, tx| {
+            let selected = snapshot.label_sets.select(selection);
+            let mut period = PeriodAgreement::default();
+            self.for_each_label_set_bucket(tx, selection, &selected, |_, _, p, _| {
+                period.add(u64::try_from(p).unwrap_or(0));
+                Ok(())
+            })?;
+            Ok(period.result())
+        })
+    }
+
     pub(super) fn query_profile_types(
         &self,
         selection: &Selection,
