@@ -3,15 +3,16 @@
 //! stored), queries over gRPC and HTTP, health, and the ingest and query
 //! tokens.
 
-use std::{net::SocketAddr, sync::Arc, time::SystemTime};
+use std::time::SystemTime;
 
+#[path = "support/collector.rs"]
+mod collector;
 #[path = "support/http.rs"]
 mod http;
 
-use stackscope_collector::{
-    server::{self, RunningCollector, ServerConfig},
-    storage::sqlite::{SqliteOptions, SqliteStorage},
-};
+use collector::Fixture;
+
+use stackscope_collector::server::ServerConfig;
 use stackscope_profile::{model::unix_nanos, render, tree::CallTree};
 use stackscope_proto::v1::{
     Batch, FlamegraphRequest, Label, LabelMatcher, LabelNamesRequest, LabelSet, ProfileType,
@@ -23,11 +24,6 @@ use tonic::{Code, transport::Channel};
 
 const MAX_MESSAGE_BYTES: usize = 256 << 10;
 
-struct Fixture {
-    collector: RunningCollector,
-    _dir: tempfile::TempDir,
-}
-
 async fn start(token: Option<&str>) -> Fixture {
     start_with(ServerConfig {
         ingest_token: token.map(str::to_string),
@@ -38,22 +34,11 @@ async fn start(token: Option<&str>) -> Fixture {
 
 /// A collector on free ports with `config`'s tokens and limits.
 async fn start_with(config: ServerConfig) -> Fixture {
-    let dir = tempfile::tempdir().expect("temp dir");
-    let storage = SqliteStorage::open(&dir.path().join("stackscope.db"), SqliteOptions::default())
-        .expect("opening the database");
-    let config = ServerConfig {
-        grpc_listen: SocketAddr::from(([127, 0, 0, 1], 0)),
-        http_listen: Some(SocketAddr::from(([127, 0, 0, 1], 0))),
+    collector::start_with(ServerConfig {
         max_message_bytes: MAX_MESSAGE_BYTES,
         ..config
-    };
-    let collector = server::start(config, Arc::new(storage))
-        .await
-        .expect("starting the collector");
-    Fixture {
-        collector,
-        _dir: dir,
-    }
+    })
+    .await
 }
 
 impl Fixture {

@@ -4,10 +4,14 @@
 //! labels and read back through the collector's API; bad exports refused
 //! with nothing stored; the ingest token.
 
+#[path = "support/collector.rs"]
+mod collector;
 #[path = "support/http.rs"]
 mod http;
 
-use std::{net::SocketAddr, sync::Arc, time::SystemTime};
+use collector::Fixture;
+
+use std::time::SystemTime;
 
 use opentelemetry_proto::tonic::{
     collector::profiles::v1development::{
@@ -21,37 +25,18 @@ use opentelemetry_proto::tonic::{
     resource::v1::Resource,
 };
 use prost::Message as _;
-use stackscope_collector::{
-    server::{self, RunningCollector, ServerConfig},
-    storage::sqlite::{SqliteOptions, SqliteStorage},
-};
+use stackscope_collector::server::ServerConfig;
 use stackscope_profile::model::unix_nanos;
 use tonic::metadata::MetadataValue;
 
 const PERIOD: i64 = 50_000_000;
 
-struct Fixture {
-    collector: RunningCollector,
-    _dir: tempfile::TempDir,
-}
-
 async fn start(ingest_token: Option<&str>) -> Fixture {
-    let dir = tempfile::tempdir().expect("temp dir");
-    let storage = SqliteStorage::open(&dir.path().join("stackscope.db"), SqliteOptions::default())
-        .expect("opening the database");
-    let config = ServerConfig {
-        grpc_listen: SocketAddr::from(([127, 0, 0, 1], 0)),
-        http_listen: Some(SocketAddr::from(([127, 0, 0, 1], 0))),
+    collector::start_with(ServerConfig {
         ingest_token: ingest_token.map(str::to_owned),
         ..ServerConfig::default()
-    };
-    let collector = server::start(config, Arc::new(storage))
-        .await
-        .expect("starting the collector");
-    Fixture {
-        collector,
-        _dir: dir,
-    }
+    })
+    .await
 }
 
 impl Fixture {

@@ -5,17 +5,18 @@
 //! the collector's own API and through the querier API in protobuf and
 //! JSON, with the same numbers.
 
+#[path = "support/collector.rs"]
+mod collector;
 #[path = "support/http.rs"]
 mod http;
 
-use std::{io::Write as _, net::SocketAddr, sync::Arc, time::SystemTime};
+use collector::Fixture;
+
+use std::{io::Write as _, time::SystemTime};
 
 use base64::{Engine as _, engine::general_purpose::STANDARD as BASE64};
 use prost::Message as _;
-use stackscope_collector::{
-    server::{self, RunningCollector, ServerConfig},
-    storage::sqlite::{SqliteOptions, SqliteStorage},
-};
+use stackscope_collector::server::ServerConfig;
 use stackscope_profile::model::unix_nanos;
 use stackscope_proto::{
     pprof,
@@ -31,30 +32,14 @@ const CPU: &str = "process_cpu:cpu:nanoseconds:cpu:nanoseconds";
 const ALLOC_SPACE: &str = "memory:alloc_space:bytes:space:bytes";
 const PERIOD: i64 = 10_000_000;
 
-struct Fixture {
-    collector: RunningCollector,
-    _dir: tempfile::TempDir,
-}
-
 async fn start(ingest_token: Option<&str>, query_token: Option<&str>) -> Fixture {
-    let dir = tempfile::tempdir().expect("temp dir");
-    let storage = SqliteStorage::open(&dir.path().join("stackscope.db"), SqliteOptions::default())
-        .expect("opening the database");
-    let config = ServerConfig {
-        grpc_listen: SocketAddr::from(([127, 0, 0, 1], 0)),
-        http_listen: Some(SocketAddr::from(([127, 0, 0, 1], 0))),
+    collector::start_with(ServerConfig {
         max_message_bytes: MAX_MESSAGE_BYTES,
         ingest_token: ingest_token.map(str::to_owned),
         query_token: query_token.map(str::to_owned),
         ..ServerConfig::default()
-    };
-    let collector = server::start(config, Arc::new(storage))
-        .await
-        .expect("starting the collector");
-    Fixture {
-        collector,
-        _dir: dir,
-    }
+    })
+    .await
 }
 
 impl Fixture {
@@ -566,6 +551,33 @@ async fn bad_pushes_are_refused_with_clear_errors_and_store_nothing() {
         &with_profile(huge.encode_to_vec()).encode_to_vec(),
     );
     assert_eq!(answer.status, 413, "{}", answer.text());
+    // Profiles each within the bound, but not together.
+    let mut padded = cpu_profile();
+    padded
+        .string_table
+        .extend((0..MAX_MESSAGE_BYTES / 3 / 64).map(|i| format!("{i:064}")));
+    let raw = gzip(&padded.encode_to_vec());
+    let many = PushRequest {
+        series: vec![RawProfileSeries {
+            labels: labels(&[("__name__", "process_cpu"), ("service_name", "many")]),
+            samples: (0..4)
+                .map(|_| RawSample {
+                    raw_profile: raw.clone(),
+                    id: String::new(),
+                })
+                .collect(),
+            annotations: Vec::new(),
+        }],
+    };
+    let answer = push(&fixture, &many, &[]);
+    assert_eq!(answer.status, 429, "{}", answer.text());
+    assert!(
+        answer
+            .text()
+            .contains("profile 2: the request's profiles are larger than"),
+        "{}",
+        answer.text()
+    );
     let bomb = vec![0u8; 4 * MAX_MESSAGE_BYTES];
     let answer = push(&fixture, &with_profile(gzip(&bomb)), &[]);
     assert_eq!(answer.status, 429, "{}", answer.text());

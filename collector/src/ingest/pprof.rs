@@ -55,8 +55,9 @@ pub enum SentProfileError {
     /// A profile is not a pprof profile, or breaks one of pprof's rules.
     #[error("profile {index}: {reason}")]
     Malformed { index: usize, reason: String },
-    /// A profile is larger than the collector takes, once decompressed.
-    #[error("profile {index} is larger than {limit} bytes decompressed")]
+    /// The profiles, once decompressed, are larger than the collector
+    /// takes in one request (`index` is the one that went past).
+    #[error("profile {index}: the request's profiles are larger than {limit} bytes decompressed")]
     TooLarge { index: usize, limit: usize },
     /// The profiles together exceed one of the ingest limits.
     #[error(transparent)]
@@ -155,8 +156,8 @@ impl<'a> Strings<'a> {
 }
 
 /// Decompresses (when gzipped: pprof's own files are) and decodes a pprof
-/// profile of at most `limit` bytes.
-fn decode_pprof(bytes: &[u8], limit: usize) -> Result<pprof::Profile, DecodeError> {
+/// profile of at most `limit` bytes; returns it with its size.
+fn decode_pprof(bytes: &[u8], limit: usize) -> Result<(pprof::Profile, usize), DecodeError> {
     let decompressed;
     let plain = if bytes.starts_with(&[0x1f, 0x8b]) {
         let mut out = Vec::new();
@@ -172,7 +173,9 @@ fn decode_pprof(bytes: &[u8], limit: usize) -> Result<pprof::Profile, DecodeErro
     if plain.len() > limit {
         return Err(DecodeError::TooLarge);
     }
-    pprof::Profile::decode(plain).map_err(|err| DecodeError::Malformed(format!("pprof: {err}")))
+    pprof::Profile::decode(plain)
+        .map(|profile| (profile, plain.len()))
+        .map_err(|err| DecodeError::Malformed(format!("pprof: {err}")))
 }
 
 enum DecodeError {
@@ -280,8 +283,9 @@ impl BatchBuilder {
 
 /// Turns the profiles of one request into one batch (its id a hash of
 /// what was sent, so a request sent again is stored once). `max_bytes`
-/// bounds each profile decompressed; `now` stands for a profile that says
-/// nothing of its time.
+/// bounds the profiles decompressed, all together (a small request of many
+/// small gzip bombs is refused as one large one is); `now` stands for a
+/// profile that says nothing of its time.
 pub fn sent_profiles_batch(
     profiles: &[SentProfile],
     limits: &IngestLimits,
@@ -293,14 +297,16 @@ pub fn sent_profiles_batch(
     }
     let mut builder = BatchBuilder::default();
     let mut id = Xxh3::new();
+    let mut budget = max_bytes;
     for (index, sent) in profiles.iter().enumerate() {
-        let profile = decode_pprof(&sent.pprof, max_bytes).map_err(|err| match err {
+        let (profile, size) = decode_pprof(&sent.pprof, budget).map_err(|err| match err {
             DecodeError::Malformed(reason) => SentProfileError::Malformed { index, reason },
             DecodeError::TooLarge => SentProfileError::TooLarge {
                 index,
                 limit: max_bytes,
             },
         })?;
+        budget -= size;
         add_profile(&mut builder, sent, &profile, limits, now_unix_nanos)
             .map_err(|reason| SentProfileError::Malformed { index, reason })?;
         for (name, value) in &sent.labels {

@@ -116,94 +116,56 @@ async fn querier_call(
     body: Bytes,
 ) -> Response {
     let engine = &engine;
+    // A call: its handler and its request's and answer's message names.
+    macro_rules! answer {
+        ($handler:ident, $request:literal, $response:literal) => {
+            unary(&headers, body, ($request, $response), |r| {
+                $handler(engine, r)
+            })
+            .await
+        };
+    }
     match method.as_str() {
-        "ProfileTypes" => {
-            unary(
-                &headers,
-                body,
-                (
-                    "querier.v1.ProfileTypesRequest",
-                    "querier.v1.ProfileTypesResponse",
-                ),
-                |r| profile_types(engine, r),
-            )
-            .await
-        }
-        "LabelNames" => {
-            unary(
-                &headers,
-                body,
-                ("types.v1.LabelNamesRequest", "types.v1.LabelNamesResponse"),
-                |r| label_names(engine, r),
-            )
-            .await
-        }
-        "LabelValues" => {
-            unary(
-                &headers,
-                body,
-                (
-                    "types.v1.LabelValuesRequest",
-                    "types.v1.LabelValuesResponse",
-                ),
-                |r| label_values(engine, r),
-            )
-            .await
-        }
-        "Series" => {
-            unary(
-                &headers,
-                body,
-                ("querier.v1.SeriesRequest", "querier.v1.SeriesResponse"),
-                |r| series(engine, r),
-            )
-            .await
-        }
-        "SelectMergeStacktraces" => {
-            unary(
-                &headers,
-                body,
-                (
-                    "querier.v1.SelectMergeStacktracesRequest",
-                    "querier.v1.SelectMergeStacktracesResponse",
-                ),
-                |r| select_merge_stacktraces(engine, r),
-            )
-            .await
-        }
-        "SelectMergeProfile" => {
-            unary(
-                &headers,
-                body,
-                ("querier.v1.SelectMergeProfileRequest", "google.v1.Profile"),
-                |r| select_merge_profile(engine, r),
-            )
-            .await
-        }
-        "SelectSeries" => {
-            unary(
-                &headers,
-                body,
-                (
-                    "querier.v1.SelectSeriesRequest",
-                    "querier.v1.SelectSeriesResponse",
-                ),
-                |r| select_series(engine, r),
-            )
-            .await
-        }
-        "GetProfileStats" => {
-            unary(
-                &headers,
-                body,
-                (
-                    "types.v1.GetProfileStatsRequest",
-                    "types.v1.GetProfileStatsResponse",
-                ),
-                |r| profile_stats(engine, r),
-            )
-            .await
-        }
+        "ProfileTypes" => answer!(
+            profile_types,
+            "querier.v1.ProfileTypesRequest",
+            "querier.v1.ProfileTypesResponse"
+        ),
+        "LabelNames" => answer!(
+            label_names,
+            "types.v1.LabelNamesRequest",
+            "types.v1.LabelNamesResponse"
+        ),
+        "LabelValues" => answer!(
+            label_values,
+            "types.v1.LabelValuesRequest",
+            "types.v1.LabelValuesResponse"
+        ),
+        "Series" => answer!(
+            series,
+            "querier.v1.SeriesRequest",
+            "querier.v1.SeriesResponse"
+        ),
+        "SelectMergeStacktraces" => answer!(
+            select_merge_stacktraces,
+            "querier.v1.SelectMergeStacktracesRequest",
+            "querier.v1.SelectMergeStacktracesResponse"
+        ),
+        "SelectMergeProfile" => answer!(
+            select_merge_profile,
+            "querier.v1.SelectMergeProfileRequest",
+            "google.v1.Profile"
+        ),
+        "SelectSeries" => answer!(
+            select_series,
+            "querier.v1.SelectSeriesRequest",
+            "querier.v1.SelectSeriesResponse"
+        ),
+        "GetProfileStats" => answer!(
+            profile_stats,
+            "types.v1.GetProfileStatsRequest",
+            "types.v1.GetProfileStatsResponse"
+        ),
         "SelectMergeSpanProfile" | "SelectHeatmap" => ConnectError::new(
             Code::Unimplemented,
             format!(
