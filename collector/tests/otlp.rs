@@ -291,6 +291,14 @@ async fn bad_otlp_exports_are_refused_whole_and_the_token_is_needed() {
         .await
         .expect_err("no token");
     assert_eq!(status.code(), tonic::Code::Unauthenticated);
+    let answer = http::request(
+        fixture.collector.http_addr.expect("HTTP"),
+        "POST",
+        "/v1development/profiles",
+        &[("Content-Type", "application/x-protobuf")],
+        &export("x").encode_to_vec(),
+    );
+    assert_eq!(answer.status, 401, "OTLP/HTTP needs the ingest token too");
 
     let broken: Vec<(&str, Edit, &str)> = vec![
         (

@@ -395,7 +395,49 @@ async fn sdk_pushes_are_stored_once_and_read_back_through_both_apis() {
             "start": start, "end": end
         }),
     );
-    assert_eq!(series["labelsSet"].as_array().expect("sets").len(), 3);
+    let set = |profile_type: &str| {
+        serde_json::json!({"labels": [
+            {"name": "__profile_type__", "value": profile_type},
+            {"name": "service_name", "value": "pyapp"},
+        ]})
+    };
+    assert_eq!(
+        series["labelsSet"],
+        serde_json::json!([
+            set("memory:alloc_objects:count:space:bytes"),
+            set(ALLOC_SPACE),
+            set(CPU)
+        ])
+    );
+
+    // Grouped by a label only some samples have: the others are a group
+    // of their own, and nothing is counted twice.
+    let by_endpoint: querier::SelectSeriesResponse = fixture
+        .call(
+            "SelectSeries",
+            &querier::SelectSeriesRequest {
+                profile_type_id: CPU.into(),
+                label_selector: "{}".into(),
+                start,
+                end,
+                step: 15.0,
+                group_by: vec!["endpoint".into()],
+                ..Default::default()
+            },
+        )
+        .unwrap();
+    let sums: Vec<(Vec<LabelPair>, f64)> = by_endpoint
+        .series
+        .iter()
+        .map(|s| (s.labels.clone(), s.points.iter().map(|p| p.value).sum()))
+        .collect();
+    assert_eq!(
+        sums,
+        [
+            (vec![], (35 * PERIOD) as f64),
+            (labels(&[("endpoint", "/slow")]), (7 * PERIOD) as f64)
+        ]
+    );
 
     let points: querier::SelectSeriesResponse = fixture
         .call(
@@ -591,7 +633,159 @@ async fn bad_pushes_are_refused_with_clear_errors_and_store_nothing() {
     let answer = fixture.post("/ingest?name=app&format=trie", &[], b"main 1\n");
     assert_eq!(answer.status, 400, "{}", answer.text());
 
+    // Labels and profiles beyond the bounds.
+    let with_labels = |pairs: Vec<LabelPair>, samples: usize| PushRequest {
+        series: vec![RawProfileSeries {
+            labels: pairs,
+            samples: (0..samples)
+                .map(|_| RawSample {
+                    raw_profile: good.encode_to_vec(),
+                    id: String::new(),
+                })
+                .collect(),
+            annotations: Vec::new(),
+        }],
+    };
+    let long = "x".repeat(5000);
+    for (what, request, says) in [
+        (
+            "a label value longer than a string may be",
+            with_labels(labels(&[("service_name", &long)]), 1),
+            "label service_name has 5012 bytes",
+        ),
+        (
+            "more labels than a set may have",
+            with_labels(
+                (0..70)
+                    .map(|i| LabelPair {
+                        name: format!("l{i}"),
+                        value: "v".into(),
+                    })
+                    .collect(),
+                1,
+            ),
+            "70 labels, more than the 64 taken",
+        ),
+        (
+            // Empty profiles cost two bytes each on the wire.
+            "more profiles than a request may hold",
+            PushRequest {
+                series: vec![RawProfileSeries {
+                    labels: labels(&[("service_name", "many")]),
+                    samples: vec![RawSample::default(); 10_001],
+                    annotations: Vec::new(),
+                }],
+            },
+            "10001 profiles, more than the 10000 taken",
+        ),
+    ] {
+        let answer = push(&fixture, &request, &[]);
+        assert_eq!(answer.status, 400, "{what}: {}", answer.text());
+        assert!(answer.text().contains(says), "{what}: {}", answer.text());
+    }
+    // Profiles of very different times in one request.
+    let mut early = cpu_profile();
+    early.time_nanos -= 3_600_000_000_000;
+    let spread = PushRequest {
+        series: vec![RawProfileSeries {
+            labels: labels(&[("__name__", "process_cpu"), ("service_name", "spread")]),
+            samples: [cpu_profile(), early]
+                .iter()
+                .map(|p| RawSample {
+                    raw_profile: p.encode_to_vec(),
+                    id: String::new(),
+                })
+                .collect(),
+            annotations: Vec::new(),
+        }],
+    };
+    let answer = push(&fixture, &spread, &[]);
+    assert_eq!(answer.status, 400, "{}", answer.text());
+    assert!(
+        answer.text().contains("span more than 15 minutes"),
+        "{}",
+        answer.text()
+    );
+    // CPU samples without a period cannot be counted as ticks.
+    let answer = fixture.post(
+        "/ingest?name=app&format=folded&sampleRate=2000000000",
+        &[],
+        b"main 1\n",
+    );
+    assert_eq!(answer.status, 400, "{}", answer.text());
+    assert!(
+        answer.text().contains("need the profile's period"),
+        "{}",
+        answer.text()
+    );
+
     assert_eq!(fixture.types(), Vec::<String>::new(), "nothing was stored");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sent_labels_types_and_times_follow_the_collectors_rules() {
+    let fixture = start(None, None).await;
+    // A label that would be the collector's own once made query-safe.
+    let sneaky = PushRequest {
+        series: vec![RawProfileSeries {
+            labels: labels(&[
+                ("__name__", "process_cpu"),
+                ("service_name", "sneaky"),
+                ("..type__", "memory:alloc_space:bytes:space:bytes"),
+            ]),
+            samples: vec![RawSample {
+                raw_profile: cpu_profile().encode_to_vec(),
+                id: String::new(),
+            }],
+            annotations: Vec::new(),
+        }],
+    };
+    assert_eq!(push(&fixture, &sneaky, &[]).status, 200);
+    assert_eq!(fixture.types(), ["cpu"]);
+    assert_eq!(
+        fixture
+            .folded("cpu", r#"service_name="sneaky""#)
+            .iter()
+            .map(|(_, n)| n)
+            .sum::<u64>(),
+        42
+    );
+    // Off-CPU time by its Pyroscope id is the agents' off-CPU type.
+    let blocked = profile(
+        &[("off_cpu", "nanoseconds")],
+        ("off_cpu", "nanoseconds", 1),
+        &[(&["main", "wait"], &[2_500_000], &[])],
+    );
+    let answer = push(
+        &fixture,
+        &PushRequest {
+            series: vec![RawProfileSeries {
+                labels: labels(&[("__name__", "off_cpu"), ("service_name", "waiter")]),
+                samples: vec![RawSample {
+                    raw_profile: blocked.encode_to_vec(),
+                    id: String::new(),
+                }],
+                annotations: Vec::new(),
+            }],
+        },
+        &[],
+    );
+    assert_eq!(answer.status, 200, "{}", answer.text());
+    assert_eq!(
+        fixture.folded("off_cpu", r#"service_name="waiter""#),
+        [("main;wait".to_owned(), 2_500_000)]
+    );
+    // Two profiles that say nothing of their time, sent apart, are two
+    // (the time used is the time they arrived).
+    for _ in 0..2 {
+        let answer = fixture.post("/ingest?name=timeless&format=folded", &[], b"main 1\n");
+        assert_eq!(answer.status, 200, "{}", answer.text());
+        tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+    }
+    assert_eq!(
+        fixture.folded("cpu", r#"service_name="timeless""#),
+        [("main".to_owned(), 2)]
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -709,4 +903,22 @@ async fn pushes_need_the_ingest_token_and_queries_the_query_token() {
     assert_eq!(answer.status, 200, "{}", answer.text());
     let types = querier::ProfileTypesResponse::decode(&answer.body[..]).unwrap();
     assert_eq!(types.profile_types.len(), 3);
+    // Each token opens its own door only.
+    let answer = fixture.post(
+        "/querier.v1.QuerierService/ProfileTypes",
+        &[
+            ("Content-Type", "application/proto"),
+            ("Authorization", "Bearer in-s3cret"),
+        ],
+        &request.encode_to_vec(),
+    );
+    assert_eq!(answer.status, 401, "the ingest token does not query");
+    let answer = fixture.post("/ingest?name=app&format=folded", &[], b"main 1\n");
+    assert_eq!(answer.status, 401, "/ingest needs the ingest token");
+    let answer = fixture.post(
+        "/ingest?name=app&format=folded",
+        &[("Authorization", "Bearer in-s3cret")],
+        b"main 1\n",
+    );
+    assert_eq!(answer.status, 200, "{}", answer.text());
 }

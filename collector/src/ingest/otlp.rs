@@ -21,7 +21,10 @@ use prost::Message as _;
 use stackscope_profile::model::TimeRange;
 use stackscope_proto::pprof;
 
-use super::pprof::SentProfile;
+use super::{
+    IngestLimits,
+    pprof::{MAX_PROFILES_PER_REQUEST, SentProfile},
+};
 
 /// The spec version whose messages are read.
 pub const OTLP_PROFILES_VERSION: &str = "1.10.0 (v1development)";
@@ -79,14 +82,35 @@ fn label_name(key: &str) -> &str {
     }
 }
 
-/// The profiles of an export, as sent profiles; `now` stands for a profile
-/// without a time.
+/// The profiles of an export, as sent profiles, bounded as the request
+/// they came in: at most [`MAX_PROFILES_PER_REQUEST`], labels and stacks
+/// within `limits`, their pprof profiles `max_bytes` together. `now`
+/// stands for a profile without a time.
 pub fn otlp_profiles(
     request: &ExportProfilesServiceRequest,
+    limits: &IngestLimits,
+    max_bytes: usize,
     now_unix_nanos: i64,
 ) -> Result<Vec<SentProfile>, OtlpError> {
     let empty = ProfilesDictionary::default();
     let dictionary = request.dictionary.as_ref().unwrap_or(&empty);
+    let count: usize = request
+        .resource_profiles
+        .iter()
+        .flat_map(|r| &r.scope_profiles)
+        .map(|s| s.profiles.len())
+        .sum();
+    if count > MAX_PROFILES_PER_REQUEST {
+        return Err(OtlpError {
+            resource: 0,
+            scope: 0,
+            profile: count,
+            reason: format!(
+                "more than the {MAX_PROFILES_PER_REQUEST} profiles taken in one export"
+            ),
+        });
+    }
+    let mut budget = max_bytes;
     let mut sent = Vec::new();
     for (resource_index, resource) in request.resource_profiles.iter().enumerate() {
         for (scope_index, scope) in resource.scope_profiles.iter().enumerate() {
@@ -116,7 +140,26 @@ pub fn otlp_profiles(
                         labels.push((label_name(&key).to_owned(), value));
                     }
                 }
-                let pprof = profile_as_pprof(dictionary, profile).map_err(at)?;
+                if labels.len() > limits.max_labels_per_set
+                    || labels
+                        .iter()
+                        .any(|(n, v)| n.len() + v.len() > limits.max_string_bytes)
+                {
+                    return Err(at(format!(
+                        "{} attributes, more than the {} taken or longer than {} bytes",
+                        labels.len(),
+                        limits.max_labels_per_set,
+                        limits.max_string_bytes
+                    )));
+                }
+                let pprof = profile_as_pprof(dictionary, profile, limits)
+                    .map_err(at)?
+                    .encode_to_vec();
+                budget = budget.checked_sub(pprof.len()).ok_or_else(|| {
+                    at(format!(
+                        "the export's profiles are larger than {max_bytes} bytes as pprof"
+                    ))
+                })?;
                 let duration = i64::try_from(profile.duration_nano)
                     .unwrap_or(i64::MAX)
                     .max(1);
@@ -125,8 +168,8 @@ pub fn otlp_profiles(
                     _ => now_unix_nanos.saturating_sub(duration),
                 };
                 sent.push(SentProfile {
-                    labels,
-                    pprof: pprof.encode_to_vec(),
+                    labels: labels.into(),
+                    pprof,
                     window: Some(TimeRange {
                         start_unix_nanos: start,
                         end_unix_nanos: start.saturating_add(duration),
@@ -274,6 +317,7 @@ impl<'a> PprofBuilder<'a> {
 fn profile_as_pprof(
     dictionary: &ProfilesDictionary,
     profile: &Profile,
+    limits: &IngestLimits,
 ) -> Result<pprof::Profile, String> {
     let mut builder = PprofBuilder {
         dictionary,
@@ -314,6 +358,20 @@ fn profile_as_pprof(
                 .fold(0i64, |sum, v| sum.saturating_add(*v))
         };
         let stack = entry(&dictionary.stack_table, sample.stack_index, "stack").map_err(at)?;
+        if stack.location_indices.len() > limits.max_stack_depth {
+            return Err(at(format!(
+                "{} frames deep, more than the {} taken",
+                stack.location_indices.len(),
+                limits.max_stack_depth
+            )));
+        }
+        if sample.attribute_indices.len() > limits.max_labels_per_set {
+            return Err(at(format!(
+                "{} attributes, more than the {} taken",
+                sample.attribute_indices.len(),
+                limits.max_labels_per_set
+            )));
+        }
         let mut location_id = Vec::with_capacity(stack.location_indices.len());
         for &location in &stack.location_indices {
             location_id.push(builder.location(location).map_err(at)?);

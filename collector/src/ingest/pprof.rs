@@ -19,7 +19,7 @@
 //! are bounded (decompressed bytes first), and a bad profile refuses the
 //! whole request with an error that names it.
 
-use std::{collections::HashMap, io::Read as _};
+use std::{collections::HashMap, io::Read as _, sync::Arc};
 
 use prost::Message as _;
 use stackscope_profile::{
@@ -38,8 +38,9 @@ use super::{
 #[derive(Debug, Clone)]
 pub struct SentProfile {
     /// The series' labels as sent: `__name__` names the profile
-    /// (`process_cpu`, `memory`), `service_name` the application.
-    pub labels: Vec<(String, String)>,
+    /// (`process_cpu`, `memory`), `service_name` the application. Shared by
+    /// the profiles of one series.
+    pub labels: Arc<[(String, String)]>,
     /// The pprof profile, gzipped or not.
     pub pprof: Vec<u8>,
     /// The time the profile covers when the request says (`/ingest`'s
@@ -47,11 +48,17 @@ pub struct SentProfile {
     pub window: Option<TimeRange>,
 }
 
+/// Most profiles one request may hold: each costs a decode and a hash
+/// whatever its size.
+pub const MAX_PROFILES_PER_REQUEST: usize = 10_000;
+
 /// Why sent profiles were refused; nothing of the request was stored.
 #[derive(Debug, thiserror::Error)]
 pub enum SentProfileError {
     #[error("the request holds no profile")]
     NoProfile,
+    #[error("the request holds {0} profiles, more than the {MAX_PROFILES_PER_REQUEST} taken")]
+    TooManyProfiles(usize),
     /// A profile is not a pprof profile, or breaks one of pprof's rules.
     #[error("profile {index}: {reason}")]
     Malformed { index: usize, reason: String },
@@ -69,7 +76,7 @@ impl SentProfileError {
     /// send less at once), not for what it holds.
     pub fn is_too_large(&self) -> bool {
         match self {
-            Self::TooLarge { .. } => true,
+            Self::TooLarge { .. } | Self::TooManyProfiles(_) => true,
             Self::Limits(err) => err.is_too_large(),
             Self::NoProfile | Self::Malformed { .. } => false,
         }
@@ -119,14 +126,23 @@ fn sanitized_label_name(name: &str) -> String {
 fn stored_labels<'a>(
     sent: impl IntoIterator<Item = (&'a str, &'a str)>,
     into: &mut Vec<(String, String)>,
-) {
+    limits: &IngestLimits,
+) -> Result<(), String> {
     for (name, value) in sent {
-        if name.starts_with("__") || value.is_empty() {
+        if value.is_empty() {
             continue;
         }
+        // Sanitized first: `.._type__` would become the collector's own.
         let name = sanitized_label_name(name);
-        if name == NODE_LABEL || !is_valid_label_name(&name) {
+        if name.starts_with("__") || name == NODE_LABEL || !is_valid_label_name(&name) {
             continue;
+        }
+        if name.len() + value.len() > limits.max_string_bytes {
+            return Err(format!(
+                "label {name} has {} bytes, more than the {} taken",
+                name.len() + value.len(),
+                limits.max_string_bytes
+            ));
         }
         // A later value of the same name (a sample's label over its
         // series') wins.
@@ -135,6 +151,14 @@ fn stored_labels<'a>(
             None => into.push((name, value.to_owned())),
         }
     }
+    if into.len() > limits.max_labels_per_set {
+        return Err(format!(
+            "{} labels, more than the {} taken",
+            into.len(),
+            limits.max_labels_per_set
+        ));
+    }
+    Ok(())
 }
 
 /// A pprof string table, every index checked.
@@ -193,6 +217,9 @@ struct StoredType {
     units_per_tick: u64,
 }
 
+/// How far apart in time the profiles of one request may be.
+const MAX_REQUEST_SPAN_NANOS: i64 = 15 * 60 * 1_000_000_000;
+
 /// CPU samples counted, each worth the period.
 const CPU_SAMPLES_ID: &str = "process_cpu:samples:count:cpu:nanoseconds";
 
@@ -237,8 +264,14 @@ impl BatchBuilder {
         intern(&mut self.stacks, &mut self.stack_ids, stack)
     }
 
-    /// The set of `labels` (sorted, unique names) for samples of `stored`.
-    fn label_set(&mut self, labels: &[(String, String)], stored: &StoredType) -> u32 {
+    /// The set of `labels` (sorted, unique names) for samples of `stored`;
+    /// a new set counts against the limits on sets and on text.
+    fn label_set(
+        &mut self,
+        labels: &[(String, String)],
+        stored: &StoredType,
+        limits: &IngestLimits,
+    ) -> Result<u32, String> {
         let mut set = labels.to_vec();
         if stored.profile_type != ProfileType::Cpu {
             set.push((
@@ -252,13 +285,35 @@ impl BatchBuilder {
         let period = stored.tick_nanos.max(1);
         let key = (set, period);
         if let Some(&id) = self.label_set_ids.get(&key) {
-            return id;
+            return Ok(id);
         }
+        if self.label_sets.len() >= limits.max_label_sets {
+            return Err(BatchError::TooMany {
+                what: "label sets",
+                count: self.label_sets.len() + 1,
+                limit: limits.max_label_sets,
+            }
+            .to_string());
+        }
+        let bytes: usize = key.0.iter().map(|(n, v)| n.len() + v.len()).sum();
+        self.charge_text(bytes, limits)?;
         self.label_sets.push(key.0.clone());
         self.label_set_periods.push(period);
         let id = (self.label_sets.len() - 1) as u32;
         self.label_set_ids.insert(key, id);
-        id
+        Ok(id)
+    }
+
+    /// Counts `bytes` of text against [`IngestLimits::max_text_bytes`].
+    fn charge_text(&mut self, bytes: usize, limits: &IngestLimits) -> Result<(), String> {
+        self.text_bytes = self.text_bytes.saturating_add(bytes);
+        if self.text_bytes > limits.max_text_bytes {
+            return Err(BatchError::TextTooLarge {
+                limit: limits.max_text_bytes,
+            }
+            .to_string());
+        }
+        Ok(())
     }
 
     fn add_weight(&mut self, stack: u32, label_set: u32, weight: u64) -> Result<(), String> {
@@ -270,14 +325,26 @@ impl BatchBuilder {
         Ok(())
     }
 
-    fn cover(&mut self, window: TimeRange) {
-        self.range = Some(match self.range {
+    /// Adds a profile's time to the batch's. A batch's samples are stored
+    /// at its start, so profiles of one request must be of about the same
+    /// time.
+    fn cover(&mut self, window: TimeRange) -> Result<(), String> {
+        let range = match self.range {
             None => window,
             Some(range) => TimeRange {
                 start_unix_nanos: range.start_unix_nanos.min(window.start_unix_nanos),
                 end_unix_nanos: range.end_unix_nanos.max(window.end_unix_nanos),
             },
-        });
+        };
+        if range.end_unix_nanos - range.start_unix_nanos > MAX_REQUEST_SPAN_NANOS {
+            return Err(format!(
+                "the request's profiles span more than {} minutes: send profiles of other \
+                 times in requests of their own",
+                MAX_REQUEST_SPAN_NANOS / 60_000_000_000
+            ));
+        }
+        self.range = Some(range);
+        Ok(())
     }
 }
 
@@ -295,6 +362,9 @@ pub fn sent_profiles_batch(
     if profiles.is_empty() {
         return Err(SentProfileError::NoProfile);
     }
+    if profiles.len() > MAX_PROFILES_PER_REQUEST {
+        return Err(SentProfileError::TooManyProfiles(profiles.len()));
+    }
     let mut builder = BatchBuilder::default();
     let mut id = Xxh3::new();
     let mut budget = max_bytes;
@@ -307,18 +377,18 @@ pub fn sent_profiles_batch(
             },
         })?;
         budget -= size;
-        add_profile(&mut builder, sent, &profile, limits, now_unix_nanos)
+        let window = add_profile(&mut builder, sent, &profile, limits, now_unix_nanos)
             .map_err(|reason| SentProfileError::Malformed { index, reason })?;
-        for (name, value) in &sent.labels {
+        for (name, value) in sent.labels.iter() {
             id.update(&(name.len() as u64).to_le_bytes());
             id.update(name.as_bytes());
             id.update(&(value.len() as u64).to_le_bytes());
             id.update(value.as_bytes());
         }
-        if let Some(window) = sent.window {
-            id.update(&window.start_unix_nanos.to_le_bytes());
-            id.update(&window.end_unix_nanos.to_le_bytes());
-        }
+        // The time used, not the time sent: two profiles that say none,
+        // sent a minute apart, are two.
+        id.update(&window.start_unix_nanos.to_le_bytes());
+        id.update(&window.end_unix_nanos.to_le_bytes());
         id.update(&(sent.pprof.len() as u64).to_le_bytes());
         id.update(&sent.pprof);
     }
@@ -368,14 +438,15 @@ pub fn sent_profiles_batch(
     })
 }
 
-/// Adds one decoded profile's samples to the batch.
+/// Adds one decoded profile's samples to the batch; returns the time it
+/// covers.
 fn add_profile(
     builder: &mut BatchBuilder,
     sent: &SentProfile,
     profile: &pprof::Profile,
     limits: &IngestLimits,
     now_unix_nanos: i64,
-) -> Result<(), String> {
+) -> Result<TimeRange, String> {
     let strings = Strings(&profile.string_table);
     match profile.string_table.first() {
         Some(first) if first.is_empty() => {}
@@ -405,7 +476,9 @@ fn add_profile(
     stored_labels(
         sent.labels.iter().map(|(n, v)| (n.as_str(), v.as_str())),
         &mut series_labels,
-    );
+        limits,
+    )
+    .map_err(|reason| format!("the series' labels: {reason}"))?;
 
     // What each sample type is stored as.
     let (period_type, period_unit) = match &profile.period_type {
@@ -430,26 +503,36 @@ fn add_profile(
     let types: Vec<StoredType> = ids
         .into_iter()
         .map(|id| {
+            // Units of the sample type per tick: nanoseconds per period,
+            // or one sample counted.
             let per_tick = match id.as_str() {
-                ProfileType::CPU_ID => profile.period,
-                CPU_SAMPLES_ID if !has_cpu_time => 1,
-                _ => 0,
+                ProfileType::CPU_ID => Some(profile.period),
+                CPU_SAMPLES_ID if !has_cpu_time => Some(1),
+                _ => None,
             };
-            if per_tick > 0 && profile.period > 0 {
-                StoredType {
-                    profile_type: ProfileType::Cpu,
-                    tick_nanos: profile.period as u64,
-                    units_per_tick: per_tick as u64,
-                }
-            } else {
-                StoredType {
-                    profile_type: ProfileType::Sent(id),
-                    tick_nanos: 0,
-                    units_per_tick: 1,
-                }
+            if let Some(per_tick) = per_tick {
+                return if profile.period > 0 {
+                    Ok(StoredType {
+                        profile_type: ProfileType::Cpu,
+                        tick_nanos: profile.period as u64,
+                        units_per_tick: per_tick as u64,
+                    })
+                } else {
+                    Err(format!(
+                        "{}: CPU samples need the profile's period, and it is {}",
+                        id.as_str(),
+                        profile.period
+                    ))
+                };
             }
+            // Off-CPU time by its id is the agents' off-CPU type.
+            Ok(StoredType {
+                profile_type: ProfileType::from_name(id.as_str()).unwrap_or(ProfileType::Sent(id)),
+                tick_nanos: 0,
+                units_per_tick: 1,
+            })
         })
-        .collect();
+        .collect::<Result<_, String>>()?;
     if types.is_empty() {
         return Err("the profile has no sample types".into());
     }
@@ -476,7 +559,7 @@ fn add_profile(
             window.start_unix_nanos, window.end_unix_nanos
         ));
     }
-    builder.cover(window);
+    builder.cover(window)?;
 
     // Mappings and functions by id, then each location once.
     let mappings: HashMap<u64, &pprof::Mapping> =
@@ -486,15 +569,12 @@ fn add_profile(
     let mut location_ids: HashMap<u64, u32> = HashMap::with_capacity(profile.location.len());
     for location in &profile.location {
         let (mapping, record) = location_record(location, &mappings, &functions, &strings, limits)?;
-        builder.text_bytes = record.lines.iter().fold(builder.text_bytes, |sum, line| {
-            sum.saturating_add(line.function.len() + line.file.len())
-        });
-        if builder.text_bytes > limits.max_text_bytes {
-            return Err(BatchError::TextTooLarge {
-                limit: limits.max_text_bytes,
-            }
-            .to_string());
-        }
+        let bytes = record
+            .lines
+            .iter()
+            .map(|line| line.function.len() + line.file.len())
+            .sum();
+        builder.charge_text(bytes, limits)?;
         let mapping = builder.mapping(mapping);
         let id = builder.location(LocationRecord { mapping, ..record });
         if location_ids.insert(location.id, id).is_some() {
@@ -518,6 +598,7 @@ fn add_profile(
     };
 
     let mut labels = Vec::new();
+    let mut series_sets: Vec<Option<u32>> = vec![None; types.len()];
     for (index, sample) in profile.sample.iter().enumerate() {
         if sample.value.len() != types.len() {
             return Err(format!(
@@ -554,22 +635,19 @@ fn add_profile(
                 .collect::<Result<Vec<_>, _>>()?
         };
         let stack = builder.stack(stack);
-        labels.clone_from(&series_labels);
         let sample_labels = sample
             .label
             .iter()
             .filter(|label| label.str != 0)
             .map(|label| Ok((strings.get(label.key)?, strings.get(label.str)?)))
             .collect::<Result<Vec<_>, String>>()?;
-        stored_labels(sample_labels, &mut labels);
-        if labels.len() > limits.max_labels_per_set {
-            return Err(format!(
-                "sample {index} has {} labels, more than the {} taken",
-                labels.len(),
-                limits.max_labels_per_set
-            ));
+        let own_labels = !sample_labels.is_empty();
+        if own_labels {
+            labels.clone_from(&series_labels);
+            stored_labels(sample_labels, &mut labels, limits)
+                .map_err(|reason| format!("sample {index}: {reason}"))?;
         }
-        for (stored, &value) in types.iter().zip(&sample.value) {
+        for (type_index, (stored, &value)) in types.iter().zip(&sample.value).enumerate() {
             // pprof values are counts, sizes or times: a negative or zero
             // one (a delta profile's) adds nothing.
             let Ok(value) = u64::try_from(value) else {
@@ -584,13 +662,30 @@ fn add_profile(
             if weight == 0 {
                 continue;
             }
-            let label_set = builder.label_set(&labels, stored);
+            // Most samples have only their series' labels: their set is
+            // found once per type.
+            let label_set = match series_sets[type_index] {
+                Some(set) if !own_labels => set,
+                _ => {
+                    let set = builder
+                        .label_set(
+                            if own_labels { &labels } else { &series_labels },
+                            stored,
+                            limits,
+                        )
+                        .map_err(|reason| format!("sample {index}: {reason}"))?;
+                    if !own_labels {
+                        series_sets[type_index] = Some(set);
+                    }
+                    set
+                }
+            };
             builder
                 .add_weight(stack, label_set, weight)
                 .map_err(|reason| format!("sample {index}: {reason}"))?;
         }
     }
-    Ok(())
+    Ok(window)
 }
 
 /// A pprof location as stored: its lines when it has some (a `Named`

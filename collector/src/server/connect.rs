@@ -292,6 +292,19 @@ mod tests {
             Encoding::Json,
         );
         assert_eq!(response.status(), StatusCode::OK);
+        // int64 as a string, a default value left out.
+        assert_eq!(body_of(response), r#"{"start":"5"}"#);
+    }
+
+    /// A response's body (`respond` builds it whole, in memory).
+    fn body_of(response: Response) -> String {
+        let runtime = tokio::runtime::Builder::new_current_thread()
+            .build()
+            .expect("a runtime");
+        let bytes = runtime
+            .block_on(axum::body::to_bytes(response.into_body(), usize::MAX))
+            .expect("the body");
+        String::from_utf8(bytes.to_vec()).expect("UTF-8")
     }
 
     #[test]

@@ -33,10 +33,10 @@ pub const HTTP_PATH: &str = "/v1development/profiles";
 /// Stores an export; the refusal, if any, as a gRPC status (what OTLP's
 /// HTTP answers are mapped from, too).
 async fn export(state: &SentIngest, request: &ExportProfilesServiceRequest) -> Result<(), Status> {
-    let profiles =
-        otlp_profiles(request, unix_nanos(std::time::SystemTime::now())).map_err(|err| {
-            Status::invalid_argument(format!("export refused, nothing stored: {err}"))
-        })?;
+    let now = unix_nanos(std::time::SystemTime::now());
+    let profiles = otlp_profiles(request, &state.limits, state.max_bytes, now).map_err(|err| {
+        Status::invalid_argument(format!("export refused, nothing stored: {err}"))
+    })?;
     if profiles.is_empty() {
         return Ok(());
     }

@@ -13,10 +13,11 @@
 //! Times are Unix milliseconds; selections are `{name="value", ...}`, with
 //! the profile type as the call's `profile_typeID` or, as Grafana's editors
 //! also write it, an id before the braces, a `__profile_type__` matcher or a
-//! `__name__` matcher holding a whole id. CPU weights are answered in
-//! nanoseconds (ticks × the selection's sample period).
+//! `__name__` matcher holding a whole id (or a profile's name). CPU weights
+//! are answered in nanoseconds (ticks × the selection's sample period) when
+//! the selected samples agree on their period, else in samples.
 
-use std::collections::BTreeMap;
+use std::{collections::BTreeMap, sync::Arc};
 
 use axum::{
     Router,
@@ -49,7 +50,7 @@ use super::{
     store::{SentIngest, SentRefusal},
 };
 use crate::{
-    ingest::pprof::SentProfile,
+    ingest::pprof::{MAX_PROFILES_PER_REQUEST, SentProfile},
     query::{Fault, MAX_GROUPS, QueryEngine, QueryError},
     storage::IngestOutcome,
 };
@@ -191,54 +192,78 @@ fn time_range(start_ms: i64, end_ms: i64) -> TimeRange {
 
 /// A selector as Grafana writes it: `{a="b",...}`, possibly after a
 /// profile type id, possibly naming the type with `__profile_type__` or a
-/// whole id as `__name__`. Returns the matchers on labels and the type it
-/// names, if any.
-fn parse_selector(text: &str) -> Result<(Vec<LabelMatcher>, Option<ProfileType>), ConnectError> {
+/// whole id as `__name__`, or only the profile's name (`__name__="memory"`).
+struct ParsedSelector {
+    /// The matchers on labels.
+    matchers: Vec<LabelMatcher>,
+    /// The type it names, if any.
+    profile_type: Option<ProfileType>,
+    /// The profile name (an id's first part) it asks for, if any.
+    profile_name: Option<String>,
+}
+
+impl ParsedSelector {
+    /// Whether a type is one the selector allows.
+    fn allows(&self, profile_type: &ProfileType) -> bool {
+        let name = profile_type.pyroscope_id().split(':').next().unwrap_or("");
+        self.profile_type.as_ref().is_none_or(|t| t == profile_type)
+            && self.profile_name.as_deref().is_none_or(|n| n == name)
+    }
+}
+
+fn parse_selector(text: &str) -> Result<ParsedSelector, ConnectError> {
     let text = text.trim();
     let (prefix, braces) = match text.find('{') {
         Some(at) => text.split_at(at),
         None if text.is_empty() => ("", ""),
         None => (text, ""),
     };
-    let mut named = None;
-    let mut name_type = |name: &str| -> Result<(), ConnectError> {
+    let mut parsed = ParsedSelector {
+        matchers: Vec::new(),
+        profile_type: None,
+        profile_name: None,
+    };
+    let name_type = |parsed: &mut ParsedSelector, name: &str| -> Result<(), ConnectError> {
         let profile_type = ProfileType::from_name(name)
             .ok_or_else(|| ConnectError::invalid(format!("unknown profile type {name:?}")))?;
-        if named.as_ref().is_some_and(|t| *t != profile_type) {
+        if parsed
+            .profile_type
+            .as_ref()
+            .is_some_and(|t| *t != profile_type)
+        {
             return Err(ConnectError::invalid(format!(
                 "the selector {text:?} names two profile types"
             )));
         }
-        named = Some(profile_type);
+        parsed.profile_type = Some(profile_type);
         Ok(())
     };
     if !prefix.trim().is_empty() {
-        name_type(prefix.trim())?;
+        name_type(&mut parsed, prefix.trim())?;
     }
     let matchers = parse_matchers(braces)
         .map_err(|err| ConnectError::invalid(format!("label selector {text:?}: {err}")))?;
-    let mut kept = Vec::with_capacity(matchers.len());
     for matcher in matchers {
-        let names_type = match matcher.name.as_str() {
-            "__profile_type__" => true,
-            "__name__" => matcher.value.split(':').count() == 5,
-            _ => false,
-        };
-        if names_type && matcher.op == MatchOp::Equal {
-            name_type(&matcher.value)?;
-        } else if matcher.name.starts_with("__") {
-            return Err(ConnectError::invalid(format!(
-                "label selector {text:?}: {}{}{:?} is not a matcher stackscope answers \
-                 (only __profile_type__=\"<id>\" among the __ labels)",
-                matcher.name,
-                matcher.op.as_str(),
-                matcher.value
-            )));
-        } else {
-            kept.push(matcher);
+        let equal = matcher.op == MatchOp::Equal;
+        match matcher.name.as_str() {
+            "__profile_type__" if equal => name_type(&mut parsed, &matcher.value)?,
+            "__name__" if equal && matcher.value.split(':').count() == 5 => {
+                name_type(&mut parsed, &matcher.value)?;
+            }
+            "__name__" if equal => parsed.profile_name = Some(matcher.value),
+            name if name.starts_with("__") => {
+                return Err(ConnectError::invalid(format!(
+                    "label selector {text:?}: {}{}{:?} is not a matcher stackscope answers \
+                     (among the __ labels: __profile_type__=\"<id>\" and __name__=\"<name>\")",
+                    matcher.name,
+                    matcher.op.as_str(),
+                    matcher.value
+                )));
+            }
+            _ => parsed.matchers.push(matcher),
         }
     }
-    Ok((kept, named))
+    Ok(parsed)
 }
 
 /// The selection of a call that names one profile type.
@@ -248,8 +273,8 @@ fn typed_selection(
     start_ms: i64,
     end_ms: i64,
 ) -> Result<Selection, ConnectError> {
-    let (matchers, named) = parse_selector(label_selector)?;
-    let profile_type = match (profile_type_id.trim(), named) {
+    let parsed = parse_selector(label_selector)?;
+    let profile_type = match (profile_type_id.trim(), parsed.profile_type.clone()) {
         ("", Some(named)) => named,
         ("", None) => return Err(ConnectError::invalid("profile_typeID is missing")),
         (id, named) => {
@@ -263,9 +288,15 @@ fn typed_selection(
             given
         }
     };
+    if !parsed.allows(&profile_type) {
+        return Err(ConnectError::invalid(format!(
+            "the label selector's __name__ is not the name of {}",
+            profile_type.pyroscope_id()
+        )));
+    }
     Ok(Selection {
         range: time_range(start_ms, end_ms),
-        matchers,
+        matchers: parsed.matchers,
         profile_type,
     })
 }
@@ -287,19 +318,20 @@ async fn untyped_selections(
     };
     let mut selections = Vec::new();
     for selector in selectors {
-        let (matchers, named) = parse_selector(selector)?;
+        let parsed = parse_selector(selector)?;
         let selection = Selection {
             range,
-            matchers,
+            matchers: parsed.matchers.clone(),
             profile_type: ProfileType::Cpu,
         };
-        let types = match named {
-            Some(named) => vec![named],
+        let mut types = match &parsed.profile_type {
+            Some(named) => vec![named.clone()],
             None => engine
                 .profile_types(selection.clone())
                 .await
                 .map_err(query_error)?,
         };
+        types.retain(|t| parsed.allows(t));
         selections.extend(types.into_iter().map(|profile_type| Selection {
             profile_type,
             ..selection.clone()
@@ -337,6 +369,10 @@ async fn profile_types(
     profile_types.sort_by(|a, b| a.id.cmp(&b.id));
     Ok(querier::ProfileTypesResponse { profile_types })
 }
+
+/// Most label sets a `Series` call answers (Profiles Drilldown lists every
+/// service and type with it).
+const MAX_SERIES: usize = 10_000;
 
 /// The labels Pyroscope has on every series that stackscope keeps apart.
 const PROFILE_TYPE_NAMES: [&str; 2] = ["__profile_type__", "__name__"];
@@ -393,13 +429,14 @@ async fn label_values(
 }
 
 /// The distinct combinations of `names`' values among the selected
-/// samples, as label pairs (a name a sample lacks is left out), at most
-/// [`MAX_GROUPS`].
+/// samples, as label pairs (a name a sample lacks is left out), each with
+/// the selection of its samples; at most `max`.
 async fn combinations(
     engine: &QueryEngine,
     selection: &Selection,
     names: &[String],
-) -> Result<Vec<Vec<types::LabelPair>>, ConnectError> {
+    max: usize,
+) -> Result<Vec<(Selection, Vec<types::LabelPair>)>, ConnectError> {
     // Each step splits every combination so far by the next name's values
     // among its samples.
     let mut combinations: Vec<(Selection, Vec<types::LabelPair>)> =
@@ -446,15 +483,15 @@ async fn combinations(
                 });
                 next.push((narrowed, pairs));
             }
-            if next.len() > MAX_GROUPS {
+            if next.len() > max {
                 return Err(ConnectError::invalid(format!(
-                    "more than {MAX_GROUPS} combinations of {names:?}: narrow the selection"
+                    "more than {max} combinations of {names:?}: narrow the selection"
                 )));
             }
         }
         combinations = next;
     }
-    Ok(combinations.into_iter().map(|(_, pairs)| pairs).collect())
+    Ok(combinations)
 }
 
 async fn series(
@@ -475,7 +512,7 @@ async fn series(
         } else {
             request.label_names.clone()
         };
-        for mut labels in combinations(engine, &selection, &names).await? {
+        for (_, mut labels) in combinations(engine, &selection, &names, MAX_SERIES).await? {
             labels.sort_by(|a, b| a.name.cmp(&b.name));
             labels_set.push(types::Labels { labels });
         }
@@ -601,6 +638,8 @@ async fn select_merge_profile(
         &request.trace_id_selector,
         &[],
     )?;
+    // Checked as Pyroscope checks it, but not applied: a pprof is for a
+    // tool that prunes as it reads (`go tool pprof -nodecount`).
     max_nodes(request.max_nodes)?;
     let selection = typed_selection(
         &request.profile_type_id,
@@ -654,16 +693,10 @@ async fn select_series(
         request.end,
     )?;
     let step_nanos = (request.step * 1e9).min(i64::MAX as f64) as i64;
-    let groups = combinations(engine, &selection, &request.group_by).await?;
+    // Each group costs storage queries: as many as a grouped flamegraph.
+    let groups = combinations(engine, &selection, &request.group_by, MAX_GROUPS).await?;
     let mut series = Vec::with_capacity(groups.len());
-    for labels in groups {
-        let mut narrowed = selection.clone();
-        for pair in &labels {
-            narrowed.matchers.push(
-                LabelMatcher::new(pair.name.clone(), MatchOp::Equal, pair.value.clone())
-                    .expect("= compiles"),
-            );
-        }
+    for (narrowed, labels) in groups {
         let period = match narrowed.profile_type {
             // Series carry no period: the group's samples say it.
             ProfileType::Cpu => engine
@@ -744,16 +777,23 @@ async fn push(State(state): State<SentIngest>, headers: HeaderMap, body: Bytes) 
             Ok(decoded) => decoded,
             Err(err) => return err.into_response(),
         };
-    let mut profiles = Vec::new();
+    let count: usize = request.series.iter().map(|s| s.samples.len()).sum();
+    if count > MAX_PROFILES_PER_REQUEST {
+        return ConnectError::invalid(format!(
+            "the push holds {count} profiles, more than the {MAX_PROFILES_PER_REQUEST} taken"
+        ))
+        .into_response();
+    }
+    let mut profiles = Vec::with_capacity(count);
     for series in request.series {
-        let labels: Vec<(String, String)> = series
+        let labels: Arc<[(String, String)]> = series
             .labels
             .into_iter()
             .map(|pair| (pair.name, pair.value))
             .collect();
         for sample in series.samples {
             profiles.push(SentProfile {
-                labels: labels.clone(),
+                labels: Arc::clone(&labels),
                 pprof: sample.raw_profile,
                 window: None,
             });
@@ -969,7 +1009,7 @@ async fn ingest(
             // A profile of less than a second has from == until.
             Some(TimeRange {
                 start_unix_nanos: seconds(from),
-                end_unix_nanos: seconds(until).max(seconds(from) + 1),
+                end_unix_nanos: seconds(until).max(seconds(from).saturating_add(1)),
             })
         }
         _ => None,
@@ -1005,7 +1045,7 @@ async fn ingest(
         match axum::body::to_bytes(request.into_body(), state.max_bytes).await {
             Ok(body) => match decompressed(&headers, body, state.max_bytes) {
                 Ok(body) => body,
-                Err(err) => return err.into_response(),
+                Err(err) => return ingest_refusal(err),
             },
             Err(err) => {
                 return ingest_error(StatusCode::PAYLOAD_TOO_LARGE, format!("the body: {err}"));
@@ -1014,7 +1054,7 @@ async fn ingest(
     };
     let profile = match params.format.as_deref().unwrap_or("folded") {
         "pprof" => SentProfile {
-            labels,
+            labels: labels.into(),
             pprof: body.to_vec(),
             window,
         },
@@ -1026,7 +1066,7 @@ async fn ingest(
                 Ok((name, profile)) => {
                     labels.push(("__name__".to_owned(), name));
                     SentProfile {
-                        labels,
+                        labels: labels.into(),
                         pprof: profile.encode_to_vec(),
                         window,
                     }
@@ -1042,15 +1082,19 @@ async fn ingest(
     };
     match store_sent(&state, vec![profile]).await {
         Ok(_) => StatusCode::OK.into_response(),
-        Err(err) => {
-            let status = match err.code {
-                Code::InvalidArgument => StatusCode::BAD_REQUEST,
-                Code::ResourceExhausted => StatusCode::PAYLOAD_TOO_LARGE,
-                _ => StatusCode::SERVICE_UNAVAILABLE,
-            };
-            ingest_error(status, err.message)
-        }
+        Err(err) => ingest_refusal(err),
     }
+}
+
+/// A refusal as `/ingest`'s plain HTTP answers it: too large is 413 (not
+/// Connect's 429, which clients retry).
+fn ingest_refusal(err: ConnectError) -> Response {
+    let status = match err.code {
+        Code::InvalidArgument | Code::Unimplemented => StatusCode::BAD_REQUEST,
+        Code::ResourceExhausted => StatusCode::PAYLOAD_TOO_LARGE,
+        _ => StatusCode::SERVICE_UNAVAILABLE,
+    };
+    ingest_error(status, err.message)
 }
 
 #[cfg(test)]
@@ -1059,26 +1103,33 @@ mod tests {
 
     #[test]
     fn selectors_name_the_profile_type_as_grafana_writes_it() {
-        let (matchers, named) =
+        let parsed =
             parse_selector(r#"process_cpu:cpu:nanoseconds:cpu:nanoseconds{service_name="a"}"#)
                 .unwrap();
-        assert_eq!(named, Some(ProfileType::Cpu));
-        assert_eq!(matchers.len(), 1);
-        let (matchers, named) = parse_selector(
+        assert_eq!(parsed.profile_type, Some(ProfileType::Cpu));
+        assert_eq!(parsed.matchers.len(), 1);
+        let parsed = parse_selector(
             r#"{__profile_type__="memory:alloc_space:bytes:space:bytes",pod=~"x.*"}"#,
         )
         .unwrap();
-        assert_eq!(
-            named.unwrap().name(),
-            "memory:alloc_space:bytes:space:bytes"
-        );
-        assert_eq!(matchers[0].name, "pod");
-        let (_, named) =
+        let alloc = parsed.profile_type.clone().unwrap();
+        assert_eq!(alloc.name(), "memory:alloc_space:bytes:space:bytes");
+        assert_eq!(parsed.matchers[0].name, "pod");
+        let parsed =
             parse_selector(r#"{__name__="off_cpu:off_cpu:nanoseconds:off_cpu:nanoseconds"}"#)
                 .unwrap();
-        assert_eq!(named, Some(ProfileType::OffCpu));
-        assert_eq!(parse_selector("{}").unwrap().0.len(), 0);
-        assert_eq!(parse_selector("").unwrap().1, None);
+        assert_eq!(parsed.profile_type, Some(ProfileType::OffCpu));
+        // A profile's name alone allows the types of that name.
+        let memory = parse_selector(r#"{__name__="memory"}"#).unwrap();
+        assert!(memory.allows(&alloc));
+        assert!(!memory.allows(&ProfileType::Cpu));
+        assert!(
+            parse_selector(r#"{__name__="process_cpu"}"#)
+                .unwrap()
+                .allows(&ProfileType::Cpu)
+        );
+        assert_eq!(parse_selector("{}").unwrap().matchers.len(), 0);
+        assert_eq!(parse_selector("").unwrap().profile_type, None);
         assert!(parse_selector(r#"{__other__="x"}"#).is_err());
         assert!(parse_selector("nonsense{}").is_err());
         assert!(
@@ -1087,6 +1138,10 @@ mod tests {
             )
             .is_err(),
             "two types"
+        );
+        assert!(
+            typed_selection(ProfileType::CPU_ID, r#"{__name__="memory"}"#, 0, 1).is_err(),
+            "a type and another's name"
         );
     }
 

@@ -79,7 +79,8 @@ pub struct SentIngest {
     pub storage: Arc<dyn Storage>,
     pub limits: Arc<IngestLimits>,
     pub metrics: CollectorMetrics,
-    /// Largest request, and largest profile decompressed.
+    /// Largest request, and most bytes its profiles take decompressed,
+    /// all together.
     pub max_bytes: usize,
 }
 
