@@ -408,6 +408,8 @@ fn the_run_loop_ships_named_chains_with_labels_and_build_ids() {
                 ("comm", "call_chain"),
                 ("exe", exe.to_str().expect("UTF-8 path")),
                 ("node", NODE),
+                // A host process's service is its executable's name.
+                ("service_name", "call_chain"),
             ]
         );
     }
