@@ -195,6 +195,26 @@ impl QueryEngine {
             .await
     }
 
+    /// The merged call tree of the selection with each sample's weight
+    /// times its period (CPU time in nanoseconds whatever rate each sample
+    /// was taken at; a period of 1 in the answer).
+    pub async fn flamegraph_in_units(
+        &self,
+        selection: Selection,
+    ) -> Result<Flamegraph, QueryError> {
+        let work = async move {
+            let samples = self
+                .blocking(move |storage| storage.stacks_in_units(&selection))
+                .await?;
+            let samples = self.named(samples).await?;
+            Ok(Flamegraph {
+                tree: CallTree::from_stacks(&samples),
+                sample_period_nanos: samples.sample_period_nanos,
+            })
+        };
+        self.metrics.time_query("flamegraph", work).await
+    }
+
     async fn merged(
         &self,
         selection: Selection,
@@ -301,13 +321,6 @@ impl QueryEngine {
         self.metrics.time_query("profile_types", work).await
     }
 
-    /// The nanoseconds one unit of the selected samples' weight stands for
-    /// when they agree on it, else 0.
-    pub async fn sample_period(&self, selection: Selection) -> Result<u64, QueryError> {
-        let work = self.blocking(move |storage| storage.sample_period(&selection));
-        self.metrics.time_query("sample_period", work).await
-    }
-
     pub async fn label_values(
         &self,
         selection: Selection,
@@ -324,6 +337,25 @@ impl QueryEngine {
         selection: Selection,
         step_nanos: i64,
     ) -> Result<(i64, Vec<(i64, u64)>), QueryError> {
+        self.series_of(selection, step_nanos, false).await
+    }
+
+    /// [`QueryEngine::series`] with each sample's weight times its period
+    /// (CPU time in nanoseconds whatever rate each sample was taken at).
+    pub async fn series_in_units(
+        &self,
+        selection: Selection,
+        step_nanos: i64,
+    ) -> Result<(i64, Vec<(i64, u64)>), QueryError> {
+        self.series_of(selection, step_nanos, true).await
+    }
+
+    async fn series_of(
+        &self,
+        selection: Selection,
+        step_nanos: i64,
+        in_units: bool,
+    ) -> Result<(i64, Vec<(i64, u64)>), QueryError> {
         let span = (selection.range.end_unix_nanos - selection.range.start_unix_nanos).max(1);
         let step = if step_nanos > 0 {
             step_nanos.max(span / MAX_SERIES_POINTS)
@@ -333,9 +365,12 @@ impl QueryEngine {
         // The step answered is the one drawn: whole storage buckets.
         let work = self.blocking(move |storage| {
             let step = series_step(step, storage.bucket_nanos());
-            storage
-                .series(&selection, step)
-                .map(|points| (step, points))
+            let points = if in_units {
+                storage.series_in_units(&selection, step)
+            } else {
+                storage.series(&selection, step)
+            };
+            points.map(|points| (step, points))
         });
         self.metrics.time_query("series", work).await
     }

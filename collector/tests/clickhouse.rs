@@ -222,6 +222,13 @@ fn the_same_batches_give_the_same_answers_as_sqlite() {
                     got.sample_period_nanos, expected.sample_period_nanos,
                     "{engine}: period, {context}"
                 );
+                assert_eq!(
+                    sorted(&storage.stacks_in_units(&selection).expect("in units")),
+                    sorted(&capped(
+                        sqlite.stacks_in_units(&selection).expect("in units")
+                    )),
+                    "{engine}: stacks in units, {context}"
+                );
                 let tree = CallTree::from_stacks(&got);
                 assert_eq!(tree, expected_tree, "{engine}: tree, {context}");
                 assert_eq!(
@@ -251,6 +258,11 @@ fn the_same_batches_give_the_same_answers_as_sqlite() {
                         storage.series(&selection, step).expect("series"),
                         capped_series(sqlite.series(&selection, step).expect("series")),
                         "{engine}: series by {step}, {context}"
+                    );
+                    assert_eq!(
+                        storage.series_in_units(&selection, step).expect("series"),
+                        capped_series(sqlite.series_in_units(&selection, step).expect("series")),
+                        "{engine}: series in units by {step}, {context}"
                     );
                 }
                 compared += 1;

@@ -165,23 +165,37 @@ fn queries_return_exactly_the_ingested_weights() {
     assert_eq!(main_frames.len(), 3);
     assert!(main_frames.windows(2).all(|w| Arc::ptr_eq(w[0], w[1])));
 
-    // The sample period is known only where the batches agree on it; the
-    // label sets' rows say it as the samples do.
+    // The sample period is known only where the batches agree on it.
     let period = |matchers: &[Matcher<'_>]| {
-        let from_stacks = storage
+        storage
             .stacks(&all(matchers))
             .expect("stacks")
-            .sample_period_nanos;
-        assert_eq!(
-            storage.sample_period(&all(matchers)).expect("period"),
-            from_stacks,
-            "{matchers:?}"
-        );
-        from_stacks
+            .sample_period_nanos
     };
     assert_eq!(period(&[]), 0);
     assert_eq!(period(&[("node", Equal, "node-a")]), PERIOD_100HZ);
     assert_eq!(period(&[("node", Equal, "node-b")]), PERIOD_99HZ);
+    // In units, each sample counts its own period, agreeing or not.
+    let ticks = |matchers: &[Matcher<'_>]| {
+        storage
+            .stacks(&all(matchers))
+            .expect("stacks")
+            .total_weight()
+    };
+    let expected = ticks(&[("node", Equal, "node-a")]) * PERIOD_100HZ
+        + ticks(&[("node", Equal, "node-b")]) * PERIOD_99HZ;
+    let in_units = storage.stacks_in_units(&all(&[])).expect("stacks");
+    assert_eq!(
+        (in_units.total_weight(), in_units.sample_period_nanos),
+        (expected, 1)
+    );
+    let series: u64 = storage
+        .series_in_units(&all(&[]), 0)
+        .expect("series")
+        .iter()
+        .map(|(_, w)| w)
+        .sum();
+    assert_eq!(series, expected);
     assert_eq!(
         storage.stacks(&all(&[])).expect("stacks").total_weight(),
         41
@@ -316,17 +330,15 @@ fn profile_types_are_stored_and_queried_apart() {
             expect(&[]),
             "{when}"
         );
-        let periods = |selection: &Selection| {
-            let from_stacks = storage.stacks(selection).unwrap().sample_period_nanos;
-            assert_eq!(
-                storage.sample_period(selection).unwrap(),
-                from_stacks,
-                "{when}"
-            );
-            from_stacks
-        };
+        let periods =
+            |selection: &Selection| storage.stacks(selection).unwrap().sample_period_nanos;
         assert_eq!(periods(&all(&[])), PERIOD_100HZ, "{when}");
         assert_eq!(periods(&off_cpu(&[])), 1, "{when}");
+        // In units: CPU ticks as nanoseconds, off-CPU time as it is.
+        let in_units =
+            |selection: &Selection| storage.stacks_in_units(selection).unwrap().total_weight();
+        assert_eq!(in_units(&all(&[])), 19 * PERIOD_100HZ, "{when}");
+        assert_eq!(in_units(&off_cpu(&[])), 43_000_000, "{when}");
         let total = |selection: &Selection| -> u64 {
             storage
                 .series(selection, 0)

@@ -14,8 +14,8 @@
 //! the profile type as the call's `profile_typeID` or, as Grafana's editors
 //! also write it, an id before the braces, a `__profile_type__` matcher or a
 //! `__name__` matcher holding a whole id (or a profile's name). CPU weights
-//! are answered in nanoseconds (ticks × the selection's sample period) when
-//! the selected samples agree on their period, else in samples.
+//! are answered in nanoseconds, each sample's ticks times its own period
+//! (agents at 19 Hz and an SDK at 100 Hz in one answer).
 
 use std::{collections::BTreeMap, sync::Arc};
 
@@ -30,7 +30,7 @@ use axum::{
 use prost::Message as _;
 use serde::Deserialize;
 use stackscope_profile::{
-    model::{LabelMatcher, MatchOp, ProfileType, Selection, TimeRange},
+    model::{LabelMatcher, MatchOp, ProfileType, PyroscopeTypeId, Selection, TimeRange},
     render,
     selector::parse_matchers,
     tree::CallTree,
@@ -530,17 +530,6 @@ async fn series(
     Ok(querier::SeriesResponse { labels_set })
 }
 
-/// What one unit of a selection's weights is in its type's unit: CPU
-/// ticks are the samples' period in nanoseconds. When the selected samples
-/// were taken at different rates there is no one period: they are answered
-/// as samples (see the README).
-fn unit_scale(profile_type: &ProfileType, sample_period_nanos: u64) -> u64 {
-    match profile_type {
-        ProfileType::Cpu => sample_period_nanos.max(1),
-        _ => 1,
-    }
-}
-
 fn max_nodes(asked: Option<i64>) -> Result<usize, ConnectError> {
     match asked {
         None | Some(0) => Ok(DEFAULT_MAX_NODES as usize),
@@ -551,17 +540,14 @@ fn max_nodes(asked: Option<i64>) -> Result<usize, ConnectError> {
     }
 }
 
-async fn merged_tree(
-    engine: &QueryEngine,
-    selection: Selection,
-) -> Result<(CallTree, u64), ConnectError> {
-    let profile_type = selection.profile_type.clone();
+/// The selection's tree in its type's unit (CPU time in nanoseconds,
+/// each sample by its own period).
+async fn merged_tree(engine: &QueryEngine, selection: Selection) -> Result<CallTree, ConnectError> {
     let flamegraph = engine
-        .flamegraph(selection, 0.0, None)
+        .flamegraph_in_units(selection)
         .await
         .map_err(query_error)?;
-    let scale = unit_scale(&profile_type, flamegraph.sample_period_nanos);
-    Ok((flamegraph.tree, scale))
+    Ok(flamegraph.tree)
 }
 
 async fn select_merge_stacktraces(
@@ -591,8 +577,8 @@ async fn select_merge_stacktraces(
         request.start,
         request.end,
     )?;
-    let (tree, scale) = merged_tree(engine, selection).await?;
-    let levels = render::flame_graph_levels(&tree, max_nodes, scale);
+    let tree = merged_tree(engine, selection).await?;
+    let levels = render::flame_graph_levels(&tree, max_nodes, 1);
     Ok(querier::SelectMergeStacktracesResponse {
         flamegraph: Some(querier::FlameGraph {
             names: levels.names,
@@ -649,15 +635,23 @@ async fn select_merge_profile(
     )?;
     let range = selection.range;
     let profile_type = selection.profile_type.clone();
-    let (tree, scale) = merged_tree(engine, selection).await?;
+    let tree = merged_tree(engine, selection).await?;
+    // The tree is in the type's unit: CPU time as nanoseconds alone (as
+    // Pyroscope answers it), off-CPU time as nanoseconds already.
+    let (rendered, period) = match profile_type {
+        ProfileType::Cpu => (
+            ProfileType::Sent(
+                PyroscopeTypeId::new(ProfileType::CPU_ID).expect("the CPU id is an id"),
+            ),
+            0,
+        ),
+        ProfileType::OffCpu => (ProfileType::OffCpu, 1),
+        sent => (sent, 0),
+    };
     let profile = render::pprof_profile(
         &tree,
-        &profile_type,
-        if profile_type == ProfileType::Cpu {
-            scale
-        } else {
-            0
-        },
+        &rendered,
+        period,
         range.start_unix_nanos,
         range.end_unix_nanos.saturating_sub(range.start_unix_nanos),
     );
@@ -697,17 +691,8 @@ async fn select_series(
     let groups = combinations(engine, &selection, &request.group_by, MAX_GROUPS).await?;
     let mut series = Vec::with_capacity(groups.len());
     for (narrowed, labels) in groups {
-        let period = match narrowed.profile_type {
-            // Series carry no period: the group's samples say it.
-            ProfileType::Cpu => engine
-                .sample_period(narrowed.clone())
-                .await
-                .map_err(query_error)?,
-            _ => 1,
-        };
-        let scale = unit_scale(&narrowed.profile_type, period);
         let (_, points) = engine
-            .series(narrowed, step_nanos)
+            .series_in_units(narrowed, step_nanos)
             .await
             .map_err(query_error)?;
         if points.is_empty() {
@@ -718,7 +703,7 @@ async fn select_series(
             points: points
                 .into_iter()
                 .map(|(start, weight)| types::Point {
-                    value: weight as f64 * scale as f64,
+                    value: weight as f64,
                     timestamp: start / 1_000_000,
                     ..Default::default()
                 })

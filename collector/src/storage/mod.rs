@@ -128,19 +128,18 @@ pub trait Storage: Send + Sync + 'static {
     /// The distinct stacks of the selected samples with their summed weights.
     fn stacks(&self, selection: &Selection) -> Result<StackSamples, StorageError>;
 
+    /// [`Storage::stacks`] with each sample's weight times its period
+    /// (CPU ticks as nanoseconds, whatever rate each was taken at; the other
+    /// types' weights are stored in their unit already), and a
+    /// `sample_period_nanos` of 1: what Pyroscope's API answers, where
+    /// samples of several rates are one selection.
+    fn stacks_in_units(&self, selection: &Selection) -> Result<StackSamples, StorageError>;
+
     /// Label names present on the selected samples, sorted.
     fn label_names(&self, selection: &Selection) -> Result<Vec<String>, StorageError>;
 
     /// Values of `name` on the selected samples, sorted.
     fn label_values(&self, selection: &Selection, name: &str) -> Result<Vec<String>, StorageError>;
-
-    /// The nanoseconds one unit of the selected samples' weight stands for,
-    /// when they agree on it; 0 otherwise (as [`StackSamples`] says it).
-    /// Engines that know it without reading the samples answer faster.
-    fn sample_period(&self, selection: &Selection) -> Result<u64, StorageError> {
-        self.stacks(selection)
-            .map(|samples| samples.sample_period_nanos)
-    }
 
     /// The profile types with samples in the selection's range on which its
     /// matchers hold (its own type aside), sorted.
@@ -149,6 +148,14 @@ pub trait Storage: Send + Sync + 'static {
     /// Weight of the selected samples per `step_nanos` wide bucket, as
     /// (bucket start, weight), ascending, empty buckets left out.
     fn series(
+        &self,
+        selection: &Selection,
+        step_nanos: i64,
+    ) -> Result<Vec<(i64, u64)>, StorageError>;
+
+    /// [`Storage::series`] with each sample's weight times its period, as
+    /// [`Storage::stacks_in_units`].
+    fn series_in_units(
         &self,
         selection: &Selection,
         step_nanos: i64,

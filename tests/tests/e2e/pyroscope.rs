@@ -258,6 +258,8 @@ fn the_querier_answers_what_the_collectors_own_api_does_for_agent_and_sdk_profil
         (CPU, r#"{comm="call_chain"}"#),
         (CPU, r#"{service_name="pyshop"}"#),
         (WALL, r#"{service_name="nodeshop"}"#),
+        // The agent at 199 Hz and the SDK at 100 Hz in one answer.
+        (CPU, "{}"),
     ];
     let proto = ask_querier(&collector, "proto", range, &selections, data.path());
     let json = ask_querier(&collector, "json", range, &selections, data.path());
@@ -302,14 +304,26 @@ fn the_querier_answers_what_the_collectors_own_api_does_for_agent_and_sdk_profil
     assert!(services.contains("call_chain") && services.contains("pyshop"));
     assert_eq!(proto.json["service_names"], serde_json::json!(services));
 
-    // Every flame graph is the collector's own tree, in the type's unit.
+    // Every flame graph is the collector's own tree, in the type's unit;
+    // the mixed one, each source's at its own period.
+    let mut mixed: BTreeMap<String, u64> = BTreeMap::new();
     for (index, (profile_type, selector)) in selections.iter().enumerate() {
         let matchers = selector.trim_start_matches('{').trim_end_matches('}');
-        let (stacks, period) = own_answer(&collector, profile_type, matchers);
-        let expected: BTreeMap<String, u64> = stacks
-            .iter()
-            .map(|(s, n)| (s.clone(), n * period))
-            .collect();
+        let expected: BTreeMap<String, u64> = if matchers.is_empty() {
+            std::mem::take(&mut mixed)
+        } else {
+            let (stacks, period) = own_answer(&collector, profile_type, matchers);
+            let expected: BTreeMap<String, u64> = stacks
+                .iter()
+                .map(|(s, n)| (s.clone(), n * period))
+                .collect();
+            if *profile_type == CPU {
+                for (stack, n) in &expected {
+                    *mixed.entry(stack.clone()).or_default() += n;
+                }
+            }
+            expected
+        };
         let answered = &proto.json["flamegraphs"][index];
         let got: BTreeMap<String, u64> =
             serde_json::from_value(answered["stacks"].clone()).expect("stacks");

@@ -1069,6 +1069,88 @@ impl ClickhouseStorage {
     }
 }
 
+impl ClickhouseStorage {
+    /// The selected stacks; `in_units`: each row's weight times its period
+    /// (see [`Storage::stacks_in_units`]).
+    fn summed_stacks(
+        &self,
+        selection: &Selection,
+        in_units: bool,
+    ) -> Result<StackSamples, StorageError> {
+        let mut period = PeriodAgreement::default();
+        let mut sums: BTreeMap<u128, u128> = BTreeMap::new();
+        for condition in self.selection_conditions(selection)? {
+            // Summed per period, so each sum can be scaled by its own.
+            let sql = format!(
+                "SELECT stack, sample_period, {WEIGHT_PARTS} \
+                 FROM {} FINAL WHERE {condition} GROUP BY stack, sample_period FORMAT RowBinary",
+                self.tables.table("samples")
+            );
+            for (stack, row_period, sum) in self.select("summing stacks", &sql, |r| {
+                Ok((r.hash()?, r.u64()?, read_sum(r)?))
+            })? {
+                period.add(row_period);
+                let sum = if in_units {
+                    sum.saturating_mul(u128::from(row_period))
+                } else {
+                    sum
+                };
+                *sums.entry(stack).or_default() += sum;
+            }
+        }
+        let weights: BTreeMap<u128, u64> = sums
+            .into_iter()
+            .map(|(stack, sum)| (stack, cap(sum)))
+            .collect();
+        let hashes: Vec<u128> = weights.keys().copied().collect();
+        let frames = self.frames_of(&hashes)?;
+        let stacks = weights
+            .into_iter()
+            .filter(|&(_, weight)| weight > 0)
+            .map(|(hash, weight)| WeightedStack {
+                frames: frames.get(&hash).map(|f| f.to_vec()).unwrap_or_default(),
+                weight,
+            })
+            .collect();
+        Ok(StackSamples {
+            stacks,
+            sample_period_nanos: if in_units { 1 } else { period.result() },
+        })
+    }
+
+    /// As SQLite's: points aligned to multiples of `step_nanos`, a bucket
+    /// overlapping the range counted whole, `step_nanos <= 0` one point per
+    /// bucket; `in_units`: each row's weight times its period.
+    fn summed_series(
+        &self,
+        selection: &Selection,
+        step_nanos: i64,
+        in_units: bool,
+    ) -> Result<Vec<(i64, u64)>, StorageError> {
+        let mut sums: BTreeMap<i64, u128> = BTreeMap::new();
+        for condition in self.selection_conditions(selection)? {
+            let sql = format!(
+                "SELECT bucket, sample_period, {WEIGHT_PARTS} FROM {} FINAL WHERE {condition} \
+                 GROUP BY bucket, sample_period FORMAT RowBinary",
+                self.tables.table("samples")
+            );
+            for (bucket, row_period, sum) in self.select("summing the series", &sql, |r| {
+                Ok((r.i64()?, r.u64()?, read_sum(r)?))
+            })? {
+                let sum = if in_units {
+                    sum.saturating_mul(u128::from(row_period))
+                } else {
+                    sum
+                };
+                let point = super::series_point(bucket, step_nanos, self.options.bucket_nanos);
+                *sums.entry(point).or_default() += sum;
+            }
+        }
+        let points = sums.into_iter().map(|(point, sum)| (point, cap(sum)));
+        Ok(points.filter(|&(_, w)| w > 0).collect())
+    }
+}
+
 impl Storage for ClickhouseStorage {
     fn bucket_nanos(&self) -> i64 {
         self.options.bucket_nanos
@@ -1145,42 +1227,11 @@ impl Storage for ClickhouseStorage {
     }
 
     fn stacks(&self, selection: &Selection) -> Result<StackSamples, StorageError> {
-        let mut period = PeriodAgreement::default();
-        let mut sums: BTreeMap<u128, u128> = BTreeMap::new();
-        for condition in self.selection_conditions(selection)? {
-            let sql = format!(
-                "SELECT stack, {WEIGHT_PARTS}, min(sample_period), max(sample_period) \
-                 FROM {} FINAL WHERE {condition} GROUP BY stack FORMAT RowBinary",
-                self.tables.table("samples")
-            );
-            for (stack, sum, min_period, max_period) in
-                self.select("summing stacks", &sql, |r| {
-                    Ok((r.hash()?, read_sum(r)?, r.u64()?, r.u64()?))
-                })?
-            {
-                period.add(min_period);
-                period.add(max_period);
-                *sums.entry(stack).or_default() += sum;
-            }
-        }
-        let weights: BTreeMap<u128, u64> = sums
-            .into_iter()
-            .map(|(stack, sum)| (stack, cap(sum)))
-            .collect();
-        let hashes: Vec<u128> = weights.keys().copied().collect();
-        let frames = self.frames_of(&hashes)?;
-        let stacks = weights
-            .into_iter()
-            .filter(|&(_, weight)| weight > 0)
-            .map(|(hash, weight)| WeightedStack {
-                frames: frames.get(&hash).map(|f| f.to_vec()).unwrap_or_default(),
-                weight,
-            })
-            .collect();
-        Ok(StackSamples {
-            stacks,
-            sample_period_nanos: period.result(),
-        })
+        self.summed_stacks(selection, false)
+    }
+
+    fn stacks_in_units(&self, selection: &Selection) -> Result<StackSamples, StorageError> {
+        self.summed_stacks(selection, true)
     }
 
     fn label_names(&self, selection: &Selection) -> Result<Vec<String>, StorageError> {
@@ -1234,22 +1285,15 @@ impl Storage for ClickhouseStorage {
         selection: &Selection,
         step_nanos: i64,
     ) -> Result<Vec<(i64, u64)>, StorageError> {
-        let mut sums: BTreeMap<i64, u128> = BTreeMap::new();
-        for condition in self.selection_conditions(selection)? {
-            let sql = format!(
-                "SELECT bucket, {WEIGHT_PARTS} FROM {} FINAL WHERE {condition} \
-                 GROUP BY bucket FORMAT RowBinary",
-                self.tables.table("samples")
-            );
-            for (bucket, sum) in
-                self.select("summing the series", &sql, |r| Ok((r.i64()?, read_sum(r)?)))?
-            {
-                let point = super::series_point(bucket, step_nanos, self.options.bucket_nanos);
-                *sums.entry(point).or_default() += sum;
-            }
-        }
-        let points = sums.into_iter().map(|(point, sum)| (point, cap(sum)));
-        Ok(points.filter(|&(_, w)| w > 0).collect())
+        self.summed_series(selection, step_nanos, false)
+    }
+
+    fn series_in_units(
+        &self,
+        selection: &Selection,
+        step_nanos: i64,
+    ) -> Result<Vec<(i64, u64)>, StorageError> {
+        self.summed_series(selection, step_nanos, true)
     }
 
     /// Hides every bucket ending at or before the cutoff at once (the

@@ -165,7 +165,11 @@ impl Storage for SqliteStorage {
     }
 
     fn stacks(&self, selection: &Selection) -> Result<StackSamples, StorageError> {
-        self.query_stacks(selection)
+        self.query_stacks(selection, false)
+    }
+
+    fn stacks_in_units(&self, selection: &Selection) -> Result<StackSamples, StorageError> {
+        self.query_stacks(selection, true)
     }
 
     fn label_names(&self, selection: &Selection) -> Result<Vec<String>, StorageError> {
@@ -174,10 +178,6 @@ impl Storage for SqliteStorage {
 
     fn label_values(&self, selection: &Selection, name: &str) -> Result<Vec<String>, StorageError> {
         self.query_label_values(selection, name)
-    }
-
-    fn sample_period(&self, selection: &Selection) -> Result<u64, StorageError> {
-        self.query_sample_period(selection)
     }
 
     fn profile_types(&self, selection: &Selection) -> Result<Vec<ProfileType>, StorageError> {
@@ -192,7 +192,15 @@ impl Storage for SqliteStorage {
         selection: &Selection,
         step_nanos: i64,
     ) -> Result<Vec<(i64, u64)>, StorageError> {
-        self.query_series(selection, step_nanos)
+        self.query_series(selection, step_nanos, false)
+    }
+
+    fn series_in_units(
+        &self,
+        selection: &Selection,
+        step_nanos: i64,
+    ) -> Result<Vec<(i64, u64)>, StorageError> {
+        self.query_series(selection, step_nanos, true)
     }
 
     fn delete_before(&self, cutoff_unix_nanos: i64) -> Result<u64, StorageError> {

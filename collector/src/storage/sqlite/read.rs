@@ -597,13 +597,26 @@ impl SqliteStorage {
         Ok(ids)
     }
 
-    pub(super) fn query_stacks(&self, selection: &Selection) -> Result<StackSamples, StorageError> {
+    /// The selected stacks; `in_units`: each row's weight times its period
+    /// (see [`Storage::stacks_in_units`]).
+    pub(super) fn query_stacks(
+        &self,
+        selection: &Selection,
+        in_units: bool,
+    ) -> Result<StackSamples, StorageError> {
         self.read(|snapshot, tx| {
             let selected = snapshot.label_sets.select(selection);
             let mut period = PeriodAgreement::default();
             let mut weights = StackWeights::default();
-            let mut add = |stack: i64, weight: i64| -> Result<(), StorageError> {
-                weights.add(stack, non_negative(weight, "sample weight")?);
+            // A row's weight, times its period when asked in units.
+            let mut add = |stack: i64, weight: i64, row_period: i64| -> Result<(), StorageError> {
+                let weight = non_negative(weight, "sample weight")?;
+                let factor = if in_units {
+                    non_negative(row_period, "sample period")?
+                } else {
+                    1
+                };
+                weights.add(stack, weight.saturating_mul(factor));
                 Ok(())
             };
             match &selected {
@@ -612,10 +625,23 @@ impl SqliteStorage {
                     // rollups, the buckets between them in one sequential
                     // pass each over their rows (which beats a seek per
                     // label set).
-                    let cover = match self.bucket_bounds(selection) {
+                    let mut cover = match self.bucket_bounds(selection) {
                         Some((lo, hi)) => rollup::cover(tx, &self.tiers, lo, hi)?,
                         None => rollup::Cover::default(),
                     };
+                    if in_units {
+                        // A span summed over several periods cannot be
+                        // scaled: its buckets are read row by row.
+                        let (kept, mixed): (Vec<_>, Vec<_>) = std::mem::take(&mut cover.spans)
+                            .into_iter()
+                            .partition(|span| span.sample_period_nanos > 0);
+                        cover.gaps.extend(
+                            mixed
+                                .iter()
+                                .map(|span| (span.start - 1, span.start + span.width)),
+                        );
+                        cover.spans = kept;
+                    }
                     let mut spans = tx.prepare_cached(
                         "SELECT stack_id, weight FROM rollups
                          WHERE width = ?1 AND span_start = ?2",
@@ -624,22 +650,28 @@ impl SqliteStorage {
                         period.add(u64::try_from(span.sample_period_nanos).unwrap_or(0));
                         let mut rows = spans.query((span.width, span.start))?;
                         while let Some(row) = rows.next()? {
-                            add(row.get(0)?, row.get(1)?)?;
+                            add(row.get(0)?, row.get(1)?, span.sample_period_nanos)?;
                         }
                     }
                     let mut samples = tx.prepare_cached(
-                        "SELECT label_set_id, stack_id, weight FROM samples
+                        "SELECT bucket_start, label_set_id, stack_id, weight FROM samples
                          WHERE bucket_start > ?1 AND bucket_start < ?2",
                     )?;
                     for &gap in &cover.gaps {
-                        label_set_buckets_in(tx, gap, &selected, |_, _, p, _| {
+                        let mut periods: HashMap<(i64, i64), i64> = HashMap::new();
+                        label_set_buckets_in(tx, gap, &selected, |bucket, label_set, p, _| {
                             period.add(u64::try_from(p).unwrap_or(0));
+                            if in_units {
+                                periods.insert((bucket, label_set), p);
+                            }
                             Ok(())
                         })?;
                         let mut rows = samples.query(gap)?;
                         while let Some(row) = rows.next()? {
-                            if selected.contains(row.get(0)?) {
-                                add(row.get(1)?, row.get(2)?)?;
+                            let (bucket, label_set): (i64, i64) = (row.get(0)?, row.get(1)?);
+                            if selected.contains(label_set) {
+                                let row_period = periods.get(&(bucket, label_set)).copied();
+                                add(row.get(2)?, row.get(3)?, row_period.unwrap_or(1))?;
                             }
                         }
                     }
@@ -660,7 +692,7 @@ impl SqliteStorage {
                             period.add(u64::try_from(p).unwrap_or(0));
                             let mut rows = samples.query((bucket, label_set))?;
                             while let Some(row) = rows.next()? {
-                                add(row.get(0)?, row.get(1)?)?;
+                                add(row.get(0)?, row.get(1)?, p)?;
                             }
                             Ok(())
                         },
@@ -678,7 +710,7 @@ impl SqliteStorage {
             }
             Ok(StackSamples {
                 stacks,
-                sample_period_nanos: period.result(),
+                sample_period_nanos: if in_units { 1 } else { period.result() },
             })
         })
     }
@@ -717,19 +749,6 @@ impl SqliteStorage {
         })
     }
 
-    /// From the label sets' bucket rows alone (each keeps its period).
-    pub(super) fn query_sample_period(&self, selection: &Selection) -> Result<u64, StorageError> {
-        self.read(|snapshot, tx| {
-            let selected = snapshot.label_sets.select(selection);
-            let mut period = PeriodAgreement::default();
-            self.for_each_label_set_bucket(tx, selection, &selected, |_, _, p, _| {
-                period.add(u64::try_from(p).unwrap_or(0));
-                Ok(())
-            })?;
-            Ok(period.result())
-        })
-    }
-
     pub(super) fn query_profile_types(
         &self,
         selection: &Selection,
@@ -757,15 +776,22 @@ impl SqliteStorage {
     /// Points are aligned to multiples of `step_nanos`; a storage bucket
     /// overlapping the range counts whole. `step_nanos <= 0` means one point
     /// per storage bucket.
+    /// `in_units`: each label set's weight times its period.
     pub(super) fn query_series(
         &self,
         selection: &Selection,
         step_nanos: i64,
+        in_units: bool,
     ) -> Result<Vec<(i64, u64)>, StorageError> {
         self.read(|snapshot, tx| {
             let selected = snapshot.label_sets.select(selection);
             let mut points: BTreeMap<i64, u64> = BTreeMap::new();
-            self.for_each_label_set_bucket(tx, selection, &selected, |bucket, _, _, weight| {
+            self.for_each_label_set_bucket(tx, selection, &selected, |bucket, _, p, weight| {
+                let weight = if in_units {
+                    weight.saturating_mul(non_negative(p, "sample period")?)
+                } else {
+                    weight
+                };
                 let point = series_point(bucket, step_nanos, self.bucket_nanos);
                 let sum = points.entry(point).or_default();
                 *sum = add_capped(*sum, weight);
