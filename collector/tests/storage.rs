@@ -936,6 +936,13 @@ fn rollups_answer_exactly_as_the_samples_they_sum() {
             base.stacks(&selection).expect("query"),
             "{what}: range {start}..{end}, against the database never compacted"
         );
+        // In units: spans of one rate scaled by it, spans of two read from
+        // their rows.
+        assert_eq!(
+            rolled.stacks_in_units(&selection).expect("query"),
+            base.stacks_in_units(&selection).expect("query"),
+            "{what}: range {start}..{end}, in units"
+        );
     };
     let compare = |next: &mut dyn FnMut() -> u64, what: &str| {
         for _ in 0..120 {
