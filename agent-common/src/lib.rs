@@ -506,7 +506,7 @@ pub const MAX_PYTHON_FRAMES: usize = 128;
 
 /// Most bytes of a frame the sampler reads in one go
 /// ([`PythonProcess::frame_bytes`]): every field it uses lies below this
-/// in CPython 3.10 to 3.13 (the largest, 3.10's `f_lasti`, at byte 96).
+/// in CPython 3.10 to 3.14 (the largest, 3.10's `f_lasti`, at byte 96).
 pub const PYTHON_FRAME_READ_BYTES: u32 = 104;
 
 /// How the sampler finds and reads a CPython process's frames: the value of

@@ -178,6 +178,11 @@ struct PythonScratch {
     _pad: u32,
 }
 
+/// Low bits of a frame's code object reference that tag it rather than
+/// address it: 3.14's `_PyStackRef` marks a reference it does not own
+/// there. Masked in every version: an object is at least 8-aligned.
+const PYTHON_CODE_TAG_BITS: u64 = 0b11;
+
 /// Bounds a field's offset into `PythonScratch::frame` for the verifier.
 const PYTHON_FRAME_MASK: u32 = 127;
 const _: () = assert!(PYTHON_FRAME_MASK as usize + 8 <= 2 * PYTHON_FRAME_READ_BYTES as usize);
@@ -1032,7 +1037,7 @@ unsafe fn python_frame(scratch: *mut PythonScratch, process: &PythonProcess) -> 
     // the 512 bytes Linux 6.1 allows them.
     let (code, previous, instr, marker) = unsafe {
         (
-            frame_field::<u64>(buffer, layout(&process.frame_code)),
+            frame_field::<u64>(buffer, layout(&process.frame_code)) & !PYTHON_CODE_TAG_BITS,
             frame_field::<u64>(buffer, layout(&process.frame_previous)),
             frame_field::<u64>(buffer, layout(&process.frame_instr)),
             frame_field::<u8>(buffer, layout(&process.frame_entry)),

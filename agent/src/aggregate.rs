@@ -94,8 +94,8 @@ pub struct PythonSample<'a> {
     pub frames: &'a [PythonFrame],
     /// The read stopped before the outermost frame.
     pub cut: bool,
-    /// The code of the process's `_PyEval_EvalFrameDefault`.
-    pub eval: &'a std::ops::Range<u64>,
+    /// The code of the process's `_PyEval_EvalFrameDefault`, split parts included.
+    pub eval: &'a [std::ops::Range<u64>],
     pub codes: &'a mut CodeCache,
 }
 

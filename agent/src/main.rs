@@ -145,7 +145,7 @@ struct Args {
     #[arg(long)]
     no_mapping_events: bool,
     /// Show CPython processes' native frames only: no Python functions in
-    /// place of the interpreter's evaluation loop. CPython 3.10 to 3.13 are
+    /// place of the interpreter's evaluation loop. CPython 3.10 to 3.14 are
     /// read; reading costs the BPF program about 0.1-0.2 us per Python
     /// frame of a sample (`cargo xtask bench sampler`).
     #[arg(long)]

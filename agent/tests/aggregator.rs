@@ -975,7 +975,7 @@ fn a_python_stack_read_in_part_ends_its_activation_in_a_marked_frame() {
             Some(PythonSample {
                 frames: &python,
                 cut,
-                eval: &eval,
+                eval: std::slice::from_ref(&eval),
                 codes: &mut codes,
             }),
             SampleWeight::Tick,

@@ -15,6 +15,8 @@
 use std::{fs::File, ops::Range, path::Path};
 
 use object::elf::FileHeader64;
+
+use crate::eval_parts::{CallFrameSections, split_parts};
 use object::{
     Endianness, ReadCache, SectionIndex, elf,
     read::elf::{FileHeader as _, SectionHeader as _, SectionTable},
@@ -30,17 +32,21 @@ pub struct Interpreter {
     pub runtime: u64,
     /// The code of `_PyEval_EvalFrameDefault`, the evaluation loop whose
     /// native frames the Python frames replace (exported by every build
-    /// read here); None when the file has no such symbol.
-    pub eval: Option<Range<u64>>,
+    /// read here): its symbol's range first, then the parts a compiler
+    /// split off it (see [`crate::eval_parts`]). Empty when the file has
+    /// no such symbol.
+    pub eval: Vec<Range<u64>>,
     /// What `_Py_DebugOffsets` says (3.13+; None before, or when the file
     /// holds no such table).
     pub debug_offsets: Option<DebugOffsets>,
 }
 
-/// The offsets of `_Py_DebugOffsets` (CPython 3.13) that the profiler's
-/// layout also states: thread state, frame and code object fields.
+/// The offsets of `_Py_DebugOffsets` (CPython 3.13+) that the profiler's
+/// layout also states: thread state, frame and code object fields; and
+/// whether the build is free-threaded (3.14 says; 3.13's table does not).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct DebugOffsets {
+    pub free_threaded: bool,
     pub tstate_current_frame: u64,
     pub frame_previous: u64,
     pub frame_executable: u64,
@@ -53,27 +59,73 @@ pub struct DebugOffsets {
     pub code_bytecode: u64,
 }
 
-/// `_Py_DebugOffsets` as 3.13 lays it out: the cookie, then 8-byte words.
+/// `_Py_DebugOffsets` starts with this cookie, then 8-byte words: the
+/// version, then the offsets, grouped by structure. Which word holds which
+/// offset changes between minor versions (3.14 adds `free_threaded` after
+/// the version, and fields to the interpreter state, the frame and the code
+/// object groups), never within one.
 const DEBUG_COOKIE: &[u8; 8] = b"xdebugpy";
-/// Word indexes of the fields read, and how many words are read.
-const DEBUG_WORDS: usize = 44;
 const DEBUG_VERSION: usize = 1;
-const DEBUG_TSTATE_CURRENT_FRAME: usize = 23;
-const DEBUG_FRAME_PREVIOUS: usize = 29;
-const DEBUG_FRAME_EXECUTABLE: usize = 30;
-const DEBUG_FRAME_INSTR_PTR: usize = 31;
-const DEBUG_FRAME_OWNER: usize = 33;
-const DEBUG_CODE_FILENAME: usize = 35;
-const DEBUG_CODE_QUALNAME: usize = 37;
-const DEBUG_CODE_LINETABLE: usize = 38;
-const DEBUG_CODE_FIRSTLINENO: usize = 39;
-const DEBUG_CODE_BYTECODE: usize = 43;
+/// Bytes read at `_PyRuntime`: every version's words below lie within.
+const DEBUG_BYTES: usize = 49 * 8;
+
+/// Word indexes of the fields read, in one minor version's table.
+struct DebugWords {
+    /// None where the table has no such word (3.13).
+    free_threaded: Option<usize>,
+    tstate_current_frame: usize,
+    frame_previous: usize,
+    frame_executable: usize,
+    frame_instr_ptr: usize,
+    frame_owner: usize,
+    code_filename: usize,
+    code_qualname: usize,
+    code_linetable: usize,
+    code_firstlineno: usize,
+    code_bytecode: usize,
+}
+
+impl DebugWords {
+    /// The table of CPython `major.minor`, if this profiler knows it.
+    fn of(version: (u8, u8)) -> Option<Self> {
+        match version {
+            (3, 13) => Some(Self {
+                free_threaded: None,
+                tstate_current_frame: 23,
+                frame_previous: 29,
+                frame_executable: 30,
+                frame_instr_ptr: 31,
+                frame_owner: 33,
+                code_filename: 35,
+                code_qualname: 37,
+                code_linetable: 38,
+                code_firstlineno: 39,
+                code_bytecode: 43,
+            }),
+            (3, 14) => Some(Self {
+                free_threaded: Some(2),
+                tstate_current_frame: 26,
+                frame_previous: 32,
+                frame_executable: 33,
+                frame_instr_ptr: 34,
+                frame_owner: 36,
+                code_filename: 40,
+                code_qualname: 42,
+                code_linetable: 43,
+                code_firstlineno: 44,
+                code_bytecode: 48,
+            }),
+            _ => None,
+        }
+    }
+}
 
 impl DebugOffsets {
-    /// Parses the start of a 3.13 `_PyRuntime`; None without the cookie
-    /// or when its version is not `version_hex`.
+    /// Parses the start of a 3.13+ `_PyRuntime`; None without the cookie,
+    /// when its version is not `version_hex` or is one whose table this
+    /// profiler does not know.
     pub fn parse(bytes: &[u8], version_hex: u32) -> Option<Self> {
-        if bytes.len() < DEBUG_WORDS * 8 || &bytes[..8] != DEBUG_COOKIE {
+        if bytes.len() < DEBUG_BYTES || &bytes[..8] != DEBUG_COOKIE {
             return None;
         }
         let word =
@@ -81,17 +133,19 @@ impl DebugOffsets {
         if word(DEBUG_VERSION) != u64::from(version_hex) {
             return None;
         }
+        let words = DebugWords::of(((version_hex >> 24) as u8, (version_hex >> 16) as u8))?;
         Some(Self {
-            tstate_current_frame: word(DEBUG_TSTATE_CURRENT_FRAME),
-            frame_previous: word(DEBUG_FRAME_PREVIOUS),
-            frame_executable: word(DEBUG_FRAME_EXECUTABLE),
-            frame_instr_ptr: word(DEBUG_FRAME_INSTR_PTR),
-            frame_owner: word(DEBUG_FRAME_OWNER),
-            code_filename: word(DEBUG_CODE_FILENAME),
-            code_qualname: word(DEBUG_CODE_QUALNAME),
-            code_linetable: word(DEBUG_CODE_LINETABLE),
-            code_firstlineno: word(DEBUG_CODE_FIRSTLINENO),
-            code_bytecode: word(DEBUG_CODE_BYTECODE),
+            free_threaded: words.free_threaded.is_some_and(|index| word(index) != 0),
+            tstate_current_frame: word(words.tstate_current_frame),
+            frame_previous: word(words.frame_previous),
+            frame_executable: word(words.frame_executable),
+            frame_instr_ptr: word(words.frame_instr_ptr),
+            frame_owner: word(words.frame_owner),
+            code_filename: word(words.code_filename),
+            code_qualname: word(words.code_qualname),
+            code_linetable: word(words.code_linetable),
+            code_firstlineno: word(words.code_firstlineno),
+            code_bytecode: word(words.code_bytecode),
         })
     }
 }
@@ -163,9 +217,12 @@ impl Interpreter {
                 Some((u32::from(major) << 24) | (u32::from(minor) << 16))
             })
             .ok_or(InterpreterError::NoVersion)?;
-        let eval = eval.filter(|range| !range.is_empty());
+        let eval = eval
+            .filter(|range| !range.is_empty())
+            .map(|range| elf.eval_code(range))
+            .unwrap_or_default();
         let debug_offsets = elf
-            .read_at_address(runtime, DEBUG_WORDS * 8)
+            .read_at_address(runtime, DEBUG_BYTES)
             .and_then(|bytes| DebugOffsets::parse(&bytes, version_hex));
         Ok(Some(Self {
             version_hex,
@@ -192,7 +249,50 @@ const MAX_TABLE_BYTES: u64 = 16 << 20;
 /// `Elf64_Sym`'s size.
 const SYMBOL_SIZE: usize = 24;
 
+/// Most bytes of the evaluation loop's symbol scanned for jumps to its
+/// split parts (a whole unsplit loop is 50-200 KB).
+const MAX_EVAL_BYTES: u64 = 4 << 20;
+
 impl Elf<'_> {
+    /// The evaluation loop's code: `symbol`'s range, then the parts split
+    /// off it that `.eh_frame` shows.
+    fn eval_code(&self, symbol: Range<u64>) -> Vec<Range<u64>> {
+        let mut code = vec![symbol.clone()];
+        let len = symbol.end - symbol.start;
+        let Some(bytes) = (len <= MAX_EVAL_BYTES)
+            .then(|| self.read_at_address(symbol.start, len as usize))
+            .flatten()
+        else {
+            return code;
+        };
+        let (Some((hdr, hdr_address)), Some((eh_frame, eh_frame_address))) =
+            (self.section(b".eh_frame_hdr"), self.section(b".eh_frame"))
+        else {
+            return code;
+        };
+        let sections = CallFrameSections {
+            hdr: &hdr,
+            hdr_address,
+            eh_frame: &eh_frame,
+            eh_frame_address,
+        };
+        code.extend(split_parts(&bytes, symbol.start, &sections));
+        code
+    }
+
+    /// The bytes of the section `name` (read whole, bounded) and its
+    /// address.
+    fn section(&self, name: &[u8]) -> Option<(Vec<u8>, u64)> {
+        let endian = self.endian;
+        let (_, header) = self.sections.section_by_name(endian, name)?;
+        let size = header.sh_size(endian);
+        if size > MAX_TABLE_BYTES || header.sh_type(endian) == elf::SHT_NOBITS {
+            return None;
+        }
+        let bytes = read_exact_at(self.file, header.sh_offset(endian), size as usize)?;
+        Some((bytes, header.sh_addr(endian)))
+    }
+
     /// `len` bytes of the file's contents at virtual `address`, from the
     /// loaded section that holds them; `None` when none holds them all (or
     /// their read fails).
@@ -372,20 +472,78 @@ mod tests {
         let interpreter = Interpreter {
             version_hex: 0x030D00F0,
             runtime: 0,
-            eval: None,
+            eval: Vec::new(),
             debug_offsets: None,
         };
         assert_eq!(interpreter.version(), (3, 13));
     }
 
+    /// The range of the symbol `name` in the full symbol table of `path`.
+    fn symbol_range(path: &Path, name: &str) -> Range<u64> {
+        use object::{Object as _, ObjectSymbol as _};
+        let data = std::fs::read(path).expect("reading the fixture");
+        let file = object::File::parse(&*data).expect("an ELF file");
+        let symbol = file
+            .symbols()
+            .find(|symbol| symbol.name() == Ok(name))
+            .unwrap_or_else(|| panic!("no symbol {name} in {}", path.display()));
+        symbol.address()..symbol.address() + symbol.size()
+    }
+
+    /// GCC splits the loop's cold paths into `_PyEval_EvalFrameDefault.cold`,
+    /// which a stripped build names nowhere: the part is found from the
+    /// loop's jumps and `.eh_frame`, and the function the loop tail-calls is
+    /// not taken for a part.
+    #[test]
+    fn the_parts_gcc_split_off_the_loop_are_found_in_a_stripped_build() {
+        let fixture = stackscope_test_fixtures::Fixture::compile_with(
+            "python_split_eval",
+            "gcc",
+            &["python_split_eval.c"],
+            &["-O2", "-rdynamic", "-fno-toplevel-reorder"],
+        );
+        let symbol = symbol_range(&fixture.path, "_PyEval_EvalFrameDefault");
+        let cold = symbol_range(&fixture.path, "_PyEval_EvalFrameDefault.cold");
+        let tail_called = symbol_range(&fixture.path, "empty_frame");
+        let stripped = fixture.path.with_file_name("python3.14");
+        let status = std::process::Command::new("strip")
+            .arg("-o")
+            .arg(&stripped)
+            .arg(&fixture.path)
+            .status()
+            .expect("running strip");
+        assert!(status.success(), "strip failed: {status}");
+
+        let file = File::open(&stripped).expect("the stripped fixture");
+        let interpreter = Interpreter::read(&file, &stripped)
+            .expect("an ELF file")
+            .expect("an interpreter");
+        assert_eq!(interpreter.version(), (3, 14));
+        assert_eq!(interpreter.eval, vec![symbol, cold.clone()]);
+        assert!(
+            !interpreter
+                .eval
+                .iter()
+                .any(|code| code.contains(&tail_called.start)),
+            "{tail_called:x?} taken for a part"
+        );
+    }
+
+    /// A table of `version_hex` with `value` in word `index`.
+    fn debug_table(version_hex: u32, index: usize, value: u64) -> Vec<u8> {
+        let mut bytes = vec![0u8; DEBUG_BYTES];
+        bytes[..8].copy_from_slice(DEBUG_COOKIE);
+        bytes[8..16].copy_from_slice(&u64::from(version_hex).to_le_bytes());
+        bytes[index * 8..][..8].copy_from_slice(&value.to_le_bytes());
+        bytes
+    }
+
     #[test]
     fn debug_offsets_need_their_cookie_and_the_files_version() {
-        let mut bytes = vec![0u8; DEBUG_WORDS * 8];
-        bytes[..8].copy_from_slice(DEBUG_COOKIE);
-        bytes[8..16].copy_from_slice(&0x030D00F0u64.to_le_bytes());
-        bytes[DEBUG_CODE_QUALNAME * 8..][..8].copy_from_slice(&128u64.to_le_bytes());
+        let mut bytes = debug_table(0x030D00F0, 37, 128);
         let parsed = DebugOffsets::parse(&bytes, 0x030D00F0).expect("a table");
         assert_eq!(parsed.code_qualname, 128);
+        assert!(!parsed.free_threaded);
         assert_eq!(
             DebugOffsets::parse(&bytes, 0x030E00F0),
             None,
@@ -394,5 +552,21 @@ mod tests {
         assert_eq!(DebugOffsets::parse(&bytes[..64], 0x030D00F0), None, "short");
         bytes[0] = b'X';
         assert_eq!(DebugOffsets::parse(&bytes, 0x030D00F0), None, "no cookie");
+        // A version whose table is not known is not guessed at.
+        assert_eq!(
+            DebugOffsets::parse(&debug_table(0x030F00A1, 37, 128), 0x030F00A1),
+            None
+        );
+    }
+
+    #[test]
+    fn a_3_14_table_is_read_from_its_own_words_and_says_when_it_is_free_threaded() {
+        let bytes = debug_table(0x030E0AF0, 42, 128);
+        let parsed = DebugOffsets::parse(&bytes, 0x030E0AF0).expect("a table");
+        assert_eq!(parsed.code_qualname, 128);
+        assert!(!parsed.free_threaded);
+        let free_threaded =
+            DebugOffsets::parse(&debug_table(0x030E0AF0, 2, 1), 0x030E0AF0).expect("a table");
+        assert!(free_threaded.free_threaded);
     }
 }

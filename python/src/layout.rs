@@ -1,9 +1,9 @@
 //! Where CPython keeps what the sampler follows, per minor version: the
 //! thread-state key in `_PyRuntime`, the frame chain, the code object and
 //! its strings. Measured on this machine's CPython 3.10.13, 3.11.7, 3.12.1
-//! and 3.13.0 (and Debian's 3.11.2), see `docs/research/cpython-frames.md`;
-//! stable within a minor version (3.13 publishes them itself, in
-//! `_Py_DebugOffsets`).
+//! and 3.13.0 (and Debian's 3.11.2), see `docs/research/cpython-frames.md`,
+//! and on Debian sid's 3.14.10; stable within a minor version (3.13+
+//! publish them themselves, in `_Py_DebugOffsets`, checked against these).
 
 use agent_common::PythonProcess;
 
@@ -135,6 +135,21 @@ const V3_13: Layout = Layout {
     ..V3_12
 };
 
+/// 3.14: the frame's code object is a tagged `_PyStackRef` (the sampler
+/// masks its low bits whatever the version: an object is 8-aligned), its
+/// `owner` moves after a new field, and the entry frame's owner is
+/// `FRAME_OWNED_BY_INTERPRETER`, still 3; the thread-state key moves in
+/// `_PyRuntime` (where `PyGILState_GetThisThreadState` reads it), the
+/// bytecode in the code object.
+const V3_14: Layout = Layout {
+    version: (3, 14),
+    runtime_tss_key: 0x920,
+    frame_entry: 74,
+    frame_bytes: 80,
+    code_bytecode: 208,
+    ..V3_13
+};
+
 impl Layout {
     /// The layout of CPython `major.minor`, if this profiler reads it.
     pub fn of(version: (u8, u8)) -> Option<Self> {
@@ -143,6 +158,7 @@ impl Layout {
             (3, 11) => Some(V3_11),
             (3, 12) => Some(V3_12),
             (3, 13) => Some(V3_13),
+            (3, 14) => Some(V3_14),
             _ => None,
         }
     }
@@ -240,7 +256,7 @@ mod tests {
 
     #[test]
     fn every_frame_field_lies_within_the_bytes_the_sampler_reads() {
-        for minor in 10..=13 {
+        for minor in 10..=14 {
             let layout = Layout::of((3, minor)).expect("a known version");
             assert!(layout.frame_bytes <= PYTHON_FRAME_READ_BYTES);
             for (field, size) in [
@@ -262,7 +278,7 @@ mod tests {
             }
         }
         assert_eq!(Layout::of((3, 9)), None);
-        assert_eq!(Layout::of((3, 14)), None);
+        assert_eq!(Layout::of((3, 15)), None);
     }
 
     /// The interpreters on this machine: 3.13 publishes offsets that agree

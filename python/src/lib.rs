@@ -6,6 +6,8 @@
 //! - [`interpreter`]: whether an ELF file is a CPython interpreter (a
 //!   `python3.X` with libpython linked in, or a `libpython3.X.so`), its
 //!   version and where `_PyRuntime` lies;
+//! - [`eval_parts`]: the parts of the evaluation loop a compiler split off
+//!   its symbol;
 //! - [`layout`]: the offsets of the structures the sampler follows, per
 //!   CPython version, as the `agent_common::PythonProcess` the sampler reads;
 //! - [`process`]: the interpreter mapped in a running process;
@@ -17,6 +19,7 @@
 //!   sampler saw, and the line of an instruction offset.
 
 pub mod code;
+pub mod eval_parts;
 pub mod interpreter;
 pub mod layout;
 pub mod merge;

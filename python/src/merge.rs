@@ -38,7 +38,8 @@ pub struct MergeCounts {
 /// Merges `python` (innermost first, activations ending at
 /// [`PythonFrame::ENTRY`]) into the native walk `native` (return
 /// addresses but for the first, innermost first), whose evaluation frames
-/// are those in `eval` (the code of `_PyEval_EvalFrameDefault`). Appends
+/// are those in `eval` (the code of `_PyEval_EvalFrameDefault`, its split
+/// parts included). Appends
 /// to `out`. `cut`: the read stopped before the outermost frame, so
 /// [`Merged::Cut`] marks, once, where the frames not read would be: after
 /// the last activation when it has no entry, else in place of the first
@@ -47,7 +48,7 @@ pub struct MergeCounts {
 /// are left out, their frames not read either.
 pub fn merge(
     native: &[u64],
-    eval: &Range<u64>,
+    eval: &[Range<u64>],
     python: &[PythonFrame],
     cut: bool,
     out: &mut Vec<Merged>,
@@ -65,7 +66,7 @@ pub fn merge(
         } else {
             address.wrapping_sub(1)
         };
-        if !eval.contains(&in_function) {
+        if !eval.iter().any(|code| code.contains(&in_function)) {
             out.push(Merged::Native(index));
         } else if let Some(activation) = activations.next() {
             out.extend(activation.iter().copied().map(Merged::Python));
@@ -89,6 +90,8 @@ pub fn merge(
 }
 
 #[cfg(test)]
+// The loop's code is a list of ranges; most tests' list has one.
+#[allow(clippy::single_range_in_vec_init)]
 mod tests {
     use super::*;
 
@@ -101,6 +104,27 @@ mod tests {
     }
 
     #[test]
+    fn a_frame_in_a_part_split_off_the_loop_is_an_evaluation_frame() {
+        // The loop's symbol at 0x1000, its cold part (where it runs) at
+        // 0x9000: a frame in either takes an activation.
+        let python = [frame(1, true), frame(2, true)];
+        let eval = [0x1000..0x1100, 0x9000..0xa000];
+        let native = [0x9500, 0x6000, 0x1080, 0x7000];
+        let mut out = Vec::new();
+        let counts = merge(&native, &eval, &python, false, &mut out);
+        assert_eq!(
+            out,
+            [
+                Merged::Python(python[0]),
+                Merged::Native(1),
+                Merged::Python(python[1]),
+                Merged::Native(3),
+            ]
+        );
+        assert_eq!(counts.replaced, 2);
+    }
+
+    #[test]
     fn each_evaluation_frame_takes_its_own_activation_in_order() {
         // leaf <- key_function (entry: called by sorted) | sorted's C frames
         // | main <- <module> (entry).
@@ -110,7 +134,7 @@ mod tests {
             frame(3, false),
             frame(4, true),
         ];
-        let eval = 0x1000..0x2000;
+        let eval = [0x1000..0x2000];
         // leaf's native frames, eval, sorted (C), eval, PyEval_EvalCode, main.
         let native = [0x5000, 0x1100, 0x6000, 0x1200, 0x7000, 0x8000];
         let mut out = Vec::new();
@@ -139,7 +163,7 @@ mod tests {
 
     #[test]
     fn a_return_address_just_past_the_function_is_still_in_it() {
-        let eval = 0x1000..0x2000;
+        let eval = [0x1000..0x2000];
         let python = [frame(1, true)];
         let mut out = Vec::new();
         // The call is the function's last instruction: its return address
@@ -155,7 +179,7 @@ mod tests {
 
     #[test]
     fn frames_without_a_partner_stay_as_they_are_and_are_counted() {
-        let eval = 0x1000..0x2000;
+        let eval = [0x1000..0x2000];
         let python = [frame(1, true), frame(2, true)];
         let mut out = Vec::new();
         // A walk that stopped after one evaluation frame.
@@ -177,7 +201,7 @@ mod tests {
 
     #[test]
     fn a_cut_read_marks_where_its_last_activation_stops() {
-        let eval = 0x1000..0x2000;
+        let eval = [0x1000..0x2000];
         // An inner activation read whole, the outer one cut after `2`.
         let python = [frame(1, true), frame(2, false)];
         let native = [0x5000, 0x1100, 0x6000, 0x1200, 0x8000];

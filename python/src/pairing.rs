@@ -56,7 +56,7 @@ pub struct ReadStack {
 #[derive(Debug)]
 pub struct PythonState {
     /// Where the interpreter's frame evaluation function lies.
-    pub eval: Range<u64>,
+    pub eval: Vec<Range<u64>>,
     pub codes: CodeCache,
     /// Python stacks by the (thread, time) of their sample, oldest first.
     pub waiting: VecDeque<Waiting>,
@@ -74,7 +74,7 @@ pub struct Waiting {
 }
 
 impl PythonState {
-    pub fn new(eval: Range<u64>, codes: CodeCache) -> Self {
+    pub fn new(eval: Vec<Range<u64>>, codes: CodeCache) -> Self {
         Self {
             eval,
             codes,
@@ -265,7 +265,7 @@ mod tests {
         // No process has this id (above the kernel's PID_MAX_LIMIT, 2^22): the
         // code objects read as the stacks wait are unreadable.
         let codes = CodeCache::new(1 << 23, Layout::of((3, 12)).expect("3.12"));
-        let mut state = PythonState::new(0..0, codes);
+        let mut state = PythonState::new(Vec::new(), codes);
         for (ktime, code) in [(100, 0x1), (200, 0x2), (300, 0x3)] {
             let stack = ReadStack {
                 frames: vec![frame(code)].into(),

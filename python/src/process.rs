@@ -21,9 +21,10 @@ pub struct FoundInterpreter {
     pub layout: Layout,
     /// Address of `_PyRuntime` in the process.
     pub runtime: u64,
-    /// The code of `_PyEval_EvalFrameDefault` in the process (empty when
-    /// the file has no symbol for it: no native frame is replaced).
-    pub eval: Range<u64>,
+    /// The code of `_PyEval_EvalFrameDefault` in the process, its split
+    /// parts included (empty when the file has no symbol for it: no native
+    /// frame is replaced).
+    pub eval: Vec<Range<u64>>,
 }
 
 /// Why a process's interpreter could not be used.
@@ -37,8 +38,14 @@ pub enum FindError {
         #[source]
         source: InterpreterError,
     },
-    #[error("{path}: CPython {}.{} is not read (3.10 to 3.13 are)", .version.0, .version.1)]
+    #[error("{path}: CPython {}.{} is not read (3.10 to 3.14 are)", .version.0, .version.1)]
     Unsupported { path: PathBuf, version: (u8, u8) },
+    #[error(
+        "{path}: a free-threaded CPython {}.{} build: its frames are not read (objects, \
+         frames and per-thread bytecode are laid out otherwise)",
+        .version.0, .version.1
+    )]
+    FreeThreaded { path: PathBuf, version: (u8, u8) },
     #[error("{path}: no load segment covers its mappings")]
     NoBias { path: PathBuf },
     #[error(
@@ -97,6 +104,15 @@ pub fn find_in_process(proc_root: &Path, pid: u32) -> Result<Option<FoundInterpr
         // A build whose layout differs from the version's usual one
         // (patched, or configured otherwise) says so itself since 3.13:
         // its frames are not read rather than read wrong.
+        if interpreter
+            .debug_offsets
+            .is_some_and(|published| published.free_threaded)
+        {
+            return Err(FindError::FreeThreaded {
+                path: path.to_path_buf(),
+                version: interpreter.version(),
+            });
+        }
         if let Some((field, published, known)) = interpreter
             .debug_offsets
             .and_then(|published| layout.disagreement(&published))
@@ -115,9 +131,11 @@ pub fn find_in_process(proc_root: &Path, pid: u32) -> Result<Option<FoundInterpr
         let bias = bias(mapping, &segments, 4096).ok_or(FindError::NoBias {
             path: path.to_path_buf(),
         })?;
-        let eval = interpreter.eval.clone().map_or(0..0, |eval| {
-            eval.start.wrapping_add(bias)..eval.end.wrapping_add(bias)
-        });
+        let eval = interpreter
+            .eval
+            .iter()
+            .map(|code| code.start.wrapping_add(bias)..code.end.wrapping_add(bias))
+            .collect();
         return Ok(Some(FoundInterpreter {
             path: path.to_path_buf(),
             runtime: interpreter.runtime.wrapping_add(bias),
