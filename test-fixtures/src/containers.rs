@@ -137,6 +137,12 @@ impl Image {
                 .arg(&tarball)
                 .arg("."),
         );
+        Self::import(tag_hint, &tarball)
+    }
+
+    /// Imports the root filesystem `tarball` (a whole distribution's, say)
+    /// as an image.
+    pub fn import(tag_hint: &str, tarball: &Path) -> Image {
         let name = format!("localhost/{}:latest", unique_name(tag_hint));
         podman_ok([OsStr::new("import"), tarball.as_os_str(), OsStr::new(&name)]);
         Image { name }

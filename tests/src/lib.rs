@@ -5,6 +5,7 @@
 //!
 //! The tests themselves live in `tests/`; they need root and a kernel with BPF.
 
+pub mod debian_python;
 pub mod sdk;
 
 use std::{

@@ -36,7 +36,9 @@ const CARGO_FUZZ_VERSION: &str = "0.13.2";
 /// `clickhouse-server` (18.16, started by the tests as plain processes, not
 /// the systemd unit) is the real two-shard cluster the collector's
 /// ClickHouse storage is tested against; `chromium` and `chromium-driver` are
-/// the real browser (headless, driven over WebDriver) the web UI is tested in.
+/// the real browser (headless, driven over WebDriver) the web UI is tested in;
+/// `mmdebstrap` builds the trixie and sid root filesystems whose own CPython
+/// builds (3.13, 3.14) the Python frame tests run in containers.
 const DEBIAN_PACKAGES: &[&str] = &[
     "binutils",
     "bpftool",
@@ -51,6 +53,7 @@ const DEBIAN_PACKAGES: &[&str] = &[
     "g++",
     "golang-go",
     "libc6-dbg",
+    "mmdebstrap",
     "nodejs",
     "podman",
     "prometheus",

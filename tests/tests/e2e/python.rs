@@ -33,6 +33,7 @@ use stackscope_agent::aggregate::PYTHON_NOT_READ;
 use stackscope_python::{CodeObject, FoundInterpreter, code::ProcessMemory, find_in_process};
 use stackscope_sampler::SamplerConfig;
 use stackscope_test_fixtures::containers::{Container, Image};
+use stackscope_tests::debian_python::debian_pythons;
 use stackscope_tests::{
     Collector, Fixture, Recorded, RunningProcess, TempCgroup, cpu_time, exclusive, fixture_source,
     folded, require_root, run_agent_for, sample_python, wait_success, workspace_binary,
@@ -840,6 +841,87 @@ fn python_in_a_container_is_read_from_the_interpreter_in_its_image() {
         version: (3, 11),
     };
     assert_chained(&[python], &run);
+}
+
+/// Debian's own builds of the versions newer than this host's, each in an
+/// image of its suite's root filesystem (trixie's 3.13, sid's 3.14: see
+/// `stackscope_tests::debian_python`), `python_chain.py` mounted: each
+/// interpreter found through the container's files, its evaluation loop's
+/// split parts located (sid's 3.14 runs its loop in a part its symbol does
+/// not cover), every frame read by the sampler with `leaf`'s line, and the
+/// agent shipping the chain in place of the loop. Suites that cannot be
+/// built here are skipped, and said so.
+#[test]
+fn debians_own_builds_of_newer_versions_are_read_in_their_images() {
+    require_root();
+    let builds = debian_pythons();
+    if builds.is_empty() {
+        eprintln!("python frames: no Debian root filesystem could be built: test skipped");
+        return;
+    }
+    // Before the images' imports: see `python_in_a_container…`.
+    let _serial = exclusive();
+    let fixtures = fixture_source("python_chain.py")
+        .parent()
+        .expect("the fixtures directory")
+        .display()
+        .to_string();
+    let images: Vec<Image> = builds
+        .iter()
+        .map(|build| Image::import("debian-python", &build.root))
+        .collect();
+    let containers: Vec<Container> = builds
+        .iter()
+        .zip(&images)
+        .map(|(build, image)| {
+            Container::run_with(
+                image,
+                "debian-python",
+                &["-v", &format!("{fixtures}:/fixtures:ro")],
+                &[&build.program, "/fixtures/python_chain.py"],
+            )
+        })
+        .collect();
+    let pythons: Vec<Python> = builds
+        .iter()
+        .map(|build| Python {
+            name: build.name.clone(),
+            program: PathBuf::from(&build.program),
+            version: build.version,
+        })
+        .collect();
+    let pids: Vec<u32> = containers.iter().map(|container| container.pid).collect();
+    let found: Vec<FoundInterpreter> = pythons
+        .iter()
+        .zip(&pids)
+        .map(|(python, &pid)| {
+            let found = find_in_process(Path::new("/proc"), pid)
+                .unwrap_or_else(|err| panic!("{}: {err}", python.name))
+                .unwrap_or_else(|| panic!("{}: no interpreter found in its mappings", python.name));
+            assert_eq!(found.layout.version, python.version, "{}", python.name);
+            eprintln!(
+                "python frames: {}: the evaluation loop's code {:x?}",
+                python.name, found.eval
+            );
+            found
+        })
+        .collect();
+    // The interpreters are past their start-up (into `leaf`) well within this.
+    std::thread::sleep(Duration::from_millis(500));
+    let config = SamplerConfig {
+        frequency_hz: 99,
+        pids: pids.clone(),
+        ..SamplerConfig::default()
+    };
+    let recorded = sample_python(&config, Duration::from_secs(6), &pids, |tgid, started| {
+        let found = &found[pids.iter().position(|&pid| pid == tgid).unwrap()];
+        found.layout.sampler_entry(found.runtime, started)
+    });
+    for ((python, &pid), found) in pythons.iter().zip(&pids).zip(&found) {
+        check_chain(python, pid, found, &recorded);
+    }
+    let run = profile_with_agent(&pids);
+    assert_chained(&pythons, &run);
 }
 
 /// The shared libraries `program` loads (as `ldd` lists them), by the paths
