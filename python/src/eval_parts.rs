@@ -30,9 +30,9 @@ pub struct CallFrameSections<'a> {
     pub eh_frame_address: u64,
 }
 
-/// Most jump targets looked up: a function jumps out of itself to a few
-/// parts and some tail calls; past this many, the code is not what the
-/// scan expects and nothing more is looked up.
+/// Most jump targets looked up (the lowest addresses first): a function
+/// jumps out of itself to a few parts and some tail calls; past this many,
+/// the code is not what the scan expects and the rest are not looked up.
 const MAX_TARGETS: usize = 4096;
 
 /// The parts of the function whose code is `code` (at `start`) that lie

@@ -246,6 +246,23 @@ impl Container {
         }
     }
 
+    /// Waits until the container's output (`podman logs`) holds `text`.
+    pub fn wait_for_output(&self, text: &str) {
+        let deadline = Instant::now() + START_TIMEOUT;
+        loop {
+            let logs = podman_ok(["logs", &self.id]);
+            if String::from_utf8_lossy(&logs.stdout).contains(text) {
+                return;
+            }
+            assert!(
+                Instant::now() < deadline,
+                "container {} did not print {text:?} within {START_TIMEOUT:?}",
+                self.name
+            );
+            std::thread::sleep(Duration::from_millis(50));
+        }
+    }
+
     /// The process's cgroup v2 path (the `0::` line of `/proc/<pid>/cgroup`),
     /// e.g. `/libpod_parent/libpod-<id>`.
     pub fn cgroup_path(&self) -> String {

@@ -40,13 +40,7 @@ const BUILDS: &[(&str, &str, (u8, u8))] = &[
 pub fn debian_pythons() -> Vec<DebianPython> {
     static BUILDING: Mutex<()> = Mutex::new(());
     let _one_at_a_time = BUILDING.lock().unwrap_or_else(PoisonError::into_inner);
-    let exe = std::env::current_exe().expect("test binary path");
-    // target/<profile>/deps/<test> -> target/debian-roots
-    let dir = exe
-        .ancestors()
-        .nth(3)
-        .expect("target directory")
-        .join("debian-roots");
+    let dir = crate::in_target_dir("debian-roots");
     BUILDS
         .iter()
         .filter_map(|&(suite, package, version)| {

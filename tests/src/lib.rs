@@ -8,6 +8,14 @@
 pub mod debian_python;
 pub mod sdk;
 
+/// `dir` under the target directory this test binary runs from
+/// (`target/<profile>/deps/<test>`): what tests install or build once per
+/// target directory lives there.
+pub fn in_target_dir(dir: &str) -> PathBuf {
+    let exe = std::env::current_exe().expect("test binary path");
+    exe.ancestors().nth(3).expect("target directory").join(dir)
+}
+
 use std::{
     collections::{BTreeSet, HashMap},
     io::{BufRead as _, BufReader},

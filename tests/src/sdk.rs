@@ -63,13 +63,7 @@ fn run(command: &mut Command, what: &str) {
 pub fn sdk_clients() -> SdkClients {
     static INSTALLING: Mutex<()> = Mutex::new(());
     let _one_at_a_time = INSTALLING.lock().unwrap_or_else(PoisonError::into_inner);
-    let exe = std::env::current_exe().expect("test binary path");
-    // target/<profile>/deps/<test> -> target/sdk-clients
-    let root = exe
-        .ancestors()
-        .nth(3)
-        .expect("target directory")
-        .join("sdk-clients");
+    let root = crate::in_target_dir("sdk-clients");
     let protos = Path::new(env!("CARGO_MANIFEST_DIR")).join("../proto/pyroscope");
     let clients = SdkClients {
         python: root.join("venv/bin/python"),
