@@ -550,8 +550,9 @@ pub struct PythonProcess {
     /// the marked frame itself is.
     pub entry_value: u32,
     pub entry_is_shim: u32,
-    /// In a code object: `co_firstlineno` (the fingerprint the agent
-    /// checks) and where the bytecode starts (`co_code_adaptive`).
+    /// In a code object: `co_firstlineno` (a fingerprint the agent checks,
+    /// see [`PythonFrame::first_line`]) and where the bytecode starts
+    /// (`co_code_adaptive`).
     pub code_first_line: u32,
     pub code_bytecode: u32,
     /// Nonzero for CPython 3.10's frame objects: each frame is one
@@ -563,6 +564,13 @@ pub struct PythonProcess {
     /// more than the version's fields need (a frame can be the last thing
     /// in its memory).
     pub frame_bytes: u32,
+    /// In a frame: its `owner` byte, 0 (`FRAME_OWNED_BY_THREAD`) for a
+    /// frame in the thread's data stack.
+    pub frame_owner: u32,
+    /// Nonzero (3.11+) when a frame in the data stack is fingerprinted by
+    /// its size ([`PythonFrame::FRAME_SIZE`]) where the frame it called
+    /// lies right after it: no read of its code object.
+    pub frame_sizes: u32,
 }
 
 impl PythonProcess {
@@ -571,7 +579,7 @@ impl PythonProcess {
     pub const NO_CFRAME: u32 = u32::MAX;
 }
 
-const _: () = assert!(core::mem::size_of::<PythonProcess>() == 72);
+const _: () = assert!(core::mem::size_of::<PythonProcess>() == 80);
 
 // SAFETY: `repr(C)`, integers only, no padding: every byte pattern is a
 // value.
@@ -622,14 +630,19 @@ pub struct PythonFrame {
     /// bytecode (it may be -2 before the first instruction, in 3.11 and
     /// 3.12), or [`PythonFrame::NO_OFFSET`] when it lies outside the code.
     pub instr_offset: i32,
-    /// `co_firstlineno` read at the tick; the top bit ([`PythonFrame::ENTRY`])
-    /// marks the outermost frame of one `_PyEval_EvalFrameDefault`
-    /// activation (a frame entered from C).
+    /// The code object's fingerprint, which the agent checks the object it
+    /// names against (a freed object's address reused): `co_firstlineno`
+    /// read at the tick, or with [`PythonFrame::FRAME_SIZE`] the frame's
+    /// size in 8-byte words, as the distance to the frame it called shows
+    /// (a function's frames all take `co_framesize` words). The top bit
+    /// ([`PythonFrame::ENTRY`]) marks the outermost frame of one
+    /// `_PyEval_EvalFrameDefault` activation (a frame entered from C).
     pub first_line: u32,
 }
 
 impl PythonFrame {
     pub const ENTRY: u32 = 1 << 31;
+    pub const FRAME_SIZE: u32 = 1 << 30;
     pub const NO_OFFSET: i32 = i32::MIN;
 }
 

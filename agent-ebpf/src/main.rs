@@ -176,6 +176,9 @@ struct PythonScratch {
     window_start: u64,
     window_len: u64,
     window_next: u64,
+    /// The last frame written that lies in the data stack (0: none yet):
+    /// the frame its caller called, right after it (see `python_frame`).
+    inner_frame: u64,
     /// The walk's state (see `python_frame`): the next frame to read, the
     /// frames written and the record's flags; the last code object read
     /// and its first line (a recursion's frames share one: read once).
@@ -198,6 +201,14 @@ struct PythonScratch {
 /// Frames elsewhere (a generator's, 3.12+'s entry shims on the C stack)
 /// start windows of their own, or are read alone when no window can be.
 const PYTHON_WINDOW_BYTES: usize = 4096;
+/// Largest frame size taken for a fingerprint (a function of 100,000
+/// locals); a larger distance is no caller's and callee's.
+const PYTHON_MAX_FRAME_BYTES: u64 = 1 << 20;
+/// Where the first frame of a data stack chunk lies in its page: after
+/// the chunk's header (`_PyStackChunk`: previous, size, top), and in a
+/// thread's first chunk after one more word CPython leaves unused.
+const PYTHON_CHUNK_FIRST_FRAME: u64 = 24;
+const PYTHON_ROOT_CHUNK_FIRST_FRAME: u64 = 32;
 const PYTHON_FIRST_WINDOW_BYTES: u64 = 512;
 const _: () = assert!(PYTHON_WINDOW_BYTES.is_power_of_two());
 
@@ -937,9 +948,12 @@ fn reserved_copy<C: EbpfContext, const BYTES: u32, const KERNEL_ROOM: bool, cons
 /// the thread has a thread state. Written before the tick's sample record,
 /// from the same CPU, so the reader meets it first.
 ///
-/// Per frame, one read of the frame's first bytes and one of the code
-/// object's first line (the agent's check that the object it names later is
-/// the one that ran). Not inlined: its locals stay out of the entry's frame.
+/// Frames are read by windows of the thread's data stack (see
+/// [`PYTHON_WINDOW_BYTES`]), others alone; each frame carries a
+/// fingerprint of its code object (the agent's check that the object it
+/// names later is the one that ran): its size where the frame it called
+/// shows it, else the object's first line, one more read. Not inlined: its
+/// locals stay out of the entry's frame.
 #[inline(never)]
 fn python_stack(tgid: u32, tid: u32, cpu: u32) {
     // SAFETY: read only; the agent replaces entries whole.
@@ -966,6 +980,7 @@ fn python_stack(tgid: u32, tid: u32, cpu: u32) {
         core::ptr::addr_of_mut!((*scratch).last_code).write_volatile(0);
         core::ptr::addr_of_mut!((*scratch).window_len).write_volatile(0);
         core::ptr::addr_of_mut!((*scratch).window_next).write_volatile(PYTHON_FIRST_WINDOW_BYTES);
+        core::ptr::addr_of_mut!((*scratch).inner_frame).write_volatile(0);
     }
     for _ in 0..MAX_PYTHON_FRAMES {
         // SAFETY: as above.
@@ -1130,12 +1145,13 @@ unsafe fn python_frame(scratch: *mut PythonScratch, process: &PythonProcess) -> 
     // read here, each time (volatile): hoisted out of the loop, LLVM kept
     // them all on the stack, and the program's calls together went past
     // the 512 bytes Linux 6.1 allows them.
-    let (code, previous, instr, marker) = unsafe {
+    let (code, previous, instr, marker, owner) = unsafe {
         (
             frame_field::<u64>(buffer, layout(&process.frame_code)) & !PYTHON_CODE_TAG_BITS,
             frame_field::<u64>(buffer, layout(&process.frame_previous)),
             frame_field::<u64>(buffer, layout(&process.frame_instr)),
             frame_field::<u8>(buffer, layout(&process.frame_entry)),
+            frame_field::<u8>(buffer, layout(&process.frame_owner)),
         )
     };
     unsafe { (*scratch).next = previous };
@@ -1157,18 +1173,48 @@ unsafe fn python_frame(scratch: *mut PythonScratch, process: &PythonProcess) -> 
         }
         return true;
     }
+    // A frame in the data stack is followed there by the frame it called
+    // (frames are pushed on top, and the caller was the top): the
+    // distance is its size, which its code object fixes. Not when the
+    // frame it called starts a chunk of the data stack (its first frame
+    // lies 24 bytes into a page, 32 in a thread's first chunk), which can
+    // be anywhere; nor for the innermost frame or a generator's (outside
+    // the data stack): their code object's first line is read.
+    let in_stack = layout(&process.frame_sizes) != 0 && owner == 0;
     // SAFETY: the slot is this CPU's.
-    let first_line = unsafe {
-        if code != 0 && code == core::ptr::addr_of!((*scratch).last_code).read_volatile() {
-            core::ptr::addr_of!((*scratch).last_first_line).read_volatile()
-        } else {
-            let first_line =
-                user_value::<u32>(code + u64::from(layout(&process.code_first_line))).unwrap_or(0);
-            (*scratch).last_code = code;
-            (*scratch).last_first_line = first_line;
-            first_line
+    let inner = unsafe { core::ptr::addr_of!((*scratch).inner_frame).read_volatile() };
+    let size = inner.wrapping_sub(frame);
+    let starts_chunk = matches!(
+        inner & 4095,
+        PYTHON_CHUNK_FIRST_FRAME | PYTHON_ROOT_CHUNK_FIRST_FRAME
+    );
+    let fingerprint = if in_stack
+        && !starts_chunk
+        && size != 0
+        && size <= PYTHON_MAX_FRAME_BYTES
+        && size % 8 == 0
+    {
+        (size / 8) as u32 | PythonFrame::FRAME_SIZE
+    } else {
+        // SAFETY: the slot is this CPU's.
+        unsafe {
+            if code != 0 && code == core::ptr::addr_of!((*scratch).last_code).read_volatile() {
+                core::ptr::addr_of!((*scratch).last_first_line).read_volatile()
+            } else {
+                let first_line =
+                    user_value::<u32>(code + u64::from(layout(&process.code_first_line)))
+                        .unwrap_or(0)
+                        & !(PythonFrame::ENTRY | PythonFrame::FRAME_SIZE);
+                (*scratch).last_code = code;
+                (*scratch).last_first_line = first_line;
+                first_line
+            }
         }
     };
+    if in_stack {
+        // SAFETY: the slot is this CPU's.
+        unsafe { core::ptr::addr_of_mut!((*scratch).inner_frame).write_volatile(frame) };
+    }
     let offset = if frame_objects {
         // `f_lasti`: the low half of the word read (the high one is
         // `f_lineno`), -1 before the first instruction.
@@ -1187,8 +1233,7 @@ unsafe fn python_frame(scratch: *mut PythonScratch, process: &PythonProcess) -> 
             .write(PythonFrame {
                 code,
                 instr_offset,
-                first_line: (first_line & !PythonFrame::ENTRY)
-                    | if entry { PythonFrame::ENTRY } else { 0 },
+                first_line: fingerprint | if entry { PythonFrame::ENTRY } else { 0 },
             });
         (*scratch).frames = frames as u32 + 1;
     }

@@ -1513,8 +1513,7 @@ impl Aggregator {
         codes: &mut CodeCache,
         insert: bool,
     ) -> bool {
-        let first_line = frame.first_line & !PythonFrame::ENTRY;
-        match codes.get(frame.code, first_line) {
+        match codes.get(frame.code, frame.first_line & !PythonFrame::ENTRY) {
             Ok(code) => {
                 self.stats.python_named += 1;
                 let line = code.line_of(frame.instr_offset).unwrap_or(0);

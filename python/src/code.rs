@@ -1,17 +1,24 @@
 //! Code objects read from a CPython process: what names a frame the sampler
 //! found (qualified name, file, line).
 //!
-//! The sampler reads a frame's code object address and its first line at
-//! the tick; the object is read here later. Code objects live as long as
-//! their function or module, but one freed in between can have its address
-//! reused: the first line read here must match the tick's, or the frame is
-//! refused (`CodeError::Stale`). Everything read is bounded (names, files
+//! The sampler reads a frame's code object address and a fingerprint at
+//! the tick: the object's first line, or the size of the frame (which the
+//! object fixes: `agent_common::PythonFrame::FRAME_SIZE`); the object is
+//! read here later. Code objects live as long as their function or
+//! module, but one freed in between can have its address reused: the
+//! fingerprint read here must match the tick's, or the frame is refused
+//! (`CodeError::Stale`). Everything read is bounded (names, files
 //! and location tables) and checked, so a process with garbage where a
 //! code object should be costs a few small reads and an error.
 
 use std::{collections::HashMap, io, sync::Arc};
 
-use crate::{Layout, layout::LineTable};
+use agent_common::PythonFrame;
+
+use crate::{
+    Layout,
+    layout::{CodeFrameSize, FRAME_SPECIALS_WORDS_3_11, LineTable},
+};
 
 /// Longest name or file name read, in characters.
 const MAX_STRING_CHARS: u64 = 4096;
@@ -39,10 +46,14 @@ pub enum CodeError {
         #[source]
         source: io::Error,
     },
-    #[error(
-        "the code object's first line is {found}, the sample's {expected}: its address was reused"
-    )]
-    Stale { expected: u32, found: i64 },
+    #[error("the code object's {what} is {found}, the sample's {expected}: its address was reused")]
+    Stale {
+        what: &'static str,
+        expected: u32,
+        found: i64,
+    },
+    #[error("a first line of {0}: not a code object")]
+    BadFirstLine(i64),
     #[error("not a string CPython makes: {0}")]
     BadString(&'static str),
     #[error("location table of {0} bytes is longer than {MAX_LINETABLE_BYTES}")]
@@ -86,27 +97,50 @@ impl ProcessMemory {
 }
 
 impl CodeObject {
-    /// Reads the code object at `code`, refusing it unless its first line
-    /// is `first_line` (as the sampler read it).
+    /// Reads the code object at `code`, refusing it unless it has the
+    /// `fingerprint` the sampler read (`PythonFrame::first_line` without
+    /// its entry mark): its first line, or with `PythonFrame::FRAME_SIZE`
+    /// the size of its frames in words.
     pub fn read(
         memory: &ProcessMemory,
         layout: &Layout,
         code: u64,
-        first_line: u32,
+        fingerprint: u32,
     ) -> Result<Self, CodeError> {
         // Up to the bytecode (3.11+) or the last field read (3.10).
         let mut object = vec![0; layout.code_bytecode as usize];
         memory.read(code, &mut object)?;
+        let int = |offset: u32| -> i64 {
+            let at = offset as usize;
+            i32::from_ne_bytes(object[at..at + 4].try_into().expect("4 bytes")).into()
+        };
+        let first_line = int(layout.code_first_line);
+        let (what, found) = if fingerprint & PythonFrame::FRAME_SIZE != 0 {
+            let words = match layout.code_frame_size {
+                CodeFrameSize::None => -1,
+                CodeFrameSize::Slots {
+                    nlocalsplus,
+                    stacksize,
+                } => int(nlocalsplus) + int(stacksize) + i64::from(FRAME_SPECIALS_WORDS_3_11),
+                CodeFrameSize::Field(offset) => int(offset),
+            };
+            ("frame size", words)
+        } else {
+            ("first line", first_line)
+        };
+        let expected = fingerprint & !PythonFrame::FRAME_SIZE;
+        if found != i64::from(expected) {
+            return Err(CodeError::Stale {
+                what,
+                expected,
+                found,
+            });
+        }
+        let first_line =
+            u32::try_from(first_line).map_err(|_| CodeError::BadFirstLine(first_line))?;
         let field = |offset: u32, size: usize| -> &[u8] {
             &object[offset as usize..offset as usize + size]
         };
-        let found = i32::from_ne_bytes(field(layout.code_first_line, 4).try_into().expect("4"));
-        if i64::from(found) != i64::from(first_line) {
-            return Err(CodeError::Stale {
-                expected: first_line,
-                found: found.into(),
-            });
-        }
         let pointer = |offset| u64::from_ne_bytes(field(offset, 8).try_into().expect("8"));
         Ok(Self {
             qualname: read_string(memory, layout, pointer(layout.code_qualname))?.into(),
@@ -431,10 +465,26 @@ mod tests {
         }
 
         fn code(&mut self, first_line: i32, qualname: u64, filename: u64, linetable: u64) -> u64 {
+            self.code_of_frame_size(first_line, 0, qualname, filename, linetable)
+        }
+
+        /// A code object whose frames take `frame_words` (3.12+'s
+        /// `co_framesize`).
+        fn code_of_frame_size(
+            &mut self,
+            first_line: i32,
+            frame_words: i32,
+            qualname: u64,
+            filename: u64,
+            linetable: u64,
+        ) -> u64 {
             let layout = self.layout;
             let mut bytes = vec![0u8; layout.code_bytecode as usize];
             let at = |offset: u32| offset as usize;
             bytes[at(layout.code_first_line)..][..4].copy_from_slice(&first_line.to_ne_bytes());
+            if let CodeFrameSize::Field(offset) = layout.code_frame_size {
+                bytes[at(offset)..][..4].copy_from_slice(&frame_words.to_ne_bytes());
+            }
             for (offset, pointer) in [
                 (layout.code_qualname, qualname),
                 (layout.code_filename, filename),
@@ -466,10 +516,43 @@ mod tests {
         assert!(matches!(
             CodeObject::read(&fake.memory, &fake.layout, code, 8),
             Err(CodeError::Stale {
+                what: "first line",
                 expected: 8,
                 found: 7
             })
         ));
+    }
+
+    /// A frame fingerprinted by its size (the distance to the frame it
+    /// called) names the object whose frames take that many words, and
+    /// refuses one whose frames take another size, whatever its first line.
+    #[test]
+    fn a_frame_fingerprinted_by_its_size_is_checked_against_the_codes_frame_size() {
+        let mut fake = FakeObjects::new();
+        let qualname = fake.string(4, 1, true, b"work");
+        let filename = fake.string(6, 1, true, b"/a.py");
+        let linetable = fake.bytes_object(0, &[]);
+        let code = fake.code_of_frame_size(40, 13, qualname, filename, linetable);
+        let by_size = |words: u32| {
+            CodeObject::read(
+                &fake.memory,
+                &fake.layout,
+                code,
+                words | PythonFrame::FRAME_SIZE,
+            )
+        };
+        let read = by_size(13).expect("a code object");
+        assert_eq!((&*read.qualname, read.first_line), ("work", 40));
+        assert!(matches!(
+            by_size(14),
+            Err(CodeError::Stale {
+                what: "frame size",
+                expected: 14,
+                found: 13
+            })
+        ));
+        // A first line that happens to equal the size is no size.
+        assert!(CodeObject::read(&fake.memory, &fake.layout, code, 13).is_err());
     }
 
     #[test]
@@ -539,10 +622,12 @@ mod tests {
 /// location tables); past it the cache starts again, empty.
 pub const MAX_CACHE_BYTES: usize = 2 << 20;
 
-/// The code objects of one process read so far, by address and first line
-/// (a reused address with another first line is another object), those
-/// that could not be read included, so garbage is not read again on every
-/// sample. Bounded by [`MAX_CACHE_BYTES`].
+/// The code objects of one process read so far, by address and the
+/// fingerprint the sampler read (a reused address with another fingerprint
+/// is another object; one object met with both kinds of fingerprint, its
+/// first line and its frames' size, is held twice), those that could not
+/// be read included, so garbage is not read again on every sample. Bounded
+/// by [`MAX_CACHE_BYTES`].
 #[derive(Debug)]
 pub struct CodeCache {
     memory: ProcessMemory,
@@ -555,7 +640,7 @@ pub struct CodeCache {
 /// Why a frame's code object names nothing.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Unnamed {
-    /// The object at the address has another first line than the sampler
+    /// The object at the address has another fingerprint than the sampler
     /// read: the one it saw was freed and its address reused.
     Stale,
     /// Not readable as a code object (unmapped, or garbage).
@@ -567,7 +652,7 @@ pub enum Unnamed {
 pub struct CodeCacheStats {
     pub hits: u64,
     pub reads: u64,
-    /// Reads refused because the first line differed (a reused address).
+    /// Reads refused because the fingerprint differed (a reused address).
     pub stale: u64,
     /// Reads that failed otherwise (a freed object, garbage).
     pub failed: u64,
@@ -586,16 +671,16 @@ impl CodeCache {
         }
     }
 
-    /// The code object at `code` with first line `first_line`, read from
-    /// the process on a miss; why not, when it cannot be read or is not
-    /// the object the sampler saw.
-    pub fn get(&mut self, code: u64, first_line: u32) -> Result<Arc<CodeObject>, Unnamed> {
-        if let Some(entry) = self.entries.get(&(code, first_line)) {
+    /// The code object at `code` with `fingerprint` (see
+    /// [`CodeObject::read`]), read from the process on a miss; why not,
+    /// when it cannot be read or is not the object the sampler saw.
+    pub fn get(&mut self, code: u64, fingerprint: u32) -> Result<Arc<CodeObject>, Unnamed> {
+        if let Some(entry) = self.entries.get(&(code, fingerprint)) {
             self.stats.hits += 1;
             return entry.clone();
         }
         self.stats.reads += 1;
-        let read = match CodeObject::read(&self.memory, &self.layout, code, first_line) {
+        let read = match CodeObject::read(&self.memory, &self.layout, code, fingerprint) {
             Ok(object) => Ok(Arc::new(object)),
             Err(CodeError::Stale { .. }) => {
                 self.stats.stale += 1;
@@ -616,7 +701,7 @@ impl CodeCache {
             self.stats.resets += 1;
         }
         self.bytes += cost;
-        self.entries.insert((code, first_line), read.clone());
+        self.entries.insert((code, fingerprint), read.clone());
         read
     }
 

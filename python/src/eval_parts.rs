@@ -30,22 +30,21 @@ pub struct CallFrameSections<'a> {
     pub eh_frame_address: u64,
 }
 
-/// Most jump targets looked up (the lowest addresses first): a function
-/// jumps out of itself to a few parts and some tail calls; past this many,
-/// the code is not what the scan expects and the rest are not looked up.
+/// Most jump targets looked up, and most bytes of code scanned for them
+/// (a whole unsplit loop is 50-200 KB): past these, the code is not what
+/// the scan expects and nothing more is looked at.
 const MAX_TARGETS: usize = 4096;
+const MAX_CODE_BYTES: u64 = 4 << 20;
 
-/// The parts of the function whose code is `code` (at `start`) that lie
-/// outside it, found through `sections`' FDEs, in address order; empty
-/// when there are none (or the sections cannot be read).
-pub fn split_parts(code: &[u8], start: u64, sections: &CallFrameSections) -> Vec<Range<u64>> {
-    let own = start..start.saturating_add(code.len() as u64);
-    let mut targets: Vec<u64> = jump_targets(code, start)
-        .filter(|target| !own.contains(target))
-        .collect();
-    targets.sort_unstable();
-    targets.dedup();
-    targets.truncate(MAX_TARGETS);
+/// The parts of the function `symbol` that lie outside it, found through
+/// `sections`' FDEs, each part's own jumps scanned in turn (a part can be
+/// split again); `read` gives the code at an address range. Empty when
+/// there are none (or the sections cannot be read).
+pub fn split_parts(
+    symbol: Range<u64>,
+    read: impl Fn(&Range<u64>) -> Option<Vec<u8>>,
+    sections: &CallFrameSections,
+) -> Vec<Range<u64>> {
     let bases = BaseAddresses::default()
         .set_eh_frame_hdr(sections.hdr_address)
         .set_eh_frame(sections.eh_frame_address);
@@ -59,27 +58,54 @@ pub fn split_parts(code: &[u8], start: u64, sections: &CallFrameSections) -> Vec
     };
     let eh_frame = EhFrame::new(sections.eh_frame, LittleEndian);
     let mut context: UnwindContext<usize> = UnwindContext::new();
-    let mut parts = Vec::new();
-    for target in targets {
-        let Ok(fde) = table.fde_for_address(&eh_frame, &bases, target, EhFrame::cie_from_offset)
-        else {
-            continue;
-        };
-        if fde.initial_address() != target {
-            continue;
+    let mut parts: Vec<Range<u64>> = Vec::new();
+    let mut to_scan = vec![symbol.clone()];
+    let (mut scanned, mut looked_up) = (0u64, 0usize);
+    while let Some(code) = to_scan.pop() {
+        scanned += code.end - code.start;
+        if scanned > MAX_CODE_BYTES {
+            break;
         }
-        let Ok(row) = fde.unwind_info_for_address(&eh_frame, &bases, &mut context, target) else {
+        let Some(bytes) = read(&code) else {
             continue;
         };
-        let at_entry = matches!(
-            row.cfa(),
-            CfaRule::RegisterAndOffset { register, offset }
-                if *register == X86_64::RSP && *offset == 8
-        );
-        if !at_entry {
-            parts.push(target..target.saturating_add(fde.len()));
+        let mut targets: Vec<u64> = jump_targets(&bytes, code.start)
+            .filter(|target| {
+                !symbol.contains(target) && !parts.iter().any(|part| part.contains(target))
+            })
+            .collect();
+        targets.sort_unstable();
+        targets.dedup();
+        for target in targets {
+            looked_up += 1;
+            if looked_up > MAX_TARGETS {
+                break;
+            }
+            let Ok(fde) =
+                table.fde_for_address(&eh_frame, &bases, target, EhFrame::cie_from_offset)
+            else {
+                continue;
+            };
+            if fde.initial_address() != target || parts.iter().any(|part| part.contains(&target)) {
+                continue;
+            }
+            let Ok(row) = fde.unwind_info_for_address(&eh_frame, &bases, &mut context, target)
+            else {
+                continue;
+            };
+            let at_entry = matches!(
+                row.cfa(),
+                CfaRule::RegisterAndOffset { register, offset }
+                    if *register == X86_64::RSP && *offset == 8
+            );
+            if !at_entry {
+                let part = target..target.saturating_add(fde.len());
+                parts.push(part.clone());
+                to_scan.push(part);
+            }
         }
     }
+    parts.sort_unstable_by_key(|part| part.start);
     parts
 }
 
@@ -125,6 +151,6 @@ mod tests {
             eh_frame: &[],
             eh_frame_address: 0,
         };
-        assert!(split_parts(&code, 0x1000, &sections).is_empty());
+        assert!(split_parts(0x1000..0x1005, |_| Some(code.to_vec()), &sections).is_empty());
     }
 }

@@ -249,22 +249,11 @@ const MAX_TABLE_BYTES: u64 = 16 << 20;
 /// `Elf64_Sym`'s size.
 const SYMBOL_SIZE: usize = 24;
 
-/// Most bytes of the evaluation loop's symbol scanned for jumps to its
-/// split parts (a whole unsplit loop is 50-200 KB).
-const MAX_EVAL_BYTES: u64 = 4 << 20;
-
 impl Elf<'_> {
     /// The evaluation loop's code: `symbol`'s range, then the parts split
     /// off it that `.eh_frame` shows.
     fn eval_code(&self, symbol: Range<u64>) -> Vec<Range<u64>> {
         let mut code = vec![symbol.clone()];
-        let len = symbol.end - symbol.start;
-        let Some(bytes) = (len <= MAX_EVAL_BYTES)
-            .then(|| self.read_at_address(symbol.start, len as usize))
-            .flatten()
-        else {
-            return code;
-        };
         let (Some((hdr, hdr_address)), Some((eh_frame, eh_frame_address))) =
             (self.section(b".eh_frame_hdr"), self.section(b".eh_frame"))
         else {
@@ -276,7 +265,11 @@ impl Elf<'_> {
             eh_frame: &eh_frame,
             eh_frame_address,
         };
-        code.extend(split_parts(&bytes, symbol.start, &sections));
+        let read = |range: &Range<u64>| {
+            let len = usize::try_from(range.end.checked_sub(range.start)?).ok()?;
+            self.read_at_address(range.start, len)
+        };
+        code.extend(split_parts(symbol, read, &sections));
         code
     }
 

@@ -31,6 +31,8 @@ pub struct Layout {
     entry_is_shim: bool,
     /// 3.10's frame objects (see `PythonProcess::frame_objects`).
     frame_objects: bool,
+    /// The frame's `owner` byte (unused for 3.10's frame objects).
+    frame_owner: u32,
     /// Bytes of a frame that hold every field above.
     frame_bytes: u32,
     /// In a code object (3.10 has no `co_qualname`: `co_name` stands in,
@@ -41,12 +43,31 @@ pub struct Layout {
     pub code_filename: u32,
     pub code_qualname: u32,
     pub code_linetable: u32,
+    /// How a code object states the size of its frames (3.11+), checked
+    /// against a [`agent_common::PythonFrame::FRAME_SIZE`] fingerprint.
+    pub code_frame_size: CodeFrameSize,
     pub line_table: LineTable,
     /// Where a compact ASCII string's characters start (`sizeof
     /// PyASCIIObject`), and a compact non-ASCII one's.
     pub ascii_data: u32,
     pub compact_data: u32,
 }
+
+/// How a code object states the size, in 8-byte words, of the frames
+/// that run it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum CodeFrameSize {
+    /// 3.10: frames are objects of their own, never fingerprinted by size.
+    None,
+    /// 3.11: `co_nlocalsplus + co_stacksize` slots after the frame's 9
+    /// words of fixed fields (`FRAME_SPECIALS_SIZE`).
+    Slots { nlocalsplus: u32, stacksize: u32 },
+    /// 3.12+: `co_framesize`.
+    Field(u32),
+}
+
+/// 3.11's `FRAME_SPECIALS_SIZE`: `(sizeof(_PyInterpreterFrame) - 1) / 8`.
+pub const FRAME_SPECIALS_WORDS_3_11: u32 = 9;
 
 /// How a code object maps instructions to lines.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -72,12 +93,14 @@ const V3_10: Layout = Layout {
     entry_value: 0,
     entry_is_shim: false,
     frame_objects: true,
+    frame_owner: 0,
     frame_bytes: 104,
     code_first_line: 40,
     code_bytecode: 128,
     code_filename: 104,
     code_qualname: 112,
     code_linetable: 120,
+    code_frame_size: CodeFrameSize::None,
     line_table: LineTable::Pep626,
     ascii_data: 48,
     compact_data: 72,
@@ -96,12 +119,17 @@ const V3_11: Layout = Layout {
     entry_value: 1,
     entry_is_shim: false,
     frame_objects: false,
+    frame_owner: 69,
     frame_bytes: 72,
     code_first_line: 72,
     code_bytecode: 184,
     code_filename: 112,
     code_qualname: 128,
     code_linetable: 136,
+    code_frame_size: CodeFrameSize::Slots {
+        nlocalsplus: 76,
+        stacksize: 68,
+    },
     line_table: LineTable::Locations,
     ascii_data: 48,
     compact_data: 72,
@@ -118,7 +146,9 @@ const V3_12: Layout = Layout {
     frame_entry: 70,
     entry_value: 3,
     entry_is_shim: true,
+    frame_owner: 70,
     code_first_line: 68,
+    code_frame_size: CodeFrameSize::Field(76),
     code_bytecode: 192,
     ascii_data: 40,
     compact_data: 56,
@@ -145,6 +175,7 @@ const V3_14: Layout = Layout {
     version: (3, 14),
     runtime_tss_key: 0x920,
     frame_entry: 74,
+    frame_owner: 74,
     frame_bytes: 80,
     code_bytecode: 208,
     ..V3_13
@@ -193,7 +224,7 @@ impl Layout {
                 published.frame_instr_ptr,
                 self.frame_instr,
             ),
-            ("frame owner", published.frame_owner, self.frame_entry),
+            ("frame owner", published.frame_owner, self.frame_owner),
             (
                 "code co_filename",
                 published.code_filename,
@@ -244,6 +275,8 @@ impl Layout {
             code_bytecode: self.code_bytecode,
             frame_objects: u32::from(self.frame_objects),
             frame_bytes: self.frame_bytes,
+            frame_owner: self.frame_owner,
+            frame_sizes: u32::from(self.code_frame_size != CodeFrameSize::None),
         }
     }
 }
@@ -264,16 +297,28 @@ mod tests {
                 (layout.frame_previous, 8),
                 (layout.frame_instr, 8),
                 (layout.frame_entry, 1),
+                (layout.frame_owner, 1),
             ] {
                 assert!(field + size <= layout.frame_bytes, "3.{minor}: {field}");
             }
             // The code object's fields read lie within what is read of it.
+            let frame_size_fields = match layout.code_frame_size {
+                CodeFrameSize::None => vec![],
+                CodeFrameSize::Slots {
+                    nlocalsplus,
+                    stacksize,
+                } => vec![nlocalsplus + 4, stacksize + 4],
+                CodeFrameSize::Field(offset) => vec![offset + 4],
+            };
             for field in [
                 layout.code_first_line + 4,
                 layout.code_filename + 8,
                 layout.code_qualname + 8,
                 layout.code_linetable + 8,
-            ] {
+            ]
+            .into_iter()
+            .chain(frame_size_fields)
+            {
                 assert!(field <= layout.code_bytecode, "3.{minor}: {field}");
             }
         }

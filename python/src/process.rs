@@ -101,9 +101,9 @@ pub fn find_in_process(proc_root: &Path, pid: u32) -> Result<Option<FoundInterpr
             path: path.to_path_buf(),
             version: interpreter.version(),
         })?;
-        // A build whose layout differs from the version's usual one
-        // (patched, or configured otherwise) says so itself since 3.13:
-        // its frames are not read rather than read wrong.
+        // A build whose layout differs from the version's usual one (free-
+        // threaded, patched, or configured otherwise) says so itself since
+        // 3.13: its frames are not read rather than read wrong.
         if interpreter
             .debug_offsets
             .is_some_and(|published| published.free_threaded)

@@ -476,6 +476,13 @@ fn assert_chained(pythons: &[Python], run: &AgentRun) {
         );
         all_chained += chained;
     }
+    // The fixture frees no code object: a frame refused as stale is a
+    // fingerprint read wrong (a frame's size taken across a chunk).
+    assert_eq!(
+        run.report["aggregation"]["python_stale"].as_u64(),
+        Some(0),
+        "Python frames refused as stale"
+    );
     let paired = run.report["python"]["paired"].as_u64().unwrap_or(0);
     assert!(
         all_chained * 100 >= paired * 99,
@@ -568,6 +575,13 @@ fn a_stack_deeper_than_the_sampler_reads_is_marked_where_its_read_stopped() {
     eprintln!(
         "python frames: {DEPTH} deep: activations cut {}",
         run.report["aggregation"]["python_cut"]
+    );
+    // 200 frames cross a data stack chunk: the frame that calls into the
+    // next chunk is not fingerprinted by a size taken across the two.
+    assert_eq!(
+        run.report["aggregation"]["python_stale"].as_u64(),
+        Some(0),
+        "Python frames refused as stale"
     );
     for (index, (python, stacks)) in pythons.iter().zip(&run.stacks).enumerate() {
         let name = &python.name;
