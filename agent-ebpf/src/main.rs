@@ -66,7 +66,7 @@ use aya_ebpf::{
         generated::{
             bpf_get_current_ancestor_cgroup_id, bpf_get_current_comm as gen_get_current_comm,
             bpf_get_current_task, bpf_get_current_task_btf, bpf_get_prandom_u32, bpf_get_stack,
-            bpf_probe_read_user, bpf_task_pt_regs,
+            bpf_loop, bpf_probe_read_user, bpf_task_pt_regs,
         },
     },
     macros::{btf_tracepoint, map, perf_event, raw_tracepoint},
@@ -982,12 +982,20 @@ fn python_stack(tgid: u32, tid: u32, cpu: u32) {
         core::ptr::addr_of_mut!((*scratch).window_next).write_volatile(PYTHON_FIRST_WINDOW_BYTES);
         core::ptr::addr_of_mut!((*scratch).inner_frame).write_volatile(0);
     }
-    for _ in 0..MAX_PYTHON_FRAMES {
-        // SAFETY: as above.
-        if !unsafe { python_frame(scratch, process) } {
-            break;
-        }
-    }
+    // `bpf_loop`, not a bounded loop: the verifier checks the callback
+    // until its states repeat, where it followed a bounded loop's every
+    // iteration (each way through the body 128 times over).
+    let mut walk = PythonWalk { scratch, process };
+    // SAFETY: the callback is a function of the program; `walk` outlives
+    // the call.
+    unsafe {
+        bpf_loop(
+            MAX_PYTHON_FRAMES as u32,
+            python_walk_step as *mut c_void,
+            core::ptr::addr_of_mut!(walk).cast(),
+            0,
+        )
+    };
     // SAFETY: as above; read back through memory, as in the loop.
     let (frames, mut flags, next) = unsafe {
         (
@@ -1031,6 +1039,23 @@ fn python_stack(tgid: u32, tid: u32, cpu: u32) {
         count(Counter::PythonStacks);
         add(Counter::PythonFrames, frames as u64);
     }
+}
+
+/// What each step of a Python walk needs (see [`python_walk_step`]).
+struct PythonWalk {
+    scratch: *mut PythonScratch,
+    process: *const PythonProcess,
+}
+
+/// One step of `bpf_loop`'s walk: 0 to go on, 1 to stop.
+extern "C" fn python_walk_step(_index: u32, walk: *mut c_void) -> i64 {
+    // SAFETY: `python_stack` passes its `PythonWalk`, whose scratch slot
+    // is this CPU's and whose process entry stays alive for the call.
+    let more = unsafe {
+        let walk = &*walk.cast::<PythonWalk>();
+        python_frame(walk.scratch, &*walk.process)
+    };
+    if more { 0 } else { 1 }
 }
 
 /// Reads the next window of the thread's frame stack (see

@@ -406,7 +406,20 @@ impl Sampler {
         // Maps must stay open until the program is loaded: loading resolves
         // the program's map references to their descriptors. Fill the
         // allow-lists after that and before attaching, so no tick is missed.
-        perf_program(&mut ebpf)?.load().map_err(program_error)?;
+        let loading = std::time::Instant::now();
+        let program = perf_program(&mut ebpf)?;
+        program.load().map_err(program_error)?;
+        // The verifier's work grows with the paths through the program: a
+        // change that multiplies them shows here first (a slow start).
+        tracing::debug!(
+            program = names::PROGRAM,
+            verified_instructions = program
+                .info()
+                .ok()
+                .and_then(|info| info.verified_instruction_count()),
+            load_ms = loading.elapsed().as_millis() as u64,
+            "loaded"
+        );
         let off_cpu_program = match config.off_cpu {
             Some(_) => Some(load_off_cpu(&mut ebpf)?),
             None => None,
