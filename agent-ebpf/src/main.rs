@@ -1108,10 +1108,8 @@ unsafe fn python_window(scratch: *mut PythonScratch, frame: u64, frame_bytes: u3
 /// failed, or the record is full.
 ///
 /// The walk's state lives in the scratch slot, not in registers: the
-/// verifier then sees every iteration start alike (unknown counts and
-/// addresses) and verifies the loop body once per way through it, where
-/// values carried in registers made it follow each iteration's own (the
-/// program went past its million instructions).
+/// verifier then sees every step start alike (unknown counts and
+/// addresses), so the states of `bpf_loop`'s callback repeat at once.
 ///
 /// # Safety
 /// `scratch` must be this CPU's `PYTHON_SCRATCH` slot.
