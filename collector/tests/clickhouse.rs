@@ -408,6 +408,65 @@ fn a_retried_batch_is_not_counted_twice() {
 }
 
 #[test]
+fn a_database_of_the_first_schema_is_upgraded_and_its_unmerged_copies_count_once() {
+    let db = "upgraded";
+    let open = || open_url(&servers().single_url(db), ClickhouseOptions::default());
+    let storage = open().expect("open");
+    ingest_all(&storage, &[batch1()]);
+    let before = weights(&storage, &all(&[]));
+    assert_eq!(before, expect(&[(S0, 5), (S1, 3), (S2, 7)]));
+    drop(storage);
+
+    // The first schema: no `attempts`, and a retried batch's second copy
+    // of its rows left on disk unregistered (merges stopped, or they
+    // would collapse the copies).
+    let sql = |statement: &str| servers().sql(0, statement);
+    sql(&format!("DROP TABLE {db}.attempts_local"));
+    sql(&format!("SYSTEM STOP MERGES {db}.samples_local"));
+    sql(&format!(
+        "INSERT INTO {db}.samples_local SELECT * FROM {db}.samples_local"
+    ));
+    sql(&format!(
+        "INSERT INTO {db}.meta (key, value) VALUES ('schema_version', 1)"
+    ));
+    assert_eq!(
+        rows_on(0, db, "samples_local"),
+        6,
+        "both copies are on disk"
+    );
+
+    let storage = open().expect("upgrade");
+    assert_eq!(
+        sql(&format!(
+            "SELECT value FROM {db}.meta FINAL WHERE key = 'schema_version'"
+        ))
+        .trim(),
+        "2"
+    );
+    assert_eq!(rows_on(0, db, "attempts_local"), 2, "the copies registered");
+    assert_eq!(weights(&storage, &all(&[])), before);
+    assert_eq!(
+        storage.series(&all(&[]), MINUTE).expect("series"),
+        [(T0, 15)]
+    );
+
+    // On a single server too, a first attempt that stored its samples but
+    // not its id: the retry stores them a third time, counted once.
+    sql(&format!("DROP TABLE {db}.batches_local"));
+    let storage = open().expect("reopen");
+    ingest_all(&storage, &[batch1()]);
+    assert_eq!(rows_on(0, db, "samples_local"), 9);
+    assert_eq!(weights(&storage, &all(&[])), before);
+    // Another batch alongside, tried once, counts whole.
+    ingest_all(&storage, &[batch2()]);
+    let dir = tempfile::tempdir().expect("temp dir");
+    let sqlite = SqliteStorage::open(&dir.path().join("stackscope.db"), SqliteOptions::default())
+        .expect("open SQLite");
+    ingest_all(&sqlite, &[batch1(), batch2()]);
+    assert_eq!(weights(&storage, &all(&[])), weights(&sqlite, &all(&[])));
+}
+
+#[test]
 fn a_batch_whose_dictionary_rows_pass_the_cap_is_refused_whole() {
     let db = "dictionary_cap";
     let storage = open_url(

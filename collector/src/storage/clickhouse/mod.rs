@@ -16,15 +16,16 @@
 //! * Dedup: a batch id found in `batches` is a duplicate. Its id is written
 //!   after its samples, so a batch whose ingest failed half-way is stored
 //!   again on retry; its sample rows are then exact duplicates (same batch,
-//!   bucket, label set, stack, weight) and `FINAL` counts them once. The
-//!   window left: none for sample weights; two retries racing through
-//!   different collectors both store, and both answer `Stored`.
-//! * `FINAL` is only on the reads whose answer duplicates change: the sums
-//!   (and retention's count). It costs: ClickHouse 18.16 reads a `FINAL`
-//!   table in a single stream per shard (parts merged on the fly, no
-//!   parallel reading on a server), so a sum over a long range runs on one
-//!   core of each shard. Which label sets exist and their names and values
-//!   are read without it.
+//!   bucket, label set, stack, weight). Each try at storing a batch's
+//!   samples is first registered in `attempts`: sums add rows as they are,
+//!   but count the rows of a batch tried more than once one copy each (see
+//!   `summed_rows`). The window left: none for sample weights; two retries
+//!   racing through different collectors both store, and both answer
+//!   `Stored`.
+//! * No `FINAL` on reads (but `meta`'s, and retention's count): ClickHouse
+//!   18.16 reads a `FINAL` table in a single stream per shard, merging
+//!   every row of the range on one core. Which label sets exist and their
+//!   names and values never needed it.
 //! * Buckets: the same `bucket_nanos` alignment (kept in `meta`, refused if
 //!   another width is asked for), and a bucket overlapping the range counts
 //!   whole.
@@ -427,6 +428,12 @@ fn partition_width(bucket: i64, partition: i64) -> Option<i64> {
     buckets.checked_mul(bucket)
 }
 
+/// Most batches tried more than once that a sum lists to count their rows
+/// once; past this many it merges every row (`FINAL`).
+const MAX_LISTED_RETRIES: usize = 1000;
+/// Sums taken again when a batch was tried meanwhile, before `FINAL`.
+const SUM_TRIES: usize = 3;
+
 /// The columns of `exact_sum`, in its order.
 const WEIGHT_PARTS: &str = "sum(bitAnd(weight, 2097151)), \
      sum(bitAnd(bitShiftRight(weight, 21), 2097151)), sum(bitShiftRight(weight, 42))";
@@ -596,6 +603,24 @@ impl ClickhouseStorage {
                          knows; run a newer collector"
                     )));
                 }
+                Some(&stored) if key == "schema_version" => {
+                    // Older: this server's tables brought up to date, then
+                    // the version (`meta` keeps the row written last).
+                    // Collectors of the older version must be stopped
+                    // first: they would go on writing the old way.
+                    tracing::info!(server = %endpoint.url, "upgrading the schema from version {stored} to {value}");
+                    for statement in schema::upgrade_statements(&self.tables, stored) {
+                        self.client
+                            .execute(endpoint, &statement)
+                            .map_err(remote(at("upgrading the schema")))?;
+                    }
+                    let mut row = RowWriter::default();
+                    row.string(key.as_bytes());
+                    row.i64(value);
+                    self.client
+                        .insert(endpoint, &meta, "key, value", row.bytes.into())
+                        .map_err(remote(at("writing the schema version")))?;
+                }
                 Some(&stored) => {
                     return Err(incompatible(format!(
                         "it was created with {key} = {stored}, not the {value} asked for; a \
@@ -685,6 +710,34 @@ impl ClickhouseStorage {
         self.any_server(action, |endpoint| {
             self.client
                 .insert(endpoint, &self.tables.table(table), columns, rows.clone())
+        })
+    }
+
+    /// Inserts a batch's sample rows, each try registered in `attempts`
+    /// first on the same server: reads deduplicate the rows of a batch
+    /// tried more than once (a try that failed may have stored them).
+    fn insert_samples(&self, id: u128, bucket: i64, rows: RowWriter) -> Result<(), StorageError> {
+        if rows.bytes.is_empty() {
+            return Ok(());
+        }
+        let mut attempt = RowWriter::default();
+        attempt.hash(id);
+        attempt.i64(bucket);
+        let attempt = bytes::Bytes::from(attempt.bytes);
+        let rows = bytes::Bytes::from(rows.bytes);
+        self.any_server("storing samples", |endpoint| {
+            self.client.insert(
+                endpoint,
+                &self.tables.table("attempts"),
+                "batch, bucket",
+                attempt.clone(),
+            )?;
+            self.client.insert(
+                endpoint,
+                &self.tables.table("samples"),
+                "bucket, label_set, stack, batch, sample_period, weight",
+                rows.clone(),
+            )
         })
     }
 
@@ -1079,24 +1132,17 @@ impl ClickhouseStorage {
     ) -> Result<StackSamples, StorageError> {
         let mut period = PeriodAgreement::default();
         let mut sums: BTreeMap<u128, u128> = BTreeMap::new();
-        for condition in self.selection_conditions(selection)? {
-            // Summed per period, so each sum can be scaled by its own.
-            let sql = format!(
-                "SELECT stack, sample_period, {WEIGHT_PARTS} \
-                 FROM {} FINAL WHERE {condition} GROUP BY stack, sample_period FORMAT RowBinary",
-                self.tables.table("samples")
-            );
-            for (stack, row_period, sum) in self.select("summing stacks", &sql, |r| {
-                Ok((r.hash()?, r.u64()?, read_sum(r)?))
-            })? {
-                period.add(row_period);
-                let sum = if in_units {
-                    sum.saturating_mul(u128::from(row_period))
-                } else {
-                    sum
-                };
-                *sums.entry(stack).or_default() += sum;
-            }
+        // Summed per period, so each sum can be scaled by its own.
+        for (stack, row_period, sum) in
+            self.summed_rows("summing stacks", selection, "stack", |r| r.hash())?
+        {
+            period.add(row_period);
+            let sum = if in_units {
+                sum.saturating_mul(u128::from(row_period))
+            } else {
+                sum
+            };
+            *sums.entry(stack).or_default() += sum;
         }
         let weights: BTreeMap<u128, u64> = sums
             .into_iter()
@@ -1128,26 +1174,100 @@ impl ClickhouseStorage {
         in_units: bool,
     ) -> Result<Vec<(i64, u64)>, StorageError> {
         let mut sums: BTreeMap<i64, u128> = BTreeMap::new();
-        for condition in self.selection_conditions(selection)? {
-            let sql = format!(
-                "SELECT bucket, sample_period, {WEIGHT_PARTS} FROM {} FINAL WHERE {condition} \
-                 GROUP BY bucket, sample_period FORMAT RowBinary",
-                self.tables.table("samples")
-            );
-            for (bucket, row_period, sum) in self.select("summing the series", &sql, |r| {
-                Ok((r.i64()?, r.u64()?, read_sum(r)?))
-            })? {
-                let sum = if in_units {
-                    sum.saturating_mul(u128::from(row_period))
-                } else {
-                    sum
-                };
-                let point = super::series_point(bucket, step_nanos, self.options.bucket_nanos);
-                *sums.entry(point).or_default() += sum;
-            }
+        for (bucket, row_period, sum) in
+            self.summed_rows("summing the series", selection, "bucket", |r| r.i64())?
+        {
+            let sum = if in_units {
+                sum.saturating_mul(u128::from(row_period))
+            } else {
+                sum
+            };
+            let point = super::series_point(bucket, step_nanos, self.options.bucket_nanos);
+            *sums.entry(point).or_default() += sum;
         }
         let points = sums.into_iter().map(|(point, sum)| (point, cap(sum)));
         Ok(points.filter(|&(_, w)| w > 0).collect())
+    }
+
+    /// The selected rows' weights summed per `key` (a column: `stack` or
+    /// `bucket`) and sample period, each batch's rows counted once.
+    ///
+    /// Rows are summed as they are, but those of batches tried more than
+    /// once (see `attempts` in [`schema::local_tables`]), summed apart with
+    /// one copy of each row. Those batches are looked up again after the
+    /// sums: a try that began meanwhile registered itself before its rows,
+    /// so if the set is the same, no row the sums saw came from a try they
+    /// did not know of. After a few changes, or with too many such batches
+    /// to list, every row is merged with `FINAL` (one stream per shard).
+    fn summed_rows<K>(
+        &self,
+        action: &str,
+        selection: &Selection,
+        key: &str,
+        read_key: impl Fn(&mut RowReader<'_>) -> Result<K, String>,
+    ) -> Result<Vec<(K, u64, u128)>, StorageError> {
+        let Some(buckets) = self.bucket_condition(selection)? else {
+            return Ok(Vec::new());
+        };
+        let conditions = self.selection_conditions(selection)?;
+        let samples = self.tables.table("samples");
+        let sum_rows =
+            |sql: &str| self.select(action, sql, |r| Ok((read_key(r)?, r.u64()?, read_sum(r)?)));
+        let mut retried = self.retried_batches(&buckets)?;
+        for _ in 0..SUM_TRIES {
+            if conditions.is_empty() || retried.len() > MAX_LISTED_RETRIES {
+                break;
+            }
+            let mut rows = Vec::new();
+            for condition in &conditions {
+                if retried.is_empty() {
+                    rows.extend(sum_rows(&format!(
+                        "SELECT {key}, sample_period, {WEIGHT_PARTS} FROM {samples} \
+                         WHERE {condition} GROUP BY {key}, sample_period FORMAT RowBinary"
+                    ))?);
+                    continue;
+                }
+                let list = hash_list(retried.iter().copied());
+                rows.extend(sum_rows(&format!(
+                    "SELECT {key}, sample_period, {WEIGHT_PARTS} FROM {samples} \
+                     WHERE {condition} AND batch NOT IN ({list}) \
+                     GROUP BY {key}, sample_period FORMAT RowBinary"
+                ))?);
+                // A batch's copies are the same rows: one of each.
+                rows.extend(sum_rows(&format!(
+                    "SELECT {key}, sample_period, {WEIGHT_PARTS} FROM \
+                     (SELECT {key}, sample_period, any(weight) AS weight FROM {samples} \
+                     WHERE {condition} AND batch IN ({list}) \
+                     GROUP BY bucket, label_set, stack, batch, sample_period) \
+                     GROUP BY {key}, sample_period FORMAT RowBinary"
+                ))?);
+            }
+            let now = self.retried_batches(&buckets)?;
+            if now == retried {
+                return Ok(rows);
+            }
+            retried = now;
+        }
+        let mut rows = Vec::new();
+        for condition in &conditions {
+            rows.extend(sum_rows(&format!(
+                "SELECT {key}, sample_period, {WEIGHT_PARTS} FROM {samples} FINAL \
+                 WHERE {condition} GROUP BY {key}, sample_period FORMAT RowBinary"
+            ))?);
+        }
+        Ok(rows)
+    }
+
+    /// Batches tried more than once in the buckets `buckets` selects, in
+    /// order.
+    fn retried_batches(&self, buckets: &str) -> Result<Vec<u128>, StorageError> {
+        let sql = format!(
+            "SELECT batch FROM {} WHERE {buckets} GROUP BY batch HAVING count() > 1 \
+             ORDER BY batch LIMIT {} FORMAT RowBinary",
+            self.tables.table("attempts"),
+            MAX_LISTED_RETRIES + 1
+        );
+        self.select("looking up retried batches", &sql, |r| r.hash())
     }
 }
 
@@ -1205,12 +1325,7 @@ impl Storage for ClickhouseStorage {
                 stored.insert(entry);
             }
         }
-        self.insert(
-            "storing samples",
-            "samples",
-            "bucket, label_set, stack, batch, sample_period, weight",
-            rows.samples,
-        )?;
+        self.insert_samples(id, bucket, rows.samples)?;
         let mut batch_row = RowWriter::default();
         batch_row.hash(id);
         batch_row.i64(unix_nanos(SystemTime::now()));
@@ -1357,7 +1472,7 @@ impl Storage for ClickhouseStorage {
                     continue;
                 };
                 let droppable = match table.as_str() {
-                    "samples_local" | "stacks_local" | "label_sets_local" => {
+                    "samples_local" | "stacks_local" | "label_sets_local" | "attempts_local" => {
                         schema::partition_is_before(value, width, mark)
                     }
                     // Keyed by max(received, end): a batch id is kept while

@@ -11,8 +11,9 @@
 //! no `LowCardinality`, no `Nullable`.
 
 /// Bumped on any change to the tables; a collector refuses a database
-/// written by a newer schema.
-pub const SCHEMA_VERSION: i64 = 1;
+/// written by a newer schema and upgrades an older one (see
+/// [`upgrade_statements`]).
+pub const SCHEMA_VERSION: i64 = 2;
 
 /// A database's tables, named for the statements that use them.
 #[derive(Debug, Clone)]
@@ -52,19 +53,26 @@ impl Tables {
 ///
 /// * `samples`: one row per (batch, bucket, label set, stack) with the
 ///   summed weight and the batch's sample period. `ReplacingMergeTree`
-///   keyed by all four, read with `FINAL`: an exact duplicate (a retried
-///   batch whose first attempt stored rows, by this or another collector)
-///   counts once even before ClickHouse merges it away.
+///   keyed by all four: an exact duplicate (a retried batch whose first
+///   attempt stored rows, by this or another collector) goes at a merge,
+///   and counts once before (see `attempts`).
 /// * `stacks`: stack hash -> self-contained frames blob (`codec`).
 /// * `label_sets`: label set hash -> sorted names and values.
 /// * `batches`: ids of stored batches, for dedup of retries.
+/// * `attempts`: one row per try at storing a batch's samples, written
+///   before them. A batch with more than one (a retry after a failure
+///   between its samples and its id, two collectors racing, an insert sent
+///   again to another server) may have its samples on disk more than
+///   once: reads sum plain rows, and only such batches' rows are
+///   deduplicated (`FINAL` would merge every row of the range in one
+///   stream per shard).
 ///
 /// Every table is partitioned by time (`intDiv(bucket, partition width)`),
 /// dictionaries by a bucket of the samples that use them: retention drops
 /// whole partitions (`ALTER TABLE .. DROP PARTITION`), and a dictionary row
 /// lives in every partition that has samples referencing it, so dropping a
 /// partition never orphans a newer sample.
-pub fn local_tables(partition_nanos: i64) -> [(&'static str, String, &'static str); 4] {
+pub fn local_tables(partition_nanos: i64) -> [(&'static str, String, &'static str); 5] {
     let p = partition_nanos;
     [
         (
@@ -105,7 +113,34 @@ pub fn local_tables(partition_nanos: i64) -> [(&'static str, String, &'static st
             ),
             "sipHash64(batch)",
         ),
+        (
+            "attempts",
+            format!(
+                "(batch FixedString(16), bucket Int64) \
+                 ENGINE = MergeTree() PARTITION BY intDiv(bucket, {p}) ORDER BY (bucket, batch)"
+            ),
+            "sipHash64(batch)",
+        ),
     ]
+}
+
+/// What brings one server's tables written by `from` (older than
+/// [`SCHEMA_VERSION`]) up to date, after [`create_statements`] made the
+/// missing tables: version 1 had no `attempts` and read sums with `FINAL`,
+/// so every batch whose rows are still on disk more than once (a retry
+/// not yet merged away) is registered as tried twice.
+pub fn upgrade_statements(tables: &Tables, from: i64) -> Vec<String> {
+    if from >= 2 {
+        return Vec::new();
+    }
+    vec![format!(
+        "INSERT INTO {attempts} (batch, bucket) \
+         SELECT batch, bucket FROM (SELECT DISTINCT batch, bucket FROM {samples} \
+         GROUP BY bucket, label_set, stack, batch HAVING count() > 1) \
+         ARRAY JOIN [1, 2] AS copy",
+        attempts = tables.local("attempts"),
+        samples = tables.local("samples"),
+    )]
 }
 
 /// The statements that create everything on one server, in order.
