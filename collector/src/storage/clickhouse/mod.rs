@@ -713,25 +713,72 @@ impl ClickhouseStorage {
         })
     }
 
-    /// Inserts a batch's sample rows, each try registered in `attempts`
-    /// first on the same server: reads deduplicate the rows of a batch
-    /// tried more than once (a try that failed may have stored them).
-    fn insert_samples(&self, id: u128, bucket: i64, rows: RowWriter) -> Result<(), StorageError> {
-        if rows.bytes.is_empty() {
-            return Ok(());
+    /// Stores a batch's new stacks and label sets, then its try at storing
+    /// its samples (`attempt`, in `attempts`); returns the sample rows.
+    /// Dictionaries first: a sample is never visible before what it
+    /// references. Each insert returns once every shard has its rows.
+    fn store_dictionaries_and_try(
+        &self,
+        batch: &ValidBatch,
+        bucket: i64,
+        attempt: &bytes::Bytes,
+    ) -> Result<RowWriter, StorageError> {
+        let rows = self.batch_rows(batch, bucket)?;
+        self.insert(
+            "storing stacks",
+            "stacks",
+            "stack, bucket, frames",
+            rows.stacks,
+        )?;
+        self.insert(
+            "storing label sets",
+            "label_sets",
+            "label_set, bucket, label_names, label_values",
+            rows.label_sets,
+        )?;
+        {
+            let mut stored = lock(&self.stored_stacks);
+            for entry in rows.new_stacks {
+                stored.insert(entry);
+            }
         }
-        let mut attempt = RowWriter::default();
-        attempt.hash(id);
-        attempt.i64(bucket);
-        let attempt = bytes::Bytes::from(attempt.bytes);
-        let rows = bytes::Bytes::from(rows.bytes);
-        self.any_server("storing samples", |endpoint| {
+        {
+            let mut stored = lock(&self.stored_label_sets);
+            for entry in rows.new_label_sets {
+                stored.insert(entry);
+            }
+        }
+        self.any_server("registering a try", |endpoint| {
             self.client.insert(
                 endpoint,
                 &self.tables.table("attempts"),
                 "batch, bucket",
                 attempt.clone(),
-            )?;
+            )
+        })?;
+        Ok(rows.samples)
+    }
+
+    /// Inserts a batch's sample rows, registered as one try
+    /// ([`Self::store_dictionaries_and_try`]); sent again to another
+    /// server, they are registered again first: the first server may have
+    /// stored them before it failed, and reads count the rows of a batch
+    /// tried more than once one copy each.
+    fn insert_samples(&self, attempt: &bytes::Bytes, rows: RowWriter) -> Result<(), StorageError> {
+        if rows.bytes.is_empty() {
+            return Ok(());
+        }
+        let rows = bytes::Bytes::from(rows.bytes);
+        let mut first = true;
+        self.any_server("storing samples", |endpoint| {
+            if !std::mem::take(&mut first) {
+                self.client.insert(
+                    endpoint,
+                    &self.tables.table("attempts"),
+                    "batch, bucket",
+                    attempt.clone(),
+                )?;
+            }
             self.client.insert(
                 endpoint,
                 &self.tables.table("samples"),
@@ -1278,15 +1325,6 @@ impl Storage for ClickhouseStorage {
 
     fn ingest(&self, batch: &ValidBatch) -> Result<IngestOutcome, StorageError> {
         let id = u128::from_le_bytes(batch.batch_id);
-        let sql = format!(
-            "SELECT count() FROM {} WHERE batch = {} FORMAT RowBinary",
-            self.tables.table("batches"),
-            hash_list([id])
-        );
-        let seen = self.select("looking up the batch id", &sql, |r| r.u64())?;
-        if seen.first().copied().unwrap_or(0) > 0 {
-            return Ok(IngestOutcome::Duplicate);
-        }
         // Partitions are by time: a batch from a clock far ahead would
         // make partitions retention cannot drop for years.
         let latest = unix_nanos(SystemTime::now()).saturating_add(MAX_FUTURE_NANOS);
@@ -1298,34 +1336,32 @@ impl Storage for ClickhouseStorage {
             )));
         }
         let bucket = self.bucket_of(batch.range.start_unix_nanos);
-        let rows = self.batch_rows(batch, bucket)?;
-        // Dictionaries first: a sample is never visible before what it
-        // references. Each insert returns once every shard has its rows.
-        self.insert(
-            "storing stacks",
-            "stacks",
-            "stack, bucket, frames",
-            rows.stacks,
-        )?;
-        self.insert(
-            "storing label sets",
-            "label_sets",
-            "label_set, bucket, label_names, label_values",
-            rows.label_sets,
-        )?;
-        {
-            let mut stored = lock(&self.stored_stacks);
-            for entry in rows.new_stacks {
-                stored.insert(entry);
-            }
+        let mut attempt = RowWriter::default();
+        attempt.hash(id);
+        attempt.i64(bucket);
+        let attempt = bytes::Bytes::from(attempt.bytes);
+        // The id looked up while the dictionaries and the try are stored:
+        // for a duplicate, those rows change no answer (dictionary rows
+        // are named by their content; a batch tried twice counts once).
+        let (seen, rows) = std::thread::scope(|scope| {
+            let seen = scope.spawn(|| {
+                let sql = format!(
+                    "SELECT count() FROM {} WHERE batch = {} FORMAT RowBinary",
+                    self.tables.table("batches"),
+                    hash_list([id])
+                );
+                self.select("looking up the batch id", &sql, |r| r.u64())
+            });
+            let rows = self.store_dictionaries_and_try(batch, bucket, &attempt);
+            let seen = seen
+                .join()
+                .unwrap_or_else(|panic| std::panic::resume_unwind(panic));
+            (seen, rows)
+        });
+        if seen?.first().copied().unwrap_or(0) > 0 {
+            return Ok(IngestOutcome::Duplicate);
         }
-        {
-            let mut stored = lock(&self.stored_label_sets);
-            for entry in rows.new_label_sets {
-                stored.insert(entry);
-            }
-        }
-        self.insert_samples(id, bucket, rows.samples)?;
+        self.insert_samples(&attempt, rows?)?;
         let mut batch_row = RowWriter::default();
         batch_row.hash(id);
         batch_row.i64(unix_nanos(SystemTime::now()));
