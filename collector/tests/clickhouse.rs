@@ -1,12 +1,15 @@
 //! The ClickHouse storage engine against real `clickhouse-server`s: two
 //! shards of a cluster behind `Distributed` tables (and one server alone),
-//! started by the tests. The same batches give the same answers as SQLite's
-//! engine; retried batches count once; retention deletes old data; two
-//! collectors in front of the cluster each answer for the whole fleet; and
-//! failures are errors that say what happened.
+//! started by the tests, and a current release (chdb's engine). The same
+//! batches give the same answers as SQLite's engine on each; retried
+//! batches count once; a database of the first schema is upgraded;
+//! retention deletes old data; two collectors in front of the cluster each
+//! answer for the whole fleet; and failures are errors that say what
+//! happened.
 //!
-//! Needs `clickhouse-server` (`cargo xtask setup` installs it); fails, not
-//! skips, without it.
+//! Needs `clickhouse-server` (`cargo xtask setup` installs it), and PyPI
+//! the first time (chdb, into the target directory); fails, not skips,
+//! without them.
 
 #[path = "support/batches.rs"]
 mod batches;
@@ -16,7 +19,7 @@ mod clickhouse_servers;
 use std::{collections::BTreeMap, sync::Arc};
 
 use batches::*;
-use clickhouse_servers::servers;
+use clickhouse_servers::{current_sql, current_url, servers};
 use stackscope_collector::{
     ingest::ValidBatch,
     storage::{
@@ -163,11 +166,20 @@ fn the_same_batches_give_the_same_answers_as_sqlite() {
         },
     )
     .expect("open with tiny chunks");
+    // The same statements on a current release (chdb's engine).
+    let current = open_url(&current_url("cross_current"), ClickhouseOptions::default())
+        .expect("open the current engine");
     let mut batches = vec![batch1(), batch2(), batch3()];
     batches.extend(huge_batches());
     batches.push(segments_batch());
     batches.push(off_cpu_batch());
-    for storage in [&sqlite as &dyn Storage, &clustered, &single, &tiny] {
+    for storage in [
+        &sqlite as &dyn Storage,
+        &clustered,
+        &single,
+        &tiny,
+        &current,
+    ] {
         ingest_all(storage, &batches);
     }
 
@@ -215,6 +227,7 @@ fn the_same_batches_give_the_same_answers_as_sqlite() {
                 ("cluster", &clustered),
                 ("single", &single),
                 ("tiny chunks", &tiny),
+                ("current", &current),
             ] {
                 let got = storage.stacks(&selection).expect("ClickHouse stacks");
                 assert_eq!(sorted(&got), sorted(&expected), "{engine}: {context}");
@@ -269,7 +282,7 @@ fn the_same_batches_give_the_same_answers_as_sqlite() {
             }
         }
     }
-    assert_eq!(compared, 13 * 6 * 2 * 3);
+    assert_eq!(compared, 13 * 6 * 2 * 4);
 
     // What the comparisons compared is what the SQLite tests pin down, so
     // agreeing is not agreeing on nothing.
@@ -405,12 +418,34 @@ fn a_retried_batch_is_not_counted_twice() {
         storage.series(&all(&[]), MINUTE).expect("series"),
         [(T0, 15)]
     );
+    assert_eq!(
+        storage.final_sums(),
+        0,
+        "the copies counted once without FINAL"
+    );
 }
 
 #[test]
 fn a_database_of_the_first_schema_is_upgraded_and_its_unmerged_copies_count_once() {
+    upgrade_then_retry(&servers().single_url("upgraded"), &|statement| {
+        servers().sql(0, statement)
+    });
+    // The same statements on a current release.
+    upgrade_then_retry(&current_url("upgraded"), &current_sql);
+}
+
+/// A database of the first schema (at `url`, database `upgraded`, whose
+/// server runs `sql`) with a retried batch's copies on disk, upgraded; then
+/// a retry after a first attempt that stored its samples but not its id.
+fn upgrade_then_retry(url: &str, sql: &dyn Fn(&str) -> String) {
     let db = "upgraded";
-    let open = || open_url(&servers().single_url(db), ClickhouseOptions::default());
+    let open = || open_url(url, ClickhouseOptions::default());
+    let count = |table: &str| -> u64 {
+        sql(&format!("SELECT count() FROM {db}.{table}"))
+            .trim()
+            .parse()
+            .expect("a count")
+    };
     let storage = open().expect("open");
     ingest_all(&storage, &[batch1()]);
     let before = weights(&storage, &all(&[]));
@@ -420,7 +455,6 @@ fn a_database_of_the_first_schema_is_upgraded_and_its_unmerged_copies_count_once
     // The first schema: no `attempts`, and a retried batch's second copy
     // of its rows left on disk unregistered (merges stopped, or they
     // would collapse the copies).
-    let sql = |statement: &str| servers().sql(0, statement);
     sql(&format!("DROP TABLE {db}.attempts_local"));
     sql(&format!("SYSTEM STOP MERGES {db}.samples_local"));
     sql(&format!(
@@ -429,11 +463,7 @@ fn a_database_of_the_first_schema_is_upgraded_and_its_unmerged_copies_count_once
     sql(&format!(
         "INSERT INTO {db}.meta (key, value) VALUES ('schema_version', 1)"
     ));
-    assert_eq!(
-        rows_on(0, db, "samples_local"),
-        6,
-        "both copies are on disk"
-    );
+    assert_eq!(count("samples_local"), 6, "both copies are on disk");
 
     let storage = open().expect("upgrade");
     assert_eq!(
@@ -443,7 +473,7 @@ fn a_database_of_the_first_schema_is_upgraded_and_its_unmerged_copies_count_once
         .trim(),
         "2"
     );
-    assert_eq!(rows_on(0, db, "attempts_local"), 2, "the copies registered");
+    assert_eq!(count("attempts_local"), 2, "the copies registered");
     assert_eq!(weights(&storage, &all(&[])), before);
     assert_eq!(
         storage.series(&all(&[]), MINUTE).expect("series"),
@@ -455,7 +485,7 @@ fn a_database_of_the_first_schema_is_upgraded_and_its_unmerged_copies_count_once
     sql(&format!("DROP TABLE {db}.batches_local"));
     let storage = open().expect("reopen");
     ingest_all(&storage, &[batch1()]);
-    assert_eq!(rows_on(0, db, "samples_local"), 9);
+    assert_eq!(count("samples_local"), 9);
     assert_eq!(weights(&storage, &all(&[])), before);
     // Another batch alongside, tried once, counts whole.
     ingest_all(&storage, &[batch2()]);
@@ -464,6 +494,11 @@ fn a_database_of_the_first_schema_is_upgraded_and_its_unmerged_copies_count_once
         .expect("open SQLite");
     ingest_all(&sqlite, &[batch1(), batch2()]);
     assert_eq!(weights(&storage, &all(&[])), weights(&sqlite, &all(&[])));
+    assert_eq!(
+        storage.final_sums(),
+        0,
+        "the copies counted once without FINAL"
+    );
 }
 
 #[test]

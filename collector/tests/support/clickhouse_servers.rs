@@ -3,6 +3,11 @@
 //! named [`CLUSTER`] (`remote_servers`, one replica per shard, no
 //! ZooKeeper). Each test uses a database of its own.
 //!
+//! And, on first use, a current ClickHouse engine ([`current_url`]): chdb
+//! from PyPI, which embeds one, behind the HTTP interface by
+//! `chdb_http.py`, so the statements the collector sends to 18.16 also run
+//! on a current release.
+//!
 //! The servers die with the test binary whatever way it ends: `atexit`
 //! kills them and removes their directory when the binary exits (statics
 //! are never dropped), and `PR_SET_PDEATHSIG` kills them if the binary is
@@ -67,6 +72,10 @@ fn endpoint(port: u16) -> Endpoint {
 }
 
 static SERVERS: OnceLock<Servers> = OnceLock::new();
+/// The current engine's HTTP port.
+static CURRENT: OnceLock<u16> = OnceLock::new();
+/// chdb's release: ClickHouse 26.9 inside.
+const CHDB: &str = "chdb==4.4.0";
 /// What `atexit` cleans up.
 static CHILDREN: Mutex<Vec<Child>> = Mutex::new(Vec::new());
 static DIR: Mutex<Option<PathBuf>> = Mutex::new(None);
@@ -186,6 +195,24 @@ fn start() -> Servers {
             .stdin(Stdio::null())
             .stdout(Stdio::null())
             .stderr(stderr);
+        commands.push(command);
+    }
+
+    spawn_children(commands, &binary);
+    let servers = Servers {
+        http_ports: [http1, http2],
+        dir,
+    };
+    for (i, port) in servers.http_ports.into_iter().enumerate() {
+        wait_ready(&servers.dir.join(format!("shard{}", i + 1)), i, port);
+    }
+    servers
+}
+
+/// Spawns `commands` from a thread that outlives every test (see the
+/// module doc), each to die with the test binary, into `CHILDREN`.
+fn spawn_children(mut commands: Vec<Command>, binary: &Path) {
+    for command in &mut commands {
         // SAFETY: prctl is async-signal-safe and touches no memory of ours.
         unsafe {
             command.pre_exec(|| {
@@ -195,10 +222,7 @@ fn start() -> Servers {
                 Ok(())
             });
         }
-        commands.push(command);
     }
-
-    // Spawned from a thread that outlives every test: see the module doc.
     let (sender, receiver) = mpsc::channel();
     std::thread::Builder::new()
         .name("clickhouse-parent".into())
@@ -215,17 +239,87 @@ fn start() -> Servers {
         let child = child.unwrap_or_else(|err| panic!("starting {}: {err}", binary.display()));
         CHILDREN.lock().expect("children lock").push(child);
     }
-
-    let servers = Servers {
-        http_ports: [http1, http2],
-        dir,
-    };
-    for (i, port) in servers.http_ports.into_iter().enumerate() {
-        wait_ready(&servers.dir, i, port);
-    }
-    servers
 }
 
+/// A `clickhouse://` URL of the current engine (one server, no cluster),
+/// database `db`; the engine is installed and started on first use.
+pub fn current_url(db: &str) -> String {
+    let port = *CURRENT.get_or_init(start_current);
+    format!("clickhouse://127.0.0.1:{port}/{db}")
+}
+
+/// Runs `sql` on the current engine, panicking with its message if it
+/// fails; returns the answer as text.
+pub fn current_sql(sql: &str) -> String {
+    let port = *CURRENT.get_or_init(start_current);
+    let answer = client()
+        .query(&endpoint(port), sql)
+        .unwrap_or_else(|err| panic!("{sql:?} failed: {err}"));
+    String::from_utf8(answer).expect("a text answer")
+}
+
+fn start_current() -> u16 {
+    let python = chdb_python();
+    // The 18.16 servers' directory and clean-up serve this one too.
+    let dir = servers().dir.join("current");
+    std::fs::create_dir_all(&dir).expect("the current engine's directory");
+    let [port] = free_ports::<1>();
+    let log = |name: &str| std::fs::File::create(dir.join(name)).expect("a log file");
+    let mut command = Command::new(&python);
+    command
+        .arg(Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/support/chdb_http.py"))
+        .arg(port.to_string())
+        .arg(&dir)
+        .current_dir(&dir)
+        .stdin(Stdio::null())
+        .stdout(log("stdout.log"))
+        .stderr(log("stderr.log"));
+    let index = CHILDREN.lock().expect("children lock").len();
+    spawn_children(vec![command], &python);
+    wait_ready(&dir, index, port);
+    port
+}
+
+/// The Python of a virtual environment with chdb, made under the target
+/// directory once (PyPI must be reachable the first time).
+fn chdb_python() -> PathBuf {
+    let root = Path::new(env!("CARGO_TARGET_TMPDIR")).join(CHDB.replace("==", "-"));
+    let python = root.join("venv/bin/python");
+    let has_chdb = |python: &Path| {
+        Command::new(python)
+            .args(["-c", "import chdb"])
+            .stderr(Stdio::null())
+            .status()
+            .is_ok_and(|status| status.success())
+    };
+    if has_chdb(&python) {
+        return python;
+    }
+    let run = |command: &mut Command, what: &str| {
+        let output = command
+            .output()
+            .unwrap_or_else(|err| panic!("{what}: {err}"));
+        assert!(
+            output.status.success(),
+            "{what} failed: {}",
+            String::from_utf8_lossy(&output.stderr)
+        );
+    };
+    run(
+        Command::new("python3")
+            .args(["-m", "venv"])
+            .arg(root.join("venv")),
+        "python3 -m venv (Debian's python3-venv: `cargo xtask setup`)",
+    );
+    run(
+        Command::new(&python).args(["-m", "pip", "install", "--quiet", CHDB]),
+        "pip install chdb (PyPI must be reachable)",
+    );
+    python
+}
+
+/// Waits until the server `index` of `CHILDREN` (its logs in `dir`)
+/// answers on `port`.
 fn wait_ready(dir: &Path, index: usize, port: u16) {
     let deadline = Instant::now() + Duration::from_secs(60);
     let client = client();
@@ -237,19 +331,15 @@ fn wait_ready(dir: &Path, index: usize, port: u16) {
         let mut children = CHILDREN.lock().expect("children lock");
         let child = &mut children[index];
         if let Ok(Some(status)) = child.try_wait() {
-            let shard = dir.join(format!("shard{}", index + 1));
-            let stderr = std::fs::read_to_string(shard.join("stderr.log")).unwrap_or_default();
-            let log = std::fs::read_to_string(shard.join("error.log")).unwrap_or_default();
-            panic!(
-                "clickhouse-server (shard {}) exited with {status}: {stderr}{log}",
-                index + 1
-            );
+            let stderr = std::fs::read_to_string(dir.join("stderr.log")).unwrap_or_default();
+            let log = std::fs::read_to_string(dir.join("error.log")).unwrap_or_default();
+            panic!("{} exited with {status}: {stderr}{log}", dir.display());
         }
         drop(children);
         assert!(
             Instant::now() < deadline,
-            "clickhouse-server (shard {}) did not answer on port {port} within 60 s: {answer:?}",
-            index + 1
+            "{} did not answer on port {port} within 60 s: {answer:?}",
+            dir.display()
         );
         std::thread::sleep(Duration::from_millis(100));
     }

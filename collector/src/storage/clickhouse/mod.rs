@@ -363,6 +363,8 @@ pub struct ClickhouseStorage {
     stored_stacks: Mutex<BoundedSet<(u128, i64)>>,
     stored_label_sets: Mutex<BoundedSet<(u128, i64)>>,
     query_caches: Mutex<QueryCaches>,
+    /// Sums that merged every row with `FINAL` (see `summed_rows`).
+    final_sums: std::sync::atomic::AtomicU64,
 }
 
 impl std::fmt::Debug for ClickhouseStorage {
@@ -428,9 +430,6 @@ fn partition_width(bucket: i64, partition: i64) -> Option<i64> {
     buckets.checked_mul(bucket)
 }
 
-/// Most batches tried more than once that a sum lists to count their rows
-/// once; past this many it merges every row (`FINAL`).
-const MAX_LISTED_RETRIES: usize = 1000;
 /// Sums taken again when a batch was tried meanwhile, before `FINAL`.
 const SUM_TRIES: usize = 3;
 
@@ -496,6 +495,7 @@ impl ClickhouseStorage {
             client,
             config,
             options,
+            final_sums: Default::default(),
         };
         for endpoint in &storage.endpoints {
             storage.init_server(endpoint)?;
@@ -528,15 +528,22 @@ impl ClickhouseStorage {
                 )));
             }
         }
-        for statement in schema::create_statements(
+        // The database and `meta` first: the settings are checked before
+        // any table is made with them.
+        let statements = schema::create_statements(
             &self.tables,
             self.config.cluster.as_deref(),
             self.options.partition_nanos,
-        ) {
-            self.client
-                .execute(endpoint, &statement)
-                .map_err(remote(at("creating the schema")))?;
-        }
+        );
+        let (settings, tables) = statements.split_at(schema::SETTINGS_STATEMENTS);
+        let create = |statements: &[String]| {
+            statements.iter().try_for_each(|statement| {
+                self.client
+                    .execute(endpoint, statement)
+                    .map_err(remote(at("creating the schema")))
+            })
+        };
+        create(settings)?;
         let meta = self.tables.own("meta");
         let answer = self
             .client
@@ -568,6 +575,7 @@ impl ClickhouseStorage {
         // created before this key existed are not checked.
         let cluster_key = format!("cluster={}", self.config.cluster.as_deref().unwrap_or(""));
         if stored.is_empty() {
+            create(tables)?;
             let mut rows = RowWriter::default();
             for (key, value) in wanted {
                 rows.string(key.as_bytes());
@@ -594,6 +602,7 @@ impl ClickhouseStorage {
                 how(&cluster_key)
             )));
         }
+        let mut upgrade_from = None;
         for (key, value) in wanted {
             match stored.get(key) {
                 Some(&stored) if stored == value => {}
@@ -603,24 +612,7 @@ impl ClickhouseStorage {
                          knows; run a newer collector"
                     )));
                 }
-                Some(&stored) if key == "schema_version" => {
-                    // Older: this server's tables brought up to date, then
-                    // the version (`meta` keeps the row written last).
-                    // Collectors of the older version must be stopped
-                    // first: they would go on writing the old way.
-                    tracing::info!(server = %endpoint.url, "upgrading the schema from version {stored} to {value}");
-                    for statement in schema::upgrade_statements(&self.tables, stored) {
-                        self.client
-                            .execute(endpoint, &statement)
-                            .map_err(remote(at("upgrading the schema")))?;
-                    }
-                    let mut row = RowWriter::default();
-                    row.string(key.as_bytes());
-                    row.i64(value);
-                    self.client
-                        .insert(endpoint, &meta, "key, value", row.bytes.into())
-                        .map_err(remote(at("writing the schema version")))?;
-                }
+                Some(&stored) if key == "schema_version" => upgrade_from = Some(stored),
                 Some(&stored) => {
                     return Err(incompatible(format!(
                         "it was created with {key} = {stored}, not the {value} asked for; a \
@@ -630,7 +622,58 @@ impl ClickhouseStorage {
                 None => return Err(StorageError::Corrupt(format!("meta has no {key}"))),
             }
         }
+        create(tables)?;
+        if let Some(from) = upgrade_from {
+            self.upgrade_server(endpoint, from)?;
+        }
         Ok(())
+    }
+
+    /// Brings one server's tables, written by schema version `from`, up to
+    /// date, then writes the version (`meta` keeps the row written last).
+    /// Collectors of the older version must be stopped first: they would
+    /// go on writing the old way.
+    fn upgrade_server(&self, endpoint: &Endpoint, from: i64) -> Result<(), StorageError> {
+        let at = |what: &str| format!("{what} on {}", endpoint.url);
+        tracing::info!(server = %endpoint.url, "upgrading the schema from version {from} to {SCHEMA_VERSION}");
+        // Only a partition of several parts can hold a copy not merged
+        // away; one statement each, so none reads the whole table.
+        let sql = format!(
+            "SELECT partition FROM system.parts WHERE database = '{}' \
+             AND table = 'samples_local' AND active \
+             GROUP BY partition HAVING count() > 1 FORMAT RowBinary",
+            self.config.database
+        );
+        let answer = self
+            .client
+            .query(endpoint, &sql)
+            .map_err(remote(at("listing partitions")))?;
+        let partitions: Vec<i64> = self
+            .decode(endpoint, &answer, |r| r.string())?
+            .iter()
+            .filter_map(|partition| partition.parse().ok())
+            .collect();
+        for statement in schema::upgrade_statements(
+            &self.tables,
+            from,
+            &partitions,
+            self.options.partition_nanos,
+        ) {
+            self.client
+                .execute(endpoint, &statement)
+                .map_err(remote(at("upgrading the schema")))?;
+        }
+        let mut row = RowWriter::default();
+        row.string(b"schema_version");
+        row.i64(SCHEMA_VERSION);
+        self.client
+            .insert(
+                endpoint,
+                &self.tables.own("meta"),
+                "key, value",
+                row.bytes.into(),
+            )
+            .map_err(remote(at("writing the schema version")))
     }
 
     /// Decodes every row of a RowBinary answer with `row`.
@@ -1242,10 +1285,11 @@ impl ClickhouseStorage {
     /// Rows are summed as they are, but those of batches tried more than
     /// once (see `attempts` in [`schema::local_tables`]), summed apart with
     /// one copy of each row. Those batches are looked up again after the
-    /// sums: a try that began meanwhile registered itself before its rows,
-    /// so if the set is the same, no row the sums saw came from a try they
-    /// did not know of. After a few changes, or with too many such batches
-    /// to list, every row is merged with `FINAL` (one stream per shard).
+    /// sums (their number and a checksum): `attempts` only grows, and a try
+    /// that began meanwhile registered itself before its rows, so if the
+    /// set is the same, no row the sums saw came from a try they did not
+    /// know of. After a few changes, every row is merged with `FINAL` (one
+    /// stream per shard).
     fn summed_rows<K>(
         &self,
         action: &str,
@@ -1257,44 +1301,49 @@ impl ClickhouseStorage {
             return Ok(Vec::new());
         };
         let conditions = self.selection_conditions(selection)?;
+        if conditions.is_empty() {
+            return Ok(Vec::new());
+        }
         let samples = self.tables.table("samples");
         let sum_rows =
             |sql: &str| self.select(action, sql, |r| Ok((read_key(r)?, r.u64()?, read_sum(r)?)));
-        let mut retried = self.retried_batches(&buckets)?;
+        let retried = self.retried_batches(&buckets);
+        let mut before = self.retried_checksum(&retried)?;
         for _ in 0..SUM_TRIES {
-            if conditions.is_empty() || retried.len() > MAX_LISTED_RETRIES {
-                break;
-            }
             let mut rows = Vec::new();
             for condition in &conditions {
-                if retried.is_empty() {
+                if before.0 == 0 {
                     rows.extend(sum_rows(&format!(
                         "SELECT {key}, sample_period, {WEIGHT_PARTS} FROM {samples} \
                          WHERE {condition} GROUP BY {key}, sample_period FORMAT RowBinary"
                     ))?);
                     continue;
                 }
-                let list = hash_list(retried.iter().copied());
                 rows.extend(sum_rows(&format!(
                     "SELECT {key}, sample_period, {WEIGHT_PARTS} FROM {samples} \
-                     WHERE {condition} AND batch NOT IN ({list}) \
+                     WHERE {condition} AND batch GLOBAL NOT IN ({retried}) \
                      GROUP BY {key}, sample_period FORMAT RowBinary"
                 ))?);
                 // A batch's copies are the same rows: one of each.
                 rows.extend(sum_rows(&format!(
                     "SELECT {key}, sample_period, {WEIGHT_PARTS} FROM \
                      (SELECT {key}, sample_period, any(weight) AS weight FROM {samples} \
-                     WHERE {condition} AND batch IN ({list}) \
+                     WHERE {condition} AND batch GLOBAL IN ({retried}) \
                      GROUP BY bucket, label_set, stack, batch, sample_period) \
                      GROUP BY {key}, sample_period FORMAT RowBinary"
                 ))?);
             }
-            let now = self.retried_batches(&buckets)?;
-            if now == retried {
+            let after = self.retried_checksum(&retried)?;
+            if after == before {
                 return Ok(rows);
             }
-            retried = now;
+            before = after;
         }
+        tracing::warn!(
+            "{action}: batches kept being retried in the range; every row merged (FINAL)"
+        );
+        self.final_sums
+            .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
         let mut rows = Vec::new();
         for condition in &conditions {
             rows.extend(sum_rows(&format!(
@@ -1305,16 +1354,29 @@ impl ClickhouseStorage {
         Ok(rows)
     }
 
-    /// Batches tried more than once in the buckets `buckets` selects, in
-    /// order.
-    fn retried_batches(&self, buckets: &str) -> Result<Vec<u128>, StorageError> {
-        let sql = format!(
-            "SELECT batch FROM {} WHERE {buckets} GROUP BY batch HAVING count() > 1 \
-             ORDER BY batch LIMIT {} FORMAT RowBinary",
-            self.tables.table("attempts"),
-            MAX_LISTED_RETRIES + 1
-        );
-        self.select("looking up retried batches", &sql, |r| r.hash())
+    /// How many sums merged every row with `FINAL`, because batches kept
+    /// being retried in their range while they ran.
+    pub fn final_sums(&self) -> u64 {
+        self.final_sums.load(std::sync::atomic::Ordering::Relaxed)
+    }
+
+    /// The query of the batches tried more than once in the buckets
+    /// `buckets` selects.
+    fn retried_batches(&self, buckets: &str) -> String {
+        format!(
+            "SELECT batch FROM {} WHERE {buckets} GROUP BY batch HAVING count() > 1",
+            self.tables.table("attempts")
+        )
+    }
+
+    /// How many batches `retried` finds, and a checksum of them.
+    fn retried_checksum(&self, retried: &str) -> Result<(u64, u64), StorageError> {
+        let sql =
+            format!("SELECT count(), sum(sipHash64(batch)) FROM ({retried}) FORMAT RowBinary");
+        let rows = self.select("looking up retried batches", &sql, |r| {
+            Ok((r.u64()?, r.u64()?))
+        })?;
+        Ok(rows.first().copied().unwrap_or((0, 0)))
     }
 }
 
@@ -1501,9 +1563,13 @@ impl Storage for ClickhouseStorage {
                 .client
                 .query(endpoint, &sql)
                 .map_err(remote(at("listing partitions")))?;
-            for (table, partition) in
-                self.decode(endpoint, &answer, |r| Ok((r.string()?, r.string()?)))?
-            {
+            let mut partitions =
+                self.decode(endpoint, &answer, |r| Ok((r.string()?, r.string()?)))?;
+            // A batch's tries go after its samples: a sum that still reads
+            // the buckets must not meet a retried batch's copies without
+            // its tries (it would count every copy).
+            partitions.sort_by_key(|(table, _)| table == "attempts_local");
+            for (table, partition) in partitions {
                 let Ok(value) = partition.parse::<i64>() else {
                     continue;
                 };

@@ -128,20 +128,36 @@ pub fn local_tables(partition_nanos: i64) -> [(&'static str, String, &'static st
 /// [`SCHEMA_VERSION`]) up to date, after [`create_statements`] made the
 /// missing tables: version 1 had no `attempts` and read sums with `FINAL`,
 /// so every batch whose rows are still on disk more than once (a retry
-/// not yet merged away) is registered as tried twice.
-pub fn upgrade_statements(tables: &Tables, from: i64) -> Vec<String> {
+/// not yet merged away) is registered as tried twice, one statement per
+/// partition of `partitions` (of width `partition_nanos`).
+pub fn upgrade_statements(
+    tables: &Tables,
+    from: i64,
+    partitions: &[i64],
+    partition_nanos: i64,
+) -> Vec<String> {
     if from >= 2 {
         return Vec::new();
     }
-    vec![format!(
-        "INSERT INTO {attempts} (batch, bucket) \
-         SELECT batch, bucket FROM (SELECT DISTINCT batch, bucket FROM {samples} \
-         GROUP BY bucket, label_set, stack, batch HAVING count() > 1) \
-         ARRAY JOIN [1, 2] AS copy",
-        attempts = tables.local("attempts"),
-        samples = tables.local("samples"),
-    )]
+    partitions
+        .iter()
+        .map(|partition| {
+            format!(
+                "INSERT INTO {attempts} (batch, bucket) \
+                 SELECT batch, bucket FROM (SELECT DISTINCT batch, bucket FROM {samples} \
+                 WHERE intDiv(bucket, {partition_nanos}) = {partition} \
+                 GROUP BY bucket, label_set, stack, batch HAVING count() > 1) \
+                 ARRAY JOIN [1, 2] AS copy",
+                attempts = tables.local("attempts"),
+                samples = tables.local("samples"),
+            )
+        })
+        .collect()
 }
+
+/// How many of [`create_statements`] come first and make the database
+/// and `meta`, whose settings are checked before the rest are made.
+pub const SETTINGS_STATEMENTS: usize = 2;
 
 /// The statements that create everything on one server, in order.
 pub fn create_statements(
