@@ -8,8 +8,9 @@ the storage engine sends runs on that engine unchanged.
 * `INSERT INTO table (columns) FORMAT RowBinary` in the `query` parameter
   with the rows in the body: the rows go through a file, read back with the
   table's own column types.
-* Other parameters are settings: each applied with SET, as a server applies
-  them to the request (`wait_end_of_query` is the HTTP layer's own).
+* Other parameters are settings: each applied with SET when it changes
+  (the client sends the same ones every time; `wait_end_of_query` is the
+  HTTP layer's own).
 * An error: HTTP 500 with ClickHouse's message.
 
 Usage: chdb_http.py PORT DATA_DIR; prints "ready" once it listens.
@@ -32,6 +33,9 @@ port, data_dir = int(sys.argv[1]), sys.argv[2]
 engine = session.Session(os.path.join(data_dir, "db"))
 # One statement at a time: a session is not shared between threads.
 lock = threading.Lock()
+# The settings the session has now: the client sends the same ones with
+# every request, and a SET is a statement of its own.
+applied = {}
 
 
 def quoted(value):
@@ -65,6 +69,9 @@ def insert(statement, rows):
 
 class Handler(http.server.BaseHTTPRequestHandler):
     protocol_version = "HTTP/1.1"
+    # Headers and body go in two writes: with Nagle's algorithm the second
+    # waits for the client's delayed ACK (about 40 ms a request).
+    disable_nagle_algorithm = True
 
     def do_POST(self):
         params = urllib.parse.parse_qs(urllib.parse.urlparse(self.path).query)
@@ -72,8 +79,9 @@ class Handler(http.server.BaseHTTPRequestHandler):
         try:
             with lock:
                 for name, values in params.items():
-                    if name not in HTTP_ONLY:
+                    if name not in HTTP_ONLY and applied.get(name) != values[-1]:
                         engine.query(f"SET {name} = {quoted(values[-1])}")
+                        applied[name] = values[-1]
                 if "query" in params:
                     insert(params["query"][-1], body)
                     answer = b""
