@@ -1307,7 +1307,7 @@ impl ClickhouseStorage {
         let samples = self.tables.table("samples");
         let sum_rows =
             |sql: &str| self.select(action, sql, |r| Ok((read_key(r)?, r.u64()?, read_sum(r)?)));
-        let retried = self.retried_batches(&buckets);
+        let retried = self.retried_batches_query(&buckets);
         let mut before = self.retried_checksum(&retried)?;
         for _ in 0..SUM_TRIES {
             let mut rows = Vec::new();
@@ -1362,7 +1362,7 @@ impl ClickhouseStorage {
 
     /// The query of the batches tried more than once in the buckets
     /// `buckets` selects.
-    fn retried_batches(&self, buckets: &str) -> String {
+    fn retried_batches_query(&self, buckets: &str) -> String {
         format!(
             "SELECT batch FROM {} WHERE {buckets} GROUP BY batch HAVING count() > 1",
             self.tables.table("attempts")
