@@ -383,10 +383,9 @@ pub const MAX_STACK_TOPS: u32 = 16384;
 /// `DEEP_PROGRAMS` map (LRU), written by the agent. A tick of
 /// such a program's thread that has neither a plan nor a stack top (a
 /// thread the agent has not learned yet, as every thread of a compiler
-/// run once per file is) is copied deep up to the thread's thread pointer
-/// or, where that does not apply (a main thread) or faults, wakes the
-/// reader at once, so the thread is learned within milliseconds instead of
-/// at the next timed drain.
+/// run once per file is) and that could not be copied deep to its stack's
+/// end wakes the reader at once, so the thread is learned within
+/// milliseconds instead of at the next timed drain.
 pub const MAX_DEEP_PROGRAMS: u32 = 256;
 
 /// A CPU wakes the reader early (see [`MAX_DEEP_PROGRAMS`]) at most once per

@@ -34,11 +34,13 @@
 //! read in one helper call straight into a ring buffer reservation of the
 //! smallest deep class (16 KiB to 1 MiB, doubling) that holds it. The
 //! reservation spares a megabyte-sized scratch slot per CPU and the second
-//! copy; its unused end is padding the agent skips. A thread of
-//! such a program that the agent has not learned yet is copied deep up to
-//! its thread pointer (see `first_ticks_stack_end`), or, where that fails,
-//! wakes the reader at once (see `early_wakeup`), so it is learned at its
-//! first tick.
+//! copy; its unused end is padding the agent skips. A thread deeper than
+//! the usual copy that the agent has not learned yet is copied deep up to
+//! its thread pointer or its process's stack start (see
+//! `first_ticks_stack_end`), so a compiler reaches its root from its first
+//! tick; where that fails, a thread of a program known to be deep wakes
+//! the reader at once (see `early_wakeup`), so it is learned at its first
+//! tick.
 #![no_std]
 #![no_main]
 
@@ -114,8 +116,8 @@ static COPY_BYTES: LruHashMap<u32, u32> = LruHashMap::with_max_entries(MAX_COPY_
 static STACK_TOPS: LruHashMap<u32, StackTop> = LruHashMap::with_max_entries(MAX_STACK_TOPS, 0);
 
 /// Thread names of programs whose threads needed deep copies (see
-/// `MAX_DEEP_PROGRAMS`): their unlearned threads are copied deep to their
-/// thread pointer, or else wake the reader early.
+/// `MAX_DEEP_PROGRAMS`): their unlearned threads' ticks that could not be
+/// copied deep wake the reader early.
 #[map(name = "DEEP_PROGRAMS")]
 static DEEP_PROGRAMS: LruHashMap<[u8; COMM_LEN], u8> =
     LruHashMap::with_max_entries(MAX_DEEP_PROGRAMS, 0);
@@ -794,31 +796,29 @@ fn early_wakeup(scratch: *mut u8, tgid: u32) -> bool {
 }
 
 /// Where a deep copy of a thread the agent has not learned yet (no plan, no
-/// stack top) ends, or 0 for none. Such a thread of a program whose threads
-/// needed deep copies (a compiler run's, which lives a few ticks) would
-/// otherwise spend its first ticks truncated until the agent learns its
-/// stack's end. Where that end lies is known without learning it:
+/// stack top) ends, or 0 for none. A thread deeper than the usual copy
+/// would otherwise spend its first ticks truncated until the agent learns
+/// its stack (half a second at the timed drain): most of a compiler run's
+/// life, and every deep program's first ticks after the agent starts.
+/// Where that end lies is known without learning it:
 /// - glibc and musl keep a thread's descriptor, which the thread pointer
-///   (`fs_base`) points at, right above the thread's stack;
+///   (`fs_base`) points at, right above the thread's stack (its static TLS
+///   in between);
 /// - a main thread's outermost frame lies below where the kernel put
 ///   `argc` at exec (`mm->start_stack`); its thread pointer is elsewhere,
 ///   in the mappings.
 ///
 /// A copy from `rsp` up to that end holds every frame. Only an end above
-/// `rsp` and within the deep size is taken; whatever the guess, the walk
-/// uses only the bytes read at this tick.
+/// `rsp` by more than the usual copy and within the deep size is taken, so
+/// a shallow thread never pays for it; whatever the guess (a Go thread's
+/// pointer is on its heap), the walk uses only the bytes read at this tick,
+/// and the agent ends these copies once it has seen the thread's walks (a
+/// stack top, a tail or a deep plan).
 ///
 /// Not inlined: its locals stay out of the entry's frame (see
 /// `usual_sample`).
 #[inline(never)]
 fn first_ticks_stack_end(rsp: u64, main_thread: bool) -> u64 {
-    let Ok(comm) = bpf_get_current_comm() else {
-        return 0;
-    };
-    // SAFETY: a lookup only; the value is not kept.
-    if unsafe { DEEP_PROGRAMS.get(comm) }.is_none() {
-        return 0;
-    }
     let end = if main_thread {
         process_stack_start()
     } else {

@@ -665,6 +665,46 @@ const STACK_PLANS: &[Stat] = &[
         ],
     )
     .by("action"),
+    Stat::counter(
+        "stack_walks_truncated",
+        "Walks that ran out of stack, by what the tick copied: a process's \
+         adaptive copy, the whole ceiling (a thread deeper than any copy, not \
+         learned yet), up to a stack top the thread had left, a plan's stale \
+         tail, a deep copy, or a copy stopped by a page not in memory.",
+        &[
+            Series::labelled(
+                "short_copy",
+                "/unwinding/plans/truncated_by/short_copy",
+                field!(walks.plans.truncated_by.short_copy),
+            ),
+            Series::labelled(
+                "ceiling",
+                "/unwinding/plans/truncated_by/ceiling",
+                field!(walks.plans.truncated_by.ceiling),
+            ),
+            Series::labelled(
+                "stack_top",
+                "/unwinding/plans/truncated_by/stack_top",
+                field!(walks.plans.truncated_by.stack_top),
+            ),
+            Series::labelled(
+                "stale_tail",
+                "/unwinding/plans/truncated_by/stale_tail",
+                field!(walks.plans.truncated_by.stale_tail),
+            ),
+            Series::labelled(
+                "deep_copy",
+                "/unwinding/plans/truncated_by/deep_copy",
+                field!(walks.plans.truncated_by.deep_copy),
+            ),
+            Series::labelled(
+                "faulted",
+                "/unwinding/plans/truncated_by/faulted",
+                field!(walks.plans.truncated_by.faulted),
+            ),
+        ],
+    )
+    .by("copy"),
     Stat::gauge(
         "stack_plans",
         "Copy plans of threads in use.",

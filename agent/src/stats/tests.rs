@@ -12,7 +12,10 @@ use super::*;
 use crate::export::ExportStats;
 use stackscope_symbolize::node::SymbolizeStats;
 use stackscope_telemetry::tally::{Counted, ProcessTally, TallyTotals};
-use stackscope_unwind::walker::{EarlyEnds, WalkEnds, stitching::PlanStats};
+use stackscope_unwind::walker::{
+    EarlyEnds, WalkEnds,
+    stitching::{PlanStats, TruncatedBy},
+};
 
 /// Totals whose every figure is set, nearly all to distinct values, so a
 /// statistic reading the wrong field shows. Each struct is written out
@@ -100,6 +103,14 @@ pub(crate) fn every_figure_distinct() -> RunTotals {
                 tops_dropped: n(),
                 thread_plans: n() as usize,
                 thread_deep_plans: n() as usize,
+                truncated_by: TruncatedBy {
+                    short_copy: n(),
+                    ceiling: n(),
+                    stack_top: n(),
+                    stale_tail: n(),
+                    deep_copy: n(),
+                    faulted: n(),
+                },
             },
             state_resets: n(),
             processes_replaced: n(),

@@ -1035,6 +1035,7 @@ impl StackWalker {
             copied: stack.copy.len() as u32,
             copy_at_top: header.flags & sample_flags::COPY_AT_TOP != 0,
             deep_copy: header.flags & sample_flags::DEEP_COPY != 0,
+            copy_faulted: header.flags & sample_flags::USER_STACK_FAULTED != 0,
             copy_bytes_read: self.last_copy_read,
             tail_reads: self.last_tail_reads,
             end,

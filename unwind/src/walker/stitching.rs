@@ -74,6 +74,11 @@ const LEARN_INTERVAL_NS: u64 = 250_000_000;
 /// ... except when its tail just went stale: then a deep copy is likely
 /// the answer, and every tick until it is written is a truncated walk.
 const STALE_RELEARN_NS: u64 = 50_000_000;
+/// A thread copied deep before it was learned (see [`Planner::learn`]) is
+/// walked again at most this often (ns of sample time): long enough apart
+/// for a compiler's stack to have changed shape (it does every millisecond)
+/// when a tail from the first walk is checked against the second.
+const CHECK_INTERVAL_NS: u64 = 100_000_000;
 /// Learning reads at most this many per second for all threads.
 const LEARNS_PER_SECOND: u32 = 50;
 /// A tail plan that runs out again within this long of being learned has
@@ -113,6 +118,8 @@ pub struct WalkReport {
     pub copy_at_top: bool,
     /// The tick copied the whole stack (`DEEP_COPY`).
     pub deep_copy: bool,
+    /// The copy stopped at a page it could not read (`USER_STACK_FAULTED`).
+    pub copy_faulted: bool,
     /// Bytes of the copy the walk read.
     pub copy_bytes_read: u64,
     /// Words the walk read from the tail.
@@ -146,6 +153,31 @@ pub struct PlanStats {
     pub thread_plans: usize,
     /// Of those, deep copies.
     pub thread_deep_plans: usize,
+    /// Walks that ran out of stack, by what their copy was.
+    pub truncated_by: TruncatedBy,
+}
+
+/// Walks that ran out of stack, by what the tick copied: where a deep
+/// program's samples are lost.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, serde::Serialize)]
+pub struct TruncatedBy {
+    /// A process's adaptive copy, smaller than the ceiling: its walks
+    /// needed less until then.
+    pub short_copy: u64,
+    /// The whole ceiling, with no plan: the thread is deeper than any
+    /// copy and not learned yet.
+    pub ceiling: u64,
+    /// A copy up to the thread's learned stack top, which the thread had
+    /// left (it ran on another stack).
+    pub stack_top: u64,
+    /// A plan's copy and tail, gone stale (the deep frames moved).
+    pub stale_tail: u64,
+    /// A deep copy: the stack was deeper than the deep size, or the copy
+    /// missed its start.
+    pub deep_copy: u64,
+    /// A copy that stopped at a page it could not read before the stack's
+    /// end (a page not in memory: the BPF program cannot fault it in).
+    pub faulted: u64,
 }
 
 /// A process's copy size as the planner learns it; kept in the process's
@@ -174,8 +206,13 @@ struct ThreadPlan {
     last_learn_ns: u64,
     /// What the map holds for the thread.
     planned: Planned,
-    /// Tail plans that went stale in a row (see [`STALE_WINDOW_NS`]).
+    /// Tail plans that went stale in a row (see [`STALE_WINDOW_NS`]), or,
+    /// for a thread copied deep before it was learned, tails that would
+    /// have (see `candidate`).
     stale_tails: u8,
+    /// A tail learned from a deep copy of the thread before it was learned,
+    /// written only once a later walk shows it would have held.
+    candidate: Option<Box<StackPlan>>,
 }
 
 /// What the planner keeps of one thread: its plan, and the stack top
@@ -414,6 +451,22 @@ impl Planner {
             .and_then(|t| t.plan.as_ref())
             .is_some_and(|t| t.planned != Planned::Nothing);
         let top = thread.and_then(|t| t.top);
+        if truncated {
+            let by = &mut self.stats.truncated_by;
+            *(if walk.deep_copy {
+                &mut by.deep_copy
+            } else if planned {
+                &mut by.stale_tail
+            } else if walk.copy_at_top {
+                &mut by.stack_top
+            } else if walk.copy_faulted {
+                &mut by.faulted
+            } else if walk.copied >= ceiling {
+                &mut by.ceiling
+            } else {
+                &mut by.short_copy
+            }) += 1;
+        }
         if !planned {
             if let Some(copy) = copy {
                 self.observe_process(copy, walk.tgid, walk.ktime_ns, needed);
@@ -426,9 +479,17 @@ impl Planner {
                 self.observe_top(walk, top);
             }
         }
+        // The sampler's own copy to the stack's end, of a thread deeper
+        // than the ceiling (or whose walk ended for another reason): that
+        // copy holds every word a plan needs, so the thread is learned from
+        // it at once (see `learn`), and the sampler's deep copies end.
+        let copied_deep = !planned
+            && !truncated
+            && walk.deep_copy
+            && (walk.copy_bytes_read > u64::from(ceiling) || walk.end != UnwindEnd::Outermost);
         // Deeper than any copy: only a tail can help. A shorter copy that
         // ran out is fixed by the copy size above.
-        truncated && (planned || walk.copied >= ceiling)
+        copied_deep || (truncated && (planned || walk.copied >= ceiling))
     }
 
     /// Keeps the thread's stack top at the highest address its rooted walks
@@ -518,6 +579,10 @@ impl Planner {
         copy: &[u8],
         walk_again: impl FnOnce(&mut RemoteStack<'_>) -> UnwindEnd,
     ) {
+        if walk.deep_copy && walk.end != UnwindEnd::StackTruncated {
+            self.learn_from_deep_copy(walk, copy, walk_again);
+            return;
+        }
         let thread = self.threads.plan(walk.tid).filter(|t| t.tgid == walk.tgid);
         if thread.is_some_and(|t| {
             let interval = match t.planned {
@@ -543,15 +608,9 @@ impl Planner {
             Some(t) => (t.planned, t.stale_tails),
             None => (Planned::Nothing, 0),
         };
-        let second = walk.ktime_ns / 1_000_000_000;
-        if second != self.budget_second {
-            (self.budget_second, self.budget_spent) = (second, 0);
-        }
-        if self.budget_spent >= LEARNS_PER_SECOND {
-            self.stats.learn_throttled += 1;
+        if !self.spend_budget(walk.ktime_ns) {
             return;
         }
-        self.budget_spent += 1;
         // Counted only now: a throttled learn leaves the thread's last
         // learning time as it was, and would count the same tail again.
         // The program's later threads need no count: the deep plan this
@@ -569,6 +628,7 @@ impl Planner {
                 last_learn_ns: walk.ktime_ns,
                 planned: was_planned,
                 stale_tails,
+                candidate: None,
             },
         );
 
@@ -657,6 +717,118 @@ impl Planner {
         }
         if let Some(thread) = self.threads.plan_mut(walk.tid) {
             thread.planned = kind;
+        }
+        self.updates.push(PlanUpdate::Thread {
+            tid: walk.tid,
+            plan: Some(plan),
+        });
+    }
+
+    /// One learning read from the budget of the second of `now`; false
+    /// (counted) when it is spent.
+    fn spend_budget(&mut self, now: u64) -> bool {
+        let second = now / 1_000_000_000;
+        if second != self.budget_second {
+            (self.budget_second, self.budget_spent) = (second, 0);
+        }
+        if self.budget_spent >= LEARNS_PER_SECOND {
+            self.stats.learn_throttled += 1;
+            return false;
+        }
+        self.budget_spent += 1;
+        true
+    }
+
+    /// Learns a thread the sampler copied deep before it was learned (to
+    /// its stack's end: see `first_ticks_stack_end` in the BPF program),
+    /// from that copy alone: it holds every word the walk read.
+    /// - A walk that ended early (no unwind information, another stack):
+    ///   the usual copy is all its walks use.
+    /// - A program known to need deep copies: a deep plan at once.
+    /// - Otherwise a tail, but written only once a walk at least
+    ///   [`CHECK_INTERVAL_NS`] later read no deep word outside it: a
+    ///   compiler's frames move every millisecond, and a tail written at
+    ///   once would cut its next walks short. A second tail that would
+    ///   not have held (two, for a thread still descending to a stable
+    ///   depth) makes the plan a deep copy.
+    ///
+    /// Until then the sampler keeps copying the thread deep, so nothing is
+    /// lost while this decides.
+    fn learn_from_deep_copy(
+        &mut self,
+        walk: &WalkReport,
+        copy: &[u8],
+        walk_again: impl FnOnce(&mut RemoteStack<'_>) -> UnwindEnd,
+    ) {
+        let thread = self.threads.plan(walk.tid).filter(|t| t.tgid == walk.tgid);
+        if thread.is_some_and(|t| {
+            t.planned != Planned::Nothing
+                || walk.ktime_ns.saturating_sub(t.last_learn_ns) < CHECK_INTERVAL_NS
+        }) {
+            return;
+        }
+        let known = thread.is_some();
+        if !self.spend_budget(walk.ktime_ns) {
+            return;
+        }
+        if self.threads.plans >= 2 * MAX_STACK_PLANS as usize && !known {
+            self.forget_oldest_thread();
+        }
+        let (mut candidate, mut misses) = match self.threads.plan_mut(walk.tid) {
+            Some(thread) if known => (thread.candidate.take(), thread.stale_tails),
+            _ => (None, 0),
+        };
+        self.reads.clear();
+        let mut memory =
+            RemoteStack::copy_only(walk.tgid, walk.rsp, copy, &mut self.remote, &mut self.reads);
+        let end = walk_again(&mut memory);
+        let reads = &mut self.reads;
+        let deep_plan = || {
+            let stack_end = walk.rsp + copy.len() as u64;
+            Box::new(StackPlan::deep(walk.tgid, self.ceiling, stack_end))
+        };
+        let decided = if end != UnwindEnd::Outermost {
+            let usual = Box::new(StackPlan::copy_only(walk.tgid, self.ceiling));
+            Some((usual, Planned::Tail))
+        } else if candidate
+            .as_deref()
+            .is_some_and(|tail| tail_holds(tail, walk.rsp, reads))
+        {
+            candidate.take().map(|tail| (tail, Planned::Tail))
+        } else {
+            misses += u8::from(candidate.is_some());
+            let deep = self.deep_programs.contains(&walk.comm) || misses >= STALE_TAILS_FOR_DEEP;
+            candidate = (!deep)
+                .then(|| plan_for(walk.tgid, walk.rsp, reads, self.ceiling))
+                .flatten();
+            // Too many deep words for a tail, too.
+            candidate.is_none().then(|| (deep_plan(), Planned::Deep))
+        };
+        let kind = decided.as_ref().map_or(Planned::Nothing, |(_, kind)| *kind);
+        tracing::debug!(
+            tid = walk.tid,
+            ?end,
+            ?kind,
+            misses,
+            "learning from a deep copy"
+        );
+        self.threads.set_plan(
+            walk.tid,
+            ThreadPlan {
+                tgid: walk.tgid,
+                last_learn_ns: walk.ktime_ns,
+                planned: kind,
+                stale_tails: misses,
+                candidate,
+            },
+        );
+        let Some((plan, kind)) = decided else {
+            return;
+        };
+        self.stats.plans_learned += 1;
+        if kind == Planned::Deep {
+            self.stats.deep_plans_learned += 1;
+            self.add_deep_program(walk.comm);
         }
         self.updates.push(PlanUpdate::Thread {
             tid: walk.tid,
@@ -858,6 +1030,24 @@ pub fn plan_for(tgid: u32, rsp: u64, reads: &mut Vec<u64>, ceiling: u32) -> Opti
     Some(plan)
 }
 
+/// Whether `tail` (a plan learned from an earlier walk of the thread)
+/// would have held for a tick at `rsp` whose walk to the root read the
+/// words at `reads`: every one lies in the tail's copy from `rsp` or in one
+/// of its spans. The walk over the tail's bytes reads the same words as
+/// the walk over the whole stack as long as each is there, so this is
+/// exactly whether the tail would have reached the root.
+fn tail_holds(tail: &StackPlan, rsp: u64, reads: &[u64]) -> bool {
+    let copy_end = rsp.saturating_add(u64::from(tail.copy_bytes));
+    let spans = &tail.spans[..(tail.span_count as usize).min(MAX_TAIL_SPANS)];
+    reads.iter().all(|&address| {
+        address.saturating_add(8) <= copy_end
+            || spans.iter().any(|&span| {
+                let start = tail_span::addr(span);
+                address >= start && address + 8 <= start + u64::from(tail_span::len(span))
+            })
+    })
+}
+
 /// A thread's stack for a learning walk: the sample's copy, then what
 /// `process_vm_readv` finds above it in the live process now, fetched as
 /// the walk goes. Remembers the address of every word the walk reads.
@@ -890,6 +1080,21 @@ impl<'a> RemoteStack<'a> {
             exhausted: false,
             gone: false,
             reads,
+        }
+    }
+
+    /// The sample's copy alone (a deep copy to the stack's end): nothing is
+    /// read from the process.
+    fn copy_only(
+        tgid: u32,
+        rsp: u64,
+        copy: &'a [u8],
+        fetched: &'a mut Vec<u8>,
+        reads: &'a mut Vec<u64>,
+    ) -> Self {
+        Self {
+            exhausted: true,
+            ..Self::new(tgid, rsp, copy, fetched, reads)
         }
     }
 
@@ -1150,6 +1355,7 @@ mod tests {
             copied,
             copy_at_top: false,
             deep_copy: false,
+            copy_faulted: false,
             copy_bytes_read: read,
             tail_reads: 0,
             end,
@@ -1221,6 +1427,7 @@ mod tests {
         let mut planner = Planning::new(16384, 1 << 20, true);
         let deep = |tid, read| WalkReport {
             deep_copy: true,
+            copy_faulted: false,
             ..report(tid, 0, 600_000, read, UnwindEnd::Outermost)
         };
         // The sampler's own deep copies to the thread pointer: a top would
@@ -1306,6 +1513,7 @@ mod tests {
             copied: 128,
             copy_at_top: false,
             deep_copy: false,
+            copy_faulted: false,
             copy_bytes_read: 128,
             tail_reads: 0,
             end: UnwindEnd::StackTruncated,
@@ -1450,6 +1658,7 @@ mod tests {
             copied: 16384,
             copy_at_top: false,
             deep_copy: false,
+            copy_faulted: false,
             copy_bytes_read: 16384,
             tail_reads: 0,
             end: UnwindEnd::StackTruncated,
@@ -1737,5 +1946,122 @@ mod tests {
         }
         planner.learn(&walk(9, 4 * second), &copy, walk_to_the_root);
         assert_eq!(learned(&mut planner, 9).expect("a tail").span_count, 1);
+    }
+
+    /// A walk that reads the words at `offsets` above `rsp`, then is at
+    /// the root.
+    fn reading(rsp: u64, offsets: &'static [u64]) -> impl Fn(&mut RemoteStack<'_>) -> UnwindEnd {
+        move |memory| {
+            for &offset in offsets {
+                if let Err(end) = memory.read_u64(rsp + offset) {
+                    return end;
+                }
+            }
+            UnwindEnd::Outermost
+        }
+    }
+
+    /// The sampler's own deep copy (to the thread's stack end, 100 KB up)
+    /// of thread `tid` of a process that is not this one (nothing may be
+    /// read from it), at `ktime_ns`.
+    fn deep_copy_walk(tid: u32, ktime_ns: u64) -> WalkReport {
+        WalkReport {
+            tgid: u32::MAX,
+            rsp: RSP,
+            deep_copy: true,
+            ..report(tid, ktime_ns, 100_000, 90_000, UnwindEnd::Outermost)
+        }
+    }
+
+    const DEEP_WORDS: &[u64] = &[100, 20_000, 20_008, 60_000, 60_008, 89_992];
+    const MOVED_WORDS: &[u64] = &[100, 24_000, 24_008, 61_000, 61_008, 89_992];
+
+    #[test]
+    fn a_thread_copied_deep_before_it_was_learned_gets_a_tail_once_a_later_walk_shows_it_holds() {
+        let mut planner = Planning::new(16384, 1 << 20, true);
+        let copy = vec![0u8; 100_000];
+        let first = deep_copy_walk(7, 0);
+        assert!(planner.observe(&first), "learned from the copy");
+        planner.learn(&first, &copy, reading(RSP, DEEP_WORDS));
+        // Nothing written yet: the sampler keeps copying it deep.
+        assert!(learned(&mut planner, 7).is_none());
+        // Too soon for the check.
+        let soon = deep_copy_walk(7, CHECK_INTERVAL_NS / 2);
+        planner.learn(&soon, &copy, reading(RSP, DEEP_WORDS));
+        assert!(learned(&mut planner, 7).is_none());
+        let later = deep_copy_walk(7, CHECK_INTERVAL_NS);
+        planner.learn(&later, &copy, reading(RSP, DEEP_WORDS));
+        let tail = learned(&mut planner, 7).expect("the tail, which held");
+        assert_eq!(tail.stack_end, 0, "a tail, not a deep copy");
+        assert_eq!(spans(&tail), [(20_000, 16), (60_000, 16), (89_992, 8)]);
+        assert_eq!(planner.stats().thread_plans, 1);
+        assert_eq!(planner.stats().thread_deep_plans, 0);
+        // Planned now: its next walks are not learned from again.
+        assert!(!planner.observe(&deep_copy_walk(7, 2 * CHECK_INTERVAL_NS)));
+    }
+
+    #[test]
+    fn a_thread_copied_deep_whose_frames_keep_moving_gets_a_deep_copy_and_marks_its_program() {
+        let mut planner = Planning::new(16384, 1 << 20, true);
+        let copy = vec![0u8; 100_000];
+        let mut comm = [0; COMM_LEN];
+        comm[..5].copy_from_slice(b"rustc");
+        let walk = |at| WalkReport {
+            comm,
+            ..deep_copy_walk(7, at)
+        };
+        planner.learn(&walk(0), &copy, reading(RSP, DEEP_WORDS));
+        // The frames moved: the first tail would not have held.
+        planner.learn(&walk(CHECK_INTERVAL_NS), &copy, reading(RSP, MOVED_WORDS));
+        assert!(learned(&mut planner, 7).is_none(), "one miss is not enough");
+        planner.learn(
+            &walk(2 * CHECK_INTERVAL_NS),
+            &copy,
+            reading(RSP, DEEP_WORDS),
+        );
+        let (plan, programs) = learned_and_programs(&mut planner, 7);
+        let plan = plan.expect("a deep copy");
+        assert_eq!(plan.stack_end, RSP + 100_000, "to the end of the deep copy");
+        assert_eq!(programs, [(comm, true)]);
+        assert_eq!(planner.stats().thread_deep_plans, 1);
+
+        // Another thread of the program: deep at its first walk.
+        planner.learn(
+            &WalkReport { tid: 8, ..walk(0) },
+            &copy,
+            reading(RSP, DEEP_WORDS),
+        );
+        assert!(learned(&mut planner, 8).is_some_and(|plan| plan.stack_end != 0));
+    }
+
+    #[test]
+    fn a_thread_copied_deep_whose_walk_ends_early_gets_the_usual_copy() {
+        let mut planner = Planning::new(16384, 1 << 20, true);
+        let copy = vec![0u8; 100_000];
+        let early = WalkReport {
+            copy_bytes_read: 2_000,
+            end: UnwindEnd::NoUnwindInfo,
+            ..deep_copy_walk(7, 0)
+        };
+        assert!(planner.observe(&early));
+        planner.learn(&early, &copy, |_| UnwindEnd::NoUnwindInfo);
+        let plan = learned(&mut planner, 7).expect("a plan");
+        assert_eq!(
+            (plan.copy_bytes, plan.span_count, plan.stack_end),
+            (16384, 0, 0)
+        );
+    }
+
+    #[test]
+    fn a_tail_holds_when_every_word_read_is_in_its_copy_or_spans() {
+        let mut reads: Vec<u64> = DEEP_WORDS.iter().map(|offset| RSP + offset).collect();
+        let tail = plan_for(1, RSP, &mut reads, 16384).expect("a tail");
+        assert!(tail_holds(&tail, RSP, &reads));
+        // A tick a little deeper: its copy starts lower, the spans stay.
+        assert!(tail_holds(&tail, RSP - 512, &reads));
+        let moved: Vec<u64> = MOVED_WORDS.iter().map(|offset| RSP + offset).collect();
+        assert!(!tail_holds(&tail, RSP, &moved));
+        // One word past a span's end.
+        assert!(!tail_holds(&tail, RSP, &[RSP + 60_016]));
     }
 }
