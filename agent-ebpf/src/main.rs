@@ -37,8 +37,8 @@
 //! copy; its unused end is padding the agent skips. A thread deeper than
 //! the usual copy that the agent has not learned yet is copied deep up to
 //! its thread pointer or its process's stack start (see
-//! `first_ticks_stack_end`), so a compiler reaches its root from its first
-//! tick; where that fails, a thread of a program known to be deep wakes
+//! `first_ticks_stack_end`), and one learned while it was shallow up to
+//! its stack top, so a compiler reaches its root from its first tick; where that fails, a thread of a program known to be deep wakes
 //! the reader at once (see `early_wakeup`), so it is learned at its first
 //! tick.
 #![no_std]
@@ -409,7 +409,10 @@ fn stack_sample<C: EbpfContext>(
         let stack_end = match plan {
             Some(plan) => plan.stack_end,
             None if stack_top == 0 => first_ticks_stack_end(regs.rsp, tid == tgid),
-            None => 0,
+            // A thread learned while it was shallow (its walks reached the
+            // root within the usual copy), deeper now: copied to its top,
+            // where those walks ended, until the agent learns it again.
+            None => deep_copy_end(regs.rsp, stack_top),
         };
         if stack_end != 0 {
             if deep_sample(ctx, ids, flags, regs, stack_end) {
@@ -809,8 +812,9 @@ fn early_wakeup(scratch: *mut u8, tgid: u32) -> bool {
 ///   in the mappings.
 ///
 /// A copy from `rsp` up to that end holds every frame. Only an end above
-/// `rsp` by more than the usual copy and within the deep size is taken, so
-/// a shallow thread never pays for it; whatever the guess (a Go thread's
+/// `rsp` by more than the usual copy and within the deep size is taken
+/// (see `deep_copy_end`), so a shallow thread never pays for it; whatever
+/// the guess (a Go thread's
 /// pointer is on its heap), the walk uses only the bytes read at this tick,
 /// and the agent ends these copies once it has seen the thread's walks (a
 /// stack top, a tail or a deep plan).
@@ -824,8 +828,15 @@ fn first_ticks_stack_end(rsp: u64, main_thread: bool) -> u64 {
     } else {
         thread_pointer()
     };
-    // A stack the usual copy holds costs less that way (a deep record
-    // reserves a whole class in the ring, with room for a kernel stack).
+    deep_copy_end(rsp, end)
+}
+
+/// `end` if a deep copy from `rsp` to it is worth taking, else 0: only
+/// above `rsp` by more than the usual copy (a stack the usual copy holds
+/// costs less that way: a deep record reserves a whole class in the ring,
+/// with room for a kernel stack) and within the deep size.
+#[inline(always)]
+fn deep_copy_end(rsp: u64, end: u64) -> u64 {
     let usual = u64::from(USER_STACK_BYTES.load().min(MAX_USER_STACK_BYTES));
     let limit = u64::from(DEEP_STACK_BYTES.load().min(MAX_DEEP_STACK_BYTES));
     match end.checked_sub(rsp) {

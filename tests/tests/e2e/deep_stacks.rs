@@ -449,6 +449,16 @@ fn a_deep_stack_that_keeps_changing_shape_reaches_the_root_through_deep_copies()
 /// tick caught a step going down or up, then steps, then `outer`, however
 /// far the walk went); true when it is whole, down to the root.
 fn churn_walk_is_whole(walk: &LiveWalk, named: &[String], outer: &[&str]) -> bool {
+    churn_walk_of_depth_is_whole(walk, named, outer, CHURN_DEPTH)
+}
+
+/// [`churn_walk_is_whole`] for a run `depth` steps deep.
+fn churn_walk_of_depth_is_whole(
+    walk: &LiveWalk,
+    named: &[String],
+    outer: &[&str],
+    depth: usize,
+) -> bool {
     let in_spin = named.first().is_some_and(|n| n == "spin");
     let steps = named
         .iter()
@@ -460,7 +470,7 @@ fn churn_walk_is_whole(walk: &LiveWalk, named: &[String], outer: &[&str]) -> boo
         .map(String::as_str)
         .collect();
     assert!(
-        steps <= CHURN_DEPTH + 1 && outer.starts_with(&rest),
+        steps <= depth + 1 && outer.starts_with(&rest),
         "not a prefix of the chain ({:?}): {named:?}",
         walk.outcome
     );
@@ -469,7 +479,7 @@ fn churn_walk_is_whole(walk: &LiveWalk, named: &[String], outer: &[&str]) -> boo
     }
     assert_eq!(rest, outer, "a complete walk: {named:?}");
     if in_spin {
-        assert_eq!(steps, CHURN_DEPTH + 1, "a complete walk: {named:?}");
+        assert_eq!(steps, depth + 1, "a complete walk: {named:?}");
     }
     true
 }
@@ -652,4 +662,84 @@ fn new_images_of_a_program_that_needed_deep_copies_reach_the_root_from_their_fir
     // image's first walk is cut short too (its tick wakes the reader,
     // which learns the image for its next).
     FirstWalks::of(&images, walks, counters).check("images", counters);
+}
+
+/// Threads of `deep_churn`'s short-lived deep process (see the test below).
+const SHORT_RUN_THREADS: &str = "3";
+/// Their depth: 301 steps, about 480 KB of stack each.
+const SHORT_RUN_DEPTH: usize = 300;
+/// How long they churn: a compile that lives under a second.
+const SHORT_RUN_MS: &str = "700";
+
+#[test]
+fn a_short_lived_deep_process_the_agent_has_never_seen_reaches_the_root_from_its_first_tick() {
+    require_root();
+    // A fresh sampler and walker, nothing learned, no program known to be
+    // deep: the process is new to them (a shell that execs the fixture
+    // once they sample it), and its threads are 300 frames deep from
+    // their first instruction and gone within a second, as a compile's
+    // are. Each tick of a thread not learned yet is copied to its stack's
+    // end (the thread pointer), so its walks reach the root before the
+    // agent has seen any of them.
+    let fixture = Fixture::compile("deep_churn", &["-pthread"]);
+    let _serial = exclusive();
+    let script = format!(
+        "echo ready; read go; exec {} {SHORT_RUN_DEPTH} {SHORT_RUN_MS} threads {SHORT_RUN_THREADS}",
+        fixture.path.display()
+    );
+    let mut process = RunningProcess::start_ready(
+        std::process::Command::new("sh")
+            .args(["-c", &script])
+            .stdin(std::process::Stdio::piped()),
+    );
+    let pid = process.pid();
+    let mut go = process.child.stdin.take().expect("the shell's stdin");
+    let starter = std::thread::spawn(move || {
+        // Once the sampler is up.
+        std::thread::sleep(Duration::from_secs(1));
+        use std::io::Write as _;
+        go.write_all(b"go\n").expect("starting the fixture");
+    });
+    let config = SamplerConfig {
+        frequency_hz: 199,
+        pids: vec![pid],
+        drain_interval: FEED_DRAIN_INTERVAL,
+        ..SamplerConfig::default()
+    };
+    let (walks, counters) = walk_live(&config, Duration::from_secs(3));
+    starter.join().expect("the starter");
+    let mut names = FrameNames::new(pid);
+    let outer = ["churn_thread", LIBC, LIBC];
+    let churning = ["churn_thread", "step_small", "step_large", "spin"];
+    let (mut total, mut whole) = (0usize, 0usize);
+    let mut threads = std::collections::HashSet::new();
+    for walk in walks.iter().filter(|w| w.tgid == pid && w.tid != pid) {
+        let named = names.names(&walk.frames);
+        if !named.iter().any(|name| churning.contains(&name.as_str())) {
+            continue;
+        }
+        threads.insert(walk.tid);
+        total += 1;
+        whole += usize::from(churn_walk_of_depth_is_whole(
+            walk,
+            &named,
+            &outer,
+            SHORT_RUN_DEPTH,
+        ));
+    }
+    let share = whole as f64 / total.max(1) as f64;
+    eprintln!(
+        "short deep process: {whole} of {total} walks of {} threads reached the root ({:.1}%); \
+         {} deep copies, {} fell back",
+        threads.len(),
+        100.0 * share,
+        counters.deep_copies,
+        counters.deep_copy_fallbacks
+    );
+    assert!(total >= 100, "only {total} walks of its threads");
+    assert!(
+        share >= MIN_ROOT_SHARE,
+        "{:.1}% reached the root",
+        100.0 * share
+    );
 }
