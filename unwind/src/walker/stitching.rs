@@ -79,6 +79,11 @@ const STALE_RELEARN_NS: u64 = 50_000_000;
 /// for a compiler's stack to have changed shape (it does every millisecond)
 /// when a tail from the first walk is checked against the second.
 const CHECK_INTERVAL_NS: u64 = 100_000_000;
+/// Checks in a row a tail learned from a deep copy must pass before it is
+/// written: a compiler's deep frames may keep still for one check (a long
+/// query) and move at the next, and every tick after a tail goes stale is
+/// cut short until the agent, often seconds behind such a compile, sees it.
+const TAIL_CHECKS: u8 = 2;
 /// Learning reads at most this many per second for all threads.
 const LEARNS_PER_SECOND: u32 = 50;
 /// A tail plan that runs out again within this long of being learned has
@@ -211,8 +216,10 @@ struct ThreadPlan {
     /// have (see `candidate`).
     stale_tails: u8,
     /// A tail learned from a deep copy of the thread before it was learned,
-    /// written only once a later walk shows it would have held.
+    /// written only once later walks show it would have held
+    /// ([`TAIL_CHECKS`] in a row), and how many have so far.
     candidate: Option<Box<StackPlan>>,
+    held: u8,
 }
 
 /// What the planner keeps of one thread: its plan, and the stack top
@@ -629,6 +636,7 @@ impl Planner {
                 planned: was_planned,
                 stale_tails,
                 candidate: None,
+                held: 0,
             },
         );
 
@@ -745,10 +753,11 @@ impl Planner {
     /// - A walk that ended early (no unwind information, another stack):
     ///   the usual copy is all its walks use.
     /// - A program known to need deep copies: a deep plan at once.
-    /// - Otherwise a tail, but written only once a walk at least
-    ///   [`CHECK_INTERVAL_NS`] later read no deep word outside it: a
-    ///   compiler's frames move every millisecond, and a tail written at
-    ///   once would cut its next walks short. A second tail that would
+    /// - Otherwise a tail, but written only once walks at least
+    ///   [`CHECK_INTERVAL_NS`] apart read no deep word outside it
+    ///   ([`TAIL_CHECKS`] in a row): a compiler's frames move every
+    ///   millisecond, and a tail written at once would cut its next walks
+    ///   short. A second tail that would
     ///   not have held (two, for a thread still descending to a stable
     ///   depth) makes the plan a deep copy.
     ///
@@ -774,9 +783,9 @@ impl Planner {
         if self.threads.plans >= 2 * MAX_STACK_PLANS as usize && !known {
             self.forget_oldest_thread();
         }
-        let (mut candidate, mut misses) = match self.threads.plan_mut(walk.tid) {
-            Some(thread) if known => (thread.candidate.take(), thread.stale_tails),
-            _ => (None, 0),
+        let (mut candidate, mut misses, mut held) = match self.threads.plan_mut(walk.tid) {
+            Some(thread) if known => (thread.candidate.take(), thread.stale_tails, thread.held),
+            _ => (None, 0, 0),
         };
         self.reads.clear();
         let mut memory =
@@ -794,8 +803,14 @@ impl Planner {
             .as_deref()
             .is_some_and(|tail| tail_holds(tail, walk.rsp, reads))
         {
-            candidate.take().map(|tail| (tail, Planned::Tail))
+            held += 1;
+            if held < TAIL_CHECKS {
+                None
+            } else {
+                candidate.take().map(|tail| (tail, Planned::Tail))
+            }
         } else {
+            held = 0;
             misses += u8::from(candidate.is_some());
             let deep = self.deep_programs.contains(&walk.comm) || misses >= STALE_TAILS_FOR_DEEP;
             candidate = (!deep)
@@ -820,6 +835,7 @@ impl Planner {
                 planned: kind,
                 stale_tails: misses,
                 candidate,
+                held,
             },
         );
         let Some((plan, kind)) = decided else {
@@ -1991,13 +2007,19 @@ mod tests {
         assert!(learned(&mut planner, 7).is_none());
         let later = deep_copy_walk(7, CHECK_INTERVAL_NS);
         planner.learn(&later, &copy, reading(RSP, DEEP_WORDS));
+        assert!(
+            learned(&mut planner, 7).is_none(),
+            "one check is not enough"
+        );
+        let later_still = deep_copy_walk(7, 2 * CHECK_INTERVAL_NS);
+        planner.learn(&later_still, &copy, reading(RSP, DEEP_WORDS));
         let tail = learned(&mut planner, 7).expect("the tail, which held");
         assert_eq!(tail.stack_end, 0, "a tail, not a deep copy");
         assert_eq!(spans(&tail), [(20_000, 16), (60_000, 16), (89_992, 8)]);
         assert_eq!(planner.stats().thread_plans, 1);
         assert_eq!(planner.stats().thread_deep_plans, 0);
         // Planned now: its next walks are not learned from again.
-        assert!(!planner.observe(&deep_copy_walk(7, 2 * CHECK_INTERVAL_NS)));
+        assert!(!planner.observe(&deep_copy_walk(7, 3 * CHECK_INTERVAL_NS)));
     }
 
     #[test]
