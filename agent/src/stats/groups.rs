@@ -706,6 +706,24 @@ const STACK_PLANS: &[Stat] = &[
     )
     .by("copy"),
     Stat::gauge(
+        "deep_programs_remembered",
+        "Programs known to need deep copies from the start: remembered \
+         beside the table cache by an earlier agent.",
+        &[Series::one(
+            "/unwinding/plans/deep_programs_remembered",
+            field!(walks.plans.deep_programs_remembered),
+        )],
+    ),
+    Stat::counter(
+        "deep_programs_refused",
+        "Files of remembered deep programs refused (damaged, or of another \
+         format) and removed.",
+        &[Series::one(
+            "/unwinding/plans/deep_programs_refused",
+            field!(walks.plans.deep_programs_refused),
+        )],
+    ),
+    Stat::gauge(
         "stack_plans",
         "Copy plans of threads in use.",
         &[Series::one(

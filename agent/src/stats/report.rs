@@ -191,6 +191,8 @@ mod tests {
         "/unwinding/plans/truncated_by/stale_tail",
         "/unwinding/plans/truncated_by/deep_copy",
         "/unwinding/plans/truncated_by/faulted",
+        "/unwinding/plans/deep_programs_remembered",
+        "/unwinding/plans/deep_programs_refused",
         "/unwinding/plans/thread_plans",
         "/unwinding/plans/thread_deep_plans",
         "/unwinding/state_resets",

@@ -111,6 +111,8 @@ pub(crate) fn every_figure_distinct() -> RunTotals {
                     deep_copy: n(),
                     faulted: n(),
                 },
+                deep_programs_remembered: n(),
+                deep_programs_refused: n(),
             },
             state_resets: n(),
             processes_replaced: n(),

@@ -36,10 +36,16 @@
 
 mod compiler;
 mod process_state;
+mod remembered;
 pub mod stitching;
 
 use foldhash::HashMap;
-use std::{cell::Cell, collections::VecDeque, path::Path, sync::Arc};
+use std::{
+    cell::Cell,
+    collections::VecDeque,
+    path::{Path, PathBuf},
+    sync::Arc,
+};
 
 pub use compiler::DiskCache;
 use compiler::{Compiled, Compiler};
@@ -650,6 +656,9 @@ pub struct StackWalker {
     spaces: u64,
     max_depth: usize,
     planner: Planner,
+    /// Where deep programs are remembered across restarts (see
+    /// `remembered`); `None`: not at all.
+    remembered_dir: Option<PathBuf>,
     /// The last walk: whether it read the tail, how much copy it read,
     /// and its `Walk::space` (`None`: it went through JIT code).
     last_tail_reads: u32,
@@ -737,6 +746,19 @@ impl StackWalker {
     }
 
     pub fn new(config: WalkerConfig) -> Self {
+        let mut planner =
+            Planner::new(config.stack_bytes, config.deep_stack_bytes, config.adaptive);
+        // Deep programs are remembered only where tables are, and only
+        // when deep copies are made at all.
+        let remembered_dir = config
+            .disk_cache
+            .as_ref()
+            .filter(|_| config.adaptive && config.deep_stack_bytes > 0)
+            .map(|cache| cache.dir.clone());
+        if let Some(dir) = &remembered_dir {
+            let loaded = remembered::load(dir);
+            planner.remember_deep_programs(&loaded.comms, loaded.refused);
+        }
         let mut stats = WalkStats::default();
         let mut binary_slots = BinarySlots::default();
         let unknown_binary = binary_slots.slot("[unknown]".into(), &mut stats.by_binary);
@@ -756,7 +778,8 @@ impl StackWalker {
             rules: RuleCache::default(),
             spaces: 0,
             max_depth: config.max_depth,
-            planner: Planner::new(config.stack_bytes, config.deep_stack_bytes, config.adaptive),
+            planner,
+            remembered_dir,
             last_tail_reads: 0,
             last_space: None,
             last_copy_read: 0,
@@ -1046,6 +1069,29 @@ impl StackWalker {
             .map(|process| &mut process.copy);
         if self.planner.observe(&report, copy) {
             self.learn(processes, header, stack.copy, &report);
+            self.remember_deep_programs(processes);
+        }
+    }
+
+    /// Keeps the programs just found to need deep copies beside the table
+    /// cache, by their executable's build-id (read from the file the
+    /// process ran, which outlives a compiler's process), for the next
+    /// agent. Once per program and agent: at most `MAX_DEEP_PROGRAMS`
+    /// small writes in an agent's life.
+    fn remember_deep_programs<R: WalkerRecord>(&mut self, processes: &ProcessTable<R>) {
+        let newly_deep = self.planner.take_newly_deep();
+        let Some(dir) = &self.remembered_dir else {
+            return;
+        };
+        for (tgid, comm) in newly_deep {
+            let exe = processes
+                .learned_exe(tgid)
+                .map_or_else(|| format!("/proc/{tgid}/exe").into(), Path::to_path_buf);
+            let build_id = std::fs::File::open(exe)
+                .ok()
+                .and_then(|file| stackscope_process_table::elf::read_summary(&file).ok())
+                .and_then(|summary| summary.build_id);
+            remembered::save(dir, &comm, build_id.as_ref());
         }
     }
 
@@ -1818,6 +1864,45 @@ mod tests {
             binary: BinarySlots::UNTRACKED,
             object: ModuleObject::Vdso,
         }
+    }
+
+    #[test]
+    fn a_walker_on_a_table_cache_knows_the_deep_programs_an_earlier_agent_remembered() {
+        let dir = tempfile::tempdir().expect("a directory");
+        let mut rustc = [0; agent_common::COMM_LEN];
+        rustc[..5].copy_from_slice(b"rustc");
+        remembered::save(dir.path(), &rustc, None);
+        std::fs::write(
+            dir.path().join("damaged.deep"),
+            "stackscope deep program v1\n",
+        )
+        .expect("writing");
+        let config = |deep_stack_bytes| WalkerConfig {
+            disk_cache: Some(DiskCache {
+                dir: dir.path().to_path_buf(),
+                max_bytes: 1 << 20,
+            }),
+            deep_stack_bytes,
+            ..WalkerConfig::default()
+        };
+        let mut walker = StackWalker::new(config(1 << 20));
+        // The sampler is told at once: the program's first ticks wake the
+        // reader, and its threads are planned deep at their first learning.
+        assert_eq!(
+            walker.take_plan_updates(),
+            [PlanUpdate::DeepProgram {
+                comm: rustc,
+                deep: true
+            }]
+        );
+        let plans = walker.stats().plans;
+        assert_eq!(
+            (plans.deep_programs_remembered, plans.deep_programs_refused),
+            (1, 1)
+        );
+        // Without deep copies, the memory is neither read nor written.
+        let mut walker = StackWalker::new(config(0));
+        assert!(walker.take_plan_updates().is_empty());
     }
 
     #[test]

@@ -160,6 +160,12 @@ pub struct PlanStats {
     pub thread_deep_plans: usize,
     /// Walks that ran out of stack, by what their copy was.
     pub truncated_by: TruncatedBy,
+    /// Programs known to need deep copies from the start, remembered by
+    /// an earlier agent beside the table cache.
+    pub deep_programs_remembered: u64,
+    /// Of that memory's files, those refused (damaged, or of another
+    /// format) and removed.
+    pub deep_programs_refused: u64,
 }
 
 /// Walks that ran out of stack, by what the tick copied: where a deep
@@ -345,6 +351,9 @@ pub struct Planner {
     threads: Threads,
     /// Thread names whose threads needed deep copies.
     deep_programs: HashSet<[u8; COMM_LEN]>,
+    /// Programs added to `deep_programs` by this agent's learning (with
+    /// the process each was learned from), not yet remembered on disk.
+    newly_deep: Vec<(u32, [u8; COMM_LEN])>,
     /// Per thread name: tails of its threads that went stale, and learns
     /// of its threads that came too late (the process had exited), each
     /// within `PROGRAM_STALE_WINDOW_NS` of the one before. A program whose
@@ -375,6 +384,7 @@ impl Planner {
             adaptive,
             threads: Threads::default(),
             deep_programs: HashSet::new(),
+            newly_deep: Vec::new(),
             stale_programs: HashMap::new(),
             updates: Vec::new(),
             budget_second: 0,
@@ -713,7 +723,7 @@ impl Planner {
                 self.stats.learn_too_late += 1;
                 if !went_stale && self.program_learned_too_late(walk.comm, walk.tgid, walk.ktime_ns)
                 {
-                    self.add_deep_program(walk.comm);
+                    self.add_deep_program(walk.comm, walk.tgid);
                 }
             }
             return;
@@ -721,7 +731,7 @@ impl Planner {
         self.stats.plans_learned += 1;
         if kind == Planned::Deep {
             self.stats.deep_plans_learned += 1;
-            self.add_deep_program(walk.comm);
+            self.add_deep_program(walk.comm, walk.tgid);
         }
         if let Some(thread) = self.threads.plan_mut(walk.tid) {
             thread.planned = kind;
@@ -844,7 +854,7 @@ impl Planner {
         self.stats.plans_learned += 1;
         if kind == Planned::Deep {
             self.stats.deep_plans_learned += 1;
-            self.add_deep_program(walk.comm);
+            self.add_deep_program(walk.comm, walk.tgid);
         }
         self.updates.push(PlanUpdate::Thread {
             tid: walk.tid,
@@ -853,10 +863,36 @@ impl Planner {
     }
 
     /// Puts `comm` among the programs whose new threads wake the reader
-    /// at their first tick and are planned deep copies.
-    fn add_deep_program(&mut self, comm: [u8; COMM_LEN]) {
+    /// at their first tick and are planned deep copies; a program new to
+    /// the set (learned from process `tgid`) is also queued to be
+    /// remembered across restarts (see [`Self::take_newly_deep`]).
+    fn add_deep_program(&mut self, comm: [u8; COMM_LEN], tgid: u32) {
+        if self.insert_deep_program(comm) {
+            self.newly_deep.push((tgid, comm));
+        }
+    }
+
+    /// Programs a previous agent learned needed deep copies (see
+    /// `remembered`), and how many of its files were refused.
+    pub(super) fn remember_deep_programs(&mut self, comms: &[[u8; COMM_LEN]], refused: usize) {
+        for &comm in comms {
+            self.insert_deep_program(comm);
+        }
+        self.stats.deep_programs_remembered = self.deep_programs.len() as u64;
+        self.stats.deep_programs_refused = refused as u64;
+    }
+
+    /// The programs found to need deep copies since the last call, each
+    /// with the process it was learned from.
+    pub(super) fn take_newly_deep(&mut self) -> Vec<(u32, [u8; COMM_LEN])> {
+        std::mem::take(&mut self.newly_deep)
+    }
+
+    /// Adds `comm` to the deep programs (and the sampler's map); false if
+    /// it was there.
+    fn insert_deep_program(&mut self, comm: [u8; COMM_LEN]) -> bool {
         if self.deep_programs.contains(&comm) {
-            return;
+            return false;
         }
         if self.deep_programs.len() >= MAX_DEEP_PROGRAMS {
             for comm in self.deep_programs.drain() {
@@ -867,6 +903,7 @@ impl Planner {
         self.deep_programs.insert(comm);
         self.updates
             .push(PlanUpdate::DeepProgram { comm, deep: true });
+        true
     }
 
     /// Counts, as a stale tail, a learn of a thread of `comm` that found its
@@ -1885,7 +1922,7 @@ mod tests {
         let walk = rustc_walk(rsp, 1, 1_000);
         planner.learn(&walk, &copy, lost);
         assert!(learned(&mut planner, 1).is_none(), "any program's thread");
-        planner.add_deep_program(walk.comm);
+        planner.add_deep_program(walk.comm, walk.tgid);
         let walk = rustc_walk(rsp, 2, 2_000);
         planner.learn(&walk, &copy, lost);
         let plan = learned(&mut planner, 2).expect("a deep program's thread");
@@ -1900,7 +1937,7 @@ mod tests {
         assert!(learned(&mut planner, 2).is_none(), "the plan stays");
         // Not when the stack is longer than a deep copy.
         let mut planner = Planning::new(16384, 32768, true);
-        planner.add_deep_program(walk.comm);
+        planner.add_deep_program(walk.comm, walk.tgid);
         planner.learn(&walk, &copy, lost);
         assert!(learned(&mut planner, 2).is_none(), "past the deep limit");
     }
@@ -2054,6 +2091,16 @@ mod tests {
             reading(RSP, DEEP_WORDS),
         );
         assert!(learned(&mut planner, 8).is_some_and(|plan| plan.stack_end != 0));
+        // To be remembered across restarts, once.
+        assert_eq!(planner.take_newly_deep(), [(u32::MAX, comm)]);
+
+        // A program an earlier agent remembered: deep at its first walk,
+        // and not remembered again.
+        let mut planner = Planning::new(16384, 1 << 20, true);
+        planner.remember_deep_programs(&[comm], 0);
+        planner.learn(&walk(0), &copy, reading(RSP, DEEP_WORDS));
+        assert!(learned(&mut planner, 7).is_some_and(|plan| plan.stack_end != 0));
+        assert!(planner.take_newly_deep().is_empty());
     }
 
     #[test]
