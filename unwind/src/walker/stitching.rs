@@ -84,6 +84,13 @@ const CHECK_INTERVAL_NS: u64 = 100_000_000;
 /// query) and move at the next, and every tick after a tail goes stale is
 /// cut short until the agent, often seconds behind such a compile, sees it.
 const TAIL_CHECKS: u8 = 2;
+/// Walks of a thread's deep copies that ended before the root for another
+/// reason (no unwind information, code on another stack) after which the
+/// thread gets the usual copy: its walks do not use a deep one. Not one:
+/// a compiler's thread whose walk once met a stub without unwind
+/// information is still deep, and each of its ticks after the usual copy
+/// was planned ran out (a rustc compile: 87 walks of 768).
+const EARLY_ENDS_FOR_USUAL_COPY: u8 = 3;
 /// Learning reads at most this many per second for all threads.
 const LEARNS_PER_SECOND: u32 = 50;
 /// A tail plan that runs out again within this long of being learned has
@@ -226,6 +233,9 @@ struct ThreadPlan {
     /// ([`TAIL_CHECKS`] in a row), and how many have so far.
     candidate: Option<Box<StackPlan>>,
     held: u8,
+    /// Walks of the thread's deep copies that ended before the root for
+    /// another reason than the copy (see [`EARLY_ENDS_FOR_USUAL_COPY`]).
+    early_ends: u8,
 }
 
 /// What the planner keeps of one thread: its plan, and the stack top
@@ -647,6 +657,7 @@ impl Planner {
                 stale_tails,
                 candidate: None,
                 held: 0,
+                early_ends: 0,
             },
         );
 
@@ -760,8 +771,9 @@ impl Planner {
     /// Learns a thread the sampler copied deep before it was learned (to
     /// its stack's end: see `first_ticks_stack_end` in the BPF program),
     /// from that copy alone: it holds every word the walk read.
-    /// - A walk that ended early (no unwind information, another stack):
-    ///   the usual copy is all its walks use.
+    /// - Walks that ended early (no unwind information, another stack),
+    ///   [`EARLY_ENDS_FOR_USUAL_COPY`] of them: the usual copy is all its
+    ///   walks use.
     /// - A program known to need deep copies: a deep plan at once.
     /// - Otherwise a tail, but written only once walks at least
     ///   [`CHECK_INTERVAL_NS`] apart read no deep word outside it
@@ -793,10 +805,16 @@ impl Planner {
         if self.threads.plans >= 2 * MAX_STACK_PLANS as usize && !known {
             self.forget_oldest_thread();
         }
-        let (mut candidate, mut misses, mut held) = match self.threads.plan_mut(walk.tid) {
-            Some(thread) if known => (thread.candidate.take(), thread.stale_tails, thread.held),
-            _ => (None, 0, 0),
-        };
+        let (mut candidate, mut misses, mut held, mut early_ends) =
+            match self.threads.plan_mut(walk.tid) {
+                Some(thread) if known => (
+                    thread.candidate.take(),
+                    thread.stale_tails,
+                    thread.held,
+                    thread.early_ends,
+                ),
+                _ => (None, 0, 0, 0),
+            };
         self.reads.clear();
         let mut memory =
             RemoteStack::copy_only(walk.tgid, walk.rsp, copy, &mut self.remote, &mut self.reads);
@@ -807,8 +825,9 @@ impl Planner {
             Box::new(StackPlan::deep(walk.tgid, self.ceiling, stack_end))
         };
         let decided = if end != UnwindEnd::Outermost {
-            let usual = Box::new(StackPlan::copy_only(walk.tgid, self.ceiling));
-            Some((usual, Planned::Tail))
+            early_ends = early_ends.saturating_add(1);
+            let usual = || Box::new(StackPlan::copy_only(walk.tgid, self.ceiling));
+            (early_ends >= EARLY_ENDS_FOR_USUAL_COPY).then(|| (usual(), Planned::Tail))
         } else if candidate
             .as_deref()
             .is_some_and(|tail| tail_holds(tail, walk.rsp, reads))
@@ -846,6 +865,7 @@ impl Planner {
                 stale_tails: misses,
                 candidate,
                 held,
+                early_ends,
             },
         );
         let Some((plan, kind)) = decided else {
@@ -2114,6 +2134,17 @@ mod tests {
         };
         assert!(planner.observe(&early));
         planner.learn(&early, &copy, |_| UnwindEnd::NoUnwindInfo);
+        assert!(
+            learned(&mut planner, 7).is_none(),
+            "one early end is not enough"
+        );
+        for at in 1..EARLY_ENDS_FOR_USUAL_COPY {
+            let later = WalkReport {
+                ktime_ns: u64::from(at) * CHECK_INTERVAL_NS,
+                ..early
+            };
+            planner.learn(&later, &copy, |_| UnwindEnd::NoUnwindInfo);
+        }
         let plan = learned(&mut planner, 7).expect("a plan");
         assert_eq!(
             (plan.copy_bytes, plan.span_count, plan.stack_end),
