@@ -46,6 +46,9 @@ pub enum ModuleAt<'a> {
         bias: u64,
         frame_pointer_gaps: bool,
     },
+    /// A mapped module whose table is not ready, and the rule at `pc` read
+    /// from its CFI directly ([`crate::table::DirectCfi`]).
+    Rule(UnwindRule),
 }
 
 /// Maps a code address of the sampled process to its module.
@@ -491,6 +494,7 @@ fn walk(
                             None => Step::NoRow,
                         }
                     }
+                    ModuleAt::Rule(rule) => Step::Rule(rule),
                 };
                 cache.put(pc, step);
                 step

@@ -10,7 +10,10 @@ use std::{path::Path, process::Command, time::Instant};
 use common::Module;
 use object::{Object as _, ObjectSection as _, ObjectSymbol as _, SymbolKind};
 use stackscope_test_fixtures::Fixture;
-use stackscope_unwind::{TableError, UnwindRule, UnwindTable};
+use stackscope_unwind::{
+    TableError, UnsupportedCfi, UnwindRule, UnwindTable,
+    table::{DirectCfi, DirectCfiError},
+};
 
 const LIBC: &str = "/lib/x86_64-linux-gnu/libc.so.6";
 
@@ -356,4 +359,114 @@ fn v8s_embedded_builtins_are_stepped_by_frame_pointer_at_calls() {
     // C++ keeps its CFI: a function's entry has cfa = rsp + 8.
     let main = symbol("main");
     assert_eq!(table.lookup(main), Some(UnwindRule::Rsp { cfa_off: 8 }));
+}
+
+/// What `DirectCfi` answers at every row of a compiled table (its first
+/// byte and its last): the table's rule, or nothing where the table's rule
+/// is not the CFI's own (the entry point made outermost, an FDE whose
+/// program fails). Returns the rows answered and those not.
+fn compare_direct_with_compiled(path: &Path, every_nth_row: usize) -> (usize, usize) {
+    let data = std::fs::read(path).expect("reading the file");
+    let table = UnwindTable::from_elf(&data).expect("compiling the table");
+    let direct = DirectCfi::new(data).expect("reading the CFI directly");
+    let rows: Vec<(u64, Option<UnwindRule>)> = table.rows().collect();
+    let (mut answered, mut unanswered) = (0, 0);
+    for pair in rows.windows(2).step_by(every_nth_row) {
+        let ((start, rule), (next, _)) = (pair[0], pair[1]);
+        for address in [start, next - 1] {
+            match (rule, direct.rule_at(address)) {
+                (None, found) => assert_eq!(found, None, "{path:?} at {address:#x}, a gap"),
+                (Some(rule), Some(found)) => {
+                    assert_eq!(found, rule, "{path:?} at {address:#x}");
+                    answered += 1;
+                }
+                (Some(rule), None) => {
+                    assert!(
+                        matches!(
+                            rule,
+                            UnwindRule::Outermost
+                                | UnwindRule::Unsupported(UnsupportedCfi::Program)
+                        ),
+                        "{path:?} at {address:#x}: the table has {rule:?}, direct CFI nothing"
+                    );
+                    unanswered += 1;
+                }
+            }
+        }
+    }
+    (answered, unanswered)
+}
+
+#[test]
+fn rules_read_directly_are_the_compiled_tables_rules() {
+    for path in [LIBC, "/lib64/ld-linux-x86-64.so.2"] {
+        let (answered, unanswered) = compare_direct_with_compiled(Path::new(path), 1);
+        eprintln!("{path}: {answered} row ends answered directly, {unanswered} not");
+        assert!(
+            answered > 1000 && unanswered <= 2,
+            "{path}: {answered} / {unanswered}"
+        );
+    }
+    // A compiler's driver, what the direct rules are for: every 53rd row
+    // of the 100 MB library (all of them take minutes in a debug build).
+    let sysroot = Command::new("rustc")
+        .args(["--print", "sysroot"])
+        .output()
+        .expect("running rustc --print sysroot");
+    let lib = Path::new(String::from_utf8_lossy(&sysroot.stdout).trim()).join("lib");
+    let driver = std::fs::read_dir(&lib)
+        .expect("reading the toolchain's lib directory")
+        .filter_map(|entry| Some(entry.ok()?.path()))
+        .find(|path| {
+            path.file_name()
+                .and_then(|name| name.to_str())
+                .is_some_and(|name| name.starts_with("librustc_driver-"))
+        })
+        .expect("the toolchain's librustc_driver");
+    let (answered, unanswered) = compare_direct_with_compiled(&driver, 53);
+    eprintln!("{driver:?}: {answered} row ends answered directly, {unanswered} not");
+    assert!(
+        answered > 10_000 && unanswered <= 2,
+        "{answered} / {unanswered}"
+    );
+}
+
+#[test]
+fn direct_cfi_refuses_what_it_cannot_read() {
+    assert!(matches!(
+        DirectCfi::new(b"not an ELF file".to_vec()),
+        Err(DirectCfiError::Elf(_))
+    ));
+    // An object file has .eh_frame but no search table over it.
+    let dir = tempfile::tempdir().expect("a temporary directory");
+    let object = dir.path().join("chain.o");
+    let out = Command::new("gcc")
+        .args(["-O2", "-c", "-o"])
+        .arg(&object)
+        .arg(stackscope_test_fixtures::fixture_source("chain.c"))
+        .output()
+        .expect("running gcc");
+    assert!(out.status.success(), "{out:?}");
+    assert!(matches!(
+        DirectCfi::new(std::fs::read(&object).expect("reading chain.o")),
+        Err(DirectCfiError::Missing(".eh_frame_hdr"))
+    ));
+
+    // Damage anywhere in a library: an error or answers, never a panic.
+    let data = std::fs::read("/lib64/ld-linux-x86-64.so.2").expect("reading the loader");
+    let table = UnwindTable::from_elf(&data).expect("compiling the loader's table");
+    let addresses: Vec<u64> = table
+        .rows()
+        .map(|(address, _)| address)
+        .step_by(7)
+        .collect();
+    for at in (0..data.len()).step_by(4099) {
+        let mut damaged = data.clone();
+        damaged[at] ^= 0x5a;
+        if let Ok(direct) = DirectCfi::new(damaged) {
+            for &address in &addresses {
+                let _ = direct.rule_at(address);
+            }
+        }
+    }
 }

@@ -577,6 +577,14 @@ const UNWINDING: &[Stat] = &[
         )],
     ),
     Stat::counter(
+        "unwind_rules_read_directly",
+        "Rules read from a binary's CFI directly while its table compiled.",
+        &[Series::one(
+            "/unwinding/rules_read_directly",
+            field!(walks.rules_read_directly),
+        )],
+    ),
+    Stat::counter(
         "state_resets",
         "Times every process's state was dropped after lost exec or exit records.",
         &[Series::one(

@@ -203,6 +203,7 @@ mod tests {
         "/unwinding/samples_queued",
         "/unwinding/queue_full",
         "/unwinding/table_pending",
+        "/unwinding/rules_read_directly",
         "/unwinding/tables_failed",
         "/unwinding/kernel_ticks_unplaced",
         "/unwinding/jit_walks",

@@ -121,6 +121,7 @@ pub(crate) fn every_figure_distinct() -> RunTotals {
             tables_failed: n(),
             table_cache_hits: n(),
             table_pending: n(),
+            rules_read_directly: n(),
             samples_queued: n(),
             queue_full: n(),
         },

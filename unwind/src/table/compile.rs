@@ -524,7 +524,7 @@ where
 }
 
 /// Translates one evaluated CFI row into the unwinder's vocabulary.
-fn rule_for_row<'a, S>(
+pub(super) fn rule_for_row<'a, S>(
     section: &S,
     row: &gimli::UnwindTableRow<usize>,
     ra_register: Register,

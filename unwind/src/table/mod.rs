@@ -19,12 +19,14 @@ mod cache;
 mod compile;
 #[cfg(test)]
 mod compile_tests;
+mod direct;
 mod go;
 mod v8;
 
 use std::mem::size_of;
 
 pub use cache::CacheError;
+pub use direct::{DirectCfi, DirectCfiError};
 
 /// Rule index of a row that covers addresses no FDE describes.
 pub(crate) const NO_INFO: u32 = u32::MAX;

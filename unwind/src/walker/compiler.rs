@@ -27,7 +27,7 @@ use std::{
     },
 };
 
-use crate::{TableError, UnwindTable};
+use crate::{TableError, UnwindTable, table::DirectCfi};
 use stackscope_process_table::{MappedObject, ObjectId};
 
 /// Objects queued for compilation at most; beyond, the request is refused
@@ -283,23 +283,8 @@ fn compile(object: &MappedObject, disk_cache: Option<&DiskCache>) -> Compiled {
         }
     }
 
-    let opened = match object.open() {
-        Ok(opened) => opened,
-        Err(err) => {
-            tracing::debug!("cannot open {}: {err}", object.path());
-            return Compiled::Unreadable;
-        }
-    };
-    // SAFETY: a read-only private mapping read only here. A file truncated
-    // underneath it could fault (SIGBUS), the accepted risk of every
-    // mmap-based ELF reader: files mapped by running processes are not
-    // truncated in practice.
-    let bytes = match unsafe { memmap2::Mmap::map(&opened.file) } {
-        Ok(bytes) => bytes,
-        Err(err) => {
-            tracing::debug!("cannot map {}: {err}", object.path());
-            return Compiled::Unreadable;
-        }
+    let Some(bytes) = map_object(object) else {
+        return Compiled::Unreadable;
     };
     let table = match UnwindTable::from_elf(&bytes) {
         Ok(table) => table,
@@ -319,6 +304,38 @@ fn compile(object: &MappedObject, disk_cache: Option<&DiskCache>) -> Compiled {
     Compiled::Table {
         table: Arc::new(table),
         from_disk: false,
+    }
+}
+
+/// The file of `object`, mapped read-only; `None` when it cannot be
+/// reached (its process exited first) or mapped.
+fn map_object(object: &MappedObject) -> Option<memmap2::Mmap> {
+    let opened = object
+        .open()
+        .map_err(|err| tracing::debug!("cannot open {}: {err}", object.path()))
+        .ok()?;
+    // SAFETY: a read-only private mapping, only read. A file truncated
+    // underneath it could fault (SIGBUS), the accepted risk of every
+    // mmap-based ELF reader: files mapped by running processes are not
+    // truncated in practice.
+    unsafe { memmap2::Mmap::map(&opened.file) }
+        .map_err(|err| tracing::debug!("cannot map {}: {err}", object.path()))
+        .ok()
+}
+
+/// For a large object (whose table takes seconds), its CFI read directly
+/// meanwhile (see [`DirectCfi`]); `None` for a small one, or one whose
+/// CFI cannot be read so.
+pub(super) fn direct_cfi(object: &MappedObject) -> Option<Arc<DirectCfi>> {
+    if code_bytes(object) < LARGE_OBJECT_BYTES {
+        return None;
+    }
+    match DirectCfi::new(map_object(object)?) {
+        Ok(direct) => Some(Arc::new(direct)),
+        Err(err) => {
+            tracing::debug!("{}: rules wait for its table: {err}", object.path());
+            None
+        }
     }
 }
 

@@ -52,7 +52,7 @@ use compiler::{Compiled, Compiler};
 
 use crate::{
     DEFAULT_MAX_DEPTH, ModuleAt, ModuleLookup, Registers, RuleCache, SampledStack, StackMemory,
-    TailSpan, UnsupportedCfi, UnwindEnd, UnwindTable, unwind_memory,
+    TailSpan, UnsupportedCfi, UnwindEnd, UnwindTable, table::DirectCfi, unwind_memory,
 };
 use agent_common::{SampleHeader, sample_flags};
 use process_state::WalkerTable;
@@ -391,6 +391,9 @@ pub struct WalkStats {
     pub table_cache_hits: u64,
     /// Walks that ended short because a table was still being compiled.
     pub table_pending: u64,
+    /// Rules read from a binary's CFI directly while its table compiled
+    /// (one per address a walk's step cache did not hold).
+    pub rules_read_directly: u64,
     /// Samples held for a table being compiled, and those that found the
     /// queue full.
     pub samples_queued: u64,
@@ -520,8 +523,9 @@ enum ModuleTable {
     Ready(Arc<UnwindTable>),
     /// No usable CFI: walk with frame pointers.
     NoCfi,
-    /// Being compiled in the background.
-    Pending(ObjectId),
+    /// Being compiled in the background; a large object's rules meanwhile
+    /// read from its CFI directly, where it has them.
+    Pending(ObjectId, Option<Arc<DirectCfi>>),
     /// The file could not be reached or identified (its process is gone
     /// and no root holds it): nothing to unwind with.
     Unreadable,
@@ -532,8 +536,11 @@ enum ModuleTable {
 struct KnownModules<'a> {
     process: &'a ProcessState,
     unknown: Cell<Option<u64>>,
-    /// The walk reached a module whose table is still being compiled.
+    /// The walk reached a module whose table is still being compiled, at
+    /// an address its CFI could not answer directly.
     pending: Cell<bool>,
+    /// Rules read from a compiling module's CFI directly.
+    read_directly: Cell<u64>,
 }
 
 impl ModuleLookup for KnownModules<'_> {
@@ -551,7 +558,14 @@ impl ModuleLookup for KnownModules<'_> {
                 frame_pointer_gaps: table.frame_pointer_gaps(),
             },
             ModuleTable::NoCfi => ModuleAt::NoCfi,
-            ModuleTable::Pending(_) => {
+            ModuleTable::Pending(_, direct) => {
+                let rule = direct
+                    .as_ref()
+                    .and_then(|direct| direct.rule_at(pc.checked_sub(module.bias)?));
+                if let Some(rule) = rule {
+                    self.read_directly.set(self.read_directly.get() + 1);
+                    return ModuleAt::Rule(rule);
+                }
                 self.pending.set(true);
                 ModuleAt::Unmapped
             }
@@ -1441,6 +1455,7 @@ impl StackWalker {
                 frame0_binary,
                 unknown_binary,
                 last_space,
+                stats,
                 ..
             } = self;
             let (slot, process) = processes.walker(tgid);
@@ -1460,6 +1475,7 @@ impl StackWalker {
                 process,
                 unknown: Cell::new(None),
                 pending: Cell::new(false),
+                read_directly: Cell::new(0),
             };
             memory.restart();
             let end = unwind_memory(
@@ -1472,6 +1488,7 @@ impl StackWalker {
                 frames,
             );
             let (unknown, pending) = (known.unknown.get(), known.pending.get());
+            stats.rules_read_directly += known.read_directly.get();
             let resolvable = end == UnwindEnd::Unmapped
                 && !pending
                 && resolves < MAX_RESOLVES_PER_WALK
@@ -1548,7 +1565,7 @@ impl StackWalker {
                         let before = process.modules.len();
                         process
                             .modules
-                            .retain(|m| !matches!(m.table, ModuleTable::Pending(p) if p == id));
+                            .retain(|m| !matches!(m.table, ModuleTable::Pending(p, _) if p == id));
                         if process.modules.len() != before {
                             // A changed list is a new space (see `Walk::space`).
                             self.spaces += 1;
@@ -1561,7 +1578,7 @@ impl StackWalker {
                 }
             };
             for module in processes.walkers_mut().flat_map(|p| p.modules.iter_mut()) {
-                if matches!(module.table, ModuleTable::Pending(p) if p == id) {
+                if matches!(module.table, ModuleTable::Pending(p, _) if p == id) {
                     module.table = table.clone();
                 }
             }
@@ -1594,7 +1611,7 @@ impl StackWalker {
                             // The compiler's queue is full: a later sample retries.
                             return Resolved::Nothing;
                         }
-                        let pending = ModuleTable::Pending(id);
+                        let pending = ModuleTable::Pending(id, compiler::direct_cfi(&object));
                         self.tables
                             .insert(id, pending.clone(), self.table_cache_bytes);
                         pending
@@ -2238,6 +2255,7 @@ mod tests {
             process: &process,
             unknown: Cell::new(None),
             pending: Cell::new(false),
+            read_directly: Cell::new(0),
         };
         assert!(matches!(known.module_for(0x1800), ModuleAt::NoCfi));
         assert!(matches!(known.module_for(0x9000), ModuleAt::Unmapped));
