@@ -139,17 +139,18 @@ pub const MAX_USER_STACK_BYTES: u32 = 32 * 1024;
 /// threads whose deep frames change too fast (or are too many) for a stack
 /// tail, such as compilers. A deep record is reserved in the ring buffer at
 /// its class's size and read into directly (no scratch slot, no second copy).
-pub const MAX_DEEP_STACK_BYTES: u32 = 1 << 20;
+pub const MAX_DEEP_STACK_BYTES: u32 = 2 << 20;
 /// User stack bytes a deep record has room for, smallest first, doubling:
 /// a deep copy takes the smallest class that holds it (see
 /// [`reserved_record_bytes`]), so at most half of its ring space is padding.
-pub const DEEP_COPY_CLASSES: [u32; 7] = [
+pub const DEEP_COPY_CLASSES: [u32; 8] = [
     16 << 10,
     32 << 10,
     64 << 10,
     128 << 10,
     256 << 10,
     512 << 10,
+    1 << 20,
     MAX_DEEP_STACK_BYTES,
 ];
 

@@ -32,7 +32,7 @@
 //! stack, hundreds of KB deep and reshaped every millisecond) gets a deep
 //! copy instead: its whole stack, up to the stack's end the agent learned,
 //! read in one helper call straight into a ring buffer reservation of the
-//! smallest deep class (16 KiB to 1 MiB, doubling) that holds it. The
+//! smallest deep class (16 KiB to 2 MiB, doubling) that holds it. The
 //! reservation spares a megabyte-sized scratch slot per CPU and the second
 //! copy; its unused end is padding the agent skips. A thread deeper than
 //! the usual copy that the agent has not learned yet is copied deep up to
@@ -885,7 +885,7 @@ fn deep_sample<C: EbpfContext>(
     let len = (stack_end - regs.rsp).min(u64::from(limit)) as u32;
     // Classes above the configured size are never taken (the verifier,
     // which sees that size, skips them).
-    in_smallest_class!(len, DEEP_COPY_CLASSES, [0, 1, 2, 3, 4, 5, 6], |CLASS| {
+    in_smallest_class!(len, DEEP_COPY_CLASSES, [0, 1, 2, 3, 4, 5, 6, 7], |CLASS| {
         reserved_copy::<C, CLASS, true, true>(ctx, ids, flags, regs, len)
     })
 }

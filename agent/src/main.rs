@@ -59,11 +59,13 @@ struct Args {
     /// tails (for comparison; deep stacks then stop at the copy).
     #[arg(long)]
     fixed_stack_copy: bool,
-    /// Most bytes of a deep copy (0 or 4096-1048576): a thread whose deep
+    /// Most bytes of a deep copy (0 or 4096-2097152): a thread whose deep
     /// frames move too fast for a stack tail (a compiler, hundreds of KB of
     /// stack reshaped every millisecond) has its whole stack copied, up to
     /// this, in one read per tick. About 1 us of CPU per 10 KB copied, and
-    /// only for such threads; 0 leaves them truncated instead.
+    /// only for such threads; 0 leaves them truncated instead. The sample
+    /// ring holds three of the largest: 2 MiB ones take 8 MiB of ring
+    /// (16 MB of RSS) on a host of fewer than 4 CPUs, 1 MiB ones 4 MiB.
     #[arg(long, default_value_t = agent_common::MAX_DEEP_STACK_BYTES)]
     deep_stack_bytes: u32,
     /// Most frames per user stack.
@@ -551,7 +553,12 @@ fn export_config(args: &Args, memory: &MemoryBudget) -> anyhow::Result<Option<Ex
 /// given, is the export queue's share.
 fn memory_budget(args: &Args) -> anyhow::Result<MemoryBudget> {
     let (limit, source) = memory::resolve_limit(args.memory_limit);
-    let ring = stackscope_sampler::ring_buffer_rss().unwrap_or(8 << 20);
+    let deep_stack_bytes = if args.fixed_stack_copy {
+        0
+    } else {
+        args.deep_stack_bytes
+    };
+    let ring = stackscope_sampler::ring_buffer_rss(deep_stack_bytes).unwrap_or(16 << 20);
     let fixed: Vec<_> = args
         .max_queue_bytes
         .map(|bytes| (Consumer::ExportQueue, bytes))

@@ -26,9 +26,9 @@ use std::{
 };
 
 use agent_common::{
-    COMM_LEN, COUNTER_SLOTS, CgroupPolicy, Counter, MAX_ALLOW_ENTRIES, MAX_DEEP_STACK_BYTES,
-    MAX_USER_STACK_BYTES, PAGE_SIZE, PythonProcess, StackPlan, StackTop, names,
-    reserved_record_bytes,
+    COMM_LEN, COUNTER_SLOTS, CgroupPolicy, Counter, DEEP_COPY_CLASSES, MAX_ALLOW_ENTRIES,
+    MAX_DEEP_STACK_BYTES, MAX_USER_STACK_BYTES, PAGE_SIZE, PythonProcess, StackPlan, StackTop,
+    names, reserved_record_bytes,
 };
 use aya::{
     Btf, Ebpf, EbpfLoader,
@@ -360,7 +360,7 @@ impl Sampler {
         let filter_cgroups = u8::from(config.filter_cgroups);
         let cgroup_policies = u8::from(config.filter_cgroups || config.cgroup_budgets);
         let log_level = bpf_log_level(config.bpf_log_level);
-        let ring_bytes = ring_buffer_bytes(cpu_slots);
+        let ring_bytes = ring_buffer_bytes(cpu_slots, deep);
         // Without the layout samples carry no process start time; process
         // identity then rests on the exec and exit records alone.
         let layout = task_layout::TaskLayout::of_running_kernel()
@@ -958,14 +958,18 @@ where
     M::try_from(map).map_err(|source| SamplerError::Map { name, source })
 }
 
-/// What the sample ring buffer adds to the agent's RSS on this host: its
-/// pages are mapped twice. `None` when the CPUs cannot be listed.
-pub fn ring_buffer_rss() -> Option<u64> {
+/// What the sample ring buffer adds to the agent's RSS on this host with
+/// deep copies of at most `deep_stack_bytes`: its pages are mapped twice.
+/// `None` when the CPUs cannot be listed.
+pub fn ring_buffer_rss(deep_stack_bytes: u32) -> Option<u64> {
     let cpus = nr_cpus().ok()?;
-    Some(2 * u64::from(ring_buffer_bytes(cpus)))
+    Some(2 * u64::from(ring_buffer_bytes(cpus, deep_stack_bytes)))
 }
 
-/// Ring buffer size: 2 MiB per CPU and at least [`MIN_RING_BYTES`], a power
+/// Ring buffer size: 2 MiB per CPU, at least [`MIN_RING_BYTES`] and room
+/// for three of the largest deep copies `deep_stack_bytes` allows (each
+/// reserves its class's [`reserved_record_bytes`] plus the ring's 8-byte
+/// record header: with 2 MiB ones, 8 MiB on a host of 2 CPUs), a power
 /// of two as the kernel requires. At 997 Hz a CPU produces ~5.5 MB/s with
 /// busy.c's adaptive copies, so a reader woken at a quarter full has
 /// hundreds of milliseconds of slack; ~33 MB/s if every tick copied the
@@ -973,19 +977,25 @@ pub fn ring_buffer_rss() -> Option<u64> {
 /// the ring's pages twice into the agent, all of them at once, so every
 /// MiB here is two of the agent's RSS (8 MiB was 16 MB, a quarter of its
 /// RSS at 997 Hz on 2 CPUs).
-fn ring_buffer_bytes(cpus: usize) -> u32 {
+fn ring_buffer_bytes(cpus: usize, deep_stack_bytes: u32) -> u32 {
+    let deep_class = DEEP_COPY_CLASSES
+        .into_iter()
+        .find(|&class| class >= deep_stack_bytes)
+        .unwrap_or(MAX_DEEP_STACK_BYTES);
+    let deep_records = if deep_stack_bytes == 0 {
+        0
+    } else {
+        3 * (reserved_record_bytes(deep_class, true) as usize + 8)
+    };
     let wanted = (cpus * (2 << 20))
         .max(MIN_RING_BYTES as usize)
+        .max(deep_records)
         .next_power_of_two();
     u32::try_from(wanted).unwrap_or(1 << 30).min(1 << 30)
 }
 
-/// The smallest ring: three of the largest deep copies fit (each reserves
-/// its class's [`reserved_record_bytes`] plus the ring's 8-byte record
-/// header).
+/// The smallest ring.
 const MIN_RING_BYTES: u32 = 4 << 20;
-const _: () =
-    assert!(MIN_RING_BYTES >= 3 * (reserved_record_bytes(MAX_DEEP_STACK_BYTES, true) + 8));
 
 /// aya-log level numbers: error = 1 … trace = 5.
 fn bpf_log_level(level: tracing::Level) -> u8 {
@@ -1069,10 +1079,13 @@ mod tests {
     #[test]
     fn the_ring_follows_the_cpus() {
         const MIB: u32 = 1 << 20;
-        assert_eq!(ring_buffer_bytes(1), 4 * MIB);
-        assert_eq!(ring_buffer_bytes(2), 4 * MIB);
-        assert_eq!(ring_buffer_bytes(3), 8 * MIB);
-        assert_eq!(ring_buffer_bytes(64), 128 * MIB);
-        assert_eq!(ring_buffer_bytes(100_000), 1 << 30);
+        // Three 1 MiB deep copies fit in 4 MiB, three of 2 MiB in 8 MiB.
+        assert_eq!(ring_buffer_bytes(1, 0), 4 * MIB);
+        assert_eq!(ring_buffer_bytes(2, MIB), 4 * MIB);
+        assert_eq!(ring_buffer_bytes(2, MIB + 8), 8 * MIB);
+        assert_eq!(ring_buffer_bytes(2, MAX_DEEP_STACK_BYTES), 8 * MIB);
+        assert_eq!(ring_buffer_bytes(3, 0), 8 * MIB);
+        assert_eq!(ring_buffer_bytes(64, MAX_DEEP_STACK_BYTES), 128 * MIB);
+        assert_eq!(ring_buffer_bytes(100_000, 0), 1 << 30);
     }
 }

@@ -673,7 +673,6 @@ const SHORT_RUN_MS: &str = "700";
 
 #[test]
 fn a_short_lived_deep_process_the_agent_has_never_seen_reaches_the_root_from_its_first_tick() {
-    require_root();
     // A fresh sampler and walker, nothing learned, no program known to be
     // deep: the process is new to them (a shell that execs the fixture
     // once they sample it), and its threads are 300 frames deep from
@@ -681,10 +680,55 @@ fn a_short_lived_deep_process_the_agent_has_never_seen_reaches_the_root_from_its
     // are. Each tick of a thread not learned yet is copied to its stack's
     // end (the thread pointer), so its walks reach the root before the
     // agent has seen any of them.
+    short_lived_deep_process(ShortRun {
+        depth: SHORT_RUN_DEPTH,
+        threads: SHORT_RUN_THREADS,
+        run_ms: SHORT_RUN_MS,
+        frequency_hz: 199,
+    });
+}
+
+#[test]
+fn a_short_lived_process_more_than_one_mib_deep_reaches_the_root() {
+    // As above, 850 steps deep: about 1.4 MB of stack (each step 600 or
+    // 2,600 bytes of locals at random, ~1.66 KB on average), past a 1 MiB
+    // copy and within the largest deep class (a compiler recursing
+    // through a deeply nested crate runs 1-1.5 MiB deep). Two threads at
+    // 99 Hz: more would leave the test's own reader, unoptimised, so
+    // little CPU that the 2 MiB records fill the ring before it drains
+    // them (the release agent, three threads at 199 Hz: 278 of 278).
+    short_lived_deep_process(ShortRun {
+        depth: 850,
+        threads: "2",
+        run_ms: "1500",
+        frequency_hz: 99,
+    });
+}
+
+/// One run of `deep_churn`'s short-lived process (see
+/// [`short_lived_deep_process`]).
+struct ShortRun {
+    depth: usize,
+    threads: &'static str,
+    run_ms: &'static str,
+    frequency_hz: u64,
+}
+
+/// Runs `deep_churn`'s short-lived process (see the tests above) under a
+/// fresh sampler and walker, and checks that [`MIN_ROOT_SHARE`] of its
+/// threads' walks reach the root.
+fn short_lived_deep_process(run: ShortRun) {
+    let ShortRun {
+        depth,
+        threads,
+        run_ms,
+        frequency_hz,
+    } = run;
+    require_root();
     let fixture = Fixture::compile("deep_churn", &["-pthread"]);
     let _serial = exclusive();
     let script = format!(
-        "echo ready; read go; exec {} {SHORT_RUN_DEPTH} {SHORT_RUN_MS} threads {SHORT_RUN_THREADS}",
+        "echo ready; read go; exec {} {depth} {run_ms} threads {threads}",
         fixture.path.display()
     );
     let mut process = RunningProcess::start_ready(
@@ -701,12 +745,12 @@ fn a_short_lived_deep_process_the_agent_has_never_seen_reaches_the_root_from_its
         go.write_all(b"go\n").expect("starting the fixture");
     });
     let config = SamplerConfig {
-        frequency_hz: 199,
+        frequency_hz,
         pids: vec![pid],
         drain_interval: FEED_DRAIN_INTERVAL,
         ..SamplerConfig::default()
     };
-    let (walks, counters) = walk_live(&config, Duration::from_secs(3));
+    let (walks, counters) = walk_live(&config, Duration::from_secs(4));
     starter.join().expect("the starter");
     let mut names = FrameNames::new(pid);
     let outer = ["churn_thread", LIBC, LIBC];
@@ -720,16 +764,11 @@ fn a_short_lived_deep_process_the_agent_has_never_seen_reaches_the_root_from_its
         }
         threads.insert(walk.tid);
         total += 1;
-        whole += usize::from(churn_walk_of_depth_is_whole(
-            walk,
-            &named,
-            &outer,
-            SHORT_RUN_DEPTH,
-        ));
+        whole += usize::from(churn_walk_of_depth_is_whole(walk, &named, &outer, depth));
     }
     let share = whole as f64 / total.max(1) as f64;
     eprintln!(
-        "short deep process: {whole} of {total} walks of {} threads reached the root ({:.1}%); \
+        "short process {depth} deep: {whole} of {total} walks of {} threads reached the root ({:.1}%); \
          {} deep copies, {} fell back",
         threads.len(),
         100.0 * share,

@@ -117,8 +117,9 @@ fn hostile_processes_leave_the_agent_bounded_and_still_naming() {
     .collect();
     let metrics = format!("127.0.0.1:{}", free_port());
     let images_before = exec_images(exec_run.pid());
-    let memory_limit =
-        (MEMORY_LIMIT_MIB << 20) + stackscope_sampler::ring_buffer_rss().expect("the CPUs listed");
+    let memory_limit = (MEMORY_LIMIT_MIB << 20)
+        + stackscope_sampler::ring_buffer_rss(agent_common::MAX_DEEP_STACK_BYTES)
+            .expect("the CPUs listed");
     let agent = Command::new(workspace_binary("stackscope-agent"))
         .args(["--collector", &collector.grpc])
         .args(pids.iter().flat_map(|pid| ["--pid", pid.as_str()]))
