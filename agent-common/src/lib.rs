@@ -706,11 +706,16 @@ pub enum Counter {
     OffCpuFailed = 17,
     /// Switch-in records written (an off-CPU sample's thread ran again).
     SwitchIns = 18,
+    /// Ticks in kernel mode of a thread whose process has no address space
+    /// any more (it is exiting and its memory is being freed): no user
+    /// stack is left to read, so they are sampled as a kernel thread's
+    /// (kernel stack alone).
+    AddressSpaceGone = 19,
 }
 
 impl Counter {
     /// Every counter, in index order.
-    pub const ALL: [Counter; 19] = [
+    pub const ALL: [Counter; 20] = [
         Counter::Samples,
         Counter::RingBufferFull,
         Counter::CopyFailed,
@@ -730,6 +735,7 @@ impl Counter {
         Counter::OffCpuSamples,
         Counter::OffCpuFailed,
         Counter::SwitchIns,
+        Counter::AddressSpaceGone,
     ];
 }
 

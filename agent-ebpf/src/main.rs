@@ -1650,7 +1650,10 @@ impl From<&pt_regs> for UserRegs {
 
 /// The user registers the current task saved on kernel entry, when the tick
 /// hit kernel mode. `None` for kernel threads: their saved frame is not a user
-/// one (its `cs` is not user mode).
+/// one (its `cs` is not user mode); and for a thread whose process has let
+/// go of its address space (`task->mm` is null: it is exiting, its memory
+/// being freed, a large share of a loop of short compiles' ticks), whose
+/// saved frame points into memory that is gone.
 fn saved_user_regs() -> Option<UserRegs> {
     // SAFETY: both helpers take and return pointers owned by the kernel; the
     // saved frame is read with a fault-tolerant probe read.
@@ -1659,7 +1662,32 @@ fn saved_user_regs() -> Option<UserRegs> {
         let regs = bpf_task_pt_regs(task) as *const pt_regs;
         bpf_probe_read_kernel(regs).ok()?
     };
-    (regs.cs & 3 == USER_RPL).then(|| UserRegs::from(&regs))
+    if regs.cs & 3 != USER_RPL {
+        return None;
+    }
+    if address_space_gone() {
+        count(Counter::AddressSpaceGone);
+        return None;
+    }
+    Some(UserRegs::from(&regs))
+}
+
+/// Whether the current task's `mm` is null (known only when the agent
+/// found its offset in BTF).
+#[inline(always)]
+fn address_space_gone() -> bool {
+    let offset = TASK_MM_OFFSET.load();
+    if offset == 0 {
+        return false;
+    }
+    // SAFETY: a fault-tolerant kernel read of the current task's field.
+    unsafe {
+        let task = bpf_get_current_task() as *const u8;
+        matches!(
+            bpf_probe_read_kernel(task.add(offset as usize).cast::<u64>()),
+            Ok(0)
+        )
+    }
 }
 
 struct StackCopy {

@@ -252,6 +252,9 @@ pub struct Counters {
     pub samples: u64,
     pub ring_buffer_full: u64,
     pub copy_failed: u64,
+    /// Kernel-mode ticks of a thread whose process had no address space
+    /// left (exiting), sampled by their kernel stack alone.
+    pub address_space_gone: u64,
     pub filtered: u64,
     pub idle: u64,
     pub budgeted: u64,
@@ -686,6 +689,7 @@ impl Sampler {
             samples: totals[Counter::Samples as usize],
             ring_buffer_full: totals[Counter::RingBufferFull as usize],
             copy_failed: totals[Counter::CopyFailed as usize],
+            address_space_gone: totals[Counter::AddressSpaceGone as usize],
             filtered: totals[Counter::Filtered as usize],
             idle: totals[Counter::Idle as usize],
             budgeted: totals[Counter::Budgeted as usize],

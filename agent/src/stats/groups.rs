@@ -252,6 +252,14 @@ const SAMPLING: &[Stat] = &[
         )],
     ),
     Stat::counter(
+        "address_space_gone_ticks",
+        "Kernel-mode ticks of threads whose process had no address space left (exiting): sampled by their kernel stack alone.",
+        &[Series::one(
+            "/kernel/address_space_gone",
+            field!(kernel.address_space_gone),
+        )],
+    ),
+    Stat::counter(
         "samples_read",
         "Sample records read from the ring buffer.",
         &[Series::one("/reader/samples", |t| {

@@ -155,6 +155,7 @@ mod tests {
         "/kernel/samples",
         "/kernel/ring_buffer_full",
         "/kernel/copy_failed",
+        "/kernel/address_space_gone",
         "/kernel/filtered",
         "/kernel/idle",
         "/kernel/budgeted",

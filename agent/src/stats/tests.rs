@@ -33,6 +33,7 @@ pub(crate) fn every_figure_distinct() -> RunTotals {
             samples: n(),
             ring_buffer_full: n(),
             copy_failed: n(),
+            address_space_gone: n(),
             filtered: n(),
             idle: n(),
             budgeted: n(),

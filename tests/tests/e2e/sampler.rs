@@ -4,6 +4,7 @@
 use std::{
     collections::HashMap,
     os::unix::fs::{FileExt as _, MetadataExt as _},
+    os::unix::process::CommandExt as _,
     process::{Command, Stdio},
     time::Duration,
 };
@@ -648,6 +649,54 @@ fn reports_exec_and_exit_of_processes_in_order_with_samples() {
             "a sample of the fixture lies outside its exec..exit"
         );
     }
+}
+
+#[test]
+fn a_thread_whose_address_space_is_gone_is_sampled_by_its_kernel_stack() {
+    require_root();
+    let _serial = exclusive();
+    // Processes that fill 400 MB and exit (os._exit: no finalization
+    // frees it first): freeing it takes each tens of milliseconds in the
+    // kernel after its memory is let go of (`mm` is null), when no user
+    // stack is left to read.
+    let script =
+        "while :; do python3 -c 'import os; b = bytes(1) * 400_000_000; os._exit(0)'; done";
+    let mut shell = std::process::Command::new("sh")
+        .args(["-c", script])
+        .process_group(0)
+        .spawn()
+        .expect("starting the shell");
+    let config = SamplerConfig {
+        frequency_hz: 997,
+        ..SamplerConfig::default()
+    };
+    let recorded = sample_for(&config, Duration::from_secs(4));
+    // The shell and whatever pipeline it runs.
+    let killed = std::process::Command::new("kill")
+        .args(["-KILL", "--", &format!("-{}", shell.id())])
+        .status()
+        .expect("running kill");
+    assert!(killed.success(), "killing the shell's process group");
+    shell.wait().expect("reaping the shell");
+    let gone = recorded.counters.address_space_gone;
+    eprintln!(
+        "{gone} ticks of threads without an address space; {} copies read nothing",
+        recorded.counters.copy_failed
+    );
+    assert!(
+        gone > 0,
+        "no tick in an exiting process: {:?}",
+        recorded.counters
+    );
+    // They are kernel-only samples, as a kernel thread's: no user registers
+    // and, as none is read, no failed copy counted for them.
+    let kernel_only = recorded
+        .samples
+        .iter()
+        .filter(|s| s.header.flags & sample_flags::USER_REGS == 0 && s.header.tgid != 0)
+        .filter(|s| s.header.comm.starts_with(b"python3\0"))
+        .count();
+    assert!(kernel_only > 0, "no kernel-only sample of python3");
 }
 
 fn agent_binary() -> std::path::PathBuf {
