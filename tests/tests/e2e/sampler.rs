@@ -655,14 +655,13 @@ fn reports_exec_and_exit_of_processes_in_order_with_samples() {
 fn a_thread_whose_address_space_is_gone_is_sampled_by_its_kernel_stack() {
     require_root();
     let _serial = exclusive();
-    // Processes that fill 400 MB and exit (os._exit: no finalization
-    // frees it first): freeing it takes each tens of milliseconds in the
-    // kernel after its memory is let go of (`mm` is null), when no user
-    // stack is left to read.
-    let script =
-        "while :; do python3 -c 'import os; b = bytes(1) * 400_000_000; os._exit(0)'; done";
+    // Processes that fill 128 MB and exit at once: the kernel frees it
+    // after they let go of their address space (`mm` is null), when no
+    // user stack is left to read.
+    let fixture = Fixture::compile("exit_big", &[]);
+    let script = format!("while :; do {} 128; done", fixture.path.display());
     let mut shell = std::process::Command::new("sh")
-        .args(["-c", script])
+        .args(["-c", &script])
         .process_group(0)
         .spawn()
         .expect("starting the shell");
@@ -694,9 +693,9 @@ fn a_thread_whose_address_space_is_gone_is_sampled_by_its_kernel_stack() {
         .samples
         .iter()
         .filter(|s| s.header.flags & sample_flags::USER_REGS == 0 && s.header.tgid != 0)
-        .filter(|s| s.header.comm.starts_with(b"python3\0"))
+        .filter(|s| s.header.comm.starts_with(b"exit_big\0"))
         .count();
-    assert!(kernel_only > 0, "no kernel-only sample of python3");
+    assert!(kernel_only > 0, "no kernel-only sample of exit_big");
 }
 
 fn agent_binary() -> std::path::PathBuf {
