@@ -74,6 +74,12 @@ pub mod sample_flags {
     /// that time says when it came back, and so how long the stack waited.
     /// The registers are the ones it saved on entering the kernel.
     pub const OFF_CPU: u32 = 1 << 7;
+    /// A deep copy read page by page because its one read faulted: pages
+    /// it could not read (never touched: a large local array's untouched
+    /// part) hold zeros. A page that held a return address or a saved
+    /// register was written, so it was read; the walker treats an all-zero
+    /// page of such a copy as unread.
+    pub const COPY_HOLES: u32 = 1 << 8;
 }
 
 /// User stack bytes a direct record (see [`sample_flags::DIRECT_COPY`]) has
@@ -711,11 +717,14 @@ pub enum Counter {
     /// stack is left to read, so they are sampled as a kernel thread's
     /// (kernel stack alone).
     AddressSpaceGone = 19,
+    /// Deep copies whose one read faulted, read again page by page around
+    /// the pages that could not be read (see [`sample_flags::COPY_HOLES`]).
+    DeepCopiesWithHoles = 20,
 }
 
 impl Counter {
     /// Every counter, in index order.
-    pub const ALL: [Counter; 20] = [
+    pub const ALL: [Counter; 21] = [
         Counter::Samples,
         Counter::RingBufferFull,
         Counter::CopyFailed,
@@ -736,6 +745,7 @@ impl Counter {
         Counter::OffCpuFailed,
         Counter::SwitchIns,
         Counter::AddressSpaceGone,
+        Counter::DeepCopiesWithHoles,
     ];
 }
 

@@ -154,6 +154,12 @@ static OFF_CPU_RATE: PerCpuArray<OffCpuRate> = PerCpuArray::with_max_entries(1, 
 static PYTHON_PROCESSES: HashMap<u32, PythonProcess> =
     HashMap::with_max_entries(MAX_PYTHON_PROCESSES, 0);
 
+/// Per CPU: how far a paged deep copy got (see [`paged_copy`]): bytes
+/// done and pages not read. In a map, not on the stack, so the verifier
+/// sees no new state in each step of the loop (it would follow all 513).
+#[map(name = "PAGED_COPY")]
+static PAGED_COPY: PerCpuArray<[u32; 2]> = PerCpuArray::with_max_entries(1, 0);
+
 /// Per CPU: a Python stack record being assembled, and the frame read last.
 #[map(name = "PYTHON_SCRATCH")]
 static PYTHON_SCRATCH: PerCpuArray<PythonScratch> = PerCpuArray::with_max_entries(1, 0);
@@ -933,9 +939,25 @@ fn reserved_copy<C: EbpfContext, const BYTES: u32, const KERNEL_ROOM: bool, cons
             regs.rsp as *const c_void,
         )
     };
+    let mut len = len;
     if ret < 0 {
-        entry.discard(u64::from(BPF_RB_NO_WAKEUP));
-        return false;
+        // A deep copy's one read fails whole on any page it cannot read:
+        // read it again page by page around those (see `paged_copy`).
+        // SAFETY: `offset` is where the user stack goes in the record.
+        let paged = if DEEP {
+            unsafe { paged_copy::<BYTES>(record.add(offset), regs.rsp, len) }
+        } else {
+            None
+        };
+        let Some(read) = paged else {
+            entry.discard(u64::from(BPF_RB_NO_WAKEUP));
+            return false;
+        };
+        if read.holes > 0 {
+            flags |= sample_flags::COPY_HOLES;
+            count(Counter::DeepCopiesWithHoles);
+        }
+        len = read.len;
     }
     let kind = if DEEP {
         sample_flags::DEEP_COPY
@@ -951,6 +973,104 @@ fn reserved_copy<C: EbpfContext, const BYTES: u32, const KERNEL_ROOM: bool, cons
     count(Counter::Samples);
     entry.submit(wakeup_flag(unread, size as u64));
     true
+}
+
+/// What [`paged_copy`]'s steps read, and where they are: the same at
+/// every step.
+struct PagedCopy {
+    /// Where the user stack goes in the reservation.
+    dst: *mut u8,
+    rsp: u64,
+    len: u32,
+    /// This CPU's `PAGED_COPY` slot: bytes done so far (read or not), and
+    /// pages (or parts) that could not be read (the helper zeroed them).
+    progress: *mut [u32; 2],
+}
+
+/// How a paged copy ended: `len` bytes from `rsp` (a page at the class's
+/// very end may be left out), `holes` of their pages zeros.
+struct PagedRead {
+    len: u32,
+    holes: u32,
+}
+
+/// Reads `len` bytes of user stack from `rsp` into `dst` (a class-`BYTES`
+/// deep record's stack area) page by page, each page that cannot be read
+/// left zeroed (pages inside the live stack that the thread never touched
+/// are not present, and the fault-tolerant read cannot bring them in).
+/// `None` when `rsp`'s own page cannot be read: the walk would have
+/// nothing. Through `bpf_loop`, so the verifier checks one step, not 513.
+///
+/// # Safety
+/// `dst` must have room for `BYTES` bytes.
+#[inline(always)]
+unsafe fn paged_copy<const BYTES: u32>(dst: *mut u8, rsp: u64, len: u32) -> Option<PagedRead> {
+    let progress = PAGED_COPY.get_ptr_mut(0)?;
+    // SAFETY: this CPU's slot; the program does not nest on a CPU.
+    unsafe { progress.write_volatile([0, 0]) };
+    let mut copy = PagedCopy {
+        dst,
+        rsp,
+        len,
+        progress,
+    };
+    // SAFETY: the callback is a function of the program; `copy` outlives
+    // the call.
+    unsafe {
+        bpf_loop(
+            MAX_DEEP_STACK_BYTES / PAGE_SIZE + 1,
+            paged_copy_step::<BYTES> as *mut c_void,
+            core::ptr::addr_of_mut!(copy).cast(),
+            0,
+        )
+    };
+    // SAFETY: as above.
+    let [done, holes] = unsafe { progress.read_volatile() };
+    // The first page read: a step that fails there stops with nothing done.
+    (done > 0).then_some(PagedRead { len: done, holes })
+}
+
+/// One page of [`paged_copy`]: 0 to go on, 1 to stop.
+extern "C" fn paged_copy_step<const BYTES: u32>(_index: u32, copy: *mut c_void) -> i64 {
+    // SAFETY: `paged_copy` passes its `PagedCopy`.
+    let copy = unsafe { &*copy.cast::<PagedCopy>() };
+    // SAFETY: `paged_copy`'s slot of this CPU.
+    let [done, holes] = unsafe { copy.progress.read_volatile() };
+    if done >= copy.len {
+        return 1;
+    }
+    let addr = copy.rsp + u64::from(done);
+    let to_page_end = PAGE_SIZE - (addr as u32 & (PAGE_SIZE - 1));
+    // Bounds the verifier can use, as in `copy_user_stack`: at most a
+    // page, at most `BYTES` in all (a class is a power of two). The last
+    // page of a copy that ends within a page of its class's end is left
+    // out: the verifier cannot relate the two bounds.
+    let chunk = opaque(to_page_end.min(copy.len - done)) & (2 * PAGE_SIZE - 1);
+    let at = opaque(done) & (BYTES - 1);
+    if chunk == 0 || chunk > PAGE_SIZE || at > BYTES - PAGE_SIZE {
+        return 1;
+    }
+    // SAFETY: at + chunk <= BYTES, the room `dst` has; the source is user
+    // memory read with the fault-tolerant helper, which zeroes the
+    // destination when it fails.
+    let ret = unsafe {
+        bpf_probe_read_user(
+            copy.dst.add(at as usize).cast::<c_void>(),
+            chunk,
+            addr as *const c_void,
+        )
+    };
+    let holes = if ret < 0 {
+        if done == 0 {
+            return 1;
+        }
+        holes + 1
+    } else {
+        holes
+    };
+    // SAFETY: as above.
+    unsafe { copy.progress.write_volatile([done + chunk, holes]) };
+    0
 }
 
 /// Writes the CPython frames of the current thread as a Python stack

@@ -265,6 +265,9 @@ pub struct Counters {
     /// Whole-stack copies of threads with a deep plan, or of deep
     /// programs' threads not learned yet.
     pub deep_copies: u64,
+    /// Of those, the ones read page by page around pages that could not
+    /// be read (see `sample_flags::COPY_HOLES`).
+    pub deep_copies_with_holes: u64,
     /// Ticks of such threads that fell back to the usual copy.
     pub deep_copy_fallbacks: u64,
     /// Records that woke the reader early (unlearned threads of programs
@@ -696,6 +699,7 @@ impl Sampler {
             user_stack_bytes: totals[Counter::UserStackBytes as usize],
             tail_spans: totals[Counter::TailSpans as usize],
             deep_copies: totals[Counter::DeepCopies as usize],
+            deep_copies_with_holes: totals[Counter::DeepCopiesWithHoles as usize],
             deep_copy_fallbacks: totals[Counter::DeepCopyFallbacks as usize],
             early_wakeups: totals[Counter::EarlyWakeups as usize],
             direct_copy_fallbacks: totals[Counter::DirectCopyFallbacks as usize],

@@ -155,6 +155,9 @@ pub struct SampledStack<'a> {
     tail_reads: u32,
     /// One past the highest copy byte read.
     copy_reach: u64,
+    /// The copy has pages that could not be read, left as zeros (see
+    /// [`SampledStack::with_holes`]).
+    holes: bool,
 }
 
 impl<'a> SampledStack<'a> {
@@ -171,7 +174,29 @@ impl<'a> SampledStack<'a> {
             cursor: 0,
             tail_reads: 0,
             copy_reach: rsp,
+            holes: false,
         }
+    }
+
+    /// Marks a copy whose unreadable pages were left as zeros (a deep
+    /// copy read page by page: `COPY_HOLES`): a zero word read in a page
+    /// that is all zeros is not trusted, as if it were past the copy. A
+    /// page holding a return address or a saved register was written by
+    /// the thread, so it was readable and is not all zeros.
+    pub fn with_holes(mut self, holes: bool) -> Self {
+        self.holes = holes;
+        self
+    }
+
+    /// Whether the copy's page (by address) around `address` is all zeros.
+    fn in_zero_page(&self, address: u64) -> bool {
+        const PAGE: u64 = 4096;
+        let page = address & !(PAGE - 1);
+        let from = page.saturating_sub(self.copy.start) as usize;
+        let to = (page + PAGE).saturating_sub(self.copy.start) as usize;
+        let bytes =
+            &self.copy.bytes[from.min(self.copy.bytes.len())..to.min(self.copy.bytes.len())];
+        bytes.iter().all(|&byte| byte == 0)
     }
 
     /// Starts loading the first [`PREFETCH_BYTES`] of the copy into the
@@ -236,6 +261,7 @@ impl StackMemory for SampledStack<'_> {
     #[inline(always)]
     fn read_u64(&mut self, address: u64) -> Result<u64, UnwindEnd> {
         match self.copy.read_u64(address) {
+            Ok(0) if self.holes && self.in_zero_page(address) => Err(UnwindEnd::StackTruncated),
             Ok(word) => {
                 self.copy_reach = self.copy_reach.max(address + 8);
                 Ok(word)
@@ -894,6 +920,32 @@ mod tests {
         // A whole copy reads no tail.
         let (_, end, tail_reads, copy_read) = sampled_walk(64, &[(32, 16)]);
         assert_eq!((end, tail_reads, copy_read), (UnwindEnd::Outermost, 0, 48));
+    }
+
+    #[test]
+    fn a_zero_word_in_an_all_zero_page_of_a_copy_with_holes_is_not_trusted() {
+        // Three pages from a page-aligned rsp: words in the first and
+        // last, the middle one all zeros (a page the sampler could not
+        // read), and a zero word in the first.
+        const START: u64 = 0x7ffd_0000_0000;
+        let mut copy = vec![0u8; 3 * 4096];
+        copy[8..16].copy_from_slice(&0x1234u64.to_le_bytes());
+        copy[2 * 4096 + 8..2 * 4096 + 16].copy_from_slice(&0x5678u64.to_le_bytes());
+        let read = |holes: bool, address: u64| {
+            SampledStack::new(START, &copy, &[], &[])
+                .with_holes(holes)
+                .read_u64(address)
+        };
+        assert_eq!(read(true, START + 8), Ok(0x1234));
+        assert_eq!(read(true, START + 16), Ok(0), "a zero in a page with words");
+        assert_eq!(
+            read(true, START + 4096 + 64),
+            Err(UnwindEnd::StackTruncated),
+            "the unread page"
+        );
+        assert_eq!(read(true, START + 2 * 4096 + 8), Ok(0x5678));
+        // Without holes, zeros are what the stack held.
+        assert_eq!(read(false, START + 4096 + 64), Ok(0));
     }
 
     #[test]

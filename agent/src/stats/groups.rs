@@ -319,6 +319,14 @@ const SAMPLING: &[Stat] = &[
         )],
     ),
     Stat::counter(
+        "deep_copies_with_holes",
+        "Deep copies read page by page around stack pages never touched (their one read faulted).",
+        &[Series::one(
+            "/kernel/deep_copies_with_holes",
+            field!(kernel.deep_copies_with_holes),
+        )],
+    ),
+    Stat::counter(
         "deep_copy_fallbacks",
         "Ticks of deep-plan threads that fell back to the usual copy.",
         &[Series::one(

@@ -162,6 +162,7 @@ mod tests {
         "/kernel/user_stack_bytes",
         "/kernel/tail_spans",
         "/kernel/deep_copies",
+        "/kernel/deep_copies_with_holes",
         "/kernel/deep_copy_fallbacks",
         "/kernel/early_wakeups",
         "/kernel/direct_copy_fallbacks",

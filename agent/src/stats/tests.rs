@@ -40,6 +40,7 @@ pub(crate) fn every_figure_distinct() -> RunTotals {
             user_stack_bytes: n(),
             tail_spans: n(),
             deep_copies: n(),
+            deep_copies_with_holes: n(),
             deep_copy_fallbacks: n(),
             early_wakeups: n(),
             direct_copy_fallbacks: n(),

@@ -307,6 +307,58 @@ fn c_threads_at_64k_256k_and_1m_reach_the_root() {
 }
 
 #[test]
+fn a_stack_with_pages_never_touched_reaches_the_root_through_them() {
+    require_root();
+    // A C++ frame's large local array, only partly used (as in LLVM), leaves
+    // pages of the live stack never written: not present, so one read of
+    // the whole stack fails. The deep copy is read again page by page,
+    // those pages left as zeros, and walks go through them (`hole`'s
+    // return address lies above them).
+    let fixture = Fixture::compile("stack_hole", &["-fno-stack-clash-protection"]);
+    let _serial = exclusive();
+    const DEPTH: usize = 100;
+    let process = fixture.start(&[&DEPTH.to_string()]);
+    let pid = process.pid();
+    let config = SamplerConfig {
+        frequency_hz: 99,
+        pids: vec![pid],
+        ..SamplerConfig::default()
+    };
+    let (walks, counters) = walk_live(&config, Duration::from_secs(3));
+    let mut names = FrameNames::new(pid);
+    // spin, 50 downs, hole, 51 downs, main, then libc's start.
+    let mut expected = chain(&["spin"], "down", DEPTH / 2, &["hole"]);
+    expected.extend(chain(&[], "down", DEPTH / 2 + 1, &["main"]));
+    let ours: Vec<_> = walks.iter().filter(|w| w.tgid == pid).collect();
+    let whole = ours
+        .iter()
+        .filter(|w| {
+            let named = names.names(&w.frames);
+            assert!(
+                expected.starts_with(&named) || named.starts_with(&expected),
+                "a wrong frame: {named:?}"
+            );
+            w.outcome == OUTERMOST && named.starts_with(&expected)
+        })
+        .count();
+    eprintln!(
+        "stack_hole: {whole} of {} walks reached the root through the untouched pages; \
+         {} deep copies, {} with holes, {} fell back",
+        ours.len(),
+        counters.deep_copies,
+        counters.deep_copies_with_holes,
+        counters.deep_copy_fallbacks
+    );
+    assert!(counters.deep_copies_with_holes > 0, "{counters:?}");
+    assert!(ours.len() >= 100, "only {} walks", ours.len());
+    assert!(
+        whole as f64 >= MIN_ROOT_SHARE * ours.len() as f64,
+        "{whole} of {} walks reached the root",
+        ours.len()
+    );
+}
+
+#[test]
 fn a_rust_thread_with_a_16_mib_stack_reaches_the_root() {
     require_root();
     let fixture = Fixture::deep_rust();

@@ -1072,7 +1072,11 @@ impl StackWalker {
             copied: stack.copy.len() as u32,
             copy_at_top: header.flags & sample_flags::COPY_AT_TOP != 0,
             deep_copy: header.flags & sample_flags::DEEP_COPY != 0,
-            copy_faulted: header.flags & sample_flags::USER_STACK_FAULTED != 0,
+            // A copy with unread pages is one that faulted, for the counts
+            // of truncated walks and for learning (see `learn`).
+            copy_faulted: header.flags
+                & (sample_flags::USER_STACK_FAULTED | sample_flags::COPY_HOLES)
+                != 0,
             copy_bytes_read: self.last_copy_read,
             tail_reads: self.last_tail_reads,
             end,
@@ -1383,7 +1387,8 @@ impl StackWalker {
             return Ok(None);
         }
         let regs = registers(header);
-        let mut memory = SampledStack::new(regs.rsp, stack.copy, stack.spans, stack.tail);
+        let mut memory = SampledStack::new(regs.rsp, stack.copy, stack.spans, stack.tail)
+            .with_holes(header.flags & sample_flags::COPY_HOLES != 0);
         memory.prefetch();
         let mut frames = std::mem::take(&mut self.frames);
         let walked = self.walk_memory(

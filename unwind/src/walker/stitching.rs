@@ -130,7 +130,8 @@ pub struct WalkReport {
     pub copy_at_top: bool,
     /// The tick copied the whole stack (`DEEP_COPY`).
     pub deep_copy: bool,
-    /// The copy stopped at a page it could not read (`USER_STACK_FAULTED`).
+    /// The copy stopped at a page it could not read (`USER_STACK_FAULTED`),
+    /// or, a deep copy, has pages it could not read (`COPY_HOLES`).
     pub copy_faulted: bool,
     /// Bytes of the copy the walk read.
     pub copy_bytes_read: u64,
@@ -606,6 +607,11 @@ impl Planner {
         copy: &[u8],
         walk_again: impl FnOnce(&mut RemoteStack<'_>) -> UnwindEnd,
     ) {
+        // A deep copy with pages it could not read holds zeros a learning
+        // walk could take for words: nothing is learned from it.
+        if walk.deep_copy && walk.copy_faulted {
+            return;
+        }
         if walk.deep_copy && walk.end != UnwindEnd::StackTruncated {
             self.learn_from_deep_copy(walk, copy, walk_again);
             return;
