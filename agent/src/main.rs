@@ -265,6 +265,17 @@ struct Args {
     metrics_address: Option<std::net::SocketAddr>,
 }
 
+impl Args {
+    /// The most a deep copy reads: none with `--fixed-stack-copy`.
+    fn deep_copy_bytes(&self) -> u32 {
+        if self.fixed_stack_copy {
+            0
+        } else {
+            self.deep_stack_bytes
+        }
+    }
+}
+
 fn main() -> anyhow::Result<()> {
     let args = Args::parse();
     tracing_subscriber::fmt()
@@ -292,11 +303,7 @@ fn main() -> anyhow::Result<()> {
         sampler: SamplerConfig {
             frequency_hz: args.frequency,
             user_stack_bytes: args.stack_bytes,
-            deep_stack_bytes: if args.fixed_stack_copy {
-                0
-            } else {
-                args.deep_stack_bytes
-            },
+            deep_stack_bytes: args.deep_copy_bytes(),
             pids: args.pids.clone(),
             bpf_log_level: args.log_level,
             off_cpu: args.off_cpu.then_some(OffCpuConfig {
@@ -553,12 +560,7 @@ fn export_config(args: &Args, memory: &MemoryBudget) -> anyhow::Result<Option<Ex
 /// given, is the export queue's share.
 fn memory_budget(args: &Args) -> anyhow::Result<MemoryBudget> {
     let (limit, source) = memory::resolve_limit(args.memory_limit);
-    let deep_stack_bytes = if args.fixed_stack_copy {
-        0
-    } else {
-        args.deep_stack_bytes
-    };
-    let ring = stackscope_sampler::ring_buffer_rss(deep_stack_bytes).unwrap_or(16 << 20);
+    let ring = stackscope_sampler::ring_buffer_rss(args.deep_copy_bytes()).unwrap_or(16 << 20);
     let fixed: Vec<_> = args
         .max_queue_bytes
         .map(|bytes| (Consumer::ExportQueue, bytes))
