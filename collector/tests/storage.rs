@@ -752,6 +752,7 @@ fn a_version_1_database_is_upgraded_and_keeps_its_samples() {
                 "ALTER TABLE samples ADD COLUMN count INTEGER NOT NULL DEFAULT 1;
                  ALTER TABLE mappings DROP COLUMN code_segments;
                  DROP TABLE rollups; DROP TABLE rollup_spans; DROP TABLE pending_spans;
+                 DROP TABLE label_rollups; DROP TABLE label_rollup_sets;
                  DROP INDEX labels_by_name;
                  PRAGMA user_version = 1;",
             )
@@ -792,10 +793,45 @@ fn a_version_1_database_is_upgraded_and_keeps_its_samples() {
             version,
             has_column("samples", "count"),
             has_column("mappings", "code_segments"),
-            has_index("labels_by_name")
+            has_index("labels_by_name"),
+            has_column("rollup_spans", "has_cpu"),
         ),
-        (5, false, true, true)
+        (6, false, true, true, true)
     );
+}
+
+/// Version 5 rolled spans up without their labels: upgraded, its spans
+/// above the bucket are redone with them, and answers stay the same.
+#[test]
+fn a_version_5_database_rolls_its_history_up_again_with_labels() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let path = dir.path().join("stackscope.db");
+    let storage = open(&path);
+    ingest_all(&storage, &[batch1(), batch3()]);
+    assert_eq!(storage.compact(T0 + DAY).expect("compaction"), 4);
+    let node = all(&[("node", MatchOp::Equal, "node-a")]);
+    let (everything, one_node) = (weights(&storage, &all(&[])), weights(&storage, &node));
+    assert!(!one_node.is_empty() && one_node != everything);
+    drop(storage);
+    rusqlite::Connection::open(&path)
+        .and_then(|conn| {
+            conn.execute_batch(
+                "DROP TABLE label_rollups; DROP TABLE label_rollup_sets;
+                 ALTER TABLE rollup_spans DROP COLUMN has_cpu;
+                 PRAGMA user_version = 5;",
+            )
+        })
+        .expect("making a version 5 database");
+
+    let storage = open(&path);
+    assert_eq!(rows(&path, "rollup_spans"), 1, "the bucket's span is kept");
+    assert_eq!(rows(&path, "pending_spans"), 3, "10 min, 1 h, 1 day redone");
+    assert_eq!(weights(&storage, &all(&[])), everything);
+    assert_eq!(weights(&storage, &node), one_node);
+    assert_eq!(storage.compact(T0 + DAY).expect("compaction"), 3);
+    assert!(rows(&path, "label_rollups") > 0, "rolled up with labels");
+    assert_eq!(weights(&storage, &all(&[])), everything);
+    assert_eq!(weights(&storage, &node), one_node);
 }
 
 #[test]
@@ -820,13 +856,13 @@ fn incompatible_databases_are_refused() {
     );
 
     rusqlite::Connection::open(&path)
-        .and_then(|conn| conn.pragma_update(None, "user_version", 6))
+        .and_then(|conn| conn.pragma_update(None, "user_version", 7))
         .expect("set a newer version");
     let err = SqliteStorage::open(&path, SqliteOptions::default()).expect_err("newer schema");
     assert_eq!(
         err.to_string(),
         format!(
-            "the database at {} cannot be used: its schema version 6 is newer than the 5 this \
+            "the database at {} cannot be used: its schema version 7 is newer than the 6 this \
              collector knows; run a newer collector",
             path.display()
         )
@@ -943,6 +979,66 @@ fn rollups_answer_exactly_as_the_samples_they_sum() {
             base.stacks_in_units(&selection).expect("query"),
             "{what}: range {start}..{end}, in units"
         );
+        // Matchers: the label rollups of the sets they select.
+        let matched: [&[(&str, MatchOp, &str)]; 4] = [
+            &[("node", MatchOp::Equal, "node-1")],
+            &[("comm", MatchOp::Regex, "app|wor.*")],
+            &[
+                ("node", MatchOp::NotEqual, "node-0"),
+                ("comm", MatchOp::Equal, "worker"),
+            ],
+            &[("comm", MatchOp::Regex, ".*")],
+        ];
+        for matchers in matched {
+            let selection = select(start, end, matchers);
+            let with = |what: &str| format!("{what}: range {start}..{end}, {matchers:?}");
+            assert_eq!(
+                rolled.stacks(&selection).expect("query"),
+                base.stacks(&selection).expect("query"),
+                "{}",
+                with("stacks")
+            );
+            assert_eq!(
+                rolled.stacks_in_units(&selection).expect("query"),
+                base.stacks_in_units(&selection).expect("query"),
+                "{}",
+                with("in units")
+            );
+            assert_eq!(
+                rolled.label_values(&selection, "node").expect("query"),
+                base.label_values(&selection, "node").expect("query"),
+                "{}",
+                with("node values")
+            );
+            assert_eq!(
+                rolled.profile_types(&selection).expect("query"),
+                base.profile_types(&selection).expect("query"),
+                "{}",
+                with("profile types")
+            );
+        }
+        assert_eq!(
+            rolled.label_names(&selection).expect("query"),
+            base.label_names(&selection).expect("query"),
+            "{what}: range {start}..{end}, label names"
+        );
+        // Series whose points hold whole spans read them; others the buckets.
+        let node = select(start, end, matched[0]);
+        for step in [0, MINUTE, 7 * MINUTE, 20 * MINUTE, 2 * 60 * MINUTE, DAY] {
+            for selection in [&selection, &node] {
+                assert_eq!(
+                    rolled.series(selection, step).expect("query"),
+                    base.series(selection, step).expect("query"),
+                    "{what}: range {start}..{end}, series by {step}, {:?}",
+                    selection.matchers
+                );
+            }
+            assert_eq!(
+                rolled.series_in_units(&selection, step).expect("query"),
+                base.series_in_units(&selection, step).expect("query"),
+                "{what}: range {start}..{end}, series in units by {step}"
+            );
+        }
     };
     let compare = |next: &mut dyn FnMut() -> u64, what: &str| {
         for _ in 0..120 {

@@ -338,6 +338,17 @@ impl Selected<'_> {
     }
 }
 
+/// A label set's samples over a stretch of time: one bucket, or a span of
+/// its label rollups.
+struct Run {
+    start: i64,
+    width: i64,
+    label_set: i64,
+    /// The period its samples agree on (0 when they do not).
+    period: i64,
+    weight: u64,
+}
+
 /// Every stored label set, loaded incrementally: ids only grow, so each
 /// query reads just the sets created since the last one.
 #[derive(Default, Clone)]
@@ -565,33 +576,95 @@ impl SqliteStorage {
         Ok(result)
     }
 
-    /// Calls `each(bucket_start, label_set_id, sample_period_nanos, weight)`
-    /// for every label set with samples in a bucket overlapping the range
-    /// that the selection's matchers select.
-    fn for_each_label_set_bucket(
+    /// Calls `each` for every label set the selection's matchers select, per
+    /// stretch of time it has samples in: the current label rollup spans
+    /// that cover the range (see [`rollup`]), and the buckets between them.
+    /// `series_step`: only spans each wholly inside one point of a series of
+    /// that step. `whole_periods`: a span whose buckets disagree on the set's
+    /// period is given bucket by bucket (a weight in units needs one).
+    fn for_each_label_set_run(
         &self,
         tx: &Transaction<'_>,
         selection: &Selection,
         selected: &Selected,
-        each: impl FnMut(i64, i64, i64, u64) -> Result<(), StorageError>,
+        series_step: Option<i64>,
+        whole_periods: bool,
+        mut each: impl FnMut(Run) -> Result<(), StorageError>,
     ) -> Result<(), StorageError> {
-        let Some(bounds) = self.bucket_bounds(selection) else {
+        let Some((lo, hi)) = self.bucket_bounds(selection) else {
             return Ok(());
         };
-        label_set_buckets_in(tx, bounds, selected, each)
+        let widths: Vec<i64> = self
+            .tiers
+            .label_widths()
+            .iter()
+            .copied()
+            .filter(|&width| series_step.is_none_or(|step| step > 0 && step % width == 0))
+            .collect();
+        let cover = rollup::cover(tx, &self.tiers, &widths, lo, hi)?;
+        let mut sets = tx.prepare_cached(
+            "SELECT label_set_id, sample_period_nanos, weight FROM label_rollup_sets
+             WHERE width = ?1 AND span_start = ?2",
+        )?;
+        let mut set_buckets = tx.prepare_cached(
+            "SELECT bucket_start, sample_period_nanos, weight FROM label_set_buckets
+             WHERE bucket_start >= ?1 AND bucket_start < ?2 AND label_set_id = ?3",
+        )?;
+        for span in &cover.spans {
+            let mut rows = sets.query((span.width, span.start))?;
+            while let Some(row) = rows.next()? {
+                let (label_set, period, weight): (i64, i64, i64) =
+                    (row.get(0)?, row.get(1)?, row.get(2)?);
+                if !selected.contains(label_set) {
+                    continue;
+                }
+                if whole_periods && period == 0 {
+                    let span_end = span.start.saturating_add(span.width);
+                    let mut rows = set_buckets.query((span.start, span_end, label_set))?;
+                    while let Some(row) = rows.next()? {
+                        each(Run {
+                            start: row.get(0)?,
+                            width: self.bucket_nanos,
+                            label_set,
+                            period: row.get(1)?,
+                            weight: non_negative(row.get(2)?, "label set weight")?,
+                        })?;
+                    }
+                    continue;
+                }
+                each(Run {
+                    start: span.start,
+                    width: span.width,
+                    label_set,
+                    period,
+                    weight: non_negative(weight, "label set weight")?,
+                })?;
+            }
+        }
+        for &gap in &cover.gaps {
+            label_set_buckets_in(tx, gap, selected, |start, label_set, period, weight| {
+                each(Run {
+                    start,
+                    width: self.bucket_nanos,
+                    label_set,
+                    period,
+                    weight,
+                })
+            })?;
+        }
+        Ok(())
     }
 
     /// Label sets with samples in the selection.
     fn selected_label_sets(
         &self,
-        label_sets: &LabelSets,
         tx: &Transaction<'_>,
         selection: &Selection,
+        selected: &Selected,
     ) -> Result<BTreeSet<i64>, StorageError> {
-        let selected = label_sets.select(selection);
         let mut ids = BTreeSet::new();
-        self.for_each_label_set_bucket(tx, selection, &selected, |_, label_set, _, _| {
-            ids.insert(label_set);
+        self.for_each_label_set_run(tx, selection, selected, None, false, |run| {
+            ids.insert(run.label_set);
             Ok(())
         })?;
         Ok(ids)
@@ -626,7 +699,9 @@ impl SqliteStorage {
                     // pass each over their rows (which beats a seek per
                     // label set).
                     let mut cover = match self.bucket_bounds(selection) {
-                        Some((lo, hi)) => rollup::cover(tx, &self.tiers, lo, hi)?,
+                        Some((lo, hi)) => {
+                            rollup::cover(tx, &self.tiers, self.tiers.widths(), lo, hi)?
+                        }
                         None => rollup::Cover::default(),
                     };
                     if in_units {
@@ -634,7 +709,7 @@ impl SqliteStorage {
                         // scaled: its buckets are read row by row.
                         let (kept, mixed): (Vec<_>, Vec<_>) = std::mem::take(&mut cover.spans)
                             .into_iter()
-                            .partition(|span| span.sample_period_nanos > 0);
+                            .partition(|span| span.sample_period_nanos > 0 || !span.has_cpu);
                         cover.gaps.extend(
                             mixed
                                 .iter()
@@ -646,7 +721,8 @@ impl SqliteStorage {
                         "SELECT stack_id, weight FROM rollups
                          WHERE width = ?1 AND span_start = ?2",
                     )?;
-                    for span in &cover.spans {
+                    // Spans of other profile types' samples alone hold no rows.
+                    for span in cover.spans.iter().filter(|span| span.has_cpu) {
                         period.add(u64::try_from(span.sample_period_nanos).unwrap_or(0));
                         let mut rows = spans.query((span.width, span.start))?;
                         while let Some(row) = rows.next()? {
@@ -678,25 +754,29 @@ impl SqliteStorage {
                 }
                 Selected::Some(ids) if ids.is_empty() => {}
                 Selected::Some(_) => {
-                    // Read exactly the (bucket, label set) prefixes of the
-                    // samples key that hold selected samples.
+                    // Read exactly the (span or bucket, label set) prefixes
+                    // of the label rollups' or samples' keys that hold
+                    // selected samples.
                     let mut samples = tx.prepare_cached(
                         "SELECT stack_id, weight FROM samples
                          WHERE bucket_start = ?1 AND label_set_id = ?2",
                     )?;
-                    self.for_each_label_set_bucket(
-                        tx,
-                        selection,
-                        &selected,
-                        |bucket, label_set, p, _| {
-                            period.add(u64::try_from(p).unwrap_or(0));
-                            let mut rows = samples.query((bucket, label_set))?;
-                            while let Some(row) = rows.next()? {
-                                add(row.get(0)?, row.get(1)?, p)?;
-                            }
-                            Ok(())
-                        },
+                    let mut rolled = tx.prepare_cached(
+                        "SELECT stack_id, weight FROM label_rollups
+                         WHERE width = ?1 AND span_start = ?2 AND label_set_id = ?3",
                     )?;
+                    self.for_each_label_set_run(tx, selection, &selected, None, in_units, |run| {
+                        period.add(u64::try_from(run.period).unwrap_or(0));
+                        let mut rows = if run.width == self.bucket_nanos {
+                            samples.query((run.start, run.label_set))?
+                        } else {
+                            rolled.query((run.width, run.start, run.label_set))?
+                        };
+                        while let Some(row) = rows.next()? {
+                            add(row.get(0)?, row.get(1)?, run.period)?;
+                        }
+                        Ok(())
+                    })?;
                 }
             }
 
@@ -720,7 +800,8 @@ impl SqliteStorage {
         selection: &Selection,
     ) -> Result<Vec<String>, StorageError> {
         self.read(|snapshot, tx| {
-            let ids = self.selected_label_sets(&snapshot.label_sets, tx, selection)?;
+            let selected = snapshot.label_sets.select(selection);
+            let ids = self.selected_label_sets(tx, selection, &selected)?;
             let mut names = BTreeSet::new();
             for id in ids {
                 for (name, _) in snapshot.label_sets.get(id)? {
@@ -737,7 +818,8 @@ impl SqliteStorage {
         name: &str,
     ) -> Result<Vec<String>, StorageError> {
         self.read(|snapshot, tx| {
-            let ids = self.selected_label_sets(&snapshot.label_sets, tx, selection)?;
+            let selected = snapshot.label_sets.select(selection);
+            let ids = self.selected_label_sets(tx, selection, &selected)?;
             let mut values = BTreeSet::new();
             for id in ids {
                 let labels = snapshot.label_sets.get(id)?;
@@ -755,11 +837,7 @@ impl SqliteStorage {
     ) -> Result<Vec<ProfileType>, StorageError> {
         self.read(|snapshot, tx| {
             let selected = snapshot.label_sets.select_any_type(selection);
-            let mut ids = BTreeSet::new();
-            self.for_each_label_set_bucket(tx, selection, &selected, |_, label_set, _, _| {
-                ids.insert(label_set);
-                Ok(())
-            })?;
+            let ids = self.selected_label_sets(tx, selection, &selected)?;
             let mut types = BTreeSet::new();
             for id in ids {
                 let labels = snapshot.label_sets.get(id)?;
@@ -786,13 +864,20 @@ impl SqliteStorage {
         self.read(|snapshot, tx| {
             let selected = snapshot.label_sets.select(selection);
             let mut points: BTreeMap<i64, u64> = BTreeMap::new();
-            self.for_each_label_set_bucket(tx, selection, &selected, |bucket, _, p, weight| {
+            // The points' width, as `series_point` draws them.
+            let step = if step_nanos > 0 {
+                step_nanos
+            } else {
+                self.bucket_nanos
+            };
+            self.for_each_label_set_run(tx, selection, &selected, Some(step), in_units, |run| {
                 let weight = if in_units {
-                    weight.saturating_mul(non_negative(p, "sample period")?)
+                    run.weight
+                        .saturating_mul(non_negative(run.period, "sample period")?)
                 } else {
-                    weight
+                    run.weight
                 };
-                let point = series_point(bucket, step_nanos, self.bucket_nanos);
+                let point = series_point(run.start, step_nanos, self.bucket_nanos);
                 let sum = points.entry(point).or_default();
                 *sum = add_capped(*sum, weight);
                 Ok(())

@@ -1,8 +1,9 @@
-//! Rollups: label-free sums of closed spans of time at coarser widths, so a
-//! fleet-wide query over an hour or a day reads one row per (span, stack)
-//! instead of one per (bucket, label set, stack). A hundred nodes that run
-//! the same services send the same stacks: an hour of them is 12M sample
-//! rows but 20k distinct stacks.
+//! Rollups: sums of closed spans of time at coarser widths, so a query
+//! over an hour or a day reads one row per (span, stack), or per (span,
+//! label set, stack), instead of one per (bucket, label set, stack). A
+//! hundred nodes that run the same services send the same stacks: an hour
+//! of them is 12M sample rows but 20k distinct stacks, and 200k distinct
+//! (label set, stack) pairs.
 //!
 //! Owns the rollup tables, the compactor that fills them, and the choice of
 //! which spans answer a range. Rollups are a cache of `samples`, never the
@@ -16,32 +17,34 @@
 //! * `rollups(width, span_start, stack_id, weight)`: per span of `width`
 //!   nanoseconds (the bucket width, then 10 min, 1 h, 1 day) the summed
 //!   weight of each stack over every label set of CPU samples (the sets of
-//!   other profile types, which carry the type's label, are left out).
-//! * `rollup_spans(width, span_start, sample_period_nanos)`: the
-//!   marker: the span's rollup rows are complete and current. Also the
-//!   sample period its buckets agreed on (0 when they did not), which is what
-//!   a query would have learned from their `label_set_buckets` rows: an
-//!   agreement of agreements is the agreement of the whole.
+//!   other profile types, which carry the type's label, are left out): what
+//!   a fleet-wide flamegraph reads.
+//! * `label_rollups(width, span_start, label_set_id, stack_id, weight)`:
+//!   the same per label set, every profile type, for the widths above the
+//!   bucket (at the bucket width, `samples` is that already): what a query
+//!   with matchers reads, for the label sets they select.
+//! * `label_rollup_sets(width, span_start, label_set_id,
+//!   sample_period_nanos, weight)`: per span, each label set with samples
+//!   in it, the period its buckets agreed on (0 when they did not: an
+//!   agreement of agreements is the agreement of the whole) and its total
+//!   weight, as `label_set_buckets` per bucket: series, label names and
+//!   values, and which `label_rollups` prefixes to read.
+//! * `rollup_spans(width, span_start, sample_period_nanos, has_cpu)`: the
+//!   marker: the span's rows in all three tables are complete and current.
+//!   `has_cpu`: whether it holds CPU samples; if so, the period their
+//!   buckets agreed on (0 when they did not).
 //! * `pending_spans(width, span_start)`: spans whose data changed since they
 //!   were last rolled up (written by ingest, cleared by the compactor).
 //!
 //! Empty spans get no marker: a query reads their (absent) base rows, which
 //! costs nothing.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, HashMap, HashSet};
 
 use rusqlite::Transaction;
 use stackscope_profile::model::{PROFILE_TYPE_LABEL, PeriodAgreement};
 
-use super::{StackWeights, StorageError, non_negative, saturate};
-
-/// The condition on the rows of CPU samples: their label sets carry no
-/// profile type.
-fn cpu_only() -> String {
-    format!(
-        "label_set_id NOT IN (SELECT label_set_id FROM labels WHERE name = '{PROFILE_TYPE_LABEL}')"
-    )
-}
+use super::{StackWeights, StorageError, add_capped, non_negative, saturate};
 
 pub(super) const SCHEMA: &str = "
 CREATE TABLE rollups (
@@ -65,6 +68,38 @@ CREATE TABLE pending_spans (
     PRIMARY KEY (width, span_start)
 ) STRICT, WITHOUT ROWID;
 ";
+
+/// What schema version 6 added to [`SCHEMA`] (a new database gets both).
+pub(super) const LABEL_SCHEMA: &str = "
+ALTER TABLE rollup_spans ADD COLUMN has_cpu INTEGER NOT NULL DEFAULT 1;
+
+CREATE TABLE label_rollups (
+    width INTEGER NOT NULL,
+    span_start INTEGER NOT NULL,
+    label_set_id INTEGER NOT NULL,
+    stack_id INTEGER NOT NULL,
+    weight INTEGER NOT NULL,
+    PRIMARY KEY (width, span_start, label_set_id, stack_id)
+) STRICT, WITHOUT ROWID;
+
+CREATE TABLE label_rollup_sets (
+    width INTEGER NOT NULL,
+    span_start INTEGER NOT NULL,
+    label_set_id INTEGER NOT NULL,
+    sample_period_nanos INTEGER NOT NULL,
+    weight INTEGER NOT NULL,
+    PRIMARY KEY (width, span_start, label_set_id)
+) STRICT, WITHOUT ROWID;
+";
+
+/// Every table a span's rows live in.
+const SPAN_TABLES: [&str; 5] = [
+    "rollups",
+    "label_rollups",
+    "label_rollup_sets",
+    "rollup_spans",
+    "pending_spans",
+];
 
 /// Span widths above the bucket: each is what a range about ten times as
 /// long reads mostly. A width is used only if it is a multiple of the one
@@ -96,6 +131,11 @@ impl Tiers {
 
     pub(super) fn widths(&self) -> &[i64] {
         &self.widths[..self.len]
+    }
+
+    /// The widths label rollups are kept at: those above the bucket.
+    pub(super) fn label_widths(&self) -> &[i64] {
+        &self.widths()[1..]
     }
 
     fn bucket(&self) -> i64 {
@@ -145,7 +185,7 @@ pub(super) fn forget_through(
     tiers: &Tiers,
     last: i64,
 ) -> Result<(), StorageError> {
-    for table in ["rollups", "rollup_spans", "pending_spans"] {
+    for table in SPAN_TABLES {
         // Per width, so each delete is a range of the primary key.
         let mut delete = tx.prepare_cached(&format!(
             "DELETE FROM {table} WHERE width = ?1 AND span_start <= ?2"
@@ -192,93 +232,135 @@ pub(super) fn next_pending(
     Ok(None)
 }
 
-/// Sums the span `(width, start)` afresh (from the base rows for the bucket
-/// width, from the spans one width finer above it) and marks it current.
-/// Returns the rollup rows written.
+/// Sums the span `(width, start)` afresh and marks it current: from the
+/// base rows for the bucket width and the width above it, from the label
+/// rollups one width finer above that. Returns the rollup rows written.
 pub(super) fn recompute(
     tx: &Transaction<'_>,
     tiers: &Tiers,
     width: i64,
     start: i64,
 ) -> Result<u64, StorageError> {
-    for table in ["rollups", "rollup_spans", "pending_spans"] {
+    for table in SPAN_TABLES {
         tx.prepare_cached(&format!(
             "DELETE FROM {table} WHERE width = ?1 AND span_start = ?2"
         ))?
         .execute((width, start))?;
     }
     let end = start.saturating_add(width);
-    let cpu_only = cpu_only();
-    let (periods, weights) = match tiers.finer(width) {
-        // CPU samples only: the label sets of other profile types (which
-        // carry the type's label) are left out.
-        None => sum(
-            tx,
-            &format!(
-                "SELECT sample_period_nanos FROM label_set_buckets
-                 WHERE bucket_start >= ?1 AND bucket_start < ?2 AND {cpu_only}"
-            ),
-            &format!(
-                "SELECT stack_id, weight FROM samples
-                 WHERE bucket_start >= ?1 AND bucket_start < ?2 AND {cpu_only}"
-            ),
-            &[start, end],
-        )?,
-        Some(finer) => sum(
-            tx,
-            "SELECT sample_period_nanos FROM rollup_spans
+    let (sets_sql, stacks_sql, params) = match tiers.finer(width) {
+        Some(finer) if finer != tiers.bucket() => (
+            "SELECT label_set_id, sample_period_nanos, weight FROM label_rollup_sets
              WHERE width = ?3 AND span_start >= ?1 AND span_start < ?2",
-            "SELECT stack_id, weight FROM rollups
+            "SELECT label_set_id, stack_id, weight FROM label_rollups
              WHERE width = ?3 AND span_start >= ?1 AND span_start < ?2",
-            &[start, end, finer],
-        )?,
+            vec![start, end, finer],
+        ),
+        _ => (
+            "SELECT label_set_id, sample_period_nanos, weight FROM label_set_buckets
+             WHERE bucket_start >= ?1 AND bucket_start < ?2",
+            "SELECT label_set_id, stack_id, weight FROM samples
+             WHERE bucket_start >= ?1 AND bucket_start < ?2",
+            vec![start, end],
+        ),
     };
-    let Some(period) = periods else {
+    let params = rusqlite::params_from_iter(params);
+
+    // Per label set: the periods its rows agreed on, and its weight.
+    let mut sets: BTreeMap<i64, (PeriodAgreement, u64)> = BTreeMap::new();
+    let mut stmt = tx.prepare_cached(sets_sql)?;
+    let mut rows = stmt.query(params.clone())?;
+    while let Some(row) = rows.next()? {
+        let (set, period, weight): (i64, i64, i64) = (row.get(0)?, row.get(1)?, row.get(2)?);
+        let (agreement, sum) = sets.entry(set).or_default();
+        agreement.add(u64::try_from(period).unwrap_or(0));
+        *sum = add_capped(*sum, non_negative(weight, "label set weight")?);
+    }
+    if sets.is_empty() {
         // No data: no marker, queries read the (empty) base rows.
         return Ok(0);
-    };
+    }
+    // CPU samples are those of sets without a profile type's label.
+    let typed = typed_label_sets(tx)?;
+    let mut cpu_period: Option<PeriodAgreement> = None;
+    for (set, (agreement, _)) in &sets {
+        if !typed.contains(set) {
+            cpu_period.get_or_insert_default().add(agreement.result());
+        }
+    }
+
+    let per_set = width != tiers.bucket();
+    let mut label_free = StackWeights::default();
+    let mut set_stacks: HashMap<(i64, i64), u64> = HashMap::new();
+    let mut stmt = tx.prepare_cached(stacks_sql)?;
+    let mut rows = stmt.query(params)?;
+    while let Some(row) = rows.next()? {
+        let (set, stack): (i64, i64) = (row.get(0)?, row.get(1)?);
+        let weight = non_negative(row.get(2)?, "sample weight")?;
+        if !typed.contains(&set) {
+            label_free.add(stack, weight);
+        }
+        if per_set {
+            let sum = set_stacks.entry((set, stack)).or_default();
+            *sum = add_capped(*sum, weight);
+        }
+    }
+
+    let mut written = 0u64;
     let mut insert = tx.prepare_cached(
         "INSERT INTO rollups (width, span_start, stack_id, weight) VALUES (?1, ?2, ?3, ?4)",
     )?;
-    let mut written = 0u64;
-    for (stack, weight) in weights.into_sorted() {
+    for (stack, weight) in label_free.into_sorted() {
         insert.execute((width, start, stack, saturate(weight)))?;
         written += 1;
     }
+    if per_set {
+        let mut insert = tx.prepare_cached(
+            "INSERT INTO label_rollup_sets
+             (width, span_start, label_set_id, sample_period_nanos, weight)
+             VALUES (?1, ?2, ?3, ?4, ?5)",
+        )?;
+        for (set, (agreement, weight)) in &sets {
+            insert.execute((
+                width,
+                start,
+                set,
+                saturate(agreement.result()),
+                saturate(*weight),
+            ))?;
+        }
+        let mut set_stacks: Vec<_> = set_stacks.into_iter().collect();
+        // In key order: appends to the table's b-tree.
+        set_stacks.sort_unstable();
+        let mut insert = tx.prepare_cached(
+            "INSERT INTO label_rollups (width, span_start, label_set_id, stack_id, weight)
+             VALUES (?1, ?2, ?3, ?4, ?5)",
+        )?;
+        for ((set, stack), weight) in set_stacks {
+            insert.execute((width, start, set, stack, saturate(weight)))?;
+            written += 1;
+        }
+    }
     tx.prepare_cached(
-        "INSERT INTO rollup_spans (width, span_start, sample_period_nanos) VALUES (?1, ?2, ?3)",
+        "INSERT INTO rollup_spans (width, span_start, sample_period_nanos, has_cpu)
+         VALUES (?1, ?2, ?3, ?4)",
     )?
-    .execute((width, start, saturate(period.result())))?;
+    .execute((
+        width,
+        start,
+        saturate(cpu_period.map_or(0, |p| p.result())),
+        cpu_period.is_some(),
+    ))?;
     Ok(written)
 }
 
-/// The period agreement of the rows `periods_sql` selects (`None` when it
-/// selects none) and the summed weights per stack of `weights_sql`.
-fn sum(
-    tx: &Transaction<'_>,
-    periods_sql: &str,
-    weights_sql: &str,
-    params: &[i64],
-) -> Result<(Option<PeriodAgreement>, StackWeights), StorageError> {
-    let params = rusqlite::params_from_iter(params);
-    let mut period: Option<PeriodAgreement> = None;
-    let mut stmt = tx.prepare_cached(periods_sql)?;
-    let mut rows = stmt.query(params.clone())?;
-    while let Some(row) = rows.next()? {
-        let p: i64 = row.get(0)?;
-        period
-            .get_or_insert_default()
-            .add(u64::try_from(p).unwrap_or(0));
-    }
-    let mut weights = StackWeights::default();
-    if period.is_some() {
-        let mut stmt = tx.prepare_cached(weights_sql)?;
-        let mut rows = stmt.query(params)?;
-        while let Some(row) = rows.next()? {
-            weights.add(row.get(0)?, non_negative(row.get(1)?, "sample weight")?);
-        }
-    }
-    Ok((period, weights))
+/// The label sets of profile types other than CPU (with the type's label).
+fn typed_label_sets(tx: &Transaction<'_>) -> Result<HashSet<i64>, StorageError> {
+    let mut stmt = tx.prepare_cached("SELECT label_set_id FROM labels WHERE name = ?1")?;
+    let ids = stmt
+        .query_map([PROFILE_TYPE_LABEL], |row| row.get(0))?
+        .collect::<Result<_, _>>()?;
+    Ok(ids)
 }
 
 /// A current span a query reads instead of its buckets' rows.
@@ -286,7 +368,10 @@ fn sum(
 pub(super) struct Span {
     pub width: i64,
     pub start: i64,
+    /// The period the span's CPU samples agree on (0 when they do not).
     pub sample_period_nanos: i64,
+    /// Whether it holds CPU samples (else only other profile types').
+    pub has_cpu: bool,
 }
 
 /// How a range of buckets is read: whole current spans, coarsest first, and
@@ -300,10 +385,12 @@ pub(super) struct Cover {
 }
 
 /// The cover of the buckets `b` with `lo < b < hi` (the bounds
-/// `SqliteStorage::bucket_bounds` gives).
+/// `SqliteStorage::bucket_bounds` gives) by current spans of the given
+/// widths (some of `tiers`', finest first).
 pub(super) fn cover(
     tx: &Transaction<'_>,
     tiers: &Tiers,
+    widths: &[i64],
     lo: i64,
     hi: i64,
 ) -> Result<Cover, StorageError> {
@@ -320,14 +407,15 @@ pub(super) fn cover(
     // inside a chosen coarser one or misses all of them.
     let mut chosen: BTreeMap<i64, (i64, Span)> = BTreeMap::new();
     let mut stmt = tx.prepare_cached(
-        "SELECT span_start, sample_period_nanos FROM rollup_spans
+        "SELECT span_start, sample_period_nanos, has_cpu FROM rollup_spans
          WHERE width = ?1 AND span_start >= ?2 AND span_start <= ?3 - ?1
          ORDER BY span_start",
     )?;
-    for &width in tiers.widths().iter().rev() {
+    for &width in widths.iter().rev() {
         let mut rows = stmt.query((width, first, end))?;
         while let Some(row) = rows.next()? {
-            let (start, sample_period_nanos): (i64, i64) = (row.get(0)?, row.get(1)?);
+            let (start, sample_period_nanos, has_cpu): (i64, i64, bool) =
+                (row.get(0)?, row.get(1)?, row.get(2)?);
             let inside = chosen
                 .range(..=start)
                 .next_back()
@@ -337,6 +425,7 @@ pub(super) fn cover(
                     width,
                     start,
                     sample_period_nanos,
+                    has_cpu,
                 };
                 chosen.insert(start, (start.saturating_add(width), span));
             }

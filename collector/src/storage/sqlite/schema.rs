@@ -3,7 +3,7 @@
 //! opening the writer (which creates or checks the schema) and the query
 //! connections. Owns no ingest (`write`) and no queries (`read`).
 //!
-//! # Schema (version 5, in `PRAGMA user_version`)
+//! # Schema (version 6, in `PRAGMA user_version`)
 //!
 //! * `meta(key, value)`: settings the data depends on (`bucket_nanos`).
 //! * `batches(id, received_unix_nanos, end_unix_nanos)`: ids of stored
@@ -38,9 +38,10 @@
 //!   referenced by nothing: retention finds orphans without scanning (or
 //!   indexing) billions of sample rows; `last_bucket` is indexed so that
 //!   costs what it deletes.
-//! * `rollups`, `rollup_spans`, `pending_spans`: label-free sums of closed
-//!   spans of 1 bucket, 10 min, 1 h and 1 day, which fleet-wide queries read
-//!   instead of `samples` (see [`rollup`]).
+//! * `rollups`, `label_rollups`, `label_rollup_sets`, `rollup_spans`,
+//!   `pending_spans`: sums of closed spans of 1 bucket, 10 min, 1 h and 1
+//!   day, without labels and per label set, which queries read instead of
+//!   `samples` and `label_set_buckets` (see [`rollup`]).
 
 use std::path::Path;
 
@@ -51,7 +52,7 @@ use super::{SqliteOptions, StorageError, rollup, rollup::Tiers};
 /// The schema this code reads and writes. Bump it (and migrate) on any
 /// change; an older collector refuses a newer database instead of
 /// misreading it.
-const SCHEMA_VERSION: i32 = 5;
+const SCHEMA_VERSION: i32 = 6;
 
 const SCHEMA: &str = "
 CREATE TABLE meta (
@@ -241,6 +242,24 @@ fn init_schema(
     // found by their label through an index of their own.
     if version == 4 {
         tx.execute_batch("CREATE INDEX labels_by_name ON labels (name)")?;
+        version = 5;
+    }
+    // Version 5 rolled up CPU samples without their labels alone: spans
+    // above the bucket width lose their marker (they have no label
+    // rollups) and every one with data is pending, so the compactor rolls
+    // the history up again with labels.
+    if version == 5 {
+        tx.execute_batch(rollup::LABEL_SCHEMA)?;
+        for &width in tiers.label_widths() {
+            tx.execute("DELETE FROM rollup_spans WHERE width = ?1", [width])?;
+            tx.execute("DELETE FROM rollups WHERE width = ?1", [width])?;
+            tx.execute(
+                "INSERT OR IGNORE INTO pending_spans (width, span_start)
+                 SELECT DISTINCT ?1, bucket_start - (bucket_start % ?1 + ?1) % ?1
+                 FROM label_set_buckets",
+                [width],
+            )?;
+        }
         tx.pragma_update(None, "user_version", SCHEMA_VERSION)?;
         version = SCHEMA_VERSION;
     }
@@ -248,6 +267,7 @@ fn init_schema(
         0 => {
             tx.execute_batch(SCHEMA)?;
             tx.execute_batch(rollup::SCHEMA)?;
+            tx.execute_batch(rollup::LABEL_SCHEMA)?;
             tx.execute(
                 "INSERT INTO meta (key, value) VALUES ('bucket_nanos', ?1)",
                 [bucket_nanos],
