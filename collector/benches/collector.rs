@@ -547,7 +547,21 @@ fn main() {
          insert, one thread):"
     );
     let ch_ingested = ingest_fleet(&*clickhouse, &fleet, full);
-    let engine = query_engine(clickhouse, &dir.path().join("debuginfo"));
+    let began = Instant::now();
+    let mut spans = 0;
+    loop {
+        match clickhouse.compact(now).expect("ClickHouse compaction") {
+            0 => break,
+            done => spans += done,
+        }
+    }
+    let compaction = began.elapsed().as_secs_f64();
+    println!(
+        "ClickHouse compaction (rollups of every closed span, built by the servers): {spans} \
+         spans in {compaction:.1} s ({:.0}% of the ingest time)",
+        100.0 * compaction / ch_ingested.seconds
+    );
+    let engine = query_engine(clickhouse.clone(), &dir.path().join("debuginfo"));
     println!("ClickHouse flamegraph query over {minutes} min ({query_runs} runs each):");
     let ch_p50s = time_queries(
         &runtime,
@@ -558,6 +572,10 @@ fn main() {
         ingested.samples,
     );
 
+    println!(
+        "  rollup spans read by ClickHouse queries: {}",
+        clickhouse.rollup_spans_read()
+    );
     println!("side by side ({nodes} nodes, {minutes} min):");
     println!("  {:<32} {:>14} {:>14}", "", "SQLite", "ClickHouse");
     println!(

@@ -16,7 +16,7 @@ mod batches;
 #[path = "support/clickhouse_servers.rs"]
 mod clickhouse_servers;
 
-use std::{collections::BTreeMap, sync::Arc};
+use std::{collections::BTreeMap, sync::Arc, time::SystemTime};
 
 use batches::*;
 use clickhouse_servers::{current_sql, current_url, servers};
@@ -29,7 +29,7 @@ use stackscope_collector::{
     },
 };
 use stackscope_profile::{
-    model::{CodeAddress, Frame, MatchOp, ProfileType, Selection, StackSamples},
+    model::{CodeAddress, Frame, MatchOp, ProfileType, Selection, StackSamples, unix_nanos},
     render::top_functions,
     tree::CallTree,
 };
@@ -182,6 +182,11 @@ fn the_same_batches_give_the_same_answers_as_sqlite() {
     ] {
         ingest_all(storage, &batches);
     }
+    // Two of them rolled up (the current engine runs the builds too): the
+    // answers from rollups must be the same.
+    for storage in [&tiny, &current] {
+        assert!(storage.compact(T0 + DAY).expect("compaction") > 0);
+    }
 
     use MatchOp::*;
     let matchers: [&[Matcher]; 13] = [
@@ -283,6 +288,7 @@ fn the_same_batches_give_the_same_answers_as_sqlite() {
         }
     }
     assert_eq!(compared, 13 * 6 * 2 * 4);
+    assert!(tiny.rollup_spans_read() > 0 && current.rollup_spans_read() > 0);
 
     // What the comparisons compared is what the SQLite tests pin down, so
     // agreeing is not agreeing on nothing.
@@ -471,7 +477,7 @@ fn upgrade_then_retry(url: &str, sql: &dyn Fn(&str) -> String) {
             "SELECT value FROM {db}.meta FINAL WHERE key = 'schema_version'"
         ))
         .trim(),
-        "2"
+        "3"
     );
     assert_eq!(count("attempts_local"), 2, "the copies registered");
     assert_eq!(weights(&storage, &all(&[])), before);
@@ -499,6 +505,47 @@ fn upgrade_then_retry(url: &str, sql: &dyn Fn(&str) -> String) {
         0,
         "the copies counted once without FINAL"
     );
+}
+
+/// Schema version 2 kept no time with a try: on every shard, the local
+/// and the `Distributed` table of `attempts` get it, and ingest and
+/// compaction go on.
+#[test]
+fn a_cluster_of_the_second_schema_is_upgraded() {
+    let db = "second";
+    let storage = cluster(db);
+    ingest_all(&storage, &[batch1()]);
+    drop(storage);
+    for server in [0, 1] {
+        for table in ["attempts", "attempts_local"] {
+            servers().sql(
+                server,
+                &format!("ALTER TABLE {db}.{table} DROP COLUMN at_unix_nanos"),
+            );
+        }
+        servers().sql(
+            server,
+            &format!("INSERT INTO {db}.meta (key, value) VALUES ('schema_version', 2)"),
+        );
+    }
+    let storage = cluster(db);
+    for server in [0, 1] {
+        let columns = servers().sql(
+            server,
+            &format!(
+                "SELECT count() FROM system.columns WHERE database = '{db}' \
+                 AND table LIKE 'attempts%' AND name = 'at_unix_nanos'"
+            ),
+        );
+        assert_eq!(columns.trim(), "2", "server {server}: both tables have it");
+    }
+    ingest_all(&storage, &[batch2()]);
+    assert!(storage.compact(T0 + DAY).expect("compaction") > 0);
+    assert_eq!(
+        weights(&storage, &all(&[])),
+        expect(&[(S0, 7), (S1, 3), (S2, 7)])
+    );
+    assert!(storage.rollup_spans_read() > 0);
 }
 
 #[test]
@@ -898,4 +945,238 @@ fn failures_are_clear_errors() {
     let err = other.label_names(&all(&[])).expect_err("no tables");
     let chain = format!("{:#}", anyhow::Error::from(err));
     assert!(chain.contains("doesn't exist"), "{chain}");
+}
+
+/// Rollups are a cache of the samples, in ClickHouse as in SQLite: after
+/// the compactor built them, with late batches, a retried batch's copies,
+/// a try still in flight and retention through the middle of spans, every
+/// answer is the one a SQLite database never compacted gives, and queries
+/// read the rollups when they are current.
+#[test]
+fn rollups_answer_exactly_as_the_samples_they_sum() {
+    let db = "rollups";
+    let rolled = cluster(db);
+    let dir = tempfile::tempdir().expect("temp dir");
+    let base = SqliteStorage::open(&dir.path().join("base.db"), SqliteOptions::default())
+        .expect("open SQLite");
+    // A seeded generator, so a failure repeats.
+    let mut state = 0x2545_f491_4f6c_dd1d_u64;
+    let mut next = move || {
+        state ^= state << 13;
+        state ^= state >> 7;
+        state ^= state << 17;
+        state
+    };
+    let day_start = T0 - T0.rem_euclid(DAY);
+    let mut id = 0u8;
+    let mut ingest = |at: i64, seed: u64| -> u8 {
+        id += 1;
+        let period = if seed.is_multiple_of(10) {
+            PERIOD_99HZ
+        } else {
+            PERIOD_100HZ
+        };
+        let batch = fleet_batch(id, &format!("node-{}", seed % 3), at, period, seed);
+        ingest_all(&rolled, std::slice::from_ref(&batch));
+        ingest_all(&base, &[batch]);
+        id
+    };
+    let at = |seed: u64| {
+        let at = day_start + (seed >> 8) as i64 % (2 * DAY);
+        at - at.rem_euclid(10 * SECOND)
+    };
+    for _ in 0..60 {
+        let seed = next();
+        ingest(at(seed), seed);
+    }
+    let check = |start: i64, end: i64, what: &str| {
+        let whole = |matchers: &[(&str, MatchOp, &str)]| select(start, end, matchers);
+        let context = |query: &str, selection: &Selection| {
+            format!(
+                "{what}: {query}, range {start}..{end}, {:?}",
+                selection.matchers
+            )
+        };
+        for matchers in [
+            &[][..],
+            &[("node", MatchOp::Equal, "node-1")],
+            &[("comm", MatchOp::Regex, "app|wor.*")],
+            &[
+                ("node", MatchOp::NotEqual, "node-0"),
+                ("comm", MatchOp::Equal, "worker"),
+            ],
+        ] {
+            let selection = whole(matchers);
+            let (a, b) = (
+                rolled.stacks(&selection).expect("query"),
+                base.stacks(&selection).expect("query"),
+            );
+            assert_eq!(sorted(&a), sorted(&b), "{}", context("stacks", &selection));
+            assert_eq!(
+                a.sample_period_nanos,
+                b.sample_period_nanos,
+                "{}",
+                context("period", &selection)
+            );
+            assert_eq!(
+                sorted(&rolled.stacks_in_units(&selection).expect("query")),
+                sorted(&base.stacks_in_units(&selection).expect("query")),
+                "{}",
+                context("in units", &selection)
+            );
+            assert_eq!(
+                rolled.label_values(&selection, "node").expect("query"),
+                base.label_values(&selection, "node").expect("query"),
+                "{}",
+                context("node values", &selection)
+            );
+            for step in [0, 10 * MINUTE, 2 * 60 * MINUTE] {
+                assert_eq!(
+                    rolled.series(&selection, step).expect("query"),
+                    base.series(&selection, step).expect("query"),
+                    "{}",
+                    context(&format!("series by {step}"), &selection)
+                );
+            }
+        }
+        let selection = whole(&[]);
+        let off_cpu = Selection {
+            profile_type: ProfileType::OffCpu,
+            ..selection.clone()
+        };
+        assert_eq!(
+            sorted(&rolled.stacks(&off_cpu).expect("query")),
+            sorted(&base.stacks(&off_cpu).expect("query")),
+            "{}",
+            context("off-CPU stacks", &off_cpu)
+        );
+        assert_eq!(
+            rolled.series_in_units(&selection, DAY).expect("query"),
+            base.series_in_units(&selection, DAY).expect("query"),
+            "{}",
+            context("series in units", &selection)
+        );
+        assert_eq!(
+            rolled.label_names(&selection).expect("query"),
+            base.label_names(&selection).expect("query"),
+            "{}",
+            context("label names", &selection)
+        );
+        assert_eq!(
+            rolled.profile_types(&selection).expect("query"),
+            base.profile_types(&selection).expect("query"),
+            "{}",
+            context("profile types", &selection)
+        );
+    };
+    let compare = |next: &mut dyn FnMut() -> u64, what: &str| {
+        check(day_start - DAY, day_start + 3 * DAY, what);
+        for _ in 0..3 {
+            let (a, b) = (next(), next());
+            let start = day_start - MINUTE + (a >> 8) as i64 % (2 * DAY + 2 * MINUTE);
+            let length =
+                1 + (b >> 8) as i64 % [30 * MINUTE, 5 * 60 * MINUTE, DAY][(b % 3) as usize];
+            check(start, start + length, what);
+        }
+        // On and next to span edges.
+        let c = next();
+        let hour = day_start + (c >> 8) as i64 % (2 * DAY) / (60 * MINUTE) * (60 * MINUTE);
+        check(hour, hour + 60 * MINUTE, what);
+        check(hour - 1, hour + 10 * MINUTE + 1, what);
+    };
+    let compact_all = |closed_before: i64| {
+        let mut total = 0;
+        loop {
+            match rolled.compact(closed_before).expect("compaction") {
+                0 => return total,
+                spans => total += spans,
+            }
+        }
+    };
+
+    compare(&mut next, "nothing rolled up yet");
+    assert_eq!(rolled.rollup_spans_read(), 0);
+    assert_eq!(compact_all(day_start), 0, "nothing closed");
+    let spans = compact_all(day_start + 3 * DAY);
+    assert!(
+        spans > 60,
+        "every width of two days rolls up: {spans} spans"
+    );
+    assert_eq!(compact_all(day_start + 3 * DAY), 0, "nothing left");
+    compare(&mut next, "rolled up");
+    assert!(rolled.rollup_spans_read() > 0, "queries read the rollups");
+
+    // Late batches into rolled-up spans: those spans are read from their
+    // samples until they are built again.
+    for _ in 0..8 {
+        let seed = next();
+        ingest(at(seed), seed);
+    }
+    compare(&mut next, "late batches");
+    assert!(compact_all(day_start + 3 * DAY) > 0);
+    compare(&mut next, "late batches rolled up");
+
+    // A batch tried twice (its first try stored its samples, not its id):
+    // both copies on disk, its spans built again from them, counted once.
+    for server in [0, 1] {
+        servers().sql(server, &format!("SYSTEM STOP MERGES {db}.samples_local"));
+    }
+    let retried = format!("unhex('{}')", "05".repeat(16));
+    servers().sql(
+        0,
+        &format!(
+            "INSERT INTO {db}.attempts (batch, bucket, at_unix_nanos) \
+             SELECT batch, bucket, 0 FROM {db}.attempts WHERE batch = {retried}"
+        ),
+    );
+    servers().sql(
+        0,
+        &format!("INSERT INTO {db}.samples SELECT * FROM {db}.samples WHERE batch = {retried}"),
+    );
+    compare(&mut next, "a retried batch");
+    assert!(compact_all(day_start + 3 * DAY) > 0);
+    compare(&mut next, "a retried batch rolled up");
+
+    // A try begun a moment ago, its samples not stored yet: its bucket is
+    // not rolled up (they could land after the sum).
+    let in_flight = day_start + DAY + 7 * MINUTE;
+    servers().sql(
+        0,
+        &format!(
+            "INSERT INTO {db}.attempts (batch, bucket, at_unix_nanos) VALUES \
+             (unhex('{}'), {in_flight}, {})",
+            "ee".repeat(16),
+            unix_nanos(SystemTime::now())
+        ),
+    );
+    compact_all(day_start + 3 * DAY);
+    let built = servers().sql(
+        0,
+        &format!(
+            "SELECT count() FROM {db}.rollup_spans WHERE span_start = {in_flight} \
+             AND width = {MINUTE} AND built_unix_nanos > {}",
+            unix_nanos(SystemTime::now()) - 60 * SECOND
+        ),
+    );
+    assert_eq!(
+        built.trim(),
+        "0",
+        "a bucket with a try in flight is not built"
+    );
+    compare(&mut next, "a try in flight");
+
+    // Retention through the middle of spans.
+    let mut cutoff = day_start + 13 * 60 * MINUTE + 25 * MINUTE + 17 * SECOND;
+    for step in 0..2 {
+        rolled.delete_before(cutoff).expect("retention");
+        base.delete_before(cutoff).expect("retention");
+        compare(&mut next, &format!("retention step {step}"));
+        compact_all(day_start + 3 * DAY);
+        compare(
+            &mut next,
+            &format!("retention step {step}, rolled up again"),
+        );
+        cutoff += 7 * 60 * MINUTE + 3 * SECOND;
+    }
+    assert_eq!(rolled.final_sums(), 0);
 }

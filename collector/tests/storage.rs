@@ -882,31 +882,6 @@ fn incompatible_databases_are_refused() {
     );
 }
 
-/// A batch of `node` at `start` with the three standard stacks weighted by
-/// `seed`, under one of two label sets.
-fn fleet_batch(id: u8, node: &str, start: i64, period: u64, seed: u64) -> ValidBatch {
-    let mut b = Builder::new(id, node, start, period);
-    let stacks = b.standard_stacks(seed.is_multiple_of(2));
-    let comm = if seed.is_multiple_of(3) {
-        "app"
-    } else {
-        "worker"
-    };
-    let labels = b.label_set(&[("comm", comm)]);
-    for (i, stack) in stacks.into_iter().enumerate() {
-        let weight = 1 + (seed >> (4 * i)) % 13;
-        if weight != 7 {
-            b.sample(stack, labels, weight, 0);
-        }
-        // Off-CPU time on some stacks: fleet-wide CPU answers (rollups
-        // among them) leave it out.
-        if weight % 4 == 1 {
-            b.off_cpu_sample(stack, labels, weight * 1_000_000);
-        }
-    }
-    b.validate()
-}
-
 /// Rollups are a cache of the samples: whatever the compactor has done, a
 /// late batch in a rolled-up span and retention through the middle of spans
 /// included, every fleet-wide answer is the one the base rows give (a second

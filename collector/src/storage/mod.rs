@@ -11,6 +11,7 @@ pub mod clickhouse;
 mod codec;
 mod hash;
 pub mod sqlite;
+pub(crate) mod tiers;
 
 use stackscope_profile::model::{ProfileType, Selection, StackSamples};
 

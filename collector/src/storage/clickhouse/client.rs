@@ -97,6 +97,12 @@ impl ClickhouseError {
         false
     }
 
+    /// Whether the statement never reached the server (no connection was
+    /// made): sending it elsewhere cannot run it twice.
+    pub fn never_sent(&self) -> bool {
+        matches!(self, Self::Transport { source, .. } if source.is_connect())
+    }
+
     /// Whether another server may succeed: the server could not be reached
     /// or dropped the connection, and not because the statement was too
     /// slow (another server would run the same heavy statement again).

@@ -45,6 +45,7 @@
 
 pub mod client;
 pub mod codec;
+mod rollup;
 pub mod schema;
 
 use std::{
@@ -61,6 +62,7 @@ use stackscope_profile::model::{
 use self::{
     client::{ClickhouseError, Client, Endpoint},
     codec::{RowReader, RowWriter},
+    rollup::Cover,
     schema::{SCHEMA_VERSION, Tables},
 };
 use stackscope_telemetry::StateSize;
@@ -69,6 +71,7 @@ use super::{
     IngestOutcome, Storage, StorageError,
     codec::resolve_frames,
     hash::{label_set_hash, location_hash, mapping_hash, stack_hash},
+    tiers::Tiers,
 };
 use crate::ingest::ValidBatch;
 
@@ -363,8 +366,12 @@ pub struct ClickhouseStorage {
     stored_stacks: Mutex<BoundedSet<(u128, i64)>>,
     stored_label_sets: Mutex<BoundedSet<(u128, i64)>>,
     query_caches: Mutex<QueryCaches>,
+    /// The widths rollups are built at (see `rollup`).
+    tiers: Tiers,
     /// Sums that merged every row with `FINAL` (see `summed_rows`).
     final_sums: std::sync::atomic::AtomicU64,
+    /// Rollup spans sums read instead of their sample rows.
+    rollup_spans_read: std::sync::atomic::AtomicU64,
 }
 
 impl std::fmt::Debug for ClickhouseStorage {
@@ -430,6 +437,9 @@ fn partition_width(bucket: i64, partition: i64) -> Option<i64> {
     buckets.checked_mul(bucket)
 }
 
+/// The columns of a try's row in `attempts`.
+const ATTEMPT_COLUMNS: &str = "batch, bucket, at_unix_nanos";
+
 /// Sums taken again when a batch was tried meanwhile, before `FINAL`.
 const SUM_TRIES: usize = 3;
 
@@ -440,6 +450,57 @@ const WEIGHT_PARTS: &str = "sum(bitAnd(weight, 2097151)), \
 /// Reads the columns of `WEIGHT_PARTS`.
 fn read_sum(r: &mut RowReader<'_>) -> Result<u128, String> {
     Ok(exact_sum([r.u64()?, r.u64()?, r.u64()?]))
+}
+
+/// What a sum is grouped by.
+#[derive(Debug, Clone, Copy)]
+enum SumKey {
+    /// Per stack: a flamegraph.
+    Stack,
+    /// Per bucket, for a series of points `step_nanos` wide (one per bucket
+    /// when not positive).
+    Bucket { step_nanos: i64 },
+}
+
+impl SumKey {
+    fn sample_column(self) -> &'static str {
+        match self {
+            Self::Stack => "stack",
+            Self::Bucket { .. } => "bucket",
+        }
+    }
+
+    /// The column and table of rollups that sum the same.
+    fn rollup_column_and_table(self) -> (&'static str, &'static str) {
+        match self {
+            Self::Stack => ("stack", "rollups"),
+            Self::Bucket { .. } => ("span_start", "rollup_sets"),
+        }
+    }
+
+    /// The span widths that can answer: for a series, spans each wholly
+    /// inside one point.
+    fn widths(self, tiers: &Tiers, bucket_nanos: i64) -> Vec<i64> {
+        let widths = tiers.widths().iter().copied();
+        match self {
+            Self::Stack => widths.collect(),
+            Self::Bucket { step_nanos } => {
+                let step = if step_nanos > 0 {
+                    step_nanos
+                } else {
+                    bucket_nanos
+                };
+                widths.filter(|width| step % width == 0).collect()
+            }
+        }
+    }
+}
+
+/// The conditions on label sets that select a query's rows: one sum per
+/// condition, added up.
+struct LabelConditions {
+    rollups: Vec<String>,
+    samples: Vec<String>,
 }
 
 impl ClickhouseStorage {
@@ -493,9 +554,11 @@ impl ClickhouseStorage {
             }),
             endpoints,
             client,
+            tiers: Tiers::new(options.bucket_nanos),
             config,
             options,
             final_sums: Default::default(),
+            rollup_spans_read: Default::default(),
         };
         for endpoint in &storage.endpoints {
             storage.init_server(endpoint)?;
@@ -636,6 +699,31 @@ impl ClickhouseStorage {
     fn upgrade_server(&self, endpoint: &Endpoint, from: i64) -> Result<(), StorageError> {
         let at = |what: &str| format!("{what} on {}", endpoint.url);
         tracing::info!(server = %endpoint.url, "upgrading the schema from version {from} to {SCHEMA_VERSION}");
+        // Version 2's `attempts` had no time: its tries count as old (0).
+        let mut attempts = vec!["attempts_local"];
+        if self.tables.distributed {
+            attempts.push("attempts");
+        }
+        for table in attempts {
+            let sql = format!(
+                "SELECT count() FROM system.columns WHERE database = '{}' AND table = '{table}' \
+                 AND name = 'at_unix_nanos' FORMAT RowBinary",
+                self.config.database
+            );
+            let answer = self
+                .client
+                .query(endpoint, &sql)
+                .map_err(remote(at("reading the columns of attempts")))?;
+            if self.decode(endpoint, &answer, |r| r.u64())?.first() == Some(&0) {
+                let sql = format!(
+                    "ALTER TABLE {}.{table} ADD COLUMN at_unix_nanos Int64 DEFAULT 0",
+                    self.config.database
+                );
+                self.client
+                    .execute(endpoint, &sql)
+                    .map_err(remote(at("adding the time of tries")))?;
+            }
+        }
         // Only a partition of several parts can hold a copy not merged
         // away; one statement each, so none reads the whole table.
         let sql = format!(
@@ -724,6 +812,27 @@ impl ClickhouseStorage {
         })))
     }
 
+    /// Runs a statement that must not run twice (a build's `INSERT ..
+    /// SELECT`): on the first server that accepts a connection, never sent
+    /// again after it reached one.
+    fn execute_once(&self, action: &str, sql: &str) -> Result<(), StorageError> {
+        let mut last = None;
+        for endpoint in &self.endpoints {
+            match self.client.execute(endpoint, sql) {
+                Ok(()) => return Ok(()),
+                Err(err) if err.never_sent() => {
+                    tracing::warn!(server = %endpoint.url, "{action}: {err}; trying the next server");
+                    last = Some(err);
+                }
+                Err(err) => return Err(remote(action)(err)),
+            }
+        }
+        Err(remote(action)(last.unwrap_or(ClickhouseError::Decode {
+            endpoint: String::new(),
+            message: "no server".into(),
+        })))
+    }
+
     /// Runs a RowBinary query on a server that answers and decodes its rows.
     fn select<T>(
         &self,
@@ -795,7 +904,7 @@ impl ClickhouseStorage {
             self.client.insert(
                 endpoint,
                 &self.tables.table("attempts"),
-                "batch, bucket",
+                ATTEMPT_COLUMNS,
                 attempt.clone(),
             )
         })?;
@@ -818,7 +927,7 @@ impl ClickhouseStorage {
                 self.client.insert(
                     endpoint,
                     &self.tables.table("attempts"),
-                    "batch, bucket",
+                    ATTEMPT_COLUMNS,
                     attempt.clone(),
                 )?;
             }
@@ -855,9 +964,9 @@ impl ClickhouseStorage {
         })
     }
 
-    /// The `WHERE` condition on buckets for a selection: buckets that
+    /// The buckets `b` with `lo < b < hi` a selection reads: those that
     /// overlap its range and were not deleted; `None` when none can.
-    fn bucket_condition(&self, selection: &Selection) -> Result<Option<String>, StorageError> {
+    fn bucket_bounds(&self, selection: &Selection) -> Result<Option<(i64, i64)>, StorageError> {
         let range = selection.range;
         if range.start_unix_nanos >= range.end_unix_nanos {
             return Ok(None);
@@ -869,7 +978,20 @@ impl ClickhouseStorage {
             .saturating_sub(self.options.bucket_nanos)
             .max(self.retention_mark()?);
         let hi = range.end_unix_nanos;
-        Ok((lo < hi).then(|| format!("bucket > {lo} AND bucket < {hi}")))
+        Ok((lo < hi).then_some((lo, hi)))
+    }
+
+    /// How a selection's buckets are read: rollups of the given widths and
+    /// the sample rows between them; `None` when it reads no bucket.
+    fn selection_cover(
+        &self,
+        selection: &Selection,
+        widths: &[i64],
+    ) -> Result<Option<Cover>, StorageError> {
+        match self.bucket_bounds(selection)? {
+            Some((lo, hi)) => Ok(Some(self.cover(lo, hi, widths)?)),
+            None => Ok(None),
+        }
     }
 
     /// Labels of the given label sets, from the cache or the database.
@@ -924,28 +1046,37 @@ impl ClickhouseStorage {
         Ok(found)
     }
 
-    /// Label sets with samples in the selection's buckets, and their labels.
-    /// Without `FINAL`: a duplicate row names the same label set.
-    fn label_sets_in(&self, buckets: &str) -> Result<HashMap<u128, Labels>, StorageError> {
-        let sql = format!(
-            "SELECT label_set FROM {} WHERE {buckets} GROUP BY label_set FORMAT RowBinary",
-            self.tables.table("samples")
-        );
-        let hashes: BTreeSet<u128> = self
-            .select("finding label sets", &sql, |r| r.hash())?
-            .into_iter()
-            .collect();
+    /// Label sets with samples in a cover's spans and gaps, and their
+    /// labels. Without `FINAL`: a duplicate row names the same label set.
+    fn label_sets_in(&self, cover: &Cover) -> Result<HashMap<u128, Labels>, StorageError> {
+        let mut hashes = BTreeSet::new();
+        if let Some(spans) = cover.spans_condition() {
+            let sql = format!(
+                "SELECT label_set FROM {} WHERE {spans} AND label_set != {} \
+                 GROUP BY label_set FORMAT RowBinary",
+                self.tables.table("rollup_sets"),
+                hash_list([rollup::EVERY_CPU])
+            );
+            hashes.extend(self.select("finding label sets", &sql, |r| r.hash())?);
+        }
+        if let Some(gaps) = cover.gaps_condition() {
+            let sql = format!(
+                "SELECT label_set FROM {} WHERE {gaps} GROUP BY label_set FORMAT RowBinary",
+                self.tables.table("samples")
+            );
+            hashes.extend(self.select("finding label sets", &sql, |r| r.hash())?);
+        }
         self.labels_of(&hashes)
     }
 
-    /// The label sets in the selection that its matchers select.
+    /// The label sets in a cover that the selection's matchers select.
     fn selected_label_sets(
         &self,
         selection: &Selection,
-        buckets: &str,
+        cover: &Cover,
     ) -> Result<BTreeMap<u128, Labels>, StorageError> {
         Ok(self
-            .label_sets_in(buckets)?
+            .label_sets_in(cover)?
             .into_iter()
             .filter(|(_, labels)| {
                 selection.matches_labels(labels.iter().map(|(n, v)| (n.as_str(), v.as_str())))
@@ -953,38 +1084,43 @@ impl ClickhouseStorage {
             .collect())
     }
 
-    /// The `WHERE` conditions of a selection, none when it selects
-    /// nothing. The selected label sets are named in chunks of
-    /// `stack_fetch_chunk`, one condition each (a single `IN` list of tens
-    /// of thousands would pass the server's `max_ast_elements`); each
-    /// condition selects other rows, so answers add up over them.
-    fn selection_conditions(&self, selection: &Selection) -> Result<Vec<String>, StorageError> {
-        let Some(buckets) = self.bucket_condition(selection)? else {
-            return Ok(Vec::new());
-        };
+    /// The conditions on label sets that select a selection's rows, of
+    /// rollups or of samples; none when it selects nothing. The selected
+    /// sets are named in chunks of `stack_fetch_chunk`, one condition each
+    /// (a single `IN` list of tens of thousands would pass the server's
+    /// `max_ast_elements`); each condition selects other rows, so answers
+    /// add up over them.
+    fn label_conditions(
+        &self,
+        selection: &Selection,
+        cover: &Cover,
+    ) -> Result<LabelConditions, StorageError> {
         if selection.selects_every_cpu_sample() {
-            // Every set but those of other profile types, which carry the
+            // Rollups sum every CPU set under one; the sample rows are
+            // every set's but those of other profile types, which carry the
             // type's label: the one subquery runs once, where the query
             // starts (GLOBAL), and finds none on most stores.
-            return Ok(vec![format!(
-                "{buckets} AND label_set GLOBAL NOT IN \
-                 (SELECT label_set FROM {} WHERE has(label_names, '{PROFILE_TYPE_LABEL}'))",
-                self.tables.table("label_sets")
-            )]);
+            return Ok(LabelConditions {
+                rollups: vec![format!("label_set = {}", hash_list([rollup::EVERY_CPU]))],
+                samples: vec![format!(
+                    "label_set GLOBAL NOT IN \
+                     (SELECT label_set FROM {} WHERE has(label_names, '{PROFILE_TYPE_LABEL}'))",
+                    self.tables.table("label_sets")
+                )],
+            });
         }
         let selected: Vec<u128> = self
-            .selected_label_sets(selection, &buckets)?
+            .selected_label_sets(selection, cover)?
             .into_keys()
             .collect();
-        Ok(selected
+        let sets: Vec<String> = selected
             .chunks(self.options.stack_fetch_chunk.max(1))
-            .map(|chunk| {
-                format!(
-                    "{buckets} AND label_set IN ({})",
-                    hash_list(chunk.iter().copied())
-                )
-            })
-            .collect())
+            .map(|chunk| format!("label_set IN ({})", hash_list(chunk.iter().copied())))
+            .collect();
+        Ok(LabelConditions {
+            rollups: sets.clone(),
+            samples: sets,
+        })
     }
 
     /// Frames of the given stacks, from the cache or the database.
@@ -1224,7 +1360,7 @@ impl ClickhouseStorage {
         let mut sums: BTreeMap<u128, u128> = BTreeMap::new();
         // Summed per period, so each sum can be scaled by its own.
         for (stack, row_period, sum) in
-            self.summed_rows("summing stacks", selection, "stack", |r| r.hash())?
+            self.summed_rows("summing stacks", selection, SumKey::Stack, |r| r.hash())?
         {
             period.add(row_period);
             let sum = if in_units {
@@ -1264,9 +1400,12 @@ impl ClickhouseStorage {
         in_units: bool,
     ) -> Result<Vec<(i64, u64)>, StorageError> {
         let mut sums: BTreeMap<i64, u128> = BTreeMap::new();
-        for (bucket, row_period, sum) in
-            self.summed_rows("summing the series", selection, "bucket", |r| r.i64())?
-        {
+        for (bucket, row_period, sum) in self.summed_rows(
+            "summing the series",
+            selection,
+            SumKey::Bucket { step_nanos },
+            |r| r.i64(),
+        )? {
             let sum = if in_units {
                 sum.saturating_mul(u128::from(row_period))
             } else {
@@ -1279,8 +1418,61 @@ impl ClickhouseStorage {
         Ok(points.filter(|&(_, w)| w > 0).collect())
     }
 
-    /// The selected rows' weights summed per `key` (a column: `stack` or
-    /// `bucket`) and sample period, each batch's rows counted once.
+    /// The selected rows' weights summed per `key` and sample period: from
+    /// the rollups of the spans that cover the range, and from the sample
+    /// rows of the buckets between them.
+    fn summed_rows<K>(
+        &self,
+        action: &str,
+        selection: &Selection,
+        key: SumKey,
+        read_key: impl Fn(&mut RowReader<'_>) -> Result<K, String>,
+    ) -> Result<Vec<(K, u64, u128)>, StorageError> {
+        let widths = key.widths(&self.tiers, self.options.bucket_nanos);
+        let Some(cover) = self.selection_cover(selection, &widths)? else {
+            return Ok(Vec::new());
+        };
+        let labels = self.label_conditions(selection, &cover)?;
+        let mut rows = Vec::new();
+        if let Some(spans) = cover.spans_condition() {
+            self.rollup_spans_read.fetch_add(
+                cover.spans.len() as u64,
+                std::sync::atomic::Ordering::Relaxed,
+            );
+            let (column, table) = key.rollup_column_and_table();
+            let table = self.tables.table(table);
+            for label in &labels.rollups {
+                rows.extend(self.select(
+                    action,
+                    &format!(
+                        "SELECT {column}, sample_period, sum(weight0), sum(weight1), \
+                         sum(weight2) FROM {table} WHERE {spans} AND {label} \
+                         GROUP BY {column}, sample_period FORMAT RowBinary"
+                    ),
+                    |r| Ok((read_key(r)?, r.u64()?, read_sum(r)?)),
+                )?);
+            }
+        }
+        if let Some(gaps) = cover.gaps_condition() {
+            let conditions: Vec<String> = labels
+                .samples
+                .iter()
+                .map(|label| format!("{gaps} AND {label}"))
+                .collect();
+            rows.extend(self.summed_sample_rows(
+                action,
+                &gaps,
+                &conditions,
+                key.sample_column(),
+                &read_key,
+            )?);
+        }
+        Ok(rows)
+    }
+
+    /// The weights of the sample rows each of `conditions` selects (all in
+    /// the buckets `buckets` selects) summed per `key` (a column: `stack`
+    /// or `bucket`) and sample period, each batch's rows counted once.
     ///
     /// Rows are summed as they are, but those of batches tried more than
     /// once (see `attempts` in [`schema::local_tables`]), summed apart with
@@ -1290,28 +1482,25 @@ impl ClickhouseStorage {
     /// set is the same, no row the sums saw came from a try they did not
     /// know of. After a few changes, every row is merged with `FINAL` (one
     /// stream per shard).
-    fn summed_rows<K>(
+    fn summed_sample_rows<K>(
         &self,
         action: &str,
-        selection: &Selection,
+        buckets: &str,
+        conditions: &[String],
         key: &str,
-        read_key: impl Fn(&mut RowReader<'_>) -> Result<K, String>,
+        read_key: &impl Fn(&mut RowReader<'_>) -> Result<K, String>,
     ) -> Result<Vec<(K, u64, u128)>, StorageError> {
-        let Some(buckets) = self.bucket_condition(selection)? else {
-            return Ok(Vec::new());
-        };
-        let conditions = self.selection_conditions(selection)?;
         if conditions.is_empty() {
             return Ok(Vec::new());
         }
         let samples = self.tables.table("samples");
         let sum_rows =
             |sql: &str| self.select(action, sql, |r| Ok((read_key(r)?, r.u64()?, read_sum(r)?)));
-        let retried = self.retried_batches_query(&buckets);
+        let retried = self.retried_batches_query(buckets);
         let mut before = self.retried_checksum(&retried)?;
         for _ in 0..SUM_TRIES {
             let mut rows = Vec::new();
-            for condition in &conditions {
+            for condition in conditions {
                 if before.0 == 0 {
                     rows.extend(sum_rows(&format!(
                         "SELECT {key}, sample_period, {WEIGHT_PARTS} FROM {samples} \
@@ -1345,13 +1534,19 @@ impl ClickhouseStorage {
         self.final_sums
             .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
         let mut rows = Vec::new();
-        for condition in &conditions {
+        for condition in conditions {
             rows.extend(sum_rows(&format!(
                 "SELECT {key}, sample_period, {WEIGHT_PARTS} FROM {samples} FINAL \
                  WHERE {condition} GROUP BY {key}, sample_period FORMAT RowBinary"
             ))?);
         }
         Ok(rows)
+    }
+
+    /// How many rollup spans sums read instead of their sample rows.
+    pub fn rollup_spans_read(&self) -> u64 {
+        self.rollup_spans_read
+            .load(std::sync::atomic::Ordering::Relaxed)
     }
 
     /// How many sums merged every row with `FINAL`, because batches kept
@@ -1401,6 +1596,7 @@ impl Storage for ClickhouseStorage {
         let mut attempt = RowWriter::default();
         attempt.hash(id);
         attempt.i64(bucket);
+        attempt.i64(unix_nanos(SystemTime::now()));
         let attempt = bytes::Bytes::from(attempt.bytes);
         // The id looked up while the dictionaries and the try are stored:
         // for a duplicate, those rows change no answer (dictionary rows
@@ -1448,22 +1644,22 @@ impl Storage for ClickhouseStorage {
     }
 
     fn label_names(&self, selection: &Selection) -> Result<Vec<String>, StorageError> {
-        let Some(buckets) = self.bucket_condition(selection)? else {
+        let Some(cover) = self.selection_cover(selection, self.tiers.widths())? else {
             return Ok(Vec::new());
         };
         let mut names = BTreeSet::new();
-        for labels in self.selected_label_sets(selection, &buckets)?.values() {
+        for labels in self.selected_label_sets(selection, &cover)?.values() {
             names.extend(labels.iter().map(|(name, _)| name.clone()));
         }
         Ok(names.into_iter().collect())
     }
 
     fn label_values(&self, selection: &Selection, name: &str) -> Result<Vec<String>, StorageError> {
-        let Some(buckets) = self.bucket_condition(selection)? else {
+        let Some(cover) = self.selection_cover(selection, self.tiers.widths())? else {
             return Ok(Vec::new());
         };
         let mut values = BTreeSet::new();
-        for labels in self.selected_label_sets(selection, &buckets)?.values() {
+        for labels in self.selected_label_sets(selection, &cover)?.values() {
             if let Ok(i) = labels.binary_search_by(|(n, _)| n.as_str().cmp(name)) {
                 values.insert(labels[i].1.clone());
             }
@@ -1472,11 +1668,11 @@ impl Storage for ClickhouseStorage {
     }
 
     fn profile_types(&self, selection: &Selection) -> Result<Vec<ProfileType>, StorageError> {
-        let Some(buckets) = self.bucket_condition(selection)? else {
+        let Some(cover) = self.selection_cover(selection, self.tiers.widths())? else {
             return Ok(Vec::new());
         };
         let mut types = BTreeSet::new();
-        for labels in self.label_sets_in(&buckets)?.values() {
+        for labels in self.label_sets_in(&cover)?.values() {
             if !selection
                 .matches_labels_of_any_type(labels.iter().map(|(n, v)| (n.as_str(), v.as_str())))
             {
@@ -1574,7 +1770,11 @@ impl Storage for ClickhouseStorage {
                     continue;
                 };
                 let droppable = match table.as_str() {
-                    "samples_local" | "stacks_local" | "label_sets_local" | "attempts_local" => {
+                    // Rollups by their span's start: a span that also
+                    // holds later buckets is never read once its start is
+                    // deleted.
+                    "samples_local" | "stacks_local" | "label_sets_local" | "attempts_local"
+                    | "rollups_local" | "rollup_sets_local" | "rollup_spans_local" => {
                         schema::partition_is_before(value, width, mark)
                     }
                     // Keyed by max(received, end): a batch id is kept while
@@ -1604,6 +1804,11 @@ impl Storage for ClickhouseStorage {
             lock(&self.stored_label_sets).entries.clear();
         }
         Ok(deleted)
+    }
+
+    /// Builds rollups of closed spans (see `rollup`).
+    fn compact(&self, closed_before_unix_nanos: i64) -> Result<u64, StorageError> {
+        self.roll_up(closed_before_unix_nanos)
     }
 
     /// `None`: the data is on the ClickHouse servers' disks, not this

@@ -13,7 +13,7 @@
 /// Bumped on any change to the tables; a collector refuses a database
 /// written by a newer schema and upgrades an older one (see
 /// [`upgrade_statements`]).
-pub const SCHEMA_VERSION: i64 = 2;
+pub const SCHEMA_VERSION: i64 = 3;
 
 /// A database's tables, named for the statements that use them.
 #[derive(Debug, Clone)]
@@ -60,19 +60,23 @@ impl Tables {
 /// * `label_sets`: label set hash -> sorted names and values.
 /// * `batches`: ids of stored batches, for dedup of retries.
 /// * `attempts`: one row per try at storing a batch's samples, written
-///   before them. A batch with more than one (a retry after a failure
+///   before them, with the time it began (`at_unix_nanos`, 0 for tries
+///   registered before schema version 3). A batch with more than one (a retry after a failure
 ///   between its samples and its id, two collectors racing, an insert sent
 ///   again to another server) may have its samples on disk more than
 ///   once: reads sum plain rows, and only such batches' rows are
 ///   deduplicated (`FINAL` would merge every row of the range in one
 ///   stream per shard).
+/// * `rollups`, `rollup_sets`, `rollup_spans`: sums of closed spans of
+///   time, per label set and stack, per label set, and the marker of each
+///   build (see `rollup`).
 ///
 /// Every table is partitioned by time (`intDiv(bucket, partition width)`),
 /// dictionaries by a bucket of the samples that use them: retention drops
 /// whole partitions (`ALTER TABLE .. DROP PARTITION`), and a dictionary row
 /// lives in every partition that has samples referencing it, so dropping a
 /// partition never orphans a newer sample.
-pub fn local_tables(partition_nanos: i64) -> [(&'static str, String, &'static str); 5] {
+pub fn local_tables(partition_nanos: i64) -> [(&'static str, String, &'static str); 8] {
     let p = partition_nanos;
     [
         (
@@ -116,17 +120,51 @@ pub fn local_tables(partition_nanos: i64) -> [(&'static str, String, &'static st
         (
             "attempts",
             format!(
-                "(batch FixedString(16), bucket Int64) \
+                "(batch FixedString(16), bucket Int64, at_unix_nanos Int64) \
                  ENGINE = MergeTree() PARTITION BY intDiv(bucket, {p}) ORDER BY (bucket, batch)"
             ),
             "sipHash64(batch)",
+        ),
+        (
+            "rollups",
+            format!(
+                "(width Int64, span_start Int64, build FixedString(16), \
+                 label_set FixedString(16), stack FixedString(16), sample_period UInt64, \
+                 weight0 UInt64, weight1 UInt64, weight2 UInt64) \
+                 ENGINE = MergeTree() PARTITION BY intDiv(span_start, {p}) \
+                 ORDER BY (width, span_start, build, label_set, stack)"
+            ),
+            "sipHash64(label_set, stack)",
+        ),
+        (
+            "rollup_sets",
+            format!(
+                "(width Int64, span_start Int64, build FixedString(16), \
+                 label_set FixedString(16), sample_period UInt64, \
+                 weight0 UInt64, weight1 UInt64, weight2 UInt64) \
+                 ENGINE = MergeTree() PARTITION BY intDiv(span_start, {p}) \
+                 ORDER BY (width, span_start, build, label_set)"
+            ),
+            "sipHash64(label_set)",
+        ),
+        (
+            "rollup_spans",
+            format!(
+                "(width Int64, span_start Int64, build FixedString(16), tries UInt64, \
+                 tries_checksum UInt64, built_unix_nanos Int64) \
+                 ENGINE = MergeTree() PARTITION BY intDiv(span_start, {p}) \
+                 ORDER BY (width, span_start)"
+            ),
+            "sipHash64(build)",
         ),
     ]
 }
 
 /// What brings one server's tables written by `from` (older than
 /// [`SCHEMA_VERSION`]) up to date, after [`create_statements`] made the
-/// missing tables: version 1 had no `attempts` and read sums with `FINAL`,
+/// missing tables (and `attempts` has its `at_unix_nanos`, which version 2
+/// did not: see `ClickhouseStorage::upgrade_server`): version 1 had no
+/// `attempts` and read sums with `FINAL`,
 /// so every batch whose rows are still on disk more than once (a retry
 /// not yet merged away) is registered as tried twice, one statement per
 /// partition of `partitions` (of width `partition_nanos`).
@@ -143,8 +181,8 @@ pub fn upgrade_statements(
         .iter()
         .map(|partition| {
             format!(
-                "INSERT INTO {attempts} (batch, bucket) \
-                 SELECT batch, bucket FROM (SELECT DISTINCT batch, bucket FROM {samples} \
+                "INSERT INTO {attempts} (batch, bucket, at_unix_nanos) \
+                 SELECT batch, bucket, 0 FROM (SELECT DISTINCT batch, bucket FROM {samples} \
                  WHERE intDiv(bucket, {partition_nanos}) = {partition} \
                  GROUP BY bucket, label_set, stack, batch HAVING count() > 1) \
                  ARRAY JOIN [1, 2] AS copy",

@@ -25,7 +25,7 @@ use stackscope_telemetry::StateSize;
 
 use super::{IngestOutcome, Storage, StorageError};
 use crate::ingest::ValidBatch;
-use rollup::Tiers;
+use crate::storage::tiers::Tiers;
 
 mod read;
 mod rollup;

@@ -47,7 +47,8 @@ use std::path::Path;
 
 use rusqlite::{Connection, OptionalExtension as _, TransactionBehavior};
 
-use super::{SqliteOptions, StorageError, rollup, rollup::Tiers};
+use super::{SqliteOptions, StorageError, rollup};
+use crate::storage::tiers::Tiers;
 
 /// The schema this code reads and writes. Bump it (and migrate) on any
 /// change; an older collector refuses a newer database instead of

@@ -13,6 +13,7 @@ use std::{
     time::SystemTime,
 };
 
+use crate::storage::tiers::Tiers;
 use rusqlite::{
     CachedStatement, Connection, OptionalExtension as _, Statement, Transaction,
     TransactionBehavior,
@@ -21,8 +22,7 @@ use stackscope_profile::model::unix_nanos;
 use stackscope_telemetry::StateSize;
 
 use super::{
-    CacheStats, IngestOutcome, SqliteStorage, StorageError, page_cache_used, rollup, rollup::Tiers,
-    saturate,
+    CacheStats, IngestOutcome, SqliteStorage, StorageError, page_cache_used, rollup, saturate,
 };
 use crate::{
     ingest::ValidBatch,
