@@ -94,12 +94,17 @@ impl StorageError {
 /// aligned to multiples of `step_nanos`, or one per bucket when it is not
 /// positive. Shared so every engine draws the same points.
 pub(crate) fn series_point(bucket: i64, step_nanos: i64, bucket_nanos: i64) -> i64 {
-    let step = if step_nanos > 0 {
+    let step = point_width(step_nanos, bucket_nanos);
+    bucket.saturating_sub(bucket.rem_euclid(step))
+}
+
+/// The width of the points `series_point` draws.
+pub(crate) fn point_width(step_nanos: i64, bucket_nanos: i64) -> i64 {
+    if step_nanos > 0 {
         step_nanos
     } else {
         bucket_nanos
-    };
-    bucket.saturating_sub(bucket.rem_euclid(step))
+    }
 }
 
 /// The width of a series' points for an asked width: whole storage buckets
@@ -169,7 +174,8 @@ pub trait Storage: Send + Sync + 'static {
     /// Brings precomputed summaries (rollups) up to date for data that
     /// ended at or before `closed_before_unix_nanos`, a bounded amount of
     /// work per call: returns how many units of work (spans) it did, and 0
-    /// once nothing is left, so callers call again until then. Queries are
+    /// once nothing more can be done now, so callers call again until
+    /// then. Queries are
     /// right whether or not it ran; they are faster after. Engines without
     /// summaries do nothing.
     fn compact(&self, closed_before_unix_nanos: i64) -> Result<u64, StorageError> {

@@ -51,6 +51,16 @@ impl Tiers {
     }
 }
 
+/// The widths of `widths` whose spans each lie wholly inside one point of a
+/// series of points `point_width` wide (aligned alike, to multiples).
+pub(crate) fn fitting(widths: &[i64], point_width: i64) -> Vec<i64> {
+    widths
+        .iter()
+        .copied()
+        .filter(|&width| width > 0 && point_width % width == 0)
+        .collect()
+}
+
 /// The start of the span of `width` holding `at`.
 pub(crate) fn span_start(at: i64, width: i64) -> i64 {
     at.saturating_sub(at.rem_euclid(width))

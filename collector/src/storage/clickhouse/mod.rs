@@ -19,7 +19,7 @@
 //!   bucket, label set, stack, weight). Each try at storing a batch's
 //!   samples is first registered in `attempts`: sums add rows as they are,
 //!   but count the rows of a batch tried more than once one copy each (see
-//!   `summed_rows`). The window left: none for sample weights; two retries
+//!   `summed_sample_rows`). The window left: none for sample weights; two retries
 //!   racing through different collectors both store, and both answer
 //!   `Stored`.
 //! * No `FINAL` on reads (but `meta`'s, and retention's count): ClickHouse
@@ -368,7 +368,7 @@ pub struct ClickhouseStorage {
     query_caches: Mutex<QueryCaches>,
     /// The widths rollups are built at (see `rollup`).
     tiers: Tiers,
-    /// Sums that merged every row with `FINAL` (see `summed_rows`).
+    /// Sums that merged every row with `FINAL` (see `summed_sample_rows`).
     final_sums: std::sync::atomic::AtomicU64,
     /// Rollup spans sums read instead of their sample rows.
     rollup_spans_read: std::sync::atomic::AtomicU64,
@@ -440,6 +440,15 @@ fn partition_width(bucket: i64, partition: i64) -> Option<i64> {
 /// The columns of a try's row in `attempts`.
 const ATTEMPT_COLUMNS: &str = "batch, bucket, at_unix_nanos";
 
+/// A try's row in `attempts`, begun now.
+fn attempt_row(batch: u128, bucket: i64) -> bytes::Bytes {
+    let mut row = RowWriter::default();
+    row.hash(batch);
+    row.i64(bucket);
+    row.i64(unix_nanos(SystemTime::now()));
+    row.bytes.into()
+}
+
 /// Sums taken again when a batch was tried meanwhile, before `FINAL`.
 const SUM_TRIES: usize = 3;
 
@@ -481,16 +490,10 @@ impl SumKey {
     /// The span widths that can answer: for a series, spans each wholly
     /// inside one point.
     fn widths(self, tiers: &Tiers, bucket_nanos: i64) -> Vec<i64> {
-        let widths = tiers.widths().iter().copied();
         match self {
-            Self::Stack => widths.collect(),
+            Self::Stack => tiers.widths().to_vec(),
             Self::Bucket { step_nanos } => {
-                let step = if step_nanos > 0 {
-                    step_nanos
-                } else {
-                    bucket_nanos
-                };
-                widths.filter(|width| step % width == 0).collect()
+                super::tiers::fitting(tiers.widths(), super::point_width(step_nanos, bucket_nanos))
             }
         }
     }
@@ -866,14 +869,14 @@ impl ClickhouseStorage {
     }
 
     /// Stores a batch's new stacks and label sets, then its try at storing
-    /// its samples (`attempt`, in `attempts`); returns the sample rows.
+    /// its samples (in `attempts`); returns the sample rows.
     /// Dictionaries first: a sample is never visible before what it
     /// references. Each insert returns once every shard has its rows.
     fn store_dictionaries_and_try(
         &self,
         batch: &ValidBatch,
+        id: u128,
         bucket: i64,
-        attempt: &bytes::Bytes,
     ) -> Result<RowWriter, StorageError> {
         let rows = self.batch_rows(batch, bucket)?;
         self.insert(
@@ -900,6 +903,7 @@ impl ClickhouseStorage {
                 stored.insert(entry);
             }
         }
+        let attempt = attempt_row(id, bucket);
         self.any_server("registering a try", |endpoint| {
             self.client.insert(
                 endpoint,
@@ -916,7 +920,7 @@ impl ClickhouseStorage {
     /// server, they are registered again first: the first server may have
     /// stored them before it failed, and reads count the rows of a batch
     /// tried more than once one copy each.
-    fn insert_samples(&self, attempt: &bytes::Bytes, rows: RowWriter) -> Result<(), StorageError> {
+    fn insert_samples(&self, id: u128, bucket: i64, rows: RowWriter) -> Result<(), StorageError> {
         if rows.bytes.is_empty() {
             return Ok(());
         }
@@ -924,11 +928,12 @@ impl ClickhouseStorage {
         let mut first = true;
         self.any_server("storing samples", |endpoint| {
             if !std::mem::take(&mut first) {
+                // Timed now: this try's rows may land from now on.
                 self.client.insert(
                     endpoint,
                     &self.tables.table("attempts"),
                     ATTEMPT_COLUMNS,
-                    attempt.clone(),
+                    attempt_row(id, bucket),
                 )?;
             }
             self.client.insert(
@@ -1593,11 +1598,6 @@ impl Storage for ClickhouseStorage {
             )));
         }
         let bucket = self.bucket_of(batch.range.start_unix_nanos);
-        let mut attempt = RowWriter::default();
-        attempt.hash(id);
-        attempt.i64(bucket);
-        attempt.i64(unix_nanos(SystemTime::now()));
-        let attempt = bytes::Bytes::from(attempt.bytes);
         // The id looked up while the dictionaries and the try are stored:
         // for a duplicate, those rows change no answer (dictionary rows
         // are named by their content; a batch tried twice counts once).
@@ -1610,7 +1610,7 @@ impl Storage for ClickhouseStorage {
                 );
                 self.select("looking up the batch id", &sql, |r| r.u64())
             });
-            let rows = self.store_dictionaries_and_try(batch, bucket, &attempt);
+            let rows = self.store_dictionaries_and_try(batch, id, bucket);
             let seen = seen
                 .join()
                 .unwrap_or_else(|panic| std::panic::resume_unwind(panic));
@@ -1619,7 +1619,7 @@ impl Storage for ClickhouseStorage {
         if seen?.first().copied().unwrap_or(0) > 0 {
             return Ok(IngestOutcome::Duplicate);
         }
-        self.insert_samples(&attempt, rows?)?;
+        self.insert_samples(id, bucket, rows?)?;
         let mut batch_row = RowWriter::default();
         batch_row.hash(id);
         batch_row.i64(unix_nanos(SystemTime::now()));

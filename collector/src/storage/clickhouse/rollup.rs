@@ -18,10 +18,12 @@
 //! from its base rows until the compactor builds it again.
 //!
 //! A build is made only when no try in the span may still be storing rows (a
-//! try without its batch id, younger than [`IN_FLIGHT_NANOS`]): rows landing
-//! after the sum would be missed while the tries stay the same. A try older
-//! than that without its id failed (its rows, if any, count as base reads
-//! count them; a retry registers a try of its own).
+//! try without its batch id, registered less than `in_flight_nanos` ago):
+//! rows landing after the sum would be missed while the tries stay the same.
+//! A try older than that without its id failed (its rows, if any, count as
+//! base reads count them; a retry registers a try of its own, and so does
+//! a resend to another server). Collectors of schema version 2 register
+//! tries without a time: stop them before a version-3 collector starts.
 //!
 //! # Tables (each `MergeTree`, partitioned by `span_start` like the samples)
 //!
@@ -55,11 +57,11 @@ use crate::storage::{StorageError, tiers::span_start};
 /// No stored set hashes to it: its content hash is 128 bits of xxh3.
 pub(super) const EVERY_CPU: u128 = 0;
 
-/// How long a try without its batch id may still be storing its samples:
-/// longer than a statement may take (`request_timeout`, 2 minutes by
-/// default). Measured on the collectors' clocks, which must agree to
-/// within a few minutes.
-const IN_FLIGHT_NANOS: i64 = 10 * 60 * 1_000_000_000;
+/// How long a try without its batch id may still be storing its samples, at
+/// least: its samples go in one statement (timed from its registration),
+/// which takes at most `request_timeout` (see `in_flight_nanos`). Measured
+/// on the collectors' clocks, which must agree to within a few minutes.
+const MIN_IN_FLIGHT_NANOS: i64 = 10 * 60 * 1_000_000_000;
 
 /// Spans built per `compact` call: each is a few statements.
 const SPANS_PER_CALL: u64 = 32;
@@ -213,7 +215,10 @@ impl ClickhouseStorage {
         })?;
         let mut current: BTreeMap<(i64, i64), u128> = BTreeMap::new();
         for (width, start, build, recorded) in markers {
-            let Some(end) = start.checked_add(width).filter(|&end| end <= hi) else {
+            let Some(end) = start
+                .checked_add(width)
+                .filter(|&end| width > 0 && end <= hi)
+            else {
                 continue;
             };
             if recorded.count > 0
@@ -251,7 +256,7 @@ impl ClickhouseStorage {
                         .range(..=start)
                         .next_back()
                         .is_some_and(|(_, span)| span.start + span.width > start);
-                    if !inside && start.saturating_add(width) <= end {
+                    if !inside {
                         chosen.insert(
                             start,
                             Span {
@@ -288,7 +293,9 @@ impl ClickhouseStorage {
 
     /// Builds rollups of closed spans (ending at or before `closed_before`)
     /// that have none current, finest first, at most [`SPANS_PER_CALL`];
-    /// returns how many it built.
+    /// returns how many it built (0 also while the spans left wait for
+    /// tries in flight: the next call, a compaction interval later, sees
+    /// them again).
     pub(super) fn roll_up(&self, closed_before: i64) -> Result<u64, StorageError> {
         let widths = self.tiers.widths();
         let lo = self.retention_mark()?;
@@ -355,11 +362,20 @@ impl ClickhouseStorage {
         ))
     }
 
+    /// How long a try may still be storing its samples: four request
+    /// timeouts, at least [`MIN_IN_FLIGHT_NANOS`].
+    fn in_flight_nanos(&self) -> i64 {
+        let timeouts = self.options.request_timeout.saturating_mul(4).as_nanos();
+        i64::try_from(timeouts)
+            .unwrap_or(i64::MAX)
+            .max(MIN_IN_FLIGHT_NANOS)
+    }
+
     /// Whether a try in the buckets `b` with `start <= b < end` may still
-    /// be storing its samples: it has no batch id, and began less than
-    /// [`IN_FLIGHT_NANOS`] ago.
+    /// be storing its samples: it has no batch id, and was registered less
+    /// than `in_flight_nanos` ago.
     fn try_in_flight(&self, start: i64, end: i64) -> Result<bool, StorageError> {
-        let recent = unix_nanos(SystemTime::now()).saturating_sub(IN_FLIGHT_NANOS);
+        let recent = unix_nanos(SystemTime::now()).saturating_sub(self.in_flight_nanos());
         let sql = format!(
             "SELECT DISTINCT batch FROM {} \
              WHERE bucket >= {start} AND bucket < {end} AND at_unix_nanos > {recent} \
@@ -560,7 +576,8 @@ mod tests {
         };
         let spans = cover.spans_condition().expect("spans");
         assert!(
-            spans.starts_with("span_start IN (0,600) AND build IN (unhex('07"),
+            spans
+                .starts_with("width IN (60,600) AND span_start IN (0,600) AND build IN (unhex('07"),
             "{spans}"
         );
         assert_eq!(

@@ -15,6 +15,11 @@
 /// [`upgrade_statements`]).
 pub const SCHEMA_VERSION: i64 = 3;
 
+/// Rows per index mark of the rollup tables (8192 by default): a query
+/// with matchers reads a few label sets of each span, scattered by their
+/// hash through the span's rows, and a granule read holds one.
+const ROLLUP_GRANULARITY: usize = 1024;
+
 /// A database's tables, named for the statements that use them.
 #[derive(Debug, Clone)]
 pub struct Tables {
@@ -132,7 +137,8 @@ pub fn local_tables(partition_nanos: i64) -> [(&'static str, String, &'static st
                  label_set FixedString(16), stack FixedString(16), sample_period UInt64, \
                  weight0 UInt64, weight1 UInt64, weight2 UInt64) \
                  ENGINE = MergeTree() PARTITION BY intDiv(span_start, {p}) \
-                 ORDER BY (width, span_start, build, label_set, stack)"
+                 ORDER BY (width, span_start, build, label_set, stack) \
+                 SETTINGS index_granularity = {ROLLUP_GRANULARITY}"
             ),
             "sipHash64(label_set, stack)",
         ),
@@ -143,7 +149,8 @@ pub fn local_tables(partition_nanos: i64) -> [(&'static str, String, &'static st
                  label_set FixedString(16), sample_period UInt64, \
                  weight0 UInt64, weight1 UInt64, weight2 UInt64) \
                  ENGINE = MergeTree() PARTITION BY intDiv(span_start, {p}) \
-                 ORDER BY (width, span_start, build, label_set)"
+                 ORDER BY (width, span_start, build, label_set) \
+                 SETTINGS index_granularity = {ROLLUP_GRANULARITY}"
             ),
             "sipHash64(label_set)",
         ),

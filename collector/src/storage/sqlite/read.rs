@@ -30,7 +30,7 @@ use crate::{
     ingest::MappingRecord,
     storage::{
         codec::{BlobReader, decode_code_segments, decode_lines, kind_from_code, resolve_frames},
-        series_point,
+        point_width, series_point, tiers,
     },
 };
 
@@ -580,7 +580,7 @@ impl SqliteStorage {
     /// stretch of time it has samples in: the current label rollup spans
     /// that cover the range (see [`rollup`]), and the buckets between them.
     /// `series_step`: only spans each wholly inside one point of a series of
-    /// that step. `whole_periods`: a span whose buckets disagree on the set's
+    /// points that wide. `whole_periods`: a span whose buckets disagree on the set's
     /// period is given bucket by bucket (a weight in units needs one).
     fn for_each_label_set_run(
         &self,
@@ -594,23 +594,20 @@ impl SqliteStorage {
         let Some((lo, hi)) = self.bucket_bounds(selection) else {
             return Ok(());
         };
-        let widths: Vec<i64> = self
-            .tiers
-            .label_widths()
-            .iter()
-            .copied()
-            .filter(|&width| series_step.is_none_or(|step| step > 0 && step % width == 0))
-            .collect();
+        let widths = match series_step {
+            Some(step) => tiers::fitting(self.tiers.label_widths(), step),
+            None => self.tiers.label_widths().to_vec(),
+        };
         let cover = rollup::cover(tx, &self.tiers, &widths, lo, hi)?;
         let mut sets = tx.prepare_cached(
             "SELECT label_set_id, sample_period_nanos, weight FROM label_rollup_sets
              WHERE width = ?1 AND span_start = ?2",
         )?;
-        let mut set_buckets = tx.prepare_cached(
-            "SELECT bucket_start, sample_period_nanos, weight FROM label_set_buckets
-             WHERE bucket_start >= ?1 AND bucket_start < ?2 AND label_set_id = ?3",
-        )?;
+        let mut gaps = cover.gaps.clone();
+        let mut runs = Vec::new();
         for span in &cover.spans {
+            runs.clear();
+            let mut mixed = false;
             let mut rows = sets.query((span.width, span.start))?;
             while let Some(row) = rows.next()? {
                 let (label_set, period, weight): (i64, i64, i64) =
@@ -619,29 +616,28 @@ impl SqliteStorage {
                     continue;
                 }
                 if whole_periods && period == 0 {
-                    let span_end = span.start.saturating_add(span.width);
-                    let mut rows = set_buckets.query((span.start, span_end, label_set))?;
-                    while let Some(row) = rows.next()? {
-                        each(Run {
-                            start: row.get(0)?,
-                            width: self.bucket_nanos,
-                            label_set,
-                            period: row.get(1)?,
-                            weight: non_negative(row.get(2)?, "label set weight")?,
-                        })?;
-                    }
-                    continue;
+                    mixed = true;
+                    break;
                 }
-                each(Run {
+                runs.push(Run {
                     start: span.start,
                     width: span.width,
                     label_set,
                     period,
                     weight: non_negative(weight, "label set weight")?,
-                })?;
+                });
+            }
+            if mixed {
+                // A selected set's buckets disagree on its period: the
+                // span's buckets are read one by one, in one pass.
+                gaps.push((span.start - 1, span.start.saturating_add(span.width)));
+                continue;
+            }
+            for run in runs.drain(..) {
+                each(run)?;
             }
         }
-        for &gap in &cover.gaps {
+        for gap in gaps {
             label_set_buckets_in(tx, gap, selected, |start, label_set, period, weight| {
                 each(Run {
                     start,
@@ -864,12 +860,7 @@ impl SqliteStorage {
         self.read(|snapshot, tx| {
             let selected = snapshot.label_sets.select(selection);
             let mut points: BTreeMap<i64, u64> = BTreeMap::new();
-            // The points' width, as `series_point` draws them.
-            let step = if step_nanos > 0 {
-                step_nanos
-            } else {
-                self.bucket_nanos
-            };
+            let step = point_width(step_nanos, self.bucket_nanos);
             self.for_each_label_set_run(tx, selection, &selected, Some(step), in_units, |run| {
                 let weight = if in_units {
                     run.weight

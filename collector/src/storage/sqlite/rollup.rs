@@ -30,7 +30,8 @@
 //!   weight, as `label_set_buckets` per bucket: series, label names and
 //!   values, and which `label_rollups` prefixes to read.
 //! * `rollup_spans(width, span_start, sample_period_nanos, has_cpu)`: the
-//!   marker: the span's rows in all three tables are complete and current.
+//!   marker: the span's rows (in `rollups`, and above the bucket width in
+//!   the two label tables) are complete and current.
 //!   `has_cpu`: whether it holds CPU samples; if so, the period their
 //!   buckets agreed on (0 when they did not).
 //! * `pending_spans(width, span_start)`: spans whose data changed since they
@@ -322,8 +323,8 @@ pub(super) struct Span {
     pub has_cpu: bool,
 }
 
-/// How a range of buckets is read: whole current spans, coarsest first, and
-/// the buckets between them from the base tables.
+/// How a range of buckets is read: whole current spans (by start), and the
+/// buckets between them from the base tables.
 #[derive(Debug, Default, PartialEq, Eq)]
 pub(super) struct Cover {
     pub spans: Vec<Span>,

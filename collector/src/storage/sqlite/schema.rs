@@ -167,6 +167,23 @@ pub(super) fn open_writer(
     Ok(conn)
 }
 
+/// Marks every span of `widths` that holds stored buckets for the
+/// compactor to redo.
+fn pend_every_span_with_data(
+    tx: &rusqlite::Transaction<'_>,
+    widths: &[i64],
+) -> rusqlite::Result<()> {
+    for &width in widths {
+        tx.execute(
+            "INSERT OR IGNORE INTO pending_spans (width, span_start)
+             SELECT DISTINCT ?1, bucket_start - (bucket_start % ?1 + ?1) % ?1
+             FROM label_set_buckets",
+            [width],
+        )?;
+    }
+    Ok(())
+}
+
 /// Opens a query connection, of a database `open_writer` has set up.
 pub(super) fn open_reader(
     path: &Path,
@@ -229,14 +246,7 @@ fn init_schema(
     // compactor rolls the history up once.
     if version == 3 {
         tx.execute_batch(rollup::SCHEMA)?;
-        for &width in tiers.widths() {
-            tx.execute(
-                "INSERT OR IGNORE INTO pending_spans (width, span_start)
-                 SELECT DISTINCT ?1, bucket_start - (bucket_start % ?1 + ?1) % ?1
-                 FROM label_set_buckets",
-                [width],
-            )?;
-        }
+        pend_every_span_with_data(&tx, tiers.widths())?;
         version = 4;
     }
     // Version 4 had one profile type (CPU): the sets of other types are
@@ -254,13 +264,8 @@ fn init_schema(
         for &width in tiers.label_widths() {
             tx.execute("DELETE FROM rollup_spans WHERE width = ?1", [width])?;
             tx.execute("DELETE FROM rollups WHERE width = ?1", [width])?;
-            tx.execute(
-                "INSERT OR IGNORE INTO pending_spans (width, span_start)
-                 SELECT DISTINCT ?1, bucket_start - (bucket_start % ?1 + ?1) % ?1
-                 FROM label_set_buckets",
-                [width],
-            )?;
         }
+        pend_every_span_with_data(&tx, tiers.label_widths())?;
         tx.pragma_update(None, "user_version", SCHEMA_VERSION)?;
         version = SCHEMA_VERSION;
     }
