@@ -959,14 +959,7 @@ fn rollups_answer_exactly_as_the_samples_they_sum() {
     let dir = tempfile::tempdir().expect("temp dir");
     let base = SqliteStorage::open(&dir.path().join("base.db"), SqliteOptions::default())
         .expect("open SQLite");
-    // A seeded generator, so a failure repeats.
-    let mut state = 0x2545_f491_4f6c_dd1d_u64;
-    let mut next = move || {
-        state ^= state << 13;
-        state ^= state >> 7;
-        state ^= state << 17;
-        state
-    };
+    let mut next = seeded(0x2545_f491_4f6c_dd1d);
     let day_start = T0 - T0.rem_euclid(DAY);
     let mut id = 0u8;
     let mut ingest = |at: i64, seed: u64| -> u8 {

@@ -891,14 +891,7 @@ fn rollups_answer_exactly_as_the_samples_they_sum() {
     let dir = tempfile::tempdir().expect("tempdir");
     let rolled = open(&dir.path().join("rolled.db"));
     let base = open(&dir.path().join("base.db"));
-    // A seeded generator, so a failure repeats.
-    let mut state = 0x9e37_79b9_7f4a_7c15_u64;
-    let mut next = move || {
-        state ^= state << 13;
-        state ^= state >> 7;
-        state ^= state << 17;
-        state
-    };
+    let mut next = seeded(0x9e37_79b9_7f4a_7c15);
     let day_start = T0 - T0.rem_euclid(DAY);
     let mut id = 0u8;
     let mut ingest = |at: i64, seed: u64| {

@@ -328,3 +328,13 @@ pub fn fleet_batch(id: u8, node: &str, start: i64, period: u64, seed: u64) -> Va
     }
     b.validate()
 }
+
+/// A seeded generator (xorshift64), so a test's random choices repeat.
+pub fn seeded(mut state: u64) -> impl FnMut() -> u64 {
+    move || {
+        state ^= state << 13;
+        state ^= state >> 7;
+        state ^= state << 17;
+        state
+    }
+}

@@ -796,34 +796,33 @@ impl ClickhouseStorage {
     fn any_server<T>(
         &self,
         action: &str,
-        mut attempt: impl FnMut(&Endpoint) -> Result<T, ClickhouseError>,
+        attempt: impl FnMut(&Endpoint) -> Result<T, ClickhouseError>,
     ) -> Result<T, StorageError> {
-        let mut last = None;
-        for endpoint in &self.endpoints {
-            match attempt(endpoint) {
-                Ok(value) => return Ok(value),
-                Err(err) if err.fails_over() => {
-                    tracing::warn!(server = %endpoint.url, "{action}: {err}; trying the next server");
-                    last = Some(err);
-                }
-                Err(err) => return Err(remote(action)(err)),
-            }
-        }
-        Err(remote(action)(last.unwrap_or(ClickhouseError::Decode {
-            endpoint: String::new(),
-            message: "no server".into(),
-        })))
+        self.first_server(action, ClickhouseError::fails_over, attempt)
     }
 
     /// Runs a statement that must not run twice (a build's `INSERT ..
     /// SELECT`): on the first server that accepts a connection, never sent
     /// again after it reached one.
     fn execute_once(&self, action: &str, sql: &str) -> Result<(), StorageError> {
+        self.first_server(action, ClickhouseError::never_sent, |endpoint| {
+            self.client.execute(endpoint, sql)
+        })
+    }
+
+    /// Runs `attempt` on each server in turn until one succeeds or fails
+    /// with an error `fails_over` does not pass on to the next.
+    fn first_server<T>(
+        &self,
+        action: &str,
+        fails_over: fn(&ClickhouseError) -> bool,
+        mut attempt: impl FnMut(&Endpoint) -> Result<T, ClickhouseError>,
+    ) -> Result<T, StorageError> {
         let mut last = None;
         for endpoint in &self.endpoints {
-            match self.client.execute(endpoint, sql) {
-                Ok(()) => return Ok(()),
-                Err(err) if err.never_sent() => {
+            match attempt(endpoint) {
+                Ok(value) => return Ok(value),
+                Err(err) if fails_over(&err) => {
                     tracing::warn!(server = %endpoint.url, "{action}: {err}; trying the next server");
                     last = Some(err);
                 }
