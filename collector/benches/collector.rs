@@ -305,6 +305,19 @@ fn ingest_fleet(storage: &dyn Storage, fleet: &Fleet, progress: bool) -> Ingeste
 /// The collector's query path over `storage`: every profile read passes
 /// the query-time symbolizer (the fleet's frames carry names, so it only
 /// looks).
+/// The compactor as the collector runs it, until nothing closed before
+/// `now` is left: the spans it built and the seconds it took.
+fn compact_all(storage: &dyn Storage, now: i64) -> (u64, f64) {
+    let began = Instant::now();
+    let mut spans = 0;
+    loop {
+        match storage.compact(now).expect("compaction") {
+            0 => return (spans, began.elapsed().as_secs_f64()),
+            done => spans += done,
+        }
+    }
+}
+
 fn query_engine(storage: Arc<dyn Storage>, debuginfo_dir: &std::path::Path) -> QueryEngine {
     let debuginfo = DiskStore::open(debuginfo_dir, u64::MAX).expect("store");
     let symbolizer = Symbolizer::start(Arc::new(debuginfo), None).expect("symbolizer");
@@ -496,15 +509,7 @@ fn main() {
 
     // The compactor as the collector runs it, all at once here: every span
     // the data closed.
-    let began = Instant::now();
-    let mut spans = 0;
-    loop {
-        match sqlite.compact(now).expect("compaction") {
-            0 => break,
-            done => spans += done,
-        }
-    }
-    let compaction = began.elapsed().as_secs_f64();
+    let (spans, compaction) = compact_all(&*sqlite, now);
     println!(
         "SQLite compaction (rollups of every closed span, one thread): {spans} spans in \
          {compaction:.1} s ({:.0}% of the ingest time)",
@@ -547,15 +552,7 @@ fn main() {
          insert, one thread):"
     );
     let ch_ingested = ingest_fleet(&*clickhouse, &fleet, full);
-    let began = Instant::now();
-    let mut spans = 0;
-    loop {
-        match clickhouse.compact(now).expect("ClickHouse compaction") {
-            0 => break,
-            done => spans += done,
-        }
-    }
-    let compaction = began.elapsed().as_secs_f64();
+    let (spans, compaction) = compact_all(&*clickhouse, now);
     println!(
         "ClickHouse compaction (rollups of every closed span, built by the servers): {spans} \
          spans in {compaction:.1} s ({:.0}% of the ingest time)",

@@ -580,8 +580,9 @@ impl SqliteStorage {
     /// stretch of time it has samples in: the current label rollup spans
     /// that cover the range (see [`rollup`]), and the buckets between them.
     /// `series_step`: only spans each wholly inside one point of a series of
-    /// points that wide. `whole_periods`: a span whose buckets disagree on the set's
-    /// period is given bucket by bucket (a weight in units needs one).
+    /// points that wide. `whole_periods`: a span in which a selected set's
+    /// buckets disagree on its period is given bucket by bucket (a weight
+    /// in units needs one period).
     fn for_each_label_set_run(
         &self,
         tx: &Transaction<'_>,
