@@ -1,0 +1,180 @@
+//! The offsets the readers use, taken from one process's [`VmStructs`]:
+//! HotSpot moves fields between releases (JDK 17's `CodeBlob` holds code
+//! pointers, JDK 25's holds offsets and a kind), so each is looked up by
+//! name and the few shapes are told apart by which fields exist.
+
+use crate::{
+    JvmError,
+    vmstructs::{Field, VmStructs},
+};
+
+/// Where a blob's code is.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum CodeRange {
+    /// `_code_begin` and `_code_end`, absolute (JDK 9-22).
+    Pointers { begin: u64, end: u64 },
+    /// `_code_offset` and `_data_offset` from the blob's start (JDK 23+).
+    Offsets { code: u64, data: u64 },
+}
+
+/// See the module documentation.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Layout {
+    /// `CodeCache::_heaps`: the address of the `GrowableArray<CodeHeap*>*`.
+    pub heaps: u64,
+    pub array_len: u64,
+    pub array_data: u64,
+    pub heap_memory: u64,
+    pub heap_segmap: u64,
+    pub heap_log2_segment_size: u64,
+    pub space_low_boundary: u64,
+    pub space_high_boundary: u64,
+    pub space_low: u64,
+    pub space_high: u64,
+    /// `sizeof(HeapBlock)`: a blob starts this far past its block.
+    pub heap_block_size: u64,
+    /// `HeapBlock::Header::_used`, where the build exports it.
+    pub block_used: Option<u64>,
+    pub blob_name: u64,
+    pub blob_size: u64,
+    /// `_frame_complete_offset` and whether it is 16 bits wide (JDK 23+).
+    pub blob_frame_complete: (u64, bool),
+    pub blob_frame_size: u64,
+    pub blob_code: CodeRange,
+    /// `CodeBlob::_kind` (one byte) and its value for nmethods (JDK 23+).
+    pub blob_kind: Option<(u64, u8)>,
+    /// Bytes read at a blob's start: its header, an nmethod's whole.
+    pub blob_header_bytes: u64,
+    pub nmethod_method: u64,
+    pub nmethod_compile_id: u64,
+    pub method_const: u64,
+    pub const_method_constants: u64,
+    pub const_method_name_index: u64,
+    pub const_method_signature_index: u64,
+    pub pool_holder: u64,
+    /// `sizeof(ConstantPool)`: its entries (a word each) follow it.
+    pub pool_size: u64,
+    pub pool_length: u64,
+    pub klass_name: u64,
+    pub symbol_length: u64,
+    pub symbol_body: u64,
+}
+
+impl Layout {
+    pub fn new(vm: &VmStructs) -> Result<Self, JvmError> {
+        let blob_code = match (
+            vm.get("CodeBlob", "_code_begin"),
+            vm.get("CodeBlob", "_code_offset"),
+        ) {
+            (Some((Field::Offset(begin), _)), _) => CodeRange::Pointers {
+                begin,
+                end: vm.offset("CodeBlob", "_code_end")?,
+            },
+            (_, Some((Field::Offset(code), _))) => CodeRange::Offsets {
+                code,
+                data: vm.offset("CodeBlob", "_data_offset")?,
+            },
+            _ => return Err(JvmError::Missing("CodeBlob's code range".into())),
+        };
+        let blob_kind = match vm.get("CodeBlob", "_kind") {
+            Some((Field::Offset(at), _)) => {
+                let nmethod = vm
+                    .constant("CodeBlobKind::Nmethod")
+                    .and_then(|kind| u8::try_from(kind).ok())
+                    .ok_or_else(|| JvmError::Missing("CodeBlobKind::Nmethod".into()))?;
+                Some((at, nmethod))
+            }
+            _ => None,
+        };
+        let frame_complete = match vm.get("CodeBlob", "_frame_complete_offset") {
+            Some((Field::Offset(at), declared)) => (at, declared == "int16_t"),
+            _ => return Err(JvmError::Missing("CodeBlob::_frame_complete_offset".into())),
+        };
+        // JDK 17 keeps the method in CompiledMethod, nmethod's base.
+        let nmethod_method = vm
+            .offset("nmethod", "_method")
+            .or_else(|_| vm.offset("CompiledMethod", "_method"))?;
+        let layout = Self {
+            heaps: vm.address("CodeCache", "_heaps")?,
+            array_len: vm
+                .offset("GrowableArrayBase", "_len")
+                .or_else(|_| vm.offset("GenericGrowableArray", "_len"))?,
+            array_data: vm.offset("GrowableArray<int>", "_data")?,
+            heap_memory: vm.offset("CodeHeap", "_memory")?,
+            heap_segmap: vm.offset("CodeHeap", "_segmap")?,
+            heap_log2_segment_size: vm.offset("CodeHeap", "_log2_segment_size")?,
+            space_low_boundary: vm.offset("VirtualSpace", "_low_boundary")?,
+            space_high_boundary: vm.offset("VirtualSpace", "_high_boundary")?,
+            space_low: vm.offset("VirtualSpace", "_low")?,
+            space_high: vm.offset("VirtualSpace", "_high")?,
+            heap_block_size: vm.size("HeapBlock")?,
+            block_used: vm.offset("HeapBlock::Header", "_used").ok(),
+            blob_name: vm.offset("CodeBlob", "_name")?,
+            blob_size: vm.offset("CodeBlob", "_size")?,
+            blob_frame_complete: frame_complete,
+            blob_frame_size: vm.offset("CodeBlob", "_frame_size")?,
+            blob_code,
+            blob_kind,
+            blob_header_bytes: vm.size("nmethod")?,
+            nmethod_method,
+            nmethod_compile_id: vm.offset("nmethod", "_compile_id")?,
+            method_const: vm.offset("Method", "_constMethod")?,
+            const_method_constants: vm.offset("ConstMethod", "_constants")?,
+            const_method_name_index: vm.offset("ConstMethod", "_name_index")?,
+            const_method_signature_index: vm.offset("ConstMethod", "_signature_index")?,
+            pool_holder: vm.offset("ConstantPool", "_pool_holder")?,
+            pool_size: vm.size("ConstantPool")?,
+            pool_length: vm.offset("ConstantPool", "_length")?,
+            klass_name: vm.offset("Klass", "_name")?,
+            symbol_length: vm.offset("Symbol", "_length")?,
+            symbol_body: vm.offset("Symbol", "_body")?,
+        };
+        layout.check()?;
+        Ok(layout)
+    }
+
+    /// Refuses offsets that would make the readers read past the bytes
+    /// they read (a damaged table, or a build laid out unlike any seen).
+    fn check(&self) -> Result<(), JvmError> {
+        let header = self.blob_header_bytes;
+        let code_end = match self.blob_code {
+            CodeRange::Pointers { begin, end } => begin.max(end) + 8,
+            CodeRange::Offsets { code, data } => code.max(data) + 4,
+        };
+        let ends = [
+            self.blob_name + 8,
+            self.blob_size + 4,
+            self.blob_frame_complete.0 + 4,
+            self.blob_frame_size + 4,
+            code_end,
+            self.nmethod_method + 8,
+            self.nmethod_compile_id + 4,
+            self.blob_kind.map_or(0, |(at, _)| at + 1),
+        ];
+        if header > 1024 || ends.iter().any(|&end| end > header) {
+            return Err(JvmError::Malformed(
+                "code blob offsets outside sizeof(nmethod)",
+            ));
+        }
+        let small = [
+            self.method_const,
+            self.const_method_constants,
+            self.const_method_name_index,
+            self.const_method_signature_index,
+            self.pool_holder,
+            self.pool_length,
+            self.pool_size,
+            self.klass_name,
+            self.symbol_length,
+            self.symbol_body,
+            self.heap_memory,
+            self.heap_segmap,
+            self.heap_log2_segment_size,
+            self.heap_block_size,
+        ];
+        if small.iter().any(|&offset| offset > 1024) || self.heap_block_size == 0 {
+            return Err(JvmError::Malformed("metadata offsets out of range"));
+        }
+        Ok(())
+    }
+}

@@ -1,0 +1,194 @@
+//! Reads real HotSpot JVMs (Debian's OpenJDK 17, and any other JDK under
+//! /usr/lib/jvm) and checks what the readers find against the JVM's own
+//! account of its code cache (`jcmd PID Compiler.codelist`).
+
+use std::{
+    path::{Path, PathBuf},
+    process::{Child, Command, Stdio},
+    time::{Duration, Instant},
+};
+
+use stackscope_jvm::{BlobKind, JavaStep, Jvm};
+
+/// A Java program whose hot methods are compiled within a second.
+const CHAIN: &str = r#"
+public class Chain {
+    static long sink;
+    static long leaf(long x) { long s = 0; for (int i = 0; i < 1000; i++) { s += (x ^ i) * 31 + (s >>> 3); } return s; }
+    static long middle(long x) { return leaf(x) + leaf(x + 1); }
+    static long outer(long x) { return middle(x) ^ middle(x * 3); }
+    public static void main(String[] args) throws Exception {
+        long end = System.nanoTime() + Long.parseLong(args[0]) * 1_000_000L;
+        long x = 0;
+        while (System.nanoTime() < end) { x = outer(x + 1); sink += x; }
+        System.out.println(sink);
+    }
+}
+"#;
+
+struct Running(Child);
+
+impl Drop for Running {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+/// Every JDK home under /usr/lib/jvm with `bin/java` and `bin/jcmd`, one
+/// per real directory.
+fn jdks() -> Vec<PathBuf> {
+    let mut homes: Vec<PathBuf> = std::fs::read_dir("/usr/lib/jvm")
+        .into_iter()
+        .flatten()
+        .flatten()
+        .filter_map(|entry| entry.path().canonicalize().ok())
+        .filter(|home| home.join("bin/java").exists() && home.join("bin/jcmd").exists())
+        .collect();
+    homes.sort();
+    homes.dedup();
+    homes
+}
+
+fn compile(dir: &Path) {
+    std::fs::write(dir.join("Chain.java"), CHAIN).expect("writing Chain.java");
+    let status = Command::new("javac")
+        .arg("Chain.java")
+        .current_dir(dir)
+        .status()
+        .expect("javac: install a JDK (default-jdk-headless)");
+    assert!(status.success());
+}
+
+/// libjvm.so's path and load bias in `pid`.
+fn libjvm(pid: u32) -> Option<(PathBuf, u64)> {
+    let maps = std::fs::read_to_string(format!("/proc/{pid}/maps")).ok()?;
+    maps.lines().find_map(|line| {
+        let fields: Vec<&str> = line.split_whitespace().collect();
+        let path = fields.get(5)?;
+        if !path.ends_with("/libjvm.so") {
+            return None;
+        }
+        let start = u64::from_str_radix(fields[0].split('-').next()?, 16).ok()?;
+        let offset = u64::from_str_radix(fields[2], 16).ok()?;
+        Some((PathBuf::from(path), start - offset))
+    })
+}
+
+/// One line of `Compiler.codelist`: compile id, method, blob start, code.
+struct Listed {
+    compile_id: i32,
+    method: String,
+    start: u64,
+    code_begin: u64,
+}
+
+fn codelist(jcmd: &Path, pid: u32) -> Vec<Listed> {
+    let out = Command::new(jcmd)
+        .args([&pid.to_string(), "Compiler.codelist"])
+        .output()
+        .expect("running jcmd");
+    let hex = |s: &str| {
+        u64::from_str_radix(
+            s.trim_matches(|c| c == '[' || c == ']' || c == ',')
+                .trim_start_matches("0x"),
+            16,
+        )
+        .ok()
+    };
+    String::from_utf8_lossy(&out.stdout)
+        .lines()
+        .filter_map(|line| {
+            let fields: Vec<&str> = line.split_whitespace().collect();
+            if fields.len() < 7 {
+                return None;
+            }
+            Some(Listed {
+                compile_id: fields[0].parse().ok()?,
+                method: fields[3].split('(').next()?.to_owned(),
+                start: hex(fields[4])?,
+                code_begin: hex(fields[5])?,
+            })
+        })
+        .collect()
+}
+
+#[test]
+fn compiled_methods_are_found_and_named_as_the_jvm_lists_them() {
+    let homes = jdks();
+    if homes.is_empty() {
+        eprintln!("skipped: no JDK under /usr/lib/jvm");
+        return;
+    }
+    let dir = tempfile::tempdir().expect("temp dir");
+    compile(dir.path());
+    for home in homes {
+        let child = Command::new(home.join("bin/java"))
+            .args([
+                "-XX:CompileCommand=quiet",
+                "-XX:CompileCommand=dontinline,Chain::*",
+                "-cp",
+            ])
+            .arg(dir.path())
+            .args(["Chain", "60000"])
+            .stdout(Stdio::null())
+            .spawn()
+            .expect("starting java");
+        let running = Running(child);
+        let pid = running.0.id();
+        let deadline = Instant::now() + Duration::from_secs(30);
+        let listed = loop {
+            let listed = codelist(&home.join("bin/jcmd"), pid);
+            let chain = ["Chain.leaf", "Chain.middle", "Chain.outer"];
+            if chain.iter().all(|m| listed.iter().any(|l| l.method == *m)) {
+                break listed;
+            }
+            assert!(
+                Instant::now() < deadline,
+                "{}: Chain's methods never compiled",
+                home.display()
+            );
+            std::thread::sleep(Duration::from_millis(200));
+        };
+        let (path, bias) = libjvm(pid).expect("libjvm.so mapped");
+        let jvm = Jvm::attach(pid, &path, bias)
+            .unwrap_or_else(|e| panic!("{}: {e}", home.display()))
+            .expect("HotSpot's libjvm.so");
+        let mut checked = 0;
+        for entry in &listed {
+            let Some(blob) = jvm.blob_at(entry.code_begin + 1) else {
+                // Freed since it was listed (a method recompiled at a higher tier).
+                continue;
+            };
+            assert_eq!(
+                blob.start,
+                entry.start,
+                "{}: {}",
+                home.display(),
+                entry.method
+            );
+            assert_eq!(blob.kind, BlobKind::Nmethod);
+            assert_eq!(blob.compile_id, entry.compile_id);
+            assert!(blob.frame_bytes >= 16, "{blob:?}");
+            let name = jvm.compiled_name(entry.code_begin + 1).expect("named");
+            assert_eq!(&*name, entry.method, "{}", home.display());
+            assert_eq!(
+                jvm.step_at(entry.code_begin + 0x10, false),
+                Some(JavaStep::Frame {
+                    bytes: blob.frame_bytes as u32
+                })
+            );
+            checked += 1;
+        }
+        assert!(
+            checked >= 5,
+            "{}: {checked} of {} listed blobs checked",
+            home.display(),
+            listed.len()
+        );
+        eprintln!(
+            "{}: {checked} compiled methods found and named",
+            home.display()
+        );
+    }
+}
