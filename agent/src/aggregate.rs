@@ -60,6 +60,7 @@ use stackscope_metadata::{
 };
 pub use worker::{BatchWorker, WorkerStats};
 
+use stackscope_jvm::Jvm;
 use stackscope_metadata::{
     ContainerLabels,
     kubelet::PodList,
@@ -492,6 +493,9 @@ pub struct Aggregator {
     /// Processes that exited in this interval: their JIT names are
     /// forgotten once its frames that missed them are named.
     jit_exits: Vec<u32>,
+    /// HotSpot JVMs, which name their JIT frames themselves: by pid, with
+    /// the process's start time.
+    jvms: HashMap<u32, (u64, Arc<Jvm>)>,
     stats: AggregateStats,
     /// Location indexes of the sample being added.
     stack: Vec<u32>,
@@ -883,6 +887,7 @@ impl Aggregator {
             labeller: Labeller::default(),
             scratch: ProcessLabels::default(),
             jit_names: PerfMaps::with_budget(config.perf_map_bytes, config.perf_map_bytes / 4),
+            jvms: HashMap::new(),
             jit_exits: Vec::new(),
             config,
             current: Builder::new(start),
@@ -916,10 +921,17 @@ impl Aggregator {
         labels.exec(exe);
     }
 
+    /// Process `tgid` (started at `started`) runs `jvm`: its JIT frames
+    /// are named by it.
+    pub fn add_jvm(&mut self, tgid: u32, started: u64, jvm: Arc<Jvm>) {
+        self.jvms.insert(tgid, (started, jvm));
+    }
+
     /// The process exited (its record went with it). Its JIT names stay
     /// to the end of the interval, for its frames that missed them.
     pub fn on_exit(&mut self, tgid: u32) {
         self.label_epoch += 1;
+        self.jvms.remove(&tgid);
         if self.jit_exits.len() < perf_map::MAX_PROCESSES {
             self.jit_exits.push(tgid);
         } else {
@@ -932,6 +944,7 @@ impl Aggregator {
     /// with the process table's).
     pub fn forget_all_processes(&mut self) {
         self.label_epoch += 1;
+        self.jvms.clear();
         self.jit_names.forget_all();
         self.jit_exits.clear();
     }
@@ -1582,6 +1595,16 @@ impl Aggregator {
             FrameObject::Vdso { offset } => {
                 (self.current.mapping(MappingKey::Vdso, insert), *offset)
             }
+            FrameObject::JavaInterpreted { address, method } => {
+                let name = self
+                    .jvm_of(header)
+                    .and_then(|jvm| jvm.method_name(*method))
+                    .unwrap_or_else(|| perf_map::unnamed(&header.comm));
+                (
+                    self.current.mapping(MappingKey::Jit { name }, insert),
+                    *address,
+                )
+            }
             FrameObject::Jit { address } => {
                 // Named now when it can be: the JIT may reuse the
                 // code space later.
@@ -1590,6 +1613,13 @@ impl Aggregator {
                 } else {
                     address.wrapping_sub(1)
                 };
+                if let Some(name) = self
+                    .jvm_of(header)
+                    .and_then(|jvm| jvm.compiled_name(lookup))
+                {
+                    let mapping = self.current.mapping(MappingKey::Jit { name }, insert);
+                    return self.push_location(mapping, *address, i, insert);
+                }
                 let name = self.jit_names.name(
                     header.tgid,
                     header.process_start_ns,
@@ -1623,6 +1653,19 @@ impl Aggregator {
                 *address,
             ),
         };
+        self.push_location(mapping, address, i, insert)
+    }
+
+    /// Pushes the location at `address` of `mapping` (`None`: new, and
+    /// `insert` off) for user frame `i`; false when it is new and `insert`
+    /// is off.
+    fn push_location(
+        &mut self,
+        mapping: Option<u32>,
+        address: u64,
+        i: usize,
+        insert: bool,
+    ) -> bool {
         let Some(mapping) = mapping else {
             return false;
         };
@@ -1636,6 +1679,16 @@ impl Aggregator {
             None => return false,
         }
         true
+    }
+
+    /// The JVM of the sample's process, if it runs one.
+    fn jvm_of(&self, header: &SampleHeader) -> Option<&Arc<Jvm>> {
+        match self.jvms.get(&header.tgid) {
+            Some((started, jvm)) if *started == header.process_start_ns || *started == 0 => {
+                Some(jvm)
+            }
+            _ => None,
+        }
     }
 
     /// Names the interval's JIT frames that missed at sample time, from

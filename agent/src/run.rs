@@ -16,6 +16,7 @@
 //! - the batch worker ([`crate::aggregate::BatchWorker`]): names frames,
 //!   builds each batch and hands it to the sink (the exporter's queue).
 
+mod jvm;
 mod metadata;
 mod off_cpu;
 mod process;

@@ -28,6 +28,7 @@ use std::{
 pub use code_cache::{BlobKind, CodeBlob, CodeHeap};
 use layout::Layout;
 pub use memory::{Memory, ProcessMemory};
+use stackscope_unwind::{RuntimeCode, RuntimeStep, UnwindRule};
 use vmstructs::{LibJvm, VmStructs};
 
 /// Why a JVM's state could not be read.
@@ -285,4 +286,65 @@ impl<M: Memory> Jvm<M> {
     pub fn stats(&self) -> JvmStats {
         self.state().stats
     }
+}
+
+impl<M> std::fmt::Debug for Jvm<M> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Jvm").finish_non_exhaustive()
+    }
+}
+
+impl<M: Memory> RuntimeCode for Jvm<M> {
+    fn step_at(&self, pc: u64, interrupted: bool) -> Option<RuntimeStep> {
+        let saved_rbp = |cfa_off: u32| {
+            RuntimeStep::Rule(UnwindRule::RspRbpSaved {
+                cfa_off: i32::try_from(cfa_off).ok()?,
+                rbp_off: -16,
+            })
+            .into()
+        };
+        match Jvm::step_at(self, pc, interrupted)? {
+            JavaStep::Frame { bytes } => saved_rbp(bytes),
+            JavaStep::BeforePopRbp => saved_rbp(16),
+            JavaStep::AfterPopRbp => Some(RuntimeStep::Rule(UnwindRule::Rsp { cfa_off: 8 })),
+            JavaStep::Interpreter => Some(RuntimeStep::JavaInterpreter),
+            JavaStep::FramePointer => Some(RuntimeStep::FramePointer),
+        }
+    }
+}
+
+/// The JVM process `pid` runs (under `proc_root`, e.g. `/proc`), read
+/// through the `libjvm.so` it maps (reached through its root, so a
+/// container's JDK is read from the container's files); `Ok(None)` when it
+/// maps none, or one that is not HotSpot's.
+pub fn find_in_process(proc_root: &Path, pid: u32) -> Result<Option<Jvm>, JvmError> {
+    let maps = std::fs::read_to_string(proc_root.join(pid.to_string()).join("maps"))
+        .map_err(JvmError::Open)?;
+    let Some((path, bias)) = maps.lines().find_map(libjvm_mapping) else {
+        return Ok(None);
+    };
+    let reachable = proc_root
+        .join(pid.to_string())
+        .join("root")
+        .join(path.trim_start_matches('/'));
+    Jvm::attach(pid, &reachable, bias)
+}
+
+/// The path and load bias of a maps line of `libjvm.so`.
+fn libjvm_mapping(line: &str) -> Option<(&str, u64)> {
+    let mut fields = line.split_whitespace();
+    let range = fields.next()?;
+    let offset = fields.nth(1)?;
+    let path = fields.nth(2)?;
+    if !path.ends_with("/libjvm.so") {
+        return None;
+    }
+    let start = u64::from_str_radix(range.split('-').next()?, 16).ok()?;
+    let offset = u64::from_str_radix(offset, 16).ok()?;
+    Some((path, start.checked_sub(offset)?))
+}
+
+/// Whether a mapped file is HotSpot's library (worth a [`find_in_process`]).
+pub fn named_like_libjvm(path: &Path) -> bool {
+    path.file_name().is_some_and(|name| name == "libjvm.so")
 }

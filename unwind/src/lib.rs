@@ -33,6 +33,7 @@ pub use table::{
     UnwindTable,
 };
 pub use unwinder::{
-    DEFAULT_MAX_DEPTH, ModuleAt, ModuleLookup, RULE_CACHE_SLOTS, Registers, RuleCache,
-    SampledStack, StackMemory, TailSpan, UnwindEnd, unwind, unwind_cached, unwind_memory,
+    DEFAULT_MAX_DEPTH, ModuleAt, ModuleLookup, RULE_CACHE_SLOTS, Registers, RuleCache, RuntimeCode,
+    RuntimeStep, SampledStack, StackMemory, TailSpan, UnwindEnd, unwind, unwind_cached,
+    unwind_memory,
 };

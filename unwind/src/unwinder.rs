@@ -49,7 +49,43 @@ pub enum ModuleAt<'a> {
     /// A mapped module whose table is not ready, and the rule at `pc` read
     /// from its CFI directly ([`crate::table::DirectCfi`]).
     Rule(UnwindRule),
+    /// JIT code whose runtime says how to step out of its frames (HotSpot's
+    /// code cache): asked at every frame and never cached, as the runtime
+    /// may put other code there at any time.
+    Runtime(&'a dyn RuntimeCode),
 }
+
+/// A runtime that describes the frames of its JIT code.
+pub trait RuntimeCode: std::fmt::Debug {
+    /// How to step out of the frame at `pc` (`interrupted`: the sampled
+    /// instruction, else the byte before a return address); `None` where
+    /// the runtime cannot say: the walk ends there rather than guess.
+    fn step_at(&self, pc: u64, interrupted: bool) -> Option<RuntimeStep>;
+}
+
+/// What a [`RuntimeCode`] says of one frame.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum RuntimeStep {
+    /// As a CFI row would (a compiled method's frame size).
+    Rule(UnwindRule),
+    /// cfa = rbp + 16; ra = *(cfa - 8); rbp = *(cfa - 16).
+    FramePointer,
+    /// HotSpot's template interpreter: rbp links the frames as
+    /// [`RuntimeStep::FramePointer`], but the caller's stack pointer is the
+    /// one saved at rbp - 8 (the interpreter's sender sp): a compiled caller
+    /// that called it through an adapter has its frame above what the
+    /// adapter pushed. The `Method*` the frame runs is at rbp - 24.
+    JavaInterpreter,
+}
+
+/// The `Method*` slot of HotSpot's x86_64 interpreter frame, from rbp
+/// (`frame::interpreter_frame_method_offset`: -3 words).
+const INTERPRETER_METHOD_SLOT: u64 = 24;
+/// The interpreter's sender sp, from rbp (-1 word).
+const INTERPRETER_SENDER_SP_SLOT: u64 = 8;
+/// The most an adapter extends a compiled caller's frame by for the
+/// arguments of an interpreted callee; a sender sp further away is not one.
+const MAX_INTERPRETER_EXTENSION: u64 = 1 << 20;
 
 /// Maps a code address of the sampled process to its module.
 pub trait ModuleLookup {
@@ -58,6 +94,10 @@ pub trait ModuleLookup {
     /// mapping; [`ModuleAt::NoCfi`] for a module without CFI (then the
     /// frame-pointer fallback is used).
     fn module_for(&self, pc: u64) -> ModuleAt<'_>;
+
+    /// Frame `frame` of the walk is a HotSpot interpreter frame running the
+    /// `Method*` `method`, as the sampled stack holds it.
+    fn interpreted_frame(&self, _frame: usize, _method: u64) {}
 }
 
 /// Why a walk stopped. Every walk ends with exactly one.
@@ -280,6 +320,8 @@ impl StackMemory for SampledStack<'_> {
 #[derive(Clone, Copy)]
 enum Step {
     Rule(UnwindRule),
+    /// See [`RuntimeStep::JavaInterpreter`].
+    JavaInterpreter,
     /// No CFI: cfa = rbp + 16; ra = *(rbp + 8); rbp = *rbp
     FramePointer,
     /// The module has a table but no row covers the address (code
@@ -496,7 +538,18 @@ fn walk(
         let step = match cache.get(pc) {
             Some(step) => step,
             None => {
+                let mut cacheable = true;
                 let step = match modules.module_for(pc) {
+                    ModuleAt::Runtime(code) => {
+                        // Not cached: see `ModuleAt::Runtime`.
+                        cacheable = false;
+                        match code.step_at(pc, exact) {
+                            Some(RuntimeStep::Rule(rule)) => Step::Rule(rule),
+                            Some(RuntimeStep::FramePointer) => Step::FramePointer,
+                            Some(RuntimeStep::JavaInterpreter) => Step::JavaInterpreter,
+                            None => return UnwindEnd::NoUnwindInfo,
+                        }
+                    }
                     ModuleAt::Unmapped => {
                         if via_frame_pointer {
                             // rbp was not a frame pointer (or the chain is
@@ -522,7 +575,9 @@ fn walk(
                     }
                     ModuleAt::Rule(rule) => Step::Rule(rule),
                 };
-                cache.put(pc, step);
+                if cacheable {
+                    cache.put(pc, step);
+                }
                 step
             }
         };
@@ -542,7 +597,16 @@ fn walk(
             Step::Rule(UnwindRule::FramePointerAtCalls) => Step::FramePointer,
             step => step,
         };
-        let (caller, caller_rbp_at, signal) = match step_frame(step, &regs, rbp_saved_at, stack) {
+        let next = match step {
+            Step::JavaInterpreter => {
+                step_interpreter(&regs, rbp_saved_at, stack).map(|(caller, method)| {
+                    modules.interpreted_frame(frames.len() - 1, method);
+                    (caller, None, false)
+                })
+            }
+            step => step_frame(step, &regs, rbp_saved_at, stack),
+        };
+        let (caller, caller_rbp_at, signal) = match next {
             Ok(next) => next,
             Err(end) => return end,
         };
@@ -557,6 +621,41 @@ fn walk(
         exact = signal;
         via_frame_pointer = matches!(step, Step::FramePointer);
     }
+}
+
+/// The caller of a HotSpot interpreter frame (see
+/// [`RuntimeStep::JavaInterpreter`]) and the `Method*` the frame runs; its
+/// slots are read in rising order, as [`StackMemory`] expects.
+fn step_interpreter(
+    regs: &Registers,
+    rbp_saved_at: Option<u64>,
+    stack: &mut impl StackMemory,
+) -> Result<(Registers, u64), UnwindEnd> {
+    let rbp = match rbp_saved_at {
+        Some(slot) => stack.read_u64(slot)?,
+        None => regs.rbp,
+    };
+    let method_slot = rbp
+        .checked_sub(INTERPRETER_METHOD_SLOT)
+        .ok_or(UnwindEnd::BadStackAddress)?;
+    // The frame's slots lie at or above the stack pointer.
+    if method_slot < regs.rsp || rbp % 8 != 0 {
+        return Err(UnwindEnd::BadStackAddress);
+    }
+    let method = stack.read_u64(method_slot)?;
+    let sender_sp = stack.read_u64(rbp - INTERPRETER_SENDER_SP_SLOT)?;
+    let caller_rbp = stack.read_u64(rbp)?;
+    let rip = stack.read_u64(rbp + 8)?;
+    let cfa = rbp + 16;
+    if sender_sp < cfa || sender_sp - cfa > MAX_INTERPRETER_EXTENSION || sender_sp % 8 != 0 {
+        return Err(UnwindEnd::BadStackAddress);
+    }
+    let caller = Registers {
+        rip,
+        rsp: sender_sp,
+        rbp: caller_rbp,
+    };
+    Ok((caller, method))
 }
 
 /// The caller's registers, where its rbp is saved if it has not been read
@@ -581,7 +680,8 @@ fn step_frame(
         None => Ok(regs.rbp),
     };
     let (cfa, rbp_slot) = match step {
-        Step::NoRow => return Err(UnwindEnd::NoUnwindInfo),
+        // Taken by `step_interpreter`.
+        Step::NoRow | Step::JavaInterpreter => return Err(UnwindEnd::NoUnwindInfo),
         Step::FramePointer => {
             let rbp = live_rbp(stack)?;
             // The psABI has _start clear rbp to mark the outermost frame.

@@ -393,7 +393,8 @@ const HAND_RUN_MEASUREMENT: &str = "the_fleet_hour_time_to_first_flamegraph";
 /// one selected package only): the collector's gRPC API, Pyroscope's APIs, OTLP profiles, storage on SQLite
 /// and debuginfo store; the CLI against a collector it starts; the agent's
 /// aggregator and its export to a fake collector; the process table on fixture processes; the
-/// unwinder on real binaries and on stopped fixture processes.
+/// unwinder on real binaries and on stopped fixture processes; HotSpot's
+/// code cache and names read from a running JVM.
 const FAST_TESTS: &[&str] = &[
     "grpc",
     "pyroscope",
@@ -407,6 +408,7 @@ const FAST_TESTS: &[&str] = &[
     "identity",
     "real_binaries",
     "end_to_end",
+    "hotspot",
 ];
 
 /// Commands the fast tier's tests run (fixtures are compiled at test time;
@@ -420,6 +422,8 @@ const FAST_TOOLS: &[(&str, &str)] = &[
     ("readelf", "Debian's binutils"),
     ("xz", "Debian's xz-utils"),
     ("rustc", "rustup's stable toolchain"),
+    ("javac", "Debian's openjdk-17-jdk-headless"),
+    ("jcmd", "Debian's openjdk-17-jdk-headless"),
     ("true", "coreutils"),
     ("sleep", "coreutils"),
 ];

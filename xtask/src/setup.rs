@@ -38,7 +38,9 @@ const CARGO_FUZZ_VERSION: &str = "0.13.2";
 /// ClickHouse storage is tested against; `chromium` and `chromium-driver` are
 /// the real browser (headless, driven over WebDriver) the web UI is tested in;
 /// `mmdebstrap` builds the trixie and sid root filesystems whose own CPython
-/// builds (3.13, 3.14) the Python frame tests run in containers.
+/// builds (3.13, 3.14) the Python frame tests run in containers;
+/// `openjdk-17-jdk-headless` is the HotSpot JVM (`java`, `javac`, `jcmd`)
+/// the Java frame tests compile their fixture for and sample.
 const DEBIAN_PACKAGES: &[&str] = &[
     "binutils",
     "bpftool",
@@ -55,6 +57,7 @@ const DEBIAN_PACKAGES: &[&str] = &[
     "libc6-dbg",
     "mmdebstrap",
     "nodejs",
+    "openjdk-17-jdk-headless",
     "podman",
     "prometheus",
     "python3-venv",

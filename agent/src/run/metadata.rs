@@ -59,6 +59,8 @@ enum Job {
     ReadJit(Vec<JitRequest>),
     /// Look for a CPython interpreter in these processes.
     FindPython(Vec<u32>),
+    /// Read the HotSpot JVM these processes run.
+    FindJvm(Vec<u32>),
 }
 
 /// Room in the worker's queue: selections and sweeps come every few
@@ -120,6 +122,13 @@ impl MetadataJobs {
     pub fn find_python(&self, tgids: Vec<u32>) {
         if !tgids.is_empty() {
             self.send(Job::FindPython(tgids));
+        }
+    }
+
+    /// Asks for the JVMs `tgids` run; the answers reach the sampling thread.
+    pub fn find_jvm(&self, tgids: Vec<u32>) {
+        if !tgids.is_empty() {
+            self.send(Job::FindJvm(tgids));
         }
     }
 
@@ -212,6 +221,17 @@ pub(super) fn start(
                         tgids
                             .into_iter()
                             .map(|tgid| (tgid, find_python(&proc_root, tgid)))
+                            .collect(),
+                    ),
+                    Job::FindJvm(tgids) => Command::Jvm(
+                        tgids
+                            .into_iter()
+                            .map(|tgid| {
+                                let found = stackscope_jvm::find_in_process(&proc_root, tgid)
+                                    .map(|jvm| jvm.map(Arc::new))
+                                    .map_err(|err| err.to_string());
+                                (tgid, found)
+                            })
                             .collect(),
                     ),
                     Job::Describe(wanted) => Command::Described(

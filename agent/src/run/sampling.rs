@@ -28,6 +28,7 @@ use tokio::{
 
 use super::{
     AgentConfig, FEED_DRAIN_INTERVAL, Handoffs, MAX_TRACKED_PROCESSES, RunError, RunSummary,
+    jvm::{FoundJvm, JvmProcesses},
     metadata::MetadataJobs,
     off_cpu::{OffCpuJoin, OffCpuStats, OffCpuWeights},
     process::{ProcessRecord, WalkSink},
@@ -104,6 +105,9 @@ pub(super) enum Command {
     /// The CPython interpreters found in the processes asked about (None:
     /// none the sampler reads).
     Python(Vec<(u32, Option<FoundInterpreter>)>),
+    /// The JVMs read in the processes asked about (`Ok(None)`: not
+    /// HotSpot; an error: not readable yet, or at all).
+    Jvm(Vec<(u32, FoundJvm)>),
     /// The totals now, for the status line or the metrics.
     Totals(Purpose),
 }
@@ -280,6 +284,7 @@ async fn sample(
         tail_spans: Vec::with_capacity(agent_common::MAX_TAIL_SPANS),
         feed,
         python: PythonProcesses::new(config.python_frames, config.python_code_bytes),
+        jvms: JvmProcesses::default(),
     };
     if let Some(pods) = pods {
         records.sink.aggregator.set_pods(pods);
@@ -585,6 +590,8 @@ struct RecordTally {
     /// CPython processes: which to look at, their sampler entries, their
     /// Python stacks paired with samples.
     python: PythonProcesses,
+    /// HotSpot JVMs: which to read, and asking again while one starts.
+    jvms: JvmProcesses,
     /// Off-CPU samples waiting for their switch-in; `None`: off-CPU
     /// sampling is off.
     off_cpu: Option<OffCpuJoin>,
@@ -629,6 +636,15 @@ impl RecordTally {
                     }
                 }
             }
+            Command::Jvm(found) => {
+                let now = std::time::Instant::now();
+                for (tgid, found) in found {
+                    if let Some(record) = self.processes.state_of_mut(tgid) {
+                        self.jvms
+                            .found(tgid, record, found, &mut self.sink.aggregator, now);
+                    }
+                }
+            }
             Command::Totals(purpose) => {
                 let elapsed = sampling.began.elapsed();
                 let totals = self.totals(sampling.sampler, sampling.worker, handoffs, elapsed)?;
@@ -656,6 +672,14 @@ impl RecordTally {
                 && let Some(record) = self.processes.state_of_mut(answer.tgid())
             {
                 self.python.maybe_python(answer.tgid(), &mut record.python);
+            }
+            if answer
+                .file_paths()
+                .into_iter()
+                .any(stackscope_jvm::named_like_libjvm)
+                && let Some(record) = self.processes.state_of_mut(answer.tgid())
+            {
+                self.jvms.maybe_jvm(answer.tgid(), &mut record.jvm);
             }
         }
         let walker = &mut self.walker;
@@ -688,6 +712,7 @@ impl RecordTally {
         let python = self.python.take_wanted();
         let new_processes = !python.is_empty() || self.sink.aggregator.take_first_descriptions();
         metadata.find_python(python);
+        metadata.find_jvm(self.jvms.take_wanted(std::time::Instant::now()));
         metadata.open(self.sink.aggregator.take_to_open());
         metadata.describe(self.sink.aggregator.take_wanted());
         metadata.read_jit(self.sink.aggregator.take_jit_requests());
@@ -1023,6 +1048,7 @@ mod tests {
             tail_spans: Vec::new(),
             feed: MappingFeed::disabled(),
             python: PythonProcesses::default(),
+            jvms: JvmProcesses::default(),
             off_cpu: Some(OffCpuJoin::new(1 << 20)),
         };
         records.add(&record);

@@ -15,6 +15,7 @@ mod faults;
 mod go;
 mod hostile;
 mod jit;
+mod jvm;
 mod memory_limit;
 mod metrics;
 mod off_cpu;

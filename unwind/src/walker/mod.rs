@@ -41,7 +41,7 @@ pub mod stitching;
 
 use foldhash::HashMap;
 use std::{
-    cell::Cell,
+    cell::{Cell, RefCell},
     collections::VecDeque,
     path::{Path, PathBuf},
     sync::Arc,
@@ -207,6 +207,9 @@ pub enum FrameObject {
     /// In executable memory no file backs (JIT code): the absolute
     /// address, which the process's perf map may name.
     Jit { address: u64 },
+    /// In a HotSpot interpreter frame (JIT code too): the absolute address
+    /// and the `Method*` the frame ran, as its stack held it.
+    JavaInterpreted { address: u64, method: u64 },
     /// In a file that could not be reached (its process exited and no
     /// root holds it): the path it was mapped from and the file offset.
     Unreadable { path: Arc<str>, file_offset: u64 },
@@ -218,7 +221,10 @@ pub enum FrameObject {
 
 impl FrameObject {
     pub fn is_jit(&self) -> bool {
-        matches!(self, FrameObject::Jit { .. })
+        matches!(
+            self,
+            FrameObject::Jit { .. } | FrameObject::JavaInterpreted { .. }
+        )
     }
 }
 
@@ -541,6 +547,20 @@ struct KnownModules<'a> {
     pending: Cell<bool>,
     /// Rules read from a compiling module's CFI directly.
     read_directly: Cell<u64>,
+    /// The walk's HotSpot interpreter frames: (frame, `Method*`).
+    interpreted: RefCell<Vec<(usize, u64)>>,
+}
+
+impl<'a> KnownModules<'a> {
+    fn new(process: &'a ProcessState) -> Self {
+        Self {
+            process,
+            unknown: Cell::new(None),
+            pending: Cell::new(false),
+            read_directly: Cell::new(0),
+            interpreted: RefCell::new(Vec::new()),
+        }
+    }
 }
 
 impl ModuleLookup for KnownModules<'_> {
@@ -551,6 +571,9 @@ impl ModuleLookup for KnownModules<'_> {
             }
             return ModuleAt::Unmapped;
         };
+        if let (ModuleObject::Jit, Some(runtime)) = (&module.object, &self.process.runtime) {
+            return ModuleAt::Runtime(&**runtime);
+        }
         match &module.table {
             ModuleTable::Ready(table) => ModuleAt::Table {
                 table,
@@ -573,6 +596,10 @@ impl ModuleLookup for KnownModules<'_> {
             // out of them is unknown: the walk ends there.
             ModuleTable::Unreadable => ModuleAt::Unmapped,
         }
+    }
+
+    fn interpreted_frame(&self, frame: usize, method: u64) {
+        self.interpreted.borrow_mut().push((frame, method));
     }
 }
 
@@ -1476,12 +1503,7 @@ impl StackWalker {
             if matches!(used, WalkUse::Sample(_)) {
                 *last_process = Some(slot);
             }
-            let known = KnownModules {
-                process,
-                unknown: Cell::new(None),
-                pending: Cell::new(false),
-                read_directly: Cell::new(0),
-            };
+            let known = KnownModules::new(process);
             memory.restart();
             let end = unwind_memory(
                 regs,
@@ -1493,6 +1515,7 @@ impl StackWalker {
                 frames,
             );
             let (unknown, pending) = (known.unknown.get(), known.pending.get());
+            let interpreted = known.interpreted.take();
             stats.rules_read_directly += known.read_directly.get();
             let resolvable = end == UnwindEnd::Unmapped
                 && !pending
@@ -1507,6 +1530,7 @@ impl StackWalker {
                         frame0_binary,
                         *unknown_binary,
                     );
+                    mark_interpreted(objects, &interpreted);
                 }
                 return Ok((end, pending));
             }
@@ -1515,6 +1539,7 @@ impl StackWalker {
             if resolved != Resolved::Module {
                 if matches!(used, WalkUse::Sample(_)) {
                     self.place_frames_of(processes, tgid, frames);
+                    mark_interpreted(&mut self.objects, &interpreted);
                 }
                 return Ok((end, resolved == Resolved::Pending));
             }
@@ -1779,6 +1804,18 @@ fn place_frames(
     }
     let through_jit = objects[..frames.len()].iter().any(FrameObject::is_jit);
     (!through_jit).then_some(space)
+}
+
+/// Makes the walk's HotSpot interpreter frames (placed as JIT code) say the
+/// method each ran.
+fn mark_interpreted(objects: &mut [FrameObject], interpreted: &[(usize, u64)]) {
+    for &(frame, method) in interpreted {
+        if let Some(object) = objects.get_mut(frame)
+            && let FrameObject::Jit { address } = *object
+        {
+            *object = FrameObject::JavaInterpreted { address, method };
+        }
+    }
 }
 
 /// Whether a walk checks that the walker's state for its pid is its
@@ -2256,12 +2293,7 @@ mod tests {
     fn unknown_addresses_are_remembered_for_resolution() {
         let mut process = ProcessState::default();
         process.insert(module(0x1000, 0x2000), 1);
-        let known = KnownModules {
-            process: &process,
-            unknown: Cell::new(None),
-            pending: Cell::new(false),
-            read_directly: Cell::new(0),
-        };
+        let known = KnownModules::new(&process);
         assert!(matches!(known.module_for(0x1800), ModuleAt::NoCfi));
         assert!(matches!(known.module_for(0x9000), ModuleAt::Unmapped));
         assert!(matches!(known.module_for(0xa000), ModuleAt::Unmapped));

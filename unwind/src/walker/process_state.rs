@@ -10,6 +10,9 @@
 //! (the walker then clears what the planner wrote for it in the sampler's
 //! maps).
 
+use std::sync::Arc;
+
+use crate::RuntimeCode;
 use stackscope_process_table::{ProcessTable, Slot};
 
 use super::{MAX_MODULES_PER_PROCESS, Module, stitching::ProcessCopy};
@@ -83,6 +86,9 @@ pub struct ProcessState {
     /// The copy size the planner keeps for it (`None`: the ceiling, nothing
     /// written to the sampler's map).
     pub(super) copy: Option<ProcessCopy>,
+    /// The runtime that describes the process's JIT code (a HotSpot JVM),
+    /// asked at each of its frames instead of frame pointers.
+    pub(super) runtime: Option<Arc<dyn RuntimeCode + Send + Sync>>,
 }
 
 impl ProcessState {
@@ -96,6 +102,16 @@ impl ProcessState {
     /// `started` (0: unknown, no verdict).
     pub(super) fn is_other_process(&self, started: u64) -> bool {
         started != 0 && self.started != 0 && self.started != started
+    }
+
+    /// Has the walks of the process's JIT code ask `runtime` how to step
+    /// out of its frames (`None`: frame pointers, as for any JIT).
+    pub fn set_runtime(&mut self, runtime: Option<Arc<dyn RuntimeCode + Send + Sync>>) {
+        self.runtime = runtime;
+    }
+
+    pub fn has_runtime(&self) -> bool {
+        self.runtime.is_some()
     }
 
     pub(super) fn find(&self, pc: u64) -> Option<&Module> {
