@@ -60,7 +60,7 @@ use stackscope_metadata::{
 };
 pub use worker::{BatchWorker, WorkerStats};
 
-use stackscope_jvm::Jvm;
+use stackscope_jvm::{Jvm, JvmStats};
 use stackscope_metadata::{
     ContainerLabels,
     kubelet::PodList,
@@ -496,6 +496,8 @@ pub struct Aggregator {
     /// HotSpot JVMs, which name their JIT frames themselves: by pid, with
     /// the process's start time.
     jvms: HashMap<u32, (u64, Arc<Jvm>)>,
+    /// What the reads of JVMs no longer in `jvms` found.
+    jvm_reads_gone: JvmStats,
     stats: AggregateStats,
     /// Location indexes of the sample being added.
     stack: Vec<u32>,
@@ -888,6 +890,7 @@ impl Aggregator {
             scratch: ProcessLabels::default(),
             jit_names: PerfMaps::with_budget(config.perf_map_bytes, config.perf_map_bytes / 4),
             jvms: HashMap::new(),
+            jvm_reads_gone: JvmStats::default(),
             jit_exits: Vec::new(),
             config,
             current: Builder::new(start),
@@ -924,14 +927,27 @@ impl Aggregator {
     /// Process `tgid` (started at `started`) runs `jvm`: its JIT frames
     /// are named by it.
     pub fn add_jvm(&mut self, tgid: u32, started: u64, jvm: Arc<Jvm>) {
-        self.jvms.insert(tgid, (started, jvm));
+        if let Some((_, old)) = self.jvms.insert(tgid, (started, jvm)) {
+            self.jvm_reads_gone.add(&old.stats());
+        }
+    }
+
+    /// What the reads of the JVMs met so far found.
+    pub fn jvm_stats(&self) -> JvmStats {
+        let mut stats = self.jvm_reads_gone;
+        for (_, jvm) in self.jvms.values() {
+            stats.add(&jvm.stats());
+        }
+        stats
     }
 
     /// The process exited (its record went with it). Its JIT names stay
     /// to the end of the interval, for its frames that missed them.
     pub fn on_exit(&mut self, tgid: u32) {
         self.label_epoch += 1;
-        self.jvms.remove(&tgid);
+        if let Some((_, jvm)) = self.jvms.remove(&tgid) {
+            self.jvm_reads_gone.add(&jvm.stats());
+        }
         if self.jit_exits.len() < perf_map::MAX_PROCESSES {
             self.jit_exits.push(tgid);
         } else {
@@ -944,7 +960,9 @@ impl Aggregator {
     /// with the process table's).
     pub fn forget_all_processes(&mut self) {
         self.label_epoch += 1;
-        self.jvms.clear();
+        for (_, (_, jvm)) in self.jvms.drain() {
+            self.jvm_reads_gone.add(&jvm.stats());
+        }
         self.jit_names.forget_all();
         self.jit_exits.clear();
     }
@@ -1613,10 +1631,18 @@ impl Aggregator {
                 } else {
                     address.wrapping_sub(1)
                 };
-                if let Some(name) = self
+                if let Some(frames) = self
                     .jvm_of(header)
-                    .and_then(|jvm| jvm.compiled_name(lookup))
+                    .and_then(|jvm| jvm.compiled_frames(*address, lookup, i == 0))
                 {
+                    // A compiled frame shows the methods it inlined too.
+                    return frames.iter().all(|name| {
+                        let name = Arc::clone(name);
+                        let mapping = self.current.mapping(MappingKey::Jit { name }, insert);
+                        self.push_location(mapping, *address, i, insert)
+                    });
+                }
+                if let Some(name) = self.jvm_of(header).and_then(|jvm| jvm.blob_name(lookup)) {
                     let mapping = self.current.mapping(MappingKey::Jit { name }, insert);
                     return self.push_location(mapping, *address, i, insert);
                 }

@@ -22,6 +22,7 @@ mod off_cpu;
 mod process;
 mod python;
 
+pub use jvm::JvmStats;
 pub use off_cpu::{DEFAULT_MAX_HELD_BYTES as DEFAULT_OFF_CPU_HELD_BYTES, OffCpuStats};
 pub use python::{DEFAULT_CODE_BYTES as DEFAULT_PYTHON_CODE_BYTES, PythonStats};
 mod sampling;
@@ -176,6 +177,8 @@ pub struct RunSummary {
     pub jit_names: PerfMapStats,
     /// CPython processes found, and their Python stacks.
     pub python: PythonStats,
+    /// HotSpot JVMs read, and what their reads found.
+    pub jvm: JvmStats,
     /// Off-CPU samples joined with their blocked time; `None`: off-CPU
     /// sampling was off.
     pub off_cpu: Option<OffCpuStats>,

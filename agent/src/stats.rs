@@ -31,7 +31,7 @@ use crate::{
     aggregate::{AggregateStats, WorkerStats},
     export::{ExportStats, debuginfo::UploadStats},
     run::{HandoffTotals, RunSummary},
-    run::{OffCpuStats, PythonStats},
+    run::{JvmStats, OffCpuStats, PythonStats},
     status::ReaderTotals,
 };
 use stackscope_process_table::table::TableStats;
@@ -62,6 +62,8 @@ pub struct RunTotals {
     pub jit_names: PerfMapStats,
     /// CPython processes found, and their Python stacks.
     pub python: PythonStats,
+    /// HotSpot JVMs read, and what their reads found.
+    pub jvm: JvmStats,
     /// `None`: off-CPU sampling is off.
     pub off_cpu: Option<OffCpuStats>,
     pub batches: WorkerStats,
@@ -99,6 +101,7 @@ impl RunTotals {
             aggregation: summary.aggregation,
             jit_names: summary.jit_names,
             python: summary.python,
+            jvm: summary.jvm,
             off_cpu: summary.off_cpu,
             batches: summary.batches,
             handoffs: summary.handoffs,

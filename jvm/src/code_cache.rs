@@ -7,9 +7,11 @@
 //! go back towards the start (chained for blocks longer than 254
 //! segments), 0xFF for free segments.
 
+use std::{ops::Range, sync::Arc};
+
 use crate::{
     JvmError,
-    layout::{CodeRange, Layout},
+    layout::{CodeRange, Layout, VerifiedEntry},
     memory::Memory,
 };
 
@@ -48,18 +50,18 @@ impl CodeHeap {
 pub fn read_heaps(memory: &impl Memory, layout: &Layout) -> Result<Vec<CodeHeap>, JvmError> {
     let array = memory.u64_at(layout.heaps)?;
     let mut len = [0; 4];
-    memory.read(array + layout.array_len, &mut len)?;
+    memory.read(array.wrapping_add(layout.array_len), &mut len)?;
     let len = u64::from(u32::from_le_bytes(len));
     if len > MAX_HEAPS {
         return Err(JvmError::Malformed("more code heaps than HotSpot makes"));
     }
-    let data = memory.u64_at(array + layout.array_data)?;
+    let data = memory.u64_at(array.wrapping_add(layout.array_data))?;
     let mut heaps = Vec::with_capacity(len as usize);
     for i in 0..len {
-        let heap = memory.u64_at(data + i * 8)?;
-        let space = |field: u64| memory.u64_at(heap + layout.heap_memory + field);
+        let heap = memory.u64_at(data.wrapping_add(i * 8))?;
+        let space = |field: u64| memory.u64_at(heap.wrapping_add(layout.heap_memory + field));
         let mut log2 = [0; 4];
-        memory.read(heap + layout.heap_log2_segment_size, &mut log2)?;
+        memory.read(heap.wrapping_add(layout.heap_log2_segment_size), &mut log2)?;
         let log2_segment_size = u32::from_le_bytes(log2);
         if !(4..=16).contains(&log2_segment_size) {
             return Err(JvmError::Malformed("a code heap's segment size"));
@@ -71,7 +73,7 @@ pub fn read_heaps(memory: &impl Memory, layout: &Layout) -> Result<Vec<CodeHeap>
         heaps.push(CodeHeap {
             low,
             high,
-            segmap: memory.u64_at(heap + layout.heap_segmap + layout.space_low)?,
+            segmap: memory.u64_at(heap.wrapping_add(layout.heap_segmap + layout.space_low))?,
             log2_segment_size,
         });
     }
@@ -82,8 +84,10 @@ pub fn read_heaps(memory: &impl Memory, layout: &Layout) -> Result<Vec<CodeHeap>
 /// goes.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum BlobKind {
-    /// A compiled Java method (C1, C2, or a native method's wrapper).
+    /// A compiled Java method (C1 or C2).
     Nmethod,
+    /// A native method's compiled wrapper (`native nmethod`).
+    NativeNmethod,
     /// The template interpreter: its frames are linked by rbp.
     Interpreter,
     /// Any other stub or adapter.
@@ -99,17 +103,36 @@ pub struct CodeBlob {
     pub kind: BlobKind,
     /// The frame's size in bytes, return address and saved rbp included
     /// (0: the blob makes no frame of its own, or says nothing of it).
-    pub frame_bytes: u64,
-    /// From here on, the frame is built (`_frame_complete_offset`;
-    /// `start` when the blob does not say).
-    pub frame_complete: u64,
-    pub code: std::ops::Range<u64>,
+    pub frame_bytes: u32,
+    /// From here on, the frame is built (`_frame_complete_offset`);
+    /// `None` where the blob says it never is at an instruction a sample
+    /// can trust (-1: runtime stubs that save registers as they go).
+    pub frame_complete: Option<u64>,
+    pub code: Range<u64>,
+    /// Where an nmethod's verified entry is: before it, its inline cache
+    /// check has pushed nothing.
+    pub verified_entry: Option<u64>,
+    /// Where an nmethod's stubs begin (exception, deoptimization and poll
+    /// handlers, run with the frame torn down or a return address pushed).
+    pub stubs: Option<u64>,
     /// An nmethod's `Method*` (0 for other blobs).
     pub method: u64,
     /// An nmethod's compile id: with the method, tells a blob from the one
     /// that reused its memory.
     pub compile_id: i32,
-    pub name: String,
+    /// Where an nmethod's debug information is, when the layout says.
+    pub debug: Option<DebugSections>,
+    /// HotSpot's name for the blob (`nmethod`, `Interpreter`, `StubRoutines
+    /// (1)`, ...).
+    pub name: Arc<str>,
+}
+
+/// An nmethod's `PcDesc`s, scope records and metadata (JDK 9-19).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct DebugSections {
+    pub pcs: Range<u64>,
+    pub data: Range<u64>,
+    pub metadata: Range<u64>,
 }
 
 /// The start of the blob holding `pc` in `heap`, or `None` where the
@@ -120,7 +143,10 @@ pub fn blob_start(
     heap: &CodeHeap,
     pc: u64,
 ) -> Result<Option<u64>, JvmError> {
-    let mut segment = (pc - heap.low) >> heap.log2_segment_size;
+    let mut segment = pc
+        .checked_sub(heap.low)
+        .ok_or(JvmError::Malformed("an address below its heap"))?
+        >> heap.log2_segment_size;
     let mut window: Vec<u8> = Vec::new();
     let mut window_start = u64::MAX;
     let mut gone_back = 0;
@@ -128,7 +154,7 @@ pub fn blob_start(
         if segment < window_start || segment >= window_start + window.len() as u64 {
             window_start = segment.saturating_sub(SEGMAP_WINDOW - 1);
             window.resize((segment - window_start + 1) as usize, 0);
-            memory.read(heap.segmap + window_start, &mut window)?;
+            memory.read(heap.segmap.wrapping_add(window_start), &mut window)?;
         }
         let hop = window[(segment - window_start) as usize];
         if hop == FREE_SEGMENT {
@@ -143,21 +169,20 @@ pub fn blob_start(
         }
         segment -= u64::from(hop);
     }
-    let block = heap.low + (segment << heap.log2_segment_size);
+    let block = heap.low.wrapping_add(segment << heap.log2_segment_size);
     if let Some(used) = layout.block_used {
         let mut flag = [0];
-        memory.read(block + used, &mut flag)?;
+        memory.read(block.wrapping_add(used), &mut flag)?;
         if flag[0] == 0 {
             return Ok(None);
         }
     }
-    Ok(Some(block + layout.heap_block_size))
+    Ok(Some(block.wrapping_add(layout.heap_block_size)))
 }
 
 /// Reads the blob at `start` (see [`blob_start`]).
 pub fn read_blob(memory: &impl Memory, layout: &Layout, start: u64) -> Result<CodeBlob, JvmError> {
-    let mut header = vec![0; layout.blob_header_bytes as usize];
-    memory.read(start, &mut header)?;
+    let header = read_header(memory, layout, start)?;
     let u64_at = |at: u64| {
         u64::from_le_bytes(
             header[at as usize..][..8]
@@ -184,14 +209,24 @@ pub fn read_blob(memory: &impl Memory, layout: &Layout, start: u64) -> Result<Co
     } else {
         i32_at(at)
     };
-    if size <= 0 || !(0..=(1 << 20)).contains(&frame_words) {
-        return Err(JvmError::Malformed("a code blob's size"));
-    }
-    let end = start + size as u64;
+    let frame_bytes = u32::try_from(frame_words)
+        .ok()
+        .filter(|&words| words <= 1 << 20)
+        .ok_or(JvmError::Malformed("a code blob's frame size"))?
+        * 8;
+    let within = |offset: i32| {
+        u64::try_from(offset)
+            .ok()
+            .and_then(|offset| start.checked_add(offset))
+    };
+    let end = within(size)
+        .filter(|&end| end > start)
+        .ok_or(JvmError::Malformed("a code blob's size"))?;
     let code = match layout.blob_code {
         CodeRange::Pointers { begin, end } => u64_at(begin)..u64_at(end),
         CodeRange::Offsets { code, data } => {
-            start + i32_at(code).max(0) as u64..start + i32_at(data).max(0) as u64
+            let offset = |at| within(i32_at(at)).ok_or(JvmError::Malformed("a code blob's code"));
+            offset(code)?..offset(data)?
         }
     };
     if code.start < start || code.end > end || code.start > code.end {
@@ -202,33 +237,113 @@ pub fn read_blob(memory: &impl Memory, layout: &Layout, start: u64) -> Result<Co
         Some((at, nmethod)) => header[at as usize] == nmethod,
         None => name == "nmethod" || name == "native nmethod",
     };
-    let kind = if is_nmethod {
-        BlobKind::Nmethod
-    } else if name == "Interpreter" {
-        BlobKind::Interpreter
-    } else {
-        BlobKind::Stub
+    let kind = match &*name {
+        "native nmethod" if is_nmethod => BlobKind::NativeNmethod,
+        _ if is_nmethod => BlobKind::Nmethod,
+        "Interpreter" => BlobKind::Interpreter,
+        _ => BlobKind::Stub,
     };
-    let (method, compile_id) = match kind {
-        BlobKind::Nmethod => (
+    let frame_complete = u64::try_from(frame_complete)
+        .ok()
+        .and_then(|offset| code.start.checked_add(offset))
+        .filter(|&at| at <= end);
+    let nmethod = matches!(kind, BlobKind::Nmethod | BlobKind::NativeNmethod);
+    let stubs = layout
+        .nmethod_stub_offset
+        .filter(|_| nmethod)
+        .and_then(|at| within(i32_at(at)))
+        .filter(|&at| at > code.start && at <= end);
+    let verified_entry = match layout.nmethod_verified_entry.filter(|_| nmethod) {
+        Some(VerifiedEntry::Pointer(at)) => Some(u64_at(at)),
+        Some(VerifiedEntry::Offset(at)) => {
+            let offset = u16::from_le_bytes(
+                header[at as usize..][..2]
+                    .try_into()
+                    .expect("checked by Layout"),
+            );
+            code.start.checked_add(u64::from(offset))
+        }
+        None => None,
+    }
+    .filter(|&at| at >= code.start && at <= frame_complete.unwrap_or(code.start));
+    let debug = match (nmethod, &layout.scopes) {
+        (true, Some(scopes)) => {
+            let offset =
+                |at| within(i32_at(at)).ok_or(JvmError::Malformed("an nmethod's debug sections"));
+            let pcs = offset(scopes.pcs_offset)?..offset(scopes.pcs_end_offset)?;
+            let data = u64_at(scopes.data_begin)..pcs.start;
+            let metadata = offset(scopes.metadata_offset)?..data.start;
+            let sections = DebugSections {
+                pcs,
+                data,
+                metadata,
+            };
+            let inside = |range: &Range<u64>| {
+                range.start <= range.end && range.start >= start && range.end <= end
+            };
+            if ![&sections.pcs, &sections.data, &sections.metadata]
+                .into_iter()
+                .all(inside)
+            {
+                return Err(JvmError::Malformed("an nmethod's debug sections"));
+            }
+            Some(sections)
+        }
+        _ => None,
+    };
+    let (method, compile_id) = if nmethod {
+        (
             u64_at(layout.nmethod_method),
             i32_at(layout.nmethod_compile_id),
-        ),
-        _ => (0, 0),
+        )
+    } else {
+        (0, 0)
     };
     Ok(CodeBlob {
         start,
         end,
         kind,
-        frame_bytes: frame_words as u64 * 8,
-        frame_complete: if frame_complete > 0 {
-            code.start + frame_complete as u64
-        } else {
-            start
-        },
+        frame_bytes,
+        frame_complete,
         code,
+        verified_entry,
+        stubs,
         method,
         compile_id,
-        name,
+        debug,
+        name: name.into(),
     })
+}
+
+/// The first `Layout::blob_header_bytes` at `start`.
+fn read_header(memory: &impl Memory, layout: &Layout, start: u64) -> Result<Vec<u8>, JvmError> {
+    let mut header = vec![0; layout.blob_header_bytes as usize];
+    memory.read(start, &mut header)?;
+    Ok(header)
+}
+
+/// Whether the nmethod `blob` is still at its start: its compile id and
+/// method read again (a blob freed and its memory reused holds another's,
+/// or code).
+pub fn still_there(memory: &impl Memory, layout: &Layout, blob: &CodeBlob) -> bool {
+    let (method_at, id_at) = (layout.nmethod_method, layout.nmethod_compile_id);
+    let from = method_at.min(id_at);
+    let mut bytes = vec![0; (method_at.max(id_at) + 8 - from) as usize];
+    if memory
+        .read(blob.start.wrapping_add(from), &mut bytes)
+        .is_err()
+    {
+        return false;
+    }
+    let method = u64::from_le_bytes(
+        bytes[(method_at - from) as usize..][..8]
+            .try_into()
+            .expect("sized above"),
+    );
+    let id = i32::from_le_bytes(
+        bytes[(id_at - from) as usize..][..4]
+            .try_into()
+            .expect("sized above"),
+    );
+    method == blob.method && id == blob.compile_id
 }

@@ -5,6 +5,7 @@
 
 use crate::{
     JvmError,
+    scopes::ScopesLayout,
     vmstructs::{Field, VmStructs},
 };
 
@@ -15,6 +16,15 @@ pub enum CodeRange {
     Pointers { begin: u64, end: u64 },
     /// `_code_offset` and `_data_offset` from the blob's start (JDK 23+).
     Offsets { code: u64, data: u64 },
+}
+
+/// Where an nmethod's verified entry is said.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum VerifiedEntry {
+    /// `_verified_entry_point`, an address (JDK 9-22).
+    Pointer(u64),
+    /// `_verified_entry_offset`, 16 bits from the code's start (JDK 23+).
+    Offset(u64),
 }
 
 /// See the module documentation.
@@ -47,6 +57,16 @@ pub struct Layout {
     pub blob_header_bytes: u64,
     pub nmethod_method: u64,
     pub nmethod_compile_id: u64,
+    /// `nmethod::_stub_offset`, from the blob's start.
+    pub nmethod_stub_offset: Option<u64>,
+    /// Where an nmethod's verified entry is (past its inline cache check).
+    pub nmethod_verified_entry: Option<VerifiedEntry>,
+    /// `StubRoutines::_call_stub_return_address`: the address of the
+    /// return address Java's first frame returns to.
+    pub call_stub_return: Option<u64>,
+    /// Where an nmethod's inlining is recorded, in the builds whose layout
+    /// and encoding the scopes reader knows (JDK 9-19).
+    pub scopes: Option<ScopesLayout>,
     pub method_const: u64,
     pub const_method_constants: u64,
     pub const_method_name_index: u64,
@@ -61,7 +81,8 @@ pub struct Layout {
 }
 
 impl Layout {
-    pub fn new(vm: &VmStructs) -> Result<Self, JvmError> {
+    /// `major`: the JVM's major version (`Abstract_VM_Version::_vm_major_version`).
+    pub fn new(vm: &VmStructs, major: u32) -> Result<Self, JvmError> {
         let blob_code = match (
             vm.get("CodeBlob", "_code_begin"),
             vm.get("CodeBlob", "_code_offset"),
@@ -118,6 +139,19 @@ impl Layout {
             blob_header_bytes: vm.size("nmethod")?,
             nmethod_method,
             nmethod_compile_id: vm.offset("nmethod", "_compile_id")?,
+            nmethod_stub_offset: vm.offset("nmethod", "_stub_offset").ok(),
+            nmethod_verified_entry: vm
+                .offset("nmethod", "_verified_entry_point")
+                .map(VerifiedEntry::Pointer)
+                .or_else(|_| {
+                    vm.offset("nmethod", "_verified_entry_offset")
+                        .map(VerifiedEntry::Offset)
+                })
+                .ok(),
+            call_stub_return: vm.address("StubRoutines", "_call_stub_return_address").ok(),
+            // JDK 20 changed the scope records' encoding (UNSIGNED5) and JDK
+            // 23 moved them: the reader knows those before.
+            scopes: scopes_layout(vm).filter(|_| major <= 19),
             method_const: vm.offset("Method", "_constMethod")?,
             const_method_constants: vm.offset("ConstMethod", "_constants")?,
             const_method_name_index: vm.offset("ConstMethod", "_name_index")?,
@@ -138,20 +172,42 @@ impl Layout {
     fn check(&self) -> Result<(), JvmError> {
         let header = self.blob_header_bytes;
         let code_end = match self.blob_code {
-            CodeRange::Pointers { begin, end } => begin.max(end) + 8,
-            CodeRange::Offsets { code, data } => code.max(data) + 4,
+            CodeRange::Pointers { begin, end } => begin.max(end).saturating_add(8),
+            CodeRange::Offsets { code, data } => code.max(data).saturating_add(4),
         };
         let ends = [
-            self.blob_name + 8,
-            self.blob_size + 4,
-            self.blob_frame_complete.0 + 4,
-            self.blob_frame_size + 4,
+            self.blob_name.saturating_add(8),
+            self.blob_size.saturating_add(4),
+            self.blob_frame_complete.0.saturating_add(4),
+            self.blob_frame_size.saturating_add(4),
             code_end,
-            self.nmethod_method + 8,
-            self.nmethod_compile_id + 4,
-            self.blob_kind.map_or(0, |(at, _)| at + 1),
+            self.nmethod_method.saturating_add(8),
+            self.nmethod_compile_id.saturating_add(4),
+            self.blob_kind.map_or(0, |(at, _)| at.saturating_add(1)),
         ];
-        if header > 1024 || ends.iter().any(|&end| end > header) {
+        let scopes_ends = self.scopes.map_or([0; 4], |scopes| {
+            [
+                scopes.pcs_offset.saturating_add(4),
+                scopes.pcs_end_offset.saturating_add(4),
+                scopes.metadata_offset.saturating_add(4),
+                scopes.data_begin.saturating_add(8),
+            ]
+        });
+        let stubs_end = self
+            .nmethod_stub_offset
+            .map_or(0, |at| at.saturating_add(4));
+        let verified_end = match self.nmethod_verified_entry {
+            Some(VerifiedEntry::Pointer(at)) => at.saturating_add(8),
+            Some(VerifiedEntry::Offset(at)) => at.saturating_add(2),
+            None => 0,
+        };
+        if header > 1024
+            || ends
+                .iter()
+                .chain(&scopes_ends)
+                .chain([&stubs_end, &verified_end])
+                .any(|&end| end > header)
+        {
             return Err(JvmError::Malformed(
                 "code blob offsets outside sizeof(nmethod)",
             ));
@@ -175,6 +231,26 @@ impl Layout {
         if small.iter().any(|&offset| offset > 1024) || self.heap_block_size == 0 {
             return Err(JvmError::Malformed("metadata offsets out of range"));
         }
+        if let Some(scopes) = self.scopes
+            && (!(8..=64).contains(&scopes.pc_desc_size)
+                || scopes.pc_desc_pc_offset.saturating_add(4) > scopes.pc_desc_size
+                || scopes.pc_desc_scope_offset.saturating_add(4) > scopes.pc_desc_size)
+        {
+            return Err(JvmError::Malformed("PcDesc offsets outside sizeof(PcDesc)"));
+        }
         Ok(())
     }
+}
+
+/// The scopes' layout, when every field of it is exported.
+fn scopes_layout(vm: &VmStructs) -> Option<ScopesLayout> {
+    Some(ScopesLayout {
+        pcs_offset: vm.offset("nmethod", "_scopes_pcs_offset").ok()?,
+        pcs_end_offset: vm.offset("nmethod", "_dependencies_offset").ok()?,
+        metadata_offset: vm.offset("nmethod", "_metadata_offset").ok()?,
+        data_begin: vm.offset("CompiledMethod", "_scopes_data_begin").ok()?,
+        pc_desc_size: vm.size("PcDesc").ok()?,
+        pc_desc_pc_offset: vm.offset("PcDesc", "_pc_offset").ok()?,
+        pc_desc_scope_offset: vm.offset("PcDesc", "_scope_decode_offset").ok()?,
+    })
 }

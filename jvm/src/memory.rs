@@ -28,7 +28,7 @@ pub trait Memory {
         let end = match buf[..first].iter().position(|&b| b == 0) {
             Some(end) => end,
             None if first < max => {
-                self.read(addr + first as u64, &mut buf[first..])?;
+                self.read(addr.wrapping_add(first as u64), &mut buf[first..])?;
                 buf.iter()
                     .position(|&b| b == 0)
                     .ok_or(JvmError::Malformed("a string without an end"))?

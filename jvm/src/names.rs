@@ -12,13 +12,16 @@ pub fn method_name(memory: &impl Memory, layout: &Layout, method: u64) -> Result
     if method == 0 || !method.is_multiple_of(8) {
         return Err(JvmError::Malformed("not a Method pointer"));
     }
-    let const_method = memory.u64_at(method + layout.method_const)?;
-    let pool = memory.u64_at(const_method + layout.const_method_constants)?;
+    let const_method = memory.u64_at(method.wrapping_add(layout.method_const))?;
+    let pool = memory.u64_at(const_method.wrapping_add(layout.const_method_constants))?;
     let mut index = [0; 2];
-    memory.read(const_method + layout.const_method_name_index, &mut index)?;
+    memory.read(
+        const_method.wrapping_add(layout.const_method_name_index),
+        &mut index,
+    )?;
     let name_index = u64::from(u16::from_le_bytes(index));
     let mut length = [0; 4];
-    memory.read(pool + layout.pool_length, &mut length)?;
+    memory.read(pool.wrapping_add(layout.pool_length), &mut length)?;
     let pool_length = u64::from(u32::from_le_bytes(length));
     if name_index == 0 || name_index >= pool_length {
         return Err(JvmError::Malformed(
@@ -28,10 +31,14 @@ pub fn method_name(memory: &impl Memory, layout: &Layout, method: u64) -> Result
     let name = symbol(
         memory,
         layout,
-        memory.u64_at(pool + layout.pool_size + name_index * 8)?,
+        memory.u64_at(pool.wrapping_add(layout.pool_size + name_index * 8))?,
     )?;
-    let holder = memory.u64_at(pool + layout.pool_holder)?;
-    let class = symbol(memory, layout, memory.u64_at(holder + layout.klass_name)?)?;
+    let holder = memory.u64_at(pool.wrapping_add(layout.pool_holder))?;
+    let class = symbol(
+        memory,
+        layout,
+        memory.u64_at(holder.wrapping_add(layout.klass_name))?,
+    )?;
     Ok(format!("{}.{name}", class.replace('/', ".")))
 }
 
@@ -41,10 +48,10 @@ fn symbol(memory: &impl Memory, layout: &Layout, at: u64) -> Result<String, JvmE
         return Err(JvmError::Malformed("not a Symbol pointer"));
     }
     let mut length = [0; 2];
-    memory.read(at + layout.symbol_length, &mut length)?;
+    memory.read(at.wrapping_add(layout.symbol_length), &mut length)?;
     let length = usize::from(u16::from_le_bytes(length));
     let mut body = vec![0; length.min(MAX_SYMBOL_BYTES)];
-    memory.read(at + layout.symbol_body, &mut body)?;
+    memory.read(at.wrapping_add(layout.symbol_body), &mut body)?;
     // Modified UTF-8 differs from UTF-8 only for NUL and supplementary
     // characters, which names seldom hold: those show as U+FFFD.
     let mut text = String::from_utf8_lossy(&body).into_owned();

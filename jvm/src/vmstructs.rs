@@ -71,6 +71,14 @@ impl LibJvm {
     }
 }
 
+#[cfg(test)]
+impl LibJvm {
+    /// The tables' symbols at these addresses.
+    pub(crate) fn at(symbols: [u64; 20]) -> Self {
+        Self { symbols }
+    }
+}
+
 fn dynamic_symbols<const N: usize>(
     data: &ReadCache<&File>,
     names: &[&str; N],
@@ -144,18 +152,18 @@ impl VmStructs {
             word(7)?,
         );
         let need = [
-            type_name,
-            field_name,
-            type_string,
-            is_static + 4,
-            offset + 8,
-            address + 8,
+            type_name.saturating_add(8),
+            field_name.saturating_add(8),
+            type_string.saturating_add(8),
+            is_static.saturating_add(4),
+            offset.saturating_add(8),
+            address.saturating_add(8),
         ];
         let entry_len = checked_entry(stride, &need)?;
         let base = word(0)?;
         let mut entry = vec![0u8; entry_len];
         for i in 0..MAX_ENTRIES {
-            memory.read(base + (i as u64) * stride, &mut entry)?;
+            memory.read(base.wrapping_add(i as u64 * stride), &mut entry)?;
             let type_ptr = le_u64(&entry, type_name);
             if type_ptr == 0 {
                 return tables.with_types(memory, &word);
@@ -188,9 +196,10 @@ impl VmStructs {
         word: &impl Fn(usize) -> Result<u64, JvmError>,
     ) -> Result<Self, JvmError> {
         let (base, stride, name, size) = (word(8)?, word(9)?, word(10)?, word(11)?);
-        let mut entry = vec![0u8; checked_entry(stride, &[name + 8, size + 8])?];
+        let mut entry =
+            vec![0u8; checked_entry(stride, &[name.saturating_add(8), size.saturating_add(8)])?];
         for i in 0..MAX_ENTRIES {
-            memory.read(base + (i as u64) * stride, &mut entry)?;
+            memory.read(base.wrapping_add(i as u64 * stride), &mut entry)?;
             let name_ptr = le_u64(&entry, name);
             if name_ptr == 0 {
                 break;
@@ -205,9 +214,13 @@ impl VmStructs {
                 word(table + 2)?,
                 word(table + 3)?,
             );
-            let mut entry = vec![0u8; checked_entry(stride, &[name + 8, value + 8])?];
+            let mut entry =
+                vec![
+                    0u8;
+                    checked_entry(stride, &[name.saturating_add(8), value.saturating_add(8)])?
+                ];
             for i in 0..MAX_ENTRIES {
-                memory.read(base + (i as u64) * stride, &mut entry)?;
+                memory.read(base.wrapping_add(i as u64 * stride), &mut entry)?;
                 let name_ptr = le_u64(&entry, name);
                 if name_ptr == 0 {
                     break;

@@ -8,7 +8,8 @@ use std::{
     time::{Duration, Instant},
 };
 
-use stackscope_jvm::{BlobKind, JavaStep, Jvm};
+use stackscope_jvm::{BlobKind, Jvm};
+use stackscope_unwind::{RuntimeStep, UnwindRule};
 
 /// A Java program whose hot methods are compiled within a second.
 const CHAIN: &str = r#"
@@ -78,6 +79,8 @@ fn libjvm(pid: u32) -> Option<(PathBuf, u64)> {
 /// One line of `Compiler.codelist`: compile id, method, blob start, code.
 struct Listed {
     compile_id: i32,
+    /// 0: a native method's wrapper; 1-4: C1 and C2 tiers.
+    level: u32,
     method: String,
     start: u64,
     code_begin: u64,
@@ -105,6 +108,7 @@ fn codelist(jcmd: &Path, pid: u32) -> Vec<Listed> {
             }
             Some(Listed {
                 compile_id: fields[0].parse().ok()?,
+                level: fields[1].parse().ok()?,
                 method: fields[3].split('(').next()?.to_owned(),
                 start: hex(fields[4])?,
                 code_begin: hex(fields[5])?,
@@ -167,17 +171,59 @@ fn compiled_methods_are_found_and_named_as_the_jvm_lists_them() {
                 home.display(),
                 entry.method
             );
-            assert_eq!(blob.kind, BlobKind::Nmethod);
+            let native = entry.level == 0;
+            let kind = if native {
+                BlobKind::NativeNmethod
+            } else {
+                BlobKind::Nmethod
+            };
+            assert_eq!(blob.kind, kind, "{}", entry.method);
             assert_eq!(blob.compile_id, entry.compile_id);
             assert!(blob.frame_bytes >= 16, "{blob:?}");
-            let name = jvm.compiled_name(entry.code_begin + 1).expect("named");
-            assert_eq!(&*name, entry.method, "{}", home.display());
+            let frames = jvm
+                .compiled_frames(entry.code_begin + 1, entry.code_begin + 1, true)
+                .expect("named");
+            // Inlined methods first, the compiled method last.
+            assert_eq!(
+                frames.last().map(|name| &**name),
+                Some(entry.method.as_str()),
+                "{}",
+                home.display()
+            );
+            // A return address: the frame is built.
             assert_eq!(
                 jvm.step_at(entry.code_begin + 0x10, false),
-                Some(JavaStep::Frame {
-                    bytes: blob.frame_bytes as u32
-                })
+                Some(RuntimeStep::Rule(UnwindRule::RspRbpSaved {
+                    cfa_off: blob.frame_bytes as i32,
+                    rbp_off: -16
+                }))
             );
+            if native {
+                // Interrupted in a native method's wrapper, the walk stops.
+                assert_eq!(jvm.step_at(entry.code_begin + 1, true), None);
+                checked += 1;
+                continue;
+            }
+            // Interrupted at its first instruction (the inline cache check,
+            // before the frame is built), nothing is pushed.
+            let complete = blob
+                .frame_complete
+                .expect("an nmethod's frame is complete somewhere");
+            let verified = blob.verified_entry.expect("an nmethod's verified entry");
+            assert!(
+                entry.code_begin <= verified && verified < complete,
+                "{blob:?}"
+            );
+            if verified > entry.code_begin {
+                assert_eq!(
+                    jvm.step_at(entry.code_begin, true),
+                    Some(RuntimeStep::Rule(UnwindRule::Rsp { cfa_off: 8 }))
+                );
+            }
+            // Its stubs come after its body.
+            let stubs = blob.stubs.expect("an nmethod's stubs");
+            assert!(stubs > complete && stubs <= blob.end, "{blob:?}");
+            assert_eq!(jvm.step_at(stubs, true), None);
             checked += 1;
         }
         assert!(

@@ -619,7 +619,9 @@ fn walk(
         regs = caller;
         rbp_saved_at = caller_rbp_at;
         exact = signal;
-        via_frame_pointer = matches!(step, Step::FramePointer);
+        // An interpreter frame is linked by rbp too: what its rbp led to
+        // is a frame only if it lands in code.
+        via_frame_pointer = matches!(step, Step::FramePointer | Step::JavaInterpreter);
     }
 }
 
@@ -764,6 +766,7 @@ fn step_frame(
 mod tests {
     use super::*;
     use UnwindRule::{Outermost, Plt, Rbp, Rsp, RspRbpSaved, SignalFrame, Unsupported};
+    use std::cell::Cell;
 
     /// Synthetic stacks start here.
     const SP: u64 = 0x7fff_0000_1000;
@@ -1490,5 +1493,172 @@ mod tests {
             assert_eq!(frames.len(), 3);
         }
         assert_eq!((frames.capacity(), frames.as_ptr()), (capacity, pointer));
+    }
+
+    /// JIT code a runtime describes: compiled code with 48-byte frames, an
+    /// interpreter, and a stub entered by a call (the call stub); `moved`
+    /// makes the compiled code's frames 64 bytes (the runtime put other
+    /// code there).
+    #[derive(Debug, Default)]
+    struct FakeRuntime {
+        moved: Cell<bool>,
+    }
+
+    const JIT: u64 = 0x6000_0000;
+    const COMPILED: u64 = JIT + 0x100;
+    const INTERPRETER: u64 = JIT + 0x1000;
+    const CALL_STUB: u64 = JIT + 0x3000;
+
+    impl RuntimeCode for FakeRuntime {
+        fn step_at(&self, pc: u64, interrupted: bool) -> Option<RuntimeStep> {
+            let cfa_off = if self.moved.get() { 64 } else { 48 };
+            match pc {
+                pc if (COMPILED..COMPILED + 0x100).contains(&pc) => {
+                    Some(RuntimeStep::Rule(RspRbpSaved {
+                        cfa_off,
+                        rbp_off: -16,
+                    }))
+                }
+                pc if (INTERPRETER..INTERPRETER + 0x100).contains(&pc) => {
+                    Some(RuntimeStep::JavaInterpreter)
+                }
+                pc if (CALL_STUB..CALL_STUB + 0x100).contains(&pc) && !interrupted => {
+                    Some(RuntimeStep::FramePointer)
+                }
+                _ => None,
+            }
+        }
+    }
+
+    /// The fake process with the runtime's JIT code, keeping the
+    /// interpreter frames the walk reports.
+    struct WithRuntime<'a> {
+        modules: Modules<'a>,
+        runtime: &'a FakeRuntime,
+        interpreted: std::cell::RefCell<Vec<(usize, u64)>>,
+    }
+
+    impl ModuleLookup for WithRuntime<'_> {
+        fn module_for(&self, pc: u64) -> ModuleAt<'_> {
+            if (JIT..JIT + 0x10000).contains(&pc) {
+                return ModuleAt::Runtime(self.runtime);
+            }
+            self.modules.module_for(pc)
+        }
+
+        fn interpreted_frame(&self, frame: usize, method: u64) {
+            self.interpreted.borrow_mut().push((frame, method));
+        }
+    }
+
+    /// Compiled code called by the interpreter, called through an adapter
+    /// (its sender sp 0x30 above its frame) by compiled code, called by the
+    /// call stub, called by `h` (outermost).
+    fn java_stack(interpreter_sender_sp: u64) -> StackImage {
+        let interpreter_rbp = SP + 0x100;
+        let stub_rbp = SP + 0x300;
+        StackImage::new(0x400)
+            // Compiled, 48 bytes: caller's rbp and the return address.
+            .word(SP + 32, interpreter_rbp)
+            .word(SP + 40, INTERPRETER + 0x20)
+            // The interpreter frame.
+            .word(interpreter_rbp - 24, 0xa11_3e7d)
+            .word(interpreter_rbp - 8, interpreter_sender_sp)
+            .word(interpreter_rbp, 0x2222)
+            .word(interpreter_rbp + 8, COMPILED + 0x50)
+            // Compiled, 48 bytes from the sender sp.
+            .word(SP + 0x140 + 32, stub_rbp)
+            .word(SP + 0x140 + 40, CALL_STUB + 8)
+            // The call stub's frame record.
+            .word(stub_rbp, 0)
+            .word(stub_rbp + 8, H)
+    }
+
+    #[test]
+    fn java_frames_step_by_what_their_runtime_says() {
+        let table = table();
+        let runtime = FakeRuntime::default();
+        let lookup = WithRuntime {
+            modules: modules(&table),
+            runtime: &runtime,
+            interpreted: Default::default(),
+        };
+        let stack = java_stack(SP + 0x140);
+        let mut frames = Vec::new();
+        let end = unwind(regs(COMPILED + 0x10), &stack.0, &lookup, 64, &mut frames);
+        assert_eq!(end, UnwindEnd::Outermost);
+        assert_eq!(
+            frames,
+            [
+                COMPILED + 0x10,
+                INTERPRETER + 0x20,
+                COMPILED + 0x50,
+                CALL_STUB + 8,
+                H
+            ]
+        );
+        assert_eq!(*lookup.interpreted.borrow(), [(1, 0xa11_3e7d)]);
+
+        // The compiled caller's frame is where the sender sp says: with it
+        // 0x30 lower (no adapter between), its return address slot there
+        // holds nothing.
+        let low = java_stack(SP + 0x110).word(SP + 0x110 + 40, 0);
+        let end = unwind(regs(COMPILED + 0x10), &low.0, &lookup, 64, &mut frames);
+        assert_eq!((end, frames.len()), (UnwindEnd::Outermost, 3));
+
+        // A sender sp below the frame's own end is not one.
+        let bad = java_stack(SP + 0x108);
+        let end = unwind(regs(COMPILED + 0x10), &bad.0, &lookup, 64, &mut frames);
+        assert_eq!((end, frames.len()), (UnwindEnd::BadStackAddress, 2));
+
+        // Interrupted in the call stub: the runtime cannot say, the walk ends.
+        let end = unwind(regs(CALL_STUB + 4), &stack.0, &lookup, 64, &mut frames);
+        assert_eq!(
+            (end, frames.as_slice()),
+            (UnwindEnd::NoUnwindInfo, &[CALL_STUB + 4][..])
+        );
+    }
+
+    #[test]
+    fn runtime_steps_are_never_cached() {
+        let table = table();
+        let runtime = FakeRuntime::default();
+        let lookup = WithRuntime {
+            modules: modules(&table),
+            runtime: &runtime,
+            interpreted: Default::default(),
+        };
+        let mut cache = RuleCache::default();
+        let mut frames = Vec::new();
+        let stack = java_stack(SP + 0x140);
+        let end = unwind_cached(
+            regs(COMPILED + 0x10),
+            &stack.0,
+            &lookup,
+            &mut cache,
+            1,
+            64,
+            &mut frames,
+        );
+        assert_eq!((end, frames.len()), (UnwindEnd::Outermost, 5));
+        // The runtime replaced the code: 64-byte frames, return address at
+        // 56 (a cached 48-byte step would find the interpreter at 40).
+        runtime.moved.set(true);
+        let moved = StackImage::new(0x400)
+            .word(SP + 56, 0)
+            .word(SP + 40, INTERPRETER + 0x20);
+        let end = unwind_cached(
+            regs(COMPILED + 0x10),
+            &moved.0,
+            &lookup,
+            &mut cache,
+            1,
+            64,
+            &mut frames,
+        );
+        assert_eq!(
+            (end, frames.as_slice()),
+            (UnwindEnd::Outermost, &[COMPILED + 0x10][..])
+        );
     }
 }

@@ -6,7 +6,10 @@
 //! the root (and how many of those through a stack tail), what share were cut
 //! short, and what share of their frames carry a name in the collector. The
 //! Python rows run the same program on each CPython installed (Debian's and
-//! pyenv's) and say what share of samples name its Python function.
+//! pyenv's) and say what share of samples name its Python function; the
+//! java row runs a chain of Java methods on Debian's OpenJDK, as services
+//! start it (no flag), and says the share naming its hot method. The agent's
+//! CPU per sample is its whole run's (start-up included) over its walks.
 //!
 //! A report, not a test: the figures depend on the machine and its load.
 //! The short-lived programs (gcc, rustc) are loops of compiler runs, which is
@@ -52,6 +55,10 @@ const PYENV_PYTHONS: &[(&str, &str)] = &[
     ("py3.13-pyenv", "3.13.0/bin/python3.13"),
 ];
 
+/// The Java row's hot method (tests/fixtures/Chain.java), inlined into its
+/// callers by C2: named through the compiled methods' scopes.
+const JAVA_METHOD: &str = "Chain.leaf";
+
 /// The Python programs' hot function (see `PYTHON_WORK`).
 const PYTHON_FUNCTION: &str = "work";
 
@@ -94,8 +101,15 @@ pub fn run(seconds: u64, only: &[String]) -> anyhow::Result<()> {
     wait_for_listener(&grpc, &mut collector.0)?;
 
     println!(
-        "{:<12} {:>8} {:>10} {:>12} {:>10} {:>12} {:>14}",
-        "program", "samples", "to root", "(via tail)", "truncated", "frames named", "own function"
+        "{:<12} {:>8} {:>10} {:>12} {:>10} {:>12} {:>16} {:>18}",
+        "program",
+        "samples",
+        "to root",
+        "(via tail)",
+        "truncated",
+        "frames named",
+        "agent µs/sample",
+        "own function"
     );
     for program in &programs {
         let cgroup = scratch.cgroup(program.name)?;
@@ -110,13 +124,14 @@ pub fn run(seconds: u64, only: &[String]) -> anyhow::Result<()> {
             _ => "-".into(),
         };
         println!(
-            "{:<12} {:>8} {:>9.1}% {:>11.1}% {:>9.1}% {:>11.1}% {:>14}",
+            "{:<12} {:>8} {:>9.1}% {:>11.1}% {:>9.1}% {:>11.1}% {:>16.1} {:>18}",
             program.name,
             report.walks,
             share(report.outermost),
             share(report.stitched),
             share(report.truncated),
             shipped.frames_named,
+            report.agent_cpu.as_secs_f64() * 1e6 / report.walks.max(1) as f64,
             own,
         );
     }
@@ -170,7 +185,23 @@ fn programs(scratch: &Path) -> anyhow::Result<Vec<Program>> {
             println!("{name}: skipped, {} is not installed", program.display());
         }
     }
+    let java_classes = scratch.join("java");
+    run_checked(
+        Command::new("javac")
+            .args(["--release", "17", "-d"])
+            .arg(&java_classes)
+            .arg(fixture("Chain.java")),
+    )
+    .context("compiling the Java program (openjdk-17-jdk-headless)")?;
     programs.extend([
+        Program {
+            name: "java",
+            script: format!(
+                "exec java -cp {} Chain 1000000000 0",
+                java_classes.display()
+            ),
+            own_function: Some(JAVA_METHOD),
+        },
         Program {
             name: "node",
             script: format!("exec node --perf-basic-prof {}", fixture("json_runtime.js")),
@@ -228,6 +259,20 @@ struct Walks {
     outermost: u64,
     stitched: u64,
     truncated: u64,
+    /// The agent's CPU time (user and system), start-up included.
+    agent_cpu: Duration,
+}
+
+/// The CPU time of this process's children waited for so far.
+fn children_cpu() -> Duration {
+    // SAFETY: getrusage writes one struct rusage, which we own.
+    let usage = unsafe {
+        let mut usage: libc::rusage = std::mem::zeroed();
+        libc::getrusage(libc::RUSAGE_CHILDREN, &mut usage);
+        usage
+    };
+    let time = |t: libc::timeval| Duration::new(t.tv_sec as u64, t.tv_usec as u32 * 1000);
+    time(usage.ru_utime) + time(usage.ru_stime)
 }
 
 fn agent_run(
@@ -250,9 +295,11 @@ fn agent_run(
         .args(["--frequency", HZ, "--duration", &format!("{seconds}s")])
         .args(["--json", "--log-level", "warn", "--status-interval", "1h"])
         .stderr(Stdio::inherit());
+    let cpu_before = children_cpu();
     let out = command
         .output()
         .with_context(|| format!("running {command:?}"))?;
+    let agent_cpu = children_cpu().saturating_sub(cpu_before);
     if !out.status.success() {
         bail!("{command:?} failed with {}", out.status);
     }
@@ -268,6 +315,7 @@ fn agent_run(
         outermost: field("outermost")?,
         stitched: field("stitched")?,
         truncated: field("truncated")?,
+        agent_cpu,
     })
 }
 

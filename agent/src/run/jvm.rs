@@ -7,9 +7,6 @@ use std::{sync::Arc, time::Instant};
 
 use stackscope_jvm::Jvm;
 
-use super::process::ProcessRecord;
-use crate::aggregate::Aggregator;
-
 /// Tries at reading a process's JVM, a second apart.
 const MAX_TRIES: u8 = 10;
 
@@ -46,15 +43,48 @@ pub struct JvmStats {
     pub processes: u64,
     /// Processes that map `libjvm.so` whose JVM could not be read.
     pub unreadable: u64,
+    /// Code blobs read from the JVMs' code caches, and reads that failed
+    /// (a frame there ends its walk).
+    pub blobs_read: u64,
+    pub blob_errors: u64,
+    /// Cached blobs found replaced when checked again (read anew).
+    pub blobs_replaced: u64,
+    /// Methods named, and those that could not be (their frames keep the
+    /// process's `[jit]` name).
+    pub names_read: u64,
+    pub name_errors: u64,
+    /// Compiled methods whose inlining was read, and those whose could not
+    /// be (their frames show the compiled method alone).
+    pub scopes_read: u64,
+    pub scope_errors: u64,
+}
+
+impl JvmStats {
+    /// These, with what the JVMs' reads found.
+    pub fn with_reads(self, reads: stackscope_jvm::JvmStats) -> Self {
+        Self {
+            blobs_read: reads.blobs_read,
+            blob_errors: reads.blob_errors,
+            blobs_replaced: reads.blobs_replaced,
+            names_read: reads.names_read,
+            name_errors: reads.name_errors,
+            scopes_read: reads.scopes_read,
+            scope_errors: reads.scope_errors,
+            ..self
+        }
+    }
 }
 
 impl JvmProcesses {
-    /// Process `tgid` maps `libjvm.so`: read its JVM unless asked already.
-    pub fn maybe_jvm(&mut self, tgid: u32, record: &mut JvmRecord) {
-        if matches!(record, JvmRecord::Unknown) {
-            *record = JvmRecord::Asked { tries: 1 };
-            self.wanted.push(tgid);
+    /// Process `tgid` maps `libjvm.so`: read its JVM unless asked already;
+    /// true when asked now (its walks wait for the first answer).
+    pub fn maybe_jvm(&mut self, tgid: u32, record: &mut JvmRecord) -> bool {
+        if !matches!(record, JvmRecord::Unknown) {
+            return false;
         }
+        *record = JvmRecord::Asked { tries: 1 };
+        self.wanted.push(tgid);
+        true
     }
 
     /// The processes to read a JVM in now.
@@ -69,38 +99,43 @@ impl JvmProcesses {
         wanted
     }
 
-    /// What the worker read of `tgid`'s JVM.
+    /// What the worker read of `tgid`'s JVM, for the walker (whose held
+    /// samples wait for the first answer: while a JVM starts, its samples
+    /// are walked as any JIT's) and the aggregator: `Some(Some(jvm))` when
+    /// found, `Some(None)` when not (yet), `None` when the record did not
+    /// ask (the process exec'd since: it takes nothing). Only the first try's
+    /// answer is waited for: while a JVM starts, its samples are walked
+    /// as any JIT's.
     pub fn found(
         &mut self,
         tgid: u32,
-        record: &mut ProcessRecord,
+        record: &mut JvmRecord,
         found: FoundJvm,
-        aggregator: &mut Aggregator,
         now: Instant,
-    ) {
-        let JvmRecord::Asked { tries } = record.jvm else {
-            return;
+    ) -> Option<Option<Arc<Jvm>>> {
+        let JvmRecord::Asked { tries } = *record else {
+            return None;
         };
         match found {
             Ok(Some(jvm)) => {
                 tracing::debug!(tgid, "reading the process's Java frames");
                 self.stats.processes += 1;
-                record.jvm = JvmRecord::Found;
-                aggregator.add_jvm(tgid, record.started(), Arc::clone(&jvm));
-                record.run_jvm(jvm);
+                *record = JvmRecord::Found;
+                return Some(Some(jvm));
             }
-            Ok(None) => record.jvm = JvmRecord::None,
+            Ok(None) => *record = JvmRecord::None,
             Err(err) if tries < MAX_TRIES => {
                 tracing::debug!(tgid, "the JVM is not readable yet: {err}");
-                record.jvm = JvmRecord::Asked { tries: tries + 1 };
+                *record = JvmRecord::Asked { tries: tries + 1 };
                 self.retry
                     .push((tgid, now + std::time::Duration::from_secs(1)));
             }
             Err(err) => {
                 tracing::debug!(tgid, "no Java frames: {err}");
                 self.stats.unreadable += 1;
-                record.jvm = JvmRecord::None;
+                *record = JvmRecord::None;
             }
         }
+        Some(None)
     }
 }

@@ -13,10 +13,6 @@ use stackscope_metadata::process::ProcessLabels;
 use stackscope_process_table::ProcessTable;
 use stackscope_unwind::walker::{ProcessState, Walked, WalkerRecord};
 
-use std::sync::Arc;
-
-use stackscope_jvm::Jvm;
-
 use super::{jvm::JvmRecord, off_cpu::OffCpuWeights};
 use crate::aggregate::{Aggregator, LabelRecords, PythonSample, SampleWeight};
 use stackscope_python::{PythonRecord, PythonState};
@@ -36,11 +32,6 @@ impl ProcessRecord {
     /// The process's start time, as its samples said (0: unknown).
     pub fn started(&self) -> u64 {
         self.walker.started()
-    }
-
-    /// The process runs `jvm`: its walks step through Java frames by it.
-    pub fn run_jvm(&mut self, jvm: Arc<Jvm>) {
-        self.walker.set_runtime(Some(jvm));
     }
 }
 

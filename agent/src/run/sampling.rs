@@ -51,7 +51,7 @@ use stackscope_symbolize::node::perf_map::JitUpdate;
 use stackscope_telemetry::tally::ProcessTally;
 use stackscope_telemetry::{StateSize, probes::ProbeTotals};
 use stackscope_unwind::{
-    TailSpan,
+    RuntimeCode, TailSpan,
     walker::{StackWalker, UserStack, WalkerConfig},
 };
 
@@ -515,6 +515,10 @@ fn finish(
         aggregation: records.sink.aggregator.stats(),
         jit_names: records.sink.aggregator.jit_stats(),
         python: records.python.stats,
+        jvm: records
+            .jvms
+            .stats
+            .with_reads(records.sink.aggregator.jvm_stats()),
         off_cpu,
         mapping_feed: records.feed.stats(),
         process_table: records.processes.stats(),
@@ -639,11 +643,25 @@ impl RecordTally {
             Command::Jvm(found) => {
                 let now = std::time::Instant::now();
                 for (tgid, found) in found {
-                    if let Some(record) = self.processes.state_of_mut(tgid) {
-                        self.jvms
-                            .found(tgid, record, found, &mut self.sink.aggregator, now);
+                    let Some(record) = self.processes.state_of_mut(tgid) else {
+                        continue;
+                    };
+                    let started = record.started();
+                    let Some(jvm) = self.jvms.found(tgid, &mut record.jvm, found, now) else {
+                        continue;
+                    };
+                    if let Some(jvm) = &jvm {
+                        self.sink.aggregator.add_jvm(tgid, started, Arc::clone(jvm));
                     }
+                    let runtime = jvm.map(|jvm| jvm as Arc<dyn RuntimeCode + Send + Sync>);
+                    self.walker.set_runtime(&mut self.processes, tgid, runtime);
                 }
+                // The samples that waited for these answers.
+                self.walker
+                    .poll(&mut self.processes, self.sink.add_walked());
+                sampling
+                    .sampler
+                    .apply_plan_updates(self.walker.take_plan_updates());
             }
             Command::Totals(purpose) => {
                 let elapsed = sampling.began.elapsed();
@@ -678,8 +696,10 @@ impl RecordTally {
                 .into_iter()
                 .any(stackscope_jvm::named_like_libjvm)
                 && let Some(record) = self.processes.state_of_mut(answer.tgid())
+                && self.jvms.maybe_jvm(answer.tgid(), &mut record.jvm)
             {
-                self.jvms.maybe_jvm(answer.tgid(), &mut record.jvm);
+                self.walker
+                    .await_runtime(&mut self.processes, answer.tgid());
             }
         }
         let walker = &mut self.walker;
@@ -816,6 +836,7 @@ impl RecordTally {
             aggregation: self.sink.aggregator.stats(),
             jit_names: self.sink.aggregator.jit_stats(),
             python: self.python.stats,
+            jvm: self.jvms.stats.with_reads(self.sink.aggregator.jvm_stats()),
             // Only counted with --bpf-stats, as the sampling program's.
             off_cpu: self.off_cpu_stats(sampler.off_cpu_program_stats().unwrap_or_default()),
             batches: worker.stats(),

@@ -1021,6 +1021,52 @@ const AGGREGATION: &[Stat] = &[
         )],
     ),
     Stat::counter(
+        "jvm_processes",
+        "Processes mapping libjvm.so whose HotSpot JVM is read (their Java \
+         frames stepped through and named), and those whose could not be.",
+        &[
+            Series::labelled("read", "/jvm/processes", field!(jvm.processes)),
+            Series::labelled("unreadable", "/jvm/unreadable", field!(jvm.unreadable)),
+        ],
+    )
+    .by("outcome"),
+    Stat::counter(
+        "jvm_code_blobs",
+        "Code blobs read from the JVMs' code caches, reads that failed (a \
+         frame there ends its walk), and cached blobs found replaced when \
+         checked again (read anew).",
+        &[
+            Series::labelled("read", "/jvm/blobs_read", field!(jvm.blobs_read)),
+            Series::labelled("failed", "/jvm/blob_errors", field!(jvm.blob_errors)),
+            Series::labelled(
+                "replaced",
+                "/jvm/blobs_replaced",
+                field!(jvm.blobs_replaced),
+            ),
+        ],
+    )
+    .by("outcome"),
+    Stat::counter(
+        "jvm_method_names",
+        "Java methods named from the JVMs' metadata, and those that could not \
+         be (their frames keep the process's [jit] name).",
+        &[
+            Series::labelled("read", "/jvm/names_read", field!(jvm.names_read)),
+            Series::labelled("failed", "/jvm/name_errors", field!(jvm.name_errors)),
+        ],
+    )
+    .by("outcome"),
+    Stat::counter(
+        "jvm_inlining",
+        "Compiled Java methods whose inlining was read, and those whose could \
+         not be (their frames show the compiled method alone).",
+        &[
+            Series::labelled("read", "/jvm/scopes_read", field!(jvm.scopes_read)),
+            Series::labelled("failed", "/jvm/scope_errors", field!(jvm.scope_errors)),
+        ],
+    )
+    .by("outcome"),
+    Stat::counter(
         "python_processes",
         "Processes found running a CPython the sampler reads the frames of.",
         &[Series::one("/python/processes", field!(python.processes))],

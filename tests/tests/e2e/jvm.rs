@@ -1,11 +1,15 @@
-//! HotSpot end to end (root): Debian's OpenJDK runs a known chain
+//! HotSpot end to end (root): every JDK under /usr/lib/jvm (Debian's
+//! OpenJDK 17 at least; Temurin 25 where present) runs a known chain
 //! (`Chain.main -> run -> outer -> middle -> leaf`), started before the agent and
 //! with no profiling flag; the agent steps through its compiled and
 //! interpreted frames by what the JVM's own tables say (no frame pointers:
 //! HotSpot uses rbp as an ordinary register), names them from its method
 //! metadata, and ships them to a real collector.
 
-use std::process::Command;
+use std::{
+    path::{Path, PathBuf},
+    process::Command,
+};
 
 use stackscope_test_fixtures::RunningProcess;
 use stackscope_tests::{Collector, exclusive, require_root, run_agent_for};
@@ -18,35 +22,95 @@ const CHAIN: [&str; 5] = [
     "Chain.leaf",
 ];
 
-/// Runs the fixture under `flags` (after warming it up for `warm_ms`),
-/// profiles it, and checks the share of samples to the root and with the
-/// chain named in order; `None` when no JDK is installed.
-fn profile_chain(flags: &[&str], warm_ms: u32) -> Option<(f64, f64)> {
-    if Command::new("javac").arg("-version").output().is_err() {
-        eprintln!("skipped: no javac (install default-jdk-headless)");
-        return None;
+/// Every JDK home under /usr/lib/jvm with `bin/java`, one per real
+/// directory.
+fn jdks() -> Vec<PathBuf> {
+    let mut homes: Vec<PathBuf> = std::fs::read_dir("/usr/lib/jvm")
+        .into_iter()
+        .flatten()
+        .flatten()
+        .filter_map(|entry| entry.path().canonicalize().ok())
+        .filter(|home| home.join("bin/java").exists())
+        .collect();
+    homes.sort();
+    homes.dedup();
+    if homes.is_empty() {
+        eprintln!(
+            "skipped: no JDK under /usr/lib/jvm (`cargo xtask setup` installs openjdk-17-jdk-headless)"
+        );
     }
+    homes
+}
+
+/// The fixtures compiled once for every JDK (class files of release 17).
+fn compiled_fixtures() -> tempfile::TempDir {
     let dir = tempfile::tempdir().expect("temp dir");
-    let source = format!("{}/fixtures/Chain.java", env!("CARGO_MANIFEST_DIR"));
+    let fixtures = format!("{}/fixtures", env!("CARGO_MANIFEST_DIR"));
     let status = Command::new("javac")
-        .args(["-d".as_ref(), dir.path().as_os_str(), source.as_ref()])
+        .args(["--release", "17", "-d"])
+        .arg(dir.path())
+        .arg(format!("{fixtures}/Chain.java"))
+        .arg(format!("{fixtures}/Churn.java"))
         .status()
-        .expect("javac");
+        .expect("javac (openjdk-17-jdk-headless)");
     assert!(status.success());
+    dir
+}
+
+/// Runs `class` with `args` on the JDK at `home` under `flags` (once it
+/// printed "ready"), profiles it for 6 s, and returns its folded stacks and
+/// the agent's share of walks to the root.
+fn profile(
+    home: &Path,
+    classes: &Path,
+    flags: &[&str],
+    class: &str,
+    args: &[&str],
+) -> (Vec<(String, u64)>, f64) {
     let java = RunningProcess::start_ready(
-        Command::new("java")
+        Command::new(home.join("bin/java"))
             .args(flags)
             .arg("-cp")
-            .arg(dir.path())
-            .args(["Chain", "60000", &warm_ms.to_string()]),
+            .arg(classes)
+            .arg(class)
+            .args(args),
     );
-    let collector = Collector::start(dir.path());
+    let data = tempfile::tempdir().expect("temp dir");
+    let collector = Collector::start(data.path());
     let pid = java.pid().to_string();
     let report = run_agent_for(&collector, "6s", &["--pid", &pid]);
     let stacks = collector.folded_stacks("");
     collector.stop();
     drop(java);
+    let rooted = report["unwinding"]["outermost_percent"]
+        .as_f64()
+        .unwrap_or(0.0);
+    let mut unrooted: Vec<&(String, u64)> = stacks
+        .iter()
+        .filter(|(stack, _)| !stack.starts_with("clone3;start_thread"))
+        .collect();
+    unrooted.sort_by_key(|(_, n)| std::cmp::Reverse(*n));
+    eprintln!(
+        "jvm {} {flags:?} {class}: reads {}, walks ended early {}; the heaviest stacks not from a thread's start: {:?}",
+        home.display(),
+        report["jvm"],
+        report["unwinding"]["early_ends"],
+        &unrooted[..unrooted.len().min(5)]
+    );
+    (stacks, rooted)
+}
 
+/// Profiles the chain on the JDK at `home` under `flags` (after warming it
+/// up for `warm_ms`) and returns the share of samples to the root and the
+/// share of leaf's samples with the chain named in order.
+fn profile_chain(home: &Path, classes: &Path, flags: &[&str], warm_ms: u32) -> (f64, f64) {
+    let (stacks, rooted) = profile(
+        home,
+        classes,
+        flags,
+        "Chain",
+        &["60000", &warm_ms.to_string()],
+    );
     let total: u64 = stacks.iter().map(|(_, n)| n).sum();
     let in_leaf: u64 = stacks
         .iter()
@@ -58,20 +122,36 @@ fn profile_chain(flags: &[&str], warm_ms: u32) -> Option<(f64, f64)> {
         .filter(|(stack, _)| stack.contains(&CHAIN.join(";")))
         .map(|(_, n)| n)
         .sum();
-    let rooted = report["unwinding"]["outermost_percent"]
-        .as_f64()
-        .unwrap_or(0.0);
     let mut heaviest = stacks.clone();
     heaviest.sort_by_key(|(_, n)| std::cmp::Reverse(*n));
     eprintln!(
-        "jvm {flags:?}: {total} samples, {rooted:.1}% to the root, {chained} of {in_leaf} in leaf with the chain named; heaviest: {:?}",
+        "jvm {} {flags:?}: {total} samples, {rooted:.1}% to the root, {chained} of {in_leaf} in leaf with the chain named; heaviest: {:?}",
+        home.display(),
         &heaviest[..heaviest.len().min(3)]
     );
     assert!(
         in_leaf * 2 > total,
         "leaf is where the fixture's time goes: {in_leaf} of {total}"
     );
-    Some((rooted, chained as f64 * 100.0 / in_leaf as f64))
+    (rooted, chained as f64 * 100.0 / in_leaf as f64)
+}
+
+/// Profiles the chain on every JDK and checks the shares.
+fn chain_on_every_jdk(flags: &[&str], warm_ms: u32, jdk: impl Fn(&Path) -> bool) {
+    let classes = compiled_fixtures();
+    for home in jdks().into_iter().filter(|home| jdk(home)) {
+        let (rooted, chained) = profile_chain(&home, classes.path(), flags, warm_ms);
+        assert!(
+            rooted >= 95.0,
+            "{}: {rooted:.1}% to the root",
+            home.display()
+        );
+        assert!(
+            chained >= 90.0,
+            "{}: {chained:.1}% of leaf's samples with the chain named",
+            home.display()
+        );
+    }
 }
 
 #[test]
@@ -80,32 +160,170 @@ fn compiled_java_frames_reach_the_root_and_are_named() {
     let _serial = exclusive();
     // Not inlined, so each method keeps a frame of its own (C2 compiles
     // the chain within the warm-up).
-    let Some((rooted, chained)) = profile_chain(
-        &[
-            "-XX:CompileCommand=quiet",
-            "-XX:CompileCommand=dontinline,Chain::*",
-        ],
-        3000,
-    ) else {
-        return;
-    };
-    assert!(rooted >= 95.0, "{rooted:.1}% to the root");
-    assert!(
-        chained >= 90.0,
-        "{chained:.1}% of leaf's samples with the chain named"
-    );
+    let flags = [
+        "-XX:CompileCommand=quiet",
+        "-XX:CompileCommand=dontinline,Chain::*",
+    ];
+    chain_on_every_jdk(&flags, 3000, |_| true);
 }
 
 #[test]
 fn interpreted_java_frames_reach_the_root_and_are_named() {
     require_root();
     let _serial = exclusive();
-    let Some((rooted, chained)) = profile_chain(&["-Xint"], 200) else {
-        return;
-    };
-    assert!(rooted >= 95.0, "{rooted:.1}% to the root");
-    assert!(
-        chained >= 90.0,
-        "{chained:.1}% of leaf's samples with the chain named"
+    chain_on_every_jdk(&["-Xint"], 200, |_| true);
+}
+
+#[test]
+fn methods_inlined_into_a_compiled_one_are_named_in_order() {
+    require_root();
+    let _serial = exclusive();
+    // As services run: C2 inlines leaf and middle into outer (and outer
+    // into run). The scopes reader knows JDK 9-19's.
+    chain_on_every_jdk(&[], 3000, |home| {
+        major_version(home).is_some_and(|major| major <= 19)
+    });
+}
+
+/// The JDK's major version, from its `release` file.
+fn major_version(home: &Path) -> Option<u32> {
+    let release = std::fs::read_to_string(home.join("release")).ok()?;
+    let version = release
+        .lines()
+        .find_map(|line| line.strip_prefix("JAVA_VERSION="))?
+        .trim_matches('"');
+    version.split('.').next()?.parse().ok()
+}
+
+/// Who may call whom among the churn fixture's methods.
+const CHURN_CALLS: [(&str, &str); 7] = [
+    ("Churn.main", "Churn.phase"),
+    ("Churn.main", "Churn.loadAndDrop"),
+    ("Churn.phase", "Churn.work"),
+    ("Churn.work", "Churn$Square.area"),
+    ("Churn.work", "Churn$Circle.area"),
+    ("Churn.work", "Churn$Strip.area"),
+    ("Churn.loadAndDrop", "Churn$Strip.area"),
+];
+
+/// Whether `callee` runs below `caller` in some chain of the fixture's
+/// calls (a frame between may be missing: a method whose class was
+/// unloaded before it was named, a walk that left one out; never one out of
+/// order).
+fn reaches(caller: &str, callee: &str) -> bool {
+    CHURN_CALLS
+        .iter()
+        .any(|&(from, to)| from == caller && (to == callee || reaches(to, callee)))
+}
+
+#[test]
+fn deoptimized_and_unloaded_code_never_yields_a_wrong_frame() {
+    require_root();
+    let _serial = exclusive();
+    let classes = compiled_fixtures();
+    for home in jdks() {
+        let (stacks, rooted) = profile(&home, classes.path(), &[], "Churn", &["60000"]);
+        let mut samples = 0;
+        let mut with_fixture = 0;
+        for (stack, n) in &stacks {
+            samples += n;
+            // The fixture's own frames, in order: each runs below the one
+            // before in a chain of the fixture's calls (frames of the JDK
+            // may sit between, as reflection does).
+            let own: Vec<&str> = stack
+                .split(';')
+                .filter(|frame| frame.starts_with("Churn"))
+                .collect();
+            if own.is_empty() {
+                continue;
+            }
+            with_fixture += n;
+            for pair in own.windows(2) {
+                assert!(
+                    reaches(pair[0], pair[1]),
+                    "{}: {} below {} is in no chain of the fixture's calls: {stack}",
+                    home.display(),
+                    pair[0],
+                    pair[1]
+                );
+            }
+            if stack.starts_with("clone3;start_thread") {
+                assert_eq!(
+                    own[0],
+                    "Churn.main",
+                    "{}: a rooted stack starting elsewhere: {stack}",
+                    home.display()
+                );
+            }
+        }
+        let mut heaviest = stacks.clone();
+        heaviest.sort_by_key(|(_, n)| std::cmp::Reverse(*n));
+        eprintln!(
+            "jvm {} churn: {samples} samples, {with_fixture} in the fixture's methods, {rooted:.1}% to the root; heaviest {:?}",
+            home.display(),
+            &heaviest[..heaviest.len().min(8)]
+        );
+        assert!(
+            with_fixture * 2 > samples,
+            "{with_fixture} of {samples} samples in the fixture"
+        );
+        assert!(
+            rooted >= 90.0,
+            "{}: {rooted:.1}% to the root",
+            home.display()
+        );
+    }
+}
+
+#[test]
+fn a_jvm_started_after_the_agent_is_read_once_it_is_up() {
+    require_root();
+    let _serial = exclusive();
+    let classes = compiled_fixtures();
+    let data = tempfile::tempdir().expect("temp dir");
+    let collector = Collector::start(data.path());
+    // The JVM starts while the agent runs: libjvm.so is mapped before its
+    // code cache exists, so the first reads fail and are tried again.
+    let starter = std::thread::spawn({
+        let classes = classes.path().to_owned();
+        move || {
+            std::thread::sleep(std::time::Duration::from_millis(1500));
+            RunningProcess::start_ready(
+                Command::new("java")
+                    .args([
+                        "-XX:CompileCommand=quiet",
+                        "-XX:CompileCommand=dontinline,Chain::*",
+                        "-cp",
+                    ])
+                    .arg(classes)
+                    .args(["Chain", "60000", "0"]),
+            )
+        }
+    });
+    let report = run_agent_for(&collector, "8s", &["--label-pid"]);
+    let java = starter.join().expect("the JVM started");
+    let stacks = collector.folded_stacks(&format!("pid=\"{}\"", java.pid()));
+    collector.stop();
+    drop(java);
+    let in_leaf: u64 = stacks
+        .iter()
+        .filter(|(stack, _)| stack.contains("Chain.leaf"))
+        .map(|(_, n)| n)
+        .sum();
+    let chained: u64 = stacks
+        .iter()
+        .filter(|(stack, _)| stack.contains(&CHAIN.join(";")))
+        .map(|(_, n)| n)
+        .sum();
+    eprintln!(
+        "jvm started after the agent: {chained} of {in_leaf} leaf samples with the chain named; reads {}",
+        report["jvm"]
     );
+    assert!(
+        report["jvm"]["processes"].as_u64() >= Some(1),
+        "{}",
+        report["jvm"]
+    );
+    assert!(in_leaf >= 200, "{in_leaf} leaf samples");
+    assert!(chained * 10 >= in_leaf * 9, "{chained} of {in_leaf}");
 }

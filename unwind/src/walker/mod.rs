@@ -51,8 +51,8 @@ pub use compiler::DiskCache;
 use compiler::{Compiled, Compiler};
 
 use crate::{
-    DEFAULT_MAX_DEPTH, ModuleAt, ModuleLookup, Registers, RuleCache, SampledStack, StackMemory,
-    TailSpan, UnsupportedCfi, UnwindEnd, UnwindTable, table::DirectCfi, unwind_memory,
+    DEFAULT_MAX_DEPTH, ModuleAt, ModuleLookup, Registers, RuleCache, RuntimeCode, SampledStack,
+    StackMemory, TailSpan, UnsupportedCfi, UnwindEnd, UnwindTable, table::DirectCfi, unwind_memory,
 };
 use agent_common::{SampleHeader, sample_flags};
 use process_state::WalkerTable;
@@ -571,8 +571,14 @@ impl ModuleLookup for KnownModules<'_> {
             }
             return ModuleAt::Unmapped;
         };
-        if let (ModuleObject::Jit, Some(runtime)) = (&module.object, &self.process.runtime) {
-            return ModuleAt::Runtime(&**runtime);
+        if let ModuleObject::Jit = module.object {
+            if let Some(runtime) = &self.process.runtime {
+                return ModuleAt::Runtime(&**runtime);
+            }
+            if self.process.runtime_pending {
+                self.pending.set(true);
+                return ModuleAt::Unmapped;
+            }
         }
         match &module.table {
             ModuleTable::Ready(table) => ModuleAt::Table {
@@ -851,6 +857,37 @@ impl StackWalker {
 
     fn binary_slot(&mut self, name: Arc<str>) -> u32 {
         self.binary_slots.slot(name, &mut self.stats.by_binary)
+    }
+
+    /// A runtime that describes process `tgid`'s JIT code is being read:
+    /// its samples that reach that code are held until
+    /// [`Self::set_runtime`] says what came of it.
+    pub fn await_runtime<R: WalkerRecord>(&mut self, processes: &mut ProcessTable<R>, tgid: u32) {
+        if let Some(process) = processes.walker_of_mut(tgid) {
+            process.runtime_pending = true;
+        }
+    }
+
+    /// Has the walks of process `tgid`'s JIT code ask `runtime` how to step
+    /// out of its frames (`None`: there is none to ask, they go by frame
+    /// pointers), and walks its held samples again. The process takes a
+    /// new space: the rule cache's steps for its code until now (frame
+    /// pointers) no longer apply.
+    pub fn set_runtime<R: WalkerRecord>(
+        &mut self,
+        processes: &mut ProcessTable<R>,
+        tgid: u32,
+        runtime: Option<Arc<dyn RuntimeCode + Send + Sync>>,
+    ) {
+        let space = self.next_space();
+        if let Some(process) = processes.walker_of_mut(tgid) {
+            if runtime.is_some() {
+                process.space = space;
+            }
+            process.runtime = runtime;
+            process.runtime_pending = false;
+            self.tables_changed = true;
+        }
     }
 
     fn next_space(&mut self) -> u64 {

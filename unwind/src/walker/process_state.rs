@@ -89,6 +89,9 @@ pub struct ProcessState {
     /// The runtime that describes the process's JIT code (a HotSpot JVM),
     /// asked at each of its frames instead of frame pointers.
     pub(super) runtime: Option<Arc<dyn RuntimeCode + Send + Sync>>,
+    /// A runtime is being read: walks that reach its JIT code wait for it
+    /// (held, as for a table) rather than go by frame pointers.
+    pub(super) runtime_pending: bool,
 }
 
 impl ProcessState {
@@ -102,16 +105,6 @@ impl ProcessState {
     /// `started` (0: unknown, no verdict).
     pub(super) fn is_other_process(&self, started: u64) -> bool {
         started != 0 && self.started != 0 && self.started != started
-    }
-
-    /// Has the walks of the process's JIT code ask `runtime` how to step
-    /// out of its frames (`None`: frame pointers, as for any JIT).
-    pub fn set_runtime(&mut self, runtime: Option<Arc<dyn RuntimeCode + Send + Sync>>) {
-        self.runtime = runtime;
-    }
-
-    pub fn has_runtime(&self) -> bool {
-        self.runtime.is_some()
     }
 
     pub(super) fn find(&self, pc: u64) -> Option<&Module> {
