@@ -104,10 +104,11 @@ pub enum Bench {
         #[arg(long, default_value_t = 60)]
         bucket_secs: u32,
     },
-    /// The product on real programs (python3, node, sqlite3, xz, a stripped
-    /// Go program, a deep C program, and loops of gcc and rustc runs), each
-    /// in a cgroup of its own: the share of samples unwound to the root, cut
-    /// short, and of frames named.
+    /// The product on real programs (python3, java, node, sqlite3, xz, a
+    /// stripped Go program, a deep C program, and loops of gcc and rustc
+    /// runs), each in a cgroup of its own: the share of samples unwound to
+    /// the root, cut short, and of frames named, the agent's CPU per sample,
+    /// and the share naming the program's own function.
     Programs {
         /// How long the agent samples each program.
         #[arg(long, default_value_t = 20)]

@@ -158,13 +158,18 @@ fn chain_on_every_jdk(flags: &[&str], warm_ms: u32, jdk: impl Fn(&Path) -> bool)
 fn compiled_java_frames_reach_the_root_and_are_named() {
     require_root();
     let _serial = exclusive();
-    // Not inlined, so each method keeps a frame of its own (C2 compiles
-    // the chain within the warm-up).
-    let flags = [
-        "-XX:CompileCommand=quiet",
-        "-XX:CompileCommand=dontinline,Chain::*",
-    ];
-    chain_on_every_jdk(&flags, 3000, |_| true);
+    // Not inlined, so each method keeps a frame of its own; C2 (the
+    // default tiers) and C1 alone compile the chain within the warm-up,
+    // with prologues of their own (C2: sub rsp and an rbp store; C1: push
+    // rbp and sub rsp).
+    for tiers in ["-XX:TieredStopAtLevel=4", "-XX:TieredStopAtLevel=1"] {
+        let flags = [
+            "-XX:CompileCommand=quiet",
+            "-XX:CompileCommand=dontinline,Chain::*",
+            tiers,
+        ];
+        chain_on_every_jdk(&flags, 3000, |_| true);
+    }
 }
 
 #[test]
