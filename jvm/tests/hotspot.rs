@@ -3,12 +3,12 @@
 //! account of its code cache (`jcmd PID Compiler.codelist`).
 
 use std::{
-    path::{Path, PathBuf},
+    path::Path,
     process::{Child, Command, Stdio},
     time::{Duration, Instant},
 };
 
-use stackscope_jvm::{BlobKind, Jvm};
+use stackscope_jvm::BlobKind;
 use stackscope_unwind::{RuntimeStep, UnwindRule};
 
 /// A Java program whose hot methods are compiled within a second.
@@ -36,21 +36,6 @@ impl Drop for Running {
     }
 }
 
-/// Every JDK home under /usr/lib/jvm with `bin/java` and `bin/jcmd`, one
-/// per real directory.
-fn jdks() -> Vec<PathBuf> {
-    let mut homes: Vec<PathBuf> = std::fs::read_dir("/usr/lib/jvm")
-        .into_iter()
-        .flatten()
-        .flatten()
-        .filter_map(|entry| entry.path().canonicalize().ok())
-        .filter(|home| home.join("bin/java").exists() && home.join("bin/jcmd").exists())
-        .collect();
-    homes.sort();
-    homes.dedup();
-    homes
-}
-
 fn compile(dir: &Path) {
     std::fs::write(dir.join("Chain.java"), CHAIN).expect("writing Chain.java");
     let status = Command::new("javac")
@@ -59,21 +44,6 @@ fn compile(dir: &Path) {
         .status()
         .expect("javac: install a JDK (default-jdk-headless)");
     assert!(status.success());
-}
-
-/// libjvm.so's path and load bias in `pid`.
-fn libjvm(pid: u32) -> Option<(PathBuf, u64)> {
-    let maps = std::fs::read_to_string(format!("/proc/{pid}/maps")).ok()?;
-    maps.lines().find_map(|line| {
-        let fields: Vec<&str> = line.split_whitespace().collect();
-        let path = fields.get(5)?;
-        if !path.ends_with("/libjvm.so") {
-            return None;
-        }
-        let start = u64::from_str_radix(fields[0].split('-').next()?, 16).ok()?;
-        let offset = u64::from_str_radix(fields[2], 16).ok()?;
-        Some((PathBuf::from(path), start - offset))
-    })
 }
 
 /// One line of `Compiler.codelist`: compile id, method, blob start, code.
@@ -119,9 +89,8 @@ fn codelist(jcmd: &Path, pid: u32) -> Vec<Listed> {
 
 #[test]
 fn compiled_methods_are_found_and_named_as_the_jvm_lists_them() {
-    let homes = jdks();
+    let homes = stackscope_test_fixtures::jdk_homes();
     if homes.is_empty() {
-        eprintln!("skipped: no JDK under /usr/lib/jvm");
         return;
     }
     let dir = tempfile::tempdir().expect("temp dir");
@@ -154,8 +123,7 @@ fn compiled_methods_are_found_and_named_as_the_jvm_lists_them() {
             );
             std::thread::sleep(Duration::from_millis(200));
         };
-        let (path, bias) = libjvm(pid).expect("libjvm.so mapped");
-        let jvm = Jvm::attach(pid, &path, bias)
+        let jvm = stackscope_jvm::find_in_process(Path::new("/proc"), pid)
             .unwrap_or_else(|e| panic!("{}: {e}", home.display()))
             .expect("HotSpot's libjvm.so");
         let mut checked = 0;

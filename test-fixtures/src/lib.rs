@@ -571,6 +571,27 @@ pub fn peak_rss_kib(pid: u32) -> Option<u64> {
     stackscope_telemetry::status_kib(&status, "VmHWM:")
 }
 
+/// Every JDK home under /usr/lib/jvm with `bin/java` and `bin/jcmd`, one
+/// per real directory (Debian's `java-17-openjdk-amd64` and its
+/// `java-1.17.0-openjdk-amd64` link are one); says so when there is none.
+pub fn jdk_homes() -> Vec<PathBuf> {
+    let mut homes: Vec<PathBuf> = std::fs::read_dir("/usr/lib/jvm")
+        .into_iter()
+        .flatten()
+        .flatten()
+        .filter_map(|entry| entry.path().canonicalize().ok())
+        .filter(|home| home.join("bin/java").exists() && home.join("bin/jcmd").exists())
+        .collect();
+    homes.sort();
+    homes.dedup();
+    if homes.is_empty() {
+        eprintln!(
+            "skipped: no JDK under /usr/lib/jvm (`cargo xtask setup` installs openjdk-17-jdk-headless)"
+        );
+    }
+    homes
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -1538,6 +1538,16 @@ mod tests {
         interpreted: std::cell::RefCell<Vec<(usize, u64)>>,
     }
 
+    impl<'a> WithRuntime<'a> {
+        fn new(table: &'a UnwindTable, runtime: &'a FakeRuntime) -> Self {
+            Self {
+                modules: modules(table),
+                runtime,
+                interpreted: Default::default(),
+            }
+        }
+    }
+
     impl ModuleLookup for WithRuntime<'_> {
         fn module_for(&self, pc: u64) -> ModuleAt<'_> {
             if (JIT..JIT + 0x10000).contains(&pc) {
@@ -1576,13 +1586,8 @@ mod tests {
 
     #[test]
     fn java_frames_step_by_what_their_runtime_says() {
-        let table = table();
-        let runtime = FakeRuntime::default();
-        let lookup = WithRuntime {
-            modules: modules(&table),
-            runtime: &runtime,
-            interpreted: Default::default(),
-        };
+        let (table, runtime) = (table(), FakeRuntime::default());
+        let lookup = WithRuntime::new(&table, &runtime);
         let stack = java_stack(SP + 0x140);
         let mut frames = Vec::new();
         let end = unwind(regs(COMPILED + 0x10), &stack.0, &lookup, 64, &mut frames);
@@ -1621,13 +1626,8 @@ mod tests {
 
     #[test]
     fn runtime_steps_are_never_cached() {
-        let table = table();
-        let runtime = FakeRuntime::default();
-        let lookup = WithRuntime {
-            modules: modules(&table),
-            runtime: &runtime,
-            interpreted: Default::default(),
-        };
+        let (table, runtime) = (table(), FakeRuntime::default());
+        let lookup = WithRuntime::new(&table, &runtime);
         let mut cache = RuleCache::default();
         let mut frames = Vec::new();
         let stack = java_stack(SP + 0x140);

@@ -6,12 +6,9 @@
 //! HotSpot uses rbp as an ordinary register), names them from its method
 //! metadata, and ships them to a real collector.
 
-use std::{
-    path::{Path, PathBuf},
-    process::Command,
-};
+use std::{path::Path, process::Command};
 
-use stackscope_test_fixtures::RunningProcess;
+use stackscope_test_fixtures::{RunningProcess, jdk_homes};
 use stackscope_tests::{Collector, exclusive, require_root, run_agent_for};
 
 const CHAIN: [&str; 5] = [
@@ -21,26 +18,6 @@ const CHAIN: [&str; 5] = [
     "Chain.middle",
     "Chain.leaf",
 ];
-
-/// Every JDK home under /usr/lib/jvm with `bin/java`, one per real
-/// directory.
-fn jdks() -> Vec<PathBuf> {
-    let mut homes: Vec<PathBuf> = std::fs::read_dir("/usr/lib/jvm")
-        .into_iter()
-        .flatten()
-        .flatten()
-        .filter_map(|entry| entry.path().canonicalize().ok())
-        .filter(|home| home.join("bin/java").exists())
-        .collect();
-    homes.sort();
-    homes.dedup();
-    if homes.is_empty() {
-        eprintln!(
-            "skipped: no JDK under /usr/lib/jvm (`cargo xtask setup` installs openjdk-17-jdk-headless)"
-        );
-    }
-    homes
-}
 
 /// The fixtures compiled once for every JDK (class files of release 17).
 fn compiled_fixtures() -> tempfile::TempDir {
@@ -100,6 +77,19 @@ fn profile(
     (stacks, rooted)
 }
 
+/// The samples in `Chain.leaf`, and those of them with the whole chain
+/// named in order.
+fn leaf_samples(stacks: &[(String, u64)]) -> (u64, u64) {
+    let count = |frames: &str| -> u64 {
+        stacks
+            .iter()
+            .filter(|(stack, _)| stack.contains(frames))
+            .map(|(_, n)| n)
+            .sum()
+    };
+    (count("Chain.leaf"), count(&CHAIN.join(";")))
+}
+
 /// Profiles the chain on the JDK at `home` under `flags` (after warming it
 /// up for `warm_ms`) and returns the share of samples to the root and the
 /// share of leaf's samples with the chain named in order.
@@ -112,16 +102,7 @@ fn profile_chain(home: &Path, classes: &Path, flags: &[&str], warm_ms: u32) -> (
         &["60000", &warm_ms.to_string()],
     );
     let total: u64 = stacks.iter().map(|(_, n)| n).sum();
-    let in_leaf: u64 = stacks
-        .iter()
-        .filter(|(stack, _)| stack.contains("Chain.leaf"))
-        .map(|(_, n)| n)
-        .sum();
-    let chained: u64 = stacks
-        .iter()
-        .filter(|(stack, _)| stack.contains(&CHAIN.join(";")))
-        .map(|(_, n)| n)
-        .sum();
+    let (in_leaf, chained) = leaf_samples(&stacks);
     let mut heaviest = stacks.clone();
     heaviest.sort_by_key(|(_, n)| std::cmp::Reverse(*n));
     eprintln!(
@@ -139,7 +120,7 @@ fn profile_chain(home: &Path, classes: &Path, flags: &[&str], warm_ms: u32) -> (
 /// Profiles the chain on every JDK and checks the shares.
 fn chain_on_every_jdk(flags: &[&str], warm_ms: u32, jdk: impl Fn(&Path) -> bool) {
     let classes = compiled_fixtures();
-    for home in jdks().into_iter().filter(|home| jdk(home)) {
+    for home in jdk_homes().into_iter().filter(|home| jdk(home)) {
         let (rooted, chained) = profile_chain(&home, classes.path(), flags, warm_ms);
         assert!(
             rooted >= 95.0,
@@ -226,7 +207,7 @@ fn deoptimized_and_unloaded_code_never_yields_a_wrong_frame() {
     require_root();
     let _serial = exclusive();
     let classes = compiled_fixtures();
-    for home in jdks() {
+    for home in jdk_homes() {
         let (stacks, rooted) = profile(&home, classes.path(), &[], "Churn", &["60000"]);
         let mut samples = 0;
         let mut with_fixture = 0;
@@ -310,16 +291,7 @@ fn a_jvm_started_after_the_agent_is_read_once_it_is_up() {
     let stacks = collector.folded_stacks(&format!("pid=\"{}\"", java.pid()));
     collector.stop();
     drop(java);
-    let in_leaf: u64 = stacks
-        .iter()
-        .filter(|(stack, _)| stack.contains("Chain.leaf"))
-        .map(|(_, n)| n)
-        .sum();
-    let chained: u64 = stacks
-        .iter()
-        .filter(|(stack, _)| stack.contains(&CHAIN.join(";")))
-        .map(|(_, n)| n)
-        .sum();
+    let (in_leaf, chained) = leaf_samples(&stacks);
     eprintln!(
         "jvm started after the agent: {chained} of {in_leaf} leaf samples with the chain named; reads {}",
         report["jvm"]
