@@ -932,6 +932,14 @@ impl Aggregator {
         }
     }
 
+    /// Process `tgid` exec'd: what ran before was its JVM, not what runs
+    /// now.
+    pub fn forget_jvm(&mut self, tgid: u32) {
+        if let Some((_, jvm)) = self.jvms.remove(&tgid) {
+            self.jvm_reads_gone.add(&jvm.stats());
+        }
+    }
+
     /// What the reads of the JVMs met so far found.
     pub fn jvm_stats(&self) -> JvmStats {
         let mut stats = self.jvm_reads_gone;

@@ -11,7 +11,7 @@ use std::{ops::Range, sync::Arc};
 
 use crate::{
     JvmError,
-    layout::{CodeRange, Layout, VerifiedEntry},
+    layout::{CodeRange, InterpreterLayout, Layout, VerifiedEntry},
     memory::Memory,
 };
 
@@ -320,6 +320,59 @@ fn read_header(memory: &impl Memory, layout: &Layout, start: u64) -> Result<Vec<
     let mut header = vec![0; layout.blob_header_bytes as usize];
     memory.read(start, &mut header)?;
     Ok(header)
+}
+
+/// Codelets read at most (JDK 17's interpreter has 271).
+const MAX_CODELETS: usize = 2048;
+
+/// The template interpreter's codelets in which rbp is the running
+/// frame's pointer at every instruction: the bytecodes' templates but the
+/// returns' (which tear the frame down with `leave`). Method entries (before
+/// `enter`), return, exception and deoptimization entries are left out.
+/// `None` until the interpreter has been generated.
+pub fn interpreter_templates(
+    memory: &impl Memory,
+    layout: &InterpreterLayout,
+) -> Option<Vec<Range<u64>>> {
+    let queue = memory
+        .u64_at(layout.code)
+        .ok()
+        .filter(|&queue| queue != 0)?;
+    let int_at = |at: u64| {
+        let mut bytes = [0; 4];
+        memory
+            .read(at, &mut bytes)
+            .ok()
+            .map(|()| i32::from_le_bytes(bytes))
+    };
+    let buffer = memory.u64_at(queue.wrapping_add(layout.stub_buffer)).ok()?;
+    let begin = u64::try_from(int_at(queue.wrapping_add(layout.queue_begin))?).ok()?;
+    let end = u64::try_from(int_at(queue.wrapping_add(layout.queue_end))?).ok()?;
+    let (mut at, end) = (buffer.checked_add(begin)?, buffer.checked_add(end)?);
+    let mut templates = Vec::new();
+    for _ in 0..MAX_CODELETS {
+        if at >= end {
+            // A generated interpreter has hundreds of codelets.
+            return (templates.len() >= 100).then_some(templates);
+        }
+        let size = u64::try_from(int_at(at.wrapping_add(layout.codelet_size))?)
+            .ok()
+            .filter(|&size| size > 0)?;
+        let bytecode = int_at(at.wrapping_add(layout.codelet_bytecode))?;
+        if bytecode >= 0 {
+            let description = memory
+                .u64_at(at.wrapping_add(layout.codelet_description))
+                .ok()
+                .and_then(|name| memory.c_string(name, 64).ok())?;
+            let tears_down =
+                description.ends_with("return") || description == "return_register_finalizer";
+            if !tears_down {
+                templates.push(at..at.checked_add(size)?);
+            }
+        }
+        at = at.checked_add(size)?;
+    }
+    None
 }
 
 /// Whether the nmethod `blob` is still at its start: its compile id and

@@ -18,6 +18,19 @@ pub enum CodeRange {
     Offsets { code: u64, data: u64 },
 }
 
+/// `AbstractInterpreter::_code` (a `StubQueue*`'s address) and the fields
+/// that list the interpreter's codelets.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct InterpreterLayout {
+    pub code: u64,
+    pub stub_buffer: u64,
+    pub queue_begin: u64,
+    pub queue_end: u64,
+    pub codelet_size: u64,
+    pub codelet_description: u64,
+    pub codelet_bytecode: u64,
+}
+
 /// Where an nmethod's verified entry is said.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum VerifiedEntry {
@@ -61,6 +74,8 @@ pub struct Layout {
     pub nmethod_stub_offset: Option<u64>,
     /// Where an nmethod's verified entry is (past its inline cache check).
     pub nmethod_verified_entry: Option<VerifiedEntry>,
+    /// Where the template interpreter's codelets are listed.
+    pub interpreter: Option<InterpreterLayout>,
     /// `StubRoutines::_call_stub_return_address`: the address of the
     /// return address Java's first frame returns to.
     pub call_stub_return: Option<u64>,
@@ -149,6 +164,7 @@ impl Layout {
                 })
                 .ok(),
             call_stub_return: vm.address("StubRoutines", "_call_stub_return_address").ok(),
+            interpreter: interpreter_layout(vm),
             // JDK 20 changed the scope records' encoding (UNSIGNED5) and JDK
             // 23 moved them: the reader knows those before.
             scopes: scopes_layout(vm).filter(|_| major <= 19),
@@ -240,6 +256,19 @@ impl Layout {
         }
         Ok(())
     }
+}
+
+/// The interpreter's codelets' layout, when every field of it is exported.
+fn interpreter_layout(vm: &VmStructs) -> Option<InterpreterLayout> {
+    Some(InterpreterLayout {
+        code: vm.address("AbstractInterpreter", "_code").ok()?,
+        stub_buffer: vm.offset("StubQueue", "_stub_buffer").ok()?,
+        queue_begin: vm.offset("StubQueue", "_queue_begin").ok()?,
+        queue_end: vm.offset("StubQueue", "_queue_end").ok()?,
+        codelet_size: vm.offset("InterpreterCodelet", "_size").ok()?,
+        codelet_description: vm.offset("InterpreterCodelet", "_description").ok()?,
+        codelet_bytecode: vm.offset("InterpreterCodelet", "_bytecode").ok()?,
+    })
 }
 
 /// The scopes' layout, when every field of it is exported.

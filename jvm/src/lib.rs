@@ -100,6 +100,9 @@ struct State {
     heaps_read_at: Instant,
     /// The return address of the call stub (0: not known yet).
     call_stub_return: u64,
+    /// The interpreter's codelets where rbp is always its frame's (`None`:
+    /// not read yet, or the layout does not say).
+    templates: Option<Vec<std::ops::Range<u64>>>,
     /// By start address.
     blobs: BTreeMap<u64, Checked<CodeBlob>>,
     /// By `Method*`, with its `ConstMethod*`.
@@ -164,6 +167,10 @@ impl<M: Memory> Jvm<M> {
         let layout = Layout::new(&vm, u32::from_le_bytes(major))?;
         let heaps = code_cache::read_heaps(&memory, &layout)?;
         let call_stub_return = call_stub_return(&memory, &layout);
+        let templates = layout
+            .interpreter
+            .as_ref()
+            .and_then(|interpreter| code_cache::interpreter_templates(&memory, interpreter));
         Ok(Self {
             memory,
             layout,
@@ -171,6 +178,7 @@ impl<M: Memory> Jvm<M> {
                 heaps,
                 heaps_read_at: Instant::now(),
                 call_stub_return,
+                templates,
                 blobs: BTreeMap::new(),
                 names: HashMap::new(),
                 scopes: HashMap::new(),
@@ -204,6 +212,11 @@ impl<M: Memory> Jvm<M> {
             }
             if state.call_stub_return == 0 {
                 state.call_stub_return = call_stub_return(&self.memory, &self.layout);
+            }
+            if state.templates.is_none()
+                && let Some(interpreter) = &self.layout.interpreter
+            {
+                state.templates = code_cache::interpreter_templates(&self.memory, interpreter);
             }
         }
         if let Some((&start, cached)) = state.blobs.range_mut(..=pc).next_back()
@@ -273,10 +286,22 @@ impl<M: Memory> Jvm<M> {
             rbp_off: -16,
         });
         match (blob.kind, interrupted) {
-            // At the interrupted instruction too: the template interpreter
-            // keeps rbp its frame pointer but at a method's entry and exit
-            // (where a sample shows the caller without its callee).
-            (BlobKind::Interpreter, _) => Some(RuntimeStep::JavaInterpreter),
+            (BlobKind::Interpreter, false) => Some(RuntimeStep::JavaInterpreter),
+            // Interrupted: only in a bytecode's template is rbp surely the
+            // running frame's (a method's entry runs before `enter`, a
+            // return after `leave`). A JVM whose codelets are not known
+            // (its layout does not list them) is trusted everywhere.
+            (BlobKind::Interpreter, true) => match (&state.templates, &self.layout.interpreter) {
+                (Some(templates), _) => {
+                    let at = templates.partition_point(|template| template.start <= pc);
+                    at.checked_sub(1)
+                        .and_then(|at| templates.get(at))
+                        .is_some_and(|template| template.contains(&pc))
+                        .then_some(RuntimeStep::JavaInterpreter)
+                }
+                (None, None) => Some(RuntimeStep::JavaInterpreter),
+                (None, Some(_)) => None,
+            },
             // A call is made from a built frame.
             (_, false) if blob.frame_bytes > 0 => Some(frame),
             // The call stub, the one frameless blob a Java frame returns
@@ -293,7 +318,7 @@ impl<M: Memory> Jvm<M> {
                 if pc < complete {
                     return self.prologue_step(&blob, pc);
                 }
-                match self.epilogue_at(pc) {
+                match self.epilogue_at(&blob, pc) {
                     Some(Epilogue::BeforePopRbp) => {
                         Some(RuntimeStep::Rule(UnwindRule::RspRbpSaved {
                             cfa_off: 16,
@@ -320,10 +345,10 @@ impl<M: Memory> Jvm<M> {
     /// How to step out of a compiled frame interrupted before its frame is
     /// complete: in its inline cache check (before the verified entry)
     /// nothing is pushed; from the verified entry, the prologue's
-    /// instructions up to `pc` say what is (C1: `push rbp; sub rsp, N`;
-    /// C2: `sub rsp, N; mov [rsp + N - 8], rbp`; each after an optional
-    /// stack bang, alignment and, on newer JDKs, the entry barrier's
-    /// check). An instruction the decoder does not know ends the walk.
+    /// instructions up to `pc` say what is (`push rbp; sub rsp, N` after a
+    /// stack bang, as C1 and C2 with one build it; `sub rsp, N; mov [rsp +
+    /// N - 8], rbp`, as C2 builds a frame without a bang; alignment nops).
+    /// An instruction the decoder does not know ends the walk.
     fn prologue_step(&self, blob: &CodeBlob, pc: u64) -> Option<RuntimeStep> {
         let entry = blob.verified_entry?;
         if pc < entry {
@@ -338,29 +363,43 @@ impl<M: Memory> Jvm<M> {
         Some(RuntimeStep::Rule(rule))
     }
 
-    /// Whether an interrupted compiled frame is in its epilogue (`add rsp,
-    /// N; pop rbp; [cmp rsp, [r15 + d]; jcc]...; ret`), by the instructions
-    /// from `pc`: `pop rbp` itself, or only return checks (the safepoint
-    /// poll, the reserved stack check) and their branches before the `ret`.
-    fn epilogue_at(&self, pc: u64) -> Option<Epilogue> {
-        let mut code = [0u8; 32];
+    /// Whether an interrupted compiled frame `blob` is past its frame's
+    /// teardown, by the instructions from `pc`: at `pop rbp`; or after it,
+    /// where only the return's checks remain (`cmp rsp, [r15 + d]`: the
+    /// safepoint poll or the reserved stack check, which appear nowhere
+    /// else; a jump taken to one of them or to `ret`), or a jump out of the
+    /// blob (C2's rethrow after its epilogue), or the poll's stub (`lea r10,
+    /// [rip + d]; mov [r15 + d], r10`: the return address saved for the
+    /// safepoint handler).
+    fn epilogue_at(&self, blob: &CodeBlob, pc: u64) -> Option<Epilogue> {
+        let mut code = [0u8; 16];
         self.memory.read(pc, &mut code).ok()?;
-        if code[0] == 0x5d {
-            return Some(Epilogue::BeforePopRbp);
-        }
-        let mut at = 0;
-        for _ in 0..4 {
-            match code[at..] {
-                // ret
-                [0xc3, ..] => return Some(Epilogue::AfterPopRbp),
-                // cmp rsp, [r15 + disp32]
-                [0x49, 0x3b, 0xa7, ..] => at += 7,
-                // jb, jbe, ja rel32
-                [0x0f, 0x82 | 0x86 | 0x87, ..] => at += 6,
-                _ => return None,
+        let after_pop = |code: &[u8]| matches!(code, [0xc3, ..] | [0x49, 0x3b, 0xa7, ..]);
+        match code {
+            [0x5d, ..] => Some(Epilogue::BeforePopRbp),
+            _ if after_pop(&code) => Some(Epilogue::AfterPopRbp),
+            [0x4c, 0x8d, 0x15, ..] | [0x4d, 0x89, 0x97, ..] => Some(Epilogue::AfterPopRbp),
+            // jb, jbe, ja rel32 (the return checks' branches): where they
+            // go (a check, `ret`, the poll's stub) and where they fall
+            // through (the same, or the reserved zone's call) must both be
+            // the epilogue's.
+            [0x0f, 0x82 | 0x86 | 0x87, a, b, c, d, ref rest @ ..] => {
+                let target =
+                    (pc + 6).wrapping_add_signed(i64::from(i32::from_le_bytes([a, b, c, d])));
+                let mut at_target = [0u8; 4];
+                self.memory.read(target, &mut at_target).ok()?;
+                let goes = after_pop(&at_target) || matches!(at_target, [0x4c, 0x8d, 0x15, ..]);
+                let falls = after_pop(rest) || matches!(rest, [0xe8, ..]);
+                (goes && falls).then_some(Epilogue::AfterPopRbp)
             }
+            // jmp rel32 out of the blob.
+            [0xe9, a, b, c, d, ..] => {
+                let target =
+                    (pc + 5).wrapping_add_signed(i64::from(i32::from_le_bytes([a, b, c, d])));
+                (!(blob.start..blob.end).contains(&target)).then_some(Epilogue::AfterPopRbp)
+            }
+            _ => None,
         }
-        None
     }
 
     /// The methods a compiled frame runs at `address` (a return address,
@@ -532,13 +571,13 @@ fn prologue_rule(code: &[u8], len: usize) -> Option<UnwindRule> {
             [0x89, 0x84, 0x24, ..] => 7,
             // push rbp
             [0x55, ..] => {
-                pushed += 8;
-                rbp_off = Some(-8 - pushed);
+                pushed = pushed.checked_add(8)?;
+                rbp_off = Some((-8i32).checked_sub(pushed)?);
                 1
             }
-            // sub rsp, imm8 | imm32
+            // sub rsp, imm8 | imm32 (sign-extended)
             [0x48, 0x83, 0xec, imm, ..] => {
-                pushed += i32::from(imm);
+                pushed = pushed.checked_add(i32::from(imm as i8))?;
                 4
             }
             [0x48, 0x81, 0xec, a, b, c, d, ..] => {
@@ -547,11 +586,12 @@ fn prologue_rule(code: &[u8], len: usize) -> Option<UnwindRule> {
             }
             // mov [rsp + disp8], rbp
             [0x48, 0x89, 0x6c, 0x24, disp, ..] => {
-                rbp_off = Some(i32::from(disp) - 8 - pushed);
+                rbp_off = Some(i32::from(disp as i8).checked_sub(8)?.checked_sub(pushed)?);
                 5
             }
             // cmp dword [r15 + disp8], imm32; jne rel32 | rel8: the nmethod
-            // entry barrier's check.
+            // entry barrier's check (where it comes before the frame is
+            // complete; other shapes of it are not decoded).
             [0x41, 0x81, 0x7f, ..] => 8,
             [0x0f, 0x85, ..] => 6,
             [0x75, ..] => 2,
@@ -569,7 +609,8 @@ fn prologue_rule(code: &[u8], len: usize) -> Option<UnwindRule> {
         };
         at += step;
     }
-    if at != len || pushed < 0 {
+    // A frame of more than 8 MiB is no frame HotSpot builds.
+    if at != len || !(0..=(8 << 20)).contains(&pushed) {
         return None;
     }
     let cfa_off = 8 + pushed;
@@ -833,6 +874,7 @@ mod tests {
             nmethod_stub_offset: Some(0xfc),
             nmethod_verified_entry: Some(layout::VerifiedEntry::Pointer(0xe0)),
             call_stub_return: None,
+            interpreter: None,
             scopes: None,
             method_const: 8,
             const_method_constants: 8,

@@ -647,8 +647,8 @@ fn step_interpreter(
     let method = stack.read_u64(method_slot)?;
     let sender_sp = stack.read_u64(rbp - INTERPRETER_SENDER_SP_SLOT)?;
     let caller_rbp = stack.read_u64(rbp)?;
-    let rip = stack.read_u64(rbp + 8)?;
-    let cfa = rbp + 16;
+    let cfa = rbp.checked_add(16).ok_or(UnwindEnd::BadStackAddress)?;
+    let rip = stack.read_u64(cfa - 8)?;
     if sender_sp < cfa || sender_sp - cfa > MAX_INTERPRETER_EXTENSION || sender_sp % 8 != 0 {
         return Err(UnwindEnd::BadStackAddress);
     }

@@ -10,9 +10,18 @@ use stackscope_jvm::Jvm;
 /// Tries at reading a process's JVM, a second apart.
 const MAX_TRIES: u8 = 10;
 
+/// How long a process's samples wait for the first answer about its JVM
+/// (a job dropped on a full queue is asked again; a worker that stopped
+/// never answers).
+const FIRST_ANSWER_WAIT: std::time::Duration = std::time::Duration::from_secs(5);
+
 /// What the metadata worker read of a process's JVM: `Ok(None)` when it
 /// is not HotSpot's, an error while it cannot be read (yet, or at all).
 pub(super) type FoundJvm = Result<Option<Arc<Jvm>>, String>;
+
+/// Processes waiting for their first answer at most (more are walked as
+/// any JIT's until theirs comes).
+const MAX_AWAITING: usize = 256;
 
 /// A process's JVM, as far as the agent knows.
 #[derive(Debug, Default)]
@@ -33,6 +42,8 @@ pub(super) struct JvmProcesses {
     wanted: Vec<u32>,
     /// Processes to ask about again, when due.
     retry: Vec<(u32, Instant)>,
+    /// Processes whose samples wait for the first answer, and since when.
+    awaiting: Vec<(u32, Instant)>,
     pub stats: JvmStats,
 }
 
@@ -78,13 +89,35 @@ impl JvmStats {
 impl JvmProcesses {
     /// Process `tgid` maps `libjvm.so`: read its JVM unless asked already;
     /// true when asked now (its walks wait for the first answer).
-    pub fn maybe_jvm(&mut self, tgid: u32, record: &mut JvmRecord) -> bool {
+    pub fn maybe_jvm(&mut self, tgid: u32, record: &mut JvmRecord, now: Instant) -> bool {
         if !matches!(record, JvmRecord::Unknown) {
             return false;
         }
         *record = JvmRecord::Asked { tries: 1 };
         self.wanted.push(tgid);
+        if self.awaiting.len() < MAX_AWAITING {
+            self.awaiting.push((tgid, now));
+        }
         true
+    }
+
+    /// `tgids`' job was dropped: they are asked again with the next.
+    pub fn not_asked(&mut self, tgids: Vec<u32>) {
+        self.wanted.extend(tgids);
+    }
+
+    /// The processes whose first answer is overdue: their samples wait no
+    /// longer (they are walked as any JIT's until an answer comes).
+    pub fn overdue(&mut self, now: Instant) -> Vec<u32> {
+        let mut overdue = Vec::new();
+        self.awaiting.retain(|&(tgid, since)| {
+            let late = now.duration_since(since) > FIRST_ANSWER_WAIT;
+            if late {
+                overdue.push(tgid);
+            }
+            !late
+        });
+        overdue
     }
 
     /// The processes to read a JVM in now.
@@ -100,12 +133,11 @@ impl JvmProcesses {
     }
 
     /// What the worker read of `tgid`'s JVM, for the walker (whose held
-    /// samples wait for the first answer: while a JVM starts, its samples
-    /// are walked as any JIT's) and the aggregator: `Some(Some(jvm))` when
-    /// found, `Some(None)` when not (yet), `None` when the record did not
-    /// ask (the process exec'd since: it takes nothing). Only the first try's
-    /// answer is waited for: while a JVM starts, its samples are walked
-    /// as any JIT's.
+    /// samples wait for the first answer only: while a JVM starts, its
+    /// samples are walked as any JIT's) and the aggregator:
+    /// `Some(Some(jvm))` when found, `Some(None)` when not (yet), `None`
+    /// when the record did not ask (the process exec'd since: it takes
+    /// nothing).
     pub fn found(
         &mut self,
         tgid: u32,
@@ -116,6 +148,7 @@ impl JvmProcesses {
         let JvmRecord::Asked { tries } = *record else {
             return None;
         };
+        self.awaiting.retain(|&(awaited, _)| awaited != tgid);
         match found {
             Ok(Some(jvm)) => {
                 tracing::debug!(tgid, "reading the process's Java frames");

@@ -126,10 +126,9 @@ impl MetadataJobs {
     }
 
     /// Asks for the JVMs `tgids` run; the answers reach the sampling thread.
-    pub fn find_jvm(&self, tgids: Vec<u32>) {
-        if !tgids.is_empty() {
-            self.send(Job::FindJvm(tgids));
-        }
+    /// Whether the job was queued (false: ask again later).
+    pub fn find_jvm(&self, tgids: Vec<u32>) -> bool {
+        tgids.is_empty() || self.send(Job::FindJvm(tgids))
     }
 
     /// Asks for descriptions of `wanted`; they reach the sampling thread
@@ -140,9 +139,11 @@ impl MetadataJobs {
         }
     }
 
-    fn send(&self, job: Job) {
+    /// Queues `job`; false when it was dropped (a full queue, or a worker
+    /// that stopped).
+    fn send(&self, job: Job) -> bool {
         match self.jobs.try_send(job) {
-            Ok(()) => {}
+            Ok(()) => return true,
             Err(TrySendError::Full(_)) => self.handoffs.count_job_dropped(),
             Err(TrySendError::Disconnected(_)) => {
                 // It panicked: selection refreshes and sweeps stop.
@@ -156,6 +157,7 @@ impl MetadataJobs {
                 }
             }
         }
+        false
     }
 }
 

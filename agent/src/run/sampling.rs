@@ -696,7 +696,9 @@ impl RecordTally {
                 .into_iter()
                 .any(stackscope_jvm::named_like_libjvm)
                 && let Some(record) = self.processes.state_of_mut(answer.tgid())
-                && self.jvms.maybe_jvm(answer.tgid(), &mut record.jvm)
+                && self
+                    .jvms
+                    .maybe_jvm(answer.tgid(), &mut record.jvm, std::time::Instant::now())
             {
                 self.walker
                     .await_runtime(&mut self.processes, answer.tgid());
@@ -732,7 +734,14 @@ impl RecordTally {
         let python = self.python.take_wanted();
         let new_processes = !python.is_empty() || self.sink.aggregator.take_first_descriptions();
         metadata.find_python(python);
-        metadata.find_jvm(self.jvms.take_wanted(std::time::Instant::now()));
+        let now = std::time::Instant::now();
+        let jvms = self.jvms.take_wanted(now);
+        if !metadata.find_jvm(jvms.clone()) {
+            self.jvms.not_asked(jvms);
+        }
+        for tgid in self.jvms.overdue(now) {
+            self.walker.set_runtime(&mut self.processes, tgid, None);
+        }
         metadata.open(self.sink.aggregator.take_to_open());
         metadata.describe(self.sink.aggregator.take_wanted());
         metadata.read_jit(self.sink.aggregator.take_jit_requests());
@@ -1017,6 +1026,8 @@ impl RecordTally {
                 self.sink
                     .aggregator
                     .on_exec(&mut record.labels, learned.as_deref());
+                // The new image's JIT code is no JVM's until found again.
+                self.sink.aggregator.forget_jvm(event.tgid);
             }
             Ok(Record::Exit(event)) => {
                 self.totals.process_events += 1;

@@ -870,9 +870,9 @@ impl StackWalker {
 
     /// Has the walks of process `tgid`'s JIT code ask `runtime` how to step
     /// out of its frames (`None`: there is none to ask, they go by frame
-    /// pointers), and walks its held samples again. The process takes a
-    /// new space: the rule cache's steps for its code until now (frame
-    /// pointers) no longer apply.
+    /// pointers), and walks its held samples again. A process given a
+    /// runtime takes a new space: the rule cache's steps for its code until
+    /// now (frame pointers) no longer apply.
     pub fn set_runtime<R: WalkerRecord>(
         &mut self,
         processes: &mut ProcessTable<R>,
