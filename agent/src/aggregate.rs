@@ -178,6 +178,9 @@ pub struct AggregatorConfig {
     /// Bytes of JIT names (perf maps, jitdump) kept for every process at
     /// once; a quarter of it for one process.
     pub perf_map_bytes: usize,
+    /// Bytes of code blobs, method names and inlining every JVM's caches
+    /// hold together (the largest emptied first at an interval's end).
+    pub jvm_code_bytes: usize,
 }
 
 impl AggregatorConfig {
@@ -212,6 +215,7 @@ impl Default for AggregatorConfig {
             podman_storage: PathBuf::from(runtime_names::DEFAULT_PODMAN_STORAGE),
             docker_root: PathBuf::from(runtime_names::DEFAULT_DOCKER_ROOT),
             perf_map_bytes: perf_map::MAX_TOTAL_BYTES,
+            jvm_code_bytes: crate::run::DEFAULT_JVM_CODE_BYTES,
         }
     }
 }
@@ -940,6 +944,21 @@ impl Aggregator {
         }
     }
 
+    /// Empties the largest JVMs' caches until all of them hold at most
+    /// their share of the memory budget together.
+    pub fn trim_jvms(&mut self) {
+        let sizes = self
+            .jvms
+            .iter()
+            .map(|(&tgid, (_, jvm))| (tgid, jvm.cached_bytes()))
+            .collect();
+        for tgid in crate::memory::caches_to_clear(sizes, self.config.jvm_code_bytes) {
+            if let Some((_, jvm)) = self.jvms.get(&tgid) {
+                jvm.clear_caches();
+            }
+        }
+    }
+
     /// What the reads of the JVMs met so far found.
     pub fn jvm_stats(&self) -> JvmStats {
         let mut stats = self.jvm_reads_gone;
@@ -1159,6 +1178,11 @@ impl Aggregator {
         ));
         out.push(self.labeller.state_size());
         out.push(self.jit_names.state_size());
+        out.push(StateSize::bytes(
+            "jvm_code",
+            self.jvms.values().map(|(_, jvm)| jvm.cached_bytes()).sum(),
+            Some(self.config.jvm_code_bytes),
+        ));
     }
 
     /// How JIT frames were named.

@@ -334,6 +334,7 @@ fn main() -> anyhow::Result<()> {
             podman_storage: args.podman_storage.clone(),
             docker_root: args.docker_root.clone(),
             perf_map_bytes: share(&memory, Consumer::PerfMaps),
+            jvm_code_bytes: share(&memory, Consumer::JvmCode),
             ..AggregatorConfig::default()
         },
         symbolizer: SymbolizerConfig {

@@ -6,16 +6,16 @@
 //! sizes and the agent's baseline add up to more than the limit, they give
 //! way in a fixed order, each down to a floor before the next is cut: first
 //! what only costs work to rebuild (files the symbolizer holds open, then
-//! perf maps, Python code objects, Go tables), then what holds samples (the
-//! export queue and the samples waiting for their tables, cut together in
-//! proportion: both are empty most of the time), last the unwind tables no
-//! live process uses. Those cost more than work: a process that lives less
-//! than its tables take to load (a build's compilers) is walked after it
-//! exits, when what its deep stacks need can no longer be read (a rustc
-//! loop under the 192 MiB default reached the root on 80-85% of its samples
-//! with them at their floor, 90-92% with them whole). An agent killed for
-//! memory on a busy node loses exactly the profile that was wanted: a
-//! smaller cache costs re-reads instead.
+//! perf maps, Python code objects and JVM code, Go tables), then what holds
+//! samples (the export queue and the samples waiting for their tables, cut
+//! together in proportion: both are empty most of the time), last the
+//! unwind tables no live process uses. Those cost more than work: a
+//! process that lives less than its tables take to load (a build's
+//! compilers) is walked after it exits, when what its deep stacks need can
+//! no longer be read (a rustc loop under the 192 MiB default reached the
+//! root on 80-85% of its samples with them at their floor, 90-92% with them
+//! whole). An agent killed for memory on a busy node loses exactly the
+//! profile that was wanted: a smaller cache costs re-reads instead.
 
 use std::fmt;
 
@@ -39,6 +39,8 @@ pub enum Consumer {
     PerfMaps,
     /// Code objects read from CPython processes (their frames' names).
     PythonCode,
+    /// Code blobs, method names and inlining read from JVMs.
+    JvmCode,
     /// Go function tables of stripped Go binaries.
     GoTables,
     /// Unwind tables no live process uses, kept for the next one.
@@ -51,10 +53,11 @@ pub enum Consumer {
 
 impl Consumer {
     /// Every consumer, the first to give way first.
-    pub const ALL: [Consumer; 7] = [
+    pub const ALL: [Consumer; 8] = [
         Consumer::SymbolizerFiles,
         Consumer::PerfMaps,
         Consumer::PythonCode,
+        Consumer::JvmCode,
         Consumer::GoTables,
         Consumer::ExportQueue,
         Consumer::HeldSamples,
@@ -67,7 +70,7 @@ impl Consumer {
         match self {
             Consumer::SymbolizerFiles => 0,
             Consumer::PerfMaps => 1,
-            Consumer::PythonCode => 2,
+            Consumer::PythonCode | Consumer::JvmCode => 2,
             Consumer::GoTables => 3,
             Consumer::ExportQueue | Consumer::HeldSamples => 4,
             Consumer::UnusedUnwindTables => 5,
@@ -80,6 +83,7 @@ impl Consumer {
             Consumer::SymbolizerFiles => "symbolizer_files",
             Consumer::PerfMaps => "perf_maps",
             Consumer::PythonCode => "python_code_objects",
+            Consumer::JvmCode => "jvm_code",
             Consumer::GoTables => "go_tables",
             Consumer::UnusedUnwindTables => "unwind_tables_unused",
             Consumer::ExportQueue => "export_queue",
@@ -95,6 +99,7 @@ impl Consumer {
             Consumer::GoTables => node::DEFAULT_MAX_GO_TABLE_BYTES,
             Consumer::PerfMaps => node::perf_map::MAX_TOTAL_BYTES,
             Consumer::PythonCode => crate::run::DEFAULT_PYTHON_CODE_BYTES,
+            Consumer::JvmCode => crate::run::DEFAULT_JVM_CODE_BYTES,
             Consumer::UnusedUnwindTables => walker.table_cache_bytes,
             Consumer::ExportQueue => crate::export::DEFAULT_MAX_QUEUE_BYTES,
             Consumer::HeldSamples => walker.max_waiting_bytes,
@@ -248,6 +253,26 @@ impl MemoryBudget {
     }
 }
 
+/// Which of the caches (`sizes`: each process's, in bytes) to empty for
+/// the rest to hold at most `max_bytes` together: the largest first (the
+/// process with the most code sampled is the one whose names come back
+/// soonest). For the caches of runtime code kept per process (Python code
+/// objects, JVM code), asked at each interval's end: between, they grow by
+/// what one interval's samples name.
+pub fn caches_to_clear(mut sizes: Vec<(u32, usize)>, max_bytes: usize) -> Vec<u32> {
+    let mut total: usize = sizes.iter().map(|&(_, bytes)| bytes).sum();
+    sizes.sort_unstable_by_key(|&(_, bytes)| std::cmp::Reverse(bytes));
+    let mut cleared = Vec::new();
+    for (tgid, bytes) in sizes {
+        if total <= max_bytes {
+            break;
+        }
+        total -= bytes;
+        cleared.push(tgid);
+    }
+    cleared
+}
+
 /// Bytes, shown in MiB.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Bytes(pub u64);
@@ -265,6 +290,15 @@ mod tests {
     const MIB: u64 = 1 << 20;
 
     #[test]
+    fn the_largest_code_caches_go_first_until_the_rest_fit() {
+        let sizes = vec![(1, 100), (2, 700), (3, 300), (4, 50)];
+        assert_eq!(caches_to_clear(sizes.clone(), 2000), Vec::<u32>::new());
+        assert_eq!(caches_to_clear(sizes.clone(), 450), vec![2]);
+        assert_eq!(caches_to_clear(sizes.clone(), 149), vec![2, 3, 1]);
+        assert_eq!(caches_to_clear(sizes, 0), vec![2, 3, 1, 4]);
+    }
+
+    #[test]
     fn plenty_of_memory_leaves_every_consumer_its_full_size() {
         let budget = MemoryBudget::split(4 << 30, LimitSource::Flag, 4 * MIB, &[]).unwrap();
         for (consumer, share) in budget.shares() {
@@ -275,11 +309,11 @@ mod tests {
     #[test]
     fn what_gives_way_first_is_cut_to_its_floor_before_the_next_is_cut() {
         // 96 MiB: 36 MiB set aside, 60 MiB for the consumers, whose full
-        // sizes add up to 960 MiB.
+        // sizes add up to 1,024 MiB.
         let budget = MemoryBudget::split(96 * MIB, LimitSource::Flag, 4 * MIB, &[]).unwrap();
         let shares: Vec<_> = budget.shares().map(|(_, share)| share / MIB).collect();
-        assert_eq!(shares, [8, 4, 4, 4, 4, 4, 32]);
-        assert_eq!(Consumer::ALL[6], Consumer::UnusedUnwindTables);
+        assert_eq!(shares, [8, 4, 4, 4, 4, 4, 4, 28]);
+        assert_eq!(Consumer::ALL[7], Consumer::UnusedUnwindTables);
         assert_eq!(
             budget.reserved + budget.shares().map(|(_, share)| share).sum::<u64>(),
             96 * MIB
@@ -288,12 +322,12 @@ mod tests {
         // share theirs.
         let budget = MemoryBudget::split(200 * MIB, LimitSource::Flag, 4 * MIB, &[]).unwrap();
         let shares: Vec<_> = budget.shares().map(|(_, share)| share / MIB).collect();
-        assert_eq!(shares, [8, 4, 4, 4, 40, 40, 64]);
+        assert_eq!(shares, [8, 4, 4, 4, 4, 38, 38, 64]);
         // The default on a 2-CPU host (a ring of 8 MiB).
         let budget =
             MemoryBudget::split(DEFAULT_LIMIT, LimitSource::Default, 8 * MIB, &[]).unwrap();
         let shares: Vec<_> = budget.shares().map(|(_, share)| share / MIB).collect();
-        assert_eq!(shares, [8, 4, 4, 4, 34, 34, 64]);
+        assert_eq!(shares, [8, 4, 4, 4, 4, 32, 32, 64]);
     }
 
     #[test]
@@ -302,7 +336,7 @@ mod tests {
         let budget = MemoryBudget::split(96 * MIB, LimitSource::Flag, 4 * MIB, &fixed).unwrap();
         assert_eq!(budget.share(Consumer::ExportQueue), 16 * MIB);
         assert_eq!(budget.share(Consumer::HeldSamples), 4 * MIB);
-        assert_eq!(budget.share(Consumer::UnusedUnwindTables), 20 * MIB);
+        assert_eq!(budget.share(Consumer::UnusedUnwindTables), 16 * MIB);
     }
 
     #[test]
@@ -310,7 +344,7 @@ mod tests {
         let err = MemoryBudget::split(48 * MIB, LimitSource::Flag, 4 * MIB, &[]).unwrap_err();
         let text = err.to_string();
         assert!(text.contains("48.0 MiB (from --memory-limit)"), "{text}");
-        assert!(text.contains("68.0 MiB"), "{text}");
+        assert!(text.contains("72.0 MiB"), "{text}");
     }
 
     #[test]

@@ -22,7 +22,7 @@ mod off_cpu;
 mod process;
 mod python;
 
-pub use jvm::JvmStats;
+pub use jvm::{DEFAULT_CODE_BYTES as DEFAULT_JVM_CODE_BYTES, JvmStats};
 pub use off_cpu::{DEFAULT_MAX_HELD_BYTES as DEFAULT_OFF_CPU_HELD_BYTES, OffCpuStats};
 pub use python::{DEFAULT_CODE_BYTES as DEFAULT_PYTHON_CODE_BYTES, PythonStats};
 mod sampling;

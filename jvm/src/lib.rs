@@ -129,6 +129,8 @@ pub struct JvmStats {
     /// Nmethods whose inlining was read, and those whose could not be.
     pub scopes_read: u64,
     pub scope_errors: u64,
+    /// Times its caches were emptied (for the memory budget).
+    pub caches_cleared: u64,
 }
 
 impl JvmStats {
@@ -141,6 +143,7 @@ impl JvmStats {
         self.name_errors += other.name_errors;
         self.scopes_read += other.scopes_read;
         self.scope_errors += other.scope_errors;
+        self.caches_cleared += other.caches_cleared;
     }
 }
 
@@ -554,6 +557,50 @@ impl<M: Memory> Jvm<M> {
 
     pub fn stats(&self) -> JvmStats {
         self.state().stats
+    }
+
+    /// What its caches of blobs, names, inlining and compiled frames hold,
+    /// in bytes: each entry's size, the names it holds alone and a word
+    /// or two of its table's own per entry (the code heaps and the
+    /// interpreter's codelets, a few hundred bytes, are left out).
+    pub fn cached_bytes(&self) -> usize {
+        /// A hash or B-tree's own bytes per entry, about.
+        const TABLE_PER_ENTRY: usize = 16;
+        let state = self.state();
+        let blobs: usize = state
+            .blobs
+            .values()
+            .map(|cached| size_of::<(u64, Checked<CodeBlob>)>() + cached.value.name.len())
+            .sum();
+        let names: usize = state
+            .names
+            .values()
+            .map(|cached| size_of::<(u64, Checked<(u64, Arc<str>)>)>() + cached.value.1.len())
+            .sum();
+        // The frames' names are the names cache's, shared.
+        let frames: usize = state
+            .frames
+            .values()
+            .map(|(_, _, frames)| {
+                size_of::<((u64, bool), (u64, i32, Frames))>()
+                    + frames.len() * size_of::<Arc<str>>()
+            })
+            .sum();
+        let entries =
+            state.blobs.len() + state.names.len() + state.frames.len() + state.scopes.len();
+        blobs + names + frames + state.scopes_bytes + entries * TABLE_PER_ENTRY
+    }
+
+    /// Empties the caches [`Self::cached_bytes`] counts: what a later
+    /// sample needs is read again.
+    pub fn clear_caches(&self) {
+        let mut state = self.state();
+        state.blobs = BTreeMap::new();
+        state.names = HashMap::new();
+        state.scopes = HashMap::new();
+        state.scopes_bytes = 0;
+        state.frames = HashMap::new();
+        state.stats.caches_cleared += 1;
     }
 }
 

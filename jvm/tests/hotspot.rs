@@ -200,8 +200,33 @@ fn compiled_methods_are_found_and_named_as_the_jvm_lists_them() {
             home.display(),
             listed.len()
         );
+        // What was read is counted in the caches' bytes, and emptied for
+        // the memory budget, is read again as asked.
+        let cached = jvm.cached_bytes();
+        assert!(
+            cached >= checked * size_of::<stackscope_jvm::CodeBlob>(),
+            "{}: {checked} blobs cached in {cached} bytes",
+            home.display()
+        );
+        jvm.clear_caches();
+        assert_eq!(jvm.cached_bytes(), 0);
+        let last = listed
+            .iter()
+            .rev()
+            .find(|entry| jvm.blob_at(entry.code_begin + 1).is_some())
+            .expect("a listed blob still there");
+        assert!(
+            jvm.compiled_frames(last.code_begin + 1, last.code_begin + 1, true)
+                .is_some_and(
+                    |frames| frames.last().map(|name| &**name) == Some(last.method.as_str())
+                ),
+            "{}: {} not named again after the caches were emptied",
+            home.display(),
+            last.method
+        );
+        assert!(jvm.cached_bytes() > 0);
         eprintln!(
-            "{}: {checked} compiled methods found and named",
+            "{}: {checked} compiled methods found and named, {cached} bytes cached",
             home.display()
         );
     }

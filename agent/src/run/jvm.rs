@@ -7,6 +7,10 @@ use std::{sync::Arc, time::Instant};
 
 use stackscope_jvm::Jvm;
 
+/// What the JVMs' caches (code blobs, method names, inlining) hold
+/// together when memory is plentiful: eight JVMs with their caches full.
+pub const DEFAULT_CODE_BYTES: usize = 64 << 20;
+
 /// Tries at reading a process's JVM, a second apart.
 const MAX_TRIES: u8 = 10;
 
@@ -68,6 +72,9 @@ pub struct JvmStats {
     /// be (their frames show the compiled method alone).
     pub scopes_read: u64,
     pub scope_errors: u64,
+    /// JVMs' caches emptied to keep them all within their share of the
+    /// memory limit (read again as samples need them).
+    pub caches_cleared: u64,
 }
 
 impl JvmStats {
@@ -81,6 +88,7 @@ impl JvmStats {
             name_errors: reads.name_errors,
             scopes_read: reads.scopes_read,
             scope_errors: reads.scope_errors,
+            caches_cleared: reads.caches_cleared,
             ..self
         }
     }

@@ -36,23 +36,6 @@ pub(super) fn code_cache_size(
     StateSize::bytes("python_code_objects", bytes, Some(max_bytes))
 }
 
-/// Which of the caches (`sizes`: each process's, in bytes) to empty for
-/// the rest to hold at most `max_bytes`: the largest first (the process
-/// with the most code sampled is the one whose names come back soonest).
-fn caches_to_clear(mut sizes: Vec<(u32, usize)>, max_bytes: usize) -> Vec<u32> {
-    let mut total: usize = sizes.iter().map(|&(_, bytes)| bytes).sum();
-    sizes.sort_unstable_by_key(|&(_, bytes)| std::cmp::Reverse(bytes));
-    let mut cleared = Vec::new();
-    for (tgid, bytes) in sizes {
-        if total <= max_bytes {
-            break;
-        }
-        total -= bytes;
-        cleared.push(tgid);
-    }
-    cleared
-}
-
 /// See the module documentation.
 #[derive(Debug, Default)]
 pub(super) struct PythonProcesses {
@@ -179,7 +162,7 @@ impl PythonProcesses {
                 _ => None,
             })
             .collect();
-        for tgid in caches_to_clear(sizes, self.code_bytes) {
+        for tgid in crate::memory::caches_to_clear(sizes, self.code_bytes) {
             if let Some(PythonRecord::Found(state)) = processes
                 .state_of_mut(tgid)
                 .map(|record| &mut record.python)
@@ -211,15 +194,6 @@ impl PythonProcesses {
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn the_largest_code_caches_go_first_until_the_rest_fit() {
-        let sizes = vec![(1, 100), (2, 700), (3, 300), (4, 50)];
-        assert_eq!(caches_to_clear(sizes.clone(), 2000), Vec::<u32>::new());
-        assert_eq!(caches_to_clear(sizes.clone(), 450), vec![2]);
-        assert_eq!(caches_to_clear(sizes.clone(), 149), vec![2, 3, 1]);
-        assert_eq!(caches_to_clear(sizes, 0), vec![2, 3, 1, 4]);
-    }
 
     #[test]
     fn a_process_is_asked_about_once_and_forgotten_only_if_described() {

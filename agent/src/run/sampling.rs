@@ -309,6 +309,7 @@ async fn sample(
                     metadata.find_gone(records.tracked_processes());
                     records.walker.trim_tables();
                     records.python.trim_codes(&mut records.processes);
+                    records.sink.aggregator.trim_jvms();
                     let end = nearest_boundary(SystemTime::now(), interval);
                     if let Some(earlier) = ending.tick(end, Instant::now()) {
                         worker.submit(records.sink.aggregator.finish_interval(earlier));

@@ -1067,6 +1067,16 @@ const AGGREGATION: &[Stat] = &[
     )
     .by("outcome"),
     Stat::counter(
+        "jvm_caches_cleared",
+        "JVMs' caches of code blobs, method names and inlining emptied to keep \
+         them all within their share of the memory limit (read again as \
+         samples need them).",
+        &[Series::one(
+            "/jvm/caches_cleared",
+            field!(jvm.caches_cleared),
+        )],
+    ),
+    Stat::counter(
         "python_processes",
         "Processes found running a CPython the sampler reads the frames of.",
         &[Series::one("/python/processes", field!(python.processes))],

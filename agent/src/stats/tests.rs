@@ -189,6 +189,7 @@ pub(crate) fn every_figure_distinct() -> RunTotals {
             name_errors: n(),
             scopes_read: n(),
             scope_errors: n(),
+            caches_cleared: n(),
         },
         off_cpu: Some(crate::run::OffCpuStats {
             samples: n(),
