@@ -247,13 +247,27 @@ fn hostile_processes_leave_the_agent_bounded_and_still_naming() {
     );
 
     // The looped container's program is still sampled, under its container.
-    let looped_stacks = collector.folded_stacks(&format!(
-        "comm=\"looped\",container_id=\"{}\"",
-        container.id
-    ));
+    let looped = Command::new(workspace_binary("stackscope"))
+        .args([
+            "--collector",
+            &collector.grpc,
+            "export",
+            "--format",
+            "folded",
+        ])
+        .args(["--since", "10m", "--match"])
+        .arg(format!("comm=\"looped\",container_id=\"{}\"", container.id))
+        .output()
+        .expect("running stackscope");
     assert!(
-        !looped_stacks.is_empty(),
-        "no sample of the program behind the symlink loop"
+        looped.status.success() && !looped.stdout.is_empty(),
+        "no sample of the program behind the symlink loop under container {} ({}); the \
+         container ids the collector has: {}; comm values: {}; the agent's labelling: {}",
+        container.id,
+        String::from_utf8_lossy(&looped.stderr),
+        String::from_utf8_lossy(&collector.cli(&["labels", "container_id"])),
+        String::from_utf8_lossy(&collector.cli(&["labels", "comm"])),
+        report["aggregation"]
     );
 
     let bpf_after = stackscope_tests::bpf_ids_loaded("prog");
