@@ -3,7 +3,7 @@
 //! their Python stacks paired with the samples they go with
 //! (`stackscope_python::pairing`).
 
-use std::collections::HashSet;
+use std::collections::{HashMap, HashSet, hash_map::Entry};
 
 use agent_common::{PythonProcess, SampleHeader};
 use stackscope_process_table::ProcessTable;
@@ -46,6 +46,9 @@ pub(super) struct PythonProcesses {
     described: HashSet<u32>,
     /// Processes to look for an interpreter in.
     wanted: Vec<u32>,
+    /// Processes looked at from their first read, for the program they
+    /// exec'd (removed at exec and exit): true until the answer comes.
+    probed_early: HashMap<u32, bool>,
     /// Processes whose sampler entries go (exec, exit, gone).
     forget: Vec<u32>,
     /// What the records' code objects may hold together.
@@ -107,6 +110,23 @@ impl PythonProcesses {
         }
     }
 
+    /// Process `tgid` exec'd a program named like an interpreter: look for
+    /// one in it now, once, rather than when its walks reach the
+    /// interpreter's file. Those walks wait for the tables of every module
+    /// on the way (seconds, on a busy host with cold tables), and a short
+    /// script's code objects can be read only while it runs. An early look
+    /// that finds nothing (an interpreter whose libpython is not mapped
+    /// yet) leaves the record to be asked about again by the walks.
+    pub fn probe_early(&mut self, tgid: u32, record: &mut PythonRecord) {
+        if self.enabled
+            && matches!(record, PythonRecord::Unknown)
+            && let Entry::Vacant(probe) = self.probed_early.entry(tgid)
+        {
+            probe.insert(true);
+            self.maybe_python(tgid, record);
+        }
+    }
+
     /// The processes to look for an interpreter in, for the metadata worker.
     pub fn take_wanted(&mut self) -> Vec<u32> {
         std::mem::take(&mut self.wanted)
@@ -128,7 +148,7 @@ impl PythonProcesses {
             return;
         }
         let Some(found) = found else {
-            *record = PythonRecord::None;
+            self.not_found(tgid, record);
             return;
         };
         let entry: PythonProcess = found.layout.sampler_entry(found.runtime, started);
@@ -149,6 +169,16 @@ impl PythonProcesses {
             found.eval.clone(),
             CodeCache::new(tgid, found.layout),
         )));
+    }
+
+    /// No interpreter the sampler reads in `tgid`, as its record asked.
+    fn not_found(&mut self, tgid: u32, record: &mut PythonRecord) {
+        // The first answer to an early look: the walks may ask again.
+        let early = self.probed_early.get_mut(&tgid).is_some_and(std::mem::take);
+        *record = match early {
+            true => PythonRecord::Unknown,
+            false => PythonRecord::None,
+        };
     }
 
     /// Empties the largest processes' code caches until they all hold at
@@ -176,6 +206,7 @@ impl PythonProcesses {
     /// Process `tgid` exec'd or exited: its sampler entry goes (the record
     /// goes with the process table's).
     pub fn gone(&mut self, tgid: u32) {
+        self.probed_early.remove(&tgid);
         if self.described.remove(&tgid) {
             self.forget.push(tgid);
         }
@@ -208,5 +239,29 @@ mod tests {
         assert!(python.take_wanted().is_empty());
         python.gone(5);
         assert!(python.forget.is_empty(), "never described to the sampler");
+    }
+
+    #[test]
+    fn an_early_look_is_taken_once_and_its_empty_answer_leaves_the_walks_to_ask() {
+        let mut python = PythonProcesses::new(true, DEFAULT_CODE_BYTES);
+        let mut record = PythonRecord::default();
+        python.probe_early(7, &mut record);
+        python.probe_early(7, &mut record);
+        assert_eq!(python.take_wanted(), [7]);
+        python.not_found(7, &mut record);
+        assert!(matches!(record, PythonRecord::Unknown));
+        python.probe_early(7, &mut record);
+        assert!(python.take_wanted().is_empty(), "looked at early once");
+        // The walks reach a file named like an interpreter: asked again,
+        // and this answer is the last.
+        python.maybe_python(7, &mut record);
+        assert_eq!(python.take_wanted(), [7]);
+        python.not_found(7, &mut record);
+        assert!(matches!(record, PythonRecord::None));
+        // A new image (exec) is looked at early again.
+        python.gone(7);
+        let mut record = PythonRecord::default();
+        python.probe_early(7, &mut record);
+        assert_eq!(python.take_wanted(), [7]);
     }
 }

@@ -720,6 +720,17 @@ impl RecordTally {
     /// interval ends.
     fn ask_metadata(&mut self, metadata: &MetadataJobs) -> Asked {
         let requests = self.processes.take_read_requests();
+        for request in &requests {
+            let tgid = request.tgid();
+            if self
+                .processes
+                .learned_exe(tgid)
+                .is_some_and(named_like_interpreter)
+                && let Some(record) = self.processes.state_of_mut(tgid)
+            {
+                self.python.probe_early(tgid, &mut record.python);
+            }
+        }
         let maps_asked = requests
             .iter()
             .any(|request| matches!(request, ReadRequest::Maps { .. }));
