@@ -1,16 +1,24 @@
-//! The metadata worker: a thread for the reads that walk `/proc` and the
+//! The metadata workers: threads for the reads that walk `/proc` and the
 //! cgroup tree, kept off the sampling thread (a slow filesystem must not
-//! delay a drain) and off the runtime (which exports and serves). It
-//! describes the processes the sampling thread meets (their exe, cgroup
-//! and container names: what their labels are made of), reads the maps of
-//! processes the walker meets without knowing them and identifies the
-//! files they map (the process table's reads), opens the mapped
-//! files the aggregator will name frames in while their processes run,
-//! reads on in the perf maps and jitdump files JIT frames are named from,
-//! resolves the container selection into cgroup policies, with the container runtimes'
-//! names it keeps, finds the CPython interpreters of processes that map
-//! one, and finds which of the processes the sampling thread tracks are
-//! gone. Its answers go to the sampling thread as [`Command`]s.
+//! delay a drain) and off the runtime (which exports and serves).
+//!
+//! The first describes the processes the sampling thread meets (their
+//! exe, cgroup and container names: what their labels are made of), reads
+//! the maps of processes the walker meets without knowing them and
+//! identifies the files they map (the process table's reads), opens the
+//! mapped files the aggregator will name frames in while their processes
+//! run, resolves the container selection into cgroup policies, with the
+//! container runtimes' names it keeps, finds the CPython interpreters of
+//! processes that map one, and finds which of the processes the sampling
+//! thread tracks are gone.
+//!
+//! The second reads what JIT runtimes publish of their code: the perf maps
+//! and jitdump files JIT frames are named from, and HotSpot JVMs' code
+//! caches. Those reads follow what a process writes (a perf map of
+//! gigabytes, a JVM's tables) and can take seconds; on a thread of their
+//! own they do not hold the labels and maps every sample waits for.
+//!
+//! Their answers go to the sampling thread as [`Command`]s.
 
 use std::{
     io,
@@ -54,11 +62,16 @@ enum Job {
     /// Open these mapped files while their processes run (the interval
     /// that met them holds them for naming).
     Open(Vec<Arc<ObjectFile>>),
+    /// Look for a CPython interpreter in these processes.
+    FindPython(Vec<u32>),
+}
+
+/// What the runtime-code worker is asked to do.
+#[derive(Debug)]
+enum RuntimeJob {
     /// Read on in these processes' perf maps and jitdump files (or close
     /// them).
     ReadJit(Vec<JitRequest>),
-    /// Look for a CPython interpreter in these processes.
-    FindPython(Vec<u32>),
     /// Read the HotSpot JVM these processes run.
     FindJvm(Vec<u32>),
 }
@@ -70,10 +83,11 @@ enum Job {
 /// next selection tick or interval; a description a second later).
 const JOB_QUEUE: usize = 64;
 
-/// A handle to ask the worker for work, from any thread.
+/// A handle to ask the workers for work, from any thread.
 #[derive(Debug, Clone)]
 pub(super) struct MetadataJobs {
     jobs: SyncSender<Job>,
+    runtime_jobs: SyncSender<RuntimeJob>,
     handoffs: Arc<Handoffs>,
 }
 
@@ -81,14 +95,14 @@ impl MetadataJobs {
     /// Asks for the selection's policies now; they reach the sampling
     /// thread when resolved.
     pub fn resolve(&self, pods: Option<Arc<PodList>>) {
-        self.send(Job::Resolve(pods));
+        self.send(&self.jobs, Job::Resolve(pods));
     }
 
     /// Asks which of `tracked` are gone; those reach the sampling thread
     /// to be forgotten.
     pub fn find_gone(&self, tracked: Vec<u32>) {
         if !tracked.is_empty() {
-            self.send(Job::FindGone(tracked));
+            self.send(&self.jobs, Job::FindGone(tracked));
         }
     }
 
@@ -96,7 +110,7 @@ impl MetadataJobs {
     /// the file).
     pub fn open(&self, files: Vec<Arc<ObjectFile>>) {
         if !files.is_empty() {
-            self.send(Job::Open(files));
+            self.send(&self.jobs, Job::Open(files));
         }
     }
 
@@ -105,7 +119,7 @@ impl MetadataJobs {
     /// again by the table, a second later).
     pub fn read(&self, reader: TableReader, requests: Vec<ReadRequest>) {
         if !requests.is_empty() {
-            self.send(Job::Read(reader, requests));
+            self.send(&self.jobs, Job::Read(reader, requests));
         }
     }
 
@@ -113,7 +127,7 @@ impl MetadataJobs {
     /// a full queue is asked for again when due).
     pub fn read_jit(&self, requests: Vec<JitRequest>) {
         if !requests.is_empty() {
-            self.send(Job::ReadJit(requests));
+            self.send(&self.runtime_jobs, RuntimeJob::ReadJit(requests));
         }
     }
 
@@ -121,38 +135,38 @@ impl MetadataJobs {
     /// the answers reach the sampling thread.
     pub fn find_python(&self, tgids: Vec<u32>) {
         if !tgids.is_empty() {
-            self.send(Job::FindPython(tgids));
+            self.send(&self.jobs, Job::FindPython(tgids));
         }
     }
 
     /// Asks for the JVMs `tgids` run; the answers reach the sampling thread.
     /// Whether the job was queued (false: ask again later).
     pub fn find_jvm(&self, tgids: Vec<u32>) -> bool {
-        tgids.is_empty() || self.send(Job::FindJvm(tgids))
+        tgids.is_empty() || self.send(&self.runtime_jobs, RuntimeJob::FindJvm(tgids))
     }
 
     /// Asks for descriptions of `wanted`; they reach the sampling thread
     /// when read.
     pub fn describe(&self, wanted: Vec<Wanted>) {
         if !wanted.is_empty() {
-            self.send(Job::Describe(wanted));
+            self.send(&self.jobs, Job::Describe(wanted));
         }
     }
 
     /// Queues `job`; false when it was dropped (a full queue, or a worker
     /// that stopped).
-    fn send(&self, job: Job) -> bool {
-        match self.jobs.try_send(job) {
+    fn send<T>(&self, queue: &SyncSender<T>, job: T) -> bool {
+        match queue.try_send(job) {
             Ok(()) => return true,
             Err(TrySendError::Full(_)) => self.handoffs.count_job_dropped(),
             Err(TrySendError::Disconnected(_)) => {
                 // It panicked: selection refreshes and sweeps stop.
                 if !self.handoffs.metadata_lost.swap(true, Ordering::Relaxed) {
                     tracing::error!(
-                        "the metadata worker has stopped: new processes are no longer \
-                         described (their exe and container labels stay empty), and the \
-                         container selection and the sweep of gone processes are no longer \
-                         refreshed"
+                        "a metadata worker has stopped: new processes may no longer be \
+                         described (their exe and container labels stay empty) or their \
+                         JIT frames named, and the container selection and the sweep of \
+                         gone processes may no longer be refreshed"
                     );
                 }
             }
@@ -161,9 +175,9 @@ impl MetadataJobs {
     }
 }
 
-/// Starts the worker thread. It ends when every [`MetadataJobs`] is
-/// dropped (it is never joined: a read stuck on a dead filesystem must not
-/// hold the agent's exit).
+/// Starts the worker threads. They end when every [`MetadataJobs`] is
+/// dropped (they are never joined: a read stuck on a dead filesystem must
+/// not hold the agent's exit).
 pub(super) fn start(
     resolver: Resolver,
     mut describer: Describer,
@@ -173,80 +187,113 @@ pub(super) fn start(
     handoffs: Arc<Handoffs>,
 ) -> io::Result<MetadataJobs> {
     let (jobs, queued) = mpsc::sync_channel(JOB_QUEUE);
-    let answers = Arc::clone(&handoffs);
+    let (runtime_jobs, runtime_queued) = mpsc::sync_channel(JOB_QUEUE);
+    let jvm_proc_root = proc_root.clone();
+    serve(
+        "stackscope-metadata",
+        queued,
+        &commands,
+        &handoffs,
+        move |job| {
+            Some(match job {
+                Job::Resolve(pods) => {
+                    match resolver.policies(pods.as_deref(), describer.runtime_names()) {
+                        Ok(wanted) => Command::Policies(wanted),
+                        Err(err) => {
+                            tracing::warn!("resolving the container selection failed: {err}");
+                            return None;
+                        }
+                    }
+                }
+                Job::FindGone(tracked) => {
+                    // Before the first look: a process that has a pid found
+                    // gone started after this.
+                    let checked_at = monotonic_ns();
+                    let tgids = gone_processes(&proc_root, tracked);
+                    if tgids.is_empty() {
+                        return None;
+                    }
+                    Command::Gone { tgids, checked_at }
+                }
+                Job::Open(files) => {
+                    for file in files {
+                        // A failure stays in the file for the batch to see.
+                        let _ = file.open_now();
+                    }
+                    return None;
+                }
+                Job::Read(reader, requests) => Command::Read(
+                    requests
+                        .into_iter()
+                        .map(|request| reader.read(request))
+                        .collect(),
+                ),
+                Job::FindPython(tgids) => Command::Python(
+                    tgids
+                        .into_iter()
+                        .map(|tgid| (tgid, find_python(&proc_root, tgid)))
+                        .collect(),
+                ),
+                Job::Describe(wanted) => Command::Described(
+                    wanted
+                        .into_iter()
+                        .map(|process| describer.describe(process))
+                        .collect(),
+                ),
+            })
+        },
+    )?;
+    serve(
+        "stackscope-runtime-code",
+        runtime_queued,
+        &commands,
+        &handoffs,
+        move |job| match job {
+            RuntimeJob::ReadJit(requests) => {
+                let updates = perf_maps.serve(requests, Instant::now());
+                (!updates.is_empty()).then_some(Command::JitNames(updates))
+            }
+            RuntimeJob::FindJvm(tgids) => Some(Command::Jvm(
+                tgids
+                    .into_iter()
+                    .map(|tgid| {
+                        let found = stackscope_jvm::find_in_process(&jvm_proc_root, tgid)
+                            .map(|jvm| jvm.map(Arc::new))
+                            .map_err(|err| err.to_string());
+                        (tgid, found)
+                    })
+                    .collect(),
+            )),
+        },
+    )?;
+    Ok(MetadataJobs {
+        jobs,
+        runtime_jobs,
+        handoffs,
+    })
+}
+
+/// Starts a thread named `name` that does each job `queued` hands it and
+/// sends its answer, if any, to the sampling thread.
+fn serve<T: Send + 'static>(
+    name: &str,
+    queued: mpsc::Receiver<T>,
+    commands: &Sender<Command>,
+    handoffs: &Arc<Handoffs>,
+    mut work: impl FnMut(T) -> Option<Command> + Send + 'static,
+) -> io::Result<()> {
+    let commands = commands.clone();
+    let answers = Arc::clone(handoffs);
     std::thread::Builder::new()
-        .name("stackscope-metadata".into())
+        .name(name.into())
         .spawn(move || {
             for job in queued {
-                let answer = match job {
-                    Job::Resolve(pods) => {
-                        match resolver.policies(pods.as_deref(), describer.runtime_names()) {
-                            Ok(wanted) => Command::Policies(wanted),
-                            Err(err) => {
-                                tracing::warn!("resolving the container selection failed: {err}");
-                                continue;
-                            }
-                        }
-                    }
-                    Job::FindGone(tracked) => {
-                        // Before the first look: a process that has a pid
-                        // found gone started after this.
-                        let checked_at = monotonic_ns();
-                        let tgids = gone_processes(&proc_root, tracked);
-                        if tgids.is_empty() {
-                            continue;
-                        }
-                        Command::Gone { tgids, checked_at }
-                    }
-                    Job::Open(files) => {
-                        for file in files {
-                            // A failure stays in the file for the batch
-                            // to see.
-                            let _ = file.open_now();
-                        }
-                        continue;
-                    }
-                    Job::Read(reader, requests) => Command::Read(
-                        requests
-                            .into_iter()
-                            .map(|request| reader.read(request))
-                            .collect(),
-                    ),
-                    Job::ReadJit(requests) => {
-                        let updates = perf_maps.serve(requests, Instant::now());
-                        if updates.is_empty() {
-                            continue;
-                        }
-                        Command::JitNames(updates)
-                    }
-                    Job::FindPython(tgids) => Command::Python(
-                        tgids
-                            .into_iter()
-                            .map(|tgid| (tgid, find_python(&proc_root, tgid)))
-                            .collect(),
-                    ),
-                    Job::FindJvm(tgids) => Command::Jvm(
-                        tgids
-                            .into_iter()
-                            .map(|tgid| {
-                                let found = stackscope_jvm::find_in_process(&proc_root, tgid)
-                                    .map(|jvm| jvm.map(Arc::new))
-                                    .map_err(|err| err.to_string());
-                                (tgid, found)
-                            })
-                            .collect(),
-                    ),
-                    Job::Describe(wanted) => Command::Described(
-                        wanted
-                            .into_iter()
-                            .map(|process| describer.describe(process))
-                            .collect(),
-                    ),
-                };
-                answers.command(&commands, answer);
+                if let Some(answer) = work(job) {
+                    answers.command(&commands, answer);
+                }
             }
-        })?;
-    Ok(MetadataJobs { jobs, handoffs })
+        })
+        .map(drop)
 }
 
 /// The CPython interpreter process `tgid` runs, if the sampler reads it;
