@@ -228,6 +228,16 @@ pub(super) fn from_debug_frame(data: &[u8]) -> Result<UnwindTable, TableError> {
     builder.finish(None)
 }
 
+/// One row before the spans are sorted and laid out: 8 bytes, as a laid
+/// out row (a compiler's libLLVM has 1.4 million; with a 64-bit address
+/// they took 16 bytes each, the compile's largest allocation).
+#[derive(Debug, Clone, Copy)]
+struct RawRow {
+    /// From the start of its span.
+    offset: u32,
+    rule: u32,
+}
+
 /// The rows of one FDE (or one Go function), before they are sorted and
 /// laid out.
 struct Span {
@@ -265,7 +275,7 @@ impl Interner {
 #[derive(Default)]
 pub(super) struct Builder {
     interner: Interner,
-    raw: Vec<(u64, u32)>,
+    raw: Vec<RawRow>,
     spans: Vec<Span>,
 }
 
@@ -326,7 +336,7 @@ impl Builder {
                 bases,
                 &mut ctx,
                 &fde,
-                end,
+                start..end,
                 &mut self.interner,
                 &mut self.raw,
             );
@@ -387,7 +397,8 @@ impl Builder {
         rule: UnwindRule,
     ) -> Result<(), TableError> {
         let first = self.raw.len();
-        self.raw.push((start, self.interner.intern(rule)?));
+        let rule = self.interner.intern(rule)?;
+        self.raw.push(RawRow { offset: 0, rule });
         self.spans.push(Span {
             start,
             end,
@@ -405,17 +416,30 @@ impl Builder {
         end: u64,
     ) -> Result<(), TableError> {
         let first = self.raw.len();
+        let mut start = None;
         for (address, rule) in rows {
             let index = self.interner.intern(rule)?;
             if self.raw[first..]
                 .last()
-                .is_some_and(|&(_, last)| last == index)
+                .is_some_and(|row| row.rule == index)
             {
                 continue;
             }
-            self.raw.push((address, index));
+            let start = *start.get_or_insert(address);
+            // A row before the first, or 4 GiB past it, is out of order in
+            // a table of ascending rows: left out.
+            let Some(offset) = address
+                .checked_sub(start)
+                .and_then(|offset| u32::try_from(offset).ok())
+            else {
+                continue;
+            };
+            self.raw.push(RawRow {
+                offset,
+                rule: index,
+            });
         }
-        let Some(&(start, _)) = self.raw.get(first) else {
+        let Some(start) = start else {
             return Ok(());
         };
         if start >= end {
@@ -489,9 +513,9 @@ fn evaluate_fde<'a, S>(
     bases: &BaseAddresses,
     ctx: &mut UnwindContext<usize>,
     fde: &gimli::FrameDescriptionEntry<Reader<'a>>,
-    end: u64,
+    range: std::ops::Range<u64>,
     interner: &mut Interner,
-    raw: &mut Vec<(u64, u32)>,
+    raw: &mut Vec<RawRow>,
 ) -> Result<(), Failure>
 where
     S: UnwindSection<Reader<'a>>,
@@ -504,7 +528,7 @@ where
         let row_start = row.start_address();
         // advance_loc past the FDE's end makes rows outside it; they describe
         // no code this FDE covers.
-        if row_start >= row.end_address().min(end) {
+        if row_start >= row.end_address().min(range.end) {
             continue;
         }
         let rule = if signal {
@@ -515,10 +539,22 @@ where
             rule_for_row(section, row, ra_register)
         };
         let index = interner.intern(rule)?;
-        if raw[first..].last().is_some_and(|&(_, last)| last == index) {
+        if raw[first..].last().is_some_and(|row| row.rule == index) {
             continue;
         }
-        raw.push((row_start, index));
+        // Rows advance from the FDE's start; one 4 GiB past it could not
+        // be laid out either.
+        let offset = row_start
+            .checked_sub(range.start)
+            .and_then(|offset| u32::try_from(offset).ok())
+            .ok_or(TableError::AddressSpan {
+                base: range.start,
+                end: row_start,
+            })?;
+        raw.push(RawRow {
+            offset,
+            rule: index,
+        });
     }
     Ok(())
 }
@@ -618,7 +654,7 @@ fn plt_threshold(bytes: &[u8]) -> Option<u8> {
 /// favour of the one starting later: the earlier one's rows from that address
 /// on are dropped. A nested FDE therefore leaves the rest of its parent as a
 /// gap: less coverage, never a wrong rule from the wrong FDE.
-fn lay_out(spans: &[Span], raw: &[(u64, u32)]) -> Result<(u64, Vec<Row>), TableError> {
+fn lay_out(spans: &[Span], raw: &[RawRow]) -> Result<(u64, Vec<Row>), TableError> {
     let mut order: Vec<usize> = (0..spans.len()).collect();
     order.sort_unstable_by_key(|&i| (spans[i].start, spans[i].end));
     let Some(base) = order.first().map(|&i| spans[i].start) else {
@@ -644,9 +680,15 @@ fn lay_out(spans: &[Span], raw: &[(u64, u32)]) -> Result<(u64, Vec<Row>), TableE
         while rows.last().is_some_and(|last| last.address >= start) {
             rows.pop();
         }
-        for &(address, rule) in &raw[span.first..span.last] {
-            let address = offset(address)?;
-            push(&mut rows, Row { address, rule });
+        for row in &raw[span.first..span.last] {
+            let address = offset(span.start.saturating_add(u64::from(row.offset)))?;
+            push(
+                &mut rows,
+                Row {
+                    address,
+                    rule: row.rule,
+                },
+            );
         }
         let end = offset(span.end)?;
         push(
