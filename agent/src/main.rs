@@ -277,6 +277,7 @@ impl Args {
 }
 
 fn main() -> anyhow::Result<()> {
+    memory::return_freed_memory();
     let args = Args::parse();
     tracing_subscriber::fmt()
         .with_env_filter(EnvFilter::new(args.log_level.as_str()))
