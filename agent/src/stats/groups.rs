@@ -561,6 +561,14 @@ const UNWINDING: &[Stat] = &[
     )
     .by("source"),
     Stat::counter(
+        "unwind_tables_evicted",
+        "Unwind tables no live process used, dropped for their share of the memory budget.",
+        &[Series::one(
+            "/unwinding/tables_evicted",
+            field!(walks.tables_evicted),
+        )],
+    ),
+    Stat::counter(
         "unwind_table_cache_hits",
         "Module resolutions answered by the in-memory table cache.",
         &[Series::one(
@@ -1428,6 +1436,14 @@ const NAMING: &[Stat] = &[
         &[Series::one(
             "/symbolization/counts/objects_opened",
             field!(batches.symbolize.objects_opened),
+        )],
+    ),
+    Stat::counter(
+        "symbolizer_files_evicted",
+        "Files blazesym let go of for the symbolizer's share of the memory budget.",
+        &[Series::one(
+            "/symbolization/counts/objects_evicted",
+            field!(batches.symbolize.objects_evicted),
         )],
     ),
     Stat::counter(

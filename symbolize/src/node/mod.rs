@@ -271,6 +271,9 @@ pub struct SymbolizeStats {
     pub kernel_reloads: u64,
     /// Files handed to blazesym.
     pub objects_opened: u64,
+    /// Files let go of for their bound (the symbolizer's share of the
+    /// memory budget): opened and parsed again when next named in.
+    pub objects_evicted: u64,
     /// Times blazesym's whole state was dropped (after a panic, or to
     /// release what path evictions do not reach).
     pub rebuilds: u64,
@@ -854,6 +857,7 @@ impl Symbolizer {
             // Before the descriptor closes (with `entry`): see the module
             // documentation.
             self.reader.evict_elf(&entry.path);
+            self.stats.objects_evicted += 1;
         }
         self.evictions += 1;
         // What blazesym caches by other paths (debug-link targets, dwp

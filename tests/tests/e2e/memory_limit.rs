@@ -3,16 +3,16 @@
 //! `memory.max` where the memory controller is there, else cgroup v1's
 //! `memory.limit_in_bytes`), as a DaemonSet's container limit sets it; a
 //! limit below what the agent needs at the least is refused, saying what
-//! it needs. (That the agent keeps within its limit under load is the
-//! hostile test's part.)
+//! it needs; under a build machine's load the agent keeps within its
+//! limit. (Under hostile processes too: the hostile test's part.)
 
 use std::{
     path::Path,
     process::{Command, Stdio},
 };
 
-use stackscope_test_fixtures::workspace_binary;
-use stackscope_tests::{TempCgroup, exclusive, require_root, wait_success};
+use stackscope_test_fixtures::{fixture_source, workspace_binary};
+use stackscope_tests::{Collector, TempCgroup, exclusive, require_root, wait_success};
 
 /// A memory cgroup made for the test (cgroup2 with the memory controller,
 /// else cgroup v1's memory hierarchy) with a limit of `bytes`.
@@ -136,4 +136,125 @@ fn a_limit_below_what_the_agent_needs_is_refused_saying_what_it_needs() {
         !out.status.success() && stderr.contains("unknown unit"),
         "{stderr}"
     );
+}
+
+/// The limit of the build-machine test, besides the ring buffer's pages.
+/// Not yet the 96 MiB issue 39 asks for: the agent's peak there is about
+/// 134 MiB in this debug build (126 MB in release), whatever the limit,
+/// because what a large table's compile holds while it runs (up to 38 MB
+/// for libLLVM's) and the files it maps are outside the budget.
+const BUILD_LOAD_LIMIT_MIB: u64 = 150;
+
+/// A build machine's load for `$4` seconds, in cgroup `$1`: two loops of
+/// `gcc -O2` over C fixtures (`$2`) and two of `rustc -O` (the largest
+/// unwind and symbol tables a node meets: librustc_driver's and libLLVM's),
+/// their outputs in `$3`. A compile that fails ends the load with an error.
+const BUILD_LOAD: &str = r#"
+echo $$ > "$1/cgroup.procs" || exit 1
+fixtures=$2 out=$3 end=$(( $(date +%s) + $4 ))
+c_loop() {
+    while [ "$(date +%s)" -lt "$end" ]; do
+        for f in call_chain deep many_functions threads; do
+            gcc -O2 -c -o "$out/$f.$1.o" "$fixtures/$f.c" || exit 1
+        done
+    done
+}
+rust_loop() {
+    # A directory per loop: rustc's intermediate files are named after
+    # the crate.
+    mkdir -p "$out/$1" || exit 1
+    while [ "$(date +%s)" -lt "$end" ]; do
+        for f in rust_chain deep_rust; do
+            rustc -O -o "$out/$1/$f" "$fixtures/$f.rs" || exit 1
+        done
+    done
+}
+c_loop 1 & c_loop 2 & rust_loop 1 & rust_loop 2 &
+failed=0
+for job in 1 2 3 4; do wait %$job || failed=1; done
+exit $failed
+"#;
+
+#[test]
+fn a_build_machines_compiles_keep_the_agent_within_its_limit() {
+    require_root();
+    let _serial = exclusive();
+    let cgroup = TempCgroup::create("build-load");
+    let data = tempfile::tempdir().expect("temp dir");
+    let outputs = tempfile::tempdir().expect("temp dir");
+    let collector = Collector::start(data.path());
+    let limit = (BUILD_LOAD_LIMIT_MIB << 20)
+        + stackscope_sampler::ring_buffer_rss(agent_common::MAX_DEEP_STACK_BYTES)
+            .expect("the CPUs listed");
+    let agent = Command::new(workspace_binary("stackscope-agent"))
+        .args(["--collector", &collector.grpc])
+        .args(["--frequency", "99", "--interval", "2s", "--json"])
+        .args(["--symbolize", "both", "--no-table-cache"])
+        .args(["--cgroup", &cgroup.relative_path()])
+        .args(["--memory-limit", &limit.to_string()])
+        .stdout(Stdio::piped())
+        .spawn()
+        .expect("starting the agent");
+    let fixtures = fixture_source("");
+    let load = Command::new("sh")
+        .arg("-c")
+        .arg(BUILD_LOAD)
+        .arg("sh")
+        .arg(&cgroup.path)
+        .arg(&fixtures)
+        .arg(outputs.path())
+        .arg("20")
+        .status()
+        .expect("running the build load");
+    // Before the stop: the last batch's naming is part of the run.
+    std::thread::sleep(std::time::Duration::from_secs(2));
+    let peak_rss = stackscope_test_fixtures::peak_rss_kib(agent.id()).unwrap_or(0) << 10;
+    // SAFETY: kill has no memory-safety preconditions.
+    unsafe { libc::kill(agent.id() as i32, libc::SIGTERM) };
+    let report = wait_success(agent);
+    assert!(load.success(), "a compile of the load failed");
+    let cc1 = collector.folded_stacks("comm=\"cc1\"");
+    let rustc = collector.folded_stacks("comm=\"rustc\"");
+    collector.stop();
+    eprintln!(
+        "build load: the agent's peak RSS {} MiB, limit {} MiB; batches {}; evicted: \
+         symbolizer files {}, unused tables {}",
+        peak_rss >> 20,
+        limit >> 20,
+        report["batches"],
+        report["symbolization"]["counts"]["objects_evicted"],
+        report["unwinding"]["tables_evicted"],
+    );
+    assert!(
+        peak_rss > 0 && peak_rss <= limit,
+        "the agent's peak resident memory was {} MiB, limit {} MiB",
+        peak_rss >> 20,
+        limit >> 20
+    );
+    // Both compilers' profiles came through, their own functions named.
+    let named = |stacks: &[(String, u64)], function: &str| -> u64 {
+        stacks
+            .iter()
+            .filter(|(stack, _)| stack.split(';').any(|frame| frame.contains(function)))
+            .map(|(_, n)| n)
+            .sum()
+    };
+    let (cc1_named, rustc_named) = (named(&cc1, "toplev::main"), named(&rustc, "rustc_driver"));
+    let heaviest = |stacks: &[(String, u64)]| stacks.iter().max_by_key(|(_, n)| *n).cloned();
+    assert!(
+        cc1_named >= 50,
+        "{cc1_named} cc1 samples name toplev::main; the heaviest stack: {:?}",
+        heaviest(&cc1)
+    );
+    assert!(
+        rustc_named >= 50,
+        "{rustc_named} rustc samples name rustc_driver; the heaviest stack: {:?}",
+        heaviest(&rustc)
+    );
+    // The symbolizer's share is at its floor here: the compilers' large
+    // files take turns in it, and each turn is counted.
+    let evicted = report["symbolization"]["counts"]["objects_evicted"]
+        .as_u64()
+        .unwrap_or(0);
+    assert!(evicted > 0, "no file evicted: {}", report["symbolization"]);
 }

@@ -393,6 +393,10 @@ pub struct WalkStats {
     pub tables_compiled: u64,
     pub tables_from_disk: u64,
     pub tables_failed: u64,
+    /// Tables no live process used, dropped for their bound (the unused
+    /// tables' share of the memory budget): compiled again, or read from
+    /// the disk cache, when a process maps the file again.
+    pub tables_evicted: u64,
     /// Module resolutions answered by the in-memory table cache.
     pub table_cache_hits: u64,
     /// Walks that ended short because a table was still being compiled.
@@ -640,7 +644,8 @@ impl TableCache {
         Some(entry.table.clone())
     }
 
-    fn insert(&mut self, id: ObjectId, table: ModuleTable, max_bytes: usize) {
+    /// Returns how many unused tables went for it.
+    fn insert(&mut self, id: ObjectId, table: ModuleTable, max_bytes: usize) -> u64 {
         self.tick += 1;
         self.by_object.insert(
             id,
@@ -649,12 +654,13 @@ impl TableCache {
                 last_used: self.tick,
             },
         );
-        self.evict_unused(max_bytes);
+        self.evict_unused(max_bytes)
     }
 
     /// Drops the least recently used tables that no process holds (their
     /// `Arc` is only ours) until the unused ones fit in `max_bytes`.
-    fn evict_unused(&mut self, max_bytes: usize) {
+    /// Returns how many went.
+    fn evict_unused(&mut self, max_bytes: usize) -> u64 {
         // Runs after every drain: one pass when under the bound.
         let mut unused_bytes: usize = self
             .by_object
@@ -662,6 +668,7 @@ impl TableCache {
             .filter_map(CachedTable::unused_table)
             .map(|t| t.heap_bytes())
             .sum();
+        let mut evicted = 0;
         while unused_bytes > max_bytes {
             let oldest = self
                 .by_object
@@ -674,7 +681,9 @@ impl TableCache {
             };
             self.by_object.remove(&id);
             unused_bytes -= bytes;
+            evicted += 1;
         }
+        evicted
     }
 }
 
@@ -1382,7 +1391,7 @@ impl StackWalker {
     /// this runs after every drain and every sweep as well as on each
     /// insert.
     pub fn trim_tables(&mut self) {
-        self.tables.evict_unused(self.table_cache_bytes);
+        self.stats.tables_evicted += self.tables.evict_unused(self.table_cache_bytes);
     }
 
     /// Every process something is kept for (a process whose exit record
@@ -1649,7 +1658,7 @@ impl StackWalker {
                     module.table = table.clone();
                 }
             }
-            self.tables.insert(id, table, self.table_cache_bytes);
+            self.stats.tables_evicted += self.tables.insert(id, table, self.table_cache_bytes);
             self.tables_changed = true;
         }
     }
