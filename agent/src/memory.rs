@@ -61,7 +61,7 @@ pub const BASELINE: u64 = 32 << 20;
 /// What holds memory within the budget, in the order they give way.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Consumer {
-    /// Files blazesym keeps open and parsed (by file size).
+    /// Files blazesym keeps open and parsed (by what it holds of them).
     SymbolizerFiles,
     /// JIT perf maps and jitdump names.
     PerfMaps,

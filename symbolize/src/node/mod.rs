@@ -73,12 +73,18 @@ pub const DEFAULT_MAX_CACHED_NAMES: usize = 1 << 18;
 /// anonymous memory with a bound of 256.
 pub const DEFAULT_MAX_OPEN_OBJECTS: usize = 64;
 
-/// Bytes of files blazesym keeps open and parsed by default. What it
-/// parses grows with a file's debug sections, so the files' sizes bound
-/// it where a count cannot: a few binaries with full DWARF (a compiler, a
-/// browser) weigh more than a thousand stripped ones. One file is kept
-/// open whatever its size.
+/// Bytes blazesym holds of the files it keeps open and parsed, by default
+/// (each file counted by [`held_bytes`]). What it holds grows with a
+/// file's symbol tables and debug sections, so their sizes bound it where a
+/// count cannot: a few binaries with full DWARF (a compiler, a browser)
+/// weigh more than a thousand stripped ones. One file is kept open
+/// whatever its size.
 pub const DEFAULT_MAX_OPEN_BYTES: u64 = 512 << 20;
+
+/// What MiniDebugInfo (`.gnu_debugdata`, xz) holds once decompressed, as a
+/// multiple of its compressed size: blazesym keeps the symbol and string
+/// tables inside (xz packs symbol tables about 4:1).
+const MINI_DEBUG_INFO_RATIO: u64 = 4;
 
 /// Modules and BPF programs come and go: this often the agent looks
 /// whether they did, and reads kallsyms again if so.
@@ -309,11 +315,40 @@ struct Registered {
     /// looked up by ELF virtual address, since it keeps no file layout.
     debug_file: Option<File>,
     path: PathBuf,
-    /// The size of the file `path` names.
+    /// What blazesym holds of the file `path` names ([`held_bytes`]).
     bytes: u64,
     last_used: u64,
     /// Reading it failed: its frames stay unnamed until it is forgotten.
     failed: bool,
+}
+
+/// What blazesym holds of `file` once it names addresses in it (blazesym
+/// 0.2's ELF reader): the symbol tables, which it reads whole to index them
+/// by address (8 bytes of index per 24-byte symbol), and the DWARF
+/// sections, compressed ones decompressed on the heap, MiniDebugInfo's
+/// tables decompressed. String tables are not counted: blazesym reads only
+/// the pages of the names it returns, and they stay file pages the kernel
+/// takes back first. A file's size overstated a large stripped library
+/// 25-fold (librustc_driver: 146 MiB, 5.7 MiB held) and understated
+/// compressed DWARF (libc's Debian debug file: 4 MiB, 9.4 MiB held). A file not readable as ELF counts its size (blazesym keeps nothing of
+/// it; nothing when its size is unknown too).
+fn held_bytes(file: &File) -> u64 {
+    use object::{Object as _, ObjectSection as _};
+    let size = file.metadata().map_or(0, |metadata| metadata.len());
+    let cache = object::ReadCache::new(file);
+    let Ok(elf) = object::File::parse(&cache) else {
+        return size;
+    };
+    elf.sections()
+        .map(|section| match section.name().unwrap_or_default() {
+            ".symtab" | ".dynsym" => section.size().saturating_mul(4) / 3,
+            ".gnu_debugdata" => section.size().saturating_mul(MINI_DEBUG_INFO_RATIO),
+            name if name.starts_with(".debug_") || name.starts_with(".zdebug_") => section
+                .compressed_file_range()
+                .map_or(section.size(), |range| range.uncompressed_size),
+            _ => 0,
+        })
+        .fold(0, u64::saturating_add)
 }
 
 /// A kernel frame's module and names.
@@ -798,9 +833,7 @@ impl Symbolizer {
         }
         let read = debug_file.as_ref().unwrap_or(file);
         let path = Path::new("/proc/self/fd").join(read.as_raw_fd().to_string());
-        // Unknown (unreadable metadata) counts as nothing: blazesym's read
-        // of such a file fails and keeps nothing either.
-        let bytes = read.metadata().map_or(0, |metadata| metadata.len());
+        let bytes = held_bytes(read);
         while !self.registered.is_empty()
             && (self.registered.len() >= self.config.max_open_objects.max(1)
                 || self.registered_bytes.saturating_add(bytes) > self.config.max_open_bytes)
@@ -1346,10 +1379,40 @@ mod tests {
     }
 
     #[test]
+    fn a_file_counts_what_blazesym_holds_of_it_not_its_size() {
+        let held = |fixture: &Fixture| held_bytes(&File::open(&fixture.path).expect("opening"));
+        let plain = Fixture::compile("call_chain", &[]);
+        let size = std::fs::metadata(&plain.path).expect("its size").len();
+        // Symbol tables only: a fraction of the file.
+        assert!(
+            held(&plain) > 0 && held(&plain) < size / 2,
+            "{} of {size}",
+            held(&plain)
+        );
+        // DWARF counts, and compressed sections count decompressed.
+        let dwarf = Fixture::compile("call_chain", &["-g"]);
+        let compressed = Fixture::compile("call_chain", &["-g", "-gz=zlib"]);
+        assert!(held(&dwarf) > held(&plain));
+        // (The assembler lays a few sections out differently: within 1%.)
+        assert!(
+            held(&compressed).abs_diff(held(&dwarf)) * 100 <= held(&dwarf),
+            "{} compressed, {} not",
+            held(&compressed),
+            held(&dwarf)
+        );
+        let compressed_size = std::fs::metadata(&compressed.path).expect("its size").len();
+        assert!(compressed_size < std::fs::metadata(&dwarf.path).expect("its size").len());
+        // Not ELF: its size.
+        let text = tempfile::NamedTempFile::new().expect("a temp file");
+        std::fs::write(text.path(), b"not an ELF file").expect("writing");
+        assert_eq!(held_bytes(text.as_file()), 15);
+    }
+
+    #[test]
     fn open_files_are_bounded_in_bytes_and_one_is_always_kept() {
         let fixture = Fixture::compile("call_chain", &[]);
         let offset = offset_of(&fixture.path, "a", 1);
-        let size = std::fs::metadata(&fixture.path).expect("its size").len();
+        let size = held_bytes(&File::open(&fixture.path).expect("opening"));
         let object = |ino| {
             Arc::new(ObjectFile::from_file(
                 ObjectId::FileKey(FileKey {
