@@ -83,6 +83,7 @@ pub fn build_batch(
         // unnamed frames by it (see the wire format).
         location_remap.push(batch.location(mapping, location.lookup(), &lines));
     }
+    symbolizer.end_batch();
 
     // The interval's stacks are distinct, and stay so in the batch unless
     // two of their locations became one there (named alike): only then do

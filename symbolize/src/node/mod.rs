@@ -130,10 +130,13 @@ fn vaddr_of(segments: &[LoadSegment], file_offset: u64) -> Option<u64> {
 pub struct SymbolizerConfig {
     /// Names kept, by (object, file offset), for every process at once.
     pub max_cached_names: usize,
-    /// Files blazesym keeps open and parsed at once; the least recently
-    /// used one is closed beyond.
+    /// Files blazesym keeps open and parsed at once; beyond, the least
+    /// recently used one not named in the batch being built is closed (see
+    /// [`Symbolizer::end_batch`]).
     pub max_open_objects: usize,
-    /// Total size of the files blazesym keeps open, likewise.
+    /// Total size of the files blazesym keeps open, likewise
+    /// ([`held_bytes`]); [`Symbolizer::set_max_open_bytes`] changes it
+    /// between batches.
     pub max_open_bytes: u64,
     /// Bytes of Go function tables (stripped Go binaries) kept; all go
     /// beyond.
@@ -318,6 +321,10 @@ struct Registered {
     /// What blazesym holds of the file `path` names ([`held_bytes`]).
     bytes: u64,
     last_used: u64,
+    /// Over the bound when it was opened, every other file having been
+    /// named in this batch: closed as soon as another file needs room, and
+    /// at the batch's end.
+    transient: bool,
     /// Reading it failed: its frames stay unnamed until it is forgotten.
     failed: bool,
 }
@@ -368,6 +375,11 @@ pub struct Symbolizer {
     /// The sizes of the files registered, summed.
     registered_bytes: u64,
     tick: u64,
+    /// The tick the batch before the one being built began at: a file not
+    /// used since is cold, the only kind a new file may take the place of.
+    previous_batch_start: u64,
+    /// The tick the batch being built began at.
+    batch_start: u64,
     /// Evictions since blazesym was last rebuilt.
     evictions: usize,
     names: GenerationalCache<(NameSpace, u64), Lines>,
@@ -424,6 +436,8 @@ impl Symbolizer {
             registered: HashMap::new(),
             registered_bytes: 0,
             tick: 0,
+            previous_batch_start: 0,
+            batch_start: 0,
             evictions: 0,
             names: GenerationalCache::new(config.max_cached_names),
             logged: HashSet::new(),
@@ -451,6 +465,8 @@ impl Symbolizer {
     /// cost.)
     pub fn begin_batch(&mut self, deadline: Option<Instant>) {
         self.deadline = deadline;
+        self.previous_batch_start = self.batch_start;
+        self.batch_start = self.tick;
         if self.kernel_checked.elapsed() >= self.config.kallsyms_reload {
             self.kernel_checked = Instant::now();
             let now = kernel_code_fingerprint(&self.config);
@@ -459,6 +475,29 @@ impl Symbolizer {
                 self.reload_kallsyms(now);
             }
         }
+    }
+
+    /// Ends the batch: closes the files opened over the bound, then the
+    /// least recently used ones until the rest fit (the bound may have
+    /// been lowered meanwhile).
+    pub fn end_batch(&mut self) {
+        let transient: Vec<ObjectId> = self
+            .registered
+            .iter()
+            .filter(|(_, entry)| entry.transient)
+            .map(|(id, _)| *id)
+            .collect();
+        for id in transient {
+            self.evict(id);
+        }
+        while self.registered.len() > 1 && self.over_bound(0) && self.evict_least_recent(u64::MAX) {
+        }
+    }
+
+    /// The bytes of files kept open, from the next file opened on; the
+    /// files over it are closed at the batch's end ([`Self::end_batch`]).
+    pub fn set_max_open_bytes(&mut self, bytes: u64) {
+        self.config.max_open_bytes = bytes;
     }
 
     /// Sizes of the caches naming keeps between batches.
@@ -834,12 +873,22 @@ impl Symbolizer {
         let read = debug_file.as_ref().unwrap_or(file);
         let path = Path::new("/proc/self/fd").join(read.as_raw_fd().to_string());
         let bytes = held_bytes(read);
-        while !self.registered.is_empty()
-            && (self.registered.len() >= self.config.max_open_objects.max(1)
-                || self.registered_bytes.saturating_add(bytes) > self.config.max_open_bytes)
-        {
-            self.evict_least_recent();
-        }
+        // A new file takes the place only of files named in neither this
+        // batch nor the last: with more files in steady use than fit (four
+        // interpreters' libpython with DWARF, 10-25 MiB each), closing the
+        // least recently used would close each just before the next batch
+        // needs it, and every batch would parse every file again. Kept,
+        // only what does not fit beside them is parsed again.
+        while self.over_bound(bytes) && self.evict_least_recent(self.previous_batch_start) {}
+        let transient = self.over_bound(bytes) && !self.registered.is_empty();
+        tracing::debug!(
+            object = %object.id,
+            bytes,
+            transient,
+            held = self.registered_bytes,
+            bound = self.config.max_open_bytes,
+            "symbolizer opens a file"
+        );
         self.registered_bytes += bytes;
         self.stats.objects_opened += 1;
         self.registered.insert(
@@ -850,6 +899,7 @@ impl Symbolizer {
                 path: path.clone(),
                 bytes,
                 last_used: self.tick,
+                transient,
                 failed: false,
             },
         );
@@ -876,15 +926,30 @@ impl Symbolizer {
         debug_files::find_debug_file(&roots, build_id.as_deref(), path, &source)
     }
 
-    fn evict_least_recent(&mut self) {
+    /// Whether opening a file of `bytes` more would go over either bound.
+    fn over_bound(&self, bytes: u64) -> bool {
+        let adding = usize::from(bytes > 0);
+        self.registered.len() + adding > self.config.max_open_objects.max(1)
+            || self.registered_bytes.saturating_add(bytes) > self.config.max_open_bytes
+    }
+
+    /// Closes a file opened over the bound, or else the least recently used
+    /// one not named since tick `cold_before`; false if there is none.
+    fn evict_least_recent(&mut self, cold_before: u64) -> bool {
         let Some(id) = self
             .registered
             .iter()
-            .min_by_key(|(_, entry)| entry.last_used)
+            .filter(|(_, entry)| entry.transient || entry.last_used <= cold_before)
+            .min_by_key(|(_, entry)| (!entry.transient, entry.last_used))
             .map(|(id, _)| *id)
         else {
-            return;
+            return false;
         };
+        self.evict(id);
+        true
+    }
+
+    fn evict(&mut self, id: ObjectId) {
         if let Some(entry) = self.registered.remove(&id) {
             self.registered_bytes -= entry.bytes;
             // Before the descriptor closes (with `entry`): see the module
@@ -1357,9 +1422,11 @@ mod tests {
             max_open_objects: 2,
             ..SymbolizerConfig::default()
         });
+        // Each round a batch.
         for round in 0..3u64 {
-            for copy in 0..5u64 {
-                // Five versions of one file, as five objects.
+            symbolizer.begin_batch(None);
+            for copy in 0..4u64 {
+                // Four versions of one file, as four objects.
                 let object = Arc::new(ObjectFile::from_file(
                     ObjectId::FileKey(FileKey {
                         dev: 1,
@@ -1372,10 +1439,15 @@ mod tests {
                 // Distinct offsets per round so every call reads the file.
                 let found = symbolizer.user(&object, &[offset + round]);
                 assert_eq!(functions(&found[0]), ["a"]);
-                assert!(symbolizer.registered.len() <= 2);
+                // One over the bound while the batch is built.
+                assert!(symbolizer.registered.len() <= 3);
             }
+            symbolizer.end_batch();
+            assert_eq!(symbolizer.registered.len(), 2);
         }
-        assert_eq!(symbolizer.stats().objects_opened, 15);
+        // The two that fit stayed open; the other two were opened again
+        // each round.
+        assert_eq!(symbolizer.stats().objects_opened, 4 + 2 + 2);
     }
 
     #[test]
@@ -1424,7 +1496,8 @@ mod tests {
                 File::open(&fixture.path).expect("opening"),
             ))
         };
-        // Room for two copies by count, but bytes for one and a half.
+        // Room for two copies by count, but bytes for one and a half: a
+        // batch opens one over the bound and closes it at its end.
         let mut symbolizer = Symbolizer::new(SymbolizerConfig {
             kallsyms: PathBuf::from("/nonexistent/kallsyms"),
             max_open_objects: 8,
@@ -1432,8 +1505,10 @@ mod tests {
             ..SymbolizerConfig::default()
         });
         for ino in 0..4 {
+            symbolizer.begin_batch(None);
             let found = symbolizer.user(&object(ino), &[offset]);
             assert_eq!(functions(&found[0]), ["a"]);
+            symbolizer.end_batch();
             assert_eq!(symbolizer.registered.len(), 1);
             assert_eq!(symbolizer.registered_bytes, size);
         }
@@ -1454,6 +1529,59 @@ mod tests {
         assert_eq!(
             (files.entries, files.bytes),
             (Some(1), usize::try_from(size).ok())
+        );
+    }
+
+    /// More files in steady use than fit: those that fit stay open from
+    /// batch to batch and only the others are parsed again, where closing
+    /// the least recently used would close each just before it is needed.
+    #[test]
+    fn files_named_in_every_batch_stay_and_only_what_does_not_fit_is_parsed_again() {
+        let fixture = Fixture::compile("call_chain", &[]);
+        let size = held_bytes(&File::open(&fixture.path).expect("opening"));
+        let objects: Vec<_> = (0..4)
+            .map(|ino| {
+                Arc::new(ObjectFile::from_file(
+                    ObjectId::FileKey(FileKey {
+                        dev: 1,
+                        ino,
+                        size: 0,
+                        mtime_ns: 0,
+                    }),
+                    File::open(&fixture.path).expect("opening"),
+                ))
+            })
+            .collect();
+        let bound = 2 * size + size / 2;
+        let mut symbolizer = Symbolizer::new(SymbolizerConfig {
+            kallsyms: PathBuf::from("/nonexistent/kallsyms"),
+            max_open_bytes: bound,
+            ..SymbolizerConfig::default()
+        });
+        for batch in 0..5 {
+            symbolizer.begin_batch(None);
+            // A new byte of `a` each batch: the name cache does not answer.
+            let offset = offset_of(&fixture.path, "a", batch + 1);
+            // Each batch in another order.
+            for at in 0..4 {
+                let object = &objects[(at + batch as usize) % 4];
+                assert_eq!(functions(&symbolizer.user(object, &[offset])[0]), ["a"]);
+                assert!(symbolizer.registered_bytes <= bound + size, "batch {batch}");
+            }
+            symbolizer.end_batch();
+            assert_eq!(symbolizer.registered.len(), 2, "batch {batch}");
+            assert!(symbolizer.registered_bytes <= bound);
+        }
+        // Four files the first batch, two each batch after: the same two
+        // stayed open (the least recently used would reopen all four).
+        assert_eq!(symbolizer.stats().objects_opened, 4 + 4 * 2);
+        // A lower bound closes files at the batch's end.
+        symbolizer.set_max_open_bytes(size);
+        symbolizer.begin_batch(None);
+        symbolizer.end_batch();
+        assert_eq!(
+            (symbolizer.registered.len(), symbolizer.registered_bytes),
+            (1, size)
         );
     }
 
