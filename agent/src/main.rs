@@ -404,7 +404,7 @@ fn main() -> anyhow::Result<()> {
             telemetry.metrics.set_export(exporter.stats_reader());
         }
         let sink = exporter.clone().map(|exporter| {
-            Box::new(move |batch| exporter.enqueue(batch))
+            Box::new(stackscope_agent::run::ExportSink(exporter))
                 as Box<dyn stackscope_agent::run::BatchSink>
         });
         let summary = run(&config, sink).await?;

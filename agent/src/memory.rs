@@ -16,6 +16,9 @@
 //! root on 80-85% of its samples with them at their floor, 90-92% with them
 //! whole). An agent killed for memory on a busy node loses exactly the
 //! profile that was wanted: a smaller cache costs re-reads instead.
+//!
+//! One share is lent while it goes unused: the export queue's room, to the
+//! symbolizer's files (see `aggregate::worker`).
 
 use std::fmt;
 

@@ -71,6 +71,27 @@ use stackscope_unwind::walker::{WalkStats, WalkerConfig};
 /// once more at shutdown for the last, partial one).
 pub trait BatchSink: Send {
     fn send(&mut self, batch: Batch);
+
+    /// Bytes the sink could still take before it is full: room the files
+    /// the symbolizer keeps open may use meanwhile (only the batch worker
+    /// fills the sink, one batch per interval, and it closes files before
+    /// it sends).
+    fn spare_bytes(&self) -> u64 {
+        0
+    }
+}
+
+/// The exporter as a sink: its queue's room is lent to the symbolizer.
+pub struct ExportSink(pub Arc<crate::export::Exporter>);
+
+impl BatchSink for ExportSink {
+    fn send(&mut self, batch: Batch) {
+        self.0.enqueue(batch);
+    }
+
+    fn spare_bytes(&self) -> u64 {
+        self.0.spare_bytes()
+    }
 }
 
 impl<F: FnMut(Batch) + Send> BatchSink for F {

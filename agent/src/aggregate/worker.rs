@@ -7,14 +7,22 @@
 //! built batch goes to (the exporter's queue, which takes it without
 //! waiting).
 //!
-//! Memory: one interval waits at most; an interval finished while the
-//! worker is still busy with the one before and another waiting is dropped
-//! and counted.
+//! The files the symbolizer keeps open are bounded by their share of the
+//! memory budget plus the room the sink (the export queue) has left: only
+//! this thread fills that queue, a batch an interval, and the symbolizer
+//! closes what is over its bound before the batch is queued.
+//!
+//! Memory: one interval waits at most. While one waits (the worker still
+//! busy with the one before: a slow first read of large files' DWARF), the
+//! interval being aggregated is not ended at its boundary but runs on to
+//! the next one ([`BatchWorker::try_submit`]): its samples are kept, in a
+//! longer interval bounded like any other, rather than dropped.
 
 use std::{
     io,
     sync::{
         Arc, Mutex, PoisonError,
+        atomic::{AtomicBool, Ordering},
         mpsc::{self, SyncSender, TrySendError},
     },
     thread::JoinHandle,
@@ -25,14 +33,19 @@ use prost::Message as _;
 
 use super::{BatchOptions, Interval, MappingKey, build_batch};
 use crate::{export::debuginfo::UploadQueue, run::BatchSink};
-use stackscope_symbolize::node::{SymbolizeStats, Symbolizer, SymbolizerConfig};
+use stackscope_symbolize::node::{
+    DEFAULT_MAX_OPEN_BYTES, SymbolizeStats, Symbolizer, SymbolizerConfig,
+};
 use stackscope_telemetry::StateSize;
 
 /// What the worker has done so far.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, serde::Serialize)]
 pub struct WorkerStats {
     pub batches_built: u64,
-    /// Intervals dropped because the worker was still busy.
+    /// Interval ends passed over because an interval still waited for the
+    /// worker: the interval ran on to the next boundary.
+    pub intervals_extended: u64,
+    /// Intervals lost: the worker had stopped.
     pub intervals_dropped: u64,
     /// Intervals without a sample: no batch is built for them.
     pub intervals_empty: u64,
@@ -57,11 +70,14 @@ pub struct WorkerStats {
 #[derive(Debug)]
 pub struct BatchWorker {
     intervals: Option<SyncSender<Interval>>,
+    /// An interval was handed over and the worker has not taken it yet.
+    waiting: Arc<AtomicBool>,
     thread: Option<JoinHandle<()>>,
     shared: Arc<Mutex<WorkerStats>>,
     /// The symbolizer's state sizes, as of the last batch.
     state: Arc<Mutex<Vec<StateSize>>>,
     dropped: u64,
+    extended: u64,
 }
 
 impl BatchWorker {
@@ -74,7 +90,9 @@ impl BatchWorker {
         uploads: Option<UploadQueue>,
         mut sink: Option<Box<dyn BatchSink>>,
     ) -> io::Result<Self> {
-        let (intervals, waiting) = mpsc::sync_channel::<Interval>(1);
+        let (intervals, queue) = mpsc::sync_channel::<Interval>(1);
+        let waiting = Arc::new(AtomicBool::new(false));
+        let taken = Arc::clone(&waiting);
         let shared = Arc::new(Mutex::new(WorkerStats::default()));
         let stats = Arc::clone(&shared);
         let state = Arc::new(Mutex::new(Vec::new()));
@@ -87,10 +105,16 @@ impl BatchWorker {
         let thread = std::thread::Builder::new()
             .name("stackscope-batch".into())
             .spawn(move || {
+                // Its own share of the budget; the export queue's room is
+                // lent on top, up to what the symbolizer holds by default.
+                let own_share = symbolizer.max_open_bytes;
+                let most = own_share.max(DEFAULT_MAX_OPEN_BYTES);
                 let mut symbolizer = Symbolizer::new(symbolizer);
+                let mut last_batch_bytes = 0;
                 lock(&stats).symbolize = symbolizer.stats();
                 publish_state(&symbolizer);
-                for interval in waiting {
+                for interval in queue {
+                    taken.store(false, Ordering::Release);
                     // The last interval's tables are freed by now (its
                     // batch too, unless the exporter still holds it).
                     if release_free_heap() {
@@ -101,7 +125,14 @@ impl BatchWorker {
                         continue;
                     }
                     let started = Instant::now();
+                    // Room for this batch in the queue kept free: it is
+                    // about as large as the last one.
+                    let lent = sink.as_ref().map_or(0, |sink| {
+                        sink.spare_bytes().saturating_sub(2 * last_batch_bytes)
+                    });
+                    symbolizer.set_max_open_bytes(own_share.saturating_add(lent).min(most));
                     let batch = build_batch(&interval, &mut symbolizer, &options);
+                    last_batch_bytes = batch.encoded_len() as u64;
                     let micros = u64::try_from(started.elapsed().as_micros()).unwrap_or(u64::MAX);
                     if let Some(uploads) = &uploads {
                         offer_binaries(&interval, uploads);
@@ -130,29 +161,47 @@ impl BatchWorker {
             })?;
         Ok(Self {
             intervals: Some(intervals),
+            waiting,
             thread: Some(thread),
             shared,
             state,
             dropped: 0,
+            extended: 0,
         })
     }
 
-    /// Hands a finished interval over without waiting; it is dropped (and
-    /// counted) when one is already waiting.
-    pub fn submit(&mut self, interval: Interval) {
-        let Some(intervals) = &self.intervals else {
-            return;
-        };
-        match intervals.try_send(interval) {
-            Ok(()) => {}
-            Err(TrySendError::Full(interval)) => {
-                self.dropped += 1;
+    /// Whether an interval handed over would be taken without waiting: none
+    /// waits for the worker.
+    pub fn has_room(&self) -> bool {
+        !self.waiting.load(Ordering::Acquire)
+    }
+
+    /// Ends the interval (`finish`) and hands it over, if the worker has
+    /// room for it; otherwise leaves it running (counted, and said once in
+    /// a while) and returns false.
+    pub fn try_submit(&mut self, finish: impl FnOnce() -> Interval) -> bool {
+        if !self.has_room() {
+            self.extended += 1;
+            if self.extended.is_power_of_two() {
                 tracing::warn!(
-                    "still building earlier batches: dropped the interval of {} samples \
-                     ({} intervals dropped so far)",
-                    interval.sample_count(),
-                    self.dropped
+                    "still building the last batch: the interval runs on to the next boundary \
+                     ({} interval ends passed over so far)",
+                    self.extended
                 );
+            }
+            return false;
+        }
+        let Some(intervals) = &self.intervals else {
+            return true;
+        };
+        self.waiting.store(true, Ordering::Release);
+        match intervals.try_send(finish()) {
+            Ok(()) => {}
+            // Only this thread sends, and the worker takes before it
+            // clears the flag: an interval waits only while it is set.
+            Err(TrySendError::Full(_)) => {
+                self.dropped += 1;
+                tracing::error!("the batch worker's queue was full: an interval was dropped");
             }
             Err(TrySendError::Disconnected(_)) => {
                 self.dropped += 1;
@@ -161,6 +210,7 @@ impl BatchWorker {
                 }
             }
         }
+        true
     }
 
     /// The symbolizer's state sizes, as of the last batch built.
@@ -171,6 +221,7 @@ impl BatchWorker {
     pub fn stats(&self) -> WorkerStats {
         WorkerStats {
             intervals_dropped: self.dropped,
+            intervals_extended: self.extended,
             ..*lock(&self.shared)
         }
     }
@@ -262,5 +313,131 @@ fn offer_binaries(interval: &Interval, uploads: &UploadQueue) {
             || object.open_now().ok().and_then(|f| f.try_clone().ok()),
             path,
         );
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::{path::PathBuf, sync::mpsc::Receiver, time::SystemTime};
+
+    use super::*;
+    use crate::aggregate::{
+        Aggregator,
+        test_support::{add, config, file, header, module_files},
+    };
+    use stackscope_proto::v1::Batch;
+
+    /// A sink that holds the worker in `send` until the test lets each
+    /// batch through, and lends `spare` bytes.
+    struct GatedSink {
+        gate: Arc<Mutex<Receiver<()>>>,
+        sent: SyncSender<Batch>,
+        spare: u64,
+    }
+
+    impl BatchSink for GatedSink {
+        fn send(&mut self, batch: Batch) {
+            let _ = lock_gate(&self.gate).recv();
+            let _ = self.sent.send(batch);
+        }
+
+        fn spare_bytes(&self) -> u64 {
+            self.spare
+        }
+    }
+
+    fn lock_gate(gate: &Mutex<Receiver<()>>) -> std::sync::MutexGuard<'_, Receiver<()>> {
+        gate.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    /// An interval of one sample in this process's own executable.
+    fn interval_of_one_sample() -> Interval {
+        let (own, _) = module_files();
+        let mut aggregator = Aggregator::new(config());
+        add(
+            &mut aggregator,
+            &header(std::process::id(), "worker-test", true),
+            &[],
+            &[file(&own, 0x1000)],
+        );
+        aggregator.finish_interval(SystemTime::now())
+    }
+
+    fn start(spare: u64) -> (BatchWorker, mpsc::Sender<()>, Receiver<Batch>) {
+        let (open, gate) = mpsc::channel();
+        let (sent, batches) = mpsc::sync_channel(16);
+        let sink = GatedSink {
+            gate: Arc::new(Mutex::new(gate)),
+            sent,
+            spare,
+        };
+        let worker = BatchWorker::start(
+            SymbolizerConfig {
+                kallsyms: PathBuf::from("/nonexistent/kallsyms"),
+                max_open_bytes: 8 << 20,
+                ..SymbolizerConfig::default()
+            },
+            BatchOptions::for_frequency(99),
+            None,
+            Some(Box::new(sink)),
+        )
+        .expect("the worker thread");
+        (worker, open, batches)
+    }
+
+    /// A worker still busy with one batch and another waiting: the next
+    /// interval is not ended (nor dropped) but runs on; nothing is lost.
+    #[test]
+    fn a_busy_worker_leaves_the_interval_running_and_loses_none_of_it() {
+        let (mut worker, open, batches) = start(0);
+        assert!(worker.try_submit(interval_of_one_sample));
+        // The worker takes the first interval and waits in `send`.
+        let deadline = Instant::now() + std::time::Duration::from_secs(10);
+        while !worker.has_room() {
+            assert!(Instant::now() < deadline, "the worker never took it");
+            std::thread::sleep(std::time::Duration::from_millis(5));
+        }
+        assert!(worker.try_submit(interval_of_one_sample));
+        assert!(!worker.has_room());
+        let mut finished = false;
+        assert!(!worker.try_submit(|| {
+            finished = true;
+            interval_of_one_sample()
+        }));
+        assert!(!finished, "an interval that cannot go is not ended");
+        for _ in 0..3 {
+            open.send(()).expect("the gate");
+        }
+        let stats = worker.finish(interval_of_one_sample());
+        assert_eq!((stats.intervals_extended, stats.intervals_dropped), (1, 0));
+        assert_eq!((stats.batches_built, stats.samples_in_batches), (3, 3));
+        assert_eq!(batches.try_iter().count(), 3);
+    }
+
+    /// The export queue's room is the symbolizer's to use on top of its
+    /// share, up to what it holds by default.
+    #[test]
+    fn the_sinks_room_is_lent_to_the_symbolizer() {
+        let cases = [
+            (0, 8 << 20),
+            (40 << 20, 48 << 20),
+            (u64::MAX, DEFAULT_MAX_OPEN_BYTES),
+        ];
+        for (spare, bound) in cases {
+            let (mut worker, open, batches) = start(spare);
+            assert!(worker.try_submit(interval_of_one_sample));
+            open.send(()).expect("the gate");
+            batches
+                .recv_timeout(std::time::Duration::from_secs(10))
+                .expect("the batch");
+            // Published before the batch was sent.
+            let mut sizes = Vec::new();
+            worker.state_sizes(&mut sizes);
+            let files = sizes
+                .iter()
+                .find(|size| size.name == "symbolizer_files")
+                .expect("the symbolizer's files");
+            assert_eq!(files.max_bytes, usize::try_from(bound).ok(), "{spare}");
+        }
     }
 }

@@ -336,6 +336,12 @@ impl Exporter {
         self.shared.stats()
     }
 
+    /// Bytes the queue could take before it is full (the batch being sent
+    /// counted as queued).
+    pub fn spare_bytes(&self) -> u64 {
+        (self.shared.max_queue_bytes as u64).saturating_sub(self.stats().queued_bytes)
+    }
+
     /// Reads [`Exporter::stats`] from elsewhere (the metrics endpoint)
     /// without holding on to the exporter, whose shutdown needs it alone.
     pub fn stats_reader(&self) -> ExportStatsReader {

@@ -311,12 +311,17 @@ async fn sample(
                     records.python.trim_codes(&mut records.processes);
                     records.sink.aggregator.trim_jvms();
                     let end = nearest_boundary(SystemTime::now(), interval);
+                    // An interval that still waits ends now, or runs on to
+                    // `end` if the worker is still busy.
                     if let Some(earlier) = ending.tick(end, Instant::now()) {
-                        worker.submit(records.sink.aggregator.finish_interval(earlier));
+                        worker.try_submit(|| records.sink.aggregator.finish_interval(earlier));
                     }
                 })
             }
-            () = tokio::time::sleep_until(labels_deadline), if ending.deadline().is_some() => Ok(()),
+            // Not while the worker is busy: the interval could not end
+            // (the next drain looks again).
+            () = tokio::time::sleep_until(labels_deadline),
+                if ending.deadline().is_some() && worker.has_room() => Ok(()),
             Some(command) = commands.recv() => {
                 let sampling = Sampling { sampler: &mut sampler, worker: &worker, began };
                 let applied = records.apply(command, sampling, &reports, &handoffs);
@@ -333,8 +338,10 @@ async fn sample(
             break Err(err);
         }
         let now = Instant::now();
-        if let Some(end) = ending.due(|| records.awaits_answers(now), now) {
-            worker.submit(records.sink.aggregator.finish_interval(end));
+        if worker.has_room()
+            && let Some(end) = ending.due(|| records.awaits_answers(now), now)
+        {
+            worker.try_submit(|| records.sink.aggregator.finish_interval(end));
         }
     };
     if ended.is_ok()
@@ -342,8 +349,9 @@ async fn sample(
     {
         tracing::warn!("reading the last records failed: {err}");
     }
+    // With the worker busy, its samples go with the last interval.
     if let Some(end) = ending.take() {
-        worker.submit(records.sink.aggregator.finish_interval(end));
+        worker.try_submit(|| records.sink.aggregator.finish_interval(end));
     }
     Some(match ended {
         Ok(()) => finish(records, sampler, worker, &handoffs, began),

@@ -1198,10 +1198,18 @@ const BATCHES: &[Stat] = &[
     ),
     Stat::counter(
         "intervals_dropped",
-        "Aggregation intervals dropped because the batch builder was busy.",
+        "Aggregation intervals lost because the batch builder had stopped.",
         &[Series::one(
             "/batches/intervals_dropped",
             field!(batches.intervals_dropped),
+        )],
+    ),
+    Stat::counter(
+        "intervals_extended",
+        "Interval ends passed over because the batch builder was still busy: the interval ran on.",
+        &[Series::one(
+            "/batches/intervals_extended",
+            field!(batches.intervals_extended),
         )],
     ),
     Stat::counter(

@@ -256,6 +256,7 @@ mod tests {
         "/process_table/build_ids_unverified",
         "/batches/built",
         "/batches/intervals_dropped",
+        "/batches/intervals_extended",
         "/batches/intervals_empty",
         "/batches/samples",
         "/batches/build_micros_last",

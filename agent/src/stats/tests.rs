@@ -216,6 +216,7 @@ pub(crate) fn every_figure_distinct() -> RunTotals {
         batches: WorkerStats {
             batches_built: n(),
             intervals_dropped: n(),
+            intervals_extended: n(),
             intervals_empty: n(),
             samples_in_batches: n(),
             build_micros_last: n(),
@@ -527,6 +528,7 @@ const METRIC_SERIES: &[&str] = &[
     "stackscope_agent_state_resets_total",
     "stackscope_agent_batches_built_total",
     "stackscope_agent_intervals_dropped_total",
+    "stackscope_agent_intervals_extended_total",
     "stackscope_agent_heap_trims_total",
     "stackscope_agent_last_batch_bytes",
     "stackscope_agent_export_batches_total{result=\"stored\"}",
