@@ -19,6 +19,7 @@ use stackscope_profile::model::unix_nanos;
 use stackscope_proto::v1;
 
 use super::{Interval, MappingKey, index_of, labels};
+use stackscope_process_table::ObjectId;
 use stackscope_symbolize::node::{FrameLine, Lines, Symbolizer, perf_map, truncate_str};
 
 /// The longest string sent: the collector's default limit.
@@ -258,8 +259,23 @@ fn name_locations(
         }
     }
     let mut groups: Vec<(u32, Vec<usize>)> = by_mapping.into_iter().collect();
-    // Deterministic order, so the naming budget cuts the same way each time.
+    // Deterministic order, so the naming budget cuts the same way each time,
+    // and the mappings of one file (each process maps its own) together: a
+    // file the symbolizer has no room to keep is then opened once a batch.
     groups.sort_unstable_by_key(|(mapping, _)| *mapping);
+    let mut first_of_file: HashMap<ObjectId, u32> = HashMap::new();
+    let mut ranked: Vec<(u32, (u32, Vec<usize>))> = groups
+        .into_iter()
+        .map(|(mapping, indexes)| {
+            let rank = match &interval.mappings[mapping as usize].key {
+                MappingKey::User { id, .. } => *first_of_file.entry(*id).or_insert(mapping),
+                _ => mapping,
+            };
+            (rank, (mapping, indexes))
+        })
+        .collect();
+    ranked.sort_by_key(|(rank, _)| *rank);
+    let groups = ranked.into_iter().map(|(_, group)| group);
     for (mapping, indexes) in groups {
         let offsets: Vec<u64> = indexes
             .iter()

@@ -194,6 +194,8 @@ impl BatchWorker {
         let Some(intervals) = &self.intervals else {
             return true;
         };
+        // Set before the send: the worker clears it once it has taken the
+        // interval, which may be at once.
         self.waiting.store(true, Ordering::Release);
         match intervals.try_send(finish()) {
             Ok(()) => {}
@@ -204,6 +206,9 @@ impl BatchWorker {
                 tracing::error!("the batch worker's queue was full: an interval was dropped");
             }
             Err(TrySendError::Disconnected(_)) => {
+                // Nothing waits: later intervals end (and are dropped) at
+                // their boundaries rather than running on for ever.
+                self.waiting.store(false, Ordering::Release);
                 self.dropped += 1;
                 if self.dropped == 1 {
                     tracing::error!("the batch worker has stopped: intervals are dropped");
@@ -412,6 +417,34 @@ mod tests {
         assert_eq!((stats.intervals_extended, stats.intervals_dropped), (1, 0));
         assert_eq!((stats.batches_built, stats.samples_in_batches), (3, 3));
         assert_eq!(batches.try_iter().count(), 3);
+    }
+
+    /// A worker that died (its sink panicked) leaves no interval waiting:
+    /// intervals end at their boundaries and are counted as dropped, not
+    /// run on for ever.
+    #[test]
+    fn after_the_worker_is_gone_intervals_end_and_are_counted_lost() {
+        let sink = |_batch: Batch| panic!("a sink that fails");
+        let mut worker = BatchWorker::start(
+            SymbolizerConfig {
+                kallsyms: PathBuf::from("/nonexistent/kallsyms"),
+                ..SymbolizerConfig::default()
+            },
+            BatchOptions::for_frequency(99),
+            None,
+            Some(Box::new(sink)),
+        )
+        .expect("the worker thread");
+        assert!(worker.try_submit(interval_of_one_sample));
+        let deadline = Instant::now() + std::time::Duration::from_secs(10);
+        while !worker.thread.as_ref().is_some_and(JoinHandle::is_finished) {
+            assert!(Instant::now() < deadline, "the worker never stopped");
+            std::thread::sleep(std::time::Duration::from_millis(5));
+        }
+        assert!(worker.try_submit(interval_of_one_sample));
+        assert!(worker.try_submit(interval_of_one_sample));
+        let stats = worker.stats();
+        assert_eq!((stats.intervals_extended, stats.intervals_dropped), (0, 2));
     }
 
     /// The export queue's room is the symbolizer's to use on top of its

@@ -318,10 +318,7 @@ async fn sample(
                     }
                 })
             }
-            // Not while the worker is busy: the interval could not end
-            // (the next drain looks again).
-            () = tokio::time::sleep_until(labels_deadline),
-                if ending.deadline().is_some() && worker.has_room() => Ok(()),
+            () = tokio::time::sleep_until(labels_deadline), if ending.deadline().is_some() => Ok(()),
             Some(command) = commands.recv() => {
                 let sampling = Sampling { sampler: &mut sampler, worker: &worker, began };
                 let applied = records.apply(command, sampling, &reports, &handoffs);
@@ -337,10 +334,10 @@ async fn sample(
         if let Err(err) = step {
             break Err(err);
         }
+        // A worker still busy when the interval is due: it runs on to the
+        // next boundary, which ends it.
         let now = Instant::now();
-        if worker.has_room()
-            && let Some(end) = ending.due(|| records.awaits_answers(now), now)
-        {
+        if let Some(end) = ending.due(|| records.awaits_answers(now), now) {
             worker.try_submit(|| records.sink.aggregator.finish_interval(end));
         }
     };

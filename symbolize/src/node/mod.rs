@@ -131,7 +131,8 @@ pub struct SymbolizerConfig {
     /// Names kept, by (object, file offset), for every process at once.
     pub max_cached_names: usize,
     /// Files blazesym keeps open and parsed at once; beyond, the least
-    /// recently used one not named in the batch being built is closed (see
+    /// recently used one named in neither the batch being built nor the
+    /// last is closed, or the new one is closed at the batch's end (see
     /// [`Symbolizer::end_batch`]).
     pub max_open_objects: usize,
     /// Total size of the files blazesym keeps open, likewise
@@ -490,8 +491,10 @@ impl Symbolizer {
         for id in transient {
             self.evict(id);
         }
-        while self.registered.len() > 1 && self.over_bound(0) && self.evict_least_recent(u64::MAX) {
-        }
+        while self.registered.len() > 1
+            && self.over_bound(false, 0)
+            && self.evict_least_recent(u64::MAX)
+        {}
     }
 
     /// The bytes of files kept open, from the next file opened on; the
@@ -879,8 +882,8 @@ impl Symbolizer {
         // least recently used would close each just before the next batch
         // needs it, and every batch would parse every file again. Kept,
         // only what does not fit beside them is parsed again.
-        while self.over_bound(bytes) && self.evict_least_recent(self.previous_batch_start) {}
-        let transient = self.over_bound(bytes) && !self.registered.is_empty();
+        while self.over_bound(true, bytes) && self.evict_least_recent(self.previous_batch_start) {}
+        let transient = self.over_bound(true, bytes) && !self.registered.is_empty();
         tracing::debug!(
             object = %object.id,
             bytes,
@@ -926,10 +929,10 @@ impl Symbolizer {
         debug_files::find_debug_file(&roots, build_id.as_deref(), path, &source)
     }
 
-    /// Whether opening a file of `bytes` more would go over either bound.
-    fn over_bound(&self, bytes: u64) -> bool {
-        let adding = usize::from(bytes > 0);
-        self.registered.len() + adding > self.config.max_open_objects.max(1)
+    /// Whether the files open, and one of `bytes` more if `adding`, go over
+    /// either bound.
+    fn over_bound(&self, adding: bool, bytes: u64) -> bool {
+        self.registered.len() + usize::from(adding) > self.config.max_open_objects.max(1)
             || self.registered_bytes.saturating_add(bytes) > self.config.max_open_bytes
     }
 
