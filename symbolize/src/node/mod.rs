@@ -1305,15 +1305,7 @@ mod tests {
             std::fs::File::create(&path)
                 .and_then(|mut file| file.write_all(bytes))
                 .expect("writing the file");
-            let object = Arc::new(ObjectFile::from_file(
-                ObjectId::FileKey(FileKey {
-                    dev: 0,
-                    ino: i as u64,
-                    size: 0,
-                    mtime_ns: 0,
-                }),
-                File::open(&path).expect("opening"),
-            ));
+            let object = object_of(&path, 0, i as u64);
             for _ in 0..2 {
                 let found = symbolizer.user(&object, &[0x1000, 0x1010]);
                 assert_eq!(found.len(), 2, "{name}");
@@ -1416,6 +1408,20 @@ mod tests {
         assert_eq!(stats.objects_opened, 1);
     }
 
+    /// `path` opened as the object of inode `ino` on device `dev`: one
+    /// file as many objects.
+    fn object_of(path: &Path, dev: u64, ino: u64) -> Arc<ObjectFile> {
+        Arc::new(ObjectFile::from_file(
+            ObjectId::FileKey(FileKey {
+                dev,
+                ino,
+                size: 0,
+                mtime_ns: 0,
+            }),
+            File::open(path).expect("opening"),
+        ))
+    }
+
     #[test]
     fn open_files_are_bounded() {
         let fixture = Fixture::compile("call_chain", &[]);
@@ -1430,15 +1436,7 @@ mod tests {
             symbolizer.begin_batch(None);
             for copy in 0..4u64 {
                 // Four versions of one file, as four objects.
-                let object = Arc::new(ObjectFile::from_file(
-                    ObjectId::FileKey(FileKey {
-                        dev: 1,
-                        ino: copy,
-                        size: 0,
-                        mtime_ns: 0,
-                    }),
-                    File::open(&fixture.path).expect("opening"),
-                ));
+                let object = object_of(&fixture.path, 1, copy);
                 // Distinct offsets per round so every call reads the file.
                 let found = symbolizer.user(&object, &[offset + round]);
                 assert_eq!(functions(&found[0]), ["a"]);
@@ -1488,17 +1486,7 @@ mod tests {
         let fixture = Fixture::compile("call_chain", &[]);
         let offset = offset_of(&fixture.path, "a", 1);
         let size = held_bytes(&File::open(&fixture.path).expect("opening"));
-        let object = |ino| {
-            Arc::new(ObjectFile::from_file(
-                ObjectId::FileKey(FileKey {
-                    dev: 1,
-                    ino,
-                    size: 0,
-                    mtime_ns: 0,
-                }),
-                File::open(&fixture.path).expect("opening"),
-            ))
-        };
+        let object = |ino| object_of(&fixture.path, 1, ino);
         // Room for two copies by count, but bytes for one and a half: a
         // batch opens one over the bound and closes it at its end.
         let mut symbolizer = Symbolizer::new(SymbolizerConfig {
@@ -1542,19 +1530,7 @@ mod tests {
     fn files_named_in_every_batch_stay_and_only_what_does_not_fit_is_parsed_again() {
         let fixture = Fixture::compile("call_chain", &[]);
         let size = held_bytes(&File::open(&fixture.path).expect("opening"));
-        let objects: Vec<_> = (0..4)
-            .map(|ino| {
-                Arc::new(ObjectFile::from_file(
-                    ObjectId::FileKey(FileKey {
-                        dev: 1,
-                        ino,
-                        size: 0,
-                        mtime_ns: 0,
-                    }),
-                    File::open(&fixture.path).expect("opening"),
-                ))
-            })
-            .collect();
+        let objects: Vec<_> = (0..4).map(|ino| object_of(&fixture.path, 1, ino)).collect();
         let bound = 2 * size + size / 2;
         let mut symbolizer = Symbolizer::new(SymbolizerConfig {
             kallsyms: PathBuf::from("/nonexistent/kallsyms"),
