@@ -262,20 +262,21 @@ fn name_locations(
     // Deterministic order, so the naming budget cuts the same way each time,
     // and the mappings of one file (each process maps its own) together: a
     // file the symbolizer has no room to keep is then opened once a batch.
-    groups.sort_unstable_by_key(|(mapping, _)| *mapping);
+    let file_of = |mapping: u32| match &interval.mappings[mapping as usize].key {
+        MappingKey::User { id, .. } => Some(*id),
+        _ => None,
+    };
     let mut first_of_file: HashMap<ObjectId, u32> = HashMap::new();
-    let mut ranked: Vec<(u32, (u32, Vec<usize>))> = groups
-        .into_iter()
-        .map(|(mapping, indexes)| {
-            let rank = match &interval.mappings[mapping as usize].key {
-                MappingKey::User { id, .. } => *first_of_file.entry(*id).or_insert(mapping),
-                _ => mapping,
-            };
-            (rank, (mapping, indexes))
-        })
-        .collect();
-    ranked.sort_by_key(|(rank, _)| *rank);
-    let groups = ranked.into_iter().map(|(_, group)| group);
+    for &(mapping, _) in &groups {
+        if let Some(id) = file_of(mapping) {
+            let first = first_of_file.entry(id).or_insert(mapping);
+            *first = (*first).min(mapping);
+        }
+    }
+    groups.sort_unstable_by_key(|&(mapping, _)| {
+        let first = file_of(mapping).map_or(mapping, |id| first_of_file[&id]);
+        (first, mapping)
+    });
     for (mapping, indexes) in groups {
         let offsets: Vec<u64> = indexes
             .iter()
