@@ -112,12 +112,6 @@ impl DirectCfi {
         EhFrameHdr::new(&data[self.eh_frame_hdr.clone()], LittleEndian).parse(&self.bases, 8)
     }
 
-    /// The size of the file's `.eh_frame`: what a compile of its table
-    /// holds while it runs grows with it.
-    pub fn eh_frame_bytes(&self) -> usize {
-        self.eh_frame.len()
-    }
-
     /// The rule at file virtual address `address`, as the compiled table
     /// will have it; `None` when no FDE covers it or its FDE does not
     /// evaluate (the table decides those).

@@ -613,11 +613,6 @@ impl ModuleLookup for KnownModules<'_> {
     }
 }
 
-/// Heap a table's compile holds at its peak, per byte of the `.eh_frame`
-/// it reads: libLLVM's 7.7 MB took 38 MB, librustc_driver's 6.3 MB took
-/// 31 MB (heaptrack, after the 8-byte raw rows).
-const COMPILE_BYTES_PER_CFI_BYTE: usize = 5;
-
 /// Tables by object identity, bounded by bytes over the tables that no
 /// process module holds any more.
 #[derive(Default)]
@@ -649,22 +644,6 @@ impl TableCache {
         Some(entry.table.clone())
     }
 
-    /// What the compile of the largest table waiting holds while it runs,
-    /// estimated from its `.eh_frame` (see [`COMPILE_BYTES_PER_CFI_BYTE`]):
-    /// room the unused tables give up meanwhile. One large table compiles
-    /// at a time on a small host; small objects' compiles take
-    /// milliseconds and are not counted.
-    fn compiling_bytes(&self) -> usize {
-        self.by_object
-            .values()
-            .filter_map(|entry| match &entry.table {
-                ModuleTable::Pending(_, Some(direct)) => Some(direct.eh_frame_bytes()),
-                _ => None,
-            })
-            .max()
-            .map_or(0, |cfi| cfi.saturating_mul(COMPILE_BYTES_PER_CFI_BYTE))
-    }
-
     /// Returns how many unused tables went for it.
     fn insert(&mut self, id: ObjectId, table: ModuleTable, max_bytes: usize) -> u64 {
         self.tick += 1;
@@ -679,10 +658,9 @@ impl TableCache {
     }
 
     /// Drops the least recently used tables that no process holds (their
-    /// `Arc` is only ours) until the unused ones fit in `max_bytes`, less
-    /// what the large compiles waiting hold. Returns how many went.
+    /// `Arc` is only ours) until the unused ones fit in `max_bytes`.
+    /// Returns how many went.
     fn evict_unused(&mut self, max_bytes: usize) -> u64 {
-        let max_bytes = max_bytes.saturating_sub(self.compiling_bytes());
         // Runs after every drain: one pass when under the bound.
         let mut unused_bytes: usize = self
             .by_object
@@ -2030,45 +2008,6 @@ mod tests {
         // Without deep copies, the memory is neither read nor written.
         let mut walker = StackWalker::new(config(0));
         assert!(walker.take_plan_updates().is_empty());
-    }
-
-    /// While a large table compiles, the unused tables give up the room
-    /// its compile holds; once it is done, they have it back.
-    #[test]
-    fn a_large_compile_waiting_takes_its_room_from_the_unused_tables() {
-        let image = std::fs::read("/proc/self/exe").expect("the test binary");
-        let table = Arc::new(UnwindTable::from_elf(&image).expect("its table"));
-        let direct = Arc::new(DirectCfi::new(image).expect("its .eh_frame_hdr"));
-        let (table_bytes, compile_bytes) = (
-            table.heap_bytes(),
-            direct.eh_frame_bytes() * COMPILE_BYTES_PER_CFI_BYTE,
-        );
-        let id = |ino| {
-            ObjectId::FileKey(stackscope_process_table::FileKey {
-                dev: 1,
-                ino,
-                size: 0,
-                mtime_ns: 0,
-            })
-        };
-        // Three unused copies fit, with the compile's room to spare.
-        let max_bytes = 3 * table_bytes + compile_bytes - 1;
-        let mut cache = TableCache::default();
-        for ino in 0..3 {
-            let copy = Arc::new(UnwindTable::clone(&table));
-            assert_eq!(
-                cache.insert(id(ino), ModuleTable::Ready(copy), max_bytes),
-                0
-            );
-        }
-        let pending = ModuleTable::Pending(id(9), Some(Arc::clone(&direct)));
-        assert_eq!(cache.insert(id(9), pending, max_bytes), 1);
-        assert_eq!(cache.by_object.len(), 3);
-        // Compiled (and in use): the room is the tables' again.
-        let compiled = ModuleTable::Ready(Arc::clone(&table));
-        assert_eq!(cache.insert(id(9), compiled, max_bytes), 0);
-        let copy = Arc::new(UnwindTable::clone(&table));
-        assert_eq!(cache.insert(id(0), ModuleTable::Ready(copy), max_bytes), 0);
     }
 
     #[test]
