@@ -335,24 +335,20 @@ mod tests {
     /// A sink that holds the worker in `send` until the test lets each
     /// batch through, and lends `spare` bytes.
     struct GatedSink {
-        gate: Arc<Mutex<Receiver<()>>>,
+        gate: Receiver<()>,
         sent: SyncSender<Batch>,
         spare: u64,
     }
 
     impl BatchSink for GatedSink {
         fn send(&mut self, batch: Batch) {
-            let _ = lock_gate(&self.gate).recv();
+            let _ = self.gate.recv();
             let _ = self.sent.send(batch);
         }
 
         fn spare_bytes(&self) -> u64 {
             self.spare
         }
-    }
-
-    fn lock_gate(gate: &Mutex<Receiver<()>>) -> std::sync::MutexGuard<'_, Receiver<()>> {
-        gate.lock().unwrap_or_else(PoisonError::into_inner)
     }
 
     /// An interval of one sample in this process's own executable.
@@ -371,11 +367,7 @@ mod tests {
     fn start(spare: u64) -> (BatchWorker, mpsc::Sender<()>, Receiver<Batch>) {
         let (open, gate) = mpsc::channel();
         let (sent, batches) = mpsc::sync_channel(16);
-        let sink = GatedSink {
-            gate: Arc::new(Mutex::new(gate)),
-            sent,
-            spare,
-        };
+        let sink = GatedSink { gate, sent, spare };
         let worker = BatchWorker::start(
             SymbolizerConfig {
                 kallsyms: PathBuf::from("/nonexistent/kallsyms"),
