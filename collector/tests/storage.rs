@@ -560,6 +560,19 @@ fn retention_and_cold_caches_keep_ids_dense() {
     ingest_all(&storage, &[later(9, 62)]);
     assert!(storage.cache_stats().misses > 0, "the caches start cold");
     assert_eq!(last_ids(), ids, "known items took no new ids");
+    // Found by their hash, they moved to the batch's bucket, so retention
+    // keeps them as long as the samples that use them.
+    let conn = rusqlite::Connection::open(&path).expect("open for last buckets");
+    for table in tables {
+        let latest: i64 = conn
+            .query_row(
+                &format!("SELECT max(last_bucket) FROM {table}"),
+                [],
+                |row| row.get(0),
+            )
+            .expect("read last buckets");
+        assert_eq!(latest, T0 + 62 * MINUTE, "{table}");
+    }
     // S1: 4 in each later batch, 3 in the late one.
     assert_eq!(
         weights(&storage, &select(0, i64::MAX, &[])),

@@ -65,15 +65,18 @@ ON CONFLICT (bucket_start, label_set_id) DO UPDATE SET
         THEN 9223372036854775807 ELSE weight + excluded.weight END";
 
 /// The statements of one dictionary table. A stored item's `last_bucket`
-/// moves forward by id (`bump`, when the caches know the id) or by hash
-/// (`touch`, which gives the id); only an item `touch` does not find is
-/// inserted. An upsert (`INSERT .. ON CONFLICT DO UPDATE`) would do both in
-/// one statement, but one that hits a stored row still uses up an
-/// AUTOINCREMENT id (SQLite draws it before the uniqueness check), so the
-/// ids of a long-lived database would climb with every cache miss.
+/// moves forward by id (`bump`); an item the caches do not know is looked
+/// up by hash (`find`) and inserted only when not found. An upsert
+/// (`INSERT .. ON CONFLICT DO UPDATE`) would do both in one statement, but
+/// one that hits a stored row still uses up an AUTOINCREMENT id (SQLite
+/// draws it before the uniqueness check), so the ids of a long-lived
+/// database would climb with every cache miss. No statement has a
+/// `RETURNING` clause: SQLite gathers its rows in a temporary B-tree opened
+/// and closed at every run, which made up most of the cost of storing a
+/// new stack (the new row's id is the connection's last rowid instead).
 struct DictionarySql {
     bump: &'static str,
-    touch: &'static str,
+    find: &'static str,
     insert: &'static str,
 }
 
@@ -87,11 +90,7 @@ macro_rules! dictionary_sql {
                 $table,
                 " SET last_bucket = max(last_bucket, ?2) WHERE id = ?1"
             ),
-            touch: concat!(
-                "UPDATE ",
-                $table,
-                " SET last_bucket = max(last_bucket, ?2) WHERE hash = ?1 RETURNING id"
-            ),
+            find: concat!("SELECT id, last_bucket FROM ", $table, " WHERE hash = ?1"),
             insert: concat!(
                 "INSERT INTO ",
                 $table,
@@ -99,7 +98,7 @@ macro_rules! dictionary_sql {
                 $columns,
                 ") VALUES (",
                 $parameters,
-                ") RETURNING id"
+                ")"
             ),
         }
     };
@@ -378,8 +377,10 @@ struct Table<'a, 'conn> {
     pending: &'a mut ContentHashMap<Entry>,
     /// The statements of [`DictionarySql`].
     bump: CachedStatement<'conn>,
-    touch: CachedStatement<'conn>,
+    find: CachedStatement<'conn>,
     insert: CachedStatement<'conn>,
+    /// Gives an inserted row's id.
+    conn: &'conn Connection,
     bucket: i64,
 }
 
@@ -395,8 +396,9 @@ impl<'a, 'conn> Table<'a, 'conn> {
             dict,
             pending,
             bump: tx.prepare_cached(sql.bump)?,
-            touch: tx.prepare_cached(sql.touch)?,
+            find: tx.prepare_cached(sql.find)?,
             insert: tx.prepare_cached(sql.insert)?,
+            conn: tx,
             bucket,
         })
     }
@@ -419,7 +421,7 @@ impl<'a, 'conn> Table<'a, 'conn> {
         &mut self,
         hash: u128,
         known: Known,
-        store: impl FnOnce(&mut Statement<'_>) -> rusqlite::Result<i64>,
+        store: impl FnOnce(NewRow<'_, '_>) -> rusqlite::Result<i64>,
     ) -> Result<i64, StorageError> {
         let id = match known {
             Known::Current(id) => return Ok(id),
@@ -428,13 +430,23 @@ impl<'a, 'conn> Table<'a, 'conn> {
             // caches rules out): found by its hash if stored, else stored,
             // rather than reference a missing row.
             Known::Stale(_) | Known::Unknown => {
-                let found = self
-                    .touch
-                    .query_row((&hash.to_le_bytes()[..], self.bucket), |row| row.get(0))
+                let found: Option<(i64, i64)> = self
+                    .find
+                    .query_row([&hash.to_le_bytes()[..]], |row| {
+                        Ok((row.get(0)?, row.get(1)?))
+                    })
                     .optional()?;
                 match found {
-                    Some(id) => id,
-                    None => store(&mut self.insert)?,
+                    Some((id, last_bucket)) => {
+                        if last_bucket < self.bucket {
+                            self.bump.execute((id, self.bucket))?;
+                        }
+                        id
+                    }
+                    None => store(NewRow {
+                        insert: &mut self.insert,
+                        conn: self.conn,
+                    })?,
                 }
             }
         };
@@ -451,10 +463,24 @@ impl<'a, 'conn> Table<'a, 'conn> {
     fn intern(
         &mut self,
         hash: u128,
-        store: impl FnOnce(&mut Statement<'_>) -> rusqlite::Result<i64>,
+        store: impl FnOnce(NewRow<'_, '_>) -> rusqlite::Result<i64>,
     ) -> Result<i64, StorageError> {
         let known = self.lookup(hash);
         self.finish(hash, known, store)
+    }
+}
+
+/// Inserts a dictionary item the caches and the table do not have.
+struct NewRow<'s, 'conn> {
+    insert: &'s mut Statement<'conn>,
+    conn: &'conn Connection,
+}
+
+impl NewRow<'_, '_> {
+    /// Inserts the row of `params` (the insert's columns) and gives its id.
+    fn insert(self, params: impl rusqlite::Params) -> rusqlite::Result<i64> {
+        self.insert.execute(params)?;
+        Ok(self.conn.last_insert_rowid())
     }
 }
 
@@ -509,36 +535,30 @@ impl BatchItems<'_> {
         if *mapping_id == 0 {
             let mut segments = Vec::new();
             encode_code_segments(&mut segments, &mapping.code_segments);
-            *mapping_id = mappings.intern(mapping_hash, |insert| {
-                insert.query_row(
-                    (
-                        &mapping_hash.to_le_bytes()[..],
-                        kind_code(mapping.kind),
-                        &mapping.build_id,
-                        &mapping.path,
-                        bucket,
-                        &segments,
-                    ),
-                    |row| row.get(0),
-                )
+            *mapping_id = mappings.intern(mapping_hash, |row| {
+                row.insert((
+                    &mapping_hash.to_le_bytes()[..],
+                    kind_code(mapping.kind),
+                    &mapping.build_id,
+                    &mapping.path,
+                    bucket,
+                    &segments,
+                ))
             })?;
         }
         let mapping_id = *mapping_id;
         let blob = &mut *self.blob;
-        let id = locations.intern(hash, |insert| {
+        let id = locations.intern(hash, |row| {
             blob.clear();
             encode_lines(blob, &location.lines);
-            insert.query_row(
-                (
-                    &hash.to_le_bytes()[..],
-                    mapping_id,
-                    // Same bits: addresses use the full u64 range.
-                    location.address as i64,
-                    &blob[..],
-                    bucket,
-                ),
-                |row| row.get(0),
-            )
+            row.insert((
+                &hash.to_le_bytes()[..],
+                mapping_id,
+                // Same bits: addresses use the full u64 range.
+                location.address as i64,
+                &blob[..],
+                bucket,
+            ))
         })?;
         if let Some(slot) = self.location_ids.get_mut(i) {
             *slot = id;
@@ -738,14 +758,12 @@ impl Writer {
                             )?);
                         }
                         let blob = &mut *items.blob;
-                        stack_table.finish(hash, known, |insert| {
+                        stack_table.finish(hash, known, |row| {
                             blob.clear();
                             for &id in stack_locations.iter() {
                                 put_varint(blob, id as u64);
                             }
-                            insert.query_row((&hash.to_le_bytes()[..], &blob[..], bucket), |row| {
-                                row.get(0)
-                            })
+                            row.insert((&hash.to_le_bytes()[..], &blob[..], bucket))
                         })?
                     }
                 };
@@ -771,9 +789,8 @@ impl Writer {
                 // range.
                 label_set_periods.push(i64::try_from(period).unwrap_or(0));
                 let hash = label_set_hash(bytes, labels);
-                let id = label_set_table.intern(hash, |insert| {
-                    let id: i64 =
-                        insert.query_row((&hash.to_le_bytes()[..], bucket), |row| row.get(0))?;
+                let id = label_set_table.intern(hash, |row| {
+                    let id = row.insert((&hash.to_le_bytes()[..], bucket))?;
                     // A new set: a stored one is found by its hash first
                     // (retention deletes a set's labels with it).
                     for (name, value) in labels {
