@@ -132,6 +132,8 @@ impl BatchWorker {
                     });
                     symbolizer.set_max_open_bytes(own_share.saturating_add(lent).min(most));
                     let batch = build_batch(&interval, &mut symbolizer, &options);
+                    // Sized once here: sizing walks every stack's locations,
+                    // as encoding the batch does again.
                     last_batch_bytes = batch.encoded_len() as u64;
                     let micros = u64::try_from(started.elapsed().as_micros()).unwrap_or(u64::MAX);
                     if let Some(uploads) = &uploads {
@@ -147,7 +149,7 @@ impl BatchWorker {
                         stats.build_micros_last = micros;
                         stats.build_micros_max = stats.build_micros_max.max(micros);
                         stats.build_micros_total += micros;
-                        stats.last_batch_bytes = batch.encoded_len() as u64;
+                        stats.last_batch_bytes = last_batch_bytes;
                         stats.last_batch_locations = batch.locations.len() as u64;
                         stats.last_batch_stacks = batch.stacks.len() as u64;
                         stats.last_batch_samples = batch.samples.len() as u64;
