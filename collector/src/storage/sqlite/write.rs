@@ -72,8 +72,9 @@ ON CONFLICT (bucket_start, label_set_id) DO UPDATE SET
 /// draws it before the uniqueness check), so the ids of a long-lived
 /// database would climb with every cache miss. No statement has a
 /// `RETURNING` clause: SQLite gathers its rows in a temporary B-tree opened
-/// and closed at every run, which made up most of the cost of storing a
-/// new stack (the new row's id is the connection's last rowid instead).
+/// and closed at every run, which was about half of what storing a batch
+/// of new stacks cost (the new row's id is the connection's last rowid
+/// instead).
 struct DictionarySql {
     bump: &'static str,
     find: &'static str,
