@@ -6,7 +6,12 @@ use anyhow::{Context as _, anyhow};
 use aya_build::{Package, Toolchain};
 
 fn main() -> anyhow::Result<()> {
-    let ebpf_dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+    // Read when the script runs, not baked in when it is compiled: cargo
+    // shares a build script's binary between checkouts that use one target
+    // directory, and a baked-in path built the other checkout's programs.
+    let manifest_dir =
+        std::env::var("CARGO_MANIFEST_DIR").context("cargo sets CARGO_MANIFEST_DIR")?;
+    let ebpf_dir = std::path::Path::new(&manifest_dir)
         .parent()
         .ok_or_else(|| anyhow!("sampler crate has no parent directory"))?
         .join("agent-ebpf");
