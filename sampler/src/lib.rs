@@ -387,6 +387,10 @@ impl Sampler {
         };
         let off_cpu_rate = config.off_cpu.unwrap_or_default().samples_per_sec.max(1);
         let mut ebpf = EbpfLoader::new()
+            // The kernel's BTF is only for CO-RE relocations, which a Rust
+            // program has none of; parsed by default, it cost about 20 ms
+            // of start-up and its whole type graph in memory.
+            .btf(None)
             .override_global(names::AGENT_TGID, &agent_tgid, true)
             .override_global(names::USER_STACK_BYTES, &config.user_stack_bytes, true)
             .override_global(names::DEEP_STACK_BYTES, &config.deep_stack_bytes, true)
