@@ -672,7 +672,10 @@ pub enum Counter {
     CopyFailed = 2,
     /// Ticks skipped by a filter (the agent itself, the tgid or cgroup allow-lists).
     Filtered = 3,
-    /// Ticks that found the CPU idle (tgid 0); they produce no record.
+    /// Ticks that found the CPU idle (tgid 0); they produce no record. The
+    /// sampler's events leave the idle task out (`exclude_idle`), so the
+    /// kernel skips such ticks before the program runs: none, on a kernel
+    /// that honours it.
     Idle = 4,
     /// Ticks of a selected task skipped by its cgroup's 1-in-N budget.
     Budgeted = 5,

@@ -14,6 +14,7 @@
 //! copy plans to the program's maps but does not make them: the walker's
 //! planner (`stackscope_unwind::walker::stitching`) learns them from walks.
 
+mod cpu_clock;
 pub mod mapping_feed;
 pub mod record;
 pub mod task_layout;
@@ -21,7 +22,7 @@ pub mod task_layout;
 use std::{
     collections::HashMap as StdHashMap,
     io,
-    os::fd::{AsRawFd, OwnedFd},
+    os::fd::{AsFd as _, AsRawFd, OwnedFd},
     time::{Duration, Instant},
 };
 
@@ -33,10 +34,7 @@ use agent_common::{
 use aya::{
     Btf, Ebpf, EbpfLoader,
     maps::{Array, HashMap, MapData, PerCpuArray, RingBuf},
-    programs::{
-        BtfTracePoint, PerfEvent, RawTracePoint,
-        perf_event::{PerfEventConfig, PerfEventScope, SamplePolicy, SoftwareEvent},
-    },
+    programs::{BtfTracePoint, PerfEvent, RawTracePoint},
     util::{nr_cpus, online_cpus},
 };
 use tokio::io::unix::AsyncFd;
@@ -240,6 +238,12 @@ pub enum SamplerError {
     },
     #[error("{count} entries for {name}; at most {MAX_ALLOW_ENTRIES} fit")]
     TooManyFilters { name: &'static str, count: usize },
+    #[error("attaching the sampling program to CPU {cpu}'s cpu-clock failed")]
+    Attach {
+        cpu: u32,
+        #[source]
+        source: io::Error,
+    },
     #[error("registering the ring buffer with the async runtime failed")]
     Poll(#[source] io::Error),
     #[error("off-CPU profiles cannot run on this kernel: {0}")]
@@ -338,7 +342,10 @@ pub struct Sampler {
     /// The off-CPU program attached, if any (see [`OffCpuConfig`]).
     off_cpu_program: Option<&'static str>,
     log_task: Option<tokio::task::JoinHandle<()>>,
-    // Owns the program and its perf links; declared last so it drops last.
+    /// The sampling program's cpu-clock event on each online CPU (see
+    /// [`cpu_clock`]), held open: closing one detaches the program there.
+    _cpu_clock_events: Vec<OwnedFd>,
+    // Owns the programs and their links; declared last so it drops last.
     ebpf: Ebpf,
 }
 
@@ -439,16 +446,14 @@ impl Sampler {
         let mut policies = StdHashMap::new();
         apply_policies(&mut policy_map, &mut policies, &config.cgroup_policies)?;
         let program = perf_program(&mut ebpf)?;
-        for cpu in online {
-            program
-                .attach(
-                    PerfEventConfig::Software(SoftwareEvent::CpuClock),
-                    PerfEventScope::AllProcessesOneCpu { cpu },
-                    SamplePolicy::Frequency(config.frequency_hz),
-                    false,
-                )
-                .map_err(program_error)?;
-        }
+        let program_fd = program.fd().map_err(program_error)?.as_fd();
+        let cpu_clock_events = online
+            .into_iter()
+            .map(|cpu| {
+                cpu_clock::attach(program_fd, cpu, config.frequency_hz)
+                    .map_err(|source| SamplerError::Attach { cpu, source })
+            })
+            .collect::<Result<Vec<_>, _>>()?;
 
         // Process lifecycle events keep the agent's view of each process's
         // mappings current; they travel in the sample ring, in order.
@@ -499,6 +504,7 @@ impl Sampler {
             losses_seen: 0,
             off_cpu_program,
             log_task,
+            _cpu_clock_events: cpu_clock_events,
             ebpf,
         })
     }

@@ -606,6 +606,51 @@ fn a_cgroup_budget_keeps_about_one_tick_in_n_and_says_so() {
     );
 }
 
+/// An idle CPU's ticks never run the program: its events leave the idle
+/// task out (`exclude_idle`), where the program used to run on each such
+/// tick only to count it idle. Judged against the host's idle time in the
+/// window (`/proc/stat`): a second of it is some 499 ticks that would have
+/// been counted.
+#[test]
+fn ticks_on_an_idle_cpu_never_run_the_program() {
+    require_root();
+    let _serial = exclusive();
+    let config = SamplerConfig {
+        frequency_hz: 499,
+        ..SamplerConfig::default()
+    };
+    let before = host_idle_secs();
+    let recorded = sample_for(&config, SAMPLING);
+    let idle_secs = host_idle_secs() - before;
+    assert_eq!(
+        recorded.counters.idle, 0,
+        "ticks ran the program in the idle task ({idle_secs:.2} s of idle CPU time in the window)"
+    );
+    if idle_secs < 0.1 {
+        eprintln!(
+            "the host was busy for the whole window ({idle_secs:.2} s of idle CPU time): \
+             no idle tick to leave out"
+        );
+    }
+}
+
+/// Seconds the host's CPUs have been idle since boot (idle and iowait, in
+/// clock ticks, from the first line of `/proc/stat`).
+fn host_idle_secs() -> f64 {
+    let stat = std::fs::read_to_string("/proc/stat").expect("reading /proc/stat");
+    let fields: Vec<u64> = stat
+        .lines()
+        .next()
+        .and_then(|line| line.strip_prefix("cpu "))
+        .expect("a cpu line in /proc/stat")
+        .split_whitespace()
+        .map(|field| field.parse().expect("a number in /proc/stat"))
+        .collect();
+    // SAFETY: sysconf has no preconditions.
+    let ticks_per_sec = unsafe { libc::sysconf(libc::_SC_CLK_TCK) } as f64;
+    (fields[3] + fields[4]) as f64 / ticks_per_sec
+}
+
 #[test]
 fn reports_exec_and_exit_of_processes_in_order_with_samples() {
     require_root();
