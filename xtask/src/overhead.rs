@@ -58,7 +58,7 @@ struct Run {
     /// reads, the first naming of each binary) and shutdown (stackscope
     /// only).
     steady_per_sample: Duration,
-    /// Of which the BPF program's mean run time (over the whole run).
+    /// Of which the BPF program's: its whole run time over the samples.
     bpf_per_sample: Duration,
     agent_rss_kib: f64,
     collector_rss_kib: f64,
@@ -567,7 +567,11 @@ fn under_stackscope(
     let bpf = Duration::from_nanos((number("/bpf/ns_per_run") * number("/bpf/run_count")) as u64);
     let samples = number("/kernel/samples");
     let steady_samples = steady_to.1 - steady_from.1;
-    let bpf_per_sample = Duration::from_secs_f64(number("/bpf/ns_per_run") * 1e-9);
+    // All the program's time per sample, not per run: runs that make no
+    // sample (other tasks' ticks, and idle CPUs' before the events left
+    // the idle task out) are part of what sampling costs, and counted per
+    // run they made the cost look smaller.
+    let bpf_per_sample = Duration::from_secs_f64(bpf.as_secs_f64() / samples.max(1.0));
     let steady_per_sample = Duration::from_secs_f64(
         (steady_to.0.saturating_sub(steady_from.0)).as_secs_f64() / steady_samples.max(1.0),
     ) + bpf_per_sample;
