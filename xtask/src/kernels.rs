@@ -8,6 +8,7 @@
 
 use std::{
     io::{BufRead as _, BufReader},
+    os::unix::process::CommandExt as _,
     path::{Path, PathBuf},
     process::{Command, Stdio},
 };
@@ -113,6 +114,14 @@ pub fn test() -> anyhow::Result<()> {
         eprintln!("kernel {name}: {} in a virtual machine", vmlinuz.display());
         let started = std::time::Instant::now();
         let mut guest = run_guest(&vng, vmlinuz, &script, &path)?;
+        if guest.timed_out {
+            bail!(
+                "the tests on Linux {name} ({}) ran past {} minutes and were killed: a test hangs \
+                 (the last one named above)",
+                vmlinuz.display(),
+                GUEST_DEADLINE.as_secs() / 60
+            );
+        }
         if !guest.status.success() && guest.lines == 0 {
             // Nothing at all, not even the kernel's release: the machine
             // never booted (seen once on 6.12 after 6.1 had passed; the
@@ -143,7 +152,15 @@ pub fn test() -> anyhow::Result<()> {
 struct GuestRun {
     status: std::process::ExitStatus,
     lines: usize,
+    /// Whether it ran past [`GUEST_DEADLINE`] and was killed.
+    timed_out: bool,
 }
+
+/// The longest a guest may run. Its tests take 3-4 minutes under emulation
+/// (no KVM here); one that hangs (seen once: a 6.1 guest spinning for 17
+/// minutes in the address-space test) would otherwise hold the whole suite
+/// past CI's limit, with no word of which kernel.
+const GUEST_DEADLINE: std::time::Duration = std::time::Duration::from_secs(15 * 60);
 
 /// Boots `vmlinuz` and runs `script` in it, printing what it prints.
 fn run_guest(vng: &Path, vmlinuz: &Path, script: &str, path: &str) -> anyhow::Result<GuestRun> {
@@ -161,8 +178,25 @@ fn run_guest(vng: &Path, vmlinuz: &Path, script: &str, path: &str) -> anyhow::Re
         )
         .stdout(Stdio::piped())
         .stderr(Stdio::piped())
+        // Its own group: qemu, which vng starts, goes with it on a timeout.
+        .process_group(0)
         .spawn()
         .with_context(|| format!("running {}", vng.display()))?;
+    let (finished, finish) = std::sync::mpsc::channel::<()>();
+    let group = guest.id() as libc::pid_t;
+    let watchdog = std::thread::spawn(move || {
+        // Nothing sent, only the sender dropped: the guest ended in time.
+        let timed_out = matches!(
+            finish.recv_timeout(GUEST_DEADLINE),
+            Err(std::sync::mpsc::RecvTimeoutError::Timeout)
+        );
+        if timed_out {
+            // SAFETY: kill has no memory preconditions; the group is the
+            // guest's, not yet reaped (the main thread waits for it).
+            unsafe { libc::kill(-group, libc::SIGKILL) };
+        }
+        timed_out
+    });
     let errors = guest.stderr.take().map(|errors| {
         std::thread::spawn(move || {
             let mut lines = 0;
@@ -181,10 +215,16 @@ fn run_guest(vng: &Path, vmlinuz: &Path, script: &str, path: &str) -> anyhow::Re
         }
     }
     let status = guest.wait().context("waiting for the guest")?;
+    drop(finished);
+    let timed_out = watchdog.join().unwrap_or(false);
     if let Some(errors) = errors {
         lines += errors.join().unwrap_or(0);
     }
-    Ok(GuestRun { status, lines })
+    Ok(GuestRun {
+        status,
+        lines,
+        timed_out,
+    })
 }
 
 /// The newest installed kernel image of the family, installing the newest
