@@ -1173,3 +1173,151 @@ fn rollups_answer_exactly_as_the_samples_they_sum() {
     }
     assert_eq!(rolled.final_sums(), 0);
 }
+
+/// A TCP forwarder to a server's HTTP port that can be closed and opened
+/// again on the same port: closed, connections are refused and those open
+/// are cut, as when the server is down (its shard stays up behind the
+/// other server's `Distributed` tables, which reach it directly).
+struct Door {
+    port: u16,
+    target: u16,
+    open: Arc<std::sync::atomic::AtomicBool>,
+    connections: Arc<std::sync::Mutex<Vec<std::net::TcpStream>>>,
+    accepting: Option<std::thread::JoinHandle<()>>,
+}
+
+impl Door {
+    fn to(target: u16) -> Door {
+        let listener = std::net::TcpListener::bind("127.0.0.1:0").expect("bind");
+        let port = listener.local_addr().expect("an address").port();
+        let mut door = Door {
+            port,
+            target,
+            open: Arc::default(),
+            connections: Arc::default(),
+            accepting: None,
+        };
+        door.open_with(listener);
+        door
+    }
+
+    fn open_with(&mut self, listener: std::net::TcpListener) {
+        use std::sync::atomic::Ordering;
+        listener.set_nonblocking(true).expect("nonblocking");
+        self.open.store(true, Ordering::SeqCst);
+        let (open, connections, target) = (
+            Arc::clone(&self.open),
+            Arc::clone(&self.connections),
+            self.target,
+        );
+        self.accepting = Some(std::thread::spawn(move || {
+            while open.load(Ordering::SeqCst) {
+                let client = match listener.accept() {
+                    Ok((client, _)) => client,
+                    Err(err) if err.kind() == std::io::ErrorKind::WouldBlock => {
+                        std::thread::sleep(std::time::Duration::from_millis(2));
+                        continue;
+                    }
+                    Err(err) => panic!("accept: {err}"),
+                };
+                client.set_nonblocking(false).expect("blocking");
+                let server =
+                    std::net::TcpStream::connect(("127.0.0.1", target)).expect("the server");
+                let mut held = connections.lock().expect("lock");
+                for (from, to) in [(&client, &server), (&server, &client)] {
+                    let (mut from, mut to) = (
+                        from.try_clone().expect("clone"),
+                        to.try_clone().expect("clone"),
+                    );
+                    std::thread::spawn(move || {
+                        let _ = std::io::copy(&mut from, &mut to);
+                        let _ = to.shutdown(std::net::Shutdown::Both);
+                    });
+                }
+                held.extend([client, server]);
+            }
+        }));
+    }
+
+    /// Refuses new connections and cuts the open ones.
+    fn close(&mut self) {
+        self.open.store(false, std::sync::atomic::Ordering::SeqCst);
+        if let Some(accepting) = self.accepting.take() {
+            accepting.join().expect("the accepting thread");
+        }
+        for stream in self.connections.lock().expect("lock").drain(..) {
+            let _ = stream.shutdown(std::net::Shutdown::Both);
+        }
+    }
+
+    fn reopen(&mut self) {
+        let listener = std::net::TcpListener::bind(("127.0.0.1", self.port)).expect("bind again");
+        self.open_with(listener);
+    }
+}
+
+impl Drop for Door {
+    fn drop(&mut self) {
+        self.close();
+    }
+}
+
+/// A server that cannot be reached: the batches whose home shard it is go
+/// to the other, registered as tries there, and every sample counts once,
+/// also when they are sent again once it is back (its lookup does not know
+/// them: they are stored again there, and counted once by their tries).
+#[test]
+fn a_batch_whose_home_server_is_down_is_stored_on_another() {
+    let db = "failover";
+    let [a, b] = servers().http_ports;
+    let mut doors = [Door::to(a), Door::to(b)];
+    let storage = open_url(
+        &format!(
+            "clickhouse://127.0.0.1:{},127.0.0.1:{}/{db}?cluster=two",
+            doors[0].port, doors[1].port
+        ),
+        ClickhouseOptions::default(),
+    )
+    .expect("open");
+    doors[1].close();
+    let batches: Vec<ValidBatch> = (0..16u8)
+        .map(|i| {
+            let mut batch = Builder::new(i + 1, "node-a", T0, PERIOD_100HZ);
+            let [s0, s1, s2] = batch.standard_stacks(true);
+            let set = batch.label_set(&[("comm", "app")]);
+            batch.sample(s0, set, 1, 0);
+            batch.sample(s1, set, 2, 0);
+            batch.sample(s2, set, 3, 0);
+            batch.validate()
+        })
+        .collect();
+    ingest_all(&storage, &batches);
+    let expected = expect(&[(S0, 16), (S1, 32), (S2, 48)]);
+    assert_eq!(weights(&storage, &all(&[])), expected);
+    assert_eq!(
+        rows_on(0, db, "samples_local"),
+        48,
+        "every batch on shard 1"
+    );
+    assert_eq!(rows_on(1, db, "samples_local"), 0);
+
+    doors[1].reopen();
+    let duplicates = batches
+        .iter()
+        .filter(|batch| storage.ingest(batch).expect("again") == IngestOutcome::Duplicate)
+        .count();
+    assert!(
+        (1..16).contains(&duplicates),
+        "those at home on shard 1 are known there, the others not on shard 2: {duplicates}"
+    );
+    assert_eq!(
+        rows_on(1, db, "samples_local"),
+        3 * (16 - duplicates) as u64
+    );
+    assert_eq!(weights(&storage, &all(&[])), expected);
+    assert_eq!(
+        storage.series(&all(&[]), MINUTE).expect("series"),
+        [(T0, 96)]
+    );
+    assert_eq!(storage.final_sums(), 0);
+}

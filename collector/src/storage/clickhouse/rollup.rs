@@ -188,21 +188,19 @@ impl ClickhouseStorage {
         Ok(rows.into_iter().collect())
     }
 
-    /// The current build of every span starting at `s` with
-    /// `lo < s < hi` whose tries are all in `tries`: a build whose recorded
-    /// tries are those (the smallest id when several are).
-    fn current_builds(
+    /// The markers of the builds of spans starting at `s` with
+    /// `lo < s < hi`: (width, start, build, the tries it summed).
+    fn build_markers(
         &self,
         lo: i64,
         hi: i64,
-        tries: &BTreeMap<i64, Tries>,
-    ) -> Result<BTreeMap<(i64, i64), u128>, StorageError> {
+    ) -> Result<Vec<(i64, i64, u128, Tries)>, StorageError> {
         let sql = format!(
             "SELECT width, span_start, build, tries, tries_checksum FROM {} \
              WHERE span_start > {lo} AND span_start < {hi} FORMAT RowBinary",
             self.tables.table("rollup_spans")
         );
-        let markers = self.select("reading rollup markers", &sql, |r| {
+        self.select("reading rollup markers", &sql, |r| {
             Ok((
                 r.i64()?,
                 r.i64()?,
@@ -212,7 +210,18 @@ impl ClickhouseStorage {
                     checksum: r.u64()?,
                 },
             ))
-        })?;
+        })
+    }
+
+    /// The current build of every span of `markers` ending by `hi` whose
+    /// tries are all in `tries`: a build whose recorded tries are those
+    /// (the smallest id when several are).
+    fn current_builds(
+        &self,
+        hi: i64,
+        tries: &BTreeMap<i64, Tries>,
+        markers: Vec<(i64, i64, u128, Tries)>,
+    ) -> BTreeMap<(i64, i64), u128> {
         let mut current: BTreeMap<(i64, i64), u128> = BTreeMap::new();
         for (width, start, build, recorded) in markers {
             let Some(end) = start
@@ -231,7 +240,7 @@ impl ClickhouseStorage {
                     .or_insert(build);
             }
         }
-        Ok(current)
+        current
     }
 
     /// The cover of the buckets `b` with `lo < b < hi` by current spans of
@@ -246,8 +255,11 @@ impl ClickhouseStorage {
         }
         let mut chosen: BTreeMap<i64, Span> = BTreeMap::new();
         if !widths.is_empty() {
-            let tries = self.tries_per_bucket(first - 1, end)?;
-            let current = self.current_builds(first - 1, end, &tries)?;
+            let (tries, markers) = super::both(
+                || self.tries_per_bucket(first - 1, end),
+                || self.build_markers(first - 1, end),
+            );
+            let current = self.current_builds(end, &tries?, markers?);
             // Coarsest first; spans nest, so one either lies inside a
             // chosen coarser span or misses them all.
             for &width in widths.iter().rev() {
@@ -302,8 +314,12 @@ impl ClickhouseStorage {
         if lo >= closed_before {
             return Ok(0);
         }
-        let tries = self.tries_per_bucket(lo, closed_before)?;
-        let mut current = self.current_builds(lo, closed_before, &tries)?;
+        let (tries, markers) = super::both(
+            || self.tries_per_bucket(lo, closed_before),
+            || self.build_markers(lo, closed_before),
+        );
+        let tries = tries?;
+        let mut current = self.current_builds(closed_before, &tries, markers?);
         let mut built = 0;
         for (i, &width) in widths.iter().enumerate() {
             let starts: BTreeSet<i64> = tries

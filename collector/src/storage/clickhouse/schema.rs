@@ -54,7 +54,9 @@ impl Tables {
 
 /// The tables and how a `Distributed` table over each spreads rows: by
 /// the hash that also names duplicates, so a retried row lands on the
-/// shard that holds its first copy and collapses with it.
+/// shard that holds its first copy and collapses with it. (A batch's
+/// `samples`, `attempts` and `batches` rows are written by the collector
+/// straight to its home shard, picked by the batch id to the same end.)
 ///
 /// * `samples`: one row per (batch, bucket, label set, stack) with the
 ///   summed weight and the batch's sample period. `ReplacingMergeTree`
