@@ -1690,11 +1690,11 @@ impl Storage for ClickhouseStorage {
                     message,
                 })
             })
-            .and_then(|seen| registered.map(|()| seen))
             .and_then(|seen| {
                 if seen > 0 {
                     return Ok(true);
                 }
+                registered?;
                 self.store_batch_on(home, true, &attempt, &samples, &id_row)
                     .map(|()| false)
             });
