@@ -27,9 +27,10 @@
 //!   `batch_servers`), where its id is looked up too: an insert through a
 //!   `Distributed` table waits for a second hop on 18.16 (4-5 ms against
 //!   1-3 ms for the same rows straight to a shard, measured in `bench
-//!   collector`). A home that cannot be reached sends the batch to the next
-//!   server, unchecked for a duplicate (counted once anyway). Reads and
-//!   dictionary rows go through the `Distributed` tables.
+//!   collector`). A home whose HTTP interface cannot be reached sends the
+//!   batch to the next server, unchecked for a duplicate (counted once
+//!   anyway); a shard that is down altogether still fails the reads and
+//!   dictionary inserts, which go through the `Distributed` tables.
 //! * No `FINAL` on reads (but `meta`'s, and retention's count): ClickHouse
 //!   18.16 reads a `FINAL` table in a single stream per shard, merging
 //!   every row of the range on one core. Which label sets exist and their
@@ -397,8 +398,8 @@ pub struct ClickhouseStorage {
     query_caches: Mutex<QueryCaches>,
     /// The widths rollups are built at (see `rollup`).
     tiers: Tiers,
-    /// Sums that merged every row with `FINAL` (see `summed_sample_rows`).
-    final_sums: std::sync::atomic::AtomicU64,
+    /// Sums that merged every row of their range (see `summed_sample_rows`).
+    merged_sums: std::sync::atomic::AtomicU64,
     /// Rollup spans sums read instead of their sample rows.
     rollup_spans_read: std::sync::atomic::AtomicU64,
 }
@@ -478,7 +479,8 @@ fn attempt_row(batch: u128, bucket: i64) -> bytes::Bytes {
     row.bytes.into()
 }
 
-/// Sums taken again when a batch was tried meanwhile, before `FINAL`.
+/// Sums taken again when a batch was tried meanwhile, before every row of
+/// the range is merged.
 const SUM_TRIES: usize = 3;
 
 /// The columns of `exact_sum`, in its order.
@@ -592,7 +594,7 @@ impl ClickhouseStorage {
             tiers: Tiers::new(options.bucket_nanos),
             config,
             options,
-            final_sums: Default::default(),
+            merged_sums: Default::default(),
             rollup_spans_read: Default::default(),
         };
         for endpoint in &storage.endpoints {
@@ -951,41 +953,50 @@ impl ClickhouseStorage {
             .map(|&index| &self.endpoints[index])
     }
 
-    /// Stores a batch's try, samples and id on `endpoint`'s own tables
-    /// (`registered`: its try is already there): the try before the
-    /// samples, so no read sums them without knowing of it, and the id
-    /// after, so a batch that failed half-way is stored again on retry.
+    /// Registers a try at storing batch `id`'s samples in `bucket` on
+    /// `endpoint`'s own `attempts`, timed now: before its samples, so no
+    /// read sums them without knowing of it.
+    fn register_try(
+        &self,
+        endpoint: &Endpoint,
+        id: u128,
+        bucket: i64,
+    ) -> Result<(), ClickhouseError> {
+        self.client.insert(
+            endpoint,
+            &self.tables.local("attempts"),
+            ATTEMPT_COLUMNS,
+            attempt_row(id, bucket),
+        )
+    }
+
+    /// Stores a batch's samples, then its id, on `endpoint`'s own tables
+    /// (its try registered there): the id after, so a batch that failed
+    /// half-way is stored again on retry. A failure says what failed.
     fn store_batch_on(
         &self,
         endpoint: &Endpoint,
-        registered: bool,
-        attempt: &bytes::Bytes,
         samples: &bytes::Bytes,
         id_row: &bytes::Bytes,
-    ) -> Result<(), ClickhouseError> {
-        let tables = &self.tables;
-        if !registered {
-            self.client.insert(
-                endpoint,
-                &tables.local("attempts"),
-                ATTEMPT_COLUMNS,
-                attempt.clone(),
-            )?;
-        }
+    ) -> Result<(), (&'static str, ClickhouseError)> {
         if !samples.is_empty() {
-            self.client.insert(
-                endpoint,
-                &tables.local("samples"),
-                "bucket, label_set, stack, batch, sample_period, weight",
-                samples.clone(),
-            )?;
+            self.client
+                .insert(
+                    endpoint,
+                    &self.tables.local("samples"),
+                    "bucket, label_set, stack, batch, sample_period, weight",
+                    samples.clone(),
+                )
+                .map_err(|err| ("storing samples", err))?;
         }
-        self.client.insert(
-            endpoint,
-            &tables.local("batches"),
-            "batch, received_unix_nanos, end_unix_nanos",
-            id_row.clone(),
-        )
+        self.client
+            .insert(
+                endpoint,
+                &self.tables.local("batches"),
+                "batch, received_unix_nanos, end_unix_nanos",
+                id_row.clone(),
+            )
+            .map_err(|err| ("storing the batch id", err))
     }
 
     fn bucket_of(&self, unix_nanos: i64) -> i64 {
@@ -1536,8 +1547,10 @@ impl ClickhouseStorage {
     /// sums (their number and a checksum): `attempts` only grows, and a try
     /// that began meanwhile registered itself before its rows, so if the
     /// set is the same, no row the sums saw came from a try they did not
-    /// know of. After a few changes, every row is merged with `FINAL` (one
-    /// stream per shard).
+    /// know of. After a few changes, every row of the range is counted one
+    /// copy each (grouped by its whole key, across shards: a batch's
+    /// copies may be on two when its home shard could not be reached once;
+    /// `FINAL` would merge them only within a shard).
     fn summed_sample_rows<K>(
         &self,
         action: &str,
@@ -1585,15 +1598,17 @@ impl ClickhouseStorage {
             before = after;
         }
         tracing::warn!(
-            "{action}: batches kept being retried in the range; every row merged (FINAL)"
+            "{action}: batches kept being retried in the range; every row counted one copy each"
         );
-        self.final_sums
+        self.merged_sums
             .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
         let mut rows = Vec::new();
         for condition in conditions {
             rows.extend(sum_rows(&format!(
-                "SELECT {key}, sample_period, {WEIGHT_PARTS} FROM {samples} FINAL \
-                 WHERE {condition} GROUP BY {key}, sample_period FORMAT RowBinary"
+                "SELECT {key}, sample_period, {WEIGHT_PARTS} FROM \
+                 (SELECT {key}, sample_period, any(weight) AS weight FROM {samples} \
+                 WHERE {condition} GROUP BY bucket, label_set, stack, batch, sample_period) \
+                 GROUP BY {key}, sample_period FORMAT RowBinary"
             ))?);
         }
         Ok(rows)
@@ -1605,10 +1620,10 @@ impl ClickhouseStorage {
             .load(std::sync::atomic::Ordering::Relaxed)
     }
 
-    /// How many sums merged every row with `FINAL`, because batches kept
-    /// being retried in their range while they ran.
-    pub fn final_sums(&self) -> u64 {
-        self.final_sums.load(std::sync::atomic::Ordering::Relaxed)
+    /// How many sums merged every row of their range, because batches
+    /// kept being retried in it while they ran.
+    pub fn merged_sums(&self) -> u64 {
+        self.merged_sums.load(std::sync::atomic::Ordering::Relaxed)
     }
 
     /// The query of the batches tried more than once in the buckets
@@ -1649,86 +1664,75 @@ impl Storage for ClickhouseStorage {
             )));
         }
         let bucket = self.bucket_of(batch.range.start_unix_nanos);
-        let attempt = attempt_row(id, bucket);
         let mut servers = self.batch_servers(id);
-        let home = servers.next().expect("at least one server");
-        // On the batch's home shard, its id is looked up and its try
-        // registered while the dictionaries are stored: for a duplicate,
-        // those rows change no answer (dictionary rows are named by their
-        // content; a batch tried twice counts once).
-        let (seen, registered, samples) = std::thread::scope(|scope| {
+        let home = servers.next().expect("open refuses an empty server list");
+        // The id is looked up on the batch's home shard while its rows are
+        // built, its new dictionary rows stored and then its try
+        // registered there: for a duplicate, those rows change no answer
+        // (dictionary rows are named by their content; a batch tried twice
+        // counts once). The try only once the batch is accepted (a refused
+        // one registers none) and timed just before its samples go.
+        let (seen, stored) = std::thread::scope(|scope| {
             let seen = scope.spawn(|| {
                 let sql = format!(
                     "SELECT count() FROM {} WHERE batch = {} FORMAT RowBinary",
                     self.tables.local("batches"),
                     hash_list([id])
                 );
-                self.client.query(home, &sql)
+                let answer = self.client.query(home, &sql)?;
+                RowReader::new(&answer)
+                    .u64()
+                    .map_err(|message| ClickhouseError::Decode {
+                        endpoint: home.url.clone(),
+                        message,
+                    })
             });
-            let registered = scope.spawn(|| {
-                self.client.insert(
-                    home,
-                    &self.tables.local("attempts"),
-                    ATTEMPT_COLUMNS,
-                    attempt.clone(),
-                )
+            let stored = self.store_dictionaries(batch, bucket).map(|samples| {
+                let registered = self.register_try(home, id, bucket);
+                (samples, registered)
             });
-            let samples = self.store_dictionaries(batch, bucket);
-            (joined(seen), joined(registered), samples)
+            (joined(seen), stored)
         });
-        let samples = bytes::Bytes::from(samples?.bytes);
+        let (samples, registered) = stored?;
+        let samples = bytes::Bytes::from(samples.bytes);
         let mut id_row = RowWriter::default();
         id_row.hash(id);
         id_row.i64(unix_nanos(SystemTime::now()));
         id_row.i64(batch.range.end_unix_nanos);
         let id_row = bytes::Bytes::from(id_row.bytes);
-        let home_result = seen
-            .and_then(|answer| {
-                let mut reader = RowReader::new(&answer);
-                reader.u64().map_err(|message| ClickhouseError::Decode {
-                    endpoint: home.url.clone(),
-                    message,
-                })
-            })
-            .and_then(|seen| {
-                if seen > 0 {
-                    return Ok(true);
-                }
-                registered?;
-                self.store_batch_on(home, true, &attempt, &samples, &id_row)
-                    .map(|()| false)
-            });
-        let mut failed = (
-            home,
-            match home_result {
-                Ok(true) => return Ok(IngestOutcome::Duplicate),
-                Ok(false) => {
-                    return Ok(IngestOutcome::Stored {
-                        samples: batch.samples.len() as u64,
-                    });
-                }
-                Err(err) if err.fails_over() => err,
-                Err(err) => return Err(remote("storing samples")(err)),
-            },
-        );
+        let stored = IngestOutcome::Stored {
+            samples: batch.samples.len() as u64,
+        };
+        let at_home = match (seen, registered) {
+            (Ok(seen), _) if seen > 0 => return Ok(IngestOutcome::Duplicate),
+            (Err(err), _) => Err(("looking up the batch id", err)),
+            (Ok(_), Err(err)) => Err(("registering a try", err)),
+            (Ok(_), Ok(())) => self.store_batch_on(home, &samples, &id_row),
+        };
+        let mut failed = match at_home {
+            Ok(()) => return Ok(stored),
+            Err((action, err)) if err.fails_over() => (home, action, err),
+            Err((action, err)) => return Err(remote(action)(err)),
+        };
         // The home shard cannot be reached: the batch goes to the next
         // that can, unchecked for a duplicate (its home holds the id, and
         // a batch stored twice counts once), its try registered there
-        // again, timed now: its rows may land from now on.
+        // first, timed now: its rows may land from now on.
         for endpoint in servers {
-            tracing::warn!(server = %failed.0.url, "storing samples: {}; trying the next server", failed.1);
-            let attempt = attempt_row(id, bucket);
-            match self.store_batch_on(endpoint, false, &attempt, &samples, &id_row) {
-                Ok(()) => {
-                    return Ok(IngestOutcome::Stored {
-                        samples: batch.samples.len() as u64,
-                    });
-                }
-                Err(err) if err.fails_over() => failed = (endpoint, err),
-                Err(err) => return Err(remote("storing samples")(err)),
+            let (server, action, err) = &failed;
+            tracing::warn!(server = %server.url, "{action}: {err}; trying the next server");
+            let result = self
+                .register_try(endpoint, id, bucket)
+                .map_err(|err| ("registering a try", err))
+                .and_then(|()| self.store_batch_on(endpoint, &samples, &id_row));
+            match result {
+                Ok(()) => return Ok(stored),
+                Err((action, err)) if err.fails_over() => failed = (endpoint, action, err),
+                Err((action, err)) => return Err(remote(action)(err)),
             }
         }
-        Err(remote("storing samples")(failed.1))
+        let (_, action, err) = failed;
+        Err(remote(action)(err))
     }
 
     fn stacks(&self, selection: &Selection) -> Result<StackSamples, StorageError> {
@@ -1805,7 +1809,8 @@ impl Storage for ClickhouseStorage {
     /// retention mark, on every server), then drops the partitions wholly
     /// before it on every server. Returns the sample rows hidden: rows are
     /// per batch, so this counts a (bucket, label set, stack) once per
-    /// batch that added to it (SQLite: once).
+    /// batch that added to it (SQLite: once), and twice the copies of a
+    /// batch stored on two shards (`FINAL` merges within a shard).
     fn delete_before(&self, cutoff_unix_nanos: i64) -> Result<u64, StorageError> {
         let last = cutoff_unix_nanos.saturating_sub(self.options.bucket_nanos);
         let previous = self.retention_mark()?;

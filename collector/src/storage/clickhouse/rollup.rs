@@ -58,8 +58,9 @@ use crate::storage::{StorageError, tiers::span_start};
 pub(super) const EVERY_CPU: u128 = 0;
 
 /// How long a try without its batch id may still be storing its samples, at
-/// least: its samples go in one statement (timed from its registration),
-/// which takes at most `request_timeout` (see `in_flight_nanos`). Measured
+/// least: its samples go in one statement after it (and after the id lookup
+/// begun before it), each taking at most `request_timeout` (see
+/// `in_flight_nanos`). Measured
 /// on the collectors' clocks, which must agree to within a few minutes.
 const MIN_IN_FLIGHT_NANOS: i64 = 10 * 60 * 1_000_000_000;
 

@@ -56,7 +56,10 @@ impl Tables {
 /// the hash that also names duplicates, so a retried row lands on the
 /// shard that holds its first copy and collapses with it. (A batch's
 /// `samples`, `attempts` and `batches` rows are written by the collector
-/// straight to its home shard, picked by the batch id to the same end.)
+/// straight to its home shard, picked by the batch id, so a retry's copies
+/// land with the first ones too, unless the home could not be reached
+/// once: reads count copies on two shards once, merges never collapse
+/// them.)
 ///
 /// * `samples`: one row per (batch, bucket, label set, stack) with the
 ///   summed weight and the batch's sample period. `ReplacingMergeTree`
