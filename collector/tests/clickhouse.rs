@@ -1245,7 +1245,9 @@ impl Door {
     fn close(&mut self) {
         self.open.store(false, std::sync::atomic::Ordering::SeqCst);
         if let Some(accepting) = self.accepting.take() {
-            accepting.join().expect("the accepting thread");
+            // Its panic (a failed accept or connect) fails the test
+            // through the statements it cut; not a second panic in drop.
+            let _ = accepting.join();
         }
         for stream in self.connections.lock().expect("lock").drain(..) {
             let _ = stream.shutdown(std::net::Shutdown::Both);
