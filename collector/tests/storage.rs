@@ -207,7 +207,8 @@ fn queries_return_exactly_the_ingested_weights() {
     assert_eq!(rows(&path, "locations"), 4);
     assert_eq!(rows(&path, "stacks"), 3);
     assert_eq!(rows(&path, "label_sets"), 3);
-    assert_eq!(rows(&path, "samples"), 6);
+    // Six (bucket, label set, stack) sums, in a row per (bucket, label set).
+    assert_eq!(rows(&path, "samples"), 4);
 }
 
 #[test]
@@ -749,6 +750,49 @@ fn concurrent_ingest_and_queries() {
     );
 }
 
+/// Rewrites the samples of a database this collector wrote as versions 1
+/// to 6 kept them: a row per (bucket, label set, stack), not a blob per
+/// (bucket, label set) of (stack id step, weight) varints after their count.
+fn samples_as_rows(conn: &rusqlite::Connection) -> rusqlite::Result<()> {
+    conn.execute_batch(
+        "ALTER TABLE samples RENAME TO samples_blobs;
+         CREATE TABLE samples (
+             bucket_start INTEGER NOT NULL,
+             label_set_id INTEGER NOT NULL,
+             stack_id INTEGER NOT NULL,
+             weight INTEGER NOT NULL,
+             PRIMARY KEY (bucket_start, label_set_id, stack_id)
+         ) STRICT, WITHOUT ROWID;",
+    )?;
+    let blobs: Vec<(i64, i64, Vec<u8>)> = conn
+        .prepare("SELECT bucket_start, label_set_id, stacks FROM samples_blobs")?
+        .query_map([], |row| Ok((row.get(0)?, row.get(1)?, row.get(2)?)))?
+        .collect::<Result<_, _>>()?;
+    for (bucket, label_set, blob) in blobs {
+        let mut bytes = blob.iter();
+        let mut varint = || {
+            let (mut value, mut shift) = (0u64, 0);
+            for &byte in bytes.by_ref() {
+                value |= u64::from(byte & 0x7f) << shift;
+                if byte & 0x80 == 0 {
+                    break;
+                }
+                shift += 7;
+            }
+            value
+        };
+        let (pairs, mut stack) = (varint(), 0);
+        for _ in 0..pairs {
+            stack += varint() as i64;
+            conn.execute(
+                "INSERT INTO samples VALUES (?1, ?2, ?3, ?4)",
+                (bucket, label_set, stack, varint() as i64),
+            )?;
+        }
+    }
+    conn.execute_batch("DROP TABLE samples_blobs")
+}
+
 #[test]
 fn a_version_1_database_is_upgraded_and_keeps_its_samples() {
     let dir = tempfile::tempdir().expect("tempdir");
@@ -761,6 +805,7 @@ fn a_version_1_database_is_upgraded_and_keeps_its_samples() {
     // mappings without code segments, and no rollups.
     rusqlite::Connection::open(&path)
         .and_then(|conn| {
+            samples_as_rows(&conn)?;
             conn.execute_batch(
                 "ALTER TABLE samples ADD COLUMN count INTEGER NOT NULL DEFAULT 1;
                  ALTER TABLE mappings DROP COLUMN code_segments;
@@ -805,16 +850,18 @@ fn a_version_1_database_is_upgraded_and_keeps_its_samples() {
         (
             version,
             has_column("samples", "count"),
+            has_column("samples", "stacks"),
             has_column("mappings", "code_segments"),
             has_index("labels_by_name"),
             has_column("rollup_spans", "has_cpu"),
         ),
-        (6, false, true, true, true)
+        (7, false, true, true, true, true)
     );
 }
 
 /// Version 5 rolled spans up without their labels: upgraded, its spans
-/// above the bucket are redone with them, and answers stay the same.
+/// are redone with them (and, as from version 6, into blobs), and answers
+/// stay the same.
 #[test]
 fn a_version_5_database_rolls_its_history_up_again_with_labels() {
     let dir = tempfile::tempdir().expect("tempdir");
@@ -828,6 +875,7 @@ fn a_version_5_database_rolls_its_history_up_again_with_labels() {
     drop(storage);
     rusqlite::Connection::open(&path)
         .and_then(|conn| {
+            samples_as_rows(&conn)?;
             conn.execute_batch(
                 "DROP TABLE label_rollups; DROP TABLE label_rollup_sets;
                  ALTER TABLE rollup_spans DROP COLUMN has_cpu;
@@ -837,14 +885,124 @@ fn a_version_5_database_rolls_its_history_up_again_with_labels() {
         .expect("making a version 5 database");
 
     let storage = open(&path);
-    assert_eq!(rows(&path, "rollup_spans"), 1, "the bucket's span is kept");
-    assert_eq!(rows(&path, "pending_spans"), 3, "10 min, 1 h, 1 day redone");
+    assert_eq!(rows(&path, "rollup_spans"), 0);
+    assert_eq!(rows(&path, "pending_spans"), 4, "every span redone");
     assert_eq!(weights(&storage, &all(&[])), everything);
     assert_eq!(weights(&storage, &node), one_node);
-    assert_eq!(storage.compact(T0 + DAY).expect("compaction"), 3);
+    assert_eq!(storage.compact(T0 + DAY).expect("compaction"), 4);
     assert!(rows(&path, "label_rollups") > 0, "rolled up with labels");
     assert_eq!(weights(&storage, &all(&[])), everything);
     assert_eq!(weights(&storage, &node), one_node);
+}
+
+/// Version 6 kept a row per (bucket, label set, stack) and rolled spans
+/// up likewise: upgraded, its samples are one blob per (bucket, label set)
+/// with the same sums, its rollups are redone, and answers stay the same
+/// before and after.
+#[test]
+fn a_version_6_database_moves_its_samples_into_blobs() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let path = dir.path().join("stackscope.db");
+    let storage = open(&path);
+    ingest_all(&storage, &[batch1(), batch2(), batch3()]);
+    let node = all(&[("node", MatchOp::Equal, "node-a")]);
+    let (everything, one_node) = (weights(&storage, &all(&[])), weights(&storage, &node));
+    assert!(!one_node.is_empty() && one_node != everything);
+    let blob_rows = rows(&path, "samples");
+    drop(storage);
+    let sample_rows = rusqlite::Connection::open(&path)
+        .and_then(|conn| {
+            samples_as_rows(&conn)?;
+            // Version 6's rollups, with a span marked current whose rows
+            // the upgrade must not trust.
+            conn.execute_batch(
+                "DROP TABLE rollups; DROP TABLE label_rollups;
+                 CREATE TABLE rollups (width INTEGER NOT NULL, span_start INTEGER NOT NULL,
+                     stack_id INTEGER NOT NULL, weight INTEGER NOT NULL,
+                     PRIMARY KEY (width, span_start, stack_id)) STRICT, WITHOUT ROWID;
+                 CREATE TABLE label_rollups (width INTEGER NOT NULL,
+                     span_start INTEGER NOT NULL, label_set_id INTEGER NOT NULL,
+                     stack_id INTEGER NOT NULL, weight INTEGER NOT NULL,
+                     PRIMARY KEY (width, span_start, label_set_id, stack_id))
+                     STRICT, WITHOUT ROWID;
+                 INSERT INTO rollups VALUES (60000000000, 0, 1, 1);
+                 INSERT INTO rollup_spans VALUES (60000000000, 0, 0, 1);
+                 PRAGMA user_version = 6;",
+            )?;
+            conn.query_row("SELECT count(*) FROM samples", [], |row| {
+                row.get::<_, i64>(0)
+            })
+        })
+        .expect("making a version 6 database");
+    assert!(
+        sample_rows > blob_rows,
+        "{sample_rows} rows, {blob_rows} blobs"
+    );
+
+    let storage = open(&path);
+    assert_eq!(rows(&path, "samples"), blob_rows);
+    assert_eq!(
+        (rows(&path, "rollups"), rows(&path, "rollup_spans")),
+        (0, 0)
+    );
+    assert_eq!(weights(&storage, &all(&[])), everything);
+    assert_eq!(weights(&storage, &node), one_node);
+    let spans = storage.compact(T0 + DAY).expect("compaction");
+    assert_eq!(rows(&path, "rollup_spans") as u64, spans);
+    assert!(rows(&path, "label_rollups") > 0, "rolled up with labels");
+    assert_eq!(weights(&storage, &all(&[])), everything);
+    assert_eq!(weights(&storage, &node), one_node);
+}
+
+/// A sums blob that does not decode (a damaged file) fails the queries and
+/// the ingest that read it with an error that says so, never a wrong
+/// answer, and only those: other buckets and label sets go on, and
+/// retention deletes it like any other.
+#[test]
+fn a_damaged_sums_blob_is_an_error_and_only_where_it_is_read() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let path = dir.path().join("stackscope.db");
+    let storage = open(&path);
+    let batch = |id: u8, minutes: i64, comm: &str| {
+        let mut b = Builder::new(id, "node-a", T0 + minutes * MINUTE, PERIOD_100HZ);
+        let s1 = b.standard_stack(1);
+        let labels = b.label_set(&[("comm", comm)]);
+        b.sample(s1, labels, 4, 0);
+        b.validate()
+    };
+    ingest_all(&storage, &[batch(1, 0, "app"), batch(2, 60, "app")]);
+    // Its count of pairs breaks off.
+    rusqlite::Connection::open(&path)
+        .and_then(|conn| {
+            conn.execute(
+                "UPDATE samples SET stacks = x'ff' WHERE bucket_start = ?1",
+                [T0],
+            )
+        })
+        .expect("damaging the first bucket's blob");
+    let damaged = "a blob of stack sums holds truncated varint";
+    let first_bucket = select(T0, T0 + MINUTE, &[]);
+    let app_first_bucket = select(T0, T0 + MINUTE, &[("comm", MatchOp::Equal, "app")]);
+    for selection in [&first_bucket, &app_first_bucket] {
+        match storage.stacks(selection) {
+            Err(StorageError::Corrupt(message)) => assert_eq!(message, damaged),
+            other => panic!("expected Corrupt, got {other:?}"),
+        }
+    }
+    match storage.ingest(&batch(3, 0, "app")) {
+        Err(StorageError::Corrupt(message)) => assert_eq!(message, damaged),
+        other => panic!("expected Corrupt, got {other:?}"),
+    }
+    ingest_all(&storage, &[batch(4, 0, "worker")]);
+    let later = select(T0 + 60 * MINUTE, T0 + 61 * MINUTE, &[]);
+    assert_eq!(weights(&storage, &later), expect(&[(S1, 4)]));
+
+    // The worker's sum is counted; the damaged blob, unreadable, is not.
+    assert_eq!(storage.delete_before(T0 + 30 * MINUTE).expect("delete"), 1);
+    assert_eq!(
+        weights(&storage, &select(0, i64::MAX, &[])),
+        expect(&[(S1, 4)])
+    );
 }
 
 #[test]
@@ -869,13 +1027,13 @@ fn incompatible_databases_are_refused() {
     );
 
     rusqlite::Connection::open(&path)
-        .and_then(|conn| conn.pragma_update(None, "user_version", 7))
+        .and_then(|conn| conn.pragma_update(None, "user_version", 8))
         .expect("set a newer version");
     let err = SqliteStorage::open(&path, SqliteOptions::default()).expect_err("newer schema");
     assert_eq!(
         err.to_string(),
         format!(
-            "the database at {} cannot be used: its schema version 7 is newer than the 6 this \
+            "the database at {} cannot be used: its schema version 8 is newer than the 7 this \
              collector knows; run a newer collector",
             path.display()
         )

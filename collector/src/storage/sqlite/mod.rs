@@ -30,6 +30,7 @@ use crate::storage::tiers::Tiers;
 mod read;
 mod rollup;
 mod schema;
+mod sums;
 mod write;
 
 pub use write::COMPACTION_SPANS_PER_CALL;

@@ -24,7 +24,7 @@ use stackscope_telemetry::StateSize;
 
 use super::{
     SqliteOptions, SqliteStorage, StackWeights, StorageError, add_capped, non_negative,
-    page_cache_used, rollup, schema,
+    page_cache_used, rollup, schema, sums,
 };
 use crate::{
     ingest::MappingRecord,
@@ -679,8 +679,7 @@ impl SqliteStorage {
             let mut period = PeriodAgreement::default();
             let mut weights = StackWeights::default();
             // A row's weight, times its period when asked in units.
-            let mut add = |stack: i64, weight: i64, row_period: i64| -> Result<(), StorageError> {
-                let weight = non_negative(weight, "sample weight")?;
+            let mut add = |stack: i64, weight: u64, row_period: i64| -> Result<(), StorageError> {
                 let factor = if in_units {
                     non_negative(row_period, "sample period")?
                 } else {
@@ -715,19 +714,20 @@ impl SqliteStorage {
                         cover.spans = kept;
                     }
                     let mut spans = tx.prepare_cached(
-                        "SELECT stack_id, weight FROM rollups
-                         WHERE width = ?1 AND span_start = ?2",
+                        "SELECT stacks FROM rollups WHERE width = ?1 AND span_start = ?2",
                     )?;
                     // Spans of other profile types' samples alone hold no rows.
                     for span in cover.spans.iter().filter(|span| span.has_cpu) {
                         period.add(u64::try_from(span.sample_period_nanos).unwrap_or(0));
                         let mut rows = spans.query((span.width, span.start))?;
                         while let Some(row) = rows.next()? {
-                            add(row.get(0)?, row.get(1)?, span.sample_period_nanos)?;
+                            sums::for_each(sums::column(row, 0)?, |stack, weight| {
+                                add(stack, weight, span.sample_period_nanos)
+                            })?;
                         }
                     }
                     let mut samples = tx.prepare_cached(
-                        "SELECT bucket_start, label_set_id, stack_id, weight FROM samples
+                        "SELECT bucket_start, label_set_id, stacks FROM samples
                          WHERE bucket_start > ?1 AND bucket_start < ?2",
                     )?;
                     for &gap in &cover.gaps {
@@ -743,23 +743,25 @@ impl SqliteStorage {
                         while let Some(row) = rows.next()? {
                             let (bucket, label_set): (i64, i64) = (row.get(0)?, row.get(1)?);
                             if selected.contains(label_set) {
-                                let row_period = periods.get(&(bucket, label_set)).copied();
-                                add(row.get(2)?, row.get(3)?, row_period.unwrap_or(1))?;
+                                let row_period =
+                                    periods.get(&(bucket, label_set)).copied().unwrap_or(1);
+                                sums::for_each(sums::column(row, 2)?, |stack, weight| {
+                                    add(stack, weight, row_period)
+                                })?;
                             }
                         }
                     }
                 }
                 Selected::Some(ids) if ids.is_empty() => {}
                 Selected::Some(_) => {
-                    // Read exactly the (span or bucket, label set) prefixes
-                    // of the label rollups' or samples' keys that hold
-                    // selected samples.
+                    // Read exactly the (span or bucket, label set) rows of
+                    // the label rollups or samples that hold selected
+                    // samples.
                     let mut samples = tx.prepare_cached(
-                        "SELECT stack_id, weight FROM samples
-                         WHERE bucket_start = ?1 AND label_set_id = ?2",
+                        "SELECT stacks FROM samples WHERE bucket_start = ?1 AND label_set_id = ?2",
                     )?;
                     let mut rolled = tx.prepare_cached(
-                        "SELECT stack_id, weight FROM label_rollups
+                        "SELECT stacks FROM label_rollups
                          WHERE width = ?1 AND span_start = ?2 AND label_set_id = ?3",
                     )?;
                     self.for_each_label_set_run(tx, selection, &selected, None, in_units, |run| {
@@ -770,7 +772,9 @@ impl SqliteStorage {
                             rolled.query((run.width, run.start, run.label_set))?
                         };
                         while let Some(row) = rows.next()? {
-                            add(row.get(0)?, row.get(1)?, run.period)?;
+                            sums::for_each(sums::column(row, 0)?, |stack, weight| {
+                                add(stack, weight, run.period)
+                            })?;
                         }
                         Ok(())
                     })?;

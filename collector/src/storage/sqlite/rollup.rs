@@ -1,9 +1,9 @@
 //! Rollups: sums of closed spans of time at coarser widths, so a query
-//! over an hour or a day reads one row per (span, stack), or per (span,
-//! label set, stack), instead of one per (bucket, label set, stack). A
-//! hundred nodes that run the same services send the same stacks: an hour
-//! of them is 12M sample rows but 20k distinct stacks, and 200k distinct
-//! (label set, stack) pairs.
+//! over an hour or a day reads the sums of each span, or of each (span,
+//! label set), instead of each (bucket, label set). A hundred nodes that
+//! run the same services send the same stacks: an hour of them is 12M
+//! samples but 20k distinct stacks, and 200k distinct (label set, stack)
+//! pairs.
 //!
 //! Owns the rollup tables, the compactor that fills them, and the choice of
 //! which spans answer a range. Rollups are a cache of `samples`, never the
@@ -14,15 +14,15 @@
 //!
 //! # Tables
 //!
-//! * `rollups(width, span_start, stack_id, weight)`: per span of `width`
+//! * `rollups(width, span_start, stacks)`: per span of `width`
 //!   nanoseconds (the bucket width, then 10 min, 1 h, 1 day) the summed
 //!   weight of each stack over every label set of CPU samples (the sets of
-//!   other profile types, which carry the type's label, are left out): what
-//!   a fleet-wide flamegraph reads.
-//! * `label_rollups(width, span_start, label_set_id, stack_id, weight)`:
-//!   the same per label set, every profile type, for the widths above the
-//!   bucket (at the bucket width, `samples` is that already): what a query
-//!   with matchers reads, for the label sets they select.
+//!   other profile types, which carry the type's label, are left out), in
+//!   one blob (see [`sums`]): what a fleet-wide flamegraph reads.
+//! * `label_rollups(width, span_start, label_set_id, stacks)`: the same
+//!   per label set, every profile type, for the widths above the bucket (at
+//!   the bucket width, `samples` is that already): what a query with
+//!   matchers reads, for the label sets they select.
 //! * `label_rollup_sets(width, span_start, label_set_id,
 //!   sample_period_nanos, weight)`: per span, each label set with samples
 //!   in it, the period its buckets agreed on (0 when they did not: an
@@ -45,18 +45,11 @@ use std::collections::{BTreeMap, HashMap, HashSet};
 use rusqlite::Transaction;
 use stackscope_profile::model::{PROFILE_TYPE_LABEL, PeriodAgreement};
 
-use super::{StackWeights, StorageError, add_capped, non_negative, saturate};
+use super::{StackWeights, StorageError, add_capped, non_negative, saturate, sums};
 use crate::storage::tiers::{Tiers, span_start};
 
+/// The markers and pending spans (schema version 4).
 pub(super) const SCHEMA: &str = "
-CREATE TABLE rollups (
-    width INTEGER NOT NULL,
-    span_start INTEGER NOT NULL,
-    stack_id INTEGER NOT NULL,
-    weight INTEGER NOT NULL,
-    PRIMARY KEY (width, span_start, stack_id)
-) STRICT, WITHOUT ROWID;
-
 CREATE TABLE rollup_spans (
     width INTEGER NOT NULL,
     span_start INTEGER NOT NULL,
@@ -75,21 +68,31 @@ CREATE TABLE pending_spans (
 pub(super) const LABEL_SCHEMA: &str = "
 ALTER TABLE rollup_spans ADD COLUMN has_cpu INTEGER NOT NULL DEFAULT 1;
 
-CREATE TABLE label_rollups (
-    width INTEGER NOT NULL,
-    span_start INTEGER NOT NULL,
-    label_set_id INTEGER NOT NULL,
-    stack_id INTEGER NOT NULL,
-    weight INTEGER NOT NULL,
-    PRIMARY KEY (width, span_start, label_set_id, stack_id)
-) STRICT, WITHOUT ROWID;
-
 CREATE TABLE label_rollup_sets (
     width INTEGER NOT NULL,
     span_start INTEGER NOT NULL,
     label_set_id INTEGER NOT NULL,
     sample_period_nanos INTEGER NOT NULL,
     weight INTEGER NOT NULL,
+    PRIMARY KEY (width, span_start, label_set_id)
+) STRICT, WITHOUT ROWID;
+";
+
+/// The sums, in blobs of (stack, weight) pairs (see [`sums`]) since schema
+/// version 7.
+pub(super) const SUMS_SCHEMA: &str = "
+CREATE TABLE rollups (
+    width INTEGER NOT NULL,
+    span_start INTEGER NOT NULL,
+    stacks BLOB NOT NULL,
+    PRIMARY KEY (width, span_start)
+) STRICT, WITHOUT ROWID;
+
+CREATE TABLE label_rollups (
+    width INTEGER NOT NULL,
+    span_start INTEGER NOT NULL,
+    label_set_id INTEGER NOT NULL,
+    stacks BLOB NOT NULL,
     PRIMARY KEY (width, span_start, label_set_id)
 ) STRICT, WITHOUT ROWID;
 ";
@@ -183,7 +186,8 @@ pub(super) fn next_pending(
 
 /// Sums the span `(width, start)` afresh and marks it current: from the
 /// base rows for the bucket width and the width above it, from the label
-/// rollups one width finer above that. Returns the rollup rows written.
+/// rollups one width finer above that. Returns the (stack, weight) pairs
+/// written.
 pub(super) fn recompute(
     tx: &Transaction<'_>,
     tiers: &Tiers,
@@ -201,14 +205,14 @@ pub(super) fn recompute(
         Some(finer) if finer != tiers.bucket() => (
             "SELECT label_set_id, sample_period_nanos, weight FROM label_rollup_sets
              WHERE width = ?3 AND span_start >= ?1 AND span_start < ?2",
-            "SELECT label_set_id, stack_id, weight FROM label_rollups
+            "SELECT label_set_id, stacks FROM label_rollups
              WHERE width = ?3 AND span_start >= ?1 AND span_start < ?2",
             vec![start, end, finer],
         ),
         _ => (
             "SELECT label_set_id, sample_period_nanos, weight FROM label_set_buckets
              WHERE bucket_start >= ?1 AND bucket_start < ?2",
-            "SELECT label_set_id, stack_id, weight FROM samples
+            "SELECT label_set_id, stacks FROM samples
              WHERE bucket_start >= ?1 AND bucket_start < ?2",
             vec![start, end],
         ),
@@ -244,24 +248,27 @@ pub(super) fn recompute(
     let mut stmt = tx.prepare_cached(stacks_sql)?;
     let mut rows = stmt.query(params)?;
     while let Some(row) = rows.next()? {
-        let (set, stack): (i64, i64) = (row.get(0)?, row.get(1)?);
-        let weight = non_negative(row.get(2)?, "sample weight")?;
-        if !typed.contains(&set) {
-            label_free.add(stack, weight);
-        }
-        if per_set {
-            let sum = set_stacks.entry((set, stack)).or_default();
-            *sum = add_capped(*sum, weight);
-        }
+        let set: i64 = row.get(0)?;
+        let typed = typed.contains(&set);
+        sums::for_each(sums::column(row, 1)?, |stack, weight| {
+            if !typed {
+                label_free.add(stack, weight);
+            }
+            if per_set {
+                let sum = set_stacks.entry((set, stack)).or_default();
+                *sum = add_capped(*sum, weight);
+            }
+            Ok(())
+        })?;
     }
 
-    let mut written = 0u64;
-    let mut insert = tx.prepare_cached(
-        "INSERT INTO rollups (width, span_start, stack_id, weight) VALUES (?1, ?2, ?3, ?4)",
-    )?;
-    for (stack, weight) in label_free.into_sorted() {
-        insert.execute((width, start, stack, saturate(weight)))?;
-        written += 1;
+    let mut blob = Vec::new();
+    let label_free = label_free.into_sorted();
+    let mut written = label_free.len() as u64;
+    if !label_free.is_empty() {
+        sums::encode(&mut blob, &label_free);
+        tx.prepare_cached("INSERT INTO rollups (width, span_start, stacks) VALUES (?1, ?2, ?3)")?
+            .execute((width, start, &blob[..]))?;
     }
     if per_set {
         let mut insert = tx.prepare_cached(
@@ -279,15 +286,21 @@ pub(super) fn recompute(
             ))?;
         }
         let mut set_stacks: Vec<_> = set_stacks.into_iter().collect();
-        // In key order: appends to the table's b-tree.
+        // In key order: each set's pairs in a run, ascending by stack, and
+        // the sets appended to the table's b-tree in order.
         set_stacks.sort_unstable();
+        written += set_stacks.len() as u64;
         let mut insert = tx.prepare_cached(
-            "INSERT INTO label_rollups (width, span_start, label_set_id, stack_id, weight)
-             VALUES (?1, ?2, ?3, ?4, ?5)",
+            "INSERT INTO label_rollups (width, span_start, label_set_id, stacks)
+             VALUES (?1, ?2, ?3, ?4)",
         )?;
-        for ((set, stack), weight) in set_stacks {
-            insert.execute((width, start, set, stack, saturate(weight)))?;
-            written += 1;
+        let mut pairs = Vec::new();
+        for run in set_stacks.chunk_by(|a, b| a.0.0 == b.0.0) {
+            pairs.clear();
+            pairs.extend(run.iter().map(|&((_, stack), weight)| (stack, weight)));
+            blob.clear();
+            sums::encode(&mut blob, &pairs);
+            insert.execute((width, start, run[0].0.0, &blob[..]))?;
         }
     }
     tx.prepare_cached(

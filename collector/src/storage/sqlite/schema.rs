@@ -3,7 +3,7 @@
 //! opening the writer (which creates or checks the schema) and the query
 //! connections. Owns no ingest (`write`) and no queries (`read`).
 //!
-//! # Schema (version 6, in `PRAGMA user_version`)
+//! # Schema (version 7, in `PRAGMA user_version`)
 //!
 //! * `meta(key, value)`: settings the data depends on (`bucket_nanos`).
 //! * `batches(id, received_unix_nanos, end_unix_nanos)`: ids of stored
@@ -21,17 +21,19 @@
 //!   and needs no string garbage collection. Stacks keep their location ids
 //!   as a varint blob, leaf first. Ids are `AUTOINCREMENT`, so an id is never
 //!   reused after a delete and the query side may cache by id.
-//! * `samples(bucket_start, label_set_id, stack_id, weight)`: sums
-//!   per time bucket, `WITHOUT ROWID` with that primary key so a bucket is
-//!   one contiguous range (cheap upserts within a batch, cheap range scans
-//!   and prefix deletes).
+//! * `samples(bucket_start, label_set_id, stacks)`: per time bucket and
+//!   label set, the summed weight of each stack, in one blob (see
+//!   [`sums`]: queries read a label set's sums whole, and a row per stack
+//!   cost them most of their time); `WITHOUT ROWID` with that primary key
+//!   so a bucket is one contiguous range (cheap range scans and prefix
+//!   deletes).
 //! * `label_set_buckets(bucket_start, label_set_id, sample_period_nanos,
 //!   weight)`: one row per label set and bucket with samples: the sample
 //!   period they agree on (0 when batches disagree) and their total weight.
 //!   It is small next to `samples`, answers `series`, `label_names` and
 //!   `label_values` without touching samples, and tells a label-filtered
-//!   `stacks` query exactly which (bucket, label set) prefixes of `samples`
-//!   to read.
+//!   `stacks` query exactly which (bucket, label set) rows of `samples` to
+//!   read.
 //! * Every dictionary row carries `last_bucket`, the newest bucket of a batch
 //!   that contained it. Buckets are only ever deleted oldest first, so once
 //!   every bucket up to `b` is gone, rows with `last_bucket <= b` are
@@ -41,19 +43,32 @@
 //! * `rollups`, `label_rollups`, `label_rollup_sets`, `rollup_spans`,
 //!   `pending_spans`: sums of closed spans of 1 bucket, 10 min, 1 h and 1
 //!   day, without labels and per label set, which queries read instead of
-//!   `samples` and `label_set_buckets` (see [`rollup`]).
+//!   `samples` and `label_set_buckets` (see [`rollup`]), their sums in
+//!   blobs as `samples`'.
 
 use std::path::Path;
 
 use rusqlite::{Connection, OptionalExtension as _, TransactionBehavior};
 
-use super::{SqliteOptions, StorageError, rollup};
+use super::{SqliteOptions, StorageError, rollup, sums};
 use crate::storage::tiers::Tiers;
 
 /// The schema this code reads and writes. Bump it (and migrate) on any
 /// change; an older collector refuses a newer database instead of
 /// misreading it.
-const SCHEMA_VERSION: i32 = 6;
+const SCHEMA_VERSION: i32 = 7;
+
+/// The samples, apart from [`SCHEMA`]: version 6's step creates it too.
+const SAMPLES_TABLE: &str = "
+-- stacks: the label set's summed weight per stack in the bucket (see
+-- `sums`).
+CREATE TABLE samples (
+    bucket_start INTEGER NOT NULL,
+    label_set_id INTEGER NOT NULL,
+    stacks BLOB NOT NULL,
+    PRIMARY KEY (bucket_start, label_set_id)
+) STRICT, WITHOUT ROWID;
+";
 
 const SCHEMA: &str = "
 CREATE TABLE meta (
@@ -124,14 +139,6 @@ CREATE INDEX label_sets_last_bucket ON label_sets (last_bucket);
 -- new set.
 CREATE INDEX labels_by_name ON labels (name);
 
-CREATE TABLE samples (
-    bucket_start INTEGER NOT NULL,
-    label_set_id INTEGER NOT NULL,
-    stack_id INTEGER NOT NULL,
-    weight INTEGER NOT NULL,
-    PRIMARY KEY (bucket_start, label_set_id, stack_id)
-) STRICT, WITHOUT ROWID;
-
 CREATE TABLE label_set_buckets (
     bucket_start INTEGER NOT NULL,
     label_set_id INTEGER NOT NULL,
@@ -181,6 +188,47 @@ fn pend_every_span_with_data(
             [width],
         )?;
     }
+    Ok(())
+}
+
+/// Version 6's step: `samples` rows, one per (bucket, label set, stack),
+/// become one blob per (bucket, label set). Read in key order, so each
+/// blob's pairs come in a run, ascending by stack id.
+fn samples_into_blobs(tx: &rusqlite::Transaction<'_>) -> Result<(), StorageError> {
+    tx.execute_batch("ALTER TABLE samples RENAME TO samples_version_6")?;
+    tx.execute_batch(SAMPLES_TABLE)?;
+    let mut read = tx.prepare(
+        "SELECT bucket_start, label_set_id, stack_id, weight FROM samples_version_6
+         ORDER BY bucket_start, label_set_id, stack_id",
+    )?;
+    let mut insert =
+        tx.prepare("INSERT INTO samples (bucket_start, label_set_id, stacks) VALUES (?1, ?2, ?3)")?;
+    let mut pairs: Vec<(i64, u64)> = Vec::new();
+    let mut blob = Vec::new();
+    let mut current: Option<(i64, i64)> = None;
+    let mut flush = |key: (i64, i64), pairs: &mut Vec<(i64, u64)>| -> Result<(), StorageError> {
+        blob.clear();
+        sums::encode(&mut blob, pairs);
+        insert.execute((key.0, key.1, &blob[..]))?;
+        pairs.clear();
+        Ok(())
+    };
+    let mut rows = read.query([])?;
+    while let Some(row) = rows.next()? {
+        let key: (i64, i64) = (row.get(0)?, row.get(1)?);
+        let (stack, weight): (i64, i64) = (row.get(2)?, row.get(3)?);
+        if let Some(previous) = current.filter(|&previous| previous != key) {
+            flush(previous, &mut pairs)?;
+        }
+        current = Some(key);
+        pairs.push((stack, super::non_negative(weight, "sample weight")?));
+    }
+    if let Some(key) = current {
+        flush(key, &mut pairs)?;
+    }
+    drop(rows);
+    drop(read);
+    tx.execute_batch("DROP TABLE samples_version_6")?;
     Ok(())
 }
 
@@ -255,25 +303,37 @@ fn init_schema(
         tx.execute_batch("CREATE INDEX labels_by_name ON labels (name)")?;
         version = 5;
     }
-    // Version 5 rolled up CPU samples without their labels alone: spans
-    // above the bucket width lose their marker (they have no label
-    // rollups) and every one with data is pending, so the compactor rolls
-    // the history up again with labels.
+    // Version 5 rolled up CPU samples without their labels alone: the
+    // label tables are added here, and filled by redoing every span at
+    // version 6's step.
     if version == 5 {
         tx.execute_batch(rollup::LABEL_SCHEMA)?;
-        for &width in tiers.label_widths() {
-            tx.execute("DELETE FROM rollup_spans WHERE width = ?1", [width])?;
-            tx.execute("DELETE FROM rollups WHERE width = ?1", [width])?;
-        }
-        pend_every_span_with_data(&tx, tiers.label_widths())?;
+        version = 6;
+    }
+    // Version 6 kept a row per (bucket, label set, stack), and rollups
+    // likewise: samples move into one blob per (bucket, label set), the
+    // rollups are dropped, and every span with data is pending, so the
+    // compactor rolls the history up again.
+    if version == 6 {
+        samples_into_blobs(&tx)?;
+        tx.execute_batch(
+            "DROP TABLE IF EXISTS rollups;
+             DROP TABLE IF EXISTS label_rollups;
+             DELETE FROM rollup_spans;
+             DELETE FROM label_rollup_sets;",
+        )?;
+        tx.execute_batch(rollup::SUMS_SCHEMA)?;
+        pend_every_span_with_data(&tx, tiers.widths())?;
         tx.pragma_update(None, "user_version", SCHEMA_VERSION)?;
         version = SCHEMA_VERSION;
     }
     match version {
         0 => {
             tx.execute_batch(SCHEMA)?;
+            tx.execute_batch(SAMPLES_TABLE)?;
             tx.execute_batch(rollup::SCHEMA)?;
             tx.execute_batch(rollup::LABEL_SCHEMA)?;
+            tx.execute_batch(rollup::SUMS_SCHEMA)?;
             tx.execute(
                 "INSERT INTO meta (key, value) VALUES ('bucket_nanos', ?1)",
                 [bucket_nanos],

@@ -22,7 +22,7 @@ use stackscope_profile::model::unix_nanos;
 use stackscope_telemetry::StateSize;
 
 use super::{
-    CacheStats, IngestOutcome, SqliteStorage, StorageError, page_cache_used, rollup, saturate,
+    CacheStats, IngestOutcome, SqliteStorage, StorageError, page_cache_used, rollup, saturate, sums,
 };
 use crate::{
     ingest::ValidBatch,
@@ -37,24 +37,8 @@ use crate::{
 /// collector can stop between.
 pub const COMPACTION_SPANS_PER_CALL: u64 = 64;
 
-/// Sample rows one upsert statement carries: one statement per row spends
-/// a good part of ingest in statement overhead rather than in the B-tree.
-const SAMPLES_PER_STATEMENT: usize = 64;
-
-/// An upsert of `rows` sample rows, 4 parameters each: bucket, label set,
-/// stack, weight.
-fn upsert_samples_sql(rows: usize) -> String {
-    let values = vec!["(?, ?, ?, ?)"; rows].join(", ");
-    // Sums saturate at i64::MAX: SQLite would turn an overflowing integer
-    // sum into a float, which would then fail to read back as an integer.
-    format!(
-        "INSERT INTO samples (bucket_start, label_set_id, stack_id, weight) VALUES {values}
-         ON CONFLICT (bucket_start, label_set_id, stack_id) DO UPDATE SET
-             weight = CASE WHEN weight > 9223372036854775807 - excluded.weight
-                 THEN 9223372036854775807 ELSE weight + excluded.weight END"
-    )
-}
-
+// Sums saturate at i64::MAX: SQLite would turn an overflowing integer sum
+// into a float, which would then fail to read back as an integer.
 const UPSERT_LABEL_SET_BUCKET: &str = "
 INSERT INTO label_set_buckets (bucket_start, label_set_id, sample_period_nanos, weight)
 VALUES (?1, ?2, ?3, ?4)
@@ -167,7 +151,7 @@ impl SqliteStorage {
             let Some(bucket) = oldest.filter(|b| *b <= last) else {
                 break;
             };
-            let rows = tx.execute("DELETE FROM samples WHERE bucket_start = ?1", [bucket])?;
+            let rows = delete_samples(&tx, bucket, bucket)?;
             tx.execute(
                 "DELETE FROM label_set_buckets WHERE bucket_start = ?1",
                 [bucket],
@@ -175,7 +159,7 @@ impl SqliteStorage {
             // No query may use a span summing the deleted bucket.
             rollup::forget_through(&tx, &self.tiers, bucket)?;
             tx.commit()?;
-            deleted = deleted.saturating_add(rows as u64);
+            deleted = deleted.saturating_add(rows);
         }
 
         let mut writer = self.writer();
@@ -185,8 +169,8 @@ impl SqliteStorage {
         // Again in this transaction: a late batch may have added to an old
         // bucket since, and the orphan deletes below rely on every bucket up
         // to `last` being gone.
-        let rows = tx.execute("DELETE FROM samples WHERE bucket_start <= ?1", [last])?;
-        deleted = deleted.saturating_add(rows as u64);
+        let rows = delete_samples(&tx, i64::MIN, last)?;
+        deleted = deleted.saturating_add(rows);
         tx.execute(
             "DELETE FROM label_set_buckets WHERE bucket_start <= ?1",
             [last],
@@ -343,6 +327,11 @@ struct Scratch {
     label_set_periods: Vec<i64>,
     /// (label set id, stack id, weight, the label set's period)
     samples: Vec<(i64, i64, u64, i64)>,
+    /// One label set's (stack id, weight) pairs of the batch; the pairs
+    /// its bucket held; the blob of both (see `sums`).
+    set_pairs: Vec<(i64, u64)>,
+    stored_pairs: Vec<(i64, u64)>,
+    sums: Vec<u8>,
     /// Items first stored or moved to a newer bucket by the open
     /// transaction: published to the caches only after it commits, so a
     /// rollback cannot leave ids in the caches that the database lacks.
@@ -352,9 +341,6 @@ struct Scratch {
 
 pub(super) struct Writer {
     conn: Connection,
-    /// `upsert_samples_sql` for a full chunk and for a single row.
-    upsert_samples: String,
-    upsert_sample: String,
     mappings: Dictionary,
     locations: Dictionary,
     stacks: Dictionary,
@@ -568,6 +554,25 @@ impl BatchItems<'_> {
     }
 }
 
+/// Deletes the samples of the buckets from `first` to `last`; returns how
+/// many (bucket, label set, stack) sums they held.
+fn delete_samples(tx: &Transaction<'_>, first: i64, last: i64) -> Result<u64, StorageError> {
+    let mut count = tx.prepare_cached(
+        "SELECT stacks FROM samples WHERE bucket_start >= ?1 AND bucket_start <= ?2",
+    )?;
+    let mut rows = count.query((first, last))?;
+    let mut sums = 0u64;
+    while let Some(row) = rows.next()? {
+        // A blob that cannot be read is deleted all the same: retention
+        // must not stall on it.
+        let held = sums::column(row, 0).and_then(sums::count).unwrap_or(0);
+        sums = sums.saturating_add(held);
+    }
+    tx.prepare_cached("DELETE FROM samples WHERE bucket_start >= ?1 AND bucket_start <= ?2")?
+        .execute((first, last))?;
+    Ok(sums)
+}
+
 fn invalid(message: String) -> StorageError {
     StorageError::InvalidBatch(message)
 }
@@ -584,8 +589,6 @@ impl Writer {
     pub(super) fn new(conn: Connection, cache_entries: usize) -> Self {
         Self {
             conn,
-            upsert_samples: upsert_samples_sql(SAMPLES_PER_STATEMENT),
-            upsert_sample: upsert_samples_sql(1),
             mappings: Dictionary::new(cache_entries),
             locations: Dictionary::new(cache_entries),
             stacks: Dictionary::new(cache_entries),
@@ -657,8 +660,6 @@ impl Writer {
         }
         let Writer {
             conn,
-            upsert_samples,
-            upsert_sample,
             mappings,
             locations,
             stacks,
@@ -685,6 +686,9 @@ impl Writer {
             label_set_ids,
             label_set_periods,
             samples,
+            set_pairs,
+            stored_pairs,
+            sums: sums_blob,
             pending,
         } = scratch;
         let [
@@ -803,8 +807,9 @@ impl Writer {
             }
         }
 
-        // Samples, sorted by key: the upserts then walk the bucket's B-tree
-        // in order, and duplicates within the batch merge here.
+        // Samples, sorted by key: each label set's in a run, ascending by
+        // stack, the sets' rows met in the bucket's B-tree in order, and
+        // duplicates within the batch merged here.
         samples.clear();
         for (index, sample) in batch.samples.iter().enumerate() {
             let stack = *item(stack_ids, sample.stack, || {
@@ -836,46 +841,32 @@ impl Writer {
             same
         });
         {
-            let mut upsert_many = tx.prepare_cached(upsert_samples)?;
-            let mut upsert_one = tx.prepare_cached(upsert_sample)?;
-            for chunk in samples.chunks(SAMPLES_PER_STATEMENT) {
-                if chunk.len() == SAMPLES_PER_STATEMENT {
-                    let mut param = 0;
-                    for &(label_set, stack, weight, _) in chunk {
-                        for value in [bucket, label_set, stack, saturate(weight)] {
-                            param += 1;
-                            upsert_many.raw_bind_parameter(param, value)?;
-                        }
-                    }
-                    upsert_many.raw_execute()?;
-                } else {
-                    for &(label_set, stack, weight, _) in chunk {
-                        upsert_one.execute((bucket, label_set, stack, saturate(weight)))?;
-                    }
-                }
-            }
-
+            // Per label set: its sums merged into its bucket's blob, and
+            // its total and period into `label_set_buckets`.
+            let mut stored = tx.prepare_cached(
+                "SELECT stacks FROM samples WHERE bucket_start = ?1 AND label_set_id = ?2",
+            )?;
+            let mut upsert_samples = tx.prepare_cached(
+                "INSERT INTO samples (bucket_start, label_set_id, stacks) VALUES (?1, ?2, ?3)
+                 ON CONFLICT (bucket_start, label_set_id) DO UPDATE SET stacks = excluded.stacks",
+            )?;
             let mut upsert_label_set_bucket = tx.prepare_cached(UPSERT_LABEL_SET_BUCKET)?;
-            let mut current: Option<(i64, u64, i64)> = None;
-            for &(label_set, _, weight, period) in samples.iter() {
-                current = match current {
-                    Some((id, sum, period)) if id == label_set => {
-                        Some((id, sum.saturating_add(weight), period))
-                    }
-                    Some((id, sum, last_period)) => {
-                        upsert_label_set_bucket.execute((
-                            bucket,
-                            id,
-                            last_period,
-                            saturate(sum),
-                        ))?;
-                        Some((label_set, weight, period))
-                    }
-                    None => Some((label_set, weight, period)),
+            for run in samples.chunk_by(|a, b| a.0 == b.0) {
+                let (label_set, period) = (run[0].0, run[0].3);
+                set_pairs.clear();
+                set_pairs.extend(run.iter().map(|&(_, stack, weight, _)| (stack, weight)));
+                let mut rows = stored.query((bucket, label_set))?;
+                let stored_blob = match rows.next()? {
+                    Some(row) => Some(sums::column(row, 0)?),
+                    None => None,
                 };
-            }
-            if let Some((id, sum, period)) = current {
-                upsert_label_set_bucket.execute((bucket, id, period, saturate(sum)))?;
+                sums::merge(stored_blob, set_pairs, stored_pairs, sums_blob)?;
+                drop(rows);
+                upsert_samples.execute((bucket, label_set, &sums_blob[..]))?;
+                let total = run
+                    .iter()
+                    .fold(0u64, |sum, &(_, _, weight, _)| sum.saturating_add(weight));
+                upsert_label_set_bucket.execute((bucket, label_set, period, saturate(total)))?;
             }
             tx.prepare_cached(
                 "INSERT INTO batches (id, received_unix_nanos, end_unix_nanos) VALUES (?1, ?2, ?3)",
