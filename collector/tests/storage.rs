@@ -811,7 +811,7 @@ fn a_version_1_database_is_upgraded_and_keeps_its_samples() {
                  ALTER TABLE mappings DROP COLUMN code_segments;
                  DROP TABLE rollups; DROP TABLE rollup_spans; DROP TABLE pending_spans;
                  DROP TABLE label_rollups; DROP TABLE label_rollup_sets;
-                 DROP INDEX labels_by_name;
+                 DROP TABLE abandoned_spans; DROP INDEX labels_by_name;
                  PRAGMA user_version = 1;",
             )
         })
@@ -878,7 +878,7 @@ fn a_version_5_database_rolls_its_history_up_again_with_labels() {
             samples_as_rows(&conn)?;
             conn.execute_batch(
                 "DROP TABLE label_rollups; DROP TABLE label_rollup_sets;
-                 ALTER TABLE rollup_spans DROP COLUMN has_cpu;
+                 DROP TABLE abandoned_spans; ALTER TABLE rollup_spans DROP COLUMN has_cpu;
                  PRAGMA user_version = 5;",
             )
         })
@@ -913,10 +913,13 @@ fn a_version_6_database_moves_its_samples_into_blobs() {
     let sample_rows = rusqlite::Connection::open(&path)
         .and_then(|conn| {
             samples_as_rows(&conn)?;
+            // A damaged row (no collector writes a weight below 1, nor a
+            // stack that is not stored): left out, not the whole database.
+            conn.execute("INSERT INTO samples VALUES (?1, 1, 999, -5)", [T0])?;
             // Version 6's rollups, with a span marked current whose rows
             // the upgrade must not trust.
             conn.execute_batch(
-                "DROP TABLE rollups; DROP TABLE label_rollups;
+                "DROP TABLE rollups; DROP TABLE label_rollups; DROP TABLE abandoned_spans;
                  CREATE TABLE rollups (width INTEGER NOT NULL, span_start INTEGER NOT NULL,
                      stack_id INTEGER NOT NULL, weight INTEGER NOT NULL,
                      PRIMARY KEY (width, span_start, stack_id)) STRICT, WITHOUT ROWID;
@@ -956,8 +959,8 @@ fn a_version_6_database_moves_its_samples_into_blobs() {
 
 /// A sums blob that does not decode (a damaged file) fails the queries and
 /// the ingest that read it with an error that says so, never a wrong
-/// answer, and only those: other buckets and label sets go on, and
-/// retention deletes it like any other.
+/// answer, and only those: other buckets, label sets and the compaction of
+/// other spans go on, and retention deletes it like any other.
 #[test]
 fn a_damaged_sums_blob_is_an_error_and_only_where_it_is_read() {
     let dir = tempfile::tempdir().expect("tempdir");
@@ -996,6 +999,24 @@ fn a_damaged_sums_blob_is_an_error_and_only_where_it_is_read() {
     ingest_all(&storage, &[batch(4, 0, "worker")]);
     let later = select(T0 + 60 * MINUTE, T0 + 61 * MINUTE, &[]);
     assert_eq!(weights(&storage, &later), expect(&[(S1, 4)]));
+
+    // Compaction goes on past it: the spans holding the damaged bucket (the
+    // bucket's, its 10 minutes, hour and day) are left to their buckets, the
+    // later bucket's, 10 minutes and hour are built, and nothing is retried
+    // until written again.
+    assert_eq!(storage.compact(T0 + DAY).expect("compaction"), 7);
+    assert_eq!(
+        (rows(&path, "abandoned_spans"), rows(&path, "rollup_spans")),
+        (4, 3)
+    );
+    assert_eq!(storage.compact(T0 + DAY).expect("compaction"), 0);
+    assert_eq!(weights(&storage, &later), expect(&[(S1, 4)]));
+    for selection in [&first_bucket, &all(&[])] {
+        match storage.stacks(selection) {
+            Err(StorageError::Corrupt(message)) => assert_eq!(message, damaged),
+            other => panic!("expected Corrupt, got {other:?}"),
+        }
+    }
 
     // The worker's sum is counted; the damaged blob, unreadable, is not.
     assert_eq!(storage.delete_before(T0 + 30 * MINUTE).expect("delete"), 1);

@@ -168,7 +168,8 @@ pub trait Storage: Send + Sync + 'static {
     ) -> Result<Vec<(i64, u64)>, StorageError>;
 
     /// Deletes samples (and what only they referenced) older than the cutoff;
-    /// returns the sample rows deleted.
+    /// returns the sample rows deleted (SQLite: the (bucket, label set,
+    /// stack) sums).
     fn delete_before(&self, cutoff_unix_nanos: i64) -> Result<u64, StorageError>;
 
     /// Brings precomputed summaries (rollups) up to date for data that

@@ -9,8 +9,9 @@
 //!
 //! This module ties the parts together: [`schema`] (tables, migrations,
 //! opening connections), [`write`] (the one writer: ingest, retention,
-//! compaction), [`read`] (a pool of query connections and their caches) and
-//! [`rollup`] (the sums fleet-wide queries read).
+//! compaction), [`read`] (a pool of query connections and their caches),
+//! [`rollup`] (the sums fleet-wide queries read) and [`sums`] (the blob of
+//! (stack, weight) sums every bucket and span keeps per label set).
 
 use std::{
     collections::HashMap,

@@ -678,7 +678,7 @@ impl SqliteStorage {
             let selected = snapshot.label_sets.select(selection);
             let mut period = PeriodAgreement::default();
             let mut weights = StackWeights::default();
-            // A row's weight, times its period when asked in units.
+            // A stack's weight, times its period when asked in units.
             let mut add = |stack: i64, weight: u64, row_period: i64| -> Result<(), StorageError> {
                 let factor = if in_units {
                     non_negative(row_period, "sample period")?

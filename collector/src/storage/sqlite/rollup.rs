@@ -28,7 +28,7 @@
 //!   in it, the period its buckets agreed on (0 when they did not: an
 //!   agreement of agreements is the agreement of the whole) and its total
 //!   weight, as `label_set_buckets` per bucket: series, label names and
-//!   values, and which `label_rollups` prefixes to read.
+//!   values, and which `label_rollups` rows to read.
 //! * `rollup_spans(width, span_start, sample_period_nanos, has_cpu)`: the
 //!   marker: the span's rows (in `rollups`, and above the bucket width in
 //!   the two label tables) are complete and current.
@@ -36,6 +36,9 @@
 //!   buckets agreed on (0 when they did not).
 //! * `pending_spans(width, span_start)`: spans whose data changed since they
 //!   were last rolled up (written by ingest, cleared by the compactor).
+//! * `abandoned_spans(width, span_start)`: spans the compactor could not
+//!   sum (a damaged blob of sums in them, see [`abandon`]), until a write
+//!   pends them again.
 //!
 //! Empty spans get no marker: a query reads their (absent) base rows, which
 //! costs nothing.
@@ -95,15 +98,22 @@ CREATE TABLE label_rollups (
     stacks BLOB NOT NULL,
     PRIMARY KEY (width, span_start, label_set_id)
 ) STRICT, WITHOUT ROWID;
+
+CREATE TABLE abandoned_spans (
+    width INTEGER NOT NULL,
+    span_start INTEGER NOT NULL,
+    PRIMARY KEY (width, span_start)
+) STRICT, WITHOUT ROWID;
 ";
 
 /// Every table a span's rows live in.
-const SPAN_TABLES: [&str; 5] = [
+const SPAN_TABLES: [&str; 6] = [
     "rollups",
     "label_rollups",
     "label_rollup_sets",
     "rollup_spans",
     "pending_spans",
+    "abandoned_spans",
 ];
 
 /// Ingest, in the batch's transaction: `bucket` changes, so every span
@@ -201,6 +211,20 @@ pub(super) fn recompute(
         .execute((width, start))?;
     }
     let end = start.saturating_add(width);
+    if let Some(finer) = tiers.finer(width).filter(|&finer| finer != tiers.bucket()) {
+        // Summed from the finer spans, every one of which must be there.
+        let abandoned = tx
+            .prepare_cached(
+                "SELECT 1 FROM abandoned_spans WHERE width = ?1 AND span_start >= ?2
+                 AND span_start < ?3",
+            )?
+            .exists((finer, start, end))?;
+        if abandoned {
+            return Err(StorageError::Corrupt(
+                "a finer span inside it could not be summed".into(),
+            ));
+        }
+    }
     let (sets_sql, stacks_sql, params) = match tiers.finer(width) {
         Some(finer) if finer != tiers.bucket() => (
             "SELECT label_set_id, sample_period_nanos, weight FROM label_rollup_sets
@@ -314,6 +338,25 @@ pub(super) fn recompute(
         cpu_period.is_some(),
     ))?;
     Ok(written)
+}
+
+/// The compactor, after `recompute` of `(width, start)` found data it
+/// cannot read (in its own transaction, the failed one rolled back): the
+/// span is left without rows or marker and off the pending list, so the
+/// compaction of every other span goes on and queries read its finer spans
+/// and buckets (failing only where they read the damage). Marked
+/// abandoned, so no coarser span is summed without it; a write into it
+/// pends it again, and retention forgets it with its buckets.
+pub(super) fn abandon(tx: &Transaction<'_>, width: i64, start: i64) -> Result<(), StorageError> {
+    for table in SPAN_TABLES {
+        tx.prepare_cached(&format!(
+            "DELETE FROM {table} WHERE width = ?1 AND span_start = ?2"
+        ))?
+        .execute((width, start))?;
+    }
+    tx.prepare_cached("INSERT INTO abandoned_spans (width, span_start) VALUES (?1, ?2)")?
+        .execute((width, start))?;
+    Ok(())
 }
 
 /// The label sets of profile types other than CPU (with the type's label).

@@ -207,6 +207,9 @@ fn samples_into_blobs(tx: &rusqlite::Transaction<'_>) -> Result<(), StorageError
     let mut blob = Vec::new();
     let mut current: Option<(i64, i64)> = None;
     let mut flush = |key: (i64, i64), pairs: &mut Vec<(i64, u64)>| -> Result<(), StorageError> {
+        if pairs.is_empty() {
+            return Ok(());
+        }
         blob.clear();
         sums::encode(&mut blob, pairs);
         insert.execute((key.0, key.1, &blob[..]))?;
@@ -214,6 +217,7 @@ fn samples_into_blobs(tx: &rusqlite::Transaction<'_>) -> Result<(), StorageError
         Ok(())
     };
     let mut rows = read.query([])?;
+    let mut unreadable = 0u64;
     while let Some(row) = rows.next()? {
         let key: (i64, i64) = (row.get(0)?, row.get(1)?);
         let (stack, weight): (i64, i64) = (row.get(2)?, row.get(3)?);
@@ -221,7 +225,12 @@ fn samples_into_blobs(tx: &rusqlite::Transaction<'_>) -> Result<(), StorageError
             flush(previous, &mut pairs)?;
         }
         current = Some(key);
-        pairs.push((stack, super::non_negative(weight, "sample weight")?));
+        // Never written by a collector (weights are at least 1): a damaged
+        // row, left out rather than refusing the whole database.
+        match u64::try_from(weight) {
+            Ok(weight) if weight > 0 => pairs.push((stack, weight)),
+            _ => unreadable += 1,
+        }
     }
     if let Some(key) = current {
         flush(key, &mut pairs)?;
@@ -229,6 +238,12 @@ fn samples_into_blobs(tx: &rusqlite::Transaction<'_>) -> Result<(), StorageError
     drop(rows);
     drop(read);
     tx.execute_batch("DROP TABLE samples_version_6")?;
+    if unreadable > 0 {
+        tracing::warn!(
+            rows = unreadable,
+            "upgrading the database: sample rows with a weight below 1 were left out"
+        );
+    }
     Ok(())
 }
 

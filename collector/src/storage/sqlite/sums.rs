@@ -23,10 +23,10 @@ use crate::storage::codec::{BlobReader, put_varint};
 /// Appends the blob of `pairs` (stack id, weight), ascending by id with no
 /// id twice, to `buf`. Weights saturate at `i64::MAX`, as every sum does.
 pub(super) fn encode(buf: &mut Vec<u8>, pairs: &[(i64, u64)]) {
+    debug_assert!(pairs.windows(2).all(|two| two[0].0 < two[1].0));
     put_varint(buf, pairs.len() as u64);
     let mut previous = 0i64;
     for &(stack, weight) in pairs {
-        debug_assert!(stack > previous || previous == 0 && stack >= 0);
         put_varint(buf, stack.wrapping_sub(previous) as u64);
         put_varint(buf, saturate(weight) as u64);
         previous = stack;
@@ -40,9 +40,11 @@ pub(super) fn column<'row>(row: &'row Row<'_>, index: usize) -> Result<&'row [u8
         .map_err(|_| StorageError::Corrupt("stack sums that are not a blob".into()))
 }
 
-/// The number of pairs `blob` holds (its first varint), unchecked beyond it.
+/// The number of pairs `blob` holds (its first varint), unchecked beyond
+/// it but for the bytes they would take (two at least each).
 pub(super) fn count(blob: &[u8]) -> Result<u64, StorageError> {
-    BlobReader { bytes: blob }.varint().map_err(corrupt)
+    let count = BlobReader { bytes: blob }.varint().map_err(corrupt)?;
+    Ok(count.min(blob.len() as u64 / 2))
 }
 
 /// Calls `each(stack id, weight)` for every pair of `blob`, ascending by id.
@@ -74,11 +76,12 @@ pub(super) fn for_each(
 
 /// Writes into `out` the blob of `stored` (a blob, or None for no pairs)
 /// plus `added` (pairs ascending by id, no id twice): weights of the same
-/// stack add up, capped at `i64::MAX`. `scratch` holds the stored pairs.
+/// stack add up, capped at `i64::MAX`. `scratch` holds the stored pairs,
+/// then the merged ones.
 pub(super) fn merge(
     stored: Option<&[u8]>,
     added: &[(i64, u64)],
-    scratch: &mut Vec<(i64, u64)>,
+    scratch: &mut [Vec<(i64, u64)>; 2],
     out: &mut Vec<u8>,
 ) -> Result<(), StorageError> {
     out.clear();
@@ -86,13 +89,14 @@ pub(super) fn merge(
         encode(out, added);
         return Ok(());
     };
-    scratch.clear();
+    let [stored_pairs, merged] = scratch;
+    stored_pairs.clear();
     for_each(stored, |stack, weight| {
-        scratch.push((stack, weight));
+        stored_pairs.push((stack, weight));
         Ok(())
     })?;
-    let mut merged = Vec::with_capacity(scratch.len() + added.len());
-    let (mut old, mut new) = (scratch.iter().peekable(), added.iter().peekable());
+    merged.clear();
+    let (mut old, mut new) = (stored_pairs.iter().peekable(), added.iter().peekable());
     loop {
         let next = match (old.peek(), new.peek()) {
             (Some(&&(a, wa)), Some(&&(b, wb))) if a == b => {
@@ -116,7 +120,7 @@ pub(super) fn merge(
         };
         merged.push(next);
     }
-    encode(out, &merged);
+    encode(out, merged);
     Ok(())
 }
 
@@ -153,7 +157,7 @@ mod tests {
     fn merging_adds_weights_of_the_same_stack_and_keeps_order() {
         let mut stored = Vec::new();
         encode(&mut stored, &[(2, 1), (5, 2), (9, i64::MAX as u64 - 1)]);
-        let (mut scratch, mut out) = (Vec::new(), Vec::new());
+        let (mut scratch, mut out) = (Default::default(), Vec::new());
         merge(
             Some(&stored),
             &[(1, 3), (5, 4), (9, 10), (12, 1)],

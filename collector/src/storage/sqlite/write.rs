@@ -223,8 +223,25 @@ impl SqliteStorage {
                 else {
                     break;
                 };
-                rollup::recompute(&tx, &self.tiers, width, start)?;
-                tx.commit()?;
+                match rollup::recompute(&tx, &self.tiers, width, start) {
+                    Ok(_) => tx.commit()?,
+                    Err(StorageError::Corrupt(reason)) => {
+                        // One damaged span must not stop every later one.
+                        drop(tx);
+                        let tx = writer
+                            .conn
+                            .transaction_with_behavior(TransactionBehavior::Immediate)?;
+                        rollup::abandon(&tx, width, start)?;
+                        tx.commit()?;
+                        tracing::warn!(
+                            width_nanos = width,
+                            span_start_unix_nanos = start,
+                            "compaction: the span's samples cannot be read ({reason}); queries \
+                             read its buckets instead"
+                        );
+                    }
+                    Err(other) => return Err(other),
+                }
             }
             spans += 1;
             // The mutex is not fair: let a waiting ingest take it first.
@@ -327,10 +344,11 @@ struct Scratch {
     label_set_periods: Vec<i64>,
     /// (label set id, stack id, weight, the label set's period)
     samples: Vec<(i64, i64, u64, i64)>,
-    /// One label set's (stack id, weight) pairs of the batch; the pairs
-    /// its bucket held; the blob of both (see `sums`).
+    /// One label set's (stack id, weight) pairs of the batch; room for the
+    /// pairs its bucket held and for the merged ones; the blob of those
+    /// (see `sums`).
     set_pairs: Vec<(i64, u64)>,
-    stored_pairs: Vec<(i64, u64)>,
+    merge_pairs: [Vec<(i64, u64)>; 2],
     sums: Vec<u8>,
     /// Items first stored or moved to a newer bucket by the open
     /// transaction: published to the caches only after it commits, so a
@@ -687,7 +705,7 @@ impl Writer {
             label_set_periods,
             samples,
             set_pairs,
-            stored_pairs,
+            merge_pairs,
             sums: sums_blob,
             pending,
         } = scratch;
@@ -860,7 +878,7 @@ impl Writer {
                     Some(row) => Some(sums::column(row, 0)?),
                     None => None,
                 };
-                sums::merge(stored_blob, set_pairs, stored_pairs, sums_blob)?;
+                sums::merge(stored_blob, set_pairs, merge_pairs, sums_blob)?;
                 drop(rows);
                 upsert_samples.execute((bucket, label_set, &sums_blob[..]))?;
                 let total = run
