@@ -1672,8 +1672,8 @@ impl Storage for ClickhouseStorage {
         // (dictionary rows are named by their content; a batch tried twice
         // counts once). The try only once the batch is accepted (a refused
         // one registers none) and timed just before its samples go.
-        let (seen, stored) = std::thread::scope(|scope| {
-            let seen = scope.spawn(|| {
+        let (seen, stored) = both(
+            || {
                 let sql = format!(
                     "SELECT count() FROM {} WHERE batch = {} FORMAT RowBinary",
                     self.tables.local("batches"),
@@ -1686,13 +1686,14 @@ impl Storage for ClickhouseStorage {
                         endpoint: home.url.clone(),
                         message,
                     })
-            });
-            let stored = self.store_dictionaries(batch, bucket).map(|samples| {
-                let registered = self.register_try(home, id, bucket);
-                (samples, registered)
-            });
-            (joined(seen), stored)
-        });
+            },
+            || {
+                self.store_dictionaries(batch, bucket).map(|samples| {
+                    let registered = self.register_try(home, id, bucket);
+                    (samples, registered)
+                })
+            },
+        );
         let (samples, registered) = stored?;
         let samples = bytes::Bytes::from(samples.bytes);
         let mut id_row = RowWriter::default();
