@@ -678,15 +678,21 @@ impl SqliteStorage {
             let selected = snapshot.label_sets.select(selection);
             let mut period = PeriodAgreement::default();
             let mut weights = StackWeights::default();
-            // A stack's weight, times its period when asked in units.
-            let mut add = |stack: i64, weight: u64, row_period: i64| -> Result<(), StorageError> {
+            // A row's sums (the blob in its column `column`), each times
+            // the row's period when asked in units.
+            let mut add = |row: &rusqlite::Row<'_>,
+                           column: usize,
+                           row_period: i64|
+             -> Result<(), StorageError> {
                 let factor = if in_units {
                     non_negative(row_period, "sample period")?
                 } else {
                     1
                 };
-                weights.add(stack, weight.saturating_mul(factor));
-                Ok(())
+                sums::for_each(sums::column(row, column)?, |stack, weight| {
+                    weights.add(stack, weight.saturating_mul(factor));
+                    Ok(())
+                })
             };
             match &selected {
                 Selected::EveryCpu { .. } => {
@@ -721,9 +727,7 @@ impl SqliteStorage {
                         period.add(u64::try_from(span.sample_period_nanos).unwrap_or(0));
                         let mut rows = spans.query((span.width, span.start))?;
                         while let Some(row) = rows.next()? {
-                            sums::for_each(sums::column(row, 0)?, |stack, weight| {
-                                add(stack, weight, span.sample_period_nanos)
-                            })?;
+                            add(row, 0, span.sample_period_nanos)?;
                         }
                     }
                     let mut samples = tx.prepare_cached(
@@ -743,11 +747,8 @@ impl SqliteStorage {
                         while let Some(row) = rows.next()? {
                             let (bucket, label_set): (i64, i64) = (row.get(0)?, row.get(1)?);
                             if selected.contains(label_set) {
-                                let row_period =
-                                    periods.get(&(bucket, label_set)).copied().unwrap_or(1);
-                                sums::for_each(sums::column(row, 2)?, |stack, weight| {
-                                    add(stack, weight, row_period)
-                                })?;
+                                let row_period = periods.get(&(bucket, label_set)).copied();
+                                add(row, 2, row_period.unwrap_or(1))?;
                             }
                         }
                     }
@@ -772,9 +773,7 @@ impl SqliteStorage {
                             rolled.query((run.width, run.start, run.label_set))?
                         };
                         while let Some(row) = rows.next()? {
-                            sums::for_each(sums::column(row, 0)?, |stack, weight| {
-                                add(stack, weight, run.period)
-                            })?;
+                            add(row, 0, run.period)?;
                         }
                         Ok(())
                     })?;

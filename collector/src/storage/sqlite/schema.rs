@@ -41,7 +41,7 @@
 //!   indexing) billions of sample rows; `last_bucket` is indexed so that
 //!   costs what it deletes.
 //! * `rollups`, `label_rollups`, `label_rollup_sets`, `rollup_spans`,
-//!   `pending_spans`: sums of closed spans of 1 bucket, 10 min, 1 h and 1
+//!   `pending_spans`, `abandoned_spans`: sums of closed spans of 1 bucket, 10 min, 1 h and 1
 //!   day, without labels and per label set, which queries read instead of
 //!   `samples` and `label_set_buckets` (see [`rollup`]), their sums in
 //!   blobs as `samples`'.
