@@ -54,7 +54,8 @@ use crate::storage::{StorageError, tiers::span_start};
 
 /// The label set of the rows that sum every CPU label set of a span (the
 /// sets of other profile types, which carry the type's label, left out).
-/// No stored set hashes to it: its content hash is 128 bits of xxh3.
+/// No stored set has it for id: that would take 96 bits of its content's
+/// xxh3 and 32 of its node's all zero (see `clustered_label_set_id`).
 pub(super) const EVERY_CPU: u128 = 0;
 
 /// How long a try without its batch id may still be storing its samples, at

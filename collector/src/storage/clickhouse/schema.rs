@@ -67,7 +67,10 @@ impl Tables {
 ///   attempt stored rows, by this or another collector) goes at a merge,
 ///   and counts once before (see `attempts`).
 /// * `stacks`: stack hash -> self-contained frames blob (`codec`).
-/// * `label_sets`: label set hash -> sorted names and values.
+/// * `label_sets`: label set id -> sorted names and values. The id is a
+///   hash of the labels whose first bytes are its node's (see
+///   `clustered_label_set_id`), so the tables ordered by label set keep a
+///   node's rows together.
 /// * `batches`: ids of stored batches, for dedup of retries.
 /// * `attempts`: one row per try at storing a batch's samples, written
 ///   before them, with the time it began (`at_unix_nanos`, 0 for tries
