@@ -548,6 +548,74 @@ fn a_cluster_of_the_second_schema_is_upgraded() {
     assert!(storage.rollup_spans_read() > 0);
 }
 
+/// Label sets stored under the ids they had before ids began with their
+/// node's hash are read beside the same labels under their new ids: the
+/// answers are one set's, before and after compaction.
+#[test]
+fn label_sets_under_their_former_ids_answer_with_the_new_ones() {
+    let db = "former_ids";
+    let sql = |statement: &str| servers().sql(0, statement);
+    let open = || open_url(&servers().single_url(db), ClickhouseOptions::default());
+    ingest_all(&open().expect("open"), &[batch1()]);
+    // Other ids for the stored sets (their bytes reversed: a node's sets
+    // no longer share their first bytes), as a former collector wrote.
+    for (table, columns) in [
+        (
+            "samples_local",
+            "bucket, reverse(label_set), stack, batch, sample_period, weight",
+        ),
+        (
+            "label_sets_local",
+            "reverse(label_set), bucket, label_names, label_values",
+        ),
+    ] {
+        sql(&format!("CREATE TABLE {db}.former AS {db}.{table}"));
+        sql(&format!(
+            "INSERT INTO {db}.former SELECT {columns} FROM {db}.{table}"
+        ));
+        sql(&format!("DROP TABLE {db}.{table}"));
+        sql(&format!("RENAME TABLE {db}.former TO {db}.{table}"));
+    }
+    let storage = open().expect("reopen");
+    ingest_all(&storage, &[batch2()]);
+    assert_eq!(
+        sql(&format!(
+            "SELECT uniqExact(label_set) FROM {db}.label_sets_local"
+        ))
+        .trim(),
+        "3",
+        "batch 2's set (comm=app) is stored again under its new id"
+    );
+    let dir = tempfile::tempdir().expect("temp dir");
+    let sqlite = SqliteStorage::open(&dir.path().join("stackscope.db"), SqliteOptions::default())
+        .expect("open SQLite");
+    ingest_all(&sqlite, &[batch1(), batch2()]);
+    let app = all(&[("comm", MatchOp::Equal, "app")]);
+    let same_answers = |when: &str| {
+        for selection in [all(&[]), app.clone()] {
+            assert_eq!(
+                weights(&storage, &selection),
+                weights(&sqlite, &selection),
+                "{when}"
+            );
+            assert_eq!(
+                storage.series(&selection, MINUTE).expect("series"),
+                sqlite.series(&selection, MINUTE).expect("series"),
+                "{when}"
+            );
+        }
+        assert_eq!(
+            storage.label_values(&all(&[]), "comm").expect("values"),
+            ["app", "worker"],
+            "{when}"
+        );
+    };
+    same_answers("from the samples");
+    assert!(storage.compact(T0 + DAY).expect("compaction") > 0);
+    same_answers("from the rollups");
+    assert!(storage.rollup_spans_read() > 0);
+}
+
 #[test]
 fn a_batch_whose_dictionary_rows_pass_the_cap_is_refused_whole() {
     let db = "dictionary_cap";
