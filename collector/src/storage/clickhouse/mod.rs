@@ -11,8 +11,9 @@
 //! # How it keeps SQLite's semantics
 //!
 //! * Items are named by the same 128-bit content hashes SQLite's engine
-//!   computes, so every collector names a stack or label set alike without
-//!   coordination; there are no ids to allocate.
+//!   computes (a label set's first 32 bits are its node's: see
+//!   `clustered_label_set_id`), so every collector names a stack or label
+//!   set alike without coordination; there are no ids to allocate.
 //! * Dedup: a batch id found in `batches` is a duplicate. Its id is written
 //!   after its samples, so a batch whose ingest failed half-way is stored
 //!   again on retry; its sample rows are then exact duplicates (same batch,
@@ -475,7 +476,9 @@ fn partition_width(bucket: i64, partition: i64) -> Option<i64> {
 /// of one per set scattered through all of them (the bench's one node read
 /// 36k rollup rows per shard instead of 235k). Sets without a node share
 /// one prefix. Ids written before (the plain content hash) stay valid: the
-/// same labels under two ids are read as the same labels.
+/// same labels under two ids are read as the same labels, and a batch's
+/// rows stored under both count once (they share the last 12 bytes: see
+/// [`ROW_COPY_KEY`]).
 fn clustered_label_set_id(bytes: &mut Vec<u8>, labels: &[(String, String)]) -> u128 {
     let node = labels
         .iter()
@@ -483,6 +486,22 @@ fn clustered_label_set_id(bytes: &mut Vec<u8>, labels: &[(String, String)]) -> u
         .map_or("", |(_, value)| value.as_str());
     let prefix = xxhash_rust::xxh3::xxh3_64(node.as_bytes()) as u32;
     (label_set_hash(bytes, labels) & !u128::from(u32::MAX)) | u128::from(prefix)
+}
+
+/// The newest deleted bucket from the rows of `retention` (their count and
+/// largest mark): `i64::MIN` when none was.
+fn retention_mark(rows: u64, last_bucket: i64) -> i64 {
+    if rows > 0 { last_bucket } else { i64::MIN }
+}
+
+/// What a sum of sample rows depends on besides them (see
+/// `summed_sample_rows`): the batches tried more than once in its range
+/// (how many, and a checksum) and the retention mark.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct Retried {
+    batches: u64,
+    checksum: u64,
+    retention_mark: i64,
 }
 
 /// The columns of a try's row in `attempts`.
@@ -496,6 +515,14 @@ fn attempt_row(batch: u128, bucket: i64) -> bytes::Bytes {
     row.i64(unix_nanos(SystemTime::now()));
     row.bytes.into()
 }
+
+/// What names a sample row's copies (the rows of one batch stored twice),
+/// for `GROUP BY`: its key, with its label set by the 12 bytes its id
+/// shares with the id a former collector gave it (see
+/// `clustered_label_set_id`), so a batch first tried by one and retried by
+/// the other still counts once.
+pub(super) const ROW_COPY_KEY: &str =
+    "bucket, substring(label_set, 5, 12), stack, batch, sample_period";
 
 /// Sums taken before every row of the range is merged: the first assuming
 /// no batch was retried, then again each time the retried ones changed.
@@ -1035,40 +1062,37 @@ impl ClickhouseStorage {
         let rows = self.select("reading the retention mark", &sql, |r| {
             Ok((r.u64()?, r.i64()?))
         })?;
-        Ok(match rows.first() {
-            Some(&(count, last)) if count > 0 => last,
-            _ => i64::MIN,
-        })
-    }
-
-    /// The buckets `b` with `lo < b < hi` a selection reads: those that
-    /// overlap its range and were not deleted; `None` when none can.
-    fn bucket_bounds(&self, selection: &Selection) -> Result<Option<(i64, i64)>, StorageError> {
-        let range = selection.range;
-        if range.start_unix_nanos >= range.end_unix_nanos {
-            return Ok(None);
-        }
-        // Bucket b covers [b, b + width): it overlaps [start, end) iff
-        // b < end and b > start - width.
-        let lo = range
-            .start_unix_nanos
-            .saturating_sub(self.options.bucket_nanos)
-            .max(self.retention_mark()?);
-        let hi = range.end_unix_nanos;
-        Ok((lo < hi).then_some((lo, hi)))
+        Ok(rows
+            .first()
+            .map_or(i64::MIN, |&(count, last)| retention_mark(count, last)))
     }
 
     /// How a selection's buckets are read: rollups of the given widths and
-    /// the sample rows between them; `None` when it reads no bucket.
+    /// the sample rows between them, for the buckets that overlap its range
+    /// and were not deleted; `None` when it reads no bucket.
     fn selection_cover(
         &self,
         selection: &Selection,
         widths: &[i64],
     ) -> Result<Option<Cover>, StorageError> {
-        match self.bucket_bounds(selection)? {
-            Some((lo, hi)) => Ok(Some(self.cover(lo, hi, widths)?)),
-            None => Ok(None),
+        let range = selection.range;
+        if range.start_unix_nanos >= range.end_unix_nanos {
+            return Ok(None);
         }
+        let mark = self.retention_mark()?;
+        // Bucket b covers [b, b + width): it overlaps [start, end) iff
+        // b < end and b > start - width.
+        let lo = range
+            .start_unix_nanos
+            .saturating_sub(self.options.bucket_nanos)
+            .max(mark);
+        let hi = range.end_unix_nanos;
+        if lo >= hi {
+            return Ok(None);
+        }
+        let mut cover = self.cover(lo, hi, widths)?;
+        cover.retention_mark = mark;
+        Ok(Some(cover))
     }
 
     /// Labels of the given label sets, from the cache or the database.
@@ -1547,7 +1571,14 @@ impl ClickhouseStorage {
                 .iter()
                 .map(|label| format!("{gaps} AND {label}"))
                 .collect();
-            self.summed_sample_rows(action, &gaps, &conditions, key.sample_column(), &read_key)
+            self.summed_sample_rows(
+                action,
+                &gaps,
+                cover.retention_mark,
+                &conditions,
+                key.sample_column(),
+                &read_key,
+            )
         };
         let (from_rollups, from_samples) = both(from_rollups, from_samples);
         let mut rows = from_rollups?;
@@ -1562,21 +1593,24 @@ impl ClickhouseStorage {
     /// Rows are summed as they are, but those of batches tried more than
     /// once (see `attempts` in [`schema::local_tables`]), summed apart with
     /// one copy of each row. Those batches are looked up after the sums
-    /// (their number and a checksum): `attempts` only grows, and a try
-    /// that began meanwhile registered itself before its rows, so if the
-    /// set is the one the sums assumed, no row they saw came from a try
-    /// they did not know of. The first sums assume none (the usual case:
-    /// a retry follows a failure), so a range without retried batches
-    /// takes one lookup, after its sums, not one before and one after;
-    /// one with some is summed again knowing them. After a few changes,
-    /// every row of the range is counted one copy each (grouped by its
-    /// whole key, across shards: a batch's copies may be on two when its
-    /// home shard could not be reached once; `FINAL` would merge them only
-    /// within a shard).
+    /// (their number and a checksum, with the retention mark): a try that
+    /// began meanwhile registered itself before its rows, and `attempts`
+    /// only grows but where retention deletes, so if the set and the mark
+    /// are the ones the sums assumed, no row they saw came from a try they
+    /// did not know of. The first sums assume no retried batch and the
+    /// mark the range was bounded by (`retention_mark`; the usual case: a
+    /// retry follows a failure), so a range without retried batches takes
+    /// one lookup, after its sums, not one before and one after; one with
+    /// some, or whose oldest buckets retention deleted meanwhile, is summed
+    /// again knowing them. After a few changes, every row of the range is
+    /// counted one copy each (grouped by [`ROW_COPY_KEY`], across shards: a
+    /// batch's copies may be on two when its home shard could not be
+    /// reached once; `FINAL` would merge them only within a shard).
     fn summed_sample_rows<K>(
         &self,
         action: &str,
         buckets: &str,
+        retention_mark: i64,
         conditions: &[String],
         key: &str,
         read_key: &impl Fn(&mut RowReader<'_>) -> Result<K, String>,
@@ -1588,11 +1622,15 @@ impl ClickhouseStorage {
         let sum_rows =
             |sql: &str| self.select(action, sql, |r| Ok((read_key(r)?, r.u64()?, read_sum(r)?)));
         let retried = self.retried_batches_query(buckets);
-        let mut before = (0, 0);
+        let mut before = Retried {
+            batches: 0,
+            checksum: 0,
+            retention_mark,
+        };
         for _ in 0..SUM_TRIES {
             let mut rows = Vec::new();
             for condition in conditions {
-                if before.0 == 0 {
+                if before.batches == 0 {
                     rows.extend(sum_rows(&format!(
                         "SELECT {key}, sample_period, {WEIGHT_PARTS} FROM {samples} \
                          WHERE {condition} GROUP BY {key}, sample_period FORMAT RowBinary"
@@ -1609,7 +1647,7 @@ impl ClickhouseStorage {
                     "SELECT {key}, sample_period, {WEIGHT_PARTS} FROM \
                      (SELECT {key}, sample_period, any(weight) AS weight FROM {samples} \
                      WHERE {condition} AND batch GLOBAL IN ({retried}) \
-                     GROUP BY bucket, label_set, stack, batch, sample_period) \
+                     GROUP BY {ROW_COPY_KEY}) \
                      GROUP BY {key}, sample_period FORMAT RowBinary"
                 ))?);
             }
@@ -1629,7 +1667,7 @@ impl ClickhouseStorage {
             rows.extend(sum_rows(&format!(
                 "SELECT {key}, sample_period, {WEIGHT_PARTS} FROM \
                  (SELECT {key}, sample_period, any(weight) AS weight FROM {samples} \
-                 WHERE {condition} GROUP BY bucket, label_set, stack, batch, sample_period) \
+                 WHERE {condition} GROUP BY {ROW_COPY_KEY}) \
                  GROUP BY {key}, sample_period FORMAT RowBinary"
             ))?);
         }
@@ -1657,14 +1695,27 @@ impl ClickhouseStorage {
         )
     }
 
-    /// How many batches `retried` finds, and a checksum of them.
-    fn retried_checksum(&self, retried: &str) -> Result<(u64, u64), StorageError> {
-        let sql =
-            format!("SELECT count(), sum(sipHash64(batch)) FROM ({retried}) FORMAT RowBinary");
+    /// How many batches `retried` finds, a checksum of them, and the
+    /// retention mark.
+    fn retried_checksum(&self, retried: &str) -> Result<Retried, StorageError> {
+        let retention = self.tables.own("retention");
+        // Current releases make a scalar subquery `Nullable`; 18.16 does not.
+        let sql = format!(
+            "SELECT count(), sum(sipHash64(batch)), \
+             toUInt64(ifNull((SELECT count() FROM {retention}), 0)), \
+             toInt64(ifNull((SELECT max(last_bucket) FROM {retention}), 0)) \
+             FROM ({retried}) FORMAT RowBinary"
+        );
         let rows = self.select("looking up retried batches", &sql, |r| {
-            Ok((r.u64()?, r.u64()?))
+            Ok(Retried {
+                batches: r.u64()?,
+                checksum: r.u64()?,
+                retention_mark: retention_mark(r.u64()?, r.i64()?),
+            })
         })?;
-        Ok(rows.first().copied().unwrap_or((0, 0)))
+        rows.first().copied().ok_or_else(|| {
+            StorageError::Corrupt("looking up retried batches: no answer row".into())
+        })
     }
 }
 

@@ -49,7 +49,7 @@ use std::{
 
 use stackscope_profile::model::{PROFILE_TYPE_LABEL, unix_nanos};
 
-use super::{ClickhouseStorage, WEIGHT_PARTS, hash_list};
+use super::{ClickhouseStorage, ROW_COPY_KEY, WEIGHT_PARTS, hash_list};
 use crate::storage::{StorageError, tiers::span_start};
 
 /// The label set of the rows that sum every CPU label set of a span (the
@@ -111,6 +111,9 @@ pub(super) struct Cover {
     pub spans: Vec<Span>,
     /// Runs of buckets no span covers, as exclusive bounds `(lo, hi)`.
     pub gaps: Vec<(i64, i64)>,
+    /// The retention mark the range was bounded by (see
+    /// `summed_sample_rows`).
+    pub retention_mark: i64,
 }
 
 impl Cover {
@@ -448,7 +451,8 @@ impl ClickhouseStorage {
             Source::Samples => {
                 let buckets = format!("bucket >= {start} AND bucket < {end}");
                 let retried = self.retried_batches_query(&buckets);
-                // A retried batch's copies are the same rows: one of each.
+                // A retried batch's copies are the same rows: one of each
+                // (`UNION ALL` matches columns by position).
                 self.execute_once(
                     action,
                     &format!(
@@ -456,9 +460,10 @@ impl ClickhouseStorage {
                          (SELECT label_set, stack, sample_period, weight FROM {samples} \
                          WHERE {buckets} AND batch GLOBAL NOT IN ({retried}) \
                          UNION ALL \
-                         SELECT label_set, stack, sample_period, any(weight) AS weight \
+                         SELECT any(label_set) AS copied_set, stack, sample_period, \
+                         any(weight) AS weight \
                          FROM {samples} WHERE {buckets} AND batch GLOBAL IN ({retried}) \
-                         GROUP BY bucket, label_set, stack, batch, sample_period) \
+                         GROUP BY {ROW_COPY_KEY}) \
                          GROUP BY label_set, stack, sample_period"
                     ),
                 )?;
@@ -591,6 +596,7 @@ mod tests {
                 },
             ],
             gaps: vec![(-1, 0), (659, 720)],
+            ..Cover::default()
         };
         let spans = cover.spans_condition().expect("spans");
         assert!(
