@@ -10,14 +10,16 @@
 //!
 //! # How it keeps SQLite's semantics
 //!
-//! * Items are named by the same 128-bit content hashes SQLite's engine
-//!   computes (a label set's first 32 bits are its node's: see
-//!   `clustered_label_set_id`), so every collector names a stack or label
-//!   set alike without coordination; there are no ids to allocate.
+//! * Items are named by 128-bit content hashes (SQLite's engine computes
+//!   the same for stacks; a label set's low 32 bits, its first four bytes
+//!   stored, are its node's hash: see `clustered_label_set_id`), so every
+//!   collector names a stack or label set alike without coordination;
+//!   there are no ids to allocate.
 //! * Dedup: a batch id found in `batches` is a duplicate. Its id is written
 //!   after its samples, so a batch whose ingest failed half-way is stored
 //!   again on retry; its sample rows are then exact duplicates (same batch,
-//!   bucket, label set, stack, weight). Each try at storing a batch's
+//!   bucket, label set, stack, weight; a former collector's label set ids
+//!   differ in their first four bytes: see `ROW_COPY_KEY`). Each try at storing a batch's
 //!   samples is first registered in `attempts`: sums add rows as they are,
 //!   but count the rows of a batch tried more than once one copy each (see
 //!   `summed_sample_rows`). The window left: none for sample weights; two retries
@@ -521,11 +523,11 @@ fn attempt_row(batch: u128, bucket: i64) -> bytes::Bytes {
 /// shares with the id a former collector gave it (see
 /// `clustered_label_set_id`), so a batch first tried by one and retried by
 /// the other still counts once.
-pub(super) const ROW_COPY_KEY: &str =
-    "bucket, substring(label_set, 5, 12), stack, batch, sample_period";
+const ROW_COPY_KEY: &str = "bucket, substring(label_set, 5, 12), stack, batch, sample_period";
 
 /// Sums taken before every row of the range is merged: the first assuming
-/// no batch was retried, then again each time the retried ones changed.
+/// no batch was retried, then again each time the retried ones or the
+/// retention mark were not what the sums assumed.
 const SUM_TRIES: usize = 4;
 
 /// The columns of `exact_sum`, in its order.
@@ -2102,7 +2104,6 @@ mod tests {
 
     #[test]
     fn a_nodes_label_sets_share_the_bytes_that_order_them() {
-        let mut bytes = Vec::new();
         let set = |pairs: &[(&str, &str)]| -> Vec<(String, String)> {
             pairs
                 .iter()
@@ -2118,7 +2119,7 @@ mod tests {
         assert_ne!(first_bytes(a), first_bytes(c));
         assert!(a != b && a != c && b != c);
         // The rest is the content hash's.
-        let content = label_set_hash(&mut bytes, &set(&[("comm", "a"), ("node", "n1")]));
+        let content = label_set_hash(&mut Vec::new(), &set(&[("comm", "a"), ("node", "n1")]));
         assert_eq!(a >> 32, content >> 32);
         assert_ne!(id(&[]), rollup::EVERY_CPU);
     }

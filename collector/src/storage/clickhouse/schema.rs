@@ -65,7 +65,9 @@ impl Tables {
 ///   summed weight and the batch's sample period. `ReplacingMergeTree`
 ///   keyed by all four: an exact duplicate (a retried batch whose first
 ///   attempt stored rows, by this or another collector) goes at a merge,
-///   and counts once before (see `attempts`).
+///   and counts once before (see `attempts`); a copy under a label set id
+///   a former collector gave (see `clustered_label_set_id`) never merges
+///   and counts once all the same (`ROW_COPY_KEY`).
 /// * `stacks`: stack hash -> self-contained frames blob (`codec`).
 /// * `label_sets`: label set id -> sorted names and values. The id is a
 ///   hash of the labels whose first bytes are its node's (see
