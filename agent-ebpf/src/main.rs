@@ -178,11 +178,19 @@ struct PythonScratch {
     /// `python_window`), with room past them for a field read of a frame
     /// at the window's end.
     window: [u8; PYTHON_WINDOW_BYTES + 2 * PYTHON_FRAME_READ_BYTES as usize],
-    /// Where the window starts in the process, how many of its bytes were
-    /// read (0: none), and how many the next window reads.
+    /// Where the window starts in the process and how many of its bytes
+    /// were read (0: none).
     window_start: u64,
     window_len: u64,
-    window_next: u64,
+    /// The thread whose thread-state slot (its TSD entry for the
+    /// interpreter's key) the walk on this CPU found last, and where that
+    /// slot is: a CPU that keeps running one thread finds it without
+    /// reading the thread pointer and the key again (see
+    /// `top_python_frame`).
+    slot_tgid: u32,
+    slot_tid: u32,
+    slot_process_start_ns: u64,
+    slot: u64,
     /// The last frame written that lies in the data stack (0: none yet):
     /// the frame its caller called, right after it (see `python_frame`).
     inner_frame: u64,
@@ -200,13 +208,14 @@ struct PythonScratch {
 /// Most bytes of a thread's frame stack read in one go. From 3.11 on,
 /// CPython allocates a thread's frames one after the other in its data
 /// stack (the innermost last), so a read below a frame holds the frames
-/// it was called from: a few reads instead of one per frame. A read costs
-/// here about 85 ns plus 0.43 ns a byte (frames are 72-80 bytes plus 8
-/// per local and stack slot, which come along): the first window of a
-/// stack is [`PYTHON_FIRST_WINDOW_BYTES`], each next one twice the last,
-/// so a shallow stack copies little and a deep one takes few reads.
-/// Frames elsewhere (a generator's, 3.12+'s entry shims on the C stack)
-/// start windows of their own, or are read alone when no window can be.
+/// it was called from: a few reads instead of one per frame. A window
+/// reads from the frame's end down to the start of its page: the frames
+/// of a page in one read. A read's cost is mostly its own, not its
+/// bytes': whole pages cost no more than 512-byte windows doubling from
+/// the first at depth 3, and saved a read or two at depths 10 and 30
+/// (`bench sampler`'s fixture, python3.11). Frames elsewhere (a
+/// generator's, 3.12+'s entry shims on the C stack) start windows of
+/// their own, or are read alone when no window can be.
 const PYTHON_WINDOW_BYTES: usize = 4096;
 /// Largest frame size taken for a fingerprint (a function of 100,000
 /// locals); a larger distance is no caller's and callee's.
@@ -216,7 +225,6 @@ const PYTHON_MAX_FRAME_BYTES: u64 = 1 << 20;
 /// thread's first chunk after one more word CPython leaves unused.
 const PYTHON_CHUNK_FIRST_FRAME: u64 = 24;
 const PYTHON_ROOT_CHUNK_FIRST_FRAME: u64 = 32;
-const PYTHON_FIRST_WINDOW_BYTES: u64 = 512;
 const _: () = assert!(PYTHON_WINDOW_BYTES.is_power_of_two());
 
 /// Low bits of a frame's code object reference that tag it rather than
@@ -320,10 +328,19 @@ fn try_sample_cpu_clock(ctx: &PerfEventContext) -> Result<u32, u32> {
         return Ok(0);
     }
 
-    let cpu = unsafe { bpf_get_smp_processor_id() };
-    python_stack(tgid, tid, cpu);
-    // After the Python stack's: the agent pairs the two by their order.
-    let ktime_ns = unsafe { bpf_ktime_get_ns() };
+    let mut ids = SampleIds {
+        tgid,
+        tid,
+        cpu: unsafe { bpf_get_smp_processor_id() },
+        cgroup_id,
+        sampling_divisor: budget,
+        stack_top: 0,
+        copy_limit: 0,
+        ktime_ns: unsafe { bpf_ktime_get_ns() },
+        process_start_ns: process_start_ns(),
+    };
+    // Before the sample's record: the agent pairs the two by their order.
+    python_stack(&ids);
 
     // SAFETY: perf_event programs get a `bpf_perf_event_data` context whose
     // `regs` are the registers at the tick.
@@ -336,16 +353,6 @@ fn try_sample_cpu_clock(ctx: &PerfEventContext) -> Result<u32, u32> {
         Some(UserRegs::from(tick_regs))
     } else {
         saved_user_regs()
-    };
-    let mut ids = SampleIds {
-        tgid,
-        tid,
-        cpu,
-        cgroup_id,
-        sampling_divisor: budget,
-        stack_top: 0,
-        copy_limit: 0,
-        ktime_ns,
     };
     stack_sample(ctx, &mut ids, flags, user_regs);
     Ok(0)
@@ -663,8 +670,12 @@ struct SampleIds {
     /// process's, or the ceiling, and at most up to the stack top).
     copy_limit: u32,
     /// When the sample was taken (`bpf_ktime_get_ns`): an off-CPU
-    /// sample's switch-in record names it by this time.
+    /// sample's switch-in record names it by this time, and the agent
+    /// pairs a Python stack with its sample by it.
     ktime_ns: u64,
+    /// [`SampleHeader::process_start_ns`], read once for the sample and
+    /// its Python stack.
+    process_start_ns: u64,
 }
 
 impl SampleIds {
@@ -708,7 +719,7 @@ impl SampleIds {
             gen_get_current_comm(core::ptr::addr_of_mut!((*h).comm).cast(), COMM_LEN as u32);
             (*h).tail_len = 0;
             (*h).tail_spans = 0;
-            (*h).process_start_ns = process_start_ns();
+            (*h).process_start_ns = self.process_start_ns;
         }
     }
 }
@@ -1086,18 +1097,19 @@ extern "C" fn paged_copy_step<const BYTES: u32>(_index: u32, copy: *mut c_void) 
 /// shows it, else the object's first line, one more read. Not inlined: its
 /// locals stay out of the entry's frame.
 #[inline(never)]
-fn python_stack(tgid: u32, tid: u32, cpu: u32) {
+fn python_stack(ids: &SampleIds) {
     // SAFETY: read only; the agent replaces entries whole.
-    let Some(process) = (unsafe { PYTHON_PROCESSES.get(tgid) }) else {
+    let Some(process) = (unsafe { PYTHON_PROCESSES.get(ids.tgid) }) else {
         return;
     };
-    if process.process_start_ns != process_start_ns() {
+    if process.process_start_ns != ids.process_start_ns {
         return;
     }
     let Some(scratch) = PYTHON_SCRATCH.get_ptr_mut(0) else {
         return;
     };
-    let Some(frame) = top_python_frame(process) else {
+    // SAFETY: this CPU's slot; the program does not nest on a CPU.
+    let Some(frame) = (unsafe { top_python_frame(process, scratch, ids) }) else {
         return;
     };
     // SAFETY: this CPU's slot; the program does not nest on a CPU.
@@ -1110,7 +1122,6 @@ fn python_stack(tgid: u32, tid: u32, cpu: u32) {
         core::ptr::addr_of_mut!((*scratch).flags).write_volatile(0);
         core::ptr::addr_of_mut!((*scratch).last_code).write_volatile(0);
         core::ptr::addr_of_mut!((*scratch).window_len).write_volatile(0);
-        core::ptr::addr_of_mut!((*scratch).window_next).write_volatile(PYTHON_FIRST_WINDOW_BYTES);
         core::ptr::addr_of_mut!((*scratch).inner_frame).write_volatile(0);
     }
     // `bpf_loop`, not a bounded loop: the verifier checks the callback
@@ -1150,12 +1161,12 @@ fn python_stack(tgid: u32, tid: u32, cpu: u32) {
             .cast::<PythonStackHeader>()
             .write_unaligned(PythonStackHeader {
                 kind: RecordKind::PythonStack as u32,
-                cpu,
-                tgid,
-                tid,
+                cpu: ids.cpu,
+                tgid: ids.tgid,
+                tid: ids.tid,
                 frames: frames as u32,
                 flags,
-                ktime_ns: bpf_ktime_get_ns(),
+                ktime_ns: ids.ktime_ns,
             })
     };
     let len = PYTHON_STACK_HEADER_SIZE + frames * size_of::<PythonFrame>();
@@ -1190,25 +1201,21 @@ extern "C" fn python_walk_step(_index: u32, walk: *mut c_void) -> i64 {
 }
 
 /// Reads the next window of the thread's frame stack (see
-/// [`PYTHON_WINDOW_BYTES`]): the bytes that end where the frame at `frame`
-/// does, `window_next` of them, none below the frame's page. Doubles
-/// `window_next`. Returns the frame's offset in the window; None when no
-/// window could be read.
+/// [`PYTHON_WINDOW_BYTES`]): the bytes of the frame at `frame` and below
+/// it down to the start of its page, at most a window's. Returns the frame's offset in the
+/// window; None when no window could be read.
 ///
 /// # Safety
 /// `scratch` must be this CPU's `PYTHON_SCRATCH` slot.
 #[inline(always)]
 unsafe fn python_window(scratch: *mut PythonScratch, frame: u64, frame_bytes: u32) -> Option<u64> {
     let end = frame.checked_add(u64::from(frame_bytes))?;
-    let size = unsafe { core::ptr::addr_of!((*scratch).window_next).read_volatile() };
-    unsafe {
-        core::ptr::addr_of_mut!((*scratch).window_next)
-            .write_volatile((size * 2).min(PYTHON_WINDOW_BYTES as u64));
-    }
     // Not below the frame's page: the page before may not be mapped (the
     // start of a data stack chunk), and a read that faults costs more
     // than a few reads that do not.
-    let start = end.wrapping_sub(size).max(frame & !4095);
+    let start = end
+        .wrapping_sub(PYTHON_WINDOW_BYTES as u64)
+        .max(frame & !(PAGE_SIZE as u64 - 1));
     let len = end.wrapping_sub(start);
     if len < u64::from(frame_bytes) || len > PYTHON_WINDOW_BYTES as u64 {
         return None;
@@ -1396,8 +1403,49 @@ unsafe fn python_frame(scratch: *mut PythonScratch, process: &PythonProcess) -> 
 
 /// The innermost `_PyInterpreterFrame` of the current thread (0: none
 /// running), through its thread state; None when the thread has none.
+///
+/// # Safety
+/// `scratch` must be this CPU's `PYTHON_SCRATCH` slot.
 #[inline(always)]
-fn top_python_frame(process: &PythonProcess) -> Option<u64> {
+unsafe fn top_python_frame(
+    process: &PythonProcess,
+    scratch: *mut PythonScratch,
+    ids: &SampleIds,
+) -> Option<u64> {
+    let slot = unsafe { thread_state_slot(process, scratch, ids) }?;
+    let tstate = user_value::<u64>(slot)?;
+    if tstate == 0 {
+        return None;
+    }
+    let frame = user_value::<u64>(tstate + u64::from(process.tstate_frame))?;
+    if process.cframe_frame == PythonProcess::NO_CFRAME || frame == 0 {
+        return Some(frame);
+    }
+    user_value::<u64>(frame + u64::from(process.cframe_frame))
+}
+
+/// Where the current thread keeps its thread state: its TSD entry for the
+/// interpreter's key. Neither the thread pointer nor the key changes in a
+/// thread's life, so the slot of the thread this CPU ran last is kept
+/// (two reads fewer, the key's a read of the process's memory); a thread
+/// is known by its ids and its process's start, as a reused pid is not it.
+///
+/// # Safety
+/// `scratch` must be this CPU's `PYTHON_SCRATCH` slot.
+#[inline(always)]
+unsafe fn thread_state_slot(
+    process: &PythonProcess,
+    scratch: *mut PythonScratch,
+    ids: &SampleIds,
+) -> Option<u64> {
+    unsafe {
+        if (*scratch).slot_tid == ids.tid
+            && (*scratch).slot_tgid == ids.tgid
+            && (*scratch).slot_process_start_ns == ids.process_start_ns
+        {
+            return Some((*scratch).slot);
+        }
+    }
     let fs_base = thread_pointer();
     if fs_base == 0 {
         return None;
@@ -1409,15 +1457,13 @@ fn top_python_frame(process: &PythonProcess) -> Option<u64> {
     }
     let slot =
         fs_base + u64::from(process.tsd_base) + u64::from(process.tsd_stride) * u64::from(key);
-    let tstate = user_value::<u64>(slot)?;
-    if tstate == 0 {
-        return None;
+    unsafe {
+        (*scratch).slot_tgid = ids.tgid;
+        (*scratch).slot_tid = ids.tid;
+        (*scratch).slot_process_start_ns = ids.process_start_ns;
+        (*scratch).slot = slot;
     }
-    let frame = user_value::<u64>(tstate + u64::from(process.tstate_frame))?;
-    if process.cframe_frame == PythonProcess::NO_CFRAME || frame == 0 {
-        return Some(frame);
-    }
-    user_value::<u64>(frame + u64::from(process.cframe_frame))
+    Some(slot)
 }
 
 /// The value at `addr` in the current process; None when the read faults.
@@ -1672,22 +1718,22 @@ fn switched_out<C: EbpfContext>(ctx: &C) {
         count(Counter::OffCpuSkipped);
         return;
     }
-    let cpu = unsafe { bpf_get_smp_processor_id() };
-    // A CPython thread's frames, as a tick reads them: where it waits in
-    // Python.
-    python_stack(tgid, tid, cpu);
-    // After the Python stack's: the agent pairs the two by their order.
     let ktime_ns = unsafe { bpf_ktime_get_ns() };
     let mut ids = SampleIds {
         tgid,
         tid,
-        cpu,
+        cpu: unsafe { bpf_get_smp_processor_id() },
         cgroup_id,
         sampling_divisor: divisor,
         stack_top: 0,
         copy_limit: 0,
         ktime_ns,
+        process_start_ns: process_start_ns(),
     };
+    // A CPython thread's frames, as a tick reads them: where it waits in
+    // Python. Before the sample's record: the agent pairs the two by their
+    // order.
+    python_stack(&ids);
     if !stack_sample(ctx, &mut ids, sample_flags::OFF_CPU, Some(regs)) {
         count(Counter::OffCpuFailed);
         return;
