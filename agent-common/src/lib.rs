@@ -515,11 +515,6 @@ pub const MAX_PYTHON_FRAMES: usize = 128;
 /// in CPython 3.10 to 3.14 (the largest, 3.10's `f_lasti`, at byte 96).
 pub const PYTHON_FRAME_READ_BYTES: u32 = 104;
 
-/// Most bytes of a thread state the sampler reads in one go: from its
-/// frame pointer to its `datastack_top` ([`PythonProcess::tstate_datastack_top`]),
-/// 256 bytes in 3.11, 176-192 in 3.12 to 3.14.
-pub const PYTHON_TSTATE_READ_BYTES: u32 = 256;
-
 /// How the sampler finds and reads a CPython process's frames: the value of
 /// the `PYTHON_PROCESSES` map, keyed by tgid, written by the agent when it
 /// finds an interpreter in a process's mappings. Every address is in the
@@ -582,18 +577,6 @@ pub struct PythonProcess {
     /// its size ([`PythonFrame::FRAME_SIZE`]) where the frame it called
     /// lies right after it: no read of its code object.
     pub frame_sizes: u32,
-    /// In the thread state (3.11+; 0: not read): `datastack_top`, where the
-    /// innermost frame of the thread's data stack ends. Read with the frame
-    /// pointer (`tstate_frame`, which lies before it, at most
-    /// [`PYTHON_TSTATE_READ_BYTES`] apart) in one read, it fingerprints the
-    /// innermost frame by its size too ([`PythonFrame::FRAME_SIZE`]): no
-    /// read of its code object.
-    pub tstate_datastack_top: u32,
-    /// In the thread state (0: not read): `native_thread_id`, the thread
-    /// it belongs to; lies within the bytes read for the two fields above.
-    /// A CPU that runs the same thread again reads the thread state it
-    /// found last, and takes it when this field still names the thread.
-    pub tstate_native_thread_id: u32,
 }
 
 impl PythonProcess {
@@ -602,7 +585,7 @@ impl PythonProcess {
     pub const NO_CFRAME: u32 = u32::MAX;
 }
 
-const _: () = assert!(core::mem::size_of::<PythonProcess>() == 88);
+const _: () = assert!(core::mem::size_of::<PythonProcess>() == 80);
 
 // SAFETY: `repr(C)`, integers only, no padding: every byte pattern is a
 // value.

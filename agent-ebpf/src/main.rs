@@ -53,11 +53,10 @@ use agent_common::{
     MAX_NEW_PROCESS_WAKEUPS, MAX_OFF_CPU_PENDING, MAX_PYTHON_FRAMES, MAX_PYTHON_PROCESSES,
     MAX_SPAN_BYTES, MAX_STACK_PLANS, MAX_STACK_TOPS, MAX_TAIL_BYTES, MAX_TAIL_SPANS,
     MAX_USER_STACK_BYTES, OFF_CPU_WINDOW_NS, OffCpuPending, OffCpuRate, PAGE_SIZE,
-    PYTHON_FRAME_READ_BYTES, PYTHON_STACK_HEADER_SIZE, PYTHON_STACK_MAX_BYTES,
-    PYTHON_TSTATE_READ_BYTES, ProcessEvent, PythonFrame, PythonProcess, PythonStackHeader,
-    RecordKind, SAMPLE_HEADER_SIZE, SCRATCH_BYTES, SWITCH_IN_SIZE, SampleHeader, StackPlan,
-    StackTop, SwitchIn, TAIL_SPAN_HEADER_SIZE, policy_flags, python_stack_flags,
-    reserved_record_bytes, sample_flags, tail_span,
+    PYTHON_FRAME_READ_BYTES, PYTHON_STACK_HEADER_SIZE, PYTHON_STACK_MAX_BYTES, ProcessEvent,
+    PythonFrame, PythonProcess, PythonStackHeader, RecordKind, SAMPLE_HEADER_SIZE, SCRATCH_BYTES,
+    SWITCH_IN_SIZE, SampleHeader, StackPlan, StackTop, SwitchIn, TAIL_SPAN_HEADER_SIZE,
+    policy_flags, python_stack_flags, reserved_record_bytes, sample_flags, tail_span,
 };
 use aya_ebpf::{
     EbpfContext, Global,
@@ -192,9 +191,6 @@ struct PythonScratch {
     slot_tid: u32,
     slot_process_start_ns: u64,
     slot: u64,
-    /// The thread state that slot held (0: none yet), read again first
-    /// (see `thread_state`).
-    tstate: u64,
     /// The last frame written that lies in the data stack (0: none yet):
     /// the frame its caller called, right after it (see `python_frame`).
     inner_frame: u64,
@@ -230,10 +226,6 @@ const PYTHON_MAX_FRAME_BYTES: u64 = 1 << 20;
 const PYTHON_CHUNK_FIRST_FRAME: u64 = 24;
 const PYTHON_ROOT_CHUNK_FIRST_FRAME: u64 = 32;
 const _: () = assert!(PYTHON_WINDOW_BYTES.is_power_of_two());
-const _: () = assert!(
-    PYTHON_TSTATE_READ_BYTES.is_power_of_two()
-        && PYTHON_TSTATE_READ_BYTES as usize <= PYTHON_WINDOW_BYTES
-);
 
 /// Low bits of a frame's code object reference that tag it rather than
 /// address it: 3.14's `_PyStackRef` marks a reference it does not own
@@ -1117,7 +1109,7 @@ fn python_stack(ids: &SampleIds) {
         return;
     };
     // SAFETY: this CPU's slot; the program does not nest on a CPU.
-    let Some((frame, data_stack_top)) = (unsafe { top_python_frame(process, scratch, ids) }) else {
+    let Some(frame) = (unsafe { top_python_frame(process, scratch, ids) }) else {
         return;
     };
     // SAFETY: this CPU's slot; the program does not nest on a CPU.
@@ -1130,9 +1122,7 @@ fn python_stack(ids: &SampleIds) {
         core::ptr::addr_of_mut!((*scratch).flags).write_volatile(0);
         core::ptr::addr_of_mut!((*scratch).last_code).write_volatile(0);
         core::ptr::addr_of_mut!((*scratch).window_len).write_volatile(0);
-        // The innermost frame in the data stack ends at its top: as if
-        // written after a frame that starts there.
-        core::ptr::addr_of_mut!((*scratch).inner_frame).write_volatile(data_stack_top);
+        core::ptr::addr_of_mut!((*scratch).inner_frame).write_volatile(0);
     }
     // `bpf_loop`, not a bounded loop: the verifier checks the callback
     // until its states repeat, where it followed a bounded loop's every
@@ -1412,128 +1402,26 @@ unsafe fn python_frame(scratch: *mut PythonScratch, process: &PythonProcess) -> 
 }
 
 /// The innermost `_PyInterpreterFrame` of the current thread (0: none
-/// running), through its thread state, and where its data stack's frames
-/// end (0: not read); None when the thread has no thread state.
+/// running), through its thread state; None when the thread has none.
 ///
 /// # Safety
-/// `scratch` must be this CPU's `PYTHON_SCRATCH` slot; its window is
-/// overwritten.
+/// `scratch` must be this CPU's `PYTHON_SCRATCH` slot.
 #[inline(always)]
 unsafe fn top_python_frame(
     process: &PythonProcess,
     scratch: *mut PythonScratch,
     ids: &SampleIds,
-) -> Option<(u64, u64)> {
-    let fields = unsafe { thread_state(process, scratch, ids) }?;
-    let (frame, data_stack_top) = (fields.frame, fields.data_stack_top);
-    if process.cframe_frame == PythonProcess::NO_CFRAME || frame == 0 {
-        return Some((frame, data_stack_top));
-    }
-    let frame = user_value::<u64>(frame + u64::from(process.cframe_frame))?;
-    Some((frame, data_stack_top))
-}
-
-/// The fields of a thread state the walk starts from.
-struct ThreadStateFields {
-    /// The frame pointer (`tstate_frame`).
-    frame: u64,
-    /// `datastack_top` (0: not read).
-    data_stack_top: u64,
-    /// `native_thread_id` (0: not read).
-    thread: u64,
-}
-
-/// The current thread's thread state's fields (see [`ThreadStateFields`]).
-/// A CPU that runs the thread it ran last reads the thread state it found
-/// then, and takes it if it still names the thread (one read instead of
-/// two: the TSD slot's is left out); a thread state freed since and
-/// reused names another. Else, or when the version's fields do not hold
-/// the thread's id, through the slot.
-///
-/// # Safety
-/// `scratch` must be this CPU's `PYTHON_SCRATCH` slot.
-#[inline(always)]
-unsafe fn thread_state(
-    process: &PythonProcess,
-    scratch: *mut PythonScratch,
-    ids: &SampleIds,
-) -> Option<ThreadStateFields> {
+) -> Option<u64> {
     let slot = unsafe { thread_state_slot(process, scratch, ids) }?;
-    let known = unsafe { (*scratch).tstate };
-    if known != 0
-        && let Some(fields) = unsafe { thread_state_fields(process, scratch, known) }
-        && fields.thread == u64::from(ids.tid)
-    {
-        return Some(fields);
-    }
     let tstate = user_value::<u64>(slot)?;
     if tstate == 0 {
         return None;
     }
-    let fields = unsafe { thread_state_fields(process, scratch, tstate) }?;
-    if fields.thread == u64::from(ids.tid) {
-        unsafe { (*scratch).tstate = tstate };
+    let frame = user_value::<u64>(tstate + u64::from(process.tstate_frame))?;
+    if process.cframe_frame == PythonProcess::NO_CFRAME || frame == 0 {
+        return Some(frame);
     }
-    Some(fields)
-}
-
-/// The fields of the thread state at `tstate`: the frame pointer and,
-/// where the version has them, the data stack top and the thread's id, in
-/// one read of the bytes from the first to the last (into the window, not
-/// yet in use), as a read costs about the same whatever its few hundred
-/// bytes.
-///
-/// # Safety
-/// `scratch` must be this CPU's `PYTHON_SCRATCH` slot.
-#[inline(always)]
-unsafe fn thread_state_fields(
-    process: &PythonProcess,
-    scratch: *mut PythonScratch,
-    tstate: u64,
-) -> Option<ThreadStateFields> {
-    let frame_at = process.tstate_frame;
-    let top_at = process.tstate_datastack_top;
-    let thread_at = process.tstate_native_thread_id;
-    let start = tstate + u64::from(frame_at);
-    if top_at <= frame_at || top_at - frame_at + 8 > PYTHON_TSTATE_READ_BYTES {
-        return Some(ThreadStateFields {
-            frame: user_value::<u64>(start)?,
-            data_stack_top: 0,
-            thread: 0,
-        });
-    }
-    let len = top_at - frame_at + 8;
-    let buffer = unsafe { (*scratch).window.as_mut_ptr() };
-    // SAFETY: the window has room for the masked length; a bad address
-    // only fails the read.
-    let failed = unsafe {
-        bpf_probe_read_user(
-            buffer.cast(),
-            // 1 to PYTHON_TSTATE_READ_BYTES, as the verifier sees it too.
-            ((len - 1) & (PYTHON_TSTATE_READ_BYTES - 1)) + 1,
-            start as *const c_void,
-        )
-    } != 0;
-    if failed {
-        return None;
-    }
-    // SAFETY: the mask keeps a word's offset a multiple of 8 inside the
-    // bytes read for the verifier; the layout puts the words there.
-    let word = |at: u32| unsafe {
-        buffer
-            .add((at.wrapping_sub(frame_at) & (PYTHON_TSTATE_READ_BYTES - 8)) as usize)
-            .cast::<u64>()
-            .read()
-    };
-    Some(ThreadStateFields {
-        frame: word(frame_at),
-        data_stack_top: word(top_at),
-        thread: if thread_at > frame_at && thread_at < top_at {
-            word(thread_at)
-        } else {
-            0
-        },
-    })
+    user_value::<u64>(frame + u64::from(process.cframe_frame))
 }
 
 /// Where the current thread keeps its thread state: its TSD entry for the
@@ -1574,7 +1462,6 @@ unsafe fn thread_state_slot(
         (*scratch).slot_tid = ids.tid;
         (*scratch).slot_process_start_ns = ids.process_start_ns;
         (*scratch).slot = slot;
-        (*scratch).tstate = 0;
     }
     Some(slot)
 }

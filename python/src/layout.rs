@@ -23,10 +23,6 @@ pub struct Layout {
     runtime_tss_key: u32,
     tstate_frame: u32,
     cframe_frame: u32,
-    /// `datastack_top` and `native_thread_id` in the thread state (0: not
-    /// read, 3.10).
-    tstate_datastack_top: u32,
-    tstate_native_thread_id: u32,
     frame_code: u32,
     frame_previous: u32,
     frame_instr: u32,
@@ -90,8 +86,6 @@ const V3_10: Layout = Layout {
     runtime_tss_key: 0x248,
     tstate_frame: 24,
     cframe_frame: PythonProcess::NO_CFRAME,
-    tstate_datastack_top: 0,
-    tstate_native_thread_id: 0,
     frame_code: 32,
     frame_previous: 24,
     frame_instr: 96,
@@ -118,8 +112,6 @@ const V3_11: Layout = Layout {
     runtime_tss_key: 0x250,
     tstate_frame: 56,
     cframe_frame: 8,
-    tstate_datastack_top: 304,
-    tstate_native_thread_id: 160,
     frame_code: 32,
     frame_previous: 48,
     frame_instr: 56,
@@ -149,8 +141,6 @@ const V3_12: Layout = Layout {
     version: (3, 12),
     runtime_tss_key: 0x608,
     cframe_frame: 0,
-    tstate_datastack_top: 240,
-    tstate_native_thread_id: 144,
     frame_code: 0,
     frame_previous: 8,
     frame_entry: 70,
@@ -171,7 +161,6 @@ const V3_13: Layout = Layout {
     runtime_tss_key: 0x870,
     tstate_frame: 72,
     cframe_frame: PythonProcess::NO_CFRAME,
-    tstate_native_thread_id: 160,
     code_bytecode: 200,
     ..V3_12
 };
@@ -219,17 +208,6 @@ impl Layout {
                 "thread state current_frame",
                 published.tstate_current_frame,
                 self.tstate_frame,
-            ),
-            (
-                "thread state datastack_chunk",
-                published.tstate_datastack_chunk,
-                // `datastack_top` follows it in every version.
-                self.tstate_datastack_top.saturating_sub(8),
-            ),
-            (
-                "thread state native_thread_id",
-                published.tstate_native_thread_id,
-                self.tstate_native_thread_id,
             ),
             (
                 "frame previous",
@@ -287,8 +265,6 @@ impl Layout {
             tsd_stride: GLIBC_TSD_STRIDE,
             tstate_frame: self.tstate_frame,
             cframe_frame: self.cframe_frame,
-            tstate_datastack_top: self.tstate_datastack_top,
-            tstate_native_thread_id: self.tstate_native_thread_id,
             frame_code: self.frame_code,
             frame_previous: self.frame_previous,
             frame_instr: self.frame_instr,
@@ -307,7 +283,7 @@ impl Layout {
 
 #[cfg(test)]
 mod tests {
-    use agent_common::{PYTHON_FRAME_READ_BYTES, PYTHON_TSTATE_READ_BYTES};
+    use agent_common::PYTHON_FRAME_READ_BYTES;
 
     use super::*;
 
@@ -316,21 +292,6 @@ mod tests {
         for minor in 10..=14 {
             let layout = Layout::of((3, minor)).expect("a known version");
             assert!(layout.frame_bytes <= PYTHON_FRAME_READ_BYTES);
-            // The thread state's frame pointer and data stack top are read
-            // together, with the thread's id between them (none in 3.10's
-            // frame objects).
-            let (frame, top) = (layout.tstate_frame, layout.tstate_datastack_top);
-            let thread = layout.tstate_native_thread_id;
-            if layout.frame_objects {
-                assert_eq!((top, thread), (0, 0));
-            } else {
-                assert!(frame < top && top.is_multiple_of(8), "3.{minor}");
-                assert!(top + 8 - frame <= PYTHON_TSTATE_READ_BYTES, "3.{minor}");
-                assert!(
-                    frame < thread && thread < top && thread.is_multiple_of(8),
-                    "3.{minor}"
-                );
-            }
             for (field, size) in [
                 (layout.frame_code, 8),
                 (layout.frame_previous, 8),
