@@ -614,8 +614,8 @@ pub struct PythonStackHeader {
     pub frames: u32,
     /// Bit set of [`python_stack_flags`].
     pub flags: u32,
-    /// `bpf_ktime_get_ns()` when the frames were read, just before the
-    /// sample's record was written.
+    /// The tick's `bpf_ktime_get_ns()`, taken before the frames were read:
+    /// the sample's record written right after carries the same.
     pub ktime_ns: u64,
 }
 

@@ -183,13 +183,14 @@ struct PythonScratch {
     window_start: u64,
     window_len: u64,
     /// The thread whose thread-state slot (its TSD entry for the
-    /// interpreter's key) the walk on this CPU found last, and where that
-    /// slot is: a CPU that keeps running one thread finds it without
-    /// reading the thread pointer and the key again (see
-    /// `top_python_frame`).
+    /// interpreter's key) the walk on this CPU found last, the address of
+    /// its interpreter's key, and where that slot is: a CPU that keeps
+    /// running one thread finds it without reading the thread pointer and
+    /// the key again (see `thread_state_slot`).
     slot_tgid: u32,
     slot_tid: u32,
     slot_process_start_ns: u64,
+    slot_key: u64,
     slot: u64,
     /// The last frame written that lies in the data stack (0: none yet):
     /// the frame its caller called, right after it (see `python_frame`).
@@ -1413,7 +1414,12 @@ unsafe fn top_python_frame(
     ids: &SampleIds,
 ) -> Option<u64> {
     let slot = unsafe { thread_state_slot(process, scratch, ids) }?;
-    let tstate = user_value::<u64>(slot)?;
+    let Some(tstate) = user_value::<u64>(slot) else {
+        // SAFETY: the caller's slot. No thread has id 0: the slot is
+        // forgotten, to be found again on the next tick.
+        unsafe { (*scratch).slot_tid = 0 };
+        return None;
+    };
     if tstate == 0 {
         return None;
     }
@@ -1425,10 +1431,13 @@ unsafe fn top_python_frame(
 }
 
 /// Where the current thread keeps its thread state: its TSD entry for the
-/// interpreter's key. Neither the thread pointer nor the key changes in a
-/// thread's life, so the slot of the thread this CPU ran last is kept
-/// (two reads fewer, the key's a read of the process's memory); a thread
-/// is known by its ids and its process's start, as a reused pid is not it.
+/// interpreter's key. Neither the thread pointer nor the key changes while
+/// a thread runs one interpreter, so the slot of the thread this CPU ran
+/// last is kept (two reads fewer, the key's a read of the process's
+/// memory). It is known by its ids, its process's start (a reused pid is
+/// not it) and where its interpreter's key lies (an exec keeps the ids and
+/// the start, and brings another interpreter, thread pointer and key);
+/// a read through it that fails forgets it (see `top_python_frame`).
 ///
 /// # Safety
 /// `scratch` must be this CPU's `PYTHON_SCRATCH` slot.
@@ -1442,6 +1451,7 @@ unsafe fn thread_state_slot(
         if (*scratch).slot_tid == ids.tid
             && (*scratch).slot_tgid == ids.tgid
             && (*scratch).slot_process_start_ns == ids.process_start_ns
+            && (*scratch).slot_key == process.tss_key
         {
             return Some((*scratch).slot);
         }
@@ -1461,6 +1471,7 @@ unsafe fn thread_state_slot(
         (*scratch).slot_tgid = ids.tgid;
         (*scratch).slot_tid = ids.tid;
         (*scratch).slot_process_start_ns = ids.process_start_ns;
+        (*scratch).slot_key = process.tss_key;
         (*scratch).slot = slot;
     }
     Some(slot)

@@ -491,6 +491,38 @@ fn assert_chained(pythons: &[Python], run: &AgentRun) {
     );
 }
 
+/// A Python process that execs an interpreter keeps its pid, its thread
+/// and its start time, so what the sampler keeps of a thread it ran last
+/// (where its thread state is) must not outlive the exec: the agent runs
+/// 6 s, the first 2 in `before_exec`, then the chain the new interpreter
+/// runs is read (about 800 samples at 199 Hz), not lost to the old
+/// interpreter's addresses.
+#[test]
+fn a_python_process_that_execs_an_interpreter_is_read_after_the_exec() {
+    require_root();
+    let _serial = exclusive();
+    let python = interpreters().pop().expect("an interpreter");
+    let process = start_script(&python.program, "python_exec_chain.py", &["2"]);
+    let run = profile_with_agent(&[process.pid()]);
+    let with = |name: &str| -> u64 {
+        run.stacks[0]
+            .iter()
+            .filter(|(stack, _)| stack.split(';').any(|frame| frame == name))
+            .map(|(_, count)| count)
+            .sum()
+    };
+    let (before, after) = (with("before_exec"), with("leaf"));
+    eprintln!(
+        "python frames: {}: {before} samples in before_exec, {after} in leaf after the exec",
+        python.name
+    );
+    assert!(before >= 50, "only {before} samples before the exec");
+    assert!(
+        after >= 300,
+        "only {after} samples named leaf after the exec"
+    );
+}
+
 /// On a quiet host the agent's timed drains come every 2 s, not every
 /// 500 ms; a Python process started then wakes it with its first tick, so
 /// its Python frames are read from its first moments, not after its end.
