@@ -493,16 +493,24 @@ fn assert_chained(pythons: &[Python], run: &AgentRun) {
 
 /// A Python process that execs an interpreter keeps its pid, its thread
 /// and its start time, so what the sampler keeps of a thread it ran last
-/// (where its thread state is) must not outlive the exec: the agent runs
-/// 6 s, the first 2 in `before_exec`, then the chain the new interpreter
-/// runs is read (about 800 samples at 199 Hz), not lost to the old
-/// interpreter's addresses.
+/// on a CPU (where its thread state is) must not outlive the exec: the
+/// agent runs 6 s, the first 2 in `before_exec`, then the chain the new
+/// interpreter runs is read (about 800 samples at 199 Hz), not lost to
+/// the old interpreter's addresses. Pinned to one CPU: an exec moves a
+/// process to the idlest CPU, whose memory is of another thread.
 #[test]
 fn a_python_process_that_execs_an_interpreter_is_read_after_the_exec() {
     require_root();
     let _serial = exclusive();
     let python = interpreters().pop().expect("an interpreter");
-    let process = start_script(&python.program, "python_exec_chain.py", &["2"]);
+    let process = RunningProcess::start_ready(
+        Command::new("taskset")
+            .args(["--cpu-list", "0"])
+            .arg(&python.program)
+            .arg(fixture_source("python_exec_chain.py"))
+            .arg("2")
+            .env_clear(),
+    );
     let run = profile_with_agent(&[process.pid()]);
     let with = |name: &str| -> u64 {
         run.stacks[0]
