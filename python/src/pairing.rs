@@ -1,10 +1,10 @@
 //! Python stacks and the samples they go with.
 //!
 //! The BPF program writes a process's Python stack just before the tick's
-//! sample, from the same CPU; [`StackPairing`] keeps it as that CPU's
-//! pending stack and hands it to the next sample from the CPU (same thread,
-//! taken within a millisecond; anything else is a stack whose sample was
-//! lost). The pair then waits in the process's [`PythonState`] until the
+//! sample, from the same CPU, both with the tick's time; [`StackPairing`]
+//! keeps it as that CPU's pending stack and hands it to the next sample
+//! from the CPU when it is its tick's (same thread, same time; anything
+//! else is a stack whose sample was lost). The pair then waits in the process's [`PythonState`] until the
 //! walk of the sample comes (a walk can wait for a table), and is merged
 //! there ([`crate::merge`]).
 
@@ -18,11 +18,6 @@ use crate::CodeCache;
 /// walks wait for their tables for tens of milliseconds, a few hundred
 /// samples at most at the highest rates.
 pub const MAX_WAITING_STACKS: usize = 1024;
-
-/// How long after its Python stack a sample may be taken and still be its
-/// tick's: one run of the program takes microseconds, the next tick on the
-/// CPU comes a millisecond later at the highest rate.
-pub const PAIRING_WINDOW_NS: u64 = 1_000_000;
 
 /// A CPU number past any plausible machine's: a record that carries one is
 /// bad (and would grow the pending stacks without bound).
@@ -168,8 +163,7 @@ impl StackPairing {
     /// pending stack of its CPU, when it is its tick's.
     pub fn for_sample(&mut self, header: &SampleHeader) -> Option<ReadStack> {
         let pending = self.pending.get_mut(header.cpu as usize)?.take()?;
-        let ours = pending.tid == header.tid
-            && header.ktime_ns.wrapping_sub(pending.ktime_ns) < PAIRING_WINDOW_NS;
+        let ours = pending.tid == header.tid && header.ktime_ns == pending.ktime_ns;
         ours.then_some(pending.stack)
     }
 }
@@ -233,18 +227,18 @@ mod tests {
         keep(&mut pairing, 0, 8, 1_000, 0xb, 0);
         // CPU 0's next sample is another thread's: its stack was its own
         // sample's, which was lost; it goes.
-        assert!(pairing.for_sample(&sample(0, 9, 1_500)).is_none());
-        assert!(pairing.for_sample(&sample(0, 8, 1_600)).is_none());
-        // CPU 1's is the same thread's, a few microseconds later.
-        let stack = pairing.for_sample(&sample(1, 7, 5_000)).expect("paired");
+        assert!(pairing.for_sample(&sample(0, 9, 1_000)).is_none());
+        assert!(pairing.for_sample(&sample(0, 8, 1_000)).is_none());
+        // CPU 1's is the same thread's tick.
+        let stack = pairing.for_sample(&sample(1, 7, 1_000)).expect("paired");
         assert_eq!(stack.frames[0].code, 0xa);
         assert!(!stack.cut);
         // Taken once.
-        assert!(pairing.for_sample(&sample(1, 7, 5_000)).is_none());
-        // A sample a tick later is not the stack's.
+        assert!(pairing.for_sample(&sample(1, 7, 1_000)).is_none());
+        // The same thread's sample of a later tick (the stack's own was
+        // lost) is not the stack's, however soon.
         keep(&mut pairing, 1, 7, 10_000, 0xc, 0);
-        let late = sample(1, 7, 10_000 + PAIRING_WINDOW_NS);
-        assert!(pairing.for_sample(&late).is_none());
+        assert!(pairing.for_sample(&sample(1, 7, 10_001)).is_none());
         // A read the sampler cut short (its frame limit, a failed read)
         // says so.
         for flags in [
@@ -252,7 +246,7 @@ mod tests {
             python_stack_flags::READ_FAILED,
         ] {
             keep(&mut pairing, 1, 7, 20_000, 0xe, flags);
-            let stack = pairing.for_sample(&sample(1, 7, 20_100)).expect("paired");
+            let stack = pairing.for_sample(&sample(1, 7, 20_000)).expect("paired");
             assert!(stack.cut, "flags {flags:#x}");
         }
         // A CPU number no machine has is a bad record, not a huge vector.
