@@ -340,7 +340,8 @@ fn try_sample_cpu_clock(ctx: &PerfEventContext) -> Result<u32, u32> {
         ktime_ns: unsafe { bpf_ktime_get_ns() },
         process_start_ns: process_start_ns(),
     };
-    // Before the sample's record: the agent pairs the two by their order.
+    // Before the sample's record, with the same CPU, thread and time: the
+    // agent pairs the two by them.
     python_stack(&ids);
 
     // SAFETY: perf_event programs get a `bpf_perf_event_data` context whose
@@ -1414,12 +1415,23 @@ unsafe fn top_python_frame(
     ids: &SampleIds,
 ) -> Option<u64> {
     let slot = unsafe { thread_state_slot(process, scratch, ids) }?;
-    let Some(tstate) = user_value::<u64>(slot) else {
-        // SAFETY: the caller's slot. No thread has id 0: the slot is
-        // forgotten, to be found again on the next tick.
+    let frame = frame_through_slot(process, slot);
+    if frame.is_none() {
+        // No thread state there, or a read through it failed: the slot
+        // is forgotten (no thread has id 0) and found again on the next
+        // tick, as it may be a former interpreter's (see
+        // `thread_state_slot`).
+        // SAFETY: the caller's slot.
         unsafe { (*scratch).slot_tid = 0 };
-        return None;
-    };
+    }
+    frame
+}
+
+/// The innermost frame through the thread state in `slot` (0: none
+/// running); None when the slot holds no thread state or a read fails.
+#[inline(always)]
+fn frame_through_slot(process: &PythonProcess, slot: u64) -> Option<u64> {
+    let tstate = user_value::<u64>(slot)?;
     if tstate == 0 {
         return None;
     }
@@ -1435,9 +1447,11 @@ unsafe fn top_python_frame(
 /// a thread runs one interpreter, so the slot of the thread this CPU ran
 /// last is kept (two reads fewer, the key's a read of the process's
 /// memory). It is known by its ids, its process's start (a reused pid is
-/// not it) and where its interpreter's key lies (an exec keeps the ids and
-/// the start, and brings another interpreter, thread pointer and key);
-/// a read through it that fails forgets it (see `top_python_frame`).
+/// not it) and where its interpreter's key lies. An exec keeps the ids
+/// and the start and moves the thread pointer, and a position-independent
+/// interpreter's key; a fixed-address one's key stays where it was, so a
+/// slot that yields no thread state is forgotten too (see
+/// `top_python_frame`).
 ///
 /// # Safety
 /// `scratch` must be this CPU's `PYTHON_SCRATCH` slot.
@@ -1742,8 +1756,8 @@ fn switched_out<C: EbpfContext>(ctx: &C) {
         process_start_ns: process_start_ns(),
     };
     // A CPython thread's frames, as a tick reads them: where it waits in
-    // Python. Before the sample's record: the agent pairs the two by their
-    // order.
+    // Python. Before the sample's record, with the same CPU, thread and
+    // time: the agent pairs the two by them.
     python_stack(&ids);
     if !stack_sample(ctx, &mut ids, sample_flags::OFF_CPU, Some(regs)) {
         count(Counter::OffCpuFailed);

@@ -494,10 +494,12 @@ fn assert_chained(pythons: &[Python], run: &AgentRun) {
 /// A Python process that execs an interpreter keeps its pid, its thread
 /// and its start time, so what the sampler keeps of a thread it ran last
 /// on a CPU (where its thread state is) must not outlive the exec: the
-/// agent runs 6 s, the first 2 in `before_exec`, then the chain the new
-/// interpreter runs is read (about 800 samples at 199 Hz), not lost to
-/// the old interpreter's addresses. Pinned to one CPU: an exec moves a
-/// process to the idlest CPU, whose memory is of another thread.
+/// script runs `before_exec` for 3 s after it says "ready" (the agent,
+/// started then, finds the interpreter within 1.5 s), then the chain the
+/// new interpreter runs is read, not lost to the former interpreter's
+/// addresses (without forgetting them: 0 samples in `leaf`). Pinned to
+/// one CPU: an exec moves a process to the idlest CPU, whose memory is of
+/// another thread.
 #[test]
 fn a_python_process_that_execs_an_interpreter_is_read_after_the_exec() {
     require_root();
@@ -508,7 +510,7 @@ fn a_python_process_that_execs_an_interpreter_is_read_after_the_exec() {
             .args(["--cpu-list", "0"])
             .arg(&python.program)
             .arg(fixture_source("python_exec_chain.py"))
-            .arg("2")
+            .arg("3")
             .env_clear(),
     );
     let run = profile_with_agent(&[process.pid()]);
@@ -524,10 +526,14 @@ fn a_python_process_that_execs_an_interpreter_is_read_after_the_exec() {
         "python frames: {}: {before} samples in before_exec, {after} in leaf after the exec",
         python.name
     );
-    assert!(before >= 50, "only {before} samples before the exec");
+    // The sampler had the thread before the exec, or the test shows nothing.
+    assert!(before >= 20, "only {before} samples before the exec");
+    // After it, a third of what the process's CPU time gives at least (the
+    // agent finds the new interpreter anew).
+    let expected_after = run.cpu_samples[0].saturating_sub(before);
     assert!(
-        after >= 300,
-        "only {after} samples named leaf after the exec"
+        after >= 50 && after * 3 >= expected_after,
+        "only {after} samples named leaf after the exec, of about {expected_after}"
     );
 }
 
