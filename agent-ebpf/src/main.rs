@@ -1204,8 +1204,8 @@ extern "C" fn python_walk_step(_index: u32, walk: *mut c_void) -> i64 {
 
 /// Reads the next window of the thread's frame stack (see
 /// [`PYTHON_WINDOW_BYTES`]): the bytes of the frame at `frame` and below
-/// it down to the start of its page, at most a window's. Returns the frame's offset in the
-/// window; None when no window could be read.
+/// it down to the start of its page, at most a window's. Returns the
+/// frame's offset in the window; None when no window could be read.
 ///
 /// # Safety
 /// `scratch` must be this CPU's `PYTHON_SCRATCH` slot.

@@ -4,9 +4,9 @@
 //! sample, from the same CPU, both with the tick's time; [`StackPairing`]
 //! keeps it as that CPU's pending stack and hands it to the next sample
 //! from the CPU when it is its tick's (same thread, same time; anything
-//! else is a stack whose sample was lost). The pair then waits in the process's [`PythonState`] until the
-//! walk of the sample comes (a walk can wait for a table), and is merged
-//! there ([`crate::merge`]).
+//! else is a stack whose sample was lost). The pair then waits in the
+//! process's [`PythonState`] until the walk of the sample comes (a walk can
+//! wait for a table), and is merged there ([`crate::merge`]).
 
 use std::{collections::VecDeque, ops::Range};
 
