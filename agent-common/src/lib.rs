@@ -633,8 +633,11 @@ pub struct PythonFrame {
     /// Address of the code object.
     pub code: u64,
     /// Byte offset of the instruction pointer from the start of the
-    /// bytecode (it may be -2 before the first instruction, in 3.11 and
-    /// 3.12), or [`PythonFrame::NO_OFFSET`] when it lies outside the code.
+    /// bytecode: negative before the first instruction (-2 in 3.11 and
+    /// 3.12) or below the code, past its end when the pointer is; or
+    /// [`PythonFrame::NO_OFFSET`] when the distance does not fit. The
+    /// agent takes a negative offset for the first instruction's, and
+    /// finds no line past the code's table.
     pub instr_offset: i32,
     /// The code object's fingerprint, which the agent checks the object it
     /// names against (a freed object's address reused): `co_firstlineno`
