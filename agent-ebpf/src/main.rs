@@ -1197,7 +1197,7 @@ struct PythonWalk {
 /// from 940-1,000 to 830-890 ns (python3.11, `bench sampler`'s fixture),
 /// for 2,500 more instructions verified (57,096 in all).
 const PYTHON_FRAMES_PER_STEP: usize = 2;
-const _: () = assert!(MAX_PYTHON_FRAMES % PYTHON_FRAMES_PER_STEP == 0);
+const _: () = assert!(MAX_PYTHON_FRAMES.is_multiple_of(PYTHON_FRAMES_PER_STEP));
 
 /// One step of `bpf_loop`'s walk ([`PYTHON_FRAMES_PER_STEP`] frames): 0
 /// to go on, 1 to stop.
