@@ -1194,8 +1194,9 @@ struct PythonWalk {
 /// Frames read by one step of the walk. A step is a call, and its return
 /// goes through the kernel's return thunk (a mitigation of speculative
 /// returns, on AMD's Zen): two frames a step took the walk of 30 frames
-/// from 940-1,000 to 830-890 ns (python3.11, `bench sampler`'s fixture),
-/// for 2,500 more instructions verified (57,096 in all).
+/// from 940-1,000 to 830-890 ns (python3.11, `bench sampler`'s fixture,
+/// timed with `bpf_ktime_get_ns` around the walk in a throw-away build),
+/// for 2,500 more instructions verified (57,001 in all).
 const PYTHON_FRAMES_PER_STEP: usize = 2;
 const _: () = assert!(MAX_PYTHON_FRAMES.is_multiple_of(PYTHON_FRAMES_PER_STEP));
 
@@ -1206,9 +1207,9 @@ extern "C" fn python_walk_step(_index: u32, walk: *mut c_void) -> i64 {
     // is this CPU's and whose process entry stays alive for the call.
     let more = unsafe {
         let walk = &*walk.cast::<PythonWalk>();
-        let scratch = walk.scratch;
         let process = &*walk.process;
-        python_frame(scratch, process) && python_frame(scratch, process)
+        // Unrolled: a constant count.
+        (0..PYTHON_FRAMES_PER_STEP).all(|_| python_frame(walk.scratch, process))
     };
     if more { 0 } else { 1 }
 }
@@ -1360,7 +1361,7 @@ unsafe fn python_frame(scratch: *mut PythonScratch, process: &PythonProcess) -> 
         inner & 4095,
         PYTHON_CHUNK_FIRST_FRAME | PYTHON_ROOT_CHUNK_FIRST_FRAME
     );
-    // A size of 8 to the largest, in words.
+    // Whole words, at least one: `size - 8` wraps for a size of 0.
     let fingerprint = if in_stack
         && !starts_chunk
         && size.wrapping_sub(8) <= PYTHON_MAX_FRAME_BYTES - 8
