@@ -47,29 +47,52 @@ pub(crate) fn root_frame() -> Frame {
 
 /// One node of a [`CallTree`]: a frame reached by one particular path from
 /// the root.
+///
+/// Indexes are kept as `u32`: a fleet-wide tree has hundreds of thousands
+/// of nodes, and a smaller node is less memory to fill and free; a tree
+/// of 2^32 nodes could not be held in memory anyway.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Node {
     frame: Arc<Frame>,
-    parent: Option<usize>,
-    depth: usize,
     total: u64,
     self_weight: u64,
-    children: Vec<usize>,
+    /// Index of the parent; [`NO_PARENT`] for the root.
+    parent: u32,
+    depth: u32,
+    /// Where the node's children lie in [`CallTree::children`]'s list.
+    children_start: u32,
+    children_end: u32,
 }
 
+/// [`Node::parent`] of the root.
+const NO_PARENT: u32 = u32::MAX;
+
 impl Node {
+    /// A node without children yet (see [`CallTree::linked`]).
+    fn new(frame: Arc<Frame>, parent: u32, depth: u32, total: u64, self_weight: u64) -> Self {
+        Node {
+            frame,
+            total,
+            self_weight,
+            parent,
+            depth,
+            children_start: 0,
+            children_end: 0,
+        }
+    }
+
     pub fn frame(&self) -> &Frame {
         &self.frame
     }
 
     /// Index of the parent; `None` for the root.
     pub fn parent(&self) -> Option<usize> {
-        self.parent
+        (self.parent != NO_PARENT).then_some(self.parent as usize)
     }
 
     /// Distance from the root (the root is 0, its children 1).
     pub fn depth(&self) -> usize {
-        self.depth
+        self.depth as usize
     }
 
     /// Weight of the stacks that pass through this node.
@@ -81,11 +104,6 @@ impl Node {
     /// After [`CallTree::prune`] this includes the pruned children.
     pub fn self_weight(&self) -> u64 {
         self.self_weight
-    }
-
-    /// Indexes of the children, in frame order.
-    pub fn children(&self) -> &[usize] {
-        &self.children
     }
 }
 
@@ -134,6 +152,10 @@ pub enum TreeError {
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct CallTree {
     nodes: Vec<Node>,
+    /// Every node's children, one run per parent (see [`Node`]): one list
+    /// rather than a vector per node, whose allocations and frees took a
+    /// good part of a fleet-wide query.
+    children: Vec<u32>,
 }
 
 impl Default for CallTree {
@@ -150,29 +172,97 @@ impl CallTree {
     /// its outermost frames and ends in a [`TRUNCATED_FUNCTION`] frame, so
     /// its weight stays visible without being charged to a wrong leaf.
     /// Weights that sum beyond `u64::MAX` saturate.
+    ///
+    /// Each stack becomes its frames' ranks in frame order, root first; the
+    /// stacks sorted by them come in the tree's own order (depth first,
+    /// siblings in frame order), so each adds nodes at the end of the list
+    /// from where it parts from the one before: no map of children, no
+    /// second pass to lay the tree out.
     pub fn from_stacks(samples: &StackSamples) -> CallTree {
-        let mut builder = Builder::new(Arc::new(root_frame()));
         let truncated = Arc::new(Frame::synthetic(TRUNCATED_FUNCTION, ""));
+        let mut numbers = FrameNumbers::default();
+        // Every kept stack's frame numbers, root first, one after another;
+        // each stack's run in it and its weight.
+        let mut paths: Vec<u32> = Vec::new();
+        let mut stacks: Vec<(usize, usize, u64)> = Vec::with_capacity(samples.stacks.len());
         for stack in &samples.stacks {
             if stack.weight == 0 {
                 continue;
             }
-            let weight = stack.weight;
             let frames = &stack.frames;
             let (kept, cut) = if frames.len() > MAX_DEPTH {
                 (&frames[frames.len() - (MAX_DEPTH - 1)..], true)
             } else {
                 (&frames[..], false)
             };
-            let mut node = 0;
-            builder.add_total(node, weight);
+            let start = paths.len();
             for frame in kept.iter().rev().chain(cut.then_some(&truncated)) {
-                node = builder.child(node, frame);
-                builder.add_total(node, weight);
+                paths.push(numbers.number(frame));
             }
-            builder.add_self(node, weight);
+            stacks.push((start, paths.len(), stack.weight));
         }
-        builder.finish()
+        let (frames, rank) = numbers.in_frame_order();
+        for number in &mut paths {
+            *number = rank[*number as usize];
+        }
+        stacks.sort_unstable_by(|a, b| paths[a.0..a.1].cmp(&paths[b.0..b.1]));
+
+        let mut nodes = vec![Node::new(Arc::new(root_frame()), NO_PARENT, 0, 0, 0)];
+        // The nodes of the last stack's path, below the root.
+        let mut path: Vec<u32> = Vec::new();
+        let mut previous: &[u32] = &[];
+        for &(start, end, weight) in &stacks {
+            let ranks = &paths[start..end];
+            let shared = ranks
+                .iter()
+                .zip(previous)
+                .take_while(|(a, b)| a == b)
+                .count();
+            path.truncate(shared);
+            add(&mut nodes[0].total, weight);
+            for &node in &path {
+                add(&mut nodes[node as usize].total, weight);
+            }
+            for (depth, &rank) in ranks.iter().enumerate().skip(shared) {
+                let parent = path.last().copied().unwrap_or(0);
+                path.push(compact_index(nodes.len()));
+                nodes.push(Node::new(
+                    Arc::clone(&frames[rank as usize]),
+                    parent,
+                    compact_index(depth + 1),
+                    weight,
+                    0,
+                ));
+            }
+            let leaf = path.last().copied().unwrap_or(0) as usize;
+            add(&mut nodes[leaf].self_weight, weight);
+            previous = ranks;
+        }
+        CallTree::linked(nodes)
+    }
+
+    /// The tree of `nodes`, given depth first with each one's parent and
+    /// siblings in frame order: each node's children listed.
+    fn linked(mut nodes: Vec<Node>) -> CallTree {
+        let mut counts = vec![0u32; nodes.len()];
+        for node in &nodes[1..] {
+            counts[node.parent as usize] += 1;
+        }
+        let mut start = 0;
+        for (node, count) in nodes.iter_mut().zip(counts) {
+            node.children_start = start;
+            node.children_end = start;
+            start += count;
+        }
+        // In node order, so each parent's children come in frame order.
+        let mut children = vec![0u32; nodes.len() - 1];
+        for index in 1..nodes.len() {
+            let parent = nodes[index].parent as usize;
+            let parent = &mut nodes[parent];
+            children[parent.children_end as usize] = compact_index(index);
+            parent.children_end += 1;
+        }
+        CallTree { nodes, children }
     }
 
     /// Total weight of the tree (the root's total).
@@ -199,13 +289,22 @@ impl CallTree {
         self.nodes.get(index)
     }
 
+    /// Indexes of node `index`'s children, in frame order (none for an
+    /// unknown index).
+    pub fn children(&self, index: usize) -> impl ExactSizeIterator<Item = usize> + '_ {
+        let run = self.nodes.get(index).map_or(0..0, |node| {
+            node.children_start as usize..node.children_end as usize
+        });
+        self.children[run].iter().map(|&child| child as usize)
+    }
+
     /// The frames from the root's child down to `index` (root-first; the
     /// root itself is left out). Empty for the root or an unknown index.
     pub fn path(&self, index: usize) -> Vec<&Frame> {
         let mut path = Vec::new();
         let mut current = self.nodes.get(index);
         while let Some(node) = current {
-            let Some(parent) = node.parent else { break };
+            let Some(parent) = node.parent() else { break };
             path.push(node.frame());
             current = self.nodes.get(parent);
         }
@@ -218,10 +317,9 @@ impl CallTree {
     pub fn find(&self, functions: &[&str]) -> Option<usize> {
         let mut index = 0;
         for function in functions {
-            index = *self.nodes[index]
-                .children
-                .iter()
-                .find(|&&child| self.nodes[child].frame.function == *function)?;
+            index = self
+                .children(index)
+                .find(|&child| self.nodes[child].frame.function == *function)?;
         }
         Some(index)
     }
@@ -238,40 +336,35 @@ impl CallTree {
             return self.clone();
         }
         let threshold = min_share * self.total() as f64;
-        let mut renumbered: Vec<Option<usize>> = vec![None; self.nodes.len()];
+        let mut renumbered: Vec<Option<u32>> = vec![None; self.nodes.len()];
         let mut nodes: Vec<Node> = Vec::with_capacity(self.nodes.len());
         // Filtering a depth-first order keeps it depth-first, and children
         // keep their relative order.
         for (index, node) in self.nodes.iter().enumerate() {
-            let parent = match node.parent {
-                None => None,
+            let parent = match node.parent() {
+                None => NO_PARENT,
                 Some(parent) => match renumbered[parent] {
-                    Some(parent) if node.total as f64 >= threshold => Some(parent),
+                    Some(parent) if node.total as f64 >= threshold => parent,
                     _ => continue,
                 },
             };
-            let new_index = nodes.len();
-            renumbered[index] = Some(new_index);
-            nodes.push(Node {
-                frame: Arc::clone(&node.frame),
+            renumbered[index] = Some(compact_index(nodes.len()));
+            nodes.push(Node::new(
+                Arc::clone(&node.frame),
                 parent,
-                depth: node.depth,
-                total: node.total,
-                self_weight: node.self_weight,
-                children: Vec::new(),
+                node.depth,
+                node.total,
+                0,
+            ));
+        }
+        let mut tree = CallTree::linked(nodes);
+        for index in 0..tree.nodes.len() {
+            let children = tree.children(index).fold(0u64, |sum, child| {
+                sum.saturating_add(tree.nodes[child].total)
             });
-            if let Some(parent) = parent {
-                nodes[parent].children.push(new_index);
-            }
+            tree.nodes[index].self_weight = tree.nodes[index].total.saturating_sub(children);
         }
-        for index in 0..nodes.len() {
-            let children: u64 = nodes[index]
-                .children
-                .iter()
-                .fold(0u64, |sum, &child| sum.saturating_add(nodes[child].total));
-            nodes[index].self_weight = nodes[index].total.saturating_sub(children);
-        }
-        CallTree { nodes }
+        tree
     }
 
     /// The tree as a `FlamegraphResponse`: nodes in this tree's order, the
@@ -290,14 +383,14 @@ impl CallTree {
                     .entry(Arc::as_ptr(&node.frame) as usize)
                     .or_insert_with(|| {
                         frames.push(frame_to_proto(&node.frame));
-                        draft_index(frames.len() - 1)
+                        compact_index(frames.len() - 1)
                     });
                 TreeNode {
                     // A tree with more than 2^32 nodes cannot be built in
                     // memory in practice; if it were, u32::MAX makes
                     // `from_proto` reject the message instead of
                     // misreading it.
-                    parent: node.parent.map_or(0, draft_index),
+                    parent: node.parent().map_or(0, compact_index),
                     frame: None,
                     frame_index,
                     total: node.total,
@@ -434,59 +527,23 @@ pub(crate) fn frame_from_proto(frame: &ProtoFrame) -> Frame {
     }
 }
 
-/// A node while the tree is being built, in insertion order.
-struct Draft {
-    /// Index into `Builder::frames`.
-    frame: u32,
-    total: u64,
-    self_weight: u64,
-}
-
-type FastMap<K, V> = HashMap<K, V, foldhash::fast::FixedState>;
-
-/// Builds a tree in any order and then lays it out canonically, so that
-/// [`CallTree`] values built from the same content are equal.
-///
-/// A fleet-wide tree has hundreds of thousands of nodes built from millions
-/// of frame visits, so frames are numbered once and children found in one
-/// hash map by (parent, frame number): a visit hashes two integers instead of
-/// comparing frames' strings. Frames are numbered by value (equal frames
-/// from different allocations are one child) and remembered by pointer, so a
-/// frame shared by many stacks (storage hands out one `Arc` per location)
-/// is hashed by content only once.
-struct Builder {
-    drafts: Vec<Draft>,
+/// Numbers frames by value (equal frames from different allocations are
+/// one number) and remembers them by pointer, so a frame shared by many
+/// stacks (storage hands out one `Arc` per location) is hashed by content
+/// only once: a fleet-wide tree is built from millions of frame visits.
+#[derive(Default)]
+struct FrameNumbers {
     /// Distinct frames by number.
     frames: Vec<Arc<Frame>>,
     by_value: FastMap<Arc<Frame>, u32>,
     /// Frame numbers by the address of an `Arc` seen before.
     by_pointer: FastMap<usize, u32>,
     /// Every `Arc` whose address `by_pointer` holds, kept alive so that no
-    /// address can be reused for another frame while the builder lives.
+    /// address can be reused for another frame meanwhile.
     seen: Vec<Arc<Frame>>,
-    /// (parent draft, frame number) -> child draft.
-    children: FastMap<(u32, u32), u32>,
 }
 
-impl Builder {
-    fn new(root: Arc<Frame>) -> Self {
-        let mut builder = Builder {
-            drafts: Vec::new(),
-            frames: Vec::new(),
-            by_value: FastMap::default(),
-            by_pointer: FastMap::default(),
-            seen: Vec::new(),
-            children: FastMap::default(),
-        };
-        let frame = builder.number(&root);
-        builder.drafts.push(Draft {
-            frame,
-            total: 0,
-            self_weight: 0,
-        });
-        builder
-    }
-
+impl FrameNumbers {
     /// The number of `frame`'s value.
     fn number(&mut self, frame: &Arc<Frame>) -> u32 {
         let address = Arc::as_ptr(frame) as usize;
@@ -496,7 +553,7 @@ impl Builder {
         let number = match self.by_value.get(frame) {
             Some(&number) => number,
             None => {
-                let number = u32::try_from(self.frames.len()).unwrap_or(u32::MAX);
+                let number = compact_index(self.frames.len());
                 self.frames.push(Arc::clone(frame));
                 self.by_value.insert(Arc::clone(frame), number);
                 number
@@ -507,39 +564,84 @@ impl Builder {
         number
     }
 
-    /// The child of `parent` with this frame, added if missing.
-    fn child(&mut self, parent: usize, frame: &Arc<Frame>) -> usize {
-        let frame = self.number(frame);
-        let next = self.drafts.len();
-        let child = *self
-            .children
-            .entry((draft_index(parent), frame))
-            .or_insert(draft_index(next));
-        if child as usize == next {
-            self.drafts.push(Draft {
-                frame,
-                total: 0,
-                self_weight: 0,
-            });
+    /// The distinct frames in frame order, and each number's rank in it.
+    fn in_frame_order(self) -> (Vec<Arc<Frame>>, Vec<u32>) {
+        let frames = self.frames;
+        let mut order: Vec<u32> = (0..compact_index(frames.len())).collect();
+        order.sort_unstable_by(|&a, &b| frames[a as usize].cmp(&frames[b as usize]));
+        let mut rank = vec![0u32; frames.len()];
+        for (position, &number) in order.iter().enumerate() {
+            rank[number as usize] = compact_index(position);
         }
-        child as usize
+        let in_order = order
+            .iter()
+            .map(|&number| Arc::clone(&frames[number as usize]))
+            .collect();
+        (in_order, rank)
+    }
+}
+
+/// Weights that sum beyond `u64::MAX` saturate.
+fn add(sum: &mut u64, weight: u64) {
+    *sum = sum.saturating_add(weight);
+}
+
+/// A node while the tree is being built, in insertion order.
+struct Draft {
+    /// Index into `Builder::numbers`' frames.
+    frame: u32,
+    total: u64,
+    self_weight: u64,
+}
+
+type FastMap<K, V> = HashMap<K, V, foldhash::fast::FixedState>;
+
+/// Builds a tree from nodes given in any sibling order (a tree received
+/// from the network), refusing a second child with the same frame, and
+/// then lays it out canonically, so that [`CallTree`] values built from
+/// the same content are equal. Children are found in one hash map by
+/// (parent, frame number): a visit hashes two integers instead of
+/// comparing frames' strings.
+struct Builder {
+    drafts: Vec<Draft>,
+    numbers: FrameNumbers,
+    /// (parent draft, frame number) -> child draft.
+    children: FastMap<(u32, u32), u32>,
+}
+
+impl Builder {
+    fn new(root: Arc<Frame>) -> Self {
+        let mut builder = Builder {
+            drafts: Vec::new(),
+            numbers: FrameNumbers::default(),
+            children: FastMap::default(),
+        };
+        let frame = builder.numbers.number(&root);
+        builder.drafts.push(Draft {
+            frame,
+            total: 0,
+            self_weight: 0,
+        });
+        builder
     }
 
     /// A new child of `parent`; `None` if it already has one with this frame.
     fn new_child(&mut self, parent: usize, frame: Arc<Frame>) -> Option<usize> {
-        let before = self.drafts.len();
-        let child = self.child(parent, &frame);
-        (child == before).then_some(child)
-    }
-
-    fn add_total(&mut self, node: usize, weight: u64) {
-        let draft = &mut self.drafts[node];
-        draft.total = draft.total.saturating_add(weight);
-    }
-
-    fn add_self(&mut self, node: usize, weight: u64) {
-        let draft = &mut self.drafts[node];
-        draft.self_weight = draft.self_weight.saturating_add(weight);
+        let frame = self.numbers.number(&frame);
+        let next = self.drafts.len();
+        let child = *self
+            .children
+            .entry((compact_index(parent), frame))
+            .or_insert(compact_index(next));
+        if child as usize != next {
+            return None;
+        }
+        self.drafts.push(Draft {
+            frame,
+            total: 0,
+            self_weight: 0,
+        });
+        Some(next)
     }
 
     fn set_weights(&mut self, node: usize, total: u64, self_weight: u64) {
@@ -550,14 +652,7 @@ impl Builder {
     /// The tree in depth-first order with each node's children in frame
     /// order.
     fn finish(self) -> CallTree {
-        // Frame order as integers: the rank of each frame number among the
-        // distinct frames.
-        let mut order: Vec<u32> = (0..self.frames.len() as u32).collect();
-        order.sort_unstable_by(|&a, &b| self.frames[a as usize].cmp(&self.frames[b as usize]));
-        let mut rank = vec![0u32; self.frames.len()];
-        for (position, &number) in order.iter().enumerate() {
-            rank[number as usize] = position as u32;
-        }
+        let (frames, rank) = self.numbers.in_frame_order();
         // Every (parent, child) edge, grouped by parent and in frame order
         // within it: the children of draft p are edges[start[p]..start[p + 1]].
         let mut edges: Vec<(u32, u32, u32)> = self
@@ -575,34 +670,29 @@ impl Builder {
         }
 
         let mut nodes: Vec<Node> = Vec::with_capacity(self.drafts.len());
-        let mut pending = vec![(0usize, None::<usize>, 0usize)];
+        let mut pending = vec![(0usize, NO_PARENT, 0u32)];
         while let Some((draft_at, parent, depth)) = pending.pop() {
-            let index = nodes.len();
+            let index = compact_index(nodes.len());
             let draft = &self.drafts[draft_at];
-            let children = &edges[start[draft_at]..start[draft_at + 1]];
-            nodes.push(Node {
-                frame: Arc::clone(&self.frames[draft.frame as usize]),
+            nodes.push(Node::new(
+                Arc::clone(&frames[rank[draft.frame as usize] as usize]),
                 parent,
                 depth,
-                total: draft.total,
-                self_weight: draft.self_weight,
-                children: Vec::with_capacity(children.len()),
-            });
-            if let Some(parent) = parent {
-                nodes[parent].children.push(index);
-            }
+                draft.total,
+                draft.self_weight,
+            ));
             // Reversed, so the first child is taken (and numbered) first.
-            for &(_, _, child) in children.iter().rev() {
-                pending.push((child as usize, Some(index), depth + 1));
+            for &(_, _, child) in edges[start[draft_at]..start[draft_at + 1]].iter().rev() {
+                pending.push((child as usize, index, depth + 1));
             }
         }
-        CallTree { nodes }
+        CallTree::linked(nodes)
     }
 }
 
-/// A draft index as stored in the children map. A tree of more than 2^32
-/// nodes cannot be held in memory (each node is tens of bytes).
-fn draft_index(index: usize) -> u32 {
+/// An index or count as a tree keeps it (see [`Node`]). A tree of more
+/// than 2^32 nodes cannot be held in memory (each node is tens of bytes).
+fn compact_index(index: usize) -> u32 {
     u32::try_from(index).unwrap_or(u32::MAX)
 }
 
@@ -709,7 +799,9 @@ pub(crate) mod tests {
         assert_eq!(b, 4);
         assert_eq!(tree.nodes()[b].depth(), 3);
         assert_eq!(tree.nodes()[b].parent(), Some(3));
-        assert_eq!(tree.nodes()[2].children(), &[3, 5]);
+        assert_eq!(tree.children(2).collect::<Vec<_>>(), [3, 5]);
+        assert_eq!(tree.children(4).len(), 0);
+        assert_eq!(tree.children(99).len(), 0, "an unknown node");
         assert_eq!(tree.find(&["main", "zero"]), None);
     }
 
@@ -721,10 +813,9 @@ pub(crate) mod tests {
             (&[("alloc", "zlib.so"), ("main", "app")], 1),
         ]);
         let tree = CallTree::from_stacks(&samples);
-        let children: Vec<(&str, &str, u64)> = tree.nodes()[1]
-            .children()
-            .iter()
-            .map(|&c| {
+        let children: Vec<(&str, &str, u64)> = tree
+            .children(1)
+            .map(|c| {
                 let node = &tree.nodes()[c];
                 (
                     node.frame().function.as_str(),
@@ -774,7 +865,7 @@ pub(crate) mod tests {
                 ("main;e", 36, 36),
             ])
         );
-        assert_eq!(pruned.nodes()[1].children(), &[2, 4]);
+        assert_eq!(pruned.children(1).collect::<Vec<_>>(), [2, 4]);
         assert_eq!(pruned.nodes()[4].parent(), Some(1));
         // Still a valid tree on the wire.
         assert_eq!(CallTree::from_proto(&pruned.to_proto(1)).unwrap(), pruned);
@@ -994,6 +1085,62 @@ pub(crate) mod tests {
                 .to_string(),
             "node 4097: deeper than the limit of 4096 frames"
         );
+    }
+
+    /// Random stacks over a few functions, some repeated, some prefixes of
+    /// others, some empty or of weight 0, equal frames in separate
+    /// allocations: the tree holds every path once, in depth-first order
+    /// with siblings by name, with the weights a plain sum over the paths
+    /// gives; it survives the wire; its children lists agree with the
+    /// parents.
+    #[test]
+    fn from_stacks_agrees_with_a_sum_over_paths() {
+        use rand::{Rng, SeedableRng, rngs::StdRng};
+        use std::collections::BTreeMap;
+        let mut rng = StdRng::seed_from_u64(11);
+        for round in 0..50 {
+            let stacks: Vec<(String, u64)> = (0..rng.random_range(0..60))
+                .map(|_| {
+                    let depth = rng.random_range(0..7);
+                    let path: Vec<&str> = (0..depth)
+                        .map(|_| ["a", "b", "c", "d"][rng.random_range(0..4)])
+                        .collect();
+                    (path.join(";"), rng.random_range(0..4))
+                })
+                .collect();
+            let stacks: Vec<(&str, u64)> = stacks.iter().map(|(p, w)| (p.as_str(), *w)).collect();
+            let tree = tree(&stacks);
+
+            let mut expected: BTreeMap<Vec<&str>, (u64, u64)> = BTreeMap::new();
+            expected.insert(Vec::new(), (0, 0));
+            for &(path, weight) in stacks.iter().filter(|(_, w)| *w > 0) {
+                let frames: Vec<&str> = path.split(';').filter(|f| !f.is_empty()).collect();
+                for depth in 0..=frames.len() {
+                    expected.entry(frames[..depth].to_vec()).or_default().0 += weight;
+                }
+                expected.get_mut(&frames).expect("added above").1 += weight;
+            }
+            let expected: Vec<(String, u64, u64)> = expected
+                .into_iter()
+                .map(|(path, (total, self_weight))| (path.join(";"), total, self_weight))
+                .collect();
+            assert_eq!(summary(&tree), expected, "round {round}: {stacks:?}");
+            assert_eq!(
+                CallTree::from_proto(&tree.to_proto(0)).unwrap(),
+                tree,
+                "round {round}"
+            );
+            for (index, node) in tree.nodes().iter().enumerate() {
+                for child in tree.children(index) {
+                    assert_eq!(tree.nodes()[child].parent(), Some(index));
+                    assert_eq!(tree.nodes()[child].depth(), node.depth() + 1);
+                }
+            }
+            let children: usize = (0..tree.nodes().len())
+                .map(|i| tree.children(i).len())
+                .sum();
+            assert_eq!(children, tree.nodes().len() - 1, "round {round}");
+        }
     }
 
     #[test]

@@ -15,10 +15,9 @@ pub fn json(tree: &CallTree) -> Value {
     // Children come after their parent, so walking backwards finds every
     // child already built.
     for (index, node) in nodes.iter().enumerate().rev() {
-        let children: Vec<Value> = node
-            .children()
-            .iter()
-            .map(|&child| built[child].take().unwrap_or(Value::Null))
+        let children: Vec<Value> = tree
+            .children(index)
+            .map(|child| built[child].take().unwrap_or(Value::Null))
             .collect();
         let frame = node.frame();
         let mut object = Map::new();

@@ -239,7 +239,7 @@ impl<'t> ProfileBuilder<'t> {
         let tree: &'t CallTree = self.tree;
         let nodes = tree.nodes();
         let mut weights: HashMap<(&str, &str), u64> = HashMap::new();
-        for &child in tree.root().children() {
+        for child in tree.children(0) {
             let frame = nodes[child].frame();
             if frame.binary.is_empty() || frame.binary.starts_with('[') {
                 continue;
