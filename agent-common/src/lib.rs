@@ -515,12 +515,6 @@ pub const MAX_PYTHON_FRAMES: usize = 128;
 /// in CPython 3.10 to 3.14 (the largest, 3.10's `f_lasti`, at byte 96).
 pub const PYTHON_FRAME_READ_BYTES: u32 = 104;
 
-/// Most bytes of a thread state the sampler reads in one go: from its
-/// frame pointer ([`PythonProcess::tstate_frame`]) to the end of
-/// `datastack_top` ([`PythonProcess::tstate_stack_top`]), 176-256 bytes in
-/// CPython 3.11 to 3.14.
-pub const PYTHON_TSTATE_READ_BYTES: u32 = 512;
-
 /// How the sampler finds and reads a CPython process's frames: the value of
 /// the `PYTHON_PROCESSES` map, keyed by tgid, written by the agent when it
 /// finds an interpreter in a process's mappings. Every address is in the
@@ -579,14 +573,10 @@ pub struct PythonProcess {
     /// In a frame: its `owner` byte, 0 (`FRAME_OWNED_BY_THREAD`) for a
     /// frame in the thread's data stack.
     pub frame_owner: u32,
-    /// 3.11+: where the thread state keeps `datastack_top`, the end of the
-    /// newest frame on its data stack, read with the frame pointer at
-    /// `tstate_frame` (at most [`PYTHON_TSTATE_READ_BYTES`] from it).
-    /// Nonzero also says that a frame in the data stack is fingerprinted
-    /// by its size ([`PythonFrame::FRAME_SIZE`]) where the frame it called,
-    /// or that end for the innermost, lies right after it: no read of its
-    /// code object. 0 for 3.10's frame objects.
-    pub tstate_stack_top: u32,
+    /// Nonzero (3.11+) when a frame in the data stack is fingerprinted by
+    /// its size ([`PythonFrame::FRAME_SIZE`]) where the frame it called
+    /// lies right after it: no read of its code object.
+    pub frame_sizes: u32,
 }
 
 impl PythonProcess {

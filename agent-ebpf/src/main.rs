@@ -53,11 +53,10 @@ use agent_common::{
     MAX_NEW_PROCESS_WAKEUPS, MAX_OFF_CPU_PENDING, MAX_PYTHON_FRAMES, MAX_PYTHON_PROCESSES,
     MAX_SPAN_BYTES, MAX_STACK_PLANS, MAX_STACK_TOPS, MAX_TAIL_BYTES, MAX_TAIL_SPANS,
     MAX_USER_STACK_BYTES, OFF_CPU_WINDOW_NS, OffCpuPending, OffCpuRate, PAGE_SIZE,
-    PYTHON_FRAME_READ_BYTES, PYTHON_STACK_HEADER_SIZE, PYTHON_STACK_MAX_BYTES,
-    PYTHON_TSTATE_READ_BYTES, ProcessEvent, PythonFrame, PythonProcess, PythonStackHeader,
-    RecordKind, SAMPLE_HEADER_SIZE, SCRATCH_BYTES, SWITCH_IN_SIZE, SampleHeader, StackPlan,
-    StackTop, SwitchIn, TAIL_SPAN_HEADER_SIZE, policy_flags, python_stack_flags,
-    reserved_record_bytes, sample_flags, tail_span,
+    PYTHON_FRAME_READ_BYTES, PYTHON_STACK_HEADER_SIZE, PYTHON_STACK_MAX_BYTES, ProcessEvent,
+    PythonFrame, PythonProcess, PythonStackHeader, RecordKind, SAMPLE_HEADER_SIZE, SCRATCH_BYTES,
+    SWITCH_IN_SIZE, SampleHeader, StackPlan, StackTop, SwitchIn, TAIL_SPAN_HEADER_SIZE,
+    policy_flags, python_stack_flags, reserved_record_bytes, sample_flags, tail_span,
 };
 use aya_ebpf::{
     EbpfContext, Global,
@@ -193,9 +192,8 @@ struct PythonScratch {
     slot_process_start_ns: u64,
     slot_key: u64,
     slot: u64,
-    /// The last frame written that lies in the data stack, at first the
-    /// data stack's top (0: unknown): the frame its caller called, right
-    /// after it (see `python_frame`).
+    /// The last frame written that lies in the data stack (0: none yet):
+    /// the frame its caller called, right after it (see `python_frame`).
     inner_frame: u64,
     /// The walk's state (see `python_frame`): the next frame to read, the
     /// frames written and the record's flags; the last code object read
@@ -229,8 +227,6 @@ const PYTHON_MAX_FRAME_BYTES: u64 = 1 << 20;
 const PYTHON_CHUNK_FIRST_FRAME: u64 = 24;
 const PYTHON_ROOT_CHUNK_FIRST_FRAME: u64 = 32;
 const _: () = assert!(PYTHON_WINDOW_BYTES.is_power_of_two());
-const _: () = assert!(PYTHON_TSTATE_READ_BYTES.is_power_of_two());
-const _: () = assert!(PYTHON_TSTATE_READ_BYTES as usize <= PYTHON_WINDOW_BYTES);
 
 /// Low bits of a frame's code object reference that tag it rather than
 /// address it: 3.14's `_PyStackRef` marks a reference it does not own
@@ -1100,8 +1096,7 @@ extern "C" fn paged_copy_step<const BYTES: u32>(_index: u32, copy: *mut c_void) 
 /// [`PYTHON_WINDOW_BYTES`]), others alone; each frame carries a
 /// fingerprint of its code object (the agent's check that the object it
 /// names later is the one that ran): its size where the frame it called
-/// (or, for the innermost, the data stack's top) shows it, else the
-/// object's first line, one more read. Not inlined: its
+/// shows it, else the object's first line, one more read. Not inlined: its
 /// locals stay out of the entry's frame.
 #[inline(never)]
 fn python_stack(ids: &SampleIds) {
@@ -1116,7 +1111,7 @@ fn python_stack(ids: &SampleIds) {
         return;
     };
     // SAFETY: this CPU's slot; the program does not nest on a CPU.
-    let Some((frame, stack_top)) = (unsafe { top_python_frame(process, scratch, ids) }) else {
+    let Some(frame) = (unsafe { top_python_frame(process, scratch, ids) }) else {
         return;
     };
     // SAFETY: this CPU's slot; the program does not nest on a CPU.
@@ -1129,7 +1124,7 @@ fn python_stack(ids: &SampleIds) {
         core::ptr::addr_of_mut!((*scratch).flags).write_volatile(0);
         core::ptr::addr_of_mut!((*scratch).last_code).write_volatile(0);
         core::ptr::addr_of_mut!((*scratch).window_frame_starts).write_volatile(0);
-        core::ptr::addr_of_mut!((*scratch).inner_frame).write_volatile(stack_top);
+        core::ptr::addr_of_mut!((*scratch).inner_frame).write_volatile(0);
     }
     // `bpf_loop`, not a bounded loop: the verifier checks the callback
     // until its states repeat, where it followed a bounded loop's every
@@ -1352,18 +1347,13 @@ unsafe fn python_frame(scratch: *mut PythonScratch, process: &PythonProcess) -> 
         return true;
     }
     // A frame in the data stack is followed there by the frame it called
-    // (frames are pushed on top, and the caller was the top), or, for the
-    // innermost, by the stack's top: the distance is its size, which its
-    // code object fixes. Not when the frame it called starts a chunk of
-    // the data stack (its first frame lies 24 bytes into a page, 32 in a
-    // thread's first chunk), which can be anywhere; nor for a generator's
-    // frame (outside the data stack), nor where the top is unknown or not
-    // where the frame ends (a frame being pushed or popped: a size out of
-    // bounds): their code object's first line is read. A size that is in
-    // bounds but wrong (the tick fell between a frame's push and its
-    // becoming the current one) does not match the code object: the
-    // agent refuses to name it, as stale, and counts it.
-    let in_stack = layout(&process.tstate_stack_top) != 0 && owner == 0;
+    // (frames are pushed on top, and the caller was the top): the
+    // distance is its size, which its code object fixes. Not when the
+    // frame it called starts a chunk of the data stack (its first frame
+    // lies 24 bytes into a page, 32 in a thread's first chunk), which can
+    // be anywhere; nor for the innermost frame or a generator's (outside
+    // the data stack): their code object's first line is read.
+    let in_stack = layout(&process.frame_sizes) != 0 && owner == 0;
     // SAFETY: the slot is this CPU's.
     let inner = unsafe { core::ptr::addr_of!((*scratch).inner_frame).read_volatile() };
     let size = inner.wrapping_sub(frame);
@@ -1421,8 +1411,7 @@ unsafe fn python_frame(scratch: *mut PythonScratch, process: &PythonProcess) -> 
 }
 
 /// The innermost `_PyInterpreterFrame` of the current thread (0: none
-/// running), through its thread state, and the top of its data stack (see
-/// [`thread_state_words`]); None when the thread has none.
+/// running), through its thread state; None when the thread has none.
 ///
 /// # Safety
 /// `scratch` must be this CPU's `PYTHON_SCRATCH` slot.
@@ -1431,9 +1420,9 @@ unsafe fn top_python_frame(
     process: &PythonProcess,
     scratch: *mut PythonScratch,
     ids: &SampleIds,
-) -> Option<(u64, u64)> {
+) -> Option<u64> {
     let slot = unsafe { thread_state_slot(process, scratch, ids) }?;
-    let frame = unsafe { frame_through_slot(process, scratch, slot) };
+    let frame = frame_through_slot(process, slot);
     if frame.is_none() {
         // No thread state there, or a read through it failed: the slot
         // is forgotten (no thread has id 0) and found again on the next
@@ -1446,84 +1435,18 @@ unsafe fn top_python_frame(
 }
 
 /// The innermost frame through the thread state in `slot` (0: none
-/// running) and its data stack's top; None when the slot holds no thread
-/// state or a read fails.
-///
-/// # Safety
-/// `scratch` must be this CPU's `PYTHON_SCRATCH` slot.
+/// running); None when the slot holds no thread state or a read fails.
 #[inline(always)]
-unsafe fn frame_through_slot(
-    process: &PythonProcess,
-    scratch: *mut PythonScratch,
-    slot: u64,
-) -> Option<(u64, u64)> {
+fn frame_through_slot(process: &PythonProcess, slot: u64) -> Option<u64> {
     let tstate = user_value::<u64>(slot)?;
     if tstate == 0 {
         return None;
     }
-    let (frame, stack_top) = unsafe { thread_state_words(process, scratch, tstate) }?;
+    let frame = user_value::<u64>(tstate + u64::from(process.tstate_frame))?;
     if process.cframe_frame == PythonProcess::NO_CFRAME || frame == 0 {
-        return Some((frame, stack_top));
+        return Some(frame);
     }
-    let frame = user_value::<u64>(frame + u64::from(process.cframe_frame))?;
-    Some((frame, stack_top))
-}
-
-/// The thread state's frame pointer (`tstate_frame`) and, 3.11+, its
-/// `datastack_top` (0 for 3.10): the end of the newest frame pushed on the
-/// data stack, which is the innermost frame's unless that one is a
-/// generator's or being pushed or popped. It fingerprints the innermost
-/// frame by its size, as the frame each caller called does for the caller
-/// (see `python_frame`), sparing a read of its code object. Both words in
-/// one read, into the window (free until the walk starts): one read of
-/// 176-256 bytes costs less than two of 8.
-///
-/// # Safety
-/// `scratch` must be this CPU's `PYTHON_SCRATCH` slot.
-#[inline(always)]
-unsafe fn thread_state_words(
-    process: &PythonProcess,
-    scratch: *mut PythonScratch,
-    tstate: u64,
-) -> Option<(u64, u64)> {
-    let from = tstate + u64::from(process.tstate_frame);
-    let span = process.tstate_stack_top.wrapping_sub(process.tstate_frame);
-    // A span that wrapped (a top below the frame pointer) is too long too.
-    if process.tstate_stack_top == 0
-        || !span.is_multiple_of(8)
-        || span > PYTHON_TSTATE_READ_BYTES - 8
-    {
-        return Some((user_value::<u64>(from)?, 0));
-    }
-    // Opaque: LLVM, knowing the bound checked above, would drop the masks
-    // below, and the verifier does not carry that bound through the
-    // subtraction.
-    let span = opaque(span);
-    // SAFETY: reads into the slot's window, which has room for the masked
-    // length; a bad address only fails the read.
-    let words = unsafe { (*scratch).window.as_mut_ptr() };
-    let failed = unsafe {
-        bpf_probe_read_user(
-            words.cast(),
-            // 1 to PYTHON_TSTATE_READ_BYTES, as the verifier sees it too.
-            ((span + 8 - 1) & (PYTHON_TSTATE_READ_BYTES - 1)) + 1,
-            from as *const c_void,
-        )
-    } != 0;
-    if failed {
-        return None;
-    }
-    // SAFETY: both words lie in the bytes read (the mask keeps the second
-    // inside the window for the verifier); the window is 8-aligned.
-    unsafe {
-        Some((
-            words.cast::<u64>().read(),
-            words
-                .add((span & (PYTHON_TSTATE_READ_BYTES - 8)) as usize)
-                .cast::<u64>()
-                .read(),
-        ))
-    }
+    user_value::<u64>(frame + u64::from(process.cframe_frame))
 }
 
 /// Where the current thread keeps its thread state: its TSD entry for the

@@ -48,7 +48,6 @@ pub struct Interpreter {
 pub struct DebugOffsets {
     pub free_threaded: bool,
     pub tstate_current_frame: u64,
-    pub tstate_datastack_chunk: u64,
     pub frame_previous: u64,
     pub frame_executable: u64,
     pub frame_instr_ptr: u64,
@@ -75,7 +74,6 @@ struct DebugWords {
     /// None where the table has no such word (3.13).
     free_threaded: Option<usize>,
     tstate_current_frame: usize,
-    tstate_datastack_chunk: usize,
     frame_previous: usize,
     frame_executable: usize,
     frame_instr_ptr: usize,
@@ -94,7 +92,6 @@ impl DebugWords {
             (3, 13) => Some(Self {
                 free_threaded: None,
                 tstate_current_frame: 23,
-                tstate_datastack_chunk: 26,
                 frame_previous: 29,
                 frame_executable: 30,
                 frame_instr_ptr: 31,
@@ -108,7 +105,6 @@ impl DebugWords {
             (3, 14) => Some(Self {
                 free_threaded: Some(2),
                 tstate_current_frame: 26,
-                tstate_datastack_chunk: 29,
                 frame_previous: 32,
                 frame_executable: 33,
                 frame_instr_ptr: 34,
@@ -141,7 +137,6 @@ impl DebugOffsets {
         Some(Self {
             free_threaded: words.free_threaded.is_some_and(|index| word(index) != 0),
             tstate_current_frame: word(words.tstate_current_frame),
-            tstate_datastack_chunk: word(words.tstate_datastack_chunk),
             frame_previous: word(words.frame_previous),
             frame_executable: word(words.frame_executable),
             frame_instr_ptr: word(words.frame_instr_ptr),

@@ -22,8 +22,6 @@ pub struct Layout {
     /// `Py_tss_t autoTSSkey` in `_PyRuntime`.
     runtime_tss_key: u32,
     tstate_frame: u32,
-    /// `datastack_top` in the thread state (3.11+; 0 for 3.10).
-    tstate_stack_top: u32,
     cframe_frame: u32,
     frame_code: u32,
     frame_previous: u32,
@@ -87,7 +85,6 @@ const V3_10: Layout = Layout {
     version: (3, 10),
     runtime_tss_key: 0x248,
     tstate_frame: 24,
-    tstate_stack_top: 0,
     cframe_frame: PythonProcess::NO_CFRAME,
     frame_code: 32,
     frame_previous: 24,
@@ -114,7 +111,6 @@ const V3_11: Layout = Layout {
     version: (3, 11),
     runtime_tss_key: 0x250,
     tstate_frame: 56,
-    tstate_stack_top: 304,
     cframe_frame: 8,
     frame_code: 32,
     frame_previous: 48,
@@ -144,7 +140,6 @@ const V3_11: Layout = Layout {
 const V3_12: Layout = Layout {
     version: (3, 12),
     runtime_tss_key: 0x608,
-    tstate_stack_top: 240,
     cframe_frame: 0,
     frame_code: 0,
     frame_previous: 8,
@@ -215,11 +210,6 @@ impl Layout {
                 self.tstate_frame,
             ),
             (
-                "thread state datastack_top",
-                published.tstate_datastack_chunk + 8,
-                self.tstate_stack_top,
-            ),
-            (
                 "frame previous",
                 published.frame_previous,
                 self.frame_previous,
@@ -286,14 +276,14 @@ impl Layout {
             frame_objects: u32::from(self.frame_objects),
             frame_bytes: self.frame_bytes,
             frame_owner: self.frame_owner,
-            tstate_stack_top: self.tstate_stack_top,
+            frame_sizes: u32::from(self.code_frame_size != CodeFrameSize::None),
         }
     }
 }
 
 #[cfg(test)]
 mod tests {
-    use agent_common::{PYTHON_FRAME_READ_BYTES, PYTHON_TSTATE_READ_BYTES};
+    use agent_common::PYTHON_FRAME_READ_BYTES;
 
     use super::*;
 
@@ -302,20 +292,6 @@ mod tests {
         for minor in 10..=14 {
             let layout = Layout::of((3, minor)).expect("a known version");
             assert!(layout.frame_bytes <= PYTHON_FRAME_READ_BYTES);
-            // The thread state's frame pointer and stack top are read in
-            // one go (3.11+), words apart.
-            assert_eq!(
-                layout.tstate_stack_top == 0,
-                layout.code_frame_size == CodeFrameSize::None,
-                "3.{minor}"
-            );
-            if layout.tstate_stack_top != 0 {
-                let span = layout.tstate_stack_top - layout.tstate_frame;
-                assert!(
-                    span.is_multiple_of(8) && span + 8 <= PYTHON_TSTATE_READ_BYTES,
-                    "3.{minor}"
-                );
-            }
             for (field, size) in [
                 (layout.frame_code, 8),
                 (layout.frame_previous, 8),
