@@ -60,10 +60,11 @@ pub struct DebugOffsets {
 }
 
 /// `_Py_DebugOffsets` starts with this cookie, then 8-byte words: the
-/// version, then the offsets, grouped by structure. Which word holds which
-/// offset changes between minor versions (3.14 adds `free_threaded` after
-/// the version, and fields to the interpreter state, the frame and the code
-/// object groups), never within one.
+/// version and `free_threaded` (3.13.0 has it too, as gdb shows its
+/// `struct _Py_DebugOffsets`), then the offsets, grouped by structure.
+/// Which word holds which offset changes between minor versions (3.14 adds
+/// fields to the interpreter state, the frame and the code object groups),
+/// never within one.
 const DEBUG_COOKIE: &[u8; 8] = b"xdebugpy";
 const DEBUG_VERSION: usize = 1;
 /// Bytes read at `_PyRuntime`: every version's words below lie within.
@@ -71,8 +72,7 @@ const DEBUG_BYTES: usize = 49 * 8;
 
 /// Word indexes of the fields read, in one minor version's table.
 struct DebugWords {
-    /// None where the table has no such word (3.13).
-    free_threaded: Option<usize>,
+    free_threaded: usize,
     tstate_current_frame: usize,
     frame_previous: usize,
     frame_executable: usize,
@@ -90,7 +90,7 @@ impl DebugWords {
     fn of(version: (u8, u8)) -> Option<Self> {
         match version {
             (3, 13) => Some(Self {
-                free_threaded: None,
+                free_threaded: 2,
                 tstate_current_frame: 23,
                 frame_previous: 29,
                 frame_executable: 30,
@@ -103,7 +103,7 @@ impl DebugWords {
                 code_bytecode: 43,
             }),
             (3, 14) => Some(Self {
-                free_threaded: Some(2),
+                free_threaded: 2,
                 tstate_current_frame: 26,
                 frame_previous: 32,
                 frame_executable: 33,
@@ -135,7 +135,7 @@ impl DebugOffsets {
         }
         let words = DebugWords::of(((version_hex >> 24) as u8, (version_hex >> 16) as u8))?;
         Some(Self {
-            free_threaded: words.free_threaded.is_some_and(|index| word(index) != 0),
+            free_threaded: word(words.free_threaded) != 0,
             tstate_current_frame: word(words.tstate_current_frame),
             frame_previous: word(words.frame_previous),
             frame_executable: word(words.frame_executable),
@@ -537,6 +537,11 @@ mod tests {
         let parsed = DebugOffsets::parse(&bytes, 0x030D00F0).expect("a table");
         assert_eq!(parsed.code_qualname, 128);
         assert!(!parsed.free_threaded);
+        // A 3.13t says so as 3.14t does: refused by name, not only by an
+        // offset that differs.
+        let free_threaded =
+            DebugOffsets::parse(&debug_table(0x030D00F0, 2, 1), 0x030D00F0).expect("a table");
+        assert!(free_threaded.free_threaded);
         assert_eq!(
             DebugOffsets::parse(&bytes, 0x030E00F0),
             None,
