@@ -33,6 +33,8 @@ impl Drop for Running {
     fn drop(&mut self) {
         let _ = self.0.kill();
         let _ = self.0.wait();
+        // Killed, the JVM leaves the socket `jcmd` attached through.
+        let _ = std::fs::remove_file(format!("/tmp/.java_pid{}", self.0.id()));
     }
 }
 
@@ -98,6 +100,8 @@ fn compiled_methods_are_found_and_named_as_the_jvm_lists_them() {
     for home in homes {
         let child = Command::new(home.join("bin/java"))
             .args([
+                // Killed when done, it would leave its perf data file.
+                "-XX:-UsePerfData",
                 "-XX:CompileCommand=quiet",
                 "-XX:CompileCommand=dontinline,Chain::*",
                 "-cp",

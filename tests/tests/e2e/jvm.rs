@@ -11,6 +11,10 @@ use std::{path::Path, process::Command};
 use stackscope_test_fixtures::{RunningProcess, jdk_homes};
 use stackscope_tests::{Collector, exclusive, require_root, run_agent_for};
 
+/// The test JVMs are killed (SIGKILL) when done, which would leave their
+/// `/tmp/hsperfdata_<user>/<pid>` behind; the agent does not read it.
+const NO_PERF_DATA: &str = "-XX:-UsePerfData";
+
 const CHAIN: [&str; 5] = [
     "Chain.main",
     "Chain.run",
@@ -46,6 +50,7 @@ fn profile(
 ) -> (Vec<(String, u64)>, f64) {
     let java = RunningProcess::start_ready(
         Command::new(home.join("bin/java"))
+            .arg(NO_PERF_DATA)
             .args(flags)
             .arg("-cp")
             .arg(classes)
@@ -277,6 +282,7 @@ fn a_jvm_started_after_the_agent_is_read_once_it_is_up() {
             RunningProcess::start_ready(
                 Command::new("java")
                     .args([
+                        NO_PERF_DATA,
                         "-XX:CompileCommand=quiet",
                         "-XX:CompileCommand=dontinline,Chain::*",
                         "-cp",
