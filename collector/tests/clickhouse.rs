@@ -16,7 +16,11 @@ mod batches;
 #[path = "support/clickhouse_servers.rs"]
 mod clickhouse_servers;
 
-use std::{collections::BTreeMap, sync::Arc, time::SystemTime};
+use std::{
+    collections::BTreeMap,
+    sync::Arc,
+    time::{Duration, SystemTime},
+};
 
 use batches::*;
 use clickhouse_servers::{current_sql, current_url, servers};
@@ -396,7 +400,13 @@ fn a_retried_batch_is_not_counted_twice() {
         storage.ingest(&batch1()).expect("retry"),
         IngestOutcome::Duplicate
     );
-    // Another collector sees the id too.
+    // Another collector sees the id once it is written (behind ingest,
+    // within about 100 ms; at once when flushed).
+    storage.flush_batch_ids();
+    assert_eq!(
+        rows_on(0, db, "batches_local") + rows_on(1, db, "batches_local"),
+        1
+    );
     assert_eq!(
         cluster(db).ingest(&batch1()).expect("retry elsewhere"),
         IngestOutcome::Duplicate
@@ -429,6 +439,101 @@ fn a_retried_batch_is_not_counted_twice() {
         0,
         "the copies counted once without FINAL"
     );
+}
+
+#[test]
+fn batch_ids_are_written_behind_ingest_many_per_insert() {
+    let db = "behind";
+    let open = |max_queued| {
+        open_url(
+            &servers().cluster_url(db),
+            ClickhouseOptions {
+                // Written only when flushed, the queue full, or dropped.
+                batch_id_linger: Duration::from_secs(3600),
+                max_queued_batch_ids: max_queued,
+                ..ClickhouseOptions::default()
+            },
+        )
+        .expect("open")
+    };
+    let ids_on = |server| rows_on(server, db, "batches_local");
+    let ids = || ids_on(0) + ids_on(1);
+    let storage = open(100);
+    for server in [0, 1] {
+        servers().sql(server, &format!("SYSTEM STOP MERGES {db}.batches_local"));
+    }
+    let batches: Vec<ValidBatch> = (0..8)
+        .map(|i| fleet_batch(10 + i, "node-a", T0, PERIOD_100HZ, 7919 * u64::from(i)))
+        .collect();
+    ingest_all(&storage, &batches);
+    let stored = weights(&storage, &all(&[]));
+    assert_eq!(ids(), 0, "the ids wait behind ingest");
+    // A retry to this collector is a duplicate meanwhile.
+    for batch in &batches {
+        assert_eq!(
+            storage.ingest(batch).expect("retry"),
+            IngestOutcome::Duplicate
+        );
+    }
+    assert_eq!(weights(&storage, &all(&[])), stored);
+
+    // Written together: one insert, one part, on each server that holds
+    // some; then another collector finds them.
+    storage.flush_batch_ids();
+    assert_eq!(ids(), 8);
+    let parts: u64 = (0..2)
+        .map(|server| {
+            servers()
+                .sql(
+                    server,
+                    &format!(
+                        "SELECT count() FROM system.parts \
+                         WHERE database = '{db}' AND table = 'batches_local' AND active"
+                    ),
+                )
+                .trim()
+                .parse::<u64>()
+                .expect("a count")
+        })
+        .sum();
+    let holding = (0..2).filter(|&server| ids_on(server) > 0).count();
+    assert_eq!(parts, holding as u64, "one part per server");
+    assert_eq!(
+        cluster(db).ingest(&batches[3]).expect("retry elsewhere"),
+        IngestOutcome::Duplicate
+    );
+
+    // A full queue: ingest writes the ids past it itself.
+    let storage = open(2);
+    let more: Vec<ValidBatch> = (0..5)
+        .map(|i| fleet_batch(30 + i, "node-b", T0, PERIOD_100HZ, 31 * u64::from(i)))
+        .collect();
+    ingest_all(&storage, &more);
+    assert_eq!(ids(), 8 + 3, "two queued, three written by ingest");
+
+    // Servers refusing them lose none: they stay queued, and their
+    // batches duplicates, until a write succeeds.
+    for server in [0, 1] {
+        servers().sql(server, &format!("DROP TABLE {db}.batches_local"));
+    }
+    storage.flush_batch_ids();
+    for batch in &more[..2] {
+        assert_eq!(
+            storage.ingest(batch).expect("retry"),
+            IngestOutcome::Duplicate
+        );
+    }
+    drop(open(100)); // makes the table anew
+    assert_eq!(ids(), 0);
+    storage.flush_batch_ids();
+    assert_eq!(ids(), 2);
+
+    // Dropping the storage writes what is queued.
+    let storage = open(100);
+    ingest_all(&storage, &[fleet_batch(50, "node-c", T0, PERIOD_100HZ, 1)]);
+    assert_eq!(ids(), 2);
+    drop(storage);
+    assert_eq!(ids(), 3);
 }
 
 #[test]
@@ -666,6 +771,7 @@ fn a_batch_whose_dictionary_rows_pass_the_cap_is_refused_whole() {
         weights(&storage, &all(&[])),
         expect(&[(S0, 5), (S1, 3), (S2, 7)])
     );
+    storage.flush_batch_ids();
     assert_eq!(
         rows_on(0, db, "batches_local") + rows_on(1, db, "batches_local"),
         1
@@ -798,6 +904,8 @@ fn retention_deletes_old_data() {
     );
     // A late batch for a deleted bucket stays hidden.
     ingest_all(&other, &[batch2()]);
+    // Its id written, before the other collector's retention.
+    other.flush_batch_ids();
     assert_eq!(weights(&storage, &everything), expect(&[(S1, 4)]));
 
     // A cutoff past everything (and past now) empties the database.
@@ -873,7 +981,9 @@ fn two_collectors_share_one_cluster() {
     for server in [0, 1] {
         assert!(rows_on(server, db, "samples_local") > 0, "shard {server}");
     }
-    // A retry through the other collector is a duplicate.
+    // A retry through the other collector is a duplicate, once the id
+    // is written.
+    first.flush_batch_ids();
     let mut retry = Builder::new(1, "node-a", T0, PERIOD_100HZ);
     let [s0, _, _] = retry.standard_stacks(true);
     let set = retry.label_set(&[("comm", "app")]);
@@ -1377,6 +1487,10 @@ fn a_batch_whose_home_server_is_down_is_stored_on_another() {
         "every batch on shard 1"
     );
     assert_eq!(rows_on(1, db, "samples_local"), 0);
+    // Their ids written, all on shard 1 (while queued, this collector
+    // knows every one).
+    storage.flush_batch_ids();
+    assert_eq!(rows_on(0, db, "batches_local"), 16);
 
     doors[1].reopen();
     let duplicates = batches

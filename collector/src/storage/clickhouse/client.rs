@@ -130,7 +130,9 @@ impl std::fmt::Debug for Endpoint {
     }
 }
 
-/// A blocking HTTP client for a set of servers (the shards).
+/// A blocking HTTP client for a set of servers (the shards); clones share
+/// its connections.
+#[derive(Clone)]
 pub struct Client {
     http: reqwest::blocking::Client,
     /// Settings sent with every statement: `SETTINGS` and the limits.

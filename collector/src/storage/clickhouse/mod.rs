@@ -15,16 +15,18 @@
 //!   stored, are its node's hash: see `clustered_label_set_id`), so every
 //!   collector names a stack or label set alike without coordination;
 //!   there are no ids to allocate.
-//! * Dedup: a batch id found in `batches` is a duplicate. Its id is written
-//!   after its samples, so a batch whose ingest failed half-way is stored
-//!   again on retry; its sample rows are then exact duplicates (same batch,
+//! * Dedup: a batch id found in `batches`, or still queued to be written
+//!   there by this collector, is a duplicate. Its id is written after its
+//!   samples (behind ingest, many per insert: see `batch_ids`), so a batch
+//!   whose ingest failed half-way is stored again on retry; its sample rows are then exact duplicates (same batch,
 //!   bucket, label set, stack, weight; a former collector's label set ids
 //!   differ in their first four bytes: see `ROW_COPY_KEY`). Each try at storing a batch's
 //!   samples is first registered in `attempts`: sums add rows as they are,
 //!   but count the rows of a batch tried more than once one copy each (see
 //!   `summed_sample_rows`). The window left: none for sample weights; two retries
-//!   racing through different collectors both store, and both answer
-//!   `Stored`.
+//!   racing through different collectors, or a retry through another
+//!   collector before the id is written (within about 100 ms), both store,
+//!   and both answer `Stored`.
 //! * Where a batch goes: its try, samples and id are written straight to
 //!   the own tables of one server, its home shard (picked by its id, see
 //!   `batch_servers`), where its id is looked up too: an insert through a
@@ -55,6 +57,7 @@
 //!   the trait promises no order, and trees and top tables do not depend
 //!   on it.
 
+mod batch_ids;
 pub mod client;
 pub mod codec;
 mod rollup;
@@ -272,6 +275,14 @@ pub struct ClickhouseOptions {
     /// fetches them, and when it sums the samples of selected label sets
     /// (one query per chunk, added up).
     pub stack_fetch_chunk: usize,
+    /// How long the thread that writes batch ids behind ingest waits after
+    /// one arrives for those that follow (see `batch_ids`): how late
+    /// another collector may see an id, against how many inserts (parts
+    /// on the server) the ids take.
+    pub batch_id_linger: Duration,
+    /// Most batch ids waiting to be written; past it, ingest writes each
+    /// batch's id itself.
+    pub max_queued_batch_ids: usize,
 }
 
 impl Default for ClickhouseOptions {
@@ -286,6 +297,8 @@ impl Default for ClickhouseOptions {
             stack_fetch_chunk: 4096,
             max_response_bytes: 1 << 30,
             max_batch_dictionary_bytes: 256 << 20,
+            batch_id_linger: Duration::from_millis(100),
+            max_queued_batch_ids: 16_384,
         }
     }
 }
@@ -394,6 +407,8 @@ pub struct ClickhouseStorage {
     by_address: Vec<usize>,
     tables: Tables,
     client: Client,
+    /// Batch ids being written behind ingest.
+    batch_ids: batch_ids::BatchIdWriter,
     /// (hash, partition) of stacks and label sets this collector stored:
     /// each is written once per partition, not once per batch.
     stored_stacks: Mutex<BoundedSet<(u128, i64)>>,
@@ -623,11 +638,24 @@ impl ClickhouseStorage {
             .collect();
         let mut by_address: Vec<usize> = (0..endpoints.len()).collect();
         by_address.sort_by(|&a, &b| endpoints[a].url.cmp(&endpoints[b].url));
+        let tables = Tables {
+            database: config.database.clone(),
+            distributed: config.cluster.is_some(),
+        };
+        let batch_ids = batch_ids::BatchIdWriter::start(
+            client.clone(),
+            endpoints.clone(),
+            tables.local("batches"),
+            options.batch_id_linger,
+            options.max_queued_batch_ids,
+        )
+        .map_err(|err| StorageError::Remote {
+            action: "starting the thread that writes batch ids".into(),
+            source: Box::new(err),
+        })?;
         let storage = Self {
-            tables: Tables {
-                database: config.database.clone(),
-                distributed: config.cluster.is_some(),
-            },
+            tables,
+            batch_ids,
             stored_stacks: Mutex::new(BoundedSet::new(options.cache_entries)),
             stored_label_sets: Mutex::new(BoundedSet::new(options.cache_entries)),
             query_caches: Mutex::new(QueryCaches {
@@ -652,6 +680,13 @@ impl ClickhouseStorage {
 
     pub fn config(&self) -> &ClickhouseConfig {
         &self.config
+    }
+
+    /// Writes the batch ids still queued behind ingest now, and waits for
+    /// those being written (see `batch_ids`): another collector then finds
+    /// them. Compaction, retention and dropping the storage do it first.
+    pub fn flush_batch_ids(&self) {
+        self.batch_ids.flush();
     }
 
     fn init_server(&self, endpoint: &Endpoint) -> Result<(), StorageError> {
@@ -990,14 +1025,12 @@ impl ClickhouseStorage {
     /// home shard first (picked by a hash of its id among the servers
     /// sorted by address, so every collector picks the same one whatever
     /// order its URL lists them in), then the others.
-    fn batch_servers(&self, id: u128) -> impl Iterator<Item = &Endpoint> {
+    /// Yields each server's index in `endpoints`.
+    fn batch_servers(&self, id: u128) -> impl Iterator<Item = usize> + '_ {
         let home =
             (xxhash_rust::xxh3::xxh3_64(&id.to_le_bytes()) % self.by_address.len() as u64) as usize;
         let (from_home, before_home) = (&self.by_address[home..], &self.by_address[..home]);
-        from_home
-            .iter()
-            .chain(before_home)
-            .map(|&index| &self.endpoints[index])
+        from_home.iter().chain(before_home).copied()
     }
 
     /// Registers a try at storing batch `id`'s samples in `bucket` on
@@ -1017,15 +1050,19 @@ impl ClickhouseStorage {
         )
     }
 
-    /// Stores a batch's samples, then its id, on `endpoint`'s own tables
-    /// (its try registered there): the id after, so a batch that failed
-    /// half-way is stored again on retry. A failure says what failed.
+    /// Stores a batch's samples on the own tables of `endpoints[server]`
+    /// (its try registered there), then queues its id for them (see
+    /// `batch_ids`; written here when the queue is full): the id after,
+    /// so a batch that failed half-way is stored again on retry. A
+    /// failure says what failed.
     fn store_batch_on(
         &self,
-        endpoint: &Endpoint,
+        server: usize,
+        id: u128,
         samples: &bytes::Bytes,
         id_row: &bytes::Bytes,
     ) -> Result<(), (&'static str, ClickhouseError)> {
+        let endpoint = &self.endpoints[server];
         if !samples.is_empty() {
             self.client
                 .insert(
@@ -1036,14 +1073,18 @@ impl ClickhouseStorage {
                 )
                 .map_err(|err| ("storing samples", err))?;
         }
-        self.client
-            .insert(
-                endpoint,
-                &self.tables.local("batches"),
-                "batch, received_unix_nanos, end_unix_nanos",
-                id_row.clone(),
-            )
-            .map_err(|err| ("storing the batch id", err))
+        match self.batch_ids.queue(server, id, id_row.clone()) {
+            Ok(()) => Ok(()),
+            Err(id_row) => self
+                .client
+                .insert(
+                    endpoint,
+                    &self.tables.local("batches"),
+                    batch_ids::BATCH_COLUMNS,
+                    id_row,
+                )
+                .map_err(|err| ("storing the batch id", err)),
+        }
     }
 
     fn bucket_of(&self, unix_nanos: i64) -> i64 {
@@ -1738,9 +1779,14 @@ impl Storage for ClickhouseStorage {
                 batch.range.end_unix_nanos
             )));
         }
+        // Stored by this collector, its id not written yet.
+        if self.batch_ids.is_pending(id) {
+            return Ok(IngestOutcome::Duplicate);
+        }
         let bucket = self.bucket_of(batch.range.start_unix_nanos);
         let mut servers = self.batch_servers(id);
-        let home = servers.next().expect("open refuses an empty server list");
+        let home_index = servers.next().expect("open refuses an empty server list");
+        let home = &self.endpoints[home_index];
         // The id is looked up on the batch's home shard while its rows are
         // built, its new dictionary rows stored and then its try
         // registered there: for a duplicate, those rows change no answer
@@ -1783,7 +1829,7 @@ impl Storage for ClickhouseStorage {
             (Ok(seen), _) if seen > 0 => return Ok(IngestOutcome::Duplicate),
             (Err(err), _) => Err(("looking up the batch id", err)),
             (Ok(_), Err(err)) => Err(("registering a try", err)),
-            (Ok(_), Ok(())) => self.store_batch_on(home, &samples, &id_row),
+            (Ok(_), Ok(())) => self.store_batch_on(home_index, id, &samples, &id_row),
         };
         let mut failed = match at_home {
             Ok(()) => return Ok(stored),
@@ -1794,13 +1840,14 @@ impl Storage for ClickhouseStorage {
         // that can, unchecked for a duplicate (its home holds the id, and
         // a batch stored twice counts once), its try registered there
         // first, timed now: its rows may land from now on.
-        for endpoint in servers {
-            let (server, action, err) = &failed;
-            tracing::warn!(server = %server.url, "{action}: {err}; trying the next server");
+        for server in servers {
+            let (failed_server, action, err) = &failed;
+            tracing::warn!(server = %failed_server.url, "{action}: {err}; trying the next server");
+            let endpoint = &self.endpoints[server];
             let result = self
                 .register_try(endpoint, id, bucket)
                 .map_err(|err| ("registering a try", err))
-                .and_then(|()| self.store_batch_on(endpoint, &samples, &id_row));
+                .and_then(|()| self.store_batch_on(server, id, &samples, &id_row));
             match result {
                 Ok(()) => return Ok(stored),
                 Err((action, err)) if err.fails_over() => failed = (endpoint, action, err),
@@ -1888,6 +1935,8 @@ impl Storage for ClickhouseStorage {
     /// batch that added to it (SQLite: once), and twice the copies of a
     /// batch stored on two shards (`FINAL` merges within a shard).
     fn delete_before(&self, cutoff_unix_nanos: i64) -> Result<u64, StorageError> {
+        // None of this collector's ids lands in a partition once dropped.
+        self.flush_batch_ids();
         let last = cutoff_unix_nanos.saturating_sub(self.options.bucket_nanos);
         let previous = self.retention_mark()?;
         let mut deleted = 0;
@@ -1985,6 +2034,8 @@ impl Storage for ClickhouseStorage {
 
     /// Builds rollups of closed spans (see `rollup`).
     fn compact(&self, closed_before_unix_nanos: i64) -> Result<u64, StorageError> {
+        // This collector's tries are then done, not in flight.
+        self.flush_batch_ids();
         self.roll_up(closed_before_unix_nanos)
     }
 
@@ -2000,6 +2051,8 @@ impl Storage for ClickhouseStorage {
         if let Ok(sets) = self.stored_label_sets.try_lock() {
             out.push(size("ingest_label_sets", sets.entries.len(), sets.capacity));
         }
+        let (ids, max_ids) = self.batch_ids.pending();
+        out.push(size("ingest_batch_ids", ids, max_ids));
         if let Ok(caches) = self.query_caches.try_lock() {
             for (name, map) in [
                 ("query_stacks", &caches.stacks),
