@@ -477,27 +477,31 @@ fn batch_ids_are_written_behind_ingest_many_per_insert() {
     }
     assert_eq!(weights(&storage, &all(&[])), stored);
 
-    // Written together: one insert, one part, on each server that holds
-    // some; then another collector finds them.
+    // Written together: one insert on each server that holds some, so
+    // one part per partition (ids are partitioned by day received: one,
+    // unless the test runs across midnight); then another collector
+    // finds them.
     storage.flush_batch_ids();
     assert_eq!(ids(), 8);
-    let parts: u64 = (0..2)
-        .map(|server| {
-            servers()
-                .sql(
-                    server,
-                    &format!(
-                        "SELECT count() FROM system.parts \
-                         WHERE database = '{db}' AND table = 'batches_local' AND active"
-                    ),
-                )
-                .trim()
-                .parse::<u64>()
-                .expect("a count")
-        })
-        .sum();
-    let holding = (0..2).filter(|&server| ids_on(server) > 0).count();
-    assert_eq!(parts, holding as u64, "one part per server");
+    for server in [0, 1] {
+        let answer = servers().sql(
+            server,
+            &format!(
+                "SELECT count(), uniqExact(partition) FROM system.parts \
+                 WHERE database = '{db}' AND table = 'batches_local' AND active FORMAT CSV"
+            ),
+        );
+        let (parts, partitions) = answer.trim().split_once(',').expect("two counts");
+        assert_eq!(
+            parts, partitions,
+            "one part per partition on server {server}"
+        );
+        assert_eq!(
+            parts != "0",
+            ids_on(server) > 0,
+            "server {server}: {parts} parts"
+        );
+    }
     assert_eq!(
         cluster(db).ingest(&batches[3]).expect("retry elsewhere"),
         IngestOutcome::Duplicate

@@ -11,7 +11,7 @@
 //! creating a part for one row.
 //!
 //! What it keeps: a retry to this collector answers `Duplicate` while the
-//! id waits (`is_pending`); another collector sees the id within about
+//! id waits (`is_pending`); another collector sees the id, while the servers take it, within about
 //! `batch_id_linger` (100 ms by default; a retry through it meanwhile stores the batch again, and it
 //! counts once); the compactor writes the queue before it looks for tries
 //! in flight (`flush`), and so does dropping the storage. A collector that
@@ -22,7 +22,7 @@ use std::{
     collections::HashSet,
     sync::{Arc, Condvar, Mutex, MutexGuard},
     thread::JoinHandle,
-    time::Duration,
+    time::{Duration, Instant},
 };
 
 use bytes::{Bytes, BytesMut};
@@ -32,9 +32,10 @@ use super::client::{ClickhouseError, Client, Endpoint};
 /// How long the thread waits after a failed write before the next.
 const RETRY_DELAY: Duration = Duration::from_secs(1);
 
-/// Writes an id is given before it is dropped (about a minute of
-/// failures): a retry of its batch is then stored again and counts once.
-const MAX_WRITES: u32 = 60;
+/// How long an id's writes may keep failing before it is dropped (at
+/// least two writes: a write may take a whole request timeout): a retry of
+/// its batch is then stored again and counts once.
+const GIVE_UP_AFTER: Duration = Duration::from_secs(60);
 
 /// The columns of a row in `batches`.
 pub(super) const BATCH_COLUMNS: &str = "batch, received_unix_nanos, end_unix_nanos";
@@ -46,8 +47,8 @@ struct QueuedId {
     id: u128,
     /// Its `batches` row, in RowBinary.
     row: Bytes,
-    /// Writes of it that failed.
-    failures: u32,
+    /// When its first write failed.
+    failing_since: Option<Instant>,
 }
 
 #[derive(Default)]
@@ -135,7 +136,7 @@ impl BatchIdWriter {
                 endpoint,
                 id,
                 row,
-                failures: 0,
+                failing_since: None,
             });
             self.shared.changed.notify_all();
         }
@@ -212,56 +213,85 @@ impl Shared {
         }
     }
 
-    /// Takes the queue, writes it (one insert per server, the lock
-    /// released meanwhile), and takes back what failed.
+    /// Takes the queue, writes it (one insert per server, all at once, so
+    /// a server that hangs delays no other's; the lock released
+    /// meanwhile), and takes back what failed.
     fn write_queued<'a>(&'a self, mut state: MutexGuard<'a, State>) -> MutexGuard<'a, State> {
         let mut queued = std::mem::take(&mut state.queued);
         state.writing += 1;
         drop(state);
 
         queued.sort_by_key(|queued| queued.endpoint);
-        let mut written = Vec::new();
-        let mut failed = Vec::new();
-        for group in queued.chunk_by(|a, b| a.endpoint == b.endpoint) {
-            let endpoint = &self.endpoints[group[0].endpoint];
+        let groups: Vec<&[QueuedId]> = queued.chunk_by(|a, b| a.endpoint == b.endpoint).collect();
+        let write = |group: &[QueuedId]| {
             let mut rows = BytesMut::new();
             for queued in group {
                 rows.extend_from_slice(&queued.row);
             }
-            match self
-                .client
+            let endpoint = &self.endpoints[group[0].endpoint];
+            self.client
                 .insert(endpoint, &self.table, BATCH_COLUMNS, rows.freeze())
-            {
-                Ok(()) => written.extend(group.iter().map(|queued| queued.id)),
-                Err(err) => failed.push((group[0].endpoint, err)),
-            }
-        }
+        };
+        let results: Vec<Result<(), ClickhouseError>> = match groups.as_slice() {
+            [] => Vec::new(),
+            [one] => vec![write(one)],
+            several => std::thread::scope(|scope| {
+                let writes: Vec<_> = several
+                    .iter()
+                    .map(|&group| scope.spawn(move || write(group)))
+                    .collect();
+                writes
+                    .into_iter()
+                    .map(|write| {
+                        write
+                            .join()
+                            .unwrap_or_else(|panic| std::panic::resume_unwind(panic))
+                    })
+                    .collect()
+            }),
+        };
+        let outcomes: Vec<(usize, Result<(), ClickhouseError>)> = groups
+            .iter()
+            .map(|group| group[0].endpoint)
+            .zip(results)
+            .collect();
 
         let mut state = self.lock();
         state.writing -= 1;
-        for id in &written {
-            state.pending.remove(id);
-        }
-        for (endpoint, err) in &failed {
-            self.failed(&mut state, &mut queued, *endpoint, err);
+        let closing = state.closing;
+        for (endpoint, result) in outcomes {
+            let ids = queued.extract_if(.., |queued| queued.endpoint == endpoint);
+            match result {
+                Ok(()) => {
+                    for queued in ids {
+                        state.pending.remove(&queued.id);
+                    }
+                }
+                Err(err) => {
+                    let ids: Vec<QueuedId> = ids.collect();
+                    self.failed(&mut state, ids, endpoint, &err, closing);
+                }
+            }
         }
         self.changed.notify_all();
         state
     }
 
     /// Puts the ids of a failed write to `endpoint` back in the queue, or
-    /// drops those written too often.
+    /// drops those failing for too long (all of them when closing).
     fn failed(
         &self,
         state: &mut State,
-        queued: &mut Vec<QueuedId>,
+        ids: Vec<QueuedId>,
         endpoint: usize,
         err: &ClickhouseError,
+        closing: bool,
     ) {
+        let now = Instant::now();
         let mut dropped = 0;
-        for mut id in queued.extract_if(.., |queued| queued.endpoint == endpoint) {
-            id.failures += 1;
-            if id.failures >= MAX_WRITES {
+        for mut id in ids {
+            let since = *id.failing_since.get_or_insert(now);
+            if closing || now.duration_since(since) >= GIVE_UP_AFTER {
                 state.pending.remove(&id.id);
                 dropped += 1;
             } else {
@@ -273,8 +303,8 @@ impl Shared {
             tracing::warn!(
                 %server,
                 dropped,
-                "storing batch ids failed {MAX_WRITES} times: {err}; giving up on them (a retry of \
-                 one of those batches will be stored again and count once)"
+                "storing batch ids failed: {err}; giving up on them (a retry of one of those \
+                 batches will be stored again and count once)"
             );
         } else {
             tracing::warn!(%server, "storing batch ids failed: {err}; trying again");

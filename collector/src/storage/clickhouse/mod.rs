@@ -25,7 +25,8 @@
 //!   but count the rows of a batch tried more than once one copy each (see
 //!   `summed_sample_rows`). The window left: none for sample weights; two retries
 //!   racing through different collectors, or a retry through another
-//!   collector before the id is written (within about 100 ms), both store,
+//!   collector before the id is written (within about 100 ms while the
+//!   servers take it), both store,
 //!   and both answer `Stored`.
 //! * Where a batch goes: its try, samples and id are written straight to
 //!   the own tables of one server, its home shard (picked by its id, see
@@ -1935,7 +1936,8 @@ impl Storage for ClickhouseStorage {
     /// batch that added to it (SQLite: once), and twice the copies of a
     /// batch stored on two shards (`FINAL` merges within a shard).
     fn delete_before(&self, cutoff_unix_nanos: i64) -> Result<u64, StorageError> {
-        // None of this collector's ids lands in a partition once dropped.
+        // No id this collector queued lands in a partition once dropped (ids
+        // are partitioned by when they came: a cutoff near now).
         self.flush_batch_ids();
         let last = cutoff_unix_nanos.saturating_sub(self.options.bucket_nanos);
         let previous = self.retention_mark()?;

@@ -20,9 +20,11 @@
 //! A build is made only when no try in the span may still be storing rows (a
 //! try without its batch id, registered less than `in_flight_nanos` ago):
 //! rows landing after the sum would be missed while the tries stay the same.
-//! A try older than that without its id failed (its rows, if any, count as
-//! base reads count them; a retry registers a try of its own, and so does
-//! a resend to another server). Collectors of schema version 2 register
+//! A try older than that without its id is over: it failed, or stored its
+//! rows and its id was lost (written behind ingest: a collector that died
+//! with it queued, servers that kept refusing it). Its rows, if any, count
+//! as base reads count them; a retry registers a try of its own, and so
+//! does a resend to another server. Collectors of schema version 2 register
 //! tries without a time: stop them before a version-3 collector starts.
 //!
 //! # Tables (each `MergeTree`, partitioned by `span_start` like the samples)
