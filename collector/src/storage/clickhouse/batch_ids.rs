@@ -11,12 +11,13 @@
 //! creating a part for one row.
 //!
 //! What it keeps: a retry to this collector answers `Duplicate` while the
-//! id waits (`is_pending`); another collector sees the id, while the servers take it, within about
-//! `batch_id_linger` (100 ms by default; a retry through it meanwhile stores the batch again, and it
-//! counts once); the compactor writes the queue before it looks for tries
-//! in flight (`flush`), and so does dropping the storage. A collector that
-//! dies with ids queued leaves their tries looking in flight until
-//! `in_flight_nanos` passes, which only delays their spans' rollups.
+//! id waits (`is_pending`); another collector sees the id within about
+//! `batch_id_linger` while the servers take it (100 ms by default; a retry
+//! through it meanwhile stores the batch again, and it counts once); the
+//! compactor and retention write the queue first (`flush`), and so does
+//! dropping the storage. A collector that dies with ids queued leaves
+//! their tries looking in flight until `in_flight_nanos` passes, which
+//! only delays their spans' rollups.
 
 use std::{
     collections::HashSet,

@@ -18,16 +18,16 @@
 //! * Dedup: a batch id found in `batches`, or still queued to be written
 //!   there by this collector, is a duplicate. Its id is written after its
 //!   samples (behind ingest, many per insert: see `batch_ids`), so a batch
-//!   whose ingest failed half-way is stored again on retry; its sample rows are then exact duplicates (same batch,
-//!   bucket, label set, stack, weight; a former collector's label set ids
-//!   differ in their first four bytes: see `ROW_COPY_KEY`). Each try at storing a batch's
-//!   samples is first registered in `attempts`: sums add rows as they are,
-//!   but count the rows of a batch tried more than once one copy each (see
-//!   `summed_sample_rows`). The window left: none for sample weights; two retries
-//!   racing through different collectors, or a retry through another
-//!   collector before the id is written (within about 100 ms while the
-//!   servers take it), both store,
-//!   and both answer `Stored`.
+//!   whose ingest failed half-way is stored again on retry; its sample
+//!   rows are then exact duplicates (same batch, bucket, label set, stack,
+//!   weight; a former collector's label set ids differ in their first four
+//!   bytes: see `ROW_COPY_KEY`). Each try at storing a batch's samples is
+//!   first registered in `attempts`: sums add rows as they are, but count
+//!   the rows of a batch tried more than once one copy each (see
+//!   `summed_sample_rows`). The window left: none for sample weights; two
+//!   retries racing through different collectors, or a retry through
+//!   another collector before the id is written (within about 100 ms while
+//!   the servers take it), both store, and both answer `Stored`.
 //! * Where a batch goes: its try, samples and id are written straight to
 //!   the own tables of one server, its home shard (picked by its id, see
 //!   `batch_servers`), where its id is looked up too: an insert through a
@@ -1025,8 +1025,8 @@ impl ClickhouseStorage {
     /// The servers a batch's rows go to, in the order they are tried: its
     /// home shard first (picked by a hash of its id among the servers
     /// sorted by address, so every collector picks the same one whatever
-    /// order its URL lists them in), then the others.
-    /// Yields each server's index in `endpoints`.
+    /// order its URL lists them in), then the others; each by its index in
+    /// `endpoints`.
     fn batch_servers(&self, id: u128) -> impl Iterator<Item = usize> + '_ {
         let home =
             (xxhash_rust::xxh3::xxh3_64(&id.to_le_bytes()) % self.by_address.len() as u64) as usize;
