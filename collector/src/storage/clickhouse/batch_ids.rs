@@ -149,7 +149,7 @@ impl BatchIdWriter {
     pub(super) fn flush(&self) {
         let mut state = self.shared.lock();
         if !state.queued.is_empty() {
-            state = self.shared.write_queued(state);
+            (state, _) = self.shared.write_queued(state);
         }
         let _state = self
             .shared
@@ -200,12 +200,14 @@ impl Shared {
                     .unwrap_or_else(|poisoned| poisoned.into_inner());
             }
             let closing = state.closing;
-            state = self.write_queued(state);
+            let failed;
+            (state, failed) = self.write_queued(state);
             if closing {
                 return;
             }
-            if !state.queued.is_empty() {
-                // A write failed: what is left waits, unless closing.
+            if failed {
+                // What failed waits (with the ids queued meanwhile),
+                // unless closing.
                 (state, _) = self
                     .changed
                     .wait_timeout_while(state, RETRY_DELAY, |s| !s.closing)
@@ -216,8 +218,11 @@ impl Shared {
 
     /// Takes the queue, writes it (one insert per server, all at once, so
     /// a server that hangs delays no other's; the lock released
-    /// meanwhile), and takes back what failed.
-    fn write_queued<'a>(&'a self, mut state: MutexGuard<'a, State>) -> MutexGuard<'a, State> {
+    /// meanwhile), and takes back what failed; whether a write failed.
+    fn write_queued<'a>(
+        &'a self,
+        mut state: MutexGuard<'a, State>,
+    ) -> (MutexGuard<'a, State>, bool) {
         let mut queued = std::mem::take(&mut state.queued);
         state.writing += 1;
         drop(state);
@@ -260,6 +265,7 @@ impl Shared {
         let mut state = self.lock();
         state.writing -= 1;
         let closing = state.closing;
+        let failed = outcomes.iter().any(|(_, result)| result.is_err());
         for (endpoint, result) in outcomes {
             let ids = queued.extract_if(.., |queued| queued.endpoint == endpoint);
             match result {
@@ -275,7 +281,7 @@ impl Shared {
             }
         }
         self.changed.notify_all();
-        state
+        (state, failed)
     }
 
     /// Puts the ids of a failed write to `endpoint` back in the queue, or
