@@ -1188,9 +1188,8 @@ fn python_stack(ids: &mut SampleIds) {
     // SAFETY: the first `len` bytes of the record were written above.
     let bytes = unsafe { core::slice::from_raw_parts(record, len) };
     // The sample's record, right after, decides whether to wake the
-    // reader for both (`SampleIds::wakeup_flag`): a look at the reader's
-    // position costs ~145 ns on a 2-CPU VM (a line the reader writes), a
-    // tenth of what reading the Python stack adds to a tick.
+    // reader for both (`SampleIds::wakeup_flag`): one look at the reader's
+    // position a tick, not two (each reads a line the reader writes).
     if SAMPLES
         .output::<[u8]>(bytes, u64::from(BPF_RB_NO_WAKEUP))
         .is_err()
