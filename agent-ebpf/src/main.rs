@@ -687,7 +687,10 @@ impl SampleIds {
     /// Ring buffer flags for the sample's record of `len` bytes, written
     /// when `unread` bytes were: as [`wakeup_flag`], the sample's Python
     /// stack record (written before it without a decision of its own)
-    /// counted with it.
+    /// counted with it. Its look comes after the Python record, so records
+    /// other CPUs write in between can hide a crossing of the mark from
+    /// both ticks: that wake-up then waits for twice the mark or the timed
+    /// drain, as one two CPUs both miss always could.
     #[inline(always)]
     fn wakeup_flag(&self, unread: u64, len: u64) -> u64 {
         let python = u64::from(self.python_bytes);
