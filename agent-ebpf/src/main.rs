@@ -690,7 +690,7 @@ impl SampleIds {
     /// counted with it. Its look comes after the Python record, so records
     /// other CPUs write in between can hide a crossing of the mark from
     /// both ticks: that wake-up then waits for twice the mark or the timed
-    /// drain, as one two CPUs both miss always could.
+    /// drain, as a crossing that two CPUs' ticks both miss always did.
     #[inline(always)]
     fn wakeup_flag(&self, unread: u64, len: u64) -> u64 {
         let python = u64::from(self.python_bytes);
