@@ -766,7 +766,7 @@ pub mod names {
     pub const EXIT_PROGRAM: &str = "on_process_exit";
     pub const EXEC_TRACEPOINT: &str = "sched_process_exec";
     pub const EXIT_TRACEPOINT: &str = "sched_process_exit";
-    pub const SAMPLES_RING: &str = "SAMPLES";
+    pub const SAMPLE_RINGS: &str = "SAMPLE_RINGS";
     pub const SCRATCH: &str = "SCRATCH";
     pub const COUNTERS: &str = "COUNTERS";
     pub const TGID_ALLOW: &str = "TGID_ALLOW";

@@ -4,8 +4,8 @@
 //! sample records when a thread blocks, and a switch-in record when it
 //! runs again.
 //!
-//! On each tick it writes one variable-length record to the `SAMPLES` ring
-//! buffer: a [`SampleHeader`] (ids, cgroup, comm, user registers), the kernel
+//! On each tick it writes one variable-length record to its CPU's ring
+//! buffer (`SAMPLE_RINGS`): a [`SampleHeader`] (ids, cgroup, comm, user registers), the kernel
 //! stack when the tick hit kernel mode, and a copy of the user stack from `rsp`
 //! upwards. It does no unwinding: that happens in user space, where any DWARF
 //! rule is cheap to evaluate (see `shared/DESIGN.md`).
@@ -61,25 +61,43 @@ use agent_common::{
 use aya_ebpf::{
     EbpfContext, Global,
     bindings::{BPF_RB_AVAIL_DATA, BPF_RB_FORCE_WAKEUP, BPF_RB_NO_WAKEUP, pt_regs},
+    btf_maps::{self, ArrayOfMaps},
     helpers::{
         bpf_get_current_cgroup_id, bpf_get_current_pid_tgid, bpf_get_smp_processor_id,
         bpf_ktime_get_ns, bpf_probe_read_kernel, bpf_probe_read_user as read_user_value,
         generated::{
             bpf_get_current_ancestor_cgroup_id, bpf_get_current_comm as gen_get_current_comm,
             bpf_get_current_task, bpf_get_current_task_btf, bpf_get_prandom_u32, bpf_get_stack,
-            bpf_loop, bpf_probe_read_user, bpf_task_pt_regs,
+            bpf_loop, bpf_probe_read_user, bpf_ringbuf_query, bpf_task_pt_regs,
         },
     },
-    macros::{btf_tracepoint, map, perf_event, raw_tracepoint},
-    maps::{Array, HashMap, LruHashMap, PerCpuArray, RingBuf},
+    macros::{btf_map, btf_tracepoint, map, perf_event, raw_tracepoint},
+    maps::{Array, HashMap, LruHashMap, PerCpuArray},
     programs::{BtfTracePointContext, PerfEventContext, RawTracePointContext},
 };
 use aya_log_ebpf::debug;
 
-/// Sample records. The agent sizes the ring to the CPU count at load (2 MiB
-/// per CPU, at least 4 MiB); this size is a placeholder it replaces.
-#[map(name = "SAMPLES")]
-static SAMPLES: RingBuf = RingBuf::with_byte_size(8 << 20, 0);
+/// A ring buffer of records. Its size here is the template's only: the
+/// agent creates the rings (their size is not part of a ring's type for
+/// the kernel, so every ring the agent makes fits the slot).
+type SampleRing = btf_maps::RingBuf<u8, { 64 << 10 }>;
+
+/// The record rings, by CPU: the agent sets `max_entries` to the CPU
+/// count and gives every slot a ring, one per CPU or, when memory is
+/// short, one per group of CPUs. A ring shared by every CPU made each
+/// reservation take a lock and write a position that the other CPUs'
+/// ticks wrote too (about 200 ns of a 1.8 µs tick on two CPUs); a
+/// ring of its own keeps those lines in the CPU's cache. Records of one
+/// CPU stay in order in its ring; the agent merges the rings by time.
+#[btf_map]
+static SAMPLE_RINGS: ArrayOfMaps<SampleRing, 1> = ArrayOfMaps::new();
+
+/// This CPU's ring: `None` only if the agent left its slot empty, which
+/// the program counts as a full ring.
+#[inline(always)]
+fn sample_ring() -> Option<&'static SampleRing> {
+    SAMPLE_RINGS.get(unsafe { bpf_get_smp_processor_id() })
+}
 
 /// One scratch slot per CPU (the agent sets `max_entries` to the CPU count).
 /// A plain array rather than a per-CPU one: per-CPU values are capped at 32 KiB,
@@ -286,8 +304,8 @@ static OFF_CPU_SAMPLES_PER_SEC: Global<u32> = Global::new(200);
 /// (the agent does not attach the off-CPU program then).
 #[unsafe(no_mangle)]
 static TASK_PID_OFFSET: Global<u32> = Global::new(0);
-/// Unread bytes in `SAMPLES` at which a record wakes the reader (the agent
-/// sets a quarter of the ring at load).
+/// Unread bytes in a ring at which a record wakes the reader (the agent
+/// sets a quarter of a ring at load).
 #[unsafe(no_mangle)]
 static WAKEUP_BYTES: Global<u64> = Global::new(1 << 20);
 
@@ -616,12 +634,16 @@ fn try_usual_sample<C: EbpfContext>(
     }
     // SAFETY: the first `len` bytes of the scratch slot were written above.
     let record = unsafe { core::slice::from_raw_parts(scratch, len as usize) };
+    let Some(ring) = sample_ring() else {
+        count(Counter::RingBufferFull);
+        return Err(());
+    };
     let wakeup = if unlearned && early_wakeup(scratch, ids.tgid) {
         u64::from(BPF_RB_FORCE_WAKEUP)
     } else {
-        ids.wakeup_flag(unread_bytes(), len)
+        ids.wakeup_flag(unread_bytes(ring), len)
     };
-    if SAMPLES.output::<[u8]>(record, wakeup).is_err() {
+    if ring.output_untyped::<[u8]>(record, wakeup).is_err() {
         count(Counter::RingBufferFull);
         debug!(ctx, "ring buffer full, dropped a {} byte record", len);
         return Err(());
@@ -688,9 +710,10 @@ impl SampleIds {
     /// when `unread` bytes were: as [`wakeup_flag`], the sample's Python
     /// stack record (written before it without a decision of its own)
     /// counted with it. Its look comes after the Python record, so records
-    /// other CPUs write in between can hide a crossing of the mark from
-    /// both ticks: that wake-up then waits for twice the mark or the timed
-    /// drain, as a crossing that two CPUs' ticks both miss always did.
+    /// that CPUs sharing the ring write in between can hide a crossing of
+    /// the mark from both ticks: that wake-up then waits for twice the mark
+    /// or the timed drain, as a crossing that two CPUs' ticks both miss
+    /// always did.
     #[inline(always)]
     fn wakeup_flag(&self, unread: u64, len: u64) -> u64 {
         let python = u64::from(self.python_bytes);
@@ -769,8 +792,8 @@ unsafe fn kernel_stack<C: EbpfContext>(ctx: &C, dest: *mut u8, flags: &mut u32) 
 /// The record that takes the unread bytes past `WAKEUP_BYTES` wakes the
 /// reader; the records after it, written while the woken reader waits for
 /// a CPU, do not (each would pay the self-interrupt again for a wake-up
-/// already on its way), until twice the mark is unread: two CPUs can pass
-/// the mark together with neither seeing itself cross it.
+/// already on its way), until twice the mark is unread: two CPUs sharing
+/// a ring can pass the mark together with neither seeing itself cross it.
 #[inline(always)]
 fn wakeup_flag(unread: u64, len: u64) -> u64 {
     let mark = WAKEUP_BYTES.load();
@@ -782,10 +805,12 @@ fn wakeup_flag(unread: u64, len: u64) -> u64 {
     })
 }
 
-/// Bytes written to `SAMPLES` and not yet consumed.
+/// Bytes written to `ring` and not yet consumed.
 #[inline(always)]
-fn unread_bytes() -> u64 {
-    SAMPLES.query(u64::from(BPF_RB_AVAIL_DATA))
+fn unread_bytes(ring: &SampleRing) -> u64 {
+    let map = core::ptr::from_ref(ring).cast_mut().cast();
+    // SAFETY: `ring` is a ring buffer map the outer map's lookup returned.
+    unsafe { bpf_ringbuf_query(map, u64::from(BPF_RB_AVAIL_DATA)) }
 }
 
 /// Whether a tick of a thread the agent has not learned yet (no plan, and
@@ -947,9 +972,12 @@ fn reserved_copy<C: EbpfContext, const BYTES: u32, const KERNEL_ROOM: bool, cons
     if len == 0 || len > BYTES {
         return false;
     }
-    let unread = unread_bytes();
+    let Some(ring) = sample_ring() else {
+        return false;
+    };
+    let unread = unread_bytes(ring);
     // No room is not a lost record: the usual path may still fit one.
-    let Some(mut entry) = SAMPLES.reserve_bytes(size, 0) else {
+    let Some(mut entry) = ring.reserve_bytes(size, 0) else {
         return false;
     };
     let record = entry.as_mut_ptr();
@@ -1193,10 +1221,11 @@ fn python_stack(ids: &mut SampleIds) {
     // The sample's record, right after, decides whether to wake the
     // reader for both (`SampleIds::wakeup_flag`): one look at the reader's
     // position a tick, not two (each reads a line the reader writes).
-    if SAMPLES
-        .output::<[u8]>(bytes, u64::from(BPF_RB_NO_WAKEUP))
-        .is_err()
-    {
+    let written = sample_ring().is_some_and(|ring| {
+        ring.output_untyped::<[u8]>(bytes, u64::from(BPF_RB_NO_WAKEUP))
+            .is_ok()
+    });
+    if !written {
         count(Counter::RingBufferFull);
     } else {
         ids.python_bytes = len as u32;
@@ -1736,8 +1765,12 @@ fn switched_in(next: u64) {
         return;
     };
     let _ = OFF_CPU_PENDING.remove(tid);
-    let unread = unread_bytes();
-    let Some(mut entry) = SAMPLES.reserve::<SwitchIn>(0) else {
+    let Some(ring) = sample_ring() else {
+        count(Counter::RingBufferFull);
+        return;
+    };
+    let unread = unread_bytes(ring);
+    let Some(mut entry) = ring.reserve_untyped::<SwitchIn>(0) else {
         count(Counter::RingBufferFull);
         return;
     };
@@ -1837,7 +1870,8 @@ fn emit_process_event(kind: RecordKind) {
     if tgid == AGENT_TGID.load() {
         return;
     }
-    let Some(mut entry) = SAMPLES.reserve::<ProcessEvent>(0) else {
+    let Some(mut entry) = sample_ring().and_then(|ring| ring.reserve_untyped::<ProcessEvent>(0))
+    else {
         count(Counter::RingBufferFull);
         return;
     };

@@ -17,6 +17,7 @@
 mod cpu_clock;
 pub mod mapping_feed;
 pub mod record;
+mod rings;
 pub mod task_layout;
 
 use std::{
@@ -27,19 +28,21 @@ use std::{
 };
 
 use agent_common::{
-    COMM_LEN, COUNTER_SLOTS, CgroupPolicy, Counter, DEEP_COPY_CLASSES, MAX_ALLOW_ENTRIES,
-    MAX_DEEP_STACK_BYTES, MAX_USER_STACK_BYTES, PAGE_SIZE, PythonProcess, StackPlan, StackTop,
-    names, reserved_record_bytes,
+    COMM_LEN, COUNTER_SLOTS, CgroupPolicy, Counter, MAX_ALLOW_ENTRIES, MAX_DEEP_STACK_BYTES,
+    MAX_USER_STACK_BYTES, PAGE_SIZE, PythonProcess, StackPlan, StackTop, names,
 };
 use aya::{
     Btf, Ebpf, EbpfLoader,
-    maps::{Array, HashMap, MapData, PerCpuArray, RingBuf},
+    maps::{Array, HashMap, MapData, PerCpuArray},
     programs::{BtfTracePoint, PerfEvent, RawTracePoint},
     util::{nr_cpus, online_cpus},
 };
 use tokio::io::unix::AsyncFd;
 
 use stackscope_unwind::walker::stitching::PlanUpdate;
+
+use rings::Rings;
+pub use rings::{RingLayout, RingsError};
 
 /// The BPF object built by `build.rs`.
 static BPF_OBJECT: &[u8] = aya::include_bytes_aligned!(concat!(env!("OUT_DIR"), "/agent-ebpf"));
@@ -48,11 +51,11 @@ static BPF_OBJECT: &[u8] = aya::include_bytes_aligned!(concat!(env!("OUT_DIR"), 
 /// `kernel.perf_event_max_sample_rate` anyway; a profiler has no use for more.
 pub const MAX_FREQUENCY_HZ: u64 = 10_000;
 
-/// The BPF program wakes the reader once this fraction of the ring buffer is
+/// The BPF program wakes the reader once this fraction of a ring is
 /// unread (it does not wake it per record, see the program). Few large
 /// drains cost less than many small ones: each wake-up finds the walker's
-/// caches cold. On busy.c at 997 Hz (2 CPUs, a 4 MiB ring), a quarter took
-/// the agent 5.4 us per sample against 6.3 for an eighth.
+/// caches cold. On busy.c at 997 Hz (2 CPUs, one 4 MiB ring then), a
+/// quarter took the agent 5.4 us per sample against 6.3 for an eighth.
 const WAKEUP_FRACTION: u32 = 4;
 /// Below that, the reader drains the ring buffer on this period (the
 /// default of [`SamplerConfig::drain_interval`]).
@@ -244,8 +247,8 @@ pub enum SamplerError {
         #[source]
         source: io::Error,
     },
-    #[error("registering the ring buffer with the async runtime failed")]
-    Poll(#[source] io::Error),
+    #[error(transparent)]
+    Rings(#[from] RingsError),
     #[error("off-CPU profiles cannot run on this kernel: {0}")]
     OffCpuUnsupported(String),
 }
@@ -318,7 +321,7 @@ impl ProgramStats {
 
 /// A loaded and attached sampler. Dropping it detaches and unloads everything.
 pub struct Sampler {
-    ring: AsyncFd<RingBuf<MapData>>,
+    rings: Rings,
     drain_timer: tokio::time::Interval,
     pace: DrainPace,
     counters: PerCpuArray<MapData, u64>,
@@ -373,7 +376,7 @@ impl Sampler {
         let filter_cgroups = u8::from(config.filter_cgroups);
         let cgroup_policies = u8::from(config.filter_cgroups || config.cgroup_budgets);
         let log_level = bpf_log_level(config.bpf_log_level);
-        let ring_bytes = ring_buffer_bytes(cpu_slots, deep);
+        let ring_layout = RingLayout::for_host(cpu_slots, deep);
         // Without the layout samples carry no process start time; process
         // identity then rests on the exec and exit records alone.
         let layout = task_layout::TaskLayout::of_running_kernel()
@@ -387,7 +390,7 @@ impl Sampler {
             .map_or((0, 0), |stack_start| {
                 (stack_start.mm, stack_start.start_stack)
             });
-        let wakeup_bytes = u64::from(ring_bytes / WAKEUP_FRACTION);
+        let wakeup_bytes = u64::from(ring_layout.ring_bytes / WAKEUP_FRACTION);
         let pid_offset = match config.off_cpu {
             Some(_) => off_cpu_pid_offset(layout.as_ref())?,
             None => 0,
@@ -414,7 +417,7 @@ impl Sampler {
             .override_global(names::OFF_CPU_SAMPLES_PER_SEC, &off_cpu_rate, true)
             .override_global(aya_log::LEVEL, &log_level, false)
             .map_max_entries(names::SCRATCH, cpu_slots as u32)
-            .map_max_entries(names::SAMPLES_RING, ring_bytes)
+            .map_max_entries(names::SAMPLE_RINGS, cpu_slots as u32)
             .load(BPF_OBJECT)
             .map_err(SamplerError::Load)?;
 
@@ -437,6 +440,9 @@ impl Sampler {
             load_ms = loading.elapsed().as_millis() as u64,
             "loaded"
         );
+        // Every CPU's slot holds its ring before any program is attached:
+        // a tick that finds none loses its record.
+        let rings = Rings::create(ring_layout, take_map(&mut ebpf, names::SAMPLE_RINGS)?)?;
         let off_cpu_program = match config.off_cpu {
             Some(_) => Some(load_off_cpu(&mut ebpf)?),
             None => None,
@@ -475,8 +481,6 @@ impl Sampler {
             attach_off_cpu(&mut ebpf, name)?;
         }
 
-        let ring: RingBuf<MapData> = take_map(&mut ebpf, names::SAMPLES_RING)?;
-        let ring = register_readable(ring).map_err(SamplerError::Poll)?;
         let counters = take_map(&mut ebpf, names::COUNTERS)?;
         let plan_map = take_map(&mut ebpf, names::STACK_PLANS)?;
         let copy_map = take_map(&mut ebpf, names::COPY_BYTES)?;
@@ -488,7 +492,7 @@ impl Sampler {
         let mut drain_timer = tokio::time::interval(drain_interval);
         drain_timer.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         Ok(Self {
-            ring,
+            rings,
             drain_timer,
             pace: DrainPace::new(drain_interval, config.idle_drain_interval, Instant::now()),
             counters,
@@ -633,11 +637,7 @@ impl Sampler {
     /// [`Self::drain_records`] then takes what is queued. Cancel safe.
     pub async fn wait(&mut self) -> io::Result<()> {
         tokio::select! {
-            guard = self.ring.readable_mut() => {
-                // Readiness is cleared before the drain that follows: a
-                // record written after this point wakes the next wait.
-                guard?.clear_ready();
-            }
+            ready = self.rings.readable() => ready?,
             _ = self.drain_timer.tick() => {}
         }
         Ok(())
@@ -664,7 +664,7 @@ impl Sampler {
     /// Passes the records queued right now to `on_record`, without waiting,
     /// and paces the timed drains by how many there were ([`DrainPace`]).
     pub fn drain_records(&mut self, on_record: impl FnMut(&[u8])) -> usize {
-        let read = drain(self.ring.get_mut(), on_record);
+        let read = self.rings.drain(on_record);
         let period = self.pace.after(read, Instant::now());
         self.set_drain_period(period);
         self.set_paced(self.pace.paced());
@@ -945,15 +945,6 @@ fn map_result(
     }
 }
 
-fn drain(ring: &mut RingBuf<MapData>, mut on_record: impl FnMut(&[u8])) -> usize {
-    let mut count = 0;
-    while let Some(record) = ring.next() {
-        on_record(&record);
-        count += 1;
-    }
-    count
-}
-
 fn perf_program(ebpf: &mut Ebpf) -> Result<&mut PerfEvent, SamplerError> {
     ebpf.program_mut(names::PROGRAM)
         .ok_or(SamplerError::Missing(names::PROGRAM))?
@@ -976,44 +967,13 @@ where
     M::try_from(map).map_err(|source| SamplerError::Map { name, source })
 }
 
-/// What the sample ring buffer adds to the agent's RSS on this host with
-/// deep copies of at most `deep_stack_bytes`: its pages are mapped twice.
+/// What the record rings add to the agent's RSS on this host with deep
+/// copies of at most `deep_stack_bytes`: their pages are mapped twice.
 /// `None` when the CPUs cannot be listed.
 pub fn ring_buffer_rss(deep_stack_bytes: u32) -> Option<u64> {
     let cpus = nr_cpus().ok()?;
-    Some(2 * u64::from(ring_buffer_bytes(cpus, deep_stack_bytes)))
+    Some(2 * RingLayout::for_host(cpus, deep_stack_bytes).total_bytes())
 }
-
-/// Ring buffer size: 2 MiB per CPU, at least [`MIN_RING_BYTES`] and room
-/// for three of the largest deep copies `deep_stack_bytes` allows (each
-/// reserves its class's [`reserved_record_bytes`] plus the ring's 8-byte
-/// record header: with 2 MiB ones, 8 MiB on a host of 2 CPUs), a power
-/// of two as the kernel requires. At 997 Hz a CPU produces ~5.5 MB/s with
-/// busy.c's adaptive copies, so a reader woken at a quarter full has
-/// hundreds of milliseconds of slack; ~33 MB/s if every tick copied the
-/// whole 32 KiB ceiling, which leaves it ~45 ms. Not more: the kernel maps
-/// the ring's pages twice into the agent, all of them at once, so every
-/// MiB here is two of the agent's RSS (8 MiB was 16 MB, a quarter of its
-/// RSS at 997 Hz on 2 CPUs).
-fn ring_buffer_bytes(cpus: usize, deep_stack_bytes: u32) -> u32 {
-    let deep_class = DEEP_COPY_CLASSES
-        .into_iter()
-        .find(|&class| class >= deep_stack_bytes)
-        .unwrap_or(MAX_DEEP_STACK_BYTES);
-    let deep_records = if deep_stack_bytes == 0 {
-        0
-    } else {
-        3 * (reserved_record_bytes(deep_class, true) as usize + 8)
-    };
-    let wanted = (cpus * (2 << 20))
-        .max(MIN_RING_BYTES as usize)
-        .max(deep_records)
-        .next_power_of_two();
-    u32::try_from(wanted).unwrap_or(1 << 30).min(1 << 30)
-}
-
-/// The smallest ring.
-const MIN_RING_BYTES: u32 = 4 << 20;
 
 /// aya-log level numbers: error = 1 … trace = 5.
 fn bpf_log_level(level: tracing::Level) -> u8 {
@@ -1093,17 +1053,4 @@ mod tests {
     }
 
     use super::*;
-
-    #[test]
-    fn the_ring_follows_the_cpus() {
-        const MIB: u32 = 1 << 20;
-        // Three 1 MiB deep copies fit in 4 MiB, three of 2 MiB in 8 MiB.
-        assert_eq!(ring_buffer_bytes(1, 0), 4 * MIB);
-        assert_eq!(ring_buffer_bytes(2, MIB), 4 * MIB);
-        assert_eq!(ring_buffer_bytes(2, MIB + 8), 8 * MIB);
-        assert_eq!(ring_buffer_bytes(2, MAX_DEEP_STACK_BYTES), 8 * MIB);
-        assert_eq!(ring_buffer_bytes(3, 0), 8 * MIB);
-        assert_eq!(ring_buffer_bytes(64, MAX_DEEP_STACK_BYTES), 128 * MIB);
-        assert_eq!(ring_buffer_bytes(100_000, 0), 1 << 30);
-    }
 }

@@ -149,6 +149,33 @@ impl<'a> Record<'a> {
     }
 }
 
+/// When `record` was written, read at its kind's offset without decoding
+/// the rest: what the reader orders the rings' records by. 0 for a record
+/// too short or of no known kind, which then comes first and fails its
+/// decoding there.
+pub fn record_time(record: &[u8]) -> u64 {
+    use core::mem::offset_of;
+    let Some(kind) = record
+        .first_chunk::<4>()
+        .map(|kind| u32::from_ne_bytes(*kind))
+    else {
+        return 0;
+    };
+    let offset = match kind {
+        k if k == RecordKind::Sample as u32 => offset_of!(SampleHeader, ktime_ns),
+        k if k == RecordKind::Exec as u32 || k == RecordKind::Exit as u32 => {
+            offset_of!(ProcessEvent, ktime_ns)
+        }
+        k if k == RecordKind::PythonStack as u32 => offset_of!(PythonStackHeader, ktime_ns),
+        k if k == RecordKind::SwitchIn as u32 => offset_of!(SwitchIn, in_ns),
+        _ => return 0,
+    };
+    record
+        .get(offset..)
+        .and_then(|rest| rest.first_chunk::<8>())
+        .map_or(0, |time| u64::from_ne_bytes(*time))
+}
+
 fn decode_process_event(record: &[u8]) -> Result<ProcessEvent, DecodeError> {
     if record.len() != PROCESS_EVENT_SIZE {
         return Err(DecodeError::LengthMismatch {
@@ -794,6 +821,24 @@ mod tests {
 
     fn encode_switch_in(out_ns: u64, in_ns: u64) -> Vec<u8> {
         test_support::encode_switch_in(&SwitchIn::new(7, 5, out_ns, in_ns))
+    }
+
+    #[test]
+    fn a_records_time_is_read_where_its_kind_keeps_it() {
+        for record in [
+            encode(&header(0, 2), &[], &[7, 8]),
+            encode_event(RecordKind::Exec, 41),
+            encode_event(RecordKind::Exit, 41),
+            encode_switch_in(100, 250),
+        ] {
+            let decoded = Record::decode(&record).unwrap().ktime_ns();
+            assert_eq!(record_time(&record), decoded);
+        }
+        assert_eq!(record_time(&encode_switch_in(100, 250)), 250);
+        // Too short, or of no known kind: first in line, to fail decoding.
+        assert_eq!(record_time(&[1, 0, 0]), 0);
+        assert_eq!(record_time(&[1, 0, 0, 0, 9]), 0);
+        assert_eq!(record_time(&[77, 0, 0, 0, 1, 2, 3, 4, 5, 6, 7, 8]), 0);
     }
 
     #[test]

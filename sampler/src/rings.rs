@@ -1,0 +1,280 @@
+//! The record rings: one per CPU, or one per group of CPUs when the
+//! memory for one each would exceed what the host's CPU count allows
+//! ([`RingLayout`]). Made here, handed to the program through its
+//! `SAMPLE_RINGS` slots (one per CPU), and read as one stream in time
+//! order ([`Rings::drain`]).
+//!
+//! Why several: a ring shared by every CPU made each reservation take its
+//! lock and write its producer position, lines the other CPUs' ticks wrote
+//! too. Why in time order: a thread that blocks on one CPU and wakes on
+//! another writes its off-CPU sample and its switch-in record to two
+//! rings, and the reader applies exec, exit and mapping events in time
+//! with the samples around them.
+
+use std::{
+    cmp::Reverse,
+    collections::BinaryHeap,
+    io,
+    os::fd::{AsRawFd, FromRawFd as _, OwnedFd},
+};
+
+use agent_common::{DEEP_COPY_CLASSES, MAX_DEEP_STACK_BYTES, reserved_record_bytes};
+use aya::maps::{ArrayOfMaps, Map, MapData, MapError, RingBuf, ring_buf::RingBufItem};
+use aya_obj::generated::bpf_map_type::BPF_MAP_TYPE_RINGBUF;
+use tokio::io::unix::AsyncFd;
+
+use crate::record::record_time;
+
+/// A CPU's share of ring memory. At 997 Hz a CPU produces ~5.5 MB/s with
+/// busy.c's adaptive copies, so a reader woken at a quarter full has
+/// hundreds of milliseconds of slack; ~33 MB/s if every tick copied the
+/// whole 32 KiB ceiling, which leaves it ~45 ms.
+const BYTES_PER_CPU: usize = 2 << 20;
+
+/// The least ring memory on any host.
+const MIN_TOTAL_BYTES: usize = 4 << 20;
+
+/// The most ring memory on any host.
+const MAX_TOTAL_BYTES: usize = 1 << 30;
+
+/// How many rings and how large. In all, 2 MiB per CPU, at least 4 MiB and
+/// room for three of the largest deep copies `deep_stack_bytes` allows
+/// (each reserves its class's [`reserved_record_bytes`] plus the ring's
+/// 8-byte record header), as a power of two: the kernel maps a ring's
+/// pages twice into the agent, all of them at once, so every MiB here is
+/// two of the agent's RSS (8 MiB of ring was a quarter of its RSS at 997
+/// Hz on 2 CPUs). Each ring has room for one of those deep copies (a
+/// reservation that finds no room falls back to a shorter copy, not a lost
+/// record); when that leaves fewer rings than CPUs, CPUs share them.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct RingLayout {
+    pub rings: u32,
+    /// A power of two, as the kernel requires.
+    pub ring_bytes: u32,
+}
+
+impl RingLayout {
+    pub fn for_host(cpus: usize, deep_stack_bytes: u32) -> Self {
+        let cpus = cpus.max(1);
+        let deep_class = DEEP_COPY_CLASSES
+            .into_iter()
+            .find(|&class| class >= deep_stack_bytes)
+            .unwrap_or(MAX_DEEP_STACK_BYTES);
+        let deep_record = if deep_stack_bytes == 0 {
+            0
+        } else {
+            reserved_record_bytes(deep_class, true) as usize + 8
+        };
+        let smallest_ring = BYTES_PER_CPU.max(deep_record).next_power_of_two();
+        let total = cpus
+            .saturating_mul(BYTES_PER_CPU)
+            .max(MIN_TOTAL_BYTES)
+            .max(3 * deep_record)
+            .next_power_of_two()
+            .min(MAX_TOTAL_BYTES);
+        let rings = (total / smallest_ring).clamp(1, cpus);
+        let share = total / rings;
+        // The largest power of two within the ring's share.
+        let ring_bytes = 1 << (usize::BITS - 1 - share.leading_zeros());
+        Self {
+            rings: rings as u32,
+            ring_bytes: ring_bytes as u32,
+        }
+    }
+
+    pub fn total_bytes(&self) -> u64 {
+        u64::from(self.rings) * u64::from(self.ring_bytes)
+    }
+
+    /// The ring of the CPU in `slot`.
+    fn ring_of(&self, slot: u32) -> u32 {
+        slot % self.rings
+    }
+}
+
+/// The rings the program writes, and what the reader needs to read them.
+pub struct Rings {
+    rings: Vec<RingBuf<MapData>>,
+    /// `SAMPLE_RINGS`, held open: programs loaded after the rings were made
+    /// resolve their reference to it through this descriptor.
+    _slots: ArrayOfMaps<MapData, RingBuf<MapData>>,
+    /// An epoll instance watching every ring: readable when one is.
+    ready: AsyncFd<OwnedFd>,
+    /// The oldest unread record of each ring, by time (see [`Self::drain`]).
+    oldest: BinaryHeap<Reverse<(u64, usize)>>,
+}
+
+impl Rings {
+    /// Creates the rings of `layout` and fills every slot of `slots` (one
+    /// per CPU) with its ring. Must be called inside a tokio runtime.
+    pub fn create(
+        layout: RingLayout,
+        mut slots: ArrayOfMaps<MapData, RingBuf<MapData>>,
+    ) -> Result<Self, RingsError> {
+        let rings = (0..layout.rings)
+            .map(|_| {
+                let map = aya_obj::Map::new_from_params(
+                    BPF_MAP_TYPE_RINGBUF as u32,
+                    0,
+                    0,
+                    layout.ring_bytes,
+                    0,
+                );
+                let data = MapData::create(map, "SAMPLES", None)?;
+                RingBuf::try_from(Map::from_map_data(data)?)
+            })
+            .collect::<Result<Vec<_>, _>>()
+            .map_err(RingsError::Create)?;
+        for slot in 0..slots.len() {
+            let ring = &rings[layout.ring_of(slot) as usize];
+            slots.set(slot, ring, 0).map_err(RingsError::Slot)?;
+        }
+        let ready = watch_readable(&rings).map_err(RingsError::Poll)?;
+        Ok(Self {
+            oldest: BinaryHeap::with_capacity(rings.len()),
+            rings,
+            _slots: slots,
+            ready,
+        })
+    }
+
+    /// Waits until a ring has records. Cancel safe. Readiness is cleared
+    /// before the drain that follows: a record written after this point
+    /// wakes the next wait.
+    pub async fn readable(&mut self) -> io::Result<()> {
+        self.ready.readable_mut().await?.clear_ready();
+        Ok(())
+    }
+
+    /// Passes every queued record to `on_record`, oldest first across the
+    /// rings (each ring is in order already: its CPUs write it in turn),
+    /// and returns how many there were. A ring found empty is not read
+    /// again in this drain: what it gets from then on is newer than every
+    /// record queued when it was found empty, and comes with the next one.
+    pub fn drain(&mut self, mut on_record: impl FnMut(&[u8])) -> usize {
+        // Each ring's oldest record is held until it is the oldest of all;
+        // holding one from every ring at once needs a borrow of each, which
+        // the slice's borrow cannot give out one at a time.
+        let rings: Vec<*mut RingBuf<MapData>> =
+            self.rings.iter_mut().map(std::ptr::from_mut).collect();
+        let mut heads: Vec<Option<RingBufItem<'_>>> = Vec::with_capacity(rings.len());
+        self.oldest.clear();
+        for (index, &ring) in rings.iter().enumerate() {
+            // SAFETY: `rings` points to distinct rings of `self.rings`, which
+            // outlives every item (both end with this call), and an item of
+            // a ring is dropped before its ring is read again.
+            let head = unsafe { (*ring).next() };
+            if let Some(item) = &head {
+                self.oldest.push(Reverse((record_time(item), index)));
+            }
+            heads.push(head);
+        }
+        let mut count = 0;
+        while let Some(Reverse((_, index))) = self.oldest.pop() {
+            if let Some(item) = heads[index].take() {
+                on_record(&item);
+                count += 1;
+            }
+            let ring = rings[index];
+            // SAFETY: as above; the ring's previous item was dropped.
+            let head = unsafe { (*ring).next() };
+            if let Some(item) = &head {
+                self.oldest.push(Reverse((record_time(item), index)));
+            }
+            heads[index] = head;
+        }
+        count
+    }
+}
+
+/// An epoll instance with every ring's descriptor in it, registered with
+/// the tokio reactor: readable while a ring has unread records (a ring's
+/// descriptor polls readable from the wake-up the program sends).
+fn watch_readable(rings: &[RingBuf<MapData>]) -> io::Result<AsyncFd<OwnedFd>> {
+    // SAFETY: plain syscall; the descriptor is owned from here on.
+    let epoll = unsafe { libc::epoll_create1(libc::EPOLL_CLOEXEC) };
+    if epoll < 0 {
+        return Err(io::Error::last_os_error());
+    }
+    // SAFETY: a fresh descriptor that nothing else owns.
+    let epoll = unsafe { OwnedFd::from_raw_fd(epoll) };
+    for (index, ring) in rings.iter().enumerate() {
+        let mut event = libc::epoll_event {
+            events: libc::EPOLLIN as u32,
+            u64: index as u64,
+        };
+        // SAFETY: both descriptors are open; `event` outlives the call.
+        let added = unsafe {
+            libc::epoll_ctl(
+                epoll.as_raw_fd(),
+                libc::EPOLL_CTL_ADD,
+                ring.as_raw_fd(),
+                &mut event,
+            )
+        };
+        if added < 0 {
+            return Err(io::Error::last_os_error());
+        }
+    }
+    // SAFETY: an `OwnedFd` returns the descriptor it owns, the same one
+    // for its whole lifetime.
+    unsafe { AsyncFd::register_with_interest(epoll, tokio::io::Interest::READABLE) }
+        .map_err(|err| err.into_parts().1)
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum RingsError {
+    #[error("creating a record ring failed")]
+    Create(#[source] MapError),
+    #[error("giving a CPU its record ring failed")]
+    Slot(#[source] MapError),
+    #[error("registering the record rings with the async runtime failed")]
+    Poll(#[source] io::Error),
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const MIB: u32 = 1 << 20;
+
+    fn layout(rings: u32, ring_mib: u32) -> RingLayout {
+        RingLayout {
+            rings,
+            ring_bytes: ring_mib * MIB,
+        }
+    }
+
+    #[test]
+    fn each_cpu_gets_a_ring_of_its_own_while_memory_allows() {
+        assert_eq!(RingLayout::for_host(1, 0), layout(1, 4));
+        assert_eq!(RingLayout::for_host(2, 0), layout(2, 2));
+        assert_eq!(RingLayout::for_host(2, MIB), layout(2, 2));
+        // 3 CPUs may use 8 MiB; 3 rings of 2 MiB fit, a fourth would not.
+        assert_eq!(RingLayout::for_host(3, 0), layout(3, 2));
+        assert_eq!(RingLayout::for_host(64, 0), layout(64, 2));
+    }
+
+    #[test]
+    fn rings_hold_one_of_the_largest_deep_copies_and_all_of_them_three() {
+        // Copies of more than 1 MiB need 4 MiB rings, three of them 8 MiB
+        // in all: two CPUs get one ring each, one CPU a ring of 8 MiB.
+        assert_eq!(RingLayout::for_host(2, MIB + 8), layout(2, 4));
+        assert_eq!(RingLayout::for_host(2, MAX_DEEP_STACK_BYTES), layout(2, 4));
+        assert_eq!(RingLayout::for_host(1, MAX_DEEP_STACK_BYTES), layout(1, 8));
+        // 3 CPUs may use 8 MiB: two 4 MiB rings, shared.
+        assert_eq!(RingLayout::for_host(3, MAX_DEEP_STACK_BYTES), layout(2, 4));
+        assert_eq!(
+            RingLayout::for_host(64, MAX_DEEP_STACK_BYTES),
+            layout(32, 4)
+        );
+    }
+
+    #[test]
+    fn ring_memory_is_bounded_on_any_host() {
+        let huge = RingLayout::for_host(100_000, 0);
+        assert_eq!(huge, layout(512, 2));
+        assert_eq!(huge.total_bytes(), 1 << 30);
+        assert_eq!(huge.ring_of(100_000 - 1), (100_000 - 1) % 512);
+    }
+}
