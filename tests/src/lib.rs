@@ -35,7 +35,7 @@ use stackscope_sampler::{
     record::{DecodeError, OwnedSample, Record},
 };
 pub use stackscope_test_fixtures::{
-    ElfSymbols, Fixture, RunningProcess, fixture_source, free_port, http_get, http_post,
+    C_FLAGS, ElfSymbols, Fixture, RunningProcess, fixture_source, free_port, http_get, http_post,
     workspace_binary,
 };
 use stackscope_unwind::walker::{
@@ -142,6 +142,8 @@ pub struct Recorded {
     pub off_cpu_program: Option<ProgramStats>,
     /// The program's counters at the end of the run.
     pub counters: Counters,
+    /// Each record's time (`record::record_time`), in the order read.
+    pub read_order: Vec<u64>,
 }
 
 /// A Python stack record as read.
@@ -192,6 +194,8 @@ pub fn sample_planned(
 impl Recorded {
     /// Keeps a record read from the ring buffer.
     fn keep(&mut self, bytes: &[u8]) {
+        self.read_order
+            .push(stackscope_sampler::record::record_time(bytes));
         match Record::decode(bytes) {
             Ok(Record::Sample(sample)) => {
                 self.samples.push(sample.to_owned_sample());

@@ -16,9 +16,9 @@ use agent_common::{
 use stackscope_metadata::cgroups;
 use stackscope_sampler::{OffCpuConfig, SamplerConfig, record::OwnedSample};
 use stackscope_tests::{
-    Fixture, Mapping, MappingPath, OffCpuFixture, Recorded, RunningProcess, TempCgroup, cpu_time,
-    exclusive, find_word, kernel_symbol, kernel_symbols, read_maps, require_root, sample_for,
-    sample_planned, sample_while, wait_until_loaded,
+    C_FLAGS, Fixture, Mapping, MappingPath, OffCpuFixture, Recorded, RunningProcess, TempCgroup,
+    cpu_time, exclusive, find_word, kernel_symbol, kernel_symbols, read_maps, require_root,
+    sample_for, sample_planned, sample_while, wait_until_loaded,
 };
 use stackscope_unwind::walker::stitching::PlanUpdate;
 
@@ -705,6 +705,56 @@ fn reports_exec_and_exit_of_processes_in_order_with_samples() {
             "a sample of the fixture lies outside its exec..exit"
         );
     }
+}
+
+#[test]
+fn records_of_every_cpu_are_read_in_time_order() {
+    require_root();
+    let _serial = exclusive();
+    let cpus = std::thread::available_parallelism().map_or(1, |n| n.get());
+    if cpus < 2 {
+        eprintln!("skipped: one CPU, one ring");
+        return;
+    }
+    // A busy thread per CPU: every ring fills between drains.
+    let fixture = Fixture::compile("busy", C_FLAGS);
+    let threads = cpus.to_string();
+    let mut busy = fixture.start(&[threads.as_str(), "3"]);
+    let config = SamplerConfig {
+        frequency_hz: 997,
+        pids: vec![busy.pid()],
+        ..SamplerConfig::default()
+    };
+    let recorded = sample_for(&config, Duration::from_secs(2));
+    busy.child.kill().expect("stopping busy");
+    busy.child.wait().expect("reaping busy");
+    let rings_used: std::collections::HashSet<u32> =
+        recorded.samples.iter().map(|s| s.header.cpu).collect();
+    assert!(
+        rings_used.len() >= 2,
+        "samples from CPUs {rings_used:?} only"
+    );
+    // Each ring is in order; the reader merges them. What it cannot order
+    // is a record that reached a ring after the reader found it empty
+    // while it still read others: at most a drain's length behind. Read
+    // ring by ring, a timed drain (every 100 ms) would put records a whole
+    // period behind.
+    let mut newest = 0u64;
+    let mut furthest_behind = 0;
+    for &time in &recorded.read_order {
+        furthest_behind = furthest_behind.max(newest.saturating_sub(time));
+        newest = newest.max(time);
+    }
+    eprintln!(
+        "{} records from {} CPUs; furthest behind the newest read before it: {} µs",
+        recorded.read_order.len(),
+        rings_used.len(),
+        furthest_behind / 1_000
+    );
+    assert!(
+        furthest_behind < 25_000_000,
+        "a record came {furthest_behind} ns behind one read before it"
+    );
 }
 
 #[test]
