@@ -1,5 +1,6 @@
 //! The sampler: loads the BPF program, attaches it to a cpu-clock event on
-//! every online CPU and hands the raw records of the ring buffer to a callback.
+//! every online CPU and hands the raw records of its ring buffers (one per
+//! CPU, see [`rings`]) to a callback, oldest first.
 //!
 //! It owns the kernel side of the agent's lifetime: everything it loads or
 //! attaches is released when the [`Sampler`] is dropped (aya closes the program,
@@ -84,7 +85,7 @@ pub struct SamplerConfig {
     pub cgroup_policies: StdHashMap<u64, CgroupPolicy>,
     /// Level passed to the BPF-side logger (aya-log).
     pub bpf_log_level: tracing::Level,
-    /// The longest [`Sampler::wait`] waits when the ring stays below its
+    /// The longest [`Sampler::wait`] waits when the rings stay below their
     /// wake-up mark: the latency of a sample, and the period of a reader's
     /// wake-ups when samples come slowly (each costs a few hundred
     /// microseconds of CPU under virtualisation).
@@ -143,7 +144,7 @@ impl Default for SamplerConfig {
 /// (judged over a window of drains, see [`DrainPace`]) is quiet.
 const FEW_RECORDS: f64 = 16.0;
 
-/// How often the ring buffer is drained when it stays below its wake-up
+/// How often the rings are drained when they stay below their wake-up
 /// mark. Each wake-up costs the same whatever it finds: on a near-idle
 /// host (a few samples a minute at 19 Hz) two a second were the larger
 /// part of the agent's CPU. Over a window of drains at least `base` long,
@@ -462,7 +463,8 @@ impl Sampler {
             .collect::<Result<Vec<_>, _>>()?;
 
         // Process lifecycle events keep the agent's view of each process's
-        // mappings current; they travel in the sample ring, in order.
+        // mappings current; they travel in the sample rings, read in time
+        // order with the samples.
         for (name, tracepoint) in [
             (names::EXEC_PROGRAM, names::EXEC_TRACEPOINT),
             (names::EXIT_PROGRAM, names::EXIT_TRACEPOINT),
@@ -861,7 +863,8 @@ fn error_chain(err: &dyn std::error::Error) -> String {
     text
 }
 
-/// Registers a ring buffer's descriptor with the tokio reactor.
+/// Registers a ring buffer's descriptor (the BPF-side logger's) with the
+/// tokio reactor.
 fn register_readable<T: AsRawFd>(inner: T) -> io::Result<AsyncFd<T>> {
     // SAFETY: aya's ring buffers own their map descriptor for their whole
     // lifetime and always return that same descriptor from `as_raw_fd`.

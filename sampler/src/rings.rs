@@ -23,7 +23,7 @@ use aya::maps::{ArrayOfMaps, Map, MapData, MapError, RingBuf, ring_buf::RingBufI
 use aya_obj::generated::bpf_map_type::BPF_MAP_TYPE_RINGBUF;
 use tokio::io::unix::AsyncFd;
 
-use crate::record::record_time;
+use crate::{mapping_feed::monotonic_ns, record::record_time};
 
 /// A CPU's share of ring memory. At 997 Hz a CPU produces ~5.5 MB/s with
 /// busy.c's adaptive copies, so a reader woken at a quarter full has
@@ -100,8 +100,10 @@ pub struct Rings {
     _slots: ArrayOfMaps<MapData, RingBuf<MapData>>,
     /// An epoll instance watching every ring: readable when one is.
     ready: AsyncFd<OwnedFd>,
-    /// The oldest unread record of each ring, by time (see [`Self::drain`]).
+    /// Each ring's oldest unread record, by its time, and the rings found
+    /// empty, by when (see [`Self::drain`]): kept for their allocations.
     oldest: BinaryHeap<Reverse<(u64, usize)>>,
+    empty: BinaryHeap<Reverse<(u64, usize)>>,
 }
 
 impl Rings {
@@ -132,6 +134,7 @@ impl Rings {
         let ready = watch_readable(&rings).map_err(RingsError::Poll)?;
         Ok(Self {
             oldest: BinaryHeap::with_capacity(rings.len()),
+            empty: BinaryHeap::with_capacity(rings.len()),
             rings,
             _slots: slots,
             ready,
@@ -147,43 +150,83 @@ impl Rings {
     }
 
     /// Passes every queued record to `on_record`, oldest first across the
-    /// rings (each ring is in order already: its CPUs write it in turn),
-    /// and returns how many there were. A ring found empty is not read
-    /// again in this drain: what it gets from then on is newer than every
-    /// record queued when it was found empty, and comes with the next one.
-    pub fn drain(&mut self, mut on_record: impl FnMut(&[u8])) -> usize {
-        // Each ring's oldest record is held until it is the oldest of all;
-        // holding one from every ring at once needs a borrow of each, which
-        // the slice's borrow cannot give out one at a time.
+    /// rings, and returns how many there were.
+    ///
+    /// Each ring's oldest unread record is held until it is the oldest of
+    /// all. A ring found empty may be written again while the others are
+    /// read (a blocked thread's switch-in on one CPU, its off-CPU sample
+    /// read from another): it is read again before any record written
+    /// after it was found empty is passed on. What stays unordered is a
+    /// record whose time was taken before a ring was found empty and that
+    /// was committed after (microseconds, within one run of the program),
+    /// and, in a ring that CPUs share, records reserved in another order
+    /// than their times were taken: as when one ring served every CPU.
+    pub fn drain<'s>(&'s mut self, mut on_record: impl FnMut(&[u8])) -> usize {
+        // Holding a record of every ring at once needs a borrow of each,
+        // which the vector's borrow cannot give out one at a time.
         let rings: Vec<*mut RingBuf<MapData>> =
             self.rings.iter_mut().map(std::ptr::from_mut).collect();
-        let mut heads: Vec<Option<RingBufItem<'_>>> = Vec::with_capacity(rings.len());
-        self.oldest.clear();
+        let mut heads: Vec<Option<RingBufItem<'s>>> = rings.iter().map(|_| None).collect();
+        let mut queues = Queues {
+            oldest: &mut self.oldest,
+            empty: &mut self.empty,
+        };
+        queues.oldest.clear();
+        queues.empty.clear();
         for (index, &ring) in rings.iter().enumerate() {
-            // SAFETY: `rings` points to distinct rings of `self.rings`, which
-            // outlives every item (both end with this call), and an item of
-            // a ring is dropped before its ring is read again.
-            let head = unsafe { (*ring).next() };
-            if let Some(item) = &head {
-                self.oldest.push(Reverse((record_time(item), index)));
-            }
-            heads.push(head);
+            // SAFETY: `rings` points to distinct rings of `self.rings`,
+            // which outlive `'s` (borrowed for it); no record is taken yet.
+            unsafe { queues.read_next(ring, index, &mut heads) };
         }
         let mut count = 0;
-        while let Some(Reverse((_, index))) = self.oldest.pop() {
-            if let Some(item) = heads[index].take() {
-                on_record(&item);
+        while let Some(&Reverse((time, index))) = queues.oldest.peek() {
+            if let Some(&Reverse((found_empty, empty_index))) = queues.empty.peek()
+                && found_empty <= time
+            {
+                queues.empty.pop();
+                // SAFETY: as above; the ring was found empty, so it has
+                // no record taken.
+                unsafe { queues.read_next(rings[empty_index], empty_index, &mut heads) };
+                continue;
+            }
+            queues.oldest.pop();
+            if let Some(record) = heads[index].take() {
+                on_record(&record);
                 count += 1;
             }
-            let ring = rings[index];
-            // SAFETY: as above; the ring's previous item was dropped.
-            let head = unsafe { (*ring).next() };
-            if let Some(item) = &head {
-                self.oldest.push(Reverse((record_time(item), index)));
-            }
-            heads[index] = head;
+            // SAFETY: as above; the ring's record was passed on and dropped.
+            unsafe { queues.read_next(rings[index], index, &mut heads) };
         }
         count
+    }
+}
+
+/// What [`Rings::drain`] orders the rings by.
+struct Queues<'q> {
+    oldest: &'q mut BinaryHeap<Reverse<(u64, usize)>>,
+    empty: &'q mut BinaryHeap<Reverse<(u64, usize)>>,
+}
+
+impl Queues<'_> {
+    /// Takes the next record of ring `index` into `heads[index]`, queued by
+    /// its time, or queues the ring as found empty now.
+    ///
+    /// # Safety
+    /// `ring` points to a ring that outlives `'s`, and no record taken from
+    /// it is alive (`heads[index]` holds none).
+    unsafe fn read_next<'s>(
+        &mut self,
+        ring: *mut RingBuf<MapData>,
+        index: usize,
+        heads: &mut [Option<RingBufItem<'s>>],
+    ) {
+        // SAFETY: the caller's.
+        let head = unsafe { (*ring).next() };
+        match &head {
+            Some(record) => self.oldest.push(Reverse((record_time(record), index))),
+            None => self.empty.push(Reverse((monotonic_ns(), index))),
+        }
+        heads[index] = head;
     }
 }
 

@@ -35,7 +35,7 @@ use stackscope_sampler::{
     record::{DecodeError, OwnedSample, Record},
 };
 pub use stackscope_test_fixtures::{
-    C_FLAGS, ElfSymbols, Fixture, RunningProcess, fixture_source, free_port, http_get, http_post,
+    ElfSymbols, Fixture, RunningProcess, fixture_source, free_port, http_get, http_post,
     workspace_binary,
 };
 use stackscope_unwind::walker::{

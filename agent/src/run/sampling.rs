@@ -1,4 +1,4 @@
-//! The sampling thread: an OS thread of its own that reads the ring buffer
+//! The sampling thread: an OS thread of its own that reads the ring buffers
 //! and the mapping feed, walks and aggregates every sample, ends each
 //! aggregation interval and hands it to the batch worker. It owns all the
 //! state a sample touches (sampler, walker, aggregator, tally), so a sample

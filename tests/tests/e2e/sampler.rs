@@ -16,9 +16,9 @@ use agent_common::{
 use stackscope_metadata::cgroups;
 use stackscope_sampler::{OffCpuConfig, SamplerConfig, record::OwnedSample};
 use stackscope_tests::{
-    C_FLAGS, Fixture, Mapping, MappingPath, OffCpuFixture, Recorded, RunningProcess, TempCgroup,
-    cpu_time, exclusive, find_word, kernel_symbol, kernel_symbols, read_maps, require_root,
-    sample_for, sample_planned, sample_while, wait_until_loaded,
+    Fixture, Mapping, MappingPath, OffCpuFixture, Recorded, RunningProcess, TempCgroup, cpu_time,
+    exclusive, find_word, kernel_symbol, kernel_symbols, read_maps, require_root, sample_for,
+    sample_planned, sample_while, wait_until_loaded,
 };
 use stackscope_unwind::walker::stitching::PlanUpdate;
 
@@ -716,9 +716,10 @@ fn records_of_every_cpu_are_read_in_time_order() {
         eprintln!("skipped: one CPU, one ring");
         return;
     }
-    // A busy thread per CPU: every ring fills between drains.
-    let fixture = Fixture::compile("busy", C_FLAGS);
-    let threads = cpus.to_string();
+    // A busy thread per CPU (busy runs 64 at most): every ring fills
+    // between drains.
+    let fixture = Fixture::compile("busy", &[]);
+    let threads = cpus.min(64).to_string();
     let mut busy = fixture.start(&[threads.as_str(), "3"]);
     let config = SamplerConfig {
         frequency_hz: 997,
@@ -728,17 +729,18 @@ fn records_of_every_cpu_are_read_in_time_order() {
     let recorded = sample_for(&config, Duration::from_secs(2));
     busy.child.kill().expect("stopping busy");
     busy.child.wait().expect("reaping busy");
-    let rings_used: std::collections::HashSet<u32> =
+    let sampled_cpus: std::collections::HashSet<u32> =
         recorded.samples.iter().map(|s| s.header.cpu).collect();
     assert!(
-        rings_used.len() >= 2,
-        "samples from CPUs {rings_used:?} only"
+        sampled_cpus.len() >= 2,
+        "samples from CPUs {sampled_cpus:?} only"
     );
-    // Each ring is in order; the reader merges them. What it cannot order
-    // is a record that reached a ring after the reader found it empty
-    // while it still read others: at most a drain's length behind. Read
-    // ring by ring, a timed drain (every 100 ms) would put records a whole
-    // period behind.
+    // The reader merges the rings by time, and reads a ring it found empty
+    // again before it passes on a record written after that. What stays
+    // out of order is a record whose time was taken before its ring was
+    // found empty and that was committed after: within one run of the
+    // program, microseconds. Read ring by ring, a timed drain (every
+    // 100 ms) put records 71 ms behind.
     let mut newest = 0u64;
     let mut furthest_behind = 0;
     for &time in &recorded.read_order {
@@ -748,11 +750,11 @@ fn records_of_every_cpu_are_read_in_time_order() {
     eprintln!(
         "{} records from {} CPUs; furthest behind the newest read before it: {} µs",
         recorded.read_order.len(),
-        rings_used.len(),
+        sampled_cpus.len(),
         furthest_behind / 1_000
     );
     assert!(
-        furthest_behind < 25_000_000,
+        furthest_behind < 5_000_000,
         "a record came {furthest_behind} ns behind one read before it"
     );
 }
