@@ -971,11 +971,15 @@ where
 }
 
 /// What the record rings add to the agent's RSS on this host with deep
-/// copies of at most `deep_stack_bytes`: their pages are mapped twice.
-/// `None` when the CPUs cannot be listed.
+/// copies of at most `deep_stack_bytes`: their data pages are mapped
+/// twice, and each has a page of positions for either side. `None` when
+/// the CPUs cannot be listed.
 pub fn ring_buffer_rss(deep_stack_bytes: u32) -> Option<u64> {
     let cpus = nr_cpus().ok()?;
-    Some(2 * RingLayout::for_host(cpus, deep_stack_bytes).total_bytes())
+    let layout = RingLayout::for_host(cpus, deep_stack_bytes);
+    // SAFETY: sysconf has no preconditions.
+    let page = u64::try_from(unsafe { libc::sysconf(libc::_SC_PAGESIZE) }).unwrap_or(4096);
+    Some(2 * layout.total_bytes() + 2 * page * u64::from(layout.rings))
 }
 
 /// aya-log level numbers: error = 1 … trace = 5.
