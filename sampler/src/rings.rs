@@ -100,10 +100,11 @@ pub struct Rings {
     _slots: ArrayOfMaps<MapData, RingBuf<MapData>>,
     /// An epoll instance watching every ring: readable when one is.
     ready: AsyncFd<OwnedFd>,
-    /// Each ring's oldest unread record, by its time, and the rings found
-    /// empty, by when (see [`Self::drain`]): kept for their allocations.
+    /// What [`Self::drain`] orders the rings by ([`Queues`]), kept for
+    /// their allocations.
     oldest: BinaryHeap<Reverse<(u64, usize)>>,
     empty: BinaryHeap<Reverse<(u64, usize)>>,
+    due: Vec<usize>,
 }
 
 impl Rings {
@@ -135,6 +136,7 @@ impl Rings {
         Ok(Self {
             oldest: BinaryHeap::with_capacity(rings.len()),
             empty: BinaryHeap::with_capacity(rings.len()),
+            due: Vec::with_capacity(rings.len()),
             rings,
             _slots: slots,
             ready,
@@ -155,39 +157,45 @@ impl Rings {
     /// Each ring's oldest unread record is held until it is the oldest of
     /// all. A ring found empty may be written again while the others are
     /// read (a blocked thread's switch-in on one CPU, its off-CPU sample
-    /// read from another): it is read again before any record written
-    /// after it was found empty is passed on. What stays unordered is a
-    /// record whose time was taken before a ring was found empty and that
-    /// was committed after (microseconds, within one run of the program),
-    /// and, in a ring that CPUs share, records reserved in another order
-    /// than their times were taken: as when one ring served every CPU.
-    pub fn drain<'s>(&'s mut self, mut on_record: impl FnMut(&[u8])) -> usize {
+    /// read from another): it is read again before a record whose time is
+    /// past the moment it was found empty is passed on. What stays
+    /// unordered is a record whose time was taken before that moment and
+    /// that was committed after (within one run of the program:
+    /// microseconds), and, in a ring that CPUs share, records reserved in
+    /// another order than their times were taken: as when one ring served
+    /// every CPU.
+    pub fn drain(&mut self, mut on_record: impl FnMut(&[u8])) -> usize {
         // Holding a record of every ring at once needs a borrow of each,
         // which the vector's borrow cannot give out one at a time.
         let rings: Vec<*mut RingBuf<MapData>> =
             self.rings.iter_mut().map(std::ptr::from_mut).collect();
-        let mut heads: Vec<Option<RingBufItem<'s>>> = rings.iter().map(|_| None).collect();
+        // Local, so no record outlives this call or its ring.
+        let mut heads: Vec<Option<RingBufItem<'_>>> = rings.iter().map(|_| None).collect();
         let mut queues = Queues {
             oldest: &mut self.oldest,
             empty: &mut self.empty,
+            due: &mut self.due,
         };
         queues.oldest.clear();
         queues.empty.clear();
+        let now = monotonic_ns();
         for (index, &ring) in rings.iter().enumerate() {
             // SAFETY: `rings` points to distinct rings of `self.rings`,
-            // which outlive `'s` (borrowed for it); no record is taken yet.
-            unsafe { queues.read_next(ring, index, &mut heads) };
+            // which `heads` cannot outlive; no record is taken yet.
+            unsafe { queues.read_next(ring, index, now, &mut heads) };
         }
         let mut count = 0;
-        while let Some(&Reverse((time, index))) = queues.oldest.peek() {
-            if let Some(&Reverse((found_empty, empty_index))) = queues.empty.peek()
-                && found_empty <= time
-            {
-                queues.empty.pop();
-                // SAFETY: as above; the ring was found empty, so it has
-                // no record taken.
-                unsafe { queues.read_next(rings[empty_index], empty_index, &mut heads) };
-                continue;
+        // The head whose time the empty rings were last read again for: at
+        // most once per head, so a record stamped in the future (a bad one)
+        // cannot keep the reader re-reading them.
+        let mut read_again_for = None;
+        while let Some(&Reverse(head)) = queues.oldest.peek() {
+            let (time, index) = head;
+            if read_again_for != Some(head) {
+                read_again_for = Some(head);
+                if queues.read_again(&rings, time, &mut heads) {
+                    continue;
+                }
             }
             queues.oldest.pop();
             if let Some(record) = heads[index].take() {
@@ -195,7 +203,7 @@ impl Rings {
                 count += 1;
             }
             // SAFETY: as above; the ring's record was passed on and dropped.
-            unsafe { queues.read_next(rings[index], index, &mut heads) };
+            unsafe { queues.read_next(rings[index], index, monotonic_ns(), &mut heads) };
         }
         count
     }
@@ -203,30 +211,67 @@ impl Rings {
 
 /// What [`Rings::drain`] orders the rings by.
 struct Queues<'q> {
+    /// Each ring's held record, by its time.
     oldest: &'q mut BinaryHeap<Reverse<(u64, usize)>>,
+    /// The rings found empty, by when.
     empty: &'q mut BinaryHeap<Reverse<(u64, usize)>>,
+    /// Rings to read again (kept for its allocation).
+    due: &'q mut Vec<usize>,
 }
 
 impl Queues<'_> {
     /// Takes the next record of ring `index` into `heads[index]`, queued by
-    /// its time, or queues the ring as found empty now.
+    /// its time, or queues the ring as found empty at `before`, a time
+    /// taken before the look (a record stamped between the two would
+    /// otherwise pass unseen).
     ///
     /// # Safety
-    /// `ring` points to a ring that outlives `'s`, and no record taken from
-    /// it is alive (`heads[index]` holds none).
+    /// `ring` points to a ring that outlives `heads`, and no record taken
+    /// from it is alive (`heads[index]` holds none).
     unsafe fn read_next<'s>(
         &mut self,
         ring: *mut RingBuf<MapData>,
         index: usize,
+        before: u64,
         heads: &mut [Option<RingBufItem<'s>>],
     ) {
+        debug_assert!(heads[index].is_none(), "ring {index} read twice");
         // SAFETY: the caller's.
         let head = unsafe { (*ring).next() };
         match &head {
             Some(record) => self.oldest.push(Reverse((record_time(record), index))),
-            None => self.empty.push(Reverse((monotonic_ns(), index))),
+            None => self.empty.push(Reverse((before, index))),
         }
         heads[index] = head;
+    }
+
+    /// Reads again every ring found empty at or before `time` (with one
+    /// look at the clock for all), and says whether one had a record.
+    fn read_again<'s>(
+        &mut self,
+        rings: &[*mut RingBuf<MapData>],
+        time: u64,
+        heads: &mut [Option<RingBufItem<'s>>],
+    ) -> bool {
+        while let Some(&Reverse((found_empty, index))) = self.empty.peek()
+            && found_empty <= time
+        {
+            self.empty.pop();
+            self.due.push(index);
+        }
+        if self.due.is_empty() {
+            return false;
+        }
+        let before = monotonic_ns();
+        let held = self.oldest.len();
+        for due in 0..self.due.len() {
+            let index = self.due[due];
+            // SAFETY: `rings` are `Rings::drain`'s; a ring found empty has
+            // no record taken.
+            unsafe { self.read_next(rings[index], index, before, heads) };
+        }
+        self.due.clear();
+        self.oldest.len() > held
     }
 }
 
