@@ -5,9 +5,9 @@
 //! runs again.
 //!
 //! On each tick it writes one variable-length record to its CPU's ring
-//! buffer (`SAMPLE_RINGS`): a [`SampleHeader`] (ids, cgroup, comm, user registers), the kernel
-//! stack when the tick hit kernel mode, and a copy of the user stack from `rsp`
-//! upwards. It does no unwinding: that happens in user space, where any DWARF
+//! buffer (`SAMPLE_RINGS`): a [`SampleHeader`] (ids, cgroup, comm, user
+//! registers), the kernel stack when the tick hit kernel mode, and a copy of
+//! the user stack from `rsp` upwards. It does no unwinding: that happens in user space, where any DWARF
 //! rule is cheap to evaluate (see `shared/DESIGN.md`).
 //!
 //! How much user stack a tick reads follows what the thread's walks need
@@ -86,7 +86,8 @@ type SampleRing = btf_maps::RingBuf<u8, { 64 << 10 }>;
 /// count and gives every slot a ring, one per CPU or, when memory is
 /// short, one per group of CPUs. A ring shared by every CPU made each
 /// reservation take a lock and write a position that the other CPUs'
-/// ticks wrote too (about 200 ns of a 1.8 µs tick on two CPUs); a
+/// ticks wrote too (about 200 ns of a 1.8 µs tick on two CPUs, more on a
+/// loaded host); a
 /// ring of its own keeps those lines in the CPU's cache. Records of one
 /// CPU stay in order in its ring; the agent merges the rings by time.
 #[btf_map]
