@@ -43,9 +43,13 @@ const MAX_TOTAL_BYTES: usize = 1 << 30;
 /// 8-byte record header), as a power of two: the kernel maps a ring's
 /// pages twice into the agent, all of them at once, so every MiB here is
 /// two of the agent's RSS (8 MiB of ring was a quarter of its RSS at 997
-/// Hz on 2 CPUs). Each ring has room for one of those deep copies (a
-/// reservation that finds no room falls back to a shorter copy, not a lost
-/// record); when that leaves fewer rings than CPUs, CPUs share them.
+/// Hz on 2 CPUs). Each ring has room for three of those deep copies too:
+/// with room for one, a deep program's next tick on the CPU found its
+/// ring still holding the last copy whenever the reader lagged (under the
+/// test suite's load), and fell back to a shorter copy that did not reach
+/// the root. When that leaves fewer rings than CPUs, CPUs share them: with
+/// the default 2 MiB deep copies, rings of 8 MiB, one per 4 CPUs, and one
+/// for 2 CPUs.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct RingLayout {
     pub rings: u32,
@@ -65,7 +69,7 @@ impl RingLayout {
         } else {
             reserved_record_bytes(deep_class, true) as usize + 8
         };
-        let smallest_ring = BYTES_PER_CPU.max(deep_record).next_power_of_two();
+        let smallest_ring = BYTES_PER_CPU.max(3 * deep_record).next_power_of_two();
         let total = cpus
             .saturating_mul(BYTES_PER_CPU)
             .max(MIN_TOTAL_BYTES)
@@ -337,24 +341,26 @@ mod tests {
     fn each_cpu_gets_a_ring_of_its_own_while_memory_allows() {
         assert_eq!(RingLayout::for_host(1, 0), layout(1, 4));
         assert_eq!(RingLayout::for_host(2, 0), layout(2, 2));
-        assert_eq!(RingLayout::for_host(2, MIB), layout(2, 2));
+        // Three deep copies of 512 KiB fit a CPU's 2 MiB.
+        assert_eq!(RingLayout::for_host(2, 512 << 10), layout(2, 2));
         // 3 CPUs may use 8 MiB; 3 rings of 2 MiB fit, a fourth would not.
         assert_eq!(RingLayout::for_host(3, 0), layout(3, 2));
         assert_eq!(RingLayout::for_host(64, 0), layout(64, 2));
     }
 
     #[test]
-    fn rings_hold_one_of_the_largest_deep_copies_and_all_of_them_three() {
-        // Copies of more than 1 MiB need 4 MiB rings, three of them 8 MiB
-        // in all: two CPUs get one ring each, one CPU a ring of 8 MiB.
-        assert_eq!(RingLayout::for_host(2, MIB + 8), layout(2, 4));
-        assert_eq!(RingLayout::for_host(2, MAX_DEEP_STACK_BYTES), layout(2, 4));
+    fn cpus_share_rings_when_each_must_hold_three_of_the_largest_deep_copies() {
+        // Three copies of 1 MiB need a 4 MiB ring, all that two CPUs may
+        // use: they share it.
+        assert_eq!(RingLayout::for_host(2, MIB), layout(1, 4));
+        // Three of more than 1 MiB need 8 MiB: one ring for 2 CPUs, 16
+        // rings for 64 (4 CPUs each).
+        assert_eq!(RingLayout::for_host(2, MIB + 8), layout(1, 8));
         assert_eq!(RingLayout::for_host(1, MAX_DEEP_STACK_BYTES), layout(1, 8));
-        // 3 CPUs may use 8 MiB: two 4 MiB rings, shared.
-        assert_eq!(RingLayout::for_host(3, MAX_DEEP_STACK_BYTES), layout(2, 4));
+        assert_eq!(RingLayout::for_host(2, MAX_DEEP_STACK_BYTES), layout(1, 8));
         assert_eq!(
             RingLayout::for_host(64, MAX_DEEP_STACK_BYTES),
-            layout(32, 4)
+            layout(16, 8)
         );
     }
 
