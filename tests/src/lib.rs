@@ -894,8 +894,13 @@ pub fn wait_until_loaded(agent: &mut RunningProcess) -> BpfIds {
     let started = Instant::now();
     loop {
         let held = BpfIds::held_by(agent.pid());
-        // Loaded as bpftool sees it: a running agent's, not one still loading.
-        if !held.programs.is_empty() && bpf_ids_loaded("prog").is_superset(&held.programs) {
+        // Loaded as bpftool sees it, and attached (its tracepoint links
+        // exist): a running agent's, not one still loading or making its
+        // rings.
+        if !held.programs.is_empty()
+            && !held.links.is_empty()
+            && bpf_ids_loaded("prog").is_superset(&held.programs)
+        {
             return held;
         }
         if let Some(status) = agent.child.try_wait().expect("polling the agent") {
