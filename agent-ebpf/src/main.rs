@@ -31,7 +31,8 @@
 //! A thread whose deep frames change too fast for a tail (a compiler's
 //! stack, hundreds of KB deep and reshaped every millisecond) gets a deep
 //! copy instead: its whole stack, up to the stack's end the agent learned,
-//! read in one helper call straight into a ring buffer reservation of the
+//! read in one helper call straight into a reservation in the deep ring
+//! (shared by the CPUs, see `deep_ring`) of the
 //! smallest deep class (16 KiB to 2 MiB, doubling) that holds it. The
 //! reservation spares a megabyte-sized scratch slot per CPU and the second
 //! copy; its unused end is padding the agent skips. A thread deeper than
@@ -82,14 +83,15 @@ use aya_log_ebpf::debug;
 /// the kernel, so every ring the agent makes fits the slot).
 type SampleRing = btf_maps::RingBuf<u8, { 64 << 10 }>;
 
-/// The record rings, by CPU: the agent sets `max_entries` to the CPU
-/// count and gives every slot a ring, one per CPU or, when memory is
-/// short, one per group of CPUs. A ring shared by every CPU made each
+/// The record rings: slot 0 holds the deep ring (see [`deep_ring`]), slot
+/// `1 + cpu` each CPU's (the agent sets `max_entries` to the CPU count
+/// plus one and gives every slot a ring: one per CPU, or one per group of
+/// CPUs on hosts too large for that). A ring shared by every CPU made each
 /// reservation take a lock and write a position that the other CPUs'
 /// ticks wrote too (about 200 ns of a 1.8 µs tick on two CPUs, more on a
-/// loaded host); a
-/// ring of its own keeps those lines in the CPU's cache. Records of one
-/// CPU stay in order in its ring; the agent merges the rings by time.
+/// loaded host); a ring of its own keeps those lines in the CPU's cache.
+/// Records of one CPU stay in order in its ring; the agent merges the
+/// rings by time.
 #[btf_map]
 static SAMPLE_RINGS: ArrayOfMaps<SampleRing, 1> = ArrayOfMaps::new();
 
@@ -97,7 +99,18 @@ static SAMPLE_RINGS: ArrayOfMaps<SampleRing, 1> = ArrayOfMaps::new();
 /// the program counts as a full ring.
 #[inline(always)]
 fn sample_ring() -> Option<&'static SampleRing> {
-    SAMPLE_RINGS.get(unsafe { bpf_get_smp_processor_id() })
+    SAMPLE_RINGS.get(unsafe { bpf_get_smp_processor_id() }.wrapping_add(1))
+}
+
+/// The ring of deep copies, shared by every CPU: a deep record reserves a
+/// whole class (up to 2 MiB), and a ring must have room for a few of them
+/// while the reader catches up, which would make every CPU's ring that
+/// large. Deep copies are rare (a compiler's main thread, a deep program's
+/// first ticks), so their lock is rarely contended. `None` when deep copies
+/// are off.
+#[inline(always)]
+fn deep_ring() -> Option<&'static SampleRing> {
+    SAMPLE_RINGS.get(0)
 }
 
 /// One scratch slot per CPU (the agent sets `max_entries` to the CPU count).
@@ -973,7 +986,7 @@ fn reserved_copy<C: EbpfContext, const BYTES: u32, const KERNEL_ROOM: bool, cons
     if len == 0 || len > BYTES {
         return false;
     }
-    let Some(ring) = sample_ring() else {
+    let Some(ring) = (if DEEP { deep_ring() } else { sample_ring() }) else {
         return false;
     };
     let unread = unread_bytes(ring);
@@ -1030,7 +1043,14 @@ fn reserved_copy<C: EbpfContext, const BYTES: u32, const KERNEL_ROOM: bool, cons
         count(Counter::DeepCopies);
     }
     count(Counter::Samples);
-    entry.submit(ids.wakeup_flag(unread, size as u64));
+    // A Python stack record went to this CPU's ring: the deep ring's look
+    // decides for this record alone (the CPU's ring is woken by its next
+    // record past twice the mark, or by the timed drain).
+    entry.submit(if DEEP {
+        wakeup_flag(unread, size as u64)
+    } else {
+        ids.wakeup_flag(unread, size as u64)
+    });
     true
 }
 
@@ -1220,8 +1240,9 @@ fn python_stack(ids: &mut SampleIds) {
     // SAFETY: the first `len` bytes of the record were written above.
     let bytes = unsafe { core::slice::from_raw_parts(record, len) };
     // The sample's record, right after, decides whether to wake the
-    // reader for both (`SampleIds::wakeup_flag`): one look at the reader's
-    // position a tick, not two (each reads a line the reader writes).
+    // reader for both (`SampleIds::wakeup_flag`; a deep one, in the deep
+    // ring, for itself): one look at the reader's position a tick, not
+    // two (each reads a line the reader writes).
     let written = sample_ring().is_some_and(|ring| {
         ring.output_untyped::<[u8]>(bytes, u64::from(BPF_RB_NO_WAKEUP))
             .is_ok()

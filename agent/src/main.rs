@@ -63,10 +63,10 @@ struct Args {
     /// frames move too fast for a stack tail (a compiler, hundreds of KB of
     /// stack reshaped every millisecond) has its whole stack copied, up to
     /// this, in one read per tick. About 1 us of CPU per 10 KB copied, and
-    /// only for such threads; 0 leaves them truncated instead. Each sample
-    /// ring holds three of the largest (CPUs share rings to keep 2 MiB per
-    /// CPU): 2 MiB ones take 8 MiB of ring (16 MB of RSS) on a host of
-    /// fewer than 4 CPUs, 1 MiB ones 4 MiB.
+    /// only for such threads; 0 leaves them truncated instead. The ring of
+    /// deep copies, shared by the CPUs, holds three of the largest per 8
+    /// CPUs: 2 MiB ones take 8 MiB of ring (16 MB of RSS) on a host of up
+    /// to 8 CPUs, 1 MiB ones 4 MiB.
     #[arg(long, default_value_t = agent_common::MAX_DEEP_STACK_BYTES)]
     deep_stack_bytes: u32,
     /// Most frames per user stack.

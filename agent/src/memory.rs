@@ -354,7 +354,7 @@ mod tests {
         let budget = MemoryBudget::split(200 * MIB, LimitSource::Flag, 4 * MIB, &[]).unwrap();
         let shares: Vec<_> = budget.shares().map(|(_, share)| share / MIB).collect();
         assert_eq!(shares, [8, 4, 4, 4, 4, 38, 38, 64]);
-        // The default on a 2-CPU host (a ring of 8 MiB).
+        // The default limit, 8 MiB of rings.
         let budget =
             MemoryBudget::split(DEFAULT_LIMIT, LimitSource::Default, 8 * MIB, &[]).unwrap();
         let shares: Vec<_> = budget.shares().map(|(_, share)| share / MIB).collect();

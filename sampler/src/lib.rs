@@ -42,8 +42,8 @@ use tokio::io::unix::AsyncFd;
 
 use stackscope_unwind::walker::stitching::PlanUpdate;
 
-use rings::Rings;
-pub use rings::{RingLayout, RingsError};
+pub use rings::RingsError;
+use rings::{RingLayout, Rings};
 
 /// The BPF object built by `build.rs`.
 static BPF_OBJECT: &[u8] = aya::include_bytes_aligned!(concat!(env!("OUT_DIR"), "/agent-ebpf"));
@@ -418,7 +418,8 @@ impl Sampler {
             .override_global(names::OFF_CPU_SAMPLES_PER_SEC, &off_cpu_rate, true)
             .override_global(aya_log::LEVEL, &log_level, false)
             .map_max_entries(names::SCRATCH, cpu_slots as u32)
-            .map_max_entries(names::SAMPLE_RINGS, cpu_slots as u32)
+            // The deep ring's slot, then one per CPU.
+            .map_max_entries(names::SAMPLE_RINGS, cpu_slots as u32 + 1)
             .load(BPF_OBJECT)
             .map_err(SamplerError::Load)?;
 
@@ -979,7 +980,7 @@ pub fn ring_buffer_rss(deep_stack_bytes: u32) -> Option<u64> {
     let layout = RingLayout::for_host(cpus, deep_stack_bytes);
     // SAFETY: sysconf has no preconditions.
     let page = u64::try_from(unsafe { libc::sysconf(libc::_SC_PAGESIZE) }).unwrap_or(4096);
-    Some(2 * layout.total_bytes() + 2 * page * u64::from(layout.rings))
+    Some(2 * layout.total_bytes() + 2 * page * u64::from(layout.rings()))
 }
 
 /// aya-log level numbers: error = 1 … trace = 5.

@@ -1,8 +1,8 @@
-//! The record rings: one per CPU, or one per group of CPUs when the
-//! memory for one each would exceed what the host's CPU count allows
-//! ([`RingLayout`]). Made here, handed to the program through its
-//! `SAMPLE_RINGS` slots (one per CPU), and read as one stream in time
-//! order ([`Rings::drain`]).
+//! The record rings: one per CPU (one per group of CPUs on hosts too large
+//! for that) and one for deep copies, shared by every CPU ([`RingLayout`]).
+//! Made here, handed to the program through its `SAMPLE_RINGS` slots (the
+//! deep ring's, then one per CPU), and read as one stream in time order
+//! ([`Rings::drain`]).
 //!
 //! Why several: a ring shared by every CPU made each reservation take its
 //! lock and write its producer position, lines the other CPUs' ticks wrote
@@ -37,62 +37,77 @@ const MIN_TOTAL_BYTES: usize = 4 << 20;
 /// The most ring memory on any host.
 const MAX_TOTAL_BYTES: usize = 1 << 30;
 
-/// How many rings and how large. In all, 2 MiB per CPU, at least 4 MiB and
-/// room for three of the largest deep copies `deep_stack_bytes` allows
-/// (each reserves its class's [`reserved_record_bytes`] plus the ring's
-/// 8-byte record header), as a power of two: the kernel maps a ring's
-/// pages twice into the agent, all of them at once, so every MiB here is
-/// two of the agent's RSS (8 MiB of ring was a quarter of its RSS at 997
-/// Hz on 2 CPUs). Each ring has room for three of those deep copies too:
-/// with room for one, a deep program's next tick on the CPU found its
-/// ring still holding the last copy whenever the reader lagged (under the
-/// test suite's load), and fell back to a shorter copy that did not reach
-/// the root. When that leaves fewer rings than CPUs, CPUs share them: with
-/// the default 2 MiB deep copies, rings of 8 MiB, one per 4 CPUs, and one
-/// for 2 CPUs.
+/// CPUs per three of the largest deep copies in the deep ring. Deep copies
+/// come from a few threads (a compiler's main thread, a deep program's
+/// first ticks); on a build machine every CPU may run one.
+const CPUS_PER_DEEP_ROOM: usize = 8;
+
+/// How many rings and how large; every size a power of two, as the kernel
+/// requires. The kernel maps a ring's pages twice into the agent, all of
+/// them at once, so every MiB here is two of the agent's RSS (8 MiB of
+/// ring was a quarter of its RSS at 997 Hz on 2 CPUs).
+///
+/// - The CPUs' rings: 2 MiB per CPU, at least 4 MiB in all, at most
+///   [`MAX_TOTAL_BYTES`] (past it, CPUs share rings).
+/// - The deep ring (none when deep copies are off): room for three of the
+///   largest deep copies `deep_stack_bytes` allows (each reserves its
+///   class's [`reserved_record_bytes`] plus the ring's 8-byte record
+///   header) per [`CPUS_PER_DEEP_ROOM`] CPUs. With room for one, a deep
+///   program's next tick found the ring still holding the last copy
+///   whenever the reader lagged (under the test suite's load) and fell
+///   back to a shorter copy that did not reach the root. With the default
+///   2 MiB deep copies: 8 MiB up to 8 CPUs, 64 MiB for 64.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct RingLayout {
-    pub rings: u32,
-    /// A power of two, as the kernel requires.
+    pub cpu_rings: u32,
     pub ring_bytes: u32,
+    /// 0: no deep ring.
+    pub deep_ring_bytes: u32,
 }
 
 impl RingLayout {
     pub fn for_host(cpus: usize, deep_stack_bytes: u32) -> Self {
         let cpus = cpus.max(1);
-        let deep_class = DEEP_COPY_CLASSES
-            .into_iter()
-            .find(|&class| class >= deep_stack_bytes)
-            .unwrap_or(MAX_DEEP_STACK_BYTES);
-        let deep_record = if deep_stack_bytes == 0 {
-            0
-        } else {
-            reserved_record_bytes(deep_class, true) as usize + 8
-        };
-        let smallest_ring = BYTES_PER_CPU.max(3 * deep_record).next_power_of_two();
         let total = cpus
             .saturating_mul(BYTES_PER_CPU)
             .max(MIN_TOTAL_BYTES)
-            .max(3 * deep_record)
             .next_power_of_two()
             .min(MAX_TOTAL_BYTES);
-        let rings = (total / smallest_ring).clamp(1, cpus);
+        let rings = (total / BYTES_PER_CPU).clamp(1, cpus);
         let share = total / rings;
         // The largest power of two within the ring's share.
         let ring_bytes = 1 << (usize::BITS - 1 - share.leading_zeros());
+        let deep_ring_bytes = if deep_stack_bytes == 0 {
+            0
+        } else {
+            let deep_class = DEEP_COPY_CLASSES
+                .into_iter()
+                .find(|&class| class >= deep_stack_bytes)
+                .unwrap_or(MAX_DEEP_STACK_BYTES);
+            let deep_record = reserved_record_bytes(deep_class, true) as usize + 8;
+            (3 * deep_record)
+                .saturating_mul(cpus.div_ceil(CPUS_PER_DEEP_ROOM))
+                .next_power_of_two()
+                .min(MAX_TOTAL_BYTES)
+        };
         Self {
-            rings: rings as u32,
+            cpu_rings: rings as u32,
             ring_bytes: ring_bytes as u32,
+            deep_ring_bytes: deep_ring_bytes as u32,
         }
     }
 
-    pub fn total_bytes(&self) -> u64 {
-        u64::from(self.rings) * u64::from(self.ring_bytes)
+    pub fn rings(&self) -> u32 {
+        self.cpu_rings + u32::from(self.deep_ring_bytes != 0)
     }
 
-    /// The ring of the CPU in `slot`.
-    fn ring_of(&self, slot: u32) -> u32 {
-        slot % self.rings
+    pub fn total_bytes(&self) -> u64 {
+        u64::from(self.cpu_rings) * u64::from(self.ring_bytes) + u64::from(self.deep_ring_bytes)
+    }
+
+    /// The ring of the CPU in `cpu`'s slot.
+    fn ring_of(&self, cpu: u32) -> u32 {
+        cpu % self.cpu_rings
     }
 }
 
@@ -112,29 +127,26 @@ pub struct Rings {
 }
 
 impl Rings {
-    /// Creates the rings of `layout` and fills every slot of `slots` (one
-    /// per CPU) with its ring. Must be called inside a tokio runtime.
+    /// Creates the rings of `layout` and fills the slots of `slots` (the
+    /// deep ring's, then one per CPU) with them. Must be called inside a
+    /// tokio runtime.
     pub fn create(
         layout: RingLayout,
         mut slots: ArrayOfMaps<MapData, RingBuf<MapData>>,
     ) -> Result<Self, RingsError> {
-        let rings = (0..layout.rings)
-            .map(|_| {
-                let map = aya_obj::Map::new_from_params(
-                    BPF_MAP_TYPE_RINGBUF as u32,
-                    0,
-                    0,
-                    layout.ring_bytes,
-                    0,
-                );
-                let data = MapData::create(map, "SAMPLES", None)?;
-                RingBuf::try_from(Map::from_map_data(data)?)
-            })
+        let mut rings = (0..layout.cpu_rings)
+            .map(|_| create_ring("SAMPLES", layout.ring_bytes))
             .collect::<Result<Vec<_>, _>>()
             .map_err(RingsError::Create)?;
-        for slot in 0..slots.len() {
-            let ring = &rings[layout.ring_of(slot) as usize];
+        for slot in 1..slots.len() {
+            let ring = &rings[layout.ring_of(slot - 1) as usize];
             slots.set(slot, ring, 0).map_err(RingsError::Slot)?;
+        }
+        if layout.deep_ring_bytes != 0 {
+            let deep =
+                create_ring("DEEP_SAMPLES", layout.deep_ring_bytes).map_err(RingsError::Create)?;
+            slots.set(0, &deep, 0).map_err(RingsError::Slot)?;
+            rings.push(deep);
         }
         let ready = watch_readable(&rings).map_err(RingsError::Poll)?;
         Ok(Self {
@@ -279,6 +291,11 @@ impl Queues<'_> {
     }
 }
 
+fn create_ring(name: &str, bytes: u32) -> Result<RingBuf<MapData>, MapError> {
+    let map = aya_obj::Map::new_from_params(BPF_MAP_TYPE_RINGBUF as u32, 0, 0, bytes, 0);
+    RingBuf::try_from(Map::from_map_data(MapData::create(map, name, None)?)?)
+}
+
 /// An epoll instance with every ring's descriptor in it, registered with
 /// the tokio reactor: readable while a ring has unread records (a ring's
 /// descriptor polls readable from the wake-up the program sends).
@@ -330,45 +347,49 @@ mod tests {
 
     const MIB: u32 = 1 << 20;
 
-    fn layout(rings: u32, ring_mib: u32) -> RingLayout {
+    fn layout(cpu_rings: u32, ring_mib: u32, deep_mib: u32) -> RingLayout {
         RingLayout {
-            rings,
+            cpu_rings,
             ring_bytes: ring_mib * MIB,
+            deep_ring_bytes: deep_mib * MIB,
         }
     }
 
     #[test]
     fn each_cpu_gets_a_ring_of_its_own_while_memory_allows() {
-        assert_eq!(RingLayout::for_host(1, 0), layout(1, 4));
-        assert_eq!(RingLayout::for_host(2, 0), layout(2, 2));
-        // Three deep copies of 512 KiB fit a CPU's 2 MiB.
-        assert_eq!(RingLayout::for_host(2, 512 << 10), layout(2, 2));
+        assert_eq!(RingLayout::for_host(1, 0), layout(1, 4, 0));
+        assert_eq!(RingLayout::for_host(2, 0), layout(2, 2, 0));
         // 3 CPUs may use 8 MiB; 3 rings of 2 MiB fit, a fourth would not.
-        assert_eq!(RingLayout::for_host(3, 0), layout(3, 2));
-        assert_eq!(RingLayout::for_host(64, 0), layout(64, 2));
+        assert_eq!(RingLayout::for_host(3, 0), layout(3, 2, 0));
+        assert_eq!(RingLayout::for_host(64, 0), layout(64, 2, 0));
+        // Deep copies leave the CPUs' rings as they are.
+        assert_eq!(
+            RingLayout::for_host(2, MAX_DEEP_STACK_BYTES),
+            layout(2, 2, 8)
+        );
+        assert_eq!(RingLayout::for_host(2, MAX_DEEP_STACK_BYTES).rings(), 3);
+        assert_eq!(RingLayout::for_host(2, 0).rings(), 2);
     }
 
     #[test]
-    fn cpus_share_rings_when_each_must_hold_three_of_the_largest_deep_copies() {
-        // Three copies of 1 MiB need a 4 MiB ring, all that two CPUs may
-        // use: they share it.
-        assert_eq!(RingLayout::for_host(2, MIB), layout(1, 4));
-        // Three of more than 1 MiB need 8 MiB: one ring for 2 CPUs, 16
-        // rings for 64 (4 CPUs each).
-        assert_eq!(RingLayout::for_host(2, MIB + 8), layout(1, 8));
-        assert_eq!(RingLayout::for_host(1, MAX_DEEP_STACK_BYTES), layout(1, 8));
-        assert_eq!(RingLayout::for_host(2, MAX_DEEP_STACK_BYTES), layout(1, 8));
-        assert_eq!(
-            RingLayout::for_host(64, MAX_DEEP_STACK_BYTES),
-            layout(16, 8)
-        );
+    fn the_deep_ring_holds_three_of_the_largest_deep_copies_per_eight_cpus() {
+        let deep_ring = |cpus, deep| RingLayout::for_host(cpus, deep).deep_ring_bytes / MIB;
+        // Three copies of 512 KiB (and their headers) need 2 MiB, of 1 MiB
+        // 4 MiB, of more than 1 MiB 8 MiB.
+        assert_eq!(deep_ring(2, 512 << 10), 2);
+        assert_eq!(deep_ring(2, MIB), 4);
+        assert_eq!(deep_ring(2, MIB + 8), 8);
+        assert_eq!(deep_ring(1, MAX_DEEP_STACK_BYTES), 8);
+        assert_eq!(deep_ring(8, MAX_DEEP_STACK_BYTES), 8);
+        assert_eq!(deep_ring(9, MAX_DEEP_STACK_BYTES), 16);
+        assert_eq!(deep_ring(64, MAX_DEEP_STACK_BYTES), 64);
     }
 
     #[test]
     fn ring_memory_is_bounded_on_any_host() {
-        let huge = RingLayout::for_host(100_000, 0);
-        assert_eq!(huge, layout(512, 2));
-        assert_eq!(huge.total_bytes(), 1 << 30);
+        let huge = RingLayout::for_host(100_000, MAX_DEEP_STACK_BYTES);
+        assert_eq!(huge, layout(512, 2, 1024));
+        assert_eq!(huge.total_bytes(), 2 << 30);
         assert_eq!(huge.ring_of(100_000 - 1), (100_000 - 1) % 512);
     }
 }
