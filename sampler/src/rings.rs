@@ -31,15 +31,16 @@ use crate::{mapping_feed::monotonic_ns, record::record_time};
 /// whole 32 KiB ceiling, which leaves it ~45 ms.
 const BYTES_PER_CPU: usize = 2 << 20;
 
-/// The least ring memory on any host.
+/// The least memory of the CPUs' rings on any host.
 const MIN_TOTAL_BYTES: usize = 4 << 20;
 
-/// The most ring memory on any host.
+/// The most memory of the CPUs' rings, and of the deep ring, on any host.
 const MAX_TOTAL_BYTES: usize = 1 << 30;
 
 /// CPUs per three of the largest deep copies in the deep ring. Deep copies
 /// come from a few threads (a compiler's main thread, a deep program's
-/// first ticks); on a build machine every CPU may run one.
+/// first ticks), and most are far smaller than the largest class (tens to
+/// hundreds of KiB), so the ring holds many more of those.
 const CPUS_PER_DEEP_ROOM: usize = 8;
 
 /// How many rings and how large; every size a power of two, as the kernel
@@ -146,6 +147,10 @@ impl Rings {
             let deep =
                 create_ring("DEEP_SAMPLES", layout.deep_ring_bytes).map_err(RingsError::Create)?;
             slots.set(0, &deep, 0).map_err(RingsError::Slot)?;
+            // Last: of records with the same time the merge passes the
+            // lower ring's first, and a tick's Python stack (in its CPU's
+            // ring) must come before its deep sample, which takes it as
+            // its CPU's pending stack.
             rings.push(deep);
         }
         let ready = watch_readable(&rings).map_err(RingsError::Poll)?;
@@ -179,7 +184,8 @@ impl Rings {
     /// that was committed after (within one run of the program:
     /// microseconds), and, in a ring that CPUs share, records reserved in
     /// another order than their times were taken: as when one ring served
-    /// every CPU.
+    /// every CPU. Records of the same time are passed in the order of their
+    /// rings (see [`Self::create`]).
     pub fn drain(&mut self, mut on_record: impl FnMut(&[u8])) -> usize {
         // Holding a record of every ring at once needs a borrow of each,
         // which the vector's borrow cannot give out one at a time.

@@ -36,7 +36,7 @@ const MORE_JITS: usize = 4;
 const MORE_PERF_MAP_MIB: &str = "32";
 
 /// The agent's memory limit here, besides its ring buffer's pages (which
-/// grow with the CPUs: 8 MiB here): low, so that its budget bites (the
+/// grow with the CPUs: 24 MiB here): low, so that its budget bites (the
 /// JITs' names alone would take 64 MiB at the perf maps' full size). Its
 /// peak RSS must stay within it.
 const MEMORY_LIMIT_MIB: u64 = 120;

@@ -145,7 +145,7 @@ fn a_limit_below_what_the_agent_needs_is_refused_saying_what_it_needs() {
 }
 
 /// The limit of the build-machine test besides the ring buffer's pages
-/// (16 MiB on a 2-CPU host): issue 39's 96 MiB, low enough to bite (every
+/// (24 MiB on a 2-CPU host): issue 39's 96 MiB, low enough to bite (every
 /// cache but the unused tables at its floor). With the ring inside it,
 /// the agent's own peak (81-88 MiB in two runs) came too close to it for a
 /// loaded host: what a large table's compile holds while it runs (up to

@@ -724,8 +724,6 @@ fn records_of_every_cpu_are_read_in_time_order() {
     let config = SamplerConfig {
         frequency_hz: 997,
         pids: vec![busy.pid()],
-        // No deep copies: a ring per CPU (see `RingLayout`).
-        deep_stack_bytes: 0,
         ..SamplerConfig::default()
     };
     let recorded = sample_for(&config, Duration::from_secs(2));
