@@ -610,10 +610,54 @@ impl Cgroup {
 
 impl Drop for Cgroup {
     fn drop(&mut self) {
-        // cgroup.kill (Linux 5.14) takes a loop's or spawner's last child too.
-        let _ = std::fs::write(self.0.join("cgroup.kill"), "1");
+        stop_cgroup(&self.0);
         remove_cgroup(&self.0);
     }
+}
+
+/// How long a process, or what is left in a cgroup, has to exit on SIGTERM.
+const STOP_GRACE: Duration = Duration::from_secs(3);
+
+/// Stops `child` as [`stop_cgroup`] stops a cgroup's processes (SIGTERM,
+/// then SIGKILL after [`STOP_GRACE`]) and reaps it.
+pub(crate) fn stop_child(child: &mut Child) {
+    let deadline = Instant::now() + STOP_GRACE;
+    if let Ok(pid) = libc::pid_t::try_from(child.id()) {
+        // SAFETY: plain syscall on our own unreaped child.
+        unsafe { libc::kill(pid, libc::SIGTERM) };
+    }
+    while Instant::now() < deadline {
+        if !matches!(child.try_wait(), Ok(None)) {
+            return;
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let _ = child.kill();
+    let _ = child.wait();
+}
+
+/// Stops every process in the cgroup at `dir`: SIGTERM first, so that a
+/// compiler deletes its temporary files and a JVM its
+/// `/tmp/hsperfdata_<user>/<pid>` (killed outright, both left them behind),
+/// then `cgroup.kill` (Linux 5.14) for whatever is still there after
+/// [`STOP_GRACE`], a loop's or spawner's last child too.
+fn stop_cgroup(dir: &Path) {
+    let deadline = Instant::now() + STOP_GRACE;
+    while Instant::now() < deadline {
+        let Ok(procs) = std::fs::read_to_string(dir.join("cgroup.procs")) else {
+            return;
+        };
+        let pids: Vec<libc::pid_t> = procs.lines().filter_map(|pid| pid.parse().ok()).collect();
+        if pids.is_empty() {
+            return;
+        }
+        for pid in pids {
+            // SAFETY: plain syscall; a pid that exited meanwhile fails it.
+            unsafe { libc::kill(pid, libc::SIGTERM) };
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let _ = std::fs::write(dir.join("cgroup.kill"), "1");
 }
 
 /// The cgroup2 mount point from this process's mount table: field 5 is the

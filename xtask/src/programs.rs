@@ -26,7 +26,7 @@ use stackscope_test_fixtures::free_port;
 
 use crate::{
     KillOnDrop,
-    bench::{Cgroup, cgroup2_mount, compile_fixture_in, remove_cgroup},
+    bench::{Cgroup, cgroup2_mount, compile_fixture_in, remove_cgroup, stop_child},
     build_binaries, run_checked, wait_for_listener, workspace_root,
 };
 
@@ -431,8 +431,9 @@ impl Load {
 
 impl Drop for Load {
     fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
+        // Not killed outright: the shell may have exec'd the program (a
+        // JVM, which then leaves its /tmp/hsperfdata file behind).
+        stop_child(&mut self.child);
         // node's perf map, named by the pid it ran as (it exec'd the shell).
         let _ = std::fs::remove_file(format!("/tmp/perf-{}.map", self.child.id()));
     }
