@@ -319,7 +319,8 @@ static OFF_CPU_SAMPLES_PER_SEC: Global<u32> = Global::new(200);
 #[unsafe(no_mangle)]
 static TASK_PID_OFFSET: Global<u32> = Global::new(0);
 /// Unread bytes in a ring at which a record wakes the reader (the agent
-/// sets a quarter of a ring at load).
+/// sets a quarter of a CPU's ring at load; the deep ring, which holds only
+/// a few of the largest copies, uses the same mark).
 #[unsafe(no_mangle)]
 static WAKEUP_BYTES: Global<u64> = Global::new(1 << 20);
 
@@ -1043,9 +1044,9 @@ fn reserved_copy<C: EbpfContext, const BYTES: u32, const KERNEL_ROOM: bool, cons
         count(Counter::DeepCopies);
     }
     count(Counter::Samples);
-    // A Python stack record went to this CPU's ring: the deep ring's look
-    // decides for this record alone (the CPU's ring is woken by its next
-    // record past twice the mark, or by the timed drain).
+    // A deep record's look was at the deep ring, so it decides for itself
+    // alone; the tick's Python stack record, in the CPU's ring, waits for
+    // that ring's next record past twice the mark, or the timed drain.
     entry.submit(if DEEP {
         wakeup_flag(unread, size as u64)
     } else {
