@@ -18,6 +18,8 @@ fn main() -> anyhow::Result<()> {
     }
     let descriptors = protox::compile(files, ["."]).context("parsing the .proto files")?;
     tonic_prost_build::configure()
+        // The collector decompresses it in place rather than copy it out.
+        .bytes(".stackscope.v1.CompressedPushRequest.zstd_push_request")
         .compile_fds(descriptors)
         .context("generating Rust code from the .proto files")?;
 

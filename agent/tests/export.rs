@@ -1,5 +1,6 @@
 //! The exporter against a real tonic `Ingest` server on 127.0.0.1: order and
-//! content, compression on the wire, retries with the same batch id, lost
+//! content, compression on the wire (the agent's zstd, gRPC's gzip, and a
+//! collector from before `PushCompressed`), retries with the same batch id, lost
 //! acknowledgements, rejections, the queue bound while the collector is down,
 //! the bearer token, shutdown (with a collector that is up, in backoff, or
 //! unreachable), configuration errors, and TLS with certificates made at
@@ -15,10 +16,10 @@ use std::{
 
 use prost::Message;
 use stackscope_agent::export::{Compression, ExportConfig, ExportError, Exporter, TlsConfig};
-use stackscope_collector_client::connect::ConnectError;
+use stackscope_collector_client::{connect::ConnectError, ingest::push::RequestEncoder};
 use stackscope_proto::v1::{
-    Batch, Label, LabelSet, Line, Location, Mapping, MappingKind, Node, PushRequest, PushResponse,
-    Sample, Stack,
+    Batch, CompressedPushRequest, Label, LabelSet, Line, Location, Mapping, MappingKind, Node,
+    PushRequest, PushResponse, Sample, Stack,
     ingest_server::{Ingest, IngestServer},
 };
 use stackscope_test_fixtures::tls::TestPki;
@@ -39,6 +40,8 @@ fn ms(n: u64) -> Duration {
 #[derive(Debug, Clone)]
 struct Seen {
     batch: Batch,
+    /// `Push`, or `PushCompressed` (compressed by the agent).
+    method: &'static str,
     /// The `grpc-encoding` request header: the compression actually used.
     encoding: Option<String>,
     authorization: Option<String>,
@@ -64,6 +67,9 @@ struct Collector {
     disk_full_next: Mutex<u32>,
     /// Batch ids answered as too large: RESOURCE_EXHAUSTED, no pushback.
     too_large: Mutex<HashSet<Vec<u8>>>,
+    /// Answer `PushCompressed` as a collector from before it does: tonic's
+    /// generated server answers an unknown method UNIMPLEMENTED, no message.
+    before_push_compressed: bool,
 }
 
 impl Collector {
@@ -97,23 +103,57 @@ fn take_one(counter: &Mutex<u32>) -> bool {
 #[tonic::async_trait]
 impl Ingest for Collector {
     async fn push(&self, request: Request<PushRequest>) -> Result<Response<PushResponse>, Status> {
-        let header = |name: &str| {
-            request
-                .metadata()
-                .get(name)
-                .and_then(|v| v.to_str().ok())
-                .map(str::to_owned)
-        };
-        let encoding = header("grpc-encoding");
-        let authorization = header("authorization");
+        let (seen, request) = seen(request, "Push");
+        self.store(seen, request)
+    }
+
+    async fn push_compressed(
+        &self,
+        request: Request<CompressedPushRequest>,
+    ) -> Result<Response<PushResponse>, Status> {
+        if self.before_push_compressed {
+            return Err(Status::unimplemented(""));
+        }
+        let (seen, request) = seen(request, "PushCompressed");
+        let frame = request.zstd_push_request;
+        let size = zstd::zstd_safe::get_frame_content_size(&frame)
+            .ok()
+            .flatten()
+            .expect("the frame states its size") as usize;
+        let request = zstd::bulk::decompress(&frame, size).expect("a zstd frame");
+        self.store(
+            seen,
+            PushRequest::decode(&request[..]).expect("a push request"),
+        )
+    }
+}
+
+/// The push's headers, and its message.
+fn seen<T>(request: Request<T>, method: &'static str) -> (Seen, T) {
+    let header = |name: &str| {
+        request
+            .metadata()
+            .get(name)
+            .and_then(|v| v.to_str().ok())
+            .map(str::to_owned)
+    };
+    let seen = Seen {
+        batch: Batch::default(),
+        method,
+        encoding: header("grpc-encoding"),
+        authorization: header("authorization"),
+    };
+    (seen, request.into_inner())
+}
+
+impl Collector {
+    fn store(&self, seen: Seen, request: PushRequest) -> Result<Response<PushResponse>, Status> {
         let batch = request
-            .into_inner()
             .batch
             .ok_or_else(|| Status::invalid_argument("PushRequest.batch is missing"))?;
         self.seen.lock().unwrap().push(Seen {
             batch: batch.clone(),
-            encoding,
-            authorization,
+            ..seen
         });
         if take_one(&self.fail_next) {
             return Err(Status::unavailable("test collector: try again"));
@@ -158,6 +198,8 @@ struct ServerOptions {
     token: Option<&'static str>,
     accept: Vec<CompressionEncoding>,
     tls: Option<ServerTlsConfig>,
+    /// See [`Collector::before_push_compressed`].
+    before_push_compressed: bool,
 }
 
 impl Default for ServerOptions {
@@ -166,6 +208,7 @@ impl Default for ServerOptions {
             token: None,
             accept: vec![CompressionEncoding::Gzip, CompressionEncoding::Zstd],
             tls: None,
+            before_push_compressed: false,
         }
     }
 }
@@ -185,7 +228,10 @@ impl TestServer {
 
     fn serve(listener: TcpListener, options: ServerOptions) -> Self {
         let addr = listener.local_addr().unwrap();
-        let collector = Arc::new(Collector::default());
+        let collector = Arc::new(Collector {
+            before_push_compressed: options.before_push_compressed,
+            ..Collector::default()
+        });
         let mut service = IngestServer::from_arc(Arc::clone(&collector));
         for encoding in options.accept {
             service = service.accept_compressed(encoding);
@@ -255,12 +301,10 @@ fn id_of(batch: &Batch) -> u8 {
     batch.batch_id[0]
 }
 
-/// What batch `n` takes in the queue: its push request, encoded.
+/// What batch `n` takes in the queue by default: its push request, encoded
+/// and compressed.
 fn request_len(n: u8) -> usize {
-    PushRequest {
-        batch: Some(batch(n)),
-    }
-    .encoded_len()
+    RequestEncoder::zstd().unwrap().encode(batch(n)).len()
 }
 
 /// A batch whose id is `[n; 16]`, with every kind of table filled, and the
@@ -358,12 +402,26 @@ async fn batches_arrive_in_order_with_identical_content() {
     server.stop().await;
 }
 
+/// Batches large enough that compression shows: 200 strings of 40 bytes
+/// that repeat, as a real batch's function and file names do.
+fn compressible_batch(n: u8) -> Batch {
+    let mut batch = batch(n);
+    batch
+        .strings
+        .extend((0..200).map(|i| format!("crate::module::function_number_{:08}", i % 20)));
+    batch
+}
+
 #[tokio::test]
 async fn each_compression_is_used_on_the_wire() {
-    for (compression, header) in [
-        (Compression::Zstd, Some("zstd")),
-        (Compression::Gzip, Some("gzip")),
-        (Compression::None, None),
+    let plain_len = PushRequest {
+        batch: Some(compressible_batch(1)),
+    }
+    .encoded_len();
+    for (compression, method, header) in [
+        (Compression::Zstd, "PushCompressed", None),
+        (Compression::Gzip, "Push", Some("gzip")),
+        (Compression::None, "Push", None),
     ] {
         let server = TestServer::start(ServerOptions::default()).await;
         let exporter = Exporter::start(ExportConfig {
@@ -371,26 +429,64 @@ async fn each_compression_is_used_on_the_wire() {
             ..config(server.http())
         })
         .unwrap();
-        exporter.enqueue(batch(1));
+        // Nothing is sent before the test awaits (one thread): the batch
+        // is still queued, at its encoding's size.
+        exporter.enqueue(compressible_batch(1));
+        let queued = exporter.stats().queued_bytes as usize;
+        if compression == Compression::Zstd {
+            assert!(queued * 4 < plain_len, "{queued} of {plain_len} bytes");
+        } else {
+            assert_eq!(queued, plain_len, "{compression}");
+        }
+        exporter.enqueue(compressible_batch(2));
         let stats = exporter.shutdown(Duration::from_secs(10)).await;
-        assert_eq!(stats.batches_sent, 1, "{compression}");
+        assert_eq!(stats.batches_sent, 2, "{compression}");
         let seen = server.collector.seen.lock().unwrap().clone();
-        assert_eq!(seen.len(), 1);
-        assert_eq!(seen[0].encoding.as_deref(), header, "{compression}");
-        assert_eq!(seen[0].batch, batch(1));
+        assert_eq!(seen.len(), 2);
+        for (n, seen) in seen.iter().enumerate() {
+            assert_eq!(seen.method, method, "{compression}");
+            assert_eq!(seen.encoding.as_deref(), header, "{compression}");
+            assert_eq!(seen.batch, compressible_batch(n as u8 + 1));
+        }
         server.stop().await;
     }
 }
 
 #[tokio::test]
+async fn a_collector_from_before_compressed_pushes_gets_them_as_grpc_zstd() {
+    let server = TestServer::start(ServerOptions {
+        before_push_compressed: true,
+        ..ServerOptions::default()
+    })
+    .await;
+    let exporter = Exporter::start(config(server.http())).unwrap();
+    for n in 0..3 {
+        exporter.enqueue(compressible_batch(n));
+    }
+    let stats = exporter.shutdown(Duration::from_secs(10)).await;
+    assert_eq!(stats.batches_sent, 3);
+    assert_eq!((stats.batches_rejected, stats.retries), (0, 0));
+    let seen = server.collector.seen.lock().unwrap().clone();
+    let sent: Vec<_> = seen
+        .iter()
+        .map(|s| (s.method, s.encoding.as_deref(), s.batch.clone()))
+        .collect();
+    let expected: Vec<_> = (0..3)
+        .map(|n| ("Push", Some("zstd"), compressible_batch(n)))
+        .collect();
+    assert_eq!(sent, expected);
+    server.stop().await;
+}
+
+#[tokio::test]
 async fn compression_the_collector_does_not_accept_is_rejected_not_retried() {
     let server = TestServer::start(ServerOptions {
-        accept: vec![CompressionEncoding::Gzip],
+        accept: vec![CompressionEncoding::Zstd],
         ..ServerOptions::default()
     })
     .await;
     let exporter = Exporter::start(ExportConfig {
-        compression: Compression::Zstd,
+        compression: Compression::Gzip,
         ..config(server.http())
     })
     .unwrap();
@@ -402,7 +498,7 @@ async fn compression_the_collector_does_not_accept_is_rejected_not_retried() {
     assert_eq!(stats.batches_sent, 0);
     let error = stats.last_error.unwrap();
     assert!(error.starts_with("Unimplemented: "), "{error}");
-    assert!(error.contains("zstd"), "{error}");
+    assert!(error.contains("gzip"), "{error}");
     assert!(server.collector.stored().is_empty());
     server.stop().await;
 }
@@ -527,7 +623,10 @@ async fn full_queue_drops_the_oldest_while_the_collector_is_down() {
     assert_eq!(stats.batches_dropped_queue_full, 7);
     assert_eq!(stats.samples_dropped_queue_full, ticks(0..7));
     assert_eq!(stats.queued_batches, 3);
-    assert_eq!(stats.queued_bytes, 3 * size as u64);
+    assert_eq!(
+        stats.queued_bytes,
+        (7..10).map(request_len).sum::<usize>() as u64
+    );
     assert_eq!(stats.queued_samples, ticks(7..10));
 
     wait_until("the exporter retried against the refused port", || {

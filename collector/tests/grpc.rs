@@ -3,7 +3,7 @@
 //! stored), queries over gRPC and HTTP, health, and the ingest and query
 //! tokens.
 
-use std::time::SystemTime;
+use std::{io::Write as _, time::SystemTime};
 
 #[path = "support/collector.rs"]
 mod collector;
@@ -12,12 +12,13 @@ mod http;
 
 use collector::Fixture;
 
+use prost::Message as _;
 use stackscope_collector::server::ServerConfig;
 use stackscope_profile::{model::unix_nanos, render, tree::CallTree};
 use stackscope_proto::v1::{
-    Batch, FlamegraphRequest, Label, LabelMatcher, LabelNamesRequest, LabelSet, ProfileType,
-    PushRequest, Sample, Selection, TopFunctionsRequest, TypedSamples, ingest_client::IngestClient,
-    label_matcher::Op, query_client::QueryClient,
+    Batch, CompressedPushRequest, FlamegraphRequest, Label, LabelMatcher, LabelNamesRequest,
+    LabelSet, ProfileType, PushRequest, Sample, Selection, TopFunctionsRequest, TypedSamples,
+    ingest_client::IngestClient, label_matcher::Op, query_client::QueryClient,
 };
 use stackscope_test_fixtures::batches::batch;
 use tonic::{Code, transport::Channel};
@@ -425,6 +426,110 @@ async fn bad_batches_are_refused_and_store_nothing() {
         matches!(err.code(), Code::ResourceExhausted | Code::OutOfRange),
         "{err:?}"
     );
+
+    assert_eq!(
+        fixture.total(vec![]).await,
+        3,
+        "only the good batch is stored"
+    );
+    fixture.collector.shutdown().await.expect("clean shutdown");
+}
+
+/// `PushCompressed` as the agent sends it: the encoded request, one zstd
+/// frame that states its size.
+fn compressed(request: &PushRequest) -> CompressedPushRequest {
+    compressed_bytes(&request.encode_to_vec())
+}
+
+fn compressed_bytes(bytes: &[u8]) -> CompressedPushRequest {
+    CompressedPushRequest {
+        zstd_push_request: zstd::bulk::compress(bytes, 3).unwrap().into(),
+    }
+}
+
+#[tokio::test]
+async fn compressed_pushes_are_stored_once_and_bad_frames_refused_first() {
+    let fixture = start(None).await;
+    let mut client = IngestClient::new(fixture.channel().await);
+    let good = PushRequest {
+        batch: Some(batch(1, "node-a", "redis", 3, 0)),
+    };
+    let answer = client
+        .push_compressed(compressed(&good))
+        .await
+        .expect("push");
+    assert_eq!(answer.into_inner().samples_stored, 1, "one sample row");
+    // Retried after a lost acknowledgement, as plain or compressed.
+    let again = client
+        .push_compressed(compressed(&good))
+        .await
+        .expect("push");
+    assert!(again.into_inner().duplicate);
+    assert!(
+        client
+            .push(good)
+            .await
+            .expect("push")
+            .into_inner()
+            .duplicate
+    );
+
+    // Small on the wire, larger than the collector takes once decompressed:
+    // refused from the frame's header, as a plain push of that size is.
+    let mut oversized = batch(2, "node-a", "redis", 100, 0);
+    oversized.strings.push("x".repeat(MAX_MESSAGE_BYTES));
+    let oversized = compressed(&PushRequest {
+        batch: Some(oversized),
+    });
+    assert!(oversized.zstd_push_request.len() < 4096);
+    let err = client
+        .push_compressed(oversized)
+        .await
+        .expect_err("oversized");
+    assert_eq!(err.code(), Code::ResourceExhausted, "{err:?}");
+    assert!(err.message().contains("--max-batch-bytes"), "{err:?}");
+
+    // A frame that does not state its size: written as a stream.
+    let mut stream = zstd::stream::write::Encoder::new(Vec::new(), 3).unwrap();
+    let request = PushRequest {
+        batch: Some(batch(3, "node-a", "redis", 100, 0)),
+    }
+    .encode_to_vec();
+    let (first, second) = request.split_at(request.len() / 2);
+    stream.write_all(first).unwrap();
+    stream.flush().unwrap();
+    stream.write_all(second).unwrap();
+    let sizeless = CompressedPushRequest {
+        zstd_push_request: stream.finish().unwrap().into(),
+    };
+    let garbage = CompressedPushRequest {
+        zstd_push_request: b"not zstd at all".as_slice().into(),
+    };
+    // A frame whose content is cut short.
+    let mut truncated = compressed(&PushRequest {
+        batch: Some(batch(4, "node-a", "redis", 100, 0)),
+    });
+    let cut = truncated.zstd_push_request.len() - 4;
+    truncated.zstd_push_request.truncate(cut);
+    for (what, request, says) in [
+        ("sizeless", sizeless, "does not state its size"),
+        ("garbage", garbage, "not a zstd frame"),
+        ("truncated", truncated, "does not decompress"),
+        (
+            "not a request",
+            compressed_bytes(b"\xff\xff\xff"),
+            "not a PushRequest",
+        ),
+        (
+            "no batch",
+            compressed(&PushRequest { batch: None }),
+            "batch is missing",
+        ),
+    ] {
+        let err = client.push_compressed(request).await.expect_err(what);
+        assert_eq!(err.code(), Code::InvalidArgument, "{what}: {err:?}");
+        assert!(err.message().contains(says), "{what}: {err:?}");
+    }
 
     assert_eq!(
         fixture.total(vec![]).await,

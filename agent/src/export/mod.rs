@@ -28,14 +28,13 @@ use std::{
     time::{Duration, Instant},
 };
 
-use prost::bytes::Bytes;
 use stackscope_proto::v1::{Batch, PushResponse};
 use tokio::{
     sync::{Notify, watch},
     task::JoinHandle,
 };
 use tonic::{
-    Request, Status,
+    Status,
     codec::CompressionEncoding,
     metadata::{Ascii, MetadataValue},
     transport::Endpoint,
@@ -46,7 +45,7 @@ pub use stackscope_collector_client::connect::TlsConfig;
 use stackscope_collector_client::connect::{self, ConnectError};
 
 use stackscope_collector_client::ingest::{
-    push::IngestPusher,
+    push::{EncodedRequest, IngestPusher, PushOptions, RequestEncoder},
     retry::{Backoff, is_retryable, pushback},
 };
 
@@ -66,7 +65,9 @@ const MAX_REQUEST_TIMEOUT: Duration = Duration::from_secs(3600);
 
 /// How batches are compressed on the wire. Profiles are repetitive (string
 /// tables, similar stacks), so compression typically shrinks them several
-/// times; zstd does so at less CPU than gzip.
+/// times; zstd does so at less CPU than gzip, and the agent compresses each
+/// batch once, when it is queued, so the queue holds it compressed
+/// (`Ingest.PushCompressed`; gzip is gRPC's, per attempt).
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Hash, clap::ValueEnum, serde::Serialize)]
 #[serde(rename_all = "lowercase")]
 pub enum Compression {
@@ -109,8 +110,8 @@ pub struct ExportConfig {
     /// Sent as `authorization: Bearer <token>` with every push.
     pub bearer_token: Option<String>,
     pub compression: Compression,
-    /// Upper bound on the encoded size of the batches waiting to be sent
-    /// (the one being pushed comes on top).
+    /// Upper bound on the encoded (and compressed) size of the batches
+    /// waiting to be sent (the one being pushed comes on top).
     pub max_queue_bytes: usize,
     /// How long one push may take, connecting included, before it counts
     /// as a transient failure.
@@ -226,6 +227,9 @@ impl fmt::Debug for ExportStatsReader {
 /// documentation.
 pub struct Exporter {
     shared: Arc<Shared>,
+    /// Encodes (and compresses) batches as they are queued; behind a lock
+    /// only because `enqueue` takes `&self` (one thread queues).
+    encoder: Mutex<RequestEncoder>,
     /// `true` once [`Exporter::shutdown`] runs: the task drains the queue
     /// and ends.
     closing: watch::Sender<bool>,
@@ -255,6 +259,13 @@ impl Exporter {
         let _entered = runtime.enter();
 
         let client = IngestPusher::new(endpoint.connect_lazy(), config.compression.encoding());
+        let encoder = match config.compression {
+            Compression::Zstd => RequestEncoder::zstd().unwrap_or_else(|err| {
+                warn!("zstd could not start ({err}): batches are sent with gRPC's zstd instead");
+                RequestEncoder::plain()
+            }),
+            Compression::Gzip | Compression::None => RequestEncoder::plain(),
+        };
         let shared = Arc::new(Shared {
             state: Mutex::new(State {
                 queue: Queue::new(config.max_queue_bytes),
@@ -271,7 +282,10 @@ impl Exporter {
         });
         let settings = Settings {
             request_timeout: config.request_timeout,
-            authorization,
+            push: PushOptions {
+                timeout: Some(config.request_timeout),
+                authorization,
+            },
             initial_backoff: config.initial_backoff,
             max_backoff: config.max_backoff,
         };
@@ -280,6 +294,7 @@ impl Exporter {
         debug!(endpoint = %config.endpoint, compression = %config.compression, "exporter started");
         Ok(Self {
             shared,
+            encoder: Mutex::new(encoder),
             closing,
             task: Some(task),
         })
@@ -290,7 +305,10 @@ impl Exporter {
     /// (counted in [`ExportStats`] and logged at most every 30 s); a batch
     /// larger than the whole bound is dropped itself.
     pub fn enqueue(&self, batch: Batch) {
-        let pending = Pending::new(batch);
+        let pending = {
+            let mut encoder = self.encoder.lock().unwrap_or_else(PoisonError::into_inner);
+            Pending::new(batch, &mut encoder)
+        };
         let now = Instant::now();
         let mut state = self.shared.lock();
         match state.queue.push_back(pending) {
@@ -400,7 +418,7 @@ impl Drop for Exporter {
 /// What the sending task needs from the configuration.
 struct Settings {
     request_timeout: Duration,
-    authorization: Option<MetadataValue<Ascii>>,
+    push: PushOptions,
     initial_backoff: Duration,
     max_backoff: Duration,
 }
@@ -534,8 +552,19 @@ async fn deliver(
 ) {
     let mut backoff = Backoff::new(settings.initial_backoff, settings.max_backoff);
     let mut failing = false;
+    let mut told_old_collector = false;
     while let Some(mut pending) = next_batch(&shared, &mut closing).await {
-        match push(&mut client, &pending.request, &settings).await {
+        let answer = push(&mut client, &pending.request, &settings).await;
+        if !client.collector_takes_compressed() && !told_old_collector {
+            told_old_collector = true;
+            info!(
+                "the collector {} does not take compressed batches (a version from before \
+                 Ingest.PushCompressed): sending them with gRPC's zstd instead, which costs \
+                 the agent more CPU",
+                shared.endpoint
+            );
+        }
+        match answer {
             Ok(response) => {
                 backoff.reset();
                 if std::mem::take(&mut failing) {
@@ -597,23 +626,14 @@ async fn wait_before_retry(
 
 async fn push(
     client: &mut IngestPusher,
-    request: &Bytes,
+    request: &EncodedRequest,
     settings: &Settings,
 ) -> Result<PushResponse, Status> {
-    // A reference-counted handle per attempt: the bytes stay queued for a
-    // retry.
-    let mut request = Request::new(request.clone());
-    // Lets the collector give up on its side too.
-    request.set_timeout(settings.request_timeout);
-    if let Some(authorization) = &settings.authorization {
-        request
-            .metadata_mut()
-            .insert("authorization", authorization.clone());
-    }
     // Our own timer also covers connecting and a collector that never
     // answers at all.
-    match tokio::time::timeout(settings.request_timeout, client.push(request)).await {
-        Ok(result) => result.map(tonic::Response::into_inner),
+    let push = client.push(request, &settings.push);
+    match tokio::time::timeout(settings.request_timeout, push).await {
+        Ok(result) => result,
         Err(_elapsed) => Err(Status::deadline_exceeded(format!(
             "no answer within {}",
             humantime::format_duration(settings.request_timeout)

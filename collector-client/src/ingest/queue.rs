@@ -1,5 +1,5 @@
 //! A byte-bounded FIFO of batches waiting for the collector, each encoded
-//! once as its push request.
+//! (and compressed, with zstd) once as its push request.
 //!
 //! The bound is what keeps an agent whose collector is down for hours from
 //! growing without limit: when a batch does not fit, the oldest batches go,
@@ -9,17 +9,18 @@
 
 use std::collections::VecDeque;
 
-use prost::bytes::Bytes;
 use stackscope_proto::v1::Batch;
+
+use super::push::{EncodedRequest, RequestEncoder};
 
 /// One batch waiting to be sent, encoded, with the sizes the bound and the
 /// statistics need, computed once when it is enqueued.
 #[derive(Debug)]
 pub struct Pending {
     /// The push request carrying the batch (see [`super::push`]).
-    pub request: Bytes,
+    pub request: EncodedRequest,
     /// The request's size: what it holds in memory, and what goes on the
-    /// wire before compression.
+    /// wire before gRPC's own compression (none for a compressed request).
     pub bytes: usize,
     /// Ticks the batch carries (the sum of `Sample.count`).
     pub samples: u64,
@@ -28,12 +29,12 @@ pub struct Pending {
 }
 
 impl Pending {
-    pub fn new(batch: Batch) -> Self {
+    pub fn new(batch: Batch, encoder: &mut RequestEncoder) -> Self {
         let samples = batch
             .samples
             .iter()
             .fold(0u64, |total, sample| total.saturating_add(sample.count));
-        let request = super::push::encode(batch);
+        let request = encoder.encode(batch);
         Self {
             bytes: request.len(),
             request,
@@ -164,7 +165,7 @@ mod tests {
     use super::*;
 
     fn pending(id: u8, samples: u64) -> Pending {
-        Pending::new(Batch {
+        encoded(Batch {
             batch_id: vec![id; 16],
             samples: vec![Sample {
                 stack: 0,
@@ -182,8 +183,14 @@ mod tests {
             .collect()
     }
 
+    /// Plain, so sizes are easy to reason about: the queue does not look
+    /// inside its requests.
+    fn encoded(batch: Batch) -> Pending {
+        Pending::new(batch, &mut RequestEncoder::plain())
+    }
+
     fn batch_of(pending: &Pending) -> Batch {
-        PushRequest::decode(pending.request.clone())
+        PushRequest::decode(pending.request.push_request().unwrap())
             .expect("a push request")
             .batch
             .expect("with its batch")
@@ -229,7 +236,7 @@ mod tests {
         for id in 0..4 {
             queue.push_back(pending(id, 2)).unwrap();
         }
-        let big = Pending::new(Batch {
+        let big = encoded(Batch {
             batch_id: vec![9; 16],
             strings: vec!["x".repeat(2 * size)],
             ..Batch::default()
@@ -250,7 +257,7 @@ mod tests {
         let size = pending(0, 1).bytes;
         let mut queue = Queue::new(size);
         queue.push_back(pending(0, 1)).unwrap();
-        let big = Pending::new(Batch {
+        let big = encoded(Batch {
             strings: vec!["x".repeat(size)],
             samples: batch_of(&pending(1, 5)).samples,
             ..Batch::default()

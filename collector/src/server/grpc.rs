@@ -1,16 +1,18 @@
-//! The gRPC services: `Ingest` (agents push batches) and `Query` (the CLI and
-//! other clients). Maps input errors to precise statuses; a batch is
-//! acknowledged only after storage committed it, and one the full disk
-//! cannot take is refused in a way agents know to retry.
+//! The gRPC services: `Ingest` (agents push batches, plain or compressed by
+//! the agent) and `Query` (the CLI and other clients). Maps input errors to
+//! precise statuses; a batch is acknowledged only after storage committed
+//! it, and one the full disk cannot take is refused in a way agents know to
+//! retry.
 
-use std::{sync::Arc, time::Instant};
+use std::{cell::RefCell, sync::Arc, time::Instant};
 
+use prost::{Message as _, bytes::Bytes};
 use stackscope_profile::{render, selector};
 use stackscope_proto::v1::{
-    FlamegraphRequest, FlamegraphResponse, FunctionCost, LabelNamesRequest, LabelNamesResponse,
-    LabelValuesRequest, LabelValuesResponse, ProfileTypesRequest, ProfileTypesResponse,
-    PushRequest, PushResponse, SampleSeriesRequest, SampleSeriesResponse, SeriesPoint,
-    TopFunctionsRequest, TopFunctionsResponse, ingest_server, query_server,
+    CompressedPushRequest, FlamegraphRequest, FlamegraphResponse, FunctionCost, LabelNamesRequest,
+    LabelNamesResponse, LabelValuesRequest, LabelValuesResponse, ProfileTypesRequest,
+    ProfileTypesResponse, PushRequest, PushResponse, SampleSeriesRequest, SampleSeriesResponse,
+    SeriesPoint, TopFunctionsRequest, TopFunctionsResponse, ingest_server, query_server,
 };
 use tonic::{Request, Response, Status, metadata::MetadataValue};
 
@@ -27,31 +29,52 @@ pub struct IngestService {
     storage: Arc<dyn Storage>,
     limits: Arc<IngestLimits>,
     metrics: CollectorMetrics,
+    /// The largest `PushRequest` taken, decompressed: gRPC's message limit
+    /// for `Push`, checked here for `PushCompressed`.
+    max_request_bytes: usize,
+}
+
+/// A push as it arrived.
+enum Incoming {
+    Plain(PushRequest),
+    /// A `CompressedPushRequest`'s zstd frame.
+    Zstd(Bytes),
 }
 
 impl IngestService {
-    pub fn new(storage: Arc<dyn Storage>, limits: IngestLimits, metrics: CollectorMetrics) -> Self {
+    pub fn new(
+        storage: Arc<dyn Storage>,
+        limits: IngestLimits,
+        metrics: CollectorMetrics,
+        max_request_bytes: usize,
+    ) -> Self {
         Self {
             storage,
             limits: Arc::new(limits),
             metrics,
+            max_request_bytes,
         }
     }
 
     /// Validates and stores one batch: the answer, and what it came to.
-    async fn store(&self, request: PushRequest) -> (Result<PushResponse, Status>, IngestResult) {
-        let Some(batch) = request.batch else {
-            return (
-                Err(Status::invalid_argument("PushRequest.batch is missing")),
-                IngestResult::Rejected,
-            );
-        };
+    async fn store(&self, incoming: Incoming) -> (Result<PushResponse, Status>, IngestResult) {
         let storage = Arc::clone(&self.storage);
         let limits = Arc::clone(&self.limits);
         let metrics = self.metrics.clone();
-        // Validation walks every index of a possibly large batch and the
-        // commit waits for fsync: both stay off the async workers.
+        let max_request_bytes = self.max_request_bytes;
+        // Decompression, validation (which walks every index of a possibly
+        // large batch) and the commit (which waits for fsync) stay off the
+        // async workers.
         let outcome = tokio::task::spawn_blocking(move || {
+            let request = match incoming {
+                Incoming::Plain(request) => request,
+                Incoming::Zstd(frame) => decompress(&frame, max_request_bytes)
+                    .map_err(|status| (status, IngestResult::Rejected))?,
+            };
+            let batch = request.batch.ok_or((
+                Status::invalid_argument("PushRequest.batch is missing"),
+                IngestResult::Rejected,
+            ))?;
             let batch = validate(batch, &limits).map_err(|err| {
                 let message = format!("batch rejected, nothing stored: {err}");
                 let status = if err.is_too_large() {
@@ -98,6 +121,46 @@ impl IngestService {
     }
 }
 
+thread_local! {
+    /// One decompression context per blocking thread, kept between batches.
+    static DECOMPRESSOR: RefCell<Option<zstd::bulk::Decompressor<'static>>> =
+        const { RefCell::new(None) };
+}
+
+/// The `PushRequest` in a `PushCompressed` frame. The frame must state its
+/// size, and that size must be within `max_bytes`, before anything is
+/// decompressed: a small frame cannot make the collector allocate more than
+/// it takes from a plain push.
+fn decompress(frame: &[u8], max_bytes: usize) -> Result<PushRequest, Status> {
+    let refused = |why: String| {
+        Status::invalid_argument(format!("compressed batch rejected, nothing stored: {why}"))
+    };
+    let size = match zstd::zstd_safe::get_frame_content_size(frame) {
+        Ok(Some(size)) => size,
+        Ok(None) => return Err(refused("the zstd frame does not state its size".into())),
+        Err(_) => return Err(refused("not a zstd frame".into())),
+    };
+    if size > max_bytes as u64 {
+        return Err(Status::resource_exhausted(format!(
+            "batch rejected, nothing stored: {size} bytes decompressed, more than the \
+             {max_bytes} this collector takes (--max-batch-bytes)"
+        )));
+    }
+    let size = size as usize;
+    let request = DECOMPRESSOR.with_borrow_mut(|decompressor| {
+        let decompressor = match decompressor {
+            Some(decompressor) => decompressor,
+            None => decompressor.insert(zstd::bulk::Decompressor::new()?),
+        };
+        decompressor.decompress(frame, size)
+    });
+    // zstd checks the frame's content against its stated size, and refuses
+    // further frames that would exceed it.
+    let request =
+        request.map_err(|err| refused(format!("the zstd frame does not decompress: {err}")))?;
+    PushRequest::decode(&request[..]).map_err(|err| refused(format!("not a PushRequest: {err}")))
+}
+
 /// How long agents wait at least before retrying a batch refused for a full
 /// disk: freeing space takes an operator, so retrying sooner only costs the
 /// collector decoding batches it cannot store.
@@ -119,8 +182,22 @@ fn disk_full() -> Status {
 #[tonic::async_trait]
 impl ingest_server::Ingest for IngestService {
     async fn push(&self, request: Request<PushRequest>) -> Result<Response<PushResponse>, Status> {
+        self.answer(Incoming::Plain(request.into_inner())).await
+    }
+
+    async fn push_compressed(
+        &self,
+        request: Request<CompressedPushRequest>,
+    ) -> Result<Response<PushResponse>, Status> {
+        self.answer(Incoming::Zstd(request.into_inner().zstd_push_request))
+            .await
+    }
+}
+
+impl IngestService {
+    async fn answer(&self, incoming: Incoming) -> Result<Response<PushResponse>, Status> {
         let started = Instant::now();
-        let (answer, result) = self.store(request.into_inner()).await;
+        let (answer, result) = self.store(incoming).await;
         let stored = answer
             .as_ref()
             .map_or(0, |response| response.samples_stored);

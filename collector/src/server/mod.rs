@@ -42,8 +42,9 @@ pub struct ServerConfig {
     pub grpc_listen: SocketAddr,
     /// `None`: no HTTP API.
     pub http_listen: Option<SocketAddr>,
-    /// Largest encoded (decompressed) gRPC message accepted; larger batches
-    /// are refused with RESOURCE_EXHAUSTED before they are decoded.
+    /// Largest encoded (decompressed) gRPC message accepted, and largest
+    /// `PushRequest` a `PushCompressed` frame may hold; larger batches are
+    /// refused with RESOURCE_EXHAUSTED before they are decoded.
     pub max_message_bytes: usize,
     pub limits: IngestLimits,
     /// Samples older than this are deleted in the background.
@@ -223,6 +224,7 @@ pub async fn start(
         Arc::clone(&storage),
         config.limits.clone(),
         metrics.clone(),
+        config.max_message_bytes,
     ))
     .accept_compressed(CompressionEncoding::Gzip)
     .accept_compressed(CompressionEncoding::Zstd)
