@@ -72,10 +72,10 @@ use stackscope_unwind::walker::{WalkStats, WalkerConfig};
 pub trait BatchSink: Send {
     fn send(&mut self, batch: Batch);
 
-    /// Bytes the sink could still take before it is full: room the files
-    /// the symbolizer keeps open may use meanwhile (only the batch worker
-    /// fills the sink, one batch per interval, and it closes files before
-    /// it sends).
+    /// Bytes the sink could still take before it is full, less room for
+    /// the next batches: what the files the symbolizer keeps open may use
+    /// meanwhile (only the batch worker fills the sink, one batch per
+    /// interval, and it closes files before it sends).
     fn spare_bytes(&self) -> u64 {
         0
     }

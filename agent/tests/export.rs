@@ -16,7 +16,10 @@ use std::{
 
 use prost::Message;
 use stackscope_agent::export::{Compression, ExportConfig, ExportError, Exporter, TlsConfig};
-use stackscope_collector_client::{connect::ConnectError, ingest::push::RequestEncoder};
+use stackscope_collector_client::{
+    connect::ConnectError,
+    ingest::push::{CollectorSupport, RequestEncoder},
+};
 use stackscope_proto::v1::{
     Batch, CompressedPushRequest, Label, LabelSet, Line, Location, Mapping, MappingKind, Node,
     PushRequest, PushResponse, Sample, Stack,
@@ -70,6 +73,8 @@ struct Collector {
     /// Answer `PushCompressed` as a collector from before it does: tonic's
     /// generated server answers an unknown method UNIMPLEMENTED, no message.
     before_push_compressed: bool,
+    /// `PushCompressed` calls so far, answered or not.
+    push_compressed_calls: Mutex<u32>,
 }
 
 impl Collector {
@@ -111,6 +116,7 @@ impl Ingest for Collector {
         &self,
         request: Request<CompressedPushRequest>,
     ) -> Result<Response<PushResponse>, Status> {
+        *self.push_compressed_calls.lock().unwrap() += 1;
         if self.before_push_compressed {
             return Err(Status::unimplemented(""));
         }
@@ -304,7 +310,10 @@ fn id_of(batch: &Batch) -> u8 {
 /// What batch `n` takes in the queue by default: its push request, encoded
 /// and compressed.
 fn request_len(n: u8) -> usize {
-    RequestEncoder::zstd().unwrap().encode(batch(n)).len()
+    RequestEncoder::zstd(CollectorSupport::default())
+        .unwrap()
+        .encode(batch(n))
+        .len()
 }
 
 /// A batch whose id is `[n; 16]`, with every kind of table filled, and the
@@ -460,18 +469,29 @@ async fn a_collector_from_before_compressed_pushes_gets_them_as_grpc_zstd() {
     })
     .await;
     let exporter = Exporter::start(config(server.http())).unwrap();
+    // Queued compressed, before the collector said anything.
     for n in 0..3 {
         exporter.enqueue(compressible_batch(n));
     }
+    wait_until("the three arrived", || server.collector.stored().len() == 3).await;
+    // Asked once: later batches are not compressed only to be
+    // decompressed again, and wait in the queue as they are sent.
+    exporter.enqueue(compressible_batch(3));
+    let plain_len = PushRequest {
+        batch: Some(compressible_batch(3)),
+    }
+    .encoded_len();
+    assert_eq!(exporter.stats().queued_bytes, plain_len as u64);
     let stats = exporter.shutdown(Duration::from_secs(10)).await;
-    assert_eq!(stats.batches_sent, 3);
+    assert_eq!(stats.batches_sent, 4);
     assert_eq!((stats.batches_rejected, stats.retries), (0, 0));
+    assert_eq!(*server.collector.push_compressed_calls.lock().unwrap(), 1);
     let seen = server.collector.seen.lock().unwrap().clone();
     let sent: Vec<_> = seen
         .iter()
         .map(|s| (s.method, s.encoding.as_deref(), s.batch.clone()))
         .collect();
-    let expected: Vec<_> = (0..3)
+    let expected: Vec<_> = (0..4)
         .map(|n| ("Push", Some("zstd"), compressible_batch(n)))
         .collect();
     assert_eq!(sent, expected);

@@ -447,6 +447,81 @@ fn compressed_bytes(bytes: &[u8]) -> CompressedPushRequest {
     }
 }
 
+/// `frame` with the content size its header states replaced by `size`,
+/// in a field of the same width.
+fn restated(frame: &[u8], size: u64) -> Vec<u8> {
+    let descriptor = frame[4];
+    let single_segment = descriptor & 0x20 != 0;
+    let dictionary_id_bytes = [0, 1, 2, 4][usize::from(descriptor & 3)];
+    let size_bytes = match descriptor >> 6 {
+        0 => usize::from(single_segment),
+        1 => 2,
+        2 => 4,
+        _ => 8,
+    };
+    let at = 5 + usize::from(!single_segment) + dictionary_id_bytes;
+    // A two-byte field holds the size less 256.
+    let stored = if size_bytes == 2 { size - 256 } else { size };
+    let mut restated = frame.to_vec();
+    restated[at..at + size_bytes].copy_from_slice(&stored.to_le_bytes()[..size_bytes]);
+    assert_eq!(
+        zstd::zstd_safe::get_frame_content_size(&restated).ok(),
+        Some(Some(size))
+    );
+    restated
+}
+
+/// Hostile frames that pass the size check: each is refused, nothing of it
+/// stored, and no more is allocated for it than its stated size.
+#[tokio::test]
+async fn frames_that_lie_about_their_size_or_carry_more_are_refused() {
+    let fixture = start(None).await;
+    let mut client = IngestClient::new(fixture.channel().await);
+    let request = PushRequest {
+        batch: Some(batch(1, "node-a", "redis", 3, 0)),
+    };
+    let plain = request.encode_to_vec();
+    let frame = zstd::bulk::compress(&plain, 3).unwrap();
+    let size = plain.len() as u64;
+    let other = zstd::bulk::compress(
+        &PushRequest {
+            batch: Some(batch(2, "node-a", "redis", 5, 0)),
+        }
+        .encode_to_vec(),
+        3,
+    )
+    .unwrap();
+    // A skippable frame (magic 0x184D2A5?, its length, its bytes) states no
+    // content; the real frame after it does.
+    let mut skippable_first = vec![0x50, 0x2a, 0x4d, 0x18, 4, 0, 0, 0, 1, 2, 3, 4];
+    skippable_first.extend_from_slice(&frame);
+    for (what, frame) in [
+        ("two frames", [frame.clone(), other].concat()),
+        ("a skippable frame first", skippable_first),
+        ("stating less", restated(&frame, size - 1)),
+        ("stating more", restated(&frame, size + 1)),
+    ] {
+        let err = client
+            .push_compressed(CompressedPushRequest {
+                zstd_push_request: frame.into(),
+            })
+            .await
+            .expect_err(what);
+        assert_eq!(err.code(), Code::InvalidArgument, "{what}: {err:?}");
+        assert!(err.message().contains("nothing stored"), "{what}: {err:?}");
+    }
+    assert_eq!(fixture.total(vec![]).await, 0, "nothing stored");
+    // The same frame, as it was made, is taken.
+    let answer = client
+        .push_compressed(CompressedPushRequest {
+            zstd_push_request: frame.into(),
+        })
+        .await
+        .expect("the frame as made");
+    assert_eq!(answer.into_inner().samples_stored, 1);
+    fixture.collector.shutdown().await.expect("clean shutdown");
+}
+
 #[tokio::test]
 async fn compressed_pushes_are_stored_once_and_bad_frames_refused_first() {
     let fixture = start(None).await;

@@ -110,7 +110,6 @@ impl BatchWorker {
                 let own_share = symbolizer.max_open_bytes;
                 let most = own_share.max(DEFAULT_MAX_OPEN_BYTES);
                 let mut symbolizer = Symbolizer::new(symbolizer);
-                let mut last_batch_bytes = 0;
                 lock(&stats).symbolize = symbolizer.stats();
                 publish_state(&symbolizer);
                 for interval in queue {
@@ -125,16 +124,12 @@ impl BatchWorker {
                         continue;
                     }
                     let started = Instant::now();
-                    // Room for this batch in the queue kept free: it is
-                    // about as large as the last one.
-                    let lent = sink.as_ref().map_or(0, |sink| {
-                        sink.spare_bytes().saturating_sub(2 * last_batch_bytes)
-                    });
+                    let lent = sink.as_ref().map_or(0, |sink| sink.spare_bytes());
                     symbolizer.set_max_open_bytes(own_share.saturating_add(lent).min(most));
                     let batch = build_batch(&interval, &mut symbolizer, &options);
                     // Sized once here: sizing walks every stack's locations,
                     // as encoding the batch does again.
-                    last_batch_bytes = batch.encoded_len() as u64;
+                    let last_batch_bytes = batch.encoded_len() as u64;
                     let micros = u64::try_from(started.elapsed().as_micros()).unwrap_or(u64::MAX);
                     if let Some(uploads) = &uploads {
                         offer_binaries(&interval, uploads);

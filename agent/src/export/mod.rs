@@ -1,4 +1,5 @@
-//! Ships finished [`Batch`]es to the collector's `Ingest.Push` over gRPC.
+//! Ships finished [`Batch`]es to the collector's `Ingest` service over gRPC
+//! (`PushCompressed`, or `Push`; see [`stackscope_collector_client::ingest::push`]).
 //!
 //! Owns the connection to the collector (plain or TLS, optional mTLS and
 //! bearer token, compression), a queue bounded in bytes, retries with
@@ -45,7 +46,10 @@ pub use stackscope_collector_client::connect::TlsConfig;
 use stackscope_collector_client::connect::{self, ConnectError};
 
 use stackscope_collector_client::ingest::{
-    push::{EncodedRequest, IngestPusher, PushOptions, RequestEncoder},
+    push::{
+        ASK_AGAIN_AFTER, CollectorSupport, EncodedRequest, IngestPusher, PushOptions,
+        RequestEncoder,
+    },
     retry::{Backoff, is_retryable, pushback},
 };
 
@@ -258,9 +262,14 @@ impl Exporter {
         let runtime = tokio::runtime::Handle::try_current().map_err(|_| ExportError::NoRuntime)?;
         let _entered = runtime.enter();
 
-        let client = IngestPusher::new(endpoint.connect_lazy(), config.compression.encoding());
+        let support = CollectorSupport::default();
+        let client = IngestPusher::new(
+            endpoint.connect_lazy(),
+            config.compression.encoding(),
+            support.clone(),
+        );
         let encoder = match config.compression {
-            Compression::Zstd => RequestEncoder::zstd().unwrap_or_else(|err| {
+            Compression::Zstd => RequestEncoder::zstd(support).unwrap_or_else(|err| {
                 warn!("zstd could not start ({err}): batches are sent with gRPC's zstd instead");
                 RequestEncoder::plain()
             }),
@@ -271,6 +280,7 @@ impl Exporter {
                 queue: Queue::new(config.max_queue_bytes),
                 in_flight: None,
                 totals: ExportStats::default(),
+                last_queued_bytes: 0,
                 queue_full_log: LogLimiter::new(LOG_EVERY),
                 too_large_log: LogLimiter::new(LOG_EVERY),
                 rejected_log: LogLimiter::new(LOG_EVERY),
@@ -311,6 +321,7 @@ impl Exporter {
         };
         let now = Instant::now();
         let mut state = self.shared.lock();
+        state.last_queued_bytes = pending.bytes;
         match state.queue.push_back(pending) {
             Ok(evicted) => {
                 if evicted.batches > 0 {
@@ -355,9 +366,13 @@ impl Exporter {
     }
 
     /// Bytes the queue could take before it is full (the batch being sent
-    /// counted as queued).
+    /// counted as queued), less room for the next two batches, each about
+    /// as large as the last one queued: what it can lend.
     pub fn spare_bytes(&self) -> u64 {
-        (self.shared.max_queue_bytes as u64).saturating_sub(self.stats().queued_bytes)
+        let kept = 2 * self.shared.lock().last_queued_bytes as u64;
+        (self.shared.max_queue_bytes as u64)
+            .saturating_sub(self.stats().queued_bytes)
+            .saturating_sub(kept)
     }
 
     /// Reads [`Exporter::stats`] from elsewhere (the metrics endpoint)
@@ -439,6 +454,8 @@ struct State {
     in_flight: Option<(usize, u64)>,
     /// Counters; the `queued_*` fields are filled in by [`Shared::stats`].
     totals: ExportStats,
+    /// What the last batch took in the queue, encoded and compressed.
+    last_queued_bytes: usize,
     queue_full_log: LogLimiter,
     too_large_log: LogLimiter,
     rejected_log: LogLimiter,
@@ -552,16 +569,18 @@ async fn deliver(
 ) {
     let mut backoff = Backoff::new(settings.initial_backoff, settings.max_backoff);
     let mut failing = false;
-    let mut told_old_collector = false;
     while let Some(mut pending) = next_batch(&shared, &mut closing).await {
         let answer = push(&mut client, &pending.request, &settings).await;
-        if !client.collector_takes_compressed() && !told_old_collector {
-            told_old_collector = true;
-            info!(
-                "the collector {} does not take compressed batches (a version from before \
-                 Ingest.PushCompressed): sending them with gRPC's zstd instead, which costs \
-                 the agent more CPU",
-                shared.endpoint
+        // At most once per ASK_AGAIN_AFTER.
+        if let Some(refusal) = client.take_compressed_refusal() {
+            warn!(
+                "the collector {} does not take batches compressed by the agent ({}): a \
+                 collector from before Ingest.PushCompressed, or a proxy that does not route \
+                 it; sending them with gRPC's zstd, which costs the agent more CPU, and \
+                 asking again in {}",
+                shared.endpoint,
+                describe(&refusal),
+                humantime::format_duration(ASK_AGAIN_AFTER),
             );
         }
         match answer {

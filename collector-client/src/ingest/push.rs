@@ -9,16 +9,23 @@
 //! buffer kept between batches and compressed by a compressor kept likewise,
 //! which knows the input's size; the result is the whole request as it goes
 //! on the wire, sent as is by every attempt: `Ingest.PushCompressed` for a
-//! compressed batch, `Ingest.Push` otherwise (tonic compresses those when
-//! gzip is asked for). A collector from before `PushCompressed` answers it
-//! UNIMPLEMENTED; the pusher then decompresses and sends `Push` with gRPC's
-//! zstd, for this and every later batch.
+//! compressed batch, `Ingest.Push` otherwise (with the gRPC compression
+//! asked for). A collector from before `PushCompressed` (or a proxy that
+//! does not route it) answers it UNIMPLEMENTED; the pusher then sends that
+//! batch by `Push` with gRPC's zstd, and the encoder stops compressing, for
+//! [`ASK_AGAIN_AFTER`]: the collector may be upgraded meanwhile.
 //!
 //! Owns: the ingest service's push path, the request encoding and the
 //! codec. Does not own the queue or the connection (the agent's exporter
 //! does).
 
-use std::time::Duration;
+use std::{
+    sync::{
+        Arc,
+        atomic::{AtomicU64, Ordering},
+    },
+    time::{Duration, Instant},
+};
 
 use prost::{
     Message as _,
@@ -47,6 +54,49 @@ const ZSTD_LEVEL: i32 = 3;
 /// for the agent's lifetime.
 const MAX_KEPT_BUFFER_BYTES: usize = 4 << 20;
 
+/// How long a collector that answered `PushCompressed` UNIMPLEMENTED is
+/// taken at its word: one request in this long is spent asking again.
+pub const ASK_AGAIN_AFTER: Duration = Duration::from_secs(600);
+
+/// Whether the collector takes `PushCompressed`, as far as is known: learnt
+/// by the pusher, read by the encoder (which does not compress what would
+/// only be decompressed again). Clones share it.
+#[derive(Debug, Clone)]
+pub struct CollectorSupport(Arc<Support>);
+
+#[derive(Debug)]
+struct Support {
+    since: Instant,
+    /// Milliseconds after `since` before which `PushCompressed` is not
+    /// tried: 0 until the collector refuses it.
+    refused_until_ms: AtomicU64,
+}
+
+impl Default for CollectorSupport {
+    fn default() -> Self {
+        Self(Arc::new(Support {
+            since: Instant::now(),
+            refused_until_ms: AtomicU64::new(0),
+        }))
+    }
+}
+
+impl CollectorSupport {
+    pub fn takes_compressed(&self) -> bool {
+        self.now_ms() >= self.0.refused_until_ms.load(Ordering::Relaxed)
+    }
+
+    fn refused_compressed(&self) {
+        let until = self
+            .now_ms()
+            .saturating_add(ASK_AGAIN_AFTER.as_millis() as u64);
+        self.0.refused_until_ms.store(until, Ordering::Relaxed);
+    }
+
+    fn now_ms(&self) -> u64 {
+        u64::try_from(self.0.since.elapsed().as_millis()).unwrap_or(u64::MAX)
+    }
+}
 /// A push request as it goes on the wire, ready to be sent as many times as
 /// retries need.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -86,14 +136,16 @@ impl EncodedRequest {
 }
 
 /// Encodes batches as push requests, compressing them with zstd when
-/// asked; keeps its buffers and compressor from one batch to the next.
+/// asked (and the collector takes them so); keeps its buffers and
+/// compressor from one batch to the next.
 pub struct RequestEncoder {
-    encoded: Vec<u8>,
     zstd: Option<ZstdState>,
 }
 
 struct ZstdState {
+    support: CollectorSupport,
     compressor: zstd::bulk::Compressor<'static>,
+    encoded: Vec<u8>,
     compressed: Vec<u8>,
 }
 
@@ -108,19 +160,18 @@ impl std::fmt::Debug for RequestEncoder {
 impl RequestEncoder {
     /// An encoder of plain requests (gRPC compresses them, if at all).
     pub fn plain() -> Self {
-        Self {
-            encoded: Vec::new(),
-            zstd: None,
-        }
+        Self { zstd: None }
     }
 
-    /// An encoder of zstd-compressed requests. Fails only when zstd cannot
-    /// allocate its context.
-    pub fn zstd() -> std::io::Result<Self> {
+    /// An encoder of zstd-compressed requests while `support` says the
+    /// collector takes them. Fails only when zstd cannot allocate its
+    /// context.
+    pub fn zstd(support: CollectorSupport) -> std::io::Result<Self> {
         Ok(Self {
-            encoded: Vec::new(),
             zstd: Some(ZstdState {
+                support,
                 compressor: zstd::bulk::Compressor::new(ZSTD_LEVEL)?,
+                encoded: Vec::new(),
                 compressed: Vec::new(),
             }),
         })
@@ -131,32 +182,30 @@ impl RequestEncoder {
     /// memory) goes plain rather than be lost.
     pub fn encode(&mut self, batch: Batch) -> EncodedRequest {
         let request = PushRequest { batch: Some(batch) };
-        self.encoded.clear();
-        self.encoded.reserve(request.encoded_len());
-        // Cannot fail: the buffer was given the room.
-        let _ = request.encode(&mut self.encoded);
-        let encoded = match &mut self.zstd {
-            Some(zstd) => zstd
-                .compress(&self.encoded)
-                .map(EncodedRequest::Zstd)
-                .unwrap_or_else(|_| EncodedRequest::Plain(Bytes::copy_from_slice(&self.encoded))),
-            None => EncodedRequest::Plain(Bytes::copy_from_slice(&self.encoded)),
-        };
-        release_if_large(&mut self.encoded);
-        encoded
+        if let Some(zstd) = &mut self.zstd
+            && zstd.support.takes_compressed()
+            && let Ok(compressed) = zstd.compress(&request)
+        {
+            return EncodedRequest::Zstd(compressed);
+        }
+        EncodedRequest::Plain(request.encode_to_vec().into())
     }
 }
 
 impl ZstdState {
     /// `CompressedPushRequest` around `request` compressed: the field's key
     /// and length, then the frame, in one allocation of the exact size.
-    fn compress(&mut self, request: &[u8]) -> std::io::Result<Bytes> {
+    fn compress(&mut self, request: &PushRequest) -> std::io::Result<Bytes> {
+        self.encoded.clear();
+        self.encoded.reserve(request.encoded_len());
+        // Cannot fail: the buffer was given the room.
+        let _ = request.encode(&mut self.encoded);
         self.compressed.clear();
         self.compressed
-            .reserve(zstd::zstd_safe::compress_bound(request.len()));
+            .reserve(zstd::zstd_safe::compress_bound(self.encoded.len()));
         let result = self
             .compressor
-            .compress_to_buffer(request, &mut self.compressed);
+            .compress_to_buffer(&self.encoded[..], &mut self.compressed);
         let wrapped = result.map(|_| {
             use prost::encoding::{WireType, encode_key, encode_varint, encoded_len_varint};
             let frame = &self.compressed[..];
@@ -168,6 +217,7 @@ impl ZstdState {
             out.put_slice(frame);
             Bytes::from(out)
         });
+        release_if_large(&mut self.encoded);
         release_if_large(&mut self.compressed);
         wrapped
     }
@@ -207,14 +257,21 @@ pub struct IngestPusher {
     uncompressed: tonic::client::Grpc<Channel>,
     /// For `Push`, with the configured gRPC compression.
     compressing: tonic::client::Grpc<Channel>,
-    takes_compressed: bool,
+    support: CollectorSupport,
+    /// The collector's last refusal of `PushCompressed`, until taken.
+    refusal: Option<Status>,
 }
 
 impl IngestPusher {
     /// `compression` is what `Push` uses on the wire: for batches encoded
-    /// plain, and for compressed ones when the collector is too old to
-    /// take them as they are (zstd is the right choice then).
-    pub fn new(channel: Channel, compression: Option<CompressionEncoding>) -> Self {
+    /// plain, and for compressed ones when the collector does not take
+    /// them as they are (zstd is the right choice then). `support` is
+    /// shared with the encoder.
+    pub fn new(
+        channel: Channel,
+        compression: Option<CompressionEncoding>,
+        support: CollectorSupport,
+    ) -> Self {
         let uncompressed = tonic::client::Grpc::new(channel);
         let mut compressing = uncompressed.clone();
         if let Some(encoding) = compression {
@@ -223,13 +280,15 @@ impl IngestPusher {
         Self {
             uncompressed,
             compressing,
-            takes_compressed: true,
+            support,
+            refusal: None,
         }
     }
 
-    /// `false` once the collector answered `PushCompressed` UNIMPLEMENTED.
-    pub fn collector_takes_compressed(&self) -> bool {
-        self.takes_compressed
+    /// The collector's answer when it last refused `PushCompressed` (the
+    /// batch then went by `Push`), once.
+    pub fn take_compressed_refusal(&mut self) -> Option<Status> {
+        self.refusal.take()
     }
 
     /// Pushes `request`, by the method its encoding calls for (see the
@@ -240,12 +299,15 @@ impl IngestPusher {
         options: &PushOptions,
     ) -> Result<PushResponse, Status> {
         if let EncodedRequest::Zstd(bytes) = request
-            && self.takes_compressed
+            && self.support.takes_compressed()
         {
             let path = PathAndQuery::from_static(PUSH_COMPRESSED_PATH);
             match unary(&mut self.uncompressed, path, bytes.clone(), options).await {
+                // Sent without gRPC compression, so not a refused encoding:
+                // the method is unknown.
                 Err(status) if status.code() == Code::Unimplemented => {
-                    self.takes_compressed = false;
+                    self.support.refused_compressed();
+                    self.refusal = Some(status);
                 }
                 answer => return answer,
             }
@@ -362,7 +424,7 @@ mod tests {
 
     #[test]
     fn compressed_bytes_are_a_smaller_frame_that_states_its_size() {
-        let mut encoder = RequestEncoder::zstd().unwrap();
+        let mut encoder = RequestEncoder::zstd(CollectorSupport::default()).unwrap();
         let plain_len = PushRequest {
             batch: Some(batch(2000)),
         }
@@ -393,7 +455,27 @@ mod tests {
     }
 
     #[test]
-    fn a_frame_that_is_not_a_push_request_is_data_loss_not_a_panic() {
+    fn while_the_collector_refuses_compressed_pushes_batches_are_encoded_plain() {
+        let support = CollectorSupport::default();
+        let mut encoder = RequestEncoder::zstd(support.clone()).unwrap();
+        assert!(matches!(encoder.encode(batch(10)), EncodedRequest::Zstd(_)));
+        support.refused_compressed();
+        assert!(!support.takes_compressed());
+        let encoded = encoder.encode(batch(10));
+        assert_eq!(
+            encoded,
+            EncodedRequest::Plain(
+                PushRequest {
+                    batch: Some(batch(10))
+                }
+                .encode_to_vec()
+                .into()
+            )
+        );
+    }
+
+    #[test]
+    fn bytes_that_are_not_a_compressed_request_are_data_loss_not_a_panic() {
         for bytes in [
             Bytes::from_static(b"\x0a\x03abc"),
             Bytes::from_static(b"\xff\xff"),
