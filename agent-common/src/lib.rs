@@ -769,6 +769,7 @@ pub mod names {
     pub const SAMPLE_RINGS: &str = "SAMPLE_RINGS";
     pub const SCRATCH: &str = "SCRATCH";
     pub const COUNTERS: &str = "COUNTERS";
+    pub const RECORDS_LOST: &str = "RECORDS_LOST";
     pub const TGID_ALLOW: &str = "TGID_ALLOW";
     pub const CGROUP_POLICY: &str = "CGROUP_POLICY";
     pub const AGENT_TGID: &str = "AGENT_TGID";

@@ -16,6 +16,7 @@
 //! planner (`stackscope_unwind::walker::stitching`) learns them from walks.
 
 mod cpu_clock;
+mod losses;
 pub mod mapping_feed;
 pub mod record;
 mod rings;
@@ -42,6 +43,7 @@ use tokio::io::unix::AsyncFd;
 
 use stackscope_unwind::walker::stitching::PlanUpdate;
 
+use losses::LostRecords;
 pub use rings::RingsError;
 use rings::{RingLayout, Rings};
 
@@ -234,6 +236,11 @@ pub enum SamplerError {
         #[source]
         source: aya::programs::ProgramError,
     },
+    #[error("BPF map RECORDS_LOST could not be mapped into memory")]
+    MapLostRecords {
+        #[source]
+        source: io::Error,
+    },
     #[error("BPF map {name} could not be used")]
     Map {
         name: &'static str,
@@ -341,6 +348,8 @@ pub struct Sampler {
     /// processes, and what we last wrote.
     paced_map: Array<MapData, u32>,
     paced: bool,
+    /// Records lost to full rings, as the program counts them (mapped).
+    records_lost: LostRecords,
     /// Ring buffer losses already reported by `take_new_losses`.
     losses_seen: u64,
     /// The off-CPU program attached, if any (see [`OffCpuConfig`]).
@@ -418,6 +427,7 @@ impl Sampler {
             .override_global(names::OFF_CPU_SAMPLES_PER_SEC, &off_cpu_rate, true)
             .override_global(aya_log::LEVEL, &log_level, false)
             .map_max_entries(names::SCRATCH, cpu_slots as u32)
+            .map_max_entries(names::RECORDS_LOST, cpu_slots as u32)
             // The deep ring's slot, then one per CPU.
             .map_max_entries(names::SAMPLE_RINGS, cpu_slots as u32 + 1)
             .load(BPF_OBJECT)
@@ -485,6 +495,11 @@ impl Sampler {
         }
 
         let counters = take_map(&mut ebpf, names::COUNTERS)?;
+        let records_lost = match ebpf.take_map(names::RECORDS_LOST) {
+            Some(aya::maps::Map::Array(map)) => LostRecords::map(map, cpu_slots)
+                .map_err(|source| SamplerError::MapLostRecords { source })?,
+            _ => return Err(SamplerError::Missing(names::RECORDS_LOST)),
+        };
         let plan_map = take_map(&mut ebpf, names::STACK_PLANS)?;
         let copy_map = take_map(&mut ebpf, names::COPY_BYTES)?;
         let top_map = take_map(&mut ebpf, names::STACK_TOPS)?;
@@ -499,6 +514,7 @@ impl Sampler {
             drain_timer,
             pace: DrainPace::new(drain_interval, config.idle_drain_interval, Instant::now()),
             counters,
+            records_lost,
             policy_map,
             policies,
             plan_map,
@@ -650,18 +666,13 @@ impl Sampler {
     /// (the first call counts from the start). A lost exec or exit record
     /// leaves per-process state stale, so the reader checks this before
     /// each drain.
-    pub fn take_new_losses(&mut self) -> Result<u64, SamplerError> {
-        let per_cpu = self
-            .counters
-            .get(&(Counter::RingBufferFull as u32), 0)
-            .map_err(|source| SamplerError::Map {
-                name: names::COUNTERS,
-                source,
-            })?;
-        let total: u64 = per_cpu.iter().sum();
-        let new = total.saturating_sub(self.losses_seen);
+    /// Reads mapped memory: no system call, so it can come before every
+    /// drain.
+    pub fn take_new_losses(&mut self) -> u64 {
+        let total = self.records_lost.total();
+        let new = total.wrapping_sub(self.losses_seen);
         self.losses_seen = total;
-        Ok(new)
+        new
     }
 
     /// Passes the records queued right now to `on_record`, without waiting,

@@ -300,23 +300,23 @@ async fn sample(
         let step = tokio::select! {
             ready = records_ready(&mut sampler, &mut records.feed) => ready
                 .map_err(RunError::Read)
-                .and_then(|()| drain(&mut records, &mut sampler, &reports, &handoffs, &metadata, began)),
+                .map(|()| drain(&mut records, &mut sampler, &reports, &handoffs, &metadata, began)),
             _ = intervals.tick() => {
                 // What was sampled up to now belongs to this interval, not
                 // to the next one: the last drain may be up to a drain
                 // period old.
-                drain(&mut records, &mut sampler, &reports, &handoffs, &metadata, began).map(|()| {
-                    metadata.find_gone(records.tracked_processes());
-                    records.walker.trim_tables();
-                    records.python.trim_codes(&mut records.processes);
-                    records.sink.aggregator.trim_jvms();
-                    let end = nearest_boundary(SystemTime::now(), interval);
-                    // An interval that still waits ends now, or runs on to
-                    // `end` if the worker is still busy.
-                    if let Some(earlier) = ending.tick(end, Instant::now()) {
-                        worker.try_submit(|| records.sink.aggregator.finish_interval(earlier));
-                    }
-                })
+                drain(&mut records, &mut sampler, &reports, &handoffs, &metadata, began);
+                metadata.find_gone(records.tracked_processes());
+                records.walker.trim_tables();
+                records.python.trim_codes(&mut records.processes);
+                records.sink.aggregator.trim_jvms();
+                let end = nearest_boundary(SystemTime::now(), interval);
+                // An interval that still waits ends now, or runs on to
+                // `end` if the worker is still busy.
+                if let Some(earlier) = ending.tick(end, Instant::now()) {
+                    worker.try_submit(|| records.sink.aggregator.finish_interval(earlier));
+                }
+                Ok(())
             }
             () = tokio::time::sleep_until(labels_deadline), if ending.deadline().is_some() => Ok(()),
             Some(command) = commands.recv() => {
@@ -341,10 +341,8 @@ async fn sample(
             worker.try_submit(|| records.sink.aggregator.finish_interval(end));
         }
     };
-    if ended.is_ok()
-        && let Err(err) = last_labels(&mut records, &mut sampler, &metadata, &mut commands).await
-    {
-        tracing::warn!("reading the last records failed: {err}");
+    if ended.is_ok() {
+        last_labels(&mut records, &mut sampler, &metadata, &mut commands).await;
     }
     // With the worker busy, its samples go with the last interval.
     if let Some(end) = ending.take() {
@@ -427,8 +425,8 @@ async fn last_labels(
     sampler: &mut Sampler,
     metadata: &MetadataJobs,
     commands: &mut mpsc::Receiver<Command>,
-) -> Result<(), SamplerError> {
-    records.drain(sampler)?;
+) {
+    records.drain(sampler);
     records.ask_metadata(metadata);
     let deadline = Instant::now() + ANSWERS_WAIT;
     // Reads matter here only for held samples: a re-read holds none.
@@ -451,7 +449,6 @@ async fn last_labels(
             Ok(None) | Err(_) => break,
         }
     }
-    Ok(())
 }
 
 /// Resolves when there are records to read: samples in the ring buffer or
@@ -473,8 +470,8 @@ fn drain(
     handoffs: &Handoffs,
     metadata: &MetadataJobs,
     began: Instant,
-) -> Result<(), RunError> {
-    records.drain(sampler)?;
+) {
+    records.drain(sampler);
     let asked = records.ask_metadata(metadata);
     if asked.new_processes {
         sampler.met_new_processes();
@@ -485,7 +482,6 @@ fn drain(
     if records.sink.aggregator.take_unknown_pod_seen() {
         handoffs.report(reports, Report::UnknownPod);
     }
-    Ok(())
 }
 
 /// Takes what is still queued, reads the final counters, detaches the
@@ -497,7 +493,7 @@ fn finish(
     handoffs: &Handoffs,
     began: Instant,
 ) -> Result<RunSummary, RunError> {
-    records.drain(&mut sampler)?;
+    records.drain(&mut sampler);
     let kernel = sampler.counters()?;
     let program = sampler.program_stats()?;
     let off_cpu_program = sampler.off_cpu_program_stats()?;
@@ -780,11 +776,11 @@ impl RecordTally {
     /// Reads every record queued (the mapping events first, so that each
     /// sample finds the mappings it was taken with), walks and counts them,
     /// and hands the sampler the copy plans the walks taught.
-    fn drain(&mut self, sampler: &mut Sampler) -> Result<(), SamplerError> {
+    fn drain(&mut self, sampler: &mut Sampler) {
         let horizon = self.feed.collect();
         // Before the drain: a lost exit or exec record may have left a
         // process's state stale for the records about to be read.
-        if sampler.take_new_losses()? > 0 || self.feed.take_losses() {
+        if sampler.take_new_losses() > 0 || self.feed.take_losses() {
             self.walker.forget_all_processes(&mut self.processes);
             self.sink.aggregator.forget_all_processes();
         }
@@ -799,7 +795,6 @@ impl RecordTally {
         // they never stay past their bound until the interval ends (the
         // hour's soak saw 69 MB of a 64 MiB bound between two trims).
         self.walker.trim_tables();
-        Ok(())
     }
 
     /// Applies the mapping events up to `horizon` (a record's time, or one
