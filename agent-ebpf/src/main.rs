@@ -2162,15 +2162,23 @@ fn count_lost_record() {
     // SAFETY: a plain helper call.
     let cpu = unsafe { bpf_get_smp_processor_id() };
     if let Some(lost) = RECORDS_LOST.get_ptr_mut(cpu) {
-        // SAFETY: the CPU's own slot, and the program does not nest on a
-        // CPU; the reader only reads it.
+        // SAFETY: this CPU's slot; the reader only loads it. Not atomic
+        // (the BPF target has no read-modify-write atomics in Rust): a tick
+        // can interrupt the exec and exit programs between their load and
+        // store on the same CPU (the cpu-clock event fires from a timer
+        // interrupt, they run with interrupts on), and one of the two
+        // losses is then not counted. The count still moves past what the
+        // reader last saw, which is all it looks for; it may step back by
+        // one, which the reader reads as no new loss.
         unsafe { *lost += 1 };
     }
 }
 
 fn add(counter: Counter, n: u64) {
     if let Some(value) = COUNTERS.get_ptr_mut(counter as u32) {
-        // SAFETY: per-CPU slot, and the program does not nest on a CPU.
+        // SAFETY: this CPU's slot. A tick can interrupt the exec and exit
+        // programs' adds on the same CPU, which at worst loses one count
+        // (see `count_lost_record`).
         unsafe { *value += n };
     }
 }

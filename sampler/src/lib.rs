@@ -666,11 +666,12 @@ impl Sampler {
     /// (the first call counts from the start). A lost exec or exit record
     /// leaves per-process state stale, so the reader checks this before
     /// each drain.
+    ///
     /// Reads mapped memory: no system call, so it can come before every
     /// drain.
     pub fn take_new_losses(&mut self) -> u64 {
         let total = self.records_lost.total();
-        let new = total.wrapping_sub(self.losses_seen);
+        let new = total.saturating_sub(self.losses_seen);
         self.losses_seen = total;
         new
     }

@@ -9,6 +9,7 @@ use std::{
     io,
     os::fd::{AsFd as _, AsRawFd as _},
     ptr::NonNull,
+    sync::atomic::{AtomicU64, Ordering},
 };
 
 use aya::maps::MapData;
@@ -64,9 +65,10 @@ impl LostRecords {
     pub(crate) fn total(&self) -> u64 {
         (0..self.count)
             .map(|slot| {
-                // SAFETY: within the mapping; volatile, since the program
-                // writes it. An aligned u64 is read whole.
-                unsafe { self.slots.add(slot).read_volatile() }
+                // SAFETY: within the mapping, aligned; the program writes
+                // it whole (an aligned u64 store), this only loads.
+                unsafe { AtomicU64::from_ptr(self.slots.add(slot).as_ptr()) }
+                    .load(Ordering::Relaxed)
             })
             .fold(0u64, u64::wrapping_add)
     }

@@ -175,13 +175,6 @@ fn records_lost_to_a_full_ring_buffer_are_reported_before_the_next_drain() {
             again < lost,
             "losses are reported once ({lost}, then {again})"
         );
-        // The mapped count the reader checks and the per-CPU one the
-        // report shows count the same losses; the latter was read last.
-        let counted = sampler.counters().expect("counters").ring_buffer_full;
-        assert!(
-            counted >= lost + again,
-            "{counted} counted, {lost} + {again} read"
-        );
     });
     drop(busy);
 }
