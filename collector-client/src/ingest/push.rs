@@ -97,6 +97,7 @@ impl CollectorSupport {
         u64::try_from(self.0.since.elapsed().as_millis()).unwrap_or(u64::MAX)
     }
 }
+
 /// A push request as it goes on the wire, ready to be sent as many times as
 /// retries need.
 #[derive(Debug, Clone, PartialEq, Eq)]
