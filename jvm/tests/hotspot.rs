@@ -40,7 +40,9 @@ impl Drop for Running {
 
 fn compile(dir: &Path) {
     std::fs::write(dir.join("Chain.java"), CHAIN).expect("writing Chain.java");
+    // javac's own JVM would leave /tmp/hsperfdata_<user> behind.
     let status = Command::new("javac")
+        .arg("-J-XX:-UsePerfData")
         .arg("Chain.java")
         .current_dir(dir)
         .status()
@@ -60,6 +62,8 @@ struct Listed {
 
 fn codelist(jcmd: &Path, pid: u32) -> Vec<Listed> {
     let out = Command::new(jcmd)
+        // Its own JVM would leave /tmp/hsperfdata_<user> behind.
+        .arg("-J-XX:-UsePerfData")
         .args([&pid.to_string(), "Compiler.codelist"])
         .output()
         .expect("running jcmd");

@@ -188,6 +188,8 @@ fn programs(scratch: &Path) -> anyhow::Result<Vec<Program>> {
     let java_classes = scratch.join("java");
     run_checked(
         Command::new("javac")
+            // Its own JVM would leave /tmp/hsperfdata_<user> behind.
+            .arg("-J-XX:-UsePerfData")
             .args(["--release", "17", "-d"])
             .arg(&java_classes)
             .arg(fixture("Chain.java")),

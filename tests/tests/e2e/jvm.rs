@@ -27,7 +27,9 @@ const CHAIN: [&str; 5] = [
 fn compiled_fixtures() -> tempfile::TempDir {
     let dir = tempfile::tempdir().expect("temp dir");
     let fixtures = format!("{}/fixtures", env!("CARGO_MANIFEST_DIR"));
+    // javac's own JVM would leave /tmp/hsperfdata_<user> behind.
     let status = Command::new("javac")
+        .arg(format!("-J{NO_PERF_DATA}"))
         .args(["--release", "17", "-d"])
         .arg(dir.path())
         .arg(format!("{fixtures}/Chain.java"))
