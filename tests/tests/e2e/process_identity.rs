@@ -119,6 +119,11 @@ fn records_lost_to_a_full_ring_buffer_are_reported_before_the_next_drain() {
     require_root();
     let spinner = Fixture::compile("call_chain", &[]);
     let _serial = exclusive();
+    // Each CPU writes to its own ring: on a host with more CPUs than
+    // spinners, the short processes would run and exit on an idle CPU
+    // whose ring has room. On one CPU, the spinners, the processes (which
+    // inherit the mask) and their exits share one ring.
+    let _pinned = PinnedToOneCpu::new();
     let busy = [spinner.start(&[]), spinner.start(&[])];
     let config = SamplerConfig {
         frequency_hz: 997,
@@ -133,8 +138,8 @@ fn records_lost_to_a_full_ring_buffer_are_reported_before_the_next_drain() {
     runtime.block_on(async {
         let mut sampler = stackscope_sampler::Sampler::start(&config).expect("the sampler");
         assert_eq!(sampler.take_new_losses(), 0);
-        // Nobody reads for a while: two spinning CPUs at 997 Hz fill the
-        // ring within a second or two (how soon depends on the ring's size
+        // Nobody reads for a while: two spinners at 997 Hz fill their
+        // CPU's ring within a second or two (how soon depends on the ring's size
         // and on what else the host runs), and the exits of these short
         // processes started after that are among what is lost. Half a
         // second more once it is full, so the losses outnumber what comes
@@ -177,4 +182,34 @@ fn records_lost_to_a_full_ring_buffer_are_reported_before_the_next_drain() {
         );
     });
     drop(busy);
+}
+
+/// Keeps the calling thread, and the processes it starts meanwhile, on the
+/// first CPU it may run on; gives it back its CPUs when dropped.
+struct PinnedToOneCpu(libc::cpu_set_t);
+
+impl PinnedToOneCpu {
+    fn new() -> Self {
+        // SAFETY: an all-zero cpu_set_t is an empty set; the calls get
+        // valid pointers and the set's size.
+        unsafe {
+            let mut allowed: libc::cpu_set_t = std::mem::zeroed();
+            let size = std::mem::size_of::<libc::cpu_set_t>();
+            assert_eq!(libc::sched_getaffinity(0, size, &mut allowed), 0);
+            let cpu = (0..libc::CPU_SETSIZE as usize)
+                .find(|&cpu| libc::CPU_ISSET(cpu, &allowed))
+                .expect("a CPU to run on");
+            let mut one: libc::cpu_set_t = std::mem::zeroed();
+            libc::CPU_SET(cpu, &mut one);
+            assert_eq!(libc::sched_setaffinity(0, size, &one), 0);
+            Self(allowed)
+        }
+    }
+}
+
+impl Drop for PinnedToOneCpu {
+    fn drop(&mut self) {
+        // SAFETY: the set read in `new`, with its size.
+        unsafe { libc::sched_setaffinity(0, std::mem::size_of::<libc::cpu_set_t>(), &self.0) };
+    }
 }
