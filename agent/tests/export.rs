@@ -26,7 +26,11 @@ use stackscope_proto::v1::{
     ingest_server::{Ingest, IngestServer},
 };
 use stackscope_test_fixtures::tls::TestPki;
-use tokio::{net::TcpListener, sync::oneshot, task::JoinHandle};
+use tokio::{
+    net::{TcpListener, TcpSocket},
+    sync::oneshot,
+    task::JoinHandle,
+};
 use tonic::{
     Request, Response, Status,
     codec::CompressionEncoding,
@@ -287,10 +291,14 @@ impl TestServer {
     }
 }
 
-/// An address nothing listens on: connections are refused.
-async fn refused_addr() -> SocketAddr {
-    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
-    listener.local_addr().unwrap()
+/// An address nothing listens on: connections are refused. The port stays
+/// bound to the socket returned, so no other test, running meanwhile, is
+/// given it; listening on that socket brings a collector up there.
+fn refused_addr() -> (TcpSocket, SocketAddr) {
+    let socket = TcpSocket::new_v4().unwrap();
+    socket.bind("127.0.0.1:0".parse().unwrap()).unwrap();
+    let addr = socket.local_addr().unwrap();
+    (socket, addr)
 }
 
 /// Small backoffs so retries happen within milliseconds.
@@ -633,7 +641,7 @@ async fn rejected_batch_is_dropped_and_the_next_delivered() {
 
 #[tokio::test]
 async fn full_queue_drops_the_oldest_while_the_collector_is_down() {
-    let addr = refused_addr().await;
+    let (socket, addr) = refused_addr();
     let size = request_len(0);
     let exporter = Exporter::start(ExportConfig {
         max_queue_bytes: 3 * size + size / 2,
@@ -663,7 +671,7 @@ async fn full_queue_drops_the_oldest_while_the_collector_is_down() {
     assert!(error.starts_with("Unavailable: "), "{error}");
 
     // The collector comes up on the address the exporter keeps trying.
-    let listener = TcpListener::bind(addr).await.unwrap();
+    let listener = socket.listen(1024).unwrap();
     let server = TestServer::serve(listener, ServerOptions::default());
     wait_until("the queued batches arrived", || {
         server.collector.stored().len() == 3
@@ -680,7 +688,7 @@ async fn full_queue_drops_the_oldest_while_the_collector_is_down() {
 
 #[tokio::test]
 async fn queue_stays_bounded_while_batches_keep_coming() {
-    let addr = refused_addr().await;
+    let (_socket, addr) = refused_addr();
     let size = request_len(0);
     let max = 2 * size;
     let exporter = Exporter::start(ExportConfig {
@@ -816,7 +824,7 @@ async fn shutdown_cuts_a_long_backoff_short() {
 
 #[tokio::test]
 async fn shutdown_gives_up_at_the_deadline_when_the_port_is_closed() {
-    let addr = refused_addr().await;
+    let (_socket, addr) = refused_addr();
     let exporter = Exporter::start(ExportConfig::new(format!("http://{addr}"))).unwrap();
     exporter.enqueue(batch(0));
     exporter.enqueue(batch(1));
