@@ -427,14 +427,16 @@ pub struct LiveOptions {
 /// the walker's defaults and `config`'s copy ceiling). Returns every
 /// walk in order, and the kernel's counters.
 pub fn walk_live(config: &SamplerConfig, duration: Duration) -> (Vec<LiveWalk>, Counters) {
-    walk_live_with(config, duration, LiveOptions::default())
+    walk_live_with(config, duration, LiveOptions::default(), || {})
 }
 
-/// [`walk_live`] with `options`.
+/// [`walk_live`] with `options`, calling `sampling` once the sampler runs
+/// (its program loaded and attached), before `duration` starts.
 pub fn walk_live_with(
     config: &SamplerConfig,
     duration: Duration,
     options: LiveOptions,
+    sampling: impl FnOnce(),
 ) -> (Vec<LiveWalk>, Counters) {
     let runtime = tokio::runtime::Builder::new_current_thread()
         .enable_all()
@@ -442,6 +444,7 @@ pub fn walk_live_with(
         .expect("tokio runtime");
     runtime.block_on(async {
         let mut sampler = Sampler::start(config).expect("starting the sampler");
+        sampling();
         let walker_config = WalkerConfig {
             stack_bytes: config.user_stack_bytes,
             deep_stack_bytes: config.deep_stack_bytes,

@@ -47,9 +47,12 @@ fn a_reused_pid_gets_none_of_the_old_processs_frames_even_without_exit_records()
         frequency_hz: 199,
         ..SamplerConfig::default()
     };
-    // Two seconds of the first process, then the second under its pid.
+    // Two seconds of the first process once sampling runs (loading the
+    // program takes longer on a loaded host), then the second under its pid.
+    let (sampling, sampling_started) = mpsc::channel();
     let (started, second) = mpsc::channel();
     let swap = std::thread::spawn(move || {
+        sampling_started.recv().expect("sampling started");
         std::thread::sleep(Duration::from_secs(2));
         drop(first);
         started
@@ -62,6 +65,7 @@ fn a_reused_pid_gets_none_of_the_old_processs_frames_even_without_exit_records()
         LiveOptions {
             withhold_process_events: true,
         },
+        move || sampling.send(()).expect("telling the swapping thread"),
     );
     swap.join().expect("the swapping thread");
     let second = second.recv().expect("the second process");
