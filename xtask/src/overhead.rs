@@ -56,13 +56,15 @@ struct Run {
     /// agent's batches, without its own start-up (paid once per fleet, not
     /// per node).
     collector_ingest_cpu: Duration,
-    /// Agent user+sys CPU per sample from its first batch (and 5 s) into
-    /// the run to its end, plus BPF time per sample: the steady-state cost,
-    /// without start-up (BPF load and verification, kallsyms, first table
-    /// reads, the first naming of each binary) and shutdown (stackscope
-    /// only).
+    /// Agent user+sys CPU plus BPF time per sample from its first batch
+    /// (and 5 s) into the run to its end: the steady-state cost, without
+    /// start-up (BPF load and verification, kallsyms, first table reads,
+    /// the first naming of each binary, the first copies of threads not
+    /// learned yet) and shutdown (stackscope only).
     steady_per_sample: Duration,
-    /// Of which the BPF program's: its whole run time over the samples.
+    /// Of which the BPF program's.
+    steady_bpf_per_sample: Duration,
+    /// The BPF program's whole run time over the samples.
     bpf_per_sample: Duration,
     agent_rss_kib: f64,
     collector_rss_kib: f64,
@@ -150,22 +152,36 @@ const FIRST_BATCH_WITHIN: Duration = Duration::from_secs(15);
 /// Longer than the agent's drain timer and its publish (every 5 s).
 const SETTLE: Duration = Duration::from_millis(6500);
 
-/// The agent's CPU (all its threads, from its own cgroup) and the samples
-/// it has read.
-fn reading(address: &str, agent: &Cgroup) -> anyhow::Result<(Duration, f64)> {
-    let read = metric(address, SAMPLES_READ).context("the agent's metrics did not answer")?;
-    Ok((cgroup_cpu(agent)?, read))
+/// What the agent had used and done at one moment.
+#[derive(Debug, Clone, Copy)]
+struct Reading {
+    /// Its CPU: all its threads, from its own cgroup.
+    cpu: Duration,
+    /// The samples it had read, and its BPF program's run time, as of its
+    /// last publish (both from one snapshot).
+    samples: f64,
+    bpf: Duration,
+}
+
+fn reading(address: &str, agent: &Cgroup) -> anyhow::Result<Reading> {
+    let samples = metric(address, SAMPLES_READ).context("the agent's metrics did not answer")?;
+    let bpf = metric(address, BPF_RUN_TIME).context("no BPF run time published (--bpf-stats)")?;
+    Ok(Reading {
+        cpu: cgroup_cpu(agent)?,
+        samples,
+        bpf: Duration::from_secs_f64(bpf),
+    })
 }
 
 /// [`reading`] right after a publish of the counter (every 5 s), so
 /// that the CPU and the samples are taken together while samples come in.
-fn reading_at_a_publish(address: &str, agent: &Cgroup) -> anyhow::Result<(Duration, f64)> {
-    let (_, first) = reading(address, agent)?;
+fn reading_at_a_publish(address: &str, agent: &Cgroup) -> anyhow::Result<Reading> {
+    let first = reading(address, agent)?.samples;
     let deadline = std::time::Instant::now() + SETTLE;
     while std::time::Instant::now() < deadline {
         std::thread::sleep(Duration::from_millis(10));
         let now = reading(address, agent)?;
-        if now.1 != first {
+        if now.samples != first {
             return Ok(now);
         }
     }
@@ -362,25 +378,19 @@ fn idle(bins: &Path, scratch: &Path) -> anyhow::Result<Idle> {
     )))?;
     agent_cgroup.enter(agent.0.id())?;
     std::thread::sleep(IDLE_SETTLE);
-    let bpf_time = || -> anyhow::Result<Duration> {
-        let seconds = metric(&metrics, BPF_RUN_TIME).context("no BPF run time published")?;
-        Ok(Duration::from_secs_f64(seconds))
-    };
-    let (agent_from, samples_from) = reading(&metrics, &agent_cgroup)?;
-    let (bpf_from, collector_from, host_from) =
-        (bpf_time()?, cgroup_cpu(&collector_cgroup)?, host_cpu()?);
+    let from = reading(&metrics, &agent_cgroup)?;
+    let (collector_from, host_from) = (cgroup_cpu(&collector_cgroup)?, host_cpu()?);
     std::thread::sleep(IDLE_WINDOW);
-    let (agent_to, samples_to) = reading(&metrics, &agent_cgroup)?;
-    let (bpf_to, collector_to, host_to) =
-        (bpf_time()?, cgroup_cpu(&collector_cgroup)?, host_cpu()?);
+    let to = reading(&metrics, &agent_cgroup)?;
+    let (collector_to, host_to) = (cgroup_cpu(&collector_cgroup)?, host_cpu()?);
     let busy = host_to.0.saturating_sub(host_from.0) as f64;
     let all = host_to.1.saturating_sub(host_from.1).max(1) as f64;
     Ok(Idle {
-        agent_cpu: agent_to.saturating_sub(agent_from),
-        bpf: bpf_to.saturating_sub(bpf_from),
+        agent_cpu: to.cpu.saturating_sub(from.cpu),
+        bpf: to.bpf.saturating_sub(from.bpf),
         collector_cpu: collector_to.saturating_sub(collector_from),
         agent_rss_kib: peak_rss_kib(agent.0.id()).context("the agent's peak RSS")?,
-        samples: samples_to - samples_from,
+        samples: to.samples - from.samples,
         host_busy: busy / all,
     })
 }
@@ -465,7 +475,7 @@ pub fn against_baseline(seconds: u64, repeats: usize, baseline: &Path) -> anyhow
                 "{name:<10}  steady per sample {}   of which BPF {}   steady all-in {}   \
                  whole run per sample {}   agent peak RSS {}",
                 micros(runs, |r| r.steady_per_sample),
-                micros(runs, |r| r.bpf_per_sample),
+                micros(runs, |r| r.steady_bpf_per_sample),
                 show(
                     spread(runs.iter().map(|r| r.steady_all_in_per_sample() * 1e6)),
                     " us"
@@ -591,15 +601,20 @@ fn under_stackscope(
     };
     let bpf = Duration::from_nanos((number("/bpf/ns_per_run") * number("/bpf/run_count")) as u64);
     let samples = number("/kernel/samples");
-    let steady_samples = steady_to.1 - steady_from.1;
+    let steady_samples = (steady_to.samples - steady_from.samples).max(1.0);
     // All the program's time per sample, not per run: runs that make no
     // sample (other tasks' ticks, and idle CPUs' before the events left
     // the idle task out) are part of what sampling costs, and counted per
     // run they made the cost look smaller.
     let bpf_per_sample = Duration::from_secs_f64(bpf.as_secs_f64() / samples.max(1.0));
+    // The program's too: a thread's first ticks, before the agent has
+    // learned its copy size and stack top, copy more.
+    let steady_bpf_per_sample = Duration::from_secs_f64(
+        steady_to.bpf.saturating_sub(steady_from.bpf).as_secs_f64() / steady_samples,
+    );
     let steady_per_sample = Duration::from_secs_f64(
-        (steady_to.0.saturating_sub(steady_from.0)).as_secs_f64() / steady_samples.max(1.0),
-    ) + bpf_per_sample;
+        steady_to.cpu.saturating_sub(steady_from.cpu).as_secs_f64() / steady_samples,
+    ) + steady_bpf_per_sample;
     let collector_cpu = cgroup_cpu(&collector_cgroup)?;
     let top_text = Command::new(bin("stackscope"))
         .args([
@@ -625,6 +640,7 @@ fn under_stackscope(
         collector_ingest_cpu: collector_cpu.saturating_sub(collector_started),
         steady_per_sample,
         bpf_per_sample,
+        steady_bpf_per_sample,
         agent_rss_kib: agent_rss_kib as f64,
         collector_rss_kib: collector_rss_kib as f64,
         root_share: number("/unwinding/outermost") / number("/unwinding/walks").max(1.0),
@@ -796,9 +812,10 @@ fn report(hz: u32, alone: &[f64], ours: &[Run], perf: &[Run]) {
             );
             println!(
                 "            steady state (after the first batch and {} s, agent + BPF) per sample {}, \
-                 of which BPF {}",
+                 of which BPF {} (over the whole run {})",
                 STEADY_FROM.as_secs(),
                 micros(runs, |r| r.steady_per_sample),
+                micros(runs, |r| r.steady_bpf_per_sample),
                 micros(runs, |r| r.bpf_per_sample),
             );
             println!(
