@@ -581,6 +581,72 @@ fn retention_and_cold_caches_keep_ids_dense() {
     );
 }
 
+/// After batches whose stacks were all new, items the caches do not know
+/// are inserted first; those the table holds already (the caches, far too
+/// small here, forgot them) are found when their insert meets them: same
+/// ids, no id used up, weights added to the stored stacks.
+#[test]
+fn items_inserted_first_but_stored_already_keep_their_ids() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let path = dir.path().join("stackscope.db");
+    let storage = SqliteStorage::open(
+        &path,
+        SqliteOptions {
+            cache_entries: 2,
+            ..SqliteOptions::default()
+        },
+    )
+    .expect("open the database");
+    // Ten stacks of two frames: one of its own at `first + i`, under a
+    // shared one, weighed 1 + i.
+    let batch = |id: u8, first: u64| {
+        let mut b = Builder::new(id, "node-a", T0, PERIOD_100HZ);
+        let app = b.mapping(
+            stackscope_proto::v1::MappingKind::User,
+            "ab12",
+            "/usr/bin/app",
+        );
+        let outer = b.location(app, 0x9000, &[("main", "app.c", 1)]);
+        let labels = b.label_set(&[("comm", "app")]);
+        for i in 0..10 {
+            let leaf = b.location(app, first + i, &[("leaf", "app.c", 2)]);
+            let stack = b.stack(&[leaf, outer]);
+            b.sample(stack, labels, 1 + i, 0);
+        }
+        b.validate()
+    };
+    ingest_all(
+        &storage,
+        &[batch(1, 0x1000), batch(2, 0x2000), batch(3, 0x3000)],
+    );
+    // The shared outer frame of batches 2 and 3 already: the caches forgot it.
+    let conflicts = storage.cache_stats().insert_conflicts;
+    let tables = ["stacks", "locations", "mappings", "label_sets"];
+    let last_ids = || tables.map(|table| last_id(&path, table));
+    let before = last_ids();
+    assert_eq!(before[..2], [30, 31]);
+
+    // The first batch's stacks again.
+    ingest_all(&storage, &[batch(4, 0x1000)]);
+    assert!(
+        storage.cache_stats().insert_conflicts >= conflicts + 20,
+        "the stacks and their leaf locations were inserted first: {:?}",
+        storage.cache_stats()
+    );
+    assert_eq!(last_ids(), before, "no id used up");
+    assert_eq!((rows(&path, "stacks"), rows(&path, "locations")), (30, 31));
+    let everything = storage.stacks(&all(&[])).expect("stacks");
+    let mut weights: Vec<u64> = everything.stacks.iter().map(|s| s.weight).collect();
+    weights.sort_unstable();
+    let mut expected: Vec<u64> = (1..=10).flat_map(|w| [w, w, 2 * w]).collect();
+    expected.sort_unstable();
+    assert_eq!(weights, expected);
+
+    // New stacks after that take the next ids.
+    ingest_all(&storage, &[batch(5, 0x5000)]);
+    assert_eq!(last_ids()[..2], [40, 41]);
+}
+
 #[test]
 fn a_rejected_batch_stores_nothing() {
     let dir = tempfile::tempdir().expect("tempdir");
@@ -683,6 +749,7 @@ fn hand_built_batches_and_cache_hits() {
         CacheStats {
             hits: 2,
             misses: 4,
+            insert_conflicts: 0,
             entries: 4
         }
     );
@@ -694,6 +761,7 @@ fn hand_built_batches_and_cache_hits() {
         CacheStats {
             hits: 6,
             misses: 4,
+            insert_conflicts: 0,
             entries: 4
         }
     );

@@ -80,6 +80,10 @@ impl Default for SqliteOptions {
 pub struct CacheStats {
     pub hits: u64,
     pub misses: u64,
+    /// Of the misses: items inserted first (see the writer's
+    /// `Dictionary::insert_first`) that the table held already, then found
+    /// by their hash.
+    pub insert_conflicts: u64,
     /// Entries held now.
     pub entries: usize,
 }
