@@ -96,8 +96,12 @@ impl Run {
     /// fleet; [`Run::all_in_per_sample`] also spreads one start-up over
     /// this run's few seconds.
     fn steady_all_in_per_sample(&self) -> f64 {
-        self.steady_per_sample.as_secs_f64()
-            + self.collector_ingest_cpu.as_secs_f64() / self.samples.max(1.0)
+        self.steady_per_sample.as_secs_f64() + self.collector_ingest_per_sample()
+    }
+
+    /// The collector's CPU from the agent's start on, per sample.
+    fn collector_ingest_per_sample(&self) -> f64 {
+        self.collector_ingest_cpu.as_secs_f64() / self.samples.max(1.0)
     }
 }
 
@@ -472,10 +476,14 @@ pub fn against_baseline(seconds: u64, repeats: usize, baseline: &Path) -> anyhow
         println!("\n== {hz} Hz");
         for (name, runs) in [("this build", &ours), ("baseline", &theirs)] {
             println!(
-                "{name:<10}  steady per sample {}   of which BPF {}   steady all-in {}   \
-                 whole run per sample {}   agent peak RSS {}",
+                "{name:<10}  steady per sample {}   of which BPF {}   collector ingest {}   \
+                 steady all-in {}   whole run per sample {}   agent peak RSS {}",
                 micros(runs, |r| r.steady_per_sample),
                 micros(runs, |r| r.steady_bpf_per_sample),
+                show(
+                    spread(runs.iter().map(|r| r.collector_ingest_per_sample() * 1e6)),
+                    " us"
+                ),
                 show(
                     spread(runs.iter().map(|r| r.steady_all_in_per_sample() * 1e6)),
                     " us"
@@ -492,9 +500,10 @@ pub fn against_baseline(seconds: u64, repeats: usize, baseline: &Path) -> anyhow
             )
         };
         println!(
-            "this build / baseline, run by run: steady per sample {}, steady all-in {}, \
-             whole run per sample {}",
+            "this build / baseline, run by run: steady per sample {}, collector ingest {}, \
+             steady all-in {}, whole run per sample {}",
             show(paired(|r| r.steady_per_sample.as_secs_f64()), "x"),
+            show(paired(Run::collector_ingest_per_sample), "x"),
             show(paired(Run::steady_all_in_per_sample), "x"),
             show(paired(Run::cpu_per_sample), "x"),
         );
