@@ -598,7 +598,7 @@ fn items_inserted_first_but_stored_already_keep_their_ids() {
     )
     .expect("open the database");
     // Ten stacks of two frames: one of its own at `first + i`, under a
-    // shared one, weighed 1 + i.
+    // shared one, weighed 1 + i, each under a label set of its own.
     let batch = |id: u8, first: u64| {
         let mut b = Builder::new(id, "node-a", T0, PERIOD_100HZ);
         let app = b.mapping(
@@ -607,10 +607,10 @@ fn items_inserted_first_but_stored_already_keep_their_ids() {
             "/usr/bin/app",
         );
         let outer = b.location(app, 0x9000, &[("main", "app.c", 1)]);
-        let labels = b.label_set(&[("comm", "app")]);
         for i in 0..10 {
             let leaf = b.location(app, first + i, &[("leaf", "app.c", 2)]);
             let stack = b.stack(&[leaf, outer]);
+            let labels = b.label_set(&[("comm", &format!("app{}", first + i))]);
             b.sample(stack, labels, 1 + i, 0);
         }
         b.validate()
@@ -624,17 +624,19 @@ fn items_inserted_first_but_stored_already_keep_their_ids() {
     let tables = ["stacks", "locations", "mappings", "label_sets"];
     let last_ids = || tables.map(|table| last_id(&path, table));
     let before = last_ids();
-    assert_eq!(before[..2], [30, 31]);
+    assert_eq!(before, [30, 31, 1, 30]);
+    let labels = rows(&path, "labels");
 
     // The first batch's stacks again.
     ingest_all(&storage, &[batch(4, 0x1000)]);
     assert!(
-        storage.cache_stats().insert_conflicts >= conflicts + 20,
-        "the stacks and their leaf locations were inserted first: {:?}",
+        storage.cache_stats().insert_conflicts >= conflicts + 30,
+        "the stacks, their leaf locations and label sets were inserted first: {:?}",
         storage.cache_stats()
     );
     assert_eq!(last_ids(), before, "no id used up");
     assert_eq!((rows(&path, "stacks"), rows(&path, "locations")), (30, 31));
+    assert_eq!(rows(&path, "labels"), labels);
     let everything = storage.stacks(&all(&[])).expect("stacks");
     let mut weights: Vec<u64> = everything.stacks.iter().map(|s| s.weight).collect();
     weights.sort_unstable();
@@ -644,7 +646,7 @@ fn items_inserted_first_but_stored_already_keep_their_ids() {
 
     // New stacks after that take the next ids.
     ingest_all(&storage, &[batch(5, 0x5000)]);
-    assert_eq!(last_ids()[..2], [40, 41]);
+    assert_eq!(last_ids(), [40, 41, 1, 40]);
 }
 
 #[test]
