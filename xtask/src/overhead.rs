@@ -33,7 +33,7 @@ use std::{
 
 use anyhow::{Context as _, bail};
 
-use stackscope_test_fixtures::{free_port, metric, peak_rss_kib};
+use stackscope_test_fixtures::{free_port, http_get, metric, metric_value, peak_rss_kib};
 
 use crate::{
     KillOnDrop,
@@ -168,8 +168,13 @@ struct Reading {
 }
 
 fn reading(address: &str, agent: &Cgroup) -> anyhow::Result<Reading> {
-    let samples = metric(address, SAMPLES_READ).context("the agent's metrics did not answer")?;
-    let bpf = metric(address, BPF_RUN_TIME).context("no BPF run time published (--bpf-stats)")?;
+    let metrics = match http_get(address, "/metrics") {
+        Some((200, body)) => body,
+        _ => bail!("the agent's metrics did not answer"),
+    };
+    let samples = metric_value(&metrics, SAMPLES_READ).context("no samples read published")?;
+    let bpf =
+        metric_value(&metrics, BPF_RUN_TIME).context("no BPF run time published (--bpf-stats)")?;
     Ok(Reading {
         cpu: cgroup_cpu(agent)?,
         samples,
