@@ -34,7 +34,7 @@ use stackscope_collector::{
     storage::{
         Storage,
         clickhouse::{ClickhouseConfig, ClickhouseOptions, ClickhouseStorage},
-        sqlite::{SqliteOptions, SqliteStorage},
+        sqlite::{CommitStats, SqliteOptions, SqliteStorage},
     },
 };
 use stackscope_profile::model::{LabelMatcher, MatchOp, Selection, TimeRange, unix_nanos};
@@ -302,6 +302,63 @@ fn ingest_fleet(storage: &dyn Storage, fleet: &Fleet, progress: bool) -> Ingeste
     ingested
 }
 
+/// The fleet's first `intervals` intervals stored by `senders` threads at
+/// once, as a collector's gRPC handlers store batches that arrive together
+/// (agents end their intervals on the same boundaries), into a new
+/// database whose transactions hold `max_group_batches` batches at most:
+/// the seconds spent storing, and the commits made.
+fn ingest_together(
+    fleet: &Fleet,
+    intervals: usize,
+    senders: usize,
+    max_group_batches: usize,
+    bucket_nanos: i64,
+) -> (f64, CommitStats) {
+    let dir = tempfile::tempdir().expect("temp dir");
+    let storage = SqliteStorage::open(
+        &dir.path().join("together.db"),
+        SqliteOptions {
+            bucket_nanos,
+            max_group_batches,
+            ..SqliteOptions::default()
+        },
+    )
+    .expect("database");
+    let limits = IngestLimits::default();
+    let nodes = fleet.templates.len();
+    let mut rng = Rng::new(42);
+    let mut spent = Duration::ZERO;
+    for interval in 0..intervals {
+        let start = fleet.first_start + interval as i64 * fleet.interval.as_nanos() as i64;
+        let range = (start, start + fleet.interval.as_nanos() as i64);
+        let batches: Vec<_> = fleet
+            .templates
+            .iter()
+            .enumerate()
+            .map(|(node, template)| {
+                let id = (interval * nodes + node) as u64;
+                let (batch, _) = interval_batch(template, id, range, &mut rng);
+                validate(batch, &limits).expect("a valid batch")
+            })
+            .collect();
+        let next = std::sync::atomic::AtomicUsize::new(0);
+        let began = Instant::now();
+        std::thread::scope(|scope| {
+            for _ in 0..senders {
+                scope.spawn(|| {
+                    while let Some(batch) =
+                        batches.get(next.fetch_add(1, std::sync::atomic::Ordering::Relaxed))
+                    {
+                        storage.ingest(batch).expect("ingest");
+                    }
+                });
+            }
+        });
+        spent += began.elapsed();
+    }
+    (spent.as_secs_f64(), storage.commit_stats())
+}
+
 /// The collector's query path over `storage`: every profile read passes
 /// the query-time symbolizer (the fleet's frames carry names, so it only
 /// looks).
@@ -460,6 +517,38 @@ fn main() {
         ingested.wire_bytes as f64 / 1e6,
         db_bytes as f64 / 1e6,
         db_bytes as f64 / ingested.rows as f64
+    );
+
+    // Group commit against one commit per batch, alternating, on the
+    // same batches.
+    let together_minutes = env_or(
+        "STACKSCOPE_BENCH_TOGETHER_MINUTES",
+        if full { 5 } else { 1 },
+    );
+    let together_intervals = (together_minutes * 60 / interval.as_secs() as usize).min(intervals);
+    let senders = 8;
+    println!(
+        "SQLite ingest, the fleet's batches arriving together ({senders} senders at once, \
+         {together_minutes} min of data):"
+    );
+    let mut runs: [Vec<f64>; 2] = Default::default();
+    for round in 0..2 {
+        for (which, max_group) in [(0, 1), (1, SqliteOptions::default().max_group_batches)] {
+            let (seconds, commits) =
+                ingest_together(&fleet, together_intervals, senders, max_group, bucket_nanos);
+            let rate = commits.batches as f64 / seconds;
+            println!(
+                "  round {round}, at most {max_group:>2} batches per commit: {rate:.1} batches/s \
+                 ({} batches in {} commits, {seconds:.1} s)",
+                commits.batches, commits.commits
+            );
+            runs[which].push(rate);
+        }
+    }
+    let mean = |rates: &[f64]| (rates[0] + rates[1]) / 2.0;
+    println!(
+        "  group commit / one commit per batch: {:.2}x batches/s (mean of two rounds)",
+        mean(&runs[1]) / mean(&runs[0])
     );
 
     let range = TimeRange {

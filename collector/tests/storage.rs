@@ -820,6 +820,114 @@ fn concurrent_ingest_and_queries() {
     );
 }
 
+/// Batches stored at the same time share commits, and one that fails
+/// inside the shared transaction, after writing its dictionaries, is
+/// rolled back alone: every other batch is stored whole, and no cache keeps
+/// an id of its rows.
+#[test]
+fn batches_arriving_together_share_commits_and_a_broken_one_fails_alone() {
+    const THREADS: u8 = 6;
+    const BATCHES: u8 = 12;
+    let dir = tempfile::tempdir().expect("tempdir");
+    let storage = Arc::new(open(&dir.path().join("stackscope.db")));
+    let start = Arc::new(std::sync::Barrier::new(THREADS as usize));
+    // Batch `n` holds one stack of its own (leaf at 0x1000 + n under a
+    // shared frame) weighing n; every fifth one of thread 0 is broken.
+    let batch = |n: u32, broken: bool| {
+        let mut b = Builder::new(0, "node-a", T0, PERIOD_100HZ);
+        b.batch.batch_id = n.to_le_bytes().repeat(4);
+        let app = b.mapping(
+            stackscope_proto::v1::MappingKind::User,
+            "ab12",
+            "/usr/bin/app",
+        );
+        let outer = b.location(app, 0x9000, &[("main", "app.c", 1)]);
+        let leaf = b.location(app, 0x1000 + u64::from(n), &[("leaf", "app.c", 2)]);
+        let stack = b.stack(&[leaf, outer]);
+        let labels = b.label_set(&[("comm", "app")]);
+        b.sample(stack, labels, u64::from(n), 0);
+        let mut valid = b.validate();
+        if broken {
+            valid.samples.push(SampleRecord {
+                stack: 900,
+                label_set: 0,
+                weight: 1,
+            });
+        }
+        valid
+    };
+    let threads: Vec<_> = (0..THREADS)
+        .map(|t| {
+            let (storage, start) = (Arc::clone(&storage), Arc::clone(&start));
+            std::thread::spawn(move || {
+                start.wait();
+                let mut stored = Vec::new();
+                for i in 0..BATCHES {
+                    let n = u32::from(t) * 100 + u32::from(i) + 1;
+                    let broken = t == 0 && i % 5 == 0;
+                    match storage.ingest(&batch(n, broken)) {
+                        Ok(IngestOutcome::Stored { samples: 1 }) if !broken => stored.push(n),
+                        Err(StorageError::InvalidBatch(_)) if broken => {}
+                        other => panic!("batch {n} (broken: {broken}): {other:?}"),
+                    }
+                }
+                stored
+            })
+        })
+        .collect();
+    let stored: Vec<u32> = threads
+        .into_iter()
+        .flat_map(|thread| thread.join().expect("thread"))
+        .collect();
+    let broken = (0..BATCHES).filter(|i| i % 5 == 0).count();
+    assert_eq!(stored.len(), THREADS as usize * BATCHES as usize - broken);
+
+    let commits = storage.commit_stats();
+    assert_eq!(commits.batches, u64::from(THREADS) * u64::from(BATCHES));
+    assert!(
+        commits.commits < commits.batches,
+        "batches stored at the same time shared no commit: {commits:?}"
+    );
+    let path = storage.path().to_owned();
+    assert_eq!(rows(&path, "batches"), stored.len() as i64);
+    assert_eq!(rows(&path, "stacks"), stored.len() as i64);
+    assert_eq!(rows(&path, "locations"), stored.len() as i64 + 1);
+    let mut weights: Vec<u64> = storage
+        .stacks(&all(&[]))
+        .expect("stacks")
+        .stacks
+        .iter()
+        .map(|stack| stack.weight)
+        .collect();
+    weights.sort_unstable();
+    let mut expected: Vec<u64> = stored.iter().map(|&n| u64::from(n)).collect();
+    expected.sort_unstable();
+    assert_eq!(weights, expected);
+
+    // The broken batches again, well formed: stored under the ids of
+    // stacks no cache remembers.
+    for i in (0..BATCHES).filter(|i| i % 5 == 0) {
+        let n = u32::from(i) + 1;
+        ingest_all(&storage, &[batch(n, false)]);
+    }
+    assert_eq!(
+        rows(&path, "stacks"),
+        THREADS as i64 * BATCHES as i64,
+        "every stack stored once"
+    );
+    let total: u64 = storage
+        .stacks(&all(&[]))
+        .expect("stacks")
+        .stacks
+        .iter()
+        .map(|stack| stack.weight)
+        .sum();
+    let all_weights: u64 = (0..THREADS)
+        .flat_map(|t| (0..BATCHES).map(move |i| u64::from(t) * 100 + u64::from(i) + 1))
+        .sum();
+    assert_eq!(total, all_weights);
+}
+
 /// Rewrites the samples of a database this collector wrote as versions 1
 /// to 6 kept them: a row per (bucket, label set, stack), not a blob per
 /// (bucket, label set) of (stack id step, weight) varints after their count.

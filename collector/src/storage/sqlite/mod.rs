@@ -9,7 +9,8 @@
 //!
 //! This module ties the parts together: [`schema`] (tables, migrations,
 //! opening connections), [`write`] (the one writer: ingest, retention,
-//! compaction), [`read`] (a pool of query connections and their caches),
+//! compaction), [`group`] (batches that arrive together share a
+//! transaction), [`read`] (a pool of query connections and their caches),
 //! [`rollup`] (the sums fleet-wide queries read) and [`sums`] (the blob of
 //! (stack, weight) sums every bucket and span keeps per label set).
 
@@ -28,6 +29,7 @@ use super::{IngestOutcome, Storage, StorageError};
 use crate::ingest::ValidBatch;
 use crate::storage::tiers::Tiers;
 
+mod group;
 mod read;
 mod rollup;
 mod schema;
@@ -59,6 +61,9 @@ pub struct SqliteOptions {
     /// SQLite page cache per connection (the writer and each reader), in
     /// KiB.
     pub page_cache_kib: u32,
+    /// Batches stored at the same time that share one transaction at most
+    /// (see `group`); 1 commits each alone.
+    pub max_group_batches: usize,
 }
 
 impl Default for SqliteOptions {
@@ -70,6 +75,7 @@ impl Default for SqliteOptions {
             readers: 4,
             busy_timeout: Duration::from_secs(10),
             page_cache_kib: 64 << 10,
+            max_group_batches: group::MAX_GROUP_BATCHES,
         }
     }
 }
@@ -88,6 +94,15 @@ pub struct CacheStats {
     pub entries: usize,
 }
 
+/// Ingest's commits (see [`SqliteStorage::commit_stats`]).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct CommitStats {
+    pub commits: u64,
+    /// Batches those commits stored or tried to (a batch that failed is
+    /// rolled back alone).
+    pub batches: u64,
+}
+
 /// Storage in one SQLite database file.
 ///
 /// One connection writes (ingest, retention, compaction), behind a mutex;
@@ -99,12 +114,15 @@ pub struct SqliteStorage {
     bucket_nanos: i64,
     tiers: Tiers,
     writer: Mutex<write::Writer>,
+    /// What batches stored together share (see [`group`]).
+    groups: group::Groups,
     readers: read::Readers,
     /// Bumped after retention deleted dictionary rows, so the query side
     /// drops its caches of them.
     generation: AtomicU64,
     /// SQLite's page cache bound, per connection.
     page_cache_bytes: usize,
+    max_group_batches: usize,
 }
 
 impl std::fmt::Debug for SqliteStorage {
@@ -144,7 +162,9 @@ impl SqliteStorage {
             bucket_nanos: options.bucket_nanos,
             tiers,
             writer: Mutex::new(write::Writer::new(writer, options.cache_entries)),
+            groups: group::Groups::default(),
             page_cache_bytes: options.page_cache_kib as usize * 1024,
+            max_group_batches: options.max_group_batches.max(1),
             readers: read::Readers::new(path.to_owned(), options, reader),
             generation: AtomicU64::new(0),
         })
@@ -158,6 +178,12 @@ impl SqliteStorage {
     /// How well the ingest dictionary caches are doing.
     pub fn cache_stats(&self) -> CacheStats {
         self.writer().cache_stats()
+    }
+
+    /// Write transactions that stored batches, and the batches they stored
+    /// (more than one each when batches arrived together).
+    pub fn commit_stats(&self) -> CommitStats {
+        self.writer().commit_stats()
     }
 }
 

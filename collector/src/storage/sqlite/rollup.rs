@@ -45,7 +45,7 @@
 
 use std::collections::{BTreeMap, HashMap, HashSet};
 
-use rusqlite::Transaction;
+use rusqlite::{Connection, Transaction};
 use stackscope_profile::model::{PROFILE_TYPE_LABEL, PeriodAgreement};
 
 use super::{StackWeights, StorageError, add_capped, non_negative, saturate, sums};
@@ -119,11 +119,7 @@ const SPAN_TABLES: [&str; 6] = [
 /// Ingest, in the batch's transaction: `bucket` changes, so every span
 /// holding it is no longer current; queries stop using them now and the
 /// compactor redoes them.
-pub(super) fn invalidate(
-    tx: &Transaction<'_>,
-    tiers: &Tiers,
-    bucket: i64,
-) -> Result<(), StorageError> {
+pub(super) fn invalidate(tx: &Connection, tiers: &Tiers, bucket: i64) -> Result<(), StorageError> {
     let mut unmark =
         tx.prepare_cached("DELETE FROM rollup_spans WHERE width = ?1 AND span_start = ?2")?;
     for &width in tiers.widths() {
@@ -166,7 +162,7 @@ pub(super) fn forget_through(
 }
 
 /// Marks the span for the compactor to redo.
-fn pend(tx: &Transaction<'_>, width: i64, start: i64) -> Result<(), StorageError> {
+fn pend(tx: &Connection, width: i64, start: i64) -> Result<(), StorageError> {
     tx.prepare_cached("INSERT OR IGNORE INTO pending_spans (width, span_start) VALUES (?1, ?2)")?
         .execute((width, start))?;
     Ok(())

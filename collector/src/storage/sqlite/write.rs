@@ -3,7 +3,8 @@
 //! label sets) by content hash through bounded caches and sums its samples
 //! into their bucket, in one transaction; retention deletes old buckets and
 //! the dictionary rows only they referenced; compaction brings the rollups
-//! up to date (the sums themselves are `rollup`'s). Owns no schema
+//! up to date (the sums themselves are `rollup`'s). Batches that arrive
+//! together share one transaction ([`group`](super::group)). Owns no schema
 //! (`schema`) and no queries (`read`).
 
 use std::{
@@ -18,11 +19,14 @@ use rusqlite::{
     CachedStatement, Connection, OptionalExtension as _, Statement, Transaction,
     TransactionBehavior,
 };
+
+use super::group::OpenGroup;
 use stackscope_profile::model::unix_nanos;
 use stackscope_telemetry::StateSize;
 
 use super::{
-    CacheStats, IngestOutcome, SqliteStorage, StorageError, page_cache_used, rollup, saturate, sums,
+    CacheStats, CommitStats, IngestOutcome, SqliteStorage, StorageError, page_cache_used, rollup,
+    saturate, sums,
 };
 use crate::{
     ingest::ValidBatch,
@@ -110,7 +114,48 @@ impl SqliteStorage {
     /// starts in.
     pub(super) fn store_batch(&self, batch: &ValidBatch) -> Result<IngestOutcome, StorageError> {
         let bucket = self.bucket_of(batch.range.start_unix_nanos);
-        self.writer().ingest(batch, bucket, &self.tiers)
+        let joining = self.groups.join();
+        let mut writer = self.lock_writer();
+        drop(joining);
+        let group = writer.join_group()?;
+        let stored = match std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+            writer.ingest(batch, bucket, &self.tiers)
+        })) {
+            Ok(stored) => stored,
+            Err(panic) => {
+                // The members waiting for this group must not wait for a
+                // commit nobody will make.
+                let _ = self.end_group(&mut writer, false);
+                std::panic::resume_unwind(panic);
+            }
+        };
+        let members = writer.group_members();
+        if members < self.max_group_batches && self.groups.someone_joining() {
+            // The next batch stores into this transaction and commits it,
+            // or leaves it to the one after. A batch that failed has
+            // nothing in it to wait for.
+            let outcome = stored?;
+            writer.wait_in_group();
+            drop(writer);
+            self.groups.wait_for(group)?;
+            return Ok(outcome);
+        }
+        let committed = self.end_group(&mut writer, true);
+        drop(writer);
+        match (stored, committed) {
+            (Ok(outcome), Ok(())) => Ok(outcome),
+            (Ok(_), Err(err)) | (Err(err), _) => Err(err),
+        }
+    }
+
+    /// Commits (or, with `commit` false, rolls back) the open group, if
+    /// any, and tells its waiting members how that went.
+    fn end_group(&self, writer: &mut Writer, commit: bool) -> Result<(), StorageError> {
+        let Some((group, result)) = writer.end_group(commit) else {
+            return Ok(());
+        };
+        self.groups.finished(&group, result.as_ref().map(|_| ()));
+        result
     }
 
     /// The start of the bucket holding `unix_nanos`.
@@ -119,12 +164,24 @@ impl SqliteStorage {
         unix_nanos.saturating_sub(unix_nanos.rem_euclid(self.bucket_nanos))
     }
 
+    /// The writer for anything but ingest, with no group open: what it
+    /// does is its own transaction's.
     pub(super) fn writer(&self) -> MutexGuard<'_, Writer> {
+        let mut writer = self.lock_writer();
+        // Its own members report a failed commit; this caller has nothing
+        // in it.
+        let _ = self.end_group(&mut writer, true);
+        writer
+    }
+
+    fn lock_writer(&self) -> MutexGuard<'_, Writer> {
         // A panic while the lock was held rolled its transaction back (the
-        // Transaction's drop) but may have left a cache half updated: start
-        // the caches afresh, the database is the truth.
+        // Transaction's drop, or `store_batch` for a group) but may have
+        // left a cache half updated: start the caches afresh, the database
+        // is the truth.
         self.writer.lock().unwrap_or_else(|poisoned| {
             let mut writer = poisoned.into_inner();
+            let _ = self.end_group(&mut writer, false);
             writer.forget_through(i64::MAX);
             writer
         })
@@ -389,6 +446,12 @@ pub(super) struct Writer {
     stacks: Dictionary,
     label_sets: Dictionary,
     scratch: Scratch,
+    /// The transaction batches are being stored in, when one is open.
+    group: Option<OpenGroup>,
+    last_group: u64,
+    /// Groups committed, and batches stored in them.
+    commits: u64,
+    committed_batches: u64,
 }
 
 /// What the caches know about a dictionary item.
@@ -416,7 +479,7 @@ struct Table<'a, 'conn> {
 
 impl<'a, 'conn> Table<'a, 'conn> {
     fn new(
-        tx: &'conn Transaction<'_>,
+        tx: &'conn Connection,
         sql: &DictionarySql,
         dict: &'a mut Dictionary,
         pending: &'a mut ContentHashMap<Entry>,
@@ -434,10 +497,13 @@ impl<'a, 'conn> Table<'a, 'conn> {
     }
 
     fn lookup(&mut self, hash: u128) -> Known {
-        if let Some(entry) = self.pending.get(&hash) {
-            return Known::Current(entry.id);
-        }
-        match self.dict.get(hash) {
+        // Stored by this transaction: by this batch, or by an earlier one
+        // of its group, whose bucket may be older.
+        let entry = match self.pending.get(&hash) {
+            Some(&entry) => Some(entry),
+            None => self.dict.get(hash),
+        };
+        match entry {
             Some(entry) if entry.last_bucket >= self.bucket => Known::Current(entry.id),
             Some(entry) => Known::Stale(entry.id),
             None => Known::Unknown,
@@ -689,6 +755,85 @@ impl Writer {
             stacks: Dictionary::new(cache_entries),
             label_sets: Dictionary::new(cache_entries),
             scratch: Scratch::default(),
+            group: None,
+            last_group: 0,
+            commits: 0,
+            committed_batches: 0,
+        }
+    }
+
+    /// The open group's id, after opening one if none is.
+    pub(super) fn join_group(&mut self) -> Result<u64, StorageError> {
+        if let Some(group) = &self.group {
+            return Ok(group.id);
+        }
+        self.conn.execute_batch("BEGIN IMMEDIATE")?;
+        for pending in &mut self.scratch.pending {
+            pending.clear();
+        }
+        self.last_group += 1;
+        self.group = Some(OpenGroup {
+            id: self.last_group,
+            members: 0,
+            waiting: 0,
+        });
+        Ok(self.last_group)
+    }
+
+    /// Batches the open group has stored or tried to.
+    pub(super) fn group_members(&self) -> usize {
+        self.group.as_ref().map_or(0, |group| group.members)
+    }
+
+    /// Counts a member that waits for the open group's commit.
+    pub(super) fn wait_in_group(&mut self) {
+        if let Some(group) = &mut self.group {
+            group.waiting += 1;
+        }
+    }
+
+    /// Commits the open group (or rolls it back), publishing what it
+    /// stored to the caches only once it is committed; `None` when no
+    /// group was open.
+    pub(super) fn end_group(
+        &mut self,
+        commit: bool,
+    ) -> Option<(OpenGroup, Result<(), StorageError>)> {
+        let group = self.group.take()?;
+        let committed = if commit {
+            self.conn
+                .execute_batch("COMMIT")
+                .map_err(StorageError::from)
+        } else {
+            Err(StorageError::Corrupt(
+                "storing a batch of the same transaction failed unexpectedly".into(),
+            ))
+        };
+        // A failed COMMIT may leave the transaction open (SQLITE_BUSY);
+        // nothing of the group may stay.
+        if committed.is_err() && !self.conn.is_autocommit() {
+            let _ = self.conn.execute_batch("ROLLBACK");
+        }
+        let [mappings, locations, stacks, label_sets] = &mut self.scratch.pending;
+        if committed.is_ok() {
+            self.mappings.publish(mappings);
+            self.locations.publish(locations);
+            self.stacks.publish(stacks);
+            self.label_sets.publish(label_sets);
+            self.commits += 1;
+            self.committed_batches += group.members as u64;
+        } else {
+            for pending in [mappings, locations, stacks, label_sets] {
+                pending.clear();
+            }
+        }
+        Some((group, committed))
+    }
+
+    pub(super) fn commit_stats(&self) -> CommitStats {
+        CommitStats {
+            commits: self.commits,
+            batches: self.committed_batches,
         }
     }
 
@@ -745,15 +890,35 @@ impl Writer {
         }
     }
 
+    /// Stores `batch` in the open group (see [`Writer::join_group`]), whole
+    /// or not at all: under a savepoint of its own.
     fn ingest(
         &mut self,
         batch: &ValidBatch,
         bucket: i64,
         tiers: &Tiers,
     ) -> Result<IngestOutcome, StorageError> {
-        for pending in &mut self.scratch.pending {
-            pending.clear();
+        if let Some(group) = &mut self.group {
+            group.members += 1;
         }
+        let stored = self.ingest_in_savepoint(batch, bucket, tiers);
+        if stored.is_err() {
+            // Its items may be among them. The earlier members' go too:
+            // an item missing from the caches costs a lookup, one cached
+            // but not stored would be referenced by later batches.
+            for pending in &mut self.scratch.pending {
+                pending.clear();
+            }
+        }
+        stored
+    }
+
+    fn ingest_in_savepoint(
+        &mut self,
+        batch: &ValidBatch,
+        bucket: i64,
+        tiers: &Tiers,
+    ) -> Result<IngestOutcome, StorageError> {
         let Writer {
             conn,
             mappings,
@@ -761,8 +926,9 @@ impl Writer {
             stacks,
             label_sets,
             scratch,
+            ..
         } = self;
-        let tx = conn.transaction_with_behavior(TransactionBehavior::Immediate)?;
+        let tx = conn.savepoint()?;
         let duplicate = tx
             .prepare_cached("SELECT 1 FROM batches WHERE id = ?1")?
             .exists([&batch.batch_id[..]])?;
@@ -975,11 +1141,6 @@ impl Writer {
         }
         rollup::invalidate(&tx, tiers, bucket)?;
         tx.commit()?;
-
-        mappings.publish(pending_mappings);
-        locations.publish(pending_locations);
-        stacks.publish(pending_stacks);
-        label_sets.publish(pending_label_sets);
         Ok(IngestOutcome::Stored {
             samples: batch.samples.len() as u64,
         })
