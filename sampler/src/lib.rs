@@ -143,8 +143,14 @@ impl Default for SamplerConfig {
 }
 
 /// A host whose drains read fewer records than this per base drain period
-/// (judged over a window of drains, see [`DrainPace`]) is quiet.
-const FEW_RECORDS: f64 = 16.0;
+/// (judged over a window of drains, see [`DrainPace`]) is quiet. A drain
+/// costs the agent about as much as 25-30 records walked whatever it
+/// finds (its code and tables are cold again after half a second of other
+/// work): on 2 CPUs at the default 19 Hz (19 records a period) the drains
+/// 2 s apart instead of 0.5 s made the agent's steady CPU per sample
+/// 0.73-0.84x (`cargo xtask bench overhead`, 2026-12-06), while processes
+/// met for the first time still bring the period back at once.
+const FEW_RECORDS: f64 = 64.0;
 
 /// How often the rings are drained when they stay below their wake-up
 /// mark. Each wake-up costs the same whatever it finds: on a near-idle
@@ -1044,17 +1050,17 @@ mod tests {
         assert!(pace.paced());
         assert_eq!(pace.after(15, at(1500)), ms(2000));
         assert_eq!(pace.after(3, at(3500)), ms(2000), "never past the most");
-        // 16 records in 2 s is 4 a period: still quiet.
-        assert_eq!(pace.after(16, at(5500)), ms(2000));
-        assert_eq!(pace.after(64, at(7500)), ms(500));
+        // 240 records in 2 s is 60 a period: still quiet.
+        assert_eq!(pace.after(240, at(5500)), ms(2000));
+        assert_eq!(pace.after(256, at(7500)), ms(500));
         assert!(!pace.paced());
-        // Quick drains 50 ms apart, 2 records each: no judgement until the
-        // window is a base period long, and then 20 a period, the rate of
+        // Quick drains 50 ms apart, 8 records each: no judgement until the
+        // window is a base period long, and then 80 a period, the rate of
         // a busy host.
         for step in 1..10 {
-            assert_eq!(pace.after(2, at(7500 + step * 50)), ms(500));
+            assert_eq!(pace.after(8, at(7500 + step * 50)), ms(500));
         }
-        assert_eq!(pace.after(2, at(8000)), ms(500));
+        assert_eq!(pace.after(8, at(8000)), ms(500));
         // A process met for the first time: the base again, and a window
         // from then.
         pace.after(0, at(8500));

@@ -619,6 +619,9 @@ impl ModuleLookup for KnownModules<'_> {
 struct TableCache {
     by_object: HashMap<ObjectId, CachedTable>,
     tick: u64,
+    /// Bytes of every ready table held, used or not: while they fit the
+    /// bound, the unused ones do, and no pass over the tables is needed.
+    ready_bytes: usize,
 }
 
 struct CachedTable {
@@ -627,6 +630,13 @@ struct CachedTable {
 }
 
 impl CachedTable {
+    fn ready_bytes(table: &ModuleTable) -> usize {
+        match table {
+            ModuleTable::Ready(table) => table.heap_bytes(),
+            _ => 0,
+        }
+    }
+
     /// The table, if it is ready and only this cache holds it.
     fn unused_table(&self) -> Option<&Arc<UnwindTable>> {
         match &self.table {
@@ -647,21 +657,35 @@ impl TableCache {
     /// Returns how many unused tables went for it.
     fn insert(&mut self, id: ObjectId, table: ModuleTable, max_bytes: usize) -> u64 {
         self.tick += 1;
-        self.by_object.insert(
+        self.ready_bytes += CachedTable::ready_bytes(&table);
+        let replaced = self.by_object.insert(
             id,
             CachedTable {
                 table,
                 last_used: self.tick,
             },
         );
+        if let Some(replaced) = replaced {
+            self.ready_bytes -= CachedTable::ready_bytes(&replaced.table);
+        }
         self.evict_unused(max_bytes)
+    }
+
+    fn remove(&mut self, id: &ObjectId) {
+        if let Some(removed) = self.by_object.remove(id) {
+            self.ready_bytes -= CachedTable::ready_bytes(&removed.table);
+        }
     }
 
     /// Drops the least recently used tables that no process holds (their
     /// `Arc` is only ours) until the unused ones fit in `max_bytes`.
     /// Returns how many went.
     fn evict_unused(&mut self, max_bytes: usize) -> u64 {
-        // Runs after every drain: one pass when under the bound.
+        // Runs after every drain: no pass while every table fits, one when
+        // the unused ones do.
+        if self.ready_bytes <= max_bytes {
+            return 0;
+        }
         let mut unused_bytes: usize = self
             .by_object
             .values()
@@ -679,7 +703,7 @@ impl TableCache {
             let Some((id, bytes)) = oldest else {
                 break;
             };
-            self.by_object.remove(&id);
+            self.remove(&id);
             unused_bytes -= bytes;
             evicted += 1;
         }
@@ -1636,7 +1660,7 @@ impl StackWalker {
                 Compiled::Unreadable => {
                     // Transient (the process exited before its file was
                     // opened): forget it, so a later sample retries.
-                    self.tables.by_object.remove(&id);
+                    self.tables.remove(&id);
                     for process in processes.walkers_mut() {
                         let before = process.modules.len();
                         process
@@ -1969,6 +1993,52 @@ mod tests {
             binary: BinarySlots::UNTRACKED,
             object: ModuleObject::Vdso,
         }
+    }
+
+    #[test]
+    fn unused_tables_past_the_bound_go_least_recently_used_first() {
+        let id = |ino| {
+            ObjectId::FileKey(stackscope_process_table::FileKey {
+                dev: 1,
+                ino,
+                size: 0,
+                mtime_ns: 0,
+            })
+        };
+        let table = || Arc::new(UnwindTable::from_rows(&[(0, None); 64]));
+        let bytes = table().heap_bytes();
+        let mut cache = TableCache::default();
+        let held = table();
+        // Two unused tables fit; a process holds the first table, which
+        // is not counted.
+        for (ino, table) in [(1, Arc::clone(&held)), (2, table()), (3, table())] {
+            assert_eq!(
+                cache.insert(id(ino), ModuleTable::Ready(table), 2 * bytes),
+                0
+            );
+        }
+        cache.get(&id(2));
+        // A third unused one: the least recently used unused table (3)
+        // goes, not the held one, older still.
+        assert_eq!(
+            cache.insert(id(4), ModuleTable::Ready(table()), 2 * bytes),
+            1
+        );
+        assert!(cache.get(&id(3)).is_none());
+        assert_eq!(cache.ready_bytes, 3 * bytes);
+        // Replacing a table counts its bytes once.
+        assert_eq!(
+            cache.insert(id(4), ModuleTable::Ready(table()), 2 * bytes),
+            0
+        );
+        assert_eq!(cache.ready_bytes, 3 * bytes);
+        // Once the process lets go, a tighter bound takes the held table
+        // too, least recently used first.
+        drop(held);
+        assert_eq!(cache.evict_unused(bytes), 2);
+        assert!(cache.get(&id(1)).is_none() && cache.get(&id(2)).is_none());
+        assert!(cache.get(&id(4)).is_some());
+        assert_eq!(cache.ready_bytes, bytes);
     }
 
     #[test]
