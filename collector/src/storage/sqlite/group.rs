@@ -8,7 +8,9 @@
 //! writes) and, on a disk whose sync takes milliseconds, most of its time
 //! waiting for them. Each batch is still stored whole or not at all: it is
 //! written under a savepoint of its own, and a batch that fails is rolled
-//! back to it alone.
+//! back to it alone. An error that ends the whole transaction (SQLite does
+//! on a full disk or out of memory) fails every batch of the group; their
+//! senders keep them and retry.
 //!
 //! How: a thread about to store a batch says so ([`Groups::join`]) before
 //! it takes the writer. Whoever holds the writer stores its batch in the
@@ -42,6 +44,9 @@ pub(super) struct OpenGroup {
     pub members: usize,
     /// Members waiting for its commit.
     pub waiting: usize,
+    /// Its transaction is gone, or holds part of a failed batch: it can
+    /// only be rolled back.
+    pub lost: bool,
 }
 
 /// How a group's commit went, for the members that waited for it.
@@ -183,6 +188,7 @@ mod tests {
             id: 6,
             members: 1,
             waiting: 0,
+            lost: false,
         };
         groups.finished(&earlier, Ok(()));
         let full = StorageError::Database(rusqlite::Error::SqliteFailure(
@@ -193,6 +199,7 @@ mod tests {
             id: 7,
             members: 3,
             waiting: 2,
+            lost: false,
         };
         groups.finished(&group, Err(&full));
         for waiter in waiters {
@@ -210,6 +217,7 @@ mod tests {
                 id: 8,
                 members: 2,
                 waiting: 1,
+                lost: false,
             },
             Ok(()),
         );

@@ -177,13 +177,13 @@ impl SqliteStorage {
 
     /// How well the ingest dictionary caches are doing.
     pub fn cache_stats(&self) -> CacheStats {
-        self.writer().cache_stats()
+        self.lock_writer().cache_stats()
     }
 
     /// Write transactions that stored batches, and the batches they stored
     /// (more than one each when batches arrived together).
     pub fn commit_stats(&self) -> CommitStats {
-        self.writer().commit_stats()
+        self.lock_writer().commit_stats()
     }
 }
 

@@ -925,7 +925,7 @@ fn decode_ids(blob: &[u8]) -> Result<Vec<i64>, &'static str> {
 }
 
 #[cfg(test)]
-mod tests {
+pub(super) mod tests {
     use std::{
         sync::{OnceLock, mpsc},
         thread,
@@ -968,7 +968,12 @@ mod tests {
 
     /// A batch from `node`: `weight` samples of a one-frame stack in
     /// `function`.
-    fn batch(id: u8, node: &str, function: &str, weight: u64) -> ValidBatch {
+    pub(in crate::storage::sqlite) fn batch(
+        id: u8,
+        node: &str,
+        function: &str,
+        weight: u64,
+    ) -> ValidBatch {
         ValidBatch {
             batch_id: [id; 16],
             node: node.into(),

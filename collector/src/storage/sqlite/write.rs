@@ -124,11 +124,22 @@ impl SqliteStorage {
             Ok(stored) => stored,
             Err(panic) => {
                 // The members waiting for this group must not wait for a
-                // commit nobody will make.
-                let _ = self.end_group(&mut writer, false);
+                // commit nobody will make. The caches are whole (they
+                // change only when a group commits), so the writer is let
+                // go unpoisoned.
+                let _ = self.end_group(&mut writer, Some(&panicked()));
+                drop(writer);
                 std::panic::resume_unwind(panic);
             }
         };
+        if let Err(err) = &stored
+            && writer.group_lost()
+        {
+            // The failure took the group's transaction with it: the
+            // members before it are not stored either.
+            let _ = self.end_group(&mut writer, Some(err));
+            return stored;
+        }
         let members = writer.group_members();
         if members < self.max_group_batches && self.groups.someone_joining() {
             // The next batch stores into this transaction and commits it,
@@ -140,7 +151,7 @@ impl SqliteStorage {
             self.groups.wait_for(group)?;
             return Ok(outcome);
         }
-        let committed = self.end_group(&mut writer, true);
+        let committed = self.end_group(&mut writer, None);
         drop(writer);
         match (stored, committed) {
             (Ok(outcome), Ok(())) => Ok(outcome),
@@ -148,13 +159,21 @@ impl SqliteStorage {
         }
     }
 
-    /// Commits (or, with `commit` false, rolls back) the open group, if
-    /// any, and tells its waiting members how that went.
-    fn end_group(&self, writer: &mut Writer, commit: bool) -> Result<(), StorageError> {
-        let Some((group, result)) = writer.end_group(commit) else {
+    /// Commits the open group, if any, or rolls it back for `abandon`,
+    /// and tells its waiting members how that went.
+    fn end_group(
+        &self,
+        writer: &mut Writer,
+        abandon: Option<&StorageError>,
+    ) -> Result<(), StorageError> {
+        let Some((group, result)) = writer.end_group(abandon.is_none()) else {
             return Ok(());
         };
-        self.groups.finished(&group, result.as_ref().map(|_| ()));
+        let told = match abandon {
+            Some(reason) => Err(reason),
+            None => result.as_ref().map(|_| ()),
+        };
+        self.groups.finished(&group, told);
         result
     }
 
@@ -170,19 +189,21 @@ impl SqliteStorage {
         let mut writer = self.lock_writer();
         // Its own members report a failed commit; this caller has nothing
         // in it.
-        let _ = self.end_group(&mut writer, true);
+        let _ = self.end_group(&mut writer, None);
         writer
     }
 
-    fn lock_writer(&self) -> MutexGuard<'_, Writer> {
+    /// The writer as it is, a group perhaps open: for ingest, and for
+    /// reading its counters.
+    pub(super) fn lock_writer(&self) -> MutexGuard<'_, Writer> {
         // A panic while the lock was held rolled its transaction back (the
-        // Transaction's drop, or `store_batch` for a group) but may have
-        // left a cache half updated: start the caches afresh, the database
-        // is the truth.
+        // Transaction's drop) but may have left a cache half updated: start
+        // the caches afresh, the database is the truth.
         self.writer.lock().unwrap_or_else(|poisoned| {
             let mut writer = poisoned.into_inner();
-            let _ = self.end_group(&mut writer, false);
+            let _ = self.end_group(&mut writer, Some(&panicked()));
             writer.forget_through(i64::MAX);
+            self.writer.clear_poison();
             writer
         })
     }
@@ -308,6 +329,11 @@ impl SqliteStorage {
         }
         Ok(spans)
     }
+}
+
+/// Why a group was rolled back after a panic, for its waiting members.
+fn panicked() -> StorageError {
+    StorageError::Corrupt("storing a batch of the same transaction panicked".into())
 }
 
 /// What the ingest caches know about a stored dictionary item.
@@ -776,8 +802,17 @@ impl Writer {
             id: self.last_group,
             members: 0,
             waiting: 0,
+            lost: false,
         });
         Ok(self.last_group)
+    }
+
+    /// Whether the open group's transaction is gone or holds part of a
+    /// failed batch: SQLite rolls a whole transaction back on some errors
+    /// (a full disk, out of memory), and a savepoint that could not be
+    /// rolled back leaves what its batch wrote.
+    pub(super) fn group_lost(&self) -> bool {
+        self.group.as_ref().is_some_and(|group| group.lost)
     }
 
     /// Batches the open group has stored or tried to.
@@ -806,13 +841,17 @@ impl Writer {
                 .map_err(StorageError::from)
         } else {
             Err(StorageError::Corrupt(
-                "storing a batch of the same transaction failed unexpectedly".into(),
+                "the transaction was rolled back".into(),
             ))
         };
         // A failed COMMIT may leave the transaction open (SQLITE_BUSY);
         // nothing of the group may stay.
-        if committed.is_err() && !self.conn.is_autocommit() {
-            let _ = self.conn.execute_batch("ROLLBACK");
+        if committed.is_err()
+            && !self.conn.is_autocommit()
+            && let Err(err) = self.conn.execute_batch("ROLLBACK")
+        {
+            // Every later BEGIN fails while it stays open.
+            tracing::error!("rolling back the writer's transaction failed: {err}");
         }
         let [mappings, locations, stacks, label_sets] = &mut self.scratch.pending;
         if committed.is_ok() {
@@ -901,8 +940,20 @@ impl Writer {
         if let Some(group) = &mut self.group {
             group.members += 1;
         }
-        let stored = self.ingest_in_savepoint(batch, bucket, tiers);
-        if stored.is_err() {
+        let stored = self
+            .conn
+            .execute_batch("SAVEPOINT batch")
+            .map_err(StorageError::from)
+            .and_then(|()| self.ingest_in_savepoint(batch, bucket, tiers));
+        let ended = match &stored {
+            Ok(_) => self.conn.execute_batch("RELEASE batch"),
+            Err(_) => self.conn.execute_batch("ROLLBACK TO batch; RELEASE batch"),
+        };
+        let lost = ended.is_err() || self.conn.is_autocommit();
+        if let Some(group) = &mut self.group {
+            group.lost |= lost;
+        }
+        if stored.is_err() || lost {
             // Its items may be among them. The earlier members' go too:
             // an item missing from the caches costs a lookup, one cached
             // but not stored would be referenced by later batches.
@@ -910,7 +961,13 @@ impl Writer {
                 pending.clear();
             }
         }
-        stored
+        match (stored, ended) {
+            (Ok(_), Err(err)) => Err(err.into()),
+            (Ok(_), Ok(())) if lost => Err(StorageError::Corrupt(
+                "the write transaction ended while a batch was stored".into(),
+            )),
+            (stored, _) => stored,
+        }
     }
 
     fn ingest_in_savepoint(
@@ -928,7 +985,7 @@ impl Writer {
             scratch,
             ..
         } = self;
-        let tx = conn.savepoint()?;
+        let tx: &Connection = conn;
         let duplicate = tx
             .prepare_cached("SELECT 1 FROM batches WHERE id = ?1")?
             .exists([&batch.batch_id[..]])?;
@@ -984,10 +1041,10 @@ impl Writer {
         location_ids.resize(batch.locations.len(), 0);
 
         {
-            let mut mapping_table = Table::new(&tx, &MAPPINGS, mappings, pending_mappings, bucket)?;
+            let mut mapping_table = Table::new(tx, &MAPPINGS, mappings, pending_mappings, bucket)?;
             let mut location_table =
-                Table::new(&tx, &LOCATIONS, locations, pending_locations, bucket)?;
-            let mut stack_table = Table::new(&tx, &STACKS, stacks, pending_stacks, bucket)?;
+                Table::new(tx, &LOCATIONS, locations, pending_locations, bucket)?;
+            let mut stack_table = Table::new(tx, &STACKS, stacks, pending_stacks, bucket)?;
             let mut items = BatchItems {
                 mapping_hashes,
                 mapping_ids,
@@ -1038,7 +1095,7 @@ impl Writer {
             }
 
             let mut label_set_table =
-                Table::new(&tx, &LABEL_SETS, label_sets, pending_label_sets, bucket)?;
+                Table::new(tx, &LABEL_SETS, label_sets, pending_label_sets, bucket)?;
             let mut insert_label = tx.prepare_cached(
                 "INSERT OR IGNORE INTO labels (label_set_id, name, value) VALUES (?1, ?2, ?3)",
             )?;
@@ -1139,8 +1196,7 @@ impl Writer {
                 batch.range.end_unix_nanos,
             ))?;
         }
-        rollup::invalidate(&tx, tiers, bucket)?;
-        tx.commit()?;
+        rollup::invalidate(tx, tiers, bucket)?;
         Ok(IngestOutcome::Stored {
             samples: batch.samples.len() as u64,
         })
@@ -1155,6 +1211,42 @@ mod tests {
     #[test]
     fn entry_size() {
         assert_eq!(std::mem::size_of::<Entry>(), 16);
+    }
+
+    /// An item a group's earlier batch stored in an older bucket moves to
+    /// the later batch's bucket: retention deletes by `last_bucket`.
+    #[test]
+    fn a_group_moves_what_an_earlier_batch_stored_to_a_later_bucket() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let storage = SqliteStorage::open(
+            &dir.path().join("stackscope.db"),
+            super::super::SqliteOptions::default(),
+        )
+        .expect("open");
+        let bucket = storage.bucket_nanos;
+        let mut writer = storage.lock_writer();
+        writer.join_group().expect("begin");
+        for (id, at) in [(1, bucket), (2, 3 * bucket), (3, 2 * bucket)] {
+            let batch = super::super::read::tests::batch(id, "node-a", "f", 1);
+            writer.ingest(&batch, at, &storage.tiers).expect("ingest");
+        }
+        storage.end_group(&mut writer, None).expect("commit");
+        for table in ["mappings", "locations", "stacks", "label_sets"] {
+            let last: i64 = writer
+                .conn
+                .query_row(&format!("SELECT last_bucket FROM {table}"), [], |row| {
+                    row.get(0)
+                })
+                .expect("one row");
+            assert_eq!(last, 3 * bucket, "{table}");
+        }
+        assert_eq!(
+            writer.commit_stats(),
+            CommitStats {
+                commits: 1,
+                batches: 3
+            }
+        );
     }
 
     #[test]
