@@ -167,7 +167,7 @@ static DEEP_PROGRAMS: LruHashMap<[u8; COMM_LEN], u8> =
 static EARLY_WAKEUPS: PerCpuArray<u64> = PerCpuArray::with_max_entries(1, 0);
 
 /// 1 while the reader's timed drains come less often than their base
-/// period (a quiet host), written by the agent: a new process's first tick
+/// period (few records to read), written by the agent: a new process's first tick
 /// then wakes it (see `MAX_NEW_PROCESS_WAKEUPS`).
 #[map(name = "PACED_DRAINS")]
 static PACED_DRAINS: Array<u32> = Array::with_max_entries(1, 0);
@@ -846,7 +846,7 @@ fn unread_bytes(ring: &SampleRing) -> u64 {
 ///   deep copies: until the reader learns the thread, each of its ticks is
 ///   a truncated walk, and a timed drain comes only every half second, most
 ///   of a compiler process's life;
-/// - or drains are paced (a quiet host, every 2 s) and its process `tgid`
+/// - or drains are paced (few records to read, every 2 s) and its process `tgid`
 ///   has not woken the reader yet.
 ///
 /// Either way at most once per `EARLY_WAKEUP_INTERVAL_NS` per CPU.

@@ -176,7 +176,7 @@ impl AgentConfig {
 /// The sampler's drain period when the mapping feed is open (see
 /// [`SamplerConfig::drain_interval`]): a fifth of the wake-ups of the
 /// default, which dominate the agent's CPU at low sampling rates. It is the
-/// base: on a quiet host the period grows up to 2 s (see
+/// base: while few records come the period grows up to 2 s (see
 /// `SamplerConfig::idle_drain_interval`).
 pub const FEED_DRAIN_INTERVAL: Duration = Duration::from_millis(500);
 

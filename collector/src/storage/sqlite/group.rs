@@ -6,9 +6,11 @@
 //! fleet's batches come in bursts; stored one transaction each, the writer
 //! spent a quarter of its CPU on commits (the log's sync and its page
 //! writes) and, on a disk whose sync takes milliseconds, most of its time
-//! waiting for them. Each batch is still stored whole or not at all: it is
-//! written under a savepoint of its own, and a batch that fails is rolled
-//! back to it alone. An error that ends the whole transaction (SQLite does
+//! waiting for them. Each batch is still stored whole or not at all: each
+//! after the first is written under a savepoint of its own, and one that
+//! fails is rolled back to it alone (the first has the transaction to
+//! itself until the second comes: a savepoint copies every page it first
+//! changes, which cost a batch of new stacks about as much again). An error that ends the whole transaction (SQLite does
 //! on a full disk or out of memory) fails every batch of the group; their
 //! senders keep them and retry.
 //!
@@ -40,8 +42,10 @@ pub(super) const MAX_GROUP_BATCHES: usize = 32;
 #[derive(Debug)]
 pub(super) struct OpenGroup {
     pub id: u64,
-    /// Batches stored in it so far.
+    /// Batches stored in it, or tried, so far.
     pub members: usize,
+    /// Of those, the batches stored.
+    pub stored: usize,
     /// Members waiting for its commit.
     pub waiting: usize,
     /// Its transaction is gone, or holds part of a failed batch: it can
@@ -135,7 +139,7 @@ impl Groups {
         Err(StorageError::Database(rusqlite::Error::SqliteFailure(
             failure.code,
             Some(format!(
-                "committing the batches stored with this one failed: {}",
+                "the transaction this batch was stored in failed: {}",
                 failure.message
             )),
         )))
@@ -187,6 +191,7 @@ mod tests {
         let earlier = OpenGroup {
             id: 6,
             members: 1,
+            stored: 1,
             waiting: 0,
             lost: false,
         };
@@ -198,6 +203,7 @@ mod tests {
         let group = OpenGroup {
             id: 7,
             members: 3,
+            stored: 3,
             waiting: 2,
             lost: false,
         };
@@ -216,6 +222,7 @@ mod tests {
             &OpenGroup {
                 id: 8,
                 members: 2,
+                stored: 2,
                 waiting: 1,
                 lost: false,
             },

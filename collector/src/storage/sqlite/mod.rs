@@ -98,8 +98,7 @@ pub struct CacheStats {
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct CommitStats {
     pub commits: u64,
-    /// Batches those commits stored or tried to (a batch that failed is
-    /// rolled back alone).
+    /// Batches those commits stored.
     pub batches: u64,
 }
 

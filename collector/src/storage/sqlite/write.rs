@@ -793,6 +793,11 @@ impl Writer {
         if let Some(group) = &self.group {
             return Ok(group.id);
         }
+        if !self.conn.is_autocommit() {
+            // A transaction whose rollback failed once: every BEGIN would
+            // fail while it stays.
+            self.conn.execute_batch("ROLLBACK")?;
+        }
         self.conn.execute_batch("BEGIN IMMEDIATE")?;
         for pending in &mut self.scratch.pending {
             pending.clear();
@@ -801,6 +806,7 @@ impl Writer {
         self.group = Some(OpenGroup {
             id: self.last_group,
             members: 0,
+            stored: 0,
             waiting: 0,
             lost: false,
         });
@@ -860,7 +866,7 @@ impl Writer {
             self.stacks.publish(stacks);
             self.label_sets.publish(label_sets);
             self.commits += 1;
-            self.committed_batches += group.members as u64;
+            self.committed_batches += group.stored as u64;
         } else {
             for pending in [mappings, locations, stacks, label_sets] {
                 pending.clear();
@@ -930,36 +936,66 @@ impl Writer {
     }
 
     /// Stores `batch` in the open group (see [`Writer::join_group`]), whole
-    /// or not at all: under a savepoint of its own.
+    /// or not at all: under a savepoint of its own, or, as the group's
+    /// first batch, as the transaction itself.
     fn ingest(
         &mut self,
         batch: &ValidBatch,
         bucket: i64,
         tiers: &Tiers,
     ) -> Result<IngestOutcome, StorageError> {
-        if let Some(group) = &mut self.group {
-            group.members += 1;
+        let stored = self.ingest_member(batch, bucket, tiers);
+        if let (Ok(IngestOutcome::Stored { .. }), Some(group)) = (&stored, &mut self.group) {
+            group.stored += 1;
+        }
+        stored
+    }
+
+    fn ingest_member(
+        &mut self,
+        batch: &ValidBatch,
+        bucket: i64,
+        tiers: &Tiers,
+    ) -> Result<IngestOutcome, StorageError> {
+        let Some(group) = &mut self.group else {
+            return Err(StorageError::Corrupt(
+                "a batch was stored with no transaction open".into(),
+            ));
+        };
+        group.members += 1;
+        if group.members == 1 {
+            // The first batch needs no savepoint: the group holds nothing
+            // else, so a failure rolls the whole transaction back. A
+            // savepoint copies every page it first changes, which cost a
+            // batch of new stacks about as much again as storing it.
+            let stored = self.store_in_transaction(batch, bucket, tiers);
+            if stored.is_err() {
+                self.lose_group();
+            }
+            return stored;
         }
         let stored = self
             .conn
             .execute_batch("SAVEPOINT batch")
             .map_err(StorageError::from)
-            .and_then(|()| self.ingest_in_savepoint(batch, bucket, tiers));
+            .and_then(|()| self.store_in_transaction(batch, bucket, tiers));
         let ended = match &stored {
             Ok(_) => self.conn.execute_batch("RELEASE batch"),
-            Err(_) => self.conn.execute_batch("ROLLBACK TO batch; RELEASE batch"),
+            Err(_) => self
+                .conn
+                .execute_batch("ROLLBACK TO batch; RELEASE batch")
+                .inspect_err(|err| {
+                    tracing::warn!(
+                        "rolling back a failed batch failed ({err}): \
+                         the batches stored with it are rolled back too"
+                    );
+                }),
         };
         let lost = ended.is_err() || self.conn.is_autocommit();
-        if let Some(group) = &mut self.group {
-            group.lost |= lost;
-        }
-        if stored.is_err() || lost {
-            // Its items may be among them. The earlier members' go too:
-            // an item missing from the caches costs a lookup, one cached
-            // but not stored would be referenced by later batches.
-            for pending in &mut self.scratch.pending {
-                pending.clear();
-            }
+        if lost {
+            self.lose_group();
+        } else if stored.is_err() {
+            self.forget_pending();
         }
         match (stored, ended) {
             (Ok(_), Err(err)) => Err(err.into()),
@@ -970,7 +1006,25 @@ impl Writer {
         }
     }
 
-    fn ingest_in_savepoint(
+    /// The open group can only be rolled back now.
+    fn lose_group(&mut self) {
+        if let Some(group) = &mut self.group {
+            group.lost = true;
+        }
+        self.forget_pending();
+    }
+
+    /// After a failed batch: its items may be among the pending ones. The
+    /// earlier members' go too: an item missing from the caches costs a
+    /// lookup, one cached but not stored would be referenced by later
+    /// batches.
+    fn forget_pending(&mut self) {
+        for pending in &mut self.scratch.pending {
+            pending.clear();
+        }
+    }
+
+    fn store_in_transaction(
         &mut self,
         batch: &ValidBatch,
         bucket: i64,
@@ -990,7 +1044,7 @@ impl Writer {
             .prepare_cached("SELECT 1 FROM batches WHERE id = ?1")?
             .exists([&batch.batch_id[..]])?;
         if duplicate {
-            // Dropping the transaction rolls back; nothing was written.
+            // Nothing was written.
             return Ok(IngestOutcome::Duplicate);
         }
         let Scratch {
