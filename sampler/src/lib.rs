@@ -41,6 +41,7 @@ use aya::{
 };
 use tokio::io::unix::AsyncFd;
 
+use stackscope_telemetry::error_chain;
 use stackscope_unwind::walker::stitching::PlanUpdate;
 
 use losses::LostRecords;
@@ -868,18 +869,6 @@ fn attach_off_cpu(ebpf: &mut Ebpf, name: &'static str) -> Result<(), SamplerErro
         program.attach(names::SWITCH_TRACEPOINT).map_err(error)?;
     }
     Ok(())
-}
-
-/// `err` and its sources, one after the other.
-fn error_chain(err: &dyn std::error::Error) -> String {
-    let mut text = err.to_string();
-    let mut source = err.source();
-    while let Some(cause) = source {
-        text.push_str(": ");
-        text.push_str(&cause.to_string());
-        source = cause.source();
-    }
-    text
 }
 
 /// Registers a ring buffer's descriptor (the BPF-side logger's) with the

@@ -25,6 +25,19 @@ pub mod log_limit;
 pub mod probes;
 pub mod tally;
 
+/// `err` and its sources, `: `-separated: one log line, or one message to
+/// pass on.
+pub fn error_chain(err: &dyn std::error::Error) -> String {
+    let mut text = err.to_string();
+    let mut source = err.source();
+    while let Some(cause) = source {
+        text.push_str(": ");
+        text.push_str(&cause.to_string());
+        source = cause.source();
+    }
+    text
+}
+
 #[cfg(feature = "http")]
 pub mod described;
 

@@ -62,7 +62,7 @@ pub use crate::{FrameLine, Lines, truncate_str};
 pub use cache::GenerationalCache;
 
 use stackscope_process_table::ModuleFile;
-use stackscope_telemetry::StateSize;
+use stackscope_telemetry::{StateSize, error_chain};
 
 /// Names kept by default: a few hundred bytes each, so tens of MB at most.
 pub const DEFAULT_MAX_CACHED_NAMES: usize = 1 << 18;
@@ -1103,18 +1103,6 @@ fn bounded(text: &str) -> &str {
 
 pub(crate) fn hex(bytes: &[u8]) -> String {
     bytes.iter().map(|byte| format!("{byte:02x}")).collect()
-}
-
-/// An error and its sources, `: `-separated, for one log line.
-fn error_chain(err: &dyn std::error::Error) -> String {
-    let mut text = err.to_string();
-    let mut source = err.source();
-    while let Some(cause) = source {
-        text.push_str(": ");
-        text.push_str(&cause.to_string());
-        source = cause.source();
-    }
-    text
 }
 
 #[cfg(test)]

@@ -717,10 +717,12 @@ fn records_of_every_cpu_are_read_in_time_order() {
         return;
     }
     // A busy thread per CPU (busy runs 64 at most): every ring fills
-    // between drains.
+    // between drains. It runs until killed below: under an emulated
+    // kernel, loading the program took longer than a 3-s run, and the
+    // sampler met no thread.
     let fixture = Fixture::compile("busy", &[]);
     let threads = cpus.min(64).to_string();
-    let mut busy = fixture.start(&[threads.as_str(), "3"]);
+    let mut busy = fixture.start(&[threads.as_str(), "60"]);
     let config = SamplerConfig {
         frequency_hz: 997,
         pids: vec![busy.pid()],

@@ -31,6 +31,8 @@ use std::{
     },
 };
 
+use stackscope_telemetry::error_chain;
+
 use super::StorageError;
 
 /// Batches one transaction stores at most, by default: bounds how long the
@@ -158,18 +160,6 @@ impl Drop for Joining<'_> {
     fn drop(&mut self) {
         self.0.joining.fetch_sub(1, Ordering::SeqCst);
     }
-}
-
-/// The error with its causes, as one line.
-fn error_chain(err: &StorageError) -> String {
-    let mut text = err.to_string();
-    let mut source = std::error::Error::source(err);
-    while let Some(cause) = source {
-        text.push_str(": ");
-        text.push_str(&cause.to_string());
-        source = cause.source();
-    }
-    text
 }
 
 #[cfg(test)]
