@@ -19,14 +19,12 @@ use rusqlite::{
     CachedStatement, Connection, OptionalExtension as _, Statement, Transaction,
     TransactionBehavior,
 };
-
-use super::group::OpenGroup;
 use stackscope_profile::model::unix_nanos;
 use stackscope_telemetry::StateSize;
 
 use super::{
-    CacheStats, CommitStats, IngestOutcome, SqliteStorage, StorageError, page_cache_used, rollup,
-    saturate, sums,
+    CacheStats, CommitStats, IngestOutcome, SqliteStorage, StorageError, group::OpenGroup,
+    page_cache_used, rollup, saturate, sums,
 };
 use crate::{
     ingest::ValidBatch,
@@ -799,9 +797,7 @@ impl Writer {
             self.conn.execute_batch("ROLLBACK")?;
         }
         self.conn.execute_batch("BEGIN IMMEDIATE")?;
-        for pending in &mut self.scratch.pending {
-            pending.clear();
-        }
+        self.forget_pending();
         self.last_group += 1;
         self.group = Some(OpenGroup {
             id: self.last_group,
@@ -859,8 +855,8 @@ impl Writer {
             // Every later BEGIN fails while it stays open.
             tracing::error!("rolling back the writer's transaction failed: {err}");
         }
-        let [mappings, locations, stacks, label_sets] = &mut self.scratch.pending;
         if committed.is_ok() {
+            let [mappings, locations, stacks, label_sets] = &mut self.scratch.pending;
             self.mappings.publish(mappings);
             self.locations.publish(locations);
             self.stacks.publish(stacks);
@@ -868,9 +864,7 @@ impl Writer {
             self.commits += 1;
             self.committed_batches += group.stored as u64;
         } else {
-            for pending in [mappings, locations, stacks, label_sets] {
-                pending.clear();
-            }
+            self.forget_pending();
         }
         Some((group, committed))
     }
@@ -930,9 +924,7 @@ impl Writer {
         ] {
             dict.entries.retain(|_, entry| entry.last_bucket > last);
         }
-        for pending in &mut self.scratch.pending {
-            pending.clear();
-        }
+        self.forget_pending();
     }
 
     /// Stores `batch` in the open group (see [`Writer::join_group`]), whole
