@@ -10,9 +10,10 @@
 //! after the first is written under a savepoint of its own, and one that
 //! fails is rolled back to it alone (the first has the transaction to
 //! itself until the second comes: a savepoint copies every page it first
-//! changes, which cost a batch of new stacks about as much again). An error that ends the whole transaction (SQLite does
-//! on a full disk or out of memory) fails every batch of the group; their
-//! senders keep them and retry.
+//! changes, which cost a batch of new stacks about as much again). An
+//! error that ends the whole transaction (SQLite does on a full disk or out
+//! of memory) fails every batch of the group; their senders keep them and
+//! retry.
 //!
 //! How: a thread about to store a batch says so ([`Groups::join`]) before
 //! it takes the writer. Whoever holds the writer stores its batch in the
