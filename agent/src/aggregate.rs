@@ -361,21 +361,14 @@ pub struct Stacks {
 
 impl Default for Stacks {
     fn default() -> Self {
-        Self::with_capacity(0, 0)
+        Self {
+            locations: Vec::new(),
+            bounds: vec![0],
+        }
     }
 }
 
 impl Stacks {
-    /// Room for `stacks` stacks of `locations` locations in all.
-    fn with_capacity(stacks: usize, locations: usize) -> Self {
-        let mut bounds = Vec::with_capacity(stacks + 1);
-        bounds.push(0);
-        Self {
-            locations: Vec::with_capacity(locations),
-            bounds,
-        }
-    }
-
     pub fn len(&self) -> usize {
         self.bounds.len() - 1
     }
@@ -395,6 +388,22 @@ impl Stacks {
         self.bounds
             .windows(2)
             .map(|bounds| &self.locations[bounds[0]..bounds[1]])
+    }
+
+    /// Empty, with room for `stacks` stacks of `locations` locations in
+    /// all, in its own buffers if [`worth_keeping`].
+    fn refill(self, stacks: usize, locations: usize) -> Self {
+        let mut bounds = refill(self.bounds, stacks + 1);
+        bounds.push(0);
+        Self {
+            locations: refill(self.locations, locations),
+            bounds,
+        }
+    }
+
+    /// Bytes its buffers hold.
+    fn capacity_bytes(&self) -> usize {
+        capacity_bytes(&self.locations) + capacity_bytes(&self.bounds)
     }
 
     /// Adds `stack` as the last stack.
@@ -421,7 +430,64 @@ pub struct Interval {
     pub labels: LabelChoice,
 }
 
+/// The largest buffers of an interval whose batch is built, for a later
+/// interval to fill again. They run to hundreds of KiB at 99 Hz (MiBs at
+/// 997 Hz): over the allocator's mmap threshold, each interval's were
+/// mapped afresh, faulted in and zeroed page by page, and unmapped again
+/// (page faults and munmap were 7% of the agent's CPU at 99 Hz).
+#[derive(Debug, Default)]
+pub struct IntervalBuffers {
+    locations: Vec<IntervalLocation>,
+    stacks: Stacks,
+    samples: Vec<IntervalSample>,
+}
+
+impl IntervalBuffers {
+    /// Bytes they hold.
+    pub fn capacity_bytes(&self) -> usize {
+        capacity_bytes(&self.locations)
+            + self.stacks.capacity_bytes()
+            + capacity_bytes(&self.samples)
+    }
+}
+
+/// Room kept for a next interval's items: at most this many times what it
+/// needs. A burst's buffers are not held for ever, nor those of a busy
+/// interval once the host is idle; a steady load's vary far less (and a
+/// hash table's room is up to 1.75 times its items just after it grew).
+const KEPT_ROOM: usize = 4;
+
+/// Whether room for `capacity` items is kept for `len` (see [`KEPT_ROOM`]).
+fn worth_keeping(capacity: usize, len: usize) -> bool {
+    capacity <= len.saturating_mul(KEPT_ROOM)
+}
+
+/// `spare`, emptied, with room for `len` items (kept if
+/// [`worth_keeping`]).
+fn refill<T>(mut spare: Vec<T>, len: usize) -> Vec<T> {
+    spare.clear();
+    if !worth_keeping(spare.capacity(), len) {
+        spare = Vec::new();
+    }
+    spare.reserve_exact(len);
+    spare
+}
+
+fn capacity_bytes<T>(vec: &Vec<T>) -> usize {
+    vec.capacity() * std::mem::size_of::<T>()
+}
+
 impl Interval {
+    /// Its buffers, for a later interval ([`Aggregator::finish_interval_into`]);
+    /// the rest (its files among it) is dropped.
+    pub fn into_buffers(self) -> IntervalBuffers {
+        IntervalBuffers {
+            locations: self.locations,
+            stacks: self.stacks,
+            samples: self.samples,
+        }
+    }
+
     /// CPU samples (ticks) counted in the interval.
     pub fn sample_count(&self) -> u64 {
         self.samples
@@ -650,15 +716,32 @@ impl Builder {
     /// locations, stacks and samples as this one holds: a steady load fills
     /// them again, into tables that need not grow (a growing table moves
     /// every entry, a tenth of the agent's aggregation time on busy.c).
-    fn next(&self, start: SystemTime) -> Self {
+    /// The room is this builder's index tables, emptied (this interval
+    /// needs them no more), and `spare`'s buffers when given (see
+    /// [`IntervalBuffers`]), each if [`worth_keeping`].
+    fn next(&mut self, start: SystemTime, spare: Option<IntervalBuffers>) -> Self {
         let mut next = Self::new(start);
-        next.locations.reserve_exact(self.locations.len());
-        next.location_index.reserve(self.locations.len());
-        next.stacks = Stacks::with_capacity(self.stacks.len(), self.stacks.locations.len());
-        next.stack_index
-            .reserve(self.stacks.len(), |&(hash, _)| hash);
-        next.samples.reserve_exact(self.samples.len());
-        next.sample_index.reserve(self.samples.len());
+        let spare = spare.unwrap_or_default();
+        let (locations, stacks, samples) =
+            (self.locations.len(), self.stacks.len(), self.samples.len());
+        next.locations = refill(spare.locations, locations);
+        next.stacks = spare.stacks.refill(stacks, self.stacks.locations.len());
+        next.samples = refill(spare.samples, samples);
+        if worth_keeping(self.location_index.capacity(), locations) {
+            next.location_index = std::mem::take(&mut self.location_index);
+            next.location_index.clear();
+        }
+        next.location_index.reserve(locations);
+        if worth_keeping(self.stack_index.capacity(), stacks) {
+            next.stack_index = std::mem::take(&mut self.stack_index);
+            next.stack_index.clear();
+        }
+        next.stack_index.reserve(stacks, |&(hash, _)| hash);
+        if worth_keeping(self.sample_index.capacity(), samples) {
+            next.sample_index = std::mem::take(&mut self.sample_index);
+            next.sample_index.clear();
+        }
+        next.sample_index.reserve(samples);
         next
     }
 
@@ -1837,6 +1920,16 @@ impl Aggregator {
     /// Ends the interval being aggregated at `end`, starts the next one
     /// there, and returns the finished one.
     pub fn finish_interval(&mut self, end: SystemTime) -> Interval {
+        self.finish_interval_into(end, None)
+    }
+
+    /// [`Aggregator::finish_interval`], the next interval filling `spare`,
+    /// the buffers of an interval whose batch is built.
+    pub fn finish_interval_into(
+        &mut self,
+        end: SystemTime,
+        spare: Option<IntervalBuffers>,
+    ) -> Interval {
         self.name_jit_frames_late();
         for tgid in std::mem::take(&mut self.jit_exits) {
             self.jit_names.forget(tgid);
@@ -1857,7 +1950,7 @@ impl Aggregator {
             .values()
             .filter(|file| file.open_failed())
             .count() as u64;
-        let next = self.current.next(end);
+        let next = self.current.next(end, spare);
         let mut finished = std::mem::replace(&mut self.current, next);
         // Only files held open: one that failed (its process gone) is
         // looked up afresh, through whichever process maps it next.

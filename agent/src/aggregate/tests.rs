@@ -181,6 +181,53 @@ fn the_next_interval_has_room_for_what_this_one_held() {
     assert!(next.location_index.capacity() >= 501 && next.sample_index.capacity() >= 500);
 }
 
+/// An interval filling the buffers of one whose batch is built holds what
+/// a fresh one would, in those buffers and in the index tables of the
+/// interval before; buffers of over four times the room needed are let go.
+#[test]
+fn the_next_interval_fills_the_buffers_of_one_already_built() {
+    let (own, _) = module_files();
+    let header = header(std::process::id(), "app", true);
+    let fill = |aggregator: &mut Aggregator, stacks: u64, first: u64| {
+        for leaf in first..first + stacks {
+            let objects = [file(&own, 0x1000 + leaf), file(&own, 0x100)];
+            add(aggregator, &header, &[], &objects);
+        }
+    };
+    let (mut recycling, mut fresh) = (Aggregator::new(config()), Aggregator::new(config()));
+    let mut both = |stacks: u64, first: u64, spare: Option<IntervalBuffers>| {
+        fill(&mut recycling, stacks, first);
+        fill(&mut fresh, stacks, first);
+        let (filled, expected) = (
+            recycling.finish_interval_into(UNIX_EPOCH, spare),
+            fresh.finish_interval(UNIX_EPOCH),
+        );
+        assert_eq!(flatten(&filled), flatten(&expected));
+        let next = &recycling.current;
+        assert!(next.stacks.is_empty() && next.samples.is_empty());
+        assert!(next.stack_index.is_empty() && next.sample_index.is_empty());
+        let tables = next.stack_index.capacity();
+        (filled, tables)
+    };
+    let (built, tables) = both(500, 0, None);
+    // Its batch built; the aggregator fills the next interval meanwhile,
+    // and the one after that fills its buffers.
+    let spare = built.into_buffers();
+    let (spare_stacks, spare_samples) = (spare.stacks.locations.as_ptr(), spare.samples.as_ptr());
+    let (second, kept_tables) = both(400, 7, Some(spare));
+    assert_eq!(kept_tables, tables);
+    let (third, _) = both(300, 3, None);
+    assert_eq!(third.stacks.locations.as_ptr(), spare_stacks);
+    assert_eq!(third.samples.as_ptr(), spare_samples);
+
+    // Buffers and tables for 400-500 stacks, when 100 were sampled.
+    fill(&mut recycling, 100, 0);
+    recycling.finish_interval_into(UNIX_EPOCH, Some(second.into_buffers()));
+    let next = &recycling.current;
+    assert!(next.stacks.locations.capacity() < 400 && next.samples.capacity() < 200);
+    assert!(next.stack_index.capacity() < tables);
+}
+
 #[test]
 fn stacks_kept_end_to_end_read_back_alike_by_index_and_in_order() {
     let mut stacks = Stacks::default();

@@ -31,7 +31,7 @@ use std::{
 
 use prost::Message as _;
 
-use super::{BatchOptions, Interval, MappingKey, build_batch};
+use super::{BatchOptions, Interval, IntervalBuffers, MappingKey, build_batch};
 use crate::{export::debuginfo::UploadQueue, run::BatchSink};
 use stackscope_symbolize::node::{
     DEFAULT_MAX_OPEN_BYTES, SymbolizeStats, Symbolizer, SymbolizerConfig,
@@ -76,6 +76,9 @@ pub struct BatchWorker {
     shared: Arc<Mutex<WorkerStats>>,
     /// The symbolizer's state sizes, as of the last batch.
     state: Arc<Mutex<Vec<StateSize>>>,
+    /// The buffers of the last interval whose batch is built, for the next
+    /// interval to fill (see [`IntervalBuffers`]).
+    spare: Arc<Mutex<Option<IntervalBuffers>>>,
     dropped: u64,
     extended: u64,
 }
@@ -97,10 +100,12 @@ impl BatchWorker {
         let stats = Arc::clone(&shared);
         let state = Arc::new(Mutex::new(Vec::new()));
         let worker_state = Arc::clone(&state);
+        let spare = Arc::new(Mutex::new(None));
+        let built = Arc::clone(&spare);
         let publish_state = move |symbolizer: &Symbolizer| {
             let mut sizes = Vec::new();
             symbolizer.state_sizes(&mut sizes);
-            *worker_state.lock().unwrap_or_else(PoisonError::into_inner) = sizes;
+            *lock(&worker_state) = sizes;
         };
         let thread = std::thread::Builder::new()
             .name("stackscope-batch".into())
@@ -135,7 +140,7 @@ impl BatchWorker {
                         offer_binaries(&interval, uploads);
                     }
                     // Closes the interval's files now, not with the next one.
-                    drop(interval);
+                    *lock(&built) = Some(interval.into_buffers());
                     {
                         let mut stats = lock(&stats);
                         stats.batches_built += 1;
@@ -162,6 +167,7 @@ impl BatchWorker {
             thread: Some(thread),
             shared,
             state,
+            spare,
             dropped: 0,
             extended: 0,
         })
@@ -173,10 +179,11 @@ impl BatchWorker {
         !self.waiting.load(Ordering::Acquire)
     }
 
-    /// Ends the interval (`finish`) and hands it over, if the worker has
-    /// room for it; otherwise leaves it running (counted, and said once in
-    /// a while) and returns false.
-    pub fn try_submit(&mut self, finish: impl FnOnce() -> Interval) -> bool {
+    /// Ends the interval (`finish`, given the buffers of the last interval
+    /// built, if the worker has given them back) and hands it over, if the
+    /// worker has room for it; otherwise leaves it running (counted, and
+    /// said once in a while) and returns false.
+    pub fn try_submit(&mut self, finish: impl FnOnce(Option<IntervalBuffers>) -> Interval) -> bool {
         if !self.has_room() {
             self.extended += 1;
             if self.extended.is_power_of_two() {
@@ -194,7 +201,8 @@ impl BatchWorker {
         // Set before the send: the worker clears it once it has taken the
         // interval, which may be at once.
         self.waiting.store(true, Ordering::Release);
-        match intervals.try_send(finish()) {
+        let spare = lock(&self.spare).take();
+        match intervals.try_send(finish(spare)) {
             Ok(()) => {}
             // Only this thread sends, and the worker takes before it
             // clears the flag: an interval waits only while it is set.
@@ -215,9 +223,14 @@ impl BatchWorker {
         true
     }
 
-    /// The symbolizer's state sizes, as of the last batch built.
+    /// The symbolizer's state sizes, as of the last batch built, and the
+    /// spare interval buffers.
     pub fn state_sizes(&self, out: &mut Vec<StateSize>) {
-        out.extend_from_slice(&self.state.lock().unwrap_or_else(PoisonError::into_inner));
+        out.extend_from_slice(&lock(&self.state));
+        let spare = lock(&self.spare)
+            .as_ref()
+            .map_or(0, IntervalBuffers::capacity_bytes);
+        out.push(StateSize::bytes("interval_spare", spare, None));
     }
 
     pub fn stats(&self) -> WorkerStats {
@@ -255,8 +268,8 @@ impl Drop for BatchWorker {
     }
 }
 
-fn lock(stats: &Mutex<WorkerStats>) -> std::sync::MutexGuard<'_, WorkerStats> {
-    stats.lock().unwrap_or_else(PoisonError::into_inner)
+fn lock<T>(shared: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    shared.lock().unwrap_or_else(PoisonError::into_inner)
 }
 
 /// Free heap the allocator may keep in memory for the next interval: each
@@ -348,8 +361,9 @@ mod tests {
         }
     }
 
-    /// An interval of one sample in this process's own executable.
-    fn interval_of_one_sample() -> Interval {
+    /// An interval of one sample in this process's own executable, filling
+    /// `spare` if given.
+    fn interval_of_one_sample(spare: Option<IntervalBuffers>) -> Interval {
         let (own, _) = module_files();
         let mut aggregator = Aggregator::new(config());
         add(
@@ -358,7 +372,7 @@ mod tests {
             &[],
             &[file(&own, 0x1000)],
         );
-        aggregator.finish_interval(SystemTime::now())
+        aggregator.finish_interval_into(SystemTime::now(), spare)
     }
 
     fn start(spare: u64) -> (BatchWorker, mpsc::Sender<()>, Receiver<Batch>) {
@@ -394,15 +408,15 @@ mod tests {
         assert!(worker.try_submit(interval_of_one_sample));
         assert!(!worker.has_room());
         let mut finished = false;
-        assert!(!worker.try_submit(|| {
+        assert!(!worker.try_submit(|spare| {
             finished = true;
-            interval_of_one_sample()
+            interval_of_one_sample(spare)
         }));
         assert!(!finished, "an interval that cannot go is not ended");
         for _ in 0..3 {
             open.send(()).expect("the gate");
         }
-        let stats = worker.finish(interval_of_one_sample());
+        let stats = worker.finish(interval_of_one_sample(None));
         assert_eq!((stats.intervals_extended, stats.intervals_dropped), (1, 0));
         assert_eq!((stats.batches_built, stats.samples_in_batches), (3, 3));
         assert_eq!(batches.try_iter().count(), 3);

@@ -314,7 +314,9 @@ async fn sample(
                 // An interval that still waits ends now, or runs on to
                 // `end` if the worker is still busy.
                 if let Some(earlier) = ending.tick(end, Instant::now()) {
-                    worker.try_submit(|| records.sink.aggregator.finish_interval(earlier));
+                    worker.try_submit(|spare| {
+                records.sink.aggregator.finish_interval_into(earlier, spare)
+            });
                 }
                 Ok(())
             }
@@ -338,7 +340,7 @@ async fn sample(
         // next boundary, which ends it.
         let now = Instant::now();
         if let Some(end) = ending.due(|| records.awaits_answers(now), now) {
-            worker.try_submit(|| records.sink.aggregator.finish_interval(end));
+            worker.try_submit(|spare| records.sink.aggregator.finish_interval_into(end, spare));
         }
     };
     if ended.is_ok() {
@@ -346,7 +348,7 @@ async fn sample(
     }
     // With the worker busy, its samples go with the last interval.
     if let Some(end) = ending.take() {
-        worker.try_submit(|| records.sink.aggregator.finish_interval(end));
+        worker.try_submit(|spare| records.sink.aggregator.finish_interval_into(end, spare));
     }
     Some(match ended {
         Ok(()) => finish(records, sampler, worker, &handoffs, began),

@@ -199,8 +199,9 @@ impl ZstdState {
     fn compress(&mut self, request: &PushRequest) -> std::io::Result<Bytes> {
         self.encoded.clear();
         self.encoded.reserve(request.encoded_len());
-        // Cannot fail: the buffer was given the room.
-        let _ = request.encode(&mut self.encoded);
+        // Not `encode`: it measures the whole request again (a pass over
+        // every stack's locations) to check the room reserved just above.
+        request.encode_raw(&mut self.encoded);
         self.compressed.clear();
         self.compressed
             .reserve(zstd::zstd_safe::compress_bound(self.encoded.len()));
