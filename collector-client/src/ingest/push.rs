@@ -182,26 +182,33 @@ impl RequestEncoder {
     /// compresses. A batch zstd fails to compress (it cannot, short of
     /// memory) goes plain rather than be lost.
     pub fn encode(&mut self, batch: Batch) -> EncodedRequest {
-        let request = PushRequest { batch: Some(batch) };
         if let Some(zstd) = &mut self.zstd
             && zstd.support.takes_compressed()
-            && let Ok(compressed) = zstd.compress(&request)
+            && let Ok(compressed) = zstd.compress(&batch)
         {
             return EncodedRequest::Zstd(compressed);
         }
+        let request = PushRequest { batch: Some(batch) };
         EncodedRequest::Plain(request.encode_to_vec().into())
     }
 }
 
 impl ZstdState {
-    /// `CompressedPushRequest` around `request` compressed: the field's key
-    /// and length, then the frame, in one allocation of the exact size.
-    fn compress(&mut self, request: &PushRequest) -> std::io::Result<Bytes> {
+    /// `CompressedPushRequest` around `PushRequest { batch }` compressed:
+    /// the field's key and length, then the frame, in one allocation of
+    /// the exact size.
+    fn compress(&mut self, batch: &Batch) -> std::io::Result<Bytes> {
+        use prost::encoding::{WireType, encode_key, encode_varint, encoded_len_varint, key_len};
+        // The request's one field (`batch` is field 1) written here: the
+        // batch is measured once (a pass over every stack's locations),
+        // where `encode` measures it three times and `encode_raw` twice.
+        let batch_len = batch.encoded_len() as u64;
         self.encoded.clear();
-        self.encoded.reserve(request.encoded_len());
-        // Not `encode`: it measures the whole request again (a pass over
-        // every stack's locations) to check the room reserved just above.
-        request.encode_raw(&mut self.encoded);
+        self.encoded
+            .reserve(key_len(1) + encoded_len_varint(batch_len) + batch_len as usize);
+        encode_key(1, WireType::LengthDelimited, &mut self.encoded);
+        encode_varint(batch_len, &mut self.encoded);
+        batch.encode_raw(&mut self.encoded);
         self.compressed.clear();
         self.compressed
             .reserve(zstd::zstd_safe::compress_bound(self.encoded.len()));
