@@ -455,7 +455,7 @@ impl IntervalBuffers {
 /// Room kept for a next interval's items: at most this many times what it
 /// needs. A burst's buffers are not held for ever, nor those of a busy
 /// interval once the host is idle; a steady load's vary far less (and a
-/// hash table's room is up to 1.75 times its items just after it grew).
+/// hash table's room is up to twice its items just after it grew).
 const KEPT_ROOM: usize = 4;
 
 /// Whether room for `capacity` items is kept for `len` (see [`KEPT_ROOM`]).

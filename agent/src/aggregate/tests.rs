@@ -194,8 +194,10 @@ fn the_next_interval_fills_the_buffers_of_one_already_built() {
             add(aggregator, &header, &[], &objects);
         }
     };
-    let (mut recycling, mut fresh) = (Aggregator::new(config()), Aggregator::new(config()));
+    let mut recycling = Aggregator::new(config());
     let mut both = |stacks: u64, first: u64, spare: Option<IntervalBuffers>| {
+        // What an aggregator that never held an interval makes of it.
+        let mut fresh = Aggregator::new(config());
         fill(&mut recycling, stacks, first);
         fill(&mut fresh, stacks, first);
         let (filled, expected) = (
@@ -204,8 +206,9 @@ fn the_next_interval_fills_the_buffers_of_one_already_built() {
         );
         assert_eq!(flatten(&filled), flatten(&expected));
         let next = &recycling.current;
-        assert!(next.stacks.is_empty() && next.samples.is_empty());
+        assert!(next.stacks.is_empty() && next.samples.is_empty() && next.locations.is_empty());
         assert!(next.stack_index.is_empty() && next.sample_index.is_empty());
+        assert!(next.location_index.is_empty());
         let tables = next.stack_index.capacity();
         (filled, tables)
     };
@@ -213,12 +216,26 @@ fn the_next_interval_fills_the_buffers_of_one_already_built() {
     // Its batch built; the aggregator fills the next interval meanwhile,
     // and the one after that fills its buffers.
     let spare = built.into_buffers();
-    let (spare_stacks, spare_samples) = (spare.stacks.locations.as_ptr(), spare.samples.as_ptr());
+    // Where its buffers are and their room, which a fresh buffer sized
+    // for the next interval (800 locations, 400 samples) would not have.
+    let spare_stacks = (
+        spare.stacks.locations.as_ptr(),
+        spare.stacks.locations.capacity(),
+    );
+    let spare_samples = (spare.samples.as_ptr(), spare.samples.capacity());
+    assert!(spare_stacks.1 > 800 && spare_samples.1 > 400);
     let (second, kept_tables) = both(400, 7, Some(spare));
     assert_eq!(kept_tables, tables);
     let (third, _) = both(300, 3, None);
-    assert_eq!(third.stacks.locations.as_ptr(), spare_stacks);
-    assert_eq!(third.samples.as_ptr(), spare_samples);
+    let third_stacks = (
+        third.stacks.locations.as_ptr(),
+        third.stacks.locations.capacity(),
+    );
+    assert_eq!(third_stacks, spare_stacks);
+    assert_eq!(
+        (third.samples.as_ptr(), third.samples.capacity()),
+        spare_samples
+    );
 
     // Buffers and tables for 400-500 stacks, when 100 were sampled.
     fill(&mut recycling, 100, 0);

@@ -12,7 +12,8 @@
 //! this thread fills that queue, a batch an interval, and the symbolizer
 //! closes what is over its bound before the batch is queued.
 //!
-//! Memory: one interval waits at most. While one waits (the worker still
+//! Memory: one interval waits at most, and the buffers of the last one
+//! built wait to be filled again (see `IntervalBuffers`). While one waits (the worker still
 //! busy with the one before: a slow first read of large files' DWARF), the
 //! interval being aggregated is not ended at its boundary but runs on to
 //! the next one ([`BatchWorker::try_submit`]): its samples are kept, in a
@@ -119,8 +120,9 @@ impl BatchWorker {
                 publish_state(&symbolizer);
                 for interval in queue {
                     taken.store(false, Ordering::Release);
-                    // The last interval's tables are freed by now (its
-                    // batch too, unless the exporter still holds it).
+                    // The last interval's batch is freed by now (unless the
+                    // exporter still holds it); its buffers wait in `built`
+                    // for the next interval, its tables are the current one's.
                     if release_free_heap() {
                         lock(&stats).heap_trims += 1;
                     }
@@ -140,7 +142,10 @@ impl BatchWorker {
                         offer_binaries(&interval, uploads);
                     }
                     // Closes the interval's files now, not with the next one.
-                    *lock(&built) = Some(interval.into_buffers());
+                    // A spare not taken (this build overlapped an interval
+                    // end) is freed after the lock is let go.
+                    let untaken = lock(&built).replace(interval.into_buffers());
+                    drop(untaken);
                     {
                         let mut stats = lock(&stats);
                         stats.batches_built += 1;

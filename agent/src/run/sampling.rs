@@ -315,8 +315,8 @@ async fn sample(
                 // `end` if the worker is still busy.
                 if let Some(earlier) = ending.tick(end, Instant::now()) {
                     worker.try_submit(|spare| {
-                records.sink.aggregator.finish_interval_into(earlier, spare)
-            });
+                        records.sink.aggregator.finish_interval_into(earlier, spare)
+                    });
                 }
                 Ok(())
             }
