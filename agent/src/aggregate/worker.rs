@@ -13,11 +13,12 @@
 //! closes what is over its bound before the batch is queued.
 //!
 //! Memory: one interval waits at most, and the buffers of the last one
-//! built wait to be filled again (see `IntervalBuffers`). While one waits (the worker still
-//! busy with the one before: a slow first read of large files' DWARF), the
-//! interval being aggregated is not ended at its boundary but runs on to
-//! the next one ([`BatchWorker::try_submit`]): its samples are kept, in a
-//! longer interval bounded like any other, rather than dropped.
+//! built wait to be filled again (see `IntervalBuffers`). While one waits
+//! (the worker still busy with the one before: a slow first read of large
+//! files' DWARF), the interval being aggregated is not ended at its
+//! boundary but runs on to the next one ([`BatchWorker::try_submit`]): its
+//! samples are kept, in a longer interval bounded like any other, rather
+//! than dropped.
 
 use std::{
     io,
