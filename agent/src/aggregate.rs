@@ -474,6 +474,18 @@ fn refill<T>(mut spare: Vec<T>, len: usize) -> Vec<T> {
     spare
 }
 
+/// `old`'s table, emptied, with room for `len` entries (kept if
+/// [`worth_keeping`]).
+fn refill_map<K: Eq + std::hash::Hash, V>(old: &mut HashMap<K, V>, len: usize) -> HashMap<K, V> {
+    let mut map = match worth_keeping(old.capacity(), len) {
+        true => std::mem::take(old),
+        false => HashMap::new(),
+    };
+    map.clear();
+    map.reserve(len);
+    map
+}
+
 fn capacity_bytes<T>(vec: &Vec<T>) -> usize {
     vec.capacity() * std::mem::size_of::<T>()
 }
@@ -728,21 +740,13 @@ impl Builder {
         next.locations = refill(spare.locations, locations);
         next.stacks = spare.stacks.refill(stacks, self.stacks.locations.len());
         next.samples = refill(spare.samples, samples);
-        if worth_keeping(self.location_index.capacity(), locations) {
-            next.location_index = std::mem::take(&mut self.location_index);
-            next.location_index.clear();
-        }
-        next.location_index.reserve(locations);
+        next.location_index = refill_map(&mut self.location_index, locations);
+        next.sample_index = refill_map(&mut self.sample_index, samples);
         if worth_keeping(self.stack_index.capacity(), stacks) {
             next.stack_index = std::mem::take(&mut self.stack_index);
             next.stack_index.clear();
         }
         next.stack_index.reserve(stacks, |&(hash, _)| hash);
-        if worth_keeping(self.sample_index.capacity(), samples) {
-            next.sample_index = std::mem::take(&mut self.sample_index);
-            next.sample_index.clear();
-        }
-        next.sample_index.reserve(samples);
         next
     }
 

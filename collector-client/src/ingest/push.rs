@@ -216,7 +216,6 @@ impl ZstdState {
             .compressor
             .compress_to_buffer(&self.encoded[..], &mut self.compressed);
         let wrapped = result.map(|_| {
-            use prost::encoding::{WireType, encode_key, encode_varint, encoded_len_varint};
             let frame = &self.compressed[..];
             let length = frame.len() as u64;
             // `zstd_push_request` is field 1.
