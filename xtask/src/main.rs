@@ -13,6 +13,7 @@ mod overhead;
 mod programs;
 mod setup;
 mod soak;
+mod test_failures;
 
 use std::{
     path::{Path, PathBuf},
@@ -78,9 +79,24 @@ enum Task {
     Fuzz(fuzz::Args),
 }
 
-fn main() -> anyhow::Result<()> {
-    let cli = Cli::parse();
-    match cli.command {
+fn main() -> std::process::ExitCode {
+    match run_task(Cli::parse().command) {
+        Ok(()) => std::process::ExitCode::SUCCESS,
+        Err(error) => {
+            // The causes, innermost last, and no backtrace (xtask's own is
+            // of no use): what a failing step says is then the log's last
+            // lines.
+            eprintln!("Error: {error}");
+            for cause in error.chain().skip(1) {
+                eprintln!("caused by: {cause}");
+            }
+            std::process::ExitCode::FAILURE
+        }
+    }
+}
+
+fn run_task(task: Task) -> anyhow::Result<()> {
+    match task {
         Task::Setup => setup::ensure_all(),
         Task::Run { agent_args } => run(&agent_args),
         Task::Test { fast: false } => test(),
@@ -254,13 +270,13 @@ fn test() -> anyhow::Result<()> {
     // libc6-dbg (left out of `test --fast`), but not the measurement run by
     // hand.
     steps.run("cargo test", || {
-        cargo(&[
+        test_failures::run(&mut cargo_command(&[
             "test",
             "--",
             "--include-ignored",
             "--skip",
             HAND_RUN_MEASUREMENT,
-        ])
+        ]))
     })?;
     // The fuzz targets still build against the parsers' current APIs.
     steps.run("fuzz targets", fuzz::check)?;

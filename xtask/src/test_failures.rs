@@ -1,0 +1,219 @@
+//! What failing tests said, repeated where a reader of a long log looks:
+//! the end. libtest prints each failing test's captured output (its panic
+//! message among it) when its binary ends, and the whole suite goes on for
+//! many minutes after, so in CI's excerpt of the log a failure showed only
+//! as `test NAME ... FAILED`, without why.
+
+use std::{
+    io::{BufRead as _, BufReader, Write as _},
+    process::{Command, Stdio},
+};
+
+use anyhow::{Context as _, bail};
+
+/// Lines kept of one failing test's panic message: enough for an
+/// assertion's message with the values it printed, not a whole report.
+const LINES_PER_FAILURE: usize = 12;
+
+/// Characters kept of one line (a test may print a whole JSON report on
+/// one).
+const LINE_CHARS: usize = 600;
+
+/// Failing tests kept (the rest are counted).
+const FAILURES_KEPT: usize = 10;
+
+/// Runs `cmd` (a `cargo test`), passing its standard output through, and
+/// on failure names each failing test with its panic message.
+pub(crate) fn run(cmd: &mut Command) -> anyhow::Result<()> {
+    let mut child = cmd
+        .stdout(Stdio::piped())
+        .spawn()
+        .with_context(|| format!("starting {cmd:?}"))?;
+    let stdout = child.stdout.take().expect("stdout was piped");
+    let mut failures = Failures::default();
+    let mut out = std::io::stdout().lock();
+    for line in BufReader::new(stdout).split(b'\n') {
+        let line = line.context("reading the tests' output")?;
+        let line = String::from_utf8_lossy(&line);
+        // The log is what matters most: a closed stdout must not stop
+        // the tests.
+        let _ = writeln!(out, "{line}");
+        let _ = out.flush();
+        failures.read(&line);
+    }
+    drop(out);
+    let status = child.wait().context("waiting for cargo test")?;
+    if !status.success() {
+        bail!("{cmd:?} failed with {status}{}", failures.summary());
+    }
+    Ok(())
+}
+
+/// The panic messages of the failing tests, read from libtest's
+/// `---- NAME stdout ----` sections.
+#[derive(Debug, Default)]
+struct Failures {
+    kept: Vec<(String, Vec<String>)>,
+    /// Failing tests beyond `FAILURES_KEPT`.
+    more: usize,
+    /// Within a failing test's section, taking its panic message.
+    state: Section,
+}
+
+#[derive(Debug, Default, PartialEq)]
+enum Section {
+    #[default]
+    Outside,
+    /// In a section, before the line saying where the test panicked.
+    BeforePanic,
+    /// From the panic line on, until a backtrace, a note or the section's
+    /// end.
+    Panic,
+}
+
+impl Failures {
+    fn read(&mut self, line: &str) {
+        if let Some(name) = line
+            .strip_prefix("---- ")
+            .and_then(|rest| rest.strip_suffix(" stdout ----"))
+        {
+            if self.kept.len() < FAILURES_KEPT {
+                self.kept.push((name.to_string(), Vec::new()));
+                self.state = Section::BeforePanic;
+            } else {
+                self.more += 1;
+                self.state = Section::Outside;
+            }
+            return;
+        }
+        // The list of names after the sections.
+        if line == "failures:" {
+            self.state = Section::Outside;
+            return;
+        }
+        if self.state == Section::BeforePanic && line.contains("' panicked at ") {
+            self.state = Section::Panic;
+        }
+        if self.state != Section::Panic {
+            return;
+        }
+        if line.starts_with("stack backtrace:") || line.starts_with("note: ") {
+            self.state = Section::Outside;
+            return;
+        }
+        let Some((_, message)) = self.kept.last_mut() else {
+            return;
+        };
+        if message.len() < LINES_PER_FAILURE {
+            message.push(line.chars().take(LINE_CHARS).collect());
+        }
+    }
+
+    /// `; the failing tests said:` and each one's name and message, or
+    /// nothing when no section was read (a build error, a crashed binary).
+    fn summary(&self) -> String {
+        if self.kept.is_empty() {
+            return String::new();
+        }
+        let mut text = String::from("; the failing tests said:");
+        for (name, message) in &self.kept {
+            text.push_str(&format!("\n  {name}:"));
+            for line in message {
+                text.push_str(&format!("\n    {}", line.trim_end()));
+            }
+        }
+        if self.more > 0 {
+            text.push_str(&format!("\n  and {} more", self.more));
+        }
+        text
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn read(output: &str) -> Failures {
+        let mut failures = Failures::default();
+        for line in output.lines() {
+            failures.read(line);
+        }
+        failures
+    }
+
+    #[test]
+    fn each_failing_test_is_named_with_its_panic_message_and_nothing_else() {
+        let output = "\
+test a::passes ... ok
+test a::fails ... FAILED
+test b::fails ... FAILED
+
+failures:
+
+---- a::fails stdout ----
+hostile: the agent's peak RSS 109 MiB
+thread 'a::fails' panicked at tests/a.rs:10:5:
+the control program: 12 of 140 walks reached the root
+note: run with `RUST_BACKTRACE=1` environment variable to display a backtrace
+
+---- b::fails stdout ----
+thread 'b::fails' panicked at tests/b.rs:3:9:
+assertion `left == right` failed
+  left: 1
+ right: 2
+stack backtrace:
+   0: rust_begin_unwind
+
+failures:
+    a::fails
+    b::fails
+
+test result: FAILED. 1 passed; 2 failed
+";
+        assert_eq!(
+            read(output).summary(),
+            "; the failing tests said:\
+             \n  a::fails:\
+             \n    thread 'a::fails' panicked at tests/a.rs:10:5:\
+             \n    the control program: 12 of 140 walks reached the root\
+             \n  b::fails:\
+             \n    thread 'b::fails' panicked at tests/b.rs:3:9:\
+             \n    assertion `left == right` failed\
+             \n      left: 1\
+             \n     right: 2"
+        );
+    }
+
+    #[test]
+    fn a_long_message_and_many_failures_are_cut() {
+        let mut output = String::from("failures:\n\n");
+        for test in 0..FAILURES_KEPT + 3 {
+            output.push_str(&format!(
+                "---- t{test} stdout ----\nthread 't{test}' panicked at x.rs:1:1:\n"
+            ));
+            for line in 0..LINES_PER_FAILURE * 2 {
+                output.push_str(&format!("{line} {}\n", "x".repeat(LINE_CHARS)));
+            }
+        }
+        let failures = read(&output);
+        assert_eq!(failures.kept.len(), FAILURES_KEPT);
+        assert_eq!(failures.more, 3);
+        for (_, message) in &failures.kept {
+            assert_eq!(message.len(), LINES_PER_FAILURE);
+            assert!(
+                message
+                    .iter()
+                    .all(|line| line.chars().count() <= LINE_CHARS)
+            );
+        }
+        assert!(failures.summary().ends_with("\n  and 3 more"));
+    }
+
+    #[test]
+    fn a_run_without_failure_sections_adds_nothing() {
+        assert_eq!(
+            read("test a ... ok\n\ntest result: ok. 1 passed\n").summary(),
+            ""
+        );
+    }
+}
