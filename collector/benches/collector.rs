@@ -14,7 +14,10 @@
 //! reference) and then timed after it; every timed answer, on either engine,
 //! must be that same tree. `STACKSCOPE_BENCH_CLICKHOUSE=0` leaves ClickHouse
 //! out; `STACKSCOPE_BENCH_KEEP_DATA_DIR=DIR` keeps the compacted SQLite
-//! database as a collector's data directory.
+//! database as a collector's data directory;
+//! `STACKSCOPE_BENCH_DICTIONARY_EPOCH_SECS=60` writes dictionary rows again
+//! in every bucket, as the collector did before it kept them per hour (the
+//! ingest line after it says how much it writes to disk).
 
 use std::{
     collections::HashMap,
@@ -456,6 +459,15 @@ fn keep_database(sqlite: &SqliteStorage, data_dir: &std::path::Path) {
     println!("kept the database in {}", data_dir.display());
 }
 
+/// Bytes this process has caused to be written to storage
+/// (`/proc/self/io`), when the kernel tells.
+fn bytes_written() -> Option<u64> {
+    std::fs::read_to_string("/proc/self/io")
+        .ok()?
+        .lines()
+        .find_map(|line| line.strip_prefix("write_bytes:")?.trim().parse().ok())
+}
+
 fn main() {
     // `cargo bench` passes `--bench`; `cargo test --bench collector` (run by
     // `cargo xtask test`) does not: do one tiny round then, so the bench's
@@ -468,6 +480,14 @@ fn main() {
     // The storage's bucket width (the collector's --bucket): the finest
     // time a timeline can show, against more rows per hour.
     let bucket_nanos = env_or("STACKSCOPE_BENCH_BUCKET_SECS", 60) as i64 * 1_000_000_000;
+    // How long dictionary rows are kept past their last use (the bucket
+    // width: written again in every bucket that uses them).
+    let dictionary_epoch_nanos = std::env::var("STACKSCOPE_BENCH_DICTIONARY_EPOCH_SECS")
+        .ok()
+        .and_then(|secs| secs.parse::<i64>().ok())
+        .map_or(SqliteOptions::default().dictionary_epoch_nanos, |secs| {
+            secs * 1_000_000_000
+        });
 
     let dir = tempfile::tempdir().expect("temp dir");
     let path = dir.path().join("bench.db");
@@ -476,6 +496,7 @@ fn main() {
             &path,
             SqliteOptions {
                 bucket_nanos,
+                dictionary_epoch_nanos,
                 ..SqliteOptions::default()
             },
         )
@@ -499,14 +520,17 @@ fn main() {
     };
     println!(
         "collector bench: {nodes} nodes x {STACKS_PER_NODE} stacks of depth {DEPTH} per {}s, \
-         {minutes} min of data ({} batches), buckets of {} s",
+         {minutes} min of data ({} batches), buckets of {} s, dictionary epochs of {} s",
         interval.as_secs(),
         nodes * intervals,
-        bucket_nanos / 1_000_000_000
+        bucket_nanos / 1_000_000_000,
+        dictionary_epoch_nanos / 1_000_000_000
     );
 
     println!("SQLite ingest (validate + durable commit, one thread):");
+    let written_before = bytes_written();
     let ingested = ingest_fleet(&*sqlite, &fleet, full);
+    let written = bytes_written().zip(written_before).map(|(a, b)| a - b);
     let db_bytes: u64 = std::fs::read_dir(dir.path())
         .expect("listing the database dir")
         .filter_map(|e| e.ok()?.metadata().ok())
@@ -518,6 +542,13 @@ fn main() {
         db_bytes as f64 / 1e6,
         db_bytes as f64 / ingested.rows as f64
     );
+    if let Some(written) = written {
+        println!(
+            "  written to disk while ingesting (log and checkpoints): {:.1} MB, {:.1} KB per batch",
+            written as f64 / 1e6,
+            written as f64 / 1e3 / ingested.batches as f64
+        );
+    }
 
     // Group commit against one commit per batch, alternating, on the
     // same batches.

@@ -455,6 +455,12 @@ fn delete_before_removes_old_data_and_orphans() {
         storage.delete_before(T0 + 1800 * SECOND).expect("delete"),
         3
     );
+    // The items T0's samples used are kept through the last bucket of
+    // T0's dictionary epoch (the hour from T0 - 14 min): orphans once it
+    // is gone.
+    assert_eq!(storage.delete_before(T0 + 45 * MINUTE).expect("delete"), 0);
+    assert_eq!(rows(&path, "stacks"), 3);
+    assert_eq!(storage.delete_before(T0 + 46 * MINUTE).expect("delete"), 0);
 
     let everything = select(0, i64::MAX, &[]);
     assert_eq!(weights(&storage, &everything), expect(&[(S1, 4)]));
@@ -536,8 +542,9 @@ fn retention_and_cold_caches_keep_ids_dense() {
     {
         let storage = open(&path);
         ingest_all(&storage, &[batch1(), later(7, 60)]);
-        // Deletes T0's orphans (S0, S2, comm=worker) and keeps S1.
-        assert_eq!(storage.delete_before(T0 + 30 * MINUTE).expect("delete"), 3);
+        // Deletes T0's orphans (S0, S2, comm=worker; kept through the end
+        // of T0's dictionary epoch, T0 + 45 min) and keeps S1.
+        assert_eq!(storage.delete_before(T0 + 46 * MINUTE).expect("delete"), 3);
         let before = storage.cache_stats();
         ingest_all(&storage, &[later(8, 61)]);
         let after = storage.cache_stats();
@@ -558,11 +565,12 @@ fn retention_and_cold_caches_keep_ids_dense() {
     }
     let ids = last_ids();
     let storage = open(&path);
-    ingest_all(&storage, &[later(9, 62)]);
+    // In the next dictionary epoch (the hour from T0 + 106 min).
+    ingest_all(&storage, &[later(9, 110)]);
     assert!(storage.cache_stats().misses > 0, "the caches start cold");
     assert_eq!(last_ids(), ids, "known items took no new ids");
-    // Found by their hash, they moved to the batch's bucket, so retention
-    // keeps them as long as the samples that use them.
+    // Found by their hash, they moved to the end of the batch's epoch, so
+    // retention keeps them as long as the samples that use them.
     let conn = rusqlite::Connection::open(&path).expect("open for last buckets");
     for table in tables {
         let latest: i64 = conn
@@ -572,7 +580,7 @@ fn retention_and_cold_caches_keep_ids_dense() {
                 |row| row.get(0),
             )
             .expect("read last buckets");
-        assert_eq!(latest, T0 + 62 * MINUTE, "{table}");
+        assert_eq!(latest, T0 + 165 * MINUTE, "{table}");
     }
     // S1: 4 in each later batch, 3 in the late one.
     assert_eq!(
@@ -755,13 +763,18 @@ fn hand_built_batches_and_cache_hits() {
             entries: 4
         }
     );
-    // A later bucket: the stack's locations and mappings move on with it,
-    // still from the caches.
+    // A later bucket of the same dictionary epoch (an hour): nothing is
+    // written again, so again only the stack and the label set are looked
+    // at.
     ingest_all(&storage, &[batch(3, T0 + 2 * MINUTE)]);
+    assert_eq!(storage.cache_stats().hits, 4);
+    // The next epoch (from T0 + 46 min): the stack's locations and
+    // mappings move on with it, still from the caches.
+    ingest_all(&storage, &[batch(4, T0 + 50 * MINUTE)]);
     assert_eq!(
         storage.cache_stats(),
         CacheStats {
-            hits: 6,
+            hits: 8,
             misses: 4,
             insert_conflicts: 0,
             entries: 4
@@ -771,7 +784,7 @@ fn hand_built_batches_and_cache_hits() {
     let samples = storage.stacks(&all(&[])).expect("stacks");
     assert_eq!(samples.sample_period_nanos, 1);
     assert_eq!(samples.stacks.len(), 1);
-    assert_eq!(samples.stacks[0].weight, 6);
+    assert_eq!(samples.stacks[0].weight, 8);
     // A line without a function is named like a location without lines;
     // a recursive stack keeps both frames.
     let vdso = frame("[unknown] [vdso]+0x9f0", "[vdso]", "00ff", "", 0, false);

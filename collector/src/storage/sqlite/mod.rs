@@ -64,6 +64,14 @@ pub struct SqliteOptions {
     /// Batches stored at the same time that share one transaction at most
     /// (see `group`); 1 commits each alone.
     pub max_group_batches: usize,
+    /// Dictionary rows (mappings, locations, stacks, label sets) are kept
+    /// through the end of the epoch of this many nanoseconds (rounded up
+    /// to whole buckets) in which a batch last used them, not just through
+    /// that batch's bucket: an item used all the time is written once an
+    /// epoch instead of once a bucket, for rows that outlive their last
+    /// use by up to an epoch. The bucket width keeps them through their
+    /// last bucket alone.
+    pub dictionary_epoch_nanos: i64,
 }
 
 impl Default for SqliteOptions {
@@ -76,6 +84,7 @@ impl Default for SqliteOptions {
             busy_timeout: Duration::from_secs(10),
             page_cache_kib: 64 << 10,
             max_group_batches: group::MAX_GROUP_BATCHES,
+            dictionary_epoch_nanos: 3_600_000_000_000,
         }
     }
 }
@@ -111,6 +120,8 @@ pub struct CommitStats {
 pub struct SqliteStorage {
     path: PathBuf,
     bucket_nanos: i64,
+    /// [`SqliteOptions::dictionary_epoch_nanos`], in whole buckets.
+    dictionary_epoch_nanos: i64,
     tiers: Tiers,
     writer: Mutex<write::Writer>,
     /// What batches stored together share (see [`group`]).
@@ -142,6 +153,12 @@ impl SqliteStorage {
                 options.bucket_nanos
             )));
         }
+        if options.dictionary_epoch_nanos <= 0 {
+            return Err(StorageError::InvalidOptions(format!(
+                "dictionary_epoch_nanos must be positive, got {}",
+                options.dictionary_epoch_nanos
+            )));
+        }
         if options.readers == 0 {
             return Err(StorageError::InvalidOptions(
                 "readers must be at least 1".into(),
@@ -159,6 +176,10 @@ impl SqliteStorage {
         Ok(Self {
             path: path.to_owned(),
             bucket_nanos: options.bucket_nanos,
+            dictionary_epoch_nanos: whole_buckets(
+                options.dictionary_epoch_nanos,
+                options.bucket_nanos,
+            ),
             tiers,
             writer: Mutex::new(write::Writer::new(writer, options.cache_entries)),
             groups: group::Groups::default(),
@@ -184,6 +205,12 @@ impl SqliteStorage {
     pub fn commit_stats(&self) -> CommitStats {
         self.lock_writer().commit_stats()
     }
+}
+
+/// `nanos` (positive) rounded up to whole buckets.
+fn whole_buckets(nanos: i64, bucket_nanos: i64) -> i64 {
+    let buckets = nanos / bucket_nanos + i64::from(nanos % bucket_nanos != 0);
+    buckets.saturating_mul(bucket_nanos)
 }
 
 impl Storage for SqliteStorage {

@@ -34,12 +34,14 @@
 //!   `label_values` without touching samples, and tells a label-filtered
 //!   `stacks` query exactly which (bucket, label set) rows of `samples` to
 //!   read.
-//! * Every dictionary row carries `last_bucket`, the newest bucket of a batch
-//!   that contained it. Buckets are only ever deleted oldest first, so once
-//!   every bucket up to `b` is gone, rows with `last_bucket <= b` are
-//!   referenced by nothing: retention finds orphans without scanning (or
-//!   indexing) billions of sample rows; `last_bucket` is indexed so that
-//!   costs what it deletes.
+//! * Every dictionary row carries `last_bucket`, a bucket at or after the
+//!   newest bucket of a batch that contained it: the last bucket of that
+//!   batch's dictionary epoch (an hour by default), so an item in use is
+//!   written once an epoch, not once a bucket. Buckets are only ever deleted
+//!   oldest first, so once every bucket up to `b` is gone, rows with
+//!   `last_bucket <= b` are referenced by nothing: retention finds orphans
+//!   without scanning (or indexing) billions of sample rows; `last_bucket`
+//!   is indexed so that costs what it deletes.
 //! * `rollups`, `label_rollups`, `label_rollup_sets`, `rollup_spans`,
 //!   `pending_spans`, `abandoned_spans`: sums of closed spans of 1 bucket, 10 min, 1 h and 1
 //!   day, without labels and per label set, which queries read instead of
@@ -129,7 +131,7 @@ CREATE TABLE labels (
 
 -- Retention deletes dictionary rows by last_bucket: an index makes that
 -- proportional to what it deletes. Ingest moves last_bucket at most once
--- per item and bucket, so keeping the indexes up costs little.
+-- per item and dictionary epoch, so keeping the indexes up costs little.
 CREATE INDEX mappings_last_bucket ON mappings (last_bucket);
 CREATE INDEX locations_last_bucket ON locations (last_bucket);
 CREATE INDEX stacks_last_bucket ON stacks (last_bucket);

@@ -111,13 +111,13 @@ impl SqliteStorage {
     /// [`super::Storage::ingest`]: the batch goes to the bucket its range
     /// starts in.
     pub(super) fn store_batch(&self, batch: &ValidBatch) -> Result<IngestOutcome, StorageError> {
-        let bucket = self.bucket_of(batch.range.start_unix_nanos);
+        let buckets = self.buckets_of(batch.range.start_unix_nanos);
         let joining = self.groups.join();
         let mut writer = self.lock_writer();
         drop(joining);
         let group = writer.join_group()?;
         let stored = match std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
-            writer.ingest(batch, bucket, &self.tiers)
+            writer.ingest(batch, buckets, &self.tiers)
         })) {
             Ok(stored) => stored,
             Err(panic) => {
@@ -179,6 +179,19 @@ impl SqliteStorage {
     fn bucket_of(&self, unix_nanos: i64) -> i64 {
         // Saturates only for times near i64::MIN, which validation rejects.
         unix_nanos.saturating_sub(unix_nanos.rem_euclid(self.bucket_nanos))
+    }
+
+    /// The buckets of a batch starting at `unix_nanos`: its own, and the
+    /// last of its dictionary epoch.
+    fn buckets_of(&self, unix_nanos: i64) -> Buckets {
+        let samples = self.bucket_of(unix_nanos);
+        let epoch_start = samples.saturating_sub(samples.rem_euclid(self.dictionary_epoch_nanos));
+        Buckets {
+            samples,
+            items_kept_through: epoch_start
+                .saturating_add(self.dictionary_epoch_nanos - self.bucket_nanos)
+                .max(samples),
+        }
     }
 
     /// The writer for anything but ingest, with no group open: what it
@@ -334,6 +347,18 @@ fn panicked() -> StorageError {
     StorageError::Corrupt("storing a batch of the same transaction panicked".into())
 }
 
+/// Where a batch's rows go.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct Buckets {
+    /// The bucket its samples are summed in.
+    samples: i64,
+    /// The `last_bucket` the dictionary rows it uses get at least: the
+    /// last bucket of the samples' dictionary epoch (see
+    /// [`super::SqliteOptions::dictionary_epoch_nanos`]). Items whose rows
+    /// have it already are not written again.
+    items_kept_through: i64,
+}
+
 /// What the ingest caches know about a stored dictionary item.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 struct Entry {
@@ -480,9 +505,10 @@ pub(super) struct Writer {
 
 /// What the caches know about a dictionary item.
 enum Known {
-    /// Stored, with a `last_bucket` at or after the batch's bucket.
+    /// Stored, with a `last_bucket` at or after the batch's
+    /// [`Buckets::items_kept_through`].
     Current(i64),
-    /// Stored, but its `last_bucket` has to move forward to the batch's.
+    /// Stored, but its `last_bucket` has to move forward to that.
     Stale(i64),
     /// Not cached: stored before (by a batch before a restart, say) or not.
     Unknown,
@@ -498,7 +524,8 @@ struct Table<'a, 'conn> {
     insert: CachedStatement<'conn>,
     /// Gives an inserted row's id.
     conn: &'conn Connection,
-    bucket: i64,
+    /// The batch's [`Buckets::items_kept_through`].
+    kept_through: i64,
 }
 
 impl<'a, 'conn> Table<'a, 'conn> {
@@ -507,7 +534,7 @@ impl<'a, 'conn> Table<'a, 'conn> {
         sql: &DictionarySql,
         dict: &'a mut Dictionary,
         pending: &'a mut ContentHashMap<Entry>,
-        bucket: i64,
+        kept_through: i64,
     ) -> rusqlite::Result<Self> {
         Ok(Self {
             dict,
@@ -516,19 +543,19 @@ impl<'a, 'conn> Table<'a, 'conn> {
             find: tx.prepare_cached(sql.find)?,
             insert: tx.prepare_cached(sql.insert)?,
             conn: tx,
-            bucket,
+            kept_through,
         })
     }
 
     fn lookup(&mut self, hash: u128) -> Known {
         // Stored by this transaction: by this batch, or by an earlier one
-        // of its group, whose bucket may be older.
+        // of its group, whose epoch may be older.
         let entry = match self.pending.get(&hash) {
             Some(&entry) => Some(entry),
             None => self.dict.get(hash),
         };
         match entry {
-            Some(entry) if entry.last_bucket >= self.bucket => Known::Current(entry.id),
+            Some(entry) if entry.last_bucket >= self.kept_through => Known::Current(entry.id),
             Some(entry) => Known::Stale(entry.id),
             None => Known::Unknown,
         }
@@ -545,7 +572,7 @@ impl<'a, 'conn> Table<'a, 'conn> {
     ) -> Result<i64, StorageError> {
         let id = match known {
             Known::Current(id) => return Ok(id),
-            Known::Stale(id) if self.bump.execute((id, self.bucket))? == 1 => id,
+            Known::Stale(id) if self.bump.execute((id, self.kept_through))? == 1 => id,
             // Unknown, or stale and gone (which retention pruning the
             // caches rules out): found by its hash if stored, else stored,
             // rather than reference a missing row.
@@ -597,14 +624,15 @@ impl<'a, 'conn> Table<'a, 'conn> {
             hash,
             Entry {
                 id,
-                last_bucket: self.bucket,
+                last_bucket: self.kept_through,
             },
         );
         Ok(id)
     }
 
     /// The id of the stored item of `hash`, its `last_bucket` moved
-    /// forward to the batch's; `None` when the table has none.
+    /// forward to the batch's `kept_through`; `None` when the table has
+    /// none.
     fn find_stored(&mut self, hash: u128) -> Result<Option<i64>, StorageError> {
         let found: Option<(i64, i64)> = self
             .find
@@ -615,8 +643,8 @@ impl<'a, 'conn> Table<'a, 'conn> {
         let Some((id, last_bucket)) = found else {
             return Ok(None);
         };
-        if last_bucket < self.bucket {
-            self.bump.execute((id, self.bucket))?;
+        if last_bucket < self.kept_through {
+            self.bump.execute((id, self.kept_through))?;
         }
         Ok(Some(id))
     }
@@ -688,8 +716,8 @@ impl BatchItems<'_> {
         if known_id != 0 {
             return Ok(known_id);
         }
-        // One bucket for the whole batch: both tables carry it.
-        let bucket = locations.bucket;
+        // One for the whole batch: both tables carry it.
+        let kept_through = locations.kept_through;
         let mapping_out_of_range = || {
             invalid(format!(
                 "location {index}: mapping {} out of range",
@@ -713,7 +741,7 @@ impl BatchItems<'_> {
                     kind_code(mapping.kind),
                     &mapping.build_id,
                     &mapping.path,
-                    bucket,
+                    kept_through,
                     &segments,
                 ))
             })?;
@@ -729,7 +757,7 @@ impl BatchItems<'_> {
                 // Same bits: addresses use the full u64 range.
                 location.address as i64,
                 &blob[..],
-                bucket,
+                kept_through,
             ))
         })?;
         if let Some(slot) = self.location_ids.get_mut(i) {
@@ -933,10 +961,10 @@ impl Writer {
     fn ingest(
         &mut self,
         batch: &ValidBatch,
-        bucket: i64,
+        buckets: Buckets,
         tiers: &Tiers,
     ) -> Result<IngestOutcome, StorageError> {
-        let stored = self.ingest_member(batch, bucket, tiers);
+        let stored = self.ingest_member(batch, buckets, tiers);
         if let (Ok(IngestOutcome::Stored { .. }), Some(group)) = (&stored, &mut self.group) {
             group.stored += 1;
         }
@@ -946,7 +974,7 @@ impl Writer {
     fn ingest_member(
         &mut self,
         batch: &ValidBatch,
-        bucket: i64,
+        buckets: Buckets,
         tiers: &Tiers,
     ) -> Result<IngestOutcome, StorageError> {
         let Some(group) = &mut self.group else {
@@ -960,7 +988,7 @@ impl Writer {
             // else, so a failure rolls the whole transaction back. A
             // savepoint copies every page it first changes, which cost a
             // batch of new stacks about as much again as storing it.
-            let stored = self.store_in_transaction(batch, bucket, tiers);
+            let stored = self.store_in_transaction(batch, buckets, tiers);
             if stored.is_err() {
                 self.lose_group();
             }
@@ -970,7 +998,7 @@ impl Writer {
             .conn
             .execute_batch("SAVEPOINT batch")
             .map_err(StorageError::from)
-            .and_then(|()| self.store_in_transaction(batch, bucket, tiers));
+            .and_then(|()| self.store_in_transaction(batch, buckets, tiers));
         let ended = match &stored {
             Ok(_) => self.conn.execute_batch("RELEASE batch"),
             Err(_) => self
@@ -1019,9 +1047,13 @@ impl Writer {
     fn store_in_transaction(
         &mut self,
         batch: &ValidBatch,
-        bucket: i64,
+        buckets: Buckets,
         tiers: &Tiers,
     ) -> Result<IngestOutcome, StorageError> {
+        let Buckets {
+            samples: bucket,
+            items_kept_through: kept_through,
+        } = buckets;
         let Writer {
             conn,
             mappings,
@@ -1087,10 +1119,11 @@ impl Writer {
         location_ids.resize(batch.locations.len(), 0);
 
         {
-            let mut mapping_table = Table::new(tx, &MAPPINGS, mappings, pending_mappings, bucket)?;
+            let mut mapping_table =
+                Table::new(tx, &MAPPINGS, mappings, pending_mappings, kept_through)?;
             let mut location_table =
-                Table::new(tx, &LOCATIONS, locations, pending_locations, bucket)?;
-            let mut stack_table = Table::new(tx, &STACKS, stacks, pending_stacks, bucket)?;
+                Table::new(tx, &LOCATIONS, locations, pending_locations, kept_through)?;
+            let mut stack_table = Table::new(tx, &STACKS, stacks, pending_stacks, kept_through)?;
             let mut items = BatchItems {
                 mapping_hashes,
                 mapping_ids,
@@ -1114,10 +1147,10 @@ impl Writer {
                     // location of the stack needs looking at.
                     Known::Current(id) => id,
                     known => {
-                        // A stack stored or moved to this bucket takes its
+                        // A stack stored or moved to this epoch takes its
                         // locations (and their mappings) along: retention
-                        // relies on those being at least as recent as the
-                        // stacks that use them.
+                        // relies on those being kept at least as long as
+                        // the stacks that use them.
                         stack_locations.clear();
                         for &location in stack {
                             stack_locations.push(items.location(
@@ -1133,15 +1166,20 @@ impl Writer {
                             for &id in stack_locations.iter() {
                                 put_varint(blob, id as u64);
                             }
-                            row.insert((&hash.to_le_bytes()[..], &blob[..], bucket))
+                            row.insert((&hash.to_le_bytes()[..], &blob[..], kept_through))
                         })?
                     }
                 };
                 stack_ids.push(id);
             }
 
-            let mut label_set_table =
-                Table::new(tx, &LABEL_SETS, label_sets, pending_label_sets, bucket)?;
+            let mut label_set_table = Table::new(
+                tx,
+                &LABEL_SETS,
+                label_sets,
+                pending_label_sets,
+                kept_through,
+            )?;
             let mut insert_label = tx.prepare_cached(
                 "INSERT OR IGNORE INTO labels (label_set_id, name, value) VALUES (?1, ?2, ?3)",
             )?;
@@ -1160,7 +1198,7 @@ impl Writer {
                 label_set_periods.push(i64::try_from(period).unwrap_or(0));
                 let hash = label_set_hash(bytes, labels);
                 let id = label_set_table.intern(hash, |row| {
-                    let id = row.insert((&hash.to_le_bytes()[..], bucket))?;
+                    let id = row.insert((&hash.to_le_bytes()[..], kept_through))?;
                     // A new set: a stored one is found by its hash first
                     // (retention deletes a set's labels with it).
                     for (name, value) in labels {
@@ -1259,22 +1297,25 @@ mod tests {
         assert_eq!(std::mem::size_of::<Entry>(), 16);
     }
 
-    /// An item a group's earlier batch stored in an older bucket moves to
-    /// the later batch's bucket: retention deletes by `last_bucket`.
+    /// An item a group's earlier batch stored in an older epoch moves to
+    /// the later batch's: retention deletes by `last_bucket`.
     #[test]
-    fn a_group_moves_what_an_earlier_batch_stored_to_a_later_bucket() {
+    fn a_group_moves_what_an_earlier_batch_stored_to_a_later_epoch() {
         let dir = tempfile::tempdir().expect("tempdir");
         let storage = SqliteStorage::open(
             &dir.path().join("stackscope.db"),
             super::super::SqliteOptions::default(),
         )
         .expect("open");
-        let bucket = storage.bucket_nanos;
+        let (bucket, epoch) = (storage.bucket_nanos, storage.dictionary_epoch_nanos);
         let mut writer = storage.lock_writer();
         writer.join_group().expect("begin");
-        for (id, at) in [(1, bucket), (2, 3 * bucket), (3, 2 * bucket)] {
+        for (id, at) in [(1, epoch), (2, 3 * epoch + bucket), (3, 2 * epoch)] {
             let batch = super::super::read::tests::batch(id, "node-a", "f", 1);
-            writer.ingest(&batch, at, &storage.tiers).expect("ingest");
+            let buckets = storage.buckets_of(at);
+            writer
+                .ingest(&batch, buckets, &storage.tiers)
+                .expect("ingest");
         }
         storage.end_group(&mut writer, None).expect("commit");
         for table in ["mappings", "locations", "stacks", "label_sets"] {
@@ -1284,13 +1325,71 @@ mod tests {
                     row.get(0)
                 })
                 .expect("one row");
-            assert_eq!(last, 3 * bucket, "{table}");
+            assert_eq!(last, 4 * epoch - bucket, "{table}");
         }
         assert_eq!(
             writer.commit_stats(),
             CommitStats {
                 commits: 1,
                 batches: 3
+            }
+        );
+    }
+
+    /// Rows are kept through the last bucket of the batch's epoch, which
+    /// is whole buckets long; an epoch of one bucket keeps them through
+    /// the batch's own.
+    #[test]
+    fn items_are_kept_through_the_last_bucket_of_their_epoch() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let open = |bucket_nanos, dictionary_epoch_nanos, name: &str| {
+            SqliteStorage::open(
+                &dir.path().join(name),
+                super::super::SqliteOptions {
+                    bucket_nanos,
+                    dictionary_epoch_nanos,
+                    ..Default::default()
+                },
+            )
+            .expect("open")
+        };
+        let minute = 60_000_000_000;
+        let hour = 60 * minute;
+        let storage = open(minute, hour, "hour.db");
+        let kept = |at| storage.buckets_of(at);
+        assert_eq!(
+            kept(5 * hour + 7 * minute + 3),
+            Buckets {
+                samples: 5 * hour + 7 * minute,
+                items_kept_through: 5 * hour + 59 * minute
+            }
+        );
+        assert_eq!(kept(5 * hour).items_kept_through, 5 * hour + 59 * minute);
+        assert_eq!(kept(-1).items_kept_through, -minute);
+        // 90 s rounds up to 2 minutes.
+        let storage = open(minute, 90_000_000_000, "ninety.db");
+        assert_eq!(storage.dictionary_epoch_nanos, 2 * minute);
+        assert_eq!(
+            storage.buckets_of(3 * minute).items_kept_through,
+            3 * minute
+        );
+        assert_eq!(
+            storage.buckets_of(4 * minute).items_kept_through,
+            5 * minute
+        );
+        let storage = open(minute, minute, "minute.db");
+        assert_eq!(
+            storage.buckets_of(7 * minute + 1).items_kept_through,
+            7 * minute
+        );
+        // Near the end of time, the epoch's end saturates.
+        let storage = open(minute, hour, "late.db");
+        let samples = i64::MAX - i64::MAX.rem_euclid(minute);
+        assert_eq!(
+            storage.buckets_of(i64::MAX),
+            Buckets {
+                samples,
+                items_kept_through: i64::MAX
             }
         );
     }
