@@ -91,7 +91,12 @@ impl Failures {
             self.state = Section::Outside;
             return;
         }
-        if self.state == Section::BeforePanic && line.contains("' panicked at ") {
+        // `thread 'NAME' (TID) panicked at FILE:LINE:COL:` (no TID before
+        // Rust 1.92).
+        if self.state == Section::BeforePanic
+            && line.starts_with("thread '")
+            && line.contains(" panicked at ")
+        {
             self.state = Section::Panic;
         }
         if self.state != Section::Panic {
@@ -152,7 +157,7 @@ failures:
 
 ---- a::fails stdout ----
 hostile: the agent's peak RSS 109 MiB
-thread 'a::fails' panicked at tests/a.rs:10:5:
+thread 'a::fails' (3012) panicked at tests/a.rs:10:5:
 the control program: 12 of 140 walks reached the root
 note: run with `RUST_BACKTRACE=1` environment variable to display a backtrace
 
@@ -174,7 +179,7 @@ test result: FAILED. 1 passed; 2 failed
             read(output).summary(),
             "; the failing tests said:\
              \n  a::fails:\
-             \n    thread 'a::fails' panicked at tests/a.rs:10:5:\
+             \n    thread 'a::fails' (3012) panicked at tests/a.rs:10:5:\
              \n    the control program: 12 of 140 walks reached the root\
              \n  b::fails:\
              \n    thread 'b::fails' panicked at tests/b.rs:3:9:\
