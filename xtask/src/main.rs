@@ -270,13 +270,18 @@ fn test() -> anyhow::Result<()> {
     // libc6-dbg (left out of `test --fast`), but not the measurement run by
     // hand.
     steps.run("cargo test", || {
-        test_failures::run(&mut cargo_command(&[
+        let mut args = vec![
             "test",
             "--",
             "--include-ignored",
             "--skip",
             HAND_RUN_MEASUREMENT,
-        ]))
+        ];
+        // The tests' output reaches the terminal through a pipe now.
+        if std::io::IsTerminal::is_terminal(&std::io::stdout()) {
+            args.extend(["--color", "always"]);
+        }
+        test_failures::run(&mut cargo_command(&args))
     })?;
     // The fuzz targets still build against the parsers' current APIs.
     steps.run("fuzz targets", fuzz::check)?;

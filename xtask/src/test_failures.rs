@@ -7,6 +7,8 @@
 use std::{
     io::{BufRead as _, BufReader, Write as _},
     process::{Command, Stdio},
+    sync::{Arc, Mutex, PoisonError, mpsc},
+    time::Duration,
 };
 
 use anyhow::{Context as _, bail};
@@ -22,6 +24,11 @@ const LINE_CHARS: usize = 600;
 /// Failing tests kept (the rest are counted).
 const FAILURES_KEPT: usize = 10;
 
+/// How long the output may go on after cargo exited: a test's process
+/// left running (a failed test may not reach its clean-up) holds the pipe
+/// open, and must not hold up the suite.
+const OUTPUT_AFTER_EXIT: Duration = Duration::from_secs(5);
+
 /// Runs `cmd` (a `cargo test`), passing its standard output through, and
 /// on failure names each failing test with its panic message.
 pub(crate) fn run(cmd: &mut Command) -> anyhow::Result<()> {
@@ -30,23 +37,48 @@ pub(crate) fn run(cmd: &mut Command) -> anyhow::Result<()> {
         .spawn()
         .with_context(|| format!("starting {cmd:?}"))?;
     let stdout = child.stdout.take().expect("stdout was piped");
-    let mut failures = Failures::default();
-    let mut out = std::io::stdout().lock();
-    for line in BufReader::new(stdout).split(b'\n') {
-        let line = line.context("reading the tests' output")?;
-        let line = String::from_utf8_lossy(&line);
-        // The log is what matters most: a closed stdout must not stop
-        // the tests.
-        let _ = writeln!(out, "{line}");
-        let _ = out.flush();
-        failures.read(&line);
+    let failures = Arc::new(Mutex::new(Failures::default()));
+    let (done, output_ended) = mpsc::channel();
+    {
+        let failures = Arc::clone(&failures);
+        std::thread::spawn(move || {
+            pass_through(stdout, &failures);
+            let _ = done.send(());
+        });
     }
-    drop(out);
     let status = child.wait().context("waiting for cargo test")?;
+    let _ = output_ended.recv_timeout(OUTPUT_AFTER_EXIT);
     if !status.success() {
-        bail!("{cmd:?} failed with {status}{}", failures.summary());
+        let summary = failures
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .summary();
+        bail!("{cmd:?} failed with {status}{summary}");
     }
     Ok(())
+}
+
+/// Copies `stdout` to ours byte for byte, reading its lines into
+/// `failures`, until it ends or fails.
+fn pass_through(stdout: impl std::io::Read, failures: &Mutex<Failures>) {
+    let mut reader = BufReader::new(stdout);
+    let mut line = Vec::new();
+    let mut out = std::io::stdout();
+    loop {
+        line.clear();
+        match reader.read_until(b'\n', &mut line) {
+            Ok(0) | Err(_) => return,
+            Ok(_) => {}
+        }
+        // The log is what matters most: a closed stdout of ours must not
+        // stop the tests.
+        let _ = out.write_all(&line).and_then(|()| out.flush());
+        let text = String::from_utf8_lossy(&line);
+        failures
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .read(text.trim_end_matches(['\n', '\r']));
+    }
 }
 
 /// The panic messages of the failing tests, read from libtest's
@@ -123,8 +155,17 @@ impl Failures {
         let mut text = String::from("; the failing tests said:");
         for (name, message) in &self.kept {
             text.push_str(&format!("\n  {name}:"));
-            for line in message {
-                text.push_str(&format!("\n    {}", line.trim_end()));
+            // A section read to its end (a binary's second panic has no
+            // note after it) ends with libtest's blank line.
+            let shown = message
+                .iter()
+                .rposition(|line| !line.trim().is_empty())
+                .map_or(0, |last| last + 1);
+            for line in &message[..shown] {
+                match line.trim_end() {
+                    "" => text.push('\n'),
+                    line => text.push_str(&format!("\n    {line}")),
+                }
             }
         }
         if self.more > 0 {
@@ -166,8 +207,6 @@ thread 'b::fails' panicked at tests/b.rs:3:9:
 assertion `left == right` failed
   left: 1
  right: 2
-stack backtrace:
-   0: rust_begin_unwind
 
 failures:
     a::fails
