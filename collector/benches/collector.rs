@@ -308,22 +308,21 @@ fn ingest_fleet(storage: &dyn Storage, fleet: &Fleet, progress: bool) -> Ingeste
 /// The fleet's first `intervals` intervals stored by `senders` threads at
 /// once, as a collector's gRPC handlers store batches that arrive together
 /// (agents end their intervals on the same boundaries), into a new
-/// database whose transactions hold `max_group_batches` batches at most:
-/// the seconds spent storing, and the commits made.
+/// database of `options` whose transactions hold `max_group_batches`
+/// batches at most: the seconds spent storing, and the commits made.
 fn ingest_together(
     fleet: &Fleet,
     intervals: usize,
     senders: usize,
     max_group_batches: usize,
-    bucket_nanos: i64,
+    options: &SqliteOptions,
 ) -> (f64, CommitStats) {
     let dir = tempfile::tempdir().expect("temp dir");
     let storage = SqliteStorage::open(
         &dir.path().join("together.db"),
         SqliteOptions {
-            bucket_nanos,
             max_group_batches,
-            ..SqliteOptions::default()
+            ..options.clone()
         },
     )
     .expect("database");
@@ -459,6 +458,13 @@ fn keep_database(sqlite: &SqliteStorage, data_dir: &std::path::Path) {
     println!("kept the database in {}", data_dir.display());
 }
 
+/// The start of the clock hour holding `unix_nanos`: the data starts there,
+/// so that which dictionary epochs (an hour by default) a run crosses does
+/// not depend on when it runs.
+fn hour_start(unix_nanos: i64) -> i64 {
+    unix_nanos - unix_nanos.rem_euclid(3_600_000_000_000)
+}
+
 /// Bytes this process has caused to be written to storage
 /// (`/proc/self/io`), when the kernel tells.
 fn bytes_written() -> Option<u64> {
@@ -489,19 +495,15 @@ fn main() {
             secs * 1_000_000_000
         });
 
+    let options = SqliteOptions {
+        bucket_nanos,
+        dictionary_epoch_nanos,
+        ..SqliteOptions::default()
+    };
+
     let dir = tempfile::tempdir().expect("temp dir");
     let path = dir.path().join("bench.db");
-    let sqlite = Arc::new(
-        SqliteStorage::open(
-            &path,
-            SqliteOptions {
-                bucket_nanos,
-                dictionary_epoch_nanos,
-                ..SqliteOptions::default()
-            },
-        )
-        .expect("database"),
-    );
+    let sqlite = Arc::new(SqliteStorage::open(&path, options.clone()).expect("database"));
     let fleet_stacks = fleet_stacks();
     let interval = Duration::from_secs(env_or(
         "STACKSCOPE_BENCH_INTERVAL_SECS",
@@ -515,7 +517,7 @@ fn main() {
             .map(|n| node_template(n, &fleet_stacks))
             .collect(),
         intervals,
-        first_start: now - (intervals as i64) * interval.as_nanos() as i64,
+        first_start: hour_start(now - (intervals as i64) * interval.as_nanos() as i64),
         interval,
     };
     println!(
@@ -566,7 +568,7 @@ fn main() {
     for round in 0..2 {
         for (which, max_group) in [(0, 1), (1, SqliteOptions::default().max_group_batches)] {
             let (seconds, commits) =
-                ingest_together(&fleet, together_intervals, senders, max_group, bucket_nanos);
+                ingest_together(&fleet, together_intervals, senders, max_group, &options);
             let rate = commits.batches as f64 / seconds;
             println!(
                 "  round {round}, at most {max_group:>2} batches per commit: {rate:.1} batches/s \

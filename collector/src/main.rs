@@ -122,12 +122,22 @@ fn read_token(path: Option<&PathBuf>, what: &str) -> anyhow::Result<Option<Strin
     Ok(Some(token))
 }
 
+/// How long SQLite's dictionary rows may outlive the samples that used
+/// them (see [`SqliteOptions::dictionary_epoch_nanos`]): the default, but
+/// at most a quarter of the retention, so that a short retention does not
+/// keep them several times as long as the samples.
+fn dictionary_epoch_nanos(retention: Duration) -> i64 {
+    let quarter = i64::try_from(retention.as_nanos() / 4).unwrap_or(i64::MAX);
+    quarter.clamp(1, SqliteOptions::default().dictionary_epoch_nanos)
+}
+
 /// The storage `--storage` names: SQLite in the data directory, or
 /// ClickHouse.
 async fn open_storage(
     spec: &str,
     data_dir: &std::path::Path,
     bucket_nanos: i64,
+    retention: Duration,
 ) -> anyhow::Result<Arc<dyn Storage>> {
     if spec == "sqlite" {
         let database = data_dir.join("stackscope.db");
@@ -136,6 +146,7 @@ async fn open_storage(
                 &database,
                 SqliteOptions {
                     bucket_nanos,
+                    dictionary_epoch_nanos: dictionary_epoch_nanos(retention),
                     ..SqliteOptions::default()
                 },
             )
@@ -191,7 +202,7 @@ async fn main() -> anyhow::Result<()> {
     let ingest_token = read_token(args.ingest_token_file.as_ref(), "ingest token file")?;
     let query_token = read_token(args.query_token_file.as_ref(), "query token file")?;
 
-    let storage = open_storage(&args.storage, &args.data_dir, bucket_nanos).await?;
+    let storage = open_storage(&args.storage, &args.data_dir, bucket_nanos, args.retention).await?;
 
     let debuginfo_dir = args.data_dir.join("debuginfo");
     let store: Arc<dyn DebuginfoStore> = Arc::new(
@@ -264,4 +275,25 @@ async fn main() -> anyhow::Result<()> {
     });
     collector.wait().await.context("the collector failed")?;
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn dictionary_rows_outlive_their_samples_by_at_most_a_quarter_of_the_retention() {
+        let hour = 3_600_000_000_000;
+        assert_eq!(
+            dictionary_epoch_nanos(Duration::from_secs(7 * 86_400)),
+            hour
+        );
+        assert_eq!(dictionary_epoch_nanos(Duration::from_secs(4 * 3600)), hour);
+        assert_eq!(
+            dictionary_epoch_nanos(Duration::from_secs(600)),
+            150_000_000_000
+        );
+        assert_eq!(dictionary_epoch_nanos(Duration::ZERO), 1);
+        assert_eq!(dictionary_epoch_nanos(Duration::MAX), hour);
+    }
 }

@@ -1257,6 +1257,18 @@ fn incompatible_databases_are_refused() {
         err.to_string(),
         "invalid storage options: bucket_nanos must be positive, got 0"
     );
+    let err = SqliteStorage::open(
+        &dir.path().join("other.db"),
+        SqliteOptions {
+            dictionary_epoch_nanos: -1,
+            ..SqliteOptions::default()
+        },
+    )
+    .expect_err("a negative epoch");
+    assert_eq!(
+        err.to_string(),
+        "invalid storage options: dictionary_epoch_nanos must be positive, got -1"
+    );
 }
 
 /// Rollups are a cache of the samples: whatever the compactor has done, a

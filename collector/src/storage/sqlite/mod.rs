@@ -65,12 +65,12 @@ pub struct SqliteOptions {
     /// (see `group`); 1 commits each alone.
     pub max_group_batches: usize,
     /// Dictionary rows (mappings, locations, stacks, label sets) are kept
-    /// through the end of the epoch of this many nanoseconds (rounded up
-    /// to whole buckets) in which a batch last used them, not just through
-    /// that batch's bucket: an item used all the time is written once an
-    /// epoch instead of once a bucket, for rows that outlive their last
-    /// use by up to an epoch. The bucket width keeps them through their
-    /// last bucket alone.
+    /// through the last bucket of the epoch of this many nanoseconds
+    /// (rounded up to whole buckets, aligned to multiples of it) in which a
+    /// batch last used them, not just through that batch's bucket: an item
+    /// used all the time is written once an epoch instead of once a bucket,
+    /// for rows that outlive their last use by less than an epoch. The
+    /// bucket width (or less) keeps them through their last bucket only.
     pub dictionary_epoch_nanos: i64,
 }
 

@@ -481,7 +481,7 @@ struct Scratch {
     set_pairs: Vec<(i64, u64)>,
     merge_pairs: [Vec<(i64, u64)>; 2],
     sums: Vec<u8>,
-    /// Items first stored or moved to a newer bucket by the open
+    /// Items first stored or moved to a newer epoch by the open
     /// transaction: published to the caches only after it commits, so a
     /// rollback cannot leave ids in the caches that the database lacks.
     /// One map each for mappings, locations, stacks and label sets.
@@ -696,7 +696,7 @@ struct BatchItems<'s> {
 
 impl BatchItems<'_> {
     /// The id of the batch's location `index`, interned (with its mapping)
-    /// at the batch's bucket.
+    /// and kept through the batch's `kept_through`.
     fn location(
         &mut self,
         batch: &ValidBatch,
