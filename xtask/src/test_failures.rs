@@ -123,8 +123,8 @@ impl Failures {
             self.state = Section::Outside;
             return;
         }
-        // `thread 'NAME' (TID) panicked at FILE:LINE:COL:` (no TID before
-        // Rust 1.92).
+        // `thread 'NAME' (TID) panicked at FILE:LINE:COL:` (older Rust
+        // prints no TID).
         if self.state == Section::BeforePanic
             && line.starts_with("thread '")
             && line.contains(" panicked at ")
