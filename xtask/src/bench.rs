@@ -30,11 +30,11 @@ pub enum Bench {
         duration: String,
     },
     /// What profiling costs the profiled: a CPU-bound workload (busy.c, one
-    /// thread per CPU, no frame pointers) alone, under stackscope (agent +
-    /// collector) and under `perf record --call-graph dwarf` + `perf
-    /// report`, at 19, 99 and 997 Hz: throughput loss, CPU per sample, peak
-    /// RSS, share reaching the root, top functions; then the agent's cost
-    /// on an idle host over 60 s.
+    /// thread per CPU, no frame pointers; or `xz -9`, one per CPU) alone,
+    /// under stackscope (agent + collector) and under `perf record
+    /// --call-graph dwarf` + `perf report`, at 19, 99 and 997 Hz: throughput
+    /// loss, CPU per sample, peak RSS, share reaching the root, top
+    /// functions; then the agent's cost on an idle host over 60 s.
     Overhead {
         /// How long the workload runs each time (at least 25: the steady
         /// window starts after the agent's first 10 s batch).
@@ -48,6 +48,10 @@ pub enum Bench {
         /// in alternating order, instead of against perf.
         #[arg(long, value_name = "DIR")]
         baseline: Option<std::path::PathBuf>,
+        /// busy: deep stacks, nearly all new (busy.c); xz: shallow ones that
+        /// repeat, in a program that evicts every cache between two ticks.
+        #[arg(long, value_enum, default_value_t = crate::overhead::WorkloadKind::Busy)]
+        workload: crate::overhead::WorkloadKind,
     },
     /// What off-CPU profiling costs the profiled: a pipe ping-pong between
     /// two processes and a mutex-contended thread pool alone, under the
@@ -141,9 +145,12 @@ pub fn run(which: Bench) -> anyhow::Result<()> {
             seconds,
             repeats,
             baseline,
+            workload,
         } => match baseline {
-            Some(baseline) => crate::overhead::against_baseline(seconds, repeats, &baseline),
-            None => crate::overhead::run(seconds, repeats),
+            Some(baseline) => {
+                crate::overhead::against_baseline(seconds, repeats, &baseline, workload)
+            }
+            None => crate::overhead::run(seconds, repeats, workload),
         },
         Bench::Mappings { seconds, repeats } => crate::mappings::run(seconds, repeats),
         Bench::OffCpu { seconds, repeats } => crate::off_cpu::run(seconds, repeats),

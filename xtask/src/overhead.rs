@@ -10,22 +10,22 @@
 //! threads, not to perf: it shows in the throughput loss, while the BPF
 //! program's run time is counted in stackscope's CPU.
 //!
-//! The workload is `busy.c` with one thread per CPU (CPU-bound, built
-//! without frame pointers, recursing 30-60 frames into libc's qsort and
-//! printf), run for a fixed time; its throughput is the recursions it
-//! completes. Each configuration (alone, under stackscope = agent +
-//! collector, under perf) runs at 19 (the agent's default), 99 and 997 Hz,
-//! `repeats` times, and the report gives medians with the spread
-//! (min-max). Last, the agent runs as the DaemonSet runs it (every process,
-//! its default rate) on the host with no workload: what it costs a node
-//! that has little to profile ([`idle`]). The agent keeps its
-//! table cache in the scratch directory, as it would on a node: the first
-//! run compiles the tables, later ones read them. It prints figures and
-//! never fails on them. The agent runs with its defaults (10 s intervals)
+//! The workload (see [`workload`]) is `busy.c` with one thread per CPU
+//! (CPU-bound, built without frame pointers, recursing 30-60 frames into
+//! libc's qsort and printf), or with `--workload xz` one `xz -9` per CPU,
+//! run for a fixed time; its throughput is the recursions it completes, or
+//! the megabytes xz compresses. Each configuration (alone, under stackscope
+//! = agent + collector, under perf) runs at 19 (the agent's default), 99
+//! and 997 Hz, `repeats` times, and the report gives medians with the
+//! spread (min-max). Last, the agent runs as the DaemonSet runs it (every
+//! process, its default rate) on the host with no workload: what it costs
+//! a node that has little to profile ([`idle`]). The agent keeps its table
+//! cache in the scratch directory, as it would on a node: the first run
+//! compiles the tables, later ones read them. It prints figures and never
+//! fails on them. The agent runs with its defaults (10 s intervals)
 //! apart from the sampling rate.
 
 use std::{
-    io::BufRead as _,
     path::{Path, PathBuf},
     process::{Child, Command, Stdio},
     time::Duration,
@@ -37,9 +37,14 @@ use stackscope_test_fixtures::{free_port, http_get, metric, metric_value, peak_r
 
 use crate::{
     KillOnDrop,
-    bench::{Cgroup, cgroup2_mount, compile_fixture},
+    bench::{Cgroup, cgroup2_mount},
     wait_for_listener, workspace_root,
 };
+
+mod workload;
+
+use workload::Workload;
+pub use workload::WorkloadKind;
 
 /// What one profiled (or unprofiled) run measured.
 #[derive(Debug, Default, Clone)]
@@ -216,31 +221,6 @@ fn signal(child: &Child, signal: libc::c_int) {
     unsafe { libc::kill(child.id() as i32, signal) };
 }
 
-/// Starts the workload: `threads` threads for `seconds`.
-fn start_workload(busy: &Path, threads: usize, seconds: u64) -> anyhow::Result<Child> {
-    let mut child = Command::new(busy)
-        .args([threads.to_string(), seconds.to_string()])
-        .stdout(Stdio::piped())
-        .spawn()
-        .context("starting the workload")?;
-    // "ready" first: the threads run from here.
-    let mut line = String::new();
-    let stdout = child.stdout.as_mut().context("piped stdout")?;
-    std::io::BufReader::new(stdout).read_line(&mut line)?;
-    Ok(child)
-}
-
-/// Waits for the workload and returns the units it completed.
-fn finish_workload(mut child: Child) -> anyhow::Result<f64> {
-    let mut out = String::new();
-    std::io::Read::read_to_string(child.stdout.as_mut().context("stdout")?, &mut out)?;
-    child.wait()?;
-    out.lines()
-        .find_map(|line| line.strip_prefix("units "))
-        .and_then(|n| n.trim().parse().ok())
-        .with_context(|| format!("the workload printed no units: {out:?}"))
-}
-
 fn check_arguments(seconds: u64, repeats: usize) -> anyhow::Result<()> {
     if seconds < 25 || repeats == 0 {
         bail!(
@@ -256,32 +236,32 @@ fn own_binaries() -> PathBuf {
     workspace_root().join("target/release")
 }
 
-pub fn run(seconds: u64, repeats: usize) -> anyhow::Result<()> {
+pub fn run(seconds: u64, repeats: usize, kind: WorkloadKind) -> anyhow::Result<()> {
     check_arguments(seconds, repeats)?;
     crate::build_binaries(true)?;
-    let busy = compile_fixture("busy")?;
+    let workload = Workload::prepare(kind)?;
     let threads = std::thread::available_parallelism().map_or(2, |n| n.get());
     let scratch = tempfile_dir()?;
     println!(
-        "overhead benchmark: busy.c with {threads} threads (one per CPU) for {seconds} s, \
-         {repeats} repeats per configuration; medians (min-max)"
+        "overhead benchmark: {} for {seconds} s, {repeats} repeats per configuration; medians \
+         (min-max)",
+        workload.describe(threads)
     );
     for hz in RATES {
         let mut alone = Vec::new();
         let mut ours = Vec::new();
         let mut perf = Vec::new();
         for _ in 0..repeats {
-            let child = start_workload(&busy, threads, seconds)?;
-            alone.push(finish_workload(child)?);
+            alone.push(workload.start(threads, seconds)?.finish()?);
             ours.push(under_stackscope(
                 &own_binaries(),
-                &busy,
+                &workload,
                 threads,
                 seconds,
                 hz,
                 &scratch.0,
             )?);
-            perf.push(under_perf(&busy, threads, seconds, hz, &scratch.0)?);
+            perf.push(under_perf(&workload, threads, seconds, hz, &scratch.0)?);
         }
         report(hz, &alone, &ours, &perf);
     }
@@ -443,7 +423,12 @@ fn tempfile_dir() -> anyhow::Result<TempDir> {
 /// collector against another build's, on the same workload, run after run
 /// with the order alternating (a machine's drift falls on both alike); the
 /// ratios are taken run by run, paired.
-pub fn against_baseline(seconds: u64, repeats: usize, baseline: &Path) -> anyhow::Result<()> {
+pub fn against_baseline(
+    seconds: u64,
+    repeats: usize,
+    baseline: &Path,
+    kind: WorkloadKind,
+) -> anyhow::Result<()> {
     check_arguments(seconds, repeats)?;
     for binary in ["stackscope-agent", "stackscope-collector", "stackscope"] {
         let path = baseline.join(binary);
@@ -455,20 +440,28 @@ pub fn against_baseline(seconds: u64, repeats: usize, baseline: &Path) -> anyhow
         }
     }
     crate::build_binaries(true)?;
-    let busy = compile_fixture("busy")?;
+    let workload = Workload::prepare(kind)?;
     let threads = std::thread::available_parallelism().map_or(2, |n| n.get());
     let scratch = tempfile_dir()?;
     println!(
-        "overhead against {}: busy.c with {threads} threads for {seconds} s, {repeats} pairs \
-         per rate, order alternating; medians (min-max)",
-        baseline.display()
+        "overhead against {}: {} for {seconds} s, {repeats} pairs per rate, order alternating; \
+         medians (min-max)",
+        baseline.display(),
+        workload.describe(threads)
     );
     for hz in RATES {
         let (mut ours, mut theirs) = (Vec::new(), Vec::new());
         for repeat in 0..repeats {
             // Separate table caches: the formats may differ.
             let run = |bins: &Path, cache: &str| {
-                under_stackscope(bins, &busy, threads, seconds, hz, &scratch.0.join(cache))
+                under_stackscope(
+                    bins,
+                    &workload,
+                    threads,
+                    seconds,
+                    hz,
+                    &scratch.0.join(cache),
+                )
             };
             if repeat % 2 == 0 {
                 ours.push(run(&own_binaries(), "ours")?);
@@ -545,7 +538,7 @@ fn start_collector(
 
 fn under_stackscope(
     bins: &Path,
-    busy: &Path,
+    workload: &Workload,
     threads: usize,
     seconds: u64,
     hz: u32,
@@ -557,12 +550,17 @@ fn under_stackscope(
     let _ = std::fs::remove_dir_all(&data);
     // Its CPU up to the profile's query, not the query's.
     let (mut collector, collector_cgroup, grpc) = start_collector(bins, &data, "collector")?;
-    let workload = start_workload(busy, threads, seconds)?;
+    let running = workload.start(threads, seconds)?;
     let collector_started = cgroup_cpu(&collector_cgroup)?;
     let metrics = format!("127.0.0.1:{}", free_port());
     let mut agent = KillOnDrop(
         Command::new(bin("stackscope-agent"))
-            .args(["--pid", &workload.id().to_string()])
+            .args(
+                running
+                    .pids()
+                    .into_iter()
+                    .flat_map(|pid| ["--pid".to_string(), pid.to_string()]),
+            )
             .args([
                 "--frequency",
                 &hz.to_string(),
@@ -592,7 +590,7 @@ fn under_stackscope(
     // length.
     wait_for_first_batch(&metrics, FIRST_BATCH_WITHIN)?;
     let steady_from = reading_at_a_publish(&metrics, &agent_cgroup)?;
-    let units = finish_workload(workload)?;
+    let units = running.finish()?;
     // The workload is gone: once the agent has drained its last records
     // and published them, its counter and CPU stand still together.
     std::thread::sleep(SETTLE);
@@ -681,14 +679,15 @@ fn parse_top(text: &str) -> Vec<(String, f64)> {
 }
 
 fn under_perf(
-    busy: &Path,
+    workload: &Workload,
     threads: usize,
     seconds: u64,
     hz: u32,
     scratch: &Path,
 ) -> anyhow::Result<Run> {
     let data = scratch.join("perf.data");
-    let workload = start_workload(busy, threads, seconds)?;
+    let running = workload.start(threads, seconds)?;
+    let pids: Vec<String> = running.pids().iter().map(u32::to_string).collect();
     let mut record = Command::new("perf")
         .args([
             "record",
@@ -700,12 +699,12 @@ fn under_perf(
             "-o",
         ])
         .arg(&data)
-        .args(["-p", &workload.id().to_string()])
+        .args(["-p", &pids.join(",")])
         .stdout(Stdio::null())
         .stderr(Stdio::null())
         .spawn()
         .context("starting perf record")?;
-    let units = finish_workload(workload)?;
+    let units = running.finish()?;
     let record_exit = wait_rusage(&mut record)?;
     let mut report = Command::new("perf")
         .args([
