@@ -49,7 +49,7 @@ pub enum Bench {
         #[arg(long, value_name = "DIR")]
         baseline: Option<std::path::PathBuf>,
         /// busy: deep stacks, nearly all new (busy.c); xz: shallow ones that
-        /// repeat, in a program that evicts every cache between two ticks.
+        /// repeat, in a compressor that sweeps hundreds of MB.
         #[arg(long, value_enum, default_value_t = crate::overhead::WorkloadKind::Busy)]
         workload: crate::overhead::WorkloadKind,
     },

@@ -239,8 +239,8 @@ fn own_binaries() -> PathBuf {
 pub fn run(seconds: u64, repeats: usize, kind: WorkloadKind) -> anyhow::Result<()> {
     check_arguments(seconds, repeats)?;
     crate::build_binaries(true)?;
-    let workload = Workload::prepare(kind)?;
     let threads = std::thread::available_parallelism().map_or(2, |n| n.get());
+    let workload = Workload::prepare(kind, threads)?;
     let scratch = tempfile_dir()?;
     println!(
         "overhead benchmark: {} for {seconds} s, {repeats} repeats per configuration; medians \
@@ -263,7 +263,7 @@ pub fn run(seconds: u64, repeats: usize, kind: WorkloadKind) -> anyhow::Result<(
             )?);
             perf.push(under_perf(&workload, threads, seconds, hz, &scratch.0)?);
         }
-        report(hz, &alone, &ours, &perf);
+        report(hz, &alone, &ours, &perf, &workload);
     }
     let idle = idle(&own_binaries(), &scratch.0)?;
     let window = IDLE_WINDOW.as_secs_f64();
@@ -440,8 +440,8 @@ pub fn against_baseline(
         }
     }
     crate::build_binaries(true)?;
-    let workload = Workload::prepare(kind)?;
     let threads = std::thread::available_parallelism().map_or(2, |n| n.get());
+    let workload = Workload::prepare(kind, threads)?;
     let scratch = tempfile_dir()?;
     println!(
         "overhead against {}: {} for {seconds} s, {repeats} pairs per rate, order alternating; \
@@ -800,20 +800,27 @@ pub(crate) fn show((median, min, max): (f64, f64, f64), unit: &str) -> String {
     format!("{median:.2}{unit} ({min:.2}-{max:.2})")
 }
 
-fn report(hz: u32, alone: &[f64], ours: &[Run], perf: &[Run]) {
+fn report(hz: u32, alone: &[f64], ours: &[Run], perf: &[Run], workload: &Workload) {
     let base = spread(alone.iter().copied()).0.max(1.0);
-    println!("\n== {hz} Hz: the workload alone completes {base:.0} units (median)");
+    println!(
+        "\n== {hz} Hz: the workload alone completes {base:.0} {} (median)",
+        workload.units()
+    );
     for (name, runs) in [("stackscope", ours), ("perf", perf)] {
         let loss = spread(runs.iter().map(|r| 100.0 * (1.0 - r.units / base)));
         // µs per sample is ms per 1,000 samples.
         let per_sample = spread(runs.iter().map(|r| r.cpu_per_sample() * 1e6));
+        let roots = if name == "perf" && !workload.perf_names_roots() {
+            "n/a (perf finds roots by name; xz is stripped)".to_string()
+        } else {
+            show(spread(runs.iter().map(|r| 100.0 * r.root_share)), "%")
+        };
         println!(
             "{name:<10}  throughput loss {}   CPU per sample {} (ms per 1,000 samples)   \
-             samples {}   reached the root {}",
+             samples {}   reached the root {roots}",
             show(loss, "%"),
             show(per_sample, " us"),
             show(spread(runs.iter().map(|r| r.samples)), ""),
-            show(spread(runs.iter().map(|r| 100.0 * r.root_share)), "%"),
         );
         if name == "stackscope" {
             println!(

@@ -6,9 +6,8 @@
 //!   every sample is a stack not seen before (units: recursions done).
 //! - `xz`: one `xz -9` per CPU, the Debian program issue 39's first figures
 //!   were measured on. It is the opposite case: shallow stacks that repeat,
-//!   in a compressor that works through 674 MiB, so what a tick touches
-//!   (the BPF program's maps, the ring, the agent's tables) is more often
-//!   cold (units: MB of text compressed). Its input is generated while it
+//!   in a compressor whose match finder sweeps hundreds of MB between two
+//!   ticks (units: MB of text compressed). Its input is generated while it
 //!   runs, never repeated: a repeat within xz's 64 MiB window would
 //!   compress as one long match, at another speed than the text before it.
 
@@ -40,8 +39,23 @@ pub(super) enum Workload {
 /// Bytes the text generator writes to xz at a time.
 const TEXT_CHUNK: usize = 64 << 10;
 
+/// What one `xz -9` compressor allocates (xz(1): 674 MiB), with room.
+const XZ_MEMORY: u64 = 700 << 20;
+
+/// `MemAvailable` from /proc/meminfo, in bytes.
+fn available_memory() -> anyhow::Result<u64> {
+    let meminfo = std::fs::read_to_string("/proc/meminfo").context("reading /proc/meminfo")?;
+    meminfo
+        .lines()
+        .find_map(|line| line.strip_prefix("MemAvailable:"))
+        .and_then(|rest| rest.trim().strip_suffix("kB")?.trim().parse::<u64>().ok())
+        .map(|kib| kib << 10)
+        .context("no MemAvailable in /proc/meminfo")
+}
+
 impl Workload {
-    pub(super) fn prepare(kind: WorkloadKind) -> anyhow::Result<Self> {
+    /// Ready to run `threads` at a time.
+    pub(super) fn prepare(kind: WorkloadKind, threads: usize) -> anyhow::Result<Self> {
         Ok(match kind {
             WorkloadKind::Busy => Workload::Busy(compile_fixture("busy")?),
             WorkloadKind::Xz => {
@@ -49,9 +63,33 @@ impl Workload {
                 if !found.is_ok_and(|out| out.status.success()) {
                     bail!("the xz workload needs xz (Debian's xz-utils)");
                 }
+                let available = available_memory()?;
+                let needed = threads as u64 * XZ_MEMORY;
+                if available < needed {
+                    bail!(
+                        "the xz workload runs {threads} xz -9, {} MiB each, and the host has \
+                         {} MiB available",
+                        XZ_MEMORY >> 20,
+                        available >> 20
+                    );
+                }
                 Workload::Xz
             }
         })
+    }
+
+    /// What its units count, for the report.
+    pub(super) fn units(&self) -> &'static str {
+        match self {
+            Workload::Busy(_) => "recursions",
+            Workload::Xz => "MB compressed",
+        }
+    }
+
+    /// Whether perf's samples can be graded as reaching the root: perf
+    /// finds roots by name (`_start`), which Debian's stripped xz lacks.
+    pub(super) fn perf_names_roots(&self) -> bool {
+        matches!(self, Workload::Busy(_))
     }
 
     /// For the report's headings.
@@ -130,16 +168,21 @@ impl Running {
                     .with_context(|| format!("the workload printed no units: {out:?}"))
             }
             Running::Xz(running) => {
-                let mut bytes = 0;
-                for (mut child, feeder) in running {
-                    let fed = feeder
-                        .join()
-                        .map_err(|_| anyhow::anyhow!("a feeder panicked"));
-                    bytes += fed?.context("writing xz's input")?;
-                    let status = child.wait()?;
+                // Every xz waited for first: one that died says why (its
+                // feeder then only saw a broken pipe), and none is left.
+                let (children, feeders): (Vec<_>, Vec<_>) = running.into_iter().unzip();
+                let statuses: Vec<_> = children.into_iter().map(|mut child| child.wait()).collect();
+                let fed: Vec<_> = feeders.into_iter().map(JoinHandle::join).collect();
+                for status in statuses {
+                    let status = status.context("waiting for xz")?;
                     if !status.success() {
                         bail!("xz failed: {status}");
                     }
+                }
+                let mut bytes = 0;
+                for fed in fed {
+                    let fed = fed.map_err(|_| anyhow::anyhow!("a feeder of xz panicked"))?;
+                    bytes += fed.context("writing xz's input")?;
                 }
                 Ok(bytes as f64 / 1e6)
             }
@@ -161,13 +204,29 @@ fn feed_text(mut stdin: impl std::io::Write, seed: u64, until: Instant) -> std::
     Ok(written)
 }
 
+/// xorshift64*: the text's choices, the same for a seed on every run.
+struct Rng(u64);
+
+impl Rng {
+    fn new(seed: u64) -> Self {
+        Self(0x9e37_79b9_7f4a_7c15 ^ seed.wrapping_mul(0xd1b5_4a32_d192_ed03))
+    }
+
+    fn next(&mut self) -> u64 {
+        self.0 ^= self.0 >> 12;
+        self.0 ^= self.0 << 25;
+        self.0 ^= self.0 >> 27;
+        self.0.wrapping_mul(0x2545_f491_4f6c_dd1d)
+    }
+}
+
 /// Words of 2-9 letters from a fixed vocabulary, picked at random and
 /// skewed to the frequent ones as in prose, in lines of about 70
 /// characters: text that compresses about as natural text does, never
 /// repeating a long run.
 struct Text {
     words: Vec<Vec<u8>>,
-    state: u64,
+    rng: Rng,
     line: usize,
 }
 
@@ -175,43 +234,32 @@ impl Text {
     const WORDS: usize = 4096;
 
     fn new(seed: u64) -> Self {
-        let mut text = Self {
-            words: Vec::with_capacity(Self::WORDS),
-            state: 0x9e37_79b9_7f4a_7c15 ^ seed.wrapping_mul(0xd1b5_4a32_d192_ed03),
-            line: 0,
-        };
         // The vocabulary does not depend on the seed: xz's work per byte is
         // the same in every process.
-        let mut vocabulary = Self {
-            words: Vec::new(),
-            state: 0x2545_f491_4f6c_dd1d,
+        let mut vocabulary = Rng::new(u64::MAX);
+        let words = (0..Self::WORDS)
+            .map(|_| {
+                let len = 2 + (vocabulary.next() % 8) as usize;
+                (0..len)
+                    .map(|_| b'a' + (vocabulary.next() % 26) as u8)
+                    .collect()
+            })
+            .collect();
+        Self {
+            words,
+            rng: Rng::new(seed),
             line: 0,
-        };
-        for _ in 0..Self::WORDS {
-            let len = 2 + (vocabulary.next() % 8) as usize;
-            let word = (0..len)
-                .map(|_| b'a' + (vocabulary.next() % 26) as u8)
-                .collect();
-            text.words.push(word);
         }
-        text
-    }
-
-    /// xorshift64*.
-    fn next(&mut self) -> u64 {
-        self.state ^= self.state >> 12;
-        self.state ^= self.state << 25;
-        self.state ^= self.state >> 27;
-        self.state.wrapping_mul(0x2545_f491_4f6c_dd1d)
     }
 
     /// Replaces `chunk`'s contents with at least `len` bytes of text.
     fn fill(&mut self, chunk: &mut Vec<u8>, len: usize) {
         chunk.clear();
+        let words = Self::WORDS as u64;
         while chunk.len() < len {
             // The smaller of two draws: low indexes (frequent words) come
             // up more often.
-            let index = (self.next() % Self::WORDS as u64).min(self.next() % Self::WORDS as u64);
+            let index = (self.rng.next() % words).min(self.rng.next() % words);
             let word = &self.words[index as usize];
             chunk.extend_from_slice(word);
             self.line += word.len() + 1;
@@ -228,6 +276,19 @@ impl Text {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn xz_compresses_what_it_was_fed_then_exits_and_is_reaped() {
+        let running = Workload::Xz.start(1, 1).expect("xz starts");
+        let pids = running.pids();
+        assert_eq!(pids.len(), 1);
+        let megabytes = running.finish().expect("xz ends well");
+        assert!(megabytes > 0.0, "{megabytes} MB fed");
+        assert!(
+            !std::path::Path::new(&format!("/proc/{}", pids[0])).exists(),
+            "xz was not reaped"
+        );
+    }
 
     #[test]
     fn text_is_words_in_lines_and_never_repeats_a_chunk() {
