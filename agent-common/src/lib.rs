@@ -364,15 +364,32 @@ pub const MAX_COPY_SIZES: u32 = 16384;
 /// tick does not run past the end of the stack mapping on its shallow ones:
 /// a read that faults there costs more than the copy itself (a page fault
 /// and its exception fixup, about 0.7 us here).
+///
+/// It is also all the program looks up for a learned thread: a thread with
+/// a top has no plan (the agent removes the top when it writes a plan), and
+/// its top says whether its process's CPython frames are read
+/// ([`stack_top_flags::PYTHON`]). At the rates fleets run each lookup of a
+/// map meets cold memory (about a microsecond here), so the two lookups a
+/// learned thread no longer makes are most of what it saves.
 #[repr(C)]
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct StackTop {
     /// The thread's process: an entry left over from a thread whose id was
     /// reused by another process is not used.
     pub tgid: u32,
-    pub _pad: u32,
+    /// [`stack_top_flags`].
+    pub flags: u32,
     /// First stack address the thread's walks did not need.
     pub top: u64,
+}
+
+/// [`StackTop::flags`].
+pub mod stack_top_flags {
+    /// The process is in `PYTHON_PROCESSES`: its ticks read its CPython
+    /// frames. Without it the program does not look the process up. The
+    /// agent sets it as it writes the top, and removes the tops of a
+    /// process it describes after they were written.
+    pub const PYTHON: u32 = 1 << 0;
 }
 
 // SAFETY: `repr(C)`, integers only, padding written out: every byte pattern

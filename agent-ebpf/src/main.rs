@@ -28,6 +28,11 @@
 //! length: one more copy of the record, which the direct path spares (a
 //! fifth of the program's time on busy.c).
 //!
+//! Such a thread costs one map lookup before its copy: its stack top says
+//! too that it has no plan and whether its process's CPython frames are
+//! read (see [`StackTop`]). At 19-99 Hz every map a tick looks in is cold,
+//! about a microsecond each here.
+//!
 //! A thread whose deep frames change too fast for a tail (a compiler's
 //! stack, hundreds of KB deep and reshaped every millisecond) gets a deep
 //! copy instead: its whole stack, up to the stack's end the agent learned,
@@ -57,7 +62,8 @@ use agent_common::{
     PYTHON_FRAME_READ_BYTES, PYTHON_STACK_HEADER_SIZE, PYTHON_STACK_MAX_BYTES, ProcessEvent,
     PythonFrame, PythonProcess, PythonStackHeader, RecordKind, SAMPLE_HEADER_SIZE, SCRATCH_BYTES,
     SWITCH_IN_SIZE, SampleHeader, StackPlan, StackTop, SwitchIn, TAIL_SPAN_HEADER_SIZE,
-    policy_flags, python_stack_flags, reserved_record_bytes, sample_flags, tail_span,
+    policy_flags, python_stack_flags, reserved_record_bytes, sample_flags, stack_top_flags,
+    tail_span,
 };
 use aya_ebpf::{
     EbpfContext, Global,
@@ -383,9 +389,6 @@ fn try_sample_cpu_clock(ctx: &PerfEventContext) -> Result<u32, u32> {
         process_start_ns: process_start_ns(),
         python_bytes: 0,
     };
-    // Before the sample's record, with the same CPU, thread and time: the
-    // agent pairs the two by them.
-    python_stack(&mut ids);
 
     // SAFETY: perf_event programs get a `bpf_perf_event_data` context whose
     // `regs` are the registers at the tick.
@@ -399,6 +402,13 @@ fn try_sample_cpu_clock(ctx: &PerfEventContext) -> Result<u32, u32> {
     } else {
         saved_user_regs()
     };
+    // Without user registers (a kernel thread, a task whose memory is
+    // gone) there are neither user stacks nor CPython frames to read.
+    // Before the sample's record, with the same CPU, thread and time: the
+    // agent pairs the two by them.
+    if user_regs.is_some() && look_up_top(&mut ids) {
+        python_stack(&mut ids);
+    }
     stack_sample(ctx, &mut ids, flags, user_regs);
     Ok(0)
 }
@@ -433,10 +443,26 @@ fn kept(divisor: u32) -> bool {
     divisor <= 1 || unsafe { bpf_get_prandom_u32() } % divisor == 0
 }
 
+/// Looks up the current thread's stack top (see [`StackTop`]) into
+/// `ids.stack_top`. Whether its process's CPython frames are to be read:
+/// always for a thread without a top, whose process is looked up.
+#[inline(always)]
+fn look_up_top(ids: &mut SampleIds) -> bool {
+    // SAFETY: values are only read; the agent replaces entries whole.
+    match unsafe { STACK_TOPS.get(ids.tid) }.filter(|top| top.tgid == ids.tgid) {
+        Some(top) => {
+            ids.stack_top = top.top;
+            top.flags & stack_top_flags::PYTHON != 0
+        }
+        None => true,
+    }
+}
+
 /// Writes a sample record of the current task's stacks, taken with
 /// `user_regs` (its user registers, `None` for a kernel thread): the deep,
-/// direct or usual copy its thread's plan and stack top call for (see the
-/// module doc). Whether a record was written.
+/// direct or usual copy its thread's plan or stack top (looked up by
+/// [`look_up_top`]) call for (see the module doc). Whether a record was
+/// written.
 #[inline(always)]
 fn stack_sample<C: EbpfContext>(
     ctx: &C,
@@ -448,18 +474,17 @@ fn stack_sample<C: EbpfContext>(
     if user_regs.is_some() {
         flags |= sample_flags::USER_REGS;
     }
+    let stack_top = ids.stack_top;
+    // A thread with a top has no plan (see `StackTop`); one without user
+    // registers has no use for it.
     // SAFETY: values are only read; a plan the agent rewrites meanwhile
     // can only make the tail read other (real) stack words.
-    let plan = unsafe { STACK_PLANS.get(tid) }.filter(|plan| plan.tgid == tgid);
-    // Looked up once for both paths; a planned thread's copies follow its
-    // plan instead.
-    ids.stack_top = match (plan, user_regs) {
-        (None, Some(_)) => unsafe { STACK_TOPS.get(tid) }
-            .filter(|top| top.tgid == tgid)
-            .map_or(0, |top| top.top),
-        _ => 0,
+    let plan = match user_regs {
+        Some(_) if stack_top == 0 => {
+            unsafe { STACK_PLANS.get(tid) }.filter(|plan| plan.tgid == tgid)
+        }
+        _ => None,
     };
-    let stack_top = ids.stack_top;
     if let Some(regs) = user_regs
         && DEEP_STACK_BYTES.load() != 0
     {
@@ -713,7 +738,8 @@ struct SampleIds {
     cpu: u32,
     cgroup_id: u64,
     sampling_divisor: u32,
-    /// The thread's stack top (`STACK_TOPS`); 0 when it has none, or a plan.
+    /// The thread's stack top (`STACK_TOPS`, see [`look_up_top`]); 0 when
+    /// it has none (or no user registers).
     stack_top: u64,
     /// Bytes a usual or direct copy reads from `rsp` (the plan's, the
     /// process's, or the ceiling, and at most up to the stack top).
@@ -1851,7 +1877,9 @@ fn switched_out<C: EbpfContext>(ctx: &C) {
     // A CPython thread's frames, as a tick reads them: where it waits in
     // Python. Before the sample's record, with the same CPU, thread and
     // time: the agent pairs the two by them.
-    python_stack(&mut ids);
+    if look_up_top(&mut ids) {
+        python_stack(&mut ids);
+    }
     if !stack_sample(ctx, &mut ids, sample_flags::OFF_CPU, Some(regs)) {
         count(Counter::OffCpuFailed);
         return;

@@ -23,7 +23,7 @@ mod rings;
 pub mod task_layout;
 
 use std::{
-    collections::HashMap as StdHashMap,
+    collections::{HashMap as StdHashMap, HashSet as StdHashSet},
     io,
     os::fd::{AsFd as _, AsRawFd, OwnedFd},
     time::{Duration, Instant},
@@ -31,7 +31,7 @@ use std::{
 
 use agent_common::{
     COMM_LEN, COUNTER_SLOTS, CgroupPolicy, Counter, MAX_ALLOW_ENTRIES, MAX_DEEP_STACK_BYTES,
-    MAX_USER_STACK_BYTES, PAGE_SIZE, PythonProcess, StackPlan, StackTop, names,
+    MAX_USER_STACK_BYTES, PAGE_SIZE, PythonProcess, StackPlan, StackTop, names, stack_top_flags,
 };
 use aya::{
     Btf, Ebpf, EbpfLoader,
@@ -351,6 +351,10 @@ pub struct Sampler {
     /// Thread names of programs needing deep copies (LRU).
     deep_program_map: HashMap<MapData, [u8; COMM_LEN], u8>,
     python_map: HashMap<MapData, u32, PythonProcess>,
+    /// The processes `python_map` holds (at most `MAX_PYTHON_PROCESSES`:
+    /// the map refuses more), whose threads' tops get
+    /// [`stack_top_flags::PYTHON`].
+    python_tgids: StdHashSet<u32>,
     /// `PACED_DRAINS`: whether the program wakes the reader for new
     /// processes, and what we last wrote.
     paced_map: Array<MapData, u32>,
@@ -529,6 +533,7 @@ impl Sampler {
             top_map,
             deep_program_map,
             python_map,
+            python_tgids: StdHashSet::new(),
             paced_map,
             paced: false,
             losses_seen: 0,
@@ -557,7 +562,14 @@ impl Sampler {
             PlanUpdate::Thread { tid, plan } => self.set_stack_plan(tid, plan.as_deref()),
             PlanUpdate::ThreadTop { tid, top } => {
                 let result = match top {
-                    Some(top) => self.top_map.insert(tid, top, 0),
+                    Some(mut top) => {
+                        // Without the flag, the thread's ticks would not
+                        // look its process up (see `StackTop`).
+                        if self.python_tgids.contains(&top.tgid) {
+                            top.flags |= stack_top_flags::PYTHON;
+                        }
+                        self.top_map.insert(tid, top, 0)
+                    }
                     None => self.top_map.remove(&tid),
                 };
                 map_result(names::STACK_TOPS, result)
@@ -598,15 +610,23 @@ impl Sampler {
 
     /// Has each tick of process `tgid` read its CPython frames as
     /// `python` says (a [`record::PythonStack`] before its sample), or
-    /// stops that (None).
+    /// stops that (None). Threads of the process with a stack top written
+    /// before it was described are not read until their tops go: the
+    /// caller removes them (see [`stack_top_flags::PYTHON`]).
     pub fn set_python_process(
         &mut self,
         tgid: u32,
         python: Option<&PythonProcess>,
     ) -> Result<(), SamplerError> {
         let result = match python {
-            Some(python) => self.python_map.insert(tgid, python, 0),
-            None => self.python_map.remove(&tgid),
+            Some(python) => self
+                .python_map
+                .insert(tgid, python, 0)
+                .inspect(|()| _ = self.python_tgids.insert(tgid)),
+            None => {
+                self.python_tgids.remove(&tgid);
+                self.python_map.remove(&tgid)
+            }
         };
         map_result(names::PYTHON_PROCESSES, result)
     }

@@ -25,7 +25,7 @@ use std::{
     time::{Duration, Instant},
 };
 
-use agent_common::ProcessEvent;
+use agent_common::{ProcessEvent, StackTop};
 pub use stackscope_process_table::maps::{Mapping, MappingPath};
 use stackscope_process_table::{Location, ProcessTable};
 use stackscope_sampler::mapping_feed::monotonic_ns;
@@ -231,7 +231,10 @@ impl Recorded {
 /// says its start time (the entry's identity), is then told of it by the
 /// entry `python` makes of its tgid and that time, and samples `duration`
 /// more; samples and Python stacks from ticks before the entries are left
-/// out. One sampler for all (loading it takes seconds in the kernel
+/// out. Each process's main thread is learned too, as the walker learns a
+/// thread that reaches its root: its stack top at the end of its stack
+/// mapping. Its ticks then read its CPython frames only if the sampler
+/// flagged the top as its process's (`stack_top_flags::PYTHON`). One sampler for all (loading it takes seconds in the kernel
 /// matrix's emulated machines). The program's statistics are those of the
 /// ticks after the entries.
 pub fn sample_python(
@@ -270,6 +273,22 @@ pub fn sample_python(
             sampler
                 .set_python_process(tgid, Some(&python(tgid, process_start_ns)))
                 .expect("describing the Python process");
+            let stack = stackscope_process_table::maps::read_maps(tgid)
+                .expect("reading the Python process's maps")
+                .into_iter()
+                .find(|mapping| mapping.path == MappingPath::Stack)
+                .expect("the Python process's stack mapping");
+            let top = StackTop {
+                tgid,
+                flags: 0,
+                top: stack.end,
+            };
+            sampler
+                .apply_plan_update(PlanUpdate::ThreadTop {
+                    tid: tgid,
+                    top: Some(top),
+                })
+                .expect("writing the main thread's stack top");
         }
         let set_ns = monotonic_ns();
         let mut recorded = record_until(sampler, tokio::time::Instant::now() + duration).await;

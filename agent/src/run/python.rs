@@ -133,9 +133,12 @@ impl PythonProcesses {
     }
 
     /// What the worker found in `tgid`: the record keeps it and the
-    /// sampler reads the process's frames from its next tick. A record that
-    /// did not ask (the process exec'd since: a new record) takes nothing:
-    /// the answer may be the old image's.
+    /// sampler reads the process's frames from its next tick (of threads
+    /// without a stack top: the caller has the walker forget the tops
+    /// written before). A record that did not ask (the process exec'd
+    /// since: a new record) takes nothing: the answer may be the old
+    /// image's. Whether the sampler was told.
+    #[must_use]
     pub fn found(
         &mut self,
         tgid: u32,
@@ -143,19 +146,19 @@ impl PythonProcesses {
         started: u64,
         found: Option<FoundInterpreter>,
         sampler: &mut Sampler,
-    ) {
+    ) -> bool {
         if !matches!(record, PythonRecord::Asked) {
-            return;
+            return false;
         }
         let Some(found) = found else {
             self.not_found(tgid, record);
-            return;
+            return false;
         };
         let entry: PythonProcess = found.layout.sampler_entry(found.runtime, started);
         if let Err(err) = sampler.set_python_process(tgid, Some(&entry)) {
             tracing::debug!("python process {tgid} not described to the sampler: {err}");
             *record = PythonRecord::None;
-            return;
+            return false;
         }
         tracing::debug!(
             tgid,
@@ -169,6 +172,7 @@ impl PythonProcesses {
             found.eval.clone(),
             CodeCache::new(tgid, found.layout),
         )));
+        true
     }
 
     /// No interpreter the sampler reads in `tgid`, as its record asked.

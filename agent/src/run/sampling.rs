@@ -634,15 +634,20 @@ impl RecordTally {
                 for (tgid, found) in found {
                     if let Some(record) = self.processes.state_of_mut(tgid) {
                         let started = record.started();
-                        self.python.found(
+                        if self.python.found(
                             tgid,
                             &mut record.python,
                             started,
                             found,
                             sampling.sampler,
-                        );
+                        ) {
+                            self.walker.forget_tops(tgid);
+                        }
                     }
                 }
+                sampling
+                    .sampler
+                    .apply_plan_updates(self.walker.take_plan_updates());
             }
             Command::Jvm(found) => {
                 let now = std::time::Instant::now();

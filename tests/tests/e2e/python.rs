@@ -28,7 +28,7 @@ use std::{
     time::Duration,
 };
 
-use agent_common::{MAX_PYTHON_FRAMES, PythonFrame, python_stack_flags};
+use agent_common::{MAX_PYTHON_FRAMES, PythonFrame, python_stack_flags, sample_flags};
 use stackscope_agent::aggregate::{PYTHON_NOT_READ, UNNAMED_PYTHON};
 use stackscope_python::{CodeObject, FoundInterpreter, code::ProcessMemory, find_in_process};
 use stackscope_sampler::SamplerConfig;
@@ -277,6 +277,17 @@ fn check_chain(python: &Python, pid: u32, found: &FoundInterpreter, recorded: &R
     assert!(
         exact * 100 >= samples * 99,
         "{name}: {exact} of {samples} samples carried the exact Python chain"
+    );
+    // Through the learned thread's stack top (see `sample_python`): the
+    // one lookup its ticks make says they read the Python frames.
+    let at_top = recorded
+        .samples
+        .iter()
+        .filter(|s| s.header.tid == pid && s.header.flags & sample_flags::COPY_AT_TOP != 0)
+        .count();
+    assert!(
+        at_top * 10 >= samples * 9,
+        "{name}: {at_top} of {samples} samples copied up to the stack top"
     );
     assert!(
         file.is_some_and(|file| file.ends_with("python_chain.py")),

@@ -88,7 +88,11 @@ fn map_stack_top(pid: u32, stack: &Mapping) {
 fn thread_top(tid: u32, tgid: u32, top: u64) -> PlanUpdate {
     PlanUpdate::ThreadTop {
         tid,
-        top: Some(StackTop { tgid, _pad: 0, top }),
+        top: Some(StackTop {
+            tgid,
+            flags: 0,
+            top,
+        }),
     }
 }
 
@@ -277,9 +281,16 @@ fn a_learned_threads_copy_reaches_its_top_whatever_its_processs_copy_size() {
     }
 
     // Learned, it copies up to its top, every frame: a process size learned
-    // from shallower ticks would cut it short.
+    // from shallower ticks would cut it short. A learned thread's plan is
+    // not looked up (the planner removes the top when it writes one): a
+    // short plan left beside the top changes nothing.
     let learned = thread_top(pid, pid, top);
-    let samples = sample_planned(&config, SAMPLING, vec![process_copy, learned]).samples;
+    let plan = PlanUpdate::Thread {
+        tid: pid,
+        plan: Some(Box::new(StackPlan::copy_only(pid, 512))),
+    };
+    let updates = vec![process_copy, plan, learned];
+    let samples = sample_planned(&config, SAMPLING, updates).samples;
     assert!(!samples.is_empty(), "no samples of the fixture");
     for sample in &samples {
         let h = &sample.header;

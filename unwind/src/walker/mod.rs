@@ -979,6 +979,12 @@ impl StackWalker {
         self.planner.take_updates()
     }
 
+    /// Process `tgid`'s CPython frames are read from now on: the stack
+    /// tops written for its threads go (see [`Planner::forget_tops`]).
+    pub fn forget_tops(&mut self, tgid: u32) {
+        self.planner.forget_tops(tgid);
+    }
+
     /// Walks held samples whose tables have become ready; call it now and
     /// then, so samples do not wait for the next sample to arrive.
     pub fn poll<R: WalkerRecord>(

@@ -542,9 +542,11 @@ impl Planner {
                 self.stats.tops_written += 1;
                 self.updates.push(PlanUpdate::ThreadTop {
                     tid: walk.tid,
+                    // The sampler adds the flags: it knows the processes
+                    // it reads CPython frames of.
                     top: Some(StackTop {
                         tgid: walk.tgid,
-                        _pad: 0,
+                        flags: 0,
                         top: reach,
                     }),
                 });
@@ -745,18 +747,50 @@ impl Planner {
             }
             return;
         };
+        if let Some(thread) = self.threads.plan_mut(walk.tid) {
+            thread.planned = kind;
+        }
+        self.write_plan(walk, plan, kind);
+    }
+
+    /// Queues the plan learned for the walk's thread, in place of its
+    /// stack top: the program does not look up the plan of a thread with a
+    /// top (see [`StackTop`]). The top goes from the map even when this
+    /// side no longer knows it (`clear_tops`).
+    fn write_plan(&mut self, walk: &WalkReport, plan: Box<StackPlan>, kind: Planned) {
         self.stats.plans_learned += 1;
         if kind == Planned::Deep {
             self.stats.deep_plans_learned += 1;
             self.add_deep_program(walk.comm, walk.tgid);
         }
-        if let Some(thread) = self.threads.plan_mut(walk.tid) {
-            thread.planned = kind;
-        }
+        self.threads.remove_top(walk.tid);
+        self.updates.push(PlanUpdate::ThreadTop {
+            tid: walk.tid,
+            top: None,
+        });
         self.updates.push(PlanUpdate::Thread {
             tid: walk.tid,
             plan: Some(plan),
         });
+    }
+
+    /// Process `tgid` is read for CPython frames from now on: the stack
+    /// tops of its threads, written before without
+    /// [`agent_common::stack_top_flags::PYTHON`], go (in the map too), so
+    /// its ticks look the process up until later walks write them again.
+    /// A top this side no longer knows (`clear_tops`) is written again, as
+    /// such, by the thread's next walk to the root.
+    pub fn forget_tops(&mut self, tgid: u32) {
+        let tids: Vec<u32> = self
+            .threads
+            .tops()
+            .filter(|&(_, top_tgid, _)| top_tgid == tgid)
+            .map(|(tid, _, _)| tid)
+            .collect();
+        for tid in tids {
+            self.threads.remove_top(tid);
+            self.updates.push(PlanUpdate::ThreadTop { tid, top: None });
+        }
     }
 
     /// One learning read from the budget of the second of `now`; false
@@ -877,15 +911,7 @@ impl Planner {
         let Some((plan, kind)) = decided else {
             return;
         };
-        self.stats.plans_learned += 1;
-        if kind == Planned::Deep {
-            self.stats.deep_plans_learned += 1;
-            self.add_deep_program(walk.comm, walk.tgid);
-        }
-        self.updates.push(PlanUpdate::Thread {
-            tid: walk.tid,
-            plan: Some(plan),
-        });
+        self.write_plan(walk, plan, kind);
     }
 
     /// Puts `comm` among the programs whose new threads wake the reader
@@ -1502,6 +1528,29 @@ mod tests {
     }
 
     #[test]
+    fn a_process_read_for_cpython_frames_from_now_on_loses_its_threads_tops() {
+        let mut planner = Planning::new(16384, 0, true);
+        let rsp = 0x7000_0000;
+        planner.observe(&report(7, 0, 16384, 1000, UnwindEnd::Outermost));
+        planner.observe(&report(8, 0, 16384, 1000, UnwindEnd::Outermost));
+        let other_process = WalkReport {
+            tgid: 11,
+            ..report(9, 0, 16384, 1000, UnwindEnd::Outermost)
+        };
+        planner.observe(&other_process);
+        planner.take_updates();
+        planner.forget_tops(10);
+        let mut gone = top_updates(&mut planner);
+        gone.sort_unstable();
+        assert_eq!(gone, [(7, None), (8, None)]);
+        // The next rooted walk writes the top again (the sampler flags it).
+        planner.observe(&report(7, 1, 16384, 1000, UnwindEnd::Outermost));
+        assert_eq!(top_updates(&mut planner), [(7, Some(rsp + 1000))]);
+        planner.forget_tops(11);
+        assert_eq!(top_updates(&mut planner), [(9, None)]);
+    }
+
+    #[test]
     fn a_deep_copy_of_an_unplanned_thread_leaves_it_no_top_unless_it_was_shallow() {
         let mut planner = Planning::new(16384, 1 << 20, true);
         let deep = |tid, read| WalkReport {
@@ -1607,7 +1656,9 @@ mod tests {
         });
         assert_eq!(seen, Some(20));
         let updates = planner.take_updates();
+        // The top goes with it: the sampler would not look the plan up.
         let [
+            PlanUpdate::ThreadTop { tid: 1, top: None },
             PlanUpdate::Thread {
                 tid: 1,
                 plan: Some(plan),
@@ -1803,10 +1854,14 @@ mod tests {
         let mut planner = Planning::new(16384, 0, true);
         planner.learn(&walk, &copy, walk_to_the_root);
         planner.learn(&soon, &copy, walk_to_the_root);
-        let updates = planner.take_updates();
-        assert_eq!(updates.len(), 2);
+        let plans: Vec<_> = planner
+            .take_updates()
+            .into_iter()
+            .filter(|u| !matches!(u, PlanUpdate::ThreadTop { top: None, .. }))
+            .collect();
+        assert_eq!(plans.len(), 2);
         assert!(
-            updates
+            plans
                 .iter()
                 .all(|u| matches!(u, PlanUpdate::Thread { plan: Some(p), .. } if p.stack_end == 0))
         );
