@@ -832,8 +832,9 @@ unsafe fn kernel_stack<C: EbpfContext>(ctx: &C, dest: *mut u8, flags: &mut u32) 
 }
 
 /// Ring buffer flags for a record of `len` bytes written when `unread`
-/// bytes were (taken before the record is reserved or output: a
-/// reservation already counts as unread). Waking the reader on
+/// bytes were (taken before the record is output, or after its
+/// reservation less the reservation: a reservation counts as unread at
+/// once). Waking the reader on
 /// every record costs an irq_work self-interrupt per tick (about 1.5 us
 /// under virtualisation, most of the program's cost), so records go in
 /// silently until a batch is pending; the reader also drains on a timer,
@@ -853,6 +854,13 @@ fn wakeup_flag(unread: u64, len: u64) -> u64 {
     } else {
         BPF_RB_NO_WAKEUP
     })
+}
+
+/// What a reservation of `size` bytes takes of a ring buffer: the
+/// kernel's 8-byte record header, and the whole rounded up to 8 bytes.
+#[inline(always)]
+const fn ring_record_bytes(size: u64) -> u64 {
+    (size + 8).next_multiple_of(8)
 }
 
 /// Bytes written to `ring` and not yet consumed.
@@ -1025,7 +1033,6 @@ fn reserved_copy<C: EbpfContext, const BYTES: u32, const KERNEL_ROOM: bool, cons
     let Some(ring) = (if DEEP { deep_ring() } else { sample_ring() }) else {
         return false;
     };
-    let unread = unread_bytes(ring);
     // No room is not a lost record: the usual path may still fit one.
     let Some(mut entry) = ring.reserve_bytes(size, 0) else {
         return false;
@@ -1079,6 +1086,10 @@ fn reserved_copy<C: EbpfContext, const BYTES: u32, const KERNEL_ROOM: bool, cons
         count(Counter::DeepCopies);
     }
     count(Counter::Samples);
+    // Looked at after the reserve, which read the same positions: before
+    // it, at 19 Hz, the look met them cold, and the two together cost
+    // 0.2 us more here. The reservation is unread already.
+    let unread = unread_bytes(ring).saturating_sub(ring_record_bytes(size as u64));
     // A deep record's look was at the deep ring, so it decides for itself
     // alone; the tick's Python stack record, in the CPU's ring, waits for
     // that ring's next record past twice the mark, or the timed drain.
