@@ -30,8 +30,7 @@
 //!
 //! Such a thread costs one map lookup before its copy: its stack top says
 //! too that it has no plan and whether its process's CPython frames are
-//! read (see [`StackTop`]). At 19-99 Hz every map a tick looks in is cold,
-//! about a microsecond each here.
+//! read (see [`StackTop`]).
 //!
 //! A thread whose deep frames change too fast for a tail (a compiler's
 //! stack, hundreds of KB deep and reshaped every millisecond) gets a deep

@@ -611,8 +611,9 @@ impl Sampler {
     /// Has each tick of process `tgid` read its CPython frames as
     /// `python` says (a [`record::PythonStack`] before its sample), or
     /// stops that (None). Threads of the process with a stack top written
-    /// before it was described are not read until their tops go: the
-    /// caller removes them (see [`stack_top_flags::PYTHON`]).
+    /// before it was described are not read until their tops go or are
+    /// written again: the caller sees to that (see
+    /// [`stack_top_flags::PYTHON`]).
     pub fn set_python_process(
         &mut self,
         tgid: u32,
@@ -950,8 +951,8 @@ fn apply_policies(
     let mut changed = stale.len();
     for id in stale {
         match map.remove(&id) {
-            Ok(()) | Err(aya::maps::MapError::KeyNotFound) => {}
-            Err(source) => return Err(error(source)),
+            Err(source) if !key_absent(&source) => return Err(error(source)),
+            _ => {}
         }
         written.remove(&id);
     }
@@ -965,14 +966,28 @@ fn apply_policies(
     Ok(changed)
 }
 
-/// A removed entry that was not there (the LRU map evicted it) is fine.
+/// A removed entry that was not there (the LRU map evicted it, or it was
+/// never written: the planner removes a thread's top with each plan) is
+/// fine.
 fn map_result(
     name: &'static str,
     result: Result<(), aya::maps::MapError>,
 ) -> Result<(), SamplerError> {
     match result {
-        Ok(()) | Err(aya::maps::MapError::KeyNotFound) => Ok(()),
-        Err(source) => Err(SamplerError::Map { name, source }),
+        Err(source) if !key_absent(&source) => Err(SamplerError::Map { name, source }),
+        _ => Ok(()),
+    }
+}
+
+/// Whether `error` says the key was not in the map: aya reports a delete's
+/// `ENOENT` as a failed syscall, not as `KeyNotFound`.
+fn key_absent(error: &aya::maps::MapError) -> bool {
+    match error {
+        aya::maps::MapError::KeyNotFound => true,
+        aya::maps::MapError::SyscallError(aya::sys::SyscallError { io_error, .. }) => {
+            io_error.kind() == io::ErrorKind::NotFound
+        }
+        _ => false,
     }
 }
 

@@ -234,9 +234,10 @@ impl Recorded {
 /// out. Each process's main thread is learned too, as the walker learns a
 /// thread that reaches its root: its stack top at the end of its stack
 /// mapping. Its ticks then read its CPython frames only if the sampler
-/// flagged the top as its process's (`stack_top_flags::PYTHON`). One sampler for all (loading it takes seconds in the kernel
-/// matrix's emulated machines). The program's statistics are those of the
-/// ticks after the entries.
+/// flagged the top as its process's (`stack_top_flags::PYTHON`). One
+/// sampler for all (loading it takes seconds in the kernel matrix's
+/// emulated machines). The program's statistics are those of the ticks
+/// after the entries.
 pub fn sample_python(
     config: &SamplerConfig,
     duration: Duration,
