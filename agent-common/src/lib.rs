@@ -370,7 +370,7 @@ pub const MAX_COPY_SIZES: u32 = 16384;
 /// a plan), and its top says whether its process's CPython frames are read
 /// ([`stack_top_flags::PYTHON`]). A thread of a process that is not
 /// CPython's makes one lookup where it made three (the plan's and the
-/// process's were misses): 0.3-0.4 us less per tick at 19 Hz here, where a
+/// process's were misses): 0.2-0.4 us less per tick at 19 Hz here, where a
 /// tick meets cold memory (about 11 us). A planned thread makes one more
 /// (its top's, a miss).
 #[repr(C)]

@@ -289,13 +289,13 @@ fn a_learned_threads_copy_reaches_its_top_whatever_its_processs_copy_size() {
         tid: pid,
         plan: Some(Box::new(StackPlan::copy_only(pid, 512))),
     };
-    // As the planner writes a plan: the thread's top goes first, though
+    // As the planner writes a plan: the thread's top goes after it, though
     // it has none (a removal of an absent key is not an error).
     let no_top = PlanUpdate::ThreadTop {
         tid: pid,
         top: None,
     };
-    let updates = vec![process_copy, no_top, plan, learned];
+    let updates = vec![process_copy, plan, no_top, learned];
     let samples = sample_planned(&config, SAMPLING, updates).samples;
     assert!(!samples.is_empty(), "no samples of the fixture");
     for sample in &samples {

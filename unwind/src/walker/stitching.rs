@@ -756,7 +756,8 @@ impl Planner {
     /// Queues the plan learned for the walk's thread, in place of its
     /// stack top: the program does not look up the plan of a thread with a
     /// top (see [`StackTop`]). The top goes from the map even when this
-    /// side no longer knows it (`clear_tops`).
+    /// side no longer knows it (`clear_tops`), and after the plan is in:
+    /// a tick between the two writes still finds the thread learned.
     fn write_plan(&mut self, walk: &WalkReport, plan: Box<StackPlan>, kind: Planned) {
         self.stats.plans_learned += 1;
         if kind == Planned::Deep {
@@ -764,13 +765,13 @@ impl Planner {
             self.add_deep_program(walk.comm, walk.tgid);
         }
         self.threads.remove_top(walk.tid);
-        self.updates.push(PlanUpdate::ThreadTop {
-            tid: walk.tid,
-            top: None,
-        });
         self.updates.push(PlanUpdate::Thread {
             tid: walk.tid,
             plan: Some(plan),
+        });
+        self.updates.push(PlanUpdate::ThreadTop {
+            tid: walk.tid,
+            top: None,
         });
     }
 
@@ -1656,13 +1657,13 @@ mod tests {
         });
         assert_eq!(seen, Some(20));
         let updates = planner.take_updates();
-        // The top goes with it: the sampler would not look the plan up.
+        // The top goes after it: the sampler would not look the plan up.
         let [
-            PlanUpdate::ThreadTop { tid: 1, top: None },
             PlanUpdate::Thread {
                 tid: 1,
                 plan: Some(plan),
             },
+            PlanUpdate::ThreadTop { tid: 1, top: None },
         ] = updates.as_slice()
         else {
             panic!("expected a plan, got {updates:?}");
