@@ -147,11 +147,14 @@ impl Default for SamplerConfig {
 /// (judged over a window of drains, see [`DrainPace`]) is quiet. A drain
 /// costs the agent about as much as 25-30 records walked whatever it
 /// finds (its code and tables are cold again after half a second of other
-/// work): on 2 CPUs at the default 19 Hz (19 records a period) the drains
+/// work). On 2 CPUs at the default 19 Hz (19 records a period) the drains
 /// 2 s apart instead of 0.5 s made the agent's steady CPU per sample
-/// 0.73-0.84x (`cargo xtask bench overhead`, 2026-12-06), while processes
-/// met for the first time still bring the period back at once.
-const FEW_RECORDS: f64 = 64.0;
+/// 0.73-0.84x (`cargo xtask bench overhead`, 2026-12-06). At 99 Hz (99 a
+/// period) a drain's own cost was still a fifth of the agent's: below 256
+/// a period, fewer and larger drains are worth the samples' wait (2 s at
+/// most, and the ring's wake-up mark comes first when they are large).
+/// Processes met for the first time still bring the period back at once.
+const FEW_RECORDS: f64 = 256.0;
 
 /// How often the rings are drained when they stay below their wake-up
 /// mark. Each wake-up costs the same whatever it finds: on a near-idle
@@ -1074,17 +1077,17 @@ mod tests {
         assert!(pace.paced());
         assert_eq!(pace.after(15, at(1500)), ms(2000));
         assert_eq!(pace.after(3, at(3500)), ms(2000), "never past the most");
-        // 240 records in 2 s is 60 a period: still quiet.
-        assert_eq!(pace.after(240, at(5500)), ms(2000));
-        assert_eq!(pace.after(256, at(7500)), ms(500));
+        // 1,000 records in 2 s is 250 a period: still quiet.
+        assert_eq!(pace.after(1000, at(5500)), ms(2000));
+        assert_eq!(pace.after(1100, at(7500)), ms(500));
         assert!(!pace.paced());
-        // Quick drains 50 ms apart, 8 records each: no judgement until the
-        // window is a base period long, and then 80 a period, the rate of
-        // a busy host.
+        // Quick drains 50 ms apart, 30 records each: no judgement until
+        // the window is a base period long, and then 300 a period, the
+        // rate of a busy host.
         for step in 1..10 {
-            assert_eq!(pace.after(8, at(7500 + step * 50)), ms(500));
+            assert_eq!(pace.after(30, at(7500 + step * 50)), ms(500));
         }
-        assert_eq!(pace.after(8, at(8000)), ms(500));
+        assert_eq!(pace.after(30, at(8000)), ms(500));
         // A process met for the first time: the base again, and a window
         // from then.
         pace.after(0, at(8500));

@@ -52,6 +52,10 @@ pub enum Bench {
         /// repeat, in a compressor that sweeps hundreds of MB.
         #[arg(long, value_enum, default_value_t = crate::overhead::WorkloadKind::Busy)]
         workload: crate::overhead::WorkloadKind,
+        /// The sampling rates compared, in Hz (the idle figure is measured
+        /// only with all three).
+        #[arg(long, value_delimiter = ',', default_values_t = crate::overhead::RATES)]
+        rates: Vec<u32>,
     },
     /// What off-CPU profiling costs the profiled: a pipe ping-pong between
     /// two processes and a mutex-contended thread pool alone, under the
@@ -146,11 +150,12 @@ pub fn run(which: Bench) -> anyhow::Result<()> {
             repeats,
             baseline,
             workload,
+            rates,
         } => match baseline {
             Some(baseline) => {
-                crate::overhead::against_baseline(seconds, repeats, &baseline, workload)
+                crate::overhead::against_baseline(seconds, repeats, &baseline, workload, &rates)
             }
-            None => crate::overhead::run(seconds, repeats, workload),
+            None => crate::overhead::run(seconds, repeats, workload, &rates),
         },
         Bench::Mappings { seconds, repeats } => crate::mappings::run(seconds, repeats),
         Bench::OffCpu { seconds, repeats } => crate::off_cpu::run(seconds, repeats),
