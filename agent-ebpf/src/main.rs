@@ -56,13 +56,13 @@ use agent_common::{
     DIRECT_COPY_CLASSES, EARLY_WAKEUP_INTERVAL_NS, MAX_ALLOW_ENTRIES, MAX_CGROUP_DEPTH,
     MAX_COPY_SIZES, MAX_DEEP_PROGRAMS, MAX_DEEP_STACK_BYTES, MAX_KERNEL_STACK_BYTES,
     MAX_NEW_PROCESS_WAKEUPS, MAX_OFF_CPU_PENDING, MAX_PYTHON_FRAMES, MAX_PYTHON_PROCESSES,
-    MAX_SPAN_BYTES, MAX_STACK_PLANS, MAX_STACK_TOPS, MAX_TAIL_BYTES, MAX_TAIL_SPANS,
-    MAX_USER_STACK_BYTES, OFF_CPU_WINDOW_NS, OffCpuPending, OffCpuRate, PAGE_SIZE,
-    PYTHON_FRAME_READ_BYTES, PYTHON_STACK_HEADER_SIZE, PYTHON_STACK_MAX_BYTES, ProcessEvent,
-    PythonFrame, PythonProcess, PythonStackHeader, RecordKind, SAMPLE_HEADER_SIZE, SCRATCH_BYTES,
-    SWITCH_IN_SIZE, SampleHeader, StackPlan, StackTop, SwitchIn, TAIL_SPAN_HEADER_SIZE,
-    policy_flags, python_stack_flags, reserved_record_bytes, sample_flags, stack_top_flags,
-    tail_span,
+    MAX_SPAN_BYTES, MAX_STACK_PLANS, MAX_TAIL_BYTES, MAX_TAIL_SPANS, MAX_USER_STACK_BYTES,
+    OFF_CPU_WINDOW_NS, OffCpuPending, OffCpuRate, PAGE_SIZE, PYTHON_FRAME_READ_BYTES,
+    PYTHON_STACK_HEADER_SIZE, PYTHON_STACK_MAX_BYTES, ProcessEvent, PythonFrame, PythonProcess,
+    PythonStackHeader, RecordKind, SAMPLE_HEADER_SIZE, SCRATCH_BYTES, STACK_TOP_SETS,
+    STACK_TOP_WAYS, SWITCH_IN_SIZE, SampleHeader, StackPlan, StackTop, StackTopEntry, StackTopSet,
+    SwitchIn, TAIL_SPAN_HEADER_SIZE, policy_flags, python_stack_flags, reserved_record_bytes,
+    sample_flags, stack_top_flags, stack_top_set, tail_span,
 };
 use aya_ebpf::{
     EbpfContext, Global,
@@ -156,9 +156,10 @@ static STACK_PLANS: LruHashMap<u32, StackPlan> = LruHashMap::with_max_entries(MA
 #[map(name = "COPY_BYTES")]
 static COPY_BYTES: LruHashMap<u32, u32> = LruHashMap::with_max_entries(MAX_COPY_SIZES, 0);
 
-/// Per thread (by tid): how far up its stack a copy needs to go at most.
+/// Per thread: how far up its stack a copy needs to go at most, in the set
+/// `stack_top_set(tid)` (see [`StackTopSet`]; the agent maps the array).
 #[map(name = "STACK_TOPS")]
-static STACK_TOPS: LruHashMap<u32, StackTop> = LruHashMap::with_max_entries(MAX_STACK_TOPS, 0);
+static STACK_TOPS: Array<StackTopSet> = Array::with_max_entries(STACK_TOP_SETS, BPF_F_MMAPABLE);
 
 /// Thread names of programs whose threads needed deep copies (see
 /// `MAX_DEEP_PROGRAMS`): their unlearned threads' ticks that could not be
@@ -385,7 +386,7 @@ fn try_sample_cpu_clock(ctx: &PerfEventContext) -> Result<u32, u32> {
         stack_top: 0,
         copy_limit: 0,
         ktime_ns: unsafe { bpf_ktime_get_ns() },
-        process_start_ns: process_start_ns(),
+        process_start_ns: process_start_ns(tid == tgid),
         python_bytes: 0,
     };
 
@@ -447,13 +448,54 @@ fn kept(divisor: u32) -> bool {
 /// always for a thread without a top, whose process is looked up.
 #[inline(always)]
 fn look_up_top(ids: &mut SampleIds) -> bool {
-    // SAFETY: values are only read; the agent replaces entries whole.
-    match unsafe { STACK_TOPS.get(ids.tid) }.filter(|top| top.tgid == ids.tgid) {
-        Some(top) => {
-            ids.stack_top = top.top;
-            top.flags & stack_top_flags::PYTHON != 0
+    let Some(top) = stack_top(ids.tid).filter(|top| top.tgid == ids.tgid) else {
+        return true;
+    };
+    ids.stack_top = top.top;
+    top.flags & stack_top_flags::PYTHON != 0
+}
+
+/// Thread `tid`'s entry in `STACK_TOPS`, if its set holds one that did not
+/// change while it was read (see [`StackTopSet`]).
+#[inline(always)]
+fn stack_top(tid: u32) -> Option<StackTop> {
+    let set = STACK_TOPS.get_ptr(stack_top_set(tid))?;
+    for way in 0..STACK_TOP_WAYS {
+        // SAFETY: inside the set the lookup returned; volatile, so the
+        // loads stay in this order (the agent writes the entry in place).
+        unsafe {
+            let entry = core::ptr::addr_of!((*set).entries[way]);
+            let tid_field = core::ptr::addr_of!((*entry).tid);
+            if tid_field.read_volatile() != tid {
+                continue;
+            }
+            let read = StackTopEntry {
+                tid,
+                tgid: core::ptr::addr_of!((*entry).tgid).read_volatile(),
+                top_and_flags: core::ptr::addr_of!((*entry).top_and_flags).read_volatile(),
+            };
+            return (tid_field.read_volatile() == tid).then(|| read.top());
         }
-        None => true,
+    }
+    None
+}
+
+/// Empties thread `tid`'s entry in `STACK_TOPS`, if there is one.
+#[inline(always)]
+fn remove_stack_top(tid: u32) {
+    let Some(set) = STACK_TOPS.get_ptr_mut(stack_top_set(tid)) else {
+        return;
+    };
+    for way in 0..STACK_TOP_WAYS {
+        // SAFETY: inside the set the lookup returned. An entry the agent
+        // rewrites meanwhile for another thread is emptied too: that
+        // thread takes the unlearned path until the agent writes it again.
+        unsafe {
+            let tid_field = core::ptr::addr_of_mut!((*set).entries[way].tid);
+            if tid_field.read_volatile() == tid {
+                tid_field.write_volatile(0);
+            }
+        }
     }
 }
 
@@ -1644,13 +1686,26 @@ unsafe fn frame_field<T: Copy>(buffer: *const u8, offset: u32) -> T {
 }
 
 /// When the current process's thread group leader started (its
-/// `start_time`), or 0 when unknown.
+/// `start_time`), or 0 when unknown. A process's main thread is its
+/// leader (an exec by another thread makes that thread the leader, with
+/// the leader's start time): its own field, one read instead of two
+/// through `group_leader`, each about half a microsecond in a tick's cold
+/// memory.
 #[inline(always)]
-fn process_start_ns() -> u64 {
-    read_through_task(
-        TASK_GROUP_LEADER_OFFSET.load(),
-        TASK_START_TIME_OFFSET.load(),
-    )
+fn process_start_ns(main_thread: bool) -> u64 {
+    let start_time = TASK_START_TIME_OFFSET.load();
+    if main_thread {
+        if start_time == 0 || TASK_GROUP_LEADER_OFFSET.load() == 0 {
+            return 0;
+        }
+        // SAFETY: the fault-tolerant kernel probe; a wrong offset yields a
+        // wrong number, never a crash.
+        return unsafe {
+            let task = bpf_get_current_task() as *const u8;
+            bpf_probe_read_kernel(task.add(start_time as usize).cast::<u64>()).unwrap_or(0)
+        };
+    }
+    read_through_task(TASK_GROUP_LEADER_OFFSET.load(), start_time)
 }
 
 /// Where the current process's stack started at exec (`mm->start_stack`),
@@ -1736,7 +1791,7 @@ pub fn on_process_exec(_ctx: RawTracePointContext) -> i32 {
     // Absent entries are the usual case, not an error.
     let _ = COPY_BYTES.remove(tgid);
     let _ = STACK_PLANS.remove(tid);
-    let _ = STACK_TOPS.remove(tid);
+    remove_stack_top(tid);
     // Another program: its first tick may wake the reader again.
     let _ = NEW_PROCESS_WAKEUPS.remove(tgid);
     emit_process_event(RecordKind::Exec);
@@ -1881,7 +1936,7 @@ fn switched_out<C: EbpfContext>(ctx: &C) {
         stack_top: 0,
         copy_limit: 0,
         ktime_ns,
-        process_start_ns: process_start_ns(),
+        process_start_ns: process_start_ns(tid == tgid),
         python_bytes: 0,
     };
     // A CPython thread's frames, as a tick reads them: where it waits in

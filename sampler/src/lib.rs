@@ -20,6 +20,7 @@ mod losses;
 pub mod mapping_feed;
 pub mod record;
 mod rings;
+mod stack_tops;
 pub mod task_layout;
 
 use std::{
@@ -31,7 +32,7 @@ use std::{
 
 use agent_common::{
     COMM_LEN, COUNTER_SLOTS, CgroupPolicy, Counter, MAX_ALLOW_ENTRIES, MAX_DEEP_STACK_BYTES,
-    MAX_USER_STACK_BYTES, PAGE_SIZE, PythonProcess, StackPlan, StackTop, names, stack_top_flags,
+    MAX_USER_STACK_BYTES, PAGE_SIZE, PythonProcess, StackPlan, names, stack_top_flags,
 };
 use aya::{
     Btf, Ebpf, EbpfLoader,
@@ -47,6 +48,7 @@ use stackscope_unwind::walker::stitching::PlanUpdate;
 use losses::LostRecords;
 pub use rings::RingsError;
 use rings::{RingLayout, Rings};
+use stack_tops::StackTops;
 
 /// The BPF object built by `build.rs`.
 static BPF_OBJECT: &[u8] = aya::include_bytes_aligned!(concat!(env!("OUT_DIR"), "/agent-ebpf"));
@@ -251,6 +253,11 @@ pub enum SamplerError {
         #[source]
         source: io::Error,
     },
+    #[error("BPF map STACK_TOPS could not be mapped into memory")]
+    MapStackTops {
+        #[source]
+        source: io::Error,
+    },
     #[error("BPF map {name} could not be used")]
     Map {
         name: &'static str,
@@ -349,8 +356,8 @@ pub struct Sampler {
     /// Per-thread stack plans and per-process copy sizes (LRU maps).
     plan_map: HashMap<MapData, u32, StackPlan>,
     copy_map: HashMap<MapData, u32, u32>,
-    /// Per-thread stack tops (LRU).
-    top_map: HashMap<MapData, u32, StackTop>,
+    /// Per-thread stack tops, mapped.
+    stack_tops: StackTops,
     /// Thread names of programs needing deep copies (LRU).
     deep_program_map: HashMap<MapData, [u8; COMM_LEN], u8>,
     python_map: HashMap<MapData, u32, PythonProcess>,
@@ -516,7 +523,12 @@ impl Sampler {
         };
         let plan_map = take_map(&mut ebpf, names::STACK_PLANS)?;
         let copy_map = take_map(&mut ebpf, names::COPY_BYTES)?;
-        let top_map = take_map(&mut ebpf, names::STACK_TOPS)?;
+        let stack_tops = match ebpf.take_map(names::STACK_TOPS) {
+            Some(aya::maps::Map::Array(map)) => {
+                StackTops::map(map).map_err(|source| SamplerError::MapStackTops { source })?
+            }
+            _ => return Err(SamplerError::Missing(names::STACK_TOPS)),
+        };
         let deep_program_map = take_map(&mut ebpf, names::DEEP_PROGRAMS)?;
         let python_map = take_map(&mut ebpf, names::PYTHON_PROCESSES)?;
         let paced_map = take_map(&mut ebpf, names::PACED_DRAINS)?;
@@ -533,7 +545,7 @@ impl Sampler {
             policies,
             plan_map,
             copy_map,
-            top_map,
+            stack_tops,
             deep_program_map,
             python_map,
             python_tgids: StdHashSet::new(),
@@ -564,18 +576,18 @@ impl Sampler {
             PlanUpdate::ProcessCopy { tgid, bytes } => self.set_copy_bytes(tgid, bytes),
             PlanUpdate::Thread { tid, plan } => self.set_stack_plan(tid, plan.as_deref()),
             PlanUpdate::ThreadTop { tid, top } => {
-                let result = match top {
+                match top {
                     Some(mut top) => {
                         // Without the flag, the thread's ticks would not
                         // look its process up (see `StackTop`).
                         if self.python_tgids.contains(&top.tgid) {
                             top.flags |= stack_top_flags::PYTHON;
                         }
-                        self.top_map.insert(tid, top, 0)
+                        self.stack_tops.insert(tid, top);
                     }
-                    None => self.top_map.remove(&tid),
-                };
-                map_result(names::STACK_TOPS, result)
+                    None => self.stack_tops.remove(tid),
+                }
+                Ok(())
             }
             PlanUpdate::DeepProgram { comm, deep } => {
                 let result = if deep {

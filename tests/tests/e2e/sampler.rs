@@ -216,6 +216,46 @@ fn copies_a_short_stack_up_to_the_end_of_its_mapping() {
     }
 }
 
+/// Every sample of `samples` carries process `pid`'s start time as
+/// `/proc/<pid>/stat` gives it (boot time in clock ticks; the samples',
+/// monotonic, differs by the time the host was suspended, added back).
+fn assert_started_when_the_kernel_says(samples: &[OwnedSample], pid: u32) {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).expect("the process's stat");
+    let after_name = &stat[stat.rfind(')').expect("a stat line") + 2..];
+    // Field 22, the 20th after the name.
+    let ticks: u64 = after_name
+        .split(' ')
+        .nth(19)
+        .and_then(|field| field.parse().ok())
+        .expect("a start time");
+    // SAFETY: sysconf has no preconditions.
+    let tick_ns = 1_000_000_000
+        / u64::try_from(unsafe { libc::sysconf(libc::_SC_CLK_TCK) }).expect("CLK_TCK");
+    let clock = |id| {
+        let mut now = libc::timespec {
+            tv_sec: 0,
+            tv_nsec: 0,
+        };
+        // SAFETY: a valid clock id and a timespec to fill.
+        unsafe { libc::clock_gettime(id, &mut now) };
+        now.tv_sec * 1_000_000_000 + now.tv_nsec
+    };
+    let suspended_ns = clock(libc::CLOCK_BOOTTIME) - clock(libc::CLOCK_MONOTONIC);
+    assert!(
+        samples.iter().any(|s| s.header.tgid == pid),
+        "no samples of {pid}"
+    );
+    for sample in samples.iter().filter(|s| s.header.tgid == pid) {
+        let start = sample.header.process_start_ns as i64 + suspended_ns;
+        assert!(
+            (start / tick_ns as i64 - ticks as i64).abs() <= 1,
+            "thread {} of {pid}: process start {} ns, the kernel's {ticks} ticks",
+            sample.header.tid,
+            sample.header.process_start_ns
+        );
+    }
+}
+
 #[test]
 fn a_threads_stack_top_ends_its_copies_there_without_a_fault() {
     require_root();
@@ -230,6 +270,8 @@ fn a_threads_stack_top_ends_its_copies_there_without_a_fault() {
 
     let samples = sample_planned(&config, SAMPLING, vec![top_of(pid)]).samples;
     assert!(!samples.is_empty(), "no samples of the fixture");
+    // A main thread's samples: the start time read from its own task.
+    assert_started_when_the_kernel_says(&samples, pid);
     for sample in &samples {
         let h = &sample.header;
         assert_eq!(sample.user_stack.len() as u64, top - h.user_rsp, "{h:?}");
@@ -746,6 +788,15 @@ fn records_of_every_cpu_are_read_in_time_order() {
         ..SamplerConfig::default()
     };
     let recorded = sample_for(&config, Duration::from_secs(2));
+    // The worker threads' samples: the start time read through their
+    // group leader (while the process is there to compare with).
+    assert!(
+        recorded
+            .samples
+            .iter()
+            .any(|s| s.header.tid != s.header.tgid)
+    );
+    assert_started_when_the_kernel_says(&recorded.samples, busy.pid());
     busy.child.kill().expect("stopping busy");
     busy.child.wait().expect("reaping busy");
     let sampled_cpus: std::collections::HashSet<u32> =
