@@ -403,8 +403,10 @@ unsafe impl aya::Pod for StackTop {}
 
 const _: () = assert!(core::mem::size_of::<StackTop>() == 16);
 
-/// Threads whose [`StackTop`] the agent's planner keeps in mind at most
-/// (the table has room for twice as many, see [`StackTopSet`]).
+/// Threads whose [`StackTop`] the agent's planner keeps in mind at most.
+/// The table has twice as many entries, in sets of four (see
+/// [`StackTopSet`]): a set can still fill, and then gives a way up, whose
+/// thread's next walk to the root writes its top again.
 pub const MAX_STACK_TOPS: u32 = 16384;
 
 /// Sets of the `STACK_TOPS` table: `1 << STACK_TOP_SET_BITS`.
@@ -426,11 +428,13 @@ pub const STACK_TOP_WAYS: usize = 4;
 /// 99 Hz, with timing marks, the lookup took 1.7-2.3 us of an 11-12 us
 /// tick as a hash map's, 0.74-0.77 us as a set's.
 ///
-/// How a reader never takes one thread's top for another's: the agent
-/// empties an entry (`tid` 0) before it writes the rest, and writes `tid`
-/// last; the program reads `tid`, the rest, then `tid` again, and uses the
-/// entry only if it did not change (x86-64 keeps stores, and loads, in
-/// program order).
+/// How a reader does not take one thread's top for another's: the agent
+/// empties an entry (`tid` 0), writes the top, then the process, and `tid`
+/// last; the program reads `tid`, the process, the top, then `tid` again,
+/// and uses the entry only if `tid` did not change and the process is the
+/// thread's (x86-64 keeps stores, and loads, in program order). An entry
+/// rewritten in place for the same thread id, reused by another process,
+/// is read with the old process (not used) or with the new top.
 #[repr(C, align(64))]
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct StackTopSet {

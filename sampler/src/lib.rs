@@ -358,6 +358,9 @@ pub struct Sampler {
     copy_map: HashMap<MapData, u32, u32>,
     /// Per-thread stack tops, mapped.
     stack_tops: StackTops,
+    /// Threads whose tops a full set gave up since the last
+    /// [`Self::take_evicted_tops`].
+    evicted_tops: Vec<u32>,
     /// Thread names of programs needing deep copies (LRU).
     deep_program_map: HashMap<MapData, [u8; COMM_LEN], u8>,
     python_map: HashMap<MapData, u32, PythonProcess>,
@@ -546,6 +549,7 @@ impl Sampler {
             plan_map,
             copy_map,
             stack_tops,
+            evicted_tops: Vec::new(),
             deep_program_map,
             python_map,
             python_tgids: StdHashSet::new(),
@@ -583,7 +587,7 @@ impl Sampler {
                         if self.python_tgids.contains(&top.tgid) {
                             top.flags |= stack_top_flags::PYTHON;
                         }
-                        self.stack_tops.insert(tid, top);
+                        self.evicted_tops.extend(self.stack_tops.insert(tid, top));
                     }
                     None => self.stack_tops.remove(tid),
                 }
@@ -598,6 +602,13 @@ impl Sampler {
                 map_result(names::DEEP_PROGRAMS, result)
             }
         }
+    }
+
+    /// The threads whose stack tops a full set of the table gave up for
+    /// other threads' since the last call: the walker writes each again at
+    /// the thread's next walk to the root.
+    pub fn take_evicted_tops(&mut self) -> Vec<u32> {
+        std::mem::take(&mut self.evicted_tops)
     }
 
     /// Sets (or removes) how much of thread `tid`'s stack each tick reads.

@@ -5,7 +5,8 @@
 //! program and the entry.
 //!
 //! Owns the mapping and which way of a full set gives way; not what a top
-//! is (the walker's planner decides that).
+//! is (the walker's planner decides that, and writes a top a full set gave
+//! up again at the thread's next walk to the root).
 
 use std::{
     io,
@@ -23,8 +24,7 @@ use aya::maps::MapData;
 pub(crate) struct StackTops {
     sets: NonNull<StackTopSet>,
     backing: Backing,
-    /// Per set, the way the next eviction from it takes: round robin, so a
-    /// full set's oldest write goes first.
+    /// Per set, the way the next eviction from it takes, in turn.
     next_victim: Vec<u8>,
 }
 
@@ -35,9 +35,9 @@ enum Backing {
         // anyway).
         _map: MapData,
     },
-    /// Owns the sets the pointer points into.
+    /// The sets the pointer points into (`Box::into_raw`), freed on drop.
     #[cfg(test)]
-    Heap(#[allow(dead_code)] Box<[StackTopSet]>),
+    Heap(NonNull<[StackTopSet]>),
 }
 
 // SAFETY: the pointer is to memory mapped (or allocated) for this value
@@ -79,31 +79,36 @@ impl StackTops {
     }
 
     /// Writes thread `tid`'s top: over its entry, else in an empty way of
-    /// its set, else over the set's oldest write.
-    pub(crate) fn insert(&mut self, tid: u32, top: StackTop) {
+    /// its set, else over the way whose turn it is. Returns the thread
+    /// whose top that took, if any.
+    pub(crate) fn insert(&mut self, tid: u32, top: StackTop) -> Option<u32> {
         if tid == 0 {
             // Id 0 marks an empty entry; the idle task is never sampled.
-            return;
+            return None;
         }
         let set = stack_top_set(tid) as usize;
-        let way = match self.find(set, tid).or_else(|| self.find(set, 0)) {
-            Some(way) => way,
+        let (way, evicted) = match self.find(set, tid).or_else(|| self.find(set, 0)) {
+            Some(way) => (way, None),
             None => {
                 let victim = &mut self.next_victim[set];
                 let way = usize::from(*victim);
                 *victim = ((way + 1) % STACK_TOP_WAYS) as u8;
-                way
+                (way, Some(self.fields(set, way).0.load(Ordering::Acquire)))
             }
         };
         let entry = StackTopEntry::new(tid, top);
         let (tid_field, tgid_field, top_field) = self.fields(set, way);
         // Emptied first and named last: a tick that reads the entry
-        // meanwhile reads its tid changed, or 0, and uses none of it.
+        // meanwhile reads its tid changed, or 0, and uses none of it. The
+        // top before the process: a tick that reads an entry rewritten in
+        // place (the same tid, reused by another process) and finds the new
+        // process finds the new top too.
         tid_field.store(0, Ordering::Relaxed);
         fence(Ordering::Release);
-        tgid_field.store(entry.tgid, Ordering::Relaxed);
         top_field.store(entry.top_and_flags, Ordering::Relaxed);
+        tgid_field.store(entry.tgid, Ordering::Release);
         tid_field.store(tid, Ordering::Release);
+        evicted
     }
 
     /// Empties thread `tid`'s entry, if it has one.
@@ -156,9 +161,9 @@ impl StackTops {
 
     #[cfg(test)]
     fn in_memory() -> Self {
-        let mut sets = vec![StackTopSet::default(); STACK_TOP_SETS as usize].into_boxed_slice();
-        let pointer = NonNull::new(sets.as_mut_ptr()).expect("a boxed slice");
-        Self::new(pointer, Backing::Heap(sets))
+        let sets = vec![StackTopSet::default(); STACK_TOP_SETS as usize].into_boxed_slice();
+        let sets = NonNull::from(Box::leak(sets));
+        Self::new(sets.cast(), Backing::Heap(sets))
     }
 }
 
@@ -169,8 +174,9 @@ impl Drop for StackTops {
             Backing::Mapped { bytes, .. } => unsafe {
                 libc::munmap(self.sets.as_ptr().cast(), bytes);
             },
+            // SAFETY: the box `in_memory` leaked, freed once.
             #[cfg(test)]
-            Backing::Heap(_) => {}
+            Backing::Heap(sets) => drop(unsafe { Box::from_raw(sets.as_ptr()) }),
         }
     }
 }
@@ -228,26 +234,29 @@ mod tests {
     }
 
     #[test]
-    fn a_full_set_gives_up_its_oldest_write() {
+    fn a_full_set_gives_up_a_way_in_turn_and_names_the_thread_it_was() {
         let tids = same_set(STACK_TOP_WAYS + 2);
         let mut tops = StackTops::in_memory();
         for (n, &tid) in tids.iter().take(STACK_TOP_WAYS).enumerate() {
-            tops.insert(tid, top(1, 0x1000 * (n as u64 + 1)));
+            assert_eq!(tops.insert(tid, top(1, 0x1000 * (n as u64 + 1))), None);
         }
         // Rewriting a thread that has an entry takes no other's.
-        tops.insert(tids[1], top(1, 0x9000));
+        assert_eq!(tops.insert(tids[1], top(1, 0x9000)), None);
         assert!(
             tids[..STACK_TOP_WAYS]
                 .iter()
                 .all(|&tid| tops.get(tid).is_some())
         );
-        tops.insert(tids[STACK_TOP_WAYS], top(2, 0x5000));
-        assert_eq!(tops.get(tids[0]), None, "the oldest write went");
+        assert_eq!(
+            tops.insert(tids[STACK_TOP_WAYS], top(2, 0x5000)),
+            Some(tids[0])
+        );
+        assert_eq!(tops.get(tids[0]), None);
         assert_eq!(tops.get(tids[STACK_TOP_WAYS]), Some(top(2, 0x5000)));
         assert_eq!(tops.get(tids[1]), Some(top(1, 0x9000)));
         // A removal leaves a way empty, which the next thread takes.
         tops.remove(tids[2]);
-        tops.insert(tids[STACK_TOP_WAYS + 1], top(3, 0x6000));
+        assert_eq!(tops.insert(tids[STACK_TOP_WAYS + 1], top(3, 0x6000)), None);
         for &tid in [
             tids[1],
             tids[3],
@@ -258,6 +267,8 @@ mod tests {
         {
             assert!(tops.get(tid).is_some(), "thread {tid} kept its top");
         }
+        // Full again: the next way in turn.
+        assert_eq!(tops.insert(tids[0], top(1, 0x1000)), Some(tids[1]));
     }
 
     #[test]

@@ -542,6 +542,15 @@ fn update_policies(sampler: &mut Sampler, wanted: &StdHashMap<u64, CgroupPolicy>
     }
 }
 
+/// Writes the walker's plan decisions into the sampler's maps, and tells
+/// the walker of the stack tops the table gave up for them.
+fn write_plans(walker: &mut StackWalker, sampler: &mut Sampler) {
+    sampler.apply_plan_updates(walker.take_plan_updates());
+    for tid in sampler.take_evicted_tops() {
+        walker.top_evicted(tid);
+    }
+}
+
 /// The multiple of `interval` in Unix time nearest to `now`: the boundary
 /// a tick stands for, whether the timer fired a little late or the
 /// monotonic clock it runs on drifted a little ahead of the wall clock.
@@ -645,9 +654,7 @@ impl RecordTally {
                         }
                     }
                 }
-                sampling
-                    .sampler
-                    .apply_plan_updates(self.walker.take_plan_updates());
+                write_plans(&mut self.walker, sampling.sampler);
             }
             Command::Jvm(found) => {
                 let now = std::time::Instant::now();
@@ -668,9 +675,7 @@ impl RecordTally {
                 // The samples that waited for these answers.
                 self.walker
                     .poll(&mut self.processes, self.sink.add_walked());
-                sampling
-                    .sampler
-                    .apply_plan_updates(self.walker.take_plan_updates());
+                write_plans(&mut self.walker, sampling.sampler);
             }
             Command::Totals(purpose) => {
                 let elapsed = sampling.began.elapsed();
@@ -716,7 +721,7 @@ impl RecordTally {
         let walker = &mut self.walker;
         walker.apply_reads(&mut self.processes, answers);
         walker.poll(&mut self.processes, self.sink.add_walked());
-        sampler.apply_plan_updates(walker.take_plan_updates());
+        write_plans(walker, sampler);
     }
 
     /// Hands the metadata worker what the walks and labels since the last
@@ -796,7 +801,7 @@ impl RecordTally {
         self.catch_up(horizon);
         self.walker
             .poll(&mut self.processes, self.sink.add_walked());
-        sampler.apply_plan_updates(self.walker.take_plan_updates());
+        write_plans(&mut self.walker, sampler);
         self.let_go_of_exited();
         // The exits just applied may have left tables unused: trimmed now,
         // they never stay past their bound until the interval ends (the

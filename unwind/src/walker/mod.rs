@@ -979,6 +979,12 @@ impl StackWalker {
         self.planner.take_updates()
     }
 
+    /// Thread `tid`'s stack top is no longer in the sampler's table (a
+    /// full set gave it up): its next walk to the root writes it again.
+    pub fn top_evicted(&mut self, tid: u32) {
+        self.planner.top_evicted(tid);
+    }
+
     /// Process `tgid`'s CPython frames are read from now on: the stack
     /// tops written for its threads go (see [`Planner::forget_tops`]).
     pub fn forget_tops(&mut self, tgid: u32) {

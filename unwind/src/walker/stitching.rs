@@ -534,8 +534,10 @@ impl Planner {
                     return;
                 }
                 if self.threads.tops >= MAX_STACK_TOPS as usize {
-                    // The map's own LRU keeps what the sampler uses; this
-                    // side only needs to know what it wrote recently.
+                    // This side only needs to know what it wrote recently:
+                    // a top it forgets is written again at the thread's
+                    // next walk to the root, and one the table gives up
+                    // is reported (`top_evicted`).
                     self.threads.clear_tops();
                 }
                 self.threads.set_top(walk.tid, walk.tgid, reach);
@@ -773,6 +775,12 @@ impl Planner {
             tid: walk.tid,
             top: None,
         });
+    }
+
+    /// Thread `tid`'s top is no longer in the sampler's table: forgotten
+    /// here too, so the thread's next walk to the root writes it again.
+    pub fn top_evicted(&mut self, tid: u32) {
+        self.threads.remove_top(tid);
     }
 
     /// Process `tgid` is read for CPython frames from now on: the stack
@@ -1549,6 +1557,19 @@ mod tests {
         assert_eq!(top_updates(&mut planner), [(7, Some(rsp + 1000))]);
         planner.forget_tops(11);
         assert_eq!(top_updates(&mut planner), [(9, None)]);
+    }
+
+    #[test]
+    fn a_top_the_table_gave_up_is_written_again_at_the_next_rooted_walk() {
+        let mut planner = Planning::new(16384, 0, true);
+        let rooted = report(7, 0, 16384, 1000, UnwindEnd::Outermost);
+        planner.observe(&rooted);
+        assert_eq!(top_updates(&mut planner), [(7, Some(0x7000_0000 + 1000))]);
+        planner.observe(&rooted);
+        assert_eq!(top_updates(&mut planner), [], "written already");
+        planner.top_evicted(7);
+        planner.observe(&rooted);
+        assert_eq!(top_updates(&mut planner), [(7, Some(0x7000_0000 + 1000))]);
     }
 
     #[test]
