@@ -35,7 +35,8 @@ enum Backing {
         // anyway).
         _map: MapData,
     },
-    /// The sets the pointer points into (`Box::into_raw`), freed on drop.
+    /// The sets the pointer points into, leaked from a box and freed on
+    /// drop.
     #[cfg(test)]
     Heap(NonNull<[StackTopSet]>),
 }
