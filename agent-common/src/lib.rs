@@ -771,88 +771,73 @@ const _: () = assert!(core::mem::size_of::<PythonFrame>() == PYTHON_FRAME_SIZE);
 pub const PYTHON_STACK_MAX_BYTES: usize =
     PYTHON_STACK_HEADER_SIZE + MAX_PYTHON_FRAMES * PYTHON_FRAME_SIZE;
 
-/// Indices into the per-CPU `COUNTERS` array.
+/// Indices into the per-CPU `COUNTERS` array: what the program does
+/// not write to a record. What every record says (samples, their user
+/// stack bytes, tail spans, deep copies, Python stacks and frames) the agent counts as it reads them
+/// (`SampleTally` in the sampler): at fleet rates each per-CPU counter a
+/// tick adds to is a cache line or two met cold.
 #[repr(u32)]
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Counter {
-    /// Ticks that produced a record in the ring buffer.
-    Samples = 0,
     /// Records (samples or process events) lost because the ring buffer was full.
-    RingBufferFull = 1,
+    RingBufferFull = 0,
     /// Ticks whose user stack copy read no byte at all.
-    CopyFailed = 2,
+    CopyFailed = 1,
     /// Ticks skipped by a filter (the agent itself, the tgid or cgroup allow-lists).
-    Filtered = 3,
+    Filtered = 2,
     /// Ticks that found the CPU idle (tgid 0); they produce no record. The
     /// sampler's events leave the idle task out (`exclude_idle`), so the
     /// kernel skips such ticks before the program runs: none, on a kernel
     /// that honours it.
-    Idle = 4,
+    Idle = 3,
     /// Ticks of a selected task skipped by its cgroup's 1-in-N budget.
-    Budgeted = 5,
-    /// User stack bytes written to records: contiguous copies plus tails.
-    UserStackBytes = 6,
-    /// Tail spans read (words of deep frames read instead of copied).
-    TailSpans = 7,
-    /// Deep copies written (whole stacks, see [`sample_flags::DEEP_COPY`]).
-    DeepCopies = 8,
+    Budgeted = 4,
     /// Deep copies that could not be made (the read faulted: the thread is
     /// on another stack; or the ring buffer had no room for one): the tick
     /// fell back to the usual copy.
-    DeepCopyFallbacks = 9,
+    DeepCopyFallbacks = 5,
     /// Records that woke the reader early: ticks of a thread the agent has
     /// not learned yet, of a program known to need deep copies or of a
     /// process new while drains are paced (see [`MAX_NEW_PROCESS_WAKEUPS`]).
-    EarlyWakeups = 10,
+    EarlyWakeups = 6,
     /// Direct copies (see [`sample_flags::DIRECT_COPY`]) that could not be
     /// made (the ring buffer had no room, or the read faulted: a stack page
     /// never touched): the tick fell back to the usual copy.
-    DirectCopyFallbacks = 11,
-    /// Python stack records written (ticks of a thread of a CPython process
-    /// the agent described, with a thread state).
-    PythonStacks = 12,
-    /// Python frames in them.
-    PythonFrames = 13,
+    DirectCopyFallbacks = 7,
     /// Blocking switches of selected user threads (the thread left the
     /// CPU without being runnable), with the agent's off-CPU sampling on.
-    OffCpuSwitches = 14,
+    OffCpuSwitches = 8,
     /// Of those, the ones the rate (see [`OffCpuRate`]) or a cgroup budget
     /// left out.
-    OffCpuSkipped = 15,
+    OffCpuSkipped = 9,
     /// Off-CPU samples written.
-    OffCpuSamples = 16,
+    OffCpuSamples = 10,
     /// Off-CPU samples chosen but not written (no room in the ring, or
     /// no user stack read).
-    OffCpuFailed = 17,
+    OffCpuFailed = 11,
     /// Switch-in records written (an off-CPU sample's thread ran again).
-    SwitchIns = 18,
+    SwitchIns = 12,
     /// Ticks in kernel mode of a thread whose process has no address space
     /// any more (it is exiting and its memory is being freed): no user
     /// stack is left to read, so they are sampled as a kernel thread's
     /// (kernel stack alone).
-    AddressSpaceGone = 19,
+    AddressSpaceGone = 13,
     /// Deep copies whose one read faulted, read again page by page around
     /// the pages that could not be read (see [`sample_flags::COPY_HOLES`]).
-    DeepCopiesWithHoles = 20,
+    DeepCopiesWithHoles = 14,
 }
 
 impl Counter {
     /// Every counter, in index order.
-    pub const ALL: [Counter; 21] = [
-        Counter::Samples,
+    pub const ALL: [Counter; 15] = [
         Counter::RingBufferFull,
         Counter::CopyFailed,
         Counter::Filtered,
         Counter::Idle,
         Counter::Budgeted,
-        Counter::UserStackBytes,
-        Counter::TailSpans,
-        Counter::DeepCopies,
         Counter::DeepCopyFallbacks,
         Counter::EarlyWakeups,
         Counter::DirectCopyFallbacks,
-        Counter::PythonStacks,
-        Counter::PythonFrames,
         Counter::OffCpuSwitches,
         Counter::OffCpuSkipped,
         Counter::OffCpuSamples,

@@ -46,6 +46,7 @@ use stackscope_telemetry::error_chain;
 use stackscope_unwind::walker::stitching::PlanUpdate;
 
 use losses::LostRecords;
+use record::SampleTally;
 pub use rings::RingsError;
 use rings::{RingLayout, Rings};
 use stack_tops::StackTops;
@@ -372,6 +373,8 @@ pub struct Sampler {
     /// processes, and what we last wrote.
     paced_map: Array<MapData, u32>,
     paced: bool,
+    /// What the records read so far say (the program counts the rest).
+    records_read: SampleTally,
     /// Records lost to full rings, as the program counts them (mapped).
     records_lost: LostRecords,
     /// Ring buffer losses already reported by `take_new_losses`.
@@ -543,6 +546,7 @@ impl Sampler {
             drain_timer,
             pace: DrainPace::new(drain_interval, config.idle_drain_interval, Instant::now()),
             counters,
+            records_read: SampleTally::default(),
             records_lost,
             policy_map,
             policies,
@@ -732,8 +736,12 @@ impl Sampler {
 
     /// Passes the records queued right now to `on_record`, without waiting,
     /// and paces the timed drains by how many there were ([`DrainPace`]).
-    pub fn drain_records(&mut self, on_record: impl FnMut(&[u8])) -> usize {
-        let read = self.rings.drain(on_record);
+    pub fn drain_records(&mut self, mut on_record: impl FnMut(&[u8])) -> usize {
+        let tally = &mut self.records_read;
+        let read = self.rings.drain(|record| {
+            tally.count(record);
+            on_record(record);
+        });
         let period = self.pace.after(read, Instant::now());
         self.set_drain_period(period);
         self.set_paced(self.pace.paced());
@@ -754,7 +762,7 @@ impl Sampler {
         }
     }
 
-    /// Counters summed over CPUs.
+    /// Counters summed over CPUs, with what the records read so far say.
     pub fn counters(&self) -> Result<Counters, SamplerError> {
         let mut totals = [0u64; COUNTER_SLOTS as usize];
         for counter in Counter::ALL {
@@ -768,22 +776,22 @@ impl Sampler {
             totals[counter as usize] = per_cpu.iter().sum();
         }
         Ok(Counters {
-            samples: totals[Counter::Samples as usize],
+            samples: self.records_read.samples,
             ring_buffer_full: totals[Counter::RingBufferFull as usize],
             copy_failed: totals[Counter::CopyFailed as usize],
             address_space_gone: totals[Counter::AddressSpaceGone as usize],
             filtered: totals[Counter::Filtered as usize],
             idle: totals[Counter::Idle as usize],
             budgeted: totals[Counter::Budgeted as usize],
-            user_stack_bytes: totals[Counter::UserStackBytes as usize],
-            tail_spans: totals[Counter::TailSpans as usize],
-            deep_copies: totals[Counter::DeepCopies as usize],
+            user_stack_bytes: self.records_read.user_stack_bytes,
+            tail_spans: self.records_read.tail_spans,
+            deep_copies: self.records_read.deep_copies,
             deep_copies_with_holes: totals[Counter::DeepCopiesWithHoles as usize],
             deep_copy_fallbacks: totals[Counter::DeepCopyFallbacks as usize],
             early_wakeups: totals[Counter::EarlyWakeups as usize],
             direct_copy_fallbacks: totals[Counter::DirectCopyFallbacks as usize],
-            python_stacks: totals[Counter::PythonStacks as usize],
-            python_frames: totals[Counter::PythonFrames as usize],
+            python_stacks: self.records_read.python_stacks,
+            python_frames: self.records_read.python_frames,
             off_cpu_switches: totals[Counter::OffCpuSwitches as usize],
             off_cpu_skipped: totals[Counter::OffCpuSkipped as usize],
             off_cpu_samples: totals[Counter::OffCpuSamples as usize],

@@ -176,6 +176,52 @@ pub fn record_time(record: &[u8]) -> u64 {
         .map_or(0, |time| u64::from_ne_bytes(*time))
 }
 
+/// What the records read so far say of the program's work, counted as
+/// they are read: the program leaves these counts to the reader (see
+/// [`agent_common::Counter`]), so a tick adds to no counter of its own.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct SampleTally {
+    /// Sample records (ticks and off-CPU samples).
+    pub samples: u64,
+    /// Their user stack bytes: contiguous copies plus tails.
+    pub user_stack_bytes: u64,
+    /// Their tail spans.
+    pub tail_spans: u64,
+    /// Their deep copies ([`sample_flags::DEEP_COPY`]).
+    pub deep_copies: u64,
+    /// Python stack records, and the frames in them.
+    pub python_stacks: u64,
+    pub python_frames: u64,
+}
+
+impl SampleTally {
+    /// Counts `record` by its header alone. A record too short for its
+    /// kind's header, or of no kind counted here, is left out (its
+    /// decoding reports what is wrong with it).
+    pub fn count(&mut self, record: &[u8]) {
+        use core::mem::offset_of;
+        let word = |offset: usize| {
+            record
+                .get(offset..)
+                .and_then(|rest| rest.first_chunk::<4>())
+                .map_or(0, |word| u64::from(u32::from_ne_bytes(*word)))
+        };
+        let kind = word(0);
+        if kind == RecordKind::Sample as u64 && record.len() >= SAMPLE_HEADER_SIZE {
+            self.samples += 1;
+            self.user_stack_bytes += word(offset_of!(SampleHeader, user_stack_len))
+                + word(offset_of!(SampleHeader, tail_len));
+            self.tail_spans += word(offset_of!(SampleHeader, tail_spans));
+            let flags = word(offset_of!(SampleHeader, flags));
+            self.deep_copies += u64::from(flags & u64::from(sample_flags::DEEP_COPY) != 0);
+        } else if kind == RecordKind::PythonStack as u64 && record.len() >= PYTHON_STACK_HEADER_SIZE
+        {
+            self.python_stacks += 1;
+            self.python_frames += word(offset_of!(PythonStackHeader, frames));
+        }
+    }
+}
+
 fn decode_process_event(record: &[u8]) -> Result<ProcessEvent, DecodeError> {
     if record.len() != PROCESS_EVENT_SIZE {
         return Err(DecodeError::LengthMismatch {
@@ -839,6 +885,52 @@ mod tests {
         assert_eq!(record_time(&[1, 0, 0]), 0);
         assert_eq!(record_time(&[1, 0, 0, 0, 9]), 0);
         assert_eq!(record_time(&[77, 0, 0, 0, 1, 2, 3, 4, 5, 6, 7, 8]), 0);
+    }
+
+    #[test]
+    fn the_tally_counts_what_sample_and_python_headers_say() {
+        let tail_bytes = tail(&[(0x7ffd_0000_8000, &[1, 2], 0), (0x7ffd_0000_9000, &[3], 0)]);
+        let mut deep = with_tail(header(0, 2), &tail_bytes, 2);
+        deep.flags |= sample_flags::DEEP_COPY;
+        let python = PythonStackHeader {
+            kind: RecordKind::PythonStack as u32,
+            cpu: 1,
+            tgid: 42,
+            tid: 43,
+            frames: 5,
+            flags: 0,
+            ktime_ns: 1,
+        };
+        // SAFETY: PythonStackHeader is repr(C) without padding.
+        let python = unsafe {
+            core::slice::from_raw_parts(
+                core::ptr::from_ref(&python).cast::<u8>(),
+                PYTHON_STACK_HEADER_SIZE,
+            )
+        };
+        let mut tally = SampleTally::default();
+        for record in [
+            encode(&header(0, 16), &[], &[0; 16]),
+            encode(&deep, &[], &[7, 8]),
+            encode_event(RecordKind::Exit, 41),
+            python.to_vec(),
+            // Too short for a sample's header: left to its decoding.
+            encode(&header(0, 0), &[], &[])[..SAMPLE_HEADER_SIZE - 1].to_vec(),
+        ] {
+            tally.count(&record);
+        }
+        let tail_len = tail_bytes.len() as u64;
+        assert_eq!(
+            tally,
+            SampleTally {
+                samples: 2,
+                user_stack_bytes: 16 + 2 + tail_len,
+                tail_spans: 2,
+                deep_copies: 1,
+                python_stacks: 1,
+                python_frames: 5,
+            }
+        );
     }
 
     #[test]
