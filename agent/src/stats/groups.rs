@@ -681,8 +681,10 @@ const STACK_PLANS: &[Stat] = &[
     Stat::counter(
         "stack_tops",
         "Stack tops of threads written for the BPF program (their copies stop \
-         where their walks reach the root), and dropped because a copy that \
-         stopped there ran out.",
+         where their walks reach the root), dropped because a copy that \
+         stopped there ran out, and evicted: given up by a full set of the \
+         program's table for another thread's (written again at the thread's \
+         next walk to the root; many mean more live threads than it holds).",
         &[
             Series::labelled(
                 "written",
@@ -693,6 +695,11 @@ const STACK_PLANS: &[Stat] = &[
                 "dropped",
                 "/unwinding/plans/tops_dropped",
                 field!(walks.plans.tops_dropped),
+            ),
+            Series::labelled(
+                "evicted",
+                "/unwinding/plans/tops_evicted",
+                field!(walks.plans.tops_evicted),
             ),
         ],
     )

@@ -187,6 +187,7 @@ mod tests {
         "/unwinding/plans/copy_updates",
         "/unwinding/plans/tops_written",
         "/unwinding/plans/tops_dropped",
+        "/unwinding/plans/tops_evicted",
         "/unwinding/plans/truncated_by/short_copy",
         "/unwinding/plans/truncated_by/ceiling",
         "/unwinding/plans/truncated_by/stack_top",

@@ -103,6 +103,7 @@ pub(crate) fn every_figure_distinct() -> RunTotals {
                 copy_updates: n(),
                 tops_written: n(),
                 tops_dropped: n(),
+                tops_evicted: n(),
                 thread_plans: n() as usize,
                 thread_deep_plans: n() as usize,
                 truncated_by: TruncatedBy {

@@ -162,6 +162,10 @@ pub struct PlanStats {
     pub tops_written: u64,
     /// Stack tops dropped because a copy that stopped there ran out.
     pub tops_dropped: u64,
+    /// Stack tops a full set of the sampler's table gave up for another
+    /// thread's: each is written again at its thread's next walk to the
+    /// root. Many mean more live threads than the table holds.
+    pub tops_evicted: u64,
     /// Plans in use now.
     pub thread_plans: usize,
     /// Of those, deep copies.
@@ -780,6 +784,7 @@ impl Planner {
     /// Thread `tid`'s top is no longer in the sampler's table: forgotten
     /// here too, so the thread's next walk to the root writes it again.
     pub fn top_evicted(&mut self, tid: u32) {
+        self.stats.tops_evicted += 1;
         self.threads.remove_top(tid);
     }
 
@@ -1568,6 +1573,7 @@ mod tests {
         planner.observe(&rooted);
         assert_eq!(top_updates(&mut planner), [], "written already");
         planner.top_evicted(7);
+        assert_eq!(planner.stats().tops_evicted, 1);
         planner.observe(&rooted);
         assert_eq!(top_updates(&mut planner), [(7, Some(0x7000_0000 + 1000))]);
     }
