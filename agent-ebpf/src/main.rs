@@ -714,8 +714,11 @@ fn try_usual_sample<C: EbpfContext>(
     }
     // SAFETY: the header was written above; the slot is ours for the tick.
     let written = unsafe { WrittenLengths::read(scratch) };
+    // A tail may take MAX_TAIL_BYTES exactly (`read_tail_step` fills it
+    // up to there): bounded by a minimum, not a mask of MAX_TAIL_BYTES - 1,
+    // which cut such a tail to nothing while its header still announced it.
     let user_bytes = (u64::from(written.user_stack_len) & USER_STACK_MASK)
-        + (u64::from(written.tail_len) & u64::from(MAX_TAIL_BYTES - 1));
+        + u64::from(written.tail_len).min(u64::from(MAX_TAIL_BYTES));
     let len = SAMPLE_HEADER_SIZE as u64
         + (u64::from(written.kernel_stack_len) & KERNEL_STACK_MASK)
         + user_bytes;

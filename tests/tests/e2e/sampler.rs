@@ -10,8 +10,9 @@ use std::{
 };
 
 use agent_common::{
-    CgroupPolicy, DEEP_COPY_CLASSES, DIRECT_COPY_CLASSES, MAX_DEEP_STACK_BYTES, StackPlan,
-    StackTop, policy_flags, reserved_record_bytes, sample_flags,
+    CgroupPolicy, DEEP_COPY_CLASSES, DIRECT_COPY_CLASSES, MAX_DEEP_STACK_BYTES, MAX_SPAN_BYTES,
+    MAX_TAIL_BYTES, StackPlan, StackTop, TAIL_SPAN_HEADER_SIZE, policy_flags,
+    reserved_record_bytes, sample_flags, tail_span,
 };
 use stackscope_metadata::cgroups;
 use stackscope_sampler::{OffCpuConfig, SamplerConfig, record::OwnedSample};
@@ -346,6 +347,45 @@ fn a_learned_threads_copy_reaches_its_top_whatever_its_processs_copy_size() {
         assert_ne!(h.flags & sample_flags::COPY_AT_TOP, 0, "{h:?}");
         let depths = find_word(&sample.user_stack, CANARY).count() as u64;
         assert_eq!(depths, DEPTH + 1, "every frame's canary: {h:?}");
+    }
+}
+
+#[test]
+fn a_tail_of_the_most_bytes_a_record_holds_arrives_whole() {
+    require_root();
+    let _serial = exclusive();
+    let fixture = Fixture::compile("deep_stack", &[]);
+    let (process, stack_end) = start_deep_stack(&fixture, 150);
+    let pid = process.pid();
+    // Spans of the longest kind and one short one, headers included,
+    // add up to MAX_TAIL_BYTES exactly. Where they point does not matter
+    // to their lengths (a span that faults is written zeroed, flagged).
+    let long = TAIL_SPAN_HEADER_SIZE as u32 + MAX_SPAN_BYTES;
+    let longs = MAX_TAIL_BYTES / long;
+    let short = MAX_TAIL_BYTES - longs * long - TAIL_SPAN_HEADER_SIZE as u32;
+    let mut plan = StackPlan::copy_only(pid, 512);
+    let mut addr = stack_end - u64::from(MAX_TAIL_BYTES);
+    for (i, len) in (0..longs)
+        .map(|_| MAX_SPAN_BYTES)
+        .chain([short])
+        .enumerate()
+    {
+        plan.spans[i] = tail_span::pack(addr, len).expect("a span");
+        plan.span_count += 1;
+        addr += u64::from(len);
+    }
+    let spans = plan.span_count;
+    let update = PlanUpdate::Thread {
+        tid: pid,
+        plan: Some(Box::new(plan)),
+    };
+    // Records that do not decode fail the recording itself.
+    let samples = sample_planned(&sampling_only(pid), SAMPLING, vec![update]).samples;
+    assert!(!samples.is_empty(), "no samples of the fixture");
+    for sample in &samples {
+        let h = &sample.header;
+        assert_eq!(h.tail_len, MAX_TAIL_BYTES, "{h:?}");
+        assert_eq!(h.tail_spans, spans, "{h:?}");
     }
 }
 
