@@ -771,11 +771,12 @@ const _: () = assert!(core::mem::size_of::<PythonFrame>() == PYTHON_FRAME_SIZE);
 pub const PYTHON_STACK_MAX_BYTES: usize =
     PYTHON_STACK_HEADER_SIZE + MAX_PYTHON_FRAMES * PYTHON_FRAME_SIZE;
 
-/// Indices into the per-CPU `COUNTERS` array: what the program does
-/// not write to a record. What every record says (samples, their user
-/// stack bytes, tail spans, deep copies, Python stacks and frames) the agent counts as it reads them
-/// (`SampleTally` in the sampler): at fleet rates each per-CPU counter a
-/// tick adds to is a cache line or two met cold.
+/// Indices into the per-CPU `COUNTERS` array: what the program's records
+/// do not say (ticks left out, copies that fell back, wake-ups, off-CPU
+/// choices). What they do say (samples, their user stack bytes, tail
+/// spans, deep copies and those with holes, Python stacks and frames) the
+/// sampler counts as it reads them (`record::SampleTally`): at fleet rates
+/// each per-CPU counter a tick adds to is a cache line or two met cold.
 #[repr(u32)]
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Counter {
@@ -822,14 +823,11 @@ pub enum Counter {
     /// stack is left to read, so they are sampled as a kernel thread's
     /// (kernel stack alone).
     AddressSpaceGone = 13,
-    /// Deep copies whose one read faulted, read again page by page around
-    /// the pages that could not be read (see [`sample_flags::COPY_HOLES`]).
-    DeepCopiesWithHoles = 14,
 }
 
 impl Counter {
     /// Every counter, in index order.
-    pub const ALL: [Counter; 15] = [
+    pub const ALL: [Counter; 14] = [
         Counter::RingBufferFull,
         Counter::CopyFailed,
         Counter::Filtered,
@@ -844,7 +842,6 @@ impl Counter {
         Counter::OffCpuFailed,
         Counter::SwitchIns,
         Counter::AddressSpaceGone,
-        Counter::DeepCopiesWithHoles,
     ];
 }
 

@@ -126,8 +126,9 @@ fn deep_ring() -> Option<&'static SampleRing> {
 #[map(name = "SCRATCH")]
 static SCRATCH: Array<[u8; SCRATCH_BYTES]> = Array::with_max_entries(1, 0);
 
-/// What the program did that no record says (see [`Counter`]): a tick
-/// that writes its sample adds to none of them.
+/// What the program did that its records do not say (see [`Counter`]):
+/// ticks it left out or could not copy as planned. A tick that writes its
+/// sample as planned adds to none of them.
 #[map(name = "COUNTERS")]
 static COUNTERS: PerCpuArray<u64> = PerCpuArray::with_max_entries(COUNTER_SLOTS, 0);
 
@@ -1111,7 +1112,6 @@ fn reserved_copy<C: EbpfContext, const BYTES: u32, const KERNEL_ROOM: bool, cons
         };
         if read.holes > 0 {
             flags |= sample_flags::COPY_HOLES;
-            count(Counter::DeepCopiesWithHoles);
         }
         len = read.len;
     }

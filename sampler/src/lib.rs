@@ -279,7 +279,10 @@ pub enum SamplerError {
     OffCpuUnsupported(String),
 }
 
-/// Counter totals summed over all CPUs since the sampler started.
+/// What the sampling program did since the sampler started: its counters
+/// summed over CPUs, and what the records read so far say
+/// (`record::SampleTally`: samples, stack bytes, tails, deep copies,
+/// Python stacks).
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, serde::Serialize)]
 pub struct Counters {
     pub samples: u64,
@@ -291,7 +294,7 @@ pub struct Counters {
     pub filtered: u64,
     pub idle: u64,
     pub budgeted: u64,
-    /// User stack bytes written to records (copies and tails).
+    /// User stack bytes in the records read (copies and tails).
     pub user_stack_bytes: u64,
     /// Tail spans read.
     pub tail_spans: u64,
@@ -309,7 +312,7 @@ pub struct Counters {
     /// Ticks of learned threads whose direct copy could not be made (no
     /// room in the ring, or a faulting read): they took the usual copy.
     pub direct_copy_fallbacks: u64,
-    /// Python stack records written, and the frames in them.
+    /// Python stack records read, and the frames in them.
     pub python_stacks: u64,
     pub python_frames: u64,
     /// Blocking switches of selected user threads seen (off-CPU sampling
@@ -786,7 +789,7 @@ impl Sampler {
             user_stack_bytes: self.records_read.user_stack_bytes,
             tail_spans: self.records_read.tail_spans,
             deep_copies: self.records_read.deep_copies,
-            deep_copies_with_holes: totals[Counter::DeepCopiesWithHoles as usize],
+            deep_copies_with_holes: self.records_read.deep_copies_with_holes,
             deep_copy_fallbacks: totals[Counter::DeepCopyFallbacks as usize],
             early_wakeups: totals[Counter::EarlyWakeups as usize],
             direct_copy_fallbacks: totals[Counter::DirectCopyFallbacks as usize],

@@ -187,8 +187,10 @@ pub struct SampleTally {
     pub user_stack_bytes: u64,
     /// Their tail spans.
     pub tail_spans: u64,
-    /// Their deep copies ([`sample_flags::DEEP_COPY`]).
+    /// Their deep copies ([`sample_flags::DEEP_COPY`]), and those read
+    /// around pages that could not be read ([`sample_flags::COPY_HOLES`]).
     pub deep_copies: u64,
+    pub deep_copies_with_holes: u64,
     /// Python stack records, and the frames in them.
     pub python_stacks: u64,
     pub python_frames: u64,
@@ -214,6 +216,8 @@ impl SampleTally {
             self.tail_spans += word(offset_of!(SampleHeader, tail_spans));
             let flags = word(offset_of!(SampleHeader, flags));
             self.deep_copies += u64::from(flags & u64::from(sample_flags::DEEP_COPY) != 0);
+            self.deep_copies_with_holes +=
+                u64::from(flags & u64::from(sample_flags::COPY_HOLES) != 0);
         } else if kind == RecordKind::PythonStack as u64 && record.len() >= PYTHON_STACK_HEADER_SIZE
         {
             self.python_stacks += 1;
@@ -889,9 +893,16 @@ mod tests {
 
     #[test]
     fn the_tally_counts_what_sample_and_python_headers_say() {
+        // A usual record with a kernel stack and a tail of two spans (each
+        // record decodes: the tally reads only what a decodable one says).
         let tail_bytes = tail(&[(0x7ffd_0000_8000, &[1, 2], 0), (0x7ffd_0000_9000, &[3], 0)]);
-        let mut deep = with_tail(header(0, 2), &tail_bytes, 2);
-        deep.flags |= sample_flags::DEEP_COPY;
+        let usual = with_tail(header(16, 32), &tail_bytes, 2);
+        let mut user = vec![0; 32];
+        user.extend_from_slice(&tail_bytes);
+        let mut deep = header(0, 24);
+        deep.flags |= sample_flags::DEEP_COPY | sample_flags::COPY_HOLES;
+        let mut direct = header(0, 8);
+        direct.flags |= sample_flags::DIRECT_COPY;
         let python = PythonStackHeader {
             kind: RecordKind::PythonStack as u32,
             cpu: 1,
@@ -908,25 +919,31 @@ mod tests {
                 PYTHON_STACK_HEADER_SIZE,
             )
         };
-        let mut tally = SampleTally::default();
-        for record in [
-            encode(&header(0, 16), &[], &[0; 16]),
-            encode(&deep, &[], &[7, 8]),
+        let records = [
+            encode(&usual, &[1, 2], &user),
+            encode(&deep, &[], &[0; 24]),
+            encode(&direct, &[], &[0; 8]),
             encode_event(RecordKind::Exit, 41),
             python.to_vec(),
-            // Too short for a sample's header: left to its decoding.
+            // Too short for their kinds' headers: left to their decoding.
+            python[..PYTHON_STACK_HEADER_SIZE - 1].to_vec(),
             encode(&header(0, 0), &[], &[])[..SAMPLE_HEADER_SIZE - 1].to_vec(),
-        ] {
-            tally.count(&record);
+        ];
+        let mut tally = SampleTally::default();
+        for record in &records {
+            tally.count(record);
         }
-        let tail_len = tail_bytes.len() as u64;
+        for record in &records[..3] {
+            assert!(Record::decode(record).is_ok());
+        }
         assert_eq!(
             tally,
             SampleTally {
-                samples: 2,
-                user_stack_bytes: 16 + 2 + tail_len,
+                samples: 3,
+                user_stack_bytes: 32 + tail_bytes.len() as u64 + 24 + 8,
                 tail_spans: 2,
                 deep_copies: 1,
+                deep_copies_with_holes: 1,
                 python_stacks: 1,
                 python_frames: 5,
             }
