@@ -178,7 +178,8 @@ pub fn record_time(record: &[u8]) -> u64 {
 
 /// What the records read so far say of the program's work, counted as
 /// they are read: the program leaves these counts to the reader (see
-/// [`agent_common::Counter`]), so a tick adds to no counter of its own.
+/// [`agent_common::Counter`]), so a tick whose copy goes as planned adds to
+/// no counter of its own.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct SampleTally {
     /// Sample records (ticks and off-CPU samples).
