@@ -26,6 +26,9 @@ pub use jvm::{DEFAULT_CODE_BYTES as DEFAULT_JVM_CODE_BYTES, JvmStats};
 pub use off_cpu::{DEFAULT_MAX_HELD_BYTES as DEFAULT_OFF_CPU_HELD_BYTES, OffCpuStats};
 pub use python::{DEFAULT_CODE_BYTES as DEFAULT_PYTHON_CODE_BYTES, PythonStats};
 mod sampling;
+mod wakeups;
+
+pub use wakeups::{Wake, WakeupTotals};
 
 use std::{
     io,
@@ -176,7 +179,7 @@ impl AgentConfig {
 /// The sampler's drain period when the mapping feed is open (see
 /// [`SamplerConfig::drain_interval`]): a fifth of the wake-ups of the
 /// default, which dominate the agent's CPU at low sampling rates. It is the
-/// base: while few records come the period grows up to 2 s (see
+/// base: while few records come the period grows up to 5 s (see
 /// `SamplerConfig::idle_drain_interval`).
 pub const FEED_DRAIN_INTERVAL: Duration = Duration::from_millis(500);
 
@@ -211,6 +214,8 @@ pub struct RunSummary {
     pub probes: ProbeTotals,
     /// Messages between the threads dropped on a full queue.
     pub handoffs: HandoffTotals,
+    /// Why the sampling thread woke, and what each cause cost it.
+    pub wakeups: WakeupTotals,
     pub elapsed: Duration,
 }
 
@@ -357,6 +362,7 @@ pub async fn run(
             metadata: metadata.clone(),
             reports: reports_tx,
             handoffs: Arc::clone(&handoffs),
+            publish_every: config.telemetry.is_some().then_some(PUBLISH_EVERY),
         },
         commands_rx,
     )
@@ -401,8 +407,6 @@ pub async fn run(
         ..RunTotals::default()
     };
     let mut last_at = started;
-    let mut publish = tokio::time::interval(PUBLISH_EVERY);
-    publish.set_missed_tick_behavior(MissedTickBehavior::Delay);
 
     let ask = |purpose| handoffs.command(&commands, Command::Totals(purpose));
     let mut stopping = false;
@@ -419,7 +423,6 @@ pub async fn run(
         tokio::select! {
             result = &mut sampling.finished => break result,
             _ = status.tick() => ask(Purpose::Status),
-            _ = publish.tick(), if telemetry.is_some() => ask(Purpose::Publish),
             Some(report) = reports.recv() => match report {
                 Report::Totals(Purpose::Status, totals) => {
                     let now = Instant::now();
@@ -432,7 +435,11 @@ pub async fn run(
                         // The beat comes from the sampling thread's answer:
                         // a stuck thread fails the liveness probe.
                         telemetry.health.beat();
-                        telemetry.metrics.publish(RunTotals { process: ProcessUsage::now(), ..*totals });
+                        // Without the agent's CPU and memory: `/metrics`
+                        // has them from `ProcessMetrics`, read at the
+                        // scrape (reading `/proc/self/status` at each
+                        // publish was a fifth of an idle runtime's CPU).
+                        telemetry.metrics.publish(*totals);
                     }
                 }
                 Report::UnknownPod => {

@@ -30,7 +30,7 @@ pub use groups::GROUPS;
 use crate::{
     aggregate::{AggregateStats, WorkerStats},
     export::{ExportStats, debuginfo::UploadStats},
-    run::{HandoffTotals, RunSummary},
+    run::{HandoffTotals, RunSummary, WakeupTotals},
     run::{JvmStats, OffCpuStats, PythonStats},
     status::ReaderTotals,
 };
@@ -69,6 +69,8 @@ pub struct RunTotals {
     pub batches: WorkerStats,
     /// Messages between the agent's threads dropped on a full queue.
     pub handoffs: HandoffTotals,
+    /// Why the sampling thread woke, and what each cause cost it.
+    pub wakeups: WakeupTotals,
     /// `None`: no exporter (its statistics are left out, not zero).
     pub export: Option<ExportStats>,
     /// `None`: no debuginfo uploads.
@@ -105,6 +107,7 @@ impl RunTotals {
             off_cpu: summary.off_cpu,
             batches: summary.batches,
             handoffs: summary.handoffs,
+            wakeups: summary.wakeups,
             export: export.cloned(),
             uploads: uploads.copied(),
             process: ProcessUsage::now(),

@@ -154,8 +154,8 @@ impl Default for SamplerConfig {
 /// 2 s apart instead of 0.5 s made the agent's steady CPU per sample
 /// 0.73-0.84x (`cargo xtask bench overhead`, 2026-12-06). At 99 Hz (99 a
 /// period) a drain's own cost was still a fifth of the agent's: below 256
-/// a period, fewer and larger drains are worth the samples' wait (2 s at
-/// most, and the ring's wake-up mark comes first when they are large).
+/// a period, fewer and larger drains are worth the samples' wait (the idle
+/// period at most, 5 s in the agent, and the ring's wake-up mark comes first when they are large).
 /// Processes met for the first time still bring the period back at once.
 const FEW_RECORDS: f64 = 256.0;
 
@@ -220,6 +220,15 @@ impl DrainPace {
         self.window_start = at;
         self.window_records = 0;
     }
+}
+
+/// What ended a [`Sampler::wait`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Woken {
+    /// The program signalled records.
+    Signalled,
+    /// The drain period was over.
+    DrainPeriod,
 }
 
 /// Why the sampler could not start or answer.
@@ -713,14 +722,14 @@ impl Sampler {
         Ok(self.drain_records(on_record))
     }
 
-    /// Waits until the program signals a batch or the drain period is over;
-    /// [`Self::drain_records`] then takes what is queued. Cancel safe.
-    pub async fn wait(&mut self) -> io::Result<()> {
+    /// Waits until the program signals a batch or the drain period is over,
+    /// and says which; [`Self::drain_records`] then takes what is queued.
+    /// Cancel safe.
+    pub async fn wait(&mut self) -> io::Result<Woken> {
         tokio::select! {
-            ready = self.rings.readable() => ready?,
-            _ = self.drain_timer.tick() => {}
+            ready = self.rings.readable() => ready.map(|()| Woken::Signalled),
+            _ = self.drain_timer.tick() => Ok(Woken::DrainPeriod),
         }
-        Ok(())
     }
 
     /// Records lost because the ring buffer was full since the last call
@@ -738,7 +747,11 @@ impl Sampler {
     }
 
     /// Passes the records queued right now to `on_record`, without waiting,
-    /// and paces the timed drains by how many there were ([`DrainPace`]).
+    /// and paces the timed drains by how many there were ([`DrainPace`]):
+    /// the next timed drain comes one period after this one, whatever
+    /// called it (the interval's end, a signal from the program, a
+    /// message), so that a timed drain never follows another drain by
+    /// less than a period.
     pub fn drain_records(&mut self, mut on_record: impl FnMut(&[u8])) -> usize {
         let tally = &mut self.records_read;
         let read = self.rings.drain(|record| {
@@ -747,6 +760,7 @@ impl Sampler {
         });
         let period = self.pace.after(read, Instant::now());
         self.set_drain_period(period);
+        self.drain_timer.reset();
         self.set_paced(self.pace.paced());
         read
     }

@@ -41,7 +41,7 @@ use stackscope_unwind::walker::{StackWalker, Walked, WalkerRecord};
 
 /// Events held for samples not yet read, at most (a few MB; a fork+exec
 /// brings about seven, and the sampling thread drains whenever a CPU's ring is a
-/// quarter full and every 500 ms (up to 2 s while few samples come), so this is thousands of execs a second
+/// quarter full and every 500 ms (up to 5 s while few samples come), so this is thousands of execs a second
 /// at the least); beyond, the oldest are applied at once (a little early
 /// rather than never).
 pub const MAX_PENDING: usize = 1 << 16;

@@ -33,6 +33,7 @@ use super::{
     off_cpu::{OffCpuJoin, OffCpuStats, OffCpuWeights},
     process::{ProcessRecord, WalkSink},
     python::{self, PythonProcesses},
+    wakeups::{Wake, WakeupTally},
 };
 use crate::{
     aggregate::{Aggregator, BatchWorker, WorkerStats},
@@ -43,7 +44,7 @@ use stackscope_metadata::{describe::Description, kubelet::PodList};
 use stackscope_process_table::{ProcessTable, ReadAnswer, ReadRequest};
 use stackscope_python::{FoundInterpreter, named_like_interpreter};
 use stackscope_sampler::{
-    Counters, ProgramStats, Sampler, SamplerConfig, SamplerError,
+    Counters, ProgramStats, Sampler, SamplerConfig, SamplerError, Woken,
     mapping_feed::{MappingFeed, monotonic_ns},
     record::{Record, Sample},
 };
@@ -81,8 +82,12 @@ const QUICK_DRAIN: Duration = Duration::from_millis(50);
 const QUICK_START: Duration = Duration::from_secs(1);
 
 /// The longest drain period on a host with little to sample, with the
-/// mapping feed (the interval's end drains anyway).
-const IDLE_DRAIN_INTERVAL: Duration = Duration::from_secs(2);
+/// mapping feed: half the default interval, whose end drains anyway. On
+/// a near-idle host each wake-up costs the same whatever it finds (at
+/// 2 s, timed drains were over half the sampling thread's wake-ups and
+/// CPU); new processes still wake the thread with their first ticks, and
+/// a ring past its wake-up mark with its records.
+const IDLE_DRAIN_INTERVAL: Duration = Duration::from_secs(5);
 
 /// What the runtime and the metadata worker ask of the sampling thread.
 #[derive(Debug)]
@@ -108,21 +113,40 @@ pub(super) enum Command {
     /// The JVMs read in the processes asked about (`Ok(None)`: not
     /// HotSpot; an error: not readable yet, or at all).
     Jvm(Vec<(u32, FoundJvm)>),
-    /// The totals now, for the status line or the metrics.
+    /// The totals now, for the status line.
     Totals(Purpose),
 }
 
-/// What totals are asked for.
+impl Command {
+    /// The cause it is counted under when it wakes the thread.
+    fn wake(&self) -> Wake {
+        match self {
+            Command::Pods(_) => Wake::Pods,
+            Command::Policies(_) => Wake::Policies,
+            Command::Gone { .. } => Wake::Gone,
+            Command::Described(_) => Wake::Described,
+            Command::Read(_) => Wake::Read,
+            Command::JitNames(_) => Wake::JitNames,
+            Command::Python(_) => Wake::Python,
+            Command::Jvm(_) => Wake::Jvm,
+            Command::Totals(_) => Wake::Totals,
+        }
+    }
+}
+
+/// What totals are for.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(super) enum Purpose {
+    /// The status line, which asks for them.
     Status,
+    /// `/metrics` and the liveness beat: sent unasked (see `publish_every`).
     Publish,
 }
 
 /// What the sampling thread tells the runtime.
 #[derive(Debug)]
 pub(super) enum Report {
-    /// The totals asked for. The agent's CPU and memory are left for the
+    /// The totals asked for, or sent for `/metrics`. The agent's CPU and memory are left for the
     /// runtime to read: they are read from `/proc/self`.
     Totals(Purpose, Box<RunTotals>),
     /// A sample came from a pod the pod list does not know yet: time to
@@ -139,6 +163,9 @@ pub(super) struct Setup {
     pub metadata: MetadataJobs,
     pub reports: mpsc::Sender<Report>,
     pub handoffs: Arc<Handoffs>,
+    /// How often to send the totals for `/metrics` (`None`: no metrics):
+    /// at the first wake-up this long after the last send.
+    pub publish_every: Option<Duration>,
 }
 
 /// The runtime's handle on the sampling thread.
@@ -228,6 +255,7 @@ async fn sample(
         metadata,
         reports,
         handoffs,
+        publish_every,
     } = setup;
     // Before the sampler: a process that starts between the two is still
     // seen mapping its files.
@@ -285,6 +313,7 @@ async fn sample(
         feed,
         python: PythonProcesses::new(config.python_frames, config.python_code_bytes),
         jvms: JvmProcesses::default(),
+        wakeups: WakeupTally::new(),
     };
     if let Some(pods) = pods {
         records.sink.aggregator.set_pods(pods);
@@ -295,13 +324,19 @@ async fn sample(
     intervals.set_missed_tick_behavior(MissedTickBehavior::Skip);
 
     let mut ending = IntervalEnd::default();
+    let mut published: Option<Instant> = None;
     let ended = loop {
         let labels_deadline = ending.deadline().unwrap_or_else(Instant::now);
+        let mut wake = Wake::AnswersWait;
         let step = tokio::select! {
             ready = records_ready(&mut sampler, &mut records.feed) => ready
                 .map_err(RunError::Read)
-                .map(|()| drain(&mut records, &mut sampler, &reports, &handoffs, &metadata, began)),
+                .map(|woken| {
+                    wake = woken;
+                    drain(&mut records, &mut sampler, &reports, &handoffs, &metadata, began)
+                }),
             _ = intervals.tick() => {
+                wake = Wake::IntervalEnd;
                 // What was sampled up to now belongs to this interval, not
                 // to the next one: the last drain may be up to a drain
                 // period old.
@@ -322,6 +357,7 @@ async fn sample(
             }
             () = tokio::time::sleep_until(labels_deadline), if ending.deadline().is_some() => Ok(()),
             Some(command) = commands.recv() => {
+                wake = command.wake();
                 let sampling = Sampling { sampler: &mut sampler, worker: &worker, began };
                 let applied = records.apply(command, sampling, &reports, &handoffs);
                 // Samples a read let through may want descriptions, files
@@ -342,6 +378,16 @@ async fn sample(
         if let Some(end) = ending.due(|| records.awaits_answers(now), now) {
             worker.try_submit(|spare| records.sink.aggregator.finish_interval_into(end, spare));
         }
+        if publish_every.is_some_and(|every| published.is_none_or(|at| now >= at + every)) {
+            published = Some(now);
+            match records.totals(&sampler, &worker, &handoffs, began.elapsed()) {
+                Ok(totals) => {
+                    handoffs.report(&reports, Report::Totals(Purpose::Publish, Box::new(totals)))
+                }
+                Err(err) => break Err(err.into()),
+            }
+        }
+        records.wakeups.handled(wake);
     };
     if ended.is_ok() {
         last_labels(&mut records, &mut sampler, &metadata, &mut commands).await;
@@ -453,12 +499,15 @@ async fn last_labels(
     }
 }
 
-/// Resolves when there are records to read: samples in the ring buffer or
-/// mapping events in the feed.
-async fn records_ready(sampler: &mut Sampler, feed: &mut MappingFeed) -> io::Result<()> {
+/// Resolves when there are records to read (samples in the ring buffer or
+/// mapping events in the feed) or the drain period is over, with which.
+async fn records_ready(sampler: &mut Sampler, feed: &mut MappingFeed) -> io::Result<Wake> {
     tokio::select! {
-        read = sampler.wait() => read,
-        () = feed.readable() => Ok(()),
+        woken = sampler.wait() => woken.map(|woken| match woken {
+            Woken::Signalled => Wake::Records,
+            Woken::DrainPeriod => Wake::DrainTimer,
+        }),
+        () = feed.readable() => Ok(Wake::MappingFeed),
     }
 }
 
@@ -529,6 +578,7 @@ fn finish(
         batches,
         probes: ProbeTotals::now(),
         handoffs: handoffs.totals(),
+        wakeups: records.wakeups.totals(),
     })
 }
 
@@ -612,6 +662,8 @@ struct RecordTally {
     /// Off-CPU samples waiting for their switch-in; `None`: off-CPU
     /// sampling is off.
     off_cpu: Option<OffCpuJoin>,
+    /// Why the thread woke, and what each cause cost.
+    wakeups: WakeupTally,
 }
 
 impl RecordTally {
@@ -635,7 +687,7 @@ impl RecordTally {
             Command::Python(found) => {
                 // The first Python stacks of a process come at its next
                 // ticks, and their code objects can be read only while it
-                // runs: a paced drain (up to 2 s away) would meet a short
+                // runs: a paced drain (up to 5 s away) would meet a short
                 // script's stacks after its exit, none of them named.
                 if found.iter().any(|(_, found)| found.is_some()) {
                     sampling.sampler.met_new_processes();
@@ -880,6 +932,7 @@ impl RecordTally {
             uploads: None,
             process: Default::default(),
             state: self.state_sizes(worker),
+            wakeups: self.wakeups.totals(),
         })
     }
 
@@ -1105,6 +1158,7 @@ mod tests {
             feed: MappingFeed::disabled(),
             python: PythonProcesses::default(),
             jvms: JvmProcesses::default(),
+            wakeups: WakeupTally::new(),
             off_cpu: Some(OffCpuJoin::new(1 << 20)),
         };
         records.add(&record);

@@ -4,11 +4,41 @@
 //! are: dashboards, the benches and the tests read them.
 
 use super::{Group, RunTotals, Series, Stat, StatUnit, Value};
+use crate::run::Wake;
 
 /// Reads the figure at a path of the totals: `field!(kernel.samples)`.
 macro_rules! field {
     ($($path:tt)+) => {
         |t: &RunTotals| Value::from(t.$($path)+)
+    };
+}
+
+/// The series of one of the sampling thread's figures by [`Wake`], labelled
+/// by cause: `by_wake!(wakeups)`.
+macro_rules! by_wake {
+    ($figure:ident) => {
+        by_wake!($figure:
+            "records" => Records,
+            "drain_timer" => DrainTimer,
+            "mapping_feed" => MappingFeed,
+            "interval_end" => IntervalEnd,
+            "answers_wait" => AnswersWait,
+            "pods" => Pods,
+            "policies" => Policies,
+            "gone" => Gone,
+            "described" => Described,
+            "read" => Read,
+            "jit_names" => JitNames,
+            "python" => Python,
+            "jvm" => Jvm,
+            "totals" => Totals)
+    };
+    ($figure:ident: $($label:literal => $wake:ident),+) => {
+        &[$(Series::labelled(
+            $label,
+            concat!("/sampling_thread/", stringify!($figure), "/", $label),
+            |t: &RunTotals| Value::from(t.wakeups.$figure[Wake::$wake as usize]),
+        )),+]
     };
 }
 
@@ -1639,6 +1669,24 @@ const AGENT: &[Stat] = &[
     )
     .unit(StatUnit::Seconds)
     .process_metrics(),
+    Stat::counter(
+        "sampling_thread_wakeups",
+        "Times the sampling thread woke, by cause: records the BPF program \
+         signalled, the drain period's end, mapping events, an interval's end, \
+         the end of its wait for labels, or a message (pod list, policies, \
+         gone processes, descriptions, maps read, JIT names, Python and JVM \
+         finds, totals asked for).",
+        by_wake!(wakeups),
+    )
+    .by("cause"),
+    Stat::counter(
+        "sampling_thread_cpu",
+        "The sampling thread's CPU time by what woke it (the wait's own system \
+         calls included).",
+        by_wake!(cpu_seconds),
+    )
+    .unit(StatUnit::Seconds)
+    .by("cause"),
     Stat::gauge(
         "process_resident_memory",
         "Resident memory size.",

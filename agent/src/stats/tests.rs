@@ -281,6 +281,10 @@ pub(crate) fn every_figure_distinct() -> RunTotals {
             peak_resident_bytes: Some(50 << 20),
         },
         state: vec![StateSize::entries("processes", 7, Some(4096))],
+        wakeups: crate::run::WakeupTotals {
+            wakeups: std::array::from_fn(|_| n()),
+            cpu_seconds: std::array::from_fn(|_| n() as f64 / 1e3),
+        },
     }
 }
 
@@ -320,6 +324,7 @@ pub(crate) fn summary_of(totals: &RunTotals) -> RunSummary {
         batches: totals.batches,
         probes: totals.probes,
         handoffs: totals.handoffs,
+        wakeups: totals.wakeups,
         elapsed: totals.elapsed,
     }
 }
