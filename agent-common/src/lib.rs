@@ -511,7 +511,7 @@ pub const EARLY_WAKEUP_INTERVAL_NS: u64 = 5_000_000;
 /// while its drains were paced (the keys of the `NEW_PROCESS_WAKEUPS` map,
 /// LRU, written by the program; an exec removes its process). While few
 /// records come (a quiet host, or a small one at 19 Hz) the agent drains
-/// every 2 s instead of 500 ms; a process met only at
+/// up to 5 s apart instead of 500 ms; a process met only at
 /// the next drain would lose what the agent learns from it at once (a
 /// Python process's first seconds of Python frames, a short one's maps).
 /// One wake-up per new process, not per tick: a thread the agent cannot

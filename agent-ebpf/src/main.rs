@@ -922,7 +922,7 @@ fn unread_bytes(ring: &SampleRing) -> u64 {
 ///   deep copies: until the reader learns the thread, each of its ticks is
 ///   a truncated walk, and a timed drain comes only every half second, most
 ///   of a compiler process's life;
-/// - or drains are paced (few records to read, every 2 s) and its process `tgid`
+/// - or drains are paced (few records to read, up to 5 s apart) and its process `tgid`
 ///   has not woken the reader yet.
 ///
 /// Either way at most once per `EARLY_WAKEUP_INTERVAL_NS` per CPU.

@@ -260,7 +260,7 @@ struct Args {
     #[arg(long)]
     json: bool,
     /// Serve Prometheus metrics (/metrics) and health probes (/healthz:
-    /// the sampling thread answers; /readyz: sampling) over HTTP on this address,
+    /// the sampling thread sends its totals; /readyz: sampling) over HTTP on this address,
     /// such as 0.0.0.0:9464. Not served unless given.
     #[arg(long, value_name = "ADDR")]
     metrics_address: Option<std::net::SocketAddr>,

@@ -25,12 +25,13 @@ use crate::{export::ExportStatsReader, memory::MemoryBudget, stats::RunTotals};
 /// long.
 pub const STALE_AFTER: Duration = Duration::from_secs(30);
 
-/// How often, at least, the sampling thread's totals are published and
-/// beaten on: well within a scrape interval (15-60 s) and [`STALE_AFTER`].
-/// The sampling thread sends them at its first wake-up this long after
-/// the last (it wakes at least every 5 s: its longest drain period), so a
-/// publish wakes it for nothing; asked for by a timer, they were a fifth
-/// of an idle sampling thread's wake-ups. Each reads a score of BPF maps.
+/// How often the sampling thread's totals are published and beaten on:
+/// well within a scrape interval (15-60 s) and [`STALE_AFTER`]. The
+/// sampling thread sends them at its first wake-up from a fifth before
+/// this after the last (it wakes at least every 5 s, its longest drain
+/// period: they come 4-9 s apart), so a publish wakes it for nothing;
+/// asked for by a timer, they were a fifth of an idle sampling thread's
+/// wake-ups. Each reads a score of BPF maps.
 pub const PUBLISH_EVERY: Duration = Duration::from_secs(5);
 
 /// What the metrics endpoint reads; shared between the run, the

@@ -160,14 +160,15 @@ fn wait_for_first_batch(address: &str, limit: Duration) -> anyhow::Result<()> {
     bail!("the agent built no batch within {limit:?}");
 }
 
-/// Samples the agent has read (its metrics are published every 5 s).
+/// Samples the agent has read (its metrics are published every 4-9 s).
 const SAMPLES_READ: &str = "stackscope_agent_samples_read_total";
 
 /// One interval (the agent's default 10 s) and a margin.
 const FIRST_BATCH_WITHIN: Duration = Duration::from_secs(15);
 
-/// Longer than the agent's drain timer and its publish (every 5 s).
-const SETTLE: Duration = Duration::from_millis(6500);
+/// Longer than the agent's longest drain period (5 s) and the longest
+/// time between its publishes (9 s).
+const SETTLE: Duration = Duration::from_millis(11_000);
 
 /// What the agent had used and done at one moment.
 #[derive(Debug, Clone, Copy)]
@@ -195,7 +196,7 @@ fn reading(address: &str, agent: &Cgroup) -> anyhow::Result<Reading> {
     })
 }
 
-/// [`reading`] right after a publish of the counter (every 5 s), so
+/// [`reading`] right after a publish of the counter (every 4-9 s), so
 /// that the CPU and the samples are taken together while samples come in.
 fn reading_at_a_publish(address: &str, agent: &Cgroup) -> anyhow::Result<Reading> {
     let first = reading(address, agent)?.samples;

@@ -29,10 +29,30 @@ pub enum Wake {
     Python,
     Jvm,
     Totals,
+    /// Not a wake-up of its own: the totals sent for `/metrics` at a
+    /// wake-up of another cause, counted with the CPU they took.
+    Publish,
 }
 
 impl Wake {
-    pub const COUNT: usize = Wake::Totals as usize + 1;
+    pub const ALL: [Wake; 15] = [
+        Wake::Records,
+        Wake::DrainTimer,
+        Wake::MappingFeed,
+        Wake::IntervalEnd,
+        Wake::AnswersWait,
+        Wake::Pods,
+        Wake::Policies,
+        Wake::Gone,
+        Wake::Described,
+        Wake::Read,
+        Wake::JitNames,
+        Wake::Python,
+        Wake::Jvm,
+        Wake::Totals,
+        Wake::Publish,
+    ];
+    pub const COUNT: usize = Self::ALL.len();
 }
 
 /// Wake-ups and CPU time by [`Wake`] (indexed by `Wake as usize`).
@@ -59,7 +79,8 @@ impl WakeupTally {
         }
     }
 
-    /// The thread is done with a wake-up caused by `wake`.
+    /// The thread is done with a wake-up caused by `wake` (or with the
+    /// [`Wake::Publish`] that followed one).
     pub fn handled(&mut self, wake: Wake) {
         let now = thread_cpu_time();
         let index = wake as usize;
@@ -110,5 +131,12 @@ mod tests {
         let records = totals.cpu_seconds[Wake::Records as usize];
         assert!(records >= 0.001, "records cost {records} s, spun 1 ms");
         assert!(totals.cpu_seconds[Wake::Totals as usize] == 0.0);
+    }
+
+    #[test]
+    fn every_cause_is_listed_once_at_its_index() {
+        for (index, wake) in Wake::ALL.into_iter().enumerate() {
+            assert_eq!(wake as usize, index, "{wake:?}");
+        }
     }
 }

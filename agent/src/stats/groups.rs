@@ -31,7 +31,8 @@ macro_rules! by_wake {
             "jit_names" => JitNames,
             "python" => Python,
             "jvm" => Jvm,
-            "totals" => Totals)
+            "totals" => Totals,
+            "publish" => Publish)
     };
     ($figure:ident: $($label:literal => $wake:ident),+) => {
         &[$(Series::labelled(
@@ -1675,7 +1676,8 @@ const AGENT: &[Stat] = &[
          signalled, the drain period's end, mapping events, an interval's end, \
          the end of its wait for labels, or a message (pod list, policies, \
          gone processes, descriptions, maps read, JIT names, Python and JVM \
-         finds, totals asked for).",
+         finds, totals asked for); publish: the totals sent for /metrics at \
+         a wake-up of another cause.",
         by_wake!(wakeups),
     )
     .by("cause"),

@@ -636,3 +636,27 @@ fn every_counted_field_is_described() {
         }
     }
 }
+
+/// Each of the sampling thread's figures by cause has one series per
+/// cause, each reading its own.
+#[test]
+fn the_sampling_threads_figures_have_a_series_for_every_cause() {
+    let totals = every_figure_distinct();
+    for (name, figures) in [
+        (
+            "sampling_thread_wakeups",
+            totals.wakeups.wakeups.map(Value::from),
+        ),
+        (
+            "sampling_thread_cpu",
+            totals.wakeups.cpu_seconds.map(Value::from),
+        ),
+    ] {
+        let (_, stat) = DESCRIPTION
+            .all()
+            .find(|(_, stat)| stat.name == name)
+            .expect("described");
+        let read: Vec<Value> = stat.series.iter().map(|s| (s.read)(&totals)).collect();
+        assert_eq!(read, figures.to_vec(), "{name}");
+    }
+}

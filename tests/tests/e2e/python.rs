@@ -548,14 +548,14 @@ fn a_python_process_that_execs_an_interpreter_is_read_after_the_exec() {
     );
 }
 
-/// On a quiet host the agent's timed drains come every 5 s, not every
+/// On a quiet host the agent's timed drains come up to 5 s apart, not every
 /// 500 ms; a Python process started then wakes it with its first tick, so
 /// its Python frames are read from its first moments, not after its end.
 /// The agent samples one cgroup (filtered in the kernel: quiet whatever
 /// else runs here) at its default 19 Hz; 5 s in (its drains paced by
 /// then), `python_chain.py` starts in that cgroup and runs for 1.5 s.
-/// Without the wake-up it would be met at the next timed drain, up to 5 s
-/// later, when it has exited and its code objects can no longer be read:
+/// Without the wake-up it would be met at the next drain, the interval's
+/// end (2 s here) or a timed one, when it has exited and its code objects can no longer be read:
 /// no Python function named at all (0 of 28 samples in three runs). With
 /// it, 27-29 of 28-32 alone, and 16-27 of 17-28 beside two busy loops
 /// (the stacks' code objects read as they are drained: read when the
