@@ -165,7 +165,7 @@ pub(super) struct Setup {
     pub reports: mpsc::Sender<Report>,
     pub handoffs: Arc<Handoffs>,
     /// How often to send the totals for `/metrics` (`None`: no metrics):
-    /// at the first wake-up this long after the last send.
+    /// at the first wake-up from four fifths of this after the last send.
     pub publish_every: Option<Duration>,
 }
 
@@ -328,6 +328,7 @@ async fn sample(
     let mut published: Option<Instant> = None;
     let ended = loop {
         let labels_deadline = ending.deadline().unwrap_or_else(Instant::now);
+        // Set by every arm but the labels' deadline.
         let mut wake = Wake::AnswersWait;
         let step = tokio::select! {
             ready = records_ready(&mut sampler, &mut records.feed) => ready
