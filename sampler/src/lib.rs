@@ -155,7 +155,8 @@ impl Default for SamplerConfig {
 /// 0.73-0.84x (`cargo xtask bench overhead`, 2026-12-06). At 99 Hz (99 a
 /// period) a drain's own cost was still a fifth of the agent's: below 256
 /// a period, fewer and larger drains are worth the samples' wait (the idle
-/// period at most, 5 s in the agent, and the ring's wake-up mark comes first when they are large).
+/// period at most, 5 s in the agent, and the ring's wake-up mark comes
+/// first when they are large).
 /// Processes met for the first time still bring the period back at once.
 const FEW_RECORDS: f64 = 256.0;
 
@@ -751,7 +752,7 @@ impl Sampler {
     /// the next timed drain comes one period after this one, whatever
     /// called it (the interval's end, a signal from the program, a
     /// message), so that a timed drain never follows another drain by
-    /// less than a period.
+    /// less than a period unless [`Self::drain_within`] brings it forward.
     pub fn drain_records(&mut self, mut on_record: impl FnMut(&[u8])) -> usize {
         let tally = &mut self.records_read;
         let read = self.rings.drain(|record| {
