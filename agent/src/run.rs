@@ -408,7 +408,6 @@ pub async fn run(
     };
     let mut last_at = started;
 
-    let ask = |purpose| handoffs.command(&commands, Command::Totals(purpose));
     let mut stopping = false;
     let ended = loop {
         if stopping {
@@ -422,7 +421,7 @@ pub async fn run(
         }
         tokio::select! {
             result = &mut sampling.finished => break result,
-            _ = status.tick() => ask(Purpose::Status),
+            _ = status.tick() => handoffs.command(&commands, Command::Totals),
             Some(report) = reports.recv() => match report {
                 Report::Totals(Purpose::Status, totals) => {
                     let now = Instant::now();

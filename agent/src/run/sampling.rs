@@ -114,7 +114,7 @@ pub(super) enum Command {
     /// HotSpot; an error: not readable yet, or at all).
     Jvm(Vec<(u32, FoundJvm)>),
     /// The totals now, for the status line.
-    Totals(Purpose),
+    Totals,
 }
 
 impl Command {
@@ -129,7 +129,7 @@ impl Command {
             Command::JitNames(_) => Wake::JitNames,
             Command::Python(_) => Wake::Python,
             Command::Jvm(_) => Wake::Jvm,
-            Command::Totals(_) => Wake::Totals,
+            Command::Totals => Wake::Totals,
         }
     }
 }
@@ -736,10 +736,10 @@ impl RecordTally {
                     .poll(&mut self.processes, self.sink.add_walked());
                 write_plans(&mut self.walker, sampling.sampler);
             }
-            Command::Totals(purpose) => {
+            Command::Totals => {
                 let elapsed = sampling.began.elapsed();
                 let totals = self.totals(sampling.sampler, sampling.worker, handoffs, elapsed)?;
-                handoffs.report(reports, Report::Totals(purpose, Box::new(totals)));
+                handoffs.report(reports, Report::Totals(Purpose::Status, Box::new(totals)));
             }
         }
         Ok(())

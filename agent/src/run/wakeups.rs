@@ -56,7 +56,7 @@ impl Wake {
 }
 
 /// Wake-ups and CPU time by [`Wake`] (indexed by `Wake as usize`).
-#[derive(Debug, Clone, Copy, Default, PartialEq, serde::Serialize)]
+#[derive(Debug, Clone, Copy, Default)]
 pub struct WakeupTotals {
     pub wakeups: [u64; Wake::COUNT],
     pub cpu_seconds: [f64; Wake::COUNT],
