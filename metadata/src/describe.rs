@@ -12,6 +12,7 @@
 //! sample, and again while a name is missing).
 
 use std::{
+    collections::HashMap,
     path::{Path, PathBuf},
     sync::Arc,
 };
@@ -22,6 +23,9 @@ use crate::{
     provider::{ContainerNames, NameProvider as _},
     runtime_names::RuntimeNames,
 };
+
+/// Cgroup paths kept by id (a few MB at most).
+const MAX_CGROUP_PATHS: usize = 4096;
 
 /// A process whose labels are wanted, as its sample shows it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -73,6 +77,12 @@ pub struct Describer {
     names: RuntimeNames,
     /// The cgroup2 mount, found on first use (`None` inside: there is none).
     cgroup_mount: Option<Option<PathBuf>>,
+    /// Paths of cgroups found by id: a gone process's cgroup is looked up
+    /// by handle (three system calls), and the short processes of a build
+    /// or a shell script are gone by the thousand from the same few. A
+    /// cgroup id is never reused while the system runs; a cgroup renamed
+    /// keeps its old path here until the map is full and emptied.
+    cgroup_paths: HashMap<u64, String>,
     /// Processes described.
     pub described: u64,
 }
@@ -84,6 +94,7 @@ impl Describer {
             reads,
             names,
             cgroup_mount: None,
+            cgroup_paths: HashMap::new(),
             described: 0,
         }
     }
@@ -134,10 +145,18 @@ impl Describer {
 
     /// The path of cgroup `id` (a process's, once the process is gone).
     fn path_of_cgroup(&mut self, id: u64) -> Option<String> {
+        if let Some(path) = self.cgroup_paths.get(&id) {
+            return Some(path.clone());
+        }
         let mount = self
             .cgroup_mount
             .get_or_insert_with(|| crate::cgroups::cgroup2_mount().ok())
             .as_deref()?;
-        crate::cgroups::path_of_id(mount, id).ok()
+        let path = crate::cgroups::path_of_id(mount, id).ok()?;
+        if self.cgroup_paths.len() >= MAX_CGROUP_PATHS {
+            self.cgroup_paths.clear();
+        }
+        self.cgroup_paths.insert(id, path.clone());
+        Some(path)
     }
 }

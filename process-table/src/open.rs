@@ -176,14 +176,7 @@ fn reach<T>(
         path = %name.display(),
         "map_files not usable, opening by path"
     );
-    // `join` with an absolute path would replace the root: strip the '/'.
-    let relative = Path::new(std::ffi::OsStr::from_bytes(
-        name.as_os_str()
-            .as_bytes()
-            .strip_prefix(b"/")
-            .unwrap_or(name.as_os_str().as_bytes()),
-    ));
-    let path = process_dir.join("root").join(relative);
+    let path = process_dir.join("root").join(under_root(name));
     let (value, metadata) = access(&path).map_err(|source| {
         if maps::is_gone(&source) && !process_dir.exists() {
             OpenError::ProcessGone { pid }
@@ -205,6 +198,52 @@ fn reach<T>(
         });
     }
     Ok((value, metadata, path))
+}
+
+/// `stat`s the file a learned mapping names under the root of each process
+/// in `roots` in turn (as [`open_learned`] opens it) and gives each file's
+/// metadata to `known` until it recognizes one. A file version identified
+/// before is known again without being opened and read: a shell's every
+/// command maps the same few binaries. Without a build-id, only a file of
+/// the mapping's device and inode is given.
+pub fn stat_learned<T>(
+    proc_root: &Path,
+    roots: &[u32],
+    mapping: &Mapping,
+    build_id: Option<BuildId>,
+    mut known: impl FnMut(&Metadata) -> Option<T>,
+) -> Option<T> {
+    let MappingPath::File {
+        path: name,
+        deleted: false,
+    } = &mapping.path
+    else {
+        return None;
+    };
+    roots.iter().find_map(|&pid| {
+        let path = proc_root
+            .join(pid.to_string())
+            .join("root")
+            .join(under_root(name));
+        let metadata = std::fs::metadata(path).ok()?;
+        let same_file =
+            Dev::from_st_dev(metadata.dev()) == mapping.dev && metadata.ino() == mapping.inode;
+        if build_id.is_none() && !same_file {
+            return None;
+        }
+        known(&metadata)
+    })
+}
+
+/// `name` (a path the process sees) relative to its root: `join` with an
+/// absolute path would replace the root.
+fn under_root(name: &Path) -> &Path {
+    Path::new(std::ffi::OsStr::from_bytes(
+        name.as_os_str()
+            .as_bytes()
+            .strip_prefix(b"/")
+            .unwrap_or(name.as_os_str().as_bytes()),
+    ))
 }
 
 fn is_denied(err: &io::Error) -> bool {
@@ -230,15 +269,12 @@ pub fn open_learned(
     else {
         return Err(OpenError::NoPath);
     };
-    let relative = Path::new(std::ffi::OsStr::from_bytes(
-        name.as_os_str()
-            .as_bytes()
-            .strip_prefix(b"/")
-            .unwrap_or(name.as_os_str().as_bytes()),
-    ));
     let mut last = OpenError::NoPath;
     for &pid in roots {
-        let path = proc_root.join(pid.to_string()).join("root").join(relative);
+        let path = proc_root
+            .join(pid.to_string())
+            .join("root")
+            .join(under_root(name));
         let opened = File::open(&path).and_then(|file| {
             let metadata = file.metadata()?;
             Ok((file, metadata))

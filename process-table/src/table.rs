@@ -34,6 +34,7 @@ mod slots;
 
 use std::{
     collections::HashMap,
+    fs::Metadata,
     path::{Path, PathBuf},
     sync::Arc,
     time::{Duration, Instant},
@@ -243,6 +244,23 @@ impl MappedRegion {
     /// compiler. Once the process has exited, a mapping learned from an
     /// event is still reached by its path under its parent's or the host's
     /// root, when the file there is the one mapped ([`open::open_learned`]).
+    /// Gives `known` the metadata of the file the mapping is of, reached as
+    /// [`Self::open`] reaches it but with `stat` alone, and returns what it
+    /// recognizes: a file version identified before needs no open.
+    pub(crate) fn recognize<T>(&self, mut known: impl FnMut(&Metadata) -> Option<T>) -> Option<T> {
+        if let Ok((metadata, _)) = open::stat_mapped(&self.proc_root, self.tgid, &self.mapping) {
+            return known(&metadata);
+        }
+        let learned = self.learned.as_deref()?;
+        open::stat_learned(
+            &self.proc_root,
+            &learned.roots,
+            &self.mapping,
+            learned.build_id,
+            known,
+        )
+    }
+
     pub fn open(&self) -> Result<OpenedFile, OpenError> {
         let opened = open::open_mapped(&self.proc_root, self.tgid, &self.mapping);
         match (&self.learned, opened) {
@@ -1657,6 +1675,62 @@ mod tests {
         let err = table.lookup(21, at).expect_err("not the file mapped");
         assert!(matches!(err, ProcessError::Unidentified { .. }), "{err:?}");
         assert_eq!(table.stats().learned_unidentified, 1);
+    }
+
+    #[test]
+    fn a_learned_file_version_identified_before_is_not_opened_again() {
+        let proc = FakeProc::new();
+        let (build_id, text) = app_in_the_root_of_10(&proc);
+        let app = proc.dir.path().join("10/root/bin/app");
+        // A second file claiming the same build-id with other contents: a
+        // mapping known by its build-id alone stays unidentified.
+        let mut forged = std::fs::read(&app).expect("reading the copy");
+        let code_byte = usize::try_from(text.offset).expect("offset") + 0x100;
+        forged[code_byte] ^= 0xff;
+        std::fs::write(proc.dir.path().join("10/root/bin/forged"), forged).expect("forging");
+        let mut table = proc.table(8, Duration::ZERO);
+        table.exec_learned(20, Some(10), 100);
+        table.mapped(20, text.clone(), Some(build_id));
+        let at = text.start + 0x10;
+        assert!(matches!(
+            table.lookup(20, at),
+            Ok(Some(Location::Object(_)))
+        ));
+        let forged_text = Mapping {
+            path: MappingPath::File {
+                path: PathBuf::from("/bin/forged"),
+                deleted: false,
+            },
+            ..text.clone()
+        };
+        table.exec_learned(21, Some(10), 100);
+        table.mapped(21, forged_text, Some(build_id));
+        assert!(matches!(
+            table.lookup(21, at),
+            Ok(Some(Location::Object(_)))
+        ));
+        assert_eq!(table.stats().objects_identified, 2);
+        // /bin/app's bytes are overwritten, its size and time kept: opened
+        // and read, it would no longer be the file mapped. Known by its
+        // version, it is not opened.
+        let modified = std::fs::metadata(&app)
+            .and_then(|m| m.modified())
+            .expect("mtime");
+        let len = std::fs::metadata(&app).expect("size").len();
+        std::fs::write(&app, vec![0u8; len as usize]).expect("overwriting");
+        let file = std::fs::File::options()
+            .write(true)
+            .open(&app)
+            .expect("reopening");
+        file.set_modified(modified).expect("restoring the time");
+        table.exec_learned(22, Some(10), 100);
+        table.mapped(22, text, Some(build_id));
+        match table.lookup(22, at).expect("identified by its version") {
+            Some(Location::Object(object)) => assert_eq!(object.id.build_id(), Some(build_id)),
+            other => panic!("expected the object, got {other:?}"),
+        }
+        assert_eq!(table.stats().objects_identified, 2, "nothing read again");
+        assert_eq!(table.stats().learned_unidentified, 0);
     }
 
     #[test]

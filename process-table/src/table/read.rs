@@ -284,21 +284,24 @@ impl TableReader {
         identities: &mut Identities,
         counts: &mut IdentityCounts,
     ) -> Backing {
-        let identified = match region.open() {
-            Ok(opened) => identities
-                .identify_opened(&opened, counts)
-                .and_then(|object| match build_id {
-                    Some(expected) if object.id.build_id() != Some(expected) => {
-                        Err(MappingError::OtherFile)
-                    }
-                    _ => Ok(object),
-                }),
-            Err(err) => build_id
-                .and_then(|id| identities.by_build_id.get(&id))
-                .filter(|claim| !claim.contested)
-                .and_then(|claim| claim.object.upgrade())
-                .inspect(|_| counts.object_cache_hits += 1)
-                .ok_or(MappingError::Open(err)),
+        // The build-id the kernel read, or none; `recognize` has checked
+        // the device and inode when there is none.
+        let same_build = |object: &CachedObject| {
+            build_id.is_none_or(|expected| object.id.build_id() == Some(expected))
+        };
+        let known = region.recognize(|metadata| {
+            identities
+                .objects
+                .get(&FileKey::from_metadata(metadata))
+                .filter(|object| same_build(object))
+                .cloned()
+        });
+        let identified = match known {
+            Some(object) => {
+                counts.object_cache_hits += 1;
+                Ok(object)
+            }
+            None => Self::open_learned(region, build_id, identities, counts),
         };
         match identified {
             Ok(object) => {
@@ -319,6 +322,33 @@ impl TableReader {
                 );
                 Backing::Failed(Arc::new(err))
             }
+        }
+    }
+
+    /// The identity of a learned mapping's file, opened (and read on a
+    /// cache miss); when no such file is left, by the build-id alone if
+    /// only one file's contents are known under it.
+    fn open_learned(
+        region: &MappedRegion,
+        build_id: Option<BuildId>,
+        identities: &mut Identities,
+        counts: &mut IdentityCounts,
+    ) -> Result<Arc<CachedObject>, MappingError> {
+        match region.open() {
+            Ok(opened) => identities
+                .identify_opened(&opened, counts)
+                .and_then(|object| match build_id {
+                    Some(expected) if object.id.build_id() != Some(expected) => {
+                        Err(MappingError::OtherFile)
+                    }
+                    _ => Ok(object),
+                }),
+            Err(err) => build_id
+                .and_then(|id| identities.by_build_id.get(&id))
+                .filter(|claim| !claim.contested)
+                .and_then(|claim| claim.object.upgrade())
+                .inspect(|_| counts.object_cache_hits += 1)
+                .ok_or(MappingError::Open(err)),
         }
     }
 }
