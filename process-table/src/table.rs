@@ -248,13 +248,19 @@ impl MappedRegion {
     /// [`Self::open`] reaches it but with `stat` alone, and returns what it
     /// recognizes: a file version identified before needs no open.
     pub(crate) fn recognize<T>(&self, mut known: impl FnMut(&Metadata) -> Option<T>) -> Option<T> {
-        if let Ok((metadata, _)) = open::stat_mapped(&self.proc_root, self.tgid, &self.mapping) {
-            return known(&metadata);
-        }
+        let gone = match open::stat_mapped(&self.proc_root, self.tgid, &self.mapping) {
+            Ok((metadata, _)) => return known(&metadata),
+            Err(err) => matches!(err, OpenError::ProcessGone { .. }),
+        };
         let learned = self.learned.as_deref()?;
+        // A process gone took its root with it: its parent's is next.
+        let roots = match learned.roots.split_first() {
+            Some((&first, rest)) if gone && first == self.tgid => rest,
+            _ => &learned.roots[..],
+        };
         open::stat_learned(
             &self.proc_root,
-            &learned.roots,
+            roots,
             &self.mapping,
             learned.build_id,
             known,
