@@ -24,7 +24,7 @@ use crate::{
     runtime_names::RuntimeNames,
 };
 
-/// Cgroup paths kept by id (a few MB at most).
+/// Cgroup paths kept by id (well under a MB).
 const MAX_CGROUP_PATHS: usize = 4096;
 
 /// A process whose labels are wanted, as its sample shows it.

@@ -19,6 +19,13 @@
 //! and refuses a mismatch (this also refuses files on overlayfs, where the
 //! mapped inode is the underlying one: a missing object is better than the
 //! wrong one).
+//!
+//! A mapping learned from an mmap event outlives its process: its file is
+//! then reached by its path under the roots of other processes in turn (its
+//! parent's, the host's), the first that holds the file mapped winning: the
+//! build-id the kernel read when it reported one (the event then carries
+//! no device and inode), else the device and inode ([`open_learned`],
+//! [`stat_learned`]).
 
 use std::{
     fs::{File, Metadata},
@@ -176,7 +183,7 @@ fn reach<T>(
         path = %name.display(),
         "map_files not usable, opening by path"
     );
-    let path = process_dir.join("root").join(under_root(name));
+    let path = under_root_of(proc_root, pid, name);
     let (value, metadata) = access(&path).map_err(|source| {
         if maps::is_gone(&source) && !process_dir.exists() {
             OpenError::ProcessGone { pid }
@@ -187,52 +194,54 @@ fn reach<T>(
             }
         }
     })?;
-    let found_dev = Dev::from_st_dev(metadata.dev());
-    if found_dev != mapping.dev || metadata.ino() != mapping.inode {
+    if !is_mapped_file(&metadata, mapping) {
         return Err(OpenError::Replaced {
             path,
             expected_dev: mapping.dev,
             expected_inode: mapping.inode,
-            found_dev,
+            found_dev: Dev::from_st_dev(metadata.dev()),
             found_inode: metadata.ino(),
         });
     }
     Ok((value, metadata, path))
 }
 
-/// `stat`s the file a learned mapping names under the root of each process
-/// in `roots` in turn (as [`open_learned`] opens it) and gives each file's
-/// metadata to `known` until it recognizes one. A file version identified
-/// before is known again without being opened and read: a shell's every
-/// command maps the same few binaries. Without a build-id, only a file of
-/// the mapping's device and inode is given.
-pub fn stat_learned<T>(
-    proc_root: &Path,
-    roots: &[u32],
-    mapping: &Mapping,
-    build_id: Option<BuildId>,
-    mut known: impl FnMut(&Metadata) -> Option<T>,
-) -> Option<T> {
-    let MappingPath::File {
-        path: name,
-        deleted: false,
-    } = &mapping.path
-    else {
-        return None;
+/// The `stat` of the file a learned mapping names under the root of each
+/// process in `roots`, in turn, where there is one (as [`open_learned`]
+/// reaches it): a file version identified before is known again without
+/// being opened and read, and a shell's every command maps the same few
+/// binaries. Which of them is the file mapped is the caller's to decide,
+/// as [`open_learned`] decides it.
+pub fn stat_learned<'a>(
+    proc_root: &'a Path,
+    roots: &'a [u32],
+    mapping: &'a Mapping,
+) -> impl Iterator<Item = Metadata> + 'a {
+    let name = match &mapping.path {
+        MappingPath::File {
+            path,
+            deleted: false,
+        } => Some(path),
+        _ => None,
     };
-    roots.iter().find_map(|&pid| {
-        let path = proc_root
-            .join(pid.to_string())
-            .join("root")
-            .join(under_root(name));
-        let metadata = std::fs::metadata(path).ok()?;
-        let same_file =
-            Dev::from_st_dev(metadata.dev()) == mapping.dev && metadata.ino() == mapping.inode;
-        if build_id.is_none() && !same_file {
-            return None;
-        }
-        known(&metadata)
+    name.into_iter().flat_map(move |name| {
+        roots
+            .iter()
+            .filter_map(move |&pid| std::fs::metadata(under_root_of(proc_root, pid, name)).ok())
     })
+}
+
+/// Whether `metadata` is of the file `mapping` names by device and inode.
+pub fn is_mapped_file(metadata: &Metadata, mapping: &Mapping) -> bool {
+    Dev::from_st_dev(metadata.dev()) == mapping.dev && metadata.ino() == mapping.inode
+}
+
+/// Path `name` (as process `pid` sees it) under that process's root.
+fn under_root_of(proc_root: &Path, pid: u32, name: &Path) -> PathBuf {
+    proc_root
+        .join(pid.to_string())
+        .join("root")
+        .join(under_root(name))
 }
 
 /// `name` (a path the process sees) relative to its root: `join` with an
@@ -271,10 +280,7 @@ pub fn open_learned(
     };
     let mut last = OpenError::NoPath;
     for &pid in roots {
-        let path = proc_root
-            .join(pid.to_string())
-            .join("root")
-            .join(under_root(name));
+        let path = under_root_of(proc_root, pid, name);
         let opened = File::open(&path).and_then(|file| {
             let metadata = file.metadata()?;
             Ok((file, metadata))
@@ -293,9 +299,7 @@ pub fn open_learned(
                     .and_then(|summary| summary.build_id)
                     == Some(expected)
             }
-            None => {
-                Dev::from_st_dev(metadata.dev()) == mapping.dev && metadata.ino() == mapping.inode
-            }
+            None => is_mapped_file(&metadata, mapping),
         };
         if same {
             return Ok(OpenedFile {

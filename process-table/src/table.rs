@@ -240,33 +240,42 @@ impl MappedRegion {
         )
     }
 
+    /// The cached identity of the mapped file (`cached` looks a file version
+    /// up), reached as [`Self::open`] reaches it but with `stat` alone: a
+    /// file identified before is not opened and read again. Of a learned
+    /// mapping's roots the first whose file is the one mapped decides, as
+    /// when opening: cached with the kernel's build-id (without one, of the
+    /// mapping's device and inode), it is the identity; a file there that is
+    /// not cached is left to be opened and read (`None`).
+    fn recognize(
+        &self,
+        cached: impl Fn(&Metadata) -> Option<Arc<CachedObject>>,
+    ) -> Option<Arc<CachedObject>> {
+        let build_id = self.learned.as_deref().and_then(|learned| learned.build_id);
+        let same_build =
+            |object: &CachedObject| build_id.is_none_or(|id| object.id.build_id() == Some(id));
+        if let Ok((metadata, _)) = open::stat_mapped(&self.proc_root, self.tgid, &self.mapping) {
+            return cached(&metadata).filter(|object| same_build(object));
+        }
+        let learned = self.learned.as_deref()?;
+        for metadata in open::stat_learned(&self.proc_root, &learned.roots, &self.mapping) {
+            if build_id.is_none() && !open::is_mapped_file(&metadata, &self.mapping) {
+                continue;
+            }
+            match cached(&metadata) {
+                Some(object) if same_build(&object) => return Some(object),
+                // Known, with another build-id: not the file mapped.
+                Some(_) => continue,
+                None => return None,
+            }
+        }
+        None
+    }
+
     /// Opens the mapped file (see [`open::open_mapped`]), e.g. for the table
     /// compiler. Once the process has exited, a mapping learned from an
     /// event is still reached by its path under its parent's or the host's
     /// root, when the file there is the one mapped ([`open::open_learned`]).
-    /// Gives `known` the metadata of the file the mapping is of, reached as
-    /// [`Self::open`] reaches it but with `stat` alone, and returns what it
-    /// recognizes: a file version identified before needs no open.
-    pub(crate) fn recognize<T>(&self, mut known: impl FnMut(&Metadata) -> Option<T>) -> Option<T> {
-        let gone = match open::stat_mapped(&self.proc_root, self.tgid, &self.mapping) {
-            Ok((metadata, _)) => return known(&metadata),
-            Err(err) => matches!(err, OpenError::ProcessGone { .. }),
-        };
-        let learned = self.learned.as_deref()?;
-        // A process gone took its root with it: its parent's is next.
-        let roots = match learned.roots.split_first() {
-            Some((&first, rest)) if gone && first == self.tgid => rest,
-            _ => &learned.roots[..],
-        };
-        open::stat_learned(
-            &self.proc_root,
-            roots,
-            &self.mapping,
-            learned.build_id,
-            known,
-        )
-    }
-
     pub fn open(&self) -> Result<OpenedFile, OpenError> {
         let opened = open::open_mapped(&self.proc_root, self.tgid, &self.mapping);
         match (&self.learned, opened) {
@@ -1735,7 +1744,9 @@ mod tests {
             Some(Location::Object(object)) => assert_eq!(object.id.build_id(), Some(build_id)),
             other => panic!("expected the object, got {other:?}"),
         }
-        assert_eq!(table.stats().objects_identified, 2, "nothing read again");
+        let stats = table.stats();
+        assert_eq!(stats.objects_identified, 2, "nothing read again");
+        assert_eq!(stats.object_cache_hits, 1, "known by its version");
         assert_eq!(table.stats().learned_unidentified, 0);
     }
 

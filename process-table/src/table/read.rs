@@ -272,11 +272,13 @@ impl TableReader {
     }
 
     /// The backing of a file mapped while the agent ran: from the file
-    /// itself, reached through the process or, if it is gone, its parent's
-    /// root (from the cache when this version of it was seen before). When
-    /// no such file is left, by the build-id the kernel reported, if only
-    /// one file's contents are known under it. The file comes first
-    /// because any process may map one that claims another's build-id.
+    /// itself, reached through the process or, if it is gone, the roots of
+    /// its parent and the host in turn; from the cache, without opening it,
+    /// when this version of it (as for a maps read: device, inode, size and
+    /// modification time) was identified before. When no such file is
+    /// left, by the build-id the kernel reported, if only one file's
+    /// contents are known under it. The file comes first because any
+    /// process may map one that claims another's build-id.
     fn identify_learned(
         &self,
         region: &MappedRegion,
@@ -284,18 +286,7 @@ impl TableReader {
         identities: &mut Identities,
         counts: &mut IdentityCounts,
     ) -> Backing {
-        // The build-id the kernel read, or none; `recognize` has checked
-        // the device and inode when there is none.
-        let same_build = |object: &CachedObject| {
-            build_id.is_none_or(|expected| object.id.build_id() == Some(expected))
-        };
-        let known = region.recognize(|metadata| {
-            identities
-                .objects
-                .get(&FileKey::from_metadata(metadata))
-                .filter(|object| same_build(object))
-                .cloned()
-        });
+        let known = region.recognize(|metadata| identities.version(metadata));
         let identified = match known {
             Some(object) => {
                 counts.object_cache_hits += 1;
@@ -377,9 +368,15 @@ impl Identities {
         metadata: &Metadata,
         counts: &mut IdentityCounts,
     ) -> Option<Arc<CachedObject>> {
-        let object = Arc::clone(self.objects.get(&FileKey::from_metadata(metadata))?);
+        let object = self.version(metadata)?;
         counts.object_cache_hits += 1;
         Some(object)
+    }
+
+    /// The cached identity of the file version `metadata` describes,
+    /// uncounted.
+    fn version(&self, metadata: &Metadata) -> Option<Arc<CachedObject>> {
+        self.objects.get(&FileKey::from_metadata(metadata)).cloned()
     }
 
     /// Caches a newly read identity by file version and build-id.
