@@ -477,9 +477,15 @@ mod tests {
         std::fs::remove_dir(&parent).expect("removing cgroups");
         assert_eq!(gone.expect("labelled by its cgroup").id.as_ref(), ID_A);
         assert_eq!(host, None, "the root cgroup is the host's");
-        // The cgroup is gone too: nothing to say, and asked again later.
-        assert_eq!(labels(&mut index, &mut describer, 42, id), None);
-        assert!(!index.placed(42, id).expect("described").settled);
+        // The cgroup is gone too: a describer that found its path before
+        // still knows it (a cgroup id is never reused)...
+        let remembered = labels(&mut index, &mut describer, 42, id).expect("its path kept");
+        assert_eq!(remembered.id.as_ref(), ID_A);
+        // ...one that did not has nothing to say, and asks again later.
+        let names = RuntimeNames::new(PathBuf::from("/nonexistent"), PathBuf::from("/nonexistent"));
+        let mut fresh = self::describer(proc.path(), names);
+        assert_eq!(labels(&mut index, &mut fresh, 43, id), None);
+        assert!(!index.placed(43, id).expect("described").settled);
     }
 
     #[test]

@@ -21,11 +21,12 @@
 //! wrong one).
 //!
 //! A mapping learned from an mmap event outlives its process: its file is
-//! then reached by its path under the roots of other processes in turn (its
-//! parent's, the host's), the first that holds the file mapped winning: the
-//! build-id the kernel read when it reported one (the event then carries
-//! no device and inode), else the device and inode ([`open_learned`],
-//! [`stat_learned`]).
+//! then reached by its path under the roots of a list of processes in turn
+//! (its own, its parent's, the agent's, init's). [`open_learned`] keeps the
+//! first that is the file mapped: of the build-id the kernel read when it
+//! reported one (the event then carries no device and inode), else of the
+//! device and inode. [`stat_learned`] gives their metadata, for a cache of
+//! file versions.
 
 use std::{
     fs::{File, Metadata},
@@ -224,10 +225,11 @@ pub fn stat_learned<'a>(
         } => Some(path),
         _ => None,
     };
-    name.into_iter().flat_map(move |name| {
-        roots
-            .iter()
-            .filter_map(move |&pid| std::fs::metadata(under_root_of(proc_root, pid, name)).ok())
+    // No path (deleted, memfd, anonymous): no roots to look under.
+    let roots = if name.is_some() { roots } else { &[] };
+    roots.iter().filter_map(move |&pid| {
+        let name = name?;
+        std::fs::metadata(under_root_of(proc_root, pid, name)).ok()
     })
 }
 

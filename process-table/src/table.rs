@@ -240,24 +240,24 @@ impl MappedRegion {
         )
     }
 
-    /// The cached identity of the mapped file (`cached` looks a file version
-    /// up), reached as [`Self::open`] reaches it but with `stat` alone: a
-    /// file identified before is not opened and read again. Of a learned
-    /// mapping's roots the first whose file is the one mapped decides, as
-    /// when opening: cached with the kernel's build-id (without one, of the
-    /// mapping's device and inode), it is the identity; a file there that is
-    /// not cached is left to be opened and read (`None`).
+    /// The cached identity of a learned mapping's file (`cached` looks a
+    /// file version up), reached as [`Self::open`] reaches it but with
+    /// `stat` alone: a file identified before is not opened and read again.
+    /// Of the roots, the first file not ruled out decides, as when opening
+    /// (without a build-id, a file of another device or inode is; with
+    /// one, a cached file with another build-id is): cached, it is the
+    /// identity; not cached, it is left to be opened and read (`None`).
     fn recognize(
         &self,
         cached: impl Fn(&Metadata) -> Option<Arc<CachedObject>>,
     ) -> Option<Arc<CachedObject>> {
-        let build_id = self.learned.as_deref().and_then(|learned| learned.build_id);
+        let learned = self.learned.as_deref()?;
+        let build_id = learned.build_id;
         let same_build =
             |object: &CachedObject| build_id.is_none_or(|id| object.id.build_id() == Some(id));
         if let Ok((metadata, _)) = open::stat_mapped(&self.proc_root, self.tgid, &self.mapping) {
             return cached(&metadata).filter(|object| same_build(object));
         }
-        let learned = self.learned.as_deref()?;
         for metadata in open::stat_learned(&self.proc_root, &learned.roots, &self.mapping) {
             if build_id.is_none() && !open::is_mapped_file(&metadata, &self.mapping) {
                 continue;
@@ -1748,6 +1748,44 @@ mod tests {
         assert_eq!(stats.objects_identified, 2, "nothing read again");
         assert_eq!(stats.object_cache_hits, 1, "known by its version");
         assert_eq!(table.stats().learned_unidentified, 0);
+    }
+
+    #[test]
+    fn of_a_learned_files_roots_the_first_that_holds_it_decides_cached_or_not() {
+        let proc = FakeProc::new();
+        // The host's /bin/app is the test binary; the parent's (process 10)
+        // claims the same build-id with other contents.
+        let (build_id, text) = app_in_the_root_of_10(&proc);
+        let host_bin = proc.dir.path().join("1/root/bin");
+        std::fs::create_dir_all(&host_bin).expect("host root");
+        let parents_app = proc.dir.path().join("10/root/bin/app");
+        std::fs::copy(&parents_app, host_bin.join("app")).expect("copying the binary");
+        let mut forged = std::fs::read(&parents_app).expect("reading the copy");
+        forged[usize::try_from(text.offset).expect("offset") + 0x100] ^= 0xff;
+        std::fs::write(&parents_app, forged).expect("forging");
+        let mut table = proc.table(8, Duration::ZERO);
+        let at = text.start + 0x10;
+        let identity = |table: &mut ProcessTable, tgid| match table.lookup(tgid, at) {
+            Ok(Some(Location::Object(object))) => object.id,
+            other => panic!("expected the object, got {other:?}"),
+        };
+        // A process whose parent has no root left: the host's file, read
+        // and cached.
+        table.exec_learned(30, Some(99), 100);
+        table.mapped(30, text.clone(), Some(build_id));
+        let host = identity(&mut table, 30);
+        // A child of process 10: its parent's root comes first, and holds a
+        // file not read yet. It is read, not passed over for the host's
+        // cached one.
+        table.exec_learned(31, Some(10), 100);
+        table.mapped(31, text.clone(), Some(build_id));
+        let parents = identity(&mut table, 31);
+        assert_ne!(parents, host, "the parent's file is the one mapped");
+        // Both cached now: each child of either is known by its version.
+        table.exec_learned(32, Some(10), 100);
+        table.mapped(32, text, Some(build_id));
+        assert_eq!(identity(&mut table, 32), parents);
+        assert_eq!(table.stats().objects_identified, 2);
     }
 
     #[test]

@@ -272,8 +272,9 @@ impl TableReader {
     }
 
     /// The backing of a file mapped while the agent ran: from the file
-    /// itself, reached through the process or, if it is gone, the roots of
-    /// its parent and the host in turn; from the cache, without opening it,
+    /// itself, reached through the process's `map_files` or else under the
+    /// roots of its learned list in turn (see [`open`]); from the cache,
+    /// without opening it,
     /// when this version of it (as for a maps read: device, inode, size and
     /// modification time) was identified before. When no such file is
     /// left, by the build-id the kernel reported, if only one file's
