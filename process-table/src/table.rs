@@ -1699,10 +1699,7 @@ mod tests {
         let app = proc.dir.path().join("10/root/bin/app");
         // A second file claiming the same build-id with other contents: a
         // mapping known by its build-id alone stays unidentified.
-        let mut forged = std::fs::read(&app).expect("reading the copy");
-        let code_byte = usize::try_from(text.offset).expect("offset") + 0x100;
-        forged[code_byte] ^= 0xff;
-        std::fs::write(proc.dir.path().join("10/root/bin/forged"), forged).expect("forging");
+        forge(&app, &text, &proc.dir.path().join("10/root/bin/forged"));
         let mut table = proc.table(8, Duration::ZERO);
         table.exec_learned(20, Some(10), 100);
         table.mapped(20, text.clone(), Some(build_id));
@@ -1747,7 +1744,7 @@ mod tests {
         let stats = table.stats();
         assert_eq!(stats.objects_identified, 2, "nothing read again");
         assert_eq!(stats.object_cache_hits, 1, "known by its version");
-        assert_eq!(table.stats().learned_unidentified, 0);
+        assert_eq!(stats.learned_unidentified, 0);
     }
 
     #[test]
@@ -1760,9 +1757,7 @@ mod tests {
         std::fs::create_dir_all(&host_bin).expect("host root");
         let parents_app = proc.dir.path().join("10/root/bin/app");
         std::fs::copy(&parents_app, host_bin.join("app")).expect("copying the binary");
-        let mut forged = std::fs::read(&parents_app).expect("reading the copy");
-        forged[usize::try_from(text.offset).expect("offset") + 0x100] ^= 0xff;
-        std::fs::write(&parents_app, forged).expect("forging");
+        forge(&parents_app, &text, &parents_app);
         let mut table = proc.table(8, Duration::ZERO);
         let at = text.start + 0x10;
         let identity = |table: &mut ProcessTable, tgid| match table.lookup(tgid, at) {
@@ -1825,6 +1820,14 @@ mod tests {
             other => panic!("expected the object, got {other:?}"),
         }
         assert!(table.take_read_requests().is_empty(), "read once");
+    }
+
+    /// Writes `to` as a copy of `binary` with a byte of the code `text` maps
+    /// changed: a file that claims the same build-id with other contents.
+    fn forge(binary: &Path, text: &Mapping, to: &Path) {
+        let mut forged = std::fs::read(binary).expect("reading the binary");
+        forged[usize::try_from(text.offset).expect("offset") + 0x100] ^= 0xff;
+        std::fs::write(to, forged).expect("forging");
     }
 
     /// The test binary as `/bin/app` in the root of a live process 10 (the
