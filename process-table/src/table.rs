@@ -274,8 +274,9 @@ impl MappedRegion {
 
     /// Opens the mapped file (see [`open::open_mapped`]), e.g. for the table
     /// compiler. Once the process has exited, a mapping learned from an
-    /// event is still reached by its path under its parent's or the host's
-    /// root, when the file there is the one mapped ([`open::open_learned`]).
+    /// event is still reached by its path under the roots of its learned
+    /// list (its own, its parent's, the agent's, init's) in turn, when the
+    /// file there is the one mapped ([`open::open_learned`]).
     pub fn open(&self) -> Result<OpenedFile, OpenError> {
         let opened = open::open_mapped(&self.proc_root, self.tgid, &self.mapping);
         match (&self.learned, opened) {
