@@ -225,11 +225,11 @@ pub fn stat_learned<'a>(
         } => Some(path),
         _ => None,
     };
-    // No path (deleted, memfd, anonymous): no roots to look under.
-    let roots = if name.is_some() { roots } else { &[] };
-    roots.iter().filter_map(move |&pid| {
-        let name = name?;
-        std::fs::metadata(under_root_of(proc_root, pid, name)).ok()
+    // No path (deleted, memfd, anonymous): nothing to look for.
+    name.into_iter().flat_map(move |name| {
+        roots
+            .iter()
+            .filter_map(move |&pid| std::fs::metadata(under_root_of(proc_root, pid, name)).ok())
     })
 }
 
