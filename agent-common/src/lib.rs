@@ -892,6 +892,7 @@ pub mod names {
     pub const OFF_CPU_RATE: &str = "OFF_CPU_RATE";
     pub const OFF_CPU_SAMPLES_PER_SEC: &str = "OFF_CPU_SAMPLES_PER_SEC";
     pub const TASK_PID_OFFSET: &str = "TASK_PID_OFFSET";
+    pub const TASK_COMM_OFFSET: &str = "TASK_COMM_OFFSET";
 }
 
 /// Capacity of the tgid allow-list and of the cgroup policy map.

@@ -74,7 +74,8 @@ use aya_ebpf::{
         generated::{
             bpf_get_current_ancestor_cgroup_id, bpf_get_current_comm as gen_get_current_comm,
             bpf_get_current_task, bpf_get_current_task_btf, bpf_get_prandom_u32, bpf_get_stack,
-            bpf_loop, bpf_probe_read_user, bpf_ringbuf_query, bpf_task_pt_regs,
+            bpf_loop, bpf_probe_read_kernel as gen_probe_read_kernel, bpf_probe_read_user,
+            bpf_ringbuf_query, bpf_task_pt_regs,
         },
     },
     macros::{btf_map, btf_tracepoint, map, perf_event, raw_tracepoint},
@@ -336,6 +337,11 @@ static OFF_CPU_SAMPLES_PER_SEC: Global<u32> = Global::new(200);
 /// (the agent does not attach the off-CPU program then).
 #[unsafe(no_mangle)]
 static TASK_PID_OFFSET: Global<u32> = Global::new(0);
+/// Byte offset of `comm` (the thread's name) in `task_struct`, from the
+/// kernel's BTF; 0 when unknown (then `bpf_get_current_comm` reads it, see
+/// `write_current_comm`).
+#[unsafe(no_mangle)]
+static TASK_COMM_OFFSET: Global<u32> = Global::new(0);
 /// Unread bytes in a ring at which a record wakes the reader (the agent
 /// sets a quarter of a CPU's ring at load; the deep ring, which holds only
 /// a few of the largest copies, uses the same mark).
@@ -845,14 +851,45 @@ impl SampleIds {
             (*h).user_rip = user_regs.map_or(0, |r| r.rip);
             (*h).user_rsp = user_regs.map_or(0, |r| r.rsp);
             (*h).user_rbp = user_regs.map_or(0, |r| r.rbp);
-            // The helper zeroes the buffer itself when it fails. Zeroing it
-            // here too took a byte-by-byte `memset` the verifier followed
-            // at each of the 30 places a header is written: 7,400 of the
-            // instructions it checked.
-            gen_get_current_comm(core::ptr::addr_of_mut!((*h).comm).cast(), COMM_LEN as u32);
+            write_current_comm(core::ptr::addr_of_mut!((*h).comm).cast());
             (*h).tail_len = 0;
             (*h).tail_spans = 0;
             (*h).process_start_ns = self.process_start_ns;
+        }
+    }
+}
+
+/// Writes the current thread's name (`comm`, `COMM_LEN` bytes) to `dest`,
+/// read straight from its task with the fault-tolerant kernel probe: the
+/// helper every tick has just run for its process's start time, so its
+/// code is still in the cache. `bpf_get_current_comm`, a helper of its
+/// own, took about 0.55 us of a tick at 99 Hz in cold caches (measured
+/// with timers in the program on two `xz -9`), the probe's read 0.1 us.
+/// `comm` always ends in a NUL, and the agent reads up to the first one.
+/// Without the offset, the helper reads it.
+///
+/// Both zero the buffer themselves when they fail. Zeroing it here too
+/// took a byte-by-byte `memset` the verifier followed at each of the 30
+/// places a header is written: 7,400 of the instructions it checked.
+///
+/// # Safety
+/// `dest` must have room for `COMM_LEN` bytes.
+#[inline(always)]
+unsafe fn write_current_comm(dest: *mut u8) {
+    let offset = TASK_COMM_OFFSET.load();
+    // SAFETY: both write at most COMM_LEN bytes to `dest` (the caller's);
+    // the probe reads kernel memory fault-tolerantly: a wrong offset yields
+    // a wrong name, never a crash.
+    unsafe {
+        if offset == 0 {
+            gen_get_current_comm(dest.cast(), COMM_LEN as u32);
+        } else {
+            let task = bpf_get_current_task() as *const u8;
+            gen_probe_read_kernel(
+                dest.cast(),
+                COMM_LEN as u32,
+                task.add(offset as usize).cast(),
+            );
         }
     }
 }

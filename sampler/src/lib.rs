@@ -435,6 +435,7 @@ impl Sampler {
         let (leader_offset, start_offset) =
             layout.map_or((0, 0), |layout| (layout.group_leader, layout.start_time));
         let fsbase_offset = layout.and_then(|layout| layout.fsbase).unwrap_or(0);
+        let comm_offset = layout.and_then(|layout| layout.comm).unwrap_or(0);
         let (mm_offset, start_stack_offset) = layout
             .and_then(|layout| layout.stack_start)
             .map_or((0, 0), |stack_start| {
@@ -464,6 +465,7 @@ impl Sampler {
             .override_global(names::TASK_MM_OFFSET, &mm_offset, true)
             .override_global(names::MM_START_STACK_OFFSET, &start_stack_offset, true)
             .override_global(names::TASK_PID_OFFSET, &pid_offset, true)
+            .override_global(names::TASK_COMM_OFFSET, &comm_offset, true)
             .override_global(names::OFF_CPU_SAMPLES_PER_SEC, &off_cpu_rate, true)
             .override_global(aya_log::LEVEL, &log_level, false)
             .map_max_entries(names::SCRATCH, cpu_slots as u32)

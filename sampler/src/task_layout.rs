@@ -1,5 +1,5 @@
-//! Where the running kernel keeps a task's thread group leader, start time
-//! and user thread pointer in `struct task_struct`, and where its process's
+//! Where the running kernel keeps a task's thread group leader, start time,
+//! name and user thread pointer in `struct task_struct`, and where its process's
 //! stack started in `struct mm_struct`, read from the kernel's BTF. The
 //! sampler passes the offsets to the BPF program, which then stamps every
 //! sample with its process's start time (with the pid, the process's
@@ -34,6 +34,9 @@ pub struct TaskLayout {
     /// `pid`: the thread id (off-CPU samples name the thread a switch runs
     /// next by it); `None` where the BTF lacks it.
     pub pid: Option<u32>,
+    /// `comm`: the thread's name, which samples carry; `None` where the
+    /// BTF lacks it (the program then asks a helper of its own).
+    pub comm: Option<u32>,
 }
 
 /// Byte offsets of a process's stack start: `task_struct.mm`, a pointer to
@@ -110,6 +113,7 @@ impl TaskLayout {
             fsbase,
             stack_start,
             pid: btf.byte_offset(&members, "pid"),
+            comm: btf.byte_offset(&members, "comm"),
         })
     }
 }
@@ -276,6 +280,8 @@ mod tests {
         assert_ne!(layout.group_leader, layout.start_time);
         let pid = layout.pid.expect("task_struct.pid");
         assert!(pid > 0 && pid.is_multiple_of(4));
+        let comm = layout.comm.expect("task_struct.comm");
+        assert!(comm > 0 && ![pid, layout.start_time, layout.group_leader].contains(&comm));
         #[cfg(target_arch = "x86_64")]
         {
             let fsbase = layout.fsbase.expect("x86-64 kernels have thread.fsbase");
@@ -292,8 +298,9 @@ mod tests {
     }
 
     /// BTF with an int, a pointer, `struct task_struct { int pid; ptr
-    /// group_leader; u64 start_time; struct thread_struct thread; ptr mm; }`
-    /// at bit offsets 0, 64, `start_time_bits`, 2048 and 1536, `struct
+    /// group_leader; u64 start_time; struct thread_struct thread; ptr mm;
+    /// int comm; }` at bit offsets 0, 64, `start_time_bits`, 2048, 1536 and
+    /// 1600, `struct
     /// thread_struct { int sp; int fsbase; }` at 0 and 64, and `struct
     /// mm_struct { struct { int mmap_base; union { int start_stack; }; }; }`
     /// with the anonymous struct at 0, `mmap_base` at 0, the anonymous
@@ -301,7 +308,7 @@ mod tests {
     fn sample_btf(start_time_bits: u32) -> Vec<u8> {
         let strings =
             b"\0int\0task_struct\0pid\0group_leader\0start_time\0thread\0thread_struct\0sp\0\
-                        fsbase\0mm\0mm_struct\0mmap_base\0start_stack\0";
+                        fsbase\0mm\0mm_struct\0mmap_base\0start_stack\0comm\0";
         let name = |s: &str| {
             let needle = format!("\0{s}\0");
             strings
@@ -318,12 +325,13 @@ mod tests {
         };
         push(&[name("int"), 1 << 24, 4, 32]); // 1: INT
         push(&[0, 2 << 24, 1]); // 2: PTR to 1
-        push(&[name("task_struct"), (4 << 24) | 5, 512]); // 3: STRUCT, 5 members
+        push(&[name("task_struct"), (4 << 24) | 6, 512]); // 3: STRUCT, 6 members
         push(&[name("pid"), 1, 0]);
         push(&[name("group_leader"), 2, 64]);
         push(&[name("start_time"), 1, start_time_bits]);
         push(&[name("thread"), 4, 2048]);
         push(&[name("mm"), 2, 1536]);
+        push(&[name("comm"), 1, 1600]);
         push(&[name("thread_struct"), (4 << 24) | 2, 16]); // 4: STRUCT, 2 members
         push(&[name("sp"), 1, 0]);
         push(&[name("fsbase"), 1, 64]);
@@ -364,6 +372,7 @@ mod tests {
                     start_stack: 472,
                 }),
                 pid: Some(0),
+                comm: Some(200),
             }
         );
         assert!(matches!(

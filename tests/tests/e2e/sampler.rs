@@ -129,6 +129,12 @@ fn copies_the_stack_of_a_deep_recursion_with_every_frames_canary() {
             process.pid(),
             "the allow-list let another process through"
         );
+        // Read from the task at the offset found in BTF.
+        assert_eq!(
+            agent_common::comm_str(&h.comm),
+            "deep_stack",
+            "the thread's name: {h:?}"
+        );
         assert_ne!(
             h.flags & sample_flags::USER_REGS,
             0,
