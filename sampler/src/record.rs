@@ -267,6 +267,17 @@ pub struct Sample<'a> {
     tail: &'a [u8],
 }
 
+/// Zeroes the bytes of a thread name after its NUL. The 16 bytes key the
+/// agent's label sets and its deep programs, and what follows the NUL is
+/// not the name's: `bpf_get_current_comm` before Linux 6.4 left it as the
+/// buffer held it (an earlier record's bytes, in a reused reservation),
+/// and a name read while the thread renames itself can mix two names.
+fn clear_after_name(comm: &mut [u8]) {
+    if let Some(end) = comm.iter().position(|&byte| byte == 0) {
+        comm[end..].fill(0);
+    }
+}
+
 impl<'a> Sample<'a> {
     /// Decodes one sample record.
     pub fn decode(record: &'a [u8]) -> Result<Self, DecodeError> {
@@ -279,8 +290,9 @@ impl<'a> Sample<'a> {
         // SAFETY: `header_bytes` holds SAMPLE_HEADER_SIZE == size_of::<SampleHeader>()
         // bytes, the header is made only of integers (every bit pattern is valid)
         // and `read_unaligned` makes no alignment assumption.
-        let header: SampleHeader =
+        let mut header: SampleHeader =
             unsafe { core::ptr::read_unaligned(header_bytes.as_ptr().cast()) };
+        clear_after_name(&mut header.comm);
 
         if header.kind != RecordKind::Sample as u32 {
             return Err(DecodeError::UnknownKind(header.kind));
@@ -670,6 +682,23 @@ mod tests {
             Sample::decode(&encode(&header, &[], &[])),
             Err(DecodeError::BadTail { .. })
         ));
+    }
+
+    #[test]
+    fn a_names_bytes_after_its_nul_are_zeroed() {
+        let mut stale = header(0, 0);
+        stale.comm[5..].copy_from_slice(b"\0stale-name");
+        let sample_record = encode(&stale, &[], &[]);
+        let sample = Sample::decode(&sample_record).unwrap();
+        assert_eq!(sample.header, header(0, 0));
+        // A name of all 16 bytes has no NUL to clear after.
+        let mut full = header(0, 0);
+        full.comm = *b"sixteen-byte-nam";
+        let sample_record = encode(&full, &[], &[]);
+        assert_eq!(
+            Sample::decode(&sample_record).unwrap().header.comm,
+            full.comm
+        );
     }
 
     #[test]
