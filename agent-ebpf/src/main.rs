@@ -819,7 +819,7 @@ impl SampleIds {
     }
 
     /// Writes a sample's header field by field where it goes (a scratch
-    /// slot or a reservation), the comm straight from the helper: a header
+    /// slot or a reservation), the comm straight from the task: a header
     /// built on the stack first took 104 of the 512 bytes a chain of calls
     /// may use on Linux 6.1.
     ///
@@ -836,7 +836,7 @@ impl SampleIds {
     ) {
         let h = dest.cast::<SampleHeader>();
         // SAFETY: every field lies inside the header the caller vouches
-        // for; the helper writes at most COMM_LEN bytes into `comm`.
+        // for; `write_current_comm` writes COMM_LEN bytes into `comm`.
         unsafe {
             (*h).kind = RecordKind::Sample as u32;
             (*h).flags = flags;
@@ -863,10 +863,9 @@ impl SampleIds {
 /// read straight from its task with the fault-tolerant kernel probe: the
 /// helper every tick has just run for its process's start time, so its
 /// code is still in the cache. `bpf_get_current_comm`, a helper of its
-/// own, took about 0.55 us of a tick at 99 Hz in cold caches (measured
-/// with timers in the program on two `xz -9`), the probe's read 0.1 us.
-/// `comm` always ends in a NUL, and the agent reads up to the first one.
-/// Without the offset, the helper reads it.
+/// own, cost a tick in cold caches about twice as much (see the README).
+/// `comm` always ends in a NUL; the agent reads up to it and zeroes what
+/// follows (see `Sample::decode`). Without the offset, the helper reads it.
 ///
 /// Both zero the buffer themselves when they fail. Zeroing it here too
 /// took a byte-by-byte `memset` the verifier followed at each of the 30

@@ -300,9 +300,8 @@ mod tests {
     /// BTF with an int, a pointer, `struct task_struct { int pid; ptr
     /// group_leader; u64 start_time; struct thread_struct thread; ptr mm;
     /// int comm; }` at bit offsets 0, 64, `start_time_bits`, 2048, 1536 and
-    /// 1600, `struct
-    /// thread_struct { int sp; int fsbase; }` at 0 and 64, and `struct
-    /// mm_struct { struct { int mmap_base; union { int start_stack; }; }; }`
+    /// 1600, `struct thread_struct { int sp; int fsbase; }` at 0 and 64,
+    /// and `struct mm_struct { struct { int mmap_base; union { int start_stack; }; }; }`
     /// with the anonymous struct at 0, `mmap_base` at 0, the anonymous
     /// union at 3712 and `start_stack` at 64 in it.
     fn sample_btf(start_time_bits: u32) -> Vec<u8> {

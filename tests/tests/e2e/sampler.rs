@@ -113,6 +113,9 @@ fn copies_the_stack_of_a_deep_recursion_with_every_frames_canary() {
     let stack = mapping(&maps, |m| m.path == MappingPath::Stack, "stack");
 
     let samples = sample_process(process.pid(), agent_common::DEFAULT_USER_STACK_BYTES);
+    // The program reads thread names from the task at this offset.
+    let layout = stackscope_sampler::task_layout::TaskLayout::of_running_kernel();
+    assert!(layout.is_ok_and(|layout| layout.comm.is_some()));
 
     // The fixture spins on one of the two CPUs the whole time: about
     // FREQUENCY_HZ * 2 s ticks land on it. Half of that is plenty of margin.
@@ -129,7 +132,6 @@ fn copies_the_stack_of_a_deep_recursion_with_every_frames_canary() {
             process.pid(),
             "the allow-list let another process through"
         );
-        // Read from the task at the offset found in BTF.
         assert_eq!(
             agent_common::comm_str(&h.comm),
             "deep_stack",
