@@ -33,6 +33,9 @@ pub enum RecordKind {
     /// A [`SwitchIn`]: a thread whose off-CPU sample (see
     /// [`sample_flags::OFF_CPU`]) was written came back onto a CPU.
     SwitchIn = 5,
+    /// A [`Doorbell`]: wakes the reader for a CPU's [`SampleArea`]. The
+    /// reader of the rings drops it; nothing else sees it.
+    Doorbell = 6,
 }
 
 /// Bit flags in [`SampleHeader::flags`].
@@ -568,6 +571,74 @@ impl SwitchIn {
 
 /// Size of [`SwitchIn`] in bytes.
 pub const SWITCH_IN_SIZE: usize = 32;
+
+/// Data bytes of a CPU's [`SampleArea`]: a power of two, so that a
+/// position masks to an offset.
+pub const SAMPLE_AREA_BYTES: usize = 1 << 20;
+/// Bytes after the data that a record starting near its end runs on
+/// into: at least the largest direct record (see [`area_record_bytes`]).
+/// Sized so that an area is a whole number of pages.
+pub const SAMPLE_AREA_SLACK: usize = (64 << 10) - 128;
+const _: () = assert!(SAMPLE_AREA_BYTES.is_power_of_two());
+const _: () = assert!(
+    SAMPLE_AREA_SLACK as u64
+        >= area_record_bytes(reserved_record_bytes(MAX_USER_STACK_BYTES, true) as u64)
+);
+/// Unread bytes of an area past which the program rings the reader's
+/// [`Doorbell`]: a quarter, as for the rings.
+pub const SAMPLE_AREA_WAKEUP_BYTES: u64 = SAMPLE_AREA_BYTES as u64 / 4;
+
+/// A CPU's sample area: where the program writes that CPU's direct
+/// records (see [`sample_flags::DIRECT_COPY`]) without a ring buffer's
+/// lock, helpers or record header. The agent maps the array of areas
+/// (one per CPU, `BPF_F_MMAPABLE`) and reads them as it reads the rings.
+///
+/// Positions count bytes since the area was made; a position's offset in
+/// `data` is it modulo [`SAMPLE_AREA_BYTES`]. A record is a `u64` length
+/// (of the record proper: header and stacks) followed by the record, the
+/// whole [`area_record_bytes`] long, written at its start's offset even
+/// when it runs past the data's end into the slack: the reader reads it
+/// there. The program writes a record only if `producer - consumer` plus
+/// its most bytes stays within [`SAMPLE_AREA_BYTES`], so it never writes
+/// over an unread record, slack included; otherwise it takes the ring.
+///
+/// One writer per area: the program on its CPU (which does not nest
+/// there), storing `producer` after the record (x86 keeps stores in
+/// order). One reader: the agent, storing `consumer` after reading.
+#[repr(C)]
+pub struct SampleArea {
+    /// Bytes written; only the program stores it.
+    pub producer: u64,
+    /// Keeps the two positions on cache lines of their own.
+    pub _producer_line: [u64; 7],
+    /// Bytes read; only the reader stores it.
+    pub consumer: u64,
+    pub _consumer_line: [u64; 7],
+    pub data: [u8; SAMPLE_AREA_BYTES + SAMPLE_AREA_SLACK],
+}
+const _: () = assert!(core::mem::size_of::<SampleArea>().is_multiple_of(4096));
+const _: () = assert!(core::mem::offset_of!(SampleArea, consumer) == 64);
+const _: () = assert!(core::mem::offset_of!(SampleArea, data) == 128);
+
+/// Bytes a record of `record_len` bytes takes of a [`SampleArea`]: its
+/// length word, and the record rounded up to 8 bytes (so every length
+/// word and header is 8-aligned).
+pub const fn area_record_bytes(record_len: u64) -> u64 {
+    8 + record_len.next_multiple_of(8)
+}
+
+/// Wakes the reader for the areas (see [`SampleArea`]): an area has no
+/// descriptor to poll, so the program writes this to its CPU's ring with
+/// a wake-up when the area's unread bytes pass
+/// [`SAMPLE_AREA_WAKEUP_BYTES`].
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Doorbell {
+    /// [`RecordKind::Doorbell`].
+    pub kind: u32,
+    /// The CPU whose area rang.
+    pub cpu: u32,
+}
 const _: () = assert!(core::mem::size_of::<SwitchIn>() == SWITCH_IN_SIZE);
 
 /// What the switch-out of a sampled blocking thread leaves for its
@@ -893,6 +964,7 @@ pub mod names {
     pub const OFF_CPU_SAMPLES_PER_SEC: &str = "OFF_CPU_SAMPLES_PER_SEC";
     pub const TASK_PID_OFFSET: &str = "TASK_PID_OFFSET";
     pub const TASK_COMM_OFFSET: &str = "TASK_COMM_OFFSET";
+    pub const SAMPLE_AREAS: &str = "SAMPLE_AREAS";
 }
 
 /// Capacity of the tgid allow-list and of the cgroup policy map.

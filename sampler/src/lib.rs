@@ -15,6 +15,7 @@
 //! copy plans to the program's maps but does not make them: the walker's
 //! planner (`stackscope_unwind::walker::stitching`) learns them from walks.
 
+mod areas;
 mod cpu_clock;
 mod losses;
 pub mod mapping_feed;
@@ -472,6 +473,7 @@ impl Sampler {
             .map_max_entries(names::RECORDS_LOST, cpu_slots as u32)
             // The deep ring's slot, then one per CPU.
             .map_max_entries(names::SAMPLE_RINGS, cpu_slots as u32 + 1)
+            .map_max_entries(names::SAMPLE_AREAS, ring_layout.sample_areas)
             .load(BPF_OBJECT)
             .map_err(SamplerError::Load)?;
 
@@ -496,7 +498,15 @@ impl Sampler {
         );
         // Every CPU's slot holds its ring before any program is attached:
         // a tick that finds none loses its record.
-        let rings = Rings::create(ring_layout, take_map(&mut ebpf, names::SAMPLE_RINGS)?)?;
+        let areas = match ebpf.take_map(names::SAMPLE_AREAS) {
+            Some(aya::maps::Map::Array(map)) => map,
+            _ => return Err(SamplerError::Missing(names::SAMPLE_AREAS)),
+        };
+        let rings = Rings::create(
+            ring_layout,
+            take_map(&mut ebpf, names::SAMPLE_RINGS)?,
+            areas,
+        )?;
         let off_cpu_program = match config.off_cpu {
             Some(_) => Some(load_off_cpu(&mut ebpf)?),
             None => None,
@@ -736,14 +746,15 @@ impl Sampler {
     }
 
     /// Records lost because the ring buffer was full since the last call
-    /// (the first call counts from the start). A lost exec or exit record
-    /// leaves per-process state stale, so the reader checks this before
-    /// each drain.
+    /// (the first call counts from the start), and each time the reader
+    /// gave up a sample area's unread records (see `areas::AreaError`). A
+    /// lost exec or exit record leaves per-process state stale, so the
+    /// reader checks this before each drain.
     ///
     /// Reads mapped memory: no system call, so it can come before every
     /// drain.
     pub fn take_new_losses(&mut self) -> u64 {
-        let total = self.records_lost.total();
+        let total = self.records_lost.total() + self.rings.bad_area_records();
         let new = total.saturating_sub(self.losses_seen);
         self.losses_seen = total;
         new
@@ -1067,16 +1078,16 @@ where
     M::try_from(map).map_err(|source| SamplerError::Map { name, source })
 }
 
-/// What the record rings add to the agent's RSS on this host with deep
-/// copies of at most `deep_stack_bytes`: their data pages are mapped
-/// twice, and each has a page of positions for either side. `None` when
-/// the CPUs cannot be listed.
+/// What the record rings and sample areas add to the agent's RSS on this
+/// host with deep copies of at most `deep_stack_bytes`: a ring's data
+/// pages are mapped twice, and each has a page of positions for either
+/// side; an area is mapped once. `None` when the CPUs cannot be listed.
 pub fn ring_buffer_rss(deep_stack_bytes: u32) -> Option<u64> {
     let cpus = nr_cpus().ok()?;
     let layout = RingLayout::for_host(cpus, deep_stack_bytes);
     // SAFETY: sysconf has no preconditions.
     let page = u64::try_from(unsafe { libc::sysconf(libc::_SC_PAGESIZE) }).unwrap_or(4096);
-    Some(2 * layout.total_bytes() + 2 * page * u64::from(layout.rings()))
+    Some(2 * layout.total_bytes() + 2 * page * u64::from(layout.rings()) + layout.area_bytes())
 }
 
 /// aya-log level numbers: error = 1 … trace = 5.

@@ -1,8 +1,9 @@
 //! The record rings: one per CPU (one per group of CPUs on hosts too large
 //! for that) and one for deep copies, shared by every CPU ([`RingLayout`]).
 //! Made here, handed to the program through its `SAMPLE_RINGS` slots (the
-//! deep ring's, then one per CPU), and read as one stream in time order
-//! ([`Rings::drain`]).
+//! deep ring's, then one per CPU), and read with the CPUs' sample areas
+//! ([`crate::areas`], where ticks' direct records go) as one stream in
+//! time order ([`Rings::drain`]).
 //!
 //! Why several: a ring shared by every CPU made each reservation take its
 //! lock and write its producer position, lines the other CPUs' ticks wrote
@@ -18,12 +19,14 @@ use std::{
     os::fd::{AsRawFd, FromRawFd as _, OwnedFd},
 };
 
-use agent_common::{DEEP_COPY_CLASSES, MAX_DEEP_STACK_BYTES, reserved_record_bytes};
+use agent_common::{
+    DEEP_COPY_CLASSES, MAX_DEEP_STACK_BYTES, RecordKind, SampleArea, reserved_record_bytes,
+};
 use aya::maps::{ArrayOfMaps, Map, MapData, MapError, RingBuf, ring_buf::RingBufItem};
 use aya_obj::generated::bpf_map_type::BPF_MAP_TYPE_RINGBUF;
 use tokio::io::unix::AsyncFd;
 
-use crate::{mapping_feed::monotonic_ns, record::record_time};
+use crate::{areas::SampleAreas, mapping_feed::monotonic_ns, record::record_time};
 
 /// A CPU's share of ring memory. At 997 Hz a CPU produces ~5.5 MB/s with
 /// busy.c's adaptive copies, so a reader woken at a quarter full has
@@ -36,6 +39,10 @@ const MIN_TOTAL_BYTES: usize = 4 << 20;
 
 /// The most memory of the CPUs' rings, and of the deep ring, on any host.
 const MAX_TOTAL_BYTES: usize = 1 << 30;
+
+/// Most sample areas on any host (a CPU past them writes its direct
+/// records to its ring): 272 MiB of them.
+const MAX_SAMPLE_AREAS: usize = 256;
 
 /// CPUs per three of the largest deep copies in the deep ring. Deep copies
 /// come from a few threads (a compiler's main thread, a deep program's
@@ -58,12 +65,15 @@ const CPUS_PER_DEEP_ROOM: usize = 8;
 ///   whenever the reader lagged (under the test suite's load) and fell
 ///   back to a shorter copy that did not reach the root. With the default
 ///   2 MiB deep copies: 8 MiB up to 8 CPUs, 64 MiB for 64.
+/// - A [`SampleArea`] per CPU, up to [`MAX_SAMPLE_AREAS`]: mapped once,
+///   1.06 MiB each.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct RingLayout {
     pub cpu_rings: u32,
     pub ring_bytes: u32,
     /// 0: no deep ring.
     pub deep_ring_bytes: u32,
+    pub sample_areas: u32,
 }
 
 impl RingLayout {
@@ -95,6 +105,7 @@ impl RingLayout {
             cpu_rings: rings as u32,
             ring_bytes: ring_bytes as u32,
             deep_ring_bytes: deep_ring_bytes as u32,
+            sample_areas: cpus.min(MAX_SAMPLE_AREAS) as u32,
         }
     }
 
@@ -102,8 +113,14 @@ impl RingLayout {
         self.cpu_rings + u32::from(self.deep_ring_bytes != 0)
     }
 
+    /// The rings' bytes (each mapped twice).
     pub fn total_bytes(&self) -> u64 {
         u64::from(self.cpu_rings) * u64::from(self.ring_bytes) + u64::from(self.deep_ring_bytes)
+    }
+
+    /// The sample areas' bytes (mapped once).
+    pub fn area_bytes(&self) -> u64 {
+        u64::from(self.sample_areas) * size_of::<SampleArea>() as u64
     }
 
     /// The ring of the CPU in `cpu`'s slot.
@@ -112,9 +129,11 @@ impl RingLayout {
     }
 }
 
-/// The rings the program writes, and what the reader needs to read them.
+/// The rings and areas the program writes, and what the reader needs to
+/// read them.
 pub struct Rings {
     rings: Vec<RingBuf<MapData>>,
+    areas: SampleAreas,
     /// `SAMPLE_RINGS`, held open: programs loaded after the rings were made
     /// resolve their reference to it through this descriptor.
     _slots: ArrayOfMaps<MapData, RingBuf<MapData>>,
@@ -129,12 +148,16 @@ pub struct Rings {
 
 impl Rings {
     /// Creates the rings of `layout` and fills the slots of `slots` (the
-    /// deep ring's, then one per CPU) with them. Must be called inside a
-    /// tokio runtime.
+    /// deep ring's, then one per CPU) with them, and maps `areas` (the
+    /// program's `SAMPLE_AREAS`, of `layout.sample_areas` areas). Must be
+    /// called inside a tokio runtime.
     pub fn create(
         layout: RingLayout,
         mut slots: ArrayOfMaps<MapData, RingBuf<MapData>>,
+        areas: MapData,
     ) -> Result<Self, RingsError> {
+        let areas =
+            SampleAreas::map(areas, layout.sample_areas as usize).map_err(RingsError::MapAreas)?;
         let mut rings = (0..layout.cpu_rings)
             .map(|_| create_ring("SAMPLES", layout.ring_bytes))
             .collect::<Result<Vec<_>, _>>()
@@ -155,13 +178,20 @@ impl Rings {
         }
         let ready = watch_readable(&rings).map_err(RingsError::Poll)?;
         Ok(Self {
-            oldest: BinaryHeap::with_capacity(rings.len()),
-            empty: BinaryHeap::with_capacity(rings.len()),
-            due: Vec::with_capacity(rings.len()),
+            oldest: BinaryHeap::with_capacity(rings.len() + areas.len()),
+            empty: BinaryHeap::with_capacity(rings.len() + areas.len()),
+            due: Vec::with_capacity(rings.len() + areas.len()),
             rings,
+            areas,
             _slots: slots,
             ready,
         })
+    }
+
+    /// Records found bad in the sample areas so far (see
+    /// [`crate::areas::AreaError`]).
+    pub fn bad_area_records(&self) -> u64 {
+        self.areas.bad_records()
     }
 
     /// Waits until a ring has records. Cancel safe. Readiness is cleared
@@ -173,26 +203,29 @@ impl Rings {
     }
 
     /// Passes every queued record to `on_record`, oldest first across the
-    /// rings, and returns how many there were.
+    /// rings and areas (the sources), and returns how many there were.
     ///
-    /// Each ring's oldest unread record is held until it is the oldest of
-    /// all. A ring found empty may be written again while the others are
-    /// read (a blocked thread's switch-in on one CPU, its off-CPU sample
-    /// read from another): it is read again before a record whose time is
-    /// past the moment it was found empty is passed on. What stays
+    /// Each source's oldest unread record is held until it is the oldest
+    /// of all. A source found empty may be written again while the others
+    /// are read (a blocked thread's switch-in on one CPU, its off-CPU
+    /// sample read from another): it is read again before a record whose
+    /// time is past the moment it was found empty is passed on. What stays
     /// unordered is a record whose time was taken before that moment and
     /// that was committed after (within one run of the program:
     /// microseconds), and, in a ring that CPUs share, records reserved in
     /// another order than their times were taken: as when one ring served
     /// every CPU. Records of the same time are passed in the order of their
-    /// rings (see [`Self::create`]).
+    /// sources: the rings (see [`Self::create`]), then the areas (a tick
+    /// that writes to an area writes no other record).
     pub fn drain(&mut self, mut on_record: impl FnMut(&[u8])) -> usize {
         // Holding a record of every ring at once needs a borrow of each,
         // which the vector's borrow cannot give out one at a time.
-        let rings: Vec<*mut RingBuf<MapData>> =
-            self.rings.iter_mut().map(std::ptr::from_mut).collect();
-        // Local, so no record outlives this call or its ring.
-        let mut heads: Vec<Option<RingBufItem<'_>>> = rings.iter().map(|_| None).collect();
+        let mut sources = Sources {
+            rings: self.rings.iter_mut().map(std::ptr::from_mut).collect(),
+            areas: &mut self.areas,
+        };
+        // Local, so no record outlives this call or its source.
+        let mut heads: Vec<Option<Head<'_>>> = (0..sources.len()).map(|_| None).collect();
         let mut queues = Queues {
             oldest: &mut self.oldest,
             empty: &mut self.empty,
@@ -201,79 +234,147 @@ impl Rings {
         queues.oldest.clear();
         queues.empty.clear();
         let now = monotonic_ns();
-        for (index, &ring) in rings.iter().enumerate() {
-            // SAFETY: `rings` points to distinct rings of `self.rings`,
-            // which `heads` cannot outlive; no record is taken yet.
-            unsafe { queues.read_next(ring, index, now, &mut heads) };
+        for index in 0..sources.len() {
+            // SAFETY: `heads` cannot outlive the sources; no record is
+            // taken yet.
+            unsafe { queues.read_next(&mut sources, index, now, &mut heads) };
         }
         let mut count = 0;
-        // The head whose time the empty rings were last read again for: at
-        // most once per head, so a record stamped in the future (a bad one)
-        // cannot keep the reader re-reading them.
+        // The head whose time the empty sources were last read again for:
+        // at most once per head, so a record stamped in the future (a bad
+        // one) cannot keep the reader re-reading them.
         let mut read_again_for = None;
         while let Some(&Reverse(head)) = queues.oldest.peek() {
             let (time, index) = head;
             if read_again_for != Some(head) {
                 read_again_for = Some(head);
-                if queues.read_again(&rings, time, &mut heads) {
+                // SAFETY: as above.
+                if unsafe { queues.read_again(&mut sources, time, &mut heads) } {
                     continue;
                 }
             }
             queues.oldest.pop();
             if let Some(record) = heads[index].take() {
-                on_record(&record);
+                on_record(record.bytes());
                 count += 1;
+                sources.consumed(index, record);
             }
-            // SAFETY: as above; the ring's record was passed on and dropped.
-            unsafe { queues.read_next(rings[index], index, monotonic_ns(), &mut heads) };
+            // SAFETY: as above; the source's record was passed on and let go.
+            unsafe { queues.read_next(&mut sources, index, monotonic_ns(), &mut heads) };
         }
         count
     }
 }
 
-/// What [`Rings::drain`] orders the rings by.
+/// What [`Rings::drain`] reads, by index: the rings, then the areas.
+struct Sources<'a> {
+    rings: Vec<*mut RingBuf<MapData>>,
+    areas: &'a mut SampleAreas,
+}
+
+/// A source's record, held until it is passed on.
+enum Head<'s> {
+    Ring(RingBufItem<'s>),
+    Area(&'s [u8]),
+}
+
+impl Head<'_> {
+    fn bytes(&self) -> &[u8] {
+        match self {
+            Self::Ring(record) => record,
+            Self::Area(record) => record,
+        }
+    }
+}
+
+impl Sources<'_> {
+    fn len(&self) -> usize {
+        self.rings.len() + self.areas.len()
+    }
+
+    /// Source `index`'s next record. A ring's [`agent_common::Doorbell`]s
+    /// are let go of on the way: they only woke the reader.
+    ///
+    /// # Safety
+    /// The record must not outlive its source, and source `index` has no
+    /// record taken.
+    unsafe fn next<'s>(&mut self, index: usize) -> Option<Head<'s>> {
+        match self.rings.get(index) {
+            Some(&ring) => loop {
+                // SAFETY: the caller's; a doorbell is dropped before the
+                // next record is taken.
+                let record = unsafe { (*ring).next() }?;
+                if !is_doorbell(&record) {
+                    break Some(Head::Ring(record));
+                }
+            },
+            // SAFETY: the caller's.
+            None => unsafe { self.areas.next(index - self.rings.len()) }.map(Head::Area),
+        }
+    }
+
+    /// Lets go of source `index`'s record `head`, passed on: the program
+    /// may write over it.
+    fn consumed(&mut self, index: usize, head: Head<'_>) {
+        match head {
+            Head::Ring(record) => drop(record),
+            Head::Area(_) => self.areas.consume(index - self.rings.len()),
+        }
+    }
+}
+
+fn is_doorbell(record: &[u8]) -> bool {
+    record.first_chunk::<4>() == Some(&(RecordKind::Doorbell as u32).to_ne_bytes())
+}
+
+/// What [`Rings::drain`] orders the sources by.
 struct Queues<'q> {
-    /// Each ring's held record, by its time.
+    /// Each source's held record, by its time.
     oldest: &'q mut BinaryHeap<Reverse<(u64, usize)>>,
-    /// The rings found empty, by when.
+    /// The sources found empty, by when.
     empty: &'q mut BinaryHeap<Reverse<(u64, usize)>>,
-    /// Rings to read again (kept for its allocation).
+    /// Sources to read again (kept for its allocation).
     due: &'q mut Vec<usize>,
 }
 
 impl Queues<'_> {
-    /// Takes the next record of ring `index` into `heads[index]`, queued by
-    /// its time, or queues the ring as found empty at `before`, a time
-    /// taken before the look (a record stamped between the two would
+    /// Takes the next record of source `index` into `heads[index]`, queued
+    /// by its time, or queues the source as found empty at `before`, a
+    /// time taken before the look (a record stamped between the two would
     /// otherwise pass unseen).
     ///
     /// # Safety
-    /// `ring` points to a ring that outlives `heads`, and no record taken
-    /// from it is alive (`heads[index]` holds none).
+    /// `heads` does not outlive `sources`, and holds no record of source
+    /// `index`.
     unsafe fn read_next<'s>(
         &mut self,
-        ring: *mut RingBuf<MapData>,
+        sources: &mut Sources<'_>,
         index: usize,
         before: u64,
-        heads: &mut [Option<RingBufItem<'s>>],
+        heads: &mut [Option<Head<'s>>],
     ) {
-        debug_assert!(heads[index].is_none(), "ring {index} read twice");
+        debug_assert!(heads[index].is_none(), "source {index} read twice");
         // SAFETY: the caller's.
-        let head = unsafe { (*ring).next() };
+        let head = unsafe { sources.next(index) };
         match &head {
-            Some(record) => self.oldest.push(Reverse((record_time(record), index))),
+            Some(record) => self
+                .oldest
+                .push(Reverse((record_time(record.bytes()), index))),
             None => self.empty.push(Reverse((before, index))),
         }
         heads[index] = head;
     }
 
-    /// Reads again every ring found empty at or before `time` (with one
+    /// Reads again every source found empty at or before `time` (with one
     /// look at the clock for all), and says whether one had a record.
-    fn read_again<'s>(
+    ///
+    /// # Safety
+    /// As [`Self::read_next`]'s, for every source found empty.
+    unsafe fn read_again<'s>(
         &mut self,
-        rings: &[*mut RingBuf<MapData>],
+        sources: &mut Sources<'_>,
         time: u64,
-        heads: &mut [Option<RingBufItem<'s>>],
+        heads: &mut [Option<Head<'s>>],
     ) -> bool {
         while let Some(&Reverse((found_empty, index))) = self.empty.peek()
             && found_empty <= time
@@ -288,9 +389,8 @@ impl Queues<'_> {
         let held = self.oldest.len();
         for due in 0..self.due.len() {
             let index = self.due[due];
-            // SAFETY: `rings` are `Rings::drain`'s; a ring found empty has
-            // no record taken.
-            unsafe { self.read_next(rings[index], index, before, heads) };
+            // SAFETY: the caller's; a source found empty has no record taken.
+            unsafe { self.read_next(sources, index, before, heads) };
         }
         self.due.clear();
         self.oldest.len() > held
@@ -345,6 +445,8 @@ pub enum RingsError {
     Slot(#[source] MapError),
     #[error("registering the record rings with the async runtime failed")]
     Poll(#[source] io::Error),
+    #[error("BPF map SAMPLE_AREAS could not be mapped into memory")]
+    MapAreas(#[source] io::Error),
 }
 
 #[cfg(test)]
@@ -358,6 +460,7 @@ mod tests {
             cpu_rings,
             ring_bytes: ring_mib * MIB,
             deep_ring_bytes: deep_mib * MIB,
+            sample_areas: cpu_rings,
         }
     }
 
@@ -394,8 +497,15 @@ mod tests {
     #[test]
     fn ring_memory_is_bounded_on_any_host() {
         let huge = RingLayout::for_host(100_000, MAX_DEEP_STACK_BYTES);
-        assert_eq!(huge, layout(512, 2, 1024));
+        assert_eq!(
+            huge,
+            RingLayout {
+                sample_areas: 256,
+                ..layout(512, 2, 1024)
+            }
+        );
         assert_eq!(huge.total_bytes(), 2 << 30);
+        assert_eq!(huge.area_bytes(), 272 << 20);
         assert_eq!(huge.ring_of(100_000 - 1), (100_000 - 1) % 512);
     }
 }

@@ -11,7 +11,7 @@ use std::{
 
 use agent_common::{
     CgroupPolicy, DEEP_COPY_CLASSES, DIRECT_COPY_CLASSES, MAX_DEEP_STACK_BYTES, MAX_SPAN_BYTES,
-    MAX_TAIL_BYTES, StackPlan, StackTop, TAIL_SPAN_HEADER_SIZE, policy_flags,
+    MAX_TAIL_BYTES, SAMPLE_HEADER_SIZE, StackPlan, StackTop, TAIL_SPAN_HEADER_SIZE, policy_flags,
     reserved_record_bytes, sample_flags, tail_span,
 };
 use stackscope_metadata::cgroups;
@@ -454,8 +454,10 @@ fn records_the_kernel_stack_and_the_saved_user_registers_of_a_syscall() {
         assert_eq!(sample.header.flags & sample_flags::DIRECT_COPY, 0);
     }
 
-    // With its stack top known, both stacks go straight into a reservation
-    // of the copy's size class, in kernel mode as in user mode.
+    // With its stack top known, both stacks go straight into the CPU's
+    // sample area, in kernel mode as in user mode: exactly their bytes.
+    // When the area has no room, into a ring reservation of the copy's
+    // size class.
     let top = thread_top(pid, pid, stack.end);
     let recorded = sample_planned(&sampling_only(pid), SAMPLING, vec![top]);
     check_syscall_samples(&recorded.samples, &maps, stack, &symbols);
@@ -467,7 +469,8 @@ fn records_the_kernel_stack_and_the_saved_user_registers_of_a_syscall() {
         let h = &sample.header;
         assert_ne!(h.flags & sample_flags::USER_STACK_FAULTED, 0, "{h:?}");
     }
-    for (sample, record_bytes) in direct {
+    let mut in_area = 0;
+    for &(sample, record_bytes) in &direct {
         let h = &sample.header;
         assert_eq!(
             h.flags & (sample_flags::DIRECT_COPY | sample_flags::COPY_AT_TOP),
@@ -476,6 +479,11 @@ fn records_the_kernel_stack_and_the_saved_user_registers_of_a_syscall() {
         );
         let copy = stack.end - h.user_rsp;
         assert_eq!(sample.user_stack.len() as u64, copy, "{h:?}");
+        let exact = SAMPLE_HEADER_SIZE + h.kernel_stack_len as usize + copy as usize;
+        if record_bytes == exact {
+            in_area += 1;
+            continue;
+        }
         let class = smallest_class(&DIRECT_COPY_CLASSES, copy);
         let in_kernel = h.flags & sample_flags::TICK_IN_USER == 0;
         assert_eq!(
@@ -484,6 +492,11 @@ fn records_the_kernel_stack_and_the_saved_user_registers_of_a_syscall() {
             "{h:?}"
         );
     }
+    assert!(
+        in_area > direct.len() / 2,
+        "{in_area} of {} direct records came from the sample area",
+        direct.len()
+    );
 }
 
 /// The samples copied into a reservation of their class (flagged `copy`,
