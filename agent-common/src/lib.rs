@@ -585,8 +585,12 @@ const _: () = assert!(
         >= area_record_bytes(reserved_record_bytes(MAX_USER_STACK_BYTES, true) as u64)
 );
 /// Unread bytes of an area past which the program rings the reader's
-/// [`Doorbell`]: a quarter, as for the rings.
-pub const SAMPLE_AREA_WAKEUP_BYTES: u64 = SAMPLE_AREA_BYTES as u64 / 4;
+/// [`Doorbell`]: half, the bytes of a 2 MiB ring's mark (a quarter), so
+/// the reader is woken no more often than when the rings took these
+/// records (few large drains cost it less per sample). An area has one
+/// writer, which always sees its own crossing: the rings' second mark,
+/// at twice the first, is not needed here.
+pub const SAMPLE_AREA_WAKEUP_BYTES: u64 = SAMPLE_AREA_BYTES as u64 / 2;
 
 /// A CPU's sample area: where the program writes that CPU's direct
 /// records (see [`sample_flags::DIRECT_COPY`]) without a ring buffer's
