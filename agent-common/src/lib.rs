@@ -65,11 +65,12 @@ pub mod sample_flags {
     /// walks reached the root before. A walk of such a copy that runs out of
     /// stack means that top is stale (the agent drops it).
     pub const COPY_AT_TOP: u32 = 1 << 5;
-    /// The record is a ring buffer reservation of one of the
-    /// [`super::DIRECT_COPY_CLASSES`] (see [`super::reserved_record_bytes`]),
-    /// the stacks read straight into it: bytes after the announced lengths
-    /// are padding. Only ticks of a thread with a stack top and no plan, so
-    /// there is no tail.
+    /// The stacks were read straight into the record: in its CPU's
+    /// [`super::SampleArea`] (exactly their bytes), or else in a ring
+    /// buffer reservation of one of the [`super::DIRECT_COPY_CLASSES`]
+    /// (see [`super::reserved_record_bytes`]), where bytes after the
+    /// announced lengths are padding. Only ticks of a thread with a stack
+    /// top and no plan, so there is no tail.
     pub const DIRECT_COPY: u32 = 1 << 6;
     /// An off-CPU sample: written at `sched_switch` as the thread blocked
     /// (it left the CPU without being runnable), not at a tick. `ktime_ns`
@@ -607,8 +608,10 @@ pub const SAMPLE_AREA_WAKEUP_BYTES: u64 = SAMPLE_AREA_BYTES as u64 / 2;
 /// over an unread record, slack included; otherwise it takes the ring.
 ///
 /// One writer per area: the program on its CPU (which does not nest
-/// there), storing `producer` after the record (x86 keeps stores in
-/// order). One reader: the agent, storing `consumer` after reading.
+/// there), storing `producer` after the record. BPF has no store-release
+/// on every kernel the agent supports (Linux 6.1 has none); x86-64, the
+/// only architecture the program is built for, keeps stores in order.
+/// One reader: the agent, storing `consumer` after reading.
 #[repr(C)]
 pub struct SampleArea {
     /// Bytes written; only the program stores it.
@@ -623,6 +626,15 @@ pub struct SampleArea {
 const _: () = assert!(core::mem::size_of::<SampleArea>().is_multiple_of(4096));
 const _: () = assert!(core::mem::offset_of!(SampleArea, consumer) == 64);
 const _: () = assert!(core::mem::offset_of!(SampleArea, data) == 128);
+
+/// Whether a record of at most `most` bytes (see [`area_record_bytes`])
+/// may be written at position `producer` of an area read up to `consumer`:
+/// it must not reach unread bytes. A consumer past the producer, which
+/// only a bad write makes, reads as full.
+pub const fn area_has_room(producer: u64, consumer: u64, most: u64) -> bool {
+    let unread = producer.wrapping_sub(consumer);
+    unread <= SAMPLE_AREA_BYTES as u64 && most <= SAMPLE_AREA_BYTES as u64 - unread
+}
 
 /// Bytes a record of `record_len` bytes takes of a [`SampleArea`]: its
 /// length word, and the record rounded up to 8 bytes (so every length

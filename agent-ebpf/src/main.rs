@@ -5,7 +5,7 @@
 //! runs again.
 //!
 //! On each tick it writes one variable-length record to its CPU's ring
-//! buffer (`SAMPLE_RINGS`): a [`SampleHeader`] (ids, cgroup, comm, user
+//! buffer (`SAMPLE_RINGS`) or sample area (`SAMPLE_AREAS`): a [`SampleHeader`] (ids, cgroup, comm, user
 //! registers), the kernel stack when the tick hit kernel mode, and a copy of
 //! the user stack from `rsp` upwards. It does no unwinding: that happens in user space, where any DWARF
 //! rule is cheap to evaluate (see `shared/DESIGN.md`).
@@ -18,10 +18,12 @@
 //! (its stack tail), so a deep stack reaches its root without being copied.
 //!
 //! A thread the agent has learned (its stack top is known) and that has no
-//! tail is read straight into a ring buffer reservation: the smallest of
-//! the size classes that holds its copy (a reservation's size must be a
-//! constant), the copy in one helper call (it ends below the top, inside
-//! the stack mapping), the rest of the class padding the agent skips. Any
+//! tail is read straight into its CPU's sample area (see [`area_copy`]),
+//! the copy in one helper call (it ends below the top, inside the stack
+//! mapping); when the area has no room, or the tick also wrote a Python
+//! record or is an off-CPU sample, into a ring buffer reservation: the
+//! smallest of the size classes that holds its copy (a reservation's size
+//! must be a constant), the rest of the class padding the agent skips. Any
 //! other record is assembled in a per-CPU scratch slot, its copy read page
 //! by page (so it stops at the end of the stack mapping, wherever that is),
 //! and handed to the ring buffer with one `bpf_ringbuf_output` of its real
@@ -62,8 +64,8 @@ use agent_common::{
     PythonStackHeader, RecordKind, SAMPLE_AREA_BYTES, SAMPLE_AREA_WAKEUP_BYTES, SAMPLE_HEADER_SIZE,
     SCRATCH_BYTES, STACK_TOP_SETS, STACK_TOP_WAYS, SWITCH_IN_SIZE, SampleArea, SampleHeader,
     StackPlan, StackTop, StackTopEntry, StackTopSet, SwitchIn, TAIL_SPAN_HEADER_SIZE,
-    area_record_bytes, policy_flags, python_stack_flags, reserved_record_bytes, sample_flags,
-    stack_top_flags, stack_top_set, tail_span,
+    area_has_room, area_record_bytes, policy_flags, python_stack_flags, reserved_record_bytes,
+    sample_flags, stack_top_flags, stack_top_set, tail_span,
 };
 use aya_ebpf::{
     EbpfContext, Global,
@@ -611,10 +613,11 @@ macro_rules! in_smallest_class {
     }};
 }
 
-/// A direct record (`sample_flags::DIRECT_COPY`): reserves the smallest
-/// class that holds the copy (and the kernel stack, for a tick in kernel
-/// mode), writes the kernel stack and reads the user stack into it in one
-/// helper call, and submits it. Spares the usual path's second copy
+/// A direct record (`sample_flags::DIRECT_COPY`): in the CPU's sample area
+/// ([`area_copy`]), or else in a reservation of the smallest class that
+/// holds the copy (and the kernel stack, for a tick in kernel mode), the
+/// kernel stack written and the user stack read into it in one helper
+/// call. Spares the usual path's second copy
 /// (scratch slot to ring) and its page-by-page reads. False, with nothing
 /// written, when the copy is empty, there is no room, or the read faults (a
 /// page of the stack was never touched, or the top is stale): the tick then
@@ -669,8 +672,9 @@ enum AreaCopy {
 /// (when `KERNEL_ROOM` and the tick hit kernel mode) and `copy_limit`
 /// bytes of user stack read into place, the header, the length word, and
 /// then the producer position. A ring buffer's reservation took a lock,
-/// two helpers and three positions in cache lines of their own (1.7-2.0
-/// us of a cold tick at 99 Hz); this reads two positions and writes one.
+/// helpers and positions in cache lines of their own (its lookup,
+/// reservation, unread count and submit took 2.0-2.4 us of a cold tick at
+/// 99 Hz, see the README); this reads two positions and writes one.
 /// The reader is woken by a [`Doorbell`] when the area's unread bytes
 /// pass the mark.
 #[inline(always)]
@@ -696,12 +700,11 @@ fn area_copy<C: EbpfContext, const KERNEL_ROOM: bool>(
             core::ptr::addr_of!((*area).consumer).read_volatile(),
         )
     };
-    let unread = producer.wrapping_sub(consumer);
     let most = area_record_bytes(u64::from(reserved_record_bytes(len, KERNEL_ROOM)));
-    // A consumer past the producer (a bad write) reads as full.
-    if unread > SAMPLE_AREA_BYTES as u64 - most {
+    if !area_has_room(producer, consumer, most) {
         return AreaCopy::NoRoom;
     }
+    let unread = producer.wrapping_sub(consumer);
     let start = (producer & (SAMPLE_AREA_BYTES as u64 - 1)) as usize;
     // SAFETY: `start` < SAMPLE_AREA_BYTES, and the slack after the data
     // holds the largest record (`SAMPLE_AREA_SLACK`).
@@ -754,7 +757,8 @@ fn area_copy<C: EbpfContext, const KERNEL_ROOM: bool>(
 }
 
 /// Wakes the reader for `cpu`'s area through its ring. A full ring loses
-/// the doorbell, but wakes the reader itself.
+/// the doorbell: the reader then comes at its timed drain, and the area,
+/// once full, sends its records to the ring.
 #[inline(never)]
 fn ring_doorbell(cpu: u32) {
     let doorbell = Doorbell {
@@ -980,9 +984,14 @@ impl SampleIds {
             (*h).user_rsp = user_regs.map_or(0, |r| r.rsp);
             (*h).user_rbp = user_regs.map_or(0, |r| r.rbp);
             write_current_comm(core::ptr::addr_of_mut!((*h).comm).cast());
-            (*h).tail_len = 0;
-            (*h).tail_spans = 0;
-            (*h).process_start_ns = self.process_start_ns;
+            // Volatile, like the length word and the producer that follow
+            // on the sample area's path: a store after the helper call
+            // could otherwise sink below them, and the reader trusts a
+            // record the producer has passed. (The helper call keeps the
+            // stores before it in place.)
+            core::ptr::addr_of_mut!((*h).tail_len).write_volatile(0);
+            core::ptr::addr_of_mut!((*h).tail_spans).write_volatile(0);
+            core::ptr::addr_of_mut!((*h).process_start_ns).write_volatile(self.process_start_ns);
         }
     }
 }

@@ -14,6 +14,8 @@ use std::{
     sync::atomic::{AtomicU64, Ordering},
 };
 
+#[cfg(test)]
+use agent_common::area_has_room;
 use agent_common::{SAMPLE_AREA_BYTES, SAMPLE_AREA_SLACK, SampleArea, area_record_bytes};
 use aya::maps::MapData;
 
@@ -274,7 +276,7 @@ pub(crate) mod tests {
                 let producer = position(area, Position::Producer).load(Ordering::Relaxed);
                 let consumer = position(area, Position::Consumer).load(Ordering::Acquire);
                 let bytes = area_record_bytes(record.len() as u64);
-                if producer - consumer + bytes > AREA {
+                if !area_has_room(producer, consumer, bytes) {
                     return false;
                 }
                 let data = core::ptr::addr_of_mut!((*area).data).cast::<u8>();
@@ -376,6 +378,20 @@ pub(crate) mod tests {
         areas.set_positions(0, consumer + AREA + 8, 200);
         assert!(read_all(&mut areas, 0).is_empty());
         assert_eq!(areas.bad_records(), 2);
+    }
+
+    #[test]
+    fn the_programs_room_check_keeps_it_off_unread_bytes() {
+        // Room for exactly what is left, not a byte more.
+        assert!(area_has_room(AREA - 64, 0, 64));
+        assert!(!area_has_room(AREA - 64, 0, 72));
+        assert!(area_has_room(5 * AREA + 8, 4 * AREA + 16, 8));
+        assert!(!area_has_room(5 * AREA + 8, 4 * AREA + 16, 16));
+        // A consumer past the producer, or a producer more than an area
+        // ahead, is full.
+        assert!(!area_has_room(100, 108, 8));
+        assert!(!area_has_room(AREA + 8, 0, 0));
+        assert!(area_has_room(u64::MAX - 7, u64::MAX - 7, AREA));
     }
 
     #[test]

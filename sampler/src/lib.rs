@@ -321,8 +321,13 @@ pub struct Counters {
     /// needing deep copies).
     pub early_wakeups: u64,
     /// Ticks of learned threads whose direct copy could not be made (no
-    /// room in the ring, or a faulting read): they took the usual copy.
+    /// room in the area or the ring, or a faulting read): they took the
+    /// usual copy.
     pub direct_copy_fallbacks: u64,
+    /// Records the reader found bad in a sample area (see
+    /// `areas::AreaError`): each time, the area's unread records were
+    /// given up.
+    pub bad_area_records: u64,
     /// Python stack records read, and the frames in them.
     pub python_stacks: u64,
     pub python_frames: u64,
@@ -746,15 +751,15 @@ impl Sampler {
     }
 
     /// Records lost because the ring buffer was full since the last call
-    /// (the first call counts from the start), and each time the reader
-    /// gave up a sample area's unread records (see `areas::AreaError`). A
-    /// lost exec or exit record leaves per-process state stale, so the
-    /// reader checks this before each drain.
+    /// (the first call counts from the start). A lost exec or exit record
+    /// leaves per-process state stale, so the reader checks this before
+    /// each drain. (A sample area holds samples only: its losses are
+    /// [`Counters::bad_area_records`].)
     ///
     /// Reads mapped memory: no system call, so it can come before every
     /// drain.
     pub fn take_new_losses(&mut self) -> u64 {
-        let total = self.records_lost.total() + self.rings.bad_area_records();
+        let total = self.records_lost.total();
         let new = total.saturating_sub(self.losses_seen);
         self.losses_seen = total;
         new
@@ -821,6 +826,7 @@ impl Sampler {
             deep_copy_fallbacks: totals[Counter::DeepCopyFallbacks as usize],
             early_wakeups: totals[Counter::EarlyWakeups as usize],
             direct_copy_fallbacks: totals[Counter::DirectCopyFallbacks as usize],
+            bad_area_records: self.rings.bad_area_records(),
             python_stacks: self.records_read.python_stacks,
             python_frames: self.records_read.python_frames,
             off_cpu_switches: totals[Counter::OffCpuSwitches as usize],

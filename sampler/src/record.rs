@@ -332,8 +332,9 @@ impl<'a> Sample<'a> {
         let tail_len = header.tail_len as usize;
         let announced = SAMPLE_HEADER_SIZE + kernel_len + user_len + tail_len;
         // Deep and direct records are reservations of a size fixed at load
-        // or of a size class: what the header announces must fit in them,
-        // the rest is padding.
+        // or of a size class (a direct record in a sample area has exactly
+        // its bytes): what the header announces must fit in them, the rest
+        // is padding.
         let fits = if deep {
             announced <= record.len()
                 && record.len() <= reserved_record_bytes(MAX_DEEP_STACK_BYTES, true) as usize

@@ -367,11 +367,21 @@ const SAMPLING: &[Stat] = &[
     ),
     Stat::counter(
         "direct_copy_fallbacks",
-        "Ticks of learned threads whose copy straight into the ring buffer \
-         failed (no room, or a faulting read) and took the usual copy.",
+        "Ticks of learned threads whose copy straight into the sample area \
+         or the ring buffer failed (no room, or a faulting read) and took the \
+         usual copy.",
         &[Series::one(
             "/kernel/direct_copy_fallbacks",
             field!(kernel.direct_copy_fallbacks),
+        )],
+    ),
+    Stat::counter(
+        "bad_area_records",
+        "Records the reader found bad in a CPU's sample area; each time, the \
+         area's unread records were given up.",
+        &[Series::one(
+            "/kernel/bad_area_records",
+            field!(kernel.bad_area_records),
         )],
     ),
     Stat::counter(
