@@ -712,24 +712,12 @@ fn area_copy<C: EbpfContext, const KERNEL_ROOM: bool>(
         let data = core::ptr::addr_of_mut!((*area).data).cast::<u8>();
         (data, data.add(start + 8))
     };
-    let mut kernel_stack_len = 0;
-    if KERNEL_ROOM && flags & sample_flags::TICK_IN_USER == 0 {
-        // SAFETY: room for the kernel stack after the header, as above.
-        kernel_stack_len = unsafe { kernel_stack(ctx, record.add(SAMPLE_HEADER_SIZE), &mut flags) };
-    }
-    let offset = SAMPLE_HEADER_SIZE + (u64::from(kernel_stack_len) & KERNEL_STACK_MASK) as usize;
-    // SAFETY: offset + len fit the record's room, as above; the source is
-    // user memory read with the fault-tolerant helper.
-    let ret = unsafe {
-        bpf_probe_read_user(
-            record.add(offset).cast::<c_void>(),
-            len,
-            regs.rsp as *const c_void,
-        )
-    };
-    if ret < 0 {
+    // SAFETY: room for the header, the kernel stack and `len`, as above.
+    let stacks = unsafe { read_stacks::<C, KERNEL_ROOM>(ctx, record, &mut flags, regs.rsp, len) };
+    if !stacks.read {
         return AreaCopy::Faulted;
     }
+    let (kernel_stack_len, offset) = (stacks.kernel_stack_len, stacks.offset);
     // SAFETY: the record's start is 8-aligned (positions move by
     // multiples of 8) with room for the header.
     unsafe {
@@ -1258,24 +1246,12 @@ fn reserved_copy<C: EbpfContext, const BYTES: u32, const KERNEL_ROOM: bool, cons
         return false;
     };
     let record = entry.as_mut_ptr();
-    let mut kernel_stack_len = 0;
-    if KERNEL_ROOM && flags & sample_flags::TICK_IN_USER == 0 {
-        // SAFETY: the reservation has room for the kernel stack after the
-        // header (reserved_record_bytes).
-        kernel_stack_len = unsafe { kernel_stack(ctx, record.add(SAMPLE_HEADER_SIZE), &mut flags) };
-    }
-    let offset = SAMPLE_HEADER_SIZE + (u64::from(kernel_stack_len) & KERNEL_STACK_MASK) as usize;
-    // SAFETY: offset + len <= the reservation's size; the source is user
-    // memory read with the fault-tolerant helper.
-    let ret = unsafe {
-        bpf_probe_read_user(
-            record.add(offset).cast::<c_void>(),
-            len,
-            regs.rsp as *const c_void,
-        )
-    };
+    // SAFETY: the reservation has room for the header, the kernel stack
+    // and the class (reserved_record_bytes).
+    let stacks = unsafe { read_stacks::<C, KERNEL_ROOM>(ctx, record, &mut flags, regs.rsp, len) };
+    let (kernel_stack_len, offset) = (stacks.kernel_stack_len, stacks.offset);
     let mut len = len;
-    if ret < 0 {
+    if !stacks.read {
         // A deep copy's one read fails whole on any page it cannot read:
         // read it again page by page around those (see `paged_copy`).
         // SAFETY: `offset` is where the user stack goes in the record.
@@ -1313,6 +1289,53 @@ fn reserved_copy<C: EbpfContext, const BYTES: u32, const KERNEL_ROOM: bool, cons
         ids.wakeup_flag(unread, size as u64)
     });
     true
+}
+
+/// Where [`read_stacks`] put a record's stacks.
+struct StacksRead {
+    kernel_stack_len: u32,
+    /// Where the user stack starts in the record.
+    offset: usize,
+    /// Whether the user stack could be read (in one read).
+    read: bool,
+}
+
+/// Writes the kernel stack after the header at `record` (when
+/// `KERNEL_ROOM` and the tick hit kernel mode; a failure is flagged in
+/// `flags`), then reads `len` bytes of user stack from `rsp` after it, in
+/// one helper call: a direct or deep record's stacks.
+///
+/// # Safety
+/// `record` must have room for the header, `KERNEL_STACK_MASK + 1` bytes
+/// of kernel stack when `KERNEL_ROOM`, and `len` bytes.
+#[inline(always)]
+unsafe fn read_stacks<C: EbpfContext, const KERNEL_ROOM: bool>(
+    ctx: &C,
+    record: *mut u8,
+    flags: &mut u32,
+    rsp: u64,
+    len: u32,
+) -> StacksRead {
+    let mut kernel_stack_len = 0;
+    if KERNEL_ROOM && *flags & sample_flags::TICK_IN_USER == 0 {
+        // SAFETY: room for the kernel stack after the header (the caller's).
+        kernel_stack_len = unsafe { kernel_stack(ctx, record.add(SAMPLE_HEADER_SIZE), flags) };
+    }
+    let offset = SAMPLE_HEADER_SIZE + (u64::from(kernel_stack_len) & KERNEL_STACK_MASK) as usize;
+    // SAFETY: offset + len fit the record (the caller's); the source is
+    // user memory read with the fault-tolerant helper.
+    let ret = unsafe {
+        bpf_probe_read_user(
+            record.add(offset).cast::<c_void>(),
+            len,
+            rsp as *const c_void,
+        )
+    };
+    StacksRead {
+        kernel_stack_len,
+        offset,
+        read: ret >= 0,
+    }
 }
 
 /// What [`paged_copy`]'s steps read, and where they are: the same at

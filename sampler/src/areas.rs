@@ -2,15 +2,13 @@
 //! ticks' direct records there, and the reader takes each area's records
 //! in order, from its consumer position up to its producer position.
 //!
-//! Owns the mapping, the checks a record passes before the reader trusts
+//! Owns the checks a record passes before the reader trusts
 //! it, and the consumer positions. Merging the areas' records with the
 //! rings' is [`crate::rings`]'s.
 
 use std::{
     io,
     ops::Range,
-    os::fd::{AsFd as _, AsRawFd as _},
-    ptr::NonNull,
     sync::atomic::{AtomicU64, Ordering},
 };
 
@@ -19,13 +17,14 @@ use agent_common::area_has_room;
 use agent_common::{SAMPLE_AREA_BYTES, SAMPLE_AREA_SLACK, SampleArea, area_record_bytes};
 use aya::maps::MapData;
 
+use crate::mapped::MappedValues;
+
 /// `SAMPLE_AREAS`, mapped for reading (and for storing the consumer
 /// positions).
 pub(crate) struct SampleAreas {
-    areas: NonNull<SampleArea>,
+    areas: MappedValues<SampleArea>,
     /// Per area, what the reader knows of it.
     readers: Vec<AreaReader>,
-    backing: Backing,
     /// Records found bad (see [`AreaError`]): each time, the area's unread
     /// bytes were given up.
     bad_records: u64,
@@ -39,59 +38,19 @@ struct AreaReader {
     next: u64,
 }
 
-enum Backing {
-    Mapped {
-        bytes: usize,
-        // The map the pages belong to (the mapping would keep it alive
-        // anyway).
-        _map: MapData,
-    },
-    /// Areas leaked from a box and freed on drop.
-    #[cfg(test)]
-    Heap(NonNull<[SampleArea]>),
-}
-
-// SAFETY: the pointer is to memory mapped (or allocated) for this value
-// alone, read and written only through `&mut self`, and unmapped once, on
-// drop.
-unsafe impl Send for SampleAreas {}
-unsafe impl Sync for SampleAreas {}
-
 impl SampleAreas {
     /// Maps `map`, an array of `count` areas created with `BPF_F_MMAPABLE`.
     pub(crate) fn map(map: MapData, count: usize) -> io::Result<Self> {
-        // A whole number of pages (asserted in agent-common).
-        let bytes = count * size_of::<SampleArea>();
-        let fd = map.fd().as_fd().as_raw_fd();
-        // SAFETY: a new shared mapping of the map's value area, whose size
-        // the kernel checks against the map's.
-        let address = unsafe {
-            libc::mmap(
-                std::ptr::null_mut(),
-                bytes,
-                libc::PROT_READ | libc::PROT_WRITE,
-                libc::MAP_SHARED,
-                fd,
-                0,
-            )
-        };
-        if address == libc::MAP_FAILED {
-            return Err(io::Error::last_os_error());
-        }
-        let areas = NonNull::new(address.cast()).ok_or_else(|| io::Error::other("null"))?;
-        let backing = Backing::Mapped { bytes, _map: map };
-        // SAFETY: `count` areas mapped above.
-        Ok(unsafe { Self::new(areas, count, backing) })
+        // SAFETY: the map holds `count` areas.
+        MappedValues::map(map, count).map(|areas| unsafe { Self::new(areas, count) })
     }
 
     /// # Safety
-    /// `areas` points to `count` areas that `backing` keeps alive.
-    unsafe fn new(areas: NonNull<SampleArea>, count: usize, backing: Backing) -> Self {
+    /// `areas` holds `count` areas.
+    unsafe fn new(areas: MappedValues<SampleArea>, count: usize) -> Self {
         let mut readers = vec![AreaReader::default(); count];
         for (index, reader) in readers.iter_mut().enumerate() {
-            // SAFETY: one of the caller's areas. A new map's areas read 0;
-            // one already read from (the agent's own earlier reader) go on
-            // from where that left off.
+            // SAFETY: one of the caller's areas. A new map's areas read 0.
             let consumer = unsafe { position(areas.as_ptr().add(index), Position::Consumer) };
             reader.consumer = consumer.load(Ordering::Acquire);
             reader.next = reader.consumer;
@@ -99,7 +58,6 @@ impl SampleAreas {
         Self {
             areas,
             readers,
-            backing,
             bad_records: 0,
         }
     }
@@ -167,20 +125,6 @@ impl SampleAreas {
         // before the program may see its room free.
         unsafe { position(self.areas.as_ptr().add(index), Position::Consumer) }
             .store(reader.consumer, Ordering::Release);
-    }
-}
-
-impl Drop for SampleAreas {
-    fn drop(&mut self) {
-        match self.backing {
-            // SAFETY: the mapping made in `map`, unmapped once.
-            Backing::Mapped { bytes, .. } => unsafe {
-                libc::munmap(self.areas.as_ptr().cast(), bytes);
-            },
-            // SAFETY: the box `in_memory` leaked, freed once.
-            #[cfg(test)]
-            Backing::Heap(areas) => drop(unsafe { Box::from_raw(areas.as_ptr()) }),
-        }
     }
 }
 
@@ -262,9 +206,8 @@ pub(crate) mod tests {
         pub(crate) fn in_memory(count: usize) -> Self {
             // SAFETY: an area is integers only: all zeros is one.
             let areas = unsafe { Box::<[SampleArea]>::new_zeroed_slice(count).assume_init() };
-            let areas = NonNull::from(Box::leak(areas));
-            // SAFETY: `count` areas, which the backing frees.
-            unsafe { Self::new(areas.cast(), count, Backing::Heap(areas)) }
+            // SAFETY: `count` areas.
+            unsafe { Self::new(MappedValues::in_memory(areas), count) }
         }
 
         /// Writes `record` to area `index` as the program does: unless

@@ -18,6 +18,7 @@
 mod areas;
 mod cpu_clock;
 mod losses;
+mod mapped;
 pub mod mapping_feed;
 pub mod record;
 mod rings;

@@ -4,14 +4,12 @@
 //! call per top, and no lookup structure of the kernel's between the
 //! program and the entry.
 //!
-//! Owns the mapping and which way of a full set gives way; not what a top
+//! Owns which way of a full set gives way; not what a top
 //! is (the walker's planner decides that, and writes a top a full set gave
 //! up again at the thread's next walk to the root).
 
 use std::{
     io,
-    os::fd::{AsFd as _, AsRawFd as _},
-    ptr::NonNull,
     sync::atomic::{AtomicU32, AtomicU64, Ordering, fence},
 };
 
@@ -20,61 +18,25 @@ use agent_common::{
 };
 use aya::maps::MapData;
 
+use crate::mapped::MappedValues;
+
 /// `STACK_TOPS`, mapped for reading and writing.
 pub(crate) struct StackTops {
-    sets: NonNull<StackTopSet>,
-    backing: Backing,
+    sets: MappedValues<StackTopSet>,
     /// Per set, the way the next eviction from it takes, in turn.
     next_victim: Vec<u8>,
 }
-
-enum Backing {
-    Mapped {
-        bytes: usize,
-        // The map the pages belong to (the mapping would keep it alive
-        // anyway).
-        _map: MapData,
-    },
-    /// The sets the pointer points into, leaked from a box and freed on
-    /// drop.
-    #[cfg(test)]
-    Heap(NonNull<[StackTopSet]>),
-}
-
-// SAFETY: the pointer is to memory mapped (or allocated) for this value
-// alone, written only through `&mut self`, and unmapped once, on drop.
-unsafe impl Send for StackTops {}
-unsafe impl Sync for StackTops {}
 
 impl StackTops {
     /// Maps `map`, an array of [`STACK_TOP_SETS`] sets created with
     /// `BPF_F_MMAPABLE`.
     pub(crate) fn map(map: MapData) -> io::Result<Self> {
-        let bytes = STACK_TOP_SETS as usize * size_of::<StackTopSet>();
-        let fd = map.fd().as_fd().as_raw_fd();
-        // SAFETY: a new shared mapping of the map's value area, whose size
-        // the kernel checks against the map's (a whole number of pages).
-        let address = unsafe {
-            libc::mmap(
-                std::ptr::null_mut(),
-                bytes,
-                libc::PROT_READ | libc::PROT_WRITE,
-                libc::MAP_SHARED,
-                fd,
-                0,
-            )
-        };
-        if address == libc::MAP_FAILED {
-            return Err(io::Error::last_os_error());
-        }
-        let sets = NonNull::new(address.cast()).ok_or_else(|| io::Error::other("null"))?;
-        Ok(Self::new(sets, Backing::Mapped { bytes, _map: map }))
+        MappedValues::map(map, STACK_TOP_SETS as usize).map(Self::new)
     }
 
-    fn new(sets: NonNull<StackTopSet>, backing: Backing) -> Self {
+    fn new(sets: MappedValues<StackTopSet>) -> Self {
         Self {
             sets,
-            backing,
             next_victim: vec![0; STACK_TOP_SETS as usize],
         }
     }
@@ -163,22 +125,7 @@ impl StackTops {
     #[cfg(test)]
     fn in_memory() -> Self {
         let sets = vec![StackTopSet::default(); STACK_TOP_SETS as usize].into_boxed_slice();
-        let sets = NonNull::from(Box::leak(sets));
-        Self::new(sets.cast(), Backing::Heap(sets))
-    }
-}
-
-impl Drop for StackTops {
-    fn drop(&mut self) {
-        match self.backing {
-            // SAFETY: the mapping made in `map`, unmapped once.
-            Backing::Mapped { bytes, .. } => unsafe {
-                libc::munmap(self.sets.as_ptr().cast(), bytes);
-            },
-            // SAFETY: the box `in_memory` leaked, freed once.
-            #[cfg(test)]
-            Backing::Heap(sets) => drop(unsafe { Box::from_raw(sets.as_ptr()) }),
-        }
+        Self::new(MappedValues::in_memory(sets))
     }
 }
 
