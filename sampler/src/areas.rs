@@ -41,7 +41,8 @@ struct AreaReader {
 impl SampleAreas {
     /// Maps `map`, an array of `count` areas created with `BPF_F_MMAPABLE`.
     pub(crate) fn map(map: MapData, count: usize) -> io::Result<Self> {
-        // SAFETY: the map holds `count` areas.
+        // SAFETY: `count` areas mapped: the kernel refuses a mapping
+        // larger than the map.
         MappedValues::map(map, count).map(|areas| unsafe { Self::new(areas, count) })
     }
 

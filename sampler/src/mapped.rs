@@ -32,15 +32,17 @@ enum Backing<T> {
 }
 
 // SAFETY: the pointer is to memory mapped (or allocated) for this value
-// alone, and unmapped once, on drop; its owners read and write it only
-// through `&mut self` (or, for the program's side, with atomics).
-unsafe impl<T> Send for MappedValues<T> {}
-unsafe impl<T> Sync for MappedValues<T> {}
+// alone, and unmapped (or freed) once, on drop. What its owners share
+// with the program they read and write with atomics or volatile access.
+unsafe impl<T: Send> Send for MappedValues<T> {}
+unsafe impl<T: Sync> Sync for MappedValues<T> {}
 
 impl<T> MappedValues<T> {
-    /// Maps the first `count` values of `map`, whose values are `T`s
-    /// (each a multiple of 8 bytes, so they lie contiguous).
+    /// Maps the first `count` values of `map`, whose values are `T`s.
     pub(crate) fn map(map: MapData, count: usize) -> io::Result<Self> {
+        // The kernel lays values out 8 bytes apart at least: a `T` of a
+        // multiple of 8 lies where the program wrote it.
+        const { assert!(size_of::<T>().is_multiple_of(8)) };
         let bytes = count * size_of::<T>();
         let fd = map.fd().as_fd().as_raw_fd();
         // SAFETY: a new shared mapping of the map's value area, whose size
