@@ -25,13 +25,13 @@ use std::{
     time::{Duration, Instant},
 };
 
-use agent_common::{ProcessEvent, StackTop};
+use agent_common::{ProcessEvent, SAMPLE_HEADER_SIZE, StackTop, area_record_bytes};
 pub use stackscope_process_table::maps::{Mapping, MappingPath};
 use stackscope_process_table::{Location, ProcessTable};
 use stackscope_sampler::mapping_feed::monotonic_ns;
 use stackscope_sampler::{Counters, ProgramStats};
 use stackscope_sampler::{
-    Sampler, SamplerConfig,
+    Sampler, SamplerConfig, Woken,
     record::{DecodeError, OwnedSample, Record},
 };
 pub use stackscope_test_fixtures::{
@@ -189,6 +189,65 @@ pub fn sample_planned(
     // thousands of times that.
     recorded.drop_ticks_before(maps_set_ns + IN_FLIGHT_MARGIN.as_nanos() as u64);
     recorded
+}
+
+/// A wait of the sampler that ended ([`Sampler::wait`]), and what the drain
+/// after it read.
+#[derive(Debug)]
+pub struct Wake {
+    pub woken: Woken,
+    /// Records the drain read.
+    pub records: usize,
+    /// Of which samples from a sample area: those whose length is exactly
+    /// their header and stacks (a ring's direct record has its class's
+    /// size).
+    pub area_samples: usize,
+    /// The bytes of their areas they had taken ([`area_record_bytes`]).
+    pub area_bytes: u64,
+}
+
+/// Applies `updates` and drains once, then waits and drains until
+/// `duration` is over: each wait's end, with what its drain read.
+pub fn wakes_planned(
+    config: &SamplerConfig,
+    duration: Duration,
+    updates: Vec<PlanUpdate>,
+) -> Vec<Wake> {
+    with_sampler(config, async |sampler| {
+        for update in updates {
+            let written = format!("{update:?}");
+            sampler
+                .apply_plan_update(update)
+                .unwrap_or_else(|err| panic!("writing {written}: {err}"));
+        }
+        // Ticks that looked the maps up before they were set are read here.
+        tokio::time::sleep(IN_FLIGHT_MARGIN).await;
+        sampler.drain_records(|_| {});
+        let deadline = tokio::time::Instant::now() + duration;
+        let mut wakes = Vec::new();
+        while let Ok(woken) = tokio::time::timeout_at(deadline, sampler.wait()).await {
+            let woken = woken.expect("waiting for the rings");
+            let (mut area_samples, mut area_bytes) = (0, 0);
+            let records = sampler.drain_records(|bytes| {
+                if let Ok(Record::Sample(sample)) = Record::decode(bytes) {
+                    let exact = SAMPLE_HEADER_SIZE
+                        + sample.header.kernel_stack_len as usize
+                        + sample.user_stack.len();
+                    if bytes.len() == exact {
+                        area_samples += 1;
+                        area_bytes += area_record_bytes(bytes.len() as u64);
+                    }
+                }
+            });
+            wakes.push(Wake {
+                woken,
+                records,
+                area_samples,
+                area_bytes,
+            });
+        }
+        wakes
+    })
 }
 
 impl Recorded {

@@ -11,15 +11,15 @@ use std::{
 
 use agent_common::{
     CgroupPolicy, DEEP_COPY_CLASSES, DIRECT_COPY_CLASSES, MAX_DEEP_STACK_BYTES, MAX_SPAN_BYTES,
-    MAX_TAIL_BYTES, SAMPLE_HEADER_SIZE, StackPlan, StackTop, TAIL_SPAN_HEADER_SIZE, policy_flags,
-    reserved_record_bytes, sample_flags, tail_span,
+    MAX_TAIL_BYTES, SAMPLE_AREA_WAKEUP_BYTES, SAMPLE_HEADER_SIZE, StackPlan, StackTop,
+    TAIL_SPAN_HEADER_SIZE, policy_flags, reserved_record_bytes, sample_flags, tail_span,
 };
 use stackscope_metadata::cgroups;
-use stackscope_sampler::{OffCpuConfig, SamplerConfig, record::OwnedSample};
+use stackscope_sampler::{OffCpuConfig, SamplerConfig, Woken, record::OwnedSample};
 use stackscope_tests::{
     Fixture, Mapping, MappingPath, OffCpuFixture, Recorded, RunningProcess, TempCgroup, cpu_time,
     exclusive, find_word, kernel_symbol, kernel_symbols, read_maps, require_root, sample_for,
-    sample_planned, sample_while, wait_until_loaded,
+    sample_planned, sample_while, wait_until_loaded, wakes_planned,
 };
 use stackscope_unwind::walker::stitching::PlanUpdate;
 
@@ -299,6 +299,48 @@ fn a_threads_stack_top_ends_its_copies_there_without_a_fault() {
         let h = &sample.header;
         assert_eq!(sample.user_stack.len() as u64, stack_end - h.user_rsp);
         assert_eq!(h.flags & sample_flags::COPY_AT_TOP, 0, "{h:?}");
+    }
+}
+
+#[test]
+fn an_area_past_its_mark_rings_the_reader_long_before_its_drain_period() {
+    require_root();
+    let _serial = exclusive();
+    let fixture = Fixture::compile("deep_stack", &[]);
+    // About 6 KB of frames: at 997 Hz an area passes its mark every tenth
+    // of a second or so.
+    let (process, stack_end) = start_deep_stack(&fixture, 150);
+    let pid = process.pid();
+    let config = SamplerConfig {
+        frequency_hz: 997,
+        pids: vec![pid],
+        // Longer than the test: only the program wakes the reader.
+        drain_interval: Duration::from_secs(600),
+        ..SamplerConfig::default()
+    };
+    // A learned thread's ticks are written to the areas.
+    let wakes = wakes_planned(
+        &config,
+        Duration::from_secs(3),
+        vec![thread_top(pid, pid, stack_end - 64)],
+    );
+    // The first wait may end on a signal from before the drain that
+    // preceded it; every later one on a doorbell, with at least the mark's
+    // bytes unread in one area, and before the area was full: no tick had
+    // to go to the ring instead (without a doorbell, the ring's own mark
+    // would wake the reader, once full areas had sent it samples).
+    let rung = wakes.get(1..).unwrap_or_default();
+    assert!(rung.len() >= 2, "the reader was not rung: {wakes:?}");
+    for wake in rung {
+        assert_eq!(wake.woken, Woken::Signalled, "{wakes:?}");
+        assert!(
+            wake.area_bytes >= SAMPLE_AREA_WAKEUP_BYTES,
+            "rung before the mark: {wakes:?}"
+        );
+        assert_eq!(
+            wake.area_samples, wake.records,
+            "rung once the area was full: {wakes:?}"
+        );
     }
 }
 
