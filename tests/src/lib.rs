@@ -17,7 +17,7 @@ pub fn in_target_dir(dir: &str) -> PathBuf {
 }
 
 use std::{
-    collections::{BTreeSet, HashMap},
+    collections::{BTreeMap, BTreeSet, HashMap},
     io::{BufRead as _, BufReader},
     path::{Path, PathBuf},
     process::{Child, Command, Stdio},
@@ -25,7 +25,9 @@ use std::{
     time::{Duration, Instant},
 };
 
-use agent_common::{ProcessEvent, SAMPLE_HEADER_SIZE, StackTop, area_record_bytes};
+use agent_common::{
+    DIRECT_COPY_CLASSES, ProcessEvent, SAMPLE_HEADER_SIZE, StackTop, area_record_bytes,
+};
 pub use stackscope_process_table::maps::{Mapping, MappingPath};
 use stackscope_process_table::{Location, ProcessTable};
 use stackscope_sampler::mapping_feed::monotonic_ns;
@@ -191,19 +193,19 @@ pub fn sample_planned(
     recorded
 }
 
-/// A wait of the sampler that ended ([`Sampler::wait`]), and what the drain
-/// after it read.
+/// A wait of the sampler that ended ([`Sampler::wait`]), and the samples
+/// the drain after it read.
 #[derive(Debug)]
 pub struct Wake {
     pub woken: Woken,
-    /// Records the drain read.
-    pub records: usize,
-    /// Of which samples from a sample area: those whose length is exactly
-    /// their header and stacks (a ring's direct record has its class's
-    /// size).
-    pub area_samples: usize,
-    /// The bytes of their areas they had taken ([`area_record_bytes`]).
-    pub area_bytes: u64,
+    /// Bytes of each CPU's sample area its samples from there had taken
+    /// ([`area_record_bytes`]), by CPU. A sample from an area is exactly
+    /// its header and stacks long; one from a ring has a class's size or
+    /// room for tail spans, so a record of exactly a class's size with no
+    /// kernel stack could be either, and counts as from a ring.
+    pub area_bytes_by_cpu: BTreeMap<u32, u64>,
+    /// Samples from a ring (and the ambiguous ones above).
+    pub ring_samples: usize,
 }
 
 /// Applies `updates` and drains once, then waits and drains until
@@ -226,25 +228,31 @@ pub fn wakes_planned(
         let deadline = tokio::time::Instant::now() + duration;
         let mut wakes = Vec::new();
         while let Ok(woken) = tokio::time::timeout_at(deadline, sampler.wait()).await {
-            let woken = woken.expect("waiting for the rings");
-            let (mut area_samples, mut area_bytes) = (0, 0);
-            let records = sampler.drain_records(|bytes| {
-                if let Ok(Record::Sample(sample)) = Record::decode(bytes) {
-                    let exact = SAMPLE_HEADER_SIZE
-                        + sample.header.kernel_stack_len as usize
-                        + sample.user_stack.len();
-                    if bytes.len() == exact {
-                        area_samples += 1;
-                        area_bytes += area_record_bytes(bytes.len() as u64);
-                    }
+            let mut wake = Wake {
+                woken: woken.expect("waiting for the rings"),
+                area_bytes_by_cpu: BTreeMap::new(),
+                ring_samples: 0,
+            };
+            sampler.drain_records(|bytes| {
+                let sample = match Record::decode(bytes) {
+                    Ok(Record::Sample(sample)) => sample,
+                    // Other processes' execs and exits, for one.
+                    Ok(_) => return,
+                    Err(err) => panic!("a malformed record: {err}"),
+                };
+                let h = &sample.header;
+                let exact =
+                    SAMPLE_HEADER_SIZE + h.kernel_stack_len as usize + sample.user_stack.len();
+                let class_sized = h.kernel_stack_len == 0
+                    && DIRECT_COPY_CLASSES.contains(&(sample.user_stack.len() as u32));
+                if bytes.len() == exact && !class_sized {
+                    *wake.area_bytes_by_cpu.entry(h.cpu).or_default() +=
+                        area_record_bytes(bytes.len() as u64);
+                } else {
+                    wake.ring_samples += 1;
                 }
             });
-            wakes.push(Wake {
-                woken,
-                records,
-                area_samples,
-                area_bytes,
-            });
+            wakes.push(wake);
         }
         wakes
     })
