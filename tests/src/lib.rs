@@ -174,13 +174,7 @@ pub fn sample_planned(
 ) -> Recorded {
     let mut maps_set_ns = 0;
     let mut recorded = sample_with(config, duration, |sampler| {
-        for update in updates {
-            // A write that fails would leave the test sampling without it.
-            let written = format!("{update:?}");
-            sampler
-                .apply_plan_update(update)
-                .unwrap_or_else(|err| panic!("writing {written}: {err}"));
-        }
+        apply_each(sampler, updates);
         maps_set_ns = monotonic_ns();
     });
     // Ticks from before the maps were set are not what is tested. Draining
@@ -191,6 +185,17 @@ pub fn sample_planned(
     // thousands of times that.
     recorded.drop_ticks_before(maps_set_ns + IN_FLIGHT_MARGIN.as_nanos() as u64);
     recorded
+}
+
+/// Writes each of `updates` to the sampler's maps; a write that fails
+/// would leave the test sampling without it.
+fn apply_each(sampler: &mut Sampler, updates: Vec<PlanUpdate>) {
+    for update in updates {
+        let written = format!("{update:?}");
+        sampler
+            .apply_plan_update(update)
+            .unwrap_or_else(|err| panic!("writing {written}: {err}"));
+    }
 }
 
 /// A wait of the sampler that ended ([`Sampler::wait`]), and the samples
@@ -216,12 +221,7 @@ pub fn wakes_planned(
     updates: Vec<PlanUpdate>,
 ) -> Vec<Wake> {
     with_sampler(config, async |sampler| {
-        for update in updates {
-            let written = format!("{update:?}");
-            sampler
-                .apply_plan_update(update)
-                .unwrap_or_else(|err| panic!("writing {written}: {err}"));
-        }
+        apply_each(sampler, updates);
         // Ticks that looked the maps up before they were set are read here.
         tokio::time::sleep(IN_FLIGHT_MARGIN).await;
         sampler.drain_records(|_| {});
